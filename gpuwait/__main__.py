@@ -1,0 +1,3 @@
+from gpuwait.cli import entry_point
+
+entry_point()

@@ -1,0 +1,36 @@
+"""The one interface through which gpuwait reads GPUs: real NVML or the simulation."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gpuwait._snapshot import MachineSnapshot
+
+
+class Backend(Protocol):
+    """A source of machine snapshots."""
+
+    #: "nvml" or "sim"; shown by `status`.
+    name: str
+
+    def snapshot(self) -> MachineSnapshot:
+        """Read every GPU now. GPUs that fail are left out and named in `warnings`."""
+        ...
+
+    def close(self) -> None:
+        """Release the library or files behind the backend."""
+        ...
+
+
+def open_backend(sim_path: str | None) -> Backend:
+    """The simulation when `sim_path` is set, otherwise NVML.
+
+    Raises BackendUnavailable (with a hint) when neither can be read.
+    """
+    if sim_path:
+        from gpuwait._sim import SimBackend
+
+        return SimBackend(sim_path)
+    from gpuwait._nvml import NvmlBackend
+
+    return NvmlBackend()

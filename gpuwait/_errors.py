@@ -1,0 +1,44 @@
+"""Exceptions that carry a user-facing message and the exit code the CLI ends with."""
+
+from __future__ import annotations
+
+# Documented in README.md ("Exit codes"). The command's own status passes through unchanged;
+# these are gpuwait's own failures, chosen to stay clear of the common 0/1 of commands.
+EXIT_USAGE = 2
+EXIT_IMPOSSIBLE = 3
+EXIT_NO_GPU = 4
+EXIT_STATE = 5
+EXIT_TIMEOUT = 124
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+
+class GpuwaitError(Exception):
+    """A failure that the CLI reports as one line and turns into an exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(GpuwaitError):
+    exit_code = EXIT_USAGE
+
+
+class ImpossibleRequest(GpuwaitError):
+    exit_code = EXIT_IMPOSSIBLE
+
+
+class BackendUnavailable(GpuwaitError):
+    """No GPU readings can be had (NVML missing or failing, simulation file unusable)."""
+
+    exit_code = EXIT_NO_GPU
+
+
+class StateError(GpuwaitError):
+    """The state directory or ledger cannot be used."""
+
+    exit_code = EXIT_STATE
