@@ -1,0 +1,204 @@
+"""Settings and where each one came from.
+
+Precedence is one pure function, `resolve`: command line > GPUWAIT_* environment > config.toml in
+the user config dir > built-in default. `gpuwait config` shows the result with its sources.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from gpuwait._errors import UsageError
+from gpuwait._policy import PICK_STRATEGIES
+from gpuwait._sizes import MemoryRequest, parse_duration, parse_request
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+APP = "gpuwait"
+EXCLUSIVE = "exclusive"
+
+
+def _fraction(value: Any) -> float:
+    number = float(value)
+    if not 0 < number <= 1:
+        raise ValueError("expected a fraction above 0 and at most 1, e.g. 0.9")
+    return number
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
+    if seconds <= 0:
+        raise ValueError("expected a duration above zero, e.g. 1s or 250ms")
+    return seconds
+
+
+def _optional_duration(value: Any) -> float | None:
+    if value in (None, "", "none", "0", 0):
+        return None
+    return _positive_duration(value)
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _priority(value: Any) -> int:
+    number = int(str(value).strip())
+    if not 1 <= number <= 5:
+        raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
+    return number
+
+
+def _default_vram(value: Any) -> MemoryRequest | None:
+    text = str(value).strip()
+    if text.lower() == EXCLUSIVE:
+        return None
+    return parse_request(text)
+
+
+def _path(value: Any) -> str:
+    text = str(value).strip()
+    return os.path.abspath(os.path.expanduser(text)) if text else ""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its name, how to read it, its default and what it means."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+
+    @property
+    def env_var(self) -> str:
+        return "GPUWAIT_" + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("safety", _fraction, 0.9, "fraction of each GPU's total VRAM that gpuwait fills at most"),
+    Option("pick", _choice(*PICK_STRATEGIES), "best-fit", "how a GPU is chosen among those that fit"),
+    Option("priority", _priority, 3, "queue priority of a job, 1 (low) to 5 (urgent)"),
+    Option(
+        "default_vram",
+        _default_vram,
+        EXCLUSIVE,
+        "request when --vram is not given: a size, a percentage, or 'exclusive' (a whole GPU)",
+    ),
+    Option("timeout", _optional_duration, None, "longest wait before giving up (none: wait as long as it takes)"),
+    Option("on_no_gpu", _choice("run", "fail"), "run", "without NVML: 'run' the command at once with a warning, or 'fail'"),
+    Option("sample_interval", _positive_duration, 1.0, "how often a running job's VRAM is sampled"),
+    Option("poll_interval", _positive_duration, 0.01, "how often a waiter checks the ledger for a change"),
+    Option("nvml_interval", _positive_duration, 1.0, "how often a waiter re-reads the GPUs when the ledger did not change"),
+    Option("sim", _path, "", "simulation file: use simulated GPUs instead of NVML (see `gpuwait sim init`)"),
+    Option("state_dir", _path, "", "where the ledger and history live (default: the user state dir)"),
+)
+
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Effective settings, and for each the place it came from."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+    config_file: Path
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    @property
+    def state_dir(self) -> Path:
+        custom: str = self.values["state_dir"]
+        return Path(custom) if custom else Path(platformdirs.user_state_dir(APP))
+
+
+def config_file_path(env: Mapping[str, str]) -> Path:
+    """GPUWAIT_CONFIG, else config.toml in the platformdirs user config dir."""
+    custom = env.get("GPUWAIT_CONFIG")
+    if custom:
+        return Path(custom).expanduser()
+    return Path(platformdirs.user_config_dir(APP)) / "config.toml"
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """The table in `path`; {} when there is none. Raises UsageError for a broken file."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {path}: {exc}; fix or remove it") from None
+    except OSError as exc:
+        raise UsageError(f"config file {path} cannot be read: {exc.strerror}") from None
+    unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
+    if unknown:
+        raise UsageError(
+            f"config file {path}: unknown setting {unknown[0]!r}; known settings: "
+            + ", ".join(OPTIONS_BY_NAME)
+        )
+    return data
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_file: Path,
+) -> Settings:
+    """Pick each setting from the first place that has it: CLI, environment, file, default."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for option in OPTIONS:
+        if cli.get(option.name) is not None:
+            raw, source = cli[option.name], "command line"
+        elif env.get(option.env_var, "") != "":
+            raw, source = env[option.env_var], f"environment {option.env_var}"
+        elif option.name in file_values:
+            raw, source = file_values[option.name], f"config file {config_file}"
+        else:
+            values[option.name], sources[option.name] = option.default, "default"
+            continue
+        try:
+            values[option.name] = option.parse(raw)
+        except (ValueError, TypeError) as exc:
+            shown = {"command line": f"--{option.name.replace('_', '-')}"}.get(source, source)
+            raise UsageError(f"{shown}: {raw!r} is not valid for {option.name}: {exc}") from None
+        sources[option.name] = source
+    return Settings(values=values, sources=sources, config_file=config_file)
+
+
+def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Read the environment and config file, and resolve against `cli`."""
+    environ = os.environ if env is None else env
+    path = config_file_path(environ)
+    return resolve(cli, environ, load_config_file(path), path)
+
+
+def show_value(name: str, value: Any) -> str:
+    """A setting as a user would type it."""
+    if name == "default_vram":
+        return EXCLUSIVE if value is None else value.describe()
+    if value is None:
+        return "none"
+    if name.endswith("interval") or name == "timeout":
+        return f"{value:g}s"
+    return str(value) if value != "" else "(not set)"

@@ -1,0 +1,104 @@
+"""Command line entry point: `main(argv) -> int`, which tests call directly."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from gpuwait import __version__, _output
+from gpuwait._config import OPTIONS, load_settings, show_value
+from gpuwait._errors import EXIT_USAGE, GpuwaitError, UsageError
+
+SUBCOMMANDS = ("status", "config", "sim")
+
+_EPILOG = """\
+subcommands:
+  status            GPUs, running jobs and the queue (--json for scripts)
+  config            every effective setting and where it came from
+  sim               simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`
+
+A program named like a subcommand runs with `gpuwait -- status`.
+Exit status: the command's own; gpuwait's failures use 2 (usage), 3 (request can never fit),
+4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 124 (--timeout passed),
+126/127 (command not executable / not found), 130/143 (interrupted while waiting).
+
+settings (command line > GPUWAIT_<NAME> > config.toml > default):
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def _settings_epilog() -> str:
+    lines = [_EPILOG]
+    for option in OPTIONS:
+        lines.append(f"  {option.name:<16}  {option.help} (default: {show_value(option.name, option.default)})")
+    return "\n".join(lines)
+
+
+def build_run_parser() -> argparse.ArgumentParser:
+    from gpuwait.commands.run import add_run_options
+
+    parser = _Parser(
+        prog="gpuwait",
+        usage="gpuwait [OPTIONS] [--] COMMAND [ARGS...]\n       gpuwait {status,config,sim} ...",
+        description="Wait until COMMAND's VRAM fits on a GPU, pick the GPU, and run it there.",
+        epilog=_settings_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gpuwait {__version__}")
+    add_run_options(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run gpuwait with `argv` (without the program name) and return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] in SUBCOMMANDS:
+            return _subcommand(args_list[0], args_list[1:])
+        return _run(args_list)
+    except GpuwaitError as exc:
+        _output.error(exc.message, exc.hint)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    from gpuwait.commands.run import run, settings_overrides
+
+    args = build_run_parser().parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    settings = load_settings(settings_overrides(args))
+    return run(args, command, settings)
+
+
+def _subcommand(name: str, argv: list[str]) -> int:
+    if name == "status":
+        from gpuwait.commands import status
+
+        return status.main(argv, _Parser)
+    if name == "config":
+        from gpuwait.commands import config
+
+        return config.main(argv, _Parser)
+    from gpuwait.commands import sim
+
+    return sim.main(argv, _Parser)
+
+
+def entry_point() -> NoReturn:
+    """Console script: exit with main()'s status."""
+    code = main()
+    sys.stdout.flush()
+    sys.exit(code if 0 <= code <= 255 else EXIT_USAGE)

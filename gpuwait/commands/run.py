@@ -1,0 +1,315 @@
+"""The default command: `gpuwait [OPTIONS] [--] COMMAND [ARGS...]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwait import _output, _proc, _signals
+from gpuwait._backend import Backend, open_backend
+from gpuwait._config import Settings
+from gpuwait._devices import parse_devices_option, parse_inherited_visible
+from gpuwait._errors import (
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_TIMEOUT,
+    BackendUnavailable,
+    ImpossibleRequest,
+    UsageError,
+)
+from gpuwait._history import append_record
+from gpuwait._ledger import WAITING, Job, Ledger
+from gpuwait._policy import impossible_reason
+from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request
+from gpuwait._snapshot import MachineSnapshot
+from gpuwait._supervise import RunResult, spawn, supervise
+from gpuwait._wait import Admitted, Interrupted, TimedOut, wait_for_admission
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the default command (their defaults are shown from the settings table)."""
+    parser.add_argument("--vram", metavar="SIZE", help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)")
+    parser.add_argument("--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)")
+    parser.add_argument("--pick", metavar="STRATEGY", help="best-fit, most-free or round-robin")
+    parser.add_argument("--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2")
+    parser.add_argument("--priority", metavar="1-5", help="queue priority, 5 is most urgent")
+    parser.add_argument("--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="say where and when the command starts")
+
+
+def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"timeout": args.timeout, "pick": args.pick, "priority": args.priority, "safety": args.safety}
+
+
+def _check_command(argv: Sequence[str]) -> str:
+    """The executable `argv[0]` resolves to; raises with exit 127/126 otherwise."""
+    name = argv[0]
+    if "/" in name:
+        if not os.path.exists(name):
+            raise _CommandProblem(f"{name}: no such file", EXIT_NOT_FOUND)
+        if os.path.isdir(name) or not os.access(name, os.X_OK):
+            raise _CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE)
+        return name
+    found = shutil.which(name)
+    if found is None:
+        raise _CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
+    return found
+
+
+class _CommandProblem(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int:
+    if not command:
+        raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
+    if args.gpus < 1:
+        raise UsageError(f"--gpus {args.gpus}: ask for at least 1 GPU")
+    request = _request(args, settings)
+    try:
+        _check_command(command)
+    except _CommandProblem as problem:
+        _output.error(problem.message)
+        return problem.code
+
+    try:
+        backend = open_backend(settings["sim"] or None)
+    except BackendUnavailable as exc:
+        if settings["on_no_gpu"] == "fail":
+            raise
+        if not args.quiet:
+            _output.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
+        return _exec_bare(command)
+    try:
+        return _run_with_backend(args, command, settings, backend, request)
+    finally:
+        backend.close()
+
+
+def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | None:
+    if args.vram is None:
+        default: MemoryRequest | None = settings["default_vram"]
+        return default
+    try:
+        return parse_request(args.vram)
+    except ValueError as exc:
+        raise UsageError(f"--vram {exc}") from None
+
+
+def _exec_bare(command: list[str]) -> int:
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        _output.error(f"{command[0]}: {exc.strerror}")
+        return EXIT_NOT_EXECUTABLE
+    return 0  # pragma: no cover - execvp does not return
+
+
+def _candidates(args: argparse.Namespace, snapshot: MachineSnapshot) -> list[str] | None:
+    candidates: list[str] | None = None
+    if args.devices is not None:
+        try:
+            candidates = parse_devices_option(args.devices, snapshot.gpus)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None:
+        visible = parse_inherited_visible(inherited, snapshot.gpus)
+        if not visible:
+            raise ImpossibleRequest(
+                f"CUDA_VISIBLE_DEVICES={inherited!r} makes no GPU visible to this command",
+                hint="unset it, or list GPU indices or UUIDs that exist (see gpuwait status)",
+            )
+        candidates = visible if candidates is None else [u for u in candidates if u in visible]
+        if not candidates:
+            raise ImpossibleRequest(
+                f"--devices {args.devices} names no GPU visible through CUDA_VISIBLE_DEVICES={inherited}"
+            )
+    return candidates
+
+
+def _run_with_backend(
+    args: argparse.Namespace,
+    command: list[str],
+    settings: Settings,
+    backend: Backend,
+    request: MemoryRequest | None,
+) -> int:
+    snapshot = backend.snapshot()
+    for message in snapshot.warnings:
+        if not args.quiet:
+            _output.warn(message)
+    candidates = _candidates(args, snapshot)
+    now = time.time()
+    job = Job(
+        id=secrets.token_hex(4),
+        pid=os.getpid(),
+        start_time=_proc.start_time(os.getpid()) or 0,
+        uid=os.getuid(),
+        command=list(command),
+        cwd=os.getcwd(),
+        request=request.to_json() if request is not None else {},
+        gpus=args.gpus,
+        candidates=candidates,
+        pick=settings["pick"],
+        priority=settings["priority"],
+        state=WAITING,
+        submitted_at=now,
+        updated_at=now,
+    )
+    impossible = impossible_reason(job.claim(snapshot.gpus), snapshot.gpus, settings["safety"])
+    if impossible is not None:
+        raise ImpossibleRequest(
+            impossible, hint="ask for less (--vram), raise safety, or use other GPUs (--devices)"
+        )
+
+    # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
+    _signals.block_handled()
+    ledger = Ledger(settings.state_dir)
+    with ledger.transaction() as data:
+        job.order = data.next_order
+        data.next_order += 1
+        data.jobs.append(job)
+    _show_ledger_warnings(ledger, args.quiet)
+
+    line = _output.WaitLine(quiet=args.quiet)
+    timeout: float | None = settings["timeout"]
+    waited_from = time.monotonic()
+    try:
+        outcome = wait_for_admission(
+            ledger,
+            backend,
+            job,
+            safety=settings["safety"],
+            poll_interval=settings["poll_interval"],
+            nvml_interval=settings["nvml_interval"],
+            deadline=None if timeout is None else waited_from + timeout,
+            on_reason=line.update,
+        )
+    except BaseException:
+        _leave(ledger, job)
+        raise
+    finally:
+        line.clear()
+    wait_seconds = time.monotonic() - waited_from
+    if isinstance(outcome, TimedOut):
+        _leave(ledger, job)
+        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+        _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
+        return EXIT_TIMEOUT
+    if isinstance(outcome, Interrupted):
+        _leave(ledger, job)
+        return 128 + outcome.signum
+    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds)
+
+
+def _start(
+    args: argparse.Namespace,
+    command: list[str],
+    settings: Settings,
+    backend: Backend,
+    ledger: Ledger,
+    job: Job,
+    admitted: Admitted,
+    wait_seconds: float,
+) -> int:
+    gpus = {g.uuid: g for g in admitted.snapshot.gpus}
+    chosen = [gpus[u] for u in admitted.gpu_uuids]
+    env = dict(os.environ)
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(admitted.gpu_uuids),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "GPUWAIT_JOB_ID": job.id,
+            "GPUWAIT_GPU_UUIDS": ",".join(admitted.gpu_uuids),
+            "GPUWAIT_GPU_INDICES": ",".join(str(g.index) for g in chosen),
+            "GPUWAIT_VRAM_BYTES": str(admitted.reserved_bytes),
+        }
+    )
+    if args.verbose and not args.quiet:
+        where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
+        _output.info(
+            f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
+            f"{format_size(admitted.reserved_bytes)} reserved"
+        )
+    started_at = time.time()
+    try:
+        child = spawn(command, env)
+    except OSError as exc:
+        _leave(ledger, job)
+        _output.error(f"{command[0]}: {exc.strerror}")
+        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+    try:
+        with ledger.transaction() as data:
+            mine = data.find(job.id)
+            if mine is None:
+                data.jobs.append(job)
+                mine = job
+            mine.child_pid = job.child_pid = child
+            mine.pids = job.pids = [child]
+    except Exception as exc:  # the command is running: never abandon it over bookkeeping
+        _output.warn(str(exc))
+    result = supervise(child, job, ledger, backend, settings["sample_interval"])
+    _leave(ledger, job)
+    _record(settings, job, chosen, result, wait_seconds, started_at)
+    if result.returncode < 0:
+        sys.stdout.flush()
+        _signals.die_by_signal(-result.returncode)
+        return 128 - result.returncode
+    return result.returncode
+
+
+def _leave(ledger: Ledger, job: Job) -> None:
+    try:
+        with ledger.transaction() as data:
+            data.remove(job.id)
+    except Exception as exc:
+        # Our entry is reaped by the next gpuwait anyway, since this process is about to end.
+        _output.warn(str(exc))
+
+
+def _record(
+    settings: Settings,
+    job: Job,
+    chosen: list[Any],
+    result: RunResult,
+    wait_seconds: float,
+    started_at: float,
+) -> None:
+    record = {
+        "job_id": job.id,
+        "command": job.command,
+        "cwd": job.cwd,
+        "request": job.request,
+        "reserved_bytes": job.reserved_bytes,
+        "gpus": [{"uuid": g.uuid, "index": g.index, "name": g.name} for g in chosen],
+        "peak_bytes": max(result.peak_bytes.values(), default=0),
+        "peak_by_gpu": result.peak_bytes,
+        "samples": result.samples,
+        "wait_seconds": round(wait_seconds, 3),
+        "run_seconds": round(result.run_seconds, 3),
+        "started_at": started_at,
+        "exit_status": result.returncode if result.returncode >= 0 else None,
+        "signal": -result.returncode if result.returncode < 0 else None,
+    }
+    try:
+        append_record(settings.state_dir, record)
+    except OSError as exc:
+        _output.warn(f"could not record the run in the history: {exc.strerror}")
+
+
+def _show_ledger_warnings(ledger: Ledger, quiet: bool) -> None:
+    for message in ledger.warnings:
+        if not quiet:
+            _output.warn(message)
+    ledger.warnings.clear()

@@ -1,0 +1,53 @@
+"""`gpuwait sim`: simulated GPUs for trying gpuwait and testing pipelines without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from gpuwait import _output
+from gpuwait._errors import UsageError
+from gpuwait._sizes import format_size, parse_size
+
+
+def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
+    if argv and argv[0] == "job":
+        from gpuwait import _simjob
+
+        return _simjob.main(argv[1:])
+    parser = parser_class(
+        prog="gpuwait sim",
+        description="Simulated GPUs. `gpuwait sim init FILE` writes a simulation file; "
+        "`export GPUWAIT_SIM=FILE` makes gpuwait use it; `gpuwait sim job --vram SIZE` is a "
+        "simulated CUDA program (see `gpuwait sim job --help`).",
+    )
+    sub = parser.add_subparsers(dest="action", metavar="{init,job}")
+    init = sub.add_parser("init", help="write a simulation file")
+    init.add_argument("path", help="file to write, e.g. ~/gpuwait-sim.toml")
+    init.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs (default: 2)")
+    init.add_argument("--memory", default="24GiB", help="VRAM of each (default: 24GiB)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    sub.add_parser("job", help="run a simulated CUDA job")
+    args = parser.parse_args(argv)
+    if args.action != "init":
+        raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
+    from gpuwait._sim import write_sim_file
+
+    if args.gpus < 1:
+        raise UsageError(f"--gpus {args.gpus}: simulate at least one GPU")
+    try:
+        memory = parse_size(args.memory)
+    except ValueError as exc:
+        raise UsageError(f"--memory {exc}") from None
+    if memory <= 0:
+        raise UsageError("--memory must be larger than zero")
+    path = os.path.abspath(os.path.expanduser(args.path))
+    try:
+        write_sim_file(path, gpus=args.gpus, memory_bytes=memory, force=args.force)
+    except FileExistsError:
+        raise UsageError(f"{path} exists; use --force to overwrite it") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}") from None
+    _output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
+    _output.info(f"now: export GPUWAIT_SIM={path}")
+    return 0

@@ -1,0 +1,40 @@
+"""Shared fixtures. Every test gets its own state, config and cache directories."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["_fixtures_nvml", "_fixtures_sim"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Point every platformdirs location at a fresh temporary home, and clear GPUWAIT_* settings."""
+    home = tmp_path / "home"
+    for sub in ("state", "config", "cache", "data", "runtime"):
+        (home / sub).mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / "state"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(home / "site-config"))
+    for name in list(os.environ):
+        if name.startswith("GPUWAIT_") or name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+            monkeypatch.delenv(name, raising=False)
+    # Subprocesses run the gpuwait of this checkout.
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    yield home
+
+
+@pytest.fixture
+def gpuwait_cmd() -> list[str]:
+    """argv prefix that runs this checkout's gpuwait in a fresh interpreter."""
+    return [sys.executable, "-m", "gpuwait"]

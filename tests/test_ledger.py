@@ -1,0 +1,137 @@
+"""The ledger under concurrent real processes, stale entries, and damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpuwait import _proc
+from gpuwait._ledger import RUNNING, Job, Ledger
+
+ADD_ENTRY = r"""
+import os, sys, time
+from pathlib import Path
+from gpuwait._ledger import Job, Ledger
+from gpuwait import _proc
+ledger = Ledger(Path(sys.argv[1]))
+n = int(sys.argv[2])
+for i in range(n):
+    with ledger.transaction() as data:
+        job = Job(id=f"{os.getpid()}-{i}", pid=os.getpid(), start_time=_proc.start_time(os.getpid()),
+                  uid=os.getuid(), command=["x"], cwd="/", request={"bytes": 1}, order=data.next_order)
+        data.next_order += 1
+        data.jobs.append(job)
+print("done", flush=True)
+sys.stdin.read()  # stay alive until told, so our entries are not reaped
+"""
+
+
+def make_job(job_id: str, pid: int, start_time: int | None) -> Job:
+    return Job(
+        id=job_id,
+        pid=pid,
+        start_time=start_time or 0,
+        uid=os.getuid(),
+        command=["sleep", "1"],
+        cwd="/",
+        request={"bytes": 2**30},
+    )
+
+
+def test_sixty_processes_at_once_lose_no_entry(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ADD_ENTRY, str(state), "5"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(60)
+    ]
+    try:
+        reads = 0
+        deadline = time.monotonic() + 60
+        # While they write, every lock-free read sees a whole, valid file.
+        while any(p.poll() is None and not p.stdout.closed for p in procs) and time.monotonic() < deadline:  # type: ignore[union-attr]
+            if (state / "ledger.json").exists():
+                json.loads((state / "ledger.json").read_text())
+                reads += 1
+            if reads > 200:
+                break
+        for p in procs:
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "done"
+        data = Ledger(state).read()
+        assert len(data.jobs) == 300
+        assert sorted(j.order for j in data.jobs) == list(range(1, 301))
+    finally:
+        for p in procs:
+            p.stdin.close()  # type: ignore[union-attr]
+            p.wait(timeout=30)
+    # Every writer is gone now: the next transaction reaps all their entries.
+    ledger = Ledger(state)
+    with ledger.transaction() as data:
+        assert data.jobs == []
+    assert len(ledger.reaped) == 300
+    assert oct(os.stat(state).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(state / "ledger.json").st_mode & 0o777) == "0o600"
+
+
+def test_dead_pid_and_reused_pid_are_reaped(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    me = os.getpid()
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("alive", me, _proc.start_time(me)))
+        data.jobs.append(make_job("dead", dead.pid, 12345))
+        # Our own pid, but a start time that is not ours: the pid was reused by another process.
+        data.jobs.append(make_job("reused", me, (_proc.start_time(me) or 0) + 1))
+    with ledger.transaction() as data:
+        assert [j.id for j in data.jobs] == ["alive"]
+    assert {j.id for j in ledger.reaped} == {"dead", "reused"}
+
+
+def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("a", os.getpid(), _proc.start_time(os.getpid())))
+    for damage in (b"", b"{\"schema\": 1, \"jobs\": [", b"\x00\xff garbage", b'{"schema": 99, "jobs": []}', b"[]"):
+        ledger.path.write_bytes(damage)
+        ledger.warnings.clear()
+        with ledger.transaction() as data:
+            assert data.jobs == []
+        assert len(ledger.warnings) == 1 and "damaged" in ledger.warnings[0]
+        kept = sorted(tmp_path.glob("ledger.json.damaged-*"))
+        assert kept and kept[-1].read_bytes() == damage
+        for k in kept:
+            k.unlink()
+        json.loads(ledger.path.read_text())
+
+
+def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("good", me, _proc.start_time(me)))
+    raw = json.loads(ledger.path.read_text())
+    raw["jobs"].append({"id": "bad", "pid": -5, "reserved_bytes": -1})
+    raw["jobs"].append({**raw["jobs"][0], "id": "huge", "command": ["x" * 10_000_000]})
+    ledger.path.write_text(json.dumps(raw))
+    with ledger.transaction() as data:
+        assert [j.id for j in data.jobs] == ["good"]
+    assert len(ledger.warnings) == 2
+
+
+def test_running_entry_round_trips(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    job = make_job("r", os.getpid(), _proc.start_time(os.getpid()))
+    job.state, job.gpu_uuids, job.reserved_bytes, job.pids = RUNNING, ["GPU-1"], 5, [1, 2]
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    assert ledger.read().jobs == [job]
