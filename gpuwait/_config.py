@@ -92,8 +92,12 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("safety", _fraction, 0.9, "fraction of each GPU's total VRAM that gpuwait fills at most"),
-    Option("pick", _choice(*PICK_STRATEGIES), "best-fit", "how a GPU is chosen among those that fit"),
+    Option(
+        "safety", _fraction, 0.9, "fraction of each GPU's total VRAM that gpuwait fills at most"
+    ),
+    Option(
+        "pick", _choice(*PICK_STRATEGIES), "best-fit", "how a GPU is chosen among those that fit"
+    ),
     Option("priority", _priority, 3, "queue priority of a job, 1 (low) to 5 (urgent)"),
     Option(
         "default_vram",
@@ -101,13 +105,40 @@ OPTIONS: tuple[Option, ...] = (
         EXCLUSIVE,
         "request when --vram is not given: a size, a percentage, or 'exclusive' (a whole GPU)",
     ),
-    Option("timeout", _optional_duration, None, "longest wait before giving up (none: wait as long as it takes)"),
-    Option("on_no_gpu", _choice("run", "fail"), "run", "without NVML: 'run' the command at once with a warning, or 'fail'"),
+    Option(
+        "timeout",
+        _optional_duration,
+        None,
+        "longest wait before giving up (none: wait as long as it takes)",
+    ),
+    Option(
+        "on_no_gpu",
+        _choice("run", "fail"),
+        "run",
+        "without NVML: 'run' the command at once with a warning, or 'fail'",
+    ),
     Option("sample_interval", _positive_duration, 1.0, "how often a running job's VRAM is sampled"),
-    Option("poll_interval", _positive_duration, 0.01, "how often a waiter checks the ledger for a change"),
-    Option("nvml_interval", _positive_duration, 1.0, "how often a waiter re-reads the GPUs when the ledger did not change"),
-    Option("sim", _path, "", "simulation file: use simulated GPUs instead of NVML (see `gpuwait sim init`)"),
-    Option("state_dir", _path, "", "where the ledger and history live (default: the user state dir)"),
+    Option(
+        "poll_interval",
+        _positive_duration,
+        0.01,
+        "how often a waiter checks the ledger for a change",
+    ),
+    Option(
+        "nvml_interval",
+        _positive_duration,
+        1.0,
+        "how often a waiter re-reads the GPUs when the ledger did not change",
+    ),
+    Option(
+        "sim",
+        _path,
+        "",
+        "simulation file: use simulated GPUs instead of NVML (see `gpuwait sim init`)",
+    ),
+    Option(
+        "state_dir", _path, "", "where the ledger and history live (default: the user state dir)"
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -175,7 +206,8 @@ def resolve(
         elif option.name in file_values:
             raw, source = file_values[option.name], f"config file {config_file}"
         else:
-            values[option.name], sources[option.name] = option.default, "default"
+            values[option.name] = option.parse(option.default)
+            sources[option.name] = "default"
             continue
         try:
             values[option.name] = option.parse(raw)

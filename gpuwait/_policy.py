@@ -145,7 +145,9 @@ def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) 
         return f"{claim.gpus_wanted} GPUs wanted but only {len(candidates)} can be used"
     if claim.request is None:
         return None
-    fitting = [g for g in candidates if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)]
+    fitting = [
+        g for g in candidates if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)
+    ]
     if len(fitting) >= claim.gpus_wanted:
         return None
     largest = max(candidates, key=lambda g: (g.total_bytes, -g.index))
@@ -163,7 +165,9 @@ def _order_for_pick(
         return sorted(fitting, key=lambda rn: (-rn[0].room, rn[0].gpu.index))
     if pick == "round-robin":
         span = max(gpu_count, 1 + max(r.gpu.index for r, _ in fitting))
-        return sorted(fitting, key=lambda rn: ((rn[0].gpu.index - cursor - 1) % span, rn[0].gpu.index))
+        return sorted(
+            fitting, key=lambda rn: ((rn[0].gpu.index - cursor - 1) % span, rn[0].gpu.index)
+        )
     # best-fit: the GPU left with the least room, so large holes stay open for large jobs.
     return sorted(fitting, key=lambda rn: (rn[0].room - rn[1], rn[0].gpu.index))
 
@@ -210,7 +214,9 @@ def plan(
     return Plan(admitted=admitted, reserved=reserved, waiting=reasons, next_cursor=cursor)
 
 
-def _wait_reason(claim: Claim, rooms: Mapping[str, GpuRoom], running: int, ahead: int) -> WaitReason:
+def _wait_reason(
+    claim: Claim, rooms: Mapping[str, GpuRoom], running: int, ahead: int
+) -> WaitReason:
     candidates = [
         r for r in rooms.values() if claim.candidates is None or r.gpu.uuid in claim.candidates
     ]

@@ -54,7 +54,8 @@ def die_by_signal(signum: int) -> None:
     the command's core, if any, is the one that counts.
     """
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    signal.signal(signum, signal.SIG_DFL)
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # their action cannot be changed
+        signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     os.kill(os.getpid(), signum)
     # Still alive: the signal is one whose default action is not to terminate.

@@ -34,7 +34,9 @@ class MemoryRequest:
         return f"{self.fraction * 100:g}% of a GPU"
 
     def to_json(self) -> dict[str, float | int]:
-        return {"bytes": self.bytes} if self.bytes is not None else {"fraction": self.fraction or 0.0}
+        return (
+            {"bytes": self.bytes} if self.bytes is not None else {"fraction": self.fraction or 0.0}
+        )
 
 
 def parse_size(text: str) -> int:
@@ -44,7 +46,9 @@ def parse_size(text: str) -> int:
     """
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"{text!r} is not a size; use e.g. 6G, 6GiB (2^30 bytes), 6GB (10^9), 512M")
+        raise ValueError(
+            f"{text!r} is not a size; use e.g. 6G, 6GiB (2^30 bytes), 6GB (10^9), 512M"
+        )
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if suffix == "B" and unit:
         scale = _DECIMAL[unit]

@@ -71,7 +71,9 @@ def supervise(
             return result
         now = time.monotonic()
         if backend is not None and now >= next_sample:
-            next_sample = now + sample_interval
+            # Sample densely at first (0.1, 0.2, 0.4 s ...) so short runs still get a peak,
+            # then settle at the configured interval.
+            next_sample = now + min(sample_interval, 0.1 * 2**result.samples)
             pids, usage = _sample(child, job, backend)
             result.samples += 1
             for uuid, used in usage.items():

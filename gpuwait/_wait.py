@@ -66,7 +66,9 @@ def _released(before: _Fingerprint, after: _Fingerprint) -> bool:
     return False
 
 
-def try_admit(ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float) -> Admitted | WaitReason | None:
+def try_admit(
+    ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float
+) -> Admitted | WaitReason | None:
     """Under the lock: admit `job` if the plan lets it start now; otherwise say why it waits."""
     with ledger.transaction() as data:
         mine = data.find(job.id)

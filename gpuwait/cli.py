@@ -38,7 +38,9 @@ class _Parser(argparse.ArgumentParser):
 def _settings_epilog() -> str:
     lines = [_EPILOG]
     for option in OPTIONS:
-        lines.append(f"  {option.name:<16}  {option.help} (default: {show_value(option.name, option.default)})")
+        lines.append(
+            f"  {option.name:<16}  {option.help} (default: {show_value(option.name, option.parse(option.default))})"
+        )
     return "\n".join(lines)
 
 

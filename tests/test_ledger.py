@@ -57,7 +57,10 @@ def test_sixty_processes_at_once_lose_no_entry(tmp_path: Path) -> None:
         reads = 0
         deadline = time.monotonic() + 60
         # While they write, every lock-free read sees a whole, valid file.
-        while any(p.poll() is None and not p.stdout.closed for p in procs) and time.monotonic() < deadline:  # type: ignore[union-attr]
+        while (
+            any(p.poll() is None and not p.stdout.closed for p in procs)
+            and time.monotonic() < deadline
+        ):  # type: ignore[union-attr]
             if (state / "ledger.json").exists():
                 json.loads((state / "ledger.json").read_text())
                 reads += 1
@@ -101,7 +104,13 @@ def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     with ledger.transaction() as data:
         data.jobs.append(make_job("a", os.getpid(), _proc.start_time(os.getpid())))
-    for damage in (b"", b"{\"schema\": 1, \"jobs\": [", b"\x00\xff garbage", b'{"schema": 99, "jobs": []}', b"[]"):
+    for damage in (
+        b"",
+        b'{"schema": 1, "jobs": [',
+        b"\x00\xff garbage",
+        b'{"schema": 99, "jobs": []}',
+        b"[]",
+    ):
         ledger.path.write_bytes(damage)
         ledger.warnings.clear()
         with ledger.transaction() as data:

@@ -12,7 +12,9 @@ from gpuwait._snapshot import GpuSnapshot, ProcessUsage
 GiB = 2**30
 
 
-def gpu(index: int, total_gib: float, used_gib: float = 0.0, procs: tuple[ProcessUsage, ...] = ()) -> GpuSnapshot:
+def gpu(
+    index: int, total_gib: float, used_gib: float = 0.0, procs: tuple[ProcessUsage, ...] = ()
+) -> GpuSnapshot:
     return GpuSnapshot(
         index=index,
         uuid=f"GPU-{index:08d}",
@@ -111,7 +113,11 @@ def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     whole = Claim("w", False, 3, 1, None)
     decided = plan(cards, [whole], 0.9)
     assert decided.admitted["w"] == ("GPU-00000001",)
-    after = [Claim("w", True, 3, 1, None, gpu_uuids=("GPU-00000001",), reserved_bytes=decided.reserved["w"])]
+    after = [
+        Claim(
+            "w", True, 3, 1, None, gpu_uuids=("GPU-00000001",), reserved_bytes=decided.reserved["w"]
+        )
+    ]
     assert "s" not in plan([cards[1]], [*after, waiting("s", 1, order=2)], 0.9).admitted
 
 
@@ -181,7 +187,9 @@ def test_never_admits_past_usable(machine: tuple[list[GpuSnapshot], list[Claim],
 
 @settings(max_examples=300, deadline=None)
 @given(machines())
-def test_admitted_jobs_get_exactly_what_they_asked(machine: tuple[list[GpuSnapshot], list[Claim], float]) -> None:
+def test_admitted_jobs_get_exactly_what_they_asked(
+    machine: tuple[list[GpuSnapshot], list[Claim], float],
+) -> None:
     cards, claims, safety = machine
     decided = plan(cards, claims, safety)
     by_id = {c.job_id: c for c in claims}

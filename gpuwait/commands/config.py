@@ -9,7 +9,9 @@ from gpuwait._config import OPTIONS, load_settings, show_value
 
 
 def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(prog="gpuwait config", description="Show every effective setting and its source.")
+    parser = parser_class(
+        prog="gpuwait config", description="Show every effective setting and its source."
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     settings = load_settings({})

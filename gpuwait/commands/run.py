@@ -34,19 +34,38 @@ from gpuwait._wait import Admitted, Interrupted, TimedOut, wait_for_admission
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """Options of the default command (their defaults are shown from the settings table)."""
-    parser.add_argument("--vram", metavar="SIZE", help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card")
-    parser.add_argument("--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)")
-    parser.add_argument("--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)")
+    parser.add_argument(
+        "--vram",
+        metavar="SIZE",
+        help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card",
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)"
+    )
+    parser.add_argument(
+        "--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)"
+    )
     parser.add_argument("--pick", metavar="STRATEGY", help="best-fit, most-free or round-robin")
-    parser.add_argument("--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2")
+    parser.add_argument(
+        "--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2"
+    )
     parser.add_argument("--priority", metavar="1-5", help="queue priority, 5 is most urgent")
-    parser.add_argument("--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM")
+    parser.add_argument(
+        "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    parser.add_argument("-v", "--verbose", action="store_true", help="say where and when the command starts")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="say where and when the command starts"
+    )
 
 
 def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {"timeout": args.timeout, "pick": args.pick, "priority": args.priority, "safety": args.safety}
+    return {
+        "timeout": args.timeout,
+        "pick": args.pick,
+        "priority": args.priority,
+        "safety": args.safety,
+    }
 
 
 def _check_command(argv: Sequence[str]) -> str:

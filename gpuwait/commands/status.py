@@ -20,7 +20,9 @@ STATUS_SCHEMA = 1
 
 
 def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(prog="gpuwait status", description="Show GPUs, running jobs and the queue.")
+    parser = parser_class(
+        prog="gpuwait status", description="Show GPUs, running jobs and the queue."
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
     args = parser.parse_args(argv)
     settings = load_settings({})
@@ -81,7 +83,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
                 "started_at": j.started_at,
                 "waiting_reason": reasons[j.id].describe() if j.id in reasons else None,
             }
-            for j, c in zip(jobs, claims)
+            for j, c in zip(jobs, claims, strict=False)
         ],
     }
     if args.json:
