@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -11,14 +12,15 @@ from gpuwait import __version__, _output
 from gpuwait._config import OPTIONS, load_settings, show_value
 from gpuwait._errors import EXIT_USAGE, GpuwaitError, UsageError
 
-SUBCOMMANDS = ("status", "config", "sim")
+#: Subcommand -> one-line help. Each lives in gpuwait.commands.<name, '-' as '_'> and has
+#: `main(argv, parser_class) -> int`.
+SUBCOMMANDS = {
+    "status": "GPUs, running jobs and the queue (--json for scripts)",
+    "config": "every effective setting and where it came from",
+    "sim": "simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`",
+}
 
 _EPILOG = """\
-subcommands:
-  status            GPUs, running jobs and the queue (--json for scripts)
-  config            every effective setting and where it came from
-  sim               simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`
-
 A program named like a subcommand runs with `gpuwait -- status`.
 Exit status: the command's own; gpuwait's failures use 2 (usage), 3 (request can never fit),
 4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 124 (--timeout passed),
@@ -36,7 +38,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _settings_epilog() -> str:
-    lines = [_EPILOG]
+    lines = ["subcommands:"]
+    lines += [f"  {name:<16}  {text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", _EPILOG]
     for option in OPTIONS:
         lines.append(
             f"  {option.name:<16}  {option.help} (default: {show_value(option.name, option.parse(option.default))})"
@@ -49,7 +53,8 @@ def build_run_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="gpuwait",
-        usage="gpuwait [OPTIONS] [--] COMMAND [ARGS...]\n       gpuwait {status,config,sim} ...",
+        usage="gpuwait [OPTIONS] [--] COMMAND [ARGS...]\n"
+        f"       gpuwait {{{','.join(SUBCOMMANDS)}}} ...",
         description="Wait until COMMAND's VRAM fits on a GPU, pick the GPU, and run it there.",
         epilog=_settings_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -86,17 +91,10 @@ def _run(argv: list[str]) -> int:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
-    if name == "status":
-        from gpuwait.commands import status
-
-        return status.main(argv, _Parser)
-    if name == "config":
-        from gpuwait.commands import config
-
-        return config.main(argv, _Parser)
-    from gpuwait.commands import sim
-
-    return sim.main(argv, _Parser)
+    # Imported on demand: a plain `gpuwait CMD` launch pays for none of the subcommands.
+    module = importlib.import_module(f"gpuwait.commands.{name.replace('-', '_')}")
+    code: int = module.main(argv, _Parser)
+    return code
 
 
 def entry_point() -> NoReturn:
