@@ -12,16 +12,15 @@ import json
 import os
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import portalocker
-
 from gpuwait import _proc
 from gpuwait._atomic import ensure_private_dir, keep_damaged, write_json_atomic
 from gpuwait._errors import StateError
+from gpuwait._lock import exclusive
 from gpuwait._policy import Claim
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot
@@ -253,16 +252,15 @@ class Ledger:
     @contextmanager
     def transaction(self) -> Iterator[LedgerData]:
         """Lock, load (recovering damage), reap dead entries, yield; write back if changed."""
-        try:
-            ensure_private_dir(self.directory)
-            lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise StateError(
-                f"state directory {self.directory} is not usable: {exc.strerror}",
-                hint="set GPUWAIT_STATE_DIR to a writable directory",
-            ) from None
-        with os.fdopen(lock_fd, "r+b") as lock_file:
-            portalocker.lock(lock_file, portalocker.LOCK_EX)
+        with ExitStack() as held:
+            try:
+                ensure_private_dir(self.directory)
+                held.enter_context(exclusive(self.lock_path))
+            except OSError as exc:
+                raise StateError(
+                    f"state directory {self.directory} is not usable: {exc.strerror}",
+                    hint="set GPUWAIT_STATE_DIR to a writable directory",
+                ) from None
             try:
                 data, raw = self._load(repair=True)
                 self.reaped = [j for j in data.jobs if not j.is_alive()]
@@ -277,8 +275,6 @@ class Ledger:
                     f"ledger {self.path} cannot be written: {exc.strerror}",
                     hint="free disk space or set GPUWAIT_STATE_DIR to a writable directory",
                 ) from None
-            finally:
-                portalocker.unlock(lock_file)
 
     def _load(self, repair: bool) -> tuple[LedgerData, Any]:
         try:

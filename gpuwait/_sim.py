@@ -7,7 +7,7 @@ on their card and die with a CUDA-style out-of-memory error when it is full.
 Layout next to the simulation file `sim.toml`:
 
     sim.toml.d/            created 0700 on demand
-        lock               exclusive portalocker lock; serialises allocation decisions
+        lock               exclusive flock (gpuwait._lock); serialises allocation decisions
         <pid>.json         one allocation record per simulated process (written atomically)
 
 A record counts only while its process lives and still has the start time it recorded, so a
@@ -22,16 +22,15 @@ import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import portalocker
-
 from gpuwait import _proc
+from gpuwait._atomic import write_atomic
 from gpuwait._errors import BackendUnavailable, GpuwaitError, UsageError
+from gpuwait._lock import exclusive
 from gpuwait._sizes import format_size, parse_size
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 
@@ -266,7 +265,7 @@ def write_sim_file(
     if os.path.lexists(target) and not force:
         raise UsageError(f"{target} already exists", hint="pass --force to replace it")
     try:
-        _write_atomically(Path(target), text.encode())
+        write_atomic(Path(target), text.encode(), mode=0o644)
     except OSError as exc:
         raise GpuwaitError(f"cannot write {target}: {exc.strerror or exc}") from None
 
@@ -354,12 +353,8 @@ def ensure_state_dir(config: SimConfig) -> Path:
 def sim_lock(config: SimConfig) -> Iterator[Path]:
     """Hold the exclusive simulation lock; yields the state directory."""
     directory = ensure_state_dir(config)
-    with open(directory / "lock", "a") as handle:
-        portalocker.lock(handle, portalocker.LockFlags.EXCLUSIVE)
-        try:
-            yield directory
-        finally:
-            portalocker.unlock(handle)
+    with exclusive(directory / "lock"):
+        yield directory
 
 
 def _record_path(directory: Path, pid: int) -> Path:
@@ -369,26 +364,12 @@ def _record_path(directory: Path, pid: int) -> Path:
 def write_allocation(directory: Path, allocation: Allocation) -> None:
     """Replace the process's record; readers see the old or the new one, never a part."""
     data = json.dumps(allocation.to_json()).encode()
-    _write_atomically(_record_path(directory, allocation.pid), data, prefix=f".{allocation.pid}.")
+    write_atomic(_record_path(directory, allocation.pid), data)
 
 
 def remove_allocation(directory: Path, pid: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         _record_path(directory, pid).unlink()
-
-
-def _write_atomically(target: Path, data: bytes, prefix: str = ".") -> None:
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
 
 
 def _parse_record(raw: bytes, pid: int) -> Allocation | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -171,7 +170,7 @@ def _run_with_backend(
     candidates = _candidates(args, snapshot)
     now = time.time()
     job = Job(
-        id=secrets.token_hex(4),
+        id=os.urandom(4).hex(),
         pid=os.getpid(),
         start_time=_proc.start_time(os.getpid()) or 0,
         uid=os.getuid(),

@@ -1,0 +1,45 @@
+"""Launch overhead: `gpuwait --vram 1G -- true` on a free simulated GPU against bare `true`.
+
+Prints the median of N runs of each, interleaved so machine noise hits both alike, the
+difference in milliseconds, and the ratio. Goal: at most 60 ms over bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+
+from _common import GPUWAIT, median, sandbox
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=30)
+    runs = parser.parse_args().runs
+    env = sandbox()
+    bare_cmd = ["true"]
+    python_cmd = [GPUWAIT[0], "-c", "pass"]
+    wrapped_cmd = [*GPUWAIT, "--vram", "1G", "-q", "--", "true"]
+    timed(wrapped_cmd, env)  # warm the page cache and the ledger
+    bare, python, wrapped = [], [], []
+    for _ in range(runs):
+        bare.append(timed(bare_cmd, env))
+        python.append(timed(python_cmd, env))
+        wrapped.append(timed(wrapped_cmd, env))
+    b, p, w = median(bare) * 1000, median(python) * 1000, median(wrapped) * 1000
+    print(f"runs:                          {runs}")
+    print(f"bare `true`:                   {b:7.1f} ms (median)")
+    print(f"bare python interpreter start: {p:7.1f} ms (median, for reference)")
+    print(f"gpuwait --vram 1G -- true:     {w:7.1f} ms (median)")
+    print(f"overhead:                      {w - b:7.1f} ms   ratio {w / b:5.1f}x   goal <= 60 ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Stampede: N gpuwait launches at once of ramping simulated jobs on two simulated cards.
+
+Free-memory pollers lose this race: every job looks at the card before the others have
+allocated. Prints the OOM count (goal 0) and the wall time against the ideal packing, and the
+same stampede without gpuwait (each job started bare) as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import subprocess
+import time
+
+from _common import GPUWAIT, sandbox
+
+
+def stampede(env: dict[str, str], jobs: int, job: list[str], wrap: bool) -> tuple[int, int, float]:
+    cmd = [*GPUWAIT, "--vram", "4G", "-q", "--", *job] if wrap else job
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(jobs)
+    ]
+    results = [(p.wait(), p.stderr.read() if p.stderr else "") for p in procs]
+    wall = time.monotonic() - started
+    ooms = sum("out of memory" in err for _, err in results)
+    failed = sum(code != 0 for code, _ in results)
+    return ooms, failed, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=40)
+    parser.add_argument("--ramp", type=float, default=1.0)
+    parser.add_argument("--hold", type=float, default=1.0)
+    args = parser.parse_args()
+    job = [
+        *GPUWAIT,
+        "sim",
+        "job",
+        "--vram",
+        "4G",
+        "--ramp",
+        f"{args.ramp}s",
+        "--hold",
+        f"{args.hold}s",
+    ]
+    per_card = int(24 * 0.9 // 4)  # five 4 GiB jobs fit under safety 0.9 on a 24 GiB card
+    waves = math.ceil(args.jobs / (2 * per_card))
+    ideal = waves * (args.ramp + args.hold)
+
+    ooms, failed, wall = stampede(sandbox(), args.jobs, job, wrap=True)
+    print(f"gpuwait:  {args.jobs} jobs of 4 GiB (ramp {args.ramp}s, hold {args.hold}s) on 2x24 GiB")
+    print(
+        f"          OOM {ooms}, failed {failed}, wall {wall:.1f}s, ideal {ideal:.1f}s "
+        f"({waves} waves), ratio {wall / ideal:.2f}"
+    )
+    ooms, failed, wall = stampede(sandbox(), args.jobs, job, wrap=False)
+    print(
+        f"bare:     OOM {ooms}, failed {failed}, wall {wall:.1f}s (all started at once, no admission)"
+    )
+
+
+if __name__ == "__main__":
+    main()
