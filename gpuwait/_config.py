@@ -72,6 +72,39 @@ def _default_vram(value: Any) -> MemoryRequest | None:
     return parse_request(text)
 
 
+def _names(value: Any) -> tuple[str, ...]:
+    """A list of process names: a TOML array, or a comma-separated string ("" for none)."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    names = tuple(str(item).strip() for item in items if str(item).strip())
+    if any(len(n) > 15 for n in names):
+        raise ValueError("process names are at most 15 characters (as in /proc/PID/comm)")
+    return names
+
+
+def _weights(value: Any) -> dict[str, float]:
+    """GPU -> weight: a TOML table, or "0=2,GPU-8932=1"; keys are NVML indices or UUIDs."""
+    if isinstance(value, dict):
+        pairs = [(str(k), v) for k, v in value.items()]
+    else:
+        pairs = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            key, sep, weight = part.partition("=")
+            if not sep:
+                raise ValueError("expected GPU=WEIGHT pairs, e.g. 0=2,1=1")
+            pairs.append((key.strip(), weight.strip()))
+    weights: dict[str, float] = {}
+    for key, weight in pairs:
+        if not (key.isdigit() or key.upper().startswith(("GPU-", "MIG-"))):
+            raise ValueError(f"{key!r} is not a GPU index or UUID")
+        number = float(weight)
+        if not 0 < number < 1e6:
+            raise ValueError(f"weight of {key} must be above zero")
+        weights[key] = number
+    return weights
+
+
 def _path(value: Any) -> str:
     text = str(value).strip()
     return os.path.abspath(os.path.expanduser(text)) if text else ""
@@ -129,6 +162,18 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         1.0,
         "how often a waiter re-reads the GPUs when the ledger did not change",
+    ),
+    Option(
+        "ignore_processes",
+        _names,
+        "Xorg,Xwayland,gnome-shell,kwin_x11,kwin_wayland,plasmashell",
+        "process names that never count as load on a GPU (desktops, display servers)",
+    ),
+    Option(
+        "gpu_weights",
+        _weights,
+        "",
+        "per-GPU weights for --pick weighted, e.g. 0=2,1=1 (GPU index or UUID; default 1)",
     ),
     Option(
         "sim",
@@ -229,6 +274,10 @@ def show_value(name: str, value: Any) -> str:
     """A setting as a user would type it."""
     if name == "default_vram":
         return EXCLUSIVE if value is None else value.describe()
+    if name == "ignore_processes":
+        return ",".join(value) if value else "(none)"
+    if name == "gpu_weights":
+        return ",".join(f"{k}={v:g}" for k, v in value.items()) if value else "(none)"
     if value is None:
         return "none"
     if name.endswith("interval") or name == "timeout":

@@ -8,6 +8,10 @@ EXIT_USAGE = 2
 EXIT_IMPOSSIBLE = 3
 EXIT_NO_GPU = 4
 EXIT_STATE = 5
+#: `--after-ok` named a job that did not succeed: this one never starts.
+EXIT_DEPENDENCY_FAILED = 6
+#: `gpuwait cancel` took the job out of the queue while it waited.
+EXIT_CANCELLED = 7
 EXIT_TIMEOUT = 124
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127

@@ -11,17 +11,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwait import _proc
+from gpuwait import _events, _proc
 from gpuwait._atomic import ensure_private_dir, keep_damaged, write_json_atomic
+from gpuwait._bookkeeping import LOST, Book, Finished
 from gpuwait._errors import StateError
 from gpuwait._lock import exclusive
-from gpuwait._policy import Claim
+from gpuwait._policy import Claim, Requirements
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot
 
@@ -58,6 +59,22 @@ class Job:
     submitted_at: float = 0.0
     started_at: float | None = None
     updated_at: float = 0.0
+    #: `--name` and `--batch`.
+    name: str | None = None
+    batch: str | None = None
+    #: Job ids that must have finished (`--after`), or finished successfully (`--after-ok`).
+    after: list[str] = field(default_factory=list)
+    after_ok: list[str] = field(default_factory=list)
+    #: Capability requests: min_total_bytes, name_pattern, min_compute_capability ([8, 0]),
+    #: max_util_pct. Absent keys ask for nothing.
+    requirements: dict[str, Any] = field(default_factory=dict)
+    #: Expected run time in seconds, from history; None: unknown. Per GPU UUID where known.
+    expected_seconds: float | None = None
+    expected_by_gpu: dict[str, float] = field(default_factory=dict)
+    #: GPUs held for this job while it is the head of the queue.
+    held_gpus: list[str] = field(default_factory=list)
+    #: Per-GPU weights (UUID -> weight) for the weighted strategy.
+    weights: dict[str, float] = field(default_factory=dict)
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -66,17 +83,37 @@ class Job:
             return MemoryRequest(fraction=float(self.request["fraction"]))
         return None
 
-    def claim(self, gpus: Sequence[GpuSnapshot]) -> Claim:
+    def requirements_for_policy(self) -> Requirements:
+        r = self.requirements
+        capability = r.get("min_compute_capability")
+        return Requirements(
+            min_total_bytes=r.get("min_total_bytes"),
+            name_pattern=r.get("name_pattern"),
+            min_compute_capability=None if capability is None else (capability[0], capability[1]),
+            max_util_pct=r.get("max_util_pct"),
+        )
+
+    def claim(
+        self, gpus: Sequence[GpuSnapshot], now: float | None = None, blocked: str | None = None
+    ) -> Claim:
         """This entry for the policy, its usage read from the same snapshot as the GPUs.
 
         Taking `observed` from the snapshot (not from the ledger's last published figure) keeps
         `external` and `committed` consistent with each other: nothing is counted twice, and
         nothing allocated since the snapshot can be subtracted from a reading that lacks it.
+        A running job's expected time is what is left of it at `now` (never below zero).
         """
         pids = set(self.pids)
         if self.child_pid is not None:
             pids.add(self.child_pid)
         observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in self.gpu_uuids}
+        expected = self.expected_seconds
+        expected_by_gpu = self.expected_by_gpu
+        if self.state == RUNNING and self.started_at is not None:
+            elapsed = max(0.0, (time.time() if now is None else now) - self.started_at)
+            if expected is not None:
+                expected = max(0.0, expected - elapsed)
+            expected_by_gpu = {u: max(0.0, s - elapsed) for u, s in expected_by_gpu.items()}
         return Claim(
             job_id=self.id,
             running=self.state == RUNNING,
@@ -89,6 +126,13 @@ class Job:
             gpu_uuids=tuple(self.gpu_uuids),
             reserved_bytes=self.reserved_bytes,
             observed=observed,
+            pids=frozenset(pids),
+            requirements=self.requirements_for_policy(),
+            blocked=blocked,
+            expected_seconds=expected,
+            expected_by_gpu=dict(expected_by_gpu),
+            held=tuple(self.held_gpus),
+            weights=dict(self.weights),
         )
 
     def is_alive(self) -> bool:
@@ -121,6 +165,15 @@ class Job:
             submitted_at=_float(raw, "submitted_at"),
             started_at=None if raw.get("started_at") is None else _float(raw, "started_at"),
             updated_at=_float(raw, "updated_at"),
+            name=None if raw.get("name") is None else _text(raw, "name"),
+            batch=None if raw.get("batch") is None else _text(raw, "batch"),
+            after=_text_list(raw, "after") if "after" in raw else [],
+            after_ok=_text_list(raw, "after_ok") if "after_ok" in raw else [],
+            requirements=_requirements(raw.get("requirements", {})),
+            expected_seconds=_seconds(raw.get("expected_seconds")),
+            expected_by_gpu=_seconds_by_gpu(raw.get("expected_by_gpu", {})),
+            held_gpus=_text_list(raw, "held_gpus") if "held_gpus" in raw else [],
+            weights=_seconds_by_gpu(raw.get("weights", {})),
         )
         if job.state not in (WAITING, RUNNING):
             raise ValueError(f"state {job.state!r} is unknown")
@@ -181,6 +234,50 @@ def _request(value: Any) -> dict[str, float | int]:
     raise ValueError("request must be {'bytes': n}, {'fraction': f} or {}")
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e12
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _number(value):
+        raise ValueError("expected_seconds must be a number of seconds")
+    return float(value)
+
+
+def _seconds_by_gpu(value: Any) -> dict[str, float]:
+    if (
+        not isinstance(value, dict)
+        or len(value) > 1024
+        or not all(isinstance(k, str) and _number(v) for k, v in value.items())
+    ):
+        raise ValueError("per-GPU figures must map GPU UUIDs to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+_REQUIREMENT_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "min_total_bytes": lambda v: _number(v) and isinstance(v, int),
+    "name_pattern": lambda v: isinstance(v, str) and len(v) <= _MAX_TEXT,
+    "min_compute_capability": lambda v: (
+        isinstance(v, list)
+        and len(v) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 100 for n in v)
+    ),
+    "max_util_pct": lambda v: _number(v) and v <= 100,
+}
+
+
+def _requirements(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("requirements must be an object")
+    for key, item in value.items():
+        check = _REQUIREMENT_CHECKS.get(key)
+        if check is None or not check(item):
+            raise ValueError(f"requirement {key!r} is unknown or malformed")
+    return dict(value)
+
+
 def _observed(value: Any) -> dict[str, int]:
     if value is None:
         return {}
@@ -204,6 +301,8 @@ class LedgerData:
     next_order: int = 1
     rr_cursor: int = -1
     created_at: float = field(default_factory=time.time)
+    #: Outcomes of finished jobs, per-GPU counters, GPU health, batch counts.
+    book: Book = field(default_factory=Book)
 
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
@@ -221,6 +320,7 @@ class LedgerData:
             "next_order": self.next_order,
             "rr_cursor": self.rr_cursor,
             "jobs": [asdict(j) for j in self.jobs],
+            "book": self.book.to_json(),
         }
 
 
@@ -266,6 +366,7 @@ class Ledger:
                 self.reaped = [j for j in data.jobs if not j.is_alive()]
                 for job in self.reaped:
                     data.jobs.remove(job)
+                    self._note_reaped(data, job)
                 yield data
                 encoded = data.to_json()
                 if encoded != raw:
@@ -275,6 +376,18 @@ class Ledger:
                     f"ledger {self.path} cannot be written: {exc.strerror}",
                     hint="free disk space or set GPUWAIT_STATE_DIR to a writable directory",
                 ) from None
+
+    def _note_reaped(self, data: LedgerData, job: Job) -> None:
+        """A vanished gpuwait process: its job counts as lost (failed, where it ran)."""
+        data.book.note_finished(
+            Finished(
+                id=job.id, outcome=LOST, finished_at=time.time(), name=job.name, batch=job.batch
+            ),
+            job.gpu_uuids if job.state == RUNNING else (),
+        )
+        _events.emit(
+            self.directory, "reap", job=job.id, pid=job.pid, state=job.state, gpus=job.gpu_uuids
+        )
 
     def _load(self, repair: bool) -> tuple[LedgerData, Any]:
         try:
@@ -302,6 +415,14 @@ class Ledger:
                     f"ledger {self.path} was damaged ({exc}); kept it as {kept.name} and started afresh"
                 )
             return LedgerData(), None
+        try:
+            data.book = Book.from_json(raw.get("book"))
+        except (ValueError, RecursionError) as exc:
+            if repair:
+                self.warnings.append(
+                    f"ledger {self.path}: its record of finished jobs and GPUs was damaged "
+                    f"({exc}); started it afresh"
+                )
         for entry in jobs_raw:
             try:
                 data.jobs.append(Job.from_json(entry))

@@ -159,6 +159,7 @@ class NvmlBackend:
             used_bytes=used,
             processes=self._processes(handle),
             utilization_pct=self._utilization(handle),
+            compute_capability=self._compute_capability(handle),
         )
 
     @staticmethod
@@ -221,6 +222,19 @@ class NvmlBackend:
                 ProcessUsage(pid=int(proc.pid), used_bytes=None if used is None else int(used))
             )
         return tuple(processes)
+
+    def _compute_capability(self, handle: Any) -> tuple[int, int] | None:
+        try:
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            return None
+        except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
+            # An nvidia-ml-py without the call, or an answer of an unexpected shape: only
+            # --min-compute-capability needs it, and it treats "unknown" as not matching.
+            return None
+        return int(major), int(minor)
 
     def _utilization(self, handle: Any) -> int | None:
         try:

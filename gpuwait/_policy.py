@@ -11,21 +11,85 @@ Per GPU:
 A job that has not allocated yet still holds its reservation; a job that grew past it counts at
 its real size; and nothing is counted twice, because what a job really uses is taken out of
 `external` before `committed` adds it back.
+
+The queue (`plan`): waiters are looked at in queue order (priority, then submission). One that
+fits starts at once. The first one that does not fit, the head, holds the GPU(s) on which it
+could start soonest: later waiters may use a held GPU only when they are expected to end before
+the head could start there (backfill), so a big job is never starved by a stream of small ones.
+A waiter with no run-time estimate never backfills onto a held GPU; it may use the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
-from gpuwait._sizes import MemoryRequest, format_size
+from gpuwait._sizes import MemoryRequest, format_duration, format_size
 from gpuwait._snapshot import GpuSnapshot
 
-PICK_STRATEGIES = ("best-fit", "most-free", "round-robin")
+PICK_STRATEGIES = (
+    "best-fit",
+    "most-free",
+    "round-robin",
+    "least-loaded",
+    "weighted",
+    "adaptive-throughput",
+)
 
 #: An exclusive job takes a GPU only where at most this fraction is used by non-gpuwait processes
 #: (a desktop or a driver reservation), so "a whole GPU" still means one that is free in practice.
 EXCLUSIVE_MAX_EXTERNAL = 0.05
+
+_NEVER = math.inf
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a GPU must be for a job, beyond room: `--min-total-vram`, `--gpu-name` and co."""
+
+    min_total_bytes: int | None = None
+    #: Case-insensitive glob (`*A100*`); without wildcards, a substring of the name.
+    name_pattern: str | None = None
+    min_compute_capability: tuple[int, int] | None = None
+    #: Admit only where recent utilization (a mean of several readings) is below this percent.
+    max_util_pct: float | None = None
+
+    def mismatch(self, gpu: GpuSnapshot) -> str | None:
+        """Why `gpu` can never serve this job, or None. Utilization is not judged here."""
+        if self.min_total_bytes is not None and gpu.total_bytes < self.min_total_bytes:
+            return f"GPU{gpu.index} has {format_size(gpu.total_bytes)} in all"
+        if self.name_pattern is not None and not name_matches(self.name_pattern, gpu.name):
+            return f"GPU{gpu.index} is a {gpu.name}"
+        if self.min_compute_capability is not None:
+            if gpu.compute_capability is None:
+                return f"GPU{gpu.index} does not report its compute capability"
+            if gpu.compute_capability < self.min_compute_capability:
+                major, minor = gpu.compute_capability
+                return f"GPU{gpu.index} has compute capability {major}.{minor}"
+        return None
+
+    def describe(self) -> str:
+        parts = []
+        if self.min_total_bytes is not None:
+            parts.append(f"at least {format_size(self.min_total_bytes)} in all")
+        if self.name_pattern is not None:
+            parts.append(f"a name matching {self.name_pattern!r}")
+        if self.min_compute_capability is not None:
+            major, minor = self.min_compute_capability
+            parts.append(f"compute capability {major}.{minor} or more")
+        if self.max_util_pct is not None:
+            parts.append(f"utilization under {self.max_util_pct:g}%")
+        return ", ".join(parts)
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """`--gpu-name`: a glob when it has wildcards, else a substring; case does not matter."""
+    pattern, name = pattern.lower(), name.lower()
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return pattern in name
 
 
 @dataclass(frozen=True)
@@ -48,6 +112,20 @@ class Claim:
     reserved_bytes: int = 0
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = field(default_factory=dict)
+    #: The job's processes: they are gpuwait's load, not foreign processes.
+    pids: frozenset[int] = frozenset()
+    requirements: Requirements = Requirements()
+    #: Why the job may not start yet whatever the room (an unfinished dependency), or None.
+    blocked: str | None = None
+    #: Expected seconds until it ends: a waiter's whole run, a running job's remainder.
+    #: None: unknown (no history).
+    expected_seconds: float | None = None
+    #: Expected run time on particular GPUs (UUID -> seconds), for adaptive-throughput.
+    expected_by_gpu: Mapping[str, float] = field(default_factory=dict)
+    #: GPUs this waiter held as the queue's head at the last plan; holds stick to their GPUs.
+    held: tuple[str, ...] = ()
+    #: Per-GPU weights (UUID -> weight, default 1) for the weighted strategy.
+    weights: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def exclusive(self) -> bool:
@@ -56,6 +134,20 @@ class Claim:
     def sort_key(self) -> tuple[int, int]:
         """Queue order: higher priority first, then earlier submission."""
         return (-self.priority, self.order)
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """Facts about the GPUs besides memory, read by the caller and passed in as data."""
+
+    #: Mean of recent utilization readings per GPU UUID. None: the GPU does not report it (such
+    #: a GPU passes a utilization cap); absent: not measured often enough yet (it does not pass).
+    utilization: Mapping[str, float | None] = field(default_factory=dict)
+    #: Process names (/proc/PID/comm) that never count as load: desktops, display servers.
+    ignore_processes: frozenset[str] = frozenset()
+
+
+NO_CONDITIONS = Conditions()
 
 
 @dataclass(frozen=True)
@@ -68,10 +160,19 @@ class GpuRoom:
     committed: int
     running_jobs: int
     exclusive_held: bool
+    #: Processes that are neither gpuwait jobs nor on the ignore list.
+    foreign: int = 0
+    #: Memory of processes on the ignore list (part of `external`).
+    ignored_bytes: int = 0
 
     @property
     def room(self) -> int:
         return self.usable - self.external - self.committed
+
+    @property
+    def load(self) -> int:
+        """Processes that count as work on this GPU: gpuwait jobs and foreign processes."""
+        return self.running_jobs + self.foreign
 
 
 @dataclass(frozen=True)
@@ -83,13 +184,38 @@ class WaitReason:
     best_room: int
     running: int
     ahead: int
+    #: A dependency that has not finished; the job waits for it whatever the room.
+    blocked: str | None = None
+    #: What the queue's head does to this job (or, for the head, what it holds).
+    note: str | None = None
 
     def describe(self) -> str:
+        counts = f"({self.running} running, {self.ahead} ahead of you)"
+        if self.blocked is not None:
+            return f"{self.blocked} {counts}"
         if self.best_gpu_index is None:
             where = "no usable GPU right now"
         else:
             where = f"best GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
-        return f"waiting for {self.needed}: {where} ({self.running} running, {self.ahead} ahead of you)"
+        note = f"; {self.note}" if self.note else ""
+        return f"waiting for {self.needed}: {where}{note} {counts}"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """GPUs kept for the head of the queue until it fits there."""
+
+    job_id: str
+    gpu_uuids: tuple[str, ...]
+    #: Expected seconds until the head fits there; None: unknown (a job there has no estimate).
+    start_in: float | None
+
+    def admits_backfill(self, claim: Claim, uuid: str) -> bool:
+        """May `claim` use `uuid` without delaying the head?"""
+        if uuid not in self.gpu_uuids:
+            return True
+        expected = claim.expected_by_gpu.get(uuid, claim.expected_seconds)
+        return self.start_in is not None and expected is not None and expected <= self.start_in
 
 
 @dataclass(frozen=True)
@@ -100,18 +226,26 @@ class Plan:
     reserved: Mapping[str, int]
     waiting: Mapping[str, WaitReason]
     next_cursor: int
+    hold: Hold | None = None
 
 
 def gpu_rooms(
-    gpus: Sequence[GpuSnapshot], claims: Iterable[Claim], safety: float
+    gpus: Sequence[GpuSnapshot],
+    claims: Iterable[Claim],
+    safety: float,
+    ignore_processes: frozenset[str] = frozenset(),
 ) -> dict[str, GpuRoom]:
     """Room per GPU UUID, given the running claims."""
+    claims = list(claims)
     running = [c for c in claims if c.running]
+    ours = frozenset().union(*(c.pids for c in claims))
     rooms: dict[str, GpuRoom] = {}
     for gpu in gpus:
         on_gpu = [c for c in running if gpu.uuid in c.gpu_uuids]
         observed = sum(max(0, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
         committed = sum(max(c.reserved_bytes, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
+        others = [p for p in gpu.processes if p.pid not in ours]
+        ignored = [p for p in others if p.name is not None and p.name in ignore_processes]
         rooms[gpu.uuid] = GpuRoom(
             gpu=gpu,
             usable=int(gpu.total_bytes * safety),
@@ -119,18 +253,41 @@ def gpu_rooms(
             committed=committed,
             running_jobs=len(on_gpu),
             exclusive_held=any(c.exclusive for c in on_gpu),
+            foreign=len(others) - len(ignored),
+            ignored_bytes=sum(p.used_bytes or 0 for p in ignored),
         )
     return rooms
 
 
-def need_on(claim: Claim, room: GpuRoom) -> int | None:
+def _static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
+    if claim.candidates is not None and gpu.uuid not in claim.candidates:
+        return False
+    return claim.requirements.mismatch(gpu) is None
+
+
+def _util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
+    cap = claim.requirements.max_util_pct
+    if cap is None:
+        return True
+    if uuid not in conditions.utilization:
+        return False
+    recent = conditions.utilization[uuid]
+    return recent is None or recent < cap
+
+
+def _idle_enough(room: GpuRoom) -> bool:
+    """Nothing outside gpuwait (the ignore list aside) uses the GPU to speak of."""
+    return room.external - room.ignored_bytes <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
+
+
+def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:
     """Bytes `claim` needs on this GPU, or None if it cannot go there now at all."""
-    if claim.candidates is not None and room.gpu.uuid not in claim.candidates:
+    if not _static_ok(claim, room.gpu) or not _util_ok(claim, room.gpu.uuid, conditions):
         return None
     if room.exclusive_held:
         return None
     if claim.request is None:
-        if room.running_jobs or room.external > room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL:
+        if room.running_jobs or not _idle_enough(room):
             return None
         return max(1, room.room)
     return claim.request.on(room.gpu.total_bytes)
@@ -141,16 +298,21 @@ def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) 
     candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
     if not candidates:
         return "no candidate GPU"
-    if len(candidates) < claim.gpus_wanted:
-        return f"{claim.gpus_wanted} GPUs wanted but only {len(candidates)} can be used"
+    matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
+    if not matching:
+        first = claim.requirements.mismatch(candidates[0])
+        return f"no GPU has {claim.requirements.describe()} ({first})"
+    if len(matching) < claim.gpus_wanted:
+        which = "can be used" if len(matching) == len(candidates) else "match"
+        return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}"
     if claim.request is None:
         return None
     fitting = [
-        g for g in candidates if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)
+        g for g in matching if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)
     ]
     if len(fitting) >= claim.gpus_wanted:
         return None
-    largest = max(candidates, key=lambda g: (g.total_bytes, -g.index))
+    largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
     return (
         f"{claim.request.describe()} per GPU can never fit: the largest candidate, "
         f"GPU{largest.index} ({format_size(largest.total_bytes)}), offers at most "
@@ -158,69 +320,201 @@ def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) 
     )
 
 
-def _order_for_pick(
-    fitting: list[tuple[GpuRoom, int]], pick: str, cursor: int, gpu_count: int
-) -> list[tuple[GpuRoom, int]]:
-    if pick == "most-free":
-        return sorted(fitting, key=lambda rn: (-rn[0].room, rn[0].gpu.index))
-    if pick == "round-robin":
+_Fit = tuple[GpuRoom, int]
+
+
+def _order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: int) -> list[_Fit]:
+    """The fitting GPUs, most preferred first, by the claim's strategy."""
+
+    def best_fit(rn: _Fit) -> tuple[int, int]:
+        # The GPU left with the least room, so large holes stay open for large jobs.
+        return (rn[0].room - rn[1], rn[0].gpu.index)
+
+    key: Callable[[_Fit], tuple[float, ...]] = best_fit
+    if claim.pick == "most-free":
+        key = lambda rn: (-rn[0].room, rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "round-robin":
         span = max(gpu_count, 1 + max(r.gpu.index for r, _ in fitting))
-        return sorted(
-            fitting, key=lambda rn: ((rn[0].gpu.index - cursor - 1) % span, rn[0].gpu.index)
+        key = lambda rn: ((rn[0].gpu.index - cursor - 1) % span, rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "least-loaded":
+        key = lambda rn: (rn[0].load, -(rn[0].room - rn[1]), rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "weighted":
+        key = lambda rn: (  # noqa: E731
+            (rn[0].load + 1) / claim.weights.get(rn[0].gpu.uuid, 1.0),
+            *best_fit(rn),
         )
-    # best-fit: the GPU left with the least room, so large holes stay open for large jobs.
-    return sorted(fitting, key=lambda rn: (rn[0].room - rn[1], rn[0].gpu.index))
+    elif claim.pick == "adaptive-throughput" and any(
+        r.gpu.uuid in claim.expected_by_gpu for r, _ in fitting
+    ):
+        key = lambda rn: (claim.expected_by_gpu.get(rn[0].gpu.uuid, _NEVER), *best_fit(rn))  # noqa: E731
+    return sorted(fitting, key=key)
+
+
+def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | None:
+    """Seconds until `claim` would fit on this GPU if nothing else started there.
+
+    Running jobs end at their expected times (inf when unknown). None: never, because memory
+    outside gpuwait leaves too little even with every gpuwait job gone.
+    """
+    uuid = room.gpu.uuid
+    ends = sorted(
+        (
+            _NEVER if c.expected_seconds is None else max(0.0, c.expected_seconds),
+            max(c.reserved_bytes, c.observed.get(uuid, 0)),
+            c.exclusive,
+        )
+        for c in on_gpu
+    )
+    if claim.request is None:
+        if not _idle_enough(room):
+            return None
+        return max((end for end, _, _ in ends), default=0.0)
+    need = claim.request.on(room.gpu.total_bytes)
+    if need > room.usable - room.external:
+        return None
+    # Until every exclusive job there has ended, nobody else may start.
+    after = max((end for end, _, exclusive in ends if exclusive), default=0.0)
+    free = room.room
+    if free >= need:
+        return after
+    for end, size, _ in ends:
+        free += size
+        if free >= need:
+            return max(end, after)
+    return _NEVER
+
+
+def _hold_for(
+    claim: Claim, rooms: Mapping[str, GpuRoom], running: Sequence[Claim], conditions: Conditions
+) -> Hold | None:
+    """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner."""
+    times: dict[str, tuple[GpuRoom, float]] = {}
+    for uuid, room in rooms.items():
+        if not _static_ok(claim, room.gpu) or not _util_ok(claim, uuid, conditions):
+            continue
+        when = _fit_time(claim, room, [c for c in running if uuid in c.gpu_uuids])
+        if when is not None:
+            times[uuid] = (room, when)
+    wanted = claim.gpus_wanted
+    if len(times) < wanted:
+        return None
+    ranked = sorted(times.values(), key=lambda rt: (rt[1], -rt[0].room, rt[0].gpu.index))
+    chosen = [room for room, _ in ranked[:wanted]]
+    start = max(when for _, when in ranked[:wanted])
+    if len(claim.held) == wanted and all(u in times for u in claim.held):
+        held_start = max(times[u][1] for u in claim.held)
+        # A hold moves only to GPUs where the head is expected to start strictly sooner, so
+        # the room it gathered is not handed away for nothing.
+        if not start < held_start:
+            chosen, start = [times[u][0] for u in claim.held], held_start
+    chosen.sort(key=lambda r: r.gpu.index)
+    return Hold(
+        job_id=claim.job_id,
+        gpu_uuids=tuple(r.gpu.uuid for r in chosen),
+        start_in=None if start == _NEVER else start,
+    )
 
 
 def plan(
-    gpus: Sequence[GpuSnapshot], claims: Sequence[Claim], safety: float, cursor: int = -1
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
 ) -> Plan:
-    """Admit waiting claims in queue order while they fit.
+    """Admit waiting claims in queue order while they fit; the first that does not fit holds.
 
     Earlier waiters are placed first and their room is taken before later ones are looked at, so a
-    later waiter never jumps an earlier one that fits the same GPU. A waiter that does not fit does
-    not block those behind it.
+    later waiter never jumps an earlier one that fits the same GPU. Behind the head, a waiter may
+    start on GPUs the head does not hold, or on a held one if it is expected to end before the
+    head could start there.
     """
-    rooms = gpu_rooms(gpus, claims, safety)
-    running_total = sum(1 for c in claims if c.running)
+    rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    running = [c for c in claims if c.running]
+    running_total = len(running)
     waiting = sorted((c for c in claims if not c.running), key=Claim.sort_key)
     admitted: dict[str, tuple[str, ...]] = {}
     reserved: dict[str, int] = {}
     reasons: dict[str, WaitReason] = {}
+    hold: Hold | None = None
     for position, claim in enumerate(waiting):
-        fitting: list[tuple[GpuRoom, int]] = []
+        if claim.blocked is not None:
+            reasons[claim.job_id] = _wait_reason(claim, rooms, running_total, position, conditions)
+            continue
+        fitting: list[_Fit] = []
         for room in rooms.values():
-            need = need_on(claim, room)
+            need = need_on(claim, room, conditions)
             if need is not None and need <= room.room:
                 fitting.append((room, need))
-        if len(fitting) >= claim.gpus_wanted and fitting:
-            chosen = _order_for_pick(fitting, claim.pick, cursor, len(gpus))[: claim.gpus_wanted]
+        allowed = fitting
+        if hold is not None:
+            allowed = [(r, n) for r, n in fitting if hold.admits_backfill(claim, r.gpu.uuid)]
+        if len(allowed) >= claim.gpus_wanted and allowed:
+            chosen = _order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
             for room, need in chosen:
-                rooms[room.gpu.uuid] = GpuRoom(
-                    gpu=room.gpu,
-                    usable=room.usable,
-                    external=room.external,
+                rooms[room.gpu.uuid] = replace(
+                    room,
                     committed=room.committed + need,
                     running_jobs=room.running_jobs + 1,
                     exclusive_held=room.exclusive_held or claim.exclusive,
                 )
-            admitted[claim.job_id] = tuple(r.gpu.uuid for r, _ in chosen)
+            uuids = tuple(r.gpu.uuid for r, _ in chosen)
+            admitted[claim.job_id] = uuids
             reserved[claim.job_id] = max(need for _, need in chosen)
+            # Its end frees room the head may be waiting for.
+            running.append(
+                replace(claim, running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
+            )
             if claim.pick == "round-robin":
                 cursor = chosen[-1][0].gpu.index
             continue
-        reasons[claim.job_id] = _wait_reason(claim, rooms, running_total, position)
-    return Plan(admitted=admitted, reserved=reserved, waiting=reasons, next_cursor=cursor)
+        note = None
+        if hold is None:
+            hold = _hold_for(claim, rooms, running, conditions)
+            if hold is not None:
+                note = _held_note(hold, rooms)
+        elif len(fitting) >= claim.gpus_wanted:
+            note = _backfill_note(claim, hold, rooms)
+        reasons[claim.job_id] = _wait_reason(
+            claim, rooms, running_total, position, conditions, note
+        )
+    return Plan(
+        admitted=admitted, reserved=reserved, waiting=reasons, next_cursor=cursor, hold=hold
+    )
+
+
+def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    return ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids)
+
+
+def _held_note(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    when = "" if hold.start_in is None else f", expected in {format_duration(hold.start_in)}"
+    return f"first in line, {_gpu_list(hold, rooms)} held for it{when}"
+
+
+def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    why = (
+        "no run-time estimate to fit before it"
+        if claim.expected_seconds is None
+        else "would not end before it can start"
+    )
+    return f"{_gpu_list(hold, rooms)} held for job {hold.job_id} ({why})"
 
 
 def _wait_reason(
-    claim: Claim, rooms: Mapping[str, GpuRoom], running: int, ahead: int
+    claim: Claim,
+    rooms: Mapping[str, GpuRoom],
+    running: int,
+    ahead: int,
+    conditions: Conditions,
+    note: str | None = None,
 ) -> WaitReason:
-    candidates = [
-        r for r in rooms.values() if claim.candidates is None or r.gpu.uuid in claim.candidates
-    ]
-    best = max(candidates, key=lambda r: (r.room, -r.gpu.index), default=None)
+    candidates = [r for r in rooms.values() if _static_ok(claim, r.gpu)]
+    usable = [r for r in candidates if _util_ok(claim, r.gpu.uuid, conditions)]
+    if candidates and not usable and note is None:
+        note = f"every candidate is busier than {claim.requirements.max_util_pct:g}% utilization"
+    best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
     needed = "a whole GPU" if claim.request is None else claim.request.describe()
     if claim.gpus_wanted > 1:
         needed = f"{claim.gpus_wanted} GPUs with {needed} each"
@@ -230,4 +524,79 @@ def _wait_reason(
         best_room=best.room if best else 0,
         running=running,
         ahead=ahead,
+        blocked=claim.blocked,
+        note=note,
     )
+
+
+def estimate_starts(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    max_steps: int = 10_000,
+) -> dict[str, float | None]:
+    """Seconds from now until each waiter is expected to start, replaying the queue forward.
+
+    Running jobs end at their expected times and each waiter runs for its expected time; the plan
+    is made again at every end. None: not before some job with no estimate ends (or a
+    dependency is met), so no time can be given.
+    """
+    rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    # From here on gpuwait jobs are described by their reservations alone, so that one ending
+    # takes all its memory with it; foreign memory stays as it is.
+    ours = frozenset().union(*(c.pids for c in claims))
+    bare = [
+        replace(
+            g,
+            used_bytes=rooms[g.uuid].external,
+            processes=tuple(p for p in g.processes if p.pid not in ours),
+        )
+        for g in gpus
+    ]
+    current: list[Claim] = []
+    for c in claims:
+        if c.running:
+            size = max([c.reserved_bytes, *(c.observed.get(u, 0) for u in c.gpu_uuids)])
+            current.append(replace(c, reserved_bytes=size, observed={}, pids=frozenset()))
+        else:
+            current.append(replace(c, pids=frozenset()))
+    starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
+    now = 0.0
+    for _ in range(max_steps):
+        decided = plan(bare, current, safety, cursor, conditions)
+        cursor = decided.next_cursor
+        after: list[Claim] = []
+        for c in current:
+            if c.job_id in decided.admitted:
+                starts[c.job_id] = now
+                uuids = decided.admitted[c.job_id]
+                expected = max(
+                    (c.expected_by_gpu.get(u, c.expected_seconds or _NEVER) for u in uuids),
+                    default=c.expected_seconds,
+                )
+                c = replace(
+                    c,
+                    running=True,
+                    gpu_uuids=uuids,
+                    reserved_bytes=decided.reserved[c.job_id],
+                    expected_seconds=None if expected == _NEVER else expected,
+                )
+            elif decided.hold is not None and c.job_id == decided.hold.job_id:
+                c = replace(c, held=decided.hold.gpu_uuids)
+            after.append(c)
+        ends = [c.expected_seconds for c in after if c.running and c.expected_seconds is not None]
+        if not any(not c.running for c in after) or not ends:
+            break
+        step = max(0.0, min(ends))
+        now += step
+        current = []
+        for c in after:
+            if c.running and c.expected_seconds is not None:
+                left = c.expected_seconds - step
+                if left <= 1e-9:
+                    continue
+                c = replace(c, expected_seconds=left)
+            current.append(c)
+    return starts

@@ -63,6 +63,15 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
     return not is_zombie(pid)
 
 
+def command_name(pid: int) -> str | None:
+    """The process's command name (/proc/PID/comm: at most 15 characters), or None."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().decode("utf-8", "replace").rstrip("\n")
+    except OSError:
+        return None
+
+
 def owner_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid

@@ -42,7 +42,9 @@ else:  # pragma: no cover
 DEFAULT_NAME = "Simulated GPU"
 RECORD_SCHEMA = 1
 _HINT = "fix the file, or write a fresh one with `gpuwait sim init PATH --gpus 2 --memory 24GiB`"
-_GPU_KEYS = frozenset({"name", "memory", "uuid", "speed", "base_used", "lost", "utilization"})
+_GPU_KEYS = frozenset(
+    {"name", "memory", "uuid", "speed", "base_used", "lost", "utilization", "compute_capability"}
+)
 _RECORD_RE = re.compile(r"^([0-9]+)\.json$")
 _TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
 _UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+$")
@@ -61,6 +63,7 @@ class SimGpu:
     base_used: int
     lost: bool
     utilization: int | None
+    compute_capability: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
             base_used=base_used,
             lost=_bool(table, "lost"),
             utilization=_utilization(table),
+            compute_capability=_compute_capability(table),
         )
     except _Invalid as exc:
         raise _Invalid(f"gpu {index}: {exc}") from None
@@ -244,6 +248,16 @@ def _utilization(table: dict[str, Any]) -> int | None:
     return value
 
 
+def _compute_capability(table: dict[str, Any]) -> tuple[int, int] | None:
+    value = table.get("compute_capability")
+    if value is None:
+        return None
+    match = re.fullmatch(r"([0-9]{1,2})\.([0-9]{1,2})", value) if isinstance(value, str) else None
+    if match is None:
+        raise _Invalid(f'compute_capability {value!r} must be a string such as "8.0"')
+    return int(match.group(1)), int(match.group(2))
+
+
 def write_sim_file(
     path: str | os.PathLike[str],
     gpus: int,
@@ -277,7 +291,8 @@ def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[flo
         '# Keys: name, memory (required; "24GiB" or bytes), uuid (default derived from this',
         "# file's path and the position), speed (CUDA's default FASTEST_FIRST order sorts by it,",
         "# descending), base_used (memory held by no process, e.g. a desktop), lost (true: the",
-        "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent).",
+        "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent), compute_capability",
+        '# (e.g. "8.0").',
         "# The file is read again on every reading, so it may be edited while jobs run.",
     ]
     if gpus == 0:
@@ -469,4 +484,5 @@ def _gpu_snapshot(gpu: SimGpu, allocations: list[Allocation]) -> GpuSnapshot:
         used_bytes=gpu.base_used + sum(a.bytes for a in mine),
         processes=processes,
         utilization_pct=gpu.utilization,
+        compute_capability=gpu.compute_capability,
     )

@@ -16,6 +16,8 @@ class ProcessUsage:
     pid: int
     #: Bytes the driver attributes to the process; None where it cannot tell (containers, WSL).
     used_bytes: int | None
+    #: The process's command name (/proc/PID/comm) where known; the ignore list matches on it.
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class GpuSnapshot:
     processes: tuple[ProcessUsage, ...] = ()
     #: Percent of recent time a kernel ran; None where unsupported (MIG parents, simulation).
     utilization_pct: int | None = None
+    #: CUDA compute capability (major, minor); None where the driver cannot tell.
+    compute_capability: tuple[int, int] | None = None
 
     @property
     def free_bytes(self) -> int:

@@ -9,7 +9,9 @@ milliseconds), while reading NVML on every tick would be slow and heavy. So the 
 - re-reads the GPUs at least every `nvml_interval` (with jitter, so that many waiters do not read
   in lockstep) to notice processes outside gpuwait coming and going.
 Every decision is made under the ledger lock with a fresh snapshot, so two waiters never both take
-the same room.
+the same room. The same transaction records which GPUs the queue's head holds, notes GPUs that
+stopped or started answering, and notices that this job was cancelled or that a dependency it
+needed to succeed did not.
 """
 
 from __future__ import annotations
@@ -20,11 +22,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwait import _signals
+from gpuwait import _events, _signals
 from gpuwait._backend import Backend
+from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
-from gpuwait._policy import WaitReason, plan
+from gpuwait._policy import NO_CONDITIONS, Conditions, WaitReason, plan
+from gpuwait._queue import (
+    UtilizationWindow,
+    claims_for,
+    name_processes,
+    plan_conditions,
+    record_hold,
+    settle_dependencies,
+)
 from gpuwait._snapshot import MachineSnapshot
+
+#: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
+UTIL_SAMPLE_INTERVAL = 0.2
 
 
 @dataclass(frozen=True)
@@ -44,18 +58,33 @@ class Interrupted:
     signum: int
 
 
-WaitOutcome = Admitted | TimedOut | Interrupted
+@dataclass(frozen=True)
+class Cancelled:
+    """`gpuwait cancel` took this job out of the queue."""
 
-_Fingerprint = dict[str, tuple[str, int, tuple[int, ...], int | None]]
+
+@dataclass(frozen=True)
+class DependencyFailed:
+    """An `--after-ok` dependency did not succeed, so this job can never start."""
+
+    message: str
+
+
+WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
+
+_Fingerprint = dict[str, tuple[str, int, tuple[int, ...], int | None, tuple[str, ...]]]
 
 
 def _fingerprint(data: LedgerData) -> _Fingerprint:
-    return {j.id: (j.state, j.reserved_bytes, tuple(j.pids), j.child_pid) for j in data.jobs}
+    return {
+        j.id: (j.state, j.reserved_bytes, tuple(j.pids), j.child_pid, tuple(j.held_gpus))
+        for j in data.jobs
+    }
 
 
 def _released(before: _Fingerprint, after: _Fingerprint) -> bool:
     """True when `after` may hold room that `before` did not."""
-    for job_id, (state, reserved, pids, child) in before.items():
+    for job_id, (state, reserved, pids, child, held) in before.items():
         now = after.get(job_id)
         if now is None:
             return True
@@ -63,31 +92,64 @@ def _released(before: _Fingerprint, after: _Fingerprint) -> bool:
             return True
         if state == RUNNING and now[3] != child:
             return True
+        if held and not set(held) <= set(now[4]):
+            return True  # the head let go of a GPU
     return False
 
 
 def try_admit(
-    ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float
-) -> Admitted | WaitReason | None:
+    ledger: Ledger,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    conditions: Conditions = NO_CONDITIONS,
+) -> Admitted | WaitReason | Cancelled | DependencyFailed | None:
     """Under the lock: admit `job` if the plan lets it start now; otherwise say why it waits."""
     with ledger.transaction() as data:
+        now = time.time()
         mine = data.find(job.id)
         if mine is None:
+            done = data.book.outcome(job.id)
+            if done is not None and done.outcome == CANCELLED:
+                return Cancelled()
             # Our entry vanished (a damaged ledger was recovered): put it back where it was.
             data.jobs.append(job)
             mine = job
-        claims = [j.claim(snapshot.gpus) for j in data.jobs]
-        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor)
+        busy = frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+        for event in data.book.note_health(snapshot, busy, now):
+            _events.emit(ledger.directory, **event)
+        failure = settle_dependencies(mine, data)
+        if failure is not None:
+            data.remove(job.id)
+            data.book.note_finished(
+                Finished(job.id, DEPENDENCY_FAILED, now, name=job.name, batch=job.batch)
+            )
+            _events.emit(ledger.directory, "leave", job=job.id, outcome=DEPENDENCY_FAILED)
+            return DependencyFailed(failure)
+        claims = claims_for(data, snapshot.gpus, now)
+        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)
+        record_hold(data, decided.hold)
         if job.id not in decided.admitted:
+            job.__dict__.update(mine.__dict__)
             return decided.waiting.get(job.id)
         uuids = decided.admitted[job.id]
         mine.state = RUNNING
         mine.gpu_uuids = list(uuids)
         mine.reserved_bytes = decided.reserved[job.id]
-        mine.started_at = mine.updated_at = time.time()
+        mine.started_at = mine.updated_at = now
         if mine.pick == "round-robin":
             index = {g.uuid: g.index for g in snapshot.gpus}
             data.rr_cursor = index[uuids[-1]]
+        data.book.note_admitted(uuids)
+        _events.emit(
+            ledger.directory,
+            "admit",
+            job=job.id,
+            name=job.name,
+            gpus=list(uuids),
+            reserved_bytes=mine.reserved_bytes,
+            waited=round(now - mine.submitted_at, 3),
+        )
         job.__dict__.update(mine.__dict__)
         return Admitted(uuids, mine.reserved_bytes, snapshot)
 
@@ -102,12 +164,18 @@ def wait_for_admission(
     nvml_interval: float,
     deadline: float | None,
     on_reason: Callable[[WaitReason], None],
+    ignore_processes: frozenset[str] = frozenset(),
 ) -> WaitOutcome:
-    """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives."""
+    """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
+
+    Also ends when the job is cancelled or a dependency it needs to succeed fails.
+    """
     last_token: object = object()
     last_seen: _Fingerprint | None = None
     next_read = 0.0
     reason: WaitReason | None = None
+    window = UtilizationWindow()
+    wants_utilization = job.requirements.get("max_util_pct") is not None
     while True:
         now = time.monotonic()
         token = ledger.change_token()
@@ -120,14 +188,22 @@ def wait_for_admission(
             last_seen = seen
         if replan:
             snapshot = backend.snapshot()
-            outcome = try_admit(ledger, job, snapshot, safety)
-            if isinstance(outcome, Admitted):
+            if ignore_processes:
+                snapshot = name_processes(snapshot)
+            window.add(snapshot)
+            outcome = try_admit(
+                ledger, job, snapshot, safety, plan_conditions(window, ignore_processes)
+            )
+            if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                 return outcome
             if outcome is not None and outcome != reason:
                 on_reason(outcome)
             reason = outcome
             last_token = ledger.change_token()
-            next_read = time.monotonic() + nvml_interval * random.uniform(0.8, 1.2)
+            interval = nvml_interval
+            if wants_utilization and window.needs_more():
+                interval = min(interval, UTIL_SAMPLE_INTERVAL)
+            next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
         sleep = poll_interval
         if deadline is not None:
             remaining = deadline - time.monotonic()

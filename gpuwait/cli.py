@@ -15,7 +15,9 @@ from gpuwait._errors import EXIT_USAGE, GpuwaitError, UsageError
 #: Subcommand -> one-line help. Each lives in gpuwait.commands.<name, '-' as '_'> and has
 #: `main(argv, parser_class) -> int`.
 SUBCOMMANDS = {
-    "status": "GPUs, running jobs and the queue (--json for scripts)",
+    "status": "GPUs, running jobs, the queue and batches (--json, --watch)",
+    "cancel": "cancel jobs: waiting ones leave the queue, running ones get TERM",
+    "log": "the event log: admit, start, finish, cancel, GPU lost/back (-f to follow)",
     "config": "every effective setting and where it came from",
     "sim": "simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`",
 }
@@ -23,8 +25,9 @@ SUBCOMMANDS = {
 _EPILOG = """\
 A program named like a subcommand runs with `gpuwait -- status`.
 Exit status: the command's own; gpuwait's failures use 2 (usage), 3 (request can never fit),
-4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 124 (--timeout passed),
-126/127 (command not executable / not found), 130/143 (interrupted while waiting).
+4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 6 (an --after-ok job did not
+succeed), 7 (cancelled while waiting), 124 (--timeout passed), 126/127 (command not executable /
+not found), 130/143 (interrupted while waiting).
 
 settings (command line > GPUWAIT_<NAME> > config.toml > default):
 """

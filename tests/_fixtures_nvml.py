@@ -48,6 +48,8 @@ class FakeGpu:
     reserved: int = 0
     util: int | None = 0
     name: str = "Fake A100"
+    #: "8.0"; None: the driver answers NOT_SUPPORTED.
+    cc: str | None = None
     uuid: str = ""  # empty: GPU-fake-<index>
 
 
@@ -130,6 +132,7 @@ class FakeNvml:
             lines.append(
                 f"gpu {index} uuid={_encode_text(uuid)} name={_encode_text(gpu.name)}"
                 f" total={gpu.total} used={gpu.used} reserved={gpu.reserved} util={util}"
+                f" cc={gpu.cc or 'na'}"
             )
         for proc in self.processes:
             mem = "na" if proc.mem is None else str(proc.mem)

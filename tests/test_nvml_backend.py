@@ -241,6 +241,16 @@ def test_utilization_not_supported_is_none(fake_nvml: FakeNvml, backend: NvmlBac
     assert snap.warnings == ()
 
 
+def test_compute_capability_or_none(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
+    fake_nvml.set_gpus([FakeGpu(cc="8.0"), FakeGpu(cc=None), FakeGpu(cc="9.0")])
+    fake_nvml.fail(2, "nvmlDeviceGetCudaComputeCapability", FUNCTION_NOT_FOUND)
+    snap = backend.snapshot()
+    assert [g.compute_capability for g in snap.gpus] == [(8, 0), None, None]
+    assert snap.warnings == ()
+    fake_nvml.fail(0, "nvmlDeviceGetCudaComputeCapability", GPU_IS_LOST)
+    assert [g.index for g in backend.snapshot().gpus] == [1, 2]
+
+
 def test_unreadable_name_still_serves_the_gpu(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
     two_gpus.fail(0, "nvmlDeviceGetName", NOT_SUPPORTED)
     snap = backend.snapshot()
@@ -280,6 +290,7 @@ _FUNCS = [
     "nvmlDeviceGetMemoryInfo_v2",
     "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetCudaComputeCapability",
 ]
 _CODES = [1, 2, NOT_SUPPORTED, NO_PERMISSION, 7, FUNCTION_NOT_FOUND, GPU_IS_LOST, 25, UNKNOWN]
 

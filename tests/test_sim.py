@@ -60,7 +60,13 @@ def report(path: Path) -> dict[str, object]:
 
 
 def test_snapshot_reflects_running_job_then_base(sim_file: SimFileFactory, tmp_path: Path) -> None:
-    path = sim_file(gpus=2, base_used="300MiB", utilization=[None, 35], name="Sim A100")
+    path = sim_file(
+        gpus=2,
+        base_used="300MiB",
+        utilization=[None, 35],
+        name="Sim A100",
+        compute_capability=[None, "8.6"],
+    )
     base = 300 * MiB
     job = start_sim_job(
         "--vram",
@@ -86,6 +92,7 @@ def test_snapshot_reflects_running_job_then_base(sim_file: SimFileFactory, tmp_p
     assert (gpu.name, gpu.total_bytes, gpu.utilization_pct) == ("Sim A100", 24 * GiB, 35)
     assert gpu.uuid == default_uuid(os.path.realpath(path), 1)
     assert snap.gpus[0].utilization_pct is None
+    assert [g.compute_capability for g in snap.gpus] == [None, (8, 6)]
 
 
 def test_ramping_job_grows(sim_file: SimFileFactory, tmp_path: Path) -> None:
@@ -362,6 +369,8 @@ def test_lost_gpu_is_skipped_then_back(sim_file: SimFileFactory) -> None:
         ("[[gpu]]\nmemory = '1G'\nlost = 'yes'\n", "gpu 0: lost must be true or false"),
         ("[[gpu]]\nmemory = '1G'\nutilization = 150\n", "utilization 150 must be an integer"),
         ("[[gpu]]\nmemory = '1G'\nuuid = 'abc'\n", "gpu 0: uuid 'abc' must look like"),
+        ("[[gpu]]\nmemory = '1G'\ncompute_capability = 8.0\n", "compute_capability 8.0 must"),
+        ("[[gpu]]\nmemory = '1G'\ncompute_capability = 'x'\n", "compute_capability 'x' must"),
         (
             f"[[gpu]]\nmemory = '1G'\nuuid = '{UUID_A}'\n" * 2,
             f"gpu 1: uuid '{UUID_A}' is also used by gpu 0",

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwait import _output, _proc, _signals
+from gpuwait import _events, _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
+from gpuwait._bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT, Finished
 from gpuwait._config import Settings
 from gpuwait._devices import parse_devices_option, parse_inherited_visible
 from gpuwait._errors import (
+    EXIT_CANCELLED,
+    EXIT_DEPENDENCY_FAILED,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
     EXIT_TIMEOUT,
@@ -23,12 +27,23 @@ from gpuwait._errors import (
     UsageError,
 )
 from gpuwait._history import append_record
-from gpuwait._ledger import WAITING, Job, Ledger
+from gpuwait._ledger import RUNNING, WAITING, Job, Ledger
 from gpuwait._policy import impossible_reason
-from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request
+from gpuwait._queue import resolve_references
+from gpuwait._runtimes import run_time_estimates
+from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request, parse_size
 from gpuwait._snapshot import MachineSnapshot
 from gpuwait._supervise import RunResult, spawn, supervise
-from gpuwait._wait import Admitted, Interrupted, TimedOut, wait_for_admission
+from gpuwait._wait import (
+    Admitted,
+    Cancelled,
+    DependencyFailed,
+    Interrupted,
+    TimedOut,
+    wait_for_admission,
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}$")
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +66,43 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", metavar="1-5", help="queue priority, 5 is most urgent")
     parser.add_argument(
         "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
+    )
+    parser.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="whole GPUs: no other gpuwait job is admitted there while this one runs",
+    )
+    parser.add_argument("--name", metavar="NAME", help="name the job (for --after, status, log)")
+    parser.add_argument(
+        "--batch", metavar="NAME", help="group jobs; status shows the batch's progress as a line"
+    )
+    parser.add_argument(
+        "--after",
+        metavar="JOB",
+        action="append",
+        default=[],
+        help="start only after these jobs ended (ids, names or batches; repeat or use commas)",
+    )
+    parser.add_argument(
+        "--after-ok",
+        metavar="JOB",
+        action="append",
+        default=[],
+        help="start only after these jobs succeeded; if one fails, give up (exit 6)",
+    )
+    parser.add_argument(
+        "--min-total-vram", metavar="SIZE", help="only GPUs with at least this much VRAM in all"
+    )
+    parser.add_argument(
+        "--gpu-name", metavar="PATTERN", help="only GPUs whose name matches, e.g. A100 or '*H100*'"
+    )
+    parser.add_argument(
+        "--min-compute-capability", metavar="X.Y", help="only GPUs of this CUDA capability or more"
+    )
+    parser.add_argument(
+        "--max-util",
+        metavar="PCT",
+        help="only GPUs whose recent utilization (mean of several readings) is under PCT",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument(
@@ -94,6 +146,13 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: ask for at least 1 GPU")
     request = _request(args, settings)
+    requirements = _requirements(args)
+    for option, value in (("--name", args.name), ("--batch", args.batch)):
+        if value is not None and not _NAME_RE.match(value):
+            raise UsageError(
+                f"{option} {value!r}: use up to 100 letters, digits and . _ : @ + -, "
+                "starting with a letter or digit"
+            )
     try:
         _check_command(command)
     except _CommandProblem as problem:
@@ -109,12 +168,16 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
             _output.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return _exec_bare(command)
     try:
-        return _run_with_backend(args, command, settings, backend, request)
+        return _run_with_backend(args, command, settings, backend, request, requirements)
     finally:
         backend.close()
 
 
 def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | None:
+    if args.exclusive:
+        if args.vram is not None:
+            raise UsageError("--exclusive takes whole GPUs; leave out --vram")
+        return None
     if args.vram is None:
         default: MemoryRequest | None = settings["default_vram"]
         return default
@@ -122,6 +185,51 @@ def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | No
         return parse_request(args.vram)
     except ValueError as exc:
         raise UsageError(f"--vram {exc}") from None
+
+
+def _requirements(args: argparse.Namespace) -> dict[str, Any]:
+    """The capability options as a ledger entry stores them. Raises UsageError."""
+    wanted: dict[str, Any] = {}
+    if args.min_total_vram is not None:
+        try:
+            wanted["min_total_bytes"] = parse_size(args.min_total_vram)
+        except ValueError as exc:
+            raise UsageError(f"--min-total-vram {exc}") from None
+    if args.gpu_name is not None:
+        if not args.gpu_name.strip():
+            raise UsageError("--gpu-name needs a pattern, e.g. A100 or '*H100*'")
+        wanted["name_pattern"] = args.gpu_name.strip()
+    if args.min_compute_capability is not None:
+        match = re.fullmatch(r"\s*([0-9]{1,2})(?:\.([0-9]{1,2}))?\s*", args.min_compute_capability)
+        if match is None:
+            raise UsageError(
+                f"--min-compute-capability {args.min_compute_capability!r}: use MAJOR.MINOR, e.g. 8.0"
+            )
+        wanted["min_compute_capability"] = [int(match.group(1)), int(match.group(2) or 0)]
+    if args.max_util is not None:
+        try:
+            percent = float(args.max_util.strip().removesuffix("%"))
+        except ValueError:
+            percent = -1.0
+        if not 0 < percent <= 100:
+            raise UsageError(f"--max-util {args.max_util!r}: give a percentage above 0, e.g. 30")
+        wanted["max_util_pct"] = percent
+    return wanted
+
+
+def _references(values: list[str]) -> list[str]:
+    return [ref.strip() for value in values for ref in value.split(",") if ref.strip()]
+
+
+def _weights(settings: Settings, snapshot: MachineSnapshot) -> dict[str, float]:
+    """gpu_weights with NVML indices turned into UUIDs."""
+    by_index = {str(g.index): g.uuid for g in snapshot.gpus}
+    weights: dict[str, float] = {}
+    for key, weight in settings["gpu_weights"].items():
+        if key.isdigit() and key not in by_index:
+            raise UsageError(f"gpu_weights names GPU {key}, which is not here")
+        weights[by_index.get(key, key)] = weight
+    return weights
 
 
 def _exec_bare(command: list[str]) -> int:
@@ -162,6 +270,7 @@ def _run_with_backend(
     settings: Settings,
     backend: Backend,
     request: MemoryRequest | None,
+    requirements: dict[str, Any],
 ) -> int:
     snapshot = backend.snapshot()
     for message in snapshot.warnings:
@@ -184,20 +293,43 @@ def _run_with_backend(
         state=WAITING,
         submitted_at=now,
         updated_at=now,
+        name=args.name,
+        batch=args.batch,
+        requirements=requirements,
+        weights=_weights(settings, snapshot) if settings["pick"] == "weighted" else {},
     )
     impossible = impossible_reason(job.claim(snapshot.gpus), snapshot.gpus, settings["safety"])
     if impossible is not None:
         raise ImpossibleRequest(
-            impossible, hint="ask for less (--vram), raise safety, or use other GPUs (--devices)"
+            impossible,
+            hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
         )
+    _estimate(job, settings, snapshot)
+    after, after_ok = _references(args.after), _references(args.after_ok)
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     _signals.block_handled()
     ledger = Ledger(settings.state_dir)
     with ledger.transaction() as data:
+        try:
+            job.after = resolve_references(after, data, settings.state_dir)
+            job.after_ok = resolve_references(after_ok, data, settings.state_dir)
+        except ValueError as exc:
+            raise UsageError(
+                f"--after: {exc}", hint="see `gpuwait status` and `gpuwait log`"
+            ) from None
         job.order = data.next_order
         data.next_order += 1
         data.jobs.append(job)
+        _events.emit(
+            ledger.directory,
+            "submit",
+            job=job.id,
+            name=job.name,
+            batch=job.batch,
+            priority=job.priority,
+            command=job.command,
+        )
     _show_ledger_warnings(ledger, args.quiet)
 
     line = _output.WaitLine(quiet=args.quiet)
@@ -213,22 +345,42 @@ def _run_with_backend(
             nvml_interval=settings["nvml_interval"],
             deadline=None if timeout is None else waited_from + timeout,
             on_reason=line.update,
+            ignore_processes=frozenset(settings["ignore_processes"]),
         )
     except BaseException:
-        _leave(ledger, job)
+        _leave(ledger, job, INTERRUPTED)
         raise
     finally:
         line.clear()
     wait_seconds = time.monotonic() - waited_from
     if isinstance(outcome, TimedOut):
-        _leave(ledger, job)
+        _leave(ledger, job, TIMED_OUT)
         why = f" ({outcome.reason.describe()})" if outcome.reason else ""
         _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
         return EXIT_TIMEOUT
     if isinstance(outcome, Interrupted):
-        _leave(ledger, job)
+        _leave(ledger, job, INTERRUPTED)
         return 128 + outcome.signum
+    if isinstance(outcome, Cancelled):
+        # `gpuwait cancel` already took the entry out and recorded the outcome.
+        if not args.quiet:
+            _output.info(f"job {job.id} cancelled while waiting")
+        return EXIT_CANCELLED
+    if isinstance(outcome, DependencyFailed):
+        _output.error(f"job {job.id} will not start: {outcome.message}")
+        return EXIT_DEPENDENCY_FAILED
     return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds)
+
+
+def _estimate(job: Job, settings: Settings, snapshot: MachineSnapshot) -> None:
+    """Expected run time from history: for backfill, ETAs and adaptive-throughput."""
+    estimates = run_time_estimates(settings.state_dir)
+    job.expected_seconds = estimates.expected_seconds(job.command, job.cwd)
+    if job.pick == "adaptive-throughput":
+        for gpu in snapshot.gpus:
+            seconds = estimates.expected_seconds(job.command, job.cwd, gpu.uuid)
+            if seconds is not None:
+                job.expected_by_gpu[gpu.uuid] = seconds
 
 
 def _start(
@@ -264,9 +416,10 @@ def _start(
     try:
         child = spawn(command, env)
     except OSError as exc:
-        _leave(ledger, job)
+        code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        _leave(ledger, job, FAILED, exit_status=code)
         _output.error(f"{command[0]}: {exc.strerror}")
-        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        return code
     try:
         with ledger.transaction() as data:
             mine = data.find(job.id)
@@ -275,10 +428,19 @@ def _start(
                 mine = job
             mine.child_pid = job.child_pid = child
             mine.pids = job.pids = [child]
+            _events.emit(ledger.directory, "start", job=job.id, name=job.name, pid=child)
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         _output.warn(str(exc))
     result = supervise(child, job, ledger, backend, settings["sample_interval"])
-    _leave(ledger, job)
+    code = result.returncode
+    _leave(
+        ledger,
+        job,
+        OK if code == 0 else FAILED,
+        exit_status=code if code >= 0 else None,
+        signal=-code if code < 0 else None,
+        run_seconds=result.run_seconds,
+    )
     _record(settings, job, chosen, result, wait_seconds, started_at)
     if result.returncode < 0:
         sys.stdout.flush()
@@ -287,10 +449,40 @@ def _start(
     return result.returncode
 
 
-def _leave(ledger: Ledger, job: Job) -> None:
+def _leave(
+    ledger: Ledger,
+    job: Job,
+    outcome: str,
+    exit_status: int | None = None,
+    signal: int | None = None,
+    run_seconds: float | None = None,
+) -> None:
+    """Take the job out of the queue, recording how it ended (and where it ran, if it did)."""
     try:
         with ledger.transaction() as data:
             data.remove(job.id)
+            ran_on = job.gpu_uuids if job.state == RUNNING else []
+            done = Finished(
+                id=job.id,
+                outcome=outcome,
+                finished_at=time.time(),
+                name=job.name,
+                batch=job.batch,
+                exit_status=exit_status,
+                signal=signal,
+            )
+            data.book.note_finished(done, ran_on)
+            _events.emit(
+                ledger.directory,
+                "finish" if ran_on else "leave",
+                job=job.id,
+                name=job.name,
+                outcome=outcome,
+                exit_status=exit_status,
+                signal=signal,
+                gpus=ran_on,
+                run_seconds=None if run_seconds is None else round(run_seconds, 3),
+            )
     except Exception as exc:
         # Our entry is reaped by the next gpuwait anyway, since this process is about to end.
         _output.warn(str(exc))
@@ -306,6 +498,8 @@ def _record(
 ) -> None:
     record = {
         "job_id": job.id,
+        "name": job.name,
+        "batch": job.batch,
         "command": job.command,
         "cwd": job.cwd,
         "request": job.request,

@@ -15,15 +15,16 @@
  * One directive per line; '#' starts a comment; blank lines are ignored.
  *
  *   gpu <index> uuid=<text> name=<text> total=<bytes> used=<bytes>
- *       [reserved=<bytes>] [util=<pct|na>]
+ *       [reserved=<bytes>] [util=<pct|na>] [cc=<major>.<minor>|na]
  *       One GPU. Indices must be 0..N-1, each once (order of lines does not matter).
  *       In <text>, '_' stands for a space and %XX for any byte (%5F is a literal '_').
  *       Memory, as the driver reports it:
  *         v2 (nvmlDeviceGetMemoryInfo_v2): total, reserved, used, free = total - reserved - used
  *         v1 (nvmlDeviceGetMemoryInfo):    total, used = used + reserved, free = as in v2
  *       (v1 folds the driver's reservation into "used", as real drivers do.)
- *       util=na makes nvmlDeviceGetUtilizationRates answer NOT_SUPPORTED (3). Defaults:
- *       reserved=0 util=0; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
+ *       util=na makes nvmlDeviceGetUtilizationRates answer NOT_SUPPORTED (3).
+ *       cc=na makes nvmlDeviceGetCudaComputeCapability answer NOT_SUPPORTED (3). Defaults:
+ *       reserved=0 util=0 cc=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
  *   proc <gpu index> pid=<pid> mem=<bytes|na>
  *       A compute process on that GPU; mem=na is reported as 2^64-1 ("not available"), which
  *       pynvml turns into None.
@@ -116,6 +117,7 @@ typedef struct {
     char name[TEXT_LEN];
     unsigned long long total, used, reserved;
     int util; /* -1: not supported */
+    int cc_major, cc_minor; /* -1: not supported */
 } gpu_state;
 
 typedef struct {
@@ -245,6 +247,7 @@ static int parse_line(machine_state *st, char *line, int lineno) {
         g->present = 1;
         snprintf(g->uuid, sizeof g->uuid, "GPU-fake-%d", idx);
         snprintf(g->name, sizeof g->name, "Fake GPU");
+        g->cc_major = g->cc_minor = -1;
         for (int i = 2; i < nt; i++) {
             const char *v;
             int ok;
@@ -260,6 +263,14 @@ static int parse_line(machine_state *st, char *line, int lineno) {
                 have_used = 1;
             } else if ((v = kv(tokens[i], "reserved"))) {
                 ok = parse_ull(v, &g->reserved);
+            } else if ((v = kv(tokens[i], "cc"))) {
+                if (strcmp(v, "na") == 0) {
+                    g->cc_major = g->cc_minor = -1;
+                    ok = 1;
+                } else {
+                    ok = sscanf(v, "%d.%d", &g->cc_major, &g->cc_minor) == 2 &&
+                         g->cc_major >= 0 && g->cc_minor >= 0;
+                }
             } else if ((v = kv(tokens[i], "util"))) {
                 if (strcmp(v, "na") == 0) {
                     g->util = -1;
@@ -669,6 +680,21 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     utilization->gpu = (unsigned int)g->util;
     utilization->memory = (unsigned int)g->util;
     return leave("nvmlDeviceGetUtilizationRates", device->index, NVML_SUCCESS, NULL);
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    nvmlReturn_t ret;
+    const gpu_state *g = enter_device("nvmlDeviceGetCudaComputeCapability", device, &ret);
+    if (!g) return ret;
+    if (!major || !minor)
+        return leave("nvmlDeviceGetCudaComputeCapability", device->index,
+                     NVML_ERROR_INVALID_ARGUMENT, NULL);
+    if (g->cc_major < 0)
+        return leave("nvmlDeviceGetCudaComputeCapability", device->index,
+                     NVML_ERROR_NOT_SUPPORTED, NULL);
+    *major = g->cc_major;
+    *minor = g->cc_minor;
+    return leave("nvmlDeviceGetCudaComputeCapability", device->index, NVML_SUCCESS, NULL);
 }
 
 /* NVML's two-call protocol: with *infoCount too small (the first call passes 0 and NULL),

@@ -1,0 +1,183 @@
+"""Between the ledger and the pure policy: dependencies, holds, and the facts the plan needs.
+
+The policy sees claims and conditions only; this module derives them from ledger entries (a job
+blocked by an unfinished `--after` dependency), from /proc (process names for the ignore list)
+and from several GPU readings over time (utilization for `--max-util`), and writes the plan's
+hold back into the ledger so that it sticks to its GPUs from one plan to the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from gpuwait import _proc
+from gpuwait._bookkeeping import FAILED, OK, Finished
+from gpuwait._history import history_path
+from gpuwait._ledger import RUNNING, Job, LedgerData
+from gpuwait._policy import Claim, Conditions, Hold
+from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
+
+#: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
+UTIL_WINDOW = 5
+UTIL_MIN_SAMPLES = 3
+#: How much of the history's end is searched for a dependency that left the ledger's record.
+_HISTORY_TAIL = 2**20
+
+
+def _label(job_id: str, name: str | None) -> str:
+    return f"job {job_id} ({name})" if name else f"job {job_id}"
+
+
+def dependency_blocker(job: Job, data: LedgerData) -> str | None:
+    """Why `job` must still wait for its dependencies, or None when none is unfinished."""
+    live = {j.id: j for j in data.jobs}
+    pending = [d for d in dict.fromkeys([*job.after, *job.after_ok]) if d in live]
+    if not pending:
+        return None
+    first = live[pending[0]]
+    more = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
+    how = " successfully" if pending[0] in job.after_ok else ""
+    return f"waiting for {_label(first.id, first.name)}{more} to finish{how}"
+
+
+def settle_dependencies(job: Job, data: LedgerData) -> str | None:
+    """Drop the dependencies that are met; say why `job` can never start if one failed."""
+    live = {j.id for j in data.jobs}
+    for dep in list(job.after_ok):
+        if dep in live:
+            continue
+        done = data.book.outcome(dep)
+        if done is None:
+            return f"job {dep} left no record of how it ended; --after-ok cannot be met"
+        if not done.succeeded:
+            return f"{_label(done.id, done.name)} {done.describe()}; --after-ok cannot be met"
+        job.after_ok.remove(dep)
+    job.after = [d for d in job.after if d in live]
+    return None
+
+
+def claims_for(data: LedgerData, gpus: Sequence[GpuSnapshot], now: float) -> list[Claim]:
+    return [j.claim(gpus, now, blocked=dependency_blocker(j, data)) for j in data.jobs]
+
+
+def record_hold(data: LedgerData, hold: Hold | None) -> None:
+    """Keep the head's GPUs in its entry (and nobody else's), so the hold sticks."""
+    for job in data.jobs:
+        wanted = list(hold.gpu_uuids) if hold is not None and job.id == hold.job_id else []
+        if job.state != RUNNING and job.held_gpus != wanted:
+            job.held_gpus = wanted
+
+
+def name_processes(snapshot: MachineSnapshot) -> MachineSnapshot:
+    """The snapshot with each GPU process's command name filled in from /proc."""
+    gpus = tuple(
+        replace(
+            g,
+            processes=tuple(
+                replace(p, name=_proc.command_name(p.pid)) if p.name is None else p
+                for p in g.processes
+            ),
+        )
+        for g in snapshot.gpus
+    )
+    return replace(snapshot, gpus=gpus)
+
+
+class UtilizationWindow:
+    """The last few utilization readings per GPU; their mean is what `--max-util` compares."""
+
+    def __init__(self, size: int = UTIL_WINDOW) -> None:
+        self._readings: dict[str, deque[int | None]] = {}
+        self._size = size
+
+    def add(self, snapshot: MachineSnapshot) -> None:
+        for gpu in snapshot.gpus:
+            window = self._readings.setdefault(gpu.uuid, deque(maxlen=self._size))
+            window.append(gpu.utilization_pct)
+
+    def needs_more(self) -> bool:
+        """True while some GPU that reports utilization has too few readings to judge."""
+        return any(len(w) < UTIL_MIN_SAMPLES and w[-1] is not None for w in self._readings.values())
+
+    def means(self, minimum: int = UTIL_MIN_SAMPLES) -> dict[str, float | None]:
+        """Mean per GPU over the window; None where the GPU does not report utilization."""
+        means: dict[str, float | None] = {}
+        for uuid, window in self._readings.items():
+            if window[-1] is None:
+                means[uuid] = None
+                continue
+            known = [r for r in window if r is not None]
+            if len(known) >= minimum:
+                means[uuid] = sum(known) / len(known)
+        return means
+
+
+def plan_conditions(
+    window: UtilizationWindow | None, ignore_processes: Iterable[str] = ()
+) -> Conditions:
+    return Conditions(
+        utilization=window.means() if window is not None else {},
+        ignore_processes=frozenset(ignore_processes),
+    )
+
+
+def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -> list[str]:
+    """Job ids named by `--after` values: ids or names (`--name`, `--batch`) of jobs waiting,
+    running or finished. Raises ValueError for a reference that names none."""
+    ids: list[str] = []
+    for ref in refs:
+        found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
+        if not found:
+            done = [f for f in data.book.finished if ref in (f.id, f.name, f.batch)]
+            if done:
+                latest_name = [f for f in done if f.name == ref or f.id == ref]
+                # A name given to several runs means its latest; a batch means all of it.
+                found = [latest_name[-1].id] if latest_name else [f.id for f in done]
+        if not found:
+            record = _from_history(ref, state_dir)
+            if record is not None:
+                data.book.note_finished(record)
+                found = [record.id]
+        if not found:
+            raise ValueError(f"no job, name or batch {ref!r} is waiting, running or finished")
+        ids.extend(i for i in found if i not in ids)
+    return ids
+
+
+def _from_history(ref: str, state_dir: Path) -> Finished | None:
+    """The last run in the history named `ref` (id or name), as a finished record."""
+    path = history_path(state_dir)
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - _HISTORY_TAIL))
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or ref not in (record.get("job_id"), record.get("name")):
+            continue
+        status, signal = record.get("exit_status"), record.get("signal")
+        if not isinstance(record.get("job_id"), str):
+            continue
+        started, ran = record.get("started_at"), record.get("run_seconds")
+        ended = 0.0
+        if isinstance(started, (int, float)) and isinstance(ran, (int, float)):
+            ended = float(started) + float(ran)
+        return Finished(
+            id=record["job_id"],
+            outcome=OK if status == 0 else FAILED,
+            finished_at=ended if 0 <= ended < 1e11 else 0.0,
+            name=record.get("name") if isinstance(record.get("name"), str) else None,
+            exit_status=status if isinstance(status, int) else None,
+            signal=signal if isinstance(signal, int) else None,
+        )
+    return None

@@ -1,0 +1,99 @@
+"""`gpuwait log`: the event log (events.jsonl in the state dir), last lines or followed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from gpuwait._config import load_settings
+from gpuwait._errors import UsageError
+from gpuwait._events import follow, read_events
+from gpuwait._ledger import Ledger
+from gpuwait._sizes import format_duration, format_size
+
+
+def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
+    parser = parser_class(
+        prog="gpuwait log",
+        description="Show the event log: submit, admit, start, finish, leave, cancel, reap, "
+        "gpu_lost, gpu_back, gpu_added.",
+    )
+    parser.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N events")
+    parser.add_argument("-f", "--follow", action="store_true", help="keep showing new events")
+    parser.add_argument("--json", action="store_true", help="the events as JSON lines")
+    parser.add_argument("--job", metavar="ID", help="only events of this job (id or name)")
+    args = parser.parse_args(argv)
+    if args.lines < 0:
+        raise UsageError("--lines must be 0 or more")
+    settings = load_settings({})
+    indices = {u: h.index for u, h in Ledger(settings.state_dir).read().book.health.items()}
+
+    def wanted(event: dict[str, Any]) -> bool:
+        return args.job is None or args.job in (event.get("job"), event.get("name"))
+
+    def show(event: dict[str, Any]) -> None:
+        print(json.dumps(event, sort_keys=True) if args.json else describe(event, indices))
+
+    events = [e for e in read_events(settings.state_dir) if wanted(e)]
+    for event in events[len(events) - args.lines :] if args.lines else []:
+        show(event)
+    sys.stdout.flush()
+    if not args.follow:
+        return 0
+    try:
+        for event in follow(settings.state_dir):
+            if wanted(event):
+                show(event)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _gpus(uuids: Any, indices: dict[str, int]) -> str:
+    if not isinstance(uuids, list) or not uuids:
+        return "-"
+    return ",".join(f"GPU{indices[u]}" if u in indices else str(u)[:12] for u in uuids)
+
+
+def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
+    """One event as one line of text."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["time"]))
+    kind = event["kind"]
+    job = event.get("job")
+    who = f"{job} ({event['name']})" if event.get("name") else str(job)
+    if kind == "submit":
+        text = f"{who} p{event.get('priority')}: {' '.join(map(str, event.get('command') or []))}"
+    elif kind == "admit":
+        reserved = event.get("reserved_bytes")
+        size = format_size(reserved) if isinstance(reserved, int) else "?"
+        waited = event.get("waited")
+        after = f" after {format_duration(waited)}" if isinstance(waited, (int, float)) else ""
+        text = f"{who} on {_gpus(event.get('gpus'), indices)}, {size} reserved{after}"
+    elif kind == "start":
+        text = f"{who} pid {event.get('pid')}"
+    elif kind in ("finish", "leave"):
+        how = str(event.get("outcome"))
+        if event.get("signal") is not None:
+            how += f", signal {event['signal']}"
+        elif event.get("exit_status") is not None:
+            how += f", exit {event['exit_status']}"
+        ran = event.get("run_seconds")
+        if isinstance(ran, (int, float)):
+            how += f", ran {format_duration(ran)} on {_gpus(event.get('gpus'), indices)}"
+        text = f"{who} {how}"
+    elif kind == "cancel":
+        text = f"{who} ({event.get('state')}) by uid {event.get('by_uid')}"
+        if event.get("refused"):
+            text += ": refused, not theirs"
+    elif kind == "reap":
+        text = f"{who} (pid {event.get('pid')} gone while {event.get('state')})"
+    elif kind.startswith("gpu_"):
+        detail = f": {event['detail']}" if event.get("detail") else ""
+        text = f"GPU{event.get('index')} {event.get('gpu')}{detail}"
+    else:
+        text = json.dumps({k: v for k, v in event.items() if k not in ("time", "kind", "schema")})
+    return f"{stamp}  {kind:<9} {text}"
