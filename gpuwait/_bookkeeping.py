@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwait._snapshot import MachineSnapshot
 
-FINISHED_KEPT = 200
+FINISHED_KEPT = 100
 BATCHES_KEPT = 100
 #: Completions per GPU over which throughput is averaged.
 THROUGHPUT_WINDOW = 20
@@ -188,6 +188,18 @@ class Book:
 
     # -- questions -------------------------------------------------------------------------
 
+    def health_would_change(
+        self, snapshot: MachineSnapshot, busy: frozenset[str], now: float | None = None
+    ) -> bool:
+        """Would `note_health` change anything? (Without changing this book.)"""
+        probe = Book(health=dict(self.health), health_backend=self.health_backend)
+        events = probe.note_health(snapshot, busy, now)
+        return (
+            bool(events)
+            or probe.health != self.health
+            or probe.health_backend != self.health_backend
+        )
+
     def outcome(self, job_id: str) -> Finished | None:
         return next((f for f in reversed(self.finished) if f.id == job_id), None)
 
@@ -197,12 +209,14 @@ class Book:
     # -- storage ---------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
+        # vars() rather than dataclasses.asdict: every field is a plain value (or a list of
+        # them), and asdict's deep copies cost more than the rest of a ledger transaction.
         return {
-            "finished": [asdict(f) for f in self.finished],
-            "gpus": {u: asdict(c) for u, c in self.gpus.items()},
-            "health": {u: asdict(h) for u, h in self.health.items()},
+            "finished": [dict(vars(f)) for f in self.finished],
+            "gpus": {u: dict(vars(c)) for u, c in self.gpus.items()},
+            "health": {u: dict(vars(h)) for u, h in self.health.items()},
             "health_backend": self.health_backend,
-            "batches": {b: asdict(c) for b, c in self.batches.items()},
+            "batches": {b: dict(vars(c)) for b, c in self.batches.items()},
         }
 
     @classmethod

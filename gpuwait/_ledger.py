@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -319,7 +319,8 @@ class LedgerData:
             "created_at": self.created_at,
             "next_order": self.next_order,
             "rr_cursor": self.rr_cursor,
-            "jobs": [asdict(j) for j in self.jobs],
+            # vars(), not asdict(): the same JSON without asdict's deep copies.
+            "jobs": [dict(vars(j)) for j in self.jobs],
             "book": self.book.to_json(),
         }
 
@@ -335,6 +336,9 @@ class Ledger:
         self.warnings: list[str] = []
         #: Entries removed by the last transaction because their process was gone.
         self.reaped: list[Job] = []
+        #: The file's change token and content as the last transaction left them.
+        self.token: tuple[int, int, int] | None = None
+        self.committed: LedgerData | None = None
 
     def change_token(self) -> tuple[int, int, int] | None:
         """Cheap fingerprint of the file: it changes whenever the ledger is rewritten."""
@@ -371,6 +375,8 @@ class Ledger:
                 encoded = data.to_json()
                 if encoded != raw:
                     write_json_atomic(self.path, encoded)
+                # Taken under the lock, so they describe exactly the file as it now is.
+                self.token, self.committed = self.change_token(), data
             except OSError as exc:
                 raise StateError(
                     f"ledger {self.path} cannot be written: {exc.strerror}",

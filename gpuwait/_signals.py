@@ -36,9 +36,10 @@ def unblock_all() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
-def next_signal(timeout: float) -> signal.struct_siginfo | None:
-    """Sleep up to `timeout` seconds; return the first handled signal that arrives, or None."""
-    return signal.sigtimedwait(HANDLED, max(0.0, timeout))
+def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_siginfo | None:
+    """Sleep up to `timeout` seconds; return the first handled signal (or one of `also`, which
+    the caller has blocked) that arrives, or None."""
+    return signal.sigtimedwait((*HANDLED, *also), max(0.0, timeout))
 
 
 def came_from_terminal(info: signal.struct_siginfo) -> bool:

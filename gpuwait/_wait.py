@@ -154,6 +154,56 @@ def try_admit(
         return Admitted(uuids, mine.reserved_bytes, snapshot)
 
 
+def _busy(data: LedgerData) -> frozenset[str]:
+    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+
+
+def _reason_without_lock(
+    data: LedgerData,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    conditions: Conditions,
+) -> WaitReason | None:
+    """Why `job` still waits, judged from an unlocked read, or None when the lock is needed.
+
+    It is needed to admit the job, to reap a dead entry, to settle a dependency, to record a
+    GPU's health or the head's hold: anything that writes. A release wakes every waiter; this
+    lets all but the ones it admits go back to sleep without queueing for the lock, so the
+    admitted one gets it at once.
+    """
+    mine = data.find(job.id)
+    if mine is None or not all(j.is_alive() for j in data.jobs):
+        return None
+    live = {j.id for j in data.jobs}
+    if any(d not in live for d in (*mine.after, *mine.after_ok)):
+        return None
+    now = time.time()
+    if data.book.health_would_change(snapshot, _busy(data), now):
+        return None
+    decided = plan(
+        snapshot.gpus, claims_for(data, snapshot.gpus, now), safety, data.rr_cursor, conditions
+    )
+    if job.id in decided.admitted:
+        return None
+    for entry in data.jobs:
+        held = decided.hold.gpu_uuids if decided.hold and entry.id == decided.hold.job_id else ()
+        if entry.state != RUNNING and tuple(entry.held_gpus) != tuple(held):
+            return None
+    return decided.waiting.get(job.id)
+
+
+def _only_dependencies_hold_it(data: LedgerData, job: Job) -> bool:
+    """True while `job` waits for dependencies that all still run or wait: no GPU matters."""
+    mine = data.find(job.id)
+    if mine is None or not (mine.after or mine.after_ok):
+        return False
+    live = {j.id for j in data.jobs}
+    return all(d in live for d in (*mine.after, *mine.after_ok)) and all(
+        j.is_alive() for j in data.jobs
+    )
+
+
 def wait_for_admission(
     ledger: Ledger,
     backend: Backend,
@@ -168,7 +218,9 @@ def wait_for_admission(
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
-    Also ends when the job is cancelled or a dependency it needs to succeed fails.
+    Also ends when the job is cancelled or a dependency it needs to succeed fails. Between
+    attempts it sleeps until the ledger is rewritten (inotify, see `_watch`; else a stat poll
+    every `poll_interval`), a signal arrives, or it is time to read the GPUs again.
     """
     last_token: object = object()
     last_seen: _Fingerprint | None = None
@@ -176,40 +228,67 @@ def wait_for_admission(
     reason: WaitReason | None = None
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
-    while True:
-        now = time.monotonic()
-        token = ledger.change_token()
-        replan = now >= next_read
-        if token != last_token:
-            last_token = token
-            seen = _fingerprint(ledger.read())
-            if last_seen is None or _released(last_seen, seen):
-                replan = True
-            last_seen = seen
-        if replan:
-            snapshot = backend.snapshot()
-            if ignore_processes:
-                snapshot = name_processes(snapshot)
-            window.add(snapshot)
-            outcome = try_admit(
-                ledger, job, snapshot, safety, plan_conditions(window, ignore_processes)
-            )
-            if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
-                return outcome
-            if outcome is not None and outcome != reason:
-                on_reason(outcome)
-            reason = outcome
-            last_token = ledger.change_token()
-            interval = nvml_interval
-            if wants_utilization and window.needs_more():
-                interval = min(interval, UTIL_SAMPLE_INTERVAL)
-            next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
-        sleep = poll_interval
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return TimedOut(reason)
-            sleep = min(sleep, remaining)
-        info = _signals.next_signal(sleep)
-        if info is not None and info.si_signo != signal.SIGCHLD:
+    snapshot: MachineSnapshot | None = None
+    watch = None
+    try:
+        while True:
+            now = time.monotonic()
+            token = ledger.change_token()
+            replan = now >= next_read
+            if token != last_token:
+                last_token = token
+                seen = _fingerprint(ledger.read())
+                if last_seen is None or _released(last_seen, seen):
+                    replan = True
+                last_seen = seen
+            if replan:
+                outcome: Admitted | WaitReason | Cancelled | DependencyFailed | None = None
+                data = ledger.read()
+                if snapshot is not None and _only_dependencies_hold_it(data, job):
+                    claims = claims_for(data, snapshot.gpus, time.time())
+                    outcome = plan(snapshot.gpus, claims, safety, data.rr_cursor).waiting.get(
+                        job.id
+                    )
+                else:
+                    snapshot = backend.snapshot()
+                    if ignore_processes:
+                        snapshot = name_processes(snapshot)
+                    window.add(snapshot)
+                    facts = plan_conditions(window, ignore_processes)
+                    outcome = _reason_without_lock(data, job, snapshot, safety, facts)
+                    if outcome is None:
+                        outcome = try_admit(ledger, job, snapshot, safety, facts)
+                        if ledger.committed is not None:
+                            last_token = ledger.token
+                            last_seen = _fingerprint(ledger.committed)
+                if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
+                    return outcome
+                if outcome is not None and outcome != reason:
+                    on_reason(outcome)
+                reason = outcome
+                interval = nvml_interval
+                if wants_utilization and window.needs_more():
+                    interval = min(interval, UTIL_SAMPLE_INTERVAL)
+                next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
+            if watch is None:
+                # Set up only once the job has to wait: a launch that fits at once pays nothing.
+                from gpuwait._watch import LedgerWatch
+
+                watch = LedgerWatch(ledger.directory)
+                continue  # the ledger may have changed before the watch began
+            sleep = max(0.0, next_read - time.monotonic()) if watch.active else poll_interval
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return TimedOut(reason)
+                sleep = min(sleep, remaining)
+            info = _signals.next_signal(sleep, also=(watch.wake_signal,) if watch.active else ())
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            if watch.active and info.si_signo == watch.wake_signal:
+                watch.drain()
+                continue
             return Interrupted(info.si_signo)
+    finally:
+        if watch is not None:
+            watch.close()

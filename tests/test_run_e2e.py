@@ -431,15 +431,15 @@ def test_config_shows_sources_by_precedence(
 
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
+    wait_for_jobs(2, "running")  # first, or the waiter could slip in ahead of a holder
     waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
     try:
         wait_for_jobs(3)
-        wait_for_jobs(2, "running")
         report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
-        assert report["schema"] == 1 and report["backend"] == "sim"
+        assert report["schema"] == 2 and report["backend"] == "sim"
         assert [j["state"] for j in report["jobs"]] == ["running", "running", "waiting"]
         assert "waiting for 10.0 GiB" in report["jobs"][2]["waiting_reason"]
-        assert all(g["committed_bytes"] >= 20 * GiB for g in report["gpus"])
+        assert all(g["reserved_bytes"] >= 20 * GiB for g in report["gpus"])
         text = run([*gpuwait_cmd, "status"]).stdout
         assert "Waiting (1)" in text and "Running (2)" in text
     finally:

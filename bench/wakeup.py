@@ -1,0 +1,147 @@
+"""Wake-up: from a release to the start of the next waiter's command, and an idle waiter's CPU.
+
+Each trial: a gpuwait job holds 20 GiB of a simulated 24 GiB card; a second gpuwait waits for
+10 GiB there. The holder's command writes the time just before it exits (the release); the
+waiter's command writes the time as soon as it starts. The latency is the difference: gpuwait
+noticing its command's end, leaving the ledger, the waiter noticing, re-planning under the lock
+and starting its command. `--idle-waiters K` adds K more waiters that never get in (they wait
+for a dependency), so every release also wakes them, as on a busy machine.
+
+Then one waiter that cannot be admitted is left alone for a few seconds, and its CPU time is
+read from /proc/PID/stat (utime + stime), against a `sleep` process over the same time.
+
+Goals: median <= 50 ms, p99 <= 250 ms; idle waiter <= 1 % of a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from _common import GPUWAIT, median, percentile, sandbox
+
+STAMP = "date +%s.%N > {}"  # GNU date: starts in about a millisecond
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def ledger_states(env: dict[str, str]) -> list[str]:
+    path = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    try:
+        return [j["state"] for j in json.loads(path.read_text())["jobs"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def wait_until(predicate: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SystemExit("bench: timed out waiting for the queue to settle")
+        time.sleep(0.005)
+
+
+def trial(env: dict[str, str], workdir: Path, index: int, extra: int, hold: float) -> float:
+    released = workdir / f"released-{index}"
+    started = workdir / f"started-{index}"
+    go = workdir / f"go-{index}"
+    # The holder ends once told to (after the waiter is queued), `hold` seconds later.
+    holder = subprocess.Popen(
+        [
+            *GPUWAIT,
+            "--vram",
+            "20G",
+            "-q",
+            "--",
+            "sh",
+            "-c",
+            f"while [ ! -e {go} ]; do sleep 0.01; done; sleep {hold}; " + STAMP.format(released),
+        ],
+        env=env,
+    )
+    wait_until(lambda: ledger_states(env).count("running") >= 1 + (extra > 0))
+    waiter = subprocess.Popen(
+        [*GPUWAIT, "--vram", "10G", "-q", "--", "sh", "-c", STAMP.format(started)], env=env
+    )
+    wait_until(lambda: len(ledger_states(env)) >= 2 + extra)
+    go.touch()
+    holder.wait()
+    waiter.wait()
+    return float(started.read_text()) - float(released.read_text())
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def idle_cpu(env: dict[str, str], seconds: float) -> tuple[float, float]:
+    """CPU % of one waiter that cannot get in, and of `sleep` (the floor), over `seconds`."""
+    blocker = subprocess.Popen(
+        [*GPUWAIT, "--vram", "20G", "-q", "--", "sleep", str(seconds + 30)], env=env
+    )
+    wait_until(lambda: "running" in ledger_states(env))
+    waiter = subprocess.Popen([*GPUWAIT, "--vram", "10G", "-q", "--", "true"], env=env)
+    sleeper = subprocess.Popen(["sleep", str(seconds + 30)])
+    wait_until(lambda: len(ledger_states(env)) >= 2)
+    time.sleep(1.0)  # past start-up
+    before = cpu_seconds(waiter.pid), cpu_seconds(sleeper.pid)
+    time.sleep(seconds)
+    after = cpu_seconds(waiter.pid), cpu_seconds(sleeper.pid)
+    for proc in (waiter, blocker, sleeper):
+        proc.terminate()
+        proc.wait()
+    return (
+        100 * (after[0] - before[0]) / seconds,
+        100 * (after[1] - before[1]) / seconds,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trials", type=int, default=40)
+    parser.add_argument("--idle-waiters", type=int, default=4)
+    parser.add_argument("--hold", type=float, default=0.4, help="seconds each holder holds")
+    parser.add_argument("--cpu-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    env = sandbox(gpus=1, memory="24GiB")
+    workdir = Path(env["XDG_STATE_HOME"]).parent
+    # Idle waiters: blocked behind a dependency that does not end during the benchmark.
+    anchor = subprocess.Popen(
+        [*GPUWAIT, "--vram", "1M", "--name", "anchor", "-q", "--", "sleep", "3600"], env=env
+    )
+    wait_until(lambda: "running" in ledger_states(env))
+    idle = [
+        subprocess.Popen(
+            [*GPUWAIT, "--vram", "1M", "--after", "anchor", "-q", "--", "true"], env=env
+        )
+        for _ in range(args.idle_waiters)
+    ]
+    wait_until(lambda: len(ledger_states(env)) >= 1 + args.idle_waiters)
+    extra = 1 + args.idle_waiters
+    try:
+        latencies = [
+            trial(env, workdir, i, extra, args.hold) * 1000 for i in range(args.trials)
+        ]
+    finally:
+        for proc in [*idle, anchor]:
+            proc.terminate()
+            proc.wait()
+    waiter_cpu, sleep_cpu = idle_cpu(sandbox(gpus=1, memory="24GiB"), args.cpu_seconds)
+    print(f"trials:                 {args.trials} (with {args.idle_waiters} idle waiters woken too)")
+    print(
+        f"release -> next start:  median {median(latencies):6.1f} ms   "
+        f"p99 {percentile(latencies, 99):6.1f} ms   max {max(latencies):6.1f} ms   "
+        "goal <= 50 / 250 ms"
+    )
+    print(
+        f"idle waiter CPU:        {waiter_cpu:5.2f} % of a core over {args.cpu_seconds:g}s "
+        f"(sleep: {sleep_cpu:.2f} %)   goal <= 1 %"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Wake a waiter the moment the ledger is rewritten: inotify on the state dir, as a signal.
+
+The waiting loop has one place where it sleeps, `sigtimedwait`, so that Ctrl-C and TERM end the
+wait at once. An inotify descriptor set to O_ASYNC makes the kernel send SIGIO to this process
+when an event arrives, so that same sleep also ends when the ledger is replaced (gpuwait writes
+it by renaming a temporary file over it: IN_MOVED_TO). No polling is left while nothing happens.
+
+Linux only, through ctypes. Where inotify cannot be had (another OS, the per-user limit of
+inotify instances reached, a file system without it), `LedgerWatch.active` is False and the loop
+falls back to checking the ledger's change stamp every `poll_interval`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+from pathlib import Path
+
+WAKE_SIGNAL = signal.SIGIO
+_IN_MOVED_TO = 0x00000080
+_IN_DELETE = 0x00000200
+
+
+class LedgerWatch:
+    """While open, the ledger's directory changing queues WAKE_SIGNAL for this process."""
+
+    wake_signal = WAKE_SIGNAL
+
+    def __init__(self, directory: Path) -> None:
+        self.fd = -1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            init = libc.inotify_init1
+            add = libc.inotify_add_watch
+        except (OSError, AttributeError):
+            return
+        # Blocked before it can be sent: its default action would end the process.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {WAKE_SIGNAL})
+        fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            return
+        try:
+            if add(fd, os.fsencode(directory), _IN_MOVED_TO | _IN_DELETE) < 0:
+                raise OSError(ctypes.get_errno(), "inotify_add_watch")
+            fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+        except OSError:
+            os.close(fd)
+            return
+        self.fd = fd
+
+    @property
+    def active(self) -> bool:
+        return self.fd >= 0
+
+    def drain(self) -> None:
+        """Read the queued events, so that the next one signals again."""
+        if self.fd < 0:
+            return
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while os.read(self.fd, 65536):
+                pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        # A signal still queued would wait forever: take it now, it means nothing any more.
+        with contextlib.suppress(OSError):
+            signal.sigtimedwait({WAKE_SIGNAL}, 0)
