@@ -441,7 +441,7 @@ def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]
         assert "waiting for 10.0 GiB" in report["jobs"][2]["waiting_reason"]
         assert all(g["reserved_bytes"] >= 20 * GiB for g in report["gpus"])
         text = run([*gpuwait_cmd, "status"]).stdout
-        assert "Waiting (1)" in text and "Running (2)" in text
+        assert "Queue (1)" in text and "Running (2)" in text
     finally:
         waiter.terminate()
         waiter.wait()
