@@ -123,15 +123,15 @@ def main() -> None:
     wait_until(lambda: len(ledger_states(env)) >= 1 + args.idle_waiters)
     extra = 1 + args.idle_waiters
     try:
-        latencies = [
-            trial(env, workdir, i, extra, args.hold) * 1000 for i in range(args.trials)
-        ]
+        latencies = [trial(env, workdir, i, extra, args.hold) * 1000 for i in range(args.trials)]
     finally:
         for proc in [*idle, anchor]:
             proc.terminate()
             proc.wait()
     waiter_cpu, sleep_cpu = idle_cpu(sandbox(gpus=1, memory="24GiB"), args.cpu_seconds)
-    print(f"trials:                 {args.trials} (with {args.idle_waiters} idle waiters woken too)")
+    print(
+        f"trials:                 {args.trials} (with {args.idle_waiters} idle waiters woken too)"
+    )
     print(
         f"release -> next start:  median {median(latencies):6.1f} ms   "
         f"p99 {percentile(latencies, 99):6.1f} ms   max {max(latencies):6.1f} ms   "
