@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpuwait import _events, _proc
+from gpuwait import _events, _proc, _wake
 from gpuwait._atomic import ensure_private_dir, keep_damaged, write_json_atomic
 from gpuwait._bookkeeping import LOST, Book, Finished
 from gpuwait._errors import StateError
@@ -303,6 +303,8 @@ class LedgerData:
     created_at: float = field(default_factory=time.time)
     #: Outcomes of finished jobs, per-GPU counters, GPU health, batch counts.
     book: Book = field(default_factory=Book)
+    #: How many transactions freed room (see gpuwait._wake).
+    release_seq: int = 0
 
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
@@ -322,6 +324,7 @@ class LedgerData:
             # vars(), not asdict(): the same JSON without asdict's deep copies.
             "jobs": [dict(vars(j)) for j in self.jobs],
             "book": self.book.to_json(),
+            "release_seq": self.release_seq,
         }
 
 
@@ -367,14 +370,18 @@ class Ledger:
                 ) from None
             try:
                 data, raw = self._load(repair=True)
+                before = _wake.fingerprint(data.jobs)
                 self.reaped = [j for j in data.jobs if not j.is_alive()]
                 for job in self.reaped:
                     data.jobs.remove(job)
                     self._note_reaped(data, job)
                 yield data
+                if _wake.released(before, _wake.fingerprint(data.jobs)):
+                    data.release_seq += 1
                 encoded = data.to_json()
-                if encoded != raw:
+                if encoded != raw or not _wake.wake_path(self.directory).exists():
                     write_json_atomic(self.path, encoded)
+                    _wake.write_summary(self.directory, _wake.summary(data.jobs, data.release_seq))
                 # Taken under the lock, so they describe exactly the file as it now is.
                 self.token, self.committed = self.change_token(), data
             except OSError as exc:
@@ -413,6 +420,7 @@ class Ledger:
                 next_order=_int(raw, "next_order", 0, 2**62),
                 rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
                 created_at=_float(raw, "created_at"),
+                release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
             )
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             if repair:

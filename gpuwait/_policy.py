@@ -14,9 +14,12 @@ its real size; and nothing is counted twice, because what a job really uses is t
 
 The queue (`plan`): waiters are looked at in queue order (priority, then submission). One that
 fits starts at once. The first one that does not fit, the head, holds the GPU(s) on which it
-could start soonest: later waiters may use a held GPU only when they are expected to end before
-the head could start there (backfill), so a big job is never starved by a stream of small ones.
-A waiter with no run-time estimate never backfills onto a held GPU; it may use the others.
+could start soonest, so a big job is never starved by a stream of small ones. A later waiter may
+start on a held GPU (backfill) only where that cannot delay the head's expected start: when it is
+expected to end before then, or when it fits in the memory the head will leave spare at that
+time. Both need run times: when the head's start cannot be told (a job it waits for has no
+estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own never
+takes room the head is waiting for. Either may use the GPUs that are not held.
 """
 
 from __future__ import annotations
@@ -209,11 +212,12 @@ class Hold:
     gpu_uuids: tuple[str, ...]
     #: Expected seconds until the head fits there; None: unknown (a job there has no estimate).
     start_in: float | None
+    #: Per held GPU, bytes still free at the head's expected start once it has taken its share
+    #: (jobs placed there now may use them whatever their run time); 0 when the start is unknown.
+    spare: Mapping[str, int] = field(default_factory=dict)
 
-    def admits_backfill(self, claim: Claim, uuid: str) -> bool:
-        """May `claim` use `uuid` without delaying the head?"""
-        if uuid not in self.gpu_uuids:
-            return True
+    def ends_in_time(self, claim: Claim, uuid: str) -> bool:
+        """Is `claim` expected to end on `uuid` before the head could start there?"""
         expected = claim.expected_by_gpu.get(uuid, claim.expected_seconds)
         return self.start_in is not None and expected is not None and expected <= self.start_in
 
@@ -227,6 +231,8 @@ class Plan:
     waiting: Mapping[str, WaitReason]
     next_cursor: int
     hold: Hold | None = None
+    #: Admitted jobs placed on held GPUs (backfill): job -> those GPUs.
+    backfill: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def gpu_rooms(
@@ -408,10 +414,27 @@ def _hold_for(
         if not start < held_start:
             chosen, start = [times[u][0] for u in claim.held], held_start
     chosen.sort(key=lambda r: r.gpu.index)
+    spare = {}
+    for room in chosen:
+        uuid = room.gpu.uuid
+        if claim.request is None or start == _NEVER:
+            spare[uuid] = 0  # an exclusive head needs the whole card; an unknown start, all
+            continue
+        # Room at the start: what jobs expected to end by then free (unknown ends never do).
+        freed = sum(
+            max(c.reserved_bytes, c.observed.get(uuid, 0))
+            for c in running
+            if uuid in c.gpu_uuids
+            and c.expected_seconds is not None
+            and max(0.0, c.expected_seconds) <= start
+        )
+        need = claim.request.on(room.gpu.total_bytes)
+        spare[uuid] = max(0, room.room + freed - need)
     return Hold(
         job_id=claim.job_id,
         gpu_uuids=tuple(r.gpu.uuid for r in chosen),
         start_in=None if start == _NEVER else start,
+        spare=spare,
     )
 
 
@@ -436,7 +459,9 @@ def plan(
     admitted: dict[str, tuple[str, ...]] = {}
     reserved: dict[str, int] = {}
     reasons: dict[str, WaitReason] = {}
+    backfill: dict[str, tuple[str, ...]] = {}
     hold: Hold | None = None
+    spare: dict[str, int] = {}
     for position, claim in enumerate(waiting):
         if claim.blocked is not None:
             reasons[claim.job_id] = _wait_reason(claim, rooms, running_total, position, conditions)
@@ -448,7 +473,13 @@ def plan(
                 fitting.append((room, need))
         allowed = fitting
         if hold is not None:
-            allowed = [(r, n) for r, n in fitting if hold.admits_backfill(claim, r.gpu.uuid)]
+            allowed = [
+                (r, n)
+                for r, n in fitting
+                if r.gpu.uuid not in hold.gpu_uuids
+                or n <= spare[r.gpu.uuid]
+                or hold.ends_in_time(claim, r.gpu.uuid)
+            ]
         if len(allowed) >= claim.gpus_wanted and allowed:
             chosen = _order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
@@ -462,6 +493,13 @@ def plan(
             uuids = tuple(r.gpu.uuid for r, _ in chosen)
             admitted[claim.job_id] = uuids
             reserved[claim.job_id] = max(need for _, need in chosen)
+            on_held = tuple(u for u in uuids if hold is not None and u in hold.gpu_uuids)
+            if hold is not None and on_held:
+                backfill[claim.job_id] = on_held
+                for room, need in chosen:
+                    # What may outlive the head's start comes out of its spare.
+                    if room.gpu.uuid in on_held and not hold.ends_in_time(claim, room.gpu.uuid):
+                        spare[room.gpu.uuid] = max(0, spare[room.gpu.uuid] - need)
             # Its end frees room the head may be waiting for.
             running.append(
                 replace(claim, running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
@@ -473,6 +511,7 @@ def plan(
         if hold is None:
             hold = _hold_for(claim, rooms, running, conditions)
             if hold is not None:
+                spare = dict(hold.spare)
                 note = _held_note(hold, rooms)
         elif len(fitting) >= claim.gpus_wanted:
             note = _backfill_note(claim, hold, rooms)
@@ -480,7 +519,12 @@ def plan(
             claim, rooms, running_total, position, conditions, note
         )
     return Plan(
-        admitted=admitted, reserved=reserved, waiting=reasons, next_cursor=cursor, hold=hold
+        admitted=admitted,
+        reserved=reserved,
+        waiting=reasons,
+        next_cursor=cursor,
+        hold=hold,
+        backfill=backfill,
     )
 
 
@@ -494,12 +538,15 @@ def _held_note(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
 
 
 def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
-    why = (
+    when = (
         "no run-time estimate to fit before it"
         if claim.expected_seconds is None
         else "would not end before it can start"
     )
-    return f"{_gpu_list(hold, rooms)} held for job {hold.job_id} ({why})"
+    return (
+        f"{_gpu_list(hold, rooms)} held for job {hold.job_id} (more than the room it leaves "
+        f"spare; {when})"
+    )
 
 
 def _wait_reason(

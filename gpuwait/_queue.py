@@ -34,8 +34,16 @@ def _label(job_id: str, name: str | None) -> str:
 
 
 def dependency_blocker(job: Job, data: LedgerData) -> str | None:
-    """Why `job` must still wait for its dependencies, or None when none is unfinished."""
+    """Why `job` must still wait for its dependencies, or None when none is unfinished.
+
+    An `--after-ok` dependency that ended without success blocks for good: the job's own
+    gpuwait notices and gives up (exit 6), and no plan admits it meanwhile.
+    """
     live = {j.id: j for j in data.jobs}
+    for dep in job.after_ok:
+        done = data.book.outcome(dep) if dep not in live else None
+        if dep not in live and (done is None or not done.succeeded):
+            return f"job {dep} did not succeed; giving up (--after-ok)"
     pending = [d for d in dict.fromkeys([*job.after, *job.after_ok]) if d in live]
     if not pending:
         return None

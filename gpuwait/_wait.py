@@ -1,17 +1,18 @@
-"""The one waiting loop: poll the ledger cheaply, re-plan when something was released.
+"""The one waiting loop: sleep until something concerns this job, then plan for the whole queue.
 
 Waking up fast after a release matters (a job that ends should be followed by the next one within
-milliseconds), while reading NVML on every tick would be slow and heavy. So the loop:
-- checks the ledger file's fingerprint every `poll_interval` (a stat call);
-- when it changed, reads it without the lock and re-plans only if something was released
-  (an entry gone, a reservation smaller, a process tree changed) — a new waiter or a running job
-  publishing its usage cannot make room;
-- re-reads the GPUs at least every `nvml_interval` (with jitter, so that many waiters do not read
-  in lockstep) to notice processes outside gpuwait coming and going.
-Every decision is made under the ledger lock with a fresh snapshot, so two waiters never both take
-the same room. The same transaction records which GPUs the queue's head holds, notes GPUs that
-stopped or started answering, and notices that this job was cancelled or that a dependency it
-needed to succeed did not.
+milliseconds), while every waiter reading NVML and re-planning on every change would swamp a
+machine with a hundred of them. So:
+- every plan is made for the whole queue, and admits every waiter that fits (not only the one
+  that plans); the others find themselves admitted in the ledger and start;
+- waiters sleep until `wake.json` changes (inotify, see `_watch`; else a stat poll every
+  `poll_interval`), a signal arrives, or it is time to read the GPUs again; on a change each reads
+  only that small summary (see `_wake`). After a release, the first waiter in the queue plans;
+- the GPUs are re-read every `nvml_interval` (with jitter) to notice processes outside gpuwait
+  coming and going, by whichever waiter's timer fires first: the others skip their turn.
+Every admission is decided under the ledger lock with a fresh snapshot, so two plans never both
+hand out the same room. The same transaction records which GPUs the queue's head holds and notes
+GPUs that stopped or started answering.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwait import _events, _signals
+from gpuwait import _events, _signals, _wake
 from gpuwait._backend import Backend
 from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
-from gpuwait._policy import NO_CONDITIONS, Conditions, WaitReason, plan
+from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
 from gpuwait._queue import (
     UtilizationWindow,
     claims_for,
@@ -35,17 +36,20 @@ from gpuwait._queue import (
     record_hold,
     settle_dependencies,
 )
-from gpuwait._snapshot import MachineSnapshot
+from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
 #: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
 UTIL_SAMPLE_INTERVAL = 0.2
+#: A waiter plans for itself at least this often, so its waiting line stays current.
+OWN_PLAN_INTERVAL = 10.0
 
 
 @dataclass(frozen=True)
 class Admitted:
     gpu_uuids: tuple[str, ...]
     reserved_bytes: int
-    snapshot: MachineSnapshot
+    #: The GPUs, in the order of `gpu_uuids`, as last read.
+    gpus: tuple[GpuSnapshot, ...]
 
 
 @dataclass(frozen=True)
@@ -71,30 +75,56 @@ class DependencyFailed:
 
 
 WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
-
-_Fingerprint = dict[str, tuple[str, int, tuple[int, ...], int | None, tuple[str, ...]]]
-
-
-def _fingerprint(data: LedgerData) -> _Fingerprint:
-    return {
-        j.id: (j.state, j.reserved_bytes, tuple(j.pids), j.child_pid, tuple(j.held_gpus))
-        for j in data.jobs
-    }
+_Attempt = Admitted | WaitReason | Cancelled | DependencyFailed | None
 
 
-def _released(before: _Fingerprint, after: _Fingerprint) -> bool:
-    """True when `after` may hold room that `before` did not."""
-    for job_id, (state, reserved, pids, child, held) in before.items():
-        now = after.get(job_id)
-        if now is None:
-            return True
-        if state == RUNNING and (now[0] != RUNNING or now[1] < reserved or now[2] != pids):
-            return True
-        if state == RUNNING and now[3] != child:
-            return True
-        if held and not set(held) <= set(now[4]):
-            return True  # the head let go of a GPU
-    return False
+def _busy(data: LedgerData) -> frozenset[str]:
+    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+
+
+def _admit_all(ledger: Ledger, data: LedgerData, decided: Plan, snapshot: MachineSnapshot) -> None:
+    """Mark every job the plan admits as running, on its GPUs."""
+    now = time.time()
+    index = {g.uuid: g.index for g in snapshot.gpus}
+    for entry in data.jobs:
+        uuids = decided.admitted.get(entry.id)
+        if uuids is None:
+            continue
+        entry.state = RUNNING
+        entry.gpu_uuids = list(uuids)
+        entry.reserved_bytes = decided.reserved[entry.id]
+        entry.started_at = entry.updated_at = now
+        entry.held_gpus = []
+        if entry.pick == "round-robin":
+            data.rr_cursor = index[uuids[-1]]
+        data.book.note_admitted(uuids)
+        _events.emit(
+            ledger.directory,
+            "admit",
+            job=entry.id,
+            name=entry.name,
+            gpus=list(uuids),
+            reserved_bytes=entry.reserved_bytes,
+            waited=round(now - entry.submitted_at, 3),
+            backfill=list(decided.backfill.get(entry.id, ())),
+        )
+
+
+def _gpus_of(
+    uuids: list[str], snapshot: MachineSnapshot, data: LedgerData
+) -> tuple[GpuSnapshot, ...]:
+    """The GPUs a job was given, from the snapshot, or as last seen where it lacks one."""
+    seen = snapshot.by_uuid()
+    gpus = []
+    for uuid in uuids:
+        health = data.book.health.get(uuid)
+        if uuid in seen:
+            gpus.append(seen[uuid])
+        elif health is not None:
+            gpus.append(GpuSnapshot(health.index, uuid, health.name, health.total_bytes, 0))
+        else:
+            gpus.append(GpuSnapshot(-1, uuid, "GPU", 0, 0))
+    return tuple(gpus)
 
 
 def try_admit(
@@ -103,8 +133,8 @@ def try_admit(
     snapshot: MachineSnapshot,
     safety: float,
     conditions: Conditions = NO_CONDITIONS,
-) -> Admitted | WaitReason | Cancelled | DependencyFailed | None:
-    """Under the lock: admit `job` if the plan lets it start now; otherwise say why it waits."""
+) -> _Attempt:
+    """Under the lock: plan for the queue and admit whoever fits; say what became of `job`."""
     with ledger.transaction() as data:
         now = time.time()
         mine = data.find(job.id)
@@ -115,8 +145,12 @@ def try_admit(
             # Our entry vanished (a damaged ledger was recovered): put it back where it was.
             data.jobs.append(job)
             mine = job
-        busy = frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
-        for event in data.book.note_health(snapshot, busy, now):
+        if mine.state == RUNNING:
+            job.__dict__.update(mine.__dict__)
+            return Admitted(
+                tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
+            )
+        for event in data.book.note_health(snapshot, _busy(data), now):
             _events.emit(ledger.directory, **event)
         failure = settle_dependencies(mine, data)
         if failure is not None:
@@ -129,33 +163,15 @@ def try_admit(
         claims = claims_for(data, snapshot.gpus, now)
         decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)
         record_hold(data, decided.hold)
-        if job.id not in decided.admitted:
-            job.__dict__.update(mine.__dict__)
-            return decided.waiting.get(job.id)
-        uuids = decided.admitted[job.id]
-        mine.state = RUNNING
-        mine.gpu_uuids = list(uuids)
-        mine.reserved_bytes = decided.reserved[job.id]
-        mine.started_at = mine.updated_at = now
-        if mine.pick == "round-robin":
-            index = {g.uuid: g.index for g in snapshot.gpus}
-            data.rr_cursor = index[uuids[-1]]
-        data.book.note_admitted(uuids)
-        _events.emit(
-            ledger.directory,
-            "admit",
-            job=job.id,
-            name=job.name,
-            gpus=list(uuids),
-            reserved_bytes=mine.reserved_bytes,
-            waited=round(now - mine.submitted_at, 3),
-        )
+        _admit_all(ledger, data, decided, snapshot)
         job.__dict__.update(mine.__dict__)
-        return Admitted(uuids, mine.reserved_bytes, snapshot)
-
-
-def _busy(data: LedgerData) -> frozenset[str]:
-    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+        if job.id in decided.admitted:
+            return Admitted(
+                decided.admitted[job.id],
+                mine.reserved_bytes,
+                _gpus_of(mine.gpu_uuids, snapshot, data),
+            )
+        return decided.waiting.get(job.id)
 
 
 def _reason_without_lock(
@@ -167,13 +183,11 @@ def _reason_without_lock(
 ) -> WaitReason | None:
     """Why `job` still waits, judged from an unlocked read, or None when the lock is needed.
 
-    It is needed to admit the job, to reap a dead entry, to settle a dependency, to record a
-    GPU's health or the head's hold: anything that writes. A release wakes every waiter; this
-    lets all but the ones it admits go back to sleep without queueing for the lock, so the
-    admitted one gets it at once.
+    It is needed to admit anyone, to reap a dead entry, to settle a dependency, to record a
+    GPU's health or the head's hold: anything that writes.
     """
     mine = data.find(job.id)
-    if mine is None or not all(j.is_alive() for j in data.jobs):
+    if mine is None or mine.state == RUNNING or not all(j.is_alive() for j in data.jobs):
         return None
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
@@ -181,10 +195,9 @@ def _reason_without_lock(
     now = time.time()
     if data.book.health_would_change(snapshot, _busy(data), now):
         return None
-    decided = plan(
-        snapshot.gpus, claims_for(data, snapshot.gpus, now), safety, data.rr_cursor, conditions
-    )
-    if job.id in decided.admitted:
+    claims = claims_for(data, snapshot.gpus, now)
+    decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)
+    if decided.admitted:
         return None
     for entry in data.jobs:
         held = decided.hold.gpu_uuids if decided.hold and entry.id == decided.hold.job_id else ()
@@ -193,14 +206,19 @@ def _reason_without_lock(
     return decided.waiting.get(job.id)
 
 
-def _only_dependencies_hold_it(data: LedgerData, job: Job) -> bool:
-    """True while `job` waits for dependencies that all still run or wait: no GPU matters."""
+def _admitted_by_another(ledger: Ledger, job: Job, backend: Backend) -> Admitted | None:
+    """If another waiter's plan admitted `job`, what it was given."""
+    data = ledger.read()
     mine = data.find(job.id)
-    if mine is None or not (mine.after or mine.after_ok):
-        return False
-    live = {j.id for j in data.jobs}
-    return all(d in live for d in (*mine.after, *mine.after_ok)) and all(
-        j.is_alive() for j in data.jobs
+    if mine is None or mine.state != RUNNING:
+        return None
+    job.__dict__.update(mine.__dict__)
+    try:
+        snapshot = backend.snapshot()
+    except Exception:
+        snapshot = MachineSnapshot(backend="", gpus=())
+    return Admitted(
+        tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
     )
 
 
@@ -218,49 +236,68 @@ def wait_for_admission(
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
-    Also ends when the job is cancelled or a dependency it needs to succeed fails. Between
-    attempts it sleeps until the ledger is rewritten (inotify, see `_watch`; else a stat poll
-    every `poll_interval`), a signal arrives, or it is time to read the GPUs again.
+    Also ends when the job is cancelled or a dependency it needs to succeed fails.
     """
+    state_dir = ledger.directory
+    summary_path = _wake.wake_path(state_dir)
     last_token: object = object()
-    last_seen: _Fingerprint | None = None
+    last_release: int | None = None
     next_read = 0.0
+    next_own = 0.0
     reason: WaitReason | None = None
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
-    snapshot: MachineSnapshot | None = None
     watch = None
+
+    def attempt() -> _Attempt:
+        """Read the GPUs, plan; take the lock only if the plan changes anything."""
+        snapshot = backend.snapshot()
+        if ignore_processes:
+            snapshot = name_processes(snapshot)
+        window.add(snapshot)
+        facts = plan_conditions(window, ignore_processes)
+        quiet = _reason_without_lock(ledger.read(), job, snapshot, safety, facts)
+        outcome = quiet if quiet is not None else try_admit(ledger, job, snapshot, safety, facts)
+        _wake.note_planned(state_dir)
+        return outcome
+
     try:
         while True:
             now = time.monotonic()
-            token = ledger.change_token()
-            replan = now >= next_read
+            event = False
+            check_admitted = False
+            token = _wake.file_token(summary_path)
             if token != last_token:
                 last_token = token
-                seen = _fingerprint(ledger.read())
-                if last_seen is None or _released(last_seen, seen):
-                    replan = True
-                last_seen = seen
-            if replan:
-                outcome: Admitted | WaitReason | Cancelled | DependencyFailed | None = None
-                data = ledger.read()
-                if snapshot is not None and _only_dependencies_hold_it(data, job):
-                    claims = claims_for(data, snapshot.gpus, time.time())
-                    outcome = plan(snapshot.gpus, claims, safety, data.rr_cursor).waiting.get(
-                        job.id
-                    )
+                seen = _wake.read_summary(state_dir)
+                if seen is None:
+                    event = True
+                elif job.id in seen.running:
+                    check_admitted = True
+                elif job.id not in seen.waiting:
+                    event = True  # cancelled, or the ledger was recovered: look under the lock
                 else:
-                    snapshot = backend.snapshot()
-                    if ignore_processes:
-                        snapshot = name_processes(snapshot)
-                    window.add(snapshot)
-                    facts = plan_conditions(window, ignore_processes)
-                    outcome = _reason_without_lock(data, job, snapshot, safety, facts)
-                    if outcome is None:
-                        outcome = try_admit(ledger, job, snapshot, safety, facts)
-                        if ledger.committed is not None:
-                            last_token = ledger.token
-                            last_seen = _fingerprint(ledger.committed)
+                    first = seen.waiting[0] == job.id
+                    if first and last_release is not None and seen.release != last_release:
+                        event = True
+                    unfinished = set(seen.waiting) | seen.running
+                    if any(d not in unfinished for d in (*job.after, *job.after_ok)):
+                        event = True
+                    last_release = seen.release
+            if check_admitted:
+                admitted = _admitted_by_another(ledger, job, backend)
+                if admitted is not None:
+                    return admitted
+                event = True
+            act = event
+            if not event and now >= next_read:
+                # A timer, not an event: another waiter's recent reading serves for this one,
+                # unless this one's own waiting line is due.
+                act = now >= next_own or not _wake.planned_within(state_dir, nvml_interval * 0.8)
+                if not act:
+                    next_read = now + nvml_interval * random.uniform(0.8, 1.2)
+            if act:
+                outcome = attempt()
                 if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                     return outcome
                 if outcome is not None and outcome != reason:
@@ -270,17 +307,21 @@ def wait_for_admission(
                 if wants_utilization and window.needs_more():
                     interval = min(interval, UTIL_SAMPLE_INTERVAL)
                 next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
+                next_own = time.monotonic() + OWN_PLAN_INTERVAL
+                seen = _wake.read_summary(state_dir)
+                last_release = seen.release if seen is not None else None
             if watch is None:
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait._watch import LedgerWatch
 
-                watch = LedgerWatch(ledger.directory)
-                continue  # the ledger may have changed before the watch began
+                watch = LedgerWatch(state_dir)
+                continue  # the summary may have changed before the watch began
             sleep = max(0.0, next_read - time.monotonic()) if watch.active else poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return TimedOut(reason)
+                    # Admitted by another waiter's plan at the last moment: then it runs.
+                    return _admitted_by_another(ledger, job, backend) or TimedOut(reason)
                 sleep = min(sleep, remaining)
             info = _signals.next_signal(sleep, also=(watch.wake_signal,) if watch.active else ())
             if info is None or info.si_signo == signal.SIGCHLD:

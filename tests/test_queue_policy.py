@@ -87,15 +87,20 @@ def test_without_estimates_nothing_backfills_onto_a_held_gpu() -> None:
     assert "held for job big" in note and "no run-time estimate" in note
 
 
-def test_backfill_only_when_it_ends_before_the_head_can_start() -> None:
+def test_backfill_only_where_it_cannot_delay_the_heads_start() -> None:
     cards = [card(0)]
+    # r0 ends in 100 s; then the head takes 16 of the 21.6 GiB usable, leaving 5.6 spare.
     base = [runner("r0", (0,), 12, expected=100), waiter("big", 16, order=1)]
-    short = plan(cards, [*base, waiter("short", 4, order=2, expected_seconds=60)], 0.9)
+    short = plan(cards, [*base, waiter("short", 6, order=2, expected_seconds=60)], 0.9)
     assert short.hold is not None and short.hold.start_in == 100
-    assert "short" in short.admitted
-    long = plan(cards, [*base, waiter("long", 4, order=2, expected_seconds=150)], 0.9)
+    assert short.admitted["short"] == (uuid(0),) and short.backfill["short"] == (uuid(0),)
+    long = plan(cards, [*base, waiter("long", 6, order=2, expected_seconds=150)], 0.9)
     assert "long" not in long.admitted
     assert "would not end before" in (long.waiting["long"].note or "")
+    # A long job that fits in the spare never stands in the head's way, but only one fits.
+    spare = [waiter(f"s{n}", 4, order=2 + n, expected_seconds=150) for n in range(2)]
+    decided = plan(cards, [*base, *spare], 0.9)
+    assert set(decided.admitted) == {"s0"}
 
 
 def test_hold_sticks_to_its_gpus_until_others_are_sooner() -> None:

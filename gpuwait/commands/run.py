@@ -393,8 +393,7 @@ def _start(
     admitted: Admitted,
     wait_seconds: float,
 ) -> int:
-    gpus = {g.uuid: g for g in admitted.snapshot.gpus}
-    chosen = [gpus[u] for u in admitted.gpu_uuids]
+    chosen = list(admitted.gpus)
     env = dict(os.environ)
     env.update(
         {
@@ -420,6 +419,7 @@ def _start(
         _leave(ledger, job, FAILED, exit_status=code)
         _output.error(f"{command[0]}: {exc.strerror}")
         return code
+    _events.emit(ledger.directory, "start", job=job.id, name=job.name, pid=child)
     try:
         with ledger.transaction() as data:
             mine = data.find(job.id)
@@ -428,7 +428,6 @@ def _start(
                 mine = job
             mine.child_pid = job.child_pid = child
             mine.pids = job.pids = [child]
-            _events.emit(ledger.directory, "start", job=job.id, name=job.name, pid=child)
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         _output.warn(str(exc))
     result = supervise(child, job, ledger, backend, settings["sample_interval"])
@@ -460,8 +459,9 @@ def _leave(
     """Take the job out of the queue, recording how it ended (and where it ran, if it did)."""
     try:
         with ledger.transaction() as data:
-            data.remove(job.id)
-            ran_on = job.gpu_uuids if job.state == RUNNING else []
+            mine = data.remove(job.id)
+            # The ledger's word: another waiter's plan may have admitted it meanwhile.
+            ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
             done = Finished(
                 id=job.id,
                 outcome=outcome,

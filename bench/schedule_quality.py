@@ -1,0 +1,305 @@
+"""Schedule quality: a mixed trace on 4 simulated GPUs, under gpuwait and two baselines.
+
+The trace (seeded, so every run replays the same one): 120 jobs arriving over the first part of
+the run - many small short ones, some of 20-40 GiB, a few 2-GPU gangs, priorities 1, 3 and 5.
+Every job is a simulated CUDA job that ramps its memory up (like a model loading) and then holds
+it, so a launcher that trusts the free memory it sees admits too much and jobs die of OOM.
+
+Policies, each on a fresh simulated machine:
+- gpuwait: every job is `gpuwait --vram ... [--gpus 2] --priority P -- <job>`, started at its
+  arrival time; gpuwait decides when and where.
+- poller: a free-memory poller, like ts -G / GPUtil / waitGPU: every `--poll` seconds it reads
+  the GPUs and starts, in priority order, each waiting job whose request fits the free memory it
+  sees (minus what it started in that same round). Jobs still ramping up are not seen.
+- one-per-gpu: a job starts only on GPUs where nothing it started is running.
+
+Printed per policy: makespan / lower bound (the larger of total VRAM x time over the usable
+capacity, and the longest job), VRAM-time utilisation, OOM count, jobs failed, and the p95 wait
+of priority-5 jobs. Goals for gpuwait: 0 OOM, makespan <= 1.10 x the lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import GPUWAIT, REPO, percentile, sandbox
+
+sys.path.insert(0, str(REPO))
+
+GIB = 2**30
+GPUS = 4
+CARD_GIB = 48
+SAFETY = 0.9
+SIMJOB = [
+    sys.executable,
+    "-c",
+    "import sys; from gpuwait._simjob import main; sys.exit(main(sys.argv[1:]))",
+]
+
+
+@dataclass
+class TraceJob:
+    name: str
+    arrival: float
+    vram_gib: int
+    gpus: int
+    ramp: float
+    hold: float
+    priority: int
+
+    @property
+    def duration(self) -> float:
+        return self.ramp + self.hold
+
+
+@dataclass
+class Outcome:
+    job: TraceJob
+    start: float | None = None
+    end: float | None = None
+    returncode: int | None = None
+    oom: bool = False
+
+
+@dataclass
+class Result:
+    policy: str
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def makespan(self) -> float:
+        return max(o.end for o in self.outcomes if o.end is not None)
+
+
+def make_trace(seed: int, scale: float, arrive_within: float) -> list[TraceJob]:
+    rng = random.Random(seed)
+    kinds = ["small"] * 80 + ["large"] * 28 + ["gang"] * 12
+    rng.shuffle(kinds)
+    jobs = []
+    for n, kind in enumerate(kinds):
+        if kind == "small":
+            vram, gpus, run = rng.randint(2, 6), 1, rng.uniform(2, 6)
+        elif kind == "large":
+            vram, gpus, run = rng.randint(20, 40), 1, rng.uniform(6, 14)
+        else:
+            vram, gpus, run = rng.randint(12, 24), 2, rng.uniform(5, 10)
+        priority = rng.choices([1, 3, 5], weights=[15, 70, 15])[0]
+        run *= scale
+        # Arrivals thin at first, then denser: the queue ramps up.
+        arrival = arrive_within * rng.random() ** 0.7
+        jobs.append(
+            TraceJob(
+                f"j{n:03d}-{kind}",
+                arrival,
+                vram,
+                gpus,
+                round(0.3 * run, 2),
+                round(0.7 * run, 2),
+                priority,
+            )
+        )
+    return sorted(jobs, key=lambda j: j.arrival)
+
+
+def lower_bound(trace: list[TraceJob]) -> float:
+    usable = GPUS * CARD_GIB * SAFETY
+    area = sum(j.vram_gib * j.gpus * j.duration for j in trace)
+    return max(area / usable, max(j.duration for j in trace))
+
+
+def job_command(job: TraceJob) -> list[str]:
+    """The simulated job; a gang runs one simulated process per GPU it was given."""
+    args = ["--vram", f"{job.vram_gib}G", "--ramp", f"{job.ramp}s", "--hold", f"{job.hold}s"]
+    if job.gpus == 1:
+        return [*SIMJOB, *args]
+    one = " ".join(f"'{a}'" for a in [*SIMJOB, *args])
+    script = (
+        'pids=""; for d in $(echo "$CUDA_VISIBLE_DEVICES" | tr , " "); do '
+        f'CUDA_VISIBLE_DEVICES=$d {one} & pids="$pids $!"; done; '
+        "fail=0; for p in $pids; do wait $p || fail=1; done; exit $fail"
+    )
+    return ["sh", "-c", script]
+
+
+def gpu_uuids(env: dict[str, str]) -> list[str]:
+    from gpuwait._sim import SimBackend
+
+    return [g.uuid for g in SimBackend(env["GPUWAIT_SIM"]).snapshot().gpus]
+
+
+def free_bytes(env: dict[str, str]) -> dict[str, int]:
+    from gpuwait._sim import SimBackend
+
+    return {g.uuid: g.free_bytes for g in SimBackend(env["GPUWAIT_SIM"]).snapshot().gpus}
+
+
+class Runner:
+    """Starts trace jobs at their arrival (or when a baseline decides) and reaps them."""
+
+    def __init__(self, policy: str, trace: list[TraceJob], env: dict[str, str]) -> None:
+        self.result = Result(policy, [Outcome(j) for j in trace])
+        self.env = env
+        self.logs = Path(env["XDG_STATE_HOME"]).parent / "logs"
+        self.logs.mkdir()
+        self.running: dict[subprocess.Popen[bytes], Outcome] = {}
+        self.t0 = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def start(self, outcome: Outcome, argv: list[str], env: dict[str, str]) -> None:
+        log = open(self.logs / outcome.job.name, "wb")  # noqa: SIM115 - closed by the child's end
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+        self.running[proc] = outcome
+
+    def reap(self) -> list[Outcome]:
+        ended = []
+        for proc, outcome in list(self.running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self.running[proc]
+            outcome.end, outcome.returncode = self.now(), code
+            outcome.oom = "out of memory" in (self.logs / outcome.job.name).read_text(
+                errors="replace"
+            )
+            ended.append(outcome)
+        return ended
+
+
+def run_gpuwait(trace: list[TraceJob]) -> Result:
+    env = sandbox(gpus=GPUS, memory=f"{CARD_GIB}GiB")
+    runner = Runner("gpuwait", trace, env)
+    pending = list(runner.result.outcomes)
+    while pending or runner.running:
+        while pending and pending[0].job.arrival <= runner.now():
+            outcome = pending.pop(0)
+            job = outcome.job
+            argv = [
+                *GPUWAIT,
+                "--vram",
+                f"{job.vram_gib}G",
+                "--gpus",
+                str(job.gpus),
+                "--priority",
+                str(job.priority),
+                "--name",
+                job.name,
+                "--batch",
+                "trace",
+                "-q",
+                "--",
+                *job_command(job),
+            ]
+            runner.start(outcome, argv, env)
+        runner.reap()
+        time.sleep(0.02)
+    # Start times from gpuwait's own event log: when each job was admitted.
+    events = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    started = {}
+    for line in events.read_text().splitlines():
+        event = json.loads(line)
+        if event["kind"] == "admit":
+            started[event["name"]] = event["time"]
+    wall0 = time.time() - runner.now()
+    for outcome in runner.result.outcomes:
+        if outcome.job.name in started:
+            outcome.start = started[outcome.job.name] - wall0
+    return runner.result
+
+
+def run_baseline(trace: list[TraceJob], policy: str, poll: float) -> Result:
+    env = sandbox(gpus=GPUS, memory=f"{CARD_GIB}GiB")
+    runner = Runner(policy, trace, env)
+    uuids = gpu_uuids(env)
+    busy: dict[str, int] = dict.fromkeys(uuids, 0)  # jobs this baseline runs on each GPU
+    where: dict[int, list[str]] = {}
+    waiting: list[Outcome] = []
+    pending = list(runner.result.outcomes)
+    next_poll = 0.0
+    while pending or waiting or runner.running:
+        while pending and pending[0].job.arrival <= runner.now():
+            waiting.append(pending.pop(0))
+        for outcome in runner.reap():
+            for uuid in where.pop(id(outcome)):
+                busy[uuid] -= 1
+        if runner.now() >= next_poll and waiting:
+            next_poll = runner.now() + poll
+            free = free_bytes(env)
+            for outcome in sorted(waiting, key=lambda o: (-o.job.priority, o.job.arrival)):
+                job = outcome.job
+                if policy == "poller":
+                    fits = [u for u in uuids if free[u] >= job.vram_gib * GIB]
+                else:
+                    fits = [u for u in uuids if busy[u] == 0]
+                if len(fits) < job.gpus:
+                    continue
+                chosen = fits[: job.gpus]
+                for uuid in chosen:
+                    free[uuid] -= job.vram_gib * GIB
+                    busy[uuid] += 1
+                where[id(outcome)] = chosen
+                waiting.remove(outcome)
+                outcome.start = runner.now()
+                child_env = {
+                    **env,
+                    "CUDA_VISIBLE_DEVICES": ",".join(chosen),
+                    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                }
+                runner.start(outcome, job_command(job), child_env)
+        time.sleep(0.02)
+    return runner.result
+
+
+def report(result: Result, bound: float) -> str:
+    outcomes = result.outcomes
+    makespan = result.makespan()
+    usable = GPUS * CARD_GIB * SAFETY
+    done = [o for o in outcomes if o.returncode == 0]
+    area = sum(o.job.vram_gib * o.job.gpus * o.job.duration for o in done)
+    urgent = [
+        o.start - o.job.arrival for o in outcomes if o.job.priority == 5 and o.start is not None
+    ]
+    return (
+        f"{result.policy:<12} makespan {makespan:6.1f}s = {makespan / bound:4.2f} x bound   "
+        f"VRAM-time used {100 * area / (usable * makespan):4.1f}%   "
+        f"OOM {sum(o.oom for o in outcomes):3d}   failed {sum(o.returncode != 0 for o in outcomes):3d}   "
+        f"p95 wait (priority 5) {percentile(urgent, 95) if urgent else float('nan'):5.1f}s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=4)
+    parser.add_argument("--scale", type=float, default=0.6, help="multiply every run time")
+    parser.add_argument("--arrive-within", type=float, default=20.0, help="seconds")
+    parser.add_argument("--poll", type=float, default=0.5, help="baselines' polling interval")
+    parser.add_argument(
+        "--policies", default="gpuwait,poller,one-per-gpu", help="comma-separated subset"
+    )
+    args = parser.parse_args()
+    trace = make_trace(args.seed, args.scale, args.arrive_within)
+    bound = lower_bound(trace)
+    kinds = {k: sum(k in j.name for j in trace) for k in ("small", "large", "gang")}
+    print(
+        f"trace: {len(trace)} jobs ({kinds['small']} small 2-6 GiB, {kinds['large']} of 20-40 GiB, "
+        f"{kinds['gang']} 2-GPU gangs), arriving within {args.arrive_within:g}s, on {GPUS} x "
+        f"{CARD_GIB} GiB at safety {SAFETY}; lower bound {bound:.1f}s"
+    )
+    for policy in args.policies.split(","):
+        if policy == "gpuwait":
+            result = run_gpuwait(trace)
+        else:
+            result = run_baseline(trace, policy, args.poll)
+        print(report(result, bound), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""What waiters watch instead of the ledger: a small summary, rewritten with every ledger change.
+
+With a hundred waiters, having each of them read and re-plan the whole ledger whenever it
+changes costs more than the jobs' own work on a small machine. So every ledger transaction that
+changes the file also writes `wake.json` beside it (under the same lock, atomically):
+
+    {"schema": 1, "release": 41, "running": ["id", ...], "waiting": ["id", ...]}
+
+`waiting` is in queue order. `release` counts the transactions that freed room: an entry left
+(finished, cancelled, reaped), a running job's reservation shrank, or the queue's head let go of a
+GPU it held. A waiter reads only this file when woken and acts on what concerns it:
+- its id is in `running`: a plan admitted it (any planner admits every waiter that fits);
+- it is first in `waiting` and `release` moved: it plans, for everybody;
+- its id is in neither: it was cancelled (or the ledger was recovered), so it looks closer;
+- a dependency of it is in neither: it settles its dependencies.
+Everything else waits for the waiter's periodic re-read of the GPUs, which is shared too: a
+waiter skips its own when any waiter planned less than an interval ago (`plan.stamp`'s mtime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+SCHEMA = 1
+FILENAME = "wake.json"
+STAMP = "plan.stamp"
+
+RUNNING = "running"
+
+
+class _Entry(Protocol):
+    id: str
+    state: str
+    priority: int
+    order: int
+    reserved_bytes: int
+    held_gpus: list[str]
+
+
+Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
+
+
+def fingerprint(jobs: Iterable[_Entry]) -> Fingerprint:
+    """What about each entry decides whether room was freed."""
+    return {j.id: (j.state, j.reserved_bytes, tuple(j.held_gpus)) for j in jobs}
+
+
+def released(before: Fingerprint, after: Fingerprint) -> bool:
+    """True when `after` may offer room that `before` did not."""
+    for job_id, (state, reserved, held) in before.items():
+        now = after.get(job_id)
+        if now is None:
+            return True
+        if state == RUNNING and (now[0] != RUNNING or now[1] < reserved):
+            return True
+        if held and not set(held) <= set(now[2]):
+            return True
+    return False
+
+
+def wake_path(state_dir: Path) -> Path:
+    return state_dir / FILENAME
+
+
+def summary(jobs: Iterable[_Entry], release: int) -> dict[str, Any]:
+    entries = list(jobs)
+    waiting = sorted(
+        (j for j in entries if j.state != RUNNING), key=lambda j: (-j.priority, j.order)
+    )
+    return {
+        "schema": SCHEMA,
+        "release": release,
+        "running": [j.id for j in entries if j.state == RUNNING],
+        "waiting": [j.id for j in waiting],
+    }
+
+
+def write_summary(state_dir: Path, content: dict[str, Any]) -> None:
+    """Replace wake.json. No fsync: it is derived from the ledger and rewritten constantly."""
+    path = wake_path(state_dir)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(content, separators=(",", ":")).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        # Waiters whose summary is missing fall back to reading the GPUs on their timer.
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Summary:
+    release: int
+    running: frozenset[str]
+    waiting: tuple[str, ...]
+
+
+def read_summary(state_dir: Path) -> Summary | None:
+    """The summary, or None when it is missing or not one (then the caller plans to be safe)."""
+    try:
+        raw = json.loads(wake_path(state_dir).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        return None
+    release, running, waiting = raw.get("release"), raw.get("running"), raw.get("waiting")
+    if (
+        not isinstance(release, int)
+        or not isinstance(running, list)
+        or not isinstance(waiting, list)
+        or not all(isinstance(i, str) for i in [*running, *waiting])
+    ):
+        return None
+    return Summary(release, frozenset(running), tuple(waiting))
+
+
+def file_token(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def note_planned(state_dir: Path) -> None:
+    """Say that the GPUs were just read and the queue planned (plan.stamp's mtime)."""
+    path = state_dir / STAMP
+    with contextlib.suppress(OSError):
+        if path.exists():
+            os.utime(path)
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+
+def planned_within(state_dir: Path, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(state_dir / STAMP).st_mtime < seconds
+    except OSError:
+        return False
