@@ -16,6 +16,12 @@ Policies, each on a fresh simulated machine:
 Printed per policy: makespan / lower bound (the larger of total VRAM x time over the usable
 capacity, and the longest job), VRAM-time utilisation, OOM count, jobs failed, and the p95 wait
 of priority-5 jobs. Goals for gpuwait: 0 OOM, makespan <= 1.10 x the lower bound.
+
+Two references put the bound in perspective, both computed without running anything:
+- replay: gpuwait's own policy (`gpuwait._policy.plan`) replayed on the trace with no process
+  start-up or machine load: what the queue discipline itself costs;
+- offline: every job known at time 0, largest (VRAM x time) first, best-fit, no holds: what
+  packing these jobs onto these cards costs at best for a simple clairvoyant scheduler.
 """
 
 from __future__ import annotations
@@ -111,6 +117,77 @@ def lower_bound(trace: list[TraceJob]) -> float:
     usable = GPUS * CARD_GIB * SAFETY
     area = sum(j.vram_gib * j.gpus * j.duration for j in trace)
     return max(area / usable, max(j.duration for j in trace))
+
+
+def replay_policy(trace: list[TraceJob]) -> float:
+    """Makespan of gpuwait's plan() on the trace, with jobs taking exactly their run time."""
+    from dataclasses import replace
+
+    from gpuwait._policy import Claim, plan
+    from gpuwait._sizes import MemoryRequest
+    from gpuwait._snapshot import GpuSnapshot
+
+    cards = [GpuSnapshot(i, f"GPU-{i}", "sim", CARD_GIB * GIB, 0) for i in range(GPUS)]
+    by_name = {j.name: j for j in trace}
+    pending = list(trace)
+    claims: list[Claim] = []
+    ends: dict[str, float] = {}
+    last_end = 0.0
+    order = 0
+    while pending or claims:
+        now = min([*(e for e in ends.values()), *(j.arrival for j in pending[:1])])
+        while pending and pending[0].arrival <= now:
+            job = pending.pop(0)
+            order += 1
+            request = MemoryRequest(bytes=job.vram_gib * GIB)
+            claims.append(Claim(job.name, False, job.priority, order, request, job.gpus))
+        done = {name for name, end in ends.items() if end <= now}
+        for name in done:
+            del ends[name]
+        decided = plan(cards, [c for c in claims if c.job_id not in done], SAFETY)
+        kept = []
+        for c in claims:
+            if c.job_id in done:
+                continue
+            if c.job_id in decided.admitted:
+                ends[c.job_id] = now + by_name[c.job_id].duration
+                last_end = max(last_end, ends[c.job_id])
+                c = replace(
+                    c,
+                    running=True,
+                    gpu_uuids=decided.admitted[c.job_id],
+                    reserved_bytes=decided.reserved[c.job_id],
+                )
+            elif decided.hold is not None and c.job_id == decided.hold.job_id:
+                c = replace(c, held=decided.hold.gpu_uuids)
+            kept.append(c)
+        claims = kept
+    return last_end
+
+
+def offline_reference(trace: list[TraceJob]) -> float:
+    """Makespan of a clairvoyant greedy: all jobs at time 0, largest area first, best-fit."""
+    usable = CARD_GIB * SAFETY
+    free = [usable] * GPUS
+    waiting = sorted(trace, key=lambda j: -j.vram_gib * j.gpus * j.duration)
+    running: list[tuple[float, TraceJob, list[int]]] = []
+    now = 0.0
+    while waiting or running:
+        for job in list(waiting):
+            fits = sorted(
+                (i for i in range(GPUS) if free[i] >= job.vram_gib), key=lambda i: free[i]
+            )
+            if len(fits) >= job.gpus:
+                for i in fits[: job.gpus]:
+                    free[i] -= job.vram_gib
+                running.append((now + job.duration, job, fits[: job.gpus]))
+                waiting.remove(job)
+        now = min(end for end, _, _ in running)
+        for end, job, where in [r for r in running if r[0] <= now]:
+            running.remove((end, job, where))
+            for i in where:
+                free[i] += job.vram_gib
+    return now
 
 
 def job_command(job: TraceJob) -> list[str]:
@@ -279,7 +356,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=4)
     parser.add_argument("--scale", type=float, default=0.6, help="multiply every run time")
-    parser.add_argument("--arrive-within", type=float, default=20.0, help="seconds")
+    parser.add_argument("--arrive-within", type=float, default=10.0, help="seconds")
     parser.add_argument("--poll", type=float, default=0.5, help="baselines' polling interval")
     parser.add_argument(
         "--policies", default="gpuwait,poller,one-per-gpu", help="comma-separated subset"
@@ -293,7 +370,12 @@ def main() -> None:
         f"{kinds['gang']} 2-GPU gangs), arriving within {args.arrive_within:g}s, on {GPUS} x "
         f"{CARD_GIB} GiB at safety {SAFETY}; lower bound {bound:.1f}s"
     )
-    for policy in args.policies.split(","):
+    replay, offline = replay_policy(trace), offline_reference(trace)
+    print(
+        f"references:  gpuwait's policy replayed without overheads {replay / bound:4.2f} x bound;"
+        f" offline largest-first {offline / bound:4.2f} x bound"
+    )
+    for policy in filter(None, args.policies.split(",")):
         if policy == "gpuwait":
             result = run_gpuwait(trace)
         else:

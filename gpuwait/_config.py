@@ -152,10 +152,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("sample_interval", _positive_duration, 1.0, "how often a running job's VRAM is sampled"),
     Option(
+        "wake",
+        _choice("inotify", "poll"),
+        "inotify",
+        "how waiters notice the queue changing: inotify (Linux), or poll every poll_interval",
+    ),
+    Option(
         "poll_interval",
         _positive_duration,
         0.01,
-        "how often a waiter checks the ledger for a change",
+        "how often a waiter checks the queue for a change when wake = poll",
     ),
     Option(
         "nvml_interval",

@@ -233,6 +233,7 @@ def wait_for_admission(
     deadline: float | None,
     on_reason: Callable[[WaitReason], None],
     ignore_processes: frozenset[str] = frozenset(),
+    use_inotify: bool = True,
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
@@ -314,7 +315,7 @@ def wait_for_admission(
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait._watch import LedgerWatch
 
-                watch = LedgerWatch(state_dir)
+                watch = LedgerWatch(state_dir if use_inotify else None)
                 continue  # the summary may have changed before the watch began
             sleep = max(0.0, next_read - time.monotonic()) if watch.active else poll_interval
             if deadline is not None:

@@ -29,8 +29,11 @@ class LedgerWatch:
 
     wake_signal = WAKE_SIGNAL
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path | None) -> None:
+        """Watch `directory`; None: do not (the caller polls instead)."""
         self.fd = -1
+        if directory is None:
+            return
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             init = libc.inotify_init1

@@ -346,6 +346,7 @@ def _run_with_backend(
             deadline=None if timeout is None else waited_from + timeout,
             on_reason=line.update,
             ignore_processes=frozenset(settings["ignore_processes"]),
+            use_inotify=settings["wake"] == "inotify",
         )
     except BaseException:
         _leave(ledger, job, INTERRUPTED)
