@@ -22,8 +22,9 @@ from gpuwait._snapshot import MachineSnapshot
 
 FINISHED_KEPT = 100
 BATCHES_KEPT = 100
-#: Completions per GPU over which throughput is averaged.
+#: Completions per GPU over which throughput is averaged, and how many it takes at least.
 THROUGHPUT_WINDOW = 20
+THROUGHPUT_MIN_ENDS = 5
 #: A GPU lost for this long with nothing on it is forgotten (removed from the machine).
 FORGET_LOST_AFTER = 24 * 3600.0
 
@@ -82,9 +83,9 @@ class GpuCounters:
     recent_ends: list[float] = field(default_factory=list)
 
     def per_hour(self) -> float | None:
-        """Jobs ended per hour, averaged over the recent ends; None with fewer than two."""
+        """Jobs ended per hour over the recent ends; None with too few to mean anything."""
         ends = self.recent_ends
-        if len(ends) < 2 or ends[-1] <= ends[0]:
+        if len(ends) < THROUGHPUT_MIN_ENDS or ends[-1] <= ends[0]:
             return None
         return (len(ends) - 1) * 3600.0 / (ends[-1] - ends[0])
 

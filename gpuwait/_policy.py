@@ -538,15 +538,15 @@ def _held_note(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
 
 
 def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    held = f"{_gpu_list(hold, rooms)} held for job {hold.job_id}"
+    if hold.start_in is None:
+        return f"{held}, whose start cannot be estimated"
     when = (
-        "no run-time estimate to fit before it"
+        "no run-time estimate"
         if claim.expected_seconds is None
         else "would not end before it can start"
     )
-    return (
-        f"{_gpu_list(hold, rooms)} held for job {hold.job_id} (more than the room it leaves "
-        f"spare; {when})"
-    )
+    return f"{held}, due in {format_duration(hold.start_in)} ({when})"
 
 
 def _wait_reason(

@@ -171,6 +171,36 @@ def test_cancelled_gang_waiter_leaves_no_hold_behind(
         holder.terminate()
 
 
+@pytest.mark.parametrize("wake", ["inotify", "poll"])
+def test_a_release_starts_every_waiter_that_now_fits(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    wake: str,
+) -> None:
+    """Woken by the release itself, not by the (here very slow) periodic re-read of the GPUs;
+    one waiter's plan starts the other too."""
+    monkeypatch.setenv("GPUWAIT_WAKE", wake)
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: job_named("holder") and job_named("holder")["state"] == "running")  # type: ignore[index]
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    waiters = [
+        procs([*gpuwait_cmd, "--vram", "9G", "--name", f"w{n}", "--", "sleep", "0.5"])
+        for n in range(2)
+    ]
+    wait_for(lambda: len(ledger_jobs()) == 3)
+    time.sleep(0.3)  # both are asleep by now
+    released = time.monotonic()
+    holder.send_signal(signal.SIGTERM)
+    for waiter in waiters:
+        assert waiter.wait(timeout=30) == 0
+    assert time.monotonic() - released < 20
+    admits = [e["name"] for e in events("admit")]
+    assert sorted(admits[1:]) == ["w0", "w1"]
+
+
 # --- GPU health --------------------------------------------------------------------------------
 
 

@@ -59,7 +59,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)"
     )
-    parser.add_argument("--pick", metavar="STRATEGY", help="best-fit, most-free or round-robin")
+    parser.add_argument(
+        "--pick",
+        metavar="STRATEGY",
+        help="best-fit, most-free, round-robin, least-loaded, weighted or adaptive-throughput",
+    )
     parser.add_argument(
         "--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2"
     )
