@@ -19,7 +19,8 @@ of priority-5 jobs. Goals for gpuwait: 0 OOM, makespan <= 1.10 x the lower bound
 
 Two references put the bound in perspective, both computed without running anything:
 - replay: gpuwait's own policy (`gpuwait._policy.plan`) replayed on the trace with no process
-  start-up or machine load: what the queue discipline itself costs;
+  start-up or machine load: what the queue discipline itself costs, without run-time estimates
+  (as gpuwait runs here) and with every run time known (as history-based estimates would give);
 - offline: every job known at time 0, largest (VRAM x time) first, best-fit, no holds: what
   packing these jobs onto these cards costs at best for a simple clairvoyant scheduler.
 """
@@ -119,8 +120,11 @@ def lower_bound(trace: list[TraceJob]) -> float:
     return max(area / usable, max(j.duration for j in trace))
 
 
-def replay_policy(trace: list[TraceJob]) -> float:
-    """Makespan of gpuwait's plan() on the trace, with jobs taking exactly their run time."""
+def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
+    """Makespan of gpuwait's plan() on the trace, with jobs taking exactly their run time.
+
+    `known`: the plan is told every run time, as history-based estimates would.
+    """
     from dataclasses import replace
 
     from gpuwait._policy import Claim, plan
@@ -140,10 +144,26 @@ def replay_policy(trace: list[TraceJob]) -> float:
             job = pending.pop(0)
             order += 1
             request = MemoryRequest(bytes=job.vram_gib * GIB)
-            claims.append(Claim(job.name, False, job.priority, order, request, job.gpus))
+            expected = job.duration if known else None
+            claims.append(
+                Claim(
+                    job.name,
+                    False,
+                    job.priority,
+                    order,
+                    request,
+                    job.gpus,
+                    expected_seconds=expected,
+                )
+            )
         done = {name for name, end in ends.items() if end <= now}
         for name in done:
             del ends[name]
+        if known:  # a running job's estimate is what is left of it
+            claims = [
+                replace(c, expected_seconds=ends[c.job_id] - now) if c.job_id in ends else c
+                for c in claims
+            ]
         decided = plan(cards, [c for c in claims if c.job_id not in done], SAFETY)
         kept = []
         for c in claims:
@@ -370,10 +390,12 @@ def main() -> None:
         f"{kinds['gang']} 2-GPU gangs), arriving within {args.arrive_within:g}s, on {GPUS} x "
         f"{CARD_GIB} GiB at safety {SAFETY}; lower bound {bound:.1f}s"
     )
-    replay, offline = replay_policy(trace), offline_reference(trace)
+    replay, informed = replay_policy(trace), replay_policy(trace, known=True)
+    offline = offline_reference(trace)
     print(
-        f"references:  gpuwait's policy replayed without overheads {replay / bound:4.2f} x bound;"
-        f" offline largest-first {offline / bound:4.2f} x bound"
+        f"references:  gpuwait's policy replayed without overheads {replay / bound:4.2f} x bound"
+        f" ({informed / bound:4.2f} with run times known); offline largest-first"
+        f" {offline / bound:4.2f} x bound"
     )
     for policy in filter(None, args.policies.split(",")):
         if policy == "gpuwait":
