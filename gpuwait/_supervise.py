@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwait import _proc, _signals
+from gpuwait import _events, _proc, _signals
 from gpuwait._backend import Backend
-from gpuwait._ledger import Job, Ledger
+from gpuwait._ledger import RUNNING, Job, Ledger
+from gpuwait._snapshot import MachineSnapshot
 
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
 #: fewer wake-ups of the waiters, and the policy reads live usage from NVML anyway.
@@ -63,6 +64,7 @@ def supervise(
     published: dict[str, int] = {}
     published_pids: list[int] = [child]
     next_sample = started
+    seen_gpus: frozenset[str] | None = None
     while True:
         waited_pid, status = os.waitpid(child, os.WNOHANG)
         if waited_pid == child:
@@ -74,7 +76,12 @@ def supervise(
             # Sample densely at first (0.1, 0.2, 0.4 s ...) so short runs still get a peak,
             # then settle at the configured interval.
             next_sample = now + min(sample_interval, 0.1 * 2**result.samples)
-            pids, usage = _sample(child, job, backend)
+            pids, usage, snapshot = _sample(child, job, backend)
+            if snapshot is not None:
+                answering = frozenset(g.uuid for g in snapshot.gpus)
+                if seen_gpus is not None and answering != seen_gpus:
+                    _note_health(ledger, snapshot)
+                seen_gpus = answering
             result.samples += 1
             for uuid, used in usage.items():
                 result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
@@ -91,14 +98,27 @@ def supervise(
             os.kill(child, info.si_signo)
 
 
-def _sample(child: int, job: Job, backend: Backend) -> tuple[list[int], dict[str, int]]:
+def _sample(
+    child: int, job: Job, backend: Backend
+) -> tuple[list[int], dict[str, int], MachineSnapshot | None]:
     tree = _proc.process_tree([child])
     try:
         snapshot = backend.snapshot()
     except Exception:  # a failing reading must never take the command down with it
-        return sorted(tree), {}
+        return sorted(tree), {}, None
     usage = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus if g.uuid in job.gpu_uuids}
-    return sorted(tree), usage
+    return sorted(tree), usage, snapshot
+
+
+def _note_health(ledger: Ledger, snapshot: MachineSnapshot) -> None:
+    """A GPU stopped or started answering: record it (and its event) now, waiters or not."""
+    try:
+        with ledger.transaction() as data:
+            busy = frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+            for event in data.book.note_health(snapshot, busy):
+                _events.emit(ledger.directory, **event)
+    except Exception:
+        pass  # bookkeeping only; the command runs on
 
 
 def _publish(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> None:

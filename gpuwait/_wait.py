@@ -42,6 +42,9 @@ from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 UTIL_SAMPLE_INTERVAL = 0.2
 #: A waiter plans for itself at least this often, so its waiting line stays current.
 OWN_PLAN_INTERVAL = 10.0
+#: After a release, the second waiter plans if the first has not within this long (it may be
+#: stopped, e.g. suspended with Ctrl-Z).
+BACKUP_DELAY = 0.25
 
 
 @dataclass(frozen=True)
@@ -206,17 +209,18 @@ def _reason_without_lock(
     return decided.waiting.get(job.id)
 
 
-def _admitted_by_another(ledger: Ledger, job: Job, backend: Backend) -> Admitted | None:
-    """If another waiter's plan admitted `job`, what it was given."""
+def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None) -> Admitted | None:
+    """If another waiter's plan admitted `job`, what it was given.
+
+    The GPUs are described from this waiter's last reading (or the ledger's record of them):
+    reading them again would only delay the start.
+    """
     data = ledger.read()
     mine = data.find(job.id)
     if mine is None or mine.state != RUNNING:
         return None
     job.__dict__.update(mine.__dict__)
-    try:
-        snapshot = backend.snapshot()
-    except Exception:
-        snapshot = MachineSnapshot(backend="", gpus=())
+    snapshot = last or MachineSnapshot(backend="", gpus=())
     return Admitted(
         tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
     )
@@ -249,10 +253,14 @@ def wait_for_admission(
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
     watch = None
+    last: MachineSnapshot | None = None
+    #: (monotonic time to act, wall time the release was seen) while standing in for the first.
+    backup: tuple[float, float] | None = None
 
     def attempt() -> _Attempt:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
-        snapshot = backend.snapshot()
+        nonlocal last
+        snapshot = last = backend.snapshot()
         if ignore_processes:
             snapshot = name_processes(snapshot)
         window.add(snapshot)
@@ -278,23 +286,31 @@ def wait_for_admission(
                 elif job.id not in seen.waiting:
                     event = True  # cancelled, or the ledger was recovered: look under the lock
                 else:
-                    first = seen.waiting[0] == job.id
-                    if first and last_release is not None and seen.release != last_release:
-                        event = True
+                    position = seen.waiting.index(job.id)
+                    if last_release is not None and seen.release != last_release:
+                        if position == 0:
+                            event = True
+                        elif position == 1:
+                            backup = (now + BACKUP_DELAY, time.time())
                     unfinished = set(seen.waiting) | seen.running
                     if any(d not in unfinished for d in (*job.after, *job.after_ok)):
                         event = True
                     last_release = seen.release
             if check_admitted:
-                admitted = _admitted_by_another(ledger, job, backend)
+                admitted = _admitted_by_another(ledger, job, last)
                 if admitted is not None:
                     return admitted
                 event = True
+            if backup is not None and now >= backup[0]:
+                # Stand in for the first waiter only if it has not planned since the release.
+                event = event or not _wake.planned_since(state_dir, backup[1] - 0.05)
+                backup = None
             act = event
             if not event and now >= next_read:
                 # A timer, not an event: another waiter's recent reading serves for this one,
                 # unless this one's own waiting line is due.
-                act = now >= next_own or not _wake.planned_within(state_dir, nvml_interval * 0.8)
+                recently = time.time() - nvml_interval * 0.8
+                act = now >= next_own or not _wake.planned_since(state_dir, recently)
                 if not act:
                     next_read = now + nvml_interval * random.uniform(0.8, 1.2)
             if act:
@@ -317,12 +333,13 @@ def wait_for_admission(
 
                 watch = LedgerWatch(state_dir if use_inotify else None)
                 continue  # the summary may have changed before the watch began
-            sleep = max(0.0, next_read - time.monotonic()) if watch.active else poll_interval
+            wake_at = next_read if backup is None else min(next_read, backup[0])
+            sleep = max(0.0, wake_at - time.monotonic()) if watch.active else poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     # Admitted by another waiter's plan at the last moment: then it runs.
-                    return _admitted_by_another(ledger, job, backend) or TimedOut(reason)
+                    return _admitted_by_another(ledger, job, last) or TimedOut(reason)
                 sleep = min(sleep, remaining)
             info = _signals.next_signal(sleep, also=(watch.wake_signal,) if watch.active else ())
             if info is None or info.si_signo == signal.SIGCHLD:

@@ -15,6 +15,8 @@ GPU it held. A waiter reads only this file when woken and acts on what concerns 
 - a dependency of it is in neither: it settles its dependencies.
 Everything else waits for the waiter's periodic re-read of the GPUs, which is shared too: a
 waiter skips its own when any waiter planned less than an interval ago (`plan.stamp`'s mtime).
+If the first waiter does not plan after a release within a moment (it may be suspended), the
+second one does.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,9 @@ def note_planned(state_dir: Path) -> None:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
 
 
-def planned_within(state_dir: Path, seconds: float) -> bool:
+def planned_since(state_dir: Path, moment: float) -> bool:
+    """Has any waiter planned since `moment` (Unix time)?"""
     try:
-        return time.time() - os.stat(state_dir / STAMP).st_mtime < seconds
+        return os.stat(state_dir / STAMP).st_mtime >= moment
     except OSError:
         return False

@@ -201,6 +201,33 @@ def test_a_release_starts_every_waiter_that_now_fits(
     assert sorted(admits[1:]) == ["w0", "w1"]
 
 
+def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first waiter plans after a release; when it is stopped (Ctrl-Z), the second does."""
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    procs([*gpuwait_cmd, "--vram", "1M", "--name", "anchor", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_jobs()] == ["running", "running"])
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    first = procs(
+        [*gpuwait_cmd, "--vram", "1G", "--after", "anchor", "--name", "first", "--", "true"]
+    )
+    wait_for(lambda: job_named("first"))
+    second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
+    wait_for(lambda: job_named("second"))
+    time.sleep(0.3)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        holder.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=20) == 0
+    finally:
+        first.send_signal(signal.SIGCONT)
+
+
 # --- GPU health --------------------------------------------------------------------------------
 
 
@@ -273,6 +300,18 @@ def test_lost_gpu_is_routed_around_and_used_again_when_it_returns(
     kinds = [(e["kind"], e["index"]) for e in events() if e["kind"].startswith("gpu_")]
     assert kinds == [("gpu_lost", 0), ("gpu_back", 0)]
     on_0.terminate()
+
+
+def test_gpu_loss_is_logged_while_jobs_run_and_nobody_waits(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=2)
+    procs([*gpuwait_cmd, "--vram", "1G", "--devices", "0", "--", "sleep", "30"])
+    wait_for(lambda: any(j["state"] == "running" for j in ledger_jobs()))
+    time.sleep(1.5)  # past the first samples
+    sim_file(gpus=2, lost=[False, True])
+    wait_for(lambda: events("gpu_lost"), timeout=15)
+    assert [e["index"] for e in events("gpu_lost")] == [1]
 
 
 def test_hot_added_gpu_is_used(
