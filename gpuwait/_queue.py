@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from gpuwait import _proc
+from gpuwait import _events, _proc
 from gpuwait._bookkeeping import FAILED, OK, Finished
 from gpuwait._history import history_path
 from gpuwait._ledger import RUNNING, Job, LedgerData
@@ -67,6 +67,19 @@ def settle_dependencies(job: Job, data: LedgerData) -> str | None:
         job.after_ok.remove(dep)
     job.after = [d for d in job.after if d in live]
     return None
+
+
+def busy_gpus(data: LedgerData) -> frozenset[str]:
+    """UUIDs of the GPUs running jobs are on."""
+    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+
+
+def note_health(
+    state_dir: Path, data: LedgerData, snapshot: MachineSnapshot, now: float | None = None
+) -> None:
+    """Record which GPUs answered in this reading, logging those lost, back or added."""
+    for event in data.book.note_health(snapshot, busy_gpus(data), now):
+        _events.emit(state_dir, **event)
 
 
 def claims_for(data: LedgerData, gpus: Sequence[GpuSnapshot], now: float) -> list[Claim]:

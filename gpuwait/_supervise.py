@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwait import _events, _proc, _signals
+from gpuwait import _proc, _signals
 from gpuwait._backend import Backend
-from gpuwait._ledger import RUNNING, Job, Ledger
+from gpuwait._ledger import Job, Ledger
+from gpuwait._queue import note_health
 from gpuwait._snapshot import MachineSnapshot
 
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
@@ -114,9 +115,7 @@ def _note_health(ledger: Ledger, snapshot: MachineSnapshot) -> None:
     """A GPU stopped or started answering: record it (and its event) now, waiters or not."""
     try:
         with ledger.transaction() as data:
-            busy = frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
-            for event in data.book.note_health(snapshot, busy):
-                _events.emit(ledger.directory, **event)
+            note_health(ledger.directory, data, snapshot)
     except Exception:
         pass  # bookkeeping only; the command runs on
 

@@ -30,8 +30,10 @@ from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
 from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
 from gpuwait._queue import (
     UtilizationWindow,
+    busy_gpus,
     claims_for,
     name_processes,
+    note_health,
     plan_conditions,
     record_hold,
     settle_dependencies,
@@ -79,10 +81,6 @@ class DependencyFailed:
 
 WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
 _Attempt = Admitted | WaitReason | Cancelled | DependencyFailed | None
-
-
-def _busy(data: LedgerData) -> frozenset[str]:
-    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
 
 
 def _admit_all(ledger: Ledger, data: LedgerData, decided: Plan, snapshot: MachineSnapshot) -> None:
@@ -153,8 +151,7 @@ def try_admit(
             return Admitted(
                 tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
             )
-        for event in data.book.note_health(snapshot, _busy(data), now):
-            _events.emit(ledger.directory, **event)
+        note_health(ledger.directory, data, snapshot, now)
         failure = settle_dependencies(mine, data)
         if failure is not None:
             data.remove(job.id)
@@ -196,7 +193,7 @@ def _reason_without_lock(
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return None
     now = time.time()
-    if data.book.health_would_change(snapshot, _busy(data), now):
+    if data.book.health_would_change(snapshot, busy_gpus(data), now):
         return None
     claims = claims_for(data, snapshot.gpus, now)
     decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)

@@ -14,14 +14,14 @@ import textwrap
 import time
 from typing import Any
 
-from gpuwait import _events, _output
+from gpuwait import _output
 from gpuwait._backend import open_backend
 from gpuwait._bookkeeping import GPU_OK, Book
 from gpuwait._config import Settings, load_settings
 from gpuwait._errors import BackendUnavailable, UsageError
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
 from gpuwait._policy import Conditions, estimate_starts, gpu_rooms, plan
-from gpuwait._queue import claims_for, name_processes
+from gpuwait._queue import claims_for, name_processes, note_health
 from gpuwait._sizes import format_duration, parse_duration
 from gpuwait._snapshot import MachineSnapshot
 
@@ -113,9 +113,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     now = time.time()
     with ledger.transaction() as data:
         if snapshot is not None:
-            busy = frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
-            for event in data.book.note_health(snapshot, busy, now):
-                _events.emit(ledger.directory, **event)
+            note_health(ledger.directory, data, snapshot, now)
     return report_from(settings, snapshot, data, now, ledger.warnings, problem)
 
 
