@@ -251,6 +251,10 @@ def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
     )
     code, text = explain("python", "x.py", GPUWAIT_JOB_ID="abc")
     assert code == 1 and "inside gpuwait job abc" in text
+    code, text = explain("python", "serve.py", GPUWAIT_NEVER_WRAP="* --dry-run, * serve.py")
+    assert code == 1 and "'* serve.py'" in text
+    code, text = explain("python", "x.py", GPUWAIT_WRAP_ONLY_IN=f"{tmp_path}/elsewhere")
+    assert code == 1 and "not under wrap_only_in" in text
 
 
 @pytest.mark.parametrize(
