@@ -2,8 +2,8 @@
 
 The options come from the parser of the default command and the subcommand names from the
 SUBCOMMANDS table, so a new option or subcommand is completed without touching this file. A
-subcommand's own options are found by letting its `main` build its parser with a parser class
-that stops at `parse_args` (see `_capture_parser`); nothing of the subcommand runs.
+subcommand's own options are found by calling its `main(["--help"], ...)` with a parser class
+that stops at `parse_args` (see `_capture_parser`): nothing of the subcommand runs.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def _one_line(text: str) -> str:
     return " ".join(text.replace("%%", "%").split())
 
 
-class _Captured(Exception):
+class _Captured(BaseException):
+    """A BaseException, so that a subcommand's own `except Exception` lets it through."""
+
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         super().__init__()
         self.parser = parser
@@ -113,10 +115,11 @@ def _capture_parser(name: str) -> argparse.ArgumentParser | None:
     try:
         module = importlib.import_module(f"gpuwait.commands.{name.replace('-', '_')}")
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            module.main([], _CapturingParser)
+            # `--help`: a subcommand that parses by hand prints its help rather than doing work.
+            module.main(["--help"], _CapturingParser)
     except _Captured as captured:
         return captured.parser
-    except Exception:  # a subcommand that parses by hand: its name is still completed
+    except (Exception, SystemExit):  # parsed by hand, or broken: its name is still completed
         return None
     return None
 

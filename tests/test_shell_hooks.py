@@ -378,6 +378,23 @@ def test_completion_scripts_parse(hook_env: dict[str, str]) -> None:
             assert done.returncode == 0, (shell, sub, done.stderr)
 
 
+def test_completion_follows_the_parsers() -> None:
+    """Every option of the default command and every subcommand is in each script."""
+    from gpuwait import _completion
+    from gpuwait.cli import SUBCOMMANDS, build_run_parser
+
+    flags = [f for a in build_run_parser()._actions for f in a.option_strings]
+    assert "--vram" in flags and "--devices" in flags
+    for shell in SHELLS:
+        text = _completion.script(shell)
+        long_flags = [f for f in flags if f.startswith("--")]
+        if shell == "fish":  # fish names long options without their dashes: `-l vram`
+            assert all(f"-l {f[2:]} " in text for f in long_flags), shell
+        else:
+            assert all(f in text for f in long_flags), shell
+        assert all(name in text for name in SUBCOMMANDS), shell
+
+
 def test_bash_completion(hook_env: dict[str, str]) -> None:
     script = """
 eval "$(gpuwait completion bash)"
