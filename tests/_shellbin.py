@@ -1,7 +1,7 @@
 """A bin directory with `gpuwait` and `python` as a user has them on PATH, for shell-level tests.
 
 Both are small scripts that start this checkout's gpuwait (and the test interpreter) with the
-PYTHONPATH baked in, so they keep working under `env -i` and in cron's or make's bare
+checkout's path baked in, so they keep working under `env -i` and in cron's or make's bare
 environment.
 """
 
@@ -14,13 +14,18 @@ from pathlib import Path
 
 from conftest import REPO
 
+CONSOLE_SCRIPT = (
+    f"import sys; sys.path[0] = {str(REPO)!r}; from gpuwait.cli import entry_point; entry_point()"
+)
+
 
 def make_bin(directory: Path) -> Path:
     """Write `gpuwait`, `python` and `python3` scripts into `directory` and return it."""
     directory.mkdir(parents=True, exist_ok=True)
     python = shlex.quote(sys.executable)
     scripts = {
-        "gpuwait": f'PYTHONPATH={shlex.quote(str(REPO))} exec {python} -m gpuwait "$@"',
+        # As a console script does: the checkout, not the current directory, heads sys.path.
+        "gpuwait": f"exec {python} -c {shlex.quote(CONSOLE_SCRIPT)} " + '"$@"',
         "python": f'exec {python} "$@"',
         "python3": f'exec {python} "$@"',
     }

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -456,13 +455,22 @@ def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) 
         child.close(force=True)
 
 
-def test_python_of_the_hook_is_independent_of_path(hook_env: dict[str, str]) -> None:
-    """The hook names the interpreter gpuwait is installed in, not whatever `python` is later."""
-    text = subprocess.run(
-        ["gpuwait", "shell-init", "bash", "--no-completion"],
-        env=hook_env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    assert sys.executable in text and "shell-hook" in text
+def test_hook_runs_its_own_gpuwait_whatever_the_directory_and_pythonpath(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The hook names the interpreter and package gpuwait was loaded from, as a console script
+    does: no PYTHONPATH needed later, and a project's own `signal.py` or `gpuwait/` in the
+    current directory shadows nothing."""
+    project = tmp_path / "project"
+    (project / "gpuwait").mkdir(parents=True)
+    for shadow in ("signal.py", "json.py", "gpuwait/__init__.py"):
+        (project / shadow).write_text("raise SystemExit('shadowed module imported')\n")
+    (project / "probe.py").write_text(
+        "import os, sys\nprint(repr((sys.argv[1:], os.environ.get('CUDA_VISIBLE_DEVICES'))))\n"
+    )
+    env = {k: v for k, v in hook_env.items() if k != "PYTHONPATH"}
+    script = f"{init_line('bash', '--always')}\npython probe.py x\n"
+    done = run_shell("bash", script, [], env, cwd=project)
+    assert done.returncode == 0, done.stderr
+    argv, cuda = eval(done.stdout)
+    assert argv == ["x"] and cuda in sim_uuids(), done.stderr

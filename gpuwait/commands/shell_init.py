@@ -11,7 +11,9 @@ import argparse
 import shlex
 import sys
 from importlib import resources
+from pathlib import Path
 
+import gpuwait
 from gpuwait import _completion
 from gpuwait._config import load_settings
 
@@ -51,18 +53,15 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
 
 
 def gpuwait_invocation() -> list[str]:
-    """How the hook starts this very gpuwait, whatever PATH or virtualenv is active later.
+    """How the hook starts this very gpuwait, whatever PATH, virtualenv or PYTHONPATH is later.
 
-    The current directory must not shadow gpuwait's modules: a project with its own `signal.py`
-    is where a wrapped `python` runs.
+    Like a console script, it names the interpreter and the directory gpuwait was imported from.
+    That directory takes the place of the current one at the head of sys.path: a wrapped
+    `python` runs in project directories, whose own `signal.py` must not shadow gpuwait's.
     """
-    if sys.version_info >= (3, 11):
-        return [sys.executable, "-P", "-m", "gpuwait"]
-    return [  # pragma: no cover - Python 3.10 has no -P
-        sys.executable,
-        "-c",
-        "import sys; del sys.path[0]; from gpuwait.cli import entry_point; entry_point()",
-    ]
+    root = str(Path(gpuwait.__file__).resolve().parent.parent)
+    code = f"import sys; sys.path[0] = {root!r}; from gpuwait.cli import entry_point; entry_point()"
+    return [sys.executable, "-c", code]
 
 
 def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
