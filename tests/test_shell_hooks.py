@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -472,5 +473,5 @@ def test_hook_runs_its_own_gpuwait_whatever_the_directory_and_pythonpath(
     script = f"{init_line('bash', '--always')}\npython probe.py x\n"
     done = run_shell("bash", script, [], env, cwd=project)
     assert done.returncode == 0, done.stderr
-    argv, cuda = eval(done.stdout)
+    argv, cuda = ast.literal_eval(done.stdout)
     assert argv == ["x"] and cuda in sim_uuids(), done.stderr
