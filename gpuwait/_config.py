@@ -72,6 +72,29 @@ def _default_vram(value: Any) -> MemoryRequest | None:
     return parse_request(text)
 
 
+def _string_list(value: Any) -> tuple[str, ...]:
+    """A TOML array of strings, or (from the environment) one string of comma-separated items."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected a list of strings, or comma-separated text")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+#: Names a shell hook must never redefine: its own machinery relies on them.
+_UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
+
+
+def _command_names(value: Any) -> tuple[str, ...]:
+    names = _string_list(value)
+    for name in names:
+        # These become shell function names: nothing a shell would read as syntax.
+        if name.startswith("-") or not all(c.isalnum() or c in "._+-" for c in name):
+            raise ValueError(f"{name!r} is not a plain command name")
+        if name in _UNWRAPPABLE:
+            raise ValueError(f"{name!r} cannot be wrapped")
+    return names
+
+
 def _path(value: Any) -> str:
     text = str(value).strip()
     return os.path.abspath(os.path.expanduser(text)) if text else ""
@@ -138,6 +161,24 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "state_dir", _path, "", "where the ledger and history live (default: the user state dir)"
+    ),
+    Option(
+        "wrap_commands",
+        _command_names,
+        ("python", "python3", "torchrun", "accelerate", "deepspeed"),
+        "commands that `gpuwait shell-init` wraps in gpuwait",
+    ),
+    Option(
+        "wrap_only_in",
+        _string_list,
+        (),
+        "shell hooks wrap only in these directories (globs) and below; empty: everywhere",
+    ),
+    Option(
+        "never_wrap",
+        _string_list,
+        ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
+        "shell hooks run command lines matching these globs bare",
     ),
 )
 
@@ -231,6 +272,8 @@ def show_value(name: str, value: Any) -> str:
         return EXCLUSIVE if value is None else value.describe()
     if value is None:
         return "none"
+    if isinstance(value, tuple):
+        return ", ".join(value) if value else "(none)"
     if name.endswith("interval") or name == "timeout":
         return f"{value:g}s"
     return str(value) if value != "" else "(not set)"
