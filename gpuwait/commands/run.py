@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -125,6 +126,9 @@ def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | No
 
 
 def _exec_bare(command: list[str]) -> int:
+    # Python ignores SIGPIPE for itself; the command must get the default, as from a shell.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     try:
         os.execvp(command[0], command)
     except OSError as exc:
