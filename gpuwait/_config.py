@@ -17,7 +17,7 @@ import platformdirs
 
 from gpuwait._errors import UsageError
 from gpuwait._policy import PICK_STRATEGIES
-from gpuwait._sizes import MemoryRequest, parse_duration, parse_request
+from gpuwait._sizes import MemoryRequest, format_size, parse_duration, parse_request, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,6 +93,22 @@ def _command_names(value: Any) -> tuple[str, ...]:
         if name in _UNWRAPPABLE:
             raise ValueError(f"{name!r} cannot be wrapped")
     return names
+
+
+def _margin(value: Any) -> float:
+    text = str(value).strip()
+    number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 <= number <= 2:
+        raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
+    return number
+
+
+def _size_limit(value: Any) -> int:
+    size = value if isinstance(value, int) and not isinstance(value, bool) else None
+    size = parse_size(str(value)) if size is None else size
+    if size < 2**20:
+        raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
+    return size
 
 
 def _path(value: Any) -> str:
@@ -179,6 +195,30 @@ OPTIONS: tuple[Option, ...] = (
         _string_list,
         ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
         "shell hooks run command lines matching these globs bare",
+    ),
+    Option(
+        "estimate_margin",
+        _margin,
+        0.1,
+        "added on top of a VRAM estimate learned from earlier runs (0.1 = 10%)",
+    ),
+    Option(
+        "history_commands",
+        _choice("full", "hash"),
+        "full",
+        "what the history keeps of a command: the 'full' line, or only a 'hash' of it",
+    ),
+    Option(
+        "history_max_size",
+        _size_limit,
+        "64MiB",
+        "size at which the history is compacted (what estimates use is kept)",
+    ),
+    Option(
+        "watch_stderr",
+        _choice("auto", "off"),
+        "auto",
+        "look for out-of-memory messages on a command's stderr when it is a file or pipe",
     ),
 )
 
@@ -276,4 +316,8 @@ def show_value(name: str, value: Any) -> str:
         return ", ".join(value) if value else "(none)"
     if name.endswith("interval") or name == "timeout":
         return f"{value:g}s"
+    if name == "history_max_size":
+        return format_size(value)
+    if name == "estimate_margin":
+        return f"{value * 100:g}%"
     return str(value) if value != "" else "(not set)"

@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "shell-init": "shell hook that runs python & co. through gpuwait: see README",
     "shell-hook": "what the shell hook runs: COMMAND through gpuwait unless the wrap rules say no",
     "completion": "completion script for bash, zsh or fish",
+    "estimate": "the VRAM learned from earlier runs of a command: `estimate -- CMD ...`",
+    "history": "recent runs: peak VRAM, load, wait and run time, exit (--json for scripts)",
 }
 
 _EPILOG = """\
