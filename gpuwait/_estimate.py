@@ -21,7 +21,6 @@ The rules:
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -217,15 +216,25 @@ def estimate(
     )
 
 
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, statistics' "inclusive")."""
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 def spread(values: Sequence[float]) -> Spread | None:
     """Median and interquartile range; None without values."""
     if not values:
         return None
     ordered = sorted(values)
-    if len(ordered) == 1:
-        return Spread(ordered[0], ordered[0], ordered[0], 1)
-    low, _, high = statistics.quantiles(ordered, n=4, method="inclusive")
-    return Spread(statistics.median(ordered), low, high, len(ordered))
+    return Spread(
+        _percentile(ordered, 0.5),
+        _percentile(ordered, 0.25),
+        _percentile(ordered, 0.75),
+        len(ordered),
+    )
 
 
 def _timing_runs(

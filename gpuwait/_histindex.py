@@ -32,7 +32,6 @@ from gpuwait._history import (
     history_path,
     read_from,
     record_keys,
-    run_stat,
 )
 
 SCHEMA = 1
@@ -248,10 +247,7 @@ def refresh(state_dir: Path, rebuild: bool = False) -> list[str]:
 def _group(parsed: Parsed) -> dict[str, dict[str, list[Row]]]:
     """bucket -> key -> new rows, in file order."""
     grouped: dict[str, dict[str, list[Row]]] = {}
-    for offset, record in parsed.records:
-        stat = run_stat(record)
-        if stat is None:
-            continue
+    for (offset, record), stat in zip(parsed.records, parsed.stats, strict=True):
         row = _row(offset, stat)
         for key in record_keys(record).values():
             grouped.setdefault(bucket_of(key), {}).setdefault(key, []).append(row)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,6 +121,8 @@ class Parsed:
     """Records read from a stretch of the file, each with the byte offset of its line."""
 
     records: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    #: The figures of each record, in the same order.
+    stats: list[RunStat] = field(default_factory=list)
     #: Bytes consumed: whole lines only, so a line still being written is read next time.
     consumed: int = 0
     damage: Damage = field(default_factory=Damage)
@@ -135,25 +138,25 @@ def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:
         newline = data.index(b"\n", position)
         line = data[position:newline]
         if line.strip():
-            record = _decode(line)
-            if record is None:
+            decoded = _decode(line)
+            if decoded is None:
                 parsed.damage.add(base_offset + position)
             else:
-                parsed.records.append((base_offset + position, record))
+                parsed.records.append((base_offset + position, decoded[0]))
+                parsed.stats.append(decoded[1])
         position = newline + 1
     return parsed
 
 
-def _decode(line: bytes) -> dict[str, Any] | None:
+def _decode(line: bytes) -> tuple[dict[str, Any], RunStat] | None:
     try:
         value = json.loads(line)
     except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("schema"), int):
         return None
-    if run_stat(value) is None:
-        return None
-    return value
+    stat = run_stat(value)
+    return None if stat is None else (value, stat)
 
 
 def read_from(path: Path, offset: int = 0) -> Parsed:
@@ -178,7 +181,9 @@ def tail(path: Path, count: int) -> Parsed:
         cut = data.index(b"\n") + 1
         data, start = data[cut:], start + cut
     parsed = parse_lines(data, start)
-    parsed.records = parsed.records[-count:] if count > 0 else []
+    keep = min(count, len(parsed.records))
+    parsed.records = parsed.records[len(parsed.records) - keep :]
+    parsed.stats = parsed.stats[len(parsed.stats) - keep :]
     return parsed
 
 
@@ -199,29 +204,31 @@ def _read_tail(path: Path, count: int) -> tuple[bytes, int]:
     return data, start
 
 
-def _number(value: Any, *, optional: bool = False) -> float | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+def _number(value: Any) -> float:
+    # type() rather than isinstance(): bool is an int, and is no figure.
+    if type(value) is not int and type(value) is not float:
         raise ValueError("not a number")
+    if value != value or value in (math.inf, -math.inf):
+        raise ValueError("not a finite number")
     return float(value)
 
 
 def run_stat(record: dict[str, Any]) -> RunStat | None:
     """The figures estimates use, or None if the record lacks them or they are malformed."""
+    get = record.get
     try:
-        peak = _number(record.get("peak_bytes"), optional=True)
-        exit_status = record.get("exit_status")
+        peak = get("peak_bytes")
+        to_peak = get("time_to_peak_seconds")
         return RunStat(
-            started_at=_number(record.get("started_at")) or 0.0,
-            peak_bytes=None if peak is None else max(0, int(peak)),
-            reserved_bytes=max(0, int(_number(record.get("reserved_bytes", 0)) or 0)),
-            ok=exit_status == 0 and record.get("signal") is None,
-            oom=record.get("oom") is True,
-            approximate=record.get("peak_approximate") is True,
-            run_seconds=max(0.0, _number(record.get("run_seconds", 0)) or 0.0),
-            wait_seconds=max(0.0, _number(record.get("wait_seconds", 0)) or 0.0),
-            time_to_peak=_number(record.get("time_to_peak_seconds"), optional=True),
+            started_at=_number(get("started_at")),
+            peak_bytes=None if peak is None else max(0, int(_number(peak))),
+            reserved_bytes=max(0, int(_number(get("reserved_bytes", 0)))),
+            ok=get("exit_status") == 0 and get("signal") is None,
+            oom=get("oom") is True,
+            approximate=get("peak_approximate") is True,
+            run_seconds=max(0.0, _number(get("run_seconds", 0))),
+            wait_seconds=max(0.0, _number(get("wait_seconds", 0))),
+            time_to_peak=None if to_peak is None else max(0.0, _number(to_peak)),
         )
     except (ValueError, TypeError, OverflowError):
         return None
@@ -255,11 +262,10 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> None:
     kept_per_key: dict[str, int] = {}
     keep: list[bool] = [False] * len(parsed.records)
     for position in range(len(parsed.records) - 1, -1, -1):
-        record = parsed.records[position][1]
+        record, stat = parsed.records[position][1], parsed.stats[position]
         if position >= len(parsed.records) - KEEP_RECENT:
             keep[position] = True
-        stat = run_stat(record)
-        if stat is None or clock - stat.started_at > MAX_AGE:
+        if clock - stat.started_at > MAX_AGE:
             continue
         for key in record_keys(record).values():
             if kept_per_key.get(key, 0) < KEEP_PER_KEY:

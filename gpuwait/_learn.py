@@ -55,14 +55,16 @@ class Learned:
     warnings: tuple[str, ...] = ()
 
     def basis(self) -> str:
-        """`3 runs of this exact command`, for the wait line and `estimate`."""
+        """`estimated from 3 runs of this exact command`, for the wait line and `estimate`."""
         est = self.estimate
         if est.bytes is None or est.level is None:
             return "no earlier runs"
         if est.runs == 0:
             return "raised after an out-of-memory failure"
         words = _LEVEL_WORDS.get(est.level, f"runs at level {est.level}")
-        text = f"{est.runs} {words}" if est.runs != 1 else f"1 {words.replace('runs', 'run', 1)}"
+        if est.runs == 1:
+            words = words.replace("runs", "run", 1)
+        text = f"estimated from {est.runs} {words}"
         if est.raised_by_oom:
             text += ", raised after an out-of-memory failure"
         return text
@@ -143,7 +145,7 @@ def choose_request(
         return RequestChoice(vram_flag, FLAG)
     learned = learn(state_dir, command, cwd, key=key, margin=margin)
     if learned.estimate.bytes is not None:
-        note = f"estimated from {learned.basis()}"
+        note = learned.basis()
         if learned.estimate.approximate:
             note += ", some measured approximately"
         return RequestChoice(MemoryRequest(bytes=learned.estimate.bytes), ESTIMATE, note, learned)

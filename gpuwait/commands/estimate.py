@@ -111,7 +111,7 @@ def _show(learned: Learned, default: str) -> None:
         fallback = "a whole GPU" if default == "exclusive" else default
         print(f"estimate: none, no earlier runs: gpuwait asks for {fallback} (default_vram)")
     else:
-        print(f"estimate: {format_size(est.bytes)} per GPU, from {learned.basis()}")
+        print(f"estimate: {format_size(est.bytes)} per GPU, {learned.basis()}")
         if est.runs:
             print(
                 f"          {QUANTILE * 100:g}th percentile of the peaks "
