@@ -5,14 +5,19 @@
 Prints, all measured in this one process on the same synthetic history:
 - the first estimate, which builds the index from the history (once, after compaction or damage);
 - a warm estimate (the launch path): stat, a small meta file and up to three small buckets;
-- a naive estimate that parses the whole history and filters it, as a baseline, and the ratio.
+- a naive estimate that parses the whole history and filters it, as a baseline, and the ratio;
+- with --launch N: whole launches of `gpuwait -- true` on a simulated GPU, once with --vram and
+  once learning the size from that history, interleaved, to show what the estimate adds to a
+  launch (and a bare `true` for reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--launch", type=int, default=0, metavar="N", help="time N launches")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
@@ -125,6 +131,40 @@ def main() -> None:
         print(f"naive full scan of the history (baseline), median of 3: {naive_ms:8.1f} ms")
         print(f"ratio baseline / warm estimate: {naive_ms / warm_ms:,.0f}x")
         print(f"target: warm estimate <= 20 ms: {'met' if warm_ms <= 20 else 'NOT met'}")
+        if args.launch:
+            launches(Path(tmp), state, args.launch)
+
+
+def launches(tmp: Path, state: Path, count: int) -> None:
+    sim = tmp / "sim.toml"
+    sim.write_text('[[gpu]]\nmemory = "80GiB"\n')
+    env = {
+        **os.environ,
+        "GPUWAIT_SIM": str(sim),
+        "GPUWAIT_STATE_DIR": str(state),
+        "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    }
+    gpuwait = [sys.executable, "-m", "gpuwait", "-q"]
+    variants = {
+        "bare `true`": ["true"],
+        "gpuwait --vram 1G true": [*gpuwait, "--vram", "1G", "--", "true", "exp1/train.py"],
+        "gpuwait true (estimate)": [*gpuwait, "--", "true", "exp1/train.py"],
+    }
+    # Three runs of that line, so its estimate is learned; the index holds the 100,000 others.
+    for _ in range(3):
+        subprocess.run(variants["gpuwait --vram 1G true"], env=env, check=True)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(count):
+        for name, argv in variants.items():
+            started = time.perf_counter()
+            subprocess.run(argv, env=env, check=True)
+            times[name].append(time.perf_counter() - started)
+    for name, values in times.items():
+        print(f"launch {name:<26} median of {count}: {statistics.median(values) * 1e3:7.1f} ms")
+    added = statistics.median(times["gpuwait true (estimate)"]) - statistics.median(
+        times["gpuwait --vram 1G true"]
+    )
+    print(f"the estimate adds {added * 1e3:.1f} ms to a launch")
 
 
 if __name__ == "__main__":
