@@ -20,7 +20,7 @@ import os.path
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 COMMAND = "command"
 SCRIPT = "script"
@@ -39,8 +39,7 @@ _SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O"})
 _SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".R", ".r", ".jl", ".rb", ".pl", ".lua")
 
 
-@dataclass(frozen=True)
-class CommandKey:
+class CommandKey(NamedTuple):
     """The levels of one command: (level, text) pairs, finest first, no two with the same text."""
 
     levels: tuple[tuple[str, str], ...]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 MiB = 2**20
 GiB = 2**30
@@ -38,8 +38,7 @@ MIN_ESTIMATE = 256 * MiB
 LOADED_FRACTION = 0.9
 
 
-@dataclass(frozen=True)
-class RunStat:
+class RunStat(NamedTuple):
     """What estimates need from one run record."""
 
     started_at: float
@@ -56,8 +55,7 @@ class RunStat:
     time_to_peak: float | None = None
 
 
-@dataclass(frozen=True)
-class Spread:
+class Spread(NamedTuple):
     """A median with the range around it (25th to 75th percentile) over `runs` values."""
 
     median: float
@@ -66,8 +64,7 @@ class Spread:
     runs: int
 
 
-@dataclass(frozen=True)
-class Estimate:
+class Estimate(NamedTuple):
     """A learned VRAM request, or None with the reason why not."""
 
     bytes: int | None

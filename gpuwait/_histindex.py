@@ -19,9 +19,8 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait._atomic import ensure_private_dir
 from gpuwait._estimate import RunStat
@@ -44,20 +43,19 @@ _OK, _OOM, _APPROX = 1, 2, 4
 Row = list[float]
 
 
-@dataclass
-class KeySummary:
+class KeySummary(NamedTuple):
     """What the index knows about one key."""
 
-    total_runs: int = 0
-    runs: list[RunStat] = field(default_factory=list)
+    total_runs: int
+    runs: list[RunStat]
 
 
-@dataclass
 class Lookup:
     """Summaries for the keys asked about, and what went wrong on the way (for the CLI)."""
 
-    keys: dict[str, KeySummary] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.keys: dict[str, KeySummary] = {}
+        self.warnings: list[str] = []
 
 
 def index_dir(state_dir: Path) -> Path:

@@ -20,15 +20,13 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import portalocker
 
 from gpuwait._atomic import ensure_private_dir, open_private_append, write_atomic
 from gpuwait._cmdkey import command_key
 from gpuwait._estimate import MAX_AGE, WINDOW, RunStat
+from gpuwait._lock import exclusive
 
 SCHEMA = 2
 FILENAME = "history.jsonl"
@@ -47,13 +45,8 @@ def history_path(state_dir: Path) -> Path:
 def history_lock(state_dir: Path) -> Iterator[None]:
     """Exclusive lock shared by appenders, compaction and index updates."""
     ensure_private_dir(state_dir)
-    fd = os.open(state_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "r+b") as handle:
-        portalocker.lock(handle, portalocker.LOCK_EX)
-        try:
-            yield
-        finally:
-            portalocker.unlock(handle)
+    with exclusive(state_dir / LOCK_NAME):
+        yield
 
 
 def encode(record: dict[str, Any]) -> bytes:
@@ -95,12 +88,12 @@ def _last_byte(path: Path, size: int) -> bytes:
         return b"\n"
 
 
-@dataclass
 class Damage:
     """Damaged lines met while reading; reported once per read as a single warning."""
 
-    lines: int = 0
-    first_offset: int | None = None
+    def __init__(self) -> None:
+        self.lines = 0
+        self.first_offset: int | None = None
 
     def add(self, offset: int) -> None:
         self.lines += 1
@@ -116,16 +109,16 @@ class Damage:
         )
 
 
-@dataclass
 class Parsed:
     """Records read from a stretch of the file, each with the byte offset of its line."""
 
-    records: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    #: The figures of each record, in the same order.
-    stats: list[RunStat] = field(default_factory=list)
-    #: Bytes consumed: whole lines only, so a line still being written is read next time.
-    consumed: int = 0
-    damage: Damage = field(default_factory=Damage)
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict[str, Any]]] = []
+        #: The figures of each record, in the same order.
+        self.stats: list[RunStat] = []
+        #: Bytes consumed: whole lines only, so a line still being written is read next time.
+        self.consumed = 0
+        self.damage = Damage()
 
 
 def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:

@@ -9,9 +9,8 @@ import hashlib
 import shlex
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait import _histindex, _history
 from gpuwait._cmdkey import EXPLICIT, CommandKey, command_key, explicit_key, key_hash
@@ -31,8 +30,7 @@ _LEVEL_WORDS = {
 }
 
 
-@dataclass(frozen=True)
-class Level:
+class Level(NamedTuple):
     """One level of a command key and the runs the index has for it."""
 
     name: str
@@ -42,8 +40,7 @@ class Level:
     runs: tuple[RunStat, ...]
 
 
-@dataclass(frozen=True)
-class Learned:
+class Learned(NamedTuple):
     """Everything the history says about one command."""
 
     key: CommandKey
@@ -120,8 +117,7 @@ def expected_run_seconds(
     return None if spread is None else spread.median
 
 
-@dataclass(frozen=True)
-class RequestChoice:
+class RequestChoice(NamedTuple):
     """The request a run waits for, where it came from, and what to tell the user about it."""
 
     request: MemoryRequest | None

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import stat
-import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import threading
 
 #: Lower-case markers of a GPU out-of-memory failure, as PyTorch, TensorFlow, JAX/XLA, CuPy,
 #: cuBLAS and the CUDA runtime and driver APIs print them.
@@ -76,7 +78,7 @@ class StderrWatch:
         self._also_stdout = False
         self._file_start = 0
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None
         self._eof = False
         if enabled:
             self._decide()
@@ -113,8 +115,12 @@ class StderrWatch:
         """The command runs: from now on only it holds the write end."""
         if self._write_fd is None:
             return
+        # Imported here: only a pipe needs a thread, and a launch should not pay for it otherwise.
+        import threading
+
         os.close(self._write_fd)
         self._write_fd = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._relay, name="gpuwait-stderr", daemon=True)
         self._thread.start()
 
@@ -125,13 +131,15 @@ class StderrWatch:
             self._eof = True  # the pipe broke: nothing more can come through it
 
     def _relay_until_done(self) -> None:
-        fd = self._read_fd
-        assert fd is not None
+        import select
+
+        fd, stop = self._read_fd, self._stop
+        assert fd is not None and stop is not None
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         drain_until: float | None = None
         while True:
-            if self._stop.is_set() and drain_until is None:
+            if stop.is_set() and drain_until is None:
                 drain_until = time.monotonic() + _DRAIN_SECONDS
             if drain_until is not None and time.monotonic() > drain_until:
                 return
@@ -155,7 +163,8 @@ class StderrWatch:
             return self._read_back()
         if self.mode != "pipe":
             return None
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         if self._thread is not None:
             self._thread.join()
         self._close(handover=not self._eof)

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait import _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
@@ -234,8 +234,7 @@ def _candidates(args: argparse.Namespace, snapshot: MachineSnapshot) -> list[str
     return candidates
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ended:
+class _Ended(NamedTuple):
     """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
 
     returncode: int
