@@ -24,7 +24,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     parser = parser_class(
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND [ARGS...]]",
-        description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90%% of the "
+        description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
         "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script.",
     )
     parser.add_argument("-n", type=int, default=20, metavar="N", help="show the last N (20)")
