@@ -277,12 +277,12 @@ def time_to_peak(
     return next(t for t, used in series if used >= fraction * peak)
 
 
-def near_full(min_free_bytes: int | None, total_bytes: int) -> bool:
-    """True when a card had (almost) no free memory left at some sample: the peak reached its
-    limit. 2 % or 256 MiB, whichever is larger, allows for the allocator's granularity."""
-    if min_free_bytes is None or total_bytes <= 0:
+def near_full(free_bytes: int | None, total_bytes: int) -> bool:
+    """True when a card had (almost) no free memory left at the job's peak: the peak reached the
+    card's limit. 2 % or 256 MiB, whichever is larger, allows for the allocator's granularity."""
+    if free_bytes is None or total_bytes <= 0:
         return False
-    return min_free_bytes <= max(256 * MiB, 0.02 * total_bytes)
+    return free_bytes <= max(256 * MiB, 0.02 * total_bytes)
 
 
 def looks_like_oom(returncode: int, oom_message: bool, card_full: bool) -> bool:

@@ -46,8 +46,9 @@ class RunResult:
     growth_bytes: dict[str, int] = field(default_factory=dict)
     #: GPUs where NVML gave a figure for a process of the tree.
     attributed: set[str] = field(default_factory=set)
-    #: Least free memory seen per GPU, and the card sizes, to tell a card that filled up.
-    min_free_bytes: dict[str, int] = field(default_factory=dict)
+    #: Free memory per GPU at the sample where the job used the most there (once it used any),
+    #: and the card sizes: a card full at the job's peak hints at an out-of-memory failure.
+    free_at_peak_bytes: dict[str, int] = field(default_factory=dict)
     total_bytes: dict[str, int] = field(default_factory=dict)
     #: (seconds since start, bytes on the fullest GPU) per sample.
     series: list[tuple[float, int]] = field(default_factory=list)
@@ -177,23 +178,24 @@ def _note_sample(
     fullest = 0
     for gpu in gpus:
         result.total_bytes[gpu.uuid] = gpu.total_bytes
-        result.min_free_bytes[gpu.uuid] = min(
-            result.min_free_bytes.get(gpu.uuid, gpu.free_bytes), gpu.free_bytes
-        )
         if any(p.pid in tree and p.used_bytes is not None for p in gpu.processes):
             result.attributed.add(gpu.uuid)
         if gpu.uuid in result.attributed:
-            fullest = max(fullest, gpu.process_bytes(tree))
-            continue
-        if gpu.uuid not in baseline_used:
-            continue
-        if others is None:
-            others = _gpus_shared_with_others(ledger, job)
-        if gpu.uuid in others:
-            continue  # another job's memory would be taken for ours
-        growth = max(0, gpu.used_bytes - baseline_used[gpu.uuid])
-        result.growth_bytes[gpu.uuid] = max(result.growth_bytes.get(gpu.uuid, 0), growth)
-        fullest = max(fullest, growth)
+            used = gpu.process_bytes(tree)
+            peak_so_far = result.peak_bytes.get(gpu.uuid, 0)
+        else:
+            if gpu.uuid not in baseline_used:
+                continue
+            if others is None:
+                others = _gpus_shared_with_others(ledger, job)
+            if gpu.uuid in others:
+                continue  # another job's memory would be taken for ours
+            used = max(0, gpu.used_bytes - baseline_used[gpu.uuid])
+            peak_so_far = result.growth_bytes.get(gpu.uuid, 0)
+            result.growth_bytes[gpu.uuid] = max(peak_so_far, used)
+        if used > 0 and used >= peak_so_far:
+            result.free_at_peak_bytes[gpu.uuid] = gpu.free_bytes
+        fullest = max(fullest, used)
     if gpus:
         result.series.append((round(elapsed, 3), fullest))
 

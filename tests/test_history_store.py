@@ -203,7 +203,7 @@ def test_hash_mode_estimates_the_same(tmp_path: Path, argv: list[str]) -> None:
                 peak_approximate=False,
                 time_to_peak=None,
                 samples=3,
-                min_free_bytes={},
+                free_at_peak_bytes={},
                 wait_seconds=0,
                 run_seconds=1,
                 started_at=NOW - i,

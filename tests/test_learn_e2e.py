@@ -78,6 +78,20 @@ def test_oom_seen_in_a_stderr_log_file(
     assert record["stderr_watched"] == "file" and record["oom"] is True
 
 
+def test_a_failure_with_the_card_full_at_its_peak_counts_as_oom(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # No message to go by (stderr not watched): the card ran full at the job's peak.
+    sim_file(gpus=1, memory="24GiB")
+    env = {**os.environ, "GPUWAIT_WATCH_STDERR": "off"}
+    job = sim_job(gpuwait_cmd, "23.9G", "--hold", "1.5s", "--exit", "1")
+    done = run([*gpuwait_cmd, "--vram", "20G", "--", *job], env=env)
+    assert done.returncode == 1
+    record = history()[-1]
+    assert record["oom"] is True and record["oom_evidence"] == "card full"
+    assert record["stderr_watched"] == "off"
+
+
 def test_failure_without_oom_is_not_an_oom(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:

@@ -184,7 +184,8 @@ def _run_with_retries(
         )
         after = raised.request.bytes if raised.request is not None else None
         if after is None or after <= ended.reserved_bytes:
-            _output.warn("the command ran out of GPU memory; no larger estimate to retry with")
+            if not args.quiet:
+                _output.warn("the command ran out of GPU memory; no larger size to retry with")
             break
         if not args.quiet:
             _output.info(
@@ -420,7 +421,8 @@ def _record(
     """Leave the run's record in the history; returns whether it looked like an OOM."""
     peaks, approximate = result.peaks()
     card_full = any(
-        near_full(result.min_free_bytes.get(u), total) for u, total in result.total_bytes.items()
+        near_full(result.free_at_peak_bytes.get(u), total)
+        for u, total in result.total_bytes.items()
     )
     oom = looks_like_oom(result.returncode, bool(said_oom), card_full)
     evidence = None if not oom else ("message" if said_oom else "card full")
@@ -438,7 +440,7 @@ def _record(
         peak_approximate=approximate,
         time_to_peak=result.time_to_peak(),
         samples=result.samples,
-        min_free_bytes=result.min_free_bytes,
+        free_at_peak_bytes=result.free_at_peak_bytes,
         wait_seconds=wait_seconds,
         run_seconds=result.run_seconds,
         started_at=started_at,
