@@ -166,15 +166,22 @@ def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
         st.st_ino,
         st.st_size,
     )
-    for attempt in range(2):
-        if not fresh:
-            result.warnings += refresh(state_dir, rebuild=attempt > 0)
-        try:
-            result.keys = _read_keys(directory, wanted)
-            return result
-        except _Damaged as exc:
-            result.warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
-            fresh = False
+    try:
+        for attempt in range(2):
+            if not fresh:
+                result.warnings += refresh(state_dir, rebuild=attempt > 0)
+            try:
+                result.keys = _read_keys(directory, wanted)
+                return result
+            except _Damaged as exc:
+                result.warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
+                fresh = False
+    except OSError as exc:
+        # Learning is a help, never a reason for a run to fail: go on without history.
+        result.warnings.append(
+            f"history in {state_dir} cannot be used ({exc.strerror or exc}); "
+            "going on without what earlier runs used"
+        )
     return result
 
 

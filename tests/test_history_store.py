@@ -216,3 +216,14 @@ def test_hash_mode_estimates_the_same(tmp_path: Path, argv: list[str]) -> None:
     assert estimate_bytes(full_dir, argv) == estimate_bytes(hash_dir, argv) is not None
     text = _history.history_path(hash_dir).read_text()
     assert CWD + "/train" not in text and "hunter2" not in text and '"command":null' in text
+
+
+def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -> None:
+    for i in range(3):
+        _history.append_record(tmp_path, record(TRAIN, 3, NOW - i))
+    (tmp_path / "history.index").mkdir(exist_ok=True)
+    (tmp_path / "history.lock").unlink()
+    (tmp_path / "history.lock").mkdir()  # the lock cannot be opened
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert learned.estimate.bytes is None
+    assert len(learned.warnings) == 1 and "cannot be used" in learned.warnings[0]

@@ -13,7 +13,7 @@ from typing import Any
 from gpuwait import _output
 from gpuwait._cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait._config import load_settings
-from gpuwait._errors import UsageError
+from gpuwait._errors import StateError, UsageError
 from gpuwait._estimate import spread
 from gpuwait._history import history_path, read_from, record_keys, tail
 from gpuwait._learn import key_for
@@ -41,8 +41,11 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     settings = load_settings({})
     path = history_path(settings.state_dir)
     wanted = _wanted_hash(command, args.key)
-    # Only the newest lines are read unless the whole file must be filtered or shown.
-    parsed = tail(path, args.n) if wanted is None and not args.all else read_from(path)
+    try:
+        # Only the newest lines are read unless the whole file must be filtered or shown.
+        parsed = tail(path, args.n) if wanted is None and not args.all else read_from(path)
+    except OSError as exc:
+        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
     records = [r for _, r in parsed.records]
     if wanted is not None:
         records = [r for r in records if wanted in record_keys(r).values()]
