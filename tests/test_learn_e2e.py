@@ -227,7 +227,8 @@ def test_history_shows_and_exports_runs(sim_file: SimFileFactory, gpuwait_cmd: l
 
 def test_estimate_explains_itself(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
     sim_file(gpus=1, memory="24GiB")
-    script = [sys.executable, "-c", "pass"]
+    # Long enough to be sampled: a run that ends before its first sample has no known peak.
+    script = [sys.executable, "-c", "import time; time.sleep(0.5)"]
     none = run([*gpuwait_cmd, "estimate", "--", *script])
     assert none.returncode == 0 and "a whole GPU (default_vram)" in none.stdout
     for _ in range(2):
