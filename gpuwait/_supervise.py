@@ -63,6 +63,7 @@ def supervise(
     published: dict[str, int] = {}
     published_pids: list[int] = [child]
     next_sample = started
+    seen_token = ledger.change_token()
     while True:
         waited_pid, status = os.waitpid(child, os.WNOHANG)
         if waited_pid == child:
@@ -82,6 +83,11 @@ def supervise(
             if moved or sorted(pids) != sorted(published_pids):
                 published, published_pids = usage, sorted(pids)
                 _publish(ledger, job, usage, published_pids)
+            elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
+                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+                # our reservation must not stay lost while the command runs.
+                _publish(ledger, job, published, published_pids)
+            seen_token = ledger.change_token()
         info = _signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
@@ -99,6 +105,13 @@ def _sample(child: int, job: Job, backend: Backend) -> tuple[list[int], dict[str
         return sorted(tree), {}
     usage = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus if g.uuid in job.gpu_uuids}
     return sorted(tree), usage
+
+
+def _entry_present(ledger: Ledger, job: Job) -> bool:
+    try:
+        return ledger.read().find(job.id) is not None
+    except Exception:
+        return True  # cannot tell; the next change is looked at again
 
 
 def _publish(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> None:

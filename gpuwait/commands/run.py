@@ -20,10 +20,12 @@ from gpuwait._errors import (
     EXIT_TIMEOUT,
     BackendUnavailable,
     ImpossibleRequest,
+    StateError,
     UsageError,
 )
+from gpuwait._fairness import FairShare, charge
 from gpuwait._history import append_record
-from gpuwait._ledger import WAITING, Job, Ledger
+from gpuwait._ledger import MAX_ENTRIES_PER_UID, WAITING, Job, Ledger, ledger_for
 from gpuwait._policy import impossible_reason
 from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request
 from gpuwait._snapshot import MachineSnapshot
@@ -52,6 +54,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
     )
+    parser.add_argument(
+        "--ledger", metavar="DIR", help="coordinate through the ledger in DIR (e.g. a shared one)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="say where and when the command starts"
@@ -64,6 +69,7 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pick": args.pick,
         "priority": args.priority,
         "safety": args.safety,
+        "ledger_dir": args.ledger,
     }
 
 
@@ -101,7 +107,7 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         return problem.code
 
     try:
-        backend = open_backend(settings["sim"] or None)
+        backend = open_backend(settings["sim"] or None, settings["nvml_timeout"])
     except BackendUnavailable as exc:
         if settings["on_no_gpu"] == "fail":
             raise
@@ -185,7 +191,10 @@ def _run_with_backend(
         submitted_at=now,
         updated_at=now,
     )
-    impossible = impossible_reason(job.claim(snapshot.gpus), snapshot.gpus, settings["safety"])
+    fair = FairShare.from_settings(settings)
+    impossible = impossible_reason(
+        job.claim(snapshot.gpus), snapshot.gpus, settings["safety"], fair.limits
+    )
     if impossible is not None:
         raise ImpossibleRequest(
             impossible, hint="ask for less (--vram), raise safety, or use other GPUs (--devices)"
@@ -193,11 +202,18 @@ def _run_with_backend(
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     _signals.block_handled()
-    ledger = Ledger(settings.state_dir)
-    with ledger.transaction() as data:
-        job.order = data.next_order
-        data.next_order += 1
-        data.jobs.append(job)
+    ledger = ledger_for(settings)
+    try:
+        _submit(ledger, job)
+    except StateError as exc:
+        if settings["on_state_error"] != "run":
+            raise
+        _signals.unblock_all()
+        if not args.quiet:
+            _output.warn(
+                f"{exc.message}; running the command without coordination (on_state_error = run)"
+            )
+        return _exec_bare(command)
     _show_ledger_warnings(ledger, args.quiet)
 
     line = _output.WaitLine(quiet=args.quiet)
@@ -213,6 +229,7 @@ def _run_with_backend(
             nvml_interval=settings["nvml_interval"],
             deadline=None if timeout is None else waited_from + timeout,
             on_reason=line.update,
+            fair=fair,
         )
     except BaseException:
         _leave(ledger, job)
@@ -229,6 +246,20 @@ def _run_with_backend(
         _leave(ledger, job)
         return 128 + outcome.signum
     return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds)
+
+
+def _submit(ledger: Ledger, job: Job) -> None:
+    """Put `job` in the queue, unless its user already has as many entries as one may."""
+    with ledger.transaction() as data:
+        mine = sum(1 for j in data.jobs if j.uid == job.uid)
+        if mine >= MAX_ENTRIES_PER_UID:
+            raise StateError(
+                f"you already have {mine} gpuwait jobs in the ledger, the most one user may",
+                hint="wait for some to finish",
+            )
+        job.order = data.next_order
+        data.next_order += 1
+        data.jobs.append(job)
 
 
 def _start(
@@ -278,7 +309,8 @@ def _start(
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         _output.warn(str(exc))
     result = supervise(child, job, ledger, backend, settings["sample_interval"])
-    _leave(ledger, job)
+    vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
+    _leave(ledger, job, charge_usage=(vram_seconds, settings["fair_share_half_life"]))
     _record(settings, job, chosen, result, wait_seconds, started_at)
     if result.returncode < 0:
         sys.stdout.flush()
@@ -287,10 +319,15 @@ def _start(
     return result.returncode
 
 
-def _leave(ledger: Ledger, job: Job) -> None:
+def _leave(
+    ledger: Ledger, job: Job, charge_usage: tuple[float, float | None] | None = None
+) -> None:
+    """Remove our entry; after a run, add its VRAM-time to our user's fair-share usage."""
     try:
         with ledger.transaction() as data:
             data.remove(job.id)
+            if charge_usage is not None:
+                charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
     except Exception as exc:
         # Our entry is reaped by the next gpuwait anyway, since this process is about to end.
         _output.warn(str(exc))
@@ -321,8 +358,10 @@ def _record(
         "signal": -result.returncode if result.returncode < 0 else None,
     }
     try:
-        append_record(settings.state_dir, record)
+        for message in append_record(settings.state_dir, record):
+            _output.warn(message)
     except OSError as exc:
+        # The run itself is over and its status stands; only the record is lost.
         _output.warn(f"could not record the run in the history: {exc.strerror}")
 
 
