@@ -21,7 +21,8 @@
  *       Memory, as the driver reports it:
  *         v2 (nvmlDeviceGetMemoryInfo_v2): total, reserved, used, free = total - reserved - used
  *         v1 (nvmlDeviceGetMemoryInfo):    total, used = used + reserved, free = as in v2
- *       (v1 folds the driver's reservation into "used", as real drivers do.)
+ *       (v1 folds the driver's reservation into "used", as real drivers do.) used may exceed
+ *       total, as from a confused driver: free is then reported as 0.
  *       util=na makes nvmlDeviceGetUtilizationRates answer NOT_SUPPORTED (3). Defaults:
  *       reserved=0 util=0; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
  *   proc <gpu index> pid=<pid> mem=<bytes|na>
@@ -284,10 +285,6 @@ static int parse_line(machine_state *st, char *line, int lineno) {
             complain("line %d: gpu %d needs total= and used=", lineno, idx);
             return 0;
         }
-        if (g->used + g->reserved > g->total) {
-            complain("line %d: gpu %d uses more than its total", lineno, idx);
-            return 0;
-        }
         return 1;
     }
 
@@ -534,6 +531,11 @@ static nvmlReturn_t leave(const char *func, int gpu, nvmlReturn_t ret, const cha
     return ret;
 }
 
+/* Free memory as the driver reports it; a confused driver (used > total) reports none. */
+static unsigned long long free_of(const gpu_state *g) {
+    return g->used + g->reserved > g->total ? 0 : g->total - g->used - g->reserved;
+}
+
 /* The GPU behind a handle, as the state file describes it right now. */
 static const gpu_state *device_state(nvmlDevice_t device) {
     if (device < g_devices || device >= g_devices + MAX_GPUS) return NULL;
@@ -698,7 +700,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
         return leave("nvmlDeviceGetMemoryInfo", device->index, NVML_ERROR_INVALID_ARGUMENT, NULL);
     memory->total = g->total;
     memory->used = g->used + g->reserved;
-    memory->free = g->total - g->used - g->reserved;
+    memory->free = free_of(g);
     return leave("nvmlDeviceGetMemoryInfo", device->index, NVML_SUCCESS, NULL);
 }
 
@@ -715,7 +717,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     memory->total = g->total;
     memory->reserved = g->reserved;
     memory->used = g->used;
-    memory->free = g->total - g->used - g->reserved;
+    memory->free = free_of(g);
     return leave("nvmlDeviceGetMemoryInfo_v2", device->index, NVML_SUCCESS, NULL);
 }
 
