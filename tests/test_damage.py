@@ -159,7 +159,7 @@ def test_damaged_history_is_repaired_at_the_next_run(gw: Run, kind: str) -> None
     assert len(kept) == 1 and kept[0].read_bytes() == HISTORY_DAMAGE[kind]
     records, warnings = read_history(state)
     assert warnings == []
-    assert [r.get("job_id") for r in records][0] == "a" and len(records) == 2
+    assert records[0].get("job_id") == "a" and len(records) == 2
 
 
 def test_zero_length_history_is_just_empty(tmp_path: Path) -> None:

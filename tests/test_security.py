@@ -31,7 +31,9 @@ def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def gw(sim: Path, gpuwait_cmd: list[str]) -> Run:
-    def run(*args: str, env: dict[str, str] | None = None, **kw: object) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, env: dict[str, str] | None = None, **kw: object
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(  # type: ignore[call-overload, no-any-return]
             [*gpuwait_cmd, *args],
             capture_output=True,
