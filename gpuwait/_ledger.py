@@ -196,10 +196,11 @@ def _request(value: Any) -> dict[str, float | int]:
     if value == {}:
         return {}
     if isinstance(value, dict) and len(value) == 1:
-        if "bytes" in value and isinstance(value["bytes"], int) and 0 < value["bytes"] < 2**62:
-            return {"bytes": value["bytes"]}
+        n_bytes = value.get("bytes")
+        if type(n_bytes) is int and 0 < n_bytes < 2**62:
+            return {"bytes": n_bytes}
         fraction = value.get("fraction")
-        if isinstance(fraction, (int, float)) and 0 < fraction <= 1:
+        if type(fraction) in (int, float) and 0 < fraction <= 1:
             return {"fraction": float(fraction)}
     raise ValueError("request must be {'bytes': n}, {'fraction': f} or {}")
 
