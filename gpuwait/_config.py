@@ -9,6 +9,7 @@ fairness) come from the site file or the default only: a user cannot lift their 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -20,7 +21,14 @@ import platformdirs
 
 from gpuwait._errors import UsageError
 from gpuwait._policy import PICK_STRATEGIES
-from gpuwait._sizes import MemoryRequest, format_size, parse_duration, parse_request, parse_size
+from gpuwait._sizes import (
+    MemoryRequest,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_request,
+    parse_size,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,7 +40,10 @@ EXCLUSIVE = "exclusive"
 
 
 def _fraction(value: Any) -> float:
-    number = float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
     if not 0 < number <= 1:
         raise ValueError("expected a fraction above 0 and at most 1, e.g. 0.9")
     return number
@@ -62,7 +73,8 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _priority(value: Any) -> int:
-    number = int(str(value).strip())
+    text = str(value).strip()
+    number = int(text) if text.isdigit() and not isinstance(value, (bool, float)) else 0
     if not 1 <= number <= 5:
         raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
     return number
@@ -371,6 +383,8 @@ def show_value(name: str, value: Any) -> str:
         return "none"
     if name == "user_max_vram":
         return format_size(value)
+    if name == "fair_share_half_life":
+        return format_duration(value)
     if name.endswith(("interval", "timeout", "half_life")) or name == "timeout":
         return f"{value:g}s"
     return str(value) if value != "" else "(not set)"

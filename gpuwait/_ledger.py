@@ -200,7 +200,11 @@ def _request(value: Any) -> dict[str, float | int]:
         if type(n_bytes) is int and 0 < n_bytes < 2**62:
             return {"bytes": n_bytes}
         fraction = value.get("fraction")
-        if type(fraction) in (int, float) and 0 < fraction <= 1:
+        if (
+            isinstance(fraction, (int, float))
+            and not isinstance(fraction, bool)
+            and 0 < fraction <= 1
+        ):
             return {"fraction": float(fraction)}
     raise ValueError("request must be {'bytes': n}, {'fraction': f} or {}")
 

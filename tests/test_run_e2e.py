@@ -431,10 +431,11 @@ def test_config_shows_sources_by_precedence(
 
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
+    # The waiter must come after both holders, or it may take a card first and be gone.
+    wait_for_jobs(2, "running")
     waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
     try:
         wait_for_jobs(3)
-        wait_for_jobs(2, "running")
         report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
         assert report["schema"] == 1 and report["backend"] == "sim"
         assert [j["state"] for j in report["jobs"]] == ["running", "running", "waiting"]
