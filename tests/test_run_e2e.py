@@ -431,10 +431,11 @@ def test_config_shows_sources_by_precedence(
 
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
-    # The waiter must come after both holders, or it may take a card first and be gone.
-    wait_for_jobs(2, "running")
-    waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
+    waiter = None
     try:
+        # The waiter must come after both holders, or it may take a card first and be gone.
+        wait_for_jobs(2, "running")
+        waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
         wait_for_jobs(3)
         report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
         assert report["schema"] == 1 and report["backend"] == "sim"
@@ -444,8 +445,9 @@ def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]
         text = run([*gpuwait_cmd, "status"]).stdout
         assert "Waiting (1)" in text and "Running (2)" in text
     finally:
-        waiter.terminate()
-        waiter.wait()
+        if waiter is not None:
+            waiter.terminate()
+            waiter.wait()
         for h in holders:
             h.terminate()
             h.wait()
