@@ -71,7 +71,7 @@ def check_dir(path: Path, st: os.stat_result, *, private: bool) -> None:
         raise UnsafePath(
             path,
             f"{path} is group-writable without the sticky bit, so any member could replace "
-            "the lock file (chmod +t)",
+            "the lock file: chmod 700 it for yourself, or chmod +t to share it",
         )
 
 
