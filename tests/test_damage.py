@@ -233,3 +233,40 @@ def test_damaged_simulation_file_is_refused_and_left_alone(gw: Run, kind: str) -
     # `status` reports it and still shows the ledger.
     status = gw("status")
     assert status.returncode == 0 and words in status.stderr
+
+
+CHURN = r"""
+import os, sys
+from pathlib import Path
+from gpuwait import _proc
+from gpuwait._ledger import Job, Ledger
+ledger = Ledger(Path(sys.argv[1]))
+me = os.getpid()
+for i in range(int(sys.argv[2])):
+    with ledger.transaction() as data:
+        data.remove(f"{me}-{i - 1}")
+        data.jobs.append(Job(id=f"{me}-{i}", pid=me, start_time=_proc.start_time(me) or 0,
+                             uid=os.getuid(), command=["x" * (i % 50)], cwd="/", request={"bytes": 1}))
+"""
+
+
+def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> None:
+    import sys
+
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(me_job("anchor"))
+    writers = [
+        subprocess.Popen([sys.executable, "-c", CHURN, str(ledger.directory), "150"])
+        for _ in range(4)
+    ]
+    try:
+        reads = 0
+        while any(w.poll() is None for w in writers) or reads < 50:
+            assert Ledger(ledger.directory).read().find("anchor") is not None
+            reads += 1
+    finally:
+        for w in writers:
+            w.wait(timeout=60)
+    assert all(w.returncode == 0 for w in writers)
+    assert not list(ledger.directory.glob("*.damaged-*"))
