@@ -87,6 +87,45 @@ def _default_vram(value: Any) -> MemoryRequest | None:
     return parse_request(text)
 
 
+def _string_list(value: Any) -> tuple[str, ...]:
+    """A TOML array of strings, or (from the environment) one string of comma-separated items."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected a list of strings, or comma-separated text")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+#: Names a shell hook must never redefine: its own machinery relies on them.
+_UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
+
+
+def _command_names(value: Any) -> tuple[str, ...]:
+    names = _string_list(value)
+    for name in names:
+        # These become shell function names: nothing a shell would read as syntax.
+        if name.startswith("-") or not all(c.isalnum() or c in "._+-" for c in name):
+            raise ValueError(f"{name!r} is not a plain command name")
+        if name in _UNWRAPPABLE:
+            raise ValueError(f"{name!r} cannot be wrapped")
+    return names
+
+
+def _margin(value: Any) -> float:
+    text = str(value).strip()
+    number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 <= number <= 2:
+        raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
+    return number
+
+
+def _size_limit(value: Any) -> int:
+    size = value if isinstance(value, int) and not isinstance(value, bool) else None
+    size = parse_size(str(value)) if size is None else size
+    if size < 2**20:
+        raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
+    return size
+
+
 def _path(value: Any) -> str:
     text = str(value).strip()
     return os.path.abspath(os.path.expanduser(text)) if text else ""
@@ -104,7 +143,7 @@ def _count_limit(value: Any) -> int | None:
     return number
 
 
-def _size_limit(value: Any) -> int | None:
+def _vram_limit(value: Any) -> int | None:
     """A per-user VRAM limit; 0 or "none" means no limit."""
     if value in (None, "", "none", 0, "0"):
         return None
@@ -181,6 +220,48 @@ OPTIONS: tuple[Option, ...] = (
         "state_dir", _path, "", "where the ledger and history live (default: the user state dir)"
     ),
     Option(
+        "wrap_commands",
+        _command_names,
+        ("python", "python3", "torchrun", "accelerate", "deepspeed"),
+        "commands that `gpuwait shell-init` wraps in gpuwait",
+    ),
+    Option(
+        "wrap_only_in",
+        _string_list,
+        (),
+        "shell hooks wrap only in these directories (globs) and below; empty: everywhere",
+    ),
+    Option(
+        "never_wrap",
+        _string_list,
+        ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
+        "shell hooks run command lines matching these globs bare",
+    ),
+    Option(
+        "estimate_margin",
+        _margin,
+        0.1,
+        "added on top of a VRAM estimate learned from earlier runs (0.1 = 10%)",
+    ),
+    Option(
+        "history_commands",
+        _choice("full", "hash"),
+        "full",
+        "what the history keeps of a command: the 'full' line, or only a 'hash' of it",
+    ),
+    Option(
+        "history_max_size",
+        _size_limit,
+        "64MiB",
+        "size at which the history is compacted (what estimates use is kept)",
+    ),
+    Option(
+        "watch_stderr",
+        _choice("auto", "off"),
+        "auto",
+        "look for out-of-memory messages on a command's stderr when it is a file or pipe",
+    ),
+    Option(
         "ledger_dir",
         _path,
         "",
@@ -214,7 +295,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "user_max_vram",
-        _size_limit,
+        _vram_limit,
         None,
         "site config only: VRAM one user may hold at once, over all GPUs (none: no limit)",
         site_only=True,
@@ -381,10 +462,14 @@ def show_value(name: str, value: Any) -> str:
         return EXCLUSIVE if value is None else value.describe()
     if value is None:
         return "none"
-    if name == "user_max_vram":
+    if isinstance(value, tuple):
+        return ", ".join(value) if value else "(none)"
+    if name in ("user_max_vram", "history_max_size"):
         return format_size(value)
     if name == "fair_share_half_life":
         return format_duration(value)
-    if name.endswith(("interval", "timeout", "half_life")) or name == "timeout":
+    if name.endswith(("interval", "timeout")):
         return f"{value:g}s"
+    if name == "estimate_margin":
+        return f"{value * 100:g}%"
     return str(value) if value != "" else "(not set)"

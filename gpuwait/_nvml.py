@@ -330,3 +330,30 @@ class NvmlBackend:
                 raise _GpuLost(exc) from exc
             return None
         return int(rates.gpu)
+
+    def accounting_peak(self, uuid: str, pids: frozenset[int]) -> int | None:
+        """The most memory `pids` held on the GPU over their lifetime, from NVML accounting mode.
+
+        NVML keeps the maximum itself, so peaks between two samples are seen, and it is still
+        there after the processes exited. For several pids this is the sum of their maxima (an
+        upper bound of their joint peak). None where accounting mode is off, unsupported, not
+        permitted, or knows none of the pids (in a container NVML reports host pids).
+        """
+        if not self._open or not pids:
+            return None
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+                return None
+            known = {int(p) for p in pynvml.nvmlDeviceGetAccountingPids(handle)}
+            total = 0
+            found = False
+            for pid in sorted(pids & known):
+                peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
+                if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
+                    total += peak
+                    found = True
+            return total if found else None
+        except Exception:
+            # Optional figure: whatever the driver says about accounting, the run goes on.
+            return None

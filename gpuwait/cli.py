@@ -18,6 +18,11 @@ SUBCOMMANDS = {
     "status": "GPUs, running jobs and the queue (--json for scripts)",
     "config": "every effective setting and where it came from",
     "sim": "simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`",
+    "shell-init": "shell hook that runs python & co. through gpuwait: see README",
+    "shell-hook": "what the shell hook runs: COMMAND through gpuwait unless the wrap rules say no",
+    "completion": "completion script for bash, zsh or fish",
+    "estimate": "the VRAM learned from earlier runs of a command: `estimate -- CMD ...`",
+    "history": "recent runs: peak VRAM, load, wait and run time, exit (--json for scripts)",
 }
 
 _EPILOG = """\

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from gpuwait import _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
@@ -23,12 +25,14 @@ from gpuwait._errors import (
     StateError,
     UsageError,
 )
+from gpuwait._estimate import looks_like_oom, near_full
 from gpuwait._fairness import FairShare, charge
-from gpuwait._history import append_record
+from gpuwait._learn import RequestChoice, build_record, cap_to_cards, choose_request, save_record
 from gpuwait._ledger import MAX_ENTRIES_PER_UID, WAITING, Job, Ledger, ledger_for
-from gpuwait._policy import impossible_reason
+from gpuwait._policy import WaitReason, impossible_reason
 from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request
-from gpuwait._snapshot import MachineSnapshot
+from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait._stderrwatch import StderrWatch
 from gpuwait._supervise import RunResult, spawn, supervise
 from gpuwait._wait import Admitted, Interrupted, TimedOut, wait_for_admission
 
@@ -38,7 +42,21 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vram",
         metavar="SIZE",
-        help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card",
+        help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card "
+        "(default: learned from earlier runs of the command, else default_vram)",
+    )
+    parser.add_argument(
+        "--key",
+        metavar="NAME",
+        help="name the command for the history: runs with the same --key share their estimate",
+    )
+    parser.add_argument(
+        "--retry-oom",
+        type=int,
+        default=0,
+        metavar="N",
+        help="if the command runs out of GPU memory, queue it again up to N times, "
+        "with a raised estimate (default: 0)",
     )
     parser.add_argument(
         "--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)"
@@ -99,7 +117,11 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: ask for at least 1 GPU")
-    request = _request(args, settings)
+    if args.retry_oom < 0:
+        raise UsageError(f"--retry-oom {args.retry_oom}: give 0 or more retries")
+    if args.key is not None and not args.key.strip():
+        raise UsageError("--key needs a non-empty name")
+    choice = _request(args, settings, command)
     try:
         _check_command(command)
     except _CommandProblem as problem:
@@ -115,22 +137,79 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
             _output.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return _exec_bare(command)
     try:
-        return _run_with_backend(args, command, settings, backend, request)
+        return _run_with_retries(args, command, settings, backend, choice)
     finally:
         backend.close()
 
 
-def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | None:
-    if args.vram is None:
-        default: MemoryRequest | None = settings["default_vram"]
-        return default
-    try:
-        return parse_request(args.vram)
-    except ValueError as exc:
-        raise UsageError(f"--vram {exc}") from None
+def _request(args: argparse.Namespace, settings: Settings, command: list[str]) -> RequestChoice:
+    flag: MemoryRequest | None = None
+    if args.vram is not None:
+        try:
+            flag = parse_request(args.vram)
+        except ValueError as exc:
+            raise UsageError(f"--vram {exc}") from None
+    choice = choose_request(
+        flag,
+        settings["default_vram"],
+        settings.state_dir,
+        command,
+        os.getcwd(),
+        key=args.key,
+        margin=settings["estimate_margin"],
+    )
+    if choice.learned is not None and not args.quiet:
+        for message in choice.learned.warnings:
+            _output.warn(message)
+    return choice
+
+
+def _run_with_retries(
+    args: argparse.Namespace,
+    command: list[str],
+    settings: Settings,
+    backend: Backend,
+    choice: RequestChoice,
+) -> int:
+    """Run once; after an out-of-memory failure, queue again with the raised estimate."""
+    retries = 0
+    while True:
+        ended = _run_with_backend(args, command, settings, backend, choice)
+        returncode = ended.returncode
+        if not ended.oom or retries >= args.retry_oom:
+            break
+        retries += 1
+        raised = choose_request(
+            None,
+            settings["default_vram"],
+            settings.state_dir,
+            command,
+            os.getcwd(),
+            key=args.key,
+            margin=settings["estimate_margin"],
+        )
+        after = raised.request.bytes if raised.request is not None else None
+        if after is None or after <= ended.reserved_bytes:
+            if not args.quiet:
+                _output.warn("the command ran out of GPU memory; no larger size to retry with")
+            break
+        if not args.quiet:
+            _output.info(
+                f"the command ran out of GPU memory; retrying with {format_size(after)} "
+                f"(retry {retries} of {args.retry_oom})"
+            )
+        choice = raised
+    if returncode < 0:
+        sys.stdout.flush()
+        _signals.die_by_signal(-returncode)
+        return 128 - returncode
+    return returncode
 
 
 def _exec_bare(command: list[str]) -> int:
+    # Python ignores SIGPIPE for itself; the command must get the default, as from a shell.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     try:
         os.execvp(command[0], command)
     except OSError as exc:
@@ -162,18 +241,28 @@ def _candidates(args: argparse.Namespace, snapshot: MachineSnapshot) -> list[str
     return candidates
 
 
+class _Ended(NamedTuple):
+    """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
+
+    returncode: int
+    oom: bool = False
+    reserved_bytes: int = 0
+
+
 def _run_with_backend(
     args: argparse.Namespace,
     command: list[str],
     settings: Settings,
     backend: Backend,
-    request: MemoryRequest | None,
-) -> int:
+    choice: RequestChoice,
+) -> _Ended:
     snapshot = backend.snapshot()
     for message in snapshot.warnings:
         if not args.quiet:
             _output.warn(message)
     candidates = _candidates(args, snapshot)
+    choice = cap_to_cards(choice, snapshot.gpus, candidates, settings["safety"])
+    request = choice.request
     now = time.time()
     job = Job(
         id=os.urandom(4).hex(),
@@ -213,7 +302,7 @@ def _run_with_backend(
             _output.warn(
                 f"{exc.message}; running the command without coordination (on_state_error = run)"
             )
-        return _exec_bare(command)
+        return _Ended(_exec_bare(command))
     _show_ledger_warnings(ledger, args.quiet)
 
     line = _output.WaitLine(quiet=args.quiet)
@@ -228,7 +317,7 @@ def _run_with_backend(
             poll_interval=settings["poll_interval"],
             nvml_interval=settings["nvml_interval"],
             deadline=None if timeout is None else waited_from + timeout,
-            on_reason=line.update,
+            on_reason=_with_note(line.update, choice.note),
             fair=fair,
         )
     except BaseException:
@@ -241,11 +330,20 @@ def _run_with_backend(
         _leave(ledger, job)
         why = f" ({outcome.reason.describe()})" if outcome.reason else ""
         _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
-        return EXIT_TIMEOUT
+        return _Ended(EXIT_TIMEOUT)
     if isinstance(outcome, Interrupted):
         _leave(ledger, job)
-        return 128 + outcome.signum
-    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds)
+        return _Ended(128 + outcome.signum)
+    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds, choice)
+
+
+def _with_note(
+    update: Callable[[WaitReason], None], note: str | None
+) -> Callable[[WaitReason], None]:
+    """The wait line says where a request without --vram came from."""
+    if not note:
+        return update
+    return lambda reason: update(dataclasses.replace(reason, needed=f"{reason.needed} ({note})"))
 
 
 def _submit(ledger: Ledger, job: Job) -> None:
@@ -271,7 +369,8 @@ def _start(
     job: Job,
     admitted: Admitted,
     wait_seconds: float,
-) -> int:
+    choice: RequestChoice,
+) -> _Ended:
     gpus = {g.uuid: g for g in admitted.snapshot.gpus}
     chosen = [gpus[u] for u in admitted.gpu_uuids]
     env = dict(os.environ)
@@ -287,17 +386,22 @@ def _start(
     )
     if args.verbose and not args.quiet:
         where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
+        note = f" ({choice.note})" if choice.note else ""
         _output.info(
             f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
-            f"{format_size(admitted.reserved_bytes)} reserved"
+            f"{format_size(admitted.reserved_bytes)} reserved{note}"
         )
     started_at = time.time()
+    watch = StderrWatch(enabled=settings["watch_stderr"] != "off")
     try:
-        child = spawn(command, env)
+        child = spawn(command, env, watch.file_actions())
     except OSError as exc:
+        watch.abandon()
         _leave(ledger, job)
         _output.error(f"{command[0]}: {exc.strerror}")
-        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        return _Ended(code)
+    watch.started()
     try:
         with ledger.transaction() as data:
             mine = data.find(job.id)
@@ -308,15 +412,21 @@ def _start(
             mine.pids = job.pids = [child]
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         _output.warn(str(exc))
-    result = supervise(child, job, ledger, backend, settings["sample_interval"])
+    result = supervise(
+        child,
+        job,
+        ledger,
+        backend,
+        settings["sample_interval"],
+        baseline_used={g.uuid: g.used_bytes for g in chosen},
+    )
+    said_oom = watch.finish()
     vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
     _leave(ledger, job, charge_usage=(vram_seconds, settings["fair_share_half_life"]))
-    _record(settings, job, chosen, result, wait_seconds, started_at)
-    if result.returncode < 0:
-        sys.stdout.flush()
-        _signals.die_by_signal(-result.returncode)
-        return 128 - result.returncode
-    return result.returncode
+    oom = _record(
+        args, settings, job, chosen, result, wait_seconds, started_at, choice, said_oom, watch
+    )
+    return _Ended(result.returncode, oom, job.reserved_bytes)
 
 
 def _leave(
@@ -334,35 +444,57 @@ def _leave(
 
 
 def _record(
+    args: argparse.Namespace,
     settings: Settings,
     job: Job,
-    chosen: list[Any],
+    chosen: list[GpuSnapshot],
     result: RunResult,
     wait_seconds: float,
     started_at: float,
-) -> None:
-    record = {
-        "job_id": job.id,
-        "command": job.command,
-        "cwd": job.cwd,
-        "request": job.request,
-        "reserved_bytes": job.reserved_bytes,
-        "gpus": [{"uuid": g.uuid, "index": g.index, "name": g.name} for g in chosen],
-        "peak_bytes": max(result.peak_bytes.values(), default=0),
-        "peak_by_gpu": result.peak_bytes,
-        "samples": result.samples,
-        "wait_seconds": round(wait_seconds, 3),
-        "run_seconds": round(result.run_seconds, 3),
-        "started_at": started_at,
-        "exit_status": result.returncode if result.returncode >= 0 else None,
-        "signal": -result.returncode if result.returncode < 0 else None,
-    }
+    choice: RequestChoice,
+    said_oom: bool | None,
+    watch: StderrWatch,
+) -> bool:
+    """Leave the run's record in the history; returns whether it looked like an OOM."""
+    peaks, approximate = result.peaks()
+    card_full = any(
+        near_full(result.free_at_peak_bytes.get(u), total)
+        for u, total in result.total_bytes.items()
+    )
+    oom = looks_like_oom(result.returncode, bool(said_oom), card_full)
+    evidence = None if not oom else ("message" if said_oom else "card full")
+    record = build_record(
+        job_id=job.id,
+        command=job.command,
+        cwd=job.cwd,
+        key=args.key,
+        history_commands=settings["history_commands"],
+        choice=choice,
+        request_json=job.request,
+        reserved_bytes=job.reserved_bytes,
+        gpus=chosen,
+        peak_by_gpu=peaks,
+        peak_approximate=approximate,
+        time_to_peak=result.time_to_peak(),
+        samples=result.samples,
+        free_at_peak_bytes=result.free_at_peak_bytes,
+        wait_seconds=wait_seconds,
+        run_seconds=result.run_seconds,
+        started_at=started_at,
+        returncode=result.returncode,
+        oom=oom,
+        oom_evidence=evidence,
+        stderr_watched=watch.mode,
+    )
     try:
-        for message in append_record(settings.state_dir, record):
-            _output.warn(message)
+        warnings = save_record(settings.state_dir, record, settings["history_max_size"])
     except OSError as exc:
         # The run itself is over and its status stands; only the record is lost.
-        _output.warn(f"could not record the run in the history: {exc.strerror}")
+        warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
+    for message in warnings:
+        if not args.quiet:
+            _output.warn(message)
+    return oom
 
 
 def _show_ledger_warnings(ledger: Ledger, quiet: bool) -> None:
