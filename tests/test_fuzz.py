@@ -19,11 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwait import _proc
+from gpuwait import _history, _proc
 from gpuwait._config import OPTIONS, load_config_file, resolve
 from gpuwait._devices import parse_devices_option, parse_inherited_visible
 from gpuwait._errors import BackendUnavailable, UsageError
-from gpuwait._history import _parse, append_record, read_history
 from gpuwait._ledger import Job, Ledger, _check_crc
 from gpuwait._sim import load_sim_file
 from gpuwait._sizes import parse_duration, parse_request, parse_size
@@ -208,11 +207,11 @@ def test_ledger_transaction_never_raises(tmp_path: Path, shared: bool, content: 
 @FILES
 @given(st.binary(max_size=400))
 def test_history_never_raises(tmp_path: Path, content: bytes) -> None:
-    _parse(content)
+    _history.parse_lines(content)
     (tmp_path / "history.jsonl").write_bytes(content)
-    append_record(tmp_path, {"job_id": "z"})
-    records, warnings = read_history(tmp_path)
-    assert records[-1]["job_id"] == "z" and warnings == []
+    _history.append_record(tmp_path, {"started_at": 1.0, "exit_status": 0, "job_id": "z"})
+    records = _history.read_from(tmp_path / "history.jsonl").records
+    assert records[-1][1]["job_id"] == "z"
 
 
 sim_tables = st.dictionaries(
