@@ -81,7 +81,10 @@ class Figures:
             [
                 f"torture: {self.launches} launches, {self.peers} peers at a time, {who}",
                 f"  kills               {self.kills} ({self.kills_holding_lock} holding the "
-                f"ledger lock, {self.kills_mid_write} with a write in flight)",
+                "ledger lock"
+                # A private ledger's write shows as its temporary file; a shared one's does not.
+                + ("" if self.shared else f", {self.kills_mid_write} with a write in flight")
+                + ")",
                 f"  ledger reads        {self.reads}",
                 f"  corrupt files       {self.corrupt_files}  (goal 0)",
                 f"  lost entries        {self.lost_entries}  (goal 0)",
