@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuwait._atomic import ensure_private_dir, open_private_append, write_atomic
+from gpuwait._atomic import append_whole, ensure_private_dir, open_private_append, write_atomic
 from gpuwait._cmdkey import command_key
 from gpuwait._estimate import MAX_AGE, WINDOW, RunStat
 from gpuwait._lock import exclusive
@@ -69,7 +69,8 @@ def append_record(state_dir: Path, record: dict[str, Any], max_bytes: int | None
             if size and _last_byte(path, size) != b"\n":
                 # A writer died mid-line: end that line, or this record would be glued onto it.
                 line = b"\n" + line
-            os.write(fd, line)
+            # One write, and none of it left behind if the disk fills up halfway.
+            append_whole(fd, line)
             size += len(line)
         finally:
             os.close(fd)

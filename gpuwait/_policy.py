@@ -16,7 +16,7 @@ its real size; and nothing is counted twice, because what a job really uses is t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gpuwait._sizes import MemoryRequest, format_size
 from gpuwait._snapshot import GpuSnapshot
@@ -48,14 +48,38 @@ class Claim:
     reserved_bytes: int = 0
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = field(default_factory=dict)
+    #: The user the job belongs to (per-user limits).
+    uid: int = -1
+    #: The user's fair-share usage (decayed VRAM-time); lower goes first within a priority.
+    usage: float = 0.0
 
     @property
     def exclusive(self) -> bool:
         return self.request is None
 
-    def sort_key(self) -> tuple[int, int]:
-        """Queue order: higher priority first, then earlier submission."""
-        return (-self.priority, self.order)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: higher priority first, then the user with less usage, then earlier
+        submission (so one user's own jobs always keep their order)."""
+        return (-self.priority, self.usage, self.order)
+
+
+@dataclass(frozen=True)
+class UserLimits:
+    """What one user may hold at once, over all GPUs (None: no limit)."""
+
+    max_gpus: int | None = None
+    max_vram: int | None = None
+
+    def refusal(self, held_gpus: int, held_vram: int, gpus: int, vram: int) -> str | None:
+        """Why a job taking `gpus` GPUs and `vram` bytes in all would break a limit; or None."""
+        if self.max_gpus is not None and held_gpus + gpus > self.max_gpus:
+            return f"your per-user limit of {self.max_gpus} GPUs ({held_gpus} held)"
+        if self.max_vram is not None and held_vram + vram > self.max_vram:
+            return (
+                f"your per-user limit of {format_size(self.max_vram)} "
+                f"({format_size(held_vram)} held)"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -83,8 +107,12 @@ class WaitReason:
     best_room: int
     running: int
     ahead: int
+    #: Set when the job fits but its user is at a per-user limit.
+    limit: str | None = None
 
     def describe(self) -> str:
+        if self.limit is not None:
+            return f"waiting for {self.needed}: {self.limit} ({self.running} running)"
         if self.best_gpu_index is None:
             where = "no usable GPU right now"
         else:
@@ -136,13 +164,27 @@ def need_on(claim: Claim, room: GpuRoom) -> int | None:
     return claim.request.on(room.gpu.total_bytes)
 
 
-def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) -> str | None:
+def impossible_reason(
+    claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None = None
+) -> str | None:
     """Why `claim` can never be admitted on these GPUs, even when they are idle; None if it can."""
     candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
     if not candidates:
         return "no candidate GPU"
     if len(candidates) < claim.gpus_wanted:
         return f"{claim.gpus_wanted} GPUs wanted but only {len(candidates)} can be used"
+    if limits is not None:
+        smallest = min(
+            (
+                claim.request.on(g.total_bytes)
+                if claim.request
+                else int(g.total_bytes * (safety - EXCLUSIVE_MAX_EXTERNAL))
+                for g in candidates
+            ),
+        )
+        refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
+        if refusal is not None:
+            return f"the request exceeds {refusal.replace('your ', '', 1)}"
     if claim.request is None:
         return None
     fitting = [
@@ -172,15 +214,30 @@ def _order_for_pick(
     return sorted(fitting, key=lambda rn: (rn[0].room - rn[1], rn[0].gpu.index))
 
 
+def _held_by_user(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
+    """(GPUs, reserved bytes over all of them) that each user's running jobs hold."""
+    held: dict[int, tuple[int, int]] = {}
+    for c in claims:
+        if c.running:
+            gpus, vram = held.get(c.uid, (0, 0))
+            held[c.uid] = (gpus + len(c.gpu_uuids), vram + c.reserved_bytes * len(c.gpu_uuids))
+    return held
+
+
 def plan(
-    gpus: Sequence[GpuSnapshot], claims: Sequence[Claim], safety: float, cursor: int = -1
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    limits: UserLimits | None = None,
 ) -> Plan:
     """Admit waiting claims in queue order while they fit.
 
     Earlier waiters are placed first and their room is taken before later ones are looked at, so a
     later waiter never jumps an earlier one that fits the same GPU. A waiter that does not fit does
-    not block those behind it.
+    not block those behind it; nor does one whose user is at a per-user limit.
     """
+    held = _held_by_user(claims) if limits is not None else {}
     rooms = gpu_rooms(gpus, claims, safety)
     running_total = sum(1 for c in claims if c.running)
     waiting = sorted((c for c in claims if not c.running), key=Claim.sort_key)
@@ -196,6 +253,15 @@ def plan(
         if len(fitting) >= claim.gpus_wanted and fitting:
             chosen = _order_for_pick(fitting, claim.pick, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
+            if limits is not None:
+                gpus_held, vram_held = held.get(claim.uid, (0, 0))
+                vram = max(need for _, need in chosen) * len(chosen)
+                refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
+                if refusal is not None:
+                    reason = _wait_reason(claim, rooms, running_total, position)
+                    reasons[claim.job_id] = replace(reason, limit=refusal)
+                    continue
+                held[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
             for room, need in chosen:
                 rooms[room.gpu.uuid] = GpuRoom(
                     gpu=room.gpu,

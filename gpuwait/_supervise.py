@@ -118,6 +118,7 @@ def supervise(
     published: dict[str, int] = {}
     published_pids: list[int] = [child]
     next_sample = started
+    seen_token = ledger.change_token()
     while True:
         waited_pid, status = os.waitpid(child, os.WNOHANG)
         if waited_pid == child:
@@ -140,6 +141,11 @@ def supervise(
             if moved or sorted(pids) != sorted(published_pids):
                 published, published_pids = usage, sorted(pids)
                 _publish(ledger, job, usage, published_pids)
+            elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
+                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+                # our reservation must not stay lost while the command runs.
+                _publish(ledger, job, published, published_pids)
+            seen_token = ledger.change_token()
         info = _signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
@@ -225,6 +231,13 @@ def _read_accounting(backend: Backend, job: Job, result: RunResult) -> None:
             continue
         if isinstance(value, int) and value >= 0:
             result.accounting_bytes[uuid] = value
+
+
+def _entry_present(ledger: Ledger, job: Job) -> bool:
+    try:
+        return ledger.read().find(job.id) is not None
+    except Exception:
+        return True  # cannot tell; the next change is looked at again
 
 
 def _publish(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> None:

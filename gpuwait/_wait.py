@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gpuwait import _signals
 from gpuwait._backend import Backend
+from gpuwait._fairness import NO_FAIR_SHARE, FairShare, claims_for
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
 from gpuwait._policy import WaitReason, plan
 from gpuwait._snapshot import MachineSnapshot
@@ -67,7 +68,11 @@ def _released(before: _Fingerprint, after: _Fingerprint) -> bool:
 
 
 def try_admit(
-    ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float
+    ledger: Ledger,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    fair: FairShare = NO_FAIR_SHARE,
 ) -> Admitted | WaitReason | None:
     """Under the lock: admit `job` if the plan lets it start now; otherwise say why it waits."""
     with ledger.transaction() as data:
@@ -76,8 +81,8 @@ def try_admit(
             # Our entry vanished (a damaged ledger was recovered): put it back where it was.
             data.jobs.append(job)
             mine = job
-        claims = [j.claim(snapshot.gpus) for j in data.jobs]
-        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor)
+        claims = claims_for(data, snapshot.gpus, fair, time.time())
+        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, fair.limits)
         if job.id not in decided.admitted:
             return decided.waiting.get(job.id)
         uuids = decided.admitted[job.id]
@@ -102,6 +107,7 @@ def wait_for_admission(
     nvml_interval: float,
     deadline: float | None,
     on_reason: Callable[[WaitReason], None],
+    fair: FairShare = NO_FAIR_SHARE,
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives."""
     last_token: object = object()
@@ -120,7 +126,7 @@ def wait_for_admission(
             last_seen = seen
         if replan:
             snapshot = backend.snapshot()
-            outcome = try_admit(ledger, job, snapshot, safety)
+            outcome = try_admit(ledger, job, snapshot, safety, fair)
             if isinstance(outcome, Admitted):
                 return outcome
             if outcome is not None and outcome != reason:

@@ -22,11 +22,13 @@ from gpuwait._errors import (
     EXIT_TIMEOUT,
     BackendUnavailable,
     ImpossibleRequest,
+    StateError,
     UsageError,
 )
 from gpuwait._estimate import looks_like_oom, near_full
+from gpuwait._fairness import FairShare, charge
 from gpuwait._learn import RequestChoice, build_record, cap_to_cards, choose_request, save_record
-from gpuwait._ledger import WAITING, Job, Ledger
+from gpuwait._ledger import MAX_ENTRIES_PER_UID, WAITING, Job, Ledger, ledger_for
 from gpuwait._policy import WaitReason, impossible_reason
 from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
@@ -70,6 +72,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
     )
+    parser.add_argument(
+        "--ledger", metavar="DIR", help="coordinate through the ledger in DIR (e.g. a shared one)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="say where and when the command starts"
@@ -82,6 +87,7 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pick": args.pick,
         "priority": args.priority,
         "safety": args.safety,
+        "ledger_dir": args.ledger,
     }
 
 
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         return problem.code
 
     try:
-        backend = open_backend(settings["sim"] or None)
+        backend = open_backend(settings["sim"] or None, settings["nvml_timeout"])
     except BackendUnavailable as exc:
         if settings["on_no_gpu"] == "fail":
             raise
@@ -274,7 +280,10 @@ def _run_with_backend(
         submitted_at=now,
         updated_at=now,
     )
-    impossible = impossible_reason(job.claim(snapshot.gpus), snapshot.gpus, settings["safety"])
+    fair = FairShare.from_settings(settings)
+    impossible = impossible_reason(
+        job.claim(snapshot.gpus), snapshot.gpus, settings["safety"], fair.limits
+    )
     if impossible is not None:
         raise ImpossibleRequest(
             impossible, hint="ask for less (--vram), raise safety, or use other GPUs (--devices)"
@@ -282,11 +291,18 @@ def _run_with_backend(
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     _signals.block_handled()
-    ledger = Ledger(settings.state_dir)
-    with ledger.transaction() as data:
-        job.order = data.next_order
-        data.next_order += 1
-        data.jobs.append(job)
+    ledger = ledger_for(settings)
+    try:
+        _submit(ledger, job)
+    except StateError as exc:
+        if settings["on_state_error"] != "run":
+            raise
+        _signals.unblock_all()
+        if not args.quiet:
+            _output.warn(
+                f"{exc.message}; running the command without coordination (on_state_error = run)"
+            )
+        return _Ended(_exec_bare(command))
     _show_ledger_warnings(ledger, args.quiet)
 
     line = _output.WaitLine(quiet=args.quiet)
@@ -302,6 +318,7 @@ def _run_with_backend(
             nvml_interval=settings["nvml_interval"],
             deadline=None if timeout is None else waited_from + timeout,
             on_reason=_with_note(line.update, choice.note),
+            fair=fair,
         )
     except BaseException:
         _leave(ledger, job)
@@ -327,6 +344,20 @@ def _with_note(
     if not note:
         return update
     return lambda reason: update(dataclasses.replace(reason, needed=f"{reason.needed} ({note})"))
+
+
+def _submit(ledger: Ledger, job: Job) -> None:
+    """Put `job` in the queue, unless its user already has as many entries as one may."""
+    with ledger.transaction() as data:
+        mine = sum(1 for j in data.jobs if j.uid == job.uid)
+        if mine >= MAX_ENTRIES_PER_UID:
+            raise StateError(
+                f"you already have {mine} gpuwait jobs in the ledger, the most one user may",
+                hint="wait for some to finish",
+            )
+        job.order = data.next_order
+        data.next_order += 1
+        data.jobs.append(job)
 
 
 def _start(
@@ -390,17 +421,23 @@ def _start(
         baseline_used={g.uuid: g.used_bytes for g in chosen},
     )
     said_oom = watch.finish()
-    _leave(ledger, job)
+    vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
+    _leave(ledger, job, charge_usage=(vram_seconds, settings["fair_share_half_life"]))
     oom = _record(
         args, settings, job, chosen, result, wait_seconds, started_at, choice, said_oom, watch
     )
     return _Ended(result.returncode, oom, job.reserved_bytes)
 
 
-def _leave(ledger: Ledger, job: Job) -> None:
+def _leave(
+    ledger: Ledger, job: Job, charge_usage: tuple[float, float | None] | None = None
+) -> None:
+    """Remove our entry; after a run, add its VRAM-time to our user's fair-share usage."""
     try:
         with ledger.transaction() as data:
             data.remove(job.id)
+            if charge_usage is not None:
+                charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
     except Exception as exc:
         # Our entry is reaped by the next gpuwait anyway, since this process is about to end.
         _output.warn(str(exc))
@@ -452,6 +489,7 @@ def _record(
     try:
         warnings = save_record(settings.state_dir, record, settings["history_max_size"])
     except OSError as exc:
+        # The run itself is over and its status stands; only the record is lost.
         warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
     for message in warnings:
         if not args.quiet:

@@ -11,8 +11,10 @@ from gpuwait import _output
 from gpuwait._backend import open_backend
 from gpuwait._config import load_settings
 from gpuwait._errors import BackendUnavailable
-from gpuwait._ledger import RUNNING, Ledger
+from gpuwait._fairness import FairShare, claims_for, user_usage
+from gpuwait._ledger import RUNNING, Job, ledger_for
 from gpuwait._policy import gpu_rooms, plan
+from gpuwait._security import printable
 from gpuwait._sizes import format_duration, format_size
 from gpuwait._snapshot import MachineSnapshot
 
@@ -29,22 +31,26 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     snapshot: MachineSnapshot | None = None
     problem = None
     try:
-        backend = open_backend(settings["sim"] or None)
+        backend = open_backend(settings["sim"] or None, settings["nvml_timeout"])
         try:
             snapshot = backend.snapshot()
         finally:
             backend.close()
     except BackendUnavailable as exc:
         problem = exc
-    ledger = Ledger(settings.state_dir)
-    with ledger.transaction() as data:
-        jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, -j.priority, j.order))
-    gpus = snapshot.gpus if snapshot else ()
-    claims = [j.claim(gpus) for j in jobs]
-    rooms = gpu_rooms(gpus, claims, settings["safety"])
-    reasons = plan(gpus, claims, settings["safety"]).waiting
-    index = {g.uuid: g.index for g in gpus}
+    ledger = ledger_for(settings)
+    fair = FairShare.from_settings(settings)
     now = time.time()
+    with ledger.transaction() as data:
+        usage = user_usage(data, now, fair.half_life)
+        gpus = snapshot.gpus if snapshot else ()
+        pairs = list(zip(data.jobs, claims_for(data, gpus, fair, now), strict=True))
+    pairs.sort(key=lambda jc: (jc[0].state != RUNNING, jc[1].sort_key()))
+    jobs = [j for j, _ in pairs]
+    claims = [c for _, c in pairs]
+    rooms = gpu_rooms(gpus, claims, settings["safety"])
+    reasons = plan(gpus, claims, settings["safety"], limits=fair.limits).waiting
+    index = {g.uuid: g.index for g in gpus}
     report: dict[str, Any] = {
         "schema": STATUS_SCHEMA,
         "backend": snapshot.backend if snapshot else None,
@@ -85,6 +91,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
             }
             for j, c in zip(jobs, claims, strict=False)
         ],
+        "users": _users(jobs, usage, fair),
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -108,17 +115,70 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         where = ",".join(f"GPU{index.get(u, '?')}" for u in j["gpu_uuids"])
         elapsed = format_duration(now - (j["started_at"] or now))
         print(
-            f"  {j['id']}  {where:<6} {format_size(j['reserved_bytes']):>9} reserved "
+            f"  {printable(j['id'], 16)}  {where:<6} {format_size(j['reserved_bytes']):>9} reserved "
             f"{format_size(j['observed_bytes']):>9} used  {elapsed:>7}  {_short(j['command'])}"
         )
     print(f"\nWaiting ({len(waiting)}):")
     for position, j in enumerate(waiting, 1):
-        print(f"  {position:>2}. {j['id']}  p{j['priority']}  {_short(j['command'])}")
+        print(
+            f"  {position:>2}. {printable(j['id'], 16)}  p{j['priority']}  {_short(j['command'])}"
+        )
         if j["waiting_reason"]:
             print(f"      {j['waiting_reason']}")
+    _print_users(report["users"], fair)
     return 0
 
 
+def _users(jobs: list[Job], usage: dict[int, float], fair: FairShare) -> list[dict[str, Any]]:
+    """Per user: what they hold, wait for, and their fair-share usage (lower goes first)."""
+    uids = sorted({j.uid for j in jobs} | set(usage))
+    rows = []
+    for uid in uids:
+        mine = [j for j in jobs if j.uid == uid]
+        running = [j for j in mine if j.state == RUNNING]
+        rows.append(
+            {
+                "uid": uid,
+                "user": _user_name(uid),
+                "running": len(running),
+                "waiting": len(mine) - len(running),
+                "gpus_held": sum(len(j.gpu_uuids) for j in running),
+                "vram_held_bytes": sum(j.reserved_bytes * len(j.gpu_uuids) for j in running),
+                "usage_vram_seconds": round(usage.get(uid, 0.0), 1),
+            }
+        )
+    return rows
+
+
+def _print_users(users: list[dict[str, Any]], fair: FairShare) -> None:
+    if not users:
+        return
+    limits = fair.limits
+    caps = []
+    if limits and limits.max_gpus is not None:
+        caps.append(f"at most {limits.max_gpus} GPUs")
+    if limits and limits.max_vram is not None:
+        caps.append(f"at most {format_size(limits.max_vram)}")
+    share = "off" if fair.half_life is None else f"half-life {format_duration(fair.half_life)}"
+    extra = f"; per user {', '.join(caps)}" if caps else ""
+    print(f"\nUsers (fair share {share}{extra}):")
+    for u in users:
+        print(
+            f"  {printable(u['user'], 16):<16} {u['running']:>3} running {u['waiting']:>3} "
+            f"waiting  {u['gpus_held']} GPUs {format_size(u['vram_held_bytes']):>9} held  "
+            f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h"
+        )
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
 def _short(command: list[str], width: int = 40) -> str:
-    text = " ".join(command)
-    return text if len(text) <= width else text[: width - 1] + "…"
+    # Another user's entry may hold anything: never print their escape sequences.
+    return printable(" ".join(command), width)
