@@ -25,9 +25,13 @@ from gpuwait import checkpoint
 class Regressor(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        )
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -63,7 +67,11 @@ def main() -> int:
         logger=False,
     )
     last = os.path.join(args.ckpt_dir, "last.ckpt")
-    trainer.fit(Regressor(), DataLoader(data, batch_size=64), ckpt_path=last if os.path.exists(last) else None)
+    trainer.fit(
+        Regressor(),
+        DataLoader(data, batch_size=64),
+        ckpt_path=last if os.path.exists(last) else None,
+    )
     trainer.save_checkpoint(last)
     print(f"finished at epoch {trainer.current_epoch}, step {trainer.global_step}")
     return 0

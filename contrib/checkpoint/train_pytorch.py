@@ -27,7 +27,9 @@ def main() -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    ).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
     if os.path.exists(args.ckpt):
@@ -50,7 +52,9 @@ def main() -> int:
         if checkpoint.requested():
             save(args.ckpt, model, optimizer, step)
             if log:
-                print(f"run {checkpoint.resume_count()} paused at step {step}", file=log, flush=True)
+                print(
+                    f"run {checkpoint.resume_count()} paused at step {step}", file=log, flush=True
+                )
             checkpoint.exit_for_resume()
     save(args.ckpt, model, optimizer, step)
     if log:
@@ -61,7 +65,9 @@ def main() -> int:
 def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     # Write next to the target and rename, so a kill mid-save never leaves a torn checkpoint.
     tmp = f"{path}.tmp"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp
+    )
     os.replace(tmp, path)
 
 
