@@ -8,12 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def ensure_private_dir(path: Path) -> None:
-    """Create `path` (and parents) so that the last component is 0700."""
-    if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, 0o700)
+# Re-exported: callers create their state dirs through this module.
+from gpuwait._security import ensure_private_dir as ensure_private_dir
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -50,7 +46,17 @@ def keep_damaged(path: Path) -> Path:
 
 
 def open_private_append(path: Path) -> int:
-    """An O_APPEND descriptor on `path`, created 0600."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    """An O_APPEND descriptor on `path`, created 0600; a symlink there is refused (ELOOP)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)
     return fd
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append `data` with one write; if only part of it got in (disk full), cut that part off
+    again, so the file never ends in half a record."""
+    written = os.write(fd, data)
+    if written != len(data):
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        os.ftruncate(fd, end - written)
+        raise OSError(28, "No space left on device (the record was not written)")

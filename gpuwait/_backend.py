@@ -22,8 +22,9 @@ class Backend(Protocol):
         ...
 
 
-def open_backend(sim_path: str | None) -> Backend:
-    """The simulation when `sim_path` is set, otherwise NVML.
+def open_backend(sim_path: str | None, nvml_timeout: float | None = 5.0) -> Backend:
+    """The simulation when `sim_path` is set, otherwise NVML (each reading bounded by
+    `nvml_timeout` seconds).
 
     Raises BackendUnavailable (with a hint) when neither can be read.
     """
@@ -33,4 +34,4 @@ def open_backend(sim_path: str | None) -> Backend:
         return SimBackend(sim_path)
     from gpuwait._nvml import NvmlBackend
 
-    return NvmlBackend()
+    return NvmlBackend(timeout=nvml_timeout)

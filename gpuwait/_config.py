@@ -1,11 +1,15 @@
 """Settings and where each one came from.
 
 Precedence is one pure function, `resolve`: command line > GPUWAIT_* environment > config.toml in
-the user config dir > built-in default. `gpuwait config` shows the result with its sources.
+the user config dir > config.toml in the site config dir (an administrator's, e.g.
+/etc/xdg/gpuwait/config.toml) > built-in default. Settings marked `site_only` (per-user limits,
+fairness) come from the site file or the default only: a user cannot lift their own limits.
+`gpuwait config` shows the result with its sources.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -17,7 +21,14 @@ import platformdirs
 
 from gpuwait._errors import UsageError
 from gpuwait._policy import PICK_STRATEGIES
-from gpuwait._sizes import MemoryRequest, parse_duration, parse_request
+from gpuwait._sizes import (
+    MemoryRequest,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_request,
+    parse_size,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,7 +40,10 @@ EXCLUSIVE = "exclusive"
 
 
 def _fraction(value: Any) -> float:
-    number = float(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
     if not 0 < number <= 1:
         raise ValueError("expected a fraction above 0 and at most 1, e.g. 0.9")
     return number
@@ -59,7 +73,8 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _priority(value: Any) -> int:
-    number = int(str(value).strip())
+    text = str(value).strip()
+    number = int(text) if text.isdigit() and not isinstance(value, (bool, float)) else 0
     if not 1 <= number <= 5:
         raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
     return number
@@ -105,9 +120,72 @@ def _weights(value: Any) -> dict[str, float]:
     return weights
 
 
+def _string_list(value: Any) -> tuple[str, ...]:
+    """A TOML array of strings, or (from the environment) one string of comma-separated items."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected a list of strings, or comma-separated text")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+#: Names a shell hook must never redefine: its own machinery relies on them.
+_UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
+
+
+def _command_names(value: Any) -> tuple[str, ...]:
+    names = _string_list(value)
+    for name in names:
+        # These become shell function names: nothing a shell would read as syntax.
+        if name.startswith("-") or not all(c.isalnum() or c in "._+-" for c in name):
+            raise ValueError(f"{name!r} is not a plain command name")
+        if name in _UNWRAPPABLE:
+            raise ValueError(f"{name!r} cannot be wrapped")
+    return names
+
+
+def _margin(value: Any) -> float:
+    text = str(value).strip()
+    number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 <= number <= 2:
+        raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
+    return number
+
+
+def _size_limit(value: Any) -> int:
+    size = value if isinstance(value, int) and not isinstance(value, bool) else None
+    size = parse_size(str(value)) if size is None else size
+    if size < 2**20:
+        raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
+    return size
+
+
 def _path(value: Any) -> str:
     text = str(value).strip()
     return os.path.abspath(os.path.expanduser(text)) if text else ""
+
+
+def _count_limit(value: Any) -> int | None:
+    """A per-user count limit; 0 or "none" means no limit."""
+    if value in (None, "", "none", 0, "0"):
+        return None
+    if isinstance(value, bool) or not str(value).strip().isdigit():
+        raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
+    number = int(str(value).strip())
+    if number > 1024:
+        raise ValueError("expected at most 1024 GPUs")
+    return number
+
+
+def _vram_limit(value: Any) -> int | None:
+    """A per-user VRAM limit; 0 or "none" means no limit."""
+    if value in (None, "", "none", 0, "0"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 48G, or none")
+    number = value if isinstance(value, int) else parse_size(str(value))
+    if number <= 0:
+        raise ValueError("expected a size above zero, or none")
+    return number
 
 
 @dataclass(frozen=True)
@@ -118,6 +196,8 @@ class Option:
     parse: Callable[[Any], Any]
     default: Any
     help: str
+    #: Read from the site config file only (an administrator's policy), never from the user.
+    site_only: bool = False
 
     @property
     def env_var(self) -> str:
@@ -190,6 +270,95 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "state_dir", _path, "", "where the ledger and history live (default: the user state dir)"
     ),
+    Option(
+        "wrap_commands",
+        _command_names,
+        ("python", "python3", "torchrun", "accelerate", "deepspeed"),
+        "commands that `gpuwait shell-init` wraps in gpuwait",
+    ),
+    Option(
+        "wrap_only_in",
+        _string_list,
+        (),
+        "shell hooks wrap only in these directories (globs) and below; empty: everywhere",
+    ),
+    Option(
+        "never_wrap",
+        _string_list,
+        ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
+        "shell hooks run command lines matching these globs bare",
+    ),
+    Option(
+        "estimate_margin",
+        _margin,
+        0.1,
+        "added on top of a VRAM estimate learned from earlier runs (0.1 = 10%)",
+    ),
+    Option(
+        "history_commands",
+        _choice("full", "hash"),
+        "full",
+        "what the history keeps of a command: the 'full' line, or only a 'hash' of it",
+    ),
+    Option(
+        "history_max_size",
+        _size_limit,
+        "64MiB",
+        "size at which the history is compacted (what estimates use is kept)",
+    ),
+    Option(
+        "watch_stderr",
+        _choice("auto", "off"),
+        "auto",
+        "look for out-of-memory messages on a command's stderr when it is a file or pipe",
+    ),
+    Option(
+        "ledger_dir",
+        _path,
+        "",
+        "directory of the ledger; a shared one (group-writable, sticky) coordinates several "
+        "users (default: the state dir)",
+    ),
+    Option(
+        "on_state_error",
+        _choice("fail", "run"),
+        "fail",
+        "when the ledger cannot be used: 'fail' (exit 5), or 'run' the command uncoordinated",
+    ),
+    Option(
+        "nvml_timeout",
+        _positive_duration,
+        5.0,
+        "longest wait for one NVML reading; a GPU that does not answer is left out",
+    ),
+    Option(
+        "lock_timeout",
+        _positive_duration,
+        60.0,
+        "longest wait for the ledger lock before giving up (exit 5)",
+    ),
+    Option(
+        "user_max_gpus",
+        _count_limit,
+        None,
+        "site config only: GPUs one user may hold at once (none: no limit)",
+        site_only=True,
+    ),
+    Option(
+        "user_max_vram",
+        _vram_limit,
+        None,
+        "site config only: VRAM one user may hold at once, over all GPUs (none: no limit)",
+        site_only=True,
+    ),
+    Option(
+        "fair_share_half_life",
+        _optional_duration,
+        86400.0,
+        "site config only: how fast past VRAM-time stops counting against a user "
+        "(none: no fair share, first come first served)",
+        site_only=True,
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -202,6 +371,7 @@ class Settings:
     values: Mapping[str, Any]
     sources: Mapping[str, str]
     config_file: Path
+    site_file: Path | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -210,6 +380,12 @@ class Settings:
     def state_dir(self) -> Path:
         custom: str = self.values["state_dir"]
         return Path(custom) if custom else Path(platformdirs.user_state_dir(APP))
+
+    @property
+    def ledger_dir(self) -> Path:
+        """Where the ledger lives: `ledger_dir` when set (maybe shared), else the state dir."""
+        custom: str = self.values.get("ledger_dir", "")
+        return Path(custom) if custom else self.state_dir
 
 
 def config_file_path(env: Mapping[str, str]) -> Path:
@@ -220,23 +396,58 @@ def config_file_path(env: Mapping[str, str]) -> Path:
     return Path(platformdirs.user_config_dir(APP)) / "config.toml"
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """The table in `path`; {} when there is none. Raises UsageError for a broken file."""
+def site_config_file_path() -> Path:
+    """config.toml in the platformdirs site config dir (first entry of XDG_CONFIG_DIRS)."""
+    return Path(platformdirs.site_config_dir(APP)) / "config.toml"
+
+
+#: A config file larger than this is not a config file.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
+    """The table in `path`; {} when there is none. Raises UsageError for a broken file.
+
+    A broken file is the user's (or the administrator's) own text: it is reported, never moved
+    or rewritten.
+    """
+    kind = "site config file" if site else "config file"
     try:
         with path.open("rb") as f:
-            data = tomllib.load(f)
+            if site and os.fstat(f.fileno()).st_mode & 0o002:
+                raise UsageError(
+                    f"{kind} {path} is writable by every user, so anyone could change the "
+                    "limits in it; refusing to use it",
+                    hint=f"an administrator runs: chmod o-w {path}",
+                )
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         return {}
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"config file {path}: {exc}; fix or remove it") from None
+    except IsADirectoryError:
+        raise UsageError(f"{kind} {path} is a directory, not a file") from None
     except OSError as exc:
-        raise UsageError(f"config file {path} cannot be read: {exc.strerror}") from None
+        raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}") from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise UsageError(f"{kind} {path} is larger than 1 MiB; it cannot be a config file")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{kind} {path}: not UTF-8 text; fix or remove it") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{kind} {path}: {exc}; fix or remove it") from None
     unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
     if unknown:
         raise UsageError(
-            f"config file {path}: unknown setting {unknown[0]!r}; known settings: "
+            f"{kind} {path}: unknown setting {unknown[0]!r}; known settings: "
             + ", ".join(OPTIONS_BY_NAME)
         )
+    if not site:
+        reserved = [o.name for o in OPTIONS if o.site_only and o.name in data]
+        if reserved:
+            raise UsageError(
+                f"{kind} {path}: {reserved[0]} can only be set by an administrator, in the "
+                f"site config file {site_config_file_path()}"
+            )
     return data
 
 
@@ -245,17 +456,34 @@ def resolve(
     env: Mapping[str, str],
     file_values: Mapping[str, Any],
     config_file: Path,
+    site_values: Mapping[str, Any] | None = None,
+    site_file: Path | None = None,
 ) -> Settings:
-    """Pick each setting from the first place that has it: CLI, environment, file, default."""
+    """Pick each setting from the first place that has it: CLI, environment, user file, site
+    file, default. A site-only setting comes from the site file or the default."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    site = site_values or {}
     for option in OPTIONS:
+        user_set = cli.get(option.name) is not None or env.get(option.env_var, "") != ""
+        if option.site_only and user_set:
+            where = (
+                f"--{option.name.replace('_', '-')}"
+                if cli.get(option.name) is not None
+                else f"environment {option.env_var}"
+            )
+            raise UsageError(
+                f"{where}: {option.name} can only be set by an administrator, in the site "
+                f"config file {site_file or 'config.toml'}"
+            )
         if cli.get(option.name) is not None:
             raw, source = cli[option.name], "command line"
         elif env.get(option.env_var, "") != "":
             raw, source = env[option.env_var], f"environment {option.env_var}"
-        elif option.name in file_values:
+        elif option.name in file_values and not option.site_only:
             raw, source = file_values[option.name], f"config file {config_file}"
+        elif option.name in site:
+            raw, source = site[option.name], f"site config file {site_file}"
         else:
             values[option.name] = option.parse(option.default)
             sources[option.name] = "default"
@@ -266,14 +494,17 @@ def resolve(
             shown = {"command line": f"--{option.name.replace('_', '-')}"}.get(source, source)
             raise UsageError(f"{shown}: {raw!r} is not valid for {option.name}: {exc}") from None
         sources[option.name] = source
-    return Settings(values=values, sources=sources, config_file=config_file)
+    return Settings(values=values, sources=sources, config_file=config_file, site_file=site_file)
 
 
 def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
-    """Read the environment and config file, and resolve against `cli`."""
+    """Read the environment and both config files, and resolve against `cli`."""
     environ = os.environ if env is None else env
     path = config_file_path(environ)
-    return resolve(cli, environ, load_config_file(path), path)
+    site = site_config_file_path()
+    return resolve(
+        cli, environ, load_config_file(path), path, load_config_file(site, site=True), site
+    )
 
 
 def show_value(name: str, value: Any) -> str:
@@ -286,6 +517,14 @@ def show_value(name: str, value: Any) -> str:
         return ",".join(f"{k}={v:g}" for k, v in value.items()) if value else "(none)"
     if value is None:
         return "none"
-    if name.endswith("interval") or name == "timeout":
+    if isinstance(value, tuple):
+        return ", ".join(value) if value else "(none)"
+    if name in ("user_max_vram", "history_max_size"):
+        return format_size(value)
+    if name == "fair_share_half_life":
+        return format_duration(value)
+    if name.endswith(("interval", "timeout")):
         return f"{value:g}s"
+    if name == "estimate_margin":
+        return f"{value * 100:g}%"
     return str(value) if value != "" else "(not set)"

@@ -12,6 +12,8 @@ EXIT_STATE = 5
 EXIT_DEPENDENCY_FAILED = 6
 #: `gpuwait cancel` took the job out of the queue while it waited.
 EXIT_CANCELLED = 7
+#: cancel/pause/resume of another user's job.
+EXIT_NOT_PERMITTED = 8
 EXIT_TIMEOUT = 124
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127

@@ -1,30 +1,48 @@
-"""The ledger: one JSON file that every gpuwait process of a user shares. The queue *is* the ledger.
+"""The ledger: one JSON file that every gpuwait process of a user (or, in a shared ledger
+directory, of a group of users) shares. The queue *is* the ledger.
 
 Each gpuwait process (waiting or running) owns one entry. All changes happen under an exclusive
-lock on a sidecar lock file, and the file is replaced atomically, so readers without the lock
-still see a whole file. Entries of processes that are gone, or whose pid now names another
-process, are reaped by whichever gpuwait touches the ledger next.
+lock on a sidecar lock file, and the file is replaced atomically, so readers never see half a
+file. Entries of processes that are gone, or whose pid now names another process, are reaped by
+whichever gpuwait touches the ledger next; entries that name another user's process are dropped
+as forged. The file holds data only, never anything executed, and every field is validated on
+read, within caps on the file's size and its number of entries (in all and per user).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import re
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwait import _events, _proc, _wake
 from gpuwait._atomic import ensure_private_dir, keep_damaged, write_json_atomic
 from gpuwait._bookkeeping import LOST, Book, Finished
 from gpuwait._errors import StateError
-from gpuwait._lock import exclusive
+from gpuwait._lock import LockTimeout, flock_within
 from gpuwait._policy import Claim, Requirements
+from gpuwait._security import (
+    check_dir,
+    entry_owner_mismatch,
+    is_shared_dir,
+    open_state_file,
+    printable,
+)
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot
+
+if TYPE_CHECKING:
+    from gpuwait._config import Settings
 
 SCHEMA = 1
 WAITING = "waiting"
@@ -94,9 +112,16 @@ class Job:
         )
 
     def claim(
-        self, gpus: Sequence[GpuSnapshot], now: float | None = None, blocked: str | None = None
+        self,
+        gpus: Sequence[GpuSnapshot],
+        now: float | None = None,
+        blocked: str | None = None,
+        usage: float = 0.0,
     ) -> Claim:
         """This entry for the policy, its usage read from the same snapshot as the GPUs.
+
+        `usage` is the owner's fair-share usage (see gpuwait._fairness), which orders waiters of
+        one priority between users.
 
         Taking `observed` from the snapshot (not from the ledger's last published figure) keeps
         `external` and `committed` consistent with each other: nothing is counted twice, and
@@ -133,6 +158,8 @@ class Job:
             expected_by_gpu=dict(expected_by_gpu),
             held=tuple(self.held_gpus),
             weights=dict(self.weights),
+            uid=self.uid,
+            usage=usage,
         )
 
     def is_alive(self) -> bool:
@@ -226,10 +253,15 @@ def _request(value: Any) -> dict[str, float | int]:
     if value == {}:
         return {}
     if isinstance(value, dict) and len(value) == 1:
-        if "bytes" in value and isinstance(value["bytes"], int) and 0 < value["bytes"] < 2**62:
-            return {"bytes": value["bytes"]}
+        n_bytes = value.get("bytes")
+        if type(n_bytes) is int and 0 < n_bytes < 2**62:
+            return {"bytes": n_bytes}
         fraction = value.get("fraction")
-        if isinstance(fraction, (int, float)) and 0 < fraction <= 1:
+        if (
+            isinstance(fraction, (int, float))
+            and not isinstance(fraction, bool)
+            and 0 < fraction <= 1
+        ):
             return {"fraction": float(fraction)}
     raise ValueError("request must be {'bytes': n}, {'fraction': f} or {}")
 
@@ -294,6 +326,14 @@ def _observed(value: Any) -> dict[str, int]:
 
 
 @dataclass
+class UserUsage:
+    """A user's past use of VRAM, in byte-seconds, as it stood at `at` (it decays from there)."""
+
+    vram_seconds: float
+    at: float
+
+
+@dataclass
 class LedgerData:
     """The whole ledger file."""
 
@@ -305,6 +345,8 @@ class LedgerData:
     book: Book = field(default_factory=Book)
     #: How many transactions freed room (see gpuwait._wake).
     release_seq: int = 0
+    #: Decayed VRAM-time of finished jobs, per uid (fair share between users).
+    usage: dict[int, UserUsage] = field(default_factory=dict)
 
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
@@ -316,7 +358,7 @@ class LedgerData:
         return job
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        encoded: dict[str, Any] = {
             "schema": SCHEMA,
             "created_at": self.created_at,
             "next_order": self.next_order,
@@ -326,15 +368,48 @@ class LedgerData:
             "book": self.book.to_json(),
             "release_seq": self.release_seq,
         }
+        if self.usage:
+            encoded["usage"] = {
+                str(uid): [u.vram_seconds, u.at] for uid, u in sorted(self.usage.items())
+            }
+        return encoded
+
+
+#: Limits on what a ledger file may hold. Any member of a shared ledger's group can write it, so
+#: nothing in it may cost unbounded time or memory to read.
+MAX_FILE_BYTES = 16 << 20
+MAX_ENTRIES = 8192
+MAX_ENTRIES_PER_UID = 1024
+MAX_USAGE_USERS = 4096
+
+_TEMP_RE = re.compile(r"^\.ledger\.json\.([0-9]+)\.tmp$")
+_CRC_PREFIX = b'{"crc":'
 
 
 class Ledger:
-    """The ledger file and its lock, in one state directory."""
+    """The ledger file and its lock, in one directory.
 
-    def __init__(self, directory: Path) -> None:
+    A private ledger (the default: the user's state dir, 0700) is replaced by rename on every
+    change. A shared ledger (`ledger_dir` naming a group-writable directory with the sticky bit)
+    cannot be: the sticky bit forbids renaming over another user's file. It is rewritten in
+    place under the lock instead, into two copies in turn (`ledger.json.journal`, then
+    `ledger.json`), each carrying a checksum; a copy torn by a writer killed halfway is told by
+    its checksum and the other copy is used, by writers and by lock-free readers alike.
+    """
+
+    def __init__(
+        self, directory: Path, *, must_exist: bool = False, lock_timeout: float | None = 60.0
+    ) -> None:
         self.directory = directory
         self.path = directory / "ledger.json"
+        self.journal_path = directory / "ledger.json.journal"
         self.lock_path = directory / "ledger.lock"
+        #: An explicitly configured ledger dir must exist (an administrator creates a shared one).
+        self.must_exist = must_exist
+        self.lock_timeout = lock_timeout
+        #: None until the directory was looked at; then whether it is a shared ledger dir.
+        self.shared: bool | None = None
+        self._group: int | None = None
         #: Messages about damaged files and dropped entries, for the CLI to show once.
         self.warnings: list[str] = []
         #: Entries removed by the last transaction because their process was gone.
@@ -342,6 +417,8 @@ class Ledger:
         #: The file's change token and content as the last transaction left them.
         self.token: tuple[int, int, int] | None = None
         self.committed: LedgerData | None = None
+        #: Entries dropped by the last transaction as forged (their process is another user's).
+        self.forged: list[Job] = []
 
     def change_token(self) -> tuple[int, int, int] | None:
         """Cheap fingerprint of the file: it changes whenever the ledger is rewritten."""
@@ -352,36 +429,55 @@ class Ledger:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def read(self) -> LedgerData:
-        """The current ledger, without locking (writes are atomic) and without repairing it."""
-        data, _ = self._load(repair=False)
+        """The current ledger, without locking and without repairing it."""
+        try:
+            self._prepare(create=False)
+        except FileNotFoundError:
+            return LedgerData()
+        except OSError as exc:
+            raise self._unusable(exc) from None
+        data, raw, _ = self._load(repair=False)
+        # A shared ledger is rewritten in place, one copy at a time and each with a checksum,
+        # so at least one copy is whole at any moment and _load takes it. Only when both
+        # changed under this reader (two writers in a row) are both torn: read again. (A
+        # shared lock would be simpler, but hundreds of polling readers would starve writers.)
+        for _ in range(2):
+            if not self.shared or raw is not None or not self.path.exists():
+                break
+            data, raw, _ = self._load(repair=False)
         return data
 
     @contextmanager
     def transaction(self) -> Iterator[LedgerData]:
         """Lock, load (recovering damage), reap dead entries, yield; write back if changed."""
-        with ExitStack() as held:
+        try:
+            self._prepare(create=True)
+        except OSError as exc:
+            raise self._unusable(exc) from None
+        with self._locked(fcntl.LOCK_EX):
             try:
-                ensure_private_dir(self.directory)
-                held.enter_context(exclusive(self.lock_path))
-            except OSError as exc:
-                raise StateError(
-                    f"state directory {self.directory} is not usable: {exc.strerror}",
-                    hint="set GPUWAIT_STATE_DIR to a writable directory",
-                ) from None
-            try:
-                data, raw = self._load(repair=True)
+                data, raw, rewrite = self._load(repair=True)
                 before = _wake.fingerprint(data.jobs)
                 self.reaped = [j for j in data.jobs if not j.is_alive()]
                 for job in self.reaped:
                     data.jobs.remove(job)
                     self._note_reaped(data, job)
+                self.forged = [j for j in data.jobs if entry_owner_mismatch(j) is not None]
+                for job in self.forged:
+                    data.jobs.remove(job)
+                    self.warnings.append(
+                        f"ledger {self.path}: dropped entry {printable(job.id, 16)}: it claims uid {job.uid} "
+                        f"but its process {job.pid} belongs to another user"
+                    )
+                if not self.shared:
+                    self._prune_temp_files()
                 yield data
                 if _wake.released(before, _wake.fingerprint(data.jobs)):
                     data.release_seq += 1
                 encoded = data.to_json()
-                if encoded != raw or not _wake.wake_path(self.directory).exists():
-                    write_json_atomic(self.path, encoded)
-                    _wake.write_summary(self.directory, _wake.summary(data.jobs, data.release_seq))
+                if rewrite or encoded != raw or not _wake.wake_path(self.directory).exists():
+                    self._write(encoded)
+                    self._write_summary(_wake.summary(data.jobs, data.release_seq))
                 # Taken under the lock, so they describe exactly the file as it now is.
                 self.token, self.committed = self.change_token(), data
             except OSError as exc:
@@ -402,33 +498,158 @@ class Ledger:
             self.directory, "reap", job=job.id, pid=job.pid, state=job.state, gpus=job.gpu_uuids
         )
 
-    def _load(self, repair: bool) -> tuple[LedgerData, Any]:
+    def _write_summary(self, content: dict[str, Any]) -> None:
+        """wake.json beside the ledger. In a shared (sticky) directory it cannot be replaced by
+        rename when another user wrote it last, so it is rewritten in place there; a reader
+        that catches it half-written finds no valid summary and plans, which is safe."""
+        if not self.shared:
+            _wake.write_summary(self.directory, content)
+            return
+        with contextlib.suppress(OSError):
+            body = json.dumps(content, separators=(",", ":")).encode()
+            _write_in_place(_wake.wake_path(self.directory), body, self._group)
+
+    # -- the directory and the lock ----------------------------------------------------------
+
+    def _unusable(self, exc: OSError) -> StateError:
+        if isinstance(exc, FileNotFoundError) and self.must_exist:
+            return StateError(
+                f"ledger directory {self.directory} does not exist",
+                hint="an administrator creates a shared one (see README, 'Shared servers'), "
+                "or unset ledger_dir to use your own",
+            )
+        return StateError(
+            f"ledger directory {self.directory} is not usable: {exc.strerror}",
+            hint="set GPUWAIT_STATE_DIR (or ledger_dir) to a safe, writable directory",
+        )
+
+    def _prepare(self, create: bool) -> None:
+        """Look at the directory once: refuse an unsafe one, tell private from shared."""
+        if self.shared is not None:
+            return
         try:
-            text = self.path.read_bytes()
+            st = os.lstat(self.directory)
         except FileNotFoundError:
-            return LedgerData(), None
+            if self.must_exist or not create:
+                raise
+            ensure_private_dir(self.directory)
+            st = os.lstat(self.directory)
+        shared = is_shared_dir(st)
+        check_dir(self.directory, st, private=not shared)
+        self.shared = shared
+        self._group = st.st_gid if shared else None
+
+    @contextmanager
+    def _locked(self, operation: int) -> Iterator[None]:
+        mode = 0o660 if self.shared else 0o600
+        try:
+            fd = open_state_file(self.lock_path, mode, shared_gid=self._group)
         except OSError as exc:
-            raise StateError(f"ledger {self.path} cannot be read: {exc.strerror}") from None
+            raise self._unusable(exc) from None
+        try:
+            try:
+                flock_within(fd, operation, self.lock_timeout)
+            except LockTimeout:
+                raise StateError(
+                    f"the ledger lock {self.lock_path} was held by another process for "
+                    f"{self.lock_timeout:g}s; giving up",
+                    hint="a hung or stopped gpuwait holds it: find it with `fuser "
+                    f"{self.lock_path}` (lock_timeout sets the wait)",
+                ) from None
+            yield
+        finally:
+            os.close(fd)
+
+    def _prune_temp_files(self) -> None:
+        """Temporary files of writers killed halfway through a write."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            match = _TEMP_RE.match(name)
+            if match and _proc.start_time(int(match.group(1))) is None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.directory / name)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _read_bytes(self, path: Path) -> bytes | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StateError(
+                    f"ledger {path} is a symlink; gpuwait refuses it",
+                    hint=f"remove the link ({path}) so gpuwait can write a real file",
+                ) from None
+            raise StateError(f"ledger {path} cannot be read: {exc.strerror}") from None
+        try:
+            chunks = []
+            size = 0
+            while size <= MAX_FILE_BYTES:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            return b"".join(chunks)
+        except OSError as exc:
+            raise StateError(f"ledger {path} cannot be read: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+
+    def _load(self, repair: bool) -> tuple[LedgerData, Any, bool]:
+        """(data, the raw JSON it was read from, whether the file must be rewritten anyway)."""
+        text = self._read_bytes(self.path)
+        problem: str | None = None
+        if text is not None:
+            try:
+                return (*self._decode(text, repair), False)
+            except ValueError as exc:
+                problem = str(exc)
+        if self.shared:
+            # A writer killed halfway through ledger.json leaves the journal whole, and the
+            # reverse: the journal is always written completely before ledger.json is touched.
+            journal = self._read_bytes(self.journal_path)
+            if journal is not None:
+                try:
+                    data, raw = self._decode(journal, repair)
+                    return data, raw, True
+                except ValueError:
+                    pass
+        if text is None:
+            return LedgerData(), None, False
+        if repair:
+            kept = self._keep_damaged(text)
+            self.warnings.append(
+                f"ledger {self.path} was damaged ({problem}); kept it as {kept} and started afresh"
+            )
+        return LedgerData(), None, True
+
+    def _decode(self, text: bytes, repair: bool) -> tuple[LedgerData, Any]:
+        """Parse and validate a whole file; ValueError when it is damaged."""
+        if len(text) > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
+        text = _check_crc(text)
         try:
             raw = json.loads(text)
-            if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
-                raise ValueError(f"schema {raw.get('schema') if isinstance(raw, dict) else '?'}")
-            jobs_raw = raw.get("jobs")
-            if not isinstance(jobs_raw, list):
-                raise ValueError("no job list")
-            data = LedgerData(
-                next_order=_int(raw, "next_order", 0, 2**62),
-                rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
-                created_at=_float(raw, "created_at"),
-                release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
-            )
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            if repair:
-                kept = keep_damaged(self.path)
-                self.warnings.append(
-                    f"ledger {self.path} was damaged ({exc}); kept it as {kept.name} and started afresh"
-                )
-            return LedgerData(), None
+        except (UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(type(exc).__name__) from None
+        if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+            raise ValueError(f"schema {raw.get('schema') if isinstance(raw, dict) else '?'}")
+        jobs_raw = raw.get("jobs")
+        if not isinstance(jobs_raw, list):
+            raise ValueError("no job list")
+        data = LedgerData(
+            next_order=_int(raw, "next_order", 0, 2**62),
+            rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
+            created_at=_float(raw, "created_at"),
+            usage=_usage(raw.get("usage"), self.warnings if repair else None),
+            release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
+        )
         try:
             data.book = Book.from_json(raw.get("book"))
         except (ValueError, RecursionError) as exc:
@@ -437,17 +658,130 @@ class Ledger:
                     f"ledger {self.path}: its record of finished jobs and GPUs was damaged "
                     f"({exc}); started it afresh"
                 )
-        for entry in jobs_raw:
+        dropped: list[str] = []
+        ids: set[str] = set()
+        per_uid: dict[int, int] = {}
+        # Running entries first, so that a cap drops waiters rather than reservations.
+        parsed: list[Job] = []
+        for entry in jobs_raw[: MAX_ENTRIES * 2]:
             try:
-                data.jobs.append(Job.from_json(entry))
+                parsed.append(Job.from_json(entry))
             except ValueError as exc:
-                if repair:
-                    self.warnings.append(f"ledger {self.path}: dropped an invalid entry ({exc})")
-        ids = set()
-        unique = []
-        for job in data.jobs:
-            if job.id not in ids:
-                ids.add(job.id)
-                unique.append(job)
-        data.jobs = unique
+                dropped.append(str(exc))
+        if len(jobs_raw) > MAX_ENTRIES * 2:
+            dropped.append(f"more than {MAX_ENTRIES} entries")
+        for job in sorted(parsed, key=lambda j: (j.state != RUNNING, j.order)):
+            if job.id in ids:
+                continue
+            if len(data.jobs) >= MAX_ENTRIES:
+                dropped.append(f"more than {MAX_ENTRIES} entries")
+                continue
+            if per_uid.get(job.uid, 0) >= MAX_ENTRIES_PER_UID:
+                dropped.append(f"uid {job.uid} has more than {MAX_ENTRIES_PER_UID} entries")
+                continue
+            ids.add(job.id)
+            per_uid[job.uid] = per_uid.get(job.uid, 0) + 1
+            data.jobs.append(job)
+        # Keep the file's own order (the cap above only decided which entries survive).
+        position = {id(e): i for i, e in enumerate(parsed)}
+        data.jobs.sort(key=lambda j: position[id(j)])
+        if dropped and repair:
+            more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
+            self.warnings.append(
+                f"ledger {self.path}: dropped {len(dropped)} invalid "
+                f"entr{'y' if len(dropped) == 1 else 'ies'} ({dropped[0]}{more})"
+            )
         return data, raw
+
+    def _keep_damaged(self, text: bytes) -> str:
+        """Keep the damaged bytes beside the ledger as evidence; return the copy's name."""
+        if not self.shared:
+            return keep_damaged(self.path).name
+        # In a sticky directory the damaged file may be another user's: copy, never rename.
+        name = f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        fd = os.open(
+            self.directory / name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o640,
+        )
+        try:
+            os.fchmod(fd, 0o640)
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        return name
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def _write(self, encoded: dict[str, Any]) -> None:
+        if not self.shared:
+            write_json_atomic(self.path, encoded)
+            return
+        body = json.dumps(encoded, separators=(",", ":"), sort_keys=True).encode()
+        data = b'{"crc":%d,' % zlib.crc32(body) + body[1:]
+        for path in (self.journal_path, self.path):
+            _write_in_place(path, data, self._group)
+
+
+def _check_crc(text: bytes) -> bytes:
+    """A file written with a checksum must match it (a torn in-place write does not)."""
+    if not text.startswith(_CRC_PREFIX):
+        return text
+    comma = text.find(b",", len(_CRC_PREFIX), len(_CRC_PREFIX) + 12)
+    if comma < 0:
+        raise ValueError("checksum unreadable")
+    try:
+        expected = int(text[len(_CRC_PREFIX) : comma])
+    except ValueError:
+        raise ValueError("checksum unreadable") from None
+    body = b"{" + text[comma + 1 :]
+    if zlib.crc32(body) != expected:
+        raise ValueError("checksum mismatch: a write was cut short")
+    return body
+
+
+def _write_in_place(path: Path, data: bytes, group: int | None) -> None:
+    """Overwrite `path` with `data`. Space is reserved first, so a full disk fails before a byte
+    of the old content is touched."""
+    fd = open_state_file(path, 0o660, shared_gid=group)
+    try:
+        size = os.fstat(fd).st_size
+        if len(data) > size:
+            os.posix_fallocate(fd, 0, len(data))
+        view = memoryview(data)
+        offset = 0
+        while offset < len(data):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _usage(value: Any, warnings: list[str] | None) -> dict[int, UserUsage]:
+    """The per-user usage table; anything malformed in it is dropped (it only orders waiters)."""
+    if value is None:
+        return {}
+    usage: dict[int, UserUsage] = {}
+    items = list(value.items()) if isinstance(value, dict) else []
+    for key, item in items[:MAX_USAGE_USERS]:
+        if (
+            isinstance(key, str)
+            and key.isdigit()
+            and len(key) <= 10
+            and isinstance(item, list)
+            and len(item) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in item)
+            and 0 <= item[0] < 1e30
+            and 0 <= item[1] < 1e11
+        ):
+            usage[int(key)] = UserUsage(float(item[0]), float(item[1]))
+    if warnings is not None and (not isinstance(value, dict) or len(usage) != len(value)):
+        warnings.append("ledger: dropped malformed entries of the per-user usage table")
+    return usage
+
+
+def ledger_for(settings: Settings) -> Ledger:
+    """The ledger the settings name: `ledger_dir` when set (it must exist), else the state dir."""
+    explicit = bool(settings["ledger_dir"])
+    return Ledger(settings.ledger_dir, must_exist=explicit, lock_timeout=settings["lock_timeout"])

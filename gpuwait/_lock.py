@@ -26,3 +26,60 @@ def exclusive(path: Path, mode: int = 0o600) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+class LockTimeout(Exception):
+    """The lock was not granted within the time allowed."""
+
+
+def flock_within(fd: int, operation: int, timeout: float | None) -> None:
+    """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes).
+
+    A lock that another process holds forever (hung, stopped, or hostile) must not hang every
+    gpuwait behind it. The uncontended case costs one non-blocking call; a contended wait sleeps
+    in the kernel (woken the moment the lock is free) under an interval timer, and only threads
+    other than the main one, which cannot take signals, fall back to polling.
+    """
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        if timeout is None:
+            fcntl.flock(fd, operation)
+            return
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        _poll_flock(fd, operation, timeout)
+        return
+    import signal
+
+    def expired(signum: int, frame: object) -> None:
+        raise LockTimeout
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            fcntl.flock(fd, operation)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _poll_flock(fd: int, operation: int, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LockTimeout from None
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 0.05)

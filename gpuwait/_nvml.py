@@ -3,17 +3,29 @@
 Everything pynvml can throw is turned into either a per-GPU warning (that GPU is left out,
 the others still serve) or BackendUnavailable (no readings at all), so callers never see an
 NVML exception or a traceback.
+
+A driver call can also hang (a GPU falling off the bus, a wedged driver). Every reading is made
+in a helper thread with a deadline: a GPU whose reading does not come back in time is left out,
+with a warning, and is not asked again until that stuck call returns; a hung call that concerns
+no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
+(more used or free than the total) are clamped towards "full" and named in a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pynvml  # type: ignore[import-untyped]
 
 from gpuwait._errors import BackendUnavailable
+from gpuwait._sizes import format_size
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+
+T = TypeVar("T")
 
 HINT = (
     "install the NVIDIA driver, or set GPUWAIT_SIM=FILE to use simulated GPUs; "
@@ -91,18 +103,61 @@ class _GpuLost(Exception):
         super().__init__(_describe(cause))
 
 
+class _Hung(Exception):
+    """A driver call did not return within the deadline."""
+
+
+class _Call:
+    """One call made in a daemon thread: a call stuck in the driver cannot hold up the process,
+    not even its exit."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="gpuwait-nvml", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as exc:
+            self._error = exc
+
+    def result(self, timeout: float | None) -> Any:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise _Hung
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _within(fn: Callable[[], T], timeout: float | None) -> T:
+    result: T = _Call(fn).result(timeout)
+    return result
+
+
 class NvmlBackend:
     """Live readings from the NVIDIA driver."""
 
     name = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = 5.0) -> None:
         # None: not tried yet. Decided once per backend so that a driver without
         # nvmlDeviceGetMemoryInfo_v2 does not pay a failing call per GPU on every poll.
         self._memory_v2: bool | None = None
         self._open = False
+        #: Longest wait for one reading; None waits as long as the driver takes.
+        self.timeout = timeout
+        #: GPU index -> the reading of it that has not come back yet.
+        self._stuck: dict[int, tuple[_Call, float]] = {}
         try:
-            pynvml.nvmlInit()
+            _within(pynvml.nvmlInit, timeout)
+        except _Hung:
+            raise BackendUnavailable(
+                f"NVML did not start within {timeout:g}s (the driver is not answering)", hint=HINT
+            ) from None
         except Exception as exc:
             raise _init_failure(exc) from exc
         self._open = True
@@ -111,9 +166,9 @@ class NvmlBackend:
         if not self._open:
             return
         self._open = False
-        # Nothing useful can be done about a failing shutdown at the end of a run.
+        # Nothing useful can be done about a failing (or hanging) shutdown at the end of a run.
         with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+            _within(pynvml.nvmlShutdown, self.timeout)
 
     def snapshot(self) -> MachineSnapshot:
         if not self._open:
@@ -130,7 +185,12 @@ class NvmlBackend:
 
     def _snapshot(self) -> MachineSnapshot:
         try:
-            count = int(pynvml.nvmlDeviceGetCount())
+            count = int(_within(pynvml.nvmlDeviceGetCount, self.timeout))
+        except _Hung:
+            raise BackendUnavailable(
+                f"NVML did not answer within {self.timeout:g}s when asked for the GPU count",
+                hint=HINT,
+            ) from None
         except Exception as exc:
             raise BackendUnavailable(
                 f"NVML could not count the GPUs: {_describe(exc)}", hint=HINT
@@ -138,29 +198,53 @@ class NvmlBackend:
         gpus: list[GpuSnapshot] = []
         warnings: list[str] = []
         for index in range(count):
+            stuck = self._stuck.get(index)
+            if stuck is not None and stuck[0].thread.is_alive():
+                warnings.append(
+                    f"GPU {index}: NVML has not answered for "
+                    f"{time.monotonic() - stuck[1]:.0f}s; treated as unavailable"
+                )
+                continue
+            self._stuck.pop(index, None)
+            # One GPU at a time, in index order, each with its own deadline: a hung GPU costs
+            # the deadline once, and is then skipped until its call comes back.
+            call = _Call(lambda i=index: self._read_gpu(i))  # type: ignore[misc]
             try:
-                gpus.append(self._read_gpu(index))
+                gpu, problems = call.result(self.timeout)
+            except _Hung:
+                self._stuck[index] = (call, time.monotonic())
+                warnings.append(
+                    f"GPU {index}: NVML did not answer within {self.timeout:g}s; "
+                    "treated as unavailable"
+                )
+                continue
             except _GpuLost as exc:
                 warnings.append(f"GPU {index}: {exc}; skipped")
+                continue
             except Exception as exc:
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
+                continue
+            gpus.append(gpu)
+            warnings += [f"GPU {index}: {p}" for p in problems]
         return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
 
-    def _read_gpu(self, index: int) -> GpuSnapshot:
+    def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         name = self._name(handle)
-        total, used = self._memory(handle)
-        return GpuSnapshot(
+        problems: list[str] = []
+        total, used = self._memory(handle, problems)
+        gpu = GpuSnapshot(
             index=index,
             uuid=uuid,
             name=name,
             total_bytes=total,
             used_bytes=used,
-            processes=self._processes(handle),
+            processes=self._processes(handle, total, problems),
             utilization_pct=self._utilization(handle),
             compute_capability=self._compute_capability(handle),
         )
+        return gpu, problems
 
     @staticmethod
     def _lost(exc: BaseException) -> bool:
@@ -175,7 +259,7 @@ class NvmlBackend:
             # The name is only shown; a GPU that cannot tell it can still run work.
             return "NVIDIA GPU"
 
-    def _memory(self, handle: Any) -> tuple[int, int]:
+    def _memory(self, handle: Any, problems: list[str]) -> tuple[int, int]:
         """(total, used) in bytes, where used = total - free.
 
         NVML v2 splits the driver's own reservation out of "used"; that memory is still not
@@ -195,16 +279,26 @@ class NvmlBackend:
                 self._memory_v2 = False
             else:
                 self._memory_v2 = True
-                return self._total_used(info)
-        return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle))
+                return self._total_used(info, problems)
+        return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
 
     @staticmethod
-    def _total_used(info: Any) -> tuple[int, int]:
+    def _total_used(info: Any, problems: list[str]) -> tuple[int, int]:
         total = int(info.total)
-        free = min(max(int(info.free), 0), total)
-        return total, total - free
+        if total <= 0:
+            raise ValueError(f"NVML reported a total of {total} bytes")
+        free = int(info.free)
+        # v2 splits the driver's reservation out of "used"; v1 has no `reserved`.
+        reported_used = int(info.used) + int(getattr(info, "reserved", 0) or 0)
+        if free > total or reported_used > total:
+            problems.append(
+                f"NVML reported {format_size(reported_used)} used and {format_size(free)} free "
+                f"of {format_size(total)}; counted as full"
+            )
+            return total, total
+        return total, max(total - max(free, 0), reported_used)
 
-    def _processes(self, handle: Any) -> tuple[ProcessUsage, ...]:
+    def _processes(self, handle: Any, total: int, problems: list[str]) -> tuple[ProcessUsage, ...]:
         try:
             found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except pynvml.NVMLError as exc:
@@ -218,6 +312,12 @@ class NvmlBackend:
         processes: list[ProcessUsage] = []
         for proc in found:
             used = getattr(proc, "usedGpuMemory", None)
+            if used is not None and int(used) > total:
+                problems.append(
+                    f"NVML reported process {int(proc.pid)} using {format_size(int(used))} of "
+                    f"{format_size(total)}; clamped to the total"
+                )
+                used = total
             processes.append(
                 ProcessUsage(pid=int(proc.pid), used_bytes=None if used is None else int(used))
             )
@@ -244,3 +344,30 @@ class NvmlBackend:
                 raise _GpuLost(exc) from exc
             return None
         return int(rates.gpu)
+
+    def accounting_peak(self, uuid: str, pids: frozenset[int]) -> int | None:
+        """The most memory `pids` held on the GPU over their lifetime, from NVML accounting mode.
+
+        NVML keeps the maximum itself, so peaks between two samples are seen, and it is still
+        there after the processes exited. For several pids this is the sum of their maxima (an
+        upper bound of their joint peak). None where accounting mode is off, unsupported, not
+        permitted, or knows none of the pids (in a container NVML reports host pids).
+        """
+        if not self._open or not pids:
+            return None
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+                return None
+            known = {int(p) for p in pynvml.nvmlDeviceGetAccountingPids(handle)}
+            total = 0
+            found = False
+            for pid in sorted(pids & known):
+                peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
+                if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
+                    total += peak
+                    found = True
+            return total if found else None
+        except Exception:
+            # Optional figure: whatever the driver says about accounting, the run goes on.
+            return None

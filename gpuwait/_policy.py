@@ -129,14 +129,38 @@ class Claim:
     held: tuple[str, ...] = ()
     #: Per-GPU weights (UUID -> weight, default 1) for the weighted strategy.
     weights: Mapping[str, float] = field(default_factory=dict)
+    #: The user the job belongs to (per-user limits).
+    uid: int = -1
+    #: The user's fair-share usage (decayed VRAM-time); lower goes first within a priority.
+    usage: float = 0.0
 
     @property
     def exclusive(self) -> bool:
         return self.request is None
 
-    def sort_key(self) -> tuple[int, int]:
-        """Queue order: higher priority first, then earlier submission."""
-        return (-self.priority, self.order)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: higher priority first, then the user with less usage, then earlier
+        submission (so one user's own jobs always keep their order)."""
+        return (-self.priority, self.usage, self.order)
+
+
+@dataclass(frozen=True)
+class UserLimits:
+    """What one user may hold at once, over all GPUs (None: no limit)."""
+
+    max_gpus: int | None = None
+    max_vram: int | None = None
+
+    def refusal(self, held_gpus: int, held_vram: int, gpus: int, vram: int) -> str | None:
+        """Why a job taking `gpus` GPUs and `vram` bytes in all would break a limit; or None."""
+        if self.max_gpus is not None and held_gpus + gpus > self.max_gpus:
+            return f"your per-user limit of {self.max_gpus} GPUs ({held_gpus} held)"
+        if self.max_vram is not None and held_vram + vram > self.max_vram:
+            return (
+                f"your per-user limit of {format_size(self.max_vram)} "
+                f"({format_size(held_vram)} held)"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -191,8 +215,12 @@ class WaitReason:
     blocked: str | None = None
     #: What the queue's head does to this job (or, for the head, what it holds).
     note: str | None = None
+    #: Set when the job fits but its user is at a per-user limit.
+    limit: str | None = None
 
     def describe(self) -> str:
+        if self.limit is not None:
+            return f"waiting for {self.needed}: {self.limit} ({self.running} running)"
         counts = f"({self.running} running, {self.ahead} ahead of you)"
         if self.blocked is not None:
             return f"{self.blocked} {counts}"
@@ -299,7 +327,9 @@ def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS)
     return claim.request.on(room.gpu.total_bytes)
 
 
-def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) -> str | None:
+def impossible_reason(
+    claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None = None
+) -> str | None:
     """Why `claim` can never be admitted on these GPUs, even when they are idle; None if it can."""
     candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
     if not candidates:
@@ -311,6 +341,18 @@ def impossible_reason(claim: Claim, gpus: Sequence[GpuSnapshot], safety: float) 
     if len(matching) < claim.gpus_wanted:
         which = "can be used" if len(matching) == len(candidates) else "match"
         return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}"
+    if limits is not None:
+        smallest = min(
+            (
+                claim.request.on(g.total_bytes)
+                if claim.request
+                else int(g.total_bytes * (safety - EXCLUSIVE_MAX_EXTERNAL))
+                for g in matching
+            ),
+        )
+        refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
+        if refusal is not None:
+            return f"the request exceeds {refusal.replace('your ', '', 1)}"
     if claim.request is None:
         return None
     fitting = [
@@ -444,14 +486,17 @@ def plan(
     safety: float,
     cursor: int = -1,
     conditions: Conditions = NO_CONDITIONS,
+    limits: UserLimits | None = None,
 ) -> Plan:
     """Admit waiting claims in queue order while they fit; the first that does not fit holds.
 
     Earlier waiters are placed first and their room is taken before later ones are looked at, so a
     later waiter never jumps an earlier one that fits the same GPU. Behind the head, a waiter may
     start on GPUs the head does not hold, or on a held one if it is expected to end before the
-    head could start there.
+    head could start there. A waiter whose user is at a per-user limit does not block those
+    behind it.
     """
+    held_by_user = _held_by_user(claims) if limits is not None else {}
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     running = [c for c in claims if c.running]
     running_total = len(running)
@@ -483,6 +528,15 @@ def plan(
         if len(allowed) >= claim.gpus_wanted and allowed:
             chosen = _order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
+            if limits is not None:
+                gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+                vram = max(need for _, need in chosen) * len(chosen)
+                refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
+                if refusal is not None:
+                    reason = _wait_reason(claim, rooms, running_total, position, conditions)
+                    reasons[claim.job_id] = replace(reason, limit=refusal)
+                    continue
+                held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
             for room, need in chosen:
                 rooms[room.gpu.uuid] = replace(
                     room,
@@ -526,6 +580,16 @@ def plan(
         hold=hold,
         backfill=backfill,
     )
+
+
+def _held_by_user(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
+    """(GPUs, reserved bytes over all of them) that each user's running jobs hold."""
+    held: dict[int, tuple[int, int]] = {}
+    for c in claims:
+        if c.running:
+            gpus, vram = held.get(c.uid, (0, 0))
+            held[c.uid] = (gpus + len(c.gpu_uuids), vram + c.reserved_bytes * len(c.gpu_uuids))
+    return held
 
 
 def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
@@ -583,6 +647,7 @@ def estimate_starts(
     cursor: int = -1,
     conditions: Conditions = NO_CONDITIONS,
     max_steps: int = 10_000,
+    limits: UserLimits | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiter is expected to start, replaying the queue forward.
 
@@ -612,7 +677,7 @@ def estimate_starts(
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
     now = 0.0
     for _ in range(max_steps):
-        decided = plan(bare, current, safety, cursor, conditions)
+        decided = plan(bare, current, safety, cursor, conditions, limits)
         cursor = decided.next_cursor
         after: list[Claim] = []
         for c in current:

@@ -57,6 +57,14 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
         return False
     current = start_time(pid)
     if current is None:
+        # /proc mounted with hidepid hides other users' processes; kill(pid, 0) still tells
+        # whether one exists (EPERM), though not when it started.
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            return True
+        except OSError:
+            return False
         return False
     if expected_start is not None and current != expected_start:
         return False

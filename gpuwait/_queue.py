@@ -19,8 +19,8 @@ from gpuwait import _events, _proc
 from gpuwait._bookkeeping import FAILED, OK, Finished
 from gpuwait._history import history_path
 from gpuwait._ledger import RUNNING, Job, LedgerData
-from gpuwait._policy import Claim, Conditions, Hold
-from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait._policy import Conditions, Hold
+from gpuwait._snapshot import MachineSnapshot
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
 UTIL_WINDOW = 5
@@ -80,10 +80,6 @@ def note_health(
     """Record which GPUs answered in this reading, logging those lost, back or added."""
     for event in data.book.note_health(snapshot, busy_gpus(data), now):
         _events.emit(state_dir, **event)
-
-
-def claims_for(data: LedgerData, gpus: Sequence[GpuSnapshot], now: float) -> list[Claim]:
-    return [j.claim(gpus, now, blocked=dependency_blocker(j, data)) for j in data.jobs]
 
 
 def record_hold(data: LedgerData, hold: Hold | None) -> None:

@@ -43,7 +43,17 @@ DEFAULT_NAME = "Simulated GPU"
 RECORD_SCHEMA = 1
 _HINT = "fix the file, or write a fresh one with `gpuwait sim init PATH --gpus 2 --memory 24GiB`"
 _GPU_KEYS = frozenset(
-    {"name", "memory", "uuid", "speed", "base_used", "lost", "utilization", "compute_capability"}
+    {
+        "name",
+        "memory",
+        "uuid",
+        "speed",
+        "base_used",
+        "lost",
+        "utilization",
+        "compute_capability",
+        "per_process",
+    }
 )
 _RECORD_RE = re.compile(r"^([0-9]+)\.json$")
 _TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
@@ -64,6 +74,8 @@ class SimGpu:
     lost: bool
     utilization: int | None
     compute_capability: tuple[int, int] | None = None
+    #: False: processes are listed without memory figures, as NVML does inside containers.
+    per_process: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,6 +202,7 @@ def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
             lost=_bool(table, "lost"),
             utilization=_utilization(table),
             compute_capability=_compute_capability(table),
+            per_process=_bool(table, "per_process", default=True),
         )
     except _Invalid as exc:
         raise _Invalid(f"gpu {index}: {exc}") from None
@@ -232,8 +245,8 @@ def _speed(table: dict[str, Any]) -> float:
     return float(value)
 
 
-def _bool(table: dict[str, Any], key: str) -> bool:
-    value = table.get(key, False)
+def _bool(table: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = table.get(key, default)
     if not isinstance(value, bool):
         raise _Invalid(f"{key} must be true or false")
     return value
@@ -292,7 +305,8 @@ def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[flo
         "# file's path and the position), speed (CUDA's default FASTEST_FIRST order sorts by it,",
         "# descending), base_used (memory held by no process, e.g. a desktop), lost (true: the",
         "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent), compute_capability",
-        '# (e.g. "8.0").',
+        '# (e.g. "8.0"), per_process (false: processes are listed without memory figures, as NVML',
+        "# does inside containers).",
         "# The file is read again on every reading, so it may be edited while jobs run.",
     ]
     if gpus == 0:
@@ -475,7 +489,9 @@ class SimBackend:
 
 def _gpu_snapshot(gpu: SimGpu, allocations: list[Allocation]) -> GpuSnapshot:
     mine = [a for a in allocations if a.gpu_uuid == gpu.uuid]
-    processes = tuple(ProcessUsage(pid=a.pid, used_bytes=a.bytes) for a in mine)
+    processes = tuple(
+        ProcessUsage(pid=a.pid, used_bytes=a.bytes if gpu.per_process else None) for a in mine
+    )
     return GpuSnapshot(
         index=gpu.index,
         uuid=gpu.uuid,

@@ -19,10 +19,12 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gpuwait import _proc
+from gpuwait import _proc, checkpoint
+from gpuwait._atomic import write_atomic
 from gpuwait._errors import BackendUnavailable
 from gpuwait._sim import (
     Allocation,
@@ -99,6 +101,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--exit", default=0, type=int, help="exit status at the end")
     parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
     parser.add_argument("--sim", metavar="FILE", help="simulation file (default: $GPUWAIT_SIM)")
+    parser.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        help="pausable: on gpuwait's checkpoint signal, save the time held so far here and exit "
+        "with the resume status; a later run resumes from it",
+    )
     return parser.parse_args(argv)
 
 
@@ -227,16 +235,48 @@ def torch_size(n_bytes: int) -> str:
 
 def _run(job: _Job, args: argparse.Namespace) -> int:
     ok = False
+    paused = False
     try:
         ok = job.allocate(args.vram, args.ramp)
-        if ok:
+        if ok and args.checkpoint:
+            paused = _hold_pausable(args.hold, args.checkpoint)
+        elif ok:
             time.sleep(args.hold)
     finally:
         # A signal during clean-up is delivered (and raised) once the record is gone.
         with _signals_blocked():
             job.release()
             job.write_report()
+    if paused:
+        return checkpoint.resume_exit_status()
     return int(args.exit) if ok else 1
+
+
+def _hold_pausable(hold: float, path: str) -> bool:
+    """Hold the memory for what is left of `hold`; True if paused by the checkpoint signal.
+
+    Progress (seconds held so far) is read from and saved to `path`, like a training job that
+    resumes from its last checkpoint.
+    """
+    try:
+        with open(path) as f:
+            done = float(json.load(f)["held_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        done = 0.0
+    checkpoint.install()
+    started = time.monotonic()
+    while done + (time.monotonic() - started) < hold:
+        if checkpoint.requested():
+            _save_progress(path, done + time.monotonic() - started, finished=False)
+            return True
+        time.sleep(0.02)
+    _save_progress(path, hold, finished=True)
+    return False
+
+
+def _save_progress(path: str, held: float, finished: bool) -> None:
+    state = {"held_seconds": held, "finished": finished, "resumes": checkpoint.resume_count()}
+    write_atomic(Path(path), json.dumps(state).encode(), mode=0o644)
 
 
 def _raise_signalled(signum: int, frame: FrameType | None) -> None:

@@ -26,18 +26,19 @@ from dataclasses import dataclass
 from gpuwait import _events, _signals, _wake
 from gpuwait._backend import Backend
 from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
+from gpuwait._fairness import NO_FAIR_SHARE, FairShare, claims_for
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
 from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
 from gpuwait._queue import (
     UtilizationWindow,
     busy_gpus,
-    claims_for,
     name_processes,
     note_health,
     plan_conditions,
     record_hold,
     settle_dependencies,
 )
+from gpuwait._security import entry_owner_mismatch
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
 #: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
@@ -134,6 +135,7 @@ def try_admit(
     snapshot: MachineSnapshot,
     safety: float,
     conditions: Conditions = NO_CONDITIONS,
+    fair: FairShare = NO_FAIR_SHARE,
 ) -> _Attempt:
     """Under the lock: plan for the queue and admit whoever fits; say what became of `job`."""
     with ledger.transaction() as data:
@@ -160,8 +162,8 @@ def try_admit(
             )
             _events.emit(ledger.directory, "leave", job=job.id, outcome=DEPENDENCY_FAILED)
             return DependencyFailed(failure)
-        claims = claims_for(data, snapshot.gpus, now)
-        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)
+        claims = claims_for(data, snapshot.gpus, fair, now)
+        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
         record_hold(data, decided.hold)
         _admit_all(ledger, data, decided, snapshot)
         job.__dict__.update(mine.__dict__)
@@ -180,23 +182,26 @@ def _reason_without_lock(
     snapshot: MachineSnapshot,
     safety: float,
     conditions: Conditions,
+    fair: FairShare = NO_FAIR_SHARE,
 ) -> WaitReason | None:
     """Why `job` still waits, judged from an unlocked read, or None when the lock is needed.
 
-    It is needed to admit anyone, to reap a dead entry, to settle a dependency, to record a
-    GPU's health or the head's hold: anything that writes.
+    It is needed to admit anyone, to reap a dead entry or drop a forged one, to settle a
+    dependency, to record a GPU's health or the head's hold: anything that writes.
     """
     mine = data.find(job.id)
     if mine is None or mine.state == RUNNING or not all(j.is_alive() for j in data.jobs):
         return None
+    if any(entry_owner_mismatch(j) is not None for j in data.jobs):
+        return None  # a forged entry: the transaction drops it
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return None
     now = time.time()
     if data.book.health_would_change(snapshot, busy_gpus(data), now):
         return None
-    claims = claims_for(data, snapshot.gpus, now)
-    decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions)
+    claims = claims_for(data, snapshot.gpus, fair, now)
+    decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
     if decided.admitted:
         return None
     for entry in data.jobs:
@@ -235,6 +240,7 @@ def wait_for_admission(
     on_reason: Callable[[WaitReason], None],
     ignore_processes: frozenset[str] = frozenset(),
     use_inotify: bool = True,
+    fair: FairShare = NO_FAIR_SHARE,
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
@@ -262,8 +268,10 @@ def wait_for_admission(
             snapshot = name_processes(snapshot)
         window.add(snapshot)
         facts = plan_conditions(window, ignore_processes)
-        quiet = _reason_without_lock(ledger.read(), job, snapshot, safety, facts)
-        outcome = quiet if quiet is not None else try_admit(ledger, job, snapshot, safety, facts)
+        quiet = _reason_without_lock(ledger.read(), job, snapshot, safety, facts, fair)
+        outcome = (
+            quiet if quiet is not None else try_admit(ledger, job, snapshot, safety, facts, fair)
+        )
         _wake.note_planned(state_dir)
         return outcome
 
@@ -328,7 +336,7 @@ def wait_for_admission(
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait._watch import LedgerWatch
 
-                watch = LedgerWatch(state_dir if use_inotify else None)
+                watch = LedgerWatch(state_dir if use_inotify else None, bool(ledger.shared))
                 continue  # the summary may have changed before the watch began
             wake_at = next_read if backup is None else min(next_read, backup[0])
             sleep = max(0.0, wake_at - time.monotonic()) if watch.active else poll_interval

@@ -20,13 +20,19 @@ SUBCOMMANDS = {
     "log": "the event log: admit, start, finish, cancel, GPU lost/back (-f to follow)",
     "config": "every effective setting and where it came from",
     "sim": "simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`",
+    "shell-init": "shell hook that runs python & co. through gpuwait: see README",
+    "shell-hook": "what the shell hook runs: COMMAND through gpuwait unless the wrap rules say no",
+    "completion": "completion script for bash, zsh or fish",
+    "estimate": "the VRAM learned from earlier runs of a command: `estimate -- CMD ...`",
+    "history": "recent runs: peak VRAM, load, wait and run time, exit (--json for scripts)",
 }
 
 _EPILOG = """\
 A program named like a subcommand runs with `gpuwait -- status`.
 Exit status: the command's own; gpuwait's failures use 2 (usage), 3 (request can never fit),
 4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 6 (an --after-ok job did not
-succeed), 7 (cancelled while waiting), 124 (--timeout passed), 126/127 (command not executable /
+succeed), 7 (cancelled while waiting), 8 (not permitted: another user's job), 124 (--timeout
+passed), 126/127 (command not executable /
 not found), 130/143 (interrupted while waiting).
 
 settings (command line > GPUWAIT_<NAME> > config.toml > default):

@@ -67,6 +67,13 @@ class FakeFailure:
     code: int
 
 
+@dataclass(frozen=True)
+class FakeHang:
+    gpu: int | None  # None: every GPU ("*"), and calls that name no GPU
+    func: str
+    seconds: float
+
+
 def _encode_text(text: str) -> str:
     # The fake reads '_' as a space and %XX as a byte, so literal underscores are escaped.
     return urllib.parse.quote(text, safe="").replace("_", "%5F").replace("%20", "_")
@@ -82,6 +89,7 @@ class FakeNvml:
     gpus: list[FakeGpu] = field(default_factory=list)
     processes: list[FakeProcess] = field(default_factory=list)
     failures: list[FakeFailure] = field(default_factory=list)
+    hangs: list[FakeHang] = field(default_factory=list)
     init_code: int | None = None
     driver: str = "999.99.99"
 
@@ -115,6 +123,12 @@ class FakeNvml:
 
     def clear_failures(self) -> None:
         self.failures = []
+        self.hangs = []
+        self.write()
+
+    def hang(self, gpu: int | None, func: str, seconds: float) -> None:
+        """Make `func` sleep `seconds` before answering for GPU `gpu` (None: every GPU)."""
+        self.hangs.append(FakeHang(gpu, func, seconds))
         self.write()
 
     def fail_init(self, code: int | None) -> None:
@@ -140,6 +154,9 @@ class FakeNvml:
         for failure in self.failures:
             where = "*" if failure.gpu is None else str(failure.gpu)
             lines.append(f"fail {where} {failure.func} {failure.code}")
+        for hang in self.hangs:
+            where = "*" if hang.gpu is None else str(hang.gpu)
+            lines.append(f"hang {where} {hang.func} {hang.seconds}")
         if self.init_code is not None:
             lines.append(f"init_fail {self.init_code}")
         return "\n".join(lines) + "\n"

@@ -83,8 +83,10 @@ def test_real_cuda_job_records_its_peak(real_gpu: int, gpuwait_cmd: list[str]) -
     assert done.stdout.strip().startswith("GPU-")
     history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
     record = json.loads(history.read_text().splitlines()[-1])
-    # 2 GiB of tensor plus the CUDA context; a process list without per-pid figures gives 0.
-    assert record["peak_bytes"] >= 2 * 2**30 or record["peak_bytes"] == 0
+    # 2 GiB of tensor plus the CUDA context. Without per-pid figures (containers) the growth of
+    # the card's used memory stands in, marked approximate; with other jobs there it is unknown.
+    assert record["peak_bytes"] is None or record["peak_bytes"] >= 2 * 2**30
+    assert record["peak_bytes"] is not None or record["peak_approximate"] is False
 
 
 def test_real_jobs_that_do_not_fit_together_are_serialised(

@@ -106,7 +106,7 @@ TRAP = textwrap.dedent(
 )
 
 
-def wait_for_text(path: Path, text: str | None = None, timeout: float = 20) -> str:
+def wait_for_text(path: Path, text: str | None = None, timeout: float = 90) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
@@ -192,7 +192,7 @@ def ledger_jobs() -> list[dict[str, object]]:
     return list(json.loads(path.read_text())["jobs"])
 
 
-def wait_for_jobs(count: int, state: str | None = None, timeout: float = 20) -> None:
+def wait_for_jobs(count: int, state: str | None = None, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         jobs = [j for j in ledger_jobs() if state is None or j["state"] == state]
@@ -214,7 +214,7 @@ def test_interrupt_while_waiting_leaves_the_queue(
         )
         wait_for_jobs(3)
         waiter.send_signal(signum)
-        assert waiter.wait(timeout=10) == status
+        assert waiter.wait(timeout=60) == status
         assert len(ledger_jobs()) == 2
     finally:
         for h in holders:
@@ -240,11 +240,16 @@ def test_timeout_gives_up_with_124(sim: Path, gpuwait_cmd: list[str]) -> None:
 def test_external_load_is_respected(sim: Path, gpuwait_cmd: list[str], tmp_path: Path) -> None:
     """A simulated job started without gpuwait holds 18 GiB of GPU0: gpuwait must not place 8 GiB there."""
     external = subprocess.Popen(
-        [*gpuwait_cmd, "sim", "job", "--vram", "18G", "--hold", "3s"],
+        [*gpuwait_cmd, "sim", "job", "--vram", "18G", "--hold", "4s"],
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
     )
     try:
-        time.sleep(0.8)
+        from gpuwait._sim import SimBackend
+
+        deadline = time.monotonic() + 90
+        while SimBackend(str(sim)).snapshot().gpus[0].used_bytes < 18 * GiB:
+            assert time.monotonic() < deadline, "the external job never allocated"
+            time.sleep(0.05)
         report = tmp_path / "report.json"
         done = run(
             [
@@ -268,7 +273,7 @@ def test_external_load_is_respected(sim: Path, gpuwait_cmd: list[str], tmp_path:
         )
         assert done.returncode == 0, done.stderr
         assert json.loads(report.read_text())["oom"] is False
-        assert external.wait(timeout=10) == 0
+        assert external.wait(timeout=60) == 0
     finally:
         external.kill()
         external.wait()
@@ -431,9 +436,11 @@ def test_config_shows_sources_by_precedence(
 
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
-    wait_for_jobs(2, "running")  # first, or the waiter could slip in ahead of a holder
-    waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
+    waiter = None
     try:
+        # The waiter starts once both cards are taken; started together, it could be first in.
+        wait_for_jobs(2, "running")
+        waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "10G", "-q", "true"])
         wait_for_jobs(3)
         report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
         assert report["schema"] == 2 and report["backend"] == "sim"
@@ -443,8 +450,9 @@ def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]
         text = run([*gpuwait_cmd, "status"]).stdout
         assert "Queue (1)" in text and "Running (2)" in text
     finally:
-        waiter.terminate()
-        waiter.wait()
+        if waiter is not None:
+            waiter.terminate()
+            waiter.wait()
         for h in holders:
             h.terminate()
             h.wait()

@@ -11,8 +11,9 @@ import time
 from gpuwait import _events, _output
 from gpuwait._bookkeeping import CANCELLED, Finished
 from gpuwait._config import load_settings
-from gpuwait._errors import UsageError
-from gpuwait._ledger import RUNNING, Job, Ledger
+from gpuwait._errors import EXIT_NOT_PERMITTED, UsageError
+from gpuwait._ledger import RUNNING, Job, ledger_for
+from gpuwait._security import NotPermitted, printable, require_control
 
 
 def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
@@ -28,10 +29,10 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     if not args.jobs and args.batch is None:
         raise UsageError("name the jobs to cancel (ids or names), or --batch NAME")
     settings = load_settings({})
-    ledger = Ledger(settings.state_dir)
+    ledger = ledger_for(settings)
     me = os.getuid()
     unmatched: list[str] = []
-    refused: list[Job] = []
+    refused: list[tuple[Job, str]] = []
     cancelled: list[Job] = []
     stopped: list[Job] = []
     with ledger.transaction() as data:
@@ -47,16 +48,21 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
                 unmatched.append(f"--batch {args.batch}")
             chosen.extend(j for j in batch if j not in chosen)
         for job in chosen:
-            if job.uid != me and me != 0:
-                refused.append(job)
-            elif job.state == RUNNING:
-                stopped.append(job)
+            try:
+                # Owner (or root) only, and only when the entry names that owner's own gpuwait
+                # process: a forged entry must never make this signal someone else's process.
+                require_control(job, me)
+            except NotPermitted as exc:
+                refused.append((job, exc.message))
             else:
-                data.remove(job.id)
-                data.book.note_finished(
-                    Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
-                )
-                cancelled.append(job)
+                if job.state == RUNNING:
+                    stopped.append(job)
+                else:
+                    data.remove(job.id)
+                    data.book.note_finished(
+                        Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
+                    )
+                    cancelled.append(job)
             _events.emit(
                 ledger.directory,
                 "cancel",
@@ -64,7 +70,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
                 name=job.name,
                 state=job.state,
                 by_uid=me,
-                refused=job in refused,
+                refused=any(job is r for r, _ in refused),
             )
     for job in stopped:
         # gpuwait forwards TERM to the command and ends the way the command does.
@@ -76,12 +82,16 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     for job in stopped:
         if not args.quiet:
             _output.info(f"sent TERM to {_label(job)} (running)")
-    for job in refused:
-        _output.error(f"{_label(job)} belongs to uid {job.uid}; only its owner can cancel it")
+    for job, why in refused:
+        _output.error(f"{_label(job)} cannot be cancelled: {printable(why)}")
     for ref in unmatched:
-        _output.error(f"no waiting or running job matches {ref}; see `gpuwait status`")
-    return 2 if unmatched or refused else 0
+        _output.error(f"no waiting or running job matches {printable(ref)}; see `gpuwait status`")
+    if refused:
+        return EXIT_NOT_PERMITTED
+    return 2 if unmatched else 0
 
 
 def _label(job: Job) -> str:
-    return f"job {job.id} ({job.name})" if job.name else f"job {job.id}"
+    # Another user's entry may hold anything: never print their escape sequences.
+    name = f" ({printable(job.name, 100)})" if job.name else ""
+    return f"job {printable(job.id, 16)}{name}"

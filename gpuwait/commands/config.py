@@ -23,7 +23,9 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
             json.dumps(
                 {
                     "config_file": str(settings.config_file),
+                    "site_config_file": str(settings.site_file) if settings.site_file else None,
                     "state_dir": str(settings.state_dir),
+                    "ledger_dir": str(settings.ledger_dir),
                     "settings": {n: {"value": v, "source": s} for n, v, s in rows},
                 },
                 indent=2,
@@ -35,5 +37,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     for name, value, source in rows:
         print(f"{name:<{width}}  {value:<{value_width}}  ({source})")
     print(f"\nconfig file: {settings.config_file}")
+    print(f"site config: {settings.site_file}")
     print(f"state dir:   {settings.state_dir}")
+    print(f"ledger dir:  {settings.ledger_dir}")
     return 0

@@ -1,4 +1,4 @@
-"""`gpuwait log`: the event log (events.jsonl in the state dir), last lines or followed."""
+"""`gpuwait log`: the event log (events.jsonl beside the ledger), last lines or followed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 from gpuwait._config import load_settings
 from gpuwait._errors import UsageError
 from gpuwait._events import follow, read_events
-from gpuwait._ledger import Ledger
+from gpuwait._ledger import ledger_for
+from gpuwait._security import printable
 from gpuwait._sizes import format_duration, format_size
 
 
@@ -29,22 +30,29 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     if args.lines < 0:
         raise UsageError("--lines must be 0 or more")
     settings = load_settings({})
-    indices = {u: h.index for u, h in Ledger(settings.state_dir).read().book.health.items()}
+    ledger = ledger_for(settings)
+    # Events are written beside the ledger (a shared ledger's log is its users' common log).
+    directory = ledger.directory
+    indices = {u: h.index for u, h in ledger.read().book.health.items()}
 
     def wanted(event: dict[str, Any]) -> bool:
         return args.job is None or args.job in (event.get("job"), event.get("name"))
 
     def show(event: dict[str, Any]) -> None:
-        print(json.dumps(event, sort_keys=True) if args.json else describe(event, indices))
+        print(
+            json.dumps(event, sort_keys=True)
+            if args.json
+            else printable(describe(event, indices), 4000)
+        )
 
-    events = [e for e in read_events(settings.state_dir) if wanted(e)]
+    events = [e for e in read_events(directory) if wanted(e)]
     for event in events[len(events) - args.lines :] if args.lines else []:
         show(event)
     sys.stdout.flush()
     if not args.follow:
         return 0
     try:
-        for event in follow(settings.state_dir):
+        for event in follow(directory):
             if wanted(event):
                 show(event)
                 sys.stdout.flush()

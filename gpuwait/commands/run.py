@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from gpuwait import _events, _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
@@ -24,15 +27,26 @@ from gpuwait._errors import (
     EXIT_TIMEOUT,
     BackendUnavailable,
     ImpossibleRequest,
+    StateError,
     UsageError,
 )
-from gpuwait._history import append_record
-from gpuwait._ledger import RUNNING, WAITING, Job, Ledger
-from gpuwait._policy import impossible_reason
+from gpuwait._estimate import looks_like_oom, near_full
+from gpuwait._fairness import FairShare, charge
+from gpuwait._learn import (
+    FLAG,
+    RequestChoice,
+    build_record,
+    cap_to_cards,
+    choose_request,
+    save_record,
+)
+from gpuwait._ledger import MAX_ENTRIES_PER_UID, RUNNING, WAITING, Job, Ledger, ledger_for
+from gpuwait._policy import WaitReason, impossible_reason
 from gpuwait._queue import resolve_references
 from gpuwait._runtimes import run_time_estimates
 from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request, parse_size
-from gpuwait._snapshot import MachineSnapshot
+from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait._stderrwatch import StderrWatch
 from gpuwait._supervise import RunResult, spawn, supervise
 from gpuwait._wait import (
     Admitted,
@@ -51,7 +65,21 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vram",
         metavar="SIZE",
-        help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card",
+        help="VRAM per GPU: 6G or 6GiB (2^30 bytes), 6GB (10^9), 512M, or 50%% of a card "
+        "(default: learned from earlier runs of the command, else default_vram)",
+    )
+    parser.add_argument(
+        "--key",
+        metavar="NAME",
+        help="name the command for the history: runs with the same --key share their estimate",
+    )
+    parser.add_argument(
+        "--retry-oom",
+        type=int,
+        default=0,
+        metavar="N",
+        help="if the command runs out of GPU memory, queue it again up to N times, "
+        "with a raised estimate (default: 0)",
     )
     parser.add_argument(
         "--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)"
@@ -108,6 +136,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="PCT",
         help="only GPUs whose recent utilization (mean of several readings) is under PCT",
     )
+    parser.add_argument(
+        "--ledger", metavar="DIR", help="coordinate through the ledger in DIR (e.g. a shared one)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="say where and when the command starts"
@@ -120,6 +151,7 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pick": args.pick,
         "priority": args.priority,
         "safety": args.safety,
+        "ledger_dir": args.ledger,
     }
 
 
@@ -149,7 +181,11 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: ask for at least 1 GPU")
-    request = _request(args, settings)
+    if args.retry_oom < 0:
+        raise UsageError(f"--retry-oom {args.retry_oom}: give 0 or more retries")
+    if args.key is not None and not args.key.strip():
+        raise UsageError("--key needs a non-empty name")
+    choice = _request(args, settings, command)
     requirements = _requirements(args)
     for option, value in (("--name", args.name), ("--batch", args.batch)):
         if value is not None and not _NAME_RE.match(value):
@@ -164,7 +200,7 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         return problem.code
 
     try:
-        backend = open_backend(settings["sim"] or None)
+        backend = open_backend(settings["sim"] or None, settings["nvml_timeout"])
     except BackendUnavailable as exc:
         if settings["on_no_gpu"] == "fail":
             raise
@@ -172,23 +208,78 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
             _output.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return _exec_bare(command)
     try:
-        return _run_with_backend(args, command, settings, backend, request, requirements)
+        return _run_with_retries(args, command, settings, backend, choice, requirements)
     finally:
         backend.close()
 
 
-def _request(args: argparse.Namespace, settings: Settings) -> MemoryRequest | None:
+def _request(args: argparse.Namespace, settings: Settings, command: list[str]) -> RequestChoice:
     if args.exclusive:
         if args.vram is not None:
             raise UsageError("--exclusive takes whole GPUs; leave out --vram")
-        return None
-    if args.vram is None:
-        default: MemoryRequest | None = settings["default_vram"]
-        return default
-    try:
-        return parse_request(args.vram)
-    except ValueError as exc:
-        raise UsageError(f"--vram {exc}") from None
+        return RequestChoice(None, FLAG)
+    flag: MemoryRequest | None = None
+    if args.vram is not None:
+        try:
+            flag = parse_request(args.vram)
+        except ValueError as exc:
+            raise UsageError(f"--vram {exc}") from None
+    choice = choose_request(
+        flag,
+        settings["default_vram"],
+        settings.state_dir,
+        command,
+        os.getcwd(),
+        key=args.key,
+        margin=settings["estimate_margin"],
+    )
+    if choice.learned is not None and not args.quiet:
+        for message in choice.learned.warnings:
+            _output.warn(message)
+    return choice
+
+
+def _run_with_retries(
+    args: argparse.Namespace,
+    command: list[str],
+    settings: Settings,
+    backend: Backend,
+    choice: RequestChoice,
+    requirements: dict[str, Any],
+) -> int:
+    """Run once; after an out-of-memory failure, queue again with the raised estimate."""
+    retries = 0
+    while True:
+        ended = _run_with_backend(args, command, settings, backend, choice, requirements)
+        returncode = ended.returncode
+        if not ended.oom or retries >= args.retry_oom:
+            break
+        retries += 1
+        raised = choose_request(
+            None,
+            settings["default_vram"],
+            settings.state_dir,
+            command,
+            os.getcwd(),
+            key=args.key,
+            margin=settings["estimate_margin"],
+        )
+        after = raised.request.bytes if raised.request is not None else None
+        if after is None or after <= ended.reserved_bytes:
+            if not args.quiet:
+                _output.warn("the command ran out of GPU memory; no larger size to retry with")
+            break
+        if not args.quiet:
+            _output.info(
+                f"the command ran out of GPU memory; retrying with {format_size(after)} "
+                f"(retry {retries} of {args.retry_oom})"
+            )
+        choice = raised
+    if returncode < 0:
+        sys.stdout.flush()
+        _signals.die_by_signal(-returncode)
+        return 128 - returncode
+    return returncode
 
 
 def _requirements(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,6 +328,9 @@ def _weights(settings: Settings, snapshot: MachineSnapshot) -> dict[str, float]:
 
 
 def _exec_bare(command: list[str]) -> int:
+    # Python ignores SIGPIPE for itself; the command must get the default, as from a shell.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     try:
         os.execvp(command[0], command)
     except OSError as exc:
@@ -268,19 +362,29 @@ def _candidates(args: argparse.Namespace, snapshot: MachineSnapshot) -> list[str
     return candidates
 
 
+class _Ended(NamedTuple):
+    """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
+
+    returncode: int
+    oom: bool = False
+    reserved_bytes: int = 0
+
+
 def _run_with_backend(
     args: argparse.Namespace,
     command: list[str],
     settings: Settings,
     backend: Backend,
-    request: MemoryRequest | None,
+    choice: RequestChoice,
     requirements: dict[str, Any],
-) -> int:
+) -> _Ended:
     snapshot = backend.snapshot()
     for message in snapshot.warnings:
         if not args.quiet:
             _output.warn(message)
     candidates = _candidates(args, snapshot)
+    choice = cap_to_cards(choice, snapshot.gpus, candidates, settings["safety"])
+    request = choice.request
     now = time.time()
     job = Job(
         id=os.urandom(4).hex(),
@@ -302,7 +406,10 @@ def _run_with_backend(
         requirements=requirements,
         weights=_weights(settings, snapshot) if settings["pick"] == "weighted" else {},
     )
-    impossible = impossible_reason(job.claim(snapshot.gpus), snapshot.gpus, settings["safety"])
+    fair = FairShare.from_settings(settings)
+    impossible = impossible_reason(
+        job.claim(snapshot.gpus), snapshot.gpus, settings["safety"], fair.limits
+    )
     if impossible is not None:
         raise ImpossibleRequest(
             impossible,
@@ -313,11 +420,88 @@ def _run_with_backend(
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     _signals.block_handled()
-    ledger = Ledger(settings.state_dir)
+    ledger = ledger_for(settings)
+    try:
+        _submit(ledger, job, after, after_ok, settings.state_dir)
+    except StateError as exc:
+        if settings["on_state_error"] != "run":
+            raise
+        _signals.unblock_all()
+        if not args.quiet:
+            _output.warn(
+                f"{exc.message}; running the command without coordination (on_state_error = run)"
+            )
+        return _Ended(_exec_bare(command))
+    _show_ledger_warnings(ledger, args.quiet)
+
+    line = _output.WaitLine(quiet=args.quiet)
+    timeout: float | None = settings["timeout"]
+    waited_from = time.monotonic()
+    try:
+        outcome = wait_for_admission(
+            ledger,
+            backend,
+            job,
+            safety=settings["safety"],
+            poll_interval=settings["poll_interval"],
+            nvml_interval=settings["nvml_interval"],
+            deadline=None if timeout is None else waited_from + timeout,
+            on_reason=_with_note(line.update, choice.note),
+            ignore_processes=frozenset(settings["ignore_processes"]),
+            use_inotify=settings["wake"] == "inotify",
+            fair=fair,
+        )
+    except BaseException:
+        _leave(ledger, job, INTERRUPTED)
+        raise
+    finally:
+        line.clear()
+    wait_seconds = time.monotonic() - waited_from
+    if isinstance(outcome, TimedOut):
+        _leave(ledger, job, TIMED_OUT)
+        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+        _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
+        return _Ended(EXIT_TIMEOUT)
+    if isinstance(outcome, Interrupted):
+        _leave(ledger, job, INTERRUPTED)
+        return _Ended(128 + outcome.signum)
+    if isinstance(outcome, Cancelled):
+        # `gpuwait cancel` already took the entry out and recorded the outcome.
+        if not args.quiet:
+            _output.info(f"job {job.id} cancelled while waiting")
+        return _Ended(EXIT_CANCELLED)
+    if isinstance(outcome, DependencyFailed):
+        _output.error(f"job {job.id} will not start: {outcome.message}")
+        return _Ended(EXIT_DEPENDENCY_FAILED)
+    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds, choice)
+
+
+def _with_note(
+    update: Callable[[WaitReason], None], note: str | None
+) -> Callable[[WaitReason], None]:
+    """The wait line says where a request without --vram came from."""
+    if not note:
+        return update
+    return lambda reason: update(dataclasses.replace(reason, needed=f"{reason.needed} ({note})"))
+
+
+def _submit(
+    ledger: Ledger, job: Job, after: list[str], after_ok: list[str], state_dir: Path
+) -> None:
+    """Put `job` in the queue, unless its user already has as many entries as one may.
+
+    Raises UsageError when an --after reference names no job.
+    """
     with ledger.transaction() as data:
+        mine = sum(1 for j in data.jobs if j.uid == job.uid)
+        if mine >= MAX_ENTRIES_PER_UID:
+            raise StateError(
+                f"you already have {mine} gpuwait jobs in the ledger, the most one user may",
+                hint="wait for some to finish",
+            )
         try:
-            job.after = resolve_references(after, data, settings.state_dir)
-            job.after_ok = resolve_references(after_ok, data, settings.state_dir)
+            job.after = resolve_references(after, data, state_dir)
+            job.after_ok = resolve_references(after_ok, data, state_dir)
         except ValueError as exc:
             raise UsageError(
                 f"--after: {exc}", hint="see `gpuwait status` and `gpuwait log`"
@@ -334,47 +518,6 @@ def _run_with_backend(
             priority=job.priority,
             command=job.command,
         )
-    _show_ledger_warnings(ledger, args.quiet)
-
-    line = _output.WaitLine(quiet=args.quiet)
-    timeout: float | None = settings["timeout"]
-    waited_from = time.monotonic()
-    try:
-        outcome = wait_for_admission(
-            ledger,
-            backend,
-            job,
-            safety=settings["safety"],
-            poll_interval=settings["poll_interval"],
-            nvml_interval=settings["nvml_interval"],
-            deadline=None if timeout is None else waited_from + timeout,
-            on_reason=line.update,
-            ignore_processes=frozenset(settings["ignore_processes"]),
-            use_inotify=settings["wake"] == "inotify",
-        )
-    except BaseException:
-        _leave(ledger, job, INTERRUPTED)
-        raise
-    finally:
-        line.clear()
-    wait_seconds = time.monotonic() - waited_from
-    if isinstance(outcome, TimedOut):
-        _leave(ledger, job, TIMED_OUT)
-        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-        _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
-        return EXIT_TIMEOUT
-    if isinstance(outcome, Interrupted):
-        _leave(ledger, job, INTERRUPTED)
-        return 128 + outcome.signum
-    if isinstance(outcome, Cancelled):
-        # `gpuwait cancel` already took the entry out and recorded the outcome.
-        if not args.quiet:
-            _output.info(f"job {job.id} cancelled while waiting")
-        return EXIT_CANCELLED
-    if isinstance(outcome, DependencyFailed):
-        _output.error(f"job {job.id} will not start: {outcome.message}")
-        return EXIT_DEPENDENCY_FAILED
-    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds)
 
 
 def _estimate(job: Job, settings: Settings, snapshot: MachineSnapshot) -> None:
@@ -397,7 +540,8 @@ def _start(
     job: Job,
     admitted: Admitted,
     wait_seconds: float,
-) -> int:
+    choice: RequestChoice,
+) -> _Ended:
     chosen = list(admitted.gpus)
     env = dict(os.environ)
     env.update(
@@ -412,18 +556,22 @@ def _start(
     )
     if args.verbose and not args.quiet:
         where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
+        note = f" ({choice.note})" if choice.note else ""
         _output.info(
             f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
-            f"{format_size(admitted.reserved_bytes)} reserved"
+            f"{format_size(admitted.reserved_bytes)} reserved{note}"
         )
     started_at = time.time()
+    watch = StderrWatch(enabled=settings["watch_stderr"] != "off")
     try:
-        child = spawn(command, env)
+        child = spawn(command, env, watch.file_actions())
     except OSError as exc:
+        watch.abandon()
         code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
         _leave(ledger, job, FAILED, exit_status=code)
         _output.error(f"{command[0]}: {exc.strerror}")
-        return code
+        return _Ended(code)
+    watch.started()
     _events.emit(ledger.directory, "start", job=job.id, name=job.name, pid=child)
     try:
         with ledger.transaction() as data:
@@ -435,8 +583,17 @@ def _start(
             mine.pids = job.pids = [child]
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         _output.warn(str(exc))
-    result = supervise(child, job, ledger, backend, settings["sample_interval"])
+    result = supervise(
+        child,
+        job,
+        ledger,
+        backend,
+        settings["sample_interval"],
+        baseline_used={g.uuid: g.used_bytes for g in chosen},
+    )
+    said_oom = watch.finish()
     code = result.returncode
+    vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
     _leave(
         ledger,
         job,
@@ -444,13 +601,12 @@ def _start(
         exit_status=code if code >= 0 else None,
         signal=-code if code < 0 else None,
         run_seconds=result.run_seconds,
+        charge_usage=(vram_seconds, settings["fair_share_half_life"]),
     )
-    _record(settings, job, chosen, result, wait_seconds, started_at)
-    if result.returncode < 0:
-        sys.stdout.flush()
-        _signals.die_by_signal(-result.returncode)
-        return 128 - result.returncode
-    return result.returncode
+    oom = _record(
+        args, settings, job, chosen, result, wait_seconds, started_at, choice, said_oom, watch
+    )
+    return _Ended(result.returncode, oom, job.reserved_bytes)
 
 
 def _leave(
@@ -460,8 +616,10 @@ def _leave(
     exit_status: int | None = None,
     signal: int | None = None,
     run_seconds: float | None = None,
+    charge_usage: tuple[float, float | None] | None = None,
 ) -> None:
-    """Take the job out of the queue, recording how it ended (and where it ran, if it did)."""
+    """Take the job out of the queue, recording how it ended (and where it ran, if it did);
+    after a run, add its VRAM-time to our user's fair-share usage."""
     try:
         with ledger.transaction() as data:
             mine = data.remove(job.id)
@@ -477,6 +635,8 @@ def _leave(
                 signal=signal,
             )
             data.book.note_finished(done, ran_on)
+            if charge_usage is not None:
+                charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
             _events.emit(
                 ledger.directory,
                 "finish" if ran_on else "leave",
@@ -494,35 +654,59 @@ def _leave(
 
 
 def _record(
+    args: argparse.Namespace,
     settings: Settings,
     job: Job,
-    chosen: list[Any],
+    chosen: list[GpuSnapshot],
     result: RunResult,
     wait_seconds: float,
     started_at: float,
-) -> None:
-    record = {
-        "job_id": job.id,
-        "name": job.name,
-        "batch": job.batch,
-        "command": job.command,
-        "cwd": job.cwd,
-        "request": job.request,
-        "reserved_bytes": job.reserved_bytes,
-        "gpus": [{"uuid": g.uuid, "index": g.index, "name": g.name} for g in chosen],
-        "peak_bytes": max(result.peak_bytes.values(), default=0),
-        "peak_by_gpu": result.peak_bytes,
-        "samples": result.samples,
-        "wait_seconds": round(wait_seconds, 3),
-        "run_seconds": round(result.run_seconds, 3),
-        "started_at": started_at,
-        "exit_status": result.returncode if result.returncode >= 0 else None,
-        "signal": -result.returncode if result.returncode < 0 else None,
-    }
+    choice: RequestChoice,
+    said_oom: bool | None,
+    watch: StderrWatch,
+) -> bool:
+    """Leave the run's record in the history; returns whether it looked like an OOM."""
+    peaks, approximate = result.peaks()
+    card_full = any(
+        near_full(result.free_at_peak_bytes.get(u), total)
+        for u, total in result.total_bytes.items()
+    )
+    oom = looks_like_oom(result.returncode, bool(said_oom), card_full)
+    evidence = None if not oom else ("message" if said_oom else "card full")
+    record = build_record(
+        job_id=job.id,
+        command=job.command,
+        cwd=job.cwd,
+        key=args.key,
+        history_commands=settings["history_commands"],
+        choice=choice,
+        request_json=job.request,
+        reserved_bytes=job.reserved_bytes,
+        gpus=chosen,
+        peak_by_gpu=peaks,
+        peak_approximate=approximate,
+        time_to_peak=result.time_to_peak(),
+        samples=result.samples,
+        free_at_peak_bytes=result.free_at_peak_bytes,
+        wait_seconds=wait_seconds,
+        run_seconds=result.run_seconds,
+        started_at=started_at,
+        returncode=result.returncode,
+        oom=oom,
+        oom_evidence=evidence,
+        stderr_watched=watch.mode,
+    )
+    # --name/--batch: `--after NAME` finds runs that left the ledger's record in the history.
+    record["name"], record["batch"] = job.name, job.batch
     try:
-        append_record(settings.state_dir, record)
+        warnings = save_record(settings.state_dir, record, settings["history_max_size"])
     except OSError as exc:
-        _output.warn(f"could not record the run in the history: {exc.strerror}")
+        # The run itself is over and its status stands; only the record is lost.
+        warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
+    for message in warnings:
+        if not args.quiet:
+            _output.warn(message)
+    return oom
 
 
 def _show_ledger_warnings(ledger: Ledger, quiet: bool) -> None:

@@ -19,10 +19,12 @@ from gpuwait._backend import open_backend
 from gpuwait._bookkeeping import GPU_OK, Book
 from gpuwait._config import Settings, load_settings
 from gpuwait._errors import BackendUnavailable, UsageError
-from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
+from gpuwait._fairness import FairShare, claims_for, user_usage
+from gpuwait._ledger import RUNNING, Job, LedgerData, ledger_for
 from gpuwait._policy import Conditions, estimate_starts, gpu_rooms, plan
-from gpuwait._queue import claims_for, name_processes, note_health
-from gpuwait._sizes import format_duration, parse_duration
+from gpuwait._queue import name_processes, note_health
+from gpuwait._security import printable
+from gpuwait._sizes import format_duration, format_size, parse_duration
 from gpuwait._snapshot import MachineSnapshot
 
 STATUS_SCHEMA = 2
@@ -99,7 +101,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     snapshot: MachineSnapshot | None = None
     problem: BackendUnavailable | None = None
     try:
-        backend = open_backend(settings["sim"] or None)
+        backend = open_backend(settings["sim"] or None, settings["nvml_timeout"])
         try:
             snapshot = backend.snapshot()
         finally:
@@ -109,7 +111,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     ignore = frozenset(settings["ignore_processes"])
     if snapshot is not None and ignore:
         snapshot = name_processes(snapshot)
-    ledger = Ledger(settings.state_dir)
+    ledger = ledger_for(settings)
     now = time.time()
     with ledger.transaction() as data:
         if snapshot is not None:
@@ -132,12 +134,15 @@ def report_from(
         utilization={g.uuid: g.utilization_pct for g in gpus},
         ignore_processes=frozenset(settings["ignore_processes"]),
     )
-    jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, -j.priority, j.order))
-    claims = claims_for(data, gpus, now)
+    fair = FairShare.from_settings(settings)
+    usage = user_usage(data, now, fair.half_life)
+    claims = claims_for(data, gpus, fair, now)
     by_id = {c.job_id: c for c in claims}
+    # Running first, then the queue in the order the policy serves it (fair share included).
+    jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    decided = plan(gpus, claims, safety, data.rr_cursor, conditions)
-    etas = estimate_starts(gpus, claims, safety, data.rr_cursor, conditions)
+    decided = plan(gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+    etas = estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}
     index.update({u: h.index for u, h in data.book.health.items() if u not in index})
@@ -154,6 +159,12 @@ def report_from(
         "gpus": [],
         "jobs": [],
         "batches": _batches(data.jobs, data.book),
+        "users": _users(data.jobs, usage),
+        "fair_share": {
+            "half_life_seconds": fair.half_life,
+            "user_max_gpus": fair.limits.max_gpus if fair.limits else None,
+            "user_max_vram_bytes": fair.limits.max_vram if fair.limits else None,
+        },
     }
     for room in rooms.values():
         report["gpus"].append(
@@ -312,7 +323,8 @@ def _ago(seconds: float) -> str:
 
 
 def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+    # Another user's entry may hold anything: never print their escape sequences.
+    return printable(text, max(1, width))
 
 
 def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
@@ -364,7 +376,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         left = j["expected_remaining_seconds"]
         left_text = "-" if left is None else "~" + format_duration(left)
         line = (
-            f" {j['id']:<8} {_clip(j['name'] or '-', 12):<12} {_clip(gpus, 5):<5} "
+            f" {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} {_clip(gpus, 5):<5} "
             f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
             f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>6}  "
         )
@@ -380,14 +392,14 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         eta = j["eta_seconds"]
         eta_text = "-" if eta is None else "~" + format_duration(eta)
         line = (
-            f" {j['position']:>3} {j['id']:<8} {_clip(j['name'] or '-', 12):<12} "
+            f" {j['position']:>3} {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} "
             f"p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
         out.append(line + _clip(" ".join(j["command"]), width - len(line)))
         if j["waiting_reason"]:
             out.extend(
                 textwrap.wrap(
-                    j["waiting_reason"],
+                    printable(j["waiting_reason"], 1000),
                     width=width,
                     initial_indent="      ",
                     subsequent_indent="        ",
@@ -405,6 +417,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
                     width,
                 )
             )
+    out.extend(_render_users(report["users"], report["fair_share"], width))
     return "\n".join(out) + "\n"
 
 
@@ -417,3 +430,57 @@ def _needs(job: dict[str, Any]) -> str:
     else:
         per = f"{float(request['fraction']) * 100:g}%"
     return per if job["gpus"] == 1 else f"{per} x{job['gpus']}"
+
+
+def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
+    """Per user: what they hold, wait for, and their fair-share usage (lower goes first)."""
+    uids = sorted({j.uid for j in jobs} | set(usage))
+    rows = []
+    for uid in uids:
+        mine = [j for j in jobs if j.uid == uid]
+        running = [j for j in mine if j.state == RUNNING]
+        rows.append(
+            {
+                "uid": uid,
+                "user": _user_name(uid),
+                "running": len(running),
+                "waiting": len(mine) - len(running),
+                "gpus_held": sum(len(j.gpu_uuids) for j in running),
+                "vram_held_bytes": sum(j.reserved_bytes * len(j.gpu_uuids) for j in running),
+                "usage_vram_seconds": round(usage.get(uid, 0.0), 1),
+            }
+        )
+    return rows
+
+
+def _render_users(users: list[dict[str, Any]], fair_share: dict[str, Any], width: int) -> list[str]:
+    if not users:
+        return []
+    caps = []
+    if fair_share["user_max_gpus"] is not None:
+        caps.append(f"at most {fair_share['user_max_gpus']} GPUs")
+    if fair_share["user_max_vram_bytes"] is not None:
+        caps.append(f"at most {format_size(fair_share['user_max_vram_bytes'])}")
+    half_life = fair_share["half_life_seconds"]
+    share = "off" if half_life is None else f"half-life {format_duration(half_life)}"
+    extra = f"; per user {', '.join(caps)}" if caps else ""
+    out = ["", _clip(f"Users (fair share {share}{extra})", width)]
+    for u in users:
+        out.append(
+            _clip(
+                f" {printable(u['user'], 16):<16} {u['running']:>3} running {u['waiting']:>3} "
+                f"waiting  {u['gpus_held']} GPUs {format_size(u['vram_held_bytes']):>9} held  "
+                f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h",
+                width,
+            )
+        )
+    return out
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)

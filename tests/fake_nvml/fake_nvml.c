@@ -21,7 +21,8 @@
  *       Memory, as the driver reports it:
  *         v2 (nvmlDeviceGetMemoryInfo_v2): total, reserved, used, free = total - reserved - used
  *         v1 (nvmlDeviceGetMemoryInfo):    total, used = used + reserved, free = as in v2
- *       (v1 folds the driver's reservation into "used", as real drivers do.)
+ *       (v1 folds the driver's reservation into "used", as real drivers do.) used may exceed
+ *       total, as from a confused driver: free is then reported as 0.
  *       util=na makes nvmlDeviceGetUtilizationRates answer NOT_SUPPORTED (3).
  *       cc=na makes nvmlDeviceGetCudaComputeCapability answer NOT_SUPPORTED (3). Defaults:
  *       reserved=0 util=0 cc=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
@@ -35,6 +36,9 @@
  *       "fail * nvmlDeviceGetMemoryInfo_v2 13" (an old driver without memory info v2).
  *   init_fail <nvml error code>
  *       Shorthand for "fail * nvmlInitWithFlags <code>" (nvmlInit and nvmlInit_v2 too).
+ *   hang <gpu index|*> <function name> <seconds>
+ *       That function sleeps this long before answering (as a wedged driver does), without
+ *       holding the library's lock, so calls for other GPUs still answer meanwhile.
  *   driver <version>
  *       What nvmlSystemGetDriverVersion reports (default 999.99.99).
  *
@@ -56,6 +60,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int nvmlReturn_t;
 
@@ -130,6 +135,7 @@ typedef struct {
     int gpu; /* -1: every GPU */
     char func[TEXT_LEN];
     int code;
+    double hang_s; /* > 0: a "hang" directive, not a failure */
 } fail_state;
 
 typedef struct {
@@ -290,10 +296,6 @@ static int parse_line(machine_state *st, char *line, int lineno) {
             complain("line %d: gpu %d needs total= and used=", lineno, idx);
             return 0;
         }
-        if (g->used + g->reserved > g->total) {
-            complain("line %d: gpu %d uses more than its total", lineno, idx);
-            return 0;
-        }
         return 1;
     }
 
@@ -341,6 +343,36 @@ static int parse_line(machine_state *st, char *line, int lineno) {
         return 1;
     }
 
+    if (strcmp(tokens[0], "hang") == 0) {
+        fail_state *f;
+        char *end;
+        if (nt != 4) {
+            complain("line %d: hang <gpu|*> <function> <seconds>", lineno);
+            return 0;
+        }
+        if (st->fail_count == MAX_FAILS) {
+            complain("line %d: more than %d failures", lineno, MAX_FAILS);
+            return 0;
+        }
+        f = &st->fails[st->fail_count];
+        if (strcmp(tokens[1], "*") == 0) {
+            f->gpu = -1;
+        } else if (!parse_int(tokens[1], &f->gpu) || f->gpu < 0) {
+            complain("line %d: bad GPU '%s'", lineno, tokens[1]);
+            return 0;
+        }
+        errno = 0;
+        f->hang_s = strtod(tokens[3], &end);
+        if (strlen(tokens[2]) >= sizeof f->func || errno != 0 || *end != '\0' || !(f->hang_s > 0)) {
+            complain("line %d: bad hang", lineno);
+            return 0;
+        }
+        strcpy(f->func, tokens[2]);
+        f->code = NVML_SUCCESS;
+        st->fail_count++;
+        return 1;
+    }
+
     if (strcmp(tokens[0], "fail") == 0 || strcmp(tokens[0], "init_fail") == 0) {
         fail_state *f;
         const char *gpu_tok, *func_tok, *code_tok;
@@ -377,6 +409,7 @@ static int parse_line(machine_state *st, char *line, int lineno) {
             return 0;
         }
         strcpy(f->func, func_tok);
+        f->hang_s = 0;
         st->fail_count++;
         return 1;
     }
@@ -450,18 +483,45 @@ static void log_call(const char *func, int gpu, nvmlReturn_t ret, const char *ex
 static nvmlReturn_t injected(const char *func, int gpu) {
     for (int i = 0; i < g_state.fail_count; i++) {
         const fail_state *f = &g_state.fails[i];
-        if (strcmp(f->func, func) != 0) continue;
+        if (f->hang_s > 0 || strcmp(f->func, func) != 0) continue;
         if (f->gpu == -1 || f->gpu == gpu) return f->code;
     }
     return NVML_SUCCESS;
+}
+
+/* Seconds the call (func, gpu) must hang for, or 0. */
+static double hang_for(const char *func, int gpu) {
+    for (int i = 0; i < g_state.fail_count; i++) {
+        const fail_state *f = &g_state.fails[i];
+        if (f->hang_s <= 0 || strcmp(f->func, func) != 0) continue;
+        if (f->gpu == -1 || f->gpu == gpu) return f->hang_s;
+    }
+    return 0;
+}
+
+static void sleep_seconds(double seconds) {
+    struct timespec left;
+    left.tv_sec = (time_t)seconds;
+    left.tv_nsec = (long)((seconds - (double)left.tv_sec) * 1e9);
+    while (nanosleep(&left, &left) != 0 && errno == EINTR) {
+    }
 }
 
 /* Common start of a call: lock, read the state, check init and injected failures.
  * Returns SUCCESS to carry on; anything else is the call's answer (lock already released). */
 static nvmlReturn_t enter(const char *func, int gpu, int needs_init) {
     nvmlReturn_t ret;
+    double hang;
     pthread_mutex_lock(&g_lock);
     load_state();
+    hang = g_state.ok ? hang_for(func, gpu) : 0;
+    if (hang > 0) {
+        log_call(func, gpu, -1, " hang");
+        pthread_mutex_unlock(&g_lock);
+        sleep_seconds(hang);
+        pthread_mutex_lock(&g_lock);
+        load_state();
+    }
     if (!g_state.ok) {
         ret = NVML_ERROR_UNKNOWN;
     } else if (needs_init && g_init_count == 0) {
@@ -480,6 +540,11 @@ static nvmlReturn_t leave(const char *func, int gpu, nvmlReturn_t ret, const cha
     log_call(func, gpu, ret, extra);
     pthread_mutex_unlock(&g_lock);
     return ret;
+}
+
+/* Free memory as the driver reports it; a confused driver (used > total) reports none. */
+static unsigned long long free_of(const gpu_state *g) {
+    return g->used + g->reserved > g->total ? 0 : g->total - g->used - g->reserved;
 }
 
 /* The GPU behind a handle, as the state file describes it right now. */
@@ -646,7 +711,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
         return leave("nvmlDeviceGetMemoryInfo", device->index, NVML_ERROR_INVALID_ARGUMENT, NULL);
     memory->total = g->total;
     memory->used = g->used + g->reserved;
-    memory->free = g->total - g->used - g->reserved;
+    memory->free = free_of(g);
     return leave("nvmlDeviceGetMemoryInfo", device->index, NVML_SUCCESS, NULL);
 }
 
@@ -663,7 +728,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
     memory->total = g->total;
     memory->reserved = g->reserved;
     memory->used = g->used;
-    memory->free = g->total - g->used - g->reserved;
+    memory->free = free_of(g);
     return leave("nvmlDeviceGetMemoryInfo_v2", device->index, NVML_SUCCESS, NULL);
 }
 

@@ -1,0 +1,75 @@
+"""A plain PyTorch training loop that can be paused by gpuwait and resumes where it stopped.
+
+    gpuwait --pausable --vram 8G -- python train_pytorch.py --steps 5000 --ckpt run.pt
+
+On gpuwait's checkpoint signal it saves model, optimizer and step to --ckpt and exits with the
+resume status; gpuwait re-runs it later and it continues from the saved step. It runs on the CPU
+when no GPU is visible, so it can be tried anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from gpuwait import checkpoint
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--ckpt", default="checkpoint.pt")
+    parser.add_argument("--log", help="append 'run <resume count> step <n>' lines here")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    ).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = 0
+    if os.path.exists(args.ckpt):
+        saved = torch.load(args.ckpt, map_location=device)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+    log = open(args.log, "a") if args.log else None  # noqa: SIM115 - kept open for the whole run
+    if log:
+        print(f"run {checkpoint.resume_count()} starts at step {step}", file=log, flush=True)
+
+    checkpoint.install()
+    while step < args.steps:
+        x = torch.randn(32, 64, device=device)
+        loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        if checkpoint.requested():
+            save(args.ckpt, model, optimizer, step)
+            if log:
+                print(
+                    f"run {checkpoint.resume_count()} paused at step {step}", file=log, flush=True
+                )
+            checkpoint.exit_for_resume()
+    save(args.ckpt, model, optimizer, step)
+    if log:
+        print(f"run {checkpoint.resume_count()} finished at step {step}", file=log, flush=True)
+    return 0
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    # Write next to the target and rename, so a kill mid-save never leaves a torn checkpoint.
+    tmp = f"{path}.tmp"
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp
+    )
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

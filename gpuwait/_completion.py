@@ -1,0 +1,389 @@
+"""Completion scripts for bash, zsh and fish, generated from gpuwait's own argparse parsers.
+
+The options come from the parser of the default command and the subcommand names from the
+SUBCOMMANDS table, so a new option or subcommand is completed without touching this file. A
+subcommand's own options are found by calling its `main(["--help"], ...)` with a parser class
+that stops at `parse_args` (see `_capture_parser`): nothing of the subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwait._policy import PICK_STRATEGIES
+
+#: Values worth offering for options whose parser takes free text.
+_VALUE_HINTS: dict[str, tuple[str, ...]] = {
+    "--pick": tuple(PICK_STRATEGIES),
+    "--priority": ("1", "2", "3", "4", "5"),
+}
+_PATH_METAVARS = re.compile(r"FILE|PATH|DIR", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    flags: tuple[str, ...]
+    help: str
+    takes_value: bool
+    metavar: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def wants_path(self) -> bool:
+        return self.takes_value and not self.choices and bool(_PATH_METAVARS.search(self.metavar))
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """The options and fixed positional words (e.g. `sim init`) of a parser."""
+
+    name: str
+    help: str
+    options: tuple[OptionSpec, ...]
+    words: tuple[str, ...] = ()
+
+    @property
+    def value_flags(self) -> list[str]:
+        return [f for o in self.options if o.takes_value for f in o.flags]
+
+    @property
+    def flags(self) -> list[str]:
+        return [f for o in self.options for f in o.flags]
+
+
+@dataclass(frozen=True)
+class CompletionSpec:
+    top: CommandSpec
+    subcommands: tuple[CommandSpec, ...] = field(default_factory=tuple)
+
+
+def spec_of(parser: argparse.ArgumentParser, name: str, help_text: str = "") -> CommandSpec:
+    options: list[OptionSpec] = []
+    words: list[str] = []
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:
+            continue
+        if not action.option_strings:
+            words += [str(c) for c in action.choices or ()]
+            continue
+        takes_value = action.nargs != 0
+        choices = tuple(str(c) for c in action.choices or ())
+        for flag in action.option_strings:
+            choices = choices or _VALUE_HINTS.get(flag, ())
+        metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+        options.append(
+            OptionSpec(
+                flags=tuple(action.option_strings),
+                help=_one_line(action.help or ""),
+                takes_value=takes_value,
+                metavar=metavar if takes_value else "",
+                choices=choices,
+            )
+        )
+    return CommandSpec(name, help_text, tuple(options), tuple(words))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.replace("%%", "%").split())
+
+
+class _Captured(BaseException):
+    """A BaseException, so that a subcommand's own `except Exception` lets it through."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__()
+        self.parser = parser
+
+
+class _CapturingParser(argparse.ArgumentParser):
+    """Stops a subcommand at the moment its parser is complete (parse_args goes through here)."""
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(self)
+
+
+def _capture_parser(name: str) -> argparse.ArgumentParser | None:
+    """The parser subcommand `name` builds, or None when it builds none (or fails to)."""
+    try:
+        module = importlib.import_module(f"gpuwait.commands.{name.replace('-', '_')}")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            # `--help`: a subcommand that parses by hand prints its help rather than doing work.
+            module.main(["--help"], _CapturingParser)
+    except _Captured as captured:
+        return captured.parser
+    except (Exception, SystemExit):  # parsed by hand, or broken: its name is still completed
+        return None
+    return None
+
+
+def build_spec() -> CompletionSpec:
+    from gpuwait.cli import SUBCOMMANDS, build_run_parser
+
+    top = spec_of(build_run_parser(), "gpuwait")
+    subs = []
+    for name, help_text in SUBCOMMANDS.items():
+        parser = _capture_parser(name)
+        if parser is None:
+            subs.append(CommandSpec(name, help_text, ()))
+        else:
+            subs.append(spec_of(parser, name, help_text))
+    return CompletionSpec(top, tuple(subs))
+
+
+def script(shell: str, spec: CompletionSpec | None = None) -> str:
+    spec = spec or build_spec()
+    return {"bash": _bash, "zsh": _zsh, "fish": _fish}[shell](spec)
+
+
+# bash -----------------------------------------------------------------------------------------
+
+
+def _words(items: Iterable[str]) -> str:
+    return shlex.quote(" ".join(items))
+
+
+def _bash(spec: CompletionSpec) -> str:
+    top = spec.top
+    value_cases = []
+    for option in top.options:
+        if option.takes_value:
+            action = (
+                f'mapfile -t COMPREPLY < <(compgen -W {_words(option.choices)} -- "$cur"); '
+                if option.choices
+                else ""
+            )
+            value_cases.append(f"            {'|'.join(option.flags)}) {action}return ;;")
+    sub_cases = []
+    for sub in spec.subcommands:
+        sub_cases.append(
+            f"        {shlex.quote(sub.name)}) opts={_words(sub.flags)};"
+            f" words={_words(sub.words)}; values={_words(sub.value_flags)} ;;"
+        )
+    value_pattern = "|".join(top.value_flags) or "__none__"
+    return f"""\
+# gpuwait completion for bash (generated by `gpuwait completion bash`)
+_gpuwait_complete() {{
+    local cur=${{COMP_WORDS[COMP_CWORD]}} prev=${{COMP_WORDS[COMP_CWORD-1]}}
+    local i=1 word first="" dashdash=""
+    [[ $prev == = && COMP_CWORD -ge 2 ]] && prev=${{COMP_WORDS[COMP_CWORD-2]}}
+    [[ $cur == = ]] && cur=""
+    # gpuwait's own options come first; the first other word is a subcommand or the command.
+    while (( i < COMP_CWORD )); do
+        word=${{COMP_WORDS[i]}}
+        case $word in
+            --) dashdash=1; (( i++ )); break ;;
+            {value_pattern})
+                (( i += 2 ))
+                [[ ${{COMP_WORDS[i-1]}} == = ]] && (( i++ )) ;;
+            -*) (( i++ )) ;;
+            *) first=$word; break ;;
+        esac
+    done
+    if [[ -z $first && -n $dashdash && i -lt COMP_CWORD ]]; then
+        first=${{COMP_WORDS[i]}}
+    fi
+    if [[ -z $first ]]; then
+        if [[ -z $dashdash ]]; then
+            case $prev in
+{chr(10).join(value_cases)}
+            esac
+        fi
+        if [[ -z $dashdash && $cur == -* ]]; then
+            mapfile -t COMPREPLY < <(compgen -W {_words(top.flags)} -- "$cur")
+        elif [[ -z $dashdash ]]; then
+            mapfile -t COMPREPLY < <(compgen -W {_words(s.name for s in spec.subcommands)} -- "$cur"; compgen -c -- "$cur")
+        else
+            mapfile -t COMPREPLY < <(compgen -c -- "$cur")
+        fi
+        return
+    fi
+    local opts="" words="" values=""
+    if [[ -z $dashdash ]]; then
+        case $first in
+{chr(10).join(sub_cases)}
+        *)
+            # The command's own arguments: its own completion where bash-completion is loaded.
+            if declare -F _command_offset >/dev/null; then _command_offset "$i"; fi
+            return ;;
+        esac
+    else
+        if declare -F _command_offset >/dev/null; then _command_offset "$i"; fi
+        return
+    fi
+    if [[ " $values " == *" $prev "* ]]; then return; fi
+    if [[ $cur == -* ]]; then
+        mapfile -t COMPREPLY < <(compgen -W "$opts" -- "$cur")
+    else
+        mapfile -t COMPREPLY < <(compgen -W "$words" -- "$cur")
+    fi
+}}
+complete -o bashdefault -o default -F _gpuwait_complete gpuwait
+"""
+
+
+# zsh ------------------------------------------------------------------------------------------
+
+
+def _zsh_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("[", "\\[").replace("]", "\\]").replace(":", "\\:")
+
+
+def _zsh_option_specs(options: Sequence[OptionSpec]) -> list[str]:
+    specs = []
+    for option in options:
+        help_text = _zsh_escape(option.help)
+        exclusive = f"({' '.join(option.flags)})" if len(option.flags) > 1 else ""
+        if option.takes_value:
+            if option.choices:
+                action = f"({' '.join(option.choices)})"
+            elif option.wants_path:
+                action = "_files"
+            else:
+                action = " "
+            value = f":{_zsh_escape(option.metavar)}:{action}"
+        else:
+            value = ""
+        for flag in option.flags:
+            eq = "=" if option.takes_value and flag.startswith("--") else ""
+            specs.append(shlex.quote(f"{exclusive}{flag}{eq}[{help_text}]{value}"))
+    return specs
+
+
+def _zsh(spec: CompletionSpec) -> str:
+    described = " ".join(
+        shlex.quote(f"{s.name.replace(':', chr(92) + ':')}:{_one_line(s.help)}")
+        for s in spec.subcommands
+    )
+    sub_cases = []
+    for sub in spec.subcommands:
+        args = _zsh_option_specs(sub.options)
+        if sub.words:
+            args.append(shlex.quote(f"1:word:({' '.join(sub.words)})"))
+        args.append("'*:file:_files'")
+        sub_cases.append(f"            {shlex.quote(sub.name)}) _arguments -s {' '.join(args)} ;;")
+    top_specs = " \\\n        ".join(_zsh_option_specs(spec.top.options))
+    return f"""\
+# gpuwait completion for zsh (generated by `gpuwait completion zsh`)
+_gpuwait() {{
+    local curcontext=$curcontext state state_descr line ret=1
+    typeset -A opt_args
+    local -a subcommands
+    subcommands=({described})
+    _arguments -s -S -A '-*' \\
+        {top_specs} \\
+        '(-):subcommand or command:->first' \\
+        '*::arguments:->rest' && ret=0
+    case $state in
+        first)
+            _describe -t subcommands 'gpuwait subcommand' subcommands && ret=0
+            _command_names -e && ret=0 ;;
+        rest)
+            case $words[1] in
+{chr(10).join(sub_cases)}
+            *) _normal && ret=0 ;;
+            esac ;;
+    esac
+    return ret
+}}
+if (( $+functions[compdef] )); then
+    compdef _gpuwait gpuwait
+fi
+"""
+
+
+# fish -----------------------------------------------------------------------------------------
+
+
+def fish_quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _fish_option_lines(command_condition: str, options: Sequence[OptionSpec]) -> list[str]:
+    lines = []
+    for option in options:
+        parts = ["complete -c gpuwait", "-n", fish_quote(command_condition)]
+        for flag in option.flags:
+            parts += ["-l", flag[2:]] if flag.startswith("--") else ["-s", flag[1:]]
+        if option.takes_value:
+            if option.choices:
+                parts += ["-x", "-a", fish_quote(" ".join(option.choices))]
+            elif option.wants_path:
+                parts += ["-r", "-F"]
+            else:
+                parts += ["-x"]
+        parts += ["-d", fish_quote(option.help)]
+        lines.append(" ".join(parts))
+    return lines
+
+
+def _fish(spec: CompletionSpec) -> str:
+    value_flags = " ".join(spec.top.value_flags)
+    subcommand_names = " ".join(fish_quote(s.name) for s in spec.subcommands)
+    lines = [
+        "# gpuwait completion for fish (generated by `gpuwait completion fish`)",
+        "function __gpuwait_first_word",
+        "    # The first word after gpuwait's own options (and their values): a subcommand or",
+        "    # the command to run. Prints it, or fails while there is none yet.",
+        "    set -l tokens (commandline -opc)",
+        "    set -e tokens[1]",
+        "    set -l skip 0",
+        "    for token in $tokens",
+        "        if test $skip = 1",
+        "            set skip 0",
+        "            continue",
+        "        end",
+        "        switch $token",
+        "            case --",
+        "                echo --",
+        "                return 0",
+        f"            case {value_flags or '__none__'}",
+        "                set skip 1",
+        "            case '-*'",
+        "            case '*'",
+        "                echo -- $token",
+        "                return 0",
+        "        end",
+        "    end",
+        "    return 1",
+        "end",
+        "function __gpuwait_no_word",
+        "    not __gpuwait_first_word >/dev/null",
+        "end",
+        "function __gpuwait_first_word_is",
+        "    set -l first (__gpuwait_first_word); or return 1",
+        '    test "$first" = "$argv[1]"',
+        "end",
+        "function __gpuwait_in_command",
+        "    set -l first (__gpuwait_first_word); or return 1",
+        f"    not contains -- $first {subcommand_names}",
+        "end",
+        "complete -c gpuwait -e",
+        "complete -c gpuwait -f",
+        *_fish_option_lines("__gpuwait_no_word", spec.top.options),
+    ]
+    for sub in spec.subcommands:
+        lines.append(
+            "complete -c gpuwait -n __gpuwait_no_word -a "
+            f"{fish_quote(sub.name)} -d {fish_quote(_one_line(sub.help))}"
+        )
+    # The command to run, and then that command's own completions.
+    lines.append(
+        "complete -c gpuwait -n '__gpuwait_no_word; or __gpuwait_in_command' "
+        f"-a {fish_quote('(__fish_complete_subcommand -- ' + value_flags + ')')}"
+    )
+    for sub in spec.subcommands:
+        condition = f"__gpuwait_first_word_is {fish_quote(sub.name)}"
+        lines += _fish_option_lines(condition, sub.options)
+        if sub.words:
+            lines.append(
+                f"complete -c gpuwait -n {fish_quote(condition)} -a {fish_quote(' '.join(sub.words))}"
+            )
+    return "\n".join(lines) + "\n"

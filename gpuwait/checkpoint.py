@@ -1,0 +1,104 @@
+"""The application side of gpuwait's cooperative pausing protocol.
+
+A job started with `gpuwait --pausable` may be asked to step aside for more urgent work. gpuwait
+then sends it the checkpoint signal (GPUWAIT_CHECKPOINT_SIGNAL, USR1 by default). The job saves a
+checkpoint at its next convenient point and exits with the resume status
+(GPUWAIT_RESUME_EXIT, 75 by default); gpuwait queues it again and re-runs the same command line,
+with GPUWAIT_RESUME_COUNT raised by one, so it resumes from its checkpoint.
+
+    from gpuwait import checkpoint
+
+    checkpoint.install()
+    for step in range(start, steps):
+        train_one_step()
+        if checkpoint.requested():
+            save(step)
+            checkpoint.exit_for_resume()
+
+Importing this module is cheap (standard library only). Without gpuwait, or when the job was not
+started with `--pausable`, `install()` does nothing and `requested()` stays False.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import NoReturn
+
+#: Exit status that means "checkpointed, resume me" unless gpuwait says otherwise.
+DEFAULT_RESUME_EXIT = 75
+
+_requested = False
+_installed: int | None = None
+
+
+def is_pausable() -> bool:
+    """True when this process runs under `gpuwait --pausable`."""
+    return os.environ.get("GPUWAIT_PAUSABLE") == "1"
+
+
+def checkpoint_signal() -> int | None:
+    """The signal gpuwait sends to ask for a checkpoint, or None when not pausable."""
+    if not is_pausable():
+        return None
+    name = os.environ.get("GPUWAIT_CHECKPOINT_SIGNAL", "USR1").upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    value = getattr(signal, name, None)
+    return int(value) if value is not None else None
+
+
+def resume_exit_status() -> int:
+    """The exit status that tells gpuwait to resume this job later."""
+    try:
+        return int(os.environ.get("GPUWAIT_RESUME_EXIT", DEFAULT_RESUME_EXIT))
+    except ValueError:
+        return DEFAULT_RESUME_EXIT
+
+
+def resume_count() -> int:
+    """How many times this job was paused and started again (0 on the first run)."""
+    try:
+        return max(0, int(os.environ.get("GPUWAIT_RESUME_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    global _requested
+    _requested = True
+
+
+def install(callback: Callable[[], None] | None = None) -> bool:
+    """Start listening for the checkpoint signal; returns False when not under --pausable.
+
+    `callback`, if given, is called from the signal handler (keep it tiny: set a flag).
+    """
+    global _installed
+    signum = checkpoint_signal()
+    if signum is None:
+        return False
+
+    def handler(received: int, frame: FrameType | None) -> None:
+        _on_signal(received, frame)
+        if callback is not None:
+            callback()
+
+    signal.signal(signum, handler)
+    _installed = signum
+    return True
+
+
+def requested() -> bool:
+    """True once gpuwait has asked this job to checkpoint and step aside."""
+    return _requested
+
+
+def exit_for_resume() -> NoReturn:
+    """Exit with the resume status, after the checkpoint is safely saved."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(resume_exit_status())

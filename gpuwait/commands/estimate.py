@@ -1,0 +1,137 @@
+"""`gpuwait estimate -- COMMAND`: the VRAM gpuwait would ask for without --vram, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from gpuwait import _output
+from gpuwait._config import load_settings, show_value
+from gpuwait._errors import UsageError
+from gpuwait._estimate import QUANTILE, Spread
+from gpuwait._learn import Learned, learn
+from gpuwait._sizes import format_duration, format_size
+
+ESTIMATE_SCHEMA = 1
+
+
+def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
+    parser = parser_class(
+        prog="gpuwait estimate",
+        usage="gpuwait estimate [--key NAME] [--json] [--] COMMAND [ARGS...]",
+        description="Show the VRAM that `gpuwait COMMAND` (without --vram) would ask for, the "
+        "runs it is learned from, and the command's usual run time.",
+    )
+    parser.add_argument("--key", metavar="NAME", help="the name given with `gpuwait --key NAME`")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command and not args.key:
+        raise UsageError("no command given; usage: gpuwait estimate [--] COMMAND [ARGS...]")
+    settings = load_settings({})
+    learned = learn(
+        settings.state_dir,
+        command or ["-"],
+        os.getcwd(),
+        key=args.key,
+        margin=settings["estimate_margin"],
+    )
+    for message in learned.warnings:
+        _output.warn(message)
+    default = show_value("default_vram", settings["default_vram"])
+    if args.json:
+        print(json.dumps(_report(learned, default), indent=2))
+        return 0
+    _show(learned, default)
+    return 0
+
+
+def _spread_json(spread: Spread | None) -> dict[str, Any] | None:
+    if spread is None:
+        return None
+    return {"median": spread.median, "low": spread.low, "high": spread.high, "runs": spread.runs}
+
+
+def _report(learned: Learned, default: str) -> dict[str, Any]:
+    est = learned.estimate
+    return {
+        "schema": ESTIMATE_SCHEMA,
+        "estimate_bytes": est.bytes,
+        "source": "estimate" if est.bytes is not None else "default",
+        "default_vram": default,
+        "based_on": learned.basis(),
+        "level": est.level,
+        "runs": est.runs,
+        "quantile": QUANTILE,
+        "quantile_bytes": est.quantile_bytes,
+        "low_bytes": est.low_bytes,
+        "high_bytes": est.high_bytes,
+        "margin": est.margin,
+        "finer_floor_bytes": est.finer_floor_bytes,
+        "oom_floor_bytes": est.oom_floor_bytes,
+        "approximate": est.approximate,
+        "levels": [
+            {
+                "level": lv.name,
+                "key": lv.text,
+                "hash": lv.hash,
+                "runs": lv.total_runs,
+                "successful_recent": sum(1 for r in lv.runs if r.ok and not r.oom),
+            }
+            for lv in learned.levels
+        ],
+        "run_seconds": _spread_json(learned.run_time),
+        "wait_seconds": _spread_json(learned.wait_time),
+        "load_seconds": _spread_json(learned.load_time),
+    }
+
+
+def _timing(spread: Spread | None, suffix: str = "") -> str:
+    if spread is None:
+        return "unknown"
+    median = format_duration(spread.median)
+    if spread.runs == 1:
+        return f"{median}{suffix} (1 run)"
+    return (
+        f"{median}{suffix} (median; {format_duration(spread.low)} to "
+        f"{format_duration(spread.high)} for the middle half of {spread.runs} runs)"
+    )
+
+
+def _show(learned: Learned, default: str) -> None:
+    est = learned.estimate
+    first = learned.levels[0]
+    print(f"{'key:    ' if first.name == 'key' else 'command:'}  {first.text}")
+    if est.bytes is None:
+        fallback = "a whole GPU" if default == "exclusive" else default
+        print(f"estimate: none, no earlier runs: gpuwait asks for {fallback} (default_vram)")
+    else:
+        print(f"estimate: {format_size(est.bytes)} per GPU, {learned.basis()}")
+        if est.runs:
+            print(
+                f"          {QUANTILE * 100:g}th percentile of the peaks "
+                f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "
+                f"peaks {format_size(est.low_bytes)} to {format_size(est.high_bytes)}"
+            )
+        if est.finer_floor_bytes:
+            print(
+                f"          not below {format_size(est.finer_floor_bytes)}, "
+                "the highest peak of the runs closer to this command"
+            )
+        if est.oom_floor_bytes:
+            print(
+                f"          at least {format_size(est.oom_floor_bytes)} after an "
+                "out-of-memory failure (until a run succeeds)"
+            )
+        if est.approximate:
+            print("          some peaks are approximate (no per-process figures from NVML)")
+    levels = " · ".join(f"{lv.name} {lv.total_runs}" for lv in learned.levels)
+    print(f"runs:     {levels}")
+    print(f"run time: {_timing(learned.run_time)}")
+    print(f"wait:     {_timing(learned.wait_time)}")
+    print(f"load:     {_timing(learned.load_time, ' to reach 90% of the peak')}")

@@ -1,0 +1,147 @@
+"""`gpuwait history`: recent runs with their peak VRAM, load, wait and run times, and exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import time
+from typing import Any
+
+from gpuwait import _output
+from gpuwait._cmdkey import EXPLICIT, SCRIPT, key_hash
+from gpuwait._config import load_settings
+from gpuwait._errors import StateError, UsageError
+from gpuwait._estimate import spread
+from gpuwait._history import history_path, read_from, record_keys, tail
+from gpuwait._learn import key_for
+from gpuwait._sizes import format_duration, format_size
+
+
+def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
+    parser = parser_class(
+        prog="gpuwait history",
+        usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND [ARGS...]]",
+        description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
+        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script.",
+    )
+    parser.add_argument("-n", type=int, default=20, metavar="N", help="show the last N (20)")
+    parser.add_argument("--all", action="store_true", help="show every run in the history")
+    parser.add_argument("--key", metavar="NAME", help="only runs made with --key NAME")
+    parser.add_argument("--json", action="store_true", help="the records as a JSON array")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.n < 0:
+        raise UsageError(f"-n {args.n}: give 0 or more")
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    settings = load_settings({})
+    path = history_path(settings.state_dir)
+    wanted = _wanted_hash(command, args.key)
+    try:
+        # Only the newest lines are read unless the whole file must be filtered or shown.
+        parsed = tail(path, args.n) if wanted is None and not args.all else read_from(path)
+    except OSError as exc:
+        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
+    records = [r for _, r in parsed.records]
+    if wanted is not None:
+        records = [r for r in records if wanted in record_keys(r).values()]
+    if not args.all:
+        records = records[-args.n :] if args.n else []
+    message = parsed.damage.message(path)
+    if message:
+        _output.warn(message)
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    _show(records)
+    return 0
+
+
+def _wanted_hash(command: list[str], key: str | None) -> str | None:
+    if key:
+        return key_hash(EXPLICIT, key)
+    if not command:
+        return None
+    ckey = key_for(command, os.getcwd(), None)
+    hashes = ckey.hashes()
+    return hashes.get(SCRIPT) or hashes[ckey.levels[0][0]]
+
+
+def _exit(record: dict[str, Any]) -> str:
+    number = record.get("signal")
+    if isinstance(number, int):
+        try:
+            text = signal.Signals(number).name
+        except ValueError:
+            text = f"signal {number}"
+    else:
+        text = str(record.get("exit_status"))
+    return f"{text} OOM" if record.get("oom") else text
+
+
+def _peak(record: dict[str, Any]) -> str:
+    peak = record.get("peak_bytes")
+    if not isinstance(peak, (int, float)):
+        return "?"
+    return ("~" if record.get("peak_approximate") else "") + format_size(peak)
+
+
+def _seconds(value: Any) -> str:
+    return format_duration(value) if isinstance(value, (int, float)) else "-"
+
+
+def _command(record: dict[str, Any], width: int = 60) -> str:
+    command = record.get("command")
+    if isinstance(command, list):
+        text = shlex.join(str(a) for a in command)
+    else:
+        text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _when(record: dict[str, Any]) -> str:
+    started = record.get("started_at")
+    if not isinstance(started, (int, float)):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(started))
+
+
+def _gpus(record: dict[str, Any]) -> str:
+    gpus = record.get("gpus")
+    if not isinstance(gpus, list):
+        return "?"
+    return ",".join(str(g.get("index", "?")) for g in gpus if isinstance(g, dict)) or "-"
+
+
+def _show(records: list[dict[str, Any]]) -> None:
+    if not records:
+        print("no runs recorded yet")
+        return
+    print(
+        f"{'when':<16}  {'GPU':<3}  {'peak':>9}  {'load':>6}  {'wait':>6}  {'run':>7}  "
+        f"{'exit':<9}  command"
+    )
+    for r in records:
+        print(
+            f"{_when(r):<16}  {_gpus(r):<3}  {_peak(r):>9}  "
+            f"{_seconds(r.get('time_to_peak_seconds')):>6}  {_seconds(r.get('wait_seconds')):>6}  "
+            f"{_seconds(r.get('run_seconds')):>7}  {_exit(r):<9}  {_command(r)}"
+        )
+    done = [
+        float(r["run_seconds"])
+        for r in records
+        if r.get("exit_status") == 0
+        and not r.get("oom")
+        and isinstance(r.get("run_seconds"), (int, float))
+    ]
+    times = spread(done)
+    if times is not None and times.runs > 1:
+        print(
+            f"\nrun time of the {times.runs} successful runs shown: median "
+            f"{format_duration(times.median)}, middle half {format_duration(times.low)}–"
+            f"{format_duration(times.high)}"
+        )

@@ -1,0 +1,15 @@
+# gpuwait shell hook for bash. In ~/.bashrc:  eval "$(gpuwait shell-init bash)"
+# The commands below run through gpuwait, which waits until their VRAM fits (default_vram,
+# wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
+# Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.
+if [[ -n "@ALWAYS@" || $- == *i* ]]; then
+    __gpuwait_run() {
+        # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
+        if [[ -n "${GPUWAIT_JOB_ID-}" || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
+            command "$@"
+        else
+            @GPUWAIT@ shell-hook -- "$@"
+        fi
+    }
+@FUNCTIONS@
+fi

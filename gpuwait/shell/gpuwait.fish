@@ -1,0 +1,17 @@
+# gpuwait shell hook for fish. In ~/.config/fish/config.fish:  gpuwait shell-init fish | source
+# The commands below run through gpuwait, which waits until their VRAM fits (default_vram,
+# wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
+# Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.
+if test -n "@ALWAYS@"; or status is-interactive
+    function __gpuwait_run
+        # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
+        if test -n "$GPUWAIT_JOB_ID"
+            command $argv
+        else if test -n "$GPUWAIT_DISABLE"; and test "$GPUWAIT_DISABLE" != 0
+            command $argv
+        else
+            @GPUWAIT@ shell-hook -- $argv
+        end
+    end
+@FUNCTIONS@
+end

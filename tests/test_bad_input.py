@@ -1,0 +1,182 @@
+"""Malformed invocations, environment variables and config files: each answered at once with
+one clear line (and a hint where one helps) and its documented exit code; never a traceback,
+never a wait, never a trace left in the ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwait.cli import main
+
+# (argv, environment, user config text, site config text, exit code, words in the message)
+Case = tuple[list[str], dict[str, str], str | None, str | None, int, str]
+
+CASES: dict[str, Case] = {
+    # -- the command line --
+    "size with a bad unit": (["--vram", "6X", "true"], {}, None, None, 2, "not a size"),
+    "empty size": (["--vram", "", "true"], {}, None, None, 2, "not a size"),
+    "exponent size": (["--vram", "1e3G", "true"], {}, None, None, 2, "not a size"),
+    "zero percent": (["--vram", "0%", "true"], {}, None, None, 2, "percentage"),
+    "absurd size": (["--vram", "99999999T", "true"], {}, None, None, 2, "too large"),
+    "negative gpus": (["--gpus", "-1", "true"], {}, None, None, 2, "at least 1"),
+    "more gpus than exist": (["--vram", "1G", "--gpus", "9", "true"], {}, None, None, 3, "only 2"),
+    "negative timeout": (["--timeout=-5s", "true"], {}, None, None, 2, "not a duration"),
+    "timeout unit": (["--timeout", "10x", "true"], {}, None, None, 2, "not a duration"),
+    "priority zero": (["--priority", "0", "true"], {}, None, None, 2, "priority"),
+    "priority word": (["--priority", "high", "true"], {}, None, None, 2, "priority"),
+    "safety zero": (["--safety", "0", "true"], {}, None, None, 2, "fraction"),
+    "safety word": (["--safety", "abc", "true"], {}, None, None, 2, "safety"),
+    "empty devices": (["--vram", "1G", "--devices", ",", "true"], {}, None, None, 2, "no GPU"),
+    "unknown uuid": (["--vram", "1G", "--devices", "GPU-zz", "true"], {}, None, None, 2, "no GPU"),
+    "empty pick": (["--pick", "", "true"], {}, None, None, 2, "best-fit"),
+    "missing ledger dir": (
+        ["--ledger", "/nonexistent/gpuwait", "--vram", "1G", "true"],
+        {},
+        None,
+        None,
+        5,
+        "does not exist",
+    ),
+    "ledger dir is a file": (
+        ["--ledger", "/etc/passwd", "--vram", "1G", "true"],
+        {},
+        None,
+        None,
+        5,
+        "not a directory",
+    ),
+    "missing script": (["--vram", "1G", "./no-such-script"], {}, None, None, 127, "no such file"),
+    "directory as command": (["--vram", "1G", "/tmp"], {}, None, None, 126, "not executable"),
+    "config option": (["config", "--bogus"], {}, None, None, 2, "unrecognized arguments"),
+    "sim without action": (["sim"], {}, None, None, 2, "sim init FILE"),
+    "sim init without path": (["sim", "init"], {}, None, None, 2, "required"),
+    "status extra word": (["status", "extra"], {}, None, None, 2, "unrecognized arguments"),
+    # -- environment variables --
+    "env safety": (["true"], {"GPUWAIT_SAFETY": "2"}, None, None, 2, "GPUWAIT_SAFETY"),
+    "env pick": (["true"], {"GPUWAIT_PICK": "fastest"}, None, None, 2, "GPUWAIT_PICK"),
+    "env poll interval": (
+        ["true"],
+        {"GPUWAIT_POLL_INTERVAL": "-1s"},
+        None,
+        None,
+        2,
+        "GPUWAIT_POLL_INTERVAL",
+    ),
+    "env default vram": (["true"], {"GPUWAIT_DEFAULT_VRAM": "lots"}, None, None, 2, "not a size"),
+    "env on_no_gpu": (["true"], {"GPUWAIT_ON_NO_GPU": "maybe"}, None, None, 2, "run, fail"),
+    "env on_state_error": (
+        ["true"],
+        {"GPUWAIT_ON_STATE_ERROR": "ignore"},
+        None,
+        None,
+        2,
+        "fail, run",
+    ),
+    "env site-only limit": (
+        ["true"],
+        {"GPUWAIT_USER_MAX_GPUS": "4"},
+        None,
+        None,
+        2,
+        "only be set by an administrator",
+    ),
+    "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
+    "env sim missing": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_SIM": "/nonexistent.toml", "GPUWAIT_ON_NO_GPU": "fail"},
+        None,
+        None,
+        4,
+        "not found",
+    ),
+    "env nvml timeout zero": (["true"], {"GPUWAIT_NVML_TIMEOUT": "0"}, None, None, 2, "above zero"),
+    "env lock timeout word": (
+        ["true"],
+        {"GPUWAIT_LOCK_TIMEOUT": "forever"},
+        None,
+        None,
+        2,
+        "not a duration",
+    ),
+    # -- the user's config file --
+    "config safety word": (["true"], {}, 'safety = "high"\n', None, 2, "not valid for safety"),
+    "config unknown key": (["true"], {}, "safty = 0.5\n", None, 2, "unknown setting 'safty'"),
+    "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
+    "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
+    "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
+    "config binary": (["true"], {}, "\udcff\udcfe", None, 2, "not UTF-8"),
+    "config zero default vram": (["true"], {}, "default_vram = 0\n", None, 2, "larger than zero"),
+    # -- the site config file --
+    "site vram limit word": (["true"], {}, None, 'user_max_vram = "lots"\n', 2, "site config"),
+    "site negative gpus": (["true"], {}, None, "user_max_gpus = -1\n", 2, "whole number"),
+    "site half-life word": (
+        ["true"],
+        {},
+        None,
+        'fair_share_half_life = "soon"\n',
+        2,
+        "not a duration",
+    ),
+    "site broken toml": (["true"], {}, None, "user_max_gpus = \n", 2, "site config file"),
+}
+
+
+@pytest.fixture
+def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(path), "--gpus", "2", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(path))
+    return path
+
+
+def test_there_are_at_least_thirty_cases() -> None:
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_answered_at_once(sim: Path, isolated_dirs: Path, name: str) -> None:
+    argv, env, config, site, status, words = CASES[name]
+    for text, where in ((config, "config"), (site, "site-config")):
+        if text is not None:
+            path = isolated_dirs / where / "gpuwait" / "config.toml"
+            path.parent.mkdir(parents=True)
+            path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == status, done.stderr
+    assert words in done.stderr, done.stderr
+    assert done.stderr.startswith("gpuwait: error:"), done.stderr
+    assert "Traceback" not in done.stderr
+    # One line, and a hint line at most.
+    assert len(done.stderr.splitlines()) <= 2, done.stderr
+    assert time.monotonic() - started < 10
+    ledger = isolated_dirs / "state" / "gpuwait" / "ledger.json"
+    assert not ledger.exists() or json.loads(ledger.read_text())["jobs"] == []
+
+
+def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -> None:
+    path = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text("user_max_gpus = 1\n")
+    path.chmod(0o666)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "--vram", "1G", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "writable by every user" in done.stderr
+    assert "chmod o-w" in done.stderr
