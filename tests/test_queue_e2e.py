@@ -520,6 +520,8 @@ STATUS_KEYS = {
     "gpus": list,
     "jobs": list,
     "batches": list,
+    "users": list,
+    "fair_share": dict,
 }
 GPU_KEYS = {
     "index": int,

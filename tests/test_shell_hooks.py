@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from _shellbin import env_with_bin, make_bin
 
+from gpuwait._policy import PICK_STRATEGIES
 from gpuwait._wrap import decide
 
 SHELLS = ["bash", "zsh", "fish"]
@@ -409,7 +410,9 @@ complete_at gpuwait -- stat
     done = run_shell("bash", script, [], hook_env)
     lines = done.stdout.splitlines()
     assert lines[0] == "--pick --priority"
-    assert lines[1] == "best-fit most-free round-robin"
+    # Every strategy of the policy, in its order.
+    assert lines[1] == " ".join(PICK_STRATEGIES)
+    assert lines[1].startswith("best-fit most-free round-robin")
     assert "status" in lines[2].split()
     assert lines[3] == "--json"
     assert lines[4] == "bash zsh fish"
@@ -430,8 +433,9 @@ end
         head, _, body = block.partition("\n")
         blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
     assert blocks["gpuwait --p"] == ["--pick", "--priority"]
-    assert blocks["gpuwait --pick "] == ["best-fit", "most-free", "round-robin"]
-    assert blocks["gpuwait status --"] == ["--help", "--json"]
+    assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
+    assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
+    assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]
     assert blocks["gpuwait --vram 6G shell-init "] == ["bash", "fish", "zsh"]
     assert "python" in blocks["gpuwait --vram 6G pytho"]
 
