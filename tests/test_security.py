@@ -245,3 +245,33 @@ def test_printable_hides_escape_sequences() -> None:
     assert printable("ok \x1b[2J\x07 done") == "ok ?[2J? done"
     assert printable("é ü 日本") == "é ü 日本"
     assert len(printable("x" * 10_000, 40)) == 40
+
+
+def test_cancel_refuses_an_entry_that_names_no_gpuwait_process(gw: Run) -> None:
+    """A running entry naming some other process of the user (here: a bare `sleep`) must never
+    make `gpuwait cancel` signal it: refused with exit 8, and the process lives on."""
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        with Ledger(state_dir()).transaction() as data:
+            data.jobs.append(
+                Job(
+                    id="bait0001",
+                    pid=bystander.pid,
+                    start_time=_proc.start_time(bystander.pid) or 0,
+                    uid=os.getuid(),
+                    command=["sleep", "30"],
+                    cwd="/",
+                    request={"bytes": 2**30},
+                    state="running",
+                    name="bait",
+                )
+            )
+        done = gw("cancel", "bait")
+        assert done.returncode == 8, done.stderr
+        assert "not a gpuwait process" in done.stderr and "Traceback" not in done.stderr
+        time.sleep(0.2)
+        assert bystander.poll() is None
+        assert [j.id for j in Ledger(state_dir()).read().jobs] == ["bait0001"]
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=20)
