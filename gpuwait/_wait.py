@@ -319,6 +319,9 @@ def wait_for_admission(
                 if not act:
                     next_read = now + nvml_interval * random.uniform(0.8, 1.2)
             if act:
+                # Releases counted from here on come after this plan's reading: seen next time.
+                seen = _wake.read_summary(state_dir)
+                last_release = seen.release if seen is not None else None
                 outcome = attempt()
                 if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                     return outcome
@@ -330,8 +333,6 @@ def wait_for_admission(
                     interval = min(interval, UTIL_SAMPLE_INTERVAL)
                 next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
                 next_own = time.monotonic() + OWN_PLAN_INTERVAL
-                seen = _wake.read_summary(state_dir)
-                last_release = seen.release if seen is not None else None
             if watch is None:
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait._watch import LedgerWatch
