@@ -3,8 +3,10 @@
 Backfill (a job may start on a GPU held for the queue's head only if it is expected to end
 before the head can start), the ETAs of `gpuwait status` and the adaptive-throughput strategy
 all read run times through `RunTimeEstimates`. The history-based estimator plugs in at
-`run_time_estimates`; until one answers, every run time is unknown (None), and gpuwait then
-never backfills onto a held GPU, shows no ETA, and adaptive-throughput falls back to best-fit.
+`run_time_estimates`: the median of the command's earlier successful runs (gpuwait._learn).
+Where there is no history, a run time is unknown (None): gpuwait then never backfills that job
+onto a held GPU and shows no ETA for what waits behind it. Per-GPU run times are not kept yet,
+so adaptive-throughput falls back to best-fit.
 """
 
 from __future__ import annotations
@@ -31,6 +33,25 @@ class NoEstimates:
         return None
 
 
+class HistoryEstimates:
+    """Run times learned from the history in one state dir."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def expected_seconds(
+        self, command: Sequence[str], cwd: str, gpu_uuid: str | None = None
+    ) -> float | None:
+        if gpu_uuid is not None:
+            return None
+        from gpuwait._learn import expected_run_seconds
+
+        try:
+            return expected_run_seconds(self.state_dir, command, cwd)
+        except Exception:  # an unreadable history must not stop a launch
+            return None
+
+
 def run_time_estimates(state_dir: Path) -> RunTimeEstimates:
     """The estimates for jobs of this state dir (its history)."""
-    return NoEstimates()
+    return HistoryEstimates(state_dir)
