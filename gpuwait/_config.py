@@ -62,6 +62,20 @@ def _optional_duration(value: Any) -> float | None:
     return _positive_duration(value)
 
 
+def _exit_status(value: Any) -> int:
+    number = int(str(value).strip())
+    if not 1 <= number <= 125:
+        raise ValueError("expected an exit status from 1 to 125, e.g. 75")
+    return number
+
+
+def _pause_count(value: Any) -> int:
+    number = int(str(value).strip())
+    if not 0 <= number <= 1000:
+        raise ValueError("expected a number of pauses from 0 to 1000")
+    return number
+
+
 def _choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         text = str(value).strip().lower()
@@ -231,6 +245,21 @@ OPTIONS: tuple[Option, ...] = (
         "without NVML: 'run' the command at once with a warning, or 'fail'",
     ),
     Option("sample_interval", _positive_duration, 1.0, "how often a running job's VRAM is sampled"),
+    Option(
+        "resume_exit",
+        _exit_status,
+        75,
+        "exit status by which a --pausable job says 'checkpointed, resume me'",
+    ),
+    Option(
+        "pause_min_runtime",
+        _positive_duration,
+        600.0,
+        "a --pausable job is not asked to step aside before it has run this long",
+    ),
+    Option(
+        "pause_max", _pause_count, 3, "a --pausable job is asked to step aside at most this often"
+    ),
     Option(
         "wake",
         _choice("inotify", "poll"),

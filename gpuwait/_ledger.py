@@ -93,6 +93,20 @@ class Job:
     held_gpus: list[str] = field(default_factory=list)
     #: Per-GPU weights (UUID -> weight) for the weighted strategy.
     weights: dict[str, float] = field(default_factory=dict)
+    #: Cooperative pausing (`--pausable`): the signal asking for a checkpoint, the grace period
+    #: and whether to TERM after it, how often the job was paused, and a pending request.
+    pausable: bool = False
+    checkpoint_signal: str = "USR1"
+    grace_seconds: float = 120.0
+    grace_kill: bool = False
+    pauses: int = 0
+    pause_requested_at: float | None = None
+    pause_requested_by: str | None = None
+    pause_signalled_at: float | None = None
+    #: Priority of the job that paused this one: a resumed job queues at least that high, so a
+    #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
+    boost: int = 0
+    yield_to: str | None = None
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -142,7 +156,7 @@ class Job:
         return Claim(
             job_id=self.id,
             running=self.state == RUNNING,
-            priority=self.priority,
+            priority=max(self.priority, self.boost),
             order=self.order,
             request=self.memory_request(),
             gpus_wanted=self.gpus,
@@ -201,6 +215,20 @@ class Job:
             expected_by_gpu=_seconds_by_gpu(raw.get("expected_by_gpu", {})),
             held_gpus=_text_list(raw, "held_gpus") if "held_gpus" in raw else [],
             weights=_seconds_by_gpu(raw.get("weights", {})),
+            pausable=raw.get("pausable") is True,
+            checkpoint_signal=_text(raw, "checkpoint_signal")
+            if "checkpoint_signal" in raw
+            else "USR1",
+            grace_seconds=_seconds(raw.get("grace_seconds")) or 0.0,
+            grace_kill=raw.get("grace_kill") is True,
+            pauses=_int(raw, "pauses", 0, 10_000) if "pauses" in raw else 0,
+            pause_requested_at=_seconds(raw.get("pause_requested_at")),
+            pause_requested_by=(
+                None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")
+            ),
+            pause_signalled_at=_seconds(raw.get("pause_signalled_at")),
+            boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
+            yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
         )
         if job.state not in (WAITING, RUNNING):
             raise ValueError(f"state {job.state!r} is unknown")

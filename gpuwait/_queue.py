@@ -40,6 +40,9 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     gpuwait notices and gives up (exit 6), and no plan admits it meanwhile.
     """
     live = {j.id: j for j in data.jobs}
+    stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
+    if stepped_aside_for is not None and stepped_aside_for.state != RUNNING:
+        return f"stepped aside for job {stepped_aside_for.id}; resumes once it has started"
     for dep in job.after_ok:
         done = data.book.outcome(dep) if dep not in live else None
         if dep not in live and (done is None or not done.succeeded):

@@ -25,6 +25,7 @@ from gpuwait import _proc, _signals
 from gpuwait._backend import Backend
 from gpuwait._estimate import time_to_peak
 from gpuwait._ledger import RUNNING, Job, Ledger
+from gpuwait._pause_runtime import PauseResponder
 from gpuwait._queue import note_health
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
@@ -43,6 +44,8 @@ class RunResult:
     peak_bytes: dict[str, int] = field(default_factory=dict)
     run_seconds: float = 0.0
     samples: int = 0
+    #: The command was sent the checkpoint signal (cooperative pausing).
+    paused: bool = False
     #: Peak growth of the card's used memory per GPU, while the job ran alone there.
     growth_bytes: dict[str, int] = field(default_factory=dict)
     #: GPUs where NVML gave a figure for a process of the tree.
@@ -109,6 +112,7 @@ def supervise(
     sample_interval: float,
     on_warning: Callable[[str], None] = lambda _m: None,
     baseline_used: Mapping[str, int] | None = None,
+    responder: PauseResponder | None = None,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
@@ -128,6 +132,7 @@ def supervise(
             result.run_seconds = time.monotonic() - started
             if backend is not None:
                 _read_accounting(backend, job, result)
+            result.paused = responder is not None and responder.signalled_at is not None
             return result
         now = time.monotonic()
         if backend is not None and now >= next_sample:
@@ -153,6 +158,8 @@ def supervise(
                 # our reservation must not stay lost while the command runs.
                 _publish(ledger, job, published, published_pids)
             seen_token = ledger.change_token()
+        if responder is not None:
+            responder.check(child)
         info = _signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
         if info is None or info.si_signo == signal.SIGCHLD:
             continue

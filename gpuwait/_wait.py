@@ -17,6 +17,7 @@ GPUs that stopped or started answering.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 import time
@@ -28,6 +29,8 @@ from gpuwait._backend import Backend
 from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
 from gpuwait._fairness import NO_FAIR_SHARE, FairShare, claims_for
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
+from gpuwait._pause_runtime import ask_for_room
+from gpuwait._pausing import PauseRules
 from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
 from gpuwait._queue import (
     UtilizationWindow,
@@ -241,6 +244,7 @@ def wait_for_admission(
     ignore_processes: frozenset[str] = frozenset(),
     use_inotify: bool = True,
     fair: FairShare = NO_FAIR_SHARE,
+    pause_rules: PauseRules | None = None,
 ) -> WaitOutcome:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
@@ -273,6 +277,12 @@ def wait_for_admission(
             quiet if quiet is not None else try_admit(ledger, job, snapshot, safety, facts, fair)
         )
         _wake.note_planned(state_dir)
+        if isinstance(outcome, WaitReason) and pause_rules is not None:
+            asked = ask_for_room(ledger, job, snapshot, safety, pause_rules)
+            if asked:
+                outcome = dataclasses.replace(
+                    outcome, note=f"asked job {', '.join(asked)} to checkpoint and step aside"
+                )
         return outcome
 
     try:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from gpuwait import _events, _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
 from gpuwait._bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT, Finished
+from gpuwait._checkpoint_signal import parse_signal
 from gpuwait._config import Settings
 from gpuwait._devices import parse_devices_option, parse_inherited_visible
 from gpuwait._errors import (
@@ -41,10 +42,19 @@ from gpuwait._learn import (
     save_record,
 )
 from gpuwait._ledger import MAX_ENTRIES_PER_UID, RUNNING, WAITING, Job, Ledger, ledger_for
+from gpuwait._pause_runtime import PauseResponder, requeue
+from gpuwait._pausing import PauseRules
 from gpuwait._policy import WaitReason, impossible_reason
 from gpuwait._queue import resolve_references
 from gpuwait._runtimes import run_time_estimates
-from gpuwait._sizes import MemoryRequest, format_duration, format_size, parse_request, parse_size
+from gpuwait._sizes import (
+    MemoryRequest,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_request,
+    parse_size,
+)
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait._stderrwatch import StderrWatch
 from gpuwait._supervise import RunResult, spawn, supervise
@@ -80,6 +90,29 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="if the command runs out of GPU memory, queue it again up to N times, "
         "with a raised estimate (default: 0)",
+    )
+    parser.add_argument(
+        "--pausable",
+        action="store_true",
+        help="the command may be asked to checkpoint and step aside for more urgent work; it "
+        "is then resumed (see README, 'Cooperative pausing')",
+    )
+    parser.add_argument(
+        "--checkpoint-signal",
+        default="USR1",
+        metavar="SIG",
+        help="signal asking a --pausable command to checkpoint (default: USR1)",
+    )
+    parser.add_argument(
+        "--grace",
+        default="120s",
+        metavar="DURATION",
+        help="how long a --pausable command has to step aside once asked (default: 120s)",
+    )
+    parser.add_argument(
+        "--grace-kill",
+        action="store_true",
+        help="send TERM to a --pausable command that has not stepped aside after --grace",
     )
     parser.add_argument(
         "--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)"
@@ -185,6 +218,14 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         raise UsageError(f"--retry-oom {args.retry_oom}: give 0 or more retries")
     if args.key is not None and not args.key.strip():
         raise UsageError("--key needs a non-empty name")
+    try:
+        parse_signal(args.checkpoint_signal)
+    except ValueError as exc:
+        raise UsageError(f"--checkpoint-signal {exc}") from None
+    try:
+        args.grace_seconds = parse_duration(args.grace)
+    except ValueError as exc:
+        raise UsageError(f"--grace {exc}") from None
     choice = _request(args, settings, command)
     requirements = _requirements(args)
     for option, value in (("--name", args.name), ("--batch", args.batch)):
@@ -368,6 +409,8 @@ class _Ended(NamedTuple):
     returncode: int
     oom: bool = False
     reserved_bytes: int = 0
+    #: The command checkpointed on request and is queued again (cooperative pausing).
+    paused: bool = False
 
 
 def _run_with_backend(
@@ -405,6 +448,10 @@ def _run_with_backend(
         batch=args.batch,
         requirements=requirements,
         weights=_weights(settings, snapshot) if settings["pick"] == "weighted" else {},
+        pausable=args.pausable,
+        checkpoint_signal=args.checkpoint_signal,
+        grace_seconds=args.grace_seconds,
+        grace_kill=args.grace_kill,
     )
     fair = FairShare.from_settings(settings)
     impossible = impossible_reason(
@@ -434,46 +481,56 @@ def _run_with_backend(
         return _Ended(_exec_bare(command))
     _show_ledger_warnings(ledger, args.quiet)
 
-    line = _output.WaitLine(quiet=args.quiet)
-    timeout: float | None = settings["timeout"]
-    waited_from = time.monotonic()
-    try:
-        outcome = wait_for_admission(
-            ledger,
-            backend,
-            job,
-            safety=settings["safety"],
-            poll_interval=settings["poll_interval"],
-            nvml_interval=settings["nvml_interval"],
-            deadline=None if timeout is None else waited_from + timeout,
-            on_reason=_with_note(line.update, choice.note),
-            ignore_processes=frozenset(settings["ignore_processes"]),
-            use_inotify=settings["wake"] == "inotify",
-            fair=fair,
-        )
-    except BaseException:
-        _leave(ledger, job, INTERRUPTED)
-        raise
-    finally:
-        line.clear()
-    wait_seconds = time.monotonic() - waited_from
-    if isinstance(outcome, TimedOut):
-        _leave(ledger, job, TIMED_OUT)
-        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-        _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
-        return _Ended(EXIT_TIMEOUT)
-    if isinstance(outcome, Interrupted):
-        _leave(ledger, job, INTERRUPTED)
-        return _Ended(128 + outcome.signum)
-    if isinstance(outcome, Cancelled):
-        # `gpuwait cancel` already took the entry out and recorded the outcome.
+    pause_rules = PauseRules(
+        min_runtime=settings["pause_min_runtime"], max_pauses=settings["pause_max"]
+    )
+    while True:
+        line = _output.WaitLine(quiet=args.quiet)
+        timeout: float | None = settings["timeout"]
+        waited_from = time.monotonic()
+        try:
+            outcome = wait_for_admission(
+                ledger,
+                backend,
+                job,
+                safety=settings["safety"],
+                poll_interval=settings["poll_interval"],
+                nvml_interval=settings["nvml_interval"],
+                # --timeout bounds the first wait only: a paused job always comes back.
+                deadline=None if timeout is None or job.pauses else waited_from + timeout,
+                on_reason=_with_note(line.update, choice.note),
+                ignore_processes=frozenset(settings["ignore_processes"]),
+                use_inotify=settings["wake"] == "inotify",
+                fair=fair,
+                pause_rules=pause_rules,
+            )
+        except BaseException:
+            _leave(ledger, job, INTERRUPTED)
+            raise
+        finally:
+            line.clear()
+        wait_seconds = time.monotonic() - waited_from
+        if isinstance(outcome, TimedOut):
+            _leave(ledger, job, TIMED_OUT)
+            why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+            _output.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
+            return _Ended(EXIT_TIMEOUT)
+        if isinstance(outcome, Interrupted):
+            _leave(ledger, job, INTERRUPTED)
+            return _Ended(128 + outcome.signum)
+        if isinstance(outcome, Cancelled):
+            # `gpuwait cancel` already took the entry out and recorded the outcome.
+            if not args.quiet:
+                _output.info(f"job {job.id} cancelled while waiting")
+            return _Ended(EXIT_CANCELLED)
+        if isinstance(outcome, DependencyFailed):
+            _output.error(f"job {job.id} will not start: {outcome.message}")
+            return _Ended(EXIT_DEPENDENCY_FAILED)
+        ended = _start(args, command, settings, backend, ledger, job, outcome, wait_seconds, choice)
+        if not ended.paused:
+            return ended
         if not args.quiet:
-            _output.info(f"job {job.id} cancelled while waiting")
-        return _Ended(EXIT_CANCELLED)
-    if isinstance(outcome, DependencyFailed):
-        _output.error(f"job {job.id} will not start: {outcome.message}")
-        return _Ended(EXIT_DEPENDENCY_FAILED)
-    return _start(args, command, settings, backend, ledger, job, outcome, wait_seconds, choice)
+            _output.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
 
 
 def _with_note(
@@ -554,6 +611,15 @@ def _start(
             "GPUWAIT_VRAM_BYTES": str(admitted.reserved_bytes),
         }
     )
+    if job.pausable:
+        env.update(
+            {
+                "GPUWAIT_PAUSABLE": "1",
+                "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
+                "GPUWAIT_RESUME_EXIT": str(settings["resume_exit"]),
+                "GPUWAIT_RESUME_COUNT": str(job.pauses),
+            }
+        )
     if args.verbose and not args.quiet:
         where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
         note = f" ({choice.note})" if choice.note else ""
@@ -590,9 +656,13 @@ def _start(
         backend,
         settings["sample_interval"],
         baseline_used={g.uuid: g.used_bytes for g in chosen},
+        responder=PauseResponder(ledger, job) if job.pausable else None,
     )
     said_oom = watch.finish()
     code = result.returncode
+    if result.paused and code == settings["resume_exit"]:
+        requeue(ledger, job, result.run_seconds)
+        return _Ended(code, paused=True)
     vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
     _leave(
         ledger,

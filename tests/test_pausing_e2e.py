@@ -1,0 +1,326 @@
+"""Cooperative pausing end to end, on a simulated card: real gpuwait processes and jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+IGNORER = textwrap.dedent(
+    """
+    import signal, sys, time
+    signal.signal(signal.SIGUSR1, lambda s, f: None)  # listens, but never steps aside
+    time.sleep(float(sys.argv[1]))
+    """
+)
+
+
+@pytest.fixture
+def one_card(sim_file: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "1s")
+
+
+def events() -> list[dict[str, object]]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until_running(count: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(e["kind"] == "start" for e in events()) < count:
+        assert time.monotonic() < deadline, events()
+        time.sleep(0.05)
+
+
+def long_job(
+    gpuwait_cmd: list[str], checkpoint: Path, *extra: str, hold: str = "6s"
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            *extra,
+            "--",
+            *gpuwait_cmd,
+            "sim",
+            "job",
+            "--vram",
+            "16G",
+            "--hold",
+            hold,
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def urgent_job(gpuwait_cmd: list[str], vram: str = "16G") -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "5",
+            "--vram",
+            vram,
+            "--",
+            *gpuwait_cmd,
+            "sim",
+            "job",
+            "--vram",
+            vram,
+            "--hold",
+            "1s",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "progress.json"
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            "--",
+            *gpuwait_cmd,
+            "sim",
+            "job",
+            "--vram",
+            "16G",
+            "--hold",
+            "6s",
+            "--exit",
+            "3",
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        time.sleep(1.2)  # past the minimum run time
+        arrived = time.monotonic()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0, urgent.stderr.read() if urgent.stderr else ""
+        # It started within the grace period plus a second: it ran 1 s of work.
+        assert time.monotonic() - arrived < 1.0 + 1.0 + 3.0
+        # The long job resumes, finishes its remaining work, and ends with its own status.
+        assert low.wait(timeout=60) == 3
+        progress = json.loads(checkpoint.read_text())
+        assert progress == {"held_seconds": 6.0, "finished": True, "resumes": 1}
+        kinds = [e["kind"] for e in events()]
+        assert kinds.count("pause-signal") == 1 and kinds.count("paused") == 1
+        history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+        assert not any("out of memory" in line for line in history.read_text().splitlines())
+    finally:
+        for p in (low,):
+            p.kill()
+            p.wait()
+
+
+def test_young_jobs_are_not_paused(
+    sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")  # default minimum: 10 minutes
+    try:
+        wait_until_running(1)
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+        assert "pause-request" not in [e["kind"] for e in events()]
+        assert json.loads((tmp_path / "p.json").read_text())["resumes"] == 0
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_a_job_that_ignores_the_request_is_not_forced(
+    one_card: None, gpuwait_cmd: list[str]
+) -> None:
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--grace",
+            "0.5s",
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            IGNORER,
+            "4",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        time.sleep(1.2)
+        urgent = urgent_job(gpuwait_cmd)
+        assert low.wait(timeout=60) == 0  # ran to its end: never killed
+        assert urgent.wait(timeout=60) == 0
+        kinds = [e["kind"] for e in events()]
+        assert "pause-signal" in kinds and "pause-grace-kill" not in kinds
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_grace_kill_terms_a_job_that_ignores_the_request(
+    one_card: None, gpuwait_cmd: list[str]
+) -> None:
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--grace",
+            "0.5s",
+            "--grace-kill",
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            IGNORER,
+            "30",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        time.sleep(1.2)
+        urgent = urgent_job(gpuwait_cmd)
+        assert low.wait(timeout=60) == -15
+        assert urgent.wait(timeout=60) == 0
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_two_urgent_waiters_pause_one_victim_once(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "progress.json"
+    low = long_job(gpuwait_cmd, checkpoint, hold="5s")
+    try:
+        wait_until_running(1)
+        time.sleep(1.2)
+        urgent = [urgent_job(gpuwait_cmd, "10G") for _ in range(2)]
+        assert [u.wait(timeout=60) for u in urgent] == [0, 0]
+        assert low.wait(timeout=60) == 0
+        kinds = [e["kind"] for e in events()]
+        assert kinds.count("pause-signal") == 1
+        assert json.loads(checkpoint.read_text())["resumes"] == 1
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_pause_max_is_honoured(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUWAIT_PAUSE_MAX", "0")
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")
+    try:
+        wait_until_running(1)
+        time.sleep(1.2)
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+        assert "pause-request" not in [e["kind"] for e in events()]
+    finally:
+        low.kill()
+        low.wait()
+
+
+CONTRIB = Path(__file__).resolve().parent.parent / "contrib" / "checkpoint"
+
+
+def _pause_once(gpuwait_cmd: list[str], job: list[str], ready: object) -> subprocess.Popen[str]:
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not ready():  # type: ignore[operator]
+        assert time.monotonic() < deadline and low.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.2)
+    assert urgent_job(gpuwait_cmd).wait(timeout=120) == 0
+    return low
+
+
+def test_shell_job_resumes_where_it_stopped(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    log = work / "log"
+    low = _pause_once(gpuwait_cmd, ["bash", str(CONTRIB / "job.sh"), str(work), "40"], log.exists)
+    try:
+        assert low.wait(timeout=120) == 0
+        lines = log.read_text().splitlines()
+        assert [int(line.split()[1]) for line in lines] == list(range(40))  # none lost or repeated
+        assert "(run 0)" in lines[0] and "(run 1)" in lines[-1]
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_pytorch_loop_resumes_from_its_checkpoint(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("PyTorch is not installed (pip install torch to run this example)")
+    log = tmp_path / "train.log"
+    job = [
+        sys.executable,
+        str(CONTRIB / "train_pytorch.py"),
+        "--steps",
+        "20000",
+        "--ckpt",
+        str(tmp_path / "ck.pt"),
+        "--log",
+        str(log),
+    ]
+    low = _pause_once(gpuwait_cmd, job, lambda: log.exists() and "starts" in log.read_text())
+    try:
+        assert low.wait(timeout=300) == 0
+        lines = log.read_text().splitlines()
+        paused_at = int(lines[1].split()[-1])
+        assert lines[0] == "run 0 starts at step 0"
+        assert lines[1].startswith("run 0 paused at step") and 0 < paused_at < 20000
+        assert lines[2] == f"run 1 starts at step {paused_at}"  # the same step counter goes on
+        assert lines[3] == "run 1 finished at step 20000"
+    finally:
+        low.kill()
+        low.wait()
