@@ -107,6 +107,8 @@ class Job:
     #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
     boost: int = 0
     yield_to: str | None = None
+    #: Seconds this command takes to load to its peak (history), the cost of pausing it.
+    load_seconds: float | None = None
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -229,6 +231,7 @@ class Job:
             pause_signalled_at=_seconds(raw.get("pause_signalled_at")),
             boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
+            load_seconds=_seconds(raw.get("load_seconds")),
         )
         if job.state not in (WAITING, RUNNING):
             raise ValueError(f"state {job.state!r} is unknown")

@@ -19,7 +19,7 @@ from gpuwait import _events, _proc
 from gpuwait._checkpoint_signal import deliver, parse_signal
 from gpuwait._ledger import RUNNING, WAITING, Job, Ledger, LedgerData
 from gpuwait._pausing import PauseRules, RunningJob, choose_victims
-from gpuwait._policy import gpu_rooms, need_on
+from gpuwait._policy import Claim, gpu_rooms, need_on
 from gpuwait._snapshot import MachineSnapshot
 
 
@@ -39,10 +39,24 @@ def _running_view(data: LedgerData, gpus_snapshot: MachineSnapshot, now: float) 
                 pausable=job.pausable,
                 run_seconds=max(0.0, now - (job.started_at or now)),
                 pauses=job.pauses,
+                reload_seconds=job.load_seconds,
                 asked=job.pause_requested_at is not None,
             )
         )
     return views
+
+
+def _expected_wait(claims: Sequence[Claim], need: dict[str, int]) -> float | None:
+    """Roughly how long the waiter would wait without pausing anyone: until every running job
+    on its best GPU has ended. None when some run time there is unknown."""
+    best: float | None = None
+    for uuid in need:
+        on_gpu = [c for c in claims if c.running and uuid in c.gpu_uuids]
+        if any(c.expected_seconds is None for c in on_gpu):
+            continue
+        wait = max((c.expected_seconds or 0.0 for c in on_gpu), default=0.0)
+        best = wait if best is None else min(best, wait)
+    return best
 
 
 def ask_for_room(
@@ -84,6 +98,7 @@ def ask_for_room(
             priority,
             _running_view(data, snapshot, now),
             rules,
+            expected_wait=_expected_wait(claims, need),
         )
         if choice is None:
             return ()

@@ -39,6 +39,7 @@ from gpuwait._learn import (
     build_record,
     cap_to_cards,
     choose_request,
+    learn,
     save_record,
 )
 from gpuwait._ledger import MAX_ENTRIES_PER_UID, RUNNING, WAITING, Job, Ledger, ledger_for
@@ -581,6 +582,13 @@ def _estimate(job: Job, settings: Settings, snapshot: MachineSnapshot) -> None:
     """Expected run time from history: for backfill, ETAs and adaptive-throughput."""
     estimates = run_time_estimates(settings.state_dir)
     job.expected_seconds = estimates.expected_seconds(job.command, job.cwd)
+    if job.pausable:
+        # Pausing this job costs its reload: waiters weigh it against their own wait.
+        try:
+            load = learn(settings.state_dir, job.command, job.cwd).load_time
+        except Exception:
+            load = None
+        job.load_seconds = None if load is None else load.median
     if job.pick == "adaptive-throughput":
         for gpu in snapshot.gpus:
             seconds = estimates.expected_seconds(job.command, job.cwd, gpu.uuid)
