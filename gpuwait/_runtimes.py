@@ -38,20 +38,24 @@ class HistoryEstimates:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
+        #: What reading the history had to say (damaged lines), for the CLI to show once.
+        self.warnings: list[str] = []
 
     def expected_seconds(
         self, command: Sequence[str], cwd: str, gpu_uuid: str | None = None
     ) -> float | None:
         if gpu_uuid is not None:
             return None
-        from gpuwait._learn import expected_run_seconds
+        from gpuwait._learn import learn
 
         try:
-            return expected_run_seconds(self.state_dir, command, cwd)
+            learned = learn(self.state_dir, command, cwd)
         except Exception:  # an unreadable history must not stop a launch
             return None
+        self.warnings.extend(learned.warnings)
+        return None if learned.run_time is None else learned.run_time.median
 
 
-def run_time_estimates(state_dir: Path) -> RunTimeEstimates:
+def run_time_estimates(state_dir: Path) -> HistoryEstimates:
     """The estimates for jobs of this state dir (its history)."""
     return HistoryEstimates(state_dir)

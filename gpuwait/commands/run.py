@@ -463,7 +463,7 @@ def _run_with_backend(
             impossible,
             hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
         )
-    _estimate(job, settings, snapshot)
+    _estimate(job, settings, snapshot, args.quiet)
     after, after_ok = _references(args.after), _references(args.after_ok)
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
@@ -578,10 +578,13 @@ def _submit(
         )
 
 
-def _estimate(job: Job, settings: Settings, snapshot: MachineSnapshot) -> None:
+def _estimate(job: Job, settings: Settings, snapshot: MachineSnapshot, quiet: bool) -> None:
     """Expected run time from history: for backfill, ETAs and adaptive-throughput."""
     estimates = run_time_estimates(settings.state_dir)
     job.expected_seconds = estimates.expected_seconds(job.command, job.cwd)
+    for message in estimates.warnings:
+        if not quiet:
+            _output.warn(message)
     if job.pausable:
         # Pausing this job costs its reload: waiters weigh it against their own wait.
         try:
