@@ -409,7 +409,7 @@ complete_at gpuwait -- stat
 """
     done = run_shell("bash", script, [], hook_env)
     lines = done.stdout.splitlines()
-    assert lines[0] == "--pick --priority"
+    assert lines[0] == "--pausable --pick --priority"
     # Every strategy of the policy, in its order.
     assert lines[1] == " ".join(PICK_STRATEGIES)
     assert lines[1].startswith("best-fit most-free round-robin")
@@ -432,7 +432,7 @@ end
     for block in done.stdout.split("== ")[1:]:
         head, _, body = block.partition("\n")
         blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
-    assert blocks["gpuwait --p"] == ["--pick", "--priority"]
+    assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--priority"]
     assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
     assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
     assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]
