@@ -30,11 +30,6 @@ from gpuwait._sizes import (
     parse_size,
 )
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
 APP = "gpuwait"
 EXCLUSIVE = "exclusive"
 
@@ -458,6 +453,12 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}") from None
     if len(raw) > _MAX_CONFIG_BYTES:
         raise UsageError(f"{kind} {path} is larger than 1 MiB; it cannot be a config file")
+    # Imported here, not at the top: most launches have no config file, and a launch should
+    # not pay for the TOML parser then.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on Python 3.10 only
+        import tomli as tomllib
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:

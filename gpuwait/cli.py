@@ -46,6 +46,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see '{self.prog} --help'")
 
 
+class _RunParser(_Parser):
+    """The default command's parser: its epilog (every setting's default) is built only for
+    --help, since formatting the whole settings table would slow down every launch."""
+
+    def format_help(self) -> str:
+        if self.epilog is None:
+            self.epilog = _settings_epilog()
+        return super().format_help()
+
+
 def _settings_epilog() -> str:
     lines = ["subcommands:"]
     lines += [f"  {name:<16}  {text}" for name, text in SUBCOMMANDS.items()]
@@ -60,12 +70,11 @@ def _settings_epilog() -> str:
 def build_run_parser() -> argparse.ArgumentParser:
     from gpuwait.commands.run import add_run_options
 
-    parser = _Parser(
+    parser = _RunParser(
         prog="gpuwait",
         usage="gpuwait [OPTIONS] [--] COMMAND [ARGS...]\n"
         f"       gpuwait {{{','.join(SUBCOMMANDS)}}} ...",
         description="Wait until COMMAND's VRAM fits on a GPU, pick the GPU, and run it there.",
-        epilog=_settings_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpuwait {__version__}")
