@@ -16,7 +16,7 @@ from collections.abc import Iterable
 def parse_signal(text: str) -> int:
     """`USR1`, `SIGUSR1` or `10` as a signal number; raises ValueError."""
     name = text.strip().upper()
-    if name.isdigit():
+    if name.isascii() and name.isdigit():
         number = int(name)
         if number in signal.valid_signals():
             return number

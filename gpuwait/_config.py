@@ -83,7 +83,11 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 def _priority(value: Any) -> int:
     text = str(value).strip()
-    number = int(text) if text.isdigit() and not isinstance(value, (bool, float)) else 0
+    number = (
+        int(text)
+        if text.isascii() and text.isdigit() and not isinstance(value, (bool, float))
+        else 0
+    )
     if not 1 <= number <= 5:
         raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
     return number
@@ -120,7 +124,7 @@ def _weights(value: Any) -> dict[str, float]:
             pairs.append((key.strip(), weight.strip()))
     weights: dict[str, float] = {}
     for key, weight in pairs:
-        if not (key.isdigit() or key.upper().startswith(("GPU-", "MIG-"))):
+        if not ((key.isascii() and key.isdigit()) or key.upper().startswith(("GPU-", "MIG-"))):
             raise ValueError(f"{key!r} is not a GPU index or UUID")
         number = float(weight)
         if not 0 < number < 1e6:
@@ -177,7 +181,9 @@ def _count_limit(value: Any) -> int | None:
     """A per-user count limit; 0 or "none" means no limit."""
     if value in (None, "", "none", 0, "0"):
         return None
-    if isinstance(value, bool) or not str(value).strip().isdigit():
+    if isinstance(value, bool) or not (
+        str(value).strip().isascii() and str(value).strip().isdigit()
+    ):
         raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
     number = int(str(value).strip())
     if number > 1024:

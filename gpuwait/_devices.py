@@ -9,7 +9,7 @@ from gpuwait._snapshot import GpuSnapshot
 
 def _match(entry: str, gpus: Sequence[GpuSnapshot]) -> GpuSnapshot | None:
     entry = entry.strip()
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():
         return next((g for g in gpus if g.index == int(entry)), None)
     if entry.upper().startswith(("GPU-", "MIG-")):
         matches = [g for g in gpus if g.uuid.lower().startswith(entry.lower())]

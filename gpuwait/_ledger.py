@@ -798,6 +798,7 @@ def _usage(value: Any, warnings: list[str] | None) -> dict[int, UserUsage]:
     for key, item in items[:MAX_USAGE_USERS]:
         if (
             isinstance(key, str)
+            and key.isascii()
             and key.isdigit()
             and len(key) <= 10
             and isinstance(item, list)
