@@ -324,3 +324,30 @@ def test_pytorch_loop_resumes_from_its_checkpoint(
     finally:
         low.kill()
         low.wait()
+
+
+def test_lightning_example_resumes(one_card: None, gpuwait_cmd: list[str], tmp_path: Path) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import lightning"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(
+            "PyTorch Lightning is not installed (pip install lightning to run this example)"
+        )
+    ckpt_dir = tmp_path / "ckpts"
+    job = [
+        sys.executable,
+        str(CONTRIB / "train_lightning.py"),
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--epochs",
+        "40",
+    ]
+    low = _pause_once(
+        gpuwait_cmd, job, lambda: (ckpt_dir / "lightning_logs").exists() or ckpt_dir.exists()
+    )
+    try:
+        assert low.wait(timeout=600) == 0
+        assert (ckpt_dir / "last.ckpt").exists()
+        assert "pause-signal" in [e["kind"] for e in events()]
+    finally:
+        low.kill()
+        low.wait()
