@@ -156,10 +156,9 @@ def test_young_jobs_are_not_paused(
         low.wait()
 
 
-def test_a_job_that_ignores_the_request_is_not_forced(
-    one_card: None, gpuwait_cmd: list[str]
-) -> None:
-    low = subprocess.Popen(
+def _ignoring_job(gpuwait_cmd: list[str], seconds: str, *extra: str) -> subprocess.Popen[str]:
+    """A --pausable job that catches the checkpoint signal but never steps aside."""
+    return subprocess.Popen(
         [
             *gpuwait_cmd,
             "--priority",
@@ -167,59 +166,39 @@ def test_a_job_that_ignores_the_request_is_not_forced(
             "--pausable",
             "--grace",
             "0.5s",
+            *extra,
             "--vram",
             "16G",
             "--",
             sys.executable,
             "-c",
             IGNORER,
-            "4",
+            seconds,
         ],
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@pytest.mark.parametrize(
+    ("extra", "seconds", "status"),
+    [((), "4", 0), (("--grace-kill",), "30", -15)],
+    ids=["not-forced", "grace-kill"],
+)
+def test_a_job_that_ignores_the_request(
+    one_card: None, gpuwait_cmd: list[str], extra: tuple[str, ...], seconds: str, status: int
+) -> None:
+    """Nothing is forced on it unless --grace-kill: then TERM once the grace has passed."""
+    low = _ignoring_job(gpuwait_cmd, seconds, *extra)
     try:
         wait_until_running(1)
         time.sleep(1.2)
         urgent = urgent_job(gpuwait_cmd)
-        assert low.wait(timeout=60) == 0  # ran to its end: never killed
+        assert low.wait(timeout=60) == status
         assert urgent.wait(timeout=60) == 0
         kinds = [e["kind"] for e in events()]
-        assert "pause-signal" in kinds and "pause-grace-kill" not in kinds
-    finally:
-        low.kill()
-        low.wait()
-
-
-def test_grace_kill_terms_a_job_that_ignores_the_request(
-    one_card: None, gpuwait_cmd: list[str]
-) -> None:
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--grace",
-            "0.5s",
-            "--grace-kill",
-            "--vram",
-            "16G",
-            "--",
-            sys.executable,
-            "-c",
-            IGNORER,
-            "30",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_until_running(1)
-        time.sleep(1.2)
-        urgent = urgent_job(gpuwait_cmd)
-        assert low.wait(timeout=60) == -15
-        assert urgent.wait(timeout=60) == 0
+        assert "pause-signal" in kinds
+        assert ("pause-grace-kill" in kinds) == bool(extra)
     finally:
         low.kill()
         low.wait()
