@@ -44,11 +44,13 @@ def checkpoint_signal() -> int | None:
     """The signal gpuwait sends to ask for a checkpoint, or None when not pausable."""
     if not is_pausable():
         return None
-    name = os.environ.get("GPUWAIT_CHECKPOINT_SIGNAL", "USR1").upper()
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    value = getattr(signal, name, None)
-    return int(value) if value is not None else None
+    # The same parsing as gpuwait's own (standard library only, so this import stays cheap).
+    from gpuwait._checkpoint_signal import parse_signal
+
+    try:
+        return parse_signal(os.environ.get("GPUWAIT_CHECKPOINT_SIGNAL", "USR1"))
+    except ValueError:
+        return None
 
 
 def resume_exit_status() -> int:

@@ -40,8 +40,9 @@ def wait_until_running(count: int, timeout: float = 60) -> None:
 
 
 def long_job(
-    gpuwait_cmd: list[str], checkpoint: Path, *extra: str, hold: str = "6s"
+    gpuwait_cmd: list[str], checkpoint: Path, hold: str = "6s", exit_status: int = 0
 ) -> subprocess.Popen[str]:
+    """A low-priority --pausable simulated job holding 16 GiB, saving its progress to `checkpoint`."""
     return subprocess.Popen(
         [
             *gpuwait_cmd,
@@ -50,7 +51,6 @@ def long_job(
             "--pausable",
             "--vram",
             "16G",
-            *extra,
             "--",
             *gpuwait_cmd,
             "sim",
@@ -59,6 +59,8 @@ def long_job(
             "16G",
             "--hold",
             hold,
+            "--exit",
+            str(exit_status),
             "--checkpoint",
             str(checkpoint),
         ],
@@ -93,30 +95,7 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     checkpoint = tmp_path / "progress.json"
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--vram",
-            "16G",
-            "--",
-            *gpuwait_cmd,
-            "sim",
-            "job",
-            "--vram",
-            "16G",
-            "--hold",
-            "6s",
-            "--exit",
-            "3",
-            "--checkpoint",
-            str(checkpoint),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = long_job(gpuwait_cmd, checkpoint, exit_status=3)
     try:
         wait_until_running(1)
         time.sleep(1.2)  # past the minimum run time
