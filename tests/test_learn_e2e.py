@@ -225,6 +225,30 @@ def test_history_shows_and_exports_runs(sim_file: SimFileFactory, gpuwait_cmd: l
     assert {"cwd", "keys", "gpus", "wait_seconds", "run_seconds", "request_source"} <= set(only[0])
 
 
+def test_history_cuts_long_commands_only_at_a_terminal(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    sim_file(gpus=1, memory="24GiB")
+    long_arg = "x" * 150
+    assert run([*gpuwait_cmd, "--vram", "1G", "--", "echo", long_arg]).returncode == 0
+    piped = run([*gpuwait_cmd, "history"]).stdout.splitlines()[1]
+    assert piped.endswith(f"echo {long_arg}")
+    child = pexpect.spawn(
+        gpuwait_cmd[0],
+        [*gpuwait_cmd[1:], "history"],
+        env=dict(os.environ),
+        dimensions=(24, 120),
+        timeout=30,
+        encoding="utf-8",
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    row = str(child.before).splitlines()[1]
+    assert len(row) == 120 and row.endswith("…") and "echo xxx" in row
+
+
 def test_estimate_explains_itself(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
     sim_file(gpus=1, memory="24GiB")
     # Long enough to be sampled: a run that ends before its first sample has no known peak.

@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
+import sys
 import time
 from typing import Any
 
@@ -94,13 +96,23 @@ def _seconds(value: Any) -> str:
     return format_duration(value) if isinstance(value, (int, float)) else "-"
 
 
-def _command(record: dict[str, Any], width: int = 60) -> str:
+def _command(record: dict[str, Any], width: int | None) -> str:
     command = record.get("command")
     if isinstance(command, list):
         text = shlex.join(str(a) for a in command)
     else:
         text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
-    return text if len(text) <= width else text[: width - 1] + "…"
+    if width is None or len(text) <= width:
+        return text
+    return text[: width - 1] + "…"
+
+
+def _command_width(columns_before: int) -> int | None:
+    """Room left for the command on a terminal; None (never cut) when piped, for grep and scripts."""
+    if not sys.stdout.isatty():
+        return None
+    columns = shutil.get_terminal_size().columns
+    return max(20, columns - columns_before)
 
 
 def _when(record: dict[str, Any]) -> str:
@@ -121,15 +133,17 @@ def _show(records: list[dict[str, Any]]) -> None:
     if not records:
         print("no runs recorded yet")
         return
-    print(
+    header = (
         f"{'when':<16}  {'GPU':<3}  {'peak':>9}  {'load':>6}  {'wait':>6}  {'run':>7}  "
-        f"{'exit':<9}  command"
+        f"{'exit':<9}  "
     )
+    print(header + "command")
+    width = _command_width(len(header))
     for r in records:
         print(
             f"{_when(r):<16}  {_gpus(r):<3}  {_peak(r):>9}  "
             f"{_seconds(r.get('time_to_peak_seconds')):>6}  {_seconds(r.get('wait_seconds')):>6}  "
-            f"{_seconds(r.get('run_seconds')):>7}  {_exit(r):<9}  {_command(r)}"
+            f"{_seconds(r.get('run_seconds')):>7}  {_exit(r):<9}  {_command(r, width)}"
         )
     done = [
         float(r["run_seconds"])
