@@ -125,7 +125,6 @@ def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
 
     `known`: the plan is told every run time, as history-based estimates would.
     """
-    from dataclasses import replace
 
     from gpuwait._policy import Claim, plan
     from gpuwait._sizes import MemoryRequest
@@ -161,7 +160,7 @@ def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
             del ends[name]
         if known:  # a running job's estimate is what is left of it
             claims = [
-                replace(c, expected_seconds=ends[c.job_id] - now) if c.job_id in ends else c
+                c._replace(expected_seconds=ends[c.job_id] - now) if c.job_id in ends else c
                 for c in claims
             ]
         decided = plan(cards, [c for c in claims if c.job_id not in done], SAFETY)
@@ -172,14 +171,13 @@ def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
             if c.job_id in decided.admitted:
                 ends[c.job_id] = now + by_name[c.job_id].duration
                 last_end = max(last_end, ends[c.job_id])
-                c = replace(
-                    c,
+                c = c._replace(
                     running=True,
                     gpu_uuids=decided.admitted[c.job_id],
                     reserved_bytes=decided.reserved[c.job_id],
                 )
             elif decided.hold is not None and c.job_id == decided.hold.job_id:
-                c = replace(c, held=decided.hold.gpu_uuids)
+                c = c._replace(held=decided.hold.gpu_uuids)
             kept.append(c)
         claims = kept
     return last_end

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwait._record import Record, field
 from gpuwait._snapshot import MachineSnapshot
 
 FINISHED_KEPT = 100
@@ -43,8 +43,7 @@ GPU_OK = "ok"
 GPU_LOST = "lost"
 
 
-@dataclass
-class Finished:
+class Finished(Record):
     """A job that left the queue."""
 
     id: str
@@ -74,8 +73,7 @@ class Finished:
         }.get(self.outcome, self.outcome)
 
 
-@dataclass
-class GpuCounters:
+class GpuCounters(Record):
     dispatched: int = 0
     completed: int = 0
     failed: int = 0
@@ -90,8 +88,7 @@ class GpuCounters:
         return (len(ends) - 1) * 3600.0 / (ends[-1] - ends[0])
 
 
-@dataclass
-class GpuHealth:
+class GpuHealth(Record):
     index: int
     name: str
     total_bytes: int
@@ -100,16 +97,14 @@ class GpuHealth:
     detail: str | None = None
 
 
-@dataclass
-class BatchCounts:
+class BatchCounts(Record):
     done: int = 0
     failed: int = 0
     cancelled: int = 0
     updated_at: float = 0.0
 
 
-@dataclass
-class Book:
+class Book(Record):
     finished: list[Finished] = field(default_factory=list)
     gpus: dict[str, GpuCounters] = field(default_factory=dict)
     health: dict[str, GpuHealth] = field(default_factory=dict)

@@ -15,12 +15,13 @@ a single level named by the user.
 
 from __future__ import annotations
 
-import hashlib
 import os.path
 import re
 import shlex
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from gpuwait._digest import sha256_hex
 
 COMMAND = "command"
 SCRIPT = "script"
@@ -60,7 +61,7 @@ class CommandKey(NamedTuple):
 
 def key_hash(level: str, text: str) -> str:
     """A short stable hash; the level is part of it so equal texts at two levels stay apart."""
-    return hashlib.sha256(f"{level}\0{text}".encode()).hexdigest()[:20]
+    return sha256_hex(f"{level}\0{text}")[:20]
 
 
 def explicit_key(name: str) -> CommandKey:
@@ -114,7 +115,7 @@ def _join(parts: Sequence[str]) -> str:
 
 
 def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    return sha256_hex(text)[:12]
 
 
 def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:

@@ -15,8 +15,7 @@ import io
 import re
 import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait._policy import PICK_STRATEGIES
 
@@ -28,8 +27,7 @@ _VALUE_HINTS: dict[str, tuple[str, ...]] = {
 _PATH_METAVARS = re.compile(r"FILE|PATH|DIR", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
-class OptionSpec:
+class OptionSpec(NamedTuple):
     flags: tuple[str, ...]
     help: str
     takes_value: bool
@@ -41,8 +39,7 @@ class OptionSpec:
         return self.takes_value and not self.choices and bool(_PATH_METAVARS.search(self.metavar))
 
 
-@dataclass(frozen=True)
-class CommandSpec:
+class CommandSpec(NamedTuple):
     """The options and fixed positional words (e.g. `sim init`) of a parser."""
 
     name: str
@@ -59,10 +56,9 @@ class CommandSpec:
         return [f for o in self.options for f in o.flags]
 
 
-@dataclass(frozen=True)
-class CompletionSpec:
+class CompletionSpec(NamedTuple):
     top: CommandSpec
-    subcommands: tuple[CommandSpec, ...] = field(default_factory=tuple)
+    subcommands: tuple[CommandSpec, ...] = ()
 
 
 def spec_of(parser: argparse.ArgumentParser, name: str, help_text: str = "") -> CommandSpec:

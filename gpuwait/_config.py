@@ -13,9 +13,8 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import platformdirs
 
@@ -203,8 +202,7 @@ def _vram_limit(value: Any) -> int | None:
     return number
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """One setting: its name, how to read it, its default and what it means."""
 
     name: str
@@ -394,14 +392,22 @@ OPTIONS: tuple[Option, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 
 
-@dataclass(frozen=True)
 class Settings:
     """Effective settings, and for each the place it came from."""
 
-    values: Mapping[str, Any]
-    sources: Mapping[str, str]
-    config_file: Path
-    site_file: Path | None = None
+    __slots__ = ("config_file", "site_file", "sources", "values")
+
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        sources: Mapping[str, str],
+        config_file: Path,
+        site_file: Path | None = None,
+    ) -> None:
+        self.values = values
+        self.sources = sources
+        self.config_file = config_file
+        self.site_file = site_file
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]

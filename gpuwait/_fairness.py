@@ -14,8 +14,7 @@ backwards is clamped: no job ever counts negative time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpuwait._ledger import RUNNING, LedgerData, UserUsage
 from gpuwait._policy import Claim, UserLimits
@@ -26,8 +25,7 @@ if TYPE_CHECKING:
     from gpuwait._config import Settings
 
 
-@dataclass(frozen=True)
-class FairShare:
+class FairShare(NamedTuple):
     """The fairness policy in force: usage half-life (None: off) and per-user limits."""
 
     half_life: float | None = None

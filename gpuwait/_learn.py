@@ -5,7 +5,6 @@ and the pure estimation math in gpuwait._estimate.
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 import time
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ from typing import Any, NamedTuple
 
 from gpuwait import _histindex, _history
 from gpuwait._cmdkey import EXPLICIT, CommandKey, command_key, explicit_key, key_hash
+from gpuwait._digest import sha256_hex
 from gpuwait._estimate import Estimate, RunStat, Spread, estimate, load_time, run_time, wait_time
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot
@@ -170,7 +170,7 @@ def cap_to_cards(
 
 
 def command_hash(command: Sequence[str]) -> str:
-    return hashlib.sha256(shlex.join(command).encode()).hexdigest()[:20]
+    return sha256_hex(shlex.join(command))[:20]
 
 
 def build_record(

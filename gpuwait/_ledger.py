@@ -21,7 +21,6 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from gpuwait._bookkeeping import LOST, Book, Finished
 from gpuwait._errors import StateError
 from gpuwait._lock import LockTimeout, flock_within
 from gpuwait._policy import Claim, Requirements
+from gpuwait._record import Record, field
 from gpuwait._security import (
     check_dir,
     entry_owner_mismatch,
@@ -50,8 +50,7 @@ RUNNING = "running"
 _MAX_TEXT = 4096
 
 
-@dataclass
-class Job:
+class Job(Record):
     """One ledger entry."""
 
     id: str
@@ -356,16 +355,14 @@ def _observed(value: Any) -> dict[str, int]:
     return dict(value)
 
 
-@dataclass
-class UserUsage:
+class UserUsage(Record):
     """A user's past use of VRAM, in byte-seconds, as it stood at `at` (it decays from there)."""
 
     vram_seconds: float
     at: float
 
 
-@dataclass
-class LedgerData:
+class LedgerData(Record):
     """The whole ledger file."""
 
     jobs: list[Job] = field(default_factory=list)

@@ -17,11 +17,10 @@ rules can be property-tested:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class RunningJob:
+class RunningJob(NamedTuple):
     """A running job, as far as pausing is concerned."""
 
     job_id: str
@@ -39,14 +38,12 @@ class RunningJob:
     asked: bool = False
 
 
-@dataclass(frozen=True)
-class PauseRules:
+class PauseRules(NamedTuple):
     min_runtime: float = 600.0
     max_pauses: int = 3
 
 
-@dataclass(frozen=True)
-class PauseChoice:
+class PauseChoice(NamedTuple):
     gpu_uuid: str
     victims: tuple[str, ...]
     freed_bytes: int

@@ -27,7 +27,8 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import NamedTuple
 
 from gpuwait._sizes import MemoryRequest, format_duration, format_size
 from gpuwait._snapshot import GpuSnapshot
@@ -48,8 +49,7 @@ EXCLUSIVE_MAX_EXTERNAL = 0.05
 _NEVER = math.inf
 
 
-@dataclass(frozen=True)
-class Requirements:
+class Requirements(NamedTuple):
     """What a GPU must be for a job, beyond room: `--min-total-vram`, `--gpu-name` and co."""
 
     min_total_bytes: int | None = None
@@ -95,8 +95,7 @@ def name_matches(pattern: str, name: str) -> bool:
     return pattern in name
 
 
-@dataclass(frozen=True)
-class Claim:
+class Claim(NamedTuple):
     """A ledger entry, as the policy sees it."""
 
     job_id: str
@@ -114,7 +113,7 @@ class Claim:
     #: Bytes reserved on each GPU in `gpu_uuids` (running jobs only).
     reserved_bytes: int = 0
     #: Bytes the job's process tree was last seen using, per GPU UUID.
-    observed: Mapping[str, int] = field(default_factory=dict)
+    observed: Mapping[str, int] = MappingProxyType({})
     #: The job's processes: they are gpuwait's load, not foreign processes.
     pids: frozenset[int] = frozenset()
     requirements: Requirements = Requirements()
@@ -124,11 +123,11 @@ class Claim:
     #: None: unknown (no history).
     expected_seconds: float | None = None
     #: Expected run time on particular GPUs (UUID -> seconds), for adaptive-throughput.
-    expected_by_gpu: Mapping[str, float] = field(default_factory=dict)
+    expected_by_gpu: Mapping[str, float] = MappingProxyType({})
     #: GPUs this waiter held as the queue's head at the last plan; holds stick to their GPUs.
     held: tuple[str, ...] = ()
     #: Per-GPU weights (UUID -> weight, default 1) for the weighted strategy.
-    weights: Mapping[str, float] = field(default_factory=dict)
+    weights: Mapping[str, float] = MappingProxyType({})
     #: The user the job belongs to (per-user limits).
     uid: int = -1
     #: The user's fair-share usage (decayed VRAM-time); lower goes first within a priority.
@@ -144,8 +143,7 @@ class Claim:
         return (-self.priority, self.usage, self.order)
 
 
-@dataclass(frozen=True)
-class UserLimits:
+class UserLimits(NamedTuple):
     """What one user may hold at once, over all GPUs (None: no limit)."""
 
     max_gpus: int | None = None
@@ -163,13 +161,12 @@ class UserLimits:
         return None
 
 
-@dataclass(frozen=True)
-class Conditions:
+class Conditions(NamedTuple):
     """Facts about the GPUs besides memory, read by the caller and passed in as data."""
 
     #: Mean of recent utilization readings per GPU UUID. None: the GPU does not report it (such
     #: a GPU passes a utilization cap); absent: not measured often enough yet (it does not pass).
-    utilization: Mapping[str, float | None] = field(default_factory=dict)
+    utilization: Mapping[str, float | None] = MappingProxyType({})
     #: Process names (/proc/PID/comm) that never count as load: desktops, display servers.
     ignore_processes: frozenset[str] = frozenset()
 
@@ -177,8 +174,7 @@ class Conditions:
 NO_CONDITIONS = Conditions()
 
 
-@dataclass(frozen=True)
-class GpuRoom:
+class GpuRoom(NamedTuple):
     """What one GPU can still take, and why."""
 
     gpu: GpuSnapshot
@@ -202,8 +198,7 @@ class GpuRoom:
         return self.running_jobs + self.foreign
 
 
-@dataclass(frozen=True)
-class WaitReason:
+class WaitReason(NamedTuple):
     """Why a waiting job is not admitted now."""
 
     needed: str
@@ -232,8 +227,7 @@ class WaitReason:
         return f"waiting for {self.needed}: {where}{note} {counts}"
 
 
-@dataclass(frozen=True)
-class Hold:
+class Hold(NamedTuple):
     """GPUs kept for the head of the queue until it fits there."""
 
     job_id: str
@@ -242,7 +236,7 @@ class Hold:
     start_in: float | None
     #: Per held GPU, bytes still free at the head's expected start once it has taken its share
     #: (jobs placed there now may use them whatever their run time); 0 when the start is unknown.
-    spare: Mapping[str, int] = field(default_factory=dict)
+    spare: Mapping[str, int] = MappingProxyType({})
 
     def ends_in_time(self, claim: Claim, uuid: str) -> bool:
         """Is `claim` expected to end on `uuid` before the head could start there?"""
@@ -250,8 +244,7 @@ class Hold:
         return self.start_in is not None and expected is not None and expected <= self.start_in
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """Which waiting jobs may start now, on which GPUs (in PCI order), and why the rest wait."""
 
     admitted: Mapping[str, tuple[str, ...]]
@@ -260,7 +253,7 @@ class Plan:
     next_cursor: int
     hold: Hold | None = None
     #: Admitted jobs placed on held GPUs (backfill): job -> those GPUs.
-    backfill: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    backfill: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
 
 def gpu_rooms(
@@ -534,12 +527,11 @@ def plan(
                 refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
                 if refusal is not None:
                     reason = _wait_reason(claim, rooms, running_total, position, conditions)
-                    reasons[claim.job_id] = replace(reason, limit=refusal)
+                    reasons[claim.job_id] = reason._replace(limit=refusal)
                     continue
                 held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
             for room, need in chosen:
-                rooms[room.gpu.uuid] = replace(
-                    room,
+                rooms[room.gpu.uuid] = room._replace(
                     committed=room.committed + need,
                     running_jobs=room.running_jobs + 1,
                     exclusive_held=room.exclusive_held or claim.exclusive,
@@ -556,7 +548,7 @@ def plan(
                         spare[room.gpu.uuid] = max(0, spare[room.gpu.uuid] - need)
             # Its end frees room the head may be waiting for.
             running.append(
-                replace(claim, running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
+                claim._replace(running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
             )
             if claim.pick == "round-robin":
                 cursor = chosen[-1][0].gpu.index
@@ -660,8 +652,7 @@ def estimate_starts(
     # takes all its memory with it; foreign memory stays as it is.
     ours = frozenset().union(*(c.pids for c in claims))
     bare = [
-        replace(
-            g,
+        g._replace(
             used_bytes=rooms[g.uuid].external,
             processes=tuple(p for p in g.processes if p.pid not in ours),
         )
@@ -671,9 +662,9 @@ def estimate_starts(
     for c in claims:
         if c.running:
             size = max([c.reserved_bytes, *(c.observed.get(u, 0) for u in c.gpu_uuids)])
-            current.append(replace(c, reserved_bytes=size, observed={}, pids=frozenset()))
+            current.append(c._replace(reserved_bytes=size, observed={}, pids=frozenset()))
         else:
-            current.append(replace(c, pids=frozenset()))
+            current.append(c._replace(pids=frozenset()))
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
     now = 0.0
     for _ in range(max_steps):
@@ -688,15 +679,14 @@ def estimate_starts(
                     (c.expected_by_gpu.get(u, c.expected_seconds or _NEVER) for u in uuids),
                     default=c.expected_seconds,
                 )
-                c = replace(
-                    c,
+                c = c._replace(
                     running=True,
                     gpu_uuids=uuids,
                     reserved_bytes=decided.reserved[c.job_id],
                     expected_seconds=None if expected == _NEVER else expected,
                 )
             elif decided.hold is not None and c.job_id == decided.hold.job_id:
-                c = replace(c, held=decided.hold.gpu_uuids)
+                c = c._replace(held=decided.hold.gpu_uuids)
             after.append(c)
         ends = [c.expected_seconds for c in after if c.running and c.expected_seconds is not None]
         if not any(not c.running for c in after) or not ends:
@@ -709,6 +699,6 @@ def estimate_starts(
                 left = c.expected_seconds - step
                 if left <= 1e-9:
                     continue
-                c = replace(c, expected_seconds=left)
+                c = c._replace(expected_seconds=left)
             current.append(c)
     return starts

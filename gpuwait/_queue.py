@@ -12,7 +12,6 @@ import json
 import os
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from gpuwait import _events, _proc
@@ -96,16 +95,15 @@ def record_hold(data: LedgerData, hold: Hold | None) -> None:
 def name_processes(snapshot: MachineSnapshot) -> MachineSnapshot:
     """The snapshot with each GPU process's command name filled in from /proc."""
     gpus = tuple(
-        replace(
-            g,
+        g._replace(
             processes=tuple(
-                replace(p, name=_proc.command_name(p.pid)) if p.name is None else p
+                p._replace(name=_proc.command_name(p.pid)) if p.name is None else p
                 for p in g.processes
             ),
         )
         for g in snapshot.gpus
     )
-    return replace(snapshot, gpus=gpus)
+    return snapshot._replace(gpus=gpus)
 
 
 class UtilizationWindow:

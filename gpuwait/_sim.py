@@ -17,18 +17,17 @@ killed job stops holding memory, as the driver frees a dead process's memory.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait import _proc
 from gpuwait._atomic import write_atomic
+from gpuwait._digest import sha256_hex
 from gpuwait._errors import BackendUnavailable, GpuwaitError, UsageError
 from gpuwait._lock import exclusive
 from gpuwait._sizes import format_size, parse_size
@@ -60,12 +59,11 @@ _TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
 _UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+$")
 
 
-@dataclass(frozen=True)
-class SimGpu:
+class SimGpu(NamedTuple):
     """One simulated card as the file describes it."""
 
     #: Position in the file: the NVML (PCI bus order) index.
-    index: int
+    index: int  # type: ignore[assignment]  # NVML's name; shadows tuple.index, unused here
     uuid: str
     name: str
     total_bytes: int
@@ -78,8 +76,7 @@ class SimGpu:
     per_process: bool = True
 
 
-@dataclass(frozen=True)
-class SimConfig:
+class SimConfig(NamedTuple):
     """A parsed simulation file."""
 
     #: Absolute, symlink-free path, so every process finds the same state directory.
@@ -91,8 +88,7 @@ class SimConfig:
         return state_dir_for(self.path)
 
 
-@dataclass(frozen=True)
-class Allocation:
+class Allocation(NamedTuple):
     """One simulated process's memory on one card."""
 
     pid: int
@@ -127,7 +123,7 @@ def state_dir_for(path: str | os.PathLike[str]) -> Path:
 
 def default_uuid(path: str, index: int) -> str:
     """A UUID that stays the same for the same file and position, formatted like NVML's."""
-    digest = hashlib.sha256(f"{path}\0{index}".encode()).hexdigest()
+    digest = sha256_hex(f"{path}\0{index}")
     return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 

@@ -6,11 +6,10 @@ snapshots, never on live NVML handles or simulation files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class ProcessUsage:
+class ProcessUsage(NamedTuple):
     """One process holding memory on a GPU."""
 
     pid: int
@@ -20,12 +19,11 @@ class ProcessUsage:
     name: str | None = None
 
 
-@dataclass(frozen=True)
-class GpuSnapshot:
+class GpuSnapshot(NamedTuple):
     """One GPU at one moment."""
 
     #: NVML index: PCI bus order, which is not CUDA's default order.
-    index: int
+    index: int  # type: ignore[assignment]  # NVML's name; shadows tuple.index, unused here
     uuid: str
     name: str
     total_bytes: int
@@ -45,13 +43,12 @@ class GpuSnapshot:
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 
-@dataclass(frozen=True)
-class MachineSnapshot:
+class MachineSnapshot(NamedTuple):
     """All GPUs that answered, plus one warning per GPU that did not."""
 
     backend: str
     gpus: tuple[GpuSnapshot, ...]
-    warnings: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = ()
 
     def by_uuid(self) -> dict[str, GpuSnapshot]:
         return {g.uuid: g for g in self.gpus}

@@ -19,7 +19,6 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from gpuwait import _proc, _signals
 from gpuwait._backend import Backend
@@ -27,6 +26,7 @@ from gpuwait._estimate import time_to_peak
 from gpuwait._ledger import RUNNING, Job, Ledger
 from gpuwait._pause_runtime import PauseResponder
 from gpuwait._queue import note_health
+from gpuwait._record import Record, field
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
@@ -34,8 +34,7 @@ from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 _PUBLISH_STEP = 64 * 2**20
 
 
-@dataclass
-class RunResult:
+class RunResult(Record):
     """How the command ended and what it used."""
 
     #: As os.waitstatus_to_exitcode: >= 0 an exit status, < 0 killed by that signal.

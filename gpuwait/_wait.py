@@ -17,12 +17,11 @@ GPUs that stopped or started answering.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpuwait import _events, _signals, _wake
 from gpuwait._backend import Backend
@@ -53,31 +52,28 @@ OWN_PLAN_INTERVAL = 10.0
 BACKUP_DELAY = 0.25
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(NamedTuple):
     gpu_uuids: tuple[str, ...]
     reserved_bytes: int
     #: The GPUs, in the order of `gpu_uuids`, as last read.
     gpus: tuple[GpuSnapshot, ...]
 
 
-@dataclass(frozen=True)
-class TimedOut:
+class TimedOut(NamedTuple):
     reason: WaitReason | None
 
 
-@dataclass(frozen=True)
-class Interrupted:
+class Interrupted(NamedTuple):
     signum: int
 
 
-@dataclass(frozen=True)
 class Cancelled:
     """`gpuwait cancel` took this job out of the queue."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True)
-class DependencyFailed:
+
+class DependencyFailed(NamedTuple):
     """An `--after-ok` dependency did not succeed, so this job can never start."""
 
     message: str
@@ -280,8 +276,8 @@ def wait_for_admission(
         if isinstance(outcome, WaitReason) and pause_rules is not None:
             asked = ask_for_room(ledger, job, snapshot, safety, pause_rules)
             if asked:
-                outcome = dataclasses.replace(
-                    outcome, note=f"asked job {', '.join(asked)} to checkpoint and step aside"
+                outcome = outcome._replace(
+                    note=f"asked job {', '.join(asked)} to checkpoint and step aside"
                 )
         return outcome
 

@@ -25,9 +25,8 @@ import contextlib
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 SCHEMA = 1
 FILENAME = "wake.json"
@@ -99,8 +98,7 @@ def write_summary(state_dir: Path, content: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-@dataclass(frozen=True)
-class Summary:
+class Summary(NamedTuple):
     release: int
     running: frozenset[str]
     waiting: tuple[str, ...]

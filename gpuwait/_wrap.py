@@ -9,11 +9,10 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     wrap: bool
     reason: str
 

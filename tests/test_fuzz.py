@@ -11,7 +11,6 @@ import contextlib
 import json
 import math
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +141,7 @@ def _valid_entry() -> dict[str, Any]:
         cwd="/",
         request={"bytes": 1},
     )
-    return asdict(job)
+    return dict(vars(job))
 
 
 FIELDS = sorted(_valid_entry())

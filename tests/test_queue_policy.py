@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,11 +107,11 @@ def test_hold_sticks_to_its_gpus_until_others_are_sooner() -> None:
     head = waiter("big", 16, order=1)
     # Unheld, GPU1 (11.6 GiB free) would be chosen; held on GPU0, the hold stays there.
     assert plan(cards, [*running, head], 0.9).hold.gpu_uuids == (uuid(1),)  # type: ignore[union-attr]
-    sticky = plan(cards, [*running, replace(head, held=(uuid(0),))], 0.9)
+    sticky = plan(cards, [*running, head._replace(held=(uuid(0),))], 0.9)
     assert sticky.hold is not None and sticky.hold.gpu_uuids == (uuid(0),)
     # A known, sooner start elsewhere moves it.
     timed = [runner("r0", (0,), 12), runner("r1", (1,), 10, expected=30)]
-    moved = plan(cards, [*timed, replace(head, held=(uuid(0),))], 0.9)
+    moved = plan(cards, [*timed, head._replace(held=(uuid(0),))], 0.9)
     assert moved.hold is not None and moved.hold.gpu_uuids == (uuid(1),)
     assert moved.hold.start_in == 30
 
@@ -193,7 +191,7 @@ def test_weighted_spreads_jobs_in_proportion_to_weights() -> None:
         claim = waiter(f"j{n}", 1, order=n + 1, pick="weighted", weights=weights)
         gpus = plan(cards, [*claims, claim], 0.9).admitted[claim.job_id]
         placed.append(gpus[0])
-        claims.append(replace(claim, running=True, gpu_uuids=gpus, reserved_bytes=GiB))
+        claims.append(claim._replace(running=True, gpu_uuids=gpus, reserved_bytes=GiB))
     assert placed.count(uuid(0)) == 6 and placed.count(uuid(1)) == 2
 
 
@@ -203,7 +201,7 @@ def test_adaptive_throughput_prefers_the_fastest_gpu_of_the_history() -> None:
     claim = waiter("x", 4, order=1, pick="adaptive-throughput", expected_by_gpu=fast_on_0)
     assert plan(cards, [claim], 0.9).admitted["x"] == (uuid(0),)
     # No history: best-fit, the card left with the least room.
-    assert plan(cards, [replace(claim, expected_by_gpu={})], 0.9).admitted["x"] == (uuid(1),)
+    assert plan(cards, [claim._replace(expected_by_gpu={})], 0.9).admitted["x"] == (uuid(1),)
 
 
 # --- requirements and the ignore list ------------------------------------------------------------
@@ -344,14 +342,13 @@ def test_head_is_admitted_once_the_jobs_on_its_gpus_have_ended(
     for _ in range(60):
         # Apply the plan: admitted jobs run, the hold is remembered.
         claims = [
-            replace(
-                c,
+            c._replace(
                 running=True,
                 gpu_uuids=decided.admitted[c.job_id],
                 reserved_bytes=decided.reserved[c.job_id],
             )
             if c.job_id in decided.admitted
-            else replace(c, held=decided.hold.gpu_uuids)
+            else c._replace(held=decided.hold.gpu_uuids)
             if decided.hold and c.job_id == decided.hold.job_id
             else c
             for c in claims

@@ -8,7 +8,6 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -183,7 +182,7 @@ def _entry(job_id: str, **changes: object) -> dict[str, object]:
         cwd="/",
         request={"bytes": 1},
     )
-    return {**asdict(job), **changes}
+    return {**vars(job), **changes}
 
 
 def _write_ledger(directory: Path, jobs: list[dict[str, object]]) -> None:
@@ -230,7 +229,7 @@ def test_only_the_owner_of_a_live_gpuwait_may_control_it(sim: Path, gpuwait_cmd:
         refusal = control_refusal(job, other)
         assert refusal is not None and "your own" in refusal
         # An entry naming a process that is not gpuwait (here: this test) is refused.
-        bait = Job(**{**asdict(job), "pid": os.getpid()})
+        bait = Job(**{**vars(job), "pid": os.getpid()})
         bait.start_time = _proc.start_time(os.getpid()) or 0
         refusal = control_refusal(bait)
         assert refusal is not None and "not a gpuwait process" in refusal

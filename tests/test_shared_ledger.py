@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -175,7 +175,7 @@ def test_hostile_entries_from_another_user_change_nothing_they_should_not(
         raw = json.loads((server.ledger_dir / "ledger.json").read_bytes()[0:].decode())
         raw.pop("crc", None)
         base = {
-            **asdict(alice_job),
+            **vars(alice_job),
             "pid": bob_sleep.pid,
             "start_time": _proc.start_time(bob_sleep.pid),
             "uid": BOB,

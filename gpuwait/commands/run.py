@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import shutil
@@ -540,7 +539,7 @@ def _with_note(
     """The wait line says where a request without --vram came from."""
     if not note:
         return update
-    return lambda reason: update(dataclasses.replace(reason, needed=f"{reason.needed} ({note})"))
+    return lambda reason: update(reason._replace(needed=f"{reason.needed} ({note})"))
 
 
 def _submit(
