@@ -19,9 +19,9 @@ import os.path
 import re
 import shlex
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from gpuwait._digest import sha256_hex
+from gpuwait._record import Record
 
 COMMAND = "command"
 SCRIPT = "script"
@@ -40,7 +40,7 @@ _SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O"})
 _SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".R", ".r", ".jl", ".rb", ".pl", ".lua")
 
 
-class CommandKey(NamedTuple):
+class CommandKey(Record, frozen=True):
     """The levels of one command: (level, text) pairs, finest first, no two with the same text."""
 
     levels: tuple[tuple[str, str], ...]

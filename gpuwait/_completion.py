@@ -15,9 +15,10 @@ import io
 import re
 import shlex
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpuwait._policy import PICK_STRATEGIES
+from gpuwait._record import Record
 
 #: Values worth offering for options whose parser takes free text.
 _VALUE_HINTS: dict[str, tuple[str, ...]] = {
@@ -27,7 +28,7 @@ _VALUE_HINTS: dict[str, tuple[str, ...]] = {
 _PATH_METAVARS = re.compile(r"FILE|PATH|DIR", re.IGNORECASE)
 
 
-class OptionSpec(NamedTuple):
+class OptionSpec(Record, frozen=True):
     flags: tuple[str, ...]
     help: str
     takes_value: bool
@@ -39,7 +40,7 @@ class OptionSpec(NamedTuple):
         return self.takes_value and not self.choices and bool(_PATH_METAVARS.search(self.metavar))
 
 
-class CommandSpec(NamedTuple):
+class CommandSpec(Record, frozen=True):
     """The options and fixed positional words (e.g. `sim init`) of a parser."""
 
     name: str
@@ -56,7 +57,7 @@ class CommandSpec(NamedTuple):
         return [f for o in self.options for f in o.flags]
 
 
-class CompletionSpec(NamedTuple):
+class CompletionSpec(Record, frozen=True):
     top: CommandSpec
     subcommands: tuple[CommandSpec, ...] = ()
 

@@ -14,12 +14,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import platformdirs
 
 from gpuwait._errors import UsageError
 from gpuwait._policy import PICK_STRATEGIES
+from gpuwait._record import Record
 from gpuwait._sizes import (
     MemoryRequest,
     format_duration,
@@ -202,7 +203,7 @@ def _vram_limit(value: Any) -> int | None:
     return number
 
 
-class Option(NamedTuple):
+class Option(Record, frozen=True):
     """One setting: its name, how to read it, its default and what it means."""
 
     name: str

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+
+from gpuwait._record import Record
 
 MiB = 2**20
 GiB = 2**30
@@ -38,7 +39,7 @@ MIN_ESTIMATE = 256 * MiB
 LOADED_FRACTION = 0.9
 
 
-class RunStat(NamedTuple):
+class RunStat(Record, frozen=True):
     """What estimates need from one run record."""
 
     started_at: float
@@ -55,7 +56,7 @@ class RunStat(NamedTuple):
     time_to_peak: float | None = None
 
 
-class Spread(NamedTuple):
+class Spread(Record, frozen=True):
     """A median with the range around it (25th to 75th percentile) over `runs` values."""
 
     median: float
@@ -64,7 +65,7 @@ class Spread(NamedTuple):
     runs: int
 
 
-class Estimate(NamedTuple):
+class Estimate(Record, frozen=True):
     """A learned VRAM request, or None with the reason why not."""
 
     bytes: int | None

@@ -14,18 +14,19 @@ backwards is clamped: no job ever counts negative time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from gpuwait._ledger import RUNNING, LedgerData, UserUsage
 from gpuwait._policy import Claim, UserLimits
 from gpuwait._queue import dependency_blocker
+from gpuwait._record import Record
 from gpuwait._snapshot import GpuSnapshot
 
 if TYPE_CHECKING:
     from gpuwait._config import Settings
 
 
-class FairShare(NamedTuple):
+class FairShare(Record, frozen=True):
     """The fairness policy in force: usage half-life (None: off) and per-user limits."""
 
     half_life: float | None = None

@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpuwait._atomic import ensure_private_dir
 from gpuwait._estimate import RunStat
@@ -32,6 +32,7 @@ from gpuwait._history import (
     read_from,
     record_keys,
 )
+from gpuwait._record import Record
 
 SCHEMA = 1
 DIRNAME = "history.index"
@@ -43,7 +44,7 @@ _OK, _OOM, _APPROX = 1, 2, 4
 Row = list[float]
 
 
-class KeySummary(NamedTuple):
+class KeySummary(Record, frozen=True):
     """What the index knows about one key."""
 
     total_runs: int

@@ -9,12 +9,13 @@ import shlex
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpuwait import _histindex, _history
 from gpuwait._cmdkey import EXPLICIT, CommandKey, command_key, explicit_key, key_hash
 from gpuwait._digest import sha256_hex
 from gpuwait._estimate import Estimate, RunStat, Spread, estimate, load_time, run_time, wait_time
+from gpuwait._record import Record
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot
 
@@ -30,7 +31,7 @@ _LEVEL_WORDS = {
 }
 
 
-class Level(NamedTuple):
+class Level(Record, frozen=True):
     """One level of a command key and the runs the index has for it."""
 
     name: str
@@ -40,7 +41,7 @@ class Level(NamedTuple):
     runs: tuple[RunStat, ...]
 
 
-class Learned(NamedTuple):
+class Learned(Record, frozen=True):
     """Everything the history says about one command."""
 
     key: CommandKey
@@ -117,7 +118,7 @@ def expected_run_seconds(
     return None if spread is None else spread.median
 
 
-class RequestChoice(NamedTuple):
+class RequestChoice(Record, frozen=True):
     """The request a run waits for, where it came from, and what to tell the user about it."""
 
     request: MemoryRequest | None

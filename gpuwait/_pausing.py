@@ -17,10 +17,11 @@ rules can be property-tested:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+
+from gpuwait._record import Record
 
 
-class RunningJob(NamedTuple):
+class RunningJob(Record, frozen=True):
     """A running job, as far as pausing is concerned."""
 
     job_id: str
@@ -38,12 +39,12 @@ class RunningJob(NamedTuple):
     asked: bool = False
 
 
-class PauseRules(NamedTuple):
+class PauseRules(Record, frozen=True):
     min_runtime: float = 600.0
     max_pauses: int = 3
 
 
-class PauseChoice(NamedTuple):
+class PauseChoice(Record, frozen=True):
     gpu_uuid: str
     victims: tuple[str, ...]
     freed_bytes: int

@@ -28,8 +28,8 @@ import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple
 
+from gpuwait._record import Record
 from gpuwait._sizes import MemoryRequest, format_duration, format_size
 from gpuwait._snapshot import GpuSnapshot
 
@@ -49,7 +49,7 @@ EXCLUSIVE_MAX_EXTERNAL = 0.05
 _NEVER = math.inf
 
 
-class Requirements(NamedTuple):
+class Requirements(Record, frozen=True):
     """What a GPU must be for a job, beyond room: `--min-total-vram`, `--gpu-name` and co."""
 
     min_total_bytes: int | None = None
@@ -95,7 +95,7 @@ def name_matches(pattern: str, name: str) -> bool:
     return pattern in name
 
 
-class Claim(NamedTuple):
+class Claim(Record, frozen=True):
     """A ledger entry, as the policy sees it."""
 
     job_id: str
@@ -143,7 +143,7 @@ class Claim(NamedTuple):
         return (-self.priority, self.usage, self.order)
 
 
-class UserLimits(NamedTuple):
+class UserLimits(Record, frozen=True):
     """What one user may hold at once, over all GPUs (None: no limit)."""
 
     max_gpus: int | None = None
@@ -161,7 +161,7 @@ class UserLimits(NamedTuple):
         return None
 
 
-class Conditions(NamedTuple):
+class Conditions(Record, frozen=True):
     """Facts about the GPUs besides memory, read by the caller and passed in as data."""
 
     #: Mean of recent utilization readings per GPU UUID. None: the GPU does not report it (such
@@ -174,7 +174,7 @@ class Conditions(NamedTuple):
 NO_CONDITIONS = Conditions()
 
 
-class GpuRoom(NamedTuple):
+class GpuRoom(Record, frozen=True):
     """What one GPU can still take, and why."""
 
     gpu: GpuSnapshot
@@ -198,7 +198,7 @@ class GpuRoom(NamedTuple):
         return self.running_jobs + self.foreign
 
 
-class WaitReason(NamedTuple):
+class WaitReason(Record, frozen=True):
     """Why a waiting job is not admitted now."""
 
     needed: str
@@ -227,7 +227,7 @@ class WaitReason(NamedTuple):
         return f"waiting for {self.needed}: {where}{note} {counts}"
 
 
-class Hold(NamedTuple):
+class Hold(Record, frozen=True):
     """GPUs kept for the head of the queue until it fits there."""
 
     job_id: str
@@ -244,7 +244,7 @@ class Hold(NamedTuple):
         return self.start_in is not None and expected is not None and expected <= self.start_in
 
 
-class Plan(NamedTuple):
+class Plan(Record, frozen=True):
     """Which waiting jobs may start now, on which GPUs (in PCI order), and why the rest wait."""
 
     admitted: Mapping[str, tuple[str, ...]]

@@ -1,9 +1,10 @@
-"""Mutable records (ledger entries, counters) declared like dataclasses, without their cost.
+"""Records declared like dataclasses, without their start-up cost.
 
 `dataclasses` compiles fresh code for every class as its module is imported (and pulls in
-`inspect`): some 0.3 ms a class, which a launcher started in front of every command cannot
-afford. Immutable values are `typing.NamedTuple`s; the few mutable records derive from `Record`,
-whose __init__, __eq__ and __repr__ are generic and read the class's annotations once.
+`inspect`), and `typing.NamedTuple` compiles some too: 0.2 to 0.3 ms a class, which a launcher
+started in front of every command cannot afford over some forty classes. A `Record` subclass
+gets a generic __init__, __eq__ and __repr__ that read the class's annotations once; with
+`frozen=True` it is also immutable and hashable, and `_replace` makes changed copies.
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ def field(*, default_factory: Callable[[], _T]) -> _T:
 _MISSING: Any = object()
 
 
+_R = TypeVar("_R", bound="Record")
+
+
 @dataclass_transform(field_specifiers=(field,))
 class Record:
-    """Base of mutable records: fields are the class's annotations, in order, with defaults."""
+    """Base of records: fields are the class's annotations, in order, with their defaults."""
 
     _fields: ClassVar[tuple[str, ...]] = ()
     _defaults: ClassVar[dict[str, Any]] = {}
+    _frozen: ClassVar[bool] = False
 
-    def __init_subclass__(cls) -> None:
+    def __init_subclass__(cls, *, frozen: bool = False) -> None:
         names = list(cls._fields)
         defaults = dict(cls._defaults)
         # With `from __future__ import annotations` these are strings; only the names matter.
@@ -67,6 +72,11 @@ class Record:
                 )
         cls._fields = tuple(names)
         cls._defaults = defaults
+        cls._frozen = frozen
+        if frozen:
+            cls.__setattr__ = _refuse_change  # type: ignore[method-assign,assignment]
+            cls.__delattr__ = _refuse_change  # type: ignore[method-assign,assignment]
+            cls.__hash__ = _hash_fields  # type: ignore[method-assign,assignment]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         fields = self._fields
@@ -93,6 +103,24 @@ class Record:
 
     __hash__ = None  # type: ignore[assignment]  # mutable: equal records may not stay equal
 
+    def _replace(self: _R, **changes: Any) -> _R:
+        """A copy with some fields changed (the record itself may be frozen)."""
+        unknown = set(changes).difference(self._fields)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {sorted(unknown)[0]!r}")
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._fields)
         return f"{type(self).__name__}({inner})"
+
+
+def _refuse_change(self: Record, name: str, *_: Any) -> None:
+    raise AttributeError(f"{type(self).__name__} is frozen: cannot change {name!r}")
+
+
+def _hash_fields(self: Record) -> int:
+    return hash(tuple(getattr(self, n) for n in self._fields))

@@ -23,13 +23,14 @@ import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpuwait import _proc
 from gpuwait._atomic import write_atomic
 from gpuwait._digest import sha256_hex
 from gpuwait._errors import BackendUnavailable, GpuwaitError, UsageError
 from gpuwait._lock import exclusive
+from gpuwait._record import Record
 from gpuwait._sizes import format_size, parse_size
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 
@@ -59,11 +60,11 @@ _TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
 _UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+$")
 
 
-class SimGpu(NamedTuple):
+class SimGpu(Record, frozen=True):
     """One simulated card as the file describes it."""
 
     #: Position in the file: the NVML (PCI bus order) index.
-    index: int  # type: ignore[assignment]  # NVML's name; shadows tuple.index, unused here
+    index: int
     uuid: str
     name: str
     total_bytes: int
@@ -76,7 +77,7 @@ class SimGpu(NamedTuple):
     per_process: bool = True
 
 
-class SimConfig(NamedTuple):
+class SimConfig(Record, frozen=True):
     """A parsed simulation file."""
 
     #: Absolute, symlink-free path, so every process finds the same state directory.
@@ -88,7 +89,7 @@ class SimConfig(NamedTuple):
         return state_dir_for(self.path)
 
 
-class Allocation(NamedTuple):
+class Allocation(Record, frozen=True):
     """One simulated process's memory on one card."""
 
     pid: int

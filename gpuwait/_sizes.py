@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import NamedTuple
+
+from gpuwait._record import Record
 
 _BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -13,7 +14,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(I?B?)\s*$", re.IGN
 _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
 
-class MemoryRequest(NamedTuple):
+class MemoryRequest(Record, frozen=True):
     """A VRAM request per GPU: either bytes, or a fraction of each card's total."""
 
     bytes: int | None = None

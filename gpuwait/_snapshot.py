@@ -6,10 +6,10 @@ snapshots, never on live NVML handles or simulation files.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from gpuwait._record import Record
 
 
-class ProcessUsage(NamedTuple):
+class ProcessUsage(Record, frozen=True):
     """One process holding memory on a GPU."""
 
     pid: int
@@ -19,11 +19,11 @@ class ProcessUsage(NamedTuple):
     name: str | None = None
 
 
-class GpuSnapshot(NamedTuple):
+class GpuSnapshot(Record, frozen=True):
     """One GPU at one moment."""
 
     #: NVML index: PCI bus order, which is not CUDA's default order.
-    index: int  # type: ignore[assignment]  # NVML's name; shadows tuple.index, unused here
+    index: int
     uuid: str
     name: str
     total_bytes: int
@@ -43,7 +43,7 @@ class GpuSnapshot(NamedTuple):
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 
-class MachineSnapshot(NamedTuple):
+class MachineSnapshot(Record, frozen=True):
     """All GPUs that answered, plus one warning per GPU that did not."""
 
     backend: str

@@ -21,7 +21,6 @@ import random
 import signal
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 from gpuwait import _events, _signals, _wake
 from gpuwait._backend import Backend
@@ -40,6 +39,7 @@ from gpuwait._queue import (
     record_hold,
     settle_dependencies,
 )
+from gpuwait._record import Record
 from gpuwait._security import entry_owner_mismatch
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
@@ -52,18 +52,18 @@ OWN_PLAN_INTERVAL = 10.0
 BACKUP_DELAY = 0.25
 
 
-class Admitted(NamedTuple):
+class Admitted(Record, frozen=True):
     gpu_uuids: tuple[str, ...]
     reserved_bytes: int
     #: The GPUs, in the order of `gpu_uuids`, as last read.
     gpus: tuple[GpuSnapshot, ...]
 
 
-class TimedOut(NamedTuple):
+class TimedOut(Record, frozen=True):
     reason: WaitReason | None
 
 
-class Interrupted(NamedTuple):
+class Interrupted(Record, frozen=True):
     signum: int
 
 
@@ -73,7 +73,7 @@ class Cancelled:
     __slots__ = ()
 
 
-class DependencyFailed(NamedTuple):
+class DependencyFailed(Record, frozen=True):
     """An `--after-ok` dependency did not succeed, so this job can never start."""
 
     message: str

@@ -26,7 +26,9 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
+
+from gpuwait._record import Record
 
 SCHEMA = 1
 FILENAME = "wake.json"
@@ -98,7 +100,7 @@ def write_summary(state_dir: Path, content: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-class Summary(NamedTuple):
+class Summary(Record, frozen=True):
     release: int
     running: frozenset[str]
     waiting: tuple[str, ...]

@@ -9,10 +9,11 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple
+
+from gpuwait._record import Record
 
 
-class Decision(NamedTuple):
+class Decision(Record, frozen=True):
     wrap: bool
     reason: str
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpuwait import _events, _output, _proc, _signals
 from gpuwait._backend import Backend, open_backend
@@ -46,6 +46,7 @@ from gpuwait._pause_runtime import PauseResponder, requeue
 from gpuwait._pausing import PauseRules
 from gpuwait._policy import WaitReason, impossible_reason
 from gpuwait._queue import resolve_references
+from gpuwait._record import Record
 from gpuwait._runtimes import run_time_estimates
 from gpuwait._sizes import (
     MemoryRequest,
@@ -403,7 +404,7 @@ def _candidates(args: argparse.Namespace, snapshot: MachineSnapshot) -> list[str
     return candidates
 
 
-class _Ended(NamedTuple):
+class _Ended(Record, frozen=True):
     """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
 
     returncode: int
