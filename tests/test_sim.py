@@ -144,7 +144,8 @@ def test_two_jobs_that_do_not_fit_one_dies_of_oom(
 
 def test_many_jobs_never_overcommit(sim_file: SimFileFactory) -> None:
     path = sim_file(gpus=1, memory="24GiB", base_used="1GiB")
-    jobs = [start_sim_job("--vram", "5G", "--ramp", "0.3s", "--hold", "0.5s") for _ in range(8)]
+    # Held long enough that all eight overlap even on a loaded machine: then at most four fit.
+    jobs = [start_sim_job("--vram", "5G", "--ramp", "0.3s", "--hold", "3s") for _ in range(8)]
     peak = 0
     while any(job.poll() is None for job in jobs):
         peak = max(peak, gpu_used(path, 0))
