@@ -16,8 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import platformdirs
-
+from gpuwait import _dirs
 from gpuwait._errors import UsageError
 from gpuwait._policy import PICK_STRATEGIES
 from gpuwait._record import Record
@@ -30,7 +29,6 @@ from gpuwait._sizes import (
     parse_size,
 )
 
-APP = "gpuwait"
 EXCLUSIVE = "exclusive"
 
 
@@ -416,7 +414,7 @@ class Settings:
     @property
     def state_dir(self) -> Path:
         custom: str = self.values["state_dir"]
-        return Path(custom) if custom else Path(platformdirs.user_state_dir(APP))
+        return Path(custom) if custom else Path(_dirs.user_state_dir())
 
     @property
     def ledger_dir(self) -> Path:
@@ -426,16 +424,16 @@ class Settings:
 
 
 def config_file_path(env: Mapping[str, str]) -> Path:
-    """GPUWAIT_CONFIG, else config.toml in the platformdirs user config dir."""
+    """GPUWAIT_CONFIG, else config.toml in the user config dir ($XDG_CONFIG_HOME/gpuwait)."""
     custom = env.get("GPUWAIT_CONFIG")
     if custom:
         return Path(custom).expanduser()
-    return Path(platformdirs.user_config_dir(APP)) / "config.toml"
+    return Path(_dirs.user_config_dir()) / "config.toml"
 
 
 def site_config_file_path() -> Path:
-    """config.toml in the platformdirs site config dir (first entry of XDG_CONFIG_DIRS)."""
-    return Path(platformdirs.site_config_dir(APP)) / "config.toml"
+    """config.toml in the site config dir (first entry of XDG_CONFIG_DIRS)."""
+    return Path(_dirs.site_config_dir()) / "config.toml"
 
 
 #: A config file larger than this is not a config file.

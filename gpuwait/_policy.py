@@ -14,15 +14,12 @@ its real size; and nothing is counted twice, because what a job really uses is t
 
 The queue (`plan`): waiters are looked at in queue order (priority, then submission). One that
 fits starts at once. The first one that does not fit, the head, holds the GPU(s) on which it
-could start soonest, so a big job is never starved by a stream of small ones. Among GPUs where
-it would start as soon (all of them, when no start can be told) it holds those nearest to
-fitting it, counting as missing the memory there that the waiters behind could use now, so a
-hold keeps them out of as little as it can. A later waiter may start on a held GPU (backfill)
-only where that cannot delay the head's expected start: when it is expected to end before then,
-or when it fits in the memory the head will leave spare at that time. Both need run times: when
-the head's start cannot be told (a job it waits for has no estimate), nothing is backfilled onto
-its GPUs, and a waiter with no estimate of its own never takes room the head is waiting for.
-Either may use the GPUs that are not held.
+could start soonest, so a big job is never starved by a stream of small ones. A later waiter may
+start on a held GPU (backfill) only where that cannot delay the head's expected start: when it is
+expected to end before then, or when it fits in the memory the head will leave spare at that
+time. Both need run times: when the head's start cannot be told (a job it waits for has no
+estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own never
+takes room the head is waiting for. Either may use the GPUs that are not held.
 """
 
 from __future__ import annotations
@@ -428,39 +425,10 @@ def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | N
     return _NEVER
 
 
-def _head_need(claim: Claim, room: GpuRoom) -> int:
-    """Bytes the head needs on this GPU to start (a whole GPU: all that gpuwait may use)."""
-    if claim.request is None:
-        return max(1, room.usable - room.external)
-    return max(1, claim.request.on(room.gpu.total_bytes))
-
-
-def _taken_behind(behind: Sequence[Claim], room: GpuRoom, conditions: Conditions) -> int:
-    """How much of this GPU's free memory the waiters behind the head could take now between
-    them: what holding it for the head keeps from them."""
-    wanted = 0
-    for claim in behind:
-        need = need_on(claim, room, conditions)
-        if need is not None and need <= room.room:
-            wanted += need
-            if wanted >= room.room:
-                return room.room
-    return wanted
-
-
 def _hold_for(
-    claim: Claim,
-    rooms: Mapping[str, GpuRoom],
-    running: Sequence[Claim],
-    conditions: Conditions,
-    behind: Sequence[Claim] = (),
+    claim: Claim, rooms: Mapping[str, GpuRoom], running: Sequence[Claim], conditions: Conditions
 ) -> Hold | None:
-    """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner.
-
-    Among GPUs where it would start as soon (all of them when no start can be told), those
-    nearest to fitting it, counting as missing the memory that the waiters behind could use
-    there now: holding a GPU whose free memory nothing behind fits in keeps nobody out.
-    """
+    """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner."""
     times: dict[str, tuple[GpuRoom, float]] = {}
     for uuid, room in rooms.items():
         if not _static_ok(claim, room.gpu) or not _util_ok(claim, uuid, conditions):
@@ -471,15 +439,9 @@ def _hold_for(
     wanted = claim.gpus_wanted
     if len(times) < wanted:
         return None
-    # The soonest the head can start: any `wanted` of the GPUs ready by then give that start.
-    start = sorted(when for _, when in times.values())[wanted - 1]
-    startable = [c for c in behind if c.blocked is None]
-
-    def shortfall(room: GpuRoom) -> tuple[int, int]:
-        kept_out = _taken_behind(startable, room, conditions)
-        return (_head_need(claim, room) - room.room + kept_out, room.gpu.index)
-
-    chosen = sorted((r for r, when in times.values() if when <= start), key=shortfall)[:wanted]
+    ranked = sorted(times.values(), key=lambda rt: (rt[1], -rt[0].room, rt[0].gpu.index))
+    chosen = [room for room, _ in ranked[:wanted]]
+    start = max(when for _, when in ranked[:wanted])
     if len(claim.held) == wanted and all(u in times for u in claim.held):
         held_start = max(times[u][1] for u in claim.held)
         # A hold moves only to GPUs where the head is expected to start strictly sooner, so
@@ -593,7 +555,7 @@ def plan(
             continue
         note = None
         if hold is None:
-            hold = _hold_for(claim, rooms, running, conditions, waiting[position + 1 :])
+            hold = _hold_for(claim, rooms, running, conditions)
             if hold is not None:
                 spare = dict(hold.spare)
                 note = _held_note(hold, rooms)

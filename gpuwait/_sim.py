@@ -128,12 +128,22 @@ def default_uuid(path: str, index: int) -> str:
     return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
 
 
+#: Parsed simulation files by path, with the stat figures they were read at: a snapshot re-reads
+#: the file only when it changed (GPUs added, lost, resized) since the last time.
+_parsed: dict[str, tuple[tuple[int, int, int, int], SimConfig]] = {}
+
+
 def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     """Read and check the file. Raises BackendUnavailable with a one-line message."""
     resolved = resolve_path(path)
     shown = os.fspath(path)
     try:
         with open(resolved, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            stamp = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            known = _parsed.get(resolved)
+            if known is not None and known[0] == stamp:
+                return known[1]
             data = tomllib.load(handle)
     except FileNotFoundError:
         raise BackendUnavailable(
@@ -153,7 +163,9 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
         gpus = _parse_gpus(data, resolved)
     except _Invalid as exc:
         raise BackendUnavailable(f"simulation file {shown}: {exc}", hint=_HINT) from None
-    return SimConfig(path=resolved, gpus=gpus)
+    config = SimConfig(path=resolved, gpus=gpus)
+    _parsed[resolved] = (stamp, config)
+    return config
 
 
 def _parse_gpus(data: dict[str, Any], path: str) -> tuple[SimGpu, ...]:

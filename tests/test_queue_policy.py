@@ -131,39 +131,6 @@ def test_gang_head_holds_all_its_gpus() -> None:
     assert "GPU0,GPU1 held" in (decided.waiting["gang"].note or "")
 
 
-def test_head_without_estimates_holds_where_it_keeps_nobody_out() -> None:
-    # GPU1 is nearer to fitting the big job, but its 11.6 GiB free would run the small jobs
-    # behind it; GPU0's 1.6 GiB fits none of them, so holding GPU0 costs them nothing.
-    cards = [card(0), card(1)]
-    running = [runner("r0", (0,), 20), runner("r1", (1,), 10)]
-    smalls = [waiter(f"s{n}", 4, order=2 + n) for n in range(3)]
-    decided = plan(cards, [*running, waiter("big", 16, order=1), *smalls], 0.9)
-    assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0),)
-    assert decided.admitted == {"s0": (uuid(1),), "s1": (uuid(1),)}
-    # The big job still goes first on GPU0 as soon as r0 has ended, small jobs or not.
-    later = [
-        running[1],
-        waiter("big", 16, order=1)._replace(held=decided.hold.gpu_uuids),
-        waiter("s2", 4, order=4),
-        waiter("s5", 4, order=5),
-    ]
-    assert plan(cards, later, 0.9).admitted["big"] == (uuid(0),)
-
-
-def test_gang_without_estimates_holds_where_it_keeps_nobody_out() -> None:
-    cards = [card(0), card(1), card(2)]
-    claims = [
-        runner("r0", (0,), 20),
-        runner("r1", (1,), 20),
-        runner("r2", (2,), 10),
-        waiter("gang", 16, order=1, gpus_wanted=2),
-        *(waiter(f"s{n}", 4, order=2 + n) for n in range(3)),
-    ]
-    decided = plan(cards, claims, 0.9)
-    assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0), uuid(1))
-    assert set(decided.admitted) == {"s0", "s1"}
-
-
 def test_blocked_waiter_is_not_the_head() -> None:
     cards = [card(0)]
     claims = [
@@ -351,22 +318,6 @@ def test_backfill_never_delays_the_heads_start(
     assert alone is not None and first.hold.start_in is not None
     assert alone <= first.hold.start_in
     assert with_all is not None and with_all <= alone
-
-
-@settings(max_examples=300, deadline=None)
-@given(queues(known_times=True))
-def test_jobs_behind_the_head_never_change_its_expected_start(
-    machine: tuple[list[GpuSnapshot], list[Claim]],
-) -> None:
-    """What waits behind the head may change which GPUs it holds (it keeps out as little as it
-    can), never when it is expected to start there."""
-    cards, claims = machine
-    decided = plan(cards, claims, 0.9)
-    if decided.hold is None:
-        return
-    alone = plan(cards, _upto_head(claims, decided.hold.job_id), 0.9)
-    assert alone.hold is not None and alone.hold.job_id == decided.hold.job_id
-    assert decided.hold.start_in == alone.hold.start_in
 
 
 @settings(max_examples=300, deadline=None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -198,10 +197,23 @@ def _check_command(argv: Sequence[str]) -> str:
         if os.path.isdir(name) or not os.access(name, os.X_OK):
             raise _CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE)
         return name
-    found = shutil.which(name)
+    found = _which(name)
     if found is None:
         raise _CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
     return found
+
+
+def _which(name: str) -> str | None:
+    """The first executable file `name` in PATH, as shutil.which finds it on POSIX.
+
+    Not shutil itself: importing it (with the compression modules it pulls in) costs more than
+    a launch can spare.
+    """
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(directory or ".", name)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
 
 
 class _CommandProblem(Exception):
