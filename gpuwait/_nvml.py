@@ -14,16 +14,48 @@ no single GPU (init, the GPU count) makes the backend unavailable. Figures that 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import pynvml  # type: ignore[import-untyped]
 
 from gpuwait._errors import BackendUnavailable
 from gpuwait._sizes import format_size
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+
+
+def _import_pynvml() -> Any:
+    """pynvml, without loading the ctypes.util that it imports and never calls on Linux.
+
+    `from ctypes.util import find_library` pulls in subprocess, shutil and tempfile: some 15 ms
+    of every launch on a GPU machine. A stand-in answers for ctypes.util while pynvml is imported
+    (its find_library loads the real one if ever called) and is gone again right after, so
+    anything importing ctypes.util later gets the real module.
+    """
+    if "pynvml" in sys.modules or "ctypes.util" in sys.modules:
+        import pynvml  # type: ignore[import-untyped]
+
+        return pynvml
+
+    def find_library(name: str) -> str | None:
+        from ctypes.util import find_library as real
+
+        return real(name)
+
+    stand_in = types.ModuleType("ctypes.util")
+    stand_in.find_library = find_library  # type: ignore[attr-defined]
+    sys.modules["ctypes.util"] = stand_in
+    try:
+        import pynvml
+    finally:
+        if sys.modules.get("ctypes.util") is stand_in:
+            del sys.modules["ctypes.util"]
+    return pynvml
+
+
+pynvml = _import_pynvml()
 
 T = TypeVar("T")
 

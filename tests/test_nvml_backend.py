@@ -450,3 +450,16 @@ def test_subprocess_init_failure(fake_nvml: FakeNvml) -> None:
     assert result.stdout.splitlines()[0] == (
         "NVIDIA driver is installed but not loaded (NVML error 9)"
     )
+
+
+def test_pynvml_loads_without_ctypes_util_and_leaves_the_real_one_importable() -> None:
+    code = (
+        "import sys, gpuwait._nvml as n\n"
+        "assert n.pynvml.nvmlInit and 'ctypes.util' not in sys.modules\n"
+        "import ctypes.util\n"
+        "print(ctypes.util.__file__, n.pynvml.find_library('c'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path, found = done.stdout.split()
+    assert path.endswith("ctypes/util.py") and "libc" in found
