@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -64,6 +65,32 @@ if _out:
             os.write(fd, line.encode())
             os.close(fd)
     _ledger.Ledger.transaction = _traced
+    # Per process, while the measured window runs (the `go` file exists): how often its waiting
+    # loop woke (it looks at the summary first thing), read the GPUs, read the whole ledger
+    # (a supervising gpuwait's readings are not counted);
+    # kept in OUT.PID, rewritten at most twice a second (a terminated waiter runs no atexit).
+    import gpuwait._wake as _wake, gpuwait._sim as _sim
+    _go = os.environ["GPUWAIT_BENCH_GO"]
+    _counts = {"wakes": 0, "snapshots": 0, "reads": 0}
+    _dumped = [0.0]
+    def _waiting():
+        f = sys._getframe(2)
+        while f is not None and f.f_code.co_name != "wait_for_admission":
+            f = f.f_back
+        return f is not None
+    def _counting(name, fn):
+        def counted(*a, **k):
+            if os.path.exists(_go) and _waiting():
+                _counts[name] += 1
+                if time.monotonic() - _dumped[0] > 0.5:
+                    _dumped[0] = time.monotonic()
+                    with open("%s.%d" % (_out, os.getpid()), "w") as f:
+                        f.write("%(wakes)d %(snapshots)d %(reads)d" % _counts)
+            return fn(*a, **k)
+        return counted
+    _wake.file_token = _counting("wakes", _wake.file_token)
+    _ledger.Ledger.read = _counting("reads", _ledger.Ledger.read)
+    _sim.SimBackend.snapshot = _counting("snapshots", _sim.SimBackend.snapshot)
 """
 
 
@@ -101,6 +128,7 @@ def run(
     waiters: int, releases: int, hold: float, trace: bool, gpus: int, ramp: float | None
 ) -> dict[str, object]:
     env = sandbox(gpus=gpus, memory="24GiB")
+    releases = min(releases, waiters // 2)  # so that the queue stays long meanwhile
     work = Path(env["XDG_STATE_HOME"]).parent
     go = work / "go"
     trace_file = work / "locks.txt"
@@ -109,6 +137,7 @@ def run(
         (site / "sitecustomize.py").write_text(TRACER)
         env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
         env["GPUWAIT_BENCH_LOCK_TRACE"] = str(trace_file)
+        env["GPUWAIT_BENCH_GO"] = str(go)
     # Every command waits for `go` (so the whole queue forms first), holds, and stamps its exit.
     # With --ramp, a simulated CUDA job (a Python process whose memory grows, so its gpuwait
     # publishes samples) instead of `sleep`: closer to a real job's load on the ledger.
@@ -148,6 +177,10 @@ def run(
     ended = time.time()
     window = ended - began
     cpu_after = sum(cpu_seconds(pid) for pid in waiting_pids)
+    counts = []
+    for pid in waiting_pids:
+        with contextlib.suppress(OSError, ValueError):
+            counts.append([int(x) for x in Path(f"{trace_file}.{pid}").read_text().split()])
     for proc in procs:
         proc.terminate()
     for proc in procs:
@@ -180,6 +213,7 @@ def run(
     }
     if trace and trace_file.exists():
         rows = [line.split() for line in trace_file.read_text().splitlines()]
+        result["counts"] = [sum(c[i] for c in counts) for i in range(3)]
         # Only the measured window: not the leaves of the processes terminated after it.
         result["locks"] = [
             (r[1], float(r[2]), float(r[3]), float(r[4])) for r in rows if float(r[2]) <= ended
@@ -216,9 +250,17 @@ def main() -> None:
         for key in ("exit_to_release", "release_to_admit", "release_to_start"):
             print("   ", summary(f"{key.replace('_', ' '):>18}", r[key]))  # type: ignore[arg-type]
         print(
-            f"    waiting processes' CPU: {r['waiter_cpu_pct']:.0f} % of a core "
+            f"    CPU of the queued gpuwait processes (incl. those admitted meanwhile): {r['waiter_cpu_pct']:.0f} % of a core "
             f"over {r['window']:.1f}s; idle before: {r['idle_cpu_pct']:.0f} %"
         )
+        counts = r.get("counts")
+        if counts:
+            wakes, snapshots, reads = counts  # type: ignore[misc]
+            per_s = float(r["window"])  # type: ignore[arg-type]
+            print(
+                f"    waiting processes, per second: {wakes / per_s:.0f} wake-ups, "
+                f"{snapshots / per_s:.1f} GPU readings, {reads / per_s:.1f} unlocked ledger reads"
+            )
         locks = r.get("locks")
         if locks:
             by = collections.defaultdict(list)

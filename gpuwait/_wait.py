@@ -337,6 +337,7 @@ def wait_for_admission(
                 # Releases counted from here on come after this plan's reading: seen next time.
                 seen = _wake.read_summary(state_dir)
                 last_release = seen.release if seen is not None else None
+                queue_length = len(seen.waiting) if seen is not None else queue_length
                 outcome = attempt()
                 if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                     return outcome
