@@ -262,7 +262,8 @@ OPTIONS: tuple[Option, ...] = (
         "wake",
         _choice("inotify", "poll"),
         "inotify",
-        "how waiters notice the queue changing: inotify (Linux), or poll every poll_interval",
+        "how waiters notice the queue changing: inotify (signalled by the writer; inotify in a "
+        "shared ledger dir), or poll every poll_interval",
     ),
     Option(
         "poll_interval",

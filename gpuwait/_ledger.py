@@ -482,10 +482,12 @@ class Ledger:
             self._prepare(create=True)
         except OSError as exc:
             raise self._unusable(exc) from None
+        to_wake: set[int] = set()
         with self._locked(fcntl.LOCK_EX):
             try:
                 data, raw, rewrite = self._load(repair=True)
                 before = _wake.fingerprint(data.jobs)
+                present = {j.id: (j.state, j.pid) for j in data.jobs}
                 self.reaped = [j for j in data.jobs if not j.is_alive()]
                 for job in self.reaped:
                     data.jobs.remove(job)
@@ -500,12 +502,15 @@ class Ledger:
                 if not self.shared:
                     self._prune_temp_files()
                 yield data
-                if _wake.released(before, _wake.fingerprint(data.jobs)):
+                release = _wake.released(before, _wake.fingerprint(data.jobs))
+                if release:
                     data.release_seq += 1
                 encoded = data.to_json()
                 if rewrite or encoded != raw or not _wake.wake_path(self.directory).exists():
                     self._write(encoded)
                     self._write_summary(_wake.summary(data.jobs, data.release_seq))
+                    quiet = frozenset(j.id for j in (*self.reaped, *self.forged))
+                    to_wake = _wake.concerned(present, data.jobs, quiet, release)
                 # Taken under the lock, so they describe exactly the file as it now is.
                 self.token, self.committed = self.change_token(), data
             except OSError as exc:
@@ -513,6 +518,8 @@ class Ledger:
                     f"ledger {self.path} cannot be written: {exc.strerror}",
                     hint="free disk space or set GPUWAIT_STATE_DIR to a writable directory",
                 ) from None
+        # Once the lock is free: a woken waiter's first move may be to take it.
+        _wake.kick(to_wake)
 
     def _note_reaped(self, data: LedgerData, job: Job) -> None:
         """A vanished gpuwait process: its job counts as lost (failed, where it ran)."""

@@ -26,7 +26,10 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot, or None if there is no such process."""
-    fields = _stat_fields(pid)
+    return _start_of(_stat_fields(pid))
+
+
+def _start_of(fields: list[str] | None) -> int | None:
     if fields is None or len(fields) < 20:
         return None
     try:
@@ -55,7 +58,10 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
     """True when `pid` runs and, if `expected_start` is given, is the process that started then."""
     if pid <= 0:
         return False
-    current = start_time(pid)
+    # One read of /proc/PID/stat for both the start time and the state: the ledger checks
+    # every entry this way under its lock, in every transaction.
+    fields = _stat_fields(pid)
+    current = _start_of(fields)
     if current is None:
         # /proc mounted with hidepid hides other users' processes; kill(pid, 0) still tells
         # whether one exists (EPERM), though not when it started.
@@ -68,7 +74,7 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
         return False
     if expected_start is not None and current != expected_start:
         return False
-    return not is_zombie(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def command_name(pid: int) -> str | None:

@@ -5,9 +5,11 @@ milliseconds), while every waiter reading NVML and re-planning on every change w
 machine with a hundred of them. So:
 - every plan is made for the whole queue, and admits every waiter that fits (not only the one
   that plans); the others find themselves admitted in the ledger and start;
-- waiters sleep until `wake.json` changes (inotify, see `_watch`; else a stat poll every
-  `poll_interval`), a signal arrives, or it is time to read the GPUs again; on a change each reads
-  only that small summary (see `_wake`). After a release, the first waiter in the queue plans;
+- waiters sleep until a change concerns them, a signal arrives, or it is time to read the GPUs
+  again: in a private ledger the writer signals just those waiters; in a shared one `wake.json`
+  is watched (inotify, see `_watch`); with `wake = poll` it is stat-polled every `poll_interval`.
+  On a change each reads only that small summary (see `_wake`). After a release, the first
+  waiter in the queue plans;
 - the GPUs are re-read every `nvml_interval` (with jitter) to notice processes outside gpuwait
   coming and going, by whichever waiter's timer fires first: the others skip their turn.
 Every admission is decided under the ledger lock with a fresh snapshot, so two plans never both
@@ -45,8 +47,11 @@ from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
 #: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
 UTIL_SAMPLE_INTERVAL = 0.2
-#: A waiter plans for itself at least this often, so its waiting line stays current.
+#: A waiter plans for itself at least this often, so its waiting line stays current...
 OWN_PLAN_INTERVAL = 10.0
+#: ... or, in a long queue, every this many seconds per waiter: a hundred waiters each reading
+#: the GPUs and the whole ledger every 10 s would keep a third of a core busy doing nothing.
+OWN_PLAN_SPACING = 0.5
 #: After a release, the second waiter plans if the first has not within this long (it may be
 #: stopped, e.g. suspended with Ctrl-Z).
 BACKUP_DELAY = 0.25
@@ -256,6 +261,9 @@ def wait_for_admission(
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
     watch = None
+    # In a private ledger every writer is this user, and signals the waiters a change concerns.
+    kicked = use_inotify and not ledger.shared
+    queue_length = 1
     last: MachineSnapshot | None = None
     #: (monotonic time to act, wall time the release was seen) while standing in for the first.
     backup: tuple[float, float] | None = None
@@ -307,6 +315,7 @@ def wait_for_admission(
                     if any(d not in unfinished for d in (*job.after, *job.after_ok)):
                         event = True
                     last_release = seen.release
+                    queue_length = len(seen.waiting)
             if check_admitted:
                 admitted = _admitted_by_another(ledger, job, last)
                 if admitted is not None:
@@ -328,6 +337,7 @@ def wait_for_admission(
                 # Releases counted from here on come after this plan's reading: seen next time.
                 seen = _wake.read_summary(state_dir)
                 last_release = seen.release if seen is not None else None
+                queue_length = len(seen.waiting) if seen is not None else queue_length
                 outcome = attempt()
                 if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                     return outcome
@@ -338,25 +348,29 @@ def wait_for_admission(
                 if wants_utilization and window.needs_more():
                     interval = min(interval, UTIL_SAMPLE_INTERVAL)
                 next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
-                next_own = time.monotonic() + OWN_PLAN_INTERVAL
-            if watch is None:
+                next_own = time.monotonic() + max(
+                    OWN_PLAN_INTERVAL, OWN_PLAN_SPACING * queue_length
+                )
+            if watch is None and not kicked:
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait._watch import LedgerWatch
 
                 watch = LedgerWatch(state_dir if use_inotify else None, bool(ledger.shared))
                 continue  # the summary may have changed before the watch began
+            watching = watch is not None and watch.active
             wake_at = next_read if backup is None else min(next_read, backup[0])
-            sleep = max(0.0, wake_at - time.monotonic()) if watch.active else poll_interval
+            sleep = max(0.0, wake_at - time.monotonic()) if kicked or watching else poll_interval
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     # Admitted by another waiter's plan at the last moment: then it runs.
                     return _admitted_by_another(ledger, job, last) or TimedOut(reason)
                 sleep = min(sleep, remaining)
-            info = _signals.next_signal(sleep, also=(watch.wake_signal,) if watch.active else ())
+            also = (watch.wake_signal,) if watch is not None and watching else ()
+            info = _signals.next_signal(sleep, also=also)
             if info is None or info.si_signo == signal.SIGCHLD:
-                continue
-            if watch.active and info.si_signo == watch.wake_signal:
+                continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)
+            if watch is not None and watching and info.si_signo == watch.wake_signal:
                 watch.drain()
                 continue
             return Interrupted(info.si_signo)

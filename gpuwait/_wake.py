@@ -17,6 +17,14 @@ Everything else waits for the waiter's periodic re-read of the GPUs, which is sh
 waiter skips its own when any waiter planned less than an interval ago (`plan.stamp`'s mtime).
 If the first waiter does not plan after a release within a moment (it may be suspended), the
 second one does.
+
+How a waiter learns that the summary changed: in a shared ledger directory, by watching the
+directory (inotify). In a private one every writer is the same user, so the transaction itself
+signals (SIGCHLD: harmless to any process, and blocked by gpuwait from its start, so never lost)
+only the waiters a change concerns - those it admitted, removed, or whose dependency left, and
+after a release the first two in line - once the lock is let go (`concerned`). A watch would
+wake every waiter on every write, and with a hundred of them those wake-ups alone starve the
+process that is trying to release its room.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,11 +48,14 @@ RUNNING = "running"
 
 class _Entry(Protocol):
     id: str
+    pid: int
     state: str
     priority: int
     order: int
     reserved_bytes: int
     held_gpus: list[str]
+    after: list[str]
+    after_ok: list[str]
 
 
 Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
@@ -65,6 +77,41 @@ def released(before: Fingerprint, after: Fingerprint) -> bool:
         if held and not set(held) <= set(now[2]):
             return True
     return False
+
+
+def concerned(
+    before: Mapping[str, tuple[str, int]],
+    jobs: Iterable[_Entry],
+    gone_quietly: frozenset[str],
+    release: bool,
+) -> set[int]:
+    """The processes to signal after a transaction turned `before` ({id: (state, pid)}) into
+    `jobs`: those it admitted, those it removed (cancelled) unless `gone_quietly` (dead or
+    forged), waiters whose dependency left, and after a `release` the first two waiters."""
+    entries = list(jobs)
+    live = {j.id for j in entries}
+    left = {i for i in before if i not in live}
+    pids = {pid for i, (_, pid) in before.items() if i in left and i not in gone_quietly}
+    for j in entries:
+        was = before.get(j.id)
+        admitted = j.state == RUNNING and was is not None and was[0] != RUNNING
+        unblocked = j.state != RUNNING and bool(left.intersection((*j.after, *j.after_ok)))
+        if admitted or unblocked:
+            pids.add(j.pid)
+    if release:
+        waiting = sorted(
+            (j for j in entries if j.state != RUNNING), key=lambda j: (-j.priority, j.order)
+        )
+        pids.update(j.pid for j in waiting[:2])
+    pids.discard(os.getpid())
+    return pids
+
+
+def kick(pids: Iterable[int]) -> None:
+    """Wake these waiters (SIGCHLD ends their sleep; its default action is to do nothing)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile, or another user's (shared dir)
+            os.kill(pid, signal.SIGCHLD)
 
 
 def wake_path(state_dir: Path) -> Path:
