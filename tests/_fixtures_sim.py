@@ -91,6 +91,54 @@ def start_sim_job(
     return subprocess.Popen([*SIMJOB, *args], env=full_env, text=True, **popen)
 
 
+def hold_card(
+    gpuwait_cmd: list[str], vram: str, seconds: str, *extra: str
+) -> subprocess.Popen[str]:
+    """A gpuwait job that holds `vram` of a simulated card for a while."""
+    return subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            vram,
+            *extra,
+            "--",
+            *gpuwait_cmd,
+            "sim",
+            "job",
+            "--vram",
+            vram,
+            "--hold",
+            seconds,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+#: `run(*args, env={...}, **subprocess_kw)`: the gpuwait CLI in a child process, output captured.
+Run = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def run_gpuwait(gpuwait_cmd: list[str]) -> Run:
+    """Runs the CLI with the test's environment plus `env`, text output captured, 60 s at most."""
+
+    def run(
+        *args: str, env: dict[str, str] | None = None, **kw: Any
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # type: ignore[no-any-return]
+            [*gpuwait_cmd, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **(env or {})},
+            **kw,
+        )
+
+    return run
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> Any:
     """Poll until `predicate()` is truthy and return it; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _fixtures_sim import Run
 
 from gpuwait import _history, _proc
 from gpuwait._ledger import Job, Ledger
@@ -28,25 +28,13 @@ DAMAGE = {
     "future schema": b'{"schema": 2, "jobs": [], "created_at": 1.0, "next_order": 1}',
 }
 
-Run = Callable[..., subprocess.CompletedProcess[str]]
-
 
 @pytest.fixture
-def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]) -> Run:
+def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_gpuwait: Run) -> Run:
     sim = tmp_path / "sim.toml"
     assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
     monkeypatch.setenv("GPUWAIT_SIM", str(sim))
-
-    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*gpuwait_cmd, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, **(env or {})},
-        )
-
-    return run
+    return run_gpuwait
 
 
 def warnings_of(stderr: str) -> list[str]:

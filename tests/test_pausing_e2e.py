@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _fixtures_sim import hold_card
 
 IGNORER = textwrap.dedent(
     """
@@ -70,25 +71,7 @@ def long_job(
 
 
 def urgent_job(gpuwait_cmd: list[str], vram: str = "16G") -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "5",
-            "--vram",
-            vram,
-            "--",
-            *gpuwait_cmd,
-            "sim",
-            "job",
-            "--vram",
-            vram,
-            "--hold",
-            "1s",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return hold_card(gpuwait_cmd, vram, "1s", "--priority", "5")
 
 
 def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _fixtures_sim import hold_card
 
 from gpuwait.cli import main
 
@@ -158,31 +159,6 @@ def test_ctrl_c_at_a_terminal_reaches_the_command_once(
         assert child.exitstatus == 41
     finally:
         child.terminate(force=True)
-
-
-def hold_card(
-    gpuwait_cmd: list[str], vram: str, seconds: str, *extra: str
-) -> subprocess.Popen[str]:
-    """A gpuwait job that holds `vram` of a simulated card for a while."""
-    return subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--vram",
-            vram,
-            *extra,
-            "--",
-            *gpuwait_cmd,
-            "sim",
-            "job",
-            "--vram",
-            vram,
-            "--hold",
-            seconds,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def ledger_jobs() -> list[dict[str, object]]:

@@ -7,17 +7,15 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _fixtures_sim import Run
 
 from gpuwait import _proc
 from gpuwait._ledger import MAX_ENTRIES_PER_UID, MAX_FILE_BYTES, Job, Ledger
 from gpuwait._security import UnsafePath, control_refusal, open_state_file, printable
 from gpuwait.cli import main
-
-Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
@@ -29,20 +27,8 @@ def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def gw(sim: Path, gpuwait_cmd: list[str]) -> Run:
-    def run(
-        *args: str, env: dict[str, str] | None = None, **kw: object
-    ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(  # type: ignore[call-overload, no-any-return]
-            [*gpuwait_cmd, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, **(env or {})},
-            **kw,
-        )
-
-    return run
+def gw(sim: Path, run_gpuwait: Run) -> Run:
+    return run_gpuwait
 
 
 def state_dir() -> Path:

@@ -15,10 +15,11 @@ import errno
 import json
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _fixtures_sim import Run
 
 from gpuwait import _atomic, _proc
 from gpuwait._errors import StateError
@@ -26,25 +27,13 @@ from gpuwait._history import append_record
 from gpuwait._ledger import Job, Ledger
 from gpuwait.cli import main
 
-Run = Callable[..., subprocess.CompletedProcess[str]]
-
 
 @pytest.fixture
-def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]) -> Run:
+def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_gpuwait: Run) -> Run:
     sim = tmp_path / "sim.toml"
     assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
     monkeypatch.setenv("GPUWAIT_SIM", str(sim))
-
-    def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*gpuwait_cmd, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, **(env or {})},
-        )
-
-    return run
+    return run_gpuwait
 
 
 @pytest.fixture
