@@ -49,11 +49,6 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
-def is_zombie(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] in ("Z", "X")
-
-
 def is_alive(pid: int, expected_start: int | None) -> bool:
     """True when `pid` runs and, if `expected_start` is given, is the process that started then."""
     if pid <= 0:
@@ -74,6 +69,7 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
         return False
     if expected_start is not None and current != expected_start:
         return False
+    # State Z or X: exited (a zombie not yet reaped, or dead).
     return fields is not None and fields[0] not in ("Z", "X")
 
 
