@@ -55,6 +55,17 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 @pytest.fixture
+def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Two simulated 24 GiB GPUs made by `gpuwait sim init`, selected through GPUWAIT_SIM."""
+    from gpuwait.cli import main
+
+    path = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(path), "--gpus", "2", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(path))
+    return path
+
+
+@pytest.fixture
 def sim_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimFileFactory:
     """Factory: `sim_file(gpus=2, memory="24GiB", speed=[1.0, 2.0], ...)` -> path of the file.
 

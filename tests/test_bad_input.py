@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from gpuwait.cli import main
-
 # (argv, environment, user config text, site config text, exit code, words in the message)
 Case = tuple[list[str], dict[str, str], str | None, str | None, int, str]
 
@@ -126,14 +124,6 @@ CASES: dict[str, Case] = {
     ),
     "site broken toml": (["true"], {}, None, "user_max_gpus = \n", 2, "site config file"),
 }
-
-
-@pytest.fixture
-def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "sim.toml"
-    assert main(["sim", "init", str(path), "--gpus", "2", "--memory", "24GiB"]) == 0
-    monkeypatch.setenv("GPUWAIT_SIM", str(path))
-    return path
 
 
 def test_there_are_at_least_thirty_cases() -> None:

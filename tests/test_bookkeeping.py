@@ -6,9 +6,10 @@ import json
 import os
 from pathlib import Path
 
-from gpuwait import _proc
+from _jobs import live_job
+
 from gpuwait._bookkeeping import CANCELLED, FAILED, FINISHED_KEPT, OK, Book, Finished
-from gpuwait._ledger import Job, Ledger
+from gpuwait._ledger import Ledger
 from gpuwait._snapshot import GpuSnapshot, MachineSnapshot
 
 
@@ -82,17 +83,7 @@ def test_damaged_book_is_started_afresh_without_losing_the_queue(tmp_path: Path)
     ledger = Ledger(tmp_path)
     me = os.getpid()
     with ledger.transaction() as data:
-        data.jobs.append(
-            Job(
-                id="live",
-                pid=me,
-                start_time=_proc.start_time(me) or 0,
-                uid=os.getuid(),
-                command=["x"],
-                cwd="/",
-                request={"bytes": 1},
-            )
-        )
+        data.jobs.append(live_job("live", me))
         data.book.note_finished(Finished("old", OK, 1000.0))
     raw = json.loads((tmp_path / "ledger.json").read_text())
     raw["book"]["finished"] = [{"id": 7}]

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 from _fixtures_sim import Run
+from _jobs import live_job
 
-from gpuwait import _history, _proc
-from gpuwait._ledger import Job, Ledger
+from gpuwait import _history
+from gpuwait._ledger import Ledger
 from gpuwait.cli import main
 
 DAMAGE = {
@@ -39,19 +40,6 @@ def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_gpuwait: Run) -> Run
 
 def warnings_of(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("gpuwait: warning:")]
-
-
-def me_job(job_id: str) -> Job:
-    pid = os.getpid()
-    return Job(
-        id=job_id,
-        pid=pid,
-        start_time=_proc.start_time(pid) or 0,
-        uid=os.getuid(),
-        command=["x"],
-        cwd="/",
-        request={"bytes": 1},
-    )
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))
@@ -82,7 +70,7 @@ def shared_dir(tmp_path: Path) -> Path:
 def test_torn_shared_ledger_is_rebuilt_from_its_journal_silently(tmp_path: Path, kind: str) -> None:
     ledger = Ledger(shared_dir(tmp_path))
     with ledger.transaction() as data:
-        data.jobs.append(me_job("kept"))
+        data.jobs.append(live_job("kept"))
     # A writer killed halfway through ledger.json: the journal holds the whole new state.
     ledger.path.write_bytes(DAMAGE[kind])
     again = Ledger(ledger.directory)
@@ -96,9 +84,9 @@ def test_torn_shared_ledger_is_rebuilt_from_its_journal_silently(tmp_path: Path,
 def test_torn_write_is_caught_by_the_checksum(tmp_path: Path) -> None:
     ledger = Ledger(shared_dir(tmp_path))
     with ledger.transaction() as data:
-        data.jobs.append(me_job("old"))
+        data.jobs.append(live_job("old"))
     with ledger.transaction() as data:
-        data.jobs.append(me_job("new"))
+        data.jobs.append(live_job("new"))
     # The first bytes of the new file over the old one: still valid JSON, but not what was
     # written. The checksum tells, and the journal's whole copy is used.
     whole = ledger.path.read_bytes()
@@ -113,7 +101,7 @@ def test_torn_write_is_caught_by_the_checksum(tmp_path: Path) -> None:
 def test_shared_ledger_damaged_in_both_copies_is_kept_aside(tmp_path: Path, kind: str) -> None:
     ledger = Ledger(shared_dir(tmp_path))
     with ledger.transaction() as data:
-        data.jobs.append(me_job("lost"))
+        data.jobs.append(live_job("lost"))
     ledger.path.write_bytes(DAMAGE[kind])
     ledger.journal_path.write_bytes(b"also broken")
     again = Ledger(ledger.directory)
@@ -233,7 +221,7 @@ def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> Non
 
     ledger = Ledger(shared_dir(tmp_path))
     with ledger.transaction() as data:
-        data.jobs.append(me_job("anchor"))
+        data.jobs.append(live_job("anchor"))
     writers = [
         subprocess.Popen([sys.executable, "-c", CHURN, str(ledger.directory), "150"])
         for _ in range(4)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _jobs import live_job
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwait import _history, _proc
+from gpuwait import _history
 from gpuwait._config import OPTIONS, load_config_file, resolve
 from gpuwait._devices import parse_devices_option, parse_inherited_visible
 from gpuwait._errors import BackendUnavailable, UsageError
@@ -131,17 +131,7 @@ def test_config_files(tmp_path: Path, content: bytes) -> None:
 
 
 def _valid_entry() -> dict[str, Any]:
-    pid = os.getpid()
-    job = Job(
-        id="x",
-        pid=pid,
-        start_time=_proc.start_time(pid) or 0,
-        uid=os.getuid(),
-        command=["c"],
-        cwd="/",
-        request={"bytes": 1},
-    )
-    return dict(vars(job))
+    return dict(vars(live_job("x", command=["c"])))
 
 
 FIELDS = sorted(_valid_entry())

@@ -14,18 +14,7 @@ from pathlib import Path
 import pytest
 from _fixtures_sim import hold_card
 
-from gpuwait.cli import main
-
 GiB = 2**30
-
-
-@pytest.fixture
-def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Two simulated 24 GiB GPUs, selected through GPUWAIT_SIM."""
-    path = tmp_path / "sim.toml"
-    assert main(["sim", "init", str(path), "--gpus", "2", "--memory", "24GiB"]) == 0
-    monkeypatch.setenv("GPUWAIT_SIM", str(path))
-    return path
 
 
 def uuids(sim: Path) -> list[str]:

@@ -11,19 +11,11 @@ from pathlib import Path
 
 import pytest
 from _fixtures_sim import Run
+from _jobs import live_job
 
 from gpuwait import _proc
 from gpuwait._ledger import MAX_ENTRIES_PER_UID, MAX_FILE_BYTES, Job, Ledger
 from gpuwait._security import UnsafePath, control_refusal, open_state_file, printable
-from gpuwait.cli import main
-
-
-@pytest.fixture
-def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "sim.toml"
-    assert main(["sim", "init", str(path), "--gpus", "2", "--memory", "24GiB"]) == 0
-    monkeypatch.setenv("GPUWAIT_SIM", str(path))
-    return path
 
 
 @pytest.fixture
@@ -158,17 +150,7 @@ def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
 
 
 def _entry(job_id: str, **changes: object) -> dict[str, object]:
-    me = os.getpid()
-    job = Job(
-        id=job_id,
-        pid=me,
-        start_time=_proc.start_time(me) or 0,
-        uid=os.getuid(),
-        command=["x"],
-        cwd="/",
-        request={"bytes": 1},
-    )
-    return {**vars(job), **changes}
+    return {**vars(live_job(job_id)), **changes}
 
 
 def _write_ledger(directory: Path, jobs: list[dict[str, object]]) -> None:

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 from _fixtures_sim import Run
+from _jobs import live_job
 
-from gpuwait import _atomic, _proc
+from gpuwait import _atomic
 from gpuwait._errors import StateError
 from gpuwait._history import append_record
-from gpuwait._ledger import Job, Ledger
+from gpuwait._ledger import Ledger
 from gpuwait.cli import main
 
 
@@ -70,19 +71,6 @@ def fill(directory: Path) -> None:
         os.close(fd)
 
 
-def me_job(job_id: str) -> Job:
-    pid = os.getpid()
-    return Job(
-        id=job_id,
-        pid=pid,
-        start_time=_proc.start_time(pid) or 0,
-        uid=os.getuid(),
-        command=["x"],
-        cwd="/",
-        request={"bytes": 1},
-    )
-
-
 def no_temp_files(directory: Path) -> None:
     assert [p.name for p in directory.iterdir() if p.name.endswith(".tmp")] == []
 
@@ -90,7 +78,7 @@ def no_temp_files(directory: Path) -> None:
 def test_full_disk_refuses_with_exit_5_and_keeps_the_ledger(gw: Run, tiny_fs: Path) -> None:
     ledger = Ledger(tiny_fs)
     with ledger.transaction() as data:
-        data.jobs.append(me_job("holder"))
+        data.jobs.append(live_job("holder"))
     before = ledger.path.read_bytes()
     fill(tiny_fs)
     env = {"GPUWAIT_STATE_DIR": str(tiny_fs)}
@@ -129,7 +117,7 @@ def test_full_disk_for_the_history_only_loses_the_record(
 def test_read_only_state_dir(gw: Run, tiny_fs: Path) -> None:
     ledger = Ledger(tiny_fs)
     with ledger.transaction() as data:
-        data.jobs.append(me_job("holder"))
+        data.jobs.append(live_job("holder"))
     before = ledger.path.read_bytes()
     remount = subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], capture_output=True)
     if remount.returncode != 0:
@@ -152,11 +140,11 @@ def _enospc(*args: object, **kw: object) -> int:
 def test_injected_full_disk_private_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ledger = Ledger(tmp_path)
     with ledger.transaction() as data:
-        data.jobs.append(me_job("a"))
+        data.jobs.append(live_job("a"))
     before = ledger.path.read_bytes()
     monkeypatch.setattr(_atomic.os, "fsync", _enospc)
     with pytest.raises(StateError, match="No space left"), ledger.transaction() as data:
-        data.jobs.append(me_job("b"))
+        data.jobs.append(live_job("b"))
     assert ledger.path.read_bytes() == before
     no_temp_files(tmp_path)
 
@@ -167,13 +155,13 @@ def test_injected_full_disk_shared_ledger(tmp_path: Path, monkeypatch: pytest.Mo
     shared.chmod(0o1770)
     ledger = Ledger(shared)
     with ledger.transaction() as data:
-        data.jobs.append(me_job("a"))
+        data.jobs.append(live_job("a"))
     before = (ledger.path.read_bytes(), ledger.journal_path.read_bytes())
     # The new content is larger: space is reserved first, and that fails before any byte of
     # either copy changes.
     monkeypatch.setattr("gpuwait._ledger.os.posix_fallocate", _enospc)
     with pytest.raises(StateError, match="No space left"), ledger.transaction() as data:
-        data.jobs.append(me_job("b" * 100))
+        data.jobs.append(live_job("b" * 100))
     assert (ledger.path.read_bytes(), ledger.journal_path.read_bytes()) == before
 
 

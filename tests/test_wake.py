@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from gpuwait import _proc, _wake
+from _jobs import live_job
+
+from gpuwait import _wake
 from gpuwait._ledger import RUNNING, WAITING, Job, Ledger
 
 # A stand-in waiter: SIGCHLD blocked as gpuwait blocks it, then it reports whether one came.
@@ -21,17 +22,8 @@ print("woken" if got is not None else "slept", flush=True)
 
 
 def entry(job_id: str, pid: int, order: int, state: str = WAITING, **extra: object) -> Job:
-    return Job(
-        id=job_id,
-        pid=pid,
-        start_time=_proc.start_time(pid) or 0,
-        uid=os.getuid(),
-        command=["true"],
-        cwd="/",
-        request={"bytes": 2**30},
-        order=order,
-        state=state,
-        **extra,  # type: ignore[arg-type]
+    return live_job(
+        job_id, pid, command=["true"], request={"bytes": 2**30}, order=order, state=state, **extra
     )
 
 
