@@ -1,6 +1,6 @@
 """Whether a shell hook should run a command through gpuwait: one rule set for every shell.
 
-The shell side (gpuwait/shell/) only steps aside on its own inside a gpuwait job or when
+The shell side (shell/) only steps aside on its own inside a gpuwait job or when
 GPUWAIT_DISABLE is set, since those checks cost nothing there; everything else is decided here.
 """
 

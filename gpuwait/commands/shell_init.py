@@ -2,7 +2,7 @@
 
 bash/zsh: `eval "$(gpuwait shell-init bash)"`; fish: `gpuwait shell-init fish | source`. The
 hook defines one shell function per command in wrap_commands; each calls `gpuwait shell-hook`,
-which applies the wrap rules (gpuwait/_wrap.py). The scripts live in gpuwait/shell/.
+which applies the wrap rules (gpuwait/_wrap.py). The script templates live in shell/ (packaged as gpuwait/shell).
 """
 
 from __future__ import annotations
