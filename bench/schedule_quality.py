@@ -494,11 +494,13 @@ def report(result: Result, bound: float) -> str:
 
 
 def main() -> None:
+    global CARD_GIB
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=4)
     parser.add_argument("--scale", type=float, default=0.6, help="multiply every run time")
     parser.add_argument("--arrive-within", type=float, default=10.0, help="seconds")
     parser.add_argument("--poll", type=float, default=0.5, help="baselines' polling interval")
+    parser.add_argument("--card-gib", type=int, default=CARD_GIB, help="memory of each GPU")
     parser.add_argument(
         "--policies", default="gpuwait,poller,one-per-gpu", help="comma-separated subset"
     )
@@ -510,6 +512,7 @@ def main() -> None:
         help="also print the references' means over seeds 1..N (one trace moves a lot)",
     )
     args = parser.parse_args()
+    CARD_GIB = args.card_gib
     trace = make_trace(args.seed, args.scale, args.arrive_within)
     bound = lower_bound(trace)
     kinds = {k: sum(k in j.name for j in trace) for k in ("small", "large", "gang")}
