@@ -649,6 +649,8 @@ def test_status_text_fits_80_columns(
     text = run([*gpuwait_cmd, "status"], env={**os.environ, "COLUMNS": "80"}).stdout
     assert "Running (2)" in text and "Queue (1)" in text and "Batches (1)" in text
     assert max(len(line) for line in text.splitlines()) <= 80, text
+    # Rows are cut only where a column is long (names, commands), not in the middle of figures.
+    assert text.rstrip().endswith("GiB·h"), text
 
 
 def test_status_watch_prints_reports_until_interrupted(

@@ -468,8 +468,8 @@ def _render_users(users: list[dict[str, Any]], fair_share: dict[str, Any], width
     for u in users:
         out.append(
             _clip(
-                f" {printable(u['user'], 16):<16} {u['running']:>3} running {u['waiting']:>3} "
-                f"waiting  {u['gpus_held']} GPUs {format_size(u['vram_held_bytes']):>9} held  "
+                f" {printable(u['user'], 12):<12} {u['running']:>3} running {u['waiting']:>3} "
+                f"waiting {u['gpus_held']:>2} GPUs {format_size(u['vram_held_bytes']):>8} held "
                 f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h",
                 width,
             )
