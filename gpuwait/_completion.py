@@ -362,6 +362,34 @@ def _fish(spec: CompletionSpec) -> str:
         "    set -l first (__gpuwait_first_word); or return 1",
         f"    not contains -- $first {subcommand_names}",
         "end",
+        "function __gpuwait_complete_command",
+        "    # The command to run (after gpuwait's options and `--`), then its own completion.",
+        "    # fish's __fish_complete_subcommand would take a `--` given to it (to end its own",
+        "    # options) for an option with a value, and so skip the command after `gpuwait --`.",
+        "    set -l tokens (commandline -opc) (commandline -ct)",
+        "    set -e tokens[1]",
+        "    set -l skip 0",
+        "    while set -q tokens[1]",
+        "        if test $skip = 1",
+        "            set skip 0",
+        "        else",
+        "            switch $tokens[1]",
+        "                case --",
+        "                    set -e tokens[1]",
+        "                    break",
+        f"                case {value_flags or '__none__'}",
+        "                    set skip 1",
+        "                case '-*'",
+        "                case '*'",
+        "                    break",
+        "            end",
+        "        end",
+        "        set -e tokens[1]",
+        "    end",
+        "    # Nothing left: the word being typed is the value of one of gpuwait's options.",
+        "    set -q tokens[1]; or return",
+        '    complete -C (string join -- " " $tokens)',
+        "end",
         "complete -c gpuwait -e",
         "complete -c gpuwait -f",
         *_fish_option_lines("__gpuwait_no_word", spec.top.options),
@@ -374,7 +402,7 @@ def _fish(spec: CompletionSpec) -> str:
     # The command to run, and then that command's own completions.
     lines.append(
         "complete -c gpuwait -n '__gpuwait_no_word; or __gpuwait_in_command' "
-        f"-a {fish_quote('(__fish_complete_subcommand -- ' + value_flags + ')')}"
+        "-a '(__gpuwait_complete_command)'"
     )
     for sub in spec.subcommands:
         condition = f"__gpuwait_first_word_is {fish_quote(sub.name)}"

@@ -422,7 +422,8 @@ complete_at gpuwait -- stat
 def test_fish_completion(hook_env: dict[str, str]) -> None:
     script = """
 gpuwait completion fish | source
-for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho'
+complete -c probecmd -f -a 'alpha beta'
+for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho' 'gpuwait probecmd ' 'gpuwait --vram 6G -- probecmd '
     echo "== $line"
     complete -C "$line"
 end
@@ -438,6 +439,9 @@ end
     assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]
     assert blocks["gpuwait --vram 6G shell-init "] == ["bash", "fish", "zsh"]
     assert "python" in blocks["gpuwait --vram 6G pytho"]
+    # After the command, that command's own completion, with or without `--` before it.
+    assert blocks["gpuwait probecmd "] == ["alpha", "beta"]
+    assert blocks["gpuwait --vram 6G -- probecmd "] == ["alpha", "beta"]
 
 
 def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) -> None:
