@@ -394,16 +394,17 @@ def _fish(spec: CompletionSpec) -> str:
         "complete -c gpuwait -f",
         *_fish_option_lines("__gpuwait_no_word", spec.top.options),
     ]
+    # The command to run, and then that command's own completions. Before the subcommands:
+    # fish keeps the description of the entry defined last, and `status` is also fish's own.
+    lines.append(
+        "complete -c gpuwait -n '__gpuwait_no_word; or __gpuwait_in_command' "
+        "-a '(__gpuwait_complete_command)'"
+    )
     for sub in spec.subcommands:
         lines.append(
             "complete -c gpuwait -n __gpuwait_no_word -a "
             f"{fish_quote(sub.name)} -d {fish_quote(_one_line(sub.help))}"
         )
-    # The command to run, and then that command's own completions.
-    lines.append(
-        "complete -c gpuwait -n '__gpuwait_no_word; or __gpuwait_in_command' "
-        "-a '(__gpuwait_complete_command)'"
-    )
     for sub in spec.subcommands:
         condition = f"__gpuwait_first_word_is {fish_quote(sub.name)}"
         lines += _fish_option_lines(condition, sub.options)

@@ -423,16 +423,18 @@ def test_fish_completion(hook_env: dict[str, str]) -> None:
     script = """
 gpuwait completion fish | source
 complete -c probecmd -f -a 'alpha beta'
-for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho' 'gpuwait probecmd ' 'gpuwait --vram 6G -- probecmd '
+for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho' 'gpuwait probecmd ' 'gpuwait --vram 6G -- probecmd ' 'gpuwait statu'
     echo "== $line"
     complete -C "$line"
 end
 """
     done = run_shell("fish", script, [], hook_env)
     blocks = {}
+    rows = {}
     for block in done.stdout.split("== ")[1:]:
         head, _, body = block.partition("\n")
         blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
+        rows[head] = body.splitlines()
     assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--priority"]
     assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
     assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
@@ -442,6 +444,8 @@ end
     # After the command, that command's own completion, with or without `--` before it.
     assert blocks["gpuwait probecmd "] == ["alpha", "beta"]
     assert blocks["gpuwait --vram 6G -- probecmd "] == ["alpha", "beta"]
+    # gpuwait's own `status`, described as such, not as fish's builtin of that name.
+    assert any(row.startswith("status\tGPUs, running jobs") for row in rows["gpuwait statu"])
 
 
 def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) -> None:
