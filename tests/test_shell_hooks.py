@@ -462,6 +462,10 @@ def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) 
         child.send("\x15")  # Ctrl-U: clear the line
         child.send("gpuwait --vram 6G shell-init z\t")
         child.expect(r"shell-init z\x07?sh ")
+        # After `gpuwait --`, the command's own completion, as after gpuwait's options.
+        child.send("\x15_probecmd() { compadd alphabet }; compdef _probecmd probecmd\r")
+        child.send("\x15gpuwait -- probecmd al\t")
+        child.expect(r"probecmd al\x07?phabet ")
         child.send("\x15exit\r")
         child.expect(pexpect.EOF)
     finally:
