@@ -300,7 +300,7 @@ _gpuwait() {{
     esac
     return ret
 }}
-if (( $+functions[compdef] )); then
+if (( ${{+functions[compdef]}} )); then
     compdef _gpuwait gpuwait
 fi
 """

@@ -491,3 +491,12 @@ def test_hook_runs_its_own_gpuwait_whatever_the_directory_and_pythonpath(
     assert done.returncode == 0, done.stderr
     argv, cuda = ast.literal_eval(done.stdout)
     assert argv == ["x"] and cuda in sim_uuids(), done.stderr
+
+
+def test_zsh_hook_loads_silently_under_ksh_arrays(hook_env: dict[str, str]) -> None:
+    """A .zshrc with `setopt ksh_arrays` (as under `emulate ksh`) still gets the hook without errors."""
+    done = run_shell(
+        "zsh", f"setopt ksh_arrays\n{init_line('zsh', '--always')}\ntype python", [], hook_env
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "function" in done.stdout
