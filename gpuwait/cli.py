@@ -126,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpuwait status | head -1`): end quietly, with the status a
+        # program killed by SIGPIPE has (128 + 13), as `cat` would.
+        return 141
 
 
 def _run(argv: list[str]) -> int:

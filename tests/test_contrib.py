@@ -466,6 +466,9 @@ def test_docker_readme_commands_are_consistent() -> None:
         assert "--user" in words, command
     around = [c for c in commands if c.startswith("gpuwait ") and "gpuwait-docker-run" in c]
     assert around and (CONTRIB / "docker" / "gpuwait-docker-run").exists()
+    for command in around:
+        # Whole GPUs: without --vram, a command with history gets its learned size instead.
+        assert "--exclusive" in shlex.split(command), command
 
 
 # Prometheus -----------------------------------------------------------------------------------

@@ -422,22 +422,30 @@ complete_at gpuwait -- stat
 def test_fish_completion(hook_env: dict[str, str]) -> None:
     script = """
 gpuwait completion fish | source
-for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho'
+complete -c probecmd -f -a 'alpha beta'
+for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho' 'gpuwait probecmd ' 'gpuwait --vram 6G -- probecmd ' 'gpuwait statu'
     echo "== $line"
     complete -C "$line"
 end
 """
     done = run_shell("fish", script, [], hook_env)
     blocks = {}
+    rows = {}
     for block in done.stdout.split("== ")[1:]:
         head, _, body = block.partition("\n")
         blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
+        rows[head] = body.splitlines()
     assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--priority"]
     assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
     assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
     assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]
     assert blocks["gpuwait --vram 6G shell-init "] == ["bash", "fish", "zsh"]
     assert "python" in blocks["gpuwait --vram 6G pytho"]
+    # After the command, that command's own completion, with or without `--` before it.
+    assert blocks["gpuwait probecmd "] == ["alpha", "beta"]
+    assert blocks["gpuwait --vram 6G -- probecmd "] == ["alpha", "beta"]
+    # gpuwait's own `status`, described as such, not as fish's builtin of that name.
+    assert any(row.startswith("status\tGPUs, running jobs") for row in rows["gpuwait statu"])
 
 
 def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) -> None:
@@ -454,6 +462,10 @@ def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) 
         child.send("\x15")  # Ctrl-U: clear the line
         child.send("gpuwait --vram 6G shell-init z\t")
         child.expect(r"shell-init z\x07?sh ")
+        # After `gpuwait --`, the command's own completion, as after gpuwait's options.
+        child.send("\x15_probecmd() { compadd alphabet }; compdef _probecmd probecmd\r")
+        child.send("\x15gpuwait -- probecmd al\t")
+        child.expect(r"probecmd al\x07?phabet ")
         child.send("\x15exit\r")
         child.expect(pexpect.EOF)
     finally:
@@ -479,3 +491,12 @@ def test_hook_runs_its_own_gpuwait_whatever_the_directory_and_pythonpath(
     assert done.returncode == 0, done.stderr
     argv, cuda = ast.literal_eval(done.stdout)
     assert argv == ["x"] and cuda in sim_uuids(), done.stderr
+
+
+def test_zsh_hook_loads_silently_under_ksh_arrays(hook_env: dict[str, str]) -> None:
+    """A .zshrc with `setopt ksh_arrays` (as under `emulate ksh`) still gets the hook without errors."""
+    done = run_shell(
+        "zsh", f"setopt ksh_arrays\n{init_line('zsh', '--always')}\ntype python", [], hook_env
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "function" in done.stdout
