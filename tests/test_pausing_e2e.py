@@ -161,6 +161,10 @@ def test_a_job_that_ignores_the_request(
         kinds = [e["kind"] for e in events()]
         assert "pause-signal" in kinds
         assert ("pause-grace-kill" in kinds) == bool(extra)
+        if not extra:  # the waiter is told why it still waits once the grace has passed
+            said = urgent.stderr.read() if urgent.stderr else ""
+            assert "has not stepped aside within its grace" in said, said
+            assert "--grace-kill" in said, said
     finally:
         low.kill()
         low.wait()
