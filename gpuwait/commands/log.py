@@ -46,7 +46,8 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         )
 
     events = [e for e in read_events(directory) if wanted(e)]
-    for event in events[len(events) - args.lines :] if args.lines else []:
+    # max(0, …): with fewer events than asked for, a negative start would drop some.
+    for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)
     sys.stdout.flush()
     if not args.follow:
