@@ -118,6 +118,11 @@ def ask_for_room(
         return choice.victims
 
 
+#: A victim's gpuwait signals within a second or so of a request; one not signalled after this
+#: long has a command that does not catch the signal (yet).
+NOT_CAUGHT_AFTER = 5.0
+
+
 def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
     """What became of the jobs `waiter_id` asked to step aside, for its wait line; None if none.
 
@@ -130,7 +135,9 @@ def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
             continue
         signalled = victim.pause_signalled_at
         signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
-        if signalled is None:
+        if signalled is None and now - (victim.pause_requested_at or now) < NOT_CAUGHT_AFTER:
+            parts.append(f"asked job {victim.id} to checkpoint and step aside")
+        elif signalled is None:
             parts.append(
                 f"asked job {victim.id} to checkpoint and step aside "
                 f"(it does not catch {signal_name} yet; signalled once it does)"
