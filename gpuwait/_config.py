@@ -563,7 +563,7 @@ def show_value(name: str, value: Any) -> str:
         return ", ".join(value) if value else "(none)"
     if name in ("user_max_vram", "history_max_size"):
         return format_size(value)
-    if name == "fair_share_half_life":
+    if name in ("fair_share_half_life", "pause_min_runtime"):
         return format_duration(value)
     if name.endswith(("interval", "timeout")):
         return f"{value:g}s"

@@ -42,7 +42,7 @@ class WaitLine:
             self.shown = True
             return
         # Room figures move with every reading; log only when the situation changes.
-        key = (reason.needed, reason.best_gpu_index, reason.running, reason.ahead)
+        key = (reason.needed, reason.best_gpu_index, reason.running, reason.ahead, reason.pause)
         if key != self._last_key:
             self._last_key = key
             self.stream.write(text + "\n")

@@ -20,6 +20,7 @@ from gpuwait._checkpoint_signal import deliver, parse_signal
 from gpuwait._ledger import RUNNING, WAITING, Job, Ledger, LedgerData
 from gpuwait._pausing import PauseRules, RunningJob, choose_victims
 from gpuwait._policy import Claim, gpu_rooms, need_on
+from gpuwait._sizes import format_duration
 from gpuwait._snapshot import MachineSnapshot
 
 
@@ -115,6 +116,46 @@ def ask_for_room(
             gpu=choice.gpu_uuid,
         )
         return choice.victims
+
+
+#: A victim's gpuwait signals within a second or so of a request; one not signalled after this
+#: long has a command that does not catch the signal (yet).
+NOT_CAUGHT_AFTER = 5.0
+
+
+def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
+    """What became of the jobs `waiter_id` asked to step aside, for its wait line; None if none.
+
+    Worded without a running clock, so that a wait line written to a file changes only when
+    the situation does.
+    """
+    parts = []
+    for victim in data.jobs:
+        if victim.state != RUNNING or victim.pause_requested_by != waiter_id:
+            continue
+        signalled = victim.pause_signalled_at
+        signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
+        if signalled is None and now - (victim.pause_requested_at or now) < NOT_CAUGHT_AFTER:
+            parts.append(f"asked job {victim.id} to checkpoint and step aside")
+        elif signalled is None:
+            parts.append(
+                f"asked job {victim.id} to checkpoint and step aside "
+                f"(it does not catch {signal_name} yet; signalled once it does)"
+            )
+        elif now - signalled <= victim.grace_seconds:
+            parts.append(f"asked job {victim.id} to checkpoint and step aside")
+        elif victim.grace_kill:
+            parts.append(
+                f"job {victim.id} has not stepped aside within its grace "
+                f"({format_duration(victim.grace_seconds)}); it gets TERM"
+            )
+        else:
+            parts.append(
+                f"job {victim.id} has not stepped aside within its grace "
+                f"({format_duration(victim.grace_seconds)}) and is left alone "
+                "(it was started without --grace-kill); waiting for it to end"
+            )
+    return "; ".join(parts) or None
 
 
 class PauseResponder:

@@ -212,6 +212,8 @@ class WaitReason(Record, frozen=True):
     note: str | None = None
     #: Set when the job fits but its user is at a per-user limit.
     limit: str | None = None
+    #: What became of this waiter's request that running jobs step aside (cooperative pausing).
+    pause: str | None = None
 
     def describe(self) -> str:
         if self.limit is not None:
@@ -223,7 +225,7 @@ class WaitReason(Record, frozen=True):
             where = "no usable GPU right now"
         else:
             where = f"best GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
-        note = f"; {self.note}" if self.note else ""
+        note = "".join(f"; {text}" for text in (self.note, self.pause) if text)
         return f"waiting for {self.needed}: {where}{note} {counts}"
 
 

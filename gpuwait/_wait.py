@@ -29,7 +29,7 @@ from gpuwait._backend import Backend
 from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
 from gpuwait._fairness import NO_FAIR_SHARE, FairShare, claims_for
 from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
-from gpuwait._pause_runtime import ask_for_room
+from gpuwait._pause_runtime import ask_for_room, pause_progress
 from gpuwait._pausing import PauseRules
 from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
 from gpuwait._queue import (
@@ -282,11 +282,10 @@ def wait_for_admission(
         )
         _wake.note_planned(state_dir)
         if isinstance(outcome, WaitReason) and pause_rules is not None:
-            asked = ask_for_room(ledger, job, snapshot, safety, pause_rules)
-            if asked:
-                outcome = outcome._replace(
-                    note=f"asked job {', '.join(asked)} to checkpoint and step aside"
-                )
+            ask_for_room(ledger, job, snapshot, safety, pause_rules)
+            # Said on every reading, not only when asking: the waiter must keep seeing why it
+            # still waits (a job that does not catch the signal yet, or ignores it).
+            outcome = outcome._replace(pause=pause_progress(ledger.read(), job.id, time.time()))
         return outcome
 
     try:

@@ -95,6 +95,18 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
         assert kinds.count("pause-signal") == 1 and kinds.count("paused") == 1
         history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
         assert not any("out of memory" in line for line in history.read_text().splitlines())
+        # The pause and the time lost to it are in the history and the event log.
+        records = [json.loads(line) for line in history.read_text().splitlines()]
+        paused_run = next(r for r in records if r["exit_status"] == 3)
+        assert paused_run["pauses"] == 1 and paused_run["paused_seconds"] > 0.5
+        finish = next(e for e in events() if e["kind"] == "finish" and e.get("exit_status") == 3)
+        assert finish["pauses"] == 1 and finish["paused_seconds"] > 0.5
+        shown = subprocess.run(
+            [*gpuwait_cmd, "history"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "paused 1×" in shown, shown
+        log = subprocess.run([*gpuwait_cmd, "log"], capture_output=True, text=True).stdout
+        assert "stepped aside" in log and "paused 1×" in log, log
     finally:
         for p in (low,):
             p.kill()
@@ -161,6 +173,10 @@ def test_a_job_that_ignores_the_request(
         kinds = [e["kind"] for e in events()]
         assert "pause-signal" in kinds
         assert ("pause-grace-kill" in kinds) == bool(extra)
+        if not extra:  # the waiter is told why it still waits once the grace has passed
+            said = urgent.stderr.read() if urgent.stderr else ""
+            assert "has not stepped aside within its grace" in said, said
+            assert "--grace-kill" in said, said
     finally:
         low.kill()
         low.wait()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+from _jobs import live_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuwait._ledger import RUNNING, LedgerData
+from gpuwait._pause_runtime import pause_progress
 from gpuwait._pausing import PauseRules, RunningJob, choose_victims, eligible
 
 GiB = 2**30
@@ -98,3 +102,36 @@ def test_choices_free_enough_and_ask_only_eligible_jobs(
     assert room[choice.gpu_uuid] + choice.freed_bytes >= need
     # No one is asked in vain: without the last victim, the waiter would not fit.
     assert room[choice.gpu_uuid] + choice.freed_bytes - victims[-1].holds_bytes < need
+
+
+def _asked(**fields: object) -> LedgerData:
+    victim = live_job(
+        "v1",
+        state=RUNNING,
+        pausable=True,
+        pause_requested_at=1000.0,
+        pause_requested_by="w1",
+        grace_seconds=60.0,
+        **fields,
+    )
+    return LedgerData(jobs=[victim])
+
+
+@pytest.mark.parametrize(
+    ("fields", "now", "said"),
+    [
+        ({}, 1001.0, "asked job v1 to checkpoint and step aside"),
+        ({}, 1010.0, "it does not catch USR1 yet"),
+        ({"pause_signalled_at": 1001.0}, 1030.0, "asked job v1 to checkpoint and step aside"),
+        ({"pause_signalled_at": 1001.0}, 1070.0, "is left alone"),
+        ({"pause_signalled_at": 1001.0, "grace_kill": True}, 1070.0, "it gets TERM"),
+    ],
+)
+def test_the_waiter_is_told_what_became_of_its_request(
+    fields: dict[str, object], now: float, said: str
+) -> None:
+    text = pause_progress(_asked(**fields), "w1", now)
+    assert text is not None and said in text
+    # Just asked: its gpuwait has had no time to signal yet, which says nothing about the job.
+    assert ("does not catch" in text) == (said == "it does not catch USR1 yet")
+    assert pause_progress(_asked(**fields), "someone else", now) is None

@@ -16,6 +16,7 @@ import pytest
 from _fixtures_sim import SimFileFactory, wait_for
 
 from gpuwait import _events
+from gpuwait.cli import main
 
 GiB = 2**30
 PRINT_VISIBLE = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
@@ -493,6 +494,17 @@ def test_log_shows_and_follows_events(
     assert {e["name"] for e in seen} == {"two"}
     follower.send_signal(signal.SIGINT)
     assert follower.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(("count", "lines", "shown"), [(13, 20, 13), (13, 10, 10), (3, 3, 3)])
+def test_log_shows_the_last_n_events_or_all_if_fewer(
+    capsys: pytest.CaptureFixture[str], count: int, lines: int, shown: int
+) -> None:
+    for n in range(count):
+        _events.emit(state_dir(), "submit", job=f"{n:08x}", priority=3, command=["true"])
+    assert main(["log", "-n", str(lines)]) == 0
+    jobs = [line.split()[3] for line in capsys.readouterr().out.splitlines()]
+    assert jobs == [f"{n:08x}" for n in range(count - shown, count)]
 
 
 def test_event_log_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -399,6 +399,16 @@ def test_config_shows_sources_by_precedence(
     assert settings["priority"]["source"] == "default"
 
 
+def test_config_shows_pause_min_runtime_as_a_duration(sim: Path, gpuwait_cmd: list[str]) -> None:
+    env = {**os.environ, "GPUWAIT_PAUSE_MIN_RUNTIME": "90s"}
+    settings = json.loads(run([*gpuwait_cmd, "config", "--json"], env=env).stdout)["settings"]
+    shown = settings["pause_min_runtime"]["value"]
+    assert shown == "1m30s"  # as typed: a bare 90.0 would read as a count
+    env["GPUWAIT_PAUSE_MIN_RUNTIME"] = shown
+    again = json.loads(run([*gpuwait_cmd, "config", "--json"], env=env).stdout)["settings"]
+    assert again["pause_min_runtime"]["value"] == shown
+
+
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
     waiter = None

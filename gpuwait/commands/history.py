@@ -82,7 +82,19 @@ def _exit(record: dict[str, Any]) -> str:
             text = f"signal {number}"
     else:
         text = str(record.get("exit_status"))
-    return f"{text} OOM" if record.get("oom") else text
+    if record.get("oom"):
+        text += " OOM"
+    return text + _paused(record)
+
+
+def _paused(record: dict[str, Any]) -> str:
+    """ ", paused 2× (5m lost)" for a run that stepped aside for more urgent work."""
+    pauses = record.get("pauses")
+    if not isinstance(pauses, int) or isinstance(pauses, bool) or pauses <= 0:
+        return ""
+    lost = record.get("paused_seconds")
+    cost = f" ({format_duration(lost)} lost)" if isinstance(lost, (int, float)) else ""
+    return f", paused {pauses}×{cost}"
 
 
 def _peak(record: dict[str, Any]) -> str:

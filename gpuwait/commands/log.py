@@ -20,7 +20,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     parser = parser_class(
         prog="gpuwait log",
         description="Show the event log: submit, admit, start, finish, leave, cancel, reap, "
-        "gpu_lost, gpu_back, gpu_added.",
+        "gpu_lost, gpu_back, gpu_added, pause-request, pause-signal, paused, pause-grace-kill.",
     )
     parser.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N events")
     parser.add_argument("-f", "--follow", action="store_true", help="keep showing new events")
@@ -46,7 +46,8 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         )
 
     events = [e for e in read_events(directory) if wanted(e)]
-    for event in events[len(events) - args.lines :] if args.lines else []:
+    # max(0, …): with fewer events than asked for, a negative start would drop some.
+    for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)
     sys.stdout.flush()
     if not args.follow:
@@ -92,7 +93,27 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
         ran = event.get("run_seconds")
         if isinstance(ran, (int, float)):
             how += f", ran {format_duration(ran)} on {_gpus(event.get('gpus'), indices)}"
+        pauses, lost = event.get("pauses"), event.get("paused_seconds")
+        if isinstance(pauses, int) and pauses > 0:
+            how += f", paused {pauses}×"
+            if isinstance(lost, (int, float)):
+                how += f" ({format_duration(lost)} lost)"
         text = f"{who} {how}"
+    elif kind == "pause-request":
+        victims = event.get("victims")
+        names = ", ".join(map(str, victims)) if isinstance(victims, list) else "?"
+        where = _gpus([event.get("gpu")], indices)
+        text = f"{who} asks {names} to checkpoint and step aside on {where}"
+    elif kind == "pause-signal":
+        pids = event.get("pids")
+        pids = ", ".join(map(str, pids)) if isinstance(pids, list) else "?"
+        text = f"{who} sent the checkpoint signal (pid {pids})"
+    elif kind == "paused":
+        ran = event.get("ran_seconds")
+        after = f" after running {format_duration(ran)}" if isinstance(ran, (int, float)) else ""
+        text = f"{who} stepped aside{after}; pause {event.get('pauses')}, queued to resume"
+    elif kind == "pause-grace-kill":
+        text = f"{who} did not step aside within its grace: sent TERM (--grace-kill)"
     elif kind == "cancel":
         text = f"{who} ({event.get('state')}) by uid {event.get('by_uid')}"
         if event.get("refused"):

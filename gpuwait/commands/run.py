@@ -497,6 +497,9 @@ def _run_with_backend(
     pause_rules = PauseRules(
         min_runtime=settings["pause_min_runtime"], max_pauses=settings["pause_max"]
     )
+    #: The wait before the first start, and the waits after stepping aside (what pausing cost).
+    queued_seconds: float | None = None
+    paused_seconds = 0.0
     while True:
         line = _output.WaitLine(quiet=args.quiet)
         timeout: float | None = settings["timeout"]
@@ -539,7 +542,23 @@ def _run_with_backend(
         if isinstance(outcome, DependencyFailed):
             _output.error(f"job {job.id} will not start: {outcome.message}")
             return _Ended(EXIT_DEPENDENCY_FAILED)
-        ended = _start(args, command, settings, backend, ledger, job, outcome, wait_seconds, choice)
+        if queued_seconds is None:
+            queued_seconds = wait_seconds
+        else:
+            paused_seconds += wait_seconds
+        ended = _start(
+            args,
+            command,
+            settings,
+            backend,
+            ledger,
+            job,
+            outcome,
+            wait_seconds,
+            choice,
+            queued_seconds,
+            paused_seconds,
+        )
         if not ended.paused:
             return ended
         if not args.quiet:
@@ -621,6 +640,8 @@ def _start(
     admitted: Admitted,
     wait_seconds: float,
     choice: RequestChoice,
+    queued_seconds: float,
+    paused_seconds: float,
 ) -> _Ended:
     chosen = list(admitted.gpus)
     env = dict(os.environ)
@@ -695,9 +716,20 @@ def _start(
         signal=-code if code < 0 else None,
         run_seconds=result.run_seconds,
         charge_usage=(vram_seconds, settings["fair_share_half_life"]),
+        paused=(job.pauses, paused_seconds) if job.pausable else None,
     )
     oom = _record(
-        args, settings, job, chosen, result, wait_seconds, started_at, choice, said_oom, watch
+        args,
+        settings,
+        job,
+        chosen,
+        result,
+        queued_seconds,
+        started_at,
+        choice,
+        said_oom,
+        watch,
+        paused_seconds,
     )
     return _Ended(result.returncode, oom, job.reserved_bytes)
 
@@ -710,9 +742,11 @@ def _leave(
     signal: int | None = None,
     run_seconds: float | None = None,
     charge_usage: tuple[float, float | None] | None = None,
+    paused: tuple[int, float] | None = None,
 ) -> None:
     """Take the job out of the queue, recording how it ended (and where it ran, if it did);
-    after a run, add its VRAM-time to our user's fair-share usage."""
+    after a run, add its VRAM-time to our user's fair-share usage. `paused`: a --pausable job's
+    pauses and the seconds it spent stepped aside."""
     try:
         with ledger.transaction() as data:
             mine = data.remove(job.id)
@@ -740,6 +774,11 @@ def _leave(
                 signal=signal,
                 gpus=ran_on,
                 run_seconds=None if run_seconds is None else round(run_seconds, 3),
+                **(
+                    {}
+                    if paused is None
+                    else {"pauses": paused[0], "paused_seconds": round(paused[1], 3)}
+                ),
             )
     except Exception as exc:
         # Our entry is reaped by the next gpuwait anyway, since this process is about to end.
@@ -757,8 +796,12 @@ def _record(
     choice: RequestChoice,
     said_oom: bool | None,
     watch: StderrWatch,
+    paused_seconds: float = 0.0,
 ) -> bool:
-    """Leave the run's record in the history; returns whether it looked like an OOM."""
+    """Leave the run's record in the history; returns whether it looked like an OOM.
+
+    `wait_seconds` is the wait before the first start; a --pausable job's record also says how
+    often it stepped aside and how long it then waited to resume (`paused_seconds`)."""
     peaks, approximate = result.peaks()
     card_full = any(
         near_full(result.free_at_peak_bytes.get(u), total)
@@ -791,6 +834,8 @@ def _record(
     )
     # --name/--batch: `--after NAME` finds runs that left the ledger's record in the history.
     record["name"], record["batch"] = job.name, job.batch
+    if job.pausable:
+        record["pauses"], record["paused_seconds"] = job.pauses, round(paused_seconds, 3)
     try:
         warnings = save_record(settings.state_dir, record, settings["history_max_size"])
     except OSError as exc:
