@@ -99,13 +99,11 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--checkpoint-signal",
-        default="USR1",
         metavar="SIG",
         help="signal asking a --pausable command to checkpoint (default: USR1)",
     )
     parser.add_argument(
         "--grace",
-        default="120s",
         metavar="DURATION",
         help="how long a --pausable command has to step aside once asked (default: 120s)",
     )
@@ -231,6 +229,19 @@ def run(args: argparse.Namespace, command: list[str], settings: Settings) -> int
         raise UsageError(f"--retry-oom {args.retry_oom}: give 0 or more retries")
     if args.key is not None and not args.key.strip():
         raise UsageError("--key needs a non-empty name")
+    given = [
+        option
+        for option, value in (
+            ("--checkpoint-signal", args.checkpoint_signal),
+            ("--grace", args.grace),
+            ("--grace-kill", args.grace_kill or None),
+        )
+        if value is not None
+    ]
+    if given and not args.pausable:
+        raise UsageError(f"{given[0]} applies to --pausable jobs only; add --pausable")
+    args.checkpoint_signal = args.checkpoint_signal or "USR1"
+    args.grace = args.grace or "120s"
     try:
         parse_signal(args.checkpoint_signal)
     except ValueError as exc:
