@@ -298,3 +298,15 @@ def test_bad_options_are_one_line(sim_file: SimFileFactory, gpuwait_cmd: list[st
         done = run([*gpuwait_cmd, *argv])
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
         assert time.monotonic() - started < 10
+
+
+def test_retry_oom_stops_when_the_largest_card_was_already_given(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Too big for the only card: the first run already had all of it (default_vram exclusive),
+    # so a raised estimate, capped at that card, cannot help and no retry is made.
+    sim_file(gpus=1, memory="8GiB")
+    done = run([*gpuwait_cmd, "--retry-oom", "3", "--", *sim_job(gpuwait_cmd, "9G", "--hold", "0")])
+    assert done.returncode == 1
+    assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
+    assert len(history()) == 1 and history()[0]["oom"] is True

@@ -318,6 +318,12 @@ def _run_with_retries(
             key=args.key,
             margin=settings["estimate_margin"],
         )
+        # Capped as the next attempt will be: a run that already had the largest card
+        # cannot be helped by a bigger estimate.
+        snapshot = backend.snapshot()
+        raised = cap_to_cards(
+            raised, snapshot.gpus, _candidates(args, snapshot), settings["safety"]
+        )
         after = raised.request.bytes if raised.request is not None else None
         if after is None or after <= ended.reserved_bytes:
             if not args.quiet:
