@@ -285,6 +285,11 @@ def test_hash_mode_keeps_no_command_line(sim_file: SimFileFactory, gpuwait_cmd: 
     assert "s3cr3t" not in path.read_text()
     shown = run([*gpuwait_cmd, "history"], env=env).stdout
     assert "sh [" in shown and "s3cr3t" not in shown
+    # Nor does the event log, which lasts as long.
+    events = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    assert "s3cr3t" not in events.read_text()
+    logged = run([*gpuwait_cmd, "log"], env=env).stdout
+    assert "sh [" in logged and "s3cr3t" not in logged
 
 
 def test_bad_options_are_one_line(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:

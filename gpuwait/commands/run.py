@@ -37,6 +37,7 @@ from gpuwait._learn import (
     build_record,
     cap_to_cards,
     choose_request,
+    kept_command,
     learn,
     save_record,
 )
@@ -488,7 +489,14 @@ def _run_with_backend(
     _signals.block_handled()
     ledger = ledger_for(settings)
     try:
-        _submit(ledger, job, after, after_ok, settings.state_dir)
+        _submit(
+            ledger,
+            job,
+            after,
+            after_ok,
+            settings.state_dir,
+            kept_command(command, job.cwd, settings["history_commands"]),
+        )
     except StateError as exc:
         if settings["on_state_error"] != "run":
             raise
@@ -562,9 +570,16 @@ def _with_note(
 
 
 def _submit(
-    ledger: Ledger, job: Job, after: list[str], after_ok: list[str], state_dir: Path
+    ledger: Ledger,
+    job: Job,
+    after: list[str],
+    after_ok: list[str],
+    state_dir: Path,
+    logged_command: list[str],
 ) -> None:
     """Put `job` in the queue, unless its user already has as many entries as one may.
+
+    `logged_command`: the command as the event log keeps it (see history_commands).
 
     Raises UsageError when an --after reference names no job.
     """
@@ -592,7 +607,7 @@ def _submit(
             name=job.name,
             batch=job.batch,
             priority=job.priority,
-            command=job.command,
+            command=logged_command,
         )
 
 
