@@ -12,9 +12,10 @@ and the old file stays as history.jsonl.1:
   record_keys() read, marked "slim" (no command line, cwd, GPUs or evidence; about a third of
   a whole record);
 - how many runs of each key were left out, as "earlier_runs" {key hash: count} on the oldest
-  record kept for that key, so the run counts `gpuwait estimate` shows stay the same.
+  record kept for that key, so the run counts `gpuwait estimate` shows stay the same (a key
+  none of whose runs is kept, e.g. all older than MAX_AGE, is forgotten, count and all).
 Estimates therefore come out the same before and after while those records fit in half the
-limit (about 130,000 slim records at the default 64 MiB). Beyond that, the runs kept only for
+limit (about 100,000 slim records at the default 64 MiB). Beyond that, the runs kept only for
 keys with fewer than MIN_RUNS runs in their window (mostly sweeps: command lines run once) go
 first, oldest first, so estimates of those exact lines fall back to their script's; the windows
 of keys with MIN_RUNS or more runs go only after all of those, oldest first, and never the
@@ -288,10 +289,15 @@ def is_slim(record: dict[str, Any]) -> bool:
     return record.get(SLIM) is True
 
 
-def slim(record: dict[str, Any]) -> dict[str, Any]:
-    """The record cut down to what estimates read: run_stat() and record_keys() give the same
-    for it as for the whole record. Fields whose absence reads the same are left out."""
-    cut: dict[str, Any] = {"schema": SCHEMA, SLIM: True, "keys": record_keys(record)}
+def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str, Any]:
+    """The record cut down to what estimates read: run_stat() and record_keys() (given as
+    `keys` when known) give the same for it as for the whole record. Fields whose absence
+    reads the same are left out."""
+    cut: dict[str, Any] = {
+        "schema": SCHEMA,
+        SLIM: True,
+        "keys": record_keys(record) if keys is None else keys,
+    }
     for name, absent in _STAT_FIELDS.items():
         value = record.get(name, absent)
         # `is` for False: 0 == False, and an exit status of 0 must stay.
@@ -338,7 +344,9 @@ def compacted(parsed: Parsed, budget: int, now: float | None = None) -> Compacti
     first_recent = count - KEEP_RECENT
     whole = [position >= first_recent for position in range(count)]
     kept = [position for position in range(count) if whole[position] or windows[position]]
-    encoded = {p: encode_existing(records[p] if whole[p] else slim(records[p])) for p in kept}
+    encoded = {
+        p: encode_existing(records[p] if whole[p] else slim(records[p], keys[p])) for p in kept
+    }
     target = budget
     for _ in range(4):
         lines = _fit(dict(encoded), target, whole, windows, in_window, result)
@@ -405,7 +413,9 @@ def _carry_counts(
             break
         carried = {key: left_out.pop(key) for key in keys[position].values() if key in left_out}
         if carried:
-            record = records[position] if whole[position] else slim(records[position])
+            record = (
+                records[position] if whole[position] else slim(records[position], keys[position])
+            )
             earlier = earlier_runs(record)
             for key, n in carried.items():
                 earlier[key] = earlier.get(key, 0) + n
