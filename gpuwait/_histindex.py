@@ -5,7 +5,8 @@
                      (device and inode) and how many of its bytes it has taken in
         b00.json ... bff.json
                      256 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
-                     the newest KEEP_RUNS runs of each key, oldest first
+                     the newest KEEP_RUNS runs of each key, oldest first; "n" counts the runs
+                     compaction left out too (a record's "earlier_runs")
 
 It is a cache. When the history file grew, the new lines are taken in (under the history lock);
 when it was replaced (compaction: another inode) or shrank, or the index is missing or damaged,
@@ -27,6 +28,7 @@ from gpuwait._estimate import RunStat
 from gpuwait._history import (
     KEEP_PER_KEY,
     Parsed,
+    earlier_runs,
     history_lock,
     history_path,
     read_from,
@@ -250,22 +252,25 @@ def refresh(state_dir: Path, rebuild: bool = False) -> list[str]:
     return warnings
 
 
-def _group(parsed: Parsed) -> dict[str, dict[str, list[Row]]]:
-    """bucket -> key -> new rows, in file order."""
-    grouped: dict[str, dict[str, list[Row]]] = {}
+def _group(parsed: Parsed) -> dict[str, dict[str, list[tuple[Row, int]]]]:
+    """bucket -> key -> new rows, in file order, each with the runs left out before it."""
+    grouped: dict[str, dict[str, list[tuple[Row, int]]]] = {}
     for (offset, record), stat in zip(parsed.records, parsed.stats, strict=True):
         row = _row(offset, stat)
+        earlier = earlier_runs(record)
         for key in record_keys(record).values():
-            grouped.setdefault(bucket_of(key), {}).setdefault(key, []).append(row)
+            grouped.setdefault(bucket_of(key), {}).setdefault(key, []).append(
+                (row, earlier.get(key, 0))
+            )
     return grouped
 
 
-def _merge(bucket: dict[str, dict[str, Any]], key: str, rows: list[Row]) -> None:
+def _merge(bucket: dict[str, dict[str, Any]], key: str, rows: list[tuple[Row, int]]) -> None:
     entry = bucket.setdefault(key, {"n": 0, "runs": []})
     last = entry["runs"][-1][0] if entry["runs"] else -1
-    new = [row for row in rows if row[0] > last]
-    entry["n"] += len(new)
-    entry["runs"] = (entry["runs"] + new)[-KEEP_RUNS:]
+    new = [(row, earlier) for row, earlier in rows if row[0] > last]
+    entry["n"] += sum(1 + earlier for _, earlier in new)
+    entry["runs"] = (entry["runs"] + [row for row, _ in new])[-KEEP_RUNS:]
 
 
 def _take_in(directory: Path, parsed: Parsed) -> None:

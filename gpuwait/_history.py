@@ -4,11 +4,22 @@ The file is append-only and private (0600). Writers take history.lock for the ap
 compaction (which replaces the file) never loses a record written meanwhile. A damaged line (a
 disk filling up mid-write, an edit by hand) is skipped and reported, never fatal.
 
-Compaction: once the file passes its size limit, it is rewritten with the records estimates still
-use (the newest KEEP_PER_KEY runs of every command key, at every level, younger than MAX_AGE) and
-the newest KEEP_RECENT for `gpuwait history`; the old file stays as history.jsonl.1. Estimates
-therefore come out the same before and after. If even those records pass half the limit, the
-oldest of them go first.
+Compaction: once the file passes its size limit, it is rewritten with what estimates still use,
+and the old file stays as history.jsonl.1:
+- the newest KEEP_RECENT runs whole, for `gpuwait history`;
+- the newest KEEP_PER_KEY runs of every command key, at every level, younger than MAX_AGE (the
+  runs an estimate looks at, twice over), as slim records: only the fields run_stat() and
+  record_keys() read, marked "slim" (no command line, cwd, GPUs or evidence; about a third of
+  a whole record);
+- how many runs of each key were left out, as "earlier_runs" {key hash: count} on the oldest
+  record kept for that key, so the run counts `gpuwait estimate` shows stay the same (a key
+  none of whose runs is kept, e.g. all older than MAX_AGE, is forgotten, count and all).
+Estimates therefore come out the same before and after while those records fit in half the
+limit (about 100,000 slim records at the default 64 MiB). Beyond that, the runs kept only for
+keys with fewer than MIN_RUNS runs in their window (mostly sweeps: command lines run once) go
+first, oldest first, so estimates of those exact lines fall back to their script's; the windows
+of keys with MIN_RUNS or more runs go only after all of those, oldest first, and never the
+newest KEEP_RECENT unless the limit is too small even for them.
 
 Per-key summaries for fast estimates live in gpuwait._histindex, a cache rebuilt from this file.
 """
@@ -25,7 +36,7 @@ from typing import Any
 
 from gpuwait._atomic import append_whole, ensure_private_dir, open_private_append, write_atomic
 from gpuwait._cmdkey import command_key
-from gpuwait._estimate import MAX_AGE, WINDOW, RunStat
+from gpuwait._estimate import MAX_AGE, MIN_RUNS, WINDOW, RunStat
 from gpuwait._lock import exclusive
 
 SCHEMA = 2
@@ -35,6 +46,23 @@ LOCK_NAME = "history.lock"
 KEEP_PER_KEY = 2 * WINDOW
 #: The newest runs, kept by compaction whatever their key, for `gpuwait history`.
 KEEP_RECENT = 1000
+#: Marks a record compaction cut down to what estimates read (see slim()).
+SLIM = "slim"
+#: {key hash: runs of that key compaction left out before this record}.
+EARLIER = "earlier_runs"
+#: What run_stat() reads, with the value that reading a missing field amounts to.
+_STAT_FIELDS: dict[str, Any] = {
+    "started_at": None,
+    "peak_bytes": None,
+    "reserved_bytes": 0,
+    "exit_status": None,
+    "signal": None,
+    "oom": False,
+    "peak_approximate": False,
+    "run_seconds": 0,
+    "wait_seconds": 0,
+    "time_to_peak_seconds": None,
+}
 
 
 def history_path(state_dir: Path) -> Path:
@@ -246,33 +274,159 @@ def record_keys(record: dict[str, Any]) -> dict[str, str]:
     return {}
 
 
-def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> None:
+def earlier_runs(record: dict[str, Any]) -> dict[str, int]:
+    """Key hash -> runs of that key that compaction left out before this record (malformed
+    entries are ignored: they only make a count shown by `estimate` smaller)."""
+    value = record.get(EARLIER)
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: n for k, n in value.items() if isinstance(k, str) and type(n) is int and 0 < n < 2**53
+    }
+
+
+def is_slim(record: dict[str, Any]) -> bool:
+    return record.get(SLIM) is True
+
+
+def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str, Any]:
+    """The record cut down to what estimates read: run_stat() and record_keys() (given as
+    `keys` when known) give the same for it as for the whole record. Fields whose absence
+    reads the same are left out."""
+    cut: dict[str, Any] = {
+        "schema": SCHEMA,
+        SLIM: True,
+        "keys": record_keys(record) if keys is None else keys,
+    }
+    for name, absent in _STAT_FIELDS.items():
+        value = record.get(name, absent)
+        # `is` for False: 0 == False, and an exit status of 0 must stay.
+        if name in record and not (value is absent or (absent is not False and value == absent)):
+            cut[name] = value
+    earlier = earlier_runs(record)
+    if earlier:
+        cut[EARLIER] = earlier
+    return cut
+
+
+class Compaction:
+    """What a compaction kept and left out, for tests and the benchmark."""
+
+    def __init__(self) -> None:
+        self.records_before = 0
+        self.whole = 0
+        self.slim = 0
+        #: Records that estimates used but did not fit (see the module docstring).
+        self.dropped_unprotected = 0
+        self.dropped_protected = 0
+        self.lines: list[bytes] = []
+
+
+def compacted(parsed: Parsed, budget: int, now: float | None = None) -> Compaction:
+    """The lines a compacted history keeps, in file order (see the module docstring)."""
+    records = [record for _, record in parsed.records]
+    count = len(records)
+    result = Compaction()
+    result.records_before = count
+    newest = max((stat.started_at for stat in parsed.stats), default=0.0)
+    clock = now if now is not None else max(newest, 0.0)
+    keys = [record_keys(record) for record in records]
+    in_window: dict[str, int] = {}
+    #: The keys whose estimate window holds each record.
+    windows: list[list[str]] = [[] for _ in records]
+    for position in range(count - 1, -1, -1):
+        if clock - parsed.stats[position].started_at > MAX_AGE:
+            continue
+        for key in keys[position].values():
+            if in_window.get(key, 0) < KEEP_PER_KEY:
+                in_window[key] = in_window.get(key, 0) + 1
+                windows[position].append(key)
+    first_recent = count - KEEP_RECENT
+    whole = [position >= first_recent for position in range(count)]
+    kept = [position for position in range(count) if whole[position] or windows[position]]
+    encoded = {
+        p: encode_existing(records[p] if whole[p] else slim(records[p], keys[p])) for p in kept
+    }
+    target = budget
+    for _ in range(4):
+        lines = _fit(dict(encoded), target, whole, windows, in_window, result)
+        _carry_counts(records, keys, lines, whole, count)
+        # The counts carried make a few records longer: fit again to a target smaller by that.
+        over = sum(len(line) for line in lines.values()) - budget
+        if over <= 0 or len(lines) <= 1:
+            break
+        target -= over
+    result.lines = [lines[p] for p in sorted(lines)]
+    result.whole = sum(1 for p in lines if whole[p])
+    result.slim = len(lines) - result.whole
+    return result
+
+
+def _fit(
+    lines: dict[int, bytes],
+    budget: int,
+    whole: list[bool],
+    windows: list[list[str]],
+    in_window: dict[str, int],
+    result: Compaction,
+) -> dict[int, bytes]:
+    """Leave out records, least needed first, until the rest fit in `budget` bytes."""
+    result.dropped_unprotected = result.dropped_protected = 0
+    total = sum(len(line) for line in lines.values())
+    if total <= budget:
+        return lines
+    kept = sorted(lines)
+    # Runs only keys with fewer than MIN_RUNS runs need (a sweep's lines, run once) go first.
+    for p in kept:
+        if total <= budget:
+            break
+        if not whole[p] and not any(in_window[key] >= MIN_RUNS for key in windows[p]):
+            total -= len(lines.pop(p))
+            result.dropped_unprotected += 1
+    # Then the oldest of the rest, whatever they are for; the newest run always stays.
+    for p in kept:
+        if total <= budget or len(lines) <= 1:
+            break
+        if p in lines:
+            total -= len(lines.pop(p))
+            result.dropped_protected += 1
+    return lines
+
+
+def _carry_counts(
+    records: list[dict[str, Any]],
+    keys: list[dict[str, str]],
+    lines: dict[int, bytes],
+    whole: list[bool],
+    count: int,
+) -> None:
+    """Note on the oldest kept record of each key how many of its runs were left out."""
+    left_out: dict[str, int] = {}
+    for position in range(count):
+        if position in lines:
+            continue
+        earlier = earlier_runs(records[position])
+        for key in keys[position].values():
+            left_out[key] = left_out.get(key, 0) + 1 + earlier.get(key, 0)
+    for position in sorted(lines):
+        if not left_out:
+            break
+        carried = {key: left_out.pop(key) for key in keys[position].values() if key in left_out}
+        if carried:
+            record = (
+                records[position] if whole[position] else slim(records[position], keys[position])
+            )
+            earlier = earlier_runs(record)
+            for key, n in carried.items():
+                earlier[key] = earlier.get(key, 0) + n
+            lines[position] = encode_existing({**record, EARLIER: earlier})
+
+
+def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compaction:
     """Rewrite the history keeping what estimates use (see the module docstring). Call it while
     holding history_lock."""
     path = history_path(state_dir)
-    parsed = read_from(path)
-    newest = max((r.get("started_at", 0) for _, r in parsed.records), default=0)
-    clock = now if now is not None else max(newest, 0)
-    kept_per_key: dict[str, int] = {}
-    keep: list[bool] = [False] * len(parsed.records)
-    for position in range(len(parsed.records) - 1, -1, -1):
-        record, stat = parsed.records[position][1], parsed.stats[position]
-        if position >= len(parsed.records) - KEEP_RECENT:
-            keep[position] = True
-        if clock - stat.started_at > MAX_AGE:
-            continue
-        for key in record_keys(record).values():
-            if kept_per_key.get(key, 0) < KEEP_PER_KEY:
-                kept_per_key[key] = kept_per_key.get(key, 0) + 1
-                keep[position] = True
-    lines = [encode_existing(r) for (_, r), k in zip(parsed.records, keep, strict=True) if k]
-    budget = max_bytes // 2
-    total = sum(len(line) for line in lines)
-    first = 0
-    while total > budget and first < len(lines) - 1:
-        total -= len(lines[first])
-        first += 1
-    data = b"".join(lines[first:])
+    result = compacted(read_from(path), max_bytes // 2, now)
     previous = path.with_name(FILENAME + ".1")
     link = path.with_name(f".{FILENAME}.1.{os.getpid()}.tmp")
     # The old file stays as history.jsonl.1, and readers always find a history.jsonl.
@@ -280,7 +434,8 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> None:
         link.unlink()
     os.link(path, link)
     os.replace(link, previous)
-    write_atomic(path, data)
+    write_atomic(path, b"".join(result.lines))
+    return result
 
 
 def encode_existing(record: dict[str, Any]) -> bytes:

@@ -174,6 +174,14 @@ def command_hash(command: Sequence[str]) -> str:
     return sha256_hex(shlex.join(command))[:20]
 
 
+def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> list[str]:
+    """The command as files that outlive the run keep it: whole, or in `hash` mode only the
+    program and a hash of the line (`python [3f2a...]`), as `history` shows it."""
+    if history_commands == "full":
+        return list(command)
+    return [command_key(command, cwd).program, f"[{command_hash(command)[:12]}]"]
+
+
 def build_record(
     *,
     job_id: str,

@@ -135,9 +135,10 @@ def supervise(
             return result
         now = time.monotonic()
         if backend is not None and now >= next_sample:
-            # Sample densely at first (0.1, 0.2, 0.4 s ...) so short runs still get a peak,
-            # then settle at the configured interval.
-            next_sample = now + min(sample_interval, 0.1 * 2**result.samples)
+            # Every 0.1 s through the first second, so short runs and quick loads still get
+            # their peak (and a load time to the tenth), then at the configured interval.
+            step = 0.1 if now - started < 1.0 else sample_interval
+            next_sample = now + min(sample_interval, step)
             pids, usage, gpus, snapshot = _sample(child, job, backend)
             if snapshot is not None:
                 answering = frozenset(g.uuid for g in snapshot.gpus)

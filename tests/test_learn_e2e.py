@@ -285,6 +285,11 @@ def test_hash_mode_keeps_no_command_line(sim_file: SimFileFactory, gpuwait_cmd: 
     assert "s3cr3t" not in path.read_text()
     shown = run([*gpuwait_cmd, "history"], env=env).stdout
     assert "sh [" in shown and "s3cr3t" not in shown
+    # Nor does the event log, which lasts as long.
+    events = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    assert "s3cr3t" not in events.read_text()
+    logged = run([*gpuwait_cmd, "log"], env=env).stdout
+    assert "sh [" in logged and "s3cr3t" not in logged
 
 
 def test_bad_options_are_one_line(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
@@ -298,3 +303,15 @@ def test_bad_options_are_one_line(sim_file: SimFileFactory, gpuwait_cmd: list[st
         done = run([*gpuwait_cmd, *argv])
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
         assert time.monotonic() - started < 10
+
+
+def test_retry_oom_stops_when_the_largest_card_was_already_given(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Too big for the only card: the first run already had all of it (default_vram exclusive),
+    # so a raised estimate, capped at that card, cannot help and no retry is made.
+    sim_file(gpus=1, memory="8GiB")
+    done = run([*gpuwait_cmd, "--retry-oom", "3", "--", *sim_job(gpuwait_cmd, "9G", "--hold", "0")])
+    assert done.returncode == 1
+    assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
+    assert len(history()) == 1 and history()[0]["oom"] is True

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 from gpuwait import _output
 from gpuwait._config import load_settings, show_value
 from gpuwait._errors import UsageError
-from gpuwait._estimate import QUANTILE, Spread
+from gpuwait._estimate import QUANTILE, Spread, recent
 from gpuwait._learn import Learned, learn
 from gpuwait._sizes import format_duration, format_size
 
@@ -59,6 +60,7 @@ def _spread_json(spread: Spread | None) -> dict[str, Any] | None:
 
 def _report(learned: Learned, default: str) -> dict[str, Any]:
     est = learned.estimate
+    now = time.time()
     return {
         "schema": ESTIMATE_SCHEMA,
         "estimate_bytes": est.bytes,
@@ -81,7 +83,8 @@ def _report(learned: Learned, default: str) -> dict[str, Any]:
                 "key": lv.text,
                 "hash": lv.hash,
                 "runs": lv.total_runs,
-                "successful_recent": sum(1 for r in lv.runs if r.ok and not r.oom),
+                # Runs past MAX_AGE count for nothing (and compaction drops them).
+                "successful_recent": sum(1 for r in recent(lv.runs, now) if r.ok and not r.oom),
             }
             for lv in learned.levels
         ],

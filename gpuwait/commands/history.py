@@ -17,7 +17,7 @@ from gpuwait._cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait._config import load_settings
 from gpuwait._errors import StateError, UsageError
 from gpuwait._estimate import spread
-from gpuwait._history import history_path, read_from, record_keys, tail
+from gpuwait._history import history_path, is_slim, read_from, record_keys, tail
 from gpuwait._learn import key_for
 from gpuwait._sizes import format_duration, format_size
 
@@ -27,10 +27,15 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND [ARGS...]]",
         description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
-        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script.",
+        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script. "
+        "Runs that compaction kept only for estimates are shown with --all.",
     )
     parser.add_argument("-n", type=int, default=20, metavar="N", help="show the last N (20)")
-    parser.add_argument("--all", action="store_true", help="show every run in the history")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="show every run in the history, also those compaction kept only for estimates",
+    )
     parser.add_argument("--key", metavar="NAME", help="only runs made with --key NAME")
     parser.add_argument("--json", action="store_true", help="the records as a JSON array")
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -49,6 +54,10 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     except OSError as exc:
         raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
     records = [r for _, r in parsed.records]
+    if not args.all:
+        # Older than the runs kept whole, and without command line or GPU: `history` would
+        # show them as rows of question marks.
+        records = [r for r in records if not is_slim(r)]
     if wanted is not None:
         records = [r for r in records if wanted in record_keys(r).values()]
     if not args.all:
@@ -110,7 +119,9 @@ def _seconds(value: Any) -> str:
 
 def _command(record: dict[str, Any], width: int | None) -> str:
     command = record.get("command")
-    if isinstance(command, list):
+    if is_slim(record):
+        text = "(compacted: kept for estimates only)"
+    elif isinstance(command, list):
         text = shlex.join(str(a) for a in command)
     else:
         text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"

@@ -37,6 +37,7 @@ from gpuwait._learn import (
     build_record,
     cap_to_cards,
     choose_request,
+    kept_command,
     learn,
     save_record,
 )
@@ -329,6 +330,12 @@ def _run_with_retries(
             key=args.key,
             margin=settings["estimate_margin"],
         )
+        # Capped as the next attempt will be: a run that already had the largest card
+        # cannot be helped by a bigger estimate.
+        snapshot = backend.snapshot()
+        raised = cap_to_cards(
+            raised, snapshot.gpus, _candidates(args, snapshot), settings["safety"]
+        )
         after = raised.request.bytes if raised.request is not None else None
         if after is None or after <= ended.reserved_bytes:
             if not args.quiet:
@@ -493,7 +500,14 @@ def _run_with_backend(
     _signals.block_handled()
     ledger = ledger_for(settings)
     try:
-        _submit(ledger, job, after, after_ok, settings.state_dir)
+        _submit(
+            ledger,
+            job,
+            after,
+            after_ok,
+            settings.state_dir,
+            kept_command(command, job.cwd, settings["history_commands"]),
+        )
     except StateError as exc:
         if settings["on_state_error"] != "run":
             raise
@@ -586,9 +600,16 @@ def _with_note(
 
 
 def _submit(
-    ledger: Ledger, job: Job, after: list[str], after_ok: list[str], state_dir: Path
+    ledger: Ledger,
+    job: Job,
+    after: list[str],
+    after_ok: list[str],
+    state_dir: Path,
+    logged_command: list[str],
 ) -> None:
     """Put `job` in the queue, unless its user already has as many entries as one may.
+
+    `logged_command`: the command as the event log keeps it (see history_commands).
 
     Raises UsageError when an --after reference names no job.
     """
@@ -616,7 +637,7 @@ def _submit(
             name=job.name,
             batch=job.batch,
             priority=job.priority,
-            command=job.command,
+            command=logged_command,
         )
 
 
