@@ -316,3 +316,26 @@ def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool
 
     # Alice submitted first; with fair share Bob, who has used less, goes first.
     assert (started(BOB) < started(ALICE)) is fair_share
+
+
+def test_an_admission_forged_by_another_user_is_not_trusted(server: Server) -> None:
+    # 20 GiB of the 21.6 usable are held outside gpuwait: a 10 GiB job can never fit.
+    external = hold_outside_gpuwait(server, 20 * GiB)
+    server.procs.append(external)  # type: ignore[arg-type]
+    waiter = server.start(ALICE, "--vram", "10G", "--", "sh", "-c", "echo started; sleep 30")
+    server.wait_jobs(1, "waiting")
+    # Bob rewrites Alice's waiting entry as if a plan had admitted it onto the full GPU.
+    raw = json.loads((server.ledger_dir / "ledger.json").read_bytes().decode())
+    raw = {"schema": raw["schema"], **{k: v for k, v in raw.items() if k != "crc"}}
+    uuid = load_sim_file(server.sim).gpus[0].uuid
+    for entry in raw["jobs"]:
+        entry.update(state="running", gpu_uuids=[uuid], reserved_bytes=10 * GiB)
+    server.inject(BOB, raw)
+    # Alice's gpuwait does not start its command on a GPU that NVML shows has no room for it.
+    time.sleep(2)
+    assert waiter.poll() is None, waiter.communicate()
+    assert [j["state"] for j in server.jobs()] == ["waiting"]
+    waiter.send_signal(signal.SIGTERM)
+    out, err = waiter.communicate(timeout=10)
+    assert "started" not in out, err
+    assert "ignored an admission" in err, err
