@@ -410,7 +410,7 @@ MAX_ENTRIES = 8192
 MAX_ENTRIES_PER_UID = 1024
 MAX_USAGE_USERS = 4096
 
-_TEMP_RE = re.compile(r"^\.ledger\.json\.([0-9]+)\.tmp$")
+_TEMP_RE = re.compile(r"^\.(?:ledger|wake)\.json\.([0-9]+)\.tmp$")
 _CRC_PREFIX = b'{"crc":'
 
 
