@@ -353,3 +353,47 @@ def test_an_admission_forged_by_another_user_is_not_trusted(server: Server) -> N
     out, err = waiter.communicate(timeout=10)
     assert "started" not in out, err
     assert "ignored an admission" in err, err
+
+
+def test_a_copy_of_a_job_id_under_another_uid_does_not_stand_in_for_the_job(
+    server: Server,
+) -> None:
+    alice = server.start(ALICE, "--vram", "4G", "--name", "mine", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    bob_sleep = subprocess.Popen(["sleep", "60"], user=BOB, group=BOB)
+    try:
+        lock = os.open(server.ledger_dir / "ledger.lock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            raw = server.ledger().read().to_json()
+            # Bob's entry under Alice's job id, first in order, reserving nothing.
+            copy = {
+                **raw["jobs"][0],
+                "uid": BOB,
+                "pid": bob_sleep.pid,
+                "start_time": _proc.start_time(bob_sleep.pid),
+                "order": 0,
+                "reserved_bytes": 0,
+                "pids": [],
+                "child_pid": None,
+            }
+            raw["jobs"].insert(0, copy)
+            server.inject(BOB, raw)
+        finally:
+            os.close(lock)
+        # Alice's gpuwait puts its own entry back (it checks once per sample interval): her
+        # reservation stands again and the copy is gone.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            entries = [(j["uid"], j["reserved_bytes"]) for j in server.jobs()]
+            if entries == [(ALICE, 4 * GiB)]:
+                break
+            time.sleep(0.05)
+        assert entries == [(ALICE, 4 * GiB)]
+        # And she can still cancel her own job by its name.
+        cancel = server.run(ALICE, "cancel", "mine")
+        assert cancel.returncode == 0, cancel.stderr
+        assert alice.wait(timeout=20) != 0
+    finally:
+        bob_sleep.kill()
+        bob_sleep.wait()
