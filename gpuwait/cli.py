@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from gpuwait import __version__, _output
 from gpuwait._config import OPTIONS, load_settings, show_value
-from gpuwait._errors import EXIT_USAGE, GpuwaitError, UsageError
+from gpuwait._errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError, UsageError
 
 #: Subcommand -> one-line help. Each lives in gpuwait.commands.<name, '-' as '_'> and has
 #: `main(argv, parser_class) -> int`.
@@ -126,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`gpuwait status | head -1`): nothing left to say, and no one to
+        # say it to. The status a shell shows for a program that SIGPIPE ended.
+        return EXIT_BROKEN_PIPE
 
 
 def _run(argv: list[str]) -> int:

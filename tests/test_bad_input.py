@@ -186,3 +186,24 @@ def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -
     )
     assert done.returncode == 2 and "writable by every user" in done.stderr
     assert "chmod o-w" in done.stderr
+
+
+@pytest.mark.parametrize("argv", [["status"], ["config"], ["history"], ["status", "--json"]])
+def test_a_reader_that_went_away_gets_no_traceback(
+    sim: Path, isolated_dirs: Path, argv: list[str]
+) -> None:
+    # `gpuwait status | head -1`: the reader is gone before gpuwait has written everything.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuwait", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 141  # as for a program that SIGPIPE ended
