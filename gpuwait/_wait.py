@@ -264,13 +264,15 @@ def _confirm_found(
     snapshot = backend.snapshot()
     if ignore_processes:
         snapshot = name_processes(snapshot)
-    with ledger.transaction() as data:
+
+    def check(data: LedgerData) -> tuple[Job | None, bool]:
+        """This job's entry if it is running, and whether its admission holds."""
         mine = data.find(job.id)
         if mine is None or mine.state != RUNNING:
-            return None
+            return None, False
         ours = mine.uid == asked.uid and mine.pid == asked.pid
         others = [j.claim(snapshot.gpus) for j in data.jobs if j is not mine]
-        if ours and admission_fits(
+        return mine, ours and admission_fits(
             asked.claim(snapshot.gpus),
             mine.gpu_uuids,
             mine.reserved_bytes,
@@ -278,19 +280,34 @@ def _confirm_found(
             snapshot.gpus,
             safety,
             ignore_processes,
-        ):
-            job.__dict__.update(mine.__dict__)
-            return Admitted(
-                tuple(mine.gpu_uuids),
-                mine.reserved_bytes,
-                _gpus_of(mine.gpu_uuids, snapshot, data),
-                found=True,
-            )
+        )
+
+    def admitted(data: LedgerData, mine: Job) -> Admitted:
+        job.__dict__.update(mine.__dict__)
+        return Admitted(
+            tuple(mine.gpu_uuids),
+            mine.reserved_bytes,
+            _gpus_of(mine.gpu_uuids, snapshot, data),
+            found=True,
+        )
+
+    # A lock-free read first: it can only count more than is there (entries of dead processes
+    # not yet reaped), so an admission that holds on it holds; the lock is taken to undo one.
+    data = ledger.read()
+    mine, holds = check(data)
+    if mine is not None and holds:
+        return admitted(data, mine)
+    with ledger.transaction() as data:
+        mine, holds = check(data)
+        if mine is None:
+            return None
+        if holds:
+            return admitted(data, mine)
         ledger.warnings.append(
             f"ledger {ledger.path}: ignored an admission of job {job.id} that no plan made "
             "(its GPUs have no room for it, or the entry is not this process's); waiting on"
         )
-        if ours:
+        if mine.uid == asked.uid and mine.pid == asked.pid:
             mine.state = WAITING
             mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
             mine.started_at = None
