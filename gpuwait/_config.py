@@ -100,8 +100,10 @@ def _default_vram(value: Any) -> MemoryRequest | None:
 
 def _names(value: Any) -> tuple[str, ...]:
     """A list of process names: a TOML array, or a comma-separated string ("" for none)."""
-    items = value if isinstance(value, list) else str(value).split(",")
-    names = tuple(str(item).strip() for item in items if str(item).strip())
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected process names: a list of strings, or comma-separated text")
+    names = tuple(item.strip() for item in items if item.strip())
     if any(len(n) > 15 for n in names):
         raise ValueError("process names are at most 15 characters (as in /proc/PID/comm)")
     return names

@@ -15,6 +15,8 @@ EXIT_CANCELLED = 7
 #: cancel/pause/resume of another user's job.
 EXIT_NOT_PERMITTED = 8
 EXIT_TIMEOUT = 124
+#: gpuwait's own output went to a reader that had gone away (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from gpuwait._atomic import ensure_private_dir, open_private_append
 from gpuwait._lock import exclusive
+from gpuwait._security import is_shared_dir
 
 SCHEMA = 1
 FILENAME = "events.jsonl"
@@ -38,6 +39,15 @@ def emit(state_dir: Path, kind: str, **fields: Any) -> None:
     record = {"schema": SCHEMA, "time": round(time.time(), 6), "kind": kind, **fields}
     line = (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
     path = events_path(state_dir)
+    try:
+        # A shared ledger directory keeps no event log (README): a log there would be one
+        # member's private file, which the others could neither append to nor read.
+        if is_shared_dir(os.lstat(state_dir)):
+            return
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
     try:
         ensure_private_dir(state_dir)
         fd = open_private_append(path)

@@ -410,7 +410,7 @@ MAX_ENTRIES = 8192
 MAX_ENTRIES_PER_UID = 1024
 MAX_USAGE_USERS = 4096
 
-_TEMP_RE = re.compile(r"^\.ledger\.json\.([0-9]+)\.tmp$")
+_TEMP_RE = re.compile(r"^\.(?:ledger|wake)\.json\.([0-9]+)\.tmp$")
 _CRC_PREFIX = b'{"crc":'
 
 
@@ -705,6 +705,21 @@ class Ledger:
                 dropped.append(str(exc))
         if len(jobs_raw) > MAX_ENTRIES * 2:
             dropped.append(f"more than {MAX_ENTRIES} entries")
+        # An id claimed under two uids is another member's copy of someone's job id (ids are 32
+        # random bits): which one is real cannot be told, so neither is kept. The real one's
+        # gpuwait puts its entry back; kept, the copy would stand in for it (its reservation,
+        # its owner for cancel) for as long as the file said so.
+        owners: dict[str, set[int]] = {}
+        for job in parsed:
+            owners.setdefault(job.id, set()).add(job.uid)
+        claimed = {i for i, uids in owners.items() if len(uids) > 1}
+        if claimed:
+            dropped += [
+                f"id {printable(j.id, 16)} is claimed by several users"
+                for j in parsed
+                if j.id in claimed
+            ]
+            parsed = [j for j in parsed if j.id not in claimed]
         for job in sorted(parsed, key=lambda j: (j.state != RUNNING, j.order)):
             if job.id in ids:
                 continue

@@ -322,6 +322,37 @@ def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS)
     return claim.request.on(room.gpu.total_bytes)
 
 
+def admission_fits(
+    claim: Claim,
+    gpu_uuids: Sequence[str],
+    reserved_bytes: int,
+    others: Iterable[Claim],
+    gpus: Sequence[GpuSnapshot],
+    safety: float,
+    ignore_processes: frozenset[str] = frozenset(),
+) -> bool:
+    """Whether an admission of `claim` onto `gpu_uuids` that this process did not plan (found
+    in a shared ledger, which any member can write) is one the GPUs allow now.
+
+    `claim` is the job as it asked (not as the ledger says), `others` every other entry. The
+    room is what a plan would see without this job, so an admission another waiter's plan made
+    passes, while one written into the file onto a GPU without room does not.
+    """
+    if len(set(gpu_uuids)) != claim.gpus_wanted or len(gpu_uuids) != claim.gpus_wanted:
+        return False
+    # Utilization caps are judged over a window of readings, which the planner had.
+    claim = claim._replace(requirements=claim.requirements._replace(max_util_pct=None))
+    rooms = gpu_rooms(gpus, others, safety, ignore_processes)
+    for uuid in gpu_uuids:
+        room = rooms.get(uuid)
+        need = None if room is None else need_on(claim, room)
+        if room is None or need is None or need > room.room:
+            return False
+        if claim.request is not None and reserved_bytes < need:
+            return False
+    return True
+
+
 def impossible_reason(
     claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None = None
 ) -> str | None:

@@ -28,10 +28,17 @@ from gpuwait import _events, _signals, _wake
 from gpuwait._backend import Backend
 from gpuwait._bookkeeping import CANCELLED, DEPENDENCY_FAILED, Finished
 from gpuwait._fairness import NO_FAIR_SHARE, FairShare, claims_for
-from gpuwait._ledger import RUNNING, Job, Ledger, LedgerData
+from gpuwait._ledger import RUNNING, WAITING, Job, Ledger, LedgerData
 from gpuwait._pause_runtime import ask_for_room, pause_progress
 from gpuwait._pausing import PauseRules
-from gpuwait._policy import NO_CONDITIONS, Conditions, Plan, WaitReason, plan
+from gpuwait._policy import (
+    NO_CONDITIONS,
+    Conditions,
+    Plan,
+    WaitReason,
+    admission_fits,
+    plan,
+)
 from gpuwait._queue import (
     UtilizationWindow,
     busy_gpus,
@@ -62,6 +69,8 @@ class Admitted(Record, frozen=True):
     reserved_bytes: int
     #: The GPUs, in the order of `gpu_uuids`, as last read.
     gpus: tuple[GpuSnapshot, ...]
+    #: Found in the ledger, not planned by this process (another waiter's plan, or an edit).
+    found: bool = False
 
 
 class TimedOut(Record, frozen=True):
@@ -155,7 +164,10 @@ def try_admit(
         if mine.state == RUNNING:
             job.__dict__.update(mine.__dict__)
             return Admitted(
-                tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
+                tuple(mine.gpu_uuids),
+                mine.reserved_bytes,
+                _gpus_of(mine.gpu_uuids, snapshot, data),
+                found=True,
             )
         note_health(ledger.directory, data, snapshot, now)
         failure = settle_dependencies(mine, data)
@@ -228,8 +240,79 @@ def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None)
     job.__dict__.update(mine.__dict__)
     snapshot = last or MachineSnapshot(backend="", gpus=())
     return Admitted(
-        tuple(mine.gpu_uuids), mine.reserved_bytes, _gpus_of(mine.gpu_uuids, snapshot, data)
+        tuple(mine.gpu_uuids),
+        mine.reserved_bytes,
+        _gpus_of(mine.gpu_uuids, snapshot, data),
+        found=True,
     )
+
+
+def _confirm_found(
+    ledger: Ledger,
+    backend: Backend,
+    job: Job,
+    asked: Job,
+    safety: float,
+    ignore_processes: frozenset[str],
+) -> Admitted | None:
+    """An admission found in a shared ledger, checked against fresh readings before it is used.
+
+    Any member of the group can write the shared ledger, so an entry marked running may be an
+    edit rather than a plan: one that puts the job (as it asked, `asked`) where the GPUs have no
+    room for it is undone, and the job waits on. Another waiter's plan passes the check.
+    """
+    snapshot = backend.snapshot()
+    if ignore_processes:
+        snapshot = name_processes(snapshot)
+
+    def check(data: LedgerData) -> tuple[Job | None, bool]:
+        """This job's entry if it is running, and whether its admission holds."""
+        mine = data.find(job.id)
+        if mine is None or mine.state != RUNNING:
+            return None, False
+        ours = mine.uid == asked.uid and mine.pid == asked.pid
+        others = [j.claim(snapshot.gpus) for j in data.jobs if j is not mine]
+        return mine, ours and admission_fits(
+            asked.claim(snapshot.gpus),
+            mine.gpu_uuids,
+            mine.reserved_bytes,
+            others,
+            snapshot.gpus,
+            safety,
+            ignore_processes,
+        )
+
+    def admitted(data: LedgerData, mine: Job) -> Admitted:
+        job.__dict__.update(mine.__dict__)
+        return Admitted(
+            tuple(mine.gpu_uuids),
+            mine.reserved_bytes,
+            _gpus_of(mine.gpu_uuids, snapshot, data),
+            found=True,
+        )
+
+    # A lock-free read first: it can only count more than is there (entries of dead processes
+    # not yet reaped), so an admission that holds on it holds; the lock is taken to undo one.
+    data = ledger.read()
+    mine, holds = check(data)
+    if mine is not None and holds:
+        return admitted(data, mine)
+    with ledger.transaction() as data:
+        mine, holds = check(data)
+        if mine is None:
+            return None
+        if holds:
+            return admitted(data, mine)
+        ledger.warnings.append(
+            f"ledger {ledger.path}: ignored an admission of job {job.id} that no plan made "
+            "(its GPUs have no room for it, or the entry is not this process's); waiting on"
+        )
+        if mine.uid == asked.uid and mine.pid == asked.pid:
+            mine.state = WAITING
+            mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
+            mine.started_at = None
+        job.__dict__.update(asked.__dict__)
+    return None
 
 
 def wait_for_admission(
@@ -253,6 +336,8 @@ def wait_for_admission(
     """
     state_dir = ledger.directory
     summary_path = _wake.wake_path(state_dir)
+    #: The job as it asked: a shared ledger's entry can be edited by any member of the group.
+    asked = job._replace()
     last_token: object = object()
     last_release: int | None = None
     next_read = 0.0
@@ -267,6 +352,11 @@ def wait_for_admission(
     last: MachineSnapshot | None = None
     #: (monotonic time to act, wall time the release was seen) while standing in for the first.
     backup: tuple[float, float] | None = None
+
+    def trusted(admitted: Admitted | None) -> Admitted | None:
+        if admitted is None or not admitted.found or not ledger.shared:
+            return admitted
+        return _confirm_found(ledger, backend, job, asked, safety, ignore_processes)
 
     def attempt() -> _Attempt:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
@@ -316,9 +406,12 @@ def wait_for_admission(
                     last_release = seen.release
                     queue_length = len(seen.waiting)
             if check_admitted:
-                admitted = _admitted_by_another(ledger, job, last)
+                found = _admitted_by_another(ledger, job, last)
+                admitted = trusted(found)
                 if admitted is not None:
                     return admitted
+                if found is not None:
+                    reason = None  # say why it waits again, after the warning
                 event = True
             if backup is not None and now >= backup[0]:
                 # Stand in for the first waiter only if it has not planned since the release.
@@ -338,6 +431,10 @@ def wait_for_admission(
                 last_release = seen.release if seen is not None else None
                 queue_length = len(seen.waiting) if seen is not None else queue_length
                 outcome = attempt()
+                if isinstance(outcome, Admitted):
+                    outcome = trusted(outcome)
+                    if outcome is None:
+                        reason = None  # say why it waits again, after the warning
                 if isinstance(outcome, (Admitted, Cancelled, DependencyFailed)):
                     return outcome
                 if outcome is not None and outcome != reason:
@@ -363,7 +460,7 @@ def wait_for_admission(
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     # Admitted by another waiter's plan at the last moment: then it runs.
-                    return _admitted_by_another(ledger, job, last) or TimedOut(reason)
+                    return trusted(_admitted_by_another(ledger, job, last)) or TimedOut(reason)
                 sleep = min(sleep, remaining)
             also = (watch.wake_signal,) if watch is not None and watching else ()
             info = _signals.next_signal(sleep, also=also)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpuwait._record import Record
+from gpuwait._security import is_shared_dir
 
 SCHEMA = 1
 FILENAME = "wake.json"
@@ -184,10 +185,16 @@ def note_planned(state_dir: Path) -> None:
     """Say that the GPUs were just read and the queue planned (plan.stamp's mtime)."""
     path = state_dir / STAMP
     with contextlib.suppress(OSError):
-        if path.exists():
-            os.utime(path)
-        else:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        if os.path.lexists(path):
+            os.utime(path, follow_symlinks=False)
+            return
+        # In a shared ledger directory every member's waiters touch it: the group's, 0660.
+        mode = 0o660 if is_shared_dir(os.lstat(state_dir)) else 0o600
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            os.fchmod(fd, mode)  # whatever the umask
+        finally:
+            os.close(fd)
 
 
 def planned_since(state_dir: Path, moment: float) -> bool:

@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from gpuwait import __version__, _output
 from gpuwait._config import OPTIONS, load_settings, show_value
-from gpuwait._errors import EXIT_USAGE, GpuwaitError, UsageError
+from gpuwait._errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError, UsageError
 
 #: Subcommand -> one-line help. Each lives in gpuwait.commands.<name, '-' as '_'> and has
 #: `main(argv, parser_class) -> int`.
@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`gpuwait status | head -1`): end quietly, with the status a
-        # program killed by SIGPIPE has (128 + 13), as `cat` would.
-        return 141
+        # The reader went away (`gpuwait status | head -1`): nothing left to say, and no one to
+        # say it to. The status a shell shows for a program that SIGPIPE ended.
+        return EXIT_BROKEN_PIPE
 
 
 def _run(argv: list[str]) -> int:

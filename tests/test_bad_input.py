@@ -127,6 +127,22 @@ CASES: dict[str, Case] = {
     "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
     "config binary": (["true"], {}, "\udcff\udcfe", None, 2, "not UTF-8"),
     "config zero default vram": (["true"], {}, "default_vram = 0\n", None, 2, "larger than zero"),
+    "config number as process names": (
+        ["true"],
+        {},
+        "ignore_processes = 5\n",
+        None,
+        2,
+        "not valid for ignore_processes",
+    ),
+    "config nested process names": (
+        ["true"],
+        {},
+        'ignore_processes = [["Xorg"]]\n',
+        None,
+        2,
+        "list of strings",
+    ),
     # -- the site config file --
     "site vram limit word": (["true"], {}, None, 'user_max_vram = "lots"\n', 2, "site config"),
     "site negative gpus": (["true"], {}, None, "user_max_gpus = -1\n", 2, "whole number"),

@@ -145,3 +145,21 @@ def test_running_entry_round_trips(tmp_path: Path) -> None:
     with ledger.transaction() as data:
         data.jobs.append(job)
     assert ledger.read().jobs == [job]
+
+
+def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
+    # A writer SIGKILLed between creating its temporary file and renaming it leaves the file
+    # behind, for the ledger and for the wake-up summary beside it alike.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = os.getpid()
+    ledger = Ledger(tmp_path / "state")
+    with ledger.transaction():
+        pass
+    for name in ("ledger.json", "wake.json"):
+        for pid in (dead.pid, alive):
+            (ledger.directory / f".{name}.{pid}.tmp").write_text("{")
+    with ledger.transaction():
+        pass
+    left = sorted(p.name for p in ledger.directory.iterdir() if p.name.endswith(".tmp"))
+    assert left == [f".ledger.json.{alive}.tmp", f".wake.json.{alive}.tmp"]

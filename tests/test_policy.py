@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwait._policy import Claim, gpu_rooms, impossible_reason, plan
+from gpuwait._policy import Claim, admission_fits, gpu_rooms, impossible_reason, plan
 from gpuwait._sizes import MemoryRequest
 from gpuwait._snapshot import GpuSnapshot, ProcessUsage
 
@@ -220,3 +220,37 @@ def test_plans_are_deterministic(machine: tuple[list[GpuSnapshot], list[Claim], 
     first = plan(cards, claims, safety)
     second = plan(list(reversed(cards)), list(reversed(claims)), safety)
     assert first.admitted == second.admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines())
+def test_an_admission_a_plan_made_passes_the_check_of_a_found_one(
+    machine: tuple[list[GpuSnapshot], list[Claim], float],
+) -> None:
+    # A waiter admitted by another waiter's plan (in a shared ledger) checks the admission
+    # against the same readings: it must never refuse one that a plan made.
+    cards, claims, safety = machine
+    decided = plan(cards, claims, safety)
+    after = [
+        c._replace(running=True, gpu_uuids=decided.admitted[c.job_id], reserved_bytes=r)
+        if (r := decided.reserved.get(c.job_id)) is not None
+        else c
+        for c in claims
+    ]
+    for claim in claims:
+        if claim.job_id in decided.admitted:
+            others = [c for c in after if c.job_id != claim.job_id]
+            uuids = decided.admitted[claim.job_id]
+            reserved = decided.reserved[claim.job_id]
+            assert admission_fits(claim, uuids, reserved, others, cards, safety)
+
+
+def test_an_admission_written_into_the_ledger_onto_a_full_gpu_fails_the_check() -> None:
+    cards = [gpu(0, 24, used_gib=20), gpu(1, 24)]
+    asked = waiting("a", 10, order=1)
+    assert not admission_fits(asked, ("GPU-00000000",), 10 * GiB, [], cards, 0.9)
+    # Room enough, but a reservation smaller than the request would let others in beside it.
+    assert not admission_fits(asked, ("GPU-00000001",), 1 * GiB, [], cards, 0.9)
+    assert not admission_fits(asked, ("GPU-00000001", "GPU-00000000"), 10 * GiB, [], cards, 0.9)
+    assert not admission_fits(asked, ("GPU-gone",), 10 * GiB, [], cards, 0.9)
+    assert admission_fits(asked, ("GPU-00000001",), 10 * GiB, [], cards, 0.9)

@@ -7,6 +7,7 @@ root; elsewhere they are skipped.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -132,6 +133,11 @@ def test_two_users_queue_through_one_shared_ledger(server: Server) -> None:
     for name in ("ledger.json", "ledger.json.journal", "ledger.lock"):
         st = (server.ledger_dir / name).stat()
         assert (oct(st.st_mode & 0o7777), st.st_gid) == ("0o660", GROUP), name
+    # Nothing private to one member is left there: no event log, no file only its writer can use.
+    assert not (server.ledger_dir / "events.jsonl").exists()
+    for path in server.ledger_dir.iterdir():
+        st = path.stat()
+        assert (oct(st.st_mode & 0o7777), st.st_gid) == ("0o660", GROUP), path.name
     # Each user's history stays in their own private state dir.
     for uid in (ALICE, BOB):
         state = Path(server.envs[uid]["XDG_STATE_HOME"]) / "gpuwait"
@@ -316,3 +322,78 @@ def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool
 
     # Alice submitted first; with fair share Bob, who has used less, goes first.
     assert (started(BOB) < started(ALICE)) is fair_share
+
+
+def test_an_admission_forged_by_another_user_is_not_trusted(server: Server) -> None:
+    # 20 GiB of the 21.6 usable are held outside gpuwait: a 10 GiB job does not fit.
+    external = hold_outside_gpuwait(server, 20 * GiB)
+    server.procs.append(external)  # type: ignore[arg-type]
+    waiter = server.start(ALICE, "--vram", "10G", "--", "sh", "-c", "echo started; sleep 30")
+    server.wait_jobs(1, "waiting")
+    uuid = load_sim_file(server.sim).gpus[0].uuid
+    # Bob rewrites Alice's waiting entry as if a plan had admitted it onto the full GPU (the
+    # test holds the lock meanwhile, only so that Alice's own writes cannot undo the edit).
+    lock = os.open(server.ledger_dir / "ledger.lock", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        raw = server.ledger().read().to_json()
+        for entry in raw["jobs"]:
+            entry.update(state="running", gpu_uuids=[uuid], reserved_bytes=10 * GiB)
+        server.inject(BOB, raw)
+    finally:
+        os.close(lock)
+    # Alice's gpuwait does not start its command on a GPU that NVML shows has no room for it:
+    # it puts its entry back in the queue, and waits on.
+    deadline = time.monotonic() + 20
+    while server.jobs()[0]["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(j["state"], j["gpu_uuids"]) for j in server.jobs()] == [("waiting", [])]
+    assert waiter.poll() is None
+    waiter.send_signal(signal.SIGTERM)
+    out, err = waiter.communicate(timeout=10)
+    assert "started" not in out, err
+    assert "ignored an admission" in err, err
+
+
+def test_a_copy_of_a_job_id_under_another_uid_does_not_stand_in_for_the_job(
+    server: Server,
+) -> None:
+    alice = server.start(ALICE, "--vram", "4G", "--name", "mine", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    bob_sleep = subprocess.Popen(["sleep", "60"], user=BOB, group=BOB)
+    try:
+        lock = os.open(server.ledger_dir / "ledger.lock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            raw = server.ledger().read().to_json()
+            # Bob's entry under Alice's job id, first in order, reserving nothing.
+            copy = {
+                **raw["jobs"][0],
+                "uid": BOB,
+                "pid": bob_sleep.pid,
+                "start_time": _proc.start_time(bob_sleep.pid),
+                "order": 0,
+                "reserved_bytes": 0,
+                "pids": [],
+                "child_pid": None,
+            }
+            raw["jobs"].insert(0, copy)
+            server.inject(BOB, raw)
+        finally:
+            os.close(lock)
+        # Alice's gpuwait puts its own entry back (it checks once per sample interval): her
+        # reservation stands again and the copy is gone.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            entries = [(j["uid"], j["reserved_bytes"]) for j in server.jobs()]
+            if entries == [(ALICE, 4 * GiB)]:
+                break
+            time.sleep(0.05)
+        assert entries == [(ALICE, 4 * GiB)]
+        # And she can still cancel her own job by its name.
+        cancel = server.run(ALICE, "cancel", "mine")
+        assert cancel.returncode == 0, cancel.stderr
+        assert alice.wait(timeout=20) != 0
+    finally:
+        bob_sleep.kill()
+        bob_sleep.wait()

@@ -539,7 +539,7 @@ def _run_with_backend(
                 nvml_interval=settings["nvml_interval"],
                 # --timeout bounds the first wait only: a paused job always comes back.
                 deadline=None if timeout is None or job.pauses else waited_from + timeout,
-                on_reason=_with_note(line.update, choice.note),
+                on_reason=_warnings_first(ledger, args.quiet, _with_note(line.update, choice.note)),
                 ignore_processes=frozenset(settings["ignore_processes"]),
                 use_inotify=settings["wake"] == "inotify",
                 fair=fair,
@@ -550,6 +550,7 @@ def _run_with_backend(
             raise
         finally:
             line.clear()
+            _show_ledger_warnings(ledger, args.quiet)
         wait_seconds = time.monotonic() - waited_from
         if isinstance(outcome, TimedOut):
             _leave(ledger, job, TIMED_OUT)
@@ -588,6 +589,19 @@ def _run_with_backend(
             return ended
         if not args.quiet:
             _output.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
+
+
+def _warnings_first(
+    ledger: Ledger, quiet: bool, update: Callable[[WaitReason], None]
+) -> Callable[[WaitReason], None]:
+    """The ledger's warnings from the wait so far (a damaged file, an ignored edit), then the
+    wait line."""
+
+    def show(reason: WaitReason) -> None:
+        _show_ledger_warnings(ledger, quiet)
+        update(reason)
+
+    return show
 
 
 def _with_note(
