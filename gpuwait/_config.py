@@ -546,6 +546,12 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     environ = os.environ if env is None else env
     path = config_file_path(environ)
     site = site_config_file_path()
+    if environ.get("GPUWAIT_CONFIG") and not path.exists():
+        # Named on purpose: a typo must not silently leave every setting at its default.
+        raise UsageError(
+            f"GPUWAIT_CONFIG names {path}, which does not exist",
+            hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
+        )
     return resolve(
         cli, environ, load_config_file(path), path, load_config_file(site, site=True), site
     )

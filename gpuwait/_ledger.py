@@ -674,7 +674,13 @@ class Ledger:
         except (UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(type(exc).__name__) from None
         if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
-            raise ValueError(f"schema {raw.get('schema') if isinstance(raw, dict) else '?'}")
+            schema = raw.get("schema") if isinstance(raw, dict) else "?"
+            if type(schema) is int and schema > SCHEMA:
+                raise ValueError(
+                    f"schema {schema}, written by a newer gpuwait than this one (schema "
+                    f"{SCHEMA}): update gpuwait wherever this ledger is used"
+                )
+            raise ValueError(f"schema {schema}")
         jobs_raw = raw.get("jobs")
         if not isinstance(jobs_raw, list):
             raise ValueError("no job list")

@@ -102,6 +102,14 @@ CASES: dict[str, Case] = {
         "only be set by an administrator",
     ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
+    "env config missing": (
+        ["true"],
+        {"GPUWAIT_CONFIG": "/nonexistent/gpuwait.toml"},
+        None,
+        None,
+        2,
+        "does not exist",
+    ),
     "env sim missing": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_SIM": "/nonexistent.toml", "GPUWAIT_ON_NO_GPU": "fail"},

@@ -332,6 +332,18 @@ def test_without_gpu_readings_the_command_runs_with_one_warning(
     assert "hint:" in done.stderr and "GPUWAIT_SIM" in done.stderr
 
 
+def test_status_without_gpu_readings_shows_the_queue_and_exits_4(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    done = run([*gpuwait_cmd, "status"], env=env)
+    assert done.returncode == 4
+    assert "Queue (0)" in done.stdout
+    assert done.stderr.startswith("gpuwait: error: ") and "driver" in done.stderr
+    as_json = run([*gpuwait_cmd, "status", "--json"], env=env)
+    assert as_json.returncode == 4 and json.loads(as_json.stdout)["backend_error"]
+
+
 BAD_INPUT = [
     (["--vram", "6X", "true"], 2, "not a size"),
     (["--vram", "0", "true"], 2, "larger than zero"),

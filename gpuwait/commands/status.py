@@ -18,7 +18,7 @@ from gpuwait import _output
 from gpuwait._backend import open_backend
 from gpuwait._bookkeeping import GPU_OK, Book
 from gpuwait._config import Settings, load_settings
-from gpuwait._errors import BackendUnavailable, UsageError
+from gpuwait._errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait._fairness import FairShare, claims_for, user_usage
 from gpuwait._ledger import RUNNING, Job, LedgerData, ledger_for
 from gpuwait._policy import Conditions, estimate_starts, gpu_rooms, plan
@@ -58,8 +58,10 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
             raise UsageError("--watch: refresh at most every 0.1s")
     settings = load_settings({})
     if interval is None:
-        _show(build_report(settings), args.json, in_place=False, watching=False)
-        return 0
+        report = build_report(settings)
+        _show(report, args.json, in_place=False, watching=False)
+        # The queue is still shown, but a script asking whether the GPUs can be read must hear no.
+        return EXIT_NO_GPU if report["backend_error"] else 0
     in_place = sys.stdout.isatty() and not args.json
     try:
         while True:
