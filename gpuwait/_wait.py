@@ -162,13 +162,7 @@ def try_admit(
             data.jobs.append(job)
             mine = job
         if mine.state == RUNNING:
-            job.__dict__.update(mine.__dict__)
-            return Admitted(
-                tuple(mine.gpu_uuids),
-                mine.reserved_bytes,
-                _gpus_of(mine.gpu_uuids, snapshot, data),
-                found=True,
-            )
+            return _found(job, mine, snapshot, data)
         note_health(ledger.directory, data, snapshot, now)
         failure = settle_dependencies(mine, data)
         if failure is not None:
@@ -237,8 +231,12 @@ def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None)
     mine = data.find(job.id)
     if mine is None or mine.state != RUNNING:
         return None
+    return _found(job, mine, last or MachineSnapshot(backend="", gpus=()), data)
+
+
+def _found(job: Job, mine: Job, snapshot: MachineSnapshot, data: LedgerData) -> Admitted:
+    """`job` as its running entry `mine` has it, admitted by a plan other than this call's."""
     job.__dict__.update(mine.__dict__)
-    snapshot = last or MachineSnapshot(backend="", gpus=())
     return Admitted(
         tuple(mine.gpu_uuids),
         mine.reserved_bytes,
@@ -282,27 +280,18 @@ def _confirm_found(
             ignore_processes,
         )
 
-    def admitted(data: LedgerData, mine: Job) -> Admitted:
-        job.__dict__.update(mine.__dict__)
-        return Admitted(
-            tuple(mine.gpu_uuids),
-            mine.reserved_bytes,
-            _gpus_of(mine.gpu_uuids, snapshot, data),
-            found=True,
-        )
-
     # A lock-free read first: it can only count more than is there (entries of dead processes
     # not yet reaped), so an admission that holds on it holds; the lock is taken to undo one.
     data = ledger.read()
     mine, holds = check(data)
     if mine is not None and holds:
-        return admitted(data, mine)
+        return _found(job, mine, snapshot, data)
     with ledger.transaction() as data:
         mine, holds = check(data)
         if mine is None:
             return None
         if holds:
-            return admitted(data, mine)
+            return _found(job, mine, snapshot, data)
         ledger.warnings.append(
             f"ledger {ledger.path}: ignored an admission of job {job.id} that no plan made "
             "(its GPUs have no room for it, or the entry is not this process's); waiting on"
