@@ -18,8 +18,8 @@ could start soonest, so a big job is never starved by a stream of small ones. A 
 start on a held GPU (backfill) only where that cannot delay the head's expected start: when it is
 expected to end before then, or when it fits in the memory the head will leave spare at that
 time. Both need run times: when the head's start cannot be told (a job it waits for has no
-estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own never
-takes room the head is waiting for. Either may use the GPUs that are not held.
+estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own is
+never backfilled onto them, not even into the spare. Either may use the GPUs that are not held.
 """
 
 from __future__ import annotations
@@ -237,8 +237,14 @@ class Hold(Record, frozen=True):
     #: Expected seconds until the head fits there; None: unknown (a job there has no estimate).
     start_in: float | None
     #: Per held GPU, bytes still free at the head's expected start once it has taken its share
-    #: (jobs placed there now may use them whatever their run time); 0 when the start is unknown.
+    #: (jobs with a run-time estimate placed there now may use them however long they run); 0
+    #: when the start is unknown.
     spare: Mapping[str, int] = MappingProxyType({})
+
+    def has_estimate(self, claim: Claim, uuid: str) -> bool:
+        """Does `claim` have a run-time estimate on `uuid`? A job with no history is never
+        backfilled ahead of a held head, not even into the room the head leaves spare."""
+        return claim.expected_by_gpu.get(uuid, claim.expected_seconds) is not None
 
     def ends_in_time(self, claim: Claim, uuid: str) -> bool:
         """Is `claim` expected to end on `uuid` before the head could start there?"""
@@ -548,7 +554,7 @@ def plan(
                 (r, n)
                 for r, n in fitting
                 if r.gpu.uuid not in hold.gpu_uuids
-                or n <= spare[r.gpu.uuid]
+                or (n <= spare[r.gpu.uuid] and hold.has_estimate(claim, r.gpu.uuid))
                 or hold.ends_in_time(claim, r.gpu.uuid)
             ]
         if len(allowed) >= claim.gpus_wanted and allowed:

@@ -101,6 +101,16 @@ def test_backfill_only_where_it_cannot_delay_the_heads_start() -> None:
     assert set(decided.admitted) == {"s0"}
 
 
+def test_job_with_no_history_is_not_backfilled_into_the_heads_spare() -> None:
+    cards = [card(0)]
+    # The head's start is known (r0 ends in 100 s) and 4 GiB would fit in the 5.6 GiB it leaves
+    # spare, but a job with no run-time history is never started ahead of a held head.
+    base = [runner("r0", (0,), 12, expected=100), waiter("big", 16, order=1)]
+    decided = plan(cards, [*base, waiter("unknown", 4, order=2)], 0.9)
+    assert decided.admitted == {}
+    assert "no run-time estimate" in (decided.waiting["unknown"].note or "")
+
+
 def test_hold_sticks_to_its_gpus_until_others_are_sooner() -> None:
     cards = [card(0), card(1)]
     running = [runner("r0", (0,), 12), runner("r1", (1,), 10)]
