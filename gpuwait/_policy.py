@@ -655,7 +655,12 @@ def _wait_reason(
     candidates = [r for r in rooms.values() if _static_ok(claim, r.gpu)]
     usable = [r for r in candidates if _util_ok(claim, r.gpu.uuid, conditions)]
     if candidates and not usable and note is None:
-        note = f"every candidate is busier than {claim.requirements.max_util_pct:g}% utilization"
+        cap = f"{claim.requirements.max_util_pct:g}%"
+        if any(r.gpu.uuid not in conditions.utilization for r in candidates):
+            # A GPU with too few readings yet is not known to be busy: say what is going on.
+            note = f"measuring utilization for the {cap} cap (a few readings)"
+        else:
+            note = f"every candidate is busier than {cap} utilization"
     best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
     needed = "a whole GPU" if claim.request is None else claim.request.describe()
     if claim.gpus_wanted > 1:

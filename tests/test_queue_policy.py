@@ -259,6 +259,16 @@ def test_utilization_cap_needs_measured_readings_under_it() -> None:
     assert "busier than 50% utilization" in reason.describe()
 
 
+def test_utilization_cap_says_it_is_still_measuring_rather_than_busy() -> None:
+    cards = [card(0), card(1)]
+    capped = waiter("x", 1, order=1, requirements=Requirements(max_util_pct=50))
+    # GPU1 has too few readings yet: it is not known to be busy, and the reason must not say so.
+    unmeasured = Conditions(utilization={uuid(0): 80.0})
+    reason = plan(cards, [capped], 0.9, conditions=unmeasured).waiting["x"].describe()
+    assert "busier" not in reason
+    assert "measuring utilization" in reason
+
+
 def test_ignored_processes_do_not_stop_an_exclusive_job() -> None:
     desktop = ProcessUsage(77, 2 * GiB, "gnome-shell")
     cards = [card(0, used_gib=2, processes=(desktop,))]
