@@ -662,6 +662,13 @@ def _wait_reason(
         else:
             note = f"every candidate is busier than {cap} utilization"
     best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
+    if claim.request is None and best is not None:
+        # Free memory alone does not tell why a whole GPU is refused: say what it takes.
+        whole = (
+            "a whole GPU needs no other gpuwait job on it and at most"
+            f" {EXCLUSIVE_MAX_EXTERNAL:.0%} of its memory used outside gpuwait"
+        )
+        note = whole if note is None else f"{whole}; {note}"
     needed = "a whole GPU" if claim.request is None else claim.request.describe()
     if claim.gpus_wanted > 1:
         needed = f"{claim.gpus_wanted} GPUs with {needed} each"

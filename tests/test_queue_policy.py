@@ -280,6 +280,18 @@ def test_ignored_processes_do_not_stop_an_exclusive_job() -> None:
     assert gpu_rooms(cards, [], 0.9, ignoring.ignore_processes)[uuid(0)].external == 2 * GiB
 
 
+def test_exclusive_waiter_says_why_the_free_memory_it_sees_is_not_enough() -> None:
+    # 21.6 GiB free, but 2 GiB used by another process: a whole GPU allows at most 5 %.
+    other = ProcessUsage(77, 2 * GiB, "python")
+    cards = [card(0, used_gib=2, processes=(other,))]
+    whole = Claim("w", False, 3, 1, None)
+    reason = plan(cards, [whole], 0.9).waiting["w"].describe()
+    assert "5% of its memory used outside gpuwait" in reason
+    # Busy with a gpuwait job instead: the same condition is what it waits for.
+    busy = plan([card(0)], [runner("r0", (0,), 1), whole], 0.9).waiting["w"].describe()
+    assert "no other gpuwait job" in busy
+
+
 # --- properties ---------------------------------------------------------------------------------
 
 run_times = st.integers(1, 50).map(float)
