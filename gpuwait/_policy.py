@@ -18,8 +18,8 @@ could start soonest, so a big job is never starved by a stream of small ones. A 
 start on a held GPU (backfill) only where that cannot delay the head's expected start: when it is
 expected to end before then, or when it fits in the memory the head will leave spare at that
 time. Both need run times: when the head's start cannot be told (a job it waits for has no
-estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own never
-takes room the head is waiting for. Either may use the GPUs that are not held.
+estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own is
+never backfilled onto them, not even into the spare. Either may use the GPUs that are not held.
 """
 
 from __future__ import annotations
@@ -237,8 +237,14 @@ class Hold(Record, frozen=True):
     #: Expected seconds until the head fits there; None: unknown (a job there has no estimate).
     start_in: float | None
     #: Per held GPU, bytes still free at the head's expected start once it has taken its share
-    #: (jobs placed there now may use them whatever their run time); 0 when the start is unknown.
+    #: (jobs with a run-time estimate placed there now may use them however long they run); 0
+    #: when the start is unknown.
     spare: Mapping[str, int] = MappingProxyType({})
+
+    def has_estimate(self, claim: Claim, uuid: str) -> bool:
+        """Does `claim` have a run-time estimate on `uuid`? A job with no history is never
+        backfilled ahead of a held head, not even into the room the head leaves spare."""
+        return claim.expected_by_gpu.get(uuid, claim.expected_seconds) is not None
 
     def ends_in_time(self, claim: Claim, uuid: str) -> bool:
         """Is `claim` expected to end on `uuid` before the head could start there?"""
@@ -548,7 +554,7 @@ def plan(
                 (r, n)
                 for r, n in fitting
                 if r.gpu.uuid not in hold.gpu_uuids
-                or n <= spare[r.gpu.uuid]
+                or (n <= spare[r.gpu.uuid] and hold.has_estimate(claim, r.gpu.uuid))
                 or hold.ends_in_time(claim, r.gpu.uuid)
             ]
         if len(allowed) >= claim.gpus_wanted and allowed:
@@ -649,8 +655,20 @@ def _wait_reason(
     candidates = [r for r in rooms.values() if _static_ok(claim, r.gpu)]
     usable = [r for r in candidates if _util_ok(claim, r.gpu.uuid, conditions)]
     if candidates and not usable and note is None:
-        note = f"every candidate is busier than {claim.requirements.max_util_pct:g}% utilization"
+        cap = f"{claim.requirements.max_util_pct:g}%"
+        if any(r.gpu.uuid not in conditions.utilization for r in candidates):
+            # A GPU with too few readings yet is not known to be busy: say what is going on.
+            note = f"measuring utilization for the {cap} cap (a few readings)"
+        else:
+            note = f"every candidate is busier than {cap} utilization"
     best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
+    if claim.request is None and best is not None:
+        # Free memory alone does not tell why a whole GPU is refused: say what it takes.
+        whole = (
+            "a whole GPU needs no other gpuwait job on it and at most"
+            f" {EXCLUSIVE_MAX_EXTERNAL:.0%} of its memory used outside gpuwait"
+        )
+        note = whole if note is None else f"{whole}; {note}"
     needed = "a whole GPU" if claim.request is None else claim.request.describe()
     if claim.gpus_wanted > 1:
         needed = f"{claim.gpus_wanted} GPUs with {needed} each"

@@ -665,6 +665,19 @@ def test_status_text_fits_80_columns(
     assert text.rstrip().endswith("GiB·h"), text
 
 
+def test_status_shows_batch_names_whole_where_the_line_has_room(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    # Two batches that differ only after the 20th character must stay apart at 80 columns.
+    for month in ("11", "12"):
+        batch = f"transcriptions-2026-{month}"
+        assert run([*gpuwait_cmd, "--vram", "1G", "--batch", batch, "--", "true"]).returncode == 0
+    text = run([*gpuwait_cmd, "status"], env={**os.environ, "COLUMNS": "80"}).stdout
+    assert " transcriptions-2026-11 1/1 done" in text and " transcriptions-2026-12 1/1 done" in text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
 def test_status_watch_prints_reports_until_interrupted(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
 ) -> None:

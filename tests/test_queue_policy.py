@@ -101,6 +101,16 @@ def test_backfill_only_where_it_cannot_delay_the_heads_start() -> None:
     assert set(decided.admitted) == {"s0"}
 
 
+def test_job_with_no_history_is_not_backfilled_into_the_heads_spare() -> None:
+    cards = [card(0)]
+    # The head's start is known (r0 ends in 100 s) and 4 GiB would fit in the 5.6 GiB it leaves
+    # spare, but a job with no run-time history is never started ahead of a held head.
+    base = [runner("r0", (0,), 12, expected=100), waiter("big", 16, order=1)]
+    decided = plan(cards, [*base, waiter("unknown", 4, order=2)], 0.9)
+    assert decided.admitted == {}
+    assert "no run-time estimate" in (decided.waiting["unknown"].note or "")
+
+
 def test_hold_sticks_to_its_gpus_until_others_are_sooner() -> None:
     cards = [card(0), card(1)]
     running = [runner("r0", (0,), 12), runner("r1", (1,), 10)]
@@ -249,6 +259,16 @@ def test_utilization_cap_needs_measured_readings_under_it() -> None:
     assert "busier than 50% utilization" in reason.describe()
 
 
+def test_utilization_cap_says_it_is_still_measuring_rather_than_busy() -> None:
+    cards = [card(0), card(1)]
+    capped = waiter("x", 1, order=1, requirements=Requirements(max_util_pct=50))
+    # GPU1 has too few readings yet: it is not known to be busy, and the reason must not say so.
+    unmeasured = Conditions(utilization={uuid(0): 80.0})
+    reason = plan(cards, [capped], 0.9, conditions=unmeasured).waiting["x"].describe()
+    assert "busier" not in reason
+    assert "measuring utilization" in reason
+
+
 def test_ignored_processes_do_not_stop_an_exclusive_job() -> None:
     desktop = ProcessUsage(77, 2 * GiB, "gnome-shell")
     cards = [card(0, used_gib=2, processes=(desktop,))]
@@ -258,6 +278,18 @@ def test_ignored_processes_do_not_stop_an_exclusive_job() -> None:
     assert plan(cards, [whole], 0.9, conditions=ignoring).admitted["w"] == (uuid(0),)
     # Its memory is still really used: the room shrinks by it either way.
     assert gpu_rooms(cards, [], 0.9, ignoring.ignore_processes)[uuid(0)].external == 2 * GiB
+
+
+def test_exclusive_waiter_says_why_the_free_memory_it_sees_is_not_enough() -> None:
+    # 21.6 GiB free, but 2 GiB used by another process: a whole GPU allows at most 5 %.
+    other = ProcessUsage(77, 2 * GiB, "python")
+    cards = [card(0, used_gib=2, processes=(other,))]
+    whole = Claim("w", False, 3, 1, None)
+    reason = plan(cards, [whole], 0.9).waiting["w"].describe()
+    assert "5% of its memory used outside gpuwait" in reason
+    # Busy with a gpuwait job instead: the same condition is what it waits for.
+    busy = plan([card(0)], [runner("r0", (0,), 1), whole], 0.9).waiting["w"].describe()
+    assert "no other gpuwait job" in busy
 
 
 # --- properties ---------------------------------------------------------------------------------

@@ -410,15 +410,20 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     if report["batches"]:
         out.append("")
         out.append(f"Batches ({len(report['batches'])})")
+        tallies = []
         for b in report["batches"]:
             extra = f", {b['cancelled']} cancelled" if b["cancelled"] else ""
-            out.append(
-                _clip(
-                    f" {_clip(b['name'], 20):<20} {b['done']}/{b['total']} done, "
-                    f"{b['running']} running, {b['waiting']} waiting, {b['failed']} failed{extra}",
-                    width,
-                )
+            tallies.append(
+                f"{b['done']}/{b['total']} done, {b['running']} running, "
+                f"{b['waiting']} waiting, {b['failed']} failed{extra}"
             )
+        # Names as long as the lines leave room for: batches named alike (by date, by run)
+        # often differ only at the end.
+        longest = max(len(b["name"]) for b in report["batches"])
+        room = width - 2 - max(len(t) for t in tallies)
+        column = max(20, min(longest, room))
+        for b, tally in zip(report["batches"], tallies, strict=True):
+            out.append(_clip(f" {_clip(b['name'], column):<{column}} {tally}", width))
     out.extend(_render_users(report["users"], report["fair_share"], width))
     return "\n".join(out) + "\n"
 
