@@ -198,9 +198,9 @@ def test_damaged_simulation_file_is_refused_and_left_alone(gw: Run, kind: str) -
     assert words in done.stderr and "simulation file" in done.stderr
     assert "Traceback" not in done.stderr
     assert path.read_bytes() == content
-    # `status` reports it and still shows the ledger.
+    # `status` reports it, still shows the ledger, and exits as a run without GPUs would.
     status = gw("status")
-    assert status.returncode == 0 and words in status.stderr
+    assert status.returncode == 4 and words in status.stderr and "Queue (0)" in status.stdout
 
 
 CHURN = r"""
