@@ -12,11 +12,25 @@ from collections.abc import Iterable
 
 
 def _stat_fields(pid: int) -> list[str] | None:
+    # os.open/os.read, not open(): a buffered file object costs more than the read itself, and
+    # the ledger does this for every entry in every transaction. The file is a few hundred bytes,
+    # which procfs returns whole to one read of a buffer this size.
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("utf-8", "replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _fields_of(raw)
+
+
+def _fields_of(stat: bytes) -> list[str] | None:
+    """The fields of a /proc/PID/stat line after the command name (fields[0] is field 3)."""
+    raw = stat.decode("utf-8", "replace")
     # The command name (field 2) is in parentheses and may itself contain spaces and ')'.
     close = raw.rfind(")")
     if close < 0:
@@ -71,6 +85,52 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
         return False
     # State Z or X: exited (a zombie not yet reaped, or dead).
     return fields is not None and fields[0] not in ("Z", "X")
+
+
+class LivenessReader:
+    """`is_alive` for the same processes again and again (the ledger's entries, in every
+    transaction), with their /proc/PID/stat kept open in between.
+
+    A descriptor names the process it was opened on, not its pid: once that process is gone,
+    reading it fails (ESRCH), even after a new process got the pid. So reading it again tells
+    exactly what opening the path afresh would (running, the same start time, not a zombie),
+    for half the cost; the state itself is read anew on every call. Descriptors not asked
+    about since the last `forget_unused` are closed then, and at most `limit` are kept.
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._open: dict[tuple[int, int], int] = {}
+        self._used: set[tuple[int, int]] = set()
+
+    def is_alive(self, pid: int, expected_start: int) -> bool:
+        key = (pid, expected_start)
+        fd = self._open.get(key)
+        if fd is None:
+            if len(self._open) >= self.limit or pid <= 0:
+                return is_alive(pid, expected_start)
+            try:
+                fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                # Gone, or hidden by hidepid: the uncached check tells those apart.
+                return is_alive(pid, expected_start)
+            self._open[key] = fd
+        self._used.add(key)
+        try:
+            fields = _fields_of(os.pread(fd, 4096, 0))
+        except OSError:
+            return False  # the process this descriptor was opened on has gone
+        # Field 3, the state: Z or X, exited (a zombie not yet reaped, or dead).
+        return (
+            _start_of(fields) == expected_start
+            and fields is not None
+            and fields[0] not in ("Z", "X")
+        )
+
+    def forget_unused(self) -> None:
+        for key in [k for k in self._open if k not in self._used]:
+            os.close(self._open.pop(key))
+        self._used = set()
 
 
 def command_name(pid: int) -> str | None:
