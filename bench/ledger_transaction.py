@@ -83,7 +83,7 @@ def instrument(clock: Clock) -> dict[str, float]:
     patch(json, "loads", "parse")
     patch(ledger.Ledger, "_decode", "validate")  # less what is nested: parse, crc
     patch(proc, "is_alive", "reap")
-    patch(getattr(proc, "LivenessReader", None), "is_alive", "reap")
+    patch(getattr(proc, "LivenessReader", None), "alive", "reap")
     patch(ledger, "entry_owner_mismatch", "reap")
     patch(ledger.LedgerData, "to_json", "encode")
     patch(json, "dumps", "encode")

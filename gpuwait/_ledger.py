@@ -397,7 +397,7 @@ def _forget_cached_entries() -> None:
     """As if this process had never read or written a ledger (tests and benchmarks)."""
     _VALIDATED.forget()
     _ENCODED.forget()
-    _LIVENESS.forget_unused()
+    _LIVENESS.close()
 
 
 class UserUsage(Record):
@@ -533,8 +533,10 @@ class Ledger:
                 data, raw, rewrite = self._load(repair=True)
                 before = _wake.fingerprint(data.jobs)
                 present = {j.id: (j.state, j.pid) for j in data.jobs}
-                self.reaped = [j for j in data.jobs if not _LIVENESS.is_alive(j.pid, j.start_time)]
-                _LIVENESS.forget_unused()
+                alive = _LIVENESS.alive([(j.pid, j.start_time) for j in data.jobs])
+                self.reaped = [
+                    j for j, running in zip(data.jobs, alive, strict=True) if not running
+                ]
                 for job in self.reaped:
                     data.jobs.remove(job)
                     self._note_reaped(data, job)

@@ -76,8 +76,8 @@ class ValidatedEntries(Generic[_T]):
         self._known = {}
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+#: json.dumps(value, separators=(",", ":"), sort_keys=True), without making an encoder per call.
+_dumps = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
 
 
 class EncodedEntries:
@@ -85,11 +85,17 @@ class EncodedEntries:
 
     def __init__(self) -> None:
         self._known: dict[bytes, str] = {}
+        self._wrote = False
 
     def encode(self, document: dict[str, Any], entries: str = "jobs") -> bytes:
         """Exactly `json.dumps(document, separators=(",", ":"), sort_keys=True).encode()`, with
         the text of each entry of the list `document[entries]` reused where an entry of the
         same content was encoded last time."""
+        if not self._wrote:
+            # A process's first write (often its only one: a submission) encodes in one go;
+            # entry by entry, and telling each one's content, costs more the first time.
+            self._wrote = True
+            return _dumps(document).encode()
         known = self._known
         seen: dict[bytes, str] = {}
         parts = []
@@ -113,3 +119,4 @@ class EncodedEntries:
 
     def forget(self) -> None:
         self._known = {}
+        self._wrote = False

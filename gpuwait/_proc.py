@@ -8,7 +8,8 @@ boot), and a process counts as "the same" only when both match.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -88,49 +89,80 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
 
 
 class LivenessReader:
-    """`is_alive` for the same processes again and again (the ledger's entries, in every
-    transaction), with their /proc/PID/stat kept open in between.
+    """`is_alive` for the same processes again and again: the ledger's entries, in every
+    transaction.
 
-    A descriptor names the process it was opened on, not its pid: once that process is gone,
-    reading it fails (ESRCH), even after a new process got the pid. So reading it again tells
-    exactly what opening the path afresh would (running, the same start time, not a zombie),
-    for half the cost; the state itself is read anew on every call. Descriptors not asked
-    about since the last `forget_unused` are closed then, and at most `limit` are kept.
+    A pidfd (pidfd_open(2)) names one process, not its pid: it becomes readable once that
+    process has exited (a zombie included), and a new process that gets the pid later does not
+    make it so. Once a process was found to be the one an entry names (its start time, read
+    from /proc after its pidfd was opened, matches), one poll(2) over all the pidfds tells which
+    have exited since: every process's state is looked at anew in every call, for one system
+    call instead of a read of /proc per process. Where no pidfd can be had (a kernel before
+    5.3, more than `limit` processes, a process gone or hidden by /proc's hidepid), `is_alive`
+    answers for it as before.
     """
 
-    def __init__(self, limit: int = 256) -> None:
-        self.limit = limit
-        self._open: dict[tuple[int, int], int] = {}
-        self._used: set[tuple[int, int]] = set()
+    def __init__(self, limit: int | None = None) -> None:
+        # Half the descriptors this process may open at most (commands inherit none of them).
+        self.limit = min(4096, os.sysconf("SC_OPEN_MAX") // 2) if limit is None else limit
+        self._pidfds: dict[tuple[int, int], int] = {}
+        self._poll: Any = None
+        self._calls = 0
 
-    def is_alive(self, pid: int, expected_start: int) -> bool:
-        key = (pid, expected_start)
-        fd = self._open.get(key)
-        if fd is None:
-            if len(self._open) >= self.limit or pid <= 0:
-                return is_alive(pid, expected_start)
-            try:
-                fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                # Gone, or hidden by hidepid: the uncached check tells those apart.
-                return is_alive(pid, expected_start)
-            self._open[key] = fd
-        self._used.add(key)
+    def alive(self, processes: Sequence[tuple[int, int]]) -> list[bool]:
+        """For each (pid, start time): whether it still runs (see `is_alive`)."""
+        self._calls += 1
+        if self._calls == 1:
+            # Opening the pidfds costs more than it saves until the second call, and many
+            # processes (a `gpuwait cancel`, a submission that runs at once) make one only.
+            return [is_alive(pid, start) for pid, start in processes]
+        if self._poll is None:
+            import select  # here, not at start-up: a launch that never waits never needs it
+
+            self._poll = select.poll()
+        wanted = set(processes)
+        for key in [k for k in self._pidfds if k not in wanted]:
+            self._drop(key)
+        answers: dict[tuple[int, int], bool] = {}
+        for key in wanted.difference(self._pidfds):
+            pid, start = key
+            fd = self._open(pid) if len(self._pidfds) < self.limit else None
+            answers[key] = is_alive(pid, start)  # after the pidfd: it names this process
+            if fd is None:
+                continue
+            if answers[key]:
+                self._pidfds[key] = fd
+                self._poll.register(fd, _POLLIN)
+            else:
+                os.close(fd)
+        exited = {fd for fd, _ in self._poll.poll(0)}
+        return [answers[k] if k in answers else self._pidfds[k] not in exited for k in processes]
+
+    def close(self) -> None:
+        """Close every pidfd; the next call is again a first one."""
+        for key in list(self._pidfds):
+            self._drop(key)
+        self._calls = 0
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        fd = self._pidfds.pop(key)
+        self._poll.unregister(fd)
+        os.close(fd)
+
+    @staticmethod
+    def _open(pid: int) -> int | None:
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None or pid <= 0:
+            return None
         try:
-            fields = _fields_of(os.pread(fd, 4096, 0))
+            fd: int = pidfd_open(pid)  # close-on-exec, always: no command inherits it
         except OSError:
-            return False  # the process this descriptor was opened on has gone
-        # Field 3, the state: Z or X, exited (a zombie not yet reaped, or dead).
-        return (
-            _start_of(fields) == expected_start
-            and fields is not None
-            and fields[0] not in ("Z", "X")
-        )
+            return None
+        return fd
 
-    def forget_unused(self) -> None:
-        for key in [k for k in self._open if k not in self._used]:
-            os.close(self._open.pop(key))
-        self._used = set()
+
+#: poll(2)'s "readable", which a pidfd becomes when its process exits.
+_POLLIN = 0x001
 
 
 def command_name(pid: int) -> str | None:

@@ -247,7 +247,7 @@ def test_ledger_file_is_canonical_json(tmp_path: Path) -> None:
             job = make_job(f"j{i}", me, _proc.start_time(me))
             job.name, job.command = 'naïve ☃ "quoted" \\ \n', ["x", "\u2028", "\x00"]
             data.jobs.append(job)
-    for _ in range(2):  # once encoded afresh, once from what this process remembers
+    for _ in range(3):  # encoded in one go, entry by entry, and from what this process remembers
         text = ledger.path.read_bytes()
         assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True).encode()
         with ledger.transaction() as data:
