@@ -87,7 +87,7 @@ def instrument(clock: Clock) -> dict[str, float]:
     patch(ledger, "entry_owner_mismatch", "reap")
     patch(ledger.LedgerData, "to_json", "encode")
     patch(json, "dumps", "encode")
-    patch(ledger, "_encode", "encode")
+    patch(getattr(ledger, "_ENCODED", None), "encode", "encode")
     patch(ledger.Ledger, "_write", "write+fsync")
     patch(ledger.Ledger, "_write_summary", "write+fsync")
     patch(atomic, "write_atomic", "write+fsync")

@@ -117,8 +117,10 @@ class LivenessReader:
             # processes (a `gpuwait cancel`, a submission that runs at once) make one only.
             return [is_alive(pid, start) for pid, start in processes]
         if self._poll is None:
-            import select  # here, not at start-up: a launch that never waits never needs it
-
+            try:
+                import select  # here, not at start-up: most launches never get this far
+            except ImportError:  # an interpreter whose modules this user cannot read
+                return [is_alive(pid, start) for pid, start in processes]
             self._poll = select.poll()
         wanted = set(processes)
         for key in [k for k in self._pidfds if k not in wanted]:
