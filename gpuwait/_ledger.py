@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuwait import _events, _proc, _wake
-from gpuwait._atomic import ensure_private_dir, keep_damaged, write_json_atomic
+from gpuwait._atomic import ensure_private_dir, keep_damaged, write_atomic
 from gpuwait._bookkeeping import LOST, Book, Finished
 from gpuwait._errors import StateError
+from gpuwait._ledgercache import EncodedEntries, ValidatedEntries
 from gpuwait._lock import LockTimeout, flock_within
 from gpuwait._policy import Claim, Requirements
 from gpuwait._record import Record, field
@@ -185,7 +186,7 @@ class Job(Record):
         """Validate one entry; raises ValueError naming what is wrong."""
         if not isinstance(raw, dict):
             raise ValueError("entry is not an object")
-        job = cls(
+        values: dict[str, Any] = dict(
             id=_text(raw, "id"),
             pid=_int(raw, "pid", 1, 2**31),
             start_time=_int(raw, "start_time", 0, 2**62),
@@ -232,6 +233,13 @@ class Job(Record):
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
             load_seconds=_seconds(raw.get("load_seconds")),
         )
+        if len(values) == len(cls._fields):
+            # Every field is set above and each value checked: Record's generic __init__ (a
+            # good part of the time this takes, in every read of the ledger) has nothing to add.
+            job = object.__new__(cls)
+            job.__dict__.update(values)
+        else:
+            job = cls(**values)
         if job.state not in (WAITING, RUNNING):
             raise ValueError(f"state {job.state!r} is unknown")
         return job
@@ -353,6 +361,43 @@ def _observed(value: Any) -> dict[str, int]:
     ):
         raise ValueError("observed must map GPU UUIDs to byte counts")
     return dict(value)
+
+
+def _copy_job(job: Job) -> Job:
+    """A copy of `job` whose lists and dicts are its own (a caller may change them in place)."""
+    copy = object.__new__(Job)
+    values = copy.__dict__
+    values.update(job.__dict__)
+    for name in _CONTAINER_FIELDS:
+        value = values[name]
+        if value is not None:
+            values[name] = value.copy()
+    # The one field that nests containers: min_compute_capability is a list.
+    values["requirements"] = {
+        k: list(v) if type(v) is list else v for k, v in job.requirements.items()
+    }
+    return copy
+
+
+#: Job's fields that hold a list or a dict (read from the annotations, so a new one is not missed).
+_CONTAINER_FIELDS = tuple(
+    name
+    for name, annotation in Job.__annotations__.items()
+    if str(annotation).startswith(("list[", "dict[")) or "| list[" in str(annotation)
+)
+
+#: Entries validated, and entries encoded, by this process: see gpuwait._ledgercache.
+_VALIDATED = ValidatedEntries(Job.from_json, _copy_job)
+_ENCODED = EncodedEntries()
+#: The entries' processes, looked at in every transaction (see gpuwait._proc.LivenessReader).
+_LIVENESS = _proc.LivenessReader()
+
+
+def _forget_cached_entries() -> None:
+    """As if this process had never read or written a ledger (tests and benchmarks)."""
+    _VALIDATED.forget()
+    _ENCODED.forget()
+    _LIVENESS.close()
 
 
 class UserUsage(Record):
@@ -488,7 +533,10 @@ class Ledger:
                 data, raw, rewrite = self._load(repair=True)
                 before = _wake.fingerprint(data.jobs)
                 present = {j.id: (j.state, j.pid) for j in data.jobs}
-                self.reaped = [j for j in data.jobs if not j.is_alive()]
+                alive = _LIVENESS.alive([(j.pid, j.start_time) for j in data.jobs])
+                self.reaped = [
+                    j for j, running in zip(data.jobs, alive, strict=True) if not running
+                ]
                 for job in self.reaped:
                     data.jobs.remove(job)
                     self._note_reaped(data, job)
@@ -537,11 +585,16 @@ class Ledger:
         """wake.json beside the ledger. In a shared (sticky) directory it cannot be replaced by
         rename when another user wrote it last, so it is rewritten in place there; a reader
         that catches it half-written finds no valid summary and plans, which is safe."""
+        body = json.dumps(content, separators=(",", ":")).encode()
+        # Waiters act on the summary's content alone, and most changes (a job's new sample, a
+        # waiter's reason) leave it as it was: rewriting it then would cost a rename (or, in a
+        # shared directory, wake every watching waiter) for nothing.
+        if _holds(_wake.wake_path(self.directory), body):
+            return
         if not self.shared:
             _wake.write_summary(self.directory, content)
             return
         with contextlib.suppress(OSError):
-            body = json.dumps(content, separators=(",", ":")).encode()
             _write_in_place(_wake.wake_path(self.directory), body, self._group)
 
     # -- the directory and the lock ----------------------------------------------------------
@@ -703,12 +756,8 @@ class Ledger:
         ids: set[str] = set()
         per_uid: dict[int, int] = {}
         # Running entries first, so that a cap drops waiters rather than reservations.
-        parsed: list[Job] = []
-        for entry in jobs_raw[: MAX_ENTRIES * 2]:
-            try:
-                parsed.append(Job.from_json(entry))
-            except ValueError as exc:
-                dropped.append(str(exc))
+        parsed, invalid = _VALIDATED.validate_all(jobs_raw[: MAX_ENTRIES * 2])
+        dropped += invalid
         if len(jobs_raw) > MAX_ENTRIES * 2:
             dropped.append(f"more than {MAX_ENTRIES} entries")
         # An id claimed under two uids is another member's copy of someone's job id (ids are 32
@@ -770,10 +819,10 @@ class Ledger:
     # -- writing -----------------------------------------------------------------------------
 
     def _write(self, encoded: dict[str, Any]) -> None:
+        body = _ENCODED.encode(encoded)
         if not self.shared:
-            write_json_atomic(self.path, encoded)
+            write_atomic(self.path, body)
             return
-        body = json.dumps(encoded, separators=(",", ":"), sort_keys=True).encode()
         data = b'{"crc":%d,' % zlib.crc32(body) + body[1:]
         for path in (self.journal_path, self.path):
             _write_in_place(path, data, self._group)
@@ -794,6 +843,20 @@ def _check_crc(text: bytes) -> bytes:
     if zlib.crc32(body) != expected:
         raise ValueError("checksum mismatch: a write was cut short")
     return body
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """True when the file at `path` holds exactly `data`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.read(fd, len(data) + 1) == data
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _write_in_place(path: Path, data: bytes, group: int | None) -> None:

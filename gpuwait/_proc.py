@@ -8,15 +8,30 @@ boot), and a process counts as "the same" only when both match.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def _stat_fields(pid: int) -> list[str] | None:
+    # os.open/os.read, not open(): a buffered file object costs more than the read itself, and
+    # the ledger does this for every entry in every transaction. The file is a few hundred bytes,
+    # which procfs returns whole to one read of a buffer this size.
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("utf-8", "replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _fields_of(raw)
+
+
+def _fields_of(stat: bytes) -> list[str] | None:
+    """The fields of a /proc/PID/stat line after the command name (fields[0] is field 3)."""
+    raw = stat.decode("utf-8", "replace")
     # The command name (field 2) is in parentheses and may itself contain spaces and ')'.
     close = raw.rfind(")")
     if close < 0:
@@ -71,6 +86,85 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
         return False
     # State Z or X: exited (a zombie not yet reaped, or dead).
     return fields is not None and fields[0] not in ("Z", "X")
+
+
+class LivenessReader:
+    """`is_alive` for the same processes again and again: the ledger's entries, in every
+    transaction.
+
+    A pidfd (pidfd_open(2)) names one process, not its pid: it becomes readable once that
+    process has exited (a zombie included), and a new process that gets the pid later does not
+    make it so. Once a process was found to be the one an entry names (its start time, read
+    from /proc after its pidfd was opened, matches), one poll(2) over all the pidfds tells which
+    have exited since: every process's state is looked at anew in every call, for one system
+    call instead of a read of /proc per process. Where no pidfd can be had (a kernel before
+    5.3, more than `limit` processes, a process gone or hidden by /proc's hidepid), `is_alive`
+    answers for it as before.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        # Half the descriptors this process may open at most (commands inherit none of them).
+        self.limit = min(4096, os.sysconf("SC_OPEN_MAX") // 2) if limit is None else limit
+        self._pidfds: dict[tuple[int, int], int] = {}
+        self._poll: Any = None
+        self._calls = 0
+
+    def alive(self, processes: Sequence[tuple[int, int]]) -> list[bool]:
+        """For each (pid, start time): whether it still runs (see `is_alive`)."""
+        self._calls += 1
+        if self._calls == 1:
+            # Opening the pidfds costs more than it saves until the second call, and many
+            # processes (a `gpuwait cancel`, a submission that runs at once) make one only.
+            return [is_alive(pid, start) for pid, start in processes]
+        if self._poll is None:
+            try:
+                import select  # here, not at start-up: most launches never get this far
+            except ImportError:  # an interpreter whose modules this user cannot read
+                return [is_alive(pid, start) for pid, start in processes]
+            self._poll = select.poll()
+        wanted = set(processes)
+        for key in [k for k in self._pidfds if k not in wanted]:
+            self._drop(key)
+        answers: dict[tuple[int, int], bool] = {}
+        for key in wanted.difference(self._pidfds):
+            pid, start = key
+            fd = self._open(pid) if len(self._pidfds) < self.limit else None
+            answers[key] = is_alive(pid, start)  # after the pidfd: it names this process
+            if fd is None:
+                continue
+            if answers[key]:
+                self._pidfds[key] = fd
+                self._poll.register(fd, _POLLIN)
+            else:
+                os.close(fd)
+        exited = {fd for fd, _ in self._poll.poll(0)}
+        return [answers[k] if k in answers else self._pidfds[k] not in exited for k in processes]
+
+    def close(self) -> None:
+        """Close every pidfd; the next call is again a first one."""
+        for key in list(self._pidfds):
+            self._drop(key)
+        self._calls = 0
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        fd = self._pidfds.pop(key)
+        self._poll.unregister(fd)
+        os.close(fd)
+
+    @staticmethod
+    def _open(pid: int) -> int | None:
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None or pid <= 0:
+            return None
+        try:
+            fd: int = pidfd_open(pid)  # close-on-exec, always: no command inherits it
+        except OSError:
+            return None
+        return fd
+
+
+#: poll(2)'s "readable", which a pidfd becomes when its process exits.
+_POLLIN = 0x001
 
 
 def command_name(pid: int) -> str | None:

@@ -121,6 +121,7 @@ def supervise(
     result = RunResult(returncode=0)
     published: dict[str, int] = {}
     published_pids: list[int] = [child]
+    published_at = started
     next_sample = started
     seen_gpus: frozenset[str] | None = None
     seen_token = ledger.change_token()
@@ -150,8 +151,14 @@ def supervise(
                 result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
             _note_sample(result, job, ledger, gpus, pids, baseline_used or {}, now - started)
             moved = any(abs(usage.get(u, 0) - published.get(u, 0)) >= _PUBLISH_STEP for u in usage)
-            if moved or sorted(pids) != sorted(published_pids):
-                published, published_pids = usage, sorted(pids)
+            # Others plan with the tree's pids (they read its memory from NVML themselves), so a
+            # new tree is published at once; a usage figure only informs, so it is published at
+            # the configured interval at most, not at every sample of the first second (which
+            # are for this run's own peak and load time).
+            if sorted(pids) != sorted(published_pids) or (
+                moved and now - published_at >= sample_interval
+            ):
+                published, published_pids, published_at = usage, sorted(pids), now
                 _publish(ledger, job, usage, published_pids)
             elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
                 # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):

@@ -24,7 +24,7 @@ import os, sys
 import gpuwait.cli, gpuwait.commands.run, gpuwait.commands.status, gpuwait.commands.config
 import gpuwait._sim, gpuwait._fairness, gpuwait._security, gpuwait._history, gpuwait._wait
 import gpuwait._watch, gpuwait.commands.cancel, gpuwait.commands.log, ctypes, textwrap
-import pwd, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil
+import pwd, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select
 gpuwait.cli.build_run_parser().format_help()  # argparse's and gettext's own lazy imports
 uid, gid = int(sys.argv[1]), int(sys.argv[2])
 os.setgroups([int(g) for g in sys.argv[3].split(",") if g])

@@ -163,3 +163,92 @@ def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
         pass
     left = sorted(p.name for p in ledger.directory.iterdir() if p.name.endswith(".tmp"))
     assert left == [f".ledger.json.{alive}.tmp", f".wake.json.{alive}.tmp"]
+
+
+def test_an_entry_changed_to_an_equal_value_of_another_type_is_still_refused(
+    tmp_path: Path,
+) -> None:
+    # This process validated the entry once; what it remembers must not vouch for a changed
+    # entry, even one Python finds equal (1.0 == 1 == True), which the validation refuses.
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("good", me, _proc.start_time(me)))
+        data.jobs.append(make_job("other", me, _proc.start_time(me)))
+    with ledger.transaction() as data:
+        assert [j.id for j in data.jobs] == ["good", "other"]
+    for field, value in (("pid", float(me)), ("gpus", True), ("priority", 3.0)):
+        raw = json.loads(ledger.path.read_text())
+        raw["jobs"][1][field] = value
+        ledger.path.write_text(json.dumps(raw))
+        ledger.warnings.clear()
+        with ledger.transaction() as data:
+            assert [j.id for j in data.jobs] == ["good"], field
+        assert "dropped 1 invalid entry" in ledger.warnings[0]
+        with ledger.transaction() as data:
+            data.jobs.append(make_job("other", me, _proc.start_time(me)))
+
+
+def test_changes_to_entries_that_are_not_written_do_not_show_in_the_next_read(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    job = make_job("r", me, _proc.start_time(me))
+    job.state, job.gpu_uuids, job.observed = RUNNING, ["GPU-1"], {"GPU-1": 5}
+    job.requirements = {"min_compute_capability": [8, 0]}
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    for _ in range(2):
+        try:
+            with ledger.transaction() as data:
+                mine = data.jobs[0]
+                mine.gpu_uuids.append("GPU-2")
+                mine.observed["GPU-2"] = 7
+                mine.command.append("--more")
+                mine.requirements["min_compute_capability"][0] = 9
+                raise RuntimeError("given up before writing")
+        except RuntimeError:
+            pass
+        assert ledger.read().jobs == [job]
+        with ledger.transaction() as data:
+            assert data.jobs == [job]
+
+
+def test_an_entry_whose_process_died_between_transactions_is_reaped(tmp_path: Path) -> None:
+    # This process looks at the same entries' processes transaction after transaction: a death
+    # (first a zombie, then reaped) is seen by the next one.
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        ledger = Ledger(tmp_path)
+        with ledger.transaction() as data:
+            data.jobs.append(make_job("child", child.pid, _proc.start_time(child.pid)))
+        for _ in range(2):
+            with ledger.transaction() as data:
+                assert [j.id for j in data.jobs] == ["child"]
+        child.kill()
+        deadline = time.monotonic() + 10
+        while _proc.is_alive(child.pid, None) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until it is a zombie: killed, not yet waited for
+        with ledger.transaction() as data:
+            assert data.jobs == []
+        assert [j.id for j in ledger.reaped] == ["child"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ledger_file_is_canonical_json(tmp_path: Path) -> None:
+    # Sorted keys, no spaces: what every earlier gpuwait wrote, so files compare byte for byte.
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        for i in range(3):
+            job = make_job(f"j{i}", me, _proc.start_time(me))
+            job.name, job.command = 'naïve ☃ "quoted" \\ \n', ["x", "\u2028", "\x00"]
+            data.jobs.append(job)
+    for _ in range(3):  # encoded in one go, entry by entry, and from what this process remembers
+        text = ledger.path.read_bytes()
+        assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True).encode()
+        with ledger.transaction() as data:
+            data.jobs[1].updated_at = time.time()
