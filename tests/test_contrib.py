@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -166,7 +167,8 @@ def test_make_failing_step_fails_make_as_it_would_bare(
 CRON_PROBE = (
     "import json, os, sys; print(json.dumps({'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), "
     "'home': os.environ.get('HOME'), 'tty': sys.stdin.isatty(), 'stdin': os.path.realpath("
-    "'/proc/self/fd/0'), 'timeout': os.environ.get('GPUWAIT_TIMEOUT')}))"
+    "'/proc/self/fd/0'), 'timeout': os.environ.get('GPUWAIT_TIMEOUT'), "
+    "'umask': os.umask(0)}))"
 )
 
 
@@ -206,17 +208,24 @@ def cron_env(home: Path) -> dict[str, str]:
 
 def test_cron_wrapper_under_env_i(cron_home: Path, sim_file: Any) -> None:
     sim_file(gpus=2)
-    line = "cd $HOME && $HOME/.local/bin/gpuwait-cron nightly --vram 4G -- python3 probe.py"
+    line = (
+        "umask 022; cd $HOME && $HOME/.local/bin/gpuwait-cron nightly --vram 4G -- python3 probe.py"
+    )
     done = cron_run(line, cron_env(cron_home))
     assert done.returncode == 0, done.stderr
     assert done.stdout == done.stderr == ""  # success is silent: cron mails nothing
-    log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "nightly.log").read_text()
+    log_dir = cron_home / ".local" / "state" / "gpuwait" / "cron"
+    # The log holds command lines and output: private; the job keeps cron's umask.
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((log_dir / "nightly.log").stat().st_mode) == 0o600
+    log = (log_dir / "nightly.log").read_text()
     assert re.search(r"nightly: start: gpuwait --vram 4G -- python3 probe.py\n", log)
     assert re.search(r"nightly: end: exit status 0\n", log)
     (probe,) = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
     assert probe["cuda"] in sim_uuids()
     assert probe == {**probe, "home": str(cron_home), "tty": False, "stdin": "/dev/null"}
     assert probe["timeout"] == "23h"
+    assert probe["umask"] == 0o022
     # The job went through gpuwait's own ledger and history under this HOME.
     assert len(history(cron_home / ".local" / "state")) == 1
 
