@@ -557,6 +557,23 @@ def test_prometheus_exporter_writes_valid_metrics_of_a_running_job(
     assert [p.name for p in metrics.iterdir()] == ["gpuwait.prom"]
 
 
+def test_prometheus_exporter_shows_a_lost_gpu_as_unhealthy(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    uuid0, uuid1 = sim_uuids()
+    # A run while both answer: gpuwait then knows the GPU that goes missing after.
+    subprocess.run(["gpuwait", "-q", "--vram", "1G", "true"], env=user_env, check=True, timeout=60)
+    sim = Path(user_env["GPUWAIT_SIM"])
+    first, second = sim.read_text().split("[[gpu]]")[1:]
+    sim.write_text(f"[[gpu]]{first}[[gpu]]{second.rstrip()}\nlost = true\n")
+    proc = exporter("--output-dir", str(tmp_path), env=user_env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_gpu_healthy", f'{{gpu="0",uuid="{uuid0}",name="Simulated GPU"}}')] == 1
+    assert samples[("gpuwait_gpu_healthy", f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}')] == 0
+
+
 def test_prometheus_exporter_replaces_the_file_atomically(
     user_env: dict[str, str], tmp_path: Path
 ) -> None:
