@@ -592,7 +592,7 @@ class Ledger:
         if _holds(_wake.wake_path(self.directory), body):
             return
         if not self.shared:
-            _wake.write_summary(self.directory, content)
+            _wake.write_summary(self.directory, body)
             return
         with contextlib.suppress(OSError):
             _write_in_place(_wake.wake_path(self.directory), body, self._group)

@@ -132,14 +132,15 @@ def summary(jobs: Iterable[_Entry], release: int) -> dict[str, Any]:
     }
 
 
-def write_summary(state_dir: Path, content: dict[str, Any]) -> None:
-    """Replace wake.json. No fsync: it is derived from the ledger and rewritten constantly."""
+def write_summary(state_dir: Path, body: bytes) -> None:
+    """Replace wake.json with `body` (`summary()` encoded). No fsync: it is derived from the
+    ledger and rewritten constantly."""
     path = wake_path(state_dir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, json.dumps(content, separators=(",", ":")).encode())
+            os.write(fd, body)
         finally:
             os.close(fd)
         os.replace(tmp, path)
