@@ -103,9 +103,15 @@ def start_sim_job(
 
 
 def hold_card(
-    gpuwait_cmd: list[str], vram: str, seconds: str, *extra: str
+    gpuwait_cmd: list[str],
+    vram: str,
+    seconds: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    output: int = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
-    """A gpuwait job that holds `vram` of a simulated card for a while."""
+    """A gpuwait job that holds `vram` of a simulated card for a while (`extra`: gpuwait's
+    own options; `output`: where its stdout and stderr go)."""
     return subprocess.Popen(
         [
             *gpuwait_cmd,
@@ -121,8 +127,9 @@ def hold_card(
             "--hold",
             seconds,
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        env=env,
+        stdout=output,
+        stderr=output,
         text=True,
     )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _fixtures_sim import wait_for
+from _fixtures_sim import hold_card, wait_for
 from _shellbin import env_with_bin, make_bin
 from conftest import REPO
 
@@ -47,27 +47,8 @@ def holder(
     env: dict[str, str], vram: str, device: str, seconds: str = "30s"
 ) -> subprocess.Popen[str]:
     """A gpuwait job holding `vram` of one simulated GPU until killed."""
-    return subprocess.Popen(
-        [
-            "gpuwait",
-            "--vram",
-            vram,
-            "--devices",
-            device,
-            "-q",
-            "--",
-            "gpuwait",
-            "sim",
-            "job",
-            "--vram",
-            vram,
-            "--hold",
-            seconds,
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
+    return hold_card(
+        ["gpuwait"], vram, seconds, "--devices", device, "-q", env=env, output=subprocess.DEVNULL
     )
 
 
