@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK")
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
 
@@ -44,3 +48,28 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def ledger_jobs(env: dict[str, str]) -> list[dict[str, object]]:
+    """The entries of the sandbox's ledger as they stand ([] while it is missing or mid-write)."""
+    path = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    try:
+        jobs = json.loads(path.read_text())["jobs"]
+        return jobs if isinstance(jobs, list) else []
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, poll: float = 0.02) -> None:
+    """Poll until `predicate()` is true; give up with a message after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit("bench: timed out waiting for the queue")
+        time.sleep(poll)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far; OSError once it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS

@@ -21,15 +21,12 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from _common import GPUWAIT, median, percentile, sandbox
-
-TICKS = os.sysconf("SC_CLK_TCK")
+from _common import GPUWAIT, cpu_seconds, ledger_jobs, median, percentile, sandbox, wait_until
 
 TRACER = """
 import os, sys, time, contextlib
@@ -94,29 +91,12 @@ if _out:
 """
 
 
-def ledger_jobs(env: dict[str, str]) -> list[dict[str, object]]:
-    path = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+def cpu_so_far(pid: int) -> float:
+    """cpu_seconds, or 0 for a waiter that has gone (admitted and ended meanwhile)."""
     try:
-        jobs = json.loads(path.read_text())["jobs"]
-        return jobs if isinstance(jobs, list) else []
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def wait_until(predicate: object, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit("bench: timed out waiting for the queue")
-        time.sleep(0.02)
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def events(env: dict[str, str]) -> list[dict[str, object]]:
@@ -153,30 +133,32 @@ def run(
     cmd = [*GPUWAIT, "--vram", "12G", "-q", "--", "sh", "-c", body]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = [subprocess.Popen(cmd, env=env, **quiet) for _ in range(gpus)]  # type: ignore[call-overload]
-    wait_until(lambda: sum(j.get("state") == "running" for j in ledger_jobs(env)) >= gpus)
+    wait_until(
+        lambda: sum(j.get("state") == "running" for j in ledger_jobs(env)) >= gpus, timeout=120
+    )
     for i in range(waiters):
         procs.append(subprocess.Popen(cmd, env=env, **quiet))  # type: ignore[call-overload]
         if i % 10 == 9:  # launching a hundred at once would only measure the launches
-            wait_until(lambda n=i: len(ledger_jobs(env)) >= n + 1 + gpus)
-    wait_until(lambda: len(ledger_jobs(env)) >= waiters + gpus)
+            wait_until(lambda n=i: len(ledger_jobs(env)) >= n + 1 + gpus, timeout=120)
+    wait_until(lambda: len(ledger_jobs(env)) >= waiters + gpus, timeout=120)
     time.sleep(1.0)  # past start-up
     if trace:
         trace_file.unlink(missing_ok=True)
     waiting_pids = [p.pid for p in procs[gpus:]]
     # First with nothing happening: what waiting alone costs.
-    idle_before = sum(cpu_seconds(pid) for pid in waiting_pids)
+    idle_before = sum(cpu_so_far(pid) for pid in waiting_pids)
     time.sleep(3.0)
-    idle_cpu = 100 * (sum(cpu_seconds(pid) for pid in waiting_pids) - idle_before) / 3.0
+    idle_cpu = 100 * (sum(cpu_so_far(pid) for pid in waiting_pids) - idle_before) / 3.0
     if trace:
         trace_file.unlink(missing_ok=True)
-    cpu_before = sum(cpu_seconds(pid) for pid in waiting_pids)
+    cpu_before = sum(cpu_so_far(pid) for pid in waiting_pids)
     began = time.time()
     go.touch()
-    wait_until(lambda: len(list(work.glob("exit-*"))) >= releases + gpus)
+    wait_until(lambda: len(list(work.glob("exit-*"))) >= releases + gpus, timeout=120)
     time.sleep(0.5)
     ended = time.time()
     window = ended - began
-    cpu_after = sum(cpu_seconds(pid) for pid in waiting_pids)
+    cpu_after = sum(cpu_so_far(pid) for pid in waiting_pids)
     counts = []
     for pid in waiting_pids:
         with contextlib.suppress(OSError, ValueError):

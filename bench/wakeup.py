@@ -17,32 +17,17 @@ baseline. Goals: median <= 50 ms, p99 <= 250 ms; idle waiter <= 1 % of a core.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
-from _common import GPUWAIT, median, percentile, sandbox
+from _common import GPUWAIT, cpu_seconds, ledger_jobs, median, percentile, sandbox, wait_until
 
 STAMP = "date +%s.%N > {}"  # GNU date: starts in about a millisecond
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def ledger_states(env: dict[str, str]) -> list[str]:
-    path = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    try:
-        return [j["state"] for j in json.loads(path.read_text())["jobs"]]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def wait_until(predicate: object, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise SystemExit("bench: timed out waiting for the queue to settle")
-        time.sleep(0.005)
+    return [str(j.get("state")) for j in ledger_jobs(env)]
 
 
 def trial(env: dict[str, str], workdir: Path, index: int, extra: int, hold: float) -> float:
@@ -63,20 +48,17 @@ def trial(env: dict[str, str], workdir: Path, index: int, extra: int, hold: floa
         ],
         env=env,
     )
-    wait_until(lambda: ledger_states(env).count("running") >= 1 + (extra > 0))
+    wait_until(
+        lambda: ledger_states(env).count("running") >= 1 + (extra > 0), timeout=30, poll=0.005
+    )
     waiter = subprocess.Popen(
         [*GPUWAIT, "--vram", "10G", "-q", "--", "sh", "-c", STAMP.format(started)], env=env
     )
-    wait_until(lambda: len(ledger_states(env)) >= 2 + extra)
+    wait_until(lambda: len(ledger_states(env)) >= 2 + extra, timeout=30, poll=0.005)
     go.touch()
     holder.wait()
     waiter.wait()
     return float(started.read_text()) - float(released.read_text())
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def idle_cpu(env: dict[str, str], seconds: float) -> tuple[float, float]:
@@ -84,10 +66,10 @@ def idle_cpu(env: dict[str, str], seconds: float) -> tuple[float, float]:
     blocker = subprocess.Popen(
         [*GPUWAIT, "--vram", "20G", "-q", "--", "sleep", str(seconds + 30)], env=env
     )
-    wait_until(lambda: "running" in ledger_states(env))
+    wait_until(lambda: "running" in ledger_states(env), timeout=30, poll=0.005)
     waiter = subprocess.Popen([*GPUWAIT, "--vram", "10G", "-q", "--", "true"], env=env)
     sleeper = subprocess.Popen(["sleep", str(seconds + 30)])
-    wait_until(lambda: len(ledger_states(env)) >= 2)
+    wait_until(lambda: len(ledger_states(env)) >= 2, timeout=30, poll=0.005)
     time.sleep(1.0)  # past start-up
     before = cpu_seconds(waiter.pid), cpu_seconds(sleeper.pid)
     time.sleep(seconds)
@@ -109,14 +91,14 @@ def measure(args: argparse.Namespace, wake: str) -> tuple[list[float], float, fl
     anchor = subprocess.Popen(
         [*GPUWAIT, "--vram", "1M", "--name", "anchor", "-q", "--", "sleep", "3600"], env=env
     )
-    wait_until(lambda: "running" in ledger_states(env))
+    wait_until(lambda: "running" in ledger_states(env), timeout=30, poll=0.005)
     idle = [
         subprocess.Popen(
             [*GPUWAIT, "--vram", "1M", "--after", "anchor", "-q", "--", "true"], env=env
         )
         for _ in range(args.idle_waiters)
     ]
-    wait_until(lambda: len(ledger_states(env)) >= 1 + args.idle_waiters)
+    wait_until(lambda: len(ledger_states(env)) >= 1 + args.idle_waiters, timeout=30, poll=0.005)
     extra = 1 + args.idle_waiters
     try:
         latencies = [trial(env, workdir, i, extra, args.hold) * 1000 for i in range(args.trials)]
