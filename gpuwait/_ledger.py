@@ -365,9 +365,8 @@ def _observed(value: Any) -> dict[str, int]:
 
 def _copy_job(job: Job) -> Job:
     """A copy of `job` whose lists and dicts are its own (a caller may change them in place)."""
-    copy = object.__new__(Job)
+    copy = job._replace()
     values = copy.__dict__
-    values.update(job.__dict__)
     for name in _CONTAINER_FIELDS:
         value = values[name]
         if value is not None:
