@@ -25,10 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpuwait import _history
-from gpuwait._cmdkey import command_key
-from gpuwait._estimate import estimate
-from gpuwait._learn import learn
+from gpuwait.core.cmdkey import command_key
+from gpuwait.core.estimate import estimate
+from gpuwait.history import record as run_record
+from gpuwait.history import store
+from gpuwait.history.learn import learn
 
 GiB = 2**30
 CWD = "/home/me/proj"
@@ -66,22 +67,22 @@ def synthetic_history(state: Path, records: int, seed: int = 1) -> list[list[str
             "time_to_peak_seconds": rng.uniform(1, 60),
             "samples": 100,
         }
-        lines.append(_history.encode(record))
+        lines.append(run_record.encode(record))
     state.mkdir(parents=True, exist_ok=True)
-    _history.history_path(state).write_bytes(b"".join(lines))
+    store.history_path(state).write_bytes(b"".join(lines))
     return commands
 
 
 def naive(state: Path, argv: list[str]) -> int | None:
-    parsed = _history.read_from(_history.history_path(state))
+    parsed = store.read_from(store.history_path(state))
     key = command_key(argv, CWD)
     hashes = key.hashes()
     levels = []
     for name, _ in key.levels:
         runs = []
         for _, record in parsed.records:
-            if hashes[name] in _history.record_keys(record).values():
-                stat = _history.run_stat(record)
+            if hashes[name] in run_record.record_keys(record).values():
+                stat = run_record.run_stat(record)
                 if stat is not None:
                     runs.append(stat)
         levels.append((name, runs))
@@ -97,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state"
         commands = synthetic_history(state, args.records)
-        size = _history.history_path(state).stat().st_size
+        size = store.history_path(state).stat().st_size
         print(f"history: {args.records} records, {size / 2**20:.1f} MiB")
         probes = [commands[-1], commands[len(commands) // 2], ["python", "unseen.py"]]
 

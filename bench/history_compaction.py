@@ -24,11 +24,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpuwait import _history
-from gpuwait._estimate import MIN_RUNS, recent
-from gpuwait._learn import RequestChoice, build_record, learn
-from gpuwait._sizes import parse_size
-from gpuwait._snapshot import GpuSnapshot
+from gpuwait.core.estimate import MIN_RUNS, recent
+from gpuwait.core.sizes import parse_size
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.history import record, store
+from gpuwait.history.learn import learn
 
 GiB = 2**30
 DAY = 86400.0
@@ -48,30 +48,39 @@ def run_record(rng: random.Random, argv: list[str], at: float, key: str | None) 
     oom = outcome < 0.03
     returncode = 1 if outcome < 0.08 else (-15 if outcome < 0.1 else 0)
     peak = int(rng.uniform(1, 70) * GiB)
-    return build_record(
-        job_id=f"{rng.getrandbits(48):012x}",
+    job_id = f"{rng.getrandbits(48):012x}"
+    approximate = rng.random() < 0.05
+    to_peak = rng.uniform(1, 120) if rng.random() > 0.1 else None
+    samples = rng.randrange(10, 3000)
+    wait, ran = rng.uniform(0, 3600), rng.uniform(30, 36000)
+    return record.build(
+        job_id=job_id,
+        name=None,
+        batch=None,
         command=argv,
         cwd=CWD,
         key=key,
         history_commands="full",
-        choice=RequestChoice(None, "estimate", "estimated from 20 runs of this script"),
-        request_json={"bytes": peak},
+        request={"bytes": peak},
+        request_source="estimate",
         reserved_bytes=int(peak * 1.1),
         gpus=[GPU],
-        peak_by_gpu={GPU.uuid: peak},
-        peak_approximate=rng.random() < 0.05,
-        time_to_peak=rng.uniform(1, 120) if rng.random() > 0.1 else None,
-        samples=rng.randrange(10, 3000),
-        free_at_peak_bytes={GPU.uuid: 80 * GiB - peak},
-        wait_seconds=rng.uniform(0, 3600),
-        run_seconds=rng.uniform(30, 36000),
+        measured=record.Measured(
+            peak_by_gpu={GPU.uuid: peak},
+            peak_approximate=approximate,
+            time_to_peak=to_peak,
+            samples=samples,
+            free_at_peak_bytes={GPU.uuid: 80 * GiB - peak},
+            run_seconds=ran,
+            returncode=returncode,
+            oom=oom,
+            oom_evidence="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+            if oom
+            else None,
+            stderr_watched="file",
+        ),
+        wait_seconds=wait,
         started_at=at,
-        returncode=returncode,
-        oom=oom,
-        oom_evidence="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
-        if oom
-        else None,
-        stderr_watched="file",
     )
 
 
@@ -103,10 +112,10 @@ def sweep_history(state: Path, runs: int, sample: int, seed: int = 11) -> tuple[
             ]
             if rng.random() < 0.02:
                 key = "nightly-eval"
-        lines.append(_history.encode(run_record(rng, argv, at, key)))
+        lines.append(record.encode(run_record(rng, argv, at, key)))
         every.append((tuple(argv), key))
     state.mkdir(parents=True, exist_ok=True)
-    _history.history_path(state).write_bytes(b"".join(lines))
+    store.history_path(state).write_bytes(b"".join(lines))
     probes = random.Random(seed + 1).sample(sorted(set(every)), sample)
     probes += [(("python", s), None) for s in scripts]
     return probes, at + 60
@@ -131,23 +140,23 @@ def figures(state: Path, probe: Probe, now: float) -> tuple[Any, ...]:
 def measure(runs: int, limit: int, sample: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp)
-        path = _history.history_path(state)
+        path = store.history_path(state)
         probes, now = sweep_history(state, runs, sample)
         size_before = path.stat().st_size
         before = {p: figures(state, p, now) for p in probes}
-        parsed = _history.read_from(path)
+        parsed = store.read_from(path)
         whole = parsed.records[-1][1]
         print(f"\n{runs:,} runs, {len(probes)} sampled commands, limit {limit / 2**20:g} MiB")
         print(
-            f"  a whole record {len(_history.encode_existing(whole))} bytes, "
-            f"its slim form {len(_history.encode_existing(_history.slim(whole)))} bytes"
+            f"  a whole record {len(record.encode_existing(whole))} bytes, "
+            f"its slim form {len(record.encode_existing(record.slim(whole)))} bytes"
         )
         if size_before <= limit:
             print(f"  history {size_before / 2**20:.1f} MiB: below the limit, no compaction")
             return
         started = time.perf_counter()
-        with _history.history_lock(state):
-            result = _history.compact(state, limit)
+        with store.history_lock(state):
+            result = store.compact(state, limit)
         took = time.perf_counter() - started
         size_after = path.stat().st_size
         print(

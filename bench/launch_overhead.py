@@ -5,6 +5,10 @@ difference in milliseconds, and the ratio. Goal: at most 60 ms over bare.
 
 `--nvml` runs the same through the NVML backend instead, with the fake libnvidia-ml.so.1 the
 tests build (gcc needed): the real pynvml and its import cost, without a driver's own start-up.
+
+`--against REV` also times the gpuwait of another revision (a git revision of this repository,
+or a directory holding a checkout), interleaved with this one in the same run, and prints the
+ratio of the two overheads: a change must not make a launch slower.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +42,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
 def nvml_env(env: dict[str, str]) -> dict[str, str]:
     """`env` with the simulation off and the tests' fake NVIDIA driver (one free 80 GiB GPU)."""
     sys.path.insert(0, str(REPO / "tests"))
-    from _fixtures_nvml import LIB_NAME, FakeGpu, FakeNvml, _compile
+    from helpers.fixtures_nvml import LIB_NAME, FakeGpu, FakeNvml, _compile
 
     root = Path(tempfile.mkdtemp(prefix="gpuwait-bench-nvml-"))
     _compile(root / LIB_NAME, LIB_NAME)
@@ -48,10 +53,29 @@ def nvml_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def checkout(revision: str) -> Path:
+    """A directory holding gpuwait as of `revision`: the directory itself, or the revision's
+    tree unpacked from this repository."""
+    if Path(revision).is_dir():
+        return Path(revision).resolve()
+    root = Path(tempfile.mkdtemp(prefix="gpuwait-bench-rev-"))
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", revision, "gpuwait"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    archive_path = root / "tree.tar"
+    archive_path.write_bytes(archive)
+    with tarfile.open(archive_path) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--nvml", action="store_true", help="the NVML backend, on a fake driver")
+    parser.add_argument("--against", metavar="REV", help="also time this revision (or directory)")
     args = parser.parse_args()
     runs = args.runs
     env = nvml_env(sandbox()) if args.nvml else sandbox()
@@ -59,13 +83,23 @@ def main() -> None:
     python_cmd = [GPUWAIT[0], "-c", "pass"]
     gpuwait = launcher()
     wrapped_cmd = [*gpuwait, "--vram", "1G", "-q", "--", "true"]
-    timed(wrapped_cmd, env)  # warm the page cache and the ledger
-    bare, python, wrapped = [], [], []
+    # Each tree its own state, so neither ledger grows with the other's runs.
+    trees = {"this": (REPO, env)}
+    if args.against:
+        other = nvml_env(sandbox()) if args.nvml else sandbox()
+        trees["other"] = (checkout(args.against), other)
+    for tree, tree_env in trees.values():
+        tree_env["PYTHONPATH"] = str(tree)
+        timed(wrapped_cmd, tree_env)  # warm the page cache, the bytecode and the ledger
+    bare, python = [], []
+    wrapped: dict[str, list[float]] = {name: [] for name in trees}
     for _ in range(runs):
         bare.append(timed(bare_cmd, env))
         python.append(timed(python_cmd, env))
-        wrapped.append(timed(wrapped_cmd, env))
-    b, p, w = median(bare) * 1000, median(python) * 1000, median(wrapped) * 1000
+        for name, (_, tree_env) in trees.items():
+            wrapped[name].append(timed(wrapped_cmd, tree_env))
+    b, p = median(bare) * 1000, median(python) * 1000
+    w = median(wrapped["this"]) * 1000
     print(f"runs:                          {runs}")
     print(f"gpuwait started as:            {' '.join(gpuwait)}")
     print(f"GPUs:                          {'NVML (fake driver)' if args.nvml else 'simulated'}")
@@ -73,6 +107,13 @@ def main() -> None:
     print(f"bare python interpreter start: {p:7.1f} ms (median, for reference)")
     print(f"gpuwait --vram 1G -- true:     {w:7.1f} ms (median)")
     print(f"overhead:                      {w - b:7.1f} ms   ratio {w / b:5.1f}x   goal <= 60 ms")
+    if args.against:
+        o = median(wrapped["other"]) * 1000
+        print(f"the same, as of {args.against}:".ljust(31) + f"{o:7.1f} ms (median)")
+        print(
+            f"overhead, this / {args.against}:".ljust(31)
+            + f"{(w - b) / (o - b):7.2f}   (below 1: this launch is faster)"
+        )
 
 
 if __name__ == "__main__":

@@ -66,12 +66,25 @@ class Clock:
         return timed
 
 
+def module(*names: str) -> Any:
+    """The first of these modules the timed revision has (its layout changed over time), or
+    None."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
 def instrument(clock: Clock) -> dict[str, float]:
     """Wrap the ledger's functions (those this revision has) in stage timers."""
-    ledger = importlib.import_module("gpuwait._ledger")
-    proc = importlib.import_module("gpuwait._proc")
-    atomic = importlib.import_module("gpuwait._atomic")
-    wake = importlib.import_module("gpuwait._wake")
+    ledger = module("gpuwait.queue.ledger", "gpuwait._ledger")
+    entries = module("gpuwait.queue.entries") or ledger
+    lifecycle = module("gpuwait.queue.lifecycle") or ledger
+    proc = module("gpuwait.linux.proc", "gpuwait._proc")
+    atomic = module("gpuwait.linux.atomic", "gpuwait._atomic")
+    wake = module("gpuwait.queue.wake", "gpuwait._wake")
     held = {"acquired": 0.0, "total": 0.0}
 
     def patch(owner: Any, name: str, stage: str) -> None:
@@ -84,10 +97,11 @@ def instrument(clock: Clock) -> dict[str, float]:
     patch(ledger.Ledger, "_decode", "validate")  # less what is nested: parse, crc
     patch(proc, "is_alive", "reap")
     patch(getattr(proc, "LivenessReader", None), "alive", "reap")
-    patch(ledger, "entry_owner_mismatch", "reap")
-    patch(ledger.LedgerData, "to_json", "encode")
+    patch(lifecycle, "entry_owner_mismatch", "reap")
+    patch(entries.LedgerData, "to_json", "encode")
+    patch(entries, "to_document", "encode")
     patch(json, "dumps", "encode")
-    patch(getattr(ledger, "_ENCODED", None), "encode", "encode")
+    patch(getattr(entries, "_ENCODED", None), "encode", "encode")
     patch(ledger.Ledger, "_write", "write+fsync")
     patch(ledger.Ledger, "_write_summary", "write+fsync")
     patch(atomic, "write_atomic", "write+fsync")
@@ -117,15 +131,16 @@ def live_processes(count: int) -> Iterator[list[int]]:
 
 def fill(directory: Path, pids: list[int]) -> None:
     """A ledger of one entry per pid: a third running with samples, the rest waiting."""
-    ledger = importlib.import_module("gpuwait._ledger")
-    proc = importlib.import_module("gpuwait._proc")
+    ledger = module("gpuwait.queue.ledger", "gpuwait._ledger")
+    entries = module("gpuwait.queue.entries") or ledger
+    proc = module("gpuwait.linux.proc", "gpuwait._proc")
     now = time.time()
     with ledger.Ledger(directory).transaction() as data:
         for i, pid in enumerate(pids):
             running = i % 3 == 0
             uuid = f"GPU-5e1a1d1e-{i % 4:04d}-4a4a-8b8b-00000000{i % 4:04d}"
             data.jobs.append(
-                ledger.Job(
+                entries.Job(
                     id=f"{0x1000 + i:08x}",
                     pid=pid,
                     start_time=proc.start_time(pid),
@@ -135,7 +150,7 @@ def fill(directory: Path, pids: list[int]) -> None:
                     request={"bytes": (2 + i % 6) << 30},
                     order=i + 1,
                     priority=3 + i % 2,
-                    state=ledger.RUNNING if running else ledger.WAITING,
+                    state=entries.RUNNING if running else entries.WAITING,
                     gpu_uuids=[uuid] if running else [],
                     reserved_bytes=((2 + i % 6) << 30) if running else 0,
                     observed={uuid: 1 << 30} if running else {},
@@ -158,7 +173,10 @@ def other_writer(directory: Path, round_: int) -> None:
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from gpuwait._ledger import Ledger\n"
+        "try:\n"
+        "    from gpuwait.queue.ledger import Ledger\n"
+        "except ImportError:\n"
+        "    from gpuwait._ledger import Ledger\n"
         "with Ledger(Path(sys.argv[1])).transaction() as data:\n"
         "    for j in data.jobs[int(sys.argv[2]) % 3 :: max(1, len(data.jobs) // 3)]:\n"
         "        j.updated_at = time.time()\n"
@@ -177,8 +195,11 @@ def measure(
     warm: bool,
     rounds: int,
 ) -> tuple[list[float], dict[str, float]]:
-    ledger_mod = importlib.import_module("gpuwait._ledger")
-    reset = getattr(ledger_mod, "_forget_cached_entries", None)
+    ledger_mod = module("gpuwait.queue.ledger", "gpuwait._ledger")
+    lifecycle = module("gpuwait.queue.lifecycle")
+    reset = getattr(lifecycle or ledger_mod, "forget_cached", None) or getattr(
+        ledger_mod, "_forget_cached_entries", None
+    )
     ledger = ledger_mod.Ledger(directory)
     times: list[float] = []
     totals_before = dict(clock.totals)
@@ -189,13 +210,23 @@ def measure(
             ledger = ledger_mod.Ledger(directory)
             if reset is not None:
                 reset()
+        # What gpuwait does: a running job publishes a new sample, or a transaction finds
+        # nothing to change (it reaps, like every one). Read before the clock runs.
+        mine = ledger.read().jobs[0] if lifecycle is not None and write else None
         clock.active = True
         try:
-            with ledger.transaction() as data:
-                if write:
-                    mine = data.jobs[0]
-                    mine.observed = {u: v + i for u, v in mine.observed.items()}
-                    mine.updated_at = time.time()
+            if lifecycle is not None:
+                if mine is not None:
+                    usage = {u: v + i for u, v in mine.observed.items()}
+                    lifecycle.publish_usage(ledger, mine, usage, mine.pids)
+                else:
+                    lifecycle.tidy(ledger, None)
+            else:  # a revision whose storage reaped in every transaction itself
+                with ledger.transaction() as data:
+                    if write:
+                        mine = data.jobs[0]
+                        mine.observed = {u: v + i for u, v in mine.observed.items()}
+                        mine.updated_at = time.time()
         finally:
             clock.active = False
         held_for = time.perf_counter() - held["acquired"]

@@ -32,7 +32,7 @@ TRACER = """
 import os, sys, time, contextlib
 _out = os.environ.get("GPUWAIT_BENCH_LOCK_TRACE")
 if _out:
-    import gpuwait._ledger as _ledger
+    import gpuwait.queue.ledger as _ledger
     _acquired = [0.0]
     _flock = _ledger.flock_within
     def _traced_flock(*a, **k):
@@ -41,18 +41,22 @@ if _out:
     _ledger.flock_within = _traced_flock
     _transaction = _ledger.Ledger.transaction
     def _caller():
+        # The function that changed the ledger (a gpuwait.queue.lifecycle step), past the
+        # context managers on the way.
         f = sys._getframe(2)
-        while f is not None and (f.f_code.co_filename.endswith(("contextlib.py", "_ledger.py",
-                                                                 "sitecustomize.py"))):
+        while f is not None and (
+            f.f_code.co_filename.endswith(("contextlib.py", "ledger.py", "sitecustomize.py"))
+            or f.f_code.co_name == "_change"
+        ):
             f = f.f_back
         return f.f_code.co_name if f is not None else "?"
     @contextlib.contextmanager
-    def _traced(self):
+    def _traced(self, *args, **kwargs):
         who = _caller()
         start = time.monotonic()
         _acquired[0] = 0.0
         try:
-            with _transaction(self) as data:
+            with _transaction(self, *args, **kwargs) as data:
                 yield data
         finally:
             end = time.monotonic()
@@ -66,7 +70,7 @@ if _out:
     # loop woke (it looks at the summary first thing), read the GPUs, read the whole ledger
     # (a supervising gpuwait's readings are not counted);
     # kept in OUT.PID, rewritten at most twice a second (a terminated waiter runs no atexit).
-    import gpuwait._wake as _wake, gpuwait._sim as _sim
+    import gpuwait.queue.wake as _wake, gpuwait.gpu.sim as _sim
     _go = os.environ["GPUWAIT_BENCH_GO"]
     _counts = {"wakes": 0, "snapshots": 0, "reads": 0}
     _dumped = [0.0]

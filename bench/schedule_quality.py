@@ -26,7 +26,7 @@ allows:
   at t cannot start before t: makespan >= t + VRAM x time of the jobs arriving at or after t
   over the usable capacity, for every t, and >= each job's arrival + duration), and the same
   counting that two jobs over half a card never share one (so they run one per card at a time);
-- gpuwait's own policy (`gpuwait._policy.plan`) replayed on the trace with no process start-up
+- gpuwait's own policy (`gpuwait.core.policy.plan`) replayed on the trace with no process start-up
   or machine load: what the queue discipline itself costs, without run-time estimates and with
   every run time known (as the history gives for repeated commands). gpuwait as run here is in
   between: its history files all the simulated jobs under one script, so a job submitted once
@@ -65,7 +65,7 @@ SAFETY = 0.9
 SIMJOB = [
     sys.executable,
     "-c",
-    "import sys; from gpuwait._simjob import main; sys.exit(main(sys.argv[1:]))",
+    "import sys; from gpuwait.gpu.simjob import main; sys.exit(main(sys.argv[1:]))",
 ]
 
 
@@ -168,9 +168,9 @@ def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
 
 def replay_starts(trace: list[TraceJob], known: bool = False) -> dict[str, float]:
     """When each job starts under gpuwait's plan() replayed on the trace (see replay_policy)."""
-    from gpuwait._policy import Claim, plan
-    from gpuwait._sizes import MemoryRequest
-    from gpuwait._snapshot import GpuSnapshot
+    from gpuwait.core.policy import Claim, plan
+    from gpuwait.core.sizes import MemoryRequest
+    from gpuwait.core.snapshot import GpuSnapshot
 
     cards = [GpuSnapshot(i, f"GPU-{i}", "sim", CARD_GIB * GIB, 0) for i in range(GPUS)]
     by_name = {j.name: j for j in trace}
@@ -304,13 +304,13 @@ def job_command(job: TraceJob) -> list[str]:
 
 
 def gpu_uuids(env: dict[str, str]) -> list[str]:
-    from gpuwait._sim import SimBackend
+    from gpuwait.gpu.sim import SimBackend
 
     return [g.uuid for g in SimBackend(env["GPUWAIT_SIM"]).snapshot().gpus]
 
 
 def free_bytes(env: dict[str, str]) -> dict[str, int]:
-    from gpuwait._sim import SimBackend
+    from gpuwait.gpu.sim import SimBackend
 
     return {g.uuid: g.free_bytes for g in SimBackend(env["GPUWAIT_SIM"]).snapshot().gpus}
 

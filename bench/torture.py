@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from _users import make_shared_ledger_dir, shared_root, user_argv, user_home  # noqa: E402
+from helpers.users import make_shared_ledger_dir, shared_root, user_argv, user_home  # noqa: E402
 
-from gpuwait._ledger import Ledger  # noqa: E402
+from gpuwait.queue.ledger import Ledger  # noqa: E402
 
 GIB = 2**30
 SAFETY = 0.9

@@ -28,8 +28,10 @@ from collections.abc import Callable
 from types import FrameType
 from typing import NoReturn
 
-#: Exit status that means "checkpointed, resume me" unless gpuwait says otherwise.
-DEFAULT_RESUME_EXIT = 75
+# DEFAULT_RESUME_EXIT: the exit status that means "checkpointed, resume me" unless gpuwait says
+# otherwise. Re-exported: applications may read it from here.
+from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL
+from gpuwait.core.pausing import DEFAULT_RESUME_EXIT as DEFAULT_RESUME_EXIT
 
 _requested = False
 _installed: int | None = None
@@ -45,10 +47,10 @@ def checkpoint_signal() -> int | None:
     if not is_pausable():
         return None
     # The same parsing as gpuwait's own (standard library only, so this import stays cheap).
-    from gpuwait._checkpoint_signal import parse_signal
+    from gpuwait.linux.checkpoint_signal import parse_signal
 
     try:
-        return parse_signal(os.environ.get("GPUWAIT_CHECKPOINT_SIGNAL", "USR1"))
+        return parse_signal(os.environ.get("GPUWAIT_CHECKPOINT_SIGNAL", DEFAULT_CHECKPOINT_SIGNAL))
     except ValueError:
         return None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["_fixtures_nvml", "_fixtures_sim"]
+pytest_plugins = ["helpers.fixtures_nvml", "helpers.fixtures_sim"]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,27 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 
-from gpuwait._config import OPTIONS, load_settings, show_value
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import OPTIONS, load_settings
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait config", description="Show every effective setting and its source."
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
     settings = load_settings({})
-    rows = [
-        (o.name, show_value(o.name, settings[o.name]), settings.sources[o.name]) for o in OPTIONS
-    ]
+    rows = [(o.name, settings.shown(o.name), settings.sources[o.name]) for o in OPTIONS]
     if args.json:
         print(
             json.dumps(
                 {
                     "config_file": str(settings.config_file),
                     "site_config_file": str(settings.site_file) if settings.site_file else None,
-                    "state_dir": str(settings.state_dir),
-                    "ledger_dir": str(settings.ledger_dir),
+                    "state_dir": str(settings.state_path),
+                    "ledger_dir": str(settings.ledger_path),
                     "settings": {n: {"value": v, "source": s} for n, v, s in rows},
                 },
                 indent=2,
@@ -38,6 +40,6 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         print(f"{name:<{width}}  {value:<{value_width}}  ({source})")
     print(f"\nconfig file: {settings.config_file}")
     print(f"site config: {settings.site_file}")
-    print(f"state dir:   {settings.state_dir}")
-    print(f"ledger dir:  {settings.ledger_dir}")
+    print(f"state dir:   {settings.state_path}")
+    print(f"ledger dir:  {settings.ledger_path}")
     return 0

@@ -8,18 +8,19 @@ import os
 import time
 from typing import Any
 
-from gpuwait import _output
-from gpuwait._config import load_settings, show_value
-from gpuwait._errors import UsageError
-from gpuwait._estimate import QUANTILE, Spread, recent
-from gpuwait._learn import Learned, learn
-from gpuwait._sizes import format_duration, format_size
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import load_settings
+from gpuwait.core.errors import UsageError
+from gpuwait.core.estimate import QUANTILE, Spread, recent
+from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.history.learn import Learned, learn
 
 ESTIMATE_SCHEMA = 1
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait estimate",
         usage="gpuwait estimate [--key NAME] [--json] [--] COMMAND [ARGS...]",
         description="Show the VRAM that `gpuwait COMMAND` (without --vram) would ask for, the "
@@ -28,7 +29,10 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     parser.add_argument("--key", metavar="NAME", help="the name given with `gpuwait --key NAME`")
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -36,15 +40,15 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         raise UsageError("no command given; usage: gpuwait estimate [--] COMMAND [ARGS...]")
     settings = load_settings({})
     learned = learn(
-        settings.state_dir,
+        settings.state_path,
         command or ["-"],
         os.getcwd(),
         key=args.key,
-        margin=settings["estimate_margin"],
+        margin=settings.estimate_margin,
     )
     for message in learned.warnings:
-        _output.warn(message)
-    default = show_value("default_vram", settings["default_vram"])
+        output.warn(message)
+    default = settings.shown("default_vram")
     if args.json:
         print(json.dumps(_report(learned, default), indent=2))
         return 0

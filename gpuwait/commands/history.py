@@ -12,18 +12,20 @@ import sys
 import time
 from typing import Any
 
-from gpuwait import _output
-from gpuwait._cmdkey import EXPLICIT, SCRIPT, key_hash
-from gpuwait._config import load_settings
-from gpuwait._errors import StateError, UsageError
-from gpuwait._estimate import spread
-from gpuwait._history import history_path, is_slim, read_from, record_keys, tail
-from gpuwait._learn import key_for
-from gpuwait._sizes import format_duration, format_size
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import load_settings
+from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
+from gpuwait.core.errors import StateError, UsageError
+from gpuwait.core.estimate import spread
+from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.history.learn import key_for
+from gpuwait.history.record import is_slim, record_keys
+from gpuwait.history.store import history_path, read_from, tail
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND [ARGS...]]",
         description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
@@ -39,14 +41,17 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     parser.add_argument("--key", metavar="NAME", help="only runs made with --key NAME")
     parser.add_argument("--json", action="store_true", help="the records as a JSON array")
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise UsageError(f"-n {args.n}: give 0 or more")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     settings = load_settings({})
-    path = history_path(settings.state_dir)
+    path = history_path(settings.state_path)
     wanted = _wanted_hash(command, args.key)
     try:
         # Only the newest lines are read unless the whole file must be filtered or shown.
@@ -64,7 +69,7 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         records = records[-args.n :] if args.n else []
     message = parsed.damage.message(path)
     if message:
-        _output.warn(message)
+        output.warn(message)
     if args.json:
         print(json.dumps(records, indent=2))
         return 0

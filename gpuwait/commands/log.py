@@ -8,25 +8,28 @@ import sys
 import time
 from typing import Any
 
-from gpuwait._config import load_settings
-from gpuwait._errors import UsageError
-from gpuwait._events import follow, read_events
-from gpuwait._ledger import ledger_for
-from gpuwait._security import printable
-from gpuwait._sizes import format_duration, format_size
+from gpuwait.commands.common import ledger_for
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import load_settings
+from gpuwait.core.errors import UsageError
+from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.core.text import printable
+from gpuwait.queue.events import KINDS, follow, read_events
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait log",
-        description="Show the event log: submit, admit, start, finish, leave, cancel, reap, "
-        "gpu_lost, gpu_back, gpu_added, pause-request, pause-signal, paused, pause-grace-kill.",
+        description=f"Show the event log: {', '.join(KINDS)}.",
     )
     parser.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N events")
     parser.add_argument("-f", "--follow", action="store_true", help="keep showing new events")
     parser.add_argument("--json", action="store_true", help="the events as JSON lines")
     parser.add_argument("--job", metavar="ID", help="only events of this job (id or name)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
     if args.lines < 0:
         raise UsageError("--lines must be 0 or more")
     settings = load_settings({})

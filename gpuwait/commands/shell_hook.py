@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import sys
 
-from gpuwait import _output
-from gpuwait._config import load_settings
-from gpuwait._errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, UsageError
-from gpuwait._wrap import Decision, decide
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import load_settings
+from gpuwait.core.errors import UsageError
+from gpuwait.core.wrap import Decision, decide
+from gpuwait.runner.launch import exec_bare
 
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
@@ -29,30 +28,47 @@ wrap_only_in, or the command line matches never_wrap), in which case COMMAND run
 """
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    # Parsed by hand: everything after `--` must reach the command byte for byte.
-    explain = False
+def build_parser() -> Parser:
+    """The options, for completion; `parse` reads them (by hand)."""
+    parser = Parser(prog="gpuwait shell-hook", usage=USAGE)
+    parser.add_argument(
+        "--explain", action="store_true", help='print "wrap" or "bare" and why, run nothing'
+    )
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    # By hand: everything after `--` must reach the command byte for byte.
+    options = argparse.Namespace(explain=False, help=False, command=[])
     rest = list(argv)
     while rest and rest[0] != "--":
         option = rest.pop(0)
         if option == "--explain":
-            explain = True
+            options.explain = True
         elif option in ("-h", "--help"):
-            print(HELP, end="")
-            return 0
+            options.help = True
+            return options
         else:
             raise UsageError(f"shell-hook: unknown option {option!r}; {USAGE}")
-    command = rest[1:]
-    if not command:
+    options.command = rest[1:]
+    if not options.command:
         raise UsageError(f"shell-hook: no command given; {USAGE}")
+    return options
+
+
+def run(options: argparse.Namespace) -> int:
+    if options.help:
+        print(HELP, end="")
+        return 0
+    command: list[str] = options.command
     decision = decision_for(command)
-    if explain:
+    if options.explain:
         print(f"{'wrap' if decision.wrap else 'bare'}: {decision.reason}")
         return 0 if decision.wrap else 1
     if decision.wrap:
-        from gpuwait import cli
+        from gpuwait.commands import run as run_command
 
-        return cli.main(["--", *command])
+        return run_command.run(run_command.build_parser().parse_args(["--", *command]))
     return exec_bare(command)
 
 
@@ -61,22 +77,4 @@ def decision_for(command: list[str]) -> Decision:
     cwds = [os.environ.get("PWD", "")]
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
-    return decide(command, cwds, os.environ, settings["wrap_only_in"], settings["never_wrap"])
-
-
-def exec_bare(command: list[str]) -> int:
-    """Become the command, as if the shell had started it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Python ignores these for itself; a command started by a shell gets the default.
-    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
-        signal.signal(signum, signal.SIG_DFL)
-    try:
-        os.execvp(command[0], command)
-    except FileNotFoundError:
-        _output.error(f"{command[0]}: command not found")
-        return EXIT_NOT_FOUND
-    except OSError as exc:
-        _output.error(f"{command[0]}: {exc.strerror}")
-        return EXIT_NOT_EXECUTABLE
-    return 0  # pragma: no cover - execvp does not return
+    return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap)

@@ -2,7 +2,7 @@
 
 bash/zsh: `eval "$(gpuwait shell-init bash)"`; fish: `gpuwait shell-init fish | source`. The
 hook defines one shell function per command in wrap_commands; each calls `gpuwait shell-hook`,
-which applies the wrap rules (gpuwait/_wrap.py). The script templates live in shell/ (packaged as gpuwait/shell).
+which applies the wrap rules (gpuwait/core/wrap.py). The script templates live in shell/ (packaged as gpuwait/shell).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from importlib import resources
 from pathlib import Path
 
 import gpuwait
-from gpuwait import _completion
-from gpuwait._config import load_settings
+from gpuwait.commands import completion
+from gpuwait.commands.parsing import Parser
+from gpuwait.config import load_settings
 
 SHELLS = ("bash", "zsh", "fish")
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait shell-init",
         description="Print the shell hook that runs wrap_commands through gpuwait. "
         'bash/zsh: eval "$(gpuwait shell-init bash)"; fish: gpuwait shell-init fish | source',
@@ -43,12 +44,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser]) -> argparse.Argume
     return parser
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    args = build_parser(parser_class).parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     settings = load_settings({"wrap_commands": args.wrap_commands})
-    print(hook_script(args.shell, settings["wrap_commands"], always=args.always), end="")
+    print(hook_script(args.shell, settings.wrap_commands, always=args.always), end="")
     if not args.no_completion:
-        print(_completion.script(args.shell), end="")
+        print(completion.script(args.shell), end="")
     return 0
 
 
@@ -67,7 +67,7 @@ def gpuwait_invocation() -> list[str]:
 def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
     template = resources.files("gpuwait").joinpath("shell", f"gpuwait.{shell}").read_text()
     if shell == "fish":
-        invocation = " ".join(_completion.fish_quote(word) for word in gpuwait_invocation())
+        invocation = " ".join(completion.fish_quote(word) for word in gpuwait_invocation())
         functions = [
             f"    function {name} --wraps {name} --description 'runs through gpuwait'\n"
             f"        __gpuwait_run {name} $argv\n"

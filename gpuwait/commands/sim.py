@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpuwait import _output
-from gpuwait._errors import UsageError
-from gpuwait._sizes import format_size, parse_size
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser
+from gpuwait.core.errors import UsageError
+from gpuwait.core.sizes import format_size, parse_size
 
 
-def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
-    if argv and argv[0] == "job":
-        from gpuwait import _simjob
-
-        return _simjob.main(argv[1:])
-    parser = parser_class(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="gpuwait sim",
         description="Simulated GPUs. `gpuwait sim init FILE` writes a simulation file; "
         "`export GPUWAIT_SIM=FILE` makes gpuwait use it; `gpuwait sim job --vram SIZE` is a "
@@ -28,10 +25,24 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
     init.add_argument("--memory", default="24GiB", help="VRAM of each (default: 24GiB)")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     sub.add_parser("job", help="run a simulated CUDA job")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    # `sim job`'s arguments are the simulated program's own, parsed by it.
+    if argv and argv[0] == "job":
+        return argparse.Namespace(action="job", job_args=argv[1:])
+    return build_parser().parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "job":
+        from gpuwait.gpu import simjob
+
+        return simjob.main(args.job_args)
     if args.action != "init":
         raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
-    from gpuwait._sim import write_sim_file
+    from gpuwait.gpu.sim import write_sim_file
 
     if args.gpus < 1:
         raise UsageError(f"--gpus {args.gpus}: simulate at least one GPU")
@@ -48,6 +59,6 @@ def main(argv: list[str], parser_class: type[argparse.ArgumentParser]) -> int:
         raise UsageError(f"{path} exists; use --force to overwrite it") from None
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror}") from None
-    _output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
-    _output.info(f"now: export GPUWAIT_SIM={path}")
+    output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
+    output.info(f"now: export GPUWAIT_SIM={path}")
     return 0

@@ -1,0 +1,666 @@
+"""Settings and where each one came from.
+
+Precedence is one pure function, `resolve`: command line > GPUWAIT_* environment > config.toml in
+the user config dir > config.toml in the site config dir (an administrator's, e.g.
+/etc/xdg/gpuwait/config.toml) > built-in default. Settings marked `site_only` (per-user limits,
+fairness) come from the site file or the default only: a user cannot lift their own limits.
+`gpuwait config` shows the result with its sources.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gpuwait.core.errors import UsageError
+from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
+from gpuwait.core.policy import PICK_STRATEGIES, FairShare, UserLimits
+from gpuwait.core.record import Record, field
+from gpuwait.core.sizes import (
+    MemoryRequest,
+    format_duration,
+    format_size,
+    parse_duration,
+    parse_request,
+    parse_size,
+)
+from gpuwait.linux import dirs
+
+EXCLUSIVE = "exclusive"
+
+
+def _fraction(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0 < number <= 1:
+        raise ValueError("expected a fraction above 0 and at most 1, e.g. 0.9")
+    return number
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
+    if seconds <= 0:
+        raise ValueError("expected a duration above zero, e.g. 1s or 250ms")
+    return seconds
+
+
+def _optional_duration(value: Any) -> float | None:
+    if value in (None, "", "none", "0", 0):
+        return None
+    return _positive_duration(value)
+
+
+def _exit_status(value: Any) -> int:
+    number = int(str(value).strip())
+    if not 1 <= number <= 125:
+        raise ValueError("expected an exit status from 1 to 125, e.g. 75")
+    return number
+
+
+def _pause_count(value: Any) -> int:
+    number = int(str(value).strip())
+    if not 0 <= number <= 1000:
+        raise ValueError("expected a number of pauses from 0 to 1000")
+    return number
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _priority(value: Any) -> int:
+    text = str(value).strip()
+    number = (
+        int(text)
+        if text.isascii() and text.isdigit() and not isinstance(value, (bool, float))
+        else 0
+    )
+    if not 1 <= number <= 5:
+        raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
+    return number
+
+
+def _default_vram(value: Any) -> MemoryRequest | None:
+    text = str(value).strip()
+    if text.lower() == EXCLUSIVE:
+        return None
+    return parse_request(text)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A list of process names: a TOML array, or a comma-separated string ("" for none)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected process names: a list of strings, or comma-separated text")
+    names = tuple(item.strip() for item in items if item.strip())
+    if any(len(n) > 15 for n in names):
+        raise ValueError("process names are at most 15 characters (as in /proc/PID/comm)")
+    return names
+
+
+def _weights(value: Any) -> dict[str, float]:
+    """GPU -> weight: a TOML table, or "0=2,GPU-8932=1"; keys are NVML indices or UUIDs."""
+    if isinstance(value, dict):
+        pairs = [(str(k), v) for k, v in value.items()]
+    else:
+        pairs = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            key, sep, weight = part.partition("=")
+            if not sep:
+                raise ValueError("expected GPU=WEIGHT pairs, e.g. 0=2,1=1")
+            pairs.append((key.strip(), weight.strip()))
+    weights: dict[str, float] = {}
+    for key, weight in pairs:
+        if not ((key.isascii() and key.isdigit()) or key.upper().startswith(("GPU-", "MIG-"))):
+            raise ValueError(f"{key!r} is not a GPU index or UUID")
+        number = float(weight)
+        if not 0 < number < 1e6:
+            raise ValueError(f"weight of {key} must be above zero")
+        weights[key] = number
+    return weights
+
+
+def _string_list(value: Any) -> tuple[str, ...]:
+    """A TOML array of strings, or (from the environment) one string of comma-separated items."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError("expected a list of strings, or comma-separated text")
+    return tuple(i.strip() for i in items if i.strip())
+
+
+#: Names a shell hook must never redefine: its own machinery relies on them.
+_UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
+
+
+def _command_names(value: Any) -> tuple[str, ...]:
+    names = _string_list(value)
+    for name in names:
+        # These become shell function names: nothing a shell would read as syntax.
+        if name.startswith("-") or not all(c.isalnum() or c in "._+-" for c in name):
+            raise ValueError(f"{name!r} is not a plain command name")
+        if name in _UNWRAPPABLE:
+            raise ValueError(f"{name!r} cannot be wrapped")
+    return names
+
+
+def _margin(value: Any) -> float:
+    text = str(value).strip()
+    number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 <= number <= 2:
+        raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
+    return number
+
+
+def _size_limit(value: Any) -> int:
+    size = value if isinstance(value, int) and not isinstance(value, bool) else None
+    size = parse_size(str(value)) if size is None else size
+    if size < 2**20:
+        raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
+    return size
+
+
+def _path(value: Any) -> Path | None:
+    text = str(value).strip()
+    return Path(os.path.abspath(os.path.expanduser(text))) if text else None
+
+
+def _count_limit(value: Any) -> int | None:
+    """A per-user count limit; 0 or "none" means no limit."""
+    if value in (None, "", "none", 0, "0"):
+        return None
+    if isinstance(value, bool) or not (
+        str(value).strip().isascii() and str(value).strip().isdigit()
+    ):
+        raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
+    number = int(str(value).strip())
+    if number > 1024:
+        raise ValueError("expected at most 1024 GPUs")
+    return number
+
+
+def _vram_limit(value: Any) -> int | None:
+    """A per-user VRAM limit; 0 or "none" means no limit."""
+    if value in (None, "", "none", 0, "0"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 48G, or none")
+    number = value if isinstance(value, int) else parse_size(str(value))
+    if number <= 0:
+        raise ValueError("expected a size above zero, or none")
+    return number
+
+
+# --- how each setting is shown, as a user would type it -----------------------------------------
+
+
+def _show_plain(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _show_request(value: MemoryRequest | None) -> str:
+    return EXCLUSIVE if value is None else value.describe()
+
+
+def _show_joined(value: tuple[str, ...]) -> str:
+    return ",".join(value) if value else "(none)"
+
+
+def _show_list(value: tuple[str, ...]) -> str:
+    return ", ".join(value) if value else "(none)"
+
+
+def _show_weights(value: dict[str, float]) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in value.items()) if value else "(none)"
+
+
+def _show_seconds(value: float | None) -> str:
+    return "none" if value is None else f"{value:g}s"
+
+
+def _show_duration(value: float | None) -> str:
+    return "none" if value is None else format_duration(value)
+
+
+def _show_size(value: int | None) -> str:
+    return "none" if value is None else format_size(value)
+
+
+def _show_percent(value: float) -> str:
+    return f"{value * 100:g}%"
+
+
+def _show_path(value: Path | None) -> str:
+    return "(not set)" if value is None else str(value)
+
+
+class Option(Record, frozen=True):
+    """One setting: its name, how to read it, its default and what it means."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    #: The value as a user would type it (`gpuwait config`, --help).
+    show: Callable[[Any], str] = _show_plain
+    #: Read from the site config file only (an administrator's policy), never from the user.
+    site_only: bool = False
+
+    @property
+    def env_var(self) -> str:
+        return "GPUWAIT_" + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "safety", _fraction, 0.9, "fraction of each GPU's total VRAM that gpuwait fills at most"
+    ),
+    Option(
+        "pick", _choice(*PICK_STRATEGIES), "best-fit", "how a GPU is chosen among those that fit"
+    ),
+    Option("priority", _priority, 3, "queue priority of a job, 1 (low) to 5 (urgent)"),
+    Option(
+        "default_vram",
+        _default_vram,
+        EXCLUSIVE,
+        "request when --vram is not given: a size, a percentage, or 'exclusive' (a whole GPU)",
+        show=_show_request,
+    ),
+    Option(
+        "timeout",
+        _optional_duration,
+        None,
+        "longest wait before giving up (none: wait as long as it takes)",
+        show=_show_seconds,
+    ),
+    Option(
+        "on_no_gpu",
+        _choice("run", "fail"),
+        "run",
+        "without NVML: 'run' the command at once with a warning, or 'fail'",
+    ),
+    Option(
+        "sample_interval",
+        _positive_duration,
+        1.0,
+        "how often a running job's VRAM is sampled",
+        show=_show_seconds,
+    ),
+    Option(
+        "resume_exit",
+        _exit_status,
+        DEFAULT_RESUME_EXIT,
+        "exit status by which a --pausable job says 'checkpointed, resume me'",
+    ),
+    Option(
+        "pause_min_runtime",
+        _positive_duration,
+        DEFAULT_MIN_RUNTIME,
+        "a --pausable job is not asked to step aside before it has run this long",
+        show=_show_duration,
+    ),
+    Option(
+        "pause_max",
+        _pause_count,
+        DEFAULT_MAX_PAUSES,
+        "a --pausable job is asked to step aside at most this often",
+    ),
+    Option(
+        "wake",
+        _choice("inotify", "poll"),
+        "inotify",
+        "how waiters notice the queue changing: inotify (signalled by the writer; inotify in a "
+        "shared ledger dir), or poll every poll_interval",
+    ),
+    Option(
+        "poll_interval",
+        _positive_duration,
+        0.01,
+        "how often a waiter checks the queue for a change when wake = poll",
+        show=_show_seconds,
+    ),
+    Option(
+        "nvml_interval",
+        _positive_duration,
+        1.0,
+        "how often a waiter re-reads the GPUs when the ledger did not change",
+        show=_show_seconds,
+    ),
+    Option(
+        "ignore_processes",
+        _names,
+        "Xorg,Xwayland,gnome-shell,kwin_x11,kwin_wayland,plasmashell",
+        "process names that never count as load on a GPU (desktops, display servers)",
+        show=_show_joined,
+    ),
+    Option(
+        "gpu_weights",
+        _weights,
+        "",
+        "per-GPU weights for --pick weighted, e.g. 0=2,1=1 (GPU index or UUID; default 1)",
+        show=_show_weights,
+    ),
+    Option(
+        "sim",
+        _path,
+        "",
+        "simulation file: use simulated GPUs instead of NVML (see `gpuwait sim init`)",
+        show=_show_path,
+    ),
+    Option(
+        "state_dir",
+        _path,
+        "",
+        "where the ledger and history live (default: the user state dir)",
+        show=_show_path,
+    ),
+    Option(
+        "wrap_commands",
+        _command_names,
+        ("python", "python3", "torchrun", "accelerate", "deepspeed"),
+        "commands that `gpuwait shell-init` wraps in gpuwait",
+        show=_show_list,
+    ),
+    Option(
+        "wrap_only_in",
+        _string_list,
+        (),
+        "shell hooks wrap only in these directories (globs) and below; empty: everywhere",
+        show=_show_list,
+    ),
+    Option(
+        "never_wrap",
+        _string_list,
+        ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
+        "shell hooks run command lines matching these globs bare",
+        show=_show_list,
+    ),
+    Option(
+        "estimate_margin",
+        _margin,
+        0.1,
+        "added on top of a VRAM estimate learned from earlier runs (0.1 = 10%)",
+        show=_show_percent,
+    ),
+    Option(
+        "history_commands",
+        _choice("full", "hash"),
+        "full",
+        "what the history keeps of a command: the 'full' line, or only a 'hash' of it",
+    ),
+    Option(
+        "history_max_size",
+        _size_limit,
+        "64MiB",
+        "size at which the history is compacted (what estimates use is kept)",
+        show=_show_size,
+    ),
+    Option(
+        "watch_stderr",
+        _choice("auto", "off"),
+        "auto",
+        "look for out-of-memory messages on a command's stderr when it is a file or pipe",
+    ),
+    Option(
+        "ledger_dir",
+        _path,
+        "",
+        "directory of the ledger; a shared one (group-writable, sticky) coordinates several "
+        "users (default: the state dir)",
+        show=_show_path,
+    ),
+    Option(
+        "on_state_error",
+        _choice("fail", "run"),
+        "fail",
+        "when the ledger cannot be used: 'fail' (exit 5), or 'run' the command uncoordinated",
+    ),
+    Option(
+        "nvml_timeout",
+        _positive_duration,
+        5.0,
+        "longest wait for one NVML reading; a GPU that does not answer is left out",
+        show=_show_seconds,
+    ),
+    Option(
+        "lock_timeout",
+        _positive_duration,
+        60.0,
+        "longest wait for the ledger lock before giving up (exit 5)",
+        show=_show_seconds,
+    ),
+    Option(
+        "user_max_gpus",
+        _count_limit,
+        None,
+        "site config only: GPUs one user may hold at once (none: no limit)",
+        site_only=True,
+    ),
+    Option(
+        "user_max_vram",
+        _vram_limit,
+        None,
+        "site config only: VRAM one user may hold at once, over all GPUs (none: no limit)",
+        show=_show_size,
+        site_only=True,
+    ),
+    Option(
+        "fair_share_half_life",
+        _optional_duration,
+        86400.0,
+        "site config only: how fast past VRAM-time stops counting against a user "
+        "(none: no fair share, first come first served)",
+        show=_show_duration,
+        site_only=True,
+    ),
+)
+
+OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+class Settings(Record):
+    """Effective settings: one typed attribute per setting (see OPTIONS), and where each came from.
+
+    A test checks that the attributes and OPTIONS name the same settings, in the same order.
+    """
+
+    safety: float
+    pick: str
+    priority: int
+    #: None: a whole GPU ('exclusive').
+    default_vram: MemoryRequest | None
+    timeout: float | None
+    on_no_gpu: str
+    sample_interval: float
+    resume_exit: int
+    pause_min_runtime: float
+    pause_max: int
+    wake: str
+    poll_interval: float
+    nvml_interval: float
+    ignore_processes: tuple[str, ...]
+    gpu_weights: dict[str, float]
+    sim: Path | None
+    state_dir: Path | None
+    wrap_commands: tuple[str, ...]
+    wrap_only_in: tuple[str, ...]
+    never_wrap: tuple[str, ...]
+    estimate_margin: float
+    history_commands: str
+    history_max_size: int
+    watch_stderr: str
+    ledger_dir: Path | None
+    on_state_error: str
+    nvml_timeout: float
+    lock_timeout: float
+    user_max_gpus: int | None
+    user_max_vram: int | None
+    fair_share_half_life: float | None
+    #: Setting name -> "default", "command line", "environment GPUWAIT_X", "config file F", ...
+    sources: dict[str, str] = field(default_factory=dict)
+    config_file: Path = Path("config.toml")
+    site_file: Path | None = None
+
+    @property
+    def state_path(self) -> Path:
+        """Where the history (and, unless ledger_dir says otherwise, the ledger) lives."""
+        return self.state_dir or Path(dirs.user_state_dir())
+
+    @property
+    def ledger_path(self) -> Path:
+        """Where the ledger lives: `ledger_dir` when set (maybe shared), else the state dir."""
+        return self.ledger_dir or self.state_path
+
+    def fair_share(self) -> FairShare:
+        """The fairness policy these settings ask for (an administrator's, from the site file)."""
+        max_gpus, max_vram = self.user_max_gpus, self.user_max_vram
+        limits = None if max_gpus is None and max_vram is None else UserLimits(max_gpus, max_vram)
+        return FairShare(half_life=self.fair_share_half_life, limits=limits)
+
+    def shown(self, name: str) -> str:
+        """Setting `name` as a user would type it."""
+        return OPTIONS_BY_NAME[name].show(getattr(self, name))
+
+
+def config_file_path(env: Mapping[str, str]) -> Path:
+    """GPUWAIT_CONFIG, else config.toml in the user config dir ($XDG_CONFIG_HOME/gpuwait)."""
+    custom = env.get("GPUWAIT_CONFIG")
+    if custom:
+        return Path(custom).expanduser()
+    return Path(dirs.user_config_dir()) / "config.toml"
+
+
+def site_config_file_path() -> Path:
+    """config.toml in the site config dir (first entry of XDG_CONFIG_DIRS)."""
+    return Path(dirs.site_config_dir()) / "config.toml"
+
+
+#: A config file larger than this is not a config file.
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
+    """The table in `path`; {} when there is none. Raises UsageError for a broken file.
+
+    A broken file is the user's (or the administrator's) own text: it is reported, never moved
+    or rewritten.
+    """
+    kind = "site config file" if site else "config file"
+    try:
+        with path.open("rb") as f:
+            if site and os.fstat(f.fileno()).st_mode & 0o002:
+                raise UsageError(
+                    f"{kind} {path} is writable by every user, so anyone could change the "
+                    "limits in it; refusing to use it",
+                    hint=f"an administrator runs: chmod o-w {path}",
+                )
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except IsADirectoryError:
+        raise UsageError(f"{kind} {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}") from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise UsageError(f"{kind} {path} is larger than 1 MiB; it cannot be a config file")
+    # Imported here, not at the top: most launches have no config file, and a launch should
+    # not pay for the TOML parser then.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on Python 3.10 only
+        import tomli as tomllib
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{kind} {path}: not UTF-8 text; fix or remove it") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{kind} {path}: {exc}; fix or remove it") from None
+    unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
+    if unknown:
+        raise UsageError(
+            f"{kind} {path}: unknown setting {unknown[0]!r}; known settings: "
+            + ", ".join(OPTIONS_BY_NAME)
+        )
+    if not site:
+        reserved = [o.name for o in OPTIONS if o.site_only and o.name in data]
+        if reserved:
+            raise UsageError(
+                f"{kind} {path}: {reserved[0]} can only be set by an administrator, in the "
+                f"site config file {site_config_file_path()}"
+            )
+    return data
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_file: Path,
+    site_values: Mapping[str, Any] | None = None,
+    site_file: Path | None = None,
+) -> Settings:
+    """Pick each setting from the first place that has it: CLI, environment, user file, site
+    file, default. A site-only setting comes from the site file or the default."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    site = site_values or {}
+    for option in OPTIONS:
+        user_set = cli.get(option.name) is not None or env.get(option.env_var, "") != ""
+        if option.site_only and user_set:
+            where = (
+                f"--{option.name.replace('_', '-')}"
+                if cli.get(option.name) is not None
+                else f"environment {option.env_var}"
+            )
+            raise UsageError(
+                f"{where}: {option.name} can only be set by an administrator, in the site "
+                f"config file {site_file or 'config.toml'}"
+            )
+        if cli.get(option.name) is not None:
+            raw, source = cli[option.name], "command line"
+        elif env.get(option.env_var, "") != "":
+            raw, source = env[option.env_var], f"environment {option.env_var}"
+        elif option.name in file_values and not option.site_only:
+            raw, source = file_values[option.name], f"config file {config_file}"
+        elif option.name in site:
+            raw, source = site[option.name], f"site config file {site_file}"
+        else:
+            values[option.name] = option.parse(option.default)
+            sources[option.name] = "default"
+            continue
+        try:
+            values[option.name] = option.parse(raw)
+        except (ValueError, TypeError) as exc:
+            shown = {"command line": f"--{option.name.replace('_', '-')}"}.get(source, source)
+            raise UsageError(f"{shown}: {raw!r} is not valid for {option.name}: {exc}") from None
+        sources[option.name] = source
+    return Settings(**values, sources=sources, config_file=config_file, site_file=site_file)
+
+
+def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
+    """Read the environment and both config files, and resolve against `cli`."""
+    environ = os.environ if env is None else env
+    path = config_file_path(environ)
+    site = site_config_file_path()
+    if environ.get("GPUWAIT_CONFIG") and not path.exists():
+        # Named on purpose: a typo must not silently leave every setting at its default.
+        raise UsageError(
+            f"GPUWAIT_CONFIG names {path}, which does not exist",
+            hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
+        )
+    return resolve(
+        cli, environ, load_config_file(path), path, load_config_file(site, site=True), site
+    )

@@ -1,0 +1,206 @@
+"""Command keys: how runs of "the same command" are found again in the history. Pure (no I/O).
+
+A command is known at three levels, finest first:
+
+    command   python /home/me/proj/train.py --epochs 3     the whole line, script path resolved
+    script    python /home/me/proj/train.py                 program and script (or module)
+    program   python                                         the program alone
+
+Paths are resolved against the working directory with plain path arithmetic (no file system
+access), so `python train.py` and `python ./train.py` run from the same directory match, while
+two `train.py` in different projects do not. Interpreter options before the script (`python -u`)
+are dropped: they do not change what the script allocates. `--key NAME` replaces all of this with
+a single level named by the user.
+"""
+
+from __future__ import annotations
+
+import os.path
+import re
+import shlex
+from collections.abc import Sequence
+
+from gpuwait.core.digest import sha256_hex
+from gpuwait.core.record import Record
+
+COMMAND = "command"
+SCRIPT = "script"
+PROGRAM = "program"
+EXPLICIT = "key"
+#: Finest first: the order in which estimates look for enough runs.
+LEVELS = (EXPLICIT, COMMAND, SCRIPT, PROGRAM)
+
+_PYTHON_RE = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?[a-z]?(\.exe)?$")
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish"})
+#: Python options that take a value (as the next token or glued on: -Wignore).
+_PYTHON_VALUE_OPTIONS = frozenset("WX")
+_PYTHON_LONG_VALUE_OPTIONS = frozenset({"--check-hash-based-pycs"})
+_SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O"})
+#: Arguments with these endings are taken as the script of a launcher (torchrun, accelerate ...).
+_SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".R", ".r", ".jl", ".rb", ".pl", ".lua")
+
+
+class CommandKey(Record, frozen=True):
+    """The levels of one command: (level, text) pairs, finest first, no two with the same text."""
+
+    levels: tuple[tuple[str, str], ...]
+
+    def hashes(self) -> dict[str, str]:
+        """Level -> hash of its text: what the history stores and the index is keyed by."""
+        return {level: key_hash(level, text) for level, text in self.levels}
+
+    def text(self, level: str) -> str | None:
+        return next((t for name, t in self.levels if name == level), None)
+
+    @property
+    def program(self) -> str:
+        """The program's name without its directory (safe to show even in `hash` mode)."""
+        text = self.text(PROGRAM) or self.levels[-1][1]
+        return os.path.basename(text) or text
+
+
+def key_hash(level: str, text: str) -> str:
+    """A short stable hash; the level is part of it so equal texts at two levels stay apart."""
+    return sha256_hex(f"{level}\0{text}")[:20]
+
+
+def explicit_key(name: str) -> CommandKey:
+    return CommandKey(levels=((EXPLICIT, name),))
+
+
+def program_name(argv0: str, cwd: str) -> str:
+    """`python3.11` and `/usr/bin/python3` are both `python`; other programs named by a path are
+    made absolute; a bare program name stays as typed."""
+    base = os.path.basename(argv0)
+    match = _PYTHON_RE.match(base)
+    if match:
+        return match.group(1)
+    if "/" in argv0:
+        return _resolve(argv0, cwd)
+    return argv0
+
+
+def command_key(argv: Sequence[str], cwd: str) -> CommandKey:
+    """The levels of `argv` run in `cwd`.
+
+    Every level is kept even when two have the same text (`python train.py` without arguments):
+    the runs behind them differ, since the script level also holds the runs with arguments.
+    """
+    if not argv:
+        raise ValueError("empty command")
+    program = program_name(argv[0], cwd)
+    args = list(argv[1:])
+    base = os.path.basename(argv[0])
+    if _PYTHON_RE.match(base):
+        script, tail = _python_script(args, cwd)
+    elif base in _SHELLS:
+        script, tail = _shell_script(args, cwd)
+    else:
+        # A launcher (torchrun, accelerate launch ...) or the program itself: its options stay
+        # in place, only a script among them is resolved.
+        script, tail = _launcher_script(args, cwd)
+    levels = [(COMMAND, _join([program]) + (f" {tail}" if tail else ""))]
+    if script is not None:
+        levels.append((SCRIPT, f"{_join([program])} {script}"))
+    levels.append((PROGRAM, program))
+    return CommandKey(levels=tuple(levels))
+
+
+def _resolve(path: str, cwd: str) -> str:
+    return os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
+
+
+def _join(parts: Sequence[str]) -> str:
+    return shlex.join(parts)
+
+
+def _short_hash(text: str) -> str:
+    return sha256_hex(text)[:12]
+
+
+def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:
+    """(script identity, command line after the program) for a Python command line.
+
+    Interpreter options before the script are left out of both.
+    """
+    position = 0
+    while position < len(args):
+        token = args[position]
+        if token == "-":
+            return "-", _join(args[position:])
+        if token in _PYTHON_LONG_VALUE_OPTIONS:
+            position += 2
+            continue
+        if token.startswith("--"):
+            position += 1
+            continue
+        if not token.startswith("-"):
+            script = _join([_resolve(token, cwd)])
+            return script, _join([_resolve(token, cwd), *args[position + 1 :]])
+        # Short options, possibly several glued together (-uB); the last may take a value.
+        for offset, letter in enumerate(token[1:], start=1):
+            glued = token[offset + 1 :]
+            if letter in "cm":
+                value = glued if glued else (args[position + 1] if position + 1 < len(args) else "")
+                rest = args[position + (1 if glued else 2) :]
+                if letter == "c":
+                    identity = f"-c <{_short_hash(value)}>"
+                    return identity, f"{identity} {_join(rest)}".rstrip()
+                return _module(value, rest, cwd)
+            if letter in _PYTHON_VALUE_OPTIONS:
+                position += 0 if glued else 1
+                break
+        position += 1
+    return None, ""
+
+
+def _module(module: str, rest: list[str], cwd: str) -> tuple[str, str]:
+    """`-m pkg.mod` run from `cwd` (a local package depends on it), with the script a launcher
+    module runs (`-m torch.distributed.run ... train.py`)."""
+    identity = f"-m {_join([module])} (in {_join([cwd])})"
+    script, tail = _launcher_script(rest, cwd)
+    return (
+        f"{identity} {script}" if script else identity,
+        f"{identity} {tail}" if tail else identity,
+    )
+
+
+def _shell_script(args: list[str], cwd: str) -> tuple[str | None, str]:
+    position = 0
+    while position < len(args):
+        token = args[position]
+        if token == "-c":
+            value = args[position + 1] if position + 1 < len(args) else ""
+            identity = f"-c <{_short_hash(value)}>"
+            return identity, f"{identity} {_join(args[position + 2 :])}".rstrip()
+        if token in _SHELL_VALUE_OPTIONS:
+            position += 2
+            continue
+        if token == "--":
+            position += 1
+            break
+        if token.startswith(("-", "+")) and token not in ("-", "+"):
+            position += 1
+            continue
+        break
+    if position < len(args):
+        script = _resolve(args[position], cwd)
+        return _join([script]), _join([script, *args[position + 1 :]])
+    return None, ""
+
+
+def _script_value(token: str) -> str:
+    return token.split("=", 1)[1] if token.startswith("-") and "=" in token else token
+
+
+def _launcher_script(args: Sequence[str], cwd: str) -> tuple[str | None, str]:
+    """The first argument that names a script (train.py, --script=x.py), resolved, and the
+    arguments with that one replaced by its resolved form."""
+    for position, token in enumerate(args):
+        value = _script_value(token)
+        if value.endswith(_SCRIPT_SUFFIXES) and not value.startswith("-"):
+            resolved = _resolve(value, cwd)
+            shown = list(args)
+            shown[position] = f"{token.split('=', 1)[0]}={resolved}" if value != token else resolved
+            return _join([resolved]), _join(shown)
+    return None, _join(args)

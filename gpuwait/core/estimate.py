@@ -1,0 +1,309 @@
+"""How much VRAM a command needs, and how long it runs, learned from its earlier runs. Pure.
+
+No I/O and no clock: the runs and `now` are passed in, so every rule here is property-tested
+(tests/test_estimate.py).
+
+The rules:
+- Runs are looked up at the finest level of the command key (see gpuwait.core.cmdkey) that has at
+  least MIN_RUNS successful runs; with none, the finest level with any (never the bare program,
+  which says too little about what a script allocates).
+- Of the most recent WINDOW successful runs there, the QUANTILE of the peaks is taken, each run
+  weighted by age (halved every HALF_LIFE; runs older than MAX_AGE are left out). A high quantile
+  rather than the last value or the mean: one small run must not starve the next, and one odd
+  spike among many must not reserve for ever.
+- Finer levels with fewer runs still count: the estimate never goes below the highest peak seen
+  at a finer level, so `train.py --large` does not inherit the size of twenty `train.py --small`.
+- Then the margin (10 % by default) is added and the result rounded up to a tidy size.
+- An out-of-memory failure newer than the last success raises the estimate above what that run
+  had: OOM_GROWTH times the larger of its peak and its reservation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gpuwait.core.record import Record
+
+MiB = 2**20
+GiB = 2**30
+
+QUANTILE = 0.95
+WINDOW = 20
+MIN_RUNS = 3
+HALF_LIFE = 14 * 86400.0
+MAX_AGE = 120 * 86400.0
+OOM_GROWTH = 1.5
+MIN_ESTIMATE = 256 * MiB
+#: A job has loaded its model once it reaches this fraction of its peak.
+LOADED_FRACTION = 0.9
+
+
+class RunStat(Record, frozen=True):
+    """What estimates need from one run record."""
+
+    started_at: float
+    #: Peak VRAM per GPU in bytes; None when it could not be measured.
+    peak_bytes: int | None
+    reserved_bytes: int
+    #: Exited with status 0.
+    ok: bool
+    oom: bool
+    #: The peak came from the device's used memory, not from per-process figures.
+    approximate: bool = False
+    run_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    time_to_peak: float | None = None
+    #: The GPUs it ran on (UUIDs); empty where the record does not say.
+    gpu_uuids: tuple[str, ...] = ()
+
+
+class Spread(Record, frozen=True):
+    """A median with the range around it (25th to 75th percentile) over `runs` values."""
+
+    median: float
+    low: float
+    high: float
+    runs: int
+
+
+class Estimate(Record, frozen=True):
+    """A learned VRAM request, or None with the reason why not."""
+
+    bytes: int | None
+    #: The level the runs came from ("command", "script", "program" or "key"); None: no history.
+    level: str | None
+    #: Successful runs behind the quantile.
+    runs: int = 0
+    quantile_bytes: int = 0
+    #: The lowest and highest peak among those runs.
+    low_bytes: int = 0
+    high_bytes: int = 0
+    #: Highest peak at a finer level, when it is above the quantile.
+    finer_floor_bytes: int = 0
+    #: OOM_GROWTH times what the last failed run had, when an OOM is newer than the last success.
+    oom_floor_bytes: int = 0
+    margin: float = 0.0
+    approximate: bool = False
+
+    @property
+    def raised_by_oom(self) -> bool:
+        return self.oom_floor_bytes > 0 and self.bytes == self.oom_floor_bytes
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float:
+    """The smallest value whose cumulative weight reaches `q` of the total (inverted CDF)."""
+    if not values or len(values) != len(weights):
+        raise ValueError("need as many weights as values, and at least one")
+    pairs = sorted(zip(values, weights, strict=True))
+    total = sum(w for _, w in pairs)
+    if total <= 0:
+        return pairs[-1][0]
+    target = q * total
+    cumulative = 0.0
+    for value, weight in pairs:
+        cumulative += weight
+        # A little slack so rounding in the sum never skips past the value that reaches q.
+        if cumulative >= target * (1 - 1e-12):
+            return value
+    return pairs[-1][0]
+
+
+def age_weight(age_seconds: float, half_life: float = HALF_LIFE) -> float:
+    """1 for a run that just ended, halving every `half_life` seconds."""
+    return float(0.5 ** (max(0.0, age_seconds) / half_life))
+
+
+def tidy_size(n_bytes: float) -> int:
+    """Round up to a size a person would type: 16 steps per power of two, at least 64 MiB steps.
+
+    3.3 GiB becomes 3.375 GiB, 700 MiB becomes 704 MiB; the rounding adds at most 6.25 %.
+    """
+    if n_bytes <= 0:
+        return 0
+    step = max(64 * MiB, 2 ** (math.floor(math.log2(n_bytes)) - 4))
+    return int(math.ceil(n_bytes / step) * step)
+
+
+def recent(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> list[RunStat]:
+    """Runs not older than `max_age`, newest first."""
+    kept = [r for r in runs if now - r.started_at <= max_age]
+    return sorted(kept, key=lambda r: r.started_at, reverse=True)
+
+
+def successes(runs: Sequence[RunStat]) -> list[RunStat]:
+    """Runs that ended well and whose peak is known, in the given order."""
+    return [r for r in runs if r.ok and not r.oom and r.peak_bytes is not None]
+
+
+def choose_level(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    now: float,
+    min_runs: int = MIN_RUNS,
+    max_age: float = MAX_AGE,
+) -> int | None:
+    """Index into `levels` (finest first) of the level to estimate from, or None."""
+    counts = [len(successes(recent(runs, now, max_age))) for _, runs in levels]
+    for index, count in enumerate(counts):
+        if count >= min_runs:
+            return index
+    for index, count in enumerate(counts):
+        if count > 0 and levels[index][0] != "program":
+            return index
+    return None
+
+
+def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> int:
+    """OOM_GROWTH times the most a failed run had, over OOMs newer than the last success."""
+    floor = 0
+    for run in recent(runs, now, max_age):
+        if run.ok and not run.oom:
+            break  # a success after the OOM shows what the command really needs
+        if run.oom:
+            had = max(run.peak_bytes or 0, run.reserved_bytes)
+            floor = max(floor, tidy_size(had * OOM_GROWTH))
+    return floor
+
+
+def estimate(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    now: float,
+    margin: float = 0.10,
+    *,
+    quantile: float = QUANTILE,
+    window: int = WINDOW,
+    min_runs: int = MIN_RUNS,
+    half_life: float = HALF_LIFE,
+    max_age: float = MAX_AGE,
+) -> Estimate:
+    """The VRAM request for a command whose runs at each level (finest first) are given."""
+    chosen = choose_level(levels, now, min_runs, max_age)
+    # OOMs count at the finest level that has any runs: they are about this very command.
+    finest_with_runs = next((runs for _, runs in levels if recent(runs, now, max_age)), ())
+    floor_oom = oom_floor(finest_with_runs, now, max_age)
+    if chosen is None:
+        if floor_oom:
+            return Estimate(
+                bytes=floor_oom,
+                level=next(name for name, runs in levels if recent(runs, now, max_age)),
+                oom_floor_bytes=floor_oom,
+                margin=margin,
+            )
+        return Estimate(bytes=None, level=None, margin=margin)
+    name, runs = levels[chosen]
+    used = successes(recent(runs, now, max_age))[:window]
+    peaks = [float(r.peak_bytes or 0) for r in used]
+    weights = [age_weight(now - r.started_at, half_life) for r in used]
+    q_bytes = int(weighted_quantile(peaks, weights, quantile))
+    finer = [
+        r.peak_bytes or 0
+        for _, finer_runs in levels[:chosen]
+        for r in successes(recent(finer_runs, now, max_age))[:window]
+    ]
+    finer_floor = max(finer, default=0)
+    learned = max(MIN_ESTIMATE, tidy_size(max(q_bytes, finer_floor) * (1 + max(0.0, margin))))
+    return Estimate(
+        bytes=max(learned, floor_oom),
+        level=name,
+        runs=len(used),
+        quantile_bytes=q_bytes,
+        low_bytes=int(min(peaks)),
+        high_bytes=int(max(peaks)),
+        finer_floor_bytes=finer_floor if finer_floor > q_bytes else 0,
+        oom_floor_bytes=floor_oom,
+        margin=margin,
+        approximate=any(r.approximate for r in used),
+    )
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, statistics' "inclusive")."""
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread(values: Sequence[float]) -> Spread | None:
+    """Median and interquartile range; None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return Spread(
+        _percentile(ordered, 0.5),
+        _percentile(ordered, 0.25),
+        _percentile(ordered, 0.75),
+        len(ordered),
+    )
+
+
+def _timing_runs(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    now: float,
+    window: int,
+    gpu_uuid: str | None = None,
+) -> list[RunStat]:
+    # Run time depends on the arguments (epochs, data), so the finest level with any run wins.
+    # On one GPU: that level's runs there, so every GPU is judged by runs of the same kind.
+    for _, runs in levels:
+        done = [r for r in recent(runs, now) if r.ok and not r.oom]
+        if done:
+            if gpu_uuid is not None:
+                done = [r for r in done if gpu_uuid in r.gpu_uuids]
+            return done[:window]
+    return []
+
+
+def run_time(
+    levels: Sequence[tuple[str, Sequence[RunStat]]], now: float, window: int = WINDOW
+) -> Spread | None:
+    """Expected run time of a successful run: median and spread, from the finest level."""
+    return spread([r.run_seconds for r in _timing_runs(levels, now, window)])
+
+
+def run_time_on(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    now: float,
+    gpu_uuid: str,
+    window: int = WINDOW,
+) -> Spread | None:
+    """Run time on one GPU (for adaptive-throughput): like `run_time`, from its runs there."""
+    return spread([r.run_seconds for r in _timing_runs(levels, now, window, gpu_uuid)])
+
+
+def wait_time(
+    levels: Sequence[tuple[str, Sequence[RunStat]]], now: float, window: int = WINDOW
+) -> Spread | None:
+    return spread([r.wait_seconds for r in _timing_runs(levels, now, window)])
+
+
+def load_time(
+    levels: Sequence[tuple[str, Sequence[RunStat]]], now: float, window: int = WINDOW
+) -> Spread | None:
+    """How long runs took to reach LOADED_FRACTION of their peak (model load time)."""
+    return spread(
+        [r.time_to_peak for r in _timing_runs(levels, now, window) if r.time_to_peak is not None]
+    )
+
+
+def time_to_peak(
+    series: Sequence[tuple[float, int]], fraction: float = LOADED_FRACTION
+) -> float | None:
+    """Seconds until usage first reached `fraction` of its peak; series is (elapsed, bytes)."""
+    peak = max((used for _, used in series), default=0)
+    if peak <= 0:
+        return None
+    return next(t for t, used in series if used >= fraction * peak)
+
+
+def near_full(free_bytes: int | None, total_bytes: int) -> bool:
+    """True when a card had (almost) no free memory left at the job's peak: the peak reached the
+    card's limit. 2 % or 256 MiB, whichever is larger, allows for the allocator's granularity."""
+    if free_bytes is None or total_bytes <= 0:
+        return False
+    return free_bytes <= max(256 * MiB, 0.02 * total_bytes)
+
+
+def looks_like_oom(returncode: int, oom_message: bool, card_full: bool) -> bool:
+    """A CUDA out-of-memory failure: the command failed, and it said so or the card was full."""
+    return returncode != 0 and (oom_message or card_full)

@@ -1,0 +1,762 @@
+"""The scheduling policy: pure functions over snapshots and ledger claims.
+
+No I/O, no clock, no NVML: everything it needs is passed in, so it can be property-tested.
+
+Per GPU:
+    usable    = total * safety
+    external  = device used - memory observed for gpuwait jobs on that GPU   (never below 0)
+    committed = sum over running jobs of max(reserved, observed)
+    room      = usable - external - committed
+
+A job that has not allocated yet still holds its reservation; a job that grew past it counts at
+its real size; and nothing is counted twice, because what a job really uses is taken out of
+`external` before `committed` adds it back.
+
+The queue (`plan`): waiters are looked at in queue order (priority, then submission). One that
+fits starts at once. The first one that does not fit, the head, holds the GPU(s) on which it
+could start soonest, so a big job is never starved by a stream of small ones. A later waiter may
+start on a held GPU (backfill) only where that cannot delay the head's expected start: when it is
+expected to end before then, or when it fits in the memory the head will leave spare at that
+time. Both need run times: when the head's start cannot be told (a job it waits for has no
+estimate), nothing is backfilled onto its GPUs, and a waiter with no estimate of its own is
+never backfilled onto them, not even into the spare. Either may use the GPUs that are not held.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+
+from gpuwait.core.record import Record
+from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
+from gpuwait.core.snapshot import GpuSnapshot
+
+PICK_STRATEGIES = (
+    "best-fit",
+    "most-free",
+    "round-robin",
+    "least-loaded",
+    "weighted",
+    "adaptive-throughput",
+)
+
+#: An exclusive job takes a GPU only where at most this fraction is used by non-gpuwait processes
+#: (a desktop or a driver reservation), so "a whole GPU" still means one that is free in practice.
+EXCLUSIVE_MAX_EXTERNAL = 0.05
+
+_NEVER = math.inf
+
+
+class Requirements(Record, frozen=True):
+    """What a GPU must be for a job, beyond room: `--min-total-vram`, `--gpu-name` and co."""
+
+    min_total_bytes: int | None = None
+    #: Case-insensitive glob (`*A100*`); without wildcards, a substring of the name.
+    name_pattern: str | None = None
+    min_compute_capability: tuple[int, int] | None = None
+    #: Admit only where recent utilization (a mean of several readings) is below this percent.
+    max_util_pct: float | None = None
+
+    def mismatch(self, gpu: GpuSnapshot) -> str | None:
+        """Why `gpu` can never serve this job, or None. Utilization is not judged here."""
+        if self.min_total_bytes is not None and gpu.total_bytes < self.min_total_bytes:
+            return f"GPU{gpu.index} has {format_size(gpu.total_bytes)} in all"
+        if self.name_pattern is not None and not name_matches(self.name_pattern, gpu.name):
+            return f"GPU{gpu.index} is a {gpu.name}"
+        if self.min_compute_capability is not None:
+            if gpu.compute_capability is None:
+                return f"GPU{gpu.index} does not report its compute capability"
+            if gpu.compute_capability < self.min_compute_capability:
+                major, minor = gpu.compute_capability
+                return f"GPU{gpu.index} has compute capability {major}.{minor}"
+        return None
+
+    def describe(self) -> str:
+        parts = []
+        if self.min_total_bytes is not None:
+            parts.append(f"at least {format_size(self.min_total_bytes)} in all")
+        if self.name_pattern is not None:
+            parts.append(f"a name matching {self.name_pattern!r}")
+        if self.min_compute_capability is not None:
+            major, minor = self.min_compute_capability
+            parts.append(f"compute capability {major}.{minor} or more")
+        if self.max_util_pct is not None:
+            parts.append(f"utilization under {self.max_util_pct:g}%")
+        return ", ".join(parts)
+
+
+def name_matches(pattern: str, name: str) -> bool:
+    """`--gpu-name`: a glob when it has wildcards, else a substring; case does not matter."""
+    pattern, name = pattern.lower(), name.lower()
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return pattern in name
+
+
+class Claim(Record, frozen=True):
+    """A ledger entry, as the policy sees it."""
+
+    job_id: str
+    running: bool
+    priority: int
+    #: Submission sequence number; earlier submissions have lower numbers.
+    order: int
+    #: Per-GPU request; None means exclusive use of whole GPUs.
+    request: MemoryRequest | None
+    gpus_wanted: int = 1
+    #: UUIDs this job may use; None means any GPU.
+    candidates: frozenset[str] | None = None
+    pick: str = "best-fit"
+    gpu_uuids: tuple[str, ...] = ()
+    #: Bytes reserved on each GPU in `gpu_uuids` (running jobs only).
+    reserved_bytes: int = 0
+    #: Bytes the job's process tree was last seen using, per GPU UUID.
+    observed: Mapping[str, int] = MappingProxyType({})
+    #: The job's processes: they are gpuwait's load, not foreign processes.
+    pids: frozenset[int] = frozenset()
+    requirements: Requirements = Requirements()
+    #: Why the job may not start yet whatever the room (an unfinished dependency), or None.
+    blocked: str | None = None
+    #: Expected seconds until it ends: a waiter's whole run, a running job's remainder.
+    #: None: unknown (no history).
+    expected_seconds: float | None = None
+    #: Expected run time on particular GPUs (UUID -> seconds), for adaptive-throughput.
+    expected_by_gpu: Mapping[str, float] = MappingProxyType({})
+    #: GPUs this waiter held as the queue's head at the last plan; holds stick to their GPUs.
+    held: tuple[str, ...] = ()
+    #: Per-GPU weights (UUID -> weight, default 1) for the weighted strategy.
+    weights: Mapping[str, float] = MappingProxyType({})
+    #: The user the job belongs to (per-user limits).
+    uid: int = -1
+    #: The user's fair-share usage (decayed VRAM-time); lower goes first within a priority.
+    usage: float = 0.0
+
+    @property
+    def exclusive(self) -> bool:
+        return self.request is None
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: higher priority first, then the user with less usage, then earlier
+        submission (so one user's own jobs always keep their order)."""
+        return (-self.priority, self.usage, self.order)
+
+
+class UserLimits(Record, frozen=True):
+    """What one user may hold at once, over all GPUs (None: no limit)."""
+
+    max_gpus: int | None = None
+    max_vram: int | None = None
+
+    def refusal(self, held_gpus: int, held_vram: int, gpus: int, vram: int) -> str | None:
+        """Why a job taking `gpus` GPUs and `vram` bytes in all would break a limit; or None."""
+        if self.max_gpus is not None and held_gpus + gpus > self.max_gpus:
+            return f"your per-user limit of {self.max_gpus} GPUs ({held_gpus} held)"
+        if self.max_vram is not None and held_vram + vram > self.max_vram:
+            return (
+                f"your per-user limit of {format_size(self.max_vram)} "
+                f"({format_size(held_vram)} held)"
+            )
+        return None
+
+
+class FairShare(Record, frozen=True):
+    """The fairness policy in force: usage half-life (None: off) and per-user limits."""
+
+    half_life: float | None = None
+    limits: UserLimits | None = None
+
+
+class Conditions(Record, frozen=True):
+    """Facts about the GPUs besides memory, read by the caller and passed in as data."""
+
+    #: Mean of recent utilization readings per GPU UUID. None: the GPU does not report it (such
+    #: a GPU passes a utilization cap); absent: not measured often enough yet (it does not pass).
+    utilization: Mapping[str, float | None] = MappingProxyType({})
+    #: Process names (/proc/PID/comm) that never count as load: desktops, display servers.
+    ignore_processes: frozenset[str] = frozenset()
+
+
+NO_CONDITIONS = Conditions()
+
+
+class GpuRoom(Record, frozen=True):
+    """What one GPU can still take, and why."""
+
+    gpu: GpuSnapshot
+    usable: int
+    external: int
+    committed: int
+    running_jobs: int
+    exclusive_held: bool
+    #: Processes that are neither gpuwait jobs nor on the ignore list.
+    foreign: int = 0
+    #: Memory of processes on the ignore list (part of `external`).
+    ignored_bytes: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.usable - self.external - self.committed
+
+    @property
+    def load(self) -> int:
+        """Processes that count as work on this GPU: gpuwait jobs and foreign processes."""
+        return self.running_jobs + self.foreign
+
+
+class WaitReason(Record, frozen=True):
+    """Why a waiting job is not admitted now."""
+
+    needed: str
+    best_gpu_index: int | None
+    best_room: int
+    running: int
+    ahead: int
+    #: A dependency that has not finished; the job waits for it whatever the room.
+    blocked: str | None = None
+    #: What the queue's head does to this job (or, for the head, what it holds).
+    note: str | None = None
+    #: Set when the job fits but its user is at a per-user limit.
+    limit: str | None = None
+    #: What became of this waiter's request that running jobs step aside (cooperative pausing).
+    pause: str | None = None
+
+    def describe(self) -> str:
+        if self.limit is not None:
+            return f"waiting for {self.needed}: {self.limit} ({self.running} running)"
+        counts = f"({self.running} running, {self.ahead} ahead of you)"
+        if self.blocked is not None:
+            return f"{self.blocked} {counts}"
+        if self.best_gpu_index is None:
+            where = "no usable GPU right now"
+        else:
+            where = f"best GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
+        note = "".join(f"; {text}" for text in (self.note, self.pause) if text)
+        return f"waiting for {self.needed}: {where}{note} {counts}"
+
+
+class Hold(Record, frozen=True):
+    """GPUs kept for the head of the queue until it fits there."""
+
+    job_id: str
+    gpu_uuids: tuple[str, ...]
+    #: Expected seconds until the head fits there; None: unknown (a job there has no estimate).
+    start_in: float | None
+    #: Per held GPU, bytes still free at the head's expected start once it has taken its share
+    #: (jobs with a run-time estimate placed there now may use them however long they run); 0
+    #: when the start is unknown.
+    spare: Mapping[str, int] = MappingProxyType({})
+
+    def has_estimate(self, claim: Claim, uuid: str) -> bool:
+        """Does `claim` have a run-time estimate on `uuid`? A job with no history is never
+        backfilled ahead of a held head, not even into the room the head leaves spare."""
+        return claim.expected_by_gpu.get(uuid, claim.expected_seconds) is not None
+
+    def ends_in_time(self, claim: Claim, uuid: str) -> bool:
+        """Is `claim` expected to end on `uuid` before the head could start there?"""
+        expected = claim.expected_by_gpu.get(uuid, claim.expected_seconds)
+        return self.start_in is not None and expected is not None and expected <= self.start_in
+
+
+class Plan(Record, frozen=True):
+    """Which waiting jobs may start now, on which GPUs (in PCI order), and why the rest wait."""
+
+    admitted: Mapping[str, tuple[str, ...]]
+    reserved: Mapping[str, int]
+    waiting: Mapping[str, WaitReason]
+    next_cursor: int
+    hold: Hold | None = None
+    #: Admitted jobs placed on held GPUs (backfill): job -> those GPUs.
+    backfill: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+
+
+def gpu_rooms(
+    gpus: Sequence[GpuSnapshot],
+    claims: Iterable[Claim],
+    safety: float,
+    ignore_processes: frozenset[str] = frozenset(),
+) -> dict[str, GpuRoom]:
+    """Room per GPU UUID, given the running claims."""
+    claims = list(claims)
+    running = [c for c in claims if c.running]
+    ours = frozenset().union(*(c.pids for c in claims))
+    rooms: dict[str, GpuRoom] = {}
+    for gpu in gpus:
+        on_gpu = [c for c in running if gpu.uuid in c.gpu_uuids]
+        observed = sum(max(0, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
+        committed = sum(max(c.reserved_bytes, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
+        others = [p for p in gpu.processes if p.pid not in ours]
+        ignored = [p for p in others if p.name is not None and p.name in ignore_processes]
+        rooms[gpu.uuid] = GpuRoom(
+            gpu=gpu,
+            usable=int(gpu.total_bytes * safety),
+            external=max(0, gpu.used_bytes - observed),
+            committed=committed,
+            running_jobs=len(on_gpu),
+            exclusive_held=any(c.exclusive for c in on_gpu),
+            foreign=len(others) - len(ignored),
+            ignored_bytes=sum(p.used_bytes or 0 for p in ignored),
+        )
+    return rooms
+
+
+def _static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
+    if claim.candidates is not None and gpu.uuid not in claim.candidates:
+        return False
+    return claim.requirements.mismatch(gpu) is None
+
+
+def _util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
+    cap = claim.requirements.max_util_pct
+    if cap is None:
+        return True
+    if uuid not in conditions.utilization:
+        return False
+    recent = conditions.utilization[uuid]
+    return recent is None or recent < cap
+
+
+def _idle_enough(room: GpuRoom) -> bool:
+    """Nothing outside gpuwait (the ignore list aside) uses the GPU to speak of."""
+    return room.external - room.ignored_bytes <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
+
+
+def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:
+    """Bytes `claim` needs on this GPU, or None if it cannot go there now at all."""
+    if not _static_ok(claim, room.gpu) or not _util_ok(claim, room.gpu.uuid, conditions):
+        return None
+    if room.exclusive_held:
+        return None
+    if claim.request is None:
+        if room.running_jobs or not _idle_enough(room):
+            return None
+        return max(1, room.room)
+    return claim.request.on(room.gpu.total_bytes)
+
+
+def admission_fits(
+    claim: Claim,
+    gpu_uuids: Sequence[str],
+    reserved_bytes: int,
+    others: Iterable[Claim],
+    gpus: Sequence[GpuSnapshot],
+    safety: float,
+    ignore_processes: frozenset[str] = frozenset(),
+) -> bool:
+    """Whether an admission of `claim` onto `gpu_uuids` that this process did not plan (found
+    in a shared ledger, which any member can write) is one the GPUs allow now.
+
+    `claim` is the job as it asked (not as the ledger says), `others` every other entry. The
+    room is what a plan would see without this job, so an admission another waiter's plan made
+    passes, while one written into the file onto a GPU without room does not.
+    """
+    if len(set(gpu_uuids)) != claim.gpus_wanted or len(gpu_uuids) != claim.gpus_wanted:
+        return False
+    # Utilization caps are judged over a window of readings, which the planner had.
+    claim = claim._replace(requirements=claim.requirements._replace(max_util_pct=None))
+    rooms = gpu_rooms(gpus, others, safety, ignore_processes)
+    for uuid in gpu_uuids:
+        room = rooms.get(uuid)
+        need = None if room is None else need_on(claim, room)
+        if room is None or need is None or need > room.room:
+            return False
+        if claim.request is not None and reserved_bytes < need:
+            return False
+    return True
+
+
+def impossible_reason(
+    claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None = None
+) -> str | None:
+    """Why `claim` can never be admitted on these GPUs, even when they are idle; None if it can."""
+    candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
+    if not candidates:
+        return "no candidate GPU"
+    matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
+    if not matching:
+        first = claim.requirements.mismatch(candidates[0])
+        return f"no GPU has {claim.requirements.describe()} ({first})"
+    if len(matching) < claim.gpus_wanted:
+        which = "can be used" if len(matching) == len(candidates) else "match"
+        return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}"
+    if limits is not None:
+        smallest = min(
+            (
+                claim.request.on(g.total_bytes)
+                if claim.request
+                else int(g.total_bytes * (safety - EXCLUSIVE_MAX_EXTERNAL))
+                for g in matching
+            ),
+        )
+        refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
+        if refusal is not None:
+            return f"the request exceeds {refusal.replace('your ', '', 1)}"
+    if claim.request is None:
+        return None
+    fitting = [
+        g for g in matching if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)
+    ]
+    if len(fitting) >= claim.gpus_wanted:
+        return None
+    largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
+    return (
+        f"{claim.request.describe()} per GPU can never fit: the largest candidate, "
+        f"GPU{largest.index} ({format_size(largest.total_bytes)}), offers at most "
+        f"{format_size(int(largest.total_bytes * safety))} at safety {safety:g}"
+    )
+
+
+_Fit = tuple[GpuRoom, int]
+
+
+def _order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: int) -> list[_Fit]:
+    """The fitting GPUs, most preferred first, by the claim's strategy."""
+
+    def best_fit(rn: _Fit) -> tuple[int, int]:
+        # The GPU left with the least room, so large holes stay open for large jobs.
+        return (rn[0].room - rn[1], rn[0].gpu.index)
+
+    key: Callable[[_Fit], tuple[float, ...]] = best_fit
+    if claim.pick == "most-free":
+        key = lambda rn: (-rn[0].room, rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "round-robin":
+        span = max(gpu_count, 1 + max(r.gpu.index for r, _ in fitting))
+        key = lambda rn: ((rn[0].gpu.index - cursor - 1) % span, rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "least-loaded":
+        key = lambda rn: (rn[0].load, -(rn[0].room - rn[1]), rn[0].gpu.index)  # noqa: E731
+    elif claim.pick == "weighted":
+        key = lambda rn: (  # noqa: E731
+            (rn[0].load + 1) / claim.weights.get(rn[0].gpu.uuid, 1.0),
+            *best_fit(rn),
+        )
+    elif claim.pick == "adaptive-throughput" and any(
+        r.gpu.uuid in claim.expected_by_gpu for r, _ in fitting
+    ):
+        key = lambda rn: (claim.expected_by_gpu.get(rn[0].gpu.uuid, _NEVER), *best_fit(rn))  # noqa: E731
+    return sorted(fitting, key=key)
+
+
+def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | None:
+    """Seconds until `claim` would fit on this GPU if nothing else started there.
+
+    Running jobs end at their expected times (inf when unknown). None: never, because memory
+    outside gpuwait leaves too little even with every gpuwait job gone.
+    """
+    uuid = room.gpu.uuid
+    ends = sorted(
+        (
+            _NEVER if c.expected_seconds is None else max(0.0, c.expected_seconds),
+            max(c.reserved_bytes, c.observed.get(uuid, 0)),
+            c.exclusive,
+        )
+        for c in on_gpu
+    )
+    if claim.request is None:
+        if not _idle_enough(room):
+            return None
+        return max((end for end, _, _ in ends), default=0.0)
+    need = claim.request.on(room.gpu.total_bytes)
+    if need > room.usable - room.external:
+        return None
+    # Until every exclusive job there has ended, nobody else may start.
+    after = max((end for end, _, exclusive in ends if exclusive), default=0.0)
+    free = room.room
+    if free >= need:
+        return after
+    for end, size, _ in ends:
+        free += size
+        if free >= need:
+            return max(end, after)
+    return _NEVER
+
+
+def _hold_for(
+    claim: Claim, rooms: Mapping[str, GpuRoom], running: Sequence[Claim], conditions: Conditions
+) -> Hold | None:
+    """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner."""
+    times: dict[str, tuple[GpuRoom, float]] = {}
+    for uuid, room in rooms.items():
+        if not _static_ok(claim, room.gpu) or not _util_ok(claim, uuid, conditions):
+            continue
+        when = _fit_time(claim, room, [c for c in running if uuid in c.gpu_uuids])
+        if when is not None:
+            times[uuid] = (room, when)
+    wanted = claim.gpus_wanted
+    if len(times) < wanted:
+        return None
+    ranked = sorted(times.values(), key=lambda rt: (rt[1], -rt[0].room, rt[0].gpu.index))
+    chosen = [room for room, _ in ranked[:wanted]]
+    start = max(when for _, when in ranked[:wanted])
+    if len(claim.held) == wanted and all(u in times for u in claim.held):
+        held_start = max(times[u][1] for u in claim.held)
+        # A hold moves only to GPUs where the head is expected to start strictly sooner, so
+        # the room it gathered is not handed away for nothing.
+        if not start < held_start:
+            chosen, start = [times[u][0] for u in claim.held], held_start
+    chosen.sort(key=lambda r: r.gpu.index)
+    spare = {}
+    for room in chosen:
+        uuid = room.gpu.uuid
+        if claim.request is None or start == _NEVER:
+            spare[uuid] = 0  # an exclusive head needs the whole card; an unknown start, all
+            continue
+        # Room at the start: what jobs expected to end by then free (unknown ends never do).
+        freed = sum(
+            max(c.reserved_bytes, c.observed.get(uuid, 0))
+            for c in running
+            if uuid in c.gpu_uuids
+            and c.expected_seconds is not None
+            and max(0.0, c.expected_seconds) <= start
+        )
+        need = claim.request.on(room.gpu.total_bytes)
+        spare[uuid] = max(0, room.room + freed - need)
+    return Hold(
+        job_id=claim.job_id,
+        gpu_uuids=tuple(r.gpu.uuid for r in chosen),
+        start_in=None if start == _NEVER else start,
+        spare=spare,
+    )
+
+
+def plan(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    limits: UserLimits | None = None,
+) -> Plan:
+    """Admit waiting claims in queue order while they fit; the first that does not fit holds.
+
+    Earlier waiters are placed first and their room is taken before later ones are looked at, so a
+    later waiter never jumps an earlier one that fits the same GPU. Behind the head, a waiter may
+    start on GPUs the head does not hold, or on a held one if it is expected to end before the
+    head could start there. A waiter whose user is at a per-user limit does not block those
+    behind it.
+    """
+    held_by_user = _held_by_user(claims) if limits is not None else {}
+    rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    running = [c for c in claims if c.running]
+    running_total = len(running)
+    waiting = sorted((c for c in claims if not c.running), key=Claim.sort_key)
+    admitted: dict[str, tuple[str, ...]] = {}
+    reserved: dict[str, int] = {}
+    reasons: dict[str, WaitReason] = {}
+    backfill: dict[str, tuple[str, ...]] = {}
+    hold: Hold | None = None
+    spare: dict[str, int] = {}
+    for position, claim in enumerate(waiting):
+        if claim.blocked is not None:
+            reasons[claim.job_id] = _wait_reason(claim, rooms, running_total, position, conditions)
+            continue
+        fitting: list[_Fit] = []
+        for room in rooms.values():
+            need = need_on(claim, room, conditions)
+            if need is not None and need <= room.room:
+                fitting.append((room, need))
+        allowed = fitting
+        if hold is not None:
+            allowed = [
+                (r, n)
+                for r, n in fitting
+                if r.gpu.uuid not in hold.gpu_uuids
+                or (n <= spare[r.gpu.uuid] and hold.has_estimate(claim, r.gpu.uuid))
+                or hold.ends_in_time(claim, r.gpu.uuid)
+            ]
+        if len(allowed) >= claim.gpus_wanted and allowed:
+            chosen = _order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
+            chosen.sort(key=lambda rn: rn[0].gpu.index)
+            if limits is not None:
+                gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+                vram = max(need for _, need in chosen) * len(chosen)
+                refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
+                if refusal is not None:
+                    reason = _wait_reason(claim, rooms, running_total, position, conditions)
+                    reasons[claim.job_id] = reason._replace(limit=refusal)
+                    continue
+                held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
+            for room, need in chosen:
+                rooms[room.gpu.uuid] = room._replace(
+                    committed=room.committed + need,
+                    running_jobs=room.running_jobs + 1,
+                    exclusive_held=room.exclusive_held or claim.exclusive,
+                )
+            uuids = tuple(r.gpu.uuid for r, _ in chosen)
+            admitted[claim.job_id] = uuids
+            reserved[claim.job_id] = max(need for _, need in chosen)
+            on_held = tuple(u for u in uuids if hold is not None and u in hold.gpu_uuids)
+            if hold is not None and on_held:
+                backfill[claim.job_id] = on_held
+                for room, need in chosen:
+                    # What may outlive the head's start comes out of its spare.
+                    if room.gpu.uuid in on_held and not hold.ends_in_time(claim, room.gpu.uuid):
+                        spare[room.gpu.uuid] = max(0, spare[room.gpu.uuid] - need)
+            # Its end frees room the head may be waiting for.
+            running.append(
+                claim._replace(running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
+            )
+            if claim.pick == "round-robin":
+                cursor = chosen[-1][0].gpu.index
+            continue
+        note = None
+        if hold is None:
+            hold = _hold_for(claim, rooms, running, conditions)
+            if hold is not None:
+                spare = dict(hold.spare)
+                note = _held_note(hold, rooms)
+        elif len(fitting) >= claim.gpus_wanted:
+            note = _backfill_note(claim, hold, rooms)
+        reasons[claim.job_id] = _wait_reason(
+            claim, rooms, running_total, position, conditions, note
+        )
+    return Plan(
+        admitted=admitted,
+        reserved=reserved,
+        waiting=reasons,
+        next_cursor=cursor,
+        hold=hold,
+        backfill=backfill,
+    )
+
+
+def _held_by_user(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
+    """(GPUs, reserved bytes over all of them) that each user's running jobs hold."""
+    held: dict[int, tuple[int, int]] = {}
+    for c in claims:
+        if c.running:
+            gpus, vram = held.get(c.uid, (0, 0))
+            held[c.uid] = (gpus + len(c.gpu_uuids), vram + c.reserved_bytes * len(c.gpu_uuids))
+    return held
+
+
+def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    return ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids)
+
+
+def _held_note(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    when = "" if hold.start_in is None else f", expected in {format_duration(hold.start_in)}"
+    return f"first in line, {_gpu_list(hold, rooms)} held for it{when}"
+
+
+def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
+    held = f"{_gpu_list(hold, rooms)} held for job {hold.job_id}"
+    if hold.start_in is None:
+        return f"{held}, whose start cannot be estimated"
+    when = (
+        "no run-time estimate"
+        if claim.expected_seconds is None
+        else "would not end before it can start"
+    )
+    return f"{held}, due in {format_duration(hold.start_in)} ({when})"
+
+
+def _wait_reason(
+    claim: Claim,
+    rooms: Mapping[str, GpuRoom],
+    running: int,
+    ahead: int,
+    conditions: Conditions,
+    note: str | None = None,
+) -> WaitReason:
+    candidates = [r for r in rooms.values() if _static_ok(claim, r.gpu)]
+    usable = [r for r in candidates if _util_ok(claim, r.gpu.uuid, conditions)]
+    if candidates and not usable and note is None:
+        cap = f"{claim.requirements.max_util_pct:g}%"
+        if any(r.gpu.uuid not in conditions.utilization for r in candidates):
+            # A GPU with too few readings yet is not known to be busy: say what is going on.
+            note = f"measuring utilization for the {cap} cap (a few readings)"
+        else:
+            note = f"every candidate is busier than {cap} utilization"
+    best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
+    if claim.request is None and best is not None:
+        # Free memory alone does not tell why a whole GPU is refused: say what it takes.
+        whole = (
+            "a whole GPU needs no other gpuwait job on it and at most"
+            f" {EXCLUSIVE_MAX_EXTERNAL:.0%} of its memory used outside gpuwait"
+        )
+        note = whole if note is None else f"{whole}; {note}"
+    needed = "a whole GPU" if claim.request is None else claim.request.describe()
+    if claim.gpus_wanted > 1:
+        needed = f"{claim.gpus_wanted} GPUs with {needed} each"
+    return WaitReason(
+        needed=needed,
+        best_gpu_index=best.gpu.index if best else None,
+        best_room=best.room if best else 0,
+        running=running,
+        ahead=ahead,
+        blocked=claim.blocked,
+        note=note,
+    )
+
+
+def estimate_starts(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    max_steps: int = 10_000,
+    limits: UserLimits | None = None,
+) -> dict[str, float | None]:
+    """Seconds from now until each waiter is expected to start, replaying the queue forward.
+
+    Running jobs end at their expected times and each waiter runs for its expected time; the plan
+    is made again at every end. None: not before some job with no estimate ends (or a
+    dependency is met), so no time can be given.
+    """
+    rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    # From here on gpuwait jobs are described by their reservations alone, so that one ending
+    # takes all its memory with it; foreign memory stays as it is.
+    ours = frozenset().union(*(c.pids for c in claims))
+    bare = [
+        g._replace(
+            used_bytes=rooms[g.uuid].external,
+            processes=tuple(p for p in g.processes if p.pid not in ours),
+        )
+        for g in gpus
+    ]
+    current: list[Claim] = []
+    for c in claims:
+        if c.running:
+            size = max([c.reserved_bytes, *(c.observed.get(u, 0) for u in c.gpu_uuids)])
+            current.append(c._replace(reserved_bytes=size, observed={}, pids=frozenset()))
+        else:
+            current.append(c._replace(pids=frozenset()))
+    starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
+    now = 0.0
+    for _ in range(max_steps):
+        decided = plan(bare, current, safety, cursor, conditions, limits)
+        cursor = decided.next_cursor
+        after: list[Claim] = []
+        for c in current:
+            if c.job_id in decided.admitted:
+                starts[c.job_id] = now
+                uuids = decided.admitted[c.job_id]
+                expected = max(
+                    (c.expected_by_gpu.get(u, c.expected_seconds or _NEVER) for u in uuids),
+                    default=c.expected_seconds,
+                )
+                c = c._replace(
+                    running=True,
+                    gpu_uuids=uuids,
+                    reserved_bytes=decided.reserved[c.job_id],
+                    expected_seconds=None if expected == _NEVER else expected,
+                )
+            elif decided.hold is not None and c.job_id == decided.hold.job_id:
+                c = c._replace(held=decided.hold.gpu_uuids)
+            after.append(c)
+        ends = [c.expected_seconds for c in after if c.running and c.expected_seconds is not None]
+        if not any(not c.running for c in after) or not ends:
+            break
+        step = max(0.0, min(ends))
+        now += step
+        current = []
+        for c in after:
+            if c.running and c.expected_seconds is not None:
+                left = c.expected_seconds - step
+                if left <= 1e-9:
+                    continue
+                c = c._replace(expected_seconds=left)
+            current.append(c)
+    return starts

@@ -1,0 +1,128 @@
+"""Parsing and formatting of memory sizes and durations, as users type them."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from gpuwait.core.record import Record
+
+_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+class MemoryRequest(Record, frozen=True):
+    """A VRAM request per GPU: either bytes, or a fraction of each card's total."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    def on(self, total_bytes: int) -> int:
+        """Bytes this request needs on a card of `total_bytes`."""
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None
+        return math.ceil(self.fraction * total_bytes)
+
+    def describe(self) -> str:
+        if self.bytes is not None:
+            return format_size(self.bytes)
+        assert self.fraction is not None
+        return f"{self.fraction * 100:g}% of a GPU"
+
+    def to_json(self) -> dict[str, float | int]:
+        return (
+            {"bytes": self.bytes} if self.bytes is not None else {"fraction": self.fraction or 0.0}
+        )
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `6G`/`6GiB` are 6*2^30, `6GB` is 6*10^9, a bare number is bytes.
+
+    Raises ValueError with a message that says what is accepted.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(
+            f"{text!r} is not a size; use e.g. 6G, 6GiB (2^30 bytes), 6GB (10^9), 512M"
+        )
+    number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
+    if suffix == "B" and unit:
+        scale = _DECIMAL[unit]
+    elif suffix in ("IB", "I") and not unit:
+        raise ValueError(f"{text!r} is not a size; use e.g. 6G, 6GiB, 6GB, 512M")
+    else:
+        scale = _BINARY[unit]
+    value = float(number) * scale
+    if not math.isfinite(value) or value > 2**63 - 1:
+        raise ValueError(f"{text!r} is too large")
+    return math.ceil(value)
+
+
+def parse_request(text: str) -> MemoryRequest:
+    """A `--vram` value: a size, or a percentage of each card's total (`50%`). Must be > 0."""
+    percent = _PERCENT_RE.match(text)
+    if percent:
+        value = float(percent.group(1))
+        if not 0 < value <= 100:
+            raise ValueError(f"{text!r}: a percentage of a GPU must be above 0% and at most 100%")
+        return MemoryRequest(fraction=value / 100)
+    size = parse_size(text)
+    if size <= 0:
+        raise ValueError(f"{text!r}: a VRAM request must be larger than zero")
+    return MemoryRequest(bytes=size)
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `text`: `90`, `1.5s`, `250ms`, `10m`, `2h`, `1h30m`. Raises ValueError."""
+    stripped = text.strip()
+    position = 0
+    total = 0.0
+    parts = 0
+    while position < len(stripped):
+        match = _DURATION_RE.match(stripped, position)
+        if not match or match.end() == position:
+            raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 250ms, 10m, 2h, 1h30m")
+        unit = (match.group(2) or "s").lower()
+        total += float(match.group(1)) * _DURATION_UNITS[unit]
+        position = match.end()
+        while position < len(stripped) and stripped[position] == " ":
+            position += 1
+        parts += 1
+    if parts == 0:
+        raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 250ms, 10m, 2h, 1h30m")
+    if not math.isfinite(total):
+        raise ValueError(f"{text!r} is too long")
+    return total
+
+
+def format_size(n_bytes: int | float) -> str:
+    """`6.0 GiB`, `512 MiB`, `0 B`: binary units, as nvidia-smi's MiB figures."""
+    value = float(n_bytes)
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            shown = value / scale
+            return f"{sign}{shown:.1f} {unit}" if shown < 100 else f"{sign}{shown:.0f} {unit}"
+    return f"{sign}{value:.0f} B"
+
+
+def format_duration(seconds: float) -> str:
+    """`850ms`, `4.2s`, `3m05s`, `2h10m`."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

@@ -1,0 +1,54 @@
+"""Plain, immutable readings of the machine's GPUs.
+
+Everything that decides (the policy, the status view, the runner's sampling) works on these
+snapshots, never on live NVML handles or simulation files.
+"""
+
+from __future__ import annotations
+
+from gpuwait.core.record import Record
+
+
+class ProcessUsage(Record, frozen=True):
+    """One process holding memory on a GPU."""
+
+    pid: int
+    #: Bytes the driver attributes to the process; None where it cannot tell (containers, WSL).
+    used_bytes: int | None
+    #: The process's command name (/proc/PID/comm) where known; the ignore list matches on it.
+    name: str | None = None
+
+
+class GpuSnapshot(Record, frozen=True):
+    """One GPU at one moment."""
+
+    #: NVML index: PCI bus order, which is not CUDA's default order.
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    processes: tuple[ProcessUsage, ...] = ()
+    #: Percent of recent time a kernel ran; None where unsupported (MIG parents, simulation).
+    utilization_pct: int | None = None
+    #: CUDA compute capability (major, minor); None where the driver cannot tell.
+    compute_capability: tuple[int, int] | None = None
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.total_bytes - self.used_bytes)
+
+    def process_bytes(self, pids: frozenset[int] | set[int]) -> int:
+        """Memory the driver attributes to any of `pids` (unknown figures count as 0)."""
+        return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
+
+
+class MachineSnapshot(Record, frozen=True):
+    """All GPUs that answered, plus one warning per GPU that did not."""
+
+    backend: str
+    gpus: tuple[GpuSnapshot, ...]
+    warnings: tuple[str, ...] = ()
+
+    def by_uuid(self) -> dict[str, GpuSnapshot]:
+        return {g.uuid: g for g in self.gpus}

@@ -1,0 +1,75 @@
+"""Whether a shell hook should run a command through gpuwait: one rule set for every shell.
+
+The shell side (shell/) only steps aside on its own inside a gpuwait job or when
+GPUWAIT_DISABLE is set, since those checks cost nothing there; everything else is decided here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os.path
+from collections.abc import Iterable, Mapping, Sequence
+
+from gpuwait.core.record import Record
+
+
+class Decision(Record, frozen=True):
+    wrap: bool
+    reason: str
+
+
+def disabled(env: Mapping[str, str]) -> bool:
+    """GPUWAIT_DISABLE set to anything but empty or 0."""
+    return env.get("GPUWAIT_DISABLE", "").strip() not in ("", "0")
+
+
+def decide(
+    argv: Sequence[str],
+    cwds: Iterable[str],
+    env: Mapping[str, str],
+    wrap_only_in: Sequence[str],
+    never_wrap: Sequence[str],
+) -> Decision:
+    """Wrap `argv` started in a directory known by the paths `cwds`? With the reason, for --explain.
+
+    `cwds` holds the shell's logical $PWD as well as the physical directory, so a glob naming
+    either the symlink or its target matches.
+    """
+    job = env.get("GPUWAIT_JOB_ID")
+    if job:
+        return Decision(False, f"already inside gpuwait job {job} (GPUWAIT_JOB_ID)")
+    if disabled(env):
+        return Decision(False, "GPUWAIT_DISABLE is set")
+    directories = [os.path.normpath(c) for c in cwds if c]
+    if wrap_only_in:
+        matched = _matching_glob(directories, wrap_only_in, env)
+        if matched is None:
+            return Decision(
+                False, f"{directories[0] if directories else '?'} is not under wrap_only_in"
+            )
+    line = " ".join(argv)
+    for pattern in never_wrap:
+        if fnmatch.fnmatchcase(line, pattern):
+            return Decision(False, f"the command line matches never_wrap {pattern!r}")
+    return Decision(True, "no rule says otherwise")
+
+
+def _matching_glob(
+    directories: Sequence[str], globs: Sequence[str], env: Mapping[str, str]
+) -> str | None:
+    """The first glob that matches one of `directories` or a directory above it."""
+    home = env.get("HOME", "")
+    for glob in globs:
+        pattern = glob.rstrip("/") or "/"
+        if home and (pattern == "~" or pattern.startswith("~/")):
+            pattern = home.rstrip("/") + pattern[1:]
+        for directory in directories:
+            path = directory
+            while True:
+                if fnmatch.fnmatchcase(path, pattern):
+                    return glob
+                parent = os.path.dirname(path)
+                if parent == path:
+                    break
+                path = parent
+    return None

@@ -1,0 +1,1 @@
+"""Reading GPUs: the backend protocol, NVML, and the simulation with its simulated jobs."""

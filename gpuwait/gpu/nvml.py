@@ -1,0 +1,405 @@
+"""The NVML backend: the one module that talks to the NVIDIA driver (through pynvml).
+
+Everything pynvml can throw is turned into either a per-GPU warning (that GPU is left out,
+the others still serve) or BackendUnavailable (no readings at all), so callers never see an
+NVML exception or a traceback.
+
+A driver call can also hang (a GPU falling off the bus, a wedged driver). Every reading is made
+in a helper thread with a deadline: a GPU whose reading does not come back in time is left out,
+with a warning, and is not asked again until that stuck call returns; a hung call that concerns
+no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
+(more used or free than the total) are clamped towards "full" and named in a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gpuwait.core.errors import BackendUnavailable
+from gpuwait.core.sizes import format_size
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+
+
+def _import_pynvml() -> Any:
+    """pynvml, without loading the ctypes.util that it imports and never calls on Linux.
+
+    `from ctypes.util import find_library` pulls in subprocess, shutil and tempfile: some 15 ms
+    of every launch on a GPU machine. A stand-in answers for ctypes.util while pynvml is imported
+    (its find_library loads the real one if ever called) and is gone again right after, so
+    anything importing ctypes.util later gets the real module.
+    """
+    if "pynvml" in sys.modules or "ctypes.util" in sys.modules:
+        import pynvml  # type: ignore[import-untyped]
+
+        return pynvml
+
+    def find_library(name: str) -> str | None:
+        from ctypes.util import find_library as real
+
+        return real(name)
+
+    stand_in = types.ModuleType("ctypes.util")
+    stand_in.find_library = find_library  # type: ignore[attr-defined]
+    sys.modules["ctypes.util"] = stand_in
+    try:
+        import pynvml
+    finally:
+        if sys.modules.get("ctypes.util") is stand_in:
+            del sys.modules["ctypes.util"]
+    return pynvml
+
+
+pynvml = _import_pynvml()
+
+T = TypeVar("T")
+
+HINT = (
+    "install the NVIDIA driver, or set GPUWAIT_SIM=FILE to use simulated GPUs; "
+    "on_no_gpu in config.toml decides whether commands run anyway"
+)
+
+# NVML return codes, spelled out so this module does not depend on which error classes a
+# given nvidia-ml-py release generates.
+_NO_PERMISSION = 4
+_DRIVER_NOT_LOADED = 9
+_LIBRARY_NOT_FOUND = 12
+_FUNCTION_NOT_FOUND = 13
+_GPU_IS_LOST = 15
+_LIB_RM_VERSION_MISMATCH = 18
+_NOT_SUPPORTED = 3
+_ARGUMENT_VERSION_MISMATCH = 25
+_UNKNOWN = 999
+
+# Answers from nvmlDeviceGetMemoryInfo_v2 that mean "this driver cannot do v2", not "this GPU
+# is broken": older drivers lack the symbol or reject the struct version, and some report
+# Unknown or NotSupported instead. v1 is then asked; a broken GPU fails there too.
+_MEMORY_V2_UNAVAILABLE = frozenset(
+    {_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, _UNKNOWN, _NOT_SUPPORTED}
+)
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an NVML failure: "GPU is lost (NVML error 15)"."""
+    code = _code(exc)
+    try:
+        # str() of an NVMLError with an unlisted code calls back into the library.
+        text = str(exc).strip()
+    except Exception:
+        text = ""
+    if code is None:
+        return text or type(exc).__name__
+    return f"{text or 'NVML error'} (NVML error {code})"
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _init_failure(exc: BaseException) -> BackendUnavailable:
+    code = _code(exc)
+    if isinstance(exc, OSError) or code == _LIBRARY_NOT_FOUND:
+        message = "NVIDIA driver not found (libnvidia-ml.so.1 could not be loaded)"
+    elif code == _DRIVER_NOT_LOADED:
+        message = "NVIDIA driver is installed but not loaded (NVML error 9)"
+    elif code == _NO_PERMISSION:
+        message = "no permission to use the NVIDIA driver (NVML error 4)"
+    elif code == _LIB_RM_VERSION_MISMATCH:
+        # Typical right after a driver upgrade without a reboot; the generic hint would mislead.
+        return BackendUnavailable(
+            "NVIDIA driver and NVML library versions do not match (NVML error 18)",
+            hint="reboot, or reload the nvidia kernel modules, after a driver upgrade; "
+            "GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+        )
+    else:
+        message = f"NVML could not start: {_describe(exc)}"
+    return BackendUnavailable(message, hint=HINT)
+
+
+class _GpuLost(Exception):
+    """A GPU stopped answering halfway through its reading."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(_describe(cause))
+
+
+class _Hung(Exception):
+    """A driver call did not return within the deadline."""
+
+
+class _Call:
+    """One call made in a daemon thread: a call stuck in the driver cannot hold up the process,
+    not even its exit."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="gpuwait-nvml", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as exc:
+            self._error = exc
+
+    def result(self, timeout: float | None) -> Any:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise _Hung
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _within(fn: Callable[[], T], timeout: float | None) -> T:
+    result: T = _Call(fn).result(timeout)
+    return result
+
+
+class NvmlBackend:
+    """Live readings from the NVIDIA driver."""
+
+    name = "nvml"
+
+    def __init__(self, timeout: float | None = 5.0) -> None:
+        # None: not tried yet. Decided once per backend so that a driver without
+        # nvmlDeviceGetMemoryInfo_v2 does not pay a failing call per GPU on every poll.
+        self._memory_v2: bool | None = None
+        self._open = False
+        #: Longest wait for one reading; None waits as long as the driver takes.
+        self.timeout = timeout
+        #: GPU index -> the reading of it that has not come back yet.
+        self._stuck: dict[int, tuple[_Call, float]] = {}
+        try:
+            _within(pynvml.nvmlInit, timeout)
+        except _Hung:
+            raise BackendUnavailable(
+                f"NVML did not start within {timeout:g}s (the driver is not answering)", hint=HINT
+            ) from None
+        except Exception as exc:
+            raise _init_failure(exc) from exc
+        self._open = True
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        # Nothing useful can be done about a failing (or hanging) shutdown at the end of a run.
+        with contextlib.suppress(Exception):
+            _within(pynvml.nvmlShutdown, self.timeout)
+
+    def snapshot(self) -> MachineSnapshot:
+        if not self._open:
+            raise BackendUnavailable("the NVML backend is closed", hint=HINT)
+        try:
+            return self._snapshot()
+        except BackendUnavailable:
+            raise
+        except Exception as exc:
+            # A last guard: whatever pynvml or ctypes throws must reach the user as one line.
+            raise BackendUnavailable(
+                f"reading the GPUs through NVML failed: {_describe(exc)}", hint=HINT
+            ) from exc
+
+    def _snapshot(self) -> MachineSnapshot:
+        try:
+            count = int(_within(pynvml.nvmlDeviceGetCount, self.timeout))
+        except _Hung:
+            raise BackendUnavailable(
+                f"NVML did not answer within {self.timeout:g}s when asked for the GPU count",
+                hint=HINT,
+            ) from None
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"NVML could not count the GPUs: {_describe(exc)}", hint=HINT
+            ) from exc
+        gpus: list[GpuSnapshot] = []
+        warnings: list[str] = []
+        for index in range(count):
+            stuck = self._stuck.get(index)
+            if stuck is not None and stuck[0].thread.is_alive():
+                warnings.append(
+                    f"GPU {index}: NVML has not answered for "
+                    f"{time.monotonic() - stuck[1]:.0f}s; treated as unavailable"
+                )
+                continue
+            self._stuck.pop(index, None)
+            # One GPU at a time, in index order, each with its own deadline: a hung GPU costs
+            # the deadline once, and is then skipped until its call comes back.
+            call = _Call(lambda i=index: self._read_gpu(i))  # type: ignore[misc]
+            try:
+                gpu, problems = call.result(self.timeout)
+            except _Hung:
+                self._stuck[index] = (call, time.monotonic())
+                warnings.append(
+                    f"GPU {index}: NVML did not answer within {self.timeout:g}s; "
+                    "treated as unavailable"
+                )
+                continue
+            except _GpuLost as exc:
+                warnings.append(f"GPU {index}: {exc}; skipped")
+                continue
+            except Exception as exc:
+                warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
+                continue
+            gpus.append(gpu)
+            warnings += [f"GPU {index}: {p}" for p in problems]
+        return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
+
+    def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        name = self._name(handle)
+        problems: list[str] = []
+        total, used = self._memory(handle, problems)
+        gpu = GpuSnapshot(
+            index=index,
+            uuid=uuid,
+            name=name,
+            total_bytes=total,
+            used_bytes=used,
+            processes=self._processes(handle, total, problems),
+            utilization_pct=self._utilization(handle),
+            compute_capability=self._compute_capability(handle),
+        )
+        return gpu, problems
+
+    @staticmethod
+    def _lost(exc: BaseException) -> bool:
+        return _code(exc) == _GPU_IS_LOST
+
+    def _name(self, handle: Any) -> str:
+        try:
+            return _text(pynvml.nvmlDeviceGetName(handle))
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            # The name is only shown; a GPU that cannot tell it can still run work.
+            return "NVIDIA GPU"
+
+    def _memory(self, handle: Any, problems: list[str]) -> tuple[int, int]:
+        """(total, used) in bytes, where used = total - free.
+
+        NVML v2 splits the driver's own reservation out of "used"; that memory is still not
+        available to a new process, so it is counted as used and free_bytes stays what the
+        driver calls free (which is what v1 reports as used, too).
+        """
+        version = getattr(pynvml, "nvmlMemory_v2", None)
+        if self._memory_v2 is not False and version is not None:
+            try:
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except pynvml.NVMLError as exc:
+                if _code(exc) not in _MEMORY_V2_UNAVAILABLE:
+                    raise
+                self._memory_v2 = False
+            except TypeError:
+                # An nvidia-ml-py too old to take `version`.
+                self._memory_v2 = False
+            else:
+                self._memory_v2 = True
+                return self._total_used(info, problems)
+        return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
+
+    @staticmethod
+    def _total_used(info: Any, problems: list[str]) -> tuple[int, int]:
+        total = int(info.total)
+        if total <= 0:
+            raise ValueError(f"NVML reported a total of {total} bytes")
+        free = int(info.free)
+        # v2 splits the driver's reservation out of "used"; v1 has no `reserved`.
+        reported_used = int(info.used) + int(getattr(info, "reserved", 0) or 0)
+        if free > total or reported_used > total:
+            problems.append(
+                f"NVML reported {format_size(reported_used)} used and {format_size(free)} free "
+                f"of {format_size(total)}; counted as full"
+            )
+            return total, total
+        return total, max(total - max(free, 0), reported_used)
+
+    def _processes(self, handle: Any, total: int, problems: list[str]) -> tuple[ProcessUsage, ...]:
+        try:
+            found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            # Not supported (vGPU, some containers), or a driver older than the v3 call:
+            # the memory figures still hold, only attribution to processes is missing.
+            return ()
+        except pynvml.NVMLLibraryMismatchError:
+            return ()
+        processes: list[ProcessUsage] = []
+        for proc in found:
+            used = getattr(proc, "usedGpuMemory", None)
+            if used is not None and int(used) > total:
+                problems.append(
+                    f"NVML reported process {int(proc.pid)} using {format_size(int(used))} of "
+                    f"{format_size(total)}; clamped to the total"
+                )
+                used = total
+            processes.append(
+                ProcessUsage(pid=int(proc.pid), used_bytes=None if used is None else int(used))
+            )
+        return tuple(processes)
+
+    def _compute_capability(self, handle: Any) -> tuple[int, int] | None:
+        try:
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            return None
+        except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
+            # An nvidia-ml-py without the call, or an answer of an unexpected shape: only
+            # --min-compute-capability needs it, and it treats "unknown" as not matching.
+            return None
+        return int(major), int(minor)
+
+    def _utilization(self, handle: Any) -> int | None:
+        try:
+            rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            return None
+        return int(rates.gpu)
+
+    def accounting_peak(self, uuid: str, pids: frozenset[int]) -> int | None:
+        """The most memory `pids` held on the GPU over their lifetime, from NVML accounting mode.
+
+        NVML keeps the maximum itself, so peaks between two samples are seen, and it is still
+        there after the processes exited. For several pids this is the sum of their maxima (an
+        upper bound of their joint peak). None where accounting mode is off, unsupported, not
+        permitted, or knows none of the pids (in a container NVML reports host pids).
+        """
+        if not self._open or not pids:
+            return None
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+                return None
+            known = {int(p) for p in pynvml.nvmlDeviceGetAccountingPids(handle)}
+            total = 0
+            found = False
+            for pid in sorted(pids & known):
+                peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
+                if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
+                    total += peak
+                    found = True
+            return total if found else None
+        except Exception:
+            # Optional figure: whatever the driver says about accounting, the run goes on.
+            return None

@@ -1,0 +1,513 @@
+"""The simulation backend: GPUs described by a TOML file, used by simulated CUDA jobs.
+
+No machine that builds or tests gpuwait has a GPU, so the simulation must be strict enough that a
+mistake in admission shows up as a failure: simulated jobs (`gpuwait.gpu.simjob`) really claim memory
+on their card and die with a CUDA-style out-of-memory error when it is full.
+
+Layout next to the simulation file `sim.toml`:
+
+    sim.toml.d/            created 0700 on demand
+        lock               exclusive flock (gpuwait.linux.lock); serialises allocation decisions
+        <pid>.json         one allocation record per simulated process (written atomically)
+
+A record counts only while its process lives and still has the start time it recorded, so a
+killed job stops holding memory, as the driver frees a dead process's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuwait.core.digest import sha256_hex
+from gpuwait.core.errors import BackendUnavailable, GpuwaitError, UsageError
+from gpuwait.core.record import Record
+from gpuwait.core.sizes import format_size, parse_size
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.linux import proc
+from gpuwait.linux.atomic import write_atomic
+from gpuwait.linux.lock import exclusive
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_NAME = "Simulated GPU"
+RECORD_SCHEMA = 1
+_HINT = "fix the file, or write a fresh one with `gpuwait sim init PATH --gpus 2 --memory 24GiB`"
+_GPU_KEYS = frozenset(
+    {
+        "name",
+        "memory",
+        "uuid",
+        "speed",
+        "base_used",
+        "lost",
+        "utilization",
+        "compute_capability",
+        "per_process",
+    }
+)
+_RECORD_RE = re.compile(r"^([0-9]+)\.json$")
+_TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
+_UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+$")
+
+
+class SimGpu(Record, frozen=True):
+    """One simulated card as the file describes it."""
+
+    #: Position in the file: the NVML (PCI bus order) index.
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int
+    speed: float
+    base_used: int
+    lost: bool
+    utilization: int | None
+    compute_capability: tuple[int, int] | None = None
+    #: False: processes are listed without memory figures, as NVML does inside containers.
+    per_process: bool = True
+
+
+class SimConfig(Record, frozen=True):
+    """A parsed simulation file."""
+
+    #: Absolute, symlink-free path, so every process finds the same state directory.
+    path: str
+    gpus: tuple[SimGpu, ...]
+
+    @property
+    def state_dir(self) -> Path:
+        return state_dir_for(self.path)
+
+
+class Allocation(Record, frozen=True):
+    """One simulated process's memory on one card."""
+
+    pid: int
+    start_time: int
+    gpu_uuid: str
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": RECORD_SCHEMA,
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "gpu_uuid": self.gpu_uuid,
+            "bytes": self.bytes,
+        }
+
+
+# --- the simulation file ---------------------------------------------------------------------
+
+
+class _Invalid(ValueError):
+    """One thing wrong with the file; becomes BackendUnavailable naming the file."""
+
+
+def resolve_path(path: str | os.PathLike[str]) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def state_dir_for(path: str | os.PathLike[str]) -> Path:
+    return Path(resolve_path(path) + ".d")
+
+
+def default_uuid(path: str, index: int) -> str:
+    """A UUID that stays the same for the same file and position, formatted like NVML's."""
+    digest = sha256_hex(f"{path}\0{index}")
+    return f"GPU-{digest[:8]}-{digest[8:12]}-{digest[12:16]}-{digest[16:20]}-{digest[20:32]}"
+
+
+#: Parsed simulation files by path, with the stat figures they were read at: a snapshot re-reads
+#: the file only when it changed (GPUs added, lost, resized) since the last time.
+_parsed: dict[str, tuple[tuple[int, int, int, int], SimConfig]] = {}
+
+
+def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
+    """Read and check the file. Raises BackendUnavailable with a one-line message."""
+    resolved = resolve_path(path)
+    shown = os.fspath(path)
+    try:
+        with open(resolved, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            stamp = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            known = _parsed.get(resolved)
+            if known is not None and known[0] == stamp:
+                return known[1]
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise BackendUnavailable(
+            f"simulation file {shown}: not found",
+            hint="create it with `gpuwait sim init PATH --gpus 2 --memory 24GiB`",
+        ) from None
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"simulation file {shown}: cannot read it ({exc.strerror or exc})", hint=_HINT
+        ) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BackendUnavailable(
+            f"simulation file {shown}: not valid TOML ({detail})", hint=_HINT
+        ) from None
+    try:
+        gpus = _parse_gpus(data, resolved)
+    except _Invalid as exc:
+        raise BackendUnavailable(f"simulation file {shown}: {exc}", hint=_HINT) from None
+    config = SimConfig(path=resolved, gpus=gpus)
+    _parsed[resolved] = (stamp, config)
+    return config
+
+
+def _parse_gpus(data: dict[str, Any], path: str) -> tuple[SimGpu, ...]:
+    unknown = sorted(set(data) - {"gpu"})
+    if unknown:
+        raise _Invalid(f"unknown top-level key {unknown[0]!r} (only [[gpu]] tables are allowed)")
+    if "gpu" not in data:
+        raise _Invalid("no [[gpu]] tables; describe each card in a [[gpu]] table")
+    tables = data["gpu"]
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise _Invalid("'gpu' must be an array of tables ([[gpu]])")
+    gpus = tuple(_parse_gpu(index, table, path) for index, table in enumerate(tables))
+    seen: dict[str, int] = {}
+    for gpu in gpus:
+        if gpu.uuid in seen:
+            raise _Invalid(
+                f"gpu {gpu.index}: uuid {gpu.uuid!r} is also used by gpu {seen[gpu.uuid]}"
+            )
+        seen[gpu.uuid] = gpu.index
+    return gpus
+
+
+def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
+    try:
+        unknown = sorted(set(table) - _GPU_KEYS)
+        if unknown:
+            raise _Invalid(f"unknown key {unknown[0]!r}; known: {', '.join(sorted(_GPU_KEYS))}")
+        if "memory" not in table:
+            raise _Invalid("'memory' is required (e.g. memory = \"24GiB\")")
+        total = _size(table, "memory", None)
+        if total <= 0:
+            raise _Invalid("memory must be larger than zero")
+        base_used = _size(table, "base_used", 0)
+        if base_used > total:
+            raise _Invalid("base_used is larger than memory")
+        return SimGpu(
+            index=index,
+            uuid=_uuid(table, path, index),
+            name=_string(table, "name", DEFAULT_NAME),
+            total_bytes=total,
+            speed=_speed(table),
+            base_used=base_used,
+            lost=_bool(table, "lost"),
+            utilization=_utilization(table),
+            compute_capability=_compute_capability(table),
+            per_process=_bool(table, "per_process", default=True),
+        )
+    except _Invalid as exc:
+        raise _Invalid(f"gpu {index}: {exc}") from None
+
+
+def _size(table: dict[str, Any], key: str, default: int | None) -> int:
+    value = table.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise _Invalid(f"{key} must not be negative")
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise _Invalid(f"{key} {exc}") from None
+    raise _Invalid(f'{key} must be a size such as "24GiB" or an integer of bytes')
+
+
+def _string(table: dict[str, Any], key: str, default: str) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid(f"{key} must be a non-empty string")
+    return value
+
+
+def _uuid(table: dict[str, Any], path: str, index: int) -> str:
+    if "uuid" not in table:
+        return default_uuid(path, index)
+    value = table["uuid"]
+    if not isinstance(value, str) or not _UUID_RE.match(value):
+        raise _Invalid(f"uuid {value!r} must look like \"GPU-\" followed by letters, digits, '-'")
+    return value
+
+
+def _speed(table: dict[str, Any]) -> float:
+    value = table.get("speed", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _Invalid(f"speed {value!r} must be a number above zero")
+    return float(value)
+
+
+def _bool(table: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise _Invalid(f"{key} must be true or false")
+    return value
+
+
+def _utilization(table: dict[str, Any]) -> int | None:
+    value = table.get("utilization")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise _Invalid(f"utilization {value!r} must be an integer percent from 0 to 100")
+    return value
+
+
+def _compute_capability(table: dict[str, Any]) -> tuple[int, int] | None:
+    value = table.get("compute_capability")
+    if value is None:
+        return None
+    match = re.fullmatch(r"([0-9]{1,2})\.([0-9]{1,2})", value) if isinstance(value, str) else None
+    if match is None:
+        raise _Invalid(f'compute_capability {value!r} must be a string such as "8.0"')
+    return int(match.group(1)), int(match.group(2))
+
+
+def write_sim_file(
+    path: str | os.PathLike[str],
+    gpus: int,
+    memory_bytes: int,
+    name: str = DEFAULT_NAME,
+    speeds: Sequence[float] | None = None,
+    *,
+    force: bool = False,
+) -> None:
+    """Write a commented simulation file of `gpus` identical cards (speeds may differ)."""
+    if gpus < 0:
+        raise UsageError(f"--gpus {gpus}: the number of GPUs cannot be negative")
+    if memory_bytes <= 0:
+        raise UsageError("--memory must be larger than zero")
+    if speeds is not None and len(speeds) != gpus:
+        raise UsageError(f"{len(speeds)} speeds given for {gpus} GPUs")
+    text = _sim_file_text(gpus, memory_bytes, name, speeds)
+    target = os.fspath(path)
+    if os.path.lexists(target) and not force:
+        raise UsageError(f"{target} already exists", hint="pass --force to replace it")
+    try:
+        write_atomic(Path(target), text.encode(), mode=0o644)
+    except OSError as exc:
+        raise GpuwaitError(f"cannot write {target}: {exc.strerror or exc}") from None
+
+
+def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[float] | None) -> str:
+    lines = [
+        "# gpuwait simulation file: point GPUWAIT_SIM (or --sim) at it.",
+        "# Each [[gpu]] is one simulated card, in PCI order: its NVML index is its position.",
+        '# Keys: name, memory (required; "24GiB" or bytes), uuid (default derived from this',
+        "# file's path and the position), speed (CUDA's default FASTEST_FIRST order sorts by it,",
+        "# descending), base_used (memory held by no process, e.g. a desktop), lost (true: the",
+        "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent), compute_capability",
+        '# (e.g. "8.0"), per_process (false: processes are listed without memory figures, as NVML',
+        "# does inside containers).",
+        "# The file is read again on every reading, so it may be edited while jobs run.",
+    ]
+    if gpus == 0:
+        lines += ["", "gpu = []"]
+    for index in range(gpus):
+        lines += ["", "[[gpu]]", f"name = {json.dumps(name, ensure_ascii=False)}"]
+        lines.append(f"memory = {_size_literal(memory_bytes)}")
+        if speeds is not None:
+            lines.append(f"speed = {float(speeds[index])!r}")
+        lines += ["base_used = 0", "lost = false"]
+    return "\n".join(lines) + "\n"
+
+
+def _size_literal(n_bytes: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes % scale == 0:
+            return f'"{n_bytes // scale}{unit}"'
+    return f"{n_bytes}  # {format_size(n_bytes)}"
+
+
+# --- CUDA's view -------------------------------------------------------------------------------
+
+
+def cuda_order(config: SimConfig, env: Mapping[str, str]) -> list[SimGpu]:
+    """All cards in the order CUDA enumerates them before CUDA_VISIBLE_DEVICES applies."""
+    if env.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID":
+        return list(config.gpus)
+    # FASTEST_FIRST, CUDA's default; ties keep PCI order (sorted() is stable).
+    return sorted(config.gpus, key=lambda gpu: -gpu.speed)
+
+
+def cuda_visible_gpus(config: SimConfig, env: Mapping[str, str]) -> list[SimGpu]:
+    """The cards a CUDA program would see, in CUDA device order (device 0 first).
+
+    As CUDA does: entries of CUDA_VISIBLE_DEVICES are indices into CUDA's order or (unique
+    prefixes of) UUIDs, and parsing stops at the first entry that is invalid, unknown or repeated.
+    """
+    ordered = cuda_order(config, env)
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return ordered
+    visible: list[SimGpu] = []
+    if not value.strip():
+        return visible
+    for entry in value.split(","):
+        gpu = _match_entry(entry.strip(), ordered)
+        if gpu is None or gpu in visible:
+            break
+        visible.append(gpu)
+    return visible
+
+
+def _match_entry(entry: str, ordered: list[SimGpu]) -> SimGpu | None:
+    if re.fullmatch(r"[0-9]+", entry):
+        position = int(entry)
+        return ordered[position] if position < len(ordered) else None
+    if not entry.startswith("GPU-"):
+        return None
+    matches = [gpu for gpu in ordered if gpu.uuid.startswith(entry)]
+    return matches[0] if len(matches) == 1 else None
+
+
+# --- allocation records ------------------------------------------------------------------------
+
+
+def ensure_state_dir(config: SimConfig) -> Path:
+    directory = config.state_dir
+    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def sim_lock(config: SimConfig) -> Iterator[Path]:
+    """Hold the exclusive simulation lock; yields the state directory."""
+    directory = ensure_state_dir(config)
+    with exclusive(directory / "lock"):
+        yield directory
+
+
+def _record_path(directory: Path, pid: int) -> Path:
+    return directory / f"{pid}.json"
+
+
+def write_allocation(directory: Path, allocation: Allocation) -> None:
+    """Replace the process's record; readers see the old or the new one, never a part."""
+    data = json.dumps(allocation.to_json()).encode()
+    write_atomic(_record_path(directory, allocation.pid), data)
+
+
+def remove_allocation(directory: Path, pid: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _record_path(directory, pid).unlink()
+
+
+def _parse_record(raw: bytes, pid: int) -> Allocation | None:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("schema") != RECORD_SCHEMA:
+        return None
+    fields = (data.get("pid"), data.get("start_time"), data.get("bytes"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+        return None
+    uuid = data.get("gpu_uuid")
+    if data["pid"] != pid or not isinstance(uuid, str) or data["bytes"] < 0:
+        return None
+    return Allocation(pid=pid, start_time=data["start_time"], gpu_uuid=uuid, bytes=data["bytes"])
+
+
+def live_allocations(config: SimConfig, *, prune: bool = False) -> list[Allocation]:
+    """Records of processes that still run, sorted by pid.
+
+    `prune` deletes the records of dead processes; do it only while holding `sim_lock`, or a
+    new process that got a dead one's pid could lose the record it just wrote.
+    """
+    directory = config.state_dir
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    live: list[Allocation] = []
+    for name in names:
+        match = _RECORD_RE.match(name)
+        if match is None:
+            if prune:
+                _prune_temp(directory, name)
+            continue
+        allocation = _read_record(directory / name, int(match.group(1)))
+        if allocation is not None and proc.is_alive(allocation.pid, allocation.start_time):
+            live.append(allocation)
+        elif allocation is not None and prune:
+            remove_allocation(directory, allocation.pid)
+    return sorted(live, key=lambda a: a.pid)
+
+
+def _read_record(path: Path, pid: int) -> Allocation | None:
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    return _parse_record(raw, pid)
+
+
+def _prune_temp(directory: Path, name: str) -> None:
+    """Temporary files left by a writer that was killed mid-write."""
+    match = _TEMP_RE.match(name)
+    if match and proc.start_time(int(match.group(1))) is None:
+        with contextlib.suppress(OSError):
+            (directory / name).unlink()
+
+
+# --- the backend -------------------------------------------------------------------------------
+
+
+class SimBackend:
+    """Backend that reads the simulation file and the live allocation records."""
+
+    name = "sim"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        load_sim_file(path)
+
+    def snapshot(self) -> MachineSnapshot:
+        config = load_sim_file(self.path)
+        allocations = live_allocations(config)
+        gpus: list[GpuSnapshot] = []
+        warnings: list[str] = []
+        for gpu in config.gpus:
+            if gpu.lost:
+                warnings.append(f"GPU {gpu.index} ({gpu.uuid}): GPU is lost; skipped")
+                continue
+            gpus.append(_gpu_snapshot(gpu, allocations))
+        return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
+
+    def close(self) -> None:
+        pass
+
+
+def _gpu_snapshot(gpu: SimGpu, allocations: list[Allocation]) -> GpuSnapshot:
+    mine = [a for a in allocations if a.gpu_uuid == gpu.uuid]
+    processes = tuple(
+        ProcessUsage(pid=a.pid, used_bytes=a.bytes if gpu.per_process else None) for a in mine
+    )
+    return GpuSnapshot(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        name=gpu.name,
+        total_bytes=gpu.total_bytes,
+        used_bytes=gpu.base_used + sum(a.bytes for a in mine),
+        processes=processes,
+        utilization_pct=gpu.utilization,
+        compute_capability=gpu.compute_capability,
+    )

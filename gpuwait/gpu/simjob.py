@@ -1,0 +1,308 @@
+"""A simulated CUDA program: `gpuwait sim job --vram 6G --hold 10s`.
+
+It behaves as a CUDA job does towards gpuwait: it takes device 0 of what CUDA_VISIBLE_DEVICES
+shows it, claims its memory on that card (at once or ramping up), and dies with a PyTorch-style
+out-of-memory error when the card is full. A card over-committed by gpuwait therefore shows up as a
+failed job, not as a passing test.
+
+This is the job's own output, not gpuwait's: errors go to stderr as a CUDA program writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gpuwait import checkpoint
+from gpuwait.core.errors import BackendUnavailable
+from gpuwait.core.sizes import parse_duration, parse_size
+from gpuwait.gpu.sim import (
+    Allocation,
+    SimConfig,
+    SimGpu,
+    cuda_visible_gpus,
+    live_allocations,
+    load_sim_file,
+    remove_allocation,
+    sim_lock,
+    write_allocation,
+)
+from gpuwait.linux import proc
+from gpuwait.linux.atomic import write_atomic
+
+#: How often a ramping job grows, in seconds.
+RAMP_STEP_S = 0.05
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Signalled(BaseException):
+    """Raised by the signal handler; a BaseException so nothing on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def main(argv: list[str]) -> int:
+    args = _parse_args(argv)
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        for signum in _SIGNALS:
+            previous[signum] = signal.signal(signum, _raise_signalled)
+        return _main(args)
+    except _Signalled as received:
+        return _die_by(received.signum)
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: set outside Python, cannot be put back
+                signal.signal(signum, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
+    sim_path = args.sim or os.environ.get("GPUWAIT_SIM")
+    if not sim_path:
+        _error("gpuwait sim job: no simulation file; pass --sim FILE or set GPUWAIT_SIM")
+        return 2
+    try:
+        config = load_sim_file(sim_path)
+    except BackendUnavailable as exc:
+        _error(f"gpuwait sim job: {exc.message}")
+        return 2
+    start = proc.start_time(os.getpid())
+    if start is None:
+        _error("gpuwait sim job: cannot read this process's start time from /proc")
+        return 2
+    job = _Job(config, start, args.report)
+    problem = job.pick_gpu()
+    if problem is not None:
+        _error(problem)
+        job.write_report()
+        return 1
+    return _run(job, args)
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gpuwait sim job",
+        description="A simulated CUDA job: claims VRAM on simulated GPU 0 of CUDA_VISIBLE_DEVICES.",
+    )
+    parser.add_argument("--vram", required=True, type=_size_arg, help="memory it allocates")
+    parser.add_argument("--ramp", default=0.0, type=_duration_arg, help="grow linearly over this")
+    parser.add_argument("--hold", default=1.0, type=_duration_arg, help="time at full size")
+    parser.add_argument("--exit", default=0, type=int, help="exit status at the end")
+    parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
+    parser.add_argument("--sim", metavar="FILE", help="simulation file (default: $GPUWAIT_SIM)")
+    parser.add_argument(
+        "--checkpoint",
+        metavar="FILE",
+        help="pausable: on gpuwait's checkpoint signal, save the time held so far here and exit "
+        "with the resume status; a later run resumes from it",
+    )
+    return parser.parse_args(argv)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _error(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class _Job:
+    """The memory this process holds on its simulated card."""
+
+    def __init__(self, config: SimConfig, start_time: int, report_path: str | None) -> None:
+        self.config = config
+        self.pid = os.getpid()
+        self.start_time = start_time
+        self.report_path = report_path
+        self.gpu: SimGpu | None = None
+        self.allocated = 0
+        self.peak = 0
+        self.oom = False
+
+    def pick_gpu(self) -> str | None:
+        """Take CUDA device 0; the CUDA error a program would get if that fails."""
+        visible = cuda_visible_gpus(self.config, os.environ)
+        if not visible:
+            return "CUDA error: no CUDA-capable device is detected"
+        self.gpu = visible[0]
+        if self.gpu.lost:
+            return "CUDA error: unspecified launch failure"
+        return None
+
+    def allocate(self, vram: int, ramp: float) -> bool:
+        """Grow to `vram` bytes, linearly over `ramp` seconds. False after an OOM."""
+        steps = 1 if ramp <= 0 else max(1, round(ramp / RAMP_STEP_S))
+        began = time.monotonic()
+        for step in range(1, steps + 1):
+            if ramp > 0:
+                _sleep_until(began + ramp * step / steps)
+            if not self._grow(math.ceil(vram * step / steps)):
+                return False
+        return True
+
+    def _grow(self, target: int) -> bool:
+        gpu = self.gpu
+        assert gpu is not None
+        # Signals wait until the record and the lock are consistent again.
+        with _signals_blocked(), sim_lock(self.config) as directory:
+            others = [
+                a
+                for a in live_allocations(self.config, prune=True)
+                if a.gpu_uuid == gpu.uuid and a.pid != self.pid
+            ]
+            if gpu.base_used + sum(a.bytes for a in others) + target > gpu.total_bytes:
+                _error(self._oom_message(gpu, target, others))
+                remove_allocation(directory, self.pid)
+                self.allocated = 0
+                self.oom = True
+                return False
+            write_allocation(directory, Allocation(self.pid, self.start_time, gpu.uuid, target))
+            self.allocated = target
+            self.peak = max(self.peak, target)
+        return True
+
+    def _oom_message(self, gpu: SimGpu, target: int, others: list[Allocation]) -> str:
+        used = gpu.base_used + sum(a.bytes for a in others) + self.allocated
+        free = max(0, gpu.total_bytes - used)
+        parts = [
+            "torch.OutOfMemoryError: CUDA out of memory.",
+            f"Tried to allocate {torch_size(target - self.allocated)}.",
+            f"GPU 0 has a total capacity of {torch_size(gpu.total_bytes)}",
+            f"of which {torch_size(free)} is free.",
+        ]
+        for other in sorted(others, key=lambda a: (-a.bytes, a.pid)):
+            parts.append(f"Process {other.pid} has {torch_size(other.bytes)} memory in use.")
+        parts.append(
+            "Including non-PyTorch memory, this process has "
+            f"{torch_size(self.allocated)} memory in use."
+        )
+        return " ".join(parts)
+
+    def release(self) -> None:
+        remove_allocation(self.config.state_dir, self.pid)
+        self.allocated = 0
+
+    def write_report(self) -> None:
+        if not self.report_path:
+            return
+        report = {
+            "pid": self.pid,
+            "gpu_uuid": self.gpu.uuid if self.gpu else None,
+            "gpu_index": self.gpu.index if self.gpu else None,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "peak_bytes": self.peak,
+            "oom": self.oom,
+        }
+        try:
+            with open(self.report_path, "w", encoding="utf-8") as handle:
+                json.dump(report, handle)
+        except OSError as exc:
+            _error(f"gpuwait sim job: cannot write report {self.report_path}: {exc.strerror}")
+
+
+def torch_size(n_bytes: int) -> str:
+    """A size as PyTorch's allocator messages print it (c10 format_size)."""
+    if n_bytes <= 1024:
+        return f"{n_bytes} bytes"
+    if n_bytes <= 2**20:
+        return f"{n_bytes / 2**10:.2f} KiB"
+    if n_bytes <= 2**30:
+        return f"{n_bytes / 2**20:.2f} MiB"
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
+def _run(job: _Job, args: argparse.Namespace) -> int:
+    ok = False
+    paused = False
+    try:
+        ok = job.allocate(args.vram, args.ramp)
+        if ok and args.checkpoint:
+            paused = _hold_pausable(args.hold, args.checkpoint)
+        elif ok:
+            time.sleep(args.hold)
+    finally:
+        # A signal during clean-up is delivered (and raised) once the record is gone.
+        with _signals_blocked():
+            job.release()
+            job.write_report()
+    if paused:
+        return checkpoint.resume_exit_status()
+    return int(args.exit) if ok else 1
+
+
+def _hold_pausable(hold: float, path: str) -> bool:
+    """Hold the memory for what is left of `hold`; True if paused by the checkpoint signal.
+
+    Progress (seconds held so far) is read from and saved to `path`, like a training job that
+    resumes from its last checkpoint.
+    """
+    try:
+        with open(path) as f:
+            done = float(json.load(f)["held_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        done = 0.0
+    checkpoint.install()
+    started = time.monotonic()
+    while done + (time.monotonic() - started) < hold:
+        if checkpoint.requested():
+            _save_progress(path, done + time.monotonic() - started, finished=False)
+            return True
+        time.sleep(0.02)
+    _save_progress(path, hold, finished=True)
+    return False
+
+
+def _save_progress(path: str, held: float, finished: bool) -> None:
+    state = {"held_seconds": held, "finished": finished, "resumes": checkpoint.resume_count()}
+    write_atomic(Path(path), json.dumps(state).encode(), mode=0o644)
+
+
+def _raise_signalled(signum: int, frame: FrameType | None) -> None:
+    raise _Signalled(signum)
+
+
+def _die_by(signum: int) -> int:
+    """End by `signum` itself, so the parent sees a signal death as with any CUDA program."""
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+    return 128 + signum  # reached only if something outside keeps the signal from killing us
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)

@@ -1,0 +1,296 @@
+"""Per-key summaries of the history, so that an estimate reads a few small files, not the history.
+
+    history.index/
+        meta.json    {"schema", "dev", "ino", "offset"}: the history file it was built from
+                     (device and inode) and how many of its bytes it has taken in
+        b00.json ... bff.json
+                     256 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
+                     the newest KEEP_RUNS runs of each key, oldest first; "n" counts the runs
+                     compaction left out too (a record's "earlier_runs")
+
+It is a cache. When the history file grew, the new lines are taken in (under the history lock);
+when it was replaced (compaction: another inode) or shrank, or the index is missing or damaged,
+it is rebuilt from the history. Each run carries its byte offset in the history, so taking in
+the same lines twice (a process killed between writing buckets and meta) adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuwait.core.estimate import RunStat
+from gpuwait.core.record import Record
+from gpuwait.history.record import earlier_runs, record_keys
+from gpuwait.history.store import KEEP_PER_KEY, Parsed, history_lock, history_path, read_from
+from gpuwait.linux.atomic import ensure_private_dir
+
+#: 2: each run also names its GPUs (per-GPU run times).
+SCHEMA = 2
+DIRNAME = "history.index"
+KEEP_RUNS = KEEP_PER_KEY
+_OK, _OOM, _APPROX = 1, 2, 4
+
+#: One run as stored: [offset, started_at, peak (-1: unknown), reserved, flags, run s, wait s,
+#: time to peak (-1: unknown), [GPU UUIDs]].
+Row = list[Any]
+
+
+class KeySummary(Record, frozen=True):
+    """What the index knows about one key."""
+
+    total_runs: int
+    runs: list[RunStat]
+
+
+class Lookup:
+    """Summaries for the keys asked about, and what went wrong on the way (for the CLI)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, KeySummary] = {}
+        self.warnings: list[str] = []
+
+
+def index_dir(state_dir: Path) -> Path:
+    return state_dir / DIRNAME
+
+
+def bucket_of(key: str) -> str:
+    return f"b{key[:2]}.json"
+
+
+def _row(offset: int, stat: RunStat) -> Row:
+    flags = (
+        (_OK if stat.ok else 0) | (_OOM if stat.oom else 0) | (_APPROX if stat.approximate else 0)
+    )
+    return [
+        offset,
+        stat.started_at,
+        -1 if stat.peak_bytes is None else stat.peak_bytes,
+        stat.reserved_bytes,
+        flags,
+        round(stat.run_seconds, 3),
+        round(stat.wait_seconds, 3),
+        -1 if stat.time_to_peak is None else round(stat.time_to_peak, 3),
+        list(stat.gpu_uuids),
+    ]
+
+
+def _stat(row: Sequence[Any]) -> RunStat:
+    flags = int(row[4])
+    uuids = row[8]
+    if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
+        raise ValueError("GPUs must be a list of UUIDs")
+    return RunStat(
+        started_at=float(row[1]),
+        peak_bytes=None if row[2] < 0 else int(row[2]),
+        reserved_bytes=int(row[3]),
+        ok=bool(flags & _OK),
+        oom=bool(flags & _OOM),
+        approximate=bool(flags & _APPROX),
+        run_seconds=float(row[5]),
+        wait_seconds=float(row[6]),
+        time_to_peak=None if row[7] < 0 else float(row[7]),
+        gpu_uuids=tuple(uuids),
+    )
+
+
+class _Damaged(Exception):
+    pass
+
+
+def _write_cache(path: Path, value: Any) -> None:
+    """Atomic replace without fsync: a cache lost in a crash is rebuilt, not trusted half-written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps(value, separators=(",", ":")).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise _Damaged(f"{path.name}: {exc}") from None
+
+
+def _read_meta(directory: Path) -> dict[str, Any] | None:
+    try:
+        meta = _read_json(directory / "meta.json")
+    except _Damaged:
+        return None
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        return None
+    if not all(isinstance(meta.get(k), int) for k in ("dev", "ino", "offset")):
+        return None
+    return meta
+
+
+def _read_bucket(path: Path) -> dict[str, dict[str, Any]]:
+    data = _read_json(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise _Damaged(f"{path.name}: not an object")
+    return data
+
+
+def _summary(entry: Any, name: str) -> KeySummary:
+    try:
+        return KeySummary(total_runs=int(entry["n"]), runs=[_stat(row) for row in entry["runs"]])
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise _Damaged(f"{name}: malformed entry") from None
+
+
+def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
+    """Summaries of `keys`, bringing the index up to date with the history first if needed."""
+    wanted = sorted(set(keys))
+    result = Lookup()
+    history = history_path(state_dir)
+    try:
+        st = os.stat(history)
+    except FileNotFoundError:
+        return result
+    directory = index_dir(state_dir)
+    meta = _read_meta(directory)
+    fresh = meta is not None and (meta["dev"], meta["ino"], meta["offset"]) == (
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+    )
+    try:
+        for attempt in range(2):
+            if not fresh:
+                result.warnings += refresh(state_dir, rebuild=attempt > 0)
+            try:
+                result.keys = _read_keys(directory, wanted)
+                return result
+            except _Damaged as exc:
+                result.warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
+                fresh = False
+    except OSError as exc:
+        # Learning is a help, never a reason for a run to fail: go on without history.
+        result.warnings.append(
+            f"history in {state_dir} cannot be used ({exc.strerror or exc}); "
+            "going on without what earlier runs used"
+        )
+    return result
+
+
+def _read_keys(directory: Path, keys: Sequence[str]) -> dict[str, KeySummary]:
+    found: dict[str, KeySummary] = {}
+    buckets: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        name = bucket_of(key)
+        if name not in buckets:
+            buckets[name] = _read_bucket(directory / name)
+        entry = buckets[name].get(key)
+        if entry is not None:
+            found[key] = _summary(entry, name)
+    return found
+
+
+def refresh(state_dir: Path, rebuild: bool = False) -> list[str]:
+    """Take in what the history gained since the index was written; rebuild when it must.
+
+    Returns warnings (damaged history lines, a damaged index) for the CLI to show.
+    """
+    directory = index_dir(state_dir)
+    history = history_path(state_dir)
+    warnings: list[str] = []
+    with history_lock(state_dir):
+        try:
+            st = os.stat(history)
+        except FileNotFoundError:
+            return warnings
+        ensure_private_dir(directory)
+        meta = _read_meta(directory)
+        base = 0
+        if (
+            rebuild
+            or meta is None
+            or (meta["dev"], meta["ino"]) != (st.st_dev, st.st_ino)
+            or meta["offset"] > st.st_size
+        ):
+            parsed = read_from(history, 0)
+            _rebuild(directory, parsed)
+        else:
+            if meta["offset"] == st.st_size:
+                return warnings
+            base = meta["offset"]
+            parsed = read_from(history, base)
+            try:
+                _take_in(directory, parsed)
+            except _Damaged as exc:
+                warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
+                base = 0
+                parsed = read_from(history, 0)
+                _rebuild(directory, parsed)
+        message = parsed.damage.message(history)
+        if message:
+            warnings.append(message)
+        _write_cache(
+            directory / "meta.json",
+            {
+                "schema": SCHEMA,
+                "dev": st.st_dev,
+                "ino": st.st_ino,
+                "offset": base + parsed.consumed,
+            },
+        )
+    return warnings
+
+
+def _group(parsed: Parsed) -> dict[str, dict[str, list[tuple[Row, int]]]]:
+    """bucket -> key -> new rows, in file order, each with the runs left out before it."""
+    grouped: dict[str, dict[str, list[tuple[Row, int]]]] = {}
+    for (offset, record), stat in zip(parsed.records, parsed.stats, strict=True):
+        row = _row(offset, stat)
+        earlier = earlier_runs(record)
+        for key in record_keys(record).values():
+            grouped.setdefault(bucket_of(key), {}).setdefault(key, []).append(
+                (row, earlier.get(key, 0))
+            )
+    return grouped
+
+
+def _merge(bucket: dict[str, dict[str, Any]], key: str, rows: list[tuple[Row, int]]) -> None:
+    entry = bucket.setdefault(key, {"n": 0, "runs": []})
+    last = entry["runs"][-1][0] if entry["runs"] else -1
+    new = [(row, earlier) for row, earlier in rows if row[0] > last]
+    entry["n"] += sum(1 + earlier for _, earlier in new)
+    entry["runs"] = (entry["runs"] + [row for row, _ in new])[-KEEP_RUNS:]
+
+
+def _take_in(directory: Path, parsed: Parsed) -> None:
+    for name, keys in _group(parsed).items():
+        bucket = _read_bucket(directory / name)
+        try:
+            for key, rows in keys.items():
+                _merge(bucket, key, rows)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+            raise _Damaged(f"{name}: malformed entry") from None
+        _write_cache(directory / name, bucket)
+
+
+def _rebuild(directory: Path, parsed: Parsed) -> None:
+    grouped = _group(parsed)
+    for name, keys in grouped.items():
+        bucket: dict[str, dict[str, Any]] = {}
+        for key, rows in keys.items():
+            _merge(bucket, key, rows)
+        _write_cache(directory / name, bucket)
+    for stale in directory.glob("b??.json"):
+        if stale.name not in grouped:
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()

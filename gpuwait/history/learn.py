@@ -1,0 +1,206 @@
+"""What gpuwait learns from the history, in one place: the VRAM request of a command run without
+--vram, and how long it runs (overall, and on each GPU it ran on).
+
+Backfill (a job may start on a GPU held for the queue's head only if it is expected to end
+before the head can start), the ETAs of `gpuwait status`, the cost of pausing a job and the
+adaptive-throughput strategy all read run times from `learn()`. Where there is no history a
+figure is unknown (None): gpuwait then never backfills that job onto a held GPU and shows no ETA
+for what waits behind it. The estimation rules themselves are pure: gpuwait.core.estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpuwait.core.cmdkey import CommandKey, command_key, explicit_key
+from gpuwait.core.estimate import (
+    Estimate,
+    RunStat,
+    Spread,
+    estimate,
+    load_time,
+    run_time,
+    run_time_on,
+    wait_time,
+)
+from gpuwait.core.record import Record
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.history import index, store
+from gpuwait.history.record import command_hash
+
+FLAG = "flag"
+ESTIMATE = "estimate"
+DEFAULT = "default"
+
+_LEVEL_WORDS = {
+    "key": "runs with this --key",
+    "command": "runs of this exact command",
+    "script": "runs of this script",
+    "program": "runs of this program",
+}
+
+
+class Level(Record, frozen=True):
+    """One level of a command key and the runs the index has for it."""
+
+    name: str
+    text: str
+    hash: str
+    total_runs: int
+    runs: tuple[RunStat, ...]
+
+
+class Learned(Record, frozen=True):
+    """Everything the history says about one command."""
+
+    key: CommandKey
+    levels: tuple[Level, ...]
+    estimate: Estimate
+    run_time: Spread | None
+    wait_time: Spread | None
+    load_time: Spread | None
+    warnings: tuple[str, ...] = ()
+    #: The moment the runs were judged at (runs age).
+    now: float = 0.0
+
+    def basis(self) -> str:
+        """`estimated from 3 runs of this exact command`, for the wait line and `estimate`."""
+        est = self.estimate
+        if est.bytes is None or est.level is None:
+            return "no earlier runs"
+        if est.runs == 0:
+            return "raised after an out-of-memory failure"
+        words = _LEVEL_WORDS.get(est.level, f"runs at level {est.level}")
+        if est.runs == 1:
+            words = words.replace("runs", "run", 1)
+        text = f"estimated from {est.runs} {words}"
+        if est.raised_by_oom:
+            text += ", raised after an out-of-memory failure"
+        return text
+
+    def run_seconds_on(self, gpu_uuids: Iterable[str]) -> dict[str, float]:
+        """Median run time of the command on each of these GPUs where it ran before (from the
+        same runs as `run_time`); GPUs it never ran on are left out."""
+        pairs = [(lv.name, lv.runs) for lv in self.levels]
+        found = {}
+        for uuid in gpu_uuids:
+            spread = run_time_on(pairs, self.now, uuid)
+            if spread is not None:
+                found[uuid] = spread.median
+        return found
+
+
+def key_for(command: Sequence[str], cwd: str, key: str | None) -> CommandKey:
+    return explicit_key(key) if key else command_key(command, cwd)
+
+
+def learn(
+    state_dir: Path,
+    command: Sequence[str],
+    cwd: str,
+    *,
+    key: str | None = None,
+    margin: float = 0.1,
+    now: float | None = None,
+) -> Learned:
+    """Look the command up in the history index and estimate from what is found."""
+    ckey = key_for(command, cwd, key)
+    hashes = ckey.hashes()
+    found = index.lookup(state_dir, hashes.values())
+    levels = []
+    for name, text in ckey.levels:
+        summary = found.keys.get(hashes[name])
+        levels.append(
+            Level(
+                name=name,
+                text=text,
+                hash=hashes[name],
+                total_runs=summary.total_runs if summary else 0,
+                runs=tuple(summary.runs) if summary else (),
+            )
+        )
+    clock = time.time() if now is None else now
+    pairs = [(lv.name, lv.runs) for lv in levels]
+    return Learned(
+        key=ckey,
+        levels=tuple(levels),
+        estimate=estimate(pairs, clock, margin),
+        run_time=run_time(pairs, clock),
+        wait_time=wait_time(pairs, clock),
+        load_time=load_time(pairs, clock),
+        warnings=tuple(found.warnings),
+        now=clock,
+    )
+
+
+class RequestChoice(Record, frozen=True):
+    """The request a run waits for, where it came from, and what to tell the user about it."""
+
+    request: MemoryRequest | None
+    source: str
+    note: str | None = None
+    learned: Learned | None = None
+
+
+def choose_request(
+    vram_flag: MemoryRequest | None,
+    default: MemoryRequest | None,
+    state_dir: Path,
+    command: Sequence[str],
+    cwd: str,
+    *,
+    key: str | None,
+    margin: float,
+) -> RequestChoice:
+    """--vram when given; else the estimate from earlier runs; else the default_vram setting."""
+    if vram_flag is not None:
+        return RequestChoice(vram_flag, FLAG)
+    learned = learn(state_dir, command, cwd, key=key, margin=margin)
+    if learned.estimate.bytes is not None:
+        note = learned.basis()
+        if learned.estimate.approximate:
+            note += ", some measured approximately"
+        return RequestChoice(MemoryRequest(bytes=learned.estimate.bytes), ESTIMATE, note, learned)
+    what = "this --key" if key else "this command"
+    return RequestChoice(default, DEFAULT, f"no earlier runs of {what}: default_vram", learned)
+
+
+def cap_to_cards(
+    choice: RequestChoice,
+    gpus: Sequence[GpuSnapshot],
+    candidates: Sequence[str] | None,
+    safety: float,
+) -> RequestChoice:
+    """An estimate above every candidate card's usable memory asks for the largest one instead:
+    the learned size must never make a command impossible that --vram would not."""
+    request = choice.request
+    if choice.source != ESTIMATE or request is None or request.bytes is None:
+        return choice
+    usable = [
+        int(g.total_bytes * safety) for g in gpus if candidates is None or g.uuid in candidates
+    ]
+    if not usable or request.bytes <= max(usable):
+        return choice
+    note = f"{choice.note}; capped at the largest card"
+    return RequestChoice(MemoryRequest(bytes=max(usable)), ESTIMATE, note, choice.learned)
+
+
+def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> list[str]:
+    """The command as files that outlive the run keep it: whole, or in `hash` mode only the
+    program and a hash of the line (`python [3f2a...]`), as `history` shows it."""
+    if history_commands == "full":
+        return list(command)
+    return [command_key(command, cwd).program, f"[{command_hash(command)[:12]}]"]
+
+
+def save_record(state_dir: Path, record: dict[str, Any], max_bytes: int) -> list[str]:
+    """Append the record and bring the index up to date, so the next launch reads no history.
+
+    Returns warnings for the CLI; raises OSError when the history cannot be written.
+    """
+    store.append_record(state_dir, record, max_bytes)
+    return index.refresh(state_dir)

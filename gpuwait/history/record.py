@@ -1,0 +1,284 @@
+"""The history record, defined once: what a finished run leaves in history.jsonl, and every way
+of reading one back (the figures estimates use, the keys it counts under, how it ended).
+
+A record is one JSON object per line:
+
+    job_id, name, batch              the job (--name and --batch, for `--after NAME`)
+    command, command_hash, program   the command line (None in `hash` mode), its hash, the program
+    key, keys, cwd                   --key (None in `hash` mode); level -> key hash; where it ran
+    request, request_source          what was asked ({"bytes": n} ...) and where that came from
+    reserved_bytes, gpus             what it got: per GPU; [{uuid, index, name, total_bytes}]
+    peak_bytes, peak_by_gpu          the process tree's peak, overall and per GPU UUID
+    peak_approximate                 the peak came from the card's used memory
+    time_to_peak_seconds, samples    how long it took to load (90 % of the peak); readings taken
+    free_at_peak_bytes               free memory per GPU at the peak
+    wait_seconds, run_seconds        the wait before its first start; its run time
+    started_at                       Unix time of its first start
+    exit_status, signal              how it ended (one of them is None)
+    oom, oom_evidence                an out-of-memory failure, told by "message" or "card full"
+    stderr_watched                   how its stderr was watched ("pipe", "file", "off")
+    pauses, paused_seconds           --pausable jobs: how often it stepped aside, and for how long
+
+Compaction may cut a record down to what estimates read (`slim`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
+from gpuwait.core.digest import sha256_hex
+from gpuwait.core.estimate import RunStat
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import GpuSnapshot
+
+SCHEMA = 2
+#: Marks a record compaction cut down to what estimates read (see slim()).
+SLIM = "slim"
+#: {key hash: runs of that key compaction left out before this record}.
+EARLIER = "earlier_runs"
+#: What run_stat() reads, with the value that reading a missing field amounts to.
+_STAT_FIELDS: dict[str, Any] = {
+    "started_at": None,
+    "peak_bytes": None,
+    "reserved_bytes": 0,
+    "exit_status": None,
+    "signal": None,
+    "oom": False,
+    "peak_approximate": False,
+    "run_seconds": 0,
+    "wait_seconds": 0,
+    "time_to_peak_seconds": None,
+}
+
+
+class Measured(Record, frozen=True):
+    """What a run's supervision measured, for its record."""
+
+    peak_by_gpu: Mapping[str, int]
+    peak_approximate: bool
+    time_to_peak: float | None
+    samples: int
+    free_at_peak_bytes: Mapping[str, int]
+    run_seconds: float
+    returncode: int
+    oom: bool
+    oom_evidence: str | None
+    stderr_watched: str
+
+
+def command_hash(command: Sequence[str]) -> str:
+    return sha256_hex(shlex.join(command))[:20]
+
+
+def build(
+    *,
+    job_id: str,
+    name: str | None,
+    batch: str | None,
+    command: Sequence[str],
+    cwd: str,
+    key: str | None,
+    history_commands: str,
+    request: Mapping[str, float | int],
+    request_source: str,
+    reserved_bytes: int,
+    gpus: Sequence[GpuSnapshot],
+    measured: Measured,
+    wait_seconds: float,
+    started_at: float,
+    pauses: tuple[int, float] | None = None,
+) -> dict[str, Any]:
+    """One history record (see the module docstring). In `hash` mode the command line and an
+    explicit key are left out; their hashes (which estimates match on anyway) stay.
+    `pauses`: a --pausable job's pauses and the seconds it spent stepped aside."""
+    ckey = command_key(command, cwd)
+    keys = ckey.hashes()
+    if key:
+        keys[EXPLICIT] = key_hash(EXPLICIT, key)
+    full = history_commands == "full"
+    peaks = measured.peak_by_gpu
+    returncode = measured.returncode
+    record: dict[str, Any] = {
+        "job_id": job_id,
+        "name": name,
+        "batch": batch,
+        "command": list(command) if full else None,
+        "command_hash": command_hash(command),
+        "program": ckey.program,
+        "key": key if full else None,
+        "keys": keys,
+        "cwd": cwd,
+        "request": dict(request),
+        "request_source": request_source,
+        "reserved_bytes": reserved_bytes,
+        "gpus": [
+            {"uuid": g.uuid, "index": g.index, "name": g.name, "total_bytes": g.total_bytes}
+            for g in gpus
+        ],
+        "peak_bytes": max(peaks.values()) if peaks else None,
+        "peak_by_gpu": dict(peaks),
+        "peak_approximate": measured.peak_approximate,
+        "time_to_peak_seconds": None
+        if measured.time_to_peak is None
+        else round(measured.time_to_peak, 3),
+        "samples": measured.samples,
+        "free_at_peak_bytes": dict(measured.free_at_peak_bytes),
+        "wait_seconds": round(wait_seconds, 3),
+        "run_seconds": round(measured.run_seconds, 3),
+        "started_at": started_at,
+        "exit_status": returncode if returncode >= 0 else None,
+        "signal": -returncode if returncode < 0 else None,
+        "oom": measured.oom,
+        "oom_evidence": measured.oom_evidence,
+        "stderr_watched": measured.stderr_watched,
+    }
+    if pauses is not None:
+        record["pauses"], record["paused_seconds"] = pauses[0], round(pauses[1], 3)
+    return record
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    """A new record as its line (the schema added)."""
+    return encode_existing({"schema": SCHEMA, **record})
+
+
+def encode_existing(record: dict[str, Any]) -> bytes:
+    """A record read back (it carries its schema) as its line."""
+    return (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> float:
+    # type() rather than isinstance(): bool is an int, and is no figure.
+    if type(value) is not int and type(value) is not float:
+        raise ValueError("not a number")
+    if value != value or value in (math.inf, -math.inf):
+        raise ValueError("not a finite number")
+    return float(value)
+
+
+def gpu_uuids(record: Mapping[str, Any]) -> tuple[str, ...]:
+    """The GPUs a run had (a slim record keeps only their UUIDs); () when it does not say."""
+    kept = record.get("gpu_uuids")
+    if isinstance(kept, list) and all(isinstance(u, str) for u in kept):
+        return tuple(kept)
+    gpus = record.get("gpus")
+    if not isinstance(gpus, list):
+        return ()
+    uuids = [g.get("uuid") for g in gpus if isinstance(g, dict)]
+    return tuple(u for u in uuids if isinstance(u, str))
+
+
+def run_stat(record: dict[str, Any]) -> RunStat | None:
+    """The figures estimates use, or None if the record lacks them or they are malformed."""
+    get = record.get
+    try:
+        peak = get("peak_bytes")
+        to_peak = get("time_to_peak_seconds")
+        return RunStat(
+            started_at=_number(get("started_at")),
+            peak_bytes=None if peak is None else max(0, int(_number(peak))),
+            reserved_bytes=max(0, int(_number(get("reserved_bytes", 0)))),
+            ok=get("exit_status") == 0 and get("signal") is None,
+            oom=get("oom") is True,
+            approximate=get("peak_approximate") is True,
+            run_seconds=max(0.0, _number(get("run_seconds", 0))),
+            wait_seconds=max(0.0, _number(get("wait_seconds", 0))),
+            time_to_peak=None if to_peak is None else max(0.0, _number(to_peak)),
+            gpu_uuids=gpu_uuids(record),
+        )
+    except (ValueError, TypeError, OverflowError):
+        return None
+
+
+def record_keys(record: dict[str, Any]) -> dict[str, str]:
+    """Level -> key hash of a record. Records written before keys existed get them computed."""
+    keys = record.get("keys")
+    if isinstance(keys, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in keys.items()
+    ):
+        return dict(keys)
+    command, cwd = record.get("command"), record.get("cwd")
+    if (
+        isinstance(command, list)
+        and command
+        and all(isinstance(a, str) for a in command)
+        and isinstance(cwd, str)
+    ):
+        return command_key(command, cwd).hashes()
+    return {}
+
+
+def earlier_runs(record: dict[str, Any]) -> dict[str, int]:
+    """Key hash -> runs of that key that compaction left out before this record (malformed
+    entries are ignored: they only make a count shown by `estimate` smaller)."""
+    value = record.get(EARLIER)
+    if not isinstance(value, dict):
+        return {}
+    return {
+        k: n for k, n in value.items() if isinstance(k, str) and type(n) is int and 0 < n < 2**53
+    }
+
+
+def is_slim(record: dict[str, Any]) -> bool:
+    return record.get(SLIM) is True
+
+
+def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str, Any]:
+    """The record cut down to what estimates read: run_stat() and record_keys() (given as
+    `keys` when known) give the same for it as for the whole record. Fields whose absence
+    reads the same are left out."""
+    cut: dict[str, Any] = {
+        "schema": SCHEMA,
+        SLIM: True,
+        "keys": record_keys(record) if keys is None else keys,
+    }
+    for name, absent in _STAT_FIELDS.items():
+        value = record.get(name, absent)
+        # `is` for False: 0 == False, and an exit status of 0 must stay.
+        if name in record and not (value is absent or (absent is not False and value == absent)):
+            cut[name] = value
+    uuids = gpu_uuids(record)
+    if uuids:
+        cut["gpu_uuids"] = list(uuids)
+    earlier = earlier_runs(record)
+    if earlier:
+        cut[EARLIER] = earlier
+    return cut
+
+
+class RunOutcome(Record, frozen=True):
+    """How a run ended, as `--after` needs it of a job that left the ledger's own record."""
+
+    job_id: str
+    name: str | None
+    ended_at: float
+    exit_status: int | None
+    signal: int | None
+
+
+def outcome(record: dict[str, Any]) -> RunOutcome | None:
+    """The run's outcome, or None when the record does not name its job."""
+    job_id = record.get("job_id")
+    if not isinstance(job_id, str):
+        return None
+    status, signal = record.get("exit_status"), record.get("signal")
+    started, ran = record.get("started_at"), record.get("run_seconds")
+    ended = 0.0
+    if isinstance(started, (int, float)) and isinstance(ran, (int, float)):
+        ended = float(started) + float(ran)
+    name = record.get("name")
+    return RunOutcome(
+        job_id=job_id,
+        name=name if isinstance(name, str) else None,
+        ended_at=ended if 0 <= ended < 1e11 else 0.0,
+        exit_status=status if isinstance(status, int) else None,
+        signal=signal if isinstance(signal, int) else None,
+    )

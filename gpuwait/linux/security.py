@@ -1,0 +1,204 @@
+"""Where gpuwait trusts the file system and other users, and where it does not.
+
+- State paths: a ledger or state directory that is a symlink, that is writable by others without
+  the sticky bit, or (for a private one) that belongs to another non-root user is refused; files
+  are opened without following symlinks and get their modes whatever the umask.
+- A shared ledger directory (group- or world-writable with the sticky bit, set up by an
+  administrator) holds files that every member of its group reads and writes (0660, the
+  directory's group). The sticky bit keeps members from deleting or renaming each other's files,
+  which is why the shared ledger is rewritten in place rather than replaced by rename.
+- Control of jobs: only a job's owner (or root) may cancel, pause or resume it, and only when the
+  entry really names that owner's gpuwait process (`control_refusal`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import Protocol
+
+from gpuwait.linux import proc
+
+
+class UnsafePath(OSError):
+    """A state path gpuwait refuses to use; `strerror` says why and what to do."""
+
+    def __init__(self, path: Path | str, why: str) -> None:
+        super().__init__(errno.EPERM, why, str(path))
+
+
+# --- directories -------------------------------------------------------------------------------
+
+
+def _writable_by_others(mode: int) -> bool:
+    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def check_dir(path: Path, st: os.stat_result, *, private: bool) -> None:
+    """Raise UnsafePath unless `st` (an lstat of `path`) is a directory gpuwait may trust."""
+    uid = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(path, f"{path} is a symlink; gpuwait refuses symlinked state paths")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(path, f"{path} is not a directory")
+    if st.st_uid not in (uid, 0):
+        if private:
+            raise UnsafePath(path, f"{path} belongs to another user (uid {st.st_uid})")
+        if _writable_by_others(st.st_mode):
+            # Its owner may delete or replace any file in it, the lock file included.
+            raise UnsafePath(
+                path,
+                f"{path} belongs to uid {st.st_uid}, not to root; a shared ledger directory "
+                "must be owned by root",
+            )
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePath(
+            path, f"{path} is writable by every user and has no sticky bit (chmod +t or o-w)"
+        )
+    if not private and st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePath(
+            path,
+            f"{path} is group-writable without the sticky bit, so any member could replace "
+            "the lock file: chmod 700 it for yourself, or chmod +t to share it",
+        )
+
+
+def is_shared_dir(st: os.stat_result) -> bool:
+    """A directory that other users may write into: the shared-ledger layout applies."""
+    return _writable_by_others(st.st_mode)
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` (and parents) so that the last component is 0700; check an existing one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+        st = os.lstat(path)
+    check_dir(path, st, private=True)
+
+
+# --- files -------------------------------------------------------------------------------------
+
+
+def open_state_file(path: Path, mode: int, *, shared_gid: int | None = None) -> int:
+    """An O_RDWR descriptor on `path`, created with exactly `mode` if missing.
+
+    Symlinks are not followed. A file that is not a plain file, has other hard links, or is
+    writable by users it should not be is refused (UnsafePath). In a shared directory
+    (`shared_gid` set) the file is given the directory's group so every member can open it.
+    """
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(3):
+        try:
+            # Open an existing file without O_CREAT first: Linux's protected_regular refuses
+            # O_CREAT opens of another user's file in a sticky directory.
+            fd = os.open(path, flags)
+            break
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePath(path, f"{path} is a symlink; gpuwait refuses it") from None
+            raise
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+            break
+        except FileExistsError:
+            continue  # another process created it just now: open theirs
+    else:  # pragma: no cover - a file that keeps appearing and vanishing
+        raise UnsafePath(path, f"{path} keeps changing; refusing to use it")
+    try:
+        _check_file(path, fd, mode, shared_gid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_file(path: Path, fd: int, mode: int, shared_gid: int | None) -> None:
+    st = os.fstat(fd)
+    uid = os.getuid()
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePath(path, f"{path} is not a plain file")
+    if st.st_nlink != 1:
+        raise UnsafePath(path, f"{path} has other hard links; refusing to use it")
+    if st.st_uid == uid:
+        if shared_gid is not None and st.st_gid != shared_gid:
+            try:
+                os.fchown(fd, -1, shared_gid)
+            except PermissionError:
+                raise UnsafePath(
+                    path,
+                    f"cannot give {path} the group of its directory (gid {shared_gid}): "
+                    "you are not a member of it",
+                ) from None
+        if stat.S_IMODE(st.st_mode) != mode:
+            # The umask filtered O_CREAT's mode, or someone loosened it: set it exactly.
+            os.fchmod(fd, mode)
+        return
+    if shared_gid is None and uid != 0:
+        raise UnsafePath(path, f"{path} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafePath(path, f"{path} is writable by every user; its owner must chmod o-w it")
+
+
+# --- processes and jobs ------------------------------------------------------------------------
+
+
+class _JobLike(Protocol):
+    id: str
+    pid: int
+    start_time: int
+    uid: int
+
+
+def entry_owner_mismatch(job: _JobLike) -> int | None:
+    """The real owner of the entry's process when it is not the uid the entry claims.
+
+    A genuine entry is written by the gpuwait process it names, so both always agree; an entry
+    that names another user's process was forged. None when they agree or the owner cannot be
+    told (a process hidden by /proc's hidepid).
+    """
+    owner = proc.owner_uid(job.pid)
+    if owner is None or owner == job.uid:
+        return None
+    return owner
+
+
+def looks_like_gpuwait(pid: int) -> bool:
+    """True when the process's command line runs gpuwait (`gpuwait ...`, `python -m gpuwait`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read(1 << 16).split(b"\0")
+    except OSError:
+        return False
+    return any(b"gpuwait" in os.path.basename(arg) for arg in argv[:4])
+
+
+def control_refusal(job: _JobLike, uid: int | None = None) -> str | None:
+    """Why the user `uid` (default: this process's) may not cancel, pause or resume `job`.
+
+    None when they may. Root may control any job. Besides the uid written in the entry, the
+    entry must name a live gpuwait process of that same user: an entry forged by another user
+    (naming, say, your shell) must never make your own `cancel` signal that process.
+    """
+    caller = os.getuid() if uid is None else uid
+    if caller != 0 and job.uid != caller:
+        return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
+    if not proc.is_alive(job.pid, job.start_time):
+        return f"job {job.id}: its gpuwait process {job.pid} is gone"
+    owner = proc.owner_uid(job.pid)
+    if owner is not None and owner != job.uid:
+        return (
+            f"job {job.id} claims uid {job.uid}, but process {job.pid} belongs to uid {owner}; "
+            "the entry is forged"
+        )
+    if caller != 0 and owner is not None and owner != caller:
+        return f"job {job.id}: process {job.pid} belongs to uid {owner}, not to you"
+    if not looks_like_gpuwait(job.pid):
+        return f"job {job.id}: process {job.pid} is not a gpuwait process; refusing to signal it"
+    return None

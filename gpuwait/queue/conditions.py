@@ -1,0 +1,164 @@
+"""Between the ledger and the pure policy: dependencies, holds, and the facts the plan needs.
+
+The policy sees claims and conditions only; this module derives them from ledger entries (a job
+blocked by an unfinished `--after` dependency), from /proc (process names for the ignore list)
+and from several GPU readings over time (utilization for `--max-util`). The changes it works
+out (dependencies met, the plan's hold kept in the head's entry so that it sticks to its GPUs
+from one plan to the next) are made on a transaction's data by gpuwait.queue.lifecycle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from gpuwait.core.policy import Conditions, Hold
+from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.history.store import find_outcome
+from gpuwait.linux import proc
+from gpuwait.queue.bookkeeping import FAILED, OK, Finished
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+
+#: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
+UTIL_WINDOW = 5
+UTIL_MIN_SAMPLES = 3
+
+
+def _label(job_id: str, name: str | None) -> str:
+    return f"job {job_id} ({name})" if name else f"job {job_id}"
+
+
+def dependency_blocker(job: Job, data: LedgerData) -> str | None:
+    """Why `job` must still wait for its dependencies, or None when none is unfinished.
+
+    An `--after-ok` dependency that ended without success blocks for good: the job's own
+    gpuwait notices and gives up (exit 6), and no plan admits it meanwhile.
+    """
+    live = {j.id: j for j in data.jobs}
+    stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
+    if stepped_aside_for is not None and stepped_aside_for.state != RUNNING:
+        return f"stepped aside for job {stepped_aside_for.id}; resumes once it has started"
+    for dep in job.after_ok:
+        done = data.book.outcome(dep) if dep not in live else None
+        if dep not in live and (done is None or not done.succeeded):
+            return f"job {dep} did not succeed; giving up (--after-ok)"
+    pending = [d for d in dict.fromkeys([*job.after, *job.after_ok]) if d in live]
+    if not pending:
+        return None
+    first = live[pending[0]]
+    more = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
+    how = " successfully" if pending[0] in job.after_ok else ""
+    return f"waiting for {_label(first.id, first.name)}{more} to finish{how}"
+
+
+def settle_dependencies(job: Job, data: LedgerData) -> str | None:
+    """Drop the dependencies that are met; say why `job` can never start if one failed."""
+    live = {j.id for j in data.jobs}
+    for dep in list(job.after_ok):
+        if dep in live:
+            continue
+        done = data.book.outcome(dep)
+        if done is None:
+            return f"job {dep} left no record of how it ended; --after-ok cannot be met"
+        if not done.succeeded:
+            return f"{_label(done.id, done.name)} {done.describe()}; --after-ok cannot be met"
+        job.after_ok.remove(dep)
+    job.after = [d for d in job.after if d in live]
+    return None
+
+
+def busy_gpus(data: LedgerData) -> frozenset[str]:
+    """UUIDs of the GPUs running jobs are on."""
+    return frozenset(u for j in data.jobs if j.state == RUNNING for u in j.gpu_uuids)
+
+
+def record_hold(data: LedgerData, hold: Hold | None) -> None:
+    """Keep the head's GPUs in its entry (and nobody else's), so the hold sticks."""
+    for job in data.jobs:
+        wanted = list(hold.gpu_uuids) if hold is not None and job.id == hold.job_id else []
+        if job.state != RUNNING and job.held_gpus != wanted:
+            job.held_gpus = wanted
+
+
+def name_processes(snapshot: MachineSnapshot) -> MachineSnapshot:
+    """The snapshot with each GPU process's command name filled in from /proc."""
+    gpus = tuple(
+        g._replace(
+            processes=tuple(
+                p._replace(name=proc.command_name(p.pid)) if p.name is None else p
+                for p in g.processes
+            ),
+        )
+        for g in snapshot.gpus
+    )
+    return snapshot._replace(gpus=gpus)
+
+
+class UtilizationWindow:
+    """The last few utilization readings per GPU; their mean is what `--max-util` compares."""
+
+    def __init__(self, size: int = UTIL_WINDOW) -> None:
+        self._readings: dict[str, deque[int | None]] = {}
+        self._size = size
+
+    def add(self, snapshot: MachineSnapshot) -> None:
+        for gpu in snapshot.gpus:
+            window = self._readings.setdefault(gpu.uuid, deque(maxlen=self._size))
+            window.append(gpu.utilization_pct)
+
+    def needs_more(self) -> bool:
+        """True while some GPU that reports utilization has too few readings to judge."""
+        return any(len(w) < UTIL_MIN_SAMPLES and w[-1] is not None for w in self._readings.values())
+
+    def means(self, minimum: int = UTIL_MIN_SAMPLES) -> dict[str, float | None]:
+        """Mean per GPU over the window; None where the GPU does not report utilization."""
+        means: dict[str, float | None] = {}
+        for uuid, window in self._readings.items():
+            if window[-1] is None:
+                means[uuid] = None
+                continue
+            known = [r for r in window if r is not None]
+            if len(known) >= minimum:
+                means[uuid] = sum(known) / len(known)
+        return means
+
+
+def plan_conditions(
+    window: UtilizationWindow | None, ignore_processes: Iterable[str] = ()
+) -> Conditions:
+    return Conditions(
+        utilization=window.means() if window is not None else {},
+        ignore_processes=frozenset(ignore_processes),
+    )
+
+
+def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -> list[str]:
+    """Job ids named by `--after` values: ids or names (`--name`, `--batch`) of jobs waiting,
+    running or finished. Raises ValueError for a reference that names none."""
+    ids: list[str] = []
+    for ref in refs:
+        found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
+        if not found:
+            done = [f for f in data.book.finished if ref in (f.id, f.name, f.batch)]
+            if done:
+                latest_name = [f for f in done if f.name == ref or f.id == ref]
+                # A name given to several runs means its latest; a batch means all of it.
+                found = [latest_name[-1].id] if latest_name else [f.id for f in done]
+        if not found:
+            ran = find_outcome(state_dir, ref)
+            if ran is not None:
+                left = Finished(
+                    id=ran.job_id,
+                    outcome=OK if ran.exit_status == 0 else FAILED,
+                    finished_at=ran.ended_at,
+                    name=ran.name,
+                    exit_status=ran.exit_status,
+                    signal=ran.signal,
+                )
+                data.book.note_finished(left)
+                found = [left.id]
+        if not found:
+            raise ValueError(f"no job, name or batch {ref!r} is waiting, running or finished")
+        ids.extend(i for i in found if i not in ids)
+    return ids

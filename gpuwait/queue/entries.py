@@ -1,0 +1,639 @@
+"""The ledger file's format, defined once: its entries (jobs), the per-user usage table, the book
+(finished jobs, per-GPU counters, GPU health, batches), and the document that holds them.
+
+Every part is read defensively: each entry is validated field by field and an invalid one is
+dropped (the others stay); a damaged book or usage table is dropped whole and started afresh.
+Nothing in a ledger may cost unbounded time or memory to read, because in a shared ledger
+directory any member of the group can write it: hence the caps below.
+
+Reading and writing the file (locking, the journal, checksums, recovery) is gpuwait.queue.ledger;
+changing what an entry says is gpuwait.queue.lifecycle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
+from gpuwait.core.policy import Requirements
+from gpuwait.core.record import Record, field
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.queue.bookkeeping import (
+    FINISHED_KEPT,
+    GPU_LOST,
+    GPU_OK,
+    OUTCOMES,
+    THROUGHPUT_WINDOW,
+    BatchCounts,
+    Book,
+    Finished,
+    GpuCounters,
+    GpuHealth,
+)
+from gpuwait.queue.cache import EncodedEntries, ValidatedEntries
+
+SCHEMA = 1
+WAITING = "waiting"
+RUNNING = "running"
+
+#: Limits on what a ledger may hold.
+MAX_ENTRIES = 8192
+MAX_ENTRIES_PER_UID = 1024
+MAX_USAGE_USERS = 4096
+_MAX_TEXT = 4096
+
+
+class Job(Record):
+    """One ledger entry: a gpuwait process, waiting or running, and what it asked for."""
+
+    id: str
+    pid: int
+    start_time: int
+    uid: int
+    command: list[str]
+    cwd: str
+    #: {"bytes": n} or {"fraction": f}; {} means exclusive use of whole GPUs.
+    request: dict[str, float | int]
+    gpus: int = 1
+    candidates: list[str] | None = None
+    pick: str = "best-fit"
+    priority: int = 3
+    order: int = 0
+    state: str = WAITING
+    gpu_uuids: list[str] = field(default_factory=list)
+    reserved_bytes: int = 0
+    observed: dict[str, int] = field(default_factory=dict)
+    #: The command's process tree at the last sample; the policy reads their memory from NVML.
+    pids: list[int] = field(default_factory=list)
+    child_pid: int | None = None
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    updated_at: float = 0.0
+    #: `--name` and `--batch`.
+    name: str | None = None
+    batch: str | None = None
+    #: Job ids that must have finished (`--after`), or finished successfully (`--after-ok`).
+    after: list[str] = field(default_factory=list)
+    after_ok: list[str] = field(default_factory=list)
+    #: Capability requests: min_total_bytes, name_pattern, min_compute_capability ([8, 0]),
+    #: max_util_pct. Absent keys ask for nothing.
+    requirements: dict[str, Any] = field(default_factory=dict)
+    #: Expected run time in seconds, from history; None: unknown. Per GPU UUID where known.
+    expected_seconds: float | None = None
+    expected_by_gpu: dict[str, float] = field(default_factory=dict)
+    #: GPUs held for this job while it is the head of the queue.
+    held_gpus: list[str] = field(default_factory=list)
+    #: Per-GPU weights (UUID -> weight) for the weighted strategy.
+    weights: dict[str, float] = field(default_factory=dict)
+    #: Cooperative pausing (`--pausable`): the signal asking for a checkpoint, the grace period
+    #: and whether to TERM after it, how often the job was paused, and a pending request.
+    pausable: bool = False
+    checkpoint_signal: str = DEFAULT_CHECKPOINT_SIGNAL
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    grace_kill: bool = False
+    pauses: int = 0
+    pause_requested_at: float | None = None
+    pause_requested_by: str | None = None
+    pause_signalled_at: float | None = None
+    #: Priority of the job that paused this one: a resumed job queues at least that high, so a
+    #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
+    boost: int = 0
+    yield_to: str | None = None
+    #: Seconds this command takes to load to its peak (history), the cost of pausing it.
+    load_seconds: float | None = None
+
+    def memory_request(self) -> MemoryRequest | None:
+        if "bytes" in self.request:
+            return MemoryRequest(bytes=int(self.request["bytes"]))
+        if "fraction" in self.request:
+            return MemoryRequest(fraction=float(self.request["fraction"]))
+        return None
+
+    def requirements_for_policy(self) -> Requirements:
+        r = self.requirements
+        capability = r.get("min_compute_capability")
+        return Requirements(
+            min_total_bytes=r.get("min_total_bytes"),
+            name_pattern=r.get("name_pattern"),
+            min_compute_capability=None if capability is None else (capability[0], capability[1]),
+            max_util_pct=r.get("max_util_pct"),
+        )
+
+    @property
+    def effective_priority(self) -> int:
+        """Its priority in the queue: a job that stepped aside keeps that of whom it made room for."""
+        return max(self.priority, self.boost)
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Job:
+        """Validate one entry; raises ValueError naming what is wrong."""
+        if not isinstance(raw, dict):
+            raise ValueError("entry is not an object")
+        values: dict[str, Any] = dict(
+            id=_text(raw, "id"),
+            pid=_int(raw, "pid", 1, 2**31),
+            start_time=_int(raw, "start_time", 0, 2**62),
+            uid=_int(raw, "uid", 0, 2**32),
+            command=_text_list(raw, "command"),
+            cwd=_text(raw, "cwd"),
+            request=_request(raw.get("request")),
+            gpus=_int(raw, "gpus", 1, 1024),
+            candidates=None if raw.get("candidates") is None else _text_list(raw, "candidates"),
+            pick=_text(raw, "pick"),
+            priority=_int(raw, "priority", 1, 5),
+            order=_int(raw, "order", 0, 2**62),
+            state=_text(raw, "state"),
+            gpu_uuids=_text_list(raw, "gpu_uuids"),
+            reserved_bytes=_int(raw, "reserved_bytes", 0, 2**62),
+            observed=_observed(raw.get("observed")),
+            pids=_pid_list(raw.get("pids", [])),
+            child_pid=None if raw.get("child_pid") is None else _int(raw, "child_pid", 1, 2**31),
+            submitted_at=_float(raw, "submitted_at"),
+            started_at=None if raw.get("started_at") is None else _float(raw, "started_at"),
+            updated_at=_float(raw, "updated_at"),
+            name=None if raw.get("name") is None else _text(raw, "name"),
+            batch=None if raw.get("batch") is None else _text(raw, "batch"),
+            after=_text_list(raw, "after") if "after" in raw else [],
+            after_ok=_text_list(raw, "after_ok") if "after_ok" in raw else [],
+            requirements=_requirements(raw.get("requirements", {})),
+            expected_seconds=_seconds(raw.get("expected_seconds")),
+            expected_by_gpu=_seconds_by_gpu(raw.get("expected_by_gpu", {})),
+            held_gpus=_text_list(raw, "held_gpus") if "held_gpus" in raw else [],
+            weights=_seconds_by_gpu(raw.get("weights", {})),
+            pausable=raw.get("pausable") is True,
+            checkpoint_signal=_text(raw, "checkpoint_signal")
+            if "checkpoint_signal" in raw
+            else DEFAULT_CHECKPOINT_SIGNAL,
+            grace_seconds=_seconds_or(raw.get("grace_seconds"), DEFAULT_GRACE_SECONDS),
+            grace_kill=raw.get("grace_kill") is True,
+            pauses=_int(raw, "pauses", 0, 10_000) if "pauses" in raw else 0,
+            pause_requested_at=_seconds(raw.get("pause_requested_at")),
+            pause_requested_by=(
+                None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")
+            ),
+            pause_signalled_at=_seconds(raw.get("pause_signalled_at")),
+            boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
+            yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
+            load_seconds=_seconds(raw.get("load_seconds")),
+        )
+        if len(values) == len(cls._fields):
+            # Every field is set above and each value checked: Record's generic __init__ (a
+            # good part of the time this takes, in every read of the ledger) has nothing to add.
+            job = object.__new__(cls)
+            job.__dict__.update(values)
+        else:
+            job = cls(**values)
+        if job.state not in (WAITING, RUNNING):
+            raise ValueError(f"state {job.state!r} is unknown")
+        return job
+
+    def to_json(self) -> dict[str, Any]:
+        # vars(), not asdict(): the same JSON without asdict's deep copies.
+        return dict(vars(self))
+
+
+def copy_job(job: Job) -> Job:
+    """A copy of `job` whose lists and dicts are its own (a caller may change them in place)."""
+    copy = job._replace()
+    values = copy.__dict__
+    for name in _CONTAINER_FIELDS:
+        value = values[name]
+        if value is not None:
+            values[name] = value.copy()
+    # The one field that nests containers: min_compute_capability is a list.
+    values["requirements"] = {
+        k: list(v) if type(v) is list else v for k, v in job.requirements.items()
+    }
+    return copy
+
+
+#: Job's fields that hold a list or a dict (read from the annotations, so a new one is not missed).
+_CONTAINER_FIELDS = tuple(
+    name
+    for name, annotation in Job.__annotations__.items()
+    if str(annotation).startswith(("list[", "dict[")) or "| list[" in str(annotation)
+)
+
+
+class UserUsage(Record):
+    """A user's past use of VRAM, in byte-seconds, as it stood at `at` (it decays from there)."""
+
+    vram_seconds: float
+    at: float
+
+
+class LedgerData(Record):
+    """The whole ledger file."""
+
+    jobs: list[Job] = field(default_factory=list)
+    next_order: int = 1
+    rr_cursor: int = -1
+    created_at: float = field(default_factory=time.time)
+    #: Outcomes of finished jobs, per-GPU counters, GPU health, batch counts.
+    book: Book = field(default_factory=Book)
+    #: How many transactions freed room (see gpuwait.queue.wake).
+    release_seq: int = 0
+    #: Decayed VRAM-time of finished jobs, per uid (fair share between users).
+    usage: dict[int, UserUsage] = field(default_factory=dict)
+
+    def find(self, job_id: str) -> Job | None:
+        return next((j for j in self.jobs if j.id == job_id), None)
+
+    def remove(self, job_id: str) -> Job | None:
+        job = self.find(job_id)
+        if job is not None:
+            self.jobs.remove(job)
+        return job
+
+
+# --- the document ---------------------------------------------------------------------------
+
+#: Entries validated, and entries encoded, by this process: see gpuwait.queue.cache.
+_VALIDATED = ValidatedEntries(Job.from_json, copy_job)
+_ENCODED = EncodedEntries()
+
+
+def forget_cached_entries() -> None:
+    """As if this process had never read or written a ledger (tests and benchmarks)."""
+    _VALIDATED.forget()
+    _ENCODED.forget()
+
+
+def to_document(data: LedgerData) -> dict[str, Any]:
+    """The ledger as the JSON document that is written."""
+    encoded: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created_at": data.created_at,
+        "next_order": data.next_order,
+        "rr_cursor": data.rr_cursor,
+        "jobs": [j.to_json() for j in data.jobs],
+        "book": book_to_json(data.book),
+        "release_seq": data.release_seq,
+    }
+    if data.usage:
+        encoded["usage"] = {
+            str(uid): [u.vram_seconds, u.at] for uid, u in sorted(data.usage.items())
+        }
+    return encoded
+
+
+def encode(document: dict[str, Any]) -> bytes:
+    """`to_document`'s result as the file's bytes (sorted keys, no spaces)."""
+    return _ENCODED.encode(document)
+
+
+def from_document(raw: Any, warnings: list[str] | None, where: str) -> LedgerData:
+    """Validate a parsed ledger document; ValueError when it is not one at all.
+
+    What is wrong with parts of it (invalid entries, a damaged book or usage table) is dropped
+    and, when `warnings` is given, said there, naming the file `where`.
+    """
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        schema = raw.get("schema") if isinstance(raw, dict) else "?"
+        if type(schema) is int and schema > SCHEMA:
+            raise ValueError(
+                f"schema {schema}, written by a newer gpuwait than this one (schema "
+                f"{SCHEMA}): update gpuwait wherever this ledger is used"
+            )
+        raise ValueError(f"schema {schema}")
+    jobs_raw = raw.get("jobs")
+    if not isinstance(jobs_raw, list):
+        raise ValueError("no job list")
+    data = LedgerData(
+        next_order=_int(raw, "next_order", 0, 2**62),
+        rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
+        created_at=_float(raw, "created_at"),
+        usage=_usage(raw.get("usage"), warnings),
+        release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
+    )
+    try:
+        data.book = book_from_json(raw.get("book"))
+    except (ValueError, RecursionError) as exc:
+        if warnings is not None:
+            warnings.append(
+                f"ledger {where}: its record of finished jobs and GPUs was damaged "
+                f"({exc}); started it afresh"
+            )
+    dropped: list[str] = []
+    ids: set[str] = set()
+    per_uid: dict[int, int] = {}
+    parsed, invalid = _VALIDATED.validate_all(jobs_raw[: MAX_ENTRIES * 2])
+    dropped += invalid
+    if len(jobs_raw) > MAX_ENTRIES * 2:
+        dropped.append(f"more than {MAX_ENTRIES} entries")
+    # An id claimed under two uids is another member's copy of someone's job id (ids are 32
+    # random bits): which one is real cannot be told, so neither is kept. The real one's
+    # gpuwait puts its entry back; kept, the copy would stand in for it (its reservation,
+    # its owner for cancel) for as long as the file said so.
+    owners: dict[str, set[int]] = {}
+    for job in parsed:
+        owners.setdefault(job.id, set()).add(job.uid)
+    claimed = {i for i, uids in owners.items() if len(uids) > 1}
+    if claimed:
+        from gpuwait.core.text import printable  # only a damaged or hostile file needs it
+
+        dropped += [
+            f"id {printable(j.id, 16)} is claimed by several users"
+            for j in parsed
+            if j.id in claimed
+        ]
+        parsed = [j for j in parsed if j.id not in claimed]
+    # Running entries first, so that a cap drops waiters rather than reservations.
+    for job in sorted(parsed, key=lambda j: (j.state != RUNNING, j.order)):
+        if job.id in ids:
+            continue
+        if len(data.jobs) >= MAX_ENTRIES:
+            dropped.append(f"more than {MAX_ENTRIES} entries")
+            continue
+        if per_uid.get(job.uid, 0) >= MAX_ENTRIES_PER_UID:
+            dropped.append(f"uid {job.uid} has more than {MAX_ENTRIES_PER_UID} entries")
+            continue
+        ids.add(job.id)
+        per_uid[job.uid] = per_uid.get(job.uid, 0) + 1
+        data.jobs.append(job)
+    # Keep the file's own order (the cap above only decided which entries survive).
+    position = {id(e): i for i, e in enumerate(parsed)}
+    data.jobs.sort(key=lambda j: position[id(j)])
+    if dropped and warnings is not None:
+        more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
+        warnings.append(
+            f"ledger {where}: dropped {len(dropped)} invalid "
+            f"entr{'y' if len(dropped) == 1 else 'ies'} ({dropped[0]}{more})"
+        )
+    return data
+
+
+# --- the book -------------------------------------------------------------------------------
+
+
+def book_to_json(book: Book) -> dict[str, Any]:
+    # vars() rather than dataclasses.asdict: every field is a plain value (or a list of them),
+    # and asdict's deep copies cost more than the rest of a ledger transaction.
+    return {
+        "finished": [dict(vars(f)) for f in book.finished],
+        "gpus": {u: dict(vars(c)) for u, c in book.gpus.items()},
+        "health": {u: dict(vars(h)) for u, h in book.health.items()},
+        "health_backend": book.health_backend,
+        "batches": {b: dict(vars(c)) for b, c in book.batches.items()},
+    }
+
+
+def book_from_json(raw: Any) -> Book:
+    """Parse the "book" part of the ledger; raises ValueError naming what is wrong."""
+    if raw is None:
+        return Book()
+    if not isinstance(raw, dict):
+        raise ValueError("not an object")
+    backend = raw.get("health_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError("health_backend must be a string")
+    return Book(
+        finished=[_finished(f) for f in _list(raw.get("finished", []), FINISHED_KEPT)],
+        gpus={u: _counters(c) for u, c in _table(raw.get("gpus", {})).items()},
+        health={u: _health(h) for u, h in _table(raw.get("health", {})).items()},
+        health_backend=backend,
+        batches={b: _batch(c) for b, c in _table(raw.get("batches", {})).items()},
+    )
+
+
+def _finished(raw: Any) -> Finished:
+    raw = _object(raw)
+    done = Finished(
+        id=_text(raw, "id"),
+        outcome=_text(raw, "outcome"),
+        finished_at=_float(raw, "finished_at"),
+        name=_optional_text(raw, "name"),
+        batch=_optional_text(raw, "batch"),
+        exit_status=_optional_count(raw, "exit_status"),
+        signal=_optional_count(raw, "signal"),
+    )
+    if done.outcome not in OUTCOMES:
+        raise ValueError(f"outcome {done.outcome!r} is unknown")
+    return done
+
+
+def _counters(raw: Any) -> GpuCounters:
+    raw = _object(raw)
+    ends = _list(raw.get("recent_ends", []), THROUGHPUT_WINDOW)
+    return GpuCounters(
+        dispatched=_count(raw, "dispatched"),
+        completed=_count(raw, "completed"),
+        failed=_count(raw, "failed"),
+        recent_ends=[_float({"t": t}, "t") for t in ends],
+    )
+
+
+def _health(raw: Any) -> GpuHealth:
+    raw = _object(raw)
+    health = GpuHealth(
+        index=_count(raw, "index"),
+        name=_text(raw, "name"),
+        total_bytes=_count(raw, "total_bytes"),
+        state=_text(raw, "state"),
+        since=_float(raw, "since"),
+        detail=_optional_text(raw, "detail"),
+    )
+    if health.state not in (GPU_OK, GPU_LOST):
+        raise ValueError(f"GPU state {health.state!r} is unknown")
+    return health
+
+
+def _batch(raw: Any) -> BatchCounts:
+    raw = _object(raw)
+    return BatchCounts(
+        done=_count(raw, "done"),
+        failed=_count(raw, "failed"),
+        cancelled=_count(raw, "cancelled"),
+        updated_at=_float(raw, "updated_at"),
+    )
+
+
+# --- the usage table ------------------------------------------------------------------------
+
+
+def _usage(value: Any, warnings: list[str] | None) -> dict[int, UserUsage]:
+    """The per-user usage table; anything malformed in it is dropped (it only orders waiters)."""
+    if value is None:
+        return {}
+    usage: dict[int, UserUsage] = {}
+    items = list(value.items()) if isinstance(value, dict) else []
+    for key, item in items[:MAX_USAGE_USERS]:
+        if (
+            isinstance(key, str)
+            and key.isascii()
+            and key.isdigit()
+            and len(key) <= 10
+            and isinstance(item, list)
+            and len(item) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in item)
+            and 0 <= item[0] < 1e30
+            and 0 <= item[1] < 1e11
+        ):
+            usage[int(key)] = UserUsage(float(item[0]), float(item[1]))
+    if warnings is not None and (not isinstance(value, dict) or len(usage) != len(value)):
+        warnings.append("ledger: dropped malformed entries of the per-user usage table")
+    return usage
+
+
+# --- field checks ---------------------------------------------------------------------------
+
+
+def _int(raw: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{key} must be an integer from {low} to {high}")
+    return value
+
+
+def _count(raw: Mapping[str, Any], key: str) -> int:
+    """A counter or figure of the book (any integer a file could sensibly hold)."""
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**62) < value < 2**62:
+        raise ValueError(f"{key} must be an integer")
+    return value
+
+
+def _optional_count(raw: Mapping[str, Any], key: str) -> int | None:
+    return None if raw.get(key) is None else _count(raw, key)
+
+
+def _float(raw: Mapping[str, Any], key: str) -> float:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e11:
+        raise ValueError(f"{key} must be a timestamp")
+    return float(value)
+
+
+def _text(raw: Mapping[str, Any], key: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise ValueError(f"{key} must be a short string")
+    return value
+
+
+def _optional_text(raw: Mapping[str, Any], key: str) -> str | None:
+    return None if raw.get(key) is None else _text(raw, key)
+
+
+def _object(raw: Any) -> Mapping[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError("expected an object")
+    return raw
+
+
+def _list(value: Any, limit: int) -> list[Any]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise ValueError(f"expected a list of at most {limit} items")
+    return value
+
+
+def _table(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or len(value) > 4096:
+        raise ValueError("expected a table")
+    if not all(isinstance(k, str) and len(k) <= 256 for k in value):
+        raise ValueError("keys must be short strings")
+    return value
+
+
+def _text_list(raw: Mapping[str, Any], key: str) -> list[str]:
+    value = raw.get(key)
+    if (
+        not isinstance(value, list)
+        or len(value) > 1024
+        or not all(isinstance(v, str) and len(v) <= _MAX_TEXT for v in value)
+    ):
+        raise ValueError(f"{key} must be a list of short strings")
+    return list(value)
+
+
+def _pid_list(value: Any) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or len(value) > 65536
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31 for v in value)
+    ):
+        raise ValueError("pids must be a list of process ids")
+    return list(value)
+
+
+def _request(value: Any) -> dict[str, float | int]:
+    if value == {}:
+        return {}
+    if isinstance(value, dict) and len(value) == 1:
+        n_bytes = value.get("bytes")
+        if type(n_bytes) is int and 0 < n_bytes < 2**62:
+            return {"bytes": n_bytes}
+        fraction = value.get("fraction")
+        if (
+            isinstance(fraction, (int, float))
+            and not isinstance(fraction, bool)
+            and 0 < fraction <= 1
+        ):
+            return {"fraction": float(fraction)}
+    raise ValueError("request must be {'bytes': n}, {'fraction': f} or {}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e12
+
+
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _number(value):
+        raise ValueError("expected_seconds must be a number of seconds")
+    return float(value)
+
+
+def _seconds_or(value: Any, default: float) -> float:
+    seconds = _seconds(value)
+    return default if seconds is None else seconds
+
+
+def _seconds_by_gpu(value: Any) -> dict[str, float]:
+    if (
+        not isinstance(value, dict)
+        or len(value) > 1024
+        or not all(isinstance(k, str) and _number(v) for k, v in value.items())
+    ):
+        raise ValueError("per-GPU figures must map GPU UUIDs to numbers")
+    return {k: float(v) for k, v in value.items()}
+
+
+_REQUIREMENT_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "min_total_bytes": lambda v: _number(v) and isinstance(v, int),
+    "name_pattern": lambda v: isinstance(v, str) and len(v) <= _MAX_TEXT,
+    "min_compute_capability": lambda v: (
+        isinstance(v, list)
+        and len(v) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 100 for n in v)
+    ),
+    "max_util_pct": lambda v: _number(v) and v <= 100,
+}
+
+
+def _requirements(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("requirements must be an object")
+    for key, item in value.items():
+        check = _REQUIREMENT_CHECKS.get(key)
+        if check is None or not check(item):
+            raise ValueError(f"requirement {key!r} is unknown or malformed")
+    return dict(value)
+
+
+def _observed(value: Any) -> dict[str, int]:
+    if value is None:
+        return {}
+    if (
+        not isinstance(value, dict)
+        or len(value) > 1024
+        or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62
+            for k, v in value.items()
+        )
+    ):
+        raise ValueError("observed must map GPU UUIDs to byte counts")
+    return dict(value)

@@ -1,0 +1,188 @@
+"""The event log: one JSON line per thing that happened to the queue, in events.jsonl.
+
+Each line carries `schema`, `time` (Unix seconds), `kind`, and the kind's fields. The kinds, all
+written by gpuwait.queue.lifecycle once the change they report is in the ledger:
+
+    submit            a job entered the queue: job, name, batch, priority, command
+    admit             a plan gave it GPUs: job, name, gpus, reserved_bytes, waited, backfill
+    start             its command started: job, name, pid
+    finish            a job that ran left the queue: job, name, outcome, exit_status, signal,
+                      gpus, run_seconds (and pauses, paused_seconds for --pausable jobs)
+    leave             a job left without running (gave up, interrupted, a dependency failed):
+                      job, name, outcome, and what `finish` has where it applies
+    cancel            `gpuwait cancel` named it: job, name, state, by_uid, refused
+    reap              its gpuwait process was gone, so its entry was removed: job, pid, state, gpus
+    gpu_lost          a GPU stopped answering: gpu, index, detail
+    gpu_back          a lost GPU answers again: gpu, index
+    gpu_added         a GPU not seen before answers: gpu, index
+    pause-request     a waiter asked running jobs to step aside: job (the waiter), victims, gpu
+    pause-signal      a job was sent its checkpoint signal: job, pids
+    paused            a job checkpointed and queues to resume: job, pauses, ran_seconds
+    pause-grace-kill  a job did not step aside within its grace and got TERM: job
+
+Lines are appended with one write each (O_APPEND), so concurrent writers never interleave. When
+the file passes `MAX_BYTES` it is renamed to events.jsonl.1 (the older .1 to .2, and so on up to
+`KEEP` files) under a lock, and a fresh file starts. Writing an event never fails a job: errors
+are swallowed, the log is a record, not a source of truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from gpuwait.linux.atomic import ensure_private_dir, open_private_append
+from gpuwait.linux.lock import exclusive
+from gpuwait.linux.security import is_shared_dir
+
+SCHEMA = 1
+FILENAME = "events.jsonl"
+MAX_BYTES = 4 * 2**20
+KEEP = 3
+
+Kind = Literal[
+    "submit",
+    "admit",
+    "start",
+    "finish",
+    "leave",
+    "cancel",
+    "reap",
+    "gpu_lost",
+    "gpu_back",
+    "gpu_added",
+    "pause-request",
+    "pause-signal",
+    "paused",
+    "pause-grace-kill",
+]
+#: Every kind, in the order above (`gpuwait log --help` lists them).
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+def events_path(state_dir: Path) -> Path:
+    return state_dir / FILENAME
+
+
+def emit(state_dir: Path, kind: Kind, **fields: Any) -> None:
+    """Append one event; never raises."""
+    record = {"schema": SCHEMA, "time": round(time.time(), 6), "kind": kind, **fields}
+    line = (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
+    path = events_path(state_dir)
+    try:
+        # A shared ledger directory keeps no event log (README): a log there would be one
+        # member's private file, which the others could neither append to nor read.
+        if is_shared_dir(os.lstat(state_dir)):
+            return
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
+    try:
+        ensure_private_dir(state_dir)
+        fd = open_private_append(path)
+        try:
+            os.write(fd, line)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size > MAX_BYTES:
+            _rotate(state_dir, path)
+    except OSError:
+        pass
+
+
+def _rotate(state_dir: Path, path: Path) -> None:
+    with exclusive(state_dir / "events.lock"), contextlib.suppress(FileNotFoundError):
+        # Another writer may have rotated while this one waited for the lock.
+        if path.stat().st_size <= MAX_BYTES:
+            return
+        for number in range(KEEP - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{number}")
+            if older.exists():
+                os.replace(older, path.with_name(f"{path.name}.{number + 1}"))
+        os.replace(path, path.with_name(f"{path.name}.1"))
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """One event, or None for a line that is not one (a torn or foreign line is skipped)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("kind"), str)
+        or not isinstance(record.get("time"), (int, float))
+    ):
+        return None
+    return record
+
+
+def read_events(state_dir: Path) -> list[dict[str, Any]]:
+    """Every event still kept, oldest first (rotated files included)."""
+    path = events_path(state_dir)
+    files = [path.with_name(f"{path.name}.{n}") for n in range(KEEP, 0, -1)] + [path]
+    events: list[dict[str, Any]] = []
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        events.extend(e for e in map(parse_line, text.splitlines()) if e is not None)
+    return events
+
+
+def follow(state_dir: Path, interval: float = 0.2) -> Iterator[dict[str, Any]]:
+    """Events appended from now on, across rotations, forever (the caller stops it)."""
+    path = events_path(state_dir)
+    identity: tuple[int, int] | None = None
+    offset = 0
+    pending = b""
+    with contextlib.suppress(OSError):
+        st = path.stat()
+        identity, offset = (st.st_dev, st.st_ino), st.st_size
+    while True:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            time.sleep(interval)
+            continue
+        chunk = b""
+        if (st.st_dev, st.st_ino) != identity:
+            # Rotated (or created): finish the old file, now events.jsonl.1, then start anew.
+            chunk = _rest_of(path.with_name(f"{path.name}.1"), identity, offset)
+            identity, offset = (st.st_dev, st.st_ino), 0
+        if st.st_size > offset:
+            with path.open("rb") as handle:
+                handle.seek(offset)
+                new = handle.read()
+            offset += len(new)
+            chunk += new
+        if not chunk:
+            time.sleep(interval)
+            continue
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            event = parse_line(raw.decode("utf-8", errors="replace"))
+            if event is not None:
+                yield event
+
+
+def _rest_of(path: Path, identity: tuple[int, int] | None, offset: int) -> bytes:
+    """What was appended to the file `identity` after `offset`, if `path` is still that file."""
+    try:
+        with path.open("rb") as handle:
+            st = os.fstat(handle.fileno())
+            if (st.st_dev, st.st_ino) != identity:
+                return b""
+            handle.seek(offset)
+            return handle.read()
+    except OSError:
+        return b""

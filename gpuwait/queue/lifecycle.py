@@ -1,0 +1,575 @@
+"""The one home of every change of a job's state.
+
+A job's life in the ledger, each step a function here and nowhere else:
+
+    submit ─> admit ─> start ─> publish usage ... ─> finish
+                 │                  └─> pause request ─> pause signal ─> step aside ─> (admit ...)
+                 └─> leave (timed out, interrupted, a dependency failed)     cancel, reap
+
+Every function opens one write transaction (`_change`), and only this module calls
+`Ledger.transaction` (a test checks it). Each transaction first reaps what no longer belongs in
+the ledger: entries whose gpuwait process is gone, and entries that name another user's process
+(forged). The events a change reports (see gpuwait.queue.events) are logged once the change is
+in the file: a transaction that fails logs nothing. Functions return the job as the ledger now
+has it; the caller's own `Job` is never changed.
+
+What is read without a change (planning while nothing is to be written, `status`) does not come
+here; `would_tidy` says when a lock-free reader has seen something a transaction would change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from signal import SIGTERM
+from typing import Any
+
+from gpuwait.core.errors import StateError, UsageError
+from gpuwait.core.pausing import PauseChoice
+from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason, plan
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.linux import proc
+from gpuwait.linux.security import control_refusal, entry_owner_mismatch
+from gpuwait.queue import entries, events
+from gpuwait.queue.bookkeeping import CANCELLED, DEPENDENCY_FAILED, LOST, Finished
+from gpuwait.queue.claims import claims_for
+from gpuwait.queue.conditions import (
+    busy_gpus,
+    record_hold,
+    resolve_references,
+    settle_dependencies,
+)
+from gpuwait.queue.entries import (
+    MAX_ENTRIES_PER_UID,
+    RUNNING,
+    WAITING,
+    Job,
+    LedgerData,
+    copy_job,
+)
+from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
+from gpuwait.queue.ledger import Ledger
+
+_Said = list[tuple[events.Kind, dict[str, Any]]]
+
+#: The entries' processes, looked at in every transaction (see gpuwait.linux.proc.LivenessReader).
+_LIVENESS = proc.LivenessReader()
+
+
+def forget_cached() -> None:
+    """As if this process had never read or written a ledger (tests and benchmarks)."""
+    entries.forget_cached_entries()
+    _LIVENESS.close()
+
+
+@contextmanager
+def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
+    """A write transaction, reaped first; the events said in it are logged once it committed."""
+    said: _Said = []
+    quiet: set[str] = set()
+    with ledger.transaction(quiet) as data:
+        _reap(ledger, data, quiet, said)
+        yield data, said
+    for kind, fields in said:
+        events.emit(ledger.directory, kind, **fields)
+
+
+def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> None:
+    """Take out the entries whose process is gone (their jobs count as lost) and those that name
+    another user's process (forged); their ids go into `quiet`: nobody is woken for them."""
+    alive = _LIVENESS.alive([(j.pid, j.start_time) for j in data.jobs])
+    gone = [j for j, running in zip(data.jobs, alive, strict=True) if not running]
+    for job in gone:
+        data.jobs.remove(job)
+        data.book.note_finished(
+            Finished(
+                id=job.id, outcome=LOST, finished_at=time.time(), name=job.name, batch=job.batch
+            ),
+            job.gpu_uuids if job.state == RUNNING else (),
+        )
+        said.append(
+            ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})
+        )
+    forged = [j for j in data.jobs if entry_owner_mismatch(j) is not None]
+    if forged:
+        from gpuwait.core.text import printable  # only a hostile file needs it
+    for job in forged:
+        data.jobs.remove(job)
+        ledger.warnings.append(
+            f"ledger {ledger.path}: dropped entry {printable(job.id, 16)}: it claims uid "
+            f"{job.uid} but its process {job.pid} belongs to another user"
+        )
+    quiet.update(j.id for j in (*gone, *forged))
+
+
+def _entry(data: LedgerData, job: Job) -> Job:
+    """`job`'s entry in `data`; put back (a copy) where it went missing, e.g. when a damaged
+    ledger was recovered: a job that runs or waits must never lose its place or reservation."""
+    mine = data.find(job.id)
+    if mine is None:
+        mine = copy_job(job)
+        data.jobs.append(mine)
+    return mine
+
+
+def _note_health(data: LedgerData, snapshot: MachineSnapshot, now: float, said: _Said) -> None:
+    """Record which GPUs answered in this reading, saying which were lost, came back or added."""
+    for event in data.book.note_health(snapshot, busy_gpus(data), now):
+        kind = event.pop("kind")
+        said.append((kind, event))
+
+
+# --- reading without a change -------------------------------------------------------------
+
+
+def would_tidy(data: LedgerData, snapshot: MachineSnapshot | None, now: float) -> bool:
+    """Would a transaction change `data` (read without the lock) before anything else: reap an
+    entry, drop a forged one, or note a GPU's health?"""
+    if not all(proc.is_alive(j.pid, j.start_time) for j in data.jobs):
+        return True
+    if any(entry_owner_mismatch(j) is not None for j in data.jobs):
+        return True
+    return snapshot is not None and data.book.health_would_change(snapshot, busy_gpus(data), now)
+
+
+def tidy(ledger: Ledger, snapshot: MachineSnapshot | None, now: float | None = None) -> LedgerData:
+    """Reap and note the GPUs' health, as any transaction would; return the ledger as it is then."""
+    with _change(ledger) as (data, said):
+        if snapshot is not None:
+            _note_health(data, snapshot, time.time() if now is None else now, said)
+    return data
+
+
+def reap(ledger: Ledger) -> list[str]:
+    """Take out the entries whose process is gone; return their ids."""
+    with _change(ledger) as (_, said):
+        pass
+    return [fields["job"] for kind, fields in said if kind == "reap"]
+
+
+# --- entering the queue ---------------------------------------------------------------------
+
+
+def submit(
+    ledger: Ledger,
+    job: Job,
+    after: Sequence[str],
+    after_ok: Sequence[str],
+    state_dir: Path,
+    logged_command: list[str],
+) -> Job:
+    """Put `job` in the queue, unless its user already has as many entries as one may.
+
+    `after`/`after_ok` are `--after` references (ids, names, batches) resolved here, against the
+    ledger and the history in `state_dir`. `logged_command`: the command as the event log keeps
+    it (see history_commands). Raises StateError at the cap, UsageError for a reference that
+    names no job.
+    """
+    with _change(ledger) as (data, said):
+        mine = sum(1 for j in data.jobs if j.uid == job.uid)
+        if mine >= MAX_ENTRIES_PER_UID:
+            raise StateError(
+                f"you already have {mine} gpuwait jobs in the ledger, the most one user may",
+                hint="wait for some to finish",
+            )
+        try:
+            entry = copy_job(job)._replace(
+                after=resolve_references(after, data, state_dir),
+                after_ok=resolve_references(after_ok, data, state_dir),
+                order=data.next_order,
+            )
+        except ValueError as exc:
+            raise UsageError(
+                f"--after: {exc}", hint="see `gpuwait status` and `gpuwait log`"
+            ) from None
+        data.next_order += 1
+        data.jobs.append(entry)
+        said.append(
+            (
+                "submit",
+                {
+                    "job": job.id,
+                    "name": job.name,
+                    "batch": job.batch,
+                    "priority": job.priority,
+                    "command": logged_command,
+                },
+            )
+        )
+    return copy_job(entry)
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+class Admitted(Record, frozen=True):
+    """A job that may start: its entry as admitted, and its GPUs in the entry's order."""
+
+    job: Job
+    #: The GPUs, as last read (or as the ledger last saw them where the reading lacks one).
+    gpus: tuple[GpuSnapshot, ...]
+    #: Found in the ledger, not planned by this process (another waiter's plan, or an edit).
+    found: bool = False
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        return tuple(self.job.gpu_uuids)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.job.reserved_bytes
+
+
+class Cancelled:
+    """`gpuwait cancel` took this job out of the queue."""
+
+    __slots__ = ()
+
+
+class DependencyFailed(Record, frozen=True):
+    """An `--after-ok` dependency did not succeed, so this job can never start."""
+
+    message: str
+
+
+Attempt = Admitted | WaitReason | Cancelled | DependencyFailed | None
+
+
+def _gpus_of(
+    uuids: Sequence[str], snapshot: MachineSnapshot, data: LedgerData
+) -> tuple[GpuSnapshot, ...]:
+    """The GPUs a job was given, from the snapshot, or as last seen where it lacks one."""
+    seen = snapshot.by_uuid()
+    gpus = []
+    for uuid in uuids:
+        health = data.book.health.get(uuid)
+        if uuid in seen:
+            gpus.append(seen[uuid])
+        elif health is not None:
+            gpus.append(GpuSnapshot(health.index, uuid, health.name, health.total_bytes, 0))
+        else:
+            gpus.append(GpuSnapshot(-1, uuid, "GPU", 0, 0))
+    return tuple(gpus)
+
+
+def found_admission(mine: Job, snapshot: MachineSnapshot, data: LedgerData) -> Admitted:
+    """The running entry `mine`, admitted by a plan other than its own process's."""
+    return Admitted(copy_job(mine), _gpus_of(mine.gpu_uuids, snapshot, data), found=True)
+
+
+def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said: _Said) -> None:
+    """Mark every job the plan admits as running, on its GPUs."""
+    now = time.time()
+    index = {g.uuid: g.index for g in snapshot.gpus}
+    for entry in data.jobs:
+        uuids = decided.admitted.get(entry.id)
+        if uuids is None:
+            continue
+        entry.state = RUNNING
+        entry.gpu_uuids = list(uuids)
+        entry.reserved_bytes = decided.reserved[entry.id]
+        entry.started_at = entry.updated_at = now
+        entry.held_gpus = []
+        if entry.pick == "round-robin":
+            data.rr_cursor = index[uuids[-1]]
+        data.book.note_admitted(uuids)
+        said.append(
+            (
+                "admit",
+                {
+                    "job": entry.id,
+                    "name": entry.name,
+                    "gpus": list(uuids),
+                    "reserved_bytes": entry.reserved_bytes,
+                    "waited": round(now - entry.submitted_at, 3),
+                    "backfill": list(decided.backfill.get(entry.id, ())),
+                },
+            )
+        )
+
+
+def admit(
+    ledger: Ledger,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    conditions: Conditions = NO_CONDITIONS,
+    fair: FairShare = NO_FAIR_SHARE,
+) -> tuple[Job, Attempt]:
+    """Plan for the whole queue and admit every waiter that fits; say what became of `job`.
+
+    Also records the GPUs' health, settles `job`'s dependencies (it leaves the queue if an
+    `--after-ok` one failed) and keeps the head's hold. Returns `job` as the ledger now has it.
+    """
+    with _change(ledger) as (data, said):
+        now = time.time()
+        mine = data.find(job.id)
+        if mine is None:
+            done = data.book.outcome(job.id)
+            if done is not None and done.outcome == CANCELLED:
+                return job, Cancelled()
+            mine = _entry(data, job)
+        if mine.state == RUNNING:
+            return copy_job(mine), found_admission(mine, snapshot, data)
+        _note_health(data, snapshot, now, said)
+        failure = settle_dependencies(mine, data)
+        if failure is not None:
+            data.remove(job.id)
+            data.book.note_finished(
+                Finished(job.id, DEPENDENCY_FAILED, now, name=job.name, batch=job.batch)
+            )
+            said.append(("leave", {"job": job.id, "outcome": DEPENDENCY_FAILED}))
+            return copy_job(mine), DependencyFailed(failure)
+        claims = claims_for(data, snapshot.gpus, fair, now)
+        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+        record_hold(data, decided.hold)
+        _admit_all(data, decided, snapshot, said)
+        updated = copy_job(mine)
+        if job.id in decided.admitted:
+            return updated, Admitted(updated, _gpus_of(mine.gpu_uuids, snapshot, data))
+        return updated, decided.waiting.get(job.id)
+
+
+def confirm_admission(
+    ledger: Ledger,
+    job_id: str,
+    asked: Job,
+    snapshot: MachineSnapshot,
+    holds: Callable[[LedgerData, Job], bool],
+) -> Admitted | None:
+    """Under the lock: keep an admission found in a shared ledger if `holds(data, entry)`, else
+    undo it (the job, as it `asked`, waits on) and say so in the ledger's warnings."""
+    with _change(ledger) as (data, _):
+        mine = data.find(job_id)
+        if mine is None or mine.state != RUNNING:
+            return None
+        if holds(data, mine):
+            return found_admission(mine, snapshot, data)
+        ledger.warnings.append(
+            f"ledger {ledger.path}: ignored an admission of job {job_id} that no plan made "
+            "(its GPUs have no room for it, or the entry is not this process's); waiting on"
+        )
+        if mine.uid == asked.uid and mine.pid == asked.pid:
+            mine.state = WAITING
+            mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
+            mine.started_at = None
+    return None
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+def started(ledger: Ledger, job: Job, child_pid: int) -> Job:
+    """The admitted job's command runs as `child_pid`."""
+    with _change(ledger) as (data, said):
+        mine = _entry(data, job)
+        mine.child_pid = child_pid
+        mine.pids = [child_pid]
+        said.append(("start", {"job": job.id, "name": job.name, "pid": child_pid}))
+    return copy_job(mine)
+
+
+def publish_usage(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> Job:
+    """What the running job's process tree uses now, and which processes it has."""
+    with _change(ledger) as (data, _):
+        mine = _entry(data, job)
+        mine.observed = dict(usage)
+        mine.pids = list(pids)
+        mine.updated_at = time.time()
+    return copy_job(mine)
+
+
+def note_health(ledger: Ledger, snapshot: MachineSnapshot) -> None:
+    """A GPU stopped or started answering: record it (and say so) now, waiters or not."""
+    with _change(ledger) as (data, said):
+        _note_health(data, snapshot, time.time(), said)
+
+
+# --- cooperative pausing --------------------------------------------------------------------
+
+
+def request_pause(
+    ledger: Ledger,
+    waiter_id: str,
+    choose: Callable[[LedgerData, Job], PauseChoice | None],
+    now: float,
+) -> tuple[str, ...]:
+    """Mark the running jobs that `choose` picks for the waiting job `waiter_id` as asked to step
+    aside; return their ids. Nothing is asked while one of this waiter's requests is pending."""
+    with _change(ledger) as (data, said):
+        mine = data.find(waiter_id)
+        if mine is None or mine.state != WAITING:
+            return ()
+        if any(j.pause_requested_by == waiter_id for j in data.jobs if j.state == RUNNING):
+            return ()
+        choice = choose(data, mine)
+        if choice is None:
+            return ()
+        for victim_id in choice.victims:
+            victim = data.find(victim_id)
+            if victim is not None:
+                victim.pause_requested_at = now
+                victim.pause_requested_by = waiter_id
+        said.append(
+            (
+                "pause-request",
+                {"job": waiter_id, "victims": list(choice.victims), "gpu": choice.gpu_uuid},
+            )
+        )
+        return choice.victims
+
+
+def pause_signalled(ledger: Ledger, job_id: str, now: float, pids: Sequence[int]) -> None:
+    """The job asked to step aside was sent its checkpoint signal."""
+    with _change(ledger) as (data, said):
+        mine = data.find(job_id)
+        if mine is not None:
+            mine.pause_signalled_at = now
+        said.append(("pause-signal", {"job": job_id, "pids": list(pids)}))
+
+
+def grace_killed(ledger: Ledger, job_id: str) -> None:
+    """The job did not step aside within its grace and was sent TERM (`--grace-kill`): nothing
+    in the ledger changes, its end does that."""
+    events.emit(ledger.directory, "pause-grace-kill", job=job_id)
+
+
+def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
+    """The job checkpointed on request: it queues again, in its original place, at least as high
+    as whom it made room for, and behind that job until it has started."""
+    with _change(ledger) as (data, said):
+        mine = _entry(data, job)
+        requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
+        mine.boost = max(mine.boost, requester.priority if requester else 0)
+        mine.yield_to = requester.id if requester else None
+        mine.state = WAITING
+        mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+        mine.pids, mine.child_pid, mine.started_at = [], None, None
+        mine.held_gpus = []
+        mine.pauses += 1
+        mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+        mine.updated_at = time.time()
+        said.append(
+            (
+                "paused",
+                {"job": job.id, "pauses": mine.pauses, "ran_seconds": round(run_seconds, 3)},
+            )
+        )
+    return copy_job(mine)
+
+
+# --- leaving --------------------------------------------------------------------------------
+
+
+def finish(
+    ledger: Ledger,
+    job: Job,
+    outcome: str,
+    *,
+    exit_status: int | None = None,
+    signal: int | None = None,
+    run_seconds: float | None = None,
+    charge_usage: tuple[float, float | None] | None = None,
+    paused: tuple[int, float] | None = None,
+) -> None:
+    """Take the job out of the queue, recording how it ended (and where it ran, if it did).
+
+    `charge_usage`: (VRAM-seconds, fair-share half-life) added to the user's usage after a run.
+    `paused`: a --pausable job's pauses and the seconds it spent stepped aside.
+    """
+    with _change(ledger) as (data, said):
+        mine = data.remove(job.id)
+        # The ledger's word: another waiter's plan may have admitted it meanwhile.
+        ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
+        done = Finished(
+            id=job.id,
+            outcome=outcome,
+            finished_at=time.time(),
+            name=job.name,
+            batch=job.batch,
+            exit_status=exit_status,
+            signal=signal,
+        )
+        data.book.note_finished(done, ran_on)
+        if charge_usage is not None:
+            charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
+        fields: dict[str, Any] = {
+            "job": job.id,
+            "name": job.name,
+            "outcome": outcome,
+            "exit_status": exit_status,
+            "signal": signal,
+            "gpus": ran_on,
+            "run_seconds": None if run_seconds is None else round(run_seconds, 3),
+        }
+        if paused is not None:
+            fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
+        said.append(("finish" if ran_on else "leave", fields))
+
+
+class Cancellation(Record):
+    """What `cancel` did with each job it was asked about."""
+
+    #: Waiting jobs taken out of the queue (their gpuwait exits 7).
+    cancelled: list[Job]
+    #: Running jobs sent TERM (their gpuwait passes it on and ends as the command does).
+    stopped: list[Job]
+    #: Jobs the caller may not control, with the reason.
+    refused: list[tuple[Job, str]]
+    #: References that named no waiting or running job.
+    unmatched: list[str]
+
+
+def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> Cancellation:
+    """Cancel the jobs named by `refs` (ids or names) and `batch`, as the user `uid`.
+
+    Only a job's owner (or root) may, and only when the entry names that owner's own gpuwait
+    process: a forged entry must never make this signal someone else's process.
+    """
+    result = Cancellation([], [], [], [])
+    with _change(ledger) as (data, said):
+        chosen: list[Job] = []
+        for ref in refs:
+            matches = [j for j in data.jobs if ref in (j.id, j.name)]
+            if not matches:
+                result.unmatched.append(ref)
+            chosen.extend(j for j in matches if j not in chosen)
+        if batch is not None:
+            members = [j for j in data.jobs if j.batch == batch]
+            if not members:
+                result.unmatched.append(f"--batch {batch}")
+            chosen.extend(j for j in members if j not in chosen)
+        for job in chosen:
+            refusal = control_refusal(job, uid)
+            if refusal is not None:
+                result.refused.append((job, refusal))
+            elif job.state == RUNNING:
+                result.stopped.append(job)
+            else:
+                data.remove(job.id)
+                data.book.note_finished(
+                    Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
+                )
+                result.cancelled.append(job)
+            said.append(
+                (
+                    "cancel",
+                    {
+                        "job": job.id,
+                        "name": job.name,
+                        "state": job.state,
+                        "by_uid": uid,
+                        "refused": refusal is not None,
+                    },
+                )
+            )
+    for job in result.stopped:
+        # Its gpuwait forwards TERM to the command and ends the way the command does.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, SIGTERM)
+    return result

@@ -1,0 +1,140 @@
+"""Cooperative pausing, the waiter's side: ask running jobs to step aside, and follow what
+became of the request.
+
+There is no daemon. A waiting job of higher priority that cannot fit marks, in the ledger, the
+running `--pausable` jobs whose room it needs (chosen by gpuwait.core.pausing). Each marked job's
+own gpuwait notices the mark and does the rest (gpuwait.runner.paused): it sends its command the
+checkpoint signal, and when the command exits with the resume status, puts the job back in the
+queue with its original place; it is started again, with GPUWAIT_RESUME_COUNT raised, when it fits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gpuwait.core.pausing import PauseChoice, PauseRules, RunningJob, choose_victims
+from gpuwait.core.policy import Claim, gpu_rooms, need_on
+from gpuwait.core.sizes import format_duration
+from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.queue import lifecycle
+from gpuwait.queue.claims import claim_of
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.ledger import Ledger
+
+
+def _running_view(data: LedgerData, gpus_snapshot: MachineSnapshot, now: float) -> list[RunningJob]:
+    views = []
+    for job in data.jobs:
+        if job.state != RUNNING:
+            continue
+        claim = claim_of(job, gpus_snapshot.gpus, now)
+        holds = max([job.reserved_bytes, *claim.observed.values()])
+        views.append(
+            RunningJob(
+                job_id=job.id,
+                priority=job.effective_priority,
+                gpu_uuids=tuple(job.gpu_uuids),
+                holds_bytes=holds,
+                pausable=job.pausable,
+                run_seconds=max(0.0, now - (job.started_at or now)),
+                pauses=job.pauses,
+                reload_seconds=job.load_seconds,
+                asked=job.pause_requested_at is not None,
+            )
+        )
+    return views
+
+
+def _expected_wait(claims: Sequence[Claim], need: dict[str, int]) -> float | None:
+    """Roughly how long the waiter would wait without pausing anyone: until every running job
+    on its best GPU has ended. None when some run time there is unknown."""
+    best: float | None = None
+    for uuid in need:
+        on_gpu = [c for c in claims if c.running and uuid in c.gpu_uuids]
+        if any(c.expected_seconds is None for c in on_gpu):
+            continue
+        wait = max((c.expected_seconds or 0.0 for c in on_gpu), default=0.0)
+        best = wait if best is None else min(best, wait)
+    return best
+
+
+def ask_for_room(
+    ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float, rules: PauseRules
+) -> tuple[str, ...]:
+    """If `job` waits and pausing lower-priority jobs would let it in, mark them; return their ids.
+
+    Nothing is asked while a request of this waiter is still pending, so one waiter never pauses
+    more than it needs; jobs already asked by another waiter are neither asked again nor counted
+    as room for this one.
+    """
+    if job.gpus != 1:
+        return ()  # a gang would need room freed on several GPUs at once: not offered
+    quick = ledger.read()
+    priority = job.effective_priority
+    if not any(
+        j.state == RUNNING and j.pausable and j.pause_requested_at is None and j.priority < priority
+        for j in quick.jobs
+    ):
+        return ()
+    now = time.time()
+
+    def choose(data: LedgerData, mine: Job) -> PauseChoice | None:
+        claims = [claim_of(j, snapshot.gpus, now) for j in data.jobs]
+        rooms = gpu_rooms(snapshot.gpus, claims, safety)
+        my_claim = claim_of(mine, snapshot.gpus, now)
+        need = {}
+        for uuid, room in rooms.items():
+            bytes_needed = need_on(my_claim, room)
+            if bytes_needed is not None:
+                need[uuid] = bytes_needed
+        return choose_victims(
+            need,
+            {u: r.room for u, r in rooms.items()},
+            priority,
+            _running_view(data, snapshot, now),
+            rules,
+            expected_wait=_expected_wait(claims, need),
+        )
+
+    return lifecycle.request_pause(ledger, job.id, choose, now)
+
+
+#: A victim's gpuwait signals within a second or so of a request; one not signalled after this
+#: long has a command that does not catch the signal (yet).
+NOT_CAUGHT_AFTER = 5.0
+
+
+def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
+    """What became of the jobs `waiter_id` asked to step aside, for its wait line; None if none.
+
+    Worded without a running clock, so that a wait line written to a file changes only when
+    the situation does.
+    """
+    parts = []
+    for victim in data.jobs:
+        if victim.state != RUNNING or victim.pause_requested_by != waiter_id:
+            continue
+        signalled = victim.pause_signalled_at
+        signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
+        if signalled is None and now - (victim.pause_requested_at or now) < NOT_CAUGHT_AFTER:
+            parts.append(f"asked job {victim.id} to checkpoint and step aside")
+        elif signalled is None:
+            parts.append(
+                f"asked job {victim.id} to checkpoint and step aside "
+                f"(it does not catch {signal_name} yet; signalled once it does)"
+            )
+        elif now - signalled <= victim.grace_seconds:
+            parts.append(f"asked job {victim.id} to checkpoint and step aside")
+        elif victim.grace_kill:
+            parts.append(
+                f"job {victim.id} has not stepped aside within its grace "
+                f"({format_duration(victim.grace_seconds)}); it gets TERM"
+            )
+        else:
+            parts.append(
+                f"job {victim.id} has not stepped aside within its grace "
+                f"({format_duration(victim.grace_seconds)}) and is left alone "
+                "(it was started without --grace-kill); waiting for it to end"
+            )
+    return "; ".join(parts) or None

@@ -1,0 +1,259 @@
+"""`gpuwait status` as plain data: GPUs, running jobs, the queue, batches and users.
+
+The report is versioned by its `schema` field and documented in README.md ("Queue, priorities
+and status"); fields are only ever added within a schema version. Reading it changes nothing:
+the ledger is read without the lock, and a transaction is made only where one would change
+something anyway (an entry to reap, a GPU's health to note, a damaged file to recover).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms, plan
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.queue import lifecycle
+from gpuwait.queue.bookkeeping import GPU_OK, Book
+from gpuwait.queue.claims import claims_for
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
+from gpuwait.queue.ledger import Ledger
+
+STATUS_SCHEMA = 2
+
+
+class View(Record, frozen=True):
+    """The settings the report reads."""
+
+    safety: float
+    ignore_processes: frozenset[str] = frozenset()
+    fair: FairShare = NO_FAIR_SHARE
+
+
+def read_queue(ledger: Ledger, snapshot: MachineSnapshot | None) -> tuple[LedgerData, float]:
+    """The ledger as a report shows it, and the moment it was read."""
+    now = time.time()
+    data = ledger.read()
+    if ledger.damaged or lifecycle.would_tidy(data, snapshot, now):
+        data = lifecycle.tidy(ledger, snapshot, now)
+    return data, now
+
+
+def report_from(
+    snapshot: MachineSnapshot | None,
+    data: LedgerData,
+    now: float,
+    view: View,
+    ledger_warnings: Sequence[str] = (),
+    problem: str | None = None,
+) -> dict[str, Any]:
+    """The dashboard from one reading of the GPUs (None: none could be had, `problem` says
+    why) and of the ledger."""
+    safety = view.safety
+    fair = view.fair
+    gpus = snapshot.gpus if snapshot else ()
+    # One reading only: utilization is taken as measured, so --max-util waiters get a reason.
+    conditions = Conditions(
+        utilization={g.uuid: g.utilization_pct for g in gpus},
+        ignore_processes=view.ignore_processes,
+    )
+    usage = user_usage(data, now, fair.half_life)
+    claims = claims_for(data, gpus, fair, now)
+    by_id = {c.job_id: c for c in claims}
+    # Running first, then the queue in the order the policy serves it (fair share included).
+    jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
+    rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    decided = plan(gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+    etas = estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
+    held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
+    index = {g.uuid: g.index for g in gpus}
+    index.update({u: h.index for u, h in data.book.health.items() if u not in index})
+    lost = data.book.lost_gpus()
+    waiting_ids = [j.id for j in jobs if j.state != RUNNING]
+    report: dict[str, Any] = {
+        "schema": STATUS_SCHEMA,
+        "generated_at": now,
+        "backend": snapshot.backend if snapshot else None,
+        "backend_error": problem,
+        "safety": safety,
+        "ledger_created_at": data.created_at,
+        "warnings": list(snapshot.warnings if snapshot else ()) + list(ledger_warnings),
+        "gpus": [],
+        "jobs": [],
+        "batches": _batches(data.jobs, data.book),
+        "users": _users(data.jobs, usage),
+        "fair_share": {
+            "half_life_seconds": fair.half_life,
+            "user_max_gpus": fair.limits.max_gpus if fair.limits else None,
+            "user_max_vram_bytes": fair.limits.max_vram if fair.limits else None,
+        },
+    }
+    for room in rooms.values():
+        report["gpus"].append(
+            _gpu_entry(
+                room.gpu.index,
+                room.gpu.uuid,
+                room.gpu.name,
+                room.gpu.total_bytes,
+                data.book,
+                {
+                    "health": GPU_OK,
+                    "health_since": _since(data.book, room.gpu.uuid),
+                    "health_detail": None,
+                    "used_bytes": room.gpu.used_bytes,
+                    "external_bytes": room.external,
+                    "ignored_bytes": room.ignored_bytes,
+                    "reserved_bytes": room.committed,
+                    "free_bytes": max(0, room.room),
+                    "utilization_pct": room.gpu.utilization_pct,
+                    "compute_capability": _capability(room.gpu.compute_capability),
+                    "running_jobs": [j.id for j in jobs if room.gpu.uuid in j.gpu_uuids],
+                    "held_for": held_for.get(room.gpu.uuid),
+                },
+            )
+        )
+    for uuid, health in sorted(lost.items(), key=lambda uh: uh[1].index):
+        if uuid in rooms:
+            continue
+        report["gpus"].append(
+            _gpu_entry(
+                health.index,
+                uuid,
+                health.name,
+                health.total_bytes,
+                data.book,
+                {
+                    "health": health.state,
+                    "health_since": health.since,
+                    "health_detail": health.detail,
+                    "used_bytes": None,
+                    "external_bytes": None,
+                    "ignored_bytes": None,
+                    "reserved_bytes": None,
+                    "free_bytes": None,
+                    "utilization_pct": None,
+                    "compute_capability": None,
+                    "running_jobs": [j.id for j in jobs if uuid in j.gpu_uuids],
+                    "held_for": None,
+                },
+            )
+        )
+    report["gpus"].sort(key=lambda g: (g["index"], g["uuid"]))
+    for job in jobs:
+        claim = by_id[job.id]
+        reason = decided.waiting.get(job.id)
+        running = job.state == RUNNING
+        report["jobs"].append(
+            {
+                "id": job.id,
+                "name": job.name,
+                "batch": job.batch,
+                "state": job.state,
+                "position": None if running else waiting_ids.index(job.id) + 1,
+                "pid": job.pid,
+                "uid": job.uid,
+                "command": job.command,
+                "cwd": job.cwd,
+                "priority": job.priority,
+                "request": job.request,
+                "exclusive": job.request == {},
+                "gpus": job.gpus,
+                "gpu_uuids": job.gpu_uuids,
+                "gpu_indices": [index.get(u) for u in job.gpu_uuids],
+                "lost_gpus": [u for u in job.gpu_uuids if u in lost],
+                "reserved_bytes": job.reserved_bytes,
+                "observed_bytes": sum(claim.observed.values()),
+                "submitted_at": job.submitted_at,
+                "started_at": job.started_at,
+                "elapsed_seconds": now - job.started_at if running and job.started_at else None,
+                "expected_remaining_seconds": claim.expected_seconds if running else None,
+                "expected_seconds": job.expected_seconds,
+                "waiting_reason": reason.describe() if reason else None,
+                "blocked": claim.blocked,
+                "eta_seconds": None if running else etas.get(job.id),
+                "held_gpus": job.held_gpus
+                if decided.hold and decided.hold.job_id == job.id
+                else [],
+                "after": job.after,
+                "after_ok": job.after_ok,
+                "requirements": job.requirements,
+            }
+        )
+    return report
+
+
+def _gpu_entry(
+    index: int, uuid: str, name: str, total: int, book: Book, fields: dict[str, Any]
+) -> dict[str, Any]:
+    counters = book.gpus.get(uuid)
+    return {
+        "index": index,
+        "uuid": uuid,
+        "name": name,
+        "total_bytes": total,
+        **fields,
+        "counters": {
+            "dispatched": counters.dispatched if counters else 0,
+            "completed": counters.completed if counters else 0,
+            "failed": counters.failed if counters else 0,
+            "throughput_per_hour": counters.per_hour() if counters else None,
+        },
+    }
+
+
+def _since(book: Book, uuid: str) -> float | None:
+    health = book.health.get(uuid)
+    return health.since if health else None
+
+
+def _capability(value: tuple[int, int] | None) -> str | None:
+    return None if value is None else f"{value[0]}.{value[1]}"
+
+
+def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
+    names = {j.batch for j in jobs if j.batch} | set(book.batches)
+    rows = []
+    for name in sorted(n for n in names if n is not None):
+        counts = book.batches.get(name)
+        tally = {
+            "done": counts.done if counts else 0,
+            "running": sum(1 for j in jobs if j.batch == name and j.state == RUNNING),
+            "waiting": sum(1 for j in jobs if j.batch == name and j.state != RUNNING),
+            "failed": counts.failed if counts else 0,
+            "cancelled": counts.cancelled if counts else 0,
+        }
+        rows.append({"name": name, **tally, "total": sum(tally.values())})
+    return rows
+
+
+def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
+    """Per user: what they hold, wait for, and their fair-share usage (lower goes first)."""
+    uids = sorted({j.uid for j in jobs} | set(usage))
+    rows = []
+    for uid in uids:
+        mine = [j for j in jobs if j.uid == uid]
+        running = [j for j in mine if j.state == RUNNING]
+        rows.append(
+            {
+                "uid": uid,
+                "user": _user_name(uid),
+                "running": len(running),
+                "waiting": len(mine) - len(running),
+                "gpus_held": sum(len(j.gpu_uuids) for j in running),
+                "vram_held_bytes": sum(j.reserved_bytes * len(j.gpu_uuids) for j in running),
+                "usage_vram_seconds": round(usage.get(uid, 0.0), 1),
+            }
+        )
+    return rows
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)

@@ -1,0 +1,330 @@
+"""The one waiting loop: sleep until something concerns this job, then plan for the whole queue.
+
+Waking up fast after a release matters (a job that ends should be followed by the next one within
+milliseconds), while every waiter reading NVML and re-planning on every change would swamp a
+machine with a hundred of them. So:
+- every plan is made for the whole queue, and admits every waiter that fits (not only the one
+  that plans); the others find themselves admitted in the ledger and start;
+- waiters sleep until a change concerns them, a signal arrives, or it is time to read the GPUs
+  again: in a private ledger the writer signals just those waiters; in a shared one `wake.json`
+  is watched (inotify, see gpuwait.linux.inotify); with `wake = poll` it is stat-polled every `poll_interval`.
+  On a change each reads only that small summary (see gpuwait.queue.wake). After a release, the first
+  waiter in the queue plans;
+- the GPUs are re-read every `nvml_interval` (with jitter) to notice processes outside gpuwait
+  coming and going, by whichever waiter's timer fires first: the others skip their turn.
+Every admission is decided under the ledger lock with a fresh snapshot, so two plans never both
+hand out the same room (gpuwait.queue.lifecycle.admit). The same transaction records which GPUs
+the queue's head holds and notes GPUs that stopped or started answering. While a plan would
+change nothing, it is made from a lock-free read and the lock is not taken at all.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Callable
+
+from gpuwait.core.pausing import PauseRules
+from gpuwait.core.policy import Conditions, FairShare, WaitReason, admission_fits, plan
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.gpu.backend import Backend
+from gpuwait.linux import signals
+from gpuwait.queue import lifecycle, wake
+from gpuwait.queue.claims import claim_of, claims_for
+from gpuwait.queue.conditions import UtilizationWindow, name_processes, plan_conditions
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.fairness import NO_FAIR_SHARE
+from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFailed
+
+#: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
+UTIL_SAMPLE_INTERVAL = 0.2
+#: A waiter plans for itself at least this often, so its waiting line stays current...
+OWN_PLAN_INTERVAL = 10.0
+#: ... or, in a long queue, every this many seconds per waiter: a hundred waiters each reading
+#: the GPUs and the whole ledger every 10 s would keep a third of a core busy doing nothing.
+OWN_PLAN_SPACING = 0.5
+#: After a release, the second waiter plans if the first has not within this long (it may be
+#: stopped, e.g. suspended with Ctrl-Z).
+BACKUP_DELAY = 0.25
+
+
+class WaitPolicy(Record, frozen=True):
+    """How a job waits: the settings the waiting loop reads, as plain values."""
+
+    safety: float
+    #: How often the wake summary is stat-polled where nobody signals this waiter.
+    poll_interval: float
+    #: How often the GPUs are read again when nothing in the ledger changed.
+    nvml_interval: float
+    ignore_processes: frozenset[str] = frozenset()
+    #: Be woken by the writer (private ledger) or inotify (shared), rather than polling.
+    use_inotify: bool = True
+    fair: FairShare = NO_FAIR_SHARE
+    #: None: this waiter never asks running jobs to step aside.
+    pause_rules: PauseRules | None = None
+
+
+class TimedOut(Record, frozen=True):
+    reason: WaitReason | None
+
+
+class Interrupted(Record, frozen=True):
+    signum: int
+
+
+WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
+
+
+def _reason_without_lock(
+    data: LedgerData,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    conditions: Conditions,
+    fair: FairShare = NO_FAIR_SHARE,
+) -> WaitReason | None:
+    """Why `job` still waits, judged from an unlocked read, or None when the lock is needed.
+
+    It is needed to admit anyone, to reap a dead entry or drop a forged one, to settle a
+    dependency, to record a GPU's health or the head's hold: anything that writes.
+    """
+    mine = data.find(job.id)
+    if mine is None or mine.state == RUNNING:
+        return None
+    now = time.time()
+    if lifecycle.would_tidy(data, snapshot, now):
+        return None
+    live = {j.id for j in data.jobs}
+    if any(d not in live for d in (*mine.after, *mine.after_ok)):
+        return None
+    claims = claims_for(data, snapshot.gpus, fair, now)
+    decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+    if decided.admitted:
+        return None
+    for entry in data.jobs:
+        held = decided.hold.gpu_uuids if decided.hold and entry.id == decided.hold.job_id else ()
+        if entry.state != RUNNING and tuple(entry.held_gpus) != tuple(held):
+            return None
+    return decided.waiting.get(job.id)
+
+
+def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None) -> Admitted | None:
+    """If another waiter's plan admitted `job`, what it was given.
+
+    The GPUs are described from this waiter's last reading (or the ledger's record of them):
+    reading them again would only delay the start.
+    """
+    data = ledger.read()
+    mine = data.find(job.id)
+    if mine is None or mine.state != RUNNING:
+        return None
+    return lifecycle.found_admission(mine, last or MachineSnapshot(backend="", gpus=()), data)
+
+
+def _confirm_found(
+    ledger: Ledger, backend: Backend, asked: Job, policy: WaitPolicy
+) -> Admitted | None:
+    """An admission found in a shared ledger, checked against fresh readings before it is used.
+
+    Any member of the group can write the shared ledger, so an entry marked running may be an
+    edit rather than a plan: one that puts the job (as it asked, `asked`) where the GPUs have no
+    room for it is undone, and the job waits on. Another waiter's plan passes the check.
+    """
+    snapshot = backend.snapshot()
+    if policy.ignore_processes:
+        snapshot = name_processes(snapshot)
+
+    def holds(data: LedgerData, mine: Job) -> bool:
+        """Whether the admission of this job's running entry `mine` holds."""
+        if mine.uid != asked.uid or mine.pid != asked.pid:
+            return False
+        others = [claim_of(j, snapshot.gpus) for j in data.jobs if j is not mine]
+        return admission_fits(
+            claim_of(asked, snapshot.gpus),
+            mine.gpu_uuids,
+            mine.reserved_bytes,
+            others,
+            snapshot.gpus,
+            policy.safety,
+            policy.ignore_processes,
+        )
+
+    # A lock-free read first: it can only count more than is there (entries of dead processes
+    # not yet reaped), so an admission that holds on it holds; the lock is taken to undo one.
+    data = ledger.read()
+    mine = data.find(asked.id)
+    if mine is not None and mine.state == RUNNING and holds(data, mine):
+        return lifecycle.found_admission(mine, snapshot, data)
+    return lifecycle.confirm_admission(ledger, asked.id, asked, snapshot, holds)
+
+
+def wait_for_admission(
+    ledger: Ledger,
+    backend: Backend,
+    job: Job,
+    policy: WaitPolicy,
+    *,
+    deadline: float | None,
+    on_reason: Callable[[WaitReason], None],
+) -> tuple[Job, WaitOutcome]:
+    """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
+
+    Also ends when the job is cancelled or a dependency it needs to succeed fails. Returns the
+    job as the ledger last had it (for an admitted job: as admitted), and the outcome.
+    """
+    state_dir = ledger.directory
+    summary_path = wake.wake_path(state_dir)
+    #: The job as it asked: a shared ledger's entry can be edited by any member of the group.
+    asked = job
+    last_token: object = object()
+    last_release: int | None = None
+    next_read = 0.0
+    next_own = 0.0
+    reason: WaitReason | None = None
+    window = UtilizationWindow()
+    wants_utilization = job.requirements.get("max_util_pct") is not None
+    watch = None
+    # In a private ledger every writer is this user, and signals the waiters a change concerns.
+    kicked = policy.use_inotify and not ledger.shared
+    queue_length = 1
+    last: MachineSnapshot | None = None
+    #: (monotonic time to act, wall time the release was seen) while standing in for the first.
+    backup: tuple[float, float] | None = None
+
+    def trusted(admitted: Admitted | None) -> Admitted | None:
+        if admitted is None or not admitted.found or not ledger.shared:
+            return admitted
+        return _confirm_found(ledger, backend, asked, policy)
+
+    def attempt() -> Attempt:
+        """Read the GPUs, plan; take the lock only if the plan changes anything."""
+        nonlocal last, job
+        snapshot = last = backend.snapshot()
+        if policy.ignore_processes:
+            snapshot = name_processes(snapshot)
+        window.add(snapshot)
+        facts = plan_conditions(window, policy.ignore_processes)
+        outcome: Attempt = _reason_without_lock(
+            ledger.read(), job, snapshot, policy.safety, facts, policy.fair
+        )
+        if outcome is None:
+            job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, policy.fair)
+        wake.note_planned(state_dir)
+        if isinstance(outcome, WaitReason) and policy.pause_rules is not None:
+            # Here: a launch that fits at once pays nothing for pausing.
+            from gpuwait.queue.pausing import ask_for_room, pause_progress
+
+            ask_for_room(ledger, job, snapshot, policy.safety, policy.pause_rules)
+            # Said on every reading, not only when asking: the waiter must keep seeing why it
+            # still waits (a job that does not catch the signal yet, or ignores it).
+            outcome = outcome._replace(pause=pause_progress(ledger.read(), job.id, time.time()))
+        return outcome
+
+    def admitted(found: Admitted) -> tuple[Job, WaitOutcome]:
+        return found.job, found
+
+    try:
+        while True:
+            now = time.monotonic()
+            event = False
+            check_admitted = False
+            token = wake.file_token(summary_path)
+            if token != last_token:
+                last_token = token
+                seen = wake.read_summary(state_dir)
+                if seen is None:
+                    event = True
+                elif job.id in seen.running:
+                    check_admitted = True
+                elif job.id not in seen.waiting:
+                    event = True  # cancelled, or the ledger was recovered: look under the lock
+                else:
+                    position = seen.waiting.index(job.id)
+                    if last_release is not None and seen.release != last_release:
+                        if position == 0:
+                            event = True
+                        elif position == 1:
+                            backup = (now + BACKUP_DELAY, time.time())
+                    unfinished = set(seen.waiting) | seen.running
+                    if any(d not in unfinished for d in (*job.after, *job.after_ok)):
+                        event = True
+                    last_release = seen.release
+                    queue_length = len(seen.waiting)
+            if check_admitted:
+                found = _admitted_by_another(ledger, job, last)
+                confirmed = trusted(found)
+                if confirmed is not None:
+                    return admitted(confirmed)
+                if found is not None:
+                    job = asked
+                    reason = None  # say why it waits again, after the warning
+                event = True
+            if backup is not None and now >= backup[0]:
+                # Stand in for the first waiter only if it has not planned since the release.
+                event = event or not wake.planned_since(state_dir, backup[1] - 0.05)
+                backup = None
+            act = event
+            if not event and now >= next_read:
+                # A timer, not an event: another waiter's recent reading serves for this one,
+                # unless this one's own waiting line is due.
+                recently = time.time() - policy.nvml_interval * 0.8
+                act = now >= next_own or not wake.planned_since(state_dir, recently)
+                if not act:
+                    next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
+            if act:
+                # Releases counted from here on come after this plan's reading: seen next time.
+                seen = wake.read_summary(state_dir)
+                last_release = seen.release if seen is not None else None
+                queue_length = len(seen.waiting) if seen is not None else queue_length
+                outcome = attempt()
+                if isinstance(outcome, Admitted):
+                    outcome = trusted(outcome)
+                    if outcome is None:
+                        job = asked
+                        reason = None  # say why it waits again, after the warning
+                if isinstance(outcome, Admitted):
+                    return admitted(outcome)
+                if isinstance(outcome, (Cancelled, DependencyFailed)):
+                    return job, outcome
+                if outcome is not None and outcome != reason:
+                    on_reason(outcome)
+                reason = outcome
+                interval = policy.nvml_interval
+                if wants_utilization and window.needs_more():
+                    interval = min(interval, UTIL_SAMPLE_INTERVAL)
+                next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
+                next_own = time.monotonic() + max(
+                    OWN_PLAN_INTERVAL, OWN_PLAN_SPACING * queue_length
+                )
+            if watch is None and not kicked:
+                # Set up only once the job has to wait: a launch that fits at once pays nothing.
+                from gpuwait.linux.inotify import LedgerWatch
+
+                watch = LedgerWatch(state_dir if policy.use_inotify else None, bool(ledger.shared))
+                continue  # the summary may have changed before the watch began
+            watching = watch is not None and watch.active
+            wake_at = next_read if backup is None else min(next_read, backup[0])
+            sleep = (
+                max(0.0, wake_at - time.monotonic()) if kicked or watching else policy.poll_interval
+            )
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    # Admitted by another waiter's plan at the last moment: then it runs.
+                    late = trusted(_admitted_by_another(ledger, job, last))
+                    return admitted(late) if late is not None else (job, TimedOut(reason))
+                sleep = min(sleep, remaining)
+            also = (watch.wake_signal,) if watch is not None and watching else ()
+            info = signals.next_signal(sleep, also=also)
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)
+            if watch is not None and watching and info.si_signo == watch.wake_signal:
+                watch.drain()
+                continue
+            return job, Interrupted(info.si_signo)
+    finally:
+        if watch is not None:
+            watch.close()

@@ -1,0 +1,122 @@
+"""Starting the command: is it there, what it is given, and how it starts.
+
+The command starts as gpuwait's child (`spawn`) when gpuwait coordinates it, or replaces gpuwait
+(`exec_bare`) when it runs uncoordinated (no GPU readings and on_no_gpu = run, an unusable
+ledger and on_state_error = run, or a shell hook's rules saying no). Either way it sees what it
+would see bare: the default SIGPIPE and SIGXFSZ (Python ignores them for itself), its own signal
+mask, gpuwait's stdin, stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+
+from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError
+from gpuwait.queue.entries import Job
+
+
+class CommandProblem(GpuwaitError):
+    """The command cannot be started: not found (127) or not executable (126)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_command(argv: Sequence[str]) -> str:
+    """The executable `argv[0]` resolves to; raises CommandProblem (127, 126) otherwise."""
+    name = argv[0]
+    if "/" in name:
+        if not os.path.exists(name):
+            raise CommandProblem(f"{name}: no such file", EXIT_NOT_FOUND)
+        if os.path.isdir(name) or not os.access(name, os.X_OK):
+            raise CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE)
+        return name
+    found = which(name)
+    if found is None:
+        raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
+    return found
+
+
+def which(name: str) -> str | None:
+    """The first executable file `name` in PATH, as shutil.which finds it on POSIX.
+
+    Not shutil itself: importing it (with the compression modules it pulls in) costs more than
+    a launch can spare.
+    """
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(directory or ".", name)
+        if os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
+
+
+def exec_bare(command: Sequence[str]) -> int:
+    """Become the command, as if the shell had started it. Returns only if that fails, by
+    raising CommandProblem."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Python ignores these for itself; a command started by a shell gets the default.
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        os.execvp(command[0], list(command))
+    except FileNotFoundError:
+        raise CommandProblem(f"{command[0]}: command not found", EXIT_NOT_FOUND) from None
+    except OSError as exc:
+        raise CommandProblem(f"{command[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE) from None
+    return 0  # pragma: no cover - execvp does not return
+
+
+def spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    file_actions: Sequence[tuple[int, int, int]] = (),
+) -> int:
+    """Start the command with a clean signal mask (gpuwait blocks its own signals).
+
+    `file_actions`: posix_spawn dup2 actions, e.g. the stderr relay pipe of
+    gpuwait.runner.stderrwatch.
+    """
+    return os.posix_spawnp(
+        argv[0],
+        list(argv),
+        dict(env),
+        file_actions=list(file_actions) or None,
+        setsigmask=(),
+        # Python ignores SIGPIPE for itself; the command gets the default, as in a shell.
+        # Handlers gpuwait installed are reset by exec; signals ignored by gpuwait's own caller
+        # (nohup, `&` in a script) stay ignored, as they would for the bare command.
+        setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+    )
+
+
+def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[str, str]:
+    """The command's environment: gpuwait's own, with its GPUs and job made known (README,
+    'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order, which no
+    difference between CUDA's and NVML's numbering can put on the wrong card."""
+    uuids = ",".join(job.gpu_uuids)
+    env = dict(os.environ)
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": uuids,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "GPUWAIT_JOB_ID": job.id,
+            "GPUWAIT_GPU_UUIDS": uuids,
+            "GPUWAIT_GPU_INDICES": ",".join(str(i) for i in gpu_indices),
+            "GPUWAIT_VRAM_BYTES": str(job.reserved_bytes),
+        }
+    )
+    if job.pausable:
+        env.update(
+            {
+                "GPUWAIT_PAUSABLE": "1",
+                "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
+                "GPUWAIT_RESUME_EXIT": str(resume_exit),
+                "GPUWAIT_RESUME_COUNT": str(job.pauses),
+            }
+        )
+    return env

@@ -1,0 +1,62 @@
+"""Cooperative pausing, the paused job's side: its own gpuwait notices that a more urgent waiter
+asked it to step aside (gpuwait.queue.pausing), sends the command its checkpoint signal, and,
+with --grace-kill, TERM once the grace has passed. When the command then exits with the resume
+status, the runner puts the job back in the queue (gpuwait.queue.lifecycle.step_aside).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+from gpuwait.linux import proc
+from gpuwait.linux.checkpoint_signal import deliver, parse_signal
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import Job
+from gpuwait.queue.ledger import Ledger
+
+
+class PauseResponder:
+    """Signal the command once asked; TERM after the grace if told to."""
+
+    def __init__(self, ledger: Ledger, job: Job) -> None:
+        self.ledger = ledger
+        self.job = job
+        self.signum = parse_signal(job.checkpoint_signal)
+        self.token: object = None
+        self.requested = False
+        self.signalled_at: float | None = None
+        self.killed = False
+
+    def check(self, child: int) -> None:
+        """Called often by the supervisor: cheap unless the ledger changed or a request waits."""
+        token = self.ledger.change_token()
+        if not self.requested and token == self.token:
+            return
+        self.token = token
+        if not self.requested:
+            entry = self.ledger.read().find(self.job.id)
+            self.requested = entry is not None and entry.pause_requested_at is not None
+            if not self.requested:
+                return
+        now = time.time()
+        if self.signalled_at is None:
+            # Only processes that catch the signal get it: one that has not installed its
+            # handler yet would be killed by the default action. Asked again next time.
+            sent = deliver(proc.process_tree([child]), self.signum)
+            if sent:
+                self.signalled_at = now
+                # Bookkeeping only: the command has its signal whatever the ledger says.
+                with contextlib.suppress(Exception):
+                    lifecycle.pause_signalled(self.ledger, self.job.id, now, sent)
+        elif (
+            self.job.grace_kill
+            and not self.killed
+            and now - self.signalled_at > self.job.grace_seconds
+        ):
+            self.killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGTERM)
+            lifecycle.grace_killed(self.ledger, self.job.id)

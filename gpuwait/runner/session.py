@@ -1,0 +1,616 @@
+"""One wrapped command, from request to exit status: `run(request, config, reporter)`.
+
+    choose the request (--vram, history, default_vram) ─> submit ─> wait ─> start ─> supervise
+        ─> finish (or step aside and wait again) ─> record the run ─> retry after an OOM
+
+The request (what the user asked) and the config (the settings, as plain values) are built by
+gpuwait.commands.run; everything said to the user goes through the `Reporter` it passes in.
+Changes of the job's state are gpuwait.queue.lifecycle's; the waiting is gpuwait.queue.wait's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
+from gpuwait.core.errors import (
+    EXIT_CANCELLED,
+    EXIT_DEPENDENCY_FAILED,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_TIMEOUT,
+    BackendUnavailable,
+    ImpossibleRequest,
+    StateError,
+    UsageError,
+)
+from gpuwait.core.estimate import looks_like_oom, near_full
+from gpuwait.core.policy import WaitReason, impossible_reason
+from gpuwait.core.record import Record
+from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.gpu.backend import Backend, open_backend
+from gpuwait.history import record as run_record
+from gpuwait.history.learn import (
+    FLAG,
+    Learned,
+    RequestChoice,
+    cap_to_cards,
+    choose_request,
+    kept_command,
+    learn,
+    save_record,
+)
+from gpuwait.linux import proc, signals
+from gpuwait.queue import lifecycle
+from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
+from gpuwait.queue.claims import claim_of
+from gpuwait.queue.entries import WAITING, Job
+from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
+from gpuwait.queue.wait import Interrupted, TimedOut, WaitPolicy, wait_for_admission
+from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
+from gpuwait.runner.stderrwatch import StderrWatch
+from gpuwait.runner.supervise import RunResult, supervise
+
+
+class Pausable(Record, frozen=True):
+    """`--pausable`: how the job is asked to step aside."""
+
+    checkpoint_signal: str
+    grace_seconds: float
+    grace_kill: bool
+
+
+class RunRequest(Record, frozen=True):
+    """What the user asked for one command (validated by the command line)."""
+
+    command: tuple[str, ...]
+    #: --vram; None: learned from the history, else default_vram.
+    vram: MemoryRequest | None = None
+    #: --exclusive: whole GPUs.
+    exclusive: bool = False
+    key: str | None = None
+    retry_oom: int = 0
+    gpus: int = 1
+    #: --devices as given (indices or UUIDs), resolved against the GPUs once they are read.
+    devices: str | None = None
+    #: Capability requests as a ledger entry stores them (min_total_bytes, name_pattern, ...).
+    requirements: Mapping[str, Any] = MappingProxyType({})
+    name: str | None = None
+    batch: str | None = None
+    #: --after and --after-ok references (ids, names, batches).
+    after: tuple[str, ...] = ()
+    after_ok: tuple[str, ...] = ()
+    pausable: Pausable | None = None
+    verbose: bool = False
+
+
+class RunConfig(Record, frozen=True):
+    """The settings a run reads, as plain values."""
+
+    state_dir: Path
+    ledger_dir: Path
+    #: An explicitly configured ledger dir must exist (an administrator creates a shared one).
+    ledger_must_exist: bool
+    lock_timeout: float
+    sim: Path | None
+    nvml_timeout: float
+    on_no_gpu: str
+    on_state_error: str
+    default_vram: MemoryRequest | None
+    estimate_margin: float
+    history_commands: str
+    history_max_size: int
+    pick: str
+    priority: int
+    timeout: float | None
+    gpu_weights: Mapping[str, float]
+    wait: WaitPolicy
+    sample_interval: float
+    resume_exit: int
+    watch_stderr: bool
+
+
+class Reporter(Protocol):
+    """How a run speaks to the user (gpuwait.commands.output gives the terminal's)."""
+
+    def warn(self, message: str) -> None:
+        """Something the user should know; the run goes on."""
+
+    def info(self, message: str) -> None:
+        """What is happening (not said with --quiet)."""
+
+    def error(self, message: str) -> None:
+        """Why the run ends without the command's own status."""
+
+    def waiting(self, reason: WaitReason) -> None:
+        """Why the job still waits (its line is rewritten in place on a terminal)."""
+
+    def waited(self) -> None:
+        """The wait is over: clear the waiting line."""
+
+
+class _Ended(Record, frozen=True):
+    """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
+
+    returncode: int
+    oom: bool = False
+    reserved_bytes: int = 0
+    #: The command checkpointed on request and is queued again (cooperative pausing).
+    paused: bool = False
+
+
+def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
+    """Run the command as a job; return the status gpuwait ends with (or end by its signal)."""
+    choice = _request(request, config, reporter)
+    check_command(request.command)
+    try:
+        backend = open_backend(config.sim, config.nvml_timeout)
+    except BackendUnavailable as exc:
+        if config.on_no_gpu == "fail":
+            raise
+        reporter.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
+        return exec_bare(request.command)
+    try:
+        return _run_with_retries(request, config, reporter, backend, choice)
+    finally:
+        backend.close()
+
+
+def _choose(request: RunRequest, config: RunConfig, vram: MemoryRequest | None) -> RequestChoice:
+    """`vram` when given; else what the history says of the command; else default_vram."""
+    return choose_request(
+        vram,
+        config.default_vram,
+        config.state_dir,
+        request.command,
+        os.getcwd(),
+        key=request.key,
+        margin=config.estimate_margin,
+    )
+
+
+def _request(request: RunRequest, config: RunConfig, reporter: Reporter) -> RequestChoice:
+    if request.exclusive:
+        return RequestChoice(None, FLAG)
+    choice = _choose(request, config, request.vram)
+    if choice.learned is not None:
+        for message in choice.learned.warnings:
+            reporter.warn(message)
+    return choice
+
+
+def _run_with_retries(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    choice: RequestChoice,
+) -> int:
+    """Run once; after an out-of-memory failure, queue again with the raised estimate."""
+    retries = 0
+    while True:
+        ended = _attempt(request, config, reporter, backend, choice)
+        returncode = ended.returncode
+        if not ended.oom or retries >= request.retry_oom:
+            break
+        retries += 1
+        raised = _choose(request, config, None)
+        # Capped as the next attempt will be: a run that already had the largest card
+        # cannot be helped by a bigger estimate.
+        snapshot = backend.snapshot()
+        raised = cap_to_cards(
+            raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
+        )
+        after = raised.request.bytes if raised.request is not None else None
+        if after is None or after <= ended.reserved_bytes:
+            reporter.warn("the command ran out of GPU memory; no larger size to retry with")
+            break
+        reporter.info(
+            f"the command ran out of GPU memory; retrying with {format_size(after)} "
+            f"(retry {retries} of {request.retry_oom})"
+        )
+        choice = raised
+    if returncode < 0:
+        sys.stdout.flush()
+        signals.die_by_signal(-returncode)
+        return 128 - returncode
+    return returncode
+
+
+def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | None:
+    """The GPUs the job may use: --devices, within an inherited CUDA_VISIBLE_DEVICES."""
+    candidates: list[str] | None = None
+    if request.devices is not None:
+        try:
+            candidates = parse_devices_option(request.devices, snapshot.gpus)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None:
+        visible = parse_inherited_visible(inherited, snapshot.gpus)
+        if not visible:
+            raise ImpossibleRequest(
+                f"CUDA_VISIBLE_DEVICES={inherited!r} makes no GPU visible to this command",
+                hint="unset it, or list GPU indices or UUIDs that exist (see gpuwait status)",
+            )
+        candidates = visible if candidates is None else [u for u in candidates if u in visible]
+        if not candidates:
+            raise ImpossibleRequest(
+                f"--devices {request.devices} names no GPU visible through "
+                f"CUDA_VISIBLE_DEVICES={inherited}"
+            )
+    return candidates
+
+
+def _weights(config: RunConfig, snapshot: MachineSnapshot) -> dict[str, float]:
+    """gpu_weights with NVML indices turned into UUIDs."""
+    by_index = {str(g.index): g.uuid for g in snapshot.gpus}
+    weights: dict[str, float] = {}
+    for key, weight in config.gpu_weights.items():
+        if key.isdigit() and key not in by_index:
+            raise UsageError(f"gpu_weights names GPU {key}, which is not here")
+        weights[by_index.get(key, key)] = weight
+    return weights
+
+
+def _new_job(
+    request: RunRequest,
+    config: RunConfig,
+    choice: RequestChoice,
+    snapshot: MachineSnapshot,
+    candidates: list[str] | None,
+) -> Job:
+    pausable = request.pausable
+    now = time.time()
+    job = Job(
+        id=os.urandom(4).hex(),
+        pid=os.getpid(),
+        start_time=proc.start_time(os.getpid()) or 0,
+        uid=os.getuid(),
+        command=list(request.command),
+        cwd=os.getcwd(),
+        request=choice.request.to_json() if choice.request is not None else {},
+        gpus=request.gpus,
+        candidates=candidates,
+        pick=config.pick,
+        priority=config.priority,
+        state=WAITING,
+        submitted_at=now,
+        updated_at=now,
+        name=request.name,
+        batch=request.batch,
+        requirements=dict(request.requirements),
+        weights=_weights(config, snapshot) if config.pick == "weighted" else {},
+    )
+    if pausable is not None:
+        job = job._replace(
+            pausable=True,
+            checkpoint_signal=pausable.checkpoint_signal,
+            grace_seconds=pausable.grace_seconds,
+            grace_kill=pausable.grace_kill,
+        )
+    return job
+
+
+def _with_run_times(
+    job: Job, config: RunConfig, learned: Learned | None, snapshot: MachineSnapshot
+) -> tuple[Job, list[str]]:
+    """`job` with what the history says of its run times: for backfill, ETAs, the cost of
+    pausing it and adaptive-throughput; and the history's warnings.
+
+    Run times are learned from the command's own runs (never from a --key); `learned` is that
+    look-up when the request already made it (its warnings were said then).
+    """
+    warnings: list[str] = []
+    if learned is None:
+        try:
+            learned = learn(config.state_dir, job.command, job.cwd)
+        except Exception:  # an unreadable history must not stop a launch
+            return job, []
+        warnings = list(learned.warnings)
+    expected = None if learned.run_time is None else learned.run_time.median
+    load = None if learned.load_time is None else learned.load_time.median
+    by_gpu = (
+        learned.run_seconds_on(g.uuid for g in snapshot.gpus)
+        if job.pick == "adaptive-throughput"
+        else {}
+    )
+    updated = job._replace(
+        expected_seconds=expected,
+        expected_by_gpu=by_gpu,
+        # Pausing this job costs its reload: waiters weigh it against their own wait.
+        load_seconds=load if job.pausable else None,
+    )
+    return updated, warnings
+
+
+def _ledger(config: RunConfig) -> Ledger:
+    return Ledger(
+        config.ledger_dir, must_exist=config.ledger_must_exist, lock_timeout=config.lock_timeout
+    )
+
+
+def _show_warnings(ledger: Ledger, reporter: Reporter) -> None:
+    for message in ledger.take_warnings():
+        reporter.warn(message)
+
+
+def _attempt(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    choice: RequestChoice,
+) -> _Ended:
+    snapshot = backend.snapshot()
+    for message in snapshot.warnings:
+        reporter.warn(message)
+    candidates = _candidates(request, snapshot)
+    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety)
+    job = _new_job(request, config, choice, snapshot, candidates)
+    impossible = impossible_reason(
+        claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
+    )
+    if impossible is not None:
+        raise ImpossibleRequest(
+            impossible,
+            hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
+        )
+    own = choice.learned if request.key is None else None
+    job, warnings = _with_run_times(job, config, own, snapshot)
+    for message in warnings:
+        reporter.warn(message)
+
+    # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
+    signals.block_handled()
+    ledger = _ledger(config)
+    try:
+        job = lifecycle.submit(
+            ledger,
+            job,
+            request.after,
+            request.after_ok,
+            config.state_dir,
+            kept_command(request.command, job.cwd, config.history_commands),
+        )
+    except StateError as exc:
+        if config.on_state_error != "run":
+            raise
+        signals.unblock_all()
+        reporter.warn(
+            f"{exc.message}; running the command without coordination (on_state_error = run)"
+        )
+        return _Ended(exec_bare(request.command))
+    _show_warnings(ledger, reporter)
+
+    #: The wait before the first start, and the waits after stepping aside (what pausing cost).
+    queued_seconds: float | None = None
+    paused_seconds = 0.0
+    while True:
+        timeout = config.timeout
+        waited_from = time.monotonic()
+
+        def said(reason: WaitReason) -> None:
+            # The ledger's warnings from the wait so far (a damaged file, an ignored edit) come
+            # first; the line says where a request without --vram came from.
+            _show_warnings(ledger, reporter)
+            if choice.note:
+                reason = reason._replace(needed=f"{reason.needed} ({choice.note})")
+            reporter.waiting(reason)
+
+        try:
+            job, outcome = wait_for_admission(
+                ledger,
+                backend,
+                job,
+                config.wait,
+                # --timeout bounds the first wait only: a paused job always comes back.
+                deadline=None if timeout is None or job.pauses else waited_from + timeout,
+                on_reason=said,
+            )
+        except BaseException:
+            _finish(ledger, job, INTERRUPTED, reporter)
+            raise
+        finally:
+            reporter.waited()
+            _show_warnings(ledger, reporter)
+        wait_seconds = time.monotonic() - waited_from
+        if isinstance(outcome, TimedOut):
+            _finish(ledger, job, TIMED_OUT, reporter)
+            why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+            reporter.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
+            return _Ended(EXIT_TIMEOUT)
+        if isinstance(outcome, Interrupted):
+            _finish(ledger, job, INTERRUPTED, reporter)
+            return _Ended(128 + outcome.signum)
+        if isinstance(outcome, Cancelled):
+            # `gpuwait cancel` already took the entry out and recorded the outcome.
+            reporter.info(f"job {job.id} cancelled while waiting")
+            return _Ended(EXIT_CANCELLED)
+        if isinstance(outcome, DependencyFailed):
+            reporter.error(f"job {job.id} will not start: {outcome.message}")
+            return _Ended(EXIT_DEPENDENCY_FAILED)
+        if queued_seconds is None:
+            queued_seconds = wait_seconds
+        else:
+            paused_seconds += wait_seconds
+        job, ended = _start(
+            request,
+            config,
+            reporter,
+            backend,
+            ledger,
+            outcome,
+            wait_seconds,
+            choice,
+            queued_seconds,
+            paused_seconds,
+        )
+        if not ended.paused:
+            return ended
+        reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
+
+
+def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:
+    """lifecycle.finish, for a process that is about to end: a failure is only said, since the
+    entry is reaped by the next gpuwait anyway."""
+    try:
+        lifecycle.finish(ledger, job, outcome, **how)
+    except Exception as exc:
+        reporter.warn(str(exc))
+
+
+def _start(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    ledger: Ledger,
+    admitted: Admitted,
+    wait_seconds: float,
+    choice: RequestChoice,
+    queued_seconds: float,
+    paused_seconds: float,
+) -> tuple[Job, _Ended]:
+    job = admitted.job
+    chosen = list(admitted.gpus)
+    env = command_env(job, [g.index for g in chosen], config.resume_exit)
+    if request.verbose:
+        where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
+        note = f" ({choice.note})" if choice.note else ""
+        reporter.info(
+            f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
+            f"{format_size(job.reserved_bytes)} reserved{note}"
+        )
+    started_at = time.time()
+    watch = StderrWatch(enabled=config.watch_stderr)
+    try:
+        child = spawn(request.command, env, watch.file_actions())
+    except OSError as exc:
+        watch.abandon()
+        code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        _finish(ledger, job, FAILED, reporter, exit_status=code)
+        raise CommandProblem(f"{request.command[0]}: {exc.strerror}", code) from None
+    watch.started()
+    try:
+        job = lifecycle.started(ledger, job, child)
+    except Exception as exc:  # the command is running: never abandon it over bookkeeping
+        reporter.warn(str(exc))
+        job = job._replace(child_pid=child, pids=[child])
+    responder = None
+    if job.pausable:
+        # Here, not at the top: only a --pausable job's launch pays for the pausing machinery.
+        from gpuwait.runner.paused import PauseResponder
+
+        responder = PauseResponder(ledger, job)
+    result = supervise(
+        child,
+        job,
+        ledger,
+        backend,
+        config.sample_interval,
+        baseline_used={g.uuid: g.used_bytes for g in chosen},
+        responder=responder,
+    )
+    said_oom = watch.finish()
+    code = result.returncode
+    if result.paused and code == config.resume_exit:
+        job = lifecycle.step_aside(ledger, job, result.run_seconds)
+        return job, _Ended(code, paused=True)
+    vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
+    _finish(
+        ledger,
+        job,
+        OK if code == 0 else FAILED,
+        reporter,
+        exit_status=code if code >= 0 else None,
+        signal=-code if code < 0 else None,
+        run_seconds=result.run_seconds,
+        charge_usage=(vram_seconds, config.wait.fair.half_life),
+        paused=(job.pauses, paused_seconds) if job.pausable else None,
+    )
+    oom = _record(
+        request,
+        config,
+        reporter,
+        job,
+        chosen,
+        result,
+        queued_seconds,
+        started_at,
+        choice,
+        said_oom,
+        watch.mode,
+        paused_seconds,
+    )
+    return job, _Ended(result.returncode, oom, job.reserved_bytes)
+
+
+def _record(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    job: Job,
+    chosen: Sequence[GpuSnapshot],
+    result: RunResult,
+    wait_seconds: float,
+    started_at: float,
+    choice: RequestChoice,
+    said_oom: bool | None,
+    stderr_watched: str,
+    paused_seconds: float,
+) -> bool:
+    """Leave the run's record in the history; returns whether it looked like an OOM.
+
+    `wait_seconds` is the wait before the first start; a --pausable job's record also says how
+    often it stepped aside and how long it then waited to resume (`paused_seconds`)."""
+    peaks, approximate = result.peaks()
+    card_full = any(
+        near_full(result.free_at_peak_bytes.get(u), total)
+        for u, total in result.total_bytes.items()
+    )
+    oom = looks_like_oom(result.returncode, bool(said_oom), card_full)
+    record = run_record.build(
+        job_id=job.id,
+        name=job.name,
+        batch=job.batch,
+        command=job.command,
+        cwd=job.cwd,
+        key=request.key,
+        history_commands=config.history_commands,
+        request=job.request,
+        request_source=choice.source,
+        reserved_bytes=job.reserved_bytes,
+        gpus=chosen,
+        measured=run_record.Measured(
+            peak_by_gpu=peaks,
+            peak_approximate=approximate,
+            time_to_peak=result.time_to_peak(),
+            samples=result.samples,
+            free_at_peak_bytes=result.free_at_peak_bytes,
+            run_seconds=result.run_seconds,
+            returncode=result.returncode,
+            oom=oom,
+            oom_evidence=None if not oom else ("message" if said_oom else "card full"),
+            stderr_watched=stderr_watched,
+        ),
+        wait_seconds=wait_seconds,
+        started_at=started_at,
+        pauses=(job.pauses, paused_seconds) if job.pausable else None,
+    )
+    try:
+        warnings = save_record(config.state_dir, record, config.history_max_size)
+    except OSError as exc:
+        # The run itself is over and its status stands; only the record is lost.
+        warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
+    for message in warnings:
+        reporter.warn(message)
+    return oom

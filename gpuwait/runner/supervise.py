@@ -1,0 +1,251 @@
+"""Run the admitted command as gpuwait's child and watch it until it ends.
+
+The child stays in gpuwait's process group, so the terminal's Ctrl-C, Ctrl-Z and job control reach
+it exactly as if it ran bare, and its stdin/stdout/stderr are gpuwait's own. Signals sent to
+gpuwait's pid are forwarded. Every `sample_interval` the VRAM of the command's whole process tree
+is read and published in the ledger.
+
+The peak that goes into the history is the tree's own, from NVML's per-process figures. Where
+NVML has none for the tree (inside containers it lists host pids, or no figures at all), the
+growth of the card's used memory over what it held at admission stands in, counted only while no
+other gpuwait job runs on that card, and the peak is marked approximate. When NVML accounting mode
+is on, its per-process maximum (which sees between samples) is taken at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gpuwait.core.estimate import time_to_peak
+from gpuwait.core.record import Record, field
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.gpu.backend import Backend
+from gpuwait.linux import proc, signals
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import RUNNING, Job
+from gpuwait.queue.ledger import Ledger
+
+if TYPE_CHECKING:
+    from gpuwait.runner.paused import PauseResponder
+
+#: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
+#: fewer wake-ups of the waiters, and the policy reads live usage from NVML anyway.
+_PUBLISH_STEP = 64 * 2**20
+
+
+class RunResult(Record):
+    """How the command ended and what it used."""
+
+    #: As os.waitstatus_to_exitcode: >= 0 an exit status, < 0 killed by that signal.
+    returncode: int
+    #: Peak of the process tree per GPU UUID, from per-process figures (exact).
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    run_seconds: float = 0.0
+    samples: int = 0
+    #: The command was sent the checkpoint signal (cooperative pausing).
+    paused: bool = False
+    #: Peak growth of the card's used memory per GPU, while the job ran alone there.
+    growth_bytes: dict[str, int] = field(default_factory=dict)
+    #: GPUs where NVML gave a figure for a process of the tree.
+    attributed: set[str] = field(default_factory=set)
+    #: Free memory per GPU at the sample where the job used the most there (once it used any),
+    #: and the card sizes: a card full at the job's peak hints at an out-of-memory failure.
+    free_at_peak_bytes: dict[str, int] = field(default_factory=dict)
+    total_bytes: dict[str, int] = field(default_factory=dict)
+    #: (seconds since start, bytes on the fullest GPU) per sample.
+    series: list[tuple[float, int]] = field(default_factory=list)
+    #: Every pid the tree ever had, for NVML accounting at the end.
+    pids_seen: set[int] = field(default_factory=set)
+    #: Per-GPU maximum from NVML accounting mode, where it is on.
+    accounting_bytes: dict[str, int] = field(default_factory=dict)
+
+    def peaks(self) -> tuple[dict[str, int], bool]:
+        """The best peak per GPU, and whether any of them is approximate.
+
+        GPUs with neither per-process figures nor a measurable growth are left out: unknown.
+        """
+        peaks: dict[str, int] = {}
+        approximate = False
+        for uuid in set(self.attributed) | set(self.growth_bytes) | set(self.accounting_bytes):
+            if uuid in self.accounting_bytes:
+                peaks[uuid] = max(self.accounting_bytes[uuid], self.peak_bytes.get(uuid, 0))
+            elif uuid in self.attributed:
+                peaks[uuid] = self.peak_bytes.get(uuid, 0)
+            else:
+                peaks[uuid] = self.growth_bytes[uuid]
+                approximate = True
+        return peaks, approximate
+
+    def time_to_peak(self) -> float | None:
+        return time_to_peak(self.series)
+
+
+def supervise(
+    child: int,
+    job: Job,
+    ledger: Ledger,
+    backend: Backend | None,
+    sample_interval: float,
+    baseline_used: Mapping[str, int] | None = None,
+    responder: PauseResponder | None = None,
+) -> RunResult:
+    """Forward signals, sample VRAM, and return once `child` has exited.
+
+    `baseline_used`: each GPU's used memory at admission, for the approximate peak.
+    """
+    started = time.monotonic()
+    result = RunResult(returncode=0)
+    published: dict[str, int] = {}
+    published_pids: list[int] = [child]
+    published_at = started
+    next_sample = started
+    seen_gpus: frozenset[str] | None = None
+    seen_token = ledger.change_token()
+    while True:
+        waited_pid, status = os.waitpid(child, os.WNOHANG)
+        if waited_pid == child:
+            result.returncode = os.waitstatus_to_exitcode(status)
+            result.run_seconds = time.monotonic() - started
+            if backend is not None:
+                _read_accounting(backend, job, result)
+            result.paused = responder is not None and responder.signalled_at is not None
+            return result
+        now = time.monotonic()
+        if backend is not None and now >= next_sample:
+            # Every 0.1 s through the first second, so short runs and quick loads still get
+            # their peak (and a load time to the tenth), then at the configured interval.
+            step = 0.1 if now - started < 1.0 else sample_interval
+            next_sample = now + min(sample_interval, step)
+            pids, usage, gpus, snapshot = _sample(child, job, backend)
+            if snapshot is not None:
+                answering = frozenset(g.uuid for g in snapshot.gpus)
+                if seen_gpus is not None and answering != seen_gpus:
+                    # Bookkeeping only: the command runs on whatever the ledger says.
+                    with contextlib.suppress(Exception):
+                        lifecycle.note_health(ledger, snapshot)
+                seen_gpus = answering
+            result.samples += 1
+            for uuid, used in usage.items():
+                result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
+            _note_sample(result, job, ledger, gpus, pids, baseline_used or {}, now - started)
+            moved = any(abs(usage.get(u, 0) - published.get(u, 0)) >= _PUBLISH_STEP for u in usage)
+            # Others plan with the tree's pids (they read its memory from NVML themselves), so a
+            # new tree is published at once; a usage figure only informs, so it is published at
+            # the configured interval at most, not at every sample of the first second (which
+            # are for this run's own peak and load time).
+            if sorted(pids) != sorted(published_pids) or (
+                moved and now - published_at >= sample_interval
+            ):
+                published, published_pids, published_at = usage, sorted(pids), now
+                _publish(ledger, job, usage, published_pids)
+            elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
+                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+                # our reservation must not stay lost while the command runs (publishing puts
+                # the entry back).
+                _publish(ledger, job, published, published_pids)
+            seen_token = ledger.change_token()
+        if responder is not None:
+            responder.check(child)
+        info = signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
+        if info is None or info.si_signo == signal.SIGCHLD:
+            continue
+        if signals.came_from_terminal(info):
+            continue  # the terminal already sent it to the command's process group
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, info.si_signo)
+
+
+def _sample(
+    child: int, job: Job, backend: Backend
+) -> tuple[list[int], dict[str, int], list[GpuSnapshot], MachineSnapshot | None]:
+    tree = proc.process_tree([child])
+    try:
+        snapshot = backend.snapshot()
+    except Exception:  # a failing reading must never take the command down with it
+        return sorted(tree), {}, [], None
+    gpus = [g for g in snapshot.gpus if g.uuid in job.gpu_uuids]
+    usage = {g.uuid: g.process_bytes(tree) for g in gpus}
+    return sorted(tree), usage, gpus, snapshot
+
+
+def _note_sample(
+    result: RunResult,
+    job: Job,
+    ledger: Ledger,
+    gpus: list[GpuSnapshot],
+    pids: list[int],
+    baseline_used: Mapping[str, int],
+    elapsed: float,
+) -> None:
+    """Everything besides the per-process peak that the history wants from one sample."""
+    tree = set(pids)
+    result.pids_seen |= tree
+    others: set[str] | None = None
+    fullest = 0
+    for gpu in gpus:
+        result.total_bytes[gpu.uuid] = gpu.total_bytes
+        if any(p.pid in tree and p.used_bytes is not None for p in gpu.processes):
+            result.attributed.add(gpu.uuid)
+        if gpu.uuid in result.attributed:
+            used = gpu.process_bytes(tree)
+            peak_so_far = result.peak_bytes.get(gpu.uuid, 0)
+        else:
+            if gpu.uuid not in baseline_used:
+                continue
+            if others is None:
+                others = _gpus_shared_with_others(ledger, job)
+            if gpu.uuid in others:
+                continue  # another job's memory would be taken for ours
+            used = max(0, gpu.used_bytes - baseline_used[gpu.uuid])
+            peak_so_far = result.growth_bytes.get(gpu.uuid, 0)
+            result.growth_bytes[gpu.uuid] = max(peak_so_far, used)
+        if used > 0 and used >= peak_so_far:
+            result.free_at_peak_bytes[gpu.uuid] = gpu.free_bytes
+        fullest = max(fullest, used)
+    if gpus:
+        result.series.append((round(elapsed, 3), fullest))
+
+
+def _gpus_shared_with_others(ledger: Ledger, job: Job) -> set[str]:
+    try:
+        data = ledger.read()
+    except Exception:
+        return set(job.gpu_uuids)  # cannot tell: assume shared, so no approximate figure
+    return {
+        uuid
+        for other in data.jobs
+        if other.id != job.id and other.state == RUNNING
+        for uuid in other.gpu_uuids
+    }
+
+
+def _read_accounting(backend: Backend, job: Job, result: RunResult) -> None:
+    """NVML accounting mode's per-process maximum, where the backend offers it (guarded)."""
+    reader = getattr(backend, "accounting_peak", None)
+    if reader is None or not result.pids_seen:
+        return
+    for uuid in job.gpu_uuids:
+        try:
+            value = reader(uuid, frozenset(result.pids_seen))
+        except Exception:
+            continue
+        if isinstance(value, int) and value >= 0:
+            result.accounting_bytes[uuid] = value
+
+
+def _entry_present(ledger: Ledger, job: Job) -> bool:
+    try:
+        return ledger.read().find(job.id) is not None
+    except Exception:
+        return True  # cannot tell; the next change is looked at again
+
+
+def _publish(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> None:
+    # The command runs on even when the state dir misbehaves; its reservation stays as it was.
+    with contextlib.suppress(Exception):
+        lifecycle.publish_usage(ledger, job, usage, pids)

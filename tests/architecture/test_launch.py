@@ -1,0 +1,122 @@
+"""Keeping the launch fast, and leaving it safely.
+
+A launch (`gpuwait --vram 1G -- CMD`) stays fast because it imports none of the standard
+library's heavy modules (dataclasses, shutil, hashlib, subprocess, inspect), and leaves with
+`os._exit` instead of tearing the interpreter down. That exit is safe only while no atexit
+handler is registered, every thread left is a daemon, and the output is flushed before it: each
+is checked here on real launches, over the simulation and over the NVML library.
+(bench/launch_overhead.py measures the time itself.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_nvml import FakeGpu, FakeNvml
+
+HEAVY = ("dataclasses", "shutil", "hashlib", "subprocess", "inspect")
+
+#: A launch as the console script makes it, then a look at what it left behind: run in place
+#: of entry_point's os._exit, in the same process. argv[1] names the report's file.
+PROBE = """
+import json, sys, atexit, threading
+from gpuwait import cli
+code = cli.main(sys.argv[2:])
+report = {
+    "code": code,
+    "atexit": atexit._ncallbacks(),
+    "threads": [t.name for t in threading.enumerate()
+                if t is not threading.main_thread() and not t.daemon],
+}
+with open(sys.argv[1], "w") as out:
+    json.dump(report, out)
+"""
+
+
+def launch_report(env: dict[str, str], tmp_path: Path, args: list[str]) -> dict[str, object]:
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    report: dict[str, object] = json.loads(out.read_text())
+    assert report["code"] == 0, done.stderr
+    return report
+
+
+def imported_by_launch(env: dict[str, str]) -> set[str]:
+    """Every module a launch imports, as `python -X importtime` lists them."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-c",
+            "from gpuwait.cli import entry_point; entry_point()",
+            *("--vram", "1G", "-q", "--", "true"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    names = set()
+    for line in done.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    assert "gpuwait.cli" in names  # the listing is what it claims to be
+    return names
+
+
+@pytest.fixture
+def nvml_env(fake_nvml: FakeNvml) -> dict[str, str]:
+    fake_nvml.set_gpus([FakeGpu()])
+    env = fake_nvml.env(dict(os.environ))
+    env.pop("GPUWAIT_SIM", None)
+    return env
+
+
+@pytest.mark.parametrize("backend", ["sim", "nvml"])
+def test_a_launch_imports_none_of_the_heavy_modules(
+    backend: str, sim: Path, request: pytest.FixtureRequest
+) -> None:
+    env = dict(os.environ) if backend == "sim" else request.getfixturevalue("nvml_env")
+    imported = imported_by_launch(env)
+    assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+
+
+@pytest.mark.parametrize("backend", ["sim", "nvml"])
+def test_what_leaving_with_os_exit_relies_on(
+    backend: str, sim: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    env = dict(os.environ) if backend == "sim" else request.getfixturevalue("nvml_env")
+    report = launch_report(env, tmp_path, ["--vram", "1G", "-q", "--", "true"])
+    assert report["atexit"] == 0, "an atexit handler would never run after os._exit"
+    assert report["threads"] == [], "a thread that is not a daemon would be cut off mid-work"
+
+
+def test_output_is_complete_when_gpuwait_leaves_through_os_exit(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # stdout to a pipe is block-buffered: without the flush before os._exit the end would be lost.
+    done = subprocess.run(
+        [*gpuwait_cmd, "config"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.rstrip().splitlines()[-1].startswith("ledger dir:")
+    verbose = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "-v", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert verbose.returncode == 0 and "starts on GPU" in verbose.stderr

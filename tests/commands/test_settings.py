@@ -1,0 +1,33 @@
+"""Settings are typed: one attribute per setting, each shown by its own option's formatter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuwait.config import OPTIONS, Settings, resolve
+
+
+def test_every_option_is_an_attribute_of_settings_in_the_same_order() -> None:
+    names = [
+        name for name in Settings._fields if name not in ("sources", "config_file", "site_file")
+    ]
+    assert names == [option.name for option in OPTIONS]
+
+
+def test_defaults_are_typed_values_and_shown_as_a_user_types_them() -> None:
+    settings = resolve({}, {}, {}, Path("c.toml"))
+    assert settings.safety == 0.9 and settings.priority == 3
+    assert settings.default_vram is None and settings.shown("default_vram") == "exclusive"
+    assert settings.timeout is None and settings.shown("timeout") == "none"
+    assert settings.shown("pause_min_runtime") == "10m00s"
+    assert settings.shown("history_max_size") == "64.0 MiB"
+    assert settings.shown("estimate_margin") == "10%"
+    assert settings.state_dir is None and settings.shown("state_dir") == "(not set)"
+    assert all(source == "default" for source in settings.sources.values())
+
+
+def test_a_path_setting_is_absolute_and_names_the_effective_directories(tmp_path: Path) -> None:
+    settings = resolve({}, {"GPUWAIT_STATE_DIR": str(tmp_path / "s")}, {}, Path("c.toml"))
+    assert settings.state_path == tmp_path / "s"
+    assert settings.ledger_path == tmp_path / "s"
+    assert settings.sources["state_dir"] == "environment GPUWAIT_STATE_DIR"

@@ -1,0 +1,501 @@
+"""The shell hooks of `gpuwait shell-init`, in real bash, zsh and fish, against simulated GPUs."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.shellbin import env_with_bin, make_bin
+
+from gpuwait.core.policy import PICK_STRATEGIES
+from gpuwait.core.wrap import decide
+
+SHELLS = ["bash", "zsh", "fish"]
+
+PROBE = """\
+import json, os, sys
+print(json.dumps({
+    "argv": sys.argv[1:],
+    "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "job": os.environ.get("GPUWAIT_JOB_ID"),
+}))
+"""
+
+#: Arguments a shell must hand over untouched: spaces, quotes, globs, empty ones, and more.
+TRICKY_ARGS = [
+    "a b",
+    "",
+    "*",
+    "?",
+    "\"double\" 'single'",
+    "$HOME",
+    "`echo no`",
+    "back\\slash",
+    "two\nlines",
+    "--vram",
+    "-c",
+    "--",
+    "ünï",
+    "   ",
+]
+
+
+def need(shell: str) -> str:
+    path = shutil.which(shell)
+    if path is None:
+        pytest.skip(f"{shell} is not installed (.ci/run installs it with apt-get)")
+    return path
+
+
+def init_line(shell: str, *options: str) -> str:
+    """The line a user puts in their rc file, as the shell's own code."""
+    opts = " ".join(options)
+    if shell == "fish":
+        return f"gpuwait shell-init fish {opts} | source"
+    return f'eval "$(gpuwait shell-init {shell} {opts})"'
+
+
+def run_shell(
+    shell: str, script: str, args: list[str], env: dict[str, str], **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run `script` non-interactively with `args` as its positional parameters ($@ / $argv)."""
+    need(shell)
+    if shell == "fish":
+        argv = ["fish", "--no-config", "-c", script, *args]
+    elif shell == "zsh":
+        argv = ["zsh", "-f", "-c", script, "zsh", *args]
+    else:
+        argv = ["bash", "--norc", "--noprofile", "-c", script, "bash", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, **kw)
+
+
+def all_args(shell: str) -> str:
+    return "$argv" if shell == "fish" else '"$@"'
+
+
+def status_var(shell: str) -> str:
+    return "$status" if shell == "fish" else "$?"
+
+
+@pytest.fixture
+def hook_env(tmp_path: Path, sim_file: Any) -> dict[str, str]:
+    """Two simulated 24 GiB GPUs, gpuwait and python on PATH, wrapped jobs asking for 1 GiB."""
+    sim_file(gpus=2)
+    env = env_with_bin(make_bin(tmp_path / "bin"))
+    env["GPUWAIT_DEFAULT_VRAM"] = "1G"
+    (tmp_path / "probe.py").write_text(PROBE)
+    return env
+
+
+def sim_uuids() -> list[str]:
+    from gpuwait.gpu.sim import SimBackend
+
+    return [g.uuid for g in SimBackend(os.environ["GPUWAIT_SIM"]).snapshot().gpus]
+
+
+def probe_lines(output: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_wrapped_python_runs_on_a_gpu_with_its_arguments_intact(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = (
+        f"{init_line(shell, '--always')}\n"
+        f"python probe.py {all_args(shell)}\n"
+        f"command python probe.py {all_args(shell)}\n"
+    )
+    done = run_shell(shell, script, TRICKY_ARGS, hook_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    wrapped, bare = probe_lines(done.stdout)
+    assert wrapped["argv"] == TRICKY_ARGS
+    assert wrapped["cuda"] in sim_uuids() and wrapped["job"]
+    # `command python` is the escape hatch: the bare program, same arguments.
+    assert bare == {"argv": TRICKY_ARGS, "cuda": None, "job": None}
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_globs_and_quoting_typed_in_the_shell_reach_the_program_as_bare(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    for name in ("b.txt", "a.txt", "with space.txt"):
+        (tmp_path / name).write_text("")
+    line = "probe.py *.txt 'it''s' \"x y\" '' a\\ b"
+    if shell == "fish":
+        line = "probe.py *.txt 'it\\'s' \"x y\" '' a\\ b"
+    script = f"{init_line(shell, '--always')}\npython {line}\ncommand python {line}\n"
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    wrapped, bare = probe_lines(done.stdout)
+    assert wrapped["argv"] == bare["argv"]
+    assert wrapped["argv"][:3] == ["a.txt", "b.txt", "with space.txt"]
+    assert wrapped["cuda"] in sim_uuids() and bare["cuda"] is None
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_exit_status_stdin_and_pipes_are_the_commands_own(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    status = status_var(shell)
+    script = f"""{init_line(shell, "--always")}
+python -c 'import sys; sys.exit(7)'
+echo "status=({status})"
+python -c 'import os; os.kill(os.getpid(), 15)'
+echo "signal=({status})"
+printf 'one\\ntwo\\n' | python -c 'import sys; print(sys.stdin.read().upper(), end="")' | tr O 0
+python3 -c 'import os; print("CUDA", os.environ["CUDA_VISIBLE_DEVICES"][:4])'
+"""
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    assert "status=(7)" in done.stdout, done.stderr
+    assert "signal=(143)" in done.stdout
+    assert "\n0NE\nTW0\n" in done.stdout
+    assert "CUDA GPU-" in done.stdout
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_disable_variable_runs_bare(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
+    script = f"{init_line(shell, '--always')}\npython probe.py x\n"
+    done = run_shell(shell, script, [], {**hook_env, "GPUWAIT_DISABLE": "1"}, cwd=tmp_path)
+    assert probe_lines(done.stdout) == [{"argv": ["x"], "cuda": None, "job": None}], done.stderr
+    done = run_shell(shell, script, [], {**hook_env, "GPUWAIT_DISABLE": "0"}, cwd=tmp_path)
+    assert probe_lines(done.stdout)[0]["cuda"] in sim_uuids(), done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_non_interactive_shells_are_untouched_without_always(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = f"{init_line(shell)}\npython probe.py x\n"
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert probe_lines(done.stdout) == [{"argv": ["x"], "cuda": None, "job": None}]
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
+    """A wrapped job that starts a shell with the hook, which runs python: one job, not two."""
+    inner = f"{init_line(shell, '--always')}\npython probe.py inner\n"
+    shell_argv = {
+        "bash": ["bash", "--norc", "-c", inner],
+        "zsh": ["zsh", "-f", "-c", inner],
+        "fish": ["fish", "--no-config", "-c", inner],
+    }[shell]
+    (tmp_path / "outer.py").write_text(
+        "import os, subprocess, sys\n"
+        "print('outer', os.environ['GPUWAIT_JOB_ID'], flush=True)\n"
+        f"sys.exit(subprocess.call({shell_argv!r}))\n"
+    )
+    need(shell)
+    script = f"{init_line(shell, '--always')}\npython outer.py\n"
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    outer_job = done.stdout.split()[1]
+    (nested,) = probe_lines(done.stdout)
+    assert nested["job"] == outer_job and nested["argv"] == ["inner"]
+    history = Path(hook_env["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    assert len(history.read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_wrap_rules_from_the_config_file(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
+) -> None:
+    gpu_dir = tmp_path / "ml" / "project"
+    gpu_dir.mkdir(parents=True)
+    (gpu_dir / "probe.py").write_text(PROBE)
+    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        f'wrap_only_in = ["{tmp_path}/ml"]\nnever_wrap = ["* --dry-run*"]\n'
+        'wrap_commands = ["python"]\n'
+    )
+    script = (
+        f"{init_line(shell, '--always')}\n"
+        "python probe.py here\n"
+        "cd ml/project\n"
+        "python probe.py there\n"
+        "python probe.py --dry-run\n"
+        "python3 probe.py not-a-wrapped-command\n"
+    )
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    outside, inside, dry_run, python3 = probe_lines(done.stdout)
+    assert outside["cuda"] is None
+    assert inside["cuda"] in sim_uuids()
+    assert dry_run["cuda"] is None
+    assert python3["cuda"] is None
+
+
+def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
+    def explain(*argv: str, **env: str) -> tuple[int, str]:
+        done = subprocess.run(
+            ["gpuwait", "shell-hook", "--explain", "--", *argv],
+            env={**hook_env, **env},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return done.returncode, done.stdout.strip()
+
+    assert explain("python", "train.py") == (0, "wrap: no rule says otherwise")
+    assert explain("python", "-m", "pip", "install", "x") == (
+        1,
+        "bare: the command line matches never_wrap '* -m pip *'",
+    )
+    code, text = explain("python", "x.py", GPUWAIT_JOB_ID="abc")
+    assert code == 1 and "inside gpuwait job abc" in text
+    code, text = explain("python", "serve.py", GPUWAIT_NEVER_WRAP="* --dry-run, * serve.py")
+    assert code == 1 and "'* serve.py'" in text
+    code, text = explain("python", "x.py", GPUWAIT_WRAP_ONLY_IN=f"{tmp_path}/elsewhere")
+    assert code == 1 and "not under wrap_only_in" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "status"),
+    [
+        ([], "no command given", 2),
+        (["--bogus", "--", "python"], "unknown option '--bogus'", 2),
+        (["--", "no-such-command-xyz"], "command not found", 127),
+    ],
+)
+def test_shell_hook_bad_input(
+    hook_env: dict[str, str], argv: list[str], message: str, status: int
+) -> None:
+    done = subprocess.run(
+        ["gpuwait", "shell-hook", *argv],
+        env={**hook_env, "GPUWAIT_DISABLE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == status and message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_wrap_commands_are_refused(hook_env: dict[str, str]) -> None:
+    for value in ("python;rm", "command", "-x"):
+        done = subprocess.run(
+            ["gpuwait", "shell-init", "bash", "--wrap-commands", value],
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 2 and "--wrap-commands" in done.stderr, done.stderr
+        assert done.stdout == ""
+
+
+def test_decide_rules(tmp_path: Path) -> None:
+    home = {"HOME": "/home/u"}
+    assert decide(["python", "t.py"], ["/x"], home, (), ()).wrap
+    assert decide(["python", "t.py"], ["/home/u/ml/a/b"], home, ("~/ml",), ()).wrap
+    assert decide(["python", "t.py"], ["/home/u/ml2"], home, ("~/ml/",), ()).wrap is False
+    assert decide(["python", "t.py"], ["/data/p7/run"], home, ("/data/p*",), ()).wrap
+    # The shell's logical $PWD (a symlink) counts as well as the physical directory.
+    assert decide(["python"], ["/home/u/ml", "/mnt/disk/ml"], home, ("/mnt/disk/*",), ()).wrap
+    assert decide(["python", "-V"], ["/x"], home, (), ("* -V",)).wrap is False
+    assert decide(["python", "-V", "x"], ["/x"], home, (), ("* -V",)).wrap
+    assert decide(["python"], ["/x"], {"GPUWAIT_DISABLE": "yes"}, (), ()).wrap is False
+    assert decide(["python"], ["/x"], {"GPUWAIT_DISABLE": "0"}, (), ()).wrap
+
+
+# Terminals ------------------------------------------------------------------------------------
+
+TRAP = """\
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGINT, lambda s, f: got.append(s))
+open(sys.argv[1], "w").write("ready " + os.environ.get("CUDA_VISIBLE_DEVICES", "none"))
+deadline = time.monotonic() + 20
+while not got and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.3)  # a second delivery would arrive in this time
+sys.exit(40 + len(got))
+"""
+
+INTERACTIVE = {
+    "bash": ["bash", "--norc", "--noprofile", "-i"],
+    "zsh": ["zsh", "-f", "-i"],
+    "fish": ["fish", "--no-config", "-i"],
+}
+
+
+def wait_for_file(path: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        time.sleep(0.02)
+    raise AssertionError(f"{path} was never written")
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_interactive_shell_wraps_and_ctrl_c_reaches_the_command_once(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    need(shell)
+    (tmp_path / "trap.py").write_text(TRAP)
+    flag = tmp_path / "flag"
+    env = {**hook_env, "TERM": "dumb", "PS1": "$ "}
+    child = pexpect.spawn(
+        INTERACTIVE[shell][0], INTERACTIVE[shell][1:], env=env, cwd=str(tmp_path), timeout=30
+    )
+    try:
+        status = status_var(shell)
+        child.sendline(init_line(shell))  # interactive: no --always needed
+        child.sendline(f"python trap.py {flag}; echo RESULT=[{status}]")
+        assert wait_for_file(flag).startswith("ready GPU-")
+        child.sendintr()
+        child.expect(r"RESULT=\[(\d+)\]")
+        assert child.match.group(1) == b"41"  # the handler ran once, and the status is its own
+        child.sendline("exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+
+
+def test_completion_scripts_parse(hook_env: dict[str, str]) -> None:
+    for shell, check in (
+        ("bash", ["bash", "-n"]),
+        ("zsh", ["zsh", "-n"]),
+        ("fish", ["fish", "-n"]),
+    ):
+        need(shell)
+        for sub in (["completion", shell], ["shell-init", shell]):
+            text = subprocess.run(
+                ["gpuwait", *sub], env=hook_env, capture_output=True, text=True, timeout=30
+            ).stdout
+            assert "gpuwait" in text
+            done = subprocess.run(check, input=text, capture_output=True, text=True, timeout=30)
+            assert done.returncode == 0, (shell, sub, done.stderr)
+
+
+def test_completion_follows_the_parsers() -> None:
+    """Every option of the default command and every subcommand is in each script."""
+    from gpuwait.commands import SUBCOMMANDS, completion, run
+
+    flags = [f for a in run.build_parser().options for f in a.option_strings]
+    assert "--vram" in flags and "--devices" in flags
+    for shell in SHELLS:
+        text = completion.script(shell)
+        long_flags = [f for f in flags if f.startswith("--")]
+        if shell == "fish":  # fish names long options without their dashes: `-l vram`
+            assert all(f"-l {f[2:]} " in text for f in long_flags), shell
+        else:
+            assert all(f in text for f in long_flags), shell
+        assert all(name in text for name in SUBCOMMANDS), shell
+
+
+def test_bash_completion(hook_env: dict[str, str]) -> None:
+    script = """
+eval "$(gpuwait completion bash)"
+complete_at() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMPREPLY=(); _gpuwait_complete; echo "${COMPREPLY[*]}"; }
+complete_at gpuwait --p
+complete_at gpuwait --pick ''
+complete_at gpuwait --vram 6G stat
+complete_at gpuwait status --j
+complete_at gpuwait shell-init ''
+complete_at gpuwait -- stat
+"""
+    done = run_shell("bash", script, [], hook_env)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "--pausable --pick --priority"
+    # Every strategy of the policy, in its order.
+    assert lines[1] == " ".join(PICK_STRATEGIES)
+    assert lines[1].startswith("best-fit most-free round-robin")
+    assert "status" in lines[2].split()
+    assert lines[3] == "--json"
+    assert lines[4] == "bash zsh fish"
+    assert "status" not in lines[5].split()  # after --, only programs
+
+
+def test_fish_completion(hook_env: dict[str, str]) -> None:
+    script = """
+gpuwait completion fish | source
+complete -c probecmd -f -a 'alpha beta'
+for line in 'gpuwait --p' 'gpuwait --pick ' 'gpuwait status --' 'gpuwait --vram 6G shell-init ' 'gpuwait --vram 6G pytho' 'gpuwait probecmd ' 'gpuwait --vram 6G -- probecmd ' 'gpuwait statu'
+    echo "== $line"
+    complete -C "$line"
+end
+"""
+    done = run_shell("fish", script, [], hook_env)
+    blocks = {}
+    rows = {}
+    for block in done.stdout.split("== ")[1:]:
+        head, _, body = block.partition("\n")
+        blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
+        rows[head] = body.splitlines()
+    assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--priority"]
+    assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
+    assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
+    assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]
+    assert blocks["gpuwait --vram 6G shell-init "] == ["bash", "fish", "zsh"]
+    assert "python" in blocks["gpuwait --vram 6G pytho"]
+    # After the command, that command's own completion, with or without `--` before it.
+    assert blocks["gpuwait probecmd "] == ["alpha", "beta"]
+    assert blocks["gpuwait --vram 6G -- probecmd "] == ["alpha", "beta"]
+    # gpuwait's own `status`, described as such, not as fish's builtin of that name.
+    assert any(row.startswith("status\tGPUs, running jobs") for row in rows["gpuwait statu"])
+
+
+def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    need("zsh")
+    env = {**hook_env, "TERM": "dumb", "PS1": "$ "}
+    child = pexpect.spawn("zsh", ["-f", "-i"], env=env, cwd=str(tmp_path), timeout=30)
+    try:
+        child.sendline('autoload -Uz compinit && compinit -u -D; eval "$(gpuwait completion zsh)"')
+        child.sendline("echo READY")
+        child.expect("READY\r\n")
+        child.send("gpuwait --pi\t")
+        child.expect("--pick")
+        child.send("\x15")  # Ctrl-U: clear the line
+        child.send("gpuwait --vram 6G shell-init z\t")
+        child.expect(r"shell-init z\x07?sh ")
+        # After `gpuwait --`, the command's own completion, as after gpuwait's options.
+        child.send("\x15_probecmd() { compadd alphabet }; compdef _probecmd probecmd\r")
+        child.send("\x15gpuwait -- probecmd al\t")
+        child.expect(r"probecmd al\x07?phabet ")
+        child.send("\x15exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+
+
+def test_hook_runs_its_own_gpuwait_whatever_the_directory_and_pythonpath(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The hook names the interpreter and package gpuwait was loaded from, as a console script
+    does: no PYTHONPATH needed later, and a project's own `signal.py` or `gpuwait/` in the
+    current directory shadows nothing."""
+    project = tmp_path / "project"
+    (project / "gpuwait").mkdir(parents=True)
+    for shadow in ("signal.py", "json.py", "gpuwait/__init__.py"):
+        (project / shadow).write_text("raise SystemExit('shadowed module imported')\n")
+    (project / "probe.py").write_text(
+        "import os, sys\nprint(repr((sys.argv[1:], os.environ.get('CUDA_VISIBLE_DEVICES'))))\n"
+    )
+    env = {k: v for k, v in hook_env.items() if k != "PYTHONPATH"}
+    script = f"{init_line('bash', '--always')}\npython probe.py x\n"
+    done = run_shell("bash", script, [], env, cwd=project)
+    assert done.returncode == 0, done.stderr
+    argv, cuda = ast.literal_eval(done.stdout)
+    assert argv == ["x"] and cuda in sim_uuids(), done.stderr
+
+
+def test_zsh_hook_loads_silently_under_ksh_arrays(hook_env: dict[str, str]) -> None:
+    """A .zshrc with `setopt ksh_arrays` (as under `emulate ksh`) still gets the hook without errors."""
+    done = run_shell(
+        "zsh", f"setopt ksh_arrays\n{init_line('zsh', '--always')}\ntype python", [], hook_env
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "function" in done.stdout

@@ -1,0 +1,181 @@
+"""A full disk and a read-only state dir: the policy decides whether the command runs, and
+nothing is ever half-written.
+
+Policy: the ledger unwritable -> exit 5 with one clear message, unless on_state_error = "run"
+(the command then runs at once, uncoordinated, after one warning); the history unwritable -> the
+command runs and its status stands, one warning says the record is lost.
+
+Real file systems are used where the tests run as root (a 64 KiB tmpfs, remounted read-only);
+elsewhere the same errors are injected.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_sim import Run
+from helpers.jobs import live_job
+
+from gpuwait.cli import main
+from gpuwait.core.errors import StateError
+from gpuwait.history.store import append_record
+from gpuwait.linux import atomic
+from gpuwait.queue.ledger import Ledger
+
+
+@pytest.fixture
+def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_gpuwait: Run) -> Run:
+    sim = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim))
+    return run_gpuwait
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs mounted for the test (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Fill the file system that holds `directory` to the last byte."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        size = 4096
+        while size:
+            try:
+                os.write(fd, b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                size //= 2
+    finally:
+        os.close(fd)
+
+
+def no_temp_files(directory: Path) -> None:
+    assert [p.name for p in directory.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_full_disk_refuses_with_exit_5_and_keeps_the_ledger(gw: Run, tiny_fs: Path) -> None:
+    ledger = Ledger(tiny_fs)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("holder"))
+    before = ledger.path.read_bytes()
+    fill(tiny_fs)
+    env = {"GPUWAIT_STATE_DIR": str(tiny_fs)}
+    done = gw("--vram", "1G", "--", "echo", "ran", env=env)
+    assert done.returncode == 5, done.stderr
+    assert "No space left on device" in done.stderr and done.stdout == ""
+    assert done.stderr.startswith("gpuwait: error:") and "Traceback" not in done.stderr
+    assert ledger.path.read_bytes() == before
+    no_temp_files(tiny_fs)
+    # The policy may say: run anyway.
+    done = gw("--vram", "1G", "--", "echo", "ran", env={**env, "GPUWAIT_ON_STATE_ERROR": "run"})
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert len(done.stderr.splitlines()) == 1 and "on_state_error = run" in done.stderr
+    assert ledger.path.read_bytes() == before
+
+
+def test_full_disk_for_the_history_only_loses_the_record(
+    gw: Run, tiny_fs: Path, tmp_path: Path
+) -> None:
+    ledger_dir = tmp_path / "ledger"
+    ledger_dir.mkdir(mode=0o700)
+    history = tiny_fs / "history.jsonl"
+    # Records that end a few bytes short of a page: the next record can only half fit.
+    record = json.dumps({"schema": 1, "job_id": "x" * 60}) + "\n"
+    history.write_text(record * ((4096 - 40) // len(record)))
+    before = history.read_bytes()
+    fill(tiny_fs)
+    env = {"GPUWAIT_STATE_DIR": str(tiny_fs), "GPUWAIT_LEDGER_DIR": str(ledger_dir)}
+    done = gw("--vram", "1G", "--", "sh", "-c", "echo ran; exit 3", env=env)
+    assert done.returncode == 3 and done.stdout == "ran\n"
+    assert "could not record the run in the history" in done.stderr
+    assert history.read_bytes() == before
+    no_temp_files(tiny_fs)
+
+
+def test_read_only_state_dir(gw: Run, tiny_fs: Path) -> None:
+    ledger = Ledger(tiny_fs)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("holder"))
+    before = ledger.path.read_bytes()
+    remount = subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], capture_output=True)
+    if remount.returncode != 0:
+        pytest.skip("cannot remount read-only here")
+    env = {"GPUWAIT_STATE_DIR": str(tiny_fs)}
+    done = gw("--vram", "1G", "--", "echo", "ran", env=env)
+    assert done.returncode == 5 and "Read-only file system" in done.stderr, done.stderr
+    done = gw("--vram", "1G", "--", "echo", "ran", env={**env, "GPUWAIT_ON_STATE_ERROR": "run"})
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert ledger.path.read_bytes() == before
+    # A state dir that cannot even be created there.
+    done = gw("--vram", "1G", "true", env={"GPUWAIT_STATE_DIR": str(tiny_fs / "new")})
+    assert done.returncode == 5 and "Read-only file system" in done.stderr
+
+
+def _enospc(*args: object, **kw: object) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_injected_full_disk_private_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("a"))
+    before = ledger.path.read_bytes()
+    monkeypatch.setattr(atomic.os, "fsync", _enospc)
+    with pytest.raises(StateError, match="No space left"), ledger.transaction() as data:
+        data.jobs.append(live_job("b"))
+    assert ledger.path.read_bytes() == before
+    no_temp_files(tmp_path)
+
+
+def test_injected_full_disk_shared_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1770)
+    ledger = Ledger(shared)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("a"))
+    before = (ledger.path.read_bytes(), ledger.journal_path.read_bytes())
+    # The new content is larger: space is reserved first, and that fails before any byte of
+    # either copy changes.
+    monkeypatch.setattr("gpuwait.queue.ledger.os.posix_fallocate", _enospc)
+    with pytest.raises(StateError, match="No space left"), ledger.transaction() as data:
+        data.jobs.append(live_job("b" * 100))
+    assert (ledger.path.read_bytes(), ledger.journal_path.read_bytes()) == before
+
+
+def test_injected_short_write_leaves_no_half_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    append_record(tmp_path, {"job_id": "a"})
+    before = (tmp_path / "history.jsonl").read_bytes()
+    real_write = os.write
+
+    def short_write(fd: int, data: bytes) -> int:
+        return real_write(fd, data[:7])  # a full disk took only 7 bytes
+
+    monkeypatch.setattr("gpuwait.linux.atomic.os.write", short_write)
+    with pytest.raises(OSError, match="No space"):
+        append_record(tmp_path, {"job_id": "b"})
+    assert (tmp_path / "history.jsonl").read_bytes() == before

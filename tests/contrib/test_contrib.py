@@ -1,0 +1,606 @@
+"""contrib/: each integration run the way its README says, against simulated GPUs."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pwd
+import re
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+from helpers.fixtures_sim import hold_card
+from helpers.shellbin import env_with_bin, make_bin
+from helpers.waiting import wait_for
+
+CONTRIB = REPO / "contrib"
+GiB = 2**30
+
+
+@pytest.fixture
+def user_env(tmp_path: Path, sim_file: Any) -> dict[str, str]:
+    """Two simulated 24 GiB GPUs, and gpuwait on PATH as an installed one would be."""
+    sim_file(gpus=2, memory="24GiB")
+    return env_with_bin(make_bin(tmp_path / "bin"))
+
+
+def sim_uuids() -> list[str]:
+    from gpuwait.gpu.sim import SimBackend
+
+    return [g.uuid for g in SimBackend(os.environ["GPUWAIT_SIM"]).snapshot().gpus]
+
+
+def history(state_home: Path) -> list[dict[str, Any]]:
+    path = state_home / "gpuwait" / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def holder(
+    env: dict[str, str], vram: str, device: str, seconds: str = "30s"
+) -> subprocess.Popen[str]:
+    """A gpuwait job holding `vram` of one simulated GPU until killed."""
+    return hold_card(
+        ["gpuwait"], vram, seconds, "--devices", device, "-q", env=env, output=subprocess.DEVNULL
+    )
+
+
+def wait_running(count: int) -> None:
+    ledger = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+
+    def running() -> bool:
+        if not ledger.exists():
+            return False
+        jobs = json.loads(ledger.read_text())["jobs"]
+        return sum(j["state"] == "running" for j in jobs) >= count
+
+    wait_for(running, timeout=30)
+
+
+def flock_held(path: Path) -> bool:
+    """Someone holds an flock(2) lock on `path` (tried without waiting, and let go at once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing it lets go of the lock, if it was taken here
+    return False
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# make -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_make_j8_runs_eight_8g_steps_on_two_24g_gpus_without_oom(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    train = f"gpuwait sim job --vram 8G --hold 0.5s --report {out}/$*.json"
+    done = subprocess.run(
+        ["make", "-j8", "-f", str(CONTRIB / "make" / "Makefile"), f"OUT={out}", f"TRAIN={train}"],
+        env=user_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "out of memory" not in done.stderr
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("s*.json"))]
+    assert len(reports) == 8 and len(list(out.glob("*.done"))) == 8
+    assert all(r["oom"] is False and r["peak_bytes"] == 8 * GiB for r in reports)
+    assert {r["gpu_uuid"] for r in reports} <= set(sim_uuids())
+    records = history(Path(user_env["XDG_STATE_HOME"]))
+    assert len(records) == 8
+    # Two 8 GiB steps per 24 GiB card under the 0.9 safety factor; three would still fit the
+    # simulated card without an OOM, so count how many ran side by side on each card.
+    for uuid in sim_uuids():
+        assert max_overlap([r for r in records if r["gpus"][0]["uuid"] == uuid]) <= 2
+
+
+def max_overlap(records: list[dict[str, Any]], slack: float = 0.02) -> int:
+    """Most runs going at one moment (their ends trimmed by `slack` for clock noise)."""
+    events = []
+    for r in records:
+        events += [(r["started_at"], 1), (r["started_at"] + r["run_seconds"] - slack, -1)]
+    most = going = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        going += step
+        most = max(most, going)
+    return most
+
+
+def test_make_failing_step_fails_make_as_it_would_bare(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    def make(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                "make",
+                "-f",
+                str(CONTRIB / "make" / "Makefile"),
+                f"OUT={tmp_path}/out",
+                "STEPS=s1",
+                "TRAIN=gpuwait sim job --vram 1G --hold 0s --exit 3",
+                *extra,
+            ],
+            env=user_env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    wrapped, bare = make(), make("GPU=")
+    assert wrapped.returncode == bare.returncode == 2
+    assert "Error 3" in wrapped.stderr and "Error 3" in bare.stderr
+    assert not (tmp_path / "out" / "s1.done").exists()
+
+
+# cron -----------------------------------------------------------------------------------------
+
+CRON_PROBE = (
+    "import json, os, sys; print(json.dumps({'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+    "'home': os.environ.get('HOME'), 'tty': sys.stdin.isatty(), 'stdin': os.path.realpath("
+    "'/proc/self/fd/0'), 'timeout': os.environ.get('GPUWAIT_TIMEOUT'), "
+    "'umask': os.umask(0)}))"
+)
+
+
+@pytest.fixture
+def cron_home(tmp_path: Path) -> Path:
+    """A home directory as after the README's install: gpuwait and gpuwait-cron in ~/.local/bin."""
+    home = tmp_path / "cronhome"
+    make_bin(home / ".local" / "bin")
+    shutil.copy(CONTRIB / "cron" / "gpuwait-cron", home / ".local" / "bin" / "gpuwait-cron")
+    (home / "probe.py").write_text(CRON_PROBE)
+    return home
+
+
+def cron_run(line: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a crontab command line in cron's bare environment: `env -i`, no terminal."""
+    assignments = [f"{k}={v}" for k, v in env.items()]
+    return subprocess.run(
+        ["env", "-i", *assignments, "/bin/sh", "-c", line],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # no controlling terminal
+    )
+
+
+def cron_env(home: Path) -> dict[str, str]:
+    # What cron sets, plus a variable from a crontab line.
+    return {
+        "HOME": str(home),
+        "LOGNAME": "user",
+        "SHELL": "/bin/sh",
+        "PATH": "/usr/bin:/bin",
+        "GPUWAIT_SIM": os.environ["GPUWAIT_SIM"],
+    }
+
+
+def test_cron_wrapper_under_env_i(cron_home: Path, sim_file: Any) -> None:
+    sim_file(gpus=2)
+    line = (
+        "umask 022; cd $HOME && $HOME/.local/bin/gpuwait-cron nightly --vram 4G -- python3 probe.py"
+    )
+    done = cron_run(line, cron_env(cron_home))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == done.stderr == ""  # success is silent: cron mails nothing
+    log_dir = cron_home / ".local" / "state" / "gpuwait" / "cron"
+    # The log holds command lines and output: private; the job keeps cron's umask.
+    assert stat.S_IMODE(log_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((log_dir / "nightly.log").stat().st_mode) == 0o600
+    log = (log_dir / "nightly.log").read_text()
+    assert re.search(r"nightly: start: gpuwait --vram 4G -- python3 probe.py\n", log)
+    assert re.search(r"nightly: end: exit status 0\n", log)
+    (probe,) = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+    assert probe["cuda"] in sim_uuids()
+    assert probe == {**probe, "home": str(cron_home), "tty": False, "stdin": "/dev/null"}
+    assert probe["timeout"] == "23h"
+    assert probe["umask"] == 0o022
+    # The job went through gpuwait's own ledger and history under this HOME.
+    assert len(history(cron_home / ".local" / "state")) == 1
+
+
+def test_cron_wrapper_without_home_and_with_gpuwait_named(
+    cron_home: Path, sim_file: Any, tmp_path: Path
+) -> None:
+    sim_file(gpus=2)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWAIT": str(cron_home / ".local" / "bin" / "gpuwait"),
+        "GPUWAIT_SIM": os.environ["GPUWAIT_SIM"],
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+    }
+    line = f"{cron_home}/.local/bin/gpuwait-cron job1 --vram 1G -- /usr/bin/env python3 {cron_home}/probe.py"
+    done = cron_run(line, env)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "state" / "gpuwait" / "cron" / "job1.log").read_text()
+    (probe,) = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+    assert probe["home"] == pwd.getpwuid(os.getuid()).pw_dir
+    assert probe["cuda"] in sim_uuids()
+
+
+def test_cron_wrapper_gives_up_after_timeout_and_says_so(
+    cron_home: Path, sim_file: Any, tmp_path: Path
+) -> None:
+    sim_file(gpus=1)
+    env = cron_env(cron_home)
+    job = holder(
+        {
+            **env_with_bin(cron_home / ".local" / "bin"),
+            "HOME": str(cron_home),
+            "XDG_STATE_HOME": str(cron_home / ".local" / "state"),
+        },
+        "20G",
+        "0",
+    )
+    try:
+        ledger = cron_home / ".local" / "state" / "gpuwait" / "ledger.json"
+        wait_for(lambda: ledger.exists() and '"running"' in ledger.read_text(), timeout=30)
+        line = "$HOME/.local/bin/gpuwait-cron late --vram 10G --timeout 0.5s -- true"
+        started = time.monotonic()
+        done = cron_run(line, env)
+        assert done.returncode == 124
+        assert time.monotonic() - started < 60
+        assert (
+            len(done.stderr.splitlines()) == 1 and "late failed with exit status 124" in done.stderr
+        )
+        log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "late.log").read_text()
+        assert "gave up after waiting" in log and "exit status 124" in log
+        # A run of the same name while one is going is skipped, not stacked.
+        (cron_home / ".local" / "state" / "gpuwait" / "cron").mkdir(parents=True, exist_ok=True)
+        blocker = subprocess.Popen(
+            ["flock", str(cron_home / ".local/state/gpuwait/cron/late.lock"), "sleep", "30"]
+        )
+        try:
+            lock = cron_home / ".local/state/gpuwait/cron/late.lock"
+            # flock(1) creates the file before it takes the lock: wait for the lock itself.
+            wait_for(lambda: flock_held(lock), timeout=30, message=f"{lock} was never locked")
+            done = cron_run(line, env)
+            assert done.returncode == 75 and "still going" in done.stderr
+        finally:
+            stop(blocker)  # type: ignore[arg-type]
+    finally:
+        stop(job)
+
+
+def test_cron_wrapper_usage_errors(cron_home: Path) -> None:
+    script = cron_home / ".local" / "bin" / "gpuwait-cron"
+    for args, message in (([], "usage"), (["bad name", "true"], "NAME must be")):
+        done = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and message in done.stderr
+
+
+# systemd --------------------------------------------------------------------------------------
+
+
+def unit_values(path: Path, key: str) -> list[str]:
+    return [
+        line.split("=", 1)[1]
+        for line in path.read_text().splitlines()
+        if line.startswith(f"{key}=")
+    ]
+
+
+def test_systemd_units_verify_and_the_service_runs_its_job(tmp_path: Path, sim_file: Any) -> None:
+    sim_file(gpus=2)
+    home = tmp_path / "sdhome"
+    bin_dir = make_bin(home / ".local" / "bin")
+    report = tmp_path / "report.json"
+    job = bin_dir / "nightly-job"
+    job.write_text(
+        f"#!/bin/sh\nexec {bin_dir}/gpuwait sim job --vram 2G --hold 0.2s --report {report}\n"
+    )
+    job.chmod(0o755)
+    service = CONTRIB / "systemd" / "gpuwait-nightly.service"
+    timer = CONTRIB / "systemd" / "gpuwait-nightly.timer"
+
+    if shutil.which("systemd-analyze") is None:
+        verified = "systemd-analyze is not installed"
+    else:
+        runtime = tmp_path / "runtime"
+        runtime.mkdir(mode=0o700)
+        done = subprocess.run(
+            ["systemd-analyze", "verify", "--user", str(service), str(timer)],
+            env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == "", done.stderr  # warnings (unknown keys, bad values) too
+        verified = ""
+
+    # What systemd would run: ExecStart with %h expanded, in a user manager's bare environment.
+    (exec_start,) = unit_values(service, "ExecStart")
+    argv = shlex.split(exec_start.replace("%h", str(home)))
+    env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    env.update(v.split("=", 1) for v in unit_values(service, "Environment"))  # type: ignore[arg-type]
+    env["GPUWAIT_SIM"] = os.environ["GPUWAIT_SIM"]
+    done = subprocess.run(argv, env=env, cwd=home, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(report.read_text())
+    assert result["gpu_uuid"] in sim_uuids() and result["oom"] is False
+    assert unit_values(service, "KillMode") == ["mixed"]
+    if verified:
+        pytest.skip(f"units not verified: {verified} (the service's command did run)")
+
+
+# Slurm ----------------------------------------------------------------------------------------
+
+
+def test_slurm_packs_steps_on_the_allocated_gpu_only(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    steps = tmp_path / "steps.txt"
+    lines = ["# six small steps", ""]
+    lines += [
+        f"gpuwait sim job --vram 4G --hold 0.3s --report {reports}/{i}.json" for i in range(6)
+    ]
+    steps.write_text("\n".join(lines))
+    env = {
+        **user_env,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_GPUS": "1",
+        "SLURM_CPUS_PER_TASK": "6",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "TMPDIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 step(s), 0 failed" in done.stdout
+    results = [json.loads(p.read_text()) for p in reports.glob("*.json")]
+    assert len(results) == 6
+    assert {r["gpu_uuid"] for r in results} == {sim_uuids()[1]}
+    assert not any(r["oom"] for r in results)
+    # The allocation's own ledger on node-local disk, not the home directory's.
+    assert (tmp_path / "gpuwait-4242" / "history.jsonl").exists()
+    assert history(Path(user_env["XDG_STATE_HOME"])) == []
+
+
+def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: Path) -> None:
+    steps = tmp_path / "steps.txt"
+    steps.write_text("true\nexit 3\ntrue\n")
+    env = {**user_env, "SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
+        env={**env, "STEP_VRAM": "1G"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "3 step(s), 1 failed" in done.stdout
+
+
+# Docker ---------------------------------------------------------------------------------------
+
+FAKE_DOCKER = """#!/bin/sh
+python3 -c 'import json, os, sys; json.dump({"argv": sys.argv[2:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}, open(sys.argv[1] + "/docker.json", "w"))' "$FAKE_DOCKER_DIR" "$@"
+exit 5
+"""
+
+
+def test_docker_run_gets_the_gpu_gpuwait_picked(user_env: dict[str, str], tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    shutil.copy(CONTRIB / "docker" / "gpuwait-docker-run", bin_dir / "gpuwait-docker-run")
+    env = {**user_env, "FAKE_DOCKER_DIR": str(tmp_path)}
+    done = subprocess.run(
+        ["gpuwait", "--devices", "1", "--", "gpuwait-docker-run", "-it", "img", "python", "a b"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 5, done.stderr  # the container's status
+    seen = json.loads((tmp_path / "docker.json").read_text())
+    uuid = sim_uuids()[1]
+    assert seen["argv"] == [
+        "run",
+        "--rm",
+        "--init",
+        "--gpus",
+        f'"device={uuid}"',
+        "-it",
+        "img",
+        "python",
+        "a b",
+    ]
+    bare = subprocess.run(
+        ["gpuwait-docker-run", "img"], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert bare.returncode == 2 and "run me through gpuwait" in bare.stderr
+
+
+def shell_blocks(readme: Path) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", readme.read_text(), flags=re.DOTALL)
+
+
+def test_docker_readme_commands_are_consistent() -> None:
+    readme = CONTRIB / "docker" / "README.md"
+    blocks = shell_blocks(readme)
+    assert blocks
+    commands = []
+    for block in blocks:
+        done = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert done.returncode == 0, (block, done.stderr)
+        commands += [c for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+    inside = [c for c in commands if c.startswith("docker run") and " gpuwait " in c]
+    assert inside, "the README shows gpuwait run inside a container"
+    for command in inside:
+        words = shlex.split(command)
+        assert "--pid=host" in words, command
+        mounts = [words[i + 1] for i, w in enumerate(words) if w == "-v"]
+        state = next(w.split("=", 1)[1] for w in words if w.startswith("GPUWAIT_STATE_DIR="))
+        assert any(m.endswith(":" + state) for m in mounts), command
+        assert "--user" in words, command
+    around = [c for c in commands if c.startswith("gpuwait ") and "gpuwait-docker-run" in c]
+    assert around and (CONTRIB / "docker" / "gpuwait-docker-run").exists()
+    for command in around:
+        # Whole GPUs: without --vram, a command with history gets its learned size instead.
+        assert "--exclusive" in shlex.split(command), command
+
+
+# Prometheus -----------------------------------------------------------------------------------
+
+SAMPLE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? '
+    r"(?P<value>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|Inf|NaN))$"
+)
+
+
+def parse_exposition(text: str) -> dict[tuple[str, str], float]:
+    """Samples of a text exposition, checking the format strictly on the way."""
+    assert text.endswith("\n")
+    samples: dict[tuple[str, str], float] = {}
+    typed: dict[str, str] = {}
+    finished: set[str] = set()
+    current = None
+    for line in text.splitlines():
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            name = line.split()[2]
+            if line.startswith("# TYPE "):
+                assert line.split()[3] in ("gauge", "counter", "untyped"), line
+                assert name not in typed, f"second TYPE for {name}"
+                typed[name] = line.split()[3]
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        name = match["name"]
+        assert name in typed, f"{name} has no TYPE line before it"
+        if name != current:
+            assert name not in finished, f"samples of {name} are not together"
+            if current:
+                finished.add(current)
+            current = name
+        key = (name, match["labels"] or "")
+        assert key not in samples, f"duplicate sample {key}"
+        samples[key] = float(match["value"])
+    return samples
+
+
+def exporter(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(CONTRIB / "prometheus" / "gpuwait-exporter"), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_prometheus_exporter_writes_valid_metrics_of_a_running_job(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    job = holder(user_env, "6G", "1")
+    try:
+        wait_running(1)
+        metrics = tmp_path / "textfile"
+        proc = exporter("--output-dir", str(metrics), env=user_env)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        stop(job)
+    path = metrics / "gpuwait.prom"
+    samples = parse_exposition(path.read_text())
+    uuid0, uuid1 = sim_uuids()
+    gpu1 = f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}'
+    gpu0 = f'{{gpu="0",uuid="{uuid0}",name="Simulated GPU"}}'
+    assert samples[("gpuwait_up", "")] == 1
+    assert samples[("gpuwait_gpu_total_bytes", gpu1)] == 24 * GiB
+    assert samples[("gpuwait_gpu_reserved_bytes", gpu1)] == 6 * GiB
+    assert samples[("gpuwait_gpu_reserved_bytes", gpu0)] == 0
+    assert samples[("gpuwait_gpu_running_jobs", gpu1)] == 1
+    assert samples[("gpuwait_gpu_room_bytes", gpu1)] < samples[("gpuwait_gpu_room_bytes", gpu0)]
+    assert samples[("gpuwait_jobs", '{state="running"}')] == 1
+    assert samples[("gpuwait_jobs", '{state="waiting"}')] == 0
+    assert path.stat().st_mode & 0o777 == 0o644  # node_exporter runs as another user
+    assert [p.name for p in metrics.iterdir()] == ["gpuwait.prom"]
+
+
+def test_prometheus_exporter_shows_a_lost_gpu_as_unhealthy(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    uuid0, uuid1 = sim_uuids()
+    # A run while both answer: gpuwait then knows the GPU that goes missing after.
+    subprocess.run(["gpuwait", "-q", "--vram", "1G", "true"], env=user_env, check=True, timeout=60)
+    sim = Path(user_env["GPUWAIT_SIM"])
+    first, second = sim.read_text().split("[[gpu]]")[1:]
+    sim.write_text(f"[[gpu]]{first}[[gpu]]{second.rstrip()}\nlost = true\n")
+    proc = exporter("--output-dir", str(tmp_path), env=user_env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_gpu_healthy", f'{{gpu="0",uuid="{uuid0}",name="Simulated GPU"}}')] == 1
+    assert samples[("gpuwait_gpu_healthy", f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}')] == 0
+
+
+def test_prometheus_exporter_replaces_the_file_atomically(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    metrics = tmp_path / "textfile"
+    path = metrics / "gpuwait.prom"
+    proc = exporter("--output-dir", str(metrics), "--every", "0.05s", env=user_env)
+    try:
+        wait_for(path.exists, timeout=60)
+        inodes = set()
+        deadline = time.monotonic() + 60
+        while len(inodes) < 4 and time.monotonic() < deadline:
+            # Every read is a whole file, although a writer keeps replacing it.
+            with path.open() as f:
+                inodes.add(os.fstat(f.fileno()).st_ino)
+                parse_exposition(f.read())
+        assert len(inodes) >= 4  # each write is a new file renamed over the old one
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert [p.name for p in metrics.iterdir()] == ["gpuwait.prom"]  # no temporary file left
+
+
+def test_prometheus_exporter_reports_down_when_gpuwait_fails(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    proc = exporter("--output-dir", str(tmp_path), "--gpuwait", "false", env=user_env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "exit status 1" in err
+    samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_up", "")] == 0
+    assert not any(name.startswith("gpuwait_gpu_") for name, _ in samples)

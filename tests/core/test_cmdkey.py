@@ -1,0 +1,114 @@
+"""Command keys: which runs count as "the same command"."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuwait.core.cmdkey import command_key, explicit_key
+
+CWD = "/home/me/proj"
+
+
+def levels(*argv: str, cwd: str = CWD) -> dict[str, str]:
+    return dict(command_key(list(argv), cwd).levels)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ["python", "./train.py", "--epochs", "3"],
+        ["python3", "train.py", "--epochs", "3"],
+        ["/usr/bin/python3.11", "train.py", "--epochs", "3"],
+        ["python", "-u", "train.py", "--epochs", "3"],
+        ["python", "-W", "ignore", "-X", "dev", "sub/../train.py", "--epochs", "3"],
+        ["python", f"{CWD}/train.py", "--epochs", "3"],
+    ],
+)
+def test_spellings_of_the_same_command_match(other: list[str]) -> None:
+    assert (
+        command_key(other, CWD).hashes()
+        == command_key(["python", "train.py", "--epochs", "3"], CWD).hashes()
+    )
+
+
+def test_levels_of_a_python_script() -> None:
+    assert levels("python", "train.py", "--epochs", "3") == {
+        "command": f"python {CWD}/train.py --epochs 3",
+        "script": f"python {CWD}/train.py",
+        "program": "python",
+    }
+
+
+def test_same_script_name_in_another_directory_is_another_script() -> None:
+    here = command_key(["python", "train.py"], CWD).hashes()
+    there = command_key(["python", "train.py"], "/home/me/other").hashes()
+    assert here["script"] != there["script"]
+    assert here["program"] == there["program"]
+
+
+def test_other_arguments_share_the_script_level_only() -> None:
+    a = command_key(["python", "train.py", "--bs", "8"], CWD).hashes()
+    b = command_key(["python", "train.py", "--bs", "64"], CWD).hashes()
+    assert a["command"] != b["command"] and a["script"] == b["script"]
+
+
+def test_a_command_without_arguments_keeps_both_levels_apart() -> None:
+    # The script level also holds runs with arguments; the command level holds only these.
+    key = command_key(["python", "train.py"], CWD)
+    hashes = key.hashes()
+    assert key.text("command") == key.text("script")
+    assert hashes["command"] != hashes["script"]
+
+
+def test_modules_depend_on_the_directory() -> None:
+    assert levels("python", "-m", "pkg.train", "--lr", "0.1")["script"] == (
+        f"python -m pkg.train (in {CWD})"
+    )
+    assert levels("python", "-mpkg.train")["script"] == f"python -m pkg.train (in {CWD})"
+
+
+def test_launcher_modules_and_programs_find_their_script() -> None:
+    assert levels("python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "t.py")[
+        "script"
+    ] == (f"python -m torch.distributed.run (in {CWD}) {CWD}/t.py")
+    found = levels("torchrun", "--nproc_per_node=4", "./t.py", "--bs", "8")
+    assert found["script"] == f"torchrun {CWD}/t.py"
+    assert found["command"] == f"torchrun --nproc_per_node=4 {CWD}/t.py --bs 8"
+    assert levels("accelerate", "launch", "--config_file=x.yaml", "--script=run.py")["script"] == (
+        f"accelerate {CWD}/run.py"
+    )
+
+
+def test_shell_scripts_and_inline_code() -> None:
+    assert levels("bash", "-e", "-o", "pipefail", "job.sh", "x")["script"] == f"bash {CWD}/job.sh"
+    inline = levels("sh", "-c", "python train.py")
+    assert inline["script"].startswith("sh -c <") and "train.py" not in inline["script"]
+    assert levels("python", "-c", "a")["script"] != levels("python", "-c", "b")["script"]
+
+
+def test_programs_named_by_a_path_are_resolved() -> None:
+    assert levels("./bin/run", "a")["program"] == f"{CWD}/bin/run"
+    assert levels("nvidia-smi")["program"] == "nvidia-smi"
+    assert "script" not in levels("./bin/run", "a")
+
+
+def test_paths_with_spaces_stay_one_argument() -> None:
+    assert levels("python", "my script.py", "a b")["command"] == (
+        f"python '{CWD}/my script.py' 'a b'"
+    )
+
+
+def test_explicit_key_has_one_level() -> None:
+    key = explicit_key("llama-7b-finetune")
+    assert key.levels == (("key", "llama-7b-finetune"),)
+    assert key.hashes()["key"] != command_key(["llama-7b-finetune"], CWD).hashes()["command"]
+
+
+@given(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=8))
+def test_any_command_line_has_a_key_with_a_program(argv: list[str]) -> None:
+    key = command_key(argv, CWD)
+    names = [name for name, _ in key.levels]
+    assert names[0] == "command" and names[-1] == "program"
+    assert len(set(key.hashes().values())) == len(names)

@@ -1,0 +1,257 @@
+"""The pure estimation math: quantile, margin, aging, level fallback, OOM, timings."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpuwait.core.estimate import (
+    MAX_AGE,
+    MIN_ESTIMATE,
+    MiB,
+    RunStat,
+    Spread,
+    estimate,
+    looks_like_oom,
+    near_full,
+    run_time,
+    spread,
+    tidy_size,
+    time_to_peak,
+    weighted_quantile,
+)
+from gpuwait.core.policy import Claim, gpu_rooms
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.snapshot import GpuSnapshot, ProcessUsage
+
+GiB = 2**30
+NOW = 1_700_000_000.0
+DAY = 86400.0
+
+
+def run(
+    gib: float,
+    age_days: float = 0.0,
+    *,
+    ok: bool = True,
+    oom: bool = False,
+    reserved_gib: float = 0.0,
+    seconds: float = 60.0,
+) -> RunStat:
+    return RunStat(
+        started_at=NOW - age_days * DAY,
+        peak_bytes=int(gib * GiB),
+        reserved_bytes=int(reserved_gib * GiB),
+        ok=ok,
+        oom=oom,
+        run_seconds=seconds,
+    )
+
+
+def one_level(*runs: RunStat) -> list[tuple[str, list[RunStat]]]:
+    # Each run a minute apart, newest last, as the history holds them.
+    return [("command", list(runs))]
+
+
+def test_three_runs_give_the_highest_peak_plus_margin_rounded_up() -> None:
+    est = estimate(one_level(run(3.0, 0.3), run(2.9, 0.2), run(3.0, 0.1)), NOW)
+    assert est.level == "command" and est.runs == 3
+    assert est.quantile_bytes == 3 * GiB
+    assert est.bytes == tidy_size(3 * GiB * 1.1)
+    assert 3.3 * GiB <= est.bytes <= 3.5 * GiB
+
+
+def test_not_the_last_value_and_not_the_mean() -> None:
+    runs = [run(8, 0.4), run(8, 0.3), run(8, 0.2), run(2, 0.1)]
+    est = estimate(one_level(*runs), NOW)
+    assert est.bytes is not None and est.bytes >= 8 * GiB * 1.1
+
+
+def test_one_spike_among_many_runs_does_not_set_the_size() -> None:
+    runs = [run(4, i / 100) for i in range(1, 20)] + [run(20, 0.5)]
+    est = estimate(one_level(*runs), NOW)
+    assert est.bytes == tidy_size(4 * GiB * 1.1)
+    assert est.high_bytes == 20 * GiB
+
+
+def test_margin_is_a_setting() -> None:
+    runs = one_level(run(10, 0.2), run(10, 0.1), run(10, 0))
+    assert estimate(runs, NOW, margin=0.0).bytes == 10 * GiB
+    assert estimate(runs, NOW, margin=0.5).bytes == 15 * GiB
+
+
+def test_old_runs_weigh_less_and_age_out() -> None:
+    old = [run(8, 60 + i / 10) for i in range(10)]
+    new = [run(4, i / 10) for i in range(10)]
+    # Ten 60-day-old runs weigh 1/16 each: under 5 % of the total, they no longer decide.
+    assert estimate(one_level(*old, *new), NOW).bytes == tidy_size(4 * GiB * 1.1)
+    # Only old runs: still used while younger than MAX_AGE ...
+    assert estimate(one_level(*old), NOW).bytes == tidy_size(8 * GiB * 1.1)
+    # ... and forgotten after.
+    ancient = [run(8, MAX_AGE / DAY + 1 + i) for i in range(5)]
+    assert estimate(one_level(*ancient), NOW).bytes is None
+
+
+def test_falls_back_to_the_script_then_the_program() -> None:
+    script_runs = [run(6, i) for i in range(1, 5)]
+    program_runs = [run(1, i) for i in range(1, 9)]
+    levels = [("command", [run(5, 0.5)]), ("script", script_runs), ("program", program_runs)]
+    est = estimate(levels, NOW)
+    assert est.level == "script" and est.runs == 4
+    est = estimate([("command", []), ("script", []), ("program", program_runs)], NOW)
+    assert est.level == "program" and est.runs == 8
+
+
+def test_finer_runs_keep_the_estimate_above_their_peak() -> None:
+    # Twenty newer runs of the script with other arguments push the large one out of its window.
+    small = [run(2, i / 100) for i in range(20)]
+    levels = [("command", [run(20, 0.5)]), ("script", [run(20, 0.5), *small])]
+    est = estimate(levels, NOW)
+    assert est.level == "script"
+    assert est.finer_floor_bytes == 20 * GiB
+    assert est.bytes is not None and est.bytes >= 22 * GiB
+
+
+def test_few_runs_of_the_command_are_used_when_nothing_coarser_has_enough() -> None:
+    levels = [("command", [run(5, 1)]), ("script", [run(5, 1)]), ("program", [run(1, 1)] * 2)]
+    est = estimate(levels, NOW)
+    assert est.level == "command" and est.runs == 1
+
+
+def test_the_program_alone_needs_enough_runs() -> None:
+    levels = [("command", []), ("script", []), ("program", [run(1, 1), run(1, 2)])]
+    assert estimate(levels, NOW).bytes is None
+
+
+def test_no_history_no_estimate() -> None:
+    est = estimate([("command", []), ("program", [])], NOW)
+    assert est.bytes is None and est.level is None
+
+
+def test_failed_runs_and_unknown_peaks_do_not_count() -> None:
+    unknown = RunStat(started_at=NOW, peak_bytes=None, reserved_bytes=0, ok=True, oom=False)
+    levels = one_level(run(30, 0.3, ok=False), unknown, run(3, 0.2), run(3, 0.1), run(3, 0))
+    est = estimate(levels, NOW)
+    assert est.runs == 3 and est.high_bytes == 3 * GiB
+
+
+def test_oom_raises_the_next_estimate_above_the_failed_run() -> None:
+    runs = [run(4, 0.3), run(4, 0.2), run(4, 0.1), run(7, 0.01, ok=False, oom=True, reserved_gib=5)]
+    est = estimate(one_level(*runs), NOW)
+    assert est.bytes is not None and est.bytes > 7 * GiB
+    assert est.raised_by_oom and est.oom_floor_bytes == tidy_size(7 * GiB * 1.5)
+
+
+def test_oom_without_any_success_still_gives_a_raised_estimate() -> None:
+    est = estimate(one_level(run(0, 0.01, ok=False, oom=True, reserved_gib=2)), NOW)
+    assert est.bytes == 3 * GiB and est.runs == 0
+
+
+def test_a_success_after_the_oom_ends_the_raise() -> None:
+    runs = [run(7, 0.3, ok=False, oom=True, reserved_gib=5), run(9, 0.2), run(9, 0.1), run(9, 0)]
+    est = estimate(one_level(*runs), NOW)
+    assert est.oom_floor_bytes == 0 and est.bytes == tidy_size(9 * GiB * 1.1)
+
+
+def test_small_jobs_get_a_minimum() -> None:
+    assert estimate(one_level(run(0, 0.1), run(0, 0)), NOW).bytes == MIN_ESTIMATE
+
+
+peaks = st.lists(st.integers(min_value=1, max_value=80 * GiB), min_size=1, max_size=19)
+
+
+@given(peaks, st.floats(min_value=0, max_value=1))
+def test_fewer_than_twenty_equal_runs_are_all_covered(values: list[int], margin: float) -> None:
+    runs = [RunStat(NOW - i, v, 0, True, False) for i, v in enumerate(values)]
+    est = estimate(one_level(*runs), NOW, margin)
+    assert est.bytes is not None
+    assert est.bytes >= max(values) * (1 + margin)
+    # ... without being wildly above: the margin, then at most one rounding step.
+    assert est.bytes <= max(MIN_ESTIMATE, max(values) * (1 + margin) * 1.0625 + 64 * MiB)
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**12), min_size=1, max_size=50),
+    st.floats(min_value=0.01, max_value=1),
+)
+def test_weighted_quantile_with_equal_weights(values: list[int], q: float) -> None:
+    result = weighted_quantile(values, [1.0] * len(values), q)
+    assert result in values
+    assert sum(1 for v in values if v <= result) >= q * len(values) - 1e-9
+    assert weighted_quantile(values, [1.0] * len(values), 1.0) == max(values)
+
+
+@given(st.integers(min_value=1, max_value=2**45))
+def test_tidy_size_rounds_up_by_at_most_one_step(n: int) -> None:
+    tidy = tidy_size(n)
+    assert n <= tidy <= max(n * 1.0625, n + 64 * MiB)
+    assert tidy_size(tidy) == tidy
+    assert tidy % (64 * MiB) == 0
+
+
+def test_run_time_is_a_median_with_its_spread_from_the_finest_level() -> None:
+    levels = [
+        ("command", [run(1, 0.3, seconds=100), run(1, 0.2, seconds=120), run(1, 0.1, seconds=110)]),
+        ("program", [run(1, 0.05, seconds=5)] * 10),
+    ]
+    times = run_time(levels, NOW)
+    assert times is not None and times.median == 110 and times.runs == 3
+    assert 100 <= times.low <= times.median <= times.high <= 120
+    assert run_time([("command", [])], NOW) is None
+    assert spread([]) is None
+    assert spread([4.0]) == Spread(4.0, 4.0, 4.0, 1)
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e6), min_size=1, max_size=40))
+def test_spread_matches_the_statistics_module(values: list[float]) -> None:
+    import statistics
+
+    result = spread(values)
+    assert result is not None and result.runs == len(values)
+    assert math.isclose(result.median, statistics.median(values), rel_tol=1e-9, abs_tol=1e-9)
+    if len(values) > 1:
+        low, _, high = statistics.quantiles(values, n=4, method="inclusive")
+        assert math.isclose(result.low, low, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(result.high, high, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_time_to_peak_is_when_ninety_percent_was_reached() -> None:
+    series = [(0.0, 0), (0.5, 100), (1.0, 950), (2.0, 1000), (3.0, 400)]
+    assert time_to_peak(series) == 1.0
+    assert time_to_peak([(0.0, 0)]) is None
+
+
+def test_oom_needs_a_failure_and_evidence() -> None:
+    assert looks_like_oom(1, oom_message=True, card_full=False)
+    assert looks_like_oom(-6, oom_message=False, card_full=True)
+    assert not looks_like_oom(0, oom_message=True, card_full=True)
+    assert not looks_like_oom(1, oom_message=False, card_full=False)
+    assert near_full(100 * MiB, 24 * GiB) and not near_full(2 * GiB, 24 * GiB)
+    assert not near_full(None, 24 * GiB)
+
+
+@given(
+    reserved=st.integers(min_value=1, max_value=40 * GiB),
+    observed=st.integers(min_value=0, max_value=40 * GiB),
+)
+def test_a_reservation_is_never_released_before_the_job_grows_past_it(
+    reserved: int, observed: int
+) -> None:
+    # A job still loading its model uses less than it reserved; the policy keeps counting the
+    # whole reservation (max(reserved, observed)), so load time needs no timer of its own.
+    gpu = GpuSnapshot(0, "GPU-0", "t", 48 * GiB, observed, (ProcessUsage(7, observed),))
+    claim = Claim(
+        "a",
+        True,
+        3,
+        0,
+        MemoryRequest(bytes=reserved),
+        gpu_uuids=("GPU-0",),
+        reserved_bytes=reserved,
+        observed={"GPU-0": observed},
+    )
+    room = gpu_rooms([gpu], [claim], 1.0)["GPU-0"]
+    assert room.committed == max(reserved, observed)
+    assert room.room == 48 * GiB - max(reserved, observed)

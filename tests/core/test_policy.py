@@ -1,0 +1,256 @@
+"""Property tests of the pure scheduling policy."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwait.core.policy import Claim, admission_fits, gpu_rooms, impossible_reason, plan
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.snapshot import GpuSnapshot, ProcessUsage
+
+GiB = 2**30
+
+
+def gpu(
+    index: int, total_gib: float, used_gib: float = 0.0, procs: tuple[ProcessUsage, ...] = ()
+) -> GpuSnapshot:
+    return GpuSnapshot(
+        index=index,
+        uuid=f"GPU-{index:08d}",
+        name="Test",
+        total_bytes=int(total_gib * GiB),
+        used_bytes=int(used_gib * GiB),
+        processes=procs,
+    )
+
+
+def waiting(job_id: str, gib: float, order: int, priority: int = 3, **kw: object) -> Claim:
+    return Claim(job_id, False, priority, order, MemoryRequest(bytes=int(gib * GiB)), **kw)  # type: ignore[arg-type]
+
+
+def running(job_id: str, uuid: str, reserved_gib: float, observed_gib: float = 0.0) -> Claim:
+    return Claim(
+        job_id,
+        True,
+        3,
+        0,
+        MemoryRequest(bytes=int(reserved_gib * GiB)),
+        gpu_uuids=(uuid,),
+        reserved_bytes=int(reserved_gib * GiB),
+        observed={uuid: int(observed_gib * GiB)},
+    )
+
+
+def test_reservation_holds_room_before_the_job_allocates() -> None:
+    # A job admitted a moment ago has not allocated yet: NVML shows the card empty, but its
+    # reservation must still keep the next job out. This is the race free-memory pollers lose.
+    cards = [gpu(0, 24)]
+    claims = [running("a", "GPU-00000000", 16), waiting("b", 16, order=2)]
+    assert "b" not in plan(cards, claims, 0.9).admitted
+
+
+def test_job_grown_past_its_reservation_counts_at_real_size() -> None:
+    cards = [gpu(0, 24, used_gib=12, procs=(ProcessUsage(10, 12 * GiB),))]
+    claims = [running("a", "GPU-00000000", 4, observed_gib=12), waiting("b", 10, order=2)]
+    room = gpu_rooms(cards, claims, 0.9)["GPU-00000000"]
+    assert room.external == 0
+    assert room.committed == 12 * GiB
+    assert "b" not in plan(cards, claims, 0.9).admitted
+    assert "c" in plan(cards, [*claims[:1], waiting("c", 9, order=3)], 0.9).admitted
+
+
+def test_external_processes_reduce_room() -> None:
+    cards = [gpu(0, 24, used_gib=15)]
+    assert "b" not in plan(cards, [waiting("b", 8, order=1)], 0.9).admitted
+    assert "c" in plan(cards, [waiting("c", 6, order=1)], 0.9).admitted
+
+
+def test_later_waiter_does_not_jump_an_earlier_one_on_the_same_gpu() -> None:
+    cards = [gpu(0, 24)]
+    claims = [waiting("late", 12, order=5), waiting("early", 12, order=1)]
+    decided = plan(cards, claims, 0.9)
+    assert set(decided.admitted) == {"early"}
+    assert "late" in decided.waiting
+
+
+def test_priority_goes_before_submission_order() -> None:
+    cards = [gpu(0, 24)]
+    claims = [waiting("normal", 12, order=1), waiting("urgent", 12, order=9, priority=5)]
+    assert set(plan(cards, claims, 0.9).admitted) == {"urgent"}
+
+
+def test_pick_strategies() -> None:
+    cards = [gpu(0, 24, used_gib=10), gpu(1, 24, used_gib=2)]
+    claim = waiting("x", 4, order=1)
+    assert plan(cards, [claim], 0.9).admitted["x"] == ("GPU-00000000",)
+    most_free = Claim("x", False, 3, 1, MemoryRequest(bytes=4 * GiB), pick="most-free")
+    assert plan(cards, [most_free], 0.9).admitted["x"] == ("GPU-00000001",)
+    rr = Claim("x", False, 3, 1, MemoryRequest(bytes=4 * GiB), pick="round-robin")
+    assert plan(cards, [rr], 0.9, cursor=0).admitted["x"] == ("GPU-00000001",)
+    assert plan(cards, [rr], 0.9, cursor=1).admitted["x"] == ("GPU-00000000",)
+
+
+def test_gang_is_all_or_nothing_and_listed_in_pci_order() -> None:
+    cards = [gpu(0, 24), gpu(1, 24, used_gib=20), gpu(2, 24)]
+    gang = waiting("g", 8, order=1, gpus_wanted=2)
+    assert plan(cards, [gang], 0.9).admitted["g"] == ("GPU-00000000", "GPU-00000002")
+    three = waiting("g3", 8, order=1, gpus_wanted=3)
+    assert "g3" not in plan(cards, [three], 0.9).admitted
+
+
+def test_impossible_requests_are_named() -> None:
+    cards = [gpu(0, 24), gpu(1, 12)]
+    assert impossible_reason(waiting("x", 22, order=1), cards, 0.9) is not None
+    assert impossible_reason(waiting("x", 21, order=1), cards, 0.9) is None
+    only_small = waiting("x", 20, order=1, candidates=frozenset({"GPU-00000001"}))
+    assert "GPU1" in (impossible_reason(only_small, cards, 0.9) or "")
+    assert impossible_reason(waiting("x", 1, order=1, gpus_wanted=3), cards, 0.9) is not None
+
+
+def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
+    cards = [gpu(0, 24, used_gib=8), gpu(1, 24)]
+    whole = Claim("w", False, 3, 1, None)
+    decided = plan(cards, [whole], 0.9)
+    assert decided.admitted["w"] == ("GPU-00000001",)
+    after = [
+        Claim(
+            "w", True, 3, 1, None, gpu_uuids=("GPU-00000001",), reserved_bytes=decided.reserved["w"]
+        )
+    ]
+    assert "s" not in plan([cards[1]], [*after, waiting("s", 1, order=2)], 0.9).admitted
+
+
+# --- properties ---------------------------------------------------------------------------
+
+gib_amounts = st.floats(min_value=0.1, max_value=30, allow_nan=False)
+
+
+@st.composite
+def machines(draw: st.DrawFn) -> tuple[list[GpuSnapshot], list[Claim], float]:
+    n_gpus = draw(st.integers(1, 4))
+    cards = []
+    claims: list[Claim] = []
+    for i in range(n_gpus):
+        total = draw(st.sampled_from([8, 12, 24, 40, 80]))
+        external = draw(st.floats(0, total * 0.5))
+        procs: list[ProcessUsage] = []
+        used = external
+        for r in range(draw(st.integers(0, 3))):
+            reserved = draw(st.floats(0.1, total * 0.3))
+            observed = draw(st.floats(0, total * 0.3))
+            pid = 1000 + i * 10 + r
+            procs.append(ProcessUsage(pid, int(observed * GiB)))
+            used += observed
+            claims.append(
+                Claim(
+                    f"r{i}{r}",
+                    True,
+                    3,
+                    0,
+                    MemoryRequest(bytes=int(reserved * GiB)),
+                    gpu_uuids=(f"GPU-{i:08d}",),
+                    reserved_bytes=int(reserved * GiB),
+                    observed={f"GPU-{i:08d}": int(observed * GiB)},
+                )
+            )
+        cards.append(gpu(i, total, used_gib=min(used, total), procs=tuple(procs)))
+    for w in range(draw(st.integers(0, 12))):
+        claims.append(
+            Claim(
+                f"w{w}",
+                False,
+                draw(st.integers(1, 5)),
+                w + 1,
+                MemoryRequest(bytes=int(draw(gib_amounts) * GiB)),
+                gpus_wanted=draw(st.integers(1, 2)),
+                pick=draw(st.sampled_from(["best-fit", "most-free", "round-robin"])),
+            )
+        )
+    safety = draw(st.floats(0.5, 1.0))
+    return cards, claims, safety
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines())
+def test_never_admits_past_usable(machine: tuple[list[GpuSnapshot], list[Claim], float]) -> None:
+    cards, claims, safety = machine
+    decided = plan(cards, claims, safety)
+    rooms = gpu_rooms(cards, claims, safety)
+    for uuid, room in rooms.items():
+        added = sum(
+            decided.reserved[job_id] for job_id, uuids in decided.admitted.items() if uuid in uuids
+        )
+        if added:
+            assert room.external + room.committed + added <= room.usable
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines())
+def test_admitted_jobs_get_exactly_what_they_asked(
+    machine: tuple[list[GpuSnapshot], list[Claim], float],
+) -> None:
+    cards, claims, safety = machine
+    decided = plan(cards, claims, safety)
+    by_id = {c.job_id: c for c in claims}
+    for job_id, uuids in decided.admitted.items():
+        assert len(uuids) == len(set(uuids)) == by_id[job_id].gpus_wanted
+        assert list(uuids) == sorted(uuids)  # PCI order (UUIDs here sort like indices)
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines())
+def test_queue_order_respected(machine: tuple[list[GpuSnapshot], list[Claim], float]) -> None:
+    """A waiter admitted while an earlier one waits must not fit where the earlier one would."""
+    cards, claims, safety = machine
+    decided = plan(cards, claims, safety)
+    order = sorted((c for c in claims if not c.running), key=Claim.sort_key)
+    for position, claim in enumerate(order):
+        if claim.job_id in decided.admitted:
+            continue
+        # Removing every later waiter must not let this one in: they did not take its room.
+        earlier = [c for c in claims if c.running or Claim.sort_key(c) <= Claim.sort_key(claim)]
+        assert claim.job_id not in plan(cards, earlier, safety).admitted, position
+
+
+@settings(max_examples=200, deadline=None)
+@given(machines())
+def test_plans_are_deterministic(machine: tuple[list[GpuSnapshot], list[Claim], float]) -> None:
+    cards, claims, safety = machine
+    first = plan(cards, claims, safety)
+    second = plan(list(reversed(cards)), list(reversed(claims)), safety)
+    assert first.admitted == second.admitted
+
+
+@settings(max_examples=300, deadline=None)
+@given(machines())
+def test_an_admission_a_plan_made_passes_the_check_of_a_found_one(
+    machine: tuple[list[GpuSnapshot], list[Claim], float],
+) -> None:
+    # A waiter admitted by another waiter's plan (in a shared ledger) checks the admission
+    # against the same readings: it must never refuse one that a plan made.
+    cards, claims, safety = machine
+    decided = plan(cards, claims, safety)
+    after = [
+        c._replace(running=True, gpu_uuids=decided.admitted[c.job_id], reserved_bytes=r)
+        if (r := decided.reserved.get(c.job_id)) is not None
+        else c
+        for c in claims
+    ]
+    for claim in claims:
+        if claim.job_id in decided.admitted:
+            others = [c for c in after if c.job_id != claim.job_id]
+            uuids = decided.admitted[claim.job_id]
+            reserved = decided.reserved[claim.job_id]
+            assert admission_fits(claim, uuids, reserved, others, cards, safety)
+
+
+def test_an_admission_written_into_the_ledger_onto_a_full_gpu_fails_the_check() -> None:
+    cards = [gpu(0, 24, used_gib=20), gpu(1, 24)]
+    asked = waiting("a", 10, order=1)
+    assert not admission_fits(asked, ("GPU-00000000",), 10 * GiB, [], cards, 0.9)
+    # Room enough, but a reservation smaller than the request would let others in beside it.
+    assert not admission_fits(asked, ("GPU-00000001",), 1 * GiB, [], cards, 0.9)
+    assert not admission_fits(asked, ("GPU-00000001", "GPU-00000000"), 10 * GiB, [], cards, 0.9)
+    assert not admission_fits(asked, ("GPU-gone",), 10 * GiB, [], cards, 0.9)
+    assert admission_fits(asked, ("GPU-00000001",), 10 * GiB, [], cards, 0.9)

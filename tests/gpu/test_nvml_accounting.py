@@ -1,0 +1,79 @@
+"""The optional NVML accounting hook: the better peak where accounting mode is on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pynvml  # type: ignore[import-untyped]
+import pytest
+from helpers.fixtures_nvml import GIB, FakeGpu, FakeNvml
+
+from gpuwait.gpu.nvml import NvmlBackend
+
+
+@pytest.fixture
+def backend(fake_nvml: FakeNvml) -> Iterator[NvmlBackend]:
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=80 * GIB)])
+    b = NvmlBackend()
+    yield b
+    b.close()
+
+
+def test_without_accounting_support_there_is_no_figure(backend: NvmlBackend) -> None:
+    # The fake driver has no accounting functions, like a driver or GPU without support.
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100})) is None
+    assert backend.accounting_peak("GPU-none", frozenset({100})) is None
+
+
+def fake_accounting(monkeypatch: pytest.MonkeyPatch, enabled: bool, maxima: dict[int, int]) -> None:
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: "handle")
+    monkeypatch.setattr(
+        pynvml,
+        "nvmlDeviceGetAccountingMode",
+        lambda h: pynvml.NVML_FEATURE_ENABLED if enabled else pynvml.NVML_FEATURE_DISABLED,
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetAccountingPids", lambda h: list(maxima))
+    monkeypatch.setattr(
+        pynvml,
+        "nvmlDeviceGetAccountingStats",
+        lambda h, pid: SimpleNamespace(maxMemoryUsage=maxima[pid]),
+    )
+
+
+def test_accounting_maximum_of_the_tree(
+    backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_accounting(monkeypatch, True, {100: 6 * GIB, 101: GIB, 999: 40 * GIB, 102: 2**64 - 1})
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100, 101, 102})) == 7 * GIB
+    assert backend.accounting_peak("GPU-aaaa", frozenset({5})) is None
+
+
+def test_accounting_off_or_failing_gives_no_figure(
+    backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_accounting(monkeypatch, False, {100: 6 * GIB})
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100})) is None
+
+    def refuse(handle: object, pid: int) -> object:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    fake_accounting(monkeypatch, True, {100: 6 * GIB})
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetAccountingStats", refuse)
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100})) is None
+
+
+def test_the_run_record_prefers_accounting_then_per_process_then_growth() -> None:
+    from gpuwait.runner.supervise import RunResult
+
+    result = RunResult(
+        returncode=0,
+        peak_bytes={"A": 5 * GIB, "B": 0},
+        attributed={"A"},
+        growth_bytes={"B": 3 * GIB, "C": GIB},
+        accounting_bytes={"A": 6 * GIB},
+    )
+    assert result.peaks() == ({"A": 6 * GIB, "B": 3 * GIB, "C": GIB}, True)
+    exact = RunResult(returncode=0, peak_bytes={"A": 5 * GIB}, attributed={"A"})
+    assert exact.peaks() == ({"A": 5 * GIB}, False)
+    assert RunResult(returncode=0).peaks() == ({}, False)  # nothing known: the peak is unknown

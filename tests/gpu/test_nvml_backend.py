@@ -1,0 +1,465 @@
+"""NvmlBackend over real pynvml and the fake libnvidia-ml.so.1 (see tests/fake_nvml)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml  # type: ignore[import-untyped]
+import pytest
+from helpers.fixtures_nvml import (
+    ARGUMENT_VERSION_MISMATCH,
+    DRIVER_NOT_LOADED,
+    FUNCTION_NOT_FOUND,
+    GIB,
+    GPU_IS_LOST,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    UNKNOWN,
+    FakeGpu,
+    FakeNvml,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuwait.core.errors import BackendUnavailable
+from gpuwait.core.snapshot import ProcessUsage
+from gpuwait.gpu.nvml import NvmlBackend
+
+MIB = 1024**2
+
+
+@pytest.fixture
+def two_gpus(fake_nvml: FakeNvml) -> FakeNvml:
+    fake_nvml.set_gpus(
+        [
+            FakeGpu(uuid="GPU-aaaa", name="NVIDIA A100-SXM4-80GB", total=80 * GIB, used=10 * GIB),
+            FakeGpu(uuid="GPU-bbbb", name="NVIDIA H100 80GB HBM3", total=80 * GIB, used=0),
+        ]
+    )
+    return fake_nvml
+
+
+@pytest.fixture
+def backend(fake_nvml: FakeNvml) -> Iterator[NvmlBackend]:
+    b = NvmlBackend()
+    yield b
+    b.close()
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# -- readings -------------------------------------------------------------------------------
+
+
+def test_two_gpus_with_processes(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    two_gpus.add_process(0, pid=4242, mem=6 * GIB)
+    two_gpus.add_process(0, pid=4243, mem=None)  # the driver cannot attribute it
+    two_gpus.add_process(1, pid=5000, mem=512 * MIB)
+
+    snap = backend.snapshot()
+
+    assert snap.backend == "nvml"
+    assert snap.warnings == ()
+    assert [g.index for g in snap.gpus] == [0, 1]
+    a, h = snap.gpus
+    assert (a.uuid, a.name) == ("GPU-aaaa", "NVIDIA A100-SXM4-80GB")
+    assert (h.uuid, h.name) == ("GPU-bbbb", "NVIDIA H100 80GB HBM3")
+    assert (a.total_bytes, a.used_bytes, a.free_bytes) == (80 * GIB, 10 * GIB, 70 * GIB)
+    assert (h.total_bytes, h.used_bytes, h.free_bytes) == (80 * GIB, 0, 80 * GIB)
+    assert a.processes == (ProcessUsage(4242, 6 * GIB), ProcessUsage(4243, None))
+    assert h.processes == (ProcessUsage(5000, 512 * MIB),)
+    assert a.process_bytes({4242, 4243}) == 6 * GIB
+    assert snap.by_uuid()["GPU-bbbb"] is h
+
+
+def test_names_keep_underscores_and_spaces(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
+    fake_nvml.set_gpus([FakeGpu(name="Tesla_T4 (rev 2)", uuid="GPU-1_2")])
+    (gpu,) = backend.snapshot().gpus
+    assert (gpu.name, gpu.uuid) == ("Tesla_T4 (rev 2)", "GPU-1_2")
+
+
+def test_changes_show_in_the_next_snapshot(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    assert backend.snapshot().gpus[1].used_bytes == 0
+    two_gpus.update_gpu(1, used=30 * GIB)
+    two_gpus.add_process(1, pid=77, mem=30 * GIB)
+    gpu = backend.snapshot().gpus[1]
+    assert gpu.free_bytes == 50 * GIB
+    assert gpu.processes == (ProcessUsage(77, 30 * GIB),)
+
+
+def test_no_gpus_is_an_empty_machine_not_an_error(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    snap = backend.snapshot()
+    assert snap.gpus == () and snap.warnings == ()
+
+
+# -- process list -----------------------------------------------------------------------------
+
+
+def test_process_list_with_no_processes_is_one_call(
+    two_gpus: FakeNvml, backend: NvmlBackend
+) -> None:
+    two_gpus.clear_calls()
+    snap = backend.snapshot()
+    assert all(g.processes == () for g in snap.gpus)
+    calls = [c for c in two_gpus.calls() if "ComputeRunningProcesses" in c]
+    # Count 0 and a NULL buffer, answered SUCCESS with count 0: nothing runs.
+    assert calls == [
+        "nvmlDeviceGetComputeRunningProcesses_v3 gpu=0 ret=0 count=0 buf=null",
+        "nvmlDeviceGetComputeRunningProcesses_v3 gpu=1 ret=0 count=0 buf=null",
+    ]
+
+
+def test_process_list_with_five_processes_uses_two_calls(
+    two_gpus: FakeNvml, backend: NvmlBackend
+) -> None:
+    pids = [1001, 1002, 1003, 1004, 1005]
+    for n, pid in enumerate(pids):
+        two_gpus.add_process(1, pid=pid, mem=(n + 1) * GIB)
+    two_gpus.clear_calls()
+
+    gpu = backend.snapshot().gpus[1]
+
+    assert [p.pid for p in gpu.processes] == pids
+    assert [p.used_bytes for p in gpu.processes] == [n * GIB for n in range(1, 6)]
+    calls = [c for c in two_gpus.calls() if "ComputeRunningProcesses" in c and "gpu=1" in c]
+    assert len(calls) == 2
+    # First asks for the size (7 = INSUFFICIENT_SIZE), then reads into a big enough buffer.
+    assert calls[0].endswith("ret=7 count=0 buf=null")
+    assert "ret=0" in calls[1] and "buf=null" not in calls[1]
+
+
+@pytest.mark.parametrize("code", [NOT_SUPPORTED, FUNCTION_NOT_FOUND, NO_PERMISSION])
+def test_process_list_unavailable_keeps_the_gpu(
+    two_gpus: FakeNvml, backend: NvmlBackend, code: int
+) -> None:
+    # 13 reaches gpuwait as pynvml's NVMLLibraryMismatchError (an old driver without _v3).
+    two_gpus.add_process(0, pid=1, mem=GIB)
+    two_gpus.fail(None, "nvmlDeviceGetComputeRunningProcesses_v3", code)
+    snap = backend.snapshot()
+    assert snap.warnings == ()
+    assert [g.processes for g in snap.gpus] == [(), ()]
+    assert snap.gpus[0].used_bytes == 10 * GIB
+
+
+# -- memory versions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "code", [FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH, NOT_SUPPORTED, UNKNOWN]
+)
+def test_memory_v2_unavailable_falls_back_to_v1(
+    two_gpus: FakeNvml, backend: NvmlBackend, code: int
+) -> None:
+    two_gpus.fail(None, "nvmlDeviceGetMemoryInfo_v2", code)
+    two_gpus.update_gpu(1, used=2 * GIB, reserved=GIB // 2)
+
+    snap = backend.snapshot()
+
+    assert snap.warnings == ()
+    assert [(g.total_bytes, g.used_bytes) for g in snap.gpus] == [
+        (80 * GIB, 10 * GIB),
+        (80 * GIB, 2 * GIB + GIB // 2),
+    ]
+    # Decided once: later snapshots go straight to v1 instead of failing on v2 every poll.
+    two_gpus.clear_calls()
+    backend.snapshot()
+    memory_calls = [c.split()[0] for c in two_gpus.calls() if "MemoryInfo" in c]
+    assert memory_calls == ["nvmlDeviceGetMemoryInfo"] * 2
+
+
+def test_memory_v2_is_used_when_available(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    two_gpus.clear_calls()
+    backend.snapshot()
+    memory_calls = [c.split()[0] for c in two_gpus.calls() if "MemoryInfo" in c]
+    assert memory_calls == ["nvmlDeviceGetMemoryInfo_v2"] * 2
+
+
+def test_driver_reserved_memory_is_not_offered_as_free(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    # v2 reports the driver's reservation apart from "used"; it is still not allocatable.
+    fake_nvml.set_gpus([FakeGpu(total=80 * GIB, used=GIB, reserved=600 * MIB)])
+    (gpu,) = backend.snapshot().gpus
+    assert gpu.free_bytes == 80 * GIB - GIB - 600 * MIB
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "func",
+    [
+        "nvmlDeviceGetHandleByIndex_v2",
+        "nvmlDeviceGetUUID",
+        "nvmlDeviceGetMemoryInfo_v2",
+        "nvmlDeviceGetComputeRunningProcesses_v3",
+        "nvmlDeviceGetUtilizationRates",
+    ],
+)
+def test_lost_gpu_is_skipped_and_comes_back(
+    two_gpus: FakeNvml, backend: NvmlBackend, func: str
+) -> None:
+    two_gpus.fail(1, func, GPU_IS_LOST)
+
+    snap = backend.snapshot()
+    assert [g.uuid for g in snap.gpus] == ["GPU-aaaa"]
+    assert snap.warnings == ("GPU 1: GPU is lost (NVML error 15); skipped",)
+
+    two_gpus.clear_failures()
+    snap = backend.snapshot()
+    assert [g.uuid for g in snap.gpus] == ["GPU-aaaa", "GPU-bbbb"]
+    assert snap.warnings == ()
+
+
+def test_other_errors_skip_only_that_gpu(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    two_gpus.fail(0, "nvmlDeviceGetUUID", UNKNOWN)
+    snap = backend.snapshot()
+    assert [g.index for g in snap.gpus] == [1]
+    assert snap.warnings == ("GPU 0: Unknown Error (NVML error 999); skipped",)
+
+
+def test_utilization_not_supported_is_none(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
+    fake_nvml.set_gpus([FakeGpu(util=None), FakeGpu(util=37), FakeGpu(util=50)])
+    fake_nvml.fail(2, "nvmlDeviceGetUtilizationRates", NOT_SUPPORTED)
+    snap = backend.snapshot()
+    assert [g.utilization_pct for g in snap.gpus] == [None, 37, None]
+    assert snap.warnings == ()
+
+
+def test_compute_capability_or_none(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
+    fake_nvml.set_gpus([FakeGpu(cc="8.0"), FakeGpu(cc=None), FakeGpu(cc="9.0")])
+    fake_nvml.fail(2, "nvmlDeviceGetCudaComputeCapability", FUNCTION_NOT_FOUND)
+    snap = backend.snapshot()
+    assert [g.compute_capability for g in snap.gpus] == [(8, 0), None, None]
+    assert snap.warnings == ()
+    fake_nvml.fail(0, "nvmlDeviceGetCudaComputeCapability", GPU_IS_LOST)
+    assert [g.index for g in backend.snapshot().gpus] == [1, 2]
+
+
+def test_unreadable_name_still_serves_the_gpu(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    two_gpus.fail(0, "nvmlDeviceGetName", NOT_SUPPORTED)
+    snap = backend.snapshot()
+    assert [g.name for g in snap.gpus] == ["NVIDIA GPU", "NVIDIA H100 80GB HBM3"]
+
+
+def test_count_failing_is_backend_unavailable(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
+    two_gpus.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
+    with pytest.raises(BackendUnavailable) as info:
+        backend.snapshot()
+    assert "count the GPUs" in info.value.message
+    assert info.value.hint
+
+
+def test_unexpected_python_errors_become_backend_unavailable(
+    two_gpus: FakeNvml, backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("ctypes went sideways")
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", broken)
+    snap = backend.snapshot()
+    assert snap.gpus == ()
+    assert snap.warnings[0] == "GPU 0: ctypes went sideways; skipped"
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", broken)
+    with pytest.raises(BackendUnavailable, match="ctypes went sideways"):
+        backend.snapshot()
+
+
+_FUNCS = [
+    "nvmlDeviceGetCount_v2",
+    "nvmlDeviceGetHandleByIndex_v2",
+    "nvmlDeviceGetName",
+    "nvmlDeviceGetUUID",
+    "nvmlDeviceGetMemoryInfo",
+    "nvmlDeviceGetMemoryInfo_v2",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    "nvmlDeviceGetUtilizationRates",
+    "nvmlDeviceGetCudaComputeCapability",
+]
+_CODES = [1, 2, NOT_SUPPORTED, NO_PERMISSION, 7, FUNCTION_NOT_FOUND, GPU_IS_LOST, 25, UNKNOWN]
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    faults=st.lists(
+        st.tuples(
+            st.sampled_from([None, 0, 1, 2]), st.sampled_from(_FUNCS), st.sampled_from(_CODES)
+        ),
+        max_size=4,
+    )
+)
+def test_any_fault_mix_gives_a_snapshot_or_backend_unavailable(
+    fake_nvml: FakeNvml, faults: list[tuple[int | None, str, int]]
+) -> None:
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{i}") for i in range(3)])
+    fake_nvml.clear_failures()
+    for gpu, func, code in faults:
+        fake_nvml.fail(gpu, func, code)
+    backend = NvmlBackend()
+    try:
+        for _ in range(2):
+            try:
+                snap = backend.snapshot()
+            except BackendUnavailable as exc:
+                assert exc.message and exc.hint
+                continue
+            # Every GPU is either read or named in exactly one warning.
+            seen = {g.index for g in snap.gpus}
+            warned = {int(w.split(":")[0].removeprefix("GPU ")) for w in snap.warnings}
+            assert seen | warned == {0, 1, 2} and not seen & warned
+            assert all(w.endswith("; skipped") for w in snap.warnings)
+    finally:
+        backend.close()
+
+
+# -- start and stop ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (DRIVER_NOT_LOADED, "not loaded"),
+        (NO_PERMISSION, "no permission"),
+        (18, "versions do not match"),
+        (UNKNOWN, "NVML could not start"),
+    ],
+)
+def test_init_failure_is_backend_unavailable_with_hint(
+    fake_nvml: FakeNvml, code: int, words: str
+) -> None:
+    fake_nvml.fail_init(code)
+    with pytest.raises(BackendUnavailable) as info:
+        NvmlBackend()
+    assert words in info.value.message
+    assert f"NVML error {code}" in info.value.message
+    assert info.value.hint
+    assert "\n" not in info.value.message
+
+
+def test_missing_library_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_library(name: str, *args: object, **kwargs: object) -> None:
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(pynvml, "nvmlLib", None)
+    monkeypatch.setattr(pynvml, "CDLL", no_library)
+    with pytest.raises(BackendUnavailable) as info:
+        NvmlBackend()
+    assert info.value.message == "NVIDIA driver not found (libnvidia-ml.so.1 could not be loaded)"
+    assert info.value.hint is not None and "GPUWAIT_SIM" in info.value.hint
+
+
+def test_close_ignores_shutdown_errors_and_ends_readings(
+    two_gpus: FakeNvml, backend: NvmlBackend
+) -> None:
+    two_gpus.fail(None, "nvmlShutdown", UNKNOWN)
+    backend.close()
+    backend.close()
+    assert "nvmlShutdown gpu=- ret=999" in two_gpus.calls()
+    with pytest.raises(BackendUnavailable):
+        backend.snapshot()
+
+
+def test_each_backend_pairs_init_with_shutdown(two_gpus: FakeNvml) -> None:
+    first, second = NvmlBackend(), NvmlBackend()
+    first.close()
+    # NVML counts inits: the second backend still reads after the first one closed.
+    assert len(second.snapshot().gpus) == 2
+    second.close()
+    calls = [c.split()[0] for c in two_gpus.calls()]
+    assert calls.count("nvmlInitWithFlags") == calls.count("nvmlShutdown") == 2
+
+
+# -- subprocesses (how the CLI meets the driver) ----------------------------------------------
+
+
+def test_subprocess_pynvml_loads_the_fake(two_gpus: FakeNvml) -> None:
+    code = "import pynvml; pynvml.nvmlInit(); print(pynvml.nvmlDeviceGetCount())"
+    result = run_python(code, two_gpus.env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "2"
+
+
+def test_subprocess_backend_snapshot(two_gpus: FakeNvml) -> None:
+    two_gpus.add_process(1, pid=31337, mem=None)
+    result = run_python(
+        """
+        from gpuwait.gpu.nvml import NvmlBackend
+        b = NvmlBackend()
+        for g in b.snapshot().gpus:
+            print(g.index, g.uuid, g.free_bytes, [(p.pid, p.used_bytes) for p in g.processes])
+        b.close()
+        """,
+        two_gpus.env(),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"0 GPU-aaaa {70 * GIB} []",
+        f"1 GPU-bbbb {80 * GIB} [(31337, None)]",
+    ]
+
+
+_REPORT = """
+    from gpuwait.core.errors import BackendUnavailable
+    from gpuwait.gpu.nvml import NvmlBackend
+    try:
+        NvmlBackend()
+    except BackendUnavailable as exc:
+        print(exc.message)
+        print(exc.hint)
+    """
+
+
+def test_subprocess_missing_library(tmp_path: Path, fake_nvml: FakeNvml) -> None:
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("a real libnvidia-ml is installed; it cannot be hidden from a subprocess")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = fake_nvml.env()
+    env["LD_LIBRARY_PATH"] = str(empty)
+    result = run_python(_REPORT, env)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    message, hint = result.stdout.splitlines()
+    assert message == "NVIDIA driver not found (libnvidia-ml.so.1 could not be loaded)"
+    assert "GPUWAIT_SIM" in hint
+
+
+def test_subprocess_init_failure(fake_nvml: FakeNvml) -> None:
+    fake_nvml.fail_init(DRIVER_NOT_LOADED)
+    result = run_python(_REPORT, fake_nvml.env())
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "NVIDIA driver is installed but not loaded (NVML error 9)"
+    )
+
+
+def test_pynvml_loads_without_ctypes_util_and_leaves_the_real_one_importable() -> None:
+    code = (
+        "import sys, gpuwait.gpu.nvml as n\n"
+        "assert n.pynvml.nvmlInit and 'ctypes.util' not in sys.modules\n"
+        "import ctypes.util\n"
+        "print(ctypes.util.__file__, n.pynvml.find_library('c'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    path, found = done.stdout.split()
+    assert path.endswith("ctypes/util.py") and "libc" in found

@@ -1,0 +1,155 @@
+"""NVML misbehaving: calls that hang, a GPU lost mid-run, figures that cannot be true.
+
+(A missing library and a failing init are covered in test_nvml_backend.py and test_run_e2e.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_nvml import GIB, GPU_IS_LOST, FakeGpu, FakeNvml
+from helpers.waiting import wait_for
+
+from gpuwait.core.errors import BackendUnavailable
+from gpuwait.gpu.nvml import NvmlBackend
+
+
+@pytest.fixture
+def two_gpus(fake_nvml: FakeNvml) -> FakeNvml:
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB), FakeGpu(total=24 * GIB)])
+    return fake_nvml
+
+
+def test_a_hung_gpu_is_left_out_and_comes_back(two_gpus: FakeNvml) -> None:
+    backend = NvmlBackend(timeout=0.3)
+    try:
+        two_gpus.hang(1, "nvmlDeviceGetMemoryInfo_v2", 2.0)
+        started = time.monotonic()
+        snap = backend.snapshot()
+        assert time.monotonic() - started < 1.5
+        assert [g.index for g in snap.gpus] == [0]
+        assert snap.warnings == ("GPU 1: NVML did not answer within 0.3s; treated as unavailable",)
+        # While its call is stuck, the GPU is not asked again: no further wait.
+        two_gpus.clear_failures()
+        started = time.monotonic()
+        snap = backend.snapshot()
+        assert time.monotonic() - started < 0.25
+        assert [g.index for g in snap.gpus] == [0]
+        assert "has not answered" in snap.warnings[0]
+        wait_for(
+            lambda: len(backend.snapshot().gpus) >= 2,
+            timeout=10,
+            interval=0.1,
+            message="the GPU never came back",
+        )
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    ("func", "message"),
+    [("nvmlDeviceGetCount_v2", "GPU count"), ("nvmlInitWithFlags", "did not start")],
+)
+def test_a_hung_driver_is_unavailable_not_a_hang(
+    two_gpus: FakeNvml, func: str, message: str
+) -> None:
+    two_gpus.hang(None, func, 1.5)
+    before = set(threading.enumerate())
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=message):
+        backend = NvmlBackend(timeout=0.3)
+        try:
+            backend.snapshot()
+        finally:
+            backend.close()
+    assert time.monotonic() - started < 1.2
+    # The stuck call must have returned (1.5 s after it began) before the fake is taken away:
+    # the thread that made it, still in the fake now, ends then.
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), f"{thread.name} never ended: the stuck {func} call hangs on"
+
+
+def test_hung_gpu_end_to_end(two_gpus: FakeNvml, gpuwait_cmd: list[str]) -> None:
+    two_gpus.hang(0, "nvmlDeviceGetMemoryInfo_v2", 30)
+    started = time.monotonic()
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        env={**two_gpus.env(), "GPUWAIT_NVML_TIMEOUT": "0.5s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # It ran on the GPU that answers, and gpuwait ended although a driver call never returned.
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "GPU-fake-1"
+    assert "GPU 0: NVML did not answer within 0.5s" in done.stderr
+    assert time.monotonic() - started < 15
+
+
+def test_used_above_total_counts_as_full(fake_nvml: FakeNvml) -> None:
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=30 * GIB), FakeGpu(total=24 * GIB)])
+    backend = NvmlBackend()
+    try:
+        snap = backend.snapshot()
+    finally:
+        backend.close()
+    assert snap.gpus[0].used_bytes == 24 * GIB
+    assert snap.gpus[1].used_bytes == 0
+    assert len(snap.warnings) == 1 and "counted as full" in snap.warnings[0]
+
+
+def test_process_using_more_than_the_card_is_clamped(two_gpus: FakeNvml) -> None:
+    two_gpus.add_process(0, os.getpid(), 99 * GIB)
+    backend = NvmlBackend()
+    try:
+        snap = backend.snapshot()
+    finally:
+        backend.close()
+    assert snap.gpus[0].processes[0].used_bytes == 24 * GIB
+    assert "clamped to the total" in snap.warnings[0]
+
+
+def test_gpu_lost_mid_run_leaves_the_command_alone(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    flag = tmp_path / "started"
+    proc = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "1G",
+            "--devices",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            f"touch {flag}; sleep 1.5; exit 4",
+        ],
+        env={**two_gpus.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: flag.exists() or proc.poll() is not None,
+            timeout=20,
+            interval=0.02,
+            message="the command never started",
+        )
+        assert flag.exists(), "gpuwait ended before its command started"
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    two_gpus.fail(0, "nvmlDeviceGetHandleByIndex_v2", GPU_IS_LOST)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 4 and "Traceback" not in err
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    assert json.loads(history.read_text())["exit_status"] == 4

@@ -1,0 +1,25 @@
+"""Ledger entries for tests: jobs of live processes, which every ledger transaction keeps."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gpuwait.linux import proc
+from gpuwait.queue.entries import Job
+
+
+def live_job(job_id: str, pid: int | None = None, **fields: Any) -> Job:
+    """An entry for `pid` (this process by default) with its real start time and uid."""
+    pid = os.getpid() if pid is None else pid
+    values: dict[str, Any] = {
+        "id": job_id,
+        "pid": pid,
+        "start_time": proc.start_time(pid) or 0,
+        "uid": os.getuid(),
+        "command": ["x"],
+        "cwd": "/",
+        "request": {"bytes": 1},
+    }
+    values.update(fields)
+    return Job(**values)

@@ -1,0 +1,120 @@
+"""Run gpuwait as other users (tests and benchmarks that run as root).
+
+No accounts are needed: a process may take any numeric uid and gid. The interpreter may live
+where other users cannot read it (under root's home), so the helper starts as root, imports
+everything gpuwait will need, and only then drops to the user, before gpuwait's own main runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from conftest import REPO
+
+#: argv[0..] of a process that becomes uid/gid/groups and then runs `gpuwait ARGS`. The word
+#: "gpuwait" stands alone in its command line, as it does for `python -m gpuwait`.
+AS_USER = r"""
+import os, sys, importlib, pkgutil
+# Everything is imported before the switch: the other user may not read this checkout.
+import gpuwait, gpuwait.cli, ctypes, textwrap
+for module in pkgutil.walk_packages(gpuwait.__path__, "gpuwait."):
+    if module.name != "gpuwait.__main__":  # that one runs gpuwait when imported
+        importlib.import_module(module.name)
+import pwd, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select
+import gpuwait.commands.run
+gpuwait.commands.run.build_parser().format_help()  # argparse's and gettext's own lazy imports
+uid, gid = int(sys.argv[1]), int(sys.argv[2])
+os.setgroups([int(g) for g in sys.argv[3].split(",") if g])
+os.setgid(gid)
+os.setuid(uid)
+sys.argv = ["gpuwait", *sys.argv[5:]]
+gpuwait.cli.entry_point()
+"""
+
+
+def can_switch_users() -> bool:
+    return os.geteuid() == 0
+
+
+def user_argv(uid: int, gid: int, groups: Sequence[int], args: Sequence[str]) -> list[str]:
+    """argv that runs `gpuwait ARGS` as uid/gid with these supplementary groups."""
+    return [
+        sys.executable,
+        "-c",
+        AS_USER,
+        str(uid),
+        str(gid),
+        ",".join(str(g) for g in groups),
+        "gpuwait",
+        *args,
+    ]
+
+
+def user_home(root: Path, uid: int, gid: int) -> dict[str, str]:
+    """A home of the user's own under `root`, and the environment that points gpuwait at it."""
+    home = root / f"home-{uid}"
+    for sub in ("", "state", "config"):
+        (home / sub).mkdir(mode=0o700, exist_ok=True)
+        os.chown(home / sub, uid, gid)
+    return {
+        "HOME": str(home),
+        "XDG_STATE_HOME": str(home / "state"),
+        "XDG_CONFIG_HOME": str(home / "config"),
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def shared_root() -> Path:
+    """A fresh directory every user may enter (pytest's own tmp dirs are root's only)."""
+    root = Path(tempfile.mkdtemp(prefix="gpuwait-users-"))
+    os.chmod(root, 0o755)
+    return root
+
+
+def make_shared_ledger_dir(root: Path, gid: int, mode: int = 0o3770) -> Path:
+    """A shared ledger directory as an administrator sets it up: root-owned, the group's,
+    group-writable, setgid and sticky."""
+    ledger = root / "ledger"
+    ledger.mkdir()
+    os.chown(ledger, 0, gid)
+    os.chmod(ledger, mode)
+    return ledger
+
+
+def popen_as(
+    uid: int,
+    gid: int,
+    groups: Sequence[int],
+    args: Sequence[str],
+    env: Mapping[str, str],
+    **kw: Any,
+) -> subprocess.Popen[str]:
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(
+        user_argv(uid, gid, groups, args), env=dict(env), text=True, cwd="/", **kw
+    )
+
+
+def run_as(
+    uid: int,
+    gid: int,
+    groups: Sequence[int],
+    args: Sequence[str],
+    env: Mapping[str, str],
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        user_argv(uid, gid, groups, args),
+        env=dict(env),
+        text=True,
+        cwd="/",
+        capture_output=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,207 @@
+"""The history file and its index: damage, compaction, privacy, old records."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.history import a_run
+
+from gpuwait.core.cmdkey import command_key
+from gpuwait.core.estimate import estimate
+from gpuwait.history import index, store
+from gpuwait.history import record as run_record
+from gpuwait.history.learn import learn
+
+GiB = 2**30
+CWD = "/home/me/proj"
+NOW = 1_700_000_000.0
+
+
+def record(argv: list[str], gib: float, at: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "job_id": "x",
+        "command": argv,
+        "cwd": CWD,
+        "keys": command_key(argv, CWD).hashes(),
+        "peak_bytes": int(gib * GiB),
+        "reserved_bytes": 0,
+        "started_at": at,
+        "exit_status": 0,
+        "signal": None,
+        "oom": False,
+        "run_seconds": 10.0,
+        "wait_seconds": 0.5,
+        **extra,
+    }
+
+
+def estimate_bytes(state: Path, argv: list[str]) -> int | None:
+    return learn(state, argv, CWD, now=NOW).estimate.bytes
+
+
+def naive_estimate(state: Path, argv: list[str]) -> int | None:
+    """The same estimate from a full scan of the history, without the index."""
+    parsed = store.read_from(store.history_path(state))
+    key = command_key(argv, CWD)
+    hashes = key.hashes()
+    levels = []
+    for name, _ in key.levels:
+        runs = [
+            s
+            for _, r in parsed.records
+            if hashes[name] in run_record.record_keys(r).values()
+            and (s := run_record.run_stat(r)) is not None
+        ]
+        levels.append((name, runs[-index.KEEP_RUNS :]))
+    return estimate(levels, NOW).bytes
+
+
+TRAIN = ["python", "train.py", "--epochs", "3"]
+
+
+def test_estimate_from_appended_records(tmp_path: Path) -> None:
+    for i in range(3):
+        store.append_record(tmp_path, record(TRAIN, 3, NOW - 100 + i))
+    assert estimate_bytes(tmp_path, TRAIN) == int(3.375 * GiB)
+    assert estimate_bytes(tmp_path, ["python", "other.py"]) == int(3.375 * GiB)  # program level
+    assert estimate_bytes(tmp_path, ["bash", "x.sh"]) is None
+
+
+def test_files_are_private(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store.append_record(state, record(TRAIN, 3, NOW))
+    learn(state, TRAIN, CWD, now=NOW)
+    files = [state / "history.jsonl", *(state / "history.index").iterdir()]
+    assert len(files) > 2
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+
+
+def test_a_damaged_line_is_skipped_and_reported_once(tmp_path: Path) -> None:
+    path = store.history_path(tmp_path)
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 3))
+    with path.open("ab") as f:
+        f.write(b'{"schema": 2, "command": ["python", "tr\n')  # cut off mid-write
+        f.write(b"\x00\xff garbage\n")
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 2))
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 1))
+    first = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert first.estimate.runs == 3
+    assert len(first.warnings) == 1 and "skipped 2 damaged line(s)" in first.warnings[0]
+    # The index took those bytes in once; the next lookups do not complain again.
+    assert learn(tmp_path, TRAIN, CWD, now=NOW).warnings == ()
+
+
+def test_a_line_left_without_newline_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    path = store.history_path(tmp_path)
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 3))
+    with path.open("ab") as f:
+        f.write(b'{"schema": 2, "half')
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 2))
+    parsed = store.read_from(path)
+    assert len(parsed.records) == 2 and parsed.damage.lines == 1
+
+
+def test_index_follows_appends_and_matches_a_full_scan(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    commands = [["python", f"s{i}.py", "--bs", str(b)] for i in range(4) for b in (8, 16)]
+    for step in range(300):
+        argv = rng.choice(commands)
+        ok = rng.random() > 0.1
+        store.append_record(
+            tmp_path,
+            record(argv, rng.uniform(1, 20), NOW - 10_000 + step, exit_status=0 if ok else 1),
+        )
+        if step % 37 == 0:
+            learn(tmp_path, argv, CWD, now=NOW)  # take in part of the file now, the rest later
+    for argv in [*commands, ["python", "new.py"]]:
+        assert estimate_bytes(tmp_path, argv) == naive_estimate(tmp_path, argv)
+
+
+def test_missing_or_damaged_index_is_rebuilt(tmp_path: Path) -> None:
+    for i in range(5):
+        store.append_record(tmp_path, record(TRAIN, 4, NOW - i))
+    expected = estimate_bytes(tmp_path, TRAIN)
+    directory = index.index_dir(tmp_path)
+    for bucket in directory.glob("b*.json"):
+        bucket.write_text('{"oops": ')
+    again = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert again.estimate.bytes == expected
+    assert any("history index" in w for w in again.warnings)
+    for child in directory.iterdir():
+        child.unlink()
+    directory.rmdir()
+    assert estimate_bytes(tmp_path, TRAIN) == expected
+    (directory / "meta.json").write_text("not json")
+    assert estimate_bytes(tmp_path, TRAIN) == expected
+
+
+def test_compaction_keeps_what_estimates_use(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    commands = [["python", f"s{i}.py", "--seed", str(seed)] for i in range(5) for seed in range(3)]
+    at = NOW - 50 * 86400
+    for _ in range(2500):
+        at += 1500
+        store.append_record(tmp_path, record(rng.choice(commands), rng.uniform(1, 30), at))
+    probes = [*commands, ["python", "s0.py"], ["python", "fresh.py"]]
+    before = {tuple(c): estimate_bytes(tmp_path, c) for c in probes}
+    path = store.history_path(tmp_path)
+    size = path.stat().st_size
+    assert not store.append_record(tmp_path, record(["true"], 0, at + 1), max_bytes=size * 2)
+    assert store.append_record(tmp_path, record(["true"], 0, at + 1), max_bytes=size // 2)
+    assert path.stat().st_size < size // 4
+    assert (tmp_path / "history.jsonl.1").stat().st_size > size
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    after = {tuple(c): estimate_bytes(tmp_path, c) for c in probes}
+    assert after == before
+
+
+def test_records_from_before_keys_existed_are_used(tmp_path: Path) -> None:
+    path = store.history_path(tmp_path)
+    lines = []
+    for i in range(3):
+        old = record(TRAIN, 5, NOW - i)
+        del old["keys"]
+        lines.append(json.dumps({"schema": 1, **old}) + "\n")
+    path.write_text("".join(lines))
+    os.chmod(path, 0o600)
+    assert estimate_bytes(tmp_path, TRAIN) == int(5.5 * GiB)
+
+
+def test_tail_reads_the_last_records(tmp_path: Path) -> None:
+    for i in range(500):
+        store.append_record(tmp_path, record(TRAIN, 1, NOW + i, job_id=str(i)))
+    path = store.history_path(tmp_path)
+    assert [r["job_id"] for _, r in store.tail(path, 3).records] == ["497", "498", "499"]
+    assert len(store.tail(path, 1000).records) == 500
+    assert store.tail(tmp_path / "none", 3).records == []
+
+
+@pytest.mark.parametrize("argv", [TRAIN, ["python", "-m", "pkg"], ["sh", "-c", "secret=hunter2"]])
+def test_hash_mode_estimates_the_same(tmp_path: Path, argv: list[str]) -> None:
+    full_dir, hash_dir = tmp_path / "full", tmp_path / "hash"
+    for state, mode in ((full_dir, "full"), (hash_dir, "hash")):
+        for i in range(3):
+            rec = a_run(argv, CWD, NOW - i, history_commands=mode, peak_by_gpu={"GPU-0": 2 * GiB})
+            store.append_record(state, rec)
+    assert estimate_bytes(full_dir, argv) == estimate_bytes(hash_dir, argv) is not None
+    text = store.history_path(hash_dir).read_text()
+    assert CWD + "/train" not in text and "hunter2" not in text and '"command":null' in text
+
+
+def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -> None:
+    for i in range(3):
+        store.append_record(tmp_path, record(TRAIN, 3, NOW - i))
+    (tmp_path / "history.index").mkdir(exist_ok=True)
+    (tmp_path / "history.lock").unlink()
+    (tmp_path / "history.lock").mkdir()  # the lock cannot be opened
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert learned.estimate.bytes is None
+    assert len(learned.warnings) == 1 and "cannot be used" in learned.warnings[0]

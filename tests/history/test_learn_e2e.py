@@ -1,0 +1,318 @@
+"""Learning VRAM from history, end to end: real gpuwait processes on simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory
+from helpers.waiting import wait_for
+
+GiB = 2**30
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90, **kw)  # type: ignore[no-any-return]
+
+
+def history() -> list[dict[str, Any]]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sim_job(gpuwait_cmd: list[str], vram: str, *extra: str) -> list[str]:
+    return [*gpuwait_cmd, "sim", "job", "--vram", vram, *extra]
+
+
+def estimate_of(gpuwait_cmd: list[str], command: list[str]) -> dict[str, Any]:
+    done = run([*gpuwait_cmd, "estimate", "--json", "--", *command])
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def running_jobs() -> int:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    if not path.exists():
+        return 0
+    return sum(1 for j in json.loads(path.read_text())["jobs"] if j["state"] == "running")
+
+
+def test_oom_on_a_nearly_full_card_is_recorded_and_raises_the_estimate(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # 19 GiB held outside gpuwait: 2 GiB still fit under safety 0.9, 20 GiB do not.
+    sim_file(gpus=1, memory="24GiB", base_used="19GiB")
+    job = sim_job(gpuwait_cmd, "20G", "--hold", "0")
+    done = run([*gpuwait_cmd, "--vram", "2G", "--", *job])
+    assert done.returncode == 1
+    assert "CUDA out of memory" in done.stderr  # passed on unchanged
+    record = history()[-1]
+    assert record["oom"] is True and record["oom_evidence"] == "message"
+    assert record["stderr_watched"] == "pipe" and record["request_source"] == "flag"
+    learned = estimate_of(gpuwait_cmd, job)
+    assert learned["estimate_bytes"] > max(2 * GiB, record["peak_bytes"] or 0)
+    assert learned["oom_floor_bytes"] == learned["estimate_bytes"]
+    assert "out-of-memory" in learned["based_on"]
+
+
+def test_oom_seen_in_a_stderr_log_file(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="24GiB", base_used="19GiB")
+    log = tmp_path / "log"
+    with log.open("w") as handle:
+        code = subprocess.run(
+            [*gpuwait_cmd, "--vram", "2G", "--", *sim_job(gpuwait_cmd, "20G", "--hold", "0")],
+            stderr=handle,
+            timeout=60,
+        ).returncode
+    assert code == 1 and "CUDA out of memory" in log.read_text()
+    record = history()[-1]
+    assert record["stderr_watched"] == "file" and record["oom"] is True
+
+
+def test_a_failure_with_the_card_full_at_its_peak_counts_as_oom(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # No message to go by (stderr not watched): the card ran full at the job's peak.
+    sim_file(gpus=1, memory="24GiB")
+    env = {**os.environ, "GPUWAIT_WATCH_STDERR": "off"}
+    job = sim_job(gpuwait_cmd, "23.9G", "--hold", "1.5s", "--exit", "1")
+    done = run([*gpuwait_cmd, "--vram", "20G", "--", *job], env=env)
+    assert done.returncode == 1
+    record = history()[-1]
+    assert record["oom"] is True and record["oom_evidence"] == "card full"
+    assert record["stderr_watched"] == "off"
+
+
+def test_failure_without_oom_is_not_an_oom(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    done = run([*gpuwait_cmd, "--vram", "2G", "--", "sh", "-c", "echo bad input >&2; exit 3"])
+    assert done.returncode == 3 and done.stderr == "bad input\n"
+    assert history()[-1]["oom"] is False
+
+
+@pytest.mark.slow
+def test_three_runs_teach_the_size_and_the_fourth_runs_without_vram(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "1s")
+    for _ in range(3):
+        done = run([*gpuwait_cmd, "--vram", "8G", "--", *job])
+        assert done.returncode == 0, done.stderr
+    assert [r["peak_bytes"] for r in history()] == [3 * GiB] * 3
+    # Someone else holds most of the card: a whole GPU (the default) would have to wait.
+    holder = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "12G", "-q", "--", *sim_job(gpuwait_cmd, "12G", "--hold", "30s")]
+    )
+    try:
+        wait_for(lambda: running_jobs() == 1, timeout=30)
+        done = run([*gpuwait_cmd, "-v", "--timeout", "20s", "--", *job])
+    finally:
+        holder.terminate()
+        holder.wait()
+    assert done.returncode == 0, done.stderr
+    assert "estimated from 3 runs of this exact command" in done.stderr
+    fourth = history()[3]
+    assert fourth["request_source"] == "estimate" and fourth["oom"] is False
+    assert fourth["peak_bytes"] == 3 * GiB
+    assert 3 * GiB < fourth["reserved_bytes"] <= 3 * GiB * 1.25
+
+
+@pytest.mark.slow
+def test_retry_oom_queues_again_with_a_raised_estimate(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    # 18 GiB held outside gpuwait for a while: 5 GiB cannot be had until it ends.
+    outside = subprocess.Popen(
+        [*gpuwait_cmd, "sim", "job", "--vram", "18G", "--hold", "3s"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
+    try:
+        sim = Path(os.environ["GPUWAIT_SIM"])
+        from gpuwait.gpu.sim import SimBackend
+
+        wait_for(lambda: SimBackend(str(sim)).snapshot().gpus[0].used_bytes >= 18 * GiB)
+        job = sim_job(gpuwait_cmd, "7G", "--hold", "0.2s")
+        done = run([*gpuwait_cmd, "--vram", "2G", "--retry-oom", "3", "--", *job])
+    finally:
+        outside.kill()
+        outside.wait()
+    assert done.returncode == 0, done.stderr
+    runs = history()
+    assert runs[0]["oom"] is True and runs[-1]["oom"] is False and runs[-1]["exit_status"] == 0
+    assert 2 <= len(runs) <= 4
+    reserved = [r["reserved_bytes"] for r in runs]
+    assert reserved == sorted(set(reserved)) and reserved[0] == 2 * GiB
+    assert (
+        "retrying with" in done.stderr and done.stderr.count("CUDA out of memory") == len(runs) - 1
+    )
+
+
+def test_without_retry_the_oom_exit_status_passes_through(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB", base_used="19GiB")
+    done = run([*gpuwait_cmd, "--vram", "2G", "--", *sim_job(gpuwait_cmd, "20G", "--hold", "0")])
+    assert done.returncode == 1 and "retrying" not in done.stderr
+    assert len(history()) == 1
+
+
+def test_no_history_says_so_in_the_wait_line(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB", base_used="4GiB")  # not free enough for a whole GPU
+    done = run([*gpuwait_cmd, "--timeout", "0.3s", "--", "true"])
+    assert done.returncode == 124
+    assert "waiting for a whole GPU (no earlier runs of this command: default_vram)" in done.stderr
+
+
+def test_a_damaged_history_stops_nothing(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    for _ in range(3):
+        assert run([*gpuwait_cmd, "--vram", "1G", "--", "true"]).returncode == 0
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    with path.open("ab") as handle:
+        handle.write(b"{this is not json\n")
+    done = run([*gpuwait_cmd, "--", "true"])
+    assert done.returncode == 0
+    assert done.stderr.count("damaged line") == 1
+    assert history_records_ok(path) == 4
+    again = run([*gpuwait_cmd, "--", "true"])
+    assert again.returncode == 0 and "damaged" not in again.stderr
+    shown = run([*gpuwait_cmd, "history"])
+    assert shown.returncode == 0 and shown.stdout.count("true") == 5
+    assert shown.stderr.count("damaged line") == 1
+
+
+def history_records_ok(path: Path) -> int:
+    count = 0
+    for line in path.read_text().splitlines():
+        try:
+            json.loads(line)
+            count += 1
+        except ValueError:
+            pass
+    return count
+
+
+def test_history_shows_and_exports_runs(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=2, memory="24GiB")
+    job = sim_job(gpuwait_cmd, "1G", "--hold", "0.3s")
+    assert run([*gpuwait_cmd, "--vram", "2G", "--", *job]).returncode == 0
+    assert run([*gpuwait_cmd, "--vram", "2G", "--", "sh", "-c", "exit 4"]).returncode == 4
+    text = run([*gpuwait_cmd, "history"]).stdout
+    header, first, second = text.splitlines()[:3]
+    assert header.split() == ["when", "GPU", "peak", "load", "wait", "run", "exit", "command"]
+    assert "1.0 GiB" in first and "sim job --vram 1G" in first
+    assert " 4 " in second and "sh -c 'exit 4'" in second
+    records = json.loads(run([*gpuwait_cmd, "history", "--json", "-n", "1"]).stdout)
+    assert len(records) == 1 and records[0]["exit_status"] == 4
+    only = json.loads(run([*gpuwait_cmd, "history", "--json", "--", *job]).stdout)
+    assert len(only) == 1 and only[0]["peak_bytes"] == GiB
+    assert only[0]["time_to_peak_seconds"] is not None
+    assert {"cwd", "keys", "gpus", "wait_seconds", "run_seconds", "request_source"} <= set(only[0])
+
+
+def test_history_cuts_long_commands_only_at_a_terminal(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    sim_file(gpus=1, memory="24GiB")
+    long_arg = "x" * 150
+    assert run([*gpuwait_cmd, "--vram", "1G", "--", "echo", long_arg]).returncode == 0
+    piped = run([*gpuwait_cmd, "history"]).stdout.splitlines()[1]
+    assert piped.endswith(f"echo {long_arg}")
+    child = pexpect.spawn(
+        gpuwait_cmd[0],
+        [*gpuwait_cmd[1:], "history"],
+        env=dict(os.environ),
+        dimensions=(24, 120),
+        timeout=30,
+        encoding="utf-8",
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    row = str(child.before).splitlines()[1]
+    assert len(row) == 120 and row.endswith("…") and "echo xxx" in row
+
+
+def test_estimate_explains_itself(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    # Long enough to be sampled: a run that ends before its first sample has no known peak.
+    script = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    none = run([*gpuwait_cmd, "estimate", "--", *script])
+    assert none.returncode == 0 and "a whole GPU (default_vram)" in none.stdout
+    for _ in range(2):
+        assert run([*gpuwait_cmd, "--vram", "1G", "--key", "tiny", "--", *script]).returncode == 0
+    shown = run([*gpuwait_cmd, "estimate", "--key", "tiny"])
+    assert "estimate: 256 MiB per GPU, estimated from 2 runs with this --key" in shown.stdout
+    assert "run time:" in shown.stdout and "load:" in shown.stdout
+    assert run([*gpuwait_cmd, "estimate"]).returncode == 2
+
+
+def test_approximate_peak_where_nvml_has_no_per_process_figures(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB", base_used="1GiB", per_process=False)
+    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "1s")
+    done = run([*gpuwait_cmd, "--vram", "4G", "--", *job])
+    assert done.returncode == 0, done.stderr
+    record = history()[-1]
+    assert record["peak_approximate"] is True and record["peak_bytes"] == 3 * GiB
+
+
+def test_hash_mode_keeps_no_command_line(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    env = {**os.environ, "GPUWAIT_HISTORY_COMMANDS": "hash"}
+    done = run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo token=s3cr3t >/dev/null"], env=env
+    )
+    assert done.returncode == 0
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    assert "s3cr3t" not in path.read_text()
+    shown = run([*gpuwait_cmd, "history"], env=env).stdout
+    assert "sh [" in shown and "s3cr3t" not in shown
+    # Nor does the event log, which lasts as long.
+    events = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    assert "s3cr3t" not in events.read_text()
+    logged = run([*gpuwait_cmd, "log"], env=env).stdout
+    assert "sh [" in logged and "s3cr3t" not in logged
+
+
+def test_bad_options_are_one_line(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    for argv, message in (
+        (["--retry-oom", "-1", "true"], "--retry-oom"),
+        (["--key", "", "true"], "--key"),
+        (["history", "-n", "-2"], "-n"),
+    ):
+        started = time.monotonic()
+        done = run([*gpuwait_cmd, *argv])
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+        assert time.monotonic() - started < 10
+
+
+def test_retry_oom_stops_when_the_largest_card_was_already_given(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Too big for the only card: the first run already had all of it (default_vram exclusive),
+    # so a raised estimate, capped at that card, cannot help and no retry is made.
+    sim_file(gpus=1, memory="8GiB")
+    done = run([*gpuwait_cmd, "--retry-oom", "3", "--", *sim_job(gpuwait_cmd, "9G", "--hold", "0")])
+    assert done.returncode == 1
+    assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
+    assert len(history()) == 1 and history()[0]["oom"] is True

@@ -1,0 +1,251 @@
+"""State paths gpuwait refuses, modes it sets whatever the umask, caps on what a ledger may hold."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_sim import Run
+from helpers.jobs import live_job
+from helpers.waiting import wait_for
+
+from gpuwait.core.text import printable
+from gpuwait.linux.proc import start_time
+from gpuwait.linux.security import UnsafePath, control_refusal, open_state_file
+from gpuwait.queue.entries import MAX_ENTRIES_PER_UID, Job
+from gpuwait.queue.ledger import MAX_FILE_BYTES, Ledger
+
+
+@pytest.fixture
+def gw(sim: Path, run_gpuwait: Run) -> Run:
+    return run_gpuwait
+
+
+def state_dir() -> Path:
+    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def refused(done: subprocess.CompletedProcess[str], words: str) -> None:
+    assert done.returncode == 5, done.stderr
+    assert words in done.stderr, done.stderr
+    assert done.stderr.startswith("gpuwait: error:") and "Traceback" not in done.stderr
+
+
+def test_symlinked_state_dir_is_refused(gw: Run, tmp_path: Path) -> None:
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    state_dir().symlink_to(real)
+    refused(gw("--vram", "1G", "--", "echo", "ran"), "symlink")
+    assert list(real.iterdir()) == []
+    # on_state_error = run: the command runs, uncoordinated, after one warning.
+    done = gw("--vram", "1G", "--", "echo", "ran", env={"GPUWAIT_ON_STATE_ERROR": "run"})
+    assert done.returncode == 0 and done.stdout == "ran\n"
+    assert done.stderr.count("warning") == 1 and "symlink" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["ledger.json", "ledger.lock"])
+def test_symlinked_ledger_file_is_refused(gw: Run, tmp_path: Path, name: str) -> None:
+    state_dir().mkdir(mode=0o700)
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    (state_dir() / name).symlink_to(target)
+    refused(gw("--vram", "1G", "true"), "symlink")
+    assert target.read_text() == "precious\n"
+
+
+def test_symlinked_shared_ledger_dir_is_refused(gw: Run, tmp_path: Path) -> None:
+    real = tmp_path / "shared"
+    real.mkdir()
+    real.chmod(0o1777)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    refused(gw("--ledger", str(link), "--vram", "1G", "true"), "symlink")
+    refused(gw("status", env={"GPUWAIT_LEDGER_DIR": str(link)}), "symlink")
+    assert list(real.iterdir()) == []
+
+
+def test_missing_ledger_dir_is_refused_not_created(gw: Run, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    refused(gw("--ledger", str(missing), "--vram", "1G", "true"), "does not exist")
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "words"),
+    [(0o777, "no sticky bit"), (0o772, "no sticky bit")],
+)
+def test_world_writable_dir_without_sticky_bit_is_refused(
+    gw: Run, tmp_path: Path, mode: int, words: str
+) -> None:
+    state_dir().mkdir()
+    state_dir().chmod(mode)
+    refused(gw("--vram", "1G", "true"), words)
+
+
+def test_group_writable_shared_dir_without_sticky_bit_is_refused(gw: Run, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o770)
+    refused(gw("--ledger", str(shared), "--vram", "1G", "true"), "sticky bit")
+    # With the sticky bit it is a shared ledger: files for the group, 0660.
+    shared.chmod(0o1770)
+    assert gw("--ledger", str(shared), "--vram", "1G", "true").returncode == 0
+    assert oct((shared / "ledger.json").stat().st_mode & 0o777) == "0o660"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a dir to another user")
+def test_private_dir_of_another_user_is_refused(gw: Run) -> None:
+    state_dir().mkdir(mode=0o700)
+    os.chown(state_dir(), 47301, 47301)
+    refused(gw("--vram", "1G", "true"), "belongs to another user")
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o077, 0o022])
+def test_modes_are_right_whatever_the_umask(gw: Run, umask: int) -> None:
+    done = gw("--vram", "1G", "--", "true", preexec_fn=lambda: os.umask(umask))
+    assert done.returncode == 0, done.stderr
+    found = [state_dir(), *state_dir().rglob("*")]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in found}
+    assert {"ledger.json", "ledger.lock", "history.jsonl"} <= set(modes)
+    for path in found:
+        expected = "0o700" if path.is_dir() else "0o600"
+        assert modes[path.name] == expected, path
+
+
+def test_open_state_file_fixes_a_loosened_mode(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_text("")
+    path.chmod(0o666)
+    os.close(open_state_file(path, 0o600))
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    os.link(path, tmp_path / "hardlink")
+    with pytest.raises(UnsafePath, match="hard links"):
+        open_state_file(path, 0o600)
+
+
+def test_symlinked_history_loses_the_record_not_the_run(gw: Run, tmp_path: Path) -> None:
+    state_dir().mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (state_dir() / "history.jsonl").symlink_to(victim)
+    done = gw("--vram", "1G", "--", "sh", "-c", "exit 7")
+    assert done.returncode == 7
+    assert "could not record the run" in done.stderr
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
+    state_dir().mkdir(mode=0o700)
+    fd = os.open(state_dir() / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        done = gw("--vram", "1G", "true", env={"GPUWAIT_LOCK_TIMEOUT": "0.5s"})
+        refused(done, "held by another process")
+        assert time.monotonic() - started < 8
+    finally:
+        os.close(fd)
+
+
+def _entry(job_id: str, **changes: object) -> dict[str, object]:
+    return {**vars(live_job(job_id)), **changes}
+
+
+def _write_ledger(directory: Path, jobs: list[dict[str, object]]) -> None:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    raw = {"schema": 1, "created_at": 1.0, "next_order": 1, "rr_cursor": -1, "jobs": jobs}
+    (directory / "ledger.json").write_text(json.dumps(raw))
+
+
+def test_one_user_cannot_fill_the_ledger(gw: Run) -> None:
+    # Entries of this (live) test process stand for a user's other jobs.
+    _write_ledger(state_dir(), [_entry(f"j{i}", order=i) for i in range(MAX_ENTRIES_PER_UID)])
+    refused(gw("--vram", "1G", "true"), f"already have {MAX_ENTRIES_PER_UID} gpuwait jobs")
+
+
+def test_entries_over_the_per_user_cap_are_dropped_running_ones_kept(tmp_path: Path) -> None:
+    n = MAX_ENTRIES_PER_UID + 50
+    running = _entry("running", state="running", gpu_uuids=["GPU-x"], reserved_bytes=5, order=n)
+    _write_ledger(tmp_path, [_entry(f"w{i}", order=i) for i in range(n)] + [running])
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        assert len(data.jobs) == MAX_ENTRIES_PER_UID
+        assert data.find("running") is not None
+    assert len(ledger.warnings) == 1 and "more than" in ledger.warnings[0]
+
+
+def test_an_oversized_ledger_is_set_aside(tmp_path: Path) -> None:
+    _write_ledger(tmp_path, [_entry("a", cwd="x" * 4000)] * ((MAX_FILE_BYTES // 4000) + 10))
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        assert data.jobs == []
+    assert "larger than 16 MiB" in ledger.warnings[0]
+    assert len(list(tmp_path.glob("ledger.json.damaged-*"))) == 1
+
+
+def test_only_the_owner_of_a_live_gpuwait_may_control_it(sim: Path, gpuwait_cmd: list[str]) -> None:
+    proc = subprocess.Popen([*gpuwait_cmd, "--vram", "1G", "--", "sleep", "30"])
+    try:
+        job = wait_for(
+            lambda: Ledger(state_dir()).read().jobs,
+            timeout=20,
+            interval=0.02,
+            message="gpuwait never entered the ledger",
+        )[0]
+        assert control_refusal(job) is None
+        other = os.getuid() + 1
+        refusal = control_refusal(job, other)
+        assert refusal is not None and "your own" in refusal
+        # An entry naming a process that is not gpuwait (here: this test) is refused.
+        bait = Job(**{**vars(job), "pid": os.getpid()})
+        bait.start_time = start_time(os.getpid()) or 0
+        refusal = control_refusal(bait)
+        assert refusal is not None and "not a gpuwait process" in refusal
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    refusal = control_refusal(job)
+    assert refusal is not None and "gone" in refusal
+
+
+def test_printable_hides_escape_sequences() -> None:
+    assert printable("ok \x1b[2J\x07 done") == "ok ?[2J? done"
+    assert printable("é ü 日本") == "é ü 日本"
+    assert len(printable("x" * 10_000, 40)) == 40
+
+
+def test_cancel_refuses_an_entry_that_names_no_gpuwait_process(gw: Run) -> None:
+    """A running entry naming some other process of the user (here: a bare `sleep`) must never
+    make `gpuwait cancel` signal it: refused with exit 8, and the process lives on."""
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        with Ledger(state_dir()).transaction() as data:
+            data.jobs.append(
+                Job(
+                    id="bait0001",
+                    pid=bystander.pid,
+                    start_time=start_time(bystander.pid) or 0,
+                    uid=os.getuid(),
+                    command=["sleep", "30"],
+                    cwd="/",
+                    request={"bytes": 2**30},
+                    state="running",
+                    name="bait",
+                )
+            )
+        done = gw("cancel", "bait")
+        assert done.returncode == 8, done.stderr
+        assert "not a gpuwait process" in done.stderr and "Traceback" not in done.stderr
+        # Not a precondition but the window under test: a signal sent to it would have ended
+        # it within this time. A signal that never comes shows no state to wait for.
+        time.sleep(0.2)
+        assert bystander.poll() is None
+        assert [j.id for j in Ledger(state_dir()).read().jobs] == ["bait0001"]
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=20)

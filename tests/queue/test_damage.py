@@ -1,0 +1,241 @@
+"""Damaged files, one kind of damage at a time, for every file gpuwait reads.
+
+State files gpuwait writes itself (the ledger, its journal, the history) are recovered at the next
+operation: the damaged copy is kept beside them and one warning says so. Files a person writes
+(config, site config, simulation file) are never moved or rewritten: gpuwait refuses them with
+one line naming the file, and they stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_sim import Run
+from helpers.jobs import live_job
+
+from gpuwait.cli import main
+from gpuwait.history import store
+from gpuwait.queue.ledger import Ledger
+
+DAMAGE = {
+    "truncated": b'{"schema": 1, "jobs": [{"id": "a", "pid"',
+    "zero-length": b"",
+    "garbage": b"\x00\xff\xfe garbage \x80\x81",
+    "wrong schema": b'{"schema": 1, "jobs": {"not": "a list"}}',
+    "future schema": b'{"schema": 2, "jobs": [], "created_at": 1.0, "next_order": 1}',
+}
+
+
+@pytest.fixture
+def gw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_gpuwait: Run) -> Run:
+    sim = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim))
+    return run_gpuwait
+
+
+def warnings_of(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("gpuwait: warning:")]
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_private_ledger_is_recovered_at_the_next_run(gw: Run, kind: str) -> None:
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    (state / "ledger.json").write_bytes(DAMAGE[kind])
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    warned = warnings_of(done.stderr)
+    assert len(warned) == 1 and "damaged" in warned[0], done.stderr
+    if kind == "future schema":
+        assert "newer gpuwait" in warned[0], warned
+    kept = list(state.glob("ledger.json.damaged-*"))
+    assert len(kept) == 1 and kept[0].read_bytes() == DAMAGE[kind]
+    json.loads((state / "ledger.json").read_text())
+    # Recovered once: the next run has nothing to say.
+    again = gw("--vram", "1G", "true")
+    assert again.returncode == 0 and warnings_of(again.stderr) == []
+
+
+def shared_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o1770)
+    return directory
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_torn_shared_ledger_is_rebuilt_from_its_journal_silently(tmp_path: Path, kind: str) -> None:
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("kept"))
+    # A writer killed halfway through ledger.json: the journal holds the whole new state.
+    ledger.path.write_bytes(DAMAGE[kind])
+    again = Ledger(ledger.directory)
+    with again.transaction() as data:
+        assert [j.id for j in data.jobs] == ["kept"]
+    assert again.warnings == []
+    assert not list(ledger.directory.glob("*.damaged-*"))
+    assert json.loads(ledger.path.read_bytes())["jobs"][0]["id"] == "kept"
+
+
+def test_torn_write_is_caught_by_the_checksum(tmp_path: Path) -> None:
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("old"))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("new"))
+    # The first bytes of the new file over the old one: still valid JSON, but not what was
+    # written. The checksum tells, and the journal's whole copy is used.
+    whole = ledger.path.read_bytes()
+    torn = whole.replace(b'"id":"new"', b'"id":"xyz"')
+    ledger.path.write_bytes(torn)
+    again = Ledger(ledger.directory)
+    with again.transaction() as data:
+        assert sorted(j.id for j in data.jobs) == ["new", "old"]
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_shared_ledger_damaged_in_both_copies_is_kept_aside(tmp_path: Path, kind: str) -> None:
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("lost"))
+    ledger.path.write_bytes(DAMAGE[kind])
+    ledger.journal_path.write_bytes(b"also broken")
+    again = Ledger(ledger.directory)
+    with again.transaction() as data:
+        assert data.jobs == []
+    assert len(again.warnings) == 1 and "damaged" in again.warnings[0]
+    kept = list(ledger.directory.glob("ledger.json.damaged-*"))
+    assert len(kept) == 1 and kept[0].read_bytes() == DAMAGE[kind]
+
+
+HISTORY_DAMAGE = {
+    "truncated": b'{"schema": 2, "command": ["python", "tr',
+    "garbage": b"\x00\xff\xfe garbage\n",
+    "wrong schema": b'["not", "a", "record"]\n',
+    "future schema": b'{"schema": 9, "records": "elsewhere"}\n',
+}
+
+
+@pytest.mark.parametrize("kind", list(HISTORY_DAMAGE))
+def test_damaged_history_costs_one_warning_and_no_record(gw: Run, kind: str) -> None:
+    assert gw("--vram", "1G", "true").returncode == 0
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    with history.open("ab") as f:
+        f.write(HISTORY_DAMAGE[kind])
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    warned = warnings_of(done.stderr)
+    assert len(warned) == 1 and "skipped 1 damaged line" in warned[0], done.stderr
+    # Reported once; the damaged bytes stay in the file as evidence, and both runs are there.
+    again = gw("--vram", "1G", "true")
+    assert again.returncode == 0 and warnings_of(again.stderr) == []
+    assert HISTORY_DAMAGE[kind].rstrip(b"\n") in history.read_bytes()
+    assert len(store.read_from(history).records) == 3
+
+
+def test_zero_length_history_is_just_empty(tmp_path: Path) -> None:
+    (tmp_path / "history.jsonl").write_bytes(b"")
+    store.append_record(tmp_path, {"started_at": 1.0, "exit_status": 0})
+    parsed = store.read_from(tmp_path / "history.jsonl")
+    assert len(parsed.records) == 1 and parsed.damage.lines == 0
+
+
+CONFIG_DAMAGE = {
+    "truncated": (b"safety = 0.", "config file"),
+    "garbage": (b"\x00\xff\xfe garbage", "not UTF-8"),
+    "wrong schema": (b"[safety]\nvalue = 1\n", "not valid for safety"),
+    "future schema": (b"schema = 2\n", "unknown setting 'schema'"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONFIG_DAMAGE))
+@pytest.mark.parametrize("which", ["user", "site"])
+def test_damaged_config_is_refused_and_left_alone(
+    gw: Run, isolated_dirs: Path, kind: str, which: str
+) -> None:
+    base = isolated_dirs / ("config" if which == "user" else "site-config")
+    path = base / "gpuwait" / "config.toml"
+    path.parent.mkdir(parents=True)
+    content, words = CONFIG_DAMAGE[kind]
+    path.write_bytes(content)
+    done = gw("--vram", "1G", "true")
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and str(path) in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    assert path.read_bytes() == content
+    assert list(path.parent.iterdir()) == [path]
+
+
+def test_zero_length_config_means_defaults(gw: Run, isolated_dirs: Path) -> None:
+    path = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"")
+    assert gw("--vram", "1G", "true").returncode == 0
+
+
+SIM_DAMAGE = {
+    "truncated": (b'[[gpu]]\nmemory = "24G', "not valid TOML"),
+    "zero-length": (b"", "no [[gpu]] tables"),
+    "garbage": (b"\x00\xff\xfe garbage", "not valid TOML"),
+    "wrong schema": (b"gpu = 5\n", "array of tables"),
+    "future schema": (b'[[gpu]]\nmemory = "24GiB"\nnvlink = true\n', "unknown key 'nvlink'"),
+}
+
+
+@pytest.mark.parametrize("kind", list(SIM_DAMAGE))
+def test_damaged_simulation_file_is_refused_and_left_alone(gw: Run, kind: str) -> None:
+    path = Path(os.environ["GPUWAIT_SIM"])
+    content, words = SIM_DAMAGE[kind]
+    path.write_bytes(content)
+    done = gw("--vram", "1G", "true", env={"GPUWAIT_ON_NO_GPU": "fail"})
+    assert done.returncode == 4, done.stderr
+    assert words in done.stderr and "simulation file" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert path.read_bytes() == content
+    # `status` reports it, still shows the ledger, and exits as a run without GPUs would.
+    status = gw("status")
+    assert status.returncode == 4 and words in status.stderr and "Queue (0)" in status.stdout
+
+
+CHURN = r"""
+import os, sys
+from pathlib import Path
+from gpuwait.linux import proc
+from gpuwait.queue.entries import Job
+from gpuwait.queue.ledger import Ledger
+ledger = Ledger(Path(sys.argv[1]))
+me = os.getpid()
+for i in range(int(sys.argv[2])):
+    with ledger.transaction() as data:
+        data.remove(f"{me}-{i - 1}")
+        data.jobs.append(Job(id=f"{me}-{i}", pid=me, start_time=proc.start_time(me) or 0,
+                             uid=os.getuid(), command=["x" * (i % 50)], cwd="/", request={"bytes": 1}))
+"""
+
+
+def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> None:
+    import sys
+
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("anchor"))
+    writers = [
+        subprocess.Popen([sys.executable, "-c", CHURN, str(ledger.directory), "150"])
+        for _ in range(4)
+    ]
+    try:
+        reads = 0
+        while any(w.poll() is None for w in writers) or reads < 50:
+            assert Ledger(ledger.directory).read().find("anchor") is not None
+            reads += 1
+    finally:
+        for w in writers:
+            w.wait(timeout=60)
+    assert all(w.returncode == 0 for w in writers)
+    assert not list(ledger.directory.glob("*.damaged-*"))

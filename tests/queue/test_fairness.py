@@ -1,0 +1,136 @@
+"""Fair share between users and per-user limits, in the pure policy and the usage arithmetic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwait.cli import main
+from gpuwait.core.policy import Claim, FairShare, UserLimits, impossible_reason, plan
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.queue.entries import LedgerData, UserUsage
+from gpuwait.queue.fairness import charge, decayed, user_usage
+
+GiB = 2**30
+
+
+def card(index: int, total_gib: int = 24) -> GpuSnapshot:
+    return GpuSnapshot(index, f"GPU-{index}", "T", total_gib * GiB, 0)
+
+
+def waiter(job_id: str, uid: int, order: int, gib: int = 20, **kw: object) -> Claim:
+    return Claim(
+        job_id, False, kw.pop("priority", 3), order, MemoryRequest(bytes=gib * GiB), uid=uid, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_lighter_user_goes_first_within_a_priority() -> None:
+    claims = [waiter("heavy", uid=1, order=1, usage=1e15), waiter("light", uid=2, order=2)]
+    assert set(plan([card(0)], claims, 0.9).admitted) == {"light"}
+
+
+def test_priority_still_comes_before_usage() -> None:
+    claims = [
+        waiter("heavy-urgent", uid=1, order=2, usage=1e15, priority=5),
+        waiter("light", uid=2, order=1),
+    ]
+    assert set(plan([card(0)], claims, 0.9).admitted) == {"heavy-urgent"}
+
+
+def test_without_usage_it_is_first_come_first_served() -> None:
+    claims = [waiter("first", uid=1, order=1), waiter("second", uid=2, order=2)]
+    assert set(plan([card(0)], claims, 0.9).admitted) == {"first"}
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(1, 12), st.integers(1, 2)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 3),
+    st.integers(4, 40),
+)
+def test_limits_are_never_exceeded(
+    jobs: list[tuple[int, int, int]], max_gpus: int, max_vram_gib: int
+) -> None:
+    gpus = [card(i) for i in range(4)]
+    claims = [
+        Claim(f"j{i}", False, 3, i, MemoryRequest(bytes=gib * GiB), gpus_wanted=n, uid=uid)
+        for i, (uid, gib, n) in enumerate(jobs)
+    ]
+    limits = UserLimits(max_gpus=max_gpus, max_vram=max_vram_gib * GiB)
+    decided = plan(gpus, claims, 0.9, limits=limits)
+    for uid in {c.uid for c in claims}:
+        mine = [c for c in claims if c.uid == uid and c.job_id in decided.admitted]
+        assert sum(len(decided.admitted[c.job_id]) for c in mine) <= max_gpus
+        held = sum(decided.reserved[c.job_id] * len(decided.admitted[c.job_id]) for c in mine)
+        assert held <= max_vram_gib * GiB
+    for reason in decided.waiting.values():
+        assert reason.describe().startswith("waiting for")
+
+
+@given(st.lists(st.floats(0, 1e18), min_size=2, max_size=6))
+def test_one_users_jobs_keep_their_order(usages: list[float]) -> None:
+    # Whatever the usage figures, jobs of the same user (hence the same usage) stay in order.
+    claims = [waiter(f"j{i}", uid=7, order=i, usage=usages[0], gib=8) for i in range(len(usages))]
+    admitted = plan([card(0)], claims, 0.9).admitted
+    assert list(admitted) == [f"j{i}" for i in range(len(admitted))]
+
+
+def test_running_jobs_count_against_the_limit() -> None:
+    running = Claim(
+        "r", True, 3, 0, MemoryRequest(bytes=GiB), gpu_uuids=("GPU-0",), reserved_bytes=GiB, uid=1
+    )
+    claims = [running, waiter("w", uid=1, order=1, gib=1), waiter("other", uid=2, order=2, gib=1)]
+    decided = plan([card(0), card(1)], claims, 0.9, limits=UserLimits(max_gpus=1))
+    assert set(decided.admitted) == {"other"}
+    assert "per-user limit of 1 GPUs" in decided.waiting["w"].describe()
+
+
+def test_a_request_over_the_limit_is_impossible() -> None:
+    claim = waiter("big", uid=1, order=1, gib=20)
+    assert impossible_reason(claim, [card(0)], 0.9, UserLimits(max_vram=16 * GiB)) is not None
+    assert impossible_reason(claim, [card(0)], 0.9, UserLimits(max_vram=32 * GiB)) is None
+    exclusive = Claim("x", False, 3, 1, None, uid=1)
+    assert impossible_reason(exclusive, [card(0)], 0.9, UserLimits(max_vram=8 * GiB)) is not None
+
+
+def test_usage_halves_every_half_life() -> None:
+    assert decayed(UserUsage(100.0, 1000.0), 1000.0 + 3600, 3600.0) == pytest.approx(50.0)
+    assert decayed(UserUsage(100.0, 1000.0), 1000.0 + 3600, None) == 100.0
+    data = LedgerData()
+    charge(data, 5, 100.0, 1000.0, 3600.0)
+    charge(data, 5, 100.0, 1000.0 + 3600, 3600.0)
+    assert user_usage(data, 1000.0 + 3600, 3600.0)[5] == pytest.approx(150.0)
+
+
+def test_fair_share_settings_come_from_the_site(
+    tmp_path: Path, isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]
+) -> None:
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_gpus = 2\nuser_max_vram = "40GiB"\nfair_share_half_life = "2h"\n')
+    sim = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim))
+    from gpuwait.config import load_settings
+
+    fair = load_settings({}).fair_share()
+    assert fair == FairShare(7200.0, UserLimits(2, 40 * GiB))
+    assert subprocess.run([*gpuwait_cmd, "--vram", "1G", "true"]).returncode == 0
+    text = subprocess.run(
+        [*gpuwait_cmd, "status"], capture_output=True, text=True, env=dict(os.environ)
+    ).stdout
+    assert "Users (fair share half-life 2h00m; per user at most 2 GPUs, at most 40.0 GiB)" in text
+    shown = subprocess.run(
+        [*gpuwait_cmd, "config"], capture_output=True, text=True, env=dict(os.environ)
+    ).stdout
+    assert f"(site config file {site})" in shown

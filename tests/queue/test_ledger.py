@@ -1,0 +1,259 @@
+"""The ledger under concurrent real processes, stale entries, and damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers.waiting import process_state, wait_for
+
+from gpuwait.linux import proc
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import RUNNING, Job
+from gpuwait.queue.ledger import Ledger
+
+ADD_ENTRY = r"""
+import os, sys, time
+from pathlib import Path
+from gpuwait.queue.entries import Job
+from gpuwait.queue.ledger import Ledger
+from gpuwait.linux import proc
+ledger = Ledger(Path(sys.argv[1]))
+n = int(sys.argv[2])
+for i in range(n):
+    with ledger.transaction() as data:
+        job = Job(id=f"{os.getpid()}-{i}", pid=os.getpid(), start_time=proc.start_time(os.getpid()),
+                  uid=os.getuid(), command=["x"], cwd="/", request={"bytes": 1}, order=data.next_order)
+        data.next_order += 1
+        data.jobs.append(job)
+print("done", flush=True)
+sys.stdin.read()  # stay alive until told, so our entries are not reaped
+"""
+
+
+def make_job(job_id: str, pid: int, start_time: int | None) -> Job:
+    return Job(
+        id=job_id,
+        pid=pid,
+        start_time=start_time or 0,
+        uid=os.getuid(),
+        command=["sleep", "1"],
+        cwd="/",
+        request={"bytes": 2**30},
+    )
+
+
+def test_sixty_processes_at_once_lose_no_entry(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ADD_ENTRY, str(state), "5"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(60)
+    ]
+    try:
+        reads = 0
+        deadline = time.monotonic() + 60
+        # While they write, every lock-free read sees a whole, valid file.
+        while (
+            any(p.poll() is None and not p.stdout.closed for p in procs)
+            and time.monotonic() < deadline
+        ):  # type: ignore[union-attr]
+            if (state / "ledger.json").exists():
+                json.loads((state / "ledger.json").read_text())
+                reads += 1
+            if reads > 200:
+                break
+        for p in procs:
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "done"
+        data = Ledger(state).read()
+        assert len(data.jobs) == 300
+        assert sorted(j.order for j in data.jobs) == list(range(1, 301))
+    finally:
+        for p in procs:
+            p.stdin.close()  # type: ignore[union-attr]
+            p.wait(timeout=30)
+    # Every writer is gone now: the next change reaps all their entries.
+    ledger = Ledger(state)
+    assert len(lifecycle.reap(ledger)) == 300
+    assert ledger.read().jobs == []
+    assert oct(os.stat(state).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(state / "ledger.json").st_mode & 0o777) == "0o600"
+
+
+def test_dead_pid_and_reused_pid_are_reaped(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    me = os.getpid()
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("alive", me, proc.start_time(me)))
+        data.jobs.append(make_job("dead", dead.pid, 12345))
+        # Our own pid, but a start time that is not ours: the pid was reused by another process.
+        data.jobs.append(make_job("reused", me, (proc.start_time(me) or 0) + 1))
+    assert set(lifecycle.reap(ledger)) == {"dead", "reused"}
+    assert [j.id for j in ledger.read().jobs] == ["alive"]
+
+
+def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("a", os.getpid(), proc.start_time(os.getpid())))
+    for damage in (
+        b"",
+        b'{"schema": 1, "jobs": [',
+        b"\x00\xff garbage",
+        b'{"schema": 99, "jobs": []}',
+        b"[]",
+    ):
+        ledger.path.write_bytes(damage)
+        ledger.warnings.clear()
+        with ledger.transaction() as data:
+            assert data.jobs == []
+        assert len(ledger.warnings) == 1 and "damaged" in ledger.warnings[0]
+        kept = sorted(tmp_path.glob("ledger.json.damaged-*"))
+        assert kept and kept[-1].read_bytes() == damage
+        for k in kept:
+            k.unlink()
+        json.loads(ledger.path.read_text())
+
+
+def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("good", me, proc.start_time(me)))
+    raw = json.loads(ledger.path.read_text())
+    raw["jobs"].append({"id": "bad", "pid": -5, "reserved_bytes": -1})
+    raw["jobs"].append({**raw["jobs"][0], "id": "huge", "command": ["x" * 10_000_000]})
+    ledger.path.write_text(json.dumps(raw))
+    with ledger.transaction() as data:
+        assert [j.id for j in data.jobs] == ["good"]
+    # One warning however many entries were bad: a flood of junk must not flood the terminal.
+    assert len(ledger.warnings) == 1 and "dropped 2 invalid entries" in ledger.warnings[0]
+
+
+def test_running_entry_round_trips(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    job = make_job("r", os.getpid(), proc.start_time(os.getpid()))
+    job.state, job.gpu_uuids, job.reserved_bytes, job.pids = RUNNING, ["GPU-1"], 5, [1, 2]
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    assert ledger.read().jobs == [job]
+
+
+def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
+    # A writer SIGKILLed between creating its temporary file and renaming it leaves the file
+    # behind, for the ledger and for the wake-up summary beside it alike.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = os.getpid()
+    ledger = Ledger(tmp_path / "state")
+    with ledger.transaction():
+        pass
+    for name in ("ledger.json", "wake.json"):
+        for pid in (dead.pid, alive):
+            (ledger.directory / f".{name}.{pid}.tmp").write_text("{")
+    with ledger.transaction():
+        pass
+    left = sorted(p.name for p in ledger.directory.iterdir() if p.name.endswith(".tmp"))
+    assert left == [f".ledger.json.{alive}.tmp", f".wake.json.{alive}.tmp"]
+
+
+def test_an_entry_changed_to_an_equal_value_of_another_type_is_still_refused(
+    tmp_path: Path,
+) -> None:
+    # This process validated the entry once; what it remembers must not vouch for a changed
+    # entry, even one Python finds equal (1.0 == 1 == True), which the validation refuses.
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        data.jobs.append(make_job("good", me, proc.start_time(me)))
+        data.jobs.append(make_job("other", me, proc.start_time(me)))
+    with ledger.transaction() as data:
+        assert [j.id for j in data.jobs] == ["good", "other"]
+    for field, value in (("pid", float(me)), ("gpus", True), ("priority", 3.0)):
+        raw = json.loads(ledger.path.read_text())
+        raw["jobs"][1][field] = value
+        ledger.path.write_text(json.dumps(raw))
+        ledger.warnings.clear()
+        with ledger.transaction() as data:
+            assert [j.id for j in data.jobs] == ["good"], field
+        assert "dropped 1 invalid entry" in ledger.warnings[0]
+        with ledger.transaction() as data:
+            data.jobs.append(make_job("other", me, proc.start_time(me)))
+
+
+def test_changes_to_entries_that_are_not_written_do_not_show_in_the_next_read(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    job = make_job("r", me, proc.start_time(me))
+    job.state, job.gpu_uuids, job.observed = RUNNING, ["GPU-1"], {"GPU-1": 5}
+    job.requirements = {"min_compute_capability": [8, 0]}
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    for _ in range(2):
+        try:
+            with ledger.transaction() as data:
+                mine = data.jobs[0]
+                mine.gpu_uuids.append("GPU-2")
+                mine.observed["GPU-2"] = 7
+                mine.command.append("--more")
+                mine.requirements["min_compute_capability"][0] = 9
+                raise RuntimeError("given up before writing")
+        except RuntimeError:
+            pass
+        assert ledger.read().jobs == [job]
+        with ledger.transaction() as data:
+            assert data.jobs == [job]
+
+
+def test_an_entry_whose_process_died_between_transactions_is_reaped(tmp_path: Path) -> None:
+    # This process looks at the same entries' processes transaction after transaction: a death
+    # (first a zombie, then reaped) is seen by the next one.
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        ledger = Ledger(tmp_path)
+        with ledger.transaction() as data:
+            data.jobs.append(make_job("child", child.pid, proc.start_time(child.pid)))
+        for _ in range(2):
+            assert lifecycle.reap(ledger) == []
+            assert [j.id for j in ledger.read().jobs] == ["child"]
+        child.kill()
+        # Until it is a zombie: killed, not yet waited for.
+        wait_for(
+            lambda: process_state(child.pid) == "Z",
+            timeout=30,
+            message=lambda: f"the killed child is {process_state(child.pid)!r}, not a zombie",
+        )
+        assert lifecycle.reap(ledger) == ["child"]
+        assert ledger.read().jobs == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ledger_file_is_canonical_json(tmp_path: Path) -> None:
+    # Sorted keys, no spaces: what every earlier gpuwait wrote, so files compare byte for byte.
+    ledger = Ledger(tmp_path)
+    me = os.getpid()
+    with ledger.transaction() as data:
+        for i in range(3):
+            job = make_job(f"j{i}", me, proc.start_time(me))
+            job.name, job.command = 'naïve ☃ "quoted" \\ \n', ["x", "\u2028", "\x00"]
+            data.jobs.append(job)
+    for _ in range(3):  # encoded in one go, entry by entry, and from what this process remembers
+        text = ledger.path.read_bytes()
+        assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True).encode()
+        with ledger.transaction() as data:
+            data.jobs[1].updated_at = time.time()

@@ -1,0 +1,138 @@
+"""The lifecycle, the one home of every change of a job's state: each change is in the ledger
+before its event is logged, a change that fails logs nothing, the caller's job is never changed
+in place, and reading the queue (`gpuwait status`) changes nothing and takes no lock."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.jobs import live_job
+
+from gpuwait.core.errors import StateError
+from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.queue import events, lifecycle
+from gpuwait.queue.entries import RUNNING, WAITING, Job
+from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.lifecycle import Admitted
+
+GiB = 2**30
+MACHINE = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),))
+
+
+@pytest.fixture
+def logged(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """Each event as it is logged, with the ledger's entries as the file held them then."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    emit = events.emit
+
+    def spy(state_dir: Path, kind: Any, **fields: Any) -> None:
+        on_disk = json.loads((state_dir / "ledger.json").read_text())
+        seen.append((kind, {j["id"]: j["state"] for j in on_disk["jobs"]}))
+        emit(state_dir, kind, **fields)
+
+    monkeypatch.setattr(events, "emit", spy)
+    return seen
+
+
+def test_each_event_is_logged_once_its_change_is_in_the_ledger(
+    tmp_path: Path, logged: list[tuple[str, dict[str, Any]]]
+) -> None:
+    ledger = Ledger(tmp_path)
+    job = lifecycle.submit(ledger, live_job("j1"), [], [], tmp_path, ["x"])
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    job = lifecycle.started(ledger, job, os.getpid())
+    lifecycle.finish(ledger, job, "ok", exit_status=0, run_seconds=1.0)
+    assert logged == [
+        ("submit", {"j1": WAITING}),
+        ("admit", {"j1": RUNNING}),
+        ("start", {"j1": RUNNING}),
+        ("finish", {}),
+    ]
+    assert [e["kind"] for e in events.read_events(tmp_path)] == [k for k, _ in logged]
+
+
+def test_a_change_that_fails_logs_nothing(
+    tmp_path: Path, logged: list[tuple[str, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = Ledger(tmp_path)
+    monkeypatch.setattr(lifecycle, "MAX_ENTRIES_PER_UID", 1)
+    lifecycle.submit(ledger, live_job("first"), [], [], tmp_path, ["x"])
+    with pytest.raises(StateError, match="the most one user may"):
+        lifecycle.submit(ledger, live_job("second"), [], [], tmp_path, ["x"])
+    assert [kind for kind, _ in logged] == ["submit"]
+    assert [j.id for j in ledger.read().jobs] == ["first"]
+
+
+def test_the_callers_job_is_never_changed_in_place(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    mine = live_job("j1")
+    submitted = lifecycle.submit(ledger, mine, [], [], tmp_path, ["x"])
+    assert (mine.order, submitted.order) == (0, 1)
+    admitted, outcome = lifecycle.admit(ledger, submitted, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted) and outcome.job == admitted
+    assert submitted.state == WAITING and submitted.gpu_uuids == []
+    assert admitted.state == RUNNING and admitted.gpu_uuids == ["GPU-0"]
+    paused = lifecycle.step_aside(ledger, admitted, 1.0)
+    assert (admitted.state, admitted.pauses) == (RUNNING, 0)
+    assert (paused.state, paused.pauses) == (WAITING, 1)
+
+
+def test_a_reaped_entry_is_said_after_it_left_the_file(
+    tmp_path: Path, logged: list[tuple[str, dict[str, Any]]]
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("gone", pid=gone.pid, start_time=1))
+    assert lifecycle.reap(ledger) == ["gone"]
+    assert logged == [("reap", {})]
+
+
+def test_an_entry_without_pause_settings_gets_the_protocols_defaults() -> None:
+    raw = live_job("j1").to_json()
+    for key in ("checkpoint_signal", "grace_seconds", "grace_kill"):
+        del raw[key]
+    job = Job.from_json(raw)
+    assert (job.checkpoint_signal, job.grace_seconds) == (
+        DEFAULT_CHECKPOINT_SIGNAL,
+        DEFAULT_GRACE_SECONDS,
+    )
+    assert job.grace_seconds == Job(**{**raw, "id": "j2"}).grace_seconds == 120.0
+
+
+def test_status_reads_the_queue_without_the_lock_and_changes_nothing(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A first run records the GPUs' health; from then on a reading has nothing to change.
+    assert subprocess.run([*gpuwait_cmd, "--vram", "1G", "--", "true"], timeout=60).returncode == 0
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    before = (state / "ledger.json").stat()
+    # A hung gpuwait (here: this test) holds the ledger lock.
+    fd = os.open(state / "ledger.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        shown = subprocess.run(
+            [*gpuwait_cmd, "status"],
+            env={**os.environ, "GPUWAIT_LOCK_TIMEOUT": "2s"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        took = time.monotonic() - started
+    finally:
+        os.close(fd)
+    assert shown.returncode == 0, shown.stderr
+    assert "Queue (0)" in shown.stdout and took < 2
+    after = (state / "ledger.json").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

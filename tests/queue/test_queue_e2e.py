@@ -1,0 +1,762 @@
+"""The queue end to end on simulated multi-GPU machines, with real gpuwait processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory
+from helpers.waiting import (
+    asleep_supervising,
+    asleep_waiting,
+    ledger_entries,
+    sleeping_in,
+    wait_for,
+)
+
+from gpuwait.cli import main
+from gpuwait.queue import events as event_log
+
+GiB = 2**30
+PRINT_VISIBLE = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
+
+
+def state_dir() -> Path:
+    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def job_named(name: str) -> dict[str, Any] | None:
+    return next((j for j in ledger_entries() if j.get("name") == name), None)
+
+
+def events(kind: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in event_log.read_events(state_dir()) if kind is None or e["kind"] == kind]
+
+
+#: A plan this much before a release counts as made after it (gpuwait.queue.wait).
+PLAN_SLACK = 0.05
+
+
+def last_plan() -> float:
+    """When a waiter last read the GPUs and planned (plan.stamp's mtime); 0 if none has."""
+    try:
+        return (state_dir() / "plan.stamp").stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def uuids() -> list[str]:
+    from gpuwait.gpu.sim import SimBackend
+
+    return [g.uuid for g in SimBackend(os.environ["GPUWAIT_SIM"]).snapshot().gpus]
+
+
+def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """start(argv, **popen) -> a process that is killed and reaped at the end of the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        proc = subprocess.Popen(argv, text=True, **kw)
+        started.append(proc)
+        return proc
+
+    yield start
+    # TERM first: gpuwait passes it to its command, whose end closes the pipes we read.
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in started:
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture
+def fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters re-read the simulated GPUs often, so GPU changes are seen within the test."""
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+
+
+def status_json(gpuwait_cmd: list[str]) -> dict[str, Any]:
+    done = run([*gpuwait_cmd, "status", "--json"])
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+# --- priorities and holds ---------------------------------------------------------------------
+
+
+def test_queue_is_served_by_priority_then_submission(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: job_named("holder") and job_named("holder")["state"] == "running")  # type: ignore[index]
+    waiters = {}
+    for name, priority in (("low", "1"), ("urgent", "5"), ("normal", "3"), ("urgent2", "5")):
+        waiters[name] = procs(
+            [
+                *gpuwait_cmd,
+                "--vram",
+                "12G",
+                "--priority",
+                priority,
+                "--name",
+                name,
+                "--",
+                "sleep",
+                "0.2",
+            ]
+        )
+        wait_for(lambda name=name: job_named(name))  # type: ignore[misc]
+    report = status_json(gpuwait_cmd)
+    queue = [j["name"] for j in report["jobs"] if j["state"] == "waiting"]
+    assert queue == ["urgent", "urgent2", "normal", "low"]
+    assert [j["position"] for j in report["jobs"] if j["state"] == "waiting"] == [1, 2, 3, 4]
+    holder.send_signal(signal.SIGTERM)
+    for proc in waiters.values():
+        assert proc.wait(timeout=30) == 0
+    admitted = [e["name"] for e in events("admit") if e["name"] != "holder"]
+    assert admitted == ["urgent", "urgent2", "normal", "low"]
+
+
+def test_gang_gets_all_its_gpus_at_once_in_pci_order(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=3)
+    cards = uuids()
+    blocker = procs([*gpuwait_cmd, "--vram", "16G", "--devices", "1", "--", "sleep", "30"])
+    wait_for(lambda: any(j["state"] == "running" for j in ledger_entries()))
+    script = (
+        "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['GPUWAIT_GPU_INDICES'])"
+    )
+    done = run([*gpuwait_cmd, "--gpus", "2", "--vram", "8G", "--", sys.executable, "-c", script])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [f"{cards[0]},{cards[2]}", "0,2"]
+    blocker.terminate()
+
+
+def test_cancelled_gang_waiter_leaves_no_hold_behind(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=2)
+    holders = [
+        procs([*gpuwait_cmd, "--vram", "20G", "--devices", str(i), "--", "sleep", "30"])
+        for i in (0, 1)
+    ]
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running", "running"])
+    gang = procs([*gpuwait_cmd, "--gpus", "2", "--vram", "12G", "--name", "gang", "--", "true"])
+    wait_for(lambda: job_named("gang") and job_named("gang")["held_gpus"])  # type: ignore[index]
+    small = procs([*gpuwait_cmd, "--vram", "1G", "--name", "small", "--", "true"])
+    wait_for(lambda: job_named("small"))
+    report = status_json(gpuwait_cmd)
+    gang_id = job_named("gang")["id"]  # type: ignore[index]
+    assert [g["held_for"] for g in report["gpus"]] == [gang_id, gang_id]
+    waiting = {j["name"]: j["waiting_reason"] for j in report["jobs"] if j["state"] == "waiting"}
+    assert "held for job " + gang_id in waiting["small"]
+
+    done = run([*gpuwait_cmd, "cancel", "gang"])
+    assert done.returncode == 0 and "cancelled job" in done.stderr
+    assert gang.wait(timeout=10) == 7
+    assert "cancelled" in gang.stderr.read()
+    # Nothing holds the GPUs any more: the small job fits beside a holder and runs.
+    assert small.wait(timeout=10) == 0
+    assert [j["held_gpus"] for j in ledger_entries()] == [[], []]
+    assert [e["name"] for e in events("cancel")] == ["gang"]
+    for holder in holders:
+        holder.terminate()
+
+
+@pytest.mark.parametrize("wake", ["inotify", "poll"])
+def test_a_release_starts_every_waiter_that_now_fits(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    wake: str,
+) -> None:
+    """Woken by the release itself, not by the (here very slow) periodic re-read of the GPUs;
+    one waiter's plan starts the other too."""
+    monkeypatch.setenv("GPUWAIT_WAKE", wake)
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: job_named("holder") and job_named("holder")["state"] == "running")  # type: ignore[index]
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    waiters = [
+        procs([*gpuwait_cmd, "--vram", "9G", "--name", f"w{n}", "--", "sleep", "0.5"])
+        for n in range(2)
+    ]
+    wait_for(lambda: len(ledger_entries()) == 3)
+    # Both have planned (and found no room) and sleep: the release is what must wake them.
+    wait_for(
+        lambda: all(asleep_waiting(w.pid) for w in waiters),
+        timeout=30,
+        message=lambda: f"the waiters never slept waiting: {ledger_entries()}",
+    )
+    released = time.monotonic()
+    holder.send_signal(signal.SIGTERM)
+    for waiter in waiters:
+        assert waiter.wait(timeout=30) == 0
+    assert time.monotonic() - released < 20
+    admits = [e["name"] for e in events("admit")]
+    assert sorted(admits[1:]) == ["w0", "w1"]
+
+
+def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first waiter plans after a release; when it is stopped (Ctrl-Z), the second does."""
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    procs([*gpuwait_cmd, "--vram", "1M", "--name", "anchor", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running", "running"])
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    first = procs(
+        [*gpuwait_cmd, "--vram", "1G", "--after", "anchor", "--name", "first", "--", "true"]
+    )
+    wait_for(lambda: job_named("first"))
+    second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
+    wait_for(lambda: job_named("second"))
+    # Both have planned and sleep, the second having seen the queue as it stands: after the
+    # release it is the second in line, and must stand in for the first, stopped meanwhile.
+    wait_for(
+        lambda: asleep_waiting(first.pid) and asleep_waiting(second.pid),
+        timeout=30,
+        message=lambda: f"the waiters never slept waiting: {ledger_entries()}",
+    )
+    # The second stands in only if nobody planned since the release, and a plan up to
+    # PLAN_SLACK before the release counts as one after it: the last plan must be older.
+    wait_for(
+        lambda: time.time() - last_plan() > 2 * PLAN_SLACK,
+        timeout=30,
+        message=lambda: f"a waiter kept planning: {ledger_entries()}",
+    )
+    first.send_signal(signal.SIGSTOP)
+    try:
+        holder.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=20) == 0
+    finally:
+        first.send_signal(signal.SIGCONT)
+
+
+# --- GPU health --------------------------------------------------------------------------------
+
+
+def test_lost_gpu_is_routed_around_and_used_again_when_it_returns(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    fast: None,
+    tmp_path: Path,
+) -> None:
+    sim_file(gpus=2)
+    cards = uuids()
+    job = [*gpuwait_cmd, "sim", "job", "--hold"]
+    on_0 = procs(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "10G",
+            "--devices",
+            "0",
+            "--name",
+            "on0",
+            "--",
+            *job,
+            "30s",
+            "--vram",
+            "10G",
+        ]
+    )
+    wait_for(lambda: job_named("on0") and job_named("on0")["observed"])  # type: ignore[index]
+    sim_file(gpus=2, lost=[True, False])
+    report = status_json(gpuwait_cmd)
+    gpu0 = report["gpus"][0]
+    on0_id = job_named("on0")["id"]  # type: ignore[index]
+    assert (gpu0["index"], gpu0["health"], gpu0["running_jobs"]) == (0, "lost", [on0_id])
+    assert gpu0["free_bytes"] is None
+    assert next(j for j in report["jobs"] if j["id"] == on0_id)["lost_gpus"] == [cards[0]]
+    text = run([*gpuwait_cmd, "status"]).stdout
+    assert "LOST" in text and on0_id in text
+
+    # Best-fit would pick GPU0 (less room left); while it is lost the job goes to GPU1.
+    report_file = tmp_path / "moved.json"
+    moved = run(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "8G",
+            "--",
+            *job,
+            "0.1s",
+            "--vram",
+            "8G",
+            "--report",
+            str(report_file),
+        ]
+    )
+    assert moved.returncode == 0, moved.stderr
+    assert json.loads(report_file.read_text())["gpu_index"] == 1
+
+    # GPU1 full, GPU0 lost: a waiter waits, and takes GPU0 when it answers again.
+    procs([*gpuwait_cmd, "--vram", "20G", "--devices", "1", "--name", "full1", "--", "sleep", "30"])
+    wait_for(lambda: job_named("full1") and job_named("full1")["state"] == "running")  # type: ignore[index]
+    later = procs([*gpuwait_cmd, "--vram", "8G", "--name", "later", "--", *PRINT_VISIBLE])
+    wait_for(lambda: job_named("later"))
+    # It planned with GPU0 lost and GPU1 full, and went to sleep waiting (or, wrongly, ran).
+    wait_for(
+        lambda: later.poll() is not None or asleep_waiting(later.pid),
+        timeout=30,
+        message=lambda: f"the waiter never slept waiting: {ledger_entries()}",
+    )
+    assert later.poll() is None
+    sim_file(gpus=2, lost=[False, False])
+    assert later.wait(timeout=15) == 0
+    assert later.stdout.read().strip() == cards[0]
+    kinds = [(e["kind"], e["index"]) for e in events() if e["kind"].startswith("gpu_")]
+    assert kinds == [("gpu_lost", 0), ("gpu_back", 0)]
+    on_0.terminate()
+
+
+def test_gpu_loss_is_logged_while_jobs_run_and_nobody_waits(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=2)
+    job = procs([*gpuwait_cmd, "--vram", "1G", "--devices", "0", "--", "sleep", "30"])
+    wait_for(lambda: any(j["state"] == "running" for j in ledger_entries()))
+    # Past its first sample: the GPUs answering then are those whose loss a later one notices.
+    wait_for(
+        lambda: asleep_supervising(job.pid),
+        timeout=30,
+        message=lambda: f"the job never sampled its command: {ledger_entries()}",
+    )
+    sim_file(gpus=2, lost=[False, True])
+    wait_for(lambda: events("gpu_lost"), timeout=15)
+    assert [e["index"] for e in events("gpu_lost")] == [1]
+
+
+def test_hot_added_gpu_is_used(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any], fast: None
+) -> None:
+    sim_file(gpus=1)
+    procs([*gpuwait_cmd, "--vram", "20G", "--name", "full", "--", "sleep", "30"])
+    wait_for(lambda: job_named("full") and job_named("full")["state"] == "running")  # type: ignore[index]
+    waiter = procs([*gpuwait_cmd, "--vram", "8G", "--", *PRINT_VISIBLE])
+    wait_for(lambda: len(ledger_entries()) == 2)
+    sim_file(gpus=2)
+    assert waiter.wait(timeout=15) == 0
+    assert waiter.stdout.read().strip() == uuids()[1]
+    assert [e["index"] for e in events("gpu_added")] == [1]
+
+
+# --- dependencies, exclusive, batches ------------------------------------------------------------
+
+
+def test_after_waits_for_the_end_and_after_ok_for_success(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    first = procs(
+        [*gpuwait_cmd, "--vram", "1G", "--name", "prep", "--", "sh", "-c", "sleep 1; exit 3"]
+    )
+    wait_for(lambda: job_named("prep"))
+    after = procs(
+        [*gpuwait_cmd, "--vram", "1G", "--after", "prep", "--name", "dep", "--", "echo", "went"]
+    )
+    after_ok = procs([*gpuwait_cmd, "--vram", "1G", "--after-ok", "prep", "--", "echo", "went"])
+    wait_for(lambda: len(ledger_entries()) == 3)
+    report = status_json(gpuwait_cmd)
+    reasons = [j["waiting_reason"] for j in report["jobs"] if j["state"] == "waiting"]
+    assert all("waiting for job " in r and "(prep) to finish" in r for r in reasons)
+    assert first.wait(timeout=20) == 3
+    assert after.wait(timeout=20) == 0 and after.stdout.read() == "went\n"
+    assert after_ok.wait(timeout=20) == 6
+    assert "failed with exit status 3" in after_ok.stderr.read()
+    order = [(e["kind"], e.get("name")) for e in events()]
+    assert order.index(("finish", "prep")) < order.index(("admit", "dep"))
+    # A dependency that already succeeded is met at once (from the ledger's record).
+    assert run([*gpuwait_cmd, "--vram", "1G", "--name", "ok1", "--", "true"]).returncode == 0
+    done = run([*gpuwait_cmd, "--vram", "1G", "--after-ok", "ok1", "--", "echo", "fine"])
+    assert (done.returncode, done.stdout) == (0, "fine\n")
+
+
+def test_exclusive_keeps_everyone_else_off_its_gpu(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    procs([*gpuwait_cmd, "--exclusive", "--name", "whole", "--", "sleep", "30"])
+    wait_for(lambda: job_named("whole") and job_named("whole")["state"] == "running")  # type: ignore[index]
+    done = run([*gpuwait_cmd, "--vram", "1G", "--timeout", "1s", "--", "true"])
+    assert done.returncode == 124 and "a whole" not in done.stderr
+
+
+def test_batch_progress_in_status(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    for code in (0, 0, 1):
+        done = run(
+            [*gpuwait_cmd, "--vram", "1G", "--batch", "sweep", "--", "sh", "-c", f"exit {code}"]
+        )
+        assert done.returncode == code
+    procs([*gpuwait_cmd, "--vram", "20G", "--batch", "sweep", "--", "sleep", "30"])
+    wait_for(lambda: any(j["state"] == "running" for j in ledger_entries()))
+    procs([*gpuwait_cmd, "--vram", "20G", "--batch", "sweep", "--", "true"])
+    wait_for(lambda: len(ledger_entries()) == 2)
+    (batch,) = status_json(gpuwait_cmd)["batches"]
+    assert batch == {
+        "name": "sweep",
+        "done": 2,
+        "running": 1,
+        "waiting": 1,
+        "failed": 1,
+        "cancelled": 0,
+        "total": 5,
+    }
+    assert (
+        "sweep                2/5 done, 1 running, 1 waiting, 1 failed"
+        in run([*gpuwait_cmd, "status"]).stdout
+    )
+
+
+# --- capability requests and the ignore list -----------------------------------------------------
+
+
+def test_capability_requests_choose_the_gpu(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], fast: None
+) -> None:
+    sim_file(
+        gpus=2,
+        memory=["24GiB", "80GiB"],
+        name=["Sim RTX 3090", "Sim A100-SXM4-80GB"],
+        compute_capability=["8.6", "8.0"],
+        utilization=[90, 10],
+    )
+    cards = uuids()
+    for option, expected in (
+        (["--gpu-name", "a100"], cards[1]),
+        (["--gpu-name", "*3090"], cards[0]),
+        (["--min-total-vram", "40G"], cards[1]),
+        (["--min-compute-capability", "8.6"], cards[0]),
+        (["--max-util", "50"], cards[1]),
+        (["--max-util", "95%", "--pick", "most-free"], cards[1]),
+    ):
+        done = run([*gpuwait_cmd, "--vram", "1G", *option, "--", *PRINT_VISIBLE])
+        assert (done.returncode, done.stdout.strip()) == (0, expected), (option, done.stderr)
+    for option, message in (
+        (["--gpu-name", "H100"], "no GPU has a name matching 'H100'"),
+        (["--min-compute-capability", "9.0"], "compute capability 9.0 or more"),
+        (["--gpus", "2", "--gpu-name", "A100"], "2 GPUs wanted but only 1 match"),
+    ):
+        done = run([*gpuwait_cmd, "--vram", "1G", *option, "--", "true"])
+        assert done.returncode == 3 and message in done.stderr, (option, done.stderr)
+
+
+def test_processes_on_the_ignore_list_are_not_load(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    tmp_path: Path,
+    isolated_dirs: Path,
+) -> None:
+    sim_file(gpus=1)
+    # A simulated CUDA process whose command name is "Xorg", holding 2 GiB (over 5 % of the card).
+    xorg = tmp_path / "Xorg"
+    xorg.symlink_to(os.path.realpath(sys.executable))
+    code = "import sys; from gpuwait.gpu.simjob import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    procs([str(xorg), "-c", code, "--vram", "2G", "--hold", "30s"], env=env)
+    wait_for(lambda: status_json(gpuwait_cmd)["gpus"][0]["used_bytes"] == 2 * GiB)
+    report = status_json(gpuwait_cmd)["gpus"][0]
+    assert (report["external_bytes"], report["ignored_bytes"]) == (2 * GiB, 2 * GiB)
+    done = run([*gpuwait_cmd, "--exclusive", "--", "true"])
+    assert done.returncode == 0, done.stderr
+    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text("ignore_processes = []\n")
+    done = run([*gpuwait_cmd, "--exclusive", "--timeout", "1s", "--", "true"])
+    assert done.returncode == 124 and "a whole GPU" in done.stderr
+
+
+# --- cancel, log, status ---------------------------------------------------------------------
+
+
+def test_cancel_running_job_terminates_it(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    running = procs([*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", "sleep", "30"])
+    wait_for(lambda: job_named("r") and job_named("r")["child_pid"])  # type: ignore[index]
+    done = run([*gpuwait_cmd, "cancel", "r"])
+    assert done.returncode == 0 and "sent TERM" in done.stderr
+    assert running.wait(timeout=10) == -signal.SIGTERM
+    finish = events("finish")[-1]
+    assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "failed", 15)
+    missing = run([*gpuwait_cmd, "cancel", "r", "nosuch"])
+    assert missing.returncode == 2 and "no waiting or running job matches nosuch" in missing.stderr
+
+
+def test_log_shows_and_follows_events(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    assert run([*gpuwait_cmd, "--vram", "1G", "--name", "one", "--", "true"]).returncode == 0
+    text = run([*gpuwait_cmd, "log"]).stdout.splitlines()
+    assert [line.split()[2] for line in text] == ["submit", "admit", "start", "finish"]
+    assert "one" in text[-1] and "ok, exit 0" in text[-1]
+    follower = procs([*gpuwait_cmd, "log", "-f", "-n", "0", "--json"])
+    # Following: it took the end of the log as its start, and sleeps between two looks at it.
+    wait_for(
+        lambda: follower.poll() is not None or sleeping_in(follower.pid, "nanosleep"),
+        timeout=30,
+        message="gpuwait log -f never started following",
+    )
+    assert follower.poll() is None
+    assert run([*gpuwait_cmd, "--vram", "1G", "--name", "two", "--", "true"]).returncode == 0
+    seen = []
+    while not seen or seen[-1]["kind"] != "finish":
+        seen.append(json.loads(follower.stdout.readline()))
+    assert [e["kind"] for e in seen] == ["submit", "admit", "start", "finish"]
+    assert {e["name"] for e in seen} == {"two"}
+    follower.send_signal(signal.SIGINT)
+    assert follower.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(("count", "lines", "shown"), [(13, 20, 13), (13, 10, 10), (3, 3, 3)])
+def test_log_shows_the_last_n_events_or_all_if_fewer(
+    capsys: pytest.CaptureFixture[str], count: int, lines: int, shown: int
+) -> None:
+    for n in range(count):
+        event_log.emit(state_dir(), "submit", job=f"{n:08x}", priority=3, command=["true"])
+    assert main(["log", "-n", str(lines)]) == 0
+    jobs = [line.split()[3] for line in capsys.readouterr().out.splitlines()]
+    assert jobs == [f"{n:08x}" for n in range(count - shown, count)]
+
+
+def test_event_log_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(event_log, "MAX_BYTES", 2000)
+    for n in range(200):
+        event_log.emit(tmp_path, "submit", job=f"{n:08x}")
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("events.jsonl"))
+    assert names == ["events.jsonl", "events.jsonl.1", "events.jsonl.2", "events.jsonl.3"]
+    kept = [e["job"] for e in event_log.read_events(tmp_path)]
+    assert kept == sorted(kept) and kept[-1] == f"{199:08x}" and len(kept) < 200
+
+
+# The status JSON, schema 2, as README.md documents it: key -> type(s).
+OPT_INT = (int, type(None))
+OPT_FLOAT = (int, float, type(None))
+OPT_STR = (str, type(None))
+STATUS_KEYS = {
+    "schema": int,
+    "generated_at": float,
+    "backend": OPT_STR,
+    "backend_error": OPT_STR,
+    "safety": float,
+    "ledger_created_at": float,
+    "warnings": list,
+    "gpus": list,
+    "jobs": list,
+    "batches": list,
+    "users": list,
+    "fair_share": dict,
+}
+GPU_KEYS = {
+    "index": int,
+    "uuid": str,
+    "name": str,
+    "total_bytes": int,
+    "health": str,
+    "health_since": OPT_FLOAT,
+    "health_detail": OPT_STR,
+    "used_bytes": OPT_INT,
+    "external_bytes": OPT_INT,
+    "ignored_bytes": OPT_INT,
+    "reserved_bytes": OPT_INT,
+    "free_bytes": OPT_INT,
+    "utilization_pct": OPT_INT,
+    "compute_capability": OPT_STR,
+    "running_jobs": list,
+    "held_for": OPT_STR,
+    "counters": dict,
+}
+COUNTER_KEYS = {
+    "dispatched": int,
+    "completed": int,
+    "failed": int,
+    "throughput_per_hour": OPT_FLOAT,
+}
+JOB_KEYS = {
+    "id": str,
+    "name": OPT_STR,
+    "batch": OPT_STR,
+    "state": str,
+    "position": OPT_INT,
+    "pid": int,
+    "uid": int,
+    "command": list,
+    "cwd": str,
+    "priority": int,
+    "request": dict,
+    "exclusive": bool,
+    "gpus": int,
+    "gpu_uuids": list,
+    "gpu_indices": list,
+    "lost_gpus": list,
+    "reserved_bytes": int,
+    "observed_bytes": int,
+    "submitted_at": float,
+    "started_at": OPT_FLOAT,
+    "elapsed_seconds": OPT_FLOAT,
+    "expected_remaining_seconds": OPT_FLOAT,
+    "expected_seconds": OPT_FLOAT,
+    "waiting_reason": OPT_STR,
+    "blocked": OPT_STR,
+    "eta_seconds": OPT_FLOAT,
+    "held_gpus": list,
+    "after": list,
+    "after_ok": list,
+    "requirements": dict,
+}
+BATCH_KEYS = {
+    "name": str,
+    "done": int,
+    "running": int,
+    "waiting": int,
+    "failed": int,
+    "cancelled": int,
+    "total": int,
+}
+
+
+def check_keys(entry: dict[str, Any], spec: dict[str, Any], where: str) -> None:
+    assert set(entry) == set(spec), (where, set(entry) ^ set(spec))
+    for key, kinds in spec.items():
+        assert isinstance(entry[key], kinds), (where, key, entry[key])
+
+
+def test_status_json_schema(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=2)
+    report = status_json(gpuwait_cmd)
+    check_keys(report, STATUS_KEYS, "empty")
+    assert report["schema"] == 2 and report["jobs"] == [] and len(report["gpus"]) == 2
+    assert run([*gpuwait_cmd, "--vram", "1G", "--batch", "b", "--", "true"]).returncode == 0
+    procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--batch", "b", "--", "sleep", "30"])
+    wait_for(lambda: any(j["state"] == "running" for j in ledger_entries()))
+    procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--name", "w", "--", "true"])
+    wait_for(lambda: len(ledger_entries()) == 2)
+    sim_file(gpus=2, lost=[False, True])
+    report = status_json(gpuwait_cmd)
+    check_keys(report, STATUS_KEYS, "report")
+    for gpu in report["gpus"]:
+        check_keys(gpu, GPU_KEYS, f"gpu {gpu['index']}")
+        check_keys(gpu["counters"], COUNTER_KEYS, "counters")
+    assert [g["health"] for g in report["gpus"]] == ["ok", "lost"]
+    assert report["gpus"][0]["counters"]["completed"] == 1
+    for job in report["jobs"]:
+        check_keys(job, JOB_KEYS, job["id"])
+    assert [j["state"] for j in report["jobs"]] == ["running", "waiting"]
+    for batch in report["batches"]:
+        check_keys(batch, BATCH_KEYS, batch["name"])
+
+
+def test_status_text_fits_80_columns(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=2, name="A Simulated GPU With A Very Long Marketing Name")
+    long_command = ["sh", "-c", "exec sleep 30", "x" * 200]
+    procs([*gpuwait_cmd, "--vram", "20G", "--name", "a-rather-long-job-name", "--", *long_command])
+    procs([*gpuwait_cmd, "--vram", "20G", "--name", "b", "--", *long_command])
+    wait_for(lambda: len([j for j in ledger_entries() if j["state"] == "running"]) == 2)
+    procs(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "20G",
+            "--gpus",
+            "2",
+            "--batch",
+            "sweep-with-a-long-name",
+            "--",
+            *long_command,
+        ]
+    )
+    wait_for(lambda: len(ledger_entries()) == 3)
+    text = run([*gpuwait_cmd, "status"], env={**os.environ, "COLUMNS": "80"}).stdout
+    assert "Running (2)" in text and "Queue (1)" in text and "Batches (1)" in text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    # Rows are cut only where a column is long (names, commands), not in the middle of figures.
+    assert text.rstrip().endswith("GiB·h"), text
+
+
+def test_status_shows_batch_names_whole_where_the_line_has_room(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    # Two batches that differ only after the 20th character must stay apart at 80 columns.
+    for month in ("11", "12"):
+        batch = f"transcriptions-2026-{month}"
+        assert run([*gpuwait_cmd, "--vram", "1G", "--batch", batch, "--", "true"]).returncode == 0
+    text = run([*gpuwait_cmd, "status"], env={**os.environ, "COLUMNS": "80"}).stdout
+    assert " transcriptions-2026-11 1/1 done" in text and " transcriptions-2026-12 1/1 done" in text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def test_status_watch_prints_reports_until_interrupted(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    sim_file(gpus=1)
+    watcher = procs([*gpuwait_cmd, "status", "--json", "--watch", "0.2s"])
+    first, second = (json.loads(watcher.stdout.readline()) for _ in range(2))
+    assert first["schema"] == second["schema"] == 2
+    assert second["generated_at"] > first["generated_at"]
+    watcher.send_signal(signal.SIGINT)
+    assert watcher.wait(timeout=10) == 0
+
+
+BAD_INPUT = [
+    (["--exclusive", "--vram", "1G", "true"], 2, "leave out --vram"),
+    (["--vram", "1G", "--name", "has space", "true"], 2, "--name 'has space'"),
+    (["--vram", "1G", "--after", "nosuch", "true"], 2, "no job, name or batch 'nosuch'"),
+    (["--vram", "1G", "--max-util", "0", "true"], 2, "--max-util"),
+    (["--vram", "1G", "--max-util", "lots", "true"], 2, "--max-util"),
+    (["--vram", "1G", "--min-compute-capability", "eight", "true"], 2, "MAJOR.MINOR"),
+    (["--vram", "1G", "--min-total-vram", "big", "true"], 2, "not a size"),
+    (["--vram", "1G", "--pick", "fastest", "true"], 2, "adaptive-throughput"),
+    (["cancel"], 2, "name the jobs to cancel"),
+    (["log", "-n", "-1"], 2, "--lines"),
+    (["status", "--watch", "soon"], 2, "not a duration"),
+]
+
+
+@pytest.mark.parametrize(("argv", "status", "message"), BAD_INPUT)
+def test_bad_queue_input_is_answered_at_once(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], argv: list[str], status: int, message: str
+) -> None:
+    sim_file(gpus=1)
+    done = run([*gpuwait_cmd, *argv])
+    assert done.returncode == status, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert ledger_entries() == []

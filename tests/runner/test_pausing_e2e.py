@@ -1,0 +1,366 @@
+"""Cooperative pausing end to end, on a simulated card: real gpuwait processes and jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from helpers.fixtures_sim import hold_card
+from helpers.waiting import catches_signal, ledger_entries, wait_for
+
+IGNORER = textwrap.dedent(
+    """
+    import signal, sys, time
+    signal.signal(signal.SIGUSR1, lambda s, f: None)  # listens, but never steps aside
+    time.sleep(float(sys.argv[1]))
+    """
+)
+
+
+#: pause_min_runtime under `one_card`: a job younger than this is never asked to step aside.
+MIN_RUNTIME = 1.0
+#: The checkpoint signal: the default, USR1, throughout.
+SIGNAL = signal.SIGUSR1
+
+
+@pytest.fixture
+def one_card(sim_file: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", f"{MIN_RUNTIME:g}s")
+
+
+def events() -> list[dict[str, object]]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until_running(count: int, timeout: float = 60) -> None:
+    wait_for(
+        lambda: sum(e["kind"] == "start" for e in events()) >= count,
+        timeout=timeout,
+        interval=0.05,
+        message=lambda: f"{count} jobs never started: {events()}",
+    )
+
+
+def wait_until_pausable(catching: bool = True) -> None:
+    """Wait until the one running job may be asked to step aside: it has run longer than the
+    minimum run time, by its `started_at` in the ledger (what waiters judge it by), and (with
+    `catching`) its command catches the checkpoint signal, so the request is acted on at once.
+
+    The run time is the duration under test: only this much real time makes the job old enough.
+    """
+
+    def pausable() -> bool:
+        running = [j for j in ledger_entries() if j["state"] == "running"]
+        if len(running) != 1 or running[0].get("started_at") is None:
+            return False
+        job = running[0]
+        if catching and not (job.get("child_pid") and catches_signal(job["child_pid"], SIGNAL)):
+            return False
+        return time.time() - job["started_at"] > MIN_RUNTIME
+
+    wait_for(
+        pausable,
+        timeout=60,
+        interval=0.05,
+        message=lambda: f"the running job never became one to pause: {ledger_entries()}",
+    )
+
+
+def long_job(
+    gpuwait_cmd: list[str], checkpoint: Path, hold: str = "6s", exit_status: int = 0
+) -> subprocess.Popen[str]:
+    """A low-priority --pausable simulated job holding 16 GiB, saving its progress to `checkpoint`."""
+    return subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            "--",
+            *gpuwait_cmd,
+            "sim",
+            "job",
+            "--vram",
+            "16G",
+            "--hold",
+            hold,
+            "--exit",
+            str(exit_status),
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def urgent_job(gpuwait_cmd: list[str], vram: str = "16G") -> subprocess.Popen[str]:
+    return hold_card(gpuwait_cmd, vram, "1s", "--priority", "5")
+
+
+def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "progress.json"
+    low = long_job(gpuwait_cmd, checkpoint, exit_status=3)
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        arrived = time.monotonic()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0, urgent.stderr.read() if urgent.stderr else ""
+        # It started within the grace period plus a second: it ran 1 s of work.
+        assert time.monotonic() - arrived < 1.0 + 1.0 + 3.0
+        # The long job resumes, finishes its remaining work, and ends with its own status.
+        assert low.wait(timeout=60) == 3
+        progress = json.loads(checkpoint.read_text())
+        assert progress == {"held_seconds": 6.0, "finished": True, "resumes": 1}
+        kinds = [e["kind"] for e in events()]
+        assert kinds.count("pause-signal") == 1 and kinds.count("paused") == 1
+        history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+        assert not any("out of memory" in line for line in history.read_text().splitlines())
+        # The pause and the time lost to it are in the history and the event log.
+        records = [json.loads(line) for line in history.read_text().splitlines()]
+        paused_run = next(r for r in records if r["exit_status"] == 3)
+        assert paused_run["pauses"] == 1 and paused_run["paused_seconds"] > 0.5
+        finish = next(e for e in events() if e["kind"] == "finish" and e.get("exit_status") == 3)
+        assert finish["pauses"] == 1 and finish["paused_seconds"] > 0.5
+        shown = subprocess.run(
+            [*gpuwait_cmd, "history"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "paused 1×" in shown, shown
+        log = subprocess.run([*gpuwait_cmd, "log"], capture_output=True, text=True).stdout
+        assert "stepped aside" in log and "paused 1×" in log, log
+    finally:
+        for p in (low,):
+            p.kill()
+            p.wait()
+
+
+def test_young_jobs_are_not_paused(
+    sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")  # default minimum: 10 minutes
+    try:
+        wait_until_running(1)
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+        assert "pause-request" not in [e["kind"] for e in events()]
+        assert json.loads((tmp_path / "p.json").read_text())["resumes"] == 0
+    finally:
+        low.kill()
+        low.wait()
+
+
+def _ignoring_job(gpuwait_cmd: list[str], seconds: str, *extra: str) -> subprocess.Popen[str]:
+    """A --pausable job that catches the checkpoint signal but never steps aside."""
+    return subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--grace",
+            "0.5s",
+            *extra,
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            IGNORER,
+            seconds,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "seconds", "status"),
+    [((), "4", 0), (("--grace-kill",), "30", -15)],
+    ids=["not-forced", "grace-kill"],
+)
+def test_a_job_that_ignores_the_request(
+    one_card: None, gpuwait_cmd: list[str], extra: tuple[str, ...], seconds: str, status: int
+) -> None:
+    """Nothing is forced on it unless --grace-kill: then TERM once the grace has passed."""
+    low = _ignoring_job(gpuwait_cmd, seconds, *extra)
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert low.wait(timeout=60) == status
+        assert urgent.wait(timeout=60) == 0
+        kinds = [e["kind"] for e in events()]
+        assert "pause-signal" in kinds
+        assert ("pause-grace-kill" in kinds) == bool(extra)
+        if not extra:  # the waiter is told why it still waits once the grace has passed
+            said = urgent.stderr.read() if urgent.stderr else ""
+            assert "has not stepped aside within its grace" in said, said
+            assert "--grace-kill" in said, said
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_two_urgent_waiters_pause_one_victim_once(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "progress.json"
+    low = long_job(gpuwait_cmd, checkpoint, hold="5s")
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = [urgent_job(gpuwait_cmd, "10G") for _ in range(2)]
+        assert [u.wait(timeout=60) for u in urgent] == [0, 0]
+        assert low.wait(timeout=60) == 0
+        kinds = [e["kind"] for e in events()]
+        assert kinds.count("pause-signal") == 1
+        assert json.loads(checkpoint.read_text())["resumes"] == 1
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_pause_max_is_honoured(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUWAIT_PAUSE_MAX", "0")
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+        assert "pause-request" not in [e["kind"] for e in events()]
+    finally:
+        low.kill()
+        low.wait()
+
+
+CONTRIB = REPO / "contrib" / "checkpoint"
+
+
+def _pause_once(
+    gpuwait_cmd: list[str], job: list[str], ready: Callable[[], object]
+) -> subprocess.Popen[str]:
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: ready() or low.poll() is not None,
+            timeout=120,
+            interval=0.05,
+            message="the job never got ready",
+        )
+        assert ready(), "the job ended before it got ready"
+        # `ready` says that the command listens for the checkpoint signal (whichever of its
+        # processes that is): only its run time is left to wait for.
+        wait_until_pausable(catching=False)
+        assert urgent_job(gpuwait_cmd).wait(timeout=120) == 0
+    except BaseException:
+        low.kill()
+        low.wait()
+        raise
+    return low
+
+
+def test_shell_job_resumes_where_it_stopped(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    log = work / "log"
+    low = _pause_once(gpuwait_cmd, ["bash", str(CONTRIB / "job.sh"), str(work), "40"], log.exists)
+    try:
+        assert low.wait(timeout=120) == 0
+        lines = log.read_text().splitlines()
+        assert [int(line.split()[1]) for line in lines] == list(range(40))  # none lost or repeated
+        assert "(run 0)" in lines[0] and "(run 1)" in lines[-1]
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_pytorch_loop_resumes_from_its_checkpoint(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("PyTorch is not installed (pip install torch to run this example)")
+    log = tmp_path / "train.log"
+    job = [
+        sys.executable,
+        str(CONTRIB / "train_pytorch.py"),
+        "--steps",
+        "20000",
+        "--ckpt",
+        str(tmp_path / "ck.pt"),
+        "--log",
+        str(log),
+    ]
+    low = _pause_once(gpuwait_cmd, job, lambda: log.exists() and "starts" in log.read_text())
+    try:
+        assert low.wait(timeout=300) == 0
+        lines = log.read_text().splitlines()
+        paused_at = int(lines[1].split()[-1])
+        assert lines[0] == "run 0 starts at step 0"
+        assert lines[1].startswith("run 0 paused at step") and 0 < paused_at < 20000
+        assert lines[2] == f"run 1 starts at step {paused_at}"  # the same step counter goes on
+        assert lines[3] == "run 1 finished at step 20000"
+    finally:
+        low.kill()
+        low.wait()
+
+
+def test_lightning_example_resumes(one_card: None, gpuwait_cmd: list[str], tmp_path: Path) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import lightning"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(
+            "PyTorch Lightning is not installed (pip install lightning to run this example)"
+        )
+    ckpt_dir = tmp_path / "ckpts"
+    log = tmp_path / "train.log"
+    job = [
+        sys.executable,
+        str(CONTRIB / "train_lightning.py"),
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--epochs",
+        "40",
+        "--log",
+        str(log),
+    ]
+    low = _pause_once(gpuwait_cmd, job, lambda: log.exists() and "starts" in log.read_text())
+    try:
+        assert low.wait(timeout=600) == 0
+        lines = log.read_text().splitlines()
+        paused_at = int(lines[1].split()[-1])
+        finished_at = 40 * 4096 // 64  # epochs x batches per epoch
+        assert lines[0] == "run 0 starts at step 0"
+        assert lines[1].startswith("run 0 paused at step") and 0 < paused_at < finished_at
+        assert lines[2] == f"run 1 starts at step {paused_at}"  # restored, not started afresh
+        assert lines[3] == f"run 1 finished at step {finished_at}"
+        assert (ckpt_dir / "last.ckpt").exists()
+    finally:
+        low.kill()
+        low.wait()

@@ -1,0 +1,143 @@
+"""Watching stderr for OOM messages must not change what the command's output looks like."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory
+
+from gpuwait.runner.stderrwatch import OOM_MARKERS, OomScanner
+
+
+def last_record() -> dict[str, Any]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    return dict(json.loads(path.read_text().splitlines()[-1]))
+
+
+def says_oom(text: bytes) -> bool:
+    scanner = OomScanner()
+    scanner.feed(text)
+    return scanner.found
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        b"RuntimeError: CUDA error: out of memory\nCUDA_ERROR_OUT_OF_MEMORY",
+        b"jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying",
+        b"tensorflow ... OOM when allocating tensor with shape[4096,4096]",
+        b"cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,024 bytes",
+        b"RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate",
+    ],
+)
+def test_oom_messages_of_the_usual_frameworks(text: bytes) -> None:
+    assert says_oom(text)
+
+
+def test_ordinary_failures_are_not_oom() -> None:
+    assert not says_oom(b"Traceback ...\nValueError: bad config\nKilled: out of host memory?")
+    assert not says_oom(b"gpuwait: the command ran out of GPU memory; retrying with 3.0 GiB")
+
+
+def test_a_marker_split_between_two_reads_is_found() -> None:
+    marker = OOM_MARKERS[0]
+    for cut in range(1, len(marker)):
+        scanner = OomScanner()
+        scanner.feed(b"x" * 5000 + marker[:cut].upper())
+        assert not scanner.found
+        scanner.feed(marker[cut:] + b" more")
+        assert scanner.found
+
+
+INTERLEAVED = textwrap.dedent(
+    """
+    import os, sys
+    for i in range(200):
+        os.write(1, b"out %d\\n" % i)
+        os.write(2, b"err %d\\n" % i)
+    os.write(2, bytes(range(256)) * 40 + b"no newline at the end")
+    """
+)
+
+
+def test_stdout_and_stderr_on_one_pipe_keep_their_order(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    command = [sys.executable, "-c", INTERLEAVED]
+    bare = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    wrapped = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=60,
+    )
+    assert wrapped.returncode == 0
+    assert wrapped.stdout == bare.stdout
+    assert last_record()["stderr_watched"] == "pipe"
+
+
+def test_stderr_bytes_pass_unchanged(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    code = "import os\nfor _ in range(64): os.write(2, bytes(range(256)) * 256)\n"
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", sys.executable, "-c", code],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout == b""
+    assert done.stderr == bytes(range(256)) * 256 * 64
+
+
+def test_output_of_a_process_left_behind_is_not_lost(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    script = "echo early >&2; (sleep 1; echo late >&2) & exit 0"
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert done.stderr == "early\nlate\n"
+
+
+def test_a_terminal_is_left_alone(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    pexpect = pytest.importorskip("pexpect")
+    sim_file(gpus=1, memory="24GiB")
+    probe = "import os, sys; print('tty' if os.isatty(2) else 'not a tty')"
+    child = pexpect.spawn(
+        gpuwait_cmd[0],
+        [*gpuwait_cmd[1:], "--vram", "1G", "--", sys.executable, "-c", probe],
+        env=dict(os.environ),
+        timeout=30,
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    assert child.before.decode().strip() == "tty"
+    assert last_record()["stderr_watched"] == "off"
+
+
+def test_watching_can_be_switched_off(sim_file: SimFileFactory, gpuwait_cmd: list[str]) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo CUDA out of memory >&2; exit 1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUWAIT_WATCH_STDERR": "off"},
+    )
+    assert done.returncode == 1 and done.stderr == "CUDA out of memory\n"
+    record = last_record()
+    assert record["stderr_watched"] == "off" and record["oom"] is False
