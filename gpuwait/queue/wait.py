@@ -191,8 +191,9 @@ def wait_for_admission(
     kicked = policy.use_inotify and not ledger.shared
     queue_length = 1
     last: MachineSnapshot | None = None
-    #: (monotonic time to act, wall time the release was seen) while standing in for the first.
-    backup: tuple[float, float] | None = None
+    #: (monotonic time to act, the summary's mtime in ns: when the release was written) while
+    #: standing in for the first waiter.
+    backup: tuple[float, int] | None = None
 
     def trusted(admitted: Admitted | None) -> Admitted | None:
         if admitted is None or not admitted.found or not ledger.shared:
@@ -246,8 +247,8 @@ def wait_for_admission(
                     if last_release is not None and seen.release != last_release:
                         if position == 0:
                             event = True
-                        elif position == 1:
-                            backup = (now + BACKUP_DELAY, time.time())
+                        elif position == 1 and token is not None:
+                            backup = (now + BACKUP_DELAY, token[1])
                     unfinished = set(seen.waiting) | seen.running
                     if any(d not in unfinished for d in (*job.after, *job.after_ok)):
                         event = True
@@ -263,14 +264,15 @@ def wait_for_admission(
                     reason = None  # say why it waits again, after the warning
                 event = True
             if backup is not None and now >= backup[0]:
-                # Stand in for the first waiter only if it has not planned since the release.
-                event = event or not wake.planned_since(state_dir, backup[1] - 0.05)
+                # Stand in for the first waiter only if nobody planned since the release was
+                # written: a plan made just before it does not count (it saw the room taken).
+                event = event or not wake.planned_since(state_dir, backup[1])
                 backup = None
             act = event
             if not event and now >= next_read:
                 # A timer, not an event: another waiter's recent reading serves for this one,
                 # unless this one's own waiting line is due.
-                recently = time.time() - policy.nvml_interval * 0.8
+                recently = time.time_ns() - int(policy.nvml_interval * 0.8e9)
                 act = now >= next_own or not wake.planned_since(state_dir, recently)
                 if not act:
                     next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)

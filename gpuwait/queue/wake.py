@@ -214,9 +214,9 @@ def note_planned(state_dir: Path) -> None:
             os.close(fd)
 
 
-def planned_since(state_dir: Path, moment: float) -> bool:
-    """Has any waiter planned since `moment` (Unix time)?"""
+def planned_since(state_dir: Path, moment_ns: int) -> bool:
+    """Has any waiter planned since `moment_ns` (Unix time in nanoseconds, as file times are)?"""
     try:
-        return os.stat(state_dir / STAMP).st_mtime >= moment
+        return os.stat(state_dir / STAMP).st_mtime_ns >= moment_ns
     except OSError:
         return False
