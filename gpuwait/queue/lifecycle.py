@@ -98,12 +98,13 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
     forged = [j for j in data.jobs if entry_owner_mismatch(j) is not None]
     if forged:
         from gpuwait.core.text import printable  # only a hostile file needs it
-    for job in forged:
-        data.jobs.remove(job)
-        ledger.warnings.append(
-            f"ledger {ledger.path}: dropped entry {printable(job.id, 16)}: it claims uid "
-            f"{job.uid} but its process {job.pid} belongs to another user"
-        )
+
+        for job in forged:
+            data.jobs.remove(job)
+            ledger.warnings.append(
+                f"ledger {ledger.path}: dropped entry {printable(job.id, 16)}: it claims uid "
+                f"{job.uid} but its process {job.pid} belongs to another user"
+            )
     quiet.update(j.id for j in (*gone, *forged))
 
 
