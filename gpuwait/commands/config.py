@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands import Parser
 from gpuwait.config import OPTIONS, load_settings
 
 

@@ -8,8 +8,7 @@ import os
 import time
 from typing import Any
 
-from gpuwait.commands import output
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands import Parser, output
 from gpuwait.config import load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.estimate import QUANTILE, Spread, recent

@@ -12,8 +12,7 @@ import sys
 import time
 from typing import Any
 
-from gpuwait.commands import output
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands import Parser, output
 from gpuwait.config import load_settings
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait.core.errors import StateError, UsageError

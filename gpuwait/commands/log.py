@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any
 
+from gpuwait.commands import Parser
 from gpuwait.commands.common import ledger_for
-from gpuwait.commands.parsing import Parser
 from gpuwait.config import load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import format_duration, format_size

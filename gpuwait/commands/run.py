@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwait import __version__
-from gpuwait.commands import SUBCOMMANDS
+from gpuwait.commands import SUBCOMMANDS, Parser, RawHelpFormatter
 from gpuwait.commands.output import Console
-from gpuwait.commands.parsing import Parser, RawHelpFormatter
 from gpuwait.config import OPTIONS, Settings, load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules

@@ -14,8 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import gpuwait
-from gpuwait.commands import completion
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands import Parser, completion
 from gpuwait.config import load_settings
 
 SHELLS = ("bash", "zsh", "fish")

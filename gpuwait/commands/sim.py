@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpuwait.commands import output
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands import Parser, output
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import format_size, parse_size
 

@@ -14,15 +14,14 @@ import textwrap
 import time
 from typing import Any
 
-from gpuwait.commands import output
+from gpuwait.commands import Parser, output
 from gpuwait.commands.common import ledger_for
-from gpuwait.commands.parsing import Parser
 from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.core.text import printable
-from gpuwait.gpu.backend import open_backend
+from gpuwait.gpu import open_backend
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
 from gpuwait.queue.entries import RUNNING

@@ -1,1 +1,27 @@
-"""Reading GPUs: the backend protocol, NVML, and the simulation with its simulated jobs."""
+"""Reading GPUs: the backend protocol (gpuwait.gpu.backend), NVML, and the simulation with its
+simulated jobs. `open_backend` opens the one the settings name."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuwait.gpu.backend import Backend
+
+
+def open_backend(
+    sim_path: str | os.PathLike[str] | None, nvml_timeout: float | None = 5.0
+) -> Backend:
+    """The simulation when `sim_path` is set, otherwise NVML (each reading bounded by
+    `nvml_timeout` seconds).
+
+    Raises BackendUnavailable (with a hint) when neither can be read.
+    """
+    if sim_path:
+        from gpuwait.gpu.sim import SimBackend
+
+        return SimBackend(os.fspath(sim_path))
+    from gpuwait.gpu.nvml import NvmlBackend
+
+    return NvmlBackend(timeout=nvml_timeout)

@@ -1,8 +1,9 @@
-"""The one interface through which gpuwait reads GPUs: real NVML or the simulation."""
+"""The one interface through which gpuwait reads GPUs: real NVML or the simulation.
+
+Only the type checker reads this protocol; `gpuwait.gpu.open_backend` opens a backend."""
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 from gpuwait.core.snapshot import MachineSnapshot
@@ -21,20 +22,3 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the library or files behind the backend."""
         ...
-
-
-def open_backend(
-    sim_path: str | os.PathLike[str] | None, nvml_timeout: float | None = 5.0
-) -> Backend:
-    """The simulation when `sim_path` is set, otherwise NVML (each reading bounded by
-    `nvml_timeout` seconds).
-
-    Raises BackendUnavailable (with a hint) when neither can be read.
-    """
-    if sim_path:
-        from gpuwait.gpu.sim import SimBackend
-
-        return SimBackend(os.fspath(sim_path))
-    from gpuwait.gpu.nvml import NvmlBackend
-
-    return NvmlBackend(timeout=nvml_timeout)

@@ -37,9 +37,9 @@ from gpuwait.linux import proc
 from gpuwait.linux.security import control_refusal, entry_owner_mismatch
 from gpuwait.queue import entries, events
 from gpuwait.queue.bookkeeping import CANCELLED, DEPENDENCY_FAILED, LOST, Finished
-from gpuwait.queue.claims import claims_for
 from gpuwait.queue.conditions import (
     busy_gpus,
+    claims_for,
     record_hold,
     resolve_references,
     settle_dependencies,

@@ -18,7 +18,7 @@ from gpuwait.core.policy import Claim, gpu_rooms, need_on
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
-from gpuwait.queue.claims import claim_of
+from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.ledger import Ledger
 

@@ -24,20 +24,28 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import Conditions, FairShare, WaitReason, admission_fits, plan
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
-from gpuwait.gpu.backend import Backend
 from gpuwait.linux import signals
 from gpuwait.queue import lifecycle, wake
-from gpuwait.queue.claims import claim_of, claims_for
-from gpuwait.queue.conditions import UtilizationWindow, name_processes, plan_conditions
+from gpuwait.queue.conditions import (
+    UtilizationWindow,
+    claim_of,
+    claims_for,
+    name_processes,
+    plan_conditions,
+)
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import NO_FAIR_SHARE
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFailed
+
+if TYPE_CHECKING:
+    from gpuwait.gpu.backend import Backend
 
 #: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
 UTIL_SAMPLE_INTERVAL = 0.2

@@ -16,9 +16,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
     EXIT_DEPENDENCY_FAILED,
@@ -35,7 +34,7 @@ from gpuwait.core.policy import WaitReason, impossible_reason
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.gpu.backend import Backend, open_backend
+from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
     FLAG,
@@ -50,7 +49,7 @@ from gpuwait.history.learn import (
 from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
-from gpuwait.queue.claims import claim_of
+from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
@@ -58,6 +57,28 @@ from gpuwait.queue.wait import Interrupted, TimedOut, WaitPolicy, wait_for_admis
 from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
 from gpuwait.runner.stderrwatch import StderrWatch
 from gpuwait.runner.supervise import RunResult, supervise
+
+if TYPE_CHECKING:
+    from gpuwait.gpu.backend import Backend
+
+    # Only the type checker needs the protocol; creating one at run time slows every launch.
+    class Reporter(Protocol):
+        """How a run speaks to the user (gpuwait.commands.output gives the terminal's)."""
+
+        def warn(self, message: str) -> None:
+            """Something the user should know; the run goes on."""
+
+        def info(self, message: str) -> None:
+            """What is happening (not said with --quiet)."""
+
+        def error(self, message: str) -> None:
+            """Why the run ends without the command's own status."""
+
+        def waiting(self, reason: WaitReason) -> None:
+            """Why the job still waits (its line is rewritten in place on a terminal)."""
+
+        def waited(self) -> None:
+            """The wait is over: clear the waiting line."""
 
 
 class Pausable(Record, frozen=True):
@@ -116,25 +137,6 @@ class RunConfig(Record, frozen=True):
     sample_interval: float
     resume_exit: int
     watch_stderr: bool
-
-
-class Reporter(Protocol):
-    """How a run speaks to the user (gpuwait.commands.output gives the terminal's)."""
-
-    def warn(self, message: str) -> None:
-        """Something the user should know; the run goes on."""
-
-    def info(self, message: str) -> None:
-        """What is happening (not said with --quiet)."""
-
-    def error(self, message: str) -> None:
-        """Why the run ends without the command's own status."""
-
-    def waiting(self, reason: WaitReason) -> None:
-        """Why the job still waits (its line is rewritten in place on a terminal)."""
-
-    def waited(self) -> None:
-        """The wait is over: clear the waiting line."""
 
 
 class _Ended(Record, frozen=True):
@@ -227,13 +229,17 @@ def _run_with_retries(
 
 def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | None:
     """The GPUs the job may use: --devices, within an inherited CUDA_VISIBLE_DEVICES."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if request.devices is None and inherited is None:
+        return None  # any GPU (and a plain launch need not import the parsing below)
+    from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
+
     candidates: list[str] | None = None
     if request.devices is not None:
         try:
             candidates = parse_devices_option(request.devices, snapshot.gpus)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     if inherited is not None:
         visible = parse_inherited_visible(inherited, snapshot.gpus)
         if not visible:

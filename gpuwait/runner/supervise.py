@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 from gpuwait.core.estimate import time_to_peak
 from gpuwait.core.record import Record, field
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.gpu.backend import Backend
 from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
 from gpuwait.queue.ledger import Ledger
 
 if TYPE_CHECKING:
+    from gpuwait.gpu.backend import Backend
     from gpuwait.runner.paused import PauseResponder
 
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean

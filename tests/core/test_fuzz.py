@@ -25,7 +25,7 @@ from gpuwait.core.sizes import parse_duration, parse_request, parse_size
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu.sim import load_sim_file
 from gpuwait.history import store
-from gpuwait.queue.claims import claim_of
+from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger, _check_crc
 
