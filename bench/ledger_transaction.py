@@ -68,12 +68,16 @@ class Clock:
 
 def module(*names: str) -> Any:
     """The first of these modules the timed revision has (its layout changed over time), or
-    None."""
+    None. Only modules of the timed tree count: where another checkout is installed in the
+    same environment (pip install -e), a name this tree lacks would be found there."""
+    tree = Path(importlib.import_module("gpuwait").__file__ or "").parent
     for name in names:
         try:
-            return importlib.import_module(name)
+            found = importlib.import_module(name)
         except ImportError:
             continue
+        if tree in Path(found.__file__ or "/").parents:
+            return found
     return None
 
 
