@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The history records the tests build, from tests/helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers.history import a_run
 
 from gpuwait.core.estimate import MIN_RUNS, recent
 from gpuwait.core.sizes import parse_size
@@ -53,34 +57,29 @@ def run_record(rng: random.Random, argv: list[str], at: float, key: str | None) 
     to_peak = rng.uniform(1, 120) if rng.random() > 0.1 else None
     samples = rng.randrange(10, 3000)
     wait, ran = rng.uniform(0, 3600), rng.uniform(30, 36000)
-    return record.build(
+    return a_run(
+        argv,
+        CWD,
+        at,
         job_id=job_id,
-        name=None,
-        batch=None,
-        command=argv,
-        cwd=CWD,
         key=key,
-        history_commands="full",
         request={"bytes": peak},
         request_source="estimate",
         reserved_bytes=int(peak * 1.1),
         gpus=[GPU],
-        measured=record.Measured(
-            peak_by_gpu={GPU.uuid: peak},
-            peak_approximate=approximate,
-            time_to_peak=to_peak,
-            samples=samples,
-            free_at_peak_bytes={GPU.uuid: 80 * GiB - peak},
-            run_seconds=ran,
-            returncode=returncode,
-            oom=oom,
-            oom_evidence="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
-            if oom
-            else None,
-            stderr_watched="file",
-        ),
+        peak_by_gpu={GPU.uuid: peak},
+        run_seconds=ran,
         wait_seconds=wait,
-        started_at=at,
+        returncode=returncode,
+        peak_approximate=approximate,
+        time_to_peak=to_peak,
+        samples=samples,
+        free_at_peak_bytes={GPU.uuid: 80 * GiB - peak},
+        oom=oom,
+        oom_evidence="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"
+        if oom
+        else None,
+        stderr_watched="file",
     )
 
 

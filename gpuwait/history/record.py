@@ -165,10 +165,7 @@ def _number(value: Any) -> float:
 
 
 def gpu_uuids(record: Mapping[str, Any]) -> tuple[str, ...]:
-    """The GPUs a run had (a slim record keeps only their UUIDs); () when it does not say."""
-    kept = record.get("gpu_uuids")
-    if isinstance(kept, list) and all(isinstance(u, str) for u in kept):
-        return tuple(kept)
+    """The GPUs a run had; () when the record does not say (a slim one never does)."""
     gpus = record.get("gpus")
     if not isinstance(gpus, list):
         return ()
@@ -233,8 +230,9 @@ def is_slim(record: dict[str, Any]) -> bool:
 
 def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str, Any]:
     """The record cut down to what estimates read: run_stat() and record_keys() (given as
-    `keys` when known) give the same for it as for the whole record. Fields whose absence
-    reads the same are left out."""
+    `keys` when known) give the same for it as for the whole record, but for the GPUs it ran
+    on, which are left out: only per-GPU run times read them, and those come from the newest
+    runs, which compaction keeps whole. Fields whose absence reads the same are left out."""
     cut: dict[str, Any] = {
         "schema": SCHEMA,
         SLIM: True,
@@ -245,9 +243,6 @@ def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str
         # `is` for False: 0 == False, and an exit status of 0 must stay.
         if name in record and not (value is absent or (absent is not False and value == absent)):
             cut[name] = value
-    uuids = gpu_uuids(record)
-    if uuids:
-        cut["gpu_uuids"] = list(uuids)
     earlier = earlier_runs(record)
     if earlier:
         cut[EARLIER] = earlier

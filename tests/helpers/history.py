@@ -19,6 +19,7 @@ def a_run(
     key: str | None = None,
     history_commands: str = "full",
     request: Mapping[str, float | int] | None = None,
+    request_source: str | None = None,
     reserved_bytes: int = 0,
     gpus: Sequence[GpuSnapshot] = (),
     peak_by_gpu: Mapping[str, int] | None = None,
@@ -48,7 +49,7 @@ def a_run(
         key=key,
         history_commands=history_commands,
         request=request if request is not None else {},
-        request_source="flag" if request else "default",
+        request_source=request_source or ("flag" if request else "default"),
         reserved_bytes=reserved_bytes,
         gpus=gpus,
         measured=record.Measured(
