@@ -1,4 +1,5 @@
-"""Settings and where each one came from.
+"""Settings and where each one came from: `Settings` has one typed attribute per setting, and
+each option (`OPTIONS`) knows how to read its value and how to show it.
 
 Precedence is one pure function, `resolve`: command line > GPUWAIT_* environment > config.toml in
 the user config dir > config.toml in the site config dir (an administrator's, e.g.
