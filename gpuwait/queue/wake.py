@@ -35,35 +35,21 @@ import os
 import signal
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_in_place
 from gpuwait.linux.security import is_shared_dir
+from gpuwait.queue.entries import RUNNING, Job
 
 SCHEMA = 1
 FILENAME = "wake.json"
 STAMP = "plan.stamp"
 
-RUNNING = "running"
-
-
-class _Entry(Protocol):
-    id: str
-    pid: int
-    state: str
-    priority: int
-    order: int
-    reserved_bytes: int
-    held_gpus: list[str]
-    after: list[str]
-    after_ok: list[str]
-
-
 Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
 
 
-def fingerprint(jobs: Iterable[_Entry]) -> Fingerprint:
+def fingerprint(jobs: Iterable[Job]) -> Fingerprint:
     """What about each entry decides whether room was freed."""
     return {j.id: (j.state, j.reserved_bytes, tuple(j.held_gpus)) for j in jobs}
 
@@ -83,7 +69,7 @@ def released(before: Fingerprint, after: Fingerprint) -> bool:
 
 def concerned(
     before: Mapping[str, tuple[str, int]],
-    jobs: Iterable[_Entry],
+    jobs: Iterable[Job],
     gone_quietly: frozenset[str],
     release: bool,
 ) -> set[int]:
@@ -120,7 +106,7 @@ def wake_path(state_dir: Path) -> Path:
     return state_dir / FILENAME
 
 
-def summary(jobs: Iterable[_Entry], release: int) -> dict[str, Any]:
+def summary(jobs: Iterable[Job], release: int) -> dict[str, Any]:
     entries = list(jobs)
     waiting = sorted(
         (j for j in entries if j.state != RUNNING), key=lambda j: (-j.priority, j.order)
