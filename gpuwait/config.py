@@ -167,8 +167,8 @@ def _margin(value: Any) -> float:
 
 
 def _size_limit(value: Any) -> int:
-    size = value if isinstance(value, int) and not isinstance(value, bool) else None
-    size = parse_size(str(value)) if size is None else size
+    # A TOML integer is a number without a unit, refused like "64" typed anywhere else.
+    size = parse_size(str(value))
     if size < 2**20:
         raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
     return size
@@ -199,7 +199,7 @@ def _vram_limit(value: Any) -> int | None:
         return None
     if isinstance(value, bool):
         raise ValueError("expected a size such as 48G, or none")
-    number = value if isinstance(value, int) else parse_size(str(value))
+    number = parse_size(str(value))
     if number <= 0:
         raise ValueError("expected a size above zero, or none")
     return number

@@ -39,21 +39,28 @@ class MemoryRequest(Record, frozen=True):
         )
 
 
-def parse_size(text: str) -> int:
-    """Bytes in `text`: `6G`/`6GiB` are 6*2^30, `6GB` is 6*10^9, a bare number is bytes.
+#: What every refusal of a size without a unit says.
+UNIT_HINT = "give a unit: 6G (GiB), 6GB or 6000M"
+REQUEST_UNIT_HINT = "give a unit: 6G (GiB), 6GB, 6000M or 50%"
 
-    Raises ValueError with a message that says what is accepted.
+
+def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
+    """Bytes in `text`: `6G`/`6GiB` are 6*2^30, `6GB` is 6*10^9, `4096B` is bytes.
+
+    A number without a unit is refused: `--vram 6` meant 6 GiB to whoever typed it, and taking
+    it as 6 bytes would admit a job with no room at all. Raises ValueError with a message that
+    says what is accepted (`hint`).
     """
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(
-            f"{text!r} is not a size; use e.g. 6G, 6GiB (2^30 bytes), 6GB (10^9), 512M"
-        )
+        raise ValueError(f"{text!r} is not a size; {hint}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
+    if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
+        raise ValueError(f"{text.strip()!r} has no unit; {hint}")
     if suffix == "B" and unit:
         scale = _DECIMAL[unit]
     elif suffix in ("IB", "I") and not unit:
-        raise ValueError(f"{text!r} is not a size; use e.g. 6G, 6GiB, 6GB, 512M")
+        raise ValueError(f"{text!r} is not a size; {hint}")
     else:
         scale = _BINARY[unit]
     value = float(number) * scale
@@ -70,7 +77,7 @@ def parse_request(text: str) -> MemoryRequest:
         if not 0 < value <= 100:
             raise ValueError(f"{text!r}: a percentage of a GPU must be above 0% and at most 100%")
         return MemoryRequest(fraction=value / 100)
-    size = parse_size(text)
+    size = parse_size(text, hint=REQUEST_UNIT_HINT)
     if size <= 0:
         raise ValueError(f"{text!r}: a VRAM request must be larger than zero")
     return MemoryRequest(bytes=size)

@@ -22,6 +22,41 @@ CASES: dict[str, Case] = {
     "empty size": (["--vram", "", "true"], {}, None, None, 2, "not a size"),
     "exponent size": (["--vram", "1e3G", "true"], {}, None, None, 2, "not a size"),
     "zero percent": (["--vram", "0%", "true"], {}, None, None, 2, "percentage"),
+    # A number without a unit meant GiB to whoever typed it; taken as bytes it admitted a job
+    # with no room at all.
+    "size without a unit": (
+        ["--vram", "6", "true"],
+        {},
+        None,
+        None,
+        2,
+        "6G (GiB), 6GB, 6000M or 50%",
+    ),
+    "fraction without a unit": (["--vram", "0.5", "true"], {}, None, None, 2, "has no unit"),
+    "env default vram without a unit": (
+        ["true"],
+        {"GPUWAIT_DEFAULT_VRAM": "8"},
+        None,
+        None,
+        2,
+        "GPUWAIT_DEFAULT_VRAM",
+    ),
+    "config default vram without a unit": (
+        ["true"],
+        {},
+        "default_vram = 8\n",
+        None,
+        2,
+        "give a unit: 6G (GiB)",
+    ),
+    "site vram limit without a unit": (
+        ["true"],
+        {},
+        None,
+        "user_max_vram = 48\n",
+        2,
+        "has no unit",
+    ),
     "absurd size": (["--vram", "99999999T", "true"], {}, None, None, 2, "too large"),
     "negative gpus": (["--gpus", "-1", "true"], {}, None, None, 2, "at least 1"),
     "checkpoint signal without pausable": (
@@ -232,3 +267,15 @@ def test_a_reader_that_went_away_ends_output_quietly(
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr == ""
     assert done.returncode == 141
+
+
+def test_a_simulated_job_refuses_a_size_without_a_unit(sim: Path) -> None:
+    # The simulated CUDA program answers as the programs it stands for do: argparse's usage.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "sim", "job", "--vram", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "'4' has no unit; give a unit: 6G (GiB), 6GB or 6000M" in done.stderr

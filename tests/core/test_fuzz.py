@@ -62,6 +62,8 @@ def test_parse_size(text: str) -> None:
     except ValueError:
         return
     assert isinstance(value, int) and 0 <= value < 2**63
+    # Only zero may come without a unit: `6` is never silently 6 bytes.
+    assert value == 0 or any(c in "KMGTBkmgtb" for c in text)
 
 
 @given(size_like)
