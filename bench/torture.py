@@ -11,7 +11,9 @@ Printed, with the goal of each:
   corrupt files       ledger files that did not parse, damaged copies set aside    (goal 0)
   lost entries        a peer whose command runs, but whose entry is not running     (goal 0)
   stale entries       a killed peer's entry still in a ledger written 2 s later     (goal 0)
-  leaked reservations entries left once every peer is gone and one more gpuwait ran (goal 0)
+                      (its command, orphaned, keeps the entry while it runs: 0.8 s at most)
+  leaked reservations entries left once every peer and command is gone and one more gpuwait
+                      ran (goal 0)
   over-admissions     a GPU whose running reservations exceed total × safety        (goal 0)
   failed peers        peers not killed that did not exit 0                          (goal 0)
 """
@@ -319,7 +321,14 @@ def torture(
     if live:
         figures.failures.append(f"{len(live)} peers still running at the deadline")
         figures.failed_peers += len(live)
-    # Every peer is gone. One more operation must reap every entry at once.
+    # Every peer is gone. A killed peer's command (a short sleep) may still run: its entry keeps
+    # its room until it ends (orphaned), so wait for those commands first.
+    orphans_until = time.monotonic() + 5.0
+    while time.monotonic() < orphans_until and any(
+        job.child_pid is not None and _alive(job.child_pid) for job in machine.ledger.read().jobs
+    ):
+        time.sleep(0.05)
+    # One more operation must reap every entry at once.
     figures.dead_before_reap = len(machine.ledger.read().jobs)
     reap_started = time.monotonic()
     argv, env = machine.argv(0, ["status", "--json"])

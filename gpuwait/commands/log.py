@@ -121,6 +121,19 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
         text = f"{who} ({event.get('state')}) by uid {event.get('by_uid')}"
         if event.get("refused"):
             text += ": refused, not theirs"
+    elif kind == "orphaned":
+        text = (
+            f"{who} (gpuwait pid {event.get('pid')} gone; command pid {event.get('child_pid')} "
+            "runs on and keeps its room)"
+        )
+    elif kind == "over-reservation":
+        reserved, used = event.get("reserved_bytes"), event.get("used_bytes")
+        sizes = (
+            f"uses {format_size(used)} of its {format_size(reserved)} reservation"
+            if isinstance(reserved, int) and isinstance(used, int)
+            else "uses more than its reservation"
+        )
+        text = f"{who} {sizes}: {event.get('cause')}; {event.get('advice')}"
     elif kind == "reap":
         text = f"{who} (pid {event.get('pid')} gone while {event.get('state')})"
     elif kind.startswith("gpu_"):

@@ -197,6 +197,23 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         out.append(line + _clip(" ".join(j["command"]), width - len(line)))
         if j["lost_gpus"]:
             out.append(_clip("     on a GPU that is not answering now", width))
+        if j["overuse"]:
+            out.extend(
+                textwrap.wrap(
+                    "over its reservation: " + j["overuse"]["text"],
+                    width,
+                    initial_indent="     ",
+                    subsequent_indent="       ",
+                )
+            )
+        if j["orphaned"]:
+            out.append(
+                _clip(
+                    f"     orphaned: its gpuwait is gone; command pid {j['child_pid']} keeps "
+                    "its room until it ends",
+                    width,
+                )
+            )
     out.append("")
     out.append(f"Queue ({len(waiting)})")
     if waiting:

@@ -18,6 +18,8 @@ A record is one JSON object per line:
     oom, oom_evidence                an out-of-memory failure, told by "message" or "card full"
     stderr_watched                   how its stderr was watched ("pipe", "file", "off")
     pauses, paused_seconds           --pausable jobs: how often it stepped aside, and for how long
+    over_reservation                 only when its peak passed its reservation by more than the
+                                     margin: {gpu, used_bytes, cause, advice}
 
 Compaction may cut a record down to what estimates read (`slim`).
 """
@@ -33,6 +35,7 @@ from typing import Any
 from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
 from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import RunStat
+from gpuwait.core.overuse import DEFAULT_MARGIN, overuse
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot
 
@@ -92,6 +95,7 @@ def build(
     wait_seconds: float,
     started_at: float,
     pauses: tuple[int, float] | None = None,
+    margin: float = DEFAULT_MARGIN,
 ) -> dict[str, Any]:
     """One history record (see the module docstring). In `hash` mode the command line and an
     explicit key are left out; their hashes (which estimates match on anyway) stay.
@@ -139,6 +143,18 @@ def build(
     }
     if pauses is not None:
         record["pauses"], record["paused_seconds"] = pauses[0], round(pauses[1], 3)
+    totals = {g.uuid: g.total_bytes for g in gpus}
+    for uuid, peak in sorted(peaks.items(), key=lambda item: -item[1]):
+        found = overuse(reserved_bytes, peak, totals.get(uuid, 0), margin)
+        if found is not None:
+            # Its neighbours had less room than the plan gave them: the record says so and why.
+            record["over_reservation"] = {
+                "gpu": uuid,
+                "used_bytes": peak,
+                "cause": found.cause(),
+                "advice": found.advice(),
+            }
+            break
     return record
 
 

@@ -202,3 +202,19 @@ def control_refusal(job: _JobLike, uid: int | None = None) -> str | None:
     if not looks_like_gpuwait(job.pid):
         return f"job {job.id}: process {job.pid} is not a gpuwait process; refusing to signal it"
     return None
+
+
+def orphan_control_refusal(
+    job: _JobLike, child_pid: int | None, child_start: int | None, uid: int | None = None
+) -> str | None:
+    """`control_refusal` for an orphaned job, whose gpuwait is gone: the signal goes to its
+    command, which must still run (same start time) as the entry's owner."""
+    caller = os.getuid() if uid is None else uid
+    if caller != 0 and job.uid != caller:
+        return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
+    if child_pid is None or child_start is None or not proc.is_alive(child_pid, child_start):
+        return f"job {job.id}: its command is gone"
+    owner = proc.owner_uid(child_pid)
+    if owner is not None and owner != job.uid:
+        return f"job {job.id}: process {child_pid} belongs to uid {owner}; the entry is forged"
+    return None

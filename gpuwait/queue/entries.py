@@ -68,6 +68,11 @@ class Job(Record):
     #: The command's process tree at the last sample; the policy reads their memory from NVML.
     pids: list[int] = field(default_factory=list)
     child_pid: int | None = None
+    #: The command's start time (/proc clock ticks), so a reused pid is never taken for it.
+    child_start_time: int | None = None
+    #: When its gpuwait process was found gone while the command still ran: the entry keeps the
+    #: command's room until the command ends too.
+    orphaned_at: float | None = None
     submitted_at: float = 0.0
     started_at: float | None = None
     updated_at: float = 0.0
@@ -103,6 +108,11 @@ class Job(Record):
     yield_to: str | None = None
     #: Seconds this command takes to load to its peak (history), the cost of pausing it.
     load_seconds: float | None = None
+    #: Since when the running job uses more than its reservation (gpuwait.core.overuse), the
+    #: most it used, and the total of that card.
+    overuse_since: float | None = None
+    overuse_bytes: int = 0
+    overuse_total_bytes: int = 0
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -150,6 +160,10 @@ class Job(Record):
             observed=_observed(raw.get("observed")),
             pids=_pid_list(raw.get("pids", [])),
             child_pid=None if raw.get("child_pid") is None else _int(raw, "child_pid", 1, 2**31),
+            child_start_time=None
+            if raw.get("child_start_time") is None
+            else _int(raw, "child_start_time", 0, 2**62),
+            orphaned_at=None if raw.get("orphaned_at") is None else _float(raw, "orphaned_at"),
             submitted_at=_float(raw, "submitted_at"),
             started_at=None if raw.get("started_at") is None else _float(raw, "started_at"),
             updated_at=_float(raw, "updated_at"),
@@ -177,6 +191,13 @@ class Job(Record):
             boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
             load_seconds=_seconds(raw.get("load_seconds")),
+            overuse_since=None
+            if raw.get("overuse_since") is None
+            else _float(raw, "overuse_since"),
+            overuse_bytes=_int(raw, "overuse_bytes", 0, 2**62) if "overuse_bytes" in raw else 0,
+            overuse_total_bytes=_int(raw, "overuse_total_bytes", 0, 2**62)
+            if "overuse_total_bytes" in raw
+            else 0,
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a

@@ -11,10 +11,15 @@ written by gpuwait.queue.lifecycle once the change they report is in the ledger:
     leave             a job left without running (gave up, interrupted, a dependency failed):
                       job, name, outcome, and what `finish` has where it applies
     cancel            `gpuwait cancel` named it: job, name, state, by_uid, refused
-    reap              its gpuwait process was gone, so its entry was removed: job, pid, state, gpus
+    orphaned          its gpuwait process is gone but its command runs on; the entry keeps the
+                      command's room until the command ends: job, pid, child_pid, gpus
+    reap              its gpuwait process (and its command) were gone, so its entry was removed:
+                      job, pid, state, gpus
     gpu_lost          a GPU stopped answering: gpu, index, detail
     gpu_back          a lost GPU answers again: gpu, index
     gpu_added         a GPU not seen before answers: gpu, index
+    over-reservation  a running job uses more than its reservation (said once, when first seen):
+                      job, name, gpu, reserved_bytes, used_bytes, cause, advice
     pause-request     a waiter asked running jobs to step aside: job (the waiter), victims, gpu
     pause-signal      a job was sent its checkpoint signal: job, pids
     paused            a job checkpointed and queues to resume: job, pauses, ran_seconds
@@ -52,10 +57,12 @@ Kind = Literal[
     "finish",
     "leave",
     "cancel",
+    "orphaned",
     "reap",
     "gpu_lost",
     "gpu_back",
     "gpu_added",
+    "over-reservation",
     "pause-request",
     "pause-signal",
     "paused",

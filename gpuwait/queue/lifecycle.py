@@ -29,12 +29,17 @@ from signal import SIGTERM
 from typing import Any
 
 from gpuwait.core.errors import StateError, UsageError
+from gpuwait.core.overuse import DEFAULT_MARGIN, overuse
 from gpuwait.core.pausing import PauseChoice
 from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason, plan
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
-from gpuwait.linux.security import control_refusal, entry_owner_mismatch
+from gpuwait.linux.security import (
+    control_refusal,
+    entry_owner_mismatch,
+    orphan_control_refusal,
+)
 from gpuwait.queue import entries, events
 from gpuwait.queue.bookkeeping import CANCELLED, DEPENDENCY_FAILED, LOST, Finished
 from gpuwait.queue.conditions import (
@@ -80,22 +85,45 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
 
 
 def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> None:
-    """Take out the entries whose process is gone (their jobs count as lost) and those that name
-    another user's process (forged); their ids go into `quiet`: nobody is woken for them."""
+    """Take out the entries whose processes are gone (their jobs count as lost) and those that
+    name another user's process (forged); their ids go into `quiet`: nobody is woken for them.
+
+    A running job whose gpuwait is gone but whose command still runs (gpuwait was killed with
+    SIGKILL) is orphaned, not gone: its entry keeps the command's room until the command ends,
+    since the command goes on allocating and handing its room to the next job would kill it.
+    """
     alive = _LIVENESS.alive([(j.pid, j.start_time) for j in data.jobs])
-    gone = [j for j, running in zip(data.jobs, alive, strict=True) if not running]
+    gone = []
+    now = time.time()
+    for job, running in zip(data.jobs, alive, strict=True):
+        if running:
+            continue
+        if not command_lives(job):
+            gone.append(job)
+        elif job.orphaned_at is None:
+            job.orphaned_at = now
+            said.append(
+                (
+                    "orphaned",
+                    {
+                        "job": job.id,
+                        "pid": job.pid,
+                        "child_pid": job.child_pid,
+                        "gpus": job.gpu_uuids,
+                    },
+                )
+            )
     for job in gone:
         data.jobs.remove(job)
         data.book.note_finished(
-            Finished(
-                id=job.id, outcome=LOST, finished_at=time.time(), name=job.name, batch=job.batch
-            ),
+            Finished(id=job.id, outcome=LOST, finished_at=now, name=job.name, batch=job.batch),
             job.gpu_uuids if job.state == RUNNING else (),
         )
         said.append(
             ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})
         )
-    forged = [j for j in data.jobs if entry_owner_mismatch(j) is not None]
+    # An orphan's own gpuwait pid is gone (and may be anyone's now): it is judged by its command.
+    forged = [j for j in data.jobs if j.orphaned_at is None and entry_owner_mismatch(j) is not None]
     if forged:
         from gpuwait.core.text import printable  # only a hostile file needs it
 
@@ -106,6 +134,17 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
                 f"{job.uid} but its process {job.pid} belongs to another user"
             )
     quiet.update(j.id for j in (*gone, *forged))
+
+
+def command_lives(job: Job) -> bool:
+    """Does the command of a running job still run, as its entry's owner? (Pid and start time,
+    so a reused pid never counts; another user's process named there never does.)"""
+    if job.state != RUNNING or job.child_pid is None or job.child_start_time is None:
+        return False
+    if not proc.is_alive(job.child_pid, job.child_start_time):
+        return False
+    owner = proc.owner_uid(job.child_pid)
+    return owner is None or owner == job.uid
 
 
 def _entry(data: LedgerData, job: Job) -> Job:
@@ -131,10 +170,12 @@ def _note_health(data: LedgerData, snapshot: MachineSnapshot, now: float, said: 
 def would_tidy(data: LedgerData, snapshot: MachineSnapshot | None, now: float) -> bool:
     """Would a transaction change `data` (read without the lock) before anything else: reap an
     entry, drop a forged one, or note a GPU's health?"""
-    if not all(proc.is_alive(j.pid, j.start_time) for j in data.jobs):
-        return True
-    if any(entry_owner_mismatch(j) is not None for j in data.jobs):
-        return True
+    for job in data.jobs:
+        if proc.is_alive(job.pid, job.start_time):
+            if entry_owner_mismatch(job) is not None:
+                return True
+        elif job.orphaned_at is None or not command_lives(job):
+            return True
     return snapshot is not None and data.book.health_would_change(snapshot, busy_gpus(data), now)
 
 
@@ -367,21 +408,55 @@ def confirm_admission(
 
 def started(ledger: Ledger, job: Job, child_pid: int) -> Job:
     """The admitted job's command runs as `child_pid`."""
+    child_start = proc.start_time(child_pid)
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
         mine.child_pid = child_pid
+        mine.child_start_time = child_start
         mine.pids = [child_pid]
         said.append(("start", {"job": job.id, "name": job.name, "pid": child_pid}))
     return copy_job(mine)
 
 
-def publish_usage(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> Job:
-    """What the running job's process tree uses now, and which processes it has."""
-    with _change(ledger) as (data, _):
+def publish_usage(
+    ledger: Ledger,
+    job: Job,
+    usage: dict[str, int],
+    pids: list[int],
+    margin: float = DEFAULT_MARGIN,
+) -> Job:
+    """What the running job's process tree uses now, and which processes it has.
+
+    Use past the reservation by more than `margin` is remembered in the entry (for `status`
+    and the history) and said once in the event log, with its likely cause.
+    """
+    with _change(ledger) as (data, said):
         mine = _entry(data, job)
         mine.observed = dict(usage)
         mine.pids = list(pids)
         mine.updated_at = time.time()
+        for uuid, used in usage.items():
+            health = data.book.health.get(uuid)
+            found = overuse(mine.reserved_bytes, used, health.total_bytes if health else 0, margin)
+            if found is None or used <= mine.overuse_bytes:
+                continue
+            if mine.overuse_since is None:
+                mine.overuse_since = mine.updated_at
+                said.append(
+                    (
+                        "over-reservation",
+                        {
+                            "job": mine.id,
+                            "name": mine.name,
+                            "gpu": uuid,
+                            "reserved_bytes": mine.reserved_bytes,
+                            "used_bytes": used,
+                            "cause": found.cause(),
+                            "advice": found.advice(),
+                        },
+                    )
+                )
+            mine.overuse_bytes, mine.overuse_total_bytes = used, found.total_bytes
     return copy_job(mine)
 
 
@@ -450,7 +525,7 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
         mine.yield_to = requester.id if requester else None
         mine.state = WAITING
         mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-        mine.pids, mine.child_pid, mine.started_at = [], None, None
+        mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
         mine.held_gpus = []
         mine.pauses += 1
         mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
@@ -546,7 +621,11 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                 result.unmatched.append(f"--batch {batch}")
             chosen.extend(j for j in members if j not in chosen)
         for job in chosen:
-            refusal = control_refusal(job, uid)
+            refusal = (
+                control_refusal(job, uid)
+                if job.orphaned_at is None
+                else orphan_control_refusal(job, job.child_pid, job.child_start_time, uid)
+            )
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:
@@ -570,7 +649,9 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                 )
             )
     for job in result.stopped:
-        # Its gpuwait forwards TERM to the command and ends the way the command does.
+        # Its gpuwait forwards TERM to the command and ends the way the command does; an
+        # orphan's command is told directly, and its entry goes when the command has ended.
+        target = job.pid if job.orphaned_at is None or job.child_pid is None else job.child_pid
         with contextlib.suppress(ProcessLookupError):
-            os.kill(job.pid, SIGTERM)
+            os.kill(target, SIGTERM)
     return result

@@ -36,7 +36,8 @@ def _running_view(data: LedgerData, gpus_snapshot: MachineSnapshot, now: float) 
                 priority=job.effective_priority,
                 gpu_uuids=tuple(job.gpu_uuids),
                 holds_bytes=holds,
-                pausable=job.pausable,
+                # An orphan's gpuwait, which would pass the signal on, is gone.
+                pausable=job.pausable and job.orphaned_at is None,
                 run_seconds=max(0.0, now - (job.started_at or now)),
                 pauses=job.pauses,
                 reload_seconds=job.load_seconds,
@@ -73,7 +74,11 @@ def ask_for_room(
     quick = ledger.read()
     priority = job.effective_priority
     if not any(
-        j.state == RUNNING and j.pausable and j.pause_requested_at is None and j.priority < priority
+        j.state == RUNNING
+        and j.pausable
+        and j.orphaned_at is None
+        and j.pause_requested_at is None
+        and j.priority < priority
         for j in quick.jobs
     ):
         return ()

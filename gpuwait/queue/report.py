@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms, plan
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
@@ -154,6 +155,9 @@ def report_from(
                 "state": job.state,
                 "position": None if running else waiting_ids.index(job.id) + 1,
                 "pid": job.pid,
+                "child_pid": job.child_pid,
+                "orphaned": job.orphaned_at is not None,
+                "overuse": _overuse(job),
                 "uid": job.uid,
                 "command": job.command,
                 "cwd": job.cwd,
@@ -183,6 +187,20 @@ def report_from(
             }
         )
     return report
+
+
+def _overuse(job: Job) -> dict[str, Any] | None:
+    """What `status` says of a job above its reservation: the most it used, why, what to do."""
+    if job.overuse_since is None:
+        return None
+    found = Overuse.seen(job.reserved_bytes, job.overuse_bytes, job.overuse_total_bytes)
+    return {
+        "since": job.overuse_since,
+        "used_bytes": job.overuse_bytes,
+        "cause": found.cause(),
+        "advice": found.advice(),
+        "text": found.describe(),
+    }
 
 
 def _gpu_entry(

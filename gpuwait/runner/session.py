@@ -611,6 +611,7 @@ def _record(
         wait_seconds=wait_seconds,
         started_at=started_at,
         pauses=(job.pauses, paused_seconds) if job.pausable else None,
+        margin=config.estimate_margin,
     )
     try:
         warnings = save_record(config.state_dir, record, config.history_max_size)

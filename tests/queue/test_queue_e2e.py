@@ -618,6 +618,9 @@ JOB_KEYS = {
     "after": list,
     "after_ok": list,
     "requirements": dict,
+    "child_pid": OPT_INT,
+    "orphaned": bool,
+    "overuse": (dict, type(None)),
 }
 BATCH_KEYS = {
     "name": str,

@@ -1,0 +1,149 @@
+"""A gpuwait killed with SIGKILL leaves its command running: the command keeps its room.
+
+The entry records the command's process (pid and start time); it stays, shown as orphaned,
+while that process lives, and is reaped when it ends. Real processes throughout: the next job
+must wait, and neither command may die of out-of-memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SIMJOB, SimFileFactory
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.linux import proc as linux_proc
+from gpuwait.queue import events as event_log
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+
+
+def state_dir() -> Path:
+    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def entry(name: str) -> dict[str, Any] | None:
+    return next((j for j in ledger_entries() if j.get("name") == name), None)
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """start(argv, **popen) -> a process killed and reaped at the end of the test."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        kw.setdefault("stdout", subprocess.DEVNULL)
+        kw.setdefault("stderr", subprocess.DEVNULL)
+        started.append(subprocess.Popen(argv, **kw))
+        return started[-1]
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=10)
+
+
+def kill_orphan(pid: int, start: int) -> None:
+    if linux_proc.is_alive(pid, start):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One 24 GiB card: two 13 GiB jobs never fit together.
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+    first_report, second_report = tmp_path / "first.json", tmp_path / "second.json"
+    first = procs(
+        [
+            *GPUWAIT,
+            *("--vram", "13G", "--name", "first", "--"),
+            *SIMJOB,
+            *("--vram", "13G", "--ramp", "3s", "--hold", "2s", "--report", str(first_report)),
+        ]
+    )
+    running = wait_for(lambda: (e := entry("first")) and e.get("child_pid") and e, timeout=20)
+    child = int(running["child_pid"])
+    child_start = linux_proc.start_time(child)
+    assert child_start is not None
+    try:
+        time.sleep(0.5)  # the command is ramping up: a few GiB allocated, most still to come
+        first.kill()
+        first.wait(timeout=10)
+        second = procs(
+            [
+                *GPUWAIT,
+                *("--vram", "13G", "--name", "second", "--"),
+                *SIMJOB,
+                *("--vram", "13G", "--hold", "0.5s", "--report", str(second_report)),
+            ]
+        )
+        wait_for(lambda: entry("second") is not None, timeout=20)
+        # While the orphaned command runs, its entry holds the room and the next job waits.
+        time.sleep(1.5)
+        assert linux_proc.is_alive(child, child_start), "the command must outlive its gpuwait"
+        orphan = entry("first")
+        assert orphan is not None and orphan["state"] == "running"
+        assert orphan.get("orphaned_at") is not None
+        second_entry = entry("second")
+        assert second_entry is not None and second_entry["state"] == "waiting"
+        status = subprocess.run(
+            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+        )
+        assert "orphaned" in status.stdout and str(child) in status.stdout
+
+        # The command ends; its entry is reaped and the next job starts, neither out of memory.
+        assert second.wait(timeout=60) == 0
+    finally:
+        kill_orphan(child, child_start)
+    assert json.loads(first_report.read_text())["oom"] is False
+    assert json.loads(second_report.read_text())["oom"] is False
+    assert entry("first") is None
+    kinds = [e["kind"] for e in event_log.read_events(state_dir()) if e.get("job") == running["id"]]
+    assert kinds.index("orphaned") < kinds.index("reap")
+
+
+def test_an_orphan_is_cancelled_by_signalling_its_command(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[bytes]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    first = procs(
+        [*GPUWAIT, "--vram", "4G", "--name", "long", "--", *SIMJOB, "--vram", "4G", "--hold", "60s"]
+    )
+    running = wait_for(lambda: (e := entry("long")) and e.get("child_pid") and e, timeout=20)
+    child = int(running["child_pid"])
+    child_start = linux_proc.start_time(child)
+    assert child_start is not None
+    try:
+        first.kill()
+        first.wait(timeout=10)
+        done = subprocess.run(
+            [*GPUWAIT, "cancel", "long"], capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: not linux_proc.is_alive(child, child_start), timeout=20)
+        wait_for(
+            lambda: (
+                subprocess.run([*GPUWAIT, "status"], capture_output=True, timeout=30)
+                and entry("long") is None
+            ),
+            timeout=20,
+        )
+    finally:
+        kill_orphan(child, child_start)

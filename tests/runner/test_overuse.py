@@ -1,0 +1,109 @@
+"""A running job far above its reservation is called out: in `status`, the event log and its
+history record, with the likely cause and what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SIMJOB, SimFileFactory
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.core.overuse import overuse
+from gpuwait.queue import events as event_log
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+GiB = 2**30
+
+
+def state_dir() -> Path:
+    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def history() -> list[dict[str, Any]]:
+    path = state_dir() / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    ("allocates", "words"),
+    [
+        # An under-declared --vram: reserve what it uses.
+        ("8G", "--vram 8G"),
+        # 18 of 24 GiB: a framework that preallocates, as JAX does (75 %).
+        ("18G", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.08"),
+    ],
+)
+def test_a_job_above_its_reservation_is_called_out(
+    sim_file: SimFileFactory, monkeypatch: pytest.MonkeyPatch, allocates: str, words: str
+) -> None:
+    sim_file(gpus=1, memory="24G")
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    job = subprocess.Popen(
+        [
+            *GPUWAIT,
+            *("--vram", "2G", "--name", "greedy", "--"),
+            *SIMJOB,
+            *("--vram", allocates, "--hold", "30s"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(
+            lambda: any(e.get("overuse_since") for e in ledger_entries()),
+            timeout=30,
+            message="the entry never noted the overuse",
+        )
+        status = subprocess.run(
+            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+        )
+        flat = " ".join(status.stdout.split())
+        assert "over its reservation" in flat and words in flat, status.stdout
+        said = [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
+        assert len(said) == 1 and said[0]["name"] == "greedy"
+        assert said[0]["reserved_bytes"] == 2 * GiB
+        log = subprocess.run(
+            [*GPUWAIT, "log"], capture_output=True, text=True, timeout=30, check=True
+        )
+        assert "greedy) uses" in log.stdout and "of its 2.0 GiB reservation" in log.stdout
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+    (record,) = history()
+    assert record["over_reservation"]["used_bytes"] >= 8 * GiB
+    assert words in record["over_reservation"]["advice"]
+
+
+def test_a_job_inside_its_reservation_is_not_called_out(
+    sim_file: SimFileFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim_file(gpus=1, memory="24G")
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    done = subprocess.run(
+        [*GPUWAIT, "--vram", "4G", "--", *SIMJOB, "--vram", "4G", "--hold", "1s"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
+    assert "over_reservation" not in history()[0]
+
+
+def test_the_rule() -> None:
+    # Within the margin, or a few MiB over a small reservation: nothing to say.
+    assert overuse(4 * GiB, int(4.3 * GiB), 24 * GiB, 0.1) is None
+    assert overuse(256 * 2**20, 300 * 2**20, 24 * GiB, 0.1) is None
+    # An exclusive job holds the whole card: it cannot pass it.
+    assert overuse(0, 20 * GiB, 24 * GiB, 0.1) is None
+    found = overuse(4 * GiB, 18 * GiB, 24 * GiB, 0.1)
+    assert found is not None and found.preallocated
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.17" in found.advice()
+    grown = overuse(4 * GiB, 6 * GiB, 24 * GiB, 0.1)
+    assert grown is not None and not grown.preallocated and "--vram 6G" in grown.advice()
