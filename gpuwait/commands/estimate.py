@@ -72,6 +72,7 @@ def _report(learned: Learned, default: str) -> dict[str, Any]:
         "based_on": learned.basis(),
         "level": est.level,
         "runs": est.runs,
+        "rule": est.rule,
         "quantile": QUANTILE,
         "quantile_bytes": est.quantile_bytes,
         "low_bytes": est.low_bytes,
@@ -118,7 +119,13 @@ def _show(learned: Learned, default: str) -> None:
         print(f"estimate: none, no earlier runs: gpuwait asks for {fallback} (default_vram)")
     else:
         print(f"estimate: {format_size(est.bytes)} per GPU, {learned.basis()}")
-        if est.runs:
+        if est.runs and est.rule == "largest":
+            print(
+                f"          largest peak {format_size(est.quantile_bytes)} + "
+                f"{est.margin * 100:g}% margin, rounded up (runs of the {est.level}, not of "
+                "this exact command)"
+            )
+        elif est.runs:
             print(
                 f"          {QUANTILE * 100:g}th percentile of the peaks "
                 f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "

@@ -183,16 +183,17 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     out.append("")
     out.append(f"Running ({len(running)})")
     if running:
-        fixed = f" {'ID':<8} {'NAME':<12} {'GPU':<5} {'RESERV':>6} {'USED':>6} {'ELAPSED':>7} {'LEFT':>6}  "
+        fixed = f" {'ID':<8} {'NAME':<12} {'GPU':<5} {'RESERV':>6} {'USED':>6} {'ELAPSED':>7} {'LEFT':>7}  "
         out.append(fixed + "COMMAND")
     for j in running:
         gpus = ",".join("?" if i is None else str(i) for i in j["gpu_indices"])
         left = j["expected_remaining_seconds"]
-        left_text = "-" if left is None else "~" + format_duration(left)
+        # Past its expected run time: say so, not "~0ms" (it may run on for long yet).
+        left_text = "-" if left is None else "overdue" if left <= 0 else "~" + format_duration(left)
         line = (
             f" {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} {_clip(gpus, 5):<5} "
             f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
-            f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>6}  "
+            f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>7}  "
         )
         out.append(line + _clip(" ".join(j["command"]), width - len(line)))
         if j["lost_gpus"]:

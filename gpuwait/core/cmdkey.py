@@ -40,6 +40,30 @@ _SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O"})
 _SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".R", ".r", ".jl", ".rb", ".pl", ".lua")
 
 
+#: Programs that run other code (interpreters, shells, launchers, wrappers): their own runs say
+#: nothing about what the next script they run will allocate, so their program level never
+#: gives an estimate (gpuwait.core.estimate).
+_RUNS_OTHER_CODE = frozenset(
+    {
+        *_SHELLS,
+        *("node", "nodejs", "deno", "bun", "Rscript", "R", "julia", "ruby", "perl", "java"),
+        *("lua", "luajit", "php", "tclsh", "octave", "matlab", "jupyter", "ipython"),
+        *("torchrun", "accelerate", "deepspeed", "horovodrun", "ray", "mpirun", "mpiexec"),
+        *("srun", "salloc", "sbatch", "uv", "uvx", "conda", "mamba", "micromamba", "poetry"),
+        *("pipx", "pdm", "hatch", "rye", "pixi", "npx", "env", "nice", "ionice", "nohup"),
+        *("time", "timeout", "stdbuf", "taskset", "numactl", "chrt", "xargs", "sudo", "doas"),
+        *("make", "gmake", "ninja", "docker", "podman", "apptainer", "singularity", "gpuwait"),
+        *("setsid", "flock", "unbuffer", "script", "parallel", "watch", "strace", "gdb"),
+    }
+)
+
+
+def runs_other_code(program: str) -> bool:
+    """Is `program` (as `command_key` names it) an interpreter, shell or launcher?"""
+    base = os.path.basename(program)
+    return base in ("python", "pypy") or bool(_PYTHON_RE.match(base)) or base in _RUNS_OTHER_CODE
+
+
 class CommandKey(Record, frozen=True):
     """The levels of one command: (level, text) pairs, finest first, no two with the same text."""
 
@@ -154,15 +178,37 @@ def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:
     return None, ""
 
 
-def _module(module: str, rest: list[str], cwd: str) -> tuple[str, str]:
+#: Modules that run other code (`python -m torch.distributed.run train.py`): without a script
+#: among their arguments they have no script level, since their runs are anybody's.
+_LAUNCHER_MODULES = frozenset(
+    {
+        "gpuwait",
+        "torch.distributed.run",
+        "torch.distributed.launch",
+        "accelerate.commands.launch",
+        "deepspeed",
+        "deepspeed.launcher.runner",
+        "runpy",
+        "uv",
+        "pip",
+        "jupyter",
+        "IPython",
+        "ipykernel",
+        "ipykernel_launcher",
+        "xdist",
+    }
+)
+
+
+def _module(module: str, rest: list[str], cwd: str) -> tuple[str | None, str]:
     """`-m pkg.mod` run from `cwd` (a local package depends on it), with the script a launcher
     module runs (`-m torch.distributed.run ... train.py`)."""
     identity = f"-m {_join([module])} (in {_join([cwd])})"
     script, tail = _launcher_script(rest, cwd)
-    return (
-        f"{identity} {script}" if script else identity,
-        f"{identity} {tail}" if tail else identity,
-    )
+    whole = f"{identity} {tail}" if tail else identity
+    if script:
+        return f"{identity} {script}", whole
+    return (None if module in _LAUNCHER_MODULES else identity), whole
 
 
 def _shell_script(args: list[str], cwd: str) -> tuple[str | None, str]:

@@ -1,21 +1,29 @@
 """How much VRAM a command needs, and how long it runs, learned from its earlier runs. Pure.
 
 No I/O and no clock: the runs and `now` are passed in, so every rule here is property-tested
-(tests/test_estimate.py).
+(tests/core/test_estimate.py).
 
 The rules:
-- Runs are looked up at the finest level of the command key (see gpuwait.core.cmdkey) that has at
-  least MIN_RUNS successful runs; with none, the finest level with any (never the bare program,
-  which says too little about what a script allocates).
-- Of the most recent WINDOW successful runs there, the QUANTILE of the peaks is taken, each run
-  weighted by age (halved every HALF_LIFE; runs older than MAX_AGE are left out). A high quantile
-  rather than the last value or the mean: one small run must not starve the next, and one odd
-  spike among many must not reserve for ever.
+- Only the command's own runs count: the levels `key`, `command` and `script` (see
+  gpuwait.core.cmdkey). The `program` level counts only for a program that does not run other
+  code (never python, bash, torchrun, env ...: `usable_levels` is told which) and only when its
+  runs agree: at least MIN_RUNS recent successes whose peaks lie within AGREE_BAND of each other.
+  A command with none of these gets no estimate, so gpuwait asks for default_vram.
+- Runs are looked up at the finest usable level that has at least MIN_RUNS successful runs; with
+  none, the finest usable level with any.
+- At the exact command (or --key), of the most recent WINDOW successful runs the QUANTILE of the
+  peaks is taken, each run weighted by age (halved every HALF_LIFE; runs older than MAX_AGE are
+  left out). A high quantile rather than the last value or the mean: one small run must not
+  starve the next, and one odd spike among many must not reserve for ever.
+- At a coarser level (the same script with other arguments, or an agreeing program) it is the
+  largest recent peak there: other arguments may need more than any one run showed.
 - Finer levels with fewer runs still count: the estimate never goes below the highest peak seen
-  at a finer level, so `train.py --large` does not inherit the size of twenty `train.py --small`.
+  at a finer level.
 - Then the margin (10 % by default) is added and the result rounded up to a tidy size.
 - An out-of-memory failure newer than the last success raises the estimate above what that run
-  had: OOM_GROWTH times the larger of its peak and its reservation.
+  had: OOM_GROWTH times the larger of its peak and its reservation (usable levels only: another
+  script's failure says nothing about this one).
+- Run times (ETAs, time left, backfill) come from the same usable levels.
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ HALF_LIFE = 14 * 86400.0
 MAX_AGE = 120 * 86400.0
 OOM_GROWTH = 1.5
 MIN_ESTIMATE = 256 * MiB
+#: The program level's runs agree when their peaks differ by at most this much of the largest
+#: (or 256 MiB, whichever is more).
+AGREE_BAND = 0.2
+#: Levels at which the estimate is a quantile; elsewhere it is the largest peak.
+EXACT_LEVELS = ("key", "command")
 #: A job has loaded its model once it reaches this fraction of its peak.
 LOADED_FRACTION = 0.9
 
@@ -85,6 +98,8 @@ class Estimate(Record, frozen=True):
     oom_floor_bytes: int = 0
     margin: float = 0.0
     approximate: bool = False
+    #: "quantile" (the exact command's runs) or "largest" (a coarser level's largest peak).
+    rule: str = "quantile"
 
     @property
     def raised_by_oom(self) -> bool:
@@ -136,6 +151,32 @@ def successes(runs: Sequence[RunStat]) -> list[RunStat]:
     return [r for r in runs if r.ok and not r.oom and r.peak_bytes is not None]
 
 
+def runs_agree(runs: Sequence[RunStat]) -> bool:
+    """Do these successful runs' peaks agree (see AGREE_BAND), with at least MIN_RUNS of them?"""
+    peaks = [r.peak_bytes or 0 for r in runs]
+    if len(peaks) < MIN_RUNS:
+        return False
+    return max(peaks) - min(peaks) <= max(256 * MiB, AGREE_BAND * max(peaks))
+
+
+def usable_levels(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    now: float,
+    program_runs_other_code: bool,
+    max_age: float = MAX_AGE,
+) -> list[tuple[str, Sequence[RunStat]]]:
+    """The levels estimates may learn from (see the module docstring): the program level goes
+    when the program runs other code (an interpreter, shell or launcher) or its runs disagree."""
+    kept = []
+    for name, runs in levels:
+        if name == "program" and (
+            program_runs_other_code or not runs_agree(successes(recent(runs, now, max_age)))
+        ):
+            continue
+        kept.append((name, runs))
+    return kept
+
+
 def choose_level(
     levels: Sequence[tuple[str, Sequence[RunStat]]],
     now: float,
@@ -148,7 +189,7 @@ def choose_level(
         if count >= min_runs:
             return index
     for index, count in enumerate(counts):
-        if count > 0 and levels[index][0] != "program":
+        if count > 0:
             return index
     return None
 
@@ -194,7 +235,8 @@ def estimate(
     used = successes(recent(runs, now, max_age))[:window]
     peaks = [float(r.peak_bytes or 0) for r in used]
     weights = [age_weight(now - r.started_at, half_life) for r in used]
-    q_bytes = int(weighted_quantile(peaks, weights, quantile))
+    exact = name in EXACT_LEVELS
+    q_bytes = int(weighted_quantile(peaks, weights, quantile) if exact else max(peaks))
     finer = [
         r.peak_bytes or 0
         for _, finer_runs in levels[:chosen]
@@ -213,6 +255,7 @@ def estimate(
         oom_floor_bytes=floor_oom,
         margin=margin,
         approximate=any(r.approximate for r in used),
+        rule="quantile" if exact else "largest",
     )
 
 

@@ -634,8 +634,14 @@ def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
     return ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids)
 
 
+def _due(start_in: float) -> str:
+    """`in 3m05s`; a head that would fit already but for jobs still running past their expected
+    end (its start "now" by the estimates) is `overdue`, not `in 0ms`."""
+    return "overdue" if start_in <= 0 else f"in {format_duration(start_in)}"
+
+
 def _held_note(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
-    when = "" if hold.start_in is None else f", expected in {format_duration(hold.start_in)}"
+    when = "" if hold.start_in is None else f", expected {_due(hold.start_in)}"
     return f"first in line, {_gpu_list(hold, rooms)} held for it{when}"
 
 
@@ -648,7 +654,8 @@ def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> st
         if claim.expected_seconds is None
         else "would not end before it can start"
     )
-    return f"{held}, due in {format_duration(hold.start_in)} ({when})"
+    due = "whose start is overdue" if hold.start_in <= 0 else f"due {_due(hold.start_in)}"
+    return f"{held}, {due} ({when})"
 
 
 def _wait_reason(
@@ -734,7 +741,12 @@ def estimate_starts(
                 starts[c.job_id] = now
                 uuids = decided.admitted[c.job_id]
                 expected = max(
-                    (c.expected_by_gpu.get(u, c.expected_seconds or _NEVER) for u in uuids),
+                    (
+                        c.expected_by_gpu.get(
+                            u, _NEVER if c.expected_seconds is None else c.expected_seconds
+                        )
+                        for u in uuids
+                    ),
                     default=c.expected_seconds,
                 )
                 c = c._replace(

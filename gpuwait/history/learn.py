@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.cmdkey import CommandKey, command_key, explicit_key
+from gpuwait.core.cmdkey import PROGRAM, CommandKey, command_key, explicit_key, runs_other_code
 from gpuwait.core.estimate import (
     Estimate,
     RunStat,
@@ -24,6 +24,7 @@ from gpuwait.core.estimate import (
     load_time,
     run_time,
     run_time_on,
+    usable_levels,
     wait_time,
 )
 from gpuwait.core.record import Record
@@ -77,7 +78,12 @@ class Learned(Record, frozen=True):
         words = _LEVEL_WORDS.get(est.level, f"runs at level {est.level}")
         if est.runs == 1:
             words = words.replace("runs", "run", 1)
-        text = f"estimated from {est.runs} {words}"
+        if est.rule == "largest":
+            # Coarser than the exact command: other arguments may need more than any one run.
+            other = " (other arguments)" if est.level == "script" else ""
+            text = f"largest peak of {est.runs} {words}{other}"
+        else:
+            text = f"estimated from {est.runs} {words}"
         if est.raised_by_oom:
             text += ", raised after an out-of-memory failure"
         return text
@@ -85,13 +91,23 @@ class Learned(Record, frozen=True):
     def run_seconds_on(self, gpu_uuids: Iterable[str]) -> dict[str, float]:
         """Median run time of the command on each of these GPUs where it ran before (from the
         same runs as `run_time`); GPUs it never ran on are left out."""
-        pairs = [(lv.name, lv.runs) for lv in self.levels]
+        pairs = _usable(self.key, self.levels, self.now)
         found = {}
         for uuid in gpu_uuids:
             spread = run_time_on(pairs, self.now, uuid)
             if spread is not None:
                 found[uuid] = spread.median
         return found
+
+
+def _usable(ckey: CommandKey, levels: Sequence[Level], now: float) -> list[tuple[str, Any]]:
+    """The levels whose runs may teach this command anything (gpuwait.core.estimate)."""
+    program = ckey.text(PROGRAM)
+    return usable_levels(
+        [(lv.name, lv.runs) for lv in levels],
+        now,
+        program_runs_other_code=program is None or runs_other_code(program),
+    )
 
 
 def key_for(command: Sequence[str], cwd: str, key: str | None) -> CommandKey:
@@ -124,7 +140,7 @@ def learn(
             )
         )
     clock = time.time() if now is None else now
-    pairs = [(lv.name, lv.runs) for lv in levels]
+    pairs = _usable(ckey, levels, clock)
     return Learned(
         key=ckey,
         levels=tuple(levels),

@@ -20,6 +20,7 @@ from gpuwait.core.estimate import (
     spread,
     tidy_size,
     time_to_peak,
+    usable_levels,
     weighted_quantile,
 )
 from gpuwait.core.policy import Claim, gpu_rooms
@@ -120,9 +121,40 @@ def test_few_runs_of_the_command_are_used_when_nothing_coarser_has_enough() -> N
     assert est.level == "command" and est.runs == 1
 
 
-def test_the_program_alone_needs_enough_runs() -> None:
-    levels = [("command", []), ("script", []), ("program", [run(1, 1), run(1, 2)])]
-    assert estimate(levels, NOW).bytes is None
+def test_the_program_alone_needs_enough_runs_that_agree() -> None:
+    few = [("command", []), ("script", []), ("program", [run(1, 1), run(1, 2)])]
+    assert estimate(usable_levels(few, NOW, False), NOW).bytes is None
+    agreeing = [("command", []), ("program", [run(4, 0.1), run(4.2, 0.2), run(3.9, 0.3)])]
+    est = estimate(usable_levels(agreeing, NOW, False), NOW)
+    # Largest peak, not a quantile: this command itself never ran.
+    assert est.level == "program" and est.rule == "largest"
+    assert est.bytes == tidy_size(4.2 * GiB * 1.1)
+    disagreeing = [("command", []), ("program", [run(1, 0.1), run(8, 0.2), run(3, 0.3)])]
+    assert estimate(usable_levels(disagreeing, NOW, False), NOW).bytes is None
+
+
+def test_an_interpreters_runs_never_size_another_script() -> None:
+    # The story: three tiny scripts taught "python needs 256 MiB"; a new 8 GiB script then got
+    # 256 MiB and died of out-of-memory beside a 20 GiB job.
+    tiny = [run(0, 0.1), run(0, 0.2), run(0, 0.3)]
+    levels = [("command", []), ("script", []), ("program", tiny)]
+    usable = usable_levels(levels, NOW, program_runs_other_code=True)
+    assert estimate(usable, NOW).bytes is None
+    assert run_time(usable, NOW) is None
+    # Nor does another script's out-of-memory failure raise this one's request.
+    failed = [run(5.6, 0.05, ok=False, oom=True, reserved_gib=5.6)]
+    usable = usable_levels([("command", []), ("program", failed)], NOW, True)
+    assert estimate(usable, NOW).bytes is None
+
+
+def test_the_same_script_with_other_arguments_gets_its_largest_peak() -> None:
+    script = [run(2, 0.1), run(9, 0.2), run(2, 0.3), run(2, 0.4), run(2, 0.5)]
+    est = estimate([("command", []), ("script", script)], NOW, 0.1)
+    assert est.rule == "largest" and est.bytes == tidy_size(9 * GiB * 1.1)
+    # The exact command keeps the quantile rule: one odd spike among many does not rule it.
+    exact = [run(2, i / 100) for i in range(1, 20)] + [run(9, 0.5)]
+    est = estimate([("command", exact)], NOW, 0.1)
+    assert est.rule == "quantile" and est.bytes is not None and est.bytes < 9 * GiB
 
 
 def test_no_history_no_estimate() -> None:

@@ -76,6 +76,17 @@ def test_head_holds_its_gpu_against_later_small_jobs() -> None:
     assert "first in line" in (decided.waiting["big"].note or "")
 
 
+def test_a_head_waiting_on_overdue_jobs_says_overdue_not_0ms() -> None:
+    # The running job is past its expected run time: what is left of it reads 0.
+    claims = [runner("r0", (0,), 16, expected=0.0), waiter("big", 16, order=1)]
+    decided = plan([card(0)], claims, 0.9)
+    note = decided.waiting["big"].note or ""
+    assert note.endswith("expected overdue") and "0ms" not in note
+    # With time left, the wait says when.
+    claims[0] = runner("r0", (0,), 16, expected=125.0)
+    assert "expected in 2m05s" in (plan([card(0)], claims, 0.9).waiting["big"].note or "")
+
+
 def test_without_estimates_nothing_backfills_onto_a_held_gpu() -> None:
     cards = [card(0)]
     claims = [runner("r0", (0,), 12), waiter("big", 16, order=1), waiter("small", 4, order=2)]

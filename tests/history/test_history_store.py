@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from helpers.history import a_run
 
-from gpuwait.core.cmdkey import command_key
-from gpuwait.core.estimate import estimate
+from gpuwait.core.cmdkey import command_key, runs_other_code
+from gpuwait.core.estimate import estimate, usable_levels
 from gpuwait.history import index, store
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import learn
@@ -59,7 +59,9 @@ def naive_estimate(state: Path, argv: list[str]) -> int | None:
             and (s := run_record.run_stat(r)) is not None
         ]
         levels.append((name, runs[-index.KEEP_RUNS :]))
-    return estimate(levels, NOW).bytes
+    program = key.text("program")
+    usable = usable_levels(levels, NOW, program is None or runs_other_code(program))
+    return estimate(usable, NOW).bytes
 
 
 TRAIN = ["python", "train.py", "--epochs", "3"]
@@ -69,7 +71,8 @@ def test_estimate_from_appended_records(tmp_path: Path) -> None:
     for i in range(3):
         store.append_record(tmp_path, record(TRAIN, 3, NOW - 100 + i))
     assert estimate_bytes(tmp_path, TRAIN) == int(3.375 * GiB)
-    assert estimate_bytes(tmp_path, ["python", "other.py"]) == int(3.375 * GiB)  # program level
+    # Another script of the same interpreter learns nothing from these runs.
+    assert estimate_bytes(tmp_path, ["python", "other.py"]) is None
     assert estimate_bytes(tmp_path, ["bash", "x.sh"]) is None
 
 

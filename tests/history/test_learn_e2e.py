@@ -316,3 +316,70 @@ def test_retry_oom_stops_when_the_largest_card_was_already_given(
     assert done.returncode == 1
     assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
     assert len(history()) == 1 and history()[0]["oom"] is True
+
+
+def test_other_scripts_runs_never_size_a_new_script(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Three tiny scripts of one interpreter, then a new script that allocates 8 GiB: it must not
+    # be sized by the tiny ones (that got 256 MiB and died of out-of-memory beside a big job).
+    sim_file(gpus=2, memory="24GiB")
+    for name in ("prep.py", "plot.py", "check.py"):
+        (tmp_path / name).write_text("print('done')\n")
+        done = run([*gpuwait_cmd, "--", sys.executable, name], cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    big = tmp_path / "train_big.py"
+    big.write_text(
+        "import sys\nfrom gpuwait.gpu.simjob import main\n"
+        "sys.exit(main(['--vram', '8G', '--hold', '0.5']))\n"
+    )
+    learned = estimate_of(gpuwait_cmd, [sys.executable, str(big)])
+    assert learned["estimate_bytes"] is None, learned["based_on"]
+    # It gets default_vram, which the environment sets here.
+    done = run(
+        [*gpuwait_cmd, "--", sys.executable, "train_big.py"],
+        cwd=tmp_path,
+        env={**os.environ, "GPUWAIT_DEFAULT_VRAM": "8G"},
+    )
+    assert done.returncode == 0, done.stderr
+    record = history()[-1]
+    assert record["request_source"] == "default" and record["reserved_bytes"] == 8 * GiB
+    assert record["oom"] is False
+
+
+def test_a_simulated_jobs_size_is_not_pooled_with_other_sizes(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    for vram in ("1G", "20G", "6G"):
+        done = run([*gpuwait_cmd, "--vram", vram, "--", *sim_job(gpuwait_cmd, vram, "--hold", "0")])
+        assert done.returncode == 0, done.stderr
+    # `gpuwait sim job --vram 4G` never ran: no estimate (it got 22 GiB from the others).
+    learned = estimate_of(gpuwait_cmd, sim_job(gpuwait_cmd, "4G", "--hold", "0"))
+    assert learned["estimate_bytes"] is None, learned["based_on"]
+
+
+def test_a_job_past_its_expected_run_time_is_shown_overdue(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    nap = tmp_path / "nap.py"
+    nap.write_text("import os, time\ntime.sleep(float(os.environ['NAP']))\n")
+    command = [*gpuwait_cmd, "--vram", "1G", "--name", "nap", "--", sys.executable, str(nap)]
+    done = run(command, env={**os.environ, "NAP": "0.1"})
+    assert done.returncode == 0, done.stderr
+    long = subprocess.Popen(
+        command,
+        env={**os.environ, "NAP": "30"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: running_jobs() == 1, timeout=30)
+        time.sleep(1.0)  # past the 0.1 s its one earlier run took
+        status = run([*gpuwait_cmd, "status"])
+        row = next(line for line in status.stdout.splitlines() if " nap " in line)
+        assert "overdue" in row and "0ms" not in row, status.stdout
+    finally:
+        long.terminate()
+        long.wait(timeout=30)
