@@ -437,6 +437,14 @@ OPTIONS: tuple[Option, ...] = (
         show=_show_seconds,
     ),
     Option(
+        "gpu_error_timeout",
+        _positive_duration,
+        300.0,
+        "how long GPU readings may keep failing before a waiter gives up (exit 4); shorter "
+        "failures are retried",
+        show=_show_seconds,
+    ),
+    Option(
         "lock_timeout",
         _positive_duration,
         60.0,
@@ -506,6 +514,7 @@ class Settings(Record):
     ledger_dir: Path | None
     on_state_error: str
     nvml_timeout: float
+    gpu_error_timeout: float
     lock_timeout: float
     user_max_gpus: int | None
     user_max_vram: int | None

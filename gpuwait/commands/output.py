@@ -43,7 +43,14 @@ class WaitLine:
             self.shown = True
             return
         # Room figures move with every reading; log only when the situation changes.
-        key = (reason.needed, reason.best_gpu_index, reason.running, reason.ahead, reason.pause)
+        key = (
+            reason.needed,
+            reason.best_gpu_index,
+            reason.running,
+            reason.ahead,
+            reason.pause,
+            reason.gpu_error,
+        )
         if key != self._last_key:
             self._last_key = key
             self.stream.write(text + "\n")

@@ -327,6 +327,7 @@ def _config(settings: Settings) -> RunConfig:
             pause_rules=PauseRules(
                 min_runtime=settings.pause_min_runtime, max_pauses=settings.pause_max
             ),
+            gpu_error_timeout=settings.gpu_error_timeout,
         ),
         sample_interval=settings.sample_interval,
         resume_exit=settings.resume_exit,

@@ -41,9 +41,18 @@ class ImpossibleRequest(GpuwaitError):
 
 
 class BackendUnavailable(GpuwaitError):
-    """No GPU readings can be had (NVML missing or failing, simulation file unusable)."""
+    """No GPU readings can be had (NVML missing or failing, simulation file unusable).
+
+    `lasting`: nothing will change by waiting (no driver on this machine, no simulation file
+    there); otherwise the failure may pass (a driver hiccup, a file being saved) and gpuwait
+    retries for up to `gpu_error_timeout` before giving up.
+    """
 
     exit_code = EXIT_NO_GPU
+
+    def __init__(self, message: str, hint: str | None = None, *, lasting: bool = False) -> None:
+        super().__init__(message, hint)
+        self.lasting = lasting
 
 
 class StateError(GpuwaitError):

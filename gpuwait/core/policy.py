@@ -221,8 +221,15 @@ class WaitReason(Record, frozen=True):
     limit: str | None = None
     #: What became of this waiter's request that running jobs step aside (cooperative pausing).
     pause: str | None = None
+    #: The GPUs could not be read at the last try (the waiter retries): why.
+    gpu_error: str | None = None
 
     def describe(self) -> str:
+        if self.gpu_error is not None:
+            return (
+                f"waiting for {self.needed}: GPU readings failing, retrying ({self.gpu_error}) "
+                f"({self.running} running, {self.ahead} ahead of you)"
+            )
         if self.limit is not None:
             return f"waiting for {self.needed}: {self.limit} ({self.running} running)"
         counts = f"({self.running} running, {self.ahead} ahead of you)"

@@ -125,7 +125,9 @@ def _init_failure(exc: BaseException) -> BackendUnavailable:
         )
     else:
         message = f"NVML could not start: {_describe(exc)}"
-    return BackendUnavailable(message, hint=HINT)
+    # No driver at all on this machine: waiting would change nothing (on_no_gpu decides).
+    lasting = isinstance(exc, OSError) or code in (_LIBRARY_NOT_FOUND, _DRIVER_NOT_LOADED)
+    return BackendUnavailable(message, hint=HINT, lasting=lasting)
 
 
 class _GpuLost(Exception):

@@ -149,6 +149,7 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
         raise BackendUnavailable(
             f"simulation file {shown}: not found",
             hint="create it with `gpuwait sim init PATH --gpus 2 --memory 24GiB`",
+            lasting=True,
         ) from None
     except OSError as exc:
         raise BackendUnavailable(

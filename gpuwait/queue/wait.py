@@ -26,9 +26,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import Conditions, FairShare, WaitReason, admission_fits, plan
 from gpuwait.core.record import Record
+from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import signals
 from gpuwait.queue import lifecycle, wake
@@ -57,6 +59,12 @@ OWN_PLAN_SPACING = 0.5
 #: After a release, the second waiter plans if the first has not within this long (it may be
 #: stopped, e.g. suspended with Ctrl-Z).
 BACKUP_DELAY = 0.25
+#: Retries after a failed reading of the GPUs: the first after this many seconds, doubling up to
+#: GPU_RETRY_MAX, so a driver hiccup costs a moment and a lasting failure little.
+GPU_RETRY_FIRST = 0.5
+GPU_RETRY_MAX = 10.0
+#: gpu_error_timeout's default: how long GPU readings may fail before a waiter gives up.
+DEFAULT_GPU_ERROR_TIMEOUT = 300.0
 
 
 class WaitPolicy(Record, frozen=True):
@@ -73,6 +81,41 @@ class WaitPolicy(Record, frozen=True):
     fair: FairShare = NO_FAIR_SHARE
     #: None: this waiter never asks running jobs to step aside.
     pause_rules: PauseRules | None = None
+    #: How long the GPU readings may keep failing before the waiter gives up (exit 4).
+    gpu_error_timeout: float = DEFAULT_GPU_ERROR_TIMEOUT
+
+
+class GpuRetry:
+    """Failed readings of the GPUs, retried with back-off until `timeout` seconds of failure.
+
+    A reading that fails once (a transient NVML error, a simulation file caught half-saved) must
+    not end the queue: every waiter would exit at once. The clock is monotonic.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.since: float | None = None
+        self.delay = GPU_RETRY_FIRST
+
+    def failed(self, exc: BackendUnavailable) -> float:
+        """Note a failure; return the seconds until the next try. Raises `exc` (with how long
+        it lasted) once failures have lasted longer than the timeout."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since, self.delay = now, GPU_RETRY_FIRST
+        else:
+            self.delay = min(GPU_RETRY_MAX, self.delay * 2)
+        lasted = now - self.since
+        if lasted >= self.timeout:
+            raise BackendUnavailable(
+                f"{exc.message} (failing for {format_duration(lasted)}, longer than "
+                f"gpu_error_timeout {format_duration(self.timeout)})",
+                hint=exc.hint,
+            ) from exc
+        return min(self.delay, max(0.0, self.since + self.timeout - now))
+
+    def succeeded(self) -> None:
+        self.since = None
 
 
 class TimedOut(Record, frozen=True):
@@ -235,6 +278,21 @@ def wait_for_admission(
     def admitted(found: Admitted) -> tuple[Job, WaitOutcome]:
         return found.job, found
 
+    retry = GpuRetry(policy.gpu_error_timeout)
+
+    def failing(exc: BackendUnavailable) -> tuple[WaitReason, float]:
+        """The wait line while readings fail, and the seconds until the next try."""
+        pause = retry.failed(exc)
+        request = job.memory_request()
+        base = reason or WaitReason(
+            needed=request.describe() if request is not None else "a whole GPU",
+            best_gpu_index=None,
+            best_room=0,
+            running=0,
+            ahead=0,
+        )
+        return base._replace(gpu_error=exc.message), pause
+
     try:
         while True:
             now = time.monotonic()
@@ -277,6 +335,7 @@ def wait_for_admission(
                 event = event or not wake.planned_since(state_dir, backup[1])
                 backup = None
             act = event
+            failed_now = False
             if not event and now >= next_read:
                 # A timer, not an event: another waiter's recent reading serves for this one,
                 # unless this one's own waiting line is due.
@@ -289,7 +348,19 @@ def wait_for_admission(
                 seen = wake.read_summary(state_dir)
                 last_release = seen.release if seen is not None else None
                 queue_length = len(seen.waiting) if seen is not None else queue_length
-                outcome = attempt()
+                try:
+                    outcome = attempt()
+                except BackendUnavailable as exc:
+                    failed, pause = failing(exc)
+                    if failed != reason:
+                        on_reason(failed)
+                    reason = failed
+                    next_read = next_own = time.monotonic() + pause
+                    failed_now = True
+                else:
+                    retry.succeeded()
+                    failed_now = False
+            if act and not failed_now:
                 if isinstance(outcome, Admitted):
                     outcome = trusted(outcome)
                     if outcome is None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
@@ -53,7 +53,7 @@ from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
-from gpuwait.queue.wait import Interrupted, TimedOut, WaitPolicy, wait_for_admission
+from gpuwait.queue.wait import GpuRetry, Interrupted, TimedOut, WaitPolicy, wait_for_admission
 from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
 from gpuwait.runner.stderrwatch import StderrWatch
 from gpuwait.runner.supervise import RunResult, supervise
@@ -139,6 +139,9 @@ class RunConfig(Record, frozen=True):
     watch_stderr: bool
 
 
+_T = TypeVar("_T")
+
+
 class _Ended(Record, frozen=True):
     """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
 
@@ -154,9 +157,13 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     check_command(request.command)
     try:
-        backend = open_backend(config.sim, config.nvml_timeout)
+        backend = _read_gpus(
+            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
+        )
     except BackendUnavailable as exc:
-        if config.on_no_gpu == "fail":
+        # Only where no GPU can ever be read here (no driver, no simulation file) may the
+        # command run uncoordinated; a failure that may pass was retried, never run around.
+        if config.on_no_gpu == "fail" or not exc.lasting:
             raise
         reporter.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return exec_bare(request.command)
@@ -164,6 +171,26 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         return _run_with_retries(request, config, reporter, backend, choice)
     finally:
         backend.close()
+
+
+def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) -> _T:
+    """`read()`, retried with back-off while it fails in a way that may pass (see GpuRetry);
+    a lasting failure, or one past gpu_error_timeout, is raised."""
+    retry = GpuRetry(config.wait.gpu_error_timeout)
+    while True:
+        try:
+            return read()
+        except BackendUnavailable as exc:
+            if exc.lasting:
+                raise
+            first = retry.since is None
+            pause = retry.failed(exc)
+            if first:
+                reporter.warn(
+                    f"{exc.message}; retrying (for up to "
+                    f"{format_duration(config.wait.gpu_error_timeout)}: gpu_error_timeout)"
+                )
+            time.sleep(pause)
 
 
 def _choose(request: RunRequest, config: RunConfig, vram: MemoryRequest | None) -> RequestChoice:
@@ -356,7 +383,7 @@ def _attempt(
     backend: Backend,
     choice: RequestChoice,
 ) -> _Ended:
-    snapshot = backend.snapshot()
+    snapshot = _read_gpus(backend.snapshot, config, reporter)
     for message in snapshot.warnings:
         reporter.warn(message)
     candidates = _candidates(request, snapshot)

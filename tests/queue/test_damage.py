@@ -193,9 +193,13 @@ def test_damaged_simulation_file_is_refused_and_left_alone(gw: Run, kind: str) -
     path = Path(os.environ["GPUWAIT_SIM"])
     content, words = SIM_DAMAGE[kind]
     path.write_bytes(content)
-    done = gw("--vram", "1G", "true", env={"GPUWAIT_ON_NO_GPU": "fail"})
+    # A damaged file may be one being saved: it is retried, and refused once the failure
+    # has lasted gpu_error_timeout.
+    env = {"GPUWAIT_ON_NO_GPU": "fail", "GPUWAIT_GPU_ERROR_TIMEOUT": "1s"}
+    done = gw("--vram", "1G", "true", env=env)
     assert done.returncode == 4, done.stderr
     assert words in done.stderr and "simulation file" in done.stderr
+    assert "retrying" in done.stderr and "gpu_error_timeout" in done.stderr
     assert "Traceback" not in done.stderr
     assert path.read_bytes() == content
     # `status` reports it, still shows the ledger, and exits as a run without GPUs would.

@@ -1,0 +1,133 @@
+"""A failing reading of the GPUs does not end the queue: waiters retry with back-off and say
+why; running jobs are untouched; only a failure longer than gpu_error_timeout ends a waiter
+(exit 4). At start-up a failure that may pass is retried too, never run around.
+
+Real gpuwait processes on the simulation; the failure is a damaged simulation file (as when it
+is caught half-saved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SIMJOB, SimFileFactory
+from helpers.waiting import asleep_waiting, ledger_entries, wait_for
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+
+
+@pytest.fixture
+def procs() -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    """start(argv) -> a process killed and reaped at the end of the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
+        kw.setdefault("stdout", subprocess.DEVNULL)
+        kw.setdefault("stderr", subprocess.PIPE)
+        started.append(subprocess.Popen(argv, text=True, **kw))
+        return started[-1]
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=10)
+
+
+def entry(name: str) -> dict[str, Any] | None:
+    return next((j for j in ledger_entries() if j.get("name") == name), None)
+
+
+def job(name: str, vram: str, hold: str, report: Path) -> list[str]:
+    simulated = [*SIMJOB, "--vram", vram, "--hold", hold, "--report", str(report)]
+    return [*GPUWAIT, "--vram", vram, "--name", name, "--", *simulated]
+
+
+def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sim = sim_file(gpus=1, memory="24G")
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+    first = procs(job("first", "16G", "4s", tmp_path / "first.json"))
+    wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
+    second = procs(job("second", "16G", "0.2s", tmp_path / "second.json"))
+    wait_for(lambda: asleep_waiting(second.pid), timeout=20)
+
+    good = sim.read_text()
+    sim.write_text("[[gpu]\nmemory = ")  # caught half-saved
+    time.sleep(2.0)
+    assert second.poll() is None, "a waiter must not end over a failed reading"
+    assert first.poll() is None, "a running job must not be disturbed"
+    status = subprocess.run([*GPUWAIT, "status"], capture_output=True, text=True, timeout=30)
+    assert "not valid TOML" in status.stderr + status.stdout
+    sim.write_text(good)
+
+    assert first.wait(timeout=30) == 0
+    _, err = second.communicate(timeout=30)
+    assert second.returncode == 0, err
+    assert "GPU readings failing, retrying" in err and "not valid TOML" in err
+    for name in ("first", "second"):
+        assert json.loads((tmp_path / f"{name}.json").read_text())["oom"] is False
+
+
+def test_a_lasting_failure_ends_a_waiter_after_gpu_error_timeout(
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sim = sim_file(gpus=1, memory="24G")
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+    procs(job("first", "16G", "30s", tmp_path / "first.json"))
+    wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
+    second = procs(
+        job("second", "16G", "0.2s", tmp_path / "second.json"),
+        env={**os.environ, "GPUWAIT_GPU_ERROR_TIMEOUT": "2s"},
+    )
+    wait_for(lambda: asleep_waiting(second.pid), timeout=20)
+    sim.write_text("garbage = [")
+    started = time.monotonic()
+    _, err = second.communicate(timeout=30)
+    assert second.returncode == 4, err
+    assert 1.5 < time.monotonic() - started < 15
+    assert "gpu_error_timeout" in err and "Traceback" not in err
+    assert entry("second") is None
+
+
+def test_at_start_up_a_failure_that_may_pass_is_retried_not_run_around(
+    sim_file: SimFileFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = sim_file(gpus=1, memory="24G")
+    good = sim.read_text()
+    sim.write_text("[[gpu]\n")
+    marker = tmp_path / "ran"
+    command = [*GPUWAIT, "--vram", "1G", "--", "touch", str(marker)]
+    # The failure lasts: exit 4, and the command never ran without coordination.
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUWAIT_GPU_ERROR_TIMEOUT": "1s"},
+    )
+    assert done.returncode == 4, done.stderr
+    assert not marker.exists()
+    # The failure passes: the command runs once the readings are back.
+    launch = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    assert not marker.exists()
+    sim.write_text(good)
+    _, err = launch.communicate(timeout=60)
+    assert launch.returncode == 0, err
+    assert marker.exists() and "retrying" in err
