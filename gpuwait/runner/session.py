@@ -552,6 +552,7 @@ def _start(
         config.sample_interval,
         baseline_used={g.uuid: g.used_bytes for g in chosen},
         responder=responder,
+        margin=config.estimate_margin,
     )
     said_oom = watch.finish()
     code = result.returncode

@@ -5,11 +5,13 @@ What gpuwait's stderr is decides how (or whether) it is watched:
   what the command sees (isatty, colours, progress bars), so OOMs are told by the card filling up.
 - a regular file (`2>log`): not touched at all; once the command has ended, what it appended is
   read back from the file.
-- a pipe (`2>&1 | tee log`, a CI runner, subprocess capture): the command writes into a pipe of
-  gpuwait's, and gpuwait passes every byte on unchanged, as soon as it arrives. When stdout is the
-  same pipe, both go through the one relay pipe, so their order is kept. If a process the command
-  left behind still holds the pipe when the command ends, the rest is handed to a detached `cat`,
-  so nothing it writes later is lost.
+- a pipe (`2>&1 | tee log`, a CI runner, subprocess capture): the command writes into a pipe read
+  by a small relay process, which passes every byte on unchanged, as soon as it arrives, and gives
+  gpuwait a copy to read. When stdout is the same pipe, both go through the one relay pipe, so
+  their order is kept. The relay is a process of its own, not a part of gpuwait, so that the
+  command's output outlives gpuwait however gpuwait ends (even by SIGKILL: the command would
+  otherwise die of SIGPIPE at its next write), and so that what a process the command left behind
+  writes later still arrives: the relay ends when the last writer has closed the pipe.
 - anything else (a socket, /dev/null): not watched.
 """
 
@@ -17,9 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
+import sys
 import time
 from typing import TYPE_CHECKING
+
+from gpuwait.linux.signals import FORWARDED
 
 if TYPE_CHECKING:
     import threading
@@ -39,8 +45,33 @@ OOM_MARKERS = (
 _KEEP = max(len(m) for m in OOM_MARKERS) - 1
 #: How much of a log file is read back: an OOM traceback sits near the end.
 READ_BACK_BYTES = 1 << 20
-#: After the command ended, keep relaying at most this long before handing over to `cat`.
+#: After the command ended, read the relay's copy at most this long (what a process left behind
+#: writes later still reaches stderr, only unwatched).
 _DRAIN_SECONDS = 0.5
+
+#: The relay: fd 0 the command's pipe, fd 1 gpuwait's stderr, fd 3 gpuwait's copy. Its stderr is
+#: /dev/null and the signals a group gets are blocked: it ends when every writer has closed the
+#: pipe (or when its own stderr breaks, so the command sees a broken pipe, as it would bare).
+RELAY = """
+import os
+def put(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+copy = True
+while True:
+    data = os.read(0, 65536)
+    if not data:
+        break
+    try:
+        put(1, data)
+    except OSError:
+        break
+    if copy:
+        try:
+            put(3, data)
+        except OSError:
+            copy = False
+"""
 
 
 class OomScanner:
@@ -66,14 +97,14 @@ class StderrWatch:
         self.scanner = OomScanner()
         self.mode = "off"
         self.why_off = "disabled (watch_stderr = off)"
-        self._read_fd: int | None = None
+        #: The read end of the relay's copy, and the write end the command gets.
+        self._copy_fd: int | None = None
         self._write_fd: int | None = None
-        self._target = 2
+        self._relay_pid: int | None = None
         self._also_stdout = False
         self._file_start = 0
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
-        self._eof = False
         if enabled:
             self._decide()
 
@@ -91,10 +122,30 @@ class StderrWatch:
             with contextlib.suppress(OSError):
                 out = os.fstat(1)
                 self._also_stdout = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
-            self._read_fd, self._write_fd = os.pipe()  # both close-on-exec
-            self.mode = "pipe"
+            if self._start_relay():
+                self.mode = "pipe"
+            else:
+                self.why_off = "the stderr relay could not start"
         else:
             self.why_off = "stderr is neither a file nor a pipe"
+
+    def _start_relay(self) -> bool:
+        # Every pipe is close-on-exec: only the relay's copies survive into it.
+        read_end, write_end = os.pipe()
+        copy_read, copy_write = os.pipe()
+        try:
+            self._relay_pid = _fork_relay(read_end, copy_write)
+            if self._relay_pid is None:
+                self._relay_pid = _spawn_relay(read_end, copy_write)
+        except (OSError, ValueError):
+            for fd in (write_end, copy_read):
+                os.close(fd)
+            return False
+        finally:
+            os.close(read_end)
+            os.close(copy_write)
+        self._write_fd, self._copy_fd = write_end, copy_read
+        return True
 
     def file_actions(self) -> list[tuple[int, int, int]]:
         """posix_spawn file actions that give the command the relay pipe."""
@@ -115,19 +166,17 @@ class StderrWatch:
         os.close(self._write_fd)
         self._write_fd = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._relay, name="gpuwait-stderr", daemon=True)
+        self._thread = threading.Thread(target=self._scan, name="gpuwait-stderr", daemon=True)
         self._thread.start()
 
-    def _relay(self) -> None:
-        try:
-            self._relay_until_done()
-        except OSError:
-            self._eof = True  # the pipe broke: nothing more can come through it
+    def _scan(self) -> None:
+        with contextlib.suppress(OSError):
+            self._scan_until_done()
 
-    def _relay_until_done(self) -> None:
+    def _scan_until_done(self) -> None:
         import select
 
-        fd, stop = self._read_fd, self._stop
+        fd, stop = self._copy_fd, self._stop
         assert fd is not None and stop is not None
         poller = select.poll()
         poller.register(fd, select.POLLIN)
@@ -137,22 +186,18 @@ class StderrWatch:
                 drain_until = time.monotonic() + _DRAIN_SECONDS
             if drain_until is not None and time.monotonic() > drain_until:
                 return
-            if not poller.poll(0 if drain_until is not None else 100):
-                if drain_until is not None:
-                    return  # nothing more for now: whoever still holds the pipe gets `cat`
+            if not poller.poll(100):
                 continue
             data = os.read(fd, 65536)
             if not data:
-                self._eof = True
-                return
+                return  # the relay passed on everything and ended
             self.scanner.feed(data)
-            if not _write_all(self._target, data):
-                # Our stderr is gone: the command must see a broken pipe too, as it would bare.
-                self._eof = True
-                return
 
     def finish(self) -> bool | None:
-        """After the command ended: True if it printed an OOM marker, None if not watched."""
+        """After the command ended: True if it printed an OOM marker, None if not watched.
+
+        In pipe mode, waits (briefly) until the relay has passed on the command's last bytes, so
+        gpuwait's own last words come after them."""
         if self.mode == "file":
             return self._read_back()
         if self.mode != "pipe":
@@ -161,33 +206,25 @@ class StderrWatch:
             self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self._close(handover=not self._eof)
+        self._close()
         return self.scanner.found
 
     def abandon(self) -> None:
-        """The command never started."""
-        for fd in (self._write_fd, self._read_fd):
+        """The command never started: the relay sees the pipe close and ends."""
+        self._close()
+
+    def _close(self) -> None:
+        for fd in (self._write_fd, self._copy_fd):
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        self._write_fd = self._read_fd = None
-
-    def _close(self, handover: bool) -> None:
-        fd = self._read_fd
-        if fd is None:
-            return
-        self._read_fd = None
-        if handover:
-            with contextlib.suppress(OSError):
-                os.posix_spawnp(
-                    "cat",
-                    ["cat"],
-                    dict(os.environ),
-                    file_actions=[(os.POSIX_SPAWN_DUP2, fd, 0), (os.POSIX_SPAWN_DUP2, 2, 1)],
-                    setsid=True,
-                    setsigmask=(),
-                )
-        os.close(fd)
+        self._write_fd = self._copy_fd = None
+        if self._relay_pid is not None:
+            # Reaped when it is done; one still relaying for a process left behind is
+            # reaped by init once gpuwait exits.
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self._relay_pid, os.WNOHANG)
+            self._relay_pid = None
 
     def _read_back(self) -> bool | None:
         try:
@@ -214,14 +251,42 @@ class StderrWatch:
             os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> bool:
-    view = memoryview(data)
-    while view:
-        try:
-            written = os.write(fd, view)
-        except InterruptedError:
-            continue
-        except OSError:
-            return False
-        view = view[written:]
-    return True
+def _fork_relay(read_end: int, copy_write: int) -> int | None:
+    """The relay as a fork of gpuwait (about 1 ms, against 10 ms for a new interpreter), or None
+    while other threads run: a fork would copy them mid-call (an NVML reading, say)."""
+    threading = sys.modules.get("threading")
+    if threading is not None and threading.active_count() > 1:
+        return None
+    pid = os.fork()
+    if pid:
+        return pid
+    try:  # pragma: no cover - runs in the relay
+        os.setsid()
+        os.dup2(2, 1)
+        os.dup2(read_end, 0)
+        os.dup2(copy_write, 3)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        # None of gpuwait's files (the ledger's lock, NVML's device files) stay open in it.
+        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        exec(RELAY, {})
+    finally:
+        os._exit(0)
+
+
+def _spawn_relay(read_end: int, copy_write: int) -> int:
+    return os.posix_spawn(
+        sys.executable,
+        [sys.executable, "-I", "-S", "-c", RELAY],
+        {},
+        file_actions=[
+            (os.POSIX_SPAWN_DUP2, 2, 1),
+            (os.POSIX_SPAWN_DUP2, read_end, 0),
+            (os.POSIX_SPAWN_DUP2, copy_write, 3),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+        ],
+        # Out of the terminal's and the group's reach: it must pass on what the command writes
+        # after Ctrl-C or a TERM, and end only when the command's output does.
+        setsid=True,
+        setsigmask=FORWARDED,
+    )

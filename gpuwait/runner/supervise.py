@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gpuwait.core.estimate import time_to_peak
+from gpuwait.core.overuse import DEFAULT_MARGIN
 from gpuwait.core.record import Record, field
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc, signals
@@ -93,10 +94,12 @@ def supervise(
     sample_interval: float,
     baseline_used: Mapping[str, int] | None = None,
     responder: PauseResponder | None = None,
+    margin: float = DEFAULT_MARGIN,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
-    `baseline_used`: each GPU's used memory at admission, for the approximate peak.
+    `baseline_used`: each GPU's used memory at admission, for the approximate peak. `margin`:
+    how far past its reservation the job may go before it is called out (estimate_margin).
     """
     started = time.monotonic()
     result = RunResult(returncode=0)
@@ -106,58 +109,67 @@ def supervise(
     next_sample = started
     seen_gpus: frozenset[str] | None = None
     seen_token = ledger.change_token()
-    while True:
-        waited_pid, status = os.waitpid(child, os.WNOHANG)
-        if waited_pid == child:
-            result.returncode = os.waitstatus_to_exitcode(status)
-            result.run_seconds = time.monotonic() - started
-            if backend is not None:
-                _read_accounting(backend, job, result)
-            result.paused = responder is not None and responder.signalled_at is not None
-            return result
-        now = time.monotonic()
-        if backend is not None and now >= next_sample:
-            # Every 0.1 s through the first second, so short runs and quick loads still get
-            # their peak (and a load time to the tenth), then at the configured interval.
-            step = 0.1 if now - started < 1.0 else sample_interval
-            next_sample = now + min(sample_interval, step)
-            pids, usage, gpus, snapshot = _sample(child, job, backend)
-            if snapshot is not None:
-                answering = frozenset(g.uuid for g in snapshot.gpus)
-                if seen_gpus is not None and answering != seen_gpus:
-                    # Bookkeeping only: the command runs on whatever the ledger says.
-                    with contextlib.suppress(Exception):
-                        lifecycle.note_health(ledger, snapshot)
-                seen_gpus = answering
-            result.samples += 1
-            for uuid, used in usage.items():
-                result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
-            _note_sample(result, job, ledger, gpus, pids, baseline_used or {}, now - started)
-            moved = any(abs(usage.get(u, 0) - published.get(u, 0)) >= _PUBLISH_STEP for u in usage)
-            # Others plan with the tree's pids (they read its memory from NVML themselves), so a
-            # new tree is published at once; a usage figure only informs, so it is published at
-            # the configured interval at most, not at every sample of the first second (which
-            # are for this run's own peak and load time).
-            if sorted(pids) != sorted(published_pids) or (
-                moved and now - published_at >= sample_interval
-            ):
-                published, published_pids, published_at = usage, sorted(pids), now
-                _publish(ledger, job, usage, published_pids)
-            elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
-                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
-                # our reservation must not stay lost while the command runs (publishing puts
-                # the entry back).
-                _publish(ledger, job, published, published_pids)
-            seen_token = ledger.change_token()
-        if responder is not None:
-            responder.check(child)
-        info = signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
-        if info is None or info.si_signo == signal.SIGCHLD:
-            continue
-        if signals.came_from_terminal(info):
-            continue  # the terminal already sent it to the command's process group
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, info.si_signo)
+    witness = signals.GroupWitness()
+    try:
+        while True:
+            waited_pid, status = os.waitpid(child, os.WNOHANG)
+            if waited_pid == child:
+                result.returncode = os.waitstatus_to_exitcode(status)
+                result.run_seconds = time.monotonic() - started
+                if backend is not None:
+                    _read_accounting(backend, job, result)
+                result.paused = responder is not None and responder.signalled_at is not None
+                return result
+            now = time.monotonic()
+            if backend is not None and now >= next_sample:
+                # Every 0.1 s through the first second, so short runs and quick loads still get
+                # their peak (and a load time to the tenth), then at the configured interval.
+                step = 0.1 if now - started < 1.0 else sample_interval
+                next_sample = now + min(sample_interval, step)
+                pids, usage, gpus, snapshot = _sample(child, job, backend)
+                if snapshot is not None:
+                    answering = frozenset(g.uuid for g in snapshot.gpus)
+                    if seen_gpus is not None and answering != seen_gpus:
+                        # Bookkeeping only: the command runs on whatever the ledger says.
+                        with contextlib.suppress(Exception):
+                            lifecycle.note_health(ledger, snapshot)
+                    seen_gpus = answering
+                result.samples += 1
+                for uuid, used in usage.items():
+                    result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
+                _note_sample(result, job, ledger, gpus, pids, baseline_used or {}, now - started)
+                moved = any(
+                    abs(usage.get(u, 0) - published.get(u, 0)) >= _PUBLISH_STEP for u in usage
+                )
+                # Others plan with the tree's pids (they read its memory from NVML themselves), so a
+                # new tree is published at once; a usage figure only informs, so it is published at
+                # the configured interval at most, not at every sample of the first second (which
+                # are for this run's own peak and load time).
+                if sorted(pids) != sorted(published_pids) or (
+                    moved and now - published_at >= sample_interval
+                ):
+                    published, published_pids, published_at = usage, sorted(pids), now
+                    _publish(ledger, job, usage, published_pids, margin)
+                elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
+                    # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+                    # our reservation must not stay lost while the command runs (publishing puts
+                    # the entry back).
+                    _publish(ledger, job, published, published_pids, margin)
+                seen_token = ledger.change_token()
+            if responder is not None:
+                responder.check(child)
+            info = signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            # Sent to the whole group (typed at the terminal; kill -PGID, `kill %1`, timeout,
+            # systemd): the command has it already, and a second copy would not be what it
+            # would get bare.
+            if witness.sent_to_group(info.si_signo) or signals.came_from_terminal(info):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, info.si_signo)
+    finally:
+        witness.close()
 
 
 def _sample(
@@ -245,7 +257,9 @@ def _entry_present(ledger: Ledger, job: Job) -> bool:
         return True  # cannot tell; the next change is looked at again
 
 
-def _publish(ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int]) -> None:
+def _publish(
+    ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int], margin: float
+) -> None:
     # The command runs on even when the state dir misbehaves; its reservation stays as it was.
     with contextlib.suppress(Exception):
-        lifecycle.publish_usage(ledger, job, usage, pids)
+        lifecycle.publish_usage(ledger, job, usage, pids, margin=margin)

@@ -8,8 +8,10 @@ is caught half-saved).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,19 +28,20 @@ GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
 @pytest.fixture
 def procs() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """start(argv) -> a process killed and reaped at the end of the test."""
+    """start(argv) -> a process killed with its process group (its command, the stderr relay)
+    and reaped at the end of the test."""
     started: list[subprocess.Popen[str]] = []
 
     def start(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
         kw.setdefault("stdout", subprocess.DEVNULL)
         kw.setdefault("stderr", subprocess.PIPE)
-        started.append(subprocess.Popen(argv, text=True, **kw))
+        started.append(subprocess.Popen(argv, text=True, start_new_session=True, **kw))
         return started[-1]
 
     yield start
     for p in started:
-        if p.poll() is None:
-            p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.communicate(timeout=10)
 
 

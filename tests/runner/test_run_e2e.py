@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from helpers.fixtures_sim import hold_card
+from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import wait_for
 
 GiB = 2**30
@@ -76,38 +76,6 @@ def test_command_killed_by_signal_kills_gpuwait_by_the_same_signal(
     done = run([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", f"kill -{int(signum)} $$"])
     assert done.returncode == -signum
     assert "Traceback" not in done.stderr
-
-
-TRAP = textwrap.dedent(
-    """
-    import os, signal, sys, time
-    got = []
-    def handler(signum, frame):
-        got.append(signum)
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(s, handler)
-    open(sys.argv[1], "w").write("ready")
-    deadline = time.monotonic() + 20
-    while not got and time.monotonic() < deadline:
-        time.sleep(0.01)
-    # Not a precondition but the window under test: were the signal passed on twice, the second
-    # would arrive within it. A delivery that never comes shows no state to wait for.
-    time.sleep(0.3)
-    open(sys.argv[1], "w").write(",".join(str(s) for s in got))
-    sys.exit(40 + len(got))
-    """
-)
-
-
-def wait_for_text(path: Path, text: str | None = None, timeout: float = 90) -> str:
-    def said() -> str | None:
-        content = path.read_text() if path.exists() else ""
-        return content if content and (text is None or content == text) else None
-
-    content: str = wait_for(
-        said, timeout=timeout, interval=0.02, message=f"{path} never said {text!r}"
-    )
-    return content
 
 
 @pytest.mark.parametrize(

@@ -141,3 +141,35 @@ def test_watching_can_be_switched_off(sim_file: SimFileFactory, gpuwait_cmd: lis
     assert done.returncode == 1 and done.stderr == "CUDA out of memory\n"
     record = last_record()
     assert record["stderr_watched"] == "off" and record["oom"] is False
+
+
+WATCHER = textwrap.dedent(
+    """
+    import os, sys, threading
+    from gpuwait.linux import signals
+    from gpuwait.runner.launch import spawn
+    from gpuwait.runner.stderrwatch import StderrWatch
+    signals.block_handled()  # as gpuwait runs
+    busy = threading.Event()
+    if sys.argv[1] == "thread":  # e.g. an NVML reading still under way
+        threading.Thread(target=busy.wait, daemon=True).start()
+    watch = StderrWatch()
+    script = "echo before >&2; echo 'CUDA out of memory' >&2; echo after >&2"
+    child = spawn(["sh", "-c", script], dict(os.environ), watch.file_actions())
+    watch.started()
+    os.waitpid(child, 0)
+    print(watch.mode, watch.finish())
+    """
+)
+
+
+@pytest.mark.parametrize("threads", ["thread", "alone"])
+def test_the_relay_passes_output_on_and_finds_an_oom_whether_or_not_threads_run(
+    threads: str,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WATCHER, threads], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "pipe True\n"
+    assert done.stderr == "before\nCUDA out of memory\nafter\n"

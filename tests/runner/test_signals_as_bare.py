@@ -1,0 +1,160 @@
+"""The command sees what it would see bare: a signal sent to the whole process group (kill -PGID,
+`kill %1`, `timeout`, systemd's control-group kill) reaches it once, not once from the sender and
+again from gpuwait; and a gpuwait killed with SIGKILL while its stderr is a pipe leaves the
+command running with its output still arriving.
+
+Real processes on the simulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.trap import TRAP, wait_for_text
+from helpers.waiting import wait_for
+
+GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes (each leading its own process group) killed with their group at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            with_group(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+
+
+def with_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def tree(pid: int) -> list[int]:
+    found = [pid]
+    for child in children(pid):
+        found += tree(child)
+    return found
+
+
+@pytest.mark.usefixtures("sim")
+@pytest.mark.parametrize("signum", GROUP_SIGNALS)
+def test_a_signal_to_the_process_group_reaches_the_command_once(
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    started: list[subprocess.Popen[bytes]],
+    signum: int,
+) -> None:
+    flag = tmp_path / "flag"
+    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    proc = subprocess.Popen(command, start_new_session=True)
+    started.append(proc)
+    wait_for_text(flag, "ready")
+    os.killpg(proc.pid, signum)  # as `kill -TERM -PGID` or bash's `kill %1`
+    assert proc.wait(timeout=30) == 41, flag.read_text()
+    assert flag.read_text() == str(int(signum))
+
+
+@pytest.mark.usefixtures("sim")
+def test_every_process_of_a_service_signalled_the_command_gets_it_once(
+    gpuwait_cmd: list[str], tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """systemd's KillMode=control-group sends SIGTERM to each process of the unit in turn."""
+    flag = tmp_path / "flag"
+    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    proc = subprocess.Popen(command, start_new_session=True)
+    started.append(proc)
+    wait_for_text(flag, "ready")
+    for pid in tree(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 41, flag.read_text()
+    assert flag.read_text() == str(int(signal.SIGTERM))
+
+
+@pytest.mark.usefixtures("sim")
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+def test_under_timeout_the_command_gets_the_signal_once(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    flag = tmp_path / "flag"
+    inner = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    done = subprocess.run(["timeout", "-s", "TERM", "4", *inner], timeout=60)
+    assert done.returncode == 124
+    assert flag.read_text() == str(int(signal.SIGTERM))
+
+
+@pytest.mark.usefixtures("sim")
+def test_kill_percent_one_in_a_job_control_shell_reaches_the_command_once(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    flag = tmp_path / "flag"
+    inner = " ".join(
+        f"'{a}'" for a in [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP]
+    )
+    script = textwrap.dedent(
+        f"""
+        set -m
+        {inner} "$1" &
+        until [ "$(cat "$1" 2>/dev/null)" = ready ]; do sleep 0.05; done
+        kill -HUP %1
+        wait %1
+        echo "status $?"
+        """
+    )
+    done = subprocess.run(
+        ["bash", "-c", script, "bash", str(flag)], capture_output=True, text=True, timeout=90
+    )
+    assert "status 41" in done.stdout, done.stdout + done.stderr
+    assert flag.read_text() == str(int(signal.SIGHUP))
+
+
+CHATTY = textwrap.dedent(
+    """
+    import os, sys, time
+    for i in range(30):
+        os.write(2, b"line %d\\n" % i)
+        time.sleep(0.1)
+    open(sys.argv[1], "w").write("finished")
+    """
+)
+
+
+@pytest.mark.usefixtures("sim")
+def test_a_killed_gpuwait_leaves_the_command_running_with_its_stderr(
+    gpuwait_cmd: list[str], tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    marker = tmp_path / "finished"
+    command = [*gpuwait_cmd, "-q", "--vram", "1G", "--", sys.executable, "-c", CHATTY, str(marker)]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    started.append(proc)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    assert first == b"line 0\n"
+    proc.kill()  # gpuwait alone, SIGKILL
+    proc.wait(timeout=10)
+    rest = proc.stderr.read()  # until every writer of the pipe has closed it
+    wait_for(marker.exists, timeout=10, message="the command did not outlive its gpuwait")
+    lines = (first + rest).decode().splitlines()
+    assert lines == [f"line {i}" for i in range(30)]
