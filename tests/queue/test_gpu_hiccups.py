@@ -2,8 +2,8 @@
 why; running jobs are untouched; only a failure longer than gpu_error_timeout ends a waiter
 (exit 4). At start-up a failure that may pass is retried too, never run around.
 
-Real gpuwait processes on the simulation; the failure is a damaged simulation file (as when it
-is caught half-saved).
+Real gpuwait processes, on the simulation (the failure: a damaged simulation file, as when it is
+caught half-saved) and through the real pynvml on the tests' fake driver (an NVML error).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fixtures_nvml import GIB, UNKNOWN, FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.waiting import asleep_waiting, ledger_entries, wait_for
 
@@ -134,3 +135,25 @@ def test_at_start_up_a_failure_that_may_pass_is_retried_not_run_around(
     _, err = launch.communicate(timeout=60)
     assert launch.returncode == 0, err
     assert marker.exists() and "retrying" in err
+
+
+def test_through_nvml_a_transient_driver_error_is_waited_out(
+    fake_nvml: FakeNvml,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The real pynvml against a driver gpuwait has never seen: a card held by a process outside
+    # gpuwait, a waiter, then NVML failing for a while, then the card freed.
+    monkeypatch.delenv("GPUWAIT_SIM", raising=False)
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB)])
+    waiter = procs([*GPUWAIT, "--vram", "8G", "--", "true"])
+    wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
+    fake_nvml.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
+    time.sleep(2.0)
+    assert waiter.poll() is None, "a waiter must not end over a driver hiccup"
+    fake_nvml.clear_failures()
+    fake_nvml.update_gpu(0, used=0)
+    _, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 0, err
+    assert "GPU readings failing, retrying" in err and "Traceback" not in err

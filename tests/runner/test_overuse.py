@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fixtures_nvml import FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.waiting import ledger_entries, wait_for
 
@@ -107,3 +108,39 @@ def test_the_rule() -> None:
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.17" in found.advice()
     grown = overuse(4 * GiB, 6 * GiB, 24 * GiB, 0.1)
     assert grown is not None and not grown.preallocated and "--vram 6G" in grown.advice()
+
+
+def test_through_nvml_a_process_above_its_reservation_is_called_out(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real pynvml on the tests' fake driver: the figure comes from NVML's process list.
+    monkeypatch.delenv("GPUWAIT_SIM", raising=False)
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    fake_nvml.set_gpus([FakeGpu(total=24 * GiB)])
+    job = subprocess.Popen(
+        [*GPUWAIT, "--vram", "2G", "--name", "greedy", "--", "sleep", "30"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        child = wait_for(
+            lambda: next((e["child_pid"] for e in ledger_entries() if e.get("child_pid")), None),
+            timeout=30,
+        )
+        fake_nvml.update_gpu(0, used=10 * GiB)
+        fake_nvml.add_process(0, child, 10 * GiB)
+        wait_for(
+            lambda: any(e.get("overuse_since") for e in ledger_entries()),
+            timeout=30,
+            message="the entry never noted the overuse",
+        )
+        status = subprocess.run(
+            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+        )
+        flat = " ".join(status.stdout.split())
+        assert "over its reservation" in flat and "--vram" in flat, status.stdout
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+    (record,) = history()
+    assert record["over_reservation"]["used_bytes"] == 10 * GiB
