@@ -55,18 +55,35 @@ def job(name: str, vram: str, hold: str, report: Path) -> list[str]:
     return [*GPUWAIT, "--vram", vram, "--name", name, "--", *simulated]
 
 
-def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
+Pair = tuple[Path, subprocess.Popen[str], subprocess.Popen[str]]
+
+
+@pytest.fixture
+def one_runs_one_waits(
     sim_file: SimFileFactory,
     tmp_path: Path,
     procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
+) -> Callable[[str], Pair]:
+    """start(hold) -> (simulation file, first, second): on one 24 GiB GPU, "first" runs 16 GiB
+    for `hold`, "second" waits for 16 GiB."""
+
+    def start(hold: str) -> Pair:
+        sim = sim_file(gpus=1, memory="24G")
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+        first = procs(job("first", "16G", hold, tmp_path / "first.json"))
+        wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
+        second = procs(job("second", "16G", "0.2s", tmp_path / "second.json"))
+        wait_for(lambda: asleep_waiting(second.pid), timeout=20)
+        return sim, first, second
+
+    return start
+
+
+def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
+    one_runs_one_waits: Callable[[str], Pair], tmp_path: Path
 ) -> None:
-    sim = sim_file(gpus=1, memory="24G")
-    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
-    first = procs(job("first", "16G", "4s", tmp_path / "first.json"))
-    wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
-    second = procs(job("second", "16G", "0.2s", tmp_path / "second.json"))
-    wait_for(lambda: asleep_waiting(second.pid), timeout=20)
+    sim, first, second = one_runs_one_waits("4s")
 
     good = sim.read_text()
     sim.write_text("[[gpu]\nmemory = ")  # caught half-saved
@@ -86,20 +103,10 @@ def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
 
 
 def test_a_lasting_failure_ends_a_waiter_after_gpu_error_timeout(
-    sim_file: SimFileFactory,
-    tmp_path: Path,
-    procs: Callable[..., subprocess.Popen[str]],
-    monkeypatch: pytest.MonkeyPatch,
+    one_runs_one_waits: Callable[[str], Pair], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sim = sim_file(gpus=1, memory="24G")
-    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
-    procs(job("first", "16G", "30s", tmp_path / "first.json"))
-    wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
-    second = procs(
-        job("second", "16G", "0.2s", tmp_path / "second.json"),
-        env={**os.environ, "GPUWAIT_GPU_ERROR_TIMEOUT": "2s"},
-    )
-    wait_for(lambda: asleep_waiting(second.pid), timeout=20)
+    monkeypatch.setenv("GPUWAIT_GPU_ERROR_TIMEOUT", "2s")
+    sim, _, second = one_runs_one_waits("30s")
     sim.write_text("garbage = [")
     started = time.monotonic()
     _, err = second.communicate(timeout=30)

@@ -31,6 +31,21 @@ def history() -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def status_once_called_out() -> str:
+    """`gpuwait status` (its words on one line) once the entry has noted the overuse."""
+    wait_for(
+        lambda: any(e.get("overuse_since") for e in ledger_entries()),
+        timeout=30,
+        message="the entry never noted the overuse",
+    )
+    status = subprocess.run(
+        [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+    )
+    flat = " ".join(status.stdout.split())
+    assert "over its reservation" in flat, status.stdout
+    return flat
+
+
 @pytest.mark.parametrize(
     ("allocates", "words"),
     [
@@ -56,16 +71,7 @@ def test_a_job_above_its_reservation_is_called_out(
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_for(
-            lambda: any(e.get("overuse_since") for e in ledger_entries()),
-            timeout=30,
-            message="the entry never noted the overuse",
-        )
-        status = subprocess.run(
-            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
-        )
-        flat = " ".join(status.stdout.split())
-        assert "over its reservation" in flat and words in flat, status.stdout
+        assert words in status_once_called_out()
         said = [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
         assert len(said) == 1 and said[0]["name"] == "greedy"
         assert said[0]["reserved_bytes"] == 2 * GiB
@@ -129,16 +135,7 @@ def test_through_nvml_a_process_above_its_reservation_is_called_out(
         )
         fake_nvml.update_gpu(0, used=10 * GiB)
         fake_nvml.add_process(0, child, 10 * GiB)
-        wait_for(
-            lambda: any(e.get("overuse_since") for e in ledger_entries()),
-            timeout=30,
-            message="the entry never noted the overuse",
-        )
-        status = subprocess.run(
-            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
-        )
-        flat = " ".join(status.stdout.split())
-        assert "over its reservation" in flat and "--vram" in flat, status.stdout
+        assert "--vram" in status_once_called_out()
     finally:
         job.terminate()
         job.wait(timeout=30)

@@ -56,6 +56,16 @@ def tree(pid: int) -> list[int]:
     return found
 
 
+def start_trap(
+    gpuwait_cmd: list[str], flag: Path, started: list[subprocess.Popen[bytes]]
+) -> subprocess.Popen[bytes]:
+    """gpuwait running TRAP, leading its own process group, once TRAP's handlers are in place."""
+    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    started.append(subprocess.Popen(command, start_new_session=True))
+    wait_for_text(flag, "ready")
+    return started[-1]
+
+
 @pytest.mark.usefixtures("sim")
 @pytest.mark.parametrize("signum", GROUP_SIGNALS)
 def test_a_signal_to_the_process_group_reaches_the_command_once(
@@ -65,10 +75,7 @@ def test_a_signal_to_the_process_group_reaches_the_command_once(
     signum: int,
 ) -> None:
     flag = tmp_path / "flag"
-    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
-    proc = subprocess.Popen(command, start_new_session=True)
-    started.append(proc)
-    wait_for_text(flag, "ready")
+    proc = start_trap(gpuwait_cmd, flag, started)
     os.killpg(proc.pid, signum)  # as `kill -TERM -PGID` or bash's `kill %1`
     assert proc.wait(timeout=30) == 41, flag.read_text()
     assert flag.read_text() == str(int(signum))
@@ -80,10 +87,7 @@ def test_every_process_of_a_service_signalled_the_command_gets_it_once(
 ) -> None:
     """systemd's KillMode=control-group sends SIGTERM to each process of the unit in turn."""
     flag = tmp_path / "flag"
-    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
-    proc = subprocess.Popen(command, start_new_session=True)
-    started.append(proc)
-    wait_for_text(flag, "ready")
+    proc = start_trap(gpuwait_cmd, flag, started)
     for pid in tree(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
