@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.fixtures_nvml", "helpers.fixtures_sim"]
+pytest_plugins = ["helpers.fixtures_nvml", "helpers.fixtures_sim", "helpers.processes"]
 
 REPO = Path(__file__).resolve().parent.parent
 

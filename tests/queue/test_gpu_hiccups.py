@@ -8,14 +8,12 @@ caught half-saved) and through the real pynvml on the tests' fake driver (an NVM
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +23,6 @@ from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.waiting import asleep_waiting, ledger_entries, wait_for
 
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """start(argv) -> a process killed with its process group (its command, the stderr relay)
-    and reaped at the end of the test."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
-        kw.setdefault("stdout", subprocess.DEVNULL)
-        kw.setdefault("stderr", subprocess.PIPE)
-        started.append(subprocess.Popen(argv, text=True, start_new_session=True, **kw))
-        return started[-1]
-
-    yield start
-    for p in started:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.communicate(timeout=10)
 
 
 def entry(name: str) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +35,6 @@ def entry(name: str) -> dict[str, Any] | None:
     return next((j for j in ledger_entries() if j.get("name") == name), None)
 
 
-@pytest.fixture
-def procs() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
-    """start(argv, **popen) -> a process killed and reaped at the end of the test."""
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-        kw.setdefault("stdout", subprocess.DEVNULL)
-        kw.setdefault("stderr", subprocess.DEVNULL)
-        started.append(subprocess.Popen(argv, **kw))
-        return started[-1]
-
-    yield start
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
-
-
 def kill_orphan(pid: int, start: int) -> None:
     if linux_proc.is_alive(pid, start):
         os.kill(pid, signal.SIGKILL)
@@ -61,7 +43,7 @@ def kill_orphan(pid: int, start: int) -> None:
 def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
     sim_file: SimFileFactory,
     tmp_path: Path,
-    procs: Callable[..., subprocess.Popen[bytes]],
+    procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # One 24 GiB card: two 13 GiB jobs never fit together.
@@ -119,7 +101,7 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
 
 def test_an_orphan_is_cancelled_by_signalling_its_command(
     sim_file: SimFileFactory,
-    procs: Callable[..., subprocess.Popen[bytes]],
+    procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))

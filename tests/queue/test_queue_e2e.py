@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,31 +49,6 @@ def uuids() -> list[str]:
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def procs() -> Iterator[Callable[..., subprocess.Popen[str]]]:
-    """start(argv, **popen) -> a process that is killed and reaped at the end of the test."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
-        kw.setdefault("stdout", subprocess.PIPE)
-        kw.setdefault("stderr", subprocess.PIPE)
-        proc = subprocess.Popen(argv, text=True, **kw)
-        started.append(proc)
-        return proc
-
-    yield start
-    # TERM first: gpuwait passes it to its command, whose end closes the pipes we read.
-    for proc in started:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in started:
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
 
 
 @pytest.fixture

@@ -15,30 +15,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import wait_for
 
 GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes (each leading its own process group) killed with their group at the end."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            with_group(p.pid, signal.SIGKILL)
-        p.wait(timeout=10)
-
-
-def with_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signum)
 
 
 def children(pid: int) -> list[int]:
@@ -57,13 +42,13 @@ def tree(pid: int) -> list[int]:
 
 
 def start_trap(
-    gpuwait_cmd: list[str], flag: Path, started: list[subprocess.Popen[bytes]]
-) -> subprocess.Popen[bytes]:
+    gpuwait_cmd: list[str], flag: Path, procs: Callable[..., subprocess.Popen[Any]]
+) -> subprocess.Popen[Any]:
     """gpuwait running TRAP, leading its own process group, once TRAP's handlers are in place."""
     command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
-    started.append(subprocess.Popen(command, start_new_session=True))
+    proc = procs(command)
     wait_for_text(flag, "ready")
-    return started[-1]
+    return proc
 
 
 @pytest.mark.usefixtures("sim")
@@ -71,11 +56,11 @@ def start_trap(
 def test_a_signal_to_the_process_group_reaches_the_command_once(
     gpuwait_cmd: list[str],
     tmp_path: Path,
-    started: list[subprocess.Popen[bytes]],
+    procs: Callable[..., subprocess.Popen[Any]],
     signum: int,
 ) -> None:
     flag = tmp_path / "flag"
-    proc = start_trap(gpuwait_cmd, flag, started)
+    proc = start_trap(gpuwait_cmd, flag, procs)
     os.killpg(proc.pid, signum)  # as `kill -TERM -PGID` or bash's `kill %1`
     assert proc.wait(timeout=30) == 41, flag.read_text()
     assert flag.read_text() == str(int(signum))
@@ -83,11 +68,11 @@ def test_a_signal_to_the_process_group_reaches_the_command_once(
 
 @pytest.mark.usefixtures("sim")
 def test_every_process_of_a_service_signalled_the_command_gets_it_once(
-    gpuwait_cmd: list[str], tmp_path: Path, started: list[subprocess.Popen[bytes]]
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
 ) -> None:
     """systemd's KillMode=control-group sends SIGTERM to each process of the unit in turn."""
     flag = tmp_path / "flag"
-    proc = start_trap(gpuwait_cmd, flag, started)
+    proc = start_trap(gpuwait_cmd, flag, procs)
     for pid in tree(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -145,14 +130,11 @@ CHATTY = textwrap.dedent(
 
 @pytest.mark.usefixtures("sim")
 def test_a_killed_gpuwait_leaves_the_command_running_with_its_stderr(
-    gpuwait_cmd: list[str], tmp_path: Path, started: list[subprocess.Popen[bytes]]
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
 ) -> None:
     marker = tmp_path / "finished"
     command = [*gpuwait_cmd, "-q", "--vram", "1G", "--", sys.executable, "-c", CHATTY, str(marker)]
-    proc = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
-    started.append(proc)
+    proc = procs(command, text=False, stdout=subprocess.DEVNULL)
     assert proc.stderr is not None
     first = proc.stderr.readline()
     assert first == b"line 0\n"
