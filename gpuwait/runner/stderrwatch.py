@@ -54,6 +54,11 @@ _DRAIN_SECONDS = 0.5
 #: pipe (or when its own stderr breaks, so the command sees a broken pipe, as it would bare).
 RELAY = """
 import os
+try:  # its name in top and `ps -o comm` (a fork of gpuwait would otherwise pass for gpuwait)
+    with open("/proc/self/comm", "w") as f:
+        f.write("gpuwait-stderr")
+except OSError:
+    pass
 def put(fd, data):
     while data:
         data = data[os.write(fd, data):]
