@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.errors import UsageError
+from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, UsageError
+from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
 from gpuwait.core.policy import PICK_STRATEGIES, FairShare, UserLimits
 from gpuwait.core.record import Record, field
@@ -392,7 +393,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "estimate_margin",
         _margin,
-        0.1,
+        DEFAULT_MARGIN,
         "added on top of a VRAM estimate learned from earlier runs (0.1 = 10%)",
         show=_show_percent,
     ),
@@ -439,7 +440,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "gpu_error_timeout",
         _positive_duration,
-        300.0,
+        DEFAULT_GPU_ERROR_TIMEOUT,
         "how long GPU readings may keep failing before a waiter gives up (exit 4); shorter "
         "failures are retried",
         show=_show_seconds,

@@ -61,7 +61,7 @@ _RUNS_OTHER_CODE = frozenset(
 def runs_other_code(program: str) -> bool:
     """Is `program` (as `command_key` names it) an interpreter, shell or launcher?"""
     base = os.path.basename(program)
-    return base in ("python", "pypy") or bool(_PYTHON_RE.match(base)) or base in _RUNS_OTHER_CODE
+    return bool(_PYTHON_RE.match(base)) or base in _RUNS_OTHER_CODE
 
 
 class CommandKey(Record, frozen=True):

@@ -40,6 +40,10 @@ class ImpossibleRequest(GpuwaitError):
     exit_code = EXIT_IMPOSSIBLE
 
 
+#: gpu_error_timeout's default: how long GPU readings may keep failing before gpuwait gives up.
+DEFAULT_GPU_ERROR_TIMEOUT = 300.0
+
+
 class BackendUnavailable(GpuwaitError):
     """No GPU readings can be had (NVML missing or failing, simulation file unusable).
 

@@ -43,6 +43,8 @@ HALF_LIFE = 14 * 86400.0
 MAX_AGE = 120 * 86400.0
 OOM_GROWTH = 1.5
 MIN_ESTIMATE = 256 * MiB
+#: estimate_margin's default: added on top of a learned estimate.
+DEFAULT_MARGIN = 0.1
 #: The program level's runs agree when their peaks differ by at most this much of the largest
 #: (or 256 MiB, whichever is more).
 AGREE_BAND = 0.2
@@ -209,7 +211,7 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
 def estimate(
     levels: Sequence[tuple[str, Sequence[RunStat]]],
     now: float,
-    margin: float = 0.10,
+    margin: float = DEFAULT_MARGIN,
     *,
     quantile: float = QUANTILE,
     window: int = WINDOW,

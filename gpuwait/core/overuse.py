@@ -11,8 +11,6 @@ from __future__ import annotations
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_size
 
-#: The margin a job may pass its reservation by unnoticed: the estimate margin's default.
-DEFAULT_MARGIN = 0.1
 #: Below this much over its reservation, a job is not worth a warning (allocator granularity).
 MIN_EXCESS = 64 * 2**20
 #: A job at this fraction of its card or more has most likely been given it by a framework that

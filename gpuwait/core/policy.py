@@ -641,6 +641,13 @@ def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
     return ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids)
 
 
+def describe_need(request: MemoryRequest | None, gpus_wanted: int) -> str:
+    """What a waiter asks for, as its wait line says it: `8.0 GiB`, `a whole GPU`,
+    `2 GPUs with 8.0 GiB each`."""
+    needed = "a whole GPU" if request is None else request.describe()
+    return f"{gpus_wanted} GPUs with {needed} each" if gpus_wanted > 1 else needed
+
+
 def _due(start_in: float) -> str:
     """`in 3m05s`; a head that would fit already but for jobs still running past their expected
     end (its start "now" by the estimates) is `overdue`, not `in 0ms`."""
@@ -690,11 +697,8 @@ def _wait_reason(
             f" {EXCLUSIVE_MAX_EXTERNAL:.0%} of its memory used outside gpuwait"
         )
         note = whole if note is None else f"{whole}; {note}"
-    needed = "a whole GPU" if claim.request is None else claim.request.describe()
-    if claim.gpus_wanted > 1:
-        needed = f"{claim.gpus_wanted} GPUs with {needed} each"
     return WaitReason(
-        needed=needed,
+        needed=describe_need(claim.request, claim.gpus_wanted),
         best_gpu_index=best.gpu.index if best else None,
         best_room=best.room if best else 0,
         running=running,

@@ -34,8 +34,8 @@ from typing import Any
 
 from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
 from gpuwait.core.digest import sha256_hex
-from gpuwait.core.estimate import RunStat
-from gpuwait.core.overuse import DEFAULT_MARGIN, overuse
+from gpuwait.core.estimate import DEFAULT_MARGIN, RunStat
+from gpuwait.core.overuse import overuse
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot
 

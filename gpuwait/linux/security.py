@@ -212,6 +212,14 @@ def orphan_control_refusal(
     caller = os.getuid() if uid is None else uid
     if caller != 0 and job.uid != caller:
         return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
+    return orphan_command_problem(job, child_pid, child_start)
+
+
+def orphan_command_problem(
+    job: _JobLike, child_pid: int | None, child_start: int | None
+) -> str | None:
+    """Why the command an entry names is not running as the entry's owner (gone, its pid
+    reused, or another user's process: a forged entry); None when it is."""
     if child_pid is None or child_start is None or not proc.is_alive(child_pid, child_start):
         return f"job {job.id}: its command is gone"
     owner = proc.owner_uid(child_pid)

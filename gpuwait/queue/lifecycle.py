@@ -29,7 +29,8 @@ from signal import SIGTERM
 from typing import Any
 
 from gpuwait.core.errors import StateError, UsageError
-from gpuwait.core.overuse import DEFAULT_MARGIN, overuse
+from gpuwait.core.estimate import DEFAULT_MARGIN
+from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice
 from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason, plan
 from gpuwait.core.record import Record
@@ -38,6 +39,7 @@ from gpuwait.linux import proc
 from gpuwait.linux.security import (
     control_refusal,
     entry_owner_mismatch,
+    orphan_command_problem,
     orphan_control_refusal,
 )
 from gpuwait.queue import entries, events
@@ -139,12 +141,10 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
 def command_lives(job: Job) -> bool:
     """Does the command of a running job still run, as its entry's owner? (Pid and start time,
     so a reused pid never counts; another user's process named there never does.)"""
-    if job.state != RUNNING or job.child_pid is None or job.child_start_time is None:
-        return False
-    if not proc.is_alive(job.child_pid, job.child_start_time):
-        return False
-    owner = proc.owner_uid(job.child_pid)
-    return owner is None or owner == job.uid
+    return (
+        job.state == RUNNING
+        and orphan_command_problem(job, job.child_pid, job.child_start_time) is None
+    )
 
 
 def _entry(data: LedgerData, job: Job) -> Job:

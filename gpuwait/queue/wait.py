@@ -26,9 +26,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpuwait.core.errors import BackendUnavailable
+from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, BackendUnavailable
 from gpuwait.core.pausing import PauseRules
-from gpuwait.core.policy import Conditions, FairShare, WaitReason, admission_fits, plan
+from gpuwait.core.policy import (
+    Conditions,
+    FairShare,
+    WaitReason,
+    admission_fits,
+    describe_need,
+    plan,
+)
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
@@ -63,8 +70,6 @@ BACKUP_DELAY = 0.25
 #: GPU_RETRY_MAX, so a driver hiccup costs a moment and a lasting failure little.
 GPU_RETRY_FIRST = 0.5
 GPU_RETRY_MAX = 10.0
-#: gpu_error_timeout's default: how long GPU readings may fail before a waiter gives up.
-DEFAULT_GPU_ERROR_TIMEOUT = 300.0
 
 
 class WaitPolicy(Record, frozen=True):
@@ -283,9 +288,8 @@ def wait_for_admission(
     def failing(exc: BackendUnavailable) -> tuple[WaitReason, float]:
         """The wait line while readings fail, and the seconds until the next try."""
         pause = retry.failed(exc)
-        request = job.memory_request()
         base = reason or WaitReason(
-            needed=request.describe() if request is not None else "a whole GPU",
+            needed=describe_need(job.memory_request(), job.gpus),
             best_gpu_index=None,
             best_room=0,
             running=0,

@@ -21,8 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gpuwait.core.estimate import time_to_peak
-from gpuwait.core.overuse import DEFAULT_MARGIN
+from gpuwait.core.estimate import DEFAULT_MARGIN, time_to_peak
 from gpuwait.core.record import Record, field
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc, signals
