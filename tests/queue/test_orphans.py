@@ -129,3 +129,55 @@ def test_an_orphan_is_cancelled_by_signalling_its_command(
         )
     finally:
         kill_orphan(child, child_start)
+
+
+def test_an_entry_posing_as_an_orphan_of_any_process_is_neither_kept_nor_obeyed(
+    sim_file: SimFileFactory, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A forged entry naming one of your processes that gpuwait never started (your shell, an
+    editor) as its orphaned command must not hold a GPU, and your `cancel` must not signal it."""
+    from gpuwait.queue.entries import RUNNING, Job
+    from gpuwait.queue.ledger import Ledger
+
+    sim = sim_file(gpus=1, memory="24G")
+    bystander = procs(["sleep", "60"])
+    bystander_start = linux_proc.start_time(bystander.pid)
+    assert bystander_start is not None
+    uuid = json.loads(
+        subprocess.run(
+            [*GPUWAIT, "status", "--json"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    )["gpus"][0]["uuid"]
+    with Ledger(state_dir()).transaction() as data:
+        data.jobs.append(
+            Job(
+                id="forged01",
+                name="forged",
+                pid=2**22 - 3,  # its "gpuwait": a pid no process has
+                start_time=1,
+                uid=os.getuid(),
+                command=["x"],
+                cwd="/",
+                request={"bytes": 20 * 2**30},
+                state=RUNNING,
+                gpu_uuids=[uuid],
+                reserved_bytes=20 * 2**30,
+                child_pid=bystander.pid,
+                child_start_time=bystander_start,
+                orphaned_at=time.time(),
+            )
+        )
+    cancel = subprocess.run([*GPUWAIT, "cancel", "forged"], capture_output=True, text=True)
+    assert bystander.poll() is None, "cancel signalled a process gpuwait never started"
+    assert cancel.returncode != 0
+    # The next operation reaps it: a 20 GiB job starts at once.
+    done = subprocess.run(
+        [*GPUWAIT, "--vram", "20G", "--timeout", "10s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUWAIT_SIM": str(sim)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert entry("forged") is None
+    assert bystander.poll() is None
