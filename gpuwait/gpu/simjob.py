@@ -74,7 +74,7 @@ def _main(args: argparse.Namespace) -> int:
         _error("gpuwait sim job: no simulation file; pass --sim FILE or set GPUWAIT_SIM")
         return 2
     try:
-        config = load_sim_file(sim_path)
+        config = _load(sim_path)
     except BackendUnavailable as exc:
         _error(f"gpuwait sim job: {exc.message}")
         return 2
@@ -89,6 +89,23 @@ def _main(args: argparse.Namespace) -> int:
         job.write_report()
         return 1
     return _run(job, args)
+
+
+#: How long a job starting while its simulation file is being saved reads it again.
+LOAD_PATIENCE = 5.0
+
+
+def _load(sim_path: str) -> SimConfig:
+    """The simulation file. One caught half-saved is read again for a moment: gpuwait admitted
+    the job on the whole file just before, and a real CUDA job never notices an NVML hiccup."""
+    deadline = time.monotonic() + LOAD_PATIENCE
+    while True:
+        try:
+            return load_sim_file(sim_path)
+        except BackendUnavailable as exc:
+            if exc.lasting or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:

@@ -143,3 +143,20 @@ def test_through_nvml_a_transient_driver_error_is_waited_out(
     _, err = waiter.communicate(timeout=30)
     assert waiter.returncode == 0, err
     assert "GPU readings failing, retrying" in err and "Traceback" not in err
+
+
+def test_a_simulated_job_starting_while_the_file_is_saved_waits_for_it(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    # A real CUDA job never notices an NVML hiccup; a simulated one must not die of a simulation
+    # file caught half-saved when it starts (gpuwait admitted it on the whole file a moment ago).
+    sim = sim_file(gpus=1, memory="24G")
+    good = sim.read_text()
+    sim.write_text("[[gpu]\nmemory = ")
+    job = subprocess.Popen(
+        [*SIMJOB, "--vram", "1G", "--hold", "0.2s"], stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1.0)
+    sim.write_text(good)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 0, err
