@@ -95,7 +95,7 @@ def instrument(clock: Clock) -> dict[str, float]:
         if hasattr(owner, name):
             setattr(owner, name, clock.wrap(stage, getattr(owner, name)))
 
-    patch(ledger.Ledger, "_read_bytes", "read")
+    patch(ledger.Ledger, "_read_file", "read")
     patch(ledger, "_check_crc", "crc")
     patch(json, "loads", "parse")
     patch(ledger.Ledger, "_decode", "validate")  # less what is nested: parse, crc

@@ -156,7 +156,7 @@ class Machine:
 
 
 def _lock_holders(lock_path: Path) -> set[int]:
-    """Pids holding a flock on the ledger lock file right now (from /proc/locks)."""
+    """Pids holding a flock on the ledger lock (file or directory) right now (/proc/locks)."""
     try:
         inode = os.stat(lock_path).st_ino
         lines = Path("/proc/locks").read_text().splitlines()
@@ -205,7 +205,10 @@ class Checker:
         before = _children()
         running_before = {p: before.get(p, []) for p in peers if before.get(p)}
         try:
-            stamp = os.stat(self.machine.ledger.path).st_mtime
+            # A shared ledger is every user's file together: each is replaced by rename.
+            stamp = os.stat(
+                self.machine.ledger_dir if self.machine.shared else self.machine.ledger.path
+            ).st_mtime
         except OSError:
             return
         try:
@@ -328,8 +331,13 @@ def torture(
         job.child_pid is not None and _alive(job.child_pid) for job in machine.ledger.read().jobs
     ):
         time.sleep(0.05)
-    # One more operation must reap every entry at once.
-    figures.dead_before_reap = len(machine.ledger.read().jobs)
+    # One more operation must reap every entry at once. (In a shared ledger the entries of
+    # another user's dead processes are left in that user's file, where nobody counts them:
+    # the files are counted here, the ledger as everyone reads it below.)
+    figures.dead_before_reap = sum(
+        len(json.loads(path.read_bytes()).get("jobs", []))
+        for path in machine.ledger_dir.glob("ledger*.json")
+    )
     reap_started = time.monotonic()
     argv, env = machine.argv(0, ["status", "--json"])
     status = subprocess.run(argv, env=env, cwd="/", capture_output=True, text=True, timeout=60)
@@ -339,12 +347,14 @@ def torture(
     figures.leaked_reservations = len(machine.ledger.read().jobs)
     damaged = list(machine.ledger_dir.glob("*.damaged-*"))
     figures.corrupt_files += len(damaged)
-    try:
-        raw = machine.ledger.path.read_bytes()
-        machine.ledger._decode(raw, repair=False)
-    except (OSError, ValueError) as exc:
-        figures.corrupt_files += 1
-        figures.failures.append(f"final ledger invalid: {exc}")
+    # Every file of the ledger (in a shared one, each user's own) must be whole and valid.
+    pattern = "ledger.*.json" if machine.shared else "ledger.json"
+    for path in sorted(machine.ledger_dir.glob(pattern)) or [machine.ledger.path]:
+        try:
+            machine.ledger._decode(path.read_bytes(), repair=False)
+        except (OSError, ValueError) as exc:
+            figures.corrupt_files += 1
+            figures.failures.append(f"final ledger invalid: {exc}")
     temps = [p for p in machine.ledger_dir.iterdir() if p.name.endswith(".tmp")]
     if temps:
         figures.failures.append(f"temporary files left: {[p.name for p in temps]}")
@@ -363,7 +373,9 @@ def _kill_one(
     exclude: set[int] | frozenset[int] = frozenset(),
 ) -> None:
     candidates = set(live) - exclude
-    holders = _lock_holders(machine.ledger.lock_path) & candidates
+    # A shared ledger's lock is its directory.
+    lock = machine.ledger_dir if machine.shared else machine.ledger.lock_path
+    holders = _lock_holders(lock) & candidates
     if holders and rng.random() < 1 / 3:
         victim = rng.choice(sorted(holders))
     elif candidates:

@@ -207,6 +207,15 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
                     subsequent_indent="       ",
                 )
             )
+        if j["pause_asked_by"]:
+            asked = j["pause_asked_by"]
+            out.append(
+                _clip(
+                    f"     asked to checkpoint and step aside by job {printable(asked['job'], 24)}"
+                    f" (uid {asked['uid']}){', signalled' if asked['signalled'] else ''}",
+                    width,
+                )
+            )
         if j["orphaned"]:
             out.append(
                 _clip(

@@ -12,14 +12,26 @@ from gpuwait.linux.security import ensure_private_dir as ensure_private_dir
 from gpuwait.linux.security import open_state_file
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o600, group: int | None = None) -> None:
     """Replace `path` with `data`: temp file in the same dir, fsync, os.replace.
 
     A reader sees the old file or the new one, never a mix, even if this process is killed.
+    `group`: the file's group, in a directory other users write into (a shared ledger
+    directory): there the temporary file's name cannot be guessed, so nobody can put a file or
+    a link of theirs in its place beforehand.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    suffix = f"{os.getpid()}-{os.urandom(6).hex()}" if group is not None else str(os.getpid())
+    tmp = path.with_name(f".{path.name}.{suffix}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
+        fd = os.open(tmp, flags, mode)
+    except FileExistsError:
+        # Left by a writer with this pid that was killed halfway: ours to replace.
+        tmp.unlink()
+        fd = os.open(tmp, flags, mode)
+    try:
+        if group is not None and os.fstat(fd).st_gid != group:
+            os.fchown(fd, -1, group)
         os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask; this is not.
         view = memoryview(data)
         while view:
@@ -80,7 +92,8 @@ def write_in_place(path: Path, data: bytes, group: int | None) -> None:
 def holds(path: Path, data: bytes) -> bool:
     """True when the file at `path` holds exactly `data`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Not blocking: a FIFO put there must not hang a writer that holds the ledger lock.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

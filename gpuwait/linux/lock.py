@@ -8,6 +8,7 @@ the lock when the holder dies, even by SIGKILL, so a crashed gpuwait never leave
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
@@ -83,3 +84,23 @@ def _poll_flock(fd: int, operation: int, timeout: float) -> None:
                 raise LockTimeout from None
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.05)
+
+
+def holders(fd: int) -> list[int]:
+    """The pids that hold a flock on `fd`'s file, as /proc/locks tells (those waiting for it
+    excluded); empty when it cannot be told."""
+    st = os.fstat(fd)
+    device = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    pids = []
+    try:
+        with open("/proc/locks", "rb") as f:
+            lines = f.read(1 << 22).splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
+        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] == device:
+            with contextlib.suppress(ValueError):
+                pids.append(int(fields[4]))
+    return pids

@@ -169,6 +169,31 @@ def entry_owner_mismatch(job: _JobLike) -> int | None:
     return owner
 
 
+def proven_entry(job: _JobLike, state: str, child_pid: int | None, child_start: int | None) -> bool:
+    """Does the kernel show that an entry in the file of the user `job.uid` stands for a job of
+    theirs: its pid is a live gpuwait process of that user, or (its gpuwait gone, a running job)
+    its command still runs as that user? Another user's entry counts only then."""
+    if proc.is_alive(job.pid, job.start_time):
+        return proc.owner_uid(job.pid) == job.uid and _is_gpuwait(job.pid, job.start_time)
+    if state != "running" or child_pid is None or child_start is None:
+        return False
+    return proc.is_alive(child_pid, child_start) and proc.owner_uid(child_pid) == job.uid
+
+
+#: (pid, start time) -> whether that process runs gpuwait: it cannot become another program
+#: without exec, and gpuwait never execs itself.
+_GPUWAIT_PROCESSES: dict[tuple[int, int], bool] = {}
+
+
+def _is_gpuwait(pid: int, start: int) -> bool:
+    known = _GPUWAIT_PROCESSES.get((pid, start))
+    if known is None:
+        if len(_GPUWAIT_PROCESSES) > 4096:
+            _GPUWAIT_PROCESSES.clear()
+        known = _GPUWAIT_PROCESSES[(pid, start)] = looks_like_gpuwait(pid)
+    return known
+
+
 def looks_like_gpuwait(pid: int) -> bool:
     """True when the process's command line runs gpuwait (`gpuwait ...`, `python -m gpuwait`)."""
     try:

@@ -77,10 +77,11 @@ def busy_gpus(data: LedgerData) -> frozenset[str]:
 
 
 def record_hold(data: LedgerData, hold: Hold | None) -> None:
-    """Keep the head's GPUs in its entry (and nobody else's), so the hold sticks."""
+    """Keep the head's GPUs in its entry (and nobody else's), so the hold sticks. Another
+    user's head keeps its hold in its own file, written by its own gpuwait."""
     for job in data.jobs:
         wanted = list(hold.gpu_uuids) if hold is not None and job.id == hold.job_id else []
-        if job.state != RUNNING and job.held_gpus != wanted:
+        if data.mine(job) and job.state != RUNNING and job.held_gpus != wanted:
             job.held_gpus = wanted
 
 

@@ -13,7 +13,7 @@ changing what an entry says is gpuwait.queue.lifecycle.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
@@ -245,8 +245,77 @@ class UserUsage(Record):
     at: float
 
 
+class Request(Record):
+    """What a user asks of a job that may be another user's, written in the asker's own file and
+    carried out only by the target's own gpuwait, after checking the asker's right to it.
+
+    `kind` is PAUSE (a waiting job, `by_job`, asks a running --pausable job to step aside) or
+    CANCEL (root takes another user's waiting job out of the queue). The target is named by
+    its owner, id and gpuwait process (pid and start time), so a request can never hit a later
+    job that happens to reuse an id or a pid.
+    """
+
+    kind: str
+    uid: int
+    job: str
+    pid: int
+    start_time: int
+    at: float
+    by_job: str | None = None
+    #: Who asked: the owner of the file the request was read from (never the file's word).
+    by_uid: int = -1
+
+    @classmethod
+    def to(cls, job: Job, kind: str, at: float, by_uid: int, by_job: str | None = None) -> Request:
+        """A request of `kind` to `job`'s gpuwait process."""
+        return cls(kind, job.uid, plain_id(job.id), job.pid, job.start_time, at, by_job, by_uid)
+
+    def targets(self, job: Job) -> bool:
+        return (self.uid, self.job, self.pid, self.start_time) == (
+            job.uid,
+            plain_id(job.id),
+            job.pid,
+            job.start_time,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        raw = dict(vars(self))
+        del raw["by_uid"]
+        return raw
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Request:
+        raw = _object(raw)
+        request = cls(
+            kind=_text(raw, "kind"),
+            uid=_int(raw, "uid", 0, 2**32),
+            job=_text(raw, "job"),
+            pid=_int(raw, "pid", 1, 2**31),
+            start_time=_int(raw, "start_time", 0, 2**62),
+            at=_float(raw, "at"),
+            by_job=_optional_text(raw, "by_job"),
+        )
+        if request.kind not in (PAUSE, CANCEL):
+            raise ValueError(f"request kind {request.kind!r} is unknown")
+        return request
+
+
+PAUSE = "pause"
+CANCEL = "cancel"
+
+
+def plain_id(job_id: str) -> str:
+    """A job's id as its owner's file has it (see `combine`: `id@uid` where another file used
+    it already)."""
+    return job_id.partition("@")[0]
+
+
+#: Requests one user's file may hold.
+MAX_REQUESTS = 1024
+
+
 class LedgerData(Record):
-    """The whole ledger file."""
+    """The whole ledger: one file, or in a shared ledger directory every user's file together."""
 
     jobs: list[Job] = field(default_factory=list)
     next_order: int = 1
@@ -258,6 +327,19 @@ class LedgerData(Record):
     release_seq: int = 0
     #: Decayed VRAM-time of finished jobs, per uid (fair share between users).
     usage: dict[int, UserUsage] = field(default_factory=dict)
+    #: Requests to other jobs' gpuwait processes (see Request), from every file read.
+    requests: list[Request] = field(default_factory=list)
+    #: In a shared ledger directory: the uid whose file this process writes, and the part of
+    #: `release_seq` that other users' files hold. Not written.
+    me: int | None = None
+    others_release: int = 0
+    #: Other users' waiters that this process's plan would start: their own gpuwait does, told
+    #: by the wake-up summary. Not written.
+    starting: set[str] = field(default_factory=set)
+
+    def mine(self, job: Job) -> bool:
+        """Is `job` in the file this process writes (every job is, in a private ledger)?"""
+        return self.me is None or job.uid == self.me
 
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
@@ -271,32 +353,46 @@ class LedgerData(Record):
 
 # --- the document ---------------------------------------------------------------------------
 
-#: Entries validated, and entries encoded, by this process: see gpuwait.queue.cache.
-_VALIDATED = ValidatedEntries(Job.from_json, copy_job)
+#: Entries validated, per file owner (each user's file in a shared ledger directory has its
+#: own), and entries encoded, by this process: see gpuwait.queue.cache.
+_VALIDATED: dict[int, ValidatedEntries[Job]] = {}
 _ENCODED = EncodedEntries()
+
+
+def _validated(owner: int) -> ValidatedEntries[Job]:
+    cache = _VALIDATED.get(owner)
+    if cache is None:
+        if len(_VALIDATED) >= 64:
+            _VALIDATED.clear()
+        cache = _VALIDATED[owner] = ValidatedEntries(Job.from_json, copy_job)
+    return cache
 
 
 def forget_cached_entries() -> None:
     """As if this process had never read or written a ledger (tests and benchmarks)."""
-    _VALIDATED.forget()
+    _VALIDATED.clear()
     _ENCODED.forget()
 
 
 def to_document(data: LedgerData) -> dict[str, Any]:
-    """The ledger as the JSON document that is written."""
+    """The ledger as the JSON document that is written: in a shared ledger directory, this
+    user's own file (their jobs, requests and usage), which is all one user may write."""
+    me = data.me
     encoded: dict[str, Any] = {
         "schema": SCHEMA,
         "created_at": data.created_at,
         "next_order": data.next_order,
         "rr_cursor": data.rr_cursor,
-        "jobs": [j.to_json() for j in data.jobs],
+        "jobs": [j.to_json() for j in data.jobs if me is None or j.uid == me],
         "book": book_to_json(data.book),
-        "release_seq": data.release_seq,
+        "release_seq": data.release_seq - data.others_release,
     }
-    if data.usage:
-        encoded["usage"] = {
-            str(uid): [u.vram_seconds, u.at] for uid, u in sorted(data.usage.items())
-        }
+    usage = data.usage if me is None else {u: v for u, v in data.usage.items() if u == me}
+    if usage:
+        encoded["usage"] = {str(uid): [u.vram_seconds, u.at] for uid, u in sorted(usage.items())}
+    requests = [r for r in data.requests if me is None or r.by_uid == me]
+    if requests:
+        encoded["requests"] = [r.to_json() for r in requests]
     return encoded
 
 
@@ -305,11 +401,15 @@ def encode(document: dict[str, Any]) -> bytes:
     return _ENCODED.encode(document)
 
 
-def from_document(raw: Any, warnings: list[str] | None, where: str) -> LedgerData:
+def from_document(
+    raw: Any, warnings: list[str] | None, where: str, owner: int = -1, owned: bool = False
+) -> LedgerData:
     """Validate a parsed ledger document; ValueError when it is not one at all.
 
     What is wrong with parts of it (invalid entries, a damaged book or usage table) is dropped
-    and, when `warnings` is given, said there, naming the file `where`.
+    and, when `warnings` is given, said there, naming the file `where`. `owner`: who wrote the
+    file, as the file system says; its requests are theirs, and with `owned` (one user's file
+    in a shared ledger directory) so are its entries, whatever uid they claim.
     """
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
         schema = raw.get("schema") if isinstance(raw, dict) else "?"
@@ -340,8 +440,11 @@ def from_document(raw: Any, warnings: list[str] | None, where: str) -> LedgerDat
     dropped: list[str] = []
     ids: set[str] = set()
     per_uid: dict[int, int] = {}
-    parsed, invalid = _VALIDATED.validate_all(jobs_raw[: MAX_ENTRIES * 2])
+    parsed, invalid = _validated(owner).validate_all(jobs_raw[: MAX_ENTRIES * 2])
     dropped += invalid
+    if owned:
+        for job in parsed:
+            job.uid = owner
     if len(jobs_raw) > MAX_ENTRIES * 2:
         dropped.append(f"more than {MAX_ENTRIES} entries")
     # An id claimed under two uids is another member's copy of someone's job id (ids are 32
@@ -377,13 +480,93 @@ def from_document(raw: Any, warnings: list[str] | None, where: str) -> LedgerDat
     # Keep the file's own order (the cap above only decided which entries survive).
     position = {id(e): i for i, e in enumerate(parsed)}
     data.jobs.sort(key=lambda j: position[id(j)])
+    requests_raw = raw.get("requests", [])
+    if not isinstance(requests_raw, list):
+        requests_raw = [None]
+    for item in requests_raw[:MAX_REQUESTS]:
+        try:
+            data.requests.append(Request.from_json(item)._replace(by_uid=owner))
+        except (ValueError, TypeError):
+            dropped.append("a malformed request")
     if dropped and warnings is not None:
         more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
         warnings.append(
             f"ledger {where}: dropped {len(dropped)} invalid "
             f"entr{'y' if len(dropped) == 1 else 'ies'} ({dropped[0]}{more})"
         )
+    mark_pause_requests(data)
     return data
+
+
+def combine(
+    own: LedgerData,
+    others: Sequence[tuple[int, LedgerData]],
+    me: int,
+    counts: Callable[[Job], bool],
+) -> LedgerData:
+    """One user's file (`own`, read by its owner `me`) and the other users' files
+    ((owner, data) as the file system names the owner): the ledger as everyone plans from it.
+
+    Whatever a file says, its entries and requests are its owner's. Other users' entries count
+    only where `counts(job)` (the kernel shows a live gpuwait of that owner, or an orphan's
+    command); this user's own are kept as they are, for lifecycle to reap. An id another file
+    uses already is shown with its owner (`id@uid`): the owner's own copy keeps the plain id.
+    """
+    own.me = me
+    for job in own.jobs:
+        job.uid = me
+    for request in own.requests:
+        request.by_uid = me
+    own.usage = {me: own.usage[me]} if me in own.usage else {}
+    ids = {j.id for j in own.jobs}
+    for owner, data in sorted(others, key=lambda part: part[0]):
+        own.others_release += max(0, data.release_seq)
+        own.next_order = max(own.next_order, data.next_order)
+        if owner in data.usage:
+            own.usage[owner] = data.usage[owner]
+        # One gpuwait process is one job: further entries naming the same one are copies.
+        pids: set[int] = set()
+        for job in data.jobs:
+            job.uid = owner
+            if job.pid in pids or not counts(job):
+                continue
+            pids.add(job.pid)
+            if job.id in ids:
+                job.id = f"{job.id}@{owner}"
+            ids.add(job.id)
+            own.jobs.append(job)
+        own.requests += [r._replace(by_uid=owner) for r in data.requests]
+    own.release_seq += own.others_release
+    own.next_order = max([own.next_order, *(j.order + 1 for j in own.jobs)])
+    mark_pause_requests(own)
+    return own
+
+
+def mark_pause_requests(data: LedgerData) -> None:
+    """Set each running job's `pause_requested_*` from the requests that may ask it: from a
+    waiting job of higher priority, to a running --pausable job, the earliest first. Whatever
+    an entry itself says about being asked is not taken: only its asker's file may say so."""
+    jobs = {(j.uid, plain_id(j.id)): j for j in data.jobs}
+    for job in data.jobs:
+        job.pause_requested_at = job.pause_requested_by = None
+    for request in sorted(data.requests, key=lambda r: r.at):
+        if request.kind != PAUSE or request.by_job is None:
+            continue
+        victim = jobs.get((request.uid, request.job))
+        asker = jobs.get((request.by_uid, request.by_job))
+        if (
+            victim is None
+            or asker is None
+            or not request.targets(victim)
+            or victim.pause_requested_at is not None
+            or victim.state != RUNNING
+            or not victim.pausable
+            or asker.state != WAITING
+            or asker.effective_priority <= victim.effective_priority
+        ):
+            continue
+        victim.pause_requested_at = request.at
+        victim.pause_requested_by = asker.id
 
 
 # --- the book -------------------------------------------------------------------------------

@@ -1,13 +1,23 @@
-"""The ledger's storage: one JSON file that every gpuwait process of a user (or, in a shared ledger
-directory, of a group of users) shares, and the lock that orders their changes. The queue *is*
-the ledger.
+"""The ledger's storage, and the lock that orders its changes. The queue *is* the ledger.
 
-This module reads and writes the file and nothing else: under an exclusive lock on a sidecar
-lock file it loads the file (recovering damage, keeping the evidence), hands the content to the
-caller, and writes it back if it changed, so readers never see half a file. What an entry means
-and how it may change is not its business: the format is gpuwait.queue.entries, and every change
-of a job's state is made by gpuwait.queue.lifecycle, the only caller of `transaction`. The file
-holds data only, never anything executed.
+A private ledger (the default: the user's state dir, 0700) is one file, `ledger.json`, locked
+through the sidecar `ledger.lock`. A shared ledger directory (`ledger_dir` naming a
+group-writable directory with the sticky bit, set up by an administrator) holds one file per
+user, `ledger.<uid>.json`: each user writes only their own (0640, the directory's group), and
+the ledger everyone plans from is all of them together. What a file says about its owner is
+not taken at its word: its owner is the file system's (fstat), so its entries and requests are
+that user's whatever uid they claim, and another user's entry counts only while the kernel shows
+a live gpuwait of that user behind it (see gpuwait.queue.entries.combine). The sticky bit keeps
+anyone but the owner (and root) from replacing or removing a user's file; its owner replaces
+it by rename, so readers never see half a file. The shared lock is the directory itself, which
+belongs to root: no member can take it away from the others by changing a file's mode.
+
+This module reads and writes the files and nothing else: under the exclusive lock it loads the
+ledger (recovering damage, keeping the evidence), hands it to the caller, and writes this
+user's part back if it changed. What an entry means and how it may change is not its business:
+the format is gpuwait.queue.entries, and every change of a job's state is made by
+gpuwait.queue.lifecycle, the only caller of `transaction`. The files hold data only, never
+anything executed.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -27,37 +38,40 @@ from typing import Any
 
 from gpuwait.core.errors import StateError
 from gpuwait.linux import proc
-from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, write_atomic, write_in_place
-from gpuwait.linux.lock import LockTimeout, flock_within
-from gpuwait.linux.security import check_dir, is_shared_dir, open_state_file
+from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, write_atomic
+from gpuwait.linux.lock import LockTimeout, flock_within, holders
+from gpuwait.linux.security import check_dir, is_shared_dir, open_state_file, proven_entry
 from gpuwait.queue import entries, wake
-from gpuwait.queue.entries import LedgerData
+from gpuwait.queue.entries import Job, LedgerData
 
 #: A ledger file larger than this is not read: any member of a shared ledger's group can write
-#: it, so nothing in it may cost unbounded time or memory.
+#: one, so nothing in it may cost unbounded time or memory.
 MAX_FILE_BYTES = 16 << 20
+#: Users' files read from a shared ledger directory, at most (one per user who ever used it).
+MAX_USER_FILES = 4096
 
-_TEMP_RE = re.compile(r"^\.(?:ledger|wake)\.json\.([0-9]+)\.tmp$")
+_TEMP_RE = re.compile(
+    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake)\.json\.([0-9]+)(?:-[0-9a-f]+)?\.tmp$"
+)
+_USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
 _CRC_PREFIX = b'{"crc":'
+#: The file a shared ledger directory held before it held one file per user.
+LEGACY_NAME = "ledger.json"
+
+
+class _Unreadable(Exception):
+    """A file that is not read: a link, not a plain file, or too large."""
 
 
 class Ledger:
-    """The ledger file and its lock, in one directory.
-
-    A private ledger (the default: the user's state dir, 0700) is replaced by rename on every
-    change. A shared ledger (`ledger_dir` naming a group-writable directory with the sticky bit)
-    cannot be: the sticky bit forbids renaming over another user's file. It is rewritten in
-    place under the lock instead, into two copies in turn (`ledger.json.journal`, then
-    `ledger.json`), each carrying a checksum; a copy torn by a writer killed halfway is told by
-    its checksum and the other copy is used, by writers and by lock-free readers alike.
-    """
+    """The ledger in one directory: private (one file) or shared (one file per user)."""
 
     def __init__(
         self, directory: Path, *, must_exist: bool = False, lock_timeout: float | None = 60.0
     ) -> None:
         self.directory = directory
+        #: The file this process writes: ledger.json, or in a shared directory this user's own.
         self.path = directory / "ledger.json"
-        self.journal_path = directory / "ledger.json.journal"
         self.lock_path = directory / "ledger.lock"
         #: An explicitly configured ledger dir must exist (an administrator creates a shared one).
         self.must_exist = must_exist
@@ -65,18 +79,32 @@ class Ledger:
         #: None until the directory was looked at; then whether it is a shared ledger dir.
         self.shared: bool | None = None
         self._group: int | None = None
+        self._uid = os.getuid()
         #: Messages about damaged files and dropped entries, for the CLI to show once.
         self.warnings: list[str] = []
-        #: The last lock-free `read` found the file damaged (a transaction repairs it).
+        #: The last lock-free `read` found this user's file damaged (a transaction repairs it).
         self.damaged = False
 
-    def change_token(self) -> tuple[int, int, int] | None:
-        """Cheap fingerprint of the file: it changes whenever the ledger is rewritten."""
+    def change_token(self) -> tuple[Any, ...] | None:
+        """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""
+        if not self.shared:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                return None
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
+        # Every user's file is replaced by rename, so a new inode number marks every change.
+        token = []
         try:
-            st = os.stat(self.path)
+            with os.scandir(self.directory) as found:
+                for item in found:
+                    if _USER_FILE_RE.match(item.name):
+                        with contextlib.suppress(OSError):
+                            st = item.stat(follow_symlinks=False)
+                            token.append((item.name, st.st_ino, st.st_mtime_ns, st.st_size))
         except OSError:
             return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return tuple(sorted(token))
 
     def take_warnings(self) -> list[str]:
         """The warnings gathered so far, once."""
@@ -91,15 +119,7 @@ class Ledger:
             return LedgerData()
         except OSError as exc:
             raise self._unusable(exc) from None
-        data, raw, rewrite = self._load(repair=False)
-        # A shared ledger is rewritten in place, one copy at a time and each with a checksum,
-        # so at least one copy is whole at any moment and _load takes it. Only when both
-        # changed under this reader (two writers in a row) are both torn: read again. (A
-        # shared lock would be simpler, but hundreds of polling readers would starve writers.)
-        for _ in range(2):
-            if not self.shared or raw is not None or not self.path.exists():
-                break
-            data, raw, rewrite = self._load(repair=False)
+        data, _, rewrite = self._load(repair=False)
         self.damaged = rewrite
         return data
 
@@ -117,13 +137,12 @@ class Ledger:
         except OSError as exc:
             raise self._unusable(exc) from None
         to_wake: set[int] = set()
-        with self._locked(fcntl.LOCK_EX):
+        with self._locked():
             try:
                 data, raw, rewrite = self._load(repair=True)
                 before = wake.fingerprint(data.jobs)
                 present = {j.id: (j.state, j.pid) for j in data.jobs}
-                if not self.shared:
-                    self._prune_temp_files()
+                self._prune_temp_files()
                 yield data
                 release = wake.released(before, wake.fingerprint(data.jobs))
                 if release:
@@ -131,10 +150,14 @@ class Ledger:
                 document = entries.to_document(data)
                 summary_path = wake.wake_path(self.directory)
                 if rewrite or document != raw or not summary_path.exists():
-                    self._write(document)
-                    wake.write_summary(
-                        self.directory, wake.summary(data.jobs, data.release_seq), self._group
+                    write_atomic(
+                        self.path,
+                        entries.encode(document),
+                        0o640 if self.shared else 0o600,
+                        self._group,
                     )
+                    content = wake.summary(data.jobs, data.release_seq, data.starting)
+                    wake.write_summary(self.directory, content, self._group)
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
             except OSError as exc:
@@ -174,30 +197,36 @@ class Ledger:
         check_dir(self.directory, st, private=not shared)
         self.shared = shared
         self._group = st.st_gid if shared else None
+        if shared:
+            self.path = self.directory / f"ledger.{self._uid}.json"
 
     @contextmanager
-    def _locked(self, operation: int) -> Iterator[None]:
-        mode = 0o660 if self.shared else 0o600
+    def _locked(self) -> Iterator[None]:
         try:
-            fd = open_state_file(self.lock_path, mode, shared_gid=self._group)
+            if self.shared:
+                # The directory is root's: a member can hold its lock (and is then named in
+                # the error below), but cannot make it unusable for the others.
+                fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            else:
+                fd = open_state_file(self.lock_path, 0o600)
         except OSError as exc:
             raise self._unusable(exc) from None
         try:
             try:
-                flock_within(fd, operation, self.lock_timeout)
+                flock_within(fd, fcntl.LOCK_EX, self.lock_timeout)
             except LockTimeout:
                 raise StateError(
-                    f"the ledger lock {self.lock_path} was held by another process for "
-                    f"{self.lock_timeout:g}s; giving up",
-                    hint="a hung or stopped gpuwait holds it: find it with `fuser "
-                    f"{self.lock_path}` (lock_timeout sets the wait)",
+                    f"the ledger lock on {self.directory if self.shared else self.lock_path} "
+                    f"was held by {_who(holders(fd))} for {self.lock_timeout:g}s; giving up",
+                    hint="a hung, stopped or misbehaving process holds it "
+                    "(lock_timeout sets the wait)",
                 ) from None
             yield
         finally:
             os.close(fd)
 
     def _prune_temp_files(self) -> None:
-        """Temporary files of writers killed halfway through a write."""
+        """Temporary files of this user's writers killed halfway through a write."""
         try:
             names = os.listdir(self.directory)
         except OSError:
@@ -206,23 +235,27 @@ class Ledger:
             match = _TEMP_RE.match(name)
             if match and proc.start_time(int(match.group(1))) is None:
                 with contextlib.suppress(OSError):
-                    os.unlink(self.directory / name)
+                    if os.lstat(self.directory / name).st_uid == self._uid:
+                        os.unlink(self.directory / name)
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _read_bytes(self, path: Path) -> bytes | None:
+    def _read_file(self, path: Path) -> tuple[int, bytes] | None:
+        """(owner uid, content) of a plain file; None when missing. Opened without following
+        links and without blocking (a FIFO put there must not hang a reader that holds the
+        lock), and read only up to just past the cap (`_decode` refuses what is longer)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise StateError(
-                    f"ledger {path} is a symlink; gpuwait refuses it",
-                    hint=f"remove the link ({path}) so gpuwait can write a real file",
-                ) from None
-            raise StateError(f"ledger {path} cannot be read: {exc.strerror}") from None
+                raise _Unreadable("it is a symlink") from None
+            raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Unreadable("it is not a plain file")
             chunks = []
             size = 0
             while size <= MAX_FILE_BYTES:
@@ -231,42 +264,120 @@ class Ledger:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
-            return b"".join(chunks)
+            return st.st_uid, b"".join(chunks)
         except OSError as exc:
-            raise StateError(f"ledger {path} cannot be read: {exc.strerror}") from None
+            raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
         finally:
             os.close(fd)
 
     def _load(self, repair: bool) -> tuple[LedgerData, Any, bool]:
-        """(data, the raw JSON it was read from, whether the file must be rewritten anyway)."""
-        text = self._read_bytes(self.path)
-        problem: str | None = None
-        if text is not None:
+        """(data, the raw JSON of this user's file, whether that file must be rewritten)."""
+        if not self.shared:
+            return self._load_own(self.path, repair, owned=False)
+        names = self._user_files()
+        data, raw, rewrite = self._load_own(self.path, repair, owned=True)
+        others: dict[int, LedgerData] = {}
+        for uid, name in names.items():
+            if uid == self._uid:
+                continue
+            part = self._load_other(self.directory / name, uid, repair)
+            if part is not None:
+                others[uid] = part
+        if repair and raw is None and os.path.lexists(self.directory / LEGACY_NAME):
+            self._take_legacy(data)
+            rewrite = True
+        combined = entries.combine(data, list(others.items()), self._uid, self._counts)
+        return combined, raw, rewrite
+
+    def _user_files(self) -> dict[int, str]:
+        """Each user's file in the shared directory, by owner; chooses this user's own."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError as exc:
+            raise StateError(
+                f"ledger directory {self.directory} cannot be read: {exc.strerror}"
+            ) from None
+        found: dict[int, str] = {}
+        canonical = f"ledger.{self._uid}.json"
+        for name in names:
+            match = _USER_FILE_RE.match(name)
+            if match is None:
+                continue
+            uid = int(match.group(1))
             try:
-                return (*self._decode(text, repair), False)
-            except ValueError as exc:
-                problem = str(exc)
-        if self.shared:
-            # A writer killed halfway through ledger.json leaves the journal whole, and the
-            # reverse: the journal is always written completely before ledger.json is touched.
-            journal = self._read_bytes(self.journal_path)
-            if journal is not None:
-                try:
-                    data, raw = self._decode(journal, repair)
-                    return data, raw, True
-                except ValueError:
-                    pass
-        if text is None:
+                owner = os.lstat(self.directory / name).st_uid
+            except OSError:
+                continue
+            if owner != uid:
+                # Made by someone else under another user's name: it stands for nobody.
+                if name == canonical:
+                    self.warnings.append(
+                        f"ledger {self.directory / name} belongs to uid {owner}, not to you; "
+                        "using a file of your own beside it (an administrator may remove it)"
+                    )
+                continue
+            if uid not in found or name == f"ledger.{uid}.json":
+                found[uid] = name
+            if len(found) >= MAX_USER_FILES:
+                break
+        mine = found.get(self._uid)
+        if mine is not None:
+            self.path = self.directory / mine
+        elif os.path.lexists(self.directory / canonical):
+            # Squatted: a name nobody can guess, found again by its owner (and the pattern).
+            self.path = self.directory / f"ledger.{self._uid}.{os.urandom(8).hex()}.json"
+        else:
+            self.path = self.directory / canonical
+        return found
+
+    def _load_own(self, path: Path, repair: bool, owned: bool) -> tuple[LedgerData, Any, bool]:
+        try:
+            found = self._read_file(path)
+        except _Unreadable as exc:
+            if repair and self.shared:
+                # This user's own name: move the thing aside and start the file afresh.
+                kept = keep_damaged(path)
+                self.warnings.append(f"ledger {path}: {exc}; moved it to {kept.name}")
+            elif not self.shared:
+                raise StateError(
+                    f"ledger {path}: {exc}; gpuwait refuses it",
+                    hint=f"remove it ({path}) so gpuwait can write a real file",
+                ) from None
+            return LedgerData(), None, True
+        if found is None:
             return LedgerData(), None, False
+        text = found[1]
+        try:
+            data, raw = self._decode(text, repair, self._uid, owned)
+            return data, raw, False
+        except ValueError as exc:
+            problem = str(exc)
         if repair:
-            kept = self._keep_damaged(text)
+            kept_name = keep_damaged(path).name
             self.warnings.append(
-                f"ledger {self.path} was damaged ({problem}); kept it as {kept} and started afresh"
+                f"ledger {path} was damaged ({problem}); kept it as {kept_name} and started afresh"
             )
         return LedgerData(), None, True
 
-    def _decode(self, text: bytes, repair: bool) -> tuple[LedgerData, Any]:
+    def _load_other(self, path: Path, uid: int, repair: bool) -> LedgerData | None:
+        """Another user's file, or None (with a warning when transacting) when it is unusable:
+        then that user's jobs are not counted until they run gpuwait again."""
+        try:
+            found = self._read_file(path)
+            if found is None or found[0] != uid:
+                return None  # gone, or replaced meanwhile
+            data, _ = self._decode(found[1], False, uid, owned=True)
+            return data
+        except (_Unreadable, ValueError) as exc:
+            if repair:
+                self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
+            return None
+
+    def _decode(
+        self, text: bytes, repair: bool, owner: int | None = None, owned: bool = False
+    ) -> tuple[LedgerData, Any]:
         """Parse and validate a whole file; ValueError when it is damaged."""
+        owner = self._uid if owner is None else owner
         if len(text) > MAX_FILE_BYTES:
             raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
         text = _check_crc(text)
@@ -274,41 +385,51 @@ class Ledger:
             raw = json.loads(text)
         except (UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(type(exc).__name__) from None
-        data = entries.from_document(raw, self.warnings if repair else None, str(self.path))
+        where = str(self.directory / f"ledger.{owner}.json") if owned else str(self.path)
+        data = entries.from_document(raw, self.warnings if repair else None, where, owner, owned)
         return data, raw
 
-    def _keep_damaged(self, text: bytes) -> str:
-        """Keep the damaged bytes beside the ledger as evidence; return the copy's name."""
-        if not self.shared:
-            return keep_damaged(self.path).name
-        # In a sticky directory the damaged file may be another user's: copy, never rename.
-        name = f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        fd = os.open(
-            self.directory / name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o640,
-        )
+    @staticmethod
+    def _counts(job: Job) -> bool:
+        """Another user's entry counts while the kernel shows a job of theirs behind it."""
+        if not proven_entry(job, job.state, job.child_pid, job.child_start_time):
+            return False
+        if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
+            job.orphaned_at = time.time()  # its owner's next transaction says so for good
+        return True
+
+    def _take_legacy(self, own: LedgerData) -> None:
+        """The single file a shared directory held before (every user's entries in one, which
+        any member could edit), read once, at this user's first use of the directory: their
+        usage row (fair share) moves into their own file. Its entries are not taken: their
+        processes are gone once gpuwait was updated (README says when to update), and any
+        member could have written any of them."""
         try:
-            os.fchmod(fd, 0o640)
-            os.write(fd, text)
-        finally:
-            os.close(fd)
-        return name
-
-    # -- writing -----------------------------------------------------------------------------
-
-    def _write(self, document: dict[str, Any]) -> None:
-        body = entries.encode(document)
-        if not self.shared:
-            write_atomic(self.path, body)
+            found = self._read_file(self.directory / LEGACY_NAME)
+            if found is None:
+                return
+            legacy, _ = self._decode(found[1], False, -1, owned=False)
+        except (_Unreadable, ValueError):
             return
-        data = b'{"crc":%d,' % zlib.crc32(body) + body[1:]
-        for path in (self.journal_path, self.path):
-            write_in_place(path, data, self._group)
+        if self._uid in legacy.usage:
+            own.usage[self._uid] = legacy.usage[self._uid]
+            self.warnings.append(
+                f"ledger {self.directory / LEGACY_NAME}: your usage was moved to "
+                f"{self.path.name} (see README, 'Shared servers', to remove the old file)"
+            )
+
+
+def _who(pids: list[int]) -> str:
+    if not pids:
+        return "another process"
+    pid = pids[0]
+    owner = proc.owner_uid(pid)
+    return f"process {pid} (uid {owner})" if owner is not None else f"process {pid}"
 
 
 def _check_crc(text: bytes) -> bytes:
-    """A file written with a checksum must match it (a torn in-place write does not)."""
+    """A file written with a checksum must match it (a torn in-place write does not). Only the
+    single shared file of earlier versions has one (see `Ledger._take_legacy`)."""
     if not text.startswith(_CRC_PREFIX):
         return text
     comma = text.find(b",", len(_CRC_PREFIX), len(_CRC_PREFIX) + 12)

@@ -81,6 +81,7 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
     quiet: set[str] = set()
     with ledger.transaction(quiet) as data:
         _reap(ledger, data, quiet, said)
+        _carry_out_requests(data, said)
         yield data, said
     for kind, fields in said:
         events.emit(ledger.directory, kind, **fields)
@@ -94,10 +95,13 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
     SIGKILL) is orphaned, not gone: its entry keeps the command's room until the command ends,
     since the command goes on allocating and handing its room to the next job would kill it.
     """
-    alive = _LIVENESS.alive([(j.pid, j.start_time) for j in data.jobs])
+    # Other users' entries are theirs to reap: they were read only if the kernel shows a
+    # job of theirs behind them (gpuwait.queue.ledger).
+    own = [j for j in data.jobs if data.mine(j)]
+    alive = _LIVENESS.alive([(j.pid, j.start_time) for j in own])
     gone = []
     now = time.time()
-    for job, running in zip(data.jobs, alive, strict=True):
+    for job, running in zip(own, alive, strict=True):
         if running:
             continue
         if not command_lives(job):
@@ -125,7 +129,11 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
             ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})
         )
     # An orphan's own gpuwait pid is gone (and may be anyone's now): it is judged by its command.
-    forged = [j for j in data.jobs if j.orphaned_at is None and entry_owner_mismatch(j) is not None]
+    forged = [
+        j
+        for j in data.jobs
+        if data.mine(j) and j.orphaned_at is None and entry_owner_mismatch(j) is not None
+    ]
     if forged:
         from gpuwait.core.text import printable  # only a hostile file needs it
 
@@ -136,6 +144,58 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
                 f"{job.uid} but its process {job.pid} belongs to another user"
             )
     quiet.update(j.id for j in (*gone, *forged))
+
+
+def _carry_out_requests(data: LedgerData, said: _Said) -> None:
+    """Cancel this user's waiting jobs that root asked to cancel, and forget this user's own
+    requests whose target or asker has left. (Pause requests are read as marks on their targets:
+    gpuwait.queue.entries.mark_pause_requests.)"""
+    for request in _cancels_for_me(data):
+        job = next((j for j in data.jobs if request.targets(j)), None)
+        if job is None or job.state != WAITING:
+            continue
+        data.jobs.remove(job)
+        data.book.note_finished(
+            Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
+        )
+        said.append(
+            (
+                "cancel",
+                {
+                    "job": job.id,
+                    "name": job.name,
+                    "state": job.state,
+                    "by_uid": request.by_uid,
+                    "refused": False,
+                },
+            )
+        )
+    ids = {j.id for j in data.jobs}
+    data.requests = [
+        r
+        for r in data.requests
+        if data.me not in (None, r.by_uid)
+        or (any(r.targets(j) for j in data.jobs) and (r.by_job is None or r.by_job in ids))
+    ]
+
+
+def _cancels_for_me(data: LedgerData) -> list[entries.Request]:
+    """Requests from other users' files to cancel a job of this user's: root's only."""
+    if data.me is None:
+        return []
+    return [
+        r
+        for r in data.requests
+        if r.kind == entries.CANCEL and r.by_uid == 0 and r.uid == data.me != 0
+    ]
+
+
+def _drop_requests(data: LedgerData, job_id: str) -> None:
+    """A waiter that starts or leaves no longer asks anyone to step aside."""
+    data.requests = [
+        r for r in data.requests if not (r.by_job == job_id and data.me in (None, r.by_uid))
+    ]
+    entries.mark_pause_requests(data)
 
 
 def command_lives(job: Job) -> bool:
@@ -171,11 +231,15 @@ def would_tidy(data: LedgerData, snapshot: MachineSnapshot | None, now: float) -
     """Would a transaction change `data` (read without the lock) before anything else: reap an
     entry, drop a forged one, or note a GPU's health?"""
     for job in data.jobs:
+        if not data.mine(job):
+            continue
         if proc.is_alive(job.pid, job.start_time):
             if entry_owner_mismatch(job) is not None:
                 return True
         elif job.orphaned_at is None or not command_lives(job):
             return True
+    if any(r.targets(j) for r in _cancels_for_me(data) for j in data.jobs if j.state == WAITING):
+        return True
     return snapshot is not None and data.book.health_would_change(snapshot, busy_gpus(data), now)
 
 
@@ -312,6 +376,11 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         uuids = decided.admitted.get(entry.id)
         if uuids is None:
             continue
+        if not data.mine(entry):
+            # Another user's: their own gpuwait starts it, told by the wake-up summary.
+            data.starting.add(entry.id)
+            continue
+        _drop_requests(data, entry.id)
         entry.state = RUNNING
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
@@ -489,8 +558,18 @@ def request_pause(
         for victim_id in choice.victims:
             victim = data.find(victim_id)
             if victim is not None:
-                victim.pause_requested_at = now
-                victim.pause_requested_by = waiter_id
+                # Written in the asker's own file; the victim's gpuwait takes it as a mark
+                # only while its asker waits with a higher priority (entries.mark_pause_requests).
+                data.requests.append(
+                    entries.Request.to(
+                        victim,
+                        entries.PAUSE,
+                        now,
+                        mine.uid if data.me is None else data.me,
+                        waiter_id,
+                    )
+                )
+        entries.mark_pause_requests(data)
         said.append(
             (
                 "pause-request",
@@ -560,6 +639,7 @@ def finish(
     """
     with _change(ledger) as (data, said):
         mine = data.remove(job.id)
+        _drop_requests(data, job.id)
         # The ledger's word: another waiter's plan may have admitted it meanwhile.
         ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
         done = Finished(
@@ -630,6 +710,12 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:
                 result.stopped.append(job)
+            elif not data.mine(job):
+                # Another user's file, which only they write (root is the one who gets here):
+                # ask, in this user's own file; their gpuwait takes the job out and exits 7.
+                data.requests.append(entries.Request.to(job, entries.CANCEL, time.time(), uid))
+                data.jobs.remove(job)
+                result.cancelled.append(job)
             else:
                 data.remove(job.id)
                 data.book.note_finished(

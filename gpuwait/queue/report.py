@@ -157,6 +157,7 @@ def report_from(
                 "pid": job.pid,
                 "child_pid": job.child_pid,
                 "orphaned": job.orphaned_at is not None,
+                "pause_asked_by": _asker(data, job),
                 "overuse": _overuse(job),
                 "uid": job.uid,
                 "command": job.command,
@@ -275,3 +276,15 @@ def _user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
         return str(uid)
+
+
+def _asker(data: LedgerData, job: Job) -> dict[str, Any] | None:
+    """Who asked a running job to step aside: the waiting job and its owner."""
+    if job.pause_requested_by is None:
+        return None
+    asker = data.find(job.pause_requested_by)
+    return {
+        "job": job.pause_requested_by,
+        "uid": asker.uid if asker is not None else None,
+        "signalled": job.pause_signalled_at is not None,
+    }

@@ -158,11 +158,13 @@ def _reason_without_lock(
         return None
     claims = claims_for(data, snapshot.gpus, fair, now)
     decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
-    if decided.admitted:
+    # Only this user's entries can be changed by this process (another user's waiter that the
+    # plan starts is started by its own gpuwait).
+    if any(data.mine(j) for j in data.jobs if j.id in decided.admitted):
         return None
     for entry in data.jobs:
         held = decided.hold.gpu_uuids if decided.hold and entry.id == decided.hold.job_id else ()
-        if entry.state != RUNNING and tuple(entry.held_gpus) != tuple(held):
+        if data.mine(entry) and entry.state != RUNNING and tuple(entry.held_gpus) != tuple(held):
             return None
     return decided.waiting.get(job.id)
 

@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ from gpuwait.queue.entries import RUNNING, Job
 
 SCHEMA = 1
 FILENAME = "wake.json"
+#: A summary names every entry's id once: far below this for any ledger gpuwait reads.
+MAX_SUMMARY_BYTES = 4 << 20
 STAMP = "plan.stamp"
 
 Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
@@ -106,15 +109,19 @@ def wake_path(state_dir: Path) -> Path:
     return state_dir / FILENAME
 
 
-def summary(jobs: Iterable[Job], release: int) -> dict[str, Any]:
+def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> dict[str, Any]:
+    """`starting`: other users' waiters the writer's plan starts; listed as running, so that
+    their own gpuwait looks (and, finding itself still waiting, plans and starts)."""
     entries = list(jobs)
+    starts = set(starting)
     waiting = sorted(
-        (j for j in entries if j.state != RUNNING), key=lambda j: (-j.priority, j.order)
+        (j for j in entries if j.state != RUNNING and j.id not in starts),
+        key=lambda j: (-j.priority, j.order),
     )
     return {
         "schema": SCHEMA,
         "release": release,
-        "running": [j.id for j in entries if j.state == RUNNING],
+        "running": [j.id for j in entries if j.state == RUNNING or j.id in starts],
         "waiting": [j.id for j in waiting],
     }
 
@@ -159,10 +166,22 @@ class Summary(Record, frozen=True):
 
 def read_summary(state_dir: Path) -> Summary | None:
     """The summary, or None when it is missing or not one (then the caller plans to be safe)."""
+    # In a shared directory the summary is whoever wrote it first's: never followed as a link,
+    # never waited on as a FIFO, and never read past what a summary can be.
     try:
-        raw = json.loads(wake_path(state_dir).read_bytes())
-    except (OSError, ValueError):
+        fd = os.open(
+            wake_path(state_dir), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = json.loads(os.read(fd, MAX_SUMMARY_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
         return None
     release, running, waiting = raw.get("release"), raw.get("running"), raw.get("waiting")

@@ -156,13 +156,13 @@ def test_injected_full_disk_shared_ledger(tmp_path: Path, monkeypatch: pytest.Mo
     ledger = Ledger(shared)
     with ledger.transaction() as data:
         data.jobs.append(live_job("a"))
-    before = (ledger.path.read_bytes(), ledger.journal_path.read_bytes())
-    # The new content is larger: space is reserved first, and that fails before any byte of
-    # either copy changes.
-    monkeypatch.setattr("gpuwait.queue.ledger.os.posix_fallocate", _enospc)
+    # Each user's own file in a shared directory is replaced by rename, as a private one is.
+    before = ledger.path.read_bytes()
+    monkeypatch.setattr(atomic.os, "fsync", _enospc)
     with pytest.raises(StateError, match="No space left"), ledger.transaction() as data:
         data.jobs.append(live_job("b" * 100))
-    assert (ledger.path.read_bytes(), ledger.journal_path.read_bytes()) == before
+    assert ledger.path.read_bytes() == before
+    no_temp_files(shared)
 
 
 def test_injected_short_write_leaves_no_half_record(

@@ -92,10 +92,11 @@ def test_group_writable_shared_dir_without_sticky_bit_is_refused(gw: Run, tmp_pa
     shared.mkdir()
     shared.chmod(0o770)
     refused(gw("--ledger", str(shared), "--vram", "1G", "true"), "sticky bit")
-    # With the sticky bit it is a shared ledger: files for the group, 0660.
+    # With the sticky bit it is a shared ledger: each user's own file, readable by the group
+    # and writable by its owner alone.
     shared.chmod(0o1770)
     assert gw("--ledger", str(shared), "--vram", "1G", "true").returncode == 0
-    assert oct((shared / "ledger.json").stat().st_mode & 0o777) == "0o660"
+    assert oct((shared / f"ledger.{os.getuid()}.json").stat().st_mode & 0o777) == "0o640"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a dir to another user")
@@ -146,7 +147,8 @@ def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         started = time.monotonic()
         done = gw("--vram", "1G", "true", env={"GPUWAIT_LOCK_TIMEOUT": "0.5s"})
-        refused(done, "held by another process")
+        # The holder is named, so whoever is stuck knows whom to ask.
+        refused(done, f"held by process {os.getpid()} (uid {os.getuid()})")
         assert time.monotonic() - started < 8
     finally:
         os.close(fd)

@@ -595,6 +595,7 @@ JOB_KEYS = {
     "requirements": dict,
     "child_pid": OPT_INT,
     "orphaned": bool,
+    "pause_asked_by": (dict, type(None)),
     "overuse": (dict, type(None)),
 }
 BATCH_KEYS = {

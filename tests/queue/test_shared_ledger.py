@@ -14,9 +14,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.users import make_shared_ledger_dir, popen_as, run_as, shared_root, user_home
@@ -24,7 +25,6 @@ from helpers.users import make_shared_ledger_dir, popen_as, run_as, shared_root,
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.linux.proc import start_time
 from gpuwait.linux.security import control_refusal
-from gpuwait.queue.entries import to_document
 from gpuwait.queue.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
@@ -75,17 +75,44 @@ class Server:
         path.write_text(text)
         path.chmod(0o644)
 
-    def inject(self, uid: int, raw: dict[str, object]) -> None:
-        """Write the ledger as `uid` would with a plain editor: in place, no lock, no checksum."""
-        subprocess.run(
-            ["sh", "-c", f"cat > '{self.ledger_dir / 'ledger.json'}'"],
+    def own_file(self, uid: int) -> Path:
+        return self.ledger_dir / f"ledger.{uid}.json"
+
+    def write_as(self, uid: int, path: Path, raw: object) -> subprocess.CompletedProcess[str]:
+        """Write `path` as `uid` would with a plain editor: no lock, no checks."""
+        return subprocess.run(
+            ["sh", "-c", f"cat > '{path}'"],
             input=json.dumps(raw),
             text=True,
-            check=True,
+            capture_output=True,
             user=uid,
             group=uid,
             extra_groups=[GROUP],
         )
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the ledger's lock (the directory), so no gpuwait writes meanwhile."""
+        fd = os.open(self.ledger_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def edit_own(self, uid: int, change: Callable[[dict[str, Any]], None]) -> None:
+        """`uid` edits their own file by hand (under the lock, so their gpuwait cannot undo it
+        halfway)."""
+        with self.locked():
+            path = self.own_file(uid)
+            raw = json.loads(path.read_text()) if path.exists() else empty_document()
+            change(raw)
+            done = self.write_as(uid, path, raw)
+            assert done.returncode == 0, done.stderr
+
+
+def empty_document() -> dict[str, Any]:
+    return {"schema": 1, "jobs": [], "created_at": time.time(), "next_order": 1}
 
 
 @pytest.fixture
@@ -129,16 +156,17 @@ def test_two_users_queue_through_one_shared_ledger(server: Server) -> None:
     out, err = waiter.communicate(timeout=30)
     assert waiter.returncode == 0, err
     assert out == "bob ran\n"
-    # The ledger files are the group's, 0660, whatever each user's umask; the lock cannot be
-    # replaced by a member (sticky directory).
-    for name in ("ledger.json", "ledger.json.journal", "ledger.lock"):
-        st = (server.ledger_dir / name).stat()
-        assert (oct(st.st_mode & 0o7777), st.st_gid) == ("0o660", GROUP), name
-    # Nothing private to one member is left there: no event log, no file only its writer can use.
+    # Each user's entries are in a file of their own: readable by the group, writable by its
+    # owner alone, whatever each user's umask. There is no lock file a member could take away.
+    for uid in (ALICE, BOB):
+        st = server.own_file(uid).stat()
+        assert (st.st_uid, oct(st.st_mode & 0o7777), st.st_gid) == (uid, "0o640", GROUP)
+    assert not (server.ledger_dir / "ledger.lock").exists()
+    # Nothing private to one member is left there: no event log.
     assert not (server.ledger_dir / "events.jsonl").exists()
     for path in server.ledger_dir.iterdir():
         st = path.stat()
-        assert (oct(st.st_mode & 0o7777), st.st_gid) == ("0o660", GROUP), path.name
+        assert st.st_gid == GROUP and st.st_mode & 0o040, path.name
     # Each user's history stays in their own private state dir.
     for uid in (ALICE, BOB):
         state = Path(server.envs[uid]["XDG_STATE_HOME"]) / "gpuwait"
@@ -160,13 +188,25 @@ def hold_outside_gpuwait(server: Server, n_bytes: int) -> subprocess.Popen[bytes
     return proc
 
 
-def test_hostile_entries_from_another_user_change_nothing_they_should_not(
-    server: Server,
-) -> None:
+def pid1_entry(base: dict[str, Any], uuid: str, reserved: int) -> dict[str, Any]:
+    """An entry of uid 0 naming pid 1 (which never exits), holding `reserved` on `uuid`."""
+    return {
+        **base,
+        "id": "pid1",
+        "uid": 0,
+        "pid": 1,
+        "start_time": start_time(1),
+        "state": "running",
+        "gpu_uuids": [uuid],
+        "reserved_bytes": reserved,
+    }
+
+
+def test_what_a_member_writes_in_their_own_file_counts_only_as_theirs(server: Server) -> None:
     # Load outside gpuwait: 8 GiB held by a process of root's. Alice runs a 4 GiB job.
     external = hold_outside_gpuwait(server, 8 * GiB)
     server.procs.append(external)  # type: ignore[arg-type]
-    job = server.start(ALICE, "--vram", "4G", "--", "sleep", "60")
+    job = server.start(ALICE, "--vram", "4G", "--name", "mine", "--", "sleep", "60")
     server.wait_jobs(1, "running")
 
     def probe(vram: str) -> subprocess.CompletedProcess[str]:
@@ -176,67 +216,108 @@ def test_hostile_entries_from_another_user_change_nothing_they_should_not(
     assert probe("10G").returncode == 124
     assert probe("9G").returncode == 0
 
+    alice_job = next(j for j in server.ledger().read().jobs if j.uid == ALICE)
+    uuid = alice_job.gpu_uuids[0]
     bob_sleep = subprocess.Popen(["sleep", "60"], user=BOB, group=BOB)
     try:
-        alice_job = next(j for j in server.ledger().read().jobs if j.uid == ALICE)
-        raw = json.loads((server.ledger_dir / "ledger.json").read_bytes()[0:].decode())
-        raw.pop("crc", None)
-        base = {
-            **vars(alice_job),
-            "pid": bob_sleep.pid,
-            "start_time": start_time(bob_sleep.pid),
-            "uid": BOB,
-            "command": ["x"],
-            "request": {"bytes": 1},
-            "state": "waiting",
-            "gpu_uuids": [],
-            "reserved_bytes": 0,
-            "pids": [],
-            "child_pid": None,
-            "started_at": None,
-        }
-        uuid = alice_job.gpu_uuids[0]
-        raw["jobs"] += [
-            # Claims Alice's job process as Bob's: forged, dropped.
-            {**base, "id": "forged", "pid": alice_job.pid, "start_time": alice_job.start_time},
-            # Claims the external 8 GiB as its own usage, reserving nothing, to make it look
-            # like gpuwait's: it can only count that memory once more, never free it.
-            {
-                **base,
-                "id": "claimer",
-                "state": "running",
-                "gpu_uuids": [uuid],
-                "pids": [external.pid],
-            },
-            # Values out of every range, and a 10 MB string: each dropped.
-            {**base, "id": "huge", "reserved_bytes": 2**70},
-            {**base, "id": "negative", "request": {"bytes": -5}},
-            {**base, "id": "pid", "pid": -1},
-            {**base, "id": "long", "command": ["x" * 10_000_000]},
-            {**base, "id": "types", "priority": "5"},
-            # Valid, but with a terminal escape sequence in it.
-            {**base, "id": "escape", "command": ["\x1b[2J\x1b]0;pwned\x07"]},
-        ]
-        server.inject(BOB, raw)
+        alice_entry = alice_job.to_json()
+        base = {**alice_entry, "state": "waiting", "gpu_uuids": [], "reserved_bytes": 0}
 
-        # No room was made: 10 GiB still does not fit, 9 GiB still does.
+        def forge(raw: dict[str, Any]) -> None:
+            raw["jobs"] = [
+                # Alice's job, as if its entry were Bob's to write: same id, uid, pid.
+                {**alice_entry, "reserved_bytes": 0, "observed": {}, "pids": []},
+                # Stands in for Alice under another id, naming her live gpuwait.
+                {**base, "id": "impostor", "priority": 5},
+                # uid 0 and pid 1, reserving the whole card.
+                pid1_entry(base, uuid, 20 * GiB),
+                # Claims the external 8 GiB as its own usage, naming Bob's own `sleep`.
+                {
+                    **base,
+                    "id": "claimer",
+                    "uid": BOB,
+                    "pid": bob_sleep.pid,
+                    "start_time": start_time(bob_sleep.pid),
+                    "state": "running",
+                    "gpu_uuids": [uuid],
+                    "pids": [external.pid],
+                },
+                # Enough entries under Alice's uid to reach the per-user cap.
+                *({**base, "id": f"fill{n}"} for n in range(1024)),
+            ]
+            # Asks, in Bob's file, to cancel Alice's job and to pause it.
+            target = {
+                "uid": ALICE,
+                "job": alice_job.id,
+                "pid": alice_job.pid,
+                "start_time": alice_job.start_time,
+                "at": time.time(),
+            }
+            raw["requests"] = [
+                {**target, "kind": "cancel"},
+                {**target, "kind": "pause", "by_job": "impostor"},
+            ]
+
+        server.edit_own(BOB, forge)
+        # And Alice's file is hers: Bob can neither write it nor replace or remove it.
+        before = server.own_file(ALICE).read_bytes()
+        assert server.write_as(BOB, server.own_file(ALICE), {"jobs": []}).returncode != 0
+        for argv in (
+            ["rm", "-f", str(server.own_file(ALICE))],
+            ["mv", str(server.own_file(BOB)), str(server.own_file(ALICE))],
+        ):
+            moved = subprocess.run(
+                argv, user=BOB, group=BOB, extra_groups=[GROUP], capture_output=True
+            )
+            assert moved.returncode != 0
+        assert server.own_file(ALICE).read_bytes() == before
+
+        # Nothing Bob wrote counts: no room was made or taken, no job of Alice's is shown but
+        # hers, her cap is her own, and her job runs on, neither cancelled nor paused.
         done = probe("10G")
         assert done.returncode == 124, done.stderr
-        assert "dropped" in done.stderr and "invalid entries" in done.stderr
-        assert "belongs to another user" in done.stderr
         assert "Traceback" not in done.stderr
         assert probe("9G").returncode == 0
-        # Alice's reservation and her job are untouched.
-        ids = {j.id: j for j in server.ledger().read().jobs}
-        assert ids[alice_job.id].reserved_bytes == 4 * GiB and ids[alice_job.id].state == "running"
-        assert set(ids) == {alice_job.id, "claimer", "escape"}
-        status = server.run(ALICE, "status")
-        assert status.returncode == 0
-        assert "\x1b" not in status.stdout and "\x07" not in status.stdout
+        view = server.ledger().read()
+        assert [(j.id, j.uid, j.reserved_bytes) for j in view.jobs] == [
+            (alice_job.id, ALICE, 4 * GiB)
+        ]
+        assert view.jobs[0].pause_requested_at is None
+        status = json.loads(server.run(ALICE, "status", "--json").stdout)
+        assert [(j["id"], j["uid"]) for j in status["jobs"]] == [(alice_job.id, ALICE)]
         assert job.poll() is None
+        # Alice's cancel by name reaches her own job only.
+        cancel = server.run(ALICE, "cancel", "mine")
+        assert cancel.returncode == 0, cancel.stderr
+        assert job.wait(timeout=20) != 0
+        assert bob_sleep.poll() is None
     finally:
         bob_sleep.kill()
         bob_sleep.wait()
+
+
+def test_a_members_own_entry_says_what_it_likes_only_about_them(server: Server) -> None:
+    # Whatever Bob writes into the entry of his own running job counts as his, once, and what
+    # it shows other users is made harmless.
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+
+    def rewrite(raw: dict[str, Any]) -> None:
+        entry = raw["jobs"][0]
+        entry.update(uid=ALICE, reserved_bytes=8 * GiB, command=["\x1b[2J\x1b]0;pwned\x07"])
+        # Copies of it, under other ids, name the same gpuwait process: not counted again.
+        raw["jobs"] += [{**entry, "id": f"copy{n}"} for n in range(3)]
+
+    server.edit_own(BOB, rewrite)
+    view = server.ledger().read()
+    assert [(j.uid, j.reserved_bytes) for j in view.jobs] == [(BOB, 8 * GiB)]
+    status = server.run(ALICE, "status")
+    assert status.returncode == 0
+    assert "\x1b" not in status.stdout and "\x07" not in status.stdout
+    # 21.6 usable - 8 of Bob's: 13 GiB still fit for Alice.
+    assert server.run(ALICE, "--vram", "13G", "--timeout", "2s", "--", "true").returncode == 0
+    bob.send_signal(signal.SIGTERM)
+    bob.wait(timeout=20)
 
 
 def test_a_user_controls_only_their_own_jobs(server: Server) -> None:
@@ -304,10 +385,10 @@ def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool
     if not fair_share:
         server.site_config('fair_share_half_life = "none"\n')
     # Alice has used the GPU heavily of late; Bob not at all.
-    with server.ledger().transaction() as data:
-        from gpuwait.queue.fairness import charge
-
-        charge(data, ALICE, 1e15, time.time(), None)
+    # (Written into her own file, where only she and root may write it.)
+    alice_file = empty_document()
+    alice_file["usage"] = {str(ALICE): [1e15, time.time()]}
+    assert server.write_as(ALICE, server.own_file(ALICE), alice_file).returncode == 0
     holder = server.start(ALICE, "--vram", "20G", "--", "sleep", "1.5")
     server.wait_jobs(1, "running")
     alice_next = server.start(ALICE, "--vram", "20G", "--", "sh", "-c", "sleep 0.5")
@@ -325,76 +406,284 @@ def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool
     assert (started(BOB) < started(ALICE)) is fair_share
 
 
-def test_an_admission_forged_by_another_user_is_not_trusted(server: Server) -> None:
+def test_an_admission_written_by_another_member_starts_nothing(server: Server) -> None:
     # 20 GiB of the 21.6 usable are held outside gpuwait: a 10 GiB job does not fit.
     external = hold_outside_gpuwait(server, 20 * GiB)
     server.procs.append(external)  # type: ignore[arg-type]
     waiter = server.start(ALICE, "--vram", "10G", "--", "sh", "-c", "echo started; sleep 30")
     server.wait_jobs(1, "waiting")
     uuid = load_sim_file(server.sim).gpus[0].uuid
-    # Bob rewrites Alice's waiting entry as if a plan had admitted it onto the full GPU (the
-    # test holds the lock meanwhile, only so that Alice's own writes cannot undo the edit).
-    lock = os.open(server.ledger_dir / "ledger.lock", os.O_RDWR)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        raw = to_document(server.ledger().read())
-        for entry in raw["jobs"]:
-            entry.update(state="running", gpu_uuids=[uuid], reserved_bytes=10 * GiB)
-        server.inject(BOB, raw)
-    finally:
-        os.close(lock)
-    # Alice's gpuwait does not start its command on a GPU that NVML shows has no room for it:
-    # it puts its entry back in the queue, and waits on.
-    deadline = time.monotonic() + 20
-    while server.jobs()[0]["state"] == "running" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [(j["state"], j["gpu_uuids"]) for j in server.jobs()] == [("waiting", [])]
+    # Bob writes Alice's waiting entry, marked as admitted onto the full GPU, into his own file:
+    # it is his entry (naming her process, so not even that), never her admission.
+    jobs = [j.to_json() for j in server.ledger().read().jobs]
+    for entry in jobs:
+        entry.update(state="running", gpu_uuids=[uuid], reserved_bytes=10 * GiB)
+    server.edit_own(BOB, lambda mine: mine.update(jobs=jobs))
+    time.sleep(2)
+    assert [(j["uid"], j["state"]) for j in server.jobs()] == [(ALICE, "waiting")]
     assert waiter.poll() is None
     waiter.send_signal(signal.SIGTERM)
     out, err = waiter.communicate(timeout=10)
     assert "started" not in out, err
-    assert "ignored an admission" in err, err
 
 
-def test_a_copy_of_a_job_id_under_another_uid_does_not_stand_in_for_the_job(
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_member_cannot_lock_the_others_out(server: Server) -> None:
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    # The lock is the directory itself, which is root's: no member can change its mode.
+    chmod = subprocess.run(
+        ["chmod", "000", str(server.ledger_dir)], user=BOB, group=BOB, capture_output=True
+    )
+    assert chmod.returncode != 0
+    # A member who holds it is named when others give up, uid and pid.
+    holder = subprocess.Popen(
+        ["python3", "-c", HOLD_LOCK, str(server.ledger_dir)],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    server.procs.append(holder)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    done = run_as(
+        ALICE,
+        ALICE,
+        [GROUP],
+        ["--vram", "1G", "--", "true"],
+        {**server.envs[ALICE], "GPUWAIT_LOCK_TIMEOUT": "1s"},
+    )
+    assert done.returncode == 5
+    assert f"held by process {holder.pid} (uid {BOB})" in done.stderr, done.stderr
+    holder.kill()
+    holder.wait()
+    assert server.run(ALICE, "--vram", "1G", "--", "true").returncode == 0
+
+
+def as_bob(
+    server: Server, argv: list[str], stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` as Bob, a member of the group, in the ledger directory."""
+    return subprocess.run(
+        argv,
+        input=stdin,
+        cwd=server.ledger_dir,
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "mode 000"])
+def test_what_a_member_does_to_every_file_of_theirs_hangs_or_stops_nobody(
+    server: Server, kind: str
+) -> None:
+    # Bob uses the directory first: every file gpuwait made there so far is his.
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    swap = {
+        "fifo": 'mkfifo "$f.new" && mv -f "$f.new" "$f"',
+        "/dev/zero": 'ln -s /dev/zero "$f.new" && mv -f "$f.new" "$f"',
+        "mode 000": 'chmod 000 "$f"',
+    }[kind]
+    with server.locked():
+        script = f"for f in $(find . -maxdepth 1 -type f -user {BOB}); do {swap}; done"
+        done = as_bob(server, ["sh", "-c", script])
+    assert done.returncode == 0, done.stderr
+    started = time.monotonic()
+    alice = server.run(ALICE, "--vram", "1G", "--", "echo", "ran", timeout=30)
+    assert alice.returncode == 0 and alice.stdout == "ran\n", alice.stderr
+    assert "Traceback" not in alice.stderr
+    status = server.run(ALICE, "status", timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert time.monotonic() - started < 20
+
+
+FORGE = """
+import json, os, sys
+payload = sys.stdin.read()
+for name in sorted(os.listdir(".")):
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK)
+    except OSError:
+        continue
+    os.write(fd, payload.encode())
+    os.close(fd)
+    print(name)
+"""
+
+
+def test_no_file_a_member_can_write_lets_them_act_on_anothers_jobs(server: Server) -> None:
+    # Alice runs a --pausable job on the one card; a second one waits behind it.
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    runs = server.start(ALICE, "--pausable", "--vram", "12G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    waits = server.start(ALICE, "--vram", "12G", "--name", "second", "--", "echo", "ran")
+    server.wait_jobs(2)
+    view = {j.state: j for j in server.ledger().read().jobs}
+    running, waiting = view["running"].to_json(), view["waiting"].to_json()
+    uuid = running["gpu_uuids"][0]
+    now = time.time()
+    # Bob writes, into every file of the directory he can write to, a ledger in which: Alice's
+    # waiter is gone and cancelled; her running job is asked to step aside; an impostor under
+    # her uid names her live gpuwait; 1024 entries of hers fill her cap; uid 0 and pid 1 hold
+    # the card.
+    base = {**waiting, "state": "waiting"}
+    forged = {
+        "schema": 1,
+        "created_at": now,
+        "next_order": 2000,
+        "jobs": [
+            {**running, "pause_requested_at": now, "pause_requested_by": "impostor"},
+            {
+                **base,
+                "id": "impostor",
+                "priority": 5,
+                "pid": running["pid"],
+                "start_time": running["start_time"],
+            },
+            pid1_entry(base, uuid, 22 * GiB),
+            *(
+                {
+                    **base,
+                    "id": f"fill{n}",
+                    "pid": running["pid"],
+                    "start_time": running["start_time"],
+                }
+                for n in range(1024)
+            ),
+        ],
+        "book": {"finished": [{"id": waiting["id"], "outcome": "cancelled", "finished_at": now}]},
+        "requests": [
+            {
+                "kind": kind,
+                "uid": ALICE,
+                "job": job["id"],
+                "pid": job["pid"],
+                "start_time": job["start_time"],
+                "at": now,
+                "by_job": "impostor",
+            }
+            for kind, job in (("cancel", waiting), ("pause", running))
+        ],
+    }
+    with server.locked():
+        wrote = as_bob(server, ["python3", "-c", FORGE], json.dumps(forged))
+    assert wrote.returncode == 0, wrote.stderr
+    assert wrote.stdout  # Bob could write something: his own file at least
+    time.sleep(2)  # a sample interval or two: time for anything to act on it
+    # Alice's waiter still waits, her running job was not asked to step aside.
+    assert waits.poll() is None and runs.poll() is None
+    alice = {j.id: j for j in server.ledger().read().jobs if j.uid == ALICE}
+    assert sorted(alice) == sorted([running["id"], waiting["id"]])
+    assert alice[running["id"]].pause_requested_at is None
+    assert alice[running["id"]].pause_signalled_at is None
+    # Her cap is hers: another job of hers may queue (and, with the card taken, times out).
+    probe = server.run(ALICE, "--vram", "1G", "--timeout", "0.5s", "--", "true")
+    assert probe.returncode == 124 and "already have" not in probe.stderr, probe.stderr
+    # Nothing she does to "impostor" reaches her own job.
+    cancel = server.run(ALICE, "cancel", "impostor")
+    assert cancel.returncode != 0 and runs.poll() is None
+    for proc in (runs, waits):
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+
+
+def test_root_cancels_a_members_waiting_job_through_its_own_gpuwait(server: Server) -> None:
+    holder = server.start(ALICE, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    waiter = server.start(ALICE, "--vram", "20G", "--name", "second", "--", "echo", "ran")
+    server.wait_jobs(2)
+    # Bob may not.
+    bob = server.run(BOB, "cancel", "second")
+    assert bob.returncode == 8, bob.stderr
+    assert waiter.poll() is None
+    # Root may: the request is written in root's own file, and Alice's gpuwait carries it out.
+    root_env = {
+        **server.envs[ALICE],
+        "HOME": str(server.root),
+        "XDG_STATE_HOME": str(server.root / "root-state"),
+    }
+    root = subprocess.run(
+        ["python3", "-m", "gpuwait", "cancel", "second"],
+        env=root_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert root.returncode == 0, root.stderr
+    out, err = waiter.communicate(timeout=20)
+    assert waiter.returncode == 7, err
+    assert "ran" not in out and "cancelled" in err
+    assert [j["state"] for j in server.jobs()] == ["running"]
+    # Nothing of the request is left once done.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        root_file = json.loads(server.own_file(0).read_text())
+        if not root_file.get("requests"):
+            break
+        server.run(ALICE, "status")
+        subprocess.run(["python3", "-m", "gpuwait", "status"], env=root_env, capture_output=True)
+        time.sleep(0.2)
+    assert not json.loads(server.own_file(0).read_text()).get("requests")
+    holder.kill()
+
+
+def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     server: Server,
 ) -> None:
-    alice = server.start(ALICE, "--vram", "4G", "--name", "mine", "--", "sleep", "60")
+    # Simulated jobs of every member record what they allocate beside the simulation file.
+    ensure_state_dir(load_sim_file(server.sim)).chmod(0o1777)
+    checkpoint = Path(server.envs[ALICE]["HOME"]) / "progress.json"
+    env = {**server.envs[ALICE], "GPUWAIT_PAUSE_MIN_RUNTIME": "0.5s"}
+    wrapper = ["--priority", "1", "--pausable", "--vram", "16G", "--"]
+    sim_job = ["python3", "-m", "gpuwait", "sim", "job", "--vram", "16G", "--hold", "4s"]
+    argv = [*wrapper, *sim_job, "--checkpoint", str(checkpoint)]
+    low = popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True)
+    server.procs.append(low)
     server.wait_jobs(1, "running")
-    bob_sleep = subprocess.Popen(["sleep", "60"], user=BOB, group=BOB)
-    try:
-        lock = os.open(server.ledger_dir / "ledger.lock", os.O_RDWR)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            raw = to_document(server.ledger().read())
-            # Bob's entry under Alice's job id, first in order, reserving nothing.
-            copy = {
-                **raw["jobs"][0],
-                "uid": BOB,
-                "pid": bob_sleep.pid,
-                "start_time": start_time(bob_sleep.pid),
-                "order": 0,
-                "reserved_bytes": 0,
-                "pids": [],
-                "child_pid": None,
-            }
-            raw["jobs"].insert(0, copy)
-            server.inject(BOB, raw)
-        finally:
-            os.close(lock)
-        # Alice's gpuwait puts its own entry back (it checks once per sample interval): her
-        # reservation stands again and the copy is gone.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            entries = [(j["uid"], j["reserved_bytes"]) for j in server.jobs()]
-            if entries == [(ALICE, 4 * GiB)]:
-                break
-            time.sleep(0.05)
-        assert entries == [(ALICE, 4 * GiB)]
-        # And she can still cancel her own job by its name.
-        cancel = server.run(ALICE, "cancel", "mine")
-        assert cancel.returncode == 0, cancel.stderr
-        assert alice.wait(timeout=20) != 0
-    finally:
-        bob_sleep.kill()
-        bob_sleep.wait()
+    time.sleep(1.5)  # older than pause_min_runtime, and its command catches the signal by now
+    # (The waiter judges whether a job has run long enough to be asked.)
+    server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
+    urgent = server.start(BOB, "--priority", "5", "--vram", "16G", "--", "sh", "-c", "sleep 1")
+    assert urgent.wait(timeout=60) == 0, urgent.stderr.read() if urgent.stderr else ""
+    assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
+    assert json.loads(checkpoint.read_text())["resumes"] == 1
+
+
+def test_a_shared_directory_of_the_single_file_kind_is_taken_over(server: Server) -> None:
+    # Bob is first, and has a job running when Alice first runs the new gpuwait.
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    bob_job = server.ledger().read().jobs[0]
+    # The file every member wrote before, with an entry Bob slipped into it: Alice's uid,
+    # naming Bob's live gpuwait, reserving most of the card.
+    legacy = empty_document()
+    legacy["usage"] = {str(ALICE): [5e14, time.time()], str(BOB): [1.0, time.time()]}
+    legacy["jobs"] = [
+        {**bob_job.to_json(), "id": "planted", "uid": ALICE, "reserved_bytes": 20 * GiB}
+    ]
+    (server.ledger_dir / "ledger.json").write_text(json.dumps(legacy))
+    os.chmod(server.ledger_dir / "ledger.json", 0o660)
+    done = server.run(ALICE, "--vram", "10G", "--timeout", "5s", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert "your usage was moved to" in done.stderr
+    # Alice's usage row is carried into her own file; nothing else of the old file is taken.
+    mine = json.loads(server.own_file(ALICE).read_text())
+    assert list(mine["usage"]) == [str(ALICE)]
+    assert mine["usage"][str(ALICE)][0] > 4.9e14
+    assert [j.id for j in server.ledger().read().jobs] == [bob_job.id]
+    again = server.run(ALICE, "--vram", "1G", "--", "true")
+    assert "moved" not in again.stderr
+    bob.send_signal(signal.SIGTERM)
+    bob.wait(timeout=20)

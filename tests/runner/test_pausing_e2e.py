@@ -205,6 +205,19 @@ def test_a_job_that_ignores_the_request(
         wait_until_running(1)
         wait_until_pausable()
         urgent = urgent_job(gpuwait_cmd)
+        if not extra:
+            # `status` names who asked the running job to step aside.
+            wait_for(
+                lambda: any(e["kind"] == "pause-signal" for e in events()),
+                timeout=30,
+                message="the job was never signalled",
+            )
+            shown = subprocess.run(
+                [*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=30
+            ).stdout
+            waiter = next(j for j in ledger_entries() if j["state"] == "waiting")
+            assert f"asked to checkpoint and step aside by job {waiter['id']}" in shown, shown
+            assert f"(uid {os.getuid()}), signalled" in shown, shown
         assert low.wait(timeout=60) == status
         assert urgent.wait(timeout=60) == 0
         kinds = [e["kind"] for e in events()]
