@@ -58,6 +58,26 @@ def test_symlinked_ledger_file_is_refused(gw: Run, tmp_path: Path, name: str) ->
     assert target.read_text() == "precious\n"
 
 
+@pytest.mark.parametrize("name", ["ledger.json", "ledger.lock"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero"])
+@pytest.mark.parametrize("command", [["--vram", "1G", "true"], ["status"], ["cancel", "x"]])
+def test_a_ledger_file_that_is_a_fifo_or_a_device_is_refused_not_waited_on(
+    gw: Run, name: str, kind: str, command: list[str]
+) -> None:
+    state_dir().mkdir(mode=0o700)
+    path = state_dir() / name
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    started = time.monotonic()
+    done = gw(*command)
+    # One line naming the file, exit 5: no hang, no read without end.
+    refused(done, str(path))
+    assert len(done.stderr.splitlines()) <= 2  # the error, and its hint
+    assert time.monotonic() - started < 20
+
+
 def test_symlinked_shared_ledger_dir_is_refused(gw: Run, tmp_path: Path) -> None:
     real = tmp_path / "shared"
     real.mkdir()
