@@ -12,13 +12,15 @@ from gpuwait.linux.security import ensure_private_dir as ensure_private_dir
 from gpuwait.linux.security import open_state_file
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600, group: int | None = None) -> None:
+def write_atomic(
+    path: Path, data: bytes, mode: int = 0o600, group: int | None = None, owner: int = -1
+) -> None:
     """Replace `path` with `data`: temp file in the same dir, fsync, os.replace.
 
     A reader sees the old file or the new one, never a mix, even if this process is killed.
     `group`: the file's group, in a directory other users write into (a shared ledger
     directory): there the temporary file's name cannot be guessed, so nobody can put a file or
-    a link of theirs in its place beforehand.
+    a link of theirs in its place beforehand. `owner`: whose file it is (root writing a user's).
     """
     suffix = f"{os.getpid()}-{os.urandom(6).hex()}" if group is not None else str(os.getpid())
     tmp = path.with_name(f".{path.name}.{suffix}.tmp")
@@ -30,8 +32,8 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600, group: int | None =
         tmp.unlink()
         fd = os.open(tmp, flags, mode)
     try:
-        if group is not None and os.fstat(fd).st_gid != group:
-            os.fchown(fd, -1, group)
+        if owner != -1 or (group is not None and os.fstat(fd).st_gid != group):
+            os.fchown(fd, owner, -1 if group is None else group)
         os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask; this is not.
         view = memoryview(data)
         while view:

@@ -524,13 +524,7 @@ def combine(
         own.next_order = max(own.next_order, data.next_order)
         if owner in data.usage:
             own.usage[owner] = data.usage[owner]
-        # One gpuwait process is one job: further entries naming the same one are copies.
-        pids: set[int] = set()
-        for job in data.jobs:
-            job.uid = owner
-            if job.pid in pids or not counts(job):
-                continue
-            pids.add(job.pid)
+        for job in counted(data.jobs, owner, counts):
             if job.id in ids:
                 job.id = f"{job.id}@{owner}"
             ids.add(job.id)
@@ -540,6 +534,23 @@ def combine(
     own.next_order = max([own.next_order, *(j.order + 1 for j in own.jobs)])
     mark_pause_requests(own)
     return own
+
+
+def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> list[Job]:
+    """The entries of `owner`'s file that count for other users: those `counts` proves, and of
+    several naming one gpuwait process (or one command), the first: the others are copies."""
+    kept: list[Job] = []
+    pids: set[int] = set()
+    commands: set[int] = set()
+    for job in jobs:
+        job.uid = owner
+        if job.pid in pids or job.child_pid in commands or not counts(job):
+            continue
+        pids.add(job.pid)
+        if job.child_pid is not None:
+            commands.add(job.child_pid)
+        kept.append(job)
+    return kept
 
 
 def mark_pause_requests(data: LedgerData) -> None:

@@ -42,7 +42,7 @@ from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, write_atomic
 from gpuwait.linux.lock import LockTimeout, flock_within, holders
 from gpuwait.linux.security import check_dir, is_shared_dir, open_state_file, proven_entry
 from gpuwait.queue import entries, wake
-from gpuwait.queue.entries import Job, LedgerData
+from gpuwait.queue.entries import Job, LedgerData, copy_job
 
 #: A ledger file larger than this is not read: any member of a shared ledger's group can write
 #: one, so nothing in it may cost unbounded time or memory.
@@ -367,11 +367,23 @@ class Ledger:
             if found is None or found[0] != uid:
                 return None  # gone, or replaced meanwhile
             data, _ = self._decode(found[1], False, uid, owned=True)
-            return data
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             return None
+        if repair and self._uid == 0:
+            self._reap_for(path, uid, data)
+        return data
+
+    def _reap_for(self, path: Path, uid: int, data: LedgerData) -> None:
+        """Root takes out of another user's file the entries that nobody counts (no live
+        gpuwait, nor an orphan's command, of that user behind them); the file stays theirs."""
+        kept = entries.counted([copy_job(j) for j in data.jobs], uid, self._counts)
+        if len(kept) == len(data.jobs):
+            return
+        body = entries.encode(entries.to_document(data._replace(jobs=kept)))
+        with contextlib.suppress(OSError):  # theirs to tidy as well
+            write_atomic(path, body, 0o640, self._group, owner=uid)
 
     def _decode(
         self, text: bytes, repair: bool, owner: int | None = None, owned: bool = False

@@ -687,3 +687,33 @@ def test_a_shared_directory_of_the_single_file_kind_is_taken_over(server: Server
     assert "moved" not in again.stderr
     bob.send_signal(signal.SIGTERM)
     bob.wait(timeout=20)
+
+
+def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) -> None:
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    live = server.ledger().read().jobs[0].to_json()
+    gone = subprocess.Popen(["true"], user=BOB, group=BOB)
+    gone.wait()
+    uuid = live["gpu_uuids"][0]
+
+    def add(raw: dict[str, Any]) -> None:
+        raw["jobs"] += [pid1_entry(live, uuid, 20 * GiB), {**live, "id": "dead", "pid": gone.pid}]
+
+    server.edit_own(BOB, add)
+    assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 3
+    root_env = {
+        **server.envs[ALICE],
+        "HOME": str(server.root),
+        "XDG_STATE_HOME": str(server.root / "root-state"),
+    }
+    done = subprocess.run(
+        ["python3", "-m", "gpuwait", "status"], env=root_env, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    tidied = json.loads(server.own_file(BOB).read_text())
+    assert [j["id"] for j in tidied["jobs"]] == [live["id"]]
+    st = server.own_file(BOB).stat()
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (BOB, GROUP, "0o640")
+    bob.send_signal(signal.SIGTERM)
+    assert bob.wait(timeout=20) != 0
