@@ -24,21 +24,40 @@ from gpuwait.core.policy import PICK_STRATEGIES, FairShare, UserLimits
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import (
     MemoryRequest,
+    check_duration,
     format_duration,
     format_size,
+    parse_decimal,
     parse_duration,
     parse_request,
     parse_size,
+    parse_whole,
 )
 from gpuwait.linux import dirs
 
 EXCLUSIVE = "exclusive"
 
 
+def _number(value: Any) -> float:
+    """A number: a TOML integer or float, or text in the digits 0-9 (never '٣' or '１e3')."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("expected a number such as 0.5 or 30")
+    if isinstance(value, str):
+        return parse_decimal(value)
+    return float(value) if abs(value) < 2**63 else math.copysign(math.inf, value)
+
+
+def _whole(value: Any, low: int, high: int) -> int:
+    """A whole number from `low` to `high`: a TOML integer, or text in the digits 0-9."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected a whole number from {low} to {high}")
+    return parse_whole(str(value), low, high)
+
+
 def _fraction(value: Any) -> float:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
+        number = _number(value)
+    except ValueError:
         number = math.nan
     if not 0 < number <= 1:
         raise ValueError("expected a fraction above 0 and at most 1, e.g. 0.9")
@@ -46,8 +65,11 @@ def _fraction(value: Any) -> float:
 
 
 def _positive_duration(value: Any) -> float:
-    seconds = float(value) if isinstance(value, (int, float)) else parse_duration(str(value))
-    if seconds <= 0:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = check_duration(_number(value), str(value))  # a TOML number: seconds
+    else:
+        seconds = parse_duration(str(value))
+    if not seconds > 0:
         raise ValueError("expected a duration above zero, e.g. 1s or 250ms")
     return seconds
 
@@ -59,17 +81,17 @@ def _optional_duration(value: Any) -> float | None:
 
 
 def _exit_status(value: Any) -> int:
-    number = int(str(value).strip())
-    if not 1 <= number <= 125:
-        raise ValueError("expected an exit status from 1 to 125, e.g. 75")
-    return number
+    try:
+        return _whole(value, 1, 125)
+    except ValueError:
+        raise ValueError("expected an exit status from 1 to 125, e.g. 75") from None
 
 
 def _pause_count(value: Any) -> int:
-    number = int(str(value).strip())
-    if not 0 <= number <= 1000:
-        raise ValueError("expected a number of pauses from 0 to 1000")
-    return number
+    try:
+        return _whole(value, 0, 1000)
+    except ValueError:
+        raise ValueError("expected a number of pauses from 0 to 1000") from None
 
 
 def _choice(*choices: str) -> Callable[[Any], str]:
@@ -129,9 +151,9 @@ def _weights(value: Any) -> dict[str, float]:
     for key, weight in pairs:
         if not ((key.isascii() and key.isdigit()) or key.upper().startswith(("GPU-", "MIG-"))):
             raise ValueError(f"{key!r} is not a GPU index or UUID")
-        number = float(weight)
+        number = _number(weight)
         if not 0 < number < 1e6:
-            raise ValueError(f"weight of {key} must be above zero")
+            raise ValueError(f"weight of {key!r} must be above zero and below 1000000")
         weights[key] = number
     return weights
 
@@ -160,8 +182,12 @@ def _command_names(value: Any) -> tuple[str, ...]:
 
 
 def _margin(value: Any) -> float:
-    text = str(value).strip()
-    number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    text = str(value).strip() if isinstance(value, str) else value
+    try:
+        is_percent = isinstance(text, str) and text.endswith("%")
+        number = _number(text[:-1]) / 100 if is_percent else _number(text)
+    except ValueError:
+        number = math.nan
     if not 0 <= number <= 2:
         raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
     return number

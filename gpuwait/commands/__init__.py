@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from gpuwait.core.errors import UsageError
+from gpuwait.core.sizes import parse_whole
 
 #: Subcommand -> one-line help. Each lives in gpuwait.commands.<name, '-' as '_'>.
 SUBCOMMANDS = {
@@ -58,6 +60,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+#: The most lines `history -n` and `log -n` show.
+MAX_LINES = 1_000_000
+
+
+def whole_number(low: int, high: int) -> Callable[[str], int]:
+    """argparse's `type=` for a whole number from `low` to `high`, refused in gpuwait's words
+    (argparse's own would be "invalid int value", and int() takes '٣' for a three)."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_whole(text, low, high)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def terminal_columns() -> int:

@@ -12,10 +12,10 @@ import sys
 import time
 from typing import Any
 
-from gpuwait.commands import Parser, output
+from gpuwait.commands import MAX_LINES, Parser, output, whole_number
 from gpuwait.config import load_settings
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
-from gpuwait.core.errors import StateError, UsageError
+from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.history.learn import key_for
@@ -31,7 +31,9 @@ def build_parser() -> Parser:
         "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script. "
         "Runs that compaction kept only for estimates are shown with --all.",
     )
-    parser.add_argument("-n", type=int, default=20, metavar="N", help="show the last N (20)")
+    parser.add_argument(
+        "-n", type=whole_number(0, MAX_LINES), default=20, metavar="N", help="show the last N (20)"
+    )
     parser.add_argument(
         "--all",
         action="store_true",
@@ -44,8 +46,6 @@ def build_parser() -> Parser:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n < 0:
-        raise UsageError(f"-n {args.n}: give 0 or more")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

@@ -8,10 +8,9 @@ import sys
 import time
 from typing import Any
 
-from gpuwait.commands import Parser
+from gpuwait.commands import MAX_LINES, Parser, whole_number
 from gpuwait.commands.common import ledger_for
 from gpuwait.config import load_settings
-from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import printable
 from gpuwait.queue.events import KINDS, follow, read_events
@@ -22,7 +21,14 @@ def build_parser() -> Parser:
         prog="gpuwait log",
         description=f"Show the event log: {', '.join(KINDS)}.",
     )
-    parser.add_argument("-n", "--lines", type=int, default=20, metavar="N", help="last N events")
+    parser.add_argument(
+        "-n",
+        "--lines",
+        type=whole_number(0, MAX_LINES),
+        default=20,
+        metavar="N",
+        help="last N events",
+    )
     parser.add_argument("-f", "--follow", action="store_true", help="keep showing new events")
     parser.add_argument("--json", action="store_true", help="the events as JSON lines")
     parser.add_argument("--job", metavar="ID", help="only events of this job (id or name)")
@@ -30,8 +36,6 @@ def build_parser() -> Parser:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.lines < 0:
-        raise UsageError("--lines must be 0 or more")
     settings = load_settings({})
     ledger = ledger_for(settings)
     # Events are written beside the ledger (a shared ledger's log is its users' common log).

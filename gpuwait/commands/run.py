@@ -12,17 +12,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwait import __version__
-from gpuwait.commands import SUBCOMMANDS, Parser, RawHelpFormatter
+from gpuwait.commands import SUBCOMMANDS, Parser, RawHelpFormatter, whole_number
 from gpuwait.commands.output import Console
 from gpuwait.config import OPTIONS, Settings, load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules
-from gpuwait.core.sizes import MemoryRequest, parse_duration, parse_request, parse_size
+from gpuwait.core.sizes import (
+    MAX_GPUS,
+    MemoryRequest,
+    parse_decimal,
+    parse_duration,
+    parse_request,
+    parse_size,
+)
 from gpuwait.queue.wait import WaitPolicy
 from gpuwait.runner import session
 from gpuwait.runner.session import Pausable, RunConfig, RunRequest
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}$")
+#: The most times --retry-oom queues a command again.
+MAX_RETRY_OOM = 100
 
 _EPILOG = """\
 A program named like a subcommand runs with `gpuwait -- status`.
@@ -79,7 +88,7 @@ def build_parser() -> Parser:
     )
     parser.add_argument(
         "--retry-oom",
-        type=int,
+        type=whole_number(0, MAX_RETRY_OOM),
         default=0,
         metavar="N",
         help="if the command runs out of GPU memory, queue it again up to N times, "
@@ -109,7 +118,11 @@ def build_parser() -> Parser:
         help="send TERM to a --pausable command that has not stepped aside after --grace",
     )
     parser.add_argument(
-        "--gpus", type=int, default=1, metavar="N", help="number of GPUs, all at once (default: 1)"
+        "--gpus",
+        type=whole_number(1, MAX_GPUS),
+        default=1,
+        metavar="N",
+        help="number of GPUs, all at once (default: 1)",
     )
     parser.add_argument(
         "--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)"
@@ -196,10 +209,6 @@ def _request(options: argparse.Namespace) -> RunRequest:
         command = command[1:]
     if not command:
         raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
-    if options.gpus < 1:
-        raise UsageError(f"--gpus {options.gpus}: ask for at least 1 GPU")
-    if options.retry_oom < 0:
-        raise UsageError(f"--retry-oom {options.retry_oom}: give 0 or more retries")
     if options.key is not None and not options.key.strip():
         raise UsageError("--key needs a non-empty name")
     vram: MemoryRequest | None = None
@@ -285,7 +294,7 @@ def _requirements(options: argparse.Namespace) -> dict[str, Any]:
         wanted["min_compute_capability"] = [int(match.group(1)), int(match.group(2) or 0)]
     if options.max_util is not None:
         try:
-            percent = float(options.max_util.strip().removesuffix("%"))
+            percent = parse_decimal(options.max_util.strip().removesuffix("%"))
         except ValueError:
             percent = -1.0
         if not 0 < percent <= 100:

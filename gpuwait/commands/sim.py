@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpuwait.commands import Parser, output
+from gpuwait.commands import Parser, output, whole_number
 from gpuwait.core.errors import UsageError
-from gpuwait.core.sizes import format_size, parse_size
+from gpuwait.core.sizes import MAX_GPUS, format_size, parse_size
 
 
 def build_parser() -> Parser:
@@ -20,7 +20,12 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="action", metavar="{init,job}")
     init = sub.add_parser("init", help="write a simulation file")
     init.add_argument("path", help="file to write, e.g. ~/gpuwait-sim.toml")
-    init.add_argument("--gpus", type=int, default=2, help="number of simulated GPUs (default: 2)")
+    init.add_argument(
+        "--gpus",
+        type=whole_number(1, MAX_GPUS),
+        default=2,
+        help=f"number of simulated GPUs, at most {MAX_GPUS} (default: 2)",
+    )
     init.add_argument("--memory", default="24GiB", help="VRAM of each (default: 24GiB)")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     sub.add_parser("job", help="run a simulated CUDA job")
@@ -43,8 +48,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
     from gpuwait.gpu.sim import write_sim_file
 
-    if args.gpus < 1:
-        raise UsageError(f"--gpus {args.gpus}: simulate at least one GPU")
     try:
         memory = parse_size(args.memory)
     except ValueError as exc:

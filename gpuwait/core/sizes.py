@@ -10,8 +10,24 @@ from gpuwait.core.record import Record
 _BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE)
-_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+# re.ASCII: `\d` is 0-9 only. Python would read '٣' (an Arabic-Indic three) or a fullwidth '３' as
+# a digit too, and no one who typed one meant a number.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE | re.ASCII)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$", re.ASCII)
+_WHOLE_RE = re.compile(r"^\s*[+-]?\d+\s*$", re.ASCII)
+_DECIMAL_RE = re.compile(r"^\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
+
+# The bounds of every number a user gives gpuwait (documented in README, "Configuration"). Far
+# above any sensible value, they keep an absurd one from reaching the kernel (a timer, a sleep)
+# or a file (a ledger entry) that would refuse it later, with a traceback or a dropped entry.
+#: The largest size: 1 PiB, a thousand times the largest GPU's memory (a request, a limit, a card).
+MAX_SIZE = 2**50
+MAX_SIZE_TEXT = "1024T"
+#: The longest duration: a year (a wait, an interval, a timeout, a half-life).
+MAX_DURATION = 365 * 86400.0
+MAX_DURATION_TEXT = "365d"
+#: The most GPUs: what a ledger entry holds.
+MAX_GPUS = 1024
 
 
 class MemoryRequest(Record, frozen=True):
@@ -39,6 +55,13 @@ class MemoryRequest(Record, frozen=True):
         )
 
 
+def _digits(text: str, hint: str) -> str:
+    """`hint`, unless `text` has digits other than 0-9 ('٣', '３'): then what to write instead."""
+    if any(c.isdigit() and not c.isascii() for c in text):
+        return "write numbers in the digits 0-9"
+    return hint
+
+
 #: What every refusal of a size without a unit says.
 UNIT_HINT = "give a unit: 6G (GiB), 6GB or 6000M"
 REQUEST_UNIT_HINT = "give a unit: 6G (GiB), 6GB, 6000M or 50%"
@@ -53,19 +76,19 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     """
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"{text!r} is not a size; {hint}")
+        raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
         raise ValueError(f"{text.strip()!r} has no unit; {hint}")
     if suffix == "B" and unit:
         scale = _DECIMAL[unit]
     elif suffix in ("IB", "I") and not unit:
-        raise ValueError(f"{text!r} is not a size; {hint}")
+        raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     else:
         scale = _BINARY[unit]
     value = float(number) * scale
-    if not math.isfinite(value) or value > 2**63 - 1:
-        raise ValueError(f"{text!r} is too large")
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"{text.strip()!r} is too large (at most {MAX_SIZE_TEXT})")
     return math.ceil(value)
 
 
@@ -83,12 +106,15 @@ def parse_request(text: str) -> MemoryRequest:
     return MemoryRequest(bytes=size)
 
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?", re.IGNORECASE)
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?", re.IGNORECASE | re.ASCII)
+_DURATION_HINT = "use e.g. 30s, 250ms, 10m, 2h, 1h30m"
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in `text`: `90`, `1.5s`, `250ms`, `10m`, `2h`, `1h30m`. Raises ValueError."""
+    """Seconds in `text`: `90`, `1.5s`, `250ms`, `10m`, `2h`, `1h30m`, at most a year.
+
+    Raises ValueError."""
     stripped = text.strip()
     position = 0
     total = 0.0
@@ -96,7 +122,7 @@ def parse_duration(text: str) -> float:
     while position < len(stripped):
         match = _DURATION_RE.match(stripped, position)
         if not match or match.end() == position:
-            raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 250ms, 10m, 2h, 1h30m")
+            raise ValueError(f"{text!r} is not a duration; {_digits(text, _DURATION_HINT)}")
         unit = (match.group(2) or "s").lower()
         total += float(match.group(1)) * _DURATION_UNITS[unit]
         position = match.end()
@@ -104,10 +130,41 @@ def parse_duration(text: str) -> float:
             position += 1
         parts += 1
     if parts == 0:
-        raise ValueError(f"{text!r} is not a duration; use e.g. 30s, 250ms, 10m, 2h, 1h30m")
-    if not math.isfinite(total):
-        raise ValueError(f"{text!r} is too long")
-    return total
+        raise ValueError(f"{text!r} is not a duration; {_DURATION_HINT}")
+    return check_duration(total, text.strip())
+
+
+def check_duration(seconds: float, text: str) -> float:
+    """`seconds` (the duration a user typed as `text`) if it is at most MAX_DURATION."""
+    if math.isnan(seconds):
+        raise ValueError(f"{text!r} is not a duration; {_DURATION_HINT}")
+    if seconds > MAX_DURATION:
+        raise ValueError(f"{text!r} is too long (at most {MAX_DURATION_TEXT})")
+    return seconds
+
+
+def parse_whole(text: str, low: int, high: int) -> int:
+    """A whole number from `low` to `high` in the digits 0-9. Raises ValueError."""
+    if not _WHOLE_RE.match(text):
+        hint = _digits(text, f"give one from {low} to {high}")
+        raise ValueError(f"{text.strip()!r} is not a whole number; {hint}")
+    digits = text.strip()
+    # int() of thousands of digits is slow, and refused past 4300: too large either way.
+    number = int(digits) if len(digits) <= 30 else (high + 1 if digits[0] != "-" else low - 1)
+    if number < low:
+        raise ValueError(f"{digits} is too small (at least {low})")
+    if number > high:
+        raise ValueError(f"{digits} is too large (at most {high})")
+    return number
+
+
+def parse_decimal(text: str) -> float:
+    """A number such as 0.9, 30 or .5 in the digits 0-9 (no exponent, no inf, no nan).
+
+    Raises ValueError."""
+    if not _DECIMAL_RE.match(text):
+        raise ValueError(f"{text.strip()!r} is not a number; {_digits(text, 'e.g. 0.5 or 30')}")
+    return float(text)
 
 
 def format_size(n_bytes: int | float) -> str:

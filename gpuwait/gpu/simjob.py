@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuwait import checkpoint
 from gpuwait.core.errors import BackendUnavailable
-from gpuwait.core.sizes import parse_duration, parse_size
+from gpuwait.core.sizes import parse_duration, parse_size, parse_whole
 from gpuwait.gpu.sim import (
     Allocation,
     SimConfig,
@@ -116,7 +116,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vram", required=True, type=_size_arg, help="memory it allocates")
     parser.add_argument("--ramp", default=0.0, type=_duration_arg, help="grow linearly over this")
     parser.add_argument("--hold", default=1.0, type=_duration_arg, help="time at full size")
-    parser.add_argument("--exit", default=0, type=int, help="exit status at the end")
+    parser.add_argument("--exit", default=0, type=_exit_arg, help="exit status at the end (0-255)")
     parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
     parser.add_argument("--sim", metavar="FILE", help="simulation file (default: $GPUWAIT_SIM)")
     parser.add_argument(
@@ -131,6 +131,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 def _size_arg(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _exit_arg(text: str) -> int:
+    try:
+        return parse_whole(text, 0, 255)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -326,7 +326,7 @@ BAD_INPUT = [
     (["--vram", "1G", "--"], 2, "no command"),
     (["--vrm", "1G", "true"], 2, "unrecognized arguments"),
     (["--gpus", "0", "true"], 2, "at least 1"),
-    (["--gpus", "x", "true"], 2, "invalid int"),
+    (["--gpus", "x", "true"], 2, "not a whole number"),
     (["--timeout", "soon", "true"], 2, "not a duration"),
     (["--pick", "fastest", "true"], 2, "best-fit"),
     (["--priority", "9", "true"], 2, "priority"),

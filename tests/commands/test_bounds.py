@@ -1,0 +1,203 @@
+"""Every number and path a user gives is bounded and read in gpuwait's own words (issue 14):
+an absurd duration, count or size, a digit other than 0-9, a relative state or ledger dir, a
+control character, a config file nested thousands deep, an unreadable state dir, a simulation
+file that cannot be written. Each is answered at once with one line and its documented exit
+code: never a traceback, never Python's own wording, never an escape sequence echoed raw."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+#: Python's words, which gpuwait's messages never show.
+PYTHON_WORDING = (
+    "Traceback",
+    "invalid literal for int()",
+    "could not convert string to float",
+    "invalid int value",
+    "invalid float value",
+    "maximum recursion depth",
+)
+
+# (argv, environment, user config text, exit code, words in the message); "{tmp}" in argv is
+# the test's own temporary directory.
+Case = tuple[list[str], dict[str, str], str | None, int, str]
+
+CASES: dict[str, Case] = {
+    # -- durations: at most a year, wherever they come from --
+    "env lock timeout": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_LOCK_TIMEOUT": "9999999999h"},
+        None,
+        2,
+        "'9999999999h' is too long (at most 365d)",
+    ),
+    "timeout": (["--timeout", "9999999999h", "--vram", "1G", "true"], {}, None, 2, "at most 365d"),
+    "grace": (
+        ["--pausable", "--grace", "9999999999h", "--vram", "1G", "true"],
+        {},
+        None,
+        2,
+        "--grace '9999999999h' is too long (at most 365d)",
+    ),
+    "status watch": (["status", "--watch", "9999999999h"], {}, None, 2, "at most 365d"),
+    "env poll interval": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_POLL_INTERVAL": "9999999999h"},
+        None,
+        2,
+        "at most 365d",
+    ),
+    "env gpu error timeout": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_GPU_ERROR_TIMEOUT": "9999999999h"},
+        None,
+        2,
+        "at most 365d",
+    ),
+    "config timeout as a huge number": (
+        ["--vram", "1G", "true"],
+        {},
+        "timeout = 1e300\n",
+        2,
+        "at most 365d",
+    ),
+    "config sample interval as infinity": (
+        ["--vram", "1G", "true"],
+        {},
+        "sample_interval = inf\n",
+        2,
+        "at most 365d",
+    ),
+    # -- counts: whole numbers in bounds --
+    "too many gpus": (["--gpus", "1025", "--vram", "1G", "true"], {}, None, 2, "at most 1024"),
+    "too many retries": (
+        ["--retry-oom", "101", "--vram", "1G", "true"],
+        {},
+        None,
+        2,
+        "at most 100",
+    ),
+    "history lines": (["history", "-n", "99999999999999999999"], {}, None, 2, "at most 1000000"),
+    "log lines": (["log", "-n", "1000001"], {}, None, 2, "at most 1000000"),
+    "gpus word": (["--gpus", "x", "--vram", "1G", "true"], {}, None, 2, "not a whole number"),
+    "sim init too many gpus": (
+        ["sim", "init", "--gpus", "100000", "{tmp}/many.toml"],
+        {},
+        None,
+        2,
+        "at most 1024",
+    ),
+    "sim init too much memory": (
+        ["sim", "init", "--memory", "2000T", "{tmp}/big.toml"],
+        {},
+        None,
+        2,
+        "'2000T' is too large (at most 1024T)",
+    ),
+    "size above a petabyte": (["--vram", "2000T", "true"], {}, None, 2, "at most 1024T"),
+    # -- digits: 0-9 only, though Python's int() and float() read others --
+    "arabic-indic size": (["--vram", "٣G", "true"], {}, None, 2, "digits 0-9"),
+    "arabic-indic gpus": (["--gpus", "٢", "--vram", "1G", "true"], {}, None, 2, "digits 0-9"),
+    "arabic-indic timeout": (["--timeout", "٣s", "--vram", "1G", "true"], {}, None, 2, "0-9"),
+    "fullwidth safety": (["--safety", "０.５", "--vram", "1G", "true"], {}, None, 2, "fraction"),
+    "fullwidth max util": (["--max-util", "５", "--vram", "1G", "true"], {}, None, 2, "max-util"),
+    "env arabic-indic pause max": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_PAUSE_MAX": "٣"},
+        None,
+        2,
+        "number of pauses from 0 to 1000",
+    ),
+    # -- gpuwait's words, not Python's --
+    "env resume exit word": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_RESUME_EXIT": "x"},
+        None,
+        2,
+        "exit status from 1 to 125",
+    ),
+    "env margin word": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_ESTIMATE_MARGIN": "x"},
+        None,
+        2,
+        "fraction from 0 to 2",
+    ),
+    "env weight word": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_GPU_WEIGHTS": "0=x"},
+        None,
+        2,
+        "'x' is not a number",
+    ),
+}
+
+
+def answer(
+    argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwait", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **env},
+        cwd=cwd,
+    )
+
+
+def assert_one_clear_line(stderr: str) -> None:
+    for words in PYTHON_WORDING:
+        assert words not in stderr, stderr
+    # No escape sequence or other control character reaches the terminal raw.
+    assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f]", stderr), repr(stderr)
+    assert len(stderr.splitlines()) <= 2, stderr  # one line, and a hint line at most
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_value_is_answered_in_one_line(
+    sim: Path, isolated_dirs: Path, tmp_path: Path, name: str
+) -> None:
+    argv, env, config, status, words = CASES[name]
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    if config is not None:
+        path = isolated_dirs / "config" / "gpuwait" / "config.toml"
+        path.parent.mkdir(parents=True)
+        path.write_text(config)
+    work = tmp_path / "work"
+    work.mkdir()
+    started = time.monotonic()
+    done = answer(argv, env, work)
+    assert done.returncode == status, done.stderr
+    assert words in done.stderr, done.stderr
+    assert done.stderr.startswith("gpuwait: error:"), done.stderr
+    assert_one_clear_line(done.stderr)
+    assert time.monotonic() - started < 10
+    assert list(work.iterdir()) == []  # no state dir made relative to the working directory
+    assert not (tmp_path / "many.toml").exists() and not (tmp_path / "big.toml").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--vram", "1G", "--hold", "9999999999h"], "argument --hold: '9999999999h' is too long"),
+        (["--vram", "1G", "--ramp", "9999999999h"], "argument --ramp: '9999999999h' is too long"),
+        (["--vram", "1G", "--exit", "256"], "argument --exit: 256 is too large (at most 255)"),
+        (["--vram", "1G", "--exit", "x"], "argument --exit: 'x' is not a whole number"),
+    ],
+)
+def test_a_simulated_job_bounds_its_durations(
+    sim: Path, tmp_path: Path, argv: list[str], words: str
+) -> None:
+    # The simulated CUDA program answers as the programs it stands for do: argparse's usage.
+    done = answer(["sim", "job", *argv], {}, tmp_path, timeout=20)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
