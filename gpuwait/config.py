@@ -625,6 +625,10 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         raise UsageError(f"{kind} {path}: not UTF-8 text; fix or remove it") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{kind} {path}: {exc}; fix or remove it") from None
+    except RecursionError:  # tomllib's answer to arrays or tables nested thousands deep
+        raise UsageError(
+            f"{kind} {path}: damaged, values nested too deeply to read; fix or remove it"
+        ) from None
     unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
     if unknown:
         raise UsageError(

@@ -155,8 +155,10 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
         raise BackendUnavailable(
             f"simulation file {shown}: cannot read it ({exc.strerror or exc})", hint=_HINT
         ) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, RecursionError):  # tomllib's answer to arrays nested thousands deep
+            detail = "values nested too deeply"
         raise BackendUnavailable(
             f"simulation file {shown}: not valid TOML ({detail})", hint=_HINT
         ) from None
@@ -414,7 +416,7 @@ def remove_allocation(directory: Path, pid: int) -> None:
 def _parse_record(raw: bytes, pid: int) -> Allocation | None:
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # damaged, or nested thousands deep
         return None
     if not isinstance(data, dict) or data.get("schema") != RECORD_SCHEMA:
         return None

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+#: A value nested far deeper than any parser recurses.
+DEEP = "[" * 100_000 + "]" * 100_000
+
 #: Python's words, which gpuwait's messages never show.
 PYTHON_WORDING = (
     "Traceback",
@@ -137,6 +140,9 @@ CASES: dict[str, Case] = {
         2,
         "'x' is not a number",
     ),
+    # -- config files nested too deeply for the parser --
+    "config nested unknown key": (["--vram", "1G", "true"], {}, f"x = {DEEP}\n", 2, "nested"),
+    "config nested known key": (["--vram", "1G", "true"], {}, f"safety = {DEEP}\n", 2, "nested"),
 }
 
 
@@ -201,3 +207,25 @@ def test_a_simulated_job_bounds_its_durations(
     assert done.returncode == 2, done.stderr
     assert words in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_damaged_allocation_record_is_ignored(sim: Path, tmp_path: Path) -> None:
+    """A simulated job's allocation record nested thousands deep is damaged: ignored, as README
+    says, and the cards read as free."""
+    records = Path(f"{sim}.d")
+    records.mkdir(mode=0o700, exist_ok=True)
+    (records / f"{os.getpid()}.json").write_text(DEEP)
+    status = answer(["status", "--json"], {}, tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "Traceback" not in status.stderr
+    run = answer(["--vram", "1G", "--", "true"], {}, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_a_simulation_file_nested_too_deeply_is_refused(sim: Path, tmp_path: Path) -> None:
+    sim.write_text(f"gpu = {DEEP}\n")
+    done = answer(["status"], {}, tmp_path)
+    assert done.returncode == 4, done.stderr
+    assert "nested too deeply" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "maximum recursion" not in done.stderr
