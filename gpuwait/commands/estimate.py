@@ -6,14 +6,16 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from gpuwait.commands import Parser, output
 from gpuwait.config import load_settings
-from gpuwait.core.errors import UsageError
+from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.estimate import QUANTILE, Spread, recent
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.history.learn import Learned, learn
+from gpuwait.history.store import history_path
 
 ESTIMATE_SCHEMA = 1
 
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not command and not args.key:
         raise UsageError("no command given; usage: gpuwait estimate [--] COMMAND [ARGS...]")
     settings = load_settings({})
+    _check_readable(history_path(settings.state_path))
     learned = learn(
         settings.state_path,
         command or ["-"],
@@ -53,6 +56,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _show(learned, default)
     return 0
+
+
+def _check_readable(path: Path) -> None:
+    """An estimate is what the history says: a history that cannot be read is a state error
+    (exit 5), as for `gpuwait history`, not an estimate of 'no earlier runs'."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return  # no runs yet
+    except OSError as exc:  # the state dir cannot be entered
+        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
+    if not os.access(path, os.R_OK):
+        raise StateError(f"history {path} cannot be read: Permission denied")
 
 
 def _spread_json(spread: Spread | None) -> dict[str, Any] | None:

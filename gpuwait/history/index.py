@@ -161,6 +161,9 @@ def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
         st = os.stat(history)
     except FileNotFoundError:
         return result
+    except OSError as exc:  # a state dir that cannot be entered
+        result.warnings.append(_unusable(state_dir, exc))
+        return result
     directory = index_dir(state_dir)
     meta = _read_meta(directory)
     fresh = meta is not None and (meta["dev"], meta["ino"], meta["offset"]) == (
@@ -180,11 +183,15 @@ def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
                 fresh = False
     except OSError as exc:
         # Learning is a help, never a reason for a run to fail: go on without history.
-        result.warnings.append(
-            f"history in {state_dir} cannot be used ({exc.strerror or exc}); "
-            "going on without what earlier runs used"
-        )
+        result.warnings.append(_unusable(state_dir, exc))
     return result
+
+
+def _unusable(state_dir: Path, exc: OSError) -> str:
+    return (
+        f"history in {state_dir} cannot be used ({exc.strerror or exc}); "
+        "going on without what earlier runs used"
+    )
 
 
 def _read_keys(directory: Path, keys: Sequence[str]) -> dict[str, KeySummary]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.users import run_as, shared_root, user_home
 
 #: A value nested far deeper than any parser recurses.
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -229,3 +230,78 @@ def test_a_simulation_file_nested_too_deeply_is_refused(sim: Path, tmp_path: Pat
     assert done.returncode == 4, done.stderr
     assert "nested too deeply" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "maximum recursion" not in done.stderr
+
+
+USER = 47310
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "words"),
+    [
+        (["estimate", "--", "python", "x.py"], 5, "history"),
+        (["estimate", "--json", "--", "python", "x.py"], 5, "history"),
+        (["history"], 5, "history"),
+        (["log"], 5, "ledger"),
+        (["status"], 5, "ledger"),
+        (["--", "python3", "-c", "pass"], 5, "ledger"),
+    ],
+)
+def test_an_unreadable_state_dir_is_a_state_error(
+    sim: Path, tmp_path: Path, argv: list[str], status: int, words: str
+) -> None:
+    """State dir at mode 000: exit 5 and one line naming the file, like every state error
+    (a launch may also warn that its history is not used)."""
+    done = _in_unreadable_state_dir(sim, tmp_path, argv)
+    assert done.returncode == status, done.stderr
+    assert words in done.stderr and "Permission denied" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("gpuwait: "), done.stderr
+
+
+def test_a_run_with_its_ledger_elsewhere_goes_on_without_history(sim: Path, tmp_path: Path) -> None:
+    """History is a help: unreadable, the run goes on (one warning), as README says."""
+    done = _in_unreadable_state_dir(sim, tmp_path, ["--", "python3", "-c", "pass"], ledger=True)
+    assert done.returncode == 0, done.stderr
+    assert "going on without what earlier runs used" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _in_unreadable_state_dir(
+    sim: Path, tmp_path: Path, argv: list[str], *, ledger: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run gpuwait with its state dir at mode 000: as another user where the tests run as
+    root (root reads anything), else as ourselves."""
+    if os.geteuid() != 0:
+        state = tmp_path / "home" / "state" / "gpuwait"
+        state.mkdir(parents=True, exist_ok=True)
+        extra = {}
+        if ledger:
+            (tmp_path / "ledger").mkdir(mode=0o700)
+            extra["GPUWAIT_LEDGER_DIR"] = str(tmp_path / "ledger")
+        state.chmod(0)
+        try:
+            return answer(argv, extra, tmp_path)
+        finally:
+            state.chmod(0o700)
+    root = shared_root()
+    env = user_home(root, USER, USER)
+    env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    env["PATH"] = os.environ["PATH"]
+    env["XDG_CONFIG_DIRS"] = str(root / "site")
+    copy = root / "sim.toml"
+    copy.write_text(sim.read_text())
+    copy.chmod(0o644)
+    env["GPUWAIT_SIM"] = str(copy)
+    state = Path(env["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    os.chown(state, USER, USER)
+    state.chmod(0)
+    if ledger:
+        mine = root / "ledger"
+        mine.mkdir(mode=0o700)
+        os.chown(mine, USER, USER)
+        env["GPUWAIT_LEDGER_DIR"] = str(mine)
+    try:
+        return run_as(USER, USER, [], argv, env)
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
