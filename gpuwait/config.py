@@ -206,6 +206,24 @@ def _path(value: Any) -> Path | None:
     return Path(os.path.abspath(os.path.expanduser(text))) if text else None
 
 
+def _absolute_dir(value: Any) -> Path | None:
+    """A directory every gpuwait process must find the same: absolute, or under `~`.
+
+    A relative one would name another directory in every working directory, and jobs started
+    from two of them would not see each other: coordination would silently stop."""
+    if not isinstance(value, str):
+        raise ValueError('expected a path in quotes, e.g. "/srv/gpuwait"')
+    text = os.path.expanduser(value.strip())
+    if not text:
+        return None
+    if not os.path.isabs(text):
+        raise ValueError(
+            "expected an absolute path such as /srv/gpuwait or ~/gpuwait (a relative one is "
+            "another directory in every working directory, and jobs would not see each other)"
+        )
+    return Path(os.path.abspath(text))
+
+
 def _count_limit(value: Any) -> int | None:
     """A per-user count limit; 0 or "none" means no limit."""
     if value in (None, "", "none", 0, "0"):
@@ -390,7 +408,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "state_dir",
-        _path,
+        _absolute_dir,
         "",
         "where the ledger and history live (default: the user state dir)",
         show=_show_path,
@@ -444,7 +462,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "ledger_dir",
-        _path,
+        _absolute_dir,
         "",
         "directory of the ledger; a shared one (group-writable, sticky) coordinates several "
         "users (default: the state dir)",
@@ -645,6 +663,11 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     return data
 
 
+def _flag(name: str) -> str:
+    """The command-line option that sets setting `name`."""
+    return "--ledger" if name == "ledger_dir" else f"--{name.replace('_', '-')}"
+
+
 def resolve(
     cli: Mapping[str, Any],
     env: Mapping[str, str],
@@ -662,7 +685,7 @@ def resolve(
         user_set = cli.get(option.name) is not None or env.get(option.env_var, "") != ""
         if option.site_only and user_set:
             where = (
-                f"--{option.name.replace('_', '-')}"
+                _flag(option.name)
                 if cli.get(option.name) is not None
                 else f"environment {option.env_var}"
             )
@@ -685,7 +708,7 @@ def resolve(
         try:
             values[option.name] = option.parse(raw)
         except (ValueError, TypeError) as exc:
-            shown = {"command line": f"--{option.name.replace('_', '-')}"}.get(source, source)
+            shown = _flag(option.name) if source == "command line" else source
             raise UsageError(f"{shown}: {raw!r} is not valid for {option.name}: {exc}") from None
         sources[option.name] = source
     return Settings(**values, sources=sources, config_file=config_file, site_file=site_file)

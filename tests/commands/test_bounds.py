@@ -144,6 +144,42 @@ CASES: dict[str, Case] = {
     # -- config files nested too deeply for the parser --
     "config nested unknown key": (["--vram", "1G", "true"], {}, f"x = {DEEP}\n", 2, "nested"),
     "config nested known key": (["--vram", "1G", "true"], {}, f"safety = {DEEP}\n", 2, "nested"),
+    # -- state and ledger dirs: absolute, or every working directory has its own --
+    "env relative ledger dir": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_LEDGER_DIR": "shared"},
+        None,
+        2,
+        "expected an absolute path",
+    ),
+    "relative --ledger": (
+        ["--ledger", "shared", "--vram", "1G", "true"],
+        {},
+        None,
+        2,
+        "--ledger: 'shared' is not valid for ledger_dir: expected an absolute path",
+    ),
+    "env relative state dir": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_STATE_DIR": "state"},
+        None,
+        2,
+        "expected an absolute path",
+    ),
+    "config relative ledger dir": (
+        ["--vram", "1G", "true"],
+        {},
+        'ledger_dir = "x"\n',
+        2,
+        "expected an absolute path",
+    ),
+    "config number as ledger dir": (
+        ["--vram", "1G", "true"],
+        {},
+        "ledger_dir = 5\n",
+        2,
+        "expected a path in quotes",
+    ),
 }
 
 
@@ -189,6 +225,12 @@ def test_bad_value_is_answered_in_one_line(
     assert time.monotonic() - started < 10
     assert list(work.iterdir()) == []  # no state dir made relative to the working directory
     assert not (tmp_path / "many.toml").exists() and not (tmp_path / "big.toml").exists()
+
+
+def test_a_state_dir_under_home_is_still_taken(sim: Path, isolated_dirs: Path) -> None:
+    done = answer(["config"], {"GPUWAIT_STATE_DIR": "~/elsewhere"}, isolated_dirs)
+    assert done.returncode == 0, done.stderr
+    assert f"state dir:   {isolated_dirs / 'elsewhere'}" in done.stdout
 
 
 @pytest.mark.parametrize(
