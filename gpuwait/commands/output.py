@@ -7,20 +7,31 @@ import sys
 from typing import TextIO
 
 from gpuwait.core.policy import WaitReason
+from gpuwait.core.text import printable
+
+#: The longest message line: one that echoes a value pasted by mistake stays readable.
+_MAX_LINE = 4000
+
+
+def _line(text: str) -> str:
+    """A message as one line, safe on a terminal: messages echo what users typed (options,
+    GPUWAIT_* values, config values, file names), and an escape sequence or a newline in one
+    must reach the terminal as '?', never as a command to it or a second line."""
+    return printable(text, _MAX_LINE)
 
 
 def error(message: str, hint: str | None = None) -> None:
-    print(f"gpuwait: error: {message}", file=sys.stderr)
+    print(f"gpuwait: error: {_line(message)}", file=sys.stderr)
     if hint:
-        print(f"gpuwait: hint: {hint}", file=sys.stderr)
+        print(f"gpuwait: hint: {_line(hint)}", file=sys.stderr)
 
 
 def warn(message: str) -> None:
-    print(f"gpuwait: warning: {message}", file=sys.stderr)
+    print(f"gpuwait: warning: {_line(message)}", file=sys.stderr)
 
 
 def info(message: str) -> None:
-    print(f"gpuwait: {message}", file=sys.stderr)
+    print(f"gpuwait: {_line(message)}", file=sys.stderr)
 
 
 class WaitLine:

@@ -26,7 +26,7 @@ def parse_devices_option(text: str, gpus: Sequence[GpuSnapshot]) -> list[str]:
         gpu = _match(entry, gpus)
         if gpu is None:
             known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
-            raise ValueError(f"--devices {text}: no GPU {entry.strip()!r} here; GPUs: {known}")
+            raise ValueError(f"--devices {text!r}: no GPU {entry.strip()!r} here; GPUs: {known}")
         if gpu.uuid not in chosen:
             chosen.append(gpu.uuid)
     if not chosen:

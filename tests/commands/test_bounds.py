@@ -180,6 +180,21 @@ CASES: dict[str, Case] = {
         2,
         "expected a path in quotes",
     ),
+    # -- values echoed in a message: escape sequences never reach the terminal --
+    "escape sequence in devices": (
+        ["--devices", "0\x1b[31m", "--vram", "1G", "true"],
+        {},
+        None,
+        2,
+        "no GPU",
+    ),
+    "escape sequence in an unknown argument": (
+        ["status", "\x1b]0;owned\x07"],
+        {},
+        None,
+        2,
+        "unrecognized arguments",
+    ),
 }
 
 
