@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.digest import sha256_hex
-from gpuwait.core.errors import BackendUnavailable, GpuwaitError, UsageError
+from gpuwait.core.errors import BackendUnavailable, UsageError
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_size, parse_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
@@ -306,7 +306,14 @@ def write_sim_file(
     try:
         write_atomic(Path(target), text.encode(), mode=0o644)
     except OSError as exc:
-        raise GpuwaitError(f"cannot write {target}: {exc.strerror or exc}") from None
+        # A path the user gave that cannot be written: a usage error (exit 2).
+        parent = os.path.dirname(os.path.abspath(target))
+        if isinstance(exc, FileNotFoundError) and not os.path.isdir(parent):
+            raise UsageError(
+                f"cannot write {target}: directory {parent} does not exist",
+                hint="create the directory first, or write the file elsewhere",
+            ) from None
+        raise UsageError(f"cannot write {target}: {exc.strerror or exc}") from None
 
 
 def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[float] | None) -> str:

@@ -195,6 +195,14 @@ CASES: dict[str, Case] = {
         2,
         "unrecognized arguments",
     ),
+    # -- a simulation file that cannot be written: the user's path, so exit 2 --
+    "sim init into a missing directory": (
+        ["sim", "init", "/nonexistent/x.toml"],
+        {},
+        None,
+        2,
+        "directory /nonexistent does not exist",
+    ),
 }
 
 
