@@ -52,6 +52,8 @@ class Finished(Record):
     batch: str | None = None
     exit_status: int | None = None
     signal: int | None = None
+    #: Who cancelled it (a cancelled job): its owner, or root.
+    by_uid: int | None = None
 
     @property
     def succeeded(self) -> bool:

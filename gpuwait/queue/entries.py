@@ -623,6 +623,7 @@ def _finished(raw: Any) -> Finished:
         batch=_optional_text(raw, "batch"),
         exit_status=_optional_count(raw, "exit_status"),
         signal=_optional_count(raw, "signal"),
+        by_uid=_optional_count(raw, "by_uid"),
     )
     if done.outcome not in OUTCOMES:
         raise ValueError(f"outcome {done.outcome!r} is unknown")

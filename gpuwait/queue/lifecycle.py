@@ -156,7 +156,14 @@ def _carry_out_requests(data: LedgerData, said: _Said) -> None:
             continue
         data.jobs.remove(job)
         data.book.note_finished(
-            Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
+            Finished(
+                job.id,
+                CANCELLED,
+                time.time(),
+                name=job.name,
+                batch=job.batch,
+                by_uid=request.by_uid,
+            )
         )
         said.append(
             (
@@ -331,10 +338,10 @@ class Admitted(Record, frozen=True):
         return self.job.reserved_bytes
 
 
-class Cancelled:
-    """`gpuwait cancel` took this job out of the queue."""
+class Cancelled(Record, frozen=True):
+    """`gpuwait cancel` took this job out of the queue: its owner, or root (`by_uid`)."""
 
-    __slots__ = ()
+    by_uid: int | None = None
 
 
 class DependencyFailed(Record, frozen=True):
@@ -423,7 +430,7 @@ def admit(
         if mine is None:
             done = data.book.outcome(job.id)
             if done is not None and done.outcome == CANCELLED:
-                return job, Cancelled()
+                return job, Cancelled(done.by_uid)
             mine = _entry(data, job)
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)
@@ -719,7 +726,9 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
             else:
                 data.remove(job.id)
                 data.book.note_finished(
-                    Finished(job.id, CANCELLED, time.time(), name=job.name, batch=job.batch)
+                    Finished(
+                        job.id, CANCELLED, time.time(), name=job.name, batch=job.batch, by_uid=uid
+                    )
                 )
                 result.cancelled.append(job)
             said.append(

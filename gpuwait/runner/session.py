@@ -466,7 +466,9 @@ def _attempt(
             return _Ended(128 + outcome.signum)
         if isinstance(outcome, Cancelled):
             # `gpuwait cancel` already took the entry out and recorded the outcome.
-            reporter.info(f"job {job.id} cancelled while waiting")
+            by = outcome.by_uid
+            someone = "" if by is None or by == job.uid else f" by uid {by}"
+            reporter.info(f"job {job.id} cancelled while waiting{someone}")
             return _Ended(EXIT_CANCELLED)
         if isinstance(outcome, DependencyFailed):
             reporter.error(f"job {job.id} will not start: {outcome.message}")
