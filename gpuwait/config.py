@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, UsageError
-from gpuwait.core.estimate import DEFAULT_MARGIN
+from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
 from gpuwait.core.policy import PICK_STRATEGIES, FairShare, UserLimits
 from gpuwait.core.record import Record, field
@@ -34,6 +35,7 @@ from gpuwait.core.sizes import (
     parse_whole,
 )
 from gpuwait.linux import dirs
+from gpuwait.linux.security import UnsafePath, mine, open_readable, read_capped
 
 EXCLUSIVE = "exclusive"
 
@@ -450,7 +452,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "history_max_size",
         _size_limit,
-        "64MiB",
+        f"{DEFAULT_HISTORY_MAX_BYTES >> 20}MiB",
         "size at which the history is compacted (what estimates use is kept)",
         show=_show_size,
     ),
@@ -607,6 +609,17 @@ def site_config_file_path() -> Path:
 _MAX_CONFIG_BYTES = 1 << 20
 
 
+def _own_link_target(path: Path) -> Path:
+    """What `path` names: where it leads when it is a symlink of this user's (or root's)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return path
+    if stat.S_ISLNK(st.st_mode) and st.st_uid in mine():
+        return Path(os.path.realpath(path))
+    return path
+
+
 def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     """The table in `path`; {} when there is none. Raises UsageError for a broken file.
 
@@ -615,22 +628,27 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     """
     kind = "site config file" if site else "config file"
     try:
-        with path.open("rb") as f:
-            if site and os.fstat(f.fileno()).st_mode & 0o002:
+        # Never waited on (a FIFO), never read past the cap, and a user's file is theirs or
+        # root's, the site file root's (or the user's own, trying it out). A link is followed
+        # only when it is theirs or root's too (dotfiles kept elsewhere), and its target must
+        # be such a file itself.
+        fd = open_readable(_own_link_target(path), mine())
+        if fd is None:
+            return {}
+        try:
+            if site and os.fstat(fd).st_mode & 0o002:
                 raise UsageError(
                     f"{kind} {path} is writable by every user, so anyone could change the "
                     "limits in it; refusing to use it",
                     hint=f"an administrator runs: chmod o-w {path}",
                 )
-            raw = f.read(_MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        return {}
-    except IsADirectoryError:
-        raise UsageError(f"{kind} {path} is a directory, not a file") from None
+            raw = read_capped(fd, path, _MAX_CONFIG_BYTES)
+        finally:
+            os.close(fd)
+    except UnsafePath as exc:
+        raise UsageError(f"{kind} {path} {exc.what}; refusing to use it") from None
     except OSError as exc:
         raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}") from None
-    if len(raw) > _MAX_CONFIG_BYTES:
-        raise UsageError(f"{kind} {path} is larger than 1 MiB; it cannot be a config file")
     # Imported here, not at the top: most launches have no config file, and a launch should
     # not pay for the TOML parser then.
     if sys.version_info >= (3, 11):

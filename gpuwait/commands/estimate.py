@@ -16,6 +16,7 @@ from gpuwait.core.estimate import QUANTILE, Spread, recent
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.history.learn import Learned, learn
 from gpuwait.history.store import history_path
+from gpuwait.linux.security import mine, open_readable
 
 ESTIMATE_SCHEMA = 1
 
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         os.getcwd(),
         key=args.key,
         margin=settings.estimate_margin,
+        max_bytes=settings.history_max_size,
     )
     for message in learned.warnings:
         output.warn(message)
@@ -62,13 +64,11 @@ def _check_readable(path: Path) -> None:
     """An estimate is what the history says: a history that cannot be read is a state error
     (exit 5), as for `gpuwait history`, not an estimate of 'no earlier runs'."""
     try:
-        os.stat(path)
-    except FileNotFoundError:
-        return  # no runs yet
-    except OSError as exc:  # the state dir cannot be entered
+        fd = open_readable(path, mine())
+    except OSError as exc:  # not a plain file of the user's, or a state dir not to be entered
         raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
-    if not os.access(path, os.R_OK):
-        raise StateError(f"history {path} cannot be read: Permission denied")
+    if fd is not None:
+        os.close(fd)
 
 
 def _spread_json(spread: Spread | None) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.history.learn import key_for
 from gpuwait.history.record import is_slim, record_keys
-from gpuwait.history.store import history_path, read_from, tail
+from gpuwait.history.store import history_path, read_from, read_limit, tail
 
 
 def build_parser() -> Parser:
@@ -54,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
     wanted = _wanted_hash(command, args.key)
     try:
         # Only the newest lines are read unless the whole file must be filtered or shown.
-        parsed = tail(path, args.n) if wanted is None and not args.all else read_from(path)
+        limit = read_limit(settings.history_max_size)
+        parsed = (
+            tail(path, args.n, limit)
+            if wanted is None and not args.all
+            else read_from(path, 0, limit)
+        )
     except OSError as exc:
         raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
     records = [r for _, r in parsed.records]

@@ -11,6 +11,7 @@ from typing import Any
 from gpuwait.commands import MAX_LINES, Parser, whole_number
 from gpuwait.commands.common import ledger_for
 from gpuwait.config import load_settings
+from gpuwait.core.errors import StateError
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import printable
 from gpuwait.queue.events import KINDS, follow, read_events
@@ -52,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
             else printable(describe(event, indices), 4000)
         )
 
-    events = [e for e in read_events(directory) if wanted(e)]
+    try:
+        events = [e for e in read_events(directory) if wanted(e)]
+    except OSError as exc:
+        raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
     # max(0, …): with fewer events than asked for, a negative start would drop some.
     for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)
@@ -66,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     except KeyboardInterrupt:
         pass
+    except OSError as exc:
+        raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
     return 0
 
 

@@ -45,6 +45,8 @@ OOM_GROWTH = 1.5
 MIN_ESTIMATE = 256 * MiB
 #: estimate_margin's default: added on top of a learned estimate.
 DEFAULT_MARGIN = 0.1
+#: history_max_size's default: the size at which the history is compacted.
+DEFAULT_HISTORY_MAX_BYTES = 64 * MiB
 #: The program level's runs agree when their peaks differ by at most this much of the largest
 #: (or 256 MiB, whichever is more).
 AGREE_BAND = 0.2

@@ -33,6 +33,14 @@ from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.lock import exclusive
+from gpuwait.linux.security import (
+    ANYONE,
+    UnsafePath,
+    mine,
+    open_readable,
+    read_capped,
+    read_state_file,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +49,10 @@ else:  # pragma: no cover
 
 DEFAULT_NAME = "Simulated GPU"
 RECORD_SCHEMA = 1
+#: A simulation file larger than this is not one (1024 GPUs take about 100 KiB).
+MAX_FILE_BYTES = 1 << 20
+#: An allocation record larger than this is not one.
+MAX_RECORD_BYTES = 1 << 16
 _HINT = "fix the file, or write a fresh one with `gpuwait sim init PATH --gpus 2 --memory 24GiB`"
 _GPU_KEYS = frozenset(
     {
@@ -138,18 +150,31 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     resolved = resolve_path(path)
     shown = os.fspath(path)
     try:
-        with open(resolved, "rb") as handle:
-            info = os.fstat(handle.fileno())
+        # Resolved already: a link the user made to it was followed, one put in its place
+        # since is not; never waited on (a FIFO), read up to the cap, theirs or root's only.
+        fd = open_readable(resolved, mine())
+        if fd is None:
+            raise FileNotFoundError
+        try:
+            info = os.fstat(fd)
             stamp = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
             known = _parsed.get(resolved)
             if known is not None and known[0] == stamp:
                 return known[1]
-            data = tomllib.load(handle)
+            raw = read_capped(fd, resolved, MAX_FILE_BYTES)
+        finally:
+            os.close(fd)
+        data = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise BackendUnavailable(
             f"simulation file {shown}: not found",
             hint="create it with `gpuwait sim init PATH --gpus 2 --memory 24GiB`",
             lasting=True,
+        ) from None
+    except UnsafePath as exc:
+        # Nothing a moment will change (a save in progress is a plain file of the user's).
+        raise BackendUnavailable(
+            f"simulation file {shown} {exc.what}; refusing to use it", hint=_HINT, lasting=True
         ) from None
     except OSError as exc:
         raise BackendUnavailable(
@@ -463,9 +488,12 @@ def live_allocations(config: SimConfig, *, prune: bool = False) -> list[Allocati
 
 
 def _read_record(path: Path, pid: int) -> Allocation | None:
+    # Written by whichever user's simulated job it is; anything but a small plain file is none.
     try:
-        raw = path.read_bytes()
+        raw = read_state_file(path, MAX_RECORD_BYTES, ANYONE)
     except OSError:
+        return None
+    if raw is None:
         return None
     return _parse_record(raw, pid)
 

@@ -26,14 +26,29 @@ from typing import Any
 from gpuwait.core.estimate import RunStat
 from gpuwait.core.record import Record
 from gpuwait.history.record import earlier_runs, record_keys
-from gpuwait.history.store import KEEP_PER_KEY, Parsed, history_lock, history_path, read_from
+from gpuwait.history.store import (
+    KEEP_PER_KEY,
+    LOCK_WAIT,
+    HistoryBusy,
+    Parsed,
+    history_lock,
+    history_path,
+    read_from,
+    read_limit,
+)
 from gpuwait.linux.atomic import ensure_private_dir
+from gpuwait.linux.security import mine, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times).
 SCHEMA = 2
 DIRNAME = "history.index"
 KEEP_RUNS = KEEP_PER_KEY
 _OK, _OOM, _APPROX = 1, 2, 4
+#: A bucket file larger than this is not one (256 buckets of KEEP_RUNS runs per key).
+MAX_BUCKET_BYTES = 64 << 20
+#: How long a launch waits for the history lock to bring the index up to date (another process
+#: compacting, say); after that it goes on with the index as it is: a cache a few runs behind.
+LAUNCH_LOCK_WAIT = 1.0
 
 #: One run as stored: [offset, started_at, peak (-1: unknown), reserved, flags, run s, wait s,
 #: time to peak (-1: unknown), [GPU UUIDs]].
@@ -117,10 +132,11 @@ def _write_cache(path: Path, value: Any) -> None:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as exc:
+        raw = read_state_file(path, MAX_BUCKET_BYTES, mine())
+        return None if raw is None else json.loads(raw)
+    except OSError as exc:
+        raise _Damaged(f"{path.name}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
         raise _Damaged(f"{path.name}: {exc}") from None
 
 
@@ -152,8 +168,10 @@ def _summary(entry: Any, name: str) -> KeySummary:
         raise _Damaged(f"{name}: malformed entry") from None
 
 
-def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
-    """Summaries of `keys`, bringing the index up to date with the history first if needed."""
+def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
+    """Summaries of `keys`, bringing the index up to date with the history first if needed.
+
+    `max_bytes`: the history's size limit (history_max_size), which bounds what is read."""
     wanted = sorted(set(keys))
     result = Lookup()
     history = history_path(state_dir)
@@ -174,7 +192,11 @@ def lookup(state_dir: Path, keys: Iterable[str]) -> Lookup:
     try:
         for attempt in range(2):
             if not fresh:
-                result.warnings += refresh(state_dir, rebuild=attempt > 0)
+                # Busy (compacting, say): the index as it is serves this launch.
+                with contextlib.suppress(HistoryBusy):
+                    result.warnings += refresh(
+                        state_dir, max_bytes, rebuild=attempt > 0, wait=LAUNCH_LOCK_WAIT
+                    )
             try:
                 result.keys = _read_keys(directory, wanted)
                 return result
@@ -207,41 +229,44 @@ def _read_keys(directory: Path, keys: Sequence[str]) -> dict[str, KeySummary]:
     return found
 
 
-def refresh(state_dir: Path, rebuild: bool = False) -> list[str]:
+def refresh(
+    state_dir: Path, max_bytes: int, rebuild: bool = False, wait: float = LOCK_WAIT
+) -> list[str]:
     """Take in what the history gained since the index was written; rebuild when it must.
 
-    Returns warnings (damaged history lines, a damaged index) for the CLI to show.
+    Reads at most `read_limit(max_bytes)` bytes, the newest: a history far over its size limit
+    (damaged, or written by something else) costs what a whole history would, and its older
+    part waits for the next compaction. Returns warnings (damaged history lines, a damaged
+    index) for the CLI to show. HistoryBusy when the history lock is not had within `wait`.
     """
     directory = index_dir(state_dir)
     history = history_path(state_dir)
     warnings: list[str] = []
-    with history_lock(state_dir):
+    limit = read_limit(max_bytes)
+    with history_lock(state_dir, wait):
         try:
             st = os.stat(history)
         except FileNotFoundError:
             return warnings
         ensure_private_dir(directory)
         meta = _read_meta(directory)
-        base = 0
         if (
             rebuild
             or meta is None
             or (meta["dev"], meta["ino"]) != (st.st_dev, st.st_ino)
             or meta["offset"] > st.st_size
         ):
-            parsed = read_from(history, 0)
+            parsed = read_from(history, 0, limit)
             _rebuild(directory, parsed)
         else:
             if meta["offset"] == st.st_size:
                 return warnings
-            base = meta["offset"]
-            parsed = read_from(history, base)
+            parsed = read_from(history, meta["offset"], limit)
             try:
                 _take_in(directory, parsed)
             except _Damaged as exc:
                 warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
-                base = 0
-                parsed = read_from(history, 0)
+                parsed = read_from(history, 0, limit)
                 _rebuild(directory, parsed)
         message = parsed.damage.message(history)
         if message:
@@ -252,7 +277,7 @@ def refresh(state_dir: Path, rebuild: bool = False) -> list[str]:
                 "schema": SCHEMA,
                 "dev": st.st_dev,
                 "ino": st.st_ino,
-                "offset": base + parsed.consumed,
+                "offset": parsed.end,
             },
         )
     return warnings

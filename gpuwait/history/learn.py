@@ -17,6 +17,8 @@ from typing import Any
 
 from gpuwait.core.cmdkey import PROGRAM, CommandKey, command_key, explicit_key, runs_other_code
 from gpuwait.core.estimate import (
+    DEFAULT_HISTORY_MAX_BYTES,
+    DEFAULT_MARGIN,
     Estimate,
     RunStat,
     Spread,
@@ -120,13 +122,16 @@ def learn(
     cwd: str,
     *,
     key: str | None = None,
-    margin: float = 0.1,
+    margin: float = DEFAULT_MARGIN,
     now: float | None = None,
+    max_bytes: int = DEFAULT_HISTORY_MAX_BYTES,
 ) -> Learned:
-    """Look the command up in the history index and estimate from what is found."""
+    """Look the command up in the history index and estimate from what is found.
+
+    `max_bytes`: the history's size limit (history_max_size), which bounds what is read."""
     ckey = key_for(command, cwd, key)
     hashes = ckey.hashes()
-    found = index.lookup(state_dir, hashes.values())
+    found = index.lookup(state_dir, hashes.values(), max_bytes)
     levels = []
     for name, text in ckey.levels:
         summary = found.keys.get(hashes[name])
@@ -171,11 +176,12 @@ def choose_request(
     *,
     key: str | None,
     margin: float,
+    max_bytes: int,
 ) -> RequestChoice:
     """--vram when given; else the estimate from earlier runs; else the default_vram setting."""
     if vram_flag is not None:
         return RequestChoice(vram_flag, FLAG)
-    learned = learn(state_dir, command, cwd, key=key, margin=margin)
+    learned = learn(state_dir, command, cwd, key=key, margin=margin, max_bytes=max_bytes)
     if learned.estimate.bytes is not None:
         note = learned.basis()
         if learned.estimate.approximate:
@@ -218,5 +224,11 @@ def save_record(state_dir: Path, record: dict[str, Any], max_bytes: int) -> list
 
     Returns warnings for the CLI; raises OSError when the history cannot be written.
     """
-    store.append_record(state_dir, record, max_bytes)
-    return index.refresh(state_dir)
+    compaction = store.append_record(state_dir, record, max_bytes)
+    warnings = index.refresh(state_dir, max_bytes)
+    if compaction is not None and compaction.kept_as is not None:
+        warnings.append(
+            f"history {store.history_path(state_dir)}: compacted it without what was damaged "
+            f"({compaction.damage}); the old file is kept as {compaction.kept_as}"
+        )
+    return warnings

@@ -27,13 +27,14 @@ Per-key summaries for fast estimates live in gpuwait.history.index, a cache rebu
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.estimate import MAX_AGE, MIN_RUNS, WINDOW, RunStat
+from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, MAX_AGE, MIN_RUNS, WINDOW, RunStat
 from gpuwait.history.record import (
     EARLIER,
     RunOutcome,
@@ -45,8 +46,15 @@ from gpuwait.history.record import (
     run_stat,
     slim,
 )
-from gpuwait.linux.atomic import append_whole, ensure_private_dir, open_private_append, write_atomic
-from gpuwait.linux.lock import exclusive
+from gpuwait.linux.atomic import (
+    append_whole,
+    damaged_name,
+    ensure_private_dir,
+    open_private_append,
+    write_atomic,
+)
+from gpuwait.linux.lock import LockTimeout, exclusive
+from gpuwait.linux.security import mine, open_readable
 
 FILENAME = "history.jsonl"
 LOCK_NAME = "history.lock"
@@ -54,24 +62,54 @@ LOCK_NAME = "history.lock"
 KEEP_PER_KEY = 2 * WINDOW
 #: The newest runs, kept by compaction whatever their key, for `gpuwait history`.
 KEEP_RECENT = 1000
+#: How long a writer (a finished run's record, a compaction) waits for the history lock.
+LOCK_WAIT = 60.0
+#: What is read of a history, at most, is this many times its size limit (history_max_size),
+#: the newest part: a history compacts once it passes its limit, so only a damaged file (or
+#: one written by something else) is larger, and such a file must not make every launch slower.
+READ_FACTOR = 2
+#: What compaction reads at least: a limit lowered below the history's size (history_max_size
+#: set from 64MiB to 1MiB, say) still compacts the whole file, as long as it is no larger.
+COMPACT_READ_BYTES = 2 * DEFAULT_HISTORY_MAX_BYTES
+#: A line longer than this is not a record (records are about a kilobyte) but junk, even while
+#: no newline ends it yet.
+MAX_LINE = 1 << 20
+
+
+def read_limit(max_bytes: int) -> int:
+    """How much of a history whose size limit is `max_bytes` is ever read (see READ_FACTOR)."""
+    return READ_FACTOR * max_bytes
 
 
 def history_path(state_dir: Path) -> Path:
     return state_dir / FILENAME
 
 
+class HistoryBusy(OSError):
+    """The history lock was not had in time: another process holds it (compacting, or hung)."""
+
+
 @contextlib.contextmanager
-def history_lock(state_dir: Path) -> Iterator[None]:
-    """Exclusive lock shared by appenders, compaction and index updates."""
+def history_lock(state_dir: Path, wait: float = LOCK_WAIT) -> Iterator[None]:
+    """Exclusive lock shared by appenders, compaction and index updates; HistoryBusy after
+    `wait` seconds."""
     ensure_private_dir(state_dir)
-    with exclusive(state_dir / LOCK_NAME):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(exclusive(state_dir / LOCK_NAME, timeout=wait))
+        except LockTimeout:
+            raise HistoryBusy(
+                errno.EWOULDBLOCK, f"another process held the history lock for {wait:g}s"
+            ) from None
         yield
 
 
-def append_record(state_dir: Path, record: dict[str, Any], max_bytes: int | None = None) -> bool:
+def append_record(
+    state_dir: Path, record: dict[str, Any], max_bytes: int | None = None
+) -> Compaction | None:
     """Append one record as a single write; compact when the file passes `max_bytes`.
 
-    Returns True when the file was compacted (its index must then be rebuilt).
+    Returns the compaction when there was one (the index must then be rebuilt).
     """
     line = encode(record)
     path = history_path(state_dir)
@@ -88,18 +126,23 @@ def append_record(state_dir: Path, record: dict[str, Any], max_bytes: int | None
         finally:
             os.close(fd)
         if max_bytes is not None and size > max_bytes:
-            compact(state_dir, max_bytes)
-            return True
-    return False
+            return compact(state_dir, max_bytes)
+    return None
 
 
 def _last_byte(path: Path, size: int) -> bytes:
     try:
-        with open(path, "rb") as handle:
-            handle.seek(size - 1)
-            return handle.read(1)
+        fd = open_readable(path, mine())
     except OSError:
         return b"\n"
+    if fd is None:
+        return b"\n"
+    try:
+        return os.pread(fd, 1, size - 1)
+    except OSError:
+        return b"\n"
+    finally:
+        os.close(fd)
 
 
 class Damage:
@@ -108,19 +151,32 @@ class Damage:
     def __init__(self) -> None:
         self.lines = 0
         self.first_offset: int | None = None
+        #: Bytes at the file's start left unread because the file is far over its size limit.
+        self.unread = 0
 
-    def add(self, offset: int) -> None:
-        self.lines += 1
+    def note(self, offset: int) -> None:
+        """A damaged line at `offset`, met in file order."""
         if self.first_offset is None:
             self.first_offset = offset
 
+    def describe(self) -> str | None:
+        """What was passed over, or None when nothing was."""
+        parts = []
+        if self.lines:
+            parts.append(
+                f"skipped {self.lines} damaged line(s) (the first at byte {self.first_offset})"
+            )
+        if self.unread:
+            parts.append(f"left its first {_mib(self.unread)} unread (far over history_max_size)")
+        return "; ".join(parts) or None
+
     def message(self, path: Path) -> str | None:
-        if not self.lines:
-            return None
-        return (
-            f"history {path}: skipped {self.lines} damaged line(s) "
-            f"(the first at byte {self.first_offset}); the rest of the history is used"
-        )
+        what = self.describe()
+        return None if what is None else f"history {path}: {what}; the rest of the history is used"
+
+
+def _mib(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
 
 
 class Parsed:
@@ -130,29 +186,82 @@ class Parsed:
         self.records: list[tuple[int, dict[str, Any]]] = []
         #: The figures of each record, in the same order.
         self.stats: list[RunStat] = []
-        #: Bytes consumed: whole lines only, so a line still being written is read next time.
-        self.consumed = 0
+        #: Where the stretch read ends in the file: after its last whole line (a line still
+        #: being written is read next time), or after junk longer than any record.
+        self.end = 0
         self.damage = Damage()
 
 
+#: Every byte but the newline, as "X"; with the whitespace bytes.strip() takes left out, a line
+#: that is not blank ends in "X\n". So the lines are counted at the speed of bytes.translate.
+_NOT_NEWLINE = bytes(10 if b == 10 else 88 for b in range(256))
+_WHITESPACE = b" \t\r\x0b\x0c"
+#: How much of the data is translated at a time (a copy of this size at most).
+_CHUNK = 8 << 20
+
+
 def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:
-    """Every whole line of `data` (which starts at `base_offset` in the file)."""
+    """Every whole line of `data` (which starts at `base_offset` in the file).
+
+    A record is a JSON object: only lines whose first byte past spaces is "{" are decoded, and
+    they are found by searching for "{" (memchr, in C), so a history full of junk costs a scan
+    of its bytes, not a step of Python per line.
+    """
     parsed = Parsed()
     end = data.rfind(b"\n") + 1
-    parsed.consumed = end
-    position = 0
-    while position < end:
-        newline = data.index(b"\n", position)
-        line = data[position:newline]
-        if line.strip():
-            decoded = _decode(line)
-            if decoded is None:
-                parsed.damage.add(base_offset + position)
-            else:
-                parsed.records.append((base_offset + position, decoded[0]))
-                parsed.stats.append(decoded[1])
-        position = newline + 1
+    # Junk that no newline ends (yet): no record is that long, so it is passed over for good.
+    junk_tail = len(data) - end > MAX_LINE
+    parsed.end = base_offset + (len(data) if junk_tail else end)
+    damage = parsed.damage
+    position = 0  # where the line after the last record starts
+    search = 0
+    while True:
+        brace = data.find(b"{", search, end)
+        if brace < 0:
+            break
+        start = data.rfind(b"\n", search, brace) + 1 or search
+        stop = data.index(b"\n", brace, end)
+        search = stop + 1
+        if data[start:brace].strip(b" \t\r"):
+            continue  # not a JSON object: counted with the other damaged lines below
+        if damage.first_offset is None and start > position:
+            _note_junk(data, position, start, base_offset, damage)
+        decoded = _decode(data[start:stop])
+        if decoded is None:
+            damage.note(base_offset + start)
+        else:
+            parsed.records.append((base_offset + start, decoded[0]))
+            parsed.stats.append(decoded[1])
+        position = stop + 1
+    if damage.first_offset is None and position < end:
+        _note_junk(data, position, end, base_offset, damage)
+    damage.lines = _lines_not_blank(data, end) - len(parsed.records)
+    if junk_tail:
+        damage.note(base_offset + end)
+        damage.lines += 1
     return parsed
+
+
+def _lines_not_blank(data: bytes, end: int) -> int:
+    """How many of the lines before `end` (which follows a newline) are not blank."""
+    count = 0
+    start = 0
+    while start < end:
+        stop = data.index(b"\n", min(start + _CHUNK, end) - 1, end) + 1
+        count += data[start:stop].translate(_NOT_NEWLINE, _WHITESPACE).count(b"X\n")
+        start = stop
+    return count
+
+
+def _note_junk(data: bytes, start: int, stop: int, base_offset: int, damage: Damage) -> None:
+    """Note the first line between `start` and `stop` (no record among them) that is not blank."""
+    while start < stop:
+        newline = data.find(b"\n", start, stop)
+        line_end = stop if newline < 0 else newline
+        if data[start:line_end].strip():
+            damage.note(base_offset + start)
+            return
+        start = line_end + 1
 
 
 def _decode(line: bytes) -> tuple[dict[str, Any], RunStat] | None:
@@ -166,27 +275,49 @@ def _decode(line: bytes) -> tuple[dict[str, Any], RunStat] | None:
     return None if stat is None else (value, stat)
 
 
-def read_from(path: Path, offset: int = 0) -> Parsed:
-    """Records from `offset` to the last whole line. A missing file has none."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            data = handle.read()
-    except FileNotFoundError:
+def read_from(path: Path, offset: int = 0, limit: int | None = None) -> Parsed:
+    """Records from `offset` to the last whole line. A missing file has none.
+
+    With `limit`, at most the newest `limit` bytes of that stretch are read (from the first
+    line that starts in them); the older part is left unread (`damage.unread`). Raises OSError
+    (UnsafePath) for a file that is not a plain file of this user's.
+    """
+    fd = open_readable(path, mine())
+    if fd is None:
         return Parsed()
-    return parse_lines(data, offset)
+    try:
+        size = os.fstat(fd).st_size
+        start = offset if limit is None else max(offset, size - limit)
+        # Only what the file held when looked at: appends meanwhile are read next time.
+        data = os.pread(fd, max(0, size - start), start)
+    finally:
+        os.close(fd)
+    skipped = start - offset
+    if skipped > 0:
+        # The line the cut fell into is not whole: it belongs to the part left unread.
+        cut = data.find(b"\n") + 1
+        if cut == 0:
+            cut = len(data)
+        data, start, skipped = data[cut:], start + cut, skipped + cut
+    parsed = parse_lines(data, start)
+    parsed.damage.unread = skipped
+    return parsed
 
 
-def tail(path: Path, count: int) -> Parsed:
-    """The last `count` records (fewer if the file has fewer), reading backwards in blocks."""
-    try:
-        data, start = _read_tail(path, count)
-    except FileNotFoundError:
+def tail(path: Path, count: int, limit: int) -> Parsed:
+    """The last `count` records (fewer if the file has fewer), reading backwards in blocks,
+    never more than the last `limit` bytes."""
+    fd = open_readable(path, mine())
+    if fd is None:
         return Parsed()
+    try:
+        data, start = _read_tail(fd, count, limit)
+    finally:
+        os.close(fd)
     if start > 0:
         # Skip the partial first line.
-        cut = data.index(b"\n") + 1
-        data, start = data[cut:], start + cut
+        cut = data.find(b"\n") + 1
+        data, start = data[cut:] if cut else b"", start + (cut or len(data))
     parsed = parse_lines(data, start)
     keep = min(count, len(parsed.records))
     parsed.records = parsed.records[len(parsed.records) - keep :]
@@ -194,20 +325,20 @@ def tail(path: Path, count: int) -> Parsed:
     return parsed
 
 
-def _read_tail(path: Path, count: int) -> tuple[bytes, int]:
-    """The end of the file holding more than `count` lines (or all of it), and where it starts."""
-    with open(path, "rb") as handle:
-        end = handle.seek(0, os.SEEK_END)
-        start = end
-        block = 1 << 16
-        data = b""
-        while start > 0:
-            start = max(0, start - block)
-            handle.seek(start)
-            data = handle.read(end - start)
-            if data.count(b"\n") > count:
-                break
-            block *= 2
+def _read_tail(fd: int, count: int, limit: int) -> tuple[bytes, int]:
+    """The end of the file holding more than `count` lines (or all of it, or its last `limit`
+    bytes), and where it starts."""
+    end = os.fstat(fd).st_size
+    floor = max(0, end - limit)
+    start = end
+    block = 1 << 16
+    data = b""
+    while start > floor:
+        start = max(floor, start - block)
+        data = os.pread(fd, end - start, start)
+        if data.count(b"\n") > count:
+            break
+        block *= 2
     return data, start
 
 
@@ -222,6 +353,9 @@ class Compaction:
         self.dropped_unprotected = 0
         self.dropped_protected = 0
         self.lines: list[bytes] = []
+        #: The damage found, and the name the old file was kept under as evidence.
+        self.damage: str | None = None
+        self.kept_as: str | None = None
 
 
 def compacted(parsed: Parsed, budget: int, now: float | None = None) -> Compaction:
@@ -326,16 +460,29 @@ def _carry_counts(
 
 def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compaction:
     """Rewrite the history keeping what estimates use (see the module docstring). Call it while
-    holding history_lock."""
+    holding history_lock.
+
+    Only the newest `read_limit(max_bytes)` or COMPACT_READ_BYTES bytes, whichever is more,
+    are read, so compacting a file that grew far past any limit (junk) costs no more than
+    compacting a large history. The old file stays beside the new one: as history.jsonl.1, or,
+    when it held damaged lines or was left partly unread, as history.jsonl.damaged-TIME-PID
+    (the evidence, until the user removes it).
+    """
     path = history_path(state_dir)
-    result = compacted(read_from(path), max_bytes // 2, now)
-    previous = path.with_name(FILENAME + ".1")
+    parsed = read_from(path, 0, max(read_limit(max_bytes), COMPACT_READ_BYTES))
+    result = compacted(parsed, max_bytes // 2, now)
+    damaged = bool(parsed.damage.lines or parsed.damage.unread)
+    if damaged:
+        result.damage = parsed.damage.describe()
+    # The old file is linked to its new name, not moved: readers always find a history.jsonl.
+    previous = damaged_name(path) if damaged else path.with_name(FILENAME + ".1")
     link = path.with_name(f".{FILENAME}.1.{os.getpid()}.tmp")
-    # The old file stays as history.jsonl.1, and readers always find a history.jsonl.
     with contextlib.suppress(FileNotFoundError):
         link.unlink()
     os.link(path, link)
     os.replace(link, previous)
+    if damaged:
+        result.kept_as = previous.name
     write_atomic(path, b"".join(result.lines))
     return result
 
@@ -350,9 +497,14 @@ def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
     there is none."""
     path = history_path(state_dir)
     try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, os.fstat(handle.fileno()).st_size - FIND_TAIL_BYTES))
-            lines = handle.read().decode("utf-8", "replace").splitlines()
+        fd = open_readable(path, mine())
+        if fd is None:
+            return None
+        try:
+            start = max(0, os.fstat(fd).st_size - FIND_TAIL_BYTES)
+            lines = os.pread(fd, FIND_TAIL_BYTES, start).decode("utf-8", "replace").splitlines()
+        finally:
+            os.close(fd)
     except OSError:
         return None
     for line in reversed(lines):

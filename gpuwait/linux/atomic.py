@@ -1,15 +1,17 @@
-"""State files: created with the right modes whatever the umask; private ones replaced atomically,
-shared ones rewritten in place."""
+"""State files: created with the right modes whatever the umask, replaced atomically."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from pathlib import Path
 
+from gpuwait.linux.security import UnsafePath
+
 # Re-exported: callers create their state dirs through this module.
 from gpuwait.linux.security import ensure_private_dir as ensure_private_dir
-from gpuwait.linux.security import open_state_file
 
 
 def write_atomic(
@@ -48,17 +50,38 @@ def write_atomic(
     os.replace(tmp, path)
 
 
+def damaged_name(path: Path) -> Path:
+    """Where a damaged file is kept as evidence: beside it, named for the time and the process."""
+    return path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+
+
 def keep_damaged(path: Path) -> Path:
     """Move a damaged file aside (same dir) so the evidence is kept; return the new name."""
-    target = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    target = damaged_name(path)
     os.replace(path, target)
     return target
 
 
 def open_private_append(path: Path) -> int:
-    """An O_APPEND descriptor on `path`, created 0600; a symlink there is refused (ELOOP)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
+    """An O_APPEND descriptor on the plain file `path`, created 0600 if missing. A symlink
+    there, or anything but a plain file of this user's, is refused (UnsafePath) without being
+    waited on: a FIFO fails at once."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    refused = UnsafePath(path, f"{path} is not a plain file of yours; gpuwait refuses it")
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a FIFO nobody reads
+            raise refused from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise refused
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -70,25 +93,6 @@ def append_whole(fd: int, data: bytes) -> None:
         end = os.lseek(fd, 0, os.SEEK_CUR)
         os.ftruncate(fd, end - written)
         raise OSError(28, "No space left on device (the record was not written)")
-
-
-def write_in_place(path: Path, data: bytes, group: int | None) -> None:
-    """Overwrite `path` with `data` (in a shared directory, where the sticky bit forbids renaming
-    over another user's file). Space is reserved first, so a full disk fails before a byte of the
-    old content is touched."""
-    fd = open_state_file(path, 0o660, shared_gid=group)
-    try:
-        size = os.fstat(fd).st_size
-        if len(data) > size:
-            os.posix_fallocate(fd, 0, len(data))
-        view = memoryview(data)
-        offset = 0
-        while offset < len(data):
-            offset += os.pwrite(fd, view[offset:], offset)
-        os.ftruncate(fd, len(data))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def holds(path: Path, data: bytes) -> bool:

@@ -20,7 +20,6 @@ import signal
 from pathlib import Path
 
 WAKE_SIGNAL = signal.SIGIO
-_IN_CLOSE_WRITE = 0x00000008
 _IN_MOVED_TO = 0x00000080
 _IN_DELETE = 0x00000200
 
@@ -30,12 +29,8 @@ class LedgerWatch:
 
     wake_signal = WAKE_SIGNAL
 
-    def __init__(self, directory: Path | None, in_place: bool = False) -> None:
-        """Watch `directory`; None: do not (the caller polls instead).
-
-        `in_place`: the summary is rewritten in place (a shared ledger directory, where the
-        sticky bit forbids renaming over another user's file), so writes are watched too.
-        """
+    def __init__(self, directory: Path | None) -> None:
+        """Watch `directory`; None: do not (the caller polls instead)."""
         self.fd = -1
         if directory is None:
             return
@@ -51,7 +46,7 @@ class LedgerWatch:
         if fd < 0:
             return
         try:
-            mask = _IN_MOVED_TO | _IN_DELETE | (_IN_CLOSE_WRITE if in_place else 0)
+            mask = _IN_MOVED_TO | _IN_DELETE
             if add(fd, os.fsencode(directory), mask) < 0:
                 raise OSError(ctypes.get_errno(), "inotify_add_watch")
             fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())

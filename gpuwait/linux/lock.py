@@ -15,15 +15,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpuwait.linux.security import open_state_file
+from gpuwait.linux.signals import raise_if_pending
+
 
 @contextmanager
-def exclusive(path: Path, mode: int = 0o600) -> Iterator[int]:
-    """Hold an exclusive lock on `path` (created with `mode`) for the block; yield its fd."""
+def exclusive(path: Path, mode: int = 0o600, timeout: float | None = None) -> Iterator[int]:
+    """Hold an exclusive lock on `path` (created with `mode`) for the block; yield its fd.
+
+    The lock file is opened as any state file (no symlink followed, nothing but a plain file of
+    this user's). Waits at most `timeout` seconds (LockTimeout), and gives up at once when a
+    signal waits for gpuwait (SignalPending).
+    """
     # os.open descriptors are not inherited by the commands gpuwait starts, so a child can never
     # end up holding the lock.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    fd = open_state_file(path, mode)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        flock_within(fd, fcntl.LOCK_EX, timeout)
         yield fd
     finally:
         os.close(fd)
@@ -33,53 +41,75 @@ class LockTimeout(Exception):
     """The lock was not granted within the time allowed."""
 
 
+class _Tick(Exception):
+    """The interval timer's signal, raised out of a blocking flock to look around."""
+
+
+#: How often a blocked wait for a lock looks for a signal waiting for gpuwait.
+TICK = 0.1
+
+
 def flock_within(fd: int, operation: int, timeout: float | None) -> None:
     """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes).
 
     A lock that another process holds forever (hung, stopped, or hostile) must not hang every
-    gpuwait behind it. The uncontended case costs one non-blocking call; a contended wait sleeps
-    in the kernel (woken the moment the lock is free) under an interval timer, and only threads
-    other than the main one, which cannot take signals, fall back to polling.
+    gpuwait behind it, nor keep TERM or Ctrl-C from ending one: the signals gpuwait handles are
+    blocked (they queue for its loop), so they would not interrupt the wait by themselves. The
+    uncontended case costs one non-blocking call; a contended wait sleeps in the kernel (woken
+    the moment the lock is free) in slices of TICK under an interval timer, looking for a
+    pending signal between slices (SignalPending). Threads other than the main one, which
+    cannot take signals, poll instead.
     """
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
         return
     except BlockingIOError:
-        if timeout is None:
-            fcntl.flock(fd, operation)
-            return
+        pass
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         _poll_flock(fd, operation, timeout)
         return
     import signal
+    import time
 
-    def expired(signum: int, frame: object) -> None:
-        raise LockTimeout
+    def tick(signum: int, frame: object) -> None:
+        raise _Tick
 
-    previous = signal.signal(signal.SIGALRM, expired)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    previous = signal.signal(signal.SIGALRM, tick)
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            fcntl.flock(fd, operation)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+        while True:
+            raise_if_pending()
+            step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
+            if step <= 0:
+                raise LockTimeout
+            try:
+                signal.setitimer(signal.ITIMER_REAL, step)
+                try:
+                    fcntl.flock(fd, operation)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                return
+            except _Tick:
+                # Also when the timer fired just after the lock was granted: asking again for
+                # a lock this descriptor holds returns at once.
+                continue
     finally:
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
-def _poll_flock(fd: int, operation: int, timeout: float) -> None:
+def _poll_flock(fd: int, operation: int, timeout: float | None) -> None:
     import time
 
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.001
     while True:
         try:
             fcntl.flock(fd, operation | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            remaining = deadline - time.monotonic()
+            remaining = TICK if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise LockTimeout from None
             time.sleep(min(delay, remaining))

@@ -1,12 +1,16 @@
 """Where gpuwait trusts the file system and other users, and where it does not.
 
 - State paths: a ledger or state directory that is a symlink, that is writable by others without
-  the sticky bit, or (for a private one) that belongs to another non-root user is refused; files
-  are opened without following symlinks and get their modes whatever the umask.
+  the sticky bit, or (for a private one) that belongs to another non-root user is refused.
+- State files: every one is opened without following symlinks and without waiting on it (a
+  FIFO or a device in its place never hangs gpuwait), must be a plain file of whom it should
+  be, and is read up to a cap (`open_readable`, `read_state_file`); files are created with
+  their modes whatever the umask (`open_state_file`).
 - A shared ledger directory (group- or world-writable with the sticky bit, set up by an
-  administrator) holds files that every member of its group reads and writes (0660, the
-  directory's group). The sticky bit keeps members from deleting or renaming each other's files,
-  which is why the shared ledger is rewritten in place rather than replaced by rename.
+  administrator) holds one file of each kind per user, which every member of its group reads
+  (0640, the directory's group) and only its owner writes: the sticky bit keeps members from
+  deleting or replacing each other's files, and an owner replaces their own by rename. What a
+  file says about its owner counts as far as the kernel proves it (`proven_entry`).
 - Control of jobs: only a job's owner (or root) may cancel, pause or resume it, and only when the
   entry really names that owner's gpuwait process (`control_refusal`).
 """
@@ -17,16 +21,20 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gpuwait.linux import proc
 
+_T = TypeVar("_T")
+
 
 class UnsafePath(OSError):
-    """A state path gpuwait refuses to use; `strerror` says why and what to do."""
+    """A state path gpuwait refuses to use; `strerror` says why and what to do, `what` (when
+    set) what is wrong with the file, for a message that names it otherwise."""
 
-    def __init__(self, path: Path | str, why: str) -> None:
+    def __init__(self, path: Path | str, why: str, what: str = "") -> None:
         super().__init__(errno.EPERM, why, str(path))
+        self.what = what or why
 
 
 # --- directories -------------------------------------------------------------------------------
@@ -87,11 +95,12 @@ def ensure_private_dir(path: Path) -> None:
 def open_state_file(path: Path, mode: int, *, shared_gid: int | None = None) -> int:
     """An O_RDWR descriptor on `path`, created with exactly `mode` if missing.
 
-    Symlinks are not followed. A file that is not a plain file, has other hard links, or is
-    writable by users it should not be is refused (UnsafePath). In a shared directory
-    (`shared_gid` set) the file is given the directory's group so every member can open it.
+    Symlinks are not followed, and a FIFO or device is not waited on. A file that is not a
+    plain file, has other hard links, or is writable by users it should not be is refused
+    (UnsafePath). In a shared directory (`shared_gid` set) the file is given the directory's
+    group so every member can open it.
     """
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     for _ in range(3):
         try:
             # Open an existing file without O_CREAT first: Linux's protected_regular refuses
@@ -102,7 +111,7 @@ def open_state_file(path: Path, mode: int, *, shared_gid: int | None = None) -> 
             pass
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise UnsafePath(path, f"{path} is a symlink; gpuwait refuses it") from None
+                raise _refused(path, "is a symlink") from None
             raise
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
@@ -119,11 +128,94 @@ def open_state_file(path: Path, mode: int, *, shared_gid: int | None = None) -> 
     return fd
 
 
+#: `owners` for a file that anyone may have written (another member's, in a shared directory).
+ANYONE: frozenset[int] | None = None
+
+
+def mine() -> frozenset[int]:
+    """`owners` for a file of this user's own: theirs, or root's (made on their behalf)."""
+    return frozenset((os.getuid(), 0))
+
+
+def open_readable(path: Path | str, owners: frozenset[int] | None) -> int | None:
+    """A read-only descriptor on the plain file at `path`; None when there is none.
+
+    Every state file is opened this way: a symlink is not followed, a FIFO or device is never
+    waited on (O_NONBLOCK), and a file that is not a plain file or that belongs to someone
+    outside `owners` (ANYONE: no check) is refused (UnsafePath), so no file anyone put there can
+    hang gpuwait or make it read without end.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refused(path, "is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise _refused(path, "is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise _refused(path, "is not a plain file (a FIFO, device or socket)")
+        if owners is not None and st.st_uid not in owners:
+            raise _refused(path, f"belongs to another user (uid {st.st_uid})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _refused(path: Path | str, what: str) -> UnsafePath:
+    return UnsafePath(path, f"{path} {what}; gpuwait refuses it", what)
+
+
+def read_at_most(fd: int, cap: int) -> bytes:
+    """What `fd` has left to read, but never more than `cap` + 1 bytes: one byte past the cap
+    tells the caller the file is too large, however large it is or grows."""
+    chunks = []
+    size = 0
+    while size <= cap:
+        chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def read_capped(fd: int, path: Path | str, cap: int) -> bytes:
+    """The rest of `fd`, the file at `path`; UnsafePath when it is larger than `cap` bytes
+    (told by its size when it is so already: nothing of it is read then)."""
+    # Its size first: a file far too large is refused without a byte of it read; then no more
+    # than one byte past the cap, for a file that grows meanwhile.
+    if os.fstat(fd).st_size > cap or len(data := read_at_most(fd, cap)) > cap:
+        raise _refused(path, f"is larger than {_bytes(cap)}")
+    return data
+
+
+def read_state_file(path: Path | str, cap: int, owners: frozenset[int] | None) -> bytes | None:
+    """The whole plain file at `path` (see `open_readable`), at most `cap` bytes; None when
+    there is none. UnsafePath says, naming the file, why one is refused."""
+    fd = open_readable(path, owners)
+    if fd is None:
+        return None
+    try:
+        return read_capped(fd, path, cap)
+    finally:
+        os.close(fd)
+
+
+def _bytes(count: int) -> str:
+    return f"{count >> 20} MiB" if count >= 1 << 20 else f"{count >> 10} KiB"
+
+
 def _check_file(path: Path, fd: int, mode: int, shared_gid: int | None) -> None:
     st = os.fstat(fd)
     uid = os.getuid()
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePath(path, f"{path} is not a plain file")
+        raise _refused(path, "is not a plain file")
     if st.st_nlink != 1:
         raise UnsafePath(path, f"{path} has other hard links; refusing to use it")
     if st.st_uid == uid:
@@ -169,15 +261,45 @@ def entry_owner_mismatch(job: _JobLike) -> int | None:
     return owner
 
 
-def proven_entry(job: _JobLike, state: str, child_pid: int | None, child_start: int | None) -> bool:
-    """Does the kernel show that an entry in the file of the user `job.uid` stands for a job of
-    theirs: its pid is a live gpuwait process of that user, or (its gpuwait gone, a running job)
-    its command still runs as that user? Another user's entry counts only then."""
-    if proc.is_alive(job.pid, job.start_time):
-        return proc.owner_uid(job.pid) == job.uid and _is_gpuwait(job.pid, job.start_time)
+def proven_entry(
+    uid: int,
+    pid: int,
+    start_time: int,
+    state: object,
+    child_pid: int | None,
+    child_start: int | None,
+) -> bool:
+    """Does the kernel show that an entry in the file of the user `uid`, naming the gpuwait
+    process `pid` (started at `start_time`), stands for a job of theirs: that is a live gpuwait
+    process of that user, or (its gpuwait gone, a running job) its command still runs as that
+    user? Another user's entry counts only then."""
+    process = (pid, start_time)
+    if (uid, *process) in _REFUTED:
+        return False
+    if process not in _GONE:
+        if proc.is_alive(*process):
+            if proc.owner_uid(pid) == uid and _is_gpuwait(*process):
+                return True
+            _remember(_REFUTED, (uid, *process))
+            return False
+        _remember(_GONE, process)
     if state != "running" or child_pid is None or child_start is None:
         return False
-    return proc.is_alive(child_pid, child_start) and proc.owner_uid(child_pid) == job.uid
+    return proc.is_alive(child_pid, child_start) and proc.owner_uid(child_pid) == uid
+
+
+#: What no later look can change, for entries that every member's gpuwait looks at in every
+#: plan (a file may name a thousand processes): (uid, pid, start time) of a process that runs
+#: but is no gpuwait of that user (gpuwait neither execs nor changes its user), and (pid, start
+#: time) of a process that has ended.
+_REFUTED: set[tuple[int, int, int]] = set()
+_GONE: set[tuple[int, int]] = set()
+
+
+def _remember(known: set[_T], item: _T) -> None:
+    if len(known) > 4096:
+        known.clear()
+    known.add(item)
 
 
 #: (pid, start time) -> whether that process runs gpuwait: it cannot become another program

@@ -43,6 +43,33 @@ SAME_SIGNAL_WINDOW = 0.5
 _SI_KERNEL = 0x80
 
 
+class SignalPending(Exception):
+    """A forwarded signal arrived while gpuwait was blocked on something else (a lock another
+    process holds). It stays pending for gpuwait's own loop; what was being waited for is
+    given up, so that TERM or Ctrl-C acts at once, whatever gpuwait was blocked on."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"{name} arrived while gpuwait waited for a lock; it gave up waiting")
+        self.signum = signum
+
+
+def raise_if_pending() -> None:
+    """Raise SignalPending when a forwarded signal waits (blocked) for gpuwait; cheap (one
+    system call). Nothing is pending where gpuwait does not block signals: there a signal
+    interrupts any wait by itself."""
+    pending = signal.sigpending()
+    for signum in FORWARDED:
+        if signum in pending:
+            raise SignalPending(signum)
+
+
+def keep_pending(signum: int) -> None:
+    """Put a signal gpuwait has taken back in its pending set (it is blocked): what gpuwait
+    does before it ends because of the signal then gives up any wait for a lock at once."""
+    os.kill(os.getpid(), signum)
+
+
 def block_handled() -> None:
     """Block the handled signals so they queue up for `next_signal`, even before it is called."""
     signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)

@@ -536,6 +536,36 @@ def combine(
     return own
 
 
+def claims_proven(
+    raw_jobs: Sequence[Any],
+    owner: int,
+    proves: Callable[[int, int, int, object, int | None, int | None], bool],
+) -> list[Any]:
+    """The raw entries of `owner`'s file (another user's) worth validating: of those naming one
+    gpuwait process, the first, if `proves(owner, pid, start_time, state, child_pid,
+    child_start_time)`; `counted` decides on the validated entries as ever."""
+    kept: list[Any] = []
+    pids: set[int] = set()
+    for item in raw_jobs[: MAX_ENTRIES * 2]:
+        if not isinstance(item, dict):
+            continue
+        pid, start = item.get("pid"), item.get("start_time")
+        if type(pid) is not int or type(start) is not int or pid in pids:
+            continue
+        pids.add(pid)
+        child, child_start = item.get("child_pid"), item.get("child_start_time")
+        if proves(
+            owner,
+            pid,
+            start,
+            item.get("state"),
+            child if type(child) is int else None,
+            child_start if type(child_start) is int else None,
+        ):
+            kept.append(item)
+    return kept
+
+
 def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> list[Job]:
     """The entries of `owner`'s file that count for other users: those `counts` proves, and of
     several naming one gpuwait process (or one command), the first: the others are copies."""
@@ -544,9 +574,13 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
     commands: set[int] = set()
     for job in jobs:
         job.uid = owner
-        if job.pid in pids or job.child_pid in commands or not counts(job):
+        if job.pid in pids or job.child_pid in commands:
             continue
+        # Looked at once, proven or not: a file naming one process a thousand times costs
+        # its readers one look.
         pids.add(job.pid)
+        if not counts(job):
+            continue
         if job.child_pid is not None:
             commands.add(job.child_pid)
         kept.append(job)

@@ -43,7 +43,7 @@ from typing import Any, Literal, get_args
 
 from gpuwait.linux.atomic import ensure_private_dir, open_private_append
 from gpuwait.linux.lock import exclusive
-from gpuwait.linux.security import is_shared_dir
+from gpuwait.linux.security import UnsafePath, is_shared_dir, mine, open_readable
 
 SCHEMA = 1
 FILENAME = "events.jsonl"
@@ -132,15 +132,28 @@ def parse_line(line: str) -> dict[str, Any] | None:
 
 
 def read_events(state_dir: Path) -> list[dict[str, Any]]:
-    """Every event still kept, oldest first (rotated files included)."""
+    """Every event still kept, oldest first (rotated files included).
+
+    Each file is read up to its last 2 × MAX_BYTES (a log is rotated at MAX_BYTES, so only a
+    damaged one is larger). Raises OSError (UnsafePath) for a file there that is not a plain
+    file of this user's, which is never waited on.
+    """
     path = events_path(state_dir)
     files = [path.with_name(f"{path.name}.{n}") for n in range(KEEP, 0, -1)] + [path]
     events: list[dict[str, Any]] = []
     for file in files:
-        try:
-            text = file.read_text(encoding="utf-8", errors="replace")
-        except OSError:
+        fd = open_readable(file, mine())
+        if fd is None:
             continue
+        try:
+            size = os.fstat(fd).st_size
+            start = max(0, size - 2 * MAX_BYTES)
+            data = os.pread(fd, size - start, start)
+        finally:
+            os.close(fd)
+        if start:
+            data = data[data.find(b"\n") + 1 :]  # the line the cut fell into
+        text = data.decode("utf-8", errors="replace")
         events.extend(e for e in map(parse_line, text.splitlines()) if e is not None)
     return events
 
@@ -166,9 +179,7 @@ def follow(state_dir: Path, interval: float = 0.2) -> Iterator[dict[str, Any]]:
             chunk = _rest_of(path.with_name(f"{path.name}.1"), identity, offset)
             identity, offset = (st.st_dev, st.st_ino), 0
         if st.st_size > offset:
-            with path.open("rb") as handle:
-                handle.seek(offset)
-                new = handle.read()
+            new = _rest_of(path, identity, offset)
             offset += len(new)
             chunk += new
         if not chunk:
@@ -176,6 +187,8 @@ def follow(state_dir: Path, interval: float = 0.2) -> Iterator[dict[str, Any]]:
             continue
         pending += chunk
         *lines, pending = pending.split(b"\n")
+        if len(pending) > MAX_BYTES:
+            pending = b""  # no event is that long: junk, passed over
         for raw in lines:
             event = parse_line(raw.decode("utf-8", errors="replace"))
             if event is not None:
@@ -183,13 +196,22 @@ def follow(state_dir: Path, interval: float = 0.2) -> Iterator[dict[str, Any]]:
 
 
 def _rest_of(path: Path, identity: tuple[int, int] | None, offset: int) -> bytes:
-    """What was appended to the file `identity` after `offset`, if `path` is still that file."""
+    """What was appended to the file `identity` after `offset` (at most MAX_BYTES at a time),
+    if `path` is still that file."""
     try:
-        with path.open("rb") as handle:
-            st = os.fstat(handle.fileno())
-            if (st.st_dev, st.st_ino) != identity:
-                return b""
-            handle.seek(offset)
-            return handle.read()
+        fd = open_readable(path, mine())
+    except UnsafePath:
+        raise
     except OSError:
         return b""
+    if fd is None:
+        return b""
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            return b""
+        return os.pread(fd, MAX_BYTES, offset)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)

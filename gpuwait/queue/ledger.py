@@ -23,12 +23,10 @@ anything executed.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import re
-import stat
 import time
 import zlib
 from collections.abc import Iterator
@@ -40,7 +38,16 @@ from gpuwait.core.errors import StateError
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, write_atomic
 from gpuwait.linux.lock import LockTimeout, flock_within, holders
-from gpuwait.linux.security import check_dir, is_shared_dir, open_state_file, proven_entry
+from gpuwait.linux.security import (
+    ANYONE,
+    UnsafePath,
+    check_dir,
+    is_shared_dir,
+    open_readable,
+    open_state_file,
+    proven_entry,
+    read_at_most,
+)
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
 
@@ -51,7 +58,7 @@ MAX_FILE_BYTES = 16 << 20
 MAX_USER_FILES = 4096
 
 _TEMP_RE = re.compile(
-    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake)\.json\.([0-9]+)(?:-[0-9a-f]+)?\.tmp$"
+    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake(?:\.[0-9]+)?)\.json\.([0-9]+)(?:-[0-9a-f]+)?\.tmp$"
 )
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
 _CRC_PREFIX = b'{"crc":'
@@ -148,7 +155,7 @@ class Ledger:
                 if release:
                     data.release_seq += 1
                 document = entries.to_document(data)
-                summary_path = wake.wake_path(self.directory)
+                summary_path = wake.summary_path(self.directory, bool(self.shared))
                 if rewrite or document != raw or not summary_path.exists():
                     write_atomic(
                         self.path,
@@ -245,26 +252,19 @@ class Ledger:
         links and without blocking (a FIFO put there must not hang a reader that holds the
         lock), and read only up to just past the cap (`_decode` refuses what is longer)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
+            fd = open_readable(path, ANYONE)
+        except UnsafePath as exc:
+            raise _Unreadable(f"it {exc.what}") from None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise _Unreadable("it is a symlink") from None
             raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
+        if fd is None:
+            return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise _Unreadable("it is not a plain file")
-            chunks = []
-            size = 0
-            while size <= MAX_FILE_BYTES:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            return st.st_uid, b"".join(chunks)
+            if st.st_size > MAX_FILE_BYTES and st.st_uid != self._uid:
+                # Another member's, refused unread: everyone plans from every file, often.
+                raise _Unreadable(f"it is larger than {MAX_FILE_BYTES >> 20} MiB")
+            return st.st_uid, read_at_most(fd, MAX_FILE_BYTES)
         except OSError as exc:
             raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
         finally:
@@ -366,29 +366,39 @@ class Ledger:
             found = self._read_file(path)
             if found is None or found[0] != uid:
                 return None  # gone, or replaced meanwhile
-            data, _ = self._decode(found[1], False, uid, owned=True)
+            data, raw = self._decode(found[1], False, uid, owned=True, foreign=True)
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             return None
         if repair and self._uid == 0:
-            self._reap_for(path, uid, data)
+            self._reap_for(path, uid, data, len(raw.get("jobs", ())))
         return data
 
-    def _reap_for(self, path: Path, uid: int, data: LedgerData) -> None:
+    def _reap_for(self, path: Path, uid: int, data: LedgerData, entries_in_file: int) -> None:
         """Root takes out of another user's file the entries that nobody counts (no live
         gpuwait, nor an orphan's command, of that user behind them); the file stays theirs."""
         kept = entries.counted([copy_job(j) for j in data.jobs], uid, self._counts)
-        if len(kept) == len(data.jobs):
+        if len(kept) == entries_in_file:
             return
         body = entries.encode(entries.to_document(data._replace(jobs=kept)))
         with contextlib.suppress(OSError):  # theirs to tidy as well
             write_atomic(path, body, 0o640, self._group, owner=uid)
 
     def _decode(
-        self, text: bytes, repair: bool, owner: int | None = None, owned: bool = False
+        self,
+        text: bytes,
+        repair: bool,
+        owner: int | None = None,
+        owned: bool = False,
+        foreign: bool = False,
     ) -> tuple[LedgerData, Any]:
-        """Parse and validate a whole file; ValueError when it is damaged."""
+        """Parse and validate a whole file; ValueError when it is damaged.
+
+        `foreign`: another user's file, whose entries count only as far as the kernel proves
+        them; those it does not are passed over before they are validated, so that a file of
+        a thousand forged entries costs every reader no more than its parsing.
+        """
         owner = self._uid if owner is None else owner
         if len(text) > MAX_FILE_BYTES:
             raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB")
@@ -397,14 +407,21 @@ class Ledger:
             raw = json.loads(text)
         except (UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(type(exc).__name__) from None
+        checked = raw
+        if foreign and isinstance(raw, dict) and isinstance(raw.get("jobs"), list):
+            checked = {**raw, "jobs": entries.claims_proven(raw["jobs"], owner, proven_entry)}
         where = str(self.directory / f"ledger.{owner}.json") if owned else str(self.path)
-        data = entries.from_document(raw, self.warnings if repair else None, where, owner, owned)
+        data = entries.from_document(
+            checked, self.warnings if repair else None, where, owner, owned
+        )
         return data, raw
 
     @staticmethod
     def _counts(job: Job) -> bool:
         """Another user's entry counts while the kernel shows a job of theirs behind it."""
-        if not proven_entry(job, job.state, job.child_pid, job.child_start_time):
+        if not proven_entry(
+            job.uid, job.pid, job.start_time, job.state, job.child_pid, job.child_start_time
+        ):
             return False
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good

@@ -234,11 +234,13 @@ def wait_for_admission(
     job as the ledger last had it (for an admitted job: as admitted), and the outcome.
     """
     state_dir = ledger.directory
-    summary_path = wake.wake_path(state_dir)
+    summaries = wake.Summaries(state_dir, bool(ledger.shared))
     #: The job as it asked: a shared ledger's entry can be edited by any member of the group.
     asked = job
-    last_token: object = object()
-    last_release: int | None = None
+    #: Each summary's release count as last seen (by its file).
+    last_release: dict[str, int] = {}
+    #: When a summary held back (one user's, acted on a moment ago) is to be looked at.
+    held_back: float | None = None
     next_read = 0.0
     next_own = 0.0
     reason: WaitReason | None = None
@@ -304,10 +306,8 @@ def wait_for_admission(
             now = time.monotonic()
             event = False
             check_admitted = False
-            token = wake.file_token(summary_path)
-            if token != last_token:
-                last_token = token
-                seen = wake.read_summary(state_dir)
+            changed, held_back = summaries.changed(now)
+            for seen in changed:
                 if seen is None:
                     event = True
                 elif job.id in seen.running:
@@ -316,15 +316,16 @@ def wait_for_admission(
                     event = True  # cancelled, or the ledger was recovered: look under the lock
                 else:
                     position = seen.waiting.index(job.id)
-                    if last_release is not None and seen.release != last_release:
+                    before = last_release.get(seen.source)
+                    if before is not None and seen.release != before:
                         if position == 0:
                             event = True
-                        elif position == 1 and token is not None:
-                            backup = (now + BACKUP_DELAY, token[1])
+                        elif position == 1:
+                            backup = (now + BACKUP_DELAY, seen.written_ns)
                     unfinished = set(seen.waiting) | seen.running
                     if any(d not in unfinished for d in (*job.after, *job.after_ok)):
                         event = True
-                    last_release = seen.release
+                    last_release[seen.source] = seen.release
                     queue_length = len(seen.waiting)
             if check_admitted:
                 found = _admitted_by_another(ledger, job, last)
@@ -351,9 +352,10 @@ def wait_for_admission(
                     next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
             if act:
                 # Releases counted from here on come after this plan's reading: seen next time.
-                seen = wake.read_summary(state_dir)
-                last_release = seen.release if seen is not None else None
-                queue_length = len(seen.waiting) if seen is not None else queue_length
+                last_release = {}
+                for seen in summaries.current():
+                    last_release[seen.source] = seen.release
+                    queue_length = len(seen.waiting)
                 try:
                     outcome = attempt()
                 except BackendUnavailable as exc:
@@ -390,10 +392,13 @@ def wait_for_admission(
                 # Set up only once the job has to wait: a launch that fits at once pays nothing.
                 from gpuwait.linux.inotify import LedgerWatch
 
-                watch = LedgerWatch(state_dir if policy.use_inotify else None, bool(ledger.shared))
+                watch = LedgerWatch(state_dir if policy.use_inotify else None)
                 continue  # the summary may have changed before the watch began
             watching = watch is not None and watch.active
-            wake_at = next_read if backup is None else min(next_read, backup[0])
+            wake_at = next_read
+            for moment in (backup[0] if backup is not None else None, held_back):
+                if moment is not None:
+                    wake_at = min(wake_at, moment)
             sleep = (
                 max(0.0, wake_at - time.monotonic()) if kicked or watching else policy.poll_interval
             )
@@ -412,6 +417,10 @@ def wait_for_admission(
                 watch.drain()
                 continue
             return job, Interrupted(info.si_signo)
+    except signals.SignalPending as exc:
+        # Given up waiting for the ledger lock, which another process holds: the signal ends
+        # the wait as it would have in the sleep above.
+        return job, Interrupted(exc.signum)
     finally:
         if watch is not None:
             watch.close()

@@ -18,7 +18,14 @@ waiter skips its own when any waiter planned less than an interval ago (`plan.st
 If the first waiter does not plan after a release within a moment (it may be suspended), the
 second one does.
 
-How a waiter learns that the summary changed: in a shared ledger directory, by watching the
+In a shared ledger directory each user writes a summary of their own, `wake.<uid>.json` (the
+whole queue as their transaction left it), which nobody else can replace or remove (the sticky
+bit): a member who breaks their own summary, or writes lies in it, costs the others no wake-up
+that the other members' summaries give. A waiter acts on each summary that changed, and on one
+user's at most every SOURCE_GAP seconds, so that no member can make every waiter plan at the
+rate they write a file; one that is not a summary is passed over (the waiters' timers remain).
+
+How a waiter learns that a summary changed: in a shared ledger directory, by watching the
 directory (inotify). In a private one every writer is the same user, so the transaction itself
 signals (SIGCHLD: harmless to any process, and blocked by gpuwait from its start, so never lost)
 only the waiters a change concerns - those it admitted, removed, or whose dependency left, and
@@ -32,15 +39,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
-import stat
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpuwait.core.record import Record
-from gpuwait.linux.atomic import holds, write_in_place
-from gpuwait.linux.security import is_shared_dir
+from gpuwait.linux.atomic import holds
+from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
 from gpuwait.queue.entries import RUNNING, Job
 
 SCHEMA = 1
@@ -48,6 +56,11 @@ FILENAME = "wake.json"
 #: A summary names every entry's id once: far below this for any ledger gpuwait reads.
 MAX_SUMMARY_BYTES = 4 << 20
 STAMP = "plan.stamp"
+#: In a shared ledger directory: one user's summary makes a waiter act at most this often.
+SOURCE_GAP = 0.05
+_USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json$")
+#: Summaries looked at, at most (one per user who ever used the directory).
+MAX_SUMMARIES = 4096
 
 Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
 
@@ -105,10 +118,6 @@ def kick(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGCHLD)
 
 
-def wake_path(state_dir: Path) -> Path:
-    return state_dir / FILENAME
-
-
 def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> dict[str, Any]:
     """`starting`: other users' waiters the writer's plan starts; listed as running, so that
     their own gpuwait looks (and, finding itself still waiting, plans and starts)."""
@@ -127,28 +136,27 @@ def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> 
 
 
 def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | None) -> None:
-    """Replace wake.json with `content` (`summary()`), unless it holds that already. No fsync:
-    it is derived from the ledger and rewritten constantly.
-
-    In a shared (sticky) directory (`shared_gid` set) it cannot be replaced by rename when another
-    user wrote it last, so it is rewritten in place there; a reader that catches it half-written
-    finds no valid summary and plans, which is safe.
-    """
-    path = wake_path(state_dir)
+    """Replace this user's summary with `content` (`summary()`), unless it holds that already:
+    wake.json, or in a shared ledger directory (`shared_gid` set) wake.<uid>.json, the user's
+    own, 0640 and the directory's group. No fsync: it is derived from the ledger and rewritten
+    constantly; it is replaced by rename, so a reader never sees half of one."""
+    path = summary_path(state_dir, shared_gid is not None)
     body = json.dumps(content, separators=(",", ":")).encode()
     # Waiters act on the summary's content alone, and most changes (a job's new sample, a
-    # waiter's reason) leave it as it was: rewriting it then would cost a rename (or, in a
-    # shared directory, wake every watching waiter) for nothing.
+    # waiter's reason) leave it as it was: rewriting it then would cost a rename (and wake
+    # every watching waiter) for nothing.
     if holds(path, body):
         return
-    if shared_gid is not None:
-        with contextlib.suppress(OSError):
-            write_in_place(path, body, shared_gid)
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    mode = 0o600 if shared_gid is None else 0o640
+    # In a shared directory a name nobody can guess, so that nobody puts a file there first.
+    unique = "" if shared_gid is None else f"-{os.urandom(6).hex()}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{unique}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
         try:
+            if shared_gid is not None:
+                os.fchown(fd, -1, shared_gid)
+                os.fchmod(fd, mode)  # whatever the umask
             os.write(fd, body)
         finally:
             os.close(fd)
@@ -158,30 +166,106 @@ def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | No
         tmp.unlink(missing_ok=True)
 
 
+def summary_path(state_dir: Path, shared: bool) -> Path:
+    """The summary this user writes: wake.json, or in a shared directory wake.<uid>.json; where
+    another member made a file under that name first, one of the user's own beside it,
+    wake.<uid>.<random>.json (found again by its owner)."""
+    if not shared:
+        return state_dir / FILENAME
+    uid = os.getuid()
+    canonical = state_dir / f"wake.{uid}.json"
+    try:
+        if os.lstat(canonical).st_uid == uid:
+            return canonical
+    except OSError:
+        return canonical
+    with contextlib.suppress(OSError):
+        for name in os.listdir(state_dir):
+            match = _USER_SUMMARY_RE.match(name)
+            if match and int(match.group(1)) == uid and os.lstat(state_dir / name).st_uid == uid:
+                return state_dir / name
+    return state_dir / f"wake.{uid}.{os.urandom(8).hex()}.json"
+
+
 class Summary(Record, frozen=True):
     release: int
     running: frozenset[str]
     waiting: tuple[str, ...]
+    #: The file it was read from, and that file's modification time (ns).
+    source: str = FILENAME
+    written_ns: int = 0
 
 
-def read_summary(state_dir: Path) -> Summary | None:
-    """The summary, or None when it is missing or not one (then the caller plans to be safe)."""
-    # In a shared directory the summary is whoever wrote it first's: never followed as a link,
-    # never waited on as a FIFO, and never read past what a summary can be.
+class Summaries:
+    """The summaries a waiter reads: wake.json, or in a shared ledger directory each user's."""
+
+    def __init__(self, state_dir: Path, shared: bool) -> None:
+        self.state_dir = state_dir
+        self.shared = shared
+        self._tokens: dict[str, tuple[int, int, int] | None] = {}
+        #: Monotonic time before which a user's summary is not acted on again (shared).
+        self._quiet_until: dict[str, float] = {}
+
+    def changed(self, now: float) -> tuple[list[Summary | None], float | None]:
+        """The summaries that changed since the last call (None: one that changed into no
+        summary, in a private ledger, where it is this user's own: then plan to be safe), and
+        when to look again for one held back by SOURCE_GAP (None: none was)."""
+        found: list[Summary | None] = []
+        later: float | None = None
+        for name, token in self._current_tokens().items():
+            if token == self._tokens.get(name, ()):
+                continue
+            if self.shared and token is None:
+                self._tokens[name] = token  # another user's name on it: nobody's summary
+                continue
+            if self.shared:
+                quiet = self._quiet_until.get(name, 0.0)
+                if now < quiet:
+                    later = quiet if later is None else min(later, quiet)
+                    continue  # its token stays unseen: looked at again then
+                self._quiet_until[name] = now + SOURCE_GAP
+            self._tokens[name] = token
+            seen = read_summary(self.state_dir / name, token)
+            if seen is not None or not self.shared:
+                found.append(seen)
+        return found, later
+
+    def current(self) -> list[Summary]:
+        """Every summary as it stands (what a plan just made has seen)."""
+        found = []
+        for name, token in self._current_tokens().items():
+            seen = None if token is None else read_summary(self.state_dir / name, token)
+            if seen is not None:
+                found.append(seen)
+        return found
+
+    def _current_tokens(self) -> dict[str, tuple[int, int, int] | None]:
+        if not self.shared:
+            return {FILENAME: file_token(self.state_dir / FILENAME)}
+        tokens: dict[str, tuple[int, int, int] | None] = {}
+        try:
+            names = os.listdir(self.state_dir)
+        except OSError:
+            return tokens
+        for name in names:
+            match = _USER_SUMMARY_RE.match(name)
+            if match is not None:
+                tokens[name] = file_token(self.state_dir / name, owner=int(match.group(1)))
+                if len(tokens) >= MAX_SUMMARIES:
+                    break
+        return tokens
+
+
+def read_summary(path: Path, token: tuple[int, int, int] | None = None) -> Summary | None:
+    """The summary in `path`, or None when it is missing or not one (then the caller plans to
+    be safe, or, for another user's, passes it over)."""
+    # In a shared directory a summary is its writer's: never followed as a link, never waited
+    # on as a FIFO, and never read past what a summary can be.
     try:
-        fd = os.open(
-            wake_path(state_dir), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        )
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = json.loads(os.read(fd, MAX_SUMMARY_BYTES))
+        text = read_state_file(path, MAX_SUMMARY_BYTES, ANYONE)
+        raw = None if text is None else json.loads(text)
     except (OSError, ValueError, RecursionError):
         return None
-    finally:
-        os.close(fd)
     if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
         return None
     release, running, waiting = raw.get("release"), raw.get("running"), raw.get("waiting")
@@ -192,13 +276,18 @@ def read_summary(state_dir: Path) -> Summary | None:
         or not all(isinstance(i, str) for i in [*running, *waiting])
     ):
         return None
-    return Summary(release, frozenset(running), tuple(waiting))
+    written = 0 if token is None else token[1]
+    return Summary(release, frozenset(running), tuple(waiting), path.name, written)
 
 
-def file_token(path: Path) -> tuple[int, int, int] | None:
+def file_token(path: Path, owner: int | None = None) -> tuple[int, int, int] | None:
+    """(inode, mtime in ns, size) of the file at `path`, not followed if a link; None when
+    there is none (or, with `owner`, when it is not that user's)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
+        return None
+    if owner is not None and st.st_uid != owner:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -220,8 +309,12 @@ def note_planned(state_dir: Path) -> None:
 
 
 def planned_since(state_dir: Path, moment_ns: int) -> bool:
-    """Has any waiter planned since `moment_ns` (Unix time in nanoseconds, as file times are)?"""
+    """Has any waiter planned since `moment_ns` (Unix time in nanoseconds, as file times are)?
+
+    A stamp dated ahead of the clock says no: any member may set the time of a shared one, and
+    one set far ahead would otherwise make every waiter skip its readings of the GPUs."""
     try:
-        return os.stat(state_dir / STAMP).st_mtime_ns >= moment_ns
+        stamped = os.stat(state_dir / STAMP).st_mtime_ns
     except OSError:
         return False
+    return moment_ns <= stamped <= time.time_ns() + 1_000_000_000

@@ -59,4 +59,6 @@ class PauseResponder:
             self.killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGTERM)
-            lifecycle.grace_killed(self.ledger, self.job.id)
+            # Bookkeeping only, as above.
+            with contextlib.suppress(Exception):
+                lifecycle.grace_killed(self.ledger, self.job.id)

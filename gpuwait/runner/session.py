@@ -169,6 +169,11 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         return exec_bare(request.command)
     try:
         return _run_with_retries(request, config, reporter, backend, choice)
+    except signals.SignalPending as exc:
+        # A signal that came while gpuwait waited for a lock with no command of its own to
+        # pass it to (it had ended, or stepped aside): gpuwait ends by it, as it would bare.
+        signals.die_by_signal(exc.signum)
+        return 128 + exc.signum
     finally:
         backend.close()
 
@@ -203,6 +208,7 @@ def _choose(request: RunRequest, config: RunConfig, vram: MemoryRequest | None) 
         os.getcwd(),
         key=request.key,
         margin=config.estimate_margin,
+        max_bytes=config.history_max_size,
     )
 
 
@@ -345,7 +351,9 @@ def _with_run_times(
     warnings: list[str] = []
     if learned is None:
         try:
-            learned = learn(config.state_dir, job.command, job.cwd)
+            learned = learn(
+                config.state_dir, job.command, job.cwd, max_bytes=config.history_max_size
+            )
         except Exception:  # an unreadable history must not stop a launch
             return job, []
         warnings = list(learned.warnings)
@@ -462,6 +470,9 @@ def _attempt(
             reporter.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
             return _Ended(EXIT_TIMEOUT)
         if isinstance(outcome, Interrupted):
+            # Leaving the queue must not keep a TERM or Ctrl-C waiting for the ledger lock: a
+            # process holding it long costs this entry, which is reaped once gpuwait is gone.
+            signals.keep_pending(outcome.signum)
             _finish(ledger, job, INTERRUPTED, reporter)
             return _Ended(128 + outcome.signum)
         if isinstance(outcome, Cancelled):
@@ -499,6 +510,8 @@ def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: A
     entry is reaped by the next gpuwait anyway."""
     try:
         lifecycle.finish(ledger, job, outcome, **how)
+    except signals.SignalPending:
+        pass  # ending because of a signal: the entry is reaped once this process is gone
     except Exception as exc:
         reporter.warn(str(exc))
 

@@ -409,8 +409,9 @@ def test_unreadable_sim_file(sim_file: SimFileFactory) -> None:
 
 
 def test_sim_path_is_a_directory(tmp_path: Path) -> None:
-    with pytest.raises(BackendUnavailable, match=r"cannot read it \(Is a directory\)"):
+    with pytest.raises(BackendUnavailable, match="is a directory, not a file") as refused:
         SimBackend(str(tmp_path))
+    assert refused.value.lasting  # nothing a moment changes: not retried for minutes
 
 
 def test_file_gone_bad_after_open(sim_file: SimFileFactory) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.history import a_run
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gpuwait.core.cmdkey import command_key, runs_other_code
 from gpuwait.core.estimate import estimate, usable_levels
@@ -182,9 +185,21 @@ def test_tail_reads_the_last_records(tmp_path: Path) -> None:
     for i in range(500):
         store.append_record(tmp_path, record(TRAIN, 1, NOW + i, job_id=str(i)))
     path = store.history_path(tmp_path)
-    assert [r["job_id"] for _, r in store.tail(path, 3).records] == ["497", "498", "499"]
-    assert len(store.tail(path, 1000).records) == 500
-    assert store.tail(tmp_path / "none", 3).records == []
+    everything = path.stat().st_size
+    assert [r["job_id"] for _, r in store.tail(path, 3, everything).records] == [
+        "497",
+        "498",
+        "499",
+    ]
+    assert len(store.tail(path, 1000, everything).records) == 500
+    # Never more than the last `limit` bytes, however many lines are asked for.
+    line = everything // 500
+    assert [r["job_id"] for _, r in store.tail(path, 1000, 10 * line).records][-2:] == [
+        "498",
+        "499",
+    ]
+    assert 8 <= len(store.tail(path, 1000, 10 * line).records) <= 10
+    assert store.tail(tmp_path / "none", 3, everything).records == []
 
 
 @pytest.mark.parametrize("argv", [TRAIN, ["python", "-m", "pkg"], ["sh", "-c", "secret=hunter2"]])
@@ -208,3 +223,103 @@ def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -
     learned = learn(tmp_path, TRAIN, CWD, now=NOW)
     assert learned.estimate.bytes is None
     assert len(learned.warnings) == 1 and "cannot be used" in learned.warnings[0]
+
+
+# --- a damaged history costs a bounded read ------------------------------------------------------
+
+
+def _parse_line_by_line(data: bytes, base: int) -> tuple[list[int], int, int | None, int]:
+    """What parse_lines must find, the plain way: each whole line decoded on its own."""
+    end = data.rfind(b"\n") + 1
+    offsets: list[int] = []
+    damaged, first = 0, None
+    position = 0
+    while position < end:
+        newline = data.index(b"\n", position)
+        line = data[position:newline]
+        if line.strip():
+            if store._decode(line) is None:
+                damaged += 1
+                first = base + position if first is None else first
+            else:
+                offsets.append(base + position)
+        position = newline + 1
+    return offsets, damaged, first, base + end
+
+
+_LINES = st.sampled_from(
+    [
+        store.encode(record(TRAIN, 3, NOW)).decode().strip(),
+        "  " + store.encode(record(["python", "b.py"], 1, NOW)).decode().strip(),
+        store.encode(record(TRAIN, 3, NOW)).decode()[:40],  # cut short
+        '{"schema": 1}',  # an object, not a record
+        "[1, 2]",
+        "y",
+        "",
+        "   ",
+        "\t\r",
+        "\x0b{}",
+        "{" * 50,
+        "\x00\x00",
+    ]
+)
+
+
+@given(
+    lines=st.lists(_LINES, max_size=30),
+    ending=st.sampled_from(["", "\n", "\n\n", "tail without newline"]),
+    base=st.integers(0, 10**9),
+)
+def test_parse_lines_finds_what_a_line_by_line_parse_finds(
+    lines: list[str], ending: str, base: int
+) -> None:
+    data = ("\n".join(lines) + ending).encode()
+    parsed = store.parse_lines(data, base)
+    offsets, damaged, first, end = _parse_line_by_line(data, base)
+    if ending == "\n":  # every line whole: every record among them is found
+        whole = [line for line in lines if line.rstrip().endswith("}") and "job_id" in line]
+        assert len(offsets) == len(whole)
+    assert [offset for offset, _ in parsed.records] == offsets
+    assert (parsed.damage.lines, parsed.damage.first_offset, parsed.end) == (damaged, first, end)
+
+
+def test_junk_longer_than_any_record_is_passed_over_without_a_newline() -> None:
+    good = store.encode(record(TRAIN, 3, NOW))
+    junk = b"x" * (store.MAX_LINE + 1)
+    parsed = store.parse_lines(good + junk)
+    assert len(parsed.records) == 1 and parsed.end == len(good) + len(junk)
+    assert (parsed.damage.lines, parsed.damage.first_offset) == (1, len(good))
+    # A record still being written is read next time.
+    parsed = store.parse_lines(good + good[:-10])
+    assert len(parsed.records) == 1 and parsed.end == len(good)
+
+
+def test_a_history_far_over_its_limit_is_read_only_to_its_limit_then_recovered(
+    tmp_path: Path,
+) -> None:
+    # Junk at the start, a few runs at the end, and a size limit far below the file's size.
+    limit = 1 << 20
+    path = store.history_path(tmp_path)
+    path.write_bytes(b"y\n" * (8 * limit))
+    os.chmod(path, 0o600)
+    for i in range(5):
+        store.append_record(tmp_path, record(TRAIN, 3, NOW - 100 + i))
+    size = path.stat().st_size
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW, max_bytes=limit)
+    assert learned.estimate.bytes is not None and learned.levels[0].total_runs == 5
+    # Read: the newest 2 × limit bytes, never the rest (the warning says how much was not).
+    (warning,) = learned.warnings
+    assert f"left its first {(size - 2 * limit) / 2**20:.1f} MiB unread" in warning
+    skipped = int(re.search(r"skipped (\d+) damaged line", warning).group(1))  # type: ignore[union-attr]
+    assert limit - 4096 < skipped < limit  # the junk lines in the part read, 2 bytes each
+    assert json.loads((index.index_dir(tmp_path) / "meta.json").read_text())["offset"] == size
+    # The next run's record compacts the file: the junk goes, the runs stay, and the old file
+    # is kept whole as evidence.
+    compaction = store.append_record(tmp_path, record(TRAIN, 3, NOW), max_bytes=limit)
+    assert compaction is not None and compaction.kept_as is not None
+    assert compaction.kept_as.startswith("history.jsonl.damaged-")
+    assert (tmp_path / compaction.kept_as).stat().st_size == size + len(
+        store.encode(record(TRAIN, 3, NOW))
+    )
+    assert len(store.read_from(path).records) == 6 and path.stat().st_size < limit
+    assert learn(tmp_path, TRAIN, CWD, now=NOW, max_bytes=limit).warnings == ()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from helpers.jobs import live_job
 
 from gpuwait.queue import wake
@@ -83,3 +88,84 @@ def test_the_releasing_transaction_wakes_the_head_and_not_the_rest(tmp_path: Pat
         for w in waiters:
             w.kill()
             w.wait()
+
+
+# --- the summaries of a shared ledger directory ------------------------------------------------
+
+
+def _summary(release: int, waiting: list[str]) -> str:
+    return json.dumps(
+        {"schema": wake.SCHEMA, "release": release, "running": [], "waiting": waiting}
+    )
+
+
+def test_each_user_writes_a_summary_of_their_own_in_a_shared_directory(tmp_path: Path) -> None:
+    wake.write_summary(tmp_path, wake.summary([], 3), os.getgid())
+    written = tmp_path / f"wake.{os.getuid()}.json"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o640
+    assert not (tmp_path / "wake.json").exists()
+    (seen,) = wake.Summaries(tmp_path, shared=True).current()
+    assert (seen.release, seen.source) == (3, written.name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: needs root")
+def test_another_members_broken_or_borrowed_summary_is_passed_over(tmp_path: Path) -> None:
+    other = 47251
+    mine = tmp_path / f"wake.{os.getuid()}.json"
+    mine.write_text(_summary(1, ["a"]))
+    junk = tmp_path / f"wake.{other}.json"
+    junk.write_text("y\n" * 1000)
+    os.chown(junk, other, other)
+    # A file named for another user but written by this one is nobody's summary.
+    borrowed = tmp_path / "wake.47252.json"
+    borrowed.write_text(_summary(9, []))
+    summaries = wake.Summaries(tmp_path, shared=True)
+    changed, _ = summaries.changed(now=0.0)
+    assert [s.source if s else None for s in changed] == [mine.name]
+    # A member writing junk again and again makes nobody act on it.
+    for n in range(3):
+        junk.write_text("y\n" * (1000 + n))
+        assert summaries.changed(now=1.0 + n) == ([], None)
+
+
+def test_one_users_summary_is_acted_on_at_most_every_source_gap(tmp_path: Path) -> None:
+    path = tmp_path / f"wake.{os.getuid()}.json"
+    path.write_text(_summary(1, ["a"]))
+    summaries = wake.Summaries(tmp_path, shared=True)
+    assert [s.release for s in summaries.changed(now=10.0)[0] if s] == [1]
+    path.write_text(_summary(2, ["a", "b"]))  # another size: seen as changed whatever the clock
+    # Changed again within the gap: held back, with the moment to look again.
+    assert summaries.changed(now=10.0 + wake.SOURCE_GAP / 2) == ([], 10.0 + wake.SOURCE_GAP)
+    (seen,) = summaries.changed(now=10.0 + wake.SOURCE_GAP)[0]
+    assert seen is not None and seen.release == 2
+    # A private ledger's one summary is the user's own: never held back.
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "wake.json").write_text(_summary(1, []))
+    own = wake.Summaries(private, shared=False)
+    assert len(own.changed(now=0.0)[0]) == 1
+    (private / "wake.json").write_text(_summary(2, ["b"]))
+    assert len(own.changed(now=0.0)[0]) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: needs root")
+def test_a_summary_squatted_by_another_member_is_written_beside_it(tmp_path: Path) -> None:
+    squat = tmp_path / f"wake.{os.getuid()}.json"
+    squat.write_text(_summary(77, []))
+    os.chown(squat, 47253, 47253)
+    wake.write_summary(tmp_path, wake.summary([], 5), os.getgid())
+    (mine,) = [p for p in tmp_path.glob(f"wake.{os.getuid()}.*.json") if p != squat]
+    assert mine.stat().st_uid == os.getuid()
+    # Found again by its owner, not made anew.
+    wake.write_summary(tmp_path, wake.summary([], 6), os.getgid())
+    assert sorted(tmp_path.glob("wake.*.json")) == sorted([squat, mine])
+    # Readers take the owner's and pass over the squatter's.
+    assert [s.release for s in wake.Summaries(tmp_path, shared=True).current()] == [6]
+
+
+def test_a_stamp_dated_ahead_of_the_clock_says_nobody_planned(tmp_path: Path) -> None:
+    wake.note_planned(tmp_path)
+    assert wake.planned_since(tmp_path, time.time_ns() - 10**9)
+    ahead = time.time() + 3600
+    os.utime(tmp_path / wake.STAMP, (ahead, ahead))
+    assert not wake.planned_since(tmp_path, time.time_ns() - 10**9)
