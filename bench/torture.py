@@ -5,7 +5,13 @@ Peers are real `gpuwait --vram NG -q -- sleep T` processes on a simulated machin
 to a random peer, or (one kill in three) to whichever peer holds the ledger lock right now, that
 is, in the middle of a ledger transaction and often of its write. A checker reads the ledger all
 along. With `--users 2` (as root) the peers run as two unprivileged users against a shared
-ledger directory set up as an administrator would.
+ledger directory set up as an administrator would. `--hostile` adds a third member of the group
+who runs no jobs but attacks all along: writes forged entries into its own file (copies of the
+others' entries naming their live gpuwait processes, root's pid 1 holding every GPU, a thousand
+entries at once, cancel and pause requests for the others' jobs), swaps its own files (its
+ledger file and its wake-up summary) for a FIFO, a link to /dev/zero, 20 MiB of junk or (the
+summary) lies that every job runs and room was freed, holds the ledger lock for up to half a
+second at a time, and tries to write the others' files.
 
 Printed, with the goal of each:
   corrupt files       ledger files that did not parse, damaged copies set aside    (goal 0)
@@ -16,6 +22,11 @@ Printed, with the goal of each:
                       ran (goal 0)
   over-admissions     a GPU whose running reservations exceed total × safety        (goal 0)
   failed peers        peers not killed that did not exit 0                          (goal 0)
+With --hostile, also:
+  forgeries counted   reads of the ledger (as any member plans from it) in which one of the
+                      hostile member's entries or requests counted                  (goal 0)
+  others' files written  times the hostile member could write another member's file (goal 0)
+  hangs               peers still running at the deadline (10 minutes)           (goal 0)
 """
 
 from __future__ import annotations
@@ -42,6 +53,154 @@ from gpuwait.queue.ledger import Ledger  # noqa: E402
 
 GIB = 2**30
 SAFETY = 0.9
+GROUP = 47100
+HOSTILE_UID = 47199
+
+#: The hostile member: `python -c HOSTILE UID GROUP DIR STOP SEED`, started as root; it imports
+#: what it needs, becomes the member, and attacks until the file STOP exists, then prints what
+#: it did as JSON.
+HOSTILE = r"""
+import errno, json, os, random, stat, sys, time, fcntl
+uid, group, directory, stop, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+os.setgroups([group]); os.setgid(uid); os.setuid(uid)
+rng = random.Random(seed)
+done = dict.fromkeys(["forged_files", "forged_entries", "forged_requests", "swaps", "lock_holds",
+                      "lock_seconds", "others_files_tried", "others_files_written"], 0)
+own = os.path.join(directory, "ledger.%d.json" % uid)
+init_start = int(open("/proc/1/stat").read().rsplit(")", 1)[1].split()[19])
+
+def read_plain(path):
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, 1 << 24)
+    finally:
+        os.close(fd)
+
+def others():
+    documents = []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not (name.startswith("ledger.") and name.endswith(".json")) or path == own:
+            continue
+        try:
+            raw = read_plain(path)
+            if raw:
+                documents.append(json.loads(raw))
+        except (OSError, ValueError):
+            pass
+    return documents
+
+def put(path, make):
+    tmp = "%s.%d.hostile" % (path, os.getpid())
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+    make(tmp)
+    os.replace(tmp, path)
+
+def write_plain(tmp, body):
+    with open(tmp, "wb") as f:
+        f.write(body)
+    os.chmod(tmp, 0o640)
+
+def forge():
+    documents = others()
+    if not documents:
+        return
+    jobs = [j for d in documents for j in d.get("jobs", []) if isinstance(j, dict)]
+    forged = [dict(j) for j in jobs]  # the others' entries, naming their live gpuwait processes
+    uuids = sorted({u for j in jobs for u in j.get("gpu_uuids", [])})
+    if jobs:
+        base = jobs[0]
+        for k in range(rng.choice([1, 20, 1100])):  # root's pid 1 holding every GPU
+            forged.append(dict(base, id="f%07x" % k, pid=1, start_time=init_start, uid=0,
+                               state="running", gpu_uuids=uuids, reserved_bytes=1 << 40,
+                               child_pid=1, child_start_time=init_start))
+    requests = [dict(kind=rng.choice(["cancel", "pause"]), uid=j["uid"], job=j["id"],
+                     pid=j["pid"], start_time=j["start_time"], at=time.time(), by_job=None)
+                for j in jobs]
+    document = dict(documents[0], jobs=forged, requests=requests)
+    put(own, lambda tmp: write_plain(tmp, json.dumps(document).encode()))
+    done["forged_files"] += 1
+    done["forged_entries"] += len(forged)
+    done["forged_requests"] += len(requests)
+
+def swap():
+    # Its own ledger file and its own wake-up summary (and the single summary of old, if it
+    # made that one).
+    targets = [own, os.path.join(directory, "wake.%d.json" % uid)]
+    wake = os.path.join(directory, "wake.json")
+    try:
+        if os.lstat(wake).st_uid == uid:
+            targets.append(wake)
+    except OSError:
+        pass
+    target = rng.choice(targets)
+    kind = rng.choice(["fifo", "zero", "junk", "mode000", "lie"])
+    if kind == "lie":  # a summary saying every job runs and the queue moved: wake everyone
+        ids = [j.get("id") for d in others() for j in d.get("jobs", []) if isinstance(j, dict)]
+        body = json.dumps(dict(schema=1, release=rng.randrange(1 << 30), running=ids, waiting=[]))
+        put(target, lambda tmp: write_plain(tmp, body.encode()))
+    elif kind == "fifo":
+        put(target, os.mkfifo)
+    elif kind == "zero":
+        put(target, lambda tmp: os.symlink("/dev/zero", tmp))
+    elif kind == "junk":
+        put(target, lambda tmp: write_plain(tmp, b"y\n" * (10 << 20)))
+    else:
+        try:
+            os.chmod(target, 0)
+        except OSError:
+            return
+    done["swaps"] += 1
+
+def hold_lock():
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held = rng.uniform(0.05, 0.5)
+        time.sleep(held)
+        done["lock_holds"] += 1
+        done["lock_seconds"] += int(held * 1000)
+    finally:
+        os.close(fd)
+
+def write_others():
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid == uid or not stat.S_ISREG(st.st_mode):
+            continue
+        done["others_files_tried"] += 1
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+        except OSError:
+            pass
+        else:
+            done["others_files_written"] += 1
+        for attempt in (lambda: os.rename(path, path + ".taken"), lambda: os.unlink(path)):
+            try:
+                attempt()
+            except OSError:
+                pass
+            else:
+                done["others_files_written"] += 1
+
+actions = [forge] * 4 + [swap] * 2 + [hold_lock, write_others]
+while not os.path.exists(stop):
+    try:
+        rng.choice(actions)()
+    except OSError:
+        pass
+    time.sleep(rng.uniform(0.01, 0.05))
+print(json.dumps(done))
+"""
 
 
 @dataclass
@@ -65,10 +224,17 @@ class Figures:
     reap_seconds: float = 0.0
     dead_before_reap: int = 0
     wall_seconds: float = 0.0
+    hostile: dict[str, int] = field(default_factory=dict)
+    forgeries_counted: int = 0
+    hangs: int = 0
+    longest_peer: float = 0.0
 
     def ok(self) -> bool:
         return not (
-            self.corrupt_files
+            self.forgeries_counted
+            or self.hostile.get("others_files_written", 0)
+            or self.hangs
+            or self.corrupt_files
             or self.lost_entries
             or self.stale_entries
             or self.leaked_reservations
@@ -97,17 +263,36 @@ class Figures:
                 f"  over-admissions     {self.over_admissions}  (goal 0; fullest GPU "
                 f"{self.max_fill:.0%} of total × safety)",
                 f"  failed peers        {self.failed_peers}  (goal 0)",
-                f"  wall                {self.wall_seconds:.1f}s",
+                f"  wall                {self.wall_seconds:.1f}s (longest peer "
+                f"{self.longest_peer:.1f}s)",
+                *self._hostile_lines(),
             ]
         )
+
+    def _hostile_lines(self) -> list[str]:
+        if not self.hostile:
+            return []
+        h = self.hostile
+        return [
+            f"  hostile member      {h.get('forged_files', 0)} forged files written "
+            f"({h.get('forged_entries', 0)} entries, {h.get('forged_requests', 0)} requests), "
+            f"{h.get('swaps', 0)} files swapped, lock held {h.get('lock_holds', 0)} times "
+            f"({h.get('lock_seconds', 0) / 1000:.1f}s in all); its own CPU "
+            f"{h.get('cpu_ms', 0) / 1000:.1f}s",
+            f"  forgeries counted   {self.forgeries_counted}  (goal 0)",
+            f"  others' files written {h.get('others_files_written', 0)} of "
+            f"{h.get('others_files_tried', 0)} tries  (goal 0)",
+            f"  hangs               {self.hangs}  (goal 0: peers still running at the deadline)",
+        ]
 
 
 class Machine:
     """A simulated machine, a ledger, and how to start a peer as each user."""
 
-    def __init__(self, users: int, gpus: int, memory_gib: int) -> None:
+    def __init__(self, users: int, gpus: int, memory_gib: int, hostile: bool = False) -> None:
         self.users = users
         self.shared = users > 1
+        self.hostile_env: dict[str, str] | None = None
         self.root = shared_root() if self.shared else Path(tempfile.mkdtemp(prefix="gpuwait-t-"))
         self.sim = self.root / "sim.toml"
         self.sim.write_text(f'[[gpu]]\nmemory = "{memory_gib}GiB"\n' * gpus)
@@ -124,13 +309,14 @@ class Machine:
         self.identities: list[tuple[int, int, list[int]]] = []
         self.envs: list[dict[str, str]] = []
         if self.shared:
-            group = 47100
-            self.ledger_dir = make_shared_ledger_dir(self.root, group)
+            self.ledger_dir = make_shared_ledger_dir(self.root, GROUP)
             base["GPUWAIT_LEDGER_DIR"] = str(self.ledger_dir)
             for n in range(users):
                 uid = 47101 + n
-                self.identities.append((uid, uid, [group]))
+                self.identities.append((uid, uid, [GROUP]))
                 self.envs.append({**base, **user_home(self.root, uid, uid)})
+            if hostile:
+                self.hostile_env = {**base, **user_home(self.root, HOSTILE_UID, HOSTILE_UID)}
         else:
             home = self.root / "home"
             self.ledger_dir = home / "state" / "gpuwait"
@@ -151,8 +337,72 @@ class Machine:
             return user_argv(uid, gid, groups, args), self.envs[n % self.users]
         return [sys.executable, "-m", "gpuwait", *args], self.envs[0]
 
+    def honest_files(self, pattern: str) -> list[Path]:
+        """The ledger dir's files matching `pattern`, but the hostile member's own."""
+        found = []
+        for path in sorted(self.ledger_dir.glob(pattern)):
+            try:
+                if path.lstat().st_uid != HOSTILE_UID:
+                    found.append(path)
+            except OSError:
+                pass
+        return found
+
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Hostile:
+    """The hostile member of the group (see HOSTILE), started once the directory is in use."""
+
+    def __init__(self, machine: Machine, seed: int | None) -> None:
+        env = machine.hostile_env
+        assert env is not None
+        # First a job of its own, like any member: the summary and stamp it makes are its own.
+        first = subprocess.run(
+            user_argv(HOSTILE_UID, HOSTILE_UID, [GROUP], ["--vram", "1G", "--", "true"]),
+            env=env,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if first.returncode != 0:
+            raise SystemExit(f"torture: the hostile member's first job failed: {first.stderr}")
+        self.stop = machine.root / "hostile.stop"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                HOSTILE,
+                str(HOSTILE_UID),
+                str(GROUP),
+                str(machine.ledger_dir),
+                str(self.stop),
+                str(seed if seed is not None else random.randrange(1 << 30)),
+            ],
+            cwd="/",
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def finish(self) -> dict[str, int]:
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu_ms = (int(fields[11]) + int(fields[12])) * 1000 // os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            cpu_ms = -1
+        self.stop.touch()
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        try:
+            return {**json.loads(out.strip().splitlines()[-1]), "cpu_ms": cpu_ms}
+        except (ValueError, IndexError):
+            return {"failed": 1}
 
 
 def _lock_holders(lock_path: Path) -> set[int]:
@@ -234,6 +484,13 @@ class Checker:
                 if job is None or job.state != "running":
                     self.figures.lost_entries += 1
                     self.figures.failures.append(f"peer {pid} runs its command without an entry")
+        # As any member plans from it, the ledger holds nothing of the hostile member's: it
+        # runs no job, so none of its entries names a live gpuwait of its own.
+        if any(job.uid == HOSTILE_UID for job in data.jobs) or any(
+            job.pause_requested_at is not None for job in data.jobs
+        ):
+            self.figures.forgeries_counted += 1
+            self.figures.failures.append("a forged entry or request counted")
         for job in data.jobs:
             killed = self.killed_at.get(job.pid)
             if killed is not None and stamp > killed + 2.0:
@@ -261,12 +518,15 @@ def torture(
     memory_gib: int = 24,
     seed: int | None = None,
     deadline_s: float = 600.0,
+    hostile: bool = False,
 ) -> Figures:
-    """Run the torture and return its figures."""
+    """Run the torture and return its figures (`hostile`: with a hostile member, users > 1)."""
     rng = random.Random(seed)
-    machine = Machine(users, gpus, memory_gib)
+    machine = Machine(users, gpus, memory_gib, hostile=hostile)
     figures = Figures(peers=peers, launches=launches, users=users, shared=machine.shared)
     checker = Checker(machine, figures)
+    adversary = Hostile(machine, seed) if hostile else None
+    born: dict[int, float] = {}
     live: dict[int, subprocess.Popen[str]] = {}
     killed: set[int] = set()
     done: list[tuple[int, subprocess.Popen[str]]] = []
@@ -298,6 +558,7 @@ def torture(
                     text=True,
                 )
                 live[proc.pid] = proc
+                born[proc.pid] = time.monotonic()
                 launched += 1
             now = time.monotonic()
             if launched < launches and now >= next_kill:
@@ -311,11 +572,14 @@ def torture(
                 if proc.poll() is not None:
                     del live[pid]
                     done.append((pid, proc))
+                    figures.longest_peer = max(figures.longest_peer, time.monotonic() - born[pid])
             time.sleep(0.005)
     finally:
         for proc in live.values():
             proc.kill()
             proc.wait()
+        if adversary is not None:
+            figures.hostile = adversary.finish()
     for pid, proc in done:
         err = proc.stderr.read() if proc.stderr else ""
         if pid not in killed and proc.returncode != 0:
@@ -324,6 +588,7 @@ def torture(
     if live:
         figures.failures.append(f"{len(live)} peers still running at the deadline")
         figures.failed_peers += len(live)
+        figures.hangs = len(live)
     # Every peer is gone. A killed peer's command (a short sleep) may still run: its entry keeps
     # its room until it ends (orphaned), so wait for those commands first.
     orphans_until = time.monotonic() + 5.0
@@ -336,7 +601,7 @@ def torture(
     # the files are counted here, the ledger as everyone reads it below.)
     figures.dead_before_reap = sum(
         len(json.loads(path.read_bytes()).get("jobs", []))
-        for path in machine.ledger_dir.glob("ledger*.json")
+        for path in machine.honest_files("ledger*.json")
     )
     reap_started = time.monotonic()
     argv, env = machine.argv(0, ["status", "--json"])
@@ -345,17 +610,18 @@ def torture(
     if status.returncode != 0:
         figures.failures.append(f"status failed: {status.stderr.strip()}")
     figures.leaked_reservations = len(machine.ledger.read().jobs)
-    damaged = list(machine.ledger_dir.glob("*.damaged-*"))
+    damaged = machine.honest_files("*.damaged-*")
     figures.corrupt_files += len(damaged)
-    # Every file of the ledger (in a shared one, each user's own) must be whole and valid.
+    # Every file of the ledger (in a shared one, each user's own) must be whole and valid: the
+    # hostile member's own is whatever it made it.
     pattern = "ledger.*.json" if machine.shared else "ledger.json"
-    for path in sorted(machine.ledger_dir.glob(pattern)) or [machine.ledger.path]:
+    for path in machine.honest_files(pattern) or [machine.ledger.path]:
         try:
             machine.ledger._decode(path.read_bytes(), repair=False)
         except (OSError, ValueError) as exc:
             figures.corrupt_files += 1
             figures.failures.append(f"final ledger invalid: {exc}")
-    temps = [p for p in machine.ledger_dir.iterdir() if p.name.endswith(".tmp")]
+    temps = [p for p in machine.honest_files("*") if p.name.endswith(".tmp")]
     if temps:
         figures.failures.append(f"temporary files left: {[p.name for p in temps]}")
     figures.wall_seconds = time.monotonic() - started
@@ -404,9 +670,14 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=0.1, help="seconds between tries")
     parser.add_argument("--kill-chance", type=float, default=0.3, help="chance of each try")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--hostile", action="store_true", help="a hostile member attacks all along (--users 2+)"
+    )
     args = parser.parse_args()
     if args.users > 1 and os.geteuid() != 0:
         parser.error("--users 2 runs peers as other users: run it as root")
+    if args.hostile and args.users < 2:
+        parser.error("--hostile needs a shared ledger: --users 2 or more")
     figures = torture(
         peers=args.peers,
         launches=args.launches,
@@ -414,6 +685,7 @@ def main() -> None:
         kill_every=args.kill_every,
         kill_chance=args.kill_chance,
         seed=args.seed,
+        hostile=args.hostile,
     )
     print(figures.report())
     for failure in figures.failures[:10]:
