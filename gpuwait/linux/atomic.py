@@ -15,7 +15,12 @@ from gpuwait.linux.security import ensure_private_dir as ensure_private_dir
 
 
 def write_atomic(
-    path: Path, data: bytes, mode: int = 0o600, group: int | None = None, owner: int = -1
+    path: Path,
+    data: bytes,
+    mode: int = 0o600,
+    group: int | None = None,
+    owner: int = -1,
+    sync: bool = True,
 ) -> None:
     """Replace `path` with `data`: temp file in the same dir, fsync, os.replace.
 
@@ -23,6 +28,7 @@ def write_atomic(
     `group`: the file's group, in a directory other users write into (a shared ledger
     directory): there the temporary file's name cannot be guessed, so nobody can put a file or
     a link of theirs in its place beforehand. `owner`: whose file it is (root writing a user's).
+    `sync=False`: no fsync, for a file derived from others that a crash may lose.
     """
     suffix = f"{os.getpid()}-{os.urandom(6).hex()}" if group is not None else str(os.getpid())
     tmp = path.with_name(f".{path.name}.{suffix}.tmp")
@@ -41,13 +47,18 @@ def write_atomic(
         while view:
             written = os.write(fd, view)
             view = view[written:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def damaged_name(path: Path) -> Path:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.record import Record
-from gpuwait.linux.atomic import holds
+from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
 from gpuwait.queue.entries import RUNNING, Job
 
@@ -147,23 +147,9 @@ def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | No
     # every watching waiter) for nothing.
     if holds(path, body):
         return
-    mode = 0o600 if shared_gid is None else 0o640
-    # In a shared directory a name nobody can guess, so that nobody puts a file there first.
-    unique = "" if shared_gid is None else f"-{os.urandom(6).hex()}"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{unique}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-        try:
-            if shared_gid is not None:
-                os.fchown(fd, -1, shared_gid)
-                os.fchmod(fd, mode)  # whatever the umask
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError:
-        # Waiters whose summary is missing fall back to reading the GPUs on their timer.
-        tmp.unlink(missing_ok=True)
+    # Waiters whose summary is missing fall back to reading the GPUs on their timer.
+    with contextlib.suppress(OSError):
+        write_atomic(path, body, 0o600 if shared_gid is None else 0o640, shared_gid, sync=False)
 
 
 def summary_path(state_dir: Path, shared: bool) -> Path:
