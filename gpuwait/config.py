@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpuwait.core.budget import DEFAULT_ENFORCE, ENFORCE_MODES
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, UsageError
 from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
@@ -457,6 +458,13 @@ OPTIONS: tuple[Option, ...] = (
         show=_show_size,
     ),
     Option(
+        "enforce",
+        _choice(*ENFORCE_MODES),
+        DEFAULT_ENFORCE,
+        "how a job is kept inside its reservation: 'off', 'hint' (tell JAX and TensorFlow), or "
+        "'limit' (also enforce it: cgroup dmem, CUDA MPS, PyTorch's allocator cap)",
+    ),
+    Option(
         "watch_stderr",
         _choice("auto", "off"),
         "auto",
@@ -557,6 +565,7 @@ class Settings(Record):
     estimate_margin: float
     history_commands: str
     history_max_size: int
+    enforce: str
     watch_stderr: str
     ledger_dir: Path | None
     on_state_error: str

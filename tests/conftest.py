@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["helpers.fixtures_nvml", "helpers.fixtures_sim", "helpers.processes"]
+pytest_plugins = [
+    "helpers.fixtures_nvml",
+    "helpers.fixtures_sim",
+    "helpers.processes",
+    "helpers.mps",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,7 +32,12 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
     monkeypatch.setenv("XDG_CONFIG_DIRS", str(home / "site-config"))
     for name in list(os.environ):
-        if name.startswith("GPUWAIT_") or name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        # The budgets' framework settings too: a test sees what gpuwait exports, not the host's.
+        if name.startswith(("GPUWAIT_", "XLA_", "PYTORCH_", "CUDA_MPS_")) or name in (
+            "CUDA_VISIBLE_DEVICES",
+            "CUDA_DEVICE_ORDER",
+            "TF_FORCE_GPU_ALLOW_GROWTH",
+        ):
             monkeypatch.delenv(name, raising=False)
     # Subprocesses run the gpuwait of this checkout.
     monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuwait.commands import MAX_LINES, Parser, output, whole_number
 from gpuwait.config import load_settings
+from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
@@ -101,7 +102,7 @@ def _exit(record: dict[str, Any]) -> str:
     else:
         text = str(record.get("exit_status"))
     if record.get("oom"):
-        text += " OOM"
+        text += " OOM at limit" if record.get("oom_cause") == OOM_OWN_LIMIT else " OOM"
     return text + _paused(record)
 
 

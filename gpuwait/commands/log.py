@@ -11,6 +11,7 @@ from typing import Any
 from gpuwait.commands import MAX_LINES, Parser, whole_number
 from gpuwait.commands.common import ledger_for
 from gpuwait.config import load_settings
+from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import printable
@@ -103,6 +104,11 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
             how += f", signal {event['signal']}"
         elif event.get("exit_status") is not None:
             how += f", exit {event['exit_status']}"
+        oom, reserved = event.get("oom"), event.get("reserved_bytes")
+        if oom == OOM_OWN_LIMIT and isinstance(reserved, int):
+            how += f", out of memory at its own {format_size(reserved)} limit"
+        elif isinstance(oom, str):
+            how += f", out of memory ({printable(oom, 20)})"
         ran = event.get("run_seconds")
         if isinstance(ran, (int, float)):
             how += f", ran {format_duration(ran)} on {_gpus(event.get('gpus'), indices)}"

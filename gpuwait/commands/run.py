@@ -140,6 +140,13 @@ def build_parser() -> Parser:
         "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
     )
     parser.add_argument(
+        "--enforce",
+        metavar="MODE",
+        help="keep the command inside its reservation: off, hint (tell JAX and TensorFlow) or "
+        "limit (also enforce it where this machine can: cgroup dmem, CUDA MPS, PyTorch's "
+        "allocator cap; see docs/budgets.md)",
+    )
+    parser.add_argument(
         "--exclusive",
         action="store_true",
         help="whole GPUs: no other gpuwait job is admitted there while this one runs",
@@ -196,6 +203,7 @@ def run(options: argparse.Namespace) -> int:
             "priority": options.priority,
             "safety": options.safety,
             "ledger_dir": options.ledger,
+            "enforce": options.enforce,
         }
     )
     request = _request(options)
@@ -341,4 +349,5 @@ def _config(settings: Settings) -> RunConfig:
         sample_interval=settings.sample_interval,
         resume_exit=settings.resume_exit,
         watch_stderr=settings.watch_stderr != "off",
+        enforce=settings.enforce,
     )

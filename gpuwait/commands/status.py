@@ -198,6 +198,8 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         out.append(line + _clip(" ".join(j["command"]), width - len(line)))
         if j["lost_gpus"]:
             out.append(_clip("     on a GPU that is not answering now", width))
+        if j["held_by"]:
+            out.append(_clip("     budget held by: " + ", ".join(j["held_by"]), width))
         if j["overuse"]:
             out.extend(
                 textwrap.wrap(

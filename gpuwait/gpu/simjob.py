@@ -5,6 +5,12 @@ shows it, claims its memory on that card (at once or ramping up), and dies with 
 out-of-memory error when the card is full. A card over-committed by gpuwait therefore shows up as a
 failed job, not as a passing test.
 
+It also keeps to the budgets the real frameworks keep to (`--framework`, docs/budgets.md): as
+PyTorch, the allocator cap (`per_process_memory_fraction` in PyTorch's allocator settings, or
+gpuwait's hook variable); as JAX, XLA_PYTHON_CLIENT_MEM_FRACTION (and, as JAX does by default,
+it takes that share of the card at its start); under any of them, the CUDA MPS memory limit
+when an MPS daemon serves the user. A job over its cap dies alone, with that framework's error.
+
 This is the job's own output, not gpuwait's: errors go to stderr as a CUDA program writes them.
 """
 
@@ -18,12 +24,13 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from gpuwait import checkpoint
+from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import parse_duration, parse_size, parse_whole
 from gpuwait.gpu.sim import (
@@ -37,11 +44,14 @@ from gpuwait.gpu.sim import (
     sim_lock,
     write_allocation,
 )
-from gpuwait.linux import proc
+from gpuwait.linux import mps, proc
 from gpuwait.linux.atomic import write_atomic
 
 #: How often a ramping job grows, in seconds.
 RAMP_STEP_S = 0.05
+FRAMEWORKS = ("torch", "jax", "cuda")
+#: The share of the card JAX takes when XLA_PYTHON_CLIENT_MEM_FRACTION does not say.
+JAX_DEFAULT_FRACTION = 0.75
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -82,7 +92,7 @@ def _main(args: argparse.Namespace) -> int:
     if start is None:
         _error("gpuwait sim job: cannot read this process's start time from /proc")
         return 2
-    job = _Job(config, start, args.report)
+    job = _Job(config, start, args.report, args.framework)
     problem = job.pick_gpu()
     if problem is not None:
         _error(problem)
@@ -118,6 +128,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hold", default=1.0, type=_duration_arg, help="time at full size")
     parser.add_argument("--exit", default=0, type=_exit_arg, help="exit status at the end (0-255)")
     parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
+    parser.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="torch",
+        help="whose budgets it keeps to and whose errors it prints (default: torch)",
+    )
     parser.add_argument("--sim", metavar="FILE", help="simulation file (default: $GPUWAIT_SIM)")
     parser.add_argument(
         "--checkpoint",
@@ -156,15 +172,23 @@ def _error(line: str) -> None:
 class _Job:
     """The memory this process holds on its simulated card."""
 
-    def __init__(self, config: SimConfig, start_time: int, report_path: str | None) -> None:
+    def __init__(
+        self, config: SimConfig, start_time: int, report_path: str | None, framework: str = "torch"
+    ) -> None:
         self.config = config
         self.pid = os.getpid()
         self.start_time = start_time
         self.report_path = report_path
+        self.framework = framework
         self.gpu: SimGpu | None = None
         self.allocated = 0
         self.peak = 0
         self.oom = False
+        #: The most this process may hold (its framework's cap, the MPS limit); None: the card.
+        self.cap: int | None = None
+        self.cap_by = ""
+        #: JAX's pool, taken at the start when it preallocates.
+        self.pool = 0
 
     def pick_gpu(self) -> str | None:
         """Take CUDA device 0; the CUDA error a program would get if that fails."""
@@ -174,10 +198,17 @@ class _Job:
         self.gpu = visible[0]
         if self.gpu.lost:
             return "CUDA error: unspecified launch failure"
+        self.cap, self.cap_by = _cap(self.framework, self.gpu.total_bytes, os.environ)
+        if self.framework == "jax":
+            fraction = _jax_fraction(os.environ)
+            if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() not in ("false", "0"):
+                self.pool = math.floor(fraction * self.gpu.total_bytes)
         return None
 
     def allocate(self, vram: int, ramp: float) -> bool:
         """Grow to `vram` bytes, linearly over `ramp` seconds. False after an OOM."""
+        if self.pool and not self._grow(self.pool):
+            return False  # JAX takes its share of the card first
         steps = 1 if ramp <= 0 else max(1, round(ramp / RAMP_STEP_S))
         began = time.monotonic()
         for step in range(1, steps + 1):
@@ -190,6 +221,14 @@ class _Job:
     def _grow(self, target: int) -> bool:
         gpu = self.gpu
         assert gpu is not None
+        if self.cap is not None and target > self.cap:
+            # Refused by its own budget, whatever room the card has: it fails alone.
+            _error(self._cap_message(gpu, target, self.cap))
+            self.release()
+            self.oom = True
+            return False
+        if target <= self.allocated and self.allocated == self.pool:
+            return True  # inside the pool JAX holds already
         # Signals wait until the record and the lock are consistent again.
         with _signals_blocked(), sim_lock(self.config) as directory:
             others = [
@@ -225,6 +264,24 @@ class _Job:
         )
         return " ".join(parts)
 
+    def _cap_message(self, gpu: SimGpu, target: int, cap: int) -> str:
+        wanted = target - self.allocated
+        if self.framework == "jax":
+            return (
+                "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+                f"trying to allocate {wanted} bytes ({self.cap_by})."
+            )
+        if self.framework == "cuda":
+            return f"CUDA error: out of memory ({self.cap_by})"
+        return (
+            "torch.OutOfMemoryError: CUDA out of memory. "
+            f"Tried to allocate {torch_size(wanted)}. "
+            f"GPU 0 has a total capacity of {torch_size(gpu.total_bytes)} "
+            f"of which {torch_size(max(0, gpu.total_bytes - gpu.base_used - self.allocated))} "
+            f"is free. Of the allocated memory {torch_size(self.allocated)} is allocated by "
+            f"PyTorch, and this process is limited to {torch_size(cap)} ({self.cap_by})."
+        )
+
     def release(self) -> None:
         remove_allocation(self.config.state_dir, self.pid)
         self.allocated = 0
@@ -239,12 +296,55 @@ class _Job:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "peak_bytes": self.peak,
             "oom": self.oom,
+            "cap_bytes": self.cap,
         }
         try:
             with open(self.report_path, "w", encoding="utf-8") as handle:
                 json.dump(report, handle)
         except OSError as exc:
             _error(f"gpuwait sim job: cannot write report {self.report_path}: {exc.strerror}")
+
+
+def _env_fraction(env: Mapping[str, str], name: str) -> float | None:
+    try:
+        value = float(env.get(name, ""))
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
+
+
+def _jax_fraction(env: Mapping[str, str]) -> float:
+    for name in (budget.XLA_NEW_FRACTION_VAR, budget.XLA_FRACTION_VAR):
+        fraction = _env_fraction(env, name)
+        if fraction is not None:
+            return fraction
+    return JAX_DEFAULT_FRACTION
+
+
+def _cap(framework: str, total: int, env: Mapping[str, str]) -> tuple[int | None, str]:
+    """The most this simulated job may hold on a card of `total` bytes, and what sets it."""
+    caps: list[tuple[int, str]] = []
+    if framework == "torch":
+        # As PyTorch 2.10+: the allocator settings, else what gpuwait's hook applies on import.
+        fraction = budget.conf_fraction(budget.torch_conf(env))
+        how = "per_process_memory_fraction"
+        if fraction is None:
+            fraction, how = _env_fraction(env, budget.TORCH_FRACTION_VAR), "the PyTorch cap"
+        if fraction is not None and 0 < fraction <= 1:
+            caps.append((math.floor(fraction * total), how))
+    elif framework == "jax":
+        fraction = _jax_fraction(env)
+        caps.append((math.floor(fraction * total), "XLA client memory fraction"))
+    limit = env.get(budget.MPS_LIMIT_VAR)
+    if limit and mps.daemon_serves(env):
+        limits = budget.parse_mps_limit(limit)
+        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        device0 = limits.get(visible[0]) if visible and visible[0] in limits else limits.get("0")
+        if device0 is not None:
+            caps.append((device0, "MPS pinned device memory limit"))
+    if not caps:
+        return None, ""
+    return min(caps)
 
 
 def torch_size(n_bytes: int) -> str:

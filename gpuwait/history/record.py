@@ -15,7 +15,12 @@ A record is one JSON object per line:
     wait_seconds, run_seconds        the wait before its first start; its run time
     started_at                       Unix time of its first start
     exit_status, signal              how it ended (one of them is None)
-    oom, oom_evidence                an out-of-memory failure, told by "message" or "card full"
+    oom, oom_evidence                an out-of-memory failure, told by "message", "card full" or
+                                     "at its limit" (an enforced budget's peak near its limit)
+    oom_cause                        how it came about: "own limit" (its budget refused it),
+                                     "card full", "unknown"
+    budget                           how its reservation was held: {enforce, held_by,
+                                     limit_bytes} (absent with enforce = off and for whole GPUs)
     stderr_watched                   how its stderr was watched ("pipe", "file", "off")
     pauses, paused_seconds           --pausable jobs: how often it stepped aside, and for how long
     over_reservation                 only when its peak passed its reservation by more than the
@@ -32,6 +37,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpuwait.core.budget import Budget
 from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
 from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import DEFAULT_MARGIN, RunStat
@@ -72,6 +78,7 @@ class Measured(Record, frozen=True):
     oom: bool
     oom_evidence: str | None
     stderr_watched: str
+    oom_cause: str | None = None
 
 
 def command_hash(command: Sequence[str]) -> str:
@@ -96,6 +103,7 @@ def build(
     started_at: float,
     pauses: tuple[int, float] | None = None,
     margin: float = DEFAULT_MARGIN,
+    held: Budget | None = None,
 ) -> dict[str, Any]:
     """One history record (see the module docstring). In `hash` mode the command line and an
     explicit key are left out; their hashes (which estimates match on anyway) stay.
@@ -141,6 +149,14 @@ def build(
         "oom_evidence": measured.oom_evidence,
         "stderr_watched": measured.stderr_watched,
     }
+    if measured.oom:
+        record["oom_cause"] = measured.oom_cause
+    if held is not None and held.held_by:
+        record["budget"] = {
+            "enforce": held.mode,
+            "held_by": list(held.held_by),
+            "limit_bytes": reserved_bytes if held.enforced else None,
+        }
     if pauses is not None:
         record["pauses"], record["paused_seconds"] = pauses[0], round(pauses[1], 3)
     totals = {g.uuid: g.total_bytes for g in gpus}

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from gpuwait.core.budget import HELD_BY
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
 from gpuwait.core.policy import Requirements
 from gpuwait.core.record import Record, field
@@ -113,6 +114,8 @@ class Job(Record):
     overuse_since: float | None = None
     overuse_bytes: int = 0
     overuse_total_bytes: int = 0
+    #: How its budget is held once it runs (gpuwait.core.budget.HELD_BY), strongest first.
+    held_by: list[str] = field(default_factory=list)
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -198,6 +201,7 @@ class Job(Record):
             overuse_total_bytes=_int(raw, "overuse_total_bytes", 0, 2**62)
             if "overuse_total_bytes" in raw
             else 0,
+            held_by=_held_by(raw.get("held_by")),
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -213,6 +217,13 @@ class Job(Record):
     def to_json(self) -> dict[str, Any]:
         # vars(), not asdict(): the same JSON without asdict's deep copies.
         return dict(vars(self))
+
+
+def _held_by(value: Any) -> list[str]:
+    """Known ways only: the list is shown, and an entry is anybody's text."""
+    if not isinstance(value, list):
+        return []
+    return [way for way in value if isinstance(way, str) and way in HELD_BY][: len(HELD_BY)]
 
 
 def copy_job(job: Job) -> Job:

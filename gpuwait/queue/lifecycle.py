@@ -482,14 +482,16 @@ def confirm_admission(
 # --- running --------------------------------------------------------------------------------
 
 
-def started(ledger: Ledger, job: Job, child_pid: int) -> Job:
-    """The admitted job's command runs as `child_pid`."""
+def started(ledger: Ledger, job: Job, child_pid: int, held_by: Sequence[str] = ()) -> Job:
+    """The admitted job's command runs as `child_pid`, its budget held as `held_by` says
+    (gpuwait.core.budget)."""
     child_start = proc.start_time(child_pid)
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
         mine.child_pid = child_pid
         mine.child_start_time = child_start
         mine.pids = [child_pid]
+        mine.held_by = list(held_by)
         said.append(("start", {"job": job.id, "name": job.name, "pid": child_pid}))
     return copy_job(mine)
 
@@ -638,11 +640,13 @@ def finish(
     run_seconds: float | None = None,
     charge_usage: tuple[float, float | None] | None = None,
     paused: tuple[int, float] | None = None,
+    oom: str | None = None,
 ) -> None:
     """Take the job out of the queue, recording how it ended (and where it ran, if it did).
 
     `charge_usage`: (VRAM-seconds, fair-share half-life) added to the user's usage after a run.
     `paused`: a --pausable job's pauses and the seconds it spent stepped aside.
+    `oom`: how a run that ran out of GPU memory did (gpuwait.core.budget: own limit, card full).
     """
     with _change(ledger) as (data, said):
         mine = data.remove(job.id)
@@ -672,6 +676,9 @@ def finish(
         }
         if paused is not None:
             fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
+        if oom is not None:
+            fields["oom"] = oom
+            fields["reserved_bytes"] = job.reserved_bytes
         said.append(("finish" if ran_on else "leave", fields))
 
 

@@ -159,6 +159,7 @@ def report_from(
                 "orphaned": job.orphaned_at is not None,
                 "pause_asked_by": _asker(data, job),
                 "overuse": _overuse(job),
+                "held_by": list(job.held_by),
                 "uid": job.uid,
                 "command": job.command,
                 "cwd": job.cwd,

@@ -10,7 +10,9 @@ mask, gpuwait's stdin, stdout and stderr.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -52,6 +54,35 @@ def which(name: str) -> str | None:
         if os.access(path, os.X_OK) and not os.path.isdir(path):
             return path
     return None
+
+
+#: Programs that are Python (or start Python) by name, whatever their first line says.
+_PYTHON_NAMES = re.compile(
+    r"^(python|pypy|ipython)[0-9.]*$|^(torchrun|accelerate|deepspeed|jupyter)$"
+)
+
+
+def python_program(argv: Sequence[str]) -> bool:
+    """The command is a Python program: a Python interpreter, or a script whose #! line names
+    one (console scripts such as torchrun, accelerate or deepspeed among them)."""
+    name = argv[0]
+    if _PYTHON_NAMES.match(os.path.basename(name)):
+        return True
+    path = name if "/" in name else which(name)
+    if path is None:
+        return False
+    try:
+        # Never waited on: a FIFO named like a program is no program.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        first = os.read(fd, 256).split(b"\n", 1)[0] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        first = b""
+    finally:
+        os.close(fd)
+    return first.startswith(b"#!") and b"python" in first
 
 
 def exec_bare(command: Sequence[str]) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from gpuwait.core.budget import DEFAULT_ENFORCE, OOM_OWN_LIMIT, Budget, near_limit, oom_cause
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
     EXIT_DEPENDENCY_FAILED,
@@ -54,6 +55,7 @@ from gpuwait.queue.entries import WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.wait import GpuRetry, Interrupted, TimedOut, WaitPolicy, wait_for_admission
+from gpuwait.runner import budget
 from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
 from gpuwait.runner.stderrwatch import StderrWatch
 from gpuwait.runner.supervise import RunResult, supervise
@@ -137,6 +139,7 @@ class RunConfig(Record, frozen=True):
     sample_interval: float
     resume_exit: int
     watch_stderr: bool
+    enforce: str = DEFAULT_ENFORCE
 
 
 _T = TypeVar("_T")
@@ -148,6 +151,8 @@ class _Ended(Record, frozen=True):
     returncode: int
     oom: bool = False
     reserved_bytes: int = 0
+    #: How the OOM came about (gpuwait.core.budget: own limit, card full, unknown).
+    oom_cause: str | None = None
     #: The command checkpointed on request and is queued again (cooperative pausing).
     paused: bool = False
 
@@ -245,11 +250,16 @@ def _run_with_retries(
             raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
         )
         after = raised.request.bytes if raised.request is not None else None
+        how = (
+            f"at its own {format_size(ended.reserved_bytes)} limit"
+            if ended.oom_cause == OOM_OWN_LIMIT
+            else "of GPU memory"
+        )
         if after is None or after <= ended.reserved_bytes:
-            reporter.warn("the command ran out of GPU memory; no larger size to retry with")
+            reporter.warn(f"the command ran out {how}; no larger size to retry with")
             break
         reporter.info(
-            f"the command ran out of GPU memory; retrying with {format_size(after)} "
+            f"the command ran out {how}; retrying with {format_size(after)} "
             f"(retry {retries} of {request.retry_oom})"
         )
         choice = raised
@@ -531,6 +541,10 @@ def _start(
     job = admitted.job
     chosen = list(admitted.gpus)
     env = command_env(job, [g.index for g in chosen], config.resume_exit)
+    held = budget.prepare(config.enforce, job, chosen, request.command, env)
+    env.update(held.plan.env)
+    for message in (held.plan.fallback, held.problem):
+        _say_once(reporter, message)
     if request.verbose:
         where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
         note = f" ({choice.note})" if choice.note else ""
@@ -541,15 +555,18 @@ def _start(
     started_at = time.time()
     watch = StderrWatch(enabled=config.watch_stderr)
     try:
-        child = spawn(request.command, env, watch.file_actions())
+        with held.spawning():
+            child = spawn(request.command, env, watch.file_actions())
     except OSError as exc:
+        held.close()
         watch.abandon()
         code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
         _finish(ledger, job, FAILED, reporter, exit_status=code)
         raise CommandProblem(f"{request.command[0]}: {exc.strerror}", code) from None
     watch.started()
+    _say_once(reporter, held.problem)
     try:
-        job = lifecycle.started(ledger, job, child)
+        job = lifecycle.started(ledger, job, child, held.plan.held_by)
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         reporter.warn(str(exc))
         job = job._replace(child_pid=child, pids=[child])
@@ -569,11 +586,23 @@ def _start(
         responder=responder,
         margin=config.estimate_margin,
     )
+    held.close()
     said_oom = watch.finish()
     code = result.returncode
     if result.paused and code == config.resume_exit:
         job = lifecycle.step_aside(ledger, job, result.run_seconds)
         return job, _Ended(code, paused=True)
+    card_full = any(
+        near_full(result.free_at_peak_bytes.get(u), total)
+        for u, total in result.total_bytes.items()
+    )
+    peaks, _ = result.peaks()
+    at_limit = held.plan.enforced and near_limit(
+        max(peaks.values(), default=None), job.reserved_bytes
+    )
+    oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
+    cause = oom_cause(held.plan.enforced, card_full) if oom else None
+    evidence = "message" if said_oom else "card full" if card_full else "at its limit"
     vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
     _finish(
         ledger,
@@ -585,8 +614,9 @@ def _start(
         run_seconds=result.run_seconds,
         charge_usage=(vram_seconds, config.wait.fair.half_life),
         paused=(job.pauses, paused_seconds) if job.pausable else None,
+        oom=cause,
     )
-    oom = _record(
+    _record(
         request,
         config,
         reporter,
@@ -596,11 +626,22 @@ def _start(
         queued_seconds,
         started_at,
         choice,
-        said_oom,
+        (cause, evidence) if cause else None,
         watch.mode,
         paused_seconds,
+        held.plan,
     )
-    return job, _Ended(result.returncode, oom, job.reserved_bytes)
+    return job, _Ended(result.returncode, oom, job.reserved_bytes, cause)
+
+
+#: Notes already said by this gpuwait (a retried or resumed job says each once).
+_SAID: set[str] = set()
+
+
+def _say_once(reporter: Reporter, message: str | None) -> None:
+    if message and message not in _SAID:
+        _SAID.add(message)
+        reporter.warn(message)
 
 
 def _record(
@@ -613,20 +654,18 @@ def _record(
     wait_seconds: float,
     started_at: float,
     choice: RequestChoice,
-    said_oom: bool | None,
+    oom: tuple[str, str] | None,
     stderr_watched: str,
     paused_seconds: float,
-) -> bool:
-    """Leave the run's record in the history; returns whether it looked like an OOM.
+    held: Budget,
+) -> None:
+    """Leave the run's record in the history.
 
-    `wait_seconds` is the wait before the first start; a --pausable job's record also says how
-    often it stepped aside and how long it then waited to resume (`paused_seconds`)."""
+    `oom`: how an out-of-memory failure came about and how it was told ("message", "card
+    full"); None for a run that did not run out. `wait_seconds` is the wait before the first
+    start; a --pausable job's record also says how often it stepped aside and how long it then
+    waited to resume (`paused_seconds`)."""
     peaks, approximate = result.peaks()
-    card_full = any(
-        near_full(result.free_at_peak_bytes.get(u), total)
-        for u, total in result.total_bytes.items()
-    )
-    oom = looks_like_oom(result.returncode, bool(said_oom), card_full)
     record = run_record.build(
         job_id=job.id,
         name=job.name,
@@ -647,10 +686,12 @@ def _record(
             free_at_peak_bytes=result.free_at_peak_bytes,
             run_seconds=result.run_seconds,
             returncode=result.returncode,
-            oom=oom,
-            oom_evidence=None if not oom else ("message" if said_oom else "card full"),
+            oom=oom is not None,
+            oom_evidence=None if oom is None else oom[1],
+            oom_cause=None if oom is None else oom[0],
             stderr_watched=stderr_watched,
         ),
+        held=held,
         wait_seconds=wait_seconds,
         started_at=started_at,
         pauses=(job.pauses, paused_seconds) if job.pausable else None,
@@ -663,4 +704,3 @@ def _record(
         warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
     for message in warnings:
         reporter.warn(message)
-    return oom

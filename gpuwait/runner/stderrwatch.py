@@ -36,6 +36,7 @@ OOM_MARKERS = (
     b"cuda out of memory",
     b"outofmemoryerror",
     b"cuda_error_out_of_memory",
+    b"cuda error: out of memory",
     b"cudaerrormemoryallocation",
     b"cublas_status_alloc_failed",
     b"cudnn_status_alloc_failed",

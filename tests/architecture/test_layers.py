@@ -26,6 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"core", "linux"},
     "commands": {"core", "linux", "gpu", "history", "queue", "runner", "config", "version"},
     "cli": {"core", "commands"},
+    # The PyTorch hook runs inside the user's job, put there on PYTHONPATH: standard library only.
+    "pyhook": set(),
     "main": {"cli"},
     "version": set(),
 }
@@ -134,8 +136,9 @@ def test_only_the_lifecycle_changes_a_job(attribute: str, home: set[str]) -> Non
 
 
 #: Besides commands/ and the CLI: the simulated CUDA program writes its own errors, as a CUDA
-#: program would (it is a program of its own, run by `gpuwait sim job`).
-PRINTS_OF_ITS_OWN = {"gpu/simjob.py"}
+#: program would (it is a program of its own, run by `gpuwait sim job`), and the PyTorch hook
+#: says why a cap could not be applied from inside the user's program, where no reporter is.
+PRINTS_OF_ITS_OWN = {"gpu/simjob.py", "pyhook/sitecustomize.py"}
 
 
 def test_only_commands_print() -> None:

@@ -126,3 +126,86 @@ def test_real_jobs_that_do_not_fit_together_are_serialised(
     results = [(p.wait(timeout=600), p.stderr.read() if p.stderr else "") for p in procs]
     assert all(code == 0 for code, _ in results), results
     assert not any("out of memory" in err.lower() for _, err in results)
+
+
+def _limited_beside_a_neighbour(
+    gpuwait_cmd: list[str], python: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], subprocess.Popen[str]]:
+    """A neighbour holding 1.5 GiB for 8 s, and beside it a job reserving 2 GiB under
+    `--enforce limit` that tries to allocate 4 GiB."""
+    full = {**os.environ, **(env or {})}
+    neighbour = subprocess.Popen(
+        [*gpuwait_cmd, "--devices", "0", "--vram", "2G", "--", *python, "-c", ALLOCATE, "1.5", "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full,
+    )
+    over = subprocess.run(
+        [
+            *gpuwait_cmd,
+            "--devices",
+            "0",
+            "--enforce",
+            "limit",
+            "--vram",
+            "2G",
+            "--",
+            *python,
+            "-c",
+            ALLOCATE,
+            "4",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=full,
+    )
+    neighbour.wait(timeout=300)
+    return over, neighbour
+
+
+def test_real_pytorch_job_over_its_limit_fails_alone(real_gpu: int, gpuwait_cmd: list[str]) -> None:
+    if not _has_torch_cuda():
+        pytest.skip("PyTorch with CUDA is not installed")
+    over, neighbour = _limited_beside_a_neighbour(gpuwait_cmd, [sys.executable])
+    assert neighbour.returncode == 0, neighbour.stderr.read() if neighbour.stderr else ""
+    assert over.returncode != 0
+    assert "out of memory" in over.stderr.lower(), over.stderr
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    failed = [r for r in records if r.get("oom")]
+    assert [r["oom_cause"] for r in failed] == ["own limit"]
+    assert "PyTorch allocator cap" in failed[0]["budget"]["held_by"]
+
+
+def test_real_mps_limit_holds_a_job_the_pytorch_cap_does_not_reach(
+    real_gpu: int, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    import shutil
+
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("no CUDA MPS here")
+    if not _has_torch_cuda():
+        pytest.skip("PyTorch with CUDA is not installed")
+    mps_env = {
+        "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "log"),
+    }
+    for path in mps_env.values():
+        os.mkdir(path)
+    subprocess.run([control, "-d"], env={**os.environ, **mps_env}, check=True, timeout=60)
+    try:
+        # `python -I` ignores PYTHONPATH, so gpuwait's PyTorch hook never runs: only MPS holds.
+        over, neighbour = _limited_beside_a_neighbour(
+            gpuwait_cmd, [sys.executable, "-I"], env=mps_env
+        )
+    finally:
+        subprocess.run(
+            [control], input="quit\n", text=True, env={**os.environ, **mps_env}, timeout=60
+        )
+    assert neighbour.returncode == 0
+    assert over.returncode != 0
+    assert "out of memory" in over.stderr.lower(), over.stderr

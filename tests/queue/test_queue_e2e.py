@@ -597,6 +597,7 @@ JOB_KEYS = {
     "orphaned": bool,
     "pause_asked_by": (dict, type(None)),
     "overuse": (dict, type(None)),
+    "held_by": list,
 }
 BATCH_KEYS = {
     "name": str,

@@ -1,0 +1,260 @@
+"""Budgets: what keeps a job inside its reservation, so that one job growing past what it asked
+for fails alone instead of taking its neighbours with it (docs/budgets.md).
+
+`enforce` chooses how far gpuwait goes:
+
+    off    nothing is exported but gpuwait's own GPUWAIT_* variables
+    hint   the frameworks people run are told the reservation: JAX's and XLA's memory fraction,
+           TensorFlow's on-demand growth; servers read GPUWAIT_VRAM_FRACTION on their command line
+    limit  the hints, and the reservation enforced below the application wherever this machine
+           offers a way: the cgroup dmem controller, a CUDA MPS memory limit, PyTorch's caching
+           allocator capped; where none applies, the hints alone (said once)
+
+Pure: what this machine offers (`Means`) is found by the runner, which also applies the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from gpuwait.core.record import Record
+
+OFF, HINT, LIMIT = "off", "hint", "limit"
+ENFORCE_MODES = (OFF, HINT, LIMIT)
+DEFAULT_ENFORCE = HINT
+
+# How a job's budget is held, as `status` says it.
+HELD_DMEM = "cgroup dmem"
+HELD_MPS = "MPS limit"
+HELD_TORCH = "PyTorch allocator cap"
+HELD_HINT = "hint only"
+HELD_BY = (HELD_DMEM, HELD_MPS, HELD_TORCH, HELD_HINT)
+#: The ways that refuse an allocation past the reservation (a hint refuses nothing).
+ENFORCING = frozenset({HELD_DMEM, HELD_MPS, HELD_TORCH})
+
+#: gpuwait's own variables: the fraction of the card the reservation is (always exported), and
+#: the one that tells the PyTorch hook on PYTHONPATH what cap to apply (limit mode).
+FRACTION_VAR = "GPUWAIT_VRAM_FRACTION"
+TORCH_FRACTION_VAR = "GPUWAIT_TORCH_MEMORY_FRACTION"
+XLA_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: The newer name of the same setting (JAX reads both).
+XLA_NEW_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
+XLA_PREALLOCATE_VAR = "XLA_PYTHON_CLIENT_PREALLOCATE"
+TF_GROWTH_VAR = "TF_FORCE_GPU_ALLOW_GROWTH"
+MPS_LIMIT_VAR = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+#: PyTorch's allocator settings, in the order PyTorch 2.10+ reads its CUDA ones: the first set.
+TORCH_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+TORCH_FRACTION_KEY = "per_process_memory_fraction"
+
+#: Fractions are written with this many decimals, rounded down: never above the reservation.
+_DECIMALS = 4
+
+# How an out-of-memory failure came about (history's `oom_cause`, the log, --retry-oom).
+OOM_OWN_LIMIT = "own limit"
+OOM_CARD_FULL = "card full"
+OOM_UNKNOWN = "unknown"
+
+
+class Means(Record, frozen=True):
+    """What this machine offers to hold one job's budget (found by the runner)."""
+
+    #: dmem regions of the job's GPUs in a cgroup gpuwait may create, else why not.
+    dmem: bool = False
+    dmem_why_not: str = "no cgroup dmem controller (Linux 6.14+)"
+    #: A CUDA MPS control daemon serves this user.
+    mps: bool = False
+    #: The command is a Python program (the PyTorch hook then applies when it imports torch).
+    python: bool = False
+    #: The directory holding gpuwait's PyTorch hook (sitecustomize.py).
+    hook_dir: str = ""
+
+
+class Budget(Record, frozen=True):
+    """How one job's reservation is held: what to export, and what `status` says."""
+
+    mode: str
+    #: Ways the budget is held, strongest first; () with enforce = off or a whole GPU.
+    held_by: tuple[str, ...]
+    #: Variables to set in the command's environment.
+    env: Mapping[str, str]
+    #: Framework variables the user set already, left as they are.
+    kept: tuple[str, ...] = ()
+    #: limit mode only: why nothing below the application holds the budget (said once).
+    fallback: str | None = None
+    #: The bytes dmem.max is set to on each GPU's region, when dmem holds it.
+    dmem_bytes: int | None = None
+
+    @property
+    def enforced(self) -> bool:
+        """Something refuses the job's allocations past its reservation."""
+        return any(way in ENFORCING for way in self.held_by)
+
+    def describe(self) -> str:
+        return ", ".join(self.held_by) if self.held_by else "none"
+
+
+def card_fraction(reserved_bytes: int, totals: Sequence[int]) -> float:
+    """The reservation as a fraction of the largest of the job's cards, rounded down, so that
+    no card lets the job past its reservation (a smaller card gets a little less)."""
+    largest = max((t for t in totals if t > 0), default=0)
+    if largest <= 0 or reserved_bytes <= 0:
+        return 0.0
+    scale: int = 10**_DECIMALS
+    return max(1, min(scale, math.floor(reserved_bytes / largest * scale))) / scale
+
+
+def format_fraction(fraction: float) -> str:
+    """0.075, 0.5, 1 as the frameworks read them (no exponent, no trailing zeros)."""
+    text = f"{fraction:.{_DECIMALS}f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def mps_limit(reserved_bytes: int, gpu_uuids: Sequence[str]) -> str:
+    """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: each of the job's GPUs, named by UUID as in
+    CUDA_VISIBLE_DEVICES (no renumbering can point it at another card), limited to the
+    reservation in whole MB, rounded down ("GPU-…=6144MB")."""
+    mib = max(1, reserved_bytes >> 20)
+    return ",".join(f"{uuid}={mib}MB" for uuid in gpu_uuids)
+
+
+def parse_mps_limit(text: str) -> dict[str, int]:
+    """{device (ordinal or UUID, as written): bytes} from a CUDA_MPS_PINNED_DEVICE_MEM_LIMIT
+    value; what cannot be read is left out."""
+    units = {"": 1 << 20, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+    limits: dict[str, int] = {}
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*([\w-]+)\s*=\s*(\d+)\s*([MG]B?)?\s*", part, re.IGNORECASE)
+        if match:
+            unit = units[(match.group(3) or "").upper()]
+            limits[match.group(1)] = int(match.group(2)) * unit
+    return limits
+
+
+def conf_fraction(conf: str) -> float | None:
+    """per_process_memory_fraction from a PyTorch allocator setting ("a:1,b:2"), if given."""
+    value = None
+    for item in conf.split(","):
+        key, sep, raw = item.partition(":")
+        if sep and key.strip() == TORCH_FRACTION_KEY:
+            try:
+                value = float(raw.strip())
+            except ValueError:
+                value = None
+    return value
+
+
+def torch_conf(env: Mapping[str, str]) -> str:
+    """The allocator settings PyTorch reads its CUDA options from: the first variable set."""
+    for name in TORCH_CONF_VARS:
+        if env.get(name):
+            return env[name]
+    return ""
+
+
+def user_torch_cap(env: Mapping[str, str]) -> bool:
+    """The user capped PyTorch's allocator themselves (in either allocator variable)."""
+    return any(conf_fraction(env.get(name, "")) is not None for name in TORCH_CONF_VARS)
+
+
+def plan(
+    mode: str,
+    reserved_bytes: int,
+    gpus: Mapping[str, int],
+    env: Mapping[str, str],
+    means: Means,
+    *,
+    whole_gpus: bool = False,
+) -> Budget:
+    """The budget of a job holding `reserved_bytes` on each of `gpus` (UUID -> total bytes, in
+    CUDA_VISIBLE_DEVICES order), given the user's environment `env` (whose framework variables
+    are never overridden) and `means`."""
+    totals = list(gpus.values())
+    fraction = 1.0 if whole_gpus else card_fraction(reserved_bytes, totals)
+    exported: dict[str, str] = {FRACTION_VAR: format_fraction(fraction)}
+    if mode == OFF or whole_gpus or fraction <= 0:
+        # A whole card needs no budget: nothing else is admitted beside it.
+        return Budget(mode=mode, held_by=(), env=exported)
+    kept: list[str] = []
+
+    def offer(name: str, value: str) -> bool:
+        if env.get(name, "") != "":
+            kept.append(name)
+            return False
+        exported[name] = value
+        return True
+
+    held: list[str] = []
+    if mode == LIMIT:
+        if means.dmem:
+            held.append(HELD_DMEM)
+        if means.mps and offer(MPS_LIMIT_VAR, mps_limit(reserved_bytes, list(gpus))):
+            held.append(HELD_MPS)
+    # Under a limit the driver holds, the frameworks are told to allocate on demand instead of
+    # a fraction: whether the driver then reports the limit as the card's total is unconfirmed
+    # (docs/budgets.md), and a fraction of that would be a fraction of the reservation.
+    driver_held = bool(held)
+    if env.get(XLA_NEW_FRACTION_VAR, "") != "":
+        kept.append(XLA_NEW_FRACTION_VAR)  # the user's own, under the newer name
+    elif driver_held:
+        offer(XLA_PREALLOCATE_VAR, "false")
+    elif offer(XLA_FRACTION_VAR, format_fraction(fraction)):
+        exported[XLA_NEW_FRACTION_VAR] = exported[XLA_FRACTION_VAR]
+    offer(TF_GROWTH_VAR, "true")
+    if mode != LIMIT:
+        return Budget(mode=mode, held_by=(HELD_HINT,), env=exported, kept=tuple(kept))
+    if means.hook_dir and not driver_held:
+        # The hook is harmless where Python never imports torch, so it goes wherever a Python
+        # process may start; status claims the cap only for a Python program.
+        if user_torch_cap(env):
+            kept.append("PyTorch's per_process_memory_fraction")
+        else:
+            path = env.get("PYTHONPATH", "")
+            parts = [p for p in path.split(":") if p and p != means.hook_dir]
+            exported["PYTHONPATH"] = ":".join([means.hook_dir, *parts])
+            exported[TORCH_FRACTION_VAR] = format_fraction(fraction)
+            if means.python:
+                held.append(HELD_TORCH)
+    fallback = None
+    if not held:
+        held.append(HELD_HINT)
+        fallback = _why_hint_only(means)
+    return Budget(
+        mode=mode,
+        held_by=tuple(held),
+        env=exported,
+        kept=tuple(kept),
+        fallback=fallback,
+        dmem_bytes=reserved_bytes if means.dmem else None,
+    )
+
+
+def _why_hint_only(means: Means) -> str:
+    reasons = [means.dmem_why_not, "no CUDA MPS daemon serves you"]
+    if not means.python:
+        reasons.append("not a Python program, for the PyTorch cap")
+    return "enforce = limit: the reservation is only hinted here: " + "; ".join(reasons)
+
+
+#: A failed job whose budget was enforced and whose peak came this close to its limit ran out
+#: at the limit, whether or not its out-of-memory message was seen (a terminal is not watched).
+NEAR_LIMIT = 0.9
+
+
+def near_limit(peak_bytes: int | None, limit_bytes: int) -> bool:
+    return peak_bytes is not None and limit_bytes > 0 and peak_bytes >= NEAR_LIMIT * limit_bytes
+
+
+def oom_cause(budget_enforced: bool, card_full: bool) -> str:
+    """Why an out-of-memory failure happened, as far as gpuwait can tell.
+
+    A job whose budget something enforced, and that failed while its card still had room, hit
+    its own limit: the job needs more than it asked for. A full card is the other case: the job
+    or a neighbour filled it.
+    """
+    if budget_enforced and not card_full:
+        return OOM_OWN_LIMIT
+    if card_full:
+        return OOM_CARD_FULL
+    return OOM_UNKNOWN

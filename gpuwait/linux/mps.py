@@ -1,0 +1,53 @@
+"""Is a CUDA MPS control daemon serving this user? (docs/budgets.md, 'CUDA MPS')
+
+A CUDA program connects to the MPS control daemon through `control` (a UNIX socket; a named
+pipe in older releases) in the pipe directory (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps) and, when that works, runs as an MPS
+client, where CUDA_MPS_PINNED_DEVICE_MEM_LIMIT bounds its device memory. The daemon writes its
+pid to nvidia-cuda-mps-control.pid there. A pipe left behind by a daemon that is gone serves
+nobody, so the pid must name a live nvidia-cuda-mps-control process too.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+
+from gpuwait.linux import proc
+from gpuwait.linux.security import read_state_file
+
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+PIPE_DIRECTORY_VAR = "CUDA_MPS_PIPE_DIRECTORY"
+#: /proc/PID/comm is cut to 15 characters: "nvidia-cuda-mps-control" reads as this.
+_DAEMON_COMM = "nvidia-cuda-mps"
+
+
+def pipe_directory(env: Mapping[str, str]) -> str:
+    return env.get(PIPE_DIRECTORY_VAR) or DEFAULT_PIPE_DIRECTORY
+
+
+def daemon_serves(env: Mapping[str, str]) -> bool:
+    """A live MPS control daemon listens in this user's pipe directory, and this user may
+    write to its control pipe (as CUDA itself must)."""
+    directory = pipe_directory(env)
+    control = os.path.join(directory, "control")
+    try:
+        st = os.stat(control)
+    except OSError:
+        return False
+    if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+        return False
+    if not os.access(control, os.W_OK):
+        return False
+    try:
+        # /tmp is anybody's: whatever lies there is read as a stranger's file (never waited on).
+        raw = read_state_file(os.path.join(directory, "nvidia-cuda-mps-control.pid"), 64, None)
+        pid = int((raw or b"0").strip() or b"0")
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    name = proc.command_name(pid)
+    # The daemon made its socket: one someone else put there next to a real daemon's pid
+    # serves nobody.
+    return name is not None and name.startswith(_DAEMON_COMM) and proc.owner_uid(pid) == st.st_uid

@@ -1,0 +1,176 @@
+"""What a machine offers to hold a budget: a CUDA MPS daemon serving this user, and the cgroup
+dmem controller (on a stand-in cgroup tree: no kernel here has dmem)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwait.linux import dmem, mps, proc
+
+GiB = 2**30
+
+
+# --- MPS --------------------------------------------------------------------------------------
+
+
+def test_a_live_daemon_serves(mps_daemon: Path) -> None:
+    pid = int((mps_daemon / "nvidia-cuda-mps-control.pid").read_text())
+    seen = (proc.command_name(pid), proc.owner_uid(pid), (mps_daemon / "control").stat())
+    assert mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}), seen
+
+
+def test_no_pipe_directory_no_daemon(tmp_path: Path) -> None:
+    assert not mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "none")})
+
+
+def test_a_daemon_that_is_gone_serves_nobody(mps_daemon: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (mps_daemon / "nvidia-cuda-mps-control.pid").write_text(f"{gone.pid}\n")
+    assert not mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)})
+
+
+def test_a_pid_of_another_program_is_no_daemon(mps_daemon: Path) -> None:
+    (mps_daemon / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
+    assert not mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)})
+
+
+def test_a_fifo_for_a_pid_file_is_never_waited_on(mps_daemon: Path) -> None:
+    pid_file = mps_daemon / "nvidia-cuda-mps-control.pid"
+    pid_file.unlink()
+    os.mkfifo(pid_file)
+    began = time.monotonic()
+    assert not mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)})
+    assert time.monotonic() - began < 5
+
+
+# --- dmem -------------------------------------------------------------------------------------
+
+PCI = "0000:3b:00.0"
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+def stand_in_tree(tmp_path: Path, *, dmem_enabled: bool = True) -> dict[str, str]:
+    """A cgroup v2 tree with a GPU's dmem region, this process in /work.slice/shell, and the
+    NVIDIA driver's /proc file for the GPU; the keyword arguments `dmem.locate` takes."""
+    root = tmp_path / "cgroup"
+    (root / "work.slice" / "shell").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory dmem\n")
+    (root / "dmem.capacity").write_text(f"nvidia/{PCI}/vidmem 85899345920\ndrm/other/vram0 1\n")
+    (root / "work.slice" / "cgroup.subtree_control").write_text(
+        "memory dmem\n" if dmem_enabled else "memory\n"
+    )
+    (root / "work.slice" / "cgroup.procs").write_text("")
+    (root / "work.slice" / "shell" / "cgroup.procs").write_text("")
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/work.slice/shell\n")
+    gpus = tmp_path / "nvidia-gpus"
+    (gpus / PCI).mkdir(parents=True)
+    (gpus / PCI / "information").write_text(f"Model: \t H100\nGPU UUID: \t {UUID}\n")
+    return {"roots": (str(root),), "proc_cgroup": str(own), "nvidia_gpus": str(gpus)}
+
+
+def test_a_gpus_region_and_a_cgroup_for_the_job_are_found(tmp_path: Path) -> None:
+    where = stand_in_tree(tmp_path)
+    place, why = dmem.locate([UUID], **where)  # type: ignore[arg-type]
+    assert why == ""
+    assert place is not None
+    assert place.parent == str(tmp_path / "cgroup" / "work.slice")
+    assert place.regions == {UUID: f"nvidia/{PCI}/vidmem"}
+
+
+def test_the_jobs_cgroup_gets_its_limit_and_is_removed_after(tmp_path: Path) -> None:
+    where = stand_in_tree(tmp_path)
+    place, _ = dmem.locate([UUID], **where)  # type: ignore[arg-type]
+    assert place is not None
+    path = dmem.create(place, "gpuwait-job1", 6 * GiB)
+    assert Path(path, "dmem.max").read_text() == f"nvidia/{PCI}/vidmem {6 * GiB}\n"
+    dmem.move(path, 4242)
+    assert Path(path, "cgroup.procs").read_text() == "4242\n"
+    for name in ("dmem.max", "cgroup.procs"):  # the kernel's files go with the cgroup
+        Path(path, name).unlink()
+    dmem.remove(path)
+    assert not Path(path).exists()
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (lambda t: (t / "cgroup" / "dmem.capacity").unlink(), "no cgroup dmem controller"),
+        (lambda t: (t / "nvidia-gpus" / PCI / "information").unlink(), "no cgroup dmem region"),
+        (
+            lambda t: (t / "cgroup" / "work.slice" / "cgroup.subtree_control").write_text("cpu\n"),
+            "no cgroup with dmem enabled",
+        ),
+        (lambda t: (t / "cgroup" / "cgroup.controllers").unlink(), "no cgroup v2"),
+    ],
+)
+def test_each_missing_piece_is_named(tmp_path: Path, spoil: object, why: str) -> None:
+    where = stand_in_tree(tmp_path)
+    spoil(tmp_path)  # type: ignore[operator]
+    place, reason = dmem.locate([UUID], **where)  # type: ignore[arg-type]
+    assert place is None
+    assert why in reason
+
+
+def test_this_machine_without_dmem_never_fails_a_launch() -> None:
+    place, reason = dmem.locate([UUID])
+    if place is not None:
+        pytest.skip("this machine has a GPU in the dmem controller")
+    assert reason
+
+
+def test_a_job_whose_cgroup_cannot_be_made_is_held_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers.jobs import live_job
+
+    from gpuwait.core.budget import HELD_TORCH, LIMIT
+    from gpuwait.core.snapshot import GpuSnapshot
+    from gpuwait.runner import budget as runner_budget
+
+    where = stand_in_tree(tmp_path)
+    real_locate = dmem.locate
+    monkeypatch.setattr(dmem, "locate", lambda uuids: real_locate(uuids, **where))  # type: ignore[arg-type]
+    Path(tmp_path, "cgroup", "work.slice", "gpuwait-job1").write_text("")  # in the way: mkdir fails
+    job = live_job("job1", request={"bytes": 6 * GiB}, reserved_bytes=6 * GiB, gpu_uuids=[UUID])
+    gpu = GpuSnapshot(index=0, uuid=UUID, name="H100", total_bytes=80 * GiB, used_bytes=0)
+    held = runner_budget.prepare(LIMIT, job, [gpu], [sys.executable, "train.py"], {})
+    assert held.cgroup is None
+    assert held.plan.held_by == (HELD_TORCH,)
+    assert held.problem is not None and "dmem cgroup" in held.problem
+    with held.spawning():
+        pass
+
+
+def test_a_jobs_cgroup_is_made_and_entered_around_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers.jobs import live_job
+
+    from gpuwait.core.budget import HELD_DMEM, LIMIT
+    from gpuwait.core.snapshot import GpuSnapshot
+    from gpuwait.runner import budget as runner_budget
+
+    where = stand_in_tree(tmp_path)
+    real_locate = dmem.locate
+    monkeypatch.setattr(dmem, "locate", lambda uuids: real_locate(uuids, **where))  # type: ignore[arg-type]
+    job = live_job("job1", request={"bytes": 6 * GiB}, reserved_bytes=6 * GiB, gpu_uuids=[UUID])
+    gpu = GpuSnapshot(index=0, uuid=UUID, name="H100", total_bytes=80 * GiB, used_bytes=0)
+    held = runner_budget.prepare(LIMIT, job, [gpu], ["./a.out"], {})
+    assert held.plan.held_by == (HELD_DMEM,)
+    assert held.cgroup == str(tmp_path / "cgroup" / "work.slice" / "gpuwait-job1")
+    assert Path(held.cgroup, "dmem.max").read_text() == f"nvidia/{PCI}/vidmem {6 * GiB}\n"
+    with held.spawning():
+        # gpuwait stands in the job's cgroup while the command is born.
+        assert Path(held.cgroup, "cgroup.procs").read_text() == f"{os.getpid()}\n"
+    # ... and steps back into its own once it has.
+    home = tmp_path / "cgroup" / "work.slice" / "shell" / "cgroup.procs"
+    assert home.read_text() == f"{os.getpid()}\n"
+    held.close()

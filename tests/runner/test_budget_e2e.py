@@ -1,0 +1,356 @@
+"""Budgets as a user meets them, on simulated GPUs with real processes: a job that grows past its
+reservation fails alone under `--enforce limit` (and takes a neighbour with it without), the
+command gets the documented variables, `status` says how each budget is held, and an OOM at a
+job's own limit is recorded and retried as one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory
+from helpers.waiting import ledger_entries, wait_for
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+SHOW_ENV = "import json, os; print(json.dumps(dict(os.environ)))"
+GiB = 2**30
+
+
+def state_dir() -> Path:
+    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def history() -> list[dict[str, Any]]:
+    path = state_dir() / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def gpuwait(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*GPUWAIT, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def job_env(*options: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a command gets from `gpuwait OPTIONS`."""
+    done = gpuwait(
+        *options, "--", sys.executable, "-c", SHOW_ENV, env={**os.environ, **(env or {})}
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+FRAMEWORK_VARS = (
+    "GPUWAIT_VRAM_FRACTION",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_CLIENT_MEM_FRACTION",
+    "TF_FORCE_GPU_ALLOW_GROWTH",
+    "GPUWAIT_TORCH_MEMORY_FRACTION",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+)
+
+
+def exported(env: dict[str, str]) -> dict[str, str]:
+    return {name: env[name] for name in FRAMEWORK_VARS if name in env}
+
+
+def test_each_mode_exports_what_the_docs_say(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    assert exported(job_env("--vram", "2G", "--enforce", "off")) == {
+        "GPUWAIT_VRAM_FRACTION": "0.25"
+    }
+    assert exported(job_env("--vram", "2G")) == {  # hint is the default
+        "GPUWAIT_VRAM_FRACTION": "0.25",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25",
+        "XLA_CLIENT_MEM_FRACTION": "0.25",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
+    limited = job_env("--vram", "2G", "--enforce", "limit", env={"PYTHONPATH": "/mine"})
+    assert exported(limited) == {
+        "GPUWAIT_VRAM_FRACTION": "0.25",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.25",
+        "XLA_CLIENT_MEM_FRACTION": "0.25",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        "GPUWAIT_TORCH_MEMORY_FRACTION": "0.25",
+    }
+    hook, mine = limited["PYTHONPATH"].split(":")
+    assert Path(hook, "sitecustomize.py").is_file()
+    assert mine == "/mine"
+    # The setting works as every other does: from the environment and the config file too.
+    assert "GPUWAIT_TORCH_MEMORY_FRACTION" in job_env(
+        "--vram", "2G", env={"GPUWAIT_ENFORCE": "limit"}
+    )
+    shown = gpuwait("config")
+    assert any(line.split()[:2] == ["enforce", "hint"] for line in shown.stdout.splitlines()), (
+        shown.stdout
+    )
+
+
+def test_variables_the_user_set_are_kept(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6", "TF_FORCE_GPU_ALLOW_GROWTH": "false"}
+    env = job_env("--vram", "2G", "--enforce", "limit", env=mine)
+    for name, value in mine.items():
+        assert env[name] == value
+    assert "XLA_CLIENT_MEM_FRACTION" not in env
+
+
+def over_grower_beside_a_neighbour(
+    enforce: str,
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """An 8 GiB card: a neighbour that asked for 4 GiB ramps up to it over 2 s, while a job
+    that asked for 2 GiB grows to 5 GiB at once."""
+    neighbour = subprocess.Popen(
+        [
+            *GPUWAIT,
+            "--vram",
+            "4G",
+            "--",
+            *GPUWAIT,
+            "sim",
+            "job",
+            "--vram",
+            "4G",
+            "--ramp",
+            "2s",
+            "--hold",
+            "1s",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: any(e.get("child_pid") for e in ledger_entries()), timeout=30)
+    grower = subprocess.Popen(
+        [
+            *GPUWAIT,
+            "--enforce",
+            enforce,
+            "--vram",
+            "2G",
+            "--",
+            *GPUWAIT,
+            "sim",
+            "job",
+            "--vram",
+            "5G",
+            "--hold",
+            "3s",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return neighbour, grower
+
+
+def test_under_limit_a_job_over_its_reservation_fails_alone(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    neighbour, grower = over_grower_beside_a_neighbour("limit")
+    _, grower_err = grower.communicate(timeout=60)
+    _, neighbour_err = neighbour.communicate(timeout=60)
+    assert neighbour.returncode == 0, neighbour_err
+    assert grower.returncode == 1
+    assert "torch.OutOfMemoryError: CUDA out of memory" in grower_err
+    assert "limited to 2.00 GiB" in grower_err
+    records = {r["request"].get("bytes"): r for r in history()}
+    failed = records[2 * GiB]
+    assert failed["oom"] is True
+    assert failed["oom_cause"] == "own limit"
+    assert failed["budget"] == {
+        "enforce": "limit",
+        "held_by": ["PyTorch allocator cap"],
+        "limit_bytes": 2 * GiB,
+    }
+    assert records[4 * GiB]["oom"] is False
+    log = gpuwait("log").stdout
+    assert "out of memory at its own 2.0 GiB limit" in log
+    assert "OOM at limit" in gpuwait("history").stdout
+
+
+def test_without_a_limit_the_same_job_kills_its_neighbour(sim_file: SimFileFactory) -> None:
+    """The control: what the limit prevents really happens without it."""
+    sim_file(gpus=1, memory="8GiB")
+    neighbour, grower = over_grower_beside_a_neighbour("hint")
+    _, neighbour_err = neighbour.communicate(timeout=60)
+    grower.communicate(timeout=60)
+    assert neighbour.returncode == 1
+    assert "CUDA out of memory" in neighbour_err
+    assert grower.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("enforce", "held"), [("limit", "PyTorch allocator cap"), ("hint", "hint only")]
+)
+def test_status_says_how_each_budget_is_held(
+    sim_file: SimFileFactory, enforce: str, held: str
+) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    job = subprocess.Popen(
+        [
+            *GPUWAIT,
+            "--enforce",
+            enforce,
+            "--vram",
+            "1G",
+            "--",
+            *GPUWAIT,
+            "sim",
+            "job",
+            "--vram",
+            "1G",
+            "--hold",
+            "30s",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: any(e.get("held_by") for e in ledger_entries()), timeout=30)
+        status = gpuwait("status", env={**os.environ, "COLUMNS": "80"})
+        assert f"budget held by: {held}" in status.stdout, status.stdout
+        report = json.loads(gpuwait("status", "--json").stdout)
+        assert [j["held_by"] for j in report["jobs"]] == [[held]]
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+
+
+def test_an_oom_at_its_own_limit_is_retried_larger(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    done = gpuwait(
+        "--enforce",
+        "limit",
+        "--vram",
+        "2G",
+        "--retry-oom",
+        "2",
+        "--",
+        *GPUWAIT,
+        "sim",
+        "job",
+        "--vram",
+        "4G",
+        "--hold",
+        "0.2s",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ran out at its own 2.0 GiB limit; retrying with 3.0 GiB" in done.stderr
+    assert "ran out at its own 3.0 GiB limit; retrying with 4.5 GiB" in done.stderr
+    runs = history()
+    assert [(r["oom"], r.get("oom_cause"), r["reserved_bytes"] / GiB) for r in runs] == [
+        (True, "own limit", 2.0),
+        (True, "own limit", 3.0),
+        (False, None, 4.5),
+    ]
+
+
+def test_an_oom_at_its_limit_is_told_without_its_message(sim_file: SimFileFactory) -> None:
+    """A terminal's stderr is not watched; the card keeps room. The peak at the limit tells."""
+    sim_file(gpus=1, memory="8GiB")
+    done = gpuwait(
+        "--enforce",
+        "limit",
+        "--vram",
+        "2G",
+        "--",
+        *GPUWAIT,
+        "sim",
+        "job",
+        "--vram",
+        "4G",
+        "--ramp",
+        "2s",
+        env={**os.environ, "GPUWAIT_WATCH_STDERR": "off", "GPUWAIT_SAMPLE_INTERVAL": "0.05"},
+    )
+    assert done.returncode == 1
+    record = history()[-1]
+    assert (record["oom"], record["oom_cause"], record["oom_evidence"]) == (
+        True,
+        "own limit",
+        "at its limit",
+    )
+
+
+def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    # A shell script is no Python program: nothing gpuwait can claim holds its budget. It runs
+    # a simulated PyTorch job that grows past the reservation, is stopped by the PyTorch cap
+    # (the hook's variable reaches it), and is retried twice.
+    script = f"exec {' '.join(GPUWAIT)} sim job --vram 4G --hold 0.1s"
+    done = gpuwait(
+        "--enforce", "limit", "--vram", "1G", "--retry-oom", "2", "--", "sh", "-c", script
+    )
+    said = [line for line in done.stderr.splitlines() if "enforce = limit" in line]
+    assert len(said) == 1, done.stderr
+    assert "only hinted here" in said[0]
+    assert "MPS" in said[0] and "dmem" in said[0]
+    assert history()[0]["budget"]["held_by"] == ["hint only"]
+
+
+def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemon: Path) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    pipes = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    env = job_env("--vram", "2G", "--enforce", "limit", env=pipes)
+    uuid = env["CUDA_VISIBLE_DEVICES"]
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=2048MB"
+    assert "GPUWAIT_TORCH_MEMORY_FRACTION" not in env  # no second cap on the driver's
+    # A plain CUDA program (no framework cap) past the limit fails with CUDA's own error.
+    done = gpuwait(
+        "--enforce",
+        "limit",
+        "--vram",
+        "2G",
+        "--",
+        *GPUWAIT,
+        "sim",
+        "job",
+        "--framework",
+        "cuda",
+        "--vram",
+        "3G",
+        env={**os.environ, **pipes},
+    )
+    assert done.returncode == 1
+    assert "CUDA error: out of memory (MPS pinned device memory limit)" in done.stderr
+    record = history()[-1]
+    assert record["budget"]["held_by"] == ["MPS limit"]
+    assert record["oom_cause"] == "own limit"
+
+
+def test_jax_told_its_share_takes_its_reservation_and_untold_three_quarters(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="8GiB")
+
+    def jax_peak(enforce: str) -> float:
+        report = tmp_path / f"{enforce}.json"
+        done = gpuwait(
+            "--enforce",
+            enforce,
+            "--vram",
+            "2G",
+            "--",
+            *GPUWAIT,
+            "sim",
+            "job",
+            "--framework",
+            "jax",
+            "--vram",
+            "1G",
+            "--hold",
+            "0.1s",
+            "--report",
+            str(report),
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(report.read_text())["peak_bytes"] / GiB  # type: ignore[no-any-return]
+
+    # JAX takes its pool at the start: the reservation when told, 75 % of the card when not,
+    # which a neighbour admitted beside it would not survive.
+    assert jax_peak("hint") == 2.0
+    assert jax_peak("off") == 6.0
+    assert history()[-1]["over_reservation"]["used_bytes"] == 6 * GiB
