@@ -3,7 +3,10 @@ plain defaults for what a test does not care about."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from gpuwait.core.snapshot import GpuSnapshot
@@ -61,3 +64,9 @@ def a_run(
         wait_seconds=wait_seconds,
         started_at=started_at,
     )
+
+
+def recorded_runs() -> list[dict[str, Any]]:
+    """The records in this test's history.jsonl (the state dir the test's environment names)."""
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuwait.linux import dmem, mps, proc
+from gpuwait.runner.budget import Held
 
 GiB = 2**30
 
@@ -126,22 +127,35 @@ def test_this_machine_without_dmem_never_fails_a_launch() -> None:
     assert reason
 
 
-def test_a_job_whose_cgroup_cannot_be_made_is_held_another_way(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from helpers.jobs import live_job
-
-    from gpuwait.core.budget import HELD_TORCH, LIMIT
-    from gpuwait.core.snapshot import GpuSnapshot
-    from gpuwait.runner import budget as runner_budget
-
+def located_in_stand_in_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpuwait looks for dmem in the stand-in tree instead of this machine's."""
     where = stand_in_tree(tmp_path)
     real_locate = dmem.locate
     monkeypatch.setattr(dmem, "locate", lambda uuids: real_locate(uuids, **where))  # type: ignore[arg-type]
-    Path(tmp_path, "cgroup", "work.slice", "gpuwait-job1").write_text("")  # in the way: mkdir fails
+
+
+def prepared(command: list[str]) -> Held:
+    """The budget of a job reserving 6 GiB of the stand-in tree's 80 GiB GPU under limit."""
+    from helpers.jobs import live_job
+
+    from gpuwait.core.budget import LIMIT
+    from gpuwait.core.snapshot import GpuSnapshot
+    from gpuwait.runner import budget as runner_budget
+
     job = live_job("job1", request={"bytes": 6 * GiB}, reserved_bytes=6 * GiB, gpu_uuids=[UUID])
     gpu = GpuSnapshot(index=0, uuid=UUID, name="H100", total_bytes=80 * GiB, used_bytes=0)
-    held = runner_budget.prepare(LIMIT, job, [gpu], [sys.executable, "train.py"], {})
+    return runner_budget.prepare(LIMIT, job, [gpu], command, {})
+
+
+def test_a_job_whose_cgroup_cannot_be_made_is_held_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    from gpuwait.core.budget import HELD_TORCH
+
+    located_in_stand_in_tree(tmp_path, monkeypatch)
+    Path(tmp_path, "cgroup", "work.slice", "gpuwait-job1").write_text("")  # in the way: mkdir fails
+    held = prepared([sys.executable, "train.py"])
     assert held.cgroup is None
     assert held.plan.held_by == (HELD_TORCH,)
     assert held.problem is not None and "dmem cgroup" in held.problem
@@ -152,18 +166,11 @@ def test_a_job_whose_cgroup_cannot_be_made_is_held_another_way(
 def test_a_jobs_cgroup_is_made_and_entered_around_its_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from helpers.jobs import live_job
 
-    from gpuwait.core.budget import HELD_DMEM, LIMIT
-    from gpuwait.core.snapshot import GpuSnapshot
-    from gpuwait.runner import budget as runner_budget
+    from gpuwait.core.budget import HELD_DMEM
 
-    where = stand_in_tree(tmp_path)
-    real_locate = dmem.locate
-    monkeypatch.setattr(dmem, "locate", lambda uuids: real_locate(uuids, **where))  # type: ignore[arg-type]
-    job = live_job("job1", request={"bytes": 6 * GiB}, reserved_bytes=6 * GiB, gpu_uuids=[UUID])
-    gpu = GpuSnapshot(index=0, uuid=UUID, name="H100", total_bytes=80 * GiB, used_bytes=0)
-    held = runner_budget.prepare(LIMIT, job, [gpu], ["./a.out"], {})
+    located_in_stand_in_tree(tmp_path, monkeypatch)
+    held = prepared(["./a.out"])
     assert held.plan.held_by == (HELD_DMEM,)
     assert held.cgroup == str(tmp_path / "cgroup" / "work.slice" / "gpuwait-job1")
     assert Path(held.cgroup, "dmem.max").read_text() == f"nvidia/{PCI}/vidmem {6 * GiB}\n"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
+from helpers.history import recorded_runs
 from helpers.waiting import ledger_entries, wait_for
 
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
@@ -21,17 +22,26 @@ SHOW_ENV = "import json, os; print(json.dumps(dict(os.environ)))"
 GiB = 2**30
 
 
-def state_dir() -> Path:
-    return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-
-
-def history() -> list[dict[str, Any]]:
-    path = state_dir() / "history.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def gpuwait(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*GPUWAIT, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def limited(
+    vram: str, *job: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gpuwait --enforce limit --vram VRAM -- gpuwait sim job JOB...`."""
+    return gpuwait(
+        "--enforce",
+        "limit",
+        "--vram",
+        vram,
+        "--",
+        *GPUWAIT,
+        "sim",
+        "job",
+        *job,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def job_env(*options: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -156,7 +166,7 @@ def test_under_limit_a_job_over_its_reservation_fails_alone(sim_file: SimFileFac
     assert grower.returncode == 1
     assert "torch.OutOfMemoryError: CUDA out of memory" in grower_err
     assert "limited to 2.00 GiB" in grower_err
-    records = {r["request"].get("bytes"): r for r in history()}
+    records = {r["request"].get("bytes"): r for r in recorded_runs()}
     failed = records[2 * GiB]
     assert failed["oom"] is True
     assert failed["oom_cause"] == "own limit"
@@ -240,7 +250,7 @@ def test_an_oom_at_its_own_limit_is_retried_larger(sim_file: SimFileFactory) -> 
     assert done.returncode == 0, done.stderr
     assert "ran out at its own 2.0 GiB limit; retrying with 3.0 GiB" in done.stderr
     assert "ran out at its own 3.0 GiB limit; retrying with 4.5 GiB" in done.stderr
-    runs = history()
+    runs = recorded_runs()
     assert [(r["oom"], r.get("oom_cause"), r["reserved_bytes"] / GiB) for r in runs] == [
         (True, "own limit", 2.0),
         (True, "own limit", 3.0),
@@ -251,23 +261,16 @@ def test_an_oom_at_its_own_limit_is_retried_larger(sim_file: SimFileFactory) -> 
 def test_an_oom_at_its_limit_is_told_without_its_message(sim_file: SimFileFactory) -> None:
     """A terminal's stderr is not watched; the card keeps room. The peak at the limit tells."""
     sim_file(gpus=1, memory="8GiB")
-    done = gpuwait(
-        "--enforce",
-        "limit",
-        "--vram",
+    done = limited(
         "2G",
-        "--",
-        *GPUWAIT,
-        "sim",
-        "job",
         "--vram",
         "4G",
         "--ramp",
         "2s",
-        env={**os.environ, "GPUWAIT_WATCH_STDERR": "off", "GPUWAIT_SAMPLE_INTERVAL": "0.05"},
+        env={"GPUWAIT_WATCH_STDERR": "off", "GPUWAIT_SAMPLE_INTERVAL": "0.05"},
     )
     assert done.returncode == 1
-    record = history()[-1]
+    record = recorded_runs()[-1]
     assert (record["oom"], record["oom_cause"], record["oom_evidence"]) == (
         True,
         "own limit",
@@ -288,7 +291,7 @@ def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
     assert len(said) == 1, done.stderr
     assert "only hinted here" in said[0]
     assert "MPS" in said[0] and "dmem" in said[0]
-    assert history()[0]["budget"]["held_by"] == ["hint only"]
+    assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
 
 
 def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemon: Path) -> None:
@@ -299,24 +302,10 @@ def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemo
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{uuid}=2048MB"
     assert "GPUWAIT_TORCH_MEMORY_FRACTION" not in env  # no second cap on the driver's
     # A plain CUDA program (no framework cap) past the limit fails with CUDA's own error.
-    done = gpuwait(
-        "--enforce",
-        "limit",
-        "--vram",
-        "2G",
-        "--",
-        *GPUWAIT,
-        "sim",
-        "job",
-        "--framework",
-        "cuda",
-        "--vram",
-        "3G",
-        env={**os.environ, **pipes},
-    )
+    done = limited("2G", "--framework", "cuda", "--vram", "3G", env=pipes)
     assert done.returncode == 1
     assert "CUDA error: out of memory (MPS pinned device memory limit)" in done.stderr
-    record = history()[-1]
+    record = recorded_runs()[-1]
     assert record["budget"]["held_by"] == ["MPS limit"]
     assert record["oom_cause"] == "own limit"
 
@@ -353,4 +342,4 @@ def test_jax_told_its_share_takes_its_reservation_and_untold_three_quarters(
     # which a neighbour admitted beside it would not survive.
     assert jax_peak("hint") == 2.0
     assert jax_peak("off") == 6.0
-    assert history()[-1]["over_reservation"]["used_bytes"] == 6 * GiB
+    assert recorded_runs()[-1]["over_reservation"]["used_bytes"] == 6 * GiB

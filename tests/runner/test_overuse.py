@@ -3,16 +3,15 @@ history record, with the likely cause and what to do."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.fixtures_nvml import FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
+from helpers.history import recorded_runs
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.overuse import overuse
@@ -24,11 +23,6 @@ GiB = 2**30
 
 def state_dir() -> Path:
     return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-
-
-def history() -> list[dict[str, Any]]:
-    path = state_dir() / "history.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def status_once_called_out() -> str:
@@ -82,7 +76,7 @@ def test_a_job_above_its_reservation_is_called_out(
     finally:
         job.terminate()
         job.wait(timeout=30)
-    (record,) = history()
+    (record,) = recorded_runs()
     assert record["over_reservation"]["used_bytes"] >= 8 * GiB
     assert words in record["over_reservation"]["advice"]
 
@@ -100,7 +94,7 @@ def test_a_job_inside_its_reservation_is_not_called_out(
     )
     assert done.returncode == 0, done.stderr
     assert not [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
-    assert "over_reservation" not in history()[0]
+    assert "over_reservation" not in recorded_runs()[0]
 
 
 def test_the_rule() -> None:
@@ -139,5 +133,5 @@ def test_through_nvml_a_process_above_its_reservation_is_called_out(
     finally:
         job.terminate()
         job.wait(timeout=30)
-    (record,) = history()
+    (record,) = recorded_runs()
     assert record["over_reservation"]["used_bytes"] == 10 * GiB
