@@ -60,7 +60,7 @@ OOM_UNKNOWN = "unknown"
 class Means(Record, frozen=True):
     """What this machine offers to hold one job's budget (found by the runner)."""
 
-    #: dmem regions of the job's GPUs in a cgroup gpuwait may create, else why not.
+    #: The job's cgroup with its dmem limit is made (gpuwait.runner.budget), else why not.
     dmem: bool = False
     dmem_why_not: str = "no cgroup dmem controller (Linux 6.14+)"
     #: A CUDA MPS control daemon serves this user.
@@ -83,16 +83,11 @@ class Budget(Record, frozen=True):
     kept: tuple[str, ...] = ()
     #: limit mode only: why nothing below the application holds the budget (said once).
     fallback: str | None = None
-    #: The bytes dmem.max is set to on each GPU's region, when dmem holds it.
-    dmem_bytes: int | None = None
 
     @property
     def enforced(self) -> bool:
         """Something refuses the job's allocations past its reservation."""
         return any(way in ENFORCING for way in self.held_by)
-
-    def describe(self) -> str:
-        return ", ".join(self.held_by) if self.held_by else "none"
 
 
 def card_fraction(reserved_bytes: int, totals: Sequence[int]) -> float:
@@ -226,7 +221,6 @@ def plan(
         env=exported,
         kept=tuple(kept),
         fallback=fallback,
-        dmem_bytes=reserved_bytes if means.dmem else None,
     )
 
 

@@ -201,7 +201,7 @@ class _Job:
         self.cap, self.cap_by = _cap(self.framework, self.gpu.total_bytes, os.environ)
         if self.framework == "jax":
             fraction = _jax_fraction(os.environ)
-            if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() not in ("false", "0"):
+            if os.environ.get(budget.XLA_PREALLOCATE_VAR, "").lower() not in ("false", "0"):
                 self.pool = math.floor(fraction * self.gpu.total_bytes)
         return None
 

@@ -1,8 +1,9 @@
 """Is a CUDA MPS control daemon serving this user? (docs/budgets.md, 'CUDA MPS')
 
 A CUDA program connects to the MPS control daemon through `control` (a UNIX socket; a named
-pipe in older releases) in the pipe directory (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps) and, when that works, runs as an MPS
-client, where CUDA_MPS_PINNED_DEVICE_MEM_LIMIT bounds its device memory. The daemon writes its
+pipe in older releases) in the pipe directory (CUDA_MPS_PIPE_DIRECTORY, default
+/tmp/nvidia-mps) and, when that works, runs as an MPS client, where
+CUDA_MPS_PINNED_DEVICE_MEM_LIMIT bounds its device memory. The daemon writes its
 pid to nvidia-cuda-mps-control.pid there. A pipe left behind by a daemon that is gone serves
 nobody, so the pid must name a live nvidia-cuda-mps-control process too.
 """

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 
 from gpuwait.core import budget as policy
 from gpuwait.core.budget import Budget, Means
@@ -20,8 +19,9 @@ from gpuwait.linux import dmem
 from gpuwait.queue.entries import Job
 from gpuwait.runner.launch import python_program
 
-#: gpuwait's PyTorch hook: a directory holding only sitecustomize.py.
-HOOK_DIR = str(Path(__file__).resolve().parent.parent / "pyhook")
+#: gpuwait's PyTorch hook: a directory holding only sitecustomize.py. (os.path, not
+#: Path.resolve(): this module is imported by every launch, and resolving costs system calls.)
+HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyhook")
 
 
 class Held:
@@ -41,7 +41,7 @@ class Held:
 
     def _drop(self, way: str) -> None:
         held = tuple(w for w in self.plan.held_by if w != way) or (policy.HELD_HINT,)
-        self.plan = self.plan._replace(held_by=held, dmem_bytes=None)
+        self.plan = self.plan._replace(held_by=held)
 
     @contextlib.contextmanager
     def spawning(self) -> Iterator[None]:

@@ -101,6 +101,11 @@ def start_sim_job(
     return subprocess.Popen([*SIMJOB, *args], env=full_env, text=True, **popen)
 
 
+def wrapped_sim_job(gpuwait_cmd: list[str], options: list[str], *job: str) -> list[str]:
+    """argv of `gpuwait OPTIONS -- gpuwait sim job JOB...`: a simulated CUDA job run as a job."""
+    return [*gpuwait_cmd, *options, "--", *gpuwait_cmd, "sim", "job", *job]
+
+
 def hold_card(
     gpuwait_cmd: list[str],
     vram: str,
@@ -112,20 +117,7 @@ def hold_card(
     """A gpuwait job that holds `vram` of a simulated card for a while (`extra`: gpuwait's
     own options; `output`: where its stdout and stderr go)."""
     return subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--vram",
-            vram,
-            *extra,
-            "--",
-            *gpuwait_cmd,
-            "sim",
-            "job",
-            "--vram",
-            vram,
-            "--hold",
-            seconds,
-        ],
+        wrapped_sim_job(gpuwait_cmd, ["--vram", vram, *extra], "--vram", vram, "--hold", seconds),
         env=env,
         stdout=output,
         stderr=output,

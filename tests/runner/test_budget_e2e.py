@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.fixtures_sim import SimFileFactory
+from helpers.fixtures_sim import SimFileFactory, wrapped_sim_job
 from helpers.history import recorded_runs
 from helpers.waiting import ledger_entries, wait_for
 
@@ -26,22 +26,24 @@ def gpuwait(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*GPUWAIT, *args], capture_output=True, text=True, timeout=120, **kw)
 
 
+def run_sim_job(
+    options: list[str], *job: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gpuwait OPTIONS -- gpuwait sim job JOB...`, run to its end."""
+    return subprocess.run(
+        wrapped_sim_job(GPUWAIT, options, *job),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def limited(
     vram: str, *job: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`gpuwait --enforce limit --vram VRAM -- gpuwait sim job JOB...`."""
-    return gpuwait(
-        "--enforce",
-        "limit",
-        "--vram",
-        vram,
-        "--",
-        *GPUWAIT,
-        "sim",
-        "job",
-        *job,
-        env={**os.environ, **(env or {})},
-    )
+    return run_sim_job(["--enforce", "limit", "--vram", vram], *job, env=env)
 
 
 def job_env(*options: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -114,42 +116,16 @@ def over_grower_beside_a_neighbour(
     """An 8 GiB card: a neighbour that asked for 4 GiB ramps up to it over 2 s, while a job
     that asked for 2 GiB grows to 5 GiB at once."""
     neighbour = subprocess.Popen(
-        [
-            *GPUWAIT,
-            "--vram",
-            "4G",
-            "--",
-            *GPUWAIT,
-            "sim",
-            "job",
-            "--vram",
-            "4G",
-            "--ramp",
-            "2s",
-            "--hold",
-            "1s",
-        ],
+        wrapped_sim_job(GPUWAIT, ["--vram", "4G"], "--vram", "4G", "--ramp", "2s", "--hold", "1s"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     wait_for(lambda: any(e.get("child_pid") for e in ledger_entries()), timeout=30)
     grower = subprocess.Popen(
-        [
-            *GPUWAIT,
-            "--enforce",
-            enforce,
-            "--vram",
-            "2G",
-            "--",
-            *GPUWAIT,
-            "sim",
-            "job",
-            "--vram",
-            "5G",
-            "--hold",
-            "3s",
-        ],
+        wrapped_sim_job(
+            GPUWAIT, ["--enforce", enforce, "--vram", "2G"], "--vram", "5G", "--hold", "3s"
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -200,21 +176,9 @@ def test_status_says_how_each_budget_is_held(
 ) -> None:
     sim_file(gpus=1, memory="8GiB")
     job = subprocess.Popen(
-        [
-            *GPUWAIT,
-            "--enforce",
-            enforce,
-            "--vram",
-            "1G",
-            "--",
-            *GPUWAIT,
-            "sim",
-            "job",
-            "--vram",
-            "1G",
-            "--hold",
-            "30s",
-        ],
+        wrapped_sim_job(
+            GPUWAIT, ["--enforce", enforce, "--vram", "1G"], "--vram", "1G", "--hold", "30s"
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -231,21 +195,8 @@ def test_status_says_how_each_budget_is_held(
 
 def test_an_oom_at_its_own_limit_is_retried_larger(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
-    done = gpuwait(
-        "--enforce",
-        "limit",
-        "--vram",
-        "2G",
-        "--retry-oom",
-        "2",
-        "--",
-        *GPUWAIT,
-        "sim",
-        "job",
-        "--vram",
-        "4G",
-        "--hold",
-        "0.2s",
+    done = run_sim_job(
+        ["--enforce", "limit", "--vram", "2G", "--retry-oom", "2"], "--vram", "4G", "--hold", "0.2s"
     )
     assert done.returncode == 0, done.stderr
     assert "ran out at its own 2.0 GiB limit; retrying with 3.0 GiB" in done.stderr
@@ -317,23 +268,9 @@ def test_jax_told_its_share_takes_its_reservation_and_untold_three_quarters(
 
     def jax_peak(enforce: str) -> float:
         report = tmp_path / f"{enforce}.json"
-        done = gpuwait(
-            "--enforce",
-            enforce,
-            "--vram",
-            "2G",
-            "--",
-            *GPUWAIT,
-            "sim",
-            "job",
-            "--framework",
-            "jax",
-            "--vram",
-            "1G",
-            "--hold",
-            "0.1s",
-            "--report",
-            str(report),
+        done = run_sim_job(
+            ["--enforce", enforce, "--vram", "2G"],
+            *("--framework", "jax", "--vram", "1G", "--hold", "0.1s", "--report", str(report)),
         )
         assert done.returncode == 0, done.stderr
         return json.loads(report.read_text())["peak_bytes"] / GiB  # type: ignore[no-any-return]
