@@ -30,7 +30,7 @@ from _common import GPUWAIT, cpu_seconds, ledger_jobs, median, percentile, sandb
 
 TRACER = """
 import os, sys, time, contextlib
-_out = os.environ.get("GPUWAIT_BENCH_LOCK_TRACE")
+_out = os.environ.get("BENCH_LOCK_TRACE")
 if _out:
     import gpuwait.queue.ledger as _ledger
     _acquired = [0.0]
@@ -71,7 +71,7 @@ if _out:
     # (a supervising gpuwait's readings are not counted);
     # kept in OUT.PID, rewritten at most twice a second (a terminated waiter runs no atexit).
     import gpuwait.queue.wake as _wake, gpuwait.gpu.sim as _sim
-    _go = os.environ["GPUWAIT_BENCH_GO"]
+    _go = os.environ["BENCH_GO"]
     _counts = {"wakes": 0, "snapshots": 0, "reads": 0}
     _dumped = [0.0]
     def _waiting():
@@ -120,8 +120,8 @@ def run(
         site = Path(tempfile.mkdtemp(prefix="gpuwait-trace-"))
         (site / "sitecustomize.py").write_text(TRACER)
         env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}"
-        env["GPUWAIT_BENCH_LOCK_TRACE"] = str(trace_file)
-        env["GPUWAIT_BENCH_GO"] = str(go)
+        env["BENCH_LOCK_TRACE"] = str(trace_file)
+        env["BENCH_GO"] = str(go)
     # Every command waits for `go` (so the whole queue forms first), holds, and stamps its exit.
     # With --ramp, a simulated CUDA job (a Python process whose memory grows, so its gpuwait
     # publishes samples) instead of `sleep`: closer to a real job's load on the ledger.

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from gpuwait.commands import SUBCOMMANDS, module_name, output
+from gpuwait.commands import SUBCOMMANDS, module_name, output, warn_unknown_variables
 from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError
 
 
@@ -18,6 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run gpuwait with `argv` (without the program name) and return the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
+        warn_unknown_variables(os.environ)
         if args and args[0] in SUBCOMMANDS:
             return _subcommand(args[0], args[1:])
         from gpuwait.commands import run

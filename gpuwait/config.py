@@ -14,7 +14,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ def _positive_duration(value: Any) -> float:
 
 
 def _optional_duration(value: Any) -> float | None:
+    # `timeout = false` is refused, not read as 0 ("none"): TOML's booleans are Python's ints.
+    if isinstance(value, bool):
+        raise ValueError('expected a duration such as 30m, or "none"')
     if value in (None, "", "none", "0", 0):
         return None
     return _positive_duration(value)
@@ -205,7 +208,9 @@ def _size_limit(value: Any) -> int:
 
 
 def _path(value: Any) -> Path | None:
-    text = str(value).strip()
+    if not isinstance(value, str):
+        raise ValueError('expected a path in quotes, e.g. "~/gpuwait-sim.toml"')
+    text = value.strip()
     return Path(os.path.abspath(os.path.expanduser(text))) if text else None
 
 
@@ -229,6 +234,8 @@ def _absolute_dir(value: Any) -> Path | None:
 
 def _count_limit(value: Any) -> int | None:
     """A per-user count limit; 0 or "none" means no limit."""
+    if isinstance(value, bool):
+        raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
     if value in (None, "", "none", 0, "0"):
         return None
     if isinstance(value, bool) or not (
@@ -243,10 +250,10 @@ def _count_limit(value: Any) -> int | None:
 
 def _vram_limit(value: Any) -> int | None:
     """A per-user VRAM limit; 0 or "none" means no limit."""
-    if value in (None, "", "none", 0, "0"):
-        return None
     if isinstance(value, bool):
         raise ValueError("expected a size such as 48G, or none")
+    if value in (None, "", "none", 0, "0"):
+        return None
     number = parse_size(str(value))
     if number <= 0:
         raise ValueError("expected a size above zero, or none")
@@ -399,7 +406,8 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_weights",
         _weights,
         "",
-        "per-GPU weights for --pick weighted, e.g. 0=2,1=1 (GPU index or UUID; default 1)",
+        "per-GPU weights for --pick weighted, e.g. 0=2,1=1 (GPU index or UUID; a GPU not named "
+        "weighs 1)",
         show=_show_weights,
     ),
     Option(
@@ -533,6 +541,60 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+
+#: GPUWAIT_* variables a user may set besides the settings' own.
+_USER_VARIABLES = ("GPUWAIT_CONFIG", "GPUWAIT_DISABLE")
+#: GPUWAIT_* variables that are no setting and still belong here: gpuwait exports them to the
+#: commands it runs (a gpuwait started inside a job, or its shell hook, inherits them), and the
+#: contrib scripts read theirs. A test checks that every GPUWAIT_ name in the package and in
+#: contrib is a setting's or listed here.
+_OTHER_VARIABLES = frozenset(
+    {
+        "GPUWAIT_JOB_ID",
+        "GPUWAIT_GPU_UUIDS",
+        "GPUWAIT_GPU_INDICES",
+        "GPUWAIT_VRAM_BYTES",
+        "GPUWAIT_VRAM_FRACTION",
+        "GPUWAIT_TORCH_MEMORY_FRACTION",
+        "GPUWAIT_PAUSABLE",
+        "GPUWAIT_CHECKPOINT_SIGNAL",
+        "GPUWAIT_RESUME_EXIT",
+        "GPUWAIT_RESUME_COUNT",
+        "GPUWAIT_CRON_LOG_DIR",
+    }
+)
+
+
+def known_variables() -> frozenset[str]:
+    """Every GPUWAIT_* name gpuwait reads, exports, or leaves to its contrib scripts."""
+    settings = {o.env_var for o in OPTIONS}
+    return frozenset(settings | set(_USER_VARIABLES) | _OTHER_VARIABLES)
+
+
+def unknown_variables(names: Iterable[str]) -> list[tuple[str, str | None]]:
+    """The GPUWAIT_* names among `names` that gpuwait does not know, each with the setting's
+    variable it most likely misspells (None: none is close). A misspelled variable is otherwise
+    ignored without a word, and its setting silently keeps its default."""
+    known = known_variables()
+    unknown = sorted(n for n in names if n.startswith("GPUWAIT_") and n not in known)
+    if not unknown:
+        return []
+    from gpuwait.core.text import nearest  # only once something is misspelled
+
+    # Only what a user sets is offered: the exported variables are gpuwait's own to write.
+    offered = [o.name for o in OPTIONS] + [
+        v.removeprefix("GPUWAIT_").lower() for v in _USER_VARIABLES
+    ]
+    found: list[tuple[str, str | None]] = []
+    for name in unknown:
+        word = name.removeprefix("GPUWAIT_").lower()
+        # Compared without the prefix every name shares (which would make any two look alike);
+        # a word that is part of a setting's name (VRAM in DEFAULT_VRAM) counts as close too.
+        match = nearest(word, offered) or next(
+            (o for o in offered if word and word in o.split("_")), None
+        )
+        found.append((name, None if match is None else "GPUWAIT_" + match.upper()))
+    return found
 
 
 class Settings(Record):
@@ -676,9 +738,13 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         ) from None
     unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
     if unknown:
+        from gpuwait.core.text import nearest  # only once a key is misspelled
+
+        match = nearest(unknown[0], OPTIONS_BY_NAME)
         raise UsageError(
             f"{kind} {path}: unknown setting {unknown[0]!r}; known settings: "
-            + ", ".join(OPTIONS_BY_NAME)
+            + ", ".join(OPTIONS_BY_NAME),
+            hint=None if match is None else f"did you mean {match}?",
         )
     if not site:
         reserved = [o.name for o in OPTIONS if o.site_only and o.name in data]
@@ -736,7 +802,9 @@ def resolve(
             values[option.name] = option.parse(raw)
         except (ValueError, TypeError) as exc:
             shown = _flag(option.name) if source == "command line" else source
-            raise UsageError(f"{shown}: {raw!r} is not valid for {option.name}: {exc}") from None
+            # A TOML boolean as the file spells it, not as Python prints it.
+            value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
+            raise UsageError(f"{shown}: {value} is not valid for {option.name}: {exc}") from None
         sources[option.name] = source
     return Settings(**values, sources=sources, config_file=config_file, site_file=site_file)
 

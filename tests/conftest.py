@@ -14,6 +14,7 @@ pytest_plugins = [
     "helpers.fixtures_sim",
     "helpers.processes",
     "helpers.mps",
+    "helpers.tmux",
 ]
 
 REPO = Path(__file__).resolve().parent.parent

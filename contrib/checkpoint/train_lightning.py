@@ -73,6 +73,9 @@ def main() -> int:
     args = parser.parse_args()
     log = open(args.log, "a") if args.log else None  # noqa: SIM115 - kept open for the whole run
     os.makedirs(args.ckpt_dir, exist_ok=True)
+    # A model this small gains nothing from more threads, and on a small machine torch's
+    # default (one per core) makes the run fight every other process for the cores.
+    torch.set_num_threads(1)
     checkpoint.install()
     data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
     trainer = L.Trainer(

@@ -1,10 +1,11 @@
 """A plain PyTorch training loop that can be paused by gpuwait and resumes where it stopped.
 
-    gpuwait --pausable --vram 8G -- python train_pytorch.py --steps 5000 --ckpt run.pt
+    gpuwait --pausable --vram 8G -- python train_pytorch.py --steps 5000 --ckpt run/ckpt.pt
 
 On gpuwait's checkpoint signal it saves model, optimizer and step to --ckpt and exits with the
 resume status; gpuwait re-runs it later and it continues from the saved step. It runs on the CPU
-when no GPU is visible, so it can be tried anywhere.
+when no GPU is visible, so it can be tried anywhere; --step-time makes each step last as long as
+a real model's would, so that a try on the CPU runs long enough to be paused.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -21,11 +23,17 @@ from gpuwait import checkpoint
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--ckpt", default="checkpoint.pt")
+    parser.add_argument("--ckpt", default="checkpoint.pt", help="checkpoint file to resume from")
     parser.add_argument("--log", help="append 'run <resume count> step <n>' lines here")
+    parser.add_argument(
+        "--step-time", type=float, default=0.0, help="make each step last at least this long (s)"
+    )
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # A model this small gains nothing from more threads, and on a small machine torch's
+    # default (one per core) makes the run fight every other process for the cores.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
@@ -43,12 +51,14 @@ def main() -> int:
 
     checkpoint.install()
     while step < args.steps:
+        started = time.monotonic()
         x = torch.randn(32, 64, device=device)
         loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         step += 1
+        time.sleep(max(0.0, args.step_time - (time.monotonic() - started)))
         if checkpoint.requested():
             save(args.ckpt, model, optimizer, step)
             if log:

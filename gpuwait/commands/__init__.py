@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from gpuwait.core.errors import UsageError
@@ -23,16 +23,32 @@ SUBCOMMANDS = {
     "log": "the event log: admit, start, finish, cancel, GPU lost/back (-f to follow)",
     "config": "every effective setting and where it came from",
     "sim": "simulated GPUs: `sim init FILE`, `sim job --vram SIZE ...`",
-    "shell-init": "shell hook that runs python & co. through gpuwait: see README",
+    "shell-init": "shell hook that runs python & co. through gpuwait: see docs/integrations.md",
     "shell-hook": "what the shell hook runs: COMMAND through gpuwait unless the wrap rules say no",
     "completion": "completion script for bash, zsh or fish",
-    "estimate": "the VRAM learned from earlier runs of a command: `estimate -- CMD ...`",
+    "estimate": "the VRAM learned from earlier runs: `estimate -- CMD ...`",
     "history": "recent runs: peak VRAM, load, wait and run time, exit (--json for scripts)",
 }
 
 
 def module_name(subcommand: str) -> str:
     return f"gpuwait.commands.{subcommand.replace('-', '_')}"
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """Warn of GPUWAIT_* variables gpuwait does not know, naming the likely intended one: a
+    misspelled one would otherwise be ignored without a word, and its setting keep its
+    default (a whole GPU reserved for a job meant to take 6G). A launch only looks at the
+    names; the settings are imported when one is set."""
+    names = [name for name in environ if name.startswith("GPUWAIT_")]
+    if not names:
+        return
+    from gpuwait.commands import output
+    from gpuwait.config import unknown_variables
+
+    for name, match in unknown_variables(names):
+        guess = f"did you mean {match}?" if match else "`gpuwait --help` lists the settings"
+        output.warn(f"{name} is not a gpuwait setting and is ignored ({guess})")
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,7 +75,36 @@ class Parser(argparse.ArgumentParser):
         return action
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message}; see '{self.prog} --help'")
+        raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
+
+    def _suggestion(self, message: str) -> str | None:
+        """'did you mean --vram?' for a misspelled option or choice argparse refused."""
+        import re  # only once something was refused
+
+        from gpuwait.core.text import nearest
+
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            # A subcommand's (`sim init --froce`) are reported by the parser above it.
+            parsers: list[argparse.ArgumentParser] = [self]
+            options: list[str] = []
+            while parsers:
+                for action in parsers.pop()._actions:
+                    options += action.option_strings
+                    if isinstance(action, argparse._SubParsersAction):
+                        parsers += action.choices.values()
+            for word in unknown.group(1).split():
+                if word.startswith("-"):
+                    match = nearest(word.partition("=")[0], options)
+                    if match is not None:
+                        return f"did you mean {match}?"
+            return None
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            match = nearest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            if match is not None:
+                return f"did you mean '{match}'?"
+        return None
 
 
 #: The most lines `history -n` and `log -n` show.

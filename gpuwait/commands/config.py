@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 
-from gpuwait.commands import Parser
+from gpuwait.commands import Parser, terminal_columns
 from gpuwait.config import OPTIONS, load_settings
 
 
@@ -34,12 +36,70 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    width = max(len(n) for n, _, _ in rows)
-    value_width = max(len(v) for _, v, _ in rows)
-    for name, value, source in rows:
-        print(f"{name:<{width}}  {value:<{value_width}}  ({source})")
-    print(f"\nconfig file: {settings.config_file}")
-    print(f"site config: {settings.site_file}")
-    print(f"state dir:   {settings.state_path}")
-    print(f"ledger dir:  {settings.ledger_path}")
+    columns = terminal_columns() if sys.stdout.isatty() else None
+    for line in settings_table(rows, columns):
+        print(line)
+    print()
+    for label, path in (
+        ("config file:", settings.config_file),
+        ("site config:", settings.site_file),
+        ("state dir:  ", settings.state_path),
+        ("ledger dir: ", settings.ledger_path),
+    ):
+        # A path is never cut (it is there to be copied): one too long goes on a line of its own.
+        line = f"{label} {path}"
+        print(line if columns is None or len(line) <= columns else f"{label.strip()}\n  {path}")
     return 0
+
+
+#: Values up to this long line their sources up in one column; a longer one (a list, a path)
+#: is followed by its source, and does not push every other source out to its own length.
+_SHORT_VALUE = 24
+
+
+def settings_table(rows: list[tuple[str, str, str]], columns: int | None) -> list[str]:
+    """`name  value  (source)` rows. On a terminal `columns` wide none is wider: a long value
+    is wrapped (a list after its commas) and a source that no longer fits goes on the next
+    line, under the others. With `columns` None (piped), one line per setting, whole."""
+    names = max(len(name) for name, _, _ in rows)
+    values = max([len(v) for _, v, _ in rows if len(v) <= _SHORT_VALUE], default=0)
+    indent = " " * (names + 2)
+    out = []
+    for name, value, source in rows:
+        source = f"({source})"
+        head = f"{name:<{names}}  "
+        if columns is None:
+            out.append(f"{head}{value:<{values}}  {source}")
+            continue
+        lines = _wrap_value(value, max(8, columns - len(head)))
+        out.append(head + lines[0])
+        out += [indent + line for line in lines[1:]]
+        last = out[-1]
+        padded = f"{last:<{names + 2 + values}}  {source}"
+        if len(padded) <= columns:
+            out[-1] = padded
+        else:
+            # Under the other sources where there is room for it, else as far right as it fits.
+            column = min(names + 2 + values + 2, max(0, columns - len(source)))
+            out.append(" " * column + source)
+    return out
+
+
+def _wrap_value(value: str, width: int) -> list[str]:
+    """`value` in lines of at most `width`: a list broken after its commas (a pattern such as
+    `* -m pip *` is never split), anything else cut where it must be."""
+    if len(value) <= width:
+        return [value]
+    items = re.findall(r"[^,]*,\s*|[^,]+$", value)
+    if len(items) < 2:
+        return [value[i : i + width] for i in range(0, len(value), width)]
+    lines: list[str] = []
+    current = ""
+    for item in items:
+        if current and len((current + item).rstrip()) > width:
+            lines.append(current.rstrip())
+            current = item
+        else:
+            current += item
+    lines.append(current.rstrip())
+    return [piece for line in lines for piece in _wrap_value(line, width)]

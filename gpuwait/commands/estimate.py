@@ -12,9 +12,10 @@ from typing import Any
 from gpuwait.commands import Parser, output
 from gpuwait.config import load_settings
 from gpuwait.core.errors import StateError, UsageError
-from gpuwait.core.estimate import QUANTILE, Spread, recent
+from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
 from gpuwait.core.sizes import format_duration, format_size
-from gpuwait.history.learn import Learned, learn
+from gpuwait.core.text import command_line, printable
+from gpuwait.history.learn import LEVEL_WORDS, Learned, learn
 from gpuwait.history.store import history_path
 from gpuwait.linux.security import mine, open_readable
 
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_report(learned, default), indent=2))
         return 0
-    _show(learned, default)
+    _show(learned, default, command)
     return 0
 
 
@@ -126,13 +127,22 @@ def _timing(spread: Spread | None, suffix: str = "") -> str:
     )
 
 
-def _show(learned: Learned, default: str) -> None:
+def _show(learned: Learned, default: str, command: list[str]) -> None:
     est = learned.estimate
     first = learned.levels[0]
-    print(f"{'key:    ' if first.name == 'key' else 'command:'}  {first.text}")
+    if first.name == "key":
+        print(f"key:      {printable(first.text)}")
+    else:
+        print(f"command:  {command_line(command)}")
     if est.bytes is None:
         fallback = "a whole GPU" if default == "exclusive" else default
-        print(f"estimate: none, no earlier runs: gpuwait asks for {fallback} (default_vram)")
+        # "no earlier runs" only where there are none: runs that do not count are said below.
+        why = (
+            "no earlier run counts"
+            if any(lv.total_runs for lv in learned.levels)
+            else "no earlier runs"
+        )
+        print(f"estimate: none, {why}: gpuwait asks for {fallback} (default_vram)")
     else:
         print(f"estimate: {format_size(est.bytes)} per GPU, {learned.basis()}")
         if est.runs and est.rule == "largest":
@@ -161,6 +171,34 @@ def _show(learned: Learned, default: str) -> None:
             print("          some peaks are approximate (no per-process figures from NVML)")
     levels = " · ".join(f"{lv.name} {lv.total_runs}" for lv in learned.levels)
     print(f"runs:     {levels}")
+    left_out = _left_out(learned, time.time())
+    if left_out:
+        print(f"          {left_out}")
     print(f"run time: {_timing(learned.run_time)}")
     print(f"wait:     {_timing(learned.wait_time)}")
     print(f"load:     {_timing(learned.load_time, ' to reach 90% of the peak')}")
+
+
+def _left_out(learned: Learned, now: float) -> str | None:
+    """Why the estimate counts fewer runs than the level it comes from has: `2 of the 3 runs
+    of this script count: 1 has no measured peak`."""
+    est = learned.estimate
+    # Without an estimate, the finest level that has runs: why none of them counts.
+    chosen = [lv for lv in learned.levels if lv.name == est.level and est.runs]
+    level = next(iter(chosen or [lv for lv in learned.levels if lv.total_runs]), None)
+    used = est.runs if est.level == (level.name if level else None) else 0
+    if level is None or used >= level.total_runs:
+        return None
+    young = recent(level.runs, now)
+    done = [r for r in young if r.ok and not r.oom]
+    measured = successes(young)
+    no_peak = len(done) - len(measured)
+    reasons = [
+        (level.total_runs - len(young), f"older than {MAX_AGE / 86400:.0f} days"),
+        (len(young) - len(done), "failed"),
+        (no_peak, "have no measured peak" if no_peak > 1 else "has no measured peak"),
+        (len(measured) - used, f"beyond the newest {WINDOW}"),
+    ]
+    said = ", ".join(f"{n} {why}" for n, why in reasons if n > 0)
+    words = LEVEL_WORDS.get(level.name, f"runs at level {level.name}")
+    return f"{used} of the {level.total_runs} {words} count" + (f": {said}" if said else "")

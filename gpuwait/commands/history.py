@@ -6,19 +6,20 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
 import sys
+import textwrap
 import time
 from typing import Any
 
-from gpuwait.commands import MAX_LINES, Parser, output, whole_number
+from gpuwait.commands import MAX_LINES, Parser, output, terminal_columns, whole_number
 from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.core.text import command_line
 from gpuwait.history.learn import key_for
 from gpuwait.history.record import is_slim, record_keys
 from gpuwait.history.store import history_path, read_from, read_limit, tail
@@ -27,13 +28,17 @@ from gpuwait.history.store import history_path, read_from, read_limit, tail
 def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait history",
-        usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND [ARGS...]]",
+        usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND ...]",
         description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
         "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script. "
         "Runs that compaction kept only for estimates are shown with --all.",
     )
     parser.add_argument(
-        "-n", type=whole_number(0, MAX_LINES), default=20, metavar="N", help="show the last N (20)"
+        "-n",
+        type=whole_number(0, MAX_LINES),
+        default=20,
+        metavar="N",
+        help="show the last N (default: 20)",
     )
     parser.add_argument(
         "--all",
@@ -78,8 +83,49 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
+    if not records:
+        # `-n 0` asks for no rows and gets none, as from `log -n 0` and `tail -n 0`.
+        if args.all or args.n:
+            print(_nothing_shown([r for _, r in parsed.records], command, args.key))
+        return 0
     _show(records)
     return 0
+
+
+def _nothing_shown(read: list[dict[str, Any]], command: list[str], key: str | None) -> str:
+    """Why no run is shown, and where the runs are: "no runs recorded yet" only when true."""
+    whole = [r for r in read if not is_slim(r)]
+    plural = "s" if len(whole) != 1 else ""
+    others = f"`gpuwait history` shows the {len(whole)} run{plural} of other commands"
+    if key:
+        return f"no runs with --key {key} are recorded; {others}"
+    if command:
+        cwd = os.getcwd()
+        ckey = key_for(command, cwd, None)
+        what = ckey.text(SCRIPT) or ckey.levels[0][1]
+        # A script is known by its full path: the same line typed in another directory is
+        # another script. Say where it did run, so that the answer is one `cd` away.
+        elsewhere = sorted(
+            {
+                r["cwd"]
+                for r in whole
+                if r.get("command") == command and isinstance(r.get("cwd"), str)
+            }
+            - {cwd}
+        )
+        if elsewhere:
+            where = ", ".join(elsewhere[:3]) + (" ..." if len(elsewhere) > 3 else "")
+            return (
+                f"no runs of {what} are recorded; `{shlex.join(command)}` ran from {where} "
+                "(a script is known by its full path: ask there)"
+            )
+        if whole:
+            return f"no runs of {what} are recorded; {others}"
+        return "no runs recorded yet"
+    slim = len(read) - len(whole)
+    if slim:
+        return f"no runs to show; {slim} older runs kept only for estimates are shown with --all"
+    return "no runs recorded yet"
 
 
 def _wanted_hash(command: list[str], key: str | None) -> str | None:
@@ -92,7 +138,7 @@ def _wanted_hash(command: list[str], key: str | None) -> str | None:
     return hashes.get(SCRIPT) or hashes[ckey.levels[0][0]]
 
 
-def _exit(record: dict[str, Any]) -> str:
+def _exit(record: dict[str, Any], short: bool = False) -> str:
     number = record.get("signal")
     if isinstance(number, int):
         try:
@@ -103,24 +149,47 @@ def _exit(record: dict[str, Any]) -> str:
         text = str(record.get("exit_status"))
     if record.get("oom"):
         text += " OOM at limit" if record.get("oom_cause") == OOM_OWN_LIMIT else " OOM"
-    return text + _paused(record)
+    return text + _paused(record, short)
 
 
-def _paused(record: dict[str, Any]) -> str:
-    """ ", paused 2× (5m lost)" for a run that stepped aside for more urgent work."""
+def _paused(record: dict[str, Any], short: bool = False) -> str:
+    """ ", paused 2× (5m lost)" for a run that stepped aside for more urgent work; `short`:
+    without the time lost."""
     pauses = record.get("pauses")
     if not isinstance(pauses, int) or isinstance(pauses, bool) or pauses <= 0:
         return ""
     lost = record.get("paused_seconds")
     cost = f" ({format_duration(lost)} lost)" if isinstance(lost, (int, float)) else ""
-    return f", paused {pauses}×{cost}"
+    return f", paused {pauses}×{'' if short else cost}"
+
+
+#: What a peak without a figure, or with an approximate one, means (the table's notes).
+_UNMEASURED_SHARED = (
+    "peak -: not measured: its GPU ran other jobs too, and NVML gave no per-process figures"
+)
+_UNMEASURED_SHORT = "peak -: not measured: the run ended before the first reading"
+_APPROXIMATE = "peak ~: the growth of its GPU's used memory (NVML gave no per-process figures)"
 
 
 def _peak(record: dict[str, Any]) -> str:
+    """The peak; '-' where none was measured (as the other columns say what is unknown), and
+    '~' before one read from the card's used memory. The notes under the table say why."""
     peak = record.get("peak_bytes")
     if not isinstance(peak, (int, float)):
-        return "?"
+        return "-"
     return ("~" if record.get("peak_approximate") else "") + format_size(peak)
+
+
+def _peak_notes(records: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    unmeasured = [r for r in records if _peak(r) == "-" and not is_slim(r)]
+    if any(r.get("samples") == 0 for r in unmeasured):
+        notes.append(_UNMEASURED_SHORT)
+    if any(r.get("samples") != 0 for r in unmeasured):
+        notes.append(_UNMEASURED_SHARED)
+    if any(_peak(r).startswith("~") for r in records):
+        notes.append(_APPROXIMATE)
+    return notes
 
 
 def _seconds(value: Any) -> str:
@@ -132,27 +201,19 @@ def _command(record: dict[str, Any], width: int | None) -> str:
     if is_slim(record):
         text = "(compacted: kept for estimates only)"
     elif isinstance(command, list):
-        text = shlex.join(str(a) for a in command)
+        text = command_line(command)
     else:
         text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
     if width is None or len(text) <= width:
         return text
-    return text[: width - 1] + "…"
+    return text[: max(0, width - 1)] + "…"
 
 
-def _command_width(columns_before: int) -> int | None:
-    """Room left for the command on a terminal; None (never cut) when piped, for grep and scripts."""
-    if not sys.stdout.isatty():
-        return None
-    columns = shutil.get_terminal_size().columns
-    return max(20, columns - columns_before)
-
-
-def _when(record: dict[str, Any]) -> str:
+def _when(record: dict[str, Any], short: bool = False) -> str:
     started = record.get("started_at")
     if not isinstance(started, (int, float)):
         return "?"
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(started))
+    return time.strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M", time.localtime(started))
 
 
 def _gpus(record: dict[str, Any]) -> str:
@@ -162,22 +223,56 @@ def _gpus(record: dict[str, Any]) -> str:
     return ",".join(str(g.get("index", "?")) for g in gpus if isinstance(g, dict)) or "-"
 
 
-def _show(records: list[dict[str, Any]]) -> None:
-    if not records:
-        print("no runs recorded yet")
-        return
-    header = (
-        f"{'when':<16}  {'GPU':<3}  {'peak':>9}  {'load':>6}  {'wait':>6}  {'run':>7}  "
-        f"{'exit':<9}  "
-    )
-    print(header + "command")
-    width = _command_width(len(header))
-    for r in records:
-        print(
-            f"{_when(r):<16}  {_gpus(r):<3}  {_peak(r):>9}  "
-            f"{_seconds(r.get('time_to_peak_seconds')):>6}  {_seconds(r.get('wait_seconds')):>6}  "
-            f"{_seconds(r.get('run_seconds')):>7}  {_exit(r):<9}  {_command(r, width)}"
-        )
+#: The table's columns: heading, and whether its values are aligned to the right.
+_COLUMNS = (
+    ("when", False),
+    ("GPU", False),
+    ("peak", True),
+    ("load", True),
+    ("wait", True),
+    ("run", True),
+    ("exit", False),
+)
+#: The least room for the command on a terminal before the other columns take shorter forms.
+_COMMAND_ROOM = 24
+
+
+def table(records: list[dict[str, Any]], columns: int | None) -> list[str]:
+    """The runs as rows of text: on a terminal `columns` wide, every row fits (the date
+    without its year, a pause without its cost, then the command cut short, as needed); with
+    `columns` None (piped), every value whole, for grep and scripts."""
+    for short in (False, True):
+        cells = [
+            [
+                _when(r, short),
+                _gpus(r),
+                _peak(r),
+                _seconds(r.get("time_to_peak_seconds")),
+                _seconds(r.get("wait_seconds")),
+                _seconds(r.get("run_seconds")),
+                _exit(r, short),
+            ]
+            for r in records
+        ]
+        widths = [
+            max([len(heading), *(len(row[i]) for row in cells)])
+            for i, (heading, _) in enumerate(_COLUMNS)
+        ]
+        before = sum(width + 2 for width in widths)
+        if columns is None or columns - before >= _COMMAND_ROOM:
+            break
+    room = None if columns is None else max(1, columns - before)
+
+    def line(values: list[str], command: str) -> str:
+        shown = [
+            value.rjust(width) if right else value.ljust(width)
+            for value, width, (_, right) in zip(values, widths, _COLUMNS, strict=True)
+        ]
+        return "  ".join([*shown, command])
+
+    rows = [line([heading for heading, _ in _COLUMNS], "command")]
+    rows += [line(row, _command(r, room)) for row, r in zip(cells, records, strict=True)]
+    notes = _peak_notes(records)
     done = [
         float(r["run_seconds"])
         for r in records
@@ -187,8 +282,19 @@ def _show(records: list[dict[str, Any]]) -> None:
     ]
     times = spread(done)
     if times is not None and times.runs > 1:
-        print(
-            f"\nrun time of the {times.runs} successful runs shown: median "
+        notes.append(
+            f"run time of the {times.runs} successful runs shown: median "
             f"{format_duration(times.median)}, middle half {format_duration(times.low)}–"
             f"{format_duration(times.high)}"
         )
+    if notes:
+        rows.append("")
+    for note in notes:
+        rows += [note] if columns is None else textwrap.wrap(note, columns, subsequent_indent="  ")
+    return rows
+
+
+def _show(records: list[dict[str, Any]]) -> None:
+    # On a terminal, the rows fit its width; piped, nothing is cut.
+    for row in table(records, terminal_columns() if sys.stdout.isatty() else None):
+        print(row)

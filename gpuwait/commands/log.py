@@ -12,9 +12,9 @@ from gpuwait.commands import MAX_LINES, Parser, whole_number
 from gpuwait.commands.common import ledger_for
 from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
-from gpuwait.core.errors import StateError
+from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.sizes import format_duration, format_size
-from gpuwait.core.text import printable
+from gpuwait.core.text import command_line, printable
 from gpuwait.queue.events import KINDS, follow, read_events
 
 
@@ -29,7 +29,7 @@ def build_parser() -> Parser:
         type=whole_number(0, MAX_LINES),
         default=20,
         metavar="N",
-        help="last N events",
+        help="last N events (default: 20)",
     )
     parser.add_argument("-f", "--follow", action="store_true", help="keep showing new events")
     parser.add_argument("--json", action="store_true", help="the events as JSON lines")
@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         events = [e for e in read_events(directory) if wanted(e)]
     except OSError as exc:
         raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
+    if args.job is not None and not events and not args.follow:
+        # As `cancel` answers a job it does not know: not an empty log, which reads as "fine".
+        raise UsageError(f"no job matches {args.job} in the event log; see `gpuwait log`")
     # max(0, …): with fewer events than asked for, a negative start would drop some.
     for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)
@@ -89,7 +92,9 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
     job = event.get("job")
     who = f"{job} ({event['name']})" if event.get("name") else str(job)
     if kind == "submit":
-        text = f"{who} p{event.get('priority')}: {' '.join(map(str, event.get('command') or []))}"
+        command = event.get("command")
+        shown = command_line(command) if isinstance(command, list) else "?"
+        text = f"{who} p{event.get('priority')}: {shown}"
     elif kind == "admit":
         reserved = event.get("reserved_bytes")
         size = format_size(reserved) if isinstance(reserved, int) else "?"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TextIO
 
@@ -34,31 +35,74 @@ def info(message: str) -> None:
     print(f"gpuwait: {_line(message)}", file=sys.stderr)
 
 
-class WaitLine:
-    """On a terminal, one stderr line rewritten in place; elsewhere a line per change of reason."""
+#: The most of a job's name the waiting line shows.
+_LABEL = 24
 
-    def __init__(self, quiet: bool, stream: TextIO | None = None) -> None:
+
+def stream_columns(stream: TextIO) -> int:
+    """The width of the terminal `stream` writes to; else $COLUMNS, else 80."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    return columns if columns > 0 else 80
+
+
+class WaitLine:
+    """Why a job waits, on stderr, each line naming the job (`gpuwait[train]: waiting for ...`).
+
+    On a terminal, while this gpuwait is in the terminal's foreground: one line rewritten in
+    place, fitted to the terminal's width (a line that wrapped would leave a copy of its first
+    rows at every redraw, since `\r` goes back on the last row only), and cleared when the wait
+    ends. In the background (`gpuwait ... &`), where other waiters and the shell share the
+    screen: a whole line per change of situation, fitted too, so none writes over another or
+    runs into other output. Elsewhere (a file, a pipe): a whole line per change, in full.
+    """
+
+    def __init__(self, quiet: bool, job: str = "", stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.tty = self.stream.isatty()
         self.shown = False
+        self.prefix = f"gpuwait[{printable(job, _LABEL)}]: " if job else "gpuwait: "
         self._last_key: tuple[object, ...] | None = None
 
     def update(self, reason: WaitReason) -> None:
         if self.quiet:
             return
-        text = f"gpuwait: {reason.describe()}"
-        if self.tty:
+        if not self.tty:
+            self._once(reason, self.prefix + reason.describe())
+            return
+        # One column spare: a line that ends in the last column leaves some terminals about to
+        # wrap, and the next `\r` would then go back on a fresh row.
+        room = stream_columns(self.stream) - 1 - len(self.prefix)
+        text = self.prefix + printable(reason.describe(max(room, 0)), max(room, 1))
+        if self._foreground():
             self.stream.write("\r\033[K" + text)
             self.stream.flush()
             self.shown = True
+            # Sent to the background later, it says the situation again on a line of its own.
+            self._last_key = None
             return
-        # Room figures move with every reading; log only when the situation changes.
+        # Put in the background while the line was shown: the shell has moved on (its job
+        # notice, a prompt), and the line stays as it is.
+        self.shown = False
+        self._once(reason, text)
+
+    def _once(self, reason: WaitReason, text: str) -> None:
+        # Room figures move with every reading; a whole line is written only when the situation
+        # changes.
         key = (
             reason.needed,
             reason.best_gpu_index,
             reason.running,
             reason.ahead,
+            reason.blocked,
+            reason.limit,
             reason.pause,
             reason.gpu_error,
         )
@@ -67,11 +111,19 @@ class WaitLine:
             self.stream.write(text + "\n")
             self.stream.flush()
 
+    def _foreground(self) -> bool:
+        """Is this gpuwait in its terminal's foreground process group (not started with `&`)?"""
+        try:
+            return os.tcgetpgrp(self.stream.fileno()) == os.getpgrp()
+        except (AttributeError, ValueError, OSError):
+            # Not our controlling terminal: nothing else can be told; the line is ours alone.
+            return True
+
     def clear(self) -> None:
-        if self.shown and self.tty:
+        if self.shown and self.tty and self._foreground():
             self.stream.write("\r\033[K")
             self.stream.flush()
-            self.shown = False
+        self.shown = False
 
 
 class Console:
@@ -93,9 +145,9 @@ class Console:
     def error(self, message: str) -> None:
         error(message)
 
-    def waiting(self, reason: WaitReason) -> None:
+    def waiting(self, reason: WaitReason, job: str) -> None:
         if self._line is None:
-            self._line = WaitLine(self.quiet)
+            self._line = WaitLine(self.quiet, job)
         self._line.update(reason)
 
     def waited(self) -> None:

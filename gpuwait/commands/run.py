@@ -12,10 +12,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwait import __version__
-from gpuwait.commands import SUBCOMMANDS, Parser, RawHelpFormatter, whole_number
+from gpuwait.commands import (
+    SUBCOMMANDS,
+    Parser,
+    RawHelpFormatter,
+    terminal_columns,
+    whole_number,
+)
 from gpuwait.commands.output import Console
-from gpuwait.config import OPTIONS, Settings, load_settings
-from gpuwait.core.errors import UsageError
+from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings, load_settings
+from gpuwait.core.errors import EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules
 from gpuwait.core.sizes import (
     MAX_GPUS,
@@ -33,16 +39,22 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}$")
 #: The most times --retry-oom queues a command again.
 MAX_RETRY_OOM = 100
 
-_EPILOG = """\
-A program named like a subcommand runs with `gpuwait -- status`.
-Exit status: the command's own; gpuwait's failures use 2 (usage), 3 (request can never fit),
-4 (no GPU readings and on_no_gpu = fail), 5 (state dir unusable), 6 (an --after-ok job did not
-succeed), 7 (cancelled while waiting), 8 (not permitted: another user's job), 124 (--timeout
-passed), 126/127 (command not executable /
-not found), 130/143 (interrupted while waiting).
-
-settings (command line > GPUWAIT_<NAME> > config.toml > default):
-"""
+#: gpuwait's own exit statuses (gpuwait.core.errors), one row each; a test checks that none is
+#: missing. Besides these, the command's own status passes through unchanged.
+_EXIT_STATUSES = (
+    ("2", "usage: a malformed option, setting or config file"),
+    ("3", "the request can never fit on this machine's GPUs"),
+    ("4", "no GPU readings (no driver, on_no_gpu = fail; a simulation file unusable)"),
+    ("5", "the state dir or the ledger cannot be used"),
+    ("6", "an --after-ok job did not succeed, so this one never starts"),
+    ("7", "cancelled (`gpuwait cancel`) while waiting"),
+    ("8", "not permitted: another user's job"),
+    ("124", "--timeout passed while waiting"),
+    ("126", "the command is not executable"),
+    ("127", "the command was not found"),
+    ("130, 143", "interrupted (INT, TERM) while waiting"),
+    ("141", "gpuwait's output went to a reader that had gone away (e.g. head)"),
+)
 
 
 class _RunParser(Parser):
@@ -51,18 +63,59 @@ class _RunParser(Parser):
 
     def format_help(self) -> str:
         if self.epilog is None:
-            self.epilog = _settings_epilog()
+            self.epilog = _settings_epilog(terminal_columns() - 2)
         return super().format_help()
 
 
-def _settings_epilog() -> str:
-    lines = ["subcommands:"]
-    lines += [f"  {name:<16}  {text}" for name, text in SUBCOMMANDS.items()]
-    lines += ["", _EPILOG]
+def _rows(rows: list[tuple[str, str]], width: int, left: int = 16) -> list[str]:
+    """Two columns laid out as argparse lays out options: a name too long for its column puts
+    its text on the next line, and the text is wrapped to `width`."""
+    import textwrap  # only --help pays for it
+
+    indent = " " * (left + 4)
+    lines: list[str] = []
+    for name, text in rows:
+        wrapped = textwrap.wrap(
+            text, max(20, width - len(indent)), break_long_words=False, break_on_hyphens=False
+        )
+        if len(name) <= left:
+            lines.append(f"  {name:<{left}}  {wrapped[0]}")
+        else:
+            lines += [f"  {name}", indent + wrapped[0]]
+        lines += [indent + more for more in wrapped[1:]]
+    return lines
+
+
+def _shown_default(name: str) -> str:
+    """Setting `name`'s default for a sentence: "(none)" reads as none there, and a list is
+    spaced so that it wraps."""
+    option = OPTIONS_BY_NAME[name]
+    value = option.parse(option.default)
+    shown = ", ".join(value) if isinstance(value, tuple) and value else option.show(value)
+    return shown[1:-1] if shown.startswith("(") and shown.endswith(")") else shown
+
+
+def _settings_epilog(width: int) -> str:
+    lines = ["subcommands:", *_rows(list(SUBCOMMANDS.items()), width), ""]
+    lines += ["A program named like a subcommand runs with `gpuwait -- status`.", ""]
+    lines += ["exit status: the command's own, or one of gpuwait's:"]
+    lines += _rows(list(_EXIT_STATUSES), width)
+    lines += ["", "settings (command line > GPUWAIT_<NAME> > config.toml > default):"]
+    rows = []
     for option in OPTIONS:
-        default = option.show(option.parse(option.default))
-        lines.append(f"  {option.name:<16}  {option.help} (default: {default})")
-    return "\n".join(lines)
+        text = option.help
+        # A help text that says its default already ("the user state dir") is not given another.
+        if "default" not in text:
+            text += f" (default: {_shown_default(option.name)})"
+        rows.append((option.name, text))
+    return "\n".join(lines + _rows(rows, width))
+
+
+def _setting_default(name: str) -> str:
+    """ "(default: best-fit, the pick setting)": an option whose default is a setting's."""
+    shown = _shown_default(name)
+    # argparse formats help with %: a default with a percent sign must reach it doubled.
+    return f"(default: the {name} setting, {shown})".replace("%", "%%")
 
 
 def build_parser() -> Parser:
@@ -70,7 +123,7 @@ def build_parser() -> Parser:
     parser = _RunParser(
         prog="gpuwait",
         usage="gpuwait [OPTIONS] [--] COMMAND [ARGS...]\n"
-        f"       gpuwait {{{','.join(SUBCOMMANDS)}}} ...",
+        "       gpuwait SUBCOMMAND ...  (subcommands below)",
         description="Wait until COMMAND's VRAM fits on a GPU, pick the GPU, and run it there.",
         formatter_class=RawHelpFormatter,
     )
@@ -98,7 +151,7 @@ def build_parser() -> Parser:
         "--pausable",
         action="store_true",
         help="the command may be asked to checkpoint and step aside for more urgent work; it "
-        "is then resumed (see README, 'Cooperative pausing')",
+        "is then resumed (see docs/pausing.md)",
     )
     parser.add_argument(
         "--checkpoint-signal",
@@ -125,26 +178,35 @@ def build_parser() -> Parser:
         help="number of GPUs, all at once (default: 1)",
     )
     parser.add_argument(
-        "--timeout", metavar="DURATION", help="give up waiting after this long, e.g. 30m (exit 124)"
+        "--timeout",
+        metavar="DURATION",
+        help="give up waiting after this long, e.g. 30m (exit 124) " + _setting_default("timeout"),
     )
     parser.add_argument(
         "--pick",
         metavar="STRATEGY",
-        help="best-fit, most-free, round-robin, least-loaded, weighted or adaptive-throughput",
+        help="best-fit, most-free, round-robin, least-loaded, weighted or adaptive-throughput "
+        + _setting_default("pick"),
     )
     parser.add_argument(
         "--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2"
     )
-    parser.add_argument("--priority", metavar="1-5", help="queue priority, 5 is most urgent")
     parser.add_argument(
-        "--safety", metavar="FRACTION", help="fill each GPU up to this fraction of its VRAM"
+        "--priority",
+        metavar="1-5",
+        help="queue priority, 5 is most urgent " + _setting_default("priority"),
+    )
+    parser.add_argument(
+        "--safety",
+        metavar="FRACTION",
+        help="fill each GPU up to this fraction of its VRAM " + _setting_default("safety"),
     )
     parser.add_argument(
         "--enforce",
         metavar="MODE",
         help="keep the command inside its reservation: off, hint (tell JAX and TensorFlow) or "
         "limit (also enforce it where this machine can: cgroup dmem, CUDA MPS, PyTorch's "
-        "allocator cap; see docs/budgets.md)",
+        "allocator cap; see docs/budgets.md) " + _setting_default("enforce"),
     )
     parser.add_argument(
         "--exclusive",
@@ -184,7 +246,10 @@ def build_parser() -> Parser:
         help="only GPUs whose recent utilization (mean of several readings) is under PCT",
     )
     parser.add_argument(
-        "--ledger", metavar="DIR", help="coordinate through the ledger in DIR (e.g. a shared one)"
+        "--ledger",
+        metavar="DIR",
+        help="coordinate through the ledger in DIR (e.g. a shared one) (default: the ledger_dir "
+        "setting, else the state dir)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument(
@@ -207,7 +272,26 @@ def run(options: argparse.Namespace) -> int:
         }
     )
     request = _request(options)
-    return session.run(request, _config(settings), Console(options.quiet))
+    try:
+        return session.run(request, _config(settings), Console(options.quiet))
+    except GpuwaitError as exc:
+        if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
+            exc.hint = _subcommand_hint(request.command[0])
+        raise
+
+
+def _subcommand_hint(program: str) -> str | None:
+    """For a program not found that looks like a subcommand: the subcommand it likely meant.
+    What runs stays what was typed (a program may be named like a subcommand)."""
+    if program in SUBCOMMANDS:
+        # `gpuwait --vram 4G log`: after an option, every word is the command's.
+        return f"`{program}` is a subcommand: `gpuwait {program} ...` runs it (before any option)"
+    if "/" in program:
+        return None
+    from gpuwait.core.text import nearest  # only once a program was not found
+
+    match = nearest(program, SUBCOMMANDS, cutoff=0.75)
+    return None if match is None else f"did you mean `gpuwait {match}`?"
 
 
 def _request(options: argparse.Namespace) -> RunRequest:

@@ -20,9 +20,10 @@ from gpuwait.runner.launch import exec_bare
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
 
-Used by the functions that `gpuwait shell-init` defines: run COMMAND through gpuwait unless
-the wrap rules say no (GPUWAIT_JOB_ID or GPUWAIT_DISABLE set, the directory is not under
-wrap_only_in, or the command line matches never_wrap), in which case COMMAND runs bare.
+Used by the functions that `gpuwait shell-init` defines: run COMMAND through
+gpuwait unless the wrap rules say no (GPUWAIT_JOB_ID or GPUWAIT_DISABLE set,
+the directory is not under wrap_only_in, or the command line matches
+never_wrap), in which case COMMAND runs bare.
 
   --explain   print "wrap" or "bare" and the reason, run nothing (exit 0 or 1)
 """
@@ -49,7 +50,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
             options.help = True
             return options
         else:
-            raise UsageError(f"shell-hook: unknown option {option!r}; {USAGE}")
+            from gpuwait.core.text import nearest  # only once an option is not known
+
+            match = nearest(option, ("--explain", "--help"))
+            raise UsageError(
+                f"shell-hook: unknown option {option!r}; {USAGE}",
+                hint=None if match is None else f"did you mean {match}?",
+            )
     options.command = rest[1:]
     if not options.command:
         raise UsageError(f"shell-hook: no command given; {USAGE}")

@@ -28,6 +28,12 @@ def build_parser() -> Parser:
     )
     init.add_argument("--memory", default="24GiB", help="VRAM of each (default: 24GiB)")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.add_argument(
+        "--shared",
+        action="store_true",
+        help="root only: every user may run gpuwait and simulated jobs on it, and sees the "
+        "others' jobs",
+    )
     sub.add_parser("job", help="run a simulated CUDA job")
     return parser
 
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return simjob.main(args.job_args)
     if args.action != "init":
         raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
-    from gpuwait.gpu.sim import write_sim_file
+    from gpuwait.gpu.sim import make_shared_state_dir, write_sim_file
 
     try:
         memory = parse_size(args.memory)
@@ -55,12 +61,22 @@ def run(args: argparse.Namespace) -> int:
     if memory <= 0:
         raise UsageError("--memory must be larger than zero")
     path = os.path.abspath(os.path.expanduser(args.path))
+    if args.shared and os.geteuid() != 0:
+        # gpuwait reads a simulation file only when it is the user's own or root's.
+        raise UsageError(
+            "only root can write a shared simulation: other users' gpuwait trusts no file of yours",
+            hint=f"sudo gpuwait sim init {path} --shared",
+        )
     try:
         write_sim_file(path, gpus=args.gpus, memory_bytes=memory, force=args.force)
+        if args.shared:
+            make_shared_state_dir(path)
     except FileExistsError:
         raise UsageError(f"{path} exists; use --force to overwrite it") from None
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror}") from None
     output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
+    if args.shared:
+        output.info(f"shared: every user may use it (its jobs' records are in {path}.d)")
     output.info(f"now: export GPUWAIT_SIM={path}")
     return 0

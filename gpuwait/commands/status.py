@@ -1,6 +1,6 @@
 """`gpuwait status`: GPUs, running jobs, the queue and batches; `--json`, `--watch`.
 
-The JSON report (`--json`) is versioned by its `schema` field and documented in README.md
+The JSON report (`--json`) is versioned by its `schema` field and documented in docs/queue-and-status.md
 ("Queue, priorities and status"); fields are only ever added within a schema version.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import MachineSnapshot
-from gpuwait.core.text import printable
+from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import open_backend
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
@@ -61,16 +62,77 @@ def run(options: argparse.Namespace) -> int:
     settings = load_settings({})
     if interval is None:
         report = build_report(settings)
-        _show(report, options.json, in_place=False, watching=False)
+        _show(report, options.json, watching=False)
         # The queue is still shown, but a script asking whether the GPUs can be read must hear no.
         return EXIT_NO_GPU if report["backend_error"] else 0
-    in_place = sys.stdout.isatty() and not options.json
+    if sys.stdout.isatty() and not options.json:
+        return _watch_screen(settings, interval)
     try:
         while True:
-            _show(build_report(settings), options.json, in_place, watching=True)
+            _show(build_report(settings), options.json, watching=True)
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
+
+
+def _watch_screen(settings: Settings, interval: float) -> int:
+    """`--watch` on a terminal, as `top` and `watch` do it: a screen of its own (the
+    alternate screen, given back as it was on Ctrl-C), each report drawn over the last one,
+    clipped to the window."""
+    import signal
+
+    def leave(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # Closed or killed, the terminal gets its own screen back all the same.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, leave)
+    sys.stdout.write(_ENTER_SCREEN)
+    try:
+        while True:
+            report = build_report(settings)
+            columns, rows = _terminal_size()
+            title = f"gpuwait status, every {format_duration(interval)} (Ctrl-C to quit)"
+            clock = time.strftime("%H:%M:%S", time.localtime(report["generated_at"]))
+            lines = [title + clock.rjust(max(1, columns - len(title))), ""]
+            lines += [f"gpuwait: warning: {printable(w, 1000)}" for w in report["warnings"]]
+            if report["backend_error"]:
+                lines.append(f"gpuwait: error: {printable(report['backend_error'], 1000)}")
+            lines += render(report, _width(columns)).splitlines()
+            # Home and clear, then the whole frame: one write, so the screen never shows half.
+            sys.stdout.write("\033[H\033[2J" + "\n".join(fit_screen(lines, columns, rows)))
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sys.stdout.write(_LEAVE_SCREEN)
+        sys.stdout.flush()
+
+
+#: The alternate screen with the cursor hidden, and back (the shell's screen as it was).
+_ENTER_SCREEN = "\033[?1049h\033[?25l"
+_LEAVE_SCREEN = "\033[?25h\033[?1049l"
+
+
+def fit_screen(lines: list[str], columns: int, rows: int) -> list[str]:
+    """`lines` as a screen of `columns` x `rows` shows them: each cut at the width, and those
+    past the height left out, the last row then saying how many. The report puts what matters
+    most first (GPUs, running jobs, the queue), so it is the rest that goes."""
+    lines = [line[:columns] for line in lines]
+    if len(lines) <= rows:
+        return lines
+    kept = max(0, rows - 1)
+    hidden = len(lines) - kept
+    return [*lines[:kept], f"… {hidden} more rows hidden; a taller window shows them"[:columns]]
+
+
+def _terminal_size() -> tuple[int, int]:
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return _MIN_WIDTH, 24
+    return size.columns or _MIN_WIDTH, size.lines or 24
 
 
 def build_report(settings: Settings) -> dict[str, Any]:
@@ -91,30 +153,28 @@ def build_report(settings: Settings) -> dict[str, Any]:
     ledger = ledger_for(settings)
     data, now = read_queue(ledger, snapshot)
     view = View(safety=settings.safety, ignore_processes=ignore, fair=settings.fair_share())
-    return report_from(snapshot, data, now, view, ledger.take_warnings(), problem)
+    report = report_from(snapshot, data, now, view, ledger.take_warnings(), problem)
+    report["ledger_shared"] = bool(ledger.shared)
+    return report
 
 
-def _show(report: dict[str, Any], as_json: bool, in_place: bool, watching: bool) -> None:
+def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
     if as_json:
         # Watching, one report per line (JSON Lines), so a reader can take them one by one.
         print(json.dumps(report, indent=None if watching else 2))
         sys.stdout.flush()
         return
-    text = render(report, _width())
-    if in_place:
-        # Home and clear, then the whole report: one write, so the screen never shows half.
-        sys.stdout.write("\033[H\033[2J" + text)
-    else:
-        for message in report["warnings"]:
-            output.warn(message)
-        if report["backend_error"]:
-            output.error(report["backend_error"])
-        sys.stdout.write(text)
+    for message in report["warnings"]:
+        output.warn(message)
+    if report["backend_error"]:
+        output.error(report["backend_error"])
+    sys.stdout.write(render(report, _width()))
     sys.stdout.flush()
 
 
-def _width() -> int:
-    columns = shutil.get_terminal_size((_MIN_WIDTH, 24)).columns
+def _width(columns: int | None = None) -> int:
+    if columns is None:
+        columns = shutil.get_terminal_size((_MIN_WIDTH, 24)).columns
     return min(max(columns, _MIN_WIDTH), _MAX_WIDTH)
 
 
@@ -133,7 +193,8 @@ def _size(n: int | None) -> str:
 
 
 def _ago(seconds: float) -> str:
-    return format_duration(max(0.0, seconds)) + " ago"
+    # Under a second is "just now": "0ms ago" reads like a clock gone wrong.
+    return "just now" if seconds < 1 else format_duration(seconds) + " ago"
 
 
 def _clip(text: str, width: int) -> str:
@@ -195,7 +256,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
             f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>7}  "
         )
-        out.append(line + _clip(" ".join(j["command"]), width - len(line)))
+        out.append(line + _clip(command_line(j["command"]), width - len(line)))
         if j["lost_gpus"]:
             out.append(_clip("     on a GPU that is not answering now", width))
         if j["held_by"]:
@@ -238,7 +299,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             f" {j['position']:>3} {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} "
             f"p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
-        out.append(line + _clip(" ".join(j["command"]), width - len(line)))
+        out.append(line + _clip(command_line(j["command"]), width - len(line)))
         if j["waiting_reason"]:
             out.extend(
                 textwrap.wrap(
@@ -265,7 +326,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         column = max(20, min(longest, room))
         for b, tally in zip(report["batches"], tallies, strict=True):
             out.append(_clip(f" {_clip(b['name'], column):<{column}} {tally}", width))
-    out.extend(_render_users(report["users"], report["fair_share"], width))
+    out.extend(_render_users(report, width))
     return "\n".join(out) + "\n"
 
 
@@ -280,8 +341,16 @@ def _needs(job: dict[str, Any]) -> str:
     return per if job["gpus"] == 1 else f"{per} x{job['gpus']}"
 
 
-def _render_users(users: list[dict[str, Any]], fair_share: dict[str, Any], width: int) -> list[str]:
-    if not users:
+def _render_users(report: dict[str, Any], width: int) -> list[str]:
+    """Who holds and waits for what, and the usage fair share orders users by: only where more
+    than one user can meet (a shared ledger, or several users with jobs) or per-user limits
+    apply. A private ledger's single user would only see their own jobs counted again."""
+    users: list[dict[str, Any]] = report["users"]
+    fair_share: dict[str, Any] = report["fair_share"]
+    limited = (
+        fair_share["user_max_gpus"] is not None or fair_share["user_max_vram_bytes"] is not None
+    )
+    if not users or not (report.get("ledger_shared") or len(users) > 1 or limited):
         return []
     caps = []
     if fair_share["user_max_gpus"] is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# Documented in README.md ("Exit codes"). The command's own status passes through unchanged;
+# Documented in docs/exit-codes.md. The command's own status passes through unchanged;
 # these are gpuwait's own failures, chosen to stay clear of the common 0/1 of commands.
 EXIT_USAGE = 2
 EXIT_IMPOSSIBLE = 3

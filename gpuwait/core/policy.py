@@ -223,24 +223,60 @@ class WaitReason(Record, frozen=True):
     pause: str | None = None
     #: The GPUs could not be read at the last try (the waiter retries): why.
     gpu_error: str | None = None
+    #: Where the size asked for came from, for a request made without --vram (the history).
+    source: str | None = None
 
-    def describe(self) -> str:
+    def describe(self, width: int | None = None) -> str:
+        """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits
+        for comes first, then where it stands and how many are ahead, then the rest. Still too
+        long, it is cut short (with '…') rather than wrapped."""
+        variants = self._variants()
+        if width is None:
+            return variants[0]
+        for text in variants:
+            if len(text) <= width:
+                return text
+        shortest = variants[-1]
+        return shortest[: max(0, width - 1)] + "…" if width > 0 else ""
+
+    def _variants(self) -> list[str]:
+        """The wordings, fullest first, each dropping the least important part left."""
+        full_counts = f" ({self.running} running, {self.ahead} ahead of you)"
+        counts = f" ({self.running} running, {self.ahead} ahead)"
+        ahead = f" ({self.ahead} ahead)"
+        head = f"waiting for {self.needed}"
+        sourced = f"{head} ({self.source})" if self.source else head
         if self.gpu_error is not None:
-            return (
-                f"waiting for {self.needed}: GPU readings failing, retrying ({self.gpu_error}) "
-                f"({self.running} running, {self.ahead} ahead of you)"
-            )
+            failing = f"{sourced}: GPU readings failing, retrying"
+            detail = f"{failing} ({self.gpu_error})"
+            return [
+                detail + full_counts,
+                detail + counts,
+                failing + counts,
+                failing,
+                f"{head}: GPU readings failing",
+                head,
+            ]
         if self.limit is not None:
-            return f"waiting for {self.needed}: {self.limit} ({self.running} running)"
-        counts = f"({self.running} running, {self.ahead} ahead of you)"
+            limited = f"{head}: {self.limit}"
+            return [f"{sourced}: {self.limit} ({self.running} running)", limited, head]
         if self.blocked is not None:
-            return f"{self.blocked} {counts}"
+            return [self.blocked + full_counts, self.blocked + counts, self.blocked]
         if self.best_gpu_index is None:
             where = "no usable GPU right now"
         else:
             where = f"best GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
-        note = "".join(f"; {text}" for text in (self.note, self.pause) if text)
-        return f"waiting for {self.needed}: {where}{note} {counts}"
+        notes = [text for text in (self.note, self.pause) if text]
+        variants = [f"{sourced}: {where}" + "".join(f"; {n}" for n in notes) + full_counts]
+        # Drop the notes from the last (the pause, then the head's note), then where the size
+        # came from, then the counts.
+        for kept in range(len(notes), -1, -1):
+            variants.append(
+                f"{sourced}: {where}" + "".join(f"; {n}" for n in notes[:kept]) + counts
+            )
+        said = f"{head}: {where}"
+        variants += [said + counts, said + ahead, said, head + ahead, head]
+        return variants
 
 
 class Hold(Record, frozen=True):

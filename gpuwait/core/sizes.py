@@ -17,7 +17,7 @@ _PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$", re.ASCII)
 _WHOLE_RE = re.compile(r"^\s*[+-]?\d+\s*$", re.ASCII)
 _DECIMAL_RE = re.compile(r"^\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
 
-# The bounds of every number a user gives gpuwait (documented in README, "Configuration"). Far
+# The bounds of every number a user gives gpuwait (documented in docs/configuration.md). Far
 # above any sensible value, they keep an absurd one from reaching the kernel (a timer, a sleep)
 # or a file (a ledger entry) that would refuse it later, with a traceback or a dropped entry.
 #: The largest size: 1 PiB, a thousand times the largest GPU's memory (a request, a limit, a card).

@@ -49,6 +49,15 @@ class MachineSnapshot(Record, frozen=True):
     backend: str
     gpus: tuple[GpuSnapshot, ...]
     warnings: tuple[str, ...] = ()
+    #: What was read, where one backend can read different things: the simulation file. GPU
+    #: health is remembered per source, so a user who switches simulation files has not lost
+    #: the first file's GPUs.
+    source: str = ""
+
+    @property
+    def origin(self) -> str:
+        """The backend and its source: readings of one origin describe the same GPUs."""
+        return f"{self.backend}:{self.source}" if self.source else self.backend
 
     def by_uuid(self) -> dict[str, GpuSnapshot]:
         return {g.uuid: g for g in self.gpus}

@@ -1,6 +1,8 @@
-"""Text from other users' files, made safe to show on a terminal."""
+"""Text from other users' files, made safe to show on a terminal; the nearest of known words."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 
 def printable(text: str, limit: int = 200) -> str:
@@ -13,3 +15,26 @@ def printable(text: str, limit: int = 200) -> str:
         for c in text[: limit + 1]
     )
     return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
+
+
+def nearest(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice `word` most likely misspells (`staus` for `status`), or None when none is
+    close. Only asked once something was not recognised: a launch does not pay for difflib."""
+    import difflib
+
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+def command_line(argv: Sequence[object], limit: int = 4000) -> str:
+    """A command as one line, quoted as a shell would need it typed (`python3 -c 'import time;
+    time.sleep(3)'`), and safe to print: every command gpuwait shows goes through here, so a
+    command looks the same in `status`, `log`, `history` and `estimate`."""
+    import re
+    import shlex  # only the commands that show commands pay for it
+
+    words = [str(a) for a in argv]
+    if len(words) == 2 and re.fullmatch(r"\[[0-9a-f]{12}\]", words[1]):
+        # Kept without its line (history_commands = hash): the program and the line's hash.
+        return printable(f"{shlex.join(words[:1])} {words[1]}", limit)
+    return printable(shlex.join(words), limit)

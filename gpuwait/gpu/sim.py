@@ -10,6 +10,12 @@ Layout next to the simulation file `sim.toml`:
         lock               exclusive flock (gpuwait.linux.lock); serialises allocation decisions
         <pid>.json         one allocation record per simulated process (written atomically)
 
+A simulation several users share is root's: `gpuwait sim init FILE --shared`, run as root,
+makes `FILE.d` root's, writable by every user and sticky (an administrator may narrow it to a
+group: chgrp GROUP, chmod 3770). There, as in a shared ledger directory, the directory itself
+is the lock, each user writes only their own records (readable by all, under names nobody can
+guess beforehand), and nobody can remove another's.
+
 A record counts only while its process lives and still has the start time it recorded, so a
 killed job stops holding memory, as the driver frees a dead process's memory.
 """
@@ -17,9 +23,11 @@ killed job stops holding memory, as the driver frees a dead process's memory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,10 +40,12 @@ from gpuwait.core.sizes import format_size, parse_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import write_atomic
-from gpuwait.linux.lock import exclusive
+from gpuwait.linux.lock import exclusive, flock_within
 from gpuwait.linux.security import (
     ANYONE,
     UnsafePath,
+    check_dir,
+    is_shared_dir,
     mine,
     open_readable,
     read_capped,
@@ -54,6 +64,10 @@ MAX_FILE_BYTES = 1 << 20
 #: An allocation record larger than this is not one.
 MAX_RECORD_BYTES = 1 << 16
 _HINT = "fix the file, or write a fresh one with `gpuwait sim init PATH --gpus 2 --memory 24GiB`"
+_SHARE_HINT = (
+    "a simulation several users share is root's: `sudo gpuwait sim init FILE --shared`; "
+    "or write one of your own with `gpuwait sim init FILE`"
+)
 _GPU_KEYS = frozenset(
     {
         "name",
@@ -174,7 +188,9 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     except UnsafePath as exc:
         # Nothing a moment will change (a save in progress is a plain file of the user's).
         raise BackendUnavailable(
-            f"simulation file {shown} {exc.what}; refusing to use it", hint=_HINT, lasting=True
+            f"simulation file {shown} {exc.what}; refusing to use it",
+            hint=_SHARE_HINT if _owned_by_another(resolved) else _HINT,
+            lasting=True,
         ) from None
     except OSError as exc:
         raise BackendUnavailable(
@@ -343,7 +359,7 @@ def write_sim_file(
 
 def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[float] | None) -> str:
     lines = [
-        "# gpuwait simulation file: point GPUWAIT_SIM (or --sim) at it.",
+        "# gpuwait simulation file: `export GPUWAIT_SIM=<this file>` makes gpuwait use it.",
         "# Each [[gpu]] is one simulated card, in PCI order: its NVML index is its position.",
         '# Keys: name, memory (required; "24GiB" or bytes), uuid (default derived from this',
         "# file's path and the position), speed (CUDA's default FASTEST_FIRST order sorts by it,",
@@ -416,9 +432,58 @@ def _match_entry(entry: str, ordered: list[SimGpu]) -> SimGpu | None:
 # --- allocation records ------------------------------------------------------------------------
 
 
+def _owned_by_another(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid not in mine()
+    except OSError:
+        return False
+
+
+def _unshared(directory: Path, owner: int) -> BackendUnavailable:
+    return BackendUnavailable(
+        f"the simulated jobs' directory {directory} is uid {owner}'s alone: your simulated jobs "
+        "can neither record their memory there nor see the others'",
+        hint="to share a simulation, root writes it with `gpuwait sim init FILE --shared`; "
+        "or use a simulation file of your own (`gpuwait sim init FILE`)",
+        lasting=True,
+    )
+
+
 def ensure_state_dir(config: SimConfig) -> Path:
+    """The directory of the allocation records: created private when missing; a shared one
+    (`sim init --shared`) must be as safe as a shared ledger directory. Raises
+    BackendUnavailable for one this user cannot use."""
     directory = config.state_dir
-    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+    try:
+        directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"the simulated jobs' directory {directory} cannot be used: {exc.strerror or exc}",
+            hint=_SHARE_HINT,
+            lasting=True,
+        ) from None
+    shared = is_shared_dir(st)
+    if not shared and stat.S_ISDIR(st.st_mode) and st.st_uid != os.getuid():
+        raise _unshared(directory, st.st_uid)
+    try:
+        check_dir(directory, st, private=not shared)
+    except UnsafePath as exc:
+        raise BackendUnavailable(
+            f"{exc.what}; refusing to use it for simulated jobs", lasting=True
+        ) from None
+    return directory
+
+
+def make_shared_state_dir(path: str | os.PathLike[str]) -> Path:
+    """Root's: the records' directory of a simulation every user may run jobs on (sticky, so
+    nobody removes another's records)."""
+    directory = state_dir_for(path)
+    directory.mkdir(mode=0o700, exist_ok=True)
+    if not stat.S_ISDIR(os.lstat(directory).st_mode):
+        raise UsageError(f"{directory} is not a directory; remove it first")
+    os.chown(directory, 0, 0)
+    os.chmod(directory, 0o1777)
     return directory
 
 
@@ -426,8 +491,17 @@ def ensure_state_dir(config: SimConfig) -> Path:
 def sim_lock(config: SimConfig) -> Iterator[Path]:
     """Hold the exclusive simulation lock; yields the state directory."""
     directory = ensure_state_dir(config)
-    with exclusive(directory / "lock"):
+    if not is_shared_dir(os.lstat(directory)):
+        with exclusive(directory / "lock"):
+            yield directory
+        return
+    # Shared: the directory itself, root's, which no member can replace or make unusable.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flock_within(fd, fcntl.LOCK_EX, None)
         yield directory
+    finally:
+        os.close(fd)
 
 
 def _record_path(directory: Path, pid: int) -> Path:
@@ -437,11 +511,20 @@ def _record_path(directory: Path, pid: int) -> Path:
 def write_allocation(directory: Path, allocation: Allocation) -> None:
     """Replace the process's record; readers see the old or the new one, never a part."""
     data = json.dumps(allocation.to_json()).encode()
-    write_atomic(_record_path(directory, allocation.pid), data)
+    st = os.lstat(directory)
+    if is_shared_dir(st):
+        # Readable by the other users' gpuwait; the temporary name is unguessable there. Its
+        # group is the one a new file gets anyway (the directory's when setgid): never changed.
+        group = st.st_gid if st.st_mode & stat.S_ISGID else os.getegid()
+        write_atomic(_record_path(directory, allocation.pid), data, mode=0o644, group=group)
+    else:
+        write_atomic(_record_path(directory, allocation.pid), data)
 
 
 def remove_allocation(directory: Path, pid: int) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # PermissionError: another user's record in a shared (sticky) directory, left by a dead
+    # process; it counts for nothing, and its owner's next job or root removes it.
+    with contextlib.suppress(FileNotFoundError, PermissionError):
         _record_path(directory, pid).unlink()
 
 
@@ -470,8 +553,16 @@ def live_allocations(config: SimConfig, *, prune: bool = False) -> list[Allocati
     directory = config.state_dir
     try:
         names = sorted(os.listdir(directory))
-    except OSError:
+    except FileNotFoundError:
         return []
+    except OSError as exc:
+        if not prune:
+            raise
+        raise BackendUnavailable(
+            f"the simulated jobs' directory {directory} cannot be read: {exc.strerror}",
+            hint=_SHARE_HINT,
+            lasting=True,
+        ) from None
     live: list[Allocation] = []
     for name in names:
         match = _RECORD_RE.match(name)
@@ -516,19 +607,33 @@ class SimBackend:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        # Resolved once: the same file through another name or a relative path is one source.
+        self._source = os.path.realpath(path)
         load_sim_file(path)
 
     def snapshot(self) -> MachineSnapshot:
         config = load_sim_file(self.path)
-        allocations = live_allocations(config)
         gpus: list[GpuSnapshot] = []
         warnings: list[str] = []
+        try:
+            allocations = live_allocations(config)
+        except OSError as exc:
+            # Another user's private simulation: its jobs' memory is invisible, and a card
+            # would look emptier than it is. Said, not hidden behind "0 B used".
+            allocations = []
+            warnings.append(
+                f"the simulated jobs' memory in {config.state_dir} cannot be read "
+                f"({exc.strerror or exc}): used memory is shown without it; a simulation "
+                "several users share is made with `gpuwait sim init FILE --shared` (by root)"
+            )
         for gpu in config.gpus:
             if gpu.lost:
                 warnings.append(f"GPU {gpu.index} ({gpu.uuid}): GPU is lost; skipped")
                 continue
             gpus.append(_gpu_snapshot(gpu, allocations))
-        return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
+        return MachineSnapshot(
+            backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings), source=self._source
+        )
 
     def close(self) -> None:
         pass

@@ -27,17 +27,19 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from gpuwait import checkpoint
 from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import parse_duration, parse_size, parse_whole
+from gpuwait.core.text import nearest
 from gpuwait.gpu.sim import (
     Allocation,
     SimConfig,
     SimGpu,
     cuda_visible_gpus,
+    ensure_state_dir,
     live_allocations,
     load_sim_file,
     remove_allocation,
@@ -88,6 +90,14 @@ def _main(args: argparse.Namespace) -> int:
     except BackendUnavailable as exc:
         _error(f"gpuwait sim job: {exc.message}")
         return 2
+    try:
+        # Before any memory is claimed: a simulation this user cannot record jobs in (another
+        # user's private one) is said at once, with how to share one, not found out halfway.
+        ensure_state_dir(config)
+    except BackendUnavailable as exc:
+        _error(f"gpuwait sim job: {exc.message}")
+        _error(f"gpuwait sim job: hint: {exc.hint}")
+        return 2
     start = proc.start_time(os.getpid())
     if start is None:
         _error("gpuwait sim job: cannot read this process's start time from /proc")
@@ -118,15 +128,45 @@ def _load(sim_path: str) -> SimConfig:
             time.sleep(0.1)
 
 
-def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+class _BadUsage(Exception):
+    """A malformed command line: one line on stderr and exit status 2, as gpuwait's own."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _BadUsage(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`gpuwait sim job`'s options (its errors are raised, for `_parse_args` to say)."""
+    parser = _Parser(
         prog="gpuwait sim job",
         description="A simulated CUDA job: claims VRAM on simulated GPU 0 of CUDA_VISIBLE_DEVICES.",
     )
-    parser.add_argument("--vram", required=True, type=_size_arg, help="memory it allocates")
-    parser.add_argument("--ramp", default=0.0, type=_duration_arg, help="grow linearly over this")
-    parser.add_argument("--hold", default=1.0, type=_duration_arg, help="time at full size")
-    parser.add_argument("--exit", default=0, type=_exit_arg, help="exit status at the end (0-255)")
+    parser.add_argument(
+        "--vram", required=True, type=_size_arg, metavar="SIZE", help="memory it allocates"
+    )
+    parser.add_argument(
+        "--ramp",
+        default=0.0,
+        type=_duration_arg,
+        metavar="DURATION",
+        help="grow linearly over this (default: 0s, all at once)",
+    )
+    parser.add_argument(
+        "--hold",
+        default=1.0,
+        type=_duration_arg,
+        metavar="DURATION",
+        help="time at full size (default: 1s)",
+    )
+    parser.add_argument(
+        "--exit",
+        default=0,
+        type=_exit_arg,
+        metavar="STATUS",
+        help="exit status at the end, 0-255 (default: 0)",
+    )
     parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
     parser.add_argument(
         "--framework",
@@ -141,7 +181,23 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="pausable: on gpuwait's checkpoint signal, save the time held so far here and exit "
         "with the resume status; a later run resumes from it",
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    try:
+        return parser.parse_args(argv)
+    except _BadUsage as exc:
+        message = str(exc)
+        _error(f"gpuwait sim job: error: {message}; see 'gpuwait sim job --help'")
+        if message.startswith("unrecognized arguments: "):
+            options = [s for a in parser._actions for s in a.option_strings]
+            word = message.split()[2].partition("=")[0]
+            match = nearest(word, options) if word.startswith("-") else None
+            if match is not None:
+                _error(f"gpuwait sim job: hint: did you mean {match}?")
+        raise SystemExit(2) from None
 
 
 def _size_arg(text: str) -> int:

@@ -39,7 +39,7 @@ FLAG = "flag"
 ESTIMATE = "estimate"
 DEFAULT = "default"
 
-_LEVEL_WORDS = {
+LEVEL_WORDS = {
     "key": "runs with this --key",
     "command": "runs of this exact command",
     "script": "runs of this script",
@@ -77,7 +77,7 @@ class Learned(Record, frozen=True):
             return "no earlier runs"
         if est.runs == 0:
             return "raised after an out-of-memory failure"
-        words = _LEVEL_WORDS.get(est.level, f"runs at level {est.level}")
+        words = LEVEL_WORDS.get(est.level, f"runs at level {est.level}")
         if est.runs == 1:
             words = words.replace("runs", "run", 1)
         if est.rule == "largest":

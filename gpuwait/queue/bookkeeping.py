@@ -109,7 +109,8 @@ class Book(Record):
     finished: list[Finished] = field(default_factory=list)
     gpus: dict[str, GpuCounters] = field(default_factory=dict)
     health: dict[str, GpuHealth] = field(default_factory=dict)
-    #: The backend the health was read from; another backend starts a fresh record.
+    #: Where the health was read (MachineSnapshot.origin: the backend, and for the simulation
+    #: its file); readings from elsewhere start a fresh record, as they are of other GPUs.
     health_backend: str | None = None
     batches: dict[str, BatchCounts] = field(default_factory=dict)
 
@@ -154,8 +155,8 @@ class Book(Record):
         """
         now = time.time() if now is None else now
         events: list[dict[str, Any]] = []
-        if self.health_backend != snapshot.backend:
-            self.health, self.health_backend = {}, snapshot.backend
+        if self.health_backend != snapshot.origin:
+            self.health, self.health_backend = {}, snapshot.origin
         first_reading = not self.health
         present = {g.uuid for g in snapshot.gpus}
         for gpu in snapshot.gpus:

@@ -82,7 +82,7 @@ def emit(state_dir: Path, kind: Kind, **fields: Any) -> None:
     line = (json.dumps(record, separators=(",", ":"), sort_keys=True) + "\n").encode()
     path = events_path(state_dir)
     try:
-        # A shared ledger directory keeps no event log (README): a log there would be one
+        # A shared ledger directory keeps no event log (docs/queue-and-status.md): a log there would be one
         # member's private file, which the others could neither append to nor read.
         if is_shared_dir(os.lstat(state_dir)):
             return

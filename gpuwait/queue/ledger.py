@@ -181,7 +181,7 @@ class Ledger:
         if isinstance(exc, FileNotFoundError) and self.must_exist:
             return StateError(
                 f"ledger directory {self.directory} does not exist",
-                hint="an administrator creates a shared one (see README, 'Shared servers'), "
+                hint="an administrator creates a shared one (see docs/shared-servers.md), "
                 "or unset ledger_dir to use your own",
             )
         return StateError(
@@ -431,8 +431,8 @@ class Ledger:
         """The single file a shared directory held before (every user's entries in one, which
         any member could edit), read once, at this user's first use of the directory: their
         usage row (fair share) moves into their own file. Its entries are not taken: their
-        processes are gone once gpuwait was updated (README says when to update), and any
-        member could have written any of them."""
+        processes are gone once gpuwait was updated (docs/shared-servers.md says when to update),
+        and any member could have written any of them."""
         try:
             found = self._read_file(self.directory / LEGACY_NAME)
             if found is None:
@@ -444,7 +444,7 @@ class Ledger:
             own.usage[self._uid] = legacy.usage[self._uid]
             self.warnings.append(
                 f"ledger {self.directory / LEGACY_NAME}: your usage was moved to "
-                f"{self.path.name} (see README, 'Shared servers', to remove the old file)"
+                f"{self.path.name} (see docs/shared-servers.md to remove the old file)"
             )
 
 

@@ -1,7 +1,7 @@
 """`gpuwait status` as plain data: GPUs, running jobs, the queue, batches and users.
 
-The report is versioned by its `schema` field and documented in README.md ("Queue, priorities
-and status"); fields are only ever added within a schema version. Reading it changes nothing:
+The report is versioned by its `schema` field and documented in docs/queue-and-status.md;
+fields are only ever added within a schema version. Reading it changes nothing:
 the ledger is read without the lock, and a transaction is made only where one would change
 something anyway (an entry to reap, a GPU's health to note, a damaged file to recover).
 """
@@ -71,8 +71,11 @@ def report_from(
     etas = estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}
-    index.update({u: h.index for u, h in data.book.health.items() if u not in index})
-    lost = data.book.lost_gpus()
+    # Health read from another source (another simulation file) is about other GPUs.
+    same_source = snapshot is None or data.book.health_backend == snapshot.origin
+    known = data.book.health if same_source else {}
+    index.update({u: h.index for u, h in known.items() if u not in index})
+    lost = data.book.lost_gpus() if same_source else {}
     waiting_ids = [j.id for j in jobs if j.state != RUNNING]
     report: dict[str, Any] = {
         "schema": STATUS_SCHEMA,

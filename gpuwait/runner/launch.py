@@ -126,7 +126,7 @@ def spawn(
 
 
 def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[str, str]:
-    """The command's environment: gpuwait's own, with its GPUs and job made known (README,
+    """The command's environment: gpuwait's own, with its GPUs and job made known (docs/usage.md,
     'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order, which no
     difference between CUDA's and NVML's numbering can put on the wrong card."""
     uuids = ",".join(job.gpu_uuids)

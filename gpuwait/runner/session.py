@@ -76,8 +76,9 @@ if TYPE_CHECKING:
         def error(self, message: str) -> None:
             """Why the run ends without the command's own status."""
 
-        def waiting(self, reason: WaitReason) -> None:
-            """Why the job still waits (its line is rewritten in place on a terminal)."""
+        def waiting(self, reason: WaitReason, job: str) -> None:
+            """Why the job still waits (its line is rewritten in place on a terminal); `job`
+            names it (its --name, else its id), for a terminal where several wait."""
 
         def waited(self) -> None:
             """The wait is over: clear the waiting line."""
@@ -445,6 +446,8 @@ def _attempt(
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
     paused_seconds = 0.0
+    #: How the waiting line names the job, where several wait in one terminal.
+    label = job.name or job.id
     while True:
         timeout = config.timeout
         waited_from = time.monotonic()
@@ -454,8 +457,8 @@ def _attempt(
             # first; the line says where a request without --vram came from.
             _show_warnings(ledger, reporter)
             if choice.note:
-                reason = reason._replace(needed=f"{reason.needed} ({choice.note})")
-            reporter.waiting(reason)
+                reason = reason._replace(source=choice.note)
+            reporter.waiting(reason, label)
 
         try:
             job, outcome = wait_for_admission(

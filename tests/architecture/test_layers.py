@@ -37,6 +37,7 @@ CORE_STDLIB = {
     "__future__",
     "collections",
     "collections.abc",
+    "difflib",
     "fnmatch",
     "math",
     "os.path",

@@ -270,7 +270,7 @@ def test_a_reader_that_went_away_ends_output_quietly(
 
 
 def test_a_simulated_job_refuses_a_size_without_a_unit(sim: Path) -> None:
-    # The simulated CUDA program answers as the programs it stands for do: argparse's usage.
+    # The simulated CUDA program's own parser, answering in one line as gpuwait does.
     done = subprocess.run(
         [sys.executable, "-m", "gpuwait", "sim", "job", "--vram", "4"],
         capture_output=True,

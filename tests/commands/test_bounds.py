@@ -276,8 +276,8 @@ def test_a_simulated_job_bounds_its_durations(
 
 
 def test_a_damaged_allocation_record_is_ignored(sim: Path, tmp_path: Path) -> None:
-    """A simulated job's allocation record nested thousands deep is damaged: ignored, as README
-    says, and the cards read as free."""
+    """A simulated job's allocation record nested thousands deep is damaged: ignored, as
+    docs/robustness.md says, and the cards read as free."""
     records = Path(f"{sim}.d")
     records.mkdir(mode=0o700, exist_ok=True)
     (records / f"{os.getpid()}.json").write_text(DEEP)
@@ -324,7 +324,7 @@ def test_an_unreadable_state_dir_is_a_state_error(
 
 
 def test_a_run_with_its_ledger_elsewhere_goes_on_without_history(sim: Path, tmp_path: Path) -> None:
-    """History is a help: unreadable, the run goes on (one warning), as README says."""
+    """History is a help: unreadable, the run goes on (one warning), as docs/robustness.md says."""
     done = _in_unreadable_state_dir(sim, tmp_path, ["--", "python3", "-c", "pass"], ledger=True)
     assert done.returncode == 0, done.stderr
     assert "going on without what earlier runs used" in done.stderr

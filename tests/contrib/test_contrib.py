@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
+from helpers import docs
 from helpers.fixtures_sim import hold_card
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.waiting import wait_for
@@ -158,6 +159,78 @@ def test_make_failing_step_fails_make_as_it_would_bare(
     assert wrapped.returncode == bare.returncode == 2
     assert "Error 3" in wrapped.stderr and "Error 3" in bare.stderr
     assert not (tmp_path / "out" / "s1.done").exists()
+
+
+def test_make_readme_commands_run(tmp_path: Path) -> None:
+    docs.assert_page_runs(CONTRIB / "make" / "README.md", tmp_path)
+
+
+@pytest.mark.parametrize("keep_going", [False, True], ids=["stop", "keep-going"])
+def test_make_failure_stops_only_steps_make_had_not_started(
+    user_env: dict[str, str], tmp_path: Path, keep_going: bool
+) -> None:
+    """As the make README says: with -j8, the steps already handed to gpuwait (running or
+    waiting for a GPU) still run after a failure; the ninth, never started, does not (-k: it
+    does)."""
+    out = tmp_path / "out"
+    steps = [f"s{i}" for i in range(1, 10)]
+    small_s1 = "$(if $(filter $*,s1),1G,8G)"
+    done = subprocess.run(
+        [
+            "make",
+            "-j8",
+            *(["-k"] if keep_going else []),
+            "-f",
+            str(CONTRIB / "make" / "Makefile"),
+            f"OUT={out}",
+            f"STEPS={' '.join(steps)}",
+            "FAIL=s1",
+            # s1 is small, so it starts at once whatever the order the steps reach gpuwait in,
+            # and fails while three of the others still wait for a GPU.
+            f"GPU=gpuwait --vram {small_s1} --",
+            f"TRAIN=gpuwait sim job --vram {small_s1} --hold $(if $(filter $*,s1),0s,2s) "
+            "$(if $(filter $*,$(FAIL)),--exit 3)",
+        ],
+        env=user_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Error 3" in done.stderr, done.stderr
+    finished = sorted(p.stem for p in out.glob("*.done"))
+    assert finished == (steps[1:] if keep_going else steps[1:8])
+    records = history(Path(user_env["XDG_STATE_HOME"]))
+    assert len(records) == (9 if keep_going else 8)
+    # Of the seven 8 GiB steps make had started, four ran at once and three waited for a GPU:
+    # those started after s1 had failed.
+    failed = next(r for r in records if r["exit_status"] == 3)
+    failed_at = failed["started_at"] + failed["run_seconds"]
+    assert sum(r["started_at"] > failed_at for r in records if r is not failed) >= 3
+    assert "Waiting for unfinished jobs" in done.stderr or keep_going
+
+
+# checkpoint -----------------------------------------------------------------------------------
+
+
+def test_checkpoint_readme_pauses_and_resumes_in_its_own_directory(tmp_path: Path) -> None:
+    """The README's tries, run as written: the PyTorch loop is paused and resumes at the same
+    step, the shell job too, and nothing is left in the clone (all of it in mktemp's directory)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("PyTorch is not installed (pip install torch to run this example)")
+    before = set(os.listdir(CONTRIB / "checkpoint"))
+    started = time.monotonic()
+    out = docs.assert_page_runs(CONTRIB / "checkpoint" / "README.md", tmp_path)
+    assert time.monotonic() - started < 120, "the README's try should take well under a minute"
+    paused = re.search(r"^run 0 paused at step ([0-9]+)$", out, re.M)
+    assert paused, out
+    assert f"run 1 starts at step {paused.group(1)}" in out
+    assert "run 1 finished at step 1500" in out
+    assert re.search(r"chunk 79 done \(run 1\)", out), out
+    assert set(os.listdir(CONTRIB / "checkpoint")) == before
+    clone = tmp_path / "clone"
+    assert sorted(p.name for p in clone.iterdir() if not p.is_symlink()) == sorted(docs.STANDINS)
 
 
 # cron -----------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
 }
 
 #: What each command exits with when the file is not a plain file: the documented codes
-#: (README, "Exit codes"). A command the file does not concern goes on with 0.
+#: (docs/exit-codes.md). A command the file does not concern goes on with 0.
 EXPECTED: dict[str, dict[str, int]] = {
     # The ledger and its lock: 5 for every command that uses them.
     "ledger.json": {"run": 5, "status": 5, "log": 5},

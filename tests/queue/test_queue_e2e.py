@@ -254,6 +254,8 @@ def test_lost_gpu_is_routed_around_and_used_again_when_it_returns(
     assert next(j for j in report["jobs"] if j["id"] == on0_id)["lost_gpus"] == [cards[0]]
     text = run([*gpuwait_cmd, "status"]).stdout
     assert "LOST" in text and on0_id in text
+    # Moments ago is "just now", not "0ms ago".
+    assert "ms ago" not in text
 
     # Best-fit would pick GPU0 (less room left); while it is lost the job goes to GPU1.
     report_file = tmp_path / "moved.json"
@@ -309,6 +311,25 @@ def test_gpu_loss_is_logged_while_jobs_run_and_nobody_waits(
     sim_file(gpus=2, lost=[False, True])
     wait_for(lambda: events("gpu_lost"), timeout=15)
     assert [e["index"] for e in events("gpu_lost")] == [1]
+
+
+def test_switching_simulation_files_loses_no_gpu(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A user who tries one simulation file, then another, then the first again has lost no
+    GPU: `status` lists the GPUs of the file in use, none LOST, and the log says nothing."""
+    first = sim_file(gpus=2, file=tmp_path / "first.toml")
+    second = sim_file(gpus=3, file=tmp_path / "second.toml")
+    for path, count in ((first, 2), (second, 3), (first, 2), (second, 3)):
+        env = {**os.environ, "GPUWAIT_SIM": str(path)}
+        done = run([*gpuwait_cmd, "--vram", "1G", "--", "true"], env=env)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(run([*gpuwait_cmd, "status", "--json"], env=env).stdout)
+        assert [(g["index"], g["health"]) for g in report["gpus"]] == [
+            (i, "ok") for i in range(count)
+        ], f"with {path.name}"
+        assert "LOST" not in run([*gpuwait_cmd, "status"], env=env).stdout
+    assert not [e for e in events() if e["kind"].startswith("gpu_")]
 
 
 def test_hot_added_gpu_is_used(
@@ -519,7 +540,7 @@ def test_event_log_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert kept == sorted(kept) and kept[-1] == f"{199:08x}" and len(kept) < 200
 
 
-# The status JSON, schema 2, as README.md documents it: key -> type(s).
+# The status JSON, schema 2, as docs/queue-and-status.md documents it: key -> type(s).
 OPT_INT = (int, type(None))
 OPT_FLOAT = (int, float, type(None))
 OPT_STR = (str, type(None))
@@ -536,6 +557,7 @@ STATUS_KEYS = {
     "batches": list,
     "users": list,
     "fair_share": dict,
+    "ledger_shared": bool,
 }
 GPU_KEYS = {
     "index": int,
@@ -669,7 +691,7 @@ def test_status_text_fits_80_columns(
     assert "Running (2)" in text and "Queue (1)" in text and "Batches (1)" in text
     assert max(len(line) for line in text.splitlines()) <= 80, text
     # Rows are cut only where a column is long (names, commands), not in the middle of figures.
-    assert text.rstrip().endswith("GiB·h"), text
+    assert text.rstrip().endswith("1 waiting, 0 failed"), text
 
 
 def test_status_shows_batch_names_whole_where_the_line_has_room(

@@ -1,0 +1,407 @@
+"""Messages a person gets after a slip: a misspelled GPUWAIT_* variable, subcommand or option, a
+malformed value from any source, an empty answer that would mislead, and another user's
+simulation. Each says what is wrong in gpuwait's words, in one line (and a hint), with the
+documented exit status, and never changes what runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_sim import SIMJOB
+from helpers.users import popen_as, run_as, shared_root, user_home
+
+from gpuwait.cli import main
+from gpuwait.config import OPTIONS, known_variables
+from gpuwait.core.errors import EXIT_NOT_FOUND, EXIT_USAGE
+
+REPO = Path(__file__).resolve().parents[2]
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+#: Python's words, which gpuwait's messages never show.
+PYTHON_WORDING = ("Traceback", "invalid literal", "could not convert", "True", "False")
+USER = 47320
+
+
+def gpuwait(*argv: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GPUWAIT, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        cwd=cwd,
+        timeout=60,
+    )
+
+
+# -- misspelled GPUWAIT_* variables --------------------------------------------------------------
+
+
+def test_a_misspelled_variable_is_named_with_the_setting_it_likely_means(sim: Path) -> None:
+    done = gpuwait("true", GPUWAIT_VRAM="6G", GPUWAIT_SAFTEY="0.5")
+    assert done.returncode == 0
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: GPUWAIT_SAFTEY is not a gpuwait setting and is ignored "
+        "(did you mean GPUWAIT_SAFETY?)",
+        "gpuwait: warning: GPUWAIT_VRAM is not a gpuwait setting and is ignored "
+        "(did you mean GPUWAIT_DEFAULT_VRAM?)",
+    ]
+
+
+def test_an_unknown_variable_far_from_every_setting_points_at_the_list(sim: Path) -> None:
+    done = gpuwait("status", GPUWAIT_ZQX="1")
+    assert done.returncode == 0
+    assert done.stderr == (
+        "gpuwait: warning: GPUWAIT_ZQX is not a gpuwait setting and is ignored "
+        "(`gpuwait --help` lists the settings)\n"
+    )
+
+
+def test_gpuwait_inside_a_job_says_nothing_of_what_gpuwait_exported(sim: Path) -> None:
+    # The job's environment holds every variable gpuwait exports (a pausable job's too);
+    # gpuwait, its shell hook and its settings listing run inside it without a warning.
+    inner = f"{sys.executable} -m gpuwait"
+    script = (
+        "env | grep -c '^GPUWAIT_' && "
+        f"{inner} config >/dev/null && {inner} shell-hook -- true && "
+        f"{inner} --vram 1G -- true"
+    )
+    done = gpuwait("--pausable", "--vram", "1G", "--", "sh", "-c", script)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[0]) >= 8  # JOB_ID, GPU_UUIDS, ..., RESUME_COUNT, SIM
+    assert "warning" not in done.stderr
+
+
+def test_every_gpuwait_variable_in_the_package_and_contrib_is_known() -> None:
+    named: set[str] = set()
+    for folder in ("gpuwait", "contrib"):
+        for path in (REPO / folder).rglob("*"):
+            if path.is_file() and path.suffix not in (".pyc",):
+                text = path.read_text(errors="replace")
+                named |= set(re.findall(r"(?<![A-Za-z0-9_])GPUWAIT_[A-Z][A-Z0-9_]*", text))
+    named.discard("GPUWAIT_X")  # a placeholder in a comment
+    assert named - known_variables() == set()
+
+
+# -- misspelled subcommands and options ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["staus"], "did you mean `gpuwait status`?"),
+        (["histroy"], "did you mean `gpuwait history`?"),
+        (["--vram", "4G", "log"], "`log` is a subcommand: `gpuwait log ...` runs it"),
+    ],
+)
+def test_a_command_not_found_that_looks_like_a_subcommand_gets_a_hint(
+    sim: Path, argv: list[str], hint: str
+) -> None:
+    done = gpuwait(*argv)
+    assert done.returncode == EXIT_NOT_FOUND
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"gpuwait: error: {argv[-1]}: command not found"
+    assert lines[1].startswith(f"gpuwait: hint: {hint}")
+    assert len(lines) == 2
+
+
+def test_a_program_named_like_a_misspelled_subcommand_still_runs(sim: Path, tmp_path: Path) -> None:
+    program = tmp_path / "bin" / "staus"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\necho ran\n")
+    program.chmod(0o755)
+    done = gpuwait("--vram", "1G", "staus", PATH=f"{program.parent}:{os.environ['PATH']}")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", "")
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["--vrma", "4G", "true"], "--vram"),
+        (["--vrma=4G", "true"], "--vram"),
+        (["status", "--jsn"], "--json"),
+        (["log", "--lins", "3"], "--lines"),
+        (["history", "--kye", "x"], "--key"),
+        (["cancel", "--bach", "x"], "--batch"),
+        (["sim", "init", "x.toml", "--froce"], "--force"),
+        (["sim", "ini", "x.toml"], "'init'"),
+        (["estimate", "--kye", "x", "--", "true"], "--key"),
+        (["config", "--jsn"], "--json"),
+        (["completion", "bsh"], "'bash'"),
+        (["shell-hook", "--explian", "--", "true"], "--explain"),
+    ],
+)
+def test_a_misspelled_option_gets_the_nearest_one(
+    sim: Path, tmp_path: Path, argv: list[str], meant: str
+) -> None:
+    done = gpuwait(*argv, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gpuwait: error: ")
+    assert lines[1] == f"gpuwait: hint: did you mean {meant}?"
+
+
+def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
+    done = gpuwait("sim", "job", "--vram", "1G", "--hodl", "1s")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        "gpuwait sim job: error: unrecognized arguments: --hodl 1s; see 'gpuwait sim job --help'",
+        "gpuwait sim job: hint: did you mean --hold?",
+    ]
+
+
+def test_a_misspelled_config_key_gets_the_nearest_one(
+    isolated_dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (isolated_dirs / "config" / "gpuwait").mkdir()
+    (isolated_dirs / "config" / "gpuwait" / "config.toml").write_text("safty = 0.5\n")
+    assert main(["config"]) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines()[1] == "gpuwait: hint: did you mean safety?"
+
+
+# -- malformed values, from every source ---------------------------------------------------------
+
+#: A malformed value of each setting as text (environment, command line). The settings missing
+#: here take any text: lists of globs, and a path.
+BAD_TEXT = {
+    "safety": "True",
+    "pick": "True",
+    "priority": "True",
+    "default_vram": "True",
+    "timeout": "True",
+    "on_no_gpu": "True",
+    "sample_interval": "abc",
+    "resume_exit": "True",
+    "pause_min_runtime": "abc",
+    "pause_max": "True",
+    "wake": "True",
+    "poll_interval": "abc",
+    "nvml_interval": "abc",
+    "ignore_processes": "a-name-longer-than-fifteen",
+    "gpu_weights": "0=abc",
+    "state_dir": "relative",
+    "wrap_commands": "-x",
+    "estimate_margin": "abc",
+    "history_commands": "True",
+    "history_max_size": "abc",
+    "enforce": "True",
+    "watch_stderr": "True",
+    "ledger_dir": "relative",
+    "on_state_error": "True",
+    "nvml_timeout": "abc",
+    "gpu_error_timeout": "abc",
+    "lock_timeout": "abc",
+}
+ANY_TEXT = {"wrap_only_in", "never_wrap", "sim"}
+FLAGS = {
+    "timeout": "--timeout",
+    "pick": "--pick",
+    "priority": "--priority",
+    "safety": "--safety",
+    "ledger_dir": "--ledger",
+    "enforce": "--enforce",
+}
+
+
+def test_every_setting_has_a_malformed_text_or_takes_any() -> None:
+    user_settings = {o.name for o in OPTIONS if not o.site_only}
+    assert set(BAD_TEXT) | ANY_TEXT == user_settings
+    assert not set(BAD_TEXT) & ANY_TEXT
+
+
+def assert_one_line_in_gpuwaits_words(code: int, err: str, setting: str) -> None:
+    assert code == EXIT_USAGE, err
+    lines = err.splitlines()
+    assert lines[0].startswith("gpuwait: error: ") and setting in lines[0], err
+    assert all(line.startswith("gpuwait: hint: ") for line in lines[1:]) and len(lines) <= 2
+    words = lines[0].replace("'True'", "").replace(setting.upper(), "")
+    assert not [w for w in PYTHON_WORDING if w in words], err
+
+
+@pytest.mark.parametrize("name", [o.name for o in OPTIONS])
+def test_a_toml_boolean_is_refused_for_every_setting(
+    name: str, isolated_dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `safety = true` is no number, though Python's True is the int 1; a site-only setting is
+    # the administrator's, in the site file.
+    site = next(o.site_only for o in OPTIONS if o.name == name)
+    folder = isolated_dirs / ("site-config" if site else "config") / "gpuwait"
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(f"{name} = true\n")
+    code = main(["config"])
+    err = capsys.readouterr().err
+    assert_one_line_in_gpuwaits_words(code, err, name)
+    assert ": true is not valid for" in err
+
+
+@pytest.mark.parametrize("name", sorted(BAD_TEXT))
+def test_a_malformed_environment_variable_is_refused_in_gpuwaits_words(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GPUWAIT_" + name.upper(), BAD_TEXT[name])
+    code = main(["config"])
+    assert_one_line_in_gpuwaits_words(code, capsys.readouterr().err, name)
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_a_malformed_option_is_refused_in_gpuwaits_words(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([FLAGS[name], BAD_TEXT[name], "true"])
+    assert_one_line_in_gpuwaits_words(code, capsys.readouterr().err, name)
+
+
+# -- empty answers -------------------------------------------------------------------------------
+
+
+def test_history_minus_n_0_shows_no_rows_and_no_false_news(sim: Path) -> None:
+    assert gpuwait("--vram", "1G", "true").returncode == 0
+    done = gpuwait("history", "-n", "0")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    assert "true" in gpuwait("history").stdout
+
+
+def test_history_of_a_command_run_elsewhere_says_where_it_ran(sim: Path, tmp_path: Path) -> None:
+    ran, other = tmp_path / "project", tmp_path / "elsewhere"
+    ran.mkdir()
+    other.mkdir()
+    (ran / "t.py").write_text("pass\n")
+    assert gpuwait("--vram", "1G", "python3", "t.py", cwd=ran).returncode == 0
+    done = gpuwait("history", "--", "python3", "t.py", cwd=other)
+    assert done.returncode == 0
+    assert "no runs recorded yet" not in done.stdout
+    assert f"no runs of python {other}/t.py are recorded" in done.stdout
+    assert f"`python3 t.py` ran from {ran}" in done.stdout
+    done = gpuwait("history", "--", "python3", "u.py", cwd=other)
+    assert "`gpuwait history` shows the 1 run of other commands" in done.stdout
+
+
+def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
+    assert gpuwait("--vram", "1G", "--name", "known", "true").returncode == 0
+    assert gpuwait("log", "--job", "known").stdout
+    log = gpuwait("log", "--job", "nosuch")
+    cancel = gpuwait("cancel", "nosuch")
+    assert log.returncode == cancel.returncode == EXIT_USAGE
+    assert log.stdout == ""
+    assert log.stderr == (
+        "gpuwait: error: no job matches nosuch in the event log; see `gpuwait log`\n"
+    )
+    assert "matches nosuch" in cancel.stderr
+
+
+# -- another user's simulation -------------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
+    """A simulation file of root's in a directory every user can reach, and the environments
+    of root and of another user pointed at it."""
+    root = shared_root()
+    sim = root / "sim.toml"
+    subprocess.run([*GPUWAIT, "sim", "init", str(sim)], check=True, capture_output=True)
+    user_env = {
+        **user_home(root, USER, USER),
+        "PYTHONPATH": os.environ["PYTHONPATH"],
+        "PATH": "/usr/bin:/bin",
+        "GPUWAIT_SIM": str(sim),
+    }
+    yield sim, {**os.environ, "GPUWAIT_SIM": str(sim)}, user_env
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def used(env: dict[str, str], as_user: bool) -> tuple[int, list[str], str]:
+    """GPU 0's used bytes as `status --json` reports them, its warnings, and its stderr."""
+    argv = ["status", "--json"]
+    done = (
+        run_as(USER, USER, [], argv, env)
+        if as_user
+        else subprocess.run([*GPUWAIT, *argv], env=env, capture_output=True, text=True)
+    )
+    report = json.loads(done.stdout)
+    return report["gpus"][0]["used_bytes"], report["warnings"], done.stderr
+
+
+@needs_root
+def test_another_users_private_simulation_is_said_not_crashed_on(
+    server: tuple[Path, dict[str, str], dict[str, str]],
+) -> None:
+    sim, root_env, user_env = server
+    holder = subprocess.Popen([*SIMJOB, "--vram", "5G", "--hold", "30s"], env=root_env)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(Path(f"{sim}.d").glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # status: the simulated jobs' memory cannot be seen, and it says so.
+        bytes_used, warnings, _ = used(user_env, as_user=True)
+        assert bytes_used == 0
+        assert any("simulated jobs' memory" in w and "--shared" in w for w in warnings)
+        done = run_as(USER, USER, [], ["status"], user_env)
+        assert "gpuwait: warning: the simulated jobs' memory in" in done.stderr
+        # sim job: one line and how to share, no traceback.
+        done = run_as(USER, USER, [], ["sim", "job", "--vram", "1G", "--hold", "0s"], user_env)
+        assert done.returncode == 2
+        lines = done.stderr.splitlines()
+        assert len(lines) == 2 and "Traceback" not in done.stderr
+        assert lines[0].startswith(f"gpuwait sim job: the simulated jobs' directory {sim}.d")
+        assert "gpuwait sim init FILE --shared" in lines[1]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@needs_root
+def test_a_shared_simulation_is_used_and_seen_by_every_user(
+    server: tuple[Path, dict[str, str], dict[str, str]],
+) -> None:
+    sim, root_env, user_env = server
+    done = subprocess.run(
+        [*GPUWAIT, "sim", "init", str(sim), "--force", "--shared"],
+        env=root_env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    argv = ["--vram", "5G", "--", "python3", "-m", "gpuwait", "sim", "job", "--vram", "5G"]
+    job = popen_as(USER, USER, [], [*argv, "--hold", "30s"], user_env)
+    try:
+        deadline = time.monotonic() + 30
+        while used(root_env, as_user=False)[0] < 5 << 30 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        bytes_used, warnings, _ = used(root_env, as_user=False)
+        assert bytes_used == 5 << 30 and warnings == []
+        bytes_used, warnings, _ = used(user_env, as_user=True)
+        assert bytes_used == 5 << 30 and warnings == []
+    finally:
+        job.terminate()
+        job.communicate(timeout=30)
+    # A short job of the user's runs to the end and leaves nothing behind.
+    short = run_as(USER, USER, [], [*argv, "--hold", "0s"], user_env)
+    assert short.returncode == 0, short.stderr
+    assert not list(Path(f"{sim}.d").glob("*.json"))
+
+
+def test_only_root_can_share_a_simulation(tmp_path: Path) -> None:
+    argv = ["sim", "init", str(tmp_path / "sim.toml"), "--shared"]
+    if os.geteuid() == 0:
+        root = shared_root()
+        try:
+            env = {**user_home(root, USER, USER), "PYTHONPATH": os.environ["PYTHONPATH"]}
+            argv[2] = str(root / "sim.toml")
+            done = run_as(USER, USER, [], argv, env)
+        finally:
+            subprocess.run(["rm", "-rf", str(root)], check=False)
+    else:
+        done = gpuwait(*argv)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines()[0] == (
+        "gpuwait: error: only root can write a shared simulation: other users' gpuwait trusts "
+        "no file of yours"
+    )

@@ -1,0 +1,261 @@
+"""The text behind the screens, piece by piece: the wait line fitted to a width, commands
+quoted alike everywhere, the history and config tables, the watch frame, and which sections
+`status` shows."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.history import a_run
+
+from gpuwait.commands import history, log, status
+from gpuwait.commands.config import settings_table
+from gpuwait.commands.output import WaitLine
+from gpuwait.core.policy import WaitReason
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.history.store import append_record
+
+GiB = 2**30
+
+REASON = WaitReason(
+    needed="20.0 GiB",
+    best_gpu_index=0,
+    best_room=int(1.6 * GiB),
+    running=2,
+    ahead=1,
+    note="first in line, GPU0 held for it, expected in 3m05s",
+    source="estimated from 3 runs of this script",
+)
+
+
+def test_the_wait_reason_keeps_what_matters_most_as_it_narrows() -> None:
+    full = REASON.describe()
+    assert full == (
+        "waiting for 20.0 GiB (estimated from 3 runs of this script): best GPU0 has 1.6 GiB; "
+        "first in line, GPU0 held for it, expected in 3m05s (2 running, 1 ahead of you)"
+    )
+    assert REASON.describe(len(full)) == full
+    previous = full
+    for width in range(len(full) - 1, 0, -1):
+        text = REASON.describe(width)
+        assert len(text) <= width
+        assert len(text) <= len(previous)
+        previous = text
+        if width >= len("waiting for 20.0 GiB"):
+            # What it waits for always comes first, whole.
+            assert text.startswith("waiting for 20.0 GiB"), (width, text)
+    assert REASON.describe(64) == "waiting for 20.0 GiB: best GPU0 has 1.6 GiB (2 running, 1 ahead)"
+    assert REASON.describe(40) == "waiting for 20.0 GiB (1 ahead)"
+    assert REASON.describe(10) == "waiting f…"
+
+
+def test_other_reasons_narrow_too() -> None:
+    blocked = REASON._replace(blocked="waiting for job 1a2b3c4d (prep) to finish")
+    assert blocked.describe(64) == "waiting for job 1a2b3c4d (prep) to finish (2 running, 1 ahead)"
+    failing = REASON._replace(gpu_error="NVML_ERROR_UNKNOWN: the driver said no")
+    assert failing.describe(50) == "waiting for 20.0 GiB: GPU readings failing"
+    limited = REASON._replace(limit="your per-user limit of 1 GPUs is reached")
+    assert limited.describe(70) == "waiting for 20.0 GiB: your per-user limit of 1 GPUs is reached"
+
+
+def test_the_wait_line_names_its_job_and_says_each_change_once_off_a_terminal() -> None:
+    stream = io.StringIO()
+    line = WaitLine(quiet=False, job="train", stream=stream)
+    line.update(REASON)
+    line.update(REASON._replace(best_room=GiB))  # the room moved: not a new situation
+    line.update(REASON._replace(ahead=0))
+    line.clear()
+    assert stream.getvalue().splitlines() == [
+        "gpuwait[train]: " + REASON.describe(),
+        "gpuwait[train]: " + REASON._replace(ahead=0).describe(),
+    ]
+
+
+COMMAND = ["python3", "-c", "import time; time.sleep(3)"]
+QUOTED = "python3 -c 'import time; time.sleep(3)'"
+
+
+def job_row(**fields: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "id": "1a2b3c4d",
+        "name": None,
+        "state": "waiting",
+        "position": 1,
+        "priority": 3,
+        "request": {"bytes": GiB},
+        "exclusive": False,
+        "gpus": 1,
+        "command": COMMAND,
+        "eta_seconds": None,
+        "waiting_reason": None,
+    }
+    return {**row, **fields}
+
+
+def a_report(jobs: list[dict[str, Any]], users: int = 1, **fields: Any) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "generated_at": time.time(),
+        "backend": "sim",
+        "safety": 0.9,
+        "gpus": [],
+        "jobs": jobs,
+        "batches": [],
+        "users": [
+            {
+                "uid": 1000 + n,
+                "user": f"user{n}",
+                "running": 0,
+                "waiting": 1,
+                "gpus_held": 0,
+                "vram_held_bytes": 0,
+                "usage_vram_seconds": 0.0,
+            }
+            for n in range(users)
+        ],
+        "fair_share": {
+            "half_life_seconds": 86400.0,
+            "user_max_gpus": None,
+            "user_max_vram_bytes": None,
+        },
+        "ledger_shared": False,
+    }
+    return {**report, **fields}
+
+
+def test_commands_are_quoted_alike_in_status_log_and_history() -> None:
+    shown = status.render(a_report([job_row()]), 100)
+    assert QUOTED in shown
+    event = {
+        "time": time.time(),
+        "kind": "submit",
+        "job": "1a2b3c4d",
+        "priority": 3,
+        "command": COMMAND,
+    }
+    assert log.describe(event, {}).endswith(QUOTED)
+    record = a_run(COMMAND, "/tmp", time.time())
+    assert history.table([record], None)[1].endswith(QUOTED)
+
+
+def test_the_users_section_is_shown_where_users_share_something() -> None:
+    def shows_users(report: dict[str, Any]) -> bool:
+        return "Users (fair share" in status.render(report)
+
+    assert not shows_users(a_report([job_row()]))  # a private ledger, its one user
+    assert shows_users(a_report([job_row()], users=2))
+    assert shows_users(a_report([job_row()], ledger_shared=True))
+    limits = {"half_life_seconds": None, "user_max_gpus": 2, "user_max_vram_bytes": None}
+    assert shows_users(a_report([job_row()], fair_share=limits))
+
+
+def test_the_watch_frame_is_clipped_to_the_window() -> None:
+    lines = [f"row {n} " + "x" * 100 for n in range(30)]
+    frame = status.fit_screen(lines, 80, 24)
+    assert len(frame) == 24 and all(len(r) <= 80 for r in frame)
+    assert frame[:23] == [r[:80] for r in lines[:23]]
+    assert frame[-1] == "… 7 more rows hidden; a taller window shows them"
+    assert status.fit_screen(lines[:5], 80, 24) == [r[:80] for r in lines[:5]]
+
+
+def test_history_rows_fit_the_terminal_and_keep_everything_when_piped() -> None:
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    paused = a_run(COMMAND, "/tmp", time.time(), gpus=[gpu], peak_by_gpu={"GPU-0": GiB})
+    paused["pauses"], paused["paused_seconds"] = 1, 2.3
+    paused["signal"] = 15
+    records = [paused, a_run(["python3", "x.py", "--long", "y" * 80], "/tmp", time.time())]
+    for width in (80, 100, 120):
+        rows = history.table(records, width)
+        assert all(len(r) <= width for r in rows), rows
+    assert "SIGTERM, paused 1× (2.3s lost)" in history.table(records, 120)[1]
+    piped = history.table(records, None)
+    assert piped[2].endswith("y" * 80) and "(2.3s lost)" in piped[1]
+    # A run without a measured peak says so the way the notes under the table explain.
+    assert "peak -: not measured" in "\n".join(piped)
+
+
+def test_config_rows_fit_the_terminal() -> None:
+    rows = [
+        ("safety", "0.9", "default"),
+        (
+            "never_wrap",
+            "* --help, * -h, * --version, * -V, * -m pip, * -m pip *, * -m venv *",
+            "default",
+        ),
+        (
+            "ignore_processes",
+            "Xorg,Xwayland,gnome-shell,kwin_x11,kwin_wayland,plasmashell",
+            "default",
+        ),
+        ("sim", "/tmp/" + "s" * 90 + ".toml", "environment GPUWAIT_SIM"),
+    ]
+    for width in (60, 80, 120):
+        lines = settings_table(rows, width)
+        assert all(len(line) <= width for line in lines), lines
+        text = " ".join(line.strip() for line in lines)
+        assert "* -m pip *" in text  # a pattern is never split
+    piped = settings_table(rows, None)
+    assert piped[0] == "safety            0.9  (default)"
+    assert piped[1].endswith("* -m venv *  (default)")
+
+
+def test_estimate_says_which_runs_count(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    cwd = str(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    for n, peak in enumerate([2 * GiB, 2 * GiB, None]):
+        run = a_run(
+            ["python3", "train.py"],
+            cwd,
+            now - 100 + n,
+            gpus=[gpu],
+            peak_by_gpu={} if peak is None else {"GPU-0": peak},
+        )
+        append_record(state, run)
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ),
+    ).stdout
+    assert "command:  python3 train.py\n" in shown
+    assert "estimated from 2 runs of this exact command" in shown
+    assert "2 of the 3 runs of this exact command count: 1 has no measured peak" in shown
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
+    """On a terminal (a pty here), the line fits its width, named, without wrapping."""
+    import pty
+
+    leader, follower = pty.openpty()
+    os.set_blocking(leader, False)
+    try:
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+        stream = open(follower, "w", closefd=False)  # noqa: SIM115
+        line = WaitLine(quiet=False, job="big", stream=stream)
+        line.update(REASON)
+        line.clear()
+        written = os.read(leader, 4096).decode()
+    finally:
+        os.close(leader)
+        os.close(follower)
+    drawn, cleared = written.rsplit("\r\033[K", 1)[0], written.rsplit("\r\033[K", 1)[1]
+    text = drawn.removeprefix("\r\033[K")
+    assert text.startswith("gpuwait[big]: waiting for 20.0 GiB") and len(text) < columns
+    assert cleared == ""

@@ -1,0 +1,240 @@
+"""Screens as a person sees them: the real commands in a tmux terminal of 80x24 and 120x40.
+
+What a user would notice is checked on the screen tmux shows (and on what scrolled off it):
+no row past the width, no cut-off copies of a redrawn line, no line left behind once a wait is
+over, several waiters in one terminal each on lines of their own, and `status --watch`
+redrawn in place.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory, sim_file_text, wrapped_sim_job, write_atomically
+from helpers.history import a_run
+from helpers.shellbin import env_with_bin, make_bin
+from helpers.tmux import Terminal
+from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
+
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.history.store import append_record
+
+SIZES = [(80, 24), (120, 40)]
+GiB = 2**30
+
+
+@pytest.fixture
+def shell(terminal: Callable[..., Terminal], tmp_path: Path) -> Callable[[int, int], Terminal]:
+    """shell(width, height) -> a terminal whose shell has this checkout's `gpuwait` first on
+    PATH and the test's settings (GPUWAIT_SIM ...) as they are when it is opened, with GPU
+    readings often enough that a waiter sees a change within a fraction of a second."""
+    bin_dir = make_bin(tmp_path / "bin")
+
+    def open_shell(width: int, height: int) -> Terminal:
+        env = env_with_bin(bin_dir)
+        env["GPUWAIT_NVML_INTERVAL"] = "0.1s"
+        return terminal(width, height, env)
+
+    return open_shell
+
+
+def gpuwait_rows(rows: list[str]) -> list[str]:
+    return [r for r in rows if "gpuwait[" in r]
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_the_wait_line_is_redrawn_in_place_and_cleared(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    width: int,
+    height: int,
+) -> None:
+    # One 24 GiB card, 10 GiB of it used outside gpuwait: 20 GiB does not fit until it is freed.
+    sim = sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    term = shell(width, height)
+    term.type("gpuwait --name big --vram 20G -- echo the-job-ran")
+    term.wait_for(lambda rows: any("11.6 GiB" in r for r in gpuwait_rows(rows)), what="the wait")
+    # Every change of the room redraws the line: none may leave a copy (or part of one) behind.
+    for used in ("9GiB", "8GiB", "7GiB", "6GiB"):
+        write_atomically(sim, sim_file_text(1, "24GiB", base_used=used))
+        free = f"{21.6 - float(used[:-3]):.1f} GiB"
+        rows = term.wait_for(
+            lambda rows, free=free: any(free in r for r in gpuwait_rows(rows)),  # type: ignore[misc]
+            what=f"the line saying {free}",
+        )
+        assert len(gpuwait_rows(rows)) == 1, rows
+        shown = gpuwait_rows(rows)[0]
+        assert shown.startswith("gpuwait[big]: waiting for 20.0 GiB: best GPU0 has"), rows
+        assert len(shown) < width
+        # The row below is empty: the line did not wrap onto it.
+        assert rows[rows.index(shown) + 1 :] == [""] * (len(rows) - rows.index(shown) - 1)
+    write_atomically(sim, sim_file_text(1, "24GiB", base_used=0))
+    rows = term.wait_for(lambda rows: "the-job-ran" in rows, what="the job's output")
+    # The terminal is left clean: the command's output where the wait line was, nothing else.
+    assert not gpuwait_rows(term.everything()), term.everything()
+    assert rows[1] == "the-job-ran", rows
+
+
+WAIT_ROW = re.compile(r"^(\$ )?gpuwait\[[abc]\]: waiting for 20\.0 GiB")
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_background_waiters_write_whole_lines_of_their_own(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+    width: int,
+    height: int,
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
+    term = shell(width, height)
+    term.type("w() { gpuwait --name $1 --vram 20G -- echo ran-$1; }")
+    term.type("w a & sleep 0.3; w b & sleep 0.3; w c &")
+    term.wait_for(
+        lambda rows: all(any(f"gpuwait[{n}]" in r for r in rows) for n in "abc"),
+        what="a line from each waiter",
+    )
+    term.type("gpuwait status")
+    rows = term.wait_for(lambda rows: any(r.startswith("Queue (3)") for r in rows), what="status")
+    for row in gpuwait_rows(term.everything()):
+        # A line of its own, said once: not run into another waiter's or into status's output.
+        assert WAIT_ROW.match(row) and row.count("gpuwait[") == 1 and "GPUs" not in row, rows
+    assert any(r.startswith("GPUs (sim") for r in rows), rows
+    holder.terminate()
+    term.wait_for(
+        lambda rows: all(any(r.endswith(f"ran-{n}") for r in rows) for n in "abc"),
+        what="every waiter's command ran",
+    )
+    assert all(len(line) <= width for line in term.everything(joined=True)), term.everything()
+
+
+def test_status_watch_redraws_in_place_within_the_window(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
+    waiters = [
+        procs([*gpuwait_cmd, "--name", f"q{n}", "--vram", "20G", "--", "true"]) for n in range(8)
+    ]
+    wait_for(lambda: all(asleep_waiting(w.pid) for w in waiters), timeout=30, message="8 waiters")
+    term = shell(80, 24)
+    term.type("clear; gpuwait status --watch 0.2")
+    rows = term.wait_for(lambda rows: any(r.startswith("Queue (8)") for r in rows), what="a frame")
+    assert term.alternate_screen()
+    # The most important rows first: the GPUs at the top, then what runs, and a note of the rest.
+    assert rows[0].startswith("gpuwait status, every 200ms") and rows[2].startswith("GPUs (sim")
+    assert rows.index("Running (1)") < rows.index("Queue (8)")
+    assert re.fullmatch(r"… \d+ more rows hidden; a taller window shows them", rows[-1]), rows
+    assert len(rows) == 24 and all(len(r) <= 80 for r in rows)
+    time.sleep(1.5)  # several frames
+    term.key("C-c")
+    rows = term.wait_for(lambda rows: rows[-1] == "$ " or "$" in rows, what="the prompt again")
+    assert not term.alternate_screen()
+    # Nothing of the frames is left in the shell's screen or its scrollback.
+    assert not [r for r in term.everything() if "GPUs (" in r or "Queue (" in r]
+
+
+def test_status_watch_says_why_the_gpus_cannot_be_read(
+    shell: Callable[[int, int], Terminal],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    gpuwait_cmd: list[str],
+) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[gpu]]\nmemory = \n")
+    monkeypatch.setenv("GPUWAIT_SIM", str(broken))
+    plain = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True)
+    said = next(line for line in plain.stderr.splitlines() if "error" in line)
+    term = shell(80, 24)
+    term.type("gpuwait status --watch 0.2")
+    rows = term.wait_for(lambda rows: any(r.startswith("GPUs (") for r in rows), what="a frame")
+    # As plain `status` says it (cut at the width), not only "GPUs (unavailable ...".
+    assert said[:80] in rows, (said, rows)
+    term.key("C-c")
+
+
+LONG_COMMAND = ["python3", "-c", "import time; time.sleep(3)", "--output", "/data/runs/" + "x" * 60]
+
+
+def write_history(state: Path) -> None:
+    """Runs as `history` shows them: one paused, one unmeasured, one approximate, one long."""
+    now = time.time()
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    runs = [
+        a_run(LONG_COMMAND, "/tmp", now - 300, gpus=[gpu], peak_by_gpu={"GPU-0": 3 * GiB}),
+        a_run(["python3", "train.py"], "/tmp", now - 200, gpus=[gpu], peak_by_gpu={"GPU-0": 0}),
+        a_run(["python3", "train.py"], "/tmp", now - 100, gpus=[gpu], peak_approximate=True),
+        a_run(["python3", "train.py"], "/tmp", now - 50, gpus=[gpu], run_seconds=3725.0),
+    ]
+    runs[1]["peak_bytes"] = None
+    runs[2]["peak_bytes"], runs[2]["peak_approximate"] = 0, True
+    runs[3]["pauses"], runs[3]["paused_seconds"] = 1, 2.3
+    directory = state / "gpuwait"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    for run in runs:
+        append_record(directory, run)
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_history_and_config_fit_the_terminal(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    isolated_dirs: Path,
+    width: int,
+    height: int,
+) -> None:
+    sim_file(gpus=1)
+    write_history(isolated_dirs / "state")
+    term = shell(width, height)
+    term.type("clear; gpuwait history")
+    rows = term.wait_for(lambda rows: any("paused 1×" in r for r in rows), what="the history")
+    term.wait_idle()
+    term.type("gpuwait config")
+    term.wait_for(lambda rows: any(r.startswith("ledger dir:") for r in rows), what="the config")
+    # No row wrapped: every line, joined back from the rows it took, fits the width (but for a
+    # path, which is never cut and has a line of its own: the test's own are long).
+    lines = term.everything(joined=True)
+    wide = [x for x in lines if len(x) > width and not re.fullmatch(r"  /\S+", x)]
+    assert not wide, wide
+    # The wider terminal shows more: the year, the time a pause cost, more of the command.
+    if width >= 120:
+        assert any(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d ", r) for r in rows), rows
+        assert any("paused 1× (2.3s lost)" in r for r in rows), rows
+    sources = [line for line in lines if line.endswith("(default)")]
+    # Sources line up in one column, not pushed out past the longest value: only the few long
+    # values (lists, paths) have theirs further out.
+    column, lined_up = Counter(line.rindex("(default)") for line in sources).most_common(1)[0]
+    assert lined_up >= len(sources) - 4 and column < 50, sources
+
+
+def test_history_and_config_keep_whole_values_when_piped(
+    gpuwait_cmd: list[str], sim_file: SimFileFactory, isolated_dirs: Path
+) -> None:
+    sim_file(gpus=1)
+    write_history(isolated_dirs / "state")
+    shown = subprocess.run([*gpuwait_cmd, "history"], capture_output=True, text=True).stdout
+    assert shlex.join(LONG_COMMAND) in shown
+    assert "paused 1× (2.3s lost)" in shown
+    config = subprocess.run([*gpuwait_cmd, "config"], capture_output=True, text=True).stdout
+    never_wrap = next(line for line in config.splitlines() if line.startswith("never_wrap"))
+    assert never_wrap.endswith("* -m venv *  (default)")
+    safety = next(line for line in config.splitlines() if line.startswith("safety"))
+    assert len(safety) < 50, safety  # not padded out to the longest value
