@@ -261,6 +261,18 @@ def build_parser() -> Parser:
 
 def run(options: argparse.Namespace) -> int:
     """Validate the options, read the settings, and run the command as a job."""
+    request, config = prepare(options)
+    try:
+        return session.run(request, config, Console(options.quiet))
+    except GpuwaitError as exc:
+        if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
+            exc.hint = _subcommand_hint(request.command[0])
+        raise
+
+
+def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
+    """The options as a typed request, and the settings (which some options override) as
+    plain values; gpuwait.api reserves with the same options through here."""
     settings = load_settings(
         {
             "timeout": options.timeout,
@@ -271,13 +283,7 @@ def run(options: argparse.Namespace) -> int:
             "enforce": options.enforce,
         }
     )
-    request = _request(options)
-    try:
-        return session.run(request, _config(settings), Console(options.quiet))
-    except GpuwaitError as exc:
-        if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
-            exc.hint = _subcommand_hint(request.command[0])
-        raise
+    return _request(options), _config(settings)
 
 
 def _subcommand_hint(program: str) -> str | None:

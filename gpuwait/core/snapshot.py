@@ -33,6 +33,9 @@ class GpuSnapshot(Record, frozen=True):
     utilization_pct: int | None = None
     #: CUDA compute capability (major, minor); None where the driver cannot tell.
     compute_capability: tuple[int, int] | None = None
+    #: False where the driver's process ids are not this pid namespace's (a container without
+    #: --pid=host): `processes` is then empty, and memory is known per card only.
+    per_process: bool = True
 
     @property
     def free_bytes(self) -> int:

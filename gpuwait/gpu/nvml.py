@@ -9,6 +9,10 @@ in a helper thread with a deadline: a GPU whose reading does not come back in ti
 with a warning, and is not asked again until that stuck call returns; a hung call that concerns
 no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
 (more used or free than the total) are clamped towards "full" and named in a warning.
+
+The driver names processes by their pids in the host's pid namespace. In another one (a
+container without --pid=host), once NVML lists a pid that is no GPU process here, the process
+lists are left out of every later snapshot (`per_process` False): memory is counted per card.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, TypeVar
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.linux import pidns
 
 
 def _import_pynvml() -> Any:
@@ -186,6 +191,11 @@ class NvmlBackend:
         self.timeout = timeout
         #: GPU index -> the reading of it that has not come back yet.
         self._stuck: dict[int, tuple[_Call, float]] = {}
+        #: Whether this process is in the host's pid namespace (asked once, when first needed).
+        self._initial_namespace: bool | None = None
+        #: NVML was seen naming processes by pids that are not this namespace's: from then on
+        #: its process list is left out and memory is counted per card (said once).
+        self._host_pids = False
         try:
             _within(pynvml.nvmlInit, timeout)
         except _Hung:
@@ -260,7 +270,36 @@ class NvmlBackend:
                 continue
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
+        if not self._host_pids:
+            self._check_pids(gpus, warnings)
+        if self._host_pids:
+            gpus = [g._replace(processes=(), per_process=False) for g in gpus]
         return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
+
+    def _in_initial_namespace(self) -> bool:
+        if self._initial_namespace is None:
+            # Unknown (no /proc): the pids are checked, as in a container.
+            self._initial_namespace = pidns.in_initial_namespace() is True
+        return self._initial_namespace
+
+    def _check_pids(self, gpus: list[GpuSnapshot], warnings: list[str]) -> None:
+        """Notice, once, that NVML's pids are the host's: a container without --pid=host.
+
+        A job's own processes would then be taken for foreign ones, and worse, a host pid that
+        happens to be a job's pid here would lend the job another process's memory (which frees
+        room that is not free). Only the card's used memory can be trusted then.
+        """
+        listed = [p.pid for g in gpus for p in g.processes]
+        if not listed or self._in_initial_namespace():
+            return
+        found = pidns.strangers(listed)
+        if found:
+            self._host_pids = True
+            warnings.append(
+                f"NVML names GPU processes by the host's process ids (pid {found[0]} is no GPU "
+                "process in this pid namespace: a container without --pid=host?); VRAM is "
+                "counted per GPU, not per process"
+            )
 
     def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -385,9 +424,10 @@ class NvmlBackend:
         NVML keeps the maximum itself, so peaks between two samples are seen, and it is still
         there after the processes exited. For several pids this is the sum of their maxima (an
         upper bound of their joint peak). None where accounting mode is off, unsupported, not
-        permitted, or knows none of the pids (in a container NVML reports host pids).
+        permitted, or knows none of the pids, and outside the host's pid namespace.
         """
-        if not self._open or not pids:
+        # Accounting is kept by host pid, and `pids` are this namespace's.
+        if not self._open or not pids or not self._in_initial_namespace():
             return None
         try:
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)

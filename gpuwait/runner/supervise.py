@@ -101,13 +101,8 @@ def supervise(
     how far past its reservation the job may go before it is called out (estimate_margin).
     """
     started = time.monotonic()
-    result = RunResult(returncode=0)
-    published: dict[str, int] = {}
-    published_pids: list[int] = [child]
-    published_at = started
-    next_sample = started
-    seen_gpus: frozenset[str] | None = None
-    seen_token = ledger.change_token()
+    sampler = UsageSampler(child, job, ledger, backend, sample_interval, baseline_used, margin)
+    result = sampler.result
     witness = signals.GroupWitness()
     try:
         while True:
@@ -115,49 +110,13 @@ def supervise(
             if waited_pid == child:
                 result.returncode = os.waitstatus_to_exitcode(status)
                 result.run_seconds = time.monotonic() - started
-                if backend is not None:
-                    _read_accounting(backend, job, result)
+                sampler.finish()
                 result.paused = responder is not None and responder.signalled_at is not None
                 return result
-            now = time.monotonic()
-            if backend is not None and now >= next_sample:
-                # Every 0.1 s through the first second, so short runs and quick loads still get
-                # their peak (and a load time to the tenth), then at the configured interval.
-                step = 0.1 if now - started < 1.0 else sample_interval
-                next_sample = now + min(sample_interval, step)
-                pids, usage, gpus, snapshot = _sample(child, job, backend)
-                if snapshot is not None:
-                    answering = frozenset(g.uuid for g in snapshot.gpus)
-                    if seen_gpus is not None and answering != seen_gpus:
-                        # Bookkeeping only: the command runs on whatever the ledger says.
-                        with contextlib.suppress(Exception):
-                            lifecycle.note_health(ledger, snapshot)
-                    seen_gpus = answering
-                result.samples += 1
-                for uuid, used in usage.items():
-                    result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
-                _note_sample(result, job, ledger, gpus, pids, baseline_used or {}, now - started)
-                moved = any(
-                    abs(usage.get(u, 0) - published.get(u, 0)) >= _PUBLISH_STEP for u in usage
-                )
-                # Others plan with the tree's pids (they read its memory from NVML themselves), so a
-                # new tree is published at once; a usage figure only informs, so it is published at
-                # the configured interval at most, not at every sample of the first second (which
-                # are for this run's own peak and load time).
-                if sorted(pids) != sorted(published_pids) or (
-                    moved and now - published_at >= sample_interval
-                ):
-                    published, published_pids, published_at = usage, sorted(pids), now
-                    _publish(ledger, job, usage, published_pids, margin)
-                elif ledger.change_token() != seen_token and not _entry_present(ledger, job):
-                    # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
-                    # our reservation must not stay lost while the command runs (publishing puts
-                    # the entry back).
-                    _publish(ledger, job, published, published_pids, margin)
-                seen_token = ledger.change_token()
+            sampler.sample_if_due(time.monotonic())
             if responder is not None:
                 responder.check(child)
-            info = signals.next_signal(max(0.0, min(next_sample - time.monotonic(), 0.25)))
+            info = signals.next_signal(max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)))
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue
             # Sent to the whole group (typed at the terminal; kill -PGID, `kill %1`, timeout,
@@ -169,6 +128,85 @@ def supervise(
                 os.kill(child, info.si_signo)
     finally:
         witness.close()
+
+
+class UsageSampler:
+    """Samples the VRAM of the process tree under `root` on the job's GPUs, and publishes it.
+
+    Every 0.1 s through the first second, so short runs and quick loads still get their peak
+    (and a load time to the tenth), then every `sample_interval`. `result` gathers what the
+    history wants; its returncode and run time are the caller's to fill in. Used by `supervise`
+    for a command, and by gpuwait.runner.hold for a process that holds room for itself.
+    """
+
+    def __init__(
+        self,
+        root: int,
+        job: Job,
+        ledger: Ledger,
+        backend: Backend | None,
+        sample_interval: float,
+        baseline_used: Mapping[str, int] | None = None,
+        margin: float = DEFAULT_MARGIN,
+    ) -> None:
+        self.root = root
+        self.job = job
+        self.ledger = ledger
+        self.backend = backend
+        self.sample_interval = sample_interval
+        self.baseline_used = baseline_used or {}
+        self.margin = margin
+        self.result = RunResult(returncode=0)
+        self.started = time.monotonic()
+        self.next_sample = self.started
+        self._published: dict[str, int] = {}
+        self._published_pids: list[int] = [root]
+        self._published_at = self.started
+        self._seen_gpus: frozenset[str] | None = None
+        self._seen_token = ledger.change_token()
+
+    def sample_if_due(self, now: float) -> None:
+        if self.backend is None or now < self.next_sample:
+            return
+        step = 0.1 if now - self.started < 1.0 else self.sample_interval
+        self.next_sample = now + min(self.sample_interval, step)
+        result, job, ledger = self.result, self.job, self.ledger
+        pids, usage, gpus, snapshot = _sample(self.root, job, self.backend)
+        if snapshot is not None:
+            answering = frozenset(g.uuid for g in snapshot.gpus)
+            if self._seen_gpus is not None and answering != self._seen_gpus:
+                # Bookkeeping only: the command runs on whatever the ledger says.
+                with contextlib.suppress(Exception):
+                    lifecycle.note_health(ledger, snapshot)
+            self._seen_gpus = answering
+        result.samples += 1
+        for uuid, used in usage.items():
+            result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
+        _note_sample(result, job, ledger, gpus, pids, self.baseline_used, now - self.started)
+        moved = any(
+            abs(usage.get(u, 0) - self._published.get(u, 0)) >= _PUBLISH_STEP for u in usage
+        )
+        # Others plan with the tree's pids (they read its memory from NVML themselves), so a
+        # new tree is published at once; a usage figure only informs, so it is published at
+        # the configured interval at most, not at every sample of the first second (which
+        # are for this run's own peak and load time).
+        if sorted(pids) != sorted(self._published_pids) or (
+            moved and now - self._published_at >= self.sample_interval
+        ):
+            self._published, self._published_pids = usage, sorted(pids)
+            self._published_at = now
+            _publish(ledger, job, usage, self._published_pids, self.margin)
+        elif ledger.change_token() != self._seen_token and not _entry_present(ledger, job):
+            # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+            # our reservation must not stay lost while the command runs (publishing puts
+            # the entry back).
+            _publish(ledger, job, self._published, self._published_pids, self.margin)
+        self._seen_token = ledger.change_token()
+
+    def finish(self) -> None:
+        """After the last sample: NVML accounting mode's figures, where it is on."""
+        if self.backend is not None:
+            _read_accounting(self.backend, self.job, self.result)
 
 
 def _sample(

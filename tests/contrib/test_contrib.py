@@ -10,10 +10,13 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from conftest import REPO
 from helpers import docs
 from helpers.fixtures_sim import hold_card
 from helpers.shellbin import env_with_bin, make_bin
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
 
 CONTRIB = REPO / "contrib"
 GiB = 2**30
@@ -677,3 +680,148 @@ def test_prometheus_exporter_reports_down_when_gpuwait_fails(
     samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
     assert samples[("gpuwait_up", "")] == 0
     assert not any(name.startswith("gpuwait_gpu_") for name, _ in samples)
+
+
+@pytest.fixture
+def busy_metrics(user_env: dict[str, str], tmp_path: Path) -> Iterator[str]:
+    """The exporter's file while real jobs run on both simulated GPUs and one waits."""
+    jobs = [holder(user_env, "16G", "0"), holder(user_env, "6G", "1")]
+    try:
+        wait_running(2)
+        jobs.append(holder(user_env, "20G", "1"))  # 6 + 20 GiB > 90 % of 24: it waits
+        wait_for(lambda: sum(j["state"] == "waiting" for j in ledger_entries()) == 1, timeout=30)
+        proc = exporter("--output-dir", str(tmp_path / "textfile"), env=user_env)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        for job in jobs:
+            stop(job)
+    text = (tmp_path / "textfile" / "gpuwait.prom").read_text()
+    samples = parse_exposition(text)
+    assert samples[("gpuwait_jobs", '{state="running"}')] == 2
+    assert samples[("gpuwait_jobs", '{state="waiting"}')] == 1
+    yield text
+
+
+def test_prometheus_exporter_output_passes_promtool(busy_metrics: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    # Parses the text format as Prometheus does, and lints names, units, types and HELP.
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=busy_metrics, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and not done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_prometheus_exporter_output_is_read_by_prometheus_client(busy_metrics: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(busy_metrics)}
+    assert set(families) == {
+        "gpuwait_up",
+        "gpuwait_last_update_timestamp_seconds",
+        "gpuwait_gpu_total_bytes",
+        "gpuwait_gpu_used_bytes",
+        "gpuwait_gpu_reserved_bytes",
+        "gpuwait_gpu_room_bytes",
+        "gpuwait_gpu_running_jobs",
+        "gpuwait_gpu_healthy",
+        "gpuwait_jobs",
+    }
+    for family in families.values():
+        assert family.type == "gauge" and family.documentation, family
+        if "VRAM" in family.documentation:
+            assert family.name.endswith("_bytes") and "in bytes" in family.documentation
+    reserved = {s.labels["gpu"]: s.value for s in families["gpuwait_gpu_reserved_bytes"].samples}
+    assert reserved == {"0": 16 * GiB, "1": 6 * GiB}  # the waiting job reserves nothing yet
+    running = {s.labels["gpu"]: s.value for s in families["gpuwait_gpu_running_jobs"].samples}
+    assert running == {"0": 1, "1": 1}
+    (stamp,) = families["gpuwait_last_update_timestamp_seconds"].samples
+    assert abs(stamp.value - time.time()) < 120
+
+
+def test_prometheus_exporter_units_verify_and_the_service_writes_the_file(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    home = tmp_path / "sdhome"
+    bin_dir = make_bin(home / ".local" / "bin")
+    shutil.copy(CONTRIB / "prometheus" / "gpuwait-exporter", bin_dir)
+    service = CONTRIB / "prometheus" / "gpuwait-exporter.service"
+    timer = CONTRIB / "prometheus" / "gpuwait-exporter.timer"
+    if shutil.which("systemd-analyze") is None:
+        verified = "systemd-analyze is not installed"
+    else:
+        runtime = tmp_path / "runtime"
+        runtime.mkdir(mode=0o700)
+        done = subprocess.run(
+            ["systemd-analyze", "verify", "--user", str(service), str(timer)],
+            env={**os.environ, "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        verified = ""
+    # What systemd would run: %h and ${TEXTFILE_DIR} expanded, in a user manager's bare
+    # environment (no ~/.local/bin on PATH).
+    textfile = tmp_path / "textfile"
+    (exec_start,) = unit_values(service, "ExecStart")
+    (setting,) = unit_values(service, "Environment")
+    assert setting.startswith("TEXTFILE_DIR=/")
+    command = exec_start.replace("%h", str(home)).replace("${TEXTFILE_DIR}", str(textfile))
+    env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    env["GPUWAIT_SIM"] = user_env["GPUWAIT_SIM"]
+    done = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    samples = parse_exposition((textfile / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_up", "")] == 1
+    if verified:
+        pytest.skip(f"units not verified: {verified} (the service's command did run)")
+
+
+def test_node_exporter_serves_the_metrics_with_the_documented_flags(
+    busy_metrics: str, tmp_path: Path
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    binary = shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+    if binary is None:
+        pytest.skip("node_exporter is not installed (Debian: apt-get install prometheus)")
+    textfile = tmp_path / "textfile"  # where busy_metrics's exporter wrote gpuwait.prom
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            binary,
+            "--collector.disable-defaults",
+            "--collector.textfile",
+            f"--collector.textfile.directory={textfile}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def scrape() -> str | None:
+        assert server.poll() is None, server.communicate()[1]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return str(r.read().decode())
+        except OSError:
+            return None
+
+    try:
+        text = wait_for(scrape, timeout=30)
+    finally:
+        stop(server)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (error,) = families["node_textfile_scrape_error"].samples
+    assert error.value == 0
+    (mtime,) = families["node_textfile_mtime_seconds"].samples
+    assert mtime.labels["file"].endswith("/gpuwait.prom")  # the temporary file is never read
+    waiting = [s for s in families["gpuwait_jobs"].samples if s.labels["state"] == "waiting"]
+    assert [s.value for s in waiting] == [1]
+    assert families["gpuwait_gpu_total_bytes"].documentation == "Total VRAM of the GPU, in bytes."

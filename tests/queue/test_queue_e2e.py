@@ -574,6 +574,7 @@ GPU_KEYS = {
     "free_bytes": OPT_INT,
     "utilization_pct": OPT_INT,
     "compute_capability": OPT_STR,
+    "per_process": (bool, type(None)),
     "running_jobs": list,
     "held_for": OPT_STR,
     "counters": dict,

@@ -1,0 +1,390 @@
+"""`gpuwait.reserve("6G", ...)`: wait in gpuwait's queue, then hold the room for this process.
+
+The options are the command line's, read by its own parser and settings (config files,
+GPUWAIT_* variables), so a reservation made here waits and is admitted exactly as
+`gpuwait --vram 6G ...` would be. Admitted, this process is given what a wrapped command is
+given (CUDA_VISIBLE_DEVICES and the GPUWAIT_* variables, in os.environ), and its entry names
+this process as both its gpuwait and its command: `status` shows it running with this pid, and
+once the process is gone, however it ended, its room goes back to the queue.
+
+CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises in a process, so a reservation made
+after that would not decide where the process runs: `reserve` refuses then (`cuda_in_use`).
+Nothing here prints: warnings and the waiting reason go to the "gpuwait" logger, errors are
+raised as ReserveError (the magic in gpuwait.api.magic says them in a notebook).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from gpuwait.core.errors import EXIT_USAGE, GpuwaitError, UsageError
+from gpuwait.core.sizes import format_size
+
+if TYPE_CHECKING:
+    from gpuwait.core.policy import WaitReason
+    from gpuwait.runner.hold import Holding
+    from gpuwait.runner.session import Reporter
+
+
+class ReserveError(GpuwaitError):
+    """A reservation that could not be made. `exit_code` is the status the CLI would end with
+    for the same failure (docs/exit-codes.md); `message` and `hint` are its words."""
+
+    def __init__(self, message: str, hint: str | None = None, exit_code: int = 1) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message if self.hint is None else f"{self.message} (hint: {self.hint})"
+
+
+#: Options of the command line that concern a command gpuwait starts, not a process that
+#: reserves for itself.
+_COMMAND_ONLY = (
+    ("pausable", "--pausable"),
+    ("checkpoint_signal", "--checkpoint-signal"),
+    ("grace", "--grace"),
+    ("grace_kill", "--grace-kill"),
+    ("retry_oom", "--retry-oom"),
+)
+
+#: The one reservation this process holds (CUDA_VISIBLE_DEVICES is the process's, once).
+_held: Reservation | None = None
+_held_lock = threading.Lock()
+_exit_hook = False
+
+
+class Reservation:
+    """Room on `gpus` held for this process until `release()`, the end of a `with` block, or the
+    process's exit.
+
+    `gpus`: the GPUs' indices as `gpuwait status` and nvidia-smi number them; inside this
+    process CUDA numbers them from 0 (`cuda:0` is the first). `uuids`: the same GPUs by UUID
+    (what CUDA_VISIBLE_DEVICES is set to). `vram`: bytes reserved on each (a whole card's
+    size with exclusive=True). `held` is False for a reservation that was never made because
+    no GPU can be read here and on_no_gpu = run (the code then runs where it is).
+    """
+
+    def __init__(self, holding: Holding | None, env: dict[str, str] | None = None) -> None:
+        self._holding = holding
+        #: What os.environ had before the reservation, for the variables it set.
+        self._before = {k: os.environ.get(k) for k in env or {}}
+        self._given = dict(env or {})
+        if holding is None:
+            self.job_id, self.name = None, None
+            self.gpus: tuple[int, ...] = ()
+            self.uuids: tuple[str, ...] = ()
+            self.vram = 0
+        else:
+            self.job_id, self.name = holding.job.id, holding.job.name
+            self.gpus = tuple(g.index for g in holding.gpus)
+            self.uuids = tuple(g.uuid for g in holding.gpus)
+            self.vram = holding.job.reserved_bytes
+
+    @property
+    def held(self) -> bool:
+        return self._holding is not None and not self._holding.released
+
+    @property
+    def peak(self) -> int:
+        """The most this process (with its children) used on one of its GPUs so far, in bytes,
+        as sampled every sample_interval."""
+        return 0 if self._holding is None else self._holding.peak_bytes()
+
+    def release(self, *, failed: bool = False, out_of_memory: bool = False) -> None:
+        """Give the room back to the queue, and record the run in the history (`failed`: as
+        a run that did not end well; `out_of_memory`: one that ran out of GPU memory). The
+        variables the reservation set in os.environ are put back as they were. Safe to call
+        twice; a process forked from the holder releases nothing."""
+        global _held
+        holding = self._holding
+        if holding is None or holding.released or os.getpid() != holding.pid:
+            return
+        try:
+            holding.release(1 if failed or out_of_memory else 0, out_of_memory)
+        finally:
+            for name, value in self._before.items():
+                if os.environ.get(name) != self._given[name]:
+                    continue  # changed since: the process's own now
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            with _held_lock:
+                if _held is self:
+                    _held = None
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        failed = exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit))
+        self.release(failed=failed, out_of_memory=failed and _is_oom(exc))
+
+    def __repr__(self) -> str:
+        if self._holding is None:
+            return "<gpuwait.Reservation: none (no GPU here; on_no_gpu = run)>"
+        where = ", ".join(f"GPU{i}" for i in self.gpus)
+        state = "held" if self.held else "released"
+        name = f" {self.name}" if self.name else ""
+        return (
+            f"<gpuwait.Reservation job {self.job_id}{name}: {format_size(self.vram)} on "
+            f"{where}, {state}>"
+        )
+
+
+def _is_oom(exc: BaseException | None) -> bool:
+    """An exception that says the GPU ran out of memory (PyTorch, JAX, TensorFlow, CuPy)."""
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return "out of memory" in text or "outofmemory" in text or "resource_exhausted" in text
+
+
+def current() -> Reservation | None:
+    """The reservation this process holds, if any."""
+    return _held
+
+
+def cuda_in_use() -> str | None:
+    """Why CUDA is already initialised in this process, or None where nothing shows it.
+
+    Looked at: PyTorch (`torch.cuda.is_initialized()`), JAX (a backend made), and for
+    everything else (CuPy, TensorFlow, Numba, a CUDA library of one's own) the device file
+    that a CUDA context opens, /dev/nvidia-uvm, among this process's open files. A module
+    that is only imported does not count: CUDA starts at the first use of a GPU.
+    """
+    torch = sys.modules.get("torch")
+    initialised = getattr(getattr(torch, "cuda", None), "is_initialized", None)
+    if callable(initialised):
+        try:
+            if initialised():
+                return "PyTorch has initialised CUDA: torch.cuda.is_initialized() is True"
+        except Exception:
+            pass
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if getattr(bridge, "_backends", None):
+        return "JAX has made its backends"
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target == "/dev/nvidia-uvm":
+            return "this process has /dev/nvidia-uvm open: a CUDA context exists"
+    return None
+
+
+def reserve(
+    vram: str | int | None = None,
+    *,
+    gpus: int = 1,
+    exclusive: bool = False,
+    priority: int | str | None = None,
+    timeout: float | str | None = None,
+    pick: str | None = None,
+    devices: str | Sequence[int | str] | None = None,
+    name: str | None = None,
+    batch: str | None = None,
+    key: str | None = None,
+    after: str | Sequence[str] = (),
+    after_ok: str | Sequence[str] = (),
+    safety: float | str | None = None,
+    enforce: str | None = None,
+    ledger: str | os.PathLike[str] | None = None,
+    min_total_vram: str | int | None = None,
+    gpu_name: str | None = None,
+    min_compute_capability: str | float | None = None,
+    max_util: float | str | None = None,
+) -> Reservation:
+    """Wait until `vram` fits on `gpus` GPUs, as `gpuwait --vram VRAM ...` waits, and hold it for
+    this process; CUDA_VISIBLE_DEVICES (and the GPUWAIT_* variables) are set in os.environ.
+
+    `vram`: "6G", "6GiB", "6GB", "50%", or bytes; None: learned from this program's (or `key`'s)
+    earlier runs, else default_vram. `timeout`: seconds, or "30m". The other options are the
+    command line's (docs/usage.md), and settings left out come from GPUWAIT_* and the config
+    files as for the CLI. Raises ReserveError; a Ctrl-C while waiting raises KeyboardInterrupt.
+    """
+    argv = list(_argv(vram, gpus=gpus, exclusive=exclusive, priority=priority, timeout=timeout))
+    for option, value in (
+        ("--pick", pick),
+        ("--devices", _listed(devices)),
+        ("--name", name),
+        ("--batch", batch),
+        ("--key", key),
+        ("--safety", _text(safety)),
+        ("--enforce", enforce),
+        ("--ledger", None if ledger is None else os.fspath(ledger)),
+        ("--min-total-vram", _size_text(min_total_vram)),
+        ("--gpu-name", gpu_name),
+        ("--min-compute-capability", _text(min_compute_capability)),
+        ("--max-util", _text(max_util)),
+    ):
+        if value is not None:
+            argv += [option, value]
+    for option, refs in (("--after", after), ("--after-ok", after_ok)):
+        for ref in [refs] if isinstance(refs, str) else refs:
+            argv += [option, ref]
+    return reserve_argv(argv, _LoggingReporter())
+
+
+def _argv(
+    vram: str | int | None,
+    *,
+    gpus: int,
+    exclusive: bool,
+    priority: int | str | None,
+    timeout: float | str | None,
+) -> Iterator[str]:
+    if vram is not None:
+        yield from ("--vram", _size_text(vram) or "")
+    if gpus != 1:
+        yield from ("--gpus", str(gpus))
+    if exclusive:
+        yield "--exclusive"
+    if priority is not None:
+        yield from ("--priority", str(priority))
+    if timeout is not None:
+        yield from ("--timeout", f"{timeout}s" if isinstance(timeout, (int, float)) else timeout)
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _size_text(value: str | int | None) -> str | None:
+    # A bare number is refused by the command line (6 meant 6G to whoever typed it); from
+    # Python an int is bytes.
+    return f"{value}B" if isinstance(value, int) else value
+
+
+def _listed(devices: str | Sequence[int | str] | None) -> str | None:
+    if devices is None or isinstance(devices, str):
+        return devices
+    return ",".join(str(d) for d in devices)
+
+
+def _options(argv: Sequence[str]) -> argparse.Namespace:
+    """`argv` read by the command line's own parser; what concerns only a command is refused."""
+    from gpuwait.commands.run import build_parser
+
+    options = build_parser().parse_args(list(argv))
+    for attribute, option in _COMMAND_ONLY:
+        if getattr(options, attribute):
+            raise UsageError(f"{option} applies to a command gpuwait starts, not to a reservation")
+    extra = [w for w in options.command if w != "--"]
+    if extra:
+        raise UsageError(
+            f"unexpected {' '.join(extra)!r}: a reservation takes options only",
+            hint="e.g. 6G --priority 4 --timeout 30m",
+        )
+    # What the entry, `status` and the history name: this program, as it was started.
+    options.command = list(getattr(sys, "orig_argv", None) or [sys.executable])
+    return options
+
+
+def reserve_argv(argv: Sequence[str], reporter: Reporter) -> Reservation:
+    """`reserve`, with the options as the command line's words (the magic's way in)."""
+    global _held, _exit_hook
+    from gpuwait.commands.run import prepare
+    from gpuwait.runner.hold import WaitInterrupted, hold
+
+    try:
+        options = _options(argv)
+        with _held_lock:
+            if _held is not None and _held.held:
+                raise ReserveError(
+                    f"this process already holds a reservation (job {_held.job_id})",
+                    hint="release it first (r.release(), or %gpuwait release)",
+                    exit_code=EXIT_USAGE,
+                )
+        why = cuda_in_use()
+        if why is not None:
+            raise ReserveError(
+                f"CUDA is already initialised in this process ({why}); it would not see the "
+                "GPUs a reservation gives",
+                hint="reserve before the first use of a GPU (first thing in a notebook), or "
+                "restart the kernel",
+                exit_code=EXIT_USAGE,
+            )
+        request, config = prepare(options)
+        holding = hold(request, config, reporter)
+    except WaitInterrupted as exc:
+        if exc.signum == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        # Handed back: the process's own handler (or the default action) decides.
+        os.kill(os.getpid(), exc.signum)
+        raise ReserveError(
+            f"{exc} arrived while waiting; the reservation was given up",
+            exit_code=128 + exc.signum,
+        ) from None
+    except ReserveError:
+        raise
+    except GpuwaitError as exc:
+        raise ReserveError(exc.message, exc.hint, exc.exit_code) from None
+    if holding is None:
+        return Reservation(None)
+    env = holding.env
+    reservation = Reservation(holding, env)
+    os.environ.update(env)
+    with _held_lock:
+        _held = reservation
+        if not _exit_hook:
+            # A reservation still held when the interpreter exits is released and recorded;
+            # one whose process dies otherwise is reaped by the next gpuwait.
+            atexit.register(_release_at_exit)
+            _exit_hook = True
+    return reservation
+
+
+def _release_at_exit() -> None:
+    held = _held
+    if held is not None:
+        # A failure here costs nothing: the entry is reaped once this process is gone.
+        with contextlib.suppress(Exception):
+            held.release()
+
+
+class _LoggingReporter:
+    """What a run says, for a program: through the "gpuwait" logger (warnings are seen by
+    default; the waiting reason once each time it changes, at INFO)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.log = logging.getLogger("gpuwait")
+        self._last: str | None = None
+
+    def warn(self, message: str) -> None:
+        self.log.warning(message)
+
+    def info(self, message: str) -> None:
+        self.log.info(message)
+
+    def error(self, message: str) -> None:
+        self.log.error(message)
+
+    def waiting(self, reason: WaitReason, job: str) -> None:
+        text = reason.describe()
+        if text != self._last:
+            self._last = text
+            self.log.info("%s waits: %s", job, text)
+
+    def waited(self) -> None:
+        self._last = None

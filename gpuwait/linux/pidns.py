@@ -1,0 +1,51 @@
+"""Whether the process ids the NVIDIA driver reports are this pid namespace's.
+
+The driver knows no pid namespaces: NVML names every GPU process by its pid in the initial
+namespace, the host's. Inside a container with a private pid namespace (docker without
+`--pid=host`) those numbers name no process here, or another one. Pids are trusted as they
+come in the initial namespace; elsewhere a pid counts as this namespace's only while a process
+of that pid here has an NVIDIA device open, which every process using the GPU has.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+#: How the kernel names the initial pid namespace: its inode is a constant (PROC_PID_INIT_INO).
+INITIAL_PID_NAMESPACE = "pid:[4026531836]"
+
+#: Device files of the NVIDIA driver (nvidiactl, nvidia0, nvidia-uvm, ...).
+NVIDIA_DEVICES = "/dev/nvidia"
+
+
+def in_initial_namespace() -> bool | None:
+    """Is this process in the host's pid namespace? None where /proc cannot tell."""
+    try:
+        return os.readlink("/proc/self/ns/pid") == INITIAL_PID_NAMESPACE
+    except OSError:
+        return None
+
+
+def _has_nvidia_device(pid: int) -> bool | None:
+    """Does process `pid` have an NVIDIA device open? None where it is not ours to look at."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None  # another user's process: no evidence either way
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(NVIDIA_DEVICES):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def strangers(pids: Iterable[int]) -> list[int]:
+    """The pids, as NVML reported them, that name no GPU process of this pid namespace: none
+    here, or one without an NVIDIA device open. Asked only outside the initial namespace,
+    where NVML's pids are never in doubt."""
+    return [pid for pid in sorted(set(pids)) if _has_nvidia_device(pid) is False]

@@ -1,0 +1,363 @@
+"""Room held for the calling process itself, not for a command it starts (gpuwait.api).
+
+    choose the request ─> submit ─> wait ─> admitted: started, with this process as the
+        entry's command ─> sample its usage (a daemon thread) ─> release: finish, record the run
+
+It is the wrapped run of gpuwait.runner.session with the command taken out: the same request,
+job, queue and history, through the same helpers. The entry's pid and its command's pid are both
+this process's, so however the process ends (SIGKILL too) the next transaction reaps the entry:
+no command outlives it, so it is never kept as an orphan.
+
+The waiting blocks gpuwait's signals in the calling thread only, as long as it waits, and takes
+them with `sigtimedwait` as the CLI does; the thread's mask is put back afterwards. A signal that
+ended the wait is handed back to the process (`Interrupted`). In a process with other threads (a
+Jupyter kernel has several) a signal sent to the process may be taken by any thread that does
+not block it, so there the waiter polls the queue's summary every `poll_interval` instead of
+being woken by a signal, and a Ctrl-C reaches it through Python's own handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from gpuwait.core import budget as policy
+from gpuwait.core.budget import Budget, Means
+from gpuwait.core.errors import (
+    EXIT_CANCELLED,
+    EXIT_DEPENDENCY_FAILED,
+    EXIT_TIMEOUT,
+    BackendUnavailable,
+    GpuwaitError,
+    ImpossibleRequest,
+    StateError,
+)
+from gpuwait.core.estimate import looks_like_oom, near_full
+from gpuwait.core.policy import WaitReason, impossible_reason
+from gpuwait.core.sizes import format_duration
+from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.gpu import open_backend
+from gpuwait.history.learn import RequestChoice, cap_to_cards, kept_command
+from gpuwait.linux import signals
+from gpuwait.queue import lifecycle
+from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
+from gpuwait.queue.conditions import claim_of
+from gpuwait.queue.entries import Job
+from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
+from gpuwait.queue.wait import Interrupted, TimedOut, wait_for_admission
+from gpuwait.runner import session
+from gpuwait.runner.launch import command_env
+from gpuwait.runner.session import RunConfig, RunRequest
+from gpuwait.runner.supervise import UsageSampler
+
+if TYPE_CHECKING:
+    from gpuwait.gpu.backend import Backend
+    from gpuwait.runner.session import Reporter
+
+
+class NotHeld(GpuwaitError):
+    """The wait ended without room: timed out, cancelled, a dependency failed (its exit code is
+    the CLI's for the same end)."""
+
+    def __init__(self, message: str, exit_code: int, hint: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.exit_code = exit_code
+
+
+class WaitInterrupted(Exception):
+    """A signal ended the wait (the entry is gone); the caller hands it back to the process."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Holding:
+    """Room held for this process on `gpus` (in CUDA_VISIBLE_DEVICES order) until `release`."""
+
+    def __init__(
+        self,
+        request: RunRequest,
+        config: RunConfig,
+        reporter: Reporter,
+        ledger: Ledger,
+        backend: Backend,
+        job: Job,
+        gpus: Sequence[GpuSnapshot],
+        choice: RequestChoice,
+        budget: Budget,
+        wait_seconds: float,
+    ) -> None:
+        self.request, self.config, self.reporter = request, config, reporter
+        self.ledger, self.backend = ledger, backend
+        self.job = job
+        self.gpus = tuple(gpus)
+        self.choice = choice
+        self.budget = budget
+        self.wait_seconds = wait_seconds
+        self.started_at = time.time()
+        #: The process that holds it: a child forked from it holds nothing.
+        self.pid = os.getpid()
+        self.released = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sampler = UsageSampler(
+            self.pid,
+            job,
+            ledger,
+            backend,
+            config.sample_interval,
+            baseline_used={g.uuid: g.used_bytes for g in gpus},
+            margin=config.estimate_margin,
+        )
+        self._thread = threading.Thread(target=self._sample, name="gpuwait-usage", daemon=True)
+        self._thread.start()
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a wrapped command would be given (its GPUs, job and budget), for this process."""
+        given = command_env(self.job, [g.index for g in self.gpus], self.config.resume_exit)
+        wanted = {k: v for k, v in given.items() if os.environ.get(k) != v}
+        wanted.update(self.budget.env)
+        return wanted
+
+    def peak_bytes(self) -> int:
+        """The most this process's tree used on one of its GPUs so far."""
+        peaks, _ = self._sampler.result.peaks()
+        return max(peaks.values(), default=0)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                if self.released:
+                    return
+                # A failed reading must never take the holder down with it.
+                with contextlib.suppress(Exception):
+                    self._sampler.sample_if_due(time.monotonic())
+                wait = self._sampler.next_sample - time.monotonic()
+            self._stop.wait(max(0.01, wait))
+
+    def release(self, returncode: int = 0, said_oom: bool = False) -> None:
+        """Give the room back and record the run; `returncode` 0: ended well. `said_oom`: the
+        holder ended with an out-of-memory error. Only the process that holds it releases."""
+        if os.getpid() != self.pid:
+            return
+        self._stop.set()
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._thread.join(timeout=5)
+        result = self._sampler.result
+        result.returncode = returncode
+        result.run_seconds = time.monotonic() - self._sampler.started
+        with contextlib.suppress(Exception):
+            self._sampler.finish()
+        try:
+            self._finish_and_record(said_oom)
+        finally:
+            self.backend.close()
+
+    def _finish_and_record(self, said_oom: bool) -> None:
+        result, job, config = self._sampler.result, self.job, self.config
+        card_full = any(
+            near_full(result.free_at_peak_bytes.get(u), total)
+            for u, total in result.total_bytes.items()
+        )
+        oom = looks_like_oom(result.returncode, said_oom, card_full)
+        cause = policy.oom_cause(False, card_full) if oom else None
+        evidence = "message" if said_oom else "card full"
+        session._finish(
+            self.ledger,
+            job,
+            OK if result.returncode == 0 else FAILED,
+            self.reporter,
+            exit_status=result.returncode,
+            run_seconds=result.run_seconds,
+            charge_usage=(
+                job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds,
+                config.wait.fair.half_life,
+            ),
+            oom=cause,
+        )
+        session._record(
+            self.request,
+            config,
+            self.reporter,
+            job,
+            self.gpus,
+            result,
+            self.wait_seconds,
+            self.started_at,
+            self.choice,
+            (cause, evidence) if cause else None,
+            "off",
+            0.0,
+            self.budget,
+        )
+
+
+@contextlib.contextmanager
+def _signals_taken() -> Iterator[None]:
+    """gpuwait's signals blocked in this thread while it waits (they queue up for the waiting
+    loop); the thread's mask as it was afterwards."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.HANDLED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding | None:
+    """Wait for room as `request` asks and hold it for this process. None: nothing to hold
+    it on, and the settings say to go on anyway (on_no_gpu = run, on_state_error = run).
+
+    Raises NotHeld when the wait ends without room, WaitInterrupted for a signal, and
+    gpuwait's other errors as the CLI would end with them.
+    """
+    choice = session._request(request, config, reporter)
+    try:
+        backend = session._read_gpus(
+            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
+        )
+    except BackendUnavailable as exc:
+        if config.on_no_gpu == "fail" or not exc.lasting:
+            raise
+        reporter.warn(f"{exc.message}; going on without a reservation (on_no_gpu = run)")
+        return None
+    try:
+        held = _hold(request, config, reporter, backend, choice)
+    except BaseException:
+        backend.close()
+        raise
+    if held is None:
+        backend.close()
+    return held
+
+
+def _hold(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    choice: RequestChoice,
+) -> Holding | None:
+    snapshot = session._read_gpus(backend.snapshot, config, reporter)
+    for message in snapshot.warnings:
+        reporter.warn(message)
+    candidates = session._candidates(request, snapshot)
+    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety)
+    job = session._new_job(request, config, choice, snapshot, candidates)
+    impossible = impossible_reason(
+        claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
+    )
+    if impossible is not None:
+        raise ImpossibleRequest(
+            impossible,
+            hint="ask for less (vram), raise safety, or use other GPUs (devices, gpu_name)",
+        )
+    own = choice.learned if request.key is None else None
+    job, warnings = session._with_run_times(job, config, own, snapshot)
+    for message in warnings:
+        reporter.warn(message)
+    wait = config.wait
+    if _threads() > 1:
+        wait = wait._replace(use_inotify=False)
+    ledger = session._ledger(config)
+    label = job.name or job.id
+
+    def said(reason: WaitReason) -> None:
+        session._show_warnings(ledger, reporter)
+        if choice.note:
+            reason = reason._replace(source=choice.note)
+        reporter.waiting(reason, label)
+
+    with _signals_taken():
+        try:
+            job = lifecycle.submit(
+                ledger,
+                job,
+                request.after,
+                request.after_ok,
+                config.state_dir,
+                kept_command(request.command, job.cwd, config.history_commands),
+            )
+        except signals.SignalPending as exc:
+            raise WaitInterrupted(exc.signum) from None
+        except StateError as exc:
+            if config.on_state_error != "run":
+                raise
+            reporter.warn(f"{exc.message}; going on without a reservation (on_state_error = run)")
+            return None
+        session._show_warnings(ledger, reporter)
+        waited_from = time.monotonic()
+        try:
+            job, outcome = wait_for_admission(
+                ledger,
+                backend,
+                job,
+                wait,
+                deadline=None if config.timeout is None else waited_from + config.timeout,
+                on_reason=said,
+            )
+        except BaseException:
+            session._finish(ledger, job, INTERRUPTED, reporter)
+            raise
+        finally:
+            reporter.waited()
+            session._show_warnings(ledger, reporter)
+        waited = time.monotonic() - waited_from
+        if isinstance(outcome, Interrupted):
+            session._finish(ledger, job, INTERRUPTED, reporter)
+            raise WaitInterrupted(outcome.signum)
+    if isinstance(outcome, TimedOut):
+        session._finish(ledger, job, TIMED_OUT, reporter)
+        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+        raise NotHeld(f"gave up after waiting {format_duration(waited)}{why}", EXIT_TIMEOUT)
+    if isinstance(outcome, Cancelled):
+        by = outcome.by_uid
+        someone = "" if by is None or by == job.uid else f" by uid {by}"
+        raise NotHeld(f"job {job.id} cancelled while waiting{someone}", EXIT_CANCELLED)
+    if isinstance(outcome, DependencyFailed):
+        raise NotHeld(f"job {job.id} will not start: {outcome.message}", EXIT_DEPENDENCY_FAILED)
+    chosen = list(outcome.gpus)
+    budget = _budget(config.enforce, job, chosen, reporter)
+    try:
+        job = lifecycle.started(ledger, job, os.getpid(), budget.held_by)
+    except Exception as exc:  # the room is this process's: never give it up over bookkeeping
+        reporter.warn(str(exc))
+        job = job._replace(child_pid=os.getpid(), pids=[os.getpid()])
+    return Holding(request, config, reporter, ledger, backend, job, chosen, choice, budget, waited)
+
+
+def _budget(mode: str, job: Job, gpus: Sequence[GpuSnapshot], reporter: Reporter) -> Budget:
+    """How the reservation is held: only hinted to the frameworks, since the process already
+    runs (no cgroup or MPS daemon can be put under it from inside, nor PyTorch's cap before it
+    starts)."""
+    if mode == policy.LIMIT:
+        reporter.warn(
+            "enforce = limit holds wrapped commands only; a reservation made from Python is "
+            "hinted to the frameworks (enforce = hint)"
+        )
+        mode = policy.HINT
+    return policy.plan(
+        mode,
+        job.reserved_bytes,
+        {g.uuid: g.total_bytes for g in gpus},
+        os.environ,
+        Means(),
+        whole_gpus=not job.request,
+    )

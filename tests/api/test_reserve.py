@@ -1,0 +1,319 @@
+"""gpuwait.reserve(): a Python process holding room for itself, beside wrapped jobs, with real
+processes on the simulation."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import SimFileFactory, hold_card
+from helpers.history import recorded_runs
+from helpers.status import job_of_pid, listed_jobs, state_of
+from helpers.waiting import wait_for
+
+GiB = 2**30
+
+#: A program that reserves with the JSON arguments it is given, says what it got as a JSON
+#: line, then takes orders from stdin: `sim ARGS` runs `gpuwait sim job ARGS` as its child,
+#: `release`, `raise` (ends a `with` block by an error), `exit` (without releasing).
+HOLDER = r"""
+import json, os, subprocess, sys
+import gpuwait
+
+def say(**what):
+    print(json.dumps(what), flush=True)
+
+given = json.loads(sys.argv[1])
+try:
+    r = gpuwait.reserve(*given.get("args", []), **given.get("kwargs", {}))
+except gpuwait.ReserveError as exc:
+    say(error=exc.message, hint=exc.hint, exit_code=exc.exit_code)
+    sys.exit(0)
+say(pid=os.getpid(), job=r.job_id, gpus=r.gpus, uuids=r.uuids, vram=r.vram,
+    cvd=os.environ.get("CUDA_VISIBLE_DEVICES"), vram_env=os.environ.get("GPUWAIT_VRAM_BYTES"))
+for line in sys.stdin:
+    word, *rest = line.split()
+    if word == "sim":
+        done = subprocess.run([sys.executable, "-m", "gpuwait", "sim", "job", *rest])
+        say(sim=done.returncode)
+    elif word == "release":
+        r.release()
+        say(released=True, cvd=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    elif word == "raise":
+        try:
+            with r:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except RuntimeError:
+            say(raised=True)
+    elif word == "exit":
+        break
+"""
+
+
+class Holder:
+    """A process running HOLDER."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, json.dumps({"args": args, "kwargs": kwargs})],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def said(self, timeout: float = 20) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"the holder said nothing within {timeout}s"
+        line = self.proc.stdout.readline()
+        assert line, f"the holder ended: {self.proc.stderr.read() if self.proc.stderr else ''}"
+        return dict(json.loads(line))
+
+    def tell(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.said()
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=20)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+@pytest.fixture
+def holders() -> Any:
+    started: list[Holder] = []
+
+    def start(*args: Any, **kwargs: Any) -> Holder:
+        holder = Holder(*args, **kwargs)
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        holder.end()
+
+
+def test_import_gpuwait_imports_nothing_of_its_own_until_reserve() -> None:
+    script = (
+        "import sys; before = set(sys.modules); import gpuwait; "
+        "print(sorted(m for m in set(sys.modules) - before)); "
+        "gpuwait.reserve; print(sorted(m for m in sys.modules if m.startswith('gpuwait')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    loaded = eval(first)
+    assert [m for m in loaded if m.startswith("gpuwait")] == ["gpuwait"]
+    assert not {"pynvml", "logging", "argparse", "threading"} & set(loaded)
+    # Named, the API's own module comes; the queue and the GPUs only once it reserves.
+    assert "gpuwait.api.reserve" in eval(second)
+    assert "gpuwait.queue.lifecycle" not in eval(second)
+
+
+def test_queued_behind_a_wrapped_job_then_seen_running_with_this_pid(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "16G", "2s", "--name", "first")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        holder = holders("10G", name="nb", priority=4)
+        wait_for(lambda: state_of(gpuwait_cmd, "nb") == "waiting")
+        got = holder.said()
+        assert first.wait(timeout=20) == 0, first.communicate()[1]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert got["vram"] == 10 * GiB
+    assert got["cvd"] == got["uuids"][0] and got["gpus"] == [0]
+    assert got["vram_env"] == str(10 * GiB)
+    mine = job_of_pid(gpuwait_cmd, got["pid"])
+    assert mine is not None
+    assert (mine["state"], mine["name"], mine["child_pid"]) == ("running", "nb", got["pid"])
+    assert mine["reserved_bytes"] == 10 * GiB
+    # The reserving process's own allocations go through its CUDA_VISIBLE_DEVICES, beside a
+    # wrapped job that fits the rest: neither runs out of memory.
+    second = hold_card(gpuwait_cmd, "10G", "1s", "--name", "second")
+    assert holder.tell("sim --vram 9G --hold 1s") == {"sim": 0}
+    assert second.wait(timeout=20) == 0, second.communicate()[1]
+    # Room for a third only once the reservation is released.
+    third = hold_card(gpuwait_cmd, "20G", "0.2s", "--name", "third")
+    wait_for(lambda: state_of(gpuwait_cmd, "third") == "waiting")
+    time.sleep(0.5)
+    assert state_of(gpuwait_cmd, "third") == "waiting"
+    said = holder.tell("release")
+    assert said["released"] and said["cvd"] is None
+    assert third.wait(timeout=20) == 0, third.communicate()[1]
+    assert job_of_pid(gpuwait_cmd, got["pid"]) is None
+    (run,) = [r for r in recorded_runs() if r["job_id"] == got["job"]]
+    assert (run["name"], run["exit_status"], run["oom"]) == ("nb", 0, False)
+    assert (run["request_source"], run["reserved_bytes"]) == ("flag", 10 * GiB)
+    # Its child's 9G, sampled as a wrapped command's tree is.
+    assert 8 * GiB <= run["peak_bytes"] <= 10 * GiB
+
+
+def test_sigkill_of_the_holder_gives_its_room_to_the_next(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    holder = holders("20G")
+    got = holder.said()
+    waiter = hold_card(gpuwait_cmd, "10G", "0.2s", "--name", "waiter")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "waiter") == "waiting")
+        os.kill(got["pid"], signal.SIGKILL)
+        assert waiter.wait(timeout=20) == 0, waiter.communicate()[1]
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+    assert job_of_pid(gpuwait_cmd, got["pid"]) is None
+
+
+def test_process_exit_releases_and_records(sim: Path, gpuwait_cmd: list[str], holders: Any) -> None:
+    holder = holders("3G", name="ends")
+    got = holder.said()
+    assert holder.tell("sim --vram 2G --hold 0.3s") == {"sim": 0}
+    # Ended without a release: the interpreter's exit releases it.
+    holder.proc.stdin.close()  # type: ignore[union-attr]
+    assert holder.proc.wait(timeout=20) == 0
+    assert job_of_pid(gpuwait_cmd, got["pid"]) is None
+    names = [r["name"] for r in recorded_runs() if r["job_id"] == got["job"]]
+    assert names == ["ends"]
+
+
+def test_an_error_in_the_with_block_is_recorded_as_a_failed_run(
+    sim: Path, gpuwait_cmd: list[str], holders: Any
+) -> None:
+    holder = holders("2G")
+    got = holder.said()
+    assert holder.tell("raise") == {"raised": True}
+    assert job_of_pid(gpuwait_cmd, got["pid"]) is None
+    (run,) = [r for r in recorded_runs() if r["job_id"] == got["job"]]
+    assert (run["exit_status"], run["oom"], run["oom_evidence"]) == (1, True, "message")
+
+
+def test_timeout_gives_up_with_the_clis_status(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "20G", "5s", "--name", "first")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        got = holders("10G", timeout=0.5).said()
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    assert got["exit_code"] == 124
+    assert got["error"].startswith("gave up after waiting")
+
+
+@pytest.mark.parametrize(
+    ("signum", "threaded"),
+    [(signal.SIGINT, False), (signal.SIGINT, True), (signal.SIGTERM, False)],
+    ids=["INT", "INT-with-threads", "TERM"],
+)
+def test_a_signal_while_waiting_leaves_the_queue(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], signum: int, threaded: bool
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "20G", "10s", "--name", "first")
+    # With another thread (as in a Jupyter kernel) the signal may reach that thread instead.
+    thread = "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    script = (
+        "import gpuwait, threading, time\n"
+        + (thread if threaded else "")
+        + "try:\n    gpuwait.reserve('10G', name='patient')\n"
+        "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
+    )
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(lambda: state_of(gpuwait_cmd, "patient") == "waiting")
+        waiter.send_signal(signum)
+        out, err = waiter.communicate(timeout=20)
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    if signum == signal.SIGINT:
+        assert (waiter.returncode, out) == (0, "KeyboardInterrupt\n"), err
+    else:
+        assert waiter.returncode == -signal.SIGTERM  # as the process would have died bare
+    assert state_of(gpuwait_cmd, "patient") is None
+
+
+def test_options_are_the_command_lines(sim: Path, holders: Any) -> None:
+    assert holders("6X").said()["exit_code"] == 2
+    assert holders("200G").said()["exit_code"] == 3
+    got = holders("1G", pick="fastest").said()
+    assert got["exit_code"] == 2 and "fastest" in got["error"]
+
+
+def test_refused_where_cuda_is_already_initialised(
+    sim: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]
+) -> None:
+    import gpuwait
+
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve("1G")
+    assert caught.value.exit_code == 2
+    assert "CUDA is already initialised" in caught.value.message
+    assert "torch.cuda.is_initialized()" in caught.value.message
+    assert listed_jobs(gpuwait_cmd) == []
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_one_reservation_per_process(sim: Path) -> None:
+    script = (
+        "import gpuwait\nr = gpuwait.reserve('1G')\n"
+        "try:\n    gpuwait.reserve('1G')\n"
+        "except gpuwait.ReserveError as exc:\n    print(exc.exit_code, exc.message)\n"
+        "r.release()\nprint(gpuwait.reserve('1G').held)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    refused, again = done.stdout.splitlines()
+    assert refused.startswith("2 this process already holds a reservation")
+    assert again == "True"
+
+
+def test_the_magic_says_what_it_did(sim: Path, gpuwait_cmd: list[str]) -> None:
+    script = (
+        "import os\nfrom gpuwait.api.magic import gpuwait_magic as m\n"
+        "r = m('2G --name cell')\nprint(os.environ['CUDA_VISIBLE_DEVICES'] == r.uuids[0])\n"
+        "m('status')\nm('2G --pausable')\nm('release')\nm('release')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "True\n"
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("gpuwait: reserved 2.0 GiB on GPU")
+    assert lines[1].startswith("gpuwait: job ") and "holds 2.0 GiB" in lines[1]
+    assert lines[2] == (
+        "gpuwait: error: --pausable applies to a command gpuwait starts, not to a reservation"
+    )
+    assert lines[3].startswith("gpuwait: released job ")
+    assert lines[4] == "gpuwait: no reservation in this kernel to release"
+    assert listed_jobs(gpuwait_cmd) == []

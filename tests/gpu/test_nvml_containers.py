@@ -1,0 +1,188 @@
+"""gpuwait in a private pid namespace (a container without --pid=host): NVML names processes by
+the host's pids, which are not this namespace's. gpuwait says so once and counts memory per card.
+
+Real pynvml over the fake libnvidia-ml.so.1; the end-to-end test runs gpuwait in a pid namespace
+of its own (unshare), as a container does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.fixtures_nvml import GIB, FakeGpu, FakeNvml
+from helpers.history import recorded_runs
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.gpu.nvml import NvmlBackend
+from gpuwait.linux import pidns
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+WARNING = "a container without --pid=host"
+
+
+def absent_pid() -> int:
+    """A pid no process here has."""
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
+@pytest.fixture
+def backend(fake_nvml: FakeNvml) -> Iterator[NvmlBackend]:
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB), FakeGpu(uuid="GPU-bbbb")])
+    b = NvmlBackend()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def in_container(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process taken for one in a private pid namespace."""
+    monkeypatch.setattr(pidns, "in_initial_namespace", lambda: False)
+
+
+def test_host_pids_are_noticed_once_and_memory_is_counted_per_card(
+    fake_nvml: FakeNvml, backend: NvmlBackend, in_container: None
+) -> None:
+    fake_nvml.update_gpu(0, used=6 * GIB)
+    fake_nvml.add_process(0, absent_pid(), 6 * GIB)
+    first = backend.snapshot()
+    said = [w for w in first.warnings if WARNING in w]
+    assert len(said) == 1, first.warnings
+    for gpu in first.gpus:
+        assert gpu.processes == () and not gpu.per_process
+    assert first.gpus[0].used_bytes == 6 * GIB  # the card's figure still holds
+    # Said once: later readings keep to the card's figures without saying it again.
+    fake_nvml.add_process(1, os.getpid(), GIB)
+    later = backend.snapshot()
+    assert not any(WARNING in w for w in later.warnings)
+    assert all(g.processes == () and not g.per_process for g in later.gpus)
+    # NVML accounting is kept by host pid too: no figure for this namespace's pids.
+    assert backend.accounting_peak("GPU-aaaa", frozenset({os.getpid()})) is None
+
+
+def test_a_host_pid_that_is_a_process_here_without_the_gpu_is_noticed(
+    fake_nvml: FakeNvml, backend: NvmlBackend, in_container: None
+) -> None:
+    # The pid exists in this namespace, but names a process that has no NVIDIA device open:
+    # the number is another process's on the host.
+    fake_nvml.add_process(0, os.getpid(), 6 * GIB)
+    snapshot = backend.snapshot()
+    assert any(WARNING in w and f"pid {os.getpid()}" in w for w in snapshot.warnings)
+    assert snapshot.gpus[0].processes == ()
+
+
+def test_pids_of_processes_here_that_hold_the_gpu_are_kept(
+    fake_nvml: FakeNvml,
+    backend: NvmlBackend,
+    in_container: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A driver that named processes by this namespace's pids would list processes that have
+    # the device open: those are taken as they come.
+    monkeypatch.setattr(pidns, "NVIDIA_DEVICES", str(tmp_path / "nvidia"))
+    (tmp_path / "nvidia0").write_text("")
+    with open(tmp_path / "nvidia0"):
+        fake_nvml.add_process(0, os.getpid(), 6 * GIB)
+        snapshot = backend.snapshot()
+    assert not snapshot.warnings
+    assert [p.pid for p in snapshot.gpus[0].processes] == [os.getpid()]
+    assert snapshot.gpus[0].per_process
+
+
+def test_in_the_host_namespace_nvml_pids_are_taken_as_they_come(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    if not pidns.in_initial_namespace():
+        pytest.skip("these tests run in a private pid namespace themselves")
+    pid = absent_pid()  # gone since: a process that just ended
+    fake_nvml.add_process(0, pid, 6 * GIB)
+    snapshot = backend.snapshot()
+    assert not snapshot.warnings
+    assert [p.pid for p in snapshot.gpus[0].processes] == [pid] and snapshot.gpus[0].per_process
+
+
+# In a pid namespace of its own -------------------------------------------------------------
+
+
+def unshare_prefix() -> list[str]:
+    """How to start a command in a new pid namespace with its own /proc, or skip."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    # Root makes the namespace itself; anyone else needs a user namespace to make it in.
+    # --kill-child: should the test give up, killing unshare ends everything inside.
+    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    if os.geteuid() != 0:
+        prefix[1:1] = ["--user", "--map-root-user"]
+    probe = subprocess.run(
+        [*prefix, "readlink", "/proc/self/ns/pid"], capture_output=True, text=True, timeout=30
+    )
+    if probe.returncode != 0 or probe.stdout.strip() == pidns.INITIAL_PID_NAMESPACE:
+        pytest.skip(f"no pid namespace can be made here: {probe.stderr.strip()}")
+    return prefix
+
+
+@pytest.mark.slow
+def test_in_a_container_without_host_pids_no_job_is_admitted_into_memory_that_is_taken(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    # One 24 GiB card. Job A (4G) runs in the namespace; then a host process of 16 GiB shows up
+    # in NVML under a pid that, in this namespace, is A's command. Taken at its word, that
+    # memory would be A's, and B (5G) would be admitted into 16 + 4 + 5 > 24 GiB.
+    prefix = unshare_prefix()
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    gpuwait = " ".join(GPUWAIT)
+    script = f"""
+        {gpuwait} -q --vram 4G --name a -- sh -c 'while [ ! -e {stop} ]; do sleep 0.05; done' &
+        while [ ! -e {go} ]; do sleep 0.05; done
+        {gpuwait} --vram 5G --timeout 2s -- true 2>{tmp_path}/b.err
+        echo $? >{tmp_path}/b.rc
+        {gpuwait} status --json >{tmp_path}/status.json 2>{tmp_path}/status.err
+        touch {stop}
+        wait
+    """
+    env = fake_nvml.env()
+    env["GPUWAIT_SAMPLE_INTERVAL"] = "0.1s"
+    inside = subprocess.Popen(
+        [*prefix, "sh", "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        child = wait_for(
+            lambda: next((e["child_pid"] for e in ledger_entries() if e.get("child_pid")), None),
+            timeout=30,
+        )
+        fake_nvml.update_gpu(0, used=16 * GIB)
+        fake_nvml.add_process(0, child, 16 * GIB)
+        go.touch()
+        out, _ = inside.communicate(timeout=60)
+    finally:
+        stop.touch()
+        if inside.poll() is None:
+            inside.kill()
+            inside.wait()
+    assert inside.returncode == 0, out
+    b_err = (tmp_path / "b.err").read_text()
+    assert (tmp_path / "b.rc").read_text().strip() == "124", b_err  # waited, never admitted
+    assert b_err.count(WARNING) == 1, b_err
+    status = json.loads((tmp_path / "status.json").read_text())
+    (gpu,) = status["gpus"]
+    assert gpu["per_process"] is False
+    assert gpu["external_bytes"] == 16 * GIB and gpu["reserved_bytes"] == 4 * GIB
+    assert any(WARNING in w for w in status["warnings"])
+    # A's peak comes from the card's growth, marked approximate, not from the host's process.
+    (record,) = [r for r in recorded_runs() if r["name"] == "a"]
+    assert record["peak_approximate"] is True
