@@ -172,6 +172,17 @@ def _string_list(value: Any) -> tuple[str, ...]:
     return tuple(i.strip() for i in items if i.strip())
 
 
+def _gpu_names(value: Any) -> tuple[str, ...]:
+    """GPUs by NVML index or UUID: a TOML array (of numbers or strings), or "2,3"."""
+    if isinstance(value, list):
+        value = [str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+    names = _string_list(value)
+    for name in names:
+        if not ((name.isascii() and name.isdigit()) or name.upper().startswith(("GPU-", "MIG-"))):
+            raise ValueError(f"{name!r} is not a GPU index or UUID")
+    return names
+
+
 #: Names a shell hook must never redefine: its own machinery relies on them.
 _UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
 
@@ -205,6 +216,18 @@ def _size_limit(value: Any) -> int:
     if size < 2**20:
         raise ValueError("expected a size of at least 1MiB, e.g. 64MiB")
     return size
+
+
+def _percent(value: Any) -> float:
+    """A utilization in percent, 0 to 100: `5%`, `5` or `0.5`."""
+    text = str(value).strip().removesuffix("%") if isinstance(value, str) else value
+    try:
+        number = _number(text)
+    except ValueError:
+        number = math.nan
+    if not 0 <= number <= 100:
+        raise ValueError("expected a percent from 0 to 100, e.g. 5%")
+    return number
 
 
 def _path(value: Any) -> Path | None:
@@ -293,6 +316,10 @@ def _show_duration(value: float | None) -> str:
 
 def _show_size(value: int | None) -> str:
     return "none" if value is None else format_size(value)
+
+
+def _show_util(value: float) -> str:
+    return f"{value:g}%"
 
 
 def _show_percent(value: float) -> str:
@@ -411,6 +438,14 @@ OPTIONS: tuple[Option, ...] = (
         show=_show_weights,
     ),
     Option(
+        "prefer",
+        _gpu_names,
+        "",
+        "GPUs taken first where a job fits, e.g. 2,3 (NVML indices or UUIDs); others only where "
+        "none of them fits",
+        show=_show_joined,
+    ),
+    Option(
         "sim",
         _path,
         "",
@@ -513,6 +548,35 @@ OPTIONS: tuple[Option, ...] = (
         60.0,
         "longest wait for the ledger lock before giving up (exit 5)",
         show=_show_seconds,
+    ),
+    Option(
+        "idle_min_vram",
+        _size_limit,
+        "1G",
+        "a process holding at least this much on a quiet GPU can be named idle "
+        "(`gpuwait idle`, `status`)",
+        show=_show_size,
+    ),
+    Option(
+        "idle_max_util",
+        _percent,
+        5.0,
+        "a GPU under this utilization at every reading is quiet: `5%` or `5`",
+        show=_show_util,
+    ),
+    Option(
+        "idle_after",
+        _positive_duration,
+        3600.0,
+        "a process is named idle once it has held memory on a quiet GPU this long",
+        show=_show_duration,
+    ),
+    Option(
+        "idle_action",
+        _choice("none", "pause"),
+        "none",
+        "what is done to your own idle `--pausable` jobs while others wait for room: 'none', or "
+        "'pause' (asked to step aside whatever their priority)",
     ),
     Option(
         "user_max_gpus",
@@ -619,6 +683,7 @@ class Settings(Record):
     nvml_interval: float
     ignore_processes: tuple[str, ...]
     gpu_weights: dict[str, float]
+    prefer: tuple[str, ...]
     sim: Path | None
     state_dir: Path | None
     wrap_commands: tuple[str, ...]
@@ -634,6 +699,11 @@ class Settings(Record):
     nvml_timeout: float
     gpu_error_timeout: float
     lock_timeout: float
+    idle_min_vram: int
+    #: Percent, 0 to 100.
+    idle_max_util: float
+    idle_after: float
+    idle_action: str
     user_max_gpus: int | None
     user_max_vram: int | None
     fair_share_half_life: float | None

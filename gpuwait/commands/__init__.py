@@ -28,6 +28,8 @@ SUBCOMMANDS = {
     "completion": "completion script for bash, zsh or fish",
     "estimate": "the VRAM learned from earlier runs: `estimate -- CMD ...`",
     "history": "recent runs: peak VRAM, load, wait and run time, exit (--json for scripts)",
+    "idle": "processes holding VRAM on a GPU that does no work, any user's (--json)",
+    "adopt": "give a process started without gpuwait a place in the queue: `adopt PID`",
 }
 
 

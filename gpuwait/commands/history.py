@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuwait.commands import MAX_LINES, Parser, output, terminal_columns, whole_number
 from gpuwait.config import load_settings
-from gpuwait.core.budget import OOM_OWN_LIMIT
+from gpuwait.core.budget import OOM_CARD_FULL, OOM_OWN_LIMIT
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
@@ -145,11 +145,18 @@ def _exit(record: dict[str, Any], short: bool = False) -> str:
             text = signal.Signals(number).name
         except ValueError:
             text = f"signal {number}"
+    elif record.get("exit_status") is None:
+        # An adopted process: no gpuwait was its parent to see how it ended.
+        text = "?"
     else:
         text = str(record.get("exit_status"))
     if record.get("oom"):
-        text += " OOM at limit" if record.get("oom_cause") == OOM_OWN_LIMIT else " OOM"
+        text += _OOM_WORDS.get(str(record.get("oom_cause")), " OOM")
     return text + _paused(record, short)
+
+
+#: How an out-of-memory run shows in the exit column, by its cause (else plain " OOM").
+_OOM_WORDS = {OOM_OWN_LIMIT: " OOM at limit", OOM_CARD_FULL: " OOM card full"}
 
 
 def _paused(record: dict[str, Any], short: bool = False) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwait import __version__
 from gpuwait.commands import (
@@ -35,6 +35,9 @@ from gpuwait.queue.wait import WaitPolicy
 from gpuwait.runner import session
 from gpuwait.runner.session import Pausable, RunConfig, RunRequest
 
+if TYPE_CHECKING:
+    from gpuwait.queue.idle import IdleWatch
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}$")
 #: The most times --retry-oom queues a command again.
 MAX_RETRY_OOM = 100
@@ -49,6 +52,7 @@ _EXIT_STATUSES = (
     ("6", "an --after-ok job did not succeed, so this one never starts"),
     ("7", "cancelled (`gpuwait cancel`) while waiting"),
     ("8", "not permitted: another user's job"),
+    ("9", "--once KEY: a job with this key is already waiting or running"),
     ("124", "--timeout passed while waiting"),
     ("126", "the command is not executable"),
     ("127", "the command was not found"),
@@ -154,6 +158,12 @@ def build_parser() -> Parser:
         "is then resumed (see docs/pausing.md)",
     )
     parser.add_argument(
+        "--freezable",
+        action="store_true",
+        help="freeze the command (VRAM to host memory) rather than ask it to step aside: not "
+        "done yet, refused, naming what this machine lacks (see docs/freezing.md)",
+    )
+    parser.add_argument(
         "--checkpoint-signal",
         metavar="SIG",
         help="signal asking a --pausable command to checkpoint "
@@ -192,6 +202,12 @@ def build_parser() -> Parser:
         "--devices", metavar="LIST", help="only these GPUs: NVML indices or UUIDs, e.g. 0,2"
     )
     parser.add_argument(
+        "--prefer",
+        metavar="LIST",
+        help="take these GPUs (NVML indices or UUIDs, e.g. 2,3) where the command fits; others "
+        "only where none of them fits " + _setting_default("prefer"),
+    )
+    parser.add_argument(
         "--priority",
         metavar="1-5",
         help="queue priority, 5 is most urgent " + _setting_default("priority"),
@@ -214,6 +230,12 @@ def build_parser() -> Parser:
         help="whole GPUs: no other gpuwait job is admitted there while this one runs",
     )
     parser.add_argument("--name", metavar="NAME", help="name the job (for --after, status, log)")
+    parser.add_argument(
+        "--once",
+        metavar="KEY",
+        help="queue nothing if a job of yours with this key is already waiting or running "
+        "(exit 9); for cron and make",
+    )
     parser.add_argument(
         "--batch", metavar="NAME", help="group jobs; status shows the batch's progress as a line"
     )
@@ -262,6 +284,10 @@ def build_parser() -> Parser:
 def run(options: argparse.Namespace) -> int:
     """Validate the options, read the settings, and run the command as a job."""
     request, config = prepare(options)
+    if options.freezable:
+        from gpuwait.gpu.freezing import detect  # only --freezable looks for CUDA checkpointing
+
+        raise UsageError(detect(config.nvml_timeout).refusal())
     try:
         return session.run(request, config, Console(options.quiet))
     except GpuwaitError as exc:
@@ -281,6 +307,7 @@ def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
             "safety": options.safety,
             "ledger_dir": options.ledger,
             "enforce": options.enforce,
+            "prefer": options.prefer,
         }
     )
     return _request(options), _config(settings)
@@ -318,7 +345,11 @@ def _request(options: argparse.Namespace) -> RunRequest:
         except ValueError as exc:
             raise UsageError(f"--vram {exc}") from None
     requirements = _requirements(options)
-    for option, value in (("--name", options.name), ("--batch", options.batch)):
+    for option, value in (
+        ("--name", options.name),
+        ("--batch", options.batch),
+        ("--once", options.once),
+    ):
         if value is not None and not _NAME_RE.match(value):
             raise UsageError(
                 f"{option} {value!r}: use up to 100 letters, digits and . _ : @ + -, "
@@ -339,6 +370,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         after_ok=_references(options.after_ok),
         pausable=_pausable(options),
         verbose=options.verbose and not options.quiet,
+        once=options.once,
     )
 
 
@@ -424,6 +456,7 @@ def _config(settings: Settings) -> RunConfig:
         priority=settings.priority,
         timeout=settings.timeout,
         gpu_weights=weights,
+        prefer=settings.prefer,
         wait=WaitPolicy(
             safety=settings.safety,
             poll_interval=settings.poll_interval,
@@ -435,9 +468,20 @@ def _config(settings: Settings) -> RunConfig:
                 min_runtime=settings.pause_min_runtime, max_pauses=settings.pause_max
             ),
             gpu_error_timeout=settings.gpu_error_timeout,
+            idle=_idle_watch(settings),
         ),
         sample_interval=settings.sample_interval,
         resume_exit=settings.resume_exit,
         watch_stderr=settings.watch_stderr != "off",
         enforce=settings.enforce,
     )
+
+
+def _idle_watch(settings: Settings) -> IdleWatch | None:
+    """What a waiter needs to ask the user's idle jobs to step aside (`idle_action = pause`)."""
+    if settings.idle_action != "pause":
+        return None
+    from gpuwait.commands.status import idle_rule
+    from gpuwait.queue.idle import IdleWatch
+
+    return IdleWatch(rule=idle_rule(settings), state_dir=settings.state_path)

@@ -19,6 +19,7 @@ from gpuwait.commands import Parser, output
 from gpuwait.commands.common import ledger_for
 from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
+from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.core.text import command_line, printable
@@ -26,6 +27,7 @@ from gpuwait.gpu import open_backend
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
 from gpuwait.queue.entries import RUNNING
+from gpuwait.queue.idle import record_reading
 from gpuwait.queue.report import STATUS_SCHEMA, View, read_queue, report_from
 
 _MIN_WIDTH = 80
@@ -155,7 +157,33 @@ def build_report(settings: Settings) -> dict[str, Any]:
     view = View(safety=settings.safety, ignore_processes=ignore, fair=settings.fair_share())
     report = report_from(snapshot, data, now, view, ledger.take_warnings(), problem)
     report["ledger_shared"] = bool(ledger.shared)
+    quiet = idle_holders(settings, snapshot, report["jobs"], ignore)
+    report["idle"] = [h for h in quiet if h["idle_seconds"] >= settings.idle_after]
+    #: Holding memory on a quiet GPU, but not seen so for `idle_after` yet.
+    report["idle_watching"] = [h for h in quiet if h["idle_seconds"] < settings.idle_after]
     return report
+
+
+def idle_rule(settings: Settings) -> IdleRule:
+    return IdleRule(
+        min_bytes=settings.idle_min_vram,
+        max_util_pct=settings.idle_max_util,
+        after=settings.idle_after,
+    )
+
+
+def idle_holders(
+    settings: Settings,
+    snapshot: MachineSnapshot | None,
+    jobs: list[dict[str, Any]],
+    ignore: frozenset[str],
+) -> list[dict[str, Any]]:
+    """This reading added to the evidence of idle VRAM holders, and every process holding
+    `idle_min_vram` on a quiet GPU, with how long it has been seen so."""
+    if snapshot is None:
+        return []
+    running = {j["child_pid"]: j["id"] for j in jobs if j["state"] == RUNNING and j["child_pid"]}
+    return record_reading(settings.state_path, snapshot, idle_rule(settings), running, ignore)
 
 
 def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
@@ -232,6 +260,8 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             f"jobs: {len(g['running_jobs'])} running, {c['dispatched']} dispatched, "
             f"{c['completed']} completed, {c['failed']} failed"
         )
+        if c.get("oom"):
+            line += f", {c['oom']} out of memory"
         if rate is not None:
             line += f", {rate:.1f}/h"
         out.append(_clip("     " + line, width))
@@ -309,6 +339,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
                     subsequent_indent="        ",
                 )
             )
+    out.extend(render_idle(report.get("idle", []), width, heading=True))
     if report["batches"]:
         out.append("")
         out.append(f"Batches ({len(report['batches'])})")
@@ -328,6 +359,31 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             out.append(_clip(f" {_clip(b['name'], column):<{column}} {tally}", width))
     out.extend(_render_users(report, width))
     return "\n".join(out) + "\n"
+
+
+def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> list[str]:
+    """Idle VRAM holders, one line each; under `heading` only where there is one."""
+    if heading and not holders:
+        return []
+    out = ["", f"Idle VRAM holders ({len(holders)})"] if heading else []
+    if holders:
+        fixed = f" {'GPU':>3} {'PID':>7} {'USER':<10} {'VRAM':>6} {'IDLE':>7} {'JOB':<8}  "
+        out.append(fixed + "COMMAND")
+    for h in holders:
+        line = (
+            f" {h['gpu_index']:>3} {h['pid']:>7} {_clip(h['user'] or '?', 10):<10} "
+            f"{_size(h['used_bytes']):>6} {format_duration(h['idle_seconds']):>7} "
+            f"{printable(h['job'] or '-', 16):<8}  "
+        )
+        # The program's name is what tells a forgotten kernel from a server; its directory
+        # (often a long venv path, for the interpreter and its script) would leave no room for
+        # the arguments. `--json` has them whole.
+        command = [
+            os.path.basename(w) if i < 2 and w.startswith("/") else w
+            for i, w in enumerate(h["command"])
+        ]
+        out.append(line + _clip(command_line(command) or "?", width - len(line)))
+    return out
 
 
 def _needs(job: dict[str, Any]) -> str:

@@ -17,8 +17,10 @@ def _match(entry: str, gpus: Sequence[GpuSnapshot]) -> GpuSnapshot | None:
     return None
 
 
-def parse_devices_option(text: str, gpus: Sequence[GpuSnapshot]) -> list[str]:
-    """UUIDs named by `--devices` (NVML indices or UUIDs, comma separated). Raises ValueError."""
+def parse_devices_option(
+    text: str, gpus: Sequence[GpuSnapshot], option: str = "--devices"
+) -> list[str]:
+    """UUIDs named by `option` (NVML indices or UUIDs, comma separated). Raises ValueError."""
     chosen: list[str] = []
     for entry in text.split(","):
         if not entry.strip():
@@ -26,11 +28,11 @@ def parse_devices_option(text: str, gpus: Sequence[GpuSnapshot]) -> list[str]:
         gpu = _match(entry, gpus)
         if gpu is None:
             known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus) or "none"
-            raise ValueError(f"--devices {text!r}: no GPU {entry.strip()!r} here; GPUs: {known}")
+            raise ValueError(f"{option} {text!r}: no GPU {entry.strip()!r} here; GPUs: {known}")
         if gpu.uuid not in chosen:
             chosen.append(gpu.uuid)
     if not chosen:
-        raise ValueError(f"--devices {text!r} names no GPU; give indices or UUIDs, e.g. 0,1")
+        raise ValueError(f"{option} {text!r} names no GPU; give indices or UUIDs, e.g. 0,1")
     return chosen
 
 

@@ -12,8 +12,10 @@ EXIT_STATE = 5
 EXIT_DEPENDENCY_FAILED = 6
 #: `gpuwait cancel` took the job out of the queue while it waited.
 EXIT_CANCELLED = 7
-#: cancel/pause/resume of another user's job.
+#: cancel/pause/resume of another user's job, adopt of another user's process.
 EXIT_NOT_PERMITTED = 8
+#: `--once KEY`: a job with this key is already waiting or running; nothing was queued.
+EXIT_ALREADY_QUEUED = 9
 EXIT_TIMEOUT = 124
 #: gpuwait's own output went to a reader that had gone away (128 + SIGPIPE).
 EXIT_BROKEN_PIPE = 141
@@ -38,6 +40,12 @@ class UsageError(GpuwaitError):
 
 class ImpossibleRequest(GpuwaitError):
     exit_code = EXIT_IMPOSSIBLE
+
+
+class AlreadyQueued(GpuwaitError):
+    """`--once KEY` found a job with that key waiting or running."""
+
+    exit_code = EXIT_ALREADY_QUEUED
 
 
 #: gpu_error_timeout's default: how long GPU readings may keep failing before gpuwait gives up.

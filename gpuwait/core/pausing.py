@@ -4,8 +4,9 @@ Cooperative pausing frees room by asking pausable jobs of lower priority to chec
 they are queued again and resumed later. This module decides whom to ask, from plain data, so the
 rules can be property-tested:
 
-- only jobs that opted in (`--pausable`), of strictly lower priority than the waiter, that have run
-  at least `min_runtime` since they last started, and were paused fewer than `max_pauses` times;
+- only jobs that opted in (`--pausable`), of strictly lower priority than the waiter (or idle, of
+  the waiter's own user, where `idle_action = pause`), that have run at least `min_runtime` since
+  they last started, and were paused fewer than `max_pauses` times;
 - a job already asked (by anyone) is never asked twice, and the room it will free is not promised
   to a second waiter;
 - the cheapest set that frees enough room on one GPU wins: lowest priority first, then least work
@@ -45,6 +46,9 @@ class RunningJob(Record, frozen=True):
     reload_seconds: float | None = None
     #: A pause was already requested.
     asked: bool = False
+    #: The waiter's own job, holding memory on a GPU that does no work (`idle_action =
+    #: pause`): asked to step aside whatever its priority.
+    idle: bool = False
 
 
 class PauseRules(Record, frozen=True):
@@ -62,7 +66,7 @@ def eligible(
     job: RunningJob, waiter_priority: int, rules: PauseRules, expected_wait: float | None
 ) -> bool:
     """Whether `job` may be asked to step aside for a waiter of `waiter_priority`."""
-    if not job.pausable or job.asked or job.priority >= waiter_priority:
+    if not job.pausable or job.asked or (job.priority >= waiter_priority and not job.idle):
         return False
     if job.run_seconds < rules.min_runtime or job.pauses >= rules.max_pauses:
         return False
@@ -99,7 +103,8 @@ def choose_victims(
                 for j in running
                 if j.gpu_uuids == (uuid,) and eligible(j, waiter_priority, rules, expected_wait)
             ),
-            key=lambda j: (j.priority, j.run_seconds, j.job_id),
+            # An idle job loses no work by stepping aside: asked first.
+            key=lambda j: (not j.idle, j.priority, j.run_seconds, j.job_id),
         )
         chosen: list[RunningJob] = []
         freed = 0

@@ -132,6 +132,9 @@ class Claim(Record, frozen=True):
     uid: int = -1
     #: The user's fair-share usage (decayed VRAM-time); lower goes first within a priority.
     usage: float = 0.0
+    #: GPUs taken first where the claim fits (`--prefer`); the others only where none of
+    #: them fits. Empty: no preference.
+    prefer: frozenset[str] = frozenset()
 
     @property
     def exclusive(self) -> bool:
@@ -454,7 +457,7 @@ _Fit = tuple[GpuRoom, int]
 
 
 def _order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: int) -> list[_Fit]:
-    """The fitting GPUs, most preferred first, by the claim's strategy."""
+    """The fitting GPUs, most preferred first: its --prefer GPUs, then by its strategy."""
 
     def best_fit(rn: _Fit) -> tuple[int, int]:
         # The GPU left with the least room, so large holes stay open for large jobs.
@@ -477,7 +480,12 @@ def _order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: i
         r.gpu.uuid in claim.expected_by_gpu for r, _ in fitting
     ):
         key = lambda rn: (claim.expected_by_gpu.get(rn[0].gpu.uuid, _NEVER), *best_fit(rn))  # noqa: E731
-    return sorted(fitting, key=key)
+    ordered = sorted(fitting, key=key)
+    if claim.prefer:
+        # Preferred GPUs first, each group in the strategy's order: a preferred GPU that fits
+        # is taken, and the others only fill what the preferred ones cannot.
+        ordered.sort(key=lambda rn: rn[0].gpu.uuid not in claim.prefer)
+    return ordered
 
 
 def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | None:

@@ -445,3 +445,20 @@ class NvmlBackend:
         except Exception:
             # Optional figure: whatever the driver says about accounting, the run goes on.
             return None
+
+
+def driver_version(timeout: float | None = 5.0) -> str | None:
+    """The NVIDIA driver's version ("570.86.10"); None where NVML cannot tell (no driver, or
+    one that fails or does not answer in time). For questions about the machine, not the GPUs:
+    it opens and closes NVML by itself."""
+    try:
+        _within(pynvml.nvmlInit, timeout)
+    except Exception:
+        return None  # whatever failed, the answer is the same: no driver to go by
+    try:
+        return _text(_within(pynvml.nvmlSystemGetDriverVersion, timeout))
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            _within(pynvml.nvmlShutdown, timeout)

@@ -176,6 +176,24 @@ def command_name(pid: int) -> str | None:
         return None
 
 
+def command_line(pid: int) -> list[str] | None:
+    """The process's arguments (/proc/PID/cmdline), or None; a kernel thread has none ([])."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError:
+        return None
+    return [arg.decode("utf-8", "replace") for arg in raw.split(b"\0")[:-1]]
+
+
+def working_dir(pid: int) -> str | None:
+    """The process's working directory, or None where it cannot be read."""
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
 def owner_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid

@@ -280,6 +280,13 @@ def proven_entry(
         if proc.is_alive(*process):
             if proc.owner_uid(pid) == uid and _is_gpuwait(*process):
                 return True
+            # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.
+            if (
+                state == "running"
+                and (child_pid, child_start) == process
+                and proc.owner_uid(pid) == uid
+            ):
+                return True
             _remember(_REFUTED, (uid, *process))
             return False
         _remember(_GONE, process)

@@ -2,8 +2,9 @@
 
 - finished: the last `FINISHED_KEPT` jobs that left the queue, with their outcome, so that
   `--after`/`--after-ok` can tell how a dependency ended;
-- per-GPU counters since the ledger was created: jobs dispatched, completed, failed, and the
-  completion times of the last few, from which a moving average of throughput is derived;
+- per-GPU counters since the ledger was created: jobs dispatched, completed, failed, out of
+  memory (counted apart from the other failures), and the completion times of the last few,
+  from which a moving average of throughput is derived;
 - GPU health: every GPU seen, and whether it answered at the last reading;
 - per-batch counts of jobs done, failed and cancelled.
 
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gpuwait.core.budget import OOM_CARD_FULL, OOM_OWN_LIMIT
 from gpuwait.core.record import Record, field
 from gpuwait.core.snapshot import MachineSnapshot
 
@@ -36,7 +38,9 @@ TIMED_OUT = "timeout"
 INTERRUPTED = "interrupted"
 #: `--after-ok` named a job that did not succeed, so this one never started.
 DEPENDENCY_FAILED = "dependency-failed"
-OUTCOMES = (OK, FAILED, CANCELLED, LOST, TIMED_OUT, INTERRUPTED, DEPENDENCY_FAILED)
+#: An adopted process (`gpuwait adopt`) ended: no gpuwait was its parent, so how is unknown.
+ENDED = "ended"
+OUTCOMES = (OK, FAILED, CANCELLED, LOST, TIMED_OUT, INTERRUPTED, DEPENDENCY_FAILED, ENDED)
 
 GPU_OK = "ok"
 GPU_LOST = "lost"
@@ -54,12 +58,22 @@ class Finished(Record):
     signal: int | None = None
     #: Who cancelled it (a cancelled job): its owner, or root.
     by_uid: int | None = None
+    #: A failed run that ran out of GPU memory: how (gpuwait.core.budget: "own limit", "card
+    #: full", "unknown"). Its outcome stays FAILED, so that --after-ok and older readers agree.
+    oom: str | None = None
+
+    @property
+    def ran_out_of_memory(self) -> bool:
+        return self.outcome == FAILED and isinstance(self.oom, str)
 
     @property
     def succeeded(self) -> bool:
         return self.outcome == OK
 
     def describe(self) -> str:
+        if self.ran_out_of_memory:
+            how = {OOM_OWN_LIMIT: " at its own limit", OOM_CARD_FULL: " on a full card"}
+            return f"ran out of GPU memory{how.get(str(self.oom), '')}"
         if self.outcome == FAILED and self.signal is not None:
             return f"killed by signal {self.signal}"
         if self.outcome == FAILED:
@@ -68,6 +82,7 @@ class Finished(Record):
             OK: "succeeded",
             CANCELLED: "was cancelled",
             LOST: "was lost (its gpuwait process vanished)",
+            ENDED: "ended (an adopted process: its exit status is unknown)",
             TIMED_OUT: "gave up waiting",
             INTERRUPTED: "was interrupted while waiting",
             DEPENDENCY_FAILED: "never started (a job it depended on did not succeed)",
@@ -77,7 +92,9 @@ class Finished(Record):
 class GpuCounters(Record):
     dispatched: int = 0
     completed: int = 0
+    #: Failed runs other than those that ran out of GPU memory, which `oom` counts.
     failed: int = 0
+    oom: int = 0
     #: End times of the last THROUGHPUT_WINDOW jobs that ended there.
     recent_ends: list[float] = field(default_factory=list)
 
@@ -128,7 +145,9 @@ class Book(Record):
             counters = self.gpus.setdefault(uuid, GpuCounters())
             if done.succeeded:
                 counters.completed += 1
-            else:
+            elif done.ran_out_of_memory:
+                counters.oom += 1
+            elif done.outcome != ENDED:  # an adopted process's end says nothing of success
                 counters.failed += 1
             counters.recent_ends = [*counters.recent_ends, done.finished_at][-THROUGHPUT_WINDOW:]
         if done.batch is not None:

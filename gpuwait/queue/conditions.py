@@ -220,6 +220,7 @@ def claim_of(
         weights=dict(job.weights),
         uid=job.uid,
         usage=usage,
+        prefer=frozenset(job.prefer),
     )
 
 

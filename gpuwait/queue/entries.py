@@ -116,6 +116,15 @@ class Job(Record):
     overuse_total_bytes: int = 0
     #: How its budget is held once it runs (gpuwait.core.budget.HELD_BY), strongest first.
     held_by: list[str] = field(default_factory=list)
+    #: `--once KEY`: no second job of its user with this key is queued while it waits or runs.
+    once: str | None = None
+    #: `--prefer`: GPUs (UUIDs) taken first where the job fits; others only where none does.
+    prefer: list[str] = field(default_factory=list)
+    #: A process started without gpuwait and adopted (`gpuwait adopt`): the state dir whose
+    #: history records its run once it has ended, and how that history keeps command lines.
+    #: Its entry names the process itself as its gpuwait and its command.
+    adopted_history: str | None = None
+    adopted_commands: str = "full"
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -202,6 +211,12 @@ class Job(Record):
             if "overuse_total_bytes" in raw
             else 0,
             held_by=_held_by(raw.get("held_by")),
+            # Both are read leniently: an entry written without them (or damaged there) keeps
+            # its place in the queue, only without the key or the preference.
+            once=_lenient_text(raw.get("once")),
+            prefer=_lenient_texts(raw.get("prefer")),
+            adopted_history=_lenient_text(raw.get("adopted_history")),
+            adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -600,8 +615,9 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
 
 def mark_pause_requests(data: LedgerData) -> None:
     """Set each running job's `pause_requested_*` from the requests that may ask it: from a
-    waiting job of higher priority, to a running --pausable job, the earliest first. Whatever
-    an entry itself says about being asked is not taken: only its asker's file may say so."""
+    waiting job of higher priority (or of the same user), to a running --pausable job, the
+    earliest first. Whatever an entry itself says about being asked is not taken: only its
+    asker's file may say so."""
     jobs = {(j.uid, plain_id(j.id)): j for j in data.jobs}
     for job in data.jobs:
         job.pause_requested_at = job.pause_requested_by = None
@@ -618,7 +634,9 @@ def mark_pause_requests(data: LedgerData) -> None:
             or victim.state != RUNNING
             or not victim.pausable
             or asker.state != WAITING
-            or asker.effective_priority <= victim.effective_priority
+            # A user's own waiter may ask whatever the priorities (an idle job, with
+            # `idle_action = pause`): they could cancel that job anyway.
+            or (asker.effective_priority <= victim.effective_priority and asker.uid != victim.uid)
         ):
             continue
         victim.pause_requested_at = request.at
@@ -669,6 +687,7 @@ def _finished(raw: Any) -> Finished:
         exit_status=_optional_count(raw, "exit_status"),
         signal=_optional_count(raw, "signal"),
         by_uid=_optional_count(raw, "by_uid"),
+        oom=_optional_text(raw, "oom"),
     )
     if done.outcome not in OUTCOMES:
         raise ValueError(f"outcome {done.outcome!r} is unknown")
@@ -682,6 +701,8 @@ def _counters(raw: Any) -> GpuCounters:
         dispatched=_count(raw, "dispatched"),
         completed=_count(raw, "completed"),
         failed=_count(raw, "failed"),
+        # Absent from ledgers written before OOMs were counted apart.
+        oom=_count(raw, "oom") if "oom" in raw else 0,
         recent_ends=[_float({"t": t}, "t") for t in ends],
     )
 
@@ -807,6 +828,16 @@ def _text_list(raw: Mapping[str, Any], key: str) -> list[str]:
     ):
         raise ValueError(f"{key} must be a list of short strings")
     return list(value)
+
+
+def _lenient_text(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= _MAX_TEXT else None
+
+
+def _lenient_texts(value: Any) -> list[str]:
+    if not isinstance(value, list):
+        return []
+    return [v for v in value[:1024] if isinstance(v, str) and 0 < len(v) <= _MAX_TEXT]
 
 
 def _pid_list(value: Any) -> list[int]:

@@ -67,6 +67,7 @@ Kind = Literal[
     "pause-signal",
     "paused",
     "pause-grace-kill",
+    "adopt",
 ]
 #: Every kind, in the order above (`gpuwait log --help` lists them).
 KINDS: tuple[str, ...] = get_args(Kind)

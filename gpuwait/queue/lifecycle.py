@@ -28,7 +28,7 @@ from pathlib import Path
 from signal import SIGTERM
 from typing import Any
 
-from gpuwait.core.errors import StateError, UsageError
+from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice
@@ -43,7 +43,14 @@ from gpuwait.linux.security import (
     orphan_control_refusal,
 )
 from gpuwait.queue import entries, events
-from gpuwait.queue.bookkeeping import CANCELLED, DEPENDENCY_FAILED, LOST, Finished
+from gpuwait.queue.bookkeeping import (
+    CANCELLED,
+    DEPENDENCY_FAILED,
+    ENDED,
+    FAILED,
+    LOST,
+    Finished,
+)
 from gpuwait.queue.conditions import (
     busy_gpus,
     claims_for,
@@ -63,6 +70,8 @@ from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
 from gpuwait.queue.ledger import Ledger
 
 _Said = list[tuple[events.Kind, dict[str, Any]]]
+#: History records of adopted processes found ended: (state dir, record), written after commit.
+_Ended = list[tuple[str, dict[str, Any]]]
 
 #: The entries' processes, looked at in every transaction (see gpuwait.linux.proc.LivenessReader).
 _LIVENESS = proc.LivenessReader()
@@ -79,15 +88,23 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
     """A write transaction, reaped first; the events said in it are logged once it committed."""
     said: _Said = []
     quiet: set[str] = set()
+    ended: _Ended = []
     with ledger.transaction(quiet) as data:
-        _reap(ledger, data, quiet, said)
+        _reap(ledger, data, quiet, said, ended)
         _carry_out_requests(data, said)
         yield data, said
     for kind, fields in said:
         events.emit(ledger.directory, kind, **fields)
+    if ended:
+        from gpuwait.history import store  # only an adopted process's end needs it
+
+    for state_dir, record in ended:
+        # Its process is gone; only the record would be lost, never the transaction.
+        with contextlib.suppress(OSError):
+            store.append_record(Path(state_dir), record)
 
 
-def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> None:
+def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended: _Ended) -> None:
     """Take out the entries whose processes are gone (their jobs count as lost) and those that
     name another user's process (forged); their ids go into `quiet`: nobody is woken for them.
 
@@ -122,9 +139,17 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
     for job in gone:
         data.jobs.remove(job)
         data.book.note_finished(
-            Finished(id=job.id, outcome=LOST, finished_at=now, name=job.name, batch=job.batch),
+            Finished(
+                id=job.id,
+                outcome=LOST if job.adopted_history is None else ENDED,
+                finished_at=now,
+                name=job.name,
+                batch=job.batch,
+            ),
             job.gpu_uuids if job.state == RUNNING else (),
         )
+        if job.adopted_history is not None:
+            ended.append((job.adopted_history, _adopted_record(job, data, now)))
         said.append(
             ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})
         )
@@ -144,6 +169,52 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said) -> Non
                 f"{job.uid} but its process {job.pid} belongs to another user"
             )
     quiet.update(j.id for j in (*gone, *forged))
+
+
+def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
+    """The history record of an adopted process that has ended. Nobody waited on it, so its
+    exit status is unknown (recorded as None) and its peak is what it used when it was
+    adopted: nothing samples it afterwards."""
+    from gpuwait.history import record as run_record  # rarely needed: kept out of launches
+
+    gpus = []
+    for uuid in job.gpu_uuids:
+        health = data.book.health.get(uuid)
+        if health is not None:
+            gpus.append(GpuSnapshot(health.index, uuid, health.name, health.total_bytes, 0))
+        else:
+            gpus.append(GpuSnapshot(-1, uuid, "GPU", 0, 0))
+    started_at = job.started_at if job.started_at is not None else job.submitted_at
+    record = run_record.build(
+        job_id=job.id,
+        name=job.name,
+        batch=job.batch,
+        command=job.command,
+        cwd=job.cwd,
+        key=None,
+        history_commands=job.adopted_commands,
+        request=job.request,
+        request_source="adopted",
+        reserved_bytes=job.reserved_bytes,
+        gpus=gpus,
+        measured=run_record.Measured(
+            peak_by_gpu=dict(job.observed),
+            peak_approximate=False,
+            time_to_peak=None,
+            samples=1 if job.observed else 0,
+            free_at_peak_bytes={},
+            run_seconds=max(0.0, now - started_at),
+            returncode=0,
+            oom=False,
+            oom_evidence=None,
+            stderr_watched="off",
+        ),
+        wait_seconds=0.0,
+        started_at=started_at,
+    )
+    record["exit_status"] = None
+    record["adopted"] = True
+    return record
 
 
 def _carry_out_requests(data: LedgerData, said: _Said) -> None:
@@ -281,9 +352,20 @@ def submit(
     `after`/`after_ok` are `--after` references (ids, names, batches) resolved here, against the
     ledger and the history in `state_dir`. `logged_command`: the command as the event log keeps
     it (see history_commands). Raises StateError at the cap, UsageError for a reference that
-    names no job.
+    names no job, AlreadyQueued when the job has a `once` key that one of its user's entries
+    already has: looked for in the same transaction as the write, so of submissions racing
+    with one key exactly one is queued.
     """
     with _change(ledger) as (data, said):
+        if job.once is not None:
+            twin = next((j for j in data.jobs if j.uid == job.uid and j.once == job.once), None)
+            if twin is not None:
+                label = twin.id if twin.name is None else f"{twin.id} ({twin.name})"
+                raise AlreadyQueued(
+                    f"--once {job.once}: job {label} with this key is already {twin.state}; "
+                    "nothing was queued",
+                    hint="see `gpuwait status`",
+                )
         mine = sum(1 for j in data.jobs if j.uid == job.uid)
         if mine >= MAX_ENTRIES_PER_UID:
             raise StateError(
@@ -311,6 +393,46 @@ def submit(
                     "batch": job.batch,
                     "priority": job.priority,
                     "command": logged_command,
+                },
+            )
+        )
+    return copy_job(entry)
+
+
+def adopt(ledger: Ledger, job: Job) -> Job:
+    """Put `job`, a running process started without gpuwait, in the ledger as a running job.
+
+    Its entry names the process itself as its gpuwait and its command, so the reaping of every
+    transaction takes it out (and records its run in the history) once it has ended. Raises
+    UsageError when the process already belongs to a job, StateError at the cap.
+    """
+    with _change(ledger) as (data, said):
+        for other in data.jobs:
+            if job.pid in (other.pid, other.child_pid) or job.pid in other.pids:
+                raise UsageError(
+                    f"process {job.pid} already belongs to gpuwait job {other.id}",
+                    hint="see `gpuwait status`",
+                )
+        mine = sum(1 for j in data.jobs if j.uid == job.uid)
+        if mine >= MAX_ENTRIES_PER_UID:
+            raise StateError(
+                f"uid {job.uid} already has {mine} gpuwait jobs in the ledger, the most one "
+                "user may",
+                hint="wait for some to finish",
+            )
+        entry = copy_job(job)._replace(order=data.next_order)
+        data.next_order += 1
+        data.jobs.append(entry)
+        data.book.note_admitted(entry.gpu_uuids)
+        said.append(
+            (
+                "adopt",
+                {
+                    "job": entry.id,
+                    "name": entry.name,
+                    "pid": entry.pid,
+                    "gpus": list(entry.gpu_uuids),
+                    "reserved_bytes": entry.reserved_bytes,
                 },
             )
         )
@@ -661,6 +783,7 @@ def finish(
             batch=job.batch,
             exit_status=exit_status,
             signal=signal,
+            oom=oom if outcome == FAILED else None,
         )
         data.book.note_finished(done, ran_on)
         if charge_usage is not None:

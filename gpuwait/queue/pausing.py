@@ -23,7 +23,15 @@ from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.ledger import Ledger
 
 
-def _running_view(data: LedgerData, gpus_snapshot: MachineSnapshot, now: float) -> list[RunningJob]:
+def _running_view(
+    data: LedgerData,
+    gpus_snapshot: MachineSnapshot,
+    now: float,
+    idle_jobs: frozenset[str] = frozenset(),
+    uid: int | None = None,
+) -> list[RunningJob]:
+    """The running jobs as the victim choice sees them; `idle_jobs` count as idle only where
+    they are `uid`'s own: nothing is ever done to another user's job for being idle."""
     views = []
     for job in data.jobs:
         if job.state != RUNNING:
@@ -42,6 +50,7 @@ def _running_view(data: LedgerData, gpus_snapshot: MachineSnapshot, now: float) 
                 pauses=job.pauses,
                 reload_seconds=job.load_seconds,
                 asked=job.pause_requested_at is not None,
+                idle=job.id in idle_jobs and job.uid == uid,
             )
         )
     return views
@@ -61,9 +70,16 @@ def _expected_wait(claims: Sequence[Claim], need: dict[str, int]) -> float | Non
 
 
 def ask_for_room(
-    ledger: Ledger, job: Job, snapshot: MachineSnapshot, safety: float, rules: PauseRules
+    ledger: Ledger,
+    job: Job,
+    snapshot: MachineSnapshot,
+    safety: float,
+    rules: PauseRules,
+    idle_jobs: frozenset[str] = frozenset(),
 ) -> tuple[str, ...]:
     """If `job` waits and pausing lower-priority jobs would let it in, mark them; return their ids.
+    `idle_jobs`: running jobs seen idle (`idle_action = pause`), asked whatever their priority
+    where they are the waiter's user's own.
 
     Nothing is asked while a request of this waiter is still pending, so one waiter never pauses
     more than it needs; jobs already asked by another waiter are neither asked again nor counted
@@ -78,7 +94,7 @@ def ask_for_room(
         and j.pausable
         and j.orphaned_at is None
         and j.pause_requested_at is None
-        and j.priority < priority
+        and (j.priority < priority or (j.id in idle_jobs and j.uid == job.uid))
         for j in quick.jobs
     ):
         return ()
@@ -97,7 +113,7 @@ def ask_for_room(
             need,
             {u: r.room for u, r in rooms.items()},
             priority,
-            _running_view(data, snapshot, now),
+            _running_view(data, snapshot, now, idle_jobs, job.uid),
             rules,
             expected_wait=_expected_wait(claims, need),
         )

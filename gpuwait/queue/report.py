@@ -191,6 +191,8 @@ def report_from(
                 "after": job.after,
                 "after_ok": job.after_ok,
                 "requirements": job.requirements,
+                "once": job.once,
+                "prefer": job.prefer,
             }
         )
     return report
@@ -224,6 +226,7 @@ def _gpu_entry(
             "dispatched": counters.dispatched if counters else 0,
             "completed": counters.completed if counters else 0,
             "failed": counters.failed if counters else 0,
+            "oom": counters.oom if counters else 0,
             "throughput_per_hour": counters.per_hour() if counters else None,
         },
     }

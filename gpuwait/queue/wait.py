@@ -55,6 +55,7 @@ from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFail
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
+    from gpuwait.queue.idle import IdleWatch
 
 #: While `--max-util` lacks enough readings to judge, the GPUs are read this often.
 UTIL_SAMPLE_INTERVAL = 0.2
@@ -88,6 +89,9 @@ class WaitPolicy(Record, frozen=True):
     pause_rules: PauseRules | None = None
     #: How long the GPU readings may keep failing before the waiter gives up (exit 4).
     gpu_error_timeout: float = DEFAULT_GPU_ERROR_TIMEOUT
+    #: `idle_action = pause`: the user's own idle pausable jobs are asked to step aside for
+    #: this waiter whatever their priority. None: idleness changes nothing.
+    idle: IdleWatch | None = None
 
 
 class GpuRetry:
@@ -278,7 +282,12 @@ def wait_for_admission(
             # Here: a launch that fits at once pays nothing for pausing.
             from gpuwait.queue.pausing import ask_for_room, pause_progress
 
-            ask_for_room(ledger, job, snapshot, policy.safety, policy.pause_rules)
+            idle = frozenset[str]()
+            if policy.idle is not None:
+                from gpuwait.queue.idle import idle_jobs
+
+                idle = idle_jobs(policy.idle, snapshot, ledger.read(), policy.ignore_processes)
+            ask_for_room(ledger, job, snapshot, policy.safety, policy.pause_rules, idle)
             # Said on every reading, not only when asking: the waiter must keep seeing why it
             # still waits (a job that does not catch the signal yet, or ignores it).
             outcome = outcome._replace(pause=pause_progress(ledger.read(), job.id, time.time()))

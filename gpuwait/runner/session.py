@@ -18,7 +18,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from gpuwait.core.budget import DEFAULT_ENFORCE, OOM_OWN_LIMIT, Budget, near_limit, oom_cause
+from gpuwait.core.budget import (
+    DEFAULT_ENFORCE,
+    OOM_CARD_FULL,
+    OOM_OWN_LIMIT,
+    Budget,
+    near_limit,
+    oom_cause,
+)
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
     EXIT_DEPENDENCY_FAILED,
@@ -26,6 +33,7 @@ from gpuwait.core.errors import (
     EXIT_NOT_FOUND,
     EXIT_TIMEOUT,
     BackendUnavailable,
+    GpuwaitError,
     ImpossibleRequest,
     StateError,
     UsageError,
@@ -114,6 +122,8 @@ class RunRequest(Record, frozen=True):
     after_ok: tuple[str, ...] = ()
     pausable: Pausable | None = None
     verbose: bool = False
+    #: --once: queue nothing while a job of the user's with this key waits or runs.
+    once: str | None = None
 
 
 class RunConfig(Record, frozen=True):
@@ -137,6 +147,8 @@ class RunConfig(Record, frozen=True):
     timeout: float | None
     gpu_weights: Mapping[str, float]
     wait: WaitPolicy
+    #: --prefer / prefer: GPUs (NVML indices or UUIDs) taken first where the job fits.
+    prefer: tuple[str, ...]
     sample_interval: float
     resume_exit: int
     watch_stderr: bool
@@ -240,22 +252,36 @@ def _run_with_retries(
     while True:
         ended = _attempt(request, config, reporter, backend, choice)
         returncode = ended.returncode
-        if not ended.oom or retries >= request.retry_oom:
+        if not ended.oom:
+            break
+        how = _ran_out(ended)
+        try:
+            raised = _choose(request, config, None)
+            # Capped as the next attempt will be: a run that already had the largest card
+            # cannot be helped by a bigger estimate.
+            snapshot = backend.snapshot()
+            raised = cap_to_cards(
+                raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
+            )
+        except GpuwaitError:
+            if retries < request.retry_oom:
+                raise
+            # Only the summary needed the GPUs: the run's own exit status still stands.
+            reporter.warn(f"the command ran out {how}")
+            break
+        after = raised.request.bytes if raised.request is not None else None
+        if retries >= request.retry_oom:
+            # The exit summary: what ended the run, and what the next run will ask for.
+            if after is None or after <= ended.reserved_bytes:
+                reporter.warn(f"the command ran out {how}")
+            else:
+                without = " without --vram" if request.vram is not None else ""
+                reporter.warn(
+                    f"the command ran out {how}; the next run{without} asks for "
+                    f"{format_size(after)}"
+                )
             break
         retries += 1
-        raised = _choose(request, config, None)
-        # Capped as the next attempt will be: a run that already had the largest card
-        # cannot be helped by a bigger estimate.
-        snapshot = backend.snapshot()
-        raised = cap_to_cards(
-            raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
-        )
-        after = raised.request.bytes if raised.request is not None else None
-        how = (
-            f"at its own {format_size(ended.reserved_bytes)} limit"
-            if ended.oom_cause == OOM_OWN_LIMIT
-            else "of GPU memory"
-        )
         if after is None or after <= ended.reserved_bytes:
             reporter.warn(f"the command ran out {how}; no larger size to retry with")
             break
@@ -269,6 +295,15 @@ def _run_with_retries(
         signals.die_by_signal(-returncode)
         return 128 - returncode
     return returncode
+
+
+def _ran_out(ended: _Ended) -> str:
+    """How a run ran out of memory, after "the command ran out "."""
+    if ended.oom_cause == OOM_OWN_LIMIT:
+        return f"at its own {format_size(ended.reserved_bytes)} limit"
+    if ended.oom_cause == OOM_CARD_FULL:
+        return "of memory on a full card"
+    return "of GPU memory"
 
 
 def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | None:
@@ -298,6 +333,18 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
                 f"CUDA_VISIBLE_DEVICES={inherited}"
             )
     return candidates
+
+
+def _preferred(config: RunConfig, snapshot: MachineSnapshot) -> list[str]:
+    """The `prefer` GPUs as UUIDs; one not on this machine is a usage error, as for --devices."""
+    if not config.prefer:
+        return []
+    from gpuwait.core.devices import parse_devices_option
+
+    try:
+        return parse_devices_option(",".join(config.prefer), snapshot.gpus, "prefer")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _weights(config: RunConfig, snapshot: MachineSnapshot) -> dict[str, float]:
@@ -339,6 +386,8 @@ def _new_job(
         batch=request.batch,
         requirements=dict(request.requirements),
         weights=_weights(config, snapshot) if config.pick == "weighted" else {},
+        once=request.once,
+        prefer=_preferred(config, snapshot),
     )
     if pausable is not None:
         job = job._replace(

@@ -185,6 +185,7 @@ BAD_TEXT = {
     "nvml_interval": "abc",
     "ignore_processes": "a-name-longer-than-fifteen",
     "gpu_weights": "0=abc",
+    "prefer": "fast",
     "state_dir": "relative",
     "wrap_commands": "-x",
     "estimate_margin": "abc",
@@ -197,6 +198,10 @@ BAD_TEXT = {
     "nvml_timeout": "abc",
     "gpu_error_timeout": "abc",
     "lock_timeout": "abc",
+    "idle_min_vram": "abc",
+    "idle_max_util": "True",
+    "idle_after": "abc",
+    "idle_action": "True",
 }
 ANY_TEXT = {"wrap_only_in", "never_wrap", "sim"}
 FLAGS = {
@@ -206,6 +211,7 @@ FLAGS = {
     "safety": "--safety",
     "ledger_dir": "--ledger",
     "enforce": "--enforce",
+    "prefer": "--prefer",
 }
 
 

@@ -408,7 +408,7 @@ complete_at gpuwait -- stat
 """
     done = run_shell("bash", script, [], hook_env)
     lines = done.stdout.splitlines()
-    assert lines[0] == "--pausable --pick --priority"
+    assert lines[0] == "--pausable --pick --prefer --priority"
     # Every strategy of the policy, in its order.
     assert lines[1] == " ".join(PICK_STRATEGIES)
     assert lines[1].startswith("best-fit most-free round-robin")
@@ -434,7 +434,7 @@ end
         head, _, body = block.partition("\n")
         blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
         rows[head] = body.splitlines()
-    assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--priority"]
+    assert blocks["gpuwait --p"] == ["--pausable", "--pick", "--prefer", "--priority"]
     assert blocks["gpuwait --pick "] == sorted(PICK_STRATEGIES)
     assert {"best-fit", "most-free", "round-robin"} <= set(blocks["gpuwait --pick "])
     assert blocks["gpuwait status --"] == ["--help", "--json", "--watch"]

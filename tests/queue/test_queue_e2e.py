@@ -558,6 +558,8 @@ STATUS_KEYS = {
     "users": list,
     "fair_share": dict,
     "ledger_shared": bool,
+    "idle": list,
+    "idle_watching": list,
 }
 GPU_KEYS = {
     "index": int,
@@ -583,6 +585,7 @@ COUNTER_KEYS = {
     "dispatched": int,
     "completed": int,
     "failed": int,
+    "oom": int,
     "throughput_per_hour": OPT_FLOAT,
 }
 JOB_KEYS = {
@@ -621,6 +624,8 @@ JOB_KEYS = {
     "pause_asked_by": (dict, type(None)),
     "overuse": (dict, type(None)),
     "held_by": list,
+    "once": OPT_STR,
+    "prefer": list,
 }
 BATCH_KEYS = {
     "name": str,

@@ -1,0 +1,118 @@
+"""`gpuwait adopt PID`: give a process started without gpuwait an entry in the ledger.
+
+The entry is a running job whose gpuwait and command are both the adopted process: the queue
+counts its VRAM as a job's (its reservation, not also as an outside process's use), `status`
+shows it with the jobs, and the reaping of every transaction takes it out and records its run
+in the history once the process has ended (gpuwait.queue.lifecycle.adopt). `adopt` itself
+exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from gpuwait.commands import Parser, output, whole_number
+from gpuwait.commands.common import ledger_for
+from gpuwait.config import load_settings
+from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
+from gpuwait.core.sizes import format_size, parse_size
+from gpuwait.core.text import printable
+from gpuwait.gpu import open_backend
+from gpuwait.linux import proc
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import RUNNING, Job
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="gpuwait adopt",
+        description="Give a running process started without gpuwait (yours; root: anyone's) an "
+        "entry in the queue: it is counted as a job with a reservation, shown by `status`, and "
+        "its end is recorded in the history (exit status unknown).",
+    )
+    parser.add_argument("pid", type=whole_number(1, 2**31 - 1), metavar="PID", help="its pid")
+    parser.add_argument(
+        "--vram",
+        metavar="SIZE",
+        help="its reservation per GPU (e.g. 6G); default: what it uses now",
+    )
+    parser.add_argument("--name", metavar="NAME", help="a name for the job, as --name gives one")
+    return parser
+
+
+def run(options: argparse.Namespace) -> int:
+    pid: int = options.pid
+    reserve = None
+    if options.vram is not None:
+        try:
+            reserve = parse_size(options.vram)
+        except ValueError as exc:
+            raise UsageError(f"--vram {exc}") from None
+        if reserve <= 0:
+            raise UsageError("--vram: reserve more than 0 bytes")
+    start = proc.start_time(pid)
+    owner = proc.owner_uid(pid)
+    if start is None or owner is None:
+        raise UsageError(f"no process {pid}", hint="see `ps` for the pid")
+    me = os.getuid()
+    settings = load_settings({})
+    if owner != me and me != 0:
+        output.error(f"process {pid} belongs to uid {owner}: only your own can be adopted")
+        return EXIT_NOT_PERMITTED
+    if owner != me and settings.ledger_dir is not None:
+        # In a shared ledger directory each user's entries live in a file only they write.
+        output.error(
+            f"process {pid} belongs to uid {owner}: in a shared ledger directory only its "
+            "owner can adopt it"
+        )
+        return EXIT_NOT_PERMITTED
+    tree = proc.process_tree([pid])
+    backend = open_backend(settings.sim, settings.nvml_timeout)
+    try:
+        snapshot = backend.snapshot()
+    finally:
+        backend.close()
+    using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
+    using = {uuid: used for uuid, used in using.items() if used > 0}
+    if not using:
+        what = "" if reserve is None else f" for its {format_size(reserve)}"
+        raise UsageError(
+            f"process {pid} uses no GPU memory that gpuwait can see: no GPU to reserve{what} on",
+            hint="adopt it once it has allocated memory on its GPUs",
+        )
+    reserved = reserve if reserve is not None else max(using.values())
+    command = proc.command_line(pid) or [proc.command_name(pid) or str(pid)]
+    now = time.time()
+    job = Job(
+        id=os.urandom(4).hex(),
+        pid=pid,
+        start_time=start,
+        uid=owner,
+        command=command,
+        cwd=proc.working_dir(pid) or "/",
+        request={"bytes": reserved},
+        gpus=len(using),
+        state=RUNNING,
+        gpu_uuids=sorted(using, key=lambda u: next(g.index for g in snapshot.gpus if g.uuid == u)),
+        reserved_bytes=reserved,
+        observed=using,
+        pids=sorted(tree),
+        child_pid=pid,
+        child_start_time=start,
+        submitted_at=now,
+        started_at=now,
+        updated_at=now,
+        name=options.name,
+        adopted_history=str(settings.state_path),
+        adopted_commands=settings.history_commands,
+    )
+    job = lifecycle.adopt(ledger_for(settings), job)
+    indexes = ",".join(str(g.index) for g in snapshot.gpus if g.uuid in using)
+    name = f" ({printable(job.name, 100)})" if job.name else ""
+    output.info(
+        f"adopted process {pid} as job {job.id}{name}: {format_size(reserved)} reserved on "
+        f"GPU {indexes}"
+    )
+    return 0

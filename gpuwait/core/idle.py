@@ -1,0 +1,104 @@
+"""Idle VRAM holders: processes that keep memory on a GPU that does no work.
+
+There is no daemon to watch the GPUs, so idleness is judged from the readings gpuwait makes
+anyway, kept as evidence between them: for each process holding enough memory on a quiet GPU,
+since when every reading has found it so. The driver reports utilization per GPU everywhere
+(per process only on some cards), so the rule is the GPU's: a process is idle when it holds at
+least `min_bytes` on a GPU whose utilization stayed under `max_util_pct` at every reading for
+at least `after` seconds while it held that memory. A GPU whose utilization is unknown makes
+nobody idle: gpuwait names no one on a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import MachineSnapshot
+
+#: Evidence: key (see `evidence_key`) -> the time since which the process was seen idle.
+Evidence = dict[str, float]
+
+
+class IdleRule(Record, frozen=True):
+    """What counts as idle: the `idle_min_vram`, `idle_max_util` and `idle_after` settings."""
+
+    min_bytes: int
+    #: Percent: a GPU at or above it is working.
+    max_util_pct: float
+    after: float
+
+
+class IdleHolder(Record, frozen=True):
+    """A process that has held memory on a quiet GPU for at least the rule's `after`."""
+
+    pid: int
+    gpu_index: int
+    gpu_uuid: str
+    used_bytes: int
+    idle_since: float
+
+
+def evidence_key(gpu_uuid: str, pid: int, start: int | None) -> str:
+    """One process on one GPU. The start time tells a reused pid from the process that had it:
+    a new process inherits no idle time."""
+    return f"{gpu_uuid}/{pid}/{'?' if start is None else start}"
+
+
+def observe(
+    previous: Mapping[str, float],
+    snapshot: MachineSnapshot,
+    starts: Mapping[int, int | None],
+    rule: IdleRule,
+    now: float,
+    ignore: Collection[str] = (),
+) -> Evidence:
+    """The evidence after one more reading: every process seen holding memory on a quiet GPU
+    keeps the time it was first seen so (now, if it was not before); one seen on a busy GPU,
+    holding nothing, or gone drops out.
+    `starts`: each process's start time where known; `ignore`: command names that are no load
+    (a display server) and so never named."""
+    evidence: Evidence = {}
+    for gpu in snapshot.gpus:
+        util = gpu.utilization_pct
+        if util is None or util >= rule.max_util_pct:
+            continue
+        for process in gpu.processes:
+            # Every holding is kept, however small: `min_bytes` is applied when naming, so a
+            # lower threshold set later finds the time already seen.
+            if not process.used_bytes or process.name in ignore:
+                continue
+            key = evidence_key(gpu.uuid, process.pid, starts.get(process.pid))
+            since = previous.get(key, now)
+            # A clock set back must not make a process idle for longer than it was seen.
+            evidence[key] = min(since, now)
+    return evidence
+
+
+def idle_holders(
+    evidence: Mapping[str, float],
+    snapshot: MachineSnapshot,
+    starts: Mapping[int, int | None],
+    rule: IdleRule,
+    now: float,
+) -> list[IdleHolder]:
+    """The processes of `snapshot` holding at least `rule.min_bytes` that the evidence shows
+    idle for at least `rule.after`, the longest idle first."""
+    found: list[IdleHolder] = []
+    for gpu in snapshot.gpus:
+        for process in gpu.processes:
+            since = evidence.get(evidence_key(gpu.uuid, process.pid, starts.get(process.pid)))
+            if since is None or now - since < rule.after:
+                continue
+            if (process.used_bytes or 0) < rule.min_bytes:
+                continue
+            found.append(
+                IdleHolder(
+                    pid=process.pid,
+                    gpu_index=gpu.index,
+                    gpu_uuid=gpu.uuid,
+                    used_bytes=process.used_bytes or 0,
+                    idle_since=since,
+                )
+            )
+    return sorted(found, key=lambda h: (h.idle_since, h.gpu_index, h.pid))

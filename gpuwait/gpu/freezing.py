@@ -1,0 +1,91 @@
+"""Whether this machine could freeze a CUDA job: move its device memory to host memory and stop
+it, with no help from the job (CUDA checkpointing, docs/freezing.md).
+
+Only what is present is looked at, and nothing is done with it: gpuwait does not freeze jobs
+yet, so `--freezable` is refused, naming what this machine lacks. libcuda is loaded only to look
+its checkpoint entry points up, never called (no cuInit, no context, no GPU touched); the
+driver's version comes from NVML, like every other question to the driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+from gpuwait.core.record import Record
+
+#: The driver branch from which both ways in are there: `cuda-checkpoint --action lock` (a
+#: separate lock with a timeout, new in 570) and the cuCheckpointProcess* driver API (CUDA 12.8,
+#: whose driver branch is 570). 550 to 565 have only `cuda-checkpoint --toggle`, which cannot
+#: bound the wait for a job's submitted work.
+MIN_DRIVER = 570
+TOOL = "cuda-checkpoint"
+LIBCUDA = "libcuda.so.1"
+#: One of the entry points gpuwait would call; the others (Checkpoint, Restore, Unlock,
+#: GetState) came in the same release.
+LOCK_SYMBOL = "cuCheckpointProcessLock"
+
+
+class FreezeSupport(Record, frozen=True):
+    """What this machine has of CUDA checkpointing."""
+
+    #: Where `cuda-checkpoint` is on PATH, or None.
+    tool: str | None
+    #: "missing" (no libcuda.so.1), "old" (it lacks the checkpoint API), or "ok".
+    driver_api: str
+    #: The NVIDIA driver's version from NVML ("570.86.10"), or None where NVML did not answer.
+    driver: str | None
+
+    def missing(self) -> list[str]:
+        """What this machine lacks, each in a few words; empty when it has it all."""
+        lacks = []
+        if self.tool is None:
+            lacks.append(f"no {TOOL} on PATH")
+        if self.driver_api == "missing":
+            lacks.append(f"no {LIBCUDA}")
+        elif self.driver_api == "old":
+            lacks.append(f"{LIBCUDA} has no CUDA checkpoint API ({LOCK_SYMBOL})")
+        if self.driver is None:
+            lacks.append("no NVIDIA driver answered through NVML")
+        elif _major(self.driver) < MIN_DRIVER:
+            lacks.append(f"driver {self.driver} is older than {MIN_DRIVER}")
+        return lacks
+
+    def refusal(self) -> str:
+        """Why --freezable is refused here, as one line."""
+        lacks = self.missing()
+        if lacks:
+            return (
+                f"--freezable: this machine cannot freeze CUDA jobs ({'; '.join(lacks)}), and "
+                "gpuwait does not freeze jobs yet (see docs/freezing.md)"
+            )
+        return (
+            f"--freezable: gpuwait does not freeze jobs yet, although this machine has "
+            f"{TOOL}, the CUDA checkpoint API and driver {self.driver} (see docs/freezing.md)"
+        )
+
+
+def detect(nvml_timeout: float | None = 5.0) -> FreezeSupport:
+    return FreezeSupport(shutil.which(TOOL), _driver_api(), _driver_version(nvml_timeout))
+
+
+def _driver_api() -> str:
+    try:
+        # RTLD_LOCAL (the default) and no call into it: looking a symbol up runs no driver code
+        # beyond the library's loading.
+        lib = ctypes.CDLL(LIBCUDA)
+    except OSError:
+        return "missing"
+    return "ok" if hasattr(lib, LOCK_SYMBOL) else "old"
+
+
+def _driver_version(timeout: float | None) -> str | None:
+    from gpuwait.gpu import nvml  # pynvml only once --freezable is asked about
+
+    return nvml.driver_version(timeout)
+
+
+def _major(version: str) -> int:
+    """570 of "570.86.10"; 0 for a version that cannot be read (taken as too old)."""
+    head = version.strip().split(".", 1)[0]
+    return int(head) if head.isdigit() and len(head) < 6 else 0

@@ -1,0 +1,151 @@
+"""Where the evidence of idle VRAM holders lives between readings, and who they are.
+
+No daemon watches the GPUs, so each `gpuwait status` and `gpuwait idle` (and, with
+`idle_action = pause`, each waiter's reading) adds its reading to the evidence (`core/idle`)
+in `idle.json` in the user's state dir, and names the processes it shows idle long enough:
+owner, command line, and the gpuwait job they belong to, if any.
+The file is the user's own and only ever a hint: lost or damaged, the evidence starts again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from gpuwait.core.idle import Evidence, IdleHolder, IdleRule, idle_holders, observe
+from gpuwait.core.record import Record
+from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.linux import proc, security
+from gpuwait.linux.atomic import write_atomic
+from gpuwait.queue.entries import RUNNING, LedgerData
+
+IDLE_FILE = "idle.json"
+_VERSION = 1
+#: A machine's GPU processes fit in far less; a bigger file is not ours.
+_CAP = 1 << 20
+
+
+def record_reading(
+    state_dir: Path,
+    snapshot: MachineSnapshot,
+    rule: IdleRule,
+    jobs: Mapping[int, str],
+    ignore: Collection[str] = (),
+    now: float | None = None,
+) -> list[dict[str, Any]]:
+    """Add `snapshot` to the evidence and return, as plain data, every process it shows
+    holding at least `rule.min_bytes` on a quiet GPU, with how long it has been seen so
+    (`idle_seconds`): those at `rule.after` or more are the idle ones.
+    `jobs`: the command pid of each running gpuwait job -> the job's id."""
+    now = time.time() if now is None else now
+    starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
+    path = state_dir / IDLE_FILE
+    previous = _load(path)
+    evidence = observe(previous, snapshot, starts, rule, now, ignore)
+    if evidence != previous:
+        _save(state_dir, path, evidence)
+    # Those seen quiet for less than `after` too: evidence starts at the first reading, and a
+    # user who asks once deserves to hear that a holder is watched, not that there is none.
+    holders = idle_holders(evidence, snapshot, starts, rule._replace(after=0.0), now)
+    owners = _job_of(jobs) if holders else {}
+    return [_describe(h, now, owners.get(h.pid)) for h in holders]
+
+
+class IdleWatch(Record, frozen=True):
+    """What a waiter needs to see idle jobs (`idle_action = pause`), as plain values."""
+
+    rule: IdleRule
+    state_dir: Path
+
+
+def idle_jobs(
+    watch: IdleWatch, snapshot: MachineSnapshot, data: LedgerData, ignore: Collection[str] = ()
+) -> frozenset[str]:
+    """The running jobs whose command (or a process below it) this reading, with the evidence
+    before it, shows idle: a waiter's reading adds to the evidence as `status`'s does."""
+    running = {j.child_pid: j.id for j in data.jobs if j.state == RUNNING and j.child_pid}
+    if not running:
+        return frozenset()
+    found = record_reading(watch.state_dir, snapshot, watch.rule, running, ignore)
+    return frozenset(h["job"] for h in found if h["job"] and h["idle_seconds"] >= watch.rule.after)
+
+
+def _load(path: Path) -> Evidence:
+    try:
+        raw = security.read_state_file(path, _CAP, security.mine())
+        data = json.loads(raw) if raw else {}
+    except (OSError, ValueError):  # UnsafePath is an OSError
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _VERSION:
+        return {}
+    found = data.get("evidence")
+    if not isinstance(found, dict):
+        return {}
+    return {
+        k: float(v)
+        for k, v in found.items()
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+def _save(state_dir: Path, path: Path, evidence: Evidence) -> None:
+    data = json.dumps({"version": _VERSION, "evidence": evidence}, sort_keys=True).encode()
+    try:
+        security.ensure_private_dir(state_dir)
+        write_atomic(path, data, sync=False)
+    except OSError:
+        # Only a hint: without it, the next reading starts the evidence again.
+        pass
+
+
+def _job_of(jobs: Mapping[int, str]) -> dict[int, str]:
+    """Every pid in each job's process tree -> the job's id (a job's CUDA work often runs in
+    a child of its command)."""
+    found: dict[int, str] = {}
+    for pid, job_id in jobs.items():
+        for member in proc.process_tree([pid]):
+            found.setdefault(member, job_id)
+    return found
+
+
+def _describe(holder: IdleHolder, now: float, job: str | None) -> dict[str, Any]:
+    uid = proc.owner_uid(holder.pid)
+    return {
+        "pid": holder.pid,
+        "gpu_index": holder.gpu_index,
+        "gpu_uuid": holder.gpu_uuid,
+        "used_bytes": holder.used_bytes,
+        "idle_since": holder.idle_since,
+        "idle_seconds": max(0.0, now - holder.idle_since),
+        "uid": uid,
+        "user": None if uid is None else _user_name(uid),
+        "command": _command_line(holder.pid),
+        "job": job,
+    }
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
+def _command_line(pid: int) -> list[str]:
+    """The process's arguments; its command name where they cannot be read (another user's
+    process under hidepid); empty when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError:
+        raw = b""
+    words = [w.decode(errors="replace") for w in raw.split(b"\0") if w]
+    if words:
+        return words
+    name = proc.command_name(pid)
+    return [name] if name else []

@@ -1,0 +1,202 @@
+"""`gpuwait adopt PID`: a process started without gpuwait gets a place in the queue, with real
+processes on simulated GPUs: counted as a job (once), shown by `status`, its end recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import users
+from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim_job
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.core.errors import EXIT_NOT_PERMITTED, EXIT_USAGE
+
+
+def used_on_gpu0(sim: Path) -> bool:
+    from gpuwait.gpu.sim import SimBackend
+
+    return SimBackend(sim).snapshot().gpus[0].used_bytes > 0
+
+
+def bare_job(sim: Path, *args: str) -> subprocess.Popen[str]:
+    """`gpuwait sim job ARGS` started without gpuwait, once it has allocated on GPU 0."""
+    job = start_sim_job(*args)
+    wait_for(lambda: used_on_gpu0(sim), message="the bare job never allocated")
+    return job
+
+
+def status_json(run_gpuwait: Run) -> dict[str, object]:
+    done = run_gpuwait("status", "--json")
+    assert done.returncode == 0, done.stderr
+    report: dict[str, object] = json.loads(done.stdout)
+    return report
+
+
+def test_adopted_process_is_a_running_job_until_it_ends_then_in_history(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    sim = sim_file(gpus=1)
+    job = bare_job(sim, "--vram", "6G", "--hold", "5s")
+    try:
+        done = run_gpuwait("adopt", str(job.pid), "--name", "notebook")
+        assert done.returncode == 0, done.stderr
+        (entry,) = ledger_entries()
+        assert done.stderr.startswith(f"gpuwait: adopted process {job.pid} as job {entry['id']}")
+        assert "6.0 GiB reserved on GPU 0" in done.stderr
+        assert (entry["pid"], entry["child_pid"], entry["state"]) == (job.pid, job.pid, "running")
+        assert entry["reserved_bytes"] == 6 * 2**30
+
+        shown = run_gpuwait("status")
+        running = shown.stdout.split("Running (1)")[1].split("Queue")[0]
+        assert entry["id"] in running and "notebook" in running and "6.0G" in running
+        # Its use is the job's, not also an outside process's.
+        (gpu,) = status_json(run_gpuwait)["gpus"]  # type: ignore[misc]
+        assert gpu["external_bytes"] == 0, gpu
+    finally:
+        job.wait(timeout=30)
+    assert job.returncode == 0
+    # The next look at the queue takes the ended process out and records its run.
+    assert status_json(run_gpuwait)["jobs"] == []
+    assert ledger_entries() == []
+    history = run_gpuwait("history", "--json")
+    assert history.returncode == 0, history.stderr
+    (record,) = json.loads(history.stdout)
+    assert record["job_id"] == entry["id"] and record["name"] == "notebook"
+    assert record["peak_bytes"] == 6 * 2**30 and record["exit_status"] is None
+    assert record["run_seconds"] > 1
+    log = run_gpuwait("log").stdout
+    assert "adopt" in log and "reap" in log
+
+
+def test_waiting_job_is_not_admitted_onto_the_room_an_adopted_process_reserves(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    sim = sim_file(gpus=1)
+    # It grows to 14G; adopted early with its full size, while it still uses little.
+    grower = bare_job(sim, "--vram", "14G", "--ramp", "4s", "--hold", "3s")
+    try:
+        done = run_gpuwait("adopt", str(grower.pid), "--vram", "14G")
+        assert done.returncode == 0, done.stderr
+        report = tmp_path / "waiter.json"
+        waiter = subprocess.Popen(
+            wrapped_sim_job(
+                gpuwait_cmd, ["--vram", "12G"], "--vram", "12G", "--report", str(report)
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(lambda: any(e["state"] == "waiting" for e in ledger_entries()))
+        time.sleep(1)
+        # 14G reserved + 12G asked > 24G: it waits, though the card was mostly free then.
+        assert [e["state"] for e in ledger_entries()] == ["running", "waiting"]
+        assert grower.wait(timeout=30) == 0  # the grower never ran out of memory
+        _, err = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, err
+        assert "out of memory" not in err.lower()
+    finally:
+        if grower.poll() is None:
+            grower.kill()
+
+
+def test_adopted_use_counts_once(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    sim = sim_file(gpus=1)
+    job = bare_job(sim, "--vram", "10G", "--hold", "20s")
+    try:
+        assert run_gpuwait("adopt", str(job.pid)).returncode == 0
+        # 10G adopted + 10G asked fit in 24G (safety 0.9) only if the adopted 10G count once.
+        done = subprocess.run(
+            wrapped_sim_job(gpuwait_cmd, ["--vram", "10G", "--timeout", "10s"], "--vram", "10G"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_refuses_a_pid_that_does_not_exist(run_gpuwait: Run, sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1)
+    done = run_gpuwait("adopt", "4194303")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines()[0] == "gpuwait: error: no process 4194303"
+
+
+def test_refuses_a_process_already_a_job(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    wrapped = subprocess.Popen(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "4G"], "--vram", "4G", "--hold", "20s"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        entry = wait_for(lambda: next((e for e in ledger_entries() if e.get("child_pid")), None))
+        for pid in (entry["child_pid"], entry["pid"]):
+            done = run_gpuwait("adopt", str(pid))
+            assert done.returncode == EXIT_USAGE
+            assert done.stderr.startswith(
+                f"gpuwait: error: process {pid} already belongs to gpuwait job {entry['id']}"
+            )
+        assert len(ledger_entries()) == 1
+    finally:
+        wrapped.terminate()
+        wrapped.communicate(timeout=30)
+
+
+def test_refuses_a_process_without_gpu_memory(sim_file: SimFileFactory, run_gpuwait: Run) -> None:
+    sim_file(gpus=1)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        done = run_gpuwait("adopt", str(sleeper.pid), "--vram", "2G")
+        assert done.returncode == EXIT_USAGE
+        assert "uses no GPU memory that gpuwait can see" in done.stderr
+        assert ledger_entries() == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.skipif(not users.can_switch_users(), reason="needs root to act as another user")
+def test_refuses_another_users_process(tmp_path: Path) -> None:
+    root = users.shared_root()
+    env = users.user_home(root, 4242, 4242)
+    sleeper = subprocess.Popen(["sleep", "30"])  # root's
+    try:
+        done = users.run_as(4242, 4242, [], ["adopt", str(sleeper.pid)], env)
+        assert done.returncode == EXIT_NOT_PERMITTED, done.stderr
+        assert done.stderr.splitlines()[0] == (
+            f"gpuwait: error: process {sleeper.pid} belongs to uid 0: only your own can be adopted"
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_other_members_of_a_shared_ledger_count_an_adopted_process() -> None:
+    from gpuwait.linux import proc
+    from gpuwait.linux.security import proven_entry
+
+    sleeper = subprocess.Popen(["sleep", "30"])  # no gpuwait: its own entry's gpuwait
+    try:
+        start = proc.start_time(sleeper.pid)
+        assert start is not None
+        uid, pid = os.getuid(), sleeper.pid
+        assert proven_entry(uid, pid, start, "running", pid, start)
+        # A waiting entry, or one whose command is another process, still needs a gpuwait.
+        assert not proven_entry(uid, pid, start, "waiting", pid, start)
+        assert not proven_entry(uid, pid, start, "running", 1, 1)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -1,0 +1,34 @@
+"""Idleness pauses only the waiter's own user's jobs: another user's idle job is never asked."""
+
+from __future__ import annotations
+
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.pausing import _running_view
+
+GIB = 2**30
+
+
+def running(job_id: str, uid: int) -> Job:
+    return Job(
+        id=job_id,
+        pid=1,
+        start_time=1,
+        uid=uid,
+        command=["train"],
+        cwd="/",
+        request={"bytes": 8 * GIB},
+        state=RUNNING,
+        gpu_uuids=["GPU-a"],
+        pausable=True,
+        started_at=0.0,
+    )
+
+
+def test_only_the_waiters_own_jobs_count_as_idle() -> None:
+    snapshot = MachineSnapshot(
+        backend="sim", gpus=(GpuSnapshot(0, "GPU-a", "sim", 24 * GIB, 16 * GIB),)
+    )
+    data = LedgerData(jobs=[running("mine", 1000), running("theirs", 1001)])
+    views = _running_view(data, snapshot, 100.0, frozenset({"mine", "theirs"}), uid=1000)
+    assert {v.job_id: v.idle for v in views} == {"mine": True, "theirs": False}
