@@ -34,19 +34,17 @@ from gpuwait.core.errors import (
     EXIT_TIMEOUT,
     BackendUnavailable,
     GpuwaitError,
-    ImpossibleRequest,
     StateError,
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
-from gpuwait.core.policy import WaitReason, impossible_reason
+from gpuwait.core.policy import WaitReason
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu import open_backend
-from gpuwait.history.learn import RequestChoice, cap_to_cards, kept_command
+from gpuwait.history.learn import RequestChoice, kept_command
 from gpuwait.linux import signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
-from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
@@ -255,24 +253,14 @@ def _hold(
     backend: Backend,
     choice: RequestChoice,
 ) -> Holding | None:
-    snapshot = session._read_gpus(backend.snapshot, config, reporter)
-    for message in snapshot.warnings:
-        reporter.warn(message)
-    candidates = session._candidates(request, snapshot)
-    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety)
-    job = session._new_job(request, config, choice, snapshot, candidates)
-    impossible = impossible_reason(
-        claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
+    job, choice = session.prepare_job(
+        request,
+        config,
+        reporter,
+        backend,
+        choice,
+        hint="ask for less (vram), raise safety, or use other GPUs (devices, gpu_name)",
     )
-    if impossible is not None:
-        raise ImpossibleRequest(
-            impossible,
-            hint="ask for less (vram), raise safety, or use other GPUs (devices, gpu_name)",
-        )
-    own = choice.learned if request.key is None else None
-    job, warnings = session._with_run_times(job, config, own, snapshot)
-    for message in warnings:
-        reporter.warn(message)
     wait = config.wait
     if _threads() > 1:
         wait = wait._replace(use_inotify=False)

@@ -444,13 +444,18 @@ def _show_warnings(ledger: Ledger, reporter: Reporter) -> None:
         reporter.warn(message)
 
 
-def _attempt(
+def prepare_job(
     request: RunRequest,
     config: RunConfig,
     reporter: Reporter,
     backend: Backend,
     choice: RequestChoice,
-) -> _Ended:
+    hint: str,
+) -> tuple[Job, RequestChoice]:
+    """The job as it is submitted, and its request capped to the cards: the GPUs read once, a
+    request that can never fit refused (ImpossibleRequest, with `hint` in the words of the
+    caller's options), run times from history added. A wrapped run and a reservation from
+    Python (runner/hold) both start here."""
     snapshot = _read_gpus(backend.snapshot, config, reporter)
     for message in snapshot.warnings:
         reporter.warn(message)
@@ -461,14 +466,29 @@ def _attempt(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
     )
     if impossible is not None:
-        raise ImpossibleRequest(
-            impossible,
-            hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
-        )
+        raise ImpossibleRequest(impossible, hint=hint)
     own = choice.learned if request.key is None else None
     job, warnings = _with_run_times(job, config, own, snapshot)
     for message in warnings:
         reporter.warn(message)
+    return job, choice
+
+
+def _attempt(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    choice: RequestChoice,
+) -> _Ended:
+    job, choice = prepare_job(
+        request,
+        config,
+        reporter,
+        backend,
+        choice,
+        hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
+    )
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     signals.block_handled()

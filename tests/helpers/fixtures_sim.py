@@ -106,6 +106,19 @@ def wrapped_sim_job(gpuwait_cmd: list[str], options: list[str], *job: str) -> li
     return [*gpuwait_cmd, *options, "--", *gpuwait_cmd, "sim", "job", *job]
 
 
+def run_sim_job(
+    gpuwait_cmd: list[str], options: list[str], *job: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gpuwait OPTIONS -- gpuwait sim job JOB...`, run to its end; `env` adds to the tests'."""
+    return subprocess.run(
+        wrapped_sim_job(gpuwait_cmd, options, *job),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def hold_card(
     gpuwait_cmd: list[str],
     vram: str,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import fixtures_sim
 from helpers.fixtures_sim import SimFileFactory, wrapped_sim_job
 from helpers.history import recorded_runs
 from helpers.waiting import ledger_entries, wait_for
@@ -29,14 +30,7 @@ def gpuwait(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
 def run_sim_job(
     options: list[str], *job: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """`gpuwait OPTIONS -- gpuwait sim job JOB...`, run to its end."""
-    return subprocess.run(
-        wrapped_sim_job(GPUWAIT, options, *job),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
+    return fixtures_sim.run_sim_job(GPUWAIT, options, *job, env={**(env or {})})
 
 
 def limited(

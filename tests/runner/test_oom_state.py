@@ -9,7 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
-from helpers.fixtures_sim import SimFileFactory, wrapped_sim_job
+from helpers import fixtures_sim
+from helpers.fixtures_sim import SimFileFactory
 
 from gpuwait.queue.entries import book_from_json
 
@@ -29,13 +30,7 @@ def gpuwait(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def run_sim_job(
     options: list[str], *job: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        wrapped_sim_job(GPUWAIT, options, *job),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
+    return fixtures_sim.run_sim_job(GPUWAIT, options, *job, env={"COLUMNS": "120", **(env or {})})
 
 
 def counters() -> dict[str, Any]:
