@@ -25,6 +25,7 @@ from gpuwait.core.estimate import DEFAULT_MARGIN, time_to_peak
 from gpuwait.core.record import Record, field
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc, signals
+from gpuwait.linux.checkpoint_signal import deliver
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
 from gpuwait.queue.ledger import Ledger
@@ -104,6 +105,10 @@ def supervise(
     sampler = UsageSampler(child, job, ledger, backend, sample_interval, baseline_used, margin)
     result = sampler.result
     witness = signals.GroupWitness()
+    # A pausable job's checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N, a user's
+    # kill) waits here until a process of the command catches it: delivered before its handler
+    # is installed, the signal's default action would kill the job it asks to checkpoint.
+    checkpoint_pending = False
     try:
         while True:
             waited_pid, status = os.waitpid(child, os.WNOHANG)
@@ -116,6 +121,9 @@ def supervise(
             sampler.sample_if_due(time.monotonic())
             if responder is not None:
                 responder.check(child)
+                if checkpoint_pending:
+                    tree = proc.process_tree([child])
+                    checkpoint_pending = not deliver(tree, responder.signum)
             info = signals.next_signal(max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)))
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue
@@ -123,6 +131,9 @@ def supervise(
             # systemd): the command has it already, and a second copy would not be what it
             # would get bare.
             if witness.sent_to_group(info.si_signo) or signals.came_from_terminal(info):
+                continue
+            if responder is not None and info.si_signo == responder.signum:
+                checkpoint_pending = not deliver(proc.process_tree([child]), info.si_signo)
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, info.si_signo)

@@ -377,3 +377,28 @@ def test_lightning_example_resumes(one_card: None, gpuwait_cmd: list[str], tmp_p
     finally:
         low.kill()
         low.wait()
+
+
+def test_a_checkpoint_signal_sent_early_waits_for_the_jobs_handler(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """The checkpoint signal sent to gpuwait (as Slurm's --signal=B:USR1@N does) before the job
+    has installed its handler reaches the job once it has, instead of killing it."""
+    said = tmp_path / "said"
+    script = (
+        f"sleep 1.5; trap 'echo checkpointed > {said}; exit 0' USR1; while :; do sleep 0.1; done"
+    )
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "--pausable", "--vram", "1G", "--", "bash", "-c", script],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        wait_for(lambda: any(j.get("child_pid") for j in ledger_entries()), timeout=30)
+        job.send_signal(signal.SIGUSR1)
+        assert job.wait(timeout=30) == 0, job.stderr.read() if job.stderr else ""
+        assert said.read_text().strip() == "checkpointed"
+    finally:
+        job.kill()
+        job.wait()
