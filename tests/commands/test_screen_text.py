@@ -251,7 +251,15 @@ def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
         line = WaitLine(quiet=False, job="big", stream=stream)
         line.update(REASON)
         line.clear()
-        written = os.read(leader, 4096).decode()
+        # The pty hands the bytes over as they pass its line discipline, not always at once:
+        # read until both the drawing and the clearing have come, or a deadline.
+        import select
+
+        written = ""
+        deadline = time.monotonic() + 10
+        while written.count("\r\033[K") < 2 and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.1)[0]:
+                written += os.read(leader, 4096).decode()
     finally:
         os.close(leader)
         os.close(follower)
