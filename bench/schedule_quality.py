@@ -1,56 +1,56 @@
-"""Schedule quality: a mixed trace on 4 simulated GPUs, under gpuwait and two baselines.
+"""Schedule quality: how close to the best possible does gpuwait schedule a mixed trace?
 
-The trace (seeded, so every run replays the same one): 120 jobs arriving over the first part of
-the run - many small short ones, some of 20-40 GiB, a few 2-GPU gangs, priorities 1, 3 and 5.
-Every job is a simulated CUDA job that ramps its memory up (like a model loading) and then holds
-it, so a launcher that trusts the free memory it sees admits too much and jobs die of OOM.
+The trace (seeded, `make_trace`): 120 jobs arriving within 10 s on 4 x 48 GiB cards used up to
+safety 0.9 - 80 small ones (2-6 GiB), 28 of 20-40 GiB, 12 two-GPU gangs of 12-24 GiB;
+priorities 1, 3 and 5. Every figure is over seeds 1-20 (`--seeds N`) unless said otherwise.
 
-Policies, each on a fresh simulated machine:
-- gpuwait: every job is `gpuwait --vram ... [--gpus 2] --priority P -- <job>`, started at its
-  arrival time; gpuwait decides when and where.
-- poller: a free-memory poller, like ts -G / GPUtil / waitGPU: every `--poll` seconds it reads
-  the GPUs and starts, in priority order, each waiting job whose request fits the free memory it
-  sees (minus what it started in that same round). Jobs still ramping up are not seen.
-- one-per-gpu: a job starts only on GPUs where nothing it started is running.
+Two lower bounds, valid for any scheduler:
+(a) `lower_bound`: total VRAM x time over the usable capacity, or the longest job.
+(b) `bound_b`: at any time s each job still has at least its run time minus (s - arrival) to run,
+    all of it after s, and at any instant a card runs only a set of distinct jobs whose requests
+    fit its usable memory (a gang counts on two cards), so makespan >= s + LP(s) / cards, where
+    LP(s) is the least card-time that covers that remaining work with such sets. LP(s) is a
+    covering LP solved by column generation (our own simplex; a knapsack prices new sets); the
+    value used is its dual's, y . remaining / max-set-weight(y), valid for any y >= 0, so (b) is
+    certified whatever the solver's accuracy. s + LP(s) / cards is convex between the points
+    where a job arrives or its remaining work runs out, so those points are the only ones to try.
+    `--check-bound N` solves LP(s) again with scipy (HiGHS) where it is installed.
 
-Printed per policy: makespan / lower bound (the issue's bound: the larger of total VRAM x time
-over the usable capacity, and the longest job), VRAM-time utilisation, OOM count, jobs failed,
-the p95 wait of priority-5 jobs, and the mean overrun of the jobs that succeeded (end - start -
-their nominal run time: starting a Python process and reaping it, on a loaded machine). Goals for
-gpuwait: 0 OOM, makespan <= 1.10 x the lower bound.
+Schedules, replayed without processes (run times: estimates from "history", each job's true run
+time times a seeded lognormal factor, sigma 0.1, as gpuwait's median of earlier runs gives them;
+`--exact` also prints the replays with exact run times). The policies decide with the estimates;
+jobs take their true run time:
+- gpuwait fifo: gpuwait's policy, `gpuwait.core.policy.plan` (priority then submission; the head
+  holds its GPUs, backfill only where it cannot delay the head);
+- gpuwait lookahead: `gpuwait.core.lookahead.plan`, with each waiter's wait budget from
+  `lookahead.with_wait_budgets`;
+- in-order greedy: priority order, every waiting job that fits starts, best-fit, no holds;
+- EASY backfill: priority order; the head is reserved its earliest start by the running jobs'
+  expected ends, later jobs start only if that cannot delay it;
+- largest first: greedy, VRAM x expected time first (priority ignored);
+- p5 first, largest, EASY: priority-5 jobs first, then largest first, with EASY reservations;
+- offline: every job known in advance (still no start before its arrival), exact run times, list
+  scheduling in an order improved by a seeded local search (CP-SAT too, where `ortools` is
+  installed).
 
-That bound ignores when jobs arrive and that jobs of 20-40 GiB rarely fit two to a card, so the
-script also prints, as multiples of it and computed without running anything, what the trace
-allows:
-- two other lower bounds, both still valid for any scheduler: arrival-aware (work that arrives
-  at t cannot start before t: makespan >= t + VRAM x time of the jobs arriving at or after t
-  over the usable capacity, for every t, and >= each job's arrival + duration), and the same
-  counting that two jobs over half a card never share one (so they run one per card at a time);
-- gpuwait's own policy (`gpuwait.core.policy.plan`) replayed on the trace with no process start-up
-  or machine load: what the queue discipline itself costs, without run-time estimates and with
-  every run time known (as the history gives for repeated commands). gpuwait as run here is in
-  between: its history files all the simulated jobs under one script, so a job submitted once
-  others have ended is expected to take about as long as they took;
-- greedy schedulers that start every waiting job that fits, best-fit, with no holds: in priority
-  order (what gpuwait would do without its no-starvation holds), largest (VRAM x time) first and
-  clairvoyant but respecting arrivals, and largest first with every job known at time 0
-  (offline). None of these is a bound: they show what simple schedulers reach on this trace.
-
-One trace is one sample: changing the run times by 1% moves a replay's ratio by up to 0.13
-either way, as the 20-40 GiB jobs then pair up differently at the end. `--replay-seeds N` prints
-the references' means over seeds 1..N, which is what to compare policies by.
+`--real`: the same trace run by real processes on simulated GPUs (`--real-seeds`, default the one
+`--seed`): every job `gpuwait --vram ... --priority P -- <simulated job>` started at its arrival,
+with a history holding one earlier run of each job's command whose run time is that job's
+estimate; and two baselines, a free-memory poller and one job per GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +67,8 @@ SIMJOB = [
     "-c",
     "import sys; from gpuwait.gpu.simjob import main; sys.exit(main(sys.argv[1:]))",
 ]
+#: Spread of the run-time estimates (lognormal sigma): gpuwait's median of earlier runs.
+ESTIMATE_SIGMA = 0.1
 
 
 @dataclass
@@ -139,77 +141,567 @@ def lower_bound(trace: list[TraceJob]) -> float:
     return max(area / usable, max(j.duration for j in trace))
 
 
-def arrival_bound(trace: list[TraceJob], pairing: bool = False) -> float:
-    """A lower bound that also counts arrivals: the jobs arriving at or after t cannot start
-    before t, so no schedule ends before t + their VRAM x time over the usable capacity.
+def estimates(trace: Sequence[TraceJob], seed: int, exact: bool = False) -> dict[str, float]:
+    """Each job's run time as gpuwait's history gives it: the true one times a seeded lognormal
+    factor (sigma ESTIMATE_SIGMA), the same for a seed every time; `exact`: the true one."""
+    rng = random.Random(f"estimates-{seed}")
+    noise = {j.name: math.exp(rng.gauss(0.0, ESTIMATE_SIGMA)) for j in trace}
+    return {j.name: j.duration * (1.0 if exact else noise[j.name]) for j in trace}
 
-    `pairing`: also count that two jobs over half a card never share one, so those run one per
-    card at a time: none ends before t + their GPU x time, arriving at or after t, over the GPUs.
+
+# ---- (b): remaining work after s, packed into sets that fit a card ----------------------------
+
+#: Jobs this small, of one size, share one row of the covering LP (a set may take several of
+#: them): a relaxation, so still a lower bound; their run times are short beside LP(s), so two
+#: copies of one job in a set would gain next to nothing (`--check-bound` measures what it costs).
+SMALL_GIB = 8
+EPS = 1e-9
+
+
+def remaining_work(trace: Sequence[TraceJob], s: float) -> list[float]:
+    """Card-seconds each job still needs after s at the least: run time minus what it can have
+    run since its arrival, on each of its GPUs."""
+    return [j.gpus * max(0.0, j.duration - max(0.0, s - j.arrival)) for j in trace]
+
+
+def breakpoints(trace: Sequence[TraceJob]) -> list[float]:
+    """Where a job arrives or its remaining work runs out: between two of them every remaining
+    work is affine in s, LP(s) convex, so s + LP(s) / cards is largest at one of them."""
+    return sorted({j.arrival for j in trace} | {j.arrival + j.duration for j in trace})
+
+
+def knapsack(
+    sizes: Sequence[int], values: Sequence[float], cap: int, counts: Sequence[int] | None = None
+) -> tuple[float, list[int]]:
+    """The most value that items of total size <= cap hold (item i at most counts[i] times,
+    once by default); exact for whole sizes. Returns (value, the items, repeated as taken)."""
+    best = [0.0] * (cap + 1)
+    taken: list[tuple[int, bytearray]] = []
+    for i, (size, value) in enumerate(zip(sizes, values, strict=True)):
+        if value <= EPS or size > cap:
+            continue
+        copies = 1 if counts is None else min(counts[i], cap // max(size, 1))
+        for _ in range(copies):
+            took = bytearray(cap + 1)
+            for c in range(cap, size - 1, -1):
+                v = best[c - size] + value
+                if v > best[c]:
+                    best[c] = v
+                    took[c] = 1
+            taken.append((i, took))
+    c = max(range(cap + 1), key=best.__getitem__)
+    value, chosen = best[c], []
+    for i, took in reversed(taken):
+        if took[c]:
+            chosen.append(i)
+            c -= sizes[i]
+    return value, chosen
+
+
+class CoverLP:
+    """min sum x_S over sets S that fit (sizes summing to <= cap, row i at most counts[i] times)
+    subject to sum_S (times row i is in S) x_S >= demand_i.
+
+    A revised simplex with an explicit inverse, starting from each row alone (a feasible basis,
+    no phase 1); entering columns come from the pool of sets found so far, else from a knapsack
+    over the duals (column generation). Every knapsack call also gives a certified bound: for any
+    y >= 0, demand . y / (the heaviest set's weight under y) <= the optimum. The pool is kept
+    between calls (a set stays a set whatever the demands), keyed by `keys` (a row's identity).
     """
-    usable = GPUS * CARD_GIB * SAFETY
-    big = CARD_GIB * SAFETY / 2
-    bound = max(j.arrival + j.duration for j in trace)
-    for t in sorted({j.arrival for j in trace}):
-        later = [j for j in trace if j.arrival >= t]
-        bound = max(bound, t + sum(j.vram_gib * j.gpus * j.duration for j in later) / usable)
-        if pairing:
-            paired = sum(j.gpus * j.duration for j in later if j.vram_gib > big)
-            bound = max(bound, t + paired / GPUS)
-    return bound
+
+    def __init__(self) -> None:
+        self.pool: list[tuple[object, ...]] = []
+        self.pivots = 0
+
+    def solve(
+        self,
+        keys: Sequence[object],
+        sizes: Sequence[int],
+        counts: Sequence[int],
+        demand: Sequence[float],
+        cap: int,
+        rel_tol: float = 1e-6,
+        max_pivots: int = 4000,
+    ) -> tuple[float, float, list[float]]:
+        """(certified lower bound, primal value, duals y scaled so that every set weighs <= 1)."""
+        m = len(keys)
+        if m == 0:
+            return 0.0, 0.0, []
+        pos = {k: i for i, k in enumerate(keys)}
+        pool: list[tuple[int, ...]] = []
+        for col in self.pool:
+            rows: list[int] = []
+            for k in col:
+                i = pos.get(k)
+                if i is not None and rows.count(i) < counts[i]:
+                    rows.append(i)
+            if len(rows) > 1:
+                pool.append(tuple(rows))
+        first_new = len(pool)
+        binv = [[0.0] * m for _ in range(m)]
+        for i in range(m):
+            binv[i][i] = 1.0
+        cost = [1.0] * m  # of the basic columns: 1 a set, 0 a surplus
+        x = list(demand)
+        y = [1.0] * m
+        best_lb, best_y, primal = 0.0, [0.0] * m, sum(demand)
+        for it in range(max_pivots):
+            if it % 50 == 49:  # against drift
+                y = [sum(cost[i] * binv[i][k] for i in range(m)) for k in range(m)]
+                x = [sum(binv[i][k] * demand[k] for k in range(m)) for i in range(m)]
+            low = min(range(m), key=y.__getitem__)
+            pool_rc, pool_col = -EPS, None
+            for col in pool:
+                rc = 1.0 - sum(y[k] for k in col)
+                if rc < pool_rc:
+                    pool_rc, pool_col = rc, col
+            if pool_col is not None and pool_rc <= y[low]:
+                reduced, col_cost, column = pool_rc, 1.0, pool_col
+            else:
+                weight, chosen = knapsack(sizes, y, cap, counts)
+                if weight > EPS:
+                    lb = sum(d * v for d, v in zip(demand, y, strict=True) if v > 0) / weight
+                    if lb > best_lb:
+                        best_lb, best_y = lb, [max(0.0, v) / weight for v in y]
+                primal = sum(c * xi for c, xi in zip(cost, x, strict=True))
+                if primal <= best_lb * (1 + rel_tol):
+                    break
+                if y[low] < -EPS and -y[low] > weight - 1:
+                    reduced, col_cost, column = y[low], 0.0, None
+                elif weight > 1 + EPS:
+                    reduced, col_cost, column = 1 - weight, 1.0, tuple(chosen)
+                    pool.append(column)
+                else:
+                    break
+            if column is None:  # the surplus of row `low`
+                alpha = [-binv[i][low] for i in range(m)]
+            else:
+                alpha = [sum(binv[i][k] for k in column) for i in range(m)]
+            r, theta = -1, math.inf
+            for i in range(m):
+                if alpha[i] > EPS:
+                    t = x[i] / alpha[i]
+                    if t < theta - 1e-12:
+                        r, theta = i, t
+            if r < 0:
+                break  # cannot happen for a covering LP with a bounded optimum
+            self.pivots += 1
+            ar, row_r = alpha[r], binv[r]
+            step = reduced / ar
+            y = [v + step * w for v, w in zip(y, row_r, strict=True)]
+            new_r = [v / ar for v in row_r]
+            binv[r] = new_r
+            for i in range(m):
+                a = alpha[i]
+                if i != r and a != 0.0:
+                    binv[i] = [v - a * w for v, w in zip(binv[i], new_r, strict=True)]
+                    x[i] -= theta * a
+            x[r] = theta
+            cost[r] = col_cost
+        self.pool.extend(tuple(keys[k] for k in col) for col in pool[first_new:])
+        return best_lb, primal, best_y
 
 
-def replay_policy(trace: list[TraceJob], known: bool = False) -> float:
-    """Makespan of gpuwait's plan() on the trace, with jobs taking exactly their run time.
+def card_cap() -> tuple[float, int]:
+    """A card's usable GiB, and its floor: sets are judged on requests rounded down to whole
+    GiB against that floor, which admits every set that really fits (and maybe more: the bound
+    stays a bound); exact for whole-GiB requests, as the trace's are."""
+    usable = CARD_GIB * SAFETY
+    return usable, math.floor(usable + 1e-9)
 
-    `known`: the plan is told every run time, as history-based estimates would.
-    """
-    return makespan(trace, replay_starts(trace, known))
+
+def _rows(
+    trace: Sequence[TraceJob], demand: Sequence[float], cap: int
+) -> tuple[list[object], list[int], list[int], list[float], list[object]]:
+    """The LP's rows at one s: a row per job still to run, except that small one-GPU jobs of
+    one size share a row. Returns keys, sizes, counts, demands, and each job's row key."""
+    keys: list[object] = []
+    sizes: list[int] = []
+    counts: list[int] = []
+    work: list[float] = []
+    index: dict[object, int] = {}
+    job_key: list[object] = []
+    for n, (job, d) in enumerate(zip(trace, demand, strict=True)):
+        size = math.floor(job.vram_gib)
+        key: object = ("size", size) if size <= SMALL_GIB and job.gpus == 1 else ("job", n)
+        job_key.append(key if d > EPS else None)
+        if d <= EPS:
+            continue
+        if key in index:
+            i = index[key]
+            counts[i] += 1
+            work[i] += d
+        else:
+            index[key] = len(keys)
+            keys.append(key)
+            sizes.append(size)
+            counts.append(1)
+            work.append(d)
+    return keys, sizes, counts, work, job_key
 
 
-def replay_starts(trace: list[TraceJob], known: bool = False) -> dict[str, float]:
-    """When each job starts under gpuwait's plan() replayed on the trace (see replay_policy)."""
-    from gpuwait.core.policy import Claim, plan
+@dataclass
+class BoundB:
+    value: float
+    at: float  # the s where it is reached
+    solves: int
+    pivots: int
+    points: list[float]
+    duals: list[list[float]]  # per job, each valid for every s
+    lp_at: dict[float, tuple[float, float]]  # s -> (certified, primal) where solved
+
+
+def bound_b(trace: Sequence[TraceJob], solves: int = 8) -> BoundB:
+    """Bound (b), certified: max over the breakpoints s of s + LP(s) / cards, each LP(s) taken
+    at its best dual found (duals found at one s are valid at every s). LP(s) is solved where
+    the best figure so far is reached, until that place has been solved already."""
+    _, cap = card_cap()
+    points = breakpoints(trace)
+    lp = CoverLP()
+    # Two duals that need no LP: VRAM share, and one for each job over half a card.
+    duals = [
+        [math.floor(j.vram_gib) / cap for j in trace],
+        [1.0 if 2 * math.floor(j.vram_gib) > cap else 0.0 for j in trace],
+    ]
+    demand_at = [remaining_work(trace, s) for s in points]
+    covered: list[list[float]] = []
+
+    def add(y: list[float]) -> None:
+        covered.append([sum(d * v for d, v in zip(dem, y, strict=True)) for dem in demand_at])
+
+    for y in duals:
+        add(y)
+
+    def figure(k: int) -> float:
+        return points[k] + max(c[k] for c in covered) / GPUS
+
+    lp_at: dict[float, tuple[float, float]] = {}
+    for _ in range(solves):
+        ranked = sorted(range(len(points)), key=figure, reverse=True)
+        todo = [k for k in ranked[:3] if points[k] not in lp_at]
+        top = figure(ranked[0])
+        todo = [k for k in todo if k == ranked[0] or figure(k) >= top - 0.01 * top]
+        if not todo:
+            break
+        k = todo[0]
+        demand = demand_at[k]
+        keys, sizes, counts, work, job_key = _rows(trace, demand, cap)
+        certified, primal, y = lp.solve(keys, sizes, counts, work, cap)
+        lp_at[points[k]] = (certified, primal)
+        by_key = dict(zip(keys, y, strict=True))
+        job_y = [by_key.get(key, 0.0) if key is not None else 0.0 for key in job_key]
+        duals.append(job_y)
+        add(job_y)
+    best = max(range(len(points)), key=figure)
+    value = max(figure(best), max(j.arrival + j.duration for j in trace))
+    return BoundB(value, points[best], len(lp_at), lp.pivots, points, duals, lp_at)
+
+
+def exact_lp(trace: Sequence[TraceJob], s: float, pool: list[tuple[int, ...]]) -> float | None:
+    """LP(s) with every job its own row, solved by column generation with scipy's HiGHS for the
+    restricted master; None where scipy is not installed. `pool`: sets found before (kept)."""
+    try:
+        import numpy as np
+        from scipy.optimize import linprog
+        from scipy.sparse import csc_matrix
+    except ImportError:
+        return None
+    _, cap = card_cap()
+    demand = remaining_work(trace, s)
+    rows = [i for i, d in enumerate(demand) if d > EPS]
+    if not rows:
+        return 0.0
+    where = {r: k for k, r in enumerate(rows)}
+    sizes = [math.floor(j.vram_gib) for j in trace]
+    cols = [c for c in ({i for i in col if i in where} for col in pool) if c]
+    cols = [tuple(sorted(c)) for c in cols] + [(r,) for r in rows]
+    b = np.array([demand[r] for r in rows])
+    for _ in range(5000):
+        data = [(where[i], k) for k, col in enumerate(cols) for i in col]
+        matrix = csc_matrix(
+            ([1.0] * len(data), ([r for r, _ in data], [k for _, k in data])),
+            shape=(len(rows), len(cols)),
+        )
+        res = linprog(np.ones(len(cols)), A_ub=-matrix, b_ub=-b, bounds=(0, None), method="highs")
+        y = [0.0] * len(trace)
+        for r, v in zip(rows, -res.ineqlin.marginals, strict=True):
+            y[r] = float(v)
+        weight, chosen = knapsack(sizes, y, cap)
+        if weight <= 1 + 1e-9:
+            pool.extend(cols)
+            return float(res.fun)
+        cols.append(tuple(sorted(chosen)))
+    return float(res.fun)
+
+
+def check_bound(
+    trace: Sequence[TraceJob], found: BoundB, top: int = 10
+) -> tuple[float, float | None]:
+    """Two checks of `bound_b`'s value, each an upper bound on what it could have missed:
+    LP(s) solved at every breakpoint with the same rows (the primal's value: does solving
+    only where the figure is highest miss a place?), and LP(s) with every job its own row
+    solved by scipy (HiGHS) at the `top` breakpoints where the figure is highest (what sharing
+    a row costs); the second is None without scipy."""
+    _, cap = card_cap()
+    lp = CoverLP()
+    everywhere = max(j.arrival + j.duration for j in trace)
+    for s in found.points:
+        keys, sizes, counts, work, _ = _rows(trace, remaining_work(trace, s), cap)
+        _, primal, _ = lp.solve(keys, sizes, counts, work, cap)
+        everywhere = max(everywhere, s + primal / GPUS)
+
+    def figure(s: float) -> float:
+        demand = remaining_work(trace, s)
+        return (
+            s + max(sum(d * v for d, v in zip(demand, y, strict=True)) for y in found.duals) / GPUS
+        )
+
+    pool: list[tuple[int, ...]] = []
+    exact = max(j.arrival + j.duration for j in trace)
+    for s in sorted(found.points, key=figure, reverse=True)[:top]:
+        value = exact_lp(trace, s, pool)
+        if value is None:
+            return everywhere, None
+        exact = max(exact, s + value / GPUS)
+    return everywhere, exact
+
+
+# ---- reference schedulers, replayed without processes ----------------------------------------
+
+Key = Callable[[TraceJob], tuple[float, ...]]
+
+
+def by_priority(job: TraceJob) -> tuple[float, ...]:
+    return (-job.priority, job.arrival)
+
+
+def list_starts(
+    trace: Sequence[TraceJob],
+    key: Key,
+    expected: dict[str, float],
+    easy: bool = False,
+) -> dict[str, float]:
+    """When each job starts under a list scheduler: whenever a job ends or arrives, the waiting
+    jobs are looked at in `key` order and each that fits starts, best-fit (the cards left with
+    the least room). `easy`: the first that does not fit (the head) is reserved its earliest
+    start by the running jobs' expected ends (`expected`: run times as the scheduler knows
+    them), and a later job starts only on cards it does not delay that on: cards the head does
+    not get, or ending by then, or within what the head leaves spare there. Jobs take their
+    true run time, and none starts before its arrival."""
+    usable = CARD_GIB * SAFETY
+    free = [usable] * GPUS
+    pending = sorted(trace, key=lambda j: j.arrival)
+    waiting: list[TraceJob] = []
+    running: list[tuple[float, float, TraceJob, list[int]]] = []  # end, expected end, job, cards
+    starts: dict[str, float] = {}
+    now = 0.0
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= now + 1e-9:
+            waiting.append(pending.pop(0))
+        head_cards: list[int] = []
+        shadow = math.inf
+        spare: dict[int, float] = {}
+        for job in sorted(waiting, key=key):
+            need = job.vram_gib
+            fits = sorted((i for i in range(GPUS) if free[i] >= need - 1e-9), key=free.__getitem__)
+            in_time = now + expected[job.name] <= shadow + 1e-9
+            allowed = [i for i in fits if i not in head_cards or in_time or need <= spare[i] + 1e-9]
+            if len(allowed) >= job.gpus:
+                chosen = allowed[: job.gpus]
+                for i in chosen:
+                    free[i] -= need
+                    if i in head_cards and not in_time:
+                        spare[i] -= need
+                running.append((now + job.duration, now + expected[job.name], job, chosen))
+                starts[job.name] = now
+                waiting.remove(job)
+            elif easy and not head_cards:
+                shadow, head_cards = _reservation(job, free, running, now)
+                spare = {i: 0.0 for i in head_cards}
+                if head_cards:
+                    at = list(free)
+                    for _, end, other, cards in running:
+                        if max(end, now) <= shadow:
+                            for i in cards:
+                                at[i] += other.vram_gib
+                    spare = {i: at[i] - need for i in head_cards}
+        events = [end for end, _, _, _ in running]
+        if pending:
+            events.append(pending[0].arrival)
+        if not events:
+            break  # what waits can never fit (not on this trace)
+        now = min(events)
+        for entry in [r for r in running if r[0] <= now + 1e-9]:
+            running.remove(entry)
+            for i in entry[3]:
+                free[i] += entry[2].vram_gib
+    return starts
+
+
+def _reservation(
+    job: TraceJob,
+    free: list[float],
+    running: list[tuple[float, float, TraceJob, list[int]]],
+    now: float,
+) -> tuple[float, list[int]]:
+    """The head's earliest start by the running jobs' expected ends, and the cards it gets."""
+    room = list(free)
+    for _, end, other, cards in sorted(running, key=lambda r: r[1]):
+        for i in cards:
+            room[i] += other.vram_gib
+        fits = sorted(
+            (i for i in range(GPUS) if room[i] >= job.vram_gib - 1e-9), key=room.__getitem__
+        )
+        if len(fits) >= job.gpus:
+            return max(end, now), fits[: job.gpus]
+    return math.inf, []
+
+
+def greedy_starts(trace: Sequence[TraceJob], key: Key = by_priority) -> dict[str, float]:
+    """The in-order greedy with exact run times (kept for callers of the older bench)."""
+    return list_starts(trace, key, {j.name: j.duration for j in trace})
+
+
+def offline_starts(trace: Sequence[TraceJob], seed: int, steps: int = 300) -> dict[str, float]:
+    """Every job known in advance, exact run times: list scheduling (`list_starts`, no holds) in
+    an order found by a seeded local search (swap two jobs, or move one earlier or later; keep
+    what is no worse), from the best of largest-first and longest-first."""
+    rng = random.Random(f"offline-{seed}")
+    exact = {j.name: j.duration for j in trace}
+
+    def run(order: list[TraceJob]) -> tuple[float, dict[str, float]]:
+        rank = {j.name: n for n, j in enumerate(order)}
+        starts = list_starts(trace, lambda j: (rank[j.name],), exact)
+        return makespan(trace, starts), starts
+
+    seeds = [
+        sorted(trace, key=lambda j: -j.vram_gib * j.gpus * j.duration),
+        sorted(trace, key=lambda j: -j.duration),
+    ]
+    best_span, best_starts, best_order = min(((*run(o), o) for o in seeds), key=lambda t: t[0])
+    order = list(best_order)
+    n = len(order)
+    for _ in range(steps):
+        trial = list(order)
+        a, b = rng.randrange(n), rng.randrange(n)
+        if rng.random() < 0.5:
+            trial[a], trial[b] = trial[b], trial[a]
+        else:
+            trial.insert(b, trial.pop(a))
+        span, starts = run(trial)
+        if span <= best_span + 1e-9:
+            best_span, best_starts, order = span, starts, trial
+    return best_starts
+
+
+def cpsat_starts(
+    trace: Sequence[TraceJob], seconds: float = 10.0, hint: dict[str, float] | None = None
+) -> dict[str, float] | None:
+    """The best schedule CP-SAT finds in `seconds` (times in 10 ms steps, run times rounded up;
+    each job on whole cards, a card's requests within its usable memory), starting from `hint`
+    (the local search's starts); None without `ortools`."""
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        return None
+    tick = 100
+    usable = int(CARD_GIB * SAFETY * 1000)
+    model = cp_model.CpModel()
+    horizon = int(tick * (max(j.arrival for j in trace) + sum(j.duration for j in trace)) + 1)
+    ends, starts_var, demands = [], {}, [[] for _ in range(GPUS)]
+    for n, job in enumerate(trace):
+        d = math.ceil(job.duration * tick)
+        start = model.new_int_var(math.ceil(job.arrival * tick), horizon, f"s{n}")
+        starts_var[job.name] = start
+        if hint is not None:
+            model.add_hint(start, math.ceil(hint[job.name] * tick))
+        ends.append(start + d)
+        on = [model.new_bool_var(f"on{n}_{g}") for g in range(GPUS)]
+        model.add(sum(on) == job.gpus)
+        for g in range(GPUS):
+            interval = model.new_optional_fixed_size_interval_var(start, d, on[g], f"i{n}_{g}")
+            demands[g].append((interval, int(job.vram_gib * 1000)))
+    for g in range(GPUS):
+        model.add_cumulative([i for i, _ in demands[g]], [v for _, v in demands[g]], usable)
+    span = model.new_int_var(0, horizon, "span")
+    model.add_max_equality(span, ends)
+    model.minimize(span)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = seconds
+    solver.parameters.num_workers = 2
+    if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return {name: solver.value(v) / tick for name, v in starts_var.items()}
+
+
+# ---- gpuwait's own policies, replayed without processes -------------------------------------
+
+
+def replay_starts(
+    trace: Sequence[TraceJob],
+    expected: dict[str, float] | None = None,
+    lookahead: bool = False,
+) -> dict[str, float]:
+    """When each job starts under gpuwait's plan, replayed on the trace whenever a job arrives or
+    ends (or a waiter's wait budget runs out): `gpuwait.core.policy.plan` (fifo), or with
+    `lookahead` `gpuwait.core.lookahead.plan`, each waiter's wait budget set by
+    `lookahead.with_wait_budgets` where that exists. `expected`: the run times the plan is told
+    (a running job's: what is left of it, never below 0); None: none (no history)."""
+    from gpuwait.core import lookahead as ahead
+    from gpuwait.core import policy
+    from gpuwait.core.policy import Claim
     from gpuwait.core.sizes import MemoryRequest
     from gpuwait.core.snapshot import GpuSnapshot
 
+    settings = ahead.Lookahead()
+    budgets = getattr(ahead, "with_wait_budgets", None) if lookahead else None
     cards = [GpuSnapshot(i, f"GPU-{i}", "sim", CARD_GIB * GIB, 0) for i in range(GPUS)]
     by_name = {j.name: j for j in trace}
-    pending = list(trace)
+    pending = sorted(trace, key=lambda j: j.arrival)
     claims: list[Claim] = []
     ends: dict[str, float] = {}
     starts: dict[str, float] = {}
+    due: dict[str, float] = {}
+    now = 0.0
     order = 0
     while pending or claims:
-        now = min([*(e for e in ends.values()), *(j.arrival for j in pending[:1])])
-        while pending and pending[0].arrival <= now:
+        while pending and pending[0].arrival <= now + 1e-9:
             job = pending.pop(0)
             order += 1
-            request = MemoryRequest(bytes=job.vram_gib * GIB)
-            expected = job.duration if known else None
             claims.append(
                 Claim(
                     job.name,
                     False,
                     job.priority,
                     order,
-                    request,
+                    MemoryRequest(bytes=job.vram_gib * GIB),
                     job.gpus,
-                    expected_seconds=expected,
+                    expected_seconds=None if expected is None else expected[job.name],
                 )
             )
-        done = {name for name, end in ends.items() if end <= now}
+        done = {name for name, end in ends.items() if end <= now + 1e-9}
         for name in done:
             del ends[name]
-        if known:  # a running job's estimate is what is left of it
-            claims = [
-                c._replace(expected_seconds=ends[c.job_id] - now) if c.job_id in ends else c
-                for c in claims
-            ]
-        decided = plan(cards, [c for c in claims if c.job_id not in done], SAFETY)
-        kept = []
+        current = []
         for c in claims:
             if c.job_id in done:
                 continue
+            job = by_name[c.job_id]
+            if expected is not None and c.running:
+                left = max(0.0, starts[c.job_id] + expected[c.job_id] - now)
+                c = c._replace(expected_seconds=left)
+            if not c.running:
+                c = c._replace(waited=now - job.arrival, due=due.get(c.job_id, c.due))
+            current.append(c)
+        if lookahead:
+            if budgets is not None:
+                current = list(budgets(cards, current, SAFETY, settings))
+                due.update({c.job_id: c.due for c in current if c.due is not None})
+            decided = ahead.plan(cards, current, SAFETY, settings=settings)
+        else:
+            decided = policy.plan(cards, current, SAFETY)
+        kept = []
+        for c in current:
             if c.job_id in decided.admitted:
                 ends[c.job_id] = now + by_name[c.job_id].duration
                 starts[c.job_id] = now
@@ -222,71 +714,236 @@ def replay_starts(trace: list[TraceJob], known: bool = False) -> dict[str, float
                 c = c._replace(held=decided.hold.gpu_uuids)
             kept.append(c)
         claims = kept
+        events = list(ends.values())
+        if pending:
+            events.append(pending[0].arrival)
+        for c in claims:
+            if not c.running and c.job_id in due:
+                at = by_name[c.job_id].arrival + due[c.job_id]
+                if at > now + 1e-6:
+                    events.append(at)
+        if not events:
+            break  # nothing will change: what waits never fits (not on this trace)
+        now = min(events)
     return starts
 
 
-def greedy_reference(
-    trace: list[TraceJob], order: Callable[[TraceJob], tuple[float, ...]], arrivals: bool = True
-) -> float:
-    """Makespan of a greedy with no holds (see greedy_starts)."""
-    return makespan(trace, greedy_starts(trace, order, arrivals))
-
-
-def greedy_starts(
-    trace: list[TraceJob], order: Callable[[TraceJob], tuple[float, ...]], arrivals: bool = True
-) -> dict[str, float]:
-    """When each job starts under a greedy with no holds: whenever a job ends or arrives, every
-    waiting job that fits starts, looked at in `order`, best-fit (the card left with the least
-    room). `arrivals`: jobs arrive at their times; else every job is there at time 0.
-    """
-    usable = CARD_GIB * SAFETY
-    free = [usable] * GPUS
-    pending = sorted(trace, key=lambda j: j.arrival) if arrivals else []
-    waiting = [] if arrivals else list(trace)
-    running: list[tuple[float, TraceJob, list[int]]] = []
-    starts: dict[str, float] = {}
-    now = 0.0
-    while pending or waiting or running:
-        while pending and pending[0].arrival <= now:
-            waiting.append(pending.pop(0))
-        for job in sorted(waiting, key=order):
-            fits = sorted(
-                (i for i in range(GPUS) if free[i] >= job.vram_gib), key=lambda i: free[i]
-            )
-            if len(fits) >= job.gpus:
-                for i in fits[: job.gpus]:
-                    free[i] -= job.vram_gib
-                running.append((now + job.duration, job, fits[: job.gpus]))
-                starts[job.name] = now
-                waiting.remove(job)
-        now = min([*(end for end, _, _ in running), *(j.arrival for j in pending[:1])])
-        for end, job, where in [r for r in running if r[0] <= now]:
-            running.remove((end, job, where))
-            for i in where:
-                free[i] += job.vram_gib
-    return starts
-
-
-def makespan(trace: list[TraceJob], starts: dict[str, float]) -> float:
+def makespan(trace: Sequence[TraceJob], starts: dict[str, float]) -> float:
     return max(starts[j.name] + j.duration for j in trace)
 
 
-def urgent_wait(trace: list[TraceJob], starts: dict[str, float]) -> float:
-    """p95 wait, from arrival to start, of the priority-5 jobs."""
-    return percentile([starts[j.name] - j.arrival for j in trace if j.priority == 5], 95)
+# ---- one seed's figures, and the table over seeds --------------------------------------------
 
 
-def by_priority(job: TraceJob) -> tuple[float, ...]:
-    return (-job.priority, job.arrival)
+@dataclass
+class Row:
+    """A policy's figures on one seed (waits in seconds; oom None for replays)."""
+
+    span: float
+    bound_a: float
+    bound_b: float
+    p5: float
+    p1: float
+    longest: float
+    oom: int | None = None
 
 
-def largest_first(job: TraceJob) -> tuple[float, ...]:
-    return (-job.vram_gib * job.gpus * job.duration, job.arrival)
+def row_of(
+    trace: Sequence[TraceJob],
+    starts: dict[str, float],
+    a: float,
+    b: float,
+    span: float | None = None,
+) -> Row:
+    waits = {j.name: starts[j.name] - j.arrival for j in trace}
+
+    def p95(priority: int) -> float:
+        chosen = [waits[j.name] for j in trace if j.priority == priority]
+        return percentile(chosen, 95) if chosen else 0.0
+
+    return Row(
+        makespan(trace, starts) if span is None else span, a, b, p95(5), p95(1), max(waits.values())
+    )
 
 
-def offline_reference(trace: list[TraceJob]) -> float:
-    """Makespan of a clairvoyant greedy: all jobs at time 0, largest area first, best-fit."""
-    return greedy_reference(trace, largest_first, arrivals=False)
+REFERENCES = (
+    "gpuwait fifo (replay)",
+    "gpuwait lookahead (replay)",
+    "in-order greedy",
+    "EASY backfill",
+    "largest first",
+    "p5 first, largest, EASY",
+    "offline (list + local search)",
+    "offline (CP-SAT)",
+)
+
+
+def seed_rows(
+    seed: int, scale: float, arrive_within: float, exact: bool, cpsat: float
+) -> tuple[dict[str, Row], BoundB]:
+    """Every replayed policy's figures on one seed, and bound (b)."""
+    trace = make_trace(seed, scale, arrive_within)
+    a = lower_bound(trace)
+    found = bound_b(trace)
+    b = found.value
+    expected = estimates(trace, seed, exact)
+
+    def largest(j: TraceJob) -> tuple[float, ...]:
+        return (-j.vram_gib * j.gpus * expected[j.name], j.arrival)
+
+    def urgent_largest(j: TraceJob) -> tuple[float, ...]:
+        return (j.priority != 5, *largest(j))
+
+    runs = {
+        "gpuwait fifo (replay)": replay_starts(trace, expected),
+        "gpuwait lookahead (replay)": replay_starts(trace, expected, lookahead=True),
+        "in-order greedy": list_starts(trace, by_priority, expected),
+        "EASY backfill": list_starts(trace, by_priority, expected, easy=True),
+        "largest first": list_starts(trace, largest, expected),
+        "p5 first, largest, EASY": list_starts(trace, urgent_largest, expected, easy=True),
+        "offline (list + local search)": offline_starts(trace, seed),
+    }
+    if cpsat > 0:
+        found_cp = cpsat_starts(trace, cpsat, runs["offline (list + local search)"])
+        if found_cp is not None:
+            runs["offline (CP-SAT)"] = found_cp
+    return {name: row_of(trace, starts, a, b) for name, starts in runs.items()}, found
+
+
+def _seed_job(
+    args: tuple[int, float, float, bool, float],
+) -> tuple[int, dict[str, Row], BoundB, float]:
+    t0 = time.monotonic()
+    rows, found = seed_rows(*args)
+    return args[0], rows, found, time.monotonic() - t0
+
+
+def all_seeds(
+    seeds: Sequence[int], scale: float, arrive_within: float, exact: bool, cpsat: float, jobs: int
+) -> list[tuple[int, dict[str, Row], BoundB, float]]:
+    work = [(s, scale, arrive_within, exact, cpsat) for s in seeds]
+    if jobs <= 1:
+        return [_seed_job(w) for w in work]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_seed_job, work))
+
+
+HEADER = (
+    f"{'policy':<30} {'/(a) mean':>9} {'max':>5}  {'/(b) mean':>9} {'max':>5}"
+    f"  {'p5 p95':>6} {'p1 p95':>6} {'max wait':>8}  {'OOM':>4}"
+)
+
+
+def table_line(name: str, rows: Sequence[Row]) -> str:
+    to_a = [r.span / r.bound_a for r in rows]
+    to_b = [r.span / r.bound_b for r in rows]
+    ooms = [r.oom for r in rows]
+    oom = "-" if any(o is None for o in ooms) else str(sum(o or 0 for o in ooms))
+    return (
+        f"{name:<30} {statistics.mean(to_a):9.3f} {max(to_a):5.3f}  {statistics.mean(to_b):9.3f}"
+        f" {max(to_b):5.3f}  {statistics.mean(r.p5 for r in rows):5.1f}s"
+        f" {statistics.mean(r.p1 for r in rows):5.1f}s {statistics.mean(r.longest for r in rows):7.1f}s"
+        f"  {oom:>4}"
+    )
+
+
+def goals(rows: Sequence[Row], greedy: Sequence[Row]) -> list[str]:
+    """The issue's goals for the policy in `rows`, each with whether it is met."""
+    to_b = [r.span / r.bound_b for r in rows]
+    mean_b, worst = statistics.mean(to_b), max(to_b)
+    p5 = statistics.mean(r.p5 for r in rows)
+    longest = statistics.mean(r.longest for r in rows)
+    greedy_longest = statistics.mean(r.longest for r in greedy)
+    ooms = [r.oom for r in rows if r.oom is not None]
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = [
+        f"  mean <= 1.12 x (b) (stretch 1.10): {mean_b:.3f}, {met(mean_b <= 1.12)}"
+        f" (stretch {met(mean_b <= 1.10)})",
+        f"  no seed above 1.18 x (b): worst {worst:.3f}, {met(worst <= 1.18)}",
+        f"  priority-5 p95 wait <= 5 s: {p5:.1f}s, {met(p5 <= 5.0)}",
+        f"  max wait <= 1.1 x the in-order greedy's ({greedy_longest:.1f}s): {longest:.1f}s,"
+        f" {met(longest <= 1.1 * greedy_longest)}",
+    ]
+    if ooms:
+        lines.append(f"  0 OOM: {sum(ooms)}, {met(sum(ooms) == 0)}")
+    return lines
+
+
+# ---- real processes on simulated GPUs ---------------------------------------------------------
+
+
+def seed_history(
+    env: dict[str, str], trace: Sequence[TraceJob], expected: dict[str, float]
+) -> None:
+    """One earlier run of each job's exact command, taking its estimate, written with gpuwait's
+    own history code, so that gpuwait learns its run time as it would from real history."""
+    from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES
+    from gpuwait.history import learn, record
+
+    state = Path(env["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(parents=True, exist_ok=True)
+    cwd = os.getcwd()
+    then = time.time() - 3600
+    for n, job in enumerate(trace):
+        run = record.build(
+            job_id=f"history-{n}",
+            name=None,
+            batch=None,
+            command=job_command(job),
+            cwd=cwd,
+            key=None,
+            history_commands="full",
+            request={"bytes": job.vram_gib * GIB},
+            request_source="flag",
+            reserved_bytes=job.vram_gib * GIB,
+            gpus=(),
+            measured=record.Measured(
+                peak_by_gpu={},
+                peak_approximate=False,
+                time_to_peak=None,
+                samples=3,
+                free_at_peak_bytes={},
+                run_seconds=expected[job.name],
+                returncode=0,
+                oom=False,
+                oom_evidence=None,
+                stderr_watched="off",
+            ),
+            wait_seconds=0.0,
+            started_at=then + n,
+        )
+        learn.save_record(state, run, DEFAULT_HISTORY_MAX_BYTES)
+
+
+def learned_run_time(env: dict[str, str], job: TraceJob) -> str:
+    """What `gpuwait estimate` says of the job's command (its run-time line)."""
+    out = subprocess.run(
+        [*GPUWAIT, "estimate", "--json", "--", *job_command(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    try:
+        found = json.loads(out.stdout)
+    except ValueError:
+        return f"unreadable ({out.stderr.strip()[:200]})"
+    for key in ("run_time", "run_seconds", "runtime"):
+        if key in found:
+            return f"{key} {found[key]}"
+    return json.dumps(found)[:300]
+
+
+def queue_orders() -> list[str]:
+    """The queue orders to run: `fifo` and `lookahead` where `gpuwait config` lists a
+    queue_order setting, else only the default."""
+    env = sandbox(gpus=1, memory="1GiB")
+    listing = subprocess.run([*GPUWAIT, "config"], env=env, capture_output=True, text=True).stdout
+    return ["fifo", "lookahead"] if "queue_order" in listing else ["default"]
 
 
 def job_command(job: TraceJob) -> list[str]:
@@ -350,9 +1007,18 @@ class Runner:
         return ended
 
 
-def run_gpuwait(trace: list[TraceJob]) -> Result:
+def run_gpuwait(
+    trace: list[TraceJob], expected: dict[str, float], order: str = "default"
+) -> tuple[Result, str]:
+    """The trace under gpuwait, its history seeded (see seed_history); with `order` other than
+    default, GPUWAIT_QUEUE_ORDER set to it. Returns the result and what `gpuwait estimate`
+    learned for the first job."""
     env = sandbox(gpus=GPUS, memory=f"{CARD_GIB}GiB")
-    runner = Runner("gpuwait", trace, env)
+    if order != "default":
+        env["GPUWAIT_QUEUE_ORDER"] = order
+    seed_history(env, trace, expected)
+    learned = learned_run_time(env, trace[0])
+    runner = Runner(f"gpuwait {order}", trace, env)
     pending = list(runner.result.outcomes)
     while pending or runner.running:
         while pending and pending[0].job.arrival <= runner.now():
@@ -388,10 +1054,12 @@ def run_gpuwait(trace: list[TraceJob]) -> Result:
     for outcome in runner.result.outcomes:
         if outcome.job.name in started:
             outcome.start = started[outcome.job.name] - wall0
-    return runner.result
+    return runner.result, learned
 
 
 def run_baseline(trace: list[TraceJob], policy: str, poll: float) -> Result:
+    """A free-memory poller (`poller`) or one job per GPU (`one-per-gpu`), polling every
+    `poll` seconds, in priority order."""
     env = sandbox(gpus=GPUS, memory=f"{CARD_GIB}GiB")
     runner = Runner(policy, trace, env)
     uuids = gpu_uuids(env)
@@ -434,108 +1102,142 @@ def run_baseline(trace: list[TraceJob], policy: str, poll: float) -> Result:
     return runner.result
 
 
-def references(trace: list[TraceJob]) -> dict[str, float]:
-    """The bounds and reference schedules, as ratios to the issue's bound; waits in seconds."""
-    bound = lower_bound(trace)
-    figures = {
-        "arrival": arrival_bound(trace) / bound,
-        "pairing": arrival_bound(trace, pairing=True) / bound,
-        "offline": offline_reference(trace) / bound,
-    }
-    runs = {
-        "replay": replay_starts(trace),
-        "informed": replay_starts(trace, known=True),
-        "priority": greedy_starts(trace, by_priority),
-        "largest": greedy_starts(trace, largest_first),
-    }
-    for name, starts in runs.items():
-        figures[name] = makespan(trace, starts) / bound
-        figures[f"{name} wait"] = urgent_wait(trace, starts)
-    return figures
-
-
-def print_references(r: dict[str, float]) -> None:
-    print(
-        f"  other lower bounds  arrival-aware {r['arrival']:4.2f}, also counting that no two"
-        f" jobs over half a card share one {r['pairing']:4.2f}"
-    )
-    print(
-        f"  gpuwait's policy    replayed without overheads {r['replay']:4.2f}"
-        f" [{r['replay wait']:.1f}s], with run times known {r['informed']:4.2f}"
-        f" [{r['informed wait']:.1f}s]"
-    )
-    print(
-        f"  greedy, no holds    priority order {r['priority']:4.2f} [{r['priority wait']:.1f}s],"
-        f" largest first respecting arrivals {r['largest']:4.2f} [{r['largest wait']:.1f}s],"
-        f" offline largest first {r['offline']:4.2f}"
-    )
-
-
-def report(result: Result, bound: float) -> str:
-    outcomes = result.outcomes
+def real_row(result: Result, a: float, b: float) -> Row:
+    """A real run's figures; a job that never started counts as waiting until the end."""
     span = result.makespan()
-    usable = GPUS * CARD_GIB * SAFETY
-    done = [o for o in outcomes if o.returncode == 0]
-    area = sum(o.job.vram_gib * o.job.gpus * o.job.duration for o in done)
-    urgent = [
-        o.start - o.job.arrival for o in outcomes if o.job.priority == 5 and o.start is not None
-    ]
-    # What the replays do not have: starting the job's process, and noticing that it ended.
-    overruns = [
-        o.end - o.start - o.job.duration for o in done if o.start is not None and o.end is not None
-    ]
-    return (
-        f"{result.policy:<12} makespan {span:6.1f}s = {span / bound:4.2f} x bound   "
-        f"VRAM-time used {100 * area / (usable * span):4.1f}%   "
-        f"OOM {sum(o.oom for o in outcomes):3d}   failed {sum(o.returncode != 0 for o in outcomes):3d}   "
-        f"p95 wait (priority 5) {percentile(urgent, 95) if urgent else float('nan'):5.1f}s   "
-        f"overrun {statistics.mean(overruns) if overruns else float('nan'):4.2f}s"
+    starts = {o.job.name: o.start if o.start is not None else span for o in result.outcomes}
+    trace = [o.job for o in result.outcomes]
+    row = row_of(trace, starts, a, b)
+    ends = [o.end for o in result.outcomes if o.end is not None]
+    return Row(max(ends), a, b, row.p5, row.p1, row.longest, sum(o.oom for o in result.outcomes))
+
+
+def replays(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
+    """The replayed part: bounds, the table, the goals (and --check-bound)."""
+    print(
+        f"trace: 120 jobs (80 small, 28 of 20-40 GiB, 12 2-GPU gangs) arriving within"
+        f" {args.arrive_within:g}s, on {GPUS} x {CARD_GIB} GiB at safety {SAFETY}; seeds"
+        f" {seeds[0]}-{seeds[-1]}; run times: true x lognormal(sigma {ESTIMATE_SIGMA}) estimates",
+        flush=True,
     )
+    modes = [False, True] if args.exact else [False]
+    results = {}
+    for exact in modes:
+        results[exact] = all_seeds(
+            seeds, args.scale, args.arrive_within, exact, args.cpsat, args.jobs
+        )
+    first = results[False]
+    ratio = [f.value / rows["in-order greedy"].bound_a for _, rows, f, _ in first]
+    print(
+        f"bound (b) / bound (a): mean {statistics.mean(ratio):.3f}, max {max(ratio):.3f},"
+        f" above 1.10 on {sum(r > 1.10 for r in ratio)} of {len(ratio)} seeds;"
+        f" LPs solved per seed {statistics.mean(f.solves for _, _, f, _ in first):.1f}"
+    )
+    try:
+        import ortools  # noqa: F401
+
+        cp = f"CP-SAT: {args.cpsat:g}s per seed" if args.cpsat > 0 else "CP-SAT: off"
+    except ImportError:
+        cp = "CP-SAT: not installed"
+    for exact in modes:
+        each = results[exact]
+        print()
+        print(
+            f"replayed without processes, run times {'exact' if exact else 'estimated'}"
+            f" ({cp}); waits: mean over seeds of each seed's p95 / longest"
+        )
+        print(HEADER)
+        for name in REFERENCES:
+            rows = [r[name] for _, r, _, _ in each if name in r]
+            if rows:
+                print(table_line(name, rows))
+        look = [r["gpuwait lookahead (replay)"] for _, r, _, _ in each]
+        greedy = [r["in-order greedy"] for _, r, _, _ in each]
+        print("goals, gpuwait lookahead (replay):")
+        print("\n".join(goals(look, greedy)))
+    print(
+        f"(replays: {time.monotonic() - t0:.1f}s wall; per seed"
+        f" {statistics.mean(t for *_, t in first):.1f}s in {args.jobs} processes)",
+        flush=True,
+    )
+    if args.check_bound:
+        every, exact = [], []
+        for seed, _, found, _ in first:
+            trace = make_trace(seed, args.scale, args.arrive_within)
+            at_all, at_top = check_bound(trace, found, args.check_bound)
+            every.append((at_all - found.value) / at_all)
+            if at_top is not None:
+                exact.append((at_top - found.value) / at_top)
+        print(
+            f"check of (b): LP(s) solved at every breakpoint: (b) below it by at most"
+            f" {100 * max(every):.4f}%"
+        )
+        if exact:
+            print(
+                f"check of (b): every job its own row, scipy (HiGHS), the {args.check_bound}"
+                f" best points: (b) below it by mean {100 * statistics.mean(exact):.4f}%,"
+                f" at most {100 * max(exact):.4f}%"
+            )
+        else:
+            print("check of (b) with scipy: scipy is not installed")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     global CARD_GIB
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=20, metavar="N", help="replay seeds 1..N")
     parser.add_argument("--scale", type=float, default=0.6, help="multiply every run time")
     parser.add_argument("--arrive-within", type=float, default=10.0, help="seconds")
-    parser.add_argument("--poll", type=float, default=0.5, help="baselines' polling interval")
     parser.add_argument("--card-gib", type=int, default=CARD_GIB, help="memory of each GPU")
+    parser.add_argument("--exact", action="store_true", help="also replay with exact run times")
     parser.add_argument(
-        "--policies", default="gpuwait,poller,one-per-gpu", help="comma-separated subset"
+        "--cpsat", type=float, default=10.0, metavar="S", help="CP-SAT's seconds per seed (0: off)"
     )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
     parser.add_argument(
-        "--replay-seeds",
+        "--check-bound",
         type=int,
         default=0,
         metavar="N",
-        help="also print the references' means over seeds 1..N (one trace moves a lot)",
+        help="check (b): LP(s) at every breakpoint, and with scipy at the N best of each seed",
     )
-    args = parser.parse_args()
+    parser.add_argument("--real", action="store_true", help="also run real processes (minutes)")
+    parser.add_argument("--seed", type=int, default=4, help="the seed of --real's default")
+    parser.add_argument("--real-seeds", default=None, help="comma-separated (default: --seed)")
+    parser.add_argument("--poll", type=float, default=0.5, help="baselines' polling interval")
+    parser.add_argument(
+        "--policies", default="gpuwait,poller,one-per-gpu", help="--real: comma-separated subset"
+    )
+    args = parser.parse_args(argv)
     CARD_GIB = args.card_gib
-    trace = make_trace(args.seed, args.scale, args.arrive_within)
-    bound = lower_bound(trace)
-    kinds = {k: sum(k in j.name for j in trace) for k in ("small", "large", "gang")}
-    print(
-        f"trace: {len(trace)} jobs ({kinds['small']} small 2-6 GiB, {kinds['large']} of 20-40 GiB, "
-        f"{kinds['gang']} 2-GPU gangs), arriving within {args.arrive_within:g}s, on {GPUS} x "
-        f"{CARD_GIB} GiB at safety {SAFETY}; lower bound {bound:.1f}s"
-    )
-    print("ratios to that bound, computed without running anything [p95 wait of priority-5 jobs]:")
-    print_references(references(trace))
-    if args.replay_seeds:
-        each = [
-            references(make_trace(seed, args.scale, args.arrive_within))
-            for seed in range(1, args.replay_seeds + 1)
-        ]
-        print(f"the same, means over seeds 1-{args.replay_seeds}:")
-        print_references({k: statistics.mean(r[k] for r in each) for k in each[0]})
-    for policy in filter(None, args.policies.split(",")):
-        if policy == "gpuwait":
-            result = run_gpuwait(trace)
-        else:
-            result = run_baseline(trace, policy, args.poll)
-        print(report(result, bound), flush=True)
+    seeds = list(range(1, args.seeds + 1))
+    t0 = time.monotonic()
+    if seeds:
+        replays(args, seeds, t0)
+    if not args.real:
+        return
+    real_seeds = [int(s) for s in (args.real_seeds or str(args.seed)).split(",")]
+    policies = [p for p in args.policies.split(",") if p]
+    rows_by: dict[str, list[Row]] = {}
+    for seed in real_seeds:
+        trace = make_trace(seed, args.scale, args.arrive_within)
+        a, b = lower_bound(trace), bound_b(trace).value
+        expected = estimates(trace, seed)
+        for policy in policies:
+            if policy == "gpuwait":
+                for order in queue_orders():
+                    result, learned = run_gpuwait(trace, expected, order)
+                    print(f"seed {seed}, gpuwait {order}: history gives {trace[0].name}: {learned}")
+                    rows_by.setdefault(result.policy, []).append(real_row(result, a, b))
+            else:
+                result = run_baseline(trace, policy, args.poll)
+                rows_by.setdefault(policy, []).append(real_row(result, a, b))
+    print()
+    print(f"real processes on simulated GPUs, seeds {','.join(map(str, real_seeds))}")
+    print(HEADER)
+    for name, rows in rows_by.items():
+        print(table_line(name, rows))
+    print("(a baseline's makespan counts jobs that died of OOM early)")
 
 
 if __name__ == "__main__":

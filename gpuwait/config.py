@@ -22,7 +22,7 @@ from gpuwait.core.budget import DEFAULT_ENFORCE, ENFORCE_MODES
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, UsageError
 from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
-from gpuwait.core.policy import PICK_STRATEGIES, FairShare, UserLimits
+from gpuwait.core.policy import PICK_STRATEGIES, FairShare, Lookahead, UserLimits
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import (
     MemoryRequest,
@@ -84,6 +84,16 @@ def _optional_duration(value: Any) -> float | None:
     if value in (None, "", "none", "0", 0):
         return None
     return _positive_duration(value)
+
+
+def _wait_factor(value: Any) -> float:
+    try:
+        number = _number(value)
+    except ValueError:
+        number = math.nan
+    if not 1 <= number <= 1000:
+        raise ValueError("expected a factor from 1 to 1000, e.g. 5")
+    return number
 
 
 def _exit_status(value: Any) -> int:
@@ -399,7 +409,7 @@ OPTIONS: tuple[Option, ...] = (
         "pause_max",
         _pause_count,
         DEFAULT_MAX_PAUSES,
-        "a --pausable job is asked to step aside at most this often",
+        "a --pausable job is asked to step aside at most this often (a --freezable one frozen)",
     ),
     Option(
         "wake",
@@ -602,6 +612,34 @@ OPTIONS: tuple[Option, ...] = (
         show=_show_duration,
         site_only=True,
     ),
+    Option(
+        "queue_order",
+        _choice("lookahead", "fifo"),
+        "lookahead",
+        "'lookahead': start what a plan of the whole queue starts now (packs the GPUs); "
+        "'fifo': priority, then submission, strictly",
+    ),
+    Option(
+        "max_wait_factor",
+        _wait_factor,
+        5.0,
+        "lookahead: a job waits at most this many times its wait in strict order (and its own "
+        "run time) before it goes first",
+    ),
+    Option(
+        "max_wait",
+        _optional_duration,
+        None,
+        "lookahead: and at most this long (none: no absolute cap)",
+        show=_show_seconds,
+    ),
+    Option(
+        "plan_budget",
+        _positive_duration,
+        0.025,
+        "lookahead: the longest a plan's search may take",
+        show=_show_duration,
+    ),
 )
 
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
@@ -707,6 +745,10 @@ class Settings(Record):
     user_max_gpus: int | None
     user_max_vram: int | None
     fair_share_half_life: float | None
+    queue_order: str
+    max_wait_factor: float
+    max_wait: float | None
+    plan_budget: float
     #: Setting name -> "default", "command line", "environment GPUWAIT_X", "config file F", ...
     sources: dict[str, str] = field(default_factory=dict)
     config_file: Path = Path("config.toml")
@@ -726,7 +768,16 @@ class Settings(Record):
         """The fairness policy these settings ask for (an administrator's, from the site file)."""
         max_gpus, max_vram = self.user_max_gpus, self.user_max_vram
         limits = None if max_gpus is None and max_vram is None else UserLimits(max_gpus, max_vram)
-        return FairShare(half_life=self.fair_share_half_life, limits=limits)
+        order = (
+            None
+            if self.queue_order == "fifo"
+            else Lookahead(
+                budget_ms=self.plan_budget * 1000,
+                max_wait_factor=self.max_wait_factor,
+                max_wait=self.max_wait,
+            )
+        )
+        return FairShare(half_life=self.fair_share_half_life, limits=limits, order=order)
 
     def shown(self, name: str) -> str:
         """Setting `name` as a user would type it."""

@@ -51,6 +51,7 @@ class ReserveError(GpuwaitError):
 #: reserves for itself.
 _COMMAND_ONLY = (
     ("pausable", "--pausable"),
+    ("freezable", "--freezable"),
     ("checkpoint_signal", "--checkpoint-signal"),
     ("grace", "--grace"),
     ("grace_kill", "--grace-kill"),

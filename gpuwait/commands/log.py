@@ -138,6 +138,18 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
         text = f"{who} stepped aside{after}; pause {event.get('pauses')}, queued to resume"
     elif kind == "pause-grace-kill":
         text = f"{who} did not step aside within its grace: sent TERM (--grace-kill)"
+    elif kind == "freeze":
+        pids = event.get("pids")
+        pids = ", ".join(map(str, pids)) if isinstance(pids, list) else "?"
+        where = _gpus(event.get("gpus"), indices)
+        text = f"{who} frozen on {where} (pid {pids}): its GPU memory in host memory"
+    elif kind == "thaw":
+        frozen = event.get("frozen_seconds")
+        after = f" after {format_duration(frozen)}" if isinstance(frozen, (int, float)) else ""
+        text = f"{who} thawed{after}: its GPU memory back, running on"
+    elif kind in ("freeze-failed", "thaw-failed"):
+        doing = "could not be frozen, runs on" if kind == "freeze-failed" else "not thawed yet"
+        text = f"{who} {doing}: {printable(str(event.get('error')), 300)}"
     elif kind == "cancel":
         text = f"{who} ({event.get('state')}) by uid {event.get('by_uid')}"
         if event.get("refused"):

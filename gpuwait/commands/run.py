@@ -160,8 +160,9 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--freezable",
         action="store_true",
-        help="freeze the command (VRAM to host memory) rather than ask it to step aside: not "
-        "done yet, refused, naming what this machine lacks (see docs/freezing.md)",
+        help="when more urgent work needs its room, freeze the command (its VRAM moved to "
+        "host memory, its processes stopped) and thaw it there later; needs cuda-checkpoint "
+        "and driver 570+ (see docs/freezing.md)",
     )
     parser.add_argument(
         "--checkpoint-signal",
@@ -284,10 +285,12 @@ def build_parser() -> Parser:
 def run(options: argparse.Namespace) -> int:
     """Validate the options, read the settings, and run the command as a job."""
     request, config = prepare(options)
-    if options.freezable:
+    if request.freezable:
         from gpuwait.gpu.freezing import detect  # only --freezable looks for CUDA checkpointing
 
-        raise UsageError(detect(config.nvml_timeout).refusal())
+        refusal = detect(config.nvml_timeout, simulated=config.sim is not None).refusal()
+        if refusal is not None:
+            raise UsageError(refusal)
     try:
         return session.run(request, config, Console(options.quiet))
     except GpuwaitError as exc:
@@ -336,6 +339,11 @@ def _request(options: argparse.Namespace) -> RunRequest:
         raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
     if options.key is not None and not options.key.strip():
         raise UsageError("--key needs a non-empty name")
+    if options.freezable and options.pausable:
+        # Two answers to one request to step aside: a job is asked once, and does one thing.
+        raise UsageError(
+            "--freezable and --pausable are two ways to step aside; give one (see docs/freezing.md)"
+        )
     vram: MemoryRequest | None = None
     if options.exclusive and options.vram is not None:
         raise UsageError("--exclusive takes whole GPUs; leave out --vram")
@@ -369,6 +377,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         after=_references(options.after),
         after_ok=_references(options.after_ok),
         pausable=_pausable(options),
+        freezable=options.freezable,
         verbose=options.verbose and not options.quiet,
         once=options.once,
     )

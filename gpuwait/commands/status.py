@@ -26,7 +26,7 @@ from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import open_backend
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
-from gpuwait.queue.entries import RUNNING
+from gpuwait.queue.entries import RUNNING, LedgerData
 from gpuwait.queue.idle import record_reading
 from gpuwait.queue.report import STATUS_SCHEMA, View, read_queue, report_from
 
@@ -157,11 +157,28 @@ def build_report(settings: Settings) -> dict[str, Any]:
     view = View(safety=settings.safety, ignore_processes=ignore, fair=settings.fair_share())
     report = report_from(snapshot, data, now, view, ledger.take_warnings(), problem)
     report["ledger_shared"] = bool(ledger.shared)
+    _add_frozen(report, data)
     quiet = idle_holders(settings, snapshot, report["jobs"], ignore)
     report["idle"] = [h for h in quiet if h["idle_seconds"] >= settings.idle_after]
     #: Holding memory on a quiet GPU, but not seen so for `idle_after` yet.
     report["idle_watching"] = [h for h in quiet if h["idle_seconds"] < settings.idle_after]
     return report
+
+
+def _add_frozen(report: dict[str, Any], data: LedgerData) -> None:
+    """Each job's `frozen`: since when and on which GPUs (where it is thawed), or None."""
+    entries = {j.id: j for j in data.jobs}
+    index = {g["uuid"]: g["index"] for g in report["gpus"]}
+    for shown in report["jobs"]:
+        entry = entries.get(shown["id"])
+        if entry is None or entry.frozen_at is None:
+            shown["frozen"] = None
+            continue
+        shown["frozen"] = {
+            "since": entry.frozen_at,
+            "gpu_uuids": list(entry.frozen_gpus),
+            "gpu_indices": [index.get(u) for u in entry.frozen_gpus],
+        }
 
 
 def idle_rule(settings: Settings) -> IdleRule:
@@ -330,6 +347,16 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             f"p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
         out.append(line + _clip(command_line(j["command"]), width - len(line)))
+        frozen = j.get("frozen")
+        if frozen:
+            on = ",".join("?" if i is None else str(i) for i in frozen["gpu_indices"])
+            out.append(
+                _clip(
+                    f"      frozen {_ago(report['generated_at'] - frozen['since'])}: its memory is in "
+                    f"host memory; thawed on GPU {on} once there is room",
+                    width,
+                )
+            )
         if j["waiting_reason"]:
             out.extend(
                 textwrap.wrap(

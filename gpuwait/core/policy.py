@@ -135,6 +135,11 @@ class Claim(Record, frozen=True):
     #: GPUs taken first where the claim fits (`--prefer`); the others only where none of
     #: them fits. Empty: no preference.
     prefer: frozenset[str] = frozenset()
+    #: Seconds this waiter has waited since it was submitted (lookahead order only).
+    waited: float = 0.0
+    #: Its wait budget: once `waited` reaches it, the lookahead order puts it first with the
+    #: urgent jobs (no starvation). None: not set yet (see `lookahead.with_wait_budgets`).
+    due: float | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -164,11 +169,29 @@ class UserLimits(Record, frozen=True):
         return None
 
 
+class Lookahead(Record, frozen=True):
+    """How the lookahead order is found: the search's bounds, and the no-starvation rule."""
+
+    #: Local-search steps (swaps and moves of one job) tried per decision, at most.
+    steps: int = 200
+    #: Stop searching once this many milliseconds have gone (with a clock passed in).
+    budget_ms: float = 25.0
+    #: Seeds the search, so the same inputs give the same plan.
+    seed: int = 0
+    #: A waiter is planned with the urgent jobs once it has waited this many times its expected
+    #: start in the in-order plan (and at least its own expected run time)...
+    max_wait_factor: float = 5.0
+    #: ...or this many seconds, whichever is less (None: no absolute cap).
+    max_wait: float | None = None
+
+
 class FairShare(Record, frozen=True):
-    """The fairness policy in force: usage half-life (None: off) and per-user limits."""
+    """The fairness policy in force: usage half-life (None: off), per-user limits, and the
+    queue's order (None: in order, `queue_order = fifo`; else lookahead, see core/lookahead)."""
 
     half_life: float | None = None
     limits: UserLimits | None = None
+    order: Lookahead | None = None
 
 
 class Conditions(Record, frozen=True):
@@ -347,13 +370,13 @@ def gpu_rooms(
     return rooms
 
 
-def _static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
+def static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
     if claim.candidates is not None and gpu.uuid not in claim.candidates:
         return False
     return claim.requirements.mismatch(gpu) is None
 
 
-def _util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
+def util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
     cap = claim.requirements.max_util_pct
     if cap is None:
         return True
@@ -363,19 +386,19 @@ def _util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
     return recent is None or recent < cap
 
 
-def _idle_enough(room: GpuRoom) -> bool:
+def idle_enough(room: GpuRoom) -> bool:
     """Nothing outside gpuwait (the ignore list aside) uses the GPU to speak of."""
     return room.external - room.ignored_bytes <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
 
 
 def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:
     """Bytes `claim` needs on this GPU, or None if it cannot go there now at all."""
-    if not _static_ok(claim, room.gpu) or not _util_ok(claim, room.gpu.uuid, conditions):
+    if not static_ok(claim, room.gpu) or not util_ok(claim, room.gpu.uuid, conditions):
         return None
     if room.exclusive_held:
         return None
     if claim.request is None:
-        if room.running_jobs or not _idle_enough(room):
+        if room.running_jobs or not idle_enough(room):
             return None
         return max(1, room.room)
     return claim.request.on(room.gpu.total_bytes)
@@ -456,7 +479,7 @@ def impossible_reason(
 _Fit = tuple[GpuRoom, int]
 
 
-def _order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: int) -> list[_Fit]:
+def order_for_pick(fitting: list[_Fit], claim: Claim, cursor: int, gpu_count: int) -> list[_Fit]:
     """The fitting GPUs, most preferred first: its --prefer GPUs, then by its strategy."""
 
     def best_fit(rn: _Fit) -> tuple[int, int]:
@@ -504,7 +527,7 @@ def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | N
         for c in on_gpu
     )
     if claim.request is None:
-        if not _idle_enough(room):
+        if not idle_enough(room):
             return None
         return max((end for end, _, _ in ends), default=0.0)
     need = claim.request.on(room.gpu.total_bytes)
@@ -528,7 +551,7 @@ def _hold_for(
     """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner."""
     times: dict[str, tuple[GpuRoom, float]] = {}
     for uuid, room in rooms.items():
-        if not _static_ok(claim, room.gpu) or not _util_ok(claim, uuid, conditions):
+        if not static_ok(claim, room.gpu) or not util_ok(claim, uuid, conditions):
             continue
         when = _fit_time(claim, room, [c for c in running if uuid in c.gpu_uuids])
         if when is not None:
@@ -586,7 +609,7 @@ def plan(
     head could start there. A waiter whose user is at a per-user limit does not block those
     behind it.
     """
-    held_by_user = _held_by_user(claims) if limits is not None else {}
+    held_by_user = user_holdings(claims) if limits is not None else {}
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     running = [c for c in claims if c.running]
     running_total = len(running)
@@ -599,7 +622,7 @@ def plan(
     spare: dict[str, int] = {}
     for position, claim in enumerate(waiting):
         if claim.blocked is not None:
-            reasons[claim.job_id] = _wait_reason(claim, rooms, running_total, position, conditions)
+            reasons[claim.job_id] = wait_reason(claim, rooms, running_total, position, conditions)
             continue
         fitting: list[_Fit] = []
         for room in rooms.values():
@@ -616,14 +639,14 @@ def plan(
                 or hold.ends_in_time(claim, r.gpu.uuid)
             ]
         if len(allowed) >= claim.gpus_wanted and allowed:
-            chosen = _order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
+            chosen = order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
             if limits is not None:
                 gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
                 vram = max(need for _, need in chosen) * len(chosen)
                 refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
                 if refusal is not None:
-                    reason = _wait_reason(claim, rooms, running_total, position, conditions)
+                    reason = wait_reason(claim, rooms, running_total, position, conditions)
                     reasons[claim.job_id] = reason._replace(limit=refusal)
                     continue
                 held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
@@ -658,9 +681,7 @@ def plan(
                 note = _held_note(hold, rooms)
         elif len(fitting) >= claim.gpus_wanted:
             note = _backfill_note(claim, hold, rooms)
-        reasons[claim.job_id] = _wait_reason(
-            claim, rooms, running_total, position, conditions, note
-        )
+        reasons[claim.job_id] = wait_reason(claim, rooms, running_total, position, conditions, note)
     return Plan(
         admitted=admitted,
         reserved=reserved,
@@ -671,7 +692,7 @@ def plan(
     )
 
 
-def _held_by_user(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
+def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
     """(GPUs, reserved bytes over all of them) that each user's running jobs hold."""
     held: dict[int, tuple[int, int]] = {}
     for c in claims:
@@ -716,7 +737,7 @@ def _backfill_note(claim: Claim, hold: Hold, rooms: Mapping[str, GpuRoom]) -> st
     return f"{held}, {due} ({when})"
 
 
-def _wait_reason(
+def wait_reason(
     claim: Claim,
     rooms: Mapping[str, GpuRoom],
     running: int,
@@ -724,8 +745,8 @@ def _wait_reason(
     conditions: Conditions,
     note: str | None = None,
 ) -> WaitReason:
-    candidates = [r for r in rooms.values() if _static_ok(claim, r.gpu)]
-    usable = [r for r in candidates if _util_ok(claim, r.gpu.uuid, conditions)]
+    candidates = [r for r in rooms.values() if static_ok(claim, r.gpu)]
+    usable = [r for r in candidates if util_ok(claim, r.gpu.uuid, conditions)]
     if candidates and not usable and note is None:
         cap = f"{claim.requirements.max_util_pct:g}%"
         if any(r.gpu.uuid not in conditions.utilization for r in candidates):

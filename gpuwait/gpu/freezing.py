@@ -1,10 +1,13 @@
 """Whether this machine could freeze a CUDA job: move its device memory to host memory and stop
 it, with no help from the job (CUDA checkpointing, docs/freezing.md).
 
-Only what is present is looked at, and nothing is done with it: gpuwait does not freeze jobs
-yet, so `--freezable` is refused, naming what this machine lacks. libcuda is loaded only to look
-its checkpoint entry points up, never called (no cuInit, no context, no GPU touched); the
-driver's version comes from NVML, like every other question to the driver.
+Only what is present is looked at, and nothing is done with it: `--freezable` is accepted where
+everything is there and refused otherwise, naming what this machine lacks (freezing itself is
+gpuwait.runner.frozen's, through `cuda-checkpoint`). libcuda is loaded only to look its
+checkpoint entry points up, never called (no cuInit, no context, no GPU touched); the driver's
+version comes from NVML, like every other question to the driver. With simulated GPUs
+(docs/simulation.md) there is no driver to ask: a `cuda-checkpoint` on PATH (a stand-in that
+knows the simulation) is all it takes.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from gpuwait.core.record import Record
 MIN_DRIVER = 570
 TOOL = "cuda-checkpoint"
 LIBCUDA = "libcuda.so.1"
-#: One of the entry points gpuwait would call; the others (Checkpoint, Restore, Unlock,
-#: GetState) came in the same release.
+#: One of the driver API's entry points (gpuwait itself runs the tool, whose --action steps
+#: match them); the others (Checkpoint, Restore, Unlock, GetState) came in the same release.
 LOCK_SYMBOL = "cuCheckpointProcessLock"
 
 
@@ -35,12 +38,16 @@ class FreezeSupport(Record, frozen=True):
     driver_api: str
     #: The NVIDIA driver's version from NVML ("570.86.10"), or None where NVML did not answer.
     driver: str | None
+    #: The GPUs are simulated: only the tool is looked for.
+    simulated: bool = False
 
     def missing(self) -> list[str]:
         """What this machine lacks, each in a few words; empty when it has it all."""
         lacks = []
         if self.tool is None:
             lacks.append(f"no {TOOL} on PATH")
+        if self.simulated:
+            return lacks
         if self.driver_api == "missing":
             lacks.append(f"no {LIBCUDA}")
         elif self.driver_api == "old":
@@ -51,21 +58,20 @@ class FreezeSupport(Record, frozen=True):
             lacks.append(f"driver {self.driver} is older than {MIN_DRIVER}")
         return lacks
 
-    def refusal(self) -> str:
-        """Why --freezable is refused here, as one line."""
+    def refusal(self) -> str | None:
+        """Why --freezable is refused here, as one line; None where it is not."""
         lacks = self.missing()
-        if lacks:
-            return (
-                f"--freezable: this machine cannot freeze CUDA jobs ({'; '.join(lacks)}), and "
-                "gpuwait does not freeze jobs yet (see docs/freezing.md)"
-            )
+        if not lacks:
+            return None
         return (
-            f"--freezable: gpuwait does not freeze jobs yet, although this machine has "
-            f"{TOOL}, the CUDA checkpoint API and driver {self.driver} (see docs/freezing.md)"
+            f"--freezable: this machine cannot freeze CUDA jobs ({'; '.join(lacks)}); use "
+            "--pausable with a job that checkpoints itself (see docs/freezing.md)"
         )
 
 
-def detect(nvml_timeout: float | None = 5.0) -> FreezeSupport:
+def detect(nvml_timeout: float | None = 5.0, simulated: bool = False) -> FreezeSupport:
+    if simulated:
+        return FreezeSupport(shutil.which(TOOL), "ok", None, simulated=True)
     return FreezeSupport(shutil.which(TOOL), _driver_api(), _driver_version(nvml_timeout))
 
 

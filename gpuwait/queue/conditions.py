@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from gpuwait.core.lookahead import with_wait_budgets
 from gpuwait.core.policy import Claim, Conditions, FairShare, Hold
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history.store import find_outcome
@@ -206,7 +207,12 @@ def claim_of(
         order=job.order,
         request=job.memory_request(),
         gpus_wanted=job.gpus,
-        candidates=frozenset(job.candidates) if job.candidates is not None else None,
+        # A frozen job's memory can come back only on the GPUs it was frozen on.
+        candidates=frozenset(job.frozen_gpus)
+        if job.frozen_at is not None
+        else frozenset(job.candidates)
+        if job.candidates is not None
+        else None,
         pick=job.pick,
         gpu_uuids=tuple(job.gpu_uuids),
         reserved_bytes=job.reserved_bytes,
@@ -221,6 +227,8 @@ def claim_of(
         uid=job.uid,
         usage=usage,
         prefer=frozenset(job.prefer),
+        waited=max(0.0, (time.time() if now is None else now) - job.submitted_at),
+        due=job.wait_budget,
     )
 
 
@@ -234,3 +242,25 @@ def claims_for(
         claim_of(j, gpus, now, blocked=dependency_blocker(j, data), usage=usage.get(j.uid, 0.0))
         for j in data.jobs
     ]
+
+
+def planned_claims(
+    data: LedgerData,
+    gpus: Sequence[GpuSnapshot],
+    fair: FairShare,
+    now: float,
+    safety: float,
+    conditions: Conditions,
+) -> tuple[list[Claim], dict[str, float]]:
+    """`claims_for`, with the lookahead order's wait budgets given to waiters that have none
+    yet (core/lookahead.with_wait_budgets); and those new budgets, by job id, for the ledger."""
+    claims = claims_for(data, gpus, fair, now)
+    if fair.order is None or all(c.running or c.due is not None for c in claims):
+        return claims, {}
+    budgeted = with_wait_budgets(gpus, claims, safety, fair.order, conditions, fair.limits)
+    new = {
+        after.job_id: after.due
+        for before, after in zip(claims, budgeted, strict=True)
+        if before.due is None and after.due is not None
+    }
+    return budgeted, new

@@ -109,6 +109,14 @@ class Job(Record):
     yield_to: str | None = None
     #: Seconds this command takes to load to its peak (history), the cost of pausing it.
     load_seconds: float | None = None
+    #: Freezing (`--freezable`, docs/freezing.md): asked to step aside, the job's own gpuwait
+    #: moves its device memory to host memory and stops it. A frozen job waits (its memory is
+    #: off the card) since `frozen_at`, pinned to the GPUs it had (`frozen_gpus`): its memory
+    #: can only come back there. `freezes` counts toward `pause_max`, as pauses do.
+    freezable: bool = False
+    frozen_at: float | None = None
+    frozen_gpus: list[str] = field(default_factory=list)
+    freezes: int = 0
     #: Since when the running job uses more than its reservation (gpuwait.core.overuse), the
     #: most it used, and the total of that card.
     overuse_since: float | None = None
@@ -125,6 +133,9 @@ class Job(Record):
     #: Its entry names the process itself as its gpuwait and its command.
     adopted_history: str | None = None
     adopted_commands: str = "full"
+    #: The lookahead order's no-starvation rule (gpuwait.core.lookahead): seconds it may wait
+    #: before it is planned first with the urgent jobs; set once, None until then.
+    wait_budget: float | None = None
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -203,6 +214,10 @@ class Job(Record):
             boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
             load_seconds=_seconds(raw.get("load_seconds")),
+            freezable=raw.get("freezable") is True,
+            frozen_at=_seconds(raw.get("frozen_at")),
+            frozen_gpus=_text_list(raw, "frozen_gpus") if "frozen_gpus" in raw else [],
+            freezes=_int(raw, "freezes", 0, 10_000) if "freezes" in raw else 0,
             overuse_since=None
             if raw.get("overuse_since") is None
             else _float(raw, "overuse_since"),
@@ -217,6 +232,7 @@ class Job(Record):
             prefer=_lenient_texts(raw.get("prefer")),
             adopted_history=_lenient_text(raw.get("adopted_history")),
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
+            wait_budget=_lenient_seconds(raw.get("wait_budget")),
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -232,6 +248,13 @@ class Job(Record):
     def to_json(self) -> dict[str, Any]:
         # vars(), not asdict(): the same JSON without asdict's deep copies.
         return dict(vars(self))
+
+
+def _lenient_seconds(value: Any) -> float | None:
+    """A duration read leniently: a damaged one is as if never set (it is set again)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value < 1e12 else None
 
 
 def _held_by(value: Any) -> list[str]:
@@ -615,9 +638,9 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
 
 def mark_pause_requests(data: LedgerData) -> None:
     """Set each running job's `pause_requested_*` from the requests that may ask it: from a
-    waiting job of higher priority (or of the same user), to a running --pausable job, the
-    earliest first. Whatever an entry itself says about being asked is not taken: only its
-    asker's file may say so."""
+    waiting job of higher priority (or of the same user), to a running --pausable (or
+    --freezable) job, the earliest first. Whatever an entry itself says about being asked is
+    not taken: only its asker's file may say so."""
     jobs = {(j.uid, plain_id(j.id)): j for j in data.jobs}
     for job in data.jobs:
         job.pause_requested_at = job.pause_requested_by = None
@@ -632,7 +655,7 @@ def mark_pause_requests(data: LedgerData) -> None:
             or not request.targets(victim)
             or victim.pause_requested_at is not None
             or victim.state != RUNNING
-            or not victim.pausable
+            or not (victim.pausable or victim.freezable)
             or asker.state != WAITING
             # A user's own waiter may ask whatever the priorities (an idle job, with
             # `idle_action = pause`): they could cancel that job anyway.

@@ -24,6 +24,10 @@ written by gpuwait.queue.lifecycle once the change they report is in the ledger:
     pause-signal      a job was sent its checkpoint signal: job, pids
     paused            a job checkpointed and queues to resume: job, pauses, ran_seconds
     pause-grace-kill  a job did not step aside within its grace and got TERM: job
+    freeze            a --freezable job was frozen and waits to be thawed: job, pids, gpus
+    freeze-failed     freezing failed, the job runs on: job, error
+    thaw              a frozen job got its memory back and runs on: job, frozen_seconds
+    thaw-failed       thawing failed, tried again: job, error
 
 Lines are appended with one write each (O_APPEND), so concurrent writers never interleave. When
 the file passes `MAX_BYTES` it is renamed to events.jsonl.1 (the older .1 to .2, and so on up to
@@ -67,6 +71,10 @@ Kind = Literal[
     "pause-signal",
     "paused",
     "pause-grace-kill",
+    "freeze",
+    "freeze-failed",
+    "thaw",
+    "thaw-failed",
     "adopt",
 ]
 #: Every kind, in the order above (`gpuwait log --help` lists them).

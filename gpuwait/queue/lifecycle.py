@@ -4,6 +4,7 @@ A job's life in the ledger, each step a function here and nowhere else:
 
     submit ─> admit ─> start ─> publish usage ... ─> finish
                  │                  └─> pause request ─> pause signal ─> step aside ─> (admit ...)
+                 │                                    └─> freeze ─> (admit ...) ─> thaw
                  └─> leave (timed out, interrupted, a dependency failed)     cancel, reap
 
 Every function opens one write transaction (`_change`), and only this module calls
@@ -30,9 +31,10 @@ from typing import Any
 
 from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
+from gpuwait.core.lookahead import plan_queue
 from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice
-from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason, plan
+from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
@@ -53,7 +55,7 @@ from gpuwait.queue.bookkeeping import (
 )
 from gpuwait.queue.conditions import (
     busy_gpus,
-    claims_for,
+    planned_claims,
     record_hold,
     resolve_references,
     settle_dependencies,
@@ -565,8 +567,13 @@ def admit(
             )
             said.append(("leave", {"job": job.id, "outcome": DEPENDENCY_FAILED}))
             return copy_job(mine), DependencyFailed(failure)
-        claims = claims_for(data, snapshot.gpus, fair, now)
-        decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+        claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions)
+        for entry in data.jobs:
+            if entry.id in budgets and data.mine(entry):
+                entry.wait_budget = budgets[entry.id]
+        decided = plan_queue(
+            snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic
+        )
         record_hold(data, decided.hold)
         _admit_all(data, decided, snapshot, said)
         updated = copy_job(mine)
@@ -747,6 +754,59 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
             )
         )
     return copy_job(mine)
+
+
+# --- freezing -------------------------------------------------------------------------------
+
+
+def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
+    """The job asked to step aside was frozen: its device memory is in host memory and its
+    processes are stopped. It waits, as a job that stepped aside does (in its original place, at
+    least as high as whom it made room for, behind that job until it has started), but pinned to
+    the GPUs it had, where alone its memory can come back; its command stays."""
+    with _change(ledger) as (data, said):
+        mine = _entry(data, job)
+        requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
+        gpus = list(mine.gpu_uuids)
+        mine.boost = max(mine.boost, requester.priority if requester else 0)
+        mine.yield_to = requester.id if requester else None
+        mine.state = WAITING
+        mine.frozen_at, mine.frozen_gpus = now, gpus
+        mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+        mine.held_gpus, mine.started_at = [], None
+        mine.freezes += 1
+        mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+        mine.updated_at = now
+        said.append(("freeze", {"job": job.id, "pids": list(pids), "gpus": gpus}))
+    return copy_job(mine)
+
+
+def freeze_failed(ledger: Ledger, job_id: str, error: str, now: float) -> None:
+    """Freezing the job failed and it runs on; its asker is told (the request was acted on) and
+    waits for it to end, as for a --pausable job left alone."""
+    with _change(ledger) as (data, said):
+        mine = data.find(job_id)
+        if mine is not None:
+            mine.pause_signalled_at = now
+        said.append(("freeze-failed", {"job": job_id, "error": error}))
+
+
+def thaw(ledger: Ledger, job: Job, now: float) -> Job:
+    """The frozen job, admitted again on its GPUs, has its memory back and runs on."""
+    with _change(ledger) as (data, said):
+        mine = _entry(data, job)
+        since = mine.frozen_at
+        mine.frozen_at, mine.frozen_gpus = None, []
+        mine.updated_at = now
+        frozen_seconds = round(now - since, 3) if since is not None else None
+        said.append(("thaw", {"job": job.id, "frozen_seconds": frozen_seconds}))
+    return copy_job(mine)
+
+
+def thaw_failed(ledger: Ledger, job_id: str, error: str) -> None:
+    """Thawing the admitted job failed; it is tried again. Nothing in the ledger changes: the job
+    keeps its reservation, where its memory is to come back."""
+    events.emit(ledger.directory, "thaw-failed", job=job_id, error=error)
 
 
 # --- leaving --------------------------------------------------------------------------------

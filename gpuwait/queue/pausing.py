@@ -6,6 +6,8 @@ running `--pausable` jobs whose room it needs (chosen by gpuwait.core.pausing). 
 own gpuwait notices the mark and does the rest (gpuwait.runner.paused): it sends its command the
 checkpoint signal, and when the command exits with the resume status, puts the job back in the
 queue with its original place; it is started again, with GPUWAIT_RESUME_COUNT raised, when it fits.
+A `--freezable` job is chosen and marked the same way; its gpuwait freezes it instead
+(gpuwait.runner.frozen) and thaws it where it was once it fits again.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ def _running_view(
                 priority=job.effective_priority,
                 gpu_uuids=tuple(job.gpu_uuids),
                 holds_bytes=holds,
-                # An orphan's gpuwait, which would pass the signal on, is gone.
-                pausable=job.pausable and job.orphaned_at is None,
+                # An orphan's gpuwait, which would pass the signal on (or freeze it), is gone.
+                pausable=(job.pausable or job.freezable) and job.orphaned_at is None,
                 run_seconds=max(0.0, now - (job.started_at or now)),
-                pauses=job.pauses,
-                reload_seconds=job.load_seconds,
+                pauses=job.pauses + job.freezes,
+                # A frozen job loses nothing to reload: its memory comes back as it was.
+                reload_seconds=None if job.freezable else job.load_seconds,
                 asked=job.pause_requested_at is not None,
                 idle=job.id in idle_jobs and job.uid == uid,
             )
@@ -91,7 +94,7 @@ def ask_for_room(
     priority = job.effective_priority
     if not any(
         j.state == RUNNING
-        and j.pausable
+        and (j.pausable or j.freezable)
         and j.orphaned_at is None
         and j.pause_requested_at is None
         and (j.priority < priority or (j.id in idle_jobs and j.uid == job.uid))
@@ -136,6 +139,9 @@ def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
     for victim in data.jobs:
         if victim.state != RUNNING or victim.pause_requested_by != waiter_id:
             continue
+        if victim.freezable:
+            parts.append(_freeze_progress(victim))
+            continue
         signalled = victim.pause_signalled_at
         signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
         if signalled is None and now - (victim.pause_requested_at or now) < NOT_CAUGHT_AFTER:
@@ -159,3 +165,11 @@ def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
                 "(it was started without --grace-kill); waiting for it to end"
             )
     return "; ".join(parts) or None
+
+
+def _freeze_progress(victim: Job) -> str:
+    """A --freezable victim's gpuwait freezes it at once, or marks the request acted on when
+    freezing failed (lifecycle.freeze_failed): then the job runs on, and is waited for."""
+    if victim.pause_signalled_at is None:
+        return f"job {victim.id} is being frozen to make room"
+    return f"job {victim.id} could not be frozen and runs on; waiting for it to end"

@@ -12,13 +12,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gpuwait.core.lookahead import plan_queue, queue_starts
 from gpuwait.core.overuse import Overuse
-from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms, plan
+from gpuwait.core.policy import Conditions, FairShare, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
-from gpuwait.queue.conditions import claims_for
+from gpuwait.queue.conditions import planned_claims
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger
@@ -62,13 +63,13 @@ def report_from(
         ignore_processes=view.ignore_processes,
     )
     usage = user_usage(data, now, fair.half_life)
-    claims = claims_for(data, gpus, fair, now)
+    claims, _ = planned_claims(data, gpus, fair, now, safety, conditions)
     by_id = {c.job_id: c for c in claims}
     # Running first, then the queue in the order the policy serves it (fair share included).
     jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    decided = plan(gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
-    etas = estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
+    decided = plan_queue(gpus, claims, safety, data.rr_cursor, conditions, fair)
+    etas = queue_starts(gpus, claims, safety, data.rr_cursor, conditions, fair)
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}
     # Health read from another source (another simulation file) is about other GPUs.

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, BackendUnavailable
+from gpuwait.core.lookahead import plan_queue
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import (
     Conditions,
@@ -34,7 +35,6 @@ from gpuwait.core.policy import (
     WaitReason,
     admission_fits,
     describe_need,
-    plan,
 )
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration
@@ -44,9 +44,9 @@ from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
     claim_of,
-    claims_for,
     name_processes,
     plan_conditions,
+    planned_claims,
 )
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import NO_FAIR_SHARE
@@ -160,8 +160,12 @@ def _reason_without_lock(
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return None
-    claims = claims_for(data, snapshot.gpus, fair, now)
-    decided = plan(snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair.limits)
+    claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions)
+    if any(data.mine(j) for j in data.jobs if j.id in budgets):
+        return None  # a wait budget to write down
+    decided = plan_queue(
+        snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic
+    )
     # Only this user's entries can be changed by this process (another user's waiter that the
     # plan starts is started by its own gpuwait).
     if any(data.mine(j) for j in data.jobs if j.id in decided.admitted):

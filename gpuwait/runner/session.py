@@ -70,6 +70,8 @@ from gpuwait.runner.supervise import RunResult, supervise
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
+    from gpuwait.runner.frozen import FreezeResponder
+    from gpuwait.runner.paused import PauseResponder
 
     # Only the type checker needs the protocol; creating one at run time slows every launch.
     class Reporter(Protocol):
@@ -121,6 +123,8 @@ class RunRequest(Record, frozen=True):
     after: tuple[str, ...] = ()
     after_ok: tuple[str, ...] = ()
     pausable: Pausable | None = None
+    #: --freezable: frozen (CUDA checkpointing) rather than asked, where it must step aside.
+    freezable: bool = False
     verbose: bool = False
     #: --once: queue nothing while a job of the user's with this key waits or runs.
     once: str | None = None
@@ -388,6 +392,7 @@ def _new_job(
         weights=_weights(config, snapshot) if config.pick == "weighted" else {},
         once=request.once,
         prefer=_preferred(config, snapshot),
+        freezable=request.freezable,
     )
     if pausable is not None:
         job = job._replace(
@@ -642,12 +647,16 @@ def _start(
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         reporter.warn(str(exc))
         job = job._replace(child_pid=child, pids=[child])
-    responder = None
+    responder: PauseResponder | FreezeResponder | None = None
     if job.pausable:
         # Here, not at the top: only a --pausable job's launch pays for the pausing machinery.
         from gpuwait.runner.paused import PauseResponder
 
         responder = PauseResponder(ledger, job)
+    elif job.freezable:
+        from gpuwait.runner.frozen import FreezeResponder
+
+        responder = FreezeResponder(ledger, job, backend, config.wait, reporter)
     result = supervise(
         child,
         job,

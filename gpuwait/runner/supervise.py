@@ -32,6 +32,7 @@ from gpuwait.queue.ledger import Ledger
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
+    from gpuwait.runner.frozen import FreezeResponder
     from gpuwait.runner.paused import PauseResponder
 
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
@@ -93,7 +94,7 @@ def supervise(
     backend: Backend | None,
     sample_interval: float,
     baseline_used: Mapping[str, int] | None = None,
-    responder: PauseResponder | None = None,
+    responder: PauseResponder | FreezeResponder | None = None,
     margin: float = DEFAULT_MARGIN,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.

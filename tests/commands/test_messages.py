@@ -202,6 +202,10 @@ BAD_TEXT = {
     "idle_max_util": "True",
     "idle_after": "abc",
     "idle_action": "True",
+    "queue_order": "True",
+    "max_wait_factor": "abc",
+    "max_wait": "True",
+    "plan_budget": "abc",
 }
 ANY_TEXT = {"wrap_only_in", "never_wrap", "sim"}
 FLAGS = {

@@ -151,7 +151,7 @@ def script(shell_blocks: list[Block]) -> str:
 STANDINS = ("train.py", "infer.py", "eval.py", "sweep.py", "big.py", "serve.py")
 
 #: What a reader's clone has that the pages use, linked into the directory the pages run in.
-FROM_CLONE = ("contrib", "bench", "shell", "gpuwait", "pyproject.toml")
+FROM_CLONE = ("contrib", "bench", "shell", "gpuwait", "pyproject.toml", "tests")
 
 
 def assert_page_runs(page: Path, tmp_path: Path, timeout: float = 180) -> str:

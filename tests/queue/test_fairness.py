@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuwait.cli import main
-from gpuwait.core.policy import Claim, FairShare, UserLimits, impossible_reason, plan
+from gpuwait.core.policy import Claim, UserLimits, impossible_reason, plan
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.queue.entries import LedgerData, UserUsage
@@ -124,7 +124,7 @@ def test_fair_share_settings_come_from_the_site(
     from gpuwait.config import load_settings
 
     fair = load_settings({}).fair_share()
-    assert fair == FairShare(7200.0, UserLimits(2, 40 * GiB))
+    assert (fair.half_life, fair.limits) == (7200.0, UserLimits(2, 40 * GiB))
     assert subprocess.run([*gpuwait_cmd, "--vram", "1G", "true"]).returncode == 0
     text = subprocess.run(
         [*gpuwait_cmd, "status"], capture_output=True, text=True, env=dict(os.environ)

@@ -626,6 +626,7 @@ JOB_KEYS = {
     "held_by": list,
     "once": OPT_STR,
     "prefer": list,
+    "frozen": (dict, type(None)),
 }
 BATCH_KEYS = {
     "name": str,

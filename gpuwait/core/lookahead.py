@@ -1,0 +1,657 @@
+"""Lookahead re-planning: which waiters start now, chosen by laying the whole queue out in time.
+
+The in-order policy (`policy.plan`, `queue_order = fifo`) serves waiters by priority and
+submission, and keeps GPUs for the first one that does not fit. That order is fair but packs
+badly: a card that could run a 40 GiB job next to a 4 GiB one runs three small ones instead,
+and the big job that arrived later ends last. The lookahead order plans instead: at every
+decision (an arrival, an end: the moments gpuwait re-plans anyway) it lays the queue on each
+card's memory-over-time profile, running jobs ending at their expected times, and starts what
+that plan starts now. The order the queue is laid out in is searched:
+
+- urgent jobs (priority 5) and jobs whose wait budget is spent come first, in submission order;
+- then waiters with a known run time, in the order that makes the best plan: the plan's end and
+  the priority-weighted waits, found from a few simple orders by a bounded number of seeded
+  swap and move steps;
+- then waiters with no run time: they are planned as running for ever (so they never delay a
+  job whose start is known) in submission order.
+
+Each job is placed at the earliest time its memory fits on a card for its whole expected run,
+on top of everything placed before it, so a job started now never delays one earlier in the
+order, as far as the estimates go. A job whose start cannot be told (it waits on a job with no
+estimate) keeps its GPUs from every job after it, as the in-order policy's head does.
+
+No starvation: a waiter's wait budget (`due`, set once by `with_wait_budgets`) is
+`max_wait_factor` times its expected start in the in-order plan (at least its own run time),
+or `max_wait`; once it has waited that long it is planned with the urgent jobs, which are
+served in submission order with the GPUs kept for the first of them, so it starts as soon as
+the jobs before it have.
+
+Pure: the clock that bounds the search's time is passed in, and with the same inputs (and the
+budget not reached) the same plan comes out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from gpuwait.core import policy
+from gpuwait.core.policy import (
+    NO_CONDITIONS,
+    Claim,
+    Conditions,
+    FairShare,
+    GpuRoom,
+    Hold,
+    Lookahead,
+    Plan,
+    UserLimits,
+    WaitReason,
+)
+from gpuwait.core.record import Record
+from gpuwait.core.sizes import format_duration
+from gpuwait.core.snapshot import GpuSnapshot
+
+#: Priority of urgent jobs: planned first, in submission order, never reordered.
+URGENT = 5
+_NEVER = math.inf
+#: A running job past its expected end is planned to end this soon: it still holds its memory
+#: now, so nothing is planned into that memory at once.
+_OVERDUE = 1.0
+#: How much a second of waiting counts against a second of the plan's end, per job and weight.
+_WAIT_WEIGHT = 0.5
+#: How much each second past a wait budget counts against a second of the plan's end.
+_LATE_WEIGHT = 10.0
+
+
+DEFAULT = Lookahead()
+
+
+class Placement(Record, frozen=True):
+    """Where and when the plan puts one waiter."""
+
+    start: float
+    gpu_uuids: tuple[str, ...]
+    need: int
+
+
+class Schedule(Record, frozen=True):
+    """A plan laid out in time: each waiter's placement (start `inf`: not known)."""
+
+    placements: Mapping[str, Placement]
+    #: When the last planned job is expected to end (inf when one never does).
+    end: float
+    score: float
+
+
+class _Card:
+    """One GPU's memory over time: a step function of the bytes planned in use."""
+
+    __slots__ = ("blocked", "cap", "index", "times", "used", "uuid")
+
+    def __init__(self, uuid: str, index: int, cap: int) -> None:
+        self.uuid = uuid
+        self.index = index
+        self.cap = cap
+        #: used[i] bytes are in use from times[i] until times[i + 1] (the last: for ever).
+        self.times: list[float] = [0.0]
+        self.used: list[int] = [0]
+        #: Kept for a job whose start cannot be told: nothing later in the order goes here.
+        self.blocked = False
+
+    def copy(self) -> _Card:
+        card = _Card(self.uuid, self.index, self.cap)
+        card.times = self.times[:]
+        card.used = self.used[:]
+        card.blocked = self.blocked
+        return card
+
+    def _split(self, at: float) -> int:
+        """The index of the step starting at `at`, splitting the one it falls in."""
+        times = self.times
+        lo, hi = 0, len(times)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if times[mid] < at:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(times) and times[lo] == at:
+            return lo
+        times.insert(lo, at)
+        self.used.insert(lo, self.used[lo - 1])
+        return lo
+
+    def add(self, start: float, length: float, need: int) -> None:
+        first = self._split(start)
+        last = len(self.times) if length == _NEVER else self._split(start + length)
+        used = self.used
+        for i in range(first, last):
+            used[i] += need
+
+    def earliest(self, need: int, length: float) -> float:
+        """The earliest time from which `need` more bytes fit for `length` seconds."""
+        if self.blocked:
+            return _NEVER
+        room = self.cap - need
+        if room < 0:
+            return _NEVER
+        times, used = self.times, self.used
+        count = len(times)
+        i = 0
+        while i < count:
+            if used[i] > room:
+                i += 1
+                continue
+            start = times[i]
+            end = start + length
+            j = i + 1
+            while j < count and times[j] < end and used[j] <= room:
+                j += 1
+            if j == count or times[j] >= end:
+                return start
+            i = j + 1
+        return _NEVER
+
+    def fits(self, start: float, need: int, length: float) -> bool:
+        room = self.cap - need
+        if self.blocked or room < 0:
+            return False
+        end = start + length
+        times, used = self.times, self.used
+        for i in range(len(times)):
+            step_end = times[i + 1] if i + 1 < len(times) else _NEVER
+            if step_end > start and times[i] < end and used[i] > room:
+                return False
+        return True
+
+    def free_at(self, start: float) -> int:
+        for i in range(len(self.times) - 1, -1, -1):
+            if self.times[i] <= start:
+                return self.cap - self.used[i]
+        return self.cap
+
+
+class _Job:
+    """A waiter as the search sees it: what it needs where, for how long, how much it weighs."""
+
+    __slots__ = ("area", "claim", "kind", "length", "needs", "waited", "weight")
+
+    def __init__(self, claim: Claim, needs: dict[str, int], length: float, waited: float) -> None:
+        self.claim = claim
+        self.needs = needs
+        self.length = length
+        self.weight = 2.0 ** (claim.priority - 3)
+        self.waited = waited
+        need = min(needs.values(), default=0)
+        self.area = need * claim.gpus_wanted * (length if length != _NEVER else 0.0)
+        #: What the plan looks at: two jobs of one kind are interchangeable.
+        self.kind = (tuple(sorted(needs.items())), length, claim.gpus_wanted, claim.priority)
+
+
+def _length(claim: Claim) -> float:
+    """A waiter's expected run time, the longest of its per-GPU figures; inf when unknown."""
+    figures = [s for s in claim.expected_by_gpu.values()]
+    if claim.expected_seconds is not None:
+        figures.append(claim.expected_seconds)
+    return max(figures) if figures else _NEVER
+
+
+def _static_need(claim: Claim, room: GpuRoom, conditions: Conditions) -> int | None:
+    """Bytes `claim` needs on this GPU whenever it may go there; None: it never may (now)."""
+    if not policy.static_ok(claim, room.gpu) or not policy.util_ok(
+        claim, room.gpu.uuid, conditions
+    ):
+        return None
+    cap = room.usable - room.external
+    if claim.request is None:
+        # A whole GPU: the card to itself, once nothing else runs there.
+        return cap if policy.idle_enough(room) and cap > 0 else None
+    need = claim.request.on(room.gpu.total_bytes)
+    return need if need <= cap else None
+
+
+def _base_cards(rooms: Mapping[str, GpuRoom], running: Sequence[Claim]) -> list[_Card]:
+    cards = []
+    for uuid, room in rooms.items():
+        card = _Card(uuid, room.gpu.index, max(0, room.usable - room.external))
+        for c in running:
+            if uuid not in c.gpu_uuids:
+                continue
+            size = card.cap if c.exclusive else max(c.reserved_bytes, c.observed.get(uuid, 0))
+            left = c.expected_by_gpu.get(uuid, c.expected_seconds)
+            length = _NEVER if left is None else max(_OVERDUE if left <= 0 else left, 1e-6)
+            card.add(0.0, length, size)
+        cards.append(card)
+    cards.sort(key=lambda c: c.index)
+    return cards
+
+
+def _place(
+    job: _Job, cards: list[_Card], now_rooms: Mapping[str, GpuRoom], cursor: int
+) -> Placement:
+    """Where `job` goes on top of `cards`: the earliest start, then the pick strategy's choice."""
+    claim = job.claim
+    wanted = claim.gpus_wanted
+    eligible = [c for c in cards if c.uuid in job.needs]
+    if len(eligible) < wanted:
+        return Placement(start=_NEVER, gpu_uuids=(), need=0)
+    if wanted == 1:
+        starts = [(card.earliest(job.needs[card.uuid], job.length), card) for card in eligible]
+        start = min(s for s, _ in starts)
+        chosen = [card for s, card in starts if s == start]
+    else:
+        start, chosen = _gang_start(job, eligible)
+    if start == _NEVER:
+        # Where it would go once the unknown ends come: the GPUs it held at the last plan (a
+        # hold sticks, so the room gathered there is not handed away), else those with the
+        # most room now.
+        held = [c for c in eligible if c.uuid in claim.held]
+        ranked = (
+            held
+            if len(held) == wanted == len(claim.held)
+            else sorted(eligible, key=lambda c: (-c.free_at(0.0), c.index))[:wanted]
+        )
+        return Placement(
+            start=_NEVER,
+            gpu_uuids=tuple(c.uuid for c in sorted(ranked, key=lambda c: c.index)),
+            need=max(job.needs[c.uuid] for c in ranked),
+        )
+    picked = _pick(job, chosen, start, now_rooms, cursor, wanted)
+    return Placement(
+        start=start,
+        gpu_uuids=tuple(c.uuid for c in sorted(picked, key=lambda c: c.index)),
+        need=max(job.needs[c.uuid] for c in picked),
+    )
+
+
+def _gang_start(job: _Job, eligible: list[_Card]) -> tuple[float, list[_Card]]:
+    """The earliest time at which `gpus_wanted` of the cards all fit the job, and those cards."""
+    wanted = job.claim.gpus_wanted
+    times = sorted({t for c in eligible for t in c.times})
+    for t in times:
+        fitting = [c for c in eligible if c.fits(t, job.needs[c.uuid], job.length)]
+        if len(fitting) >= wanted:
+            return t, fitting
+    return _NEVER, []
+
+
+def _pick(
+    job: _Job,
+    chosen: list[_Card],
+    start: float,
+    now_rooms: Mapping[str, GpuRoom],
+    cursor: int,
+    wanted: int,
+) -> list[_Card]:
+    """Of the cards where the job can start at `start`, those its pick strategy takes."""
+    if len(chosen) <= wanted:
+        return chosen
+    if start == 0.0:
+        # Starting now: the strategy judges the GPUs as they are (as the in-order plan does).
+        by_uuid = {c.uuid: c for c in chosen}
+        fits = [
+            (
+                now_rooms[c.uuid]._replace(
+                    committed=now_rooms[c.uuid].usable - now_rooms[c.uuid].external - c.free_at(0.0)
+                ),
+                job.needs[c.uuid],
+            )
+            for c in chosen
+        ]
+        ordered = policy.order_for_pick(fits, job.claim, cursor, len(now_rooms))
+        return [by_uuid[room.gpu.uuid] for room, _ in ordered[:wanted]]
+    # Later: best fit by the room left at the start.
+    return sorted(chosen, key=lambda c: (c.free_at(start) - job.needs[c.uuid], c.index))[:wanted]
+
+
+def _schedule(
+    order: Sequence[_Job],
+    base: list[_Card],
+    now_rooms: Mapping[str, GpuRoom],
+    cursor: int,
+) -> Schedule:
+    cards = [c.copy() for c in base]
+    by_uuid = {c.uuid: c for c in cards}
+    placements: dict[str, Placement] = {}
+    end = 0.0
+    waits = 0.0
+    late = 0.0
+    for job in order:
+        placed = _place(job, cards, now_rooms, cursor)
+        placements[job.claim.job_id] = placed
+        if placed.start == _NEVER:
+            for uuid in placed.gpu_uuids:
+                # Kept for it (as the in-order head's hold): its start is unknown, so anything
+                # placed there could delay it.
+                by_uuid[uuid].blocked = True
+            continue
+        for uuid in placed.gpu_uuids:
+            by_uuid[uuid].add(placed.start, job.length, job.needs[uuid])
+        if job.length != _NEVER:
+            end = max(end, placed.start + job.length)
+            waits += job.weight * (job.waited + placed.start)
+            due = job.claim.due
+            if due is not None and job.waited + placed.start > due:
+                # A plan that would spend a wait budget is worse than any that keeps it: the
+                # job would be put first anyway once its budget is spent.
+                late += job.waited + placed.start - due
+    for card in base:
+        if card.times and len(card.times) > 1:
+            end = max(end, max(t for t in card.times if t != _NEVER))
+    count = max(1, len(order))
+    return Schedule(
+        placements=placements,
+        end=end,
+        score=end + _WAIT_WEIGHT * waits / count + _LATE_WEIGHT * late,
+    )
+
+
+def _initial_orders(jobs: list[_Job]) -> list[list[_Job]]:
+    """Simple orders to start the search from: submission, largest first, longest first."""
+    fifo = sorted(jobs, key=lambda j: j.claim.sort_key())
+    largest = sorted(jobs, key=lambda j: (-j.area, j.claim.sort_key()))
+    longest = sorted(jobs, key=lambda j: (-j.length, -j.area, j.claim.sort_key()))
+    return [fifo, largest, longest]
+
+
+def lay_out(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    settings: Lookahead = DEFAULT,
+    clock: Callable[[], float] | None = None,
+    search: bool = True,
+) -> tuple[list[Claim], Schedule]:
+    """The order the waiters are planned in, and the plan it makes.
+
+    `clock` (seconds, monotonic) bounds the search by `settings.budget_ms`; without it only the
+    number of steps does. Without `search`, the waiters with known run times are laid out in
+    the best of a few simple orders. Waiters that differ in nothing the plan looks at are never
+    reordered among themselves (no order of them is better than another).
+    """
+    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    running = [c for c in claims if c.running]
+    base = _base_cards(rooms, running)
+    pinned: list[_Job] = []
+    known: list[_Job] = []
+    unknown: list[_Job] = []
+    for claim in sorted((c for c in claims if not c.running), key=Claim.sort_key):
+        if claim.blocked is not None:
+            continue
+        needs = {
+            uuid: need
+            for uuid, room in rooms.items()
+            if (need := _static_need(claim, room, conditions)) is not None
+        }
+        job = _Job(claim, needs, _length(claim), claim.waited)
+        if claim.priority >= URGENT or (claim.due is not None and claim.waited >= claim.due):
+            pinned.append(job)
+        elif job.length == _NEVER:
+            unknown.append(job)
+        else:
+            known.append(job)
+    pinned.sort(key=lambda j: j.claim.order)
+
+    def evaluate(middle: Sequence[_Job]) -> Schedule:
+        return _schedule([*pinned, *middle, *unknown], base, rooms, cursor)
+
+    best_order = list(known)
+    best = evaluate(best_order)
+    if len(known) > 1 and search and len({j.kind for j in known}) > 1:
+        for candidate in _initial_orders(known):
+            tried = evaluate(candidate)
+            if tried.score < best.score:
+                best, best_order = tried, candidate
+        best, best_order = _search(best, best_order, evaluate, settings, clock)
+    order = [j.claim for j in (*pinned, *best_order, *unknown)]
+    return order, best
+
+
+class _Steps:
+    """A seeded stream of numbers (splitmix64): the same seed, the same search, on any
+    machine; the core draws on no outside randomness."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & _MASK
+
+    def below(self, bound: int) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return (z ^ (z >> 31)) % bound
+
+
+_MASK = 2**64 - 1
+
+
+def _search(
+    best: Schedule,
+    order: list[_Job],
+    evaluate: Callable[[Sequence[_Job]], Schedule],
+    settings: Lookahead,
+    clock: Callable[[], float] | None,
+) -> tuple[Schedule, list[_Job]]:
+    """Hill-climbing over swaps and moves of one job, seeded, within the step and time budget."""
+    rng = _Steps(settings.seed)
+    deadline = None if clock is None else clock() + settings.budget_ms / 1000
+    size = len(order)
+    for _ in range(settings.steps):
+        if deadline is not None and clock is not None and clock() > deadline:
+            break
+        i, j = rng.below(size), rng.below(size)
+        if i == j:
+            continue
+        candidate = order[:]
+        if rng.below(2):
+            candidate[i], candidate[j] = candidate[j], candidate[i]
+        else:
+            candidate.insert(j, candidate.pop(i))
+        tried = evaluate(candidate)
+        if tried.score < best.score:
+            best, order = tried, candidate
+    return best, order
+
+
+def plan(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    limits: UserLimits | None = None,
+    settings: Lookahead = DEFAULT,
+    clock: Callable[[], float] | None = None,
+) -> Plan:
+    """What starts now under the lookahead order: the waiters its plan starts at once.
+
+    Each is checked against the GPUs' room as it stands (and its user's limits), in the plan's
+    order, exactly as the in-order policy admits: the plan chooses, it never over-admits.
+    """
+    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    # The search only matters where someone can start now; most wake-ups find nobody can, and
+    # every waiter plans at every wake-up.
+    search = any(_fits_now(c, rooms, conditions) for c in claims if not c.running)
+    order, laid = lay_out(gpus, claims, safety, cursor, conditions, settings, clock, search)
+    held_by_user = policy.user_holdings(claims) if limits is not None else {}
+    running_total = sum(c.running for c in claims)
+    admitted: dict[str, tuple[str, ...]] = {}
+    reserved: dict[str, int] = {}
+    reasons: dict[str, WaitReason] = {}
+    position = {c.job_id: n for n, c in enumerate(order)}
+    waiting = sorted(
+        (c for c in claims if not c.running),
+        key=lambda c: position.get(c.job_id, len(order) + c.order),
+    )
+    hold = _hold(order, laid)
+    for ahead, claim in enumerate(waiting):
+        placed = laid.placements.get(claim.job_id)
+        if placed is not None and placed.start == 0.0:
+            fits = [
+                (rooms[u], need)
+                for u in placed.gpu_uuids
+                if (need := policy.need_on(claim, rooms[u], conditions)) is not None
+                and need <= rooms[u].room
+            ]
+            if len(fits) == claim.gpus_wanted:
+                refusal = None
+                if limits is not None:
+                    gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+                    vram = max(n for _, n in fits) * len(fits)
+                    refusal = limits.refusal(gpus_held, vram_held, len(fits), vram)
+                    if refusal is None:
+                        held_by_user[claim.uid] = (gpus_held + len(fits), vram_held + vram)
+                if refusal is None:
+                    for room, need in fits:
+                        rooms[room.gpu.uuid] = room._replace(
+                            committed=room.committed + need,
+                            running_jobs=room.running_jobs + 1,
+                            exclusive_held=room.exclusive_held or claim.exclusive,
+                        )
+                    admitted[claim.job_id] = placed.gpu_uuids
+                    reserved[claim.job_id] = max(n for _, n in fits)
+                    if claim.pick == "round-robin":
+                        cursor = rooms[placed.gpu_uuids[-1]].gpu.index
+                    continue
+                reason = policy.wait_reason(claim, rooms, running_total, ahead, conditions)
+                reasons[claim.job_id] = reason._replace(limit=refusal)
+                continue
+        reasons[claim.job_id] = policy.wait_reason(
+            claim,
+            rooms,
+            running_total,
+            ahead,
+            conditions,
+            _planned_note(claim, placed, hold, rooms),
+        )
+    return Plan(
+        admitted=admitted, reserved=reserved, waiting=reasons, next_cursor=cursor, hold=hold
+    )
+
+
+def _hold(order: Sequence[Claim], laid: Schedule) -> Hold | None:
+    """The first waiter whose start cannot be told keeps its GPUs from everyone after it."""
+    for claim in order:
+        placed = laid.placements.get(claim.job_id)
+        if placed is not None and placed.start == _NEVER and placed.gpu_uuids:
+            return Hold(
+                job_id=claim.job_id,
+                gpu_uuids=placed.gpu_uuids,
+                start_in=None,
+                spare=dict.fromkeys(placed.gpu_uuids, 0),
+            )
+    return None
+
+
+def _fits_now(claim: Claim, rooms: Mapping[str, GpuRoom], conditions: Conditions) -> bool:
+    if claim.blocked is not None:
+        return False
+    fitting = 0
+    for room in rooms.values():
+        need = policy.need_on(claim, room, conditions)
+        if need is not None and need <= room.room:
+            fitting += 1
+    return fitting >= claim.gpus_wanted
+
+
+def plan_queue(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int,
+    conditions: Conditions,
+    fair: FairShare,
+    clock: Callable[[], float] | None = None,
+) -> Plan:
+    """The plan in the queue's order: in order (`fair.order` None) or lookahead."""
+    if fair.order is None:
+        return policy.plan(gpus, claims, safety, cursor, conditions, fair.limits)
+    return plan(gpus, claims, safety, cursor, conditions, fair.limits, fair.order, clock)
+
+
+def queue_starts(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int,
+    conditions: Conditions,
+    fair: FairShare,
+    clock: Callable[[], float] | None = None,
+) -> dict[str, float | None]:
+    """Seconds until each waiter is expected to start, in the queue's order (None: unknown)."""
+    if fair.order is None:
+        return policy.estimate_starts(gpus, claims, safety, cursor, conditions, limits=fair.limits)
+    return expected_starts(gpus, claims, safety, cursor, conditions, fair.order, clock)
+
+
+def _planned_note(
+    claim: Claim, placed: Placement | None, hold: Hold | None, rooms: Mapping[str, GpuRoom]
+) -> str | None:
+    """Where and when the plan starts the waiter, as its wait line says it."""
+    if placed is None or not placed.gpu_uuids:
+        return None
+    where = ",".join(f"GPU{rooms[u].gpu.index}" for u in placed.gpu_uuids if u in rooms)
+    if placed.start == _NEVER:
+        if hold is not None and hold.job_id != claim.job_id:
+            held = ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids if u in rooms)
+            return f"{held} held for job {hold.job_id}, whose start cannot be estimated"
+        return f"{where} held for it until a job with no run-time estimate ends"
+    if placed.start <= 0:
+        return f"planned on {where} now"
+    return f"planned on {where} in {format_duration(placed.start)}"
+
+
+def expected_starts(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    cursor: int = -1,
+    conditions: Conditions = NO_CONDITIONS,
+    settings: Lookahead = DEFAULT,
+    clock: Callable[[], float] | None = None,
+) -> dict[str, float | None]:
+    """Seconds from now until each waiter is planned to start (None: not known)."""
+    _, laid = lay_out(gpus, claims, safety, cursor, conditions, settings, clock)
+    starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
+    for job_id, placed in laid.placements.items():
+        starts[job_id] = None if placed.start == _NEVER else placed.start
+    return starts
+
+
+def with_wait_budgets(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    settings: Lookahead = DEFAULT,
+    conditions: Conditions = NO_CONDITIONS,
+    limits: UserLimits | None = None,
+) -> list[Claim]:
+    """`claims` with a wait budget (`due`) given to each waiter that has none yet.
+
+    The budget is `max_wait_factor` times the wait the in-order plan expects for it (what it
+    has waited plus its expected start from now), at least its own expected run time; capped by
+    `max_wait`. A waiter whose in-order start cannot be told yet gets `max_wait` (when set), or
+    none until it can be told.
+    """
+    if all(c.running or c.due is not None for c in claims):
+        return list(claims)
+    starts = policy.estimate_starts(gpus, claims, safety, conditions=conditions, limits=limits)
+    out = []
+    for c in claims:
+        if not c.running and c.due is None:
+            start = starts.get(c.job_id)
+            due: float | None = settings.max_wait
+            if start is not None:
+                own = _length(c)
+                budget = settings.max_wait_factor * max(
+                    c.waited + start, 0.0 if own == _NEVER else own
+                )
+                due = budget if due is None else min(due, budget)
+            c = c._replace(due=due)
+        out.append(c)
+    return out

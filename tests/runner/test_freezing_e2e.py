@@ -1,0 +1,270 @@
+"""Freezing end to end, on a simulated card: real gpuwait processes and simulated jobs, frozen
+and thawed by the stand-in `cuda-checkpoint` (tests/helpers/fake_cuda_checkpoint), which moves a
+simulated job's memory record aside as the driver moves device memory to host memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from helpers.fixtures_sim import hold_card, wrapped_sim_job
+from helpers.waiting import ledger_entries, wait_for
+
+FAKE_TOOL = REPO / "tests" / "helpers" / "fake_cuda_checkpoint" / "cuda-checkpoint"
+#: pause_min_runtime here: a job younger than this is never asked to step aside.
+MIN_RUNTIME = 1.0
+
+
+@pytest.fixture
+def tool_log(tmp_path: Path) -> Path:
+    return tmp_path / "cuda-checkpoint.log"
+
+
+@pytest.fixture
+def one_card(
+    sim_file: object, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tool_log: Path
+) -> Path:
+    """One simulated 24 GiB card, and the stand-in cuda-checkpoint first on PATH (run by this
+    interpreter, so that it can read the simulation)."""
+    path: Path = sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", f"{MIN_RUNTIME:g}s")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "cuda-checkpoint"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_TOOL} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_LOG", str(tool_log))
+    return path
+
+
+def events() -> list[dict[str, object]]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def kinds() -> list[object]:
+    return [e["kind"] for e in events()]
+
+
+def low_job(gpuwait_cmd: list[str], report: Path, hold: str = "3s") -> subprocess.Popen[str]:
+    """A low-priority --freezable simulated job holding 16 GiB, reporting what it held."""
+    return subprocess.Popen(
+        wrapped_sim_job(
+            gpuwait_cmd,
+            ["--priority", "1", "--freezable", "--vram", "16G"],
+            "--vram",
+            "16G",
+            "--hold",
+            hold,
+            "--report",
+            str(report),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until_old_enough() -> dict[str, object]:
+    """The one running job, once it may be asked to step aside and holds its memory."""
+
+    def ready() -> dict[str, object] | None:
+        running = [j for j in ledger_entries() if j["state"] == "running"]
+        if len(running) != 1 or not running[0].get("child_pid"):
+            return None
+        job = running[0]
+        record = Path(str(os.environ["GPUWAIT_SIM"]) + ".d") / f"{job['child_pid']}.json"
+        old = time.time() - float(job["started_at"]) > MIN_RUNTIME
+        return job if old and record.exists() else None
+
+    job: dict[str, object] = wait_for(
+        ready, timeout=60, interval=0.05, message=lambda: f"never ready: {ledger_entries()}"
+    )
+    return job
+
+
+def process_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
+def reap(*jobs: subprocess.Popen[str]) -> None:
+    for job in jobs:
+        if job.poll() is None:
+            job.kill()
+        job.wait(timeout=30)
+
+
+def test_a_frozen_job_makes_room_and_is_thawed_on_its_gpu(
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, tool_log: Path
+) -> None:
+    bare_report = tmp_path / "bare.json"
+    bare = subprocess.run(
+        [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "0s", "--report", str(bare_report)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
+    assert bare.returncode == 0, bare.stderr
+    report = tmp_path / "low.json"
+    low = low_job(gpuwait_cmd, report)
+    urgent = None
+    try:
+        job = wait_until_old_enough()
+        child = int(str(job["child_pid"]))
+        urgent = hold_card(gpuwait_cmd, "16G", "2s", "--priority", "5")
+        wait_for(lambda: "freeze" in kinds(), timeout=60, message=lambda: f"{events()}")
+        # Frozen: its memory is off the card (moved aside, as to host memory), it is stopped,
+        # and its entry waits, pinned to its GPU.
+        record = Path(str(one_card) + ".d") / f"{child}.json"
+        assert not record.exists()
+        assert process_state(child) in ("T", "t")
+        (frozen,) = [j for j in ledger_entries() if j["id"] == job["id"]]
+        assert frozen["frozen_gpus"] == job["gpu_uuids"] and frozen["frozen_at"]
+        status = subprocess.run(
+            [*gpuwait_cmd, "status", "--json"], capture_output=True, text=True, timeout=60
+        )
+        shown = next(j for j in json.loads(status.stdout)["jobs"] if j["id"] == job["id"])
+        assert shown["frozen"]["gpu_uuids"] == job["gpu_uuids"]
+        text = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=60)
+        assert "frozen" in text.stdout
+        _, err = urgent.communicate(timeout=60)
+        assert urgent.returncode == 0, err
+        _, low_err = low.communicate(timeout=60)
+        assert low.returncode == 0, low_err
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    # The frozen job noticed nothing: it held what a bare run holds, with no OOM.
+    held, bare_held = json.loads(report.read_text()), json.loads(bare_report.read_text())
+    for key in ("peak_bytes", "oom", "gpu_uuid", "cap_bytes"):
+        assert held[key] == bare_held[key]
+    assert "frozen" in low_err and "thawed" in low_err
+    # The order the driver needs, each step once; the thaw came after the urgent job ended,
+    # through an admission on the same GPU.
+    steps = [line.split()[0] for line in tool_log.read_text().splitlines()]
+    assert steps == ["lock", "checkpoint", "restore", "unlock"]
+    said = events()
+    order = [e["kind"] for e in said if e.get("job") == job["id"]]
+    assert order[-4:] == ["freeze", "admit", "thaw", "finish"], order
+    urgent_end = next(e for e in said if e["kind"] == "finish" and e["job"] != job["id"])
+    thaw = next(e for e in said if e["kind"] == "thaw")
+    assert float(str(thaw["time"])) >= float(str(urgent_end["time"]))
+    readmitted = [e for e in said if e["kind"] == "admit" and e["job"] == job["id"]]
+    assert readmitted[-1]["gpus"] == job["gpu_uuids"]
+    assert not any(e.get("oom") for e in said if e["kind"] == "finish")
+    log = subprocess.run([*gpuwait_cmd, "log"], capture_output=True, text=True, timeout=60)
+    assert " frozen on GPU0 " in log.stdout and " thawed after " in log.stdout
+
+
+def test_a_failing_freeze_leaves_the_job_running_and_the_urgent_one_waits(
+    one_card: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    tool_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_FAIL", "checkpoint")
+    report = tmp_path / "low.json"
+    low = low_job(gpuwait_cmd, report, hold="4s")
+    urgent = None
+    try:
+        job = wait_until_old_enough()
+        child = int(str(job["child_pid"]))
+        urgent = hold_card(gpuwait_cmd, "16G", "1s", "--priority", "5")
+        wait_for(lambda: "freeze-failed" in kinds(), timeout=60, message=lambda: f"{events()}")
+        # Undone and running on: unlocked again, never stopped, its memory on the card.
+        assert process_state(child) not in ("T", "t")
+        assert (Path(str(one_card) + ".d") / f"{child}.json").exists()
+        _, low_err = low.communicate(timeout=60)
+        assert low.returncode == 0, low_err
+        _, err = urgent.communicate(timeout=60)
+        assert urgent.returncode == 0, err
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    assert "could not be frozen and runs on" in low_err
+    steps = [line.split()[0] for line in tool_log.read_text().splitlines()]
+    assert steps == ["lock", "checkpoint", "unlock"]
+    said = events()
+    failed = next(e for e in said if e["kind"] == "freeze-failed")
+    assert "injected" in str(failed["error"]) and "\n" not in str(failed["error"])
+    assert "freeze" not in kinds()
+    # The urgent job started only once the low one had ended: no OOM anywhere.
+    low_end = next(e for e in said if e["kind"] == "finish" and e["job"] == job["id"])
+    urgent_start = next(e for e in said if e["kind"] == "start" and e["job"] != job["id"])
+    assert float(str(urgent_start["time"])) >= float(str(low_end["time"]))
+    assert not any(e.get("oom") for e in said if e["kind"] == "finish")
+    log = subprocess.run([*gpuwait_cmd, "log"], capture_output=True, text=True, timeout=60)
+    assert "could not be frozen, runs on: cuda-checkpoint --action checkpoint" in log.stdout
+
+
+def test_refused_in_one_line_without_cuda_checkpoint(
+    sim_file: object, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)  # type: ignore[operator]
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [*gpuwait_cmd, "--freezable", "--vram", "1G", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "gpuwait: error: --freezable: this machine cannot freeze CUDA jobs (no cuda-checkpoint "
+        "on PATH); use --pausable with a job that checkpoints itself (see docs/freezing.md)\n"
+    )
+    assert done.stdout == ""
+
+
+def test_freezable_and_pausable_are_refused_together(
+    one_card: Path, gpuwait_cmd: list[str]
+) -> None:
+    done = subprocess.run(
+        [*gpuwait_cmd, "--freezable", "--pausable", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr == (
+        "gpuwait: error: --freezable and --pausable are two ways to step aside; give one (see "
+        "docs/freezing.md)\n"
+    )
+
+
+def test_the_stand_in_keeps_the_drivers_state_machine(one_card: Path, tmp_path: Path) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+
+        def tool(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                ["cuda-checkpoint", *args, "--pid", str(sleeper.pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+
+        assert tool("--get-state").stdout == "running\n"
+        for wrong in ("checkpoint", "restore", "unlock"):
+            refused = tool("--action", wrong)
+            assert refused.returncode == 1 and "it is running" in refused.stderr
+        assert tool("--action", "lock", "--timeout", "1000").returncode == 0
+        assert tool("--get-state").stdout == "locked\n"
+        assert tool("--action", "lock").returncode == 1
+        assert tool("--action", "checkpoint").returncode == 0
+        assert tool("--get-state").stdout == "checkpointed\n"
+        assert tool("--action", "unlock").returncode == 1
+        assert tool("--action", "restore").returncode == 0
+        assert tool("--action", "unlock").returncode == 0
+        assert tool("--get-state").stdout == "running\n"
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
