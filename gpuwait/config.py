@@ -614,10 +614,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "queue_order",
-        _choice("lookahead", "fifo"),
-        "lookahead",
-        "'lookahead': start what a plan of the whole queue starts now (packs the GPUs); "
-        "'fifo': priority, then submission, strictly",
+        _choice("fifo", "lookahead"),
+        "fifo",
+        "'fifo': priority, then submission, with holds and backfill; 'lookahead' (trial): "
+        "start what a plan of the whole queue in time starts now",
     ),
     Option(
         "max_wait_factor",
