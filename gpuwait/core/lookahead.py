@@ -356,23 +356,21 @@ def _initial_orders(jobs: list[_Job]) -> list[list[_Job]]:
 
 
 def lay_out(
-    gpus: Sequence[GpuSnapshot],
+    rooms: Mapping[str, GpuRoom],
     claims: Sequence[Claim],
-    safety: float,
     cursor: int = -1,
     conditions: Conditions = NO_CONDITIONS,
     settings: Lookahead = DEFAULT,
     clock: Callable[[], float] | None = None,
     search: bool = True,
 ) -> tuple[list[Claim], Schedule]:
-    """The order the waiters are planned in, and the plan it makes.
+    """The order the waiters are planned in, and the plan it makes, on the GPUs' `rooms` now.
 
     `clock` (seconds, monotonic) bounds the search by `settings.budget_ms`; without it only the
     number of steps does. Without `search`, the waiters with known run times are laid out in
     the best of a few simple orders. Waiters that differ in nothing the plan looks at are never
     reordered among themselves (no order of them is better than another).
     """
-    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     running = [c for c in claims if c.running]
     base = _base_cards(rooms, running)
     pinned: list[_Job] = []
@@ -477,7 +475,7 @@ def plan(
     # The search only matters where someone can start now; most wake-ups find nobody can, and
     # every waiter plans at every wake-up.
     search = any(_fits_now(c, rooms, conditions) for c in claims if not c.running)
-    order, laid = lay_out(gpus, claims, safety, cursor, conditions, settings, clock, search)
+    order, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search)
     held_by_user = policy.user_holdings(claims) if limits is not None else {}
     running_total = sum(c.running for c in claims)
     admitted: dict[str, tuple[str, ...]] = {}
@@ -499,20 +497,8 @@ def plan(
                 and need <= rooms[u].room
             ]
             if len(fits) == claim.gpus_wanted:
-                refusal = None
-                if limits is not None:
-                    gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
-                    vram = max(n for _, n in fits) * len(fits)
-                    refusal = limits.refusal(gpus_held, vram_held, len(fits), vram)
-                    if refusal is None:
-                        held_by_user[claim.uid] = (gpus_held + len(fits), vram_held + vram)
+                refusal = policy.take(claim, fits, rooms, limits, held_by_user)
                 if refusal is None:
-                    for room, need in fits:
-                        rooms[room.gpu.uuid] = room._replace(
-                            committed=room.committed + need,
-                            running_jobs=room.running_jobs + 1,
-                            exclusive_held=room.exclusive_held or claim.exclusive,
-                        )
                     admitted[claim.job_id] = placed.gpu_uuids
                     reserved[claim.job_id] = max(n for _, n in fits)
                     if claim.pick == "round-robin":
@@ -616,7 +602,8 @@ def expected_starts(
     clock: Callable[[], float] | None = None,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiter is planned to start (None: not known)."""
-    _, laid = lay_out(gpus, claims, safety, cursor, conditions, settings, clock)
+    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock)
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
     for job_id, placed in laid.placements.items():
         starts[job_id] = None if placed.start == _NEVER else placed.start

@@ -641,21 +641,11 @@ def plan(
         if len(allowed) >= claim.gpus_wanted and allowed:
             chosen = order_for_pick(allowed, claim, cursor, len(gpus))[: claim.gpus_wanted]
             chosen.sort(key=lambda rn: rn[0].gpu.index)
-            if limits is not None:
-                gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
-                vram = max(need for _, need in chosen) * len(chosen)
-                refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
-                if refusal is not None:
-                    reason = wait_reason(claim, rooms, running_total, position, conditions)
-                    reasons[claim.job_id] = reason._replace(limit=refusal)
-                    continue
-                held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
-            for room, need in chosen:
-                rooms[room.gpu.uuid] = room._replace(
-                    committed=room.committed + need,
-                    running_jobs=room.running_jobs + 1,
-                    exclusive_held=room.exclusive_held or claim.exclusive,
-                )
+            refusal = take(claim, chosen, rooms, limits, held_by_user)
+            if refusal is not None:
+                reason = wait_reason(claim, rooms, running_total, position, conditions)
+                reasons[claim.job_id] = reason._replace(limit=refusal)
+                continue
             uuids = tuple(r.gpu.uuid for r, _ in chosen)
             admitted[claim.job_id] = uuids
             reserved[claim.job_id] = max(need for _, need in chosen)
@@ -690,6 +680,31 @@ def plan(
         hold=hold,
         backfill=backfill,
     )
+
+
+def take(
+    claim: Claim,
+    chosen: Sequence[_Fit],
+    rooms: dict[str, GpuRoom],
+    limits: UserLimits | None,
+    held_by_user: dict[int, tuple[int, int]],
+) -> str | None:
+    """Admit `claim` onto `chosen` (room, need) in `rooms` and its user's holdings; or, where
+    that would break its user's limits, change nothing and say which."""
+    if limits is not None:
+        gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+        vram = max(need for _, need in chosen) * len(chosen)
+        refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
+        if refusal is not None:
+            return refusal
+        held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
+    for room, need in chosen:
+        rooms[room.gpu.uuid] = room._replace(
+            committed=room.committed + need,
+            running_jobs=room.running_jobs + 1,
+            exclusive_held=room.exclusive_held or claim.exclusive,
+        )
+    return None
 
 
 def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
