@@ -49,7 +49,7 @@ class _Tick(Exception):
 TICK = 0.1
 
 
-def flock_within(fd: int, operation: int, timeout: float | None) -> None:
+def flock_within(fd: int, operation: int, timeout: float | None, patience: float = 0.0) -> None:
     """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes).
 
     A lock that another process holds forever (hung, stopped, or hostile) must not hang every
@@ -57,8 +57,8 @@ def flock_within(fd: int, operation: int, timeout: float | None) -> None:
     blocked (they queue for its loop), so they would not interrupt the wait by themselves. The
     uncontended case costs one non-blocking call; a contended wait sleeps in the kernel (woken
     the moment the lock is free) in slices of TICK under an interval timer, looking for a
-    pending signal between slices (SignalPending). Threads other than the main one, which
-    cannot take signals, poll instead.
+    pending signal between slices (SignalPending) once `patience` seconds have passed. Threads
+    other than the main one, which cannot take signals, poll instead.
     """
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
@@ -76,11 +76,13 @@ def flock_within(fd: int, operation: int, timeout: float | None) -> None:
     def tick(signum: int, frame: object) -> None:
         raise _Tick
 
-    deadline = None if timeout is None else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     previous = signal.signal(signal.SIGALRM, tick)
     try:
         while True:
-            raise_if_pending()
+            if time.monotonic() - started >= patience:
+                raise_if_pending()
             step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
             if step <= 0:
                 raise LockTimeout

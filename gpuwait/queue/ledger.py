@@ -56,6 +56,9 @@ from gpuwait.queue.entries import Job, LedgerData, copy_job
 MAX_FILE_BYTES = 16 << 20
 #: Users' files read from a shared ledger directory, at most (one per user who ever used it).
 MAX_USER_FILES = 4096
+#: How long a process about to end waits for the lock with a signal pending: many times a
+#: transaction's length under contention, short enough that TERM still ends it at once to a user.
+LEAVE_PATIENCE = 1.0
 
 _TEMP_RE = re.compile(
     r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake(?:\.[0-9]+)?)\.json\.([0-9]+)(?:-[0-9a-f]+)?\.tmp$"
@@ -91,6 +94,8 @@ class Ledger:
         self.warnings: list[str] = []
         #: The last lock-free `read` found this user's file damaged (a transaction repairs it).
         self.damaged = False
+        #: How long a wait for the lock goes on with a signal pending (see `leaving`).
+        self._patience = 0.0
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""
@@ -208,6 +213,22 @@ class Ledger:
             self.path = self.directory / f"ledger.{self._uid}.json"
 
     @contextmanager
+    def leaving(self) -> Iterator[None]:
+        """For the transactions of a process that is about to end (a signal may be why).
+
+        A pending signal gives up a wait for the lock at once anywhere else, so that TERM or
+        Ctrl-C acts whatever holds it. Here the wait goes on for LEAVE_PATIENCE first: scancel,
+        `systemctl stop` or Ctrl-C on `make -j` ends every gpuwait at once, and each finds the
+        lock held by a neighbour's transaction of a few milliseconds; giving up there leaves
+        the entry for the next gpuwait to reap instead of taking it out.
+        """
+        previous, self._patience = self._patience, LEAVE_PATIENCE
+        try:
+            yield
+        finally:
+            self._patience = previous
+
+    @contextmanager
     def _locked(self) -> Iterator[None]:
         try:
             if self.shared:
@@ -220,7 +241,7 @@ class Ledger:
             raise self._unusable(exc) from None
         try:
             try:
-                flock_within(fd, fcntl.LOCK_EX, self.lock_timeout)
+                flock_within(fd, fcntl.LOCK_EX, self.lock_timeout, self._patience)
             except LockTimeout:
                 raise StateError(
                     f"the ledger lock on {self.directory if self.shared else self.lock_path} "

@@ -558,7 +558,8 @@ def _attempt(
             return _Ended(EXIT_TIMEOUT)
         if isinstance(outcome, Interrupted):
             # Leaving the queue must not keep a TERM or Ctrl-C waiting for the ledger lock: a
-            # process holding it long costs this entry, which is reaped once gpuwait is gone.
+            # process holding it longer than LEAVE_PATIENCE costs this entry, which is reaped
+            # once gpuwait is gone.
             signals.keep_pending(outcome.signum)
             _finish(ledger, job, INTERRUPTED, reporter)
             return _Ended(128 + outcome.signum)
@@ -596,7 +597,8 @@ def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: A
     """lifecycle.finish, for a process that is about to end: a failure is only said, since the
     entry is reaped by the next gpuwait anyway."""
     try:
-        lifecycle.finish(ledger, job, outcome, **how)
+        with ledger.leaving():
+            lifecycle.finish(ledger, job, outcome, **how)
     except signals.SignalPending:
         pass  # ending because of a signal: the entry is reaped once this process is gone
     except Exception as exc:

@@ -261,3 +261,45 @@ def test_a_signal_ends_a_gpuwait_that_waits_to_record_its_run(
     assert out == "ran\n", err
     assert job.returncode == -signal.SIGTERM, err
     assert "Traceback" not in err
+
+
+def _hold_briefly(procs: Callable[..., subprocess.Popen[Any]], lock: Path, seconds: float) -> None:
+    """Another process takes `lock` for `seconds`, as a busy neighbour's transaction would."""
+    holder = procs(["flock", str(lock), "sleep", str(seconds)])
+    wait_for(lambda: any(p.name == "sleep" for p in _children(holder.pid)))
+
+
+def test_a_waiter_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
+    sim: Path, gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # scancel, systemctl stop or Ctrl-C on `make -j` ends every gpuwait at once: each takes its
+    # entry out under the ledger lock, so most find it held for a moment. A signal gives up a
+    # lock held for long, not one held for the length of a neighbour's transaction.
+    first = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "sleep", "60"])
+    wait_for(lambda: any(e["state"] == "running" for e in ledger_entries()))
+    waiter = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "echo", "ran"])
+    wait_for(lambda: asleep_waiting(waiter.pid))
+    _hold_briefly(procs, state_dir() / "ledger.lock", 0.3)
+    waiter.send_signal(signal.SIGTERM)
+    _, err = waiter.communicate(timeout=10)
+    assert waiter.returncode == 143, err
+    assert [e["pid"] for e in ledger_entries()] == [first.pid]
+
+
+def test_a_job_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
+    sim: Path, gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]], tmp_path: Path
+) -> None:
+    ran = tmp_path / "ran"
+    job = procs([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", f"touch {ran}; exec sleep 60"])
+    wait_for(lambda: ran.exists() and any(e["state"] == "running" for e in ledger_entries()))
+    _hold_briefly(procs, state_dir() / "ledger.lock", 0.3)
+    # Slurm and systemd signal every process: the command and gpuwait both get TERM, and
+    # another TERM may come while gpuwait records the end.
+    command = ledger_entries()[0]["child_pid"]
+    for pid in (command, job.pid):
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    job.communicate(timeout=10)
+    assert job.returncode == -signal.SIGTERM
+    assert ledger_entries() == []
