@@ -20,6 +20,9 @@ on top of everything placed before it, so a job started now never delays one ear
 order, as far as the estimates go. A job whose start cannot be told (it waits on a job with no
 estimate) keeps its GPUs from every job after it, as the in-order policy's head does.
 
+An urgent job (or one whose budget is spent) that must wait keeps the room planned for it from
+now until it starts: nothing is started there on the strength of an estimate that it ends first.
+
 No starvation: a waiter's wait budget (`due`, set once by `with_wait_budgets`) is
 `max_wait_factor` times its expected start in the in-order plan (at least its own run time),
 or `max_wait`; once it has waited that long it is planned with the urgent jobs, which are
@@ -129,8 +132,9 @@ class _Card:
         for i in range(first, last):
             used[i] += need
 
-    def earliest(self, need: int, length: float) -> float:
-        """The earliest time from which `need` more bytes fit for `length` seconds."""
+    def earliest(self, need: int, length: float, after: float = 0.0) -> float:
+        """The earliest time from `after` on from which `need` more bytes fit for `length`
+        seconds."""
         if self.blocked:
             return _NEVER
         room = self.cap - need
@@ -138,12 +142,20 @@ class _Card:
             return _NEVER
         times, used = self.times, self.used
         count = len(times)
-        i = 0
+        # The step `after` falls in (times[0] is 0 and `after` is never below it).
+        lo, hi = 0, count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if times[mid] <= after:
+                lo = mid + 1
+            else:
+                hi = mid
+        i = max(0, lo - 1)
         while i < count:
             if used[i] > room:
                 i += 1
                 continue
-            start = times[i]
+            start = max(times[i], after)
             end = start + length
             j = i + 1
             while j < count and times[j] < end and used[j] <= room:
@@ -152,18 +164,6 @@ class _Card:
                 return start
             i = j + 1
         return _NEVER
-
-    def fits(self, start: float, need: int, length: float) -> bool:
-        room = self.cap - need
-        if self.blocked or room < 0:
-            return False
-        end = start + length
-        times, used = self.times, self.used
-        for i in range(len(times)):
-            step_end = times[i + 1] if i + 1 < len(times) else _NEVER
-            if step_end > start and times[i] < end and used[i] > room:
-                return False
-        return True
 
     def free_at(self, start: float) -> int:
         for i in range(len(self.times) - 1, -1, -1):
@@ -175,7 +175,7 @@ class _Card:
 class _Job:
     """A waiter as the search sees it: what it needs where, for how long, how much it weighs."""
 
-    __slots__ = ("area", "claim", "kind", "length", "needs", "waited", "weight")
+    __slots__ = ("area", "claim", "kind", "length", "needs", "pinned", "waited", "weight")
 
     def __init__(self, claim: Claim, needs: dict[str, int], length: float, waited: float) -> None:
         self.claim = claim
@@ -183,6 +183,8 @@ class _Job:
         self.length = length
         self.weight = 2.0 ** (claim.priority - 3)
         self.waited = waited
+        #: Planned with the urgent jobs (urgent, or its wait budget spent).
+        self.pinned = False
         need = min(needs.values(), default=0)
         self.area = need * claim.gpus_wanted * (length if length != _NEVER else 0.0)
         #: What the plan looks at: two jobs of one kind are interchangeable.
@@ -266,14 +268,22 @@ def _place(
 
 
 def _gang_start(job: _Job, eligible: list[_Card]) -> tuple[float, list[_Card]]:
-    """The earliest time at which `gpus_wanted` of the cards all fit the job, and those cards."""
+    """The earliest time at which `gpus_wanted` of the cards all fit the job, and those cards.
+
+    From a time t, each card's earliest start from t is a lower bound of when it can take part:
+    no gang can start before the `wanted`-th smallest of them, so t moves there until that many
+    cards can start at t itself. Each move passes at least one step of some card's profile.
+    """
     wanted = job.claim.gpus_wanted
-    times = sorted({t for c in eligible for t in c.times})
-    for t in times:
-        fitting = [c for c in eligible if c.fits(t, job.needs[c.uuid], job.length)]
-        if len(fitting) >= wanted:
-            return t, fitting
-    return _NEVER, []
+    t = 0.0
+    while True:
+        starts = [(card.earliest(job.needs[card.uuid], job.length, t), card) for card in eligible]
+        latest = sorted(s for s, _ in starts)[wanted - 1]
+        if latest == _NEVER:
+            return _NEVER, []
+        if latest == t:
+            return t, [card for s, card in starts if s == t]
+        t = latest
 
 
 def _pick(
@@ -327,7 +337,13 @@ def _schedule(
                 by_uuid[uuid].blocked = True
             continue
         for uuid in placed.gpu_uuids:
-            by_uuid[uuid].add(placed.start, job.length, job.needs[uuid])
+            if job.pinned:
+                # Held for it from now, not from its planned start: a job planned to end
+                # before then runs over its estimate as often as not (start-up, loading), and
+                # an urgent job's wait must not hang on other jobs' estimates.
+                by_uuid[uuid].add(0.0, placed.start + job.length, job.needs[uuid])
+            else:
+                by_uuid[uuid].add(placed.start, job.length, job.needs[uuid])
         if job.length != _NEVER:
             end = max(end, placed.start + job.length)
             waits += job.weight * (job.waited + placed.start)
@@ -386,6 +402,7 @@ def lay_out(
         }
         job = _Job(claim, needs, _length(claim), claim.waited)
         if claim.priority >= URGENT or (claim.due is not None and claim.waited >= claim.due):
+            job.pinned = True
             pinned.append(job)
         elif job.length == _NEVER:
             unknown.append(job)

@@ -178,6 +178,7 @@ def claim_of(
     now: float | None = None,
     blocked: str | None = None,
     usage: float = 0.0,
+    tree: Iterable[int] = (),
 ) -> Claim:
     """`job` for the policy, its usage read from the same snapshot as the GPUs.
 
@@ -187,9 +188,11 @@ def claim_of(
     Taking `observed` from the snapshot (not from the ledger's last published figure) keeps
     `external` and `committed` consistent with each other: nothing is counted twice, and
     nothing allocated since the snapshot can be subtracted from a reading that lacks it.
-    A running job's expected time is what is left of it at `now` (never below zero).
+    A running job's expected time is what is left of it at `now` (never below zero). `tree`:
+    more processes of the job's, found since it last published its pids (`unpublished_pids`).
     """
     pids = set(job.pids)
+    pids.update(tree)
     if job.child_pid is not None:
         pids.add(job.child_pid)
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
@@ -238,10 +241,59 @@ def claims_for(
     """Every entry as a policy claim: its dependency blocker (if any), what is left of its
     expected time at `now`, and its user's usage when fair share is on."""
     usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life)
+    tree = unpublished_pids(data.jobs, gpus)
     return [
-        claim_of(j, gpus, now, blocked=dependency_blocker(j, data), usage=usage.get(j.uid, 0.0))
+        claim_of(
+            j,
+            gpus,
+            now,
+            blocked=dependency_blocker(j, data),
+            usage=usage.get(j.uid, 0.0),
+            tree=tree.get(j.id, ()),
+        )
         for j in data.jobs
     ]
+
+
+#: How many parents up a GPU process is followed to the command of the job that started it.
+ANCESTRY_DEPTH = 8
+
+
+def unpublished_pids(jobs: Iterable[Job], gpus: Sequence[GpuSnapshot]) -> dict[str, set[int]]:
+    """GPU processes that no entry names yet, by the running job whose command started them.
+
+    A job publishes its process tree at its next sample (a second or so after it starts), so a
+    command that starts its GPU work in a child (`sh -c`, torchrun, make) has memory that no
+    entry names until then. Counted as memory outside gpuwait, it would be counted twice (also
+    as the job's reservation), and a plan would take a card that can run a large job for one
+    that cannot. Only processes of the job's own user are taken: nobody can claim another
+    user's memory as part of their reservation.
+    """
+    roots: dict[int, Job] = {}
+    named: set[int] = set()
+    for job in jobs:
+        named.update(job.pids)
+        if job.state == RUNNING and job.child_pid is not None:
+            roots[job.child_pid] = job
+            named.add(job.child_pid)
+    found: dict[str, set[int]] = {}
+    if not roots:
+        return found
+    for gpu in gpus:
+        for process in gpu.processes:
+            if process.pid in named:
+                continue
+            pid: int | None = process.pid
+            for _ in range(ANCESTRY_DEPTH):
+                pid = proc.parent_pid(pid) if pid is not None else None
+                if pid is None or pid <= 1:
+                    break
+                owner = roots.get(pid)
+                if owner is not None:
+                    if proc.owner_uid(process.pid) == owner.uid:
+                        found.setdefault(owner.id, set()).add(process.pid)
+                    break
+    return found
 
 
 def planned_claims(

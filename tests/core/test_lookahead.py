@@ -71,6 +71,20 @@ def test_an_urgent_job_that_fits_starts_before_anything_else() -> None:
     assert "planned on GPU0 in" in decided.waiting["long"].describe()
 
 
+def test_an_urgent_job_that_must_wait_keeps_its_card_from_jobs_planned_to_end_first() -> None:
+    # 30 GiB run on each card for 10 more seconds; an urgent 40 GiB job can start on either
+    # card after that. A 5-second job fits now and would end first by its estimate, but a
+    # job that overruns its estimate would delay the urgent one: it goes to the other card.
+    gpus = cards(2)
+    short = waiter("short", 10, 2, 5.0)
+    claims = [running("r0", 30, 0, 10.0), running("r1", 30, 1, 20.0), short]
+    assert plan(gpus, claims, SAFETY).admitted == {"short": ("GPU-0",)}
+    urgent = waiter("urgent", 40, 1, 60.0, priority=5)
+    decided = plan(gpus, [*claims, urgent], SAFETY)
+    assert decided.admitted == {"short": ("GPU-1",)}
+    assert "planned on GPU0 in 10.0s" in decided.waiting["urgent"].describe()
+
+
 def test_a_mixed_queue_ends_sooner_than_in_order() -> None:
     """A seeded mix like bench/schedule_quality.py's: many small short jobs, some of 20-40 GiB
     and priorities 1-5, arriving over 10 s on 4 cards of 48 GiB. Replayed with exact run

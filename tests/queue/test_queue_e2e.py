@@ -750,3 +750,41 @@ def test_bad_queue_input_is_answered_at_once(
     assert done.returncode == status, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
     assert ledger_entries() == []
+
+
+def test_memory_a_job_allocates_in_a_child_is_not_counted_twice(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., subprocess.Popen[Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuwait.gpu.sim import SimBackend
+
+    # A job's tree is published as it is sampled: every 0.1 s in its first second, then every
+    # sample_interval. A child that starts after that first second (a launcher that loads
+    # first) is not published before the test ends, so only what the planner finds itself
+    # keeps the child's memory from counting twice: as the job's and as an outsider's.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "120s")
+    job = " ".join([*gpuwait_cmd, "sim", "job", "--vram", "10G", "--hold", "60s"])
+    procs(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "10G",
+            "--devices",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            f"sleep 1.5; {job} & wait",
+        ]
+    )
+    wait_for(lambda: SimBackend(str(sim)).snapshot().gpus[0].used_bytes >= 10 << 30, timeout=20)
+    # 10 GiB reserved and in use of 21.6 usable: another 10 GiB fits beside it.
+    second = subprocess.run(
+        [*gpuwait_cmd, "--vram", "10G", "--devices", "0", "--timeout", "5s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode == 0, second.stderr
