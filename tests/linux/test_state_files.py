@@ -192,11 +192,11 @@ def _blocked_on_a_lock(pid: int) -> bool:
         return False
 
 
-def hold(procs: Callable[..., subprocess.Popen[Any]], lock: Path) -> None:
-    """Another process takes `lock` and keeps it (`flock LOCK sleep 120`)."""
+def hold(procs: Callable[..., subprocess.Popen[Any]], lock: Path, seconds: float = 120) -> None:
+    """Another process takes `lock` and keeps it for `seconds` (`flock LOCK sleep SECONDS`)."""
     lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock.touch(mode=0o600)
-    holder = procs(["flock", str(lock), "sleep", "120"])
+    holder = procs(["flock", str(lock), "sleep", str(seconds)])
     wait_for(lambda: any(p.name == "sleep" for p in _children(holder.pid)))
 
 
@@ -227,13 +227,9 @@ def test_a_signal_ends_a_gpuwait_that_waits_for_the_ledger_lock(
 def test_a_signal_ends_a_waiter_whose_ledger_lock_is_held(
     sim: Path, gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
 ) -> None:
-    # A job fills GPU 0, so a second one for GPU 0 waits. Someone takes the ledger lock and
-    # keeps it; the first job is killed outright, and the waiter, seeing its entry dead, plans
-    # under the lock it cannot have.
-    first = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "sleep", "60"])
-    wait_for(lambda: any(e["state"] == "running" for e in ledger_entries()))
-    waiter = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "echo", "ran"])
-    wait_for(lambda: asleep_waiting(waiter.pid))
+    # Someone takes the ledger lock and keeps it; the first job is killed outright, and the
+    # waiter, seeing its entry dead, plans under the lock it cannot have.
+    first, waiter = _a_waiter_behind_a_full_gpu(gpuwait_cmd, procs)
     hold(procs, state_dir() / "ledger.lock")
     os.killpg(first.pid, signal.SIGKILL)
     wait_for(lambda: _blocked_on_a_lock(waiter.pid), timeout=20)
@@ -263,10 +259,15 @@ def test_a_signal_ends_a_gpuwait_that_waits_to_record_its_run(
     assert "Traceback" not in err
 
 
-def _hold_briefly(procs: Callable[..., subprocess.Popen[Any]], lock: Path, seconds: float) -> None:
-    """Another process takes `lock` for `seconds`, as a busy neighbour's transaction would."""
-    holder = procs(["flock", str(lock), "sleep", str(seconds)])
-    wait_for(lambda: any(p.name == "sleep" for p in _children(holder.pid)))
+def _a_waiter_behind_a_full_gpu(
+    gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> tuple[subprocess.Popen[Any], subprocess.Popen[Any]]:
+    """A job that fills GPU 0, and a second job for GPU 0 asleep waiting for it."""
+    first = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "sleep", "60"])
+    wait_for(lambda: any(e["state"] == "running" for e in ledger_entries()))
+    waiter = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "echo", "ran"])
+    wait_for(lambda: asleep_waiting(waiter.pid))
+    return first, waiter
 
 
 def test_a_waiter_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
@@ -275,11 +276,8 @@ def test_a_waiter_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
     # scancel, systemctl stop or Ctrl-C on `make -j` ends every gpuwait at once: each takes its
     # entry out under the ledger lock, so most find it held for a moment. A signal gives up a
     # lock held for long, not one held for the length of a neighbour's transaction.
-    first = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "sleep", "60"])
-    wait_for(lambda: any(e["state"] == "running" for e in ledger_entries()))
-    waiter = procs([*gpuwait_cmd, "--vram", "20G", "--devices", "0", "--", "echo", "ran"])
-    wait_for(lambda: asleep_waiting(waiter.pid))
-    _hold_briefly(procs, state_dir() / "ledger.lock", 0.3)
+    first, waiter = _a_waiter_behind_a_full_gpu(gpuwait_cmd, procs)
+    hold(procs, state_dir() / "ledger.lock", 0.3)
     waiter.send_signal(signal.SIGTERM)
     _, err = waiter.communicate(timeout=10)
     assert waiter.returncode == 143, err
@@ -292,7 +290,7 @@ def test_a_job_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
     ran = tmp_path / "ran"
     job = procs([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", f"touch {ran}; exec sleep 60"])
     wait_for(lambda: ran.exists() and any(e["state"] == "running" for e in ledger_entries()))
-    _hold_briefly(procs, state_dir() / "ledger.lock", 0.3)
+    hold(procs, state_dir() / "ledger.lock", 0.3)
     # Slurm and systemd signal every process: the command and gpuwait both get TERM, and
     # another TERM may come while gpuwait records the end.
     command = ledger_entries()[0]["child_pid"]
