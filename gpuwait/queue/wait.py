@@ -47,6 +47,7 @@ from gpuwait.queue.conditions import (
     name_processes,
     plan_conditions,
     planned_claims,
+    unpublished_pids,
 )
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import NO_FAIR_SHARE
@@ -207,7 +208,11 @@ def _confirm_found(
         """Whether the admission of this job's running entry `mine` holds."""
         if mine.uid != asked.uid or mine.pid != asked.pid:
             return False
-        others = [claim_of(j, snapshot.gpus) for j in data.jobs if j is not mine]
+        # Counted as the plan that admitted it counted them (see claims_for).
+        tree = unpublished_pids(data.jobs, snapshot.gpus)
+        others = [
+            claim_of(j, snapshot.gpus, tree=tree.get(j.id, ())) for j in data.jobs if j is not mine
+        ]
         return admission_fits(
             claim_of(asked, snapshot.gpus),
             mine.gpu_uuids,
