@@ -645,8 +645,9 @@ def replay_starts(
     """When each job starts under gpuwait's plan, replayed on the trace whenever a job arrives or
     ends (or a waiter's wait budget runs out): `gpuwait.core.policy.plan` (fifo), or with
     `lookahead` `gpuwait.core.lookahead.plan`, each waiter's wait budget set by
-    `lookahead.with_wait_budgets` where that exists. `expected`: the run times the plan is told
-    (a running job's: what is left of it, never below 0); None: none (no history)."""
+    `lookahead.with_wait_budgets` where that exists; each plan searches on from the order of
+    the one before, as the ledger keeps it. `expected`: the run times the plan is told (a running
+    job's: what is left of it, never below 0); None: none (no history)."""
     from gpuwait.core import lookahead as ahead
     from gpuwait.core import policy
     from gpuwait.core.policy import Claim
@@ -654,6 +655,7 @@ def replay_starts(
     from gpuwait.core.snapshot import GpuSnapshot
 
     settings = ahead.Lookahead()
+    hint: tuple[str, ...] = ()
     budgets = getattr(ahead, "with_wait_budgets", None) if lookahead else None
     cards = [GpuSnapshot(i, f"GPU-{i}", "sim", CARD_GIB * GIB, 0) for i in range(GPUS)]
     by_name = {j.name: j for j in trace}
@@ -689,7 +691,7 @@ def replay_starts(
             job = by_name[c.job_id]
             if expected is not None and c.running:
                 left = max(0.0, starts[c.job_id] + expected[c.job_id] - now)
-                c = c._replace(expected_seconds=left)
+                c = c._replace(expected_seconds=left, ran=now - starts[c.job_id])
             if not c.running:
                 c = c._replace(waited=now - job.arrival, due=due.get(c.job_id, c.due))
             current.append(c)
@@ -697,7 +699,10 @@ def replay_starts(
             if budgets is not None:
                 current = list(budgets(cards, current, SAFETY, settings))
                 due.update({c.job_id: c.due for c in current if c.due is not None})
-            decided = ahead.plan(cards, current, SAFETY, settings=settings)
+            decided = ahead.plan(cards, current, SAFETY, settings=settings, hint=hint)
+            if decided.admitted:
+                # Written to the ledger by the admission (a plan that starts nobody is not).
+                hint = decided.order
         else:
             decided = policy.plan(cards, current, SAFETY)
         kept = []

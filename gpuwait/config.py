@@ -615,16 +615,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "queue_order",
         _choice("fifo", "lookahead"),
-        "fifo",
-        "'fifo': priority, then submission, with holds and backfill; 'lookahead' (trial): "
-        "start what a plan of the whole queue in time starts now",
+        "lookahead",
+        "'lookahead': start what a plan of the whole queue in time starts now (urgent jobs "
+        "first, no job waits past its budget); 'fifo': priority, then submission, with holds "
+        "and backfill",
     ),
     Option(
         "max_wait_factor",
         _wait_factor,
         5.0,
-        "lookahead: a job waits at most this many times its wait in strict order (and its own "
-        "run time) before it goes first",
+        "lookahead: a job waits at most this many times what strict order would take to run it "
+        "(its wait there plus its run time) before it goes first",
     ),
     Option(
         "max_wait",

@@ -124,6 +124,8 @@ class Claim(Record, frozen=True):
     expected_seconds: float | None = None
     #: Expected run time on particular GPUs (UUID -> seconds), for adaptive-throughput.
     expected_by_gpu: Mapping[str, float] = MappingProxyType({})
+    #: Seconds a running job has run so far.
+    ran: float = 0.0
     #: GPUs this waiter held as the queue's head at the last plan; holds stick to their GPUs.
     held: tuple[str, ...] = ()
     #: Per-GPU weights (UUID -> weight, default 1) for the weighted strategy.
@@ -172,8 +174,10 @@ class UserLimits(Record, frozen=True):
 class Lookahead(Record, frozen=True):
     """How the lookahead order is found: the search's bounds, and the no-starvation rule."""
 
-    #: Local-search steps (swaps and moves of one job) tried per decision, at most.
-    steps: int = 200
+    #: Local-search steps (swaps and moves of one job) tried per decision, at most. Each
+    #: decision starts from the best order of the one before, so the search goes on from one
+    #: decision to the next.
+    steps: int = 30
     #: Stop searching once this many milliseconds have gone (with a clock passed in).
     budget_ms: float = 25.0
     #: Seeds the search, so the same inputs give the same plan.
@@ -338,6 +342,9 @@ class Plan(Record, frozen=True):
     hold: Hold | None = None
     #: Admitted jobs placed on held GPUs (backfill): job -> those GPUs.
     backfill: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+    #: The waiters' order the lookahead plan was laid out in (job ids), for the next plan to
+    #: search on from; empty for the in-order policy.
+    order: tuple[str, ...] = ()
 
 
 def gpu_rooms(

@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from gpuwait.core.lookahead import with_wait_budgets
-from gpuwait.core.policy import Claim, Conditions, FairShare, Hold
+from gpuwait.core.lookahead import plan_queue, with_wait_budgets
+from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import proc
@@ -198,6 +198,7 @@ def claim_of(
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
     expected = job.expected_seconds
     expected_by_gpu = job.expected_by_gpu
+    elapsed = 0.0
     if job.state == RUNNING and job.started_at is not None:
         elapsed = max(0.0, (time.time() if now is None else now) - job.started_at)
         if expected is not None:
@@ -225,6 +226,7 @@ def claim_of(
         blocked=blocked,
         expected_seconds=expected,
         expected_by_gpu=dict(expected_by_gpu),
+        ran=elapsed,
         held=tuple(job.held_gpus),
         weights=dict(job.weights),
         uid=job.uid,
@@ -309,10 +311,26 @@ def planned_claims(
     claims = claims_for(data, gpus, fair, now)
     if fair.order is None or all(c.running or c.due is not None for c in claims):
         return claims, {}
-    budgeted = with_wait_budgets(gpus, claims, safety, fair.order, conditions, fair.limits)
+    budgeted = with_wait_budgets(gpus, claims, safety, fair.order, conditions)
     new = {
         after.job_id: after.due
         for before, after in zip(claims, budgeted, strict=True)
         if before.due is None and after.due is not None
     }
     return budgeted, new
+
+
+def plan_ledger(
+    data: LedgerData,
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    conditions: Conditions,
+    fair: FairShare,
+) -> Plan:
+    """The plan of the queue in `data` (its `claims`) as a waiter or an admission makes it:
+    within the plan budget, searched on from the order the last admission's plan found (the
+    ledger's `plan_order`), so that both, given one ledger, make the same plan."""
+    return plan_queue(
+        gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic, data.plan_order
+    )

@@ -378,6 +378,10 @@ class LedgerData(Record):
     usage: dict[int, UserUsage] = field(default_factory=dict)
     #: Requests to other jobs' gpuwait processes (see Request), from every file read.
     requests: list[Request] = field(default_factory=list)
+    #: The waiters' order (job ids) of the last lookahead plan made under the lock: the next
+    #: plan searches on from it (core/lookahead). Only a starting point, so in a shared ledger
+    #: directory each user's file keeps its own, and whatever a file says costs no one a start.
+    plan_order: list[str] = field(default_factory=list)
     #: In a shared ledger directory: the uid whose file this process writes, and the part of
     #: `release_seq` that other users' files hold. Not written.
     me: int | None = None
@@ -442,6 +446,8 @@ def to_document(data: LedgerData) -> dict[str, Any]:
     requests = [r for r in data.requests if me is None or r.by_uid == me]
     if requests:
         encoded["requests"] = [r.to_json() for r in requests]
+    if data.plan_order:
+        encoded["plan_order"] = data.plan_order
     return encoded
 
 
@@ -477,6 +483,7 @@ def from_document(
         created_at=_float(raw, "created_at"),
         usage=_usage(raw.get("usage"), warnings),
         release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
+        plan_order=_plan_order(raw.get("plan_order")),
     )
     try:
         data.book = book_from_json(raw.get("book"))
@@ -545,6 +552,13 @@ def from_document(
         )
     mark_pause_requests(data)
     return data
+
+
+def _plan_order(raw: object) -> list[str]:
+    """A file's `plan_order`, as far as it is a list of job ids (anything else: none)."""
+    if not isinstance(raw, list):
+        return []
+    return [x for x in raw[:MAX_ENTRIES] if isinstance(x, str) and len(x) <= 256]
 
 
 def combine(

@@ -31,7 +31,6 @@ from typing import Any
 
 from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
-from gpuwait.core.lookahead import plan_queue
 from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice
 from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason
@@ -55,6 +54,7 @@ from gpuwait.queue.bookkeeping import (
 )
 from gpuwait.queue.conditions import (
     busy_gpus,
+    plan_ledger,
     planned_claims,
     record_hold,
     resolve_references,
@@ -571,11 +571,11 @@ def admit(
         for entry in data.jobs:
             if entry.id in budgets and data.mine(entry):
                 entry.wait_budget = budgets[entry.id]
-        decided = plan_queue(
-            snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic
-        )
+        decided = plan_ledger(data, snapshot.gpus, claims, safety, conditions, fair)
         record_hold(data, decided.hold)
         _admit_all(data, decided, snapshot, said)
+        waiting = {j.id for j in data.jobs if j.state == WAITING}
+        data.plan_order = [job_id for job_id in decided.order if job_id in waiting]
         updated = copy_job(mine)
         if job.id in decided.admitted:
             return updated, Admitted(updated, _gpus_of(mine.gpu_uuids, snapshot, data))

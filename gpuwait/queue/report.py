@@ -68,8 +68,11 @@ def report_from(
     # Running first, then the queue in the order the policy serves it (fair share included).
     jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    decided = plan_queue(gpus, claims, safety, data.rr_cursor, conditions, fair)
-    etas = queue_starts(gpus, claims, safety, data.rr_cursor, conditions, fair)
+    # As a waiter plans: from the last plan's order, within the plan budget (a status of a
+    # long queue is not to take seconds).
+    clock, hint = time.monotonic, data.plan_order
+    decided = plan_queue(gpus, claims, safety, data.rr_cursor, conditions, fair, clock, hint)
+    etas = queue_starts(gpus, claims, safety, data.rr_cursor, conditions, fair, clock, hint)
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}
     # Health read from another source (another simulation file) is about other GPUs.

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, BackendUnavailable
-from gpuwait.core.lookahead import plan_queue
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import (
     Conditions,
@@ -46,6 +45,7 @@ from gpuwait.queue.conditions import (
     claim_of,
     name_processes,
     plan_conditions,
+    plan_ledger,
     planned_claims,
     unpublished_pids,
 )
@@ -164,9 +164,7 @@ def _reason_without_lock(
     claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions)
     if any(data.mine(j) for j in data.jobs if j.id in budgets):
         return None  # a wait budget to write down
-    decided = plan_queue(
-        snapshot.gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic
-    )
+    decided = plan_ledger(data, snapshot.gpus, claims, safety, conditions, fair)
     # Only this user's entries can be changed by this process (another user's waiter that the
     # plan starts is started by its own gpuwait).
     if any(data.mine(j) for j in data.jobs if j.id in decided.admitted):

@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
 #: What the pure core may import from the standard library: no I/O, no clock, no processes.
 CORE_STDLIB = {
     "__future__",
+    "bisect",
     "collections",
     "collections.abc",
     "difflib",

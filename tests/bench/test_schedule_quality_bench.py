@@ -86,7 +86,7 @@ def test_the_bench_prints_a_row_per_policy(
 
     # The lookahead search takes its time budget at every decision: stand the in-order plan in
     # for it here (this test is about the bench, not the search).
-    def quick(*args: Any, settings: Any = None, **kwargs: Any) -> policy.Plan:
+    def quick(*args: Any, settings: Any = None, hint: Any = (), **kwargs: Any) -> policy.Plan:
         return policy.plan(*args, **kwargs)
 
     monkeypatch.setattr(lookahead, "plan", quick)

@@ -8,7 +8,14 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwait.core.lookahead import Lookahead, plan, plan_queue, with_wait_budgets
+from gpuwait.core.lookahead import (
+    Lookahead,
+    expected_starts,
+    lay_out,
+    plan,
+    plan_queue,
+    with_wait_budgets,
+)
 from gpuwait.core.policy import NO_CONDITIONS, Claim, FairShare, gpu_rooms, need_on
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
@@ -115,6 +122,64 @@ def test_the_same_inputs_give_the_same_plan() -> None:
     first = plan(gpus, claims, SAFETY, settings=Lookahead(steps=100, seed=3))
     again = plan(gpus, claims, SAFETY, settings=Lookahead(steps=100, seed=3))
     assert first == again
+
+
+def test_a_plan_packs_tighter_than_any_simple_order_before_any_search_step() -> None:
+    """Two cards of 43.2 GiB usable. Laid out in submission order, largest first or longest
+    first, these six jobs end at 50 s at best; the plan, laid out again backwards from its end
+    and reordered by those starts, ends at 40 s (the best any order does) with no search step."""
+    gpus = cards(2)
+    rooms = gpu_rooms(gpus, [], SAFETY)
+    jobs = [(5, 30.0), (10, 30.0), (35, 20.0), (20, 30.0), (35, 20.0), (10, 20.0)]
+
+    def end(order: list[int], search: bool) -> float:
+        claims = [waiter(f"j{i}", jobs[i][0], n + 1, jobs[i][1]) for n, i in enumerate(order)]
+        return lay_out(rooms, claims, settings=Lookahead(steps=0), search=search)[1].end
+
+    submitted = list(range(len(jobs)))
+    largest = sorted(submitted, key=lambda i: -jobs[i][0] * jobs[i][1])
+    longest = sorted(submitted, key=lambda i: (-jobs[i][1], -jobs[i][0] * jobs[i][1]))
+    assert min(end(order, search=False) for order in (submitted, largest, longest)) == 50.0
+    assert end(submitted, search=True) == 40.0
+
+
+def test_a_plan_searches_on_from_the_last_plans_order() -> None:
+    """What one decision's search found, the next starts from (the ledger keeps the order):
+    with no search steps of its own it plans as well as the long search did, where alone it
+    plans worse; and an order naming jobs that are not there, or none of them, changes nothing
+    for the worse."""
+    gpus = cards(3)
+    claims = [
+        waiter(f"j{i}", 4 + (i * 7) % 30, i, 10.0 + (i * 13) % 50, priority=1 + i % 4)
+        for i in range(25)
+    ]
+    rooms = gpu_rooms(gpus, claims, SAFETY)
+    searched = plan(gpus, claims, SAFETY, settings=Lookahead(steps=400))
+    alone = lay_out(rooms, claims, settings=Lookahead(steps=0))[1]
+    warm = lay_out(rooms, claims, settings=Lookahead(steps=0), hint=searched.order)[1]
+    long = lay_out(rooms, claims, settings=Lookahead(steps=400))[1]
+    assert warm.score == long.score < alone.score
+    assert plan(gpus, claims, SAFETY, settings=Lookahead(steps=0), hint=searched.order) == (
+        plan(gpus, claims, SAFETY, settings=Lookahead(steps=0), hint=searched.order)
+    )
+    for junk in (["nobody", "j3", "j3", "else"], [f"x{i}" for i in range(100)]):
+        assert lay_out(rooms, claims, settings=Lookahead(steps=0), hint=junk)[1].score <= (
+            alone.score
+        )
+
+
+def test_a_job_long_past_its_expected_end_is_not_planned_to_end_at_once() -> None:
+    """A job expected to run 10 minutes has run 20: the plan does not count on its memory
+    coming back within a second (it likely runs on a while), so the wait line says so."""
+    gpus = cards(1)
+    overdue = running("r", 30, 0, 0.0)._replace(ran=1200.0)
+    big = waiter("big", 40, 1, 60.0)
+    start = expected_starts(gpus, [overdue, big], SAFETY)["big"]
+    assert start is not None and start >= 30.0
+    # One just past its end is planned to end within a second or two.
+    just = running("r", 30, 0, 0.0)._replace(ran=20.0)
+    start = expected_starts(gpus, [just, big], SAFETY)["big"]
+    assert start is not None and start <= 1.0
 
 
 @settings(max_examples=150, deadline=None)
@@ -236,10 +301,9 @@ def test_no_job_starves_under_a_stream_of_small_ones(
     factor: float,
 ) -> None:
     """Two small jobs run; a big job of priority 1 arrives; small ones of priority 4 keep
-    arriving, fast enough to keep the card busy, and the plan would rather run each of them
-    first (they weigh more and wait less). Without a wait budget the big job waits until the
-    stream dries up (over 200 s where this bound is 80 s); with one it starts within its
-    budget plus the longest run that may be under way when the budget is spent."""
+    arriving, fast enough to keep the card busy, and each plan could run them first (they
+    weigh more, and the queue as planned ends no later). With its wait budget the big job
+    starts within that budget plus the longest run that may be under way when it is spent."""
     arrivals = [(0.0, 8.0, 10.0, 4), (0.0, 8.0, 12.0, 4), (0.5, big_gib, big_seconds, 1)]
     at = 0.5
     for gap, gib, seconds in small:
@@ -247,9 +311,9 @@ def test_no_job_starves_under_a_stream_of_small_ones(
         arrivals.append((at, gib, seconds, 4))
     starts = replay(arrivals, Lookahead(steps=20, max_wait_factor=factor))
     assert len(starts) == len(arrivals), "a job never started"
-    # Its budget: factor x (its in-order start at its first plan, at least its own run time).
-    # In order it starts once the two small jobs end (the later ones are priority 4, they go
-    # before it too, but were not there yet): 12 s at most.
-    budget = factor * max(12.0, big_seconds)
+    # Its budget: factor x its in-order end at its first plan (start plus run time). In order
+    # it starts once the two small jobs end (the later ones are priority 4, they go before it
+    # too, but were not there yet): 12 s at most.
+    budget = factor * (12.0 + big_seconds)
     longest = max(seconds for _, _, seconds, _ in arrivals)
     assert starts["j2"] - 0.5 <= budget + longest + 1e-6

@@ -141,6 +141,27 @@ def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
     assert len(ledger.warnings) == 1 and "dropped 2 invalid entries" in ledger.warnings[0]
 
 
+def test_the_last_plans_order_is_kept_and_junk_in_it_is_dropped(tmp_path: Path) -> None:
+    """The lookahead plan searches on from the order the last one found: the ledger keeps it,
+    and whatever a damaged or hand-edited file holds there is read as far as it is job ids."""
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.plan_order = ["b", "a"]
+    with ledger.transaction() as data:
+        assert data.plan_order == ["b", "a"]
+    for junk, kept in (
+        ([1, None, "x" * 1000, "c", {"a": 1}, "d"], ["c", "d"]),
+        ("b,a", []),
+        ({"b": 1}, []),
+    ):
+        raw = json.loads(ledger.path.read_text())
+        raw["plan_order"] = junk
+        ledger.path.write_text(json.dumps(raw))
+        with ledger.transaction() as data:
+            assert data.plan_order == kept
+        assert ledger.warnings == []
+
+
 def test_running_entry_round_trips(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     job = make_job("r", os.getpid(), proc.start_time(os.getpid()))

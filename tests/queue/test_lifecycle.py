@@ -16,7 +16,9 @@ import pytest
 from helpers.jobs import live_job
 
 from gpuwait.core.errors import StateError
+from gpuwait.core.lookahead import Lookahead
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
+from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.queue import events, lifecycle
 from gpuwait.queue.entries import RUNNING, WAITING, Job
@@ -84,6 +86,30 @@ def test_the_callers_job_is_never_changed_in_place(tmp_path: Path) -> None:
     paused = lifecycle.step_aside(ledger, admitted, 1.0)
     assert (admitted.state, admitted.pauses) == (RUNNING, 0)
     assert (paused.state, paused.pauses) == (WAITING, 1)
+
+
+def test_an_admission_keeps_the_lookahead_plans_order_for_the_next_plan(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    fair = FairShare(order=Lookahead())
+    submitted = [
+        lifecycle.submit(
+            ledger,
+            live_job(name, request={"bytes": gib * GiB}, expected_seconds=seconds),
+            [],
+            [],
+            tmp_path,
+            ["x"],
+        )
+        for name, gib, seconds in (("a", 12, 30.0), ("b", 16, 10.0), ("c", 4, 20.0), ("d", 20, 5.0))
+    ]
+    lifecycle.admit(ledger, submitted[0], MACHINE, 0.9, fair=fair)
+    data = ledger.read()
+    waiting = {j.id for j in data.jobs if j.state == WAITING}
+    assert waiting and len(waiting) < 4
+    assert sorted(data.plan_order) == sorted(waiting)
+    # In-order plans keep none.
+    lifecycle.admit(ledger, submitted[1], MACHINE, 0.9)
+    assert ledger.read().plan_order == []
 
 
 def test_a_reaped_entry_is_said_after_it_left_the_file(
