@@ -329,7 +329,13 @@ def _pick(
         ordered = policy.order_for_pick(fits, job.claim, cursor, len(now_rooms))
         return [by_uuid[room.gpu.uuid] for room, _ in ordered[:wanted]]
     # Later: best fit by the room left at the start.
-    return sorted(chosen, key=lambda c: (c.free_at(start) - job.needs[c.uuid], c.index))[:wanted]
+    return _best_fit(job, chosen, start)
+
+
+def _best_fit(job: _Job, cards: list[_Card], start: float) -> list[_Card]:
+    """The `gpus_wanted` of `cards` with the least room left at `start` once `job` is on them."""
+    ranked = sorted(cards, key=lambda c: (c.free_at(start) - job.needs[c.uuid], c.index))
+    return ranked[: job.claim.gpus_wanted]
 
 
 def _schedule(
@@ -449,12 +455,10 @@ def _justify(
     for job in sorted(middle, key=lambda j: -end(j)):
         if end(job) == _NEVER:
             continue
-        wanted = job.claim.gpus_wanted
         at, cards = _earliest(job, [c for c in back if c.uuid in job.needs])
         if at == _NEVER:
             continue
-        cards.sort(key=lambda c: (c.free_at(at) - job.needs[c.uuid], c.index))
-        for card in cards[:wanted]:
+        for card in _best_fit(job, cards, at):
             card.add(at, job.length, job.needs[card.uuid])
         latest[job.claim.job_id] = horizon - at - job.length
     return sorted(middle, key=lambda j: latest.get(j.claim.job_id, _NEVER))

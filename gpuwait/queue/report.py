@@ -12,14 +12,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwait.core.lookahead import plan_queue, queue_starts
+from gpuwait.core.lookahead import queue_starts
 from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
-from gpuwait.queue.conditions import planned_claims
+from gpuwait.queue.conditions import plan_ledger, planned_claims
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger
@@ -70,9 +70,10 @@ def report_from(
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     # As a waiter plans: from the last plan's order, within the plan budget (a status of a
     # long queue is not to take seconds).
-    clock, hint = time.monotonic, data.plan_order
-    decided = plan_queue(gpus, claims, safety, data.rr_cursor, conditions, fair, clock, hint)
-    etas = queue_starts(gpus, claims, safety, data.rr_cursor, conditions, fair, clock, hint)
+    decided = plan_ledger(data, gpus, claims, safety, conditions, fair)
+    etas = queue_starts(
+        gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic, data.plan_order
+    )
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}
     # Health read from another source (another simulation file) is about other GPUs.
