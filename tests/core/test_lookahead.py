@@ -182,6 +182,18 @@ def test_a_job_long_past_its_expected_end_is_not_planned_to_end_at_once() -> Non
     assert start is not None and start <= 1.0
 
 
+def test_a_short_job_past_its_end_is_planned_to_run_on_in_proportion_to_its_length() -> None:
+    """How long an overdue job is planned to run on scales with what it has run, with no floor
+    in seconds: a 3-second job just past its end is planned to end within a tenth of a second
+    (a floor of a second would plan the queue behind it a second late, a third of its run),
+    yet never at once, so nothing is planned into memory it still holds."""
+    gpus = cards(1)
+    big = waiter("big", 40, 1, 60.0)
+    short = running("r", 30, 0, 0.0)._replace(ran=3.0)
+    start = expected_starts(gpus, [short, big], SAFETY)["big"]
+    assert start is not None and 0.0 < start <= 0.1
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
