@@ -729,10 +729,12 @@ def expected_starts(
     settings: Lookahead = DEFAULT,
     clock: Callable[[], float] | None = None,
     hint: Sequence[str] = (),
+    search: bool = True,
 ) -> dict[str, float | None]:
-    """Seconds from now until each waiter is planned to start (None: not known)."""
+    """Seconds from now until each waiter is planned to start (None: not known). Without
+    `search`, the waiters are laid out in submission order (see `lay_out`)."""
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, hint=hint)
+    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search, hint)
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
     for job_id, placed in laid.placements.items():
         starts[job_id] = None if placed.start == _NEVER else placed.start
@@ -762,12 +764,9 @@ def with_wait_budgets(
         return list(claims)
     # The in-order plan: the queue laid out in time in submission order, with no search (one
     # pass, where simulating the in-order policy's decisions took up to a tenth of a second).
-    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    _, laid = lay_out(rooms, claims, conditions=conditions, settings=settings, search=False)
-    starts = {
-        job_id: None if placed.start == _NEVER else placed.start
-        for job_id, placed in laid.placements.items()
-    }
+    starts = expected_starts(
+        gpus, claims, safety, conditions=conditions, settings=settings, search=False
+    )
     out = []
     for c in claims:
         if not c.running and c.due is None:
