@@ -399,9 +399,16 @@ def _initial_orders(jobs: list[_Job], hint: Sequence[str]) -> list[list[_Job]]:
     longest = sorted(jobs, key=lambda j: (-j.length, -j.area, j.claim.sort_key()))
     orders = [fifo, largest, longest]
     if hint:
-        rank = {job_id: n for n, job_id in reversed(list(enumerate(hint)))}
-        orders.append(sorted(fifo, key=lambda j: rank.get(j.claim.job_id, len(rank))))
+        orders.append(_in_hint_order(fifo, hint))
     return orders
+
+
+def _in_hint_order(jobs: Sequence[_Job], hint: Sequence[str]) -> list[_Job]:
+    """`jobs` in the order of `hint` (job ids), those it does not name after the others in
+    queue order."""
+    fifo = sorted(jobs, key=lambda j: j.claim.sort_key())
+    rank = {job_id: n for n, job_id in reversed(list(enumerate(hint)))}
+    return sorted(fifo, key=lambda j: rank.get(j.claim.job_id, len(rank)))
 
 
 def _mirrored(cards: Sequence[_Card], horizon: float) -> list[_Card]:
@@ -478,7 +485,8 @@ def lay_out(
 
     `clock` (seconds, monotonic) bounds the search by `settings.budget_ms`; without it only the
     number of steps does. `hint`: the order of the last plan (job ids), searched on from.
-    Without `search`, the waiters with known run times are laid out in submission order.
+    Without `search`, the waiters with known run times are laid out in the order of `hint`
+    (submission order without one), with no search.
     Waiters that differ in nothing the plan looks at are never reordered among themselves (no
     order of them is better than another).
     """
@@ -508,7 +516,9 @@ def lay_out(
     def evaluate(middle: Sequence[_Job]) -> Schedule:
         return _schedule([*pinned, *middle, *unknown], base, rooms, cursor)
 
-    best_order = list(known)
+    # Not searched (nobody can start now): laid out as the last plan ordered the queue, so the
+    # starts it tells (the wait lines, `gpuwait status`) are those the search left off at.
+    best_order = list(known) if search or not hint else _in_hint_order(known, hint)
     best = evaluate(best_order)
     if len(known) > 1 and search and len({j.kind for j in known}) > 1:
         for candidate in _initial_orders(known, hint):
@@ -642,6 +652,7 @@ def plan(
         next_cursor=cursor,
         hold=hold,
         order=tuple(c.job_id for c in order) if search else tuple(hint),
+        starts=_starts(claims, laid),
     )
 
 
@@ -687,22 +698,6 @@ def plan_queue(
     return plan(gpus, claims, safety, cursor, conditions, fair.limits, fair.order, clock, hint)
 
 
-def queue_starts(
-    gpus: Sequence[GpuSnapshot],
-    claims: Sequence[Claim],
-    safety: float,
-    cursor: int,
-    conditions: Conditions,
-    fair: FairShare,
-    clock: Callable[[], float] | None = None,
-    hint: Sequence[str] = (),
-) -> dict[str, float | None]:
-    """Seconds until each waiter is expected to start, in the queue's order (None: unknown)."""
-    if fair.order is None:
-        return policy.estimate_starts(gpus, claims, safety, cursor, conditions, limits=fair.limits)
-    return expected_starts(gpus, claims, safety, cursor, conditions, fair.order, clock, hint)
-
-
 def _planned_note(
     claim: Claim, placed: Placement | None, hold: Hold | None, rooms: Mapping[str, GpuRoom]
 ) -> str | None:
@@ -732,9 +727,15 @@ def expected_starts(
     search: bool = True,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiter is planned to start (None: not known). Without
-    `search`, the waiters are laid out in submission order (see `lay_out`)."""
+    `search`, the waiters are laid out in the order of `hint`, or in submission order without
+    one (see `lay_out`)."""
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search, hint)
+    return _starts(claims, laid)
+
+
+def _starts(claims: Sequence[Claim], laid: Schedule) -> dict[str, float | None]:
+    """Seconds from now until each waiter starts in the plan `laid` (None: not known)."""
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
     for job_id, placed in laid.placements.items():
         starts[job_id] = None if placed.start == _NEVER else placed.start

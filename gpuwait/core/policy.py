@@ -345,6 +345,10 @@ class Plan(Record, frozen=True):
     #: The waiters' order the lookahead plan was laid out in (job ids), for the next plan to
     #: search on from; empty for the in-order policy.
     order: tuple[str, ...] = ()
+    #: Seconds from now until each waiter is planned to start (None: not known), from the
+    #: lookahead plan's layout, the one its wait lines come from; empty for the in-order
+    #: policy (whose starts `estimate_starts` replays).
+    starts: Mapping[str, float | None] = MappingProxyType({})
 
 
 def gpu_rooms(

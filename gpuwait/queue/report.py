@@ -12,9 +12,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwait.core.lookahead import queue_starts
 from gpuwait.core.overuse import Overuse
-from gpuwait.core.policy import Conditions, FairShare, gpu_rooms
+from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
@@ -69,10 +68,13 @@ def report_from(
     jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     # As a waiter plans: from the last plan's order, within the plan budget (a status of a
-    # long queue is not to take seconds).
+    # long queue is not to take seconds). The lookahead plan's starts are those its wait
+    # lines give; the in-order policy's are replayed.
     decided = plan_ledger(data, gpus, claims, safety, conditions, fair)
-    etas = queue_starts(
-        gpus, claims, safety, data.rr_cursor, conditions, fair, time.monotonic, data.plan_order
+    etas = (
+        decided.starts
+        if fair.order is not None
+        else estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
     )
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
     index = {g.uuid: g.index for g in gpus}

@@ -194,6 +194,25 @@ def test_a_short_job_past_its_end_is_planned_to_run_on_in_proportion_to_its_leng
     assert start is not None and 0.0 < start <= 0.1
 
 
+def test_a_plan_where_nobody_can_start_gives_the_starts_of_the_last_plans_order() -> None:
+    """Where nobody fits now the plan is not searched (every waiter plans at every wake-up),
+    but it is laid out in the order the last plan found, not in submission order: the wait
+    lines and `gpuwait status` (which shows the plan's starts) say when the queue is really
+    expected to start, and say the same."""
+    gpus = cards(1)
+    # 40 GiB runs 10 s more; 30 GiB for 8 s and 20 GiB for 4 s do not fit beside it or each
+    # other. The last plan put the short one first (the same end, less waiting).
+    claims = [running("r", 40, 0, 10.0), waiter("a", 30, 1, 8.0), waiter("b", 20, 2, 4.0)]
+    decided = plan(gpus, claims, SAFETY, hint=("b", "a"))
+    assert decided.admitted == {}
+    assert decided.starts == {"b": 10.0, "a": 14.0}
+    assert decided.order == ("b", "a")
+    assert decided.waiting["b"].note == "planned on GPU0 in 10.0s"
+    assert decided.waiting["a"].note == "planned on GPU0 in 14.0s"
+    # With no last order it is laid out in submission order, as before.
+    assert plan(gpus, claims, SAFETY).starts == {"a": 10.0, "b": 18.0}
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
