@@ -723,14 +723,12 @@ def expected_starts(
     conditions: Conditions = NO_CONDITIONS,
     settings: Lookahead = DEFAULT,
     clock: Callable[[], float] | None = None,
-    hint: Sequence[str] = (),
     search: bool = True,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiter is planned to start (None: not known). Without
-    `search`, the waiters are laid out in the order of `hint`, or in submission order without
-    one (see `lay_out`)."""
+    `search`, the waiters are laid out in submission order (see `lay_out`)."""
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search, hint)
+    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search)
     return _starts(claims, laid)
 
 
