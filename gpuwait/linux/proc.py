@@ -218,9 +218,57 @@ def children_map() -> dict[int, list[int]]:
     return tree
 
 
+#: Whether this kernel lists each thread's children (/proc/PID/task/TID/children: Linux 3.5
+#: on, built with CONFIG_PROC_CHILDREN as the common distributions are); None: not asked yet.
+_children_lists: bool | None = None
+
+
+def children_lists() -> bool:
+    """Whether `process_tree` can walk down from its roots (see `_children`)."""
+    global _children_lists
+    if _children_lists is None:
+        pid = os.getpid()
+        _children_lists = os.path.exists(f"/proc/{pid}/task/{pid}/children")
+    return _children_lists
+
+
+def _children(pid: int) -> list[int]:
+    """`pid`'s children: the union of its threads' children lists ([] once it is gone).
+
+    Each thread lists the children it started, so all of them are read: a command's worker
+    processes may be started by any of its threads.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    found: list[int] = []
+    for tid in threads:
+        try:
+            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # the thread has ended meanwhile
+        try:
+            chunks = []
+            while chunk := os.read(fd, 4096):
+                chunks.append(chunk)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        found.extend(int(child) for child in b"".join(chunks).split())
+    return found
+
+
 def process_tree(roots: Iterable[int]) -> set[int]:
-    """The given pids and all their living descendants."""
-    tree = children_map()
+    """The given pids and all their living descendants.
+
+    Walked down from the roots through the kernel's children lists where it keeps them: a few
+    reads per process of the tree, where reading every process's parent costs a read of each
+    process on the machine (thousands on a shared server), and a running job's tree is looked
+    at every sample.
+    """
+    below = _children if children_lists() else children_map().get
     seen: set[int] = set()
     stack = list(roots)
     while stack:
@@ -228,5 +276,5 @@ def process_tree(roots: Iterable[int]) -> set[int]:
         if pid in seen:
             continue
         seen.add(pid)
-        stack.extend(tree.get(pid, ()))
+        stack.extend(below(pid) or ())
     return seen

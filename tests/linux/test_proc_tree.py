@@ -1,0 +1,105 @@
+"""A command's process tree, as gpuwait samples its VRAM and signals it: every descendant,
+grandchildren and children of the command's other threads included, with or without the
+kernel's per-thread children lists. Real processes, always reaped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers.waiting import wait_for
+
+from gpuwait.linux import proc
+
+# A shell whose child shell has a child of its own, and a second child: four processes.
+_NESTED = "sh -c 'sleep 60 & wait' & sleep 60 & wait"
+# A Python process whose second thread starts the child (as a data loader's worker pool may).
+_THREADED = (
+    "import subprocess, threading, time\n"
+    "t = threading.Thread(target=lambda: subprocess.Popen(['sleep', '60']))\n"
+    "t.start(); t.join(); time.sleep(60)\n"
+)
+
+
+@pytest.fixture
+def spawn() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        # Each in its own group: the whole tree goes, grandchildren included.
+        with contextlib.suppress(OSError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _start(started: list[subprocess.Popen[bytes]], argv: list[str]) -> int:
+    p = subprocess.Popen(argv, start_new_session=True)
+    started.append(p)
+    return p.pid
+
+
+def _scanned(root: int) -> set[int]:
+    """The tree found by reading every process's parent (what every kernel offers)."""
+    parents = proc.children_map()
+    seen, stack = set(), [root]
+    while stack:
+        pid = stack.pop()
+        if pid not in seen:
+            seen.add(pid)
+            stack.extend(parents.get(pid, ()))
+    return seen
+
+
+def _sleeps(pids: set[int]) -> int:
+    return sum(proc.command_name(p) == "sleep" for p in pids)
+
+
+@pytest.mark.parametrize("children_files", [True, False], ids=["children-lists", "scan"])
+def test_the_tree_holds_grandchildren(
+    spawn: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, children_files: bool
+) -> None:
+    if children_files and not proc.children_lists():
+        pytest.skip("this kernel has no /proc/PID/task/TID/children")
+    monkeypatch.setattr(proc, "_children_lists", children_files)
+    root = _start(spawn, ["sh", "-c", _NESTED])
+    wait_for(lambda: _sleeps(_scanned(root)) == 2, timeout=10)
+
+    tree = proc.process_tree([root])
+
+    assert tree == _scanned(root)
+    assert len(tree) == 4 and _sleeps(tree) == 2
+
+
+@pytest.mark.parametrize("children_files", [True, False], ids=["children-lists", "scan"])
+def test_the_tree_holds_children_started_by_another_thread(
+    spawn: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, children_files: bool
+) -> None:
+    if children_files and not proc.children_lists():
+        pytest.skip("this kernel has no /proc/PID/task/TID/children")
+    monkeypatch.setattr(proc, "_children_lists", children_files)
+    root = _start(spawn, [sys.executable, "-c", _THREADED])
+    wait_for(lambda: _sleeps(_scanned(root)) == 1, timeout=10)
+
+    assert _sleeps(proc.process_tree([root])) == 1
+
+
+def test_a_process_that_is_gone_is_its_own_tree(spawn: list[subprocess.Popen[bytes]]) -> None:
+    root = _start(spawn, ["true"])
+    spawn[-1].wait()
+    time.sleep(0.01)
+    assert proc.process_tree([root]) == {root}
+
+
+def test_many_children_are_all_found(spawn: list[subprocess.Popen[bytes]]) -> None:
+    # More children than one read of the list holds (a pid and a space each).
+    count = 800
+    root = _start(spawn, ["sh", "-c", f"for i in $(seq {count}); do sleep 60 & done; wait"])
+    wait_for(lambda: _sleeps(_scanned(root)) == count, timeout=60)
+
+    assert proc.process_tree([root]) == _scanned(root)
