@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers.fixtures_sim import Run
+from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import live_job
+from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.cli import main
 from gpuwait.history import store
@@ -239,3 +244,38 @@ def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> Non
             w.wait(timeout=60)
     assert all(w.returncode == 0 for w in writers)
     assert not list(ledger.directory.glob("*.damaged-*"))
+
+
+def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One 24 GiB card; two 13 GiB jobs never fit together. The first has started but allocated
+    # nothing yet (it loads for a few seconds) when its ledger is damaged and recovered without
+    # its entry: nothing on the card shows it, so only the entry, put back by its gpuwait, keeps
+    # the second job waiting.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    gpuwait = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
+    loads = f"sleep 8; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.5s --report {reports[0]}"
+    first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
+
+    def first_entry() -> dict[str, Any] | None:
+        return next((j for j in ledger_entries() if j.get("name") == "first"), None)
+
+    wait_for(lambda: (e := first_entry()) and e.get("child_pid"), timeout=30)
+    damaged = ledger_path.with_name("ledger.json.tmp-test")
+    damaged.write_bytes(DAMAGE["truncated"])
+    os.replace(damaged, ledger_path)
+    # Recovered by the next transaction (started afresh, the damaged copy kept aside); the
+    # first job's gpuwait, which looks whenever the ledger changes, puts its entry back.
+    assert main(["status"]) == 0
+    assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
+    wait_for(first_entry, timeout=5, message="the running job's entry was never put back")
+    second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
+    second = procs([*gpuwait, "--name", "second", "--", *second_job])
+    assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
+    assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
