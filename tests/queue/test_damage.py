@@ -260,21 +260,23 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     gpuwait = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
-    loads = f"sleep 8; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.5s --report {reports[0]}"
+    loads = f"sleep 12; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.5s --report {reports[0]}"
     first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
 
     def first_entry() -> dict[str, Any] | None:
         return next((j for j in ledger_entries() if j.get("name") == "first"), None)
 
-    wait_for(lambda: (e := first_entry()) and e.get("child_pid"), timeout=30)
+    # Started, and its tree (the shell and its sleep) published: nothing new to publish until
+    # the command allocates.
+    wait_for(lambda: (e := first_entry()) and len(e.get("pids", ())) >= 2, timeout=30)
     damaged = ledger_path.with_name("ledger.json.tmp-test")
     damaged.write_bytes(DAMAGE["truncated"])
     os.replace(damaged, ledger_path)
-    # Recovered by the next transaction (started afresh, the damaged copy kept aside); the
-    # first job's gpuwait, which looks whenever the ledger changes, puts its entry back.
-    assert main(["status"]) == 0
+    # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
+    # and puts it back: its transaction recovers the file (started afresh, the damaged copy
+    # kept aside).
+    wait_for(first_entry, timeout=4, message="the running job's entry was never put back")
     assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
-    wait_for(first_entry, timeout=5, message="the running job's entry was never put back")
     second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
     second = procs([*gpuwait, "--name", "second", "--", *second_job])
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
