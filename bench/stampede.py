@@ -6,17 +6,25 @@ in the same run: a perfect launcher (as many fixed slots as the cards hold, each
 same jobs back to back with no scheduler at all: the floor on this machine, process start-up
 included) and the same stampede without gpuwait (each job started bare, which OOMs). The
 ratio to the floor is the figure to watch: what gpuwait's CPU costs (30 waiting Python
-processes start, plan and wake) on top of the jobs themselves.
+processes start, plan and wake) on top of the jobs themselves; the CPU line says how much that
+is (every process's user and system time, the floor's taken from the gpuwait run's).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import resource
 import subprocess
 import time
 
 from _common import GPUWAIT, sandbox
+
+
+def children_cpu() -> float:
+    """User + system CPU seconds of every child (and their children) reaped so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def stampede(env: dict[str, str], jobs: int, job: list[str], wrap: bool) -> tuple[int, int, float]:
@@ -73,8 +81,12 @@ def main() -> None:
     waves = math.ceil(args.jobs / (2 * per_card))
     ideal = waves * (args.ramp + args.hold)
 
+    before = children_cpu()
     floor = slots(sandbox(), args.jobs, job, 2 * per_card)
+    floor_cpu = children_cpu() - before
+    before = children_cpu()
     ooms, failed, wall = stampede(sandbox(), args.jobs, job, wrap=True)
+    cpu = children_cpu() - before
     print(f"gpuwait:  {args.jobs} jobs of 4 GiB (ramp {args.ramp}s, hold {args.hold}s) on 2x24 GiB")
     print(
         f"          OOM {ooms}, failed {failed}, wall {wall:.1f}s, ideal {ideal:.1f}s "
@@ -83,6 +95,11 @@ def main() -> None:
     print(
         f"floor:    {2 * per_card} fixed slots back to back, no scheduler: wall {floor:.1f}s; "
         f"gpuwait / floor {wall / floor:.2f} (goal <= 1.15)"
+    )
+    # The jobs' own CPU is in both figures: the difference is what gpuwait spends.
+    print(
+        f"CPU:      gpuwait run {cpu:.1f}s, floor {floor_cpu:.1f}s (user + system, every process): "
+        f"gpuwait's own {cpu - floor_cpu:.1f}s, {1000 * (cpu - floor_cpu) / args.jobs:.0f} ms a launch"
     )
     ooms, failed, wall = stampede(sandbox(), args.jobs, job, wrap=False)
     print(
