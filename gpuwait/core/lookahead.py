@@ -722,13 +722,12 @@ def expected_starts(
     cursor: int = -1,
     conditions: Conditions = NO_CONDITIONS,
     settings: Lookahead = DEFAULT,
-    clock: Callable[[], float] | None = None,
     search: bool = True,
 ) -> dict[str, float | None]:
     """Seconds from now until each waiter is planned to start (None: not known). Without
     `search`, the waiters are laid out in submission order (see `lay_out`)."""
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    _, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search)
+    _, laid = lay_out(rooms, claims, cursor, conditions, settings, search=search)
     return _starts(claims, laid)
 
 
