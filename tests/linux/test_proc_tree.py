@@ -59,13 +59,16 @@ def _sleeps(pids: set[int]) -> int:
     return sum(proc.command_name(p) == "sleep" for p in pids)
 
 
-@pytest.mark.parametrize("children_files", [True, False], ids=["children-lists", "scan"])
-def test_the_tree_holds_grandchildren(
-    spawn: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, children_files: bool
-) -> None:
-    if children_files and not proc.children_lists():
+@pytest.fixture(params=[True, False], ids=["children-lists", "scan"])
+def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test once through the kernel's children lists and once through the full scan."""
+    if request.param and not proc.children_lists():
         pytest.skip("this kernel has no /proc/PID/task/TID/children")
-    monkeypatch.setattr(proc, "_children_lists", children_files)
+    monkeypatch.setattr(proc, "_children_lists", request.param)
+
+
+@pytest.mark.usefixtures("walk")
+def test_the_tree_holds_grandchildren(spawn: list[subprocess.Popen[bytes]]) -> None:
     root = _start(spawn, ["sh", "-c", _NESTED])
     wait_for(lambda: _sleeps(_scanned(root)) == 2, timeout=10)
 
@@ -75,13 +78,10 @@ def test_the_tree_holds_grandchildren(
     assert len(tree) == 4 and _sleeps(tree) == 2
 
 
-@pytest.mark.parametrize("children_files", [True, False], ids=["children-lists", "scan"])
+@pytest.mark.usefixtures("walk")
 def test_the_tree_holds_children_started_by_another_thread(
-    spawn: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, children_files: bool
+    spawn: list[subprocess.Popen[bytes]],
 ) -> None:
-    if children_files and not proc.children_lists():
-        pytest.skip("this kernel has no /proc/PID/task/TID/children")
-    monkeypatch.setattr(proc, "_children_lists", children_files)
     root = _start(spawn, [sys.executable, "-c", _THREADED])
     wait_for(lambda: _sleeps(_scanned(root)) == 1, timeout=10)
 
