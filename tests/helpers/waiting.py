@@ -112,6 +112,11 @@ def ledger_entry(pid: int) -> dict[str, Any] | None:
     return next((j for j in ledger_entries() if j.get("pid") == pid), None)
 
 
+def named_entry(name: str) -> dict[str, Any] | None:
+    """The entry of the job started with `--name name`, or None."""
+    return next((j for j in ledger_entries() if j.get("name") == name), None)
+
+
 def asleep_waiting(pid: int) -> bool:
     """The gpuwait process `pid` has planned at least once and sleeps in its waiting loop.
 

@@ -15,12 +15,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import live_job
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import named_entry, wait_for
 
 from gpuwait.cli import main
 from gpuwait.history import store
@@ -263,19 +262,20 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     loads = f"sleep 12; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.5s --report {reports[0]}"
     first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
 
-    def first_entry() -> dict[str, Any] | None:
-        return next((j for j in ledger_entries() if j.get("name") == "first"), None)
-
     # Started, and its tree (the shell and its sleep) published: nothing new to publish until
     # the command allocates.
-    wait_for(lambda: (e := first_entry()) and len(e.get("pids", ())) >= 2, timeout=30)
+    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
     damaged = ledger_path.with_name("ledger.json.tmp-test")
     damaged.write_bytes(DAMAGE["truncated"])
     os.replace(damaged, ledger_path)
     # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
     # and puts it back: its transaction recovers the file (started afresh, the damaged copy
     # kept aside).
-    wait_for(first_entry, timeout=4, message="the running job's entry was never put back")
+    wait_for(
+        lambda: named_entry("first"),
+        timeout=4,
+        message="the running job's entry was never put back",
+    )
     assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
     second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
     second = procs([*gpuwait, "--name", "second", "--", *second_job])

@@ -15,18 +15,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.fixtures_nvml import GIB, UNKNOWN, FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
-from helpers.waiting import asleep_waiting, ledger_entries, wait_for
+from helpers.waiting import asleep_waiting, named_entry, wait_for
 
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
-
-
-def entry(name: str) -> dict[str, Any] | None:
-    return next((j for j in ledger_entries() if j.get("name") == name), None)
 
 
 def job(name: str, vram: str, hold: str, report: Path) -> list[str]:
@@ -51,7 +46,7 @@ def one_runs_one_waits(
         sim = sim_file(gpus=1, memory="24G")
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
         first = procs(job("first", "16G", hold, tmp_path / "first.json"))
-        wait_for(lambda: (e := entry("first")) and e.get("child_pid"), timeout=20)
+        wait_for(lambda: (e := named_entry("first")) and e.get("child_pid"), timeout=20)
         second = procs(job("second", "16G", "0.2s", tmp_path / "second.json"))
         wait_for(lambda: asleep_waiting(second.pid), timeout=20)
         return sim, first, second
@@ -92,7 +87,7 @@ def test_a_lasting_failure_ends_a_waiter_after_gpu_error_timeout(
     assert second.returncode == 4, err
     assert 1.5 < time.monotonic() - started < 15
     assert "gpu_error_timeout" in err and "Traceback" not in err
-    assert entry("second") is None
+    assert named_entry("second") is None
 
 
 def test_at_start_up_a_failure_that_may_pass_is_retried_not_run_around(

@@ -15,11 +15,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import named_entry, wait_for
 
 from gpuwait.linux import proc as linux_proc
 from gpuwait.queue import events as event_log
@@ -29,10 +28,6 @@ GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
 def state_dir() -> Path:
     return Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-
-
-def entry(name: str) -> dict[str, Any] | None:
-    return next((j for j in ledger_entries() if j.get("name") == name), None)
 
 
 def kill_orphan(pid: int, start: int) -> None:
@@ -58,7 +53,7 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
             *("--vram", "13G", "--ramp", "3s", "--hold", "2s", "--report", str(first_report)),
         ]
     )
-    running = wait_for(lambda: (e := entry("first")) and e.get("child_pid") and e, timeout=20)
+    running = wait_for(lambda: (e := named_entry("first")) and e.get("child_pid") and e, timeout=20)
     child = int(running["child_pid"])
     child_start = linux_proc.start_time(child)
     assert child_start is not None
@@ -74,14 +69,14 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
                 *("--vram", "13G", "--hold", "0.5s", "--report", str(second_report)),
             ]
         )
-        wait_for(lambda: entry("second") is not None, timeout=20)
+        wait_for(lambda: named_entry("second") is not None, timeout=20)
         # While the orphaned command runs, its entry holds the room and the next job waits.
         time.sleep(1.5)
         assert linux_proc.is_alive(child, child_start), "the command must outlive its gpuwait"
-        orphan = entry("first")
+        orphan = named_entry("first")
         assert orphan is not None and orphan["state"] == "running"
         assert orphan.get("orphaned_at") is not None
-        second_entry = entry("second")
+        second_entry = named_entry("second")
         assert second_entry is not None and second_entry["state"] == "waiting"
         status = subprocess.run(
             [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
@@ -94,7 +89,7 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
         kill_orphan(child, child_start)
     assert json.loads(first_report.read_text())["oom"] is False
     assert json.loads(second_report.read_text())["oom"] is False
-    assert entry("first") is None
+    assert named_entry("first") is None
     kinds = [e["kind"] for e in event_log.read_events(state_dir()) if e.get("job") == running["id"]]
     assert kinds.index("orphaned") < kinds.index("reap")
 
@@ -108,7 +103,7 @@ def test_an_orphan_is_cancelled_by_signalling_its_command(
     first = procs(
         [*GPUWAIT, "--vram", "4G", "--name", "long", "--", *SIMJOB, "--vram", "4G", "--hold", "60s"]
     )
-    running = wait_for(lambda: (e := entry("long")) and e.get("child_pid") and e, timeout=20)
+    running = wait_for(lambda: (e := named_entry("long")) and e.get("child_pid") and e, timeout=20)
     child = int(running["child_pid"])
     child_start = linux_proc.start_time(child)
     assert child_start is not None
@@ -123,7 +118,7 @@ def test_an_orphan_is_cancelled_by_signalling_its_command(
         wait_for(
             lambda: (
                 subprocess.run([*GPUWAIT, "status"], capture_output=True, timeout=30)
-                and entry("long") is None
+                and named_entry("long") is None
             ),
             timeout=20,
         )
@@ -179,5 +174,5 @@ def test_an_entry_posing_as_an_orphan_of_any_process_is_neither_kept_nor_obeyed(
         env={**os.environ, "GPUWAIT_SIM": str(sim)},
     )
     assert done.returncode == 0, done.stderr
-    assert entry("forged") is None
+    assert named_entry("forged") is None
     assert bystander.poll() is None
