@@ -7,11 +7,14 @@ imported only when first used, so that `import gpuwait` costs nothing beyond thi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 __version__ = "0.1.0"
 
+# Not `from typing import TYPE_CHECKING`: typing (and the collections, re and enum it loads) is
+# some 5 ms, and every launch reads this file before its start-up turnstile (gpuwait.cli).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from gpuwait.api.reserve import Reservation, ReserveError, reserve
     from gpuwait.core.errors import GpuwaitError
 

@@ -1,21 +1,28 @@
-"""Command line entry point: `main(argv) -> int`, which tests call directly."""
+"""Command line entry point: `main(argv) -> int`, which tests call directly.
+
+The console script (`entry_point`) first takes its turn at the start-up turnstile when it
+launches a command (gpuwait.linux.turnstile), so this file imports nothing heavy before that:
+the rest of gpuwait is loaded once the turn has come.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import importlib
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
 
-from gpuwait.commands import SUBCOMMANDS, module_name, output, warn_unknown_variables
-from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError
+from gpuwait.commands import SUBCOMMANDS
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import NoReturn
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run gpuwait with `argv` (without the program name) and return the exit status."""
+    from gpuwait.commands import output, warn_unknown_variables
+    from gpuwait.core.errors import EXIT_BROKEN_PIPE, GpuwaitError
+
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         warn_unknown_variables(os.environ)
@@ -36,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
+    import importlib
+
+    from gpuwait.commands import module_name
+
     # Imported on demand: a plain `gpuwait CMD` launch pays for none of the subcommands.
     module = importlib.import_module(module_name(name))
     # A command that reads its arguments by hand has `parse`; the others, a parser.
@@ -43,6 +54,30 @@ def _subcommand(name: str, argv: list[str]) -> int:
     options = parse(argv) if parse is not None else module.build_parser().parse_args(argv)
     code: int = module.run(options)
     return code
+
+
+def launches(args: Sequence[str]) -> bool:
+    """Whether these arguments start a command: `gpuwait [OPTIONS] CMD`, or the shell hook's
+    `gpuwait shell-hook -- CMD`. The other subcommands never queue, and one of them may be the
+    command a launch starts (`gpuwait sim job`): it must not wait for a turn behind launches."""
+    return bool(args) and (args[0] not in SUBCOMMANDS or args[0] == "shell-hook")
+
+
+def _take_turn(args: Sequence[str]) -> None:
+    """A launch's turn at the start-up turnstile, in the user state dir (per user and machine,
+    whatever state_dir says: the settings are not loaded yet, and loading them is the work the
+    turnstile spaces out)."""
+    if not launches(args):
+        return
+    import contextlib
+    from pathlib import Path
+
+    from gpuwait.core.errors import GpuwaitError
+    from gpuwait.linux import dirs, turnstile
+
+    # No home directory: the settings say so, and what to do, in a moment.
+    with contextlib.suppress(GpuwaitError):
+        turnstile.enter(Path(dirs.user_state_dir()))
 
 
 #: Allocations (less deallocations) between two collections of the youngest generation; the
@@ -67,6 +102,13 @@ def entry_point() -> NoReturn:
     waiter or a supervisor frees nearly all it allocates by reference counting, so collections
     stay rare and the cyclic garbage between two of them small.
     """
+    import contextlib
+    import gc
+
+    try:
+        _take_turn(sys.argv[1:])
+    except KeyboardInterrupt:
+        os._exit(130)  # Ctrl-C while waiting for the turn: as main() ends on one
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
     code = main()
@@ -74,4 +116,6 @@ def entry_point() -> NoReturn:
         # The reader may have gone away (`| head`) or closed the stream: nothing to add then.
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    from gpuwait.core.errors import EXIT_USAGE
+
     os._exit(code if 0 <= code <= 255 else EXIT_USAGE)

@@ -13,7 +13,8 @@ import re
 import shlex
 from collections.abc import Iterable, Sequence
 
-from gpuwait.commands import SUBCOMMANDS, Parser, module_name
+from gpuwait.commands import SUBCOMMANDS, module_name
+from gpuwait.commands.parsing import Parser
 from gpuwait.core.policy import PICK_STRATEGIES
 from gpuwait.core.record import Record
 

@@ -7,7 +7,7 @@ import json
 import re
 import sys
 
-from gpuwait.commands import Parser, terminal_columns
+from gpuwait.commands.parsing import Parser, terminal_columns
 from gpuwait.config import OPTIONS, load_settings
 
 

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwait.commands import Parser, output
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser
 from gpuwait.config import load_settings
 from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes

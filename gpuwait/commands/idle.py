@@ -11,7 +11,8 @@ import json
 import sys
 import textwrap
 
-from gpuwait.commands import Parser, output
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser
 from gpuwait.commands.status import build_report, render_idle
 from gpuwait.config import load_settings
 from gpuwait.core.errors import EXIT_NO_GPU

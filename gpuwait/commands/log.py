@@ -8,8 +8,8 @@ import sys
 import time
 from typing import Any
 
-from gpuwait.commands import MAX_LINES, Parser, whole_number
 from gpuwait.commands.common import ledger_for
+from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError

@@ -12,14 +12,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gpuwait import __version__
-from gpuwait.commands import (
-    SUBCOMMANDS,
-    Parser,
-    RawHelpFormatter,
-    terminal_columns,
-    whole_number,
-)
+from gpuwait.commands import SUBCOMMANDS
 from gpuwait.commands.output import Console
+from gpuwait.commands.parsing import Parser, RawHelpFormatter, terminal_columns, whole_number
 from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings, load_settings
 from gpuwait.core.errors import EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules

@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import os
 
-from gpuwait.commands import Parser
+from gpuwait.commands.parsing import Parser
 from gpuwait.config import load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.wrap import Decision, decide

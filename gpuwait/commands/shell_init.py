@@ -14,7 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 import gpuwait
-from gpuwait.commands import Parser, completion
+from gpuwait.commands import completion
+from gpuwait.commands.parsing import Parser
 from gpuwait.config import load_settings
 
 SHELLS = ("bash", "zsh", "fish")

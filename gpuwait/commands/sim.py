@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from gpuwait.commands import Parser, output, whole_number
+from gpuwait.commands import output
+from gpuwait.commands.parsing import Parser, whole_number
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import MAX_GPUS, format_size, parse_size
 

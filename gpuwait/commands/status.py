@@ -15,8 +15,9 @@ import textwrap
 import time
 from typing import Any
 
-from gpuwait.commands import Parser, output
+from gpuwait.commands import output
 from gpuwait.commands.common import ledger_for
+from gpuwait.commands.parsing import Parser
 from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule

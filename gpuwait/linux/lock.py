@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,7 +50,19 @@ TICK = 0.1
 
 
 def flock_within(fd: int, operation: int, timeout: float | None, patience: float = 0.0) -> None:
-    """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes).
+    """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes), as
+    `lock_within` waits."""
+
+    def take(block: bool) -> None:
+        fcntl.flock(fd, operation if block else operation | fcntl.LOCK_NB)
+
+    lock_within(take, timeout, patience)
+
+
+def lock_within(take: Callable[[bool], None], timeout: float | None, patience: float = 0.0) -> None:
+    """Take a lock by calling `take(block)`, waiting at most `timeout` seconds (None: as long as
+    it takes). `take(False)` must raise BlockingIOError when the lock is held; `take(True)`
+    waits for it.
 
     A lock that another process holds forever (hung, stopped, or hostile) must not hang every
     gpuwait behind it, nor keep TERM or Ctrl-C from ending one: the signals gpuwait handles are
@@ -61,14 +73,14 @@ def flock_within(fd: int, operation: int, timeout: float | None, patience: float
     other than the main one, which cannot take signals, poll instead.
     """
     try:
-        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+        take(False)
         return
     except BlockingIOError:
         pass
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        _poll_flock(fd, operation, timeout)
+        _poll(take, timeout)
         return
     import signal
     import time
@@ -89,26 +101,26 @@ def flock_within(fd: int, operation: int, timeout: float | None, patience: float
             try:
                 signal.setitimer(signal.ITIMER_REAL, step)
                 try:
-                    fcntl.flock(fd, operation)
+                    take(True)
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
                 return
             except _Tick:
                 # Also when the timer fired just after the lock was granted: asking again for
-                # a lock this descriptor holds returns at once.
+                # a lock this process holds returns at once.
                 continue
     finally:
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
-def _poll_flock(fd: int, operation: int, timeout: float | None) -> None:
+def _poll(take: Callable[[bool], None], timeout: float | None) -> None:
     import time
 
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.001
     while True:
         try:
-            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            take(False)
             return
         except BlockingIOError:
             remaining = TICK if deadline is None else deadline - time.monotonic()

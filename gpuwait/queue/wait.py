@@ -38,7 +38,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
-from gpuwait.linux import signals
+from gpuwait.linux import signals, turnstile
 from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
@@ -426,6 +426,8 @@ def wait_for_admission(
                     return admitted(late) if late is not None else (job, TimedOut(reason))
                 sleep = min(sleep, remaining)
             also = (watch.wake_signal,) if watch is not None and watching else ()
+            # Waiting, this launch has had its turn: the next one in the turnstile loads now.
+            turnstile.leave()
             info = signals.next_signal(sleep, also=also)
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError
+from gpuwait.linux import turnstile
 from gpuwait.queue.entries import Job
 
 
@@ -112,6 +113,8 @@ def spawn(
     `file_actions`: posix_spawn dup2 actions, e.g. the stderr relay pipe of
     gpuwait.runner.stderrwatch.
     """
+    # The launch is over once its command starts: the next one in the turnstile loads now.
+    turnstile.leave()
     return os.posix_spawnp(
         argv[0],
         list(argv),

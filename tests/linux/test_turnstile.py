@@ -1,0 +1,180 @@
+"""The start-up turnstile (gpuwait.linux.turnstile), on real launches.
+
+A burst of launches loads a few at a time: each waits, asleep, for a turn, and gives it back
+as soon as its command starts or it waits in the queue. A turn held too long (a stopped or hung
+launch; here this test holds every slot) costs a launch WAIT_LIMIT at most. Subcommands never
+wait for a turn: one of them may be the very command a launch starts.
+
+Whether a process waits for a turn is read from /proc/locks, where the kernel lists every
+process blocked on a record lock ("->"), so no assertion here rests on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_sim import wrapped_sim_job
+from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
+
+from gpuwait.cli import launches
+from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT
+
+pytestmark = pytest.mark.usefixtures("sim")
+
+Procs = Callable[..., "subprocess.Popen[Any]"]
+
+
+def turnstile_file() -> Path:
+    directory = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory / FILE_NAME
+
+
+@contextmanager
+def every_slot_held(path: Path | None = None) -> Iterator[None]:
+    """This test process holds the whole file (every slot), as a stuck launch would hold one."""
+    path = path or turnstile_file()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+def nobody_holds_a_slot() -> bool:
+    fd = os.open(turnstile_file(), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def waiters(path: Path) -> set[int]:
+    """Pids blocked on a record lock of `path`, as /proc/locks lists them."""
+    st = os.stat(path)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    found = set()
+    with open("/proc/locks") as locks:
+        for line in locks:
+            # "3: -> POSIX  ADVISORY  WRITE 1234 fd:01:5678 0 0": a process waiting for a lock.
+            fields = line.split()
+            if len(fields) > 6 and fields[1] == "->" and fields[6] == device:
+                found.add(int(fields[5]))
+    return found
+
+
+def run_watching(argv: list[str], path: Path) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Run `argv` to its end; also whether it ever waited for a lock of `path` meanwhile."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waited = False
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            waited = waited or proc.pid in waiters(path)
+            time.sleep(0.005)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err), waited
+
+
+def test_what_takes_a_turn() -> None:
+    assert launches(["python", "train.py"])
+    assert launches(["--vram", "6G", "--", "python", "train.py"])
+    assert launches(["shell-hook", "--", "python", "train.py"])  # it usually launches
+    # The other subcommands never queue; `sim job` is what launches start in tests and demos.
+    assert not launches(["sim", "job", "--vram", "1G"])
+    assert not launches(["status", "--watch"])
+    assert not launches([])
+
+
+def test_a_launch_waits_for_its_turn_and_a_stuck_turn_costs_it_the_limit_at_most(
+    gpuwait_cmd: list[str],
+) -> None:
+    path = turnstile_file()
+    with every_slot_held(path):
+        started = time.monotonic()
+        done, waited = run_watching([*gpuwait_cmd, "--vram", "1G", "--", "true"], path)
+        took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert waited, "the launch did not wait for a turn while every slot was held"
+    assert took >= WAIT_LIMIT  # it went on only once its wait for a turn ran out
+    assert done.stderr == ""  # a slow turn is not worth a word
+
+
+def test_subcommands_never_wait_for_a_turn(gpuwait_cmd: list[str]) -> None:
+    path = turnstile_file()
+    with every_slot_held(path):
+        for args in (["sim", "job", "--vram", "1G", "--hold", "0.5s"], ["status"]):
+            done, waited = run_watching([*gpuwait_cmd, *args], path)
+            assert done.returncode == 0, done.stderr
+            assert not waited, args
+
+
+def test_a_running_command_holds_no_turn(gpuwait_cmd: list[str], procs: Procs) -> None:
+    # stderr is a pipe, so gpuwait forks its stderr relay too: neither may keep a slot.
+    job = procs([*gpuwait_cmd, "--vram", "1G", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(job.pid), timeout=60)
+    assert nobody_holds_a_slot()
+
+
+def test_a_waiting_launch_holds_no_turn(
+    gpuwait_cmd: list[str], procs: Procs, sim_file: Callable[..., Path]
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=60)
+    waiter = procs(wrapped_sim_job(gpuwait_cmd, ["--vram", "10G"], "--vram", "10G"))
+    wait_for(lambda: asleep_waiting(waiter.pid), timeout=60)
+    assert nobody_holds_a_slot()
+
+
+def test_ctrl_c_while_waiting_for_a_turn_ends_the_launch_quietly(
+    gpuwait_cmd: list[str], procs: Procs
+) -> None:
+    path = turnstile_file()
+    with every_slot_held(path):
+        # In a session of its own (as procs starts it), like a foreground job's Ctrl-C.
+        launch = procs([*gpuwait_cmd, "--vram", "1G", "--", "true"])
+        wait_for(lambda: launch.pid in waiters(path), timeout=30)
+        launch.send_signal(signal.SIGINT)
+        _, err = launch.communicate(timeout=30)
+    assert launch.returncode == 130
+    assert err == ""
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_a_turnstile_file_that_is_not_a_plain_file_of_ours_is_passed_by(
+    gpuwait_cmd: list[str], tmp_path: Path, kind: str
+) -> None:
+    path = turnstile_file()
+    elsewhere = tmp_path / "elsewhere.lock"
+    elsewhere.touch()
+    if kind == "symlink":
+        path.symlink_to(elsewhere)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with every_slot_held(elsewhere):
+        done, waited = run_watching([*gpuwait_cmd, "--vram", "1G", "--", "true"], elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert not waited  # the link was not followed
+    assert done.stderr == ""
