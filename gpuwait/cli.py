@@ -64,20 +64,19 @@ def launches(args: Sequence[str]) -> bool:
 
 
 def _take_turn(args: Sequence[str]) -> None:
-    """A launch's turn at the start-up turnstile, in the user state dir (per user and machine,
-    whatever state_dir says: the settings are not loaded yet, and loading them is the work the
-    turnstile spaces out)."""
+    """A launch's turn at the start-up turnstile, in the user's runtime dir or else the user
+    state dir, whatever state_dir says: the settings are not loaded yet, and loading them is
+    the work the turnstile spaces out."""
     if not launches(args):
         return
     import contextlib
-    from pathlib import Path
 
     from gpuwait.core.errors import GpuwaitError
     from gpuwait.linux import dirs, turnstile
 
     # No home directory: the settings say so, and what to do, in a moment.
     with contextlib.suppress(GpuwaitError):
-        turnstile.enter(Path(dirs.user_state_dir()))
+        turnstile.enter(turnstile.directories(os.environ, dirs.user_state_dir()))
 
 
 #: Allocations (less deallocations) between two collections of the youngest generation; the

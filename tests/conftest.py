@@ -31,6 +31,7 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "config"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
     monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(home / "runtime"))
     monkeypatch.setenv("XDG_CONFIG_DIRS", str(home / "site-config"))
     for name in list(os.environ):
         # The budgets' framework settings too: a test sees what gpuwait exports, not the host's.

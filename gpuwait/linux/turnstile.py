@@ -13,12 +13,13 @@ A launch leaves the turnstile as soon as it knows what comes next: its command s
 that waits longer than WAIT_LIMIT for its turn goes on without it: a stopped or hung launch
 costs the others that long at most, never a hang.
 
-One file per user, `start.lock` in the user state dir, one byte per slot, each taken with a
-POSIX record lock: such a lock belongs to the process, so a process gpuwait forks (the stderr
+One file per user, `start.lock` in $XDG_RUNTIME_DIR/gpuwait (the user's own local directory for
+the time they are logged in), else in the user state dir (cron, services, a `su` that kept
+another user's runtime dir); one byte of it per slot, each taken with a POSIX record lock: such a lock belongs to the process, so a process gpuwait forks (the stderr
 relay) never holds a slot, a command it starts never does either (the descriptor is closed on
 exec), and the kernel frees it when gpuwait dies, even by SIGKILL. The turnstile is about
-speed, never about safety: whatever keeps it from working (no state dir and none can be made,
-a lock file that is not this user's own plain file) and the launch goes on without it, saying
+speed, never about safety: where neither place can hold it (no such directory and none can be
+made, a lock file that is not this user's own plain file) the launch goes on without it, saying
 nothing; the ledger says what is wrong with the state dir, if anything is.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpuwait.linux.lock import LockTimeout, lock_within
@@ -50,8 +52,22 @@ def slots() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def enter(directory: Path, limit: float = WAIT_LIMIT) -> bool:
-    """Take a slot of the turnstile in `directory`, waiting at most `limit` seconds for one.
+def directories(environ: Mapping[str, str], state_dir: str) -> list[Path]:
+    """Where the turnstile may be, in order: the runtime dir's `gpuwait`, then `state_dir`.
+
+    The runtime dir first: it is local to this machine, where a home directory (and the state
+    dir in it) may be shared over the network with others, whose launches do not share this
+    machine's CPUs. A relative $XDG_RUNTIME_DIR is ignored, as the XDG rules say, and so is one
+    that does not exist (the session's manager makes it; gpuwait makes only its own directory).
+    """
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    found = [Path(runtime) / "gpuwait"] if os.path.isabs(runtime) and os.path.isdir(runtime) else []
+    return [*found, Path(state_dir)]
+
+
+def enter(places: Sequence[Path], limit: float = WAIT_LIMIT) -> bool:
+    """Take a slot of the turnstile in the first of `places` that can hold it, waiting at most
+    `limit` seconds for one.
 
     Returns whether this process holds a slot now (False: it goes on without one). Ctrl-C while
     waiting raises KeyboardInterrupt, as it would anywhere in a start-up.
@@ -59,10 +75,8 @@ def enter(directory: Path, limit: float = WAIT_LIMIT) -> bool:
     global _held
     if _held is not None:
         return True
-    try:
-        ensure_private_dir(directory)
-        fd = open_state_file(directory / FILE_NAME, 0o600)
-    except (OSError, UnsafePath):
+    fd = _open(places)
+    if fd is None:
         return False
     count = slots()
     # Spread over the slots by pid, so that the waiters of a burst queue on all of them.
@@ -92,6 +106,16 @@ def leave() -> None:
     if fd is not None:
         # Closing any descriptor of the file drops this process's record locks on it.
         os.close(fd)
+
+
+def _open(places: Sequence[Path]) -> int | None:
+    for directory in places:
+        try:
+            ensure_private_dir(directory)
+            return open_state_file(directory / FILE_NAME, 0o600)
+        except (OSError, UnsafePath):
+            continue
+    return None
 
 
 def _take(fd: int, slot: int, block: bool) -> None:

@@ -289,7 +289,8 @@ def test_a_job_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
 ) -> None:
     ran = tmp_path / "ran"
     job = procs([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", f"touch {ran}; exec sleep 60"])
-    wait_for(lambda: ran.exists() and any(e["state"] == "running" for e in ledger_entries()))
+    # Its start recorded (child_pid), not only under way: the lock held next would hold that up.
+    wait_for(lambda: ran.exists() and any(e.get("child_pid") for e in ledger_entries()))
     hold(procs, state_dir() / "ledger.lock", 0.3)
     # Slurm and systemd signal every process: the command and gpuwait both get TERM, and
     # another TERM may come while gpuwait records the end.

@@ -26,15 +26,17 @@ from helpers.fixtures_sim import wrapped_sim_job
 from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
 
 from gpuwait.cli import launches
-from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT
+from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT, directories
 
 pytestmark = pytest.mark.usefixtures("sim")
 
 Procs = Callable[..., "subprocess.Popen[Any]"]
 
 
-def turnstile_file() -> Path:
-    directory = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+def turnstile_file(base: str = "XDG_RUNTIME_DIR") -> Path:
+    """The turnstile's file: in the runtime dir, which each test has (conftest), or in the
+    state dir (`base="XDG_STATE_HOME"`), where it is without one."""
+    directory = Path(os.environ[base]) / "gpuwait"
     directory.mkdir(mode=0o700, exist_ok=True)
     return directory / FILE_NAME
 
@@ -115,6 +117,36 @@ def test_a_launch_waits_for_its_turn_and_a_stuck_turn_costs_it_the_limit_at_most
     assert waited, "the launch did not wait for a turn while every slot was held"
     assert took >= WAIT_LIMIT  # it went on only once its wait for a turn ran out
     assert done.stderr == ""  # a slow turn is not worth a word
+
+
+def test_the_turnstile_is_in_the_runtime_dir_else_in_the_state_dir(tmp_path: Path) -> None:
+    state = "/home/u/.local/state/gpuwait"
+    runtime = tmp_path / "run-user-1000"
+    runtime.mkdir()
+    assert directories({"XDG_RUNTIME_DIR": str(runtime)}, state) == [
+        runtime / "gpuwait",
+        Path(state),
+    ]
+    # Unset, relative (ignored, as the XDG rules say) or missing: the state dir alone.
+    assert directories({}, state) == [Path(state)]
+    assert directories({"XDG_RUNTIME_DIR": "run/user/1000"}, state) == [Path(state)]
+    assert directories({"XDG_RUNTIME_DIR": str(tmp_path / "gone")}, state) == [Path(state)]
+
+
+@pytest.mark.parametrize("runtime", ["unset", "a file"])
+def test_without_a_usable_runtime_dir_the_turns_are_in_the_state_dir(
+    gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    if runtime == "unset":
+        monkeypatch.delenv("XDG_RUNTIME_DIR")
+    else:
+        (tmp_path / "not-a-dir").touch()
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "not-a-dir"))
+    path = turnstile_file("XDG_STATE_HOME")
+    with every_slot_held(path):
+        done, waited = run_watching([*gpuwait_cmd, "--vram", "1G", "--", "true"], path)
+    assert done.returncode == 0, done.stderr
+    assert waited
 
 
 def test_subcommands_never_wait_for_a_turn(gpuwait_cmd: list[str]) -> None:
