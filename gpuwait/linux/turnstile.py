@@ -9,7 +9,8 @@ load at once as this process has CPUs to run on (its affinity), the others sleep
 ones join the queue and start their commands while the rest wait their turn.
 
 A launch leaves the turnstile as soon as it knows what comes next: its command starts
-(`gpuwait.runner.launch`), or it waits in the queue (`gpuwait.queue.wait`), or it ends. One
+(`gpuwait.runner.launch`), it waits in the queue (`gpuwait.queue.wait`) or for failing GPU
+readings to pass (`gpuwait.runner.session`), or it ends. One
 that waits longer than WAIT_LIMIT for its turn goes on without it: a stopped or hung launch
 costs the others that long at most, never a hang.
 

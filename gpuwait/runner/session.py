@@ -55,7 +55,7 @@ from gpuwait.history.learn import (
     learn,
     save_record,
 )
-from gpuwait.linux import proc, signals
+from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of
@@ -217,6 +217,8 @@ def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) ->
                     f"{exc.message}; retrying (for up to "
                     f"{format_duration(config.wait.gpu_error_timeout)}: gpu_error_timeout)"
                 )
+            # Waiting for the GPUs, not loading: the next launch in the turnstile goes ahead.
+            turnstile.leave()
             time.sleep(pause)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import wrapped_sim_job
-from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
+from helpers.waiting import asleep_supervising, asleep_waiting, sleeping_in, wait_for
 
 from gpuwait.cli import launches
 from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT, directories
@@ -176,6 +176,20 @@ def test_a_waiting_launch_holds_no_turn(
     waiter = procs(wrapped_sim_job(gpuwait_cmd, ["--vram", "10G"], "--vram", "10G"))
     wait_for(lambda: asleep_waiting(waiter.pid), timeout=60)
     assert nobody_holds_a_slot()
+
+
+def test_a_launch_retrying_failing_gpu_readings_holds_no_turn(
+    gpuwait_cmd: list[str], procs: Procs, sim_file: Callable[..., Path], tmp_path: Path
+) -> None:
+    sim = sim_file(gpus=1, memory="24GiB")
+    sim.write_text("[[gpu]\n")  # damaged, as when caught half-saved: a failure that may pass
+    ran = tmp_path / "ran"
+    launch = procs([*gpuwait_cmd, "--vram", "1G", "--", "touch", str(ran)])
+    # Asleep between two tries (a launch sleeps in nanosleep only there; it waits in the queue
+    # in sigtimedwait).
+    wait_for(lambda: sleeping_in(launch.pid, "nanosleep"), timeout=30)
+    assert nobody_holds_a_slot()
+    assert not ran.exists()
 
 
 def test_ctrl_c_while_waiting_for_a_turn_ends_the_launch_quietly(
