@@ -41,27 +41,35 @@ def turnstile_file(base: str = "XDG_RUNTIME_DIR") -> Path:
     return directory / FILE_NAME
 
 
-@contextmanager
-def every_slot_held(path: Path | None = None) -> Iterator[None]:
-    """This test process holds the whole file (every slot), as a stuck launch would hold one."""
-    path = path or turnstile_file()
+def _lock_whole(path: Path) -> int | None:
+    """A descriptor of `path` with the whole file (every slot) locked by this process, or None
+    when another process holds some of it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def every_slot_held(path: Path | None = None) -> Iterator[None]:
+    """This test process holds the whole file (every slot), as a stuck launch would hold one."""
+    fd = _lock_whole(path or turnstile_file())
+    assert fd is not None, "a slot was held before the test held them all"
+    try:
         yield
     finally:
         os.close(fd)
 
 
 def nobody_holds_a_slot() -> bool:
-    fd = os.open(turnstile_file(), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
+    fd = _lock_whole(turnstile_file())
+    if fd is None:
         return False
-    finally:
-        os.close(fd)
+    os.close(fd)
+    return True
 
 
 def waiters(path: Path) -> set[int]:
