@@ -35,7 +35,7 @@ from gpuwait.core.sizes import (
     parse_size,
     parse_whole,
 )
-from gpuwait.linux import dirs
+from gpuwait.linux import dirs, netfs
 from gpuwait.linux.security import UnsafePath, mine, open_readable, read_capped
 
 EXCLUSIVE = "exclusive"
@@ -762,8 +762,9 @@ class Settings(Record):
 
     @property
     def ledger_path(self) -> Path:
-        """Where the ledger lives: `ledger_dir` when set (maybe shared), else the state dir."""
-        return self.ledger_dir or self.state_path
+        """Where the ledger lives: `ledger_dir` when set (maybe shared), else the state dir, or
+        this machine's directory under it where several machines share it (linux/netfs)."""
+        return self.ledger_dir or netfs.ledger_home(self.state_path)
 
     def fair_share(self) -> FairShare:
         """The fairness policy these settings ask for (an administrator's, from the site file)."""

@@ -9,6 +9,7 @@ import sys
 
 from gpuwait.commands.parsing import Parser, terminal_columns
 from gpuwait.config import OPTIONS, load_settings
+from gpuwait.linux import netfs
 
 
 def build_parser() -> Parser:
@@ -40,11 +41,15 @@ def run(args: argparse.Namespace) -> int:
     for line in settings_table(rows, columns):
         print(line)
     print()
+    ledger = str(settings.ledger_path)
+    if settings.ledger_dir is None and settings.ledger_path != settings.state_path:
+        shared = netfs.network_type(settings.state_path)
+        ledger += f" (this machine's own: the state dir is on {shared}, shared by machines)"
     for label, path in (
         ("config file:", settings.config_file),
         ("site config:", settings.site_file),
         ("state dir:  ", settings.state_path),
-        ("ledger dir: ", settings.ledger_path),
+        ("ledger dir: ", ledger),
     ):
         # A path is never cut (it is there to be copied): one too long goes on a line of its own.
         line = f"{label} {path}"

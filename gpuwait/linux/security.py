@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -79,12 +80,20 @@ def is_shared_dir(st: os.stat_result) -> bool:
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create `path` (and parents) so that the last component is 0700; check an existing one."""
+    """Create `path` (and parents) so that the last component is 0700; check an existing one.
+
+    The parents it creates are 0700 too: under a state dir, `machines` holds every machine's
+    ledger directory (gpuwait.linux.netfs)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, 0o700)
+        missing = [path]
+        while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
+            missing.append(missing[-1].parent)
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                directory.mkdir()
+                os.chmod(directory, 0o700)
         st = os.lstat(path)
     check_dir(path, st, private=True)
 
