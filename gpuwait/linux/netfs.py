@@ -82,16 +82,6 @@ def filesystem_type(path: str, mountinfo: str) -> str | None:
     return found
 
 
-def _existing(path: Path) -> str:
-    """`path` with links resolved, as far as it exists (a state dir may not exist yet)."""
-    missing: list[str] = []
-    here = path
-    while not os.path.exists(here) and here.parent != here:
-        missing.append(here.name)
-        here = here.parent
-    return os.path.join(os.path.realpath(here), *reversed(missing))
-
-
 def network_type(path: Path) -> str | None:
     """The type of the network file system that holds `path`, several machines sharing it;
     None when it is local or that cannot be told."""
@@ -104,7 +94,8 @@ def network_type(path: Path) -> str | None:
             text = b""
         kind = None
         if len(text) <= _MAX_BYTES:
-            kind = filesystem_type(_existing(path), text.decode("utf-8", "surrogateescape"))
+            # realpath resolves the links as far as the path exists (a state dir may not yet).
+            kind = filesystem_type(os.path.realpath(path), text.decode("utf-8", "surrogateescape"))
         _known[key] = kind if kind in NETWORK_TYPES else None
     return _known[key]
 

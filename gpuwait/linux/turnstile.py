@@ -54,22 +54,22 @@ def slots() -> int:
 
 
 def directories(environ: Mapping[str, str], state_dir: str) -> list[Path]:
-    """Where the turnstile may be, in order: the runtime dir's `gpuwait`, then `state_dir`
-    (where that is shared by several machines, this machine's directory under it).
+    """Where the turnstile may be, in order: the runtime dir's `gpuwait`, then this machine's
+    ledger directory (`state_dir`, or where that is shared by several machines, this machine's
+    directory under it: linux/netfs).
 
-    The runtime dir first: it is local to this machine, where a home directory (and the state
-    dir in it) may be shared over the network with others, whose launches do not share this
-    machine's CPUs. A relative $XDG_RUNTIME_DIR is ignored, as the XDG rules say, and so is one
-    that does not exist (the session's manager makes it; gpuwait makes only its own directory).
+    Both are local to this machine, where a home directory (and the state dir in it) may be
+    shared over the network with others, whose launches do not share this machine's CPUs. A
+    relative $XDG_RUNTIME_DIR is ignored, as the XDG rules say, and so is one that does not
+    exist (the session's manager makes it; gpuwait makes only its own directory).
     """
-    runtime = environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(runtime) and os.path.isdir(runtime):
-        return [Path(runtime) / "gpuwait", Path(state_dir)]
-    # No runtime dir (cron, a service): this machine's ledger directory, which is its own
-    # even where the state dir is shared (read only here: it costs reading the mount table).
+    # Imported here: only launches read the mount table, once (the settings' ledger_path reads
+    # the answer kept from here).
     from gpuwait.linux import netfs
 
-    return [netfs.ledger_home(Path(state_dir))]
+    runtime = environ.get("XDG_RUNTIME_DIR", "")
+    found = [Path(runtime) / "gpuwait"] if os.path.isabs(runtime) and os.path.isdir(runtime) else []
+    return [*found, netfs.ledger_home(Path(state_dir))]
 
 
 def enter(places: Sequence[Path], limit: float = WAIT_LIMIT) -> bool:

@@ -43,9 +43,13 @@ def _fresh_answers() -> None:
     netfs._known.clear()
 
 
-def table_at(tmp_path: Path, text: str) -> Path:
+def nfs_table(tmp_path: Path, shared: Path, kind: str = "nfs4") -> Path:
+    """A mount table, written in `tmp_path`, in which `shared` is a `kind` network mount on a
+    local root."""
     path = tmp_path / "mountinfo"
-    path.write_text(text)
+    path.write_text(
+        f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:50 / {shared} rw - {kind} fs:/h rw\n"
+    )
     return path
 
 
@@ -73,8 +77,7 @@ def test_the_ledger_goes_to_a_directory_per_machine_only_on_a_network_file_syste
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared, local = tmp_path / "nfs" / "state", tmp_path / "disk" / "state"
-    table = f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:50 / {tmp_path}/nfs rw - nfs fs:/x rw\n"
-    monkeypatch.setattr(netfs, "MOUNTINFO", str(table_at(tmp_path, table)))
+    monkeypatch.setattr(netfs, "MOUNTINFO", str(nfs_table(tmp_path, tmp_path / "nfs", "nfs")))
     monkeypatch.setattr(os, "uname", lambda: SimpleNamespace(nodename="gpu07.lab"))
     assert netfs.ledger_home(shared) == shared / "machines" / "gpu07.lab"
     assert netfs.ledger_home(local) == local
@@ -104,8 +107,7 @@ def test_settings_and_turnstile_use_the_machines_directory_on_a_shared_home(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    table = f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:50 / {isolated_dirs} rw - nfs4 fs:/h rw\n"
-    monkeypatch.setattr(netfs, "MOUNTINFO", str(table_at(tmp_path, table)))
+    monkeypatch.setattr(netfs, "MOUNTINFO", str(nfs_table(tmp_path, isolated_dirs)))
     monkeypatch.setattr(os, "uname", lambda: SimpleNamespace(nodename="gpu-a"))
     state = isolated_dirs / "state" / "gpuwait"
     settings = load_settings({})
@@ -183,10 +185,7 @@ def test_a_machine_sharing_the_home_never_takes_away_another_machines_reservatio
     `gpuwait status` meanwhile. A must not take B's entry (whose process it cannot see) for a
     dead one's: until B's gpuwait put it back, B's next job would start on the memory the
     first is still growing into. So it waits, and B's log shows no job lost."""
-    table = table_at(
-        tmp_path,
-        f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:50 / {isolated_dirs} rw - nfs4 fs:/h rw\n",
-    )
+    table = nfs_table(tmp_path, isolated_dirs)
     for machine in ("a", "b"):
         (tmp_path / f"sim-{machine}.toml").write_text(sim_file_text(1, "24GiB"))
     gpuwait = [sys.executable, "-c", WRAPPER, str(table)]
@@ -233,14 +232,13 @@ def test_a_machine_sharing_the_home_never_takes_away_another_machines_reservatio
 def test_the_machines_directories_are_private(
     tmp_path: Path, isolated_dirs: Path, sim: Path
 ) -> None:
-    table = f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 0:50 / {isolated_dirs} rw - nfs4 fs:/h rw\n"
     shutil.rmtree(isolated_dirs / "state")
     launch = subprocess.run(
         [
             sys.executable,
             "-c",
             WRAPPER,
-            str(table_at(tmp_path, table)),
+            str(nfs_table(tmp_path, isolated_dirs)),
             "--vram",
             "1G",
             "--",
