@@ -64,9 +64,10 @@ def launches(args: Sequence[str]) -> bool:
 
 
 def _take_turn(args: Sequence[str]) -> None:
-    """A launch's turn at the start-up turnstile, in the user's runtime dir or else the user
-    state dir, whatever state_dir says: the settings are not loaded yet, and loading them is
-    the work the turnstile spaces out."""
+    """A launch's turn at the start-up turnstile, in the user's runtime dir or else this
+    machine's directory for the user state dir (`turnstile.directories`), whatever state_dir
+    says: the settings are not loaded yet, and loading them is the work the turnstile spaces
+    out."""
     if not launches(args):
         return
     import contextlib

@@ -10,15 +10,17 @@ ones join the queue and start their commands while the rest wait their turn.
 
 A launch leaves the turnstile as soon as it knows what comes next: its command starts
 (`gpuwait.runner.launch`), it waits in the queue (`gpuwait.queue.wait`) or for failing GPU
-readings to pass (`gpuwait.runner.session`), or it ends. One
-that waits longer than WAIT_LIMIT for its turn goes on without it: a stopped or hung launch
-costs the others that long at most, never a hang.
+readings to pass (`gpuwait.runner.session`), or it ends. One that waits longer than WAIT_LIMIT
+for its turn goes on without it: a stopped or hung launch costs the others that long at most,
+never a hang.
 
 One file per user, `start.lock` in $XDG_RUNTIME_DIR/gpuwait (the user's own local directory for
-the time they are logged in), else in the user state dir (cron, services, a `su` that kept
-another user's runtime dir); one byte of it per slot, each taken with a POSIX record lock: such a lock belongs to the process, so a process gpuwait forks (the stderr
-relay) never holds a slot, a command it starts never does either (the descriptor is closed on
-exec), and the kernel frees it when gpuwait dies, even by SIGKILL. The turnstile is about
+the time they are logged in), else in this machine's ledger directory, the user state dir or,
+where several machines share that, this machine's directory under it (cron, services, a `su`
+that kept another user's runtime dir); one byte of it per slot, each taken with a POSIX record
+lock: such a lock belongs to the process, so a process gpuwait forks (the stderr relay) never
+holds a slot, a command it starts never does either (the descriptor is closed on exec), and
+the kernel frees it when gpuwait dies, even by SIGKILL. The turnstile is about
 speed, never about safety: where neither place can hold it (no such directory and none can be
 made, a lock file that is not this user's own plain file) the launch goes on without it, saying
 nothing; the ledger says what is wrong with the state dir, if anything is.
