@@ -110,7 +110,15 @@ def lock_within(take: Callable[[bool], None], timeout: float | None, patience: f
                 # a lock this process holds returns at once.
                 continue
     finally:
-        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        while True:
+            try:
+                signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+                break
+            except _Tick:
+                # The timer fired as the wait ended (the lock granted, say) and Python ran the
+                # handler only here, where signal.signal looks for pending signals before it
+                # replaces the handler: nothing is left to interrupt, so put it back again.
+                continue
 
 
 def _poll(take: Callable[[bool], None], timeout: float | None) -> None:
