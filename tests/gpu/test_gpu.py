@@ -209,3 +209,65 @@ def test_real_mps_limit_holds_a_job_the_pytorch_cap_does_not_reach(
     assert neighbour.returncode == 0
     assert over.returncode != 0
     assert "out of memory" in over.stderr.lower(), over.stderr
+
+
+#: Grows to `share` GiB in four steps (as a model loads), holds it, then prints its GPU.
+RAMP = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    share, parts = float(sys.argv[1]), []
+    for _ in range(4):
+        parts.append(torch.ones(int(share * 2**30) // 16, device="cuda"))
+        torch.cuda.synchronize()
+        time.sleep(0.5)
+    time.sleep(1.0)
+    print(os.environ["CUDA_VISIBLE_DEVICES"])
+    """
+)
+
+
+def test_real_stampede_of_ramping_jobs_runs_every_one_without_oom(
+    real_gpu: int, gpuwait_cmd: list[str]
+) -> None:
+    """Eight jobs that each grow to a fifth of the card, launched at once: together they need
+    1.6 cards, so started as they come (the free-memory pollers' way, each seeing the card empty
+    before the others have allocated) some die of out-of-memory. Under gpuwait every one
+    finishes, and the memory reserved at once never passes the usable share (90 %)."""
+    if not _has_torch_cuda():
+        pytest.skip("PyTorch with CUDA is not installed")
+    from gpuwait.gpu.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        total = backend.snapshot().gpus[0].total_bytes
+    finally:
+        backend.close()
+    share = 0.2 * total / 2**30
+    # The context (a few hundred MiB) on top of the tensors.
+    request = f"{share + 1:.1f}G"
+    ramp = [sys.executable, "-c", RAMP, f"{share:.2f}"]
+    procs = [
+        subprocess.Popen(
+            [*gpuwait_cmd, "--devices", "0", "--vram", request, "--", *ramp],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        results.append((p.returncode, out, err))
+    assert [code for code, _, _ in results] == [0] * 8, results
+    assert not any("out of memory" in err.lower() for _, _, err in results), results
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(records) == 8 and not any(r["oom"] for r in records)
+    spans = [
+        (r["started_at"], r["started_at"] + r["run_seconds"], r["reserved_bytes"]) for r in records
+    ]
+    for start, _, _ in spans:
+        at_once = sum(size for s, e, size in spans if s <= start < e)
+        assert at_once <= 0.9 * total, (at_once, total)
+    assert max(sum(1 for s, e, _ in spans if s <= start < e) for start, _, _ in spans) < 8
