@@ -248,6 +248,27 @@ def _clip(text: str, width: int) -> str:
     return printable(text, max(1, width))
 
 
+def _extern(gpu: dict[str, Any]) -> int | None:
+    """Memory used outside gpuwait by processes: the driver's own memory is no process's."""
+    if gpu["external_bytes"] is None:
+        return None
+    return max(0, int(gpu["external_bytes"]) - int(gpu.get("driver_bytes") or 0))
+
+
+def _driver_note(gpus: list[dict[str, Any]]) -> str | None:
+    """What the driver keeps for itself, where it says: nvidia-smi leaves it out of "used",
+    so the dashboard says why its "used" is higher on an idle card."""
+    kept = [g["driver_bytes"] for g in gpus if g.get("driver_bytes")]
+    if not kept:
+        return None
+    low, high = min(kept), max(kept)
+    each = "the GPU" if len(gpus) == 1 else "each GPU"
+    amount = _size(low) if _size(low) == _size(high) else f"{_size(low)} to {_size(high)}"
+    if len(kept) < len(gpus):
+        each = "some GPUs"
+    return f"the NVIDIA driver keeps {amount} of {each}: part of used, not of extern"
+
+
 def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     """The dashboard as text, no line longer than `width` (at least 80)."""
     now = report["generated_at"]
@@ -267,7 +288,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         out.append(
             _clip(
                 f" {g['index']:>3} {_clip(g['name'], 16):<16} {_size(g['total_bytes']):>6} "
-                f"{_size(g['used_bytes']):>6} {_size(g['external_bytes']):>6} "
+                f"{_size(g['used_bytes']):>6} {_size(_extern(g)):>6} "
                 f"{_size(g['reserved_bytes']):>6} {_size(g['free_bytes']):>6} {util:>4}  {health}",
                 width,
             )
@@ -287,6 +308,9 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             detail = f" ({g['health_detail']})" if g["health_detail"] else ""
             jobs = ", ".join(g["running_jobs"]) or "none"
             out.append(_clip(f"     not answering{detail}; jobs still on it: {jobs}", width))
+    driver = _driver_note(report["gpus"])
+    if driver:
+        out.append(_clip("     " + driver, width))
     running = [j for j in report["jobs"] if j["state"] == RUNNING]
     waiting = [j for j in report["jobs"] if j["state"] != RUNNING]
     out.append("")

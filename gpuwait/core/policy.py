@@ -398,8 +398,10 @@ def util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
 
 
 def idle_enough(room: GpuRoom) -> bool:
-    """Nothing outside gpuwait (the ignore list aside) uses the GPU to speak of."""
-    return room.external - room.ignored_bytes <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
+    """No process outside gpuwait (the ignore list aside) uses the GPU to speak of. The
+    driver's own memory is no process's: on a small card it alone can pass the share."""
+    outside = room.external - room.ignored_bytes - room.gpu.driver_bytes
+    return outside <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
 
 
 def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:

@@ -36,6 +36,10 @@ class GpuSnapshot(Record, frozen=True):
     #: False where the driver's process ids are not this pid namespace's (a container without
     #: --pid=host): `processes` is then empty, and memory is known per card only.
     per_process: bool = True
+    #: Memory the driver keeps for itself (NVML v2's "reserved"), part of `used_bytes`: no
+    #: process holds it, and it is not free either. 0 where the driver does not say (NVML v1,
+    #: simulation).
+    driver_bytes: int = 0
 
     @property
     def free_bytes(self) -> int:

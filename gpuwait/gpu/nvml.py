@@ -306,13 +306,14 @@ class NvmlBackend:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         name = self._name(handle)
         problems: list[str] = []
-        total, used = self._memory(handle, problems)
+        total, used, driver = self._memory(handle, problems)
         gpu = GpuSnapshot(
             index=index,
             uuid=uuid,
             name=name,
             total_bytes=total,
             used_bytes=used,
+            driver_bytes=driver,
             processes=self._processes(handle, total, problems),
             utilization_pct=self._utilization(handle),
             compute_capability=self._compute_capability(handle),
@@ -332,12 +333,13 @@ class NvmlBackend:
             # The name is only shown; a GPU that cannot tell it can still run work.
             return "NVIDIA GPU"
 
-    def _memory(self, handle: Any, problems: list[str]) -> tuple[int, int]:
-        """(total, used) in bytes, where used = total - free.
+    def _memory(self, handle: Any, problems: list[str]) -> tuple[int, int, int]:
+        """(total, used, the driver's own) in bytes, where used = total - free.
 
         NVML v2 splits the driver's own reservation out of "used"; that memory is still not
         available to a new process, so it is counted as used and free_bytes stays what the
-        driver calls free (which is what v1 reports as used, too).
+        driver calls free (which is what v1 reports as used, too). It is also told apart, as
+        no process holds it: v1 cannot tell it (0).
         """
         version = getattr(pynvml, "nvmlMemory_v2", None)
         if self._memory_v2 is not False and version is not None:
@@ -356,20 +358,22 @@ class NvmlBackend:
         return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
 
     @staticmethod
-    def _total_used(info: Any, problems: list[str]) -> tuple[int, int]:
+    def _total_used(info: Any, problems: list[str]) -> tuple[int, int, int]:
         total = int(info.total)
         if total <= 0:
             raise ValueError(f"NVML reported a total of {total} bytes")
         free = int(info.free)
         # v2 splits the driver's reservation out of "used"; v1 has no `reserved`.
-        reported_used = int(info.used) + int(getattr(info, "reserved", 0) or 0)
+        driver = int(getattr(info, "reserved", 0) or 0)
+        reported_used = int(info.used) + driver
         if free > total or reported_used > total:
             problems.append(
                 f"NVML reported {format_size(reported_used)} used and {format_size(free)} free "
                 f"of {format_size(total)}; counted as full"
             )
-            return total, total
-        return total, max(total - max(free, 0), reported_used)
+            return total, total, 0
+        used = max(total - max(free, 0), reported_used)
+        return total, used, min(max(driver, 0), used)
 
     def _processes(self, handle: Any, total: int, problems: list[str]) -> tuple[ProcessUsage, ...]:
         try:

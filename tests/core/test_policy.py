@@ -121,6 +121,16 @@ def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     assert "s" not in plan([cards[1]], [*after, waiting("s", 1, order=2)], 0.9).admitted
 
 
+def test_a_whole_gpu_is_idle_with_only_the_drivers_own_memory_used() -> None:
+    # A 4 GiB card on a recent driver: 300 MiB the driver keeps for itself is 7 % of it, more
+    # than the 5 % of outside use a whole GPU allows; no process holds it, so the card is idle.
+    card = gpu(0, 4)._replace(used_bytes=300 * 2**20, driver_bytes=300 * 2**20)
+    assert plan([card], [Claim("w", False, 3, 1, None)], 0.9).admitted == {"w": ("GPU-00000000",)}
+    # The same memory held by a process outside gpuwait keeps the card from a whole-GPU job.
+    busy = gpu(0, 4)._replace(used_bytes=300 * 2**20)
+    assert plan([busy], [Claim("w", False, 3, 1, None)], 0.9).admitted == {}
+
+
 # --- properties ---------------------------------------------------------------------------
 
 gib_amounts = st.floats(min_value=0.1, max_value=30, allow_nan=False)

@@ -127,3 +127,41 @@ def test_launcher_over_an_unseen_nvml_library(fake_nvml: FakeNvml, gpuwait_cmd: 
         [*gpuwait_cmd, "--vram", "22G", "true"], env=env, capture_output=True, text=True, timeout=60
     )
     assert too_big.returncode == 3 and "can never fit" in too_big.stderr
+
+
+def test_status_tells_the_drivers_own_memory_from_other_processes(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    """An idle card on a recent driver: NVML v2 reports a few hundred MiB the driver keeps for
+    itself (nvidia-smi leaves it out of "used"). It is not free, but no process outside gpuwait
+    uses it: `extern` shows 0, and a line says where the used memory is."""
+    fake_nvml.set_gpus(
+        [FakeGpu(total=80 * GIB, used=0, reserved=615 * 2**20), FakeGpu(total=80 * GIB, used=0)]
+    )
+    fake_nvml.update_gpu(1, used=3 * GIB, reserved=615 * 2**20)
+    fake_nvml.add_process(1, 999_999, 3 * GIB)
+    env = fake_nvml.env(dict(os.environ))
+    shown = subprocess.run(
+        [*gpuwait_cmd, "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    rows = {
+        line.split()[0]: line.split()
+        for line in shown.stdout.splitlines()
+        if line.split() and line.split()[0].isdigit()
+    }
+    # GPU, name (two words), total, used, extern
+    assert rows["0"][3:6] == ["80.0G", "615M", "0B"], shown.stdout
+    assert rows["1"][3:6] == ["80.0G", "3.6G", "3.0G"], shown.stdout
+    assert "the NVIDIA driver keeps 615M of each GPU: part of used, not of extern" in shown.stdout
+    report = json.loads(
+        subprocess.run(
+            [*gpuwait_cmd, "status", "--json"], env=env, capture_output=True, text=True, timeout=60
+        ).stdout
+    )
+    assert [g["driver_bytes"] for g in report["gpus"]] == [615 * 2**20] * 2
+    # What the room is made of is unchanged: the driver's memory is not free.
+    assert [g["free_bytes"] for g in report["gpus"]] == [
+        int(0.9 * 80 * GIB) - 615 * 2**20,
+        int(0.9 * 80 * GIB) - 615 * 2**20 - 3 * GIB,
+    ]

@@ -175,6 +175,8 @@ def test_memory_v2_unavailable_falls_back_to_v1(
         (80 * GIB, 10 * GIB),
         (80 * GIB, 2 * GIB + GIB // 2),
     ]
+    # v1 counts the driver's memory in "used" and cannot tell it apart.
+    assert [g.driver_bytes for g in snap.gpus] == [0, 0]
     # Decided once: later snapshots go straight to v1 instead of failing on v2 every poll.
     two_gpus.clear_calls()
     backend.snapshot()
@@ -196,6 +198,8 @@ def test_driver_reserved_memory_is_not_offered_as_free(
     fake_nvml.set_gpus([FakeGpu(total=80 * GIB, used=GIB, reserved=600 * MIB)])
     (gpu,) = backend.snapshot().gpus
     assert gpu.free_bytes == 80 * GIB - GIB - 600 * MIB
+    # Told apart from processes' memory: it is the driver's own.
+    assert (gpu.used_bytes, gpu.driver_bytes) == (GIB + 600 * MIB, 600 * MIB)
 
 
 # -- faults -----------------------------------------------------------------------------------

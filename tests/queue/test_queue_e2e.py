@@ -571,6 +571,7 @@ GPU_KEYS = {
     "health_detail": OPT_STR,
     "used_bytes": OPT_INT,
     "external_bytes": OPT_INT,
+    "driver_bytes": OPT_INT,
     "ignored_bytes": OPT_INT,
     "reserved_bytes": OPT_INT,
     "free_bytes": OPT_INT,
