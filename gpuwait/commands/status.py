@@ -261,11 +261,9 @@ def _driver_note(gpus: list[dict[str, Any]]) -> str | None:
     kept = [g["driver_bytes"] for g in gpus if g.get("driver_bytes")]
     if not kept:
         return None
-    low, high = min(kept), max(kept)
-    each = "the GPU" if len(gpus) == 1 else "each GPU"
-    amount = _size(low) if _size(low) == _size(high) else f"{_size(low)} to {_size(high)}"
-    if len(kept) < len(gpus):
-        each = "some GPUs"
+    low, high = _size(min(kept)), _size(max(kept))
+    amount = low if low == high else f"{low} to {high}"
+    each = "some GPUs" if len(kept) < len(gpus) else "the GPU" if len(gpus) == 1 else "each GPU"
     return f"the NVIDIA driver keeps {amount} of {each}: part of used, not of extern"
 
 

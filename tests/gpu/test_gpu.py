@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuwait.core.snapshot import GpuSnapshot
+
 pytestmark = pytest.mark.gpu
 
 
@@ -32,6 +34,17 @@ def _has_torch_cuda() -> bool:
         subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120).returncode
         == 0
     )
+
+
+def _first_gpu() -> GpuSnapshot:
+    """GPU 0 as gpuwait reads it through the real NVML."""
+    from gpuwait.gpu.nvml import NvmlBackend
+
+    backend = NvmlBackend()
+    try:
+        return backend.snapshot().gpus[0]
+    finally:
+        backend.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +107,7 @@ def test_real_jobs_that_do_not_fit_together_are_serialised(
 ) -> None:
     if not _has_torch_cuda():
         pytest.skip("PyTorch with CUDA is not installed")
-    from gpuwait.gpu.nvml import NvmlBackend
-
-    backend = NvmlBackend()
-    try:
-        gpu = backend.snapshot().gpus[0]
-    finally:
-        backend.close()
-    share = 0.55 * gpu.total_bytes / 2**30
+    share = 0.55 * _first_gpu().total_bytes / 2**30
     procs = [
         subprocess.Popen(
             [
@@ -235,13 +241,7 @@ def test_real_stampede_of_ramping_jobs_runs_every_one_without_oom(
     finishes, and the memory reserved at once never passes the usable share (90 %)."""
     if not _has_torch_cuda():
         pytest.skip("PyTorch with CUDA is not installed")
-    from gpuwait.gpu.nvml import NvmlBackend
-
-    backend = NvmlBackend()
-    try:
-        total = backend.snapshot().gpus[0].total_bytes
-    finally:
-        backend.close()
+    total = _first_gpu().total_bytes
     share = 0.2 * total / 2**30
     # The context (a few hundred MiB) on top of the tensors.
     request = f"{share + 1:.1f}G"
