@@ -32,6 +32,8 @@ jobs take their true run time:
 - offline: every job known in advance (still no start before its arrival), exact run times, list
   scheduling in an order improved by a seeded local search (CP-SAT too, where `ortools` is
   installed).
+After each table, where gpuwait lookahead's makespan goes: the memory it left unused, split by
+what the queue held meanwhile (`Idle`).
 
 `--real`: the same trace run by real processes on simulated GPUs (`--real-seeds`, default the one
 `--seed`): every job `gpuwait --vram ... --priority P -- <simulated job>` started at its arrival,
@@ -637,17 +639,60 @@ def cpsat_starts(
 # ---- gpuwait's own policies, replayed without processes -------------------------------------
 
 
+@dataclass
+class Idle:
+    """Memory the replay left unused (GiB x seconds, over every card's usable memory), split by
+    what the queue held meanwhile. With the memory the jobs used it adds up to the cards' usable
+    memory over the makespan: where a schedule's makespan goes."""
+
+    #: A waiting job's memory (per GPU) would have fitted there.
+    fitted: float = 0.0
+    #: Jobs waited, none of them small enough for what was free there.
+    none_fitted: float = 0.0
+    #: Nothing waited, more jobs were still to arrive.
+    none_waiting: float = 0.0
+    #: Nothing waited or was still to arrive: the last jobs were running.
+    drained: float = 0.0
+
+    def add(
+        self,
+        running: Sequence[tuple[int, tuple[str, ...]]],
+        waiting: Sequence[TraceJob],
+        more_to_come: bool,
+        seconds: float,
+    ) -> None:
+        """`seconds` of the cards holding `running` (GiB reserved, the GPUs), `waiting` waiting."""
+        for index in range(GPUS):
+            uuid = f"GPU-{index}"
+            free = CARD_GIB * SAFETY - sum(gib for gib, uuids in running if uuid in uuids)
+            idle = free * seconds
+            if any(job.vram_gib <= free for job in waiting):
+                self.fitted += idle
+            elif waiting:
+                self.none_fitted += idle
+            elif more_to_come:
+                self.none_waiting += idle
+            else:
+                self.drained += idle
+
+    @property
+    def total(self) -> float:
+        return self.fitted + self.none_fitted + self.none_waiting + self.drained
+
+
 def replay_starts(
     trace: Sequence[TraceJob],
     expected: dict[str, float] | None = None,
     lookahead: bool = False,
+    idle: Idle | None = None,
 ) -> dict[str, float]:
     """When each job starts under gpuwait's plan, replayed on the trace whenever a job arrives or
     ends (or a waiter's wait budget runs out): `gpuwait.core.policy.plan` (fifo), or with
     `lookahead` `gpuwait.core.lookahead.plan`, each waiter's wait budget set by
     `lookahead.with_wait_budgets` where that exists; each plan searches on from the order of
     the one before, as the ledger keeps it. `expected`: the run times the plan is told (a running
-    job's: what is left of it, never below 0); None: none (no history)."""
+    job's: what is left of it, never below 0); None: none (no history). `idle`: gathers the
+    memory left unused from time 0 to the last end."""
     from gpuwait.core import lookahead as ahead
     from gpuwait.core import policy
     from gpuwait.core.policy import Claim
@@ -729,6 +774,13 @@ def replay_starts(
                     events.append(at)
         if not events:
             break  # nothing will change: what waits never fits (not on this trace)
+        if idle is not None:
+            idle.add(
+                [(by_name[c.job_id].vram_gib, c.gpu_uuids) for c in claims if c.running],
+                [by_name[c.job_id] for c in claims if not c.running],
+                bool(pending),
+                min(events) - now,
+            )
         now = min(events)
     return starts
 
@@ -751,6 +803,7 @@ class Row:
     p1: float
     longest: float
     oom: int | None = None
+    idle: Idle | None = None
 
 
 def row_of(
@@ -799,9 +852,10 @@ def seed_rows(
     def urgent_largest(j: TraceJob) -> tuple[float, ...]:
         return (j.priority != 5, *largest(j))
 
+    idle = Idle()
     runs = {
         "gpuwait fifo (replay)": replay_starts(trace, expected),
-        "gpuwait lookahead (replay)": replay_starts(trace, expected, lookahead=True),
+        "gpuwait lookahead (replay)": replay_starts(trace, expected, lookahead=True, idle=idle),
         "in-order greedy": list_starts(trace, by_priority, expected),
         "EASY backfill": list_starts(trace, by_priority, expected, easy=True),
         "largest first": list_starts(trace, largest, expected),
@@ -812,7 +866,9 @@ def seed_rows(
         found_cp = cpsat_starts(trace, cpsat, runs["offline (list + local search)"])
         if found_cp is not None:
             runs["offline (CP-SAT)"] = found_cp
-    return {name: row_of(trace, starts, a, b) for name, starts in runs.items()}, found
+    rows = {name: row_of(trace, starts, a, b) for name, starts in runs.items()}
+    rows["gpuwait lookahead (replay)"].idle = idle
+    return rows, found
 
 
 def _seed_job(
@@ -851,6 +907,25 @@ def table_line(name: str, rows: Sequence[Row]) -> str:
         f" {max(to_b):5.3f}  {statistics.mean(r.p5 for r in rows):5.1f}s"
         f" {statistics.mean(r.p1 for r in rows):5.1f}s {statistics.mean(r.longest for r in rows):7.1f}s"
         f"  {oom:>4}"
+    )
+
+
+def idle_line(rows: Sequence[Row]) -> str:
+    """Where the makespan goes: the memory left unused, in seconds of every card's usable
+    memory (mean over seeds), by what the queue held meanwhile."""
+    usable = GPUS * CARD_GIB * SAFETY
+    idles = [r.idle for r in rows if r.idle is not None]
+
+    def mean(part: Callable[[Idle], float]) -> float:
+        return statistics.mean(part(i) / usable for i in idles)
+
+    return (
+        f"memory left unused, gpuwait lookahead (replay), in seconds of all {GPUS} cards:"
+        f" {mean(lambda i: i.total):.1f} of the makespan's {statistics.mean(r.span for r in rows):.1f}\n"
+        f"  while a waiting job would have fitted there {mean(lambda i: i.fitted):.1f},"
+        f" jobs waited and none fitted {mean(lambda i: i.none_fitted):.1f},"
+        f" none waited {mean(lambda i: i.none_waiting):.1f},"
+        f" none was left to start {mean(lambda i: i.drained):.1f}"
     )
 
 
@@ -1160,6 +1235,7 @@ def replays(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
         greedy = [r["in-order greedy"] for _, r, _, _ in each]
         print("goals, gpuwait lookahead (replay):")
         print("\n".join(goals(look, greedy)))
+        print(idle_line(look))
     print(
         f"(replays: {time.monotonic() - t0:.1f}s wall; per seed"
         f" {statistics.mean(t for *_, t in first):.1f}s in {args.jobs} processes)",

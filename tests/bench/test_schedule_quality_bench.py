@@ -60,6 +60,32 @@ def test_work_arriving_later_cannot_start_earlier(monkeypatch: pytest.MonkeyPatc
     assert sq.bound_b(trace).value == pytest.approx(20.0, rel=1e-6)
 
 
+def test_the_unused_memory_is_split_by_what_the_queue_held() -> None:
+    """Five 40 GiB jobs of 10 s on four cards: four run at once and leave 3.2 GiB each that
+    the fifth does not fit in; then it runs alone and the rest is left with nothing to start."""
+    trace = [job(f"j{n}", 40, 10.0) for n in range(5)]
+    idle = sq.Idle()
+    starts = sq.replay_starts(trace, {j.name: j.duration for j in trace}, idle=idle)
+    assert sq.makespan(trace, starts) == pytest.approx(20.0)
+    usable = sq.CARD_GIB * sq.SAFETY
+    assert idle.none_fitted == pytest.approx(4 * (usable - 40) * 10)
+    assert idle.drained == pytest.approx((3 * usable + usable - 40) * 10)
+    assert idle.fitted == 0 and idle.none_waiting == 0
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_unused_memory_and_the_jobs_fill_the_cards_until_the_makespan(
+    lookahead: bool,
+) -> None:
+    trace = sq.make_trace(3, 0.6, 10.0)
+    idle = sq.Idle()
+    starts = sq.replay_starts(trace, sq.estimates(trace, 3), lookahead=lookahead, idle=idle)
+    used = sum(j.vram_gib * j.gpus * j.duration for j in trace)
+    usable = sq.GPUS * sq.CARD_GIB * sq.SAFETY
+    assert idle.total + used == pytest.approx(usable * sq.makespan(trace, starts), rel=1e-9)
+    assert min(idle.fitted, idle.none_fitted, idle.none_waiting, idle.drained) > 0
+
+
 def test_the_knapsack_takes_the_best_set_that_fits() -> None:
     value, chosen = sq.knapsack([20, 23, 30, 5], [1.0, 1.0, 1.5, 0.3], 43)
     assert value == pytest.approx(2.0)
@@ -106,3 +132,4 @@ def test_the_bench_prints_a_row_per_policy(
     assert "bound (b) / bound (a)" in out
     assert "goals, gpuwait lookahead (replay):" in out
     assert "max wait <= 1.1 x the in-order greedy's" in out
+    assert "memory left unused, gpuwait lookahead (replay), in seconds of all 4 cards" in out
