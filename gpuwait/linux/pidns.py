@@ -27,6 +27,20 @@ def in_initial_namespace() -> bool | None:
         return None
 
 
+_CURRENT: list[int | None] = []
+
+
+def current() -> int | None:
+    """This process's pid namespace, as the inode of /proc/self/ns/pid (None where /proc cannot
+    tell). A process never changes its own: read once."""
+    if not _CURRENT:
+        try:
+            _CURRENT.append(os.stat("/proc/self/ns/pid").st_ino)
+        except OSError:
+            _CURRENT.append(None)
+    return _CURRENT[0]
+
+
 def _has_nvidia_device(pid: int) -> bool | None:
     """Does process `pid` have an NVIDIA device open? None where it is not ours to look at."""
     try:

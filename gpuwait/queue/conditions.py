@@ -21,7 +21,7 @@ from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import user_usage
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
@@ -191,10 +191,14 @@ def claim_of(
     A running job's expected time is what is left of it at `now` (never below zero). `tree`:
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
     """
-    pids = set(job.pids)
-    pids.update(tree)
-    if job.child_pid is not None:
-        pids.add(job.child_pid)
+    pids: set[int] = set()
+    # An entry of another pid namespace names its processes by pids that are not NVML's (nor
+    # this namespace's): its memory counts as used by others, besides its reservation.
+    if not elsewhere(job):
+        pids.update(job.pids)
+        pids.update(tree)
+        if job.child_pid is not None:
+            pids.add(job.child_pid)
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
     expected = job.expected_seconds
     expected_by_gpu = job.expected_by_gpu
@@ -274,6 +278,8 @@ def unpublished_pids(jobs: Iterable[Job], gpus: Sequence[GpuSnapshot]) -> dict[s
     roots: dict[int, Job] = {}
     named: set[int] = set()
     for job in jobs:
+        if elsewhere(job):
+            continue
         named.update(job.pids)
         if job.state == RUNNING and job.child_pid is not None:
             roots[job.child_pid] = job

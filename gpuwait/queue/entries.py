@@ -21,6 +21,7 @@ from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECOND
 from gpuwait.core.policy import Requirements
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import MemoryRequest
+from gpuwait.linux import pidns as pid_namespaces
 from gpuwait.queue.bookkeeping import (
     FINISHED_KEPT,
     GPU_LOST,
@@ -136,6 +137,11 @@ class Job(Record):
     #: The lookahead order's no-starvation rule (gpuwait.core.lookahead): seconds it may wait
     #: before it is planned first with the urgent jobs; set once, None until then.
     wait_budget: float | None = None
+    #: The pid namespace of its gpuwait process (the inode of /proc/self/ns/pid), set when that
+    #: process holds the job's liveness lock (gpuwait.linux.alive). A reader in another pid
+    #: namespace (containers without --pid=host) cannot look its pids up: the lock tells it
+    #: whether the job lives. None: judged by its pids, as entries of older versions are.
+    pidns: int | None = None
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -233,6 +239,7 @@ class Job(Record):
             adopted_history=_lenient_text(raw.get("adopted_history")),
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
+            pidns=_lenient_inode(raw.get("pidns")),
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -255,6 +262,19 @@ def _lenient_seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if 0 <= value < 1e12 else None
+
+
+def elsewhere(job: Job) -> bool:
+    """Was `job`'s entry written in another pid namespace than this process's (a container
+    without --pid=host)? Its pids then name no process here, or somebody else's: they must not
+    be looked up, signalled or matched with NVML's, and its lock tells whether it lives."""
+    here = pid_namespaces.current()
+    return job.pidns is not None and here is not None and job.pidns != here
+
+
+def _lenient_inode(value: Any) -> int | None:
+    """An inode number read leniently: a damaged one is as if never set."""
+    return value if type(value) is int and 0 < value < 2**64 else None
 
 
 def _held_by(value: Any) -> list[str]:

@@ -20,7 +20,7 @@ from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
 from gpuwait.linux.atomic import write_atomic
-from gpuwait.queue.entries import RUNNING, LedgerData
+from gpuwait.queue.entries import RUNNING, LedgerData, elsewhere
 
 IDLE_FILE = "idle.json"
 _VERSION = 1
@@ -66,7 +66,12 @@ def idle_jobs(
 ) -> frozenset[str]:
     """The running jobs whose command (or a process below it) this reading, with the evidence
     before it, shows idle: a waiter's reading adds to the evidence as `status`'s does."""
-    running = {j.child_pid: j.id for j in data.jobs if j.state == RUNNING and j.child_pid}
+    running = {
+        j.child_pid: j.id
+        for j in data.jobs
+        # Another pid namespace's command is no process of this one: its idleness is not seen.
+        if j.state == RUNNING and j.child_pid and not elsewhere(j)
+    }
     if not running:
         return frozenset()
     found = record_reading(watch.state_dir, snapshot, watch.rule, running, ignore)

@@ -153,7 +153,8 @@ class Ledger:
             try:
                 data, raw, rewrite = self._load(repair=True)
                 before = wake.fingerprint(data.jobs)
-                present = {j.id: (j.state, j.pid) for j in data.jobs}
+                # Pids of other pid namespaces' entries name nobody to wake here.
+                present = {j.id: (j.state, j.pid) for j in data.jobs if not entries.elsewhere(j)}
                 self._prune_temp_files()
                 yield data
                 release = wake.released(before, wake.fingerprint(data.jobs))

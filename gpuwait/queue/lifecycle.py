@@ -36,7 +36,7 @@ from gpuwait.core.pausing import PauseChoice
 from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import proc
+from gpuwait.linux import alive, pidns, proc
 from gpuwait.linux.security import (
     control_refusal,
     entry_owner_mismatch,
@@ -67,6 +67,7 @@ from gpuwait.queue.entries import (
     Job,
     LedgerData,
     copy_job,
+    elsewhere,
 )
 from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
 from gpuwait.queue.ledger import Ledger
@@ -116,11 +117,15 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     """
     # Other users' entries are theirs to reap: they were read only if the kernel shows a
     # job of theirs behind them (gpuwait.queue.ledger).
-    own = [j for j in data.jobs if data.mine(j)]
-    alive = _LIVENESS.alive([(j.pid, j.start_time) for j in own])
-    gone = []
+    own = [j for j in data.jobs if data.mine(j) and not elsewhere(j)]
+    lives = _LIVENESS.alive([(j.pid, j.start_time) for j in own])
+    gone = [
+        j
+        for j in data.jobs
+        if data.mine(j) and elsewhere(j) and not lives_elsewhere(ledger.directory, j)
+    ]
     now = time.time()
-    for job, running in zip(own, alive, strict=True):
+    for job, running in zip(own, lives, strict=True):
         if running:
             continue
         if not command_lives(job):
@@ -159,7 +164,10 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     forged = [
         j
         for j in data.jobs
-        if data.mine(j) and j.orphaned_at is None and entry_owner_mismatch(j) is not None
+        if data.mine(j)
+        and j.orphaned_at is None
+        and not elsewhere(j)
+        and entry_owner_mismatch(j) is not None
     ]
     if forged:
         from gpuwait.core.text import printable  # only a hostile file needs it
@@ -171,6 +179,8 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
                 f"{job.uid} but its process {job.pid} belongs to another user"
             )
     quiet.update(j.id for j in (*gone, *forged))
+    if gone:
+        alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
 
 
 def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
@@ -278,6 +288,12 @@ def _drop_requests(data: LedgerData, job_id: str) -> None:
     entries.mark_pause_requests(data)
 
 
+def lives_elsewhere(ledger_dir: Path, job: Job) -> bool:
+    """Does a job of another pid namespace live: its lock held (or not to be told, which keeps
+    it as a live one is kept)? Its gpuwait or its command may hold it (gpuwait.linux.alive)."""
+    return alive.held(ledger_dir, job.uid, job.id) is not False
+
+
 def command_lives(job: Job) -> bool:
     """Does the command of a running job still run, as its entry's owner? (Pid and start time,
     so a reused pid never counts; another user's process named there never does.)"""
@@ -307,13 +323,18 @@ def _note_health(data: LedgerData, snapshot: MachineSnapshot, now: float, said: 
 # --- reading without a change -------------------------------------------------------------
 
 
-def would_tidy(data: LedgerData, snapshot: MachineSnapshot | None, now: float) -> bool:
-    """Would a transaction change `data` (read without the lock) before anything else: reap an
-    entry, drop a forged one, or note a GPU's health?"""
+def would_tidy(
+    data: LedgerData, snapshot: MachineSnapshot | None, now: float, directory: Path
+) -> bool:
+    """Would a transaction change `data` (read without the lock from the ledger in `directory`)
+    before anything else: reap an entry, drop a forged one, or note a GPU's health?"""
     for job in data.jobs:
         if not data.mine(job):
             continue
-        if proc.is_alive(job.pid, job.start_time):
+        if elsewhere(job):
+            if not lives_elsewhere(directory, job):
+                return True
+        elif proc.is_alive(job.pid, job.start_time):
             if entry_owner_mismatch(job) is not None:
                 return True
         elif job.orphaned_at is None or not command_lives(job):
@@ -358,7 +379,11 @@ def submit(
     already has: looked for in the same transaction as the write, so of submissions racing
     with one key exactly one is queued.
     """
-    with _change(ledger) as (data, said):
+    # Should the entry not get into the file, its lock stands for nothing.
+    with (
+        alive.given_up(ledger.directory, job.id, on_error=True),
+        _change(ledger) as (data, said),
+    ):
         if job.once is not None:
             twin = next((j for j in data.jobs if j.uid == job.uid and j.once == job.once), None)
             if twin is not None:
@@ -384,6 +409,11 @@ def submit(
             raise UsageError(
                 f"--after: {exc}", hint="see `gpuwait status` and `gpuwait log`"
             ) from None
+        # Locked before the entry is in the file, so no reader elsewhere ever finds it unlocked.
+        # Not in a shared ledger: other users' entries count there only as far as the kernel
+        # shows their processes, so every member needs the host's pids anyway (--pid=host).
+        if not ledger.shared and alive.hold(ledger.directory, job.id):
+            entry.pidns = pidns.current()
         data.next_order += 1
         data.jobs.append(entry)
         said.append(
@@ -410,6 +440,8 @@ def adopt(ledger: Ledger, job: Job) -> Job:
     """
     with _change(ledger) as (data, said):
         for other in data.jobs:
+            if elsewhere(other):
+                continue  # its pids are another namespace's
             if job.pid in (other.pid, other.child_pid) or job.pid in other.pids:
                 raise UsageError(
                     f"process {job.pid} already belongs to gpuwait job {other.id}",
@@ -830,9 +862,12 @@ def finish(
     `paused`: a --pausable job's pauses and the seconds it spent stepped aside.
     `oom`: how a run that ran out of GPU memory did (gpuwait.core.budget: own limit, card full).
     """
-    with _change(ledger) as (data, said):
+    # Out of the ledger (or left for a reaper, should the write fail): its lock stands for
+    # nothing any more.
+    with alive.given_up(ledger.directory, job.id), _change(ledger) as (data, said):
         mine = data.remove(job.id)
         _drop_requests(data, job.id)
+        alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
         # The ledger's word: another waiter's plan may have admitted it meanwhile.
         ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
         done = Finished(
@@ -863,6 +898,24 @@ def finish(
             fields["oom"] = oom
             fields["reserved_bytes"] = job.reserved_bytes
         said.append(("finish" if ran_on else "leave", fields))
+
+
+def _control_refusal(job: Job, uid: int) -> str | None:
+    """Why `uid` may not cancel `job`; None when they may."""
+    if elsewhere(job):
+        if uid != 0 and job.uid != uid:
+            return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
+        if job.state == RUNNING:
+            # Its pids are another pid namespace's: signalled from here, they would reach
+            # somebody else's process, or none.
+            return (
+                f"job {job.id} runs in another pid namespace (a container without --pid=host); "
+                "cancel it from there"
+            )
+        return None  # a waiter: taken out of the queue, it sees so and exits 7
+    if job.orphaned_at is None:
+        return control_refusal(job, uid)
+    return orphan_control_refusal(job, job.child_pid, job.child_start_time, uid)
 
 
 class Cancellation(Record):
@@ -898,11 +951,7 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                 result.unmatched.append(f"--batch {batch}")
             chosen.extend(j for j in members if j not in chosen)
         for job in chosen:
-            refusal = (
-                control_refusal(job, uid)
-                if job.orphaned_at is None
-                else orphan_control_refusal(job, job.child_pid, job.child_start_time, uid)
-            )
+            refusal = _control_refusal(job, uid)
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:

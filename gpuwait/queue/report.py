@@ -19,7 +19,7 @@ from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
 from gpuwait.queue.conditions import plan_ledger, planned_claims
-from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger
 
@@ -38,7 +38,7 @@ def read_queue(ledger: Ledger, snapshot: MachineSnapshot | None) -> tuple[Ledger
     """The ledger as a report shows it, and the moment it was read."""
     now = time.time()
     data = ledger.read()
-    if ledger.damaged or lifecycle.would_tidy(data, snapshot, now):
+    if ledger.damaged or lifecycle.would_tidy(data, snapshot, now, ledger.directory):
         data = lifecycle.tidy(ledger, snapshot, now)
     return data, now
 
@@ -171,6 +171,7 @@ def report_from(
                 "pid": job.pid,
                 "child_pid": job.child_pid,
                 "orphaned": job.orphaned_at is not None,
+                "other_pid_namespace": elsewhere(job),
                 "pause_asked_by": _asker(data, job),
                 "overuse": _overuse(job),
                 "held_by": list(job.held_by),

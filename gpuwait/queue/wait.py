@@ -24,6 +24,7 @@ import random
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, BackendUnavailable
@@ -49,7 +50,7 @@ from gpuwait.queue.conditions import (
     planned_claims,
     unpublished_pids,
 )
-from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import NO_FAIR_SHARE
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFailed
@@ -141,13 +142,15 @@ WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
 
 def _reason_without_lock(
     data: LedgerData,
+    directory: Path,
     job: Job,
     snapshot: MachineSnapshot,
     safety: float,
     conditions: Conditions,
     fair: FairShare = NO_FAIR_SHARE,
 ) -> WaitReason | None:
-    """Why `job` still waits, judged from an unlocked read, or None when the lock is needed.
+    """Why `job` still waits, judged from an unlocked read of the ledger in `directory`, or
+    None when the lock is needed.
 
     It is needed to admit anyone, to reap a dead entry or drop a forged one, to settle a
     dependency, to record a GPU's health or the head's hold: anything that writes.
@@ -156,7 +159,7 @@ def _reason_without_lock(
     if mine is None or mine.state == RUNNING:
         return None
     now = time.time()
-    if lifecycle.would_tidy(data, snapshot, now):
+    if lifecycle.would_tidy(data, snapshot, now, directory):
         return None
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
@@ -273,14 +276,18 @@ def wait_for_admission(
 
     def attempt() -> Attempt:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
-        nonlocal last, job
+        nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
         if policy.ignore_processes:
             snapshot = name_processes(snapshot)
         window.add(snapshot)
         facts = plan_conditions(window, policy.ignore_processes)
+        data = ledger.read()
+        if kicked and any(elsewhere(j) for j in data.jobs):
+            # A writer in another pid namespace cannot signal this waiter: watch the summary.
+            kicked = False
         outcome: Attempt = _reason_without_lock(
-            ledger.read(), job, snapshot, policy.safety, facts, policy.fair
+            data, ledger.directory, job, snapshot, policy.safety, facts, policy.fair
         )
         if outcome is None:
             job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, policy.fair)

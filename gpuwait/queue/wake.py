@@ -49,7 +49,7 @@ from typing import Any
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
-from gpuwait.queue.entries import RUNNING, Job
+from gpuwait.queue.entries import RUNNING, Job, elsewhere
 
 SCHEMA = 1
 FILENAME = "wake.json"
@@ -92,8 +92,10 @@ def concerned(
     """The processes to signal after a transaction turned `before` ({id: (state, pid)}) into
     `jobs`: those it admitted, those it removed (cancelled) unless `gone_quietly` (dead or
     forged), waiters whose dependency left, and after a `release` the first two waiters."""
-    entries = list(jobs)
-    live = {j.id for j in entries}
+    all_entries = list(jobs)
+    live = {j.id for j in all_entries}
+    # Entries of other pid namespaces name no process of this one: they watch the summary.
+    entries = [j for j in all_entries if not elsewhere(j)]
     left = {i for i in before if i not in live}
     pids = {pid for i, (_, pid) in before.items() if i in left and i not in gone_quietly}
     for j in entries:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_nvml import GIB, FakeGpu, FakeNvml
 from helpers.history import recorded_runs
+from helpers.processes import unshare_prefix
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.gpu.nvml import NvmlBackend
@@ -112,23 +112,6 @@ def test_in_the_host_namespace_nvml_pids_are_taken_as_they_come(
 
 
 # In a pid namespace of its own -------------------------------------------------------------
-
-
-def unshare_prefix() -> list[str]:
-    """How to start a command in a new pid namespace with its own /proc, or skip."""
-    if shutil.which("unshare") is None:
-        pytest.skip("unshare (util-linux) is not installed")
-    # Root makes the namespace itself; anyone else needs a user namespace to make it in.
-    # --kill-child: should the test give up, killing unshare ends everything inside.
-    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
-    if os.geteuid() != 0:
-        prefix[1:1] = ["--user", "--map-root-user"]
-    probe = subprocess.run(
-        [*prefix, "readlink", "/proc/self/ns/pid"], capture_output=True, text=True, timeout=30
-    )
-    if probe.returncode != 0 or probe.stdout.strip() == pidns.INITIAL_PID_NAMESPACE:
-        pytest.skip(f"no pid namespace can be made here: {probe.stderr.strip()}")
-    return prefix
 
 
 @pytest.mark.slow

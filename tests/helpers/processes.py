@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -44,3 +45,23 @@ def procs() -> Iterator[Callable[..., subprocess.Popen[Any]]]:
 def _signal_group(proc: subprocess.Popen[Any], signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signum)
+
+
+def unshare_prefix() -> list[str]:
+    """How to start a command in a new pid namespace with its own /proc, as a container without
+    --pid=host does, or skip the test."""
+    from gpuwait.linux import pidns
+
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    # Root makes the namespace itself; anyone else needs a user namespace to make it in.
+    # --kill-child: should the test give up, killing unshare ends everything inside.
+    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    if os.geteuid() != 0:
+        prefix[1:1] = ["--user", "--map-root-user"]
+    probe = subprocess.run(
+        [*prefix, "readlink", "/proc/self/ns/pid"], capture_output=True, text=True, timeout=30
+    )
+    if probe.returncode != 0 or probe.stdout.strip() == pidns.INITIAL_PID_NAMESPACE:
+        pytest.skip(f"no pid namespace can be made here: {probe.stderr.strip()}")
+    return prefix

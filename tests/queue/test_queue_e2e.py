@@ -622,6 +622,7 @@ JOB_KEYS = {
     "requirements": dict,
     "child_pid": OPT_INT,
     "orphaned": bool,
+    "other_pid_namespace": bool,
     "pause_asked_by": (dict, type(None)),
     "overuse": (dict, type(None)),
     "held_by": list,

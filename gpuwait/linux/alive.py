@@ -1,0 +1,143 @@
+"""Whether a job lives, told across pid namespaces: a lock each job holds on a file of its own.
+
+A pid names a process only in its own pid namespace. gpuwait processes in containers that share
+a state directory but not the host's pid namespace (docker without --pid=host) cannot look each
+other's processes up: an entry written in one container names no process in another, or
+somebody else's, and taken for dead it would be reaped while its job allocates.
+
+A lock can tell. Each job's gpuwait takes an exclusive flock(2) on `alive.<uid>/<job id>` in the
+ledger directory before its entry is written, and its command inherits the descriptor: the
+kernel keeps the lock while either of them (or a process the command started and left the
+descriptor to) still runs, and drops it when the last is gone, even by SIGKILL. The file is the
+same inode in every container that mounts the directory, so another process finds the job alive
+when it cannot take a shared lock on it. The directory is its user's alone (0700): nobody else
+can open the files, so nobody else can keep a job of theirs looking alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpuwait.linux.security import ensure_private_dir, open_state_file
+
+#: Job ids as gpuwait makes them; anything else names no file of ours.
+_JOB_ID = re.compile(r"[0-9a-f]{1,64}")
+
+#: The locks this process holds, by (ledger directory, job id).
+_HELD: dict[tuple[Path, str], int] = {}
+
+
+def _path(ledger_dir: Path, uid: int, job_id: str) -> Path | None:
+    if _JOB_ID.fullmatch(job_id) is None:
+        return None
+    return ledger_dir / f"alive.{uid}" / job_id
+
+
+def hold(ledger_dir: Path, job_id: str) -> bool:
+    """Lock `job_id`'s file for as long as this process (or a command it starts) lives.
+
+    False where that cannot be done (the directory unusable, or the file locked by a live job
+    of the same id): the entry is then judged by its pids alone, as before.
+    """
+    path = _path(ledger_dir, os.getuid(), job_id)
+    if path is None:
+        return False
+    try:
+        ensure_private_dir(path.parent)
+        fd = open_state_file(path, 0o600)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    # Inherited by the command gpuwait starts, so that an orphaned command (its gpuwait killed
+    # with SIGKILL) keeps its job alive for readers elsewhere, as its pid does for readers here.
+    os.set_inheritable(fd, True)
+    _HELD[(ledger_dir, job_id)] = fd
+    return True
+
+
+def release(ledger_dir: Path, job_id: str) -> None:
+    """Give up `job_id`'s lock and remove its file; called once its entry is out of the ledger."""
+    fd = _HELD.pop((ledger_dir, job_id), None)
+    if fd is None:
+        return
+    path = _path(ledger_dir, os.getuid(), job_id)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def given_up(ledger_dir: Path, job_id: str, on_error: bool = False) -> Iterator[None]:
+    """`release` `job_id`'s lock after the block, or (`on_error`) only should it fail."""
+    try:
+        yield
+    except BaseException:
+        if on_error:
+            release(ledger_dir, job_id)
+        raise
+    finally:
+        if not on_error:
+            release(ledger_dir, job_id)
+
+
+def held(ledger_dir: Path, uid: int, job_id: str) -> bool | None:
+    """Does a live process hold the lock of `uid`'s job `job_id`? None where it cannot be told
+    (the file is there but cannot be opened): the caller keeps the job, as it would a live one."""
+    path = _path(ledger_dir, uid, job_id)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
+
+
+def sweep(ledger_dir: Path, named: set[str]) -> None:
+    """Remove this user's lock files that no entry (`named`: their job ids) stands for and no
+    process holds: those of jobs reaped, or ended without `release` (a waiter cancelled by
+    someone else). Called under the ledger lock, as every `hold` is, so a file is never taken
+    away between its creation and its lock."""
+    directory = ledger_dir / f"alive.{os.getuid()}"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name not in named and (ledger_dir, name) not in _HELD:
+            _remove_unheld(directory / name)
+
+
+def _remove_unheld(path: Path) -> None:
+    try:
+        # Read-write: where flock(2) is done with POSIX locks (NFS), an exclusive one needs it.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,122 @@
+"""The liveness lock: held while a job's gpuwait or its command lives, seen from any process.
+
+Real processes hold the locks; the kernel drops them when the processes die, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.waiting import wait_for
+
+from gpuwait.linux import alive
+
+JOB = "0a1b2c3d"
+
+# Holds JOB's lock, starts `sleep` (which inherits it) unless told not to, says so, then sleeps.
+HOLDER = """
+import os, sys, time
+from pathlib import Path
+from gpuwait.linux import alive
+assert alive.hold(Path(sys.argv[1]), sys.argv[2])
+child = os.posix_spawnp("sleep", ["sleep", "60"], dict(os.environ)) if sys.argv[3] == "1" else 0
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[int]]:
+    """Pids to SIGKILL at the end of the test, whatever happened."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        # The holder's child is not ours to reap: init does.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def start_holder(
+    ledger_dir: Path, spawned: list[int], command: bool
+) -> tuple[subprocess.Popen[str], int]:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(ledger_dir), JOB, "1" if command else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    spawned.append(holder.pid)
+    assert holder.stdout is not None
+    child = int(holder.stdout.readline())
+    if child:
+        spawned.append(child)
+    return holder, child
+
+
+def test_a_job_lives_while_its_gpuwait_holds_the_lock_and_not_after_it_was_killed(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    assert alive.held(tmp_path, os.getuid(), JOB) is False  # never there
+    holder, _ = start_holder(tmp_path, spawned, command=False)
+    assert alive.held(tmp_path, os.getuid(), JOB) is True
+    holder.kill()
+    holder.wait()
+    assert alive.held(tmp_path, os.getuid(), JOB) is False
+    directory = tmp_path / f"alive.{os.getuid()}"
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert oct((directory / JOB).stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_command_inherits_the_lock_so_an_orphaned_command_keeps_its_job_alive(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    holder, child = start_holder(tmp_path, spawned, command=True)
+    holder.kill()
+    holder.wait()
+    assert alive.held(tmp_path, os.getuid(), JOB) is True
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: alive.held(tmp_path, os.getuid(), JOB) is False, timeout=10)
+
+
+def test_release_takes_the_lock_and_its_file_away(tmp_path: Path) -> None:
+    assert alive.hold(tmp_path, JOB)
+    assert alive.held(tmp_path, os.getuid(), JOB) is True  # another open file: a conflict
+    alive.release(tmp_path, JOB)
+    assert not (tmp_path / f"alive.{os.getuid()}" / JOB).exists()
+    assert alive.held(tmp_path, os.getuid(), JOB) is False
+
+
+def test_sweep_removes_only_files_that_nobody_holds_and_no_entry_names(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    directory = tmp_path / f"alive.{os.getuid()}"
+    start_holder(tmp_path, spawned, command=False)
+    for name in ("dead01", "named02"):
+        (directory / name).touch()
+    alive.sweep(tmp_path, {"named02"})
+    assert sorted(os.listdir(directory)) == sorted([JOB, "named02"])
+
+
+def test_a_directory_that_is_not_the_users_own_is_not_used(tmp_path: Path) -> None:
+    # Somebody else's (here: a symlink to elsewhere) could keep a job looking alive, or take
+    # its file away: no lock then, and the entry is judged by its pids as before.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / f"alive.{os.getuid()}").symlink_to(elsewhere)
+    assert alive.hold(tmp_path, JOB) is False
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_name_that_is_no_job_id_names_no_file(tmp_path: Path) -> None:
+    assert alive.hold(tmp_path, "../ledger") is False
+    assert alive.held(tmp_path, os.getuid(), "../ledger") is None
