@@ -15,6 +15,9 @@ from collections.abc import Iterable
 #: How the kernel names the initial pid namespace: its inode is a constant (PROC_PID_INIT_INO).
 INITIAL_PID_NAMESPACE = "pid:[4026531836]"
 
+#: Its inode, as `current()` gives it.
+INITIAL_PID_NAMESPACE_INODE = 4026531836
+
 #: Device files of the NVIDIA driver (nvidiactl, nvidia0, nvidia-uvm, ...).
 NVIDIA_DEVICES = "/dev/nvidia"
 
@@ -39,6 +42,24 @@ def current() -> int | None:
         except OSError:
             _CURRENT.append(None)
     return _CURRENT[0]
+
+
+def pid_within(pid: int, namespace: int) -> int | None:
+    """What the pid namespace `namespace` calls process `pid` (of this namespace), when the
+    process lives there: the last of its NSpid line. None for a process of another namespace,
+    one gone, or one not ours to look at."""
+    try:
+        if os.stat(f"/proc/{pid}/ns/pid").st_ino != namespace:
+            return None
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read(1 << 16)
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[-1]) if fields else None
+    return None
 
 
 def _has_nvidia_device(pid: int) -> bool | None:

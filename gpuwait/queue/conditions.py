@@ -19,7 +19,7 @@ from gpuwait.core.lookahead import plan_queue, with_wait_budgets
 from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history.store import find_outcome
-from gpuwait.linux import proc
+from gpuwait.linux import pidns, proc
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import user_usage
@@ -172,6 +172,25 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
 # --- entries as claims ------------------------------------------------------------------
 
 
+def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot]) -> set[int]:
+    """NVML's pids of the processes of `job`, an entry of another pid namespace, which names
+    them by that namespace's pids. NVML's are the host's: only a reader in the host's namespace
+    sees those processes, and each tells it its pid in its own namespace. Elsewhere none are
+    found: the job's memory counts as used by others, besides its reservation."""
+    if job.pidns is None or pidns.current() != pidns.INITIAL_PID_NAMESPACE_INODE:
+        return set()
+    theirs = set(job.pids)
+    if job.child_pid is not None:
+        theirs.add(job.child_pid)
+    return {
+        process.pid
+        for gpu in gpus
+        if gpu.uuid in job.gpu_uuids
+        for process in gpu.processes
+        if pidns.pid_within(process.pid, job.pidns) in theirs
+    }
+
+
 def claim_of(
     job: Job,
     gpus: Sequence[GpuSnapshot],
@@ -192,13 +211,13 @@ def claim_of(
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
     """
     pids: set[int] = set()
-    # An entry of another pid namespace names its processes by pids that are not NVML's (nor
-    # this namespace's): its memory counts as used by others, besides its reservation.
     if not elsewhere(job):
         pids.update(job.pids)
         pids.update(tree)
         if job.child_pid is not None:
             pids.add(job.child_pid)
+    else:
+        pids = _from_elsewhere(job, gpus)
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
     expected = job.expected_seconds
     expected_by_gpu = job.expected_by_gpu

@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_nvml import GIB, FakeGpu, FakeNvml
@@ -114,6 +116,34 @@ def test_in_the_host_namespace_nvml_pids_are_taken_as_they_come(
 # In a pid namespace of its own -------------------------------------------------------------
 
 
+@contextmanager
+def started_inside(
+    argv: list[str], fake_nvml: FakeNvml, stop: Path
+) -> Iterator[subprocess.Popen[str]]:
+    """`argv` started (with the fake driver); at the end `stop` is made, and it has a minute to
+    end before it is killed."""
+    env = fake_nvml.env()
+    env["GPUWAIT_SAMPLE_INTERVAL"] = "0.1s"
+    process = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        yield process
+    finally:
+        stop.touch()
+        if process.poll() is None:
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+def running_entry() -> dict[str, Any]:
+    """The first entry whose command runs; while there is none, one whose `child_pid` is None."""
+    return next((e for e in ledger_entries() if e.get("child_pid")), {"child_pid": None})
+
+
 @pytest.mark.slow
 def test_in_a_container_without_host_pids_no_job_is_admitted_into_memory_that_is_taken(
     fake_nvml: FakeNvml, tmp_path: Path
@@ -134,29 +164,12 @@ def test_in_a_container_without_host_pids_no_job_is_admitted_into_memory_that_is
         touch {stop}
         wait
     """
-    env = fake_nvml.env()
-    env["GPUWAIT_SAMPLE_INTERVAL"] = "0.1s"
-    inside = subprocess.Popen(
-        [*prefix, "sh", "-c", script],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        child = wait_for(
-            lambda: next((e["child_pid"] for e in ledger_entries() if e.get("child_pid")), None),
-            timeout=30,
-        )
+    with started_inside([*prefix, "sh", "-c", script], fake_nvml, stop) as inside:
+        child = wait_for(lambda: running_entry()["child_pid"], timeout=30)
         fake_nvml.update_gpu(0, used=16 * GIB)
         fake_nvml.add_process(0, child, 16 * GIB)
         go.touch()
         out, _ = inside.communicate(timeout=60)
-    finally:
-        stop.touch()
-        if inside.poll() is None:
-            inside.kill()
-            inside.wait()
     assert inside.returncode == 0, out
     b_err = (tmp_path / "b.err").read_text()
     assert (tmp_path / "b.rc").read_text().strip() == "124", b_err  # waited, never admitted
@@ -169,3 +182,56 @@ def test_in_a_container_without_host_pids_no_job_is_admitted_into_memory_that_is
     # A's peak comes from the card's growth, marked approximate, not from the host's process.
     (record,) = [r for r in recorded_runs() if r["name"] == "a"]
     assert record["peak_approximate"] is True
+
+
+def host_pid_of(pid: int, namespace: int) -> int:
+    """The pid (here, in the host's namespace) of the process that `namespace` calls `pid`."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}/ns/pid").st_ino != namespace:
+                continue
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        line = next(x for x in status.splitlines() if x.startswith("NSpid:"))
+        if int(line.split()[-1]) == pid:
+            return int(name)
+    raise AssertionError(f"no process {pid} in pid namespace {namespace}")
+
+
+@pytest.mark.slow
+def test_on_the_host_a_containers_job_is_credited_with_its_own_memory(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    # Job A (4G) runs in a pid namespace of its own and uses 6 GiB, which NVML lists under its
+    # command's host pid. gpuwait on the host maps that pid into A's namespace and counts the
+    # memory as A's (not as someone else's besides A's reservation); a host process that merely
+    # has the number A's command has in its namespace is not taken for it.
+    prefix = unshare_prefix()
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
+    stop = tmp_path / "stop"
+    waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
+    job = [*GPUWAIT, "-q", "--vram", "4G", "--name", "a", "--", "sh", "-c", waiting]
+    with started_inside([*prefix, *job], fake_nvml, stop):
+        entry = wait_for(lambda: running_entry()["child_pid"] and running_entry(), timeout=30)
+        command = host_pid_of(entry["child_pid"], entry["pidns"])
+        fake_nvml.update_gpu(0, used=9 * GIB)
+        fake_nvml.add_process(0, command, 6 * GIB)
+        fake_nvml.add_process(0, entry["child_pid"], 3 * GIB)  # the same number, on the host
+        status = subprocess.run(
+            [*GPUWAIT, "status", "--json"],
+            env=fake_nvml.env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    (job,) = report["jobs"]
+    assert job["other_pid_namespace"] is True
+    assert job["observed_bytes"] == 6 * GIB
+    (gpu,) = report["gpus"]
+    assert gpu["per_process"] is True
+    assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (3 * GIB, 6 * GIB)

@@ -68,6 +68,7 @@ def test_an_entry_of_another_namespace_lives_while_its_lock_is_held(
 def test_another_namespaces_pids_are_not_taken_for_its_jobs_memory(
     tmp_path: Path, elsewhere: Callable[[], None]
 ) -> None:
+    # Read in a container (not the host's namespace, where NVML's pids could be looked up):
     # NVML's pid 4242 is some process of the host; the entry's own pid 4242 is its
     # container's. Taken as the job's, 10 GiB of the card would be lent to its reservation.
     card = CARD._replace(used_bytes=10 * GiB, processes=(ProcessUsage(4242, 10 * GiB),))
