@@ -166,8 +166,14 @@ def assert_waits_for(waiter: str, holder: str) -> None:
 
 @pytest.mark.slow
 def test_a_job_in_a_container_keeps_its_room_against_a_job_on_the_host(
-    one_card: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+    one_card: list[str],
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The GPUs read every 30 s: the waiter must learn of the container's job's end from the
+    # ledger's summary, as no signal of a process of another namespace can reach it.
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "30s")
     reports = {name: tmp_path / f"{name}.json" for name in "ab"}
     a = procs([*one_card, *sim_job("a", "3s", reports["a"])])
     wait_for(lambda: running("a"), timeout=30)
@@ -182,6 +188,7 @@ def test_a_job_in_a_container_keeps_its_room_against_a_job_on_the_host(
     assert b.wait(timeout=60) == 0, b.communicate()[1]
     assert [json.loads(r.read_text())["oom"] for r in reports.values()] == [False, False]
     assert one_after_the_other("a", "b")
+    assert held_room("b")[0] - held_room("a")[1] < 5.0, "b was not woken when a ended"
 
 
 @pytest.mark.slow
