@@ -210,14 +210,12 @@ def claim_of(
     A running job's expected time is what is left of it at `now` (never below zero). `tree`:
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
     """
-    pids: set[int] = set()
-    if not elsewhere(job):
-        pids.update(job.pids)
-        pids.update(tree)
+    if elsewhere(job):
+        pids = _from_elsewhere(job, gpus)
+    else:
+        pids = {*job.pids, *tree}
         if job.child_pid is not None:
             pids.add(job.child_pid)
-    else:
-        pids = _from_elsewhere(job, gpus)
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
     expected = job.expected_seconds
     expected_by_gpu = job.expected_by_gpu
