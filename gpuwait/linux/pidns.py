@@ -12,23 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-#: How the kernel names the initial pid namespace: its inode is a constant (PROC_PID_INIT_INO).
-INITIAL_PID_NAMESPACE = "pid:[4026531836]"
-
-#: Its inode, as `current()` gives it.
+#: The initial pid namespace's inode, a constant of the kernel (PROC_PID_INIT_INO), and how
+#: /proc names that namespace (readlink of /proc/self/ns/pid).
 INITIAL_PID_NAMESPACE_INODE = 4026531836
+INITIAL_PID_NAMESPACE = f"pid:[{INITIAL_PID_NAMESPACE_INODE}]"
 
 #: Device files of the NVIDIA driver (nvidiactl, nvidia0, nvidia-uvm, ...).
 NVIDIA_DEVICES = "/dev/nvidia"
-
-
-def in_initial_namespace() -> bool | None:
-    """Is this process in the host's pid namespace? None where /proc cannot tell."""
-    try:
-        return os.readlink("/proc/self/ns/pid") == INITIAL_PID_NAMESPACE
-    except OSError:
-        return None
-
 
 _CURRENT: list[int | None] = []
 
@@ -42,6 +32,12 @@ def current() -> int | None:
         except OSError:
             _CURRENT.append(None)
     return _CURRENT[0]
+
+
+def in_initial_namespace() -> bool | None:
+    """Is this process in the host's pid namespace? None where /proc cannot tell."""
+    here = current()
+    return None if here is None else here == INITIAL_PID_NAMESPACE_INODE
 
 
 def pid_within(pid: int, namespace: int) -> int | None:

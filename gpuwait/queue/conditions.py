@@ -177,7 +177,7 @@ def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot]) -> set[int]:
     them by that namespace's pids. NVML's are the host's: only a reader in the host's namespace
     sees those processes, and each tells it its pid in its own namespace. Elsewhere none are
     found: the job's memory counts as used by others, besides its reservation."""
-    if job.pidns is None or pidns.current() != pidns.INITIAL_PID_NAMESPACE_INODE:
+    if job.pidns is None or pidns.in_initial_namespace() is not True:
         return set()
     theirs = set(job.pids)
     if job.child_pid is not None:
