@@ -623,7 +623,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_wait_factor",
         _wait_factor,
-        5.0,
+        Lookahead.max_wait_factor,
         "lookahead: a job waits at most this many times what strict order would take to run it "
         "(its wait there plus its run time) before it goes first",
     ),
@@ -637,7 +637,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "plan_budget",
         _positive_duration,
-        0.025,
+        Lookahead.budget_ms / 1000,
         "lookahead: the longest a plan's search may take",
         show=_show_duration,
     ),
