@@ -129,6 +129,16 @@ def held_room(name: str) -> tuple[float, float]:
     return admitted, ended
 
 
+def started(name: str) -> bool:
+    """The job named `name` runs, and its admission is in the event log: killed any sooner, the
+    log may lack it (the events of a transaction are written once it has committed)."""
+    if not running(name):
+        return False
+    log = event_log.read_events(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
+    job = next(e["job"] for e in log if e["kind"] == "submit" and e.get("name") == name)
+    return any(e["kind"] == "admit" and e.get("job") == job for e in log)
+
+
 def one_after_the_other(first: str, second: str) -> bool:
     """Did `second` get its room only once `first` had given its own back?"""
     return held_room(first)[1] <= held_room(second)[0]
@@ -176,7 +186,7 @@ def test_a_job_in_a_container_keeps_its_room_against_a_job_on_the_host(
     monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "30s")
     reports = {name: tmp_path / f"{name}.json" for name in "ab"}
     a = procs([*one_card, *sim_job("a", "3s", reports["a"])])
-    wait_for(lambda: running("a"), timeout=30)
+    wait_for(lambda: started("a"), timeout=30)
     b = procs(sim_job("b", "0.2s", reports["b"]))
     assert_waits_for("b", "a")
     status = subprocess.run(
@@ -209,7 +219,7 @@ def test_an_orphaned_command_in_a_container_keeps_its_room_until_it_ends(
         sleep 0.5
     """
     a = procs([*one_card, "sh", "-c", script])
-    wait_for(lambda: running("a"), timeout=30)
+    wait_for(lambda: started("a"), timeout=30)
     time.sleep(0.5)  # the command allocates
     kill.touch()
     b = procs([*one_card, *sim_job("b", "0.2s", b_report)])
@@ -229,7 +239,7 @@ def test_a_container_gone_with_its_jobs_holds_no_room(
     # A container killed whole (its init with SIGKILL takes every process in it): its entries
     # are reaped by the next job, which starts at once.
     a = procs([*one_card, *sim_job("a", "120s")])
-    wait_for(lambda: running("a"), timeout=30)
+    wait_for(lambda: started("a"), timeout=30)
     os.kill(a.pid, 9)  # unshare --kill-child: its child, the container's init, goes with it
     a.wait(timeout=10)
     done = subprocess.run(
