@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
@@ -114,6 +115,13 @@ def _sh(argv: list[str]) -> str:
     return " ".join(f"'{a}'" for a in argv)
 
 
+def events_of(name: str) -> list[dict[str, Any]]:
+    """The event log's events of the job named `name` (written by every namespace)."""
+    log = event_log.read_events(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
+    job = next(e["job"] for e in log if e["kind"] == "submit" and e.get("name") == name)
+    return [e for e in log if e.get("job") == job]
+
+
 def held_room(name: str) -> tuple[float, float]:
     """When the job named `name` was admitted, and when its room was given back (its finish,
     or its entry reaped), from the event log every namespace writes to.
@@ -121,9 +129,7 @@ def held_room(name: str) -> tuple[float, float]:
     The simulated GPUs tell allocations apart by pid, so across pid namespaces a job admitted
     into taken memory need not run out of it there: the times are the evidence.
     """
-    log = event_log.read_events(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
-    job = next(e["job"] for e in log if e["kind"] == "submit" and e.get("name") == name)
-    mine = [e for e in log if e.get("job") == job]
+    mine = events_of(name)
     admitted = next(e["time"] for e in mine if e["kind"] == "admit")
     ended = next(e["time"] for e in mine if e["kind"] in ("finish", "reap"))
     return admitted, ended
@@ -132,11 +138,7 @@ def held_room(name: str) -> tuple[float, float]:
 def started(name: str) -> bool:
     """The job named `name` runs, and its admission is in the event log: killed any sooner, the
     log may lack it (the events of a transaction are written once it has committed)."""
-    if not running(name):
-        return False
-    log = event_log.read_events(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
-    job = next(e["job"] for e in log if e["kind"] == "submit" and e.get("name") == name)
-    return any(e["kind"] == "admit" and e.get("job") == job for e in log)
+    return running(name) and any(e["kind"] == "admit" for e in events_of(name))
 
 
 def one_after_the_other(first: str, second: str) -> bool:
