@@ -172,16 +172,13 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
 # --- entries as claims ------------------------------------------------------------------
 
 
-def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot]) -> set[int]:
+def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot], theirs: set[int]) -> set[int]:
     """NVML's pids of the processes of `job`, an entry of another pid namespace, which names
-    them by that namespace's pids. NVML's are the host's: only a reader in the host's namespace
-    sees those processes, and each tells it its pid in its own namespace. Elsewhere none are
-    found: the job's memory counts as used by others, besides its reservation."""
+    them `theirs` by that namespace's pids. NVML's are the host's: only a reader in the host's
+    namespace sees those processes, and each tells it its pid in its own namespace. Elsewhere
+    none are found: the job's memory counts as used by others, besides its reservation."""
     if job.pidns is None or pidns.in_initial_namespace() is not True:
         return set()
-    theirs = set(job.pids)
-    if job.child_pid is not None:
-        theirs.add(job.child_pid)
     return {
         process.pid
         for gpu in gpus
@@ -210,12 +207,8 @@ def claim_of(
     A running job's expected time is what is left of it at `now` (never below zero). `tree`:
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
     """
-    if elsewhere(job):
-        pids = _from_elsewhere(job, gpus)
-    else:
-        pids = {*job.pids, *tree}
-        if job.child_pid is not None:
-            pids.add(job.child_pid)
+    named = {*job.pids} if job.child_pid is None else {*job.pids, job.child_pid}
+    pids = _from_elsewhere(job, gpus, named) if elsewhere(job) else {*named, *tree}
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
     expected = job.expected_seconds
     expected_by_gpu = job.expected_by_gpu
