@@ -156,8 +156,9 @@ class FreezeResponder:
             or entry.pause_signalled_at is not None
         ):
             return
+        # The token stays the one taken before the look: a request written meanwhile shows at
+        # the next check (this freeze's own write costs that check one read).
         self._freeze(child, entry.pause_requested_at)
-        self.token = self.ledger.change_token()
 
     def _holders(self, tree: set[int]) -> tuple[list[int], str]:
         """The processes of the tree that hold memory on the job's GPUs, as the driver lists

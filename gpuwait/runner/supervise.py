@@ -198,6 +198,10 @@ class UsageSampler:
         moved = any(
             abs(usage.get(u, 0) - self._published.get(u, 0)) >= _PUBLISH_STEP for u in usage
         )
+        # The ledger's fingerprint before looking at it: a change after this look shows at
+        # the next sample (taken after the look, it would be taken for one already seen).
+        token = ledger.change_token()
+        published = True
         # Others plan with the tree's pids (they read its memory from NVML themselves), so a
         # new tree is published at once; a usage figure only informs, so it is published at
         # the configured interval at most, not at every sample of the first second (which
@@ -207,13 +211,15 @@ class UsageSampler:
         ):
             self._published, self._published_pids = usage, sorted(pids)
             self._published_at = now
-            _publish(ledger, job, usage, self._published_pids, self.margin)
-        elif ledger.change_token() != self._seen_token and not _entry_present(ledger, job):
+            published = _publish(ledger, job, usage, self._published_pids, self.margin)
+        elif token != self._seen_token and not _entry_present(ledger, job):
             # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
             # our reservation must not stay lost while the command runs (publishing puts
             # the entry back).
-            _publish(ledger, job, self._published, self._published_pids, self.margin)
-        self._seen_token = ledger.change_token()
+            published = _publish(ledger, job, self._published, self._published_pids, self.margin)
+        if published:
+            # Otherwise the change stays unseen, so the next sample puts the entry back.
+            self._seen_token = token
 
     def finish(self) -> None:
         """After the last sample: NVML accounting mode's figures, where it is on."""
@@ -308,7 +314,12 @@ def _entry_present(ledger: Ledger, job: Job) -> bool:
 
 def _publish(
     ledger: Ledger, job: Job, usage: dict[str, int], pids: list[int], margin: float
-) -> None:
+) -> bool:
+    """Publish the job's usage and pids (putting its entry back where it is missing); False
+    where the ledger could not be written."""
     # The command runs on even when the state dir misbehaves; its reservation stays as it was.
-    with contextlib.suppress(Exception):
+    try:
         lifecycle.publish_usage(ledger, job, usage, pids, margin=margin)
+    except Exception:
+        return False
+    return True
