@@ -314,35 +314,8 @@ def test_shell_job_resumes_where_it_stopped(
         low.wait()
 
 
-def test_pytorch_loop_resumes_from_its_checkpoint(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
-    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip("PyTorch is not installed (pip install torch to run this example)")
-    log = tmp_path / "train.log"
-    job = [
-        sys.executable,
-        str(CONTRIB / "train_pytorch.py"),
-        "--steps",
-        "20000",
-        "--ckpt",
-        str(tmp_path / "ck.pt"),
-        "--log",
-        str(log),
-    ]
-    low = _pause_once(gpuwait_cmd, job, lambda: log.exists() and "starts" in log.read_text())
-    try:
-        assert low.wait(timeout=300) == 0
-        lines = log.read_text().splitlines()
-        paused_at = int(lines[1].split()[-1])
-        assert lines[0] == "run 0 starts at step 0"
-        assert lines[1].startswith("run 0 paused at step") and 0 < paused_at < 20000
-        assert lines[2] == f"run 1 starts at step {paused_at}"  # the same step counter goes on
-        assert lines[3] == "run 1 finished at step 20000"
-    finally:
-        low.kill()
-        low.wait()
+# The PyTorch loop (contrib/checkpoint/train_pytorch.py) paused and resumed at the same step:
+# tests/contrib/test_contrib.py runs contrib/checkpoint/README.md's try, which shows exactly that.
 
 
 def test_lightning_example_resumes(one_card: None, gpuwait_cmd: list[str], tmp_path: Path) -> None:
