@@ -201,7 +201,7 @@ class UsageSampler:
         # The ledger's fingerprint before looking at it: a change after this look shows at
         # the next sample (taken after the look, it would be taken for one already seen).
         token = ledger.change_token()
-        published = True
+        handled = True
         # Others plan with the tree's pids (they read its memory from NVML themselves), so a
         # new tree is published at once; a usage figure only informs, so it is published at
         # the configured interval at most, not at every sample of the first second (which
@@ -211,14 +211,19 @@ class UsageSampler:
         ):
             self._published, self._published_pids = usage, sorted(pids)
             self._published_at = now
-            published = _publish(ledger, job, usage, self._published_pids, self.margin)
-        elif token != self._seen_token and not _entry_present(ledger, job):
-            # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
-            # our reservation must not stay lost while the command runs (publishing puts
-            # the entry back).
-            published = _publish(ledger, job, self._published, self._published_pids, self.margin)
-        if published:
-            # Otherwise the change stays unseen, so the next sample puts the entry back.
+            handled = _publish(ledger, job, usage, self._published_pids, self.margin)
+        elif token != self._seen_token:
+            present = _entry_present(ledger, job)
+            if present is None:
+                handled = False
+            elif not present:
+                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
+                # our reservation must not stay lost while the command runs (publishing puts
+                # the entry back).
+                handled = _publish(ledger, job, self._published, self._published_pids, self.margin)
+        if handled:
+            # Otherwise (the ledger could not be read or written) the change stays unseen,
+            # and the next sample looks again.
             self._seen_token = token
 
     def finish(self) -> None:
@@ -305,11 +310,12 @@ def _read_accounting(backend: Backend, job: Job, result: RunResult) -> None:
             result.accounting_bytes[uuid] = value
 
 
-def _entry_present(ledger: Ledger, job: Job) -> bool:
+def _entry_present(ledger: Ledger, job: Job) -> bool | None:
+    """Is the job's entry in the ledger? None: the ledger cannot be read now."""
     try:
         return ledger.read().find(job.id) is not None
     except Exception:
-        return True  # cannot tell; the next change is looked at again
+        return None
 
 
 def _publish(

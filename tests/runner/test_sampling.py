@@ -101,6 +101,29 @@ def running() -> Iterator[Callable[[Ledger], UsageSampler]]:
         os.waitpid(child, 0)
 
 
+def failing_once(real: Callable[..., Any], error: OSError) -> tuple[Callable[..., Any], list[int]]:
+    """`real`, but raising `error` at its first call; the list counts those failed calls."""
+    failed: list[int] = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(1)
+            raise error
+        return real(*args, **kwargs)
+
+    return wrapper, failed
+
+
+def entry_after_two_samples(sampler: UsageSampler, directory: Path) -> tuple[bool, bool]:
+    """Is the running job's entry in the ledger after one sample, and after the next?"""
+    seen = []
+    now = time.monotonic()
+    for later in (0.0, 1.0):
+        sampler.sample_if_due(now + later)
+        seen.append(Ledger(directory).read().find("held") is not None)
+    return seen[0], seen[1]
+
+
 def test_a_ledger_replaced_between_two_samples_gets_the_running_jobs_entry_back(
     tmp_path: Path, running: Callable[[Ledger], UsageSampler]
 ) -> None:
@@ -109,34 +132,36 @@ def test_a_ledger_replaced_between_two_samples_gets_the_running_jobs_entry_back(
     # the replacement lands right after the sampler last looked.
     ledger = DamagedRightAfterALook(tmp_path)
     sampler = running(ledger)
-    now = time.monotonic()
     ledger.armed = True
-    sampler.sample_if_due(now)
-    assert Ledger(tmp_path).read().find("held") is None  # replaced without it
-    sampler.sample_if_due(now + 1.0)
-    assert Ledger(tmp_path).read().find("held") is not None
+    # Replaced without it at the first sample, put back at the next.
+    assert entry_after_two_samples(sampler, tmp_path) == (False, True)
     assert list(tmp_path.glob("ledger.json.damaged-*"))  # the evidence kept
 
 
-def test_a_put_back_that_fails_once_is_tried_again_at_the_next_sample(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running: Callable[[Ledger], UsageSampler]
+@pytest.mark.parametrize(
+    ("owner", "name", "error"),
+    [
+        # The entry's put-back is refused (a full disk for a moment).
+        (lifecycle, "publish_usage", OSError(errno.ENOSPC, "No space left on device")),
+        # The look at the replaced ledger fails: whether the entry is there cannot be told.
+        (Ledger, "read", OSError(errno.EMFILE, "Too many open files")),
+    ],
+    ids=["write", "read"],
+)
+def test_a_ledger_replaced_while_the_state_dir_fails_once_is_looked_at_again(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    running: Callable[[Ledger], UsageSampler],
+    owner: object,
+    name: str,
+    error: OSError,
 ) -> None:
-    # The state directory refuses one write (a full disk for a moment) just as the entry is
-    # to be put back: the next sample tries again instead of taking the change as handled.
+    # The ledger is replaced without the running job's entry, and the sampler's first attempt
+    # to see to it fails: the next sample tries again instead of taking the change as handled.
     ledger = Ledger(tmp_path)
     sampler = running(ledger)
     damage(ledger, b"")
-    publish, refusals = lifecycle.publish_usage, []
-
-    def refused_once(*args: Any, **kwargs: Any) -> None:
-        if not refusals:
-            refusals.append(1)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        publish(*args, **kwargs)
-
-    monkeypatch.setattr(lifecycle, "publish_usage", refused_once)
-    now = time.monotonic()
-    sampler.sample_if_due(now)
-    assert refusals and Ledger(tmp_path).read().find("held") is None
-    sampler.sample_if_due(now + 1.0)
-    assert Ledger(tmp_path).read().find("held") is not None
+    failing, failed = failing_once(getattr(owner, name), error)
+    monkeypatch.setattr(owner, name, failing)
+    assert entry_after_two_samples(sampler, tmp_path) == (False, True)
+    assert failed
