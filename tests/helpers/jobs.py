@@ -1,8 +1,10 @@
-"""Ledger entries for tests: jobs of live processes, which every ledger transaction keeps."""
+"""Ledger entries for tests: jobs of live processes, which every ledger transaction keeps; and
+ledgers damaged as another process would damage them."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from gpuwait.linux import proc
@@ -23,3 +25,14 @@ def live_job(job_id: str, pid: int | None = None, **fields: Any) -> Job:
     }
     values.update(fields)
     return Job(**values)
+
+
+#: A ledger cut short in the middle of an entry.
+TRUNCATED_LEDGER = b'{"schema": 1, "jobs": [{"id": "a", "pid"'
+
+
+def replace_ledger(path: Path, content: bytes) -> None:
+    """Replace the ledger file at `path` with `content`, as another process would: by rename."""
+    temp = path.with_name(f"{path.name}.tmp-test")
+    temp.write_bytes(content)
+    os.replace(temp, path)

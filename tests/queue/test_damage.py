@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
-from helpers.jobs import live_job
+from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 from helpers.waiting import named_entry, wait_for
 
 from gpuwait.cli import main
@@ -26,7 +26,7 @@ from gpuwait.history import store
 from gpuwait.queue.ledger import Ledger
 
 DAMAGE = {
-    "truncated": b'{"schema": 1, "jobs": [{"id": "a", "pid"',
+    "truncated": TRUNCATED_LEDGER,
     "zero-length": b"",
     "garbage": b"\x00\xff\xfe garbage \x80\x81",
     "wrong schema": b'{"schema": 1, "jobs": {"not": "a list"}}',
@@ -265,9 +265,7 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     # Started, and its tree (the shell and its sleep) published: nothing new to publish until
     # the command allocates.
     wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
-    damaged = ledger_path.with_name("ledger.json.tmp-test")
-    damaged.write_bytes(DAMAGE["truncated"])
-    os.replace(damaged, ledger_path)
+    replace_ledger(ledger_path, DAMAGE["truncated"])
     # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
     # and puts it back: its transaction recovers the file (started afresh, the damaged copy
     # kept aside).

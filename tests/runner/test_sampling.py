@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.jobs import live_job
+from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 from gpuwait.queue import lifecycle
@@ -60,13 +60,6 @@ def test_a_peak_late_in_the_first_second_is_seen(tmp_path: Path) -> None:
     assert result.attributed == {UUID}
 
 
-def damage(ledger: Ledger, content: bytes) -> None:
-    """Replace the ledger with a damaged one, as another process would: by rename."""
-    damaged = ledger.path.with_name("ledger.json.tmp-test")
-    damaged.write_bytes(content)
-    os.replace(damaged, ledger.path)
-
-
 class DamagedRightAfterALook(Ledger):
     """A ledger that another process replaces with a damaged one just after this one has taken
     its fingerprint (`change_token`), once `armed`: the worst moment for the sampler."""
@@ -77,7 +70,7 @@ class DamagedRightAfterALook(Ledger):
         token = super().change_token()
         if self.armed:
             self.armed = False
-            damage(self, b'{"schema": 1, "jobs": [{"id": "a", "pid"')
+            replace_ledger(self.path, TRUNCATED_LEDGER)
         return token
 
 
@@ -160,7 +153,7 @@ def test_a_ledger_replaced_while_the_state_dir_fails_once_is_looked_at_again(
     # to see to it fails: the next sample tries again instead of taking the change as handled.
     ledger = Ledger(tmp_path)
     sampler = running(ledger)
-    damage(ledger, b"")
+    replace_ledger(ledger.path, b"")
     failing, failed = failing_once(getattr(owner, name), error)
     monkeypatch.setattr(owner, name, failing)
     assert entry_after_two_samples(sampler, tmp_path) == (False, True)
