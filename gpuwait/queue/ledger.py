@@ -255,14 +255,19 @@ class Ledger:
             os.close(fd)
 
     def _prune_temp_files(self) -> None:
-        """Temporary files of this user's writers killed halfway through a write."""
+        """Temporary files of this user's writers killed halfway through a write.
+
+        Called with the lock held, and the ledger's and the summaries' temporary files are only
+        written with it held: every one found now was left by a writer that is gone, even where
+        a live process has its pid since (pids are reused; one checked for life would keep its
+        file for as long as the new process lives).
+        """
         try:
             names = os.listdir(self.directory)
         except OSError:
             return
         for name in names:
-            match = _TEMP_RE.match(name)
-            if match and proc.start_time(int(match.group(1))) is None:
+            if _TEMP_RE.match(name):
                 with contextlib.suppress(OSError):
                     if os.lstat(self.directory / name).st_uid == self._uid:
                         os.unlink(self.directory / name)

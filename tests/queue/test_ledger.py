@@ -173,20 +173,26 @@ def test_running_entry_round_trips(tmp_path: Path) -> None:
 
 def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
     # A writer SIGKILLed between creating its temporary file and renaming it leaves the file
-    # behind, for the ledger and for the wake-up summary beside it alike.
+    # behind, for the ledger and for the wake-up summary beside it alike. Its pid may belong to
+    # a live process by the next transaction (pids are reused): the file goes all the same, or
+    # it would stay for as long as that process lives.
     dead = subprocess.Popen(["true"])
     dead.wait()
-    alive = os.getpid()
-    ledger = Ledger(tmp_path / "state")
-    with ledger.transaction():
-        pass
-    for name in ("ledger.json", "wake.json"):
-        for pid in (dead.pid, alive):
-            (ledger.directory / f".{name}.{pid}.tmp").write_text("{")
-    with ledger.transaction():
-        pass
+    with subprocess.Popen(["sleep", "60"]) as reused:
+        try:
+            ledger = Ledger(tmp_path / "state")
+            with ledger.transaction():
+                pass
+            for name in ("ledger.json", "wake.json"):
+                for pid in (dead.pid, reused.pid):
+                    (ledger.directory / f".{name}.{pid}.tmp").write_text("{")
+            with ledger.transaction():
+                pass
+        finally:
+            reused.kill()
     left = sorted(p.name for p in ledger.directory.iterdir() if p.name.endswith(".tmp"))
-    assert left == [f".ledger.json.{alive}.tmp", f".wake.json.{alive}.tmp"]
+    assert left == []
+    assert ledger.read().jobs == []
 
 
 def test_an_entry_changed_to_an_equal_value_of_another_type_is_still_refused(
