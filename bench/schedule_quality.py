@@ -19,7 +19,10 @@ Two lower bounds, valid for any scheduler:
 Schedules, replayed without processes (run times: estimates from "history", each job's true run
 time times a seeded lognormal factor, sigma 0.1, as gpuwait's median of earlier runs gives them;
 `--exact` also prints the replays with exact run times). The policies decide with the estimates;
-jobs take their true run time:
+jobs take their true run time. One draw of that error is one sample of luck (the mean of 20 seeds
+moves by about ±0.005 from one to another), so gpuwait lookahead is also replayed with further
+independent draws (`--draws`, 3 in all by default) and its goals are judged over all of them:
+the mean of the draws' means, the worst seed of any draw.
 - gpuwait fifo: gpuwait's policy, `gpuwait.core.policy.plan` (priority then submission; the head
   holds its GPUs, backfill only where it cannot delay the head);
 - gpuwait lookahead: `gpuwait.core.lookahead.plan`, with each waiter's wait budget from
@@ -143,10 +146,13 @@ def lower_bound(trace: list[TraceJob]) -> float:
     return max(area / usable, max(j.duration for j in trace))
 
 
-def estimates(trace: Sequence[TraceJob], seed: int, exact: bool = False) -> dict[str, float]:
+def estimates(
+    trace: Sequence[TraceJob], seed: int, exact: bool = False, draw: int = 1
+) -> dict[str, float]:
     """Each job's run time as gpuwait's history gives it: the true one times a seeded lognormal
-    factor (sigma ESTIMATE_SIGMA), the same for a seed every time; `exact`: the true one."""
-    rng = random.Random(f"estimates-{seed}")
+    factor (sigma ESTIMATE_SIGMA), the same for a seed and `draw` every time (draw 1 is the
+    tables'; each other draw is another independent one); `exact`: the true one."""
+    rng = random.Random(f"estimates-{seed}" if draw == 1 else f"e{draw}-{seed}")
     noise = {j.name: math.exp(rng.gauss(0.0, ESTIMATE_SIGMA)) for j in trace}
     return {j.name: j.duration * (1.0 if exact else noise[j.name]) for j in trace}
 
@@ -837,9 +843,10 @@ REFERENCES = (
 
 
 def seed_rows(
-    seed: int, scale: float, arrive_within: float, exact: bool, cpsat: float
+    seed: int, scale: float, arrive_within: float, exact: bool, cpsat: float, draws: int = 1
 ) -> tuple[dict[str, Row], BoundB]:
-    """Every replayed policy's figures on one seed, and bound (b)."""
+    """Every replayed policy's figures on one seed, and bound (b); with estimated run times,
+    also gpuwait lookahead's with each further draw of the estimates' error (`draw_name`)."""
     trace = make_trace(seed, scale, arrive_within)
     a = lower_bound(trace)
     found = bound_b(trace)
@@ -866,13 +873,21 @@ def seed_rows(
         found_cp = cpsat_starts(trace, cpsat, runs["offline (list + local search)"])
         if found_cp is not None:
             runs["offline (CP-SAT)"] = found_cp
+    for draw in range(2, 1 if exact else draws + 1):
+        other = estimates(trace, seed, draw=draw)
+        runs[draw_name(draw)] = replay_starts(trace, other, lookahead=True)
     rows = {name: row_of(trace, starts, a, b) for name, starts in runs.items()}
     rows["gpuwait lookahead (replay)"].idle = idle
     return rows, found
 
 
+def draw_name(draw: int) -> str:
+    """The row of gpuwait lookahead replayed with the `draw`th draw of the estimates' error."""
+    return "gpuwait lookahead (replay)" if draw == 1 else f"gpuwait lookahead, draw {draw}"
+
+
 def _seed_job(
-    args: tuple[int, float, float, bool, float],
+    args: tuple[int, float, float, bool, float, int],
 ) -> tuple[int, dict[str, Row], BoundB, float]:
     t0 = time.monotonic()
     rows, found = seed_rows(*args)
@@ -880,9 +895,15 @@ def _seed_job(
 
 
 def all_seeds(
-    seeds: Sequence[int], scale: float, arrive_within: float, exact: bool, cpsat: float, jobs: int
+    seeds: Sequence[int],
+    scale: float,
+    arrive_within: float,
+    exact: bool,
+    cpsat: float,
+    jobs: int,
+    draws: int = 1,
 ) -> list[tuple[int, dict[str, Row], BoundB, float]]:
-    work = [(s, scale, arrive_within, exact, cpsat) for s in seeds]
+    work = [(s, scale, arrive_within, exact, cpsat, draws) for s in seeds]
     if jobs <= 1:
         return [_seed_job(w) for w in work]
     from concurrent.futures import ProcessPoolExecutor
@@ -910,6 +931,19 @@ def table_line(name: str, rows: Sequence[Row]) -> str:
     )
 
 
+def draws_line(draws: Sequence[Sequence[Row]]) -> str:
+    """gpuwait lookahead with each independent draw of the estimates' error: its mean and worst
+    seed ÷ (b) (the table's row is the first draw's)."""
+    figures = [[r.span / r.bound_b for r in each] for each in draws]
+    means = " ".join(f"{statistics.mean(f):.3f}" for f in figures)
+    worst = " ".join(f"{max(f):.3f}" for f in figures)
+    return (
+        f"gpuwait lookahead (replay) with {len(draws)} independent draws of the estimates' error:"
+        f" /(b) mean {means} (together {statistics.mean(statistics.mean(f) for f in figures):.3f}),"
+        f" worst seed {worst}"
+    )
+
+
 def idle_line(rows: Sequence[Row]) -> str:
     """Where the makespan goes: the memory left unused, in seconds of every card's usable
     memory (mean over seeds), by what the queue held meanwhile."""
@@ -929,10 +963,14 @@ def idle_line(rows: Sequence[Row]) -> str:
     )
 
 
-def goals(rows: Sequence[Row], greedy: Sequence[Row]) -> list[str]:
-    """The issue's goals for the policy in `rows`, each with whether it is met."""
+def goals(draws: Sequence[Sequence[Row]], greedy: Sequence[Row]) -> list[str]:
+    """The issue's goals for one policy, replayed with each draw of the estimates' error in
+    `draws` (one row per seed each), each with whether it is met: the mean over the draws of
+    each draw's mean, the worst seed of any draw, the waits over them all."""
+    rows = [r for each in draws for r in each]
     to_b = [r.span / r.bound_b for r in rows]
-    mean_b, worst = statistics.mean(to_b), max(to_b)
+    mean_b = statistics.mean(statistics.mean(r.span / r.bound_b for r in each) for each in draws)
+    worst = max(to_b)
     p5 = statistics.mean(r.p5 for r in rows)
     longest = statistics.mean(r.longest for r in rows)
     greedy_longest = statistics.mean(r.longest for r in greedy)
@@ -1204,7 +1242,7 @@ def replays(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
     results = {}
     for exact in modes:
         results[exact] = all_seeds(
-            seeds, args.scale, args.arrive_within, exact, args.cpsat, args.jobs
+            seeds, args.scale, args.arrive_within, exact, args.cpsat, args.jobs, args.draws
         )
     first = results[False]
     ratio = [f.value / rows["in-order greedy"].bound_a for _, rows, f, _ in first]
@@ -1233,8 +1271,18 @@ def replays(args: argparse.Namespace, seeds: list[int], t0: float) -> None:
                 print(table_line(name, rows))
         look = [r["gpuwait lookahead (replay)"] for _, r, _, _ in each]
         greedy = [r["in-order greedy"] for _, r, _, _ in each]
-        print("goals, gpuwait lookahead (replay):")
-        print("\n".join(goals(look, greedy)))
+        draws = (
+            [[r[draw_name(d)] for _, r, _, _ in each] for d in range(1, args.draws + 1)]
+            if not exact
+            else [look]
+        )
+        if len(draws) > 1:
+            print(draws_line(draws))
+        print(
+            "goals, gpuwait lookahead (replay)"
+            + (f", over the {len(draws)} draws:" if len(draws) > 1 else ":")
+        )
+        print("\n".join(goals(draws, greedy)))
         print(idle_line(look))
     print(
         f"(replays: {time.monotonic() - t0:.1f}s wall; per seed"
@@ -1275,6 +1323,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--cpsat", type=float, default=10.0, metavar="S", help="CP-SAT's seconds per seed (0: off)"
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    parser.add_argument(
+        "--draws",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replay gpuwait lookahead with N independent draws of the estimates' error; the"
+        " goals are judged over them all (one draw is one sample of luck)",
+    )
     parser.add_argument(
         "--check-bound",
         type=int,

@@ -86,6 +86,26 @@ def test_the_unused_memory_and_the_jobs_fill_the_cards_until_the_makespan(
     assert min(idle.fitted, idle.none_fitted, idle.none_waiting, idle.drained) > 0
 
 
+def test_each_draw_of_the_estimates_error_is_its_own_and_repeatable() -> None:
+    trace = sq.make_trace(1, 0.6, 10.0)
+    first, second = sq.estimates(trace, 1), sq.estimates(trace, 1, draw=2)
+    assert first == sq.estimates(trace, 1, draw=1)  # the tables' draw
+    assert second == sq.estimates(trace, 1, draw=2)
+    assert all(first[j.name] != second[j.name] for j in trace)
+    assert sq.estimates(trace, 1, exact=True, draw=2) == {j.name: j.duration for j in trace}
+
+
+def test_the_goals_are_judged_over_every_draw() -> None:
+    def row(span: float) -> sq.Row:
+        return sq.Row(span, 1.0, 1.0, 1.0, 1.0, 10.0, None)
+
+    lucky, unlucky = [row(1.10), row(1.12)], [row(1.12), row(1.19)]
+    judged = "\n".join(sq.goals([lucky, unlucky], [row(1.3), row(1.3)]))
+    assert "mean <= 1.12 x (b) (stretch 1.10): 1.133, NOT met" in judged
+    assert "no seed above 1.18 x (b): worst 1.190, NOT met" in judged
+    assert "worst 1.120, met" in "\n".join(sq.goals([lucky], [row(1.3), row(1.3)]))
+
+
 def test_the_knapsack_takes_the_best_set_that_fits() -> None:
     value, chosen = sq.knapsack([20, 23, 30, 5], [1.0, 1.0, 1.5, 0.3], 43)
     assert value == pytest.approx(2.0)
@@ -130,6 +150,7 @@ def test_the_bench_prints_a_row_per_policy(
     for name in sq.REFERENCES[:-1]:
         assert name in out
     assert "bound (b) / bound (a)" in out
-    assert "goals, gpuwait lookahead (replay):" in out
+    assert "gpuwait lookahead (replay) with 3 independent draws of the estimates' error" in out
+    assert "goals, gpuwait lookahead (replay), over the 3 draws:" in out
     assert "max wait <= 1.1 x the in-order greedy's" in out
     assert "memory left unused, gpuwait lookahead (replay), in seconds of all 4 cards" in out
