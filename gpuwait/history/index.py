@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,14 @@ from gpuwait.history.store import (
     read_from,
     read_limit,
 )
-from gpuwait.linux.atomic import ensure_private_dir
+from gpuwait.linux.atomic import ensure_private_dir, remove_left_temp_files
 from gpuwait.linux.security import mine, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times).
 SCHEMA = 2
 DIRNAME = "history.index"
+#: The temporary files of the index's writes (`_write_cache`).
+_TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 KEEP_RUNS = KEEP_PER_KEY
 _OK, _OOM, _APPROX = 1, 2, 4
 #: A bucket file larger than this is not one (256 buckets of KEEP_RUNS runs per key).
@@ -316,6 +319,9 @@ def _take_in(directory: Path, parsed: Parsed) -> None:
 
 
 def _rebuild(directory: Path, parsed: Parsed) -> None:
+    # Every file here is written with the history lock held: those of a writer killed
+    # halfway go with the rest of the old index.
+    remove_left_temp_files(directory, _TEMP_RE)
     grouped = _group(parsed)
     for name, keys in grouped.items():
         bucket: dict[str, dict[str, Any]] = {}

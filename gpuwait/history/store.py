@@ -30,6 +30,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from gpuwait.linux.atomic import (
     damaged_name,
     ensure_private_dir,
     open_private_append,
+    remove_left_temp_files,
     write_atomic,
 )
 from gpuwait.linux.lock import LockTimeout, exclusive
@@ -58,6 +60,8 @@ from gpuwait.linux.security import mine, open_readable
 
 FILENAME = "history.jsonl"
 LOCK_NAME = "history.lock"
+#: The temporary files a compaction writes, with the history lock held.
+_TEMP_RE = re.compile(r"^\.history\.jsonl(?:\.1)?\.[0-9]+(?:-[0-9a-f]+)?\.tmp$")
 #: Runs kept per command key (at each level) by compaction: more than an estimate looks at.
 KEEP_PER_KEY = 2 * WINDOW
 #: The newest runs, kept by compaction whatever their key, for `gpuwait history`.
@@ -474,6 +478,9 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compac
     damaged = bool(parsed.damage.lines or parsed.damage.unread)
     if damaged:
         result.damage = parsed.damage.describe()
+    # Those of a compaction killed halfway, which would otherwise stay: the new history (up to
+    # half the size limit) and a link keeping the whole old one on disk.
+    remove_left_temp_files(state_dir, _TEMP_RE)
     # The old file is linked to its new name, not moved: readers always find a history.jsonl.
     previous = damaged_name(path) if damaged else path.with_name(FILENAME + ".1")
     link = path.with_name(f".{FILENAME}.1.{os.getpid()}.tmp")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
 import stat
 import time
 from pathlib import Path
@@ -59,6 +61,23 @@ def write_atomic(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_left_temp_files(directory: Path, names: re.Pattern[str], owner: int = -1) -> None:
+    """Remove the temporary files in `directory` whose names match `names` (`owner`: only that
+    uid's). Called only with the lock held under which every such file is written, so each one
+    found was left by a writer killed halfway, even where a live process has its pid since
+    (pids are reused: one checked for life would keep its file as long as that process lives).
+    """
+    try:
+        found = os.listdir(directory)
+    except OSError:
+        return
+    for name in found:
+        if names.match(name):
+            with contextlib.suppress(OSError):
+                if owner == -1 or os.lstat(directory / name).st_uid == owner:
+                    os.unlink(directory / name)
 
 
 def damaged_name(path: Path) -> Path:

@@ -36,7 +36,12 @@ from typing import Any
 
 from gpuwait.core.errors import StateError
 from gpuwait.linux import proc
-from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, write_atomic
+from gpuwait.linux.atomic import (
+    ensure_private_dir,
+    keep_damaged,
+    remove_left_temp_files,
+    write_atomic,
+)
 from gpuwait.linux.lock import LockTimeout, flock_within, holders
 from gpuwait.linux.security import (
     ANYONE,
@@ -155,7 +160,9 @@ class Ledger:
                 before = wake.fingerprint(data.jobs)
                 # Pids of other pid namespaces' entries name nobody to wake here.
                 present = {j.id: (j.state, j.pid) for j in data.jobs if not entries.elsewhere(j)}
-                self._prune_temp_files()
+                # The ledger's and the summaries' temporary files are only written with the
+                # lock held; in a shared directory only this user's are this user's to remove.
+                remove_left_temp_files(self.directory, _TEMP_RE, self._uid)
                 yield data
                 release = wake.released(before, wake.fingerprint(data.jobs))
                 if release:
@@ -253,24 +260,6 @@ class Ledger:
             yield
         finally:
             os.close(fd)
-
-    def _prune_temp_files(self) -> None:
-        """Temporary files of this user's writers killed halfway through a write.
-
-        Called with the lock held, and the ledger's and the summaries' temporary files are only
-        written with it held: every one found now was left by a writer that is gone, even where
-        a live process has its pid since (pids are reused; one checked for life would keep its
-        file for as long as the new process lives).
-        """
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            return
-        for name in names:
-            if _TEMP_RE.match(name):
-                with contextlib.suppress(OSError):
-                    if os.lstat(self.directory / name).st_uid == self._uid:
-                        os.unlink(self.directory / name)
 
     # -- reading -----------------------------------------------------------------------------
 

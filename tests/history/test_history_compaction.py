@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,35 @@ def test_records_after_compaction_count_on_and_the_index_follows(tmp_path: Path)
     again = learn(tmp_path, list(script), CWD, now=now + 10)
     assert [lv.total_runs for lv in again.levels] == [lv.total_runs for lv in after.levels]
     assert again.estimate == after.estimate
+
+
+def test_the_files_of_a_compaction_killed_halfway_go_with_the_next(tmp_path: Path) -> None:
+    # Killed halfway, a compaction leaves the new history (up to half the size limit) and a
+    # link that keeps the whole old one on disk, and an index write its bucket; by the next
+    # compaction the pid in their names may be a live process's, which changes nothing.
+    script = ["python", "exp0/train.py", "--bs", "8"]
+    _, now = sweep_history(tmp_path, 300)
+    learn(tmp_path, script, CWD, now=now)  # the index, built
+    index = tmp_path / "history.index"
+    with subprocess.Popen(["sleep", "60"]) as reused:
+        try:
+            left = [
+                tmp_path / f".history.jsonl.{reused.pid}.tmp",
+                tmp_path / f".history.jsonl.1.{reused.pid}.tmp",
+                index / f".b3a.json.{reused.pid}.tmp",
+            ]
+            for path in left:
+                path.write_bytes(b"x" * 4096)
+            # Not the history's: written without its lock, perhaps at this very moment.
+            idle = tmp_path / f".idle.json.{reused.pid}.tmp"
+            idle.write_bytes(b"{")
+            trigger(tmp_path, max_bytes=store.history_path(tmp_path).stat().st_size)
+            learn(tmp_path, script, CWD, now=now)  # the index, rebuilt for the new history
+        finally:
+            reused.kill()
+    assert [p.name for p in left if p.exists()] == []
+    assert idle.exists()
+    assert learn(tmp_path, script, CWD, now=now).warnings == ()
 
 
 @pytest.mark.usefixtures("small_recent")
