@@ -63,11 +63,15 @@ def write_atomic(
         raise
 
 
-def remove_left_temp_files(directory: Path, names: re.Pattern[str], owner: int = -1) -> None:
+def remove_left_temp_files(
+    directory: Path, names: re.Pattern[str], owner: int = -1, older_than: float = 0.0
+) -> None:
     """Remove the temporary files in `directory` whose names match `names` (`owner`: only that
-    uid's). Called only with the lock held under which every such file is written, so each one
-    found was left by a writer killed halfway, even where a live process has its pid since
-    (pids are reused: one checked for life would keep its file as long as that process lives).
+    uid's). Called with the lock held under which every such file is written, each one found
+    was left by a writer killed halfway, even where a live process has its pid since (pids are
+    reused: one checked for life would keep its file as long as that process lives). For files
+    written with no lock, `older_than` (seconds): only those last changed longer ago than any
+    write takes, which no live writer can still be writing.
     """
     try:
         found = os.listdir(directory)
@@ -76,7 +80,10 @@ def remove_left_temp_files(directory: Path, names: re.Pattern[str], owner: int =
     for name in found:
         if names.match(name):
             with contextlib.suppress(OSError):
-                if owner == -1 or os.lstat(directory / name).st_uid == owner:
+                st = os.lstat(directory / name)
+                if (owner == -1 or st.st_uid == owner) and (
+                    older_than <= 0 or time.time() - st.st_mtime > older_than
+                ):
                     os.unlink(directory / name)
 
 

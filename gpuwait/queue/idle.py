@@ -10,6 +10,7 @@ The file is the user's own and only ever a hint: lost or damaged, the evidence s
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -19,13 +20,16 @@ from gpuwait.core.idle import Evidence, IdleHolder, IdleRule, idle_holders, obse
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
-from gpuwait.linux.atomic import write_atomic
+from gpuwait.linux.atomic import remove_left_temp_files, write_atomic
 from gpuwait.queue.entries import RUNNING, LedgerData, elsewhere
 
 IDLE_FILE = "idle.json"
 _VERSION = 1
 #: A machine's GPU processes fit in far less; a bigger file is not ours.
 _CAP = 1 << 20
+_TEMP_RE = re.compile(r"^\.idle\.json\.[0-9]+\.tmp$")
+#: Seconds: a temporary file unchanged this long is no live writer's (a write takes milliseconds).
+_TEMP_AGE = 600.0
 
 
 def record_reading(
@@ -101,6 +105,9 @@ def _save(state_dir: Path, path: Path, evidence: Evidence) -> None:
     try:
         security.ensure_private_dir(state_dir)
         write_atomic(path, data, sync=False)
+        # Written with no lock, so a temporary file may be another gpuwait's, being written
+        # now: only one older than any write is a killed writer's.
+        remove_left_temp_files(state_dir, _TEMP_RE, older_than=_TEMP_AGE)
     except OSError:
         # Only a hint: without it, the next reading starts the evidence again.
         pass

@@ -66,7 +66,7 @@ MAX_USER_FILES = 4096
 LEAVE_PATIENCE = 1.0
 
 _TEMP_RE = re.compile(
-    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake(?:\.[0-9]+)?)\.json\.([0-9]+)(?:-[0-9a-f]+)?\.tmp$"
+    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake(?:\.[0-9]+)?)\.json\.[0-9]+(?:-[0-9a-f]+)?\.tmp$"
 )
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
 _CRC_PREFIX = b'{"crc":'

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 from helpers.fixtures_sim import Run, SimFileFactory, hold_card, start_sim_job
@@ -144,3 +146,30 @@ def idle_now_with(run_gpuwait: Run, min_vram: str) -> list[dict[str, Any]]:
     assert done.returncode == 0, done.stderr
     holders: list[dict[str, Any]] = json.loads(done.stdout)["idle"]
     return holders
+
+
+def test_the_evidence_file_of_a_killed_writer_goes_once_it_is_old(
+    sim_file: SimFileFactory,
+    run_gpuwait: Run,
+    sim_jobs: list[subprocess.Popen[str]],
+) -> None:
+    # The evidence is written without a lock (a reading's hint), so another gpuwait may be
+    # writing its temporary file right now: only one older than any write can be a dead one's.
+    sim_file(gpus=1, utilization=0)
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(parents=True)
+    dead = state / ".idle.json.999999.tmp"
+    writing = state / ".idle.json.999998.tmp"
+    for left in (dead, writing):
+        left.write_text('{"version": 1, "evid')
+    hour_ago = time.time() - 3600
+    os.utime(dead, (hour_ago, hour_ago))
+
+    # A process seen holding memory on a quiet GPU is new evidence: the file is written.
+    holder = start_sim_job("--vram", "2G", "--hold", "120s")
+    sim_jobs.append(holder)
+    wait_for(lambda: gpu_used(run_gpuwait, 0) == 2 * GIB)
+    assert idle_now(run_gpuwait) == []
+    assert json.loads((state / "idle.json").read_text())["evidence"]
+    assert not dead.exists()
+    assert writing.exists()
