@@ -70,9 +70,21 @@ def keep_pending(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
+def taken() -> tuple[int, ...]:
+    """The handled signals gpuwait takes: all but those its caller left ignored (nohup's HUP,
+    the INT and QUIT of a shell script's background job). The command inherits them ignored and
+    would not die of them bare, so gpuwait must not either; blocked, Linux would queue them for
+    gpuwait even though ignored, so they are left unblocked, and the kernel drops them."""
+    return tuple(s for s in HANDLED if s == signal.SIGCHLD or signal.getsignal(s) != signal.SIG_IGN)
+
+
 def block_handled() -> None:
-    """Block the handled signals so they queue up for `next_signal`, even before it is called."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    """Block the taken signals so they queue up for `next_signal`, even before it is called."""
+    if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        # Left ignored by the caller, it would have the kernel reap the command, and its exit
+        # status with it: gpuwait waits for its command, so the command gets the default too.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, taken())
 
 
 def unblock_all() -> None:
@@ -82,7 +94,13 @@ def unblock_all() -> None:
 def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_siginfo | None:
     """Sleep up to `timeout` seconds; return the first handled signal (or one of `also`, which
     the caller has blocked) that arrives, or None."""
-    return signal.sigtimedwait((*HANDLED, *also), max(0.0, timeout))
+    wanted = (*taken(), *also)
+    info = signal.sigtimedwait(wanted, max(0.0, timeout))
+    if info is not None and info.si_signo not in wanted:
+        # CPython (3.11 here) returns uninitialised details where the process was stopped
+        # (Ctrl-Z, SIGSTOP) past the timeout and then continued: nothing arrived.
+        return None
+    return info
 
 
 def came_from_terminal(info: signal.struct_siginfo) -> bool:

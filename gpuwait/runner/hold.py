@@ -205,7 +205,7 @@ class Holding:
 def _signals_taken() -> Iterator[None]:
     """gpuwait's signals blocked in this thread while it waits (they queue up for the waiting
     loop); the thread's mask as it was afterwards."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.HANDLED)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken())
     try:
         yield
     finally:

@@ -1,0 +1,159 @@
+"""A gpuwait stopped and continued (Ctrl-Z then `fg`, SIGSTOP then SIGCONT) goes on as it was,
+waiting or running; signals its caller left ignored (`nohup`'s HUP, the INT and QUIT of a
+script's background job) do not end it, as they would not end the command bare.
+
+Real processes on the simulation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.waiting import wait_for
+
+pytestmark = pytest.mark.usefixtures("sim")
+
+
+def ledger_jobs() -> list[dict[str, object]]:
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text())["jobs"])
+
+
+def wait_for_jobs(count: int, state: str | None = None) -> None:
+    wait_for(
+        lambda: len([j for j in ledger_jobs() if state is None or j["state"] == state]) >= count,
+        timeout=90,
+        interval=0.02,
+        message=lambda: f"never saw {count} {state or ''} jobs: {ledger_jobs()}",
+    )
+
+
+def both_cards_held(gpuwait_cmd: list[str]) -> subprocess.Popen[str]:
+    """A gpuwait job that keeps 20 GiB of each of the two 24 GiB cards until terminated."""
+    holder = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--", "sleep", "120"], text=True
+    )
+    wait_for_jobs(1, "running")
+    return holder
+
+
+def end(holder: subprocess.Popen[str]) -> None:
+    holder.terminate()
+    holder.wait(timeout=60)
+
+
+def test_a_waiting_gpuwait_stopped_past_its_sleep_and_continued_waits_on(
+    gpuwait_cmd: list[str],
+) -> None:
+    holder = both_cards_held(gpuwait_cmd)
+    try:
+        waiter = subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "15G", "--", "echo", "started"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for_jobs(2)
+        time.sleep(0.5)  # asleep in its waiting loop, as a waiter is nearly all the time
+        # Stopped for longer than that loop ever sleeps: the sleep's time is up when it
+        # continues.
+        waiter.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        waiter.send_signal(signal.SIGCONT)
+        time.sleep(0.5)
+        assert waiter.poll() is None, waiter.communicate()
+    finally:
+        end(holder)
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, err
+    assert out == "started\n"
+    assert "Traceback" not in err
+    assert ledger_jobs() == []
+
+
+def test_a_running_gpuwait_stopped_and_continued_sees_its_command_to_the_end(
+    gpuwait_cmd: list[str],
+) -> None:
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "sleep 3; echo done; exit 7"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_jobs(1, "running")
+    time.sleep(0.3)
+    job.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)
+    job.send_signal(signal.SIGCONT)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 7, err
+    assert out == "done\n"
+    assert "Traceback" not in err
+    # It saw the command to its end: the entry is gone and the run is in the history.
+    assert ledger_jobs() == []
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [7]
+
+
+IGNORED = "trap '' HUP INT QUIT; exec \"$@\""
+SEES_HUP_IGNORED = "import signal; print(signal.getsignal(signal.SIGHUP) is signal.SIG_IGN)"
+
+
+def test_signals_the_caller_ignored_neither_end_gpuwait_nor_reach_the_command(
+    gpuwait_cmd: list[str],
+) -> None:
+    # As `nohup gpuwait ...`, or `gpuwait ... &` in a script: the caller ignores HUP, INT and
+    # QUIT, and the command inherits them ignored; bare, none of them would end it.
+    holder = both_cards_held(gpuwait_cmd)
+    command = [sys.executable, "-c", f"import time; time.sleep(1.5); {SEES_HUP_IGNORED}"]
+    try:
+        waiter = subprocess.Popen(
+            ["sh", "-c", IGNORED, "sh", *gpuwait_cmd, "--vram", "15G", "--", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for_jobs(2)
+        for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+            waiter.send_signal(signum)
+        time.sleep(0.5)
+        assert waiter.poll() is None, waiter.communicate()
+    finally:
+        end(holder)
+    wait_for_jobs(1, "running")
+    waiter.send_signal(signal.SIGHUP)  # as a terminal closing while it runs
+    out, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0, err
+    assert out == "True\n"
+    assert "Traceback" not in err
+
+
+def test_a_caller_that_ignores_sigchld_still_gets_the_commands_exit_status(
+    gpuwait_cmd: list[str],
+) -> None:
+    # Some daemons ignore SIGCHLD and pass that on to what they start: the kernel would reap
+    # gpuwait's command and throw its exit status away.
+    starter = (
+        "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN);"
+        " os.execvp(sys.argv[1], sys.argv[1:])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", starter, *gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "exit 3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert ledger_jobs() == []
