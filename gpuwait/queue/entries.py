@@ -381,6 +381,11 @@ def plain_id(job_id: str) -> str:
 
 #: Requests one user's file may hold.
 MAX_REQUESTS = 1024
+#: More submissions than any machine makes (a million a second for 280 years). A file may say
+#: its counter or an order is higher, up to the 2**62 a reader accepts: taken on, the next
+#: submissions would write a counter past that, and every reader, the writer's own gpuwait
+#: included, would reject the writer's file. Counters are taken on up to this only.
+PLAUSIBLE_ORDER = 2**53
 
 
 class LedgerData(Record):
@@ -601,10 +606,11 @@ def combine(
     for request in own.requests:
         request.by_uid = me
     own.usage = {me: own.usage[me]} if me in own.usage else {}
+    own.next_order = min(own.next_order, PLAUSIBLE_ORDER)
     ids = {j.id for j in own.jobs}
     for owner, data in sorted(others, key=lambda part: part[0]):
         own.others_release += max(0, data.release_seq)
-        own.next_order = max(own.next_order, data.next_order)
+        own.next_order = max(own.next_order, min(data.next_order, PLAUSIBLE_ORDER))
         if owner in data.usage:
             own.usage[owner] = data.usage[owner]
         for job in counted(data.jobs, owner, counts):
@@ -614,7 +620,7 @@ def combine(
             own.jobs.append(job)
         own.requests += [r._replace(by_uid=owner) for r in data.requests]
     own.release_seq += own.others_release
-    own.next_order = max([own.next_order, *(j.order + 1 for j in own.jobs)])
+    own.next_order = max([own.next_order, *(min(j.order + 1, PLAUSIBLE_ORDER) for j in own.jobs)])
     mark_pause_requests(own)
     return own
 

@@ -70,8 +70,6 @@ _TEMP_RE = re.compile(
 )
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
 _CRC_PREFIX = b'{"crc":'
-#: The file a shared ledger directory held before it held one file per user.
-LEGACY_NAME = "ledger.json"
 
 
 class _Unreadable(Exception):
@@ -299,9 +297,6 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair)
             if part is not None:
                 others[uid] = part
-        if repair and raw is None and os.path.lexists(self.directory / LEGACY_NAME):
-            self._take_legacy(data)
-            rewrite = True
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         return combined, raw, rewrite
 
@@ -443,26 +438,6 @@ class Ledger:
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
 
-    def _take_legacy(self, own: LedgerData) -> None:
-        """The single file a shared directory held before (every user's entries in one, which
-        any member could edit), read once, at this user's first use of the directory: their
-        usage row (fair share) moves into their own file. Its entries are not taken: their
-        processes are gone once gpuwait was updated (docs/shared-servers.md says when to update),
-        and any member could have written any of them."""
-        try:
-            found = self._read_file(self.directory / LEGACY_NAME)
-            if found is None:
-                return
-            legacy, _ = self._decode(found[1], False, -1, owned=False)
-        except (_Unreadable, ValueError):
-            return
-        if self._uid in legacy.usage:
-            own.usage[self._uid] = legacy.usage[self._uid]
-            self.warnings.append(
-                f"ledger {self.directory / LEGACY_NAME}: your usage was moved to "
-                f"{self.path.name} (see docs/shared-servers.md to remove the old file)"
-            )
-
 
 def _who(pids: list[int]) -> str:
     if not pids:
@@ -473,8 +448,8 @@ def _who(pids: list[int]) -> str:
 
 
 def _check_crc(text: bytes) -> bytes:
-    """A file written with a checksum must match it (a torn in-place write does not). Only the
-    single shared file of earlier versions has one (see `Ledger._take_legacy`)."""
+    """A file written with a checksum must match it (a torn in-place write does not). Only
+    ledgers written by earlier versions, in place, have one."""
     if not text.startswith(_CRC_PREFIX):
         return text
     comma = text.find(b",", len(_CRC_PREFIX), len(_CRC_PREFIX) + 12)

@@ -320,6 +320,26 @@ def test_a_members_own_entry_says_what_it_likes_only_about_them(server: Server) 
     bob.wait(timeout=20)
 
 
+def test_a_counter_forged_in_a_members_own_file_breaks_nobody_elses(server: Server) -> None:
+    # Bob sets his file's order counter to the most a reader accepts. Alice's next submission
+    # must not take it past that: her file would be set aside by her own gpuwait and skipped
+    # by everyone else's, her running job counted by nobody, and a job of hers OOM.
+    def forge(raw: dict[str, Any]) -> None:
+        raw["next_order"] = 2**62
+
+    server.edit_own(BOB, forge)
+    job = server.start(ALICE, "--vram", "13G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    # Her 13 GiB count for her and for Bob: another 13 GiB does not fit on 21.6 usable.
+    for uid in (ALICE, BOB):
+        done = server.run(uid, "--vram", "13G", "--timeout", "0.5s", "--", "true")
+        assert done.returncode == 124, done.stderr
+        assert "not used" not in done.stderr and "damaged" not in done.stderr
+    assert not list(server.ledger_dir.glob("*.damaged-*"))
+    assert [j.uid for j in server.ledger().read().jobs] == [ALICE]
+    assert job.poll() is None
+
+
 def test_a_user_controls_only_their_own_jobs(server: Server) -> None:
     alice = server.start(ALICE, "--vram", "1G", "--", "sleep", "30")
     server.wait_jobs(1, "running")
@@ -661,30 +681,29 @@ def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     assert json.loads(checkpoint.read_text())["resumes"] == 1
 
 
-def test_a_shared_directory_of_the_single_file_kind_is_taken_over(server: Server) -> None:
-    # Bob is first, and has a job running when Alice first runs the new gpuwait.
+def test_a_file_of_the_single_file_kind_in_a_shared_directory_is_not_believed(
+    server: Server,
+) -> None:
+    # Bob is first, and has a job running when Alice first runs gpuwait there.
     bob = server.start(BOB, "--vram", "1G", "--", "sleep", "30")
     server.wait_jobs(1, "running")
     bob_job = server.ledger().read().jobs[0]
-    # The file every member wrote before, with an entry Bob slipped into it: Alice's uid,
-    # naming Bob's live gpuwait, reserving most of the card.
+    # The file every member wrote in earlier versions (or one Bob plants as a newcomer's
+    # welcome): an entry under Alice's uid naming Bob's live gpuwait, reserving most of the
+    # card, and a fair-share usage of Alice's that would put her last for weeks.
     legacy = empty_document()
-    legacy["usage"] = {str(ALICE): [5e14, time.time()], str(BOB): [1.0, time.time()]}
+    legacy["usage"] = {str(ALICE): [5e14, time.time() + 1e9], str(BOB): [1.0, time.time()]}
     legacy["jobs"] = [
         {**bob_job.to_json(), "id": "planted", "uid": ALICE, "reserved_bytes": 20 * GiB}
     ]
-    (server.ledger_dir / "ledger.json").write_text(json.dumps(legacy))
-    os.chmod(server.ledger_dir / "ledger.json", 0o660)
+    assert server.write_as(BOB, server.ledger_dir / "ledger.json", legacy).returncode == 0
     done = server.run(ALICE, "--vram", "10G", "--timeout", "5s", "--", "true")
     assert done.returncode == 0, done.stderr
-    assert "your usage was moved to" in done.stderr
-    # Alice's usage row is carried into her own file; nothing else of the old file is taken.
+    assert "Traceback" not in done.stderr
+    # Nothing of it is taken: Alice's usage is her own runs' alone.
     mine = json.loads(server.own_file(ALICE).read_text())
-    assert list(mine["usage"]) == [str(ALICE)]
-    assert mine["usage"][str(ALICE)][0] > 4.9e14
+    assert mine["usage"][str(ALICE)][0] < 1e12
     assert [j.id for j in server.ledger().read().jobs] == [bob_job.id]
-    again = server.run(ALICE, "--vram", "1G", "--", "true")
-    assert "moved" not in again.stderr
     bob.send_signal(signal.SIGTERM)
     bob.wait(timeout=20)
 
