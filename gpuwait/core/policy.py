@@ -493,6 +493,25 @@ def impossible_reason(
     )
 
 
+def fits_beside(
+    claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, staying: Sequence[Claim]
+) -> bool:
+    """Whether `claim` could be admitted once everything has ended but `staying`: running
+    claims that end only after it (the jobs whose command it runs inside). Outside memory is
+    left out, as it may yet be freed."""
+    rooms = gpu_rooms(gpus, staying, safety)
+    fitting = 0
+    for gpu in gpus:
+        room = rooms[gpu.uuid]
+        if not static_ok(claim, gpu) or room.exclusive_held:
+            continue
+        if claim.request is None:
+            fitting += room.running_jobs == 0
+        else:
+            fitting += claim.request.on(gpu.total_bytes) <= room.usable - room.committed
+    return fitting >= claim.gpus_wanted
+
+
 _Fit = tuple[GpuRoom, int]
 
 

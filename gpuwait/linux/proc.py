@@ -64,6 +64,16 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
+def ancestors(pid: int) -> list[int]:
+    """`pid`'s parent, its parent's parent and so on, up to the first process."""
+    found: list[int] = []
+    parent = parent_pid(pid)
+    while parent is not None and parent > 0 and parent not in found and len(found) < 1024:
+        found.append(parent)
+        parent = parent_pid(parent)
+    return found
+
+
 def is_alive(pid: int, expected_start: int | None) -> bool:
     """True when `pid` runs and, if `expected_start` is given, is the process that started then."""
     if pid <= 0:

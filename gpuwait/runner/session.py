@@ -39,10 +39,11 @@ from gpuwait.core.errors import (
     UsageError,
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
-from gpuwait.core.policy import WaitReason, impossible_reason
+from gpuwait.core.policy import WaitReason, fits_beside, impossible_reason
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.core.text import command_line
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
@@ -474,11 +475,46 @@ def prepare_job(
     )
     if impossible is not None:
         raise ImpossibleRequest(impossible, hint=hint)
+    _refuse_inside_its_blocker(job, config, snapshot.gpus)
     own = choice.learned if request.key is None else None
     job, warnings = _with_run_times(job, config, own, snapshot)
     for message in warnings:
         reporter.warn(message)
     return job, choice
+
+
+def _refuse_inside_its_blocker(job: Job, config: RunConfig, gpus: Sequence[GpuSnapshot]) -> None:
+    """Refuse (ImpossibleRequest) a job that this process, started inside a gpuwait job's
+    command, could only start once that job has ended: that job ends only after this process,
+    so both would wait for ever, and the waiter would hold GPUs from everyone meanwhile."""
+    outer_id = os.environ.get("GPUWAIT_JOB_ID")
+    if not outer_id:
+        return  # outside any job (every job's command, and what it starts, has it)
+    above = proc.ancestors(os.getpid())
+    outer = next(
+        (
+            j
+            for j in _ledger(config).read().jobs
+            if j.id == outer_id
+            and j.uid == os.getuid()
+            and j.child_pid in above
+            and proc.is_alive(j.child_pid, j.child_start_time)
+        ),
+        None,
+    )
+    if outer is None or fits_beside(
+        claim_of(job, gpus), gpus, config.wait.safety, [claim_of(outer, gpus)]
+    ):
+        return
+    where = ",".join(f"GPU{g.index}" for g in gpus if g.uuid in outer.gpu_uuids)
+    request = job.memory_request()
+    what = "a whole GPU" if request is None else request.describe()
+    raise ImpossibleRequest(
+        f"this runs inside gpuwait job {outer.id} ({command_line(outer.command, 60)}), which"
+        f" keeps {where} until this ends: {what} can never start beside it",
+        hint="run the command without gpuwait (it shares that job's GPUs), or start the outer"
+        " one without it (`command python ...`, or GPUWAIT_DISABLE=1 for the shell hook)",
+    )
 
 
 def _attempt(

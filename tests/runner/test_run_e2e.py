@@ -415,3 +415,25 @@ def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]
         for h in holders:
             h.terminate()
             h.wait()
+
+
+def test_a_gpuwait_inside_a_job_that_keeps_its_room_is_refused_at_once(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The inner gpuwait could only start once the job it runs inside has ended, and that job
+    # waits for it: refused at once (3), naming the job, and nothing queued meanwhile.
+    inner = " ".join([*gpuwait_cmd, "--vram", "12G", "--", "echo", "inner"])
+    started = time.monotonic()
+    done = run([*gpuwait_cmd, "--vram", "12G", "--", "sh", "-c", f"{inner}; echo rc=$?"])
+    assert time.monotonic() - started < 30
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "rc=3\n"
+    assert "inside gpuwait job" in done.stderr and "Traceback" not in done.stderr
+    assert len([line for line in done.stderr.splitlines() if "error" in line]) == 1
+    # Beside it, a request that fits the card with the outer job's room kept waits and starts
+    # as ever; and a whole GPU inside any job there can never start either.
+    beside = " ".join([*gpuwait_cmd, "-q", "--vram", "8G", "--", "echo", "beside"])
+    whole = " ".join([*gpuwait_cmd, "-q", "--", "echo", "whole"])
+    done = run([*gpuwait_cmd, "--vram", "12G", "--", "sh", "-c", f"{beside}; {whole}; echo rc=$?"])
+    assert done.stdout == "beside\nrc=3\n", done.stderr
+    assert ledger_jobs() == []
