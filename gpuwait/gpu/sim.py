@@ -344,6 +344,15 @@ def write_sim_file(
     target = os.fspath(path)
     if os.path.lexists(target) and not force:
         raise UsageError(f"{target} already exists", hint="pass --force to replace it")
+    with contextlib.suppress(OSError):
+        kind = os.lstat(target).st_mode
+        # --force replaces a simulation file, not a device, a FIFO or a directory (as root,
+        # /dev/null would become a plain file).
+        if not (stat.S_ISREG(kind) or stat.S_ISLNK(kind)):
+            raise UsageError(
+                f"{target} is not a plain file; gpuwait sim init replaces only plain files",
+                hint="give the path of a simulation file, or a new one",
+            )
     try:
         write_atomic(Path(target), text.encode(), mode=0o644)
     except OSError as exc:

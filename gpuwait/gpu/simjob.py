@@ -98,6 +98,12 @@ def _main(args: argparse.Namespace) -> int:
         _error(f"gpuwait sim job: {exc.message}")
         _error(f"gpuwait sim job: hint: {exc.hint}")
         return 2
+    if args.checkpoint and not os.path.isdir(os.path.dirname(os.path.abspath(args.checkpoint))):
+        _error(f"gpuwait sim job: --checkpoint {args.checkpoint}: its directory does not exist")
+        return 2
+    if args.checkpoint and os.path.isdir(args.checkpoint):
+        _error(f"gpuwait sim job: --checkpoint {args.checkpoint} is a directory; give a file")
+        return 2
     start = proc.start_time(os.getpid())
     if start is None:
         _error("gpuwait sim job: cannot read this process's start time from /proc")
@@ -457,7 +463,12 @@ def _hold_pausable(hold: float, path: str) -> bool:
 
 def _save_progress(path: str, held: float, finished: bool) -> None:
     state = {"held_seconds": held, "finished": finished, "resumes": checkpoint.resume_count()}
-    write_atomic(Path(path), json.dumps(state).encode(), mode=0o644)
+    try:
+        write_atomic(Path(path), json.dumps(state).encode(), mode=0o644)
+    except OSError as exc:
+        # As a training script whose checkpoint cannot be written: it says so and goes on
+        # (a pause without its checkpoint starts over when resumed).
+        _error(f"gpuwait sim job: cannot write checkpoint {path}: {exc.strerror or exc}")
 
 
 def _raise_signalled(signum: int, frame: FrameType | None) -> None:

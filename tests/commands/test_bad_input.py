@@ -279,3 +279,48 @@ def test_a_simulated_job_refuses_a_size_without_a_unit(sim: Path) -> None:
     )
     assert done.returncode == 2
     assert "'4' has no unit; give a unit: 6G (GiB), 6GB or 6000M" in done.stderr
+
+
+def test_sim_init_force_replaces_only_a_plain_file(tmp_path: Path) -> None:
+    # `--force` is for a simulation file; a device, a FIFO or a directory at the path is
+    # something else (as root, /dev/null would have become a plain file).
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for path in (fifo, folder):
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuwait", "sim", "init", "--force", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "not a plain file" in done.stderr and "Traceback" not in done.stderr
+    assert fifo.is_fifo() and folder.is_dir()
+    plain = tmp_path / "sim.toml"
+    plain.write_text("old")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "sim", "init", "--force", str(plain)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[[gpu]]" in plain.read_text()
+
+
+def test_a_simulated_job_refuses_a_checkpoint_it_could_never_write(
+    sim: Path, tmp_path: Path
+) -> None:
+    job = [sys.executable, "-m", "gpuwait", "sim", "job", "--vram", "1G", "--hold", "0s"]
+    for path, said in ((tmp_path / "missing" / "ck", "does not exist"), (tmp_path, "directory")):
+        done = subprocess.run(
+            [*job, "--checkpoint", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr.splitlines()) == 1
