@@ -86,6 +86,24 @@ def _optional_duration(value: Any) -> float | None:
     return _positive_duration(value)
 
 
+def _wait_timeout(value: Any) -> float | None:
+    """`timeout`: none (or empty) waits as long as it takes; zero does not wait at all (the
+    command starts if it fits at once, else exit 124), as `flock -w 0` does."""
+    if isinstance(value, bool):
+        raise ValueError('expected a duration such as 30m, 0 (no wait) or "none"')
+    if value in (None, "", "none"):
+        return None
+    if value in ("0", 0):
+        return 0.0
+    if isinstance(value, (int, float)):
+        seconds = check_duration(_number(value), str(value))  # a TOML number: seconds
+    else:
+        seconds = parse_duration(str(value))
+    if not seconds >= 0:
+        raise ValueError('expected a duration such as 30m, 0 (no wait) or "none"')
+    return seconds
+
+
 def _wait_factor(value: Any) -> float:
     try:
         number = _number(value)
@@ -374,9 +392,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "timeout",
-        _optional_duration,
+        _wait_timeout,
         None,
-        "longest wait before giving up (none: wait as long as it takes)",
+        "longest wait before giving up (none: wait as long as it takes; 0: start only if it "
+        "fits at once)",
         show=_show_seconds,
     ),
     Option(

@@ -9,7 +9,6 @@ import shlex
 import signal
 import sys
 import textwrap
-import time
 from typing import Any
 
 from gpuwait.commands import output
@@ -218,10 +217,7 @@ def _command(record: dict[str, Any], width: int | None) -> str:
 
 
 def _when(record: dict[str, Any], short: bool = False) -> str:
-    started = record.get("started_at")
-    if not isinstance(started, (int, float)):
-        return "?"
-    return time.strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M", time.localtime(started))
+    return output.local_time(record.get("started_at"), "%m-%d %H:%M" if short else "%Y-%m-%d %H:%M")
 
 
 def _gpus(record: dict[str, Any]) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from gpuwait.commands.common import ledger_for
+from gpuwait.commands.output import local_time
 from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
@@ -87,7 +87,7 @@ def _gpus(uuids: Any, indices: dict[str, int]) -> str:
 
 def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
     """One event as one line of text."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["time"]))
+    stamp = local_time(event["time"], "%Y-%m-%d %H:%M:%S")
     kind = event["kind"]
     job = event.get("job")
     who = f"{job} ({event['name']})" if event.get("name") else str(job)

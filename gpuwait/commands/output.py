@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import TextIO
 
 from gpuwait.core.policy import WaitReason
@@ -155,3 +156,14 @@ class Console:
         if self._line is not None:
             self._line.clear()
             self._line = None
+
+
+def local_time(seconds: object, form: str) -> str:
+    """A moment (seconds since the epoch) as local time in `form`; "?" for what a damaged file
+    may hold instead (not a number, NaN, a year past what the C library can show)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return "?"
+    try:
+        return time.strftime(form, time.localtime(seconds))
+    except (OverflowError, OSError, ValueError):
+        return "?"

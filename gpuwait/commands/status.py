@@ -96,7 +96,7 @@ def _watch_screen(settings: Settings, interval: float) -> int:
             report = build_report(settings)
             columns, rows = _terminal_size()
             title = f"gpuwait status, every {format_duration(interval)} (Ctrl-C to quit)"
-            clock = time.strftime("%H:%M:%S", time.localtime(report["generated_at"]))
+            clock = output.local_time(report["generated_at"], "%H:%M:%S")
             lines = [title + clock.rjust(max(1, columns - len(title))), ""]
             lines += [f"gpuwait: warning: {printable(w, 1000)}" for w in report["warnings"]]
             if report["backend_error"]:

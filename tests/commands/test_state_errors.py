@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import subprocess
 from collections.abc import Iterator
@@ -179,3 +180,27 @@ def test_injected_short_write_leaves_no_half_record(
     with pytest.raises(OSError, match="No space"):
         append_record(tmp_path, {"job_id": "b"})
     assert (tmp_path / "history.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("moment", [1e300, -1e300, 1e18, float("nan")])
+def test_a_moment_no_clock_can_show_is_shown_as_unknown(gw: Run, moment: float) -> None:
+    # A history record or an event whose time no calendar holds (a damaged or edited file):
+    # `history` and `log` show "?" for it and the rest as ever, never a traceback.
+    assert gw("--vram", "1G", "--", "true").returncode == 0
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    history = state / "history.jsonl"
+    record = json.loads(history.read_text().splitlines()[-1])
+    history.write_text(json.dumps({**record, "started_at": moment}) + "\n")
+    events = state / "events.jsonl"
+    event = json.loads(events.read_text().splitlines()[-1])
+    with events.open("a") as f:
+        f.write(json.dumps({**event, "time": moment}) + "\n")
+    for args in (["history"], ["history", "--all"], ["log"], ["log", "-n", "1"]):
+        done = gw(*args)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        lines = done.stdout.splitlines()
+        if args[0] == "log":
+            assert lines[-1].startswith("? "), done.stdout
+        elif math.isfinite(moment):  # NaN: the history's reader skips the record as damaged
+            assert lines[1].startswith("? "), done.stdout

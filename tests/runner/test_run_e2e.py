@@ -172,6 +172,26 @@ def test_timeout_gives_up_with_124(sim: Path, gpuwait_cmd: list[str]) -> None:
         holder.wait()
 
 
+@pytest.mark.parametrize("zero", ["0", "0s", "0ms"])
+def test_a_timeout_of_zero_starts_only_what_fits_at_once(
+    sim: Path, gpuwait_cmd: list[str], zero: str
+) -> None:
+    holder = hold_card(gpuwait_cmd, "20G", "20s", "--devices", "0")
+    try:
+        wait_for_jobs(1, "running")
+        started = time.monotonic()
+        full = run([*gpuwait_cmd, "--vram", "10G", "--devices", "0", "--timeout", zero, "true"])
+        assert full.returncode == 124, full.stderr
+        assert time.monotonic() - started < 10
+        free = run([*gpuwait_cmd, "--vram", "10G", "--timeout", zero, "--", "echo", "ran"])
+        assert free.returncode == 0, free.stderr
+        assert free.stdout == "ran\n"
+        assert [j["state"] for j in ledger_jobs()] == ["running"]
+    finally:
+        holder.terminate()
+        holder.wait()
+
+
 def test_external_load_is_respected(sim: Path, gpuwait_cmd: list[str], tmp_path: Path) -> None:
     """A simulated job started without gpuwait holds 18 GiB of GPU0: gpuwait must not place 8 GiB there."""
     external = subprocess.Popen(
