@@ -85,6 +85,25 @@ def _take_turn(args: Sequence[str]) -> None:
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
 
+def _undo_locale_coercion() -> None:
+    """Put LC_CTYPE back as gpuwait was started with it. Python's start-up switches a C or
+    POSIX locale to UTF-8 by setting LC_CTYPE in its own environment (PEP 538), so under cron's
+    or `env -i`'s locale the command would get LC_CTYPE=C.UTF-8, which it would not have bare
+    (sort, grep and tr go by it). /proc/self/environ holds the environment as exec'd."""
+    if "LC_CTYPE" not in os.environ:
+        return  # not coerced (the usual case): nothing read
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            started = f.read()
+    except OSError:
+        return
+    for item in started.split(b"\0"):
+        if item.startswith(b"LC_CTYPE="):
+            os.environ["LC_CTYPE"] = os.fsdecode(item[len(b"LC_CTYPE=") :])
+            return
+    del os.environ["LC_CTYPE"]
+
+
 def entry_point() -> NoReturn:
     """Console script: exit with main()'s status.
 
@@ -105,6 +124,7 @@ def entry_point() -> NoReturn:
     import contextlib
     import gc
 
+    _undo_locale_coercion()
     try:
         _take_turn(sys.argv[1:])
     except KeyboardInterrupt:

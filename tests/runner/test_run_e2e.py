@@ -457,3 +457,19 @@ def test_a_gpuwait_inside_a_job_that_keeps_its_room_is_refused_at_once(
     done = run([*gpuwait_cmd, "--vram", "12G", "--", "sh", "-c", f"{beside}; {whole}; echo rc=$?"])
     assert done.stdout == "beside\nrc=3\n", done.stderr
     assert ledger_jobs() == []
+
+
+@pytest.mark.parametrize("given", [None, "C", "POSIX", "C.UTF-8"])
+def test_the_command_gets_the_locale_gpuwait_was_started_with(
+    sim: Path, gpuwait_cmd: list[str], given: str | None
+) -> None:
+    # As under cron or `env -i`: Python switches a C locale to UTF-8 for itself by setting
+    # LC_CTYPE; the command, bare, would have none set, or the one given.
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("GPUWAIT_", "XDG_"))})
+    if given is not None:
+        env["LC_CTYPE"] = given
+    show = ["sh", "-c", 'echo "${LC_CTYPE-unset}"']
+    done = run([*gpuwait_cmd, "--vram", "1G", "--", *show], env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{given or 'unset'}\n"
