@@ -49,6 +49,9 @@ class RunningJob(Record, frozen=True):
     #: The waiter's own job, holding memory on a GPU that does no work (`idle_action =
     #: pause`): asked to step aside whatever its priority.
     idle: bool = False
+    #: Its owner's own rules (None: none recorded): the stricter of theirs and the asker's hold.
+    min_runtime: float | None = None
+    max_pauses: int | None = None
 
 
 class PauseRules(Record, frozen=True):
@@ -68,7 +71,11 @@ def eligible(
     """Whether `job` may be asked to step aside for a waiter of `waiter_priority`."""
     if not job.pausable or job.asked or (job.priority >= waiter_priority and not job.idle):
         return False
-    if job.run_seconds < rules.min_runtime or job.pauses >= rules.max_pauses:
+    min_runtime = max(rules.min_runtime, job.min_runtime or 0.0)
+    max_pauses = (
+        rules.max_pauses if job.max_pauses is None else min(rules.max_pauses, job.max_pauses)
+    )
+    if job.run_seconds < min_runtime or job.pauses >= max_pauses:
         return False
     # Pausing costs the victim its reload; it pays off only if the waiter would wait longer.
     return not (

@@ -101,6 +101,10 @@ class Job(Record):
     grace_seconds: float = DEFAULT_GRACE_SECONDS
     grace_kill: bool = False
     pauses: int = 0
+    #: Its owner's pause_min_runtime and pause_max at its submission: whoever asks, the job
+    #: is not asked to step aside sooner after a start, or more often, than its owner allows.
+    pause_min_runtime: float | None = None
+    pause_max: int | None = None
     pause_requested_at: float | None = None
     pause_requested_by: str | None = None
     pause_signalled_at: float | None = None
@@ -212,6 +216,8 @@ class Job(Record):
             grace_seconds=_seconds_or(raw.get("grace_seconds"), DEFAULT_GRACE_SECONDS),
             grace_kill=raw.get("grace_kill") is True,
             pauses=_int(raw, "pauses", 0, 10_000) if "pauses" in raw else 0,
+            pause_min_runtime=_lenient_seconds(raw.get("pause_min_runtime")),
+            pause_max=_lenient_count(raw.get("pause_max")),
             pause_requested_at=_seconds(raw.get("pause_requested_at")),
             pause_requested_by=(
                 None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")
@@ -262,6 +268,20 @@ def _lenient_seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if 0 <= value < 1e12 else None
+
+
+def _lenient_count(value: Any) -> int | None:
+    """A count read leniently: a damaged one is as if never set."""
+    return value if type(value) is int and 0 <= value <= 10_000 else None
+
+
+def protected(job: Job, now: float) -> bool:
+    """Whether `job` may not be asked to step aside now by its owner's own rules: it started
+    (or resumed) less than its pause_min_runtime ago, or stepped aside pause_max times."""
+    ran = now - (job.started_at if job.started_at is not None else now)
+    return (job.pause_min_runtime is not None and ran < job.pause_min_runtime) or (
+        job.pause_max is not None and job.pauses + job.freezes >= job.pause_max
+    )
 
 
 def elsewhere(job: Job) -> bool:
@@ -676,11 +696,13 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
     return kept
 
 
-def mark_pause_requests(data: LedgerData) -> None:
+def mark_pause_requests(data: LedgerData, now: float | None = None) -> None:
     """Set each running job's `pause_requested_*` from the requests that may ask it: from a
     waiting job of higher priority (or of the same user), to a running --pausable (or
-    --freezable) job, the earliest first. Whatever an entry itself says about being asked is
-    not taken: only its asker's file may say so."""
+    --freezable) job that its owner's own rules let be asked now (`protected`), the earliest
+    first. Whatever an entry itself says about being asked is not taken: only its asker's
+    file may say so; and an asker's file says nothing about the rules of the job it asks."""
+    now = time.time() if now is None else now
     jobs = {(j.uid, plain_id(j.id)): j for j in data.jobs}
     for job in data.jobs:
         job.pause_requested_at = job.pause_requested_by = None
@@ -696,6 +718,7 @@ def mark_pause_requests(data: LedgerData) -> None:
             or victim.pause_requested_at is not None
             or victim.state != RUNNING
             or not (victim.pausable or victim.freezable)
+            or protected(victim, now)
             or asker.state != WAITING
             # A user's own waiter may ask whatever the priorities (an idle job, with
             # `idle_action = pause`): they could cancel that job anyway.

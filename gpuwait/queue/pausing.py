@@ -54,6 +54,8 @@ def _running_view(
                 reload_seconds=None if job.freezable else job.load_seconds,
                 asked=job.pause_requested_at is not None,
                 idle=job.id in idle_jobs and job.uid == uid,
+                min_runtime=job.pause_min_runtime,
+                max_pauses=job.pause_max,
             )
         )
     return views

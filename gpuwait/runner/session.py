@@ -397,6 +397,10 @@ def _new_job(
         prefer=_preferred(config, snapshot),
         freezable=request.freezable,
     )
+    rules = config.wait.pause_rules
+    if (pausable is not None or request.freezable) and rules is not None:
+        # Its owner's protection against being asked to step aside, whoever asks.
+        job = job._replace(pause_min_runtime=rules.min_runtime, pause_max=rules.max_pauses)
     if pausable is not None:
         job = job._replace(
             pausable=True,

@@ -162,3 +162,33 @@ def test_status_reads_the_queue_without_the_lock_and_changes_nothing(
     assert "Queue (0)" in shown.stdout and took < 2
     after = (state / "ledger.json").stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+@pytest.mark.parametrize(
+    ("ran", "pauses", "asked"),
+    [(5.0, 0, False), (700.0, 0, True), (700.0, 2, False)],
+    ids=["younger than its minimum", "old enough", "at its pause_max"],
+)
+def test_a_pause_request_counts_only_where_the_victims_own_rules_allow(
+    ran: float, pauses: int, asked: bool
+) -> None:
+    # However the asker's gpuwait was set (or its file written by hand), the job it asks is
+    # marked as asked only once its own owner's rules allow: 10 minutes, at most 2 pauses.
+    from gpuwait.queue.entries import PAUSE, LedgerData, Request, mark_pause_requests
+
+    now = time.time()
+    victim = live_job(
+        "low",
+        state=RUNNING,
+        priority=1,
+        pausable=True,
+        started_at=now - ran,
+        pauses=pauses,
+        pause_min_runtime=600.0,
+        pause_max=2,
+    )
+    asker = live_job("urgent", state=WAITING, priority=5)
+    request = Request.to(victim, PAUSE, now, by_uid=asker.uid, by_job=asker.id)
+    data = LedgerData(jobs=[victim, asker], requests=[request])
+    mark_pause_requests(data, now)
+    assert (victim.pause_requested_by == "urgent") is asked

@@ -78,9 +78,14 @@ def wait_until_pausable(catching: bool = True) -> None:
 
 
 def long_job(
-    gpuwait_cmd: list[str], checkpoint: Path, hold: str = "6s", exit_status: int = 0
+    gpuwait_cmd: list[str],
+    checkpoint: Path,
+    hold: str = "6s",
+    exit_status: int = 0,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """A low-priority --pausable simulated job holding 16 GiB, saving its progress to `checkpoint`."""
+    """A low-priority --pausable simulated job holding 16 GiB, saving its progress to `checkpoint`
+    (`env`: variables set for it alone)."""
     return subprocess.Popen(
         [
             *gpuwait_cmd,
@@ -102,6 +107,7 @@ def long_job(
             "--checkpoint",
             str(checkpoint),
         ],
+        env={**os.environ, **(env or {})},
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -375,3 +381,25 @@ def test_a_checkpoint_signal_sent_early_waits_for_the_jobs_handler(
     finally:
         job.kill()
         job.wait()
+
+
+@pytest.mark.parametrize(
+    "own", [{"GPUWAIT_PAUSE_MIN_RUNTIME": "10m"}, {"GPUWAIT_PAUSE_MAX": "0"}], ids=str
+)
+def test_a_jobs_own_protection_holds_whatever_its_asker_allows(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, own: dict[str, str]
+) -> None:
+    # The long job's owner allows no pause this soon (or none at all); the urgent waiter's
+    # settings (a second, as many as it likes) would: the owner's rule is the one that holds.
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="4s", env=own)
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+        assert "pause-request" not in [e["kind"] for e in events()]
+        assert json.loads((tmp_path / "p.json").read_text())["resumes"] == 0
+    finally:
+        low.kill()
+        low.wait()
