@@ -21,9 +21,10 @@ second one does.
 In a shared ledger directory each user writes a summary of their own, `wake.<uid>.json` (the
 whole queue as their transaction left it), which nobody else can replace or remove (the sticky
 bit): a member who breaks their own summary, or writes lies in it, costs the others no wake-up
-that the other members' summaries give. A waiter acts on each summary that changed, and on one
-user's at most every SOURCE_GAP seconds, so that no member can make every waiter plan at the
-rate they write a file; one that is not a summary is passed over (the waiters' timers remain).
+that the other members' summaries give. A waiter reads one summary per user (more files of a
+member's own are passed over), acts on each that changed, and on one user's at most every
+SOURCE_GAP seconds, so that no member can make every waiter plan at the rate they write files;
+one that is not a summary is passed over (the waiters' timers remain).
 
 How a waiter learns that a summary changed: in a shared ledger directory, by watching the
 directory (inotify). In a private one every writer is the same user, so the transaction itself
@@ -230,18 +231,31 @@ class Summaries:
     def _current_tokens(self) -> dict[str, tuple[int, int, int] | None]:
         if not self.shared:
             return {FILENAME: file_token(self.state_dir / FILENAME)}
-        tokens: dict[str, tuple[int, int, int] | None] = {}
         try:
             names = os.listdir(self.state_dir)
         except OSError:
-            return tokens
+            return {}
+        # One summary per user, as one ledger file per user: theirs under their canonical
+        # name, else the first of their own beside it (where another member squatted that
+        # name). More files of theirs would be more wake-ups for everyone, one per file.
+        chosen: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        looked = 0
         for name in names:
             match = _USER_SUMMARY_RE.match(name)
-            if match is not None:
-                tokens[name] = file_token(self.state_dir / name, owner=int(match.group(1)))
-                if len(tokens) >= MAX_SUMMARIES:
-                    break
-        return tokens
+            if match is None:
+                continue
+            looked += 1
+            if looked > MAX_SUMMARIES:
+                break
+            uid = match.group(1)
+            canonical = f"wake.{uid}.json"
+            held = chosen.get(uid)
+            if held is not None and (held[0] == canonical or held[0] < name != canonical):
+                continue
+            token = file_token(self.state_dir / name, owner=int(uid))
+            if token is not None:  # None: gone, or another user's file under this uid's name
+                chosen[uid] = (name, token)
+        return dict(chosen.values())
 
 
 def read_summary(path: Path, token: tuple[int, int, int] | None = None) -> Summary | None:

@@ -148,6 +148,26 @@ def test_one_users_summary_is_acted_on_at_most_every_source_gap(tmp_path: Path) 
     assert len(own.changed(now=0.0)[0]) == 1
 
 
+def test_a_member_with_many_summaries_is_still_acted_on_once_every_source_gap(
+    tmp_path: Path,
+) -> None:
+    # A member writes fifty files under their own uid's names (the form a squatted summary
+    # takes), rewriting them all again and again: one summary of theirs is read, and acted on
+    # at most every SOURCE_GAP, as if they had one.
+    uid = os.getuid()
+    (tmp_path / f"wake.{uid}.json").write_text(_summary(1, ["a"]))
+    extra = [tmp_path / f"wake.{uid}.{n:08x}.json" for n in range(50)]
+    for n, path in enumerate(extra):
+        path.write_text(_summary(100 + n, [str(n)]))
+    summaries = wake.Summaries(tmp_path, shared=True)
+    assert [s.release for s in summaries.changed(now=10.0)[0] if s] == [1]
+    for round_ in range(3):
+        for n, path in enumerate(extra):
+            path.write_text(_summary(200 + round_, [str(n)] * (round_ + 2)))
+        assert summaries.changed(now=10.0 + (round_ + 1) * wake.SOURCE_GAP / 4)[0] == []
+    assert [s.release for s in summaries.current()] == [1]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: needs root")
 def test_a_summary_squatted_by_another_member_is_written_beside_it(tmp_path: Path) -> None:
     squat = tmp_path / f"wake.{os.getuid()}.json"
