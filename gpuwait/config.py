@@ -72,8 +72,10 @@ def _positive_duration(value: Any) -> float:
         seconds = check_duration(_number(value), str(value))  # a TOML number: seconds
     else:
         seconds = parse_duration(str(value))
-    if not seconds > 0:
-        raise ValueError("expected a duration above zero, e.g. 1s or 250ms")
+    # At least a millisecond: shorter, a sampling or polling interval is a busy loop, and no
+    # setting means anything shorter.
+    if not seconds >= 0.001:
+        raise ValueError("expected a duration of at least 1ms, e.g. 1s or 250ms")
     return seconds
 
 

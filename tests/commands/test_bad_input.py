@@ -153,7 +153,22 @@ CASES: dict[str, Case] = {
         4,
         "not found",
     ),
-    "env nvml timeout zero": (["true"], {"GPUWAIT_NVML_TIMEOUT": "0"}, None, None, 2, "above zero"),
+    "env nvml timeout zero": (
+        ["true"],
+        {"GPUWAIT_NVML_TIMEOUT": "0"},
+        None,
+        None,
+        2,
+        "at least 1ms",
+    ),
+    "env sample interval too short": (
+        ["true"],
+        {"GPUWAIT_SAMPLE_INTERVAL": "0.5ms"},
+        None,
+        None,
+        2,
+        "at least 1ms",
+    ),
     "env lock timeout word": (
         ["true"],
         {"GPUWAIT_LOCK_TIMEOUT": "forever"},
@@ -164,6 +179,14 @@ CASES: dict[str, Case] = {
     ),
     # -- the user's config file --
     "config safety word": (["true"], {}, 'safety = "high"\n', None, 2, "not valid for safety"),
+    "config sample interval a busy loop": (
+        ["true"],
+        {},
+        "sample_interval = 1e-300\n",
+        None,
+        2,
+        "at least 1ms",
+    ),
     "config unknown key": (["true"], {}, "safty = 0.5\n", None, 2, "unknown setting 'safty'"),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
