@@ -9,6 +9,7 @@ import sys
 
 from gpuwait.commands.parsing import Parser, terminal_columns
 from gpuwait.config import OPTIONS, load_settings
+from gpuwait.core.text import printable
 from gpuwait.linux import netfs
 
 
@@ -38,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     columns = terminal_columns() if sys.stdout.isatty() else None
+    # A value or a path is any text (a variable, a config file): an escape sequence in it is
+    # shown as '?', never sent to the terminal as one.
+    rows = [(n, printable(v, _LONGEST), s) for n, v, s in rows]
     for line in settings_table(rows, columns):
         print(line)
     print()
@@ -52,11 +56,14 @@ def run(args: argparse.Namespace) -> int:
         ("ledger dir: ", ledger),
     ):
         # A path is never cut (it is there to be copied): one too long goes on a line of its own.
+        path = printable(str(path), _LONGEST)
         line = f"{label} {path}"
         print(line if columns is None or len(line) <= columns else f"{label.strip()}\n  {path}")
     return 0
 
 
+#: Longer than any path or value a setting can hold (shown whole, never cut).
+_LONGEST = 1 << 16
 #: Values up to this long line their sources up in one column; a longer one (a list, a path)
 #: is followed by its source, and does not push every other source out to its own length.
 _SHORT_VALUE = 24

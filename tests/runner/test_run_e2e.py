@@ -413,6 +413,22 @@ def test_config_shows_pause_min_runtime_as_a_duration(sim: Path, gpuwait_cmd: li
     assert again["pause_min_runtime"]["value"] == shown
 
 
+def test_config_shows_control_characters_as_question_marks(
+    sim: Path, gpuwait_cmd: list[str], isolated_dirs: Path
+) -> None:
+    # Values and paths are anybody's text: an escape sequence in one must not reach the
+    # terminal as one (it could retitle the window, or hide what follows).
+    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('never_wrap = ["\\u001b]0;PWNED\\u0007"]\n')
+    state = isolated_dirs / "state\x1b[31mred"
+    env = {**os.environ, "GPUWAIT_STATE_DIR": str(state)}
+    done = run([*gpuwait_cmd, "config"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "?]0;PWNED?" in done.stdout and "state?[31mred" in done.stdout
+
+
 def test_status_json_shows_running_and_waiting(sim: Path, gpuwait_cmd: list[str]) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
     waiter = None
