@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from gpuwait.history.store import (
     read_from,
     read_limit,
 )
-from gpuwait.linux.atomic import ensure_private_dir, remove_left_temp_files
+from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_temp_files
 from gpuwait.linux.security import mine, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times).
@@ -251,6 +252,15 @@ def refresh(
             st = os.stat(history)
         except FileNotFoundError:
             return warnings
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISDIR(os.lstat(directory).st_mode):
+                # A file written over it, or a link: the index is a cache, so what is there
+                # is kept as evidence and the index is made anew.
+                kept = keep_damaged(directory)
+                warnings.append(
+                    f"history index {directory} was not a directory; kept it as {kept.name}"
+                    " and rebuilt the index"
+                )
         ensure_private_dir(directory)
         meta = _read_meta(directory)
         if (
@@ -289,8 +299,8 @@ def refresh(
 def _group(parsed: Parsed) -> dict[str, dict[str, list[tuple[Row, int]]]]:
     """bucket -> key -> new rows, in file order, each with the runs left out before it."""
     grouped: dict[str, dict[str, list[tuple[Row, int]]]] = {}
-    for (offset, record), stat in zip(parsed.records, parsed.stats, strict=True):
-        row = _row(offset, stat)
+    for (offset, record), run_stat in zip(parsed.records, parsed.stats, strict=True):
+        row = _row(offset, run_stat)
         earlier = earlier_runs(record)
         for key in record_keys(record).values():
             grouped.setdefault(bucket_of(key), {}).setdefault(key, []).append(

@@ -383,3 +383,30 @@ def test_a_job_past_its_expected_run_time_is_shown_overdue(
     finally:
         long.terminate()
         long.wait(timeout=30)
+
+
+def test_a_file_written_over_the_index_is_kept_aside_and_the_index_made_anew(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    job = sim_job(gpuwait_cmd, "2G")
+    assert run([*gpuwait_cmd, "--", *job]).returncode == 0
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    index = state / "history.index"
+    for part in index.iterdir():
+        part.unlink()
+    index.rmdir()
+    index.write_text("not an index\n")
+    done = run([*gpuwait_cmd, "--", *job])
+    assert done.returncode == 0, done.stderr
+    # One warning, naming where the file went; the run recorded, and learning back.
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "was not a directory; kept it as" in warnings[0], done.stderr
+    assert index.is_dir()
+    (kept,) = state.glob("history.index.damaged-*")
+    assert kept.read_text() == "not an index\n"
+    assert len(history()) == 2
+    levels = estimate_of(gpuwait_cmd, job)["levels"]
+    assert next(level["runs"] for level in levels if level["level"] == "command") == 2
+    again = run([*gpuwait_cmd, "--", *job])
+    assert "warning" not in again.stderr, again.stderr
