@@ -37,6 +37,7 @@ from typing import Any
 from gpuwait.core.errors import StateError
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import (
+    damaged_name,
     ensure_private_dir,
     keep_damaged,
     remove_left_temp_files,
@@ -359,7 +360,16 @@ class Ledger:
             return LedgerData(), None, False
         text = found[1]
         try:
+            before = len(self.warnings)
             data, raw = self._decode(text, repair, self._uid, owned)
+            if repair and len(self.warnings) > before:
+                # Damaged in part (a malformed entry, the record of finished jobs): the rest
+                # is used, and this transaction writes the file without the damage, so a copy
+                # of it as found is kept as evidence.
+                with contextlib.suppress(OSError):
+                    kept = damaged_name(path)
+                    write_atomic(kept, text, 0o600, self._group)
+                    self.warnings[-1] += f"; kept the file as found as {kept.name}"
             return data, raw, False
         except ValueError as exc:
             problem = str(exc)

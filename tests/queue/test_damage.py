@@ -65,6 +65,34 @@ def test_damaged_private_ledger_is_recovered_at_the_next_run(gw: Run, kind: str)
     assert again.returncode == 0 and warnings_of(again.stderr) == []
 
 
+PARTLY_DAMAGED = {
+    "record of finished jobs": {"book": 5},
+    "an entry": {"jobs": [{"id": "x", "pid": "not a pid"}]},
+    "usage table": {"usage": {"1000": "lots"}},
+}
+
+
+@pytest.mark.parametrize("part", list(PARTLY_DAMAGED))
+def test_a_ledger_damaged_in_part_is_repaired_and_kept_as_found(gw: Run, part: str) -> None:
+    # The rest of the file is used and the damage written away; the file as it was found is
+    # the evidence, kept beside it (one warning).
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    found: dict[str, object] = {"schema": 1, "jobs": [], "created_at": 1.0, "next_order": 1}
+    found.update(PARTLY_DAMAGED[part])
+    text = json.dumps(found).encode()
+    (state / "ledger.json").write_bytes(text)
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    warned = warnings_of(done.stderr)
+    assert len(warned) == 1 and "kept the file as found as ledger.json.damaged-" in warned[0]
+    (kept,) = state.glob("ledger.json.damaged-*")
+    assert kept.read_bytes() == text
+    again = gw("--vram", "1G", "true")
+    assert again.returncode == 0 and warnings_of(again.stderr) == []
+    assert len(list(state.glob("ledger.json.damaged-*"))) == 1
+
+
 def shared_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "shared"
     directory.mkdir()
