@@ -29,6 +29,7 @@ import os
 import re
 import stat
 import sys
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,15 @@ def default_uuid(path: str, index: int) -> str:
 _parsed: dict[str, tuple[tuple[int, int, int, int], SimConfig]] = {}
 
 
+#: Seconds since its last change after which a simulation file that does not read is taken as
+#: written so (a mistake to fix), not caught half-saved by an editor that writes in place.
+SETTLED_AFTER = 5.0
+
+
+def _settled(stamp: tuple[int, int, int, int]) -> bool:
+    return time.time() - stamp[2] / 1e9 > SETTLED_AFTER  # its content's last change
+
+
 def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     """Read and check the file. Raises BackendUnavailable with a one-line message."""
     resolved = resolve_path(path)
@@ -201,12 +211,16 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
         if isinstance(exc, RecursionError):  # tomllib's answer to arrays nested thousands deep
             detail = "values nested too deeply"
         raise BackendUnavailable(
-            f"simulation file {shown}: not valid TOML ({detail})", hint=_HINT
+            f"simulation file {shown}: not valid TOML ({detail})",
+            hint=_HINT,
+            lasting=_settled(stamp),
         ) from None
     try:
         gpus = _parse_gpus(data, resolved)
     except _Invalid as exc:
-        raise BackendUnavailable(f"simulation file {shown}: {exc}", hint=_HINT) from None
+        raise BackendUnavailable(
+            f"simulation file {shown}: {exc}", hint=_HINT, lasting=_settled(stamp)
+        ) from None
     config = SimConfig(path=resolved, gpus=gpus)
     _parsed[resolved] = (stamp, config)
     return config

@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,6 +234,17 @@ def test_damaged_simulation_file_is_refused_and_left_alone(gw: Run, kind: str) -
     # `status` reports it, still shows the ledger, and exits as a run without GPUs would.
     status = gw("status")
     assert status.returncode == 4 and words in status.stderr and "Queue (0)" in status.stdout
+    # Unchanged for longer than any save takes, it is a mistake to fix, not a save caught
+    # halfway: refused at once (exit 4), or, with on_no_gpu = run, run unwaited with a warning.
+    minute_ago = time.time() - 60
+    os.utime(path, (minute_ago, minute_ago))
+    started = time.monotonic()
+    done = gw("--vram", "1G", "true", env={"GPUWAIT_ON_NO_GPU": "fail"})
+    assert done.returncode == 4 and words in done.stderr and "retrying" not in done.stderr
+    ran = gw("--vram", "1G", "--", "echo", "ran")
+    assert ran.returncode == 0 and ran.stdout == "ran\n", ran.stderr
+    assert "running the command without waiting" in ran.stderr and "retrying" not in ran.stderr
+    assert time.monotonic() - started < 30
 
 
 CHURN = r"""
