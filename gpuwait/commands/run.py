@@ -375,6 +375,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         freezable=options.freezable,
         verbose=options.verbose and not options.quiet,
         once=options.once,
+        from_hook=getattr(options, "from_hook", False),
     )
 
 

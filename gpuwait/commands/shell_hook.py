@@ -75,7 +75,11 @@ def run(options: argparse.Namespace) -> int:
     if decision.wrap:
         from gpuwait.commands import run as run_command
 
-        return run_command.run(run_command.build_parser().parse_args(["--", *command]))
+        options = run_command.build_parser().parse_args(["--", *command])
+        # Where it would wait for ever (inside a job, or piped to one that holds the GPU it
+        # needs), the command runs bare, as the hook runs any command inside a job.
+        options.from_hook = True
+        return run_command.run(options)
     return exec_bare(command)
 
 

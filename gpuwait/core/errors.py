@@ -42,6 +42,10 @@ class ImpossibleRequest(GpuwaitError):
     exit_code = EXIT_IMPOSSIBLE
 
 
+class StuckBehind(ImpossibleRequest):
+    """Never beside running jobs that end only after this one (see gpuwait.queue.stuck)."""
+
+
 class AlreadyQueued(GpuwaitError):
     """`--once KEY` found a job with that key waiting or running."""
 

@@ -7,6 +7,7 @@ boot), and a process counts as "the same" only when both match.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -72,6 +73,34 @@ def ancestors(pid: int) -> list[int]:
         found.append(parent)
         parent = parent_pid(parent)
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (field 5 of /proc/PID/stat)."""
+    members = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat_fields(int(name))
+            if fields is not None and len(fields) > 2 and fields[2] == str(pgid):
+                members.append(int(name))
+    return members
+
+
+def std_pipes(pid: int) -> tuple[int | None, int | None, int | None]:
+    """The pipes (their inodes) on process `pid`'s stdin, stdout and stderr; None for one that
+    is no pipe or cannot be read."""
+    ends: list[int | None] = []
+    for fd in (0, 1, 2):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            target = ""
+        inode = None
+        if target.startswith("pipe:[") and target.endswith("]"):
+            with contextlib.suppress(ValueError):
+                inode = int(target[6:-1])
+        ends.append(inode)
+    return ends[0], ends[1], ends[2]
 
 
 def is_alive(pid: int, expected_start: int | None) -> bool:

@@ -54,6 +54,7 @@ from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import NO_FAIR_SHARE
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFailed
+from gpuwait.queue.stuck import Surroundings, stuck_behind
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
@@ -137,7 +138,13 @@ class Interrupted(Record, frozen=True):
     signum: int
 
 
-WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed
+class Stuck(Record, frozen=True):
+    """Waiting behind running jobs that end only after this one (gpuwait.queue.stuck)."""
+
+    reason: str
+
+
+WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed | Stuck
 
 
 def _reason_without_lock(
@@ -241,11 +248,14 @@ def wait_for_admission(
     *,
     deadline: float | None,
     on_reason: Callable[[WaitReason], None],
+    around: Surroundings | None = None,
 ) -> tuple[Job, WaitOutcome]:
     """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
 
-    Also ends when the job is cancelled or a dependency it needs to succeed fails. Returns the
-    job as the ledger last had it (for an admitted job: as admitted), and the outcome.
+    Also ends when the job is cancelled, a dependency it needs to succeed fails, or (`around`:
+    what ties this process to running jobs) it would wait behind a job that ends only after it.
+    Returns the job as the ledger last had it (for an admitted job: as admitted), and the
+    outcome.
     """
     state_dir = ledger.directory
     summaries = wake.Summaries(state_dir, bool(ledger.shared))
@@ -274,7 +284,7 @@ def wait_for_admission(
             return admitted
         return _confirm_found(ledger, backend, asked, policy)
 
-    def attempt() -> Attempt:
+    def attempt() -> Attempt | Stuck:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
         nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
@@ -292,6 +302,12 @@ def wait_for_admission(
         if outcome is None:
             job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, policy.fair)
         wake.note_planned(state_dir)
+        if isinstance(outcome, WaitReason) and around is not None and around.tied:
+            # A stage of this pipeline started since (or admitted first) may hold the room
+            # for good: it waits for this one to read, or write, the pipe between them.
+            why = stuck_behind(job, data, snapshot.gpus, policy.safety, around)
+            if why is not None:
+                return Stuck(why)
         if isinstance(outcome, WaitReason) and policy.pause_rules is not None:
             # Here: a launch that fits at once pays nothing for pausing.
             from gpuwait.queue.pausing import ask_for_room, pause_progress
@@ -399,7 +415,7 @@ def wait_for_admission(
                         reason = None  # say why it waits again, after the warning
                 if isinstance(outcome, Admitted):
                     return admitted(outcome)
-                if isinstance(outcome, (Cancelled, DependencyFailed)):
+                if isinstance(outcome, (Cancelled, DependencyFailed, Stuck)):
                     return job, outcome
                 if outcome is not None and outcome != reason:
                     on_reason(outcome)

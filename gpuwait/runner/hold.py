@@ -31,6 +31,7 @@ from gpuwait.core.budget import Budget, Means
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
     EXIT_DEPENDENCY_FAILED,
+    EXIT_IMPOSSIBLE,
     EXIT_TIMEOUT,
     BackendUnavailable,
     GpuwaitError,
@@ -48,7 +49,8 @@ from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
-from gpuwait.queue.wait import Interrupted, TimedOut, wait_for_admission
+from gpuwait.queue.stuck import Surroundings
+from gpuwait.queue.wait import Interrupted, Stuck, TimedOut, wait_for_admission
 from gpuwait.runner import session
 from gpuwait.runner.launch import command_env
 from gpuwait.runner.session import RunConfig, RunRequest
@@ -291,6 +293,7 @@ def _hold(
             reporter.warn(f"{exc.message}; going on without a reservation (on_state_error = run)")
             return None
         session._show_warnings(ledger, reporter)
+        around = Surroundings()
         waited_from = time.monotonic()
         try:
             job, outcome = wait_for_admission(
@@ -300,6 +303,7 @@ def _hold(
                 wait,
                 deadline=None if config.timeout is None else waited_from + config.timeout,
                 on_reason=said,
+                around=around if around.tied else None,
             )
         except BaseException:
             session._finish(ledger, job, INTERRUPTED, reporter)
@@ -321,6 +325,8 @@ def _hold(
         raise NotHeld(f"job {job.id} cancelled while waiting{someone}", EXIT_CANCELLED)
     if isinstance(outcome, DependencyFailed):
         raise NotHeld(f"job {job.id} will not start: {outcome.message}", EXIT_DEPENDENCY_FAILED)
+    if isinstance(outcome, Stuck):
+        raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
     chosen = list(outcome.gpus)
     budget = _budget(config.enforce, job, chosen, reporter)
     try:

@@ -36,14 +36,14 @@ from gpuwait.core.errors import (
     GpuwaitError,
     ImpossibleRequest,
     StateError,
+    StuckBehind,
     UsageError,
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
-from gpuwait.core.policy import WaitReason, fits_beside, impossible_reason
+from gpuwait.core.policy import WaitReason, impossible_reason
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.core.text import command_line
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
@@ -63,7 +63,15 @@ from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
-from gpuwait.queue.wait import GpuRetry, Interrupted, TimedOut, WaitPolicy, wait_for_admission
+from gpuwait.queue.stuck import Surroundings, stuck_behind
+from gpuwait.queue.wait import (
+    GpuRetry,
+    Interrupted,
+    Stuck,
+    TimedOut,
+    WaitPolicy,
+    wait_for_admission,
+)
 from gpuwait.runner import budget
 from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
 from gpuwait.runner.stderrwatch import StderrWatch
@@ -129,6 +137,8 @@ class RunRequest(Record, frozen=True):
     verbose: bool = False
     #: --once: queue nothing while a job of the user's with this key waits or runs.
     once: str | None = None
+    #: Started by the shell hook, which runs a command bare rather than have it wait for ever.
+    from_hook: bool = False
 
 
 class RunConfig(Record, frozen=True):
@@ -479,46 +489,16 @@ def prepare_job(
     )
     if impossible is not None:
         raise ImpossibleRequest(impossible, hint=hint)
-    _refuse_inside_its_blocker(job, config, snapshot.gpus)
+    around = Surroundings()
+    if around.tied:
+        stuck = stuck_behind(job, _ledger(config).read(), snapshot.gpus, config.wait.safety, around)
+        if stuck is not None:
+            raise StuckBehind(stuck, hint=STUCK_HINT)
     own = choice.learned if request.key is None else None
     job, warnings = _with_run_times(job, config, own, snapshot)
     for message in warnings:
         reporter.warn(message)
     return job, choice
-
-
-def _refuse_inside_its_blocker(job: Job, config: RunConfig, gpus: Sequence[GpuSnapshot]) -> None:
-    """Refuse (ImpossibleRequest) a job that this process, started inside a gpuwait job's
-    command, could only start once that job has ended: that job ends only after this process,
-    so both would wait for ever, and the waiter would hold GPUs from everyone meanwhile."""
-    outer_id = os.environ.get("GPUWAIT_JOB_ID")
-    if not outer_id:
-        return  # outside any job (every job's command, and what it starts, has it)
-    above = proc.ancestors(os.getpid())
-    outer = next(
-        (
-            j
-            for j in _ledger(config).read().jobs
-            if j.id == outer_id
-            and j.uid == os.getuid()
-            and j.child_pid in above
-            and proc.is_alive(j.child_pid, j.child_start_time)
-        ),
-        None,
-    )
-    if outer is None or fits_beside(
-        claim_of(job, gpus), gpus, config.wait.safety, [claim_of(outer, gpus)]
-    ):
-        return
-    where = ",".join(f"GPU{g.index}" for g in gpus if g.uuid in outer.gpu_uuids)
-    request = job.memory_request()
-    what = "a whole GPU" if request is None else request.describe()
-    raise ImpossibleRequest(
-        f"this runs inside gpuwait job {outer.id} ({command_line(outer.command, 60)}), which"
-        f" keeps {where} until this ends: {what} can never start beside it",
-        hint="run the command without gpuwait (it shares that job's GPUs), or start the outer"
-        " one without it (`command python ...`, or GPUWAIT_DISABLE=1 for the shell hook)",
-    )
 
 
 def _attempt(
@@ -528,14 +508,20 @@ def _attempt(
     backend: Backend,
     choice: RequestChoice,
 ) -> _Ended:
-    job, choice = prepare_job(
-        request,
-        config,
-        reporter,
-        backend,
-        choice,
-        hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
-    )
+    try:
+        job, choice = prepare_job(
+            request,
+            config,
+            reporter,
+            backend,
+            choice,
+            hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
+        )
+    except StuckBehind as exc:
+        if not request.from_hook:
+            raise
+        return _Ended(_bare_for_the_hook(request, reporter, exc.message))
+    around = Surroundings()
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     signals.block_handled()
@@ -585,6 +571,7 @@ def _attempt(
                 # --timeout bounds the first wait only: a paused job always comes back.
                 deadline=None if timeout is None or job.pauses else waited_from + timeout,
                 on_reason=said,
+                around=around if around.tied else None,
             )
         except BaseException:
             _finish(ledger, job, INTERRUPTED, reporter)
@@ -614,6 +601,12 @@ def _attempt(
         if isinstance(outcome, DependencyFailed):
             reporter.error(f"job {job.id} will not start: {outcome.message}")
             return _Ended(EXIT_DEPENDENCY_FAILED)
+        if isinstance(outcome, Stuck):
+            _finish(ledger, job, INTERRUPTED, reporter)
+            if request.from_hook:
+                signals.unblock_all()  # as the command would have them bare
+                return _Ended(_bare_for_the_hook(request, reporter, outcome.reason))
+            raise StuckBehind(outcome.reason, hint=STUCK_HINT)
         if queued_seconds is None:
             queued_seconds = wait_seconds
         else:
@@ -633,6 +626,20 @@ def _attempt(
         if not ended.paused:
             return ended
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
+
+
+#: What to do where a job would wait behind one that ends only after it.
+STUCK_HINT = (
+    "run this command without gpuwait (it shares that job's GPUs), or start the other one"
+    " without it (`command python ...`, or GPUWAIT_DISABLE=1 for the shell hook)"
+)
+
+
+def _bare_for_the_hook(request: RunRequest, reporter: Reporter, why: str) -> int:
+    """The shell hook's answer to a job that would wait for ever: run it bare, as the hook runs
+    a command inside a gpuwait job (it is part of that job's work, or of its pipeline)."""
+    reporter.warn(f"{why}; the shell hook runs it bare")
+    return exec_bare(request.command)
 
 
 def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:

@@ -499,3 +499,26 @@ def test_zsh_hook_loads_silently_under_ksh_arrays(hook_env: dict[str, str]) -> N
     )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert "function" in done.stdout
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_pipeline_of_wrapped_commands_runs_as_bare(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # Each stage of a pipeline is wrapped on its own, and a command with no history asks for a
+    # whole GPU: the second stage would wait for the first, which waits for it to read the
+    # pipe. The one that would wait runs bare instead (one warning), as it would bare.
+    sim_file(gpus=1)
+    env = {**hook_env, "GPUWAIT_DEFAULT_VRAM": "exclusive"}
+    script = (
+        f"{init_line(shell, '--always')}\n"
+        "python -c 'print(\"x\" * 200000)' | python -c 'import sys; print(len(sys.stdin.read()))'\n"
+    )
+    started = time.monotonic()
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert time.monotonic() - started < 30
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "200001\n"
+    # fish hands a function's output on only once it has ended: its stages never overlap.
+    bare = 0 if shell == "fish" else 1
+    assert done.stderr.count("the shell hook runs it bare") == bare, done.stderr

@@ -489,3 +489,29 @@ def test_the_command_gets_the_locale_gpuwait_was_started_with(
     done = run([*gpuwait_cmd, "--vram", "1G", "--", *show], env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{given or 'unset'}\n"
+
+
+@pytest.mark.parametrize("first", ["writer", "reader"])
+def test_a_pipeline_of_jobs_that_cannot_share_the_cards_ends_at_once(
+    sim: Path, gpuwait_cmd: list[str], first: str
+) -> None:
+    # The writer fills the pipe and waits for the reader, which would wait for the writer's
+    # cards: whichever stage starts second is refused at once (3), and the pipeline ends.
+    gw = " ".join([*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--"])
+    write = f"{sys.executable} -c 'print(\"x\" * 200000)'"
+    read = f"{sys.executable} -c 'import sys; print(len(sys.stdin.read()))'"
+    late = {"writer": ("", "sleep 1; "), "reader": ("sleep 1; ", "")}[first]
+    script = (
+        f"({late[0]}exec {gw} {write}) | ({late[1]}exec {gw} {read}); echo rc=${{PIPESTATUS[*]}}"
+    )
+    started = time.monotonic()
+    done = run(["bash", "-c", script])
+    assert time.monotonic() - started < 30
+    assert "is in a pipeline with gpuwait job" in done.stderr, done.stderr
+    statuses = done.stdout.split("rc=")[1].split()
+    assert (statuses[0] if first == "reader" else statuses[1]) == "3", done.stdout
+    assert ledger_jobs() == []
+    # Cards to share: both stages run, as bare.
+    small = " ".join([*gpuwait_cmd, "-q", "--vram", "4G", "--"])
+    done = run(["bash", "-c", f"{small} {write} | {small} {read}"])
+    assert done.returncode == 0 and done.stdout == "200001\n", done.stderr
