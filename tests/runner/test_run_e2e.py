@@ -515,3 +515,18 @@ def test_a_pipeline_of_jobs_that_cannot_share_the_cards_ends_at_once(
     small = " ".join([*gpuwait_cmd, "-q", "--vram", "4G", "--"])
     done = run(["bash", "-c", f"{small} {write} | {small} {read}"])
     assert done.returncode == 0 and done.stdout == "200001\n", done.stderr
+
+
+def test_stages_joined_through_another_program_are_a_pipeline_too(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `gen | tee log | filter`: the writer blocks on tee, which blocks on the reader.
+    gw = " ".join([*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--"])
+    write = f"{sys.executable} -c 'print(\"x\" * 200000)'"
+    read = f"{sys.executable} -c 'import sys; print(len(sys.stdin.read()))'"
+    script = f"{gw} {write} | cat | (sleep 1; exec {gw} {read}); echo rc=${{PIPESTATUS[*]}}"
+    started = time.monotonic()
+    done = run(["bash", "-c", script])
+    assert time.monotonic() - started < 30
+    assert "is in a pipeline with gpuwait job" in done.stderr, done.stderr
+    assert done.stdout.split("rc=")[1].split()[2] == "3", done.stdout
