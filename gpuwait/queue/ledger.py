@@ -140,6 +140,17 @@ class Ledger:
         return data
 
     @contextmanager
+    def lock_wait(self, seconds: float) -> Iterator[None]:
+        """Meanwhile, wait at most `seconds` for the lock: for a reader that can do without
+        it (LockBusy once they have passed)."""
+        before = self.lock_timeout
+        self.lock_timeout = seconds if before is None else min(before, seconds)
+        try:
+            yield
+        finally:
+            self.lock_timeout = before
+
+    @contextmanager
     def transaction(self, quiet: set[str] | None = None) -> Iterator[LedgerData]:
         """Lock, load (recovering damage), yield; write back if changed, then wake whom the
         change concerns. In gpuwait, only gpuwait.queue.lifecycle calls this.
@@ -250,7 +261,7 @@ class Ledger:
             try:
                 flock_within(fd, fcntl.LOCK_EX, self.lock_timeout, self._patience)
             except LockTimeout:
-                raise StateError(
+                raise LockBusy(
                     f"the ledger lock on {self.directory if self.shared else self.lock_path} "
                     f"was held by {_who(holders(fd))} for {self.lock_timeout:g}s; giving up",
                     hint="a hung, stopped or misbehaving process holds it "
@@ -447,6 +458,10 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+class LockBusy(StateError):
+    """The ledger lock was held by another process for longer than this one would wait."""
 
 
 def _who(pids: list[int]) -> str:

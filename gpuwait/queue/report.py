@@ -21,9 +21,11 @@ from gpuwait.queue.bookkeeping import GPU_OK, Book
 from gpuwait.queue.conditions import plan_ledger, planned_claims
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
-from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.ledger import Ledger, LockBusy
 
 STATUS_SCHEMA = 2
+#: Seconds a report waits for the ledger lock to tidy the ledger before showing it as read.
+TIDY_LOCK_WAIT = 2.0
 
 
 class View(Record, frozen=True):
@@ -39,7 +41,13 @@ def read_queue(ledger: Ledger, snapshot: MachineSnapshot | None) -> tuple[Ledger
     now = time.time()
     data = ledger.read()
     if ledger.damaged or lifecycle.would_tidy(data, snapshot, now, ledger.directory):
-        data = lifecycle.tidy(ledger, snapshot, now)
+        try:
+            # Tidying is a courtesy: a lock held for long (a stopped or hostile process) must
+            # not keep the report from showing what the ledger holds.
+            with ledger.lock_wait(TIDY_LOCK_WAIT):
+                data = lifecycle.tidy(ledger, snapshot, now)
+        except LockBusy as exc:
+            ledger.warnings.append(f"{exc.message}; showing the ledger as read, not tidied")
     return data, now
 
 

@@ -164,6 +164,35 @@ def test_status_reads_the_queue_without_the_lock_and_changes_nothing(
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
 
+def test_status_shows_the_queue_untidied_while_a_stopped_process_holds_the_lock(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # An entry whose gpuwait is gone asks to be reaped, which takes the lock; a process that
+    # holds it for good (stopped, hung, hostile) must not keep status from answering.
+    assert subprocess.run([*gpuwait_cmd, "--vram", "1G", "--", "true"], timeout=60).returncode == 0
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ledger = Ledger(state)
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("gone1", gone.pid, start_time=1))
+    fd = os.open(state / "ledger.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        shown = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - started
+    finally:
+        os.close(fd)
+    assert shown.returncode == 0, shown.stderr
+    assert took < 10, took
+    assert "showing the ledger as read, not tidied" in shown.stderr + shown.stdout
+    # Once the lock is free again, the next reading tidies as ever.
+    again = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "not tidied" not in again.stderr + again.stdout
+    assert [j.id for j in Ledger(state).read().jobs] == []
+
+
 @pytest.mark.parametrize(
     ("ran", "pauses", "asked"),
     [(5.0, 0, False), (700.0, 0, True), (700.0, 2, False)],
