@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import parse_whole
+
+_NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?$")
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,6 +28,10 @@ class Parser(argparse.ArgumentParser):
         self.options: list[argparse.Action] = []
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        # `--vram -1G`, `--timeout -5s`: a value, refused by its own parser with a reason, not
+        # an unknown option leaving --vram "expected one argument" (argparse takes only plain
+        # negative numbers for values). No option of gpuwait's looks like one.
+        self._negative_number_matcher = _NEGATIVE_VALUE
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)

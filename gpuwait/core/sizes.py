@@ -76,6 +76,8 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     """
     match = _SIZE_RE.match(text)
     if not match:
+        if _SIZE_RE.match(text.strip().removeprefix("-")):
+            raise ValueError(f"{text.strip()!r} is negative; give a size above zero, e.g. 6G")
         raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
@@ -94,6 +96,8 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
 
 def parse_request(text: str) -> MemoryRequest:
     """A `--vram` value: a size, or a percentage of each card's total (`50%`). Must be > 0."""
+    if _PERCENT_RE.match(text.strip().removeprefix("-")) and text.strip().startswith("-"):
+        raise ValueError(f"{text.strip()!r} is negative; give a share above zero, e.g. 50%")
     percent = _PERCENT_RE.match(text)
     if percent:
         value = float(percent.group(1))
@@ -116,6 +120,8 @@ def parse_duration(text: str) -> float:
 
     Raises ValueError."""
     stripped = text.strip()
+    if stripped.startswith("-") and _DURATION_RE.match(stripped, 1):
+        raise ValueError(f"{stripped!r} is negative; give a duration such as 30s")
     position = 0
     total = 0.0
     parts = 0

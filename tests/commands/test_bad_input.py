@@ -76,7 +76,7 @@ CASES: dict[str, Case] = {
         "--grace-kill applies to --pausable jobs only",
     ),
     "more gpus than exist": (["--vram", "1G", "--gpus", "9", "true"], {}, None, None, 3, "only 2"),
-    "negative timeout": (["--timeout=-5s", "true"], {}, None, None, 2, "not a duration"),
+    "negative timeout with =": (["--timeout=-5s", "true"], {}, None, None, 2, "is negative"),
     "timeout unit": (["--timeout", "10x", "true"], {}, None, None, 2, "not a duration"),
     "priority zero": (["--priority", "0", "true"], {}, None, None, 2, "priority"),
     "priority word": (["--priority", "high", "true"], {}, None, None, 2, "priority"),
@@ -107,6 +107,11 @@ CASES: dict[str, Case] = {
     "sim without action": (["sim"], {}, None, None, 2, "sim init FILE"),
     "sim init without path": (["sim", "init"], {}, None, None, 2, "required"),
     "status extra word": (["status", "extra"], {}, None, None, 2, "unrecognized arguments"),
+    # A negative value is the option's value, refused with a reason (argparse alone would
+    # take it for an unknown option and say the option "expected one argument").
+    "negative vram": (["--vram", "-1G", "true"], {}, None, None, 2, "'-1G' is negative"),
+    "negative share": (["--vram", "-5%", "true"], {}, None, None, 2, "'-5%' is negative"),
+    "negative timeout apart": (["--timeout", "-1s", "true"], {}, None, None, 2, "'-1s' is negative"),
     # -- environment variables --
     "env safety": (["true"], {"GPUWAIT_SAFETY": "2"}, None, None, 2, "GPUWAIT_SAFETY"),
     "env pick": (["true"], {"GPUWAIT_PICK": "fastest"}, None, None, 2, "GPUWAIT_PICK"),
