@@ -111,7 +111,14 @@ CASES: dict[str, Case] = {
     # take it for an unknown option and say the option "expected one argument").
     "negative vram": (["--vram", "-1G", "true"], {}, None, None, 2, "'-1G' is negative"),
     "negative share": (["--vram", "-5%", "true"], {}, None, None, 2, "'-5%' is negative"),
-    "negative timeout apart": (["--timeout", "-1s", "true"], {}, None, None, 2, "'-1s' is negative"),
+    "negative timeout apart": (
+        ["--timeout", "-1s", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'-1s' is negative",
+    ),
     # -- environment variables --
     "env safety": (["true"], {"GPUWAIT_SAFETY": "2"}, None, None, 2, "GPUWAIT_SAFETY"),
     "env pick": (["true"], {"GPUWAIT_PICK": "fastest"}, None, None, 2, "GPUWAIT_PICK"),
