@@ -23,6 +23,7 @@ anything executed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -193,10 +194,25 @@ class Ledger:
             except OSError as exc:
                 raise StateError(
                     f"ledger {self.path} cannot be written: {exc.strerror}",
-                    hint="free disk space or set GPUWAIT_STATE_DIR to a writable directory",
+                    hint=self._write_hint(exc),
                 ) from None
         # Once the lock is free: a woken waiter's first move may be to take it.
         wake.kick(to_wake)
+
+    def _write_hint(self, exc: OSError) -> str:
+        """What to do about a ledger that cannot be written, by why."""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "free disk space (or quota), or set GPUWAIT_STATE_DIR to another directory"
+        if self.shared and self._group is not None and exc.errno in (errno.EPERM, errno.EACCES):
+            # Files in a shared directory go to its group, which takes being a member of it.
+            group = _group_name(self._group)
+            if self._group not in os.getgroups():
+                return (
+                    f"the shared ledger directory {self.directory} is for group {group}, which"
+                    " you are not in: an administrator adds you (then log in again), or set"
+                    " ledger_dir to a directory of your own"
+                )
+        return "set GPUWAIT_STATE_DIR (or ledger_dir) to a directory you can write"
 
     # -- the directory and the lock ----------------------------------------------------------
 
@@ -458,6 +474,15 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+def _group_name(gid: int) -> str:
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 class LockBusy(StateError):

@@ -26,7 +26,7 @@ import gpuwait, gpuwait.cli, ctypes, textwrap
 for module in pkgutil.walk_packages(gpuwait.__path__, "gpuwait."):
     if module.name != "gpuwait.__main__":  # that one runs gpuwait when imported
         importlib.import_module(module.name)
-import pwd, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select
+import pwd, grp, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select
 import gpuwait.commands.run
 gpuwait.commands.run.build_parser().format_help()  # argparse's and gettext's own lazy imports
 uid, gid = int(sys.argv[1]), int(sys.argv[2])

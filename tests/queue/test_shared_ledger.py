@@ -736,3 +736,27 @@ def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) ->
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (BOB, GROUP, "0o640")
     bob.send_signal(signal.SIGTERM)
     assert bob.wait(timeout=20) != 0
+
+
+def test_a_shared_directory_of_a_group_one_is_not_in_says_so() -> None:
+    # World-writable and sticky, but its group is root's: files there go to that group, which
+    # a member of the public cannot give them. The hint says what to do about it, not to free
+    # disk space.
+    root = shared_root()
+    try:
+        ledger_dir = make_shared_ledger_dir(root, 0, mode=0o1777)
+        sim = root / "sim.toml"
+        sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
+        sim.chmod(0o644)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "GPUWAIT_SIM": str(sim),
+            "GPUWAIT_LEDGER_DIR": str(ledger_dir),
+            **user_home(root, ALICE, ALICE),
+        }
+        done = run_as(ALICE, ALICE, [], ["--vram", "1G", "--", "true"], env)
+        assert done.returncode == 5, done.stderr
+        assert "is for group root, which you are not in" in done.stderr
+        assert "disk space" not in done.stderr and "Traceback" not in done.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
