@@ -88,8 +88,11 @@ def remove_left_temp_files(
 
 
 def damaged_name(path: Path) -> Path:
-    """Where a damaged file is kept as evidence: beside it, named for the time and the process."""
-    return path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    """Where a damaged file is kept as evidence: beside it, named for the time and the process,
+    and a few random letters: in a shared directory another member could otherwise make a file
+    under the name first (the sticky bit then refuses the rename, and the repair with it)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    return path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}-{os.urandom(3).hex()}")
 
 
 def keep_damaged(path: Path) -> Path:

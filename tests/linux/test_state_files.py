@@ -302,3 +302,14 @@ def test_a_job_ended_by_a_signal_takes_its_entry_out_past_a_neighbours_lock(
     job.communicate(timeout=10)
     assert job.returncode == -signal.SIGTERM
     assert ledger_entries() == []
+
+
+def test_a_damaged_files_evidence_name_cannot_be_taken_beforehand(tmp_path: Path) -> None:
+    # In a shared directory another member could make a file under a name known in advance
+    # (the time and a pid are), and the sticky bit would then refuse the rename, and the
+    # repair with it: the name also has random letters.
+    from gpuwait.linux.atomic import damaged_name
+
+    names = {damaged_name(tmp_path / "ledger.1000.json").name for _ in range(20)}
+    assert len(names) == 20
+    assert all(n.startswith("ledger.1000.json.damaged-") for n in names)
