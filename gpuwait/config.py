@@ -10,6 +10,7 @@ fairness) come from the site file or the default only: a user cannot lift their 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import stat
@@ -863,7 +864,10 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     except UnsafePath as exc:
         raise UsageError(f"{kind} {path} {exc.what}; refusing to use it") from None
     except OSError as exc:
-        raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}") from None
+        hint = None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            hint = f"make it readable (chmod u+r {path}), or set GPUWAIT_CONFIG to another file"
+        raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}", hint=hint) from None
     # Imported here, not at the top: most launches have no config file, and a launch should
     # not pay for the TOML parser then.
     if sys.version_info >= (3, 11):

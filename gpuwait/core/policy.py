@@ -452,6 +452,10 @@ def admission_fits(
     return True
 
 
+#: How `impossible_reason` begins where a per-user limit alone refuses the request.
+OVER_LIMIT = "the request"
+
+
 def impossible_reason(
     claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None = None
 ) -> str | None:
@@ -477,7 +481,11 @@ def impossible_reason(
         )
         refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
         if refusal is not None:
-            return f"the request exceeds {refusal.replace('your ', '', 1)}"
+            asked = f"{claim.gpus_wanted} GPUs, " if claim.gpus_wanted > 1 else ""
+            return (
+                f"{OVER_LIMIT} ({asked}{format_size(smallest * claim.gpus_wanted)} in all)"
+                f" exceeds {refusal.replace('your ', '', 1)}"
+            )
     if claim.request is None:
         return None
     fitting = [

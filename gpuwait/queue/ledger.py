@@ -75,7 +75,12 @@ _CRC_PREFIX = b'{"crc":'
 
 
 class _Unreadable(Exception):
-    """A file that is not read: a link, not a plain file, or too large."""
+    """A file that is not read: a link, not a plain file, too large, or (`unreadable`) one
+    the file system refuses to read."""
+
+    def __init__(self, message: str, unreadable: bool = False) -> None:
+        super().__init__(message)
+        self.unreadable = unreadable
 
 
 class Ledger:
@@ -298,7 +303,7 @@ class Ledger:
         except UnsafePath as exc:
             raise _Unreadable(f"it {exc.what}") from None
         except OSError as exc:
-            raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
+            raise _Unreadable(f"it cannot be read: {exc.strerror}", unreadable=True) from None
         if fd is None:
             return None
         try:
@@ -380,7 +385,10 @@ class Ledger:
             elif not self.shared:
                 raise StateError(
                     f"ledger {path}: {exc}; gpuwait refuses it",
-                    hint=f"remove it ({path}) so gpuwait can write a real file",
+                    hint=f"make it a readable file of yours again (chmod u+rw {path}); remove it"
+                    " only if it is no ledger (the queue it holds goes with it)"
+                    if exc.unreadable
+                    else f"remove it ({path}) so gpuwait can write a real file",
                 ) from None
             return LedgerData(), None, True
         if found is None:

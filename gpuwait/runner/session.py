@@ -40,7 +40,7 @@ from gpuwait.core.errors import (
     UsageError,
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
-from gpuwait.core.policy import WaitReason, impossible_reason
+from gpuwait.core.policy import OVER_LIMIT, WaitReason, impossible_reason
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
@@ -488,6 +488,9 @@ def prepare_job(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
     )
     if impossible is not None:
+        if impossible.startswith(OVER_LIMIT):
+            # Nothing about the cards would help: the site's limit is on the request itself.
+            hint = "ask for less (--vram) or fewer GPUs (--gpus): the limit is the site's"
         raise ImpossibleRequest(impossible, hint=hint)
     around = Surroundings()
     if around.tied:

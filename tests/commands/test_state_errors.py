@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,36 @@ def test_a_moment_no_clock_can_show_is_shown_as_unknown(gw: Run, moment: float) 
             assert lines[-1].startswith("? "), done.stdout
         elif math.isfinite(moment):  # NaN: the history's reader skips the record as damaged
             assert lines[1].startswith("? "), done.stdout
+
+
+def test_an_unreadable_ledger_or_config_says_how_to_make_it_readable() -> None:
+    # Made unreadable (chmod 000): the hint is to give it its mode back, not to remove the
+    # ledger (and the queue in it) first.
+    from helpers.users import run_as, shared_root, user_home
+
+    alice = 47211
+    root = shared_root()
+    try:
+        sim = root / "sim.toml"
+        sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
+        sim.chmod(0o644)
+        env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, alice, alice)}
+        args = ["--vram", "1G", "--", "true"]
+        assert run_as(alice, alice, [], args, env).returncode == 0
+        ledger = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+        ledger.chmod(0)
+        done = run_as(alice, alice, [], args, env)
+        assert done.returncode == 5, done.stderr
+        assert f"chmod u+rw {ledger}" in done.stderr and "Traceback" not in done.stderr
+        ledger.chmod(0o600)
+        config = Path(env["XDG_CONFIG_HOME"]) / "gpuwait" / "config.toml"
+        config.parent.mkdir()
+        os.chown(config.parent, alice, alice)
+        config.write_text("safety = 0.8\n")
+        os.chown(config, alice, alice)
+        config.chmod(0)
+        done = run_as(alice, alice, [], args, env)
+        assert done.returncode == 2, done.stderr
+        assert f"chmod u+r {config}" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

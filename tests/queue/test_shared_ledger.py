@@ -385,6 +385,9 @@ def test_per_user_gpu_limit_from_the_site_config(server: Server) -> None:
     # Asking for more than the limit at once can never be granted.
     never = server.run(BOB, "--vram", "1G", "--gpus", "2", "--", "true")
     assert never.returncode == 3 and "per-user limit" in never.stderr
+    # Said with what was asked, and what would help: not the cards, the request.
+    assert "the request (2 GPUs, 2.0 GiB in all) exceeds" in never.stderr
+    assert "fewer GPUs (--gpus)" in never.stderr and "raise safety" not in never.stderr
     # A user cannot lift the limit for themselves.
     env_try = run_as(
         ALICE,
