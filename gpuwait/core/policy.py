@@ -505,8 +505,8 @@ def fits_beside(
     claim: Claim, gpus: Sequence[GpuSnapshot], safety: float, staying: Sequence[Claim]
 ) -> bool:
     """Whether `claim` could be admitted once everything has ended but `staying`: running
-    claims that end only after it (the jobs whose command it runs inside). Outside memory is
-    left out, as it may yet be freed."""
+    claims that end only after it (the job whose command started it, the jobs of its pipeline
+    joined to it by pipes). Outside memory is left out, as it may yet be freed."""
     rooms = gpu_rooms(gpus, staying, safety)
     fitting = 0
     for gpu in gpus:

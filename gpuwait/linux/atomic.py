@@ -67,11 +67,11 @@ def remove_left_temp_files(
     directory: Path, names: re.Pattern[str], owner: int = -1, older_than: float = 0.0
 ) -> None:
     """Remove the temporary files in `directory` whose names match `names` (`owner`: only that
-    uid's). Called with the lock held under which every such file is written, each one found
-    was left by a writer killed halfway, even where a live process has its pid since (pids are
-    reused: one checked for life would keep its file as long as that process lives). For files
-    written with no lock, `older_than` (seconds): only those last changed longer ago than any
-    write takes, which no live writer can still be writing.
+    uid's). Called with the lock held under which every such file is written, so each one
+    found was left by a writer killed halfway, even where a live process has its pid since
+    (pids are reused: one checked for life would keep its file as long as that process lives).
+    For files written with no lock, `older_than` (seconds): only those last changed longer ago
+    than any write takes, which no live writer can still be writing.
     """
     try:
         found = os.listdir(directory)

@@ -211,7 +211,7 @@ class Ledger:
         if self.shared and self._group is not None and exc.errno in (errno.EPERM, errno.EACCES):
             # Files in a shared directory go to its group, which takes being a member of it.
             group = _group_name(self._group)
-            if self._group not in os.getgroups():
+            if self._group != os.getgid() and self._group not in os.getgroups():
                 return (
                     f"the shared ledger directory {self.directory} is for group {group}, which"
                     " you are not in: an administrator adds you (then log in again), or set"
