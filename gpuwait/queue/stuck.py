@@ -4,10 +4,10 @@ Two kinds, both this user's own:
 - the gpuwait job whose command started this process (`GPUWAIT_JOB_ID`, and that job's command
   among this process's ancestors): it ends only once what it started has ended;
 - a job of this process's own pipeline (its process group) joined to it by pipes, directly or
-  through other stages (`python gen.py | tee log | python filter.py`): it may be waiting for
-  this one to read its output (or to write its input), as a writer blocks once a pipe is full.
-  Jobs that only write to the same pipe (the recipes of `make -j`, all writing to make's
-  output) are not joined: neither waits for the other.
+  through other stages (`python gen.py | tee log | python filter.py`): upstream of it, it
+  waits for this one to read its output, as a writer blocks once a pipe is full; downstream,
+  it waits for this one's output. Jobs that only write to the same pipe (the recipes of
+  `make -j | tee log`) are not joined: neither waits for the other.
 Where the waiter can never start beside them (`core.policy.fits_beside`), it would wait for
 ever, and hold GPUs from everyone meanwhile.
 """
@@ -62,33 +62,42 @@ class Surroundings:
             return False
 
     def joined(self, jobs: Sequence[Job]) -> list[Job]:
-        """Those of `jobs` (of this process group) joined to this process by pipes: a stage's
-        stdout (or stderr) is the next one's stdin, through any stages between."""
+        """Those of `jobs` (of this process group) joined to this process by pipes: those it
+        writes to, through any stages between (they wait for its output), and those that write
+        to it (they wait for it to read). Two that only write to the same pipe, as the recipes
+        of `make -j | tee log` do, wait for neither."""
         members = proc.group_members(self.group)
-        ends = {pid: proc.std_pipes(pid) for pid in members}
         readers: dict[int, list[int]] = {}
         writers: dict[int, list[int]] = {}
-        for pid, (stdin, stdout, stderr) in ends.items():
+        for pid in members:
+            stdin, stdout, stderr = proc.std_pipes(pid)
             if stdin is not None:
                 readers.setdefault(stdin, []).append(pid)
             for out in {stdout, stderr} - {None}:
                 assert out is not None
                 writers.setdefault(out, []).append(pid)
-        links: dict[int, set[int]] = {pid: set() for pid in members}
+        downstream: dict[int, set[int]] = {pid: set() for pid in members}
+        upstream: dict[int, set[int]] = {pid: set() for pid in members}
         for pipe, ins in readers.items():
-            for reader in ins:
-                for writer in writers.get(pipe, []):
+            for writer in writers.get(pipe, []):
+                for reader in ins:
                     if writer != reader:
-                        links[reader].add(writer)
-                        links[writer].add(reader)
-        reached = {os.getpid()}
-        frontier = [os.getpid()]
-        while frontier:
-            for nxt in links.get(frontier.pop(), ()):
-                if nxt not in reached:
-                    reached.add(nxt)
-                    frontier.append(nxt)
-        return [j for j in jobs if j.pid in reached or j.child_pid in reached]
+                        downstream[writer].add(reader)
+                        upstream[reader].add(writer)
+        near = _reach(downstream, os.getpid()) | _reach(upstream, os.getpid())
+        return [j for j in jobs if j.pid in near or j.child_pid in near]
+
+
+def _reach(links: dict[int, set[int]], start: int) -> set[int]:
+    """Every process reached from `start` along `links`."""
+    reached = {start}
+    frontier = [start]
+    while frontier:
+        for nxt in links.get(frontier.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                frontier.append(nxt)
+    return reached
 
 
 def _std_is_pipe() -> bool:

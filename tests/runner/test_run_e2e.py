@@ -530,3 +530,16 @@ def test_stages_joined_through_another_program_are_a_pipeline_too(
     assert time.monotonic() - started < 30
     assert "is in a pipeline with gpuwait job" in done.stderr, done.stderr
     assert done.stdout.split("rc=")[1].split()[2] == "3", done.stdout
+
+
+def test_jobs_that_only_write_to_the_same_pipe_wait_for_each_other_as_ever(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `make -j8 2>&1 | tee log`: every recipe writes to tee, in the same process group, and
+    # none waits for another's output: the second waits for the first's cards, then runs.
+    gw = " ".join([*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--"])
+    script = f"({gw} sleep 2 & sleep 0.5; {gw} echo second; wait) 2>&1 | cat"
+    done = run(["bash", "-c", script])
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.strip() == "second", done.stdout
+    assert ledger_jobs() == []
