@@ -103,6 +103,21 @@ def std_pipes(pid: int) -> tuple[int | None, int | None, int | None]:
     return ends[0], ends[1], ends[2]
 
 
+def pipe_full(fd: int) -> bool:
+    """Whether the pipe on `fd` is full, or too full for a writer's next chunk (a page): its
+    writer waits for a reader. False for anything but a pipe."""
+    import fcntl
+    import struct
+    import termios
+
+    try:
+        capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        pending = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return False
+    return bool(pending > capacity - 4096)
+
+
 def is_alive(pid: int, expected_start: int | None) -> bool:
     """True when `pid` runs and, if `expected_start` is given, is the process that started then."""
     if pid <= 0:

@@ -62,10 +62,11 @@ class Surroundings:
             return False
 
     def joined(self, jobs: Sequence[Job]) -> list[Job]:
-        """Those of `jobs` (of this process group) joined to this process by pipes: those it
-        writes to, through any stages between (they wait for its output), and those that write
-        to it (they wait for it to read). Two that only write to the same pipe, as the recipes
-        of `make -j | tee log` do, wait for neither."""
+        """Those of `jobs` (of this process group) that wait for this process through pipes:
+        those it writes to, through any stages between (they wait for its output, or for the
+        end of it), and, once the pipe on its stdin is full, those that write to it (they wait
+        for it to read: a writer whose output fits the pipe ends without). Two that only write
+        to the same pipe, as the recipes of `make -j | tee log` do, wait for neither."""
         members = proc.group_members(self.group)
         readers: dict[int, list[int]] = {}
         writers: dict[int, list[int]] = {}
@@ -84,7 +85,9 @@ class Surroundings:
                     if writer != reader:
                         downstream[writer].add(reader)
                         upstream[reader].add(writer)
-        near = _reach(downstream, os.getpid()) | _reach(upstream, os.getpid())
+        near = _reach(downstream, os.getpid())
+        if proc.pipe_full(0):
+            near |= _reach(upstream, os.getpid())
         return [j for j in jobs if j.pid in near or j.child_pid in near]
 
 

@@ -543,3 +543,17 @@ def test_jobs_that_only_write_to_the_same_pipe_wait_for_each_other_as_ever(
     assert done.returncode == 0, done.stdout
     assert done.stdout.strip() == "second", done.stdout
     assert ledger_jobs() == []
+
+
+def test_a_stage_whose_output_fits_the_pipe_is_waited_for_as_ever(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The writer's few lines fit the pipe: it ends without anyone reading, and the reader,
+    # which needs the same cards, starts after it, as one would expect.
+    gw = " ".join([*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--"])
+    write = f"{sys.executable} -c 'import time; print(\"hello\", flush=True); time.sleep(2)'"
+    read = f"{sys.executable} -c 'import sys; print(sys.stdin.read().upper(), end=\"\")'"
+    done = run(["bash", "-c", f"{gw} {write} | (sleep 0.5; exec {gw} {read})"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "HELLO\n"
+    assert "pipeline" not in done.stderr
