@@ -15,6 +15,7 @@ ever, and hold GPUs from everyone meanwhile.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 
 from gpuwait.core.policy import fits_beside
@@ -65,8 +66,11 @@ class Surroundings:
         """Those of `jobs` (of this process group) that wait for this process through pipes:
         those it writes to, through any stages between (they wait for its output, or for the
         end of it), and, once the pipe on its stdin is full, those that write to it (they wait
-        for it to read: a writer whose output fits the pipe ends without). Two that only write
-        to the same pipe, as the recipes of `make -j | tee log` do, wait for neither."""
+        for it to read: a writer whose output fits the pipe ends without). A pipe joins a
+        stage's stdout or stderr to the next one's stdin, as a shell's pipeline does; a program
+        that reads its children's output on other descriptors (a driver script, make, the
+        shell's `$(...)`) is no stage between them. Two that only write to the same pipe, as the
+        recipes of `make -j | tee log` do, wait for neither."""
         members = proc.group_members(self.group)
         readers: dict[int, list[int]] = {}
         writers: dict[int, list[int]] = {}
@@ -104,8 +108,6 @@ def _reach(links: dict[int, set[int]], start: int) -> set[int]:
 
 
 def _std_is_pipe() -> bool:
-    import stat  # only a launch tied to others pays for it
-
     for fd in (0, 1):
         try:
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
