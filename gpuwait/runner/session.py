@@ -493,7 +493,9 @@ def prepare_job(
             hint = "ask for less (--vram) or fewer GPUs (--gpus): the limit is the site's"
         raise ImpossibleRequest(impossible, hint=hint)
     around = Surroundings()
-    if around.tied:
+    if around.outer_id:
+        # Inside a job, refused before it queues. A pipeline's stages are looked at by the
+        # waiting loop, where one has to wait (a launch that fits at once pays nothing).
         stuck = stuck_behind(job, _ledger(config).read(), snapshot.gpus, config.wait.safety, around)
         if stuck is not None:
             raise StuckBehind(stuck, hint=STUCK_HINT)
