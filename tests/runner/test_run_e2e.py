@@ -339,8 +339,8 @@ def test_status_without_gpu_readings_shows_the_queue_and_exits_4(
 BAD_INPUT = [
     (["--vram", "6X", "true"], 2, "not a size"),
     (["--vram", "0", "true"], 2, "larger than zero"),
-    (["--vram=-4G", "true"], 2, "not a size"),
-    (["--vram", "-4G", "true"], 2, "--vram: expected one argument"),
+    (["--vram=-4G", "true"], 2, "'-4G' is negative"),
+    (["--vram", "-4G", "true"], 2, "'-4G' is negative"),
     (["--vram", "150%", "true"], 2, "percentage"),
     (["--vram", "1G"], 2, "no command"),
     (["--vram", "1G", "--"], 2, "no command"),
