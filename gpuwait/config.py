@@ -68,11 +68,15 @@ def _fraction(value: Any) -> float:
     return number
 
 
-def _positive_duration(value: Any) -> float:
+def _duration(value: Any) -> float:
+    """Seconds in a duration as typed (`90s`, `1h30m`) or a TOML number (seconds)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = check_duration(_number(value), str(value))  # a TOML number: seconds
-    else:
-        seconds = parse_duration(str(value))
+        return check_duration(_number(value), str(value))
+    return parse_duration(str(value))
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = _duration(value)
     # At least a millisecond: shorter, a sampling or polling interval is a busy loop, and no
     # setting means anything shorter.
     if not seconds >= 0.001:
@@ -98,10 +102,7 @@ def _wait_timeout(value: Any) -> float | None:
         return None
     if value in ("0", 0):
         return 0.0
-    if isinstance(value, (int, float)):
-        seconds = check_duration(_number(value), str(value))  # a TOML number: seconds
-    else:
-        seconds = parse_duration(str(value))
+    seconds = _duration(value)
     if not seconds >= 0:
         raise ValueError('expected a duration such as 30m, 0 (no wait) or "none"')
     return seconds

@@ -303,7 +303,7 @@ def _hold(
                 wait,
                 deadline=None if config.timeout is None else waited_from + config.timeout,
                 on_reason=said,
-                around=around if around.tied else None,
+                around=around,
             )
         except BaseException:
             session._finish(ledger, job, INTERRUPTED, reporter)

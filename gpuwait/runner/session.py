@@ -576,7 +576,7 @@ def _attempt(
                 # --timeout bounds the first wait only: a paused job always comes back.
                 deadline=None if timeout is None or job.pauses else waited_from + timeout,
                 on_reason=said,
-                around=around if around.tied else None,
+                around=around,
             )
         except BaseException:
             _finish(ledger, job, INTERRUPTED, reporter)
