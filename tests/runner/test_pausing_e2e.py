@@ -117,6 +117,15 @@ def urgent_job(gpuwait_cmd: list[str], vram: str = "16G") -> subprocess.Popen[st
     return hold_card(gpuwait_cmd, vram, "1s", "--priority", "5")
 
 
+def urgent_runs_and_nobody_steps_aside(gpuwait_cmd: list[str], low: subprocess.Popen[str]) -> None:
+    """An urgent job arrives while `low` runs; it waits for `low`, which is never asked to
+    step aside and ends well."""
+    urgent = urgent_job(gpuwait_cmd)
+    assert urgent.wait(timeout=60) == 0
+    assert low.wait(timeout=60) == 0
+    assert "pause-request" not in [e["kind"] for e in events()]
+
+
 def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
@@ -163,10 +172,7 @@ def test_young_jobs_are_not_paused(
     low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")  # default minimum: 10 minutes
     try:
         wait_until_running(1)
-        urgent = urgent_job(gpuwait_cmd)
-        assert urgent.wait(timeout=60) == 0
-        assert low.wait(timeout=60) == 0
-        assert "pause-request" not in [e["kind"] for e in events()]
+        urgent_runs_and_nobody_steps_aside(gpuwait_cmd, low)
         assert json.loads((tmp_path / "p.json").read_text())["resumes"] == 0
     finally:
         low.kill()
@@ -265,10 +271,7 @@ def test_pause_max_is_honoured(
     try:
         wait_until_running(1)
         wait_until_pausable()
-        urgent = urgent_job(gpuwait_cmd)
-        assert urgent.wait(timeout=60) == 0
-        assert low.wait(timeout=60) == 0
-        assert "pause-request" not in [e["kind"] for e in events()]
+        urgent_runs_and_nobody_steps_aside(gpuwait_cmd, low)
     finally:
         low.kill()
         low.wait()
@@ -395,10 +398,7 @@ def test_a_jobs_own_protection_holds_whatever_its_asker_allows(
     try:
         wait_until_running(1)
         wait_until_pausable()
-        urgent = urgent_job(gpuwait_cmd)
-        assert urgent.wait(timeout=60) == 0
-        assert low.wait(timeout=60) == 0
-        assert "pause-request" not in [e["kind"] for e in events()]
+        urgent_runs_and_nobody_steps_aside(gpuwait_cmd, low)
         assert json.loads((tmp_path / "p.json").read_text())["resumes"] == 0
     finally:
         low.kill()

@@ -360,6 +360,13 @@ BAD_INPUT = [
 ]
 
 
+def user_config(isolated_dirs: Path) -> Path:
+    """The user's config file under the test's own dirs (its directory made, the file not)."""
+    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    return config
+
+
 @pytest.mark.parametrize(("argv", "status", "message"), BAD_INPUT)
 def test_bad_input_is_answered_at_once(
     sim: Path, gpuwait_cmd: list[str], argv: list[str], status: int, message: str
@@ -377,8 +384,7 @@ def test_bad_input_is_answered_at_once(
 def test_bad_config_file_is_one_line(
     sim: Path, gpuwait_cmd: list[str], isolated_dirs: Path
 ) -> None:
-    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
-    config.parent.mkdir(parents=True)
+    config = user_config(isolated_dirs)
     for text, message in (
         ("safety = [", "config file"),
         ("safty = 0.5", "unknown setting 'safty'"),
@@ -392,8 +398,7 @@ def test_bad_config_file_is_one_line(
 def test_config_shows_sources_by_precedence(
     sim: Path, gpuwait_cmd: list[str], isolated_dirs: Path
 ) -> None:
-    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
-    config.parent.mkdir(parents=True)
+    config = user_config(isolated_dirs)
     config.write_text('safety = 0.8\npick = "most-free"\n')
     env = {**os.environ, "GPUWAIT_PICK": "round-robin"}
     done = run([*gpuwait_cmd, "config", "--json"], env=env)
@@ -418,8 +423,7 @@ def test_config_shows_control_characters_as_question_marks(
 ) -> None:
     # Values and paths are anybody's text: an escape sequence in one must not reach the
     # terminal as one (it could retitle the window, or hide what follows).
-    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
-    config.parent.mkdir(parents=True)
+    config = user_config(isolated_dirs)
     config.write_text('never_wrap = ["\\u001b]0;PWNED\\u0007"]\n')
     state = isolated_dirs / "state\x1b[31mred"
     env = {**os.environ, "GPUWAIT_STATE_DIR": str(state)}
