@@ -255,6 +255,7 @@ def _hold(
     backend: Backend,
     choice: RequestChoice,
 ) -> Holding | None:
+    around = Surroundings()
     job, choice = session.prepare_job(
         request,
         config,
@@ -262,6 +263,7 @@ def _hold(
         backend,
         choice,
         hint="ask for less (vram), raise safety, or use other GPUs (devices, gpu_name)",
+        around=around,
     )
     wait = config.wait
     if _threads() > 1:
@@ -293,7 +295,6 @@ def _hold(
             reporter.warn(f"{exc.message}; going on without a reservation (on_state_error = run)")
             return None
         session._show_warnings(ledger, reporter)
-        around = Surroundings()
         waited_from = time.monotonic()
         try:
             job, outcome = wait_for_admission(

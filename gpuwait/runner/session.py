@@ -473,10 +473,12 @@ def prepare_job(
     backend: Backend,
     choice: RequestChoice,
     hint: str,
+    around: Surroundings,
 ) -> tuple[Job, RequestChoice]:
     """The job as it is submitted, and its request capped to the cards: the GPUs read once, a
     request that can never fit refused (ImpossibleRequest, with `hint` in the words of the
-    caller's options), run times from history added. A wrapped run and a reservation from
+    caller's options; StuckBehind inside a job, `around`, it could never start beside), run
+    times from history added. A wrapped run and a reservation from
     Python (runner/hold) both start here."""
     snapshot = _read_gpus(backend.snapshot, config, reporter)
     for message in snapshot.warnings:
@@ -492,7 +494,6 @@ def prepare_job(
             # Nothing about the cards would help: the site's limit is on the request itself.
             hint = "ask for less (--vram) or fewer GPUs (--gpus): the limit is the site's"
         raise ImpossibleRequest(impossible, hint=hint)
-    around = Surroundings()
     if around.outer_id:
         # Inside a job, refused before it queues. A pipeline's stages are looked at by the
         # waiting loop, where one has to wait (a launch that fits at once pays nothing).
@@ -513,6 +514,7 @@ def _attempt(
     backend: Backend,
     choice: RequestChoice,
 ) -> _Ended:
+    around = Surroundings()
     try:
         job, choice = prepare_job(
             request,
@@ -521,12 +523,12 @@ def _attempt(
             backend,
             choice,
             hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
+            around=around,
         )
     except StuckBehind as exc:
         if not request.from_hook:
             raise
         return _Ended(_bare_for_the_hook(request, reporter, exc.message))
-    around = Surroundings()
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     signals.block_handled()
