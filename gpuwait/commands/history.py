@@ -33,14 +33,16 @@ def build_parser() -> Parser:
         "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script. "
         "Runs that compaction kept only for estimates are shown with --all.",
     )
-    parser.add_argument(
+    # `--all` shows every run, so a count beside it would be ignored: refused instead.
+    amount = parser.add_mutually_exclusive_group()
+    amount.add_argument(
         "-n",
         type=whole_number(0, MAX_LINES),
         default=20,
         metavar="N",
         help="show the last N (default: 20)",
     )
-    parser.add_argument(
+    amount.add_argument(
         "--all",
         action="store_true",
         help="show every run in the history, also those compaction kept only for estimates",

@@ -199,6 +199,15 @@ CASES: dict[str, Case] = {
         2,
         "at least 1ms",
     ),
+    # `--all` shows every run: a count beside it was silently ignored.
+    "history count with all": (
+        ["history", "-n", "5", "--all"],
+        {},
+        None,
+        None,
+        2,
+        "not allowed with argument -n",
+    ),
     "config unknown key": (["true"], {}, "safty = 0.5\n", None, 2, "unknown setting 'safty'"),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
