@@ -1,8 +1,9 @@
 """Running jobs a waiter could wait behind for ever: those that end only after it does.
 
 Two kinds, both this user's own:
-- the gpuwait job whose command started this process (`GPUWAIT_JOB_ID`, and that job's command
-  among this process's ancestors): it ends only once what it started has ended;
+- the gpuwait job whose command started this process, or is this process (`GPUWAIT_JOB_ID`, and
+  that job's command among this process and its ancestors): it ends only once what it started
+  has ended;
 - a job of this process's own pipeline (its process group) joined to it by pipes, directly or
   through other stages (`python gen.py | tee log | python filter.py`): upstream of it, it
   waits for this one to read its output, as a writer blocks once a pipe is full; downstream,
@@ -27,13 +28,17 @@ from gpuwait.queue.entries import RUNNING, Job, LedgerData
 
 
 class Surroundings:
-    """What may tie this process to running jobs, read once: its ancestors (inside a job only)
+    """What may tie this process to running jobs, read once: its lineage (inside a job only)
     and whether its stdin or stdout is a pipe. Most launches have neither, and pay for two
     fstat calls."""
 
     def __init__(self) -> None:
         self.outer_id = os.environ.get("GPUWAIT_JOB_ID") or None
-        self.ancestors = frozenset(proc.ancestors(os.getpid())) if self.outer_id else frozenset()
+        # This process and its ancestors: a job's command may be this process itself (`gpuwait
+        # -- gpuwait ...`, a job script that ends `exec gpuwait ...`).
+        self.lineage = (
+            frozenset([os.getpid(), *proc.ancestors(os.getpid())]) if self.outer_id else frozenset()
+        )
         self.piped = _std_is_pipe()
         self.group = os.getpgrp()
 
@@ -47,7 +52,7 @@ class Surroundings:
             job.state == RUNNING
             and job.uid == os.getuid()
             and job.id == self.outer_id
-            and job.child_pid in self.ancestors
+            and job.child_pid in self.lineage
             and proc.is_alive(job.child_pid, job.child_start_time)
         )
 

@@ -479,6 +479,31 @@ def test_a_gpuwait_inside_a_job_that_keeps_its_room_is_refused_at_once(
     assert ledger_jobs() == []
 
 
+def test_a_gpuwait_that_is_the_jobs_command_itself_is_refused_at_once(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait -- gpuwait ...`, or a job script that ends `exec gpuwait ...`: the inner gpuwait is
+    # the outer job's command, no child of it, and waits for that job as any descendant would.
+    # Its stdin and stdout are no pipes (a service's, a cron job's): nothing but the job ties it.
+    inner = [*gpuwait_cmd, "--vram", "12G", "--timeout", "20s", "--", "echo", "inner"]
+    out = tmp_path / "out"
+    started = time.monotonic()
+    with out.open("w") as stdout:
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "12G", "--", *inner],
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert time.monotonic() - started < 15, done.stderr
+    assert done.returncode == 3, done.stderr
+    assert "runs inside gpuwait job" in done.stderr and "Traceback" not in done.stderr
+    assert out.read_text() == ""
+    assert ledger_jobs() == []
+
+
 @pytest.mark.parametrize("given", [None, "C", "POSIX", "C.UTF-8"])
 def test_the_command_gets_the_locale_gpuwait_was_started_with(
     sim: Path, gpuwait_cmd: list[str], given: str | None
