@@ -60,6 +60,8 @@ _COMMAND_ONLY = (
 
 #: The one reservation this process holds (CUDA_VISIBLE_DEVICES is the process's, once).
 _held: Reservation | None = None
+#: A reservation being made (waited for) by one of this process's threads.
+_making = False
 _held_lock = threading.Lock()
 _exit_hook = False
 
@@ -302,19 +304,42 @@ def _options(argv: Sequence[str]) -> argparse.Namespace:
 
 def reserve_argv(argv: Sequence[str], reporter: Reporter) -> Reservation:
     """`reserve`, with the options as the command line's words (the magic's way in)."""
+    global _making
+    options = _options_or_error(argv)
+    with _held_lock:
+        if _held is not None and _held.held:
+            raise ReserveError(
+                f"this process already holds a reservation (job {_held.job_id})",
+                hint="release it first (r.release(), or %gpuwait release)",
+                exit_code=EXIT_USAGE,
+            )
+        if _making:
+            raise ReserveError(
+                "this process is already waiting for a reservation (in another thread)",
+                hint="one reservation per process: share the one that thread gets",
+                exit_code=EXIT_USAGE,
+            )
+        _making = True
+    try:
+        return _reserve(options, reporter)
+    finally:
+        with _held_lock:
+            _making = False
+
+
+def _options_or_error(argv: Sequence[str]) -> argparse.Namespace:
+    try:
+        return _options(argv)
+    except GpuwaitError as exc:
+        raise ReserveError(exc.message, exc.hint, exc.exit_code) from None
+
+
+def _reserve(options: argparse.Namespace, reporter: Reporter) -> Reservation:
     global _held, _exit_hook
     from gpuwait.commands.run import prepare
     from gpuwait.runner.hold import WaitInterrupted, hold
 
     try:
-        options = _options(argv)
-        with _held_lock:
-            if _held is not None and _held.held:
-                raise ReserveError(
-                    f"this process already holds a reservation (job {_held.job_id})",
-                    hint="release it first (r.release(), or %gpuwait release)",
-                    exit_code=EXIT_USAGE,
-                )
         why = cuda_in_use()
         if why is not None:
             raise ReserveError(

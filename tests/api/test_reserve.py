@@ -317,3 +317,39 @@ def test_the_magic_says_what_it_did(sim: Path, gpuwait_cmd: list[str]) -> None:
     assert lines[3].startswith("gpuwait: released job ")
     assert lines[4] == "gpuwait: no reservation in this kernel to release"
     assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_a_reservation_while_another_thread_waits_for_one_is_refused(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A service's threads each reserving: the second must not queue beside the first (the
+    # process would end up holding two, one of them never released before the process ends).
+    sim_file(gpus=1, memory="24GiB")
+    card = hold_card(gpuwait_cmd, "16G", "20s", "--name", "card")
+    script = (
+        "import threading, time, gpuwait\nfrom gpuwait.api import reserve as api\n"
+        "got = []\n"
+        "def first():\n"
+        "    try:\n        gpuwait.reserve('10G', timeout='3s', name='first')\n"
+        "    except gpuwait.ReserveError as exc:\n        got.append(exc.exit_code)\n"
+        "t = threading.Thread(target=first)\nt.start()\n"
+        "import subprocess, sys, json\n"
+        "while not any(j['name'] == 'first' for j in json.loads(subprocess.run(\n"
+        "    [sys.executable, '-m', 'gpuwait', 'status', '--json'], capture_output=True,\n"
+        "    text=True).stdout)['jobs']):\n    time.sleep(0.05)\n"
+        "try:\n    gpuwait.reserve('8G', timeout=0, name='second')\n"
+        "except gpuwait.ReserveError as exc:\n    print(exc.exit_code, exc.message)\n"
+        "t.join()\nprint(got)\n"
+    )
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "card") == "running")
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        card.kill()
+        card.wait()
+    assert done.returncode == 0, done.stderr
+    refused, first = done.stdout.splitlines()
+    assert refused.startswith("2 this process is already waiting for a reservation"), refused
+    assert first == "[124]"
