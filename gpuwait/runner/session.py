@@ -598,7 +598,10 @@ def _attempt(
             # once gpuwait is gone.
             signals.keep_pending(outcome.signum)
             _finish(ledger, job, INTERRUPTED, reporter)
-            return _Ended(128 + outcome.signum)
+            # Ended by the signal, as the command would have been: a shell stops its script on a
+            # child that Ctrl-C killed (not on one that exited 130), systemd counts a TERM
+            # death as a clean stop.
+            return _Ended(-outcome.signum)
         if isinstance(outcome, Cancelled):
             # `gpuwait cancel` already took the entry out and recorded the outcome.
             by = outcome.by_uid

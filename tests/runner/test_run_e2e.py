@@ -137,9 +137,9 @@ def wait_for_jobs(count: int, state: str | None = None, timeout: float = 90) -> 
     )
 
 
-@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_while_waiting_leaves_the_queue(
-    sim: Path, gpuwait_cmd: list[str], signum: int, status: int
+    sim: Path, gpuwait_cmd: list[str], signum: int
 ) -> None:
     holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
     try:
@@ -149,12 +149,36 @@ def test_interrupt_while_waiting_leaves_the_queue(
         )
         wait_for_jobs(3)
         waiter.send_signal(signum)
-        assert waiter.wait(timeout=60) == status
+        # Ended by the signal, as the command would have been (a shell shows 130 / 143).
+        assert waiter.wait(timeout=60) == -signum
         assert len(ledger_jobs()) == 2
     finally:
         for h in holders:
             h.terminate()
             h.wait()
+
+
+def test_ctrl_c_while_waiting_stops_the_shell_loop_it_runs_in(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A script's loop of jobs, Ctrl-C at the terminal (INT to the foreground group): bash stops
+    # the script only when its child died by SIGINT, not when it exited 130.
+    holders = [hold_card(gpuwait_cmd, "20G", "20s", "--devices", str(i)) for i in (0, 1)]
+    gw = " ".join([*gpuwait_cmd, "-q", "--vram", "10G", "--timeout", "5s", "--", "true"])
+    script = f"for i in 1 2; do {gw}; echo status=$?; done; echo loop ended"
+    try:
+        wait_for_jobs(2, "running")
+        loop = subprocess.Popen(
+            ["bash", "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        wait_for_jobs(3)
+        os.killpg(loop.pid, signal.SIGINT)
+        out, _ = loop.communicate(timeout=30)
+    finally:
+        for h in holders:
+            h.terminate()
+            h.wait()
+    assert (loop.returncode, out) == (-signal.SIGINT, "")
 
 
 def test_timeout_gives_up_with_124(sim: Path, gpuwait_cmd: list[str]) -> None:
