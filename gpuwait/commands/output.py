@@ -56,12 +56,14 @@ def stream_columns(stream: TextIO) -> int:
 class WaitLine:
     """Why a job waits, on stderr, each line naming the job (`gpuwait[train]: waiting for ...`).
 
-    On a terminal, while this gpuwait is in the terminal's foreground: one line rewritten in
-    place, fitted to the terminal's width (a line that wrapped would leave a copy of its first
-    rows at every redraw, since `\r` goes back on the last row only), and cleared when the wait
-    ends. In the background (`gpuwait ... &`), where other waiters and the shell share the
-    screen: a whole line per change of situation, fitted too, so none writes over another or
-    runs into other output. Elsewhere (a file, a pipe): a whole line per change, in full.
+    On a terminal, while this gpuwait has the terminal's foreground to itself (a shell started
+    it there): one line rewritten in place, fitted to the terminal's width (a line that wrapped
+    would leave a copy of its first rows at every redraw, since `\r` goes back on the last row
+    only), and cleared when the wait ends. In the background (`gpuwait ... &`), or in a
+    foreground group it shares (`make -j`, `xargs -P`), where other waiters, commands and the
+    shell share the screen: a whole line per change of situation, fitted too, so none writes
+    over another or runs into other output. Elsewhere (a file, a pipe): a whole line per
+    change, in full.
     """
 
     def __init__(self, quiet: bool, job: str = "", stream: TextIO | None = None) -> None:
@@ -113,9 +115,13 @@ class WaitLine:
             self.stream.flush()
 
     def _foreground(self) -> bool:
-        """Is this gpuwait in its terminal's foreground process group (not started with `&`)?"""
+        """Does this gpuwait have its terminal's foreground to itself: its process group's leader
+        (as a shell starts a command), and that group in the foreground (not started with `&`)?
+        A group that is its caller's (`make -j`, `xargs -P`, a script's loop of `&`) holds other
+        waiters and running commands writing to the same screen."""
         try:
-            return os.tcgetpgrp(self.stream.fileno()) == os.getpgrp()
+            group = os.getpgrp()
+            return os.tcgetpgrp(self.stream.fileno()) == group and group == os.getpid()
         except (AttributeError, ValueError, OSError):
             # Not our controlling terminal: nothing else can be told; the line is ours alone.
             return True

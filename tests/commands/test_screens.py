@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from collections import Counter
@@ -238,3 +239,38 @@ def test_history_and_config_keep_whole_values_when_piped(
     assert never_wrap.endswith("* -m venv *  (default)")
     safety = next(line for line in config.splitlines() if line.startswith("safety"))
     assert len(safety) < 50, safety  # not padded out to the longest value
+
+
+def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+) -> None:
+    # `make -j` (or `xargs -P`, a script's loop of `&`) in the foreground: its waiters share the
+    # terminal's foreground process group with each other and with the running recipes, so none
+    # may redraw a line in place over another's.
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
+    (tmp_path / "Makefile").write_text(
+        "all: a b c\na b c:\n\t@gpuwait --name $@ --vram 20G -- echo ran-$@\n"
+    )
+    term = shell(80, 24)
+    term.type("make -j3")
+    rows = term.wait_for(
+        lambda rows: all(any(f"gpuwait[{n}]" in r for r in rows) for n in "abc"),
+        what="a line from each waiter",
+    )
+    for row in gpuwait_rows(rows):
+        assert WAIT_ROW.match(row) and row.count("gpuwait[") == 1, rows
+    holder.terminate()
+    term.wait_for(
+        lambda rows: all(any(r == f"ran-{n}" for r in rows) for n in "abc"),
+        what="every waiter's command ran, each on a line of its own",
+    )
