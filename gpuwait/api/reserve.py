@@ -127,6 +127,13 @@ class Reservation:
                     _held = None
 
     def __enter__(self) -> Reservation:
+        if self._holding is not None and self._holding.released:
+            # Its GPU may be another job's by now: a block must not run there unreserved.
+            raise ReserveError(
+                f"this reservation (job {self.job_id}) was released: it holds no room any more",
+                hint="reserve again (gpuwait.reserve(...)) for each block",
+                exit_code=EXIT_USAGE,
+            )
         return self
 
     def __exit__(

@@ -353,3 +353,21 @@ def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     refused, first = done.stdout.splitlines()
     assert refused.startswith("2 this process is already waiting for a reservation"), refused
     assert first == "[124]"
+
+
+def test_a_released_reservation_is_not_entered_again(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # `with r:` in a loop: the first block's end gave the room back; a second block would run
+    # on a GPU that another job may now be admitted to, with nothing said.
+    script = (
+        "import gpuwait\nr = gpuwait.reserve('1G')\nwith r:\n    pass\n"
+        "try:\n    with r:\n        print('ran unreserved')\n"
+        "except gpuwait.ReserveError as exc:\n    print(exc.exit_code, exc.message)\n"
+        "with gpuwait.reserve('1G') as again:\n    print(again.held)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    refused, again = done.stdout.splitlines()
+    assert refused.startswith("2 this reservation (job "), refused
+    assert "was released" in refused
+    assert again == "True"
+    assert listed_jobs(gpuwait_cmd) == []
