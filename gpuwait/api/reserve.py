@@ -108,12 +108,16 @@ class Reservation:
         a run that did not end well; `out_of_memory`: one that ran out of GPU memory). The
         variables the reservation set in os.environ are put back as they were. Safe to call
         twice; a process forked from the holder releases nothing."""
+        self._give_back(1 if failed or out_of_memory else 0, out_of_memory)
+
+    def _give_back(self, returncode: int, out_of_memory: bool) -> None:
+        """`release`, recording the run as ended with `returncode`."""
         global _held
         holding = self._holding
         if holding is None or holding.released or os.getpid() != holding.pid:
             return
         try:
-            holding.release(1 if failed or out_of_memory else 0, out_of_memory)
+            holding.release(returncode, out_of_memory)
         finally:
             for name, value in self._before.items():
                 if os.environ.get(name) != self._given[name]:
@@ -142,7 +146,11 @@ class Reservation:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        failed = exc is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit))
+        if isinstance(exc, SystemExit):
+            # sys.exit(3) in the block: the process ends with that status, and the run with it.
+            self._give_back(_exit_status(exc.code), False)
+            return
+        failed = exc is not None and not isinstance(exc, KeyboardInterrupt)
         self.release(failed=failed, out_of_memory=failed and _is_oom(exc))
 
     def __repr__(self) -> str:
@@ -155,6 +163,13 @@ class Reservation:
             f"<gpuwait.Reservation job {self.job_id}{name}: {format_size(self.vram)} on "
             f"{where}, {state}>"
         )
+
+
+def _exit_status(code: object) -> int:
+    """The status a process ends with for `sys.exit(code)`."""
+    if code is None:
+        return 0
+    return code % 256 if isinstance(code, int) else 1
 
 
 def _is_oom(exc: BaseException | None) -> bool:

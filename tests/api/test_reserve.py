@@ -207,6 +207,21 @@ def test_an_error_in_the_with_block_is_recorded_as_a_failed_run(
     assert (run["exit_status"], run["oom"], run["oom_evidence"]) == (1, True, "message")
 
 
+@pytest.mark.parametrize(("code", "status"), [(3, 3), ("bad input", 1), (None, 0)])
+def test_sys_exit_in_the_with_block_is_recorded_with_its_status(
+    sim: Path, code: object, status: int
+) -> None:
+    # `with gpuwait.reserve(...): main()` where main() ends with sys.exit(3): a failed run, as
+    # the same program wrapped by gpuwait would be (and no success for --after-ok).
+    script = (
+        f"import sys, gpuwait\nwith gpuwait.reserve('1G', name='prep'):\n    sys.exit({code!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == status, done.stderr
+    (run,) = [r for r in recorded_runs() if r["name"] == "prep"]
+    assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, False)
+
+
 def test_timeout_gives_up_with_the_clis_status(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
 ) -> None:
