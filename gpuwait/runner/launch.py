@@ -16,7 +16,7 @@ import stat
 import sys
 from collections.abc import Mapping, Sequence
 
-from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError
+from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.linux import turnstile
 from gpuwait.queue.entries import Job
 
@@ -42,6 +42,19 @@ def check_command(argv: Sequence[str]) -> str:
     if found is None:
         raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
     return found
+
+
+def check_not_srun(argv: Sequence[str]) -> None:
+    """Refuse Slurm's `srun` as the command (UsageError, 2): slurmstepd starts the step's tasks
+    with CUDA_VISIBLE_DEVICES set to Slurm's GPUs (all of the job's, or the step's own), not the
+    ones gpuwait reserved, so the task would run, unreserved, where gpuwait did not put it."""
+    if os.path.basename(argv[0]) != "srun":
+        return
+    raise UsageError(
+        "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES, not the GPU gpuwait "
+        "reserves: they would run on GPUs gpuwait did not give them",
+        hint="run gpuwait inside the step instead: srun ... gpuwait --vram SIZE -- COMMAND",
+    )
 
 
 def which(name: str) -> str | None:

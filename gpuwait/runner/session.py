@@ -73,7 +73,14 @@ from gpuwait.queue.wait import (
     wait_for_admission,
 )
 from gpuwait.runner import budget
-from gpuwait.runner.launch import CommandProblem, check_command, command_env, exec_bare, spawn
+from gpuwait.runner.launch import (
+    CommandProblem,
+    check_command,
+    check_not_srun,
+    command_env,
+    exec_bare,
+    spawn,
+)
 from gpuwait.runner.stderrwatch import StderrWatch
 from gpuwait.runner.supervise import RunResult, supervise
 
@@ -189,6 +196,7 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     """Run the command as a job; return the status gpuwait ends with (or end by its signal)."""
     choice = _request(request, config, reporter)
     check_command(request.command)
+    check_not_srun(request.command)
     try:
         backend = _read_gpus(
             lambda: open_backend(config.sim, config.nvml_timeout), config, reporter

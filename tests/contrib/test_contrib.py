@@ -484,6 +484,30 @@ def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: P
     assert "3 step(s), 1 failed" in done.stdout
 
 
+def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path) -> None:
+    # slurmstepd starts an srun step's tasks with Slurm's CUDA_VISIBLE_DEVICES (the job's GPUs,
+    # or the step's), whatever gpuwait set: wrapped around srun, the reservation would bind
+    # nothing (on try-cluster's Slurm the step saw "0,1" where gpuwait had reserved GPU 1).
+    # Refused before waiting.
+    ran = tmp_path / "ran"
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    srun.chmod(0o755)
+    env = {**user_env, "SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0,1"}
+    done = subprocess.run(
+        ["gpuwait", "--vram", "4G", "--", "srun", "-n1", "python", "train.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
+    assert "srun ... gpuwait --vram SIZE -- COMMAND" in done.stderr
+    assert not ran.exists()
+    assert history(Path(env["XDG_STATE_HOME"])) == []
+
+
 # Docker ---------------------------------------------------------------------------------------
 
 FAKE_DOCKER = """#!/bin/sh
