@@ -16,5 +16,7 @@ except ImportError:  # pragma: no cover - depends on the Python version
 
 
 def sha256_hex(text: str) -> str:
-    digest: str = sha256(text.encode()).hexdigest()
+    # surrogateescape: a command's argument or path that is no UTF-8 (a Latin-1 file name)
+    # reaches Python as surrogates, and is hashed as the bytes it was.
+    digest: str = sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
     return digest

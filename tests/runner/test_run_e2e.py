@@ -528,6 +528,26 @@ def test_a_gpuwait_that_is_the_jobs_command_itself_is_refused_at_once(
     assert ledger_jobs() == []
 
 
+def test_a_command_with_an_argument_that_is_no_utf8_runs_and_is_recorded(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A Latin-1 file name (old data sets, cron's C locale alike): Python holds it as surrogates;
+    # the command gets the bytes, gpuwait its exit status, and the history a record.
+    name = b"caf\xe9.txt"
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", 'printf "%s" "$1"; exit 5', "sh", name],
+        capture_output=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (5, name), done.stderr.decode(errors="replace")
+    assert b"Traceback" not in done.stderr
+    assert ledger_jobs() == []
+    shown = run([*gpuwait_cmd, "history", "--json", "-n", "1"])
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    (record,) = json.loads(shown.stdout)
+    assert record["exit_status"] == 5
+
+
 @pytest.mark.parametrize("given", [None, "C", "POSIX", "C.UTF-8"])
 def test_the_command_gets_the_locale_gpuwait_was_started_with(
     sim: Path, gpuwait_cmd: list[str], given: str | None
