@@ -167,6 +167,11 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
             else "uses more than its reservation"
         )
         text = f"{who} {sizes}: {event.get('cause')}; {event.get('advice')}"
+    elif kind == "adopt":
+        reserved = event.get("reserved_bytes")
+        size = format_size(reserved) if isinstance(reserved, int) else "?"
+        where = _gpus(event.get("gpus"), indices)
+        text = f"{who} pid {event.get('pid')} on {where}, {size} reserved"
     elif kind == "reap":
         text = f"{who} (pid {event.get('pid')} gone while {event.get('state')})"
     elif kind.startswith("gpu_"):

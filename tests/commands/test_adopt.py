@@ -70,7 +70,9 @@ def test_adopted_process_is_a_running_job_until_it_ends_then_in_history(
     assert record["peak_bytes"] == 6 * 2**30 and record["exit_status"] is None
     assert record["run_seconds"] > 1
     log = run_gpuwait("log").stdout
-    assert "adopt" in log and "reap" in log
+    # Said in words, as every other event is (not as the event's raw JSON).
+    assert f"adopt     {entry['id']} (notebook) pid {job.pid} on GPU0, 6.0 GiB reserved" in log
+    assert "reap" in log and "{" not in log
 
 
 def test_waiting_job_is_not_admitted_onto_the_room_an_adopted_process_reserves(
