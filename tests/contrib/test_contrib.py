@@ -367,6 +367,27 @@ def test_cron_wrapper_gives_up_after_timeout_and_says_so(
         stop(job)
 
 
+def test_cron_wrapper_is_not_kept_locked_by_what_a_finished_run_left_running(
+    cron_home: Path, sim_file: Any, tmp_path: Path
+) -> None:
+    # A job that leaves a helper behind (a server, a `nohup ... &`): the run has ended, so the
+    # next night's run must go ahead, not be skipped for as long as the helper lives.
+    sim_file(gpus=1)
+    pid_file = tmp_path / "helper.pid"
+    helper = f"sleep 30 </dev/null >/dev/null 2>&1 & echo $! > {pid_file}"
+    line = f"$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- sh -c '{helper}'"
+    try:
+        done = cron_run(line, cron_env(cron_home))
+        assert done.returncode == 0, done.stderr
+        done = cron_run(
+            "$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- true", cron_env(cron_home)
+        )
+        assert done.returncode == 0, done.stderr
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_cron_wrapper_usage_errors(cron_home: Path) -> None:
     script = cron_home / ".local" / "bin" / "gpuwait-cron"
     for args, message in (([], "usage"), (["bad name", "true"], "NAME must be")):
