@@ -486,8 +486,33 @@ def test_slurm_packs_steps_on_the_allocated_gpu_only(
     assert {r["gpu_uuid"] for r in results} == {sim_uuids()[1]}
     assert not any(r["oom"] for r in results)
     # The allocation's own ledger on node-local disk, not the home directory's.
-    assert (tmp_path / "gpuwait-4242" / "history.jsonl").exists()
+    (state,) = tmp_path.glob("gpuwait-4242.*")
+    assert (state / "history.jsonl").exists()
     assert history(Path(user_env["XDG_STATE_HOME"])) == []
+
+
+def test_slurm_script_steps_run_whatever_another_user_made_in_tmp(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Job ids are sequential and shown by squeue: another user of the node can make the
+    # directory the next allocation's ledger would be in, before it starts. Its steps must run.
+    taken = tmp_path / "gpuwait-4243"
+    taken.mkdir(mode=0o777)
+    if os.geteuid() == 0:
+        os.chown(taken, 65534, 65534)
+    steps = tmp_path / "steps.txt"
+    steps.write_text("true\ntrue\n")
+    env = {**user_env, "SLURM_JOB_ID": "4243", "CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
+        env={**env, "STEP_VRAM": "1G"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 step(s), 0 failed" in done.stdout
+    assert list(taken.iterdir()) == []
 
 
 def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: Path) -> None:

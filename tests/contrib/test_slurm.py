@@ -238,7 +238,8 @@ def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
         assert len(reports) == 8
         assert {r["gpu_uuid"] for r in reports} == {uuids[index]}, f"allocation {name}"
         assert not any(r["oom"] for r in reports)
-        records = history(tmp_path / f"gpuwait-{job_id}")
+        (state,) = tmp_path.glob(f"gpuwait-{job_id}.*")
+        records = history(state)
         assert len(records) == 8
         assert not any(r["oom"] for r in records)
         # Packed by VRAM: four 6G steps side by side on a 24 GiB card, not one at a time.
@@ -277,11 +278,15 @@ def test_scancel_with_waiting_steps_leaves_no_entries(cluster: Cluster, tmp_path
         str(SLURM / "pack-steps.sbatch"),
         str(steps),
     )
-    ledger = tmp_path / f"gpuwait-{job_id}" / "ledger.json"
+
+    def ledger() -> Path:
+        # The allocation's own directory, made by mktemp when the job starts.
+        found = list(tmp_path.glob(f"gpuwait-{job_id}.*"))
+        return found[0] / "ledger.json" if found else tmp_path / "none"
 
     def states() -> list[str]:
         try:
-            return sorted(j["state"] for j in json.loads(ledger.read_text())["jobs"])
+            return sorted(j["state"] for j in json.loads(ledger().read_text())["jobs"])
         except (OSError, ValueError, KeyError):
             return []
 
@@ -291,13 +296,13 @@ def test_scancel_with_waiting_steps_leaves_no_entries(cluster: Cluster, tmp_path
         timeout=30,
         message=lambda: f"ledger: {states()}",
     )
-    pids = [j["pid"] for j in json.loads(ledger.read_text())["jobs"]]
+    pids = [j["pid"] for j in json.loads(ledger().read_text())["jobs"]]
     subprocess.run(["scancel", job_id], env=env, check=True, timeout=30)
     info = wait_ended(env, job_id, timeout=30)
     assert info["JobState"] == "CANCELLED"
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), timeout=15)
     # Read as it lies on disk, not through gpuwait (which would tidy up what it finds).
-    assert json.loads(ledger.read_text())["jobs"] == []
+    assert json.loads(ledger().read_text())["jobs"] == []
 
 
 def test_time_limit_signal_checkpoints_and_the_requeued_job_resumes(
