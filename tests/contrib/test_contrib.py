@@ -690,6 +690,7 @@ def test_prometheus_exporter_writes_valid_metrics_of_a_running_job(
     gpu1 = f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}'
     gpu0 = f'{{gpu="0",uuid="{uuid0}",name="Simulated GPU"}}'
     assert samples[("gpuwait_up", "")] == 1
+    assert samples[("gpuwait_gpus_readable", "")] == 1
     assert samples[("gpuwait_gpu_total_bytes", gpu1)] == 24 * GiB
     assert samples[("gpuwait_gpu_reserved_bytes", gpu1)] == 6 * GiB
     assert samples[("gpuwait_gpu_reserved_bytes", gpu0)] == 0
@@ -752,6 +753,21 @@ def test_prometheus_exporter_reports_down_when_gpuwait_fails(
     assert not any(name.startswith("gpuwait_gpu_") for name, _ in samples)
 
 
+def test_prometheus_exporter_says_when_the_gpus_cannot_be_read(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # gpuwait answers (its jobs are still there), but without a GPU figure: an alert on the
+    # GPUs must have a metric that says so, not only missing series.
+    env = {**user_env, "GPUWAIT_SIM": str(tmp_path / "missing.toml")}
+    proc = exporter("--output-dir", str(tmp_path), env=env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_up", "")] == 1
+    assert samples[("gpuwait_gpus_readable", "")] == 0
+    assert not any(name.startswith("gpuwait_gpu_") for name, _ in samples)
+
+
 @pytest.fixture
 def busy_metrics(user_env: dict[str, str], tmp_path: Path) -> Iterator[str]:
     """The exporter's file while real jobs run on both simulated GPUs and one waits."""
@@ -790,6 +806,7 @@ def test_prometheus_exporter_output_is_read_by_prometheus_client(busy_metrics: s
     families = {f.name: f for f in text_string_to_metric_families(busy_metrics)}
     assert set(families) == {
         "gpuwait_up",
+        "gpuwait_gpus_readable",
         "gpuwait_last_update_timestamp_seconds",
         "gpuwait_gpu_total_bytes",
         "gpuwait_gpu_used_bytes",
