@@ -128,7 +128,14 @@ def entry_point() -> NoReturn:
     try:
         _take_turn(sys.argv[1:])
     except KeyboardInterrupt:
-        os._exit(130)  # Ctrl-C while waiting for the turn: as main() ends on one
+        # Ctrl-C while waiting for the turn: gpuwait ends by it, as while waiting for room (a
+        # shell stops its script on a child that Ctrl-C killed, not on one that exited 130).
+        import signal
+
+        from gpuwait.linux.signals import die_by_signal
+
+        die_by_signal(signal.SIGINT)
+        os._exit(130)
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
     code = main()

@@ -210,7 +210,8 @@ def test_ctrl_c_while_waiting_for_a_turn_ends_the_launch_quietly(
         wait_for(lambda: launch.pid in waiters(path), timeout=30)
         launch.send_signal(signal.SIGINT)
         _, err = launch.communicate(timeout=30)
-    assert launch.returncode == 130
+    # Ended by the signal (a shell shows 130 and stops its script), as while waiting for room.
+    assert launch.returncode == -signal.SIGINT
     assert err == ""
 
 
