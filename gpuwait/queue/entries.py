@@ -110,6 +110,7 @@ class Job(Record):
     pause_signalled_at: float | None = None
     #: Priority of the job that paused this one: a resumed job queues at least that high, so a
     #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
+    #: Its place in the queue only: it asks others to step aside at its own `priority`.
     boost: int = 0
     yield_to: str | None = None
     #: Seconds this command takes to load to its peak (history), the cost of pausing it.
@@ -722,7 +723,8 @@ def mark_pause_requests(data: LedgerData, now: float | None = None) -> None:
             or asker.state != WAITING
             # A user's own waiter may ask whatever the priorities (an idle job, with
             # `idle_action = pause`): they could cancel that job anyway.
-            or (asker.effective_priority <= victim.effective_priority and asker.uid != victim.uid)
+            # The asker's own priority: a boost (it stepped aside) keeps its place, no more.
+            or (asker.priority <= victim.effective_priority and asker.uid != victim.uid)
         ):
             continue
         victim.pause_requested_at = request.at

@@ -93,13 +93,15 @@ def ask_for_room(
     if job.gpus != 1:
         return ()  # a gang would need room freed on several GPUs at once: not offered
     quick = ledger.read()
-    priority = job.effective_priority
+    # Its own priority, not the boost of a job that stepped aside: that boost keeps its place
+    # in the queue, it does not make jobs of higher priority than its own step aside for it.
+    priority = job.priority
     if not any(
         j.state == RUNNING
         and (j.pausable or j.freezable)
         and j.orphaned_at is None
         and j.pause_requested_at is None
-        and (j.priority < priority or (j.id in idle_jobs and j.uid == job.uid))
+        and (j.effective_priority < priority or (j.id in idle_jobs and j.uid == job.uid))
         for j in quick.jobs
     ):
         return ()

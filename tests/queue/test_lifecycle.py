@@ -221,3 +221,45 @@ def test_a_pause_request_counts_only_where_the_victims_own_rules_allow(
     data = LedgerData(jobs=[victim, asker], requests=[request])
     mark_pause_requests(data, now)
     assert (victim.pause_requested_by == "urgent") is asked
+
+
+def test_a_job_that_stepped_aside_asks_nobody_of_higher_priority_to_step_aside(
+    tmp_path: Path,
+) -> None:
+    # A priority-1 job that stepped aside for a priority-5 one queues at priority 5 (so that
+    # urgent jobs cannot starve it), but that boost is no licence to pause a priority-3 job:
+    # only jobs below its own priority step aside for it, by its asking or by its file's word.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.entries import PAUSE, LedgerData, Request, mark_pause_requests
+    from gpuwait.queue.pausing import ask_for_room
+
+    now = time.time()
+    middle = live_job(
+        "middle",
+        state=RUNNING,
+        priority=3,
+        pausable=True,
+        started_at=now - 700,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=16 * GiB,
+        request={"bytes": 16 * GiB},
+    )
+    resumed = live_job(
+        "resumed", state=WAITING, priority=1, boost=5, pauses=1, request={"bytes": 16 * GiB}
+    )
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs[:] = [middle, resumed]
+    asked = ask_for_room(ledger, resumed, MACHINE, 0.9, PauseRules(min_runtime=1.0))
+    assert asked == ()
+    # Nor does a request in its file (another user's, say) mark the job as asked.
+    request = Request.to(middle, PAUSE, now, by_uid=resumed.uid + 1, by_job=resumed.id)
+    other = live_job("resumed", state=WAITING, priority=1, boost=5, uid=resumed.uid + 1)
+    data = LedgerData(jobs=[middle, other], requests=[request])
+    mark_pause_requests(data, now)
+    assert middle.pause_requested_by is None
+    # The same waiter at priority 5 of its own would ask.
+    urgent = resumed._replace(priority=5, boost=0)
+    with ledger.transaction() as data:
+        data.jobs[:] = [middle, urgent]
+    assert ask_for_room(ledger, urgent, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ("middle",)
