@@ -174,7 +174,8 @@ def _paused(record: dict[str, Any], short: bool = False) -> str:
 
 #: What a peak without a figure, or with an approximate one, means (the table's notes).
 _UNMEASURED_SHARED = (
-    "peak -: not measured: its GPU ran other jobs too, and NVML gave no per-process figures"
+    "peak -: not measured: others used or freed memory on its GPU meanwhile, and NVML gave no "
+    "per-process figures"
 )
 _UNMEASURED_SHORT = "peak -: not measured: the run ended before the first reading"
 _APPROXIMATE = "peak ~: the growth of its GPU's used memory (NVML gave no per-process figures)"

@@ -115,6 +115,7 @@ class Holding:
             config.sample_interval,
             baseline_used={g.uuid: g.used_bytes for g in gpus},
             margin=config.estimate_margin,
+            baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in gpus},
         )
         self._thread = threading.Thread(target=self._sample, name="gpuwait-usage", daemon=True)
         self._thread.start()

@@ -735,6 +735,7 @@ def _start(
         baseline_used={g.uuid: g.used_bytes for g in chosen},
         responder=responder,
         margin=config.estimate_margin,
+        baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in chosen},
     )
     held.close()
     said_oom = watch.finish()

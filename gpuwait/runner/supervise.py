@@ -7,9 +7,13 @@ is read and published in the ledger.
 
 The peak that goes into the history is the tree's own, from NVML's per-process figures. Where
 NVML has none for the tree (inside containers it lists host pids, or no figures at all), the
-growth of the card's used memory over what it held at admission stands in, counted only while no
-other gpuwait job runs on that card, and the peak is marked approximate. When NVML accounting mode
-is on, its per-process maximum (which sees between samples) is taken at the end.
+growth of the card's used memory over what it held at admission stands in, and the peak is marked
+approximate. That growth is the job's only while nothing else on the card changed: where another
+gpuwait job ran on that card during the run, or memory held there at admission was freed (a
+process listed then ended, or the card came to hold less than it did then), the job's own growth
+is hidden by the others' and the peak is unknown: a figure too small would size the next run too
+small. When NVML accounting mode is on, its per-process maximum (which sees between samples) is
+taken at the end.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class RunResult(Record):
     paused: bool = False
     #: Peak growth of the card's used memory per GPU, while the job ran alone there.
     growth_bytes: dict[str, int] = field(default_factory=dict)
+    #: GPUs whose growth is not the job's own: another job ran there, or memory held there at
+    #: admission was freed during the run. Their peak is unknown.
+    growth_mixed: set[str] = field(default_factory=set)
     #: GPUs where NVML gave a figure for a process of the tree.
     attributed: set[str] = field(default_factory=set)
     #: Free memory per GPU at the sample where the job used the most there (once it used any),
@@ -78,12 +85,16 @@ class RunResult(Record):
                 peaks[uuid] = max(self.accounting_bytes[uuid], self.peak_bytes.get(uuid, 0))
             elif uuid in self.attributed:
                 peaks[uuid] = self.peak_bytes.get(uuid, 0)
+            elif uuid in self.growth_mixed:
+                continue  # unknown: too small a figure would size the next run too small
             else:
                 peaks[uuid] = self.growth_bytes[uuid]
                 approximate = True
         return peaks, approximate
 
     def time_to_peak(self) -> float | None:
+        if not self.peaks()[0]:
+            return None  # no peak known, so no time to reach it either
         return time_to_peak(self.series)
 
 
@@ -96,14 +107,18 @@ def supervise(
     baseline_used: Mapping[str, int] | None = None,
     responder: PauseResponder | FreezeResponder | None = None,
     margin: float = DEFAULT_MARGIN,
+    baseline_pids: Mapping[str, frozenset[int]] | None = None,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
-    `baseline_used`: each GPU's used memory at admission, for the approximate peak. `margin`:
+    `baseline_used`: each GPU's used memory at admission, for the approximate peak, and
+    `baseline_pids` the processes NVML listed on it then. `margin`:
     how far past its reservation the job may go before it is called out (estimate_margin).
     """
     started = time.monotonic()
-    sampler = UsageSampler(child, job, ledger, backend, sample_interval, baseline_used, margin)
+    sampler = UsageSampler(
+        child, job, ledger, backend, sample_interval, baseline_used, margin, baseline_pids
+    )
     result = sampler.result
     witness = signals.GroupWitness()
     # A pausable job's checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N, a user's
@@ -160,6 +175,7 @@ class UsageSampler:
         sample_interval: float,
         baseline_used: Mapping[str, int] | None = None,
         margin: float = DEFAULT_MARGIN,
+        baseline_pids: Mapping[str, frozenset[int]] | None = None,
     ) -> None:
         self.root = root
         self.job = job
@@ -167,6 +183,7 @@ class UsageSampler:
         self.backend = backend
         self.sample_interval = sample_interval
         self.baseline_used = baseline_used or {}
+        self.baseline_pids = baseline_pids or {}
         self.margin = margin
         self.result = RunResult(returncode=0)
         self.started = time.monotonic()
@@ -194,7 +211,16 @@ class UsageSampler:
         result.samples += 1
         for uuid, used in usage.items():
             result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
-        _note_sample(result, job, ledger, gpus, pids, self.baseline_used, now - self.started)
+        _note_sample(
+            result,
+            job,
+            ledger,
+            gpus,
+            pids,
+            self.baseline_used,
+            now - self.started,
+            self.baseline_pids,
+        )
         moved = any(
             abs(usage.get(u, 0) - self._published.get(u, 0)) >= _PUBLISH_STEP for u in usage
         )
@@ -253,6 +279,7 @@ def _note_sample(
     pids: list[int],
     baseline_used: Mapping[str, int],
     elapsed: float,
+    baseline_pids: Mapping[str, frozenset[int]] | None = None,
 ) -> None:
     """Everything besides the per-process peak that the history wants from one sample."""
     tree = set(pids)
@@ -271,8 +298,13 @@ def _note_sample(
                 continue
             if others is None:
                 others = _gpus_shared_with_others(ledger, job)
-            if gpu.uuid in others:
-                continue  # another job's memory would be taken for ours
+            if gpu.uuid in others or _freed_since_admission(
+                gpu, baseline_used[gpu.uuid], (baseline_pids or {}).get(gpu.uuid), result
+            ):
+                # Another job's memory would be taken for ours, or memory freed by others
+                # would hide ours: the growth is no longer the job's own, at any sample.
+                result.growth_mixed.add(gpu.uuid)
+                continue
             used = max(0, gpu.used_bytes - baseline_used[gpu.uuid])
             peak_so_far = result.growth_bytes.get(gpu.uuid, 0)
             result.growth_bytes[gpu.uuid] = max(peak_so_far, used)
@@ -281,6 +313,24 @@ def _note_sample(
         fullest = max(fullest, used)
     if gpus:
         result.series.append((round(elapsed, 3), fullest))
+
+
+#: The card's used memory may wander this much below what it held at admission (the driver's
+#: own) before memory held by others counts as freed.
+_FREED_SLACK = 64 * 2**20
+
+
+def _freed_since_admission(
+    gpu: GpuSnapshot, baseline: int, listed: frozenset[int] | None, result: RunResult
+) -> bool:
+    """Was memory that others held on `gpu` at admission freed since: a process NVML listed
+    there then is gone (not one of the job's own), or the card holds less than it did then?"""
+    if gpu.used_bytes < baseline - _FREED_SLACK:
+        return True
+    if not listed:
+        return False
+    now = {p.pid for p in gpu.processes}
+    return bool(listed - now - result.pids_seen)
 
 
 def _gpus_shared_with_others(ledger: Ledger, job: Job) -> set[str]:

@@ -410,3 +410,60 @@ def test_a_file_written_over_the_index_is_kept_aside_and_the_index_made_anew(
     assert next(level["runs"] for level in levels if level["level"] == "command") == 2
     again = run([*gpuwait_cmd, "--", *job])
     assert "warning" not in again.stderr, again.stderr
+
+
+def _card_used(sim: Path) -> int:
+    from gpuwait.gpu import open_backend
+
+    backend = open_backend(sim, 5.0)
+    try:
+        return backend.snapshot().gpus[0].used_bytes
+    finally:
+        backend.close()
+
+
+def test_an_approximate_peak_hidden_by_memory_others_freed_is_not_learned(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Without per-process figures the peak is the card's growth since admission. A colleague's
+    # 10 GiB, there at admission, is freed while the job loads its 8 GiB: the card grew by
+    # 3 GiB or so, and learning that would size the next run at a third of what it needs.
+    sim = sim_file(gpus=1, memory="24GiB", per_process=False)
+    colleague = subprocess.Popen(
+        [*gpuwait_cmd, "sim", "job", "--vram", "10G", "--hold", "0.6s"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: _card_used(sim) >= 10 * GiB, timeout=30, interval=0.05)
+        job = sim_job(gpuwait_cmd, "8G", "--ramp", "1.2s", "--hold", "0.1s")
+        done = run([*gpuwait_cmd, "--vram", "8G", "--", *job])
+        assert done.returncode == 0, done.stderr
+    finally:
+        colleague.wait(timeout=30)
+    record = history()[-1]
+    assert record["peak_bytes"] is None or record["peak_bytes"] >= 8 * GiB, record
+    assert estimate_of(gpuwait_cmd, job)["estimate_bytes"] is None
+
+
+def test_an_approximate_peak_while_another_job_shares_the_card_is_not_learned(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Without per-process figures, a job's peak cannot be told from another's growth on the
+    # same card: neither run, 6 GiB and 2 GiB, may be learned from the samples taken alone.
+    sim_file(gpus=1, memory="24GiB", per_process=False)
+    big = sim_job(gpuwait_cmd, "6G", "--ramp", "1s", "--hold", "0.1s")
+    first = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "6G", "--", *big],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: running_jobs() == 1, timeout=30, interval=0.02)
+        small = sim_job(gpuwait_cmd, "2G", "--hold", "1.5s")
+        done = run([*gpuwait_cmd, "--vram", "2G", "--", *small])
+        assert done.returncode == 0, done.stderr
+    finally:
+        assert first.wait(timeout=30) == 0
+    peaks = {r["command"][r["command"].index("--vram") + 1]: r["peak_bytes"] for r in history()}
+    assert peaks == {"6G": None, "2G": None}, peaks
