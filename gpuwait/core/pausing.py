@@ -9,6 +9,8 @@ rules can be property-tested:
   they last started, and were paused fewer than `max_pauses` times;
 - a job already asked (by anyone) is never asked twice, and the room it will free is not promised
   to a second waiter;
+- a waiter asks nobody else while a job it asked may still obey (`still_pending`): once that job's
+  grace has passed and it runs on, left alone, the waiter may ask others;
 - the cheapest set that frees enough room on one GPU wins: lowest priority first, then least work
   lost (least run time since its last start), then fewest jobs;
 - a job whose reload takes long (its time-to-peak from history) is asked only when the waiter
@@ -63,6 +65,25 @@ class PauseChoice(Record, frozen=True):
     gpu_uuid: str
     victims: tuple[str, ...]
     freed_bytes: int
+
+
+def still_pending(
+    requested_at: float | None,
+    signalled_at: float | None,
+    grace_seconds: float,
+    grace_kill: bool,
+    now: float,
+) -> bool:
+    """Whether a request to step aside may still be obeyed, so its asker asks nobody else: until
+    the job's grace has passed since it was signalled (or, where it never caught the signal,
+    since it was asked). After that a job started without --grace-kill is left alone, and its
+    asker may ask others; one with --grace-kill gets TERM and ends, so it is waited for."""
+    if requested_at is None:
+        return False
+    if grace_kill:
+        return True
+    since = signalled_at if signalled_at is not None else requested_at
+    return now - since <= grace_seconds
 
 
 def eligible(

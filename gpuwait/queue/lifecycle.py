@@ -32,7 +32,7 @@ from typing import Any
 from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.overuse import overuse
-from gpuwait.core.pausing import PauseChoice
+from gpuwait.core.pausing import PauseChoice, still_pending
 from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
@@ -715,12 +715,21 @@ def request_pause(
     now: float,
 ) -> tuple[str, ...]:
     """Mark the running jobs that `choose` picks for the waiting job `waiter_id` as asked to step
-    aside; return their ids. Nothing is asked while one of this waiter's requests is pending."""
+    aside; return their ids. Nothing is asked while one of this waiter's requests is pending: a
+    job it asked that ignores the request past its grace is left alone, and others may be asked."""
     with _change(ledger) as (data, said):
         mine = data.find(waiter_id)
         if mine is None or mine.state != WAITING:
             return ()
-        if any(j.pause_requested_by == waiter_id for j in data.jobs if j.state == RUNNING):
+        if any(
+            # A --freezable job marked as acted on could not be frozen: it runs on.
+            not (j.freezable and j.pause_signalled_at is not None)
+            and still_pending(
+                j.pause_requested_at, j.pause_signalled_at, j.grace_seconds, j.grace_kill, now
+            )
+            for j in data.jobs
+            if j.state == RUNNING and j.pause_requested_by == waiter_id
+        ):
             return ()
         choice = choose(data, mine)
         if choice is None:

@@ -166,7 +166,7 @@ def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
             parts.append(
                 f"job {victim.id} has not stepped aside within its grace "
                 f"({format_duration(victim.grace_seconds)}) and is left alone "
-                "(it was started without --grace-kill); waiting for it to end"
+                "(it was started without --grace-kill)"
             )
     return "; ".join(parts) or None
 

@@ -7,7 +7,7 @@ from helpers.jobs import live_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwait.core.pausing import PauseRules, RunningJob, choose_victims, eligible
+from gpuwait.core.pausing import PauseRules, RunningJob, choose_victims, eligible, still_pending
 from gpuwait.queue.entries import RUNNING, LedgerData
 from gpuwait.queue.pausing import pause_progress
 
@@ -135,3 +135,20 @@ def test_the_waiter_is_told_what_became_of_its_request(
     # Just asked: its gpuwait has had no time to signal yet, which says nothing about the job.
     assert ("does not catch" in text) == (said == "it does not catch USR1 yet")
     assert pause_progress(_asked(**fields), "someone else", now) is None
+
+
+@pytest.mark.parametrize(
+    ("signalled", "grace_kill", "now", "pending"),
+    [
+        (None, False, 1010.0, True),  # never caught the signal: its grace runs from the request
+        (None, False, 1030.0, False),
+        (1005.0, False, 1020.0, True),
+        (1005.0, False, 1030.0, False),  # left alone: its asker may ask others
+        (1005.0, True, 1300.0, True),  # TERM after the grace: it ends, and is waited for
+    ],
+)
+def test_a_request_to_step_aside_is_pending_until_the_jobs_grace_has_passed(
+    signalled: float | None, grace_kill: bool, now: float, pending: bool
+) -> None:
+    assert still_pending(1000.0, signalled, 20.0, grace_kill, now) is pending
+    assert still_pending(None, signalled, 20.0, grace_kill, now) is False

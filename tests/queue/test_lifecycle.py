@@ -263,3 +263,48 @@ def test_a_job_that_stepped_aside_asks_nobody_of_higher_priority_to_step_aside(
     with ledger.transaction() as data:
         data.jobs[:] = [middle, urgent]
     assert ask_for_room(ledger, urgent, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ("middle",)
+
+
+def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
+    tmp_path: Path,
+) -> None:
+    # A --pausable job that does not step aside within its grace is left alone; its asker then
+    # asks the jobs that would, instead of waiting for that one to end (hours, maybe).
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.pausing import ask_for_room
+
+    now = time.time()
+    two = MachineSnapshot(
+        "sim",
+        (
+            GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),
+            GpuSnapshot(1, "GPU-1", "Test GPU", 24 * GiB, 0),
+        ),
+    )
+
+    def running(job_id: str, gpu: str, ran: float) -> Job:
+        return live_job(
+            job_id,
+            state=RUNNING,
+            priority=1,
+            pausable=True,
+            grace_seconds=1.0,
+            started_at=now - ran,
+            gpu_uuids=[gpu],
+            reserved_bytes=16 * GiB,
+            request={"bytes": 16 * GiB},
+        )
+
+    deaf, willing = running("deaf", "GPU-1", 100), running("willing", "GPU-0", 200)
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs[:] = [deaf, willing, urgent]
+    rules = PauseRules(min_runtime=1.0)
+    # The least work lost: the younger job is asked first, and nobody else while it may obey.
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("deaf",)
+    lifecycle.pause_signalled(ledger, "deaf", now, [os.getpid()])
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ()
+    # Its grace has passed and it still runs: the other one is asked.
+    lifecycle.pause_signalled(ledger, "deaf", now - 5, [os.getpid()])
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
