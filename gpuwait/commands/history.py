@@ -152,6 +152,13 @@ def _exit(record: dict[str, Any], short: bool = False) -> str:
         text = "?"
     else:
         text = str(record.get("exit_status"))
+        stopped = record.get("stopped_by")
+        if isinstance(stopped, int) and not isinstance(stopped, bool):
+            # Told to stop (Ctrl-C, TERM): an early end, which estimates do not learn from.
+            try:
+                text += f" ({signal.Signals(stopped).name})"
+            except ValueError:
+                text += f" (signal {stopped})"
     if record.get("oom"):
         text += _OOM_WORDS.get(str(record.get("oom_cause")), " OOM")
     return text + _paused(record, short)

@@ -15,6 +15,9 @@ A record is one JSON object per line:
     wait_seconds, run_seconds        the wait before its first start; its run time
     started_at                       Unix time of its first start
     exit_status, signal              how it ended (one of them is None)
+    stopped_by                       only when a signal asking it to stop (TERM, INT, HUP, QUIT)
+                                     reached it during the run: its number. Such a run may have
+                                     ended early, so estimates do not count it as a success
     oom, oom_evidence                an out-of-memory failure, told by "message", "card full" or
                                      "at its limit" (an enforced budget's peak near its limit)
     oom_cause                        how it came about: "own limit" (its budget refused it),
@@ -57,6 +60,7 @@ _STAT_FIELDS: dict[str, Any] = {
     "reserved_bytes": 0,
     "exit_status": None,
     "signal": None,
+    "stopped_by": None,
     "oom": False,
     "peak_approximate": False,
     "run_seconds": 0,
@@ -79,6 +83,8 @@ class Measured(Record, frozen=True):
     oom_evidence: str | None
     stderr_watched: str
     oom_cause: str | None = None
+    #: The signal that asked the command to stop during the run (TERM, INT ...), if one did.
+    stopped_by: int | None = None
 
 
 def command_hash(command: Sequence[str]) -> str:
@@ -151,6 +157,8 @@ def build(
     }
     if measured.oom:
         record["oom_cause"] = measured.oom_cause
+    if measured.stopped_by is not None:
+        record["stopped_by"] = measured.stopped_by
     if held is not None and held.held_by:
         record["budget"] = {
             "enforce": held.mode,
@@ -215,7 +223,8 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             started_at=_number(get("started_at")),
             peak_bytes=None if peak is None else max(0, int(_number(peak))),
             reserved_bytes=max(0, int(_number(get("reserved_bytes", 0)))),
-            ok=get("exit_status") == 0 and get("signal") is None,
+            # A run told to stop (TERM, Ctrl-C) may have ended before its peak, exit 0 or not.
+            ok=get("exit_status") == 0 and get("signal") is None and get("stopped_by") is None,
             oom=get("oom") is True,
             approximate=get("peak_approximate") is True,
             run_seconds=max(0.0, _number(get("run_seconds", 0))),

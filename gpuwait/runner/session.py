@@ -841,6 +841,7 @@ def _record(
             oom_evidence=None if oom is None else oom[1],
             oom_cause=None if oom is None else oom[0],
             stderr_watched=stderr_watched,
+            stopped_by=result.stopped_by,
         ),
         held=held,
         wait_seconds=wait_seconds,

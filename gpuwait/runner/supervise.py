@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from gpuwait.runner.frozen import FreezeResponder
     from gpuwait.runner.paused import PauseResponder
 
+#: Signals that ask a program to stop: a run that got one may have ended early, exit 0 or not.
+_STOPPING = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
 #: fewer wake-ups of the waiters, and the policy reads live usage from NVML anyway.
 _PUBLISH_STEP = 64 * 2**20
@@ -55,6 +58,9 @@ class RunResult(Record):
     samples: int = 0
     #: The command was sent the checkpoint signal (cooperative pausing).
     paused: bool = False
+    #: The first signal asking it to stop (TERM, INT, HUP, QUIT) that reached the command,
+    #: through gpuwait or its process group: the run may have been cut short.
+    stopped_by: int | None = None
     #: Peak growth of the card's used memory per GPU, while the job ran alone there.
     growth_bytes: dict[str, int] = field(default_factory=dict)
     #: GPUs whose growth is not the job's own: another job ran there, or memory held there at
@@ -143,6 +149,8 @@ def supervise(
             info = signals.next_signal(max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)))
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue
+            if info.si_signo in _STOPPING and result.stopped_by is None:
+                result.stopped_by = info.si_signo
             # Sent to the whole group (typed at the terminal; kill -PGID, `kill %1`, timeout,
             # systemd): the command has it already, and a second copy would not be what it
             # would get bare.

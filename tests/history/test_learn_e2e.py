@@ -467,3 +467,37 @@ def test_an_approximate_peak_while_another_job_shares_the_card_is_not_learned(
         assert first.wait(timeout=30) == 0
     peaks = {r["command"][r["command"].index("--vram") + 1]: r["peak_bytes"] for r in history()}
     assert peaks == {"6G": None, "2G": None}, peaks
+
+
+def test_a_run_told_to_stop_that_exits_0_teaches_no_size(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A script that shuts down cleanly on TERM (or Ctrl-C) exits 0 while loading: its peak,
+    # 1 GiB or so of the 8 GiB it loads to, must not size its next run.
+    sim_file(gpus=1, memory="24GiB")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import signal, subprocess, sys\n"
+        f"job = subprocess.Popen({sim_job(gpuwait_cmd, '8G', '--ramp', '3s', '--hold', '0')!r})\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: job.send_signal(signal.SIGTERM))\n"
+        "job.wait()\n"
+        "sys.exit(0)\n"
+    )
+    command = [sys.executable, str(script)]
+    wrapped = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "8G", "--", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(lambda: running_jobs() == 1, timeout=30, interval=0.02)
+    time.sleep(0.5)
+    wrapped.send_signal(15)
+    _, err = wrapped.communicate(timeout=30)
+    assert wrapped.returncode == 0, err
+    record = history()[-1]
+    assert record["exit_status"] == 0 and record["stopped_by"] == 15, record
+    assert record["peak_bytes"] < 8 * GiB
+    assert estimate_of(gpuwait_cmd, command)["estimate_bytes"] is None
+    shown = run([*gpuwait_cmd, "history", "-n", "1"])
+    assert "0 (SIGTERM)" in shown.stdout, shown.stdout
