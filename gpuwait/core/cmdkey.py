@@ -123,11 +123,36 @@ def command_key(argv: Sequence[str], cwd: str) -> CommandKey:
         # A launcher (torchrun, accelerate launch ...) or the program itself: its options stay
         # in place, only a script among them is resolved.
         script, tail = _launcher_script(args, cwd)
-    levels = [(COMMAND, _join([program]) + (f" {tail}" if tail else ""))]
+    line = _join([program]) + (f" {tail}" if tail else "")
+    if _names_relative_paths(tail) and not line.startswith(f"{_join([program])} -m "):
+        # `run.py job.cfg` reads another file in every directory: the whole line is that
+        # directory's (a `-m` module's identity has its directory already).
+        line += f" (in {_join([cwd])})"
+    levels = [(COMMAND, line)]
     if script is not None:
         levels.append((SCRIPT, f"{_join([program])} {script}"))
     levels.append((PROGRAM, program))
     return CommandKey(levels=tuple(levels))
+
+
+#: A file name with a suffix (`job.cfg`, `train.yaml`); a number (`0.001`) has no letter before it.
+_FILE_NAME_RE = re.compile(r"[^\s/]*[A-Za-z_][^\s/]*\.[A-Za-z][A-Za-z0-9]{0,9}")
+
+
+def _names_relative_paths(tail: str) -> bool:
+    """Does an argument name a file relative to the working directory (`job.cfg`,
+    `configs/big.yaml`, `--config=../x.toml`)? The script itself is resolved already."""
+    try:
+        tokens = shlex.split(tail)
+    except ValueError:
+        return False
+    for token in tokens:
+        value = _script_value(token)
+        if not value or value.startswith(("-", "/", "~", "<")) or "://" in value:
+            continue
+        if "/" in value or _FILE_NAME_RE.fullmatch(value):
+            return True
+    return False
 
 
 def _resolve(path: str, cwd: str) -> str:

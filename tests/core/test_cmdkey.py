@@ -112,3 +112,31 @@ def test_any_command_line_has_a_key_with_a_program(argv: list[str]) -> None:
     names = [name for name, _ in key.levels]
     assert names[0] == "command" and names[-1] == "program"
     assert len(set(key.hashes().values())) == len(names)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python", "/shared/tools/run.py", "job.cfg"],
+        ["python", "/shared/tools/run.py", "--config", "configs/big.yaml"],
+        ["mytool", "--config=../exp.toml"],
+    ],
+)
+def test_a_line_naming_a_relative_file_is_a_command_of_its_directory(argv: list[str]) -> None:
+    # One shared script (or installed tool) reading each project's own config: project B's
+    # run must not be sized by project A's runs as "this exact command".
+    a = command_key(argv, "/home/me/projA").hashes()
+    b = command_key(argv, "/home/me/projB").hashes()
+    assert a["command"] != b["command"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python", "/shared/tools/train.py", "--lr", "0.001", "--epochs", "3"],
+        ["python", "/shared/tools/train.py", "--out", "s3://bucket/run", "--model", "/data/m.pt"],
+    ],
+)
+def test_a_line_naming_no_relative_file_is_the_same_command_anywhere(argv: list[str]) -> None:
+    a = command_key(argv, "/home/me/projA").hashes()
+    assert a == command_key(argv, "/home/me/projB").hashes()
