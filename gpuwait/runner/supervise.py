@@ -139,6 +139,10 @@ def supervise(
                 result.run_seconds = time.monotonic() - started
                 sampler.finish()
                 result.paused = responder is not None and responder.signalled_at is not None
+                if result.paused and result.stopped_by is None and responder is not None:
+                    # Asked to checkpoint and step aside (and, with --grace-kill, TERMed):
+                    # a run that ends now rather than stepping aside may have ended early.
+                    result.stopped_by = responder.signum
                 return result
             sampler.sample_if_due(time.monotonic())
             if responder is not None:

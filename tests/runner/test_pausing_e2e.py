@@ -403,3 +403,41 @@ def test_a_jobs_own_protection_holds_whatever_its_asker_allows(
     finally:
         low.kill()
         low.wait()
+
+
+def test_a_job_that_ends_when_asked_to_step_aside_teaches_no_size(
+    one_card: None, gpuwait_cmd: list[str]
+) -> None:
+    # It saves and exits 0 on the checkpoint signal, instead of with the resume status: a run
+    # cut short, whose peak and run time must not size the command's next run.
+    quitter = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: sys.exit(0))\n"
+        "time.sleep(30)\n"
+    )
+    command = [sys.executable, "-c", quitter]
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *command],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert low.wait(timeout=60) == 0
+        assert urgent.wait(timeout=60) == 0
+    finally:
+        low.kill()
+        low.wait()
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    mine = next(r for r in records if r["command"] == command)
+    assert mine["exit_status"] == 0 and mine["stopped_by"] == SIGNAL, mine
+    learned = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--json", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert json.loads(learned.stdout)["estimate_bytes"] is None, learned.stdout
