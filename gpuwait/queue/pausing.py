@@ -20,7 +20,7 @@ from gpuwait.core.policy import Claim, gpu_rooms, need_on
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
-from gpuwait.queue.conditions import claim_of
+from gpuwait.queue.conditions import claim_of, dependency_blocker
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.ledger import Ledger
 
@@ -93,6 +93,8 @@ def ask_for_room(
     if job.gpus != 1:
         return ()  # a gang would need room freed on several GPUs at once: not offered
     quick = ledger.read()
+    if dependency_blocker(quick.find(job.id) or job, quick) is not None:
+        return ()  # it could not start in the room freed (see `choose`)
     # Its own priority, not the boost of a job that stepped aside: that boost keeps its place
     # in the queue, it does not make jobs of higher priority than its own step aside for it.
     priority = job.priority
@@ -108,6 +110,10 @@ def ask_for_room(
     now = time.time()
 
     def choose(data: LedgerData, mine: Job) -> PauseChoice | None:
+        if dependency_blocker(mine, data) is not None:
+            # Held back by its dependencies (or behind the job it stepped aside for), it could
+            # not use the room: whoever stepped aside would wait for nothing, its GPU idle.
+            return None
         claims = [claim_of(j, snapshot.gpus, now) for j in data.jobs]
         rooms = gpu_rooms(snapshot.gpus, claims, safety)
         my_claim = claim_of(mine, snapshot.gpus, now)

@@ -308,3 +308,44 @@ def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
     # Its grace has passed and it still runs: the other one is asked.
     lifecycle.pause_signalled(ledger, "deaf", now - 5, [os.getpid()])
     assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
+
+
+def test_a_waiter_held_back_by_its_dependencies_asks_nobody_to_step_aside(
+    tmp_path: Path,
+) -> None:
+    # An urgent job that waits for an --after job could not start in the room freed: the job
+    # that stepped aside would wait for it (hours, maybe) with its GPU idle.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.pausing import ask_for_room
+
+    now = time.time()
+    long = live_job(
+        "long",
+        state=RUNNING,
+        priority=1,
+        pausable=True,
+        started_at=now - 700,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=16 * GiB,
+        request={"bytes": 16 * GiB},
+    )
+    first = live_job(
+        "first",
+        state=RUNNING,
+        started_at=now - 5,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=1 * GiB,
+        request={"bytes": GiB},
+    )
+    after = live_job(
+        "urgent", state=WAITING, priority=5, after=["first"], request={"bytes": 16 * GiB}
+    )
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs[:] = [long, first, after]
+    assert ask_for_room(ledger, after, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ()
+    # Once nothing but room holds it back, it asks.
+    free = after._replace(after=[])
+    with ledger.transaction() as data:
+        data.jobs[:] = [long, first, free]
+    assert ask_for_room(ledger, free, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ("long",)
