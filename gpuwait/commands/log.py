@@ -122,6 +122,8 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
             how += f", paused {pauses}×"
             if isinstance(lost, (int, float)):
                 how += f" ({format_duration(lost)} lost)"
+        if event.get("retry") is True:
+            how += "; queued again (--retry-oom)"
         text = f"{who} {how}"
     elif kind == "pause-request":
         victims = event.get("victims")

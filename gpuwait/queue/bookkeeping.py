@@ -141,15 +141,7 @@ class Book(Record):
         """Record how a job left; `gpu_uuids` are where it ran (none if it never started)."""
         self.finished = [f for f in self.finished if f.id != done.id][-(FINISHED_KEPT - 1) :]
         self.finished.append(done)
-        for uuid in gpu_uuids:
-            counters = self.gpus.setdefault(uuid, GpuCounters())
-            if done.succeeded:
-                counters.completed += 1
-            elif done.ran_out_of_memory:
-                counters.oom += 1
-            elif done.outcome != ENDED:  # an adopted process's end says nothing of success
-                counters.failed += 1
-            counters.recent_ends = [*counters.recent_ends, done.finished_at][-THROUGHPUT_WINDOW:]
+        self.note_run(done, gpu_uuids)
         if done.batch is not None:
             counts = self.batches.setdefault(done.batch, BatchCounts())
             if done.succeeded:
@@ -162,6 +154,19 @@ class Book(Record):
             if len(self.batches) > BATCHES_KEPT:
                 oldest = min(self.batches, key=lambda b: self.batches[b].updated_at)
                 del self.batches[oldest]
+
+    def note_run(self, done: Finished, gpu_uuids: Sequence[str]) -> None:
+        """Count one run on the GPUs it used, by how it ended: also a run that is retried,
+        whose job goes on (its own outcome is recorded once it has really ended)."""
+        for uuid in gpu_uuids:
+            counters = self.gpus.setdefault(uuid, GpuCounters())
+            if done.succeeded:
+                counters.completed += 1
+            elif done.ran_out_of_memory:
+                counters.oom += 1
+            elif done.outcome != ENDED:  # an adopted process's end says nothing of success
+                counters.failed += 1
+            counters.recent_ends = [*counters.recent_ends, done.finished_at][-THROUGHPUT_WINDOW:]
 
     def note_health(
         self, snapshot: MachineSnapshot, busy: frozenset[str], now: float | None = None

@@ -909,6 +909,67 @@ def finish(
         said.append(("finish" if ran_on else "leave", fields))
 
 
+def retry(
+    ledger: Ledger,
+    job: Job,
+    request: dict[str, Any],
+    *,
+    exit_status: int | None = None,
+    signal: int | None = None,
+    run_seconds: float | None = None,
+    charge_usage: tuple[float, float | None] | None = None,
+    paused: tuple[int, float] | None = None,
+    oom: str | None = None,
+) -> Job:
+    """The job's run ran out of GPU memory and it queues again (--retry-oom), asking for
+    `request`: the same entry, in its place, so whoever waits for it (--after, --after-ok, its
+    batch) waits for the retry's end. The run is logged and counted as a `finish` with its
+    out-of-memory cause; the job's outcome is recorded only once it has ended for good.
+    Arguments as for `finish`."""
+    with _change(ledger) as (data, said):
+        mine = _entry(data, job)
+        ran_on = list(mine.gpu_uuids) if mine.state == RUNNING else []
+        now = time.time()
+        attempt = Finished(
+            id=job.id,
+            outcome=FAILED,
+            finished_at=now,
+            name=job.name,
+            batch=job.batch,
+            exit_status=exit_status,
+            signal=signal,
+            oom=oom,
+        )
+        data.book.note_run(attempt, ran_on)
+        if charge_usage is not None:
+            charge(data, job.uid, charge_usage[0], now, charge_usage[1])
+        mine.state = WAITING
+        mine.request = dict(request)
+        mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+        mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
+        mine.held_gpus, mine.held_by = [], []
+        mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
+        mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+        mine.updated_at = now
+        fields: dict[str, Any] = {
+            "job": job.id,
+            "name": job.name,
+            "outcome": FAILED,
+            "exit_status": exit_status,
+            "signal": signal,
+            "gpus": ran_on,
+            "run_seconds": None if run_seconds is None else round(run_seconds, 3),
+            "retry": True,
+        }
+        if paused is not None:
+            fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
+        if oom is not None:
+            fields["oom"] = oom
+            fields["reserved_bytes"] = job.reserved_bytes
+        said.append(("finish", fields))
+    return copy_job(mine)
+
+
 def _control_refusal(job: Job, uid: int) -> str | None:
     """Why `uid` may not cancel `job`; None when they may."""
     if elsewhere(job):

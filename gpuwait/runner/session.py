@@ -190,6 +190,10 @@ class _Ended(Record, frozen=True):
     oom_cause: str | None = None
     #: The command checkpointed on request and is queued again (cooperative pausing).
     paused: bool = False
+    #: An out-of-memory run that may be retried: its entry, still in the ledger as running
+    #: (so nobody waiting on it takes the attempt for its end), and how to finish it if not.
+    pending: Job | None = None
+    finish_how: Mapping[str, Any] = MappingProxyType({})
 
 
 def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
@@ -274,11 +278,13 @@ def _run_with_retries(
 ) -> int:
     """Run once; after an out-of-memory failure, queue again with the raised estimate."""
     retries = 0
+    requeued: Job | None = None
     while True:
-        ended = _attempt(request, config, reporter, backend, choice)
+        ended = _attempt(request, config, reporter, backend, choice, requeued, retries)
         returncode = ended.returncode
         if not ended.oom:
             break
+        pending, requeued = ended.pending, None
         how = _ran_out(ended)
         try:
             raised = _choose(request, config, None)
@@ -289,12 +295,18 @@ def _run_with_retries(
                 raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
             )
         except GpuwaitError:
+            _end_pending(ended, config, reporter)
             if retries < request.retry_oom:
                 raise
             # Only the summary needed the GPUs: the run's own exit status still stands.
             reporter.warn(f"the command ran out {how}")
             break
         after = raised.request.bytes if raised.request is not None else None
+        if pending is not None and (
+            retries >= request.retry_oom or after is None or after <= ended.reserved_bytes
+        ):
+            _end_pending(ended, config, reporter)
+            pending = None
         if retries >= request.retry_oom:
             # The exit summary: what ended the run, and what the next run will ask for.
             if after is None or after <= ended.reserved_bytes:
@@ -315,11 +327,24 @@ def _run_with_retries(
             f"(retry {retries} of {request.retry_oom})"
         )
         choice = raised
+        if pending is not None:
+            # The same entry queues again, in its place: a job waiting on it (--after,
+            # --after-ok, its batch) waits for the retry, not for the attempt that ran out.
+            assert raised.request is not None
+            requeued = lifecycle.retry(
+                _ledger(config), pending, raised.request.to_json(), **ended.finish_how
+            )
     if returncode < 0:
         sys.stdout.flush()
         signals.die_by_signal(-returncode)
         return 128 - returncode
     return returncode
+
+
+def _end_pending(ended: _Ended, config: RunConfig, reporter: Reporter) -> None:
+    """Finish the entry an out-of-memory run left for a retry that is not made after all."""
+    if ended.pending is not None:
+        _finish(_ledger(config), ended.pending, FAILED, reporter, **ended.finish_how)
 
 
 def _ran_out(ended: _Ended) -> str:
@@ -521,8 +546,16 @@ def _attempt(
     reporter: Reporter,
     backend: Backend,
     choice: RequestChoice,
+    requeued: Job | None = None,
+    retries: int = 0,
 ) -> _Ended:
+    """One run of the command: submitted and waited for, or, `requeued`, an entry queued again
+    after running out of memory (`retries` made so far) that waits for its turn again."""
     around = Surroundings()
+    if requeued is not None:
+        return _wait_and_run(
+            request, config, reporter, backend, choice, _ledger(config), requeued, around, retries
+        )
     try:
         job, choice = prepare_job(
             request,
@@ -559,7 +592,20 @@ def _attempt(
         )
         return _Ended(exec_bare(request.command))
     _show_warnings(ledger, reporter)
+    return _wait_and_run(request, config, reporter, backend, choice, ledger, job, around, retries)
 
+
+def _wait_and_run(
+    request: RunRequest,
+    config: RunConfig,
+    reporter: Reporter,
+    backend: Backend,
+    choice: RequestChoice,
+    ledger: Ledger,
+    job: Job,
+    around: Surroundings,
+    retries: int,
+) -> _Ended:
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
     paused_seconds = 0.0
@@ -640,6 +686,7 @@ def _attempt(
             choice,
             queued_seconds,
             paused_seconds,
+            may_retry=retries < request.retry_oom,
         )
         if not ended.paused:
             return ended
@@ -683,6 +730,7 @@ def _start(
     choice: RequestChoice,
     queued_seconds: float,
     paused_seconds: float,
+    may_retry: bool = False,
 ) -> tuple[Job, _Ended]:
     job = admitted.job
     chosen = list(admitted.gpus)
@@ -755,18 +803,17 @@ def _start(
     cause = oom_cause(held.plan.enforced, card_full) if oom else None
     evidence = "message" if said_oom else "card full" if card_full else "at its limit"
     vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
-    _finish(
-        ledger,
-        job,
-        OK if code == 0 else FAILED,
-        reporter,
-        exit_status=code if code >= 0 else None,
-        signal=-code if code < 0 else None,
-        run_seconds=result.run_seconds,
-        charge_usage=(vram_seconds, config.wait.fair.half_life),
-        paused=(job.pauses, paused_seconds) if job.pausable else None,
-        oom=cause,
-    )
+    how: dict[str, Any] = {
+        "exit_status": code if code >= 0 else None,
+        "signal": -code if code < 0 else None,
+        "run_seconds": result.run_seconds,
+        "charge_usage": (vram_seconds, config.wait.fair.half_life),
+        "paused": (job.pauses, paused_seconds) if job.pausable else None,
+        "oom": cause,
+    }
+    pending = oom and may_retry
+    if not pending:
+        _finish(ledger, job, OK if code == 0 else FAILED, reporter, **how)
     _record(
         request,
         config,
@@ -782,6 +829,10 @@ def _start(
         paused_seconds,
         held.plan,
     )
+    if pending:
+        return job, _Ended(
+            result.returncode, oom, job.reserved_bytes, cause, pending=job, finish_how=how
+        )
     return job, _Ended(result.returncode, oom, job.reserved_bytes, cause)
 
 

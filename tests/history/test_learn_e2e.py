@@ -501,3 +501,45 @@ def test_a_run_told_to_stop_that_exits_0_teaches_no_size(
     assert estimate_of(gpuwait_cmd, command)["estimate_bytes"] is None
     shown = run([*gpuwait_cmd, "history", "-n", "1"])
     assert "0 (SIGTERM)" in shown.stdout, shown.stdout
+
+
+def test_a_job_waiting_after_ok_on_a_retried_job_waits_for_the_retry(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # The first run of `first` runs out of memory, --retry-oom queues it again and the retry
+    # succeeds: the job that needs its success runs after it, rather than giving up (exit 6)
+    # on the attempt that ran out.
+    sim_file(gpus=1, memory="24GiB")
+    marker = tmp_path / "ran-once"
+    sim = " ".join([*gpuwait_cmd, "sim", "job"])
+    script = (
+        f"if [ -e {marker} ]; then exec {sim} --vram 1G --hold 0.3s; fi; "
+        f"touch {marker}; exec {sim} --vram 30G --ramp 0.3s"
+    )
+    first = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--name",
+            "first",
+            "--retry-oom",
+            "1",
+            "--vram",
+            "2G",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: running_jobs() == 1)
+        then = run([*gpuwait_cmd, "--after-ok", "first", "--vram", "1G", "--", "true"])
+    finally:
+        _, stderr = first.communicate(timeout=30)
+    assert first.returncode == 0, stderr
+    assert "retrying with" in stderr and marker.exists()
+    assert then.returncode == 0, then.stderr
+    log = run([*gpuwait_cmd, "log", "--job", "first"]).stdout
+    assert "queued again (--retry-oom)" in log and log.count("finish") == 2
