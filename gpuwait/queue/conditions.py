@@ -144,6 +144,10 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
     ids: list[str] = []
     for ref in refs:
         found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
+        if any(j.batch == ref for j in data.jobs):
+            # A batch is all its jobs: those that ended too, or --after-ok would not see that
+            # one of them failed.
+            found.extend(f.id for f in data.book.finished if f.batch == ref)
         if not found:
             done = [f for f in data.book.finished if ref in (f.id, f.name, f.batch)]
             if done:

@@ -1,0 +1,26 @@
+"""Dependencies as `--after` and `--after-ok` resolve and settle them (gpuwait.queue.conditions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers.jobs import live_job
+
+from gpuwait.queue.bookkeeping import FAILED, OK, Finished
+from gpuwait.queue.conditions import resolve_references, settle_dependencies
+from gpuwait.queue.entries import LedgerData
+
+
+def test_after_ok_a_batch_counts_its_members_that_already_failed(tmp_path: Path) -> None:
+    # One job of the batch failed before the next was submitted, which still runs: the batch
+    # did not succeed, so a job that needs its success never starts.
+    data = LedgerData(jobs=[live_job("b2", batch="sweep", state="running")])
+    data.book.note_finished(Finished(id="b1", outcome=FAILED, finished_at=1.0, batch="sweep"))
+    data.book.note_finished(Finished(id="b0", outcome=OK, finished_at=0.5, batch="sweep"))
+    waiter = live_job("w", after_ok=resolve_references(["sweep"], data, tmp_path))
+    assert sorted(waiter.after_ok) == ["b0", "b1", "b2"]
+    why = settle_dependencies(waiter, data)
+    assert why is not None and "b1" in why and "--after-ok cannot be met" in why
+    # --after waits only for the member still running.
+    other = live_job("x", after=resolve_references(["sweep"], data, tmp_path))
+    assert settle_dependencies(other, data) is None and other.after == ["b2"]
