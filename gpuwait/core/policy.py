@@ -493,6 +493,14 @@ def impossible_reason(
     ]
     if len(fitting) >= claim.gpus_wanted:
         return None
+    if fitting:
+        # Some cards could hold it, only not as many as the gang wants.
+        named = ", ".join(f"GPU{g.index} ({format_size(g.total_bytes)})" for g in fitting)
+        only = f"only {len(fitting)} can" if len(fitting) > 1 else "only 1 can"
+        return (
+            f"{claim.gpus_wanted} GPUs wanted with {claim.request.describe()} each, but {only}"
+            f" ever hold that at safety {safety:g}: {named}"
+        )
     largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
     return (
         f"{claim.request.describe()} per GPU can never fit: the largest candidate, "

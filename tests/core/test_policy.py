@@ -108,6 +108,15 @@ def test_impossible_requests_are_named() -> None:
     assert impossible_reason(waiting("x", 1, order=1, gpus_wanted=3), cards, 0.9) is not None
 
 
+def test_a_gang_that_fits_on_too_few_cards_is_told_so_not_that_its_size_never_fits() -> None:
+    # 20 GiB fits the 24 GiB card (21.6 GiB at 0.9), not the 16 GiB one: two of them never fit
+    # at once, and the reason must not say that the largest card cannot hold 20 GiB.
+    cards = [gpu(0, 24), gpu(1, 16)]
+    why = impossible_reason(waiting("g", 20, order=1, gpus_wanted=2), cards, 0.9) or ""
+    assert why.startswith("2 GPUs wanted with 20.0 GiB each, but only 1 can ever hold that")
+    assert "GPU0 (24.0 GiB)" in why and "GPU1" not in why
+
+
 def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     cards = [gpu(0, 24, used_gib=8), gpu(1, 24)]
     whole = Claim("w", False, 3, 1, None)
