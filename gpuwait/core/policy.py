@@ -259,6 +259,9 @@ class WaitReason(Record, frozen=True):
     gpu_error: str | None = None
     #: Where the size asked for came from, for a request made without --vram (the history).
     source: str | None = None
+    #: For a gang: the place of `best_gpu_index` among the GPUs by room (2: the second best),
+    #: the one that keeps it waiting; 1 for a job of one GPU.
+    best_rank: int = 1
 
     def describe(self, width: int | None = None) -> str:
         """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits
@@ -299,7 +302,8 @@ class WaitReason(Record, frozen=True):
         if self.best_gpu_index is None:
             where = "no usable GPU right now"
         else:
-            where = f"best GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
+            rank = "best" if self.best_rank == 1 else f"{_ordinal(self.best_rank)} best"
+            where = f"{rank} GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
         notes = [text for text in (self.note, self.pause) if text]
         variants = [f"{sourced}: {where}" + "".join(f"; {n}" for n in notes) + full_counts]
         # Drop the notes from the last (the pause, then the head's note), then where the size
@@ -311,6 +315,12 @@ class WaitReason(Record, frozen=True):
         said = f"{head}: {where}"
         variants += [said + counts, said + ahead, said, head + ahead, head]
         return variants
+
+
+def _ordinal(n: int) -> str:
+    """2nd, 3rd, 4th, 11th, 22nd."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 class Hold(Record, frozen=True):
@@ -814,14 +824,24 @@ def wait_reason(
 ) -> WaitReason:
     candidates = [r for r in rooms.values() if static_ok(claim, r.gpu)]
     usable = [r for r in candidates if util_ok(claim, r.gpu.uuid, conditions)]
-    if candidates and not usable and note is None:
+    wanted = claim.gpus_wanted
+    if len(candidates) >= wanted > len(usable) and note is None:
         cap = f"{claim.requirements.max_util_pct:g}%"
-        if any(r.gpu.uuid not in conditions.utilization for r in candidates):
+        if any(r.gpu.uuid not in conditions.utilization for r in candidates if r not in usable):
             # A GPU with too few readings yet is not known to be busy: say what is going on.
             note = f"measuring utilization for the {cap} cap (a few readings)"
-        else:
+        elif not usable:
             note = f"every candidate is busier than {cap} utilization"
-    best = max(usable, key=lambda r: (r.room, -r.gpu.index), default=None)
+        else:
+            note = (
+                f"only {len(usable)} of {len(candidates)} candidates under {cap} utilization,"
+                f" {wanted} wanted"
+            )
+    # A gang waits for its GPUs all at once: the one that keeps it waiting is the `wanted`-th
+    # by room, not the roomiest.
+    by_room = sorted(usable, key=lambda r: (-r.room, r.gpu.index))
+    best = by_room[wanted - 1] if len(by_room) >= wanted else (by_room[-1] if by_room else None)
+    rank = by_room.index(best) + 1 if best is not None else 1
     if claim.request is None and best is not None:
         # Free memory alone does not tell why a whole GPU is refused: say what it takes.
         whole = (
@@ -837,6 +857,7 @@ def wait_reason(
         ahead=ahead,
         blocked=claim.blocked,
         note=note,
+        best_rank=rank,
     )
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwait.core.policy import Claim, admission_fits, gpu_rooms, impossible_reason, plan
+from gpuwait.core.policy import (
+    Claim,
+    Conditions,
+    Requirements,
+    admission_fits,
+    gpu_rooms,
+    impossible_reason,
+    plan,
+    wait_reason,
+)
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot, ProcessUsage
 
@@ -115,6 +124,21 @@ def test_a_gang_that_fits_on_too_few_cards_is_told_so_not_that_its_size_never_fi
     why = impossible_reason(waiting("g", 20, order=1, gpus_wanted=2), cards, 0.9) or ""
     assert why.startswith("2 GPUs wanted with 20.0 GiB each, but only 1 can ever hold that")
     assert "GPU0 (24.0 GiB)" in why and "GPU1" not in why
+
+
+def test_a_waiting_gang_is_told_the_gpu_that_keeps_it_waiting() -> None:
+    # 15 GiB in use on GPU0: a gang of two 16 GiB waits for GPU0, not for GPU1 (21.6 GiB free,
+    # which the line used to name as its "best", more than the 16 GiB it waits for).
+    cards = [gpu(0, 24), gpu(1, 24)]
+    gang = waiting("g", 16, order=2, gpus_wanted=2)
+    rooms = gpu_rooms(cards, [running("r", "GPU-00000000", 15), gang], 0.9)
+    text = wait_reason(gang, rooms, 1, 0, Conditions()).describe()
+    assert text.startswith("waiting for 2 GPUs with 16.0 GiB each: 2nd best GPU0 has 6.6 GiB")
+    # Busy cards: the one under the --max-util cap is not enough for two.
+    capped = gang._replace(requirements=Requirements(max_util_pct=50))
+    busy = Conditions(utilization={"GPU-00000000": 90.0, "GPU-00000001": None})
+    text = wait_reason(capped, gpu_rooms(cards, [capped], 0.9), 0, 0, busy).describe()
+    assert "only 1 of 2 candidates under 50% utilization, 2 wanted" in text
 
 
 def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
