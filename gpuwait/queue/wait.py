@@ -386,7 +386,13 @@ def wait_for_admission(
                 # A timer, not an event: another waiter's recent reading serves for this one,
                 # unless this one's own waiting line is due.
                 recently = time.time_ns() - int(policy.nvml_interval * 0.8e9)
-                act = now >= next_own or not wake.planned_since(state_dir, recently)
+                # A --max-util waiter still gathering its first readings takes them itself: no
+                # one else's reading goes into its window.
+                act = (
+                    now >= next_own
+                    or (wants_utilization and window.needs_more())
+                    or not wake.planned_since(state_dir, recently)
+                )
                 if not act:
                     next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
             if act:

@@ -449,6 +449,19 @@ def test_capability_requests_choose_the_gpu(
         assert done.returncode == 3 and message in done.stderr, (option, done.stderr)
 
 
+def test_a_max_util_job_takes_its_first_readings_quickly_whatever_nvml_interval(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three readings, 0.2 s apart, tell that the card is quiet: the job starts then, rather
+    # than once its own plan is due again (about an nvml_interval apart: 5 s here, 1 s by default).
+    sim_file(gpus=1, utilization=10)
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "5s")
+    began = time.monotonic()
+    done = run([*gpuwait_cmd, "--vram", "1G", "--max-util", "50", "--", "true"])
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 4.0, done.stderr
+
+
 def test_processes_on_the_ignore_list_are_not_load(
     sim_file: SimFileFactory,
     gpuwait_cmd: list[str],
