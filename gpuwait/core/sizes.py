@@ -41,7 +41,9 @@ class MemoryRequest(Record, frozen=True):
         if self.bytes is not None:
             return self.bytes
         assert self.fraction is not None
-        return math.ceil(self.fraction * total_bytes)
+        # Rounded down, as the room under the safety factor is (int(total * safety)): the same
+        # fraction on both sides (`--vram 90%` at safety 0.9) fits, whatever byte it falls in.
+        return max(1, int(self.fraction * total_bytes))
 
     def describe(self) -> str:
         if self.bytes is not None:

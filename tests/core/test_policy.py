@@ -141,6 +141,15 @@ def test_a_waiting_gang_is_told_the_gpu_that_keeps_it_waiting() -> None:
     assert "only 1 of 2 candidates under 50% utilization, 2 wanted" in text
 
 
+def test_a_fraction_equal_to_the_safety_factor_fits_an_idle_card() -> None:
+    # 90 % of 24 GiB is 23192823398.4 bytes: the request and the room under safety 0.9 are
+    # rounded alike, so `--vram 90%` is neither refused as "can never fit" nor left waiting.
+    cards = [gpu(0, 24)]
+    claim = Claim("x", False, 3, 1, MemoryRequest(fraction=0.9))
+    assert impossible_reason(claim, cards, 0.9) is None
+    assert plan(cards, [claim], 0.9).admitted["x"] == ("GPU-00000000",)
+
+
 def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     cards = [gpu(0, 24, used_gib=8), gpu(1, 24)]
     whole = Claim("w", False, 3, 1, None)
