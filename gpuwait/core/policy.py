@@ -837,6 +837,10 @@ def wait_reason(
                 f"only {len(usable)} of {len(candidates)} candidates under {cap} utilization,"
                 f" {wanted} wanted"
             )
+    if 0 < len(candidates) < wanted and note is None:
+        # A GPU it could use is gone from the readings (lost, not answering): no room helps.
+        verb = "answers" if len(candidates) == 1 else "answer"
+        note = f"only {len(candidates)} of the GPUs it may use {verb} now, {wanted} wanted"
     # A gang waits for its GPUs all at once: the one that keeps it waiting is the `wanted`-th
     # by room, not the roomiest.
     by_room = sorted(usable, key=lambda r: (-r.room, r.gpu.index))

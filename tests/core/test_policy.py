@@ -141,6 +141,14 @@ def test_a_waiting_gang_is_told_the_gpu_that_keeps_it_waiting() -> None:
     assert "only 1 of 2 candidates under 50% utilization, 2 wanted" in text
 
 
+def test_a_waiting_gang_whose_gpu_was_lost_is_told_so_not_a_room_figure() -> None:
+    # One of the two cards lost (left out of the reading): it waited "for 2 GPUs with 10.0 GiB
+    # each: best GPU0 has 21.6 GiB", as if room were missing.
+    gang = waiting("g", 10, order=1, gpus_wanted=2)
+    text = wait_reason(gang, gpu_rooms([gpu(0, 24)], [gang], 0.9), 0, 0, Conditions()).describe()
+    assert "only 1 of the GPUs it may use answers now, 2 wanted" in text
+
+
 def test_a_fraction_equal_to_the_safety_factor_fits_an_idle_card() -> None:
     # 90 % of 24 GiB is 23192823398.4 bytes: the request and the room under safety 0.9 are
     # rounded alike, so `--vram 90%` is neither refused as "can never fit" nor left waiting.
