@@ -196,6 +196,8 @@ class NvmlBackend:
         #: NVML was seen naming processes by pids that are not this namespace's: from then on
         #: its process list is left out and memory is counted per card (said once).
         self._host_pids = False
+        #: An accounting reading did not come back in time: not asked again.
+        self._accounting_hung = False
         try:
             _within(pynvml.nvmlInit, timeout)
         except _Hung:
@@ -433,22 +435,34 @@ class NvmlBackend:
         # Accounting is kept by host pid, and `pids` are this namespace's.
         if not self._open or not pids or not self._in_initial_namespace():
             return None
+        if self._accounting_hung:
+            return None
         try:
-            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
-                return None
-            known = {int(p) for p in pynvml.nvmlDeviceGetAccountingPids(handle)}
-            total = 0
-            found = False
-            for pid in sorted(pids & known):
-                peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
-                if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
-                    total += peak
-                    found = True
-            return total if found else None
+            # Asked once the command has ended, before its exit status is passed on: a driver
+            # that stopped answering must not keep gpuwait from ending (nor cost the deadline
+            # again for the job's next GPU).
+            return _within(lambda: self._accounting_peak(uuid, pids), self.timeout)
+        except _Hung:
+            self._accounting_hung = True
+            return None
         except Exception:
             # Optional figure: whatever the driver says about accounting, the run goes on.
             return None
+
+    @staticmethod
+    def _accounting_peak(uuid: str, pids: frozenset[int]) -> int | None:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
+            return None
+        known = {int(p) for p in pynvml.nvmlDeviceGetAccountingPids(handle)}
+        total = 0
+        found = False
+        for pid in sorted(pids & known):
+            peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
+            if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
+                total += peak
+                found = True
+        return total if found else None
 
 
 def driver_version(timeout: float | None = 5.0) -> str | None:

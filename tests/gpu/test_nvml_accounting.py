@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -77,3 +79,21 @@ def test_the_run_record_prefers_accounting_then_per_process_then_growth() -> Non
     exact = RunResult(returncode=0, peak_bytes={"A": 5 * GIB}, attributed={"A"})
     assert exact.peaks() == ({"A": 5 * GIB}, False)
     assert RunResult(returncode=0).peaks() == ({}, False)  # nothing known: the peak is unknown
+
+
+def test_a_hung_accounting_call_does_not_hold_up_the_end_of_a_run(fake_nvml: FakeNvml) -> None:
+    # Read once the command has ended, before its exit status is passed on: a wedged driver
+    # (a GPU fallen off the bus, which may be why the command ended) held gpuwait for as long
+    # as the call hung, for ever with nvml_timeout set to 0.3 s.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa"), FakeGpu(uuid="GPU-bbbb")])
+    backend = NvmlBackend(timeout=0.3)
+    try:
+        fake_nvml.hang(None, "nvmlDeviceGetHandleByUUID", 5)
+        started = time.monotonic()
+        assert backend.accounting_peak("GPU-aaaa", frozenset({os.getpid()})) is None
+        # The job's next GPU does not cost the deadline again.
+        assert backend.accounting_peak("GPU-bbbb", frozenset({os.getpid()})) is None
+        assert time.monotonic() - started < 1.5
+    finally:
+        fake_nvml.clear_failures()
+        backend.close()

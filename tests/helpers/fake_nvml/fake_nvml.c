@@ -68,6 +68,7 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NOT_FOUND 6
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_GPU_IS_LOST 15
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
@@ -668,6 +669,27 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
 
 nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
     return do_handle("nvmlDeviceGetHandleByIndex", index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    const char *func = "nvmlDeviceGetHandleByUUID";
+    int gpu = -1;
+    nvmlReturn_t ret;
+    /* Which GPU the UUID names is read before the call proper, so that "fail" and "hang"
+     * directives for that GPU's index apply. */
+    pthread_mutex_lock(&g_lock);
+    load_state();
+    for (int i = 0; uuid && g_state.ok && i < g_state.gpu_count; i++) {
+        if (g_state.gpus[i].present && strcmp(g_state.gpus[i].uuid, uuid) == 0) gpu = i;
+    }
+    pthread_mutex_unlock(&g_lock);
+    ret = enter(func, gpu, 1);
+    if (ret != NVML_SUCCESS) return ret;
+    if (!device || !uuid) return leave(func, gpu, NVML_ERROR_INVALID_ARGUMENT, NULL);
+    if (gpu < 0 || gpu >= g_state.gpu_count) return leave(func, gpu, NVML_ERROR_NOT_FOUND, NULL);
+    g_devices[gpu].index = gpu;
+    *device = &g_devices[gpu];
+    return leave(func, gpu, NVML_SUCCESS, NULL);
 }
 
 /* Starts a per-device call: the GPU's state, or an answer in *ret (lock released). A handle
