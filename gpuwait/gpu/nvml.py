@@ -8,7 +8,8 @@ A driver call can also hang (a GPU falling off the bus, a wedged driver). Every 
 in a helper thread with a deadline: a GPU whose reading does not come back in time is left out,
 with a warning, and is not asked again until that stuck call returns; a hung call that concerns
 no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
-(more used or free than the total) are clamped towards "full" and named in a warning.
+(more used or free than the total) are clamped towards "full" and named in a warning. A GPU
+in MIG mode is left out, with a warning: gpuwait places jobs on whole GPUs only.
 
 The driver names processes by their pids in the host's pid namespace. In another one (a
 container without --pid=host), once NVML lists a pid that is no GPU process here, the process
@@ -142,6 +143,10 @@ class _GpuLost(Exception):
         super().__init__(_describe(cause))
 
 
+class _MigEnabled(Exception):
+    """A GPU in MIG mode: its jobs would run in one of its MIG instances, not on the card."""
+
+
 class _Hung(Exception):
     """A driver call did not return within the deadline."""
 
@@ -267,6 +272,13 @@ class NvmlBackend:
             except _GpuLost as exc:
                 warnings.append(f"GPU {index}: {exc}; skipped")
                 continue
+            except _MigEnabled:
+                warnings.append(
+                    f"GPU {index}: MIG mode is on; gpuwait places jobs on whole GPUs only (a "
+                    "job sent to it would run in one of its MIG instances, with that instance's "
+                    "memory, not the card's); left out"
+                )
+                continue
             except Exception as exc:
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
                 continue
@@ -306,6 +318,8 @@ class NvmlBackend:
     def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        if self._mig_enabled(handle):
+            raise _MigEnabled
         name = self._name(handle)
         problems: list[str] = []
         total, used, driver = self._memory(handle, problems)
@@ -325,6 +339,23 @@ class NvmlBackend:
     @staticmethod
     def _lost(exc: BaseException) -> bool:
         return _code(exc) == _GPU_IS_LOST
+
+    def _mig_enabled(self, handle: Any) -> bool:
+        """Whether the GPU is in MIG mode now. Its memory figures are then the whole card's
+        (where they can be read at all), while CUDA given the card's UUID runs a job in one MIG
+        instance: admitting by the card's room would put several jobs into one instance's
+        memory. Asked at every reading: an administrator may switch the mode (with a GPU reset)
+        while gpuwait waits."""
+        try:
+            current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            # Not supported (no MIG on this GPU), or a driver older than MIG.
+            return False
+        except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
+            return False
+        return int(current) == int(pynvml.NVML_DEVICE_MIG_ENABLE)
 
     def _name(self, handle: Any) -> str:
         try:

@@ -156,6 +156,32 @@ def test_process_list_unavailable_keeps_the_gpu(
     assert snap.gpus[0].used_bytes == 10 * GIB
 
 
+# -- MIG ------------------------------------------------------------------------------------
+
+
+def test_a_gpu_in_mig_mode_is_left_out(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
+    # In MIG mode the card's figures are the whole card's, while a job given the card's UUID
+    # runs in one MIG instance: three 8 GiB jobs were all admitted onto an 80 GiB A100 split
+    # into 10 GiB instances, each told CUDA_VISIBLE_DEVICES=<the card>.
+    fake_nvml.set_gpus(
+        [
+            FakeGpu(uuid="GPU-mig", total=80 * GIB, mig=True),
+            FakeGpu(uuid="GPU-whole", total=80 * GIB, mig=False),
+            FakeGpu(uuid="GPU-old", total=24 * GIB),  # no MIG: NOT_SUPPORTED
+        ]
+    )
+    snap = backend.snapshot()
+    assert [g.uuid for g in snap.gpus] == ["GPU-whole", "GPU-old"]
+    assert len(snap.warnings) == 1
+    assert snap.warnings[0].startswith("GPU 0: MIG mode is on;")
+    fake_nvml.update_gpu(0, mig=False)  # switched off (with a GPU reset): back
+    assert [g.uuid for g in backend.snapshot().gpus] == ["GPU-mig", "GPU-whole", "GPU-old"]
+    fake_nvml.fail(1, "nvmlDeviceGetMigMode", GPU_IS_LOST)
+    snap = backend.snapshot()
+    assert [g.uuid for g in snap.gpus] == ["GPU-mig", "GPU-old"]
+    assert snap.warnings[0].startswith("GPU 1: GPU is lost")
+
+
 # -- memory versions --------------------------------------------------------------------------
 
 

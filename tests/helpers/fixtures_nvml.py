@@ -51,6 +51,8 @@ class FakeGpu:
     #: "8.0"; None: the driver answers NOT_SUPPORTED.
     cc: str | None = None
     uuid: str = ""  # empty: GPU-fake-<index>
+    #: MIG mode on (True) or off (False); None: the driver answers NOT_SUPPORTED (no MIG).
+    mig: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class FakeNvml:
                 f"gpu {index} uuid={_encode_text(uuid)} name={_encode_text(gpu.name)}"
                 f" total={gpu.total} used={gpu.used} reserved={gpu.reserved} util={util}"
                 f" cc={gpu.cc or 'na'}"
+                f" mig={'na' if gpu.mig is None else int(gpu.mig)}"
             )
         for proc in self.processes:
             mem = "na" if proc.mem is None else str(proc.mem)

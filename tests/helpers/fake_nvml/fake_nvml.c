@@ -15,7 +15,7 @@
  * One directive per line; '#' starts a comment; blank lines are ignored.
  *
  *   gpu <index> uuid=<text> name=<text> total=<bytes> used=<bytes>
- *       [reserved=<bytes>] [util=<pct|na>] [cc=<major>.<minor>|na]
+ *       [reserved=<bytes>] [util=<pct|na>] [cc=<major>.<minor>|na] [mig=<0|1|na>]
  *       One GPU. Indices must be 0..N-1, each once (order of lines does not matter).
  *       In <text>, '_' stands for a space and %XX for any byte (%5F is a literal '_').
  *       Memory, as the driver reports it:
@@ -25,7 +25,9 @@
  *       total, as from a confused driver: free is then reported as 0.
  *       util=na makes nvmlDeviceGetUtilizationRates answer NOT_SUPPORTED (3).
  *       cc=na makes nvmlDeviceGetCudaComputeCapability answer NOT_SUPPORTED (3). Defaults:
- *       reserved=0 util=0 cc=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
+ *       mig: the current MIG mode nvmlDeviceGetMigMode reports (pending the same); na makes
+ *       it answer NOT_SUPPORTED (3), as a GPU without MIG does.
+ *       reserved=0 util=0 cc=na mig=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
  *   proc <gpu index> pid=<pid> mem=<bytes|na>
  *       A compute process on that GPU; mem=na is reported as 2^64-1 ("not available"), which
  *       pynvml turns into None.
@@ -124,6 +126,7 @@ typedef struct {
     unsigned long long total, used, reserved;
     int util; /* -1: not supported */
     int cc_major, cc_minor; /* -1: not supported */
+    int mig; /* -1: not supported, 0 disabled, 1 enabled */
 } gpu_state;
 
 typedef struct {
@@ -255,6 +258,7 @@ static int parse_line(machine_state *st, char *line, int lineno) {
         snprintf(g->uuid, sizeof g->uuid, "GPU-fake-%d", idx);
         snprintf(g->name, sizeof g->name, "Fake GPU");
         g->cc_major = g->cc_minor = -1;
+        g->mig = -1;
         for (int i = 2; i < nt; i++) {
             const char *v;
             int ok;
@@ -277,6 +281,13 @@ static int parse_line(machine_state *st, char *line, int lineno) {
                 } else {
                     ok = sscanf(v, "%d.%d", &g->cc_major, &g->cc_minor) == 2 &&
                          g->cc_major >= 0 && g->cc_minor >= 0;
+                }
+            } else if ((v = kv(tokens[i], "mig"))) {
+                if (strcmp(v, "na") == 0) {
+                    g->mig = -1;
+                    ok = 1;
+                } else {
+                    ok = parse_int(v, &g->mig) && (g->mig == 0 || g->mig == 1);
                 }
             } else if ((v = kv(tokens[i], "util"))) {
                 if (strcmp(v, "na") == 0) {
@@ -782,6 +793,19 @@ nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major,
     *major = g->cc_major;
     *minor = g->cc_minor;
     return leave("nvmlDeviceGetCudaComputeCapability", device->index, NVML_SUCCESS, NULL);
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
+                                  unsigned int *pending) {
+    nvmlReturn_t ret;
+    const gpu_state *g = enter_device("nvmlDeviceGetMigMode", device, &ret);
+    if (!g) return ret;
+    if (!current || !pending)
+        return leave("nvmlDeviceGetMigMode", device->index, NVML_ERROR_INVALID_ARGUMENT, NULL);
+    if (g->mig < 0)
+        return leave("nvmlDeviceGetMigMode", device->index, NVML_ERROR_NOT_SUPPORTED, NULL);
+    *current = *pending = (unsigned int)g->mig;
+    return leave("nvmlDeviceGetMigMode", device->index, NVML_SUCCESS, NULL);
 }
 
 /* NVML's two-call protocol: with *infoCount too small (the first call passes 0 and NULL),
