@@ -196,6 +196,8 @@ class NvmlBackend:
         self.timeout = timeout
         #: GPU index -> the reading of it that has not come back yet.
         self._stuck: dict[int, tuple[_Call, float]] = {}
+        #: The GPU count's call, while it has not come back (and when it was made).
+        self._stuck_count: tuple[_Call, float] | None = None
         #: Whether this process is in the host's pid namespace (asked once, when first needed).
         self._initial_namespace: bool | None = None
         #: NVML was seen naming processes by pids that are not this namespace's: from then on
@@ -235,9 +237,20 @@ class NvmlBackend:
             ) from exc
 
     def _snapshot(self) -> MachineSnapshot:
+        if self._stuck_count is not None and self._stuck_count[0].thread.is_alive():
+            # Asking again would cost the deadline and leave one more thread in the driver at
+            # every reading, for as long as the driver is wedged.
+            raise BackendUnavailable(
+                "NVML has not answered when asked for the GPU count for "
+                f"{time.monotonic() - self._stuck_count[1]:.0f}s",
+                hint=HINT,
+            )
+        self._stuck_count = None
+        call = _Call(pynvml.nvmlDeviceGetCount)
         try:
-            count = int(_within(pynvml.nvmlDeviceGetCount, self.timeout))
+            count = int(call.result(self.timeout))
         except _Hung:
+            self._stuck_count = (call, time.monotonic())
             raise BackendUnavailable(
                 f"NVML did not answer within {self.timeout:g}s when asked for the GPU count",
                 hint=HINT,

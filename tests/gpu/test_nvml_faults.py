@@ -52,6 +52,37 @@ def test_a_hung_gpu_is_left_out_and_comes_back(two_gpus: FakeNvml) -> None:
         backend.close()
 
 
+def test_a_hung_gpu_count_is_not_asked_again_until_it_returns(two_gpus: FakeNvml) -> None:
+    # Each reading asked again, waited the whole deadline and left one more thread in the
+    # driver: a job's sampling (every second or so) blocked its loop for nvml_timeout per
+    # sample and piled up a stuck thread per sample for as long as the driver was wedged.
+    backend = NvmlBackend(timeout=0.3)
+    before = set(threading.enumerate())
+    try:
+        two_gpus.hang(None, "nvmlDeviceGetCount_v2", 1.5)
+        with pytest.raises(BackendUnavailable, match=r"within 0\.3s"):
+            backend.snapshot()
+        started = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(BackendUnavailable, match="GPU count"):
+                backend.snapshot()
+        assert time.monotonic() - started < 0.25
+        assert len(set(threading.enumerate()) - before) <= 1
+        two_gpus.clear_failures()
+
+        def answered() -> bool:
+            try:
+                return len(backend.snapshot().gpus) == 2
+            except BackendUnavailable:
+                return False
+
+        wait_for(answered, timeout=10, interval=0.1, message="the GPU count never came back")
+    finally:
+        backend.close()
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=30)
+
+
 @pytest.mark.parametrize(
     ("func", "message"),
     [("nvmlDeviceGetCount_v2", "GPU count"), ("nvmlInitWithFlags", "did not start")],
