@@ -31,6 +31,9 @@ class GpuSnapshot(Record, frozen=True):
     processes: tuple[ProcessUsage, ...] = ()
     #: Percent of recent time a kernel ran; None where unsupported (MIG parents, simulation).
     utilization_pct: int | None = None
+    #: The driver reports utilization, but this reading of it failed (`utilization_pct` None):
+    #: not to be taken for a GPU that does not report it.
+    utilization_failed: bool = False
     #: CUDA compute capability (major, minor); None where the driver cannot tell.
     compute_capability: tuple[int, int] | None = None
     #: False where the driver's process ids are not this pid namespace's (a container without

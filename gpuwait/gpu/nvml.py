@@ -336,6 +336,7 @@ class NvmlBackend:
         name = self._name(handle)
         problems: list[str] = []
         total, used, driver = self._memory(handle, problems)
+        utilization, utilization_failed = self._utilization(handle)
         gpu = GpuSnapshot(
             index=index,
             uuid=uuid,
@@ -344,7 +345,8 @@ class NvmlBackend:
             used_bytes=used,
             driver_bytes=driver,
             processes=self._processes(handle, total, problems),
-            utilization_pct=self._utilization(handle),
+            utilization_pct=utilization,
+            utilization_failed=utilization_failed,
             compute_capability=self._compute_capability(handle),
         )
         return gpu, problems
@@ -459,14 +461,18 @@ class NvmlBackend:
             return None
         return int(major), int(minor)
 
-    def _utilization(self, handle: Any) -> int | None:
+    def _utilization(self, handle: Any) -> tuple[int | None, bool]:
+        """(percent, whether the reading failed). None and not failed: the GPU does not report
+        utilization (NOT_SUPPORTED: a MIG parent, some vGPUs). Any other error is this
+        reading's failure, not the GPU's nature: taken for "does not report", it let a busy
+        GPU pass a --max-util cap."""
         try:
             rates = pynvml.nvmlDeviceGetUtilizationRates(handle)
         except pynvml.NVMLError as exc:
             if self._lost(exc):
                 raise _GpuLost(exc) from exc
-            return None
-        return int(rates.gpu)
+            return None, _code(exc) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
+        return int(rates.gpu), False
 
     def accounting_peak(self, uuid: str, pids: frozenset[int]) -> int | None:
         """The most memory `pids` held on the GPU over their lifetime, from NVML accounting mode.

@@ -109,6 +109,10 @@ class UtilizationWindow:
 
     def add(self, snapshot: MachineSnapshot) -> None:
         for gpu in snapshot.gpus:
+            if gpu.utilization_failed:
+                # A failed reading says nothing: the earlier ones stand (with none, the GPU
+                # does not pass a cap yet), where taken as "does not report" it would pass.
+                continue
             window = self._readings.setdefault(gpu.uuid, deque(maxlen=self._size))
             window.append(gpu.utilization_pct)
 

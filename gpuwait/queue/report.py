@@ -66,7 +66,7 @@ def report_from(
     gpus = snapshot.gpus if snapshot else ()
     # One reading only: utilization is taken as measured, so --max-util waiters get a reason.
     conditions = Conditions(
-        utilization={g.uuid: g.utilization_pct for g in gpus},
+        utilization={g.uuid: g.utilization_pct for g in gpus if not g.utilization_failed},
         ignore_processes=view.ignore_processes,
     )
     usage = user_usage(data, now, fair.half_life)

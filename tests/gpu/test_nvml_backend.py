@@ -268,7 +268,32 @@ def test_utilization_not_supported_is_none(fake_nvml: FakeNvml, backend: NvmlBac
     fake_nvml.fail(2, "nvmlDeviceGetUtilizationRates", NOT_SUPPORTED)
     snap = backend.snapshot()
     assert [g.utilization_pct for g in snap.gpus] == [None, 37, None]
+    assert not any(g.utilization_failed for g in snap.gpus)
     assert snap.warnings == ()
+
+
+def test_a_failed_utilization_reading_does_not_let_a_busy_gpu_pass_a_cap(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    # One reading failing (an NVML error other than NOT_SUPPORTED) was taken for a GPU that
+    # does not report utilization, which passes --max-util: a job capped at 10 % waited on a
+    # GPU at 100 % for 4 s, then started there within 0.4 s of one failed reading.
+    from gpuwait.queue.conditions import UtilizationWindow
+
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-busy", util=100), FakeGpu(uuid="GPU-new", util=100)])
+    window = UtilizationWindow()
+    for _ in range(3):
+        window.add(backend.snapshot())
+    assert window.means() == {"GPU-busy": 100, "GPU-new": 100}
+    fake_nvml.fail(None, "nvmlDeviceGetUtilizationRates", UNKNOWN)
+    snap = backend.snapshot()
+    assert [(g.utilization_pct, g.utilization_failed) for g in snap.gpus] == [(None, True)] * 2
+    window.add(snap)
+    assert window.means() == {"GPU-busy": 100, "GPU-new": 100}
+    # With no reading before the failed one, the GPU has not been measured: it does not pass.
+    fresh = UtilizationWindow()
+    fresh.add(snap)
+    assert fresh.means() == {}
 
 
 def test_compute_capability_or_none(fake_nvml: FakeNvml, backend: NvmlBackend) -> None:
