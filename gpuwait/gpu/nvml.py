@@ -261,6 +261,7 @@ class NvmlBackend:
             ) from exc
         gpus: list[GpuSnapshot] = []
         warnings: list[str] = []
+        unanswered: list[int] = []
         for index in range(count):
             stuck = self._stuck.get(index)
             if stuck is not None and stuck[0].thread.is_alive():
@@ -268,6 +269,7 @@ class NvmlBackend:
                     f"GPU {index}: NVML has not answered for "
                     f"{time.monotonic() - stuck[1]:.0f}s; treated as unavailable"
                 )
+                unanswered.append(index)
                 continue
             self._stuck.pop(index, None)
             # One GPU at a time, in index order, each with its own deadline: a hung GPU costs
@@ -281,6 +283,7 @@ class NvmlBackend:
                     f"GPU {index}: NVML did not answer within {self.timeout:g}s; "
                     "treated as unavailable"
                 )
+                unanswered.append(index)
                 continue
             except _GpuLost as exc:
                 warnings.append(f"GPU {index}: {exc}; skipped")
@@ -294,6 +297,7 @@ class NvmlBackend:
                 continue
             except Exception as exc:
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
+                unanswered.append(index)
                 continue
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
@@ -301,7 +305,12 @@ class NvmlBackend:
             self._check_pids(gpus, warnings)
         if self._host_pids:
             gpus = [g._replace(processes=(), per_process=False) for g in gpus]
-        return MachineSnapshot(backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings))
+        return MachineSnapshot(
+            backend=self.name,
+            gpus=tuple(gpus),
+            warnings=tuple(warnings),
+            unanswered=tuple(unanswered),
+        )
 
     def _in_initial_namespace(self) -> bool:
         if self._initial_namespace is None:

@@ -513,9 +513,64 @@ def prepare_job(
     caller's options; StuckBehind inside a job, `around`, it could never start beside), run
     times from history added. A wrapped run and a reservation from
     Python (runner/hold) both start here."""
-    snapshot = _read_gpus(backend.snapshot, config, reporter)
-    for message in snapshot.warnings:
+    retry = GpuRetry(config.wait.gpu_error_timeout)
+    said: set[str] = set()
+    while True:
+        snapshot = _read_gpus(backend.snapshot, config, reporter)
+        for message in snapshot.warnings:
+            if message not in said:
+                said.add(message)
+                reporter.warn(message)
+        try:
+            job, choice = _judge(request, config, choice, snapshot, hint)
+            break
+        except (UsageError, ImpossibleRequest) as exc:
+            if (
+                not snapshot.unanswered
+                or isinstance(exc, StuckBehind)
+                or exc.message.startswith(OVER_LIMIT)
+                # Not even every GPU there is could serve it.
+                or len(snapshot.gpus) + len(snapshot.unanswered) < request.gpus
+            ):
+                raise
+            # A GPU that did not answer this time may be the one the request needs (named by
+            # CUDA_VISIBLE_DEVICES or --devices, or one of --gpus N): refused now, a hiccup of
+            # the driver would end the launch. Retried as a failed reading is.
+            which = ", ".join(str(i) for i in snapshot.unanswered)
+            failure = BackendUnavailable(
+                f"GPU {which} did not answer, and without it {exc.message}", hint=exc.hint
+            )
+            first = retry.since is None
+            pause = retry.failed(failure)
+            if first:
+                reporter.warn(
+                    f"{failure.message}; retrying (for up to "
+                    f"{format_duration(config.wait.gpu_error_timeout)}: gpu_error_timeout)"
+                )
+            turnstile.leave()
+            time.sleep(pause)
+    if around.outer_id:
+        # Inside a job, refused before it queues. A pipeline's stages are looked at by the
+        # waiting loop, where one has to wait (a launch that fits at once pays nothing).
+        stuck = stuck_behind(job, _ledger(config).read(), snapshot.gpus, config.wait.safety, around)
+        if stuck is not None:
+            raise StuckBehind(stuck, hint=STUCK_HINT)
+    own = choice.learned if request.key is None else None
+    job, warnings = _with_run_times(job, config, own, snapshot)
+    for message in warnings:
         reporter.warn(message)
+    return job, choice
+
+
+def _judge(
+    request: RunRequest,
+    config: RunConfig,
+    choice: RequestChoice,
+    snapshot: MachineSnapshot,
+    hint: str,
+) -> tuple[Job, RequestChoice]:
+    """The job on these GPUs and its request capped to them; UsageError or ImpossibleRequest
+    where the GPUs read cannot serve it."""
     candidates = _candidates(request, snapshot)
     choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety)
     job = _new_job(request, config, choice, snapshot, candidates)
@@ -527,16 +582,6 @@ def prepare_job(
             # Nothing about the cards would help: the site's limit is on the request itself.
             hint = "ask for less (--vram) or fewer GPUs (--gpus): the limit is the site's"
         raise ImpossibleRequest(impossible, hint=hint)
-    if around.outer_id:
-        # Inside a job, refused before it queues. A pipeline's stages are looked at by the
-        # waiting loop, where one has to wait (a launch that fits at once pays nothing).
-        stuck = stuck_behind(job, _ledger(config).read(), snapshot.gpus, config.wait.safety, around)
-        if stuck is not None:
-            raise StuckBehind(stuck, hint=STUCK_HINT)
-    own = choice.learned if request.key is None else None
-    job, warnings = _with_run_times(job, config, own, snapshot)
-    for message in warnings:
-        reporter.warn(message)
     return job, choice
 
 

@@ -124,6 +124,38 @@ def test_hung_gpu_end_to_end(two_gpus: FakeNvml, gpuwait_cmd: list[str]) -> None
     assert time.monotonic() - started < 15
 
 
+def test_a_launch_waits_out_a_hiccup_of_the_gpu_it_needs(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # One failed reading of the GPU that CUDA_VISIBLE_DEVICES names (or --devices, or one of
+    # --gpus 2) ended the launch at once with exit 3: "CUDA_VISIBLE_DEVICES='0' makes no GPU
+    # visible to this command".
+    two_gpus.fail(0, "nvmlDeviceGetUUID", 999)
+    threading.Timer(0.8, two_gpus.clear_failures).start()
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        env={**two_gpus.env(), "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "GPU-fake-0"
+    assert "GPU 0 did not answer, and without it" in done.stderr
+    # Not even every GPU there is could serve it: refused at once, as before.
+    two_gpus.fail(0, "nvmlDeviceGetUUID", 999)
+    started = time.monotonic()
+    done = subprocess.run(
+        [*gpuwait_cmd, "--gpus", "3", "--vram", "1G", "--", "true"],
+        env=two_gpus.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert time.monotonic() - started < 5
+
+
 def test_used_above_total_counts_as_full(fake_nvml: FakeNvml) -> None:
     fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=30 * GIB), FakeGpu(total=24 * GIB)])
     backend = NvmlBackend()
