@@ -513,17 +513,16 @@ def prepare_job(
     caller's options; StuckBehind inside a job, `around`, it could never start beside), run
     times from history added. A wrapped run and a reservation from
     Python (runner/hold) both start here."""
-    retry = GpuRetry(config.wait.gpu_error_timeout)
     said: set[str] = set()
-    while True:
-        snapshot = _read_gpus(backend.snapshot, config, reporter)
+
+    def read_and_judge() -> tuple[MachineSnapshot, Job, RequestChoice]:
+        snapshot = backend.snapshot()
         for message in snapshot.warnings:
             if message not in said:
                 said.add(message)
                 reporter.warn(message)
         try:
-            job, choice = _judge(request, config, choice, snapshot, hint)
-            break
+            return snapshot, *_judge(request, config, choice, snapshot, hint)
         except (UsageError, ImpossibleRequest) as exc:
             if (
                 not snapshot.unanswered
@@ -537,18 +536,11 @@ def prepare_job(
             # CUDA_VISIBLE_DEVICES or --devices, or one of --gpus N): refused now, a hiccup of
             # the driver would end the launch. Retried as a failed reading is.
             which = ", ".join(str(i) for i in snapshot.unanswered)
-            failure = BackendUnavailable(
+            raise BackendUnavailable(
                 f"GPU {which} did not answer, and without it {exc.message}", hint=exc.hint
-            )
-            first = retry.since is None
-            pause = retry.failed(failure)
-            if first:
-                reporter.warn(
-                    f"{failure.message}; retrying (for up to "
-                    f"{format_duration(config.wait.gpu_error_timeout)}: gpu_error_timeout)"
-                )
-            turnstile.leave()
-            time.sleep(pause)
+            ) from None
+
+    snapshot, job, choice = _read_gpus(read_and_judge, config, reporter)
     if around.outer_id:
         # Inside a job, refused before it queues. A pipeline's stages are looked at by the
         # waiting loop, where one has to wait (a launch that fits at once pays nothing).
