@@ -781,13 +781,8 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
         requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
-        mine.state = WAITING
-        mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-        mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
-        mine.held_gpus = []
+        _queued_again(mine, time.time())
         mine.pauses += 1
-        mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
-        mine.updated_at = time.time()
         said.append(
             (
                 "paused",
@@ -795,6 +790,17 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
             )
         )
     return copy_job(mine)
+
+
+def _queued_again(mine: Job, now: float) -> None:
+    """A running job whose command has ended queues again (it stepped aside, or it is retried):
+    nothing of the run it had is left on it, nor the request that made it step aside."""
+    mine.state = WAITING
+    mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+    mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
+    mine.held_gpus = []
+    mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+    mine.updated_at = now
 
 
 # --- freezing -------------------------------------------------------------------------------
@@ -879,34 +885,53 @@ def finish(
         alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
         # The ledger's word: another waiter's plan may have admitted it meanwhile.
         ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
-        done = Finished(
-            id=job.id,
-            outcome=outcome,
-            finished_at=time.time(),
-            name=job.name,
-            batch=job.batch,
-            exit_status=exit_status,
-            signal=signal,
-            oom=oom if outcome == FAILED else None,
+        now = time.time()
+        done, fields = _run_ended(
+            job, outcome, ran_on, now, exit_status, signal, run_seconds, paused, oom
         )
         data.book.note_finished(done, ran_on)
         if charge_usage is not None:
-            charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
-        fields: dict[str, Any] = {
-            "job": job.id,
-            "name": job.name,
-            "outcome": outcome,
-            "exit_status": exit_status,
-            "signal": signal,
-            "gpus": ran_on,
-            "run_seconds": None if run_seconds is None else round(run_seconds, 3),
-        }
-        if paused is not None:
-            fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
-        if oom is not None:
-            fields["oom"] = oom
-            fields["reserved_bytes"] = job.reserved_bytes
+            charge(data, job.uid, charge_usage[0], now, charge_usage[1])
         said.append(("finish" if ran_on else "leave", fields))
+
+
+def _run_ended(
+    job: Job,
+    outcome: str,
+    ran_on: list[str],
+    now: float,
+    exit_status: int | None,
+    signal: int | None,
+    run_seconds: float | None,
+    paused: tuple[int, float] | None,
+    oom: str | None,
+) -> tuple[Finished, dict[str, Any]]:
+    """How a run of `job` ended: for the book, and the fields of its `finish` event."""
+    done = Finished(
+        id=job.id,
+        outcome=outcome,
+        finished_at=now,
+        name=job.name,
+        batch=job.batch,
+        exit_status=exit_status,
+        signal=signal,
+        oom=oom if outcome == FAILED else None,
+    )
+    fields: dict[str, Any] = {
+        "job": job.id,
+        "name": job.name,
+        "outcome": outcome,
+        "exit_status": exit_status,
+        "signal": signal,
+        "gpus": ran_on,
+        "run_seconds": None if run_seconds is None else round(run_seconds, 3),
+    }
+    if paused is not None:
+        fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
+    if oom is not None:
+        fields["oom"] = oom
+        fields["reserved_bytes"] = job.reserved_bytes
+    return done, fields
 
 
 def retry(
@@ -930,43 +955,17 @@ def retry(
         mine = _entry(data, job)
         ran_on = list(mine.gpu_uuids) if mine.state == RUNNING else []
         now = time.time()
-        attempt = Finished(
-            id=job.id,
-            outcome=FAILED,
-            finished_at=now,
-            name=job.name,
-            batch=job.batch,
-            exit_status=exit_status,
-            signal=signal,
-            oom=oom,
+        attempt, fields = _run_ended(
+            job, FAILED, ran_on, now, exit_status, signal, run_seconds, paused, oom
         )
         data.book.note_run(attempt, ran_on)
         if charge_usage is not None:
             charge(data, job.uid, charge_usage[0], now, charge_usage[1])
-        mine.state = WAITING
+        _queued_again(mine, now)
         mine.request = dict(request)
-        mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-        mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
-        mine.held_gpus, mine.held_by = [], []
+        mine.held_by = []
         mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
-        mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
-        mine.updated_at = now
-        fields: dict[str, Any] = {
-            "job": job.id,
-            "name": job.name,
-            "outcome": FAILED,
-            "exit_status": exit_status,
-            "signal": signal,
-            "gpus": ran_on,
-            "run_seconds": None if run_seconds is None else round(run_seconds, 3),
-            "retry": True,
-        }
-        if paused is not None:
-            fields["pauses"], fields["paused_seconds"] = paused[0], round(paused[1], 3)
-        if oom is not None:
-            fields["oom"] = oom
-            fields["reserved_bytes"] = job.reserved_bytes
-        said.append(("finish", fields))
+        said.append(("finish", {**fields, "retry": True}))
     return copy_job(mine)
 
 
