@@ -453,6 +453,19 @@ def test_systemd_units_verify_and_the_service_runs_its_job(tmp_path: Path, sim_f
 # Slurm ----------------------------------------------------------------------------------------
 
 
+def pack_steps(
+    steps: Path, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """contrib/slurm/pack-steps.sbatch run on `steps` as Slurm would start it (bash, `env`)."""
+    return subprocess.run(
+        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_slurm_packs_steps_on_the_allocated_gpu_only(
     user_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -472,13 +485,7 @@ def test_slurm_packs_steps_on_the_allocated_gpu_only(
         "CUDA_VISIBLE_DEVICES": "1",
         "TMPDIR": str(tmp_path),
     }
-    done = subprocess.run(
-        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = pack_steps(steps, env, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 step(s), 0 failed" in done.stdout
     results = [json.loads(p.read_text()) for p in reports.glob("*.json")]
@@ -503,13 +510,7 @@ def test_slurm_script_steps_run_whatever_another_user_made_in_tmp(
     steps = tmp_path / "steps.txt"
     steps.write_text("true\ntrue\n")
     env = {**user_env, "SLURM_JOB_ID": "4243", "CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
-        env={**env, "STEP_VRAM": "1G"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = pack_steps(steps, {**env, "STEP_VRAM": "1G"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 step(s), 0 failed" in done.stdout
     assert list(taken.iterdir()) == []
@@ -519,13 +520,7 @@ def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: P
     steps = tmp_path / "steps.txt"
     steps.write_text("true\nexit 3\ntrue\n")
     env = {**user_env, "SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0", "TMPDIR": str(tmp_path)}
-    done = subprocess.run(
-        ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)],
-        env={**env, "STEP_VRAM": "1G"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = pack_steps(steps, {**env, "STEP_VRAM": "1G"})
     assert done.returncode == 1
     assert "3 step(s), 1 failed" in done.stdout
 
