@@ -29,6 +29,23 @@ GiB = 2**30
 MACHINE = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),))
 
 
+def running_pausable(
+    job_id: str, priority: int, started_at: float, gpu: str = "GPU-0", **fields: Any
+) -> Job:
+    """A --pausable job of this process, running with 16 GiB on `gpu` since `started_at`."""
+    return live_job(
+        job_id,
+        state=RUNNING,
+        priority=priority,
+        pausable=True,
+        started_at=started_at,
+        gpu_uuids=[gpu],
+        reserved_bytes=16 * GiB,
+        request={"bytes": 16 * GiB},
+        **fields,
+    )
+
+
 @pytest.fixture
 def logged(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
     """Each event as it is logged, with the ledger's entries as the file held them then."""
@@ -234,16 +251,7 @@ def test_a_job_that_stepped_aside_asks_nobody_of_higher_priority_to_step_aside(
     from gpuwait.queue.pausing import ask_for_room
 
     now = time.time()
-    middle = live_job(
-        "middle",
-        state=RUNNING,
-        priority=3,
-        pausable=True,
-        started_at=now - 700,
-        gpu_uuids=["GPU-0"],
-        reserved_bytes=16 * GiB,
-        request={"bytes": 16 * GiB},
-    )
+    middle = running_pausable("middle", 3, now - 700)
     resumed = live_job(
         "resumed", state=WAITING, priority=1, boost=5, pauses=1, request={"bytes": 16 * GiB}
     )
@@ -283,17 +291,7 @@ def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
     )
 
     def running(job_id: str, gpu: str, ran: float) -> Job:
-        return live_job(
-            job_id,
-            state=RUNNING,
-            priority=1,
-            pausable=True,
-            grace_seconds=1.0,
-            started_at=now - ran,
-            gpu_uuids=[gpu],
-            reserved_bytes=16 * GiB,
-            request={"bytes": 16 * GiB},
-        )
+        return running_pausable(job_id, 1, now - ran, gpu, grace_seconds=1.0)
 
     deaf, willing = running("deaf", "GPU-1", 100), running("willing", "GPU-0", 200)
     urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
@@ -319,16 +317,7 @@ def test_a_waiter_held_back_by_its_dependencies_asks_nobody_to_step_aside(
     from gpuwait.queue.pausing import ask_for_room
 
     now = time.time()
-    long = live_job(
-        "long",
-        state=RUNNING,
-        priority=1,
-        pausable=True,
-        started_at=now - 700,
-        gpu_uuids=["GPU-0"],
-        reserved_bytes=16 * GiB,
-        request={"bytes": 16 * GiB},
-    )
+    long = running_pausable("long", 1, now - 700)
     first = live_job(
         "first",
         state=RUNNING,
