@@ -359,6 +359,18 @@ def _ran_out(ended: _Ended) -> str:
 def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | None:
     """The GPUs the job may use: --devices, within an inherited CUDA_VISIBLE_DEVICES."""
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None and "SLURMD_NODENAME" in os.environ:
+        from gpuwait.linux.slurm import job_without_gpus
+
+        conf = job_without_gpus(os.environ)
+        if conf is not None:
+            # Every GPU here may be another Slurm job's (see gpuwait.linux.slurm).
+            raise ImpossibleRequest(
+                f"Slurm gave this job no GPU ({conf} hands this node's GPUs out as GRES), so "
+                "every GPU here may be another job's",
+                hint="ask Slurm for one (sbatch or srun --gres=gpu:1, or --gpus=1), or set "
+                "CUDA_VISIBLE_DEVICES to the GPUs this job may use",
+            )
     if request.devices is None and inherited is None:
         return None  # any GPU (and a plain launch need not import the parsing below)
     from gpuwait.core.devices import parse_devices_option, parse_inherited_visible

@@ -549,6 +549,32 @@ def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path
     assert history(Path(env["XDG_STATE_HOME"])) == []
 
 
+def test_a_slurm_job_given_no_gpus_is_refused_where_slurm_hands_gpus_out(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A batch script or step that Slurm gave no GPU has no CUDA_VISIBLE_DEVICES at all: every
+    # GPU of the node looked free to it, including those Slurm gave other jobs, whose own
+    # allocations would then die of out-of-memory. Where slurm.conf hands GPUs out as GRES it
+    # is refused, with what to ask Slurm for.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=c\n# GresTypes=none\ngrestypes=mps, gpu  # GPUs are GRES\n")
+    env = {**user_env, "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1", "SLURM_CONF": str(conf)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    ran = tmp_path / "ran"
+    command = ["gpuwait", "--vram", "1G", "--", "touch", str(ran)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "Slurm gave this job no GPU" in done.stderr
+    assert "--gres=gpu:1" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    # Where Slurm does not hand GPUs out, or the job has GPUs of its own, it runs as before.
+    conf.write_text("ClusterName=c\nGresTypes=mps\n")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
+
+
 # Docker ---------------------------------------------------------------------------------------
 
 FAKE_DOCKER = """#!/bin/sh

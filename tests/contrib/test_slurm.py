@@ -247,6 +247,20 @@ def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
     assert sorted(given.values()) == [0, 1], "two allocations on the same GRES device"
 
 
+def test_a_batch_job_given_no_gpu_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    # Slurm starts a job without --gres=gpu with no CUDA_VISIBLE_DEVICES at all, so every GPU
+    # of the node, each perhaps another job's, would have looked free to it.
+    env = cluster.env(tmp_path)
+    out = tmp_path / "out"
+    script = "gpuwait --vram 1G -- echo ran; echo status=$?"
+    job = sbatch(env, f"--output={out}", "--wrap", script)
+    wait_ended(env, job, timeout=30)
+    text = out.read_text()
+    assert "status=3" in text, text
+    assert "Slurm gave this job no GPU" in text
+    assert "ran" not in text.splitlines()
+
+
 def test_steps_spread_over_both_gpus_of_a_two_gpu_allocation(
     cluster: Cluster, tmp_path: Path
 ) -> None:
