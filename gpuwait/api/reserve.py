@@ -22,9 +22,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuwait.core.errors import EXIT_USAGE, GpuwaitError, UsageError
 from gpuwait.core.sizes import format_size
@@ -110,8 +110,9 @@ class Reservation:
         twice; a process forked from the holder releases nothing."""
         self._give_back(1 if failed or out_of_memory else 0, out_of_memory)
 
-    def _give_back(self, returncode: int, out_of_memory: bool) -> None:
-        """`release`, recording the run as ended with `returncode`."""
+    def _give_back(self, returncode: int | None, out_of_memory: bool) -> None:
+        """`release`, recording the run as ended with `returncode` (< 0: killed by that signal;
+        None: the status is unknown, which counts as no success)."""
         global _held
         holding = self._holding
         if holding is None or holding.released or os.getpid() != holding.pid:
@@ -393,6 +394,7 @@ def _reserve(options: argparse.Namespace, reporter: Reporter) -> Reservation:
     os.environ.update(env)
     with _held_lock:
         _held = reservation
+        _ending.watch()
         if not _exit_hook:
             # A reservation still held when the interpreter exits is released and recorded;
             # one whose process dies otherwise is reaped by the next gpuwait.
@@ -404,9 +406,72 @@ def _reserve(options: argparse.Namespace, reporter: Reporter) -> Reservation:
 def _release_at_exit() -> None:
     held = _held
     if held is not None:
+        returncode, error = _ending.status()
         # A failure here costs nothing: the entry is reaped once this process is gone.
         with contextlib.suppress(Exception):
-            held.release()
+            held._give_back(returncode, error is not None and _is_oom(error))
+
+
+class _Ending:
+    """How this process is ending, as far as the interpreter shows it to an atexit handler.
+
+    Python keeps the status of an exit to itself, so it is pieced together: the outermost frame
+    of the main thread either returned (the program ran to its end: 0) or was left by an
+    exception; an exception nobody caught is in sys.last_exc (Python prints it and exits 1, or
+    dies of SIGINT for a KeyboardInterrupt); sys.exit(N), watched while a reservation is held,
+    gives N. An exit seen by none of them (`raise SystemExit(N)`, `exit(N)`, a `from sys import
+    exit` made before) has an unknown status: None, which counts as no success.
+    """
+
+    def __init__(self) -> None:
+        self.frame: FrameType | None = None
+        #: The opcodes that return from a frame.
+        self.returns: set[int] = set()
+        self.code: object = _NOT_SEEN
+        self._real_exit: Callable[..., Any] | None = None
+
+    def watch(self) -> None:
+        import dis  # here, not at the exit: an exec() then would cost a KeyboardInterrupt's exit
+
+        self.returns = {dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap}
+        frames = sys._current_frames()
+        frame = frames.get(threading.main_thread().ident or -1)
+        while frame is not None and frame.f_back is not None:
+            frame = frame.f_back
+        self.frame = frame
+        if self._real_exit is None:
+            self._real_exit = sys.exit
+            sys.exit = self._exit
+
+    def _exit(self, status: object = None, /) -> NoReturn:
+        if threading.current_thread() is threading.main_thread():
+            self.code = status
+        assert self._real_exit is not None
+        self._real_exit(status)
+        raise SystemExit(status)  # not reached: sys.exit raises
+
+    def status(self) -> tuple[int | None, BaseException | None]:
+        """(the exit status, or None where unknown; the exception that ended it, if one did)."""
+        if hasattr(sys, "ps1") or sys.flags.interactive:
+            # An interactive session: its statements' frames say nothing of how it ends.
+            return (0 if self.code is _NOT_SEEN else _exit_status(self.code)), None
+        code, at = (
+            (b"", -1) if self.frame is None else (self.frame.f_code.co_code, self.frame.f_lasti)
+        )
+        if 0 <= at < len(code) and code[at] in self.returns:
+            return 0, None  # the program ran to its end
+        uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if isinstance(uncaught, KeyboardInterrupt):
+            return -signal.SIGINT, None
+        if isinstance(uncaught, Exception):
+            return 1, uncaught
+        if self.code is not _NOT_SEEN:
+            return _exit_status(self.code), None
+        return None, None
+
+
+_NOT_SEEN = object()
+_ending = _Ending()
 
 
 class _LoggingReporter:

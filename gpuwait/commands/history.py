@@ -148,7 +148,7 @@ def _exit(record: dict[str, Any], short: bool = False) -> str:
         except ValueError:
             text = f"signal {number}"
     elif record.get("exit_status") is None:
-        # An adopted process: no gpuwait was its parent to see how it ended.
+        # Nobody saw how it ended: an adopted process, a reservation's unseen exit.
         text = "?"
     else:
         text = str(record.get("exit_status"))

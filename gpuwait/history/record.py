@@ -14,7 +14,8 @@ A record is one JSON object per line:
     free_at_peak_bytes               free memory per GPU at the peak
     wait_seconds, run_seconds        the wait before its first start; its run time
     started_at                       Unix time of its first start
-    exit_status, signal              how it ended (one of them is None)
+    exit_status, signal              how it ended (one of them is None; both where nobody saw
+                                     it: an adopted process, a reservation's exit unseen)
     stopped_by                       only when a signal asking it to stop (TERM, INT, HUP, QUIT)
                                      reached it during the run: its number. Such a run may have
                                      ended early, so estimates do not count it as a success
@@ -78,7 +79,8 @@ class Measured(Record, frozen=True):
     samples: int
     free_at_peak_bytes: Mapping[str, int]
     run_seconds: float
-    returncode: int
+    #: As RunResult's; None: how the run ended is unknown (exit_status and signal are None).
+    returncode: int | None
     oom: bool
     oom_evidence: str | None
     stderr_watched: str
@@ -149,8 +151,8 @@ def build(
         "wait_seconds": round(wait_seconds, 3),
         "run_seconds": round(measured.run_seconds, 3),
         "started_at": started_at,
-        "exit_status": returncode if returncode >= 0 else None,
-        "signal": -returncode if returncode < 0 else None,
+        "exit_status": returncode if returncode is not None and returncode >= 0 else None,
+        "signal": -returncode if returncode is not None and returncode < 0 else None,
         "oom": measured.oom,
         "oom_evidence": measured.oom_evidence,
         "stderr_watched": measured.stderr_watched,

@@ -38,7 +38,8 @@ TIMED_OUT = "timeout"
 INTERRUPTED = "interrupted"
 #: `--after-ok` named a job that did not succeed, so this one never started.
 DEPENDENCY_FAILED = "dependency-failed"
-#: An adopted process (`gpuwait adopt`) ended: no gpuwait was its parent, so how is unknown.
+#: A process whose exit status nobody saw ended: an adopted one (`gpuwait adopt`: no gpuwait was
+#: its parent), or one holding a reservation that ended in a way Python does not show.
 ENDED = "ended"
 OUTCOMES = (OK, FAILED, CANCELLED, LOST, TIMED_OUT, INTERRUPTED, DEPENDENCY_FAILED, ENDED)
 
@@ -82,7 +83,7 @@ class Finished(Record):
             OK: "succeeded",
             CANCELLED: "was cancelled",
             LOST: "was lost (its gpuwait process vanished)",
-            ENDED: "ended (an adopted process: its exit status is unknown)",
+            ENDED: "ended with an exit status gpuwait could not see",
             TIMED_OUT: "gave up waiting",
             INTERRUPTED: "was interrupted while waiting",
             DEPENDENCY_FAILED: "never started (a job it depended on did not succeed)",
@@ -164,7 +165,7 @@ class Book(Record):
                 counters.completed += 1
             elif done.ran_out_of_memory:
                 counters.oom += 1
-            elif done.outcome != ENDED:  # an adopted process's end says nothing of success
+            elif done.outcome != ENDED:  # an unseen end says nothing of success
                 counters.failed += 1
             counters.recent_ends = [*counters.recent_ends, done.finished_at][-THROUGHPUT_WINDOW:]
 

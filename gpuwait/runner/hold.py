@@ -45,7 +45,7 @@ from gpuwait.gpu import open_backend
 from gpuwait.history.learn import RequestChoice, kept_command
 from gpuwait.linux import signals
 from gpuwait.queue import lifecycle
-from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
+from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
@@ -144,9 +144,11 @@ class Holding:
                 wait = self._sampler.next_sample - time.monotonic()
             self._stop.wait(max(0.01, wait))
 
-    def release(self, returncode: int = 0, said_oom: bool = False) -> None:
-        """Give the room back and record the run; `returncode` 0: ended well. `said_oom`: the
-        holder ended with an out-of-memory error. Only the process that holds it releases."""
+    def release(self, returncode: int | None = 0, said_oom: bool = False) -> None:
+        """Give the room back and record the run; `returncode` 0: ended well, < 0: killed by
+        that signal, None: how it ended is unknown (recorded as ENDED, which is no success).
+        `said_oom`: the holder ended with an out-of-memory error. Only the process that holds
+        it releases."""
         if os.getpid() != self.pid:
             return
         self._stop.set()
@@ -156,30 +158,32 @@ class Holding:
             self.released = True
         self._thread.join(timeout=5)
         result = self._sampler.result
-        result.returncode = returncode
+        result.returncode = 0 if returncode is None else returncode
         result.run_seconds = time.monotonic() - self._sampler.started
         with contextlib.suppress(Exception):
             self._sampler.finish()
         try:
-            self._finish_and_record(said_oom)
+            self._finish_and_record(said_oom, known=returncode is not None)
         finally:
             self.backend.close()
 
-    def _finish_and_record(self, said_oom: bool) -> None:
+    def _finish_and_record(self, said_oom: bool, known: bool) -> None:
         result, job, config = self._sampler.result, self.job, self.config
+        code = result.returncode
         card_full = any(
             near_full(result.free_at_peak_bytes.get(u), total)
             for u, total in result.total_bytes.items()
         )
-        oom = looks_like_oom(result.returncode, said_oom, card_full)
+        oom = known and looks_like_oom(code, said_oom, card_full)
         cause = policy.oom_cause(False, card_full) if oom else None
         evidence = "message" if said_oom else "card full"
         session._finish(
             self.ledger,
             job,
-            OK if result.returncode == 0 else FAILED,
+            (OK if code == 0 else FAILED) if known else ENDED,
             self.reporter,
-            exit_status=result.returncode,
+            exit_status=code if known and code >= 0 else None,
+            signal=-code if known and code < 0 else None,
             run_seconds=result.run_seconds,
             charge_usage=(
                 job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds,
@@ -201,6 +205,7 @@ class Holding:
             "off",
             0.0,
             self.budget,
+            exit_known=known,
         )
 
 

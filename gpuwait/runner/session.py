@@ -909,8 +909,10 @@ def _record(
     stderr_watched: str,
     paused_seconds: float,
     held: Budget,
+    exit_known: bool = True,
 ) -> None:
-    """Leave the run's record in the history.
+    """Leave the run's record in the history (`exit_known` False: a reservation's process
+    that ended with a status nothing could see, recorded as None).
 
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
     full"); None for a run that did not run out. `wait_seconds` is the wait before the first
@@ -936,7 +938,7 @@ def _record(
             samples=result.samples,
             free_at_peak_bytes=result.free_at_peak_bytes,
             run_seconds=result.run_seconds,
-            returncode=result.returncode,
+            returncode=result.returncode if exit_known else None,
             oom=oom is not None,
             oom_evidence=None if oom is None else oom[1],
             oom_cause=None if oom is None else oom[0],

@@ -222,6 +222,31 @@ def test_sys_exit_in_the_with_block_is_recorded_with_its_status(
     assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, False)
 
 
+@pytest.mark.parametrize(
+    ("ending", "status"),
+    [
+        ("sys.exit(3)", 3),
+        ("raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')", 1),
+        ("x = 1", 0),
+        ("raise SystemExit(3)", None),  # no sys.exit to see: its status is unknown
+    ],
+)
+def test_a_script_that_ends_holding_a_reservation_is_recorded_with_its_status(
+    sim: Path, gpuwait_cmd: list[str], ending: str, status: int | None
+) -> None:
+    # `r = gpuwait.reserve(...)` with no `with` block: the interpreter's exit releases it, and
+    # --after-ok starts what depends on it only if the script really succeeded.
+    script = f"import sys, gpuwait\nr = gpuwait.reserve('1G', name='prep')\n{ending}\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == (3 if status is None else status), done.stderr
+    (run,) = [r for r in recorded_runs() if r["name"] == "prep"]
+    assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, status == 1)
+    after = subprocess.run(
+        [*gpuwait_cmd, "-q", "--after-ok", "prep", "--", "true"], capture_output=True, text=True
+    )
+    assert after.returncode == (0 if status == 0 else 6), after.stderr
+
+
 def test_timeout_gives_up_with_the_clis_status(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
 ) -> None:
