@@ -7,16 +7,25 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwait.commands import output
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import load_settings
-from gpuwait.core.errors import StateError, UsageError
+from gpuwait.config import Settings, load_settings
+from gpuwait.core.devices import parse_inherited_visible
+from gpuwait.core.errors import GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
-from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
-from gpuwait.history.learn import LEVEL_WORDS, Learned, learn
+from gpuwait.gpu import open_backend
+from gpuwait.history.learn import (
+    ESTIMATE,
+    LEVEL_WORDS,
+    Learned,
+    RequestChoice,
+    cap_to_cards,
+    learn,
+)
 from gpuwait.history.store import history_path
 from gpuwait.linux.security import mine, open_readable
 
@@ -55,11 +64,46 @@ def run(args: argparse.Namespace) -> int:
     for message in learned.warnings:
         output.warn(message)
     default = settings.shown("default_vram")
+    launched = _as_launched(settings, learned)
     if args.json:
-        print(json.dumps(_report(learned, default), indent=2))
+        print(json.dumps(_report(learned, default, launched), indent=2))
         return 0
-    _show(learned, default, command)
+    _show(learned, default, command, launched)
     return 0
+
+
+class _Launched(NamedTuple):
+    """What a launch of the command asks for, from the estimate."""
+
+    #: The estimate as a launch asks for it: capped at the largest card's usable memory.
+    bytes: int | None
+    #: That usable memory, where the cap applied.
+    capped_at: int | None = None
+    #: Why the GPUs could not be read (the estimate is then shown as learned).
+    problem: str | None = None
+
+
+def _as_launched(settings: Settings, learned: Learned) -> _Launched:
+    """The learned estimate capped as a launch caps it (history.learn.cap_to_cards): never more
+    than the largest usable memory of the cards the command may use."""
+    learned_bytes = learned.estimate.bytes
+    if learned_bytes is None:
+        return _Launched(None)
+    try:
+        backend = open_backend(settings.sim, settings.nvml_timeout)
+        try:
+            snapshot = backend.snapshot()
+        finally:
+            backend.close()
+    except GpuwaitError as exc:
+        return _Launched(learned_bytes, problem=exc.message)
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    candidates = None if inherited is None else parse_inherited_visible(inherited, snapshot.gpus)
+    choice = RequestChoice(MemoryRequest(bytes=learned_bytes), ESTIMATE)
+    asked = cap_to_cards(choice, snapshot.gpus, candidates, settings.safety).request
+    if asked is None or asked.bytes is None or asked.bytes == learned_bytes:
+        return _Launched(learned_bytes)
+    return _Launched(asked.bytes, capped_at=asked.bytes)
 
 
 def _check_readable(path: Path) -> None:
@@ -79,12 +123,16 @@ def _spread_json(spread: Spread | None) -> dict[str, Any] | None:
     return {"median": spread.median, "low": spread.low, "high": spread.high, "runs": spread.runs}
 
 
-def _report(learned: Learned, default: str) -> dict[str, Any]:
+def _report(learned: Learned, default: str, launched: _Launched) -> dict[str, Any]:
     est = learned.estimate
     now = time.time()
     return {
         "schema": ESTIMATE_SCHEMA,
-        "estimate_bytes": est.bytes,
+        # What a launch asks for; learned_bytes before the cap at the largest card.
+        "estimate_bytes": launched.bytes,
+        "learned_bytes": est.bytes,
+        "capped": launched.capped_at is not None,
+        "gpus_unread": launched.problem,
         "source": "estimate" if est.bytes is not None else "default",
         "default_vram": default,
         "based_on": learned.basis(),
@@ -128,7 +176,7 @@ def _timing(spread: Spread | None, suffix: str = "") -> str:
     )
 
 
-def _show(learned: Learned, default: str, command: list[str]) -> None:
+def _show(learned: Learned, default: str, command: list[str], launched: _Launched) -> None:
     est = learned.estimate
     first = learned.levels[0]
     if first.name == "key":
@@ -145,7 +193,7 @@ def _show(learned: Learned, default: str, command: list[str]) -> None:
         )
         print(f"estimate: none, {why}: gpuwait asks for {fallback} (default_vram)")
     else:
-        print(f"estimate: {format_size(est.bytes)} per GPU, {learned.basis()}")
+        print(f"estimate: {format_size(launched.bytes or est.bytes)} per GPU, {learned.basis()}")
         if est.runs and est.rule == "largest":
             print(
                 f"          largest peak {format_size(est.quantile_bytes)} + "
@@ -170,6 +218,17 @@ def _show(learned: Learned, default: str, command: list[str]) -> None:
             )
         if est.approximate:
             print("          some peaks are approximate (no per-process figures from NVML)")
+        if launched.capped_at is not None:
+            print(
+                f"          capped at the largest card: {format_size(est.bytes)} learned, more "
+                f"than any GPU here gives ({format_size(launched.capped_at)} under the safety "
+                "factor)"
+            )
+        elif launched.problem is not None:
+            print(
+                f"          not checked against the GPUs ({launched.problem}): a launch asks "
+                "for no more than the largest card gives"
+            )
     levels = " · ".join(f"{lv.name} {lv.total_runs}" for lv in learned.levels)
     print(f"runs:     {levels}")
     left_out = _left_out(learned, time.time())

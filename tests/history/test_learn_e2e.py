@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
+from helpers.history import a_run
 from helpers.waiting import wait_for
+
+from gpuwait.history.store import append_record
 
 GiB = 2**30
 
@@ -262,6 +265,29 @@ def test_estimate_explains_itself(sim_file: SimFileFactory, gpuwait_cmd: list[st
     assert "estimate: 256 MiB per GPU, estimated from 2 runs with this --key" in shown.stdout
     assert "run time:" in shown.stdout and "load:" in shown.stdout
     assert run([*gpuwait_cmd, "estimate"]).returncode == 2
+
+
+def test_estimate_says_what_a_launch_asks_for_where_the_learned_size_passes_every_card(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Runs on a 48 GiB card taught 34 GiB; here the cards hold 24 GiB, of which a launch asks
+    # for the usable 21.6 GiB: `estimate` must say that, not a size no launch asks for.
+    sim_file(gpus=1, memory="24GiB")
+    command = ["true", "big-model"]
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for i in range(3):
+        append_record(
+            state,
+            a_run(command, str(tmp_path), time.time() - 60 + i, peak_by_gpu={"GPU-x": 30 * GiB}),
+        )
+    shown = json.loads(run([*gpuwait_cmd, "estimate", "--json", *command], cwd=tmp_path).stdout)
+    assert run([*gpuwait_cmd, "--", *command], cwd=tmp_path).returncode == 0
+    (launched,) = [r for r in history() if r["job_id"] != "j"]
+    assert shown["estimate_bytes"] == launched["reserved_bytes"] == int(24 * GiB * 0.9)
+    assert (shown["learned_bytes"], shown["capped"]) == (34 * GiB, True)
+    said = run([*gpuwait_cmd, "estimate", "--", *command], cwd=tmp_path).stdout
+    assert "estimate: 21.6 GiB per GPU" in said and "capped at the largest card" in said
 
 
 def test_approximate_peak_where_nvml_has_no_per_process_figures(
