@@ -60,8 +60,8 @@ class MachineSnapshot(Record, frozen=True):
     gpus: tuple[GpuSnapshot, ...]
     warnings: tuple[str, ...] = ()
     #: Indices of GPUs left out of this reading for a failure that may pass (a driver call
-    #: that hung or answered an error), not for good (lost, MIG mode): a request that needs
-    #: one of them cannot be judged from this reading.
+    #: that hung or answered an error, NVML's "GPU is lost" too), not for their nature (MIG
+    #: mode): a request that needs one of them cannot be judged from this reading.
     unanswered: tuple[int, ...] = ()
     #: What was read, where one backend can read different things: the simulation file. GPU
     #: health is remembered per source, so a user who switches simulation files has not lost

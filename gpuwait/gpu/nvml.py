@@ -287,6 +287,9 @@ class NvmlBackend:
                 continue
             except _GpuLost as exc:
                 warnings.append(f"GPU {index}: {exc}; skipped")
+                # It is there, only not answering: a request that needs it is not refused as if
+                # it did not exist, but retried as for any failed reading.
+                unanswered.append(index)
                 continue
             except _MigEnabled:
                 warnings.append(

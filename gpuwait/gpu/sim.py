@@ -649,13 +649,19 @@ class SimBackend:
                 f"({exc.strerror or exc}): used memory is shown without it; a simulation "
                 "several users share is made with `gpuwait sim init FILE --shared` (by root)"
             )
+        unanswered: list[int] = []
         for gpu in config.gpus:
             if gpu.lost:
                 warnings.append(f"GPU {gpu.index} ({gpu.uuid}): GPU is lost; skipped")
+                unanswered.append(gpu.index)  # as NVML's GPU_IS_LOST
                 continue
             gpus.append(_gpu_snapshot(gpu, allocations))
         return MachineSnapshot(
-            backend=self.name, gpus=tuple(gpus), warnings=tuple(warnings), source=self._source
+            backend=self.name,
+            gpus=tuple(gpus),
+            warnings=tuple(warnings),
+            unanswered=tuple(unanswered),
+            source=self._source,
         )
 
     def close(self) -> None:

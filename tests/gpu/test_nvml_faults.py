@@ -156,6 +156,30 @@ def test_a_launch_waits_out_a_hiccup_of_the_gpu_it_needs(
     assert time.monotonic() - started < 5
 
 
+def test_a_launch_that_needs_a_lost_gpu_waits_for_it_then_ends_with_exit_4(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # GPU 1 answering GPU_IS_LOST (here while its name is read) made `--devices 1` say "no GPU
+    # '1' here" at once, exit 2: a GPU that is there, only failing to answer.
+    env = {**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s"}
+    argv = [*gpuwait_cmd, "--devices", "1", "--vram", "1G", "--"]
+    two_gpus.fail(1, "nvmlDeviceGetName", GPU_IS_LOST)
+    threading.Timer(0.4, two_gpus.clear_failures).start()
+    done = subprocess.run(
+        [*argv, "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "GPU-fake-1"), done.stderr
+    # Lost for longer than gpu_error_timeout: exit 4, as for any failing reading.
+    two_gpus.fail(1, "nvmlDeviceGetName", GPU_IS_LOST)
+    done = subprocess.run([*argv, "true"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4, done.stderr
+    assert "GPU 1 did not answer" in done.stderr and "gpu_error_timeout" in done.stderr
+
+
 def test_used_above_total_counts_as_full(fake_nvml: FakeNvml) -> None:
     fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=30 * GIB), FakeGpu(total=24 * GIB)])
     backend = NvmlBackend()
