@@ -151,7 +151,12 @@ class Reservation:
             # sys.exit(3) in the block: the process ends with that status, and the run with it.
             self._give_back(_exit_status(exc.code), False)
             return
-        failed = exc is not None and not isinstance(exc, KeyboardInterrupt)
+        if isinstance(exc, KeyboardInterrupt):
+            # Ctrl-C cut the block short: as a wrapped command stopped by it, no success, and
+            # nothing learned from a run stopped half way.
+            self._give_back(-signal.SIGINT, False)
+            return
+        failed = exc is not None
         self.release(failed=failed, out_of_memory=failed and _is_oom(exc))
 
     def __repr__(self) -> str:

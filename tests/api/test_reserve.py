@@ -222,6 +222,23 @@ def test_sys_exit_in_the_with_block_is_recorded_with_its_status(
     assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, False)
 
 
+def test_ctrl_c_in_the_with_block_is_recorded_as_sigint(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # Ctrl-C cut the block short: no success for --after-ok, and nothing learned from a run
+    # stopped half way (as a wrapped command stopped by Ctrl-C, or this script's own exit).
+    script = (
+        "import gpuwait\ntry:\n    with gpuwait.reserve('1G', name='cut'):\n"
+        "        raise KeyboardInterrupt\nexcept KeyboardInterrupt:\n    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (run,) = [r for r in recorded_runs() if r["name"] == "cut"]
+    assert (run["exit_status"], run["signal"]) == (None, 2)
+    after = subprocess.run(
+        [*gpuwait_cmd, "-q", "--after-ok", "cut", "--", "true"], capture_output=True, text=True
+    )
+    assert after.returncode == 6, after.stderr
+
+
 @pytest.mark.parametrize(
     ("ending", "status"),
     [
