@@ -128,6 +128,31 @@ def sweep(ledger_dir: Path, named: set[str]) -> None:
             _remove_unheld(directory / name)
 
 
+def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
+    """This user's jobs that a live process holds the lock of but no entry (`named`: their
+    job ids) stands for, of locks taken `before` then (a time.time()), other than this
+    process's own: jobs whose entries were lost with the ledger started afresh at `before` (a
+    damaged one), which their gpuwait puts back. A lock taken since is a job of the new ledger
+    (between its end and the removal of its file, it is held with no entry)."""
+    uid = os.getuid()
+    directory = ledger_dir / f"alive.{uid}"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name in named or (ledger_dir, name) in _HELD:
+            continue
+        try:
+            taken = os.stat(directory / name, follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if taken < before and held(ledger_dir, uid, name) is True:
+            found.append(name)
+    return sorted(found)
+
+
 def _remove_unheld(path: Path) -> None:
     try:
         # Read-write: where flock(2) is done with POSIX locks (NFS), an exclusive one needs it.

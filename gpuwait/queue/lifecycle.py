@@ -33,7 +33,14 @@ from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice, still_pending
-from gpuwait.core.policy import NO_CONDITIONS, Conditions, FairShare, Plan, WaitReason
+from gpuwait.core.policy import (
+    NO_CONDITIONS,
+    Conditions,
+    FairShare,
+    Plan,
+    WaitReason,
+    describe_need,
+)
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import alive, pidns, proc
@@ -78,6 +85,12 @@ _Ended = list[tuple[str, dict[str, Any]]]
 
 #: The entries' processes, looked at in every transaction (see gpuwait.linux.proc.LivenessReader).
 _LIVENESS = proc.LivenessReader()
+
+#: How long after a ledger was started afresh (a damaged one recovered, or removed) nobody is
+#: admitted while jobs of this user live without an entry: each one's gpuwait puts it back
+#: (a running job at its next sample, a waiter when it wakes), and its reservation counts
+#: again; one that never does (its gpuwait killed, its command left) holds nobody longer.
+RECOVERY_GRACE = 30.0
 
 
 def forget_cached() -> None:
@@ -591,6 +604,9 @@ def admit(
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)
         _note_health(data, snapshot, now, said)
+        lost = _entries_to_come_back(ledger, data, now)
+        if lost:
+            return copy_job(mine), _waiting_for_entries(mine, data, lost)
         failure = settle_dependencies(mine, data)
         if failure is not None:
             data.remove(job.id)
@@ -612,6 +628,34 @@ def admit(
         if job.id in decided.admitted:
             return updated, Admitted(updated, _gpus_of(mine.gpu_uuids, snapshot, data))
         return updated, decided.waiting.get(job.id)
+
+
+def _entries_to_come_back(ledger: Ledger, data: LedgerData, now: float) -> int:
+    """How many jobs of this user live without an entry in a ledger started afresh less than
+    RECOVERY_GRACE ago: their reservations are unknown until their gpuwait puts them back, so
+    nobody may be admitted into them meanwhile."""
+    if not 0 <= now - data.created_at < RECOVERY_GRACE:
+        return 0
+    mine = {j.id for j in data.jobs if data.mine(j)}
+    # Locks taken before the ledger began (a file's time may lag the clock by a tick).
+    return len(alive.unlisted(ledger.directory, mine, data.created_at - 0.1))
+
+
+def _waiting_for_entries(mine: Job, data: LedgerData, lost: int) -> WaitReason:
+    needed = describe_need(mine.memory_request(), mine.gpus)
+    jobs = (
+        "1 job of yours still running or waiting has to put its entry"
+        if lost == 1
+        else (f"{lost} jobs of yours still running or waiting have to put their entries")
+    )
+    return WaitReason(
+        needed=needed,
+        best_gpu_index=None,
+        best_room=0,
+        running=sum(j.state == RUNNING for j in data.jobs),
+        ahead=0,
+        blocked=f"waiting for {needed}: the ledger was started afresh after damage; {jobs} back",
+    )
 
 
 def confirm_admission(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
-from helpers.waiting import named_entry, wait_for
+from helpers.waiting import asleep_waiting, named_entry, wait_for
 
 from gpuwait.cli import main
 from gpuwait.history import store
@@ -319,3 +320,43 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     second = procs([*gpuwait, "--name", "second", "--", *second_job])
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+
+
+def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_jobs_entry(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As above, but the second job comes before the first job's gpuwait has looked at the
+    # ledger again (here: it is stopped meanwhile): the second one's own transaction recovers
+    # the file, without the first job's entry. It was admitted at once, into the 13 GiB the
+    # first job had reserved and not yet allocated.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    gpuwait = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
+    loads = f"sleep 1.2; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.1s --report {reports[0]}"
+    first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
+    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
+        second = procs([*gpuwait, "--name", "second", "--", *second_job])
+        # Recovered, the second job in it, and it waits: the first job's gpuwait lives.
+        wait_for(lambda: asleep_waiting(second.pid) or second.poll() is not None, timeout=30)
+        assert second.poll() is None, "the second job ran beside the first one's reservation"
+        assert (named_entry("second") or {}).get("state") == "waiting"
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
+    _, err = second.communicate()
+    assert "the ledger was started afresh after damage; 1 job of yours still running" in err
+    assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+    said = [
+        json.loads(line) for line in (ledger_path.parent / "events.jsonl").read_text().splitlines()
+    ]
+    first_end = next(e for e in said if e["kind"] == "finish" and e["name"] == "first")
+    second_start = next(e for e in said if e["kind"] == "start" and e["name"] == "second")
+    assert second_start["time"] >= first_end["time"]
