@@ -10,7 +10,10 @@ admits it there, its room is reserved again and only then is it thawed: continue
 unlocked (lifecycle.thaw).
 
 A freeze that fails leaves the command running (what was done is undone) and is logged; a thaw
-that fails is logged and tried again, with the job's room kept for it. Neither ever kills it.
+that fails is logged and tried again, with the job's room kept for it. Only where its memory
+cannot come back for longer than `gpu_error_timeout` (its GPU lost while it is frozen, or every
+restore failing) is the job given up: its command is ended (TERM, then KILL), its entry leaves
+the queue, and gpuwait exits 4 saying why (`given_up`).
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.policy import WaitReason
+from gpuwait.core.sizes import format_duration
 from gpuwait.gpu.freezing import TOOL
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled
-from gpuwait.queue.wait import Interrupted, WaitPolicy, wait_for_admission
+from gpuwait.queue.wait import Interrupted, TimedOut, WaitPolicy, wait_for_admission
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
@@ -45,6 +50,17 @@ LOCK_TIMEOUT_MS = 10_000
 TOOL_TIMEOUT_S = 300.0
 #: Between two tries of a thaw that failed.
 THAW_RETRY_S = 2.0
+#: How often a frozen job that waits looks whether the GPU it was frozen on still answers (at
+#: most: a quarter of gpu_error_timeout where that is shorter).
+GPU_CHECK_S = 10.0
+#: Between the TERM and the KILL of a command given up while frozen: a CUDA call it makes
+#: blocks for good, and its handler of TERM may make one.
+GIVE_UP_GRACE_S = 10.0
+#: What to do about a job given up while frozen.
+GIVEN_UP_HINT = (
+    "check the GPU (nvidia-smi; a lost GPU needs a reset or a reboot), then run the command "
+    "again: it lost what it had not saved"
+)
 
 
 class ToolFailed(Exception):
@@ -142,8 +158,18 @@ class FreezeResponder:
         self.token: object = None
         #: The request a freeze failed for: not tried again (its asker waits for the job).
         self.failed_for: float | None = None
+        #: Why the job was given up while frozen (its memory could not come back for longer
+        #: than gpu_error_timeout): its command is ended, and gpuwait ends with this error.
+        self.given_up: BackendUnavailable | None = None
+        #: When the given-up command, sent TERM, gets KILL.
+        self._kill_at: float | None = None
 
     def check(self, child: int) -> None:
+        if self.given_up is not None:
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self._kill_at = None
+                _signal_all(proc.process_tree([child]), signal.SIGKILL)
+            return
         token = self.ledger.change_token()
         if token == self.token:
             return
@@ -191,7 +217,8 @@ class FreezeResponder:
         try:
             job = lifecycle.freeze(self.ledger, job, holders, time.time())
         except Exception as exc:  # the room cannot be handed over: run on where it was
-            self._thaw_now(child, holders)
+            if not self._thaw_now(child, holders):
+                return
             self.failed_for = asked_at
             self.reporter.warn(f"job {job.id} could not be frozen and runs on: {exc}")
             return
@@ -200,18 +227,48 @@ class FreezeResponder:
             "once there is room"
         )
         label = job.name or job.id
+        last: list[WaitReason] = []
 
         def said(reason: WaitReason) -> None:
-            self.reporter.waiting(reason, label)
+            if last != [reason]:
+                last[:] = [reason]
+                self.reporter.waiting(reason, label)
 
+        # Waited for in spells, between which it looks whether its GPU still answers: its
+        # memory can come back nowhere else.
+        spell = max(0.1, min(GPU_CHECK_S, self.policy.gpu_error_timeout / 4))
+        silent_since: float | None = None
         try:
-            job, outcome = wait_for_admission(
-                self.ledger, self.backend, job, self.policy, deadline=None, on_reason=said
-            )
+            while True:
+                try:
+                    job, outcome = wait_for_admission(
+                        self.ledger,
+                        self.backend,
+                        job,
+                        self.policy,
+                        deadline=time.monotonic() + spell,
+                        on_reason=said,
+                    )
+                except BackendUnavailable as exc:  # readings failing past gpu_error_timeout
+                    self._give_up(child, exc.message)
+                    return
+                if not isinstance(outcome, TimedOut):
+                    break
+                problem = self._silent(job.frozen_gpus, gpus)
+                if problem is None:
+                    silent_since = None
+                    continue
+                now = time.monotonic()
+                silent_since = now if silent_since is None else silent_since
+                if now - silent_since >= self.policy.gpu_error_timeout:
+                    lasted = format_duration(now - silent_since)
+                    self._give_up(child, f"{problem[0]} for {lasted}{problem[1]}")
+                    return
         finally:
             self.reporter.waited()
         if isinstance(outcome, Admitted):
-            self._thaw_now(child, holders)
+            if not self._thaw_now(child, holders):
+                return
             with contextlib.suppress(Exception):
                 job = lifecycle.thaw(self.ledger, outcome.job, time.time())
             self.reporter.info(f"job {job.id} thawed on {gpus}")
@@ -227,15 +284,50 @@ class FreezeResponder:
             _signal_all([child], signum)
         self.job = job
 
-    def _thaw_now(self, child: int, holders: Sequence[int]) -> None:
+    def _silent(self, uuids: Sequence[str], gpus: str) -> tuple[str, str] | None:
+        """Whether the GPUs the job was frozen on (`gpus`, as the user knows them) all answer
+        now: None where they do, else what does not answer and why, said around how long."""
+        try:
+            snapshot = self.backend.snapshot()
+        except BackendUnavailable as exc:
+            return "the GPUs could not be read", f" ({exc.message})"
+        answering = {g.uuid for g in snapshot.gpus}
+        missing = [u for u in uuids if u not in answering]
+        if not missing:
+            return None
+        said = [
+            w.removesuffix("; skipped").rpartition(": ")[2]
+            for w in snapshot.warnings
+            if missing[0] in w
+        ]
+        return f"{gpus}, where its memory can come back, has not answered", (
+            f" ({said[0]})" if said else ""
+        )
+
+    def _give_up(self, child: int, why: str) -> None:
+        """The job's memory cannot come back: end its command (continued, TERM, KILL after
+        GIVE_UP_GRACE_S), to be told as gpuwait's error once it has ended."""
+        self.given_up = BackendUnavailable(
+            f"job {self.job.id} could not be thawed: {why}, longer than gpu_error_timeout "
+            f"{format_duration(self.policy.gpu_error_timeout)}; its command was ended",
+            hint=GIVEN_UP_HINT,
+        )
+        tree = proc.process_tree([child])
+        _signal_all(tree, signal.SIGCONT)
+        _signal_all(tree, signal.SIGTERM)
+        self._kill_at = time.monotonic() + GIVE_UP_GRACE_S
+
+    def _thaw_now(self, child: int, holders: Sequence[int]) -> bool:
         """Continue the tree, then restore and unlock each process, trying again until it
-        works (its room is reserved meanwhile)."""
+        works (its room is reserved meanwhile), for gpu_error_timeout at most: False where it
+        was given up then."""
         # Continued first, for the same reason it was stopped last: restore and unlock are
         # carried out inside the process. Until the unlock, its CUDA calls block.
         _signal_all(proc.process_tree([child]), signal.SIGCONT)
         restored: set[int] = set()
         pending = list(holders)
         said_once = False
+        failing_since: float | None = None
         while pending:
             pid = pending[0]
             if proc.start_time(pid) is None:
@@ -249,13 +341,23 @@ class FreezeResponder:
                     restored.add(pid)
                 with contextlib.suppress(Exception):
                     lifecycle.thaw_failed(self.ledger, self.job.id, str(exc))
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= self.policy.gpu_error_timeout:
+                    lasted = format_duration(now - failing_since)
+                    self._give_up(child, f"{exc} (failing for {lasted})")
+                    return False
                 if not said_once:
                     said_once = True
                     self.reporter.warn(
                         f"job {self.job.id} could not be thawed yet ({exc}); trying again "
-                        f"every {THAW_RETRY_S:g}s"
+                        f"every {THAW_RETRY_S:g}s for up to "
+                        f"{format_duration(self.policy.gpu_error_timeout)} (gpu_error_timeout)"
                     )
-                time.sleep(THAW_RETRY_S)
+                time.sleep(
+                    min(THAW_RETRY_S, max(0.0, failing_since + self.policy.gpu_error_timeout - now))
+                )
                 continue
             restored.add(pid)
             pending.pop(0)
+        return True

@@ -837,6 +837,19 @@ def _start(
     held.close()
     said_oom = watch.finish()
     code = result.returncode
+    given_up = getattr(responder, "given_up", None)
+    if given_up is not None:
+        # Frozen, its memory could not come back (docs/freezing.md): its command was ended.
+        _finish(
+            ledger,
+            job,
+            FAILED,
+            reporter,
+            exit_status=code if code >= 0 else None,
+            signal=-code if code < 0 else None,
+            run_seconds=result.run_seconds,
+        )
+        raise given_up
     if result.paused and code == config.resume_exit:
         job = lifecycle.step_aside(ledger, job, result.run_seconds)
         return job, _Ended(code, paused=True)

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO
@@ -72,7 +74,7 @@ def low_job(gpuwait_cmd: list[str], report: Path, hold: str = "3s") -> subproces
     )
 
 
-def wait_until_old_enough() -> dict[str, object]:
+def wait_until_old_enough(min_runtime: float = MIN_RUNTIME) -> dict[str, object]:
     """The one running job, once it may be asked to step aside and holds its memory."""
 
     def ready() -> dict[str, object] | None:
@@ -81,7 +83,7 @@ def wait_until_old_enough() -> dict[str, object]:
             return None
         job = running[0]
         record = Path(str(os.environ["GPUWAIT_SIM"]) + ".d") / f"{job['child_pid']}.json"
-        old = time.time() - float(job["started_at"]) > MIN_RUNTIME
+        old = time.time() - float(job["started_at"]) > min_runtime
         return job if old and record.exists() else None
 
     job: dict[str, object] = wait_for(
@@ -268,3 +270,72 @@ def test_the_stand_in_keeps_the_drivers_state_machine(one_card: Path, tmp_path: 
     finally:
         sleeper.kill()
         sleeper.wait(timeout=30)
+
+
+def frozen_low_job(
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    while_frozen: Callable[[], object] = lambda: None,
+) -> tuple[subprocess.Popen[str], int]:
+    """A long --freezable job, frozen for an urgent one that runs briefly, `while_frozen` done
+    before that one ends: (its gpuwait, the command's pid). Its GPU errors are given half a
+    second (gpu_error_timeout)."""
+    monkeypatch.setenv("GPUWAIT_GPU_ERROR_TIMEOUT", "0.5s")
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "0.3s")
+    low = low_job(gpuwait_cmd, tmp_path / "low.json", hold="60s")
+    urgent = None
+    try:
+        child = int(str(wait_until_old_enough(0.3)["child_pid"]))
+        urgent = hold_card(gpuwait_cmd, "16G", "0.3s", "--priority", "5")
+        wait_for(lambda: "freeze" in kinds(), timeout=60, message=lambda: f"{events()}")
+        while_frozen()
+        urgent.communicate(timeout=60)
+    except BaseException:
+        reap(low, *([urgent] if urgent else []))
+        raise
+    return low, child
+
+
+def ended_for_good(low: subprocess.Popen[str], child: int) -> str:
+    """What the frozen job's gpuwait said, once it ended with exit 4, its command gone and its
+    entry out of the ledger."""
+    try:
+        _, err = low.communicate(timeout=20)
+    finally:
+        reap(low)
+    assert low.returncode == 4, err
+    assert not Path(f"/proc/{child}").exists()
+    assert ledger_entries() == []
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_frozen_job_whose_gpu_is_lost_is_ended_after_gpu_error_timeout(
+    one_card: Path,
+    sim_file: Any,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its GPU lost while it was frozen, it waited for ever ("no usable GPU right now"), its
+    # command stopped, its memory in host memory.
+    low, child = frozen_low_job(
+        gpuwait_cmd, tmp_path, monkeypatch, lambda: sim_file(gpus=1, memory="24GiB", lost=True)
+    )
+    err = ended_for_good(low, child)
+    assert "could not be thawed: GPU0, where its memory can come back, has not answered" in err
+    assert "(GPU is lost), longer than gpu_error_timeout 500ms; its command was ended" in err
+
+
+def test_a_frozen_job_that_cannot_be_thawed_is_ended_after_gpu_error_timeout(
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every restore failing (a GPU fallen off the bus answers so), the thaw was tried every 2 s
+    # for ever, its room reserved all along.
+    monkeypatch.setenv("FAKE_CUDA_CHECKPOINT_FAIL", "restore")
+    low, child = frozen_low_job(gpuwait_cmd, tmp_path, monkeypatch)
+    err = ended_for_good(low, child)
+    assert "could not be thawed: cuda-checkpoint --action restore" in err, err
+    assert "(injected) (failing for " in err
+    assert "), longer than gpu_error_timeout 500ms; its command was ended" in err
