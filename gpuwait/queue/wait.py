@@ -20,6 +20,7 @@ change nothing, it is made from a lock-free read and the lock is not taken at al
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import time
@@ -95,6 +96,21 @@ class WaitPolicy(Record, frozen=True):
     #: `idle_action = pause`: the user's own idle pausable jobs are asked to step aside for
     #: this waiter whatever their priority. None: idleness changes nothing.
     idle: IdleWatch | None = None
+
+
+#: What to do about GPUs that do not answer past gpu_error_timeout.
+NO_GPU_ANSWERS_HINT = (
+    "check the GPUs (nvidia-smi; a lost GPU needs a reset or a reboot), then run the command again"
+)
+
+
+def no_gpu_answers(snapshot: MachineSnapshot) -> BackendUnavailable | None:
+    """A reading in which not one GPU answered (the driver gone from under it, every card
+    lost) as the failed reading it is, retried as one up to gpu_error_timeout; else None."""
+    if snapshot.gpus or not snapshot.unanswered:
+        return None
+    first = snapshot.warnings[0].removesuffix("; skipped") if snapshot.warnings else ""
+    return BackendUnavailable(f"no GPU answers: {first}", hint=NO_GPU_ANSWERS_HINT)
 
 
 class GpuRetry:
@@ -288,6 +304,11 @@ def wait_for_admission(
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
         nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
+        silent = no_gpu_answers(snapshot)
+        if silent is not None:
+            with contextlib.suppress(Exception):
+                lifecycle.note_health(ledger, snapshot)  # LOST in `status` meanwhile
+            raise silent
         if policy.ignore_processes:
             snapshot = name_processes(snapshot)
         window.add(snapshot)

@@ -262,7 +262,7 @@ class FreezeResponder:
                 silent_since = now if silent_since is None else silent_since
                 if now - silent_since >= self.policy.gpu_error_timeout:
                     lasted = format_duration(now - silent_since)
-                    self._give_up(child, f"{problem[0]} for {lasted}{problem[1]}")
+                    self._give_up(child, f"{problem[0]} for {lasted}{problem[1]}, {self._longer}")
                     return
         finally:
             self.reporter.waited()
@@ -304,12 +304,15 @@ class FreezeResponder:
             f" ({said[0]})" if said else ""
         )
 
+    @property
+    def _longer(self) -> str:
+        return f"longer than gpu_error_timeout {format_duration(self.policy.gpu_error_timeout)}"
+
     def _give_up(self, child: int, why: str) -> None:
         """The job's memory cannot come back: end its command (continued, TERM, KILL after
         GIVE_UP_GRACE_S), to be told as gpuwait's error once it has ended."""
         self.given_up = BackendUnavailable(
-            f"job {self.job.id} could not be thawed: {why}, longer than gpu_error_timeout "
-            f"{format_duration(self.policy.gpu_error_timeout)}; its command was ended",
+            f"job {self.job.id} could not be thawed: {why}; its command was ended",
             hint=GIVEN_UP_HINT,
         )
         tree = proc.process_tree([child])
@@ -345,7 +348,7 @@ class FreezeResponder:
                 failing_since = now if failing_since is None else failing_since
                 if now - failing_since >= self.policy.gpu_error_timeout:
                     lasted = format_duration(now - failing_since)
-                    self._give_up(child, f"{exc} (failing for {lasted})")
+                    self._give_up(child, f"{exc} (failing for {lasted}), {self._longer}")
                     return False
                 if not said_once:
                     said_once = True

@@ -70,6 +70,7 @@ from gpuwait.queue.wait import (
     Stuck,
     TimedOut,
     WaitPolicy,
+    no_gpu_answers,
     wait_for_admission,
 )
 from gpuwait.runner import budget
@@ -533,6 +534,8 @@ def prepare_job(
             if message not in said:
                 said.add(message)
                 reporter.warn(message)
+        if (silent := no_gpu_answers(snapshot)) is not None:
+            raise silent
         try:
             return snapshot, *_judge(request, config, choice, snapshot, hint)
         except (UsageError, ImpossibleRequest) as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fixtures_nvml import GIB, GPU_IS_LOST, FakeGpu, FakeNvml
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.gpu.nvml import NvmlBackend
@@ -240,3 +240,65 @@ def test_gpu_lost_mid_run_leaves_the_command_alone(
     assert proc.returncode == 4 and "Traceback" not in err
     history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
     assert json.loads(history.read_text())["exit_status"] == 4
+
+
+def test_a_waiter_whose_every_gpu_is_lost_says_so_and_gives_up_after_gpu_error_timeout(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # Every GPU answering "GPU is lost" (the driver gone from under it), a waiter waited for
+    # ever, its line saying only "no usable GPU right now". A GPU back within
+    # gpu_error_timeout is used again.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB)])
+    env = {**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s", "GPUWAIT_NVML_INTERVAL": "0.2s"}
+
+    def waiter() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "8G", "--", "true"], env=env, stderr=subprocess.PIPE, text=True
+        )
+
+    def waiting() -> bool:
+        return any(e.get("state") == "waiting" for e in ledger_entries())
+
+    back = waiter()
+    wait_for(waiting, timeout=30, message="it never waited")
+    fake_nvml.fail(None, "nvmlDeviceGetHandleByIndex_v2", GPU_IS_LOST)
+    time.sleep(0.4)
+    fake_nvml.clear_failures()
+    fake_nvml.update_gpu(0, used=0)
+    _, err = back.communicate(timeout=30)
+    assert back.returncode == 0, err
+    assert "GPU readings failing, retrying (no GPU answers: GPU 0: GPU is lost" in err
+
+    fake_nvml.update_gpu(0, used=20 * GIB)
+    lost = waiter()
+    wait_for(waiting, timeout=30, message="it never waited")
+    fake_nvml.fail(None, "nvmlDeviceGetHandleByIndex_v2", GPU_IS_LOST)
+    _, err = lost.communicate(timeout=30)
+    assert lost.returncode == 4, err
+    assert err.splitlines()[-2].startswith(
+        "gpuwait: error: no GPU answers: GPU 0: GPU is lost (NVML error 15) (failing for "
+    )
+    assert ledger_entries() == []
+
+
+@pytest.mark.parametrize("func", ["nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetMigMode"])
+def test_a_launch_where_every_gpu_is_lost_retries_then_exits_4(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], func: str
+) -> None:
+    # It was refused as if the request were too large, with a hint to ask for less: at once
+    # (exit 3, "no candidate GPU") where the GPU was lost halfway through its reading, after
+    # gpu_error_timeout ("GPU 0 did not answer, and without it no candidate GPU") otherwise.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB)])
+    fake_nvml.fail(None, func, GPU_IS_LOST)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env={**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "0.5s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, done.stderr
+    assert "gpuwait: error: no GPU answers: GPU 0: GPU is lost (NVML error 15) (failing" in (
+        done.stderr
+    )
+    assert "gpuwait: hint: check the GPUs (nvidia-smi" in done.stderr
