@@ -72,6 +72,7 @@ HINT = (
 
 # NVML return codes, spelled out so this module does not depend on which error classes a
 # given nvidia-ml-py release generates.
+_UNINITIALIZED = 1
 _NO_PERMISSION = 4
 _DRIVER_NOT_LOADED = 9
 _LIBRARY_NOT_FOUND = 12
@@ -248,7 +249,16 @@ class NvmlBackend:
         self._stuck_count = None
         call = _Call(pynvml.nvmlDeviceGetCount)
         try:
-            count = int(call.result(self.timeout))
+            try:
+                count = int(call.result(self.timeout))
+            except pynvml.NVMLError as exc:
+                if _code(exc) != _UNINITIALIZED:
+                    raise
+                # NVML was shut down under this process (its count of starts back to 0, by
+                # other code of the process): started again, as at the first reading.
+                _within(pynvml.nvmlInit, self.timeout)
+                call = _Call(pynvml.nvmlDeviceGetCount)
+                count = int(call.result(self.timeout))
         except _Hung:
             self._stuck_count = (call, time.monotonic())
             raise BackendUnavailable(

@@ -302,3 +302,18 @@ def test_a_launch_where_every_gpu_is_lost_retries_then_exits_4(
         done.stderr
     )
     assert "gpuwait: hint: check the GPUs (nvidia-smi" in done.stderr
+
+
+def test_nvml_shut_down_under_gpuwait_is_started_again(two_gpus: FakeNvml) -> None:
+    # NVML's own count of starts back to 0 under gpuwait (a program holding a reservation
+    # from gpuwait.reserve() that shuts NVML down once more than it started it): every call
+    # answered "Uninitialized" for good, so a waiter gave up after gpu_error_timeout (exit 4)
+    # and a running job's samples were lost, though the driver was fine.
+    import pynvml  # type: ignore[import-untyped]
+
+    backend = NvmlBackend()
+    try:
+        pynvml.nvmlShutdown()
+        assert [g.uuid for g in backend.snapshot().gpus] == ["GPU-fake-0", "GPU-fake-1"]
+    finally:
+        backend.close()
