@@ -113,6 +113,22 @@ def no_gpu_answers(snapshot: MachineSnapshot) -> BackendUnavailable | None:
     return BackendUnavailable(f"no GPU answers: {first}", hint=NO_GPU_ANSWERS_HINT)
 
 
+def own_gpus_silent(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable | None:
+    """A reading in which too few of the GPUs `job` may use answered (`--devices 1`, or
+    CUDA_VISIBLE_DEVICES, naming a GPU that fell off the bus) as a failed reading, retried up
+    to gpu_error_timeout: it could otherwise wait for ever for a card that needs a reset."""
+    if job.candidates is None or not snapshot.unanswered:
+        return None
+    seen = {g.uuid for g in snapshot.gpus}
+    if sum(uuid in seen for uuid in job.candidates) >= job.gpus:
+        return None
+    which = ", ".join(str(i) for i in snapshot.unanswered)
+    return BackendUnavailable(
+        f"GPU {which} did not answer, and without it the GPUs this job may use cannot hold it",
+        hint=NO_GPU_ANSWERS_HINT,
+    )
+
+
 class GpuRetry:
     """Failed readings of the GPUs, retried with back-off until `timeout` seconds of failure.
 
@@ -304,7 +320,7 @@ def wait_for_admission(
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
         nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
-        silent = no_gpu_answers(snapshot)
+        silent = no_gpu_answers(snapshot) or own_gpus_silent(job, snapshot)
         if silent is not None:
             with contextlib.suppress(Exception):
                 lifecycle.note_health(ledger, snapshot)  # LOST in `status` meanwhile

@@ -281,6 +281,35 @@ def test_a_waiter_whose_every_gpu_is_lost_says_so_and_gives_up_after_gpu_error_t
     assert ledger_entries() == []
 
 
+def test_a_waiter_whose_own_gpu_is_lost_gives_up_after_gpu_error_timeout(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # `--devices 1` waiting when GPU 1 fell off the bus, GPU 0 still answering: it waited for
+    # ever ("no usable GPU right now") for a card that needs a reset or a reboot.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB), FakeGpu(total=24 * GIB, used=20 * GIB)])
+    env = {**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s", "GPUWAIT_NVML_INTERVAL": "0.2s"}
+    waiter = subprocess.Popen(
+        [*gpuwait_cmd, "--devices", "1", "--vram", "8G", "--", "true"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: any(e.get("state") == "waiting" for e in ledger_entries()),
+            timeout=30,
+            message="it never waited",
+        )
+        fake_nvml.fail(1, "nvmlDeviceGetHandleByIndex_v2", GPU_IS_LOST)
+        _, err = waiter.communicate(timeout=30)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert waiter.returncode == 4, err
+    assert "gpuwait: error: GPU 1 did not answer" in err
+    assert ledger_entries() == []
+
+
 @pytest.mark.parametrize("func", ["nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetMigMode"])
 def test_a_launch_where_every_gpu_is_lost_retries_then_exits_4(
     fake_nvml: FakeNvml, gpuwait_cmd: list[str], func: str
