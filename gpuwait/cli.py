@@ -85,6 +85,29 @@ def _take_turn(args: Sequence[str]) -> None:
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
 
+def _plug_closed_standard_fds() -> None:
+    """Put /dev/null, close-on-exec, on each of stdin, stdout and stderr that gpuwait was started
+    without (`gpuwait ... <&- >&- 2>&-`, some daemons and cron wrappers). Left free, the first
+    file gpuwait opens would take its number: the job's liveness lock, which the command
+    inherits, would become the command's stderr. Closed on exec, the command still finds the
+    descriptor closed, as it would bare, and gpuwait's own messages go nowhere."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            plug = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if plug != fd:
+                os.dup2(plug, fd, inheritable=False)
+                os.close(plug)
+    # Python starts with no stream for a descriptor that was closed.
+    if sys.stdin is None:
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (lives as long as the process)
+    if sys.stdout is None:
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+
+
 def _undo_locale_coercion() -> None:
     """Put LC_CTYPE back as gpuwait was started with it. Python's start-up switches a C or
     POSIX locale to UTF-8 by setting LC_CTYPE in its own environment (PEP 538), so under cron's
@@ -124,6 +147,7 @@ def entry_point() -> NoReturn:
     import contextlib
     import gc
 
+    _plug_closed_standard_fds()
     _undo_locale_coercion()
     try:
         _take_turn(sys.argv[1:])

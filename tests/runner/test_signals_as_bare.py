@@ -144,3 +144,23 @@ def test_a_killed_gpuwait_leaves_the_command_running_with_its_stderr(
     wait_for(marker.exists, timeout=10, message="the command did not outlive its gpuwait")
     lines = (first + rest).decode().splitlines()
     assert lines == [f"line {i}" for i in range(30)]
+
+
+#: The command lists its open descriptors below 3, then leaves with a status of its own.
+LISTS_ITS_FDS = 'ls /proc/$$/fd > "$1"; echo to-stderr >&2; exit 3'
+
+
+@pytest.mark.usefixtures("sim")
+def test_a_gpuwait_started_with_its_standard_descriptors_closed_passes_them_on_closed(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """As `gpuwait ... <&- >&- 2>&-` from a daemon or a cron wrapper: the command finds them
+    closed as it would bare (no state file of gpuwait's where its stderr would be), and its
+    exit status is gpuwait's."""
+    listing = tmp_path / "fds"
+    command = [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", LISTS_ITS_FDS, "sh", str(listing)]
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&- >&- 2>&-', "sh", *command], timeout=60, check=False
+    )
+    assert done.returncode == 3
+    assert not {"0", "2"} & set(listing.read_text().split())
