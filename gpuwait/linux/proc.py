@@ -142,6 +142,16 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
+def stopped(pid: int, expected_start: int | None) -> bool:
+    """True when `pid` (the process that started at `expected_start`, if given) is stopped by a
+    signal: Ctrl-Z, SIGSTOP, a background job's SIGTTOU or SIGTTIN (state T). A process stopped
+    by a tracer at a system call (state t) is not."""
+    fields = _stat_fields(pid)
+    if fields is None or (expected_start is not None and _start_of(fields) != expected_start):
+        return False
+    return fields[0] == "T"
+
+
 class LivenessReader:
     """`is_alive` for the same processes again and again: the ledger's entries, in every
     transaction.

@@ -56,6 +56,19 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     return f"waiting for {_label(first.id, first.name)}{more} to finish{how}"
 
 
+#: Why a waiter whose gpuwait is stopped waits.
+STOPPED = "stopped (Ctrl-Z, SIGSTOP): passed over until continued, keeping its place"
+
+
+def _blocker(job: Job, data: LedgerData) -> str | None:
+    """Why the plan must pass `job` over: an unfinished dependency, or, for a waiter, its
+    gpuwait stopped (Ctrl-Z, SIGSTOP): admitted, it would keep room it cannot start in for as
+    long as it stays stopped, from everyone behind it. Continued, it plans again, in its place."""
+    if job.state != RUNNING and not elsewhere(job) and proc.stopped(job.pid, job.start_time):
+        return STOPPED
+    return dependency_blocker(job, data)
+
+
 def settle_dependencies(job: Job, data: LedgerData) -> str | None:
     """Drop the dependencies that are met; say why `job` can never start if one failed."""
     live = {j.id for j in data.jobs}
@@ -271,7 +284,7 @@ def claims_for(
             j,
             gpus,
             now,
-            blocked=dependency_blocker(j, data),
+            blocked=_blocker(j, data),
             usage=usage.get(j.uid, 0.0),
             tree=tree.get(j.id, ()),
         )

@@ -18,6 +18,7 @@ from helpers.waiting import (
     asleep_supervising,
     asleep_waiting,
     ledger_entries,
+    process_state,
     sleeping_in,
     wait_for,
 )
@@ -213,6 +214,31 @@ def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
         assert second.wait(timeout=20) == 0
     finally:
         first.send_signal(signal.SIGCONT)
+
+
+def test_a_suspended_waiter_is_passed_over_until_continued(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    """A waiter stopped with Ctrl-Z takes no room it cannot use: what frees up while it is
+    stopped goes to the next waiter, and continued, it starts in its turn."""
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"])
+    first = procs([*gpuwait_cmd, "--vram", "15G", "--name", "first", "--", "true"])
+    wait_for(lambda: job_named("first"))
+    second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
+    wait_for(lambda: asleep_waiting(first.pid) and asleep_waiting(second.pid), timeout=30)
+    first.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(first.pid) == "T")
+        holder.send_signal(signal.SIGTERM)
+        # Bare, the first one's plan would have admitted it, stopped, in the room the second
+        # needs: the second would wait for as long as the first stays stopped.
+        assert second.wait(timeout=10) == 0
+        assert job_named("first")["state"] == "waiting"  # type: ignore[index]
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=10) == 0
 
 
 # --- GPU health --------------------------------------------------------------------------------
