@@ -22,18 +22,33 @@ def _line(text: str) -> str:
     return printable(text, _MAX_LINE)
 
 
+def _say(text: str, stream: TextIO | None = None) -> bool:
+    """Write one of gpuwait's own messages (on stderr by default); False where it could not be
+    written. Nobody may read it any more: a pipe whose reader went away (`2>&1 | head -1`),
+    a terminal that hung up under a waiter left running (`& disown`, then logging out). A
+    message is no part of the job: the job goes on (a reader gone from a subcommand's own
+    output on stdout still ends it, as SIGPIPE would)."""
+    try:
+        out = stream or sys.stderr
+        out.write(text)
+        out.flush()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def error(message: str, hint: str | None = None) -> None:
-    print(f"gpuwait: error: {_line(message)}", file=sys.stderr)
+    _say(f"gpuwait: error: {_line(message)}\n")
     if hint:
-        print(f"gpuwait: hint: {_line(hint)}", file=sys.stderr)
+        _say(f"gpuwait: hint: {_line(hint)}\n")
 
 
 def warn(message: str) -> None:
-    print(f"gpuwait: warning: {_line(message)}", file=sys.stderr)
+    _say(f"gpuwait: warning: {_line(message)}\n")
 
 
 def info(message: str) -> None:
-    print(f"gpuwait: {_line(message)}", file=sys.stderr)
+    _say(f"gpuwait: {_line(message)}\n")
 
 
 #: The most of a job's name the waiting line shows.
@@ -85,9 +100,7 @@ class WaitLine:
         room = stream_columns(self.stream) - 1 - len(self.prefix)
         text = self.prefix + printable(reason.describe(max(room, 0)), max(room, 1))
         if self._foreground():
-            self.stream.write("\r\033[K" + text)
-            self.stream.flush()
-            self.shown = True
+            self.shown = _say("\r\033[K" + text, self.stream)
             # Sent to the background later, it says the situation again on a line of its own.
             self._last_key = None
             return
@@ -111,8 +124,7 @@ class WaitLine:
         )
         if key != self._last_key:
             self._last_key = key
-            self.stream.write(text + "\n")
-            self.stream.flush()
+            _say(text + "\n", self.stream)
 
     def _foreground(self) -> bool:
         """Does this gpuwait have its terminal's foreground to itself: its process group's leader
@@ -128,8 +140,7 @@ class WaitLine:
 
     def clear(self) -> None:
         if self.shown and self.tty and self._foreground():
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+            _say("\r\033[K", self.stream)
         self.shown = False
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
 
 GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
 
@@ -164,3 +164,25 @@ def test_a_gpuwait_started_with_its_standard_descriptors_closed_passes_them_on_c
     )
     assert done.returncode == 3
     assert not {"0", "2"} & set(listing.read_text().split())
+
+
+@pytest.mark.usefixtures("sim")
+def test_messages_nobody_reads_any_more_cost_the_job_nothing(
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    """`gpuwait -v ... 2>&1 | head -1`, or `gpuwait ... & disown` in a terminal closed since:
+    gpuwait's own lines can no longer be written (EPIPE, EIO), and the command still runs in
+    its turn, gpuwait ending with its status."""
+    holder = procs([*gpuwait_cmd, "-q", "--vram", "20G", "--gpus", "2", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"])
+    ran = tmp_path / "ran"
+    waiter = procs(
+        [*gpuwait_cmd, "-v", "--vram", "15G", "--", "sh", "-c", f"touch {ran}; exit 3"],
+        stdout=subprocess.DEVNULL,
+    )
+    assert waiter.stderr is not None
+    assert "waiting for 15.0 GiB" in waiter.stderr.readline()
+    waiter.stderr.close()  # the reader goes away, as `head -1` does
+    holder.terminate()
+    assert waiter.wait(timeout=30) == 3
+    assert ran.exists()
