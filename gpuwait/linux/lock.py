@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpuwait.linux.security import open_state_file
-from gpuwait.linux.signals import raise_if_pending
+from gpuwait.linux.signals import hold_stops, raise_if_pending, resume_stops
 
 
 @contextmanager
@@ -30,11 +30,15 @@ def exclusive(path: Path, mode: int = 0o600, timeout: float | None = None) -> It
     # os.open descriptors are not inherited by the commands gpuwait starts, so a child can never
     # end up holding the lock.
     fd = open_state_file(path, mode)
+    previous = None
     try:
         flock_within(fd, fcntl.LOCK_EX, timeout)
+        previous = hold_stops()
         yield fd
     finally:
         os.close(fd)
+        if previous is not None:
+            resume_stops(previous)  # once the lock is free: Ctrl-Z meanwhile stops us now
 
 
 class LockTimeout(Exception):

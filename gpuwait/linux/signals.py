@@ -78,6 +78,24 @@ def taken() -> tuple[int, ...]:
     return tuple(s for s in HANDLED if s == signal.SIGCHLD or signal.getsignal(s) != signal.SIG_IGN)
 
 
+#: The stops a terminal asks for: Ctrl-Z, and a background job's read or write (with `stty
+#: tostop`). SIGSTOP cannot be held off.
+TERMINAL_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+
+
+def hold_stops() -> set[int | signal.Signals]:
+    """Hold off the terminal's stops until `resume_stops(returned)`: for the moments gpuwait
+    holds a lock every other gpuwait needs (the ledger's, the history's). Stopped there, it would
+    keep them all waiting for as long as it stays stopped; held off, the stop comes once the lock
+    is let go. Returns the signal mask as it was."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_STOPS)
+
+
+def resume_stops(previous: set[int | signal.Signals]) -> None:
+    """Put back the signal mask `hold_stops` returned; a stop that came meanwhile acts now."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def block_handled() -> None:
     """Block the taken signals so they queue up for `next_signal`, even before it is called."""
     if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:

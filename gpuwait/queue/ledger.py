@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.errors import StateError
-from gpuwait.linux import proc
+from gpuwait.linux import proc, signals
 from gpuwait.linux.atomic import (
     damaged_name,
     ensure_private_dir,
@@ -278,6 +278,7 @@ class Ledger:
                 fd = open_state_file(self.lock_path, 0o600)
         except OSError as exc:
             raise self._unusable(exc) from None
+        previous = None
         try:
             try:
                 flock_within(fd, fcntl.LOCK_EX, self.lock_timeout, self._patience)
@@ -288,9 +289,13 @@ class Ledger:
                     hint="a hung, stopped or misbehaving process holds it "
                     "(lock_timeout sets the wait)",
                 ) from None
+            # Ctrl-Z stops this process once the lock is free, not while everyone waits for it.
+            previous = signals.hold_stops()
             yield
         finally:
             os.close(fd)
+            if previous is not None:
+                signals.resume_stops(previous)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -284,3 +285,33 @@ def test_ledger_file_is_canonical_json(tmp_path: Path) -> None:
         assert text == json.dumps(json.loads(text), separators=(",", ":"), sort_keys=True).encode()
         with ledger.transaction() as data:
             data.jobs[1].updated_at = time.time()
+
+
+#: A transaction during which the terminal's Ctrl-Z arrives (SIGTSTP, sent to itself here).
+SUSPENDED_MIDWAY = r"""
+import os, signal, sys
+from pathlib import Path
+from gpuwait.queue.ledger import Ledger
+with Ledger(Path(sys.argv[1])).transaction():
+    os.kill(os.getpid(), signal.SIGTSTP)
+print("continued", flush=True)
+"""
+
+
+def test_ctrl_z_during_a_change_stops_the_process_only_once_the_lock_is_free(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-Z landing while a job's gpuwait changes the ledger (a waiter's plan, a running job's
+    sample): it stops as soon as the change is made, not holding the lock, for which every
+    other gpuwait would wait (then give up, exit 5, after lock_timeout)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SUSPENDED_MIDWAY, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: process_state(child.pid) == "T", timeout=30)
+        with Ledger(tmp_path, lock_timeout=1.0).transaction():
+            pass
+    finally:
+        child.send_signal(signal.SIGCONT)
+        out, _ = child.communicate(timeout=30)
+    assert out == "continued\n"
