@@ -135,8 +135,10 @@ class WaitLine:
             group = os.getpgrp()
             return os.tcgetpgrp(self.stream.fileno()) == group and group == os.getpid()
         except (AttributeError, ValueError, OSError):
-            # Not our controlling terminal: nothing else can be told; the line is ours alone.
-            return True
+            # Not our controlling terminal (`setsid gpuwait ... &`): whose screen it is cannot be
+            # told, and the shell that started it may be showing its prompt, and what the user
+            # types, on the row a redraw would wipe.
+            return False
 
     def clear(self) -> None:
         if self.shown and self.tty and self._foreground():

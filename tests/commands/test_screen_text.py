@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -234,9 +235,24 @@ def test_estimate_says_which_runs_count(
     assert "2 of the 3 runs of this exact command count: 1 has no measured peak" in shown
 
 
+#: A wait line drawn and cleared on the terminal on fd 2, taken as the controlling terminal of
+#: a session of its own, in its foreground: as a shell's command in the foreground has it.
+DRAW_ON_OWN_TERMINAL = r"""
+import fcntl, termios
+from gpuwait.commands.output import WaitLine
+from gpuwait.core.policy import WaitReason
+fcntl.ioctl(2, termios.TIOCSCTTY, 0)
+line = WaitLine(quiet=False, job="big")
+note = "first in line, GPU0 held for it, expected in 3m05s"
+line.update(WaitReason(needed="20.0 GiB", best_gpu_index=0, best_room=1 << 30, running=2,
+                       ahead=1, note=note, source="estimated from 3 runs of this script"))
+line.clear()
+"""
+
+
 @pytest.mark.parametrize("columns", [80, 120])
 def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
-    """On a terminal (a pty here), the line fits its width, named, without wrapping."""
+    """On its terminal (a pty here), the line fits its width, named, without wrapping."""
     import pty
 
     leader, follower = pty.openpty()
@@ -247,10 +263,13 @@ def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
         import termios
 
         fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        stream = open(follower, "w", closefd=False)  # noqa: SIM115
-        line = WaitLine(quiet=False, job="big", stream=stream)
-        line.update(REASON)
-        line.clear()
+        child = subprocess.Popen(
+            [sys.executable, "-c", DRAW_ON_OWN_TERMINAL],
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            start_new_session=True,
+        )
         # The pty hands the bytes over as they pass its line discipline, not always at once:
         # read until both the drawing and the clearing have come, or a deadline.
         import select
@@ -260,6 +279,7 @@ def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
         while written.count("\r\033[K") < 2 and time.monotonic() < deadline:
             if select.select([leader], [], [], 0.1)[0]:
                 written += os.read(leader, 4096).decode()
+        assert child.wait(timeout=30) == 0, written
     finally:
         os.close(leader)
         os.close(follower)

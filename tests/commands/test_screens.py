@@ -121,6 +121,25 @@ def test_background_waiters_write_whole_lines_of_their_own(
     assert all(len(line) <= width for line in term.everything(joined=True)), term.everything()
 
 
+def test_a_waiter_without_the_terminal_as_its_own_leaves_the_prompt_and_the_typing_alone(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
+) -> None:
+    """`setsid gpuwait ... &`: its stderr is the terminal, which is not its controlling one, so
+    it cannot tell whether it has the screen to itself. It does not: the shell's prompt and what
+    the user types there share it, and a line redrawn in place (or cleared) would wipe them."""
+    sim = sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    term = shell(80, 24)
+    term.type("setsid gpuwait --name s --vram 20G -- echo ran-s &")
+    term.wait_for(lambda rows: any("gpuwait[s]" in r for r in rows), what="the wait line")
+    term.type("echo typed-at-the-prompt", enter=False)
+    term.wait_for(lambda rows: any("typed-at-the-prompt" in r for r in rows), what="the typing")
+    write_atomically(sim, sim_file_text(1, "24GiB", base_used=0))
+    # As any background job's output, the command's comes after what was typed.
+    rows = term.wait_for(lambda rows: any("ran-s" in r for r in rows), what="the command's output")
+    assert any("typed-at-the-prompt" in r for r in rows), rows
+    assert "$ " + "gpuwait[s]: waiting for 20.0 GiB" in " ".join(rows), rows  # the prompt kept
+
+
 def test_status_watch_redraws_in_place_within_the_window(
     shell: Callable[[int, int], Terminal],
     sim_file: SimFileFactory,
