@@ -9,6 +9,7 @@ mask, gpuwait's stdin, stdout and stderr.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
@@ -108,12 +109,41 @@ def exec_bare(command: Sequence[str]) -> int:
     for signum in (signal.SIGPIPE, signal.SIGXFSZ):
         signal.signal(signum, signal.SIG_DFL)
     try:
-        os.execvp(command[0], list(command))
+        try:
+            os.execvp(command[0], list(command))
+        except OSError as exc:
+            script = as_shell_script(command) if exc.errno == errno.ENOEXEC else None
+            if script is None:
+                raise
+            os.execv(script[0], script)
     except FileNotFoundError:
         raise CommandProblem(f"{command[0]}: command not found", EXIT_NOT_FOUND) from None
     except OSError as exc:
         raise CommandProblem(f"{command[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE) from None
     return 0  # pragma: no cover - execvp does not return
+
+
+def as_shell_script(argv: Sequence[str]) -> list[str] | None:
+    """How to run `argv`, whose file the kernel would not execute (ENOEXEC), as execvp(3) and
+    shells run it: a script without a #! line, read by /bin/sh. None for a binary file (a NUL
+    byte in its first line, as bash tells them), which is no script."""
+    path = argv[0] if "/" in argv[0] else which(argv[0])
+    if path is None:
+        return None
+    try:
+        # Never waited on: a FIFO named like a program is no program.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.read(fd, 80) if stat.S_ISREG(os.fstat(fd).st_mode) else b"\0"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if b"\0" in head.split(b"\n", 1)[0]:
+        return None
+    return ["/bin/sh", path, *argv[1:]]
 
 
 def spawn(
@@ -128,17 +158,27 @@ def spawn(
     """
     # The launch is over once its command starts: the next one in the turnstile loads now.
     turnstile.leave()
-    return os.posix_spawnp(
-        argv[0],
-        list(argv),
-        dict(env),
-        file_actions=list(file_actions) or None,
-        setsigmask=(),
-        # Python ignores SIGPIPE for itself; the command gets the default, as in a shell.
-        # Handlers gpuwait installed are reset by exec; signals ignored by gpuwait's own caller
-        # (nohup, `&` in a script) stay ignored, as they would for the bare command.
-        setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-    )
+
+    def start(args: Sequence[str]) -> int:
+        return os.posix_spawnp(
+            args[0],
+            list(args),
+            dict(env),
+            file_actions=list(file_actions) or None,
+            setsigmask=(),
+            # Python ignores SIGPIPE for itself; the command gets the default, as in a shell.
+            # Handlers gpuwait installed are reset by exec; signals ignored by gpuwait's own
+            # caller (nohup, `&` in a script) stay ignored, as they would for the bare command.
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        )
+
+    try:
+        return start(argv)
+    except OSError as exc:
+        script = as_shell_script(argv) if exc.errno == errno.ENOEXEC else None
+        if script is None:
+            raise
+        return start(script)
 
 
 def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[str, str]:

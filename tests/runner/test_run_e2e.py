@@ -334,6 +334,29 @@ def test_program_named_like_a_subcommand(sim: Path, gpuwait_cmd: list[str], tmp_
     assert done.stdout.strip() == "I am the status program"
 
 
+@pytest.mark.parametrize("readings", ["simulated", "none"])
+def test_a_script_without_a_hash_bang_line_runs_as_a_shell_script(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, readings: str
+) -> None:
+    """As a shell, env, nohup or timeout runs it (execvp): with /bin/sh. A file that is neither
+    a script nor a program the kernel runs is not executable (126), as in a shell."""
+    script = tmp_path / "train.sh"
+    script.write_text("echo ran-by-sh $1\nexit 6\n")
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"\x7fELF\x00\x00 not a program\n")
+    for path in (script, garbage):
+        path.chmod(0o755)
+    env = dict(os.environ)
+    if readings == "none":  # run at once, uncoordinated, as on_no_gpu = "run" says
+        env.pop("GPUWAIT_SIM")
+        env["LD_LIBRARY_PATH"] = str(tmp_path)
+    done = run([*gpuwait_cmd, "-q", "--vram", "1G", "--", str(script), "lr"], env=env)
+    assert (done.returncode, done.stdout) == (6, "ran-by-sh lr\n"), done.stderr
+    done = run([*gpuwait_cmd, "-q", "--vram", "1G", "--", str(garbage)], env=env)
+    assert done.returncode == 126, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_without_gpu_readings_the_command_runs_with_one_warning(
     gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
