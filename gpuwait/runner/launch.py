@@ -38,11 +38,43 @@ def check_command(argv: Sequence[str]) -> str:
             raise CommandProblem(f"{name}: no such file", EXIT_NOT_FOUND)
         if os.path.isdir(name) or not os.access(name, os.X_OK):
             raise CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE)
-        return name
-    found = which(name)
+        found: str | None = name
+    else:
+        found = which(name)
     if found is None:
         raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
+    interpreter = _hash_bang(found)
+    if interpreter is not None and interpreter.startswith("/") and not os.path.exists(interpreter):
+        # A console script of a virtual environment moved or removed since: found only when it
+        # starts, after the whole wait, unless looked at now.
+        raise CommandProblem(
+            f"{name}: its #! line names {interpreter}, which does not exist", EXIT_NOT_FOUND
+        )
     return found
+
+
+def _hash_bang(path: str) -> str | None:
+    """The interpreter a script's #! line names, or None."""
+    first = _first_line(path)
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].split()
+    return os.fsdecode(words[0]) if words else None
+
+
+def _first_line(path: str, size: int = 256) -> bytes:
+    """The first line of a plain file (at most `size` bytes), or b"" where it cannot be read."""
+    try:
+        # Never waited on: a FIFO named like a program is no program.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, size).split(b"\n", 1)[0] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def check_not_srun(argv: Sequence[str]) -> None:
@@ -86,17 +118,7 @@ def python_program(argv: Sequence[str]) -> bool:
     path = name if "/" in name else which(name)
     if path is None:
         return False
-    try:
-        # Never waited on: a FIFO named like a program is no program.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        first = os.read(fd, 256).split(b"\n", 1)[0] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        first = b""
-    finally:
-        os.close(fd)
+    first = _first_line(path)
     return first.startswith(b"#!") and b"python" in first
 
 

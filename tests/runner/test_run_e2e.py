@@ -357,6 +357,26 @@ def test_a_script_without_a_hash_bang_line_runs_as_a_shell_script(
     assert "Traceback" not in done.stderr
 
 
+def test_a_script_whose_interpreter_is_gone_is_refused_before_waiting(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A console script (torchrun, accelerate) of a virtual environment moved or removed since:
+    its #! line names a Python that is not there. Refused at once (127), not after the wait."""
+    holder = hold_card(gpuwait_cmd, "20G", "30s", "--gpus", "2")
+    try:
+        wait_for(lambda: "running" in run([*gpuwait_cmd, "status"]).stdout.lower())
+        script = tmp_path / "torchrun"
+        script.write_text("#!/gone/venv/bin/python3\nprint('ran')\n")
+        script.chmod(0o755)
+        command = [*gpuwait_cmd, "--vram", "20G", "--timeout", "3s", "--", str(script)]
+        done = run(command)
+    finally:
+        holder.terminate()
+        holder.communicate(timeout=30)
+    assert done.returncode == 127, done.stderr
+    assert "/gone/venv/bin/python3" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_without_gpu_readings_the_command_runs_with_one_warning(
     gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
