@@ -122,8 +122,23 @@ def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_sig
 
 
 def came_from_terminal(info: signal.struct_siginfo) -> bool:
-    """True for Ctrl-C / Ctrl-\\ typed at the terminal (already delivered to the whole group)."""
-    return info.si_code == _SI_KERNEL and info.si_signo in (signal.SIGINT, signal.SIGQUIT)
+    """True for Ctrl-C / Ctrl-\\ / Ctrl-Z typed at the terminal (already delivered to the whole
+    group)."""
+    return info.si_code == _SI_KERNEL and info.si_signo in (
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGTSTP,
+    )
+
+
+def stop_by(signum: int) -> None:
+    """Stop this process by `signum`, a stop signal it holds blocked and has just taken, as it
+    would have stopped had it not been held: shells tell which (`Stopped` for Ctrl-Z). Returns
+    once the process is continued (at once in an orphaned process group, where the kernel
+    ignores the terminal's stops, as it would have bare)."""
+    os.kill(os.getpid(), signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
 
 
 def die_by_signal(signum: int) -> None:
@@ -145,8 +160,8 @@ class GroupWitness:
     """Tells a signal sent to gpuwait's process group (or to every process of a unit) from one
     sent to gpuwait alone, so that the command, which got the former itself, never gets it twice.
 
-    The witness is `cat` reading a pipe only gpuwait writes to, with the forwarded signals
-    blocked: a signal sent to the group stays pending in it, and when gpuwait dies, however it
+    The witness is `cat` reading a pipe only gpuwait writes to, with the forwarded signals (and
+    SIGTSTP) blocked: a signal sent to the group stays pending in it, and when gpuwait dies, however it
     dies, the pipe's end makes the witness exit. Without a witness (no `cat`), every signal is
     taken as sent to gpuwait alone and forwarded, as before.
     """
@@ -169,7 +184,7 @@ class GroupWitness:
                     (os.POSIX_SPAWN_DUP2, read_end, 0),
                     (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
                 ],
-                setsigmask=FORWARDED,
+                setsigmask=(*FORWARDED, signal.SIGTSTP),
             )
         except OSError:
             self.pid = None

@@ -131,6 +131,12 @@ def supervise(
     # kill) waits here until a process of the command catches it: delivered before its handler
     # is installed, the signal's default action would kill the job it asks to checkpoint.
     checkpoint_pending = False
+    # Ctrl-Z (SIGTSTP) is taken here too: sent to gpuwait's pid alone (`kill -TSTP PID`), it
+    # would stop gpuwait and leave the command running, unwatched. The terminal's reaches the
+    # command by itself.
+    # Left ignored by gpuwait's caller, it is left alone: it stops neither, as bare.
+    stops = (signal.SIGTSTP,) if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN else ()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         while True:
             waited_pid, status = os.waitpid(child, os.WNOHANG)
@@ -150,8 +156,14 @@ def supervise(
                 if checkpoint_pending:
                     tree = proc.process_tree([child])
                     checkpoint_pending = not deliver(tree, responder.signum)
-            info = signals.next_signal(max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)))
+            info = signals.next_signal(
+                max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)),
+                also=stops,
+            )
             if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            if info.si_signo == signal.SIGTSTP:
+                _stop_with(child, info, witness)
                 continue
             if info.si_signo in _STOPPING and result.stopped_by is None:
                 result.stopped_by = info.si_signo
@@ -166,7 +178,21 @@ def supervise(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, info.si_signo)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         witness.close()
+
+
+def _stop_with(child: int, info: signal.struct_siginfo, witness: signals.GroupWitness) -> None:
+    """SIGTSTP taken: the command stops with gpuwait, as the job would bare, and, where gpuwait
+    alone was continued (`kill -CONT PID`), goes on with it."""
+    alone = not (signals.came_from_terminal(info) or witness.sent_to_group(signal.SIGTSTP))
+    if alone:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGTSTP)
+    signals.stop_by(signal.SIGTSTP)
+    if alone:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGCONT)
 
 
 class UsageSampler:

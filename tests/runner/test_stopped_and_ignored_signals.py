@@ -7,6 +7,7 @@ Real processes on the simulation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.waiting import wait_for
+from helpers.waiting import process_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("sim")
 
@@ -157,3 +158,48 @@ def test_a_caller_that_ignores_sigchld_still_gets_the_commands_exit_status(
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
     assert ledger_jobs() == []
+
+
+def test_ctrl_z_sent_to_gpuwaits_pid_stops_its_command_too_and_cont_resumes_both(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """`kill -TSTP $!` from a script, or another tool aimed at gpuwait's pid: as bare, the job
+    stops (the command with it, not left running unwatched), and `kill -CONT` goes on."""
+    flag = tmp_path / "ticks"
+    # A process group of its own whose parent is in another group of the session, as a job
+    # control shell starts a job (the kernel ignores Ctrl-Z in an orphaned group).
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", "sh", "-c", TICKS, "sh", str(flag)],
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: flag.exists() and flag.read_text().count("tick") >= 2, timeout=30)
+        command = next(p for p in children(job.pid) if process_name(p) == "sh")
+        job.send_signal(signal.SIGTSTP)
+        wait_for(lambda: process_state(command) == "T" and process_state(job.pid) == "T")
+        job.send_signal(signal.SIGCONT)
+        assert job.wait(timeout=30) == 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    assert flag.read_text().count("tick") == 8
+
+
+#: Eight ticks into a file, a tenth of a second apart, then exit 5.
+TICKS = 'for i in 1 2 3 4 5 6 7 8; do echo tick >> "$1"; sleep 0.1; done; exit 5'
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
