@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from signal import SIGTERM
+from signal import SIGCONT, SIGTERM
 from typing import Any
 
 from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
@@ -1101,4 +1101,10 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
         target = job.pid if job.orphaned_at is None or job.child_pid is None else job.child_pid
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, SIGTERM)
+        # A job suspended with Ctrl-Z would take the TERM only once continued, and keep its GPU
+        # memory until then (bash's `kill %1` continues a stopped job the same way).
+        for pid in sorted(proc.process_tree([target])):
+            if proc.stopped(pid, None):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, SIGCONT)
     return result

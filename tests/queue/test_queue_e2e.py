@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -530,6 +531,34 @@ def test_cancel_running_job_terminates_it(
     assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "failed", 15)
     missing = run([*gpuwait_cmd, "cancel", "r", "nosuch"])
     assert missing.returncode == 2 and "no waiting or running job matches nosuch" in missing.stderr
+
+
+def test_cancel_of_a_job_suspended_with_ctrl_z_ends_it(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    """A job left stopped in some terminal (Ctrl-Z) would get TERM only once continued, and
+    keep its GPU memory until then: `cancel` continues it, so the TERM ends it, as bash's
+    `kill %1` does a stopped job."""
+    sim_file(gpus=1)
+    # Its own process group, whose parent is in another group of the session: a job control
+    # shell's job (the kernel ignores Ctrl-Z in an orphaned group).
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", "sleep", "30"],
+        process_group=0,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: job_named("r") and job_named("r")["child_pid"])  # type: ignore[index]
+        command = job_named("r")["child_pid"]  # type: ignore[index]
+        os.killpg(job.pid, signal.SIGTSTP)  # Ctrl-Z
+        wait_for(lambda: process_state(job.pid) == "T" and process_state(command) == "T")
+        assert run([*gpuwait_cmd, "cancel", "r"]).returncode == 0
+        assert job.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    assert ledger_entries() == []
 
 
 def test_log_shows_and_follows_events(
