@@ -279,8 +279,9 @@ def claims_for(
     expected time at `now`, and its user's usage when fair share is on."""
     usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life)
     tree = unpublished_pids(data.jobs, gpus)
-    return [
-        claim_of(
+    claims = []
+    for j in data.jobs:
+        claim = claim_of(
             j,
             gpus,
             now,
@@ -288,8 +289,24 @@ def claims_for(
             usage=usage.get(j.uid, 0.0),
             tree=tree.get(j.id, ()),
         )
-        for j in data.jobs
-    ]
+        if command_ended(j):
+            # What its processes still hold is counted (observed, or as used by others); the
+            # room kept for what it had yet to allocate is not: it never will.
+            claim = claim._replace(reserved_bytes=0)
+        claims.append(claim)
+    return claims
+
+
+def command_ended(job: Job) -> bool:
+    """A running job whose command has ended while its gpuwait has yet to take the entry out:
+    for a moment as a rule, for as long as it likes where its gpuwait was stopped meanwhile
+    (`kill -STOP` aimed at its pid alone, which cannot be caught)."""
+    return (
+        job.state == RUNNING
+        and job.child_pid is not None
+        and not elsewhere(job)
+        and not proc.is_alive(job.child_pid, job.child_start_time)
+    )
 
 
 #: How many parents up a GPU process is followed to the command of the job that started it.

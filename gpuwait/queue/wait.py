@@ -45,6 +45,7 @@ from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
     claim_of,
+    command_ended,
     name_processes,
     plan_conditions,
     plan_ledger,
@@ -251,7 +252,11 @@ def _confirm_found(
         # Counted as the plan that admitted it counted them (see claims_for).
         tree = unpublished_pids(data.jobs, snapshot.gpus)
         others = [
-            claim_of(j, snapshot.gpus, tree=tree.get(j.id, ())) for j in data.jobs if j is not mine
+            claim_of(j, snapshot.gpus, tree=tree.get(j.id, ()))._replace(reserved_bytes=0)
+            if command_ended(j)
+            else claim_of(j, snapshot.gpus, tree=tree.get(j.id, ()))
+            for j in data.jobs
+            if j is not mine
         ]
         return admission_fits(
             claim_of(asked, snapshot.gpus),

@@ -203,3 +203,31 @@ def process_name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def test_a_job_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
+    gpuwait_cmd: list[str],
+) -> None:
+    """`kill -STOP` aimed at gpuwait's pid alone (STOP cannot be caught): the command goes on
+    and ends, and its gpuwait, stopped, cannot take the entry out. What the command held is
+    free: the next job starts rather than waiting for someone to continue that gpuwait."""
+    first = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "15G", "--gpus", "2", "--", "sleep", "0.5"], text=True
+    )
+    try:
+        wait_for(lambda: any(j.get("child_pid") for j in ledger_jobs()), timeout=30)
+        command = next(j["child_pid"] for j in ledger_jobs() if j.get("child_pid"))
+        first.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(command) == "Z", timeout=30)
+        second = subprocess.run(
+            [*gpuwait_cmd, "-q", "--vram", "10G", "--timeout", "5s", "--", "echo", "ran"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (second.returncode, second.stdout) == (0, "ran\n"), second.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.wait(timeout=60)
+    assert first.returncode == 0
+    assert ledger_jobs() == []
