@@ -83,19 +83,36 @@ def ensure_private_dir(path: Path) -> None:
     """Create `path` (and parents) so that the last component is 0700; check an existing one.
 
     The parents it creates are 0700 too: under a state dir, `machines` holds every machine's
-    ledger directory (gpuwait.linux.netfs)."""
+    ledger directory (gpuwait.linux.netfs).
+
+    Root makes none in a directory of another user's: that is `sudo -E gpuwait` or `su`
+    keeping a user's HOME or XDG_RUNTIME_DIR, and root's 0700 directories there (a
+    `~/.local` among them) would lock the user out of their own files (UnsafePath)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        missing = [path]
-        while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
-            missing.append(missing[-1].parent)
-        for directory in reversed(missing):
-            with contextlib.suppress(FileExistsError):
-                directory.mkdir()
-                os.chmod(directory, 0o700)
+        _make_private_dirs(path)
         st = os.lstat(path)
     check_dir(path, st, private=True)
+
+
+def _make_private_dirs(path: Path) -> None:
+    missing = [path]
+    while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
+        missing.append(missing[-1].parent)
+    if os.getuid() == 0:
+        inside = missing[-1].parent
+        owner = os.lstat(inside).st_uid
+        if owner != 0:
+            raise UnsafePath(
+                path,
+                f"root makes no directory in {inside}, which belongs to uid {owner} (run "
+                "gpuwait as that user, or sudo -H)",
+            )
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+            os.chmod(directory, 0o700)
 
 
 # --- files -------------------------------------------------------------------------------------

@@ -126,6 +126,24 @@ def test_private_dir_of_another_user_is_refused(gw: Run) -> None:
     refused(gw("--vram", "1G", "true"), "belongs to another user")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a dir to another user")
+def test_root_leaves_nothing_of_its_own_in_another_users_home(
+    gw: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `sudo -E gpuwait ...` (or su keeping the environment) on an account that never ran
+    # gpuwait: HOME and the runtime dir are still the user's.
+    home, runtime = tmp_path / "alice", tmp_path / "alice-runtime"
+    for directory in (home, runtime):
+        directory.mkdir(mode=0o700)
+        os.chown(directory, 47302, 47302)
+    monkeypatch.delenv("XDG_STATE_HOME")
+    done = gw("--vram", "1G", "true", env={"HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)})
+    refused(done, "belongs to uid 47302")
+    # Nothing of root's there: the user's own gpuwait (and every other program that keeps
+    # its state under ~/.local) goes on working.
+    assert list(home.iterdir()) == [] and list(runtime.iterdir()) == []
+
+
 @pytest.mark.parametrize("umask", [0o000, 0o077, 0o022])
 def test_modes_are_right_whatever_the_umask(gw: Run, umask: int) -> None:
     done = gw("--vram", "1G", "--", "true", preexec_fn=lambda: os.umask(umask))
