@@ -118,6 +118,25 @@ def pipe_full(fd: int) -> bool:
     return bool(pending > capacity - 4096)
 
 
+_BOOT_ID: list[str | None] = []
+
+
+def boot_id() -> str | None:
+    """This boot of the machine (the kernel's random boot id), None where /proc cannot tell.
+
+    Pids and start times (ticks since boot) begin again at every boot, so a (pid, start time)
+    written before the last one may name a process of today: the same service started again by
+    the same boot, at the same tick. Read once: it never changes while a process runs."""
+    if not _BOOT_ID:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                text = f.read(64).decode("ascii", "replace").strip()
+        except OSError:
+            text = ""
+        _BOOT_ID.append(text or None)
+    return _BOOT_ID[0]
+
+
 def is_alive(pid: int, expected_start: int | None) -> bool:
     """True when `pid` runs and, if `expected_start` is given, is the process that started then."""
     if pid <= 0:

@@ -22,6 +22,7 @@ from gpuwait.core.policy import Requirements
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.linux import pidns as pid_namespaces
+from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import (
     FINISHED_KEPT,
     GPU_LOST,
@@ -147,6 +148,10 @@ class Job(Record):
     #: namespace (containers without --pid=host) cannot look its pids up: the lock tells it
     #: whether the job lives. None: judged by its pids, as entries of older versions are.
     pidns: int | None = None
+    #: The boot of the machine its entry was written in (gpuwait.linux.proc.boot_id): an entry
+    #: of an earlier boot names no process of this one, whoever has its pid and start time now.
+    #: None: judged by its pids, as entries of older versions are.
+    boot: str | None = None
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -247,6 +252,7 @@ class Job(Record):
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
             pidns=_lenient_inode(raw.get("pidns")),
+            boot=_lenient_boot(raw.get("boot")),
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -291,6 +297,20 @@ def elsewhere(job: Job) -> bool:
     be looked up, signalled or matched with NVML's, and its lock tells whether it lives."""
     here = pid_namespaces.current()
     return job.pidns is not None and here is not None and job.pidns != here
+
+
+def _lenient_boot(value: Any) -> str | None:
+    """A boot id read leniently: a damaged one is as if never set."""
+    return value if isinstance(value, str) and 0 < len(value) <= 64 else None
+
+
+def of_an_earlier_boot(boot: object) -> bool:
+    """Was an entry with this `boot` written before the machine last booted? Its pids then
+    name no process of now: they are judged as gone (gpuwait.linux.proc.boot_id)."""
+    if boot is None:
+        return False
+    here = proc.boot_id()
+    return here is not None and boot != here
 
 
 def _lenient_inode(value: Any) -> int | None:
@@ -661,6 +681,8 @@ def claims_proven(
             continue
         pid, start = item.get("pid"), item.get("start_time")
         if type(pid) is not int or type(start) is not int or pid in pids:
+            continue
+        if of_an_earlier_boot(_lenient_boot(item.get("boot"))):
             continue
         pids.add(pid)
         child, child_start = item.get("child_pid"), item.get("child_start_time")

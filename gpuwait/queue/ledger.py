@@ -480,7 +480,7 @@ class Ledger:
     @staticmethod
     def _counts(job: Job) -> bool:
         """Another user's entry counts while the kernel shows a job of theirs behind it."""
-        if not proven_entry(
+        if entries.of_an_earlier_boot(job.boot) or not proven_entry(
             job.uid, job.pid, job.start_time, job.state, job.child_pid, job.child_start_time
         ):
             return False

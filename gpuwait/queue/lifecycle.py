@@ -75,6 +75,7 @@ from gpuwait.queue.entries import (
     LedgerData,
     copy_job,
     elsewhere,
+    of_an_earlier_boot,
 )
 from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
 from gpuwait.queue.ledger import Ledger
@@ -130,9 +131,14 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     """
     # Other users' entries are theirs to reap: they were read only if the kernel shows a
     # job of theirs behind them (gpuwait.queue.ledger).
-    own = [j for j in data.jobs if data.mine(j) and not elsewhere(j)]
+    own: list[Job] = []
+    gone: list[Job] = []
+    for job in data.jobs:
+        if data.mine(job) and not elsewhere(job):
+            # Left by a machine that went down: whoever has their pids now, they are gone.
+            (gone if of_an_earlier_boot(job.boot) else own).append(job)
     lives = _LIVENESS.alive([(j.pid, j.start_time) for j in own])
-    gone = [
+    gone += [
         j
         for j in data.jobs
         if data.mine(j) and elsewhere(j) and not lives_elsewhere(ledger.directory, j)
@@ -312,6 +318,7 @@ def command_lives(job: Job) -> bool:
     so a reused pid never counts; another user's process named there never does.)"""
     return (
         job.state == RUNNING
+        and not of_an_earlier_boot(job.boot)
         and orphan_command_problem(job, job.child_pid, job.child_start_time) is None
     )
 
@@ -347,6 +354,8 @@ def would_tidy(
         if elsewhere(job):
             if not lives_elsewhere(directory, job):
                 return True
+        elif of_an_earlier_boot(job.boot):
+            return True
         elif proc.is_alive(job.pid, job.start_time):
             if entry_owner_mismatch(job) is not None:
                 return True
@@ -417,6 +426,7 @@ def submit(
                 after=resolve_references(after, data, state_dir),
                 after_ok=resolve_references(after_ok, data, state_dir),
                 order=data.next_order,
+                boot=proc.boot_id(),
             )
         except ValueError as exc:
             raise UsageError(
@@ -467,7 +477,7 @@ def adopt(ledger: Ledger, job: Job) -> Job:
                 "user may",
                 hint="wait for some to finish",
             )
-        entry = copy_job(job)._replace(order=data.next_order)
+        entry = copy_job(job)._replace(order=data.next_order, boot=proc.boot_id())
         data.next_order += 1
         data.jobs.append(entry)
         data.book.note_admitted(entry.gpu_uuids)

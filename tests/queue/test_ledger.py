@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.fixtures_sim import Run, SimFileFactory
+from helpers.jobs import replace_ledger
 from helpers.waiting import process_state, wait_for
 
 from gpuwait.linux import proc
@@ -102,6 +104,28 @@ def test_dead_pid_and_reused_pid_are_reaped(tmp_path: Path) -> None:
         data.jobs.append(make_job("reused", me, (proc.start_time(me) or 0) + 1))
     assert set(lifecycle.reap(ledger)) == {"dead", "reused"}
     assert [j.id for j in ledger.read().jobs] == ["alive"]
+
+
+def test_a_job_left_by_a_machine_that_went_down_holds_no_room_after_the_reboot(
+    tmp_path: Path, sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # Pids and start times (clock ticks since boot) begin again at every boot: a job left in
+    # the ledger by a crash or a power cut may name a process of the new boot that got its pid
+    # at the same tick, the same boot-time service started again, say: here, this process.
+    sim_file(gpus=1, memory="24G")
+    uuid = json.loads(run_gpuwait("status", "--json").stdout)["gpus"][0]["uuid"]
+    me = os.getpid()
+    ledger = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
+    job = make_job("before", me, proc.start_time(me))
+    job.state, job.gpu_uuids, job.reserved_bytes = RUNNING, [uuid], 20 * 2**30
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    raw = json.loads(ledger.path.read_text())
+    raw["jobs"][0]["boot"] = "00000000-0000-4000-8000-000000000000"  # another boot's
+    replace_ledger(ledger.path, json.dumps(raw).encode())
+    done = run_gpuwait("--vram", "20G", "--timeout", "1s", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert [j.id for j in ledger.read().jobs] == []
 
 
 def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
