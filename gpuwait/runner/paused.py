@@ -27,6 +27,8 @@ class PauseResponder:
         self.signum = parse_signal(job.checkpoint_signal)
         self.token: object = None
         self.requested = False
+        #: When the command got its checkpoint signal, on the monotonic clock: the grace is
+        #: timed there, so a wall clock stepped forward (NTP) never cuts it short.
         self.signalled_at: float | None = None
         self.killed = False
 
@@ -41,20 +43,19 @@ class PauseResponder:
             self.requested = entry is not None and entry.pause_requested_at is not None
             if not self.requested:
                 return
-        now = time.time()
         if self.signalled_at is None:
             # Only processes that catch the signal get it: one that has not installed its
             # handler yet would be killed by the default action. Asked again next time.
             sent = deliver(proc.process_tree([child]), self.signum)
             if sent:
-                self.signalled_at = now
+                self.signalled_at = time.monotonic()
                 # Bookkeeping only: the command has its signal whatever the ledger says.
                 with contextlib.suppress(Exception):
-                    lifecycle.pause_signalled(self.ledger, self.job.id, now, sent)
+                    lifecycle.pause_signalled(self.ledger, self.job.id, time.time(), sent)
         elif (
             self.job.grace_kill
             and not self.killed
-            and now - self.signalled_at > self.job.grace_seconds
+            and time.monotonic() - self.signalled_at > self.job.grace_seconds
         ):
             self.killed = True
             with contextlib.suppress(ProcessLookupError):

@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.waiting import asleep_waiting, ledger_entries, wait_for
+from helpers.jobs import live_job
+from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 from gpuwait.cli import main
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import charge, user_usage
+from gpuwait.queue.ledger import Ledger
+from gpuwait.runner.paused import PauseResponder
 
 YEAR = 365 * 86400
 
@@ -122,3 +125,32 @@ def test_in_process_waits_use_the_monotonic_clock(
     assert code == 124
     assert 0.9 < time.monotonic() - started < 10
     assert calls[0] > 0  # the wall clock was read, and jumped, during the wait
+
+
+def test_a_clock_stepped_forward_does_not_cut_a_pausing_jobs_grace_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --grace-kill job asked to step aside has its whole grace to checkpoint, whatever NTP
+    does to the wall clock meanwhile: TERM comes only once the grace has passed."""
+    catcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGUSR1, lambda s, f: None); time.sleep(30)",
+        ]
+    )
+    try:
+        wait_for(lambda: catches_signal(catcher.pid, signal.SIGUSR1), timeout=30)
+        job = live_job("a", pausable=True, grace_kill=True, grace_seconds=30.0)
+        responder = PauseResponder(Ledger(tmp_path / "state"), job)
+        responder.requested = True  # a waiter asked it to step aside
+        clock = [time.time()]
+        monkeypatch.setattr(time, "time", lambda: clock[0])
+        responder.check(catcher.pid)  # its checkpoint signal: the grace begins
+        assert responder.signalled_at is not None
+        clock[0] += 3600  # the clock is stepped an hour forward
+        responder.check(catcher.pid)
+        assert catcher.poll() is None and not responder.killed, "TERM within its grace"
+    finally:
+        catcher.kill()
+        catcher.wait()
