@@ -269,33 +269,58 @@ class Ledger:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        timeout = self.lock_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            fd = self._lock_file()
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                flock_within(fd, fcntl.LOCK_EX, left, self._patience)
+            except LockTimeout:
+                who = _who(holders(fd))
+                os.close(fd)
+                raise LockBusy(
+                    f"the ledger lock on {self.directory if self.shared else self.lock_path} "
+                    f"was held by {who} for {timeout:g}s; giving up",
+                    hint="a hung, stopped or misbehaving process holds it "
+                    "(lock_timeout sets the wait)",
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if self.shared or self._still_the_lock(fd):
+                break
+            # The lock file was removed (a tmp cleaner, a person) or replaced while this
+            # process waited: whoever came since holds the file there now, so take that one.
+            os.close(fd)
+        # Ctrl-Z stops this process once the lock is free, not while everyone waits for it.
+        previous = signals.hold_stops()
+        try:
+            yield
+        finally:
+            os.close(fd)
+            signals.resume_stops(previous)
+
+    def _lock_file(self) -> int:
         try:
             if self.shared:
                 # The directory is root's: a member can hold its lock (and is then named in
                 # the error below), but cannot make it unusable for the others.
-                fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            else:
-                fd = open_state_file(self.lock_path, 0o600)
+                return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            return open_state_file(self.lock_path, 0o600)
         except OSError as exc:
             raise self._unusable(exc) from None
-        previous = None
+
+    def _still_the_lock(self, fd: int) -> bool:
+        """Is the file locked through `fd` still the one at the lock's path?"""
         try:
-            try:
-                flock_within(fd, fcntl.LOCK_EX, self.lock_timeout, self._patience)
-            except LockTimeout:
-                raise LockBusy(
-                    f"the ledger lock on {self.directory if self.shared else self.lock_path} "
-                    f"was held by {_who(holders(fd))} for {self.lock_timeout:g}s; giving up",
-                    hint="a hung, stopped or misbehaving process holds it "
-                    "(lock_timeout sets the wait)",
-                ) from None
-            # Ctrl-Z stops this process once the lock is free, not while everyone waits for it.
-            previous = signals.hold_stops()
-            yield
-        finally:
-            os.close(fd)
-            if previous is not None:
-                signals.resume_stops(previous)
+            there = os.lstat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # not to be told: as before
+        st = os.fstat(fd)
+        return (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino)
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -192,6 +192,47 @@ def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
         os.close(fd)
 
 
+def _waiting_for_lock(pid: int, path: Path) -> bool:
+    """Process `pid` waits for a flock on the file now at `path` (/proc/locks: "->" lines)."""
+    st = os.stat(path)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any(
+        line.split()[1:3] == ["->", "FLOCK"] and line.split()[5:7] == [str(pid), device]
+        for line in lines
+    )
+
+
+def test_a_lock_file_removed_while_held_still_keeps_transactions_apart(
+    gw: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A tmp cleaner (or a user) removes ledger.lock while one transaction holds it and another
+    # waits for it; the next gpuwait makes a new one and takes that.
+    state_dir().mkdir(mode=0o700)
+    lock = state_dir() / "ledger.lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    waiter = subprocess.Popen([*gpuwait_cmd, "--vram", "1G", "true"], text=True)
+    try:
+        wait_for(lambda: _waiting_for_lock(waiter.pid, lock), timeout=30)
+        lock.unlink()
+        newer = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(newer, fcntl.LOCK_EX)
+        os.close(held)
+        # The waiter's lock is on a file that is no longer the lock: it waits for the new one,
+        # and writes nothing meanwhile.
+        wait_for(
+            lambda: waiter.poll() is not None or _waiting_for_lock(waiter.pid, lock),
+            timeout=30,
+        )
+        assert not (state_dir() / "ledger.json").exists(), "written while another held the lock"
+        os.close(newer)
+        assert waiter.wait(timeout=30) == 0
+    finally:
+        waiter.kill()
+        waiter.wait()
+
+
 def _entry(job_id: str, **changes: object) -> dict[str, object]:
     return {**vars(live_job(job_id)), **changes}
 
