@@ -285,6 +285,15 @@ class Ledger:
                     hint="a hung, stopped or misbehaving process holds it "
                     "(lock_timeout sets the wait)",
                 ) from None
+            except OSError as exc:
+                # ENOLCK: an NFS mount whose lock daemon does not answer, say.
+                os.close(fd)
+                raise StateError(
+                    f"the ledger lock on {self.directory if self.shared else self.lock_path} "
+                    f"cannot be taken: {exc.strerror}",
+                    hint="the file system does not lock files here: set GPUWAIT_STATE_DIR (or "
+                    "ledger_dir) to a directory on one that does (a local disk)",
+                ) from None
             except BaseException:
                 os.close(fd)
                 raise

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +134,29 @@ def test_read_only_state_dir(gw: Run, tiny_fs: Path) -> None:
     # A state dir that cannot even be created there.
     done = gw("--vram", "1G", "true", env={"GPUWAIT_STATE_DIR": str(tiny_fs / "new")})
     assert done.returncode == 5 and "Read-only file system" in done.stderr
+
+
+#: gpuwait on a file system that takes no locks: an NFS mount whose lock daemon does not answer
+#: says ENOLCK ("No locks available") to every flock(2).
+NO_LOCKS = """
+import errno, fcntl, sys
+def flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")
+fcntl.flock = flock
+from gpuwait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_file_system_that_takes_no_locks_is_refused_in_one_line(gw: Run) -> None:
+    no_locks = [sys.executable, "-c", NO_LOCKS, "--vram", "1G", "--", "echo", "ran"]
+    done = subprocess.run(no_locks, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5, done.stderr
+    assert done.stderr.startswith("gpuwait: error: ") and "No locks available" in done.stderr
+    assert "Traceback" not in done.stderr
+    env = {**os.environ, "GPUWAIT_ON_STATE_ERROR": "run"}
+    done = subprocess.run(no_locks, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
 
 
 def _enospc(*args: object, **kw: object) -> int:
