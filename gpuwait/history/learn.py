@@ -224,8 +224,18 @@ def save_record(state_dir: Path, record: dict[str, Any], max_bytes: int) -> list
 
     Returns warnings for the CLI; raises OSError when the history cannot be written.
     """
-    compaction = store.append_record(state_dir, record, max_bytes)
+    not_compacted = None
+    try:
+        compaction = store.append_record(state_dir, record, max_bytes)
+    except store.NotCompacted as exc:
+        compaction, not_compacted = None, exc
     warnings = index.refresh(state_dir, max_bytes)
+    if not_compacted is not None:
+        warnings.append(
+            f"history {store.history_path(state_dir)}: the run is recorded, but the history, "
+            f"past its size limit (history_max_size), could not be compacted: "
+            f"{not_compacted.strerror}"
+        )
     if compaction is not None and compaction.kept_as is not None:
         warnings.append(
             f"history {store.history_path(state_dir)}: compacted it without what was damaged "

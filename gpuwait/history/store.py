@@ -113,7 +113,8 @@ def append_record(
 ) -> Compaction | None:
     """Append one record as a single write; compact when the file passes `max_bytes`.
 
-    Returns the compaction when there was one (the index must then be rebuilt).
+    Returns the compaction when there was one (the index must then be rebuilt); raises
+    NotCompacted when the record was appended but the compaction failed.
     """
     line = encode(record)
     path = history_path(state_dir)
@@ -130,8 +131,16 @@ def append_record(
         finally:
             os.close(fd)
         if max_bytes is not None and size > max_bytes:
-            return compact(state_dir, max_bytes)
+            try:
+                return compact(state_dir, max_bytes)
+            except OSError as exc:
+                raise NotCompacted(exc.errno, exc.strerror) from None
     return None
+
+
+class NotCompacted(OSError):
+    """The record is in the history, but the history, past its size limit, could not be
+    compacted (the disk full, say): it is tried again with the next record."""
 
 
 def _last_byte(path: Path, size: int) -> bytes:

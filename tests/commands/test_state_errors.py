@@ -27,6 +27,8 @@ from helpers.jobs import live_job
 
 from gpuwait.cli import main
 from gpuwait.core.errors import StateError
+from gpuwait.history import store
+from gpuwait.history.learn import save_record
 from gpuwait.history.store import append_record
 from gpuwait.linux import atomic
 from gpuwait.queue.ledger import Ledger
@@ -115,6 +117,21 @@ def test_full_disk_for_the_history_only_loses_the_record(
     assert "could not record the run in the history" in done.stderr
     assert history.read_bytes() == before
     no_temp_files(tiny_fs)
+
+
+def test_a_history_too_big_to_compact_on_a_full_disk_keeps_the_record_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    history = tmp_path / "history.jsonl"
+    record = json.dumps({"schema": 1, "job_id": "x" * 60}) + "\n"
+    history.write_text(record * (2**20 // len(record) + 1))  # past a 1 MiB limit
+    # The record fits; the compacted history, written beside the old one, does not.
+    monkeypatch.setattr(store, "write_atomic", _enospc)
+    warnings = save_record(tmp_path, {"schema": 1, "job_id": "new"}, 2**20)
+    assert history.read_text().endswith('{"job_id":"new","schema":1}\n')
+    said = " ".join(warnings)
+    assert "could not be compacted" in said and "No space left on device" in said, warnings
+    assert "recorded" in said, warnings
 
 
 def test_read_only_state_dir(gw: Run, tiny_fs: Path) -> None:
