@@ -5,6 +5,10 @@ No daemon watches the GPUs, so each `gpuwait status` and `gpuwait idle` (and, wi
 in `idle.json` in the user's state dir, and names the processes it shows idle long enough:
 owner, command line, and the gpuwait job they belong to, if any.
 The file is the user's own and only ever a hint: lost or damaged, the evidence starts again.
+
+Its times are the machine's boot time (CLOCK_BOOTTIME, the same for every process, counting a
+suspend too), not the wall clock: a wall clock stepped forward (NTP) is no idleness. The
+processes it names are of this boot anyway (pid and start time).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from gpuwait.linux.atomic import remove_left_temp_files, write_atomic
 from gpuwait.queue.entries import RUNNING, LedgerData, elsewhere
 
 IDLE_FILE = "idle.json"
-_VERSION = 1
+#: 2: times on the boot-time clock (1: the wall clock's, not read).
+_VERSION = 2
 #: A machine's GPU processes fit in far less; a bigger file is not ours.
 _CAP = 1 << 20
 _TEMP_RE = re.compile(r"^\.idle\.json\.[0-9]+\.tmp$")
@@ -43,8 +48,9 @@ def record_reading(
     """Add `snapshot` to the evidence and return, as plain data, every process it shows
     holding at least `rule.min_bytes` on a quiet GPU, with how long it has been seen so
     (`idle_seconds`): those at `rule.after` or more are the idle ones.
-    `jobs`: the command pid of each running gpuwait job -> the job's id."""
-    now = time.time() if now is None else now
+    `jobs`: the command pid of each running gpuwait job -> the job's id; `now`: on the
+    evidence's clock (`boot_clock`)."""
+    now = boot_clock() if now is None else now
     starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
     path = state_dir / IDLE_FILE
     previous = _load(path)
@@ -56,6 +62,11 @@ def record_reading(
     holders = idle_holders(evidence, snapshot, starts, rule._replace(after=0.0), now)
     owners = _job_of(jobs) if holders else {}
     return [_describe(h, now, owners.get(h.pid)) for h in holders]
+
+
+def boot_clock() -> float:
+    """Seconds since the machine booted, suspends included: the evidence's clock."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class IdleWatch(Record, frozen=True):
@@ -125,13 +136,14 @@ def _job_of(jobs: Mapping[int, str]) -> dict[int, str]:
 
 def _describe(holder: IdleHolder, now: float, job: str | None) -> dict[str, Any]:
     uid = proc.owner_uid(holder.pid)
+    idle_seconds = max(0.0, now - holder.idle_since)
     return {
         "pid": holder.pid,
         "gpu_index": holder.gpu_index,
         "gpu_uuid": holder.gpu_uuid,
         "used_bytes": holder.used_bytes,
-        "idle_since": holder.idle_since,
-        "idle_seconds": max(0.0, now - holder.idle_since),
+        "idle_since": time.time() - idle_seconds,  # shown as a moment: the wall clock's
+        "idle_seconds": idle_seconds,
         "uid": uid,
         "user": None if uid is None else _user_name(uid),
         "command": _command_line(holder.pid),

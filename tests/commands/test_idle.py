@@ -6,6 +6,7 @@ import getpass
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,34 @@ def test_the_evidence_file_of_a_killed_writer_goes_once_it_is_old(
     assert json.loads((state / "idle.json").read_text())["evidence"]
     assert not dead.exists()
     assert writing.exists()
+
+
+#: `gpuwait ARGS` with the wall clock two hours ahead: NTP stepped it since the last reading.
+STEPPED = """
+import sys, time
+real = time.time
+time.time = lambda: real() + 7200
+from gpuwait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_wall_clock_stepped_forward_makes_nobody_idle(
+    sim_file: SimFileFactory,
+    run_gpuwait: Run,
+    sim_jobs: list[subprocess.Popen[str]],
+) -> None:
+    # With idle_after an hour (the default), a process just seen on a quiet GPU is watched;
+    # a clock stepped two hours ahead is no two hours of idleness.
+    sim_file(gpus=1, utilization=0)
+    holder = start_sim_job("--vram", "2G", "--hold", "120s")
+    sim_jobs.append(holder)
+    wait_for(lambda: gpu_used(run_gpuwait, 0) == 2 * GIB)
+    assert idle_now(run_gpuwait) == []
+    done = subprocess.run(
+        [sys.executable, "-c", STEPPED, "idle", "--json"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["idle"] == [], report
+    assert [h["pid"] for h in report["watching"]] == [holder.pid]
