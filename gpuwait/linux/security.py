@@ -96,6 +96,23 @@ def ensure_private_dir(path: Path) -> None:
     check_dir(path, st, private=True)
 
 
+def taken_over(path: Path) -> tuple[Path, int] | None:
+    """The highest directory on the way to `path`, just below one of this user's own, that
+    belongs to another user (root's 0700 `~/.local`, made by a program run as root with this
+    user's HOME), and its owner; None when there is none."""
+    me = os.getuid()
+    found = None
+    for directory in (path, *path.parents):
+        try:
+            owner = os.lstat(directory).st_uid
+        except OSError:
+            continue  # inside a directory this user cannot enter
+        if owner == me:
+            return found
+        found = (directory, owner)
+    return None
+
+
 def _make_private_dirs(path: Path) -> None:
     missing = [path]
     while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:

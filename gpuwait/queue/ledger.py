@@ -54,6 +54,7 @@ from gpuwait.linux.security import (
     open_state_file,
     proven_entry,
     read_at_most,
+    taken_over,
 )
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
@@ -228,9 +229,18 @@ class Ledger:
                 hint="an administrator creates a shared one (see docs/shared-servers.md), "
                 "or unset ledger_dir to use your own",
             )
+        hint = "set GPUWAIT_STATE_DIR (or ledger_dir) to a safe, writable directory"
+        taken = taken_over(self.directory) if isinstance(exc, PermissionError) else None
+        if taken is not None:
+            path, owner = taken
+            whose = "root" if owner == 0 else f"uid {owner}"
+            hint = (
+                f"{path} belongs to {whose}, not to you (a program run as {whose} with your "
+                f"HOME, `sudo -E` say, made it): `sudo chown -R {_user_name(os.getuid())} "
+                f"{path}` gives it back"
+            )
         return StateError(
-            f"ledger directory {self.directory} is not usable: {exc.strerror}",
-            hint="set GPUWAIT_STATE_DIR (or ledger_dir) to a safe, writable directory",
+            f"ledger directory {self.directory} is not usable: {exc.strerror}", hint=hint
         )
 
     def _prepare(self, create: bool) -> None:
@@ -521,6 +531,15 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _group_name(gid: int) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 from helpers.fixtures_sim import Run
 from helpers.users import can_switch_users, run_as, shared_root, user_home
 from helpers.waiting import asleep_waiting, ledger_entries, wait_for
@@ -177,6 +178,28 @@ def test_a_state_file_of_another_user_is_refused(name: str, command: str, code: 
         assert done.returncode == code, done.stderr
         assert f"belongs to another user (uid {other})" in done.stderr
         one_line(done.stderr)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(not can_switch_users(), reason="runs gpuwait as another user: needs root")
+def test_a_state_dir_root_made_in_a_users_home_is_named_with_the_way_back() -> None:
+    # An earlier `sudo -E gpuwait` made ~/.local/state/gpuwait root's, 0700, ~/.local with it.
+    uid = 47233
+    root = shared_root()
+    try:
+        home = root / "home"
+        home.mkdir(mode=0o755)
+        os.chown(home, uid, uid)
+        (home / ".local" / "state" / "gpuwait").mkdir(mode=0o700, parents=True)
+        (home / ".local").chmod(0o700)
+        env = {"HOME": str(home), "PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+        env["GPUWAIT_SIM"] = str(root / "sim.toml")
+        (root / "sim.toml").write_text('[[gpu]]\nmemory = "24GiB"\n')
+        done = run_as(uid, uid, [], ["--vram", "1G", "--", "true"], env)
+        assert done.returncode == 5, done.stderr
+        assert f"{home / '.local'} belongs to root" in done.stderr, done.stderr
+        assert f"chown -R {uid} {home / '.local'}" in done.stderr, done.stderr
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
