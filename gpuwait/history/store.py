@@ -495,12 +495,42 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compac
     link = path.with_name(f".{FILENAME}.1.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         link.unlink()
-    os.link(path, link)
+    try:
+        os.link(path, link)
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        # A file system without hard links (FAT, many FUSE ones): the old file is copied.
+        _copy(path, link)
     os.replace(link, previous)
     if damaged:
         result.kept_as = previous.name
     write_atomic(path, b"".join(result.lines))
     return result
+
+
+#: What link(2) says on a file system that has no hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """Copy the file `source` to a new file `target` (0600), removed again should it fail."""
+    fd_in = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd_out = os.open(target, flags, 0o600)
+        try:
+            while chunk := os.read(fd_in, 1 << 20):
+                while chunk:
+                    chunk = chunk[os.write(fd_out, chunk) :]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                target.unlink()
+            raise
+        finally:
+            os.close(fd_out)
+    finally:
+        os.close(fd_in)
 
 
 #: How much of the history's end `find_run` searches: a dependency named by `--after` is one

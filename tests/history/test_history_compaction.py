@@ -280,3 +280,21 @@ def test_a_slim_record_reads_the_same_as_the_whole(whole: dict[str, Any]) -> Non
     assert record.run_stat(cut) == stat._replace(gpu_uuids=())
     assert record.record_keys(cut) == record.record_keys(whole)
     assert json.loads(record.encode_existing(cut)) == cut
+
+
+def test_a_history_on_a_file_system_without_hard_links_is_compacted_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FAT, many FUSE file systems: link(2) fails with EPERM. The old history is kept by a copy.
+    sweep_history(tmp_path, 300)
+    path = store.history_path(tmp_path)
+    old = path.read_bytes()
+
+    def no_links(*args: object, **kw: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(store.os, "link", no_links)
+    trigger(tmp_path, max_bytes=len(old))
+    assert path.stat().st_size < len(old)
+    assert path.with_name("history.jsonl.1").read_bytes().startswith(old)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
