@@ -13,7 +13,8 @@ The rules:
   none, the finest usable level with any.
 - At the exact command (or --key), of the most recent WINDOW successful runs the QUANTILE of the
   peaks is taken, each run weighted by age (halved every HALF_LIFE; runs older than MAX_AGE are
-  left out). A high quantile rather than the last value or the mean: one small run must not
+  left out; a run dated over a day after now was recorded while the wall clock was ahead, and
+  counts as the oldest). A high quantile rather than the last value or the mean: one small run must not
   starve the next, and one odd spike among many must not reserve for ever.
 - At a coarser level (the same script with other arguments, or an agreeing program) it is the
   largest recent peak there: other arguments may need more than any one run showed.
@@ -41,6 +42,9 @@ WINDOW = 20
 MIN_RUNS = 3
 HALF_LIFE = 14 * 86400.0
 MAX_AGE = 120 * 86400.0
+#: A run dated later than this after now was recorded while the wall clock was ahead (one
+#: machine's clock a little ahead of another's, sharing a history, is no such run).
+FUTURE_SLACK = 86400.0
 OOM_GROWTH = 1.5
 MIN_ESTIMATE = 256 * MiB
 #: estimate_margin's default: added on top of a learned estimate.
@@ -144,10 +148,20 @@ def tidy_size(n_bytes: float) -> int:
     return int(math.ceil(n_bytes / step) * step)
 
 
+def age(run: RunStat, now: float, max_age: float = MAX_AGE) -> float:
+    """How old `run` is at `now`. One dated more than FUTURE_SLACK after `now` was recorded
+    while the wall clock was ahead (a wrong date, put right since): its age is unknown, and it
+    counts as the oldest kept (`max_age`), or it would pass for the newest run for as long as
+    the clock was ahead, and its peak would decide every estimate all that time."""
+    if run.started_at > now + FUTURE_SLACK:
+        return max_age
+    return now - run.started_at
+
+
 def recent(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> list[RunStat]:
-    """Runs not older than `max_age`, newest first."""
+    """Runs not older than `max_age`, newest first (see `age`)."""
     kept = [r for r in runs if now - r.started_at <= max_age]
-    return sorted(kept, key=lambda r: r.started_at, reverse=True)
+    return sorted(kept, key=lambda r: age(r, now, max_age))
 
 
 def successes(runs: Sequence[RunStat]) -> list[RunStat]:
@@ -238,7 +252,7 @@ def estimate(
     name, runs = levels[chosen]
     used = successes(recent(runs, now, max_age))[:window]
     peaks = [float(r.peak_bytes or 0) for r in used]
-    weights = [age_weight(now - r.started_at, half_life) for r in used]
+    weights = [age_weight(age(r, now, max_age), half_life) for r in used]
     exact = name in EXACT_LEVELS
     q_bytes = int(weighted_quantile(peaks, weights, quantile) if exact else max(peaks))
     finer = [

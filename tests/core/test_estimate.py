@@ -95,6 +95,14 @@ def test_old_runs_weigh_less_and_age_out() -> None:
     assert estimate(one_level(*ancient), NOW).bytes is None
 
 
+def test_runs_recorded_while_the_clock_was_ahead_do_not_hide_the_latest_ones() -> None:
+    # A date set a year ahead for a day, put right since: those runs look newer than any other
+    # for a year, and would fill the window of the newest runs all that time.
+    ahead = [run(4, -365 + i / 100) for i in range(20)]
+    latest = [run(10, i / 100) for i in range(5)]
+    assert estimate(one_level(*ahead, *latest), NOW).bytes == tidy_size(10 * GiB * 1.1)
+
+
 def test_falls_back_to_the_script_then_the_program() -> None:
     script_runs = [run(6, i) for i in range(1, 5)]
     program_runs = [run(1, i) for i in range(1, 9)]
