@@ -31,11 +31,19 @@ import errno
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, MAX_AGE, MIN_RUNS, WINDOW, RunStat
+from gpuwait.core.estimate import (
+    DEFAULT_HISTORY_MAX_BYTES,
+    FUTURE_SLACK,
+    MAX_AGE,
+    MIN_RUNS,
+    WINDOW,
+    RunStat,
+)
 from gpuwait.history.record import (
     EARLIER,
     RunOutcome,
@@ -378,7 +386,10 @@ def compacted(parsed: Parsed, budget: int, now: float | None = None) -> Compacti
     result = Compaction()
     result.records_before = count
     newest = max((stat.started_at for stat in parsed.stats), default=0.0)
-    clock = now if now is not None else max(newest, 0.0)
+    # The newest run's date, so that a history compacts alike whenever it does; but not one
+    # recorded while the wall clock was ahead (a wrong date, put right since): against that,
+    # every run of today would look older than MAX_AGE and go.
+    clock = now if now is not None else min(max(newest, 0.0), time.time() + FUTURE_SLACK)
     keys = [record_keys(record) for record in records]
     in_window: dict[str, int] = {}
     #: The keys whose estimate window holds each record.

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -298,3 +299,24 @@ def test_a_history_on_a_file_system_without_hard_links_is_compacted_all_the_same
     assert path.stat().st_size < len(old)
     assert path.with_name("history.jsonl.1").read_bytes().startswith(old)
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.usefixtures("small_recent")
+def test_a_run_dated_while_the_clock_was_ahead_makes_compaction_forget_nothing(
+    tmp_path: Path,
+) -> None:
+    # A script's runs of the last days, then more of other scripts than are kept whole, and one
+    # run recorded while the date was set a year ahead.
+    rng = random.Random(3)
+    now = time.time()
+    script = ["python", "a.py", "--bs", "8"]
+    runs = [run_record(rng, script, now - 10 * DAY + i * 60) for i in range(60)]
+    runs += [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
+    runs.append(run_record(rng, ["python", "c.py"], now + 365 * DAY))
+    path = store.history_path(tmp_path)
+    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    before = learn(tmp_path, script, CWD, now=now)
+    assert before.estimate.bytes is not None
+    with store.history_lock(tmp_path):
+        store.compact(tmp_path, 10**9)
+    assert learn(tmp_path, script, CWD, now=now).estimate == before.estimate
