@@ -134,6 +134,17 @@ def test_a_history_too_big_to_compact_on_a_full_disk_keeps_the_record_and_says_s
     assert "recorded" in said, warnings
 
 
+def test_an_event_cut_short_by_a_full_disk_does_not_swallow_the_next(gw: Run) -> None:
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    # The disk filled up in the middle of an event; space was made since.
+    (state / "events.jsonl").write_text('{"kind":"finish","schema":1,"time":1.0,"jo')
+    assert gw("--vram", "1G", "--name", "next", "--", "true").returncode == 0
+    log = gw("log", "--json")
+    kinds = [json.loads(line)["kind"] for line in log.stdout.splitlines()]
+    assert kinds[:2] == ["submit", "admit"], log.stdout
+
+
 def test_read_only_state_dir(gw: Run, tiny_fs: Path) -> None:
     ledger = Ledger(tiny_fs)
     with ledger.transaction() as data:
