@@ -69,6 +69,10 @@ def run(options: argparse.Namespace) -> int:
             "owner can adopt it"
         )
         return EXIT_NOT_PERMITTED
+    ledger = ledger_for(settings)
+    # Before the GPUs are read: a job's command still loading uses no memory yet, and is no
+    # process to adopt either way.
+    lifecycle.refuse_a_jobs_process(ledger.read(), pid)
     tree = proc.process_tree([pid])
     backend = open_backend(settings.sim, settings.nvml_timeout)
     try:
@@ -109,7 +113,7 @@ def run(options: argparse.Namespace) -> int:
         adopted_history=str(settings.state_path),
         adopted_commands=settings.history_commands,
     )
-    job = lifecycle.adopt(ledger_for(settings), job)
+    job = lifecycle.adopt(ledger, job)
     indexes = ",".join(str(g.index) for g in snapshot.gpus if g.uuid in using)
     name = f" ({printable(job.name, 100)})" if job.name else ""
     output.info(

@@ -454,6 +454,18 @@ def submit(
     return copy_job(entry)
 
 
+def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:
+    """UsageError where process `pid` already belongs to a job in `data` (for `adopt`)."""
+    for other in data.jobs:
+        if elsewhere(other):
+            continue  # its pids are another namespace's
+        if pid in (other.pid, other.child_pid) or pid in other.pids:
+            raise UsageError(
+                f"process {pid} already belongs to gpuwait job {other.id}",
+                hint="see `gpuwait status`",
+            )
+
+
 def adopt(ledger: Ledger, job: Job) -> Job:
     """Put `job`, a running process started without gpuwait, in the ledger as a running job.
 
@@ -462,14 +474,7 @@ def adopt(ledger: Ledger, job: Job) -> Job:
     UsageError when the process already belongs to a job, StateError at the cap.
     """
     with _change(ledger) as (data, said):
-        for other in data.jobs:
-            if elsewhere(other):
-                continue  # its pids are another namespace's
-            if job.pid in (other.pid, other.child_pid) or job.pid in other.pids:
-                raise UsageError(
-                    f"process {job.pid} already belongs to gpuwait job {other.id}",
-                    hint="see `gpuwait status`",
-                )
+        refuse_a_jobs_process(data, job.pid)
         mine = sum(1 for j in data.jobs if j.uid == job.uid)
         if mine >= MAX_ENTRIES_PER_UID:
             raise StateError(

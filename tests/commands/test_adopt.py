@@ -157,6 +157,26 @@ def test_refuses_a_process_already_a_job(
         wrapped.communicate(timeout=30)
 
 
+def test_refuses_a_job_that_has_not_allocated_yet_as_a_job(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A job's command still loading (no GPU memory yet) was refused for that, "adopt it once
+    # it has allocated memory", which would then have been refused again: it is a job already.
+    sim_file(gpus=1)
+    wrapped = subprocess.Popen([*gpuwait_cmd, "-q", "--vram", "4G", "--", "sleep", "20"])
+    try:
+        entry = wait_for(lambda: next((e for e in ledger_entries() if e.get("child_pid")), None))
+        done = run_gpuwait("adopt", str(entry["child_pid"]))
+        assert done.returncode == EXIT_USAGE
+        assert done.stderr.startswith(
+            f"gpuwait: error: process {entry['child_pid']} already belongs to gpuwait job "
+            f"{entry['id']}"
+        ), done.stderr
+    finally:
+        wrapped.terminate()
+        wrapped.wait(timeout=30)
+
+
 def test_refuses_a_process_without_gpu_memory(sim_file: SimFileFactory, run_gpuwait: Run) -> None:
     sim_file(gpus=1)
     sleeper = subprocess.Popen(["sleep", "30"])
