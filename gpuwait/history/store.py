@@ -58,6 +58,7 @@ from gpuwait.history.record import (
 from gpuwait.linux.atomic import (
     append_whole,
     damaged_name,
+    end_of_cut_line,
     ensure_private_dir,
     open_private_append,
     remove_left_temp_files,
@@ -130,9 +131,7 @@ def append_record(
         fd = open_private_append(path)
         try:
             size = os.fstat(fd).st_size
-            if size and _last_byte(path, size) != b"\n":
-                # A writer died mid-line: end that line, or this record would be glued onto it.
-                line = b"\n" + line
+            line = end_of_cut_line(path, size) + line
             # One write, and none of it left behind if the disk fills up halfway.
             append_whole(fd, line)
             size += len(line)
@@ -149,21 +148,6 @@ def append_record(
 class NotCompacted(OSError):
     """The record is in the history, but the history, past its size limit, could not be
     compacted (the disk full, say): it is tried again with the next record."""
-
-
-def _last_byte(path: Path, size: int) -> bytes:
-    try:
-        fd = open_readable(path, mine())
-    except OSError:
-        return b"\n"
-    if fd is None:
-        return b"\n"
-    try:
-        return os.pread(fd, 1, size - 1)
-    except OSError:
-        return b"\n"
-    finally:
-        os.close(fd)
 
 
 class Damage:

@@ -10,7 +10,7 @@ import stat
 import time
 from pathlib import Path
 
-from gpuwait.linux.security import UnsafePath
+from gpuwait.linux.security import UnsafePath, mine, open_readable
 
 # Re-exported: callers create their state dirs through this module.
 from gpuwait.linux.security import ensure_private_dir as ensure_private_dir
@@ -123,6 +123,26 @@ def open_private_append(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def end_of_cut_line(path: Path, size: int) -> bytes:
+    """b"\\n" where the file at `path`, `size` bytes long, ends mid-line (its writer died, or the
+    disk filled up, halfway through a line), else b"": put before the next line appended, it
+    ends that line, so the next one is not glued to it and lost with it."""
+    if not size:
+        return b""
+    try:
+        fd = open_readable(path, mine())
+    except OSError:
+        return b""
+    if fd is None:
+        return b""
+    try:
+        return b"" if os.pread(fd, 1, size - 1) == b"\n" else b"\n"
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def append_whole(fd: int, data: bytes) -> None:

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from gpuwait.linux.atomic import ensure_private_dir, open_private_append
+from gpuwait.linux.atomic import end_of_cut_line, ensure_private_dir, open_private_append
 from gpuwait.linux.lock import exclusive
 from gpuwait.linux.security import UnsafePath, is_shared_dir, mine, open_readable
 
@@ -103,11 +103,7 @@ def emit(state_dir: Path, kind: Kind, **fields: Any) -> None:
         ensure_private_dir(state_dir)
         fd = open_private_append(path)
         try:
-            size = os.fstat(fd).st_size
-            if size and _last_byte(path, size) != b"\n":
-                # A line cut short (the disk filled up mid-write): end it, or this event
-                # would be glued to it and lost with it.
-                line = b"\n" + line
+            line = end_of_cut_line(path, os.fstat(fd).st_size) + line
             os.write(fd, line)
             size = os.fstat(fd).st_size
         finally:
@@ -116,22 +112,6 @@ def emit(state_dir: Path, kind: Kind, **fields: Any) -> None:
             _rotate(state_dir, path)
     except OSError:
         pass
-
-
-def _last_byte(path: Path, size: int) -> bytes:
-    """The byte at `size` - 1 of the file at `path` (a newline where it cannot be read)."""
-    try:
-        fd = open_readable(path, mine())
-    except OSError:
-        return b"\n"
-    if fd is None:
-        return b"\n"
-    try:
-        return os.pread(fd, 1, size - 1)
-    except OSError:
-        return b"\n"
-    finally:
-        os.close(fd)
 
 
 def _rotate(state_dir: Path, path: Path) -> None:
