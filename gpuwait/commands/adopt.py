@@ -20,7 +20,7 @@ from gpuwait.config import load_settings
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
 from gpuwait.core.sizes import format_size, parse_size
 from gpuwait.core.text import printable
-from gpuwait.gpu import open_backend
+from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
@@ -74,11 +74,7 @@ def run(options: argparse.Namespace) -> int:
     # process to adopt either way.
     lifecycle.refuse_a_jobs_process(ledger.read(), pid)
     tree = proc.process_tree([pid])
-    backend = open_backend(settings.sim, settings.nvml_timeout)
-    try:
-        snapshot = backend.snapshot()
-    finally:
-        backend.close()
+    snapshot = read_once(settings.sim, settings.nvml_timeout)
     using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
     using = {uuid: used for uuid, used in using.items() if used > 0}
     if not using:

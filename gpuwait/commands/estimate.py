@@ -17,7 +17,7 @@ from gpuwait.core.errors import GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
-from gpuwait.gpu import open_backend
+from gpuwait.gpu import read_once
 from gpuwait.history.learn import (
     ESTIMATE,
     LEVEL_WORDS,
@@ -90,11 +90,7 @@ def _as_launched(settings: Settings, learned: Learned) -> _Launched:
     if learned_bytes is None:
         return _Launched(None)
     try:
-        backend = open_backend(settings.sim, settings.nvml_timeout)
-        try:
-            snapshot = backend.snapshot()
-        finally:
-            backend.close()
+        snapshot = read_once(settings.sim, settings.nvml_timeout)
     except GpuwaitError as exc:
         return _Launched(learned_bytes, problem=exc.message)
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")

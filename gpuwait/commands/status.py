@@ -24,7 +24,7 @@ from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.core.text import command_line, printable
-from gpuwait.gpu import open_backend
+from gpuwait.gpu import read_once
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
 from gpuwait.queue.entries import RUNNING, LedgerData
@@ -143,11 +143,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     snapshot: MachineSnapshot | None = None
     problem: str | None = None
     try:
-        backend = open_backend(settings.sim, settings.nvml_timeout)
-        try:
-            snapshot = backend.snapshot()
-        finally:
-            backend.close()
+        snapshot = read_once(settings.sim, settings.nvml_timeout)
     except BackendUnavailable as exc:
         problem = exc.message
     ignore = frozenset(settings.ignore_processes)

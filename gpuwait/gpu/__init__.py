@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gpuwait.core.snapshot import MachineSnapshot
     from gpuwait.gpu.backend import Backend
 
 
@@ -25,3 +26,15 @@ def open_backend(
     from gpuwait.gpu.nvml import NvmlBackend
 
     return NvmlBackend(timeout=nvml_timeout)
+
+
+def read_once(
+    sim_path: str | os.PathLike[str] | None, nvml_timeout: float | None = 5.0
+) -> MachineSnapshot:
+    """One reading of the GPUs, the backend opened for it and closed again (as `open_backend`
+    opens it; raises BackendUnavailable as it does)."""
+    backend = open_backend(sim_path, nvml_timeout)
+    try:
+        return backend.snapshot()
+    finally:
+        backend.close()
