@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,3 +66,12 @@ def unshare_prefix() -> list[str]:
     if probe.returncode != 0 or probe.stdout.strip() == pidns.INITIAL_PID_NAMESPACE:
         pytest.skip(f"no pid namespace can be made here: {probe.stderr.strip()}")
     return prefix
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (its main thread's), as the kernel lists them."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]

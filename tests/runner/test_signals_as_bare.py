@@ -20,18 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.processes import children
 from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import ledger_entries, wait_for
 
 GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
-
-
-def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 def tree(pid: int) -> list[int]:

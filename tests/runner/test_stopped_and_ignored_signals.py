@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.processes import children
 from helpers.waiting import process_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("sim")
@@ -188,14 +189,6 @@ def test_ctrl_z_sent_to_gpuwaits_pid_stops_its_command_too_and_cont_resumes_both
 
 #: Eight ticks into a file, a tenth of a second apart, then exit 5.
 TICKS = 'for i in 1 2 3 4 5 6 7 8; do echo tick >> "$1"; sleep 0.1; done; exit 5'
-
-
-def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
 
 
 def process_name(pid: int) -> str:
