@@ -286,6 +286,27 @@ def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> Non
     assert not list(ledger.directory.glob("*.damaged-*"))
 
 
+#: A 13 GiB job, as the two tests below launch it; two never fit one 24 GiB card together.
+VRAM_13G = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
+
+
+def _first_job_loading(
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    loading: float,
+    hold: str,
+    report: Path,
+) -> subprocess.Popen[str]:
+    """A 13 GiB job named "first", started and loading (`loading` seconds before it allocates
+    anything), its tree (the shell and its sleep) published: nothing new to publish until the
+    command allocates."""
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    loads = f"sleep {loading}; exec {shlex.join(SIMJOB)} --vram 13G --hold {hold} --report {report}"
+    first = procs([*VRAM_13G, "--name", "first", "--", "sh", "-c", loads])
+    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
+    return first
+
+
 def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     gw: Run,
     tmp_path: Path,
@@ -296,16 +317,9 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     # nothing yet (it loads for a few seconds) when its ledger is damaged and recovered without
     # its entry: nothing on the card shows it, so only the entry, put back by its gpuwait, keeps
     # the second job waiting.
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    first = _first_job_loading(procs, monkeypatch, 12, "0.5s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    gpuwait = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
-    loads = f"sleep 12; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.5s --report {reports[0]}"
-    first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
-
-    # Started, and its tree (the shell and its sleep) published: nothing new to publish until
-    # the command allocates.
-    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
     replace_ledger(ledger_path, DAMAGE["truncated"])
     # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
     # and puts it back: its transaction recovers the file (started afresh, the damaged copy
@@ -317,7 +331,7 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     )
     assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
     second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
-    second = procs([*gpuwait, "--name", "second", "--", *second_job])
+    second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
 
@@ -332,18 +346,14 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
     # ledger again (here: it is stopped meanwhile): the second one's own transaction recovers
     # the file, without the first job's entry. It was admitted at once, into the 13 GiB the
     # first job had reserved and not yet allocated.
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    first = _first_job_loading(procs, monkeypatch, 1.2, "0.1s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    gpuwait = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
-    loads = f"sleep 1.2; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.1s --report {reports[0]}"
-    first = procs([*gpuwait, "--name", "first", "--", "sh", "-c", loads])
-    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
     os.kill(first.pid, signal.SIGSTOP)
     try:
         replace_ledger(ledger_path, DAMAGE["truncated"])
         second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
-        second = procs([*gpuwait, "--name", "second", "--", *second_job])
+        second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
         # Recovered, the second job in it, and it waits: the first job's gpuwait lives.
         wait_for(lambda: asleep_waiting(second.pid) or second.poll() is not None, timeout=30)
         assert second.poll() is None, "the second job ran beside the first one's reservation"
