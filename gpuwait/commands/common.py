@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpuwait.commands import output
 from gpuwait.config import Settings
 from gpuwait.queue.ledger import Ledger
 
@@ -12,4 +13,5 @@ def ledger_for(settings: Settings) -> Ledger:
         settings.ledger_path,
         must_exist=settings.ledger_dir is not None,
         lock_timeout=settings.lock_timeout,
+        on_slow_lock=output.warn,
     )

@@ -53,20 +53,37 @@ class _Tick(Exception):
 TICK = 0.1
 
 
-def flock_within(fd: int, operation: int, timeout: float | None, patience: float = 0.0) -> None:
+#: How long a wait for a lock goes on before `slow` is told: far longer than a transaction,
+#: which takes milliseconds (and under a stampede of launches on a busy machine up to a second).
+SLOW_AFTER = 2.0
+
+
+def flock_within(
+    fd: int,
+    operation: int,
+    timeout: float | None,
+    patience: float = 0.0,
+    slow: Callable[[], None] | None = None,
+) -> None:
     """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes), as
     `lock_within` waits."""
 
     def take(block: bool) -> None:
         fcntl.flock(fd, operation if block else operation | fcntl.LOCK_NB)
 
-    lock_within(take, timeout, patience)
+    lock_within(take, timeout, patience, slow)
 
 
-def lock_within(take: Callable[[bool], None], timeout: float | None, patience: float = 0.0) -> None:
+def lock_within(
+    take: Callable[[bool], None],
+    timeout: float | None,
+    patience: float = 0.0,
+    slow: Callable[[], None] | None = None,
+) -> None:
     """Take a lock by calling `take(block)`, waiting at most `timeout` seconds (None: as long as
     it takes). `take(False)` must raise BlockingIOError when the lock is held; `take(True)`
-    waits for it.
+    waits for it. `slow` is called once the wait has lasted SLOW_AFTER seconds, so that
+    whoever waits can be told why, and for whom, long before the timeout.
 
     A lock that another process holds forever (hung, stopped, or hostile) must not hang every
     gpuwait behind it, nor keep TERM or Ctrl-C from ending one: the signals gpuwait handles are
@@ -84,7 +101,7 @@ def lock_within(take: Callable[[bool], None], timeout: float | None, patience: f
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        _poll(take, timeout)
+        _poll(take, timeout, slow)
         return
     import signal
     import time
@@ -97,8 +114,12 @@ def lock_within(take: Callable[[bool], None], timeout: float | None, patience: f
     previous = signal.signal(signal.SIGALRM, tick)
     try:
         while True:
-            if time.monotonic() - started >= patience:
+            waited = time.monotonic() - started
+            if waited >= patience:
                 raise_if_pending()
+            if slow is not None and waited >= SLOW_AFTER:
+                slow()
+                slow = None
             step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
             if step <= 0:
                 raise LockTimeout
@@ -125,16 +146,22 @@ def lock_within(take: Callable[[bool], None], timeout: float | None, patience: f
                 continue
 
 
-def _poll(take: Callable[[bool], None], timeout: float | None) -> None:
+def _poll(
+    take: Callable[[bool], None], timeout: float | None, slow: Callable[[], None] | None
+) -> None:
     import time
 
-    deadline = None if timeout is None else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     delay = 0.001
     while True:
         try:
             take(False)
             return
         except BlockingIOError:
+            if slow is not None and time.monotonic() - started >= SLOW_AFTER:
+                slow()
+                slow = None
             remaining = TICK if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise LockTimeout from None

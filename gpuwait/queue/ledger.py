@@ -30,7 +30,7 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,12 @@ class Ledger:
     """The ledger in one directory: private (one file) or shared (one file per user)."""
 
     def __init__(
-        self, directory: Path, *, must_exist: bool = False, lock_timeout: float | None = 60.0
+        self,
+        directory: Path,
+        *,
+        must_exist: bool = False,
+        lock_timeout: float | None = 60.0,
+        on_slow_lock: Callable[[str], None] | None = None,
     ) -> None:
         self.directory = directory
         #: The file this process writes: ledger.json, or in a shared directory this user's own.
@@ -107,6 +112,8 @@ class Ledger:
         self.damaged = False
         #: How long a wait for the lock goes on with a signal pending (see `leaving`).
         self._patience = 0.0
+        #: Told, once a wait for the lock has lasted (linux.lock.SLOW_AFTER), who holds it.
+        self.on_slow_lock = on_slow_lock
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""
@@ -285,7 +292,7 @@ class Ledger:
             fd = self._lock_file()
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                flock_within(fd, fcntl.LOCK_EX, left, self._patience)
+                flock_within(fd, fcntl.LOCK_EX, left, self._patience, self._slow(fd))
             except LockTimeout:
                 who = _who(holders(fd))
                 os.close(fd)
@@ -319,6 +326,22 @@ class Ledger:
         finally:
             os.close(fd)
             signals.resume_stops(previous)
+
+    def _slow(self, fd: int) -> Callable[[], None] | None:
+        """What tells `on_slow_lock` who holds the lock on `fd`, and how long it is waited for."""
+        tell = self.on_slow_lock
+        if tell is None:
+            return None
+        place = self.directory if self.shared else self.lock_path
+        limit = "" if self.lock_timeout is None else f" (lock_timeout {self.lock_timeout:g}s)"
+
+        def slow() -> None:
+            tell(
+                f"waiting for the ledger lock on {place}, held by {_who(holders(fd))}; a "
+                f"transaction takes milliseconds, so it may be hung or stopped{limit}"
+            )
+
+        return slow
 
     def _lock_file(self) -> int:
         try:

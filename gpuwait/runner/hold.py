@@ -274,7 +274,7 @@ def _hold(
     wait = config.wait
     if _threads() > 1:
         wait = wait._replace(use_inotify=False)
-    ledger = session._ledger(config)
+    ledger = session._ledger(config, reporter)
     label = job.name or job.id
 
     def said(reason: WaitReason) -> None:

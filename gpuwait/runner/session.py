@@ -333,7 +333,7 @@ def _run_with_retries(
             # --after-ok, its batch) waits for the retry, not for the attempt that ran out.
             assert raised.request is not None
             requeued = lifecycle.retry(
-                _ledger(config), pending, raised.request.to_json(), **ended.finish_how
+                _ledger(config, reporter), pending, raised.request.to_json(), **ended.finish_how
             )
     if returncode < 0:
         sys.stdout.flush()
@@ -345,7 +345,7 @@ def _run_with_retries(
 def _end_pending(ended: _Ended, config: RunConfig, reporter: Reporter) -> None:
     """Finish the entry an out-of-memory run left for a retry that is not made after all."""
     if ended.pending is not None:
-        _finish(_ledger(config), ended.pending, FAILED, reporter, **ended.finish_how)
+        _finish(_ledger(config, reporter), ended.pending, FAILED, reporter, **ended.finish_how)
 
 
 def _ran_out(ended: _Ended) -> str:
@@ -501,9 +501,12 @@ def _with_run_times(
     return updated, warnings
 
 
-def _ledger(config: RunConfig) -> Ledger:
+def _ledger(config: RunConfig, reporter: Reporter | None = None) -> Ledger:
     return Ledger(
-        config.ledger_dir, must_exist=config.ledger_must_exist, lock_timeout=config.lock_timeout
+        config.ledger_dir,
+        must_exist=config.ledger_must_exist,
+        lock_timeout=config.lock_timeout,
+        on_slow_lock=None if reporter is None else reporter.warn,
     )
 
 
@@ -606,7 +609,15 @@ def _attempt(
     around = Surroundings()
     if requeued is not None:
         return _wait_and_run(
-            request, config, reporter, backend, choice, _ledger(config), requeued, around, retries
+            request,
+            config,
+            reporter,
+            backend,
+            choice,
+            _ledger(config, reporter),
+            requeued,
+            around,
+            retries,
         )
     try:
         job, choice = prepare_job(
@@ -625,7 +636,7 @@ def _attempt(
 
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     signals.block_handled()
-    ledger = _ledger(config)
+    ledger = _ledger(config, reporter)
     try:
         job = lifecycle.submit(
             ledger,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -190,6 +191,37 @@ def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
         assert time.monotonic() - started < 8
     finally:
         os.close(fd)
+
+
+def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A gpuwait stopped (kill -STOP) or hung in a transaction holds every other one up; they
+    # waited without a word for lock_timeout (a minute by default) before saying why.
+    state_dir().mkdir(mode=0o700)
+    fd = os.open(state_dir() / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    err = tmp_path / "err"
+    with err.open("w") as stderr:
+        launch = subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "1G", "--", "echo", "ran"],
+            env={**os.environ, "GPUWAIT_LOCK_TIMEOUT": "60s"},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        wait_for(lambda: "waiting for the ledger lock" in err.read_text(), timeout=20)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            out, _ = launch.communicate(timeout=30)
+        launch.kill()
+        launch.wait()
+    said = err.read_text()
+    assert f"held by process {os.getpid()} (uid {os.getuid()})" in said, said
+    assert "lock_timeout 60s" in said
+    assert (launch.returncode, out) == (0, "ran\n"), said
 
 
 def _waiting_for_lock(pid: int, path: Path) -> bool:
