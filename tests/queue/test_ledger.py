@@ -328,8 +328,13 @@ def test_ctrl_z_during_a_change_stops_the_process_only_once_the_lock_is_free(
     """Ctrl-Z landing while a job's gpuwait changes the ledger (a waiter's plan, a running job's
     sample): it stops as soon as the change is made, not holding the lock, for which every
     other gpuwait would wait (then give up, exit 5, after lock_timeout)."""
+    # A process group of its own whose parent is in another group of the session, as a job
+    # control shell starts a job: the kernel ignores Ctrl-Z in an orphaned group (CI's may be).
     child = subprocess.Popen(
-        [sys.executable, "-c", SUSPENDED_MIDWAY, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SUSPENDED_MIDWAY, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        process_group=0,
     )
     try:
         wait_for(lambda: process_state(child.pid) == "T", timeout=30)
