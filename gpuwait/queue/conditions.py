@@ -298,13 +298,15 @@ def claims_for(
 
 
 def command_ended(job: Job) -> bool:
-    """A running job whose command has ended while its gpuwait has yet to take the entry out:
-    for a moment as a rule, for as long as it likes where its gpuwait was stopped meanwhile
-    (`kill -STOP` aimed at its pid alone, which cannot be caught)."""
+    """A running job whose command has ended while its gpuwait, stopped (`kill -STOP` aimed at
+    its pid alone, which cannot be caught), cannot take the entry out for as long as it stays
+    so. A gpuwait that runs takes it out within moments, and its reservation counts until
+    then, as it always has: the ledger never shows a card given twice."""
     return (
         job.state == RUNNING
         and job.child_pid is not None
         and not elsewhere(job)
+        and proc.stopped(job.pid, job.start_time)
         and not proc.is_alive(job.child_pid, job.child_start_time)
     )
 
