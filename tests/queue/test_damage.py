@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
-from helpers.waiting import asleep_waiting, named_entry, wait_for
+from helpers.waiting import asleep_waiting, named_entry, process_state, wait_for
 
 from gpuwait.cli import main
 from gpuwait.history import store
+from gpuwait.linux.lock import exclusive
 from gpuwait.queue.ledger import Ledger
 
 DAMAGE = {
@@ -349,7 +350,11 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
     first = _first_job_loading(procs, monkeypatch, 1.2, "0.1s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    os.kill(first.pid, signal.SIGSTOP)
+    # Stopped outside a transaction of its own (it publishes its samples every 0.2 s): stopped
+    # holding the ledger lock, it would hold the second job up for that, not for its entry.
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        os.kill(first.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(first.pid) == "T", timeout=10)
     try:
         replace_ledger(ledger_path, DAMAGE["truncated"])
         second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
