@@ -222,6 +222,17 @@ def test_sys_exit_in_the_with_block_is_recorded_with_its_status(
     assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, False)
 
 
+def run_and_after_ok(
+    gpuwait_cmd: list[str], name: str
+) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """The run recorded for the reservation `name`, and what `gpuwait --after-ok NAME` did."""
+    (run,) = [r for r in recorded_runs() if r["name"] == name]
+    after = subprocess.run(
+        [*gpuwait_cmd, "-q", "--after-ok", name, "--", "true"], capture_output=True, text=True
+    )
+    return run, after
+
+
 def test_ctrl_c_in_the_with_block_is_recorded_as_sigint(sim: Path, gpuwait_cmd: list[str]) -> None:
     # Ctrl-C cut the block short: no success for --after-ok, and nothing learned from a run
     # stopped half way (as a wrapped command stopped by Ctrl-C, or this script's own exit).
@@ -231,11 +242,8 @@ def test_ctrl_c_in_the_with_block_is_recorded_as_sigint(sim: Path, gpuwait_cmd: 
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    (run,) = [r for r in recorded_runs() if r["name"] == "cut"]
+    run, after = run_and_after_ok(gpuwait_cmd, "cut")
     assert (run["exit_status"], run["signal"]) == (None, 2)
-    after = subprocess.run(
-        [*gpuwait_cmd, "-q", "--after-ok", "cut", "--", "true"], capture_output=True, text=True
-    )
     assert after.returncode == 6, after.stderr
 
 
@@ -256,11 +264,8 @@ def test_a_script_that_ends_holding_a_reservation_is_recorded_with_its_status(
     script = f"import sys, gpuwait\nr = gpuwait.reserve('1G', name='prep')\n{ending}\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == (3 if status is None else status), done.stderr
-    (run,) = [r for r in recorded_runs() if r["name"] == "prep"]
+    run, after = run_and_after_ok(gpuwait_cmd, "prep")
     assert (run["exit_status"], run["signal"], run["oom"]) == (status, None, status == 1)
-    after = subprocess.run(
-        [*gpuwait_cmd, "-q", "--after-ok", "prep", "--", "true"], capture_output=True, text=True
-    )
     assert after.returncode == (0 if status == 0 else 6), after.stderr
 
 
