@@ -291,21 +291,33 @@ def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> Non
 VRAM_13G = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
 
 
+def _name(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
 def _first_job_loading(
     procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
-    loading: float,
     hold: str,
     report: Path,
-) -> subprocess.Popen[str]:
-    """A 13 GiB job named "first", started and loading (`loading` seconds before it allocates
-    anything), its tree (the shell and its sleep) published: nothing new to publish until the
-    command allocates."""
+) -> tuple[subprocess.Popen[str], Callable[[], None]]:
+    """A 13 GiB job named "first", started and loading (it allocates nothing until the test
+    calls the function returned with it), its tree (the shell and its sleep) published: nothing
+    new to publish until the command allocates. Loading for a set time instead, it could end
+    before the test is done with it where the machine is slow."""
     monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
-    loads = f"sleep {loading}; exec {shlex.join(SIMJOB)} --vram 13G --hold {hold} --report {report}"
+    loads = f"sleep 600; exec {shlex.join(SIMJOB)} --vram 13G --hold {hold} --report {report}"
     first = procs([*VRAM_13G, "--name", "first", "--", "sh", "-c", loads])
     wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
-    return first
+    (sleep,) = [p for p in named_entry("first")["pids"] if _name(p) == "sleep"]
+
+    def loaded() -> None:
+        os.kill(sleep, signal.SIGKILL)
+
+    return first, loaded
 
 
 def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
@@ -315,11 +327,11 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # One 24 GiB card; two 13 GiB jobs never fit together. The first has started but allocated
-    # nothing yet (it loads for a few seconds) when its ledger is damaged and recovered without
+    # nothing yet (it is loading) when its ledger is damaged and recovered without
     # its entry: nothing on the card shows it, so only the entry, put back by its gpuwait, keeps
     # the second job waiting.
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
-    first = _first_job_loading(procs, monkeypatch, 12, "0.5s", reports[0])
+    first, loaded = _first_job_loading(procs, monkeypatch, "0.5s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     replace_ledger(ledger_path, DAMAGE["truncated"])
     # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
@@ -333,6 +345,9 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
     second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
     second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
+    wait_for(lambda: asleep_waiting(second.pid) or second.poll() is not None, timeout=30)
+    assert second.poll() is None, "the second job ran beside the first one's reservation"
+    loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
 
@@ -348,7 +363,7 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
     # the file, without the first job's entry. It was admitted at once, into the 13 GiB the
     # first job had reserved and not yet allocated.
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
-    first = _first_job_loading(procs, monkeypatch, 1.2, "0.1s", reports[0])
+    first, loaded = _first_job_loading(procs, monkeypatch, "0.1s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     # Stopped outside a transaction of its own (it publishes its samples every 0.2 s): stopped
     # holding the ledger lock, it would hold the second job up for that, not for its entry.
@@ -365,6 +380,7 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
         assert (named_entry("second") or {}).get("state") == "waiting"
     finally:
         os.kill(first.pid, signal.SIGCONT)
+        loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     _, err = second.communicate()
     assert "the ledger was started afresh after damage; 1 job of yours still running" in err
