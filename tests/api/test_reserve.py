@@ -129,13 +129,16 @@ def test_queued_behind_a_wrapped_job_then_seen_running_with_this_pid(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any
 ) -> None:
     sim_file(gpus=1, memory="24GiB")
-    first = hold_card(gpuwait_cmd, "16G", "2s", "--name", "first")
+    # It holds the card until the test ends it: held for a set time, it could end before the
+    # reserving process (a Python start-up) had queued, on a slow machine.
+    first = hold_card(gpuwait_cmd, "16G", "10m", "--name", "first")
     try:
         wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
         holder = holders("10G", name="nb", priority=4)
         wait_for(lambda: state_of(gpuwait_cmd, "nb") == "waiting")
+        first.terminate()
         got = holder.said()
-        assert first.wait(timeout=20) == 0, first.communicate()[1]
+        assert first.wait(timeout=20) == -signal.SIGTERM, first.communicate()[1]
     finally:
         if first.poll() is None:
             first.kill()
