@@ -37,7 +37,7 @@ def test_a_hostile_member_forges_swaps_and_locks_while_two_users_work() -> None:
     # Two users' peers share one ledger directory under kills, as they would without the
     # hostile member; it attacks besides.
     figures = torture(
-        peers=60, launches=120, users=2, kill_every=0.05, kill_chance=0.5, seed=9, hostile=True
+        peers=40, launches=80, users=2, kill_every=0.05, kill_chance=0.5, seed=9, hostile=True
     )
     assert_survived(figures)
     assert figures.dead_before_reap > 0
