@@ -522,23 +522,38 @@ def encode(document: dict[str, Any]) -> bytes:
     return _ENCODED.encode(document)
 
 
+class NewerSchema(ValueError):
+    """A ledger written by a newer gpuwait, in a schema this one does not know."""
+
+    def __init__(self, schema: int) -> None:
+        super().__init__(
+            f"schema {schema}, written by a newer gpuwait than this one (schema {SCHEMA}): "
+            "update gpuwait wherever this ledger is used"
+        )
+        self.schema = schema
+
+
 def from_document(
-    raw: Any, warnings: list[str] | None, where: str, owner: int = -1, owned: bool = False
+    raw: Any,
+    warnings: list[str] | None,
+    where: str,
+    owner: int = -1,
+    owned: bool = False,
+    newer_ok: bool = False,
 ) -> LedgerData:
-    """Validate a parsed ledger document; ValueError when it is not one at all.
+    """Validate a parsed ledger document; ValueError when it is not one at all, NewerSchema
+    when a newer gpuwait wrote it (`newer_ok`: read it as far as this schema goes instead).
 
     What is wrong with parts of it (invalid entries, a damaged book or usage table) is dropped
     and, when `warnings` is given, said there, naming the file `where`. `owner`: who wrote the
     file, as the file system says; its requests are theirs, and with `owned` (one user's file
     in a shared ledger directory) so are its entries, whatever uid they claim.
     """
-    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
-        schema = raw.get("schema") if isinstance(raw, dict) else "?"
-        if type(schema) is int and schema > SCHEMA:
-            raise ValueError(
-                f"schema {schema}, written by a newer gpuwait than this one (schema "
-                f"{SCHEMA}): update gpuwait wherever this ledger is used"
-            )
+    schema = raw.get("schema") if isinstance(raw, dict) else "?"
+    if type(schema) is int and schema > SCHEMA:
+        if not newer_ok:
+            raise NewerSchema(schema)
+    elif not isinstance(raw, dict) or schema != SCHEMA:
         raise ValueError(f"schema {schema}")
     jobs_raw = raw.get("jobs")
     if not isinstance(jobs_raw, list):

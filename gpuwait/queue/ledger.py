@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.errors import StateError
-from gpuwait.linux import proc, signals
+from gpuwait.linux import alive, proc, signals
 from gpuwait.linux.atomic import (
     damaged_name,
     ensure_private_dir,
@@ -478,6 +479,17 @@ class Ledger:
                     write_atomic(kept, text, 0o600, self._group)
                     self.warnings[-1] += f"; kept the file as found as {kept.name}"
             return data, raw, False
+        except entries.NewerSchema as exc:
+            problem = str(exc)
+            if repair and self._live_jobs_elsewhere():
+                # Started afresh, it would lose the entries the newer gpuwait keeps for jobs
+                # that run or wait now: their room would be given to others.
+                raise StateError(
+                    f"ledger {path} was written by a newer gpuwait (schema {exc.schema}, this "
+                    f"one reads {entries.SCHEMA}), and jobs of yours run or wait under it",
+                    hint="install in this environment the gpuwait your other jobs run; this "
+                    "one can use the ledger again (starting it afresh) once none of them runs",
+                ) from None
         except ValueError as exc:
             problem = str(exc)
         if repair:
@@ -486,6 +498,11 @@ class Ledger:
                 f"ledger {path} was damaged ({problem}); kept it as {kept_name} and started afresh"
             )
         return LedgerData(), None, True
+
+    def _live_jobs_elsewhere(self) -> bool:
+        """Does a live process, other than this one, hold the liveness lock of a job of this
+        user's (told by the lock, whatever ledger schema its gpuwait writes)?"""
+        return bool(alive.unlisted(self.directory, set(), math.inf))
 
     def _load_other(self, path: Path, uid: int, repair: bool) -> LedgerData | None:
         """Another user's file, or None (with a warning when transacting) when it is unusable:
@@ -539,8 +556,10 @@ class Ledger:
         if foreign and isinstance(raw, dict) and isinstance(raw.get("jobs"), list):
             checked = {**raw, "jobs": entries.claims_proven(raw["jobs"], owner, proven_entry)}
         where = str(self.directory / f"ledger.{owner}.json") if owned else str(self.path)
+        # Another user's file written by a newer gpuwait is read as far as this one can: its
+        # jobs' reservations still count (they are passed over only where they cannot be read).
         data = entries.from_document(
-            checked, self.warnings if repair else None, where, owner, owned
+            checked, self.warnings if repair else None, where, owner, owned, newer_ok=foreign
         )
         return data, raw
 

@@ -68,6 +68,47 @@ def test_damaged_private_ledger_is_recovered_at_the_next_run(gw: Run, kind: str)
     assert again.returncode == 0 and warnings_of(again.stderr) == []
 
 
+def test_a_ledger_a_newer_gpuwait_keeps_for_live_jobs_is_left_alone(
+    gw: Run, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # One user, two environments with two versions of gpuwait. The newer one's job runs,
+    # holding its liveness lock, its entry in a ledger of a newer schema. This gpuwait started
+    # that file afresh as damaged: the running job's reservation was lost with it, and the
+    # next job was admitted into its room.
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    (state / f"alive.{os.getuid()}").mkdir(mode=0o700, parents=True)
+    lock = state / f"alive.{os.getuid()}" / "0123abcd"
+    holder = procs(
+        [sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, stderr=None
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    newer = json.dumps({"schema": 2, "jobs": [{"id": "0123abcd", "in": "a newer form"}]})
+    (state / "ledger.json").write_text(newer)
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 5 and done.stdout == "", done.stderr
+    assert "written by a newer gpuwait (schema 2, this one reads 1)" in done.stderr
+    assert "hint: install in this environment the gpuwait" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (state / "ledger.json").read_text() == newer
+    assert not list(state.glob("ledger.json.damaged-*"))
+    # Once no job of the newer gpuwait lives, the file is started afresh (as after a downgrade).
+    holder.kill()
+    holder.wait()
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    assert len(list(state.glob("ledger.json.damaged-*"))) == 1
+
+
+#: Holds an exclusive flock on argv[1] (created) until killed, as a job's gpuwait holds its own.
+HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
 PARTLY_DAMAGED = {
     "record of finished jobs": {"book": 5},
     "an entry": {"jobs": [{"id": "x", "pid": "not a pid"}]},

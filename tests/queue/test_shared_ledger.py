@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from helpers.users import make_shared_ledger_dir, popen_as, run_as, shared_root, user_home
+from helpers.waiting import process_state, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.linux.proc import start_time
@@ -294,6 +295,31 @@ def test_what_a_member_writes_in_their_own_file_counts_only_as_theirs(server: Se
     finally:
         bob_sleep.kill()
         bob_sleep.wait()
+
+
+def test_a_members_file_written_by_a_newer_gpuwait_still_counts(server: Server) -> None:
+    # Bob's gpuwait is a newer one, which writes a newer ledger schema. Alice's reads his file
+    # as far as it can: his running job's room stays his (it was not counted at all, and a
+    # 12 GiB job of hers was started into it).
+    server.start(BOB, "--vram", "10G", "--name", "bobs", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    # Bob's gpuwait here is this version: stopped, it cannot write his file in this schema
+    # again (stopped outside a transaction of its own).
+    (bobs,) = server.ledger().read().jobs
+    with server.locked():
+        os.kill(bobs.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(bobs.pid) == "T", timeout=10)
+    server.edit_own(BOB, lambda raw: raw.update(schema=2, newer_field={"any": "thing"}))
+
+    def probe(vram: str) -> subprocess.CompletedProcess[str]:
+        return server.run(ALICE, "--vram", vram, "--timeout", "0.5s", "--", "true")
+
+    # Room: 21.6 usable - 10 reserved = 11.6 GiB.
+    done = probe("12G")
+    assert done.returncode == 124, done.stderr
+    assert probe("11G").returncode == 0
+    # Nobody wrote Bob's file meanwhile: what Alice's gpuwait read was the newer one.
+    assert json.loads(server.own_file(BOB).read_text())["schema"] == 2
 
 
 def test_a_members_own_entry_says_what_it_likes_only_about_them(server: Server) -> None:
