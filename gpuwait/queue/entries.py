@@ -37,6 +37,9 @@ from gpuwait.queue.bookkeeping import (
 )
 from gpuwait.queue.cache import EncodedEntries, ValidatedEntries
 
+#: The ledger's schema. Fields are only ever added within it (readers ignore those they do not
+#: know); a new number is for a change that older versions would misread: they refuse the
+#: file while a job of its writer's user lives, and read other users' files as far as they can.
 SCHEMA = 1
 WAITING = "waiting"
 RUNNING = "running"
