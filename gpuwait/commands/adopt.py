@@ -85,7 +85,7 @@ def run(options: argparse.Namespace) -> int:
         )
     reserved = reserve if reserve is not None else max(using.values())
     command = proc.command_line(pid) or [proc.command_name(pid) or str(pid)]
-    now = time.time()
+    now, boot_now = time.time(), proc.boot_clock()
     job = Job(
         id=os.urandom(4).hex(),
         pid=pid,
@@ -104,6 +104,8 @@ def run(options: argparse.Namespace) -> int:
         child_start_time=start,
         submitted_at=now,
         started_at=now,
+        submitted_boot=boot_now,
+        started_boot=boot_now,
         updated_at=now,
         name=options.name,
         adopted_history=str(settings.state_path),

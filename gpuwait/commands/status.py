@@ -25,6 +25,7 @@ from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
+from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
 from gpuwait.queue.entries import RUNNING, LedgerData
@@ -152,7 +153,9 @@ def build_report(settings: Settings) -> dict[str, Any]:
     ledger = ledger_for(settings)
     data, now = read_queue(ledger, snapshot)
     view = View(safety=settings.safety, ignore_processes=ignore, fair=settings.fair_share())
-    report = report_from(snapshot, data, now, view, ledger.take_warnings(), problem)
+    report = report_from(
+        snapshot, data, now, view, ledger.take_warnings(), problem, proc.boot_clock()
+    )
     report["ledger_shared"] = bool(ledger.shared)
     _add_frozen(report, data)
     quiet = idle_holders(settings, snapshot, report["jobs"], ignore)

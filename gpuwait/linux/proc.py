@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -135,6 +136,14 @@ def boot_id() -> str | None:
             text = ""
         _BOOT_ID.append(text or None)
     return _BOOT_ID[0]
+
+
+def boot_clock() -> float:
+    """Seconds since the machine booted, suspended time included (CLOCK_BOOTTIME). Unlike the
+    wall clock it is never stepped (NTP, `date -s`, a VM resumed), and every process of one boot
+    reads the same clock: a stamp one process took measures a duration in another, as long as
+    the entry it is in was written in this boot (`boot_id`)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def is_alive(pid: int, expected_start: int | None) -> bool:

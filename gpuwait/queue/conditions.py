@@ -21,7 +21,7 @@ from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import pidns, proc
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import user_usage
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
@@ -216,6 +216,7 @@ def claim_of(
     blocked: str | None = None,
     usage: float = 0.0,
     tree: Iterable[int] = (),
+    boot_now: float | None = None,
 ) -> Claim:
     """`job` for the policy, its usage read from the same snapshot as the GPUs.
 
@@ -227,7 +228,11 @@ def claim_of(
     nothing allocated since the snapshot can be subtracted from a reading that lacks it.
     A running job's expected time is what is left of it at `now` (never below zero). `tree`:
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
+    Durations are measured on the boot clock where the entry and `boot_now` allow
+    (entries.since): without `now`, both clocks are read.
     """
+    if now is None:
+        now, boot_now = time.time(), proc.boot_clock()
     named = {*job.pids} if job.child_pid is None else {*job.pids, job.child_pid}
     pids = _from_elsewhere(job, gpus, named) if elsewhere(job) else {*named, *tree}
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
@@ -235,7 +240,7 @@ def claim_of(
     expected_by_gpu = job.expected_by_gpu
     elapsed = 0.0
     if job.state == RUNNING and job.started_at is not None:
-        elapsed = max(0.0, (time.time() if now is None else now) - job.started_at)
+        elapsed = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
         if expected is not None:
             expected = max(0.0, expected - elapsed)
         expected_by_gpu = {u: max(0.0, s - elapsed) for u, s in expected_by_gpu.items()}
@@ -267,17 +272,22 @@ def claim_of(
         uid=job.uid,
         usage=usage,
         prefer=frozenset(job.prefer),
-        waited=max(0.0, (time.time() if now is None else now) - job.submitted_at),
+        waited=max(0.0, since(job.submitted_at, job.submitted_boot, now, boot_now)),
         due=job.wait_budget,
     )
 
 
 def claims_for(
-    data: LedgerData, gpus: Sequence[GpuSnapshot], fair: FairShare, now: float
+    data: LedgerData,
+    gpus: Sequence[GpuSnapshot],
+    fair: FairShare,
+    now: float,
+    boot_now: float | None = None,
 ) -> list[Claim]:
     """Every entry as a policy claim: its dependency blocker (if any), what is left of its
-    expected time at `now`, and its user's usage when fair share is on."""
-    usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life)
+    expected time at `now` (`boot_now` on the boot clock), and its user's usage when fair
+    share is on."""
+    usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life, boot_now)
     tree = unpublished_pids(data.jobs, gpus)
     claims = []
     for j in data.jobs:
@@ -288,6 +298,7 @@ def claims_for(
             blocked=_blocker(j, data),
             usage=usage.get(j.uid, 0.0),
             tree=tree.get(j.id, ()),
+            boot_now=boot_now,
         )
         if command_ended(j):
             # What its processes still hold is counted (observed, or as used by others); the
@@ -361,10 +372,11 @@ def planned_claims(
     now: float,
     safety: float,
     conditions: Conditions,
+    boot_now: float | None = None,
 ) -> tuple[list[Claim], dict[str, float]]:
     """`claims_for`, with the lookahead order's wait budgets given to waiters that have none
     yet (core/lookahead.with_wait_budgets); and those new budgets, by job id, for the ledger."""
-    claims = claims_for(data, gpus, fair, now)
+    claims = claims_for(data, gpus, fair, now, boot_now)
     if fair.order is None or all(c.running or c.due is not None for c in claims):
         return claims, {}
     budgeted = with_wait_budgets(gpus, claims, safety, fair.order, conditions)

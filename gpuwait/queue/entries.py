@@ -81,6 +81,12 @@ class Job(Record):
     orphaned_at: float | None = None
     submitted_at: float = 0.0
     started_at: float | None = None
+    #: The same moments on the boot clock (gpuwait.linux.proc.boot_clock), which every process
+    #: of this boot shares and nobody steps: the durations that decide something are measured
+    #: there (`since`); the wall-clock stamps above are for people. None: written by an older
+    #: version, or not yet; then the wall clock measures.
+    submitted_boot: float | None = None
+    started_boot: float | None = None
     updated_at: float = 0.0
     #: `--name` and `--batch`.
     name: str | None = None
@@ -112,6 +118,9 @@ class Job(Record):
     pause_requested_at: float | None = None
     pause_requested_by: str | None = None
     pause_signalled_at: float | None = None
+    #: The request's and the signal's moments on the boot clock (see `started_boot`).
+    pause_requested_boot: float | None = None
+    pause_signalled_boot: float | None = None
     #: Priority of the job that paused this one: a resumed job queues at least that high, so a
     #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
     #: Its place in the queue only: it asks others to step aside at its own `priority`.
@@ -208,6 +217,8 @@ class Job(Record):
             orphaned_at=None if raw.get("orphaned_at") is None else _float(raw, "orphaned_at"),
             submitted_at=_float(raw, "submitted_at"),
             started_at=None if raw.get("started_at") is None else _float(raw, "started_at"),
+            submitted_boot=_lenient_seconds(raw.get("submitted_boot")),
+            started_boot=_lenient_seconds(raw.get("started_boot")),
             updated_at=_float(raw, "updated_at"),
             name=None if raw.get("name") is None else _text(raw, "name"),
             batch=None if raw.get("batch") is None else _text(raw, "batch"),
@@ -232,6 +243,8 @@ class Job(Record):
                 None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")
             ),
             pause_signalled_at=_seconds(raw.get("pause_signalled_at")),
+            pause_requested_boot=_lenient_seconds(raw.get("pause_requested_boot")),
+            pause_signalled_boot=_lenient_seconds(raw.get("pause_signalled_boot")),
             boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
             load_seconds=_seconds(raw.get("load_seconds")),
@@ -285,10 +298,34 @@ def _lenient_count(value: Any) -> int | None:
     return value if type(value) is int and 0 <= value <= 10_000 else None
 
 
-def protected(job: Job, now: float) -> bool:
+def since(wall: float | None, boot: float | None, now: float, boot_now: float | None) -> float:
+    """Seconds from a moment stamped `wall` (and `boot`, on the boot clock) to `now` (and
+    `boot_now`): on the boot clock where both are known, so that no step of the wall clock
+    changes what it decides; else on the wall clock (an entry of an older version, or a caller
+    that passed a wall clock only). 0 for a moment never stamped."""
+    if boot is not None and boot_now is not None:
+        return boot_now - boot
+    return 0.0 if wall is None else now - wall
+
+
+def pause_stamps(
+    job: Job, now: float, boot_now: float | None
+) -> tuple[float | None, float | None, float]:
+    """`job`'s pause request and checkpoint signal moments, and now, on one clock: the boot
+    clock where every one of them has a boot stamp, else the wall clock."""
+    if (
+        boot_now is not None
+        and job.pause_requested_boot is not None
+        and (job.pause_signalled_at is None or job.pause_signalled_boot is not None)
+    ):
+        return job.pause_requested_boot, job.pause_signalled_boot, boot_now
+    return job.pause_requested_at, job.pause_signalled_at, now
+
+
+def protected(job: Job, now: float, boot_now: float | None = None) -> bool:
     """Whether `job` may not be asked to step aside now by its owner's own rules: it started
     (or resumed) less than its pause_min_runtime ago, or stepped aside pause_max times."""
-    ran = now - (job.started_at if job.started_at is not None else now)
+    ran = since(job.started_at, job.started_boot, now, boot_now)
     return (job.pause_min_runtime is not None and ran < job.pause_min_runtime) or (
         job.pause_max is not None and job.pauses + job.freezes >= job.pause_max
     )
@@ -377,11 +414,23 @@ class Request(Record):
     by_job: str | None = None
     #: Who asked: the owner of the file the request was read from (never the file's word).
     by_uid: int = -1
+    #: `at` on the boot clock (see Job.started_boot); None: written by an older version.
+    at_boot: float | None = None
 
     @classmethod
-    def to(cls, job: Job, kind: str, at: float, by_uid: int, by_job: str | None = None) -> Request:
+    def to(
+        cls,
+        job: Job,
+        kind: str,
+        at: float,
+        by_uid: int,
+        by_job: str | None = None,
+        at_boot: float | None = None,
+    ) -> Request:
         """A request of `kind` to `job`'s gpuwait process."""
-        return cls(kind, job.uid, plain_id(job.id), job.pid, job.start_time, at, by_job, by_uid)
+        return cls(
+            kind, job.uid, plain_id(job.id), job.pid, job.start_time, at, by_job, by_uid, at_boot
+        )
 
     def targets(self, job: Job) -> bool:
         return (self.uid, self.job, self.pid, self.start_time) == (
@@ -407,6 +456,7 @@ class Request(Record):
             start_time=_int(raw, "start_time", 0, 2**62),
             at=_float(raw, "at"),
             by_job=_optional_text(raw, "by_job"),
+            at_boot=_lenient_seconds(raw.get("at_boot")),
         )
         if request.kind not in (PAUSE, CANCEL):
             raise ValueError(f"request kind {request.kind!r} is unknown")
@@ -737,16 +787,19 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
     return kept
 
 
-def mark_pause_requests(data: LedgerData, now: float | None = None) -> None:
+def mark_pause_requests(
+    data: LedgerData, now: float | None = None, boot_now: float | None = None
+) -> None:
     """Set each running job's `pause_requested_*` from the requests that may ask it: from a
     waiting job of higher priority (or of the same user), to a running --pausable (or
     --freezable) job that its owner's own rules let be asked now (`protected`), the earliest
     first. Whatever an entry itself says about being asked is not taken: only its asker's
     file may say so; and an asker's file says nothing about the rules of the job it asks."""
-    now = time.time() if now is None else now
+    if now is None:
+        now, boot_now = time.time(), proc.boot_clock()
     jobs = {(j.uid, plain_id(j.id)): j for j in data.jobs}
     for job in data.jobs:
-        job.pause_requested_at = job.pause_requested_by = None
+        job.pause_requested_at = job.pause_requested_by = job.pause_requested_boot = None
     for request in sorted(data.requests, key=lambda r: r.at):
         if request.kind != PAUSE or request.by_job is None:
             continue
@@ -759,7 +812,7 @@ def mark_pause_requests(data: LedgerData, now: float | None = None) -> None:
             or victim.pause_requested_at is not None
             or victim.state != RUNNING
             or not (victim.pausable or victim.freezable)
-            or protected(victim, now)
+            or protected(victim, now, boot_now)
             or asker.state != WAITING
             # A user's own waiter may ask whatever the priorities (an idle job, with
             # `idle_action = pause`): they could cancel that job anyway.
@@ -768,6 +821,7 @@ def mark_pause_requests(data: LedgerData, now: float | None = None) -> None:
         ):
             continue
         victim.pause_requested_at = request.at
+        victim.pause_requested_boot = request.at_boot
         victim.pause_requested_by = asker.id
 
 

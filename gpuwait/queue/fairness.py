@@ -8,14 +8,15 @@ start). Jobs of one user keep their submission order among themselves. Limits (`
 `user_max_vram`) cap what one user holds at once. Both are set by an administrator in the site
 config; in a private ledger, where every job is the same user's, fair share changes nothing.
 
-Wall-clock time is used here (usage must mean the same to every process), so a clock stepped
-backwards is clamped: no job ever counts negative time.
+Past usage decays by wall-clock time (usage must mean the same to every process, across boots),
+so a clock stepped backwards is clamped: no job ever counts negative time. A running job's time
+since its start is measured on the boot clock where its entry has the stamp (entries.since).
 """
 
 from __future__ import annotations
 
 from gpuwait.core.policy import FairShare
-from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage
+from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage, since
 
 
 def decayed(usage: UserUsage, now: float, half_life: float | None) -> float:
@@ -26,12 +27,16 @@ def decayed(usage: UserUsage, now: float, half_life: float | None) -> float:
     return float(usage.vram_seconds * 0.5 ** (elapsed / half_life))
 
 
-def user_usage(data: LedgerData, now: float, half_life: float | None) -> dict[int, float]:
-    """Each user's usage now: decayed past use plus what their running jobs have held so far."""
+def user_usage(
+    data: LedgerData, now: float, half_life: float | None, boot_now: float | None = None
+) -> dict[int, float]:
+    """Each user's usage now: decayed past use plus what their running jobs have held so far
+    (timed on the boot clock where `boot_now` and their entries allow)."""
     totals = {uid: decayed(u, now, half_life) for uid, u in data.usage.items()}
     for job in data.jobs:
         if job.state == RUNNING and job.started_at is not None:
-            held = job.reserved_bytes * len(job.gpu_uuids) * max(0.0, now - job.started_at)
+            ran = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
+            held = job.reserved_bytes * len(job.gpu_uuids) * ran
             totals[job.uid] = totals.get(job.uid, 0.0) + held
     return totals
 

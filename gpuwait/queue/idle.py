@@ -49,8 +49,8 @@ def record_reading(
     holding at least `rule.min_bytes` on a quiet GPU, with how long it has been seen so
     (`idle_seconds`): those at `rule.after` or more are the idle ones.
     `jobs`: the command pid of each running gpuwait job -> the job's id; `now`: on the
-    evidence's clock (`boot_clock`)."""
-    now = boot_clock() if now is None else now
+    evidence's clock (`proc.boot_clock`)."""
+    now = proc.boot_clock() if now is None else now
     starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
     path = state_dir / IDLE_FILE
     previous = _load(path)
@@ -62,11 +62,6 @@ def record_reading(
     holders = idle_holders(evidence, snapshot, starts, rule._replace(after=0.0), now)
     owners = _job_of(jobs) if holders else {}
     return [_describe(h, now, owners.get(h.pid)) for h in holders]
-
-
-def boot_clock() -> float:
-    """Seconds since the machine booted, suspends included: the evidence's clock."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class IdleWatch(Record, frozen=True):

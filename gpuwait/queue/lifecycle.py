@@ -76,6 +76,8 @@ from gpuwait.queue.entries import (
     copy_job,
     elsewhere,
     of_an_earlier_boot,
+    pause_stamps,
+    since,
 )
 from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
 from gpuwait.queue.ledger import Ledger
@@ -427,6 +429,9 @@ def submit(
                 after_ok=resolve_references(after_ok, data, state_dir),
                 order=data.next_order,
                 boot=proc.boot_id(),
+                submitted_boot=proc.boot_clock()
+                if job.submitted_boot is None
+                else job.submitted_boot,
             )
         except ValueError as exc:
             raise UsageError(
@@ -561,7 +566,7 @@ def found_admission(mine: Job, snapshot: MachineSnapshot, data: LedgerData) -> A
 
 def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said: _Said) -> None:
     """Mark every job the plan admits as running, on its GPUs."""
-    now = time.time()
+    now, boot_now = time.time(), proc.boot_clock()
     index = {g.uuid: g.index for g in snapshot.gpus}
     for entry in data.jobs:
         uuids = decided.admitted.get(entry.id)
@@ -576,6 +581,7 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.started_at = entry.updated_at = now
+        entry.started_boot = boot_now
         entry.held_gpus = []
         if entry.pick == "round-robin":
             data.rr_cursor = index[uuids[-1]]
@@ -588,7 +594,9 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
                     "name": entry.name,
                     "gpus": list(uuids),
                     "reserved_bytes": entry.reserved_bytes,
-                    "waited": round(now - entry.submitted_at, 3),
+                    "waited": round(
+                        since(entry.submitted_at, entry.submitted_boot, now, boot_now), 3
+                    ),
                     "backfill": list(decided.backfill.get(entry.id, ())),
                 },
             )
@@ -609,7 +617,7 @@ def admit(
     `--after-ok` one failed) and keeps the head's hold. Returns `job` as the ledger now has it.
     """
     with _change(ledger) as (data, said):
-        now = time.time()
+        now, boot_now = time.time(), proc.boot_clock()
         mine = data.find(job.id)
         if mine is None:
             done = data.book.outcome(job.id)
@@ -630,7 +638,9 @@ def admit(
             )
             said.append(("leave", {"job": job.id, "outcome": DEPENDENCY_FAILED}))
             return copy_job(mine), DependencyFailed(failure)
-        claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions)
+        claims, budgets = planned_claims(
+            data, snapshot.gpus, fair, now, safety, conditions, boot_now
+        )
         for entry in data.jobs:
             if entry.id in budgets and data.mine(entry):
                 entry.wait_budget = budgets[entry.id]
@@ -695,7 +705,7 @@ def confirm_admission(
         if mine.uid == asked.uid and mine.pid == asked.pid:
             mine.state = WAITING
             mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
-            mine.started_at = None
+            mine.started_at = mine.started_boot = None
     return None
 
 
@@ -772,6 +782,7 @@ def request_pause(
     waiter_id: str,
     choose: Callable[[LedgerData, Job], PauseChoice | None],
     now: float,
+    boot_now: float | None = None,
 ) -> tuple[str, ...]:
     """Mark the running jobs that `choose` picks for the waiting job `waiter_id` as asked to step
     aside; return their ids. Nothing is asked while one of this waiter's requests is pending: a
@@ -782,10 +793,7 @@ def request_pause(
             return ()
         if any(
             # A --freezable job marked as acted on could not be frozen: it runs on.
-            not (j.freezable and j.pause_signalled_at is not None)
-            and still_pending(
-                j.pause_requested_at, j.pause_signalled_at, j.grace_seconds, j.grace_kill, now
-            )
+            not (j.freezable and j.pause_signalled_at is not None) and _pending(j, now, boot_now)
             for j in data.jobs
             if j.state == RUNNING and j.pause_requested_by == waiter_id
         ):
@@ -805,9 +813,10 @@ def request_pause(
                         now,
                         mine.uid if data.me is None else data.me,
                         waiter_id,
+                        boot_now,
                     )
                 )
-        entries.mark_pause_requests(data)
+        entries.mark_pause_requests(data, now, boot_now)
         said.append(
             (
                 "pause-request",
@@ -817,12 +826,27 @@ def request_pause(
         return choice.victims
 
 
-def pause_signalled(ledger: Ledger, job_id: str, now: float, pids: Sequence[int]) -> None:
-    """The job asked to step aside was sent its checkpoint signal."""
+def _pending(job: Job, now: float, boot_now: float | None) -> bool:
+    """Whether `job` may still obey the request to step aside (core.pausing.still_pending),
+    timed on the boot clock where its stamps allow, so that no step of the wall clock ends its
+    grace early or late."""
+    requested, signalled, at = pause_stamps(job, now, boot_now)
+    return still_pending(requested, signalled, job.grace_seconds, job.grace_kill, at)
+
+
+def pause_signalled(
+    ledger: Ledger,
+    job_id: str,
+    now: float,
+    pids: Sequence[int],
+    boot_now: float | None = None,
+) -> None:
+    """The job asked to step aside was sent its checkpoint signal at `now` (and `boot_now`, on
+    the boot clock)."""
     with _change(ledger) as (data, said):
         mine = data.find(job_id)
         if mine is not None:
-            mine.pause_signalled_at = now
+            mine.pause_signalled_at, mine.pause_signalled_boot = now, boot_now
         said.append(("pause-signal", {"job": job_id, "pids": list(pids)}))
 
 
@@ -857,8 +881,10 @@ def _queued_again(mine: Job, now: float) -> None:
     mine.state = WAITING
     mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
     mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
+    mine.started_boot = None
     mine.held_gpus = []
     mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+    mine.pause_requested_boot = mine.pause_signalled_boot = None
     mine.updated_at = now
 
 
@@ -879,21 +905,24 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         mine.state = WAITING
         mine.frozen_at, mine.frozen_gpus = now, gpus
         mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-        mine.held_gpus, mine.started_at = [], None
+        mine.held_gpus, mine.started_at, mine.started_boot = [], None, None
         mine.freezes += 1
         mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
+        mine.pause_requested_boot = mine.pause_signalled_boot = None
         mine.updated_at = now
         said.append(("freeze", {"job": job.id, "pids": list(pids), "gpus": gpus}))
     return copy_job(mine)
 
 
-def freeze_failed(ledger: Ledger, job_id: str, error: str, now: float) -> None:
+def freeze_failed(
+    ledger: Ledger, job_id: str, error: str, now: float, boot_now: float | None = None
+) -> None:
     """Freezing the job failed and it runs on; its asker is told (the request was acted on) and
     waits for it to end, as for a --pausable job left alone."""
     with _change(ledger) as (data, said):
         mine = data.find(job_id)
         if mine is not None:
-            mine.pause_signalled_at = now
+            mine.pause_signalled_at, mine.pause_signalled_boot = now, boot_now
         said.append(("freeze-failed", {"job": job_id, "error": error}))
 
 
@@ -901,10 +930,10 @@ def thaw(ledger: Ledger, job: Job, now: float) -> Job:
     """The frozen job, admitted again on its GPUs, has its memory back and runs on."""
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
-        since = mine.frozen_at
+        frozen_since = mine.frozen_at
         mine.frozen_at, mine.frozen_gpus = None, []
         mine.updated_at = now
-        frozen_seconds = round(now - since, 3) if since is not None else None
+        frozen_seconds = round(now - frozen_since, 3) if frozen_since is not None else None
         said.append(("thaw", {"job": job.id, "frozen_seconds": frozen_seconds}))
     return copy_job(mine)
 

@@ -19,9 +19,10 @@ from gpuwait.core.pausing import PauseChoice, PauseRules, RunningJob, choose_vic
 from gpuwait.core.policy import Claim, gpu_rooms, need_on
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.conditions import claim_of, dependency_blocker
-from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, pause_stamps, since
 from gpuwait.queue.ledger import Ledger
 
 
@@ -31,6 +32,7 @@ def _running_view(
     now: float,
     idle_jobs: frozenset[str] = frozenset(),
     uid: int | None = None,
+    boot_now: float | None = None,
 ) -> list[RunningJob]:
     """The running jobs as the victim choice sees them; `idle_jobs` count as idle only where
     they are `uid`'s own: nothing is ever done to another user's job for being idle."""
@@ -38,7 +40,7 @@ def _running_view(
     for job in data.jobs:
         if job.state != RUNNING:
             continue
-        claim = claim_of(job, gpus_snapshot.gpus, now)
+        claim = claim_of(job, gpus_snapshot.gpus, now, boot_now=boot_now)
         holds = max([job.reserved_bytes, *claim.observed.values()])
         views.append(
             RunningJob(
@@ -48,7 +50,7 @@ def _running_view(
                 holds_bytes=holds,
                 # An orphan's gpuwait, which would pass the signal on (or freeze it), is gone.
                 pausable=(job.pausable or job.freezable) and job.orphaned_at is None,
-                run_seconds=max(0.0, now - (job.started_at or now)),
+                run_seconds=max(0.0, since(job.started_at, job.started_boot, now, boot_now)),
                 pauses=job.pauses + job.freezes,
                 # A frozen job loses nothing to reload: its memory comes back as it was.
                 reload_seconds=None if job.freezable else job.load_seconds,
@@ -107,16 +109,16 @@ def ask_for_room(
         for j in quick.jobs
     ):
         return ()
-    now = time.time()
+    now, boot_now = time.time(), proc.boot_clock()
 
     def choose(data: LedgerData, mine: Job) -> PauseChoice | None:
         if dependency_blocker(mine, data) is not None:
             # Held back by its dependencies (or behind the job it stepped aside for), it could
             # not use the room: whoever stepped aside would wait for nothing, its GPU idle.
             return None
-        claims = [claim_of(j, snapshot.gpus, now) for j in data.jobs]
+        claims = [claim_of(j, snapshot.gpus, now, boot_now=boot_now) for j in data.jobs]
         rooms = gpu_rooms(snapshot.gpus, claims, safety)
-        my_claim = claim_of(mine, snapshot.gpus, now)
+        my_claim = claim_of(mine, snapshot.gpus, now, boot_now=boot_now)
         need = {}
         for uuid, room in rooms.items():
             bytes_needed = need_on(my_claim, room)
@@ -126,12 +128,12 @@ def ask_for_room(
             need,
             {u: r.room for u, r in rooms.items()},
             priority,
-            _running_view(data, snapshot, now, idle_jobs, job.uid),
+            _running_view(data, snapshot, now, idle_jobs, job.uid, boot_now),
             rules,
             expected_wait=_expected_wait(claims, need),
         )
 
-    return lifecycle.request_pause(ledger, job.id, choose, now)
+    return lifecycle.request_pause(ledger, job.id, choose, now, boot_now)
 
 
 #: A victim's gpuwait signals within a second or so of a request; one not signalled after this
@@ -139,8 +141,11 @@ def ask_for_room(
 NOT_CAUGHT_AFTER = 5.0
 
 
-def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
+def pause_progress(
+    data: LedgerData, waiter_id: str, now: float, boot_now: float | None = None
+) -> str | None:
     """What became of the jobs `waiter_id` asked to step aside, for its wait line; None if none.
+    Timed on the boot clock where `boot_now` and the entries allow (entries.pause_stamps).
 
     Worded without a running clock, so that a wait line written to a file changes only when
     the situation does.
@@ -152,16 +157,16 @@ def pause_progress(data: LedgerData, waiter_id: str, now: float) -> str | None:
         if victim.freezable:
             parts.append(_freeze_progress(victim))
             continue
-        signalled = victim.pause_signalled_at
+        requested, signalled, at = pause_stamps(victim, now, boot_now)
         signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
-        if signalled is None and now - (victim.pause_requested_at or now) < NOT_CAUGHT_AFTER:
+        if signalled is None and at - (requested or at) < NOT_CAUGHT_AFTER:
             parts.append(f"asked job {victim.id} to checkpoint and step aside")
         elif signalled is None:
             parts.append(
                 f"asked job {victim.id} to checkpoint and step aside "
                 f"(it does not catch {signal_name} yet; signalled once it does)"
             )
-        elif now - signalled <= victim.grace_seconds:
+        elif at - signalled <= victim.grace_seconds:
             parts.append(f"asked job {victim.id} to checkpoint and step aside")
         elif victim.grace_kill:
             parts.append(

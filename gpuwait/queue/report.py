@@ -19,7 +19,7 @@ from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
 from gpuwait.queue.conditions import plan_ledger, planned_claims
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger, LockBusy
 
@@ -58,9 +58,11 @@ def report_from(
     view: View,
     ledger_warnings: Sequence[str] = (),
     problem: str | None = None,
+    boot_now: float | None = None,
 ) -> dict[str, Any]:
     """The dashboard from one reading of the GPUs (None: none could be had, `problem` says
-    why) and of the ledger."""
+    why) and of the ledger, at `now` (`boot_now` on the boot clock, which times what the
+    entries stamped there: entries.since)."""
     safety = view.safety
     fair = view.fair
     gpus = snapshot.gpus if snapshot else ()
@@ -69,8 +71,8 @@ def report_from(
         utilization={g.uuid: g.utilization_pct for g in gpus if not g.utilization_failed},
         ignore_processes=view.ignore_processes,
     )
-    usage = user_usage(data, now, fair.half_life)
-    claims, _ = planned_claims(data, gpus, fair, now, safety, conditions)
+    usage = user_usage(data, now, fair.half_life, boot_now)
+    claims, _ = planned_claims(data, gpus, fair, now, safety, conditions, boot_now)
     by_id = {c.job_id: c for c in claims}
     # Running first, then the queue in the order the policy serves it (fair share included).
     jobs = sorted(data.jobs, key=lambda j: (j.state != RUNNING, by_id[j.id].sort_key(), j.order))
@@ -197,7 +199,9 @@ def report_from(
                 "observed_bytes": sum(claim.observed.values()),
                 "submitted_at": job.submitted_at,
                 "started_at": job.started_at,
-                "elapsed_seconds": now - job.started_at if running and job.started_at else None,
+                "elapsed_seconds": since(job.started_at, job.started_boot, now, boot_now)
+                if running and job.started_at
+                else None,
                 "expected_remaining_seconds": claim.expected_seconds if running else None,
                 "expected_seconds": job.expected_seconds,
                 "waiting_reason": reason.describe() if reason else None,

@@ -40,7 +40,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
-from gpuwait.linux import signals, turnstile
+from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
@@ -198,13 +198,13 @@ def _reason_without_lock(
     mine = data.find(job.id)
     if mine is None or mine.state == RUNNING:
         return None
-    now = time.time()
+    now, boot_now = time.time(), proc.boot_clock()
     if lifecycle.would_tidy(data, snapshot, now, directory):
         return None
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return None
-    claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions)
+    claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions, boot_now)
     if any(data.mine(j) for j in data.jobs if j.id in budgets):
         return None  # a wait budget to write down
     decided = plan_ledger(data, snapshot.gpus, claims, safety, conditions, fair)
@@ -362,7 +362,8 @@ def wait_for_admission(
             ask_for_room(ledger, job, snapshot, policy.safety, policy.pause_rules, idle)
             # Said on every reading, not only when asking: the waiter must keep seeing why it
             # still waits (a job that does not catch the signal yet, or ignores it).
-            outcome = outcome._replace(pause=pause_progress(ledger.read(), job.id, time.time()))
+            pause = pause_progress(ledger.read(), job.id, time.time(), proc.boot_clock())
+            outcome = outcome._replace(pause=pause)
         return outcome
 
     def admitted(found: Admitted) -> tuple[Job, WaitOutcome]:

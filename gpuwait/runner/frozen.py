@@ -207,7 +207,7 @@ class FreezeResponder:
             self.failed_for = asked_at
             error = str(exc) or type(exc).__name__
             with contextlib.suppress(Exception):
-                lifecycle.freeze_failed(self.ledger, job.id, error, time.time())
+                lifecycle.freeze_failed(self.ledger, job.id, error, time.time(), proc.boot_clock())
             self.reporter.warn(f"job {job.id} could not be frozen and runs on: {error}")
             return
         # Stopped only now: lock and checkpoint are carried out inside the process by the

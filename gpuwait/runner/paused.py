@@ -51,7 +51,9 @@ class PauseResponder:
                 self.signalled_at = time.monotonic()
                 # Bookkeeping only: the command has its signal whatever the ledger says.
                 with contextlib.suppress(Exception):
-                    lifecycle.pause_signalled(self.ledger, self.job.id, time.time(), sent)
+                    lifecycle.pause_signalled(
+                        self.ledger, self.job.id, time.time(), sent, proc.boot_clock()
+                    )
         elif (
             self.job.grace_kill
             and not self.killed

@@ -18,9 +18,14 @@ from helpers.jobs import live_job
 from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 from gpuwait.cli import main
+from gpuwait.core.pausing import PauseRules
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.linux import proc
+from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import charge, user_usage
 from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.pausing import ask_for_room, pause_progress
 from gpuwait.runner.paused import PauseResponder
 
 YEAR = 365 * 86400
@@ -36,6 +41,8 @@ time.time = jumpy
 from gpuwait.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+#: A command that catches the checkpoint signal (and lets it change nothing).
+CATCHER = "import signal, time; signal.signal(signal.SIGUSR1, lambda s, f: None); time.sleep(30)"
 
 
 @pytest.fixture
@@ -132,13 +139,7 @@ def test_a_clock_stepped_forward_does_not_cut_a_pausing_jobs_grace_short(
 ) -> None:
     """A --grace-kill job asked to step aside has its whole grace to checkpoint, whatever NTP
     does to the wall clock meanwhile: TERM comes only once the grace has passed."""
-    catcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import signal, time; signal.signal(signal.SIGUSR1, lambda s, f: None); time.sleep(30)",
-        ]
-    )
+    catcher = subprocess.Popen([sys.executable, "-c", CATCHER])
     try:
         wait_for(lambda: catches_signal(catcher.pid, signal.SIGUSR1), timeout=30)
         job = live_job("a", pausable=True, grace_kill=True, grace_seconds=30.0)
@@ -154,3 +155,118 @@ def test_a_clock_stepped_forward_does_not_cut_a_pausing_jobs_grace_short(
     finally:
         catcher.kill()
         catcher.wait()
+
+
+GiB = 2**30
+ONE_GPU = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),))
+TWO_GPUS = MachineSnapshot(
+    "sim",
+    (
+        GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),
+        GpuSnapshot(1, "GPU-1", "Test GPU", 24 * GiB, 0),
+    ),
+)
+
+
+def queued(ledger: Ledger, job: Job) -> Job:
+    """`job` submitted as a launch submits it."""
+    return lifecycle.submit(ledger, job, [], [], ledger.directory, job.command)
+
+
+def started_now(ledger: Ledger, job_id: str, priority: int, snapshot: MachineSnapshot) -> Job:
+    """A --pausable job of 16 GiB that its own owner protects for 10 minutes after a start,
+    submitted and admitted now, as a launch would."""
+    job = queued(
+        ledger,
+        live_job(
+            job_id,
+            priority=priority,
+            pausable=True,
+            pause_min_runtime=600.0,
+            grace_seconds=60.0,
+            request={"bytes": 16 * GiB},
+            submitted_at=time.time(),
+        ),
+    )
+    entry, attempt = lifecycle.admit(ledger, job, snapshot, 0.9)
+    assert isinstance(attempt, lifecycle.Admitted), attempt
+    return entry
+
+
+def step_clock(ledger: Ledger, seconds: float, jobs: tuple[str, ...] | None = None) -> None:
+    """As if the wall clock had been stepped `seconds` forward (NTP, `date -s`, a VM resumed)
+    since the entries were written: their wall-clock stamps now lie that much in the past.
+    Only the wall clock steps; the boot clock of the machine runs on as it did."""
+    with ledger.transaction() as data:
+        for job in data.jobs:
+            if jobs is not None and job.id not in jobs:
+                continue
+            job.submitted_at -= seconds
+            if job.started_at is not None:
+                job.started_at -= seconds
+            if job.pause_signalled_at is not None:
+                job.pause_signalled_at -= seconds
+        data.requests[:] = [r._replace(at=r.at - seconds) for r in data.requests]
+
+
+def urgent_waiter(ledger: Ledger) -> Job:
+    return queued(
+        ledger,
+        live_job("urgent", priority=5, request={"bytes": 16 * GiB}, submitted_at=time.time()),
+    )
+
+
+@pytest.mark.parametrize("step", [3 * 3600.0, -3 * 3600.0], ids=["forward", "back"])
+def test_a_clock_step_changes_no_jobs_minimum_run_time_before_it_may_be_paused(
+    tmp_path: Path, step: float
+) -> None:
+    """A job that started a moment ago is not asked to step aside because the wall clock was
+    stepped hours forward (it would lose its work at once); one that has run its 10 minutes is
+    asked, however far the clock was stepped back (the urgent job would wait hours)."""
+    ledger = Ledger(tmp_path / "state")
+    young = started_now(ledger, "young", 1, ONE_GPU)
+    if step < 0:
+        # It started 11 minutes ago, by either clock.
+        with ledger.transaction() as data:
+            entry = data.find("young")
+            assert entry is not None and entry.started_at is not None
+            entry.started_at -= 660
+            entry.started_boot = (entry.started_boot or 0.0) - 660
+    step_clock(ledger, step)
+    urgent = urgent_waiter(ledger)
+    asked = ask_for_room(ledger, urgent, ONE_GPU, 0.9, PauseRules(min_runtime=1.0))
+    assert asked == (() if step > 0 else (young.id,))
+
+
+def test_a_clock_stepped_forward_does_not_end_a_pause_requests_grace_early(
+    tmp_path: Path,
+) -> None:
+    """An urgent job asked one job to step aside and it was signalled a moment ago; NTP steps
+    the clock an hour forward: the job still has its 60 s grace to checkpoint, and the urgent
+    job does not take it as ignoring the request and ask a second job to step aside too."""
+    ledger = Ledger(tmp_path / "state")
+    for job_id in ("first", "second"):
+        started_now(ledger, job_id, 1, TWO_GPUS)
+    # Both have run their 10 minutes, by either clock.
+    with ledger.transaction() as data:
+        for entry in data.jobs:
+            assert entry.started_at is not None
+            entry.started_at -= 660
+            entry.started_boot = (entry.started_boot or 0.0) - 660
+    urgent = urgent_waiter(ledger)
+    rules = PauseRules(min_runtime=1.0)
+    (victim,) = ask_for_room(ledger, urgent, TWO_GPUS, 0.9, rules)
+    entry = ledger.read().find(victim)
+    assert entry is not None
+    catcher = subprocess.Popen([sys.executable, "-c", CATCHER])
+    try:
+        wait_for(lambda: catches_signal(catcher.pid, signal.SIGUSR1), timeout=30)
+        PauseResponder(ledger, entry).check(catcher.pid)  # its checkpoint signal
+    finally:
+        catcher.kill()
+        catcher.wait()
+    step_clock(ledger, 3600.0)
+    assert ask_for_room(ledger, urgent, TWO_GPUS, 0.9, rules) == ()
+    # Its wait line says it asked, not that the job ignores it.
+    progress = pause_progress(ledger.read(), urgent.id, time.time(), proc.boot_clock())
+    assert progress == f"asked job {victim} to checkpoint and step aside"
