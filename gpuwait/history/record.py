@@ -12,7 +12,8 @@ A record is one JSON object per line:
     peak_approximate                 the peak came from the card's used memory
     time_to_peak_seconds, samples    how long it took to load (90 % of the peak); readings taken
     free_at_peak_bytes               free memory per GPU at the peak
-    wait_seconds, run_seconds        the wait before its first start; its run time
+    wait_seconds, run_seconds        the wait before its first start; its run time (a
+                                     --pausable job's: its last run's)
     started_at                       Unix time of its first start
     exit_status, signal              how it ended (one of them is None; both where nobody saw
                                      it: an adopted process, a reservation's exit unseen)
@@ -27,6 +28,9 @@ A record is one JSON object per line:
                                      limit_bytes} (absent with enforce = off and for whole GPUs)
     stderr_watched                   how its stderr was watched ("pipe", "file", "off")
     pauses, paused_seconds           --pausable jobs: how often it stepped aside, and for how long
+    paused_runs_seconds              --pausable jobs: the run time of the runs that ended by
+                                     stepping aside; estimates count it with run_seconds, since
+                                     a run that is not paused does all that work
     over_reservation                 only when its peak passed its reservation by more than the
                                      margin: {gpu, used_bytes, cause, advice}
 
@@ -65,6 +69,7 @@ _STAT_FIELDS: dict[str, Any] = {
     "oom": False,
     "peak_approximate": False,
     "run_seconds": 0,
+    "paused_runs_seconds": 0,
     "wait_seconds": 0,
     "time_to_peak_seconds": None,
 }
@@ -112,10 +117,12 @@ def build(
     pauses: tuple[int, float] | None = None,
     margin: float = DEFAULT_MARGIN,
     held: Budget | None = None,
+    paused_runs_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """One history record (see the module docstring). In `hash` mode the command line and an
     explicit key are left out; their hashes (which estimates match on anyway) stay.
-    `pauses`: a --pausable job's pauses and the seconds it spent stepped aside."""
+    `pauses`: a --pausable job's pauses and the seconds it spent stepped aside;
+    `paused_runs_seconds`: the run time of its runs before the last (each ended stepping aside)."""
     ckey = command_key(command, cwd)
     keys = ckey.hashes()
     if key:
@@ -169,6 +176,7 @@ def build(
         }
     if pauses is not None:
         record["pauses"], record["paused_seconds"] = pauses[0], round(pauses[1], 3)
+        record["paused_runs_seconds"] = round(paused_runs_seconds, 3)
     totals = {g.uuid: g.total_bytes for g in gpus}
     for uuid, peak in sorted(peaks.items(), key=lambda item: -item[1]):
         found = overuse(reserved_bytes, peak, totals.get(uuid, 0), margin)
@@ -229,7 +237,9 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             ok=get("exit_status") == 0 and get("signal") is None and get("stopped_by") is None,
             oom=get("oom") is True,
             approximate=get("peak_approximate") is True,
-            run_seconds=max(0.0, _number(get("run_seconds", 0))),
+            # A run that stepped aside did its work in several runs: a fresh one does it all.
+            run_seconds=max(0.0, _number(get("run_seconds", 0)))
+            + max(0.0, _number(get("paused_runs_seconds", 0))),
             wait_seconds=max(0.0, _number(get("wait_seconds", 0))),
             time_to_peak=None if to_peak is None else max(0.0, _number(to_peak)),
             gpu_uuids=gpu_uuids(record),

@@ -189,8 +189,10 @@ class _Ended(Record, frozen=True):
     reserved_bytes: int = 0
     #: How the OOM came about (gpuwait.core.budget: own limit, card full, unknown).
     oom_cause: str | None = None
-    #: The command checkpointed on request and is queued again (cooperative pausing).
+    #: The command checkpointed on request and is queued again (cooperative pausing); the
+    #: run time of that run.
     paused: bool = False
+    run_seconds: float = 0.0
     #: An out-of-memory run that may be retried: its entry, still in the ledger as running
     #: (so nobody waiting on it takes the attempt for its end), and how to finish it if not.
     pending: Job | None = None
@@ -672,6 +674,8 @@ def _wait_and_run(
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
     paused_seconds = 0.0
+    #: The run time of the runs that ended stepping aside.
+    paused_runs_seconds = 0.0
     #: How the waiting line names the job, where several wait in one terminal.
     label = job.name or job.id
     while True:
@@ -750,9 +754,11 @@ def _wait_and_run(
             queued_seconds,
             paused_seconds,
             may_retry=retries < request.retry_oom,
+            paused_runs_seconds=paused_runs_seconds,
         )
         if not ended.paused:
             return ended
+        paused_runs_seconds += ended.run_seconds
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
 
 
@@ -794,6 +800,7 @@ def _start(
     queued_seconds: float,
     paused_seconds: float,
     may_retry: bool = False,
+    paused_runs_seconds: float = 0.0,
 ) -> tuple[Job, _Ended]:
     job = admitted.job
     chosen = list(admitted.gpus)
@@ -866,7 +873,7 @@ def _start(
         raise given_up
     if result.paused and code == config.resume_exit:
         job = lifecycle.step_aside(ledger, job, result.run_seconds)
-        return job, _Ended(code, paused=True)
+        return job, _Ended(code, paused=True, run_seconds=result.run_seconds)
     card_full = any(
         near_full(result.free_at_peak_bytes.get(u), total)
         for u, total in result.total_bytes.items()
@@ -904,6 +911,7 @@ def _start(
         watch.mode,
         paused_seconds,
         held.plan,
+        paused_runs_seconds=paused_runs_seconds,
     )
     if pending:
         return job, _Ended(
@@ -937,6 +945,7 @@ def _record(
     paused_seconds: float,
     held: Budget,
     exit_known: bool = True,
+    paused_runs_seconds: float = 0.0,
 ) -> None:
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
@@ -977,6 +986,7 @@ def _record(
         started_at=started_at,
         pauses=(job.pauses, paused_seconds) if job.pausable else None,
         margin=config.estimate_margin,
+        paused_runs_seconds=paused_runs_seconds,
     )
     try:
         warnings = save_record(config.state_dir, record, config.history_max_size)

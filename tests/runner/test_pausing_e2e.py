@@ -17,6 +17,8 @@ from conftest import REPO
 from helpers.fixtures_sim import hold_card
 from helpers.waiting import catches_signal, ledger_entries, wait_for
 
+from gpuwait.history.record import run_stat
+
 IGNORER = textwrap.dedent(
     """
     import signal, sys, time
@@ -318,6 +320,15 @@ def test_shell_job_resumes_where_it_stopped(
         lines = log.read_text().splitlines()
         assert [int(line.split()[1]) for line in lines] == list(range(40))  # none lost or repeated
         assert "(run 0)" in lines[0] and "(run 1)" in lines[-1]
+        # Its run time, as estimates learn it, is that of both runs, not of the last one only:
+        # a fresh run of the command does the whole work.
+        (ran_first,) = [e["ran_seconds"] for e in events() if e["kind"] == "paused"]
+        history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+        records = [json.loads(line) for line in history.read_text().splitlines()]
+        (done,) = [r for r in records if r.get("pauses")]
+        learned = run_stat(done)
+        assert learned is not None and learned.ok
+        assert learned.run_seconds == pytest.approx(ran_first + done["run_seconds"], abs=0.01)
     finally:
         low.kill()
         low.wait()
