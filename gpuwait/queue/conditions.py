@@ -37,11 +37,17 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     """Why `job` must still wait for its dependencies, or None when none is unfinished.
 
     An `--after-ok` dependency that ended without success blocks for good: the job's own
-    gpuwait notices and gives up (exit 6), and no plan admits it meanwhile.
+    gpuwait notices and gives up (exit 6), and no plan admits it meanwhile. A job that stepped
+    aside waits for the job it made room for to start, but not while that one's gpuwait is
+    stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle.
     """
     live = {j.id: j for j in data.jobs}
     stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
-    if stepped_aside_for is not None and stepped_aside_for.state != RUNNING:
+    if (
+        stepped_aside_for is not None
+        and stepped_aside_for.state != RUNNING
+        and not _stopped(stepped_aside_for)
+    ):
         return f"stepped aside for job {stepped_aside_for.id}; resumes once it has started"
     for dep in job.after_ok:
         done = data.book.outcome(dep) if dep not in live else None
@@ -60,11 +66,16 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
 STOPPED = "stopped (Ctrl-Z, SIGSTOP): passed over until continued, keeping its place"
 
 
+def _stopped(job: Job) -> bool:
+    """Is `job` a waiter whose gpuwait is stopped (Ctrl-Z, SIGSTOP)?"""
+    return job.state != RUNNING and not elsewhere(job) and proc.stopped(job.pid, job.start_time)
+
+
 def _blocker(job: Job, data: LedgerData) -> str | None:
     """Why the plan must pass `job` over: an unfinished dependency, or, for a waiter, its
     gpuwait stopped (Ctrl-Z, SIGSTOP): admitted, it would keep room it cannot start in for as
     long as it stays stopped, from everyone behind it. Continued, it plans again, in its place."""
-    if job.state != RUNNING and not elsewhere(job) and proc.stopped(job.pid, job.start_time):
+    if _stopped(job):
         return STOPPED
     return dependency_blocker(job, data)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers.jobs import live_job
+from helpers.waiting import process_state, wait_for
 
 from gpuwait.core.errors import StateError
 from gpuwait.core.lookahead import Lookahead
@@ -338,3 +339,37 @@ def test_a_waiter_held_back_by_its_dependencies_asks_nobody_to_step_aside(
     with ledger.transaction() as data:
         data.jobs[:] = [long, first, free]
     assert ask_for_room(ledger, free, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ("long",)
+
+
+def test_a_job_that_stepped_aside_does_not_wait_for_a_stopped_job_it_made_room_for(
+    tmp_path: Path, procs: Any
+) -> None:
+    # A --pausable job stepped aside for an urgent waiter, whose gpuwait was then stopped
+    # (Ctrl-Z) before it started: passed over until continued, the urgent job starts nothing,
+    # and the job that stepped aside resumes on the card it freed instead of waiting with it idle.
+    import signal
+
+    stopped = procs(["sleep", "60"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(stopped.pid) == "T", timeout=10)
+        urgent = live_job(
+            "urgent", pid=stopped.pid, state=WAITING, priority=5, request={"bytes": 16 * GiB}
+        )
+        resumed = live_job(
+            "resumed",
+            state=WAITING,
+            priority=1,
+            boost=5,
+            yield_to="urgent",
+            pauses=1,
+            pausable=True,
+            request={"bytes": 16 * GiB},
+        )
+        ledger = Ledger(tmp_path)
+        with ledger.transaction() as data:
+            data.jobs[:] = [urgent, resumed]
+        _, attempt = lifecycle.admit(ledger, resumed, MACHINE, 0.9)
+        assert isinstance(attempt, Admitted), attempt
+    finally:
+        os.kill(stopped.pid, signal.SIGKILL)
