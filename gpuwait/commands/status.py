@@ -379,6 +379,14 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
                     width,
                 )
             )
+        elif j.get("pauses"):
+            out.append(
+                _clip(
+                    f"      stepped aside {j['pauses']}× (checkpointed); resumes from its "
+                    f"checkpoint, queued at p{j.get('queued_priority', j['priority'])}",
+                    width,
+                )
+            )
         if j["waiting_reason"]:
             out.extend(
                 textwrap.wrap(

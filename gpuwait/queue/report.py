@@ -189,6 +189,9 @@ def report_from(
                 "command": job.command,
                 "cwd": job.cwd,
                 "priority": job.priority,
+                # A job that stepped aside queues at least as high as whom it made room for.
+                "queued_priority": job.effective_priority,
+                "pauses": job.pauses,
                 "request": job.request,
                 "exclusive": job.request == {},
                 "gpus": job.gpus,

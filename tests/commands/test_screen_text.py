@@ -287,3 +287,35 @@ def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
     text = drawn.removeprefix("\r\033[K")
     assert text.startswith("gpuwait[big]: waiting for 20.0 GiB") and len(text) < columns
     assert cleared == ""
+
+
+def test_status_says_a_waiting_job_stepped_aside_and_that_it_resumes_from_its_checkpoint() -> None:
+    # A --pausable job that checkpointed and stepped aside for an urgent one waits again: its
+    # user sees that it did, how often, and where it queues, not a job that never ran.
+    from gpuwait.core.snapshot import MachineSnapshot
+    from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData
+    from gpuwait.queue.report import View, report_from
+
+    gpu = GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0)
+
+    def job(job_id: str, **fields: Any) -> Job:
+        return Job(
+            id=job_id,
+            pid=os.getpid(),
+            start_time=0,
+            uid=os.getuid(),
+            command=["python", "train.py"],
+            cwd="/",
+            request={"bytes": 16 * GiB},
+            **fields,
+        )
+
+    urgent = job("urgent", state=RUNNING, priority=5, gpu_uuids=["GPU-0"], reserved_bytes=16 * GiB)
+    urgent.started_at = time.time()
+    resumed = job("resumed", state=WAITING, priority=1, boost=5, pauses=2, pausable=True)
+    data = LedgerData(jobs=[urgent, resumed])
+    report = report_from(MachineSnapshot("sim", (gpu,)), data, time.time(), View(safety=0.9))
+    (shown,) = [j for j in report["jobs"] if j["id"] == "resumed"]
+    assert shown["pauses"] == 2 and shown["queued_priority"] == 5
+    text = status.render(report, 100)
+    assert "stepped aside 2× (checkpointed); resumes from its checkpoint, queued at p5" in text

@@ -668,6 +668,8 @@ JOB_KEYS = {
     "command": list,
     "cwd": str,
     "priority": int,
+    "queued_priority": int,
+    "pauses": int,
     "request": dict,
     "exclusive": bool,
     "gpus": int,
