@@ -35,14 +35,16 @@ class PauseResponder:
     def check(self, child: int) -> None:
         """Called often by the supervisor: cheap unless the ledger changed or a request waits."""
         token = self.ledger.change_token()
-        if not self.requested and token == self.token:
-            return
-        self.token = token
-        if not self.requested:
+        if self.signalled_at is None and token != self.token:
+            # Until the command has its signal, the request is looked up again on every change:
+            # one withdrawn meanwhile (its asker left, or started elsewhere) is not carried out
+            # once the command catches the signal; stepping aside would cost it its reload for
+            # nobody.
+            self.token = token
             entry = self.ledger.read().find(self.job.id)
             self.requested = entry is not None and entry.pause_requested_at is not None
-            if not self.requested:
-                return
+        if not self.requested:
+            return
         if self.signalled_at is None:
             # Only processes that catch the signal get it: one that has not installed its
             # handler yet would be killed by the default action. Asked again next time.

@@ -19,6 +19,8 @@ from helpers.waiting import catches_signal, ledger_entries, wait_for
 
 from gpuwait.history.record import run_stat
 
+#: A command that catches the checkpoint signal and lets it change nothing.
+CATCHER = "import signal, time; signal.signal(signal.SIGUSR1, lambda s, f: None); time.sleep(30)"
 IGNORER = textwrap.dedent(
     """
     import signal, sys, time
@@ -452,3 +454,48 @@ def test_a_job_that_ends_when_asked_to_step_aside_teaches_no_size(
         timeout=60,
     )
     assert json.loads(learned.stdout)["estimate_bytes"] is None, learned.stdout
+
+
+def test_a_request_withdrawn_before_the_command_catches_the_signal_pauses_nothing(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """An urgent job asks a --pausable job whose command does not catch the signal yet (still
+    loading, say); before it does, the urgent job leaves (Ctrl-C, or it started elsewhere). Once
+    the command catches the signal, it is not sent: nobody is waiting for its room, and stepping
+    aside would cost it its reload for nothing."""
+    from helpers.jobs import live_job
+
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+    from gpuwait.queue import lifecycle
+    from gpuwait.queue.entries import RUNNING, WAITING
+    from gpuwait.queue.ledger import Ledger
+    from gpuwait.queue.pausing import ask_for_room
+    from gpuwait.runner.paused import PauseResponder
+
+    gib = 2**30
+    card = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * gib, 0),))
+    loading = procs([sys.executable, "-c", "import time; time.sleep(30)"])
+    ledger = Ledger(tmp_path / "state")
+    victim = live_job(
+        "long",
+        state=RUNNING,
+        priority=1,
+        pausable=True,
+        started_at=time.time() - 60,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=16 * gib,
+        request={"bytes": 16 * gib},
+    )
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * gib})
+    with ledger.transaction() as data:
+        data.jobs[:] = [victim, urgent]
+    assert ask_for_room(ledger, urgent, card, 0.9, PauseRules(min_runtime=1.0)) == ("long",)
+    responder = PauseResponder(ledger, victim)
+    responder.check(loading.pid)  # asked, but its command does not catch the signal yet
+    assert responder.signalled_at is None
+    lifecycle.finish(ledger, urgent, "interrupted")  # the urgent job leaves
+    ready = procs([sys.executable, "-c", CATCHER])
+    wait_for(lambda: catches_signal(ready.pid, SIGNAL), timeout=30)
+    responder.check(ready.pid)  # now its command catches it
+    assert responder.signalled_at is None, "signalled for a request nobody makes any more"
