@@ -8,7 +8,8 @@ A record is one JSON object per line:
     key, keys, cwd                   --key (None in `hash` mode); level -> key hash; where it ran
     request, request_source          what was asked ({"bytes": n} ...) and where that came from
     reserved_bytes, gpus             what it got: per GPU; [{uuid, index, name, total_bytes}]
-    peak_bytes, peak_by_gpu          the process tree's peak, overall and per GPU UUID
+    peak_bytes, peak_by_gpu          the process tree's peak, overall and per GPU UUID (a
+                                     --pausable job's: of all its runs)
     peak_approximate                 the peak came from the card's used memory
     time_to_peak_seconds, samples    how long it took to load (90 % of the peak); readings taken
     free_at_peak_bytes               free memory per GPU at the peak

@@ -193,6 +193,8 @@ class _Ended(Record, frozen=True):
     #: run time of that run.
     paused: bool = False
     run_seconds: float = 0.0
+    #: The paused run's peak (None: unknown), and whether it is approximate.
+    peak: tuple[int | None, bool] = (None, False)
     #: An out-of-memory run that may be retried: its entry, still in the ledger as running
     #: (so nobody waiting on it takes the attempt for its end), and how to finish it if not.
     pending: Job | None = None
@@ -674,8 +676,9 @@ def _wait_and_run(
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
     paused_seconds = 0.0
-    #: The run time of the runs that ended stepping aside.
+    #: The run time of the runs that ended stepping aside, and their peak (see _Earlier).
     paused_runs_seconds = 0.0
+    earlier: _Earlier | None = None
     #: How the waiting line names the job, where several wait in one terminal.
     label = job.name or job.id
     while True:
@@ -755,10 +758,12 @@ def _wait_and_run(
             paused_seconds,
             may_retry=retries < request.retry_oom,
             paused_runs_seconds=paused_runs_seconds,
+            earlier=earlier,
         )
         if not ended.paused:
             return ended
         paused_runs_seconds += ended.run_seconds
+        earlier = _Earlier.of(earlier, ended.peak)
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
 
 
@@ -801,6 +806,7 @@ def _start(
     paused_seconds: float,
     may_retry: bool = False,
     paused_runs_seconds: float = 0.0,
+    earlier: _Earlier | None = None,
 ) -> tuple[Job, _Ended]:
     job = admitted.job
     chosen = list(admitted.gpus)
@@ -873,7 +879,11 @@ def _start(
         raise given_up
     if result.paused and code == config.resume_exit:
         job = lifecycle.step_aside(ledger, job, result.run_seconds)
-        return job, _Ended(code, paused=True, run_seconds=result.run_seconds)
+        peaks, approximate = result.peaks()
+        peak = max(peaks.values()) if peaks else None
+        return job, _Ended(
+            code, paused=True, run_seconds=result.run_seconds, peak=(peak, approximate)
+        )
     card_full = any(
         near_full(result.free_at_peak_bytes.get(u), total)
         for u, total in result.total_bytes.items()
@@ -912,12 +922,44 @@ def _start(
         paused_seconds,
         held.plan,
         paused_runs_seconds=paused_runs_seconds,
+        earlier=earlier,
     )
     if pending:
         return job, _Ended(
             result.returncode, oom, job.reserved_bytes, cause, pending=job, finish_how=how
         )
     return job, _Ended(result.returncode, oom, job.reserved_bytes, cause)
+
+
+class _Earlier(Record, frozen=True):
+    """The peak of a job's runs that ended stepping aside: what is left of its work after a
+    resume may take less memory than what it did before, and the next run of the command does
+    it all. None: some run's peak is unknown, and so is the job's."""
+
+    peak: int | None
+    approximate: bool
+
+    @classmethod
+    def of(cls, before: _Earlier | None, run: tuple[int | None, bool]) -> _Earlier:
+        """`before` with one more run's (peak, approximate)."""
+        peak, approximate = run
+        if before is None:
+            return cls(peak, approximate)
+        if before.peak is None or peak is None:
+            return cls(None, False)
+        return cls(max(before.peak, peak), before.approximate or approximate)
+
+    def with_last(self, peaks: dict[str, int], approximate: bool) -> tuple[dict[str, int], bool]:
+        """The last run's peaks per GPU and their approximation, made those of all the runs. Only
+        single-GPU jobs are paused: an earlier peak is one on the GPU the last run had."""
+        if self.peak is None or not peaks:
+            return {}, False  # unknown: too small a figure would size the next run too small
+        if len(peaks) != 1:
+            return peaks, approximate
+        ((uuid, last),) = peaks.items()
+        if self.peak <= last:
+            return peaks, approximate
+        return {uuid: self.peak}, self.approximate
 
 
 #: Notes already said by this gpuwait (a retried or resumed job says each once).
@@ -946,6 +988,7 @@ def _record(
     held: Budget,
     exit_known: bool = True,
     paused_runs_seconds: float = 0.0,
+    earlier: _Earlier | None = None,
 ) -> None:
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
@@ -953,8 +996,11 @@ def _record(
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
     full"); None for a run that did not run out. `wait_seconds` is the wait before the first
     start; a --pausable job's record also says how often it stepped aside and how long it then
-    waited to resume (`paused_seconds`)."""
+    waited to resume (`paused_seconds`); its peak is that of all its runs (`earlier`: those
+    that ended stepping aside)."""
     peaks, approximate = result.peaks()
+    if earlier is not None:
+        peaks, approximate = earlier.with_last(peaks, approximate)
     record = run_record.build(
         job_id=job.id,
         name=job.name,

@@ -87,9 +87,12 @@ def long_job(
     hold: str = "6s",
     exit_status: int = 0,
     env: dict[str, str] | None = None,
+    resumed_vram: str = "16G",
 ) -> subprocess.Popen[str]:
-    """A low-priority --pausable simulated job holding 16 GiB, saving its progress to `checkpoint`
-    (`env`: variables set for it alone)."""
+    """A low-priority --pausable simulated job holding 16 GiB (`resumed_vram` once resumed),
+    saving its progress to `checkpoint` (`env`: variables set for it alone)."""
+    # The VRAM its run takes, by its resume count: 0 is the first run.
+    vram = f'$([ "$GPUWAIT_RESUME_COUNT" = 0 ] && echo 16G || echo {resumed_vram})'
     return subprocess.Popen(
         [
             *gpuwait_cmd,
@@ -99,11 +102,13 @@ def long_job(
             "--vram",
             "16G",
             "--",
+            "sh",
+            "-c",
+            f'exec "$@" --vram "{vram}"',
+            "sh",
             *gpuwait_cmd,
             "sim",
             "job",
-            "--vram",
-            "16G",
             "--hold",
             hold,
             "--exit",
@@ -134,7 +139,8 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     checkpoint = tmp_path / "progress.json"
-    low = long_job(gpuwait_cmd, checkpoint, exit_status=3)
+    # Resumed, what is left of its work takes less memory than its first run did.
+    low = long_job(gpuwait_cmd, checkpoint, exit_status=3, resumed_vram="4G")
     try:
         wait_until_running(1)
         wait_until_pausable()
@@ -155,6 +161,8 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
         records = [json.loads(line) for line in history.read_text().splitlines()]
         paused_run = next(r for r in records if r["exit_status"] == 3)
         assert paused_run["pauses"] == 1 and paused_run["paused_seconds"] > 0.5
+        # Its peak is that of all its runs: the next run of the command needs 16 GiB.
+        assert paused_run["peak_bytes"] == 16 * 2**30, paused_run
         finish = next(e for e in events() if e["kind"] == "finish" and e.get("exit_status") == 3)
         assert finish["pauses"] == 1 and finish["paused_seconds"] > 0.5
         shown = subprocess.run(
