@@ -35,11 +35,11 @@ class PauseResponder:
     def check(self, child: int) -> None:
         """Called often by the supervisor: cheap unless the ledger changed or a request waits."""
         token = self.ledger.change_token()
-        if self.signalled_at is None and token != self.token:
-            # Until the command has its signal, the request is looked up again on every change:
-            # one withdrawn meanwhile (its asker left, or started elsewhere) is not carried out
-            # once the command catches the signal; stepping aside would cost it its reload for
-            # nobody.
+        if not self.killed and token != self.token:
+            # Until the command has its signal (and, with --grace-kill, its TERM), the request
+            # is looked up again on every change: one withdrawn meanwhile (its asker left, or
+            # started elsewhere) is not carried out. Signalled once the command catches the
+            # signal, it would step aside and reload for nobody; TERMed, it would die for nobody.
             self.token = token
             entry = self.ledger.read().find(self.job.id)
             self.requested = entry is not None and entry.pause_requested_at is not None

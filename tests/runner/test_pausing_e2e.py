@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import REPO
@@ -18,6 +19,10 @@ from helpers.fixtures_sim import hold_card
 from helpers.waiting import catches_signal, ledger_entries, wait_for
 
 from gpuwait.history.record import run_stat
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import Job
+from gpuwait.queue.ledger import Ledger
+from gpuwait.runner.paused import PauseResponder
 
 #: A command that catches the checkpoint signal and lets it change nothing.
 CATCHER = "import signal, time; signal.signal(signal.SIGUSR1, lambda s, f: None); time.sleep(30)"
@@ -464,27 +469,19 @@ def test_a_job_that_ends_when_asked_to_step_aside_teaches_no_size(
     assert json.loads(learned.stdout)["estimate_bytes"] is None, learned.stdout
 
 
-def test_a_request_withdrawn_before_the_command_catches_the_signal_pauses_nothing(
-    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
-) -> None:
-    """An urgent job asks a --pausable job whose command does not catch the signal yet (still
-    loading, say); before it does, the urgent job leaves (Ctrl-C, or it started elsewhere). Once
-    the command catches the signal, it is not sent: nobody is waiting for its room, and stepping
-    aside would cost it its reload for nothing."""
+def asked_to_step_aside(state: Path, **fields: Any) -> tuple[Ledger, Job, Job]:
+    """A running --pausable job (`fields` added) that an urgent waiter asked to step aside, in the
+    ledger in `state`: (the ledger, the job, the urgent job)."""
     from helpers.jobs import live_job
 
     from gpuwait.core.pausing import PauseRules
     from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-    from gpuwait.queue import lifecycle
     from gpuwait.queue.entries import RUNNING, WAITING
-    from gpuwait.queue.ledger import Ledger
     from gpuwait.queue.pausing import ask_for_room
-    from gpuwait.runner.paused import PauseResponder
 
     gib = 2**30
     card = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * gib, 0),))
-    loading = procs([sys.executable, "-c", "import time; time.sleep(30)"])
-    ledger = Ledger(tmp_path / "state")
+    ledger = Ledger(state)
     victim = live_job(
         "long",
         state=RUNNING,
@@ -494,11 +491,24 @@ def test_a_request_withdrawn_before_the_command_catches_the_signal_pauses_nothin
         gpu_uuids=["GPU-0"],
         reserved_bytes=16 * gib,
         request={"bytes": 16 * gib},
+        **fields,
     )
     urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * gib})
     with ledger.transaction() as data:
         data.jobs[:] = [victim, urgent]
     assert ask_for_room(ledger, urgent, card, 0.9, PauseRules(min_runtime=1.0)) == ("long",)
+    return ledger, victim, urgent
+
+
+def test_a_request_withdrawn_before_the_command_catches_the_signal_pauses_nothing(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """An urgent job asks a --pausable job whose command does not catch the signal yet (still
+    loading, say); before it does, the urgent job leaves (Ctrl-C, or it started elsewhere). Once
+    the command catches the signal, it is not sent: nobody is waiting for its room, and stepping
+    aside would cost it its reload for nothing."""
+    ledger, victim, urgent = asked_to_step_aside(tmp_path / "state")
+    loading = procs([sys.executable, "-c", "import time; time.sleep(30)"])
     responder = PauseResponder(ledger, victim)
     responder.check(loading.pid)  # asked, but its command does not catch the signal yet
     assert responder.signalled_at is None
@@ -507,3 +517,23 @@ def test_a_request_withdrawn_before_the_command_catches_the_signal_pauses_nothin
     wait_for(lambda: catches_signal(ready.pid, SIGNAL), timeout=30)
     responder.check(ready.pid)  # now its command catches it
     assert responder.signalled_at is None, "signalled for a request nobody makes any more"
+
+
+def test_a_request_withdrawn_within_the_grace_kills_nothing(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A --grace-kill job was signalled, and before its grace is over the urgent job that asked
+    leaves (Ctrl-C, or it started elsewhere): the job is not sent TERM when its grace ends, since
+    nobody waits for its room any more. It runs on."""
+    ledger, victim, urgent = asked_to_step_aside(
+        tmp_path / "state", grace_kill=True, grace_seconds=30.0
+    )
+    command = procs([sys.executable, "-c", CATCHER])
+    wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+    responder = PauseResponder(ledger, victim)
+    responder.check(command.pid)  # its checkpoint signal: the grace begins
+    assert responder.signalled_at is not None
+    lifecycle.finish(ledger, urgent, "interrupted")  # the urgent job leaves
+    responder.signalled_at -= 31  # its grace is over
+    responder.check(command.pid)
+    assert not responder.killed and command.poll() is None, "TERM for a request nobody makes"
