@@ -15,7 +15,8 @@ A record is one JSON object per line:
     free_at_peak_bytes               free memory per GPU at the peak
     wait_seconds, run_seconds        the wait before its first start; its run time (a
                                      --pausable job's: its last run's)
-    started_at                       Unix time of its first start
+    started_at                       Unix time of its start (a --pausable job's: of its last
+                                     run, whose run_seconds it has: it ended at their sum)
     exit_status, signal              how it ended (one of them is None; both where nobody saw
                                      it: an adopted process, a reservation's exit unseen)
     stopped_by                       only when a signal asking it to stop (TERM, INT, HUP, QUIT)
