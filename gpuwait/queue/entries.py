@@ -302,8 +302,10 @@ def since(wall: float | None, boot: float | None, now: float, boot_now: float | 
     """Seconds from a moment stamped `wall` (and `boot`, on the boot clock) to `now` (and
     `boot_now`): on the boot clock where both are known, so that no step of the wall clock
     changes what it decides; else on the wall clock (an entry of an older version, or a caller
-    that passed a wall clock only). 0 for a moment never stamped."""
-    if boot is not None and boot_now is not None:
+    that passed a wall clock only). 0 for a moment never stamped. A boot stamp later than
+    `boot_now` was taken on another boot clock (an earlier boot, another time namespace): the
+    wall clock measures then."""
+    if boot is not None and boot_now is not None and boot <= boot_now:
         return boot_now - boot
     return 0.0 if wall is None else now - wall
 
@@ -312,11 +314,16 @@ def pause_stamps(
     job: Job, now: float, boot_now: float | None
 ) -> tuple[float | None, float | None, float]:
     """`job`'s pause request and checkpoint signal moments, and now, on one clock: the boot
-    clock where every one of them has a boot stamp, else the wall clock."""
+    clock where every one of them has a boot stamp of this clock (see `since`), else the wall
+    clock."""
     if (
         boot_now is not None
         and job.pause_requested_boot is not None
-        and (job.pause_signalled_at is None or job.pause_signalled_boot is not None)
+        and job.pause_requested_boot <= boot_now
+        and (
+            job.pause_signalled_at is None
+            or (job.pause_signalled_boot is not None and job.pause_signalled_boot <= boot_now)
+        )
     ):
         return job.pause_requested_boot, job.pause_signalled_boot, boot_now
     return job.pause_requested_at, job.pause_signalled_at, now

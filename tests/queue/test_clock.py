@@ -270,3 +270,14 @@ def test_a_clock_stepped_forward_does_not_end_a_pause_requests_grace_early(
     # Its wait line says it asked, not that the job ignores it.
     progress = pause_progress(ledger.read(), urgent.id, time.time(), proc.boot_clock())
     assert progress == f"asked job {victim} to checkpoint and step aside"
+
+
+def test_a_boot_stamp_from_another_boot_clock_is_not_believed() -> None:
+    """A boot-clock stamp later than the boot clock now was taken on another clock (an entry
+    of an earlier boot that nothing told apart, a process in another time namespace): the
+    moment is timed by its wall-clock stamp instead, never as a negative duration."""
+    from gpuwait.queue.entries import since
+
+    now, boot_now = time.time(), proc.boot_clock()
+    assert since(now - 5, boot_now - 2, now, boot_now) == pytest.approx(2)
+    assert since(now - 5, boot_now + 3600, now, boot_now) == pytest.approx(5)
