@@ -293,6 +293,21 @@ def owner_uid(pid: int) -> int | None:
         return None
 
 
+def environ_value(pid: int, name: bytes) -> str | None:
+    """`name` in the environment process `pid` started with ("" when absent); None when it
+    cannot be read (another user's process, or gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read(1 << 20)
+    except OSError:
+        return None
+    prefix = name + b"="
+    for item in environ.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return ""
+
+
 def children_map() -> dict[int, list[int]]:
     """Parent pid -> child pids, for every process visible in /proc."""
     tree: dict[int, list[int]] = {}

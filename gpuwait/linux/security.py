@@ -424,22 +424,7 @@ def orphan_command_problem(
         return f"job {job.id}: process {child_pid} belongs to uid {owner}; the entry is forged"
     # Its owner (and root) can tell whether gpuwait started it: every command gets its job's id.
     # Another user cannot read it and takes the pid and start time on trust.
-    started_as = _environ_value(child_pid, b"GPUWAIT_JOB_ID")
+    started_as = proc.environ_value(child_pid, b"GPUWAIT_JOB_ID")
     if started_as is not None and started_as != job.id:
         return f"job {job.id}: process {child_pid} is not its command; the entry is forged"
     return None
-
-
-def _environ_value(pid: int, name: bytes) -> str | None:
-    """`name` in the environment process `pid` started with ("" when absent); None when it
-    cannot be read (another user's process, or gone)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read(1 << 20)
-    except OSError:
-        return None
-    prefix = name + b"="
-    for item in environ.split(b"\0"):
-        if item.startswith(prefix):
-            return item[len(prefix) :].decode(errors="replace")
-    return ""

@@ -203,6 +203,10 @@ def spawn(
         return start(script)
 
 
+#: Names the job in its command's environment (and in that of every process it starts).
+JOB_ID_VARIABLE = "GPUWAIT_JOB_ID"
+
+
 def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[str, str]:
     """The command's environment: gpuwait's own, with its GPUs and job made known (docs/usage.md,
     'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order, which no
@@ -213,7 +217,7 @@ def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[
         {
             "CUDA_VISIBLE_DEVICES": uuids,
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "GPUWAIT_JOB_ID": job.id,
+            JOB_ID_VARIABLE: job.id,
             "GPUWAIT_GPU_UUIDS": uuids,
             "GPUWAIT_GPU_INDICES": ",".join(str(i) for i in gpu_indices),
             "GPUWAIT_VRAM_BYTES": str(job.reserved_bytes),

@@ -5,7 +5,9 @@ it exactly as if it ran bare, and its stdin/stdout/stderr are gpuwait's own. Sig
 gpuwait's pid are forwarded. Every `sample_interval` the VRAM of the command's whole process tree
 is read and published in the ledger.
 
-The peak that goes into the history is the tree's own, from NVML's per-process figures. Where
+The peak that goes into the history is the tree's own, from NVML's per-process figures (with
+the processes on the job's GPUs that the command started and that left the tree, told by the job
+id in their environment). Where
 NVML has none for the tree (inside containers it lists host pids, or no figures at all), the
 growth of the card's used memory over what it held at admission stands in, and the peak is marked
 approximate. That growth is the job's only while nothing else on the card changed: where another
@@ -33,6 +35,7 @@ from gpuwait.linux.checkpoint_signal import deliver
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
 from gpuwait.queue.ledger import Ledger
+from gpuwait.runner.launch import JOB_ID_VARIABLE
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
@@ -305,8 +308,22 @@ def _sample(
     except Exception:  # a failing reading must never take the command down with it
         return sorted(tree), {}, [], None
     gpus = [g for g in snapshot.gpus if g.uuid in job.gpu_uuids]
+    tree |= _detached(tree, job, gpus)
     usage = {g.uuid: g.process_bytes(tree) for g in gpus}
     return sorted(tree), usage, gpus, snapshot
+
+
+def _detached(tree: set[int], job: Job, gpus: list[GpuSnapshot]) -> set[int]:
+    """Processes on the job's GPUs that the command started but that left its tree (a server
+    that daemonised: its parent is init now), told by the job id every command's environment
+    carries, with their own descendants. Their memory is the job's."""
+    found = {
+        p.pid
+        for g in gpus
+        for p in g.processes
+        if p.pid not in tree and proc.environ_value(p.pid, JOB_ID_VARIABLE.encode()) == job.id
+    }
+    return proc.process_tree(found) if found else set()
 
 
 def _note_sample(

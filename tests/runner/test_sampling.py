@@ -158,3 +158,53 @@ def test_a_ledger_replaced_while_the_state_dir_fails_once_is_looked_at_again(
     monkeypatch.setattr(owner, name, failing)
     assert entry_after_two_samples(sampler, tmp_path) == (False, True)
     assert failed
+
+
+class OnTheCard:
+    """One GPU on which each of `holders` (pid -> bytes) holds its memory, as NVML lists it."""
+
+    name = "fake"
+
+    def __init__(self, holders: dict[int, int]) -> None:
+        self.holders = holders
+
+    def snapshot(self) -> MachineSnapshot:
+        processes = tuple(ProcessUsage(pid, used) for pid, used in self.holders.items())
+        used = sum(self.holders.values())
+        gpu = GpuSnapshot(0, UUID, "Fake GPU", 24 * GiB, used, processes)
+        return MachineSnapshot("fake", (gpu,))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_process_the_command_left_to_run_on_its_own_counts_for_its_peak(
+    tmp_path: Path,
+) -> None:
+    # The command holds 1 GiB itself and starts a server that detaches from it (a double fork,
+    # as daemons do: the server's parent becomes init). The server's 6 GiB were the command's
+    # too: a peak of 1 GiB would size its next run without --vram at 1.1 GiB, and the 6 GiB it
+    # then takes would come out of its neighbours' room. A process of someone else's on the
+    # card still counts for nobody's peak but its own.
+    pid_file = tmp_path / "server.pid"
+    job = live_job("detaching", gpu_uuids=[UUID], state="running")
+    script = f"(sleep 30 & echo $! > {pid_file}); sleep 30"
+    child = spawn(["sh", "-c", script], {**os.environ, "GPUWAIT_JOB_ID": job.id})
+    stranger = spawn(["sleep", "30"], os.environ)
+    server = None
+    try:
+        deadline = time.monotonic() + 5
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server = int(pid_file.read_text())
+        backend = OnTheCard({child: GiB, server: 6 * GiB, stranger: 2 * GiB})
+        sampler = UsageSampler(child, job, Ledger(tmp_path), backend, 0.2)
+        sampler.sample_if_due(time.monotonic())
+        assert sampler.result.peak_bytes == {UUID: 7 * GiB}
+    finally:
+        for pid in (child, stranger):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        if server is not None:
+            os.kill(server, signal.SIGKILL)  # init reaps it
