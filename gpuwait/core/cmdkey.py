@@ -8,7 +8,8 @@ A command is known at three levels, finest first:
 
 Paths are resolved against the working directory with plain path arithmetic (no file system
 access), so `python train.py` and `python ./train.py` run from the same directory match, while
-two `train.py` in different projects do not. Interpreter options before the script (`python -u`)
+two `train.py` in different projects do not; inline code (`bash -c ...`) and a program that runs
+what its directory's files say (`make train`) count with the directory. Interpreter options before the script (`python -u`)
 are dropped: they do not change what the script allocates. `--key NAME` replaces all of this with
 a single level named by the user.
 """
@@ -54,6 +55,7 @@ _RUNS_OTHER_CODE = frozenset(
         *("time", "timeout", "stdbuf", "taskset", "numactl", "chrt", "xargs", "sudo", "doas"),
         *("make", "gmake", "ninja", "docker", "podman", "apptainer", "singularity", "gpuwait"),
         *("setsid", "flock", "unbuffer", "script", "parallel", "watch", "strace", "gdb"),
+        *("npm", "pnpm", "yarn", "just", "cargo", "snakemake", "dvc", "tox", "nox"),
     }
 )
 
@@ -124,10 +126,20 @@ def command_key(argv: Sequence[str], cwd: str) -> CommandKey:
         # in place, only a script among them is resolved.
         script, tail = _launcher_script(args, cwd)
     line = _join([program]) + (f" {tail}" if tail else "")
-    if _names_relative_paths(tail) and not line.startswith(f"{_join([program])} -m "):
-        # `run.py job.cfg` reads another file in every directory: the whole line is that
-        # directory's (a `-m` module's identity has its directory already).
-        line += f" (in {_join([cwd])})"
+    here = f" (in {_join([cwd])})"
+    # Inline code (`bash -c 'python train.py'`) names what it runs relative to its directory.
+    inline = script is not None and script.startswith("-c <")
+    if script is not None and inline:
+        script += here
+    if not line.startswith(f"{_join([program])} -m ") and (
+        inline
+        # `make train`, `npm run train`: what runs is what the directory's files say.
+        or (script is None and runs_other_code(program))
+        # `run.py job.cfg` reads another file in every directory.
+        or _names_relative_paths(tail)
+    ):
+        # The whole line is that directory's (a `-m` module's identity has it already).
+        line += here
     levels = [(COMMAND, line)]
     if script is not None:
         levels.append((SCRIPT, f"{_join([program])} {script}"))

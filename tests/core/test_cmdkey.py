@@ -133,6 +133,28 @@ def test_a_line_naming_a_relative_file_is_a_command_of_its_directory(argv: list[
 @pytest.mark.parametrize(
     "argv",
     [
+        ["make", "train"],
+        ["npm", "run", "train"],
+        ["uv", "run", "train"],
+        ["bash", "-c", "python train.py"],
+        ["python", "-c", "from train import main; main()"],
+    ],
+)
+def test_a_line_whose_code_its_directory_holds_is_a_command_of_its_directory(
+    argv: list[str],
+) -> None:
+    # `make train` runs what each project's Makefile says, inline code names files relative
+    # to where it runs: project B's 9 GiB run must not be sized by project A's 1 GiB runs
+    # (at any level an estimate may come from; the program's never counts for these).
+    a = command_key(argv, "/home/me/projA").hashes()
+    b = command_key(argv, "/home/me/projB").hashes()
+    assert a.keys() == b.keys()
+    assert all(a[level] != b[level] for level in a if level != "program")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
         ["python", "/shared/tools/train.py", "--lr", "0.001", "--epochs", "3"],
         ["python", "/shared/tools/train.py", "--out", "s3://bucket/run", "--model", "/data/m.pt"],
     ],
