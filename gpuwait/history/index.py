@@ -27,7 +27,8 @@ from typing import Any
 
 from gpuwait.core.estimate import RunStat
 from gpuwait.core.record import Record
-from gpuwait.history.record import earlier_runs, record_keys
+from gpuwait.core.sizes import MAX_SIZE
+from gpuwait.history.record import MAX_RECORDED_SECONDS, earlier_runs, record_keys
 from gpuwait.history.store import (
     KEEP_PER_KEY,
     LOCK_WAIT,
@@ -104,6 +105,9 @@ def _stat(row: Sequence[Any]) -> RunStat:
     uuids = row[8]
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise ValueError("GPUs must be a list of UUIDs")
+    if max(row[2], row[3]) > MAX_SIZE or max(row[5], row[6], row[7]) > MAX_RECORDED_SECONDS:
+        # Taken in before such figures were read as damage (history.record.run_stat).
+        raise ValueError("a figure past any real one")
     return RunStat(
         started_at=float(row[1]),
         peak_bytes=None if row[2] < 0 else int(row[2]),

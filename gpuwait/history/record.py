@@ -53,6 +53,7 @@ from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import DEFAULT_MARGIN, RunStat
 from gpuwait.core.overuse import overuse
 from gpuwait.core.record import Record
+from gpuwait.core.sizes import MAX_SIZE
 from gpuwait.core.snapshot import GpuSnapshot
 
 SCHEMA = 2
@@ -207,13 +208,29 @@ def encode_existing(record: dict[str, Any]) -> bytes:
 # --- reading --------------------------------------------------------------------------------
 
 
-def _number(value: Any) -> float:
+#: The longest run time or wait a record may hold: ten years. More is a damaged figure.
+MAX_RECORDED_SECONDS = 10 * 365 * 86400.0
+
+
+def _number(value: Any, most: float | None = None) -> float:
     # type() rather than isinstance(): bool is an int, and is no figure.
     if type(value) is not int and type(value) is not float:
         raise ValueError("not a number")
     if value != value or value in (math.inf, -math.inf):
         raise ValueError("not a finite number")
+    if most is not None and value > most:
+        # A size past any GPU's (1 PiB), a run of centuries: damaged, or edited by hand. Read
+        # as a figure, it would ask for the largest card at every launch of the command.
+        raise ValueError("beyond any real figure")
     return float(value)
+
+
+def _bytes(value: Any) -> int:
+    return max(0, int(_number(value, MAX_SIZE)))
+
+
+def _seconds(value: Any) -> float:
+    return max(0.0, _number(value, MAX_RECORDED_SECONDS))
 
 
 def gpu_uuids(record: Mapping[str, Any]) -> tuple[str, ...]:
@@ -233,17 +250,17 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
         to_peak = get("time_to_peak_seconds")
         return RunStat(
             started_at=_number(get("started_at")),
-            peak_bytes=None if peak is None else max(0, int(_number(peak))),
-            reserved_bytes=max(0, int(_number(get("reserved_bytes", 0)))),
+            peak_bytes=None if peak is None else _bytes(peak),
+            reserved_bytes=_bytes(get("reserved_bytes", 0)),
             # A run told to stop (TERM, Ctrl-C) may have ended before its peak, exit 0 or not.
             ok=get("exit_status") == 0 and get("signal") is None and get("stopped_by") is None,
             oom=get("oom") is True,
             approximate=get("peak_approximate") is True,
             # A run that stepped aside did its work in several runs: a fresh one does it all.
-            run_seconds=max(0.0, _number(get("run_seconds", 0)))
-            + max(0.0, _number(get("paused_runs_seconds", 0))),
-            wait_seconds=max(0.0, _number(get("wait_seconds", 0))),
-            time_to_peak=None if to_peak is None else max(0.0, _number(to_peak)),
+            run_seconds=_seconds(get("run_seconds", 0))
+            + _seconds(get("paused_runs_seconds", 0)),
+            wait_seconds=_seconds(get("wait_seconds", 0)),
+            time_to_peak=None if to_peak is None else _seconds(to_peak),
             gpu_uuids=gpu_uuids(record),
         )
     except (ValueError, TypeError, OverflowError):

@@ -105,6 +105,47 @@ def test_a_damaged_line_is_skipped_and_reported_once(tmp_path: Path) -> None:
     assert learn(tmp_path, TRAIN, CWD, now=NOW).warnings == ()
 
 
+@pytest.mark.parametrize(
+    "figures",
+    [
+        {"peak_bytes": 1e300},
+        {"peak_bytes": 2**70},
+        {"reserved_bytes": 1e300, "oom": True, "exit_status": 1},
+        {"run_seconds": 1e300},
+    ],
+    ids=["peak", "huge-peak", "reservation", "run-time"],
+)
+def test_a_record_with_an_impossible_figure_is_damaged_not_learned(
+    tmp_path: Path, figures: dict[str, Any]
+) -> None:
+    # A line edited by hand or damaged on disk says a run peaked at 10^300 bytes: it would make
+    # every launch of the command ask for the largest card, and `estimate` print a 290-digit
+    # size. It is a damaged line, skipped and reported, as any other.
+    for i in range(3):
+        store.append_record(tmp_path, record(TRAIN, 3, NOW - 10 + i))
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 1, **figures))
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert learned.estimate.bytes == int(3.375 * GiB)
+    assert learned.run_time is not None and learned.run_time.high == 10.0
+    assert len(learned.warnings) == 1 and "skipped 1 damaged line(s)" in learned.warnings[0]
+
+
+def test_an_impossible_figure_the_index_took_in_before_is_not_learned(tmp_path: Path) -> None:
+    # An index written while such figures were still read as real ones holds 10^300 bytes for
+    # a run: it is taken for damaged and built again from the history.
+    for i in range(3):
+        store.append_record(tmp_path, record(TRAIN, 3, NOW - 10 + i))
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 1))
+    learn(tmp_path, TRAIN, CWD, now=NOW)
+    for bucket in (tmp_path / index.DIRNAME).glob("b*.json"):
+        entries = json.loads(bucket.read_text())
+        for entry in entries.values():
+            entry["runs"][-1][2] = 1e300
+        bucket.write_text(json.dumps(entries))
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert learned.estimate.bytes == int(3.375 * GiB)
+
+
 def test_a_line_left_without_newline_does_not_swallow_the_next_record(tmp_path: Path) -> None:
     path = store.history_path(tmp_path)
     store.append_record(tmp_path, record(TRAIN, 3, NOW - 3))
