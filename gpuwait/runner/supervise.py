@@ -85,17 +85,20 @@ class RunResult(Record):
     def peaks(self) -> tuple[dict[str, int], bool]:
         """The best peak per GPU, and whether any of them is approximate.
 
-        GPUs with neither per-process figures nor a measurable growth are left out: unknown.
+        Where the peak of one of its GPUs is unknown (neither per-process figures nor a growth
+        of the job's own), none is known: the others' could be far below it, and the run's peak
+        (the most on any GPU) would size the next run too small.
         """
+        known = set(self.attributed) | set(self.accounting_bytes)
+        if self.growth_mixed - known:
+            return {}, False  # unknown: too small a figure would size the next run too small
         peaks: dict[str, int] = {}
         approximate = False
-        for uuid in set(self.attributed) | set(self.growth_bytes) | set(self.accounting_bytes):
+        for uuid in known | set(self.growth_bytes):
             if uuid in self.accounting_bytes:
                 peaks[uuid] = max(self.accounting_bytes[uuid], self.peak_bytes.get(uuid, 0))
             elif uuid in self.attributed:
                 peaks[uuid] = self.peak_bytes.get(uuid, 0)
-            elif uuid in self.growth_mixed:
-                continue  # unknown: too small a figure would size the next run too small
             else:
                 peaks[uuid] = self.growth_bytes[uuid]
                 approximate = True

@@ -208,3 +208,47 @@ def test_a_process_the_command_left_to_run_on_its_own_counts_for_its_peak(
             os.waitpid(pid, 0)
         if server is not None:
             os.kill(server, signal.SIGKILL)  # init reaps it
+
+
+UUID_2 = "GPU-00000000-0000-0000-0000-000000000002"
+
+
+class NoProcessFigures:
+    """Two GPUs whose used memory is `used` (per UUID), listing no processes (a container)."""
+
+    name = "fake"
+
+    def __init__(self, used: dict[str, int]) -> None:
+        self.used = used
+
+    def snapshot(self) -> MachineSnapshot:
+        gpus = tuple(
+            GpuSnapshot(i, uuid, "Fake GPU", 24 * GiB, used, (), per_process=False)
+            for i, (uuid, used) in enumerate(self.used.items())
+        )
+        return MachineSnapshot("fake", gpus)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_job_on_two_gpus_whose_peak_is_unknown_on_one_has_no_peak(tmp_path: Path) -> None:
+    # No per-process figures (a container): the growth of each card stands in, but another job
+    # ran on the second card, so the 9 GiB grown there are not known to be this job's. The 3
+    # GiB of the first card are no peak of the job: its next run would reserve 3.4 GiB a card.
+    ledger = Ledger(tmp_path)
+    neighbour = live_job("neighbour", gpu_uuids=[UUID_2], state="running")
+    with ledger.transaction() as data:
+        data.jobs.append(neighbour)
+    job = live_job("gang", gpu_uuids=[UUID, UUID_2], state="running")
+    child = spawn(["sleep", "30"], os.environ)
+    try:
+        backend = NoProcessFigures({UUID: 3 * GiB, UUID_2: 13 * GiB})
+        sampler = UsageSampler(
+            child, job, ledger, backend, 0.2, baseline_used={UUID: 0, UUID_2: 4 * GiB}
+        )
+        sampler.sample_if_due(time.monotonic())
+        assert sampler.result.peaks() == ({}, False)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
