@@ -141,6 +141,7 @@ def _report(learned: Learned, default: str, launched: _Launched) -> dict[str, An
         "high_bytes": est.high_bytes,
         "margin": est.margin,
         "finer_floor_bytes": est.finer_floor_bytes,
+        "second_lowest_bytes": est.second_lowest_bytes,
         "oom_floor_bytes": est.oom_floor_bytes,
         "approximate": est.approximate,
         "levels": [
@@ -201,6 +202,11 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
                 f"          {QUANTILE * 100:g}th percentile of the peaks "
                 f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "
                 f"peaks {format_size(est.low_bytes)} to {format_size(est.high_bytes)}"
+            )
+        if est.second_lowest_bytes:
+            print(
+                f"          not below {format_size(est.second_lowest_bytes)}, the second-lowest "
+                "peak: one run alone does not lower the size"
             )
         if est.finer_floor_bytes:
             print(

@@ -15,7 +15,9 @@ The rules:
   peaks is taken, each run weighted by age (halved every HALF_LIFE; runs older than MAX_AGE are
   left out; a run dated over a day after now was recorded while the wall clock was ahead, and
   counts as the oldest). A high quantile rather than the last value or the mean: one small run must not
-  starve the next, and one odd spike among many must not reserve for ever.
+  starve the next, and one odd spike among many must not reserve for ever. Nor is it below the
+  second-lowest peak: the newest run, weighing more than many old ones together, would
+  otherwise set it alone.
 - At a coarser level (the same script with other arguments, or an agreeing program) it is the
   largest recent peak there: other arguments may need more than any one run showed.
 - Finer levels with fewer runs still count: the estimate never goes below the highest peak seen
@@ -102,6 +104,8 @@ class Estimate(Record, frozen=True):
     high_bytes: int = 0
     #: Highest peak at a finer level, when it is above the quantile.
     finer_floor_bytes: int = 0
+    #: The second-lowest peak, when it is above the quantile (one run never lowers it alone).
+    second_lowest_bytes: int = 0
     #: OOM_GROWTH times what the last failed run had, when an OOM is newer than the last success.
     oom_floor_bytes: int = 0
     margin: float = 0.0
@@ -255,13 +259,17 @@ def estimate(
     weights = [age_weight(age(r, now, max_age), half_life) for r in used]
     exact = name in EXACT_LEVELS
     q_bytes = int(weighted_quantile(peaks, weights, quantile) if exact else max(peaks))
+    # One run never sets the size alone: the newest, weighing more than many old ones
+    # together, would (one that ended at once, with only its CUDA context).
+    second = int(sorted(peaks)[1]) if exact and len(peaks) > 1 else 0
     finer = [
         r.peak_bytes or 0
         for _, finer_runs in levels[:chosen]
         for r in successes(recent(finer_runs, now, max_age))[:window]
     ]
     finer_floor = max(finer, default=0)
-    learned = max(MIN_ESTIMATE, tidy_size(max(q_bytes, finer_floor) * (1 + max(0.0, margin))))
+    floor = max(second, finer_floor)
+    learned = max(MIN_ESTIMATE, tidy_size(max(q_bytes, floor) * (1 + max(0.0, margin))))
     return Estimate(
         bytes=max(learned, floor_oom),
         level=name,
@@ -269,7 +277,8 @@ def estimate(
         quantile_bytes=q_bytes,
         low_bytes=int(min(peaks)),
         high_bytes=int(max(peaks)),
-        finer_floor_bytes=finer_floor if finer_floor > q_bytes else 0,
+        finer_floor_bytes=finer_floor if finer_floor > max(q_bytes, second) else 0,
+        second_lowest_bytes=second if second > q_bytes else 0,
         oom_floor_bytes=floor_oom,
         margin=margin,
         approximate=any(r.approximate for r in used),

@@ -95,6 +95,20 @@ def test_old_runs_weigh_less_and_age_out() -> None:
     assert estimate(one_level(*ancient), NOW).bytes is None
 
 
+def test_one_small_run_after_old_ones_does_not_set_the_size_alone() -> None:
+    # Ten runs of 9 GiB, 110 days old, then one that ended at once (its data missing, exit 0)
+    # with only its CUDA context: weighing 20 times more than all of them, it alone would
+    # size the next run at 384 MiB, which then takes 9 GiB from its neighbours.
+    old = [run(9, 110 + i / 10) for i in range(10)]
+    odd = run(0.3, 0.01)
+    est = estimate(one_level(*old, odd), NOW)
+    assert est.bytes == tidy_size(9 * GiB * 1.1)
+    assert (est.quantile_bytes, est.second_lowest_bytes) == (int(0.3 * GiB), 9 * GiB)
+    # A second such run says the command needs that little now.
+    again = run(0.3, 0.0)
+    assert estimate(one_level(*old, odd, again), NOW).bytes == tidy_size(int(0.3 * GiB) * 1.1)
+
+
 def test_runs_recorded_while_the_clock_was_ahead_do_not_hide_the_latest_ones() -> None:
     # A date set a year ahead for a day, put right since: those runs look newer than any other
     # for a year, and would fill the window of the newest runs all that time.
