@@ -80,6 +80,7 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     if not match:
         if _SIZE_RE.match(text.strip().removeprefix("-")):
             raise ValueError(f"{text.strip()!r} is negative; give a size above zero, e.g. 6G")
+        _decimal_comma(text, _SIZE_RE)
         raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
@@ -96,6 +97,20 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     return math.ceil(value)
 
 
+def _decimal_comma(text: str, pattern: re.Pattern[str]) -> None:
+    """Raise ValueError saying so where `text` is `pattern` written with a decimal comma (6,5G)."""
+    pointed = text.strip().replace(",", ".", 1)
+    if "," not in text or not pattern.match(pointed):
+        return
+    if re.search(r",\d{3}(?!\d)", text):
+        # 1,000G: a thousand, or one in a locale with a decimal comma? Guess neither.
+        raise ValueError(
+            f"{text.strip()!r} is not a size; write it without a comma (thousands as 1000G, "
+            "decimals with a point: 1.5G)"
+        )
+    raise ValueError(f"{text.strip()!r} is not a size; write decimals with a point: {pointed}")
+
+
 def parse_request(text: str) -> MemoryRequest:
     """A `--vram` value: a size, or a percentage of each card's total (`50%`). Must be > 0."""
     if _PERCENT_RE.match(text.strip().removeprefix("-")) and text.strip().startswith("-"):
@@ -106,6 +121,7 @@ def parse_request(text: str) -> MemoryRequest:
         if not 0 < value <= 100:
             raise ValueError(f"{text!r}: a percentage of a GPU must be above 0% and at most 100%")
         return MemoryRequest(fraction=value / 100)
+    _decimal_comma(text, _PERCENT_RE)
     size = parse_size(text, hint=REQUEST_UNIT_HINT)
     if size <= 0:
         raise ValueError(f"{text!r}: a VRAM request must be larger than zero")

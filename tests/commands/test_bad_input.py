@@ -21,6 +21,11 @@ CASES: dict[str, Case] = {
     "size with a bad unit": (["--vram", "6X", "true"], {}, None, None, 2, "not a size"),
     "empty size": (["--vram", "", "true"], {}, None, None, 2, "not a size"),
     "exponent size": (["--vram", "1e3G", "true"], {}, None, None, 2, "not a size"),
+    # A decimal comma, as many locales write it: told to give the unit it has, no one would
+    # see what to change.
+    "decimal comma": (["--vram", "6,5G", "true"], {}, None, None, 2, "with a point: 6.5G"),
+    # 1,000G: a thousand, or one? Neither is guessed (1.000G would ask for a thousandth).
+    "thousands comma": (["--vram", "1,000G", "true"], {}, None, None, 2, "as 1000G"),
     "zero percent": (["--vram", "0%", "true"], {}, None, None, 2, "percentage"),
     # A number without a unit meant GiB to whoever typed it; taken as bytes it admitted a job
     # with no room at all.
