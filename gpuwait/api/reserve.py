@@ -247,7 +247,7 @@ def reserve(
     """Wait until `vram` fits on `gpus` GPUs, as `gpuwait --vram VRAM ...` waits, and hold it for
     this process; CUDA_VISIBLE_DEVICES (and the GPUWAIT_* variables) are set in os.environ.
 
-    `vram`: "6G", "6GiB", "6GB", "50%", or bytes; None: learned from this program's (or `key`'s)
+    `vram`: "6G", "6GiB", "6GB", "50%", or bytes as an int (at least 1 MiB); None: learned from this program's (or `key`'s)
     earlier runs, else default_vram. `timeout`: seconds, or "30m". The other options are the
     command line's (docs/usage.md), and settings left out come from GPUWAIT_* and the config
     files as for the CLI. Raises ReserveError; a Ctrl-C while waiting raises KeyboardInterrupt.
@@ -299,10 +299,30 @@ def _text(value: object) -> str | None:
     return None if value is None else str(value)
 
 
-def _size_text(value: str | int | None) -> str | None:
-    # A bare number is refused by the command line (6 meant 6G to whoever typed it); from
-    # Python an int is bytes.
-    return f"{value}B" if isinstance(value, int) else value
+#: The fewest bytes an int may give: fewer are no GPU job's memory, but a size in GiB.
+_MIN_INT_BYTES = 2**20
+
+
+def _size_text(value: object) -> str | None:
+    """A size given from Python as the command line's word. An int is bytes; a bare number is
+    refused by the command line (6 meant 6G to whoever typed it), and so, from Python, are a
+    float and an int too small to be a GPU job's bytes: `reserve(6)` would hold 6 bytes, and the
+    process would take its 6 GiB from its neighbours."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, int) and not 0 < value < _MIN_INT_BYTES:
+            return f"{value}B"
+        raise ReserveError(
+            f"{value!r} has no unit: write '{value:g}G' for {value:g} GiB",
+            hint="a size as text (6G, 6GiB, 6GB, 512M, 50%), or an int of bytes (at least 1 MiB)",
+            exit_code=EXIT_USAGE,
+        )
+    raise ReserveError(
+        f"{value!r} is not a size",
+        hint="a size as text (6G, 6GiB, 6GB, 512M, 50%), or an int of bytes (at least 1 MiB)",
+        exit_code=EXIT_USAGE,
+    )
 
 
 def _listed(devices: str | Sequence[int | str] | None) -> str | None:

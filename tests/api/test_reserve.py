@@ -333,6 +333,28 @@ def test_options_are_the_command_lines(sim: Path, holders: Any) -> None:
     assert got["exit_code"] == 2 and "fastest" in got["error"]
 
 
+@pytest.mark.parametrize(
+    ("vram", "words"),
+    [
+        # 6 meant 6 GiB to whoever wrote it, as on the command line: 6 bytes would hold no
+        # room at all, and the process would take its 6 GiB from its neighbours.
+        (6, "write '6G' for 6 GiB"),
+        (6.5, "write '6.5G' for 6.5 GiB"),
+        (True, "not a size"),
+    ],
+)
+def test_a_number_too_small_to_be_bytes_is_refused(
+    sim: Path, gpuwait_cmd: list[str], vram: object, words: str
+) -> None:
+    import gpuwait
+
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve(vram)  # type: ignore[arg-type]
+    assert caught.value.exit_code == 2
+    assert words in caught.value.message
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_refused_where_cuda_is_already_initialised(
     sim: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]
 ) -> None:
