@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
-from gpuwait.commands.parsing import Parser
+from gpuwait.commands.parsing import Parser, whole_number
 from gpuwait.config import Settings, load_settings
 from gpuwait.core.devices import parse_inherited_visible
 from gpuwait.core.errors import GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
-from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
+from gpuwait.core.sizes import MAX_GPUS, MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.history.learn import (
@@ -35,11 +35,18 @@ ESTIMATE_SCHEMA = 1
 def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait estimate",
-        usage="gpuwait estimate [--key NAME] [--json] [--] COMMAND [ARGS...]",
+        usage="gpuwait estimate [--key NAME] [--gpus N] [--json] [--] COMMAND [ARGS...]",
         description="Show the VRAM that `gpuwait COMMAND` (without --vram) would ask for, the "
         "runs it is learned from, and the command's usual run time.",
     )
     parser.add_argument("--key", metavar="NAME", help="the name given with `gpuwait --key NAME`")
+    parser.add_argument(
+        "--gpus",
+        type=whole_number(1, MAX_GPUS),
+        default=1,
+        metavar="N",
+        help="the size per GPU for a run on N GPUs, as `gpuwait --gpus N` asks (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
@@ -60,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         key=args.key,
         margin=settings.estimate_margin,
         max_bytes=settings.history_max_size,
+        gpus=args.gpus,
     )
     for message in learned.warnings:
         output.warn(message)
@@ -144,6 +152,7 @@ def _report(learned: Learned, default: str, launched: _Launched) -> dict[str, An
         "second_lowest_bytes": est.second_lowest_bytes,
         "oom_floor_bytes": est.oom_floor_bytes,
         "approximate": est.approximate,
+        "spread_over_fewer_gpus": est.spread_over_fewer,
         "levels": [
             {
                 "level": lv.name,
@@ -217,6 +226,11 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
             print(
                 f"          at least {format_size(est.oom_floor_bytes)} after an "
                 "out-of-memory failure (until a run succeeds)"
+            )
+        if est.spread_over_fewer:
+            print(
+                "          runs on more GPUs count for what they held in all, spread over "
+                "this run's"
             )
         if est.approximate:
             print("          some peaks are approximate (no per-process figures from NVML)")

@@ -26,6 +26,10 @@ The rules:
 - An out-of-memory failure newer than the last success raises the estimate above what that run
   had: OOM_GROWTH times the larger of its peak and its reservation (usable levels only: another
   script's failure says nothing about this one).
+- The size is per GPU, for a job on a given number of GPUs: runs on as many GPUs count alone
+  where there are at least MIN_RUNS successful ones; else a run on more GPUs counts for
+  what it held in all, spread over the job's (a model split across the cards it is given needs
+  twice as much on each of half as many).
 - Run times (ETAs, time left, backfill) come from the same usable levels.
 """
 
@@ -112,6 +116,8 @@ class Estimate(Record, frozen=True):
     approximate: bool = False
     #: "quantile" (the exact command's runs) or "largest" (a coarser level's largest peak).
     rule: str = "quantile"
+    #: Runs on more GPUs than the job's counted for what they held in all (`for_gpus`).
+    spread_over_fewer: bool = False
 
     @property
     def raised_by_oom(self) -> bool:
@@ -228,6 +234,39 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
     return floor
 
 
+def on_fewer_gpus(run: RunStat, gpus: int) -> RunStat:
+    """`run` as a job on `gpus` GPUs may need it: a run on more held its memory spread over
+    them (a model split across the cards it is given), and on fewer each card may hold that
+    many times more. A run whose GPUs are not known (a compacted record) counts as it is."""
+    count = len(run.gpu_uuids)
+    if count <= gpus:
+        return run
+    return run._replace(
+        peak_bytes=None if run.peak_bytes is None else run.peak_bytes * count // gpus,
+        reserved_bytes=run.reserved_bytes * count // gpus,
+    )
+
+
+def for_gpus(
+    levels: Sequence[tuple[str, Sequence[RunStat]]],
+    gpus: int,
+    now: float,
+    min_runs: int = MIN_RUNS,
+    max_age: float = MAX_AGE,
+) -> list[tuple[str, Sequence[RunStat]]]:
+    """The runs at each level as they size a job on `gpus` GPUs: those on as many GPUs alone
+    where there are at least `min_runs` successful ones of them, else all, those on more GPUs
+    counted for what they held in all (`on_fewer_gpus`). Runs whose GPUs are not known count
+    as runs on as many."""
+    result: list[tuple[str, Sequence[RunStat]]] = []
+    for name, runs in levels:
+        same = [r for r in runs if len(r.gpu_uuids) in (0, gpus)]
+        if len(same) < len(runs) and len(successes(recent(same, now, max_age))) < min_runs:
+            same = [on_fewer_gpus(r, gpus) for r in runs]
+        result.append((name, same))
+    return result
+
+
 def estimate(
     levels: Sequence[tuple[str, Sequence[RunStat]]],
     now: float,
@@ -238,8 +277,11 @@ def estimate(
     min_runs: int = MIN_RUNS,
     half_life: float = HALF_LIFE,
     max_age: float = MAX_AGE,
+    gpus: int = 1,
 ) -> Estimate:
-    """The VRAM request for a command whose runs at each level (finest first) are given."""
+    """The VRAM request per GPU for a command whose runs at each level (finest first) are
+    given, run on `gpus` GPUs (see `for_gpus`)."""
+    levels = for_gpus(levels, gpus, now, min_runs, max_age)
     chosen = choose_level(levels, now, min_runs, max_age)
     # OOMs count at the finest level that has any runs: they are about this very command.
     finest_with_runs = next((runs for _, runs in levels if recent(runs, now, max_age)), ())
@@ -283,6 +325,7 @@ def estimate(
         margin=margin,
         approximate=any(r.approximate for r in used),
         rule="quantile" if exact else "largest",
+        spread_over_fewer=any(len(r.gpu_uuids) > gpus for r in used),
     )
 
 

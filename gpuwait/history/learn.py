@@ -86,6 +86,8 @@ class Learned(Record, frozen=True):
             text = f"largest peak of {est.runs} {words}{other}"
         else:
             text = f"estimated from {est.runs} {words}"
+        if est.spread_over_fewer:
+            text += ", those on more GPUs for what they held in all"
         if est.raised_by_oom:
             text += ", raised after an out-of-memory failure"
         return text
@@ -125,8 +127,10 @@ def learn(
     margin: float = DEFAULT_MARGIN,
     now: float | None = None,
     max_bytes: int = DEFAULT_HISTORY_MAX_BYTES,
+    gpus: int = 1,
 ) -> Learned:
-    """Look the command up in the history index and estimate from what is found.
+    """Look the command up in the history index and estimate from what is found, per GPU for a
+    job on `gpus` GPUs.
 
     `max_bytes`: the history's size limit (history_max_size), which bounds what is read."""
     ckey = key_for(command, cwd, key)
@@ -149,7 +153,7 @@ def learn(
     return Learned(
         key=ckey,
         levels=tuple(levels),
-        estimate=estimate(pairs, clock, margin),
+        estimate=estimate(pairs, clock, margin, gpus=gpus),
         run_time=run_time(pairs, clock),
         wait_time=wait_time(pairs, clock),
         load_time=load_time(pairs, clock),
@@ -177,11 +181,13 @@ def choose_request(
     key: str | None,
     margin: float,
     max_bytes: int,
+    gpus: int = 1,
 ) -> RequestChoice:
-    """--vram when given; else the estimate from earlier runs; else the default_vram setting."""
+    """--vram when given; else the estimate from earlier runs (for `gpus` GPUs); else the
+    default_vram setting."""
     if vram_flag is not None:
         return RequestChoice(vram_flag, FLAG)
-    learned = learn(state_dir, command, cwd, key=key, margin=margin, max_bytes=max_bytes)
+    learned = learn(state_dir, command, cwd, key=key, margin=margin, max_bytes=max_bytes, gpus=gpus)
     if learned.estimate.bytes is not None:
         note = learned.basis()
         if learned.estimate.approximate:

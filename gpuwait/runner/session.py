@@ -261,6 +261,7 @@ def _choose(request: RunRequest, config: RunConfig, vram: MemoryRequest | None) 
         key=request.key,
         margin=config.estimate_margin,
         max_bytes=config.history_max_size,
+        gpus=request.gpus,
     )
 
 

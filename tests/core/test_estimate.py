@@ -109,6 +109,28 @@ def test_one_small_run_after_old_ones_does_not_set_the_size_alone() -> None:
     assert estimate(one_level(*old, odd, again), NOW).bytes == tidy_size(int(0.3 * GiB) * 1.1)
 
 
+def on_gpus(stat: RunStat, count: int) -> RunStat:
+    return stat._replace(gpu_uuids=tuple(f"GPU-{i}" for i in range(count)))
+
+
+def test_runs_on_more_gpus_size_a_job_on_fewer_for_what_they_held_in_all() -> None:
+    # A model spread over the cards it is given (device_map="auto"): 9 GiB on each of 2, so
+    # 18 GiB on 1. Sized by the 2-GPU runs, a 1-GPU run reserved 9.9 GiB and took 18.
+    spread = [on_gpus(run(9, i / 10), 2) for i in range(3)]
+    assert estimate(one_level(*spread), NOW, gpus=2).bytes == tidy_size(9 * GiB * 1.1)
+    assert estimate(one_level(*spread), NOW, gpus=1).bytes == tidy_size(18 * GiB * 1.1)
+    # Runs on as many GPUs as the job, once there are enough, size it alone: a job that holds
+    # as much on each card however many it has is not sized 2x for ever, and the 2-GPU runs
+    # go on sizing 2-GPU runs after a 1-GPU one.
+    single = [on_gpus(run(9, 0.01 + i / 10), 1) for i in range(3)]
+    assert estimate(one_level(*spread, *single), NOW, gpus=1).bytes == tidy_size(9 * GiB * 1.1)
+    once = on_gpus(run(18, 0.0), 1)
+    assert estimate(one_level(*spread, once), NOW, gpus=2).bytes == tidy_size(9 * GiB * 1.1)
+    # An out-of-memory failure on 2 GPUs raises the floor for 1 by as much.
+    failed = on_gpus(run(9, 0.0, ok=False, oom=True, reserved_gib=9), 2)
+    assert estimate(one_level(failed), NOW, gpus=1).bytes == tidy_size(18 * GiB * 1.5)
+
+
 def test_runs_recorded_while_the_clock_was_ahead_do_not_hide_the_latest_ones() -> None:
     # A date set a year ahead for a day, put right since: those runs look newer than any other
     # for a year, and would fill the window of the newest runs all that time.
