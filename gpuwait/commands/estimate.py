@@ -193,7 +193,9 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
         fallback = "a whole GPU" if default == "exclusive" else default
         # "no earlier runs" only where there are none: runs that do not count are said below.
         why = (
-            "no earlier run counts"
+            f"{learned.basis()} (name it with --key to learn its size)"
+            if learned.key.typed_in
+            else "no earlier run counts"
             if any(lv.total_runs for lv in learned.levels)
             else "no earlier runs"
         )

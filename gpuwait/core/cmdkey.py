@@ -9,9 +9,11 @@ A command is known at three levels, finest first:
 Paths are resolved against the working directory with plain path arithmetic (no file system
 access), so `python train.py` and `python ./train.py` run from the same directory match, while
 two `train.py` in different projects do not; inline code (`bash -c ...`) and a program that runs
-what its directory's files say (`make train`) count with the directory. Interpreter options before the script (`python -u`)
-are dropped: they do not change what the script allocates. `--key NAME` replaces all of this with
-a single level named by the user.
+what its directory's files say (`make train`) count with the directory. Interpreter options
+before the script (`python -u`) are dropped: they do not change what the script allocates.
+`--key NAME` replaces all of this with a single level named by the user. Code typed at a
+prompt or piped in (`python`, `bash`, `python - < x.py`) is marked `typed_in`: no run of it
+sizes another.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ _RUNS_OTHER_CODE = frozenset(
 )
 
 
+#: Interpreters and shells that read code typed at their prompt (or piped in) when given no
+#: script: each such session runs code no earlier one did.
+_PROMPTS = frozenset(
+    {
+        *_SHELLS,
+        *("ipython", "jupyter", "node", "nodejs", "deno", "bun", "R", "julia", "ruby", "perl"),
+        *("lua", "luajit", "php", "tclsh", "octave", "matlab"),
+    }
+)
+
+
 def runs_other_code(program: str) -> bool:
     """Is `program` (as `command_key` names it) an interpreter, shell or launcher?"""
     base = os.path.basename(program)
@@ -70,6 +83,9 @@ class CommandKey(Record, frozen=True):
     """The levels of one command: (level, text) pairs, finest first, no two with the same text."""
 
     levels: tuple[tuple[str, str], ...]
+    #: Its code is typed at a prompt or piped in (`python`, `bash`, `python - < x.py`): no two
+    #: runs need be alike, so no run sizes another.
+    typed_in: bool = False
 
     def hashes(self) -> dict[str, str]:
         """Level -> hash of its text: what the history stores and the index is keyed by."""
@@ -129,8 +145,8 @@ def command_key(argv: Sequence[str], cwd: str) -> CommandKey:
     here = f" (in {_join([cwd])})"
     # Inline code (`bash -c 'python train.py'`) names what it runs relative to its directory.
     inline = script is not None and script.startswith("-c <")
-    if script is not None and inline:
-        script += here
+    if inline:
+        script = f"{script}{here}"
     if not line.startswith(f"{_join([program])} -m ") and (
         inline
         # `make train`, `npm run train`: what runs is what the directory's files say.
@@ -144,7 +160,12 @@ def command_key(argv: Sequence[str], cwd: str) -> CommandKey:
     if script is not None:
         levels.append((SCRIPT, f"{_join([program])} {script}"))
     levels.append((PROGRAM, program))
-    return CommandKey(levels=tuple(levels))
+    # No script, no inline code (-c), no module (-m: Python's then has a tail): what runs is
+    # typed at the prompt, or piped in.
+    typed_in = script == "-" or (
+        script is None and (base in _PROMPTS or (not tail and bool(_PYTHON_RE.match(base))))
+    )
+    return CommandKey(levels=tuple(levels), typed_in=typed_in)
 
 
 #: A file name with a suffix (`job.cfg`, `train.yaml`); a number (`0.001`) has no letter before it.

@@ -73,6 +73,8 @@ class Learned(Record, frozen=True):
     def basis(self) -> str:
         """`estimated from 3 runs of this exact command`, for the wait line and `estimate`."""
         est = self.estimate
+        if self.key.typed_in:
+            return "its code is typed or piped in"
         if est.bytes is None or est.level is None:
             return "no earlier runs"
         if est.runs == 0:
@@ -105,7 +107,10 @@ class Learned(Record, frozen=True):
 
 
 def _usable(ckey: CommandKey, levels: Sequence[Level], now: float) -> list[tuple[str, Any]]:
-    """The levels whose runs may teach this command anything (gpuwait.core.estimate)."""
+    """The levels whose runs may teach this command anything (gpuwait.core.estimate): none
+    where its code is typed or piped in, which no earlier session's runs tell anything of."""
+    if ckey.typed_in:
+        return []
     program = ckey.text(PROGRAM)
     return usable_levels(
         [(lv.name, lv.runs) for lv in levels],
@@ -194,7 +199,8 @@ def choose_request(
             note += ", some measured approximately"
         return RequestChoice(MemoryRequest(bytes=learned.estimate.bytes), ESTIMATE, note, learned)
     what = "this --key" if key else "this command"
-    return RequestChoice(default, DEFAULT, f"no earlier runs of {what}: default_vram", learned)
+    why = learned.basis() if learned.key.typed_in else f"no earlier runs of {what}"
+    return RequestChoice(default, DEFAULT, f"{why}: default_vram", learned)
 
 
 def cap_to_cards(

@@ -162,3 +162,23 @@ def test_a_line_whose_code_its_directory_holds_is_a_command_of_its_directory(
 def test_a_line_naming_no_relative_file_is_the_same_command_anywhere(argv: list[str]) -> None:
     a = command_key(argv, "/home/me/projA").hashes()
     assert a == command_key(argv, "/home/me/projB").hashes()
+
+
+@pytest.mark.parametrize(
+    ("argv", "typed"),
+    [
+        (["python"], True),
+        (["python3", "-q"], True),
+        (["python", "-"], True),
+        (["bash", "-l"], True),
+        (["ipython"], True),
+        (["jupyter", "lab"], True),
+        (["python", "train.py"], False),
+        (["python", "-m", "torch.distributed.run", "--nproc_per_node", "2"], False),
+        (["python", "-c", "import train"], False),
+        (["bash", "job.sh"], False),
+        (["make", "train"], False),
+    ],
+)
+def test_code_typed_at_a_prompt_or_piped_in_is_told_apart(argv: list[str], typed: bool) -> None:
+    assert command_key(argv, CWD).typed_in is typed

@@ -79,6 +79,27 @@ def test_estimate_from_appended_records(tmp_path: Path) -> None:
     assert estimate_bytes(tmp_path, ["bash", "x.sh"]) is None
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["python"], ["python3", "-q"], ["python", "-"], ["bash"], ["bash", "-l"], ["ipython"]],
+)
+def test_code_typed_or_piped_in_is_never_sized_by_earlier_sessions(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    # `python` at a prompt (the shell hook wraps it): one session looked at a tensor (300 MiB),
+    # the next loads a 10 GiB model. Sized by the first, the second would take its 10 GiB from
+    # its neighbours. Such a command has no estimate (default_vram), unless --key names it.
+    state = tmp_path
+    for i in range(3):
+        store.append_record(state, record(argv, 0.3, NOW - 10 + i))
+    learned = learn(state, argv, CWD, now=NOW)
+    assert learned.estimate.bytes is None and "typed" in learned.basis()
+    keyed = {**record(argv, 0.3, NOW - 1), "keys": {"key": run_record.key_hash("key", "repl")}}
+    for i in range(3):
+        store.append_record(state, {**keyed, "started_at": NOW - 5 + i})
+    assert learn(state, argv, CWD, key="repl", now=NOW).estimate.bytes == 384 * 2**20
+
+
 def test_files_are_private(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store.append_record(state, record(TRAIN, 3, NOW))
