@@ -257,8 +257,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             oom=get("oom") is True,
             approximate=get("peak_approximate") is True,
             # A run that stepped aside did its work in several runs: a fresh one does it all.
-            run_seconds=_seconds(get("run_seconds", 0))
-            + _seconds(get("paused_runs_seconds", 0)),
+            run_seconds=_seconds(get("run_seconds", 0)) + _seconds(get("paused_runs_seconds", 0)),
             wait_seconds=_seconds(get("wait_seconds", 0)),
             time_to_peak=None if to_peak is None else _seconds(to_peak),
             gpu_uuids=gpu_uuids(record),
