@@ -286,8 +286,16 @@ def run(options: argparse.Namespace) -> int:
         refusal = detect(config.nvml_timeout, simulated=config.sim is not None).refusal()
         if refusal is not None:
             raise UsageError(refusal)
+    console = Console(options.quiet)
+    if (request.pausable or request.freezable) and request.gpus > 1:
+        # Only one-GPU jobs are asked (room freed on one of a gang's cards serves nobody).
+        way = "--pausable" if request.pausable else "--freezable"
+        console.warn(
+            f"a job on {request.gpus} GPUs is never asked to step aside: {way} changes "
+            "nothing for it (docs/pausing.md)"
+        )
     try:
-        return session.run(request, config, Console(options.quiet))
+        return session.run(request, config, console)
     except GpuwaitError as exc:
         if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
             exc.hint = _subcommand_hint(request.command[0])

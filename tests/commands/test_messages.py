@@ -54,6 +54,18 @@ def test_a_misspelled_variable_is_named_with_the_setting_it_likely_means(sim: Pa
     ]
 
 
+def test_a_pausable_job_on_two_gpus_is_told_it_is_never_asked_to_step_aside(sim: Path) -> None:
+    # It runs as asked; but it had said it would step aside, and nobody will ever ask it to.
+    done = gpuwait("--pausable", "--gpus", "2", "--vram", "1G", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: a job on 2 GPUs is never asked to step aside: --pausable changes "
+        "nothing for it (docs/pausing.md)"
+    ]
+    quiet = gpuwait("--pausable", "--gpus", "2", "--vram", "1G", "-q", "--", "true")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
 def test_an_unknown_variable_far_from_every_setting_points_at_the_list(sim: Path) -> None:
     done = gpuwait("status", GPUWAIT_ZQX="1")
     assert done.returncode == 0
