@@ -2,8 +2,8 @@
 
     gpuwait --pausable --vram 8G -- python train_pytorch.py --steps 5000 --ckpt run/ckpt.pt
 
-On gpuwait's checkpoint signal it saves model, optimizer and step to --ckpt and exits with the
-resume status; gpuwait re-runs it later and it continues from the saved step. It runs on the CPU
+On gpuwait's checkpoint signal it saves model, optimizer, step and random state to --ckpt and
+exits with the resume status; gpuwait re-runs it later and it continues from the saved step. It runs on the CPU
 when no GPU is visible, so it can be tried anywhere; --step-time makes each step last as long as
 a real model's would, so that a try on the CPU runs long enough to be paused.
 """
@@ -45,6 +45,12 @@ def main() -> int:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         step = saved["step"]
+        # The random stream goes on where it stopped: a resumed run draws the batches an
+        # unpaused one would have, not the first ones again.
+        if "rng" in saved:
+            torch.set_rng_state(saved["rng"])
+        if device == "cuda" and "cuda_rng" in saved:
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
     log = open(args.log, "a") if args.log else None  # noqa: SIM115 - kept open for the whole run
     if log:
         print(f"run {checkpoint.resume_count()} starts at step {step}", file=log, flush=True)
@@ -75,9 +81,15 @@ def main() -> int:
 def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
     # Write next to the target and rename, so a kill mid-save never leaves a torn checkpoint.
     tmp = f"{path}.tmp"
-    torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp
-    )
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "rng": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(state, tmp)
     os.replace(tmp, path)
 
 
