@@ -541,6 +541,13 @@ OPTIONS: tuple[Option, ...] = (
         "'limit' (also enforce it: cgroup dmem, CUDA MPS, PyTorch's allocator cap)",
     ),
     Option(
+        "visible_devices",
+        _choice("uuid", "index"),
+        "uuid",
+        "how a command's CUDA_VISIBLE_DEVICES names its GPUs: 'uuid', or NVML 'index' for "
+        "programs that read it as numbers (docs/usage.md)",
+    ),
+    Option(
         "watch_stderr",
         _choice("auto", "off"),
         "auto",
@@ -755,6 +762,7 @@ class Settings(Record):
     history_commands: str
     history_max_size: int
     enforce: str
+    visible_devices: str
     watch_stderr: str
     ledger_dir: Path | None
     on_state_error: str

@@ -487,6 +487,7 @@ def _config(settings: Settings) -> RunConfig:
         resume_exit=settings.resume_exit,
         watch_stderr=settings.watch_stderr != "off",
         enforce=settings.enforce,
+        visible_by_index=settings.visible_devices == "index",
     )
 
 

@@ -123,7 +123,12 @@ class Holding:
     @property
     def env(self) -> dict[str, str]:
         """What a wrapped command would be given (its GPUs, job and budget), for this process."""
-        given = command_env(self.job, [g.index for g in self.gpus], self.config.resume_exit)
+        given = command_env(
+            self.job,
+            [g.index for g in self.gpus],
+            self.config.resume_exit,
+            by_index=self.config.visible_by_index,
+        )
         wanted = {k: v for k, v in given.items() if os.environ.get(k) != v}
         wanted.update(self.budget.env)
         return wanted

@@ -207,19 +207,25 @@ def spawn(
 JOB_ID_VARIABLE = "GPUWAIT_JOB_ID"
 
 
-def command_env(job: Job, gpu_indices: Sequence[int], resume_exit: int) -> dict[str, str]:
+def command_env(
+    job: Job, gpu_indices: Sequence[int], resume_exit: int, *, by_index: bool = False
+) -> dict[str, str]:
     """The command's environment: gpuwait's own, with its GPUs and job made known (docs/usage.md,
     'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order, which no
-    difference between CUDA's and NVML's numbering can put on the wrong card."""
+    difference between CUDA's and NVML's numbering can put on the wrong card; `by_index`
+    (visible_devices = index) names NVML indices instead, for programs that read it as numbers:
+    with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA numbers the cards as NVML does where both see the
+    same GPUs."""
     uuids = ",".join(job.gpu_uuids)
+    indices = ",".join(str(i) for i in gpu_indices)
     env = dict(os.environ)
     env.update(
         {
-            "CUDA_VISIBLE_DEVICES": uuids,
+            "CUDA_VISIBLE_DEVICES": indices if by_index else uuids,
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             JOB_ID_VARIABLE: job.id,
             "GPUWAIT_GPU_UUIDS": uuids,
-            "GPUWAIT_GPU_INDICES": ",".join(str(i) for i in gpu_indices),
+            "GPUWAIT_GPU_INDICES": indices,
             "GPUWAIT_VRAM_BYTES": str(job.reserved_bytes),
         }
     )

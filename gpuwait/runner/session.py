@@ -176,6 +176,8 @@ class RunConfig(Record, frozen=True):
     resume_exit: int
     watch_stderr: bool
     enforce: str = DEFAULT_ENFORCE
+    #: visible_devices = index: CUDA_VISIBLE_DEVICES names NVML indices instead of UUIDs.
+    visible_by_index: bool = False
 
 
 _T = TypeVar("_T")
@@ -811,7 +813,9 @@ def _start(
 ) -> tuple[Job, _Ended]:
     job = admitted.job
     chosen = list(admitted.gpus)
-    env = command_env(job, [g.index for g in chosen], config.resume_exit)
+    env = command_env(
+        job, [g.index for g in chosen], config.resume_exit, by_index=config.visible_by_index
+    )
     held = budget.prepare(config.enforce, job, chosen, request.command, env)
     env.update(held.plan.env)
     for message in (held.plan.fallback, held.problem):

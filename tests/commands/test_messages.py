@@ -204,6 +204,7 @@ BAD_TEXT = {
     "history_commands": "True",
     "history_max_size": "abc",
     "enforce": "True",
+    "visible_devices": "True",
     "watch_stderr": "True",
     "ledger_dir": "relative",
     "on_state_error": "True",

@@ -63,6 +63,19 @@ def test_devices_option(sim: Path, gpuwait_cmd: list[str]) -> None:
     )
 
 
+def test_visible_devices_index_gives_programs_that_parse_integers_nvml_indices(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # vLLM, older dask-cuda and some launchers read CUDA_VISIBLE_DEVICES with int() and crash
+    # on a UUID; visible_devices = index gives them the NVML index, in PCI order as CUDA then
+    # numbers the cards too.
+    env = {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index"}
+    seen = env_of(gpuwait_cmd, "--vram", "1G", "--devices", "1", env=env)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "1"
+    assert seen["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert seen["GPUWAIT_GPU_UUIDS"] == uuids(sim)[1]
+
+
 @pytest.mark.parametrize("status", [0, 1, 7, 255])
 def test_exit_status_passes_through(sim: Path, gpuwait_cmd: list[str], status: int) -> None:
     done = run([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", f"exit {status}"])
