@@ -260,7 +260,7 @@ class _Job:
         self.gpu = visible[0]
         if self.gpu.lost:
             return "CUDA error: unspecified launch failure"
-        self.cap, self.cap_by = _cap(self.framework, self.gpu.total_bytes, os.environ)
+        self.cap, self.cap_by = _cap(self.framework, self.gpu, os.environ)
         if self.framework == "jax":
             fraction = _jax_fraction(os.environ)
             if os.environ.get(budget.XLA_PREALLOCATE_VAR, "").lower() not in ("false", "0"):
@@ -383,8 +383,9 @@ def _jax_fraction(env: Mapping[str, str]) -> float:
     return JAX_DEFAULT_FRACTION
 
 
-def _cap(framework: str, total: int, env: Mapping[str, str]) -> tuple[int | None, str]:
-    """The most this simulated job may hold on a card of `total` bytes, and what sets it."""
+def _cap(framework: str, gpu: SimGpu, env: Mapping[str, str]) -> tuple[int | None, str]:
+    """The most this simulated job may hold on `gpu` (its CUDA device 0), and what sets it."""
+    total = gpu.total_bytes
     caps: list[tuple[int, str]] = []
     if framework == "torch":
         # As PyTorch 2.10+: the allocator settings, else what gpuwait's hook applies on import.
@@ -399,9 +400,11 @@ def _cap(framework: str, total: int, env: Mapping[str, str]) -> tuple[int | None
         caps.append((math.floor(fraction * total), "XLA client memory fraction"))
     limit = env.get(budget.MPS_LIMIT_VAR)
     if limit and mps.daemon_serves(env):
+        # As CUDA: a UUID (or a unique prefix of one) names the card whatever
+        # CUDA_VISIBLE_DEVICES holds; an ordinal names a device as this process numbers them.
         limits = budget.parse_mps_limit(limit)
-        visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-        device0 = limits.get(visible[0]) if visible and visible[0] in limits else limits.get("0")
+        by_uuid = [v for k, v in limits.items() if k.startswith("GPU-") and gpu.uuid.startswith(k)]
+        device0 = by_uuid[0] if len(by_uuid) == 1 else limits.get("0")
         if device0 is not None:
             caps.append((device0, "MPS pinned device memory limit"))
     if not caps:

@@ -255,6 +255,21 @@ def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemo
     assert record["oom_cause"] == "own limit"
 
 
+def test_an_mps_limit_holds_with_gpus_named_by_index(
+    sim_file: SimFileFactory, mps_daemon: Path
+) -> None:
+    # The limit names the card by UUID, which CUDA resolves whatever CUDA_VISIBLE_DEVICES holds.
+    sim_file(gpus=2, memory="8GiB")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon), "GPUWAIT_VISIBLE_DEVICES": "index"}
+    done = run_sim_job(
+        ["--enforce", "limit", "--vram", "2G", "--devices", "1"],
+        *("--framework", "cuda", "--vram", "3G"),
+        env=env,
+    )
+    assert done.returncode == 1
+    assert "CUDA error: out of memory (MPS pinned device memory limit)" in done.stderr
+
+
 def test_jax_told_its_share_takes_its_reservation_and_untold_three_quarters(
     sim_file: SimFileFactory, tmp_path: Path
 ) -> None:
