@@ -38,6 +38,9 @@ ENFORCING = frozenset({HELD_DMEM, HELD_MPS, HELD_TORCH})
 #: the one that tells the PyTorch hook on PYTHONPATH what cap to apply (limit mode).
 FRACTION_VAR = "GPUWAIT_VRAM_FRACTION"
 TORCH_FRACTION_VAR = "GPUWAIT_TORCH_MEMORY_FRACTION"
+#: On a gang of cards of different sizes: the reservation in bytes, which the hook caps each card
+#: at (one fraction of the largest card would leave a smaller card less than the reservation).
+TORCH_BYTES_VAR = "GPUWAIT_TORCH_MEMORY_BYTES"
 XLA_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 #: The newer name of the same setting (JAX reads both).
 XLA_NEW_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
@@ -209,6 +212,8 @@ def plan(
             parts = [p for p in path.split(":") if p and p != means.hook_dir]
             exported["PYTHONPATH"] = ":".join([means.hook_dir, *parts])
             exported[TORCH_FRACTION_VAR] = format_fraction(fraction)
+            if len({t for t in totals if t > 0}) > 1:
+                exported[TORCH_BYTES_VAR] = str(reserved_bytes)
             if means.python:
                 held.append(HELD_TORCH)
     fallback = None

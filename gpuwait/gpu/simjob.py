@@ -391,7 +391,11 @@ def _cap(framework: str, gpu: SimGpu, env: Mapping[str, str]) -> tuple[int | Non
         # As PyTorch 2.10+: the allocator settings, else what gpuwait's hook applies on import.
         fraction = budget.conf_fraction(budget.torch_conf(env))
         how = "per_process_memory_fraction"
-        if fraction is None:
+        reserved = env.get(budget.TORCH_BYTES_VAR, "")
+        if fraction is None and reserved.isascii() and reserved.isdigit() and int(reserved) > 0:
+            # What the hook applies on a gang of cards of different sizes: this card's share.
+            fraction, how = min(1.0, int(reserved) / total), "the PyTorch cap"
+        elif fraction is None:
             fraction, how = _env_fraction(env, budget.TORCH_FRACTION_VAR), "the PyTorch cap"
         if fraction is not None and 0 < fraction <= 1:
             caps.append((math.floor(fraction * total), how))

@@ -8,7 +8,9 @@ card, in GPUWAIT_TORCH_MEMORY_FRACTION. Python runs this file at start-up; it on
   key added to them before torch loads, so the C++ allocator enforces it from the first
   allocation, in this process and in every worker it starts;
 - an older PyTorch gets `torch.cuda.set_per_process_memory_fraction` for every device, queued
-  with torch's own lazy-initialisation hook, so importing torch does not start CUDA.
+  with torch's own lazy-initialisation hook, so importing torch does not start CUDA; so does any
+  PyTorch on a gang of cards of different sizes, each card capped at the reservation
+  (GPUWAIT_TORCH_MEMORY_BYTES), where one fraction would leave a smaller card less.
 
 Either way an allocation past the cap fails with PyTorch's out-of-memory error in this job
 alone. A cap the user set themselves is left alone, and so is the user's own sitecustomize,
@@ -26,6 +28,8 @@ import sys
 from typing import Any
 
 _FRACTION_VAR = "GPUWAIT_TORCH_MEMORY_FRACTION"
+#: Set on a gang of cards of different sizes: the reservation in bytes, each card capped at it.
+_BYTES_VAR = "GPUWAIT_TORCH_MEMORY_BYTES"
 #: PyTorch 2.10+ reads its CUDA allocator settings from the first of these that is set (2.9
 #: added the second name; the first works in every release).
 _CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -48,6 +52,25 @@ def _fraction() -> float | None:
     except ValueError:
         return None
     return value if 0 < value <= 1 else None
+
+
+def _reserved_bytes() -> int | None:
+    raw = os.environ.get(_BYTES_VAR, "")
+    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) > 0 else None
+
+
+def device_fraction(cuda: Any, device: int, fraction: float, reserved: int | None) -> float:
+    """The cap of one device: the reservation's share of that card where the cards differ in
+    size (rounded down to 4 decimals, as gpuwait writes fractions), else the one fraction."""
+    if reserved is None:
+        return fraction
+    try:
+        total = int(cuda.get_device_properties(device).total_memory)
+    except Exception:
+        return fraction
+    if total <= 0:
+        return fraction
+    return max(1, min(10_000, reserved * 10_000 // total)) / 10_000
 
 
 def version_of(spec: importlib.machinery.ModuleSpec) -> tuple[int, int] | None:
@@ -88,10 +111,13 @@ def cap_lazily(torch: Any, fraction: float) -> None:
     """Queue the cap for every device until torch initialises CUDA (at once if it has)."""
     cuda = torch.cuda
 
+    reserved = _reserved_bytes()
+
     def cap() -> None:
         try:
             for device in range(cuda.device_count()):
-                cuda.set_per_process_memory_fraction(fraction, device)
+                share = device_fraction(cuda, device, fraction, reserved)
+                cuda.set_per_process_memory_fraction(share, device)
         except Exception as exc:
             _say(f"PyTorch memory cap not applied: {exc}")
 
@@ -142,7 +168,8 @@ class TorchWatch:
             return spec
         try:
             version = version_of(spec)
-            if version is not None and version >= KEY_SINCE:
+            # One key caps every card at one fraction: not for cards of different sizes.
+            if version is not None and version >= KEY_SINCE and _reserved_bytes() is None:
                 add_conf_key(self.fraction)
             else:
                 spec.loader = _LoaderThenCap(spec.loader, self.fraction)  # type: ignore[assignment]

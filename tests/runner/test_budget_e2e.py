@@ -95,6 +95,28 @@ def test_each_mode_exports_what_the_docs_say(sim_file: SimFileFactory) -> None:
     )
 
 
+ON_THE_SECOND_CARD = (
+    "import os, subprocess, sys\n"
+    "first, second = os.environ['CUDA_VISIBLE_DEVICES'].split(',')\n"
+    "job = ['gpuwait', 'sim', 'job', '--vram', '5G', '--hold', '0s']\n"
+    "env = {**os.environ, 'CUDA_VISIBLE_DEVICES': second + ',' + first}\n"
+    "sys.exit(subprocess.run([sys.executable, '-m', *job], env=env).returncode)"
+)
+
+
+def test_each_card_of_a_mixed_gang_lets_the_job_have_its_reservation(
+    sim_file: SimFileFactory,
+) -> None:
+    # A gang on a 16 GiB and an 8 GiB card: the fraction is of the larger one (0.375 for 6 GiB),
+    # which on the smaller card is 3 GiB. The rank there must still get its whole 6 GiB.
+    sim_file(gpus=2, memory=["16GiB", "8GiB"])
+    done = gpuwait(
+        *("--gpus", "2", "--vram", "6G", "--enforce", "limit"),
+        *("--", sys.executable, "-c", ON_THE_SECOND_CARD),
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_variables_the_user_set_are_kept(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
     mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6", "TF_FORCE_GPU_ALLOW_GROWTH": "false"}

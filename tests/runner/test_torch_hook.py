@@ -27,6 +27,13 @@ STAND_IN_CUDA = textwrap.dedent(
     def device_count():
         return 2
 
+    class _Properties:
+        def __init__(self, total_memory):
+            self.total_memory = total_memory
+
+    def get_device_properties(device):
+        return _Properties([16 << 30, 8 << 30][device])
+
     def is_initialized():
         return _initialized
 
@@ -111,6 +118,21 @@ def test_a_torch_with_the_allocator_key_gets_it_in_its_settings(tmp_path: Path) 
     assert seen["conf"] == "per_process_memory_fraction:0.25"
     assert seen["alloc_conf"] is None
     assert seen["after_init"] == []  # the allocator enforces it itself
+
+
+@pytest.mark.parametrize("version", ["2.5.0", "2.13.0"])
+def test_each_card_of_a_mixed_gang_is_capped_at_the_reservation(
+    tmp_path: Path, version: str
+) -> None:
+    # 6 GiB on a 16 GiB and an 8 GiB card: one fraction for both would give the smaller 3 GiB.
+    seen = probe(
+        tmp_path,
+        version,
+        GPUWAIT_TORCH_MEMORY_FRACTION="0.375",
+        GPUWAIT_TORCH_MEMORY_BYTES=str(6 << 30),
+    )
+    assert seen["after_init"] == [[0.375, 0], [0.75, 1]]
+    assert seen["conf"] is None
 
 
 def test_the_key_goes_where_the_users_own_settings_are(tmp_path: Path) -> None:
