@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -868,6 +869,7 @@ def _start(
     )
     held.close()
     said_oom = watch.finish()
+    _say_left_behind(reporter, backend, job, result.pids_seen - {child})
     code = result.returncode
     given_up = getattr(responder, "given_up", None)
     if given_up is not None:
@@ -934,6 +936,30 @@ def _start(
             result.returncode, oom, job.reserved_bytes, cause, pending=job, finish_how=how
         )
     return job, _Ended(result.returncode, oom, job.reserved_bytes, cause)
+
+
+def _say_left_behind(
+    reporter: Reporter, backend: Backend, job: Job, started: AbstractSet[int]
+) -> None:
+    """Name the processes the command started that still hold memory on its GPUs now that it
+    has ended (a server or worker it did not end): from now on in no reservation."""
+    if not started:
+        return
+    try:
+        gpus = [g for g in backend.snapshot().gpus if g.uuid in job.gpu_uuids]
+    except Exception:  # a failing reading must never fail a finished run
+        return
+    held = [
+        f"pid {p.pid} ({format_size(p.used_bytes)} on GPU {g.index})"
+        for g in gpus
+        for p in g.processes
+        if p.pid in started and p.used_bytes and proc.is_alive(p.pid, None)
+    ]
+    if held:
+        reporter.warn(
+            "the command ended, but processes it started still hold GPU memory, in no "
+            "reservation now: " + ", ".join(held)
+        )
 
 
 class _Earlier(Record, frozen=True):

@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_sim import hold_card
@@ -74,6 +76,20 @@ def test_visible_devices_index_gives_programs_that_parse_integers_nvml_indices(
     assert seen["CUDA_VISIBLE_DEVICES"] == "1"
     assert seen["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert seen["GPUWAIT_GPU_UUIDS"] == uuids(sim)[1]
+
+
+def test_gpu_memory_a_command_left_behind_is_named_when_it_ends(
+    sim: Path, gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # A server or worker the command started and did not end holds its memory on after the
+    # job: outside any reservation from then on, and the user is told which process it is.
+    stray = f"{sys.executable} -m gpuwait sim job --vram 1G --hold 20s >/dev/null 2>&1 &"
+    proc = procs([*gpuwait_cmd, "--vram", "2G", "--", "sh", "-c", f"{stray} sleep 0.6"])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    said = [line for line in err.splitlines() if "still hold" in line]
+    assert len(said) == 1, err
+    assert "1.0 GiB on GPU 0" in said[0] and "pid " in said[0]
 
 
 @pytest.mark.parametrize("status", [0, 1, 7, 255])
