@@ -869,6 +869,13 @@ def _start(
     )
     held.close()
     said_oom = watch.finish()
+    if watch.scanner.numbers and result.returncode != 0 and not config.visible_by_index:
+        _say_once(
+            reporter,
+            "the command read CUDA_VISIBLE_DEVICES as numbers and stopped at a GPU UUID; "
+            "visible_devices = index (GPUWAIT_VISIBLE_DEVICES=index) gives it NVML indices "
+            "(docs/usage.md)",
+        )
     _say_left_behind(reporter, backend, job, result.pids_seen - {child})
     code = result.returncode
     given_up = getattr(responder, "given_up", None)

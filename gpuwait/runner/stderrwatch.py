@@ -43,7 +43,13 @@ OOM_MARKERS = (
     b"resource_exhausted: out of memory",
     b"oom when allocating tensor",
 )
-_KEEP = max(len(m) for m in OOM_MARKERS) - 1
+#: Lower-case marks of a program that read CUDA_VISIBLE_DEVICES as numbers and stopped at a
+#: UUID: Python's int() of a `GPU-...` or `MIG-...` entry, as vLLM does.
+NUMBERS_MARKERS = (
+    b"invalid literal for int() with base 10: 'gpu-",
+    b"invalid literal for int() with base 10: 'mig-",
+)
+_KEEP = max(len(m) for m in (*OOM_MARKERS, *NUMBERS_MARKERS)) - 1
 #: How much of a log file is read back: an OOM traceback sits near the end.
 READ_BACK_BYTES = 1 << 20
 #: After the command ended, read the relay's copy at most this long (what a process left behind
@@ -81,18 +87,22 @@ while True:
 
 
 class OomScanner:
-    """Finds OOM markers in a byte stream fed in pieces (a marker may span two pieces). Pure."""
+    """Finds OOM markers in a byte stream fed in pieces (a marker may span two pieces), and a
+    program that wanted GPU numbers where it found UUIDs (`numbers`). Pure."""
 
     def __init__(self) -> None:
         self.found = False
+        self.numbers = False
         self._tail = b""
 
     def feed(self, data: bytes) -> None:
-        if self.found or not data:
+        if (self.found and self.numbers) or not data:
             return
         text = self._tail + data.lower()
-        if any(marker in text for marker in OOM_MARKERS):
+        if not self.found and any(marker in text for marker in OOM_MARKERS):
             self.found = True
+        if not self.numbers and any(marker in text for marker in NUMBERS_MARKERS):
+            self.numbers = True
         self._tail = text[-_KEEP:]
 
 
@@ -242,7 +252,7 @@ class StderrWatch:
             start = max(self._file_start, end - READ_BACK_BYTES)
             if end < self._file_start:
                 start = max(0, end - READ_BACK_BYTES)  # truncated meanwhile
-            scanner = OomScanner()
+            scanner = self.scanner = OomScanner()
             position = start
             while position < end:
                 data = os.pread(fd, min(65536, end - position), position)

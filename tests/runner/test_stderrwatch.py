@@ -173,3 +173,32 @@ def test_the_relay_passes_output_on_and_finds_an_oom_whether_or_not_threads_run(
     assert done.returncode == 0, done.stderr
     assert done.stdout == "pipe True\n"
     assert done.stderr == "before\nCUDA out of memory\nafter\n"
+
+
+READS_A_NUMBER = (
+    "import os\n"
+    "device_ids = os.environ['CUDA_VISIBLE_DEVICES'].split(',')\n"
+    "physical_device_id = int(device_ids[0])\n"
+)
+
+
+@pytest.mark.parametrize("where", ["pipe", "file"])
+def test_a_program_that_reads_gpu_numbers_is_told_the_setting(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path, where: str
+) -> None:
+    # vLLM's int() of a CUDA_VISIBLE_DEVICES entry: the crash names a UUID, and the user is told
+    # how to give such a program numbers.
+    sim_file(gpus=1)
+    log = tmp_path / "err.log"
+    with open(log, "w") as err:
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", READS_A_NUMBER],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if where == "pipe" else err,
+            text=True,
+            timeout=60,
+        )
+    said = done.stderr if where == "pipe" else log.read_text()
+    assert done.returncode == 1
+    assert "invalid literal for int() with base 10: 'GPU-" in said
+    assert "visible_devices = index" in said.splitlines()[-1]
