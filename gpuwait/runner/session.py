@@ -392,6 +392,12 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
             raise UsageError(str(exc)) from None
     if inherited is not None:
         visible = parse_inherited_visible(inherited, snapshot.gpus)
+        if not visible and inherited.strip().upper().startswith("MIG-"):
+            raise ImpossibleRequest(
+                f"CUDA_VISIBLE_DEVICES={inherited!r} names a MIG instance; gpuwait places jobs "
+                "on whole GPUs only",
+                hint="run the command without gpuwait, or from where a whole GPU is visible",
+            )
         if not visible:
             raise ImpossibleRequest(
                 f"CUDA_VISIBLE_DEVICES={inherited!r} makes no GPU visible to this command",

@@ -58,6 +58,14 @@ def test_inherited_cuda_visible_devices_restricts_candidates(
     assert "no GPU visible" in done.stderr
 
 
+def test_an_inherited_mig_instance_is_refused_as_one(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # A MIG instance (what Slurm or Kubernetes hand out on MIG cards) is not a whole GPU.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "MIG-377e0049-554c-540b-93c6-d0976f8426cb"}
+    done = run([*gpuwait_cmd, "--vram", "1G", "true"], env=env)
+    assert done.returncode == 3
+    assert "MIG instance" in done.stderr and "whole GPUs" in done.stderr
+
+
 def test_devices_option(sim: Path, gpuwait_cmd: list[str]) -> None:
     assert (
         env_of(gpuwait_cmd, "--vram", "1G", "--devices", "1")["CUDA_VISIBLE_DEVICES"]
