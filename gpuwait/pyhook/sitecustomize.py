@@ -115,11 +115,23 @@ def cap_lazily(torch: Any, fraction: float) -> None:
 
     def cap() -> None:
         try:
+            # PyTorch makes each device current to cap it and leaves the last one so: the
+            # program's own current device (what `.cuda()` means) is put back afterwards.
+            current = cuda.current_device()
+        except Exception:
+            current = None
+        try:
             for device in range(cuda.device_count()):
                 share = device_fraction(cuda, device, fraction, reserved)
                 cuda.set_per_process_memory_fraction(share, device)
         except Exception as exc:
             _say(f"PyTorch memory cap not applied: {exc}")
+        finally:
+            if current is not None:
+                try:
+                    cuda.set_device(current)
+                except Exception as exc:
+                    _say(f"PyTorch device not restored after the memory cap: {exc}")
 
     queue = getattr(cuda, "_lazy_call", None)
     if queue is None:

@@ -55,9 +55,23 @@ STAND_IN_CUDA = textwrap.dedent(
             del _tls.is_initializing
         _initialized = True
 
+    _current = 0
+
+    def current_device():
+        _lazy_init()
+        return _current
+
+    def set_device(device):
+        global _current
+        _lazy_init()
+        _current = device
+
     def set_per_process_memory_fraction(fraction, device=None):
+        # PyTorch's C++ side makes the device current to read its memory, and leaves it so.
+        global _current
         _lazy_init()
         calls.append([fraction, device])
+        _current = device
     """
 )
 
@@ -70,6 +84,7 @@ PROBE = textwrap.dedent(
     print(json.dumps({
         "before_init": before,
         "after_init": torch.cuda.calls,
+        "current_device": torch.cuda.current_device(),
         "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),
     }))
@@ -111,6 +126,9 @@ def test_an_older_torch_is_capped_when_cuda_starts_not_at_import(tmp_path: Path)
     assert seen["before_init"] == []
     assert seen["after_init"] == [[0.25, 0], [0.25, 1]]
     assert seen["conf"] is None and seen["alloc_conf"] is None
+    # Capping every device leaves the program on the device it would have had: `.cuda()` and
+    # torch.device("cuda") still mean device 0, not the last one capped.
+    assert seen["current_device"] == 0
 
 
 def test_a_torch_with_the_allocator_key_gets_it_in_its_settings(tmp_path: Path) -> None:
