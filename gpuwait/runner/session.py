@@ -872,6 +872,7 @@ def _start(
         responder=responder,
         margin=config.estimate_margin,
         baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in chosen},
+        warn=reporter.warn,
     )
     held.close()
     said_oom = watch.finish()

@@ -24,11 +24,12 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from gpuwait.core.estimate import DEFAULT_MARGIN, time_to_peak
 from gpuwait.core.record import Record, field
+from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc, signals
 from gpuwait.linux.checkpoint_signal import deliver
@@ -120,17 +121,20 @@ def supervise(
     responder: PauseResponder | FreezeResponder | None = None,
     margin: float = DEFAULT_MARGIN,
     baseline_pids: Mapping[str, frozenset[int]] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
     `baseline_used`: each GPU's used memory at admission, for the approximate peak, and
     `baseline_pids` the processes NVML listed on it then. `margin`:
     how far past its reservation the job may go before it is called out (estimate_margin).
+    `warn` is told, once per GPU, of memory the command holds on a GPU it was not given.
     """
     started = time.monotonic()
     sampler = UsageSampler(
         child, job, ledger, backend, sample_interval, baseline_used, margin, baseline_pids
     )
+    sampler.warn = warn
     result = sampler.result
     witness = signals.GroupWitness()
     # A pausable job's checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N, a user's
@@ -237,6 +241,9 @@ class UsageSampler:
         self._published_at = self.started
         self._seen_gpus: frozenset[str] | None = None
         self._seen_token = ledger.change_token()
+        #: Told, once per GPU, of memory the tree holds on a GPU the job was not given.
+        self.warn: Callable[[str], None] | None = None
+        self._strayed: set[str] = set()
 
     def sample_if_due(self, now: float) -> None:
         if self.backend is None or now < self.next_sample:
@@ -252,6 +259,8 @@ class UsageSampler:
                 with contextlib.suppress(Exception):
                     lifecycle.note_health(ledger, snapshot)
             self._seen_gpus = answering
+            if self.warn is not None:
+                self._call_out_strays(snapshot, pids)
         result.samples += 1
         for uuid, used in usage.items():
             result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
@@ -295,6 +304,26 @@ class UsageSampler:
             # Otherwise (the ledger could not be read or written) the change stays unseen,
             # and the next sample looks again.
             self._seen_token = token
+
+    def _call_out_strays(self, snapshot: MachineSnapshot, pids: list[int]) -> None:
+        """Memory the tree holds on a GPU the job was not given: something in the command set
+        CUDA_VISIBLE_DEVICES again (deepspeed does with --num_gpus), and runs in others' room."""
+        assert self.warn is not None
+        tree = frozenset(pids)
+        given = [g.index for g in snapshot.gpus if g.uuid in self.job.gpu_uuids]
+        for gpu in snapshot.gpus:
+            if gpu.uuid in self.job.gpu_uuids or gpu.uuid in self._strayed:
+                continue
+            used = gpu.process_bytes(tree)
+            if used <= 0:
+                continue
+            self._strayed.add(gpu.uuid)
+            self.warn(
+                f"the command uses {format_size(used)} on GPU {gpu.index}, which it was not "
+                f"given (its GPUs: {', '.join(map(str, given)) or '-'}): something in it set "
+                "CUDA_VISIBLE_DEVICES again (deepspeed does with --num_gpus, --include or "
+                "--exclude), and jobs on that GPU may run out of memory"
+            )
 
     def finish(self) -> None:
         """After the last sample: NVML accounting mode's figures, where it is on."""
