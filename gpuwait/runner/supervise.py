@@ -321,8 +321,8 @@ class UsageSampler:
             self.warn(
                 f"the command uses {format_size(used)} on GPU {gpu.index}, which it was not "
                 f"given (its GPUs: {', '.join(map(str, given)) or '-'}): something in it set "
-                "CUDA_VISIBLE_DEVICES again (deepspeed does with --num_gpus, --include or "
-                "--exclude), and jobs on that GPU may run out of memory"
+                "CUDA_VISIBLE_DEVICES again (as deepspeed --num_gpus, --include or --exclude, "
+                "and accelerate --gpu_ids do), and jobs on that GPU may run out of memory"
             )
 
     def finish(self) -> None:
