@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from gpuwait.core.budget import HELD_DMEM, HELD_MPS, HELD_TORCH
 from gpuwait.core.estimate import DEFAULT_MARGIN, time_to_peak
+from gpuwait.core.overuse import overuse
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
@@ -244,6 +246,7 @@ class UsageSampler:
         #: Told, once per GPU, of memory the tree holds on a GPU the job was not given.
         self.warn: Callable[[str], None] | None = None
         self._strayed: set[str] = set()
+        self._shared: set[str] = set()
 
     def sample_if_due(self, now: float) -> None:
         if self.backend is None or now < self.next_sample:
@@ -261,6 +264,7 @@ class UsageSampler:
             self._seen_gpus = answering
             if self.warn is not None:
                 self._call_out_strays(snapshot, pids)
+                self._call_out_shared(gpus, pids)
         result.samples += 1
         for uuid, used in usage.items():
             result.peak_bytes[uuid] = max(result.peak_bytes.get(uuid, 0), used)
@@ -323,6 +327,31 @@ class UsageSampler:
                 f"given (its GPUs: {', '.join(map(str, given)) or '-'}): something in it set "
                 "CUDA_VISIBLE_DEVICES again (as deepspeed --num_gpus, --include or --exclude, "
                 "and accelerate --gpu_ids do), and jobs on that GPU may run out of memory"
+            )
+
+    def _call_out_shared(self, gpus: list[GpuSnapshot], pids: list[int]) -> None:
+        """Several processes of the tree on one GPU, together past the reservation, where
+        only per-process caps hold the budget (the PyTorch cap, the MPS limit): each is held
+        to the reservation, not all of them together (docs/budgets.md)."""
+        assert self.warn is not None
+        held = [way for way in self.job.held_by if way in (HELD_TORCH, HELD_MPS)]
+        if not held or HELD_DMEM in self.job.held_by:
+            return
+        tree = frozenset(pids)
+        for gpu in gpus:
+            mine = [p for p in gpu.processes if p.pid in tree and p.used_bytes]
+            used = sum(p.used_bytes or 0 for p in mine)
+            if gpu.uuid in self._shared or len(mine) < 2:
+                continue
+            if overuse(self.job.reserved_bytes, used, gpu.total_bytes, self.margin) is None:
+                continue
+            self._shared.add(gpu.uuid)
+            self.warn(
+                f"{len(mine)} processes of the command use {format_size(used)} on GPU "
+                f"{gpu.index}, past its {format_size(self.job.reserved_bytes)} reservation: "
+                f"the {' and the '.join(held)} hold{'s' if len(held) == 1 else ''} each "
+                "process to the reservation, not all of them together; jobs on that GPU may "
+                "run out of memory (docs/budgets.md)"
             )
 
     def finish(self) -> None:

@@ -117,6 +117,28 @@ def test_each_card_of_a_mixed_gang_lets_the_job_have_its_reservation(
     assert done.returncode == 0, done.stderr
 
 
+TWO_PROCESSES = (
+    "import subprocess, sys\n"
+    "job = [sys.executable, '-m', 'gpuwait', 'sim', 'job', '--vram', '1.5G', '--hold', '0.8s']\n"
+    "both = [subprocess.Popen(job) for _ in range(2)]\n"
+    "sys.exit(max(p.wait() for p in both))"
+)
+
+
+def test_several_processes_past_a_per_process_cap_are_called_out(
+    sim_file: SimFileFactory,
+) -> None:
+    # The PyTorch cap holds each process to the 2 GiB reservation: two of them take 3 GiB.
+    sim_file(gpus=1, memory="8GiB")
+    done = gpuwait(
+        *("--vram", "2G", "--enforce", "limit"), *("--", sys.executable, "-c", TWO_PROCESSES)
+    )
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "not all of them together" in line]
+    assert len(said) == 1, done.stderr
+    assert "2 processes of the command" in said[0] and "PyTorch allocator cap" in said[0]
+
+
 def test_variables_the_user_set_are_kept(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
     mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".6", "TF_FORCE_GPU_ALLOW_GROWTH": "false"}
