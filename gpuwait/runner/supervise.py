@@ -315,10 +315,17 @@ class UsageSampler:
         assert self.warn is not None
         tree = frozenset(pids)
         given = [g.index for g in snapshot.gpus if g.uuid in self.job.gpu_uuids]
+        theirs: dict[str, frozenset[int]] | None = None
         for gpu in snapshot.gpus:
             if gpu.uuid in self.job.gpu_uuids or gpu.uuid in self._strayed:
                 continue
-            used = gpu.process_bytes(tree)
+            if gpu.process_bytes(tree) <= 0:
+                continue
+            if theirs is None:
+                theirs = _others_pids(self.ledger, self.job)
+            # A job of its own started inside the command (a gpuwait of its own) runs there
+            # in its own reservation.
+            used = gpu.process_bytes(tree - theirs.get(gpu.uuid, frozenset()))
             if used <= 0:
                 continue
             self._strayed.add(gpu.uuid)
@@ -447,6 +454,20 @@ def _freed_since_admission(
         return False
     now = {p.pid for p in gpu.processes}
     return bool(listed - now - result.pids_seen)
+
+
+def _others_pids(ledger: Ledger, job: Job) -> dict[str, frozenset[int]]:
+    """The processes of the other running jobs, per GPU they were given."""
+    try:
+        data = ledger.read()
+    except Exception:
+        return {}
+    found: dict[str, set[int]] = {}
+    for other in data.jobs:
+        if other.id != job.id and other.state == RUNNING:
+            for uuid in other.gpu_uuids:
+                found.setdefault(uuid, set()).update(other.pids)
+    return {uuid: frozenset(pids) for uuid, pids in found.items()}
 
 
 def _gpus_shared_with_others(ledger: Ledger, job: Job) -> set[str]:

@@ -100,17 +100,31 @@ def test_gpu_memory_a_command_left_behind_is_named_when_it_ends(
     assert "1.0 GiB on GPU 0" in said[0] and "pid " in said[0]
 
 
+SIM_JOB = f"{sys.executable} -m gpuwait sim job --vram 1G --hold 0.6s"
+
+
 def test_a_command_on_gpus_it_was_not_given_is_called_out_while_it_runs(
     sim: Path, gpuwait_cmd: list[str]
 ) -> None:
     # deepspeed --num_gpus N (and any launcher that replaces CUDA_VISIBLE_DEVICES) runs on
     # GPUs 0..N-1 whatever gpuwait gave the job: into other jobs' room.
-    replaced = f"CUDA_VISIBLE_DEVICES=0 {sys.executable} -m gpuwait sim job --vram 1G --hold 0.6s"
+    replaced = f"CUDA_VISIBLE_DEVICES=0 {SIM_JOB}"
     done = run([*gpuwait_cmd, "--vram", "2G", "--devices", "1", "--", "sh", "-c", replaced])
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "not given" in line]
     assert len(said) == 1, done.stderr
     assert "on GPU 0" in said[0] and "CUDA_VISIBLE_DEVICES" in said[0]
+
+
+def test_a_job_of_its_own_that_the_command_starts_elsewhere_is_not_called_out(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A gpuwait inside the command, on a GPU of its own, runs there in its own reservation.
+    nested = f"env -u CUDA_VISIBLE_DEVICES {sys.executable} -m gpuwait --vram 1G --devices 0 -- "
+    outer = [*gpuwait_cmd, "--vram", "2G", "--devices", "1", "--", "sh", "-c", nested + SIM_JOB]
+    done = run(outer, env={**os.environ, "GPUWAIT_SAMPLE_INTERVAL": "0.1"})
+    assert done.returncode == 0, done.stderr
+    assert "not given" not in done.stderr
 
 
 @pytest.mark.parametrize("status", [0, 1, 7, 255])
