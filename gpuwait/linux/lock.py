@@ -53,8 +53,9 @@ class _Tick(Exception):
 TICK = 0.1
 
 
-#: How long a wait for a lock goes on before `slow` is told: far longer than a transaction,
+#: How long a wait for a lock goes on before `slow` may tell: far longer than a transaction,
 #: which takes milliseconds (and under a stampede of launches on a busy machine up to a second).
+#: `slow` looks every half of it, from half of it on, until it has told.
 SLOW_AFTER = 2.0
 
 
@@ -63,7 +64,7 @@ def flock_within(
     operation: int,
     timeout: float | None,
     patience: float = 0.0,
-    slow: Callable[[], None] | None = None,
+    slow: Callable[[], bool] | None = None,
 ) -> None:
     """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes), as
     `lock_within` waits."""
@@ -78,12 +79,14 @@ def lock_within(
     take: Callable[[bool], None],
     timeout: float | None,
     patience: float = 0.0,
-    slow: Callable[[], None] | None = None,
+    slow: Callable[[], bool] | None = None,
 ) -> None:
     """Take a lock by calling `take(block)`, waiting at most `timeout` seconds (None: as long as
     it takes). `take(False)` must raise BlockingIOError when the lock is held; `take(True)`
-    waits for it. `slow` is called once the wait has lasted SLOW_AFTER seconds, so that
-    whoever waits can be told why, and for whom, long before the timeout.
+    waits for it. `slow` is called every SLOW_AFTER / 2 seconds of waiting, the first time once
+    the wait has lasted that long, until it returns True (it has told whoever waits why, and
+    for whom, long before the timeout): a lock held by one process all along is worth a word,
+    one passed from hand to hand among a hundred launches is not.
 
     A lock that another process holds forever (hung, stopped, or hostile) must not hang every
     gpuwait behind it, nor keep TERM or Ctrl-C from ending one: the signals gpuwait handles are
@@ -111,15 +114,17 @@ def lock_within(
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
+    look = started + SLOW_AFTER / 2
     previous = signal.signal(signal.SIGALRM, tick)
     try:
         while True:
-            waited = time.monotonic() - started
-            if waited >= patience:
+            now = time.monotonic()
+            if now - started >= patience:
                 raise_if_pending()
-            if slow is not None and waited >= SLOW_AFTER:
-                slow()
-                slow = None
+            if slow is not None and now >= look:
+                look = now + SLOW_AFTER / 2
+                if slow():
+                    slow = None
             step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
             if step <= 0:
                 raise LockTimeout
@@ -147,21 +152,24 @@ def lock_within(
 
 
 def _poll(
-    take: Callable[[bool], None], timeout: float | None, slow: Callable[[], None] | None
+    take: Callable[[bool], None], timeout: float | None, slow: Callable[[], bool] | None
 ) -> None:
     import time
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
+    look = started + SLOW_AFTER / 2
     delay = 0.001
     while True:
         try:
             take(False)
             return
         except BlockingIOError:
-            if slow is not None and time.monotonic() - started >= SLOW_AFTER:
-                slow()
-                slow = None
+            now = time.monotonic()
+            if slow is not None and now >= look:
+                look = now + SLOW_AFTER / 2
+                if slow():
+                    slow = None
             remaining = TICK if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise LockTimeout from None

@@ -113,7 +113,7 @@ class Ledger:
         self.damaged = False
         #: How long a wait for the lock goes on with a signal pending (see `leaving`).
         self._patience = 0.0
-        #: Told, once a wait for the lock has lasted (linux.lock.SLOW_AFTER), who holds it.
+        #: Told who holds the lock once one process has held it all through a wait (SLOW_AFTER).
         self.on_slow_lock = on_slow_lock
 
     def change_token(self) -> tuple[Any, ...] | None:
@@ -328,7 +328,7 @@ class Ledger:
             os.close(fd)
             signals.resume_stops(previous)
 
-    def _slow(self, fd: int) -> Callable[[], None] | None:
+    def _slow(self, fd: int) -> Callable[[], bool] | None:
         """What tells `on_slow_lock` who holds the lock on `fd`, and how long it is waited for."""
         tell = self.on_slow_lock
         if tell is None:
@@ -336,11 +336,22 @@ class Ledger:
         place = self.directory if self.shared else self.lock_path
         limit = "" if self.lock_timeout is None else f" (lock_timeout {self.lock_timeout:g}s)"
 
-        def slow() -> None:
+        #: Who held the lock at the last look (None: not looked at yet), and for how many looks.
+        seen: list[Any] = [None, 0]
+
+        def slow() -> bool:
+            # Told only when one process held it at three looks in a row (over SLOW_AFTER):
+            # under a sweep's hundred launches the lock changes hands for seconds on end.
+            now = holders(fd)
+            seen[1] = seen[1] + 1 if now == seen[0] else 1
+            seen[0] = now
+            if seen[1] < 3:
+                return False
             tell(
-                f"waiting for the ledger lock on {place}, held by {_who(holders(fd))}; a "
+                f"waiting for the ledger lock on {place}, held by {_who(now)}; a "
                 f"transaction takes milliseconds, so it may be hung or stopped{limit}"
             )
+            return True
 
         return slow
 

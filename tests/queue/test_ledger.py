@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers.fixtures_sim import Run, SimFileFactory
 from helpers.jobs import replace_ledger
 from helpers.waiting import process_state, wait_for
 
-from gpuwait.linux import proc
+from gpuwait.linux import lock, proc
+from gpuwait.queue import ledger as ledger_module
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
 from gpuwait.queue.ledger import Ledger
@@ -344,3 +346,51 @@ def test_ctrl_z_during_a_change_stops_the_process_only_once_the_lock_is_free(
         child.send_signal(signal.SIGCONT)
         out, _ = child.communicate(timeout=30)
     assert out == "continued\n"
+
+
+def test_a_lock_passed_from_hand_to_hand_is_not_called_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep of a hundred launches keeps the lock busy for seconds, each transaction holding
+    it a moment: every launch said the holder "may be hung or stopped". Only a holder that
+    keeps the lock throughout is named; here the lock is held as long, passed between
+    processes (as /proc/locks would show them one after another)."""
+    monkeypatch.setattr(lock, "SLOW_AFTER", 0.3)
+    told: list[str] = []
+    ledger = Ledger(tmp_path, on_slow_lock=told.append)
+    with ledger.transaction():
+        pass  # the lock file exists
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(0.6)\n"
+    )
+    turns = iter(range(100000, 200000))
+    monkeypatch.setattr(ledger_module, "holders", lambda fd: [next(turns)])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(ledger.lock_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with ledger.transaction():
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert told == []
+
+    # The same holder all along is named.
+    monkeypatch.setattr(ledger_module, "holders", lambda fd: [holder.pid])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(ledger.lock_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with ledger.transaction():
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(told) == 1 and f"held by process {holder.pid}" in told[0], told
