@@ -603,6 +603,16 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         )
 
 
+def cancellation(data: LedgerData, job_id: str) -> Cancelled | None:
+    """How `gpuwait cancel` took job `job_id` out of the queue, if it did (the entry gone, its
+    outcome in the book). A read without the lock tells as well as one with it: nothing puts
+    a cancelled entry back."""
+    if data.find(job_id) is not None:
+        return None
+    done = data.book.outcome(job_id)
+    return Cancelled(done.by_uid) if done is not None and done.outcome == CANCELLED else None
+
+
 def admit(
     ledger: Ledger,
     job: Job,
@@ -620,9 +630,9 @@ def admit(
         now, boot_now = time.time(), proc.boot_clock()
         mine = data.find(job.id)
         if mine is None:
-            done = data.book.outcome(job.id)
-            if done is not None and done.outcome == CANCELLED:
-                return job, Cancelled(done.by_uid)
+            cancelled = cancellation(data, job.id)
+            if cancelled is not None:
+                return job, cancelled
             mine = _entry(data, job)
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)

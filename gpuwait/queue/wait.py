@@ -388,6 +388,7 @@ def wait_for_admission(
             now = time.monotonic()
             event = False
             check_admitted = False
+            gone = False
             changed, held_back = summaries.changed(now)
             for seen in changed:
                 if seen is None:
@@ -395,7 +396,7 @@ def wait_for_admission(
                 elif job.id in seen.running:
                     check_admitted = True
                 elif job.id not in seen.waiting:
-                    event = True  # cancelled, or the ledger was recovered: look under the lock
+                    event = gone = True  # cancelled, or the ledger was recovered: look closer
                 else:
                     position = seen.waiting.index(job.id)
                     before = last_release.get(seen.source)
@@ -423,6 +424,13 @@ def wait_for_admission(
                 # written: a plan made just before it does not count (it saw the room taken).
                 event = event or not wake.planned_since(state_dir, backup[1])
                 backup = None
+            if gone:
+                # Cancelled: said by the ledger as read without the lock. A sweep's hundred
+                # waiters cancelled at once would otherwise each read the GPUs and plan the
+                # whole queue under the lock, one after another, only to learn it.
+                cancelled = lifecycle.cancellation(ledger.read(), job.id)
+                if cancelled is not None:
+                    return job, cancelled
             act = event
             failed_now = False
             if not event and now >= next_read:

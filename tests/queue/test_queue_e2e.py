@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -531,6 +532,34 @@ def test_cancel_running_job_terminates_it(
     assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "failed", 15)
     missing = run([*gpuwait_cmd, "cancel", "r", "nosuch"])
     assert missing.returncode == 2 and "no waiting or running job matches nosuch" in missing.stderr
+
+
+def test_a_cancelled_waiter_leaves_without_waiting_for_the_ledger_lock(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    """`gpuwait cancel --batch` of a sweep's hundred waiters returned in seconds, but the
+    waiters left one by one, each reading the GPUs and planning the whole queue under the
+    lock only to learn it was cancelled: the last went a minute and a half later. A waiter
+    learns of its cancellation from a read of the ledger without the lock, so here it leaves
+    while another process holds the lock."""
+    sim_file(gpus=1)
+    procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: job_named("holder") and job_named("holder")["state"] == "running")  # type: ignore[index]
+    waiter = procs([*gpuwait_cmd, "--vram", "12G", "--name", "w", "--", "true"])
+    wait_for(lambda: job_named("w") and asleep_waiting(waiter.pid))
+    os.kill(waiter.pid, signal.SIGSTOP)
+    try:
+        assert run([*gpuwait_cmd, "cancel", "w"]).returncode == 0
+        fd = os.open(state_dir() / "ledger.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.kill(waiter.pid, signal.SIGCONT)
+            assert waiter.wait(timeout=1.5) == 7
+        finally:
+            os.close(fd)
+    finally:
+        if waiter.poll() is None:
+            os.kill(waiter.pid, signal.SIGCONT)
 
 
 def test_cancel_of_a_job_suspended_with_ctrl_z_ends_it(
