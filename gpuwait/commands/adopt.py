@@ -23,7 +23,7 @@ from gpuwait.core.text import printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import RUNNING, Job
+from gpuwait.queue.entries import RUNNING, Job, entry_command
 
 
 def build_parser() -> Parser:
@@ -84,7 +84,7 @@ def run(options: argparse.Namespace) -> int:
             hint="adopt it once it has allocated memory on its GPUs",
         )
     reserved = reserve if reserve is not None else max(using.values())
-    command = proc.command_line(pid) or [proc.command_name(pid) or str(pid)]
+    command = entry_command(proc.command_line(pid) or [proc.command_name(pid) or str(pid)])
     now, boot_now = time.time(), proc.boot_clock()
     job = Job(
         id=os.urandom(4).hex(),

@@ -1008,11 +1008,25 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
+#: The most items a list of text in an entry may have (a command's arguments, say).
+_MAX_TEXTS = 1024
+
+
+def entry_command(argv: Sequence[str]) -> list[str]:
+    """A command as its entry keeps it: within what a read of the entry accepts (which refuses
+    the entry otherwise), so `xargs` handing a job thousands of file names, or an argument of
+    a whole config file, cuts the command the ledger shows, not the entry."""
+    command = [a if len(a) <= _MAX_TEXT else a[: _MAX_TEXT - 1] + "…" for a in argv]
+    if len(command) > _MAX_TEXTS:
+        command[_MAX_TEXTS - 1 :] = [f"… {len(command) - _MAX_TEXTS + 1} more arguments"]
+    return command
+
+
 def _text_list(raw: Mapping[str, Any], key: str) -> list[str]:
     value = raw.get(key)
     if (
         not isinstance(value, list)
-        or len(value) > 1024
+        or len(value) > _MAX_TEXTS
         or not all(isinstance(v, str) and len(v) <= _MAX_TEXT for v in value)
     ):
         raise ValueError(f"{key} must be a list of short strings")

@@ -61,7 +61,7 @@ from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of
-from gpuwait.queue.entries import WAITING, Job
+from gpuwait.queue.entries import WAITING, Job, entry_command
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings, stuck_behind
@@ -449,7 +449,7 @@ def _new_job(
         pid=os.getpid(),
         start_time=proc.start_time(os.getpid()) or 0,
         uid=os.getuid(),
-        command=list(request.command),
+        command=entry_command(request.command),
         cwd=os.getcwd(),
         request=choice.request.to_json() if choice.request is not None else {},
         gpus=request.gpus,

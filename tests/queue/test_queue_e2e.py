@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -517,6 +518,26 @@ def test_processes_on_the_ignore_list_are_not_load(
 
 
 # --- cancel, log, status ---------------------------------------------------------------------
+
+
+def test_a_command_with_many_or_long_arguments_keeps_its_entry(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    """`xargs gpuwait ... python process.py` hands a job thousands of file names: its entry was
+    written with the whole command, which every later read refused (more than 1024 arguments,
+    or one of more than 4096 characters) and dropped. The running job vanished from the queue
+    (its room free for anyone), and each change warned of a damaged ledger. Its entry now keeps
+    the command cut to those bounds."""
+    sim_file(gpus=1)
+    status = " ".join(shlex.quote(a) for a in [*gpuwait_cmd, "status", "--json"])
+    done = run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", status, "sh", *["f"] * 1100, "x" * 5000]
+    )
+    assert done.returncode == 0, done.stderr
+    assert "dropped" not in done.stderr and "damaged" not in done.stderr, done.stderr
+    (job,) = json.loads(done.stdout)["jobs"]
+    assert job["state"] == "running"
+    assert job["command"][:3] == ["sh", "-c", status]
 
 
 def test_cancel_running_job_terminates_it(
