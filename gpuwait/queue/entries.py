@@ -1010,6 +1010,8 @@ def _table(value: Any) -> dict[str, Any]:
 
 #: The most items a list of text in an entry may have (a command's arguments, say).
 _MAX_TEXTS = 1024
+#: The most jobs one entry may wait for (`after`, `after_ok`).
+MAX_DEPENDENCIES = _MAX_TEXTS
 
 
 def entry_command(argv: Sequence[str]) -> list[str]:

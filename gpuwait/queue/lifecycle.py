@@ -68,6 +68,7 @@ from gpuwait.queue.conditions import (
     settle_dependencies,
 )
 from gpuwait.queue.entries import (
+    MAX_DEPENDENCIES,
     MAX_ENTRIES_PER_UID,
     RUNNING,
     WAITING,
@@ -425,8 +426,8 @@ def submit(
             )
         try:
             entry = copy_job(job)._replace(
-                after=resolve_references(after, data, state_dir),
-                after_ok=resolve_references(after_ok, data, state_dir),
+                after=_unmet(resolve_references(after, data, state_dir), data),
+                after_ok=_unmet(resolve_references(after_ok, data, state_dir), data, ok=True),
                 order=data.next_order,
                 boot=proc.boot_id(),
                 submitted_boot=proc.boot_clock()
@@ -457,6 +458,25 @@ def submit(
             )
         )
     return copy_job(entry)
+
+
+def _unmet(ids: list[str], data: LedgerData, ok: bool = False) -> list[str]:
+    """The dependencies among `ids` that are not met yet: a job that ended meets `--after`, and
+    `--after-ok` if it succeeded (one that failed stays, and fails the job at its first plan).
+    A batch names its ended jobs too, and after a sweep of a thousand an entry listing them
+    all would be more than a read accepts. ValueError past that, even so."""
+    live = {j.id for j in data.jobs}
+    unmet = []
+    for dep in ids:
+        done = None if dep in live or not ok else data.book.outcome(dep)
+        if dep in live or (ok and (done is None or not done.succeeded)):
+            unmet.append(dep)
+    if len(unmet) > MAX_DEPENDENCIES:
+        raise ValueError(
+            f"it names {len(unmet)} jobs that have not ended, more than the "
+            f"{MAX_DEPENDENCIES} one job may wait for"
+        )
+    return unmet
 
 
 def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:

@@ -22,6 +22,7 @@ from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECOND
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.queue import events, lifecycle
+from gpuwait.queue.bookkeeping import OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
@@ -373,3 +374,19 @@ def test_a_job_that_stepped_aside_does_not_wait_for_a_stopped_job_it_made_room_f
         assert isinstance(attempt, Admitted), attempt
     finally:
         os.kill(stopped.pid, signal.SIGKILL)
+
+
+def test_a_job_after_a_whole_sweep_keeps_its_entry(tmp_path: Path) -> None:
+    """`--after sweep` names every job of the batch, those that already ended too: after a
+    sweep of a thousand, more than the 1024 an entry may list, so every later read refused the
+    new entry and dropped it (its gpuwait waited on, in no queue). Jobs that ended are met
+    dependencies, left out from the start."""
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.extend(live_job(f"w{i:04d}", batch="sweep", order=i) for i in range(1020))
+        for i in range(10):
+            data.book.note_finished(Finished(f"f{i}", OK, time.time(), batch="sweep"))
+    lifecycle.submit(ledger, live_job("report"), ["sweep"], [], tmp_path, ["x"])
+    report = ledger.read().find("report")
+    assert report is not None and len(report.after) == 1020
+    assert not ledger.take_warnings()
