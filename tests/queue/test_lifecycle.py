@@ -16,13 +16,13 @@ import pytest
 from helpers.jobs import live_job
 from helpers.waiting import process_state, wait_for
 
-from gpuwait.core.errors import StateError
+from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.lookahead import Lookahead
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.queue import events, lifecycle
-from gpuwait.queue.bookkeeping import OK, Finished
+from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
@@ -390,3 +390,14 @@ def test_a_job_after_a_whole_sweep_keeps_its_entry(tmp_path: Path) -> None:
     report = ledger.read().find("report")
     assert report is not None and len(report.after) == 1020
     assert not ledger.take_warnings()
+
+
+def test_a_job_after_more_unfinished_jobs_than_an_entry_holds_is_refused(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.extend(live_job(f"w{i:04d}", batch="sweep", order=i) for i in range(1020))
+        for i in range(10):  # failed: each one still fails an --after-ok
+            data.book.note_finished(Finished(f"f{i}", FAILED, time.time(), batch="sweep"))
+    with pytest.raises(UsageError, match="names 1030 jobs that have not ended, more than the 1024"):
+        lifecycle.submit(ledger, live_job("report"), [], ["sweep"], tmp_path, ["x"])
+    assert ledger.read().find("report") is None
