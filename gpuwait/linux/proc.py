@@ -293,6 +293,16 @@ def owner_uid(pid: int) -> int | None:
         return None
 
 
+def user_name(uid: int) -> str:
+    """The login name of `uid`, or the number where it has none."""
+    import pwd  # only where a name is shown
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return str(uid)
+
+
 def environ_value(pid: int, name: bytes) -> str | None:
     """`name` in the environment process `pid` started with ("" when absent); None when it
     cannot be read (another user's process, or gone)."""

@@ -140,19 +140,10 @@ def _describe(holder: IdleHolder, now: float, job: str | None) -> dict[str, Any]
         "idle_since": time.time() - idle_seconds,  # shown as a moment: the wall clock's
         "idle_seconds": idle_seconds,
         "uid": uid,
-        "user": None if uid is None else _user_name(uid),
+        "user": None if uid is None else proc.user_name(uid),
         "command": _command_line(holder.pid),
         "job": job,
     }
-
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return str(uid)
 
 
 def _command_line(pid: int) -> list[str]:

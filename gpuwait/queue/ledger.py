@@ -244,7 +244,7 @@ class Ledger:
             whose = "root" if owner == 0 else f"uid {owner}"
             hint = (
                 f"{path} belongs to {whose}, not to you (a program run as {whose} with your "
-                f"HOME, `sudo -E` say, made it): `sudo chown -R {_user_name(os.getuid())} "
+                f"HOME, `sudo -E` say, made it): `sudo chown -R {proc.user_name(os.getuid())} "
                 f"{path}` gives it back"
             )
         return StateError(
@@ -584,15 +584,6 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
-
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def _group_name(gid: int) -> str:

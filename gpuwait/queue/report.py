@@ -16,6 +16,7 @@ from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
 from gpuwait.queue.conditions import plan_ledger, planned_claims
@@ -292,7 +293,7 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "uid": uid,
-                "user": _user_name(uid),
+                "user": proc.user_name(uid),
                 "running": len(running),
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
@@ -301,15 +302,6 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return str(uid)
 
 
 def _asker(data: LedgerData, job: Job) -> dict[str, Any] | None:
