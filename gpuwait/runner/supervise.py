@@ -322,7 +322,7 @@ class UsageSampler:
             if gpu.process_bytes(tree) <= 0:
                 continue
             if theirs is None:
-                theirs = _others_pids(self.ledger, self.job)
+                theirs = _others_pids(self.ledger, self.job) or {}
             # A job of its own started inside the command (a gpuwait of its own) runs there
             # in its own reservation.
             used = gpu.process_bytes(tree - theirs.get(gpu.uuid, frozenset()))
@@ -346,10 +346,12 @@ class UsageSampler:
             return
         tree = frozenset(pids)
         for gpu in gpus:
-            mine = [p for p in gpu.processes if p.pid in tree and p.used_bytes]
-            used = sum(p.used_bytes or 0 for p in mine)
-            if gpu.uuid in self._shared or len(mine) < 2:
+            if gpu.uuid in self._shared:
                 continue
+            mine = [p for p in gpu.processes if p.pid in tree and p.used_bytes]
+            if len(mine) < 2:
+                continue
+            used = sum(p.used_bytes or 0 for p in mine)
             if overuse(self.job.reserved_bytes, used, gpu.total_bytes, self.margin) is None:
                 continue
             self._shared.add(gpu.uuid)
@@ -456,12 +458,13 @@ def _freed_since_admission(
     return bool(listed - now - result.pids_seen)
 
 
-def _others_pids(ledger: Ledger, job: Job) -> dict[str, frozenset[int]]:
-    """The processes of the other running jobs, per GPU they were given."""
+def _others_pids(ledger: Ledger, job: Job) -> dict[str, frozenset[int]] | None:
+    """The processes of the other running jobs, per GPU they were given; None where the ledger
+    cannot be read."""
     try:
         data = ledger.read()
     except Exception:
-        return {}
+        return None
     found: dict[str, set[int]] = {}
     for other in data.jobs:
         if other.id != job.id and other.state == RUNNING:
@@ -471,16 +474,9 @@ def _others_pids(ledger: Ledger, job: Job) -> dict[str, frozenset[int]]:
 
 
 def _gpus_shared_with_others(ledger: Ledger, job: Job) -> set[str]:
-    try:
-        data = ledger.read()
-    except Exception:
-        return set(job.gpu_uuids)  # cannot tell: assume shared, so no approximate figure
-    return {
-        uuid
-        for other in data.jobs
-        if other.id != job.id and other.state == RUNNING
-        for uuid in other.gpu_uuids
-    }
+    others = _others_pids(ledger, job)
+    # Where it cannot be told, assume shared, so no approximate figure.
+    return set(job.gpu_uuids) if others is None else set(others)
 
 
 def _read_accounting(backend: Backend, job: Job, result: RunResult) -> None:
