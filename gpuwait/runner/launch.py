@@ -55,24 +55,27 @@ def check_command(argv: Sequence[str]) -> str:
 
 def _hash_bang(path: str) -> str | None:
     """The interpreter a script's #! line names, or None."""
-    first = _first_line(path)
+    first = _first_line(path) or b""
     if not first.startswith(b"#!"):
         return None
     words = first[2:].split()
     return os.fsdecode(words[0]) if words else None
 
 
-def _first_line(path: str, size: int = 256) -> bytes:
-    """The first line of a plain file (at most `size` bytes), or b"" where it cannot be read."""
+def _first_line(path: str, size: int = 256) -> bytes | None:
+    """The first line of a plain file (at most `size` bytes), or None where it cannot be read
+    or is no plain file."""
     try:
         # Never waited on: a FIFO named like a program is no program.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return b""
+        return None
     try:
-        return os.read(fd, size).split(b"\n", 1)[0] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, size).split(b"\n", 1)[0]
     except OSError:
-        return b""
+        return None
     finally:
         os.close(fd)
 
@@ -118,7 +121,7 @@ def python_program(argv: Sequence[str]) -> bool:
     path = name if "/" in name else which(name)
     if path is None:
         return False
-    first = _first_line(path)
+    first = _first_line(path) or b""
     return first.startswith(b"#!") and b"python" in first
 
 
@@ -152,18 +155,8 @@ def as_shell_script(argv: Sequence[str]) -> list[str] | None:
     path = argv[0] if "/" in argv[0] else which(argv[0])
     if path is None:
         return None
-    try:
-        # Never waited on: a FIFO named like a program is no program.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        head = os.read(fd, 80) if stat.S_ISREG(os.fstat(fd).st_mode) else b"\0"
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if b"\0" in head.split(b"\n", 1)[0]:
+    first = _first_line(path, 80)
+    if first is None or b"\0" in first:
         return None
     return ["/bin/sh", path, *argv[1:]]
 
