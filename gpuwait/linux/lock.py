@@ -114,17 +114,14 @@ def lock_within(
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
-    look = started + SLOW_AFTER / 2
+    looks = _Looks(slow, started)
     previous = signal.signal(signal.SIGALRM, tick)
     try:
         while True:
             now = time.monotonic()
             if now - started >= patience:
                 raise_if_pending()
-            if slow is not None and now >= look:
-                look = now + SLOW_AFTER / 2
-                if slow():
-                    slow = None
+            looks.at(now)
             step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
             if step <= 0:
                 raise LockTimeout
@@ -158,23 +155,34 @@ def _poll(
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
-    look = started + SLOW_AFTER / 2
+    looks = _Looks(slow, started)
     delay = 0.001
     while True:
         try:
             take(False)
             return
         except BlockingIOError:
-            now = time.monotonic()
-            if slow is not None and now >= look:
-                look = now + SLOW_AFTER / 2
-                if slow():
-                    slow = None
+            looks.at(time.monotonic())
             remaining = TICK if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise LockTimeout from None
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.05)
+
+
+class _Looks:
+    """Calls `slow` every SLOW_AFTER / 2 seconds of a wait begun at `started`, the first time
+    once it has lasted that long, until `slow` returns True (it has told)."""
+
+    def __init__(self, slow: Callable[[], bool] | None, started: float) -> None:
+        self.slow = slow
+        self.next = started + SLOW_AFTER / 2
+
+    def at(self, now: float) -> None:
+        if self.slow is not None and now >= self.next:
+            self.next = now + SLOW_AFTER / 2
+            if self.slow():
+                self.slow = None
 
 
 def holders(fd: int) -> list[int]:
