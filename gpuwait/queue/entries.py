@@ -305,9 +305,16 @@ def since(wall: float | None, boot: float | None, now: float, boot_now: float | 
     that passed a wall clock only). 0 for a moment never stamped. A boot stamp later than
     `boot_now` was taken on another boot clock (an earlier boot, another time namespace): the
     wall clock measures then."""
-    if boot is not None and boot_now is not None and boot <= boot_now:
+    if _on_this_clock(boot, boot_now):
+        assert boot is not None and boot_now is not None
         return boot_now - boot
     return 0.0 if wall is None else now - wall
+
+
+def _on_this_clock(boot: float | None, boot_now: float | None) -> bool:
+    """Is `boot` a stamp of the boot clock that reads `boot_now` (not a later one, which was
+    taken on another: an earlier boot, another time namespace)?"""
+    return boot is not None and boot_now is not None and boot <= boot_now
 
 
 def pause_stamps(
@@ -316,15 +323,10 @@ def pause_stamps(
     """`job`'s pause request and checkpoint signal moments, and now, on one clock: the boot
     clock where every one of them has a boot stamp of this clock (see `since`), else the wall
     clock."""
-    if (
-        boot_now is not None
-        and job.pause_requested_boot is not None
-        and job.pause_requested_boot <= boot_now
-        and (
-            job.pause_signalled_at is None
-            or (job.pause_signalled_boot is not None and job.pause_signalled_boot <= boot_now)
-        )
+    if _on_this_clock(job.pause_requested_boot, boot_now) and (
+        job.pause_signalled_at is None or _on_this_clock(job.pause_signalled_boot, boot_now)
     ):
+        assert boot_now is not None
         return job.pause_requested_boot, job.pause_signalled_boot, boot_now
     return job.pause_requested_at, job.pause_signalled_at, now
 
