@@ -68,7 +68,12 @@ STOPPED = "stopped (Ctrl-Z, SIGSTOP): passed over until continued, keeping its p
 
 def _stopped(job: Job) -> bool:
     """Is `job` a waiter whose gpuwait is stopped (Ctrl-Z, SIGSTOP)?"""
-    return job.state != RUNNING and not elsewhere(job) and proc.stopped(job.pid, job.start_time)
+    return job.state != RUNNING and _gpuwait_stopped(job)
+
+
+def _gpuwait_stopped(job: Job) -> bool:
+    """Is `job`'s gpuwait (a process of this pid namespace) stopped (Ctrl-Z, SIGSTOP)?"""
+    return not elsewhere(job) and proc.stopped(job.pid, job.start_time)
 
 
 def _blocker(job: Job, data: LedgerData) -> str | None:
@@ -300,23 +305,28 @@ def claims_for(
     share is on."""
     usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life, boot_now)
     tree = unpublished_pids(data.jobs, gpus)
-    claims = []
-    for j in data.jobs:
-        claim = claim_of(
+    return [
+        as_counted(
+            claim_of(
+                j,
+                gpus,
+                now,
+                blocked=_blocker(j, data),
+                usage=usage.get(j.uid, 0.0),
+                tree=tree.get(j.id, ()),
+                boot_now=boot_now,
+            ),
             j,
-            gpus,
-            now,
-            blocked=_blocker(j, data),
-            usage=usage.get(j.uid, 0.0),
-            tree=tree.get(j.id, ()),
-            boot_now=boot_now,
         )
-        if command_ended(j):
-            # What its processes still hold is counted (observed, or as used by others); the
-            # room kept for what it had yet to allocate is not: it never will.
-            claim = claim._replace(reserved_bytes=0)
-        claims.append(claim)
-    return claims
+        for j in data.jobs
+    ]
+
+
+def as_counted(claim: Claim, job: Job) -> Claim:
+    """`job`'s claim as plans count it. Where its command has ended (`command_ended`), what its
+    processes still hold is counted (observed, or as used by others); the room kept for what it
+    had yet to allocate is not: it never will."""
+    return claim._replace(reserved_bytes=0) if command_ended(job) else claim
 
 
 def command_ended(job: Job) -> bool:
@@ -327,8 +337,7 @@ def command_ended(job: Job) -> bool:
     return (
         job.state == RUNNING
         and job.child_pid is not None
-        and not elsewhere(job)
-        and proc.stopped(job.pid, job.start_time)
+        and _gpuwait_stopped(job)
         and not proc.is_alive(job.child_pid, job.child_start_time)
     )
 

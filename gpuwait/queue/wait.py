@@ -44,8 +44,8 @@ from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
+    as_counted,
     claim_of,
-    command_ended,
     name_processes,
     plan_conditions,
     plan_ledger,
@@ -252,9 +252,7 @@ def _confirm_found(
         # Counted as the plan that admitted it counted them (see claims_for).
         tree = unpublished_pids(data.jobs, snapshot.gpus)
         others = [
-            claim_of(j, snapshot.gpus, tree=tree.get(j.id, ()))._replace(reserved_bytes=0)
-            if command_ended(j)
-            else claim_of(j, snapshot.gpus, tree=tree.get(j.id, ()))
+            as_counted(claim_of(j, snapshot.gpus, tree=tree.get(j.id, ())), j)
             for j in data.jobs
             if j is not mine
         ]
