@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
-from gpuwait.commands.parsing import Parser, whole_number
+from gpuwait.commands.parsing import Parser, add_gpus_option
 from gpuwait.config import Settings, load_settings
 from gpuwait.core.devices import parse_inherited_visible
 from gpuwait.core.errors import GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
-from gpuwait.core.sizes import MAX_GPUS, MemoryRequest, format_duration, format_size
+from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.history.learn import (
@@ -40,12 +40,8 @@ def build_parser() -> Parser:
         "runs it is learned from, and the command's usual run time.",
     )
     parser.add_argument("--key", metavar="NAME", help="the name given with `gpuwait --key NAME`")
-    parser.add_argument(
-        "--gpus",
-        type=whole_number(1, MAX_GPUS),
-        default=1,
-        metavar="N",
-        help="the size per GPU for a run on N GPUs, as `gpuwait --gpus N` asks (default: 1)",
+    add_gpus_option(
+        parser, "the size per GPU for a run on N GPUs, as `gpuwait --gpus N` asks (default: 1)"
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output (schema 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from gpuwait.core.errors import UsageError
-from gpuwait.core.sizes import parse_whole
+from gpuwait.core.sizes import MAX_GPUS, parse_whole
 
 _NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?$")
 
@@ -91,6 +91,13 @@ def whole_number(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
+
+
+def add_gpus_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """`--gpus N`: the GPUs a job runs on, taken as `gpuwait --gpus N` takes them (default: 1)."""
+    parser.add_argument(
+        "--gpus", type=whole_number(1, MAX_GPUS), default=1, metavar="N", help=help_text
+    )
 
 
 def terminal_columns() -> int:

@@ -14,12 +14,17 @@ from typing import TYPE_CHECKING, Any
 from gpuwait import __version__
 from gpuwait.commands import SUBCOMMANDS
 from gpuwait.commands.output import Console
-from gpuwait.commands.parsing import Parser, RawHelpFormatter, terminal_columns, whole_number
+from gpuwait.commands.parsing import (
+    Parser,
+    RawHelpFormatter,
+    add_gpus_option,
+    terminal_columns,
+    whole_number,
+)
 from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings, load_settings
 from gpuwait.core.errors import EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules
 from gpuwait.core.sizes import (
-    MAX_GPUS,
     MemoryRequest,
     parse_decimal,
     parse_duration,
@@ -176,13 +181,7 @@ def build_parser() -> Parser:
         action="store_true",
         help="send TERM to a --pausable command that has not stepped aside after --grace",
     )
-    parser.add_argument(
-        "--gpus",
-        type=whole_number(1, MAX_GPUS),
-        default=1,
-        metavar="N",
-        help="number of GPUs, all at once (default: 1)",
-    )
+    add_gpus_option(parser, "number of GPUs, all at once (default: 1)")
     parser.add_argument(
         "--timeout",
         metavar="DURATION",
