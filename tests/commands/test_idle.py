@@ -149,6 +149,17 @@ def idle_now_with(run_gpuwait: Run, min_vram: str) -> list[dict[str, Any]]:
     return holders
 
 
+def _watched_holder(
+    run_gpuwait: Run, sim_jobs: list[subprocess.Popen[str]]
+) -> subprocess.Popen[str]:
+    """A process holding 2 GiB on quiet GPU 0, seen by a first reading and not idle yet."""
+    holder = start_sim_job("--vram", "2G", "--hold", "120s")
+    sim_jobs.append(holder)
+    wait_for(lambda: gpu_used(run_gpuwait, 0) == 2 * GIB)
+    assert idle_now(run_gpuwait) == []
+    return holder
+
+
 def test_the_evidence_file_of_a_killed_writer_goes_once_it_is_old(
     sim_file: SimFileFactory,
     run_gpuwait: Run,
@@ -167,10 +178,7 @@ def test_the_evidence_file_of_a_killed_writer_goes_once_it_is_old(
     os.utime(dead, (hour_ago, hour_ago))
 
     # A process seen holding memory on a quiet GPU is new evidence: the file is written.
-    holder = start_sim_job("--vram", "2G", "--hold", "120s")
-    sim_jobs.append(holder)
-    wait_for(lambda: gpu_used(run_gpuwait, 0) == 2 * GIB)
-    assert idle_now(run_gpuwait) == []
+    _watched_holder(run_gpuwait, sim_jobs)
     assert json.loads((state / "idle.json").read_text())["evidence"]
     assert not dead.exists()
     assert writing.exists()
@@ -194,10 +202,7 @@ def test_a_wall_clock_stepped_forward_makes_nobody_idle(
     # With idle_after an hour (the default), a process just seen on a quiet GPU is watched;
     # a clock stepped two hours ahead is no two hours of idleness.
     sim_file(gpus=1, utilization=0)
-    holder = start_sim_job("--vram", "2G", "--hold", "120s")
-    sim_jobs.append(holder)
-    wait_for(lambda: gpu_used(run_gpuwait, 0) == 2 * GIB)
-    assert idle_now(run_gpuwait) == []
+    holder = _watched_holder(run_gpuwait, sim_jobs)
     done = subprocess.run(
         [sys.executable, "-c", STEPPED, "idle", "--json"], capture_output=True, text=True
     )
