@@ -692,8 +692,12 @@ def _entries_to_come_back(ledger: Ledger, data: LedgerData, now: float) -> int:
     if not 0 <= now - data.created_at < RECOVERY_GRACE:
         return 0
     mine = {j.id for j in data.jobs if data.mine(j)}
-    # Locks taken before the ledger began (a file's time may lag the clock by a tick).
-    return len(alive.unlisted(ledger.directory, mine, data.created_at - 0.1))
+    # Locks taken before the ledger began. A file's time lags the clock by up to a tick, never
+    # leads it, so every such lock is older than `created_at`; one taken just after may look
+    # older too, and costs a waiter only the moment until its job's entry is written. Counted
+    # from a tenth of a second earlier instead, a job started just before the damage was not
+    # waited for, and the next launch was admitted into its reservation.
+    return len(alive.unlisted(ledger.directory, mine, data.created_at))
 
 
 def _waiting_for_entries(mine: Job, data: LedgerData, lost: int) -> WaitReason:

@@ -26,6 +26,8 @@ from helpers.waiting import asleep_waiting, named_entry, process_state, wait_for
 from gpuwait.cli import main
 from gpuwait.history import store
 from gpuwait.linux.lock import exclusive
+from gpuwait.queue import lifecycle
+from gpuwait.queue.entries import LedgerData
 from gpuwait.queue.ledger import Ledger
 
 DAMAGE = {
@@ -391,6 +393,27 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+
+
+def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
+    tmp_path: Path,
+) -> None:
+    # The test below, where a machine is quick: the first job began a few hundredths of a
+    # second before its ledger was damaged and started afresh. Its lock still counts as a job
+    # to wait for, not as one of the new ledger's.
+    holds = "import sys, time; from pathlib import Path; from gpuwait.linux import alive; "
+    holds += "alive.hold(Path(sys.argv[1]), '0a1b2c3d'); print(flush=True); time.sleep(60)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "\n"
+        taken = (tmp_path / f"alive.{os.getuid()}" / "0a1b2c3d").stat().st_mtime
+        data = LedgerData(created_at=taken + 0.02)
+        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1) == 1
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_jobs_entry(
