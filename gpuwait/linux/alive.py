@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpuwait.linux import proc
 from gpuwait.linux.security import ensure_private_dir, open_state_file
 
 #: Job ids as gpuwait makes them; anything else names no file of ours.
@@ -111,6 +112,21 @@ def held(ledger_dir: Path, uid: int, job_id: str) -> bool | None:
     finally:
         os.close(fd)
     return False
+
+
+def opened_by(ledger_dir: Path, uid: int, job_id: str, pid: int) -> bool:
+    """Does process `pid` have the lock file of `uid`'s job `job_id` open? Nobody but that user
+    can open it, and the job's gpuwait keeps it open for the job's life (its command inherits
+    it): the process is that job's own, whatever program it runs (one holding room for itself,
+    gpuwait.api)."""
+    path = _path(ledger_dir, uid, job_id)
+    if path is None:
+        return False
+    try:
+        file = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return proc.has_open(pid, file)
 
 
 def sweep(ledger_dir: Path, named: set[str]) -> None:

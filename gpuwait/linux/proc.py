@@ -104,6 +104,23 @@ def std_pipes(pid: int) -> tuple[int | None, int | None, int | None]:
     return ends[0], ends[1], ends[2]
 
 
+def has_open(pid: int, file: os.stat_result) -> bool:
+    """Whether process `pid` has `file` (as os.stat gave it) open; False where its open files
+    cannot be read (another user's process, or gone)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            opened = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
+            return True
+    return False
+
+
 def pipe_full(fd: int) -> bool:
     """Whether the pipe on `fd` is full, or too full for a writer's next chunk (a page): its
     writer waits for a reader. False for anything but a pipe."""

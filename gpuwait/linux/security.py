@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -376,12 +377,16 @@ def looks_like_gpuwait(pid: int) -> bool:
     return any(b"gpuwait" in os.path.basename(arg) for arg in argv[:4])
 
 
-def control_refusal(job: _JobLike, uid: int | None = None) -> str | None:
+def control_refusal(
+    job: _JobLike, uid: int | None = None, own_process: Callable[[], bool] | None = None
+) -> str | None:
     """Why the user `uid` (default: this process's) may not cancel, pause or resume `job`.
 
     None when they may. Root may control any job. Besides the uid written in the entry, the
     entry must name a live gpuwait process of that same user: an entry forged by another user
-    (naming, say, your shell) must never make your own `cancel` signal that process.
+    (naming, say, your shell) must never make your own `cancel` signal that process. A process
+    that runs no gpuwait counts where `own_process` proves it the job's own (it holds the job's
+    liveness lock, gpuwait.linux.alive: a process holding room for itself, gpuwait.api).
     """
     caller = os.getuid() if uid is None else uid
     if caller != 0 and job.uid != caller:
@@ -396,7 +401,7 @@ def control_refusal(job: _JobLike, uid: int | None = None) -> str | None:
         )
     if caller != 0 and owner is not None and owner != caller:
         return f"job {job.id}: process {job.pid} belongs to uid {owner}, not to you"
-    if not looks_like_gpuwait(job.pid):
+    if not looks_like_gpuwait(job.pid) and not (own_process is not None and own_process()):
         return f"job {job.id}: process {job.pid} is not a gpuwait process; refusing to signal it"
     return None
 

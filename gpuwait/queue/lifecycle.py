@@ -1091,7 +1091,7 @@ def retry(
     return copy_job(mine)
 
 
-def _control_refusal(job: Job, uid: int) -> str | None:
+def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
     """Why `uid` may not cancel `job`; None when they may."""
     if elsewhere(job):
         if uid != 0 and job.uid != uid:
@@ -1105,7 +1105,9 @@ def _control_refusal(job: Job, uid: int) -> str | None:
             )
         return None  # a waiter: taken out of the queue, it sees so and exits 7
     if job.orphaned_at is None:
-        return control_refusal(job, uid)
+        return control_refusal(
+            job, uid, lambda: alive.opened_by(ledger_dir, job.uid, job.id, job.pid)
+        )
     return orphan_control_refusal(job, job.child_pid, job.child_start_time, uid)
 
 
@@ -1142,7 +1144,7 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                 result.unmatched.append(f"--batch {batch}")
             chosen.extend(j for j in members if j not in chosen)
         for job in chosen:
-            refusal = _control_refusal(job, uid)
+            refusal = _control_refusal(job, uid, ledger.directory)
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:

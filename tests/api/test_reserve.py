@@ -60,11 +60,13 @@ for line in sys.stdin:
 
 
 class Holder:
-    """A process running HOLDER."""
+    """A process running HOLDER (from the file `program`, where given: a program whose command
+    line does not show gpuwait, as a user's script or a notebook kernel)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, program: Path | None = None, **kwargs: Any) -> None:
+        code = ["-c", HOLDER] if program is None else [str(program)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, json.dumps({"args": args, "kwargs": kwargs})],
+            [sys.executable, *code, json.dumps({"args": args, "kwargs": kwargs})],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -324,6 +326,32 @@ def test_a_signal_while_waiting_leaves_the_queue(
     else:
         assert waiter.returncode == -signal.SIGTERM  # as the process would have died bare
     assert state_of(gpuwait_cmd, "patient") is None
+
+
+def test_gpuwait_cancel_takes_a_reservation_out_of_the_queue_and_stops_a_held_one(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any, tmp_path: Path
+) -> None:
+    # A user's own program (here train.py), whose command line names no gpuwait.
+    program = tmp_path / "train.py"
+    program.write_text(HOLDER)
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "20G", "10s", "--name", "first")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        waiting = holders("10G", name="patient", program=program)
+        wait_for(lambda: state_of(gpuwait_cmd, "patient") == "waiting")
+        done = subprocess.run([*gpuwait_cmd, "cancel", "patient"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert waiting.said()["exit_code"] == 7
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    held = holders("1G", name="held", program=program)
+    assert "job" in held.said()
+    done = subprocess.run([*gpuwait_cmd, "cancel", "held"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert held.proc.wait(timeout=20) == -signal.SIGTERM  # as a wrapped command gets it
+    assert state_of(gpuwait_cmd, "held") is None
 
 
 def test_options_are_the_command_lines(sim: Path, holders: Any) -> None:
