@@ -19,13 +19,11 @@ _NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?$")
 class Parser(argparse.ArgumentParser):
     """argparse that reports errors as one line instead of printing usage and exiting.
 
-    `options` holds every option and positional added, and the subcommands of `add_subparsers`,
-    in order: what `gpuwait completion` offers.
+    `options` holds every option and positional added (those of its groups too), and the
+    subcommands of `add_subparsers`, in order: what `gpuwait completion` offers.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # Before argparse's own __init__, which adds -h/--help through add_argument.
-        self.options: list[argparse.Action] = []
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         # `--vram -1G`, `--timeout -5s`: a value, refused by its own parser with a reason, not
@@ -33,15 +31,10 @@ class Parser(argparse.ArgumentParser):
         # negative numbers for values). No option of gpuwait's looks like one.
         self._negative_number_matcher = _NEGATIVE_VALUE
 
-    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
-        action = super().add_argument(*args, **kwargs)
-        self.options.append(action)
-        return action
-
-    def add_subparsers(self, **kwargs: Any) -> Any:
-        action = super().add_subparsers(**kwargs)
-        self.options.append(action)
-        return action
+    @property
+    def options(self) -> list[argparse.Action]:
+        # argparse's own list: an option added through a group (`-n N | --all`) is there too.
+        return list(self._actions)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))

@@ -395,6 +395,31 @@ def test_completion_follows_the_parsers() -> None:
         assert all(name in text for name in SUBCOMMANDS), shell
 
 
+def test_completion_offers_every_option_a_subcommand_takes(hook_env: dict[str, str]) -> None:
+    """Options in a group (`history`'s `-n N | --all`) are the parser's as much as any."""
+    import importlib
+
+    from gpuwait.commands import SUBCOMMANDS, completion, module_name
+
+    for shell in SHELLS:
+        text = completion.script(shell)
+        for name in SUBCOMMANDS:
+            parser = importlib.import_module(module_name(name)).build_parser()
+            for flag in (f for a in parser._actions for f in a.option_strings):
+                shown = f"-l {flag[2:]} " if shell == "fish" and flag[1] == "-" else flag
+                if shell == "fish" and flag[1] != "-":
+                    shown = f"-s {flag[1:]} "
+                assert shown in text, (shell, name, flag)
+    script = """
+eval "$(gpuwait completion bash)"
+complete_at() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMPREPLY=(); _gpuwait_complete; echo "${COMPREPLY[*]}"; }
+complete_at gpuwait history --a
+complete_at gpuwait history -n 5 --
+"""
+    lines = run_shell("bash", script, [], hook_env).stdout.splitlines()
+    assert lines == ["--all", "--help --all --key --json"]
+
+
 def test_bash_completion(hook_env: dict[str, str]) -> None:
     script = """
 eval "$(gpuwait completion bash)"
