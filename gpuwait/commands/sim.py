@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from gpuwait.commands import output
 from gpuwait.commands.parsing import Parser, whole_number
@@ -18,7 +19,7 @@ def build_parser() -> Parser:
         "`export GPUWAIT_SIM=FILE` makes gpuwait use it; `gpuwait sim job --vram SIZE` is a "
         "simulated CUDA program (see `gpuwait sim job --help`).",
     )
-    sub = parser.add_subparsers(dest="action", metavar="{init,job}")
+    sub: Any = parser.add_subparsers(dest="action", metavar="{init,job}")
     init = sub.add_parser("init", help="write a simulation file")
     init.add_argument("path", help="file to write, e.g. ~/gpuwait-sim.toml")
     init.add_argument(
@@ -35,7 +36,13 @@ def build_parser() -> Parser:
         help="root only: every user may run gpuwait and simulated jobs on it, and sees the "
         "others' jobs",
     )
-    sub.add_parser("job", help="run a simulated CUDA job")
+    # Its options are the simulated program's own, parsed by it (`parse`): here for `--help`
+    # and completion.
+    from gpuwait.gpu import simjob
+
+    sub.add_parser(
+        "job", help="run a simulated CUDA job", parents=[simjob.build_parser()], add_help=False
+    )
     return parser
 
 

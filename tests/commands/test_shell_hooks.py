@@ -420,6 +420,42 @@ complete_at gpuwait history -n 5 --
     assert lines == ["--all", "--help --all --key --json"]
 
 
+def test_completion_of_a_subcommand_of_a_subcommand(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`gpuwait sim init` and `sim job` have options of their own, and `sim init` a file."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "gpus.toml").write_text("")
+    bash = """
+eval "$(gpuwait completion bash)"
+complete_at() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMPREPLY=(); _gpuwait_complete; echo "${COMPREPLY[*]}"; }
+complete_at gpuwait sim ''
+complete_at gpuwait sim init --f
+complete_at gpuwait sim init --gpus 4 --
+complete_at gpuwait sim init ''
+complete_at gpuwait sim job --ho
+"""
+    lines = run_shell("bash", bash, [], hook_env).stdout.splitlines()
+    assert lines == ["init job", "--force", "--help --gpus --memory --force --shared", "", "--hold"]
+    fish = """
+gpuwait completion fish | source
+for line in 'gpuwait sim ' 'gpuwait sim init --' 'gpuwait sim init ' 'gpuwait sim job --ho'
+    echo "== $line"
+    complete -C "$line"
+end
+"""
+    done = run_shell("fish", fish, [], hook_env, cwd=here)
+    blocks = {}
+    for block in done.stdout.split("== ")[1:]:
+        head, _, body = block.partition("\n")
+        blocks[head] = [row.split("\t")[0] for row in body.splitlines()]
+    assert blocks["gpuwait sim "] == ["init", "job"]
+    assert blocks["gpuwait sim init --"] == ["--force", "--gpus", "--help", "--memory", "--shared"]
+    assert blocks["gpuwait sim init "] == ["gpus.toml"]
+    assert blocks["gpuwait sim job --ho"] == ["--hold"]
+
+
 def test_bash_completion(hook_env: dict[str, str]) -> None:
     script = """
 eval "$(gpuwait completion bash)"
@@ -486,6 +522,11 @@ def test_zsh_completion_in_a_terminal(hook_env: dict[str, str], tmp_path: Path) 
         child.send("\x15")  # Ctrl-U: clear the line
         child.send("gpuwait --vram 6G shell-init z\t")
         child.expect(r"shell-init z\x07?sh ")
+        # A subcommand of a subcommand, with options of its own.
+        child.send("\x15gpuwait sim init --fo\t")
+        child.expect(r"init --fo\x07?rce ")
+        child.send("\x15gpuwait sim job --ho\t")
+        child.expect(r"job --ho\x07?ld")
         # After `gpuwait --`, the command's own completion, as after gpuwait's options.
         child.send("\x15_probecmd() { compadd alphabet }; compdef _probecmd probecmd\r")
         child.send("\x15gpuwait -- probecmd al\t")
