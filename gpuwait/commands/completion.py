@@ -15,12 +15,14 @@ from collections.abc import Iterable, Sequence
 
 from gpuwait.commands import SUBCOMMANDS, module_name
 from gpuwait.commands.parsing import Parser
+from gpuwait.core.budget import ENFORCE_MODES
 from gpuwait.core.policy import PICK_STRATEGIES
 from gpuwait.core.record import Record
 
 #: Values worth offering for options whose parser takes free text.
 _VALUE_HINTS: dict[str, tuple[str, ...]] = {
     "--pick": tuple(PICK_STRATEGIES),
+    "--enforce": ENFORCE_MODES,
     "--priority": ("1", "2", "3", "4", "5"),
 }
 _PATH_METAVARS = re.compile(r"FILE|PATH|DIR", re.IGNORECASE)

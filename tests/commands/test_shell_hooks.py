@@ -466,9 +466,11 @@ complete_at gpuwait --vram 6G stat
 complete_at gpuwait status --j
 complete_at gpuwait shell-init ''
 complete_at gpuwait -- stat
+complete_at gpuwait --enforce ''
 """
     done = run_shell("bash", script, [], hook_env)
     lines = done.stdout.splitlines()
+    assert lines[6] == "off hint limit"
     assert lines[0] == "--pausable --pick --prefer --priority"
     # Every strategy of the policy, in its order.
     assert lines[1] == " ".join(PICK_STRATEGIES)
