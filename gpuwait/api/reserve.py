@@ -230,7 +230,7 @@ def reserve(
     priority: int | str | None = None,
     timeout: float | str | None = None,
     pick: str | None = None,
-    devices: str | Sequence[int | str] | None = None,
+    devices: int | str | Sequence[int | str] | None = None,
     name: str | None = None,
     batch: str | None = None,
     key: str | None = None,
@@ -254,23 +254,26 @@ def reserve(
     """
     argv = list(_argv(vram, gpus=gpus, exclusive=exclusive, priority=priority, timeout=timeout))
     for option, value in (
-        ("--pick", pick),
+        ("--pick", _words("pick", pick)),
         ("--devices", _listed(devices)),
-        ("--name", name),
-        ("--batch", batch),
-        ("--key", key),
+        ("--name", _words("name", name)),
+        ("--batch", _words("batch", batch)),
+        ("--key", _words("key", key)),
         ("--safety", _text(safety)),
-        ("--enforce", enforce),
-        ("--ledger", None if ledger is None else os.fspath(ledger)),
+        ("--enforce", _words("enforce", enforce)),
+        ("--ledger", _path_text(ledger)),
         ("--min-total-vram", _size_text(min_total_vram)),
-        ("--gpu-name", gpu_name),
+        ("--gpu-name", _words("gpu_name", gpu_name)),
         ("--min-compute-capability", _text(min_compute_capability)),
         ("--max-util", _text(max_util)),
     ):
         if value is not None:
             argv += [option, value]
-    for option, refs in (("--after", after), ("--after-ok", after_ok)):
-        for ref in [refs] if isinstance(refs, str) else refs:
+    for option, keyword, refs in (
+        ("--after", "after", after),
+        ("--after-ok", "after_ok", after_ok),
+    ):
+        for ref in _references(keyword, refs):
             argv += [option, ref]
     return reserve_argv(argv, _LoggingReporter())
 
@@ -325,10 +328,41 @@ def _size_text(value: object) -> str | None:
     )
 
 
-def _listed(devices: str | Sequence[int | str] | None) -> str | None:
+def _wrong_type(keyword: str, value: object, expected: str) -> ReserveError:
+    return ReserveError(f"{keyword}={value!r}: expected {expected}", exit_code=EXIT_USAGE)
+
+
+def _words(keyword: str, value: object) -> str | None:
+    """A text option as the command line's word (a number given for a name is no name)."""
+    if value is None or isinstance(value, str):
+        return value
+    raise _wrong_type(keyword, value, "text")
+
+
+def _path_text(value: object) -> str | None:
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    raise _wrong_type("ledger", value, "a directory's path")
+
+
+def _references(keyword: str, refs: object) -> list[str]:
+    """`after`/`after_ok`: one job (id, name or batch) or a list of them."""
+    listed = [refs] if isinstance(refs, str) else refs
+    if isinstance(listed, (list, tuple)) and all(isinstance(r, str) for r in listed):
+        return list(listed)
+    raise _wrong_type(keyword, refs, "a job's id, name or batch, or a list of them")
+
+
+def _listed(devices: object) -> str | None:
+    """`devices`: an index, a UUID, or a list of them, as `--devices` takes them."""
     if devices is None or isinstance(devices, str):
         return devices
-    return ",".join(str(d) for d in devices)
+    listed = [devices] if isinstance(devices, int) else devices
+    if isinstance(listed, (list, tuple)) and all(
+        isinstance(d, (int, str)) and not isinstance(d, bool) for d in listed
+    ):
+        return ",".join(str(d) for d in listed)
+    raise _wrong_type("devices", devices, "a GPU's index or UUID, or a list of them")
 
 
 def _options(argv: Sequence[str]) -> argparse.Namespace:

@@ -383,6 +383,23 @@ def test_a_number_too_small_to_be_bytes_is_refused(
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: list[str]) -> None:
+    import gpuwait
+
+    for options in ({"after": 5}, {"name": 5}, {"ledger": 5}, {"devices": 1.5}):
+        with pytest.raises(gpuwait.ReserveError) as caught:
+            gpuwait.reserve("1G", **options)
+        assert caught.value.exit_code == 2, options
+        assert next(iter(options)) in caught.value.message
+    assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_devices_takes_one_index_as_the_command_line_does(sim: Path) -> None:
+    script = "import gpuwait\nprint(gpuwait.reserve('1G', devices=1).gpus)\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "(1,)\n"), done.stderr
+
+
 def test_refused_where_cuda_is_already_initialised(
     sim: Path, monkeypatch: pytest.MonkeyPatch, gpuwait_cmd: list[str]
 ) -> None:
