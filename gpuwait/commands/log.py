@@ -44,8 +44,20 @@ def run(args: argparse.Namespace) -> int:
     directory = ledger.directory
     indices = {u: h.index for u, h in ledger.read().book.health.items()}
 
+    # The ids the asked-for name was given to: not every event names its job (a `leave` of a
+    # failed dependency, a `reap`, a `paused` carry its id alone). Events come oldest first,
+    # so a job's `submit`, which names it, comes before the rest of its events.
+    named: set[str] = set()
+
     def wanted(event: dict[str, Any]) -> bool:
-        return args.job is None or args.job in (event.get("job"), event.get("name"))
+        if args.job is None:
+            return True
+        job = event.get("job")
+        if event.get("name") == args.job:
+            if isinstance(job, str):
+                named.add(job)
+            return True
+        return job == args.job or job in named
 
     def show(event: dict[str, Any]) -> None:
         print(

@@ -305,6 +305,21 @@ def test_history_of_a_command_run_elsewhere_says_where_it_ran(sim: Path, tmp_pat
     assert "`gpuwait history` shows the 1 run of other commands" in done.stdout
 
 
+def test_log_of_a_job_by_name_shows_how_it_ended(sim: Path) -> None:
+    """Some events name the job by id alone (a dependency that failed, a reaped job): asked for
+    by its name, the log still shows them."""
+    assert gpuwait("--vram", "1G", "--name", "broken", "false").returncode == 1
+    done = gpuwait("--vram", "1G", "--name", "report", "--after-ok", "broken", "true")
+    assert done.returncode == 6
+    lines = [
+        json.loads(line) for line in gpuwait("log", "--json", "--job", "report").stdout.splitlines()
+    ]
+    assert [e["kind"] for e in lines] == ["submit", "leave"]
+    assert lines[1]["outcome"] == "dependency-failed"
+    text = gpuwait("log", "-n", "1", "--job", "report").stdout
+    assert "leave" in text and "dependency-failed" in text
+
+
 def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
     assert gpuwait("--vram", "1G", "--name", "known", "true").returncode == 0
     assert gpuwait("log", "--job", "known").stdout
