@@ -424,20 +424,24 @@ def submit(
                 f"you already have {mine} gpuwait jobs in the ledger, the most one user may",
                 hint="wait for some to finish",
             )
-        try:
-            entry = copy_job(job)._replace(
-                after=_unmet(resolve_references(after, data, state_dir), data),
-                after_ok=_unmet(resolve_references(after_ok, data, state_dir), data, ok=True),
-                order=data.next_order,
-                boot=proc.boot_id(),
-                submitted_boot=proc.boot_clock()
-                if job.submitted_boot is None
-                else job.submitted_boot,
-            )
-        except ValueError as exc:
-            raise UsageError(
-                f"--after: {exc}", hint="see `gpuwait status` and `gpuwait log`"
-            ) from None
+        met: dict[str, list[str]] = {}
+        for option, refs in (("--after", after), ("--after-ok", after_ok)):
+            try:
+                met[option] = _unmet(
+                    resolve_references(refs, data, state_dir), data, ok=option == "--after-ok"
+                )
+            except ValueError as exc:
+                # Named as given: the option a script passed is the one to look at.
+                raise UsageError(
+                    f"{option}: {exc}", hint="see `gpuwait status` and `gpuwait log`"
+                ) from None
+        entry = copy_job(job)._replace(
+            after=met["--after"],
+            after_ok=met["--after-ok"],
+            order=data.next_order,
+            boot=proc.boot_id(),
+            submitted_boot=proc.boot_clock() if job.submitted_boot is None else job.submitted_boot,
+        )
         # Locked before the entry is in the file, so no reader elsewhere ever finds it unlocked.
         # Not in a shared ledger: other users' entries count there only as far as the kernel
         # shows their processes, so every member needs the host's pids anyway (--pid=host).

@@ -851,7 +851,8 @@ def test_status_watch_prints_reports_until_interrupted(
 BAD_INPUT = [
     (["--exclusive", "--vram", "1G", "true"], 2, "leave out --vram"),
     (["--vram", "1G", "--name", "has space", "true"], 2, "--name 'has space'"),
-    (["--vram", "1G", "--after", "nosuch", "true"], 2, "no job, name or batch 'nosuch'"),
+    (["--vram", "1G", "--after", "nosuch", "true"], 2, "--after: no job, name or batch 'nosuch'"),
+    (["--vram", "1G", "--after-ok", "nosuch", "true"], 2, "--after-ok: no job, name or batch"),
     (["--vram", "1G", "--max-util", "0", "true"], 2, "--max-util"),
     (["--vram", "1G", "--max-util", "lots", "true"], 2, "--max-util"),
     (["--vram", "1G", "--min-compute-capability", "eight", "true"], 2, "MAJOR.MINOR"),
