@@ -108,6 +108,18 @@ def _plug_closed_standard_fds() -> None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
 
 
+def _show_what_the_locale_cannot() -> None:
+    """Let stdout and stderr show '?' for what the locale's encoding has no byte for. Under a
+    Latin-1 or ASCII locale (an old server's, `PYTHONIOENCODING=ascii`), a report's en dash or
+    '×', or a command's own letters, would otherwise end the report with a traceback halfway
+    through (stdout is strict), or widen a wait line fitted to the terminal with backslash
+    escapes (stderr)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="replace")
+
+
 def _undo_locale_coercion() -> None:
     """Put LC_CTYPE back as gpuwait was started with it. Python's start-up switches a C or
     POSIX locale to UTF-8 by setting LC_CTYPE in its own environment (PEP 538), so under cron's
@@ -148,6 +160,7 @@ def entry_point() -> NoReturn:
     import gc
 
     _plug_closed_standard_fds()
+    _show_what_the_locale_cannot()
     _undo_locale_coercion()
     try:
         _take_turn(sys.argv[1:])

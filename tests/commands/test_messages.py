@@ -333,6 +333,39 @@ def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
     assert "matches nosuch" in cancel.stderr
 
 
+# -- a terminal that cannot show every character -----------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["latin-1", "ascii"])
+def test_reports_reach_a_terminal_that_cannot_show_every_character(
+    sim: Path, encoding: str
+) -> None:
+    """Under a Latin-1 or ASCII locale (emulated by PYTHONIOENCODING), what gpuwait's reports
+    show that the terminal cannot (the en dash of a time range, a command's own letters) is
+    shown as '?', not ended with a traceback half-way through the report."""
+    for _ in range(2):
+        assert gpuwait("--vram", "1G", "--", "sh", "-c", ": résumé").returncode == 0
+    for report in (
+        ["history"],
+        ["log"],
+        ["estimate", "--", "sh", "-c", ": résumé"],
+        ["status"],
+    ):
+        done = subprocess.run(
+            [*GPUWAIT, *report],
+            capture_output=True,
+            encoding=encoding,
+            env={**os.environ, "PYTHONIOENCODING": encoding},
+            timeout=60,
+        )
+        assert done.returncode == 0, (report, done.stderr)
+        assert "Traceback" not in done.stderr, report
+        if report[0] != "status":
+            assert "sh -c" in done.stdout, (report, done.stdout)
+        if report[0] == "history":
+            assert "middle half" in done.stdout, done.stdout
+
+
 # -- another user's simulation -------------------------------------------------------------------
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
