@@ -10,6 +10,7 @@ fairness) come from the site file or the default only: a user cannot lift their 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -37,7 +38,13 @@ from gpuwait.core.sizes import (
     parse_whole,
 )
 from gpuwait.linux import dirs, netfs
-from gpuwait.linux.security import UnsafePath, mine, open_readable, read_capped
+from gpuwait.linux.security import (
+    UnsafePath,
+    mine,
+    open_readable,
+    read_capped,
+    taken_over_hint,
+)
 
 EXCLUSIVE = "exclusive"
 
@@ -846,6 +853,25 @@ def _own_link_target(path: Path) -> Path:
     return path
 
 
+def _in_a_home_not_yours(path: Path) -> bool:
+    """Whether a directory on the way to `path` keeps this user out, and none on the way is
+    theirs: a home that is not theirs at all (HOME=/root under `docker run --user`, an old
+    `sudo -u`), where no file of theirs can be."""
+    try:
+        os.stat(path)
+        return False
+    except PermissionError:
+        pass
+    except OSError:
+        return False
+    me = os.getuid()
+    for directory in path.parents:
+        with contextlib.suppress(OSError):
+            if os.lstat(directory).st_uid == me:
+                return False
+    return True
+
+
 def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     """The table in `path`; {} when there is none. Raises UsageError for a broken file.
 
@@ -877,6 +903,10 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         hint = None
         if exc.errno in (errno.EACCES, errno.EPERM):
             hint = f"make it readable (chmod u+r {path}), or set GPUWAIT_CONFIG to another file"
+            if not site and _in_a_home_not_yours(path):
+                return {}
+            # A directory of another user's in their own home that keeps them out is named.
+            hint = taken_over_hint(path) or hint
         raise UsageError(f"{kind} {path} cannot be read: {exc.strerror}", hint=hint) from None
     # Imported here, not at the top: most launches have no config file, and a launch should
     # not pay for the TOML parser then.

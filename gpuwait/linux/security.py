@@ -114,6 +114,21 @@ def taken_over(path: Path) -> tuple[Path, int] | None:
     return None
 
 
+def taken_over_hint(path: Path) -> str | None:
+    """How to give back the directory of another user's on the way to `path` in this user's
+    own (`taken_over`), in words; None when there is none."""
+    taken = taken_over(path)
+    if taken is None:
+        return None
+    directory, owner = taken
+    whose = "root" if owner == 0 else f"uid {owner}"
+    return (
+        f"{directory} belongs to {whose}, not to you (a program run as {whose} with your "
+        f"HOME, `sudo -E` say, made it): `sudo chown -R {proc.user_name(os.getuid())} "
+        f"{directory}` gives it back"
+    )
+
+
 def _make_private_dirs(path: Path) -> None:
     missing = [path]
     while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:

@@ -55,7 +55,7 @@ from gpuwait.linux.security import (
     open_state_file,
     proven_entry,
     read_at_most,
-    taken_over,
+    taken_over_hint,
 )
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
@@ -238,15 +238,8 @@ class Ledger:
                 "or unset ledger_dir to use your own",
             )
         hint = "set GPUWAIT_STATE_DIR (or ledger_dir) to a safe, writable directory"
-        taken = taken_over(self.directory) if isinstance(exc, PermissionError) else None
-        if taken is not None:
-            path, owner = taken
-            whose = "root" if owner == 0 else f"uid {owner}"
-            hint = (
-                f"{path} belongs to {whose}, not to you (a program run as {whose} with your "
-                f"HOME, `sudo -E` say, made it): `sudo chown -R {proc.user_name(os.getuid())} "
-                f"{path}` gives it back"
-            )
+        if isinstance(exc, PermissionError):
+            hint = taken_over_hint(self.directory) or hint
         return StateError(
             f"ledger directory {self.directory} is not usable: {exc.strerror}", hint=hint
         )

@@ -259,34 +259,87 @@ def test_a_moment_no_clock_can_show_is_shown_as_unknown(gw: Run, moment: float) 
             assert lines[1].startswith("? "), done.stdout
 
 
-def test_an_unreadable_ledger_or_config_says_how_to_make_it_readable() -> None:
-    # Made unreadable (chmod 000): the hint is to give it its mode back, not to remove the
-    # ledger (and the queue in it) first.
-    from helpers.users import run_as, shared_root, user_home
+@pytest.fixture
+def users_machine() -> Iterator[tuple[Path, Path]]:
+    """A directory every user may enter, and a simulated GPU of root's in it that all may read."""
+    from helpers.users import shared_root
 
-    alice = 47211
     root = shared_root()
     try:
         sim = root / "sim.toml"
         sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
         sim.chmod(0o644)
-        env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, alice, alice)}
-        args = ["--vram", "1G", "--", "true"]
-        assert run_as(alice, alice, [], args, env).returncode == 0
-        ledger = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-        ledger.chmod(0)
-        done = run_as(alice, alice, [], args, env)
-        assert done.returncode == 5, done.stderr
-        assert f"chmod u+rw {ledger}" in done.stderr and "Traceback" not in done.stderr
-        ledger.chmod(0o600)
-        config = Path(env["XDG_CONFIG_HOME"]) / "gpuwait" / "config.toml"
-        config.parent.mkdir()
-        os.chown(config.parent, alice, alice)
-        config.write_text("safety = 0.8\n")
-        os.chown(config, alice, alice)
-        config.chmod(0)
-        done = run_as(alice, alice, [], args, env)
-        assert done.returncode == 2, done.stderr
-        assert f"chmod u+r {config}" in done.stderr and "Traceback" not in done.stderr
+        yield root, sim
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_unreadable_ledger_or_config_says_how_to_make_it_readable(
+    users_machine: tuple[Path, Path],
+) -> None:
+    # Made unreadable (chmod 000): the hint is to give it its mode back, not to remove the
+    # ledger (and the queue in it) first.
+    from helpers.users import run_as, user_home
+
+    alice = 47211
+    root, sim = users_machine
+    env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, alice, alice)}
+    args = ["--vram", "1G", "--", "true"]
+    assert run_as(alice, alice, [], args, env).returncode == 0
+    ledger = Path(env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    ledger.chmod(0)
+    done = run_as(alice, alice, [], args, env)
+    assert done.returncode == 5, done.stderr
+    assert f"chmod u+rw {ledger}" in done.stderr and "Traceback" not in done.stderr
+    ledger.chmod(0o600)
+    config = Path(env["XDG_CONFIG_HOME"]) / "gpuwait" / "config.toml"
+    config.parent.mkdir()
+    os.chown(config.parent, alice, alice)
+    config.write_text("safety = 0.8\n")
+    os.chown(config, alice, alice)
+    config.chmod(0)
+    done = run_as(alice, alice, [], args, env)
+    assert done.returncode == 2, done.stderr
+    assert f"chmod u+r {config}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_home_that_is_not_yours_is_no_config_file_and_one_taken_over_is_named(
+    users_machine: tuple[Path, Path],
+) -> None:
+    """`docker run --user` in an image whose HOME is /root, an old `sudo -u`: HOME is a
+    directory of another user that keeps this one out. With a state dir of the user's own (as
+    docs say for containers), the command runs: there is no config file of theirs to read. A
+    `~/.config` of root's in the user's own home (made by a program run as root with their
+    HOME) is named, with the `sudo chown` that gives it back, not a `chmod` they cannot run."""
+    from helpers.users import run_as, user_home
+
+    alice = 47212
+    root, sim = users_machine
+    own = user_home(root, alice, alice)
+    foreign = root / "foreign-home"
+    (foreign / ".config" / "gpuwait").mkdir(parents=True)
+    foreign.chmod(0o700)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "GPUWAIT_SIM": str(sim),
+        "PYTHONPATH": own["PYTHONPATH"],
+        "HOME": str(foreign),
+        "GPUWAIT_STATE_DIR": own["XDG_STATE_HOME"],
+    }
+    args = ["--vram", "1G", "--", "sh", "-c", "echo ran"]
+    done = run_as(alice, alice, [], args, env)
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    config_dir = Path(own["HOME"]) / ".config"
+    config_dir.mkdir(mode=0o700)  # root's
+    done = run_as(alice, alice, [], args, {**env, "HOME": own["HOME"]})
+    assert done.returncode == 2, done.stderr
+    assert f"{config_dir} belongs to root" in done.stderr, done.stderr
+    assert f"`sudo chown -R {alice} {config_dir}` gives it back" in done.stderr, done.stderr
+    assert "chmod u+r" not in done.stderr and "Traceback" not in done.stderr
+    # A ~/.config of the user's own that keeps them out (chmod 000) is theirs to open again:
+    # their config file is not silently left unread.
+    os.chown(config_dir, alice, alice)
+    config_dir.chmod(0)
+    done = run_as(alice, alice, [], args, {**env, "HOME": own["HOME"]})
+    assert done.returncode == 2, done.stderr
+    assert "cannot be read: Permission denied" in done.stderr, done.stderr
