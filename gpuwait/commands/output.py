@@ -68,6 +68,13 @@ def stream_columns(stream: TextIO) -> int:
     return columns if columns > 0 else 80
 
 
+def redraws(stream: TextIO) -> bool:
+    """Whether `stream` is a terminal that takes cursor movements, as git's progress decides:
+    not one with TERM unset or `dumb` (Emacs's shell and compilation buffers), which would
+    show `\\033[K` as `^[[K` and pile lines rewritten after `\\r` up on one row."""
+    return stream.isatty() and os.environ.get("TERM", "dumb") != "dumb"
+
+
 class WaitLine:
     """Why a job waits, on stderr, each line naming the job (`gpuwait[train]: waiting for ...`).
 
@@ -84,7 +91,7 @@ class WaitLine:
     def __init__(self, quiet: bool, job: str = "", stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.quiet = quiet
-        self.tty = self.stream.isatty()
+        self.tty = redraws(self.stream)
         self.shown = False
         self.prefix = f"gpuwait[{printable(job, _LABEL)}]: " if job else "gpuwait: "
         self._last_key: tuple[object, ...] | None = None

@@ -69,7 +69,7 @@ def run(options: argparse.Namespace) -> int:
         _show(report, options.json, watching=False)
         # The queue is still shown, but a script asking whether the GPUs can be read must hear no.
         return EXIT_NO_GPU if report["backend_error"] else 0
-    if sys.stdout.isatty() and not options.json:
+    if output.redraws(sys.stdout) and not options.json:
         return _watch_screen(settings, interval)
     try:
         while True:

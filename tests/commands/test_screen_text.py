@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -250,43 +252,87 @@ line.clear()
 """
 
 
-@pytest.mark.parametrize("columns", [80, 120])
-def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
-    """On its terminal (a pty here), the line fits its width, named, without wrapping."""
+def on_a_pty(
+    argv: list[str], columns: int, term: str, enough: Callable[[str], bool] | None = None
+) -> str:
+    """What `argv` writes on a pty `columns` wide, in a session of its own, with TERM=`term`:
+    all of it, or, once `enough` says so, what it wrote until then (it is then sent Ctrl-C's
+    SIGINT)."""
+    import fcntl
     import pty
+    import select
+    import struct
+    import termios
 
     leader, follower = pty.openpty()
     os.set_blocking(leader, False)
     try:
-        import fcntl
-        import struct
-        import termios
-
         fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
         child = subprocess.Popen(
-            [sys.executable, "-c", DRAW_ON_OWN_TERMINAL],
+            argv,
             stdin=follower,
             stdout=follower,
             stderr=follower,
             start_new_session=True,
+            env={**os.environ, "TERM": term},
         )
         # The pty hands the bytes over as they pass its line discipline, not always at once:
-        # read until both the drawing and the clearing have come, or a deadline.
-        import select
-
+        # read until the child has ended and nothing more comes, or a deadline.
         written = ""
         deadline = time.monotonic() + 10
-        while written.count("\r\033[K") < 2 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             if select.select([leader], [], [], 0.1)[0]:
                 written += os.read(leader, 4096).decode()
+                if enough is not None and enough(written):
+                    child.send_signal(signal.SIGINT)
+                    enough = None
+            elif child.poll() is not None:
+                break
         assert child.wait(timeout=30) == 0, written
     finally:
         os.close(leader)
         os.close(follower)
+    return written
+
+
+def draw_on_a_pty(columns: int, term: str) -> str:
+    """What DRAW_ON_OWN_TERMINAL writes on a pty, its own controlling terminal."""
+    return on_a_pty([sys.executable, "-c", DRAW_ON_OWN_TERMINAL], columns, term)
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
+    """On its terminal (a pty here), the line fits its width, named, without wrapping."""
+    written = draw_on_a_pty(columns, "xterm-256color")
+    assert written.count("\r\033[K") == 2, written
     drawn, cleared = written.rsplit("\r\033[K", 1)[0], written.rsplit("\r\033[K", 1)[1]
     text = drawn.removeprefix("\r\033[K")
     assert text.startswith("gpuwait[big]: waiting for 20.0 GiB") and len(text) < columns
     assert cleared == ""
+
+
+def test_a_dumb_terminal_gets_whole_lines_and_no_escape_sequences() -> None:
+    """TERM=dumb (Emacs's shell and compilation buffers) moves no cursor: an escape sequence
+    shows there as `^[[K`, and a line rewritten after `\\r` piles up on one row. The wait line
+    is written whole, once, and ends with a newline."""
+    written = draw_on_a_pty(80, "dumb")
+    assert "\033" not in written and "\r" not in written.replace("\r\n", "\n"), repr(written)
+    assert written.startswith("gpuwait[big]: waiting for 20.0 GiB"), repr(written)
+    assert written.endswith("\r\n") and written.count("\n") == 1, repr(written)
+
+
+def test_status_watch_on_a_dumb_terminal_prints_report_after_report(sim_file: Any) -> None:
+    """`status --watch` takes no screen of its own where the terminal cannot give one (TERM=dumb):
+    it prints each report in turn, as into a pipe."""
+    sim_file(gpus=1)
+    written = on_a_pty(
+        [sys.executable, "-m", "gpuwait", "status", "--watch", "0.1"],
+        80,
+        "dumb",
+        enough=lambda text: text.count("GPUs (sim") >= 2,
+    )
+    assert written.count("GPUs (sim") >= 2, repr(written)
+    assert "\033" not in written, repr(written)
 
 
 def test_status_says_a_waiting_job_stepped_aside_and_that_it_resumes_from_its_checkpoint() -> None:
