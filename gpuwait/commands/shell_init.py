@@ -8,6 +8,7 @@ which applies the wrap rules (gpuwait/core/wrap.py). The script templates live i
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from importlib import resources
@@ -46,10 +47,40 @@ def build_parser() -> Parser:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings({"wrap_commands": args.wrap_commands})
-    print(hook_script(args.shell, settings.wrap_commands, always=args.always), end="")
+    script = hook_script(args.shell, settings.wrap_commands, always=args.always)
     if not args.no_completion:
-        print(completion.script(args.shell), end="")
+        script += completion.script(args.shell)
+    print(only_in(args.shell, script), end="")
     return 0
+
+
+#: The variable only each shell sets, whatever mode it emulates.
+_VERSION_VARIABLES = {"bash": "BASH_VERSION", "zsh": "ZSH_VERSION"}
+
+
+def only_in(shell: str, script: str) -> str:
+    """`script`, run by `shell` alone. The hook may land in ~/.profile, which /bin/sh (dash)
+    reads too (a graphical login's Xsession, `sh -l`): dash cannot parse bash's or zsh's
+    syntax, and a syntax error ends a non-interactive sh, the rest of the profile and the login
+    with it. Quoted, the script is only a word to another shell, which goes on wrapping nothing
+    (and says so where someone types)."""
+    variable = _VERSION_VARIABLES.get(shell)
+    if variable is None:  # fish's files are read by fish alone
+        return script
+    note = f"gpuwait: the hook of shell-init {shell} is for {shell}: this shell wraps nothing"
+    # The comment that opens the hook stays readable above it.
+    lines = script.splitlines(keepends=True)
+    comments = 0
+    while comments < len(lines) and lines[comments].startswith("#"):
+        comments += 1
+    head, body = "".join(lines[:comments]), "".join(lines[comments:])
+    return (
+        f"{head}"
+        f'if [ -n "${{{variable}-}}" ]; then\n'
+        f"eval {shlex.quote(body)}\n"
+        f"else\n    case $- in *i*) echo {shlex.quote(note)} >&2 ;; esac\n"
+        "fi\n"
+    )
 
 
 def gpuwait_invocation() -> list[str]:
@@ -60,7 +91,12 @@ def gpuwait_invocation() -> list[str]:
     `python` runs in project directories, whose own `signal.py` must not shadow gpuwait's.
     """
     root = str(Path(gpuwait.__file__).resolve().parent.parent)
-    code = f"import sys; sys.path[0] = {root!r}; from gpuwait.cli import entry_point; entry_point()"
+    # A string in double quotes (JSON's are Python's too): the bash and zsh hooks, quoted once
+    # more in single quotes (`only_in`), stay readable.
+    code = (
+        f"import sys; sys.path[0] = {json.dumps(root)}; "
+        "from gpuwait.cli import entry_point; entry_point()"
+    )
     return [sys.executable, "-c", code]
 
 

@@ -590,3 +590,41 @@ def test_a_pipeline_of_wrapped_commands_runs_as_bare(
     # fish hands a function's output on only once it has ended: its stages never overlap.
     bare = 0 if shell == "fish" else 1
     assert done.stderr.count("the shell hook runs it bare") == bare, done.stderr
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_posix_sh_reading_the_hook_goes_on_untouched(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The hook put in ~/.profile, which /bin/sh (dash) also reads (a graphical login's
+    Xsession, `sh -l`): dash cannot parse bash's or zsh's syntax, and a syntax error ends a
+    non-interactive sh there, the rest of the profile (and the login) with it. It goes on,
+    wrapping nothing, and says nothing where nobody types."""
+    sh = need("dash")
+    need(shell)
+    hook = tmp_path / "hook.sh"
+    hook.write_text(
+        subprocess.run(
+            ["gpuwait", "shell-init", shell, "--always"],
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    )
+    for script in (f'eval "$(cat {hook})"', f". {hook}"):
+        done = subprocess.run(
+            [sh, "-c", f"set -eu\n{script}\necho still-here\npython probe.py x"],
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
+        assert (done.returncode, done.stderr) == (0, ""), (script, done.stderr)
+        assert done.stdout.startswith("still-here\n"), done.stdout
+        assert probe_lines(done.stdout) == [{"argv": ["x"], "cuda": None, "job": None}]
+    # Its own shell still gets the functions.
+    done = run_shell(shell, f". {hook}\npython probe.py x", [], hook_env, cwd=tmp_path)
+    assert probe_lines(done.stdout)[0]["cuda"] in sim_uuids(), done.stderr
