@@ -32,9 +32,11 @@ def parse_signal(text: str) -> int:
 def catches(pid: int, signum: int) -> bool:
     """True when process `pid` has a handler installed for `signum`."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        # Read as bytes: the Name line holds the process's name as it is, which need not be
+        # text in any encoding (cut at 15 bytes, in the middle of a character, say).
+        with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith("SigCgt:"):
+                if line.startswith(b"SigCgt:"):
                     return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     except (OSError, ValueError, IndexError):
         return False

@@ -86,11 +86,11 @@ def process_state(pid: int) -> str | None:
 def catches_signal(pid: int, signum: int) -> bool:
     """Process `pid` has a handler installed for `signum` (SigCgt in /proc/PID/status)."""
     try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        lines = Path(f"/proc/{pid}/status").read_bytes().splitlines()
     except OSError:
         return False
     for line in lines:
-        if line.startswith("SigCgt:"):
+        if line.startswith(b"SigCgt:"):
             return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
 

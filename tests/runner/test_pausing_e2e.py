@@ -412,6 +412,43 @@ def test_a_checkpoint_signal_sent_early_waits_for_the_jobs_handler(
         job.wait()
 
 
+def test_a_checkpoint_signal_reaches_a_process_whose_name_is_not_text(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A process's name is its first 15 bytes (a script run by its own name, a name set with
+    setproctitle), which may end in the middle of a character: `run_学習スクリプト.py`. Such a
+    job still gets the checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N before the
+    time limit), instead of being left to be killed without a checkpoint."""
+    said, ready = tmp_path / "said", tmp_path / "ready"
+    script = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        def checkpoint(signum, frame):
+            open({str(said)!r}, "w").write("checkpointed")
+            sys.exit(0)
+        signal.signal(signal.SIGUSR1, checkpoint)
+        with open("/proc/self/comm", "wb") as comm:
+            comm.write("run_学習スクリプト".encode()[:15])
+        open({str(ready)!r}, "w").close()
+        time.sleep(5)
+        sys.exit(3)
+        """
+    )
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "--pausable", "--vram", "1G", "--", sys.executable, "-c", script],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(ready.exists, timeout=30, interval=0.02)
+        job.send_signal(SIGNAL)
+        assert job.wait(timeout=30) == 0, job.stderr.read() if job.stderr else ""
+        assert said.read_text() == "checkpointed"
+    finally:
+        job.kill()
+        job.wait()
+
+
 @pytest.mark.parametrize(
     "own", [{"GPUWAIT_PAUSE_MIN_RUNTIME": "10m"}, {"GPUWAIT_PAUSE_MAX": "0"}], ids=str
 )
