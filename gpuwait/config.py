@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.budget import DEFAULT_ENFORCE, ENFORCE_MODES
-from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, UsageError
+from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
 from gpuwait.core.policy import PICK_STRATEGIES, FairShare, Lookahead, UserLimits
@@ -791,7 +791,8 @@ class Settings(Record):
     plan_budget: float
     #: Setting name -> "default", "command line", "environment GPUWAIT_X", "config file F", ...
     sources: dict[str, str] = field(default_factory=dict)
-    config_file: Path = Path("config.toml")
+    #: None where there is none: no home directory to hold one (`config_file_path`).
+    config_file: Path | None = Path("config.toml")
     site_file: Path | None = None
 
     @property
@@ -825,12 +826,18 @@ class Settings(Record):
         return OPTIONS_BY_NAME[name].show(getattr(self, name))
 
 
-def config_file_path(env: Mapping[str, str]) -> Path:
-    """GPUWAIT_CONFIG, else config.toml in the user config dir ($XDG_CONFIG_HOME/gpuwait)."""
+def config_file_path(env: Mapping[str, str]) -> Path | None:
+    """GPUWAIT_CONFIG, else config.toml in the user config dir ($XDG_CONFIG_HOME/gpuwait);
+    None where there is no home directory to hold one (a uid with no entry in the password file
+    and no HOME: `env -i` in a container run as an arbitrary uid). The state dir, which such a
+    user still needs, says so when it is asked for."""
     custom = env.get("GPUWAIT_CONFIG")
     if custom:
         return Path(custom).expanduser()
-    return Path(dirs.user_config_dir()) / "config.toml"
+    try:
+        return Path(dirs.user_config_dir()) / "config.toml"
+    except StateError:
+        return None
 
 
 def site_config_file_path() -> Path:
@@ -953,7 +960,7 @@ def resolve(
     cli: Mapping[str, Any],
     env: Mapping[str, str],
     file_values: Mapping[str, Any],
-    config_file: Path,
+    config_file: Path | None,
     site_values: Mapping[str, Any] | None = None,
     site_file: Path | None = None,
 ) -> Settings:
@@ -1002,12 +1009,11 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     environ = os.environ if env is None else env
     path = config_file_path(environ)
     site = site_config_file_path()
-    if environ.get("GPUWAIT_CONFIG") and not path.exists():
+    if path is not None and environ.get("GPUWAIT_CONFIG") and not path.exists():
         # Named on purpose: a typo must not silently leave every setting at its default.
         raise UsageError(
             f"GPUWAIT_CONFIG names {path}, which does not exist",
             hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
         )
-    return resolve(
-        cli, environ, load_config_file(path), path, load_config_file(site, site=True), site
-    )
+    own = {} if path is None else load_config_file(path)
+    return resolve(cli, environ, own, path, load_config_file(site, site=True), site)

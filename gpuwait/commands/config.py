@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "config_file": str(settings.config_file),
+                    "config_file": str(settings.config_file) if settings.config_file else None,
                     "site_config_file": str(settings.site_file) if settings.site_file else None,
                     "state_dir": str(settings.state_path),
                     "ledger_dir": str(settings.ledger_path),
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         shared = netfs.network_type(settings.state_path)
         ledger += f" (this machine's own: the state dir is on {shared}, shared by machines)"
     for label, path in (
-        ("config file:", settings.config_file),
+        ("config file:", settings.config_file or "(none: no home directory)"),
         ("site config:", settings.site_file),
         ("state dir:  ", settings.state_path),
         ("ledger dir: ", ledger),

@@ -27,7 +27,7 @@ def _home() -> str:
         if not os.path.isabs(home):
             raise StateError(
                 "cannot tell your home directory",
-                hint="set HOME, or XDG_STATE_HOME and XDG_CONFIG_HOME, to absolute paths",
+                hint="set HOME to an absolute path, or GPUWAIT_STATE_DIR to a directory of yours",
             )
     return home.rstrip("/") or "/"
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from helpers.fixtures_sim import Run
 from helpers.jobs import live_job
 
@@ -343,3 +344,31 @@ def test_a_home_that_is_not_yours_is_no_config_file_and_one_taken_over_is_named(
     done = run_as(alice, alice, [], args, {**env, "HOME": own["HOME"]})
     assert done.returncode == 2, done.stderr
     assert "cannot be read: Permission denied" in done.stderr, done.stderr
+
+
+def test_a_user_with_no_home_at_all_runs_with_the_state_dir_it_names(
+    users_machine: tuple[Path, Path],
+) -> None:
+    """A uid with no entry in the password file and no HOME (`env -i` in a container run as an
+    arbitrary uid, as OpenShift does): it has no config file, and with GPUWAIT_STATE_DIR the
+    command runs; without one, it is told what to set."""
+    from helpers.users import run_as
+
+    nobody_known = 47213
+    root, sim = users_machine
+    state = root / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, nobody_known, nobody_known)
+    env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), "PYTHONPATH": str(REPO)}
+    args = ["--vram", "1G", "--", "sh", "-c", "echo ran"]
+    done = run_as(nobody_known, nobody_known, [], args, {**env, "GPUWAIT_STATE_DIR": str(state)})
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    done = run_as(
+        nobody_known, nobody_known, [], ["config"], {**env, "GPUWAIT_STATE_DIR": str(state)}
+    )
+    assert done.returncode == 0, done.stderr
+    assert "config file: (none: no home directory)" in done.stdout, done.stdout
+    done = run_as(nobody_known, nobody_known, [], args, env)
+    assert (done.returncode, done.stdout) == (5, ""), done.stderr
+    assert "cannot tell your home directory" in done.stderr
+    assert "GPUWAIT_STATE_DIR" in done.stderr and "Traceback" not in done.stderr
