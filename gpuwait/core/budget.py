@@ -209,7 +209,10 @@ def plan(
             kept.append("PyTorch's per_process_memory_fraction")
         else:
             path = env.get("PYTHONPATH", "")
-            parts = [p for p in path.split(":") if p and p != means.hook_dir]
+            # An empty entry is the current directory to Python (what `export
+            # PYTHONPATH=$PYTHONPATH:/lib` leaves with nothing before it): kept, so a job
+            # importing from there does as bare. An empty PYTHONPATH names nothing.
+            parts = [p for p in path.split(":") if p != means.hook_dir] if path else []
             exported["PYTHONPATH"] = ":".join([means.hook_dir, *parts])
             exported[TORCH_FRACTION_VAR] = format_fraction(fraction)
             if len({t for t in totals if t > 0}) > 1:

@@ -148,6 +148,32 @@ def test_variables_the_user_set_are_kept(sim_file: SimFileFactory) -> None:
     assert "XLA_CLIENT_MEM_FRACTION" not in env
 
 
+@pytest.mark.parametrize("pythonpath", [":/mine", "/mine:", "/mine::/lib"])
+def test_a_pythonpath_that_names_the_current_directory_still_does_under_a_limit(
+    sim_file: SimFileFactory, tmp_path: Path, pythonpath: str
+) -> None:
+    """An empty entry of PYTHONPATH is the current directory to Python: what
+    `export PYTHONPATH=$PYTHONPATH:/mine` leaves with nothing before it. A script in a
+    subdirectory that imports a module of the project's top directory works so bare, and does
+    under `--enforce limit` too, which puts its hook first on PYTHONPATH."""
+    sim_file(gpus=1, memory="8GiB")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "mylib.py").write_text("ANSWER = 42\n")
+    (tmp_path / "tools" / "train.py").write_text("import mylib\nprint(mylib.ANSWER)\n")
+    done = gpuwait(
+        "--vram",
+        "1G",
+        "--enforce",
+        "limit",
+        "--",
+        sys.executable,
+        "tools/train.py",
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
+    assert (done.returncode, done.stdout) == (0, "42\n"), done.stderr
+
+
 def over_grower_beside_a_neighbour(
     enforce: str,
 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
