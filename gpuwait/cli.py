@@ -15,13 +15,13 @@ from gpuwait.commands import SUBCOMMANDS
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run gpuwait with `argv` (without the program name) and return the exit status."""
     from gpuwait.commands import output, warn_unknown_variables
-    from gpuwait.core.errors import EXIT_BROKEN_PIPE, GpuwaitError
+    from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError, OutputError
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`gpuwait status | head -1`): nothing left to say, and no one to
         # say it to. The status a shell shows for a program that SIGPIPE ended.
         return EXIT_BROKEN_PIPE
+    except OutputError as exc:
+        # What a subcommand printed could not be written (a full disk behind `> file`).
+        output.output_failed(exc)
+        return EXIT_USAGE
 
 
 def _subcommand(name: str, argv: list[str]) -> int:
@@ -120,6 +124,39 @@ def _show_what_the_locale_cannot() -> None:
             reconfigure(errors="replace")
 
 
+def _checked_stdout() -> None:
+    """Make sys.stdout one whose failures are told apart (OutputError), as it was otherwise: a
+    report that cannot be written (a full disk behind `> file`) is said in one line, not a
+    traceback, nor an exit status of 0 with nothing written."""
+    import io
+
+    from gpuwait.core.errors import OutputError
+
+    class Output(io.FileIO):
+        def write(self, data: Any) -> int:
+            try:
+                return super().write(data)
+            except (BrokenPipeError, BlockingIOError, InterruptedError):
+                raise
+            except OSError as exc:
+                raise OutputError(exc.errno, exc.strerror) from None
+
+    old = sys.stdout
+    fd = old.fileno()
+    # Buffered as Python buffers its own: by the block size of what fd 1 is (a pipe's 4 KiB).
+    try:
+        size = os.fstat(fd).st_blksize or io.DEFAULT_BUFFER_SIZE
+    except OSError:
+        size = io.DEFAULT_BUFFER_SIZE
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(Output(fd, "w", closefd=False), buffer_size=size),
+        encoding=old.encoding,
+        errors=old.errors,
+        line_buffering=bool(getattr(old, "line_buffering", False)),
+        write_through=bool(getattr(old, "write_through", False)),
+    )
+
+
 def _undo_locale_coercion() -> None:
     """Put LC_CTYPE back as gpuwait was started with it. Python's start-up switches a C or
     POSIX locale to UTF-8 by setting LC_CTYPE in its own environment (PEP 538), so under cron's
@@ -161,6 +198,7 @@ def entry_point() -> NoReturn:
 
     _plug_closed_standard_fds()
     _show_what_the_locale_cannot()
+    _checked_stdout()
     _undo_locale_coercion()
     try:
         _take_turn(sys.argv[1:])
@@ -175,11 +213,28 @@ def entry_point() -> NoReturn:
         os._exit(130)
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        # The reader may have gone away (`| head`) or closed the stream: nothing to add then.
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    from gpuwait.core.errors import EXIT_USAGE
+    from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, OutputError
+
+    try:
+        code = main()
+    except SystemExit as exc:
+        # argparse's --help and --version end so: what they printed is checked like the rest.
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    from gpuwait.commands import output
+
+    try:
+        sys.stdout.flush()
+    except OutputError as exc:
+        # Written only now, into a file on a full disk say: a status that says all went well
+        # would leave a script with an empty file.
+        output.output_failed(exc)
+        code = code or EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away before the last of the output (`| true`), as in main().
+        code = code or EXIT_BROKEN_PIPE
+    except (OSError, ValueError):
+        pass  # stdout closed under gpuwait: nothing to add
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
 
     os._exit(code if 0 <= code <= 255 else EXIT_USAGE)

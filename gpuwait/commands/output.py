@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TextIO
 
+from gpuwait.core.errors import OutputError
 from gpuwait.core.policy import WaitReason
 from gpuwait.core.text import printable
 
@@ -35,6 +36,18 @@ def _say(text: str, stream: TextIO | None = None) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+#: Streams whose output could not be written, kept from being collected: closing one would try
+#: to write what it holds once more.
+_unwritable: list[TextIO] = []
+
+
+def output_failed(exc: OutputError) -> None:
+    """Say, in one line, that the output could not be written; stdout gives up what it holds."""
+    error(f"cannot write the output: {exc.strerror}")
+    _unwritable.append(sys.stdout)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
 
 
 def error(message: str, hint: str | None = None) -> None:

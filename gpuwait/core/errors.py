@@ -23,6 +23,10 @@ EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 
 
+class OutputError(OSError):
+    """What gpuwait printed on stdout could not be written (a full disk behind `> file`)."""
+
+
 class GpuwaitError(Exception):
     """A failure that the CLI reports as one line and turns into an exit code."""
 

@@ -366,6 +366,24 @@ def test_reports_reach_a_terminal_that_cannot_show_every_character(
             assert "middle half" in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize(
+    "report", [["--version"], ["status", "--json"], ["history"], ["config"]], ids=" ".join
+)
+def test_output_that_cannot_be_written_is_said_in_one_line(sim: Path, report: list[str]) -> None:
+    """`gpuwait status --json > file` on a full disk (here /dev/full): one line says the output
+    was not written, and the status says it failed, so a script does not go on with an empty
+    file (no traceback, and no exit 0 with nothing written)."""
+    assert gpuwait("--vram", "1G", "true").returncode == 0
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [*GPUWAIT, *report], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    assert (done.returncode, done.stderr) == (
+        EXIT_USAGE,
+        "gpuwait: error: cannot write the output: No space left on device\n",
+    )
+
+
 # -- another user's simulation -------------------------------------------------------------------
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
