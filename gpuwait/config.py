@@ -922,7 +922,8 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     else:  # pragma: no cover - exercised on Python 3.10 only
         import tomli as tomllib
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        # A byte-order mark, which Windows editors put first, is no part of the text.
+        data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except UnicodeDecodeError:
         raise UsageError(f"{kind} {path}: not UTF-8 text; fix or remove it") from None
     except tomllib.TOMLDecodeError as exc:

@@ -188,7 +188,8 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
             raw = read_capped(fd, resolved, MAX_FILE_BYTES)
         finally:
             os.close(fd)
-        data = tomllib.loads(raw.decode("utf-8"))
+        # A byte-order mark, which Windows editors put first, is no part of the text.
+        data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise BackendUnavailable(
             f"simulation file {shown}: not found",

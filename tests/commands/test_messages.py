@@ -177,6 +177,37 @@ def test_a_misspelled_config_key_gets_the_nearest_one(
     assert capsys.readouterr().err.splitlines()[1] == "gpuwait: hint: did you mean safety?"
 
 
+def test_a_config_file_saved_by_a_windows_editor_is_read(
+    isolated_dirs: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Notepad saves UTF-8 with a byte-order mark and CRLF line ends (a config edited from WSL,
+    or on a share): the mark is not shown, so 'Invalid statement (at line 1, column 1)' would
+    point at nothing the user can see. The user's file, the site file and a simulation file
+    are read as meant."""
+    notepad = "\ufeff{}\r\n".format
+    (isolated_dirs / "config" / "gpuwait").mkdir()
+    (isolated_dirs / "config" / "gpuwait" / "config.toml").write_bytes(
+        notepad("safety = 0.8").encode()
+    )
+    site = tmp_path / "site"
+    (site / "gpuwait").mkdir(parents=True)
+    (site / "gpuwait" / "config.toml").write_bytes(notepad("user_max_gpus = 3").encode())
+    sim = tmp_path / "sim.toml"
+    sim.write_bytes(notepad('[[gpu]]\r\nname = "Notepad GPU"\r\nmemory = "8GiB"').encode())
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(site))
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim))
+    assert main(["config", "--json"]) == 0, capsys.readouterr().err
+    shown = json.loads(capsys.readouterr().out)["settings"]
+    assert shown["safety"]["value"] == "0.8"
+    assert shown["user_max_gpus"]["value"] == "3"
+    assert main(["status", "--json"]) == 0, capsys.readouterr().err
+    gpus = json.loads(capsys.readouterr().out)["gpus"]
+    assert [g["name"] for g in gpus] == ["Notepad GPU"]
+
+
 # -- malformed values, from every source ---------------------------------------------------------
 
 #: A malformed value of each setting as text (environment, command line). The settings missing
