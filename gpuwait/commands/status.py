@@ -22,7 +22,7 @@ from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
-from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, MachineSnapshot
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
@@ -266,6 +266,12 @@ def _driver_note(gpus: list[dict[str, Any]]) -> str | None:
     return f"the NVIDIA driver keeps {amount} of {each}: part of used, not of extern"
 
 
+#: What a GPU's compute mode (other than the default) means for the jobs placed on it.
+_MODE_NOTES = {
+    COMPUTE_EXCLUSIVE_PROCESS: "one process at a time, so one job at a time",
+}
+
+
 def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     """The dashboard as text, no line longer than `width` (at least 80)."""
     now = report["generated_at"]
@@ -301,6 +307,9 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         if rate is not None:
             line += f", {rate:.1f}/h"
         out.append(_clip("     " + line, width))
+        mode = _MODE_NOTES.get(g.get("compute_mode") or "")
+        if mode:
+            out.append(_clip(f"     compute mode {g['compute_mode']}: {mode}", width))
         if g["health"] != GPU_OK:
             detail = f" ({g['health_detail']})" if g["health_detail"] else ""
             jobs = ", ".join(g["running_jobs"]) or "none"

@@ -216,7 +216,10 @@ def _static_need(claim: Claim, room: GpuRoom, conditions: Conditions) -> int | N
         # A whole GPU: the card to itself, once nothing else runs there.
         return cap if policy.idle_enough(room) and cap > 0 else None
     need = claim.request.on(room.gpu.total_bytes)
-    return need if need <= cap else None
+    if need > cap or policy.held_outside(room):
+        return None
+    # A card that takes one process at a time is the job's alone, whatever it asks.
+    return cap if room.gpu.one_process_only else need
 
 
 def _base_cards(rooms: Mapping[str, GpuRoom], running: Sequence[Claim]) -> list[_Card]:
@@ -226,7 +229,8 @@ def _base_cards(rooms: Mapping[str, GpuRoom], running: Sequence[Claim]) -> list[
         for c in running:
             if uuid not in c.gpu_uuids:
                 continue
-            size = card.cap if c.exclusive else max(c.reserved_bytes, c.observed.get(uuid, 0))
+            alone = c.exclusive or room.gpu.one_process_only
+            size = card.cap if alone else max(c.reserved_bytes, c.observed.get(uuid, 0))
             left = c.expected_by_gpu.get(uuid, c.expected_seconds)
             if left is None:
                 length = _NEVER

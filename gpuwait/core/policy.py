@@ -228,6 +228,8 @@ class GpuRoom(Record, frozen=True):
     foreign: int = 0
     #: Memory of processes on the ignore list (part of `external`).
     ignored_bytes: int = 0
+    #: Processes on the ignore list: no load, but each holds a CUDA context all the same.
+    ignored_count: int = 0
 
     @property
     def room(self) -> int:
@@ -378,6 +380,8 @@ def gpu_rooms(
     rooms: dict[str, GpuRoom] = {}
     for gpu in gpus:
         on_gpu = [c for c in running if gpu.uuid in c.gpu_uuids]
+        # A card that takes one process at a time is its running job's alone.
+        alone = any(c.exclusive for c in on_gpu) or (gpu.one_process_only and bool(on_gpu))
         observed = sum(max(0, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
         committed = sum(max(c.reserved_bytes, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
         others = [p for p in gpu.processes if p.pid not in ours]
@@ -388,9 +392,10 @@ def gpu_rooms(
             external=max(0, gpu.used_bytes - observed),
             committed=committed,
             running_jobs=len(on_gpu),
-            exclusive_held=any(c.exclusive for c in on_gpu),
+            exclusive_held=alone,
             foreign=len(others) - len(ignored),
             ignored_bytes=sum(p.used_bytes or 0 for p in ignored),
+            ignored_count=len(ignored),
         )
     return rooms
 
@@ -418,11 +423,29 @@ def idle_enough(room: GpuRoom) -> bool:
     return outside <= room.gpu.total_bytes * EXCLUSIVE_MAX_EXTERNAL
 
 
+def held_outside(room: GpuRoom) -> bool:
+    """A card that takes one process at a time (`GpuSnapshot.one_process_only`) is held by a
+    process that is no gpuwait job's, the ignore list's included: no job can start there. Where
+    the driver names no processes (a container), memory used outside gpuwait tells."""
+    if not room.gpu.one_process_only:
+        return False
+    if room.foreign or room.ignored_count:
+        return True
+    return not room.gpu.per_process and not idle_enough(room)
+
+
+def closed(room: GpuRoom) -> bool:
+    """No job may start on this card now, whatever memory is free: a job has it to itself
+    (a whole GPU, or any job on a card that takes one process at a time), or a process
+    outside gpuwait holds a card that takes one process at a time."""
+    return room.exclusive_held or held_outside(room)
+
+
 def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:
     """Bytes `claim` needs on this GPU, or None if it cannot go there now at all."""
     if not static_ok(claim, room.gpu) or not util_ok(claim, room.gpu.uuid, conditions):
         return None
-    if room.exclusive_held:
+    if closed(room):
         return None
     if claim.request is None:
         if room.running_jobs or not idle_enough(room):
@@ -595,6 +618,10 @@ def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | N
     need = claim.request.on(room.gpu.total_bytes)
     if need > room.usable - room.external:
         return None
+    if room.gpu.one_process_only:
+        # One process at a time: once every job there has ended, and never while a process
+        # outside gpuwait holds it (nobody knows when that one ends).
+        return None if held_outside(room) else max((end for end, _, _ in ends), default=0.0)
     # Until every exclusive job there has ended, nobody else may start.
     after = max((end for end, _, exclusive in ends if exclusive), default=0.0)
     free = room.room
@@ -634,8 +661,10 @@ def _hold_for(
     spare = {}
     for room in chosen:
         uuid = room.gpu.uuid
-        if claim.request is None or start == _NEVER:
-            spare[uuid] = 0  # an exclusive head needs the whole card; an unknown start, all
+        if claim.request is None or start == _NEVER or room.gpu.one_process_only:
+            # An exclusive head needs the whole card, as does any head on a card that takes
+            # one process at a time; an unknown start, all of them.
+            spare[uuid] = 0
             continue
         # Room at the start: what jobs expected to end by then free (unknown ends never do).
         freed = sum(
@@ -764,7 +793,7 @@ def take(
         rooms[room.gpu.uuid] = room._replace(
             committed=room.committed + need,
             running_jobs=room.running_jobs + 1,
-            exclusive_held=room.exclusive_held or claim.exclusive,
+            exclusive_held=room.exclusive_held or claim.exclusive or room.gpu.one_process_only,
         )
     return None
 
@@ -841,11 +870,19 @@ def wait_reason(
         # A GPU it could use is gone from the readings (lost, not answering): no room helps.
         verb = "answers" if len(candidates) == 1 else "answer"
         note = f"only {len(candidates)} of the GPUs it may use {verb} now, {wanted} wanted"
+    # A card that takes one process at a time and has one offers no room, whatever is free.
+    taken = [r for r in usable if r.gpu.one_process_only and closed(r)]
+    usable = [r._replace(usable=r.external + r.committed) if r in taken else r for r in usable]
     # A gang waits for its GPUs all at once: the one that keeps it waiting is the `wanted`-th
     # by room, not the roomiest.
     by_room = sorted(usable, key=lambda r: (-r.room, r.gpu.index))
     best = by_room[wanted - 1] if len(by_room) >= wanted else (by_room[-1] if by_room else None)
     rank = by_room.index(best) + 1 if best is not None else 1
+    if taken and claim.request is not None:
+        names = ",".join(f"GPU{r.gpu.index}" for r in taken)
+        busy = f"{names} {'runs' if len(taken) == 1 else 'run'} one process at a time (compute"
+        busy += " mode exclusive-process), and one is there"
+        note = busy if note is None else f"{busy}; {note}"
     if claim.request is None and best is not None:
         # Free memory alone does not tell why a whole GPU is refused: say what it takes.
         whole = (

@@ -8,6 +8,18 @@ from __future__ import annotations
 
 from gpuwait.core.record import Record
 
+#: NVML compute modes, as gpuwait names them (`nvidia-smi -c`): any number of processes may use
+#: the card; one process at a time (EXCLUSIVE_PROCESS, and the EXCLUSIVE_THREAD of old drivers);
+#: none at all (PROHIBITED).
+COMPUTE_DEFAULT = "default"
+COMPUTE_EXCLUSIVE_PROCESS = "exclusive-process"
+COMPUTE_PROHIBITED = "prohibited"
+COMPUTE_MODES = (COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED)
+#: /proc/PID/comm of CUDA MPS's server and control daemon (cut to 15 characters). On an
+#: EXCLUSIVE_PROCESS card the MPS server is the one process with a context, and its clients
+#: share the card through it.
+MPS_COMM = "nvidia-cuda-mps"
+
 
 class ProcessUsage(Record, frozen=True):
     """One process holding memory on a GPU."""
@@ -43,6 +55,17 @@ class GpuSnapshot(Record, frozen=True):
     #: process holds it, and it is not free either. 0 where the driver does not say (NVML v1,
     #: simulation).
     driver_bytes: int = 0
+    #: The card's compute mode (one of COMPUTE_MODES); "default" where the driver does not say.
+    compute_mode: str = COMPUTE_DEFAULT
+
+    @property
+    def one_process_only(self) -> bool:
+        """The card lets one process at a time use it (EXCLUSIVE_PROCESS), and no MPS server is
+        there to share it among several: a second job placed beside a running one would fail
+        with "all CUDA-capable devices are busy or unavailable"."""
+        if self.compute_mode != COMPUTE_EXCLUSIVE_PROCESS:
+            return False
+        return not any(p.name is not None and p.name.startswith(MPS_COMM) for p in self.processes)
 
     @property
     def free_bytes(self) -> int:

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpuwait.core.snapshot import MachineSnapshot
+    from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
     from gpuwait.gpu.backend import Backend
 
 
@@ -38,3 +38,15 @@ def read_once(
         return backend.snapshot()
     finally:
         backend.close()
+
+
+def with_names(gpu: GpuSnapshot) -> GpuSnapshot:
+    """`gpu` with each process's command name (/proc/PID/comm) filled in where not known yet."""
+    from gpuwait.linux import proc
+
+    return gpu._replace(
+        processes=tuple(
+            p._replace(name=proc.command_name(p.pid)) if p.name is None else p
+            for p in gpu.processes
+        )
+    )

@@ -9,7 +9,8 @@ in a helper thread with a deadline: a GPU whose reading does not come back in ti
 with a warning, and is not asked again until that stuck call returns; a hung call that concerns
 no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
 (more used or free than the total) are clamped towards "full" and named in a warning. A GPU
-in MIG mode is left out, with a warning: gpuwait places jobs on whole GPUs only.
+in MIG mode is left out, with a warning: gpuwait places jobs on whole GPUs only. Each GPU's
+compute mode is read too (one process at a time, or none: the policy respects it).
 
 The driver names processes by their pids in the host's pid namespace. In another one (a
 container without --pid=host), once NVML lists a pid that is no GPU process here, the process
@@ -28,7 +29,15 @@ from typing import Any, TypeVar
 
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import format_size
-from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.core.snapshot import (
+    COMPUTE_DEFAULT,
+    COMPUTE_EXCLUSIVE_PROCESS,
+    COMPUTE_PROHIBITED,
+    GpuSnapshot,
+    MachineSnapshot,
+    ProcessUsage,
+)
+from gpuwait.gpu import with_names
 from gpuwait.linux import pidns
 
 
@@ -204,6 +213,10 @@ class NvmlBackend:
         #: NVML was seen naming processes by pids that are not this namespace's: from then on
         #: its process list is left out and memory is counted per card (said once).
         self._host_pids = False
+        #: GPU UUID -> the compute mode it last reported: what a reading of the mode that fails
+        #: (other than "not supported") is taken to be, since a card taken for shared that
+        #: holds one process at a time gets a second job that fails.
+        self._modes: dict[str, str] = {}
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
         try:
@@ -318,6 +331,9 @@ class NvmlBackend:
             self._check_pids(gpus, warnings)
         if self._host_pids:
             gpus = [g._replace(processes=(), per_process=False) for g in gpus]
+        # On a card that takes one process at a time, the process's name tells an MPS server
+        # (which its clients share the card through) from any other.
+        gpus = [with_names(g) if g.compute_mode == COMPUTE_EXCLUSIVE_PROCESS else g for g in gpus]
         return MachineSnapshot(
             backend=self.name,
             gpus=tuple(gpus),
@@ -370,6 +386,7 @@ class NvmlBackend:
             utilization_pct=utilization,
             utilization_failed=utilization_failed,
             compute_capability=self._compute_capability(handle),
+            compute_mode=self._compute_mode(handle, uuid),
         )
         return gpu, problems
 
@@ -482,6 +499,32 @@ class NvmlBackend:
             # --min-compute-capability needs it, and it treats "unknown" as not matching.
             return None
         return int(major), int(minor)
+
+    def _compute_mode(self, handle: Any, uuid: str) -> str:
+        """The card's compute mode (`nvidia-smi -c`), asked at every reading: an administrator
+        may change it while gpuwait waits. A driver that cannot tell (NOT_SUPPORTED, an old
+        nvidia-ml-py) lets any number of processes in: "default"."""
+        try:
+            mode = int(pynvml.nvmlDeviceGetComputeMode(handle))
+        except pynvml.NVMLError as exc:
+            if self._lost(exc):
+                raise _GpuLost(exc) from exc
+            if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                return COMPUTE_DEFAULT
+            return self._modes.get(uuid, COMPUTE_DEFAULT)
+        except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
+            return COMPUTE_DEFAULT
+        if mode == int(pynvml.NVML_COMPUTEMODE_PROHIBITED):
+            found = COMPUTE_PROHIBITED
+        elif mode in (
+            int(pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS),
+            int(pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD),
+        ):
+            found = COMPUTE_EXCLUSIVE_PROCESS
+        else:
+            found = COMPUTE_DEFAULT
+        self._modes[uuid] = found
+        return found
 
     def _utilization(self, handle: Any) -> tuple[int | None, bool]:
         """(percent, whether the reading failed). None and not failed: the GPU does not report

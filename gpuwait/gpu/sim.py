@@ -38,7 +38,13 @@ from gpuwait.core.digest import sha256_hex
 from gpuwait.core.errors import BackendUnavailable, UsageError
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_size, parse_size
-from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.core.snapshot import (
+    COMPUTE_DEFAULT,
+    COMPUTE_MODES,
+    GpuSnapshot,
+    MachineSnapshot,
+    ProcessUsage,
+)
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.lock import exclusive, flock_within
@@ -80,6 +86,7 @@ _GPU_KEYS = frozenset(
         "utilization",
         "compute_capability",
         "per_process",
+        "compute_mode",
     }
 )
 _RECORD_RE = re.compile(r"^([0-9]+)\.json$")
@@ -102,6 +109,8 @@ class SimGpu(Record, frozen=True):
     compute_capability: tuple[int, int] | None = None
     #: False: processes are listed without memory figures, as NVML does inside containers.
     per_process: bool = True
+    #: "default", "exclusive-process" (one process at a time) or "prohibited" (none).
+    compute_mode: str = COMPUTE_DEFAULT
 
 
 class SimConfig(Record, frozen=True):
@@ -271,6 +280,7 @@ def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
             utilization=_utilization(table),
             compute_capability=_compute_capability(table),
             per_process=_bool(table, "per_process", default=True),
+            compute_mode=_compute_mode(table),
         )
     except _Invalid as exc:
         raise _Invalid(f"gpu {index}: {exc}") from None
@@ -339,6 +349,13 @@ def _compute_capability(table: dict[str, Any]) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
+def _compute_mode(table: dict[str, Any]) -> str:
+    value = table.get("compute_mode", COMPUTE_DEFAULT)
+    if value not in COMPUTE_MODES:
+        raise _Invalid(f"compute_mode {value!r} must be one of: {', '.join(COMPUTE_MODES)}")
+    return str(value)
+
+
 def write_sim_file(
     path: str | os.PathLike[str],
     gpus: int,
@@ -390,7 +407,8 @@ def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[flo
         "# descending), base_used (memory held by no process, e.g. a desktop), lost (true: the",
         "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent), compute_capability",
         '# (e.g. "8.0"), per_process (false: processes are listed without memory figures, as NVML',
-        "# does inside containers).",
+        '# does inside containers), compute_mode ("default", "exclusive-process": one process at a',
+        '# time, as `nvidia-smi -c 3` sets; "prohibited": none).',
         "# The file is read again on every reading, so it may be edited while jobs run.",
     ]
     if gpus == 0:
@@ -683,4 +701,5 @@ def _gpu_snapshot(gpu: SimGpu, allocations: list[Allocation]) -> GpuSnapshot:
         processes=processes,
         utilization_pct=gpu.utilization,
         compute_capability=gpu.compute_capability,
+        compute_mode=gpu.compute_mode,
     )

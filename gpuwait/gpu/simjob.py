@@ -3,7 +3,8 @@
 It behaves as a CUDA job does towards gpuwait: it takes device 0 of what CUDA_VISIBLE_DEVICES
 shows it, claims its memory on that card (at once or ramping up), and dies with a PyTorch-style
 out-of-memory error when the card is full. A card over-committed by gpuwait therefore shows up as a
-failed job, not as a passing test.
+failed job, not as a passing test. Where its card's compute mode keeps it out (prohibited, or
+exclusive-process with another process on the card already), it fails as CUDA does.
 
 It also keeps to the budgets the real frameworks keep to (`--framework`, docs/budgets.md): as
 PyTorch, the allocator cap (`per_process_memory_fraction` in PyTorch's allocator settings, or
@@ -33,6 +34,7 @@ from gpuwait import checkpoint
 from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import parse_duration, parse_size, parse_whole
+from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
 from gpuwait.core.text import nearest
 from gpuwait.gpu.sim import (
     Allocation,
@@ -231,6 +233,11 @@ def _error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+#: What CUDA says where the card's compute mode keeps the process out: prohibited, or
+#: exclusive-process with another process on it already.
+CUDA_BUSY = "CUDA error: all CUDA-capable devices are busy or unavailable"
+
+
 class _Job:
     """The memory this process holds on its simulated card."""
 
@@ -260,6 +267,8 @@ class _Job:
         self.gpu = visible[0]
         if self.gpu.lost:
             return "CUDA error: unspecified launch failure"
+        if self.gpu.compute_mode == COMPUTE_PROHIBITED:
+            return CUDA_BUSY
         self.cap, self.cap_by = _cap(self.framework, self.gpu, os.environ)
         if self.framework == "jax":
             fraction = _jax_fraction(os.environ)
@@ -298,6 +307,10 @@ class _Job:
                 for a in live_allocations(self.config, prune=True)
                 if a.gpu_uuid == gpu.uuid and a.pid != self.pid
             ]
+            if gpu.compute_mode == COMPUTE_EXCLUSIVE_PROCESS and others and not self.allocated:
+                # The card takes one process at a time, and another holds it already.
+                _error(CUDA_BUSY)
+                return False
             if gpu.base_used + sum(a.bytes for a in others) + target > gpu.total_bytes:
                 _error(self._oom_message(gpu, target, others))
                 remove_allocation(directory, self.pid)

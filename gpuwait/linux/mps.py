@@ -14,13 +14,12 @@ import os
 import stat
 from collections.abc import Mapping
 
+from gpuwait.core.snapshot import MPS_COMM
 from gpuwait.linux import proc
 from gpuwait.linux.security import read_state_file
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 PIPE_DIRECTORY_VAR = "CUDA_MPS_PIPE_DIRECTORY"
-#: /proc/PID/comm is cut to 15 characters: "nvidia-cuda-mps-control" reads as this.
-_DAEMON_COMM = "nvidia-cuda-mps"
 
 
 def pipe_directory(env: Mapping[str, str]) -> str:
@@ -51,4 +50,4 @@ def daemon_serves(env: Mapping[str, str]) -> bool:
     name = proc.command_name(pid)
     # The daemon made its socket: one someone else put there next to a real daemon's pid
     # serves nobody.
-    return name is not None and name.startswith(_DAEMON_COMM) and proc.owner_uid(pid) == st.st_uid
+    return name is not None and name.startswith(MPS_COMM) and proc.owner_uid(pid) == st.st_uid

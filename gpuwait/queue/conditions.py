@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
 from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import pidns, proc
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
@@ -117,16 +118,7 @@ def record_hold(data: LedgerData, hold: Hold | None) -> None:
 
 def name_processes(snapshot: MachineSnapshot) -> MachineSnapshot:
     """The snapshot with each GPU process's command name filled in from /proc."""
-    gpus = tuple(
-        g._replace(
-            processes=tuple(
-                p._replace(name=proc.command_name(p.pid)) if p.name is None else p
-                for p in g.processes
-            ),
-        )
-        for g in snapshot.gpus
-    )
-    return snapshot._replace(gpus=gpus)
+    return snapshot._replace(gpus=tuple(with_names(g) for g in snapshot.gpus))
 
 
 class UtilizationWindow:

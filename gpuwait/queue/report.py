@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuwait.core.overuse import Overuse
-from gpuwait.core.policy import Conditions, FairShare, estimate_starts, gpu_rooms
+from gpuwait.core.policy import Conditions, FairShare, closed, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc
@@ -130,10 +130,12 @@ def report_from(
                     "driver_bytes": room.gpu.driver_bytes,
                     "ignored_bytes": room.ignored_bytes,
                     "reserved_bytes": room.committed,
-                    "free_bytes": max(0, room.room),
+                    # Nothing more starts on a card a job has to itself, whatever memory is free.
+                    "free_bytes": 0 if closed(room) else max(0, room.room),
                     "utilization_pct": room.gpu.utilization_pct,
                     "compute_capability": _capability(room.gpu.compute_capability),
                     "per_process": room.gpu.per_process,
+                    "compute_mode": room.gpu.compute_mode,
                     "running_jobs": [j.id for j in jobs if room.gpu.uuid in j.gpu_uuids],
                     "held_for": held_for.get(room.gpu.uuid),
                 },
@@ -162,6 +164,7 @@ def report_from(
                     "utilization_pct": None,
                     "compute_capability": None,
                     "per_process": None,
+                    "compute_mode": None,
                     "running_jobs": [j.id for j in jobs if uuid in j.gpu_uuids],
                     "held_for": None,
                 },

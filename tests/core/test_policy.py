@@ -8,15 +8,17 @@ from hypothesis import strategies as st
 from gpuwait.core.policy import (
     Claim,
     Conditions,
+    FairShare,
     Requirements,
     admission_fits,
+    estimate_starts,
     gpu_rooms,
     impossible_reason,
     plan,
     wait_reason,
 )
 from gpuwait.core.sizes import MemoryRequest
-from gpuwait.core.snapshot import GpuSnapshot, ProcessUsage
+from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, GpuSnapshot, ProcessUsage
 
 GiB = 2**30
 
@@ -314,3 +316,57 @@ def test_an_admission_written_into_the_ledger_onto_a_full_gpu_fails_the_check() 
     assert not admission_fits(asked, ("GPU-00000001", "GPU-00000000"), 10 * GiB, [], cards, 0.9)
     assert not admission_fits(asked, ("GPU-gone",), 10 * GiB, [], cards, 0.9)
     assert admission_fits(asked, ("GPU-00000001",), 10 * GiB, [], cards, 0.9)
+
+
+# -- compute modes ----------------------------------------------------------------------------
+
+
+def exclusive_process(card: GpuSnapshot) -> GpuSnapshot:
+    return card._replace(compute_mode=COMPUTE_EXCLUSIVE_PROCESS)
+
+
+def test_an_exclusive_process_card_takes_one_job_whatever_its_size() -> None:
+    # Two 4 GiB jobs fit a 24 GiB card in memory, but in EXCLUSIVE_PROCESS mode CUDA fails
+    # the second process with "all CUDA-capable devices are busy or unavailable".
+    cards = [exclusive_process(gpu(0, 24)), gpu(1, 24)]
+    claims = [waiting("a", 4, order=1), waiting("b", 4, order=2), waiting("c", 4, order=3)]
+    decided = plan(cards, claims, 0.9)
+    on_first = [j for j, uuids in decided.admitted.items() if "GPU-00000000" in uuids]
+    assert len(on_first) == 1 and set(decided.admitted) == {"a", "b", "c"}
+    # Once one runs there, nobody joins it; the estimate of the next start waits for its end.
+    running_there = running("r", "GPU-00000000", 2)._replace(expected_seconds=30.0)
+    alone = [exclusive_process(gpu(0, 24))]
+    decided = plan(alone, [running_there, waiting("d", 2, order=4)], 0.9)
+    assert decided.admitted == {}
+    assert "GPU0 runs one process at a time" in decided.waiting["d"].describe()
+    starts = estimate_starts(
+        alone, [running_there, waiting("d", 2, order=4, expected_seconds=5.0)], 0.9
+    )
+    assert starts["d"] == 30.0
+
+
+def test_an_exclusive_process_card_held_by_an_outside_process_takes_no_job() -> None:
+    card = exclusive_process(gpu(0, 24, used_gib=0.5, procs=(ProcessUsage(777, GiB // 2),)))
+    assert plan([card], [waiting("a", 2, order=1)], 0.9).admitted == {}
+    # Even one the ignore list leaves out of the load: it holds the card's one context.
+    named = card._replace(processes=(ProcessUsage(777, GiB // 2, name="Xorg"),))
+    ignoring = Conditions(ignore_processes=frozenset({"Xorg"}))
+    assert plan([named], [waiting("a", 2, order=1)], 0.9, conditions=ignoring).admitted == {}
+    # Behind an MPS server, the card's one process, its clients share the card as usual.
+    mps = card._replace(processes=(ProcessUsage(777, GiB // 2, name="nvidia-cuda-mps"),))
+    both = [waiting("a", 2, order=1), waiting("b", 2, order=2)]
+    assert set(plan([mps], both, 0.9).admitted) == {"a", "b"}
+
+
+def test_the_lookahead_gives_an_exclusive_process_card_to_one_job_at_a_time() -> None:
+    from gpuwait.core.lookahead import Lookahead, plan_queue
+
+    cards = [exclusive_process(gpu(0, 24))]
+    claims = [waiting(j, 2, order=n, expected_seconds=10.0) for n, j in enumerate("abc")]
+    decided = plan_queue(cards, claims, 0.9, -1, Conditions(), FairShare(order=Lookahead()))
+    assert len(decided.admitted) == 1
+    started = [c._replace(running=True, gpu_uuids=("GPU-00000000",), reserved_bytes=2 * GiB)
+               for c in claims[:1]]  # fmt: skip
+    again = plan_queue(cards, [*started, *claims[1:]], 0.9, -1, Conditions(),
+                       FairShare(order=Lookahead()))  # fmt: skip
+    assert again.admitted == {}

@@ -53,6 +53,9 @@ class FakeGpu:
     uuid: str = ""  # empty: GPU-fake-<index>
     #: MIG mode on (True) or off (False); None: the driver answers NOT_SUPPORTED (no MIG).
     mig: bool | None = None
+    #: NVML compute mode: 0 default, 1 exclusive thread, 2 prohibited, 3 exclusive process;
+    #: None: the driver answers NOT_SUPPORTED.
+    mode: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class FakeNvml:
                 f" total={gpu.total} used={gpu.used} reserved={gpu.reserved} util={util}"
                 f" cc={gpu.cc or 'na'}"
                 f" mig={'na' if gpu.mig is None else int(gpu.mig)}"
+                f" mode={'na' if gpu.mode is None else gpu.mode}"
             )
         for proc in self.processes:
             mem = "na" if proc.mem is None else str(proc.mem)

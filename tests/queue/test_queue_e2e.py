@@ -696,6 +696,7 @@ GPU_KEYS = {
     "utilization_pct": OPT_INT,
     "compute_capability": OPT_STR,
     "per_process": (bool, type(None)),
+    "compute_mode": OPT_STR,
     "running_jobs": list,
     "held_for": OPT_STR,
     "counters": dict,

@@ -16,6 +16,7 @@
  *
  *   gpu <index> uuid=<text> name=<text> total=<bytes> used=<bytes>
  *       [reserved=<bytes>] [util=<pct|na>] [cc=<major>.<minor>|na] [mig=<0|1|na>]
+ *       [mode=<0..3|na>]
  *       One GPU. Indices must be 0..N-1, each once (order of lines does not matter).
  *       In <text>, '_' stands for a space and %XX for any byte (%5F is a literal '_').
  *       Memory, as the driver reports it:
@@ -27,6 +28,8 @@
  *       cc=na makes nvmlDeviceGetCudaComputeCapability answer NOT_SUPPORTED (3). Defaults:
  *       mig: the current MIG mode nvmlDeviceGetMigMode reports (pending the same); na makes
  *       it answer NOT_SUPPORTED (3), as a GPU without MIG does.
+ *       mode: what nvmlDeviceGetComputeMode reports (0 default, 1 exclusive thread,
+ *       2 prohibited, 3 exclusive process); na makes it answer NOT_SUPPORTED (3). Default 0.
  *       reserved=0 util=0 cc=na mig=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
  *   proc <gpu index> pid=<pid> mem=<bytes|na>
  *       A compute process on that GPU; mem=na is reported as 2^64-1 ("not available"), which
@@ -127,6 +130,7 @@ typedef struct {
     int util; /* -1: not supported */
     int cc_major, cc_minor; /* -1: not supported */
     int mig; /* -1: not supported, 0 disabled, 1 enabled */
+    int mode; /* -1: not supported, else the NVML compute mode */
 } gpu_state;
 
 typedef struct {
@@ -218,6 +222,15 @@ static int parse_int(const char *s, int *out) {
     return 1;
 }
 
+/* An integer from lo to hi, or "na" (not supported), stored as -1. */
+static int parse_int_or_na(const char *s, int *out, int lo, int hi) {
+    if (strcmp(s, "na") == 0) {
+        *out = -1;
+        return 1;
+    }
+    return parse_int(s, out) && *out >= lo && *out <= hi;
+}
+
 /* Splits "key=value"; returns the value or NULL when the token has another key. */
 static const char *kv(const char *token, const char *key) {
     size_t n = strlen(key);
@@ -259,6 +272,7 @@ static int parse_line(machine_state *st, char *line, int lineno) {
         snprintf(g->name, sizeof g->name, "Fake GPU");
         g->cc_major = g->cc_minor = -1;
         g->mig = -1;
+        g->mode = 0;
         for (int i = 2; i < nt; i++) {
             const char *v;
             int ok;
@@ -283,19 +297,11 @@ static int parse_line(machine_state *st, char *line, int lineno) {
                          g->cc_major >= 0 && g->cc_minor >= 0;
                 }
             } else if ((v = kv(tokens[i], "mig"))) {
-                if (strcmp(v, "na") == 0) {
-                    g->mig = -1;
-                    ok = 1;
-                } else {
-                    ok = parse_int(v, &g->mig) && (g->mig == 0 || g->mig == 1);
-                }
+                ok = parse_int_or_na(v, &g->mig, 0, 1);
+            } else if ((v = kv(tokens[i], "mode"))) {
+                ok = parse_int_or_na(v, &g->mode, 0, 3);
             } else if ((v = kv(tokens[i], "util"))) {
-                if (strcmp(v, "na") == 0) {
-                    g->util = -1;
-                    ok = 1;
-                } else {
-                    ok = parse_int(v, &g->util) && g->util >= 0 && g->util <= 100;
-                }
+                ok = parse_int_or_na(v, &g->util, 0, 100);
             } else {
                 ok = 0;
             }
@@ -806,6 +812,18 @@ nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
         return leave("nvmlDeviceGetMigMode", device->index, NVML_ERROR_NOT_SUPPORTED, NULL);
     *current = *pending = (unsigned int)g->mig;
     return leave("nvmlDeviceGetMigMode", device->index, NVML_SUCCESS, NULL);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode) {
+    nvmlReturn_t ret;
+    const gpu_state *g = enter_device("nvmlDeviceGetComputeMode", device, &ret);
+    if (!g) return ret;
+    if (!mode)
+        return leave("nvmlDeviceGetComputeMode", device->index, NVML_ERROR_INVALID_ARGUMENT, NULL);
+    if (g->mode < 0)
+        return leave("nvmlDeviceGetComputeMode", device->index, NVML_ERROR_NOT_SUPPORTED, NULL);
+    *mode = g->mode;
+    return leave("nvmlDeviceGetComputeMode", device->index, NVML_SUCCESS, NULL);
 }
 
 /* NVML's two-call protocol: with *infoCount too small (the first call passes 0 and NULL),

@@ -1,0 +1,138 @@
+"""GPU compute modes (`nvidia-smi -c`): a card in EXCLUSIVE_PROCESS mode lets one process at a
+time use it, and CUDA fails a second one with "all CUDA-capable devices are busy or
+unavailable"; gpuwait gives such a card to one job at a time, whatever the job asks for.
+
+Real pynvml over the fake libnvidia-ml.so.1, and the simulation's `compute_mode`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.fixtures_nvml import GIB, GPU_IS_LOST, NOT_SUPPORTED, UNKNOWN, FakeGpu, FakeNvml
+from helpers.fixtures_sim import SimFileFactory, hold_card, run_sim_job
+from helpers.waiting import asleep_waiting, named_entry, wait_for
+
+from gpuwait.core.snapshot import COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
+from gpuwait.gpu import read_once
+from gpuwait.gpu.nvml import NvmlBackend
+from gpuwait.linux import proc
+
+GPUWAIT = [sys.executable, "-m", "gpuwait"]
+BUSY = "all CUDA-capable devices are busy or unavailable"
+
+
+@pytest.fixture
+def backend(fake_nvml: FakeNvml) -> Iterator[NvmlBackend]:
+    b = NvmlBackend()
+    yield b
+    b.close()
+
+
+def test_the_compute_mode_is_read_and_an_unsupported_query_reads_as_default(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    fake_nvml.set_gpus([FakeGpu(mode=m) for m in (0, 1, 2, 3, None)])
+    modes = [g.compute_mode for g in backend.snapshot().gpus]
+    assert modes == [
+        COMPUTE_DEFAULT,
+        COMPUTE_EXCLUSIVE_PROCESS,  # EXCLUSIVE_THREAD, of old drivers: one process too
+        COMPUTE_PROHIBITED,
+        COMPUTE_EXCLUSIVE_PROCESS,
+        COMPUTE_DEFAULT,  # NOT_SUPPORTED
+    ]
+
+
+def test_a_compute_mode_query_that_fails_keeps_the_mode_last_read(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    # A card read once as exclusive and then failing only this query is not taken for shared.
+    fake_nvml.set_gpus([FakeGpu(mode=3), FakeGpu(mode=0), FakeGpu(mode=3)])
+    backend.snapshot()
+    fake_nvml.fail(0, "nvmlDeviceGetComputeMode", UNKNOWN)
+    fake_nvml.fail(1, "nvmlDeviceGetComputeMode", NOT_SUPPORTED)
+    fake_nvml.fail(2, "nvmlDeviceGetComputeMode", GPU_IS_LOST)
+    snap = backend.snapshot()
+    assert [(g.index, g.compute_mode) for g in snap.gpus] == [
+        (0, COMPUTE_EXCLUSIVE_PROCESS),
+        (1, COMPUTE_DEFAULT),
+    ]
+    assert snap.unanswered == (2,)
+
+
+def test_an_exclusive_process_card_runs_one_job_at_a_time(
+    fake_nvml: FakeNvml, procs: Callable[..., subprocess.Popen[Any]], tmp_path: Path
+) -> None:
+    # An 80 GiB card set to EXCLUSIVE_PROCESS: a 2 GiB job beside a running 2 GiB one would
+    # have been admitted, and died in CUDA as "busy or unavailable".
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-excl", total=80 * GIB, mode=3)])
+    stop = tmp_path / "stop"
+    env = fake_nvml.env()
+    first = procs(
+        [*GPUWAIT, "-q", "--vram", "2G", "--name", "a", "--", "sh", "-c",
+         f"while [ ! -e {stop} ]; do sleep 0.05; done"],
+        env=env,
+    )  # fmt: skip
+    wait_for(lambda: (named_entry("a") or {}).get("child_pid"), timeout=30)
+    second = procs([*GPUWAIT, "--vram", "2G", "--name", "b", "--", "true"], env=env)
+    wait_for(lambda: second.poll() is not None or asleep_waiting(second.pid), timeout=30)
+    assert second.poll() is None, second.communicate()
+    status = subprocess.run(
+        [*GPUWAIT, "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    said = " ".join(status.stdout.split())
+    assert " 80.0G 0B 0B 2.0G 0B " in said, said  # nothing free for another job
+    assert "compute mode exclusive-process: one process at a time" in said, said
+    assert "waiting for 2.0 GiB: best GPU0 has 0 B; GPU0 runs one process" in said, said
+    stop.touch()
+    assert first.wait(timeout=30) == 0
+    assert second.wait(timeout=30) == 0
+
+
+def held(sim: Path, holder: subprocess.Popen[str]) -> None:
+    """Wait until the simulated card holds memory (or `holder` ended, which the test sees)."""
+    wait_for(lambda: holder.poll() is not None or read_once(sim).gpus[0].used_bytes > 0)
+
+
+def test_a_simulated_exclusive_card_fails_a_second_process_as_cuda_does(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], sim_jobs: list[subprocess.Popen[str]]
+) -> None:
+    sim = sim_file(gpus=1, memory="24GiB", compute_mode="exclusive-process")
+    holder = hold_card(gpuwait_cmd, "2G", "30s")
+    sim_jobs.append(holder)
+    held(sim, holder)
+    bare = subprocess.run(
+        [*gpuwait_cmd, "sim", "job", "--vram", "1G"], capture_output=True, text=True, timeout=60
+    )
+    assert bare.returncode == 1 and BUSY in bare.stderr
+    holder.terminate()
+    holder.communicate(timeout=30)
+
+
+def test_a_simulated_exclusive_card_is_given_to_one_gpuwait_job_at_a_time(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], sim_jobs: list[subprocess.Popen[str]]
+) -> None:
+    sim = sim_file(gpus=1, memory="24GiB", compute_mode="exclusive-process")
+    sim_jobs.append(hold_card(gpuwait_cmd, "2G", "0.3s"))
+    held(sim, sim_jobs[0])
+    second = run_sim_job(gpuwait_cmd, ["--vram", "2G"], "--vram", "2G")
+    assert second.returncode == 0, second.stderr
+    assert sim_jobs[0].wait(timeout=30) == 0
+
+
+def test_processes_on_an_exclusive_process_card_are_named(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    # Their names tell an MPS server (the card's one process, shared by its clients) apart,
+    # whatever the ignore list, and wherever the GPUs are read.
+    fake_nvml.set_gpus([FakeGpu(mode=0), FakeGpu(mode=3)])
+    for gpu in (0, 1):
+        fake_nvml.add_process(gpu, os.getpid(), GIB)
+    named = [p.name for g in backend.snapshot().gpus for p in g.processes]
+    assert named == [None, proc.command_name(os.getpid())] and named[1] is not None
