@@ -22,7 +22,7 @@ from gpuwait.config import Settings, load_settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
-from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, MachineSnapshot
+from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED, MachineSnapshot
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
@@ -269,6 +269,7 @@ def _driver_note(gpus: list[dict[str, Any]]) -> str | None:
 #: What a GPU's compute mode (other than the default) means for the jobs placed on it.
 _MODE_NOTES = {
     COMPUTE_EXCLUSIVE_PROCESS: "one process at a time, so one job at a time",
+    COMPUTE_PROHIBITED: "runs no CUDA work; never chosen",
 }
 
 

@@ -31,7 +31,7 @@ from types import MappingProxyType
 
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
-from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.core.snapshot import COMPUTE_PROHIBITED, GpuSnapshot
 
 PICK_STRATEGIES = (
     "best-fit",
@@ -400,10 +400,20 @@ def gpu_rooms(
     return rooms
 
 
+def prohibited(gpu: GpuSnapshot) -> bool:
+    """The card's compute mode is PROHIBITED: no CUDA process may use it, whatever its room."""
+    return gpu.compute_mode == COMPUTE_PROHIBITED
+
+
+def _prohibited_note(gpus: Iterable[GpuSnapshot]) -> str:
+    """`GPU0's, GPU2's compute mode is prohibited`."""
+    return ", ".join(f"GPU{g.index}'s" for g in gpus) + " compute mode is prohibited"
+
+
 def static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
     if claim.candidates is not None and gpu.uuid not in claim.candidates:
         return False
-    return claim.requirements.mismatch(gpu) is None
+    return not prohibited(gpu) and claim.requirements.mismatch(gpu) is None
 
 
 def util_ok(claim: Claim, uuid: str, conditions: Conditions) -> bool:
@@ -436,9 +446,9 @@ def held_outside(room: GpuRoom) -> bool:
 
 def closed(room: GpuRoom) -> bool:
     """No job may start on this card now, whatever memory is free: a job has it to itself
-    (a whole GPU, or any job on a card that takes one process at a time), or a process
-    outside gpuwait holds a card that takes one process at a time."""
-    return room.exclusive_held or held_outside(room)
+    (a whole GPU, or any job on a card that takes one process at a time), a process outside
+    gpuwait holds a card that takes one process at a time, or the card runs no CUDA work."""
+    return room.exclusive_held or held_outside(room) or prohibited(room.gpu)
 
 
 def need_on(claim: Claim, room: GpuRoom, conditions: Conditions = NO_CONDITIONS) -> int | None:
@@ -496,13 +506,19 @@ def impossible_reason(
     candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
     if not candidates:
         return "no candidate GPU"
+    closed_ones = [g for g in candidates if prohibited(g)]
+    closed_note = _prohibited_note(closed_ones)
+    candidates = [g for g in candidates if not prohibited(g)]
+    if not candidates:
+        return f"no candidate GPU takes CUDA work: {closed_note}"
     matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
     if not matching:
         first = claim.requirements.mismatch(candidates[0])
         return f"no GPU has {claim.requirements.describe()} ({first})"
     if len(matching) < claim.gpus_wanted:
         which = "can be used" if len(matching) == len(candidates) else "match"
-        return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}"
+        why = f"; {closed_note}" if closed_ones else ""
+        return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}{why}"
     if limits is not None:
         smallest = min(
             (
@@ -866,6 +882,14 @@ def wait_reason(
                 f"only {len(usable)} of {len(candidates)} candidates under {cap} utilization,"
                 f" {wanted} wanted"
             )
+    shut = [
+        r.gpu
+        for r in rooms.values()
+        if prohibited(r.gpu) and (claim.candidates is None or r.gpu.uuid in claim.candidates)
+    ]
+    if shut and len(candidates) < wanted and note is None:
+        # Switched to PROHIBITED while it waited: no room helps until that changes back.
+        note = _prohibited_note(shut)
     if 0 < len(candidates) < wanted and note is None:
         # A GPU it could use is gone from the readings (lost, not answering): no room helps.
         verb = "answers" if len(candidates) == 1 else "answer"

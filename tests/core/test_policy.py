@@ -18,7 +18,12 @@ from gpuwait.core.policy import (
     wait_reason,
 )
 from gpuwait.core.sizes import MemoryRequest
-from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, GpuSnapshot, ProcessUsage
+from gpuwait.core.snapshot import (
+    COMPUTE_EXCLUSIVE_PROCESS,
+    COMPUTE_PROHIBITED,
+    GpuSnapshot,
+    ProcessUsage,
+)
 
 GiB = 2**30
 
@@ -370,3 +375,19 @@ def test_the_lookahead_gives_an_exclusive_process_card_to_one_job_at_a_time() ->
     again = plan_queue(cards, [*started, *claims[1:]], 0.9, -1, Conditions(),
                        FairShare(order=Lookahead()))  # fmt: skip
     assert again.admitted == {}
+
+
+def test_a_prohibited_card_is_never_chosen_and_alone_can_never_serve() -> None:
+    closed = gpu(0, 24)._replace(compute_mode=COMPUTE_PROHIBITED)
+    cards = [closed, gpu(1, 24, used_gib=10)]
+    decided = plan(cards, [waiting("a", 8, order=1), waiting("b", 8, order=2)], 0.9)
+    assert decided.admitted == {"a": ("GPU-00000001",)}  # b waits rather than go to GPU0
+    assert impossible_reason(waiting("x", 2, order=1), cards, 0.9) is None
+    only = waiting("x", 2, order=1, candidates=frozenset({"GPU-00000000"}))
+    said = impossible_reason(only, cards, 0.9) or ""
+    assert said == "no candidate GPU takes CUDA work: GPU0's compute mode is prohibited"
+    gang = impossible_reason(waiting("x", 2, order=1, gpus_wanted=2), cards, 0.9) or ""
+    assert gang.endswith("only 1 can be used; GPU0's compute mode is prohibited"), gang
+    # A waiter whose card was switched to prohibited while it waited is told so.
+    reason = wait_reason(only, gpu_rooms(cards, [only], 0.9), 0, 0, Conditions())
+    assert "GPU0's compute mode is prohibited" in reason.describe()

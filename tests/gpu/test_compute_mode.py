@@ -136,3 +136,33 @@ def test_processes_on_an_exclusive_process_card_are_named(
         fake_nvml.add_process(gpu, os.getpid(), GIB)
     named = [p.name for g in backend.snapshot().gpus for p in g.processes]
     assert named == [None, proc.command_name(os.getpid())] and named[1] is not None
+
+
+def test_a_prohibited_card_is_never_chosen(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # GPU0 is PROHIBITED (no CUDA process may use it); best-fit took it first, as the card
+    # with the least room left (some memory taken by the driver or a display).
+    fake_nvml.set_gpus(
+        [FakeGpu(uuid="GPU-closed", mode=2, used=40 * GIB), FakeGpu(uuid="GPU-open")]
+    )
+    env = fake_nvml.env()
+    show = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
+    ran = subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--", *show],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (ran.returncode, ran.stdout.strip()) == (0, "GPU-open"), ran.stderr
+    status = subprocess.run(
+        [*gpuwait_cmd, "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    said = " ".join(status.stdout.split())
+    assert "compute mode prohibited: runs no CUDA work; never chosen" in said, said
+    # Where it is the only candidate, the request can never fit: said at once, exit 3.
+    only = subprocess.run(
+        [*gpuwait_cmd, "--devices", "0", "--vram", "2G", "--", "true"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert only.returncode == 3, only.stderr
+    assert "GPU0's compute mode is prohibited" in only.stderr, only.stderr
+    assert "Traceback" not in only.stderr
