@@ -9,7 +9,9 @@ in a helper thread with a deadline: a GPU whose reading does not come back in ti
 with a warning, and is not asked again until that stuck call returns; a hung call that concerns
 no single GPU (init, the GPU count) makes the backend unavailable. Figures that cannot be true
 (more used or free than the total) are clamped towards "full" and named in a warning. A GPU
-in MIG mode is left out, with a warning: gpuwait places jobs on whole GPUs only. Each GPU's
+in MIG mode is left out, with a warning: gpuwait places jobs on whole GPUs only; so is one that
+NVML says this process may not use (NO_PERMISSION: hidden by a container's or a Slurm job's
+device cgroup), which is no failure that may pass. Each GPU's
 compute mode is read too (one process at a time, or none: the policy respects it).
 
 The driver names processes by their pids in the host's pid namespace. In another one (a
@@ -322,6 +324,14 @@ class NvmlBackend:
                 )
                 continue
             except Exception as exc:
+                if _code(exc) == _NO_PERMISSION:
+                    # Not this process's to use (a container's or a Slurm job's device
+                    # cgroup): no reading will change that, and no job can run there.
+                    warnings.append(
+                        f"GPU {index}: no permission to use it (NVML error {_NO_PERMISSION}: "
+                        "hidden from this container or job?); left out"
+                    )
+                    continue
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
                 unanswered.append(index)
                 continue

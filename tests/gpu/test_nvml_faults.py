@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.fixtures_nvml import GIB, GPU_IS_LOST, FakeGpu, FakeNvml
+from helpers.fixtures_nvml import GIB, GPU_IS_LOST, NO_PERMISSION, FakeGpu, FakeNvml
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import BackendUnavailable
@@ -346,3 +346,33 @@ def test_nvml_shut_down_under_gpuwait_is_started_again(two_gpus: FakeNvml) -> No
         assert [g.uuid for g in backend.snapshot().gpus] == ["GPU-fake-0", "GPU-fake-1"]
     finally:
         backend.close()
+
+
+def test_a_gpu_this_process_may_not_use_is_left_out_not_waited_for(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # A container's device cgroup (or Slurm's ConstrainDevices) hides GPU 1: NVML answers
+    # NO_PERMISSION for it at every reading. Taken for a GPU that may answer again, it made a
+    # request that can never fit retry for gpu_error_timeout (5 min by default), then exit 4.
+    two_gpus.fail(1, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    backend = NvmlBackend()
+    try:
+        snap = backend.snapshot()
+    finally:
+        backend.close()
+    assert [g.index for g in snap.gpus] == [0] and snap.unanswered == ()
+    assert snap.warnings == (
+        "GPU 1: no permission to use it (NVML error 4: hidden from this container or job?);"
+        " left out",
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [*gpuwait_cmd, "--gpus", "2", "--vram", "1G", "--", "true"],
+        env={**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "3s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "2 GPUs wanted but only 1" in done.stderr
+    assert time.monotonic() - started < 3
