@@ -436,12 +436,15 @@ def idle_enough(room: GpuRoom) -> bool:
 def held_outside(room: GpuRoom) -> bool:
     """A card that takes one process at a time (`GpuSnapshot.one_process_only`) is held by a
     process that is no gpuwait job's, the ignore list's included: no job can start there. Where
-    the driver names no processes (a container), memory used outside gpuwait tells."""
+    the driver lists no process (none there, or it cannot list them: a vGPU, a container),
+    memory used outside gpuwait tells."""
     if not room.gpu.one_process_only:
         return False
     if room.foreign or room.ignored_count:
         return True
-    return not room.gpu.per_process and not idle_enough(room)
+    if room.gpu.per_process and room.gpu.processes:
+        return False  # the driver lists who is there: gpuwait's jobs alone
+    return not idle_enough(room)
 
 
 def closed(room: GpuRoom) -> bool:

@@ -391,3 +391,12 @@ def test_a_prohibited_card_is_never_chosen_and_alone_can_never_serve() -> None:
     # A waiter whose card was switched to prohibited while it waited is told so.
     reason = wait_reason(only, gpu_rooms(cards, [only], 0.9), 0, 0, Conditions())
     assert "GPU0's compute mode is prohibited" in reason.describe()
+
+
+def test_an_exclusive_process_card_whose_processes_cannot_be_listed_is_judged_by_memory() -> None:
+    # The driver would not list the card's processes (NOT_SUPPORTED on a vGPU, NO_PERMISSION):
+    # 10 GiB used outside gpuwait means a process with a context there, and the card takes one.
+    unlisted = exclusive_process(gpu(0, 24, used_gib=10))
+    assert plan([unlisted], [waiting("a", 2, order=1)], 0.9).admitted == {}
+    idle = exclusive_process(gpu(0, 24, used_gib=0.3))  # the driver's own, nobody's context
+    assert plan([idle], [waiting("a", 2, order=1)], 0.9).admitted == {"a": ("GPU-00000000",)}
