@@ -40,7 +40,7 @@ from gpuwait.core.snapshot import (
     ProcessUsage,
 )
 from gpuwait.gpu import with_names
-from gpuwait.linux import pidns
+from gpuwait.linux import pidns, proc
 
 
 def _import_pynvml() -> Any:
@@ -436,7 +436,8 @@ class NvmlBackend:
         NVML v2 splits the driver's own reservation out of "used"; that memory is still not
         available to a new process, so it is counted as used and free_bytes stays what the
         driver calls free (which is what v1 reports as used, too). It is also told apart, as
-        no process holds it: v1 cannot tell it (0).
+        no process holds it: v1 cannot tell it (0). A GPU that has no memory of its own (both
+        versions NOT_SUPPORTED) is given the system's, from /proc/meminfo.
         """
         version = getattr(pynvml, "nvmlMemory_v2", None)
         if self._memory_v2 is not False and version is not None:
@@ -452,7 +453,16 @@ class NvmlBackend:
             else:
                 self._memory_v2 = True
                 return self._total_used(info, problems)
-        return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
+        try:
+            return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
+        except pynvml.NVMLError as exc:
+            shared = proc.system_memory() if _code(exc) == _NOT_SUPPORTED else None
+            if shared is None:
+                raise
+        # No memory of its own (GB10 in DGX Spark, unified memory): the system's memory is
+        # the GPU's, and everything that uses it (other programs too) is used.
+        total, available = shared
+        return total, total - max(0, min(available, total)), 0
 
     @staticmethod
     def _total_used(info: Any, problems: list[str]) -> tuple[int, int, int]:
@@ -484,16 +494,16 @@ class NvmlBackend:
         except pynvml.NVMLLibraryMismatchError:
             return ()
         processes: list[ProcessUsage] = []
-        for proc in found:
-            used = getattr(proc, "usedGpuMemory", None)
+        for process in found:
+            used = getattr(process, "usedGpuMemory", None)
             if used is not None and int(used) > total:
                 problems.append(
-                    f"NVML reported process {int(proc.pid)} using {format_size(int(used))} of "
+                    f"NVML reported process {int(process.pid)} using {format_size(int(used))} of "
                     f"{format_size(total)}; clamped to the total"
                 )
                 used = total
             processes.append(
-                ProcessUsage(pid=int(proc.pid), used_bytes=None if used is None else int(used))
+                ProcessUsage(pid=int(process.pid), used_bytes=None if used is None else int(used))
             )
         return tuple(processes)
 

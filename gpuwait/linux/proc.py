@@ -155,6 +155,22 @@ def boot_id() -> str | None:
     return _BOOT_ID[0]
 
 
+def system_memory() -> tuple[int, int] | None:
+    """(MemTotal, MemAvailable) of /proc/meminfo, in bytes; None where it cannot be read."""
+    figures: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode("ascii", "replace").splitlines():
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable") and rest.split()[1:] == ["kB"]:
+                    figures[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        return None
+    if len(figures) < 2 or figures["MemTotal"] <= 0:
+        return None
+    return figures["MemTotal"], figures["MemAvailable"]
+
+
 def boot_clock() -> float:
     """Seconds since the machine booted, suspended time included (CLOCK_BOOTTIME). Unlike the
     wall clock it is never stepped (NTP, `date -s`, a VM resumed), and every process of one boot

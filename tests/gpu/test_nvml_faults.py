@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.fixtures_nvml import GIB, GPU_IS_LOST, NO_PERMISSION, FakeGpu, FakeNvml
+from helpers.fixtures_nvml import (
+    GIB,
+    GPU_IS_LOST,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    FakeGpu,
+    FakeNvml,
+)
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import BackendUnavailable
@@ -376,3 +383,41 @@ def test_a_gpu_this_process_may_not_use_is_left_out_not_waited_for(
     assert done.returncode == 3, done.stderr
     assert "2 GPUs wanted but only 1" in done.stderr
     assert time.monotonic() - started < 3
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's figures in bytes."""
+    figures = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        figures[name] = int(rest.split()[0]) * 1024
+    return figures
+
+
+def test_a_gpu_that_shares_the_systems_memory_is_counted_by_it(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # A GPU with no memory of its own (GB10 in DGX Spark: the system's memory is the GPU's)
+    # answers NOT_SUPPORTED to both memory queries. It was skipped at every reading as a GPU
+    # that may answer again: a launch retried for gpu_error_timeout, then ended with exit 4.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-uma")])
+    fake_nvml.fail(0, "nvmlDeviceGetMemoryInfo", NOT_SUPPORTED)
+    fake_nvml.fail(0, "nvmlDeviceGetMemoryInfo_v2", NOT_SUPPORTED)
+    backend = NvmlBackend()
+    try:
+        before = meminfo()
+        (gpu,) = backend.snapshot().gpus
+        after = meminfo()
+    finally:
+        backend.close()
+    assert gpu.total_bytes == before["MemTotal"]
+    used = [before["MemTotal"] - m["MemAvailable"] for m in (before, after)]
+    assert min(used) - GIB <= gpu.used_bytes <= max(used) + GIB
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        env={**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "2s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "GPU-uma"), done.stderr
