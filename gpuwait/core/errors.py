@@ -66,13 +66,31 @@ class BackendUnavailable(GpuwaitError):
     `lasting`: nothing will change by waiting (no driver on this machine, no simulation file
     there); otherwise the failure may pass (a driver hiccup, a file being saved) and gpuwait
     retries for up to `gpu_error_timeout` before giving up.
+
+    `gpus_here`: a lasting failure on a machine that has GPUs, only none usable until someone
+    acts (a driver upgraded without a reboot): `on_no_gpu = run`, for machines without GPUs,
+    does not start the command uncoordinated beside the others.
     """
 
     exit_code = EXIT_NO_GPU
 
-    def __init__(self, message: str, hint: str | None = None, *, lasting: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        hint: str | None = None,
+        *,
+        lasting: bool = False,
+        gpus_here: bool = False,
+    ) -> None:
         super().__init__(message, hint)
-        self.lasting = lasting
+        self.lasting = lasting or gpus_here
+        self.gpus_here = gpus_here
+
+    @property
+    def run_without(self) -> bool:
+        """Whether `on_no_gpu = run` may run the command without gpuwait: no GPU can ever be
+        read on this machine."""
+        return self.lasting and not self.gpus_here
 
 
 class StateError(GpuwaitError):

@@ -135,11 +135,13 @@ def _init_failure(exc: BaseException) -> BackendUnavailable:
     elif code == _NO_PERMISSION:
         message = "no permission to use the NVIDIA driver (NVML error 4)"
     elif code == _LIB_RM_VERSION_MISMATCH:
-        # Typical right after a driver upgrade without a reboot; the generic hint would mislead.
+        # Typical right after a driver upgrade without a reboot, and so until one: no wait
+        # helps. The generic hint would mislead.
         return BackendUnavailable(
             "NVIDIA driver and NVML library versions do not match (NVML error 18)",
             hint="reboot, or reload the nvidia kernel modules, after a driver upgrade; "
             "GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+            gpus_here=True,
         )
     else:
         message = f"NVML could not start: {_describe(exc)}"

@@ -245,7 +245,7 @@ def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding 
             lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
         )
     except BackendUnavailable as exc:
-        if config.on_no_gpu == "fail" or not exc.lasting:
+        if config.on_no_gpu == "fail" or not exc.run_without:
             raise
         reporter.warn(f"{exc.message}; going on without a reservation (on_no_gpu = run)")
         return None

@@ -216,7 +216,7 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     except BackendUnavailable as exc:
         # Only where no GPU can ever be read here (no driver, no simulation file) may the
         # command run uncoordinated; a failure that may pass was retried, never run around.
-        if config.on_no_gpu == "fail" or not exc.lasting:
+        if config.on_no_gpu == "fail" or not exc.run_without:
             raise
         reporter.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return exec_bare(request.command)
