@@ -5,7 +5,9 @@
 if test -n "@ALWAYS@"; or status is-interactive
     function __gpuwait_run
         # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
-        if test -n "$GPUWAIT_JOB_ID"
+        # Inside a job, while it runs: a shell that outlived it (a tmux server started there)
+        # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
+        if test -n "$GPUWAIT_JOB_ID"; and begin; test -z "$GPUWAIT_JOB_PID"; or test -e "/proc/$GPUWAIT_JOB_PID"; end
             command $argv
         else if test -n "$GPUWAIT_DISABLE"; and test "$GPUWAIT_DISABLE" != 0
             command $argv

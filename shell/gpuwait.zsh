@@ -5,7 +5,9 @@
 if [[ -n "@ALWAYS@" ]] || [[ -o interactive ]]; then
     __gpuwait_run() {
         # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
-        if [[ -n "${GPUWAIT_JOB_ID-}" || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
+        # Inside a job, while it runs: a shell that outlived it (a tmux server started there)
+        # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
+        if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
             command "$@"
         else
             @GPUWAIT@ shell-hook -- "$@"

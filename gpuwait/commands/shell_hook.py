@@ -15,7 +15,7 @@ from gpuwait.commands.parsing import Parser
 from gpuwait.config import load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.wrap import Decision, decide
-from gpuwait.runner.launch import exec_bare
+from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
 
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
@@ -68,12 +68,16 @@ def run(options: argparse.Namespace) -> int:
         print(HELP, end="")
         return 0
     command: list[str] = options.command
-    decision = decision_for(command)
+    ended = _job_ended()
+    decision = decision_for(command, ended)
     if options.explain:
         print(f"{'wrap' if decision.wrap else 'bare'}: {decision.reason}")
         return 0 if decision.wrap else 1
     if decision.wrap:
         from gpuwait.commands import run as run_command
+
+        if ended:
+            forget_job(os.environ)
 
         options = run_command.build_parser().parse_args(["--", *command])
         # Where it would wait for ever (inside a job, or piped to one that holds the GPU it
@@ -83,9 +87,16 @@ def run(options: argparse.Namespace) -> int:
     return exec_bare(command)
 
 
-def decision_for(command: list[str]) -> Decision:
+def decision_for(command: list[str], job_ended: bool) -> Decision:
     settings = load_settings({})
     cwds = [os.environ.get("PWD", "")]
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
-    return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap)
+    return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap, job_ended)
+
+
+def _job_ended() -> bool:
+    """Has the job this process was started in ended (its GPUWAIT_JOB_PID gone), as the
+    hooks tell it? A process that outlived it keeps its variables."""
+    pid = os.environ.get(JOB_PID_VARIABLE, "")
+    return pid.isdigit() and not os.path.exists(f"/proc/{pid}")

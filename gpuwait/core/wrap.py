@@ -29,14 +29,17 @@ def decide(
     env: Mapping[str, str],
     wrap_only_in: Sequence[str],
     never_wrap: Sequence[str],
+    job_ended: bool = False,
 ) -> Decision:
     """Wrap `argv` started in a directory known by the paths `cwds`? With the reason, for --explain.
 
     `cwds` holds the shell's logical $PWD as well as the physical directory, so a glob naming
-    either the symlink or its target matches.
+    either the symlink or its target matches. `job_ended`: the job GPUWAIT_JOB_ID names has
+    ended (its GPUWAIT_JOB_PID is gone), and this process outlived it: the rules apply as
+    anywhere else.
     """
     job = env.get("GPUWAIT_JOB_ID")
-    if job:
+    if job and not job_ended:
         return Decision(False, f"already inside gpuwait job {job} (GPUWAIT_JOB_ID)")
     if disabled(env):
         return Decision(False, "GPUWAIT_DISABLE is set")

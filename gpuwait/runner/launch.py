@@ -15,7 +15,7 @@ import re
 import signal
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.linux import turnstile
@@ -198,6 +198,21 @@ def spawn(
 
 #: Names the job in its command's environment (and in that of every process it starts).
 JOB_ID_VARIABLE = "GPUWAIT_JOB_ID"
+#: The process whose life is the job's (its gpuwait, or the one holding room for itself): a
+#: process that outlives the job (a tmux server started inside it) keeps GPUWAIT_JOB_ID, and the
+#: shell hooks tell by this one whether the job still runs.
+JOB_PID_VARIABLE = "GPUWAIT_JOB_PID"
+
+
+def forget_job(env: MutableMapping[str, str]) -> None:
+    """Take out of `env` what `command_env` gave an ended job's command, for a process that
+    outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and
+    its name are no new job's."""
+    given = {env.get("GPUWAIT_GPU_UUIDS"), env.get("GPUWAIT_GPU_INDICES")} - {None}
+    if env.get("CUDA_VISIBLE_DEVICES") in given:
+        del env["CUDA_VISIBLE_DEVICES"]
+    for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, "GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES"):
+        env.pop(name, None)
 
 
 def command_env(
@@ -217,6 +232,7 @@ def command_env(
             "CUDA_VISIBLE_DEVICES": indices if by_index else uuids,
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             JOB_ID_VARIABLE: job.id,
+            JOB_PID_VARIABLE: str(os.getpid()),
             "GPUWAIT_GPU_UUIDS": uuids,
             "GPUWAIT_GPU_INDICES": indices,
             "GPUWAIT_VRAM_BYTES": str(job.reserved_bytes),

@@ -205,6 +205,33 @@ def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_pat
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_shell_that_outlived_its_job_wraps_again(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A shell in a tmux server started inside a job keeps the job's variables after the job
+    has ended: its python went on running bare, on the ended job's GPU, beside whoever gpuwait
+    had put there since. While the job runs, it runs bare inside it as before."""
+    need(shell)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    inherited = {
+        "GPUWAIT_JOB_ID": "0a1b2c3d",
+        "GPUWAIT_GPU_UUIDS": "GPU-of-the-ended-job",
+        "CUDA_VISIBLE_DEVICES": "GPU-of-the-ended-job",
+    }
+    script = f"{init_line(shell, '--always')}\npython probe.py x\n"
+    outcomes = []
+    for job_pid in (gone.pid, os.getpid()):
+        env = {**hook_env, **inherited, "GPUWAIT_JOB_PID": str(job_pid)}
+        done = run_shell(shell, script, [], env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        outcomes.extend(probe_lines(done.stdout))
+    after, during = outcomes
+    assert after["cuda"] in sim_uuids() and after["job"] not in (None, "0a1b2c3d")
+    assert during == {"argv": ["x"], "cuda": "GPU-of-the-ended-job", "job": "0a1b2c3d"}
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_wrap_rules_from_the_config_file(
     shell: str, hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
 ) -> None:
