@@ -43,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
     # Events are written beside the ledger (a shared ledger's log is its users' common log).
     directory = ledger.directory
     indices = {u: h.index for u, h in ledger.read().book.health.items()}
+    if ledger.shared:
+        # None is kept there (docs/queue-and-status.md): an empty log would read as "nothing
+        # happened", --job as a job that never was, and -f would wait for ever.
+        raise StateError(
+            f"the shared ledger directory {directory} keeps no event log; "
+            "`gpuwait status` shows its queue"
+        )
 
     # The ids the asked-for name was given to: not every event names its job (a `leave` of a
     # failed dependency, a `reap`, a `paused` carry its id alone). Events come oldest first,

@@ -203,6 +203,15 @@ def pid1_entry(base: dict[str, Any], uuid: str, reserved: int) -> dict[str, Any]
     }
 
 
+def test_the_log_of_a_shared_ledger_says_there_is_none(server: Server) -> None:
+    # It printed nothing and exited 0, said of --job that no such job was, and -f waited for
+    # ever for events nobody writes there.
+    for args in (["log"], ["log", "--job", "x"], ["log", "-f"]):
+        done = server.run(ALICE, *args, timeout=10)
+        assert done.returncode == 5, (args, done.stderr)
+        assert done.stderr.count("\n") == 1 and "keeps no event log" in done.stderr
+
+
 def test_what_a_member_writes_in_their_own_file_counts_only_as_theirs(server: Server) -> None:
     # Load outside gpuwait: 8 GiB held by a process of root's. Alice runs a 4 GiB job.
     external = hold_outside_gpuwait(server, 8 * GiB)
