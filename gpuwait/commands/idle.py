@@ -57,7 +57,7 @@ def run(options: argparse.Namespace) -> int:
     for message in report["warnings"]:
         output.warn(message)
     if report["backend_error"]:
-        output.error(report["backend_error"])
+        output.error(report["backend_error"], report["backend_hint"])
         return EXIT_NO_GPU
     rule_text = (
         f"at least {format_size(settings.idle_min_vram)} on a GPU under "

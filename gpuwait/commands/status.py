@@ -102,6 +102,8 @@ def _watch_screen(settings: Settings, interval: float) -> int:
             lines += [f"gpuwait: warning: {printable(w, 1000)}" for w in report["warnings"]]
             if report["backend_error"]:
                 lines.append(f"gpuwait: error: {printable(report['backend_error'], 1000)}")
+                if report["backend_hint"]:
+                    lines.append(f"gpuwait: hint: {printable(report['backend_hint'], 1000)}")
             lines += render(report, _width(columns)).splitlines()
             # Home and clear, then the whole frame: one write, so the screen never shows half.
             sys.stdout.write("\033[H\033[2J" + "\n".join(fit_screen(lines, columns, rows)))
@@ -143,10 +145,11 @@ def build_report(settings: Settings) -> dict[str, Any]:
     """Read the GPUs and the ledger once; the whole dashboard as plain data."""
     snapshot: MachineSnapshot | None = None
     problem: str | None = None
+    hint: str | None = None
     try:
         snapshot = read_once(settings.sim, settings.nvml_timeout)
     except BackendUnavailable as exc:
-        problem = exc.message
+        problem, hint = exc.message, exc.hint
     ignore = frozenset(settings.ignore_processes)
     if snapshot is not None and ignore:
         snapshot = name_processes(snapshot)
@@ -157,6 +160,8 @@ def build_report(settings: Settings) -> dict[str, Any]:
         snapshot, data, now, view, ledger.take_warnings(), problem, proc.boot_clock()
     )
     report["ledger_shared"] = bool(ledger.shared)
+    #: What to do about `backend_error` (install the driver, reboot after an upgrade), if known.
+    report["backend_hint"] = hint
     _add_frozen(report, data)
     quiet = idle_holders(settings, snapshot, report["jobs"], ignore)
     report["idle"] = [h for h in quiet if h["idle_seconds"] >= settings.idle_after]
@@ -212,7 +217,7 @@ def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
     for message in report["warnings"]:
         output.warn(message)
     if report["backend_error"]:
-        output.error(report["backend_error"])
+        output.error(report["backend_error"], report["backend_hint"])
     sys.stdout.write(render(report, _width()))
     sys.stdout.flush()
 

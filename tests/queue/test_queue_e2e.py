@@ -667,6 +667,7 @@ STATUS_KEYS = {
     "generated_at": float,
     "backend": OPT_STR,
     "backend_error": OPT_STR,
+    "backend_hint": OPT_STR,
     "safety": float,
     "ledger_created_at": float,
     "warnings": list,

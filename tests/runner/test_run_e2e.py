@@ -463,8 +463,11 @@ def test_status_without_gpu_readings_shows_the_queue_and_exits_4(
     assert done.returncode == 4
     assert "Queue (0)" in done.stdout
     assert done.stderr.startswith("gpuwait: error: ") and "driver" in done.stderr
+    # And what to do about it, as a launch says.
+    assert "\ngpuwait: hint: " in done.stderr
     as_json = run([*gpuwait_cmd, "status", "--json"], env=env)
-    assert as_json.returncode == 4 and json.loads(as_json.stdout)["backend_error"]
+    report = json.loads(as_json.stdout)
+    assert as_json.returncode == 4 and report["backend_error"] and report["backend_hint"]
 
 
 BAD_INPUT = [
