@@ -130,6 +130,24 @@ def own_gpus_silent(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable |
     )
 
 
+def utilization_unread(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable | None:
+    """A reading in which too few of the GPUs `job` may use told their utilization (an NVML
+    error other than "not supported") while `--max-util` waits on it, as a failed reading,
+    retried up to gpu_error_timeout: a GPU whose every reading fails never passes the cap,
+    and the job waited for ever."""
+    if job.requirements.get("max_util_pct") is None:
+        return None
+    mine = [g for g in snapshot.gpus if job.candidates is None or g.uuid in job.candidates]
+    failing = [g for g in mine if g.utilization_failed]
+    if not failing or len(mine) - len(failing) >= job.gpus:
+        return None
+    which = ", ".join(f"GPU {g.index}" for g in failing)
+    return BackendUnavailable(
+        f"the utilization of {which} cannot be read, and --max-util waits on it",
+        hint="check the GPUs (nvidia-smi -q -d UTILIZATION), or run without --max-util",
+    )
+
+
 class GpuRetry:
     """Failed readings of the GPUs, retried with back-off until `timeout` seconds of failure.
 
@@ -323,7 +341,11 @@ def wait_for_admission(
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
         nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
-        silent = no_gpu_answers(snapshot) or own_gpus_silent(job, snapshot)
+        silent = (
+            no_gpu_answers(snapshot)
+            or own_gpus_silent(job, snapshot)
+            or utilization_unread(job, snapshot)
+        )
         if silent is not None:
             with contextlib.suppress(Exception):
                 lifecycle.note_health(ledger, snapshot)  # LOST in `status` meanwhile

@@ -446,3 +446,22 @@ def test_a_driver_upgraded_without_a_reboot_ends_a_launch_at_once_with_the_fix(
         " GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
     ]
     assert time.monotonic() - started < 3
+
+
+def test_max_util_on_gpus_whose_utilization_never_reads_ends_after_gpu_error_timeout(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # Every reading of both cards' utilization fails (an NVML error other than "not
+    # supported"): --max-util, which waits for a reading under its cap, waited for ever.
+    for gpu in (0, 1):
+        two_gpus.fail(gpu, "nvmlDeviceGetUtilizationRates", 999)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--max-util", "50", "--", "true"],
+        env={**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 4, done.stderr
+    assert "utilization" in done.stderr and "--max-util" in done.stderr
+    assert "gpu_error_timeout" in done.stderr
