@@ -12,6 +12,11 @@ Only the batch script and the steps run on the job's node under Slurm (`slurmste
 with no word of its GPUs, so it is left alone. Where slurm.conf cannot be read or does not
 say, nothing is refused: gpuwait cannot tell, and GPUs not handed out by Slurm are gpuwait's
 to share.
+
+A step that Slurm gave none of its job's GPUs (`srun --gres=none` or `--gpus=0` in a job that
+has some) has no `CUDA_VISIBLE_DEVICES` either, but keeps the job's `SLURM_JOB_GPUS`, as does
+a job whose `CUDA_VISIBLE_DEVICES` was unset: the GPUs a process may use are told by
+`CUDA_VISIBLE_DEVICES` and `SLURM_STEP_GPUS` alone.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ CONF_PATHS = (
     "/run/slurm/conf/slurm.conf",
     "/var/spool/slurmd/conf-cache/slurm.conf",
 )
-#: The variables by which Slurm names a job's or step's GPUs.
-GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+#: The variables by which Slurm names the GPUs of this batch script or step (not
+#: SLURM_JOB_GPUS: a step given none of its job's GPUs has it too).
+GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS")
 
 
 def job_without_gpus(env: Mapping[str, str]) -> str | None:

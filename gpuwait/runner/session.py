@@ -372,6 +372,18 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
         from gpuwait.linux.slurm import job_without_gpus
 
         conf = job_without_gpus(os.environ)
+        job_gpus = os.environ.get("SLURM_JOB_GPUS")
+        if conf is not None and job_gpus:
+            # A step run with --gres=none in a job that has GPUs, or CUDA_VISIBLE_DEVICES
+            # unset in the job (see gpuwait.linux.slurm).
+            raise ImpossibleRequest(
+                f"this Slurm job has GPUs (SLURM_JOB_GPUS={job_gpus}) but this step none of "
+                "them: no CUDA_VISIBLE_DEVICES (srun --gres=none or --gpus=0, or the variable "
+                f"unset); {conf} hands this node's GPUs out as GRES, so every GPU here may be "
+                "another job's",
+                hint="run the step with the job's GPUs (srun without --gres=none or --gpus=0), "
+                f"or set CUDA_VISIBLE_DEVICES={job_gpus}",
+            )
         if conf is not None:
             # Every GPU here may be another Slurm job's (see gpuwait.linux.slurm).
             raise ImpossibleRequest(

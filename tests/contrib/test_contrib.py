@@ -568,6 +568,22 @@ def test_a_slurm_job_given_no_gpus_is_refused_where_slurm_hands_gpus_out(
     assert "--gres=gpu:1" in done.stderr
     assert "Traceback" not in done.stderr
     assert not ran.exists()
+    # `srun --gres=none` (or --gpus=0) inside a GPU job starts the step with no
+    # CUDA_VISIBLE_DEVICES but with the job's SLURM_JOB_GPUS (seen on a real Slurm): it ran on
+    # any GPU of the node, another job's too.
+    on_1 = ["gpuwait", "--vram", "1G", "--devices", "1", "--", "touch", str(ran)]
+    gres_none = {**env, "SLURM_JOB_GPUS": "0"}
+    step = subprocess.run(on_1, env=gres_none, capture_output=True, text=True, timeout=60)
+    assert step.returncode == 3, step.stderr
+    assert "this Slurm job has GPUs (SLURM_JOB_GPUS=0) but this step none of them" in step.stderr
+    assert "CUDA_VISIBLE_DEVICES=0" in step.stderr
+    assert not ran.exists()
+    # A step given GPUs of its own runs on them.
+    own = {**env, "SLURM_JOB_GPUS": "1", "SLURM_STEP_GPUS": "1", "CUDA_VISIBLE_DEVICES": "1"}
+    echo = ["gpuwait", "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"]
+    step = subprocess.run(echo, env=own, capture_output=True, text=True, timeout=60)
+    assert step.returncode == 0, step.stderr
+    assert step.stdout.strip() == sim_uuids()[1]
     # Where Slurm does not hand GPUs out, or the job has GPUs of its own, it runs as before.
     conf.write_text("ClusterName=c\nGresTypes=mps\n")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)

@@ -261,6 +261,21 @@ def test_a_batch_job_given_no_gpu_is_refused(cluster: Cluster, tmp_path: Path) -
     assert "ran" not in text.splitlines()
 
 
+def test_a_step_given_none_of_the_jobs_gpus_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    # `srun --gres=none` in a job with a GPU starts the step with no CUDA_VISIBLE_DEVICES but
+    # with the job's SLURM_JOB_GPUS: every GPU of the node, each perhaps another job's, would
+    # have looked free to it.
+    env = cluster.env(tmp_path)
+    out = tmp_path / "out"
+    script = "srun --overlap --gres=none gpuwait --vram 1G -- echo ran; echo status=$?"
+    job = sbatch(env, "--gres=gpu:1", f"--output={out}", "--wrap", script)
+    wait_ended(env, job, timeout=30)
+    text = out.read_text()
+    assert "status=3" in text, text
+    assert "this Slurm job has GPUs (SLURM_JOB_GPUS=0) but this step none of them" in text
+    assert "ran" not in text.splitlines()
+
+
 def test_steps_spread_over_both_gpus_of_a_two_gpu_allocation(
     cluster: Cluster, tmp_path: Path
 ) -> None:
