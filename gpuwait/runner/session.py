@@ -742,6 +742,16 @@ def _wait_and_run(
             # Leaving the queue must not keep a TERM or Ctrl-C waiting for the ledger lock: a
             # process holding it longer than LEAVE_PATIENCE costs this entry, which is reaped
             # once gpuwait is gone.
+            if _asks_to_checkpoint(job, outcome.signum):
+                # Slurm's warning before the time limit (--signal=B:USR1@N) may come while the
+                # job still waits: nothing started, nothing to save; the resume status tells the
+                # batch script to requeue it, as after a checkpoint.
+                _finish(ledger, job, INTERRUPTED, reporter)
+                reporter.info(
+                    f"job {job.id} asked to checkpoint while still waiting; it leaves the queue "
+                    f"with the resume status {config.resume_exit}, to be started again later"
+                )
+                return _Ended(config.resume_exit)
             signals.keep_pending(outcome.signum)
             _finish(ledger, job, INTERRUPTED, reporter)
             # Ended by the signal, as the command would have been: a shell stops its script on a
@@ -787,6 +797,18 @@ def _wait_and_run(
         paused_runs_seconds += ended.run_seconds
         earlier = _Earlier.of(earlier, ended.peak)
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
+
+
+def _asks_to_checkpoint(job: Job, signum: int) -> bool:
+    """Is `signum`, taken while `job` waits, the checkpoint signal of a --pausable job?"""
+    if not job.pausable:
+        return False
+    from gpuwait.linux.checkpoint_signal import parse_signal
+
+    try:
+        return parse_signal(job.checkpoint_signal) == signum
+    except ValueError:
+        return False
 
 
 #: What to do where a job would wait behind one that ends only after it.

@@ -412,6 +412,37 @@ def test_a_checkpoint_signal_sent_early_waits_for_the_jobs_handler(
         job.wait()
 
 
+def test_a_checkpoint_signal_while_still_waiting_ends_with_the_resume_status(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """Slurm's warning before the time limit (--signal=B:USR1@N, passed on by the batch script)
+    can come while the job still waits for room: it leaves the queue and exits with the resume
+    status, so that the script requeues it, instead of dying of USR1 and ending the job."""
+    holder = hold_card(gpuwait_cmd, "20G", "30s")
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"], timeout=30)
+    ran = tmp_path / "ran"
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "--pausable", "--vram", "8G", "--", "touch", str(ran)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: [j["state"] for j in ledger_entries()] == ["running", "waiting"], timeout=30
+        )
+        job.send_signal(SIGNAL)
+        stderr = job.communicate(timeout=30)[1]
+        assert job.returncode == 75, stderr
+        assert "asked to checkpoint while still waiting" in stderr
+        assert "Traceback" not in stderr
+        assert not ran.exists()
+        assert [j["state"] for j in ledger_entries()] == ["running"]
+    finally:
+        for proc in (job, holder):
+            proc.kill()
+            proc.wait()
+
+
 def test_a_checkpoint_signal_reaches_a_process_whose_name_is_not_text(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
