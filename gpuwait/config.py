@@ -802,10 +802,16 @@ class Settings(Record):
         return self.state_dir or Path(dirs.user_state_dir())
 
     @property
+    def machine_path(self) -> Path:
+        """This machine's part of the user's state: the state dir, or this machine's directory
+        under it where several machines share it (linux/netfs). What is true of this machine
+        only (the idle holders' evidence) is kept here, wherever `ledger_dir` is."""
+        return netfs.ledger_home(self.state_path)
+
+    @property
     def ledger_path(self) -> Path:
-        """Where the ledger lives: `ledger_dir` when set (maybe shared), else the state dir, or
-        this machine's directory under it where several machines share it (linux/netfs)."""
-        return self.ledger_dir or netfs.ledger_home(self.state_path)
+        """Where the ledger lives: `ledger_dir` when set (maybe shared), else `machine_path`."""
+        return self.ledger_dir or self.machine_path
 
     def fair_share(self) -> FairShare:
         """The fairness policy these settings ask for (an administrator's, from the site file)."""

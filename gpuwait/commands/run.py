@@ -497,4 +497,4 @@ def _idle_watch(settings: Settings) -> IdleWatch | None:
     from gpuwait.commands.status import idle_rule
     from gpuwait.queue.idle import IdleWatch
 
-    return IdleWatch(rule=idle_rule(settings), state_dir=settings.state_path)
+    return IdleWatch(rule=idle_rule(settings), state_dir=settings.machine_path)

@@ -205,7 +205,7 @@ def idle_holders(
     if snapshot is None:
         return []
     running = {j["child_pid"]: j["id"] for j in jobs if j["state"] == RUNNING and j["child_pid"]}
-    return record_reading(settings.state_path, snapshot, idle_rule(settings), running, ignore)
+    return record_reading(settings.machine_path, snapshot, idle_rule(settings), running, ignore)
 
 
 def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers.fixtures_sim import sim_file_text
+from helpers.fixtures_sim import sim_file_text, start_sim_job
+from helpers.waiting import wait_for
 
 from gpuwait.cli import main
 from gpuwait.config import load_settings
@@ -255,3 +256,43 @@ def test_the_machines_directories_are_private(
         assert directory.stat().st_mode & 0o777 == 0o700, directory
     assert (mine / "ledger.json").exists()
     assert not (state / "ledger.json").exists()
+
+
+#: gpuwait as machine `argv[1]` whose home is the NFS mount of the table `argv[2]` says.
+AS_MACHINE = (
+    "import os, sys, types, gpuwait.linux.netfs as n; name = sys.argv.pop(1); "
+    "os.uname = lambda: types.SimpleNamespace(nodename=name); n.MOUNTINFO = sys.argv.pop(1); "
+    "from gpuwait.cli import entry_point; entry_point()"
+)
+
+
+def test_a_machine_sharing_the_home_does_not_reset_another_machines_idle_holders(
+    tmp_path: Path, isolated_dirs: Path, sim_file: Any, sim_jobs: list[Any]
+) -> None:
+    """Machine A watches a process forgotten on its quiet GPU; machine B, sharing the home,
+    reads its own GPUs meanwhile (its `status`, `idle` or a waiter's reading). B's reading
+    must not wipe what A has seen: A names the process once idle_after has passed."""
+    table = str(nfs_table(tmp_path, isolated_dirs))
+    sim_a = sim_file(gpus=1, utilization=0, file=tmp_path / "sim-a.toml")
+    sim_b = sim_file(gpus=1, utilization=0, file=tmp_path / "sim-b.toml")
+    forgotten = start_sim_job("--vram", "3G", "--hold", "60s", env={"GPUWAIT_SIM": str(sim_a)})
+    sim_jobs.append(forgotten)
+
+    def idle(machine: str, sim: Path) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-c", AS_MACHINE, machine, table, "idle", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "GPUWAIT_SIM": str(sim), "GPUWAIT_IDLE_AFTER": "1s"},
+        )
+        assert done.returncode == 0, done.stderr
+        found: dict[str, Any] = json.loads(done.stdout)
+        return found
+
+    wait_for(lambda: [h["pid"] for h in idle("gpu-a", sim_a)["watching"]] == [forgotten.pid])
+    seen = time.monotonic()
+    on_b = idle("gpu-b", sim_b)
+    assert (on_b["idle"], on_b["watching"]) == ([], [])
+    time.sleep(max(0.0, 1.1 - (time.monotonic() - seen)))
+    assert [h["pid"] for h in idle("gpu-a", sim_a)["idle"]] == [forgotten.pid]
