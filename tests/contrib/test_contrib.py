@@ -24,6 +24,7 @@ import pytest
 from conftest import REPO
 from helpers import docs
 from helpers.fixtures_sim import hold_card
+from helpers.processes import can_unshare
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.waiting import ledger_entries, wait_for
 
@@ -256,11 +257,18 @@ def cron_home(tmp_path: Path) -> Path:
     return home
 
 
-def cron_run(line: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run a crontab command line in cron's bare environment: `env -i`, no terminal."""
-    assignments = [f"{k}={v}" for k, v in env.items()]
+def cron_argv(line: str, env: dict[str, str]) -> list[str]:
+    """A crontab command line as cron runs it: in a bare environment (`env -i`)."""
+    return ["env", "-i", *[f"{k}={v}" for k, v in env.items()], "/bin/sh", "-c", line]
+
+
+def cron_run(
+    line: str, env: dict[str, str], machine: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a crontab command line in cron's bare environment, with no terminal; `machine`: what
+    to start it with (another machine's namespaces)."""
     return subprocess.run(
-        ["env", "-i", *assignments, "/bin/sh", "-c", line],
+        [*(machine or []), *cron_argv(line, env)],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -352,11 +360,10 @@ def test_cron_wrapper_gives_up_after_timeout_and_says_so(
         assert "gave up after waiting" in log and "exit status 124" in log
         # A run of the same name while one is going is skipped, not stacked.
         (cron_home / ".local" / "state" / "gpuwait" / "cron").mkdir(parents=True, exist_ok=True)
-        blocker = subprocess.Popen(
-            ["flock", str(cron_home / ".local/state/gpuwait/cron/late.lock"), "sleep", "30"]
-        )
+        # The lock is this machine's (another's, sharing the home, has one of its own).
+        lock = cron_home / f".local/state/gpuwait/cron/late@{os.uname().nodename}.lock"
+        blocker = subprocess.Popen(["flock", str(lock), "sleep", "30"])
         try:
-            lock = cron_home / ".local/state/gpuwait/cron/late.lock"
             # flock(1) creates the file before it takes the lock: wait for the lock itself.
             wait_for(lambda: flock_held(lock), timeout=30, message=f"{lock} was never locked")
             done = cron_run(line, env)
@@ -386,6 +393,39 @@ def test_cron_wrapper_is_not_kept_locked_by_what_a_finished_run_left_running(
     finally:
         if pid_file.exists():
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(not can_unshare(), reason="needs root and unshare(1) for a host name")
+def test_cron_runs_of_one_name_on_two_machines_sharing_the_home_do_not_skip_each_other(
+    cron_home: Path, sim_file: Any, tmp_path: Path, procs: Any
+) -> None:
+    # The same crontab on two machines that share the home directory (and with it the cron
+    # logs' directory): each machine's run is its own, on its own GPUs. Both start at 03:00;
+    # machine B's must not be skipped as if machine A's were its own previous run.
+    sim_file(gpus=1)
+    env = cron_env(cron_home)
+    go = tmp_path / "go"
+    wait_go = f"while [ ! -e {go} ]; do sleep 0.05; done"
+    a = procs(
+        cron_argv(f"$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- sh -c '{wait_go}'", env)
+    )
+    log = cron_home / ".local" / "state" / "gpuwait" / "cron" / "nightly.log"
+    wait_for(lambda: log.exists() and "nightly: start:" in log.read_text(), timeout=30)
+    other = ["unshare", "--uts", "/bin/sh", "-c", 'hostname gpu-b && exec "$@"', "-"]
+    b = cron_run("$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- true", env, machine=other)
+    assert b.returncode == 0, b.stderr
+    go.touch()
+    assert a.wait(timeout=60) == 0
+    # On one machine, a run still going makes the next one skip, as ever.
+    go.unlink()
+    a = procs(
+        cron_argv(f"$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- sh -c '{wait_go}'", env)
+    )
+    wait_for(lambda: log.read_text().count("nightly: start:") == 3, timeout=30)
+    again = cron_run("$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- true", env)
+    assert again.returncode == 75 and "still going" in again.stderr
+    go.touch()
+    assert a.wait(timeout=60) == 0
 
 
 def test_cron_wrapper_usage_errors(cron_home: Path) -> None:

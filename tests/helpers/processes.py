@@ -19,6 +19,17 @@ from typing import Any
 import pytest
 
 
+def can_unshare() -> bool:
+    """Whether processes can be started in namespaces of their own (root and unshare(1)): a
+    host name and pids of their own, as on another machine."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(
+        ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    )
+    return done.returncode == 0
+
+
 @pytest.fixture
 def procs() -> Iterator[Callable[..., subprocess.Popen[Any]]]:
     """start(argv, **popen) -> a running process (text mode, stdout and stderr piped unless

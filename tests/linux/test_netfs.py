@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import sim_file_text, start_sim_job
+from helpers.processes import can_unshare
 from helpers.waiting import wait_for
 
 from gpuwait.cli import main
@@ -169,16 +170,7 @@ MACHINE_B = textwrap.dedent(
 )
 
 
-def _can_unshare() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    done = subprocess.run(
-        ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
-    )
-    return done.returncode == 0
-
-
-@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare(1) for namespaces")
+@pytest.mark.skipif(not can_unshare(), reason="needs root and unshare(1) for namespaces")
 def test_a_machine_sharing_the_home_never_takes_away_another_machines_reservation(
     tmp_path: Path, isolated_dirs: Path, procs: Any
 ) -> None:
