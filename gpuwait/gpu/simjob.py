@@ -236,6 +236,8 @@ def _error(line: str) -> None:
 #: What CUDA says where the card's compute mode keeps the process out: prohibited, or
 #: exclusive-process with another process on it already.
 CUDA_BUSY = "CUDA error: all CUDA-capable devices are busy or unavailable"
+#: What CUDA says on a card that failed (fallen off the bus: NVML's "GPU is lost").
+CUDA_LOST = "CUDA error: unspecified launch failure"
 
 
 class _Job:
@@ -266,7 +268,7 @@ class _Job:
             return "CUDA error: no CUDA-capable device is detected"
         self.gpu = visible[0]
         if self.gpu.lost:
-            return "CUDA error: unspecified launch failure"
+            return CUDA_LOST
         if self.gpu.compute_mode == COMPUTE_PROHIBITED:
             return CUDA_BUSY
         self.cap, self.cap_by = _cap(self.framework, self.gpu, os.environ)
@@ -302,6 +304,13 @@ class _Job:
             return True  # inside the pool JAX holds already
         # Signals wait until the record and the lock are consistent again.
         with _signals_blocked(), sim_lock(self.config) as directory:
+            gpu = self._card_now(gpu)
+            if gpu is None:
+                # Lost (or taken out of the file) since: every CUDA call there fails.
+                _error(CUDA_LOST)
+                remove_allocation(directory, self.pid)
+                self.allocated = 0
+                return False
             others = [
                 a
                 for a in live_allocations(self.config, prune=True)
@@ -321,6 +330,18 @@ class _Job:
             self.allocated = target
             self.peak = max(self.peak, target)
         return True
+
+    def _card_now(self, gpu: SimGpu) -> SimGpu | None:
+        """The job's card as the file describes it now (gpuwait reads it so at every reading:
+        memory resized, taken by others, lost); None where it is lost or gone. A file caught
+        half-saved, or broken since, leaves the card as it was: CUDA never reads that file."""
+        with contextlib.suppress(BackendUnavailable):
+            self.config = load_sim_file(self.config.path)
+        now = next((g for g in self.config.gpus if g.uuid == gpu.uuid), None)
+        if now is None or now.lost:
+            return None
+        self.gpu = now
+        return now
 
     def _oom_message(self, gpu: SimGpu, target: int, others: list[Allocation]) -> str:
         used = gpu.base_used + sum(a.bytes for a in others) + self.allocated

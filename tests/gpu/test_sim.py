@@ -521,3 +521,34 @@ def test_sim_module_has_no_stdout_noise() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout == "[]\n"
+
+
+# --- the file edited while jobs run ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ({"base_used": "24GiB"}, "torch.OutOfMemoryError: CUDA out of memory."),
+        ({"memory": "1MiB"}, "torch.OutOfMemoryError: CUDA out of memory."),
+        ({"lost": True}, "CUDA error: unspecified launch failure"),
+    ],
+)
+def test_a_growing_job_meets_the_card_as_the_file_now_describes_it(
+    sim_file: SimFileFactory, edit: dict[str, object], said: str
+) -> None:
+    """The file is read again at every reading, so what gpuwait shows is the card as edited:
+    a job still growing there gets what such a card gives (no room, or a failed card), never
+    more memory than the card now has."""
+    path = sim_file(gpus=1, memory="24GiB")
+    job = start_sim_job("--vram", "20G", "--ramp", "60s", "--hold", "0")
+    try:
+        wait_for(lambda: gpu_used(path, 0) > 0 or job.poll() is not None, timeout=15)
+        sim_file(gpus=1, **{"memory": "24GiB", **edit})
+        rc, out, err = finish(job, timeout=10)
+    finally:
+        job.kill()
+        job.communicate()
+    assert (rc, out) == (1, ""), err
+    assert err.startswith(said), err
+    assert os.listdir(state_dir_for(path)) == ["lock"]
