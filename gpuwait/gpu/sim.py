@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -246,14 +247,30 @@ def _parse_gpus(data: dict[str, Any], path: str) -> tuple[SimGpu, ...]:
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise _Invalid("'gpu' must be an array of tables ([[gpu]])")
     gpus = tuple(_parse_gpu(index, table, path) for index, table in enumerate(tables))
-    seen: dict[str, int] = {}
-    for gpu in gpus:
-        if gpu.uuid in seen:
-            raise _Invalid(
-                f"gpu {gpu.index}: uuid {gpu.uuid!r} is also used by gpu {seen[gpu.uuid]}"
-            )
-        seen[gpu.uuid] = gpu.index
+    _check_uuids(gpus)
     return gpus
+
+
+def _check_uuids(gpus: Sequence[SimGpu]) -> None:
+    """Each card's UUID names it alone, also as CUDA_VISIBLE_DEVICES and --devices read one
+    (case aside, or a prefix): real UUIDs, all of one length, never begin one another."""
+    # Sorted, a UUID that begins others comes just before one of them.
+    ordered = sorted(gpus, key=lambda g: (g.uuid.lower(), g.index))
+    for first, second in itertools.pairwise(ordered):
+        if not second.uuid.lower().startswith(first.uuid.lower()):
+            continue
+        if first.uuid == second.uuid:
+            raise _Invalid(
+                f"gpu {second.index}: uuid {second.uuid!r} is also used by gpu {first.index}"
+            )
+        later, earlier = sorted((first, second), key=lambda g: -g.index)
+        how = "begins with" if later is second else "is how"
+        tail = "" if later is second else " begins"
+        raise _Invalid(
+            f"gpu {later.index}: uuid {later.uuid!r} {how} gpu {earlier.index}'s "
+            f"{earlier.uuid!r}{tail}, so a CUDA_VISIBLE_DEVICES naming "
+            f"{first.uuid!r} names both; give each card a UUID no other begins with"
+        )
 
 
 def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:

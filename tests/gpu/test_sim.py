@@ -377,6 +377,14 @@ def test_lost_gpu_is_skipped_then_back(sim_file: SimFileFactory) -> None:
             f"[[gpu]]\nmemory = '1G'\nuuid = '{UUID_A}'\n" * 2,
             f"gpu 1: uuid '{UUID_A}' is also used by gpu 0",
         ),
+        (
+            "[[gpu]]\nmemory = '1G'\nuuid = 'GPU-1'\n[[gpu]]\nmemory = '1G'\nuuid = 'GPU-10'\n",
+            "gpu 1: uuid 'GPU-10' begins with gpu 0's 'GPU-1'",
+        ),
+        (
+            "[[gpu]]\nmemory = '1G'\nuuid = 'GPU-ab'\n[[gpu]]\nmemory = '1G'\nuuid = 'GPU-AB'\n",
+            "gpu 1: uuid 'GPU-AB' begins with gpu 0's 'GPU-ab'",
+        ),
         ("", "no [[gpu]] tables"),
         ("gpus = 2\n", "unknown top-level key 'gpus'"),
         ("gpu = 3\n", "'gpu' must be an array of tables"),
