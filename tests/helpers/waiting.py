@@ -45,13 +45,15 @@ def wait_for(
 
 #: Syscall numbers, for kernels whose /proc/PID/wchan names no function (no kallsyms).
 _SYSCALLS = {
-    "x86_64": {"sigtimedwait": (128,), "nanosleep": (35, 230)},
-    "aarch64": {"sigtimedwait": (137,), "nanosleep": (101, 115)},
+    "x86_64": {"sigtimedwait": (128,), "nanosleep": (35, 230), "flock": (73,)},
+    "aarch64": {"sigtimedwait": (137,), "nanosleep": (101, 115), "flock": (32,)},
 }
+#: What /proc/PID/wchan names for a call whose kernel function is not called after it.
+_WCHAN = {"flock": ("flock", "lock_inode_wait")}
 
 
 def sleeping_in(pid: int, call: str) -> bool:
-    """Process `pid` is blocked in the system call `call` ("sigtimedwait", "nanosleep").
+    """Process `pid` is blocked in the system call `call` ("sigtimedwait", "nanosleep", "flock").
 
     Read from /proc/PID/wchan, the kernel function it sleeps in (e.g. do_sigtimedwait). That
     says "0" for a process that runs, and also where the kernel cannot name functions: then the
@@ -62,7 +64,7 @@ def sleeping_in(pid: int, call: str) -> bool:
     except OSError:
         return False
     if wchan not in ("", "0"):
-        return call in wchan
+        return any(name in wchan for name in _WCHAN.get(call, (call,)))
     numbers = _SYSCALLS.get(platform.machine(), {}).get(call, ())
     try:
         fields = Path(f"/proc/{pid}/syscall").read_text().split()

@@ -15,8 +15,20 @@ from typing import Any
 
 import pytest
 from conftest import REPO
-from helpers.fixtures_sim import hold_card, wrapped_sim_job
-from helpers.waiting import ledger_entries, wait_for
+from helpers.fixtures_sim import hold_card, start_sim_job, wrapped_sim_job
+from helpers.waiting import ledger_entries, sleeping_in, wait_for
+
+from gpuwait.gpu.sim import (
+    Allocation,
+    live_allocations,
+    load_sim_file,
+    sim_lock,
+    state_dir_for,
+    write_allocation,
+)
+from gpuwait.linux import proc
+
+GiB = 2**30
 
 FAKE_TOOL = REPO / "tests" / "helpers" / "fake_cuda_checkpoint" / "cuda-checkpoint"
 #: pause_min_runtime here: a job younger than this is never asked to step aside.
@@ -270,6 +282,41 @@ def test_the_stand_in_keeps_the_drivers_state_machine(one_card: Path, tmp_path: 
     finally:
         sleeper.kill()
         sleeper.wait(timeout=30)
+
+
+def test_the_stand_in_restores_under_the_simulations_lock(one_card: Path) -> None:
+    """As the driver's, the stand-in's restore and another process's allocation at the same
+    instant cannot both succeed on a card too small for the two: one runs out of memory."""
+    job = start_sim_job("--vram", "16G", "--hold", "60s")
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        record = state_dir_for(one_card) / f"{job.pid}.json"
+        wait_for(record.exists, timeout=30, message=lambda: f"{job.poll()} {job.stderr}")
+        for action in ("lock", "checkpoint"):
+            done = subprocess.run(["cuda-checkpoint", "--action", action, "--pid", str(job.pid)])
+            assert done.returncode == 0
+        config = load_sim_file(one_card)
+        with sim_lock(config) as directory:  # as a job deciding on an allocation holds it
+            restore = subprocess.Popen(
+                ["cuda-checkpoint", "--action", "restore", "--pid", str(job.pid)],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            wait_for(lambda: restore.poll() is not None or sleeping_in(restore.pid, "flock"))
+            started = proc.start_time(other.pid)
+            assert started is not None
+            # The allocation decided under the lock: the card's room goes to it.
+            write_allocation(
+                directory, Allocation(other.pid, started, config.gpus[0].uuid, 16 * GiB)
+            )
+        _, err = restore.communicate(timeout=30)
+        assert restore.returncode == 1 and "CUDA_ERROR_OUT_OF_MEMORY" in err, err
+        used = sum(a.bytes for a in live_allocations(config))
+        assert used == 16 * GiB
+    finally:
+        reap(job)
+        other.kill()
+        other.wait(timeout=30)
 
 
 def frozen_low_job(
