@@ -344,6 +344,9 @@ class _Job:
         return now
 
     def _oom_message(self, gpu: SimGpu, target: int, others: list[Allocation]) -> str:
+        said = self._framework_oom(target - self.allocated, "")
+        if said is not None:
+            return said
         used = gpu.base_used + sum(a.bytes for a in others) + self.allocated
         free = max(0, gpu.total_bytes - used)
         parts = [
@@ -360,15 +363,23 @@ class _Job:
         )
         return " ".join(parts)
 
-    def _cap_message(self, gpu: SimGpu, target: int, cap: int) -> str:
-        wanted = target - self.allocated
+    def _framework_oom(self, wanted: int, why: str) -> str | None:
+        """JAX's or the CUDA runtime's out-of-memory error for `wanted` more bytes (`why`: what
+        refused them, " (...)"); None for PyTorch, whose message says more."""
         if self.framework == "jax":
             return (
                 "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
-                f"trying to allocate {wanted} bytes ({self.cap_by})."
+                f"trying to allocate {wanted} bytes{why}."
             )
         if self.framework == "cuda":
-            return f"CUDA error: out of memory ({self.cap_by})"
+            return f"CUDA error: out of memory{why}"
+        return None
+
+    def _cap_message(self, gpu: SimGpu, target: int, cap: int) -> str:
+        wanted = target - self.allocated
+        said = self._framework_oom(wanted, f" ({self.cap_by})")
+        if said is not None:
+            return said
         return (
             "torch.OutOfMemoryError: CUDA out of memory. "
             f"Tried to allocate {torch_size(wanted)}. "

@@ -560,3 +560,27 @@ def test_a_growing_job_meets_the_card_as_the_file_now_describes_it(
     assert (rc, out) == (1, ""), err
     assert err.startswith(said), err
     assert os.listdir(state_dir_for(path)) == ["lock"]
+
+
+@pytest.mark.parametrize(
+    ("framework", "said"),
+    [
+        ("torch", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB. "),
+        (
+            "jax",
+            "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+            f"trying to allocate {6 * GiB} bytes.\n",
+        ),
+        ("cuda", "CUDA error: out of memory\n"),
+    ],
+)
+def test_a_full_card_fails_a_job_with_its_frameworks_error(
+    sim_file: SimFileFactory, framework: str, said: str
+) -> None:
+    sim_file(gpus=1, memory="24GiB", base_used="20GiB")
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    rc, out, err = finish(
+        start_sim_job("--framework", framework, "--vram", "6G", "--hold", "0", env=env)
+    )
+    assert (rc, out) == (1, ""), err
+    assert err.startswith(said), err
