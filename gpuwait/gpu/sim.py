@@ -587,6 +587,24 @@ def remove_allocation(directory: Path, pid: int) -> None:
         _record_path(directory, pid).unlink()
 
 
+def checkpoint_holds(directory: Path, pid: int, start_time: int) -> bool:
+    """cuda-checkpoint holds the simulated process locked (or checkpointed), so that, as the
+    driver blocks such a process's CUDA calls until it is unlocked, it allocates nothing.
+
+    The stand-in of a clone (tests/helpers/fake_cuda_checkpoint) keeps the driver's state of a
+    process here, in `checkpoint.<pid>.state` ("<state> <start time>"), written under the
+    simulation's lock; only this user's (or root's) counts.
+    """
+    try:
+        raw = read_state_file(directory / f"checkpoint.{pid}.state", MAX_RECORD_BYTES, mine())
+    except OSError:
+        return False
+    if raw is None:
+        return False
+    state, _, since = raw.decode("ascii", errors="replace").strip().partition(" ")
+    return state in ("locked", "checkpointed") and since == str(start_time)
+
+
 def _parse_record(raw: bytes, pid: int) -> Allocation | None:
     try:
         data = json.loads(raw)

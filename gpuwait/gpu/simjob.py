@@ -40,6 +40,7 @@ from gpuwait.gpu.sim import (
     Allocation,
     SimConfig,
     SimGpu,
+    checkpoint_holds,
     cuda_visible_gpus,
     ensure_state_dir,
     live_allocations,
@@ -302,33 +303,42 @@ class _Job:
             return False
         if target <= self.allocated and self.allocated == self.pool:
             return True  # inside the pool JAX holds already
-        # Signals wait until the record and the lock are consistent again.
-        with _signals_blocked(), sim_lock(self.config) as directory:
-            gpu = self._card_now(gpu)
-            if gpu is None:
-                # Lost (or taken out of the file) since: every CUDA call there fails.
-                _error(CUDA_LOST)
-                remove_allocation(directory, self.pid)
-                self.allocated = 0
-                return False
-            others = [
-                a
-                for a in live_allocations(self.config, prune=True)
-                if a.gpu_uuid == gpu.uuid and a.pid != self.pid
-            ]
-            if gpu.compute_mode == COMPUTE_EXCLUSIVE_PROCESS and others and not self.allocated:
-                # The card takes one process at a time, and another holds it already.
-                _error(CUDA_BUSY)
-                return False
-            if gpu.base_used + sum(a.bytes for a in others) + target > gpu.total_bytes:
-                _error(self._oom_message(gpu, target, others))
-                remove_allocation(directory, self.pid)
-                self.allocated = 0
-                self.oom = True
-                return False
-            write_allocation(directory, Allocation(self.pid, self.start_time, gpu.uuid, target))
-            self.allocated = target
-            self.peak = max(self.peak, target)
+        while True:
+            # Signals wait until the record and the lock are consistent again.
+            with _signals_blocked(), sim_lock(self.config) as directory:
+                if not checkpoint_holds(directory, self.pid, self.start_time):
+                    return self._grow_locked(directory, gpu, target)
+            # Locked by cuda-checkpoint: as the driver blocks a locked process's CUDA calls,
+            # it waits for the unlock (a signal still ends it).
+            time.sleep(RAMP_STEP_S)
+
+    def _grow_locked(self, directory: Path, was: SimGpu, target: int) -> bool:
+        """`_grow` under the simulation's lock."""
+        gpu = self._card_now(was)
+        if gpu is None:
+            # Lost (or taken out of the file) since: every CUDA call there fails.
+            _error(CUDA_LOST)
+            remove_allocation(directory, self.pid)
+            self.allocated = 0
+            return False
+        others = [
+            a
+            for a in live_allocations(self.config, prune=True)
+            if a.gpu_uuid == gpu.uuid and a.pid != self.pid
+        ]
+        if gpu.compute_mode == COMPUTE_EXCLUSIVE_PROCESS and others and not self.allocated:
+            # The card takes one process at a time, and another holds it already.
+            _error(CUDA_BUSY)
+            return False
+        if gpu.base_used + sum(a.bytes for a in others) + target > gpu.total_bytes:
+            _error(self._oom_message(gpu, target, others))
+            remove_allocation(directory, self.pid)
+            self.allocated = 0
+            self.oom = True
+            return False
+        write_allocation(directory, Allocation(self.pid, self.start_time, gpu.uuid, target))
+        self.allocated = target
+        self.peak = max(self.peak, target)
         return True
 
     def _card_now(self, gpu: SimGpu) -> SimGpu | None:

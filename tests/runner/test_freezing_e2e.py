@@ -319,6 +319,41 @@ def test_the_stand_in_restores_under_the_simulations_lock(one_card: Path) -> Non
         other.wait(timeout=30)
 
 
+def test_a_job_the_stand_in_locked_allocates_nothing_until_unlocked(
+    one_card: Path, tmp_path: Path
+) -> None:
+    """As the driver blocks a locked process's CUDA calls, a simulated job locked by the stand-in
+    grows no more, so its memory moved to host memory stays off the card, and no stop sent
+    then can catch it holding the simulation's lock; unlocked, it grows to its full size."""
+    report = tmp_path / "report.json"
+    job = start_sim_job("--vram", "8G", "--ramp", "0.6s", "--hold", "0", "--report", str(report))
+    try:
+        record = state_dir_for(one_card) / f"{job.pid}.json"
+        wait_for(record.exists, timeout=30, message=lambda: f"{job.poll()} {job.stderr}")
+
+        def tool(action: str) -> None:
+            done = subprocess.run(["cuda-checkpoint", "--action", action, "--pid", str(job.pid)])
+            assert done.returncode == 0
+
+        tool("lock")
+        tool("checkpoint")
+        config = load_sim_file(one_card)
+        deadline = time.monotonic() + 0.8  # past the end of its ramp
+        while time.monotonic() < deadline:
+            assert not record.exists(), "a locked job went on allocating"
+            assert job.poll() is None
+            with sim_lock(config):  # never held by the locked job
+                pass
+            time.sleep(0.02)
+        tool("restore")
+        tool("unlock")
+        _, err = job.communicate(timeout=30)
+    finally:
+        reap(job)
+    assert job.returncode == 0, err
+    assert json.loads(report.read_text())["peak_bytes"] == 8 * GiB
+
+
 def frozen_low_job(
     gpuwait_cmd: list[str],
     tmp_path: Path,
