@@ -83,6 +83,7 @@ _GPU_KEYS = frozenset(
         "uuid",
         "speed",
         "base_used",
+        "driver_reserved",
         "lost",
         "utilization",
         "compute_capability",
@@ -112,6 +113,13 @@ class SimGpu(Record, frozen=True):
     per_process: bool = True
     #: "default", "exclusive-process" (one process at a time) or "prohibited" (none).
     compute_mode: str = COMPUTE_DEFAULT
+    #: Memory the driver keeps for itself (NVML v2's "reserved"): used, but by no process.
+    driver_reserved: int = 0
+
+    @property
+    def held_by_none(self) -> int:
+        """Used memory no simulated process holds: the driver's own and `base_used`."""
+        return self.base_used + self.driver_reserved
 
 
 class SimConfig(Record, frozen=True):
@@ -286,6 +294,9 @@ def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
         base_used = _size(table, "base_used", 0)
         if base_used > total:
             raise _Invalid("base_used is larger than memory")
+        driver_reserved = _size(table, "driver_reserved", 0)
+        if base_used + driver_reserved > total:
+            raise _Invalid("base_used and driver_reserved together are larger than memory")
         return SimGpu(
             index=index,
             uuid=_uuid(table, path, index),
@@ -298,6 +309,7 @@ def _parse_gpu(index: int, table: dict[str, Any], path: str) -> SimGpu:
             compute_capability=_compute_capability(table),
             per_process=_bool(table, "per_process", default=True),
             compute_mode=_compute_mode(table),
+            driver_reserved=driver_reserved,
         )
     except _Invalid as exc:
         raise _Invalid(f"gpu {index}: {exc}") from None
@@ -421,11 +433,13 @@ def _sim_file_text(gpus: int, memory_bytes: int, name: str, speeds: Sequence[flo
         "# Each [[gpu]] is one simulated card, in PCI order: its NVML index is its position.",
         '# Keys: name, memory (required; "24GiB" or bytes), uuid (default derived from this',
         "# file's path and the position), speed (CUDA's default FASTEST_FIRST order sorts by it,",
-        "# descending), base_used (memory held by no process, e.g. a desktop), lost (true: the",
-        "# card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent), compute_capability",
-        '# (e.g. "8.0"), per_process (false: processes are listed without memory figures, as NVML',
-        '# does inside containers), compute_mode ("default", "exclusive-process": one process at a',
-        '# time, as `nvidia-smi -c 3` sets; "prohibited": none).',
+        "# descending), base_used (memory held by no process, e.g. a desktop), driver_reserved",
+        '# (what the driver keeps for itself, NVML\'s "reserved", a few hundred MiB from R510 on),',
+        "# lost (true: the card answers like NVML_ERROR_GPU_IS_LOST), utilization (percent),",
+        '# compute_capability (e.g. "8.0"), per_process (false: processes are listed without',
+        '# memory figures, as NVML does inside containers), compute_mode ("default",',
+        '# "exclusive-process": one process at a time, as `nvidia-smi -c 3` sets; "prohibited":',
+        "# none).",
         "# The file is read again on every reading, so it may be edited while jobs run.",
     ]
     if gpus == 0:
@@ -732,7 +746,8 @@ def _gpu_snapshot(gpu: SimGpu, allocations: list[Allocation]) -> GpuSnapshot:
         uuid=gpu.uuid,
         name=gpu.name,
         total_bytes=gpu.total_bytes,
-        used_bytes=gpu.base_used + sum(a.bytes for a in mine),
+        used_bytes=gpu.held_by_none + sum(a.bytes for a in mine),
+        driver_bytes=gpu.driver_reserved,
         processes=processes,
         utilization_pct=gpu.utilization,
         compute_capability=gpu.compute_capability,

@@ -330,7 +330,7 @@ class _Job:
             # The card takes one process at a time, and another holds it already.
             _error(CUDA_BUSY)
             return False
-        if gpu.base_used + sum(a.bytes for a in others) + target > gpu.total_bytes:
+        if gpu.held_by_none + sum(a.bytes for a in others) + target > gpu.total_bytes:
             _error(self._oom_message(gpu, target, others))
             remove_allocation(directory, self.pid)
             self.allocated = 0
@@ -357,7 +357,7 @@ class _Job:
         said = self._framework_oom(target - self.allocated, "")
         if said is not None:
             return said
-        used = gpu.base_used + sum(a.bytes for a in others) + self.allocated
+        used = gpu.held_by_none + sum(a.bytes for a in others) + self.allocated
         free = max(0, gpu.total_bytes - used)
         parts = [
             "torch.OutOfMemoryError: CUDA out of memory.",
@@ -394,7 +394,7 @@ class _Job:
             "torch.OutOfMemoryError: CUDA out of memory. "
             f"Tried to allocate {torch_size(wanted)}. "
             f"GPU 0 has a total capacity of {torch_size(gpu.total_bytes)} "
-            f"of which {torch_size(max(0, gpu.total_bytes - gpu.base_used - self.allocated))} "
+            f"of which {torch_size(max(0, gpu.total_bytes - gpu.held_by_none - self.allocated))} "
             f"is free. Of the allocated memory {torch_size(self.allocated)} is allocated by "
             f"PyTorch, and this process is limited to {torch_size(cap)} ({self.cap_by})."
         )

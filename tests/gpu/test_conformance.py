@@ -33,6 +33,7 @@ def test_same_machine_same_snapshot(
     uuids = ["GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"]
     totals = [24 * GIB, 80 * GIB]
     base = [300 * 2**20, 0]
+    driver = [0, 512 * 2**20]  # what the driver keeps for itself (NVML v2's "reserved")
     usage = [
         (0, sleepers[0].pid, 3 * GIB),
         (0, sleepers[1].pid, 5 * GIB),
@@ -43,7 +44,7 @@ def test_same_machine_same_snapshot(
     sim_path.write_text(
         "".join(
             f'[[gpu]]\nname = "Same GPU"\nmemory = {totals[i]}\nuuid = "{uuids[i]}"\n'
-            f"base_used = {base[i]}\n"
+            f"base_used = {base[i]}\ndriver_reserved = {driver[i]}\n"
             for i in range(2)
         )
     )
@@ -59,6 +60,7 @@ def test_same_machine_same_snapshot(
             FakeGpu(
                 total=totals[i],
                 used=base[i] + sum(b for g, _, b in usage if g == i),
+                reserved=driver[i],
                 name="Same GPU",
                 uuid=uuids[i],
                 util=None,
@@ -84,6 +86,7 @@ def test_same_machine_same_snapshot(
                 g.name,
                 g.total_bytes,
                 g.used_bytes,
+                g.driver_bytes,
                 sorted((p.pid, p.used_bytes) for p in g.processes),
             )  # type: ignore[attr-defined]
             for g in gpus

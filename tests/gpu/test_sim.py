@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -367,6 +368,10 @@ def test_lost_gpu_is_skipped_then_back(sim_file: SimFileFactory) -> None:
         ("[[gpu]]\nmemory = true\n", "gpu 0: memory must be a size"),
         ("[[gpu]]\nmemory = '1G'\nbase_used = '2G'\n", "base_used is larger than memory"),
         ("[[gpu]]\nmemory = '1G'\nmemroy = 1\n", "gpu 0: unknown key 'memroy'"),
+        (
+            "[[gpu]]\nmemory = '1G'\nbase_used = '0.5G'\ndriver_reserved = '0.6G'\n",
+            "gpu 0: base_used and driver_reserved together are larger than memory",
+        ),
         ("[[gpu]]\nmemory = '1G'\nspeed = 0\n", "gpu 0: speed 0 must be a number above zero"),
         ("[[gpu]]\nmemory = '1G'\nlost = 'yes'\n", "gpu 0: lost must be true or false"),
         ("[[gpu]]\nmemory = '1G'\nutilization = 150\n", "utilization 150 must be an integer"),
@@ -584,3 +589,19 @@ def test_a_full_card_fails_a_job_with_its_frameworks_error(
     )
     assert (rc, out) == (1, ""), err
     assert err.startswith(said), err
+
+
+def test_memory_the_driver_keeps_is_used_by_no_process(
+    sim_file: SimFileFactory, run_gpuwait: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    """As NVML's v2 memory reading splits it out (drivers from R510 on), the driver's own memory
+    is part of the card's used memory, room no job gets, but no process's: gpuwait shows it
+    apart from `extern`, and a card that holds nothing else is idle for a whole-GPU job."""
+    sim_file(gpus=1, memory="8GiB", driver_reserved="1GiB")
+    (gpu,) = json.loads(run_gpuwait("status", "--json").stdout)["gpus"]
+    assert (gpu["used_bytes"], gpu["driver_bytes"]) == (GiB, GiB)
+    assert "the NVIDIA driver keeps 1.0G of the GPU" in run_gpuwait("status").stdout
+    done = run_gpuwait("--timeout", "5s", "--", "true")  # no --vram: a whole GPU
+    assert done.returncode == 0, done.stderr
+    rc, _, err = finish(start_sim_job("--vram", "7.5G", "--hold", "0"))
+    assert rc == 1 and "CUDA out of memory" in err, err
