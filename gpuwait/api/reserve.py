@@ -113,23 +113,28 @@ class Reservation:
     def _give_back(self, returncode: int | None, out_of_memory: bool) -> None:
         """`release`, recording the run as ended with `returncode` (< 0: killed by that signal;
         None: the status is unknown, which counts as no success)."""
-        global _held
         holding = self._holding
         if holding is None or holding.released or os.getpid() != holding.pid:
             return
         try:
             holding.release(returncode, out_of_memory)
         finally:
-            for name, value in self._before.items():
-                if os.environ.get(name) != self._given[name]:
-                    continue  # changed since: the process's own now
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            with _held_lock:
-                if _held is self:
-                    _held = None
+            self._put_back()
+
+    def _put_back(self) -> None:
+        """os.environ as it was before the reservation (for the variables the process has not
+        changed since), and this process holding none."""
+        global _held
+        for name, value in self._before.items():
+            if os.environ.get(name) != self._given[name]:
+                continue  # changed since: the process's own now
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        with _held_lock:
+            if _held is self:
+                _held = None
 
     def __enter__(self) -> Reservation:
         if self._holding is not None and self._holding.released:
@@ -448,18 +453,26 @@ def _reserve(options: argparse.Namespace, reporter: Reporter) -> Reservation:
         raise ReserveError(exc.message, exc.hint, exc.exit_code) from None
     if holding is None:
         return Reservation(None)
-    env = holding.env
-    reservation = Reservation(holding, env)
-    os.environ.update(env)
-    with _held_lock:
-        _held = reservation
-        _ending.watch()
-        if not _exit_hook:
-            # A reservation still held when the interpreter exits is released and recorded;
-            # one whose process dies otherwise is reaped by the next gpuwait.
-            atexit.register(_release_at_exit)
-            _exit_hook = True
-    return reservation
+    reservation: Reservation | None = None
+    try:
+        env = holding.env
+        reservation = Reservation(holding, env)
+        os.environ.update(env)
+        with _held_lock:
+            _held = reservation
+            _ending.watch()
+            if not _exit_hook:
+                # A reservation still held when the interpreter exits is released and
+                # recorded; one whose process dies otherwise is reaped by the next gpuwait.
+                atexit.register(_release_at_exit)
+                _exit_hook = True
+        return reservation
+    except BaseException:
+        # A Ctrl-C before the caller got it: nobody could release it, so it is given back.
+        holding.abandon()
+        if reservation is not None:
+            reservation._put_back()
+        raise
 
 
 def _release_at_exit() -> None:

@@ -133,6 +133,28 @@ class Holding:
         wanted.update(self.budget.env)
         return wanted
 
+    def _stop_holding(self) -> bool:
+        """Mark it released and stop the sampling; False where this process does not hold it
+        (a forked child) or it was released already."""
+        if os.getpid() != self.pid:
+            return False
+        self._stop.set()
+        with self._lock:
+            if self.released:
+                return False
+            self.released = True
+        return True
+
+    def abandon(self) -> None:
+        """Give the room back unused, recording no run: the holder never got it (a Ctrl-C
+        as it was handed over)."""
+        if not self._stop_holding():
+            return
+        try:
+            session._finish(self.ledger, self.job, INTERRUPTED, self.reporter)
+        finally:
+            self.backend.close()
+
     def peak_bytes(self) -> int:
         """The most this process's tree used on one of its GPUs so far."""
         peaks, _ = self._sampler.result.peaks()
@@ -154,13 +176,8 @@ class Holding:
         that signal, None: how it ended is unknown (recorded as ENDED, which is no success).
         `said_oom`: the holder ended with an out-of-memory error. Only the process that holds
         it releases."""
-        if os.getpid() != self.pid:
+        if not self._stop_holding():
             return
-        self._stop.set()
-        with self._lock:
-            if self.released:
-                return
-            self.released = True
         self._thread.join(timeout=5)
         result = self._sampler.result
         result.returncode = 0 if returncode is None else returncode
@@ -340,13 +357,21 @@ def _hold(
     if isinstance(outcome, Stuck):
         raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
     chosen = list(outcome.gpus)
-    budget = _budget(config.enforce, job, chosen, reporter)
     try:
-        job = lifecycle.started(ledger, job, os.getpid(), budget.held_by)
-    except Exception as exc:  # the room is this process's: never give it up over bookkeeping
-        reporter.warn(str(exc))
-        job = job._replace(child_pid=os.getpid(), pids=[os.getpid()])
-    return Holding(request, config, reporter, ledger, backend, job, chosen, choice, budget, waited)
+        budget = _budget(config.enforce, job, chosen, reporter)
+        try:
+            job = lifecycle.started(ledger, job, os.getpid(), budget.held_by)
+        except Exception as exc:  # the room is this process's: never give it up over bookkeeping
+            reporter.warn(str(exc))
+            job = job._replace(child_pid=os.getpid(), pids=[os.getpid()])
+        return Holding(
+            request, config, reporter, ledger, backend, job, chosen, choice, budget, waited
+        )
+    except BaseException:
+        # A Ctrl-C as the room was given: nobody got a Holding to release, and a long-lived
+        # process (a notebook kernel) would keep the room for as long as it lives.
+        session._finish(ledger, job, INTERRUPTED, reporter)
+        raise
 
 
 def _budget(mode: str, job: Job, gpus: Sequence[GpuSnapshot], reporter: Reporter) -> Budget:

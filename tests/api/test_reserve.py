@@ -503,3 +503,42 @@ def test_a_released_reservation_is_not_entered_again(sim: Path, gpuwait_cmd: lis
     assert "was released" in refused
     assert again == "True"
     assert listed_jobs(gpuwait_cmd) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["gpuwait.queue.lifecycle.started", "gpuwait.api.reserve._ending.watch"],
+    ids=["as-the-room-is-given", "as-the-reservation-is-handed-over"],
+)
+def test_ctrl_c_just_as_the_room_is_given_leaves_nothing_held(
+    sim: Path, gpuwait_cmd: list[str], where: str
+) -> None:
+    # A Ctrl-C (interrupting the kernel) that lands between the admission and the moment
+    # reserve() returns: the user gets KeyboardInterrupt and no Reservation to release, so
+    # the room must not stay held by the kernel for as long as it lives.
+    module, name = where.rsplit(".", 1)
+    script = (
+        "import importlib, json, os, subprocess, sys, gpuwait\n"
+        "from gpuwait.api import reserve as api\n"
+        f"target = importlib.import_module({module!r}) if {module!r} != 'gpuwait.api.reserve._ending'"
+        " else api._ending\n"
+        "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+        f"real = getattr(target, {name!r})\nsetattr(target, {name!r}, interrupted)\n"
+        "try:\n    gpuwait.reserve('20G', name='cut')\n"
+        "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
+        f"setattr(target, {name!r}, real)\n"
+        "status = lambda: json.loads(subprocess.run([sys.executable, '-m', 'gpuwait', 'status',"
+        " '--json'], capture_output=True, text=True).stdout)['jobs']\n"
+        "print(json.dumps([status(), os.environ.get('CUDA_VISIBLE_DEVICES'), api.current() is None]))\n"
+        "r = gpuwait.reserve('20G', name='again', timeout=5)\n"
+        "print(json.dumps([j['name'] for j in status()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    said, after, again = done.stdout.splitlines()
+    assert said == "KeyboardInterrupt"
+    assert json.loads(after) == [[], None, True]
+    assert json.loads(again) == ["again"]
+    assert [r["name"] for r in recorded_runs()] == ["again"]
