@@ -60,8 +60,9 @@ _COMMAND_ONLY = (
 
 #: The one reservation this process holds (CUDA_VISIBLE_DEVICES is the process's, once).
 _held: Reservation | None = None
-#: A reservation being made (waited for) by one of this process's threads.
-_making = False
+#: The process whose thread is making (waiting for) a reservation: a child forked meanwhile
+#: waits for none.
+_making: int | None = None
 _held_lock = threading.Lock()
 _exit_hook = False
 
@@ -110,11 +111,15 @@ class Reservation:
         twice; a process forked from the holder releases nothing."""
         self._give_back(1 if failed or out_of_memory else 0, out_of_memory)
 
+    def _mine(self) -> bool:
+        """Held for this process (not for the one a forked child was forked from)."""
+        return self._holding is not None and os.getpid() == self._holding.pid
+
     def _give_back(self, returncode: int | None, out_of_memory: bool) -> None:
         """`release`, recording the run as ended with `returncode` (< 0: killed by that signal;
         None: the status is unknown, which counts as no success)."""
         holding = self._holding
-        if holding is None or holding.released or os.getpid() != holding.pid:
+        if holding is None or holding.released or not self._mine():
             return
         try:
             holding.release(returncode, out_of_memory)
@@ -394,24 +399,25 @@ def reserve_argv(argv: Sequence[str], reporter: Reporter) -> Reservation:
     global _making
     options = _options_or_error(argv)
     with _held_lock:
-        if _held is not None and _held.held:
+        # A child forked from the holder shares its room but may reserve its own.
+        if _held is not None and _held.held and _held._mine():
             raise ReserveError(
                 f"this process already holds a reservation (job {_held.job_id})",
                 hint="release it first (r.release(), or %gpuwait release)",
                 exit_code=EXIT_USAGE,
             )
-        if _making:
+        if _making == os.getpid():
             raise ReserveError(
                 "this process is already waiting for a reservation (in another thread)",
                 hint="one reservation per process: share the one that thread gets",
                 exit_code=EXIT_USAGE,
             )
-        _making = True
+        _making = os.getpid()
     try:
         return _reserve(options, reporter)
     finally:
         with _held_lock:
-            _making = False
+            _making = None
 
 
 def _options_or_error(argv: Sequence[str]) -> argparse.Namespace:

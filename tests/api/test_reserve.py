@@ -542,3 +542,30 @@ def test_ctrl_c_just_as_the_room_is_given_leaves_nothing_held(
     assert json.loads(after) == [[], None, True]
     assert json.loads(again) == ["again"]
     assert [r["name"] for r in recorded_runs()] == ["again"]
+
+
+def test_a_forked_child_reserves_for_itself(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # A pool worker forked from a notebook that holds a reservation, reserving its own GPU:
+    # the parent's reservation is not the child's to hold, nor to release.
+    script = (
+        "import json, os, sys, gpuwait\nr = gpuwait.reserve('1G', name='parent')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n        mine = gpuwait.reserve('2G', name='child', timeout=5)\n"
+        "    except gpuwait.ReserveError as exc:\n"
+        "        print(exc.message, flush=True)\n        os._exit(1)\n"
+        "    print(json.dumps([mine.job_id != r.job_id, mine.vram >> 30,\n"
+        "        os.environ['GPUWAIT_JOB_ID'] == mine.job_id]), flush=True)\n"
+        "    mine.release()\n    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(json.dumps([os.waitstatus_to_exitcode(status), r.held,\n"
+        "    os.environ['GPUWAIT_JOB_ID'] == r.job_id]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    child, parent = done.stdout.splitlines()
+    assert json.loads(child) == [True, 2, True], child
+    assert json.loads(parent) == [0, True, True]
+    assert [r["name"] for r in recorded_runs()] == ["child", "parent"]
