@@ -108,7 +108,20 @@ class Reservation:
         """Give the room back to the queue, and record the run in the history (`failed`: as
         a run that did not end well; `out_of_memory`: one that ran out of GPU memory). The
         variables the reservation set in os.environ are put back as they were. Safe to call
-        twice; a process forked from the holder releases nothing."""
+        twice; a process forked from the holder releases nothing. Where CUDA runs in this
+        process, it is said that the GPUs stay in its use (CUDA keeps its context and cache
+        there until the process ends)."""
+        holding = self._holding
+        if holding is not None and self.held and self._mine():
+            why = cuda_in_use()
+            if why is not None:
+                where = ", ".join(f"GPU{i}" for i in self.gpus)
+                holding.reporter.warn(
+                    f"released job {self.job_id}, but CUDA still runs in this process ({why}): "
+                    f"its memory on {where} stays in use, and what it allocates there from now "
+                    "on is not reserved; end the process (restart the kernel) to give the GPU "
+                    "back, and reserve before the next use"
+                )
         self._give_back(1 if failed or out_of_memory else 0, out_of_memory)
 
     def _mine(self) -> bool:
@@ -166,8 +179,10 @@ class Reservation:
             # nothing learned from a run stopped half way.
             self._give_back(-signal.SIGINT, False)
             return
+        # Not release(): a block's end is most often the program's, where CUDA's context
+        # going with the process needs no word.
         failed = exc is not None
-        self.release(failed=failed, out_of_memory=failed and _is_oom(exc))
+        self._give_back(1 if failed else 0, failed and _is_oom(exc))
 
     def __repr__(self) -> str:
         if self._holding is None:

@@ -569,3 +569,25 @@ def test_a_forked_child_reserves_for_itself(sim: Path, gpuwait_cmd: list[str]) -
     assert json.loads(child) == [True, 2, True], child
     assert json.loads(parent) == [0, True, True]
     assert [r["name"] for r in recorded_runs()] == ["child", "parent"]
+
+
+def test_a_release_while_cuda_still_runs_in_the_process_says_so(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A notebook that used the GPU, then released: its CUDA context and cached memory stay on
+    # the card, and what it allocates next lands there unreserved, beside whoever is admitted.
+    script = (
+        "import sys, types\nfrom gpuwait.api.magic import gpuwait_magic as m\n"
+        "r = m('2G --name cell')\n"
+        "torch = types.ModuleType('torch')\n"
+        "torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)\n"
+        "sys.modules['torch'] = torch\n"
+        "m('release')\nprint(r.held)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "False\n"
+    warned = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1, done.stderr
+    assert "still" in warned[0] and "GPU" in warned[0] and "restart the kernel" in warned[0]
+    assert listed_jobs(gpuwait_cmd) == []
