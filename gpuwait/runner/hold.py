@@ -105,6 +105,8 @@ class Holding:
         #: The process that holds it: a child forked from it holds nothing.
         self.pid = os.getpid()
         self.released = False
+        #: Out of the queue: its entry is finished.
+        self._out = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sampler = UsageSampler(
@@ -178,14 +180,20 @@ class Holding:
         it releases."""
         if not self._stop_holding():
             return
-        self._thread.join(timeout=5)
-        result = self._sampler.result
-        result.returncode = 0 if returncode is None else returncode
-        result.run_seconds = time.monotonic() - self._sampler.started
-        with contextlib.suppress(Exception):
-            self._sampler.finish()
         try:
+            self._thread.join(timeout=5)
+            result = self._sampler.result
+            result.returncode = 0 if returncode is None else returncode
+            result.run_seconds = time.monotonic() - self._sampler.started
+            with contextlib.suppress(Exception):
+                self._sampler.finish()
             self._finish_and_record(said_oom, known=returncode is not None)
+        except BaseException:
+            if not self._out:
+                # A Ctrl-C halfway: it is released already, so nothing would give the room
+                # back before the process ends; it goes back now, with no run recorded.
+                session._finish(self.ledger, self.job, INTERRUPTED, self.reporter)
+            raise
         finally:
             self.backend.close()
 
@@ -213,6 +221,7 @@ class Holding:
             ),
             oom=cause,
         )
+        self._out = True
         session._record(
             self.request,
             config,

@@ -505,6 +505,14 @@ def test_a_released_reservation_is_not_entered_again(sim: Path, gpuwait_cmd: lis
     assert listed_jobs(gpuwait_cmd) == []
 
 
+#: For a script: `jobs_now()`, the jobs `gpuwait status` lists now.
+JOBS_NOW = (
+    "import json, subprocess, sys\n"
+    "def jobs_now():\n    return json.loads(subprocess.run([sys.executable, '-m', 'gpuwait',"
+    " 'status', '--json'], capture_output=True, text=True).stdout)['jobs']\n"
+)
+
+
 @pytest.mark.parametrize(
     "where",
     ["gpuwait.queue.lifecycle.started", "gpuwait.api.reserve._ending.watch"],
@@ -527,11 +535,11 @@ def test_ctrl_c_just_as_the_room_is_given_leaves_nothing_held(
         "try:\n    gpuwait.reserve('20G', name='cut')\n"
         "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
         f"setattr(target, {name!r}, real)\n"
-        "status = lambda: json.loads(subprocess.run([sys.executable, '-m', 'gpuwait', 'status',"
-        " '--json'], capture_output=True, text=True).stdout)['jobs']\n"
-        "print(json.dumps([status(), os.environ.get('CUDA_VISIBLE_DEVICES'), api.current() is None]))\n"
+        + JOBS_NOW
+        + "cvd = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
+        "print(json.dumps([jobs_now(), cvd, api.current() is None]))\n"
         "r = gpuwait.reserve('20G', name='again', timeout=5)\n"
-        "print(json.dumps([j['name'] for j in status()]))\n"
+        "print(json.dumps([j['name'] for j in jobs_now()]))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
@@ -591,3 +599,27 @@ def test_a_release_while_cuda_still_runs_in_the_process_says_so(
     assert len(warned) == 1, done.stderr
     assert "still" in warned[0] and "GPU" in warned[0] and "restart the kernel" in warned[0]
     assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_ctrl_c_while_releasing_still_gives_the_room_back(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `r.release()` interrupted (the kernel interrupted while the release waits for the usage
+    # sampler): r is no longer held, so nothing could release it again; the room must not stay
+    # held by the kernel for as long as it lives.
+    script = (
+        "import json, os, subprocess, sys, gpuwait\n"
+        "from gpuwait.runner import supervise\n"
+        "r = gpuwait.reserve('1G', name='cut')\n"
+        "def interrupted(self, *args, **kwargs):\n    raise KeyboardInterrupt\n"
+        "supervise.UsageSampler.finish = interrupted\n"
+        "try:\n    r.release()\n"
+        "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
+        + JOBS_NOW
+        + "print(json.dumps([jobs_now(), r.held, os.environ.get('CUDA_VISIBLE_DEVICES')]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    said, after = done.stdout.splitlines()
+    assert said == "KeyboardInterrupt"
+    assert json.loads(after) == [[], False, None]
