@@ -204,8 +204,17 @@ def idle_holders(
     `idle_min_vram` on a quiet GPU, with how long it has been seen so."""
     if snapshot is None:
         return []
-    running = {j["child_pid"]: j["id"] for j in jobs if j["state"] == RUNNING and j["child_pid"]}
-    return record_reading(settings.machine_path, snapshot, idle_rule(settings), running, ignore)
+    here = [
+        j
+        for j in jobs
+        # Another pid namespace's command is no process of this one.
+        if j["state"] == RUNNING and j["child_pid"] and not j["other_pid_namespace"]
+    ]
+    running = {j["child_pid"]: j["id"] for j in here}
+    rooms = {j["child_pid"]: (j["gpu_uuids"], j["reserved_bytes"]) for j in here}
+    return record_reading(
+        settings.machine_path, snapshot, idle_rule(settings), running, ignore, rooms=rooms
+    )
 
 
 def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
@@ -444,7 +453,8 @@ def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> lis
     for h in holders:
         line = (
             f" {h['gpu_index']:>3} {h['pid']:>7} {_clip(h['user'] or '?', 10):<10} "
-            f"{_size(h['used_bytes']):>6} {format_duration(h['idle_seconds']):>7} "
+            f"{_size(h['used_bytes'] or h['reserved_bytes']):>6} "
+            f"{format_duration(h['idle_seconds']):>7} "
             f"{printable(h['job'] or '-', 16):<8}  "
         )
         # The program's name is what tells a forgotten kernel from a server; its directory
@@ -454,7 +464,11 @@ def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> lis
             os.path.basename(w) if i < 2 and w.startswith("/") else w
             for i, w in enumerate(h["command"])
         ]
-        out.append(line + _clip(command_line(command) or "?", width - len(line)))
+        what = command_line(command) or "?"
+        if h["reserved_bytes"]:
+            # Nothing of the job on the GPU: its room, held reserved, keeps others waiting.
+            what = f"[{_size(h['reserved_bytes'])} reserved, unused] {what}"
+        out.append(line + _clip(what, width - len(line)))
     return out
 
 

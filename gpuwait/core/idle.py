@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from gpuwait.core.record import Record
-from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.core.snapshot import MachineSnapshot, ProcessUsage
 
 #: Evidence: key (see `evidence_key`) -> the time since which the process was seen idle.
 Evidence = dict[str, float]
@@ -37,6 +37,37 @@ class IdleHolder(Record, frozen=True):
     gpu_uuid: str
     used_bytes: int
     idle_since: float
+    #: A gpuwait job with nothing on the GPU: the room it holds reserved there.
+    reserved_bytes: int = 0
+
+
+#: (GPU UUID, pid) -> bytes a gpuwait job holds reserved there while nothing of it shows on it.
+Unused = Mapping[tuple[str, int], int]
+
+
+def with_unused_rooms(
+    snapshot: MachineSnapshot,
+    rooms: Mapping[int, tuple[Collection[str], int]],
+    members: Mapping[int, int],
+) -> tuple[MachineSnapshot, dict[tuple[str, int], int]]:
+    """`snapshot` with each running job that holds room on a GPU where none of its processes
+    shows (a notebook's reservation not used yet) listed there by its command, holding nothing,
+    and the room each such job holds (`Unused`). Its room keeps others waiting as memory
+    would. `rooms`: a job's command pid -> (its GPUs' UUIDs, bytes reserved on each);
+    `members`: each pid of a job's process tree -> its command's pid."""
+    unused: dict[tuple[str, int], int] = {}
+    gpus = []
+    for gpu in snapshot.gpus:
+        shown = {members.get(p.pid) for p in gpu.processes}
+        added = tuple(
+            ProcessUsage(pid=pid, used_bytes=0)
+            for pid, (uuids, reserved) in sorted(rooms.items())
+            if gpu.uuid in uuids and reserved > 0 and pid not in shown
+        )
+        for process in added:
+            unused[(gpu.uuid, process.pid)] = rooms[process.pid][1]
+        gpus.append(gpu._replace(processes=gpu.processes + added) if added else gpu)
+    return snapshot._replace(gpus=tuple(gpus)), unused
 
 
 def evidence_key(gpu_uuid: str, pid: int, start: int | None) -> str:
@@ -52,12 +83,13 @@ def observe(
     rule: IdleRule,
     now: float,
     ignore: Collection[str] = (),
+    unused: Unused | None = None,
 ) -> Evidence:
     """The evidence after one more reading: every process seen holding memory on a quiet GPU
     keeps the time it was first seen so (now, if it was not before); one seen on a busy GPU,
     holding nothing, or gone drops out.
     `starts`: each process's start time where known; `ignore`: command names that are no load
-    (a display server) and so never named."""
+    (a display server) and so never named; `unused`: the rooms of `with_unused_rooms`."""
     evidence: Evidence = {}
     for gpu in snapshot.gpus:
         util = gpu.utilization_pct
@@ -66,7 +98,7 @@ def observe(
         for process in gpu.processes:
             # Every holding is kept, however small: `min_bytes` is applied when naming, so a
             # lower threshold set later finds the time already seen.
-            if not process.used_bytes or process.name in ignore:
+            if not _held(gpu.uuid, process, unused) or process.name in ignore:
                 continue
             key = evidence_key(gpu.uuid, process.pid, starts.get(process.pid))
             since = previous.get(key, now)
@@ -81,6 +113,7 @@ def idle_holders(
     starts: Mapping[int, int | None],
     rule: IdleRule,
     now: float,
+    unused: Unused | None = None,
 ) -> list[IdleHolder]:
     """The processes of `snapshot` holding at least `rule.min_bytes` that the evidence shows
     idle for at least `rule.after`, the longest idle first."""
@@ -90,7 +123,7 @@ def idle_holders(
             since = evidence.get(evidence_key(gpu.uuid, process.pid, starts.get(process.pid)))
             if since is None or now - since < rule.after:
                 continue
-            if (process.used_bytes or 0) < rule.min_bytes:
+            if _held(gpu.uuid, process, unused) < rule.min_bytes:
                 continue
             found.append(
                 IdleHolder(
@@ -99,6 +132,12 @@ def idle_holders(
                     gpu_uuid=gpu.uuid,
                     used_bytes=process.used_bytes or 0,
                     idle_since=since,
+                    reserved_bytes=(unused or {}).get((gpu.uuid, process.pid), 0),
                 )
             )
     return sorted(found, key=lambda h: (h.idle_since, h.gpu_index, h.pid))
+
+
+def _held(uuid: str, process: ProcessUsage, unused: Unused | None) -> int:
+    """What the process keeps from others on the GPU: its memory, or its job's unused room."""
+    return process.used_bytes or (unused or {}).get((uuid, process.pid), 0)

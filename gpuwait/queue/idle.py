@@ -22,7 +22,14 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.idle import Evidence, IdleHolder, IdleRule, idle_holders, observe
+from gpuwait.core.idle import (
+    Evidence,
+    IdleHolder,
+    IdleRule,
+    idle_holders,
+    observe,
+    with_unused_rooms,
+)
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
@@ -46,24 +53,35 @@ def record_reading(
     jobs: Mapping[int, str],
     ignore: Collection[str] = (),
     now: float | None = None,
+    rooms: Mapping[int, tuple[Collection[str], int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Add `snapshot` to the evidence and return, as plain data, every process it shows
     holding at least `rule.min_bytes` on a quiet GPU, with how long it has been seen so
     (`idle_seconds`): those at `rule.after` or more are the idle ones.
-    `jobs`: the command pid of each running gpuwait job -> the job's id; `now`: on the
-    evidence's clock (`proc.boot_clock`)."""
+    `jobs`: the command pid of each running gpuwait job -> the job's id; `rooms`: the same pid
+    -> (the job's GPUs' UUIDs, bytes reserved on each), so that a job holding room where none
+    of its processes shows (a notebook's reservation not used) counts as holding it; `now`: on
+    the evidence's clock (`proc.boot_clock`)."""
     now = proc.boot_clock() if now is None else now
+    # A job's room counts on a quiet GPU only: on none, no process tree needs walking.
+    quiet = any(
+        g.utilization_pct is not None and g.utilization_pct < rule.max_util_pct
+        for g in snapshot.gpus
+    )
+    members = _members(jobs) if rooms and quiet else {}
+    snapshot, unused = with_unused_rooms(snapshot, rooms if quiet and rooms else {}, members)
     starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
     path = state_dir / IDLE_FILE
     previous = _load(path)
-    evidence = observe(previous, snapshot, starts, rule, now, ignore)
+    evidence = observe(previous, snapshot, starts, rule, now, ignore, unused)
     if evidence != previous:
         _save(state_dir, path, evidence)
     # Those seen quiet for less than `after` too: evidence starts at the first reading, and a
     # user who asks once deserves to hear that a holder is watched, not that there is none.
-    holders = idle_holders(evidence, snapshot, starts, rule._replace(after=0.0), now)
-    owners = _job_of(jobs) if holders else {}
-    return [_describe(h, now, owners.get(h.pid)) for h in holders]
+    holders = idle_holders(evidence, snapshot, starts, rule._replace(after=0.0), now, unused)
+    if holders and not members:
+        members = _members(jobs)
+    return [_describe(h, now, jobs.get(members.get(h.pid, -1))) for h in holders]
 
 
 class IdleWatch(Record, frozen=True):
@@ -78,15 +96,17 @@ def idle_jobs(
 ) -> frozenset[str]:
     """The running jobs whose command (or a process below it) this reading, with the evidence
     before it, shows idle: a waiter's reading adds to the evidence as `status`'s does."""
-    running = {
-        j.child_pid: j.id
+    here = [
+        j
         for j in data.jobs
         # Another pid namespace's command is no process of this one: its idleness is not seen.
         if j.state == RUNNING and j.child_pid and not elsewhere(j)
-    }
-    if not running:
+    ]
+    if not here:
         return frozenset()
-    found = record_reading(watch.state_dir, snapshot, watch.rule, running, ignore)
+    running = {j.child_pid: j.id for j in here if j.child_pid}
+    rooms = {j.child_pid: (j.gpu_uuids, j.reserved_bytes) for j in here if j.child_pid}
+    found = record_reading(watch.state_dir, snapshot, watch.rule, running, ignore, rooms=rooms)
     return frozenset(h["job"] for h in found if h["job"] and h["idle_seconds"] >= watch.rule.after)
 
 
@@ -121,13 +141,13 @@ def _save(state_dir: Path, path: Path, evidence: Evidence) -> None:
         pass
 
 
-def _job_of(jobs: Mapping[int, str]) -> dict[int, str]:
-    """Every pid in each job's process tree -> the job's id (a job's CUDA work often runs in
-    a child of its command)."""
-    found: dict[int, str] = {}
-    for pid, job_id in jobs.items():
+def _members(commands: Collection[int]) -> dict[int, int]:
+    """Every pid in each job's process tree -> its command's pid (a job's CUDA work often runs
+    in a child of its command)."""
+    found: dict[int, int] = {}
+    for pid in commands:
         for member in proc.process_tree([pid]):
-            found.setdefault(member, job_id)
+            found.setdefault(member, pid)
     return found
 
 
@@ -139,6 +159,7 @@ def _describe(holder: IdleHolder, now: float, job: str | None) -> dict[str, Any]
         "gpu_index": holder.gpu_index,
         "gpu_uuid": holder.gpu_uuid,
         "used_bytes": holder.used_bytes,
+        "reserved_bytes": holder.reserved_bytes,
         "idle_since": time.time() - idle_seconds,  # shown as a moment: the wall clock's
         "idle_seconds": idle_seconds,
         "uid": uid,

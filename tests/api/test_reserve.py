@@ -623,3 +623,25 @@ def test_ctrl_c_while_releasing_still_gives_the_room_back(
     said, after = done.stdout.splitlines()
     assert said == "KeyboardInterrupt"
     assert json.loads(after) == [[], False, None]
+
+
+def test_a_reservation_held_unused_on_a_quiet_gpu_is_named_idle(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any, monkeypatch: Any
+) -> None:
+    # A notebook that reserved 20 GiB and has not touched the GPU since (or freed what it
+    # used) keeps everyone else waiting just the same as one holding the memory.
+    sim_file(gpus=1, memory="24GiB", utilization=0)
+    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "0.5s")
+    got = holders("20G", name="nb").said()
+
+    def named() -> list[dict[str, Any]]:
+        done = subprocess.run([*gpuwait_cmd, "idle", "--json"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return list(json.loads(done.stdout)["idle"])
+
+    wait_for(lambda: bool(named()), timeout=15)
+    (holder,) = named()
+    assert (holder["pid"], holder["job"], holder["gpu_index"]) == (got["pid"], got["job"], 0)
+    assert (holder["used_bytes"], holder["reserved_bytes"]) == (0, 20 * GiB)
+    shown = subprocess.run([*gpuwait_cmd, "idle"], capture_output=True, text=True).stdout
+    assert "20.0G reserved" in shown, shown

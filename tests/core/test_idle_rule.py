@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuwait.core.idle import IdleRule, evidence_key, idle_holders, observe
+from gpuwait.core.idle import IdleRule, evidence_key, idle_holders, observe, with_unused_rooms
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 
 GIB = 2**30
@@ -64,3 +64,16 @@ def test_an_idle_job_is_asked_whatever_its_priority_and_before_busy_ones() -> No
     idle_high = running("idle", 5, True)
     choice = choose_victims(need, room, 3, [running("low", 1, False), idle_high], rules)
     assert choice is not None and choice.victims == ("idle",)
+
+
+def test_a_jobs_room_counts_only_where_nothing_of_the_job_shows() -> None:
+    # Job 20 holds 8 GiB with nothing on the card; job 30's child (31) uses 512 MiB of its
+    # 8 GiB: its own process shows, and the memory rule alone applies to it.
+    child = ProcessUsage(pid=31, used_bytes=GIB // 2)
+    rooms = {20: (("GPU-a",), 8 * GIB), 30: (("GPU-a",), 8 * GIB), 40: (("GPU-b",), 8 * GIB)}
+    snapshot, unused = with_unused_rooms(machine(0, child), rooms, {20: 20, 30: 30, 31: 30})
+    assert unused == {("GPU-a", 20): 8 * GIB}
+    assert [p.pid for p in snapshot.gpus[0].processes] == [31, 20]
+    evidence = observe({}, snapshot, {}, RULE, now=1000, unused=unused)
+    [holder] = idle_holders(evidence, snapshot, {}, RULE, now=1060, unused=unused)
+    assert (holder.pid, holder.used_bytes, holder.reserved_bytes) == (20, 0, 8 * GIB)
