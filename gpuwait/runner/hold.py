@@ -314,59 +314,62 @@ def _hold(
             reason = reason._replace(source=choice.note)
         reporter.waiting(reason, label)
 
-    with _signals_taken():
-        try:
-            job = lifecycle.submit(
-                ledger,
-                job,
-                request.after,
-                request.after_ok,
-                config.state_dir,
-                kept_command(request.command, job.cwd, config.history_commands),
-            )
-        except signals.SignalPending as exc:
-            raise WaitInterrupted(exc.signum) from None
-        except StateError as exc:
-            if config.on_state_error != "run":
-                raise
-            reporter.warn(f"{exc.message}; going on without a reservation (on_state_error = run)")
-            return None
-        session._show_warnings(ledger, reporter)
-        waited_from = time.monotonic()
-        try:
-            job, outcome = wait_for_admission(
-                ledger,
-                backend,
-                job,
-                wait,
-                deadline=None if config.timeout is None else waited_from + config.timeout,
-                on_reason=said,
-                around=around,
-            )
-        except BaseException:
-            session._finish(ledger, job, INTERRUPTED, reporter)
-            raise
-        finally:
-            reporter.waited()
-            session._show_warnings(ledger, reporter)
-        waited = time.monotonic() - waited_from
-        if isinstance(outcome, Interrupted):
-            session._finish(ledger, job, INTERRUPTED, reporter)
-            raise WaitInterrupted(outcome.signum)
-    if isinstance(outcome, TimedOut):
-        session._finish(ledger, job, TIMED_OUT, reporter)
-        why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-        raise NotHeld(f"gave up after waiting {format_duration(waited)}{why}", EXIT_TIMEOUT)
-    if isinstance(outcome, Cancelled):
-        by = outcome.by_uid
-        someone = "" if by is None or by == job.uid else f" by uid {by}"
-        raise NotHeld(f"job {job.id} cancelled while waiting{someone}", EXIT_CANCELLED)
-    if isinstance(outcome, DependencyFailed):
-        raise NotHeld(f"job {job.id} will not start: {outcome.message}", EXIT_DEPENDENCY_FAILED)
-    if isinstance(outcome, Stuck):
-        raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
-    chosen = list(outcome.gpus)
+    queued = job
     try:
+        with _signals_taken():
+            try:
+                job = lifecycle.submit(
+                    ledger,
+                    job,
+                    request.after,
+                    request.after_ok,
+                    config.state_dir,
+                    kept_command(request.command, job.cwd, config.history_commands),
+                )
+            except signals.SignalPending as exc:
+                raise WaitInterrupted(exc.signum) from None
+            except StateError as exc:
+                if config.on_state_error != "run":
+                    raise
+                reporter.warn(
+                    f"{exc.message}; going on without a reservation (on_state_error = run)"
+                )
+                return None
+            session._show_warnings(ledger, reporter)
+            waited_from = time.monotonic()
+            try:
+                job, outcome = wait_for_admission(
+                    ledger,
+                    backend,
+                    job,
+                    wait,
+                    deadline=None if config.timeout is None else waited_from + config.timeout,
+                    on_reason=said,
+                    around=around,
+                )
+            except BaseException:
+                session._finish(ledger, job, INTERRUPTED, reporter)
+                raise
+            finally:
+                reporter.waited()
+                session._show_warnings(ledger, reporter)
+            waited = time.monotonic() - waited_from
+            if isinstance(outcome, Interrupted):
+                session._finish(ledger, job, INTERRUPTED, reporter)
+                raise WaitInterrupted(outcome.signum)
+        if isinstance(outcome, TimedOut):
+            session._finish(ledger, job, TIMED_OUT, reporter)
+            why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+            raise NotHeld(f"gave up after waiting {format_duration(waited)}{why}", EXIT_TIMEOUT)
+        if isinstance(outcome, Cancelled):
+            by = outcome.by_uid
+            someone = "" if by is None or by == job.uid else f" by uid {by}"
+            raise NotHeld(f"job {job.id} cancelled while waiting{someone}", EXIT_CANCELLED)
+        if isinstance(outcome, DependencyFailed):
+            raise NotHeld(f"job {job.id} will not start: {outcome.message}", EXIT_DEPENDENCY_FAILED)
+        if isinstance(outcome, Stuck):
+            raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
+        chosen = list(outcome.gpus)
         budget = _budget(config.enforce, job, chosen, reporter)
         try:
             job = lifecycle.started(ledger, job, os.getpid(), budget.held_by)
@@ -376,11 +379,21 @@ def _hold(
         return Holding(
             request, config, reporter, ledger, backend, job, chosen, choice, budget, waited
         )
-    except BaseException:
-        # A Ctrl-C as the room was given: nobody got a Holding to release, and a long-lived
-        # process (a notebook kernel) would keep the room for as long as it lives.
-        session._finish(ledger, job, INTERRUPTED, reporter)
+    except (NotHeld, WaitInterrupted):
         raise
+    except BaseException:
+        # A Ctrl-C (KeyboardInterrupt) that landed between two steps (just queued, just
+        # admitted): nobody got a Holding, and the process, a notebook kernel, lives on, so
+        # no reaper would take its place in the queue or its room back.
+        _leave_if_listed(ledger, queued, reporter)
+        raise
+
+
+def _leave_if_listed(ledger: Ledger, job: Job, reporter: Reporter) -> None:
+    """`job` out of the queue, where it is still in it."""
+    with contextlib.suppress(Exception):
+        if any(j.id == job.id for j in ledger.read().jobs):
+            session._finish(ledger, job, INTERRUPTED, reporter)
 
 
 def _budget(mode: str, job: Job, gpus: Sequence[GpuSnapshot], reporter: Reporter) -> Budget:

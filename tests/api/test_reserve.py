@@ -515,23 +515,29 @@ JOBS_NOW = (
 
 @pytest.mark.parametrize(
     "where",
-    ["gpuwait.queue.lifecycle.started", "gpuwait.api.reserve._ending.watch"],
-    ids=["as-the-room-is-given", "as-the-reservation-is-handed-over"],
+    [
+        "gpuwait.queue.lifecycle.submit",
+        "gpuwait.queue.lifecycle.started",
+        "gpuwait.api.reserve._ending.watch",
+    ],
+    ids=["as-it-is-queued", "as-the-room-is-given", "as-the-reservation-is-handed-over"],
 )
 def test_ctrl_c_just_as_the_room_is_given_leaves_nothing_held(
     sim: Path, gpuwait_cmd: list[str], where: str
 ) -> None:
-    # A Ctrl-C (interrupting the kernel) that lands between the admission and the moment
-    # reserve() returns: the user gets KeyboardInterrupt and no Reservation to release, so
-    # the room must not stay held by the kernel for as long as it lives.
+    # A Ctrl-C (interrupting the kernel) that lands just after a step of reserve() (queued,
+    # admitted, handed over): the user gets KeyboardInterrupt and no Reservation to release,
+    # so neither a place in the queue nor the room may stay the kernel's for as long as it
+    # lives.
     module, name = where.rsplit(".", 1)
     script = (
         "import importlib, json, os, subprocess, sys, gpuwait\n"
         "from gpuwait.api import reserve as api\n"
         f"target = importlib.import_module({module!r}) if {module!r} != 'gpuwait.api.reserve._ending'"
         " else api._ending\n"
-        "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
-        f"real = getattr(target, {name!r})\nsetattr(target, {name!r}, interrupted)\n"
+        f"real = getattr(target, {name!r})\n"
+        "def interrupted(*args, **kwargs):\n    real(*args, **kwargs)\n    raise KeyboardInterrupt\n"
+        f"setattr(target, {name!r}, interrupted)\n"
         "try:\n    gpuwait.reserve('20G', name='cut')\n"
         "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
         f"setattr(target, {name!r}, real)\n"
