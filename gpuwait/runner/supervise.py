@@ -378,9 +378,24 @@ def _sample(
     except Exception:  # a failing reading must never take the command down with it
         return sorted(tree), {}, [], None
     gpus = [g for g in snapshot.gpus if g.uuid in job.gpu_uuids]
+    tree -= _other_jobs(tree, job, snapshot)
     tree |= _detached(tree, job, gpus)
     usage = {g.uuid: g.process_bytes(tree) for g in gpus}
     return sorted(tree), usage, gpus, snapshot
+
+
+def _other_jobs(tree: set[int], job: Job, snapshot: MachineSnapshot) -> set[int]:
+    """Processes of the tree on a GPU that are another gpuwait job's command or below it (a
+    job started from within this one, as `!gpuwait ...` from a notebook holding a
+    reservation), told by the job id in their environment: their memory is that job's, under
+    its own reservation, and counted as this one's too it would be counted twice."""
+    return {
+        p.pid
+        for g in snapshot.gpus
+        for p in g.processes
+        if p.pid in tree
+        and proc.environ_value(p.pid, JOB_ID_VARIABLE.encode()) not in (None, "", job.id)
+    }
 
 
 def _detached(tree: set[int], job: Job, gpus: list[GpuSnapshot]) -> set[int]:

@@ -651,3 +651,28 @@ def test_a_reservation_held_unused_on_a_quiet_gpu_is_named_idle(
     assert (holder["used_bytes"], holder["reserved_bytes"]) == (0, 20 * GiB)
     shown = subprocess.run([*gpuwait_cmd, "idle"], capture_output=True, text=True).stdout
     assert "20.0G reserved" in shown, shown
+
+
+def test_a_job_started_from_the_holder_is_not_counted_as_the_holders_use(
+    sim: Path, gpuwait_cmd: list[str], monkeypatch: Any
+) -> None:
+    # A notebook holding 2 GiB for itself that runs `!gpuwait --vram 10G python train.py`:
+    # the job's 9 GiB are that job's, under its own reservation. Counted as the notebook's
+    # too, the notebook was said to use 9 GiB of its 2 (and learned so), and its room was
+    # counted as 9 GiB beside the job's 10, keeping others waiting for room that was free.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    script = (
+        "import subprocess, sys, gpuwait\n"
+        "r = gpuwait.reserve('2G', name='nb')\n"
+        "done = subprocess.run([sys.executable, '-m', 'gpuwait', '-q', '--vram', '10G', '--name',"
+        " 'inner', '--', sys.executable, '-m', 'gpuwait', 'sim', 'job', '--vram', '9G', '--hold',"
+        " '1s'])\nsys.exit(done.returncode)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    runs = {r["name"]: r for r in recorded_runs()}
+    assert runs["inner"]["peak_bytes"] == 9 * GiB
+    assert (runs["nb"]["peak_bytes"] or 0) < GiB, runs["nb"]
+    assert "over its reservation" not in done.stderr
