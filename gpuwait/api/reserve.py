@@ -546,8 +546,12 @@ class _Ending:
     def status(self) -> tuple[int | None, BaseException | None]:
         """(the exit status, or None where unknown; the exception that ended it, if one did)."""
         if hasattr(sys, "ps1") or sys.flags.interactive:
-            # An interactive session: its statements' frames say nothing of how it ends.
-            return (0 if self.code is _NOT_SEEN else _exit_status(self.code)), None
+            # An interactive session: its statements' frames say nothing of how it ends. In
+            # IPython's (a Jupyter kernel's) a sys.exit in a cell is caught and the session
+            # goes on, so no sys.exit seen is how it ended.
+            if self.code is _NOT_SEEN or _in_ipython():
+                return 0, None
+            return _exit_status(self.code), None
         code, at = (
             (b"", -1) if self.frame is None else (self.frame.f_code.co_code, self.frame.f_lasti)
         )
@@ -561,6 +565,15 @@ class _Ending:
         if self.code is not _NOT_SEEN:
             return _exit_status(self.code), None
         return None, None
+
+
+def _in_ipython() -> bool:
+    """An IPython shell (a Jupyter kernel's too) runs this process's statements."""
+    found = getattr(sys.modules.get("IPython.core.getipython"), "get_ipython", None)
+    try:
+        return callable(found) and found() is not None
+    except Exception:
+        return False
 
 
 _NOT_SEEN = object()

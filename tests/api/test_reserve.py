@@ -676,3 +676,35 @@ def test_a_job_started_from_the_holder_is_not_counted_as_the_holders_use(
     assert runs["inner"]["peak_bytes"] == 9 * GiB
     assert (runs["nb"]["peak_bytes"] or 0) < GiB, runs["nb"]
     assert "over its reservation" not in done.stderr
+
+
+def test_sys_exit_caught_by_ipython_does_not_become_the_kernels_status(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # In a notebook, `sys.exit(2)` in a cell (argparse's parse_args() meets the kernel's own
+    # -f argument) is caught by IPython and the kernel goes on; shut down cleanly later, the
+    # reservation was recorded as failed with status 2, and --after-ok never started.
+    pytest.importorskip("IPython", reason="IPython is not installed (pip install -e '.[test]')")
+    cells = [
+        "import gpuwait; r = gpuwait.reserve('1G', name='nb')",
+        "import sys; sys.exit(2)",
+        "print('still here')",
+    ]
+    script = (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        f"for cell in {cells!r}:\n    shell.run_cell(cell)\n"
+    )
+    # -i: an interactive session, as a kernel is; its prompt reads the end of stdin and exits.
+    done = subprocess.run(
+        [sys.executable, "-i", "-c", script],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "still here" in done.stdout
+    run, after = run_and_after_ok(gpuwait_cmd, "nb")
+    assert (run["exit_status"], run["signal"]) == (0, None)
+    assert after.returncode == 0, after.stderr
