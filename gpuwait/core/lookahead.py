@@ -77,6 +77,9 @@ _WAIT_WEIGHT = 0.02
 _LATE_WEIGHT = 10.0
 #: Rounds of justification (`_justify`) tried on the best simple order.
 _JUSTIFY_ROUNDS = 3
+#: Plans made in one decision at most, each without the waiters a per-user limit refused in
+#: the one before (the last one's admissions stand: each was checked against the limits).
+_LIMIT_ROUNDS = 4
 
 
 DEFAULT = Lookahead()
@@ -606,14 +609,49 @@ def plan(
     `hint`: the last plan's `order`, searched on from.
     """
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    # The search only matters where someone can start now; most wake-ups find nobody can, and
-    # every waiter plans at every wake-up.
-    search = any(_fits_now(c, rooms, conditions) for c in claims if not c.running)
-    order, laid = lay_out(rooms, claims, cursor, conditions, settings, clock, search, hint)
     held_by_user = policy.user_holdings(claims) if limits is not None else {}
     running_total = sum(c.running for c in claims)
-    admitted: dict[str, tuple[str, ...]] = {}
-    reserved: dict[str, int] = {}
+    # Waiters a per-user limit keeps from starting now are left out of the layout: planned
+    # there, they would take room at once that they cannot use, and the other users' waiters
+    # behind them would wait for it (a limit holds up nobody but its own user).
+    left_out = _over_limit(claims, rooms, conditions, limits, held_by_user)
+    for _ in range(_LIMIT_ROUNDS):
+        planned = [c for c in claims if c.job_id not in left_out]
+        now_rooms = dict(rooms)
+        # The search only matters where someone can start now; most wake-ups find nobody
+        # can, and every waiter plans at every wake-up.
+        search = any(_fits_now(c, now_rooms, conditions) for c in planned if not c.running)
+        order, laid = lay_out(now_rooms, planned, cursor, conditions, settings, clock, search, hint)
+        holdings = dict(held_by_user)
+        admitted: dict[str, tuple[str, ...]] = {}
+        reserved: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        next_cursor = cursor
+        for claim in order:
+            placed = laid.placements.get(claim.job_id)
+            if placed is None or placed.start != 0.0:
+                continue
+            fits = [
+                (now_rooms[u], need)
+                for u in placed.gpu_uuids
+                if (need := policy.need_on(claim, now_rooms[u], conditions)) is not None
+                and need <= now_rooms[u].room
+            ]
+            if len(fits) != claim.gpus_wanted:
+                continue
+            refusal = policy.take(claim, fits, now_rooms, limits, holdings)
+            if refusal is not None:
+                refused[claim.job_id] = refusal
+                continue
+            admitted[claim.job_id] = placed.gpu_uuids
+            reserved[claim.job_id] = max(n for _, n in fits)
+            if claim.pick == "round-robin":
+                next_cursor = now_rooms[placed.gpu_uuids[-1]].gpu.index
+        if not refused:
+            break
+        # Planned again without them: the room they were given goes to whoever can use it.
+        left_out.update(refused)
+    cursor = next_cursor
     reasons: dict[str, WaitReason] = {}
     position = {c.job_id: n for n, c in enumerate(order)}
     waiting = sorted(
@@ -622,32 +660,21 @@ def plan(
     )
     hold = _hold(order, laid)
     for ahead, claim in enumerate(waiting):
+        if claim.job_id in admitted:
+            continue
         placed = laid.placements.get(claim.job_id)
-        if placed is not None and placed.start == 0.0:
-            fits = [
-                (rooms[u], need)
-                for u in placed.gpu_uuids
-                if (need := policy.need_on(claim, rooms[u], conditions)) is not None
-                and need <= rooms[u].room
-            ]
-            if len(fits) == claim.gpus_wanted:
-                refusal = policy.take(claim, fits, rooms, limits, held_by_user)
-                if refusal is None:
-                    admitted[claim.job_id] = placed.gpu_uuids
-                    reserved[claim.job_id] = max(n for _, n in fits)
-                    if claim.pick == "round-robin":
-                        cursor = rooms[placed.gpu_uuids[-1]].gpu.index
-                    continue
-                reason = policy.wait_reason(claim, rooms, running_total, ahead, conditions)
-                reasons[claim.job_id] = reason._replace(limit=refusal)
-                continue
+        if claim.job_id in left_out or claim.job_id in refused:
+            reason = policy.wait_reason(claim, now_rooms, running_total, ahead, conditions)
+            limit = left_out.get(claim.job_id) or refused[claim.job_id]
+            reasons[claim.job_id] = reason._replace(limit=limit)
+            continue
         reasons[claim.job_id] = policy.wait_reason(
             claim,
-            rooms,
+            now_rooms,
             running_total,
             ahead,
             conditions,
-            _planned_note(claim, placed, hold, rooms),
+            _planned_note(claim, placed, hold, now_rooms),
         )
     return Plan(
         admitted=admitted,
@@ -658,6 +685,36 @@ def plan(
         order=tuple(c.job_id for c in order) if search else tuple(hint),
         starts=_starts(claims, laid),
     )
+
+
+def _over_limit(
+    claims: Sequence[Claim],
+    rooms: Mapping[str, GpuRoom],
+    conditions: Conditions,
+    limits: UserLimits | None,
+    held_by_user: Mapping[int, tuple[int, int]],
+) -> dict[str, str]:
+    """The waiters that what their user's running jobs hold keeps from starting now, whatever
+    else starts (job id -> the limit's words): even their smallest need goes over."""
+    if limits is None:
+        return {}
+    found: dict[str, str] = {}
+    for claim in claims:
+        if claim.running or claim.blocked is not None:
+            continue
+        needs = [
+            need
+            for room in rooms.values()
+            if (need := policy.need_on(claim, room, conditions)) is not None
+        ]
+        if not needs:
+            continue
+        gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+        wanted = claim.gpus_wanted
+        refusal = limits.refusal(gpus_held, vram_held, wanted, min(needs) * wanted)
+        if refusal is not None:
+            found[claim.job_id] = refusal
+    return found
 
 
 def _hold(order: Sequence[Claim], laid: Schedule) -> Hold | None:

@@ -11,13 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuwait.cli import main
-from gpuwait.core.policy import Claim, UserLimits, impossible_reason, plan
+from gpuwait.core.lookahead import plan_queue
+from gpuwait.core.policy import (
+    NO_CONDITIONS,
+    Claim,
+    FairShare,
+    Lookahead,
+    UserLimits,
+    impossible_reason,
+    plan,
+)
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.queue.entries import LedgerData, UserUsage
 from gpuwait.queue.fairness import charge, decayed, user_usage
 
 GiB = 2**30
+#: The default queue order (lookahead) with a limit of one GPU per user and no fair share.
+LIMITED = FairShare(limits=UserLimits(max_gpus=1), order=Lookahead())
 
 
 def card(index: int, total_gib: int = 24) -> GpuSnapshot:
@@ -93,6 +104,44 @@ def test_running_jobs_count_against_the_limit() -> None:
     decided = plan([card(0), card(1)], claims, 0.9, limits=UserLimits(max_gpus=1))
     assert set(decided.admitted) == {"other"}
     assert "per-user limit of 1 GPUs" in decided.waiting["w"].describe()
+
+
+@pytest.mark.parametrize("known", [None, 100.0])
+def test_a_waiter_over_its_users_limit_is_planned_around(known: float | None) -> None:
+    # Alice holds one GPU (her limit); her next job comes first (priority 4), Bob's after it.
+    # The lookahead order must not keep the idle GPU for Alice's job, which cannot start.
+    alice_running = Claim(
+        "alice-1",
+        True,
+        3,
+        0,
+        MemoryRequest(bytes=20 * GiB),
+        gpu_uuids=("GPU-0",),
+        reserved_bytes=20 * GiB,
+        uid=1,
+        expected_seconds=known,
+    )
+    claims = [
+        alice_running,
+        waiter("alice-2", uid=1, order=1, priority=4, expected_seconds=known),
+        waiter("bob", uid=2, order=2, expected_seconds=known),
+    ]
+    decided = plan_queue([card(0), card(1)], claims, 0.9, -1, NO_CONDITIONS, LIMITED)
+    assert decided.admitted == {"bob": ("GPU-1",)}
+    assert "per-user limit of 1 GPUs (1 held)" in decided.waiting["alice-2"].describe()
+
+
+def test_what_a_user_starts_in_one_plan_counts_against_their_limit_in_it() -> None:
+    # Two idle GPUs, Alice's two urgent jobs first: her first takes one card, her second would
+    # go over her limit, so Bob's job gets the other card now.
+    claims = [
+        waiter("alice-1", uid=1, order=1, priority=4),
+        waiter("alice-2", uid=1, order=2, priority=4),
+        waiter("bob", uid=2, order=3),
+    ]
+    decided = plan_queue([card(0), card(1)], claims, 0.9, -1, NO_CONDITIONS, LIMITED)
+    assert set(decided.admitted) == {"alice-1", "bob"}
+    assert "per-user limit of 1 GPUs (1 held)" in decided.waiting["alice-2"].describe()
 
 
 def test_a_request_over_the_limit_is_impossible() -> None:

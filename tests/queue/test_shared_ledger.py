@@ -438,6 +438,24 @@ def test_per_user_gpu_limit_from_the_site_config(server: Server) -> None:
     first.kill()
 
 
+def test_a_waiter_held_back_by_its_users_limit_keeps_no_card_from_another_user(
+    server: Server,
+) -> None:
+    server.sim.write_text('[[gpu]]\nmemory = "24GiB"\n' * 2)
+    server.site_config("user_max_gpus = 1\n")
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    # Alice's next job, urgent to her, is first in line but over her limit while the first runs.
+    server.start(ALICE, "--priority", "4", "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(2)
+    # The other card is idle: Bob's job starts there rather than wait for Alice's first to end.
+    bob = server.run(BOB, "--vram", "20G", "--timeout", "10s", "--", "true")
+    assert bob.returncode == 0, bob.stderr
+    status = json.loads(server.run(BOB, "status", "--json").stdout)
+    (waiting,) = [j for j in status["jobs"] if j["state"] == "waiting"]
+    assert "per-user limit of 1 GPUs" in waiting["waiting_reason"]
+
+
 @pytest.mark.parametrize("fair_share", [True, False])
 def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool) -> None:
     if not fair_share:
