@@ -608,6 +608,7 @@ def plan(
     order, exactly as the in-order policy admits: the plan chooses, it never over-admits.
     `hint`: the last plan's `order`, searched on from.
     """
+    claims = policy.within_vram_limit(claims, gpus, safety, limits)
     rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     held_by_user = policy.user_holdings(claims) if limits is not None else {}
     running_total = sum(c.running for c in claims)

@@ -523,14 +523,7 @@ def impossible_reason(
         why = f"; {closed_note}" if closed_ones else ""
         return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}{why}"
     if limits is not None:
-        smallest = min(
-            (
-                claim.request.on(g.total_bytes)
-                if claim.request
-                else int(g.total_bytes * (safety - EXCLUSIVE_MAX_EXTERNAL))
-                for g in matching
-            ),
-        )
+        smallest = min(limit_charge(claim, g, safety) for g in matching)
         refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
         if refusal is not None:
             asked = f"{claim.gpus_wanted} GPUs, " if claim.gpus_wanted > 1 else ""
@@ -719,6 +712,7 @@ def plan(
     head could start there. A waiter whose user is at a per-user limit does not block those
     behind it.
     """
+    claims = within_vram_limit(claims, gpus, safety, limits)
     held_by_user = user_holdings(claims) if limits is not None else {}
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
     running = [c for c in claims if c.running]
@@ -815,6 +809,38 @@ def take(
             exclusive_held=room.exclusive_held or claim.exclusive or room.gpu.one_process_only,
         )
     return None
+
+
+def limit_charge(claim: Claim, gpu: GpuSnapshot, safety: float) -> int:
+    """The most `claim` counts against its user's VRAM limit on `gpu`, per GPU: its request,
+    or for a whole GPU all the room the card has when nothing else uses it."""
+    if claim.request is not None:
+        return claim.request.on(gpu.total_bytes)
+    return max(1, int(gpu.total_bytes * safety) - gpu.driver_bytes)
+
+
+def within_vram_limit(
+    claims: Sequence[Claim], gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None
+) -> list[Claim]:
+    """`claims` with each waiter kept off the GPUs where it alone would go over its user's VRAM
+    limit (a whole GPU of 80 GiB where the limit is 40), so that a plan never places it on a
+    card it may not take while one it may take is there. A waiter no GPU keeps within the limit
+    is left as it is: the limit refuses it wherever it goes, and says so."""
+    if limits is None or limits.max_vram is None:
+        return list(claims)
+    kept: list[Claim] = []
+    for claim in claims:
+        if not claim.running:
+            within = frozenset(
+                g.uuid
+                for g in gpus
+                if (claim.candidates is None or g.uuid in claim.candidates)
+                and limit_charge(claim, g, safety) * claim.gpus_wanted <= limits.max_vram
+            )
+            if within and within != claim.candidates:
+                claim = claim._replace(candidates=within)
+        kept.append(claim)
+    return kept
 
 
 def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.fixtures_sim import SimFileFactory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,6 +151,52 @@ def test_a_request_over_the_limit_is_impossible() -> None:
     assert impossible_reason(claim, [card(0)], 0.9, UserLimits(max_vram=32 * GiB)) is None
     exclusive = Claim("x", False, 3, 1, None, uid=1)
     assert impossible_reason(exclusive, [card(0)], 0.9, UserLimits(max_vram=8 * GiB)) is not None
+
+
+@pytest.mark.parametrize("order", [None, Lookahead()])
+def test_a_whole_gpu_within_the_vram_limit_is_found_among_larger_ones(
+    order: Lookahead | None,
+) -> None:
+    # An 80 GiB card first, then a 24 GiB one; a limit of 30 GiB per user. The whole 80 GiB
+    # card is over the limit, the 24 GiB one is not: that is where the job starts.
+    gpus = [card(0, 80), card(1, 24)]
+    exclusive = Claim("x", False, 3, 1, None, uid=1)
+    fair = FairShare(limits=UserLimits(max_vram=30 * GiB), order=order)
+    assert impossible_reason(exclusive, gpus, 0.9, fair.limits) is None
+    assert plan_queue(gpus, [exclusive], 0.9, -1, NO_CONDITIONS, fair).admitted == {"x": ("GPU-1",)}
+
+
+def test_a_whole_gpu_whose_room_is_over_the_vram_limit_is_impossible() -> None:
+    # 48 GiB at safety 0.9: a whole card is 43.2 GiB, over a limit of 42 GiB.
+    exclusive = Claim("x", False, 3, 1, None, uid=1)
+    said = impossible_reason(exclusive, [card(0, 48)], 0.9, UserLimits(max_vram=42 * GiB))
+    assert said is not None and "43.2 GiB" in said
+    assert impossible_reason(exclusive, [card(0, 48)], 0.9, UserLimits(max_vram=44 * GiB)) is None
+
+
+def test_a_whole_gpu_over_the_vram_limit_is_answered_at_once(
+    isolated_dirs: Path, sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "30GiB"\n')
+    sim_file(gpus=2, memory=["80GiB", "24GiB"])
+    # The small card keeps the user within the limit: the job runs there.
+    fits = subprocess.run(
+        [*gpuwait_cmd, "--exclusive", "--timeout", "10s", "--", "true"],
+        capture_output=True,
+        text=True,
+    )
+    assert fits.returncode == 0, fits.stderr
+    sim_file(gpus=1, memory="34GiB")
+    # A whole card of 34 GiB is 30.6 GiB at safety 0.9: it would never be admitted.
+    never = subprocess.run(
+        [*gpuwait_cmd, "--exclusive", "--timeout", "10s", "--", "true"],
+        capture_output=True,
+        text=True,
+    )
+    assert never.returncode == 3, never.stderr
+    assert "exceeds per-user limit of 30.0 GiB" in never.stderr
 
 
 def test_usage_halves_every_half_life() -> None:
