@@ -499,26 +499,7 @@ def lay_out(
     """
     running = [c for c in claims if c.running]
     base = _base_cards(rooms, running)
-    pinned: list[_Job] = []
-    known: list[_Job] = []
-    unknown: list[_Job] = []
-    for claim in sorted((c for c in claims if not c.running), key=Claim.sort_key):
-        if claim.blocked is not None:
-            continue
-        needs = {
-            uuid: need
-            for uuid, room in rooms.items()
-            if (need := _static_need(claim, room, conditions)) is not None
-        }
-        job = _Job(claim, needs, _length(claim), claim.waited)
-        if claim.priority >= URGENT or (claim.due is not None and claim.waited >= claim.due):
-            job.pinned = True
-            pinned.append(job)
-        elif job.length == _NEVER:
-            unknown.append(job)
-        else:
-            known.append(job)
-    pinned.sort(key=lambda j: j.claim.order)
+    pinned, known, unknown = _waiting_jobs(rooms, claims, conditions)
 
     def evaluate(middle: Sequence[_Job]) -> Schedule:
         return _schedule([*pinned, *middle, *unknown], base, rooms, cursor)
@@ -541,6 +522,55 @@ def lay_out(
         best, best_order = _search(best, best_order, evaluate, settings, clock)
     order = [j.claim for j in (*pinned, *best_order, *unknown)]
     return order, best
+
+
+def _waiting_jobs(
+    rooms: Mapping[str, GpuRoom], claims: Sequence[Claim], conditions: Conditions
+) -> tuple[list[_Job], list[_Job], list[_Job]]:
+    """The waiters free to start (no dependency left), as the plan lays them out: those planned
+    with the urgent jobs (in submission order), then those with a run time, then those with
+    none (each in queue order)."""
+    pinned: list[_Job] = []
+    known: list[_Job] = []
+    unknown: list[_Job] = []
+    for claim in sorted((c for c in claims if not c.running), key=Claim.sort_key):
+        if claim.blocked is not None:
+            continue
+        needs = {
+            uuid: need
+            for uuid, room in rooms.items()
+            if (need := _static_need(claim, room, conditions)) is not None
+        }
+        job = _Job(claim, needs, _length(claim), claim.waited)
+        if claim.priority >= URGENT or (claim.due is not None and claim.waited >= claim.due):
+            job.pinned = True
+            pinned.append(job)
+        elif job.length == _NEVER:
+            unknown.append(job)
+        else:
+            known.append(job)
+    pinned.sort(key=lambda j: j.claim.order)
+    return pinned, known, unknown
+
+
+def _strict_starts(
+    gpus: Sequence[GpuSnapshot],
+    claims: Sequence[Claim],
+    safety: float,
+    conditions: Conditions,
+) -> dict[str, float | None]:
+    """Seconds from now until each waiter would start in strict order (None: not known): the
+    queue laid out in the order it is served in (priority, then fair share, then submission;
+    the urgent jobs first), each waiter at the earliest time it fits on top of those before
+    it, and one with no run time in its place, as running for ever. Unlike the plan, it puts
+    no waiter last for want of a run time: a user whose job has no history yet must not have
+    a budget measured behind every job of a heavier user that has one."""
+    rooms = policy.gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    base = _base_cards(rooms, [c for c in claims if c.running])
+    pinned, known, unknown = _waiting_jobs(rooms, claims, conditions)
+    rest = sorted((*known, *unknown), key=lambda j: j.claim.sort_key())
+    laid = _schedule([*pinned, *rest], base, rooms, -1)
+    return _starts(claims, laid)
 
 
 class _Steps:
@@ -810,10 +840,11 @@ def with_wait_budgets(
 ) -> list[Claim]:
     """`claims` with a wait budget (`due`) given to each waiter that has none yet.
 
-    The budget is `max_wait_factor` times the time the in-order plan (the queue laid out in
-    submission order, urgent jobs first) expects it to take from its submission to its end:
+    The budget is `max_wait_factor` times the time strict order (`_strict_starts`: the queue
+    laid out in the order it is served in, urgent jobs first) takes from its submission to its
+    end:
     what it has waited, plus its expected start from now, plus its expected run time where
-    that is known; capped by `max_wait`. A waiter whose in-order start cannot be told yet gets
+    that is known; capped by `max_wait`. A waiter whose strict-order start cannot be told yet gets
     `max_wait` (when set), or none until it can be told.
 
     Why its end and not its start: a job that strict order would start at once has a start
@@ -824,9 +855,7 @@ def with_wait_budgets(
         return list(claims)
     # The in-order plan: the queue laid out in time in submission order, with no search (one
     # pass, where simulating the in-order policy's decisions took up to a tenth of a second).
-    starts = expected_starts(
-        gpus, claims, safety, conditions=conditions, settings=settings, search=False
-    )
+    starts = _strict_starts(gpus, claims, safety, conditions)
     out = []
     for c in claims:
         if not c.running and c.due is None:

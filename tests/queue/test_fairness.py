@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuwait.cli import main
-from gpuwait.core.lookahead import plan_queue
+from gpuwait.core.lookahead import plan_queue, with_wait_budgets
 from gpuwait.core.policy import (
     NO_CONDITIONS,
     Claim,
@@ -40,6 +40,20 @@ def waiter(job_id: str, uid: int, order: int, gib: int = 20, **kw: object) -> Cl
     return Claim(
         job_id, False, kw.pop("priority", 3), order, MemoryRequest(bytes=gib * GiB), uid=uid, **kw
     )  # type: ignore[arg-type]
+
+
+def running_on_gpu0(job_id: str, uid: int, gib: int = 20, **kw: object) -> Claim:
+    return Claim(
+        job_id,
+        True,
+        3,
+        0,
+        MemoryRequest(bytes=gib * GiB),
+        gpu_uuids=("GPU-0",),
+        reserved_bytes=gib * GiB,
+        uid=uid,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_lighter_user_goes_first_within_a_priority() -> None:
@@ -111,17 +125,7 @@ def test_running_jobs_count_against_the_limit() -> None:
 def test_a_waiter_over_its_users_limit_is_planned_around(known: float | None) -> None:
     # Alice holds one GPU (her limit); her next job comes first (priority 4), Bob's after it.
     # The lookahead order must not keep the idle GPU for Alice's job, which cannot start.
-    alice_running = Claim(
-        "alice-1",
-        True,
-        3,
-        0,
-        MemoryRequest(bytes=20 * GiB),
-        gpu_uuids=("GPU-0",),
-        reserved_bytes=20 * GiB,
-        uid=1,
-        expected_seconds=known,
-    )
+    alice_running = running_on_gpu0("alice-1", uid=1, expected_seconds=known)
     claims = [
         alice_running,
         waiter("alice-2", uid=1, order=1, priority=4, expected_seconds=known),
@@ -197,6 +201,26 @@ def test_a_whole_gpu_over_the_vram_limit_is_answered_at_once(
     )
     assert never.returncode == 3, never.stderr
     assert "exceeds per-user limit of 30.0 GiB" in never.stderr
+
+
+def test_a_light_users_job_with_no_history_is_not_starved_by_a_heavy_users_sweep() -> None:
+    # Alice has used the card heavily and queued a sweep of 200 one-minute jobs; Bob, who has
+    # used nothing, queues one job of a command gpuwait has never seen run.
+    busy = running_on_gpu0("running", uid=1, expected_seconds=30.0)
+    sweep = [
+        waiter(f"a{i}", uid=1, order=i + 1, usage=1e15, expected_seconds=60.0) for i in range(200)
+    ]
+    bob = waiter("bob", uid=2, order=500)
+    fair = FairShare(half_life=86400.0, order=Lookahead())
+    claims = with_wait_budgets([card(0)], [busy, *sweep, bob], 0.9, fair.order)
+    # Served in strict order, fair share would start Bob's job once the running one ends: his
+    # wait budget is ten times that, not ten times the whole sweep (200 minutes).
+    (due,) = [c.due for c in claims if c.job_id == "bob"]
+    assert due == pytest.approx(300.0)
+    # Once it is spent, Bob's job is the next to start, before the rest of Alice's sweep.
+    later = [c._replace(waited=due) if c.job_id == "bob" else c for c in claims[1:]]
+    decided = plan_queue([card(0)], later, 0.9, -1, NO_CONDITIONS, fair)
+    assert decided.admitted == {"bob": ("GPU-0",)}
 
 
 def test_usage_halves_every_half_life() -> None:
