@@ -645,7 +645,7 @@ def plan(
     # Waiters a per-user limit keeps from starting now are left out of the layout: planned
     # there, they would take room at once that they cannot use, and the other users' waiters
     # behind them would wait for it (a limit holds up nobody but its own user).
-    left_out = _over_limit(claims, rooms, conditions, limits, held_by_user)
+    left_out = policy.over_limit(claims, rooms, conditions, limits, held_by_user)
     for _ in range(_LIMIT_ROUNDS):
         planned = [c for c in claims if c.job_id not in left_out]
         now_rooms = dict(rooms)
@@ -716,36 +716,6 @@ def plan(
         order=tuple(c.job_id for c in order) if search else tuple(hint),
         starts=_starts(claims, laid),
     )
-
-
-def _over_limit(
-    claims: Sequence[Claim],
-    rooms: Mapping[str, GpuRoom],
-    conditions: Conditions,
-    limits: UserLimits | None,
-    held_by_user: Mapping[int, tuple[int, int]],
-) -> dict[str, str]:
-    """The waiters that what their user's running jobs hold keeps from starting now, whatever
-    else starts (job id -> the limit's words): even their smallest need goes over."""
-    if limits is None:
-        return {}
-    found: dict[str, str] = {}
-    for claim in claims:
-        if claim.running or claim.blocked is not None:
-            continue
-        needs = [
-            need
-            for room in rooms.values()
-            if (need := policy.need_on(claim, room, conditions)) is not None
-        ]
-        if not needs:
-            continue
-        gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
-        wanted = claim.gpus_wanted
-        refusal = limits.refusal(gpus_held, vram_held, wanted, min(needs) * wanted)
-        if refusal is not None:
-            found[claim.job_id] = refusal
-    return found
 
 
 def _hold(order: Sequence[Claim], laid: Schedule) -> Hold | None:

@@ -715,6 +715,9 @@ def plan(
     claims = within_vram_limit(claims, gpus, safety, limits)
     held_by_user = user_holdings(claims) if limits is not None else {}
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
+    # What their user holds keeps these from starting now: none of them is the head, which
+    # would hold GPUs for a job that cannot take them.
+    over = over_limit(claims, rooms, conditions, limits, held_by_user)
     running = [c for c in claims if c.running]
     running_total = len(running)
     waiting = sorted((c for c in claims if not c.running), key=Claim.sort_key)
@@ -727,6 +730,10 @@ def plan(
     for position, claim in enumerate(waiting):
         if claim.blocked is not None:
             reasons[claim.job_id] = wait_reason(claim, rooms, running_total, position, conditions)
+            continue
+        if claim.job_id in over:
+            reason = wait_reason(claim, rooms, running_total, position, conditions)
+            reasons[claim.job_id] = reason._replace(limit=over[claim.job_id])
             continue
         fitting: list[_Fit] = []
         for room in rooms.values():
@@ -841,6 +848,36 @@ def within_vram_limit(
                 claim = claim._replace(candidates=within)
         kept.append(claim)
     return kept
+
+
+def over_limit(
+    claims: Sequence[Claim],
+    rooms: Mapping[str, GpuRoom],
+    conditions: Conditions,
+    limits: UserLimits | None,
+    held_by_user: Mapping[int, tuple[int, int]],
+) -> dict[str, str]:
+    """The waiters that what their user's running jobs hold keeps from starting now, whatever
+    else starts (job id -> the limit's words): even their smallest need goes over."""
+    if limits is None:
+        return {}
+    found: dict[str, str] = {}
+    for claim in claims:
+        if claim.running or claim.blocked is not None:
+            continue
+        needs = [
+            need
+            for room in rooms.values()
+            if (need := need_on(claim, room, conditions)) is not None
+        ]
+        if not needs:
+            continue
+        gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
+        wanted = claim.gpus_wanted
+        refusal = limits.refusal(gpus_held, vram_held, wanted, min(needs) * wanted)
+        if refusal is not None:
+            found[claim.job_id] = refusal
+    return found
 
 
 def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:

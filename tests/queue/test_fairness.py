@@ -136,6 +136,24 @@ def test_a_waiter_over_its_users_limit_is_planned_around(known: float | None) ->
     assert "per-user limit of 1 GPUs (1 held)" in decided.waiting["alice-2"].describe()
 
 
+@pytest.mark.parametrize("order", [None, Lookahead()])
+def test_a_waiter_over_its_users_limit_holds_no_gpu_for_itself(order: Lookahead | None) -> None:
+    # A limit of 24 GiB per user. Alice holds 20 GiB on GPU0; her next job (priority 4, 20 GiB)
+    # fits nowhere and is over her limit anyway. Bob holds 10 GiB on GPU1 and asks for 8 more,
+    # which fit there: no GPU is held for Alice's job, which could not take it.
+    claims = [
+        running_on_gpu0("alice-1", uid=1),
+        running_on_gpu0("bob-1", uid=2, gib=10)._replace(gpu_uuids=("GPU-1",)),
+        waiter("alice-2", uid=1, order=1, priority=4),
+        waiter("bob-2", uid=2, order=2, gib=8),
+    ]
+    fair = FairShare(limits=UserLimits(max_vram=24 * GiB), order=order)
+    decided = plan_queue([card(0), card(1)], claims, 0.9, -1, NO_CONDITIONS, fair)
+    assert decided.admitted == {"bob-2": ("GPU-1",)}
+    assert decided.hold is None
+    assert "per-user limit of 24.0 GiB (20.0 GiB held)" in decided.waiting["alice-2"].describe()
+
+
 def test_what_a_user_starts_in_one_plan_counts_against_their_limit_in_it() -> None:
     # Two idle GPUs, Alice's two urgent jobs first: her first takes one card, her second would
     # go over her limit, so Bob's job gets the other card now.
