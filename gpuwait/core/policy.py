@@ -142,6 +142,9 @@ class Claim(Record, frozen=True):
     #: Its wait budget: once `waited` reaches it, the lookahead order puts it first with the
     #: urgent jobs (no starvation). None: not set yet (see `lookahead.with_wait_budgets`).
     due: float | None = None
+    #: Its owner's safety factor (running jobs): a GPU it runs on is filled no further than
+    #: that, by anyone. None: the planner's own alone.
+    safety: float | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -386,9 +389,12 @@ def gpu_rooms(
         committed = sum(max(c.reserved_bytes, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
         others = [p for p in gpu.processes if p.pid not in ours]
         ignored = [p for p in others if p.name is not None and p.name in ignore_processes]
+        # The most careful of the users whose jobs run there decides how full it gets: a user
+        # with a laxer safety of their own fills it no further than theirs.
+        strictest = min([safety, *(c.safety for c in on_gpu if c.safety is not None)])
         rooms[gpu.uuid] = GpuRoom(
             gpu=gpu,
-            usable=int(gpu.total_bytes * safety),
+            usable=int(gpu.total_bytes * strictest),
             external=max(0, gpu.used_bytes - observed),
             committed=committed,
             running_jobs=len(on_gpu),

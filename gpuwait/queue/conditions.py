@@ -282,6 +282,7 @@ def claim_of(
         prefer=frozenset(job.prefer),
         waited=max(0.0, since(job.submitted_at, job.submitted_boot, now, boot_now)),
         due=job.wait_budget,
+        safety=job.safety,
     )
 
 

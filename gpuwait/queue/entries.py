@@ -115,6 +115,9 @@ class Job(Record):
     #: is not asked to step aside sooner after a start, or more often, than its owner allows.
     pause_min_runtime: float | None = None
     pause_max: int | None = None
+    #: Its owner's safety factor at its submission: while it runs, nobody's job is admitted
+    #: onto its GPUs past that share of their memory, whatever the admitting user's own safety.
+    safety: float | None = None
     pause_requested_at: float | None = None
     pause_requested_by: str | None = None
     pause_signalled_at: float | None = None
@@ -238,6 +241,7 @@ class Job(Record):
             pauses=_int(raw, "pauses", 0, 10_000) if "pauses" in raw else 0,
             pause_min_runtime=_lenient_seconds(raw.get("pause_min_runtime")),
             pause_max=_lenient_count(raw.get("pause_max")),
+            safety=_lenient_fraction(raw.get("safety")),
             pause_requested_at=_seconds(raw.get("pause_requested_at")),
             pause_requested_by=(
                 None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")
@@ -291,6 +295,13 @@ def _lenient_seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if 0 <= value < 1e12 else None
+
+
+def _lenient_fraction(value: Any) -> float | None:
+    """A share in (0, 1] read leniently: anything else is as if never set."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 < value <= 1 else None
 
 
 def _lenient_count(value: Any) -> int | None:

@@ -478,6 +478,7 @@ def _new_job(
         once=request.once,
         prefer=_preferred(config, snapshot),
         freezable=request.freezable,
+        safety=config.wait.safety,
     )
     rules = config.wait.pause_rules
     if (pausable is not None or request.freezable) and rules is not None:

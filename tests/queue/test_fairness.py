@@ -241,6 +241,20 @@ def test_a_light_users_job_with_no_history_is_not_starved_by_a_heavy_users_sweep
     assert decided.admitted == {"bob": ("GPU-0",)}
 
 
+def test_a_card_is_filled_no_further_than_its_most_careful_users_safety() -> None:
+    # Bob's job (10 GiB, his safety 0.9) runs on a 24 GiB card; Alice plans with safety 1.0.
+    bobs = running_on_gpu0("bob", uid=2, gib=10, safety=0.9)
+    alices = waiter("alice", uid=1, order=1, gib=13)
+    assert plan([card(0)], [bobs, alices], 1.0).admitted == {}
+    # What Bob's safety leaves room for starts; where his job is gone, so is his say.
+    assert set(
+        plan(
+            [card(0)], [bobs, alices._replace(request=MemoryRequest(bytes=11 * GiB))], 1.0
+        ).admitted
+    ) == {"alice"}
+    assert set(plan([card(0)], [bobs._replace(safety=None), alices], 1.0).admitted) == {"alice"}
+
+
 def test_usage_halves_every_half_life() -> None:
     assert decayed(UserUsage(100.0, 1000.0), 1000.0 + 3600, 3600.0) == pytest.approx(50.0)
     assert decayed(UserUsage(100.0, 1000.0), 1000.0 + 3600, None) == 100.0

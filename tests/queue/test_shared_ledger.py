@@ -456,6 +456,23 @@ def test_a_waiter_held_back_by_its_users_limit_keeps_no_card_from_another_user(
     assert "per-user limit of 1 GPUs" in waiting["waiting_reason"]
 
 
+def test_a_users_laxer_safety_does_not_fill_the_card_under_anothers_job(server: Server) -> None:
+    # Bob runs 10 GiB on the 24 GiB card with the default safety (0.9: 21.6 GiB may be
+    # reserved). Alice has set safety 1.0 for herself.
+    server.start(BOB, "--vram", "10G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    alice = {**server.envs[ALICE], "GPUWAIT_SAFETY": "1.0"}
+
+    def alice_runs(vram: str) -> subprocess.CompletedProcess[str]:
+        return run_as(ALICE, ALICE, [GROUP], ["--vram", vram, "--timeout", "1s", "true"], alice)
+
+    # 13 GiB beside Bob's job would leave his margin to no one: she waits while it runs...
+    over = alice_runs("13G")
+    assert over.returncode == 124, over.stderr
+    # ...while what stays within Bob's safety starts at once.
+    assert alice_runs("11G").returncode == 0
+
+
 @pytest.mark.parametrize("fair_share", [True, False])
 def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool) -> None:
     if not fair_share:
