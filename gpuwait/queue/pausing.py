@@ -13,10 +13,19 @@ A `--freezable` job is chosen and marked the same way; its gpuwait freezes it in
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpuwait.core.pausing import PauseChoice, PauseRules, RunningJob, choose_victims
-from gpuwait.core.policy import Claim, gpu_rooms, need_on
+from gpuwait.core.policy import (
+    NO_CONDITIONS,
+    Claim,
+    GpuRoom,
+    UserLimits,
+    gpu_rooms,
+    need_on,
+    over_limit,
+    user_holdings,
+)
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc
@@ -76,6 +85,24 @@ def _expected_wait(claims: Sequence[Claim], need: dict[str, int]) -> float | Non
     return best
 
 
+def _over_limit_anyway(
+    waiter: Claim,
+    claims: Sequence[Claim],
+    data: LedgerData,
+    rooms: Mapping[str, GpuRoom],
+    limits: UserLimits | None,
+) -> bool:
+    """Whether its user's limits keep `waiter` from starting even once every job of that user
+    that might step aside has done so: whoever stepped aside for it would do so for nothing,
+    their GPU idle while the waiter waits for its user's other jobs to end."""
+    if limits is None:
+        return False
+    may_step_aside = {j.id for j in data.jobs if j.state == RUNNING and (j.pausable or j.freezable)}
+    staying = [c for c in claims if not (c.running and c.job_id in may_step_aside)]
+    held = user_holdings(staying)
+    return waiter.job_id in over_limit([waiter], rooms, NO_CONDITIONS, limits, held)
+
+
 def ask_for_room(
     ledger: Ledger,
     job: Job,
@@ -83,10 +110,12 @@ def ask_for_room(
     safety: float,
     rules: PauseRules,
     idle_jobs: frozenset[str] = frozenset(),
+    limits: UserLimits | None = None,
 ) -> tuple[str, ...]:
     """If `job` waits and pausing lower-priority jobs would let it in, mark them; return their ids.
     `idle_jobs`: running jobs seen idle (`idle_action = pause`), asked whatever their priority
-    where they are the waiter's user's own.
+    where they are the waiter's user's own. `limits`: the per-user limits in force; a waiter
+    that they would keep from starting in the room freed asks nobody.
 
     Nothing is asked while a request of this waiter is still pending, so one waiter never pauses
     more than it needs; jobs already asked by another waiter are neither asked again nor counted
@@ -119,6 +148,8 @@ def ask_for_room(
         claims = [claim_of(j, snapshot.gpus, now, boot_now=boot_now) for j in data.jobs]
         rooms = gpu_rooms(snapshot.gpus, claims, safety)
         my_claim = claim_of(mine, snapshot.gpus, now, boot_now=boot_now)
+        if _over_limit_anyway(my_claim, claims, data, rooms, limits):
+            return None
         need = {}
         for uuid, room in rooms.items():
             bytes_needed = need_on(my_claim, room)

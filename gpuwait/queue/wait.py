@@ -379,7 +379,15 @@ def wait_for_admission(
                 from gpuwait.queue.idle import idle_jobs
 
                 idle = idle_jobs(policy.idle, snapshot, ledger.read(), policy.ignore_processes)
-            ask_for_room(ledger, job, snapshot, policy.safety, policy.pause_rules, idle)
+            ask_for_room(
+                ledger,
+                job,
+                snapshot,
+                policy.safety,
+                policy.pause_rules,
+                idle,
+                policy.fair.limits,
+            )
             # Said on every reading, not only when asking: the waiter must keep seeing why it
             # still waits (a job that does not catch the signal yet, or ignores it).
             pause = pause_progress(ledger.read(), job.id, time.time(), proc.boot_clock())

@@ -29,6 +29,9 @@ from gpuwait.queue.lifecycle import Admitted
 
 GiB = 2**30
 MACHINE = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),))
+TWO_CARDS = MachineSnapshot(
+    "sim", tuple(GpuSnapshot(i, f"GPU-{i}", "Test GPU", 24 * GiB, 0) for i in range(2))
+)
 
 
 def running_pausable(
@@ -273,6 +276,35 @@ def test_a_job_that_stepped_aside_asks_nobody_of_higher_priority_to_step_aside(
     with ledger.transaction() as data:
         data.jobs[:] = [middle, urgent]
     assert ask_for_room(ledger, urgent, MACHINE, 0.9, PauseRules(min_runtime=1.0)) == ("middle",)
+
+
+def test_a_waiter_over_its_users_limit_asks_nobody_to_step_aside(tmp_path: Path) -> None:
+    # One GPU per user. The user's urgent job waits while their training run holds GPU1; a
+    # pausable job of priority 1 runs on GPU0. Were it to step aside, the urgent job still
+    # could not start until the training run had ended: the paused job would lose its run and
+    # GPU0 would stand idle, for nothing.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.core.policy import UserLimits
+    from gpuwait.queue.pausing import ask_for_room
+
+    now = time.time()
+    low = running_pausable("low", 1, now - 700, "GPU-0")
+    training = live_job(
+        "training", state=RUNNING, started_at=now, gpu_uuids=["GPU-1"], reserved_bytes=16 * GiB
+    )
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs[:] = [low, training, urgent]
+    rules = PauseRules(min_runtime=1.0)
+    one_gpu = UserLimits(max_gpus=1)
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules, limits=one_gpu) == ()
+    # Without the limit it is asked; so it is where the training run could step aside too.
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ("low",)
+    fresh = Ledger(tmp_path / "fresh")
+    with fresh.transaction() as data:
+        data.jobs[:] = [low, training._replace(pausable=True, priority=1), urgent]
+    assert ask_for_room(fresh, urgent, TWO_CARDS, 0.9, rules, limits=one_gpu) != ()
 
 
 def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
