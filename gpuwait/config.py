@@ -795,6 +795,8 @@ class Settings(Record):
     #: None where there is none: no home directory to hold one (`config_file_path`).
     config_file: Path | None = Path("config.toml")
     site_file: Path | None = None
+    #: max_wait_factor and max_wait as the site file (else the default) sets them.
+    site_wait: tuple[float, float | None] = (Lookahead.max_wait_factor, None)
 
     @property
     def state_path(self) -> Path:
@@ -826,7 +828,11 @@ class Settings(Record):
                 max_wait=self.max_wait,
             )
         )
-        return FairShare(half_life=self.fair_share_half_life, limits=limits, order=order)
+        factor, max_wait = self.site_wait
+        site = Lookahead(max_wait_factor=factor, max_wait=max_wait)
+        return FairShare(
+            half_life=self.fair_share_half_life, limits=limits, order=order, site_order=site
+        )
 
     def shown(self, name: str) -> str:
         """Setting `name` as a user would type it."""
@@ -1009,7 +1015,24 @@ def resolve(
             value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
             raise UsageError(f"{shown}: {value} is not valid for {option.name}: {exc}") from None
         sources[option.name] = source
-    return Settings(**values, sources=sources, config_file=config_file, site_file=site_file)
+    site_wait = (_site_value("max_wait_factor", site), _site_value("max_wait", site))
+    return Settings(
+        **values,
+        sources=sources,
+        config_file=config_file,
+        site_file=site_file,
+        site_wait=site_wait,
+    )
+
+
+def _site_value(name: str, site: Mapping[str, Any]) -> Any:
+    """Setting `name` as the site file (else the default) sets it; an invalid value in the site
+    file is said where it is used, and counts as the default here."""
+    option = OPTIONS_BY_NAME[name]
+    try:
+        return option.parse(site.get(name, option.default))
+    except (ValueError, TypeError):
+        return option.parse(option.default)
 
 
 def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:

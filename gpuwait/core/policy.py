@@ -203,6 +203,22 @@ class FairShare(Record, frozen=True):
     half_life: float | None = None
     limits: UserLimits | None = None
     order: Lookahead | None = None
+    #: The wait budgets' settings of the site (its config file, else the defaults).
+    site_order: Lookahead | None = None
+
+    def in_shared_ledger(self) -> FairShare:
+        """The policy for budgets written into a ledger shared with other users: a user's own
+        settings may give their jobs longer wait budgets than the site's, never shorter ones
+        (which would put their jobs first in every member's plan)."""
+        if self.order is None or self.site_order is None:
+            return self
+        own, site = self.order, self.site_order
+        capped = None not in (own.max_wait, site.max_wait)
+        order = own._replace(
+            max_wait_factor=max(own.max_wait_factor, site.max_wait_factor),
+            max_wait=max(own.max_wait or 0.0, site.max_wait or 0.0) if capped else None,
+        )
+        return self._replace(order=order)
 
 
 class Conditions(Record, frozen=True):

@@ -672,8 +672,10 @@ def admit(
             )
             said.append(("leave", {"job": job.id, "outcome": DEPENDENCY_FAILED}))
             return copy_job(mine), DependencyFailed(failure)
+        # Budgets written where other users plan from them follow the site's at the least.
+        budgeting = fair.in_shared_ledger() if ledger.shared else fair
         claims, budgets = planned_claims(
-            data, snapshot.gpus, fair, now, safety, conditions, boot_now
+            data, snapshot.gpus, budgeting, now, safety, conditions, boot_now
         )
         for entry in data.jobs:
             if entry.id in budgets and data.mine(entry):

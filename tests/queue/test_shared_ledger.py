@@ -473,6 +473,29 @@ def test_a_users_laxer_safety_does_not_fill_the_card_under_anothers_job(server: 
     assert alice_runs("11G").returncode == 0
 
 
+def test_a_users_own_short_max_wait_does_not_put_their_jobs_first(server: Server) -> None:
+    server.site_config('fair_share_half_life = "none"\n')  # first come, first served
+    holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--name", "bobs-next", "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(2)
+    # Alice, who came later, has set max_wait = 0.5s for herself.
+    argv = ["--name", "alices", "--vram", "20G", "--", "sleep", "30"]
+    env = {**server.envs[ALICE], "GPUWAIT_MAX_WAIT": "0.5s"}
+    server.procs.append(popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True))
+    server.wait_jobs(3)
+    time.sleep(1.0)  # past her own max_wait
+    os.killpg(holder.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while not (
+        started := [j["name"] for j in server.jobs() if j["state"] == "running" and j["name"]]
+    ):
+        assert time.monotonic() < deadline, server.jobs()
+        time.sleep(0.02)
+    # Bob's job, first in line, starts: her setting shortens nobody's wait but for her own plan.
+    assert started == ["bobs-next"]
+
+
 @pytest.mark.parametrize("fair_share", [True, False])
 def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool) -> None:
     if not fair_share:
