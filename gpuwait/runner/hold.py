@@ -42,7 +42,7 @@ from gpuwait.core.policy import WaitReason
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu import open_backend
-from gpuwait.history.learn import RequestChoice, kept_command
+from gpuwait.history.learn import RequestChoice
 from gpuwait.linux import signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
@@ -318,14 +318,7 @@ def _hold(
     try:
         with _signals_taken():
             try:
-                job = lifecycle.submit(
-                    ledger,
-                    job,
-                    request.after,
-                    request.after_ok,
-                    config.state_dir,
-                    kept_command(request.command, job.cwd, config.history_commands),
-                )
+                job = session.submit(ledger, job, request, config)
             except signals.SignalPending as exc:
                 raise WaitInterrupted(exc.signum) from None
             except StateError as exc:

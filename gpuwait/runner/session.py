@@ -537,6 +537,19 @@ def _ledger(config: RunConfig, reporter: Reporter | None = None) -> Ledger:
     )
 
 
+def submit(ledger: Ledger, job: Job, request: RunRequest, config: RunConfig) -> Job:
+    """`job` entered in the queue as `request` asks: its dependencies, and its command as the
+    history keeps it."""
+    return lifecycle.submit(
+        ledger,
+        job,
+        request.after,
+        request.after_ok,
+        config.state_dir,
+        kept_command(request.command, job.cwd, config.history_commands),
+    )
+
+
 def _show_warnings(ledger: Ledger, reporter: Reporter) -> None:
     for message in ledger.take_warnings():
         reporter.warn(message)
@@ -665,14 +678,7 @@ def _attempt(
     signals.block_handled()
     ledger = _ledger(config, reporter)
     try:
-        job = lifecycle.submit(
-            ledger,
-            job,
-            request.after,
-            request.after_ok,
-            config.state_dir,
-            kept_command(request.command, job.cwd, config.history_commands),
-        )
+        job = submit(ledger, job, request, config)
     except StateError as exc:
         if config.on_state_error != "run":
             raise
