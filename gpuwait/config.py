@@ -65,6 +65,10 @@ def _whole(value: Any, low: int, high: int) -> int:
     return parse_whole(str(value), low, high)
 
 
+#: The share of each GPU's memory gpuwait fills at most, unless told otherwise.
+DEFAULT_SAFETY = 0.9
+
+
 def _fraction(value: Any) -> float:
     try:
         number = _number(value)
@@ -388,7 +392,10 @@ class Option(Record, frozen=True):
 
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "safety", _fraction, 0.9, "fraction of each GPU's total VRAM that gpuwait fills at most"
+        "safety",
+        _fraction,
+        DEFAULT_SAFETY,
+        "fraction of each GPU's total VRAM that gpuwait fills at most",
     ),
     Option(
         "pick", _choice(*PICK_STRATEGIES), "best-fit", "how a GPU is chosen among those that fit"
@@ -797,6 +804,8 @@ class Settings(Record):
     site_file: Path | None = None
     #: max_wait_factor and max_wait as the site file (else the default) sets them.
     site_wait: tuple[float, float | None] = (Lookahead.max_wait_factor, None)
+    #: safety as the site file (else the default) sets it.
+    site_safety: float = DEFAULT_SAFETY
 
     @property
     def state_path(self) -> Path:
@@ -831,7 +840,11 @@ class Settings(Record):
         factor, max_wait = self.site_wait
         site = Lookahead(max_wait_factor=factor, max_wait=max_wait)
         return FairShare(
-            half_life=self.fair_share_half_life, limits=limits, order=order, site_order=site
+            half_life=self.fair_share_half_life,
+            limits=limits,
+            order=order,
+            site_order=site,
+            site_safety=self.site_safety,
         )
 
     def shown(self, name: str) -> str:
@@ -1022,6 +1035,7 @@ def resolve(
         config_file=config_file,
         site_file=site_file,
         site_wait=site_wait,
+        site_safety=_site_value("safety", site),
     )
 
 

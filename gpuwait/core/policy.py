@@ -205,6 +205,11 @@ class FairShare(Record, frozen=True):
     order: Lookahead | None = None
     #: The wait budgets' settings of the site (its config file, else the defaults).
     site_order: Lookahead | None = None
+    #: The site's safety (its config file, else the default): another user's job keeps the
+    #: GPUs it runs on filled no further than its own safety, but never less full than this.
+    #: Believed down to any value, a job of 1 GiB with its owner's safety at 0.05 would keep
+    #: a whole card from everyone else while it ran. None: no floor.
+    site_safety: float | None = None
 
     def in_shared_ledger(self) -> FairShare:
         """The policy for budgets written into a ledger shared with other users: a user's own

@@ -299,20 +299,32 @@ def claims_for(
     usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life, boot_now)
     tree = unpublished_pids(data.jobs, gpus)
     return [
-        as_counted(
-            claim_of(
+        _safety_believed(
+            as_counted(
+                claim_of(
+                    j,
+                    gpus,
+                    now,
+                    blocked=_blocker(j, data),
+                    usage=usage.get(j.uid, 0.0),
+                    tree=tree.get(j.id, ()),
+                    boot_now=boot_now,
+                ),
                 j,
-                gpus,
-                now,
-                blocked=_blocker(j, data),
-                usage=usage.get(j.uid, 0.0),
-                tree=tree.get(j.id, ()),
-                boot_now=boot_now,
             ),
-            j,
+            data.mine(j),
+            fair.site_safety,
         )
         for j in data.jobs
     ]
+
+
+def _safety_believed(claim: Claim, mine: bool, floor: float | None) -> Claim:
+    """`claim` with its owner's safety as this user's plan heeds it: their own as it is,
+    another user's no stricter than the site's (`floor`), which holds everyone alike."""
+    if mine or floor is None or claim.safety is None or claim.safety >= floor:
+        return claim
+    return claim._replace(safety=floor)
 
 
 def as_counted(claim: Claim, job: Job) -> Claim:

@@ -496,6 +496,23 @@ def test_a_users_own_short_max_wait_does_not_put_their_jobs_first(server: Server
     assert started == ["bobs-next"]
 
 
+def test_a_users_stricter_safety_keeps_the_card_no_emptier_than_the_sites(
+    server: Server,
+) -> None:
+    # Bob holds 1 GiB of the 24 GiB card with safety 0.05 set for himself: believed as it is,
+    # his job would keep the whole card from everyone while it ran, for 1 GiB of his limits
+    # and fair share. Another user's safety counts down to the site's (the default 0.9).
+    bob = {**server.envs[BOB], "GPUWAIT_SAFETY": "0.05"}
+    server.procs.append(
+        popen_as(
+            BOB, BOB, [GROUP], ["--vram", "1G", "--", "sleep", "30"], bob, start_new_session=True
+        )
+    )
+    server.wait_jobs(1, "running")
+    done = server.run(ALICE, "--vram", "10G", "--timeout", "2s", "true")
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("fair_share", [True, False])
 def test_fair_share_puts_the_lighter_user_first(server: Server, fair_share: bool) -> None:
     if not fair_share:
