@@ -13,6 +13,7 @@ import shutil
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from gpuwait.commands import output
@@ -28,8 +29,8 @@ from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import GPU_OK
 from gpuwait.queue.conditions import name_processes
-from gpuwait.queue.entries import RUNNING, LedgerData
-from gpuwait.queue.idle import record_reading
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.idle import record_reading, running_here
 from gpuwait.queue.report import STATUS_SCHEMA, View, read_queue, report_from
 
 _MIN_WIDTH = 80
@@ -163,7 +164,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     #: What to do about `backend_error` (install the driver, reboot after an upgrade), if known.
     report["backend_hint"] = hint
     _add_frozen(report, data)
-    quiet = idle_holders(settings, snapshot, report["jobs"], ignore)
+    quiet = idle_holders(settings, snapshot, data.jobs, ignore)
     report["idle"] = [h for h in quiet if h["idle_seconds"] >= settings.idle_after]
     #: Holding memory on a quiet GPU, but not seen so for `idle_after` yet.
     report["idle_watching"] = [h for h in quiet if h["idle_seconds"] < settings.idle_after]
@@ -197,23 +198,15 @@ def idle_rule(settings: Settings) -> IdleRule:
 def idle_holders(
     settings: Settings,
     snapshot: MachineSnapshot | None,
-    jobs: list[dict[str, Any]],
+    jobs: Sequence[Job],
     ignore: frozenset[str],
 ) -> list[dict[str, Any]]:
     """This reading added to the evidence of idle VRAM holders, and every process holding
     `idle_min_vram` on a quiet GPU, with how long it has been seen so."""
     if snapshot is None:
         return []
-    here = [
-        j
-        for j in jobs
-        # Another pid namespace's command is no process of this one.
-        if j["state"] == RUNNING and j["child_pid"] and not j["other_pid_namespace"]
-    ]
-    running = {j["child_pid"]: j["id"] for j in here}
-    rooms = {j["child_pid"]: (j["gpu_uuids"], j["reserved_bytes"]) for j in here}
     return record_reading(
-        settings.machine_path, snapshot, idle_rule(settings), running, ignore, rooms=rooms
+        settings.machine_path, snapshot, idle_rule(settings), running_here(jobs), ignore
     )
 
 

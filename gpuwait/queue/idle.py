@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
 from gpuwait.linux.atomic import remove_left_temp_files, write_atomic
-from gpuwait.queue.entries import RUNNING, LedgerData, elsewhere
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 
 IDLE_FILE = "idle.json"
 #: 2: times on the boot-time clock (1: the wall clock's, not read).
@@ -50,19 +50,20 @@ def record_reading(
     state_dir: Path,
     snapshot: MachineSnapshot,
     rule: IdleRule,
-    jobs: Mapping[int, str],
+    running: Sequence[Job],
     ignore: Collection[str] = (),
     now: float | None = None,
-    rooms: Mapping[int, tuple[Collection[str], int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Add `snapshot` to the evidence and return, as plain data, every process it shows
     holding at least `rule.min_bytes` on a quiet GPU, with how long it has been seen so
     (`idle_seconds`): those at `rule.after` or more are the idle ones.
-    `jobs`: the command pid of each running gpuwait job -> the job's id; `rooms`: the same pid
-    -> (the job's GPUs' UUIDs, bytes reserved on each), so that a job holding room where none
-    of its processes shows (a notebook's reservation not used) counts as holding it; `now`: on
-    the evidence's clock (`proc.boot_clock`)."""
+    `running`: the running jobs whose commands are processes here (`running_here`): a process
+    of one is named with its job, and a job holding room where none of its processes shows (a
+    notebook's reservation not used) counts as holding it; `now`: on the evidence's clock
+    (`proc.boot_clock`)."""
     now = proc.boot_clock() if now is None else now
+    jobs = {j.child_pid: j.id for j in running if j.child_pid}
+    rooms = {j.child_pid: (j.gpu_uuids, j.reserved_bytes) for j in running if j.child_pid}
     # A job's room counts on a quiet GPU only: on none, no process tree needs walking.
     quiet = any(
         g.utilization_pct is not None and g.utilization_pct < rule.max_util_pct
@@ -91,22 +92,21 @@ class IdleWatch(Record, frozen=True):
     state_dir: Path
 
 
+def running_here(jobs: Iterable[Job]) -> list[Job]:
+    """The running jobs whose command is a process of this pid namespace: another namespace's
+    command is no process here, and its idleness is not seen."""
+    return [j for j in jobs if j.state == RUNNING and j.child_pid and not elsewhere(j)]
+
+
 def idle_jobs(
     watch: IdleWatch, snapshot: MachineSnapshot, data: LedgerData, ignore: Collection[str] = ()
 ) -> frozenset[str]:
     """The running jobs whose command (or a process below it) this reading, with the evidence
     before it, shows idle: a waiter's reading adds to the evidence as `status`'s does."""
-    here = [
-        j
-        for j in data.jobs
-        # Another pid namespace's command is no process of this one: its idleness is not seen.
-        if j.state == RUNNING and j.child_pid and not elsewhere(j)
-    ]
+    here = running_here(data.jobs)
     if not here:
         return frozenset()
-    running = {j.child_pid: j.id for j in here if j.child_pid}
-    rooms = {j.child_pid: (j.gpu_uuids, j.reserved_bytes) for j in here if j.child_pid}
-    found = record_reading(watch.state_dir, snapshot, watch.rule, running, ignore, rooms=rooms)
+    found = record_reading(watch.state_dir, snapshot, watch.rule, here, ignore)
     return frozenset(h["job"] for h in found if h["job"] and h["idle_seconds"] >= watch.rule.after)
 
 
