@@ -19,8 +19,9 @@ class Decision(Record, frozen=True):
 
 
 def disabled(env: Mapping[str, str]) -> bool:
-    """GPUWAIT_DISABLE set to anything but empty or 0."""
-    return env.get("GPUWAIT_DISABLE", "").strip() not in ("", "0")
+    """GPUWAIT_DISABLE set to anything but empty or 0, compared exactly as the shell hooks
+    compare it (they decide first, without Python): " 0" disables, as it does there."""
+    return env.get("GPUWAIT_DISABLE", "") not in ("", "0")
 
 
 def decide(

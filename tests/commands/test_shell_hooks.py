@@ -170,6 +170,26 @@ def test_disable_variable_runs_bare(shell: str, hook_env: dict[str, str], tmp_pa
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_explain_says_what_the_hook_does_with_a_padded_disable_value(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The hooks read " 0" as set (not empty, not 0) and run bare: --explain must say the same.
+    script = f"{init_line(shell, '--always')}\npython probe.py x\n"
+    env = {**hook_env, "GPUWAIT_DISABLE": " 0"}
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert probe_lines(done.stdout) == [{"argv": ["x"], "cuda": None, "job": None}], done.stderr
+    explain = subprocess.run(
+        ["gpuwait", "shell-hook", "--explain", "--", "python", "probe.py"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert explain.returncode == 1, explain.stdout + explain.stderr
+    assert "GPUWAIT_DISABLE" in explain.stdout + explain.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_non_interactive_shells_are_untouched_without_always(
     shell: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
