@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 
+from gpuwait.commands.output import json_text
 from gpuwait.commands.parsing import Parser, terminal_columns
 from gpuwait.config import OPTIONS, load_settings
 from gpuwait.core.text import printable
@@ -26,15 +26,14 @@ def run(args: argparse.Namespace) -> int:
     rows = [(o.name, settings.shown(o.name), settings.sources[o.name]) for o in OPTIONS]
     if args.json:
         print(
-            json.dumps(
+            json_text(
                 {
                     "config_file": str(settings.config_file) if settings.config_file else None,
                     "site_config_file": str(settings.site_file) if settings.site_file else None,
                     "state_dir": str(settings.state_path),
                     "ledger_dir": str(settings.ledger_path),
                     "settings": {n: {"value": v, "source": s} for n, v, s in rows},
-                },
-                indent=2,
+                }
             )
         )
         return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     default = settings.shown("default_vram")
     launched = _as_launched(settings, learned)
     if args.json:
-        print(json.dumps(_report(learned, default, launched), indent=2))
+        print(output.json_text(_report(learned, default, launched)))
         return 0
     _show(learned, default, command, launched)
     return 0

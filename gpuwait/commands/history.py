@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -83,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if message:
         output.warn(message)
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(output.json_text(records))
         return 0
     if not records:
         # `-n 0` asks for no rows and gets none, as from `log -n 0` and `tail -n 0`.

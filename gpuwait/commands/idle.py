@@ -7,7 +7,6 @@ gpuwait.queue.idle); the rule is `idle_min_vram`, `idle_max_util` and `idle_afte
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 
@@ -52,7 +51,7 @@ def run(options: argparse.Namespace) -> int:
             "idle": holders,
             "watching": report["idle_watching"],
         }
-        print(json.dumps(document, indent=2))
+        print(output.json_text(document))
         return EXIT_NO_GPU if report["backend_error"] else 0
     for message in report["warnings"]:
         output.warn(message)

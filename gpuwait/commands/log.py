@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gpuwait.commands.common import ledger_for
-from gpuwait.commands.output import local_time
+from gpuwait.commands.output import json_text, local_time
 from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     def show(event: dict[str, Any]) -> None:
         print(
-            json.dumps(event, sort_keys=True)
+            json_text(event, indent=None, sort_keys=True)
             if args.json
             else printable(describe(event, indices), 4000)
         )

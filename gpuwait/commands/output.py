@@ -1,8 +1,10 @@
-"""The CLI's messages on stderr: errors, warnings, and the waiting line. Only gpuwait.commands
-(and gpuwait.cli) print; the layers below say what they have to say through a `Console`."""
+"""The CLI's messages on stderr: errors, warnings, and the waiting line; and the text of every
+`--json` output (`json_text`). Only gpuwait.commands (and gpuwait.cli) print; the layers below
+say what they have to say through a `Console`."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -66,6 +68,34 @@ def info(message: str) -> None:
 
 #: The most of a job's name the waiting line shows.
 _LABEL = 24
+
+
+def json_text(document: object, indent: int | None = 2, sort_keys: bool = False) -> str:
+    """`document` as JSON that every reader takes, strict ones too (Rust's serde_json, .NET's
+    System.Text.Json): an argument or path that is no UTF-8 reaches Python as lone surrogates,
+    which `json.dumps` would write as `\\udce9`, no Unicode text: each undecodable byte is
+    written as U+FFFD, as a command read from /proc is. A figure that is no number (NaN or
+    Infinity, from a damaged or hand-edited file), which `json.dumps` would write bare, is
+    unknown: null. Every `--json` output goes through here."""
+    import json
+
+    return json.dumps(_readable(document), indent=indent, sort_keys=sort_keys)
+
+
+def _readable(value: object) -> object:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in value)
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {_readable(k): _readable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_readable(v) for v in value]
+    return value
 
 
 def stream_columns(stream: TextIO) -> int:

@@ -7,7 +7,6 @@ The JSON report (`--json`) is versioned by its `schema` field and documented in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -213,7 +212,7 @@ def idle_holders(
 def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
     if as_json:
         # Watching, one report per line (JSON Lines), so a reader can take them one by one.
-        print(json.dumps(report, indent=None if watching else 2))
+        print(output.json_text(report, indent=None if watching else 2))
         sys.stdout.flush()
         return
     for message in report["warnings"]:

@@ -1,0 +1,122 @@
+"""Every `--json` output parses in a strict JSON reader (Rust's serde_json, .NET's
+System.Text.Json): text is valid Unicode and numbers are numbers, whatever the command
+lines of the jobs or the files gpuwait reads back held."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from helpers.waiting import ledger_entries, wait_for
+
+#: A Latin-1 file name, as old data sets and cron's C locale have them: no UTF-8.
+LATIN1 = b"caf\xe9.txt"
+
+
+def strict(text: str) -> Any:
+    """`text` as a strict reader takes it: no NaN or Infinity, no lone surrogate (an argument
+    that is no UTF-8 reaches Python as one, and `json.dumps` writes it as `\\udce9`)."""
+
+    def refuse(constant: str) -> Any:
+        raise AssertionError(f"not JSON: {constant}")
+
+    def check(value: Any) -> None:
+        if isinstance(value, str):
+            value.encode("utf-8")  # a lone surrogate is no Unicode text: UnicodeEncodeError
+        elif isinstance(value, float):
+            assert math.isfinite(value)
+        elif isinstance(value, list):
+            for item in value:
+                check(item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                check(key)
+                check(item)
+
+    document = json.loads(text, parse_constant=refuse)
+    check(document)
+    return document
+
+
+def gpuwait_json(gpuwait_cmd: list[str], *args: str, code: int = 0) -> str:
+    done = subprocess.run(
+        [*gpuwait_cmd, *args], capture_output=True, text=True, timeout=60, env=os.environ
+    )
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
+    return done.stdout
+
+
+def test_a_job_whose_arguments_are_no_utf8_leaves_every_json_output_readable(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    command = [b"sh", b"-c", b"read line", b"sh", LATIN1]
+    job = subprocess.Popen(
+        [*(a.encode() for a in gpuwait_cmd), b"-q", b"--vram", b"1G", b"--", *command],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"], timeout=30)
+        status = strict(gpuwait_json(gpuwait_cmd, "status", "--json"))
+        (shown,) = status["jobs"]
+        # The undecodable byte shows as U+FFFD, as in a command read from /proc.
+        assert shown["command"][-1] == "caf\ufffd.txt"
+    finally:
+        job.communicate(b"\n", timeout=60)
+    assert job.returncode == 0, job.stderr
+    (record,) = strict(gpuwait_json(gpuwait_cmd, "history", "--json"))
+    assert record["command"][-1] == "caf\ufffd.txt"
+    events = gpuwait_json(gpuwait_cmd, "log", "--json").splitlines()
+    submit = [strict(line) for line in events if '"submit"' in line]
+    assert submit and submit[0]["command"][-1] == "caf\ufffd.txt"
+    estimate = subprocess.run(
+        [*(a.encode() for a in gpuwait_cmd), b"estimate", b"--json", b"--", *command],
+        capture_output=True,
+        timeout=60,
+    )
+    assert estimate.returncode == 0, estimate.stderr
+    learned = strict(estimate.stdout.decode())
+    assert learned["runs"] == 1
+
+
+def test_figures_that_are_no_numbers_in_damaged_files_never_reach_the_json(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # Hand-edited or damaged lines: Python's json reads NaN and Infinity, no strict reader does.
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    run = {
+        "schema": 2,
+        "command": ["python", "train.py"],
+        "cwd": "/",
+        "started_at": 1.7e9,
+        "peak_bytes": None,
+        "reserved_bytes": 0,
+        "exit_status": 0,
+        "signal": None,
+        "run_seconds": 1.0,
+        "wait_seconds": 0.0,
+        "gpus": [],
+        "keys": {},
+    }
+    line = json.dumps(run)[:-1] + ', "note": NaN}\n'
+    (state / "history.jsonl").write_text(line)
+    (state / "events.jsonl").write_text(
+        '{"schema": 1, "time": NaN, "kind": "submit", "job": "a"}\n'
+        '{"schema": 1, "time": 1.7e9, "kind": "start", "job": "b", "pid": Infinity}\n'
+    )
+    os.chmod(state / "history.jsonl", 0o600)
+    os.chmod(state / "events.jsonl", 0o600)
+    (record,) = strict(gpuwait_json(gpuwait_cmd, "history", "--json"))
+    assert record["command"] == ["python", "train.py"] and record["note"] is None
+    events = [strict(e) for e in gpuwait_json(gpuwait_cmd, "log", "--json").splitlines()]
+    # A figure that is no number is unknown: null (`gpuwait log` shows such a time as "?").
+    assert events == [
+        {"schema": 1, "time": None, "kind": "submit", "job": "a"},
+        {"schema": 1, "time": 1.7e9, "kind": "start", "job": "b", "pid": None},
+    ]
