@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -485,9 +486,84 @@ def test_systemd_units_verify_and_the_service_runs_its_job(tmp_path: Path, sim_f
     assert done.returncode == 0, done.stderr
     result = json.loads(report.read_text())
     assert result["gpu_uuid"] in sim_uuids() and result["oom"] is False
-    assert unit_values(service, "KillMode") == ["mixed"]
     if verified:
         pytest.skip(f"units not verified: {verified} (the service's command did run)")
+
+
+#: A training run that saves its work when told to stop (SIGTERM), as a program that
+#: checkpoints does: writes "ready" to FLAG, then "saved" once it has its first TERM.
+SAVES_ON_TERM = """
+import signal, sys, time
+def save(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # saving: a second TERM changes nothing
+    open(sys.argv[1], "w").write("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save)
+open(sys.argv[1], "w").write("ready")
+time.sleep(60)
+"""
+
+
+def session_processes(sid: int) -> list[int]:
+    """The live processes of session `sid`: here, the processes of one service."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+def stop_service(main: subprocess.Popen[Any], kill_mode: str) -> None:
+    """`systemctl stop` of a service whose processes are `main`'s session, as systemd does it
+    (src/core/service.c and unit_kill_context): with KillMode=control-group (the default),
+    SIGTERM to every process of the unit, and once the main process has ended, SIGTERM again
+    to each one left (SIGKILL only after TimeoutStopSec); with KillMode=mixed, SIGTERM to the
+    main process alone, and once it has ended, SIGKILL to every process left at once."""
+    first = session_processes(main.pid) if kill_mode == "control-group" else [main.pid]
+    for pid in first:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    main.wait(timeout=60)
+    final = signal.SIGTERM if kill_mode == "control-group" else signal.SIGKILL
+    for pid in session_processes(main.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, final)
+    wait_for(lambda: not session_processes(main.pid), timeout=60)
+
+
+def test_systemctl_stop_lets_a_nightly_script_s_program_save_its_work(
+    tmp_path: Path, sim_file: Any, procs: Any
+) -> None:
+    # "The job: any executable": a script that runs its program without `exec`, the program a
+    # grandchild of gpuwait. Stopped bare, in a unit of the default kill mode, the program gets
+    # SIGTERM from systemd and saves; through the contrib unit it must too, not be killed
+    # unwarned (SIGKILL) once the script's shell, and so gpuwait, have ended.
+    sim_file(gpus=1)
+    home = tmp_path / "sdhome"
+    bin_dir = make_bin(home / ".local" / "bin")
+    flag = tmp_path / "flag"
+    train = home / "train.py"
+    train.write_text(SAVES_ON_TERM)
+    job = bin_dir / "nightly-job"
+    job.write_text(
+        f'#!/bin/sh\ncd "$HOME" || exit 1\n{sys.executable} {train} {flag}\necho "ended: $?"\n'
+    )
+    job.chmod(0o755)
+    service = CONTRIB / "systemd" / "gpuwait-nightly.service"
+    (exec_start,) = unit_values(service, "ExecStart")
+    env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    env.update(v.split("=", 1) for v in unit_values(service, "Environment"))  # type: ignore[arg-type]
+    env["GPUWAIT_SIM"] = os.environ["GPUWAIT_SIM"]
+    main = procs(shlex.split(exec_start.replace("%h", str(home))), env=env, cwd=home)
+    wait_for(lambda: flag.exists() and flag.read_text() == "ready", timeout=60)
+    stop_service(main, (unit_values(service, "KillMode") or ["control-group"])[0])
+    assert flag.read_text() == "saved"
 
 
 # Slurm ----------------------------------------------------------------------------------------
