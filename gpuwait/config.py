@@ -373,6 +373,23 @@ def _show_path(value: Path | None) -> str:
     return "(not set)" if value is None else str(value)
 
 
+def _data(value: Any) -> Any:
+    """A setting's value as JSON data (`config --json`): numbers as numbers (sizes in bytes,
+    durations in seconds), lists as lists, a path as text, none as null."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_data(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _data(item) for key, item in value.items()}
+    return value
+
+
+def _request_data(value: MemoryRequest | None) -> dict[str, float | int]:
+    """A request as a job's `request` in `status --json`: {} is a whole GPU (exclusive)."""
+    return {} if value is None else value.to_json()
+
+
 class Option(Record, frozen=True):
     """One setting: its name, how to read it, its default and what it means."""
 
@@ -382,6 +399,8 @@ class Option(Record, frozen=True):
     help: str
     #: The value as a user would type it (`gpuwait config`, --help).
     show: Callable[[Any], str] = _show_plain
+    #: The value as JSON data, for scripts (`config --json`).
+    data: Callable[[Any], Any] = _data
     #: Read from the site config file only (an administrator's policy), never from the user.
     site_only: bool = False
 
@@ -407,6 +426,7 @@ OPTIONS: tuple[Option, ...] = (
         EXCLUSIVE,
         "request when --vram is not given: a size, a percentage, or 'exclusive' (a whole GPU)",
         show=_show_request,
+        data=_request_data,
     ),
     Option(
         "timeout",
@@ -850,6 +870,10 @@ class Settings(Record):
     def shown(self, name: str) -> str:
         """Setting `name` as a user would type it."""
         return OPTIONS_BY_NAME[name].show(getattr(self, name))
+
+    def data(self, name: str) -> Any:
+        """Setting `name` as JSON data: sizes in bytes, durations in seconds, lists, null."""
+        return OPTIONS_BY_NAME[name].data(getattr(self, name))
 
 
 def config_file_path(env: Mapping[str, str]) -> Path | None:

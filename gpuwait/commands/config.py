@@ -12,6 +12,9 @@ from gpuwait.config import OPTIONS, load_settings
 from gpuwait.core.text import printable
 from gpuwait.linux import netfs
 
+#: The version of `config --json` (docs/configuration.md); fields are only ever added within it.
+CONFIG_SCHEMA = 1
+
 
 def build_parser() -> Parser:
     parser = Parser(
@@ -28,11 +31,14 @@ def run(args: argparse.Namespace) -> int:
         print(
             json_text(
                 {
+                    "schema": CONFIG_SCHEMA,
                     "config_file": str(settings.config_file) if settings.config_file else None,
                     "site_config_file": str(settings.site_file) if settings.site_file else None,
                     "state_dir": str(settings.state_path),
                     "ledger_dir": str(settings.ledger_path),
-                    "settings": {n: {"value": v, "source": s} for n, v, s in rows},
+                    "settings": {
+                        n: {"value": v, "source": s, "parsed": settings.data(n)} for n, v, s in rows
+                    },
                 }
             )
         )

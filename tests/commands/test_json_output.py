@@ -120,3 +120,39 @@ def test_figures_that_are_no_numbers_in_damaged_files_never_reach_the_json(
         {"schema": 1, "time": None, "kind": "submit", "job": "a"},
         {"schema": 1, "time": 1.7e9, "kind": "start", "job": "b", "pid": None},
     ]
+
+
+def test_config_json_gives_a_script_each_setting_as_numbers_and_lists(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `value` is the setting as typed (shown rounded: 67,000,000 bytes is "63.9 MiB"); a script
+    # that compares sizes, times or lists needs them as data, in the units of status --json.
+    env = {
+        "GPUWAIT_HISTORY_MAX_SIZE": "67000000B",
+        "GPUWAIT_IDLE_AFTER": "90m",
+        "GPUWAIT_IGNORE_PROCESSES": "Xorg,my app",
+        "GPUWAIT_DEFAULT_VRAM": "6G",
+        "GPUWAIT_SAFETY": "0.85",
+    }
+    done = subprocess.run(
+        [*gpuwait_cmd, "config", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    document = strict(done.stdout)
+    assert document["schema"] == 1
+    settings = document["settings"]
+    assert settings["history_max_size"]["value"] == "63.9 MiB"
+    parsed = {name: setting["parsed"] for name, setting in settings.items()}
+    assert parsed["history_max_size"] == 67_000_000
+    assert parsed["idle_after"] == 5400
+    assert parsed["ignore_processes"] == ["Xorg", "my app"]
+    assert parsed["default_vram"] == {"bytes": 6 * 2**30}  # as a job's `request` in status
+    assert parsed["safety"] == 0.85 and parsed["priority"] == 3
+    assert parsed["timeout"] is None  # none: as long as it takes
+    assert parsed["prefer"] == [] and parsed["gpu_weights"] == {}
+    again = strict(gpuwait_json(gpuwait_cmd, "config", "--json"))["settings"]
+    assert again["default_vram"]["parsed"] == {}  # exclusive: a whole GPU, as in status

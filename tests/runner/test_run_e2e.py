@@ -537,8 +537,16 @@ def test_config_shows_sources_by_precedence(
     env = {**os.environ, "GPUWAIT_PICK": "round-robin"}
     done = run([*gpuwait_cmd, "config", "--json"], env=env)
     settings = json.loads(done.stdout)["settings"]
-    assert settings["safety"] == {"value": "0.8", "source": f"config file {config}"}
-    assert settings["pick"] == {"value": "round-robin", "source": "environment GPUWAIT_PICK"}
+    assert settings["safety"] == {
+        "value": "0.8",
+        "source": f"config file {config}",
+        "parsed": 0.8,
+    }
+    assert settings["pick"] == {
+        "value": "round-robin",
+        "source": "environment GPUWAIT_PICK",
+        "parsed": "round-robin",
+    }
     assert settings["priority"]["source"] == "default"
 
 
