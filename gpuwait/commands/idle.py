@@ -48,6 +48,10 @@ def run(options: argparse.Namespace) -> int:
             "generated_at": report["generated_at"],
             "rule": rule,
             "backend_error": report["backend_error"],
+            # As in status --json: what to do about backend_error, and the GPUs that were
+            # skipped (lost, failing): nobody on those can be named.
+            "backend_hint": report["backend_hint"],
+            "warnings": report["warnings"],
             "idle": holders,
             "watching": report["idle_watching"],
         }

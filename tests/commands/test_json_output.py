@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.waiting import ledger_entries, wait_for
 
 #: A Latin-1 file name, as old data sets and cron's C locale have them: no UTF-8.
@@ -156,3 +157,19 @@ def test_config_json_gives_a_script_each_setting_as_numbers_and_lists(
     assert parsed["prefer"] == [] and parsed["gpu_weights"] == {}
     again = strict(gpuwait_json(gpuwait_cmd, "config", "--json"))["settings"]
     assert again["default_vram"]["parsed"] == {}  # exclusive: a whole GPU, as in status
+
+
+def test_idle_json_says_which_gpus_it_could_not_read(
+    sim_file: Any, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lost GPU is skipped: `idle: []` alone would read as "nobody idles there"; the text
+    # output warns on stderr, the JSON must say it too, as status --json does.
+    sim_file(gpus=2, lost=[False, True])
+    idle = strict(gpuwait_json(gpuwait_cmd, "idle", "--json"))
+    assert idle["idle"] == [] and idle["backend_error"] is None
+    (warning,) = idle["warnings"]
+    assert "GPU 1" in warning and "lost" in warning
+    assert idle["warnings"] == strict(gpuwait_json(gpuwait_cmd, "status", "--json"))["warnings"]
+    monkeypatch.setenv("GPUWAIT_SIM", str(tmp_path / "missing.toml"))
+    unread = strict(gpuwait_json(gpuwait_cmd, "idle", "--json", code=4))
+    assert "not found" in unread["backend_error"] and "sim init" in unread["backend_hint"]
