@@ -869,7 +869,16 @@ def test_prometheus_exporter_shows_a_lost_gpu_as_unhealthy(
     assert proc.returncode == 0, err
     samples = parse_exposition((tmp_path / "gpuwait.prom").read_text())
     assert samples[("gpuwait_gpu_healthy", f'{{gpu="0",uuid="{uuid0}",name="Simulated GPU"}}')] == 1
-    assert samples[("gpuwait_gpu_healthy", f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}')] == 0
+    lost = f'{{gpu="1",uuid="{uuid1}",name="Simulated GPU"}}'
+    assert samples[("gpuwait_gpu_healthy", lost)] == 0
+    # As the README says: its total and running jobs stay, the figures it cannot give go.
+    assert samples[("gpuwait_gpu_total_bytes", lost)] == 24 * GiB
+    assert samples[("gpuwait_gpu_running_jobs", lost)] == 0
+    assert [n for n, labels in samples if labels == lost] == [
+        "gpuwait_gpu_total_bytes",
+        "gpuwait_gpu_running_jobs",
+        "gpuwait_gpu_healthy",
+    ]
 
 
 def test_prometheus_exporter_replaces_the_file_atomically_and_a_term_ends_it_cleanly(
