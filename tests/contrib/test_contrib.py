@@ -25,9 +25,9 @@ import pytest
 from conftest import REPO
 from helpers import docs
 from helpers.fixtures_sim import hold_card
-from helpers.processes import can_unshare
+from helpers.processes import can_unshare, children
 from helpers.shellbin import env_with_bin, make_bin
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import asleep_waiting, ledger_entries, wait_for
 
 CONTRIB = REPO / "contrib"
 GiB = 2**30
@@ -639,6 +639,36 @@ def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: P
     done = pack_steps(steps, {**env, "STEP_VRAM": "1G"})
     assert done.returncode == 1
     assert "3 step(s), 1 failed" in done.stdout
+
+
+def test_pausable_script_requeues_on_the_resume_status_gpuwait_uses(
+    sim_file: Any, tmp_path: Path, procs: Any
+) -> None:
+    # resume_exit set in the user's config (their programs say "resume me" with 99): the
+    # script must requeue on the status gpuwait and the program use, not on 75 regardless.
+    sim_file(gpus=1, base_used="20GiB")  # 10G never fits while the card stays this full
+    config = Path(os.environ["XDG_CONFIG_HOME"]) / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text("resume_exit = 99\n")
+    bin_dir = make_bin(tmp_path / "bin")
+    requeued = tmp_path / "requeued"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$*" >> {requeued}\n')
+    scontrol.chmod(0o755)
+    env = {
+        **env_with_bin(bin_dir),
+        "SLURM_JOB_ID": "77",
+        "JOB_VRAM": "10G",
+        "GPUWAIT_STATE_DIR": str(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"),
+    }
+    script = procs(["bash", str(CONTRIB / "slurm" / "pausable.sbatch"), "true"], env=env)
+    # Its gpuwait, once it waits (its signals handled): not `gpuwait config` before it.
+    wait_for(lambda: any(asleep_waiting(pid) for pid in children(script.pid)), timeout=30)
+    script.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@N, to the batch shell
+    out, err = script.communicate(timeout=60)
+    assert script.returncode == 99, out + err
+    assert "checkpointed; requeueing allocation 77" in out, out + err
+    assert requeued.read_text() == "requeue 77\n"
 
 
 def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path) -> None:
