@@ -936,6 +936,19 @@ def test_prometheus_exporter_replaces_the_file_atomically_and_a_term_ends_it_cle
     parse_exposition(path.read_text())
 
 
+@pytest.mark.parametrize("every", ["0", "-5s", "soon", "nan", "inf", "1e400s", "2d"])
+def test_prometheus_exporter_refuses_an_interval_it_cannot_keep_in_one_line(
+    user_env: dict[str, str], tmp_path: Path, every: str
+) -> None:
+    # A value that parses as a float but is no interval (nan, inf) must be refused at once,
+    # not end the exporter with a traceback after its first write.
+    proc = exporter("--output-dir", str(tmp_path / "textfile"), "--every", every, env=user_env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and "--every" in err.splitlines()[-1]
+    assert not (tmp_path / "textfile").exists()
+
+
 def test_prometheus_exporter_reports_down_when_gpuwait_fails(
     user_env: dict[str, str], tmp_path: Path
 ) -> None:
