@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 from helpers.waiting import ledger_entries, wait_for
 
 #: A Latin-1 file name, as old data sets and cron's C locale have them: no UTF-8.
@@ -173,3 +175,57 @@ def test_idle_json_says_which_gpus_it_could_not_read(
     monkeypatch.setenv("GPUWAIT_SIM", str(tmp_path / "missing.toml"))
     unread = strict(gpuwait_json(gpuwait_cmd, "idle", "--json", code=4))
     assert "not found" in unread["backend_error"] and "sim init" in unread["backend_hint"]
+
+
+def documented(page: str, start: str, end: str) -> set[str]:
+    """The names in backticks (`pid`, `{"bytes": n}`) between `start` and `end` (a blank line:
+    the paragraph's end)."""
+    text = (REPO / "docs" / page).read_text()
+    part = text[text.index(start) :]
+    part = part[: part.index(end, len(start))]
+    return {
+        name for quoted in re.findall(r"`([^`]+)`", part) for name in re.findall(r"\w+", quoted)
+    }
+
+
+def keys(value: Any, skip: frozenset[str] = frozenset()) -> set[str]:
+    """Every key of every object in `value`, the values of `skip` keys left out."""
+    if isinstance(value, list):
+        return {k for item in value for k in keys(item, skip)}
+    if not isinstance(value, dict):
+        return set()
+    found = set(value)
+    for key, item in value.items():
+        found |= set() if key in skip else keys(item, skip)
+    return found
+
+
+def test_every_field_of_the_json_outputs_is_documented(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # A script is written from the docs: a field they do not name is one nobody can rely on.
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--batch", "b", "--", "true"], timeout=60
+    )
+    assert done.returncode == 0
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--name", "j", "--", "sh", "-c", "read line"],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"], timeout=30)
+        status = strict(gpuwait_json(gpuwait_cmd, "status", "--json"))
+    finally:
+        job.communicate(b"\n", timeout=60)
+    assert status["jobs"] and status["batches"] and status["users"]
+    status_doc = documented("queue-and-status.md", "### `gpuwait status --json`", "## Event log")
+    assert keys(status) - status_doc == set()
+    estimate = strict(gpuwait_json(gpuwait_cmd, "estimate", "--json", "--", "true"))
+    assert estimate["levels"] and estimate["run_seconds"]
+    estimate_doc = documented("learning.md", "`gpuwait estimate --json`", "\n\n")
+    assert keys(estimate) - estimate_doc == set()
+    idle = strict(gpuwait_json(gpuwait_cmd, "idle", "--json"))
+    idle_doc = documented("shared-servers.md", "`gpuwait idle` lists them", "\n\n")
+    assert keys(idle) - idle_doc - status_doc == set()
+    config = strict(gpuwait_json(gpuwait_cmd, "config", "--json"))
+    config_doc = documented("configuration.md", "`gpuwait config --json`", "\n\n")
+    assert keys(config, skip=frozenset({"settings"})) - config_doc == {"settings"} - config_doc
+    assert keys(list(config["settings"].values())) - config_doc == set()
