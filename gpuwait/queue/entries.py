@@ -37,9 +37,10 @@ from gpuwait.queue.bookkeeping import (
 )
 from gpuwait.queue.cache import EncodedEntries, ValidatedEntries
 
-#: The ledger's schema. Fields are only ever added within it (readers ignore those they do not
-#: know); a new number is for a change that older versions would misread: they refuse the
-#: file while a job of its writer's user lives, and read other users' files as far as they can.
+#: The ledger's schema. Fields are only ever added within it (readers pass over those they do
+#: not know, and write an entry's and the file's back as found: `newer_fields`); a new number
+#: is for a change that older versions would misread: they refuse the file while a job of its
+#: writer's user lives, and read other users' files as far as they can.
 SCHEMA = 1
 WAITING = "waiting"
 RUNNING = "running"
@@ -167,6 +168,10 @@ class Job(Record):
     #: of an earlier boot names no process of this one, whoever has its pid and start time now.
     #: None: judged by its pids, as entries of older versions are.
     boot: str | None = None
+    #: What a newer gpuwait wrote in the entry beyond the fields above (they are only ever
+    #: added within a schema): written back as found, so that the entry keeps them whoever
+    #: of two versions on one ledger changes it.
+    newer_fields: dict[str, Any] = field(default_factory=dict)
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -273,6 +278,7 @@ class Job(Record):
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
             pidns=_lenient_inode(raw.get("pidns")),
             boot=_lenient_boot(raw.get("boot")),
+            newer_fields=_newer_fields(raw, _JOB_KEYS),
         )
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
@@ -287,7 +293,16 @@ class Job(Record):
 
     def to_json(self) -> dict[str, Any]:
         # vars(), not asdict(): the same JSON without asdict's deep copies.
-        return dict(vars(self))
+        raw = dict(vars(self))
+        newer = raw.pop("newer_fields")
+        return {**newer, **raw} if newer else raw
+
+
+def _newer_fields(raw: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
+    """What an object of the ledger holds beyond the `known` fields: a newer gpuwait's."""
+    if raw.keys() <= known:
+        return {}
+    return {key: value for key, value in raw.items() if key not in known}
 
 
 def _lenient_seconds(value: Any) -> float | None:
@@ -406,6 +421,8 @@ _CONTAINER_FIELDS = tuple(
     for name, annotation in Job.__annotations__.items()
     if str(annotation).startswith(("list[", "dict[")) or "| list[" in str(annotation)
 )
+#: The fields an entry of this version has in the file.
+_JOB_KEYS = frozenset(Job._fields) - {"newer_fields"}
 
 
 class UserUsage(Record):
@@ -521,6 +538,9 @@ class LedgerData(Record):
     #: plan searches on from it (core/lookahead). Only a starting point, so in a shared ledger
     #: directory each user's file keeps its own, and whatever a file says costs no one a start.
     plan_order: list[str] = field(default_factory=list)
+    #: What a newer gpuwait wrote in this process's own file beyond the parts above: written
+    #: back as found (see Job.newer_fields).
+    newer_fields: dict[str, Any] = field(default_factory=dict)
     #: In a shared ledger directory: the uid whose file this process writes, and the part of
     #: `release_seq` that other users' files hold. Not written.
     me: int | None = None
@@ -587,7 +607,26 @@ def to_document(data: LedgerData) -> dict[str, Any]:
         encoded["requests"] = [r.to_json() for r in requests]
     if data.plan_order:
         encoded["plan_order"] = data.plan_order
+    if data.newer_fields:
+        encoded = {**data.newer_fields, **encoded}
     return encoded
+
+
+#: The parts of a ledger document this version writes (`to_document`).
+_DOCUMENT_KEYS = frozenset(
+    (
+        "schema",
+        "created_at",
+        "next_order",
+        "rr_cursor",
+        "jobs",
+        "book",
+        "release_seq",
+        "usage",
+        "requests",
+        "plan_order",
+    )
+)
 
 
 def encode(document: dict[str, Any]) -> bytes:
@@ -638,6 +677,7 @@ def from_document(
         usage=_usage(raw.get("usage"), warnings),
         release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
         plan_order=_plan_order(raw.get("plan_order")),
+        newer_fields=_newer_fields(raw, _DOCUMENT_KEYS),
     )
     try:
         data.book = book_from_json(raw.get("book"))

@@ -27,7 +27,7 @@ from gpuwait.cli import main
 from gpuwait.history import store
 from gpuwait.linux.lock import exclusive
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import LedgerData
+from gpuwait.queue.entries import RUNNING, LedgerData
 from gpuwait.queue.ledger import Ledger
 
 DAMAGE = {
@@ -99,6 +99,33 @@ def test_a_ledger_a_newer_gpuwait_keeps_for_live_jobs_is_left_alone(
     done = gw("--vram", "1G", "--", "echo", "ran")
     assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
     assert len(list(state.glob("ledger.json.damaged-*"))) == 1
+
+
+def test_what_a_newer_gpuwait_added_to_the_ledger_survives_this_ones_writes(gw: Run) -> None:
+    # A newer gpuwait (another environment of the same user) adds fields within the schema,
+    # which older versions are to pass over. This one wrote its ledger back without them
+    # whenever it changed anything: the newer one's running job lost what its gpuwait keeps
+    # there (as, in this version, an entry's safety, pid namespace or boot).
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    entry = live_job("0123abcd", state=RUNNING, reserved_bytes=4 << 30).to_json()
+    entry["from_a_newer_version"] = {"kept": [1, 2]}
+    document = {
+        "schema": 1,
+        "created_at": 1.0,
+        "next_order": 2,
+        "jobs": [entry],
+        "newer_table": {"a": 1},
+    }
+    (state / "ledger.json").write_text(json.dumps(document))
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    assert "warning" not in done.stderr
+    written = json.loads((state / "ledger.json").read_text())
+    (kept,) = [j for j in written["jobs"] if j["id"] == "0123abcd"]
+    assert kept["from_a_newer_version"] == {"kept": [1, 2]}
+    assert kept["reserved_bytes"] == 4 << 30
+    assert written["newer_table"] == {"a": 1}
 
 
 #: Holds an exclusive flock on argv[1] (created) until killed, as a job's gpuwait holds its own.
