@@ -9,8 +9,16 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
         if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
             command "$@"
-        else
+        elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
             @GPUWAIT@ shell-hook -- "$@"
+        elif hash gpuwait 2>/dev/null; then
+            # The gpuwait that printed this hook is gone (uninstalled, its environment removed
+            # or replaced): the one on PATH, which a new shell would hook, takes its place.
+            # (`hash` looks again: the path bash remembers for gpuwait may be the gone one.)
+            command gpuwait shell-hook -- "$@"
+        else
+            printf '%s\n' "gpuwait: the gpuwait this shell was hooked to is gone (uninstalled, or its environment removed) and none is on PATH: runs $1 bare" >&2
+            command "$@"
         fi
     }
 @FUNCTIONS@

@@ -11,8 +11,15 @@ if test -n "@ALWAYS@"; or status is-interactive
             command $argv
         else if test -n "$GPUWAIT_DISABLE"; and test "$GPUWAIT_DISABLE" != 0
             command $argv
-        else
+        else if test -x @PYTHON@; and test -f @PACKAGE@
             @GPUWAIT@ shell-hook -- $argv
+        else if command -q gpuwait
+            # The gpuwait that printed this hook is gone (uninstalled, its environment removed
+            # or replaced): the one on PATH, which a new shell would hook, takes its place.
+            command gpuwait shell-hook -- $argv
+        else
+            printf '%s\n' "gpuwait: the gpuwait this shell was hooked to is gone (uninstalled, or its environment removed) and none is on PATH: runs $argv[1] bare" >&2
+            command $argv
         end
     end
 @FUNCTIONS@

@@ -11,6 +11,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def gpuwait_invocation() -> list[str]:
     That directory takes the place of the current one at the head of sys.path: a wrapped
     `python` runs in project directories, whose own `signal.py` must not shadow gpuwait's.
     """
-    root = str(Path(gpuwait.__file__).resolve().parent.parent)
+    root = str(_package().parent)
     # A string in double quotes (JSON's are Python's too): the bash and zsh hooks, quoted once
     # more in single quotes (`only_in`), stay readable.
     code = (
@@ -100,10 +101,23 @@ def gpuwait_invocation() -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def _package() -> Path:
+    """The directory this gpuwait was imported from."""
+    return Path(gpuwait.__file__).resolve().parent
+
+
 def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
+    """The hook for `shell`. It checks, with the shell's own tests, that the interpreter and
+    the package it names are still there: a shell outlives `pip uninstall gpuwait` or the
+    removal of its environment, after which the invocation would end every wrapped command in
+    a traceback. Then the gpuwait on PATH takes its place, as a new shell would hook it, or the
+    command runs bare with one line saying why, as in a new shell where none is installed."""
     template = resources.files("gpuwait").joinpath("shell", f"gpuwait.{shell}").read_text()
+    interpreter, cli = sys.executable, str(_package() / "cli.py")
+    quote: Callable[[str], str]
     if shell == "fish":
-        invocation = " ".join(completion.fish_quote(word) for word in gpuwait_invocation())
+        quote = completion.fish_quote
+        invocation = " ".join(quote(word) for word in gpuwait_invocation())
         functions = [
             f"    function {name} --wraps {name} --description 'runs through gpuwait'\n"
             f"        __gpuwait_run {name} $argv\n"
@@ -111,11 +125,14 @@ def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
             for name in commands
         ]
     else:
+        quote = shlex.quote
         invocation = shlex.join(gpuwait_invocation())
         # The `function` keyword keeps an alias of the same name from being expanded here.
         functions = [f'    function {name} {{ __gpuwait_run {name} "$@"; }}' for name in commands]
     return (
         template.replace("@ALWAYS@", "1" if always else "")
         .replace("@GPUWAIT@", invocation)
+        .replace("@PYTHON@", quote(interpreter))
+        .replace("@PACKAGE@", quote(cli))
         .replace("@FUNCTIONS@", "\n".join(functions))
     )

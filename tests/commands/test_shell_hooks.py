@@ -8,10 +8,12 @@ import os
 import shutil
 import subprocess
 import time
+import venv
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO
 from helpers.shellbin import env_with_bin, make_bin
 
 from gpuwait.core.policy import PICK_STRATEGIES
@@ -675,3 +677,59 @@ def test_a_posix_sh_reading_the_hook_goes_on_untouched(
     # Its own shell still gets the functions.
     done = run_shell(shell, f". {hook}\npython probe.py x", [], hook_env, cwd=tmp_path)
     assert probe_lines(done.stdout)[0]["cuda"] in sim_uuids(), done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`pip uninstall gpuwait`, or its environment removed for a new one, under a shell that
+    was hooked before: every wrapped command ended in a Python traceback (No module named
+    'gpuwait') without running. It now goes through the gpuwait on PATH, which a new shell
+    would hook, else runs bare with one line saying why."""
+    need(shell)
+    # An environment of its own, whose gpuwait is then uninstalled.
+    old = tmp_path / "old-env"
+    venv.create(old, with_pip=False)
+    site = tmp_path / "old-site"
+    shutil.copytree(REPO / "gpuwait", site / "gpuwait", ignore=shutil.ignore_patterns("*.pyc"))
+    hook = tmp_path / "hook"
+    env = {**hook_env, "PYTHONPATH": str(site)}
+    hook.write_text(
+        subprocess.run(
+            [old / "bin" / "python", "-m", "gpuwait", "shell-init", shell, "--always"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    # Its console script, which the shell finds (and bash remembers) first on PATH.
+    console = old / "bin" / "gpuwait"
+    console.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {old}/bin/python -m gpuwait "$@"\n')
+    console.chmod(0o755)
+    python_only = make_bin(tmp_path / "python-only")
+    (python_only / "gpuwait").unlink()
+    path_set = "set -x PATH " if shell == "fish" else "export PATH="
+    script = (
+        f"source {hook}\n"
+        f"{path_set}{old / 'bin'}:{hook_env['PATH']}\n"
+        "gpuwait --version\n"
+        f"command rm -r {site / 'gpuwait'} {console}\n"
+        "python probe.py on-path\n"
+        f"{path_set}{python_only}:/usr/bin:/bin\n"
+        "python probe.py none; python -c 'raise SystemExit(7)'\n"
+        f"echo status {status_var(shell)}\n"
+    )
+    # As in a user's shell: nothing but the hook names where gpuwait is.
+    env = {k: v for k, v in hook_env.items() if k != "PYTHONPATH"}
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert "Traceback" not in done.stderr, done.stderr
+    through_path, bare = probe_lines(done.stdout)
+    assert through_path["cuda"] in sim_uuids() and through_path["job"], done.stderr
+    assert bare == {"argv": ["none"], "cuda": None, "job": None}
+    assert done.stdout.endswith("status 7\n")
+    said = [line for line in done.stderr.splitlines() if line.startswith("gpuwait: ")]
+    assert len(said) == 2 and "runs python bare" in said[0], done.stderr
