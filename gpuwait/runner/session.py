@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from gpuwait.core.budget import (
     DEFAULT_ENFORCE,
+    LIMIT,
     OOM_CARD_FULL,
     OOM_OWN_LIMIT,
     Budget,
@@ -209,6 +210,7 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     check_command(request.command)
     check_not_srun(request.command)
+    _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(
             lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
@@ -229,6 +231,29 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         return 128 + exc.signum
     finally:
         backend.close()
+
+
+def _load_what_comes_after_the_wait(request: RunRequest, config: RunConfig) -> None:
+    """Import now what this launch imports only once it is admitted, or when it waits again
+    after its command ran (it stepped aside, or is retried after running out of memory).
+    Package managers replace gpuwait's files under running processes (`pip uninstall`, and
+    `pip install -U`, which removes the old files before it writes the new ones): a launch
+    that waited meanwhile found them gone, or another version's, once its command had started,
+    and ended in a traceback while the command ran on without it. A launch that asks for none
+    of these pays nothing."""
+    import importlib
+
+    later = []
+    if request.pausable is not None:
+        later.append("gpuwait.runner.paused")
+    if request.freezable:
+        later.append("gpuwait.runner.frozen")
+    if request.pausable is not None or request.freezable or request.retry_oom:
+        later += ["gpuwait.queue.pausing", "gpuwait.linux.inotify"]
+    if config.enforce == LIMIT:
+        later.append("gpuwait.linux.mps")
+    for name in later:
+        importlib.import_module(name)
 
 
 def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) -> _T:
