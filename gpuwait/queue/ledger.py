@@ -520,7 +520,9 @@ class Ledger:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             return None
-        if repair and self._uid == 0:
+        if repair and self._uid == 0 and raw.get("schema") == entries.SCHEMA:
+            # A newer gpuwait's file is its owner's to tidy: written back by this one, it
+            # would lose what only the newer one reads (its entries of a newer form).
             self._reap_for(path, uid, data, len(raw.get("jobs", ())))
         return data
 

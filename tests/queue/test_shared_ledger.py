@@ -76,6 +76,14 @@ class Server:
         path.write_text(text)
         path.chmod(0o644)
 
+    def root_env(self) -> dict[str, str]:
+        """Root's environment on the server, with a state dir of its own."""
+        return {
+            **self.envs[ALICE],
+            "HOME": str(self.root),
+            "XDG_STATE_HOME": str(self.root / "root-state"),
+        }
+
     def own_file(self, uid: int) -> Path:
         return self.ledger_dir / f"ledger.{uid}.json"
 
@@ -742,11 +750,7 @@ def test_root_cancels_a_members_waiting_job_through_its_own_gpuwait(server: Serv
     assert bob.returncode == 8, bob.stderr
     assert waiter.poll() is None
     # Root may: the request is written in root's own file, and Alice's gpuwait carries it out.
-    root_env = {
-        **server.envs[ALICE],
-        "HOME": str(server.root),
-        "XDG_STATE_HOME": str(server.root / "root-state"),
-    }
+    root_env = server.root_env()
     root = subprocess.run(
         ["python3", "-m", "gpuwait", "cancel", "second"],
         env=root_env,
@@ -834,11 +838,7 @@ def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) ->
 
     server.edit_own(BOB, add)
     assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 3
-    root_env = {
-        **server.envs[ALICE],
-        "HOME": str(server.root),
-        "XDG_STATE_HOME": str(server.root / "root-state"),
-    }
+    root_env = server.root_env()
     done = subprocess.run(
         ["python3", "-m", "gpuwait", "status"], env=root_env, capture_output=True, timeout=60
     )
@@ -849,6 +849,27 @@ def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) ->
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (BOB, GROUP, "0o640")
     bob.send_signal(signal.SIGTERM)
     assert bob.wait(timeout=20) != 0
+
+
+def test_root_leaves_a_members_file_of_a_newer_gpuwait_as_it_is(server: Server) -> None:
+    # Bob's gpuwait is newer than root's: root's tidying read his file as far as this version
+    # can and wrote it back in this version's schema, without every entry it could not read
+    # (his newer gpuwait's jobs, running ones too) nor what else the newer schema holds.
+    gone = subprocess.Popen(["true"], user=BOB, group=BOB)
+    gone.wait()
+    dead = {"id": "dead", "pid": gone.pid, "start_time": 1, "uid": BOB, "state": "running"}
+    newer = {**empty_document(), "schema": 2, "jobs": [dead, {"id": "0123abcd", "in": "v2"}]}
+    with server.locked():
+        assert server.write_as(BOB, server.own_file(BOB), newer).returncode == 0
+    before = server.own_file(BOB).read_bytes()
+    done = subprocess.run(
+        ["python3", "-m", "gpuwait", "--vram", "1G", "--", "true"],
+        env=server.root_env(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert server.own_file(BOB).read_bytes() == before
 
 
 def test_a_shared_directory_of_a_group_one_is_not_in_says_so() -> None:
