@@ -109,12 +109,15 @@ def format_fraction(fraction: float) -> str:
     return text or "0"
 
 
-def mps_limit(reserved_bytes: int, gpu_uuids: Sequence[str]) -> str:
+def mps_limit(
+    reserved_bytes: int, gpu_uuids: Sequence[str], by_gpu: Mapping[str, int] | None = None
+) -> str:
     """CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: each of the job's GPUs, named by UUID as in
     CUDA_VISIBLE_DEVICES (no renumbering can point it at another card), limited to the
-    reservation in whole MB, rounded down ("GPU-…=6144MB")."""
-    mib = max(1, reserved_bytes >> 20)
-    return ",".join(f"{uuid}={mib}MB" for uuid in gpu_uuids)
+    reservation there (`by_gpu`, else `reserved_bytes`) in whole MB, rounded down
+    ("GPU-…=6144MB")."""
+    on = by_gpu or {}
+    return ",".join(f"{uuid}={max(1, on.get(uuid, reserved_bytes) >> 20)}MB" for uuid in gpu_uuids)
 
 
 def parse_mps_limit(text: str) -> dict[str, int]:
@@ -164,10 +167,12 @@ def plan(
     means: Means,
     *,
     whole_gpus: bool = False,
+    by_gpu: Mapping[str, int] | None = None,
 ) -> Budget:
     """The budget of a job holding `reserved_bytes` on each of `gpus` (UUID -> total bytes, in
-    CUDA_VISIBLE_DEVICES order), given the user's environment `env` (whose framework variables
-    are never overridden) and `means`."""
+    CUDA_VISIBLE_DEVICES order), or less on those `by_gpu` names (a share of each card: the
+    same fraction of every card), given the user's environment `env` (whose framework
+    variables are never overridden) and `means`."""
     totals = list(gpus.values())
     fraction = 1.0 if whole_gpus else card_fraction(reserved_bytes, totals)
     exported: dict[str, str] = {FRACTION_VAR: format_fraction(fraction)}
@@ -187,7 +192,7 @@ def plan(
     if mode == LIMIT:
         if means.dmem:
             held.append(HELD_DMEM)
-        if means.mps and offer(MPS_LIMIT_VAR, mps_limit(reserved_bytes, list(gpus))):
+        if means.mps and offer(MPS_LIMIT_VAR, mps_limit(reserved_bytes, list(gpus), by_gpu)):
             held.append(HELD_MPS)
     # Under a limit the driver holds, the frameworks are told to allocate on demand instead of
     # a fraction: whether the driver then reports the limit as the card's total is unconfirmed
@@ -215,7 +220,7 @@ def plan(
             parts = [p for p in path.split(":") if p != means.hook_dir] if path else []
             exported["PYTHONPATH"] = ":".join([means.hook_dir, *parts])
             exported[TORCH_FRACTION_VAR] = format_fraction(fraction)
-            if len({t for t in totals if t > 0}) > 1:
+            if len({t for t in totals if t > 0}) > 1 and not by_gpu:
                 exported[TORCH_BYTES_VAR] = str(reserved_bytes)
             if means.python:
                 held.append(HELD_TORCH)

@@ -233,7 +233,7 @@ def _base_cards(rooms: Mapping[str, GpuRoom], running: Sequence[Claim]) -> list[
             if uuid not in c.gpu_uuids:
                 continue
             alone = c.exclusive or room.gpu.one_process_only
-            size = card.cap if alone else max(c.reserved_bytes, c.observed.get(uuid, 0))
+            size = card.cap if alone else c.holds_on(uuid)
             left = c.expected_by_gpu.get(uuid, c.expected_seconds)
             if left is None:
                 length = _NEVER

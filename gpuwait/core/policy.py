@@ -110,8 +110,12 @@ class Claim(Record, frozen=True):
     candidates: frozenset[str] | None = None
     pick: str = "best-fit"
     gpu_uuids: tuple[str, ...] = ()
-    #: Bytes reserved on each GPU in `gpu_uuids` (running jobs only).
+    #: Bytes reserved on each GPU in `gpu_uuids` (running jobs only): on the largest of them
+    #: where `reserved_by_gpu` says otherwise for some.
     reserved_bytes: int = 0
+    #: Bytes reserved on particular GPUs (UUID -> bytes) where they differ from
+    #: `reserved_bytes`: a share of each card (`--vram 50%`) on cards of different sizes.
+    reserved_by_gpu: Mapping[str, int] = MappingProxyType({})
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = MappingProxyType({})
     #: The job's processes: they are gpuwait's load, not foreign processes.
@@ -150,10 +154,30 @@ class Claim(Record, frozen=True):
     def exclusive(self) -> bool:
         return self.request is None
 
+    def reserved_on(self, uuid: str) -> int:
+        """Bytes this running claim reserves on the GPU `uuid`."""
+        return self.reserved_by_gpu.get(uuid, self.reserved_bytes)
+
+    def holds_on(self, uuid: str) -> int:
+        """What it counts for on the GPU `uuid`: its reservation there, or what it uses there
+        where that is more."""
+        return max(self.reserved_on(uuid), self.observed.get(uuid, 0))
+
     def sort_key(self) -> tuple[int, float, int]:
         """Queue order: higher priority first, then the user with less usage, then earlier
         submission (so one user's own jobs always keep their order)."""
         return (-self.priority, self.usage, self.order)
+
+
+def reserved_by_card(
+    request: MemoryRequest | None, reserved_bytes: int, gpus: Iterable[GpuSnapshot]
+) -> dict[str, int]:
+    """Per GPU, what a job reserving `reserved_bytes` (its largest card's need) holds on each of
+    `gpus` where that is less: a share of each card (`--vram 50%`) is a share of that card,
+    half of 24 GiB on a 24 GiB card beside an 80 GiB one, not half of 80."""
+    if request is None or request.fraction is None:
+        return {}
+    return {g.uuid: need for g in gpus if (need := request.on(g.total_bytes)) < reserved_bytes}
 
 
 class UserLimits(Record, frozen=True):
@@ -407,7 +431,7 @@ def gpu_rooms(
         # A card that takes one process at a time is its running job's alone.
         alone = any(c.exclusive for c in on_gpu) or (gpu.one_process_only and bool(on_gpu))
         observed = sum(max(0, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
-        committed = sum(max(c.reserved_bytes, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
+        committed = sum(c.holds_on(gpu.uuid) for c in on_gpu)
         others = [p for p in gpu.processes if p.pid not in ours]
         ignored = [p for p in others if p.name is not None and p.name in ignore_processes]
         # The most careful of the users whose jobs run there decides how full it gets: a user
@@ -550,12 +574,12 @@ def impossible_reason(
         why = f"; {closed_note}" if closed_ones else ""
         return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}{why}"
     if limits is not None:
-        smallest = min(limit_charge(claim, g, safety) for g in matching)
-        refusal = limits.refusal(0, 0, claim.gpus_wanted, smallest * claim.gpus_wanted)
+        least = cheapest([limit_charge(claim, g, safety) for g in matching], claim.gpus_wanted)
+        refusal = limits.refusal(0, 0, claim.gpus_wanted, least)
         if refusal is not None:
             asked = f"{claim.gpus_wanted} GPUs, " if claim.gpus_wanted > 1 else ""
             return (
-                f"{OVER_LIMIT} ({asked}{format_size(smallest * claim.gpus_wanted)} in all)"
+                f"{OVER_LIMIT} ({asked}{format_size(least)} in all)"
                 f" exceeds {refusal.replace('your ', '', 1)}"
             )
     if claim.request is None:
@@ -645,7 +669,7 @@ def _fit_time(claim: Claim, room: GpuRoom, on_gpu: Sequence[Claim]) -> float | N
     ends = sorted(
         (
             _NEVER if c.expected_seconds is None else max(0.0, c.expected_seconds),
-            max(c.reserved_bytes, c.observed.get(uuid, 0)),
+            c.holds_on(uuid),
             c.exclusive,
         )
         for c in on_gpu
@@ -707,7 +731,7 @@ def _hold_for(
             continue
         # Room at the start: what jobs expected to end by then free (unknown ends never do).
         freed = sum(
-            max(c.reserved_bytes, c.observed.get(uuid, 0))
+            c.holds_on(uuid)
             for c in running
             if uuid in c.gpu_uuids
             and c.expected_seconds is not None
@@ -796,7 +820,14 @@ def plan(
                         spare[room.gpu.uuid] = max(0, spare[room.gpu.uuid] - need)
             # Its end frees room the head may be waiting for.
             running.append(
-                claim._replace(running=True, gpu_uuids=uuids, reserved_bytes=reserved[claim.job_id])
+                claim._replace(
+                    running=True,
+                    gpu_uuids=uuids,
+                    reserved_bytes=reserved[claim.job_id],
+                    reserved_by_gpu=reserved_by_card(
+                        claim.request, reserved[claim.job_id], (r.gpu for r, _ in chosen)
+                    ),
+                )
             )
             if claim.pick == "round-robin":
                 cursor = chosen[-1][0].gpu.index
@@ -831,7 +862,10 @@ def take(
     that would break its user's limits, change nothing and say which."""
     if limits is not None:
         gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
-        vram = max(need for _, need in chosen) * len(chosen)
+        # As the next plan counts it once the job runs (`user_holdings`).
+        reserved = max(need for _, need in chosen)
+        less = reserved_by_card(claim.request, reserved, (room.gpu for room, _ in chosen))
+        vram = sum(less.get(room.gpu.uuid, reserved) for room, _ in chosen)
         refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
         if refusal is not None:
             return refusal
@@ -853,6 +887,11 @@ def limit_charge(claim: Claim, gpu: GpuSnapshot, safety: float) -> int:
     return max(1, int(gpu.total_bytes * safety) - gpu.driver_bytes)
 
 
+def cheapest(charges: Sequence[int], count: int) -> int:
+    """The least that `count` of `charges` (one per card) come to together."""
+    return sum(sorted(charges)[:count])
+
+
 def within_vram_limit(
     claims: Sequence[Claim], gpus: Sequence[GpuSnapshot], safety: float, limits: UserLimits | None
 ) -> list[Claim]:
@@ -865,11 +904,18 @@ def within_vram_limit(
     kept: list[Claim] = []
     for claim in claims:
         if not claim.running:
-            within = frozenset(
-                g.uuid
+            charges = {
+                g.uuid: limit_charge(claim, g, safety)
                 for g in gpus
-                if (claim.candidates is None or g.uuid in claim.candidates)
-                and limit_charge(claim, g, safety) * claim.gpus_wanted <= limits.max_vram
+                if claim.candidates is None or g.uuid in claim.candidates
+            }
+            # A card is within the limit where it and the cheapest others a gang needs are.
+            within = frozenset(
+                uuid
+                for uuid, charge in charges.items()
+                if charge
+                + cheapest([c for u, c in charges.items() if u != uuid], claim.gpus_wanted - 1)
+                <= limits.max_vram
             )
             if within and within != claim.candidates:
                 claim = claim._replace(candidates=within)
@@ -901,7 +947,7 @@ def over_limit(
             continue
         gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
         wanted = claim.gpus_wanted
-        refusal = limits.refusal(gpus_held, vram_held, wanted, min(needs) * wanted)
+        refusal = limits.refusal(gpus_held, vram_held, wanted, cheapest(needs, wanted))
         if refusal is not None:
             found[claim.job_id] = refusal
     return found
@@ -913,7 +959,7 @@ def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
     for c in claims:
         if c.running:
             gpus, vram = held.get(c.uid, (0, 0))
-            held[c.uid] = (gpus + len(c.gpu_uuids), vram + c.reserved_bytes * len(c.gpu_uuids))
+            held[c.uid] = (gpus + len(c.gpu_uuids), vram + sum(map(c.reserved_on, c.gpu_uuids)))
     return held
 
 
@@ -1048,8 +1094,16 @@ def estimate_starts(
     current: list[Claim] = []
     for c in claims:
         if c.running:
-            size = max([c.reserved_bytes, *(c.observed.get(u, 0) for u in c.gpu_uuids)])
-            current.append(c._replace(reserved_bytes=size, observed={}, pids=frozenset()))
+            sizes = {u: c.holds_on(u) for u in c.gpu_uuids}
+            size = max([c.reserved_bytes, *sizes.values()])
+            current.append(
+                c._replace(
+                    reserved_bytes=size,
+                    reserved_by_gpu={u: n for u, n in sizes.items() if n < size},
+                    observed={},
+                    pids=frozenset(),
+                )
+            )
         else:
             current.append(c._replace(pids=frozenset()))
     starts: dict[str, float | None] = {c.job_id: None for c in claims if not c.running}
@@ -1075,6 +1129,9 @@ def estimate_starts(
                     running=True,
                     gpu_uuids=uuids,
                     reserved_bytes=decided.reserved[c.job_id],
+                    reserved_by_gpu=reserved_by_card(
+                        c.request, decided.reserved[c.job_id], (g for g in gpus if g.uuid in uuids)
+                    ),
                     expected_seconds=None if expected == _NEVER else expected,
                 )
             elif decided.hold is not None and c.job_id == decided.hold.job_id:

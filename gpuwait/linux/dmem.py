@@ -147,14 +147,20 @@ def locate(
     return Place(parent=parent, regions=mapped, home=home), ""
 
 
-def create(place: Place, name: str, limit_bytes: int) -> str:
-    """Make the job's cgroup with dmem.max = `limit_bytes` on each of its GPUs' regions; its
-    path. Raises OSError (the caller then does without)."""
+def create(
+    place: Place, name: str, limit_bytes: int, by_gpu: Mapping[str, int] | None = None
+) -> str:
+    """Make the job's cgroup with dmem.max = `limit_bytes` on each of its GPUs' regions (or
+    what `by_gpu` says for a GPU); its path. Raises OSError (the caller then does without)."""
+    limits: dict[str, int] = {}
+    for uuid, region in place.regions.items():
+        limit = (by_gpu or {}).get(uuid, limit_bytes)
+        limits[region] = max(limits.get(region, 0), limit)
     path = os.path.join(place.parent, name)
     os.mkdir(path)
     try:
-        for region in sorted(set(place.regions.values())):
-            _write(os.path.join(path, "dmem.max"), f"{region} {limit_bytes}\n")
+        for region in sorted(limits):
+            _write(os.path.join(path, "dmem.max"), f"{region} {limits[region]}\n")
     except OSError:
         remove(path)
         raise

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
-from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
+from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, reserved_by_card
+from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
@@ -217,6 +218,32 @@ def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot], theirs: set[int]) -> 
     }
 
 
+def reserved_less(job: Job, gpus: Sequence[GpuSnapshot]) -> dict[str, int]:
+    """The GPUs of `job` (read in `gpus`) where it reserves less than `job.reserved_bytes`
+    (its largest card's), and how much: a share of each card is that card's share."""
+    mine = (g for g in gpus if g.uuid in job.gpu_uuids)
+    return reserved_by_card(job.memory_request(), job.reserved_bytes, mine)
+
+
+def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
+    """`12.0 GiB on GPU0, 40.0 GiB on GPU1`: what `job` reserves on each of its GPUs, where
+    that differs between them; None where it is `job.reserved_bytes` on every one."""
+    less = reserved_less(job, gpus)
+    if not less:
+        return None
+    return ", ".join(
+        f"{format_size(less.get(g.uuid, job.reserved_bytes))} on GPU{g.index}"
+        for g in gpus
+        if g.uuid in job.gpu_uuids
+    )
+
+
+def reserved_in_all(job: Job, gpus: Sequence[GpuSnapshot]) -> int:
+    """What `job` reserves on all its GPUs together."""
+    less = reserved_less(job, gpus)
+    return sum(less.get(uuid, job.reserved_bytes) for uuid in job.gpu_uuids)
+
+
 def claim_of(
     job: Job,
     gpus: Sequence[GpuSnapshot],
@@ -268,6 +295,7 @@ def claim_of(
         pick=job.pick,
         gpu_uuids=tuple(job.gpu_uuids),
         reserved_bytes=job.reserved_bytes,
+        reserved_by_gpu=reserved_less(job, gpus),
         observed=observed,
         pids=frozenset(pids),
         requirements=job.requirements_for_policy(),
@@ -331,7 +359,7 @@ def as_counted(claim: Claim, job: Job) -> Claim:
     """`job`'s claim as plans count it. Where its command has ended (`command_ended`), what its
     processes still hold is counted (observed, or as used by others); the room kept for what it
     had yet to allocate is not: it never will."""
-    return claim._replace(reserved_bytes=0) if command_ended(job) else claim
+    return claim._replace(reserved_bytes=0, reserved_by_gpu={}) if command_ended(job) else claim
 
 
 def command_ended(job: Job) -> bool:

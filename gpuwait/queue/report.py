@@ -15,11 +15,11 @@ from typing import Any
 from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, closed, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
-from gpuwait.core.snapshot import MachineSnapshot
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
-from gpuwait.queue.conditions import plan_ledger, planned_claims
+from gpuwait.queue.conditions import plan_ledger, planned_claims, reserved_in_all
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger, LockBusy
@@ -106,7 +106,7 @@ def report_from(
         "gpus": [],
         "jobs": [],
         "batches": _batches(data.jobs, data.book),
-        "users": _users(data.jobs, usage),
+        "users": _users(data.jobs, usage, gpus),
         "fair_share": {
             "half_life_seconds": fair.half_life,
             "user_max_gpus": fair.limits.max_gpus if fair.limits else None,
@@ -286,7 +286,9 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
     return rows
 
 
-def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
+def _users(
+    jobs: list[Job], usage: dict[int, float], gpus: Sequence[GpuSnapshot]
+) -> list[dict[str, Any]]:
     """Per user: what they hold, wait for, and their fair-share usage (lower goes first)."""
     uids = sorted({j.uid for j in jobs} | set(usage))
     rows = []
@@ -300,7 +302,7 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
                 "running": len(running),
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
-                "vram_held_bytes": sum(j.reserved_bytes * len(j.gpu_uuids) for j in running),
+                "vram_held_bytes": sum(reserved_in_all(j, gpus) for j in running),
                 "usage_vram_seconds": round(usage.get(uid, 0.0), 1),
             }
         )

@@ -16,6 +16,7 @@ from gpuwait.core import budget as policy
 from gpuwait.core.budget import Budget, Means
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.linux import dmem
+from gpuwait.queue.conditions import reserved_less
 from gpuwait.queue.entries import Job
 from gpuwait.runner.launch import python_program
 
@@ -82,13 +83,14 @@ def prepare(
     """The job's budget on `gpus`, with the means found where enforce = limit asks for them."""
     means = Means()
     cgroup = home = problem = None
+    by_gpu = reserved_less(job, gpus)
     if mode == policy.LIMIT and job.request:
         from gpuwait.linux import mps  # only limit mode looks for a daemon
 
         place, why_not = dmem.locate(job.gpu_uuids)
         if place is not None:
             try:
-                cgroup = dmem.create(place, f"gpuwait-{job.id}", job.reserved_bytes)
+                cgroup = dmem.create(place, f"gpuwait-{job.id}", job.reserved_bytes, by_gpu)
                 home = place.home
             except OSError as exc:
                 problem = f"cannot make a dmem cgroup in {place.parent}: {exc.strerror}"
@@ -107,5 +109,6 @@ def prepare(
         env,
         means,
         whole_gpus=not job.request,
+        by_gpu=by_gpu,
     )
     return Held(plan, cgroup, home, problem)

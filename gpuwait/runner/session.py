@@ -61,7 +61,7 @@ from gpuwait.history.learn import (
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
-from gpuwait.queue.conditions import claim_of
+from gpuwait.queue.conditions import claim_of, reserved_on_each
 from gpuwait.queue.entries import WAITING, Job, entry_command
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
@@ -896,9 +896,10 @@ def _start(
     if request.verbose:
         where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
         note = f" ({choice.note})" if choice.note else ""
+        each = reserved_on_each(job, chosen) or format_size(job.reserved_bytes)
         reporter.info(
             f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
-            f"{format_size(job.reserved_bytes)} reserved{note}"
+            f"{each} reserved{note}"
         )
     started_at = time.time()
     watch = StderrWatch(enabled=config.watch_stderr)

@@ -188,3 +188,15 @@ def test_pytorch_reads_its_cuda_settings_from_the_first_variable_set() -> None:
 )
 def test_oom_cause(enforced: bool, card_full: bool, cause: str) -> None:
     assert budget.oom_cause(enforced, card_full) == cause
+
+
+def test_a_share_of_each_card_is_held_on_each_card_at_that_share() -> None:
+    # Half of a 24 GiB and of an 80 GiB card: 12 GiB on the small one, 40 on the big one. One
+    # fraction (0.5) says both; a cap of 40 GiB in bytes would leave the small card uncapped.
+    mixed = {"GPU-s": 24 * GiB, "GPU-b": 80 * GiB}
+    small = {"GPU-s": 12 * GiB}
+    held = plan(LIMIT, 40 * GiB, mixed, {}, Means(python=True, hook_dir=HOOK), by_gpu=small)
+    assert held.env["GPUWAIT_TORCH_MEMORY_FRACTION"] == "0.5"
+    assert "GPUWAIT_TORCH_MEMORY_BYTES" not in held.env
+    held = plan(LIMIT, 40 * GiB, mixed, {}, Means(mps=True), by_gpu=small)
+    assert held.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-s=12288MB,GPU-b=40960MB"

@@ -286,3 +286,24 @@ def test_fair_share_settings_come_from_the_site(
         [*gpuwait_cmd, "config"], capture_output=True, text=True, env=dict(os.environ)
     ).stdout
     assert f"(site config file {site})" in shown
+
+
+@pytest.mark.parametrize("order", [None, Lookahead()])
+def test_a_share_of_cards_of_different_sizes_counts_that_share_of_each(
+    order: Lookahead | None,
+) -> None:
+    # Half of a 24 GiB and of an 80 GiB card is 12 + 40 = 52 GiB, within a 60 GiB limit (not
+    # twice 40); once it runs, 8 GiB more of the same user's still fit the limit.
+    gpus = [card(0), card(1, total_gib=80)]
+    fair = FairShare(limits=UserLimits(max_vram=60 * GiB), order=order)
+    half = MemoryRequest(fraction=0.5)
+    gang = Claim("gang", False, 3, 1, half, gpus_wanted=2, uid=1)
+    assert impossible_reason(gang, gpus, 0.9, fair.limits) is None
+    decided = plan_queue(gpus, [gang], 0.9, -1, NO_CONDITIONS, fair)
+    assert decided.admitted == {"gang": ("GPU-0", "GPU-1")}
+    ran = gang._replace(running=True, gpu_uuids=("GPU-0", "GPU-1"), reserved_bytes=40 * GiB)
+    ran = ran._replace(reserved_by_gpu={"GPU-0": 12 * GiB})
+    decided = plan_queue(
+        gpus, [ran, waiter("more", uid=1, order=2, gib=8)], 0.9, -1, NO_CONDITIONS, fair
+    )
+    assert decided.admitted == {"more": ("GPU-0",)}

@@ -1,0 +1,36 @@
+"""Jobs of several GPUs on machines whose cards differ in size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+from helpers.fixtures_sim import SimFileFactory
+from helpers.waiting import ledger_entries, wait_for
+
+GiB = 2**30
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_a_share_of_each_card_reserves_that_share_of_each_card(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    # Half of a 24 GiB card and half of an 80 GiB card: 12 GiB on the small one, not the big
+    # one's 40 GiB, which would leave the small card nothing for anyone.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"])
+    gang = procs([*gpuwait_cmd, "-v", "--vram", "50%", "--gpus", "2", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"])
+    report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
+    assert [g["reserved_bytes"] for g in report["gpus"]] == [12 * GiB, 40 * GiB]
+    assert report["gpus"][0]["free_bytes"] > 9 * GiB
+    assert [u["vram_held_bytes"] for u in report["users"]] == [52 * GiB]
+    small = run([*gpuwait_cmd, "--vram", "4G", "--devices", "0", "--timeout", "0", "--", "true"])
+    assert small.returncode == 0, small.stderr
+    gang.terminate()
+    said = gang.communicate(timeout=30)[1]
+    assert "12.0 GiB on GPU0, 40.0 GiB on GPU1 reserved" in said
