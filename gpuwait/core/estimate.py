@@ -83,6 +83,9 @@ class RunStat(Record, frozen=True):
     time_to_peak: float | None = None
     #: The GPUs it ran on (UUIDs); empty where the record does not say.
     gpu_uuids: tuple[str, ...] = ()
+    #: What it held on all of them together: the sum of its peaks on each; None where the
+    #: record does not say (then `peak_bytes` on each is assumed).
+    held_bytes: int | None = None
 
 
 class Spread(Record, frozen=True):
@@ -236,15 +239,18 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
 
 def on_fewer_gpus(run: RunStat, gpus: int) -> RunStat:
     """`run` as a job on `gpus` GPUs may need it: a run on more held its memory spread over
-    them (a model split across the cards it is given), and on fewer each card may hold that
-    many times more. A run whose GPUs are not known (a compacted record) counts as it is."""
+    them (a model split across the cards it is given), and on fewer each card may hold its
+    share of all it held there, and never less than it held on any one card (30 GiB on one
+    card and 5 on another need 35 on one, not 60). A run whose GPUs are not known (a
+    compacted record) counts as it is."""
     count = len(run.gpu_uuids)
     if count <= gpus:
         return run
-    return run._replace(
-        peak_bytes=None if run.peak_bytes is None else run.peak_bytes * count // gpus,
-        reserved_bytes=run.reserved_bytes * count // gpus,
-    )
+    peak = run.peak_bytes
+    if peak is not None:
+        held = peak * count if run.held_bytes is None else run.held_bytes
+        peak = max(peak, -(-held // gpus))
+    return run._replace(peak_bytes=peak, reserved_bytes=run.reserved_bytes * count // gpus)
 
 
 def for_gpus(

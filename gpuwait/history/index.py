@@ -42,8 +42,8 @@ from gpuwait.history.store import (
 from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_temp_files
 from gpuwait.linux.security import mine, read_state_file
 
-#: 2: each run also names its GPUs (per-GPU run times).
-SCHEMA = 2
+#: 2: each run also names its GPUs (per-GPU run times). 3: and what it held on all of them.
+SCHEMA = 3
 DIRNAME = "history.index"
 #: The temporary files of the index's writes (`_write_cache`).
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
@@ -56,7 +56,7 @@ MAX_BUCKET_BYTES = 64 << 20
 LAUNCH_LOCK_WAIT = 1.0
 
 #: One run as stored: [offset, started_at, peak (-1: unknown), reserved, flags, run s, wait s,
-#: time to peak (-1: unknown), [GPU UUIDs]].
+#: time to peak (-1: unknown), [GPU UUIDs], held on all of them (-1: unknown)].
 Row = list[Any]
 
 
@@ -97,6 +97,7 @@ def _row(offset: int, stat: RunStat) -> Row:
         round(stat.wait_seconds, 3),
         -1 if stat.time_to_peak is None else round(stat.time_to_peak, 3),
         list(stat.gpu_uuids),
+        -1 if stat.held_bytes is None else stat.held_bytes,
     ]
 
 
@@ -105,6 +106,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
     uuids = row[8]
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise ValueError("GPUs must be a list of UUIDs")
+    held = int(row[9])
     if max(row[2], row[3]) > MAX_SIZE or max(row[5], row[6], row[7]) > MAX_RECORDED_SECONDS:
         # Taken in before such figures were read as damage (history.record.run_stat).
         raise ValueError("a figure past any real one")
@@ -119,6 +121,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
         wait_seconds=float(row[6]),
         time_to_peak=None if row[7] < 0 else float(row[7]),
         gpu_uuids=tuple(uuids),
+        held_bytes=None if held < 0 else held,
     )
 
 

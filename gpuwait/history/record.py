@@ -242,6 +242,15 @@ def gpu_uuids(record: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(u for u in uuids if isinstance(u, str))
 
 
+def held_bytes(record: Mapping[str, Any]) -> int | None:
+    """What a run held on all its GPUs together (the sum of its peaks on each); None where
+    the record does not say."""
+    peaks = record.get("peak_by_gpu")
+    if not isinstance(peaks, dict) or not peaks:
+        return None
+    return sum(_bytes(value) for value in peaks.values())
+
+
 def run_stat(record: dict[str, Any]) -> RunStat | None:
     """The figures estimates use, or None if the record lacks them or they are malformed."""
     get = record.get
@@ -261,6 +270,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             wait_seconds=_seconds(get("wait_seconds", 0)),
             time_to_peak=None if to_peak is None else _seconds(to_peak),
             gpu_uuids=gpu_uuids(record),
+            held_bytes=None if peak is None else held_bytes(record),
         )
     except (ValueError, TypeError, OverflowError):
         return None

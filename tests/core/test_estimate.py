@@ -131,6 +131,15 @@ def test_runs_on_more_gpus_size_a_job_on_fewer_for_what_they_held_in_all() -> No
     assert estimate(one_level(failed), NOW, gpus=1).bytes == tidy_size(18 * GiB * 1.5)
 
 
+def test_uneven_runs_on_more_gpus_size_a_job_on_fewer_by_what_they_held_on_all() -> None:
+    # 30 GiB on one card, 5 on the other: 35 GiB on one card, not twice the larger (60), and
+    # on two of four such cards never less than the 30 one card held.
+    uneven = [on_gpus(run(30, i / 10), 2)._replace(held_bytes=35 * GiB) for i in range(3)]
+    assert estimate(one_level(*uneven), NOW, gpus=1).bytes == tidy_size(35 * GiB * 1.1)
+    four = [on_gpus(run(30, i / 10), 4)._replace(held_bytes=45 * GiB) for i in range(3)]
+    assert estimate(one_level(*four), NOW, gpus=2).bytes == tidy_size(30 * GiB * 1.1)
+
+
 def test_runs_recorded_while_the_clock_was_ahead_do_not_hide_the_latest_ones() -> None:
     # A date set a year ahead for a day, put right since: those runs look newer than any other
     # for a year, and would fill the window of the newest runs all that time.

@@ -15,6 +15,7 @@ from helpers.fixtures_sim import SimFileFactory
 from helpers.history import a_run
 from helpers.waiting import wait_for
 
+from gpuwait.core.estimate import tidy_size
 from gpuwait.history.store import append_record
 
 GiB = 2**30
@@ -569,3 +570,29 @@ def test_a_job_waiting_after_ok_on_a_retried_job_waits_for_the_retry(
     assert then.returncode == 0, then.stderr
     log = run([*gpuwait_cmd, "log", "--job", "first"]).stdout
     assert "queued again (--retry-oom)" in log and log.count("finish") == 2
+
+
+UNEVEN = (
+    "import os, subprocess, sys\n"
+    "job = [sys.executable, '-m', 'gpuwait', 'sim', 'job', '--hold', '0.6s', '--vram']\n"
+    "cards = os.environ['CUDA_VISIBLE_DEVICES'].split(',')\n"
+    "both = [\n"
+    "    subprocess.Popen([*job, size], env={**os.environ, 'CUDA_VISIBLE_DEVICES': card})\n"
+    "    for card, size in zip(cards, ['6G', '1G'])\n"
+    "]\n"
+    "sys.exit(max(p.wait() for p in both))"
+)
+
+
+def test_a_run_on_two_cards_sizes_a_run_on_one_by_what_it_held_on_both(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # 6 GiB on one card and 1 GiB on the other: on one card the job needs 7 GiB, not twice the
+    # larger of the two (12 GiB); on two it still needs 6 GiB on each.
+    sim_file(gpus=2, memory="24GiB")
+    command = [sys.executable, "-c", UNEVEN]
+    done = run([*gpuwait_cmd, "--gpus", "2", "--vram", "8G", "--", *command])
+    assert done.returncode == 0, done.stderr
+    for gpus, held in (("1", 7 * GiB), ("2", 6 * GiB)):
+        shown = run([*gpuwait_cmd, "estimate", "--json", "--gpus", gpus, "--", *command])
+        assert json.loads(shown.stdout)["learned_bytes"] == tidy_size(held * 1.1), gpus
