@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     for message in learned.warnings:
         output.warn(message)
     default = settings.shown("default_vram")
-    launched = _as_launched(settings, learned)
+    launched = _as_launched(settings, learned, args.gpus)
     if args.json:
         print(output.json_text(_report(learned, default, launched)))
         return 0
@@ -84,11 +84,15 @@ class _Launched(NamedTuple):
     capped_at: int | None = None
     #: Why the GPUs could not be read (the estimate is then shown as learned).
     problem: str | None = None
+    #: What the cap is, and what the estimate is more than, as `estimate` says them.
+    cap: str = "the largest card"
+    gives: str = "any GPU here gives"
 
 
-def _as_launched(settings: Settings, learned: Learned) -> _Launched:
-    """The learned estimate capped as a launch caps it (history.learn.cap_to_cards): never more
-    than the largest usable memory of the cards the command may use."""
+def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
+    """The learned estimate capped as a launch on `gpus` GPUs caps it
+    (history.learn.cap_to_cards): never more than the largest usable memory of the cards the
+    command may use, or for several, than that many of them all hold."""
     learned_bytes = learned.estimate.bytes
     if learned_bytes is None:
         return _Launched(None)
@@ -99,10 +103,18 @@ def _as_launched(settings: Settings, learned: Learned) -> _Launched:
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     candidates = None if inherited is None else parse_inherited_visible(inherited, snapshot.gpus)
     choice = RequestChoice(MemoryRequest(bytes=learned_bytes), ESTIMATE)
-    asked = cap_to_cards(choice, snapshot.gpus, candidates, settings.safety).request
+    capped = cap_to_cards(choice, snapshot.gpus, candidates, settings.safety, gpus)
+    asked = capped.request
     if asked is None or asked.bytes is None or asked.bytes == learned_bytes:
         return _Launched(learned_bytes)
-    return _Launched(asked.bytes, capped_at=asked.bytes)
+    if (capped.note or "").endswith("the largest card"):
+        return _Launched(asked.bytes, capped_at=asked.bytes)
+    return _Launched(
+        asked.bytes,
+        capped_at=asked.bytes,
+        cap=f"what {gpus} cards hold",
+        gives=f"{gpus} GPUs here all give",
+    )
 
 
 def _check_readable(path: Path) -> None:
@@ -233,8 +245,8 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
             print("          some peaks are approximate (no per-process figures from NVML)")
         if launched.capped_at is not None:
             print(
-                f"          capped at the largest card: {format_size(est.bytes)} learned, more "
-                f"than any GPU here gives ({format_size(launched.capped_at)} under the safety "
+                f"          capped at {launched.cap}: {format_size(est.bytes)} learned, more "
+                f"than {launched.gives} ({format_size(launched.capped_at)} under the safety "
                 "factor)"
             )
         elif launched.problem is not None:

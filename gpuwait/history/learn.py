@@ -208,19 +208,27 @@ def cap_to_cards(
     gpus: Sequence[GpuSnapshot],
     candidates: Sequence[str] | None,
     safety: float,
+    wanted: int = 1,
 ) -> RequestChoice:
-    """An estimate above every candidate card's usable memory asks for the largest one instead:
+    """An estimate above every candidate card's usable memory asks for the largest one instead,
+    and for a job on `wanted` GPUs, one above what the `wanted` largest all hold asks for that:
     the learned size must never make a command impossible that --vram would not."""
     request = choice.request
     if choice.source != ESTIMATE or request is None or request.bytes is None:
         return choice
-    usable = [
-        int(g.total_bytes * safety) for g in gpus if candidates is None or g.uuid in candidates
-    ]
-    if not usable or request.bytes <= max(usable):
+    usable = sorted(
+        (int(g.total_bytes * safety) for g in gpus if candidates is None or g.uuid in candidates),
+        reverse=True,
+    )
+    if not usable:
         return choice
-    note = f"{choice.note}; capped at the largest card"
-    return RequestChoice(MemoryRequest(bytes=max(usable)), ESTIMATE, note, choice.learned)
+    # Fewer cards than it wants: the count refuses it, said as such, whatever the size.
+    most = usable[wanted - 1] if len(usable) >= wanted else usable[0]
+    if request.bytes <= most:
+        return choice
+    which = "the largest card" if most == usable[0] else f"what {wanted} cards hold"
+    note = f"{choice.note}; capped at {which}"
+    return RequestChoice(MemoryRequest(bytes=most), ESTIMATE, note, choice.learned)
 
 
 def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> list[str]:

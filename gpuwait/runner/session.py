@@ -326,7 +326,11 @@ def _run_with_retries(
             # cannot be helped by a bigger estimate.
             snapshot = backend.snapshot()
             raised = cap_to_cards(
-                raised, snapshot.gpus, _candidates(request, snapshot), config.wait.safety
+                raised,
+                snapshot.gpus,
+                _candidates(request, snapshot),
+                config.wait.safety,
+                request.gpus,
             )
         except GpuwaitError:
             _end_pending(ended, config, reporter)
@@ -647,7 +651,7 @@ def _judge(
     """The job on these GPUs and its request capped to them; UsageError or ImpossibleRequest
     where the GPUs read cannot serve it."""
     candidates = _candidates(request, snapshot)
-    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety)
+    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety, request.gpus)
     job = _new_job(request, config, choice, snapshot, candidates)
     impossible = impossible_reason(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits

@@ -42,6 +42,14 @@ def estimate_of(gpuwait_cmd: list[str], command: list[str]) -> dict[str, Any]:
     return dict(json.loads(done.stdout))
 
 
+def three_runs(command: list[str], cwd: str, peak: int) -> None:
+    """Three successful runs of `command` in the history, each with `peak` bytes on one GPU."""
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for i in range(3):
+        append_record(state, a_run(command, cwd, time.time() - 60 + i, peak_by_gpu={"GPU-x": peak}))
+
+
 def running_jobs() -> int:
     path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     if not path.exists():
@@ -275,13 +283,7 @@ def test_estimate_says_what_a_launch_asks_for_where_the_learned_size_passes_ever
     # for the usable 21.6 GiB: `estimate` must say that, not a size no launch asks for.
     sim_file(gpus=1, memory="24GiB")
     command = ["true", "big-model"]
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    state.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for i in range(3):
-        append_record(
-            state,
-            a_run(command, str(tmp_path), time.time() - 60 + i, peak_by_gpu={"GPU-x": 30 * GiB}),
-        )
+    three_runs(command, str(tmp_path), 30 * GiB)
     shown = json.loads(run([*gpuwait_cmd, "estimate", "--json", *command], cwd=tmp_path).stdout)
     assert run([*gpuwait_cmd, "--", *command], cwd=tmp_path).returncode == 0
     (launched,) = [r for r in history() if r["job_id"] != "j"]
@@ -596,3 +598,19 @@ def test_a_run_on_two_cards_sizes_a_run_on_one_by_what_it_held_on_both(
     for gpus, held in (("1", 7 * GiB), ("2", 6 * GiB)):
         shown = run([*gpuwait_cmd, "estimate", "--json", "--gpus", gpus, "--", *command])
         assert json.loads(shown.stdout)["learned_bytes"] == tidy_size(held * 1.1), gpus
+
+
+def test_a_learned_size_no_two_cards_hold_asks_a_job_on_two_for_what_two_hold(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Runs taught 28 GiB per GPU; here a 24 GiB and an 80 GiB card. A job on both asks for what
+    # the smaller gives (21.6 GiB), as `--vram 21G --gpus 2` would run, rather than exit 3.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"])
+    command = ["true", "split-model"]
+    three_runs(command, str(tmp_path), 28 * GiB)
+    shown = run([*gpuwait_cmd, "estimate", "--json", "--gpus", "2", *command], cwd=tmp_path)
+    launched = run([*gpuwait_cmd, "--gpus", "2", "--", *command], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    (record,) = [r for r in history() if r["job_id"] != "j"]
+    assert json.loads(shown.stdout)["estimate_bytes"] == record["reserved_bytes"]
+    assert record["reserved_bytes"] == int(24 * GiB * 0.9)
