@@ -116,12 +116,14 @@ def no_gpu_answers(snapshot: MachineSnapshot) -> BackendUnavailable | None:
 
 def own_gpus_silent(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable | None:
     """A reading in which too few of the GPUs `job` may use answered (`--devices 1`, or
-    CUDA_VISIBLE_DEVICES, naming a GPU that fell off the bus) as a failed reading, retried up
-    to gpu_error_timeout: it could otherwise wait for ever for a card that needs a reset."""
-    if job.candidates is None or not snapshot.unanswered:
+    CUDA_VISIBLE_DEVICES, naming a GPU that fell off the bus; `--gpus 2` on two GPUs, one of
+    them lost) as a failed reading, retried up to gpu_error_timeout: it could otherwise wait
+    for ever for a card that needs a reset."""
+    if not snapshot.unanswered:
         return None
     seen = {g.uuid for g in snapshot.gpus}
-    if sum(uuid in seen for uuid in job.candidates) >= job.gpus:
+    mine = seen if job.candidates is None else seen.intersection(job.candidates)
+    if len(mine) >= job.gpus:
         return None
     which = ", ".join(str(i) for i in snapshot.unanswered)
     return BackendUnavailable(

@@ -288,15 +288,18 @@ def test_a_waiter_whose_every_gpu_is_lost_says_so_and_gives_up_after_gpu_error_t
     assert ledger_entries() == []
 
 
+@pytest.mark.parametrize("option", [["--devices", "1"], ["--gpus", "2"]])
 def test_a_waiter_whose_own_gpu_is_lost_gives_up_after_gpu_error_timeout(
-    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], option: list[str]
 ) -> None:
     # `--devices 1` waiting when GPU 1 fell off the bus, GPU 0 still answering: it waited for
-    # ever ("no usable GPU right now") for a card that needs a reset or a reboot.
+    # ever ("no usable GPU right now") for a card that needs a reset or a reboot. So did
+    # `--gpus 2` on these two GPUs ("only 1 of the GPUs it may use answers now"), where a
+    # launch in the same state gives up after gpu_error_timeout.
     fake_nvml.set_gpus([FakeGpu(total=24 * GIB), FakeGpu(total=24 * GIB, used=20 * GIB)])
     env = {**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s", "GPUWAIT_NVML_INTERVAL": "0.2s"}
     waiter = subprocess.Popen(
-        [*gpuwait_cmd, "--devices", "1", "--vram", "8G", "--", "true"],
+        [*gpuwait_cmd, *option, "--vram", "8G", "--timeout", "10s", "--", "true"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
