@@ -23,6 +23,7 @@ from gpuwait.core.text import printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
+from gpuwait.queue.conditions import reserved_on_each
 from gpuwait.queue.entries import RUNNING, Job, entry_command
 
 
@@ -98,6 +99,10 @@ def run(options: argparse.Namespace) -> int:
         state=RUNNING,
         gpu_uuids=sorted(using, key=lambda u: next(g.index for g in snapshot.gpus if g.uuid == u)),
         reserved_bytes=reserved,
+        # Without --vram, what it uses on each of its GPUs, not its most on every one.
+        reserved_by_gpu={}
+        if reserve is not None
+        else {u: b for u, b in using.items() if b < reserved},
         observed=using,
         pids=sorted(tree),
         child_pid=pid,
@@ -113,9 +118,8 @@ def run(options: argparse.Namespace) -> int:
     )
     job = lifecycle.adopt(ledger, job)
     indexes = ",".join(str(g.index) for g in snapshot.gpus if g.uuid in using)
+    each = reserved_on_each(job, snapshot.gpus)
+    held = f"{each} reserved" if each else f"{format_size(reserved)} reserved on GPU {indexes}"
     name = f" ({printable(job.name, 100)})" if job.name else ""
-    output.info(
-        f"adopted process {pid} as job {job.id}{name}: {format_size(reserved)} reserved on "
-        f"GPU {indexes}"
-    )
+    output.info(f"adopted process {pid} as job {job.id}{name}: {held}")
     return 0

@@ -220,9 +220,14 @@ def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot], theirs: set[int]) -> 
 
 def reserved_less(job: Job, gpus: Sequence[GpuSnapshot]) -> dict[str, int]:
     """The GPUs of `job` (read in `gpus`) where it reserves less than `job.reserved_bytes`
-    (its largest card's), and how much: a share of each card is that card's share."""
+    (its largest card's), and how much: a share of each card is that card's share, and an
+    adopted process's what it used there (`job.reserved_by_gpu`)."""
     mine = (g for g in gpus if g.uuid in job.gpu_uuids)
-    return reserved_by_card(job.memory_request(), job.reserved_bytes, mine)
+    less = reserved_by_card(job.memory_request(), job.reserved_bytes, mine)
+    for uuid, held in job.reserved_by_gpu.items():
+        if uuid in job.gpu_uuids and held < less.get(uuid, job.reserved_bytes):
+            less[uuid] = held
+    return less
 
 
 def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:

@@ -71,6 +71,9 @@ class Job(Record):
     state: str = WAITING
     gpu_uuids: list[str] = field(default_factory=list)
     reserved_bytes: int = 0
+    #: GPUs where it reserves less than `reserved_bytes` (UUID -> bytes): an adopted process
+    #: of several GPUs reserves what it uses on each.
+    reserved_by_gpu: dict[str, int] = field(default_factory=dict)
     observed: dict[str, int] = field(default_factory=dict)
     #: The command's process tree at the last sample; the policy reads their memory from NVML.
     pids: list[int] = field(default_factory=list)
@@ -216,6 +219,7 @@ class Job(Record):
             state=_text(raw, "state"),
             gpu_uuids=_text_list(raw, "gpu_uuids"),
             reserved_bytes=_int(raw, "reserved_bytes", 0, 2**62),
+            reserved_by_gpu=_observed(raw.get("reserved_by_gpu"), "reserved_by_gpu"),
             observed=_observed(raw.get("observed")),
             pids=_pid_list(raw.get("pids", [])),
             child_pid=None if raw.get("child_pid") is None else _int(raw, "child_pid", 1, 2**31),
@@ -1174,7 +1178,7 @@ def _requirements(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _observed(value: Any) -> dict[str, int]:
+def _observed(value: Any, name: str = "observed") -> dict[str, int]:
     if value is None:
         return {}
     if (
@@ -1185,5 +1189,5 @@ def _observed(value: Any) -> dict[str, int]:
             for k, v in value.items()
         )
     ):
-        raise ValueError("observed must map GPU UUIDs to byte counts")
+        raise ValueError(f"{name} must map GPU UUIDs to byte counts")
     return dict(value)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import users
@@ -15,6 +18,8 @@ from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, EXIT_USAGE
+
+GiB = 2**30
 
 
 def used_on_gpu0(sim: Path) -> bool:
@@ -124,6 +129,36 @@ def test_adopted_use_counts_once(
     finally:
         job.kill()
         job.wait()
+
+
+ON_TWO_CARDS = (
+    "import os, subprocess, sys\n"
+    "from gpuwait.gpu.sim import SimBackend\n"
+    "job = [sys.executable, '-m', 'gpuwait', 'sim', 'job', '--hold', '20s', '--vram']\n"
+    "cards = [g.uuid for g in SimBackend(os.environ['GPUWAIT_SIM']).snapshot().gpus]\n"
+    "both = [\n"
+    "    subprocess.Popen([*job, size], env={**os.environ, 'CUDA_VISIBLE_DEVICES': card})\n"
+    "    for card, size in zip(cards, ['6G', '1G'])\n"
+    "]\n"
+    "sys.exit(max(p.wait() for p in both))"
+)
+
+
+def test_a_process_on_two_cards_is_adopted_with_what_it_uses_on_each(
+    sim_file: SimFileFactory, run_gpuwait: Run, procs: Callable[..., Any]
+) -> None:
+    # 6 GiB on GPU 0 and 1 GiB on GPU 1: reserving 6 GiB on each kept 5 GiB of GPU 1 from
+    # everyone for nothing.
+    from gpuwait.gpu.sim import SimBackend
+
+    sim = sim_file(gpus=2)
+    notebook = procs([sys.executable, "-c", ON_TWO_CARDS])
+    wait_for(lambda: all(g.used_bytes > 0 for g in SimBackend(sim).snapshot().gpus))
+    done = run_gpuwait("adopt", str(notebook.pid))
+    assert done.returncode == 0, done.stderr
+    assert "6.0 GiB on GPU0, 1.0 GiB on GPU1 reserved" in done.stderr
+    gpus = status_json(run_gpuwait)["gpus"]
+    assert [g["reserved_bytes"] for g in gpus] == [6 * GiB, 1 * GiB]  # type: ignore[attr-defined]
 
 
 def test_refuses_a_pid_that_does_not_exist(run_gpuwait: Run, sim_file: SimFileFactory) -> None:
