@@ -656,6 +656,7 @@ def plan(
         holdings = dict(held_by_user)
         admitted: dict[str, tuple[str, ...]] = {}
         reserved: dict[str, int] = {}
+        reserved_by_gpu: dict[str, dict[str, int]] = {}
         refused: dict[str, str] = {}
         next_cursor = cursor
         for claim in order:
@@ -676,6 +677,9 @@ def plan(
                 continue
             admitted[claim.job_id] = placed.gpu_uuids
             reserved[claim.job_id] = max(n for _, n in fits)
+            less = policy.less_on(fits)
+            if less:
+                reserved_by_gpu[claim.job_id] = less
             if claim.pick == "round-robin":
                 next_cursor = now_rooms[placed.gpu_uuids[-1]].gpu.index
         if not refused:
@@ -715,6 +719,7 @@ def plan(
         hold=hold,
         order=tuple(c.job_id for c in order) if search else tuple(hint),
         starts=_starts(claims, laid),
+        reserved_by_gpu=reserved_by_gpu,
     )
 
 

@@ -113,8 +113,9 @@ class Claim(Record, frozen=True):
     #: Bytes reserved on each GPU in `gpu_uuids` (running jobs only): on the largest of them
     #: where `reserved_by_gpu` says otherwise for some.
     reserved_bytes: int = 0
-    #: Bytes reserved on particular GPUs (UUID -> bytes) where they differ from
-    #: `reserved_bytes`: a share of each card (`--vram 50%`) on cards of different sizes.
+    #: Bytes reserved on particular GPUs (UUID -> bytes) where less than `reserved_bytes`: a
+    #: gang on cards of different sizes needs a share of each card (`--vram 50%`), or each card
+    #: whole, and reserves that on each.
     reserved_by_gpu: Mapping[str, int] = MappingProxyType({})
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = MappingProxyType({})
@@ -167,17 +168,6 @@ class Claim(Record, frozen=True):
         """Queue order: higher priority first, then the user with less usage, then earlier
         submission (so one user's own jobs always keep their order)."""
         return (-self.priority, self.usage, self.order)
-
-
-def reserved_by_card(
-    request: MemoryRequest | None, reserved_bytes: int, gpus: Iterable[GpuSnapshot]
-) -> dict[str, int]:
-    """Per GPU, what a job reserving `reserved_bytes` (its largest card's need) holds on each of
-    `gpus` where that is less: a share of each card (`--vram 50%`) is a share of that card,
-    half of 24 GiB on a 24 GiB card beside an 80 GiB one, not half of 80."""
-    if request is None or request.fraction is None:
-        return {}
-    return {g.uuid: need for g in gpus if (need := request.on(g.total_bytes)) < reserved_bytes}
 
 
 class UserLimits(Record, frozen=True):
@@ -413,6 +403,9 @@ class Plan(Record, frozen=True):
     #: lookahead plan's layout, the one its wait lines come from; empty for the in-order
     #: policy (whose starts `estimate_starts` replays).
     starts: Mapping[str, float | None] = MappingProxyType({})
+    #: Per admitted job, the GPUs where it reserves less than `reserved` (its largest card's
+    #: need), and how much: on cards of different sizes a share of each, or each whole.
+    reserved_by_gpu: Mapping[str, Mapping[str, int]] = MappingProxyType({})
 
 
 def gpu_rooms(
@@ -776,6 +769,7 @@ def plan(
     reserved: dict[str, int] = {}
     reasons: dict[str, WaitReason] = {}
     backfill: dict[str, tuple[str, ...]] = {}
+    reserved_by_gpu: dict[str, dict[str, int]] = {}
     hold: Hold | None = None
     spare: dict[str, int] = {}
     for position, claim in enumerate(waiting):
@@ -811,6 +805,9 @@ def plan(
             uuids = tuple(r.gpu.uuid for r, _ in chosen)
             admitted[claim.job_id] = uuids
             reserved[claim.job_id] = max(need for _, need in chosen)
+            less = less_on(chosen)
+            if less:
+                reserved_by_gpu[claim.job_id] = less
             on_held = tuple(u for u in uuids if hold is not None and u in hold.gpu_uuids)
             if hold is not None and on_held:
                 backfill[claim.job_id] = on_held
@@ -824,9 +821,7 @@ def plan(
                     running=True,
                     gpu_uuids=uuids,
                     reserved_bytes=reserved[claim.job_id],
-                    reserved_by_gpu=reserved_by_card(
-                        claim.request, reserved[claim.job_id], (r.gpu for r, _ in chosen)
-                    ),
+                    reserved_by_gpu=less,
                 )
             )
             if claim.pick == "round-robin":
@@ -848,6 +843,7 @@ def plan(
         next_cursor=cursor,
         hold=hold,
         backfill=backfill,
+        reserved_by_gpu=reserved_by_gpu,
     )
 
 
@@ -862,10 +858,7 @@ def take(
     that would break its user's limits, change nothing and say which."""
     if limits is not None:
         gpus_held, vram_held = held_by_user.get(claim.uid, (0, 0))
-        # As the next plan counts it once the job runs (`user_holdings`).
-        reserved = max(need for _, need in chosen)
-        less = reserved_by_card(claim.request, reserved, (room.gpu for room, _ in chosen))
-        vram = sum(less.get(room.gpu.uuid, reserved) for room, _ in chosen)
+        vram = sum(need for _, need in chosen)
         refusal = limits.refusal(gpus_held, vram_held, len(chosen), vram)
         if refusal is not None:
             return refusal
@@ -877,6 +870,13 @@ def take(
             exclusive_held=room.exclusive_held or claim.exclusive or room.gpu.one_process_only,
         )
     return None
+
+
+def less_on(chosen: Sequence[_Fit]) -> dict[str, int]:
+    """Of the GPUs an admission takes (room, need), those where it needs less than on the one
+    it needs most, and how much: they are reserved at that, not at the most."""
+    most = max(need for _, need in chosen)
+    return {room.gpu.uuid: need for room, need in chosen if need < most}
 
 
 def limit_charge(claim: Claim, gpu: GpuSnapshot, safety: float) -> int:
@@ -1129,9 +1129,7 @@ def estimate_starts(
                     running=True,
                     gpu_uuids=uuids,
                     reserved_bytes=decided.reserved[c.job_id],
-                    reserved_by_gpu=reserved_by_card(
-                        c.request, decided.reserved[c.job_id], (g for g in gpus if g.uuid in uuids)
-                    ),
+                    reserved_by_gpu=decided.reserved_by_gpu.get(c.job_id, {}),
                     expected_seconds=None if expected == _NEVER else expected,
                 )
             elif decided.hold is not None and c.job_id == decided.hold.job_id:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
-from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, reserved_by_card
+from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
@@ -220,14 +220,11 @@ def _from_elsewhere(job: Job, gpus: Sequence[GpuSnapshot], theirs: set[int]) -> 
 
 def reserved_less(job: Job, gpus: Sequence[GpuSnapshot]) -> dict[str, int]:
     """The GPUs of `job` (read in `gpus`) where it reserves less than `job.reserved_bytes`
-    (its largest card's), and how much: a share of each card is that card's share, and an
-    adopted process's what it used there (`job.reserved_by_gpu`)."""
-    mine = (g for g in gpus if g.uuid in job.gpu_uuids)
-    less = reserved_by_card(job.memory_request(), job.reserved_bytes, mine)
-    for uuid, held in job.reserved_by_gpu.items():
-        if uuid in job.gpu_uuids and held < less.get(uuid, job.reserved_bytes):
-            less[uuid] = held
-    return less
+    (its largest card's), and how much (`job.reserved_by_gpu`, never above it): on cards of
+    different sizes a share of each card, or each card whole; an adopted process, what it
+    used on each."""
+    mine = {g.uuid for g in gpus} & set(job.gpu_uuids)
+    return {u: b for u, b in job.reserved_by_gpu.items() if u in mine and b < job.reserved_bytes}
 
 
 def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:

@@ -604,6 +604,7 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         entry.state = RUNNING
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
+        entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))
         entry.started_at = entry.updated_at = now
         entry.started_boot = boot_now
         entry.held_gpus = []
@@ -745,6 +746,7 @@ def confirm_admission(
         if mine.uid == asked.uid and mine.pid == asked.pid:
             mine.state = WAITING
             mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
+            mine.reserved_by_gpu = {}
             mine.started_at = mine.started_boot = None
     return None
 
@@ -920,6 +922,7 @@ def _queued_again(mine: Job, now: float) -> None:
     nothing of the run it had is left on it, nor the request that made it step aside."""
     mine.state = WAITING
     mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+    mine.reserved_by_gpu = {}
     mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
     mine.started_boot = None
     mine.held_gpus = []
@@ -945,6 +948,7 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         mine.state = WAITING
         mine.frozen_at, mine.frozen_gpus = now, gpus
         mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
+        mine.reserved_by_gpu = {}
         mine.held_gpus, mine.started_at, mine.started_boot = [], None, None
         mine.freezes += 1
         mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None

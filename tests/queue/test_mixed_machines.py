@@ -34,3 +34,24 @@ def test_a_share_of_each_card_reserves_that_share_of_each_card(
     gang.terminate()
     said = gang.communicate(timeout=30)[1]
     assert "12.0 GiB on GPU0, 40.0 GiB on GPU1 reserved" in said
+
+
+def test_a_gang_of_whole_cards_of_different_sizes_reserves_each_card_whole(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any], isolated_dirs: Any
+) -> None:
+    # Both cards whole, a 24 GiB and an 80 GiB one: each reserves its own room (21.6 and 72
+    # GiB), not the big card's 72 GiB on both, so a user limit of 100 GiB lets it run.
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "100GiB"\n')
+    sim_file(gpus=2, memory=["24GiB", "80GiB"])
+    gang = procs(
+        [*gpuwait_cmd, "--exclusive", "--gpus", "2", "--timeout", "5s", "--", "sleep", "30"]
+    )
+    wait_for(
+        lambda: [j["state"] for j in ledger_entries()] == ["running"] or gang.poll() is not None
+    )
+    assert gang.poll() is None, gang.communicate()[1]
+    report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
+    assert [g["reserved_bytes"] for g in report["gpus"]] == [int(24 * GiB * 0.9), 72 * GiB]
+    gang.terminate()
