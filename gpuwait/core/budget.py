@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwait.core.record import Record
 
@@ -176,8 +176,7 @@ def plan(
     totals = list(gpus.values())
     fraction = 1.0 if whole_gpus else card_fraction(reserved_bytes, totals)
     exported: dict[str, str] = {FRACTION_VAR: format_fraction(fraction)}
-    if mode == OFF or whole_gpus or fraction <= 0:
-        # A whole card needs no budget: nothing else is admitted beside it.
+    if mode == OFF or fraction <= 0:
         return Budget(mode=mode, held_by=(), env=exported)
     kept: list[str] = []
 
@@ -188,6 +187,14 @@ def plan(
         exported[name] = value
         return True
 
+    if whole_gpus:
+        # A whole card needs no budget: nothing else is admitted beside it. The frameworks are
+        # still told to take memory as they need it, the whole card theirs (JAX's fraction 1),
+        # so that the run is learned at what it used: JAX would take 75 % of the card at once,
+        # TensorFlow nearly all of it, and a first run with no history (on a whole card) would
+        # size every later one so.
+        _on_demand(offer, env, kept, exported, "1", driver_held=False)
+        return Budget(mode=mode, held_by=(), env=exported, kept=tuple(kept))
     held: list[str] = []
     if mode == LIMIT:
         if means.dmem:
@@ -198,13 +205,7 @@ def plan(
     # a fraction: whether the driver then reports the limit as the card's total is unconfirmed
     # (docs/budgets.md), and a fraction of that would be a fraction of the reservation.
     driver_held = bool(held)
-    if env.get(XLA_NEW_FRACTION_VAR, "") != "":
-        kept.append(XLA_NEW_FRACTION_VAR)  # the user's own, under the newer name
-    elif driver_held:
-        offer(XLA_PREALLOCATE_VAR, "false")
-    elif offer(XLA_FRACTION_VAR, format_fraction(fraction)):
-        exported[XLA_NEW_FRACTION_VAR] = exported[XLA_FRACTION_VAR]
-    offer(TF_GROWTH_VAR, "true")
+    _on_demand(offer, env, kept, exported, format_fraction(fraction), driver_held=driver_held)
     if mode != LIMIT:
         return Budget(mode=mode, held_by=(HELD_HINT,), env=exported, kept=tuple(kept))
     if means.hook_dir and not driver_held:
@@ -235,6 +236,29 @@ def plan(
         kept=tuple(kept),
         fallback=fallback,
     )
+
+
+def _on_demand(
+    offer: Callable[[str, str], bool],
+    env: Mapping[str, str],
+    kept: list[str],
+    exported: dict[str, str],
+    fraction: str,
+    *,
+    driver_held: bool,
+) -> None:
+    """Tell JAX its `fraction` as a cap, below which it takes memory on demand, and TensorFlow
+    to grow as it needs (`offer`: unless the user set the variable). Preallocating, JAX would
+    hold all its room from its first operation, and each run would be learned at the room it
+    was given instead of what it used: a job of known size 10 % more at every run."""
+    if env.get(XLA_NEW_FRACTION_VAR, "") != "":
+        kept.append(XLA_NEW_FRACTION_VAR)  # the user's own, under the newer name
+    elif driver_held:
+        offer(XLA_PREALLOCATE_VAR, "false")
+    elif offer(XLA_FRACTION_VAR, fraction):
+        exported[XLA_NEW_FRACTION_VAR] = fraction
+        offer(XLA_PREALLOCATE_VAR, "false")
+    offer(TF_GROWTH_VAR, "true")
 
 
 def _why_hint_only(means: Means) -> str:

@@ -27,6 +27,7 @@ def test_hint_tells_jax_and_tensorflow() -> None:
         "GPUWAIT_VRAM_FRACTION": "0.075",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.075",
         "XLA_CLIENT_MEM_FRACTION": "0.075",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "TF_FORCE_GPU_ALLOW_GROWTH": "true",
     }
     assert held.held_by == (budget.HELD_HINT,)
@@ -121,12 +122,27 @@ def test_the_hook_is_not_put_twice_on_pythonpath() -> None:
     assert held.env["PYTHONPATH"] == f"{HOOK}:/x"
 
 
-def test_whole_gpus_need_no_budget() -> None:
+def test_whole_gpus_need_no_budget_but_frameworks_still_take_memory_on_demand() -> None:
     held = plan(
         LIMIT, 80 * GiB, CARD, {}, Means(mps=True, python=True, hook_dir=HOOK), whole_gpus=True
     )
-    assert held.env == {"GPUWAIT_VRAM_FRACTION": "1"}
+    # No cap below the card, and the run is learned at what it used, not JAX's 75 %.
+    assert held.env == {
+        "GPUWAIT_VRAM_FRACTION": "1",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "1",
+        "XLA_CLIENT_MEM_FRACTION": "1",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
     assert held.held_by == ()
+    assert plan("off", 80 * GiB, CARD, {}, Means(), whole_gpus=True).env == {
+        "GPUWAIT_VRAM_FRACTION": "1"
+    }
+    # A preallocation the user asked for stays theirs.
+    mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}
+    held = plan("hint", 6 * GiB, CARD, mine, Means(), whole_gpus=True)
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in held.env
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in held.kept
 
 
 def test_fraction_of_mixed_cards_fits_the_largest() -> None:

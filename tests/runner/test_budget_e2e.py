@@ -354,8 +354,24 @@ def test_jax_told_its_share_takes_its_reservation_and_untold_three_quarters(
         assert done.returncode == 0, done.stderr
         return json.loads(report.read_text())["peak_bytes"] / GiB  # type: ignore[no-any-return]
 
-    # JAX takes its pool at the start: the reservation when told, 75 % of the card when not,
-    # which a neighbour admitted beside it would not survive.
-    assert jax_peak("hint") == 2.0
+    # Told its share, JAX allocates on demand up to it; untold, it takes its pool at the start,
+    # 75 % of the card, which a neighbour admitted beside it would not survive.
+    assert jax_peak("hint") == 1.0
     assert jax_peak("off") == 6.0
     assert recorded_runs()[-1]["over_reservation"]["used_bytes"] == 6 * GiB
+
+
+def test_a_jax_job_is_learned_at_what_it_uses_not_at_the_room_it_was_given(
+    sim_file: SimFileFactory,
+) -> None:
+    # Preallocating, JAX took all the room it was told of at its first operation: a 1 GiB job
+    # with no history (a whole card's room) was learned at the card's 7.2 GiB, for good, and a
+    # job of known size at its reservation, 10 % more at every run.
+    sim_file(gpus=1, memory="8GiB")
+    job = ("--framework", "jax", "--vram", "1G", "--hold", "0.1s")
+    for _ in range(3):
+        done = run_sim_job(["-v"], *job)
+        assert done.returncode == 0, done.stderr
+    peaks = [run["peak_bytes"] / GiB for run in recorded_runs()]
+    assert peaks == [1.0, 1.0, 1.0]
+    assert "1.1 GiB reserved" in done.stderr
