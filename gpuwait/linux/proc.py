@@ -188,19 +188,29 @@ def is_alive(pid: int, expected_start: int | None) -> bool:
     fields = _stat_fields(pid)
     current = _start_of(fields)
     if current is None:
-        # /proc mounted with hidepid hides other users' processes; kill(pid, 0) still tells
-        # whether one exists (EPERM), though not when it started.
-        try:
-            os.kill(pid, 0)
-        except PermissionError:
-            return True
-        except OSError:
-            return False
-        return False
+        return _exists_hidden(pid)
     if expected_start is not None and current != expected_start:
         return False
     # State Z or X: exited (a zombie not yet reaped, or dead).
     return fields is not None and fields[0] not in ("Z", "X")
+
+
+def hidden(pid: int) -> bool:
+    """True when `pid` runs as another user's process that /proc keeps from this one (mounted
+    with hidepid): when it started, whose it is and what it runs cannot be read."""
+    return pid > 0 and _stat_fields(pid) is None and _exists_hidden(pid)
+
+
+def _exists_hidden(pid: int) -> bool:
+    # /proc mounted with hidepid hides other users' processes; kill(pid, 0) still tells
+    # whether one exists (EPERM), though not when it started.
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def stopped(pid: int, expected_start: int | None) -> bool:

@@ -337,21 +337,31 @@ def proven_entry(
         return False
     if process not in _GONE:
         if proc.is_alive(*process):
-            if proc.owner_uid(pid) == uid and _is_gpuwait(*process):
+            owner = proc.owner_uid(pid)
+            if owner == uid and _is_gpuwait(*process):
                 return True
             # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.
-            if (
-                state == "running"
-                and (child_pid, child_start) == process
-                and proc.owner_uid(pid) == uid
-            ):
+            if state == "running" and (child_pid, child_start) == process and owner == uid:
+                return True
+            if _hidden_as(pid, owner, uid):
                 return True
             _remember(_REFUTED, (uid, *process))
             return False
         _remember(_GONE, process)
     if state != "running" or child_pid is None or child_start is None:
         return False
-    return proc.is_alive(child_pid, child_start) and proc.owner_uid(child_pid) == uid
+    if not proc.is_alive(child_pid, child_start):
+        return False
+    owner = proc.owner_uid(child_pid)
+    return owner == uid or _hidden_as(child_pid, owner, uid)
+
+
+def _hidden_as(pid: int, owner: int | None, uid: int) -> bool:
+    """Is `pid` a process that /proc keeps from this user (mounted with hidepid) and, as far as
+    it shows an owner, `uid`'s? What cannot be read disproves nothing: taken for a forgery, a
+    live job's room would be handed out while it allocates. Not remembered either way: the
+    process may end at any moment, and its pid go to anyone."""
+    return owner in (None, uid) and proc.hidden(pid)
 
 
 #: What no later look can change, for entries that every member's gpuwait looks at in every

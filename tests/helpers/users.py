@@ -8,6 +8,7 @@ everything gpuwait will need, and only then drops to the user, before gpuwait's 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import REPO
 
 #: argv[0..] of a process that becomes uid/gid/groups and then runs `gpuwait ARGS`. The word
@@ -109,12 +111,33 @@ def run_as(
     args: Sequence[str],
     env: Mapping[str, str],
     timeout: float = 60,
+    prefix: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        user_argv(uid, gid, groups, args),
+        [*prefix, *user_argv(uid, gid, groups, args)],
         env=dict(env),
         text=True,
         cwd="/",
         capture_output=True,
         timeout=timeout,
     )
+
+
+def hidepid_prefix(mode: str) -> list[str]:
+    """How to start a command that sees /proc mounted with `hidepid=mode` (`noaccess`: other
+    users' processes listed but unreadable; `invisible`: not listed), as on a hardened shared
+    server; or skip the test. The command gets a /proc of its own in a mount namespace of its
+    own: the machine's stays as it is."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    prefix = ["unshare", "--mount", "sh", "-c"]
+    prefix += [f'mount -t proc -o hidepid={mode} proc /proc && exec "$@"', "sh"]
+    probe = subprocess.run(
+        [*prefix, "grep", "-c", f"hidepid={mode}", "/proc/self/mountinfo"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no /proc with hidepid can be mounted here: {probe.stderr.strip()}")
+    return prefix

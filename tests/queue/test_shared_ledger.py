@@ -14,13 +14,20 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.users import make_shared_ledger_dir, popen_as, run_as, shared_root, user_home
+from helpers.users import (
+    hidepid_prefix,
+    make_shared_ledger_dir,
+    popen_as,
+    run_as,
+    shared_root,
+    user_home,
+)
 from helpers.waiting import process_state, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
@@ -47,8 +54,10 @@ class Server:
     envs: dict[int, dict[str, str]]
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
-    def run(self, uid: int, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return run_as(uid, uid, [GROUP], args, self.envs[uid], timeout=timeout)
+    def run(
+        self, uid: int, *args: str, timeout: float = 60, prefix: Sequence[str] = ()
+    ) -> subprocess.CompletedProcess[str]:
+        return run_as(uid, uid, [GROUP], args, self.envs[uid], timeout=timeout, prefix=prefix)
 
     def start(self, uid: int, *args: str) -> subprocess.Popen[str]:
         # A session of its own, so that the test can end gpuwait and its command together.
@@ -337,6 +346,33 @@ def test_a_members_file_written_by_a_newer_gpuwait_still_counts(server: Server) 
     assert probe("11G").returncode == 0
     # Nobody wrote Bob's file meanwhile: what Alice's gpuwait read was the newer one.
     assert json.loads(server.own_file(BOB).read_text())["schema"] == 2
+
+
+@pytest.mark.parametrize("hidepid", ["noaccess", "invisible"])
+def test_a_members_job_counts_where_proc_hides_it_from_the_others(
+    server: Server, hidepid: str
+) -> None:
+    # A hardened server mounts /proc with hidepid: Bob may not read Alice's processes. His
+    # gpuwait took her running job for a forged entry: her 15 GiB were given to a job of his
+    # (two 15 GiB jobs on a 24 GiB card), and his `status` showed the card empty.
+    hidden = hidepid_prefix(hidepid)
+    alice = server.start(ALICE, "--vram", "15G", "--name", "alices", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+
+    def probe(vram: str) -> subprocess.CompletedProcess[str]:
+        return server.run(BOB, "--vram", vram, "--timeout", "0.5s", "--", "true", prefix=hidden)
+
+    # Room: 21.6 usable - 15 of Alice's = 6.6 GiB.
+    done = probe("7G")
+    assert done.returncode == 124, done.stderr
+    assert probe("6G").returncode == 0
+    status = server.run(BOB, "status", "--json", prefix=hidden)
+    assert [j["name"] for j in json.loads(status.stdout)["jobs"]] == ["alices"]
+    # Her gpuwait killed, her command runs on and keeps its room (an orphan).
+    alice.kill()
+    alice.wait(timeout=10)
+    done = probe("7G")
+    assert done.returncode == 124, done.stderr
 
 
 def test_a_members_own_entry_says_what_it_likes_only_about_them(server: Server) -> None:
