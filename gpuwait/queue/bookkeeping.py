@@ -174,9 +174,13 @@ class Book(Record):
     ) -> list[dict[str, Any]]:
         """Compare a reading with the GPUs seen before; return events for what changed.
 
-        A GPU seen before and missing now is lost (NVML answered an error for it, or it left);
-        one that answers again is back; one never seen while others were is hot-added. `busy`
-        are the UUIDs with running jobs, which keep a lost GPU remembered.
+        A GPU seen before and missing now is lost when the reading left a GPU out for a
+        failure (NVML answered an error for it, or did not answer); one that answers again is
+        back; one never seen while others were is hot-added. A reading in which every GPU
+        answered and some seen before are missing is of fewer GPUs (a container given some of
+        the machine's, through NVIDIA_VISIBLE_DEVICES or its device cgroup, sharing the
+        ledger with the host): it loses none, and its numbering, its own, renumbers none.
+        `busy` are the UUIDs with running jobs, which keep a lost GPU remembered.
         """
         now = time.time() if now is None else now
         events: list[dict[str, Any]] = []
@@ -184,18 +188,21 @@ class Book(Record):
             self.health, self.health_backend = {}, snapshot.origin
         first_reading = not self.health
         present = {g.uuid for g in snapshot.gpus}
+        failed = bool(snapshot.unanswered)
+        fewer = not failed and any(u not in present for u in self.health)
         for gpu in snapshot.gpus:
             known = self.health.get(gpu.uuid)
+            index = known.index if fewer and known is not None else gpu.index
             if known is None and not first_reading:
-                events.append({"kind": "gpu_added", "gpu": gpu.uuid, "index": gpu.index})
+                events.append({"kind": "gpu_added", "gpu": gpu.uuid, "index": index})
             elif known is not None and known.state != GPU_OK:
-                events.append({"kind": "gpu_back", "gpu": gpu.uuid, "index": gpu.index})
-            if known is None or known.state != GPU_OK or known.index != gpu.index:
+                events.append({"kind": "gpu_back", "gpu": gpu.uuid, "index": index})
+            if known is None or known.state != GPU_OK or known.index != index:
                 self.health[gpu.uuid] = GpuHealth(
-                    gpu.index, gpu.name, gpu.total_bytes, GPU_OK, now, None
+                    index, gpu.name, gpu.total_bytes, GPU_OK, now, None
                 )
         for uuid, known in list(self.health.items()):
-            if uuid in present:
+            if uuid in present or (known.state == GPU_OK and not failed):
                 continue
             if known.state == GPU_OK:
                 detail = _warning_for(snapshot.warnings, known.index)

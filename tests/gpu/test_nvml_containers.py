@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -235,3 +235,35 @@ def test_on_the_host_a_containers_job_is_credited_with_its_own_memory(
     (gpu,) = report["gpus"]
     assert gpu["per_process"] is True
     assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (3 * GIB, 6 * GIB)
+
+
+def test_a_container_given_one_of_the_machines_gpus_loses_none_of_the_others(
+    fake_nvml: FakeNvml, tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # The host has three cards; a container sharing its state dir is given the third
+    # (NVIDIA_VISIBLE_DEVICES=2), which NVML there numbers 0. Each reading there marked the
+    # host's other cards lost: its status showed them LOST and the host's job "on a GPU that
+    # is not answering now", and the host's event log said they were lost and back, again and
+    # again.
+    cards = [FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abc"]
+    fake_nvml.set_gpus(cards)
+    view = FakeNvml(fake_nvml.lib_dir, tmp_path / "view.state", tmp_path / "view.log", [cards[2]])
+    inside = {**view.env(), "NVIDIA_VISIBLE_DEVICES": "2"}
+    job = [*GPUWAIT, "--vram", "4G", "--devices", "0", "--", "sleep", "30"]
+    procs(job, env=fake_nvml.env())
+    wait_for(lambda: running_entry()["child_pid"], timeout=30)
+
+    def gpuwait(*args: str, env: dict[str, str]) -> str:
+        done = subprocess.run(
+            [*GPUWAIT, *args], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    gpuwait("--vram", "2G", "--", "true", env=inside)
+    status = json.loads(gpuwait("status", "--json", env=inside))
+    assert [(g["uuid"], g["index"], g["health"]) for g in status["gpus"]] == [("GPU-c", 0, "ok")]
+    (host_job,) = status["jobs"]
+    assert host_job["lost_gpus"] == []
+    log = gpuwait("log", "--json", env=fake_nvml.env())
+    assert not [e for e in map(json.loads, log.splitlines()) if e["kind"].startswith("gpu_")]

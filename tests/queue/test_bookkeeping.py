@@ -14,9 +14,17 @@ from gpuwait.queue.bookkeeping import CANCELLED, FAILED, FINISHED_KEPT, OK, Book
 from gpuwait.queue.ledger import Ledger
 
 
-def machine(*uuids: str, warnings: tuple[str, ...] = ()) -> MachineSnapshot:
-    gpus = tuple(GpuSnapshot(int(u[-1]), u, "Test GPU", 2**34, 0) for u in sorted(uuids))
-    return MachineSnapshot("sim", gpus, warnings)
+def machine(
+    *uuids: str, warnings: tuple[str, ...] = (), index: dict[str, int] | None = None
+) -> MachineSnapshot:
+    """A reading of these GPUs (numbered by their names' last digit, or by `index`); each
+    warning ("GPU 1: ...") says that GPU did not answer."""
+    number = index or {}
+    gpus = tuple(
+        GpuSnapshot(number.get(u, int(u[-1])), u, "Test GPU", 2**34, 0) for u in sorted(uuids)
+    )
+    unanswered = tuple(int(w.split(":")[0].split()[1]) for w in warnings)
+    return MachineSnapshot("sim", gpus, warnings, unanswered)
 
 
 def test_counters_and_moving_throughput() -> None:
@@ -68,7 +76,24 @@ def test_health_lost_back_and_added() -> None:
         {"kind": "gpu_added", "gpu": "GPU-2", "index": 2},
     ]
     assert not book.health_would_change(machine("GPU-0", "GPU-1", "GPU-2"), frozenset(), 104.0)
-    assert book.health_would_change(machine("GPU-0"), frozenset(), 104.0)
+    assert book.health_would_change(
+        machine("GPU-0", warnings=("GPU 1: GPU is lost (NVML error 15); skipped",)),
+        frozenset(),
+        104.0,
+    )
+
+
+def test_a_reading_of_fewer_gpus_loses_and_renumbers_none() -> None:
+    # A container given the machine's third card (its GPU 0) shares the ledger with the host:
+    # its readings made the host's other cards lost, then back at the host's next reading,
+    # and numbered the third card 0 and 2 by turns.
+    book = Book()
+    book.note_health(machine("GPU-0", "GPU-1", "GPU-2"), frozenset(), 100.0)
+    in_container = machine("GPU-2", index={"GPU-2": 0})
+    assert not book.health_would_change(in_container, frozenset(), 101.0)
+    assert book.note_health(in_container, frozenset(), 101.0) == []
+    assert book.lost_gpus() == {}
+    assert {u: h.index for u, h in book.health.items()} == {"GPU-0": 0, "GPU-1": 1, "GPU-2": 2}
 
 
 def test_book_round_trips_through_json() -> None:
