@@ -24,7 +24,7 @@ from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.core.text import command_line
 from gpuwait.linux import proc
 from gpuwait.queue.conditions import claim_of
-from gpuwait.queue.entries import RUNNING, Job, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 
 
 class Surroundings:
@@ -50,7 +50,7 @@ class Surroundings:
         """Whether this process runs inside the running `job` (its command started it)."""
         return (
             job.state == RUNNING
-            and job.uid == os.getuid()
+            and _here(job)
             and job.id == self.outer_id
             and job.child_pid in self.lineage
             and proc.is_alive(job.child_pid, job.child_start_time)
@@ -58,7 +58,7 @@ class Surroundings:
 
     def in_group(self, job: Job) -> bool:
         """Whether the running `job` is another of this process's group (a pipeline's stage)."""
-        if not self.piped or job.state != RUNNING or job.uid != os.getuid():
+        if not self.piped or job.state != RUNNING or not _here(job):
             return False
         if job.pid == os.getpid() or job.child_pid is None:
             return False
@@ -98,6 +98,13 @@ class Surroundings:
         if proc.pipe_full(0):
             near |= _reach(upstream, os.getpid())
         return [j for j in jobs if j.pid in near or j.child_pid in near]
+
+
+def _here(job: Job) -> bool:
+    """Is `job` this user's, of this pid namespace? Another namespace's pids name other
+    processes here (containers number theirs alike, from 1): none of this process's lineage
+    or pipeline."""
+    return job.uid == os.getuid() and not elsewhere(job)
 
 
 def _reach(links: dict[int, set[int]], start: int) -> set[int]:

@@ -22,11 +22,13 @@ from typing import Any
 import pytest
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.jobs import live_job
-from helpers.processes import unshare_prefix
-from helpers.waiting import named_entry, wait_for
+from helpers.processes import children, unshare_prefix
+from helpers.waiting import named_entry, process_state, wait_for
 
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.gpu.sim import load_sim_file
 from gpuwait.linux import alive, pidns
+from gpuwait.linux.proc import start_time
 from gpuwait.queue import events as event_log
 from gpuwait.queue import lifecycle
 from gpuwait.queue.conditions import claim_of
@@ -106,6 +108,50 @@ def test_another_namespaces_running_job_is_not_cancelled_by_pid(
     assert done.stopped == []
     for job_id in ("0e01", "0e02"):
         alive.release(tmp_path, job_id)
+
+
+def test_a_job_of_another_namespace_is_no_stage_of_a_pipeline_here(
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    elsewhere: Callable[[], None],
+    procs: Callable[..., subprocess.Popen[str]],
+) -> None:
+    # Containers number their processes alike from 1. A running job of another container whose
+    # pids a pipeline here also has was taken for a stage of it: the pipeline's 13 GiB waiter
+    # was refused at once ("is in a pipeline with gpuwait job ...", exit 3), as if the job
+    # waited for its output, instead of waiting for the job to end.
+    sim = sim_file(gpus=1, memory="24G")
+    done = tmp_path / "done"
+    waiter = [*GPUWAIT, "-q", "--vram", "13G", "--timeout", "0.5s", "--", "true"]
+    script = f"""
+        while [ ! -e {done} ]; do sleep 0.05; done | {{
+            while [ ! -e {tmp_path}/go ]; do sleep 0.05; done; exec {_sh(waiter)}
+        }}
+        echo rc=$?
+    """
+    pipeline = procs(["sh", "-c", script])
+    stages = wait_for(lambda: len(children(pipeline.pid)) == 2 and children(pipeline.pid))
+    writer, reader = sorted(stages)
+    # The other container's job: its gpuwait and its command have these stages' numbers there.
+    elsewhere()
+    ledger = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait")
+    theirs = live_job(
+        "0f01",
+        pid=writer,
+        child_pid=reader,
+        child_start_time=start_time(reader),
+        request={"bytes": 13 * GiB},
+    )
+    theirs = lifecycle.submit(ledger, theirs, [], [], tmp_path, ["x"])
+    card = CARD._replace(uuid=load_sim_file(sim).gpus[0].uuid)
+    theirs, _ = lifecycle.admit(ledger, theirs, MachineSnapshot("sim", (card,)), 0.9)
+    assert theirs.state == RUNNING
+    (tmp_path / "go").touch()
+    wait_for(lambda: process_state(reader) in (None, "Z"), timeout=30)
+    done.touch()
+    out, err = pipeline.communicate(timeout=30)
+    assert "rc=124" in out, err  # waited for the job, until its timeout
+    alive.release(ledger.directory, "0f01")
 
 
 # --- real namespaces ------------------------------------------------------------------------
