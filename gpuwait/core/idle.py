@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from gpuwait.core.record import Record
-from gpuwait.core.snapshot import MachineSnapshot, ProcessUsage
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 
 #: Evidence: key (see `evidence_key`) -> the time since which the process was seen idle.
 Evidence = dict[str, float]
@@ -90,10 +90,18 @@ def observe(
     holding nothing, or gone drops out.
     `starts`: each process's start time where known; `ignore`: command names that are no load
     (a display server) and so never named; `unused`: the rooms of `with_unused_rooms`."""
+    listed = {gpu.uuid: gpu for gpu in snapshot.gpus}
+    # What this reading cannot see stays as it was: the GPUs it does not list (gpuwait in a
+    # container given some of the machine's, sharing the state dir with the host), and the
+    # processes on a quiet GPU whose processes it cannot tell (NVML's host pids, in a container
+    # without --pid=host). Dropped, another reading's count would start again at each of these.
     evidence: Evidence = {}
+    for key, since in previous.items():
+        gpu = listed.get(key.split("/", 1)[0])
+        if gpu is None or (not gpu.per_process and quiet(gpu, rule)):
+            evidence[key] = since
     for gpu in snapshot.gpus:
-        util = gpu.utilization_pct
-        if util is None or util >= rule.max_util_pct:
+        if not quiet(gpu, rule):
             continue
         for process in gpu.processes:
             # Every holding is kept, however small: `min_bytes` is applied when naming, so a
@@ -136,6 +144,11 @@ def idle_holders(
                 )
             )
     return sorted(found, key=lambda h: (h.idle_since, h.gpu_index, h.pid))
+
+
+def quiet(gpu: GpuSnapshot, rule: IdleRule) -> bool:
+    """Does `gpu` do no work by `rule` (its utilization known, and under the rule's)?"""
+    return gpu.utilization_pct is not None and gpu.utilization_pct < rule.max_util_pct
 
 
 def _held(uuid: str, process: ProcessUsage, unused: Unused | None) -> int:

@@ -3,8 +3,7 @@
 No daemon watches the GPUs, so each `gpuwait status` and `gpuwait idle` (and, with
 `idle_action = pause`, each waiter's reading) adds its reading to the evidence (`core/idle`)
 in `idle.json` in the user's state dir (this machine's directory under it, where several
-machines share it: each reading keeps only the processes it sees, and another machine's would
-wipe this one's), and names the processes it shows idle long enough: owner, command line, and
+machines share it: another machine's pids name other processes), and names the processes it shows idle long enough: owner, command line, and
 the gpuwait job they belong to, if any.
 The file is the user's own and only ever a hint: lost or damaged, the evidence starts again.
 
@@ -28,6 +27,7 @@ from gpuwait.core.idle import (
     IdleRule,
     idle_holders,
     observe,
+    quiet,
     with_unused_rooms,
 )
 from gpuwait.core.record import Record
@@ -65,12 +65,9 @@ def record_reading(
     jobs = {j.child_pid: j.id for j in running if j.child_pid}
     rooms = {j.child_pid: (j.gpu_uuids, j.reserved_bytes) for j in running if j.child_pid}
     # A job's room counts on a quiet GPU only: on none, no process tree needs walking.
-    quiet = any(
-        g.utilization_pct is not None and g.utilization_pct < rule.max_util_pct
-        for g in snapshot.gpus
-    )
-    members = _members(jobs) if rooms and quiet else {}
-    snapshot, unused = with_unused_rooms(snapshot, rooms if quiet and rooms else {}, members)
+    any_quiet = any(quiet(g, rule) for g in snapshot.gpus)
+    members = _members(jobs) if rooms and any_quiet else {}
+    snapshot, unused = with_unused_rooms(snapshot, rooms if any_quiet and rooms else {}, members)
     starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
     path = state_dir / IDLE_FILE
     previous = _load(path)

@@ -43,6 +43,18 @@ def test_a_busy_reading_an_unknown_utilization_or_a_new_process_starts_over() ->
     assert reused == {evidence_key("GPU-a", 10, 8): 1010}
 
 
+def test_what_a_reading_cannot_see_keeps_the_evidence_it_had() -> None:
+    seen = observe({}, machine(0, HOLDER), {10: 7}, RULE, now=1000)
+    # Of other GPUs only (gpuwait in a container given some of the machine's).
+    other = GpuSnapshot(0, "GPU-b", "sim", 24 * GIB, 0, utilization_pct=0)
+    assert observe(seen, MachineSnapshot("sim", (other,)), {}, RULE, now=1010) == seen
+    # Of this GPU without its processes (NVML's host pids, in a container): kept while quiet.
+    blind = machine(0).gpus[0]._replace(per_process=False)
+    assert observe(seen, MachineSnapshot("sim", (blind,)), {}, RULE, now=1010) == seen
+    busy = blind._replace(utilization_pct=50)
+    assert observe(seen, MachineSnapshot("sim", (busy,)), {}, RULE, now=1010) == {}
+
+
 def test_small_holdings_and_ignored_names_are_never_named() -> None:
     small = machine(0, ProcessUsage(pid=11, used_bytes=GIB // 2))
     evidence = observe({}, small, {}, RULE, now=0)

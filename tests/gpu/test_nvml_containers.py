@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -267,3 +268,44 @@ def test_a_container_given_one_of_the_machines_gpus_loses_none_of_the_others(
     assert host_job["lost_gpus"] == []
     log = gpuwait("log", "--json", env=fake_nvml.env())
     assert not [e for e in map(json.loads, log.splitlines()) if e["kind"].startswith("gpu_")]
+
+
+def test_readings_in_a_container_keep_the_hosts_evidence_of_idle_holders(
+    fake_nvml: FakeNvml,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two quiet cards on the host, a forgotten process holding 3 GiB on each. A container
+    # sharing the state dir is given the first card only, and has pids of its own (NVML's are
+    # the host's there). Each reading in it (its `status`, `idle`, a waiter's) dropped what the
+    # host had seen of both, so the host's `gpuwait idle` never named either of them.
+    prefix = unshare_prefix()
+    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "1s")
+    cards = [FakeGpu(uuid=f"GPU-{card}", total=24 * GIB, used=3 * GIB, util=0) for card in "ab"]
+    fake_nvml.set_gpus(cards)
+    holders = [procs(["sleep", "60"]) for _ in cards]
+    for index, holder in enumerate(holders):
+        fake_nvml.add_process(index, holder.pid, 3 * GIB)
+    view = FakeNvml(fake_nvml.lib_dir, tmp_path / "view.state", tmp_path / "view.log", [cards[0]])
+    view.add_process(0, holders[0].pid, 3 * GIB)
+
+    def idle(*inside: str, env: dict[str, str]) -> dict[str, Any]:
+        done = subprocess.run(
+            [*inside, *GPUWAIT, "idle", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        found: dict[str, Any] = json.loads(done.stdout)
+        return found
+
+    first = idle(env=fake_nvml.env())
+    seen = time.monotonic()
+    assert sorted(h["pid"] for h in first["watching"]) == sorted(h.pid for h in holders)
+    idle(*prefix, env=view.env())
+    time.sleep(max(0.0, 1.1 - (time.monotonic() - seen)))  # the host's idle_after passes
+    named = idle(env=fake_nvml.env())["idle"]
+    assert sorted(h["pid"] for h in named) == sorted(h.pid for h in holders)
