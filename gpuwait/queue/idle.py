@@ -3,8 +3,8 @@
 No daemon watches the GPUs, so each `gpuwait status` and `gpuwait idle` (and, with
 `idle_action = pause`, each waiter's reading) adds its reading to the evidence (`core/idle`)
 in `idle.json` in the user's state dir (this machine's directory under it, where several
-machines share it: another machine's pids name other processes), and names the processes it shows idle long enough: owner, command line, and
-the gpuwait job they belong to, if any.
+machines share it: another machine's pids name other processes), and names the processes it
+shows idle long enough: owner, command line, and the gpuwait job they belong to, if any.
 The file is the user's own and only ever a hint: lost or damaged, the evidence starts again.
 
 Its times are the machine's boot time (CLOCK_BOOTTIME, the same for every process, counting a

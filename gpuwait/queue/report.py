@@ -92,8 +92,12 @@ def report_from(
     # Health read from another source (another simulation file) is about other GPUs.
     same_source = snapshot is None or data.book.health_backend == snapshot.origin
     known = data.book.health if same_source else {}
-    index.update({u: h.index for u, h in known.items() if u not in index})
     lost = data.book.lost_gpus() if same_source else {}
+    # A GPU that this reading does not list, and that is not lost, is one this gpuwait does not
+    # see (in a container given some of the machine's GPUs): the ledger's number for it is
+    # another numbering's, and may be that of another GPU here. Without a reading, the last.
+    numbered = known if snapshot is None else lost
+    index.update({u: h.index for u, h in numbered.items() if u not in index})
     waiting_ids = [j.id for j in jobs if j.state != RUNNING]
     report: dict[str, Any] = {
         "schema": STATUS_SCHEMA,

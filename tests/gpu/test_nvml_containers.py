@@ -266,6 +266,10 @@ def test_a_container_given_one_of_the_machines_gpus_loses_none_of_the_others(
     assert [(g["uuid"], g["index"], g["health"]) for g in status["gpus"]] == [("GPU-c", 0, "ok")]
     (host_job,) = status["jobs"]
     assert host_job["lost_gpus"] == []
+    # Its GPU has no number there (the host's 0 is not the container's 0, which is GPU-c).
+    assert host_job["gpu_indices"] == [None]
+    running = gpuwait("status", env=inside).split("Running (1)\n")[1].splitlines()[1]
+    assert running.split()[2] == "?", running
     log = gpuwait("log", "--json", env=fake_nvml.env())
     assert not [e for e in map(json.loads, log.splitlines()) if e["kind"].startswith("gpu_")]
 
