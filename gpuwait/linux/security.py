@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpuwait.linux import proc
+from gpuwait.linux import proc, userns
 
 _T = TypeVar("_T")
 
@@ -305,6 +305,13 @@ class _JobLike(Protocol):
     pid: int
     start_time: int
     uid: int
+    kuid: int | None
+
+
+def _owns(uid: int, job: _JobLike) -> bool:
+    """Is `uid` (as this user namespace knows it) the user whose entry `job` is? One user may
+    have two numbers: a rootless container's uid 0 is, outside, the user who started it."""
+    return userns.same_user(uid, job.uid, job.kuid)
 
 
 def entry_owner_mismatch(job: _JobLike) -> int | None:
@@ -315,7 +322,7 @@ def entry_owner_mismatch(job: _JobLike) -> int | None:
     told (a process hidden by /proc's hidepid).
     """
     owner = proc.owner_uid(job.pid)
-    if owner is None or owner == job.uid:
+    if owner is None or _owns(owner, job):
         return None
     return owner
 
@@ -414,17 +421,17 @@ def control_refusal(
     liveness lock, gpuwait.linux.alive: a process holding room for itself, gpuwait.api).
     """
     caller = os.getuid() if uid is None else uid
-    if caller != 0 and job.uid != caller:
+    if caller != 0 and not _owns(caller, job):
         return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
     if not proc.is_alive(job.pid, job.start_time):
         return f"job {job.id}: its gpuwait process {job.pid} is gone"
     owner = proc.owner_uid(job.pid)
-    if owner is not None and owner != job.uid:
+    if owner is not None and not _owns(owner, job):
         return (
             f"job {job.id} claims uid {job.uid}, but process {job.pid} belongs to uid {owner}; "
             "the entry is forged"
         )
-    if caller != 0 and owner is not None and owner != caller:
+    if caller != 0 and owner is not None and not userns.same_user(owner, caller):
         return f"job {job.id}: process {job.pid} belongs to uid {owner}, not to you"
     if not looks_like_gpuwait(job.pid) and not (own_process is not None and own_process()):
         return f"job {job.id}: process {job.pid} is not a gpuwait process; refusing to signal it"
@@ -437,7 +444,7 @@ def orphan_control_refusal(
     """`control_refusal` for an orphaned job, whose gpuwait is gone: the signal goes to its
     command, which must still run (same start time) as the entry's owner."""
     caller = os.getuid() if uid is None else uid
-    if caller != 0 and job.uid != caller:
+    if caller != 0 and not _owns(caller, job):
         return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
     return orphan_command_problem(job, child_pid, child_start)
 
@@ -450,7 +457,7 @@ def orphan_command_problem(
     if child_pid is None or child_start is None or not proc.is_alive(child_pid, child_start):
         return f"job {job.id}: its command is gone"
     owner = proc.owner_uid(child_pid)
-    if owner is not None and owner != job.uid:
+    if owner is not None and not _owns(owner, job):
         return f"job {job.id}: process {child_pid} belongs to uid {owner}; the entry is forged"
     # Its owner (and root) can tell whether gpuwait started it: every command gets its job's id.
     # Another user cannot read it and takes the pid and start time on trust.

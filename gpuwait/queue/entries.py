@@ -167,6 +167,11 @@ class Job(Record):
     #: namespace (containers without --pid=host) cannot look its pids up: the lock tells it
     #: whether the job lives. None: judged by its pids, as entries of older versions are.
     pidns: int | None = None
+    #: Its owner's uid as the machine knows it (gpuwait.linux.userns), where its gpuwait ran in
+    #: a user namespace: a rootless container's uid 0 is its user's uid outside. Read in a
+    #: private ledger only (a shared one's entries are their file's owner's). None: `uid`, as
+    #: this namespace knows it, as entries of older versions are.
+    kuid: int | None = None
     #: The boot of the machine its entry was written in (gpuwait.linux.proc.boot_id): an entry
     #: of an earlier boot names no process of this one, whoever has its pid and start time now.
     #: None: judged by its pids, as entries of older versions are.
@@ -281,6 +286,7 @@ class Job(Record):
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
             pidns=_lenient_inode(raw.get("pidns")),
+            kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),
             newer_fields=_newer_fields(raw, _JOB_KEYS),
         )
@@ -376,6 +382,11 @@ def elsewhere(job: Job) -> bool:
     be looked up, signalled or matched with NVML's, and its lock tells whether it lives."""
     here = pid_namespaces.current()
     return job.pidns is not None and here is not None and job.pidns != here
+
+
+def _lenient_uid(value: Any) -> int | None:
+    """A uid read leniently: a damaged one is as if never set."""
+    return value if type(value) is int and 0 <= value < 2**32 else None
 
 
 def _lenient_boot(value: Any) -> str | None:
@@ -775,7 +786,7 @@ def combine(
     """
     own.me = me
     for job in own.jobs:
-        job.uid = me
+        job.uid, job.kuid = me, None
     for request in own.requests:
         request.by_uid = me
     own.usage = {me: own.usage[me]} if me in own.usage else {}
@@ -837,7 +848,7 @@ def counted(jobs: Sequence[Job], owner: int, counts: Callable[[Job], bool]) -> l
     pids: set[int] = set()
     commands: set[int] = set()
     for job in jobs:
-        job.uid = owner
+        job.uid, job.kuid = owner, None
         if job.pid in pids or job.child_pid in commands:
             continue
         # Looked at once, proven or not: a file naming one process a thousand times costs

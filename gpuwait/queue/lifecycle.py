@@ -43,7 +43,7 @@ from gpuwait.core.policy import (
 )
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import alive, pidns, proc
+from gpuwait.linux import alive, pidns, proc, userns
 from gpuwait.linux.security import (
     control_refusal,
     entry_owner_mismatch,
@@ -440,6 +440,7 @@ def submit(
             after_ok=met["--after-ok"],
             order=data.next_order,
             boot=proc.boot_id(),
+            kuid=userns.outer(job.uid),
             submitted_boot=proc.boot_clock() if job.submitted_boot is None else job.submitted_boot,
         )
         # Locked before the entry is in the file, so no reader elsewhere ever finds it unlocked.
@@ -511,7 +512,9 @@ def adopt(ledger: Ledger, job: Job) -> Job:
                 "user may",
                 hint="wait for some to finish",
             )
-        entry = copy_job(job)._replace(order=data.next_order, boot=proc.boot_id())
+        entry = copy_job(job)._replace(
+            order=data.next_order, boot=proc.boot_id(), kuid=userns.outer(job.uid)
+        )
         data.next_order += 1
         data.jobs.append(entry)
         data.book.note_admitted(entry.gpu_uuids)
@@ -1104,7 +1107,7 @@ def retry(
 def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
     """Why `uid` may not cancel `job`; None when they may."""
     if elsewhere(job):
-        if uid != 0 and job.uid != uid:
+        if uid != 0 and not userns.same_user(uid, job.uid, job.kuid):
             return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
         if job.state == RUNNING:
             # Its pids are another pid namespace's: signalled from here, they would reach

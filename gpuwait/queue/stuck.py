@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from gpuwait.core.policy import fits_beside
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.core.text import command_line
-from gpuwait.linux import proc
+from gpuwait.linux import proc, userns
 from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
 
@@ -104,7 +104,7 @@ def _here(job: Job) -> bool:
     """Is `job` this user's, of this pid namespace? Another namespace's pids name other
     processes here (containers number theirs alike, from 1): none of this process's lineage
     or pipeline."""
-    return job.uid == os.getuid() and not elsewhere(job)
+    return userns.same_user(os.getuid(), job.uid, job.kuid) and not elsewhere(job)
 
 
 def _reach(links: dict[int, set[int]], start: int) -> set[int]:

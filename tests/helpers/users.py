@@ -7,8 +7,10 @@ everything gpuwait will need, and only then drops to the user, before gpuwait's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,16 +42,34 @@ gpuwait.cli.entry_point()
 """
 
 
+#: What AS_USER does once it is the user, in a rootless container (podman's default): the user
+#: becomes uid 0 (and gid 0) of a user namespace of its own, which maps them onto the user
+#: outside. Its /proc is the host's: the same pids, owners shown as the namespace maps them.
+_INTO_USER_NAMESPACE = r"""
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self is the user's again after setuid
+if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+    raise SystemExit(f"no user namespace: {os.strerror(ctypes.get_errno())}")
+for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+"""
+ROOTLESS = AS_USER.replace("sys.argv = [", _INTO_USER_NAMESPACE + "sys.argv = [", 1)
+
+
 def can_switch_users() -> bool:
     return os.geteuid() == 0
 
 
-def user_argv(uid: int, gid: int, groups: Sequence[int], args: Sequence[str]) -> list[str]:
-    """argv that runs `gpuwait ARGS` as uid/gid with these supplementary groups."""
+def user_argv(
+    uid: int, gid: int, groups: Sequence[int], args: Sequence[str], rootless: bool = False
+) -> list[str]:
+    """argv that runs `gpuwait ARGS` as uid/gid with these supplementary groups; `rootless`:
+    as root of a user namespace that is uid/gid outside, as a rootless container of theirs."""
     return [
         sys.executable,
         "-c",
-        AS_USER,
+        ROOTLESS if rootless else AS_USER,
         str(uid),
         str(gid),
         ",".join(str(g) for g in groups),
@@ -79,6 +99,15 @@ def shared_root() -> Path:
     return root
 
 
+def clean_up(root: Path, procs: Sequence[subprocess.Popen[str]]) -> None:
+    """End what a test started as users (each process with its session) and remove `root`."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def make_shared_ledger_dir(root: Path, gid: int, mode: int = 0o3770) -> Path:
     """A shared ledger directory as an administrator sets it up: root-owned, the group's,
     group-writable, setgid and sticky."""
@@ -95,12 +124,13 @@ def popen_as(
     groups: Sequence[int],
     args: Sequence[str],
     env: Mapping[str, str],
+    rootless: bool = False,
     **kw: Any,
 ) -> subprocess.Popen[str]:
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     return subprocess.Popen(
-        user_argv(uid, gid, groups, args), env=dict(env), text=True, cwd="/", **kw
+        user_argv(uid, gid, groups, args, rootless), env=dict(env), text=True, cwd="/", **kw
     )
 
 
@@ -112,9 +142,10 @@ def run_as(
     env: Mapping[str, str],
     timeout: float = 60,
     prefix: Sequence[str] = (),
+    rootless: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*prefix, *user_argv(uid, gid, groups, args)],
+        [*prefix, *user_argv(uid, gid, groups, args, rootless)],
         env=dict(env),
         text=True,
         cwd="/",

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from helpers.users import (
+    clean_up,
     hidepid_prefix,
     make_shared_ledger_dir,
     popen_as,
@@ -153,11 +154,7 @@ def server() -> Iterator[Server]:
     try:
         yield srv
     finally:
-        for proc in srv.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        shutil.rmtree(root, ignore_errors=True)
+        clean_up(root, srv.procs)
 
 
 def test_two_users_queue_through_one_shared_ledger(server: Server) -> None:

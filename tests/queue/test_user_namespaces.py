@@ -1,0 +1,88 @@
+"""A rootless container (podman's default) sharing its user's state directory with the host.
+
+Its uid 0 is, outside, the user who started it: one user, whose processes /proc shows as uid 0
+in the container and as the user's uid on the host. Real user namespaces, real processes, a
+simulated GPU; run as root, which may become any user and make the namespace as them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.users import clean_up, popen_as, run_as, shared_root, user_home
+from helpers.waiting import wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
+
+USER = 47230
+FORGED = "belongs to another user"
+
+
+class Machine:
+    """One user's home and a simulated 24 GiB card; gpuwait on the host or in a container."""
+
+    def __init__(self, root: Path) -> None:
+        sim = root / "sim.toml"
+        sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
+        os.chown(sim, USER, USER)  # the user's own, seen as root's own in the container
+        self.env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, USER, USER)}
+        self.ledger = Path(self.env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], rootless: bool = False) -> subprocess.Popen[str]:
+        proc = popen_as(USER, USER, [], args, self.env, rootless, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, args: list[str], rootless: bool = False) -> subprocess.CompletedProcess[str]:
+        return run_as(USER, USER, [], args, self.env, rootless=rootless)
+
+    def running(self) -> list[dict[str, Any]]:
+        try:
+            jobs = json.loads(self.ledger.read_text())["jobs"]
+        except (OSError, ValueError):
+            return []
+        return [j for j in jobs if j["state"] == "running" and j.get("child_pid")]
+
+
+@pytest.fixture
+def machine() -> Iterator[Machine]:
+    root = shared_root()
+    found = Machine(root)
+    probe = found.run(["--version"], rootless=True)
+    if probe.returncode != 0:
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"no user namespace can be made here: {probe.stderr.strip()}")
+    try:
+        yield found
+    finally:
+        clean_up(root, found.procs)
+
+
+@pytest.mark.parametrize("first", ["host", "container"])
+def test_a_rootless_containers_jobs_and_the_hosts_are_one_users(
+    machine: Machine, first: str
+) -> None:
+    # Each side took the other's running job for a forged entry ("its process ... belongs to
+    # another user": uid 0 there, the user's uid here) and dropped it: a 15 GiB job was
+    # started beside another on a 24 GiB card.
+    machine.start(["--vram", "15G", "--", "sleep", "60"], rootless=first == "container")
+    wait_for(lambda: machine.running(), timeout=30)
+    probe = machine.run(
+        ["--vram", "15G", "--timeout", "0.5s", "--", "true"], rootless=first == "host"
+    )
+    assert probe.returncode == 124, probe.stderr
+    assert FORGED not in probe.stderr
+    assert len(machine.running()) == 1
+    # Its user may cancel it from the other side.
+    (job,) = machine.running()
+    cancel = machine.run(["cancel", job["id"]], rootless=first == "host")
+    assert cancel.returncode == 0, cancel.stderr
+    wait_for(lambda: not machine.running(), timeout=30)
