@@ -19,11 +19,9 @@ import os
 from collections.abc import Mapping, Sequence
 
 from gpuwait.core.record import Record
-from gpuwait.linux.security import read_state_file
+from gpuwait.linux.cgroup import CGROUP_ROOTS, own_cgroup, read, unified_root
 
-CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
-_SMALL = 1 << 16
 
 
 class Place(Record, frozen=True):
@@ -37,38 +35,14 @@ class Place(Record, frozen=True):
     home: str
 
 
-def _read(path: str) -> str | None:
-    try:
-        raw = read_state_file(path, _SMALL, None)
-    except OSError:
-        return None
-    return None if raw is None else raw.decode("utf-8", "replace")
-
-
-def unified_root(roots: Sequence[str] = CGROUP_ROOTS) -> str | None:
-    """Where the cgroup v2 hierarchy is mounted (alone, or beside v1 in a hybrid layout)."""
-    for root in roots:
-        if os.path.exists(os.path.join(root, "cgroup.controllers")):
-            return root
-    return None
-
-
 def capacity(root: str) -> dict[str, int]:
     """{region: bytes} from the root cgroup's dmem.capacity; {} without the controller."""
     regions: dict[str, int] = {}
-    for line in (_read(os.path.join(root, "dmem.capacity")) or "").splitlines():
+    for line in (read(os.path.join(root, "dmem.capacity")) or "").splitlines():
         name, _, size = line.strip().partition(" ")
         if name and size.strip().isdigit():
             regions[name] = int(size.strip())
     return regions
-
-
-def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
-    """This process's cgroup v2 path ("/user.slice/..."), from the "0::" line."""
-    for line in (_read(proc_cgroup) or "").splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip() or "/"
-    return None
 
 
 def nvidia_pci_addresses(base: str = NVIDIA_GPUS) -> dict[str, str]:
@@ -79,7 +53,7 @@ def nvidia_pci_addresses(base: str = NVIDIA_GPUS) -> dict[str, str]:
     except OSError:
         return found
     for pci in names:
-        for line in (_read(os.path.join(base, pci, "information")) or "").splitlines():
+        for line in (read(os.path.join(base, pci, "information")) or "").splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "GPU UUID" and value.strip():
                 found[value.strip()] = pci.lower()
@@ -103,7 +77,7 @@ def find_parent(root: str, own: str) -> str | None:
     path = own.strip("/")
     while True:
         directory = os.path.join(root, path) if path else root
-        controls = (_read(os.path.join(directory, "cgroup.subtree_control")) or "").split()
+        controls = (read(os.path.join(directory, "cgroup.subtree_control")) or "").split()
         if (
             "dmem" in controls
             and os.access(directory, os.W_OK | os.X_OK)

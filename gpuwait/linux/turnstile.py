@@ -5,8 +5,9 @@ spends some 100 ms of CPU loading Python and gpuwait before it can join the queu
 with few cores the kernel shares the CPU evenly among them, so all forty finish loading
 together, late; only then do the first jobs that fit start, and their commands' own start-up
 still shares the CPU with the launches behind them. Through the turnstile, as many launches
-load at once as this process has CPUs to run on (its affinity), the others sleep: the first
-ones join the queue and start their commands while the rest wait their turn.
+load at once as this process has CPUs to run on (its affinity, or fewer by its cgroup's CPU
+quota), the others sleep: the first ones join the queue and start their commands while the
+rest wait their turn.
 
 A launch leaves the turnstile as soon as it knows what comes next: its command starts
 (`gpuwait.runner.launch`), it waits in the queue (`gpuwait.queue.wait`) or for failing GPU
@@ -30,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from gpuwait.linux import cgroup
 from gpuwait.linux.lock import LockTimeout, lock_within
 from gpuwait.linux.security import UnsafePath, ensure_private_dir, open_state_file
 
@@ -48,11 +51,17 @@ _held: int | None = None
 
 
 def slots() -> int:
-    """How many launches load at once: the CPUs this process may run on."""
+    """How many launches load at once: the CPUs this process may run on, or as many as its
+    cgroup's CPU quota gives it time for where that is fewer (a container run with --cpus, a
+    Kubernetes pod's CPU limit: its affinity names every core of the machine)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except OSError:
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    limit = cgroup.cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, cpus)
 
 
 def directories(environ: Mapping[str, str], state_dir: str) -> list[Path]:

@@ -26,7 +26,8 @@ from helpers.fixtures_sim import wrapped_sim_job
 from helpers.waiting import asleep_supervising, asleep_waiting, sleeping_in, wait_for
 
 from gpuwait.cli import launches
-from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT, directories
+from gpuwait.linux import cgroup
+from gpuwait.linux.turnstile import FILE_NAME, WAIT_LIMIT, directories, slots
 
 pytestmark = pytest.mark.usefixtures("sim")
 
@@ -233,3 +234,35 @@ def test_a_turnstile_file_that_is_not_a_plain_file_of_ours_is_passed_by(
     assert done.returncode == 0, done.stderr
     assert not waited  # the link was not followed
     assert done.stderr == ""
+
+
+def test_a_cpu_quota_found_at_or_above_the_processs_cgroup_bounds_the_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container run with --cpus 1.5 (a Kubernetes pod's CPU limit) on a machine of 64 cores:
+    # its affinity names every core, so 64 launches of a burst loaded at once on 1.5 CPUs' time,
+    # as if there were no turnstile.
+    own = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "pod" / "job").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu\n")
+    (v2 / "pod" / "cpu.max").write_text("150000 100000\n")
+    (v2 / "pod" / "job" / "cpu.max").write_text("max 100000\n")
+    own.write_text("0::/pod/job\n")
+    assert cgroup.cpu_limit([str(v2)], [], str(own)) == 1.5
+    # cgroup v1 (beside a v2 hierarchy without the cpu controller): the quota of the cpu one.
+    v1 = tmp_path / "cpu"
+    (v1 / "docker" / "c0").mkdir(parents=True)
+    for directory, quota in ((v1, "-1"), (v1 / "docker", "-1"), (v1 / "docker" / "c0", "150000")):
+        (directory / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (directory / "cpu.cfs_period_us").write_text("100000\n")
+    (v2 / "pod" / "cpu.max").write_text("max 100000\n")
+    own.write_text("4:cpu,cpuacct:/docker/c0\n0::/pod/job\n")
+    assert cgroup.cpu_limit([str(v2)], [str(v1)], str(own)) == 1.5
+    own.write_text("4:cpu,cpuacct:/\n0::/\n")
+    assert cgroup.cpu_limit([str(v2)], [str(v1)], str(own)) is None
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    for limit, turns in ((None, 64), (1.5, 2), (0.1, 1)):
+        monkeypatch.setattr(cgroup, "cpu_limit", lambda limit=limit: limit)
+        assert slots() == turns
