@@ -42,7 +42,8 @@ def _fields_of(stat: bytes) -> list[str] | None:
 
 
 def start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None if there is no such process."""
+    """Start time of `pid` in clock ticks since the machine booted (in a time namespace too,
+    whose offset /proc adds), or None if there is no such process."""
     return _start_of(_stat_fields(pid))
 
 
@@ -51,9 +52,33 @@ def _start_of(fields: list[str] | None) -> int | None:
         return None
     try:
         # Field 22 overall; fields[0] here is field 3 (state).
-        return int(fields[19])
+        return int(fields[19]) - _boot_offset()[1]
     except ValueError:
         return None
+
+
+_OFFSET: list[tuple[float, int]] = []
+
+
+def _boot_offset() -> tuple[float, int]:
+    """How far this process's boot clock is ahead of the machine's, in seconds and in clock
+    ticks: a time namespace's own (a container restored from a checkpoint, `unshare --time`),
+    which /proc adds to every process's start time as this process reads it. (0, 0) in the
+    machine's own namespace. Read once: a process never changes its time namespace."""
+    if not _OFFSET:
+        seconds, ticks = 0.0, 0
+        try:
+            with open("/proc/self/timens_offsets", "rb") as f:
+                for line in f.read(4096).splitlines():
+                    fields = line.split()
+                    if len(fields) == 3 and fields[0] == b"boottime":
+                        nanoseconds = int(fields[1]) * 10**9 + int(fields[2])
+                        seconds = nanoseconds / 1e9
+                        ticks = nanoseconds * os.sysconf("SC_CLK_TCK") // 10**9
+        except (OSError, ValueError):
+            pass  # a kernel before time namespaces (5.6): the machine's clock
+        _OFFSET.append((seconds, ticks))
+    return _OFFSET[0]
 
 
 def parent_pid(pid: int) -> int | None:
@@ -174,9 +199,10 @@ def system_memory() -> tuple[int, int] | None:
 def boot_clock() -> float:
     """Seconds since the machine booted, suspended time included (CLOCK_BOOTTIME). Unlike the
     wall clock it is never stepped (NTP, `date -s`, a VM resumed), and every process of one boot
-    reads the same clock: a stamp one process took measures a duration in another, as long as
-    the entry it is in was written in this boot (`boot_id`)."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
+    reads the same clock, in a time namespace too (its offset taken off): a stamp one process
+    took measures a duration in another, as long as the entry it is in was written in this boot
+    (`boot_id`)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - _boot_offset()[0]
 
 
 def is_alive(pid: int, expected_start: int | None) -> bool:

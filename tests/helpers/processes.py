@@ -79,6 +79,17 @@ def unshare_prefix() -> list[str]:
     return prefix
 
 
+def time_namespace(boottime: int) -> list[str]:
+    """How to start a command in a time namespace whose boot clock is `boottime` seconds ahead
+    of the machine's (as a container restored from a checkpoint may be), or skip the test."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    prefix = ["unshare", "--time", f"--boottime={boottime}", "--fork"]
+    if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no time namespace can be made here")
+    return prefix
+
+
 def children(pid: int) -> list[int]:
     """The child processes of `pid` (its main thread's), as the kernel lists them."""
     try:

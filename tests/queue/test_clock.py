@@ -11,10 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers.jobs import live_job
+from helpers.processes import time_namespace
 from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 from gpuwait.cli import main
@@ -282,3 +284,25 @@ def test_a_boot_stamp_from_another_boot_clock_is_not_believed() -> None:
     now, boot_now = time.time(), proc.boot_clock()
     assert since(now - 5, boot_now - 2, now, boot_now) == pytest.approx(2)
     assert since(now - 5, boot_now + 3600, now, boot_now) == pytest.approx(5)
+
+
+def test_a_job_started_in_a_time_namespace_keeps_its_room(
+    sim_file: Callable[..., Path], procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # /proc shows a process's start time on the reader's boot clock. A job started in a time
+    # namespace whose clock was a day ahead (sharing the host's pids) named a start time no
+    # process had on the host: gpuwait there took it for gone and reaped its entry while it ran,
+    # and gave its 15 GiB to another job on the 24 GiB card.
+    sim_file(gpus=1, memory="24G")
+    ahead = time_namespace(86400)
+    procs([*ahead, sys.executable, "-m", "gpuwait", "--vram", "15G", "--", "sleep", "60"])
+    wait_for(lambda: any(j.get("child_pid") for j in ledger_entries()), timeout=30)
+    probe = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "--vram", "15G", "--timeout", "0.5s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 124, probe.stderr
+    (entry,) = ledger_entries()
+    assert entry["state"] == RUNNING
