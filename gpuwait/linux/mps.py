@@ -15,7 +15,7 @@ import stat
 from collections.abc import Mapping
 
 from gpuwait.core.snapshot import MPS_COMM
-from gpuwait.linux import proc
+from gpuwait.linux import pidns, proc
 from gpuwait.linux.security import read_state_file
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
@@ -50,4 +50,27 @@ def daemon_serves(env: Mapping[str, str]) -> bool:
     name = proc.command_name(pid)
     # The daemon made its socket: one someone else put there next to a real daemon's pid
     # serves nobody.
-    return name is not None and name.startswith(MPS_COMM) and proc.owner_uid(pid) == st.st_uid
+    if name is not None and name.startswith(MPS_COMM) and proc.owner_uid(pid) == st.st_uid:
+        return True
+    # In a container with pids of its own, the pid file names the daemon by the host's pid: no
+    # process here, or another one. Its socket, the host's pipe directory mounted in, still
+    # tells: a live daemon takes a connection, a socket left by one that is gone refuses it.
+    return (
+        pidns.in_initial_namespace() is False
+        and stat.S_ISSOCK(st.st_mode)
+        and st.st_uid in (os.getuid(), 0)
+        and _accepts(control)
+    )
+
+
+def _accepts(path: str) -> bool:
+    """Does something listen on the UNIX socket at `path` (a connection, at once closed)?"""
+    import socket  # only a container's limit mode asks
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

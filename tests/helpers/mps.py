@@ -26,6 +26,7 @@ def mps_daemon(tmp_path: Path) -> Iterator[Path]:
         time.sleep(0.01)  # named by its exec, which a loaded machine may take a moment for
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(pipes / "control"))
+    listener.listen()
     (pipes / "nvidia-cuda-mps-control.pid").write_text(f"{daemon.pid}\n")
     try:
         yield pipes

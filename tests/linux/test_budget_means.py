@@ -4,6 +4,7 @@ dmem controller (on a stand-in cgroup tree: no kernel here has dmem)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwait.linux import dmem, mps, proc
+from gpuwait.linux import dmem, mps, pidns, proc
 from gpuwait.runner.budget import Held
 
 GiB = 2**30
@@ -40,6 +41,24 @@ def test_a_daemon_that_is_gone_serves_nobody(mps_daemon: Path) -> None:
 def test_a_pid_of_another_program_is_no_daemon(mps_daemon: Path) -> None:
     (mps_daemon / "nvidia-cuda-mps-control.pid").write_text(f"{os.getpid()}\n")
     assert not mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)})
+
+
+def test_in_a_container_a_daemon_is_told_by_its_socket(
+    mps_daemon: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pid file names the daemon by the host's pid, no process here: the socket tells.
+    monkeypatch.setattr(pidns, "in_initial_namespace", lambda: False)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (mps_daemon / "nvidia-cuda-mps-control.pid").write_text(f"{gone.pid}\n")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    assert mps.daemon_serves(env)
+    # A socket left by a daemon that is gone takes no connection: nobody serves.
+    (mps_daemon / "control").unlink()
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(str(mps_daemon / "control"))
+    left.close()
+    assert not mps.daemon_serves(env)
 
 
 def test_a_fifo_for_a_pid_file_is_never_waited_on(mps_daemon: Path) -> None:

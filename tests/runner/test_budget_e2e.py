@@ -16,6 +16,7 @@ import pytest
 from helpers import fixtures_sim
 from helpers.fixtures_sim import SimFileFactory, wrapped_sim_job
 from helpers.history import recorded_runs
+from helpers.processes import unshare_prefix
 from helpers.waiting import ledger_entries, wait_for
 
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
@@ -323,6 +324,24 @@ def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemo
     record = recorded_runs()[-1]
     assert record["budget"]["held_by"] == ["MPS limit"]
     assert record["oom_cause"] == "own limit"
+
+
+def test_a_job_in_a_container_gets_the_limit_of_the_hosts_mps_daemon(
+    sim_file: SimFileFactory, mps_daemon: Path
+) -> None:
+    # In a container with pids of its own (the host's pipe directory mounted in, as MPS
+    # clients in containers have it), the daemon's pid file names it by the host's pid: gpuwait
+    # said no MPS daemon served and ran the job without its limit, though CUDA there is the
+    # daemon's client.
+    prefix = unshare_prefix()
+    sim_file(gpus=1, memory="8GiB")
+    pipes = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    show = [sys.executable, "-c", SHOW_ENV]
+    argv = [*prefix, sys.executable, "-m", "gpuwait", "--vram", "2G", "--enforce", "limit"]
+    done = subprocess.run([*argv, "--", *show], env=pipes, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    env = json.loads(done.stdout)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"{env['CUDA_VISIBLE_DEVICES']}=2048MB"
 
 
 def test_an_mps_limit_holds_with_gpus_named_by_index(
