@@ -826,6 +826,8 @@ class Settings(Record):
     site_wait: tuple[float, float | None] = (Lookahead.max_wait_factor, None)
     #: safety as the site file (else the default) sets it.
     site_safety: float = DEFAULT_SAFETY
+    #: What the commands say of the files the settings come from (load_settings).
+    notes: tuple[str, ...] = ()
 
     @property
     def state_path(self) -> Path:
@@ -983,7 +985,10 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
             f"{kind} {path}: damaged, values nested too deeply to read; fix or remove it"
         ) from None
     unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
-    if unknown:
+    # In the site file a setting this gpuwait does not know is skipped (load_settings says so):
+    # it is an administrator's, maybe for a newer gpuwait than a user's own copy, and refused
+    # it would stop every command of every user, every wrapped `python` included.
+    if unknown and not site:
         from gpuwait.core.text import nearest  # only once a key is misspelled
 
         match = nearest(unknown[0], OPTIONS_BY_NAME)
@@ -1085,4 +1090,15 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
             hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
         )
     own = {} if path is None else load_config_file(path)
-    return resolve(cli, environ, own, path, load_config_file(site, site=True), site)
+    site_data = load_config_file(site, site=True)
+    settings = resolve(cli, environ, own, path, site_data, site)
+    unknown = sorted(set(site_data) - set(OPTIONS_BY_NAME))
+    if not unknown:
+        return settings
+    names = ", ".join(map(repr, unknown))
+    return settings._replace(
+        notes=(
+            f"site config file {site}: {names} is not a setting this gpuwait knows (a newer "
+            "gpuwait's?) and is skipped; upgrade gpuwait to use it",
+        )
+    )

@@ -14,9 +14,8 @@ import os
 import time
 
 from gpuwait.commands import output
-from gpuwait.commands.common import ledger_for
+from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser, whole_number
-from gpuwait.config import load_settings
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
 from gpuwait.core.sizes import format_size, parse_size
 from gpuwait.core.text import printable

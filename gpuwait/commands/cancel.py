@@ -6,9 +6,8 @@ import argparse
 import os
 
 from gpuwait.commands import output
-from gpuwait.commands.common import ledger_for
+from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import load_settings
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, EXIT_USAGE, UsageError
 from gpuwait.core.text import printable
 from gpuwait.queue import lifecycle

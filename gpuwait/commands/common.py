@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from gpuwait import config
 from gpuwait.commands import output
-from gpuwait.config import Settings
-from gpuwait.queue.ledger import Ledger
+
+if TYPE_CHECKING:
+    from gpuwait.queue.ledger import Ledger
 
 
-def ledger_for(settings: Settings) -> Ledger:
+def load_settings(cli: Mapping[str, Any]) -> config.Settings:
+    """The effective settings (gpuwait.config.load_settings), with what they say of the files
+    they come from (a site setting this gpuwait does not know) said on stderr."""
+    settings = config.load_settings(cli)
+    for note in settings.notes:
+        output.warn(note)
+    return settings
+
+
+def ledger_for(settings: config.Settings) -> Ledger:
     """The ledger the settings name: `ledger_dir` when set (it must exist), else the state dir."""
+    from gpuwait.queue.ledger import Ledger  # the shell hook's bare runs never need it
+
     return Ledger(
         settings.ledger_path,
         must_exist=settings.ledger_dir is not None,

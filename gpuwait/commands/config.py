@@ -6,9 +6,10 @@ import argparse
 import re
 import sys
 
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.output import json_text
 from gpuwait.commands.parsing import Parser, terminal_columns
-from gpuwait.config import OPTIONS, load_settings
+from gpuwait.config import OPTIONS
 from gpuwait.core.text import printable
 from gpuwait.linux import netfs
 

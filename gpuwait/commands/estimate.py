@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser, add_gpus_option
-from gpuwait.config import Settings, load_settings
+from gpuwait.config import Settings
 from gpuwait.core.devices import parse_inherited_visible
 from gpuwait.core.errors import GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes

@@ -11,8 +11,8 @@ import textwrap
 from typing import Any
 
 from gpuwait.commands import output
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import MAX_LINES, Parser, terminal_columns, whole_number
-from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_CARD_FULL, OOM_OWN_LIMIT
 from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
 from gpuwait.core.errors import StateError

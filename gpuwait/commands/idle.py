@@ -11,9 +11,9 @@ import sys
 import textwrap
 
 from gpuwait.commands import output
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
 from gpuwait.commands.status import build_report, render_idle
-from gpuwait.config import load_settings
 from gpuwait.core.errors import EXIT_NO_GPU
 from gpuwait.core.sizes import format_duration, format_size
 

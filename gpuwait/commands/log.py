@@ -7,10 +7,9 @@ import json
 import sys
 from typing import Any
 
-from gpuwait.commands.common import ledger_for
+from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.output import json_text, local_time
 from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
-from gpuwait.config import load_settings
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.sizes import format_duration, format_size

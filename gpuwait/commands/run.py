@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwait import __version__
 from gpuwait.commands import SUBCOMMANDS
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.output import Console
 from gpuwait.commands.parsing import (
     Parser,
@@ -21,7 +22,7 @@ from gpuwait.commands.parsing import (
     terminal_columns,
     whole_number,
 )
-from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings, load_settings
+from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings
 from gpuwait.core.errors import EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules
 from gpuwait.core.sizes import (

@@ -11,8 +11,8 @@ import argparse
 import contextlib
 import os
 
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import load_settings
 from gpuwait.core.errors import UsageError
 from gpuwait.core.wrap import Decision, decide
 from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import gpuwait
 from gpuwait.commands import completion
+from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import load_settings
 
 SHELLS = ("bash", "zsh", "fish")
 

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpuwait.commands import output
-from gpuwait.commands.common import ledger_for
+from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import Settings, load_settings
+from gpuwait.config import Settings
 from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration

@@ -11,7 +11,7 @@ def test_every_option_is_an_attribute_of_settings_in_the_same_order() -> None:
     names = [
         name
         for name in Settings._fields
-        if name not in ("sources", "config_file", "site_file", "site_wait", "site_safety")
+        if name not in ("sources", "config_file", "site_file", "site_wait", "site_safety", "notes")
     ]
     assert names == [option.name for option in OPTIONS]
 

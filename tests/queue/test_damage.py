@@ -260,6 +260,8 @@ CONFIG_DAMAGE = {
 def test_damaged_config_is_refused_and_left_alone(
     gw: Run, isolated_dirs: Path, kind: str, which: str
 ) -> None:
+    if which == "site" and kind == "future schema":
+        pytest.skip("a site file's unknown setting is warned of and skipped (test below)")
     base = isolated_dirs / ("config" if which == "user" else "site-config")
     path = base / "gpuwait" / "config.toml"
     path.parent.mkdir(parents=True)
@@ -271,6 +273,30 @@ def test_damaged_config_is_refused_and_left_alone(
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert path.read_bytes() == content
     assert list(path.parent.iterdir()) == [path]
+
+
+def test_a_site_setting_this_gpuwait_does_not_know_is_skipped_with_a_warning(
+    gw: Run, isolated_dirs: Path
+) -> None:
+    # An administrator sets up a newer gpuwait's setting site-wide: the users' own older copies
+    # (a venv each) must still run every command, with the site's other settings in force.
+    path = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text('safety = 0.8\ngang_topology = "nvlink"\n')
+    done = gw("--vram", "1G", "--", "echo", "ran")
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    warned = warnings_of(done.stderr)
+    assert len(warned) == 1, done.stderr
+    assert "'gang_topology'" in warned[0] and str(path) in warned[0], warned
+    assert json.loads(gw("config", "--json").stdout)["settings"]["safety"]["parsed"] == 0.8
+    # The hook's way in, too: a wrapped command runs.
+    hooked = gw("shell-hook", "--", "echo", "hooked")
+    assert hooked.returncode == 0 and hooked.stdout == "hooked\n", hooked.stderr
+    # A setting of the user's own file is theirs to fix: still refused there.
+    own = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    own.parent.mkdir(parents=True)
+    own.write_text('gang_topology = "nvlink"\n')
+    assert gw("--vram", "1G", "true").returncode == 2
 
 
 def test_zero_length_config_means_defaults(gw: Run, isolated_dirs: Path) -> None:
