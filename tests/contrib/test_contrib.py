@@ -845,9 +845,12 @@ def parse_exposition(text: str) -> dict[tuple[str, str], float]:
     return samples
 
 
+EXPORTER = [sys.executable, str(CONTRIB / "prometheus" / "gpuwait-exporter")]
+
+
 def exporter(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, str(CONTRIB / "prometheus" / "gpuwait-exporter"), *args],
+        [*EXPORTER, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -934,6 +937,39 @@ def test_prometheus_exporter_replaces_the_file_atomically_and_a_term_ends_it_cle
     assert proc.returncode == 0
     assert [p.name for p in metrics.iterdir()] == ["gpuwait.prom"]  # no temporary file left
     parse_exposition(path.read_text())
+
+
+def test_prometheus_exporter_keeps_writing_after_a_write_that_failed(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A full disk for a moment, a directory swapped by a deployment: the long-running exporter
+    # says so and writes again at its next turn, instead of ending for good (the file would
+    # then stand still until someone restarted it).
+    metrics = tmp_path / "textfile"
+    path = metrics / "gpuwait.prom"
+    errors = tmp_path / "stderr"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(
+            [*EXPORTER, "--output-dir", str(metrics), "--every", "0.05s"],
+            env=user_env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
+    try:
+        wait_for(path.exists, timeout=60)
+        metrics.rename(tmp_path / "away")
+        metrics.write_text("not a directory")
+        wait_for(lambda: "cannot write" in errors.read_text(), timeout=60)
+        assert proc.poll() is None, errors.read_text()
+        metrics.unlink()
+        wait_for(path.exists, timeout=60)
+        parse_exposition(path.read_text())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert len(errors.read_text().splitlines()) >= 1
 
 
 @pytest.mark.parametrize("every", ["0", "-5s", "soon", "nan", "inf", "1e400s", "2d"])
