@@ -222,6 +222,11 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
                 f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "
                 f"peaks {format_size(est.low_bytes)} to {format_size(est.high_bytes)}"
             )
+        if est.sized_by_reservation:
+            print(
+                "          no margin: the command sizes itself from its reservation "
+                "(GPUWAIT_VRAM_FRACTION or GPUWAIT_VRAM_BYTES), so it takes what it is given"
+            )
         if est.second_lowest_bytes:
             print(
                 f"          not below {format_size(est.second_lowest_bytes)}, the second-lowest "

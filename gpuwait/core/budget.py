@@ -37,6 +37,8 @@ ENFORCING = frozenset({HELD_DMEM, HELD_MPS, HELD_TORCH})
 #: gpuwait's own variables: the fraction of the card the reservation is (always exported), and
 #: the one that tells the PyTorch hook on PYTHONPATH what cap to apply (limit mode).
 FRACTION_VAR = "GPUWAIT_VRAM_FRACTION"
+#: The reservation per GPU in bytes (always exported).
+BYTES_VAR = "GPUWAIT_VRAM_BYTES"
 TORCH_FRACTION_VAR = "GPUWAIT_TORCH_MEMORY_FRACTION"
 #: On a gang of cards of different sizes: the reservation in bytes, which the hook caps each card
 #: at (one fraction of the largest card would leave a smaller card less than the reservation).
@@ -50,6 +52,14 @@ MPS_LIMIT_VAR = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 #: PyTorch's allocator settings, in the order PyTorch 2.10+ reads its CUDA ones: the first set.
 TORCH_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 TORCH_FRACTION_KEY = "per_process_memory_fraction"
+
+
+def sizes_itself(command: Sequence[str]) -> bool:
+    """Does the command line size the program from its reservation (vLLM told
+    `--gpu-memory-utilization "$GPUWAIT_VRAM_FRACTION"` inside `sh -c`)? Such a program takes
+    whatever it is given: its peak is its reservation, not what it needs."""
+    return any(FRACTION_VAR in arg or BYTES_VAR in arg for arg in command)
+
 
 #: Fractions are written with this many decimals, rounded down: never above the reservation.
 _DECIMALS = 4

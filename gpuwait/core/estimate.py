@@ -23,6 +23,10 @@ The rules:
 - Finer levels with fewer runs still count: the estimate never goes below the highest peak seen
   at a finer level.
 - Then the margin (10 % by default) is added and the result rounded up to a tidy size.
+- A command that sizes itself from its reservation (vLLM told GPUWAIT_VRAM_FRACTION) takes what
+  it is given: its runs count for no more than their reservation, and where all the runs behind
+  the estimate are such, no margin is added. Else every run would take the margin more than the
+  last, without end.
 - An out-of-memory failure newer than the last success raises the estimate above what that run
   had: OOM_GROWTH times the larger of its peak and its reservation (usable levels only: another
   script's failure says nothing about this one).
@@ -86,6 +90,9 @@ class RunStat(Record, frozen=True):
     #: What it held on all of them together: the sum of its peaks on each; None where the
     #: record does not say (then `peak_bytes` on each is assumed).
     held_bytes: int | None = None
+    #: The command sized itself from its reservation (a server told GPUWAIT_VRAM_FRACTION): it
+    #: took what it was given, so its peak says what it was given, not what it needs.
+    sized_by_reservation: bool = False
 
 
 class Spread(Record, frozen=True):
@@ -121,6 +128,8 @@ class Estimate(Record, frozen=True):
     rule: str = "quantile"
     #: Runs on more GPUs than the job's counted for what they held in all (`for_gpus`).
     spread_over_fewer: bool = False
+    #: All the runs behind it sized themselves from their reservation: no margin was added.
+    sized_by_reservation: bool = False
 
     @property
     def raised_by_oom(self) -> bool:
@@ -237,6 +246,18 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
     return floor
 
 
+def as_needed(run: RunStat) -> RunStat:
+    """`run` as it says what its command needs: one that sized itself from its reservation
+    needs no more than it was given (what it took past that, it would take past any
+    reservation: SGLang's activations on top of its fraction)."""
+    if not run.sized_by_reservation or run.peak_bytes is None:
+        return run
+    peak = min(run.peak_bytes, run.reserved_bytes)
+    given = run.reserved_bytes * max(1, len(run.gpu_uuids))
+    held = None if run.held_bytes is None else min(run.held_bytes, given)
+    return run._replace(peak_bytes=peak, held_bytes=held)
+
+
 def on_fewer_gpus(run: RunStat, gpus: int) -> RunStat:
     """`run` as a job on `gpus` GPUs may need it: a run on more held its memory spread over
     them (a model split across the cards it is given), and on fewer each card may hold its
@@ -287,6 +308,7 @@ def estimate(
 ) -> Estimate:
     """The VRAM request per GPU for a command whose runs at each level (finest first) are
     given, run on `gpus` GPUs (see `for_gpus`)."""
+    levels = [(name, [as_needed(r) for r in runs]) for name, runs in levels]
     levels = for_gpus(levels, gpus, now, min_runs, max_age)
     chosen = choose_level(levels, now, min_runs, max_age)
     # OOMs count at the finest level that has any runs: they are about this very command.
@@ -317,6 +339,9 @@ def estimate(
     ]
     finer_floor = max(finer, default=0)
     floor = max(second, finer_floor)
+    sized = all(r.sized_by_reservation for r in used)
+    if sized:
+        margin = 0.0  # what it took is what it was given: given that again, it takes as much
     learned = max(MIN_ESTIMATE, tidy_size(max(q_bytes, floor) * (1 + max(0.0, margin))))
     return Estimate(
         bytes=max(learned, floor_oom),
@@ -332,6 +357,7 @@ def estimate(
         approximate=any(r.approximate for r in used),
         rule="quantile" if exact else "largest",
         spread_over_fewer=any(len(r.gpu_uuids) > gpus for r in used),
+        sized_by_reservation=sized,
     )
 
 

@@ -48,7 +48,7 @@ DIRNAME = "history.index"
 #: The temporary files of the index's writes (`_write_cache`).
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 KEEP_RUNS = KEEP_PER_KEY
-_OK, _OOM, _APPROX = 1, 2, 4
+_OK, _OOM, _APPROX, _SIZED = 1, 2, 4, 8
 #: A bucket file larger than this is not one (256 buckets of KEEP_RUNS runs per key).
 MAX_BUCKET_BYTES = 64 << 20
 #: How long a launch waits for the history lock to bring the index up to date (another process
@@ -85,7 +85,10 @@ def bucket_of(key: str) -> str:
 
 def _row(offset: int, stat: RunStat) -> Row:
     flags = (
-        (_OK if stat.ok else 0) | (_OOM if stat.oom else 0) | (_APPROX if stat.approximate else 0)
+        (_OK if stat.ok else 0)
+        | (_OOM if stat.oom else 0)
+        | (_APPROX if stat.approximate else 0)
+        | (_SIZED if stat.sized_by_reservation else 0)
     )
     return [
         offset,
@@ -122,6 +125,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
         time_to_peak=None if row[7] < 0 else float(row[7]),
         gpu_uuids=tuple(uuids),
         held_bytes=None if held < 0 else held,
+        sized_by_reservation=bool(flags & _SIZED),
     )
 
 

@@ -33,6 +33,9 @@ A record is one JSON object per line:
     paused_runs_seconds              --pausable jobs: the run time of the runs that ended by
                                      stepping aside; estimates count it with run_seconds, since
                                      a run that is not paused does all that work
+    sized_by_reservation             only when its command line sizes it from its reservation
+                                     (names GPUWAIT_VRAM_FRACTION or GPUWAIT_VRAM_BYTES): true.
+                                     Its peak is what it was given, not what it needs
     over_reservation                 only when its peak passed its reservation by more than the
                                      margin: {gpu, used_bytes, cause, advice}
 
@@ -47,7 +50,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwait.core.budget import Budget
+from gpuwait.core.budget import Budget, sizes_itself
 from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
 from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import DEFAULT_MARGIN, RunStat
@@ -75,6 +78,7 @@ _STAT_FIELDS: dict[str, Any] = {
     "paused_runs_seconds": 0,
     "wait_seconds": 0,
     "time_to_peak_seconds": None,
+    "sized_by_reservation": False,
 }
 
 
@@ -171,6 +175,8 @@ def build(
         record["oom_cause"] = measured.oom_cause
     if measured.stopped_by is not None:
         record["stopped_by"] = measured.stopped_by
+    if sizes_itself(command):
+        record["sized_by_reservation"] = True
     if held is not None and held.held_by:
         record["budget"] = {
             "enforce": held.mode,
@@ -271,6 +277,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             time_to_peak=None if to_peak is None else _seconds(to_peak),
             gpu_uuids=gpu_uuids(record),
             held_bytes=None if peak is None else held_bytes(record),
+            sized_by_reservation=get("sized_by_reservation") is True,
         )
     except (ValueError, TypeError, OverflowError):
         return None

@@ -17,6 +17,7 @@ import stat
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 
+from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.linux import turnstile
 from gpuwait.queue.entries import Job
@@ -235,7 +236,7 @@ def command_env(
             JOB_PID_VARIABLE: str(os.getpid()),
             "GPUWAIT_GPU_UUIDS": uuids,
             "GPUWAIT_GPU_INDICES": indices,
-            "GPUWAIT_VRAM_BYTES": str(job.reserved_bytes),
+            BYTES_VAR: str(job.reserved_bytes),
         }
     )
     if job.pausable:

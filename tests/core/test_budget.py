@@ -216,3 +216,10 @@ def test_a_share_of_each_card_is_held_on_each_card_at_that_share() -> None:
     assert "GPUWAIT_TORCH_MEMORY_BYTES" not in held.env
     held = plan(LIMIT, 40 * GiB, mixed, {}, Means(mps=True), by_gpu=small)
     assert held.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-s=12288MB,GPU-b=40960MB"
+
+
+def test_a_command_line_that_reads_the_reservation_sizes_itself() -> None:
+    vllm = 'exec vllm serve M --gpu-memory-utilization "$GPUWAIT_VRAM_FRACTION"'
+    assert budget.sizes_itself(["sh", "-c", vllm])
+    assert budget.sizes_itself(["sh", "-c", "exec ./serve --bytes ${GPUWAIT_VRAM_BYTES}"])
+    assert not budget.sizes_itself(["python", "train.py", "--lr", "0.1"])

@@ -340,3 +340,42 @@ def test_a_reservation_is_never_released_before_the_job_grows_past_it(
     room = gpu_rooms([gpu], [claim], 1.0)["GPU-0"]
     assert room.committed == max(reserved, observed)
     assert room.room == 48 * GiB - max(reserved, observed)
+
+
+def test_a_command_that_takes_what_it_is_given_is_learned_at_that_and_no_more() -> None:
+    # vLLM told --gpu-memory-utilization "$GPUWAIT_VRAM_FRACTION" takes the fraction of its
+    # 80 GiB card (rounded down), SGLang a little more (activations on top): run after run
+    # without --vram, each given what the last taught, the size stays where it was set.
+    total = 80 * GiB
+    for overshoot in (0, GiB // 2):
+        reserved, runs = 20 * GiB, []
+        for i in range(6):
+            fraction = math.floor(reserved / total * 10_000) / 10_000
+            took = int(fraction * total) + overshoot
+            runs.append(
+                RunStat(
+                    started_at=NOW - 6 + i,
+                    peak_bytes=took,
+                    reserved_bytes=reserved,
+                    ok=True,
+                    oom=False,
+                    sized_by_reservation=True,
+                )
+            )
+            learned = estimate(one_level(*runs), NOW + 1).bytes
+            assert learned == 20 * GiB
+            assert estimate(one_level(*runs), NOW + 1).sized_by_reservation
+            reserved = learned
+
+
+def test_a_command_that_sizes_itself_among_others_keeps_the_margin() -> None:
+    given = RunStat(
+        started_at=NOW - 1,
+        peak_bytes=10 * GiB,
+        reserved_bytes=10 * GiB,
+        ok=True,
+        oom=False,
+        sized_by_reservation=True,
+    )
+    est = estimate(one_level(run(10, 0.1), given), NOW)
+    assert est.bytes == tidy_size(10 * GiB * 1.1)

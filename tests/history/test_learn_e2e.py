@@ -614,3 +614,25 @@ def test_a_learned_size_no_two_cards_hold_asks_a_job_on_two_for_what_two_hold(
     (record,) = [r for r in history() if r["job_id"] != "j"]
     assert json.loads(shown.stdout)["estimate_bytes"] == record["reserved_bytes"]
     assert record["reserved_bytes"] == int(24 * GiB * 0.9)
+
+
+def test_a_command_that_takes_its_reservation_is_not_learned_ever_larger(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A server that sizes itself from what gpuwait gives it (vLLM told
+    # --gpu-memory-utilization "$GPUWAIT_VRAM_FRACTION"): it takes all of its reservation,
+    # whatever it is. Learned at that plus the margin, each run would take more than the last.
+    sim_file(gpus=1, memory="24GiB")
+    server = [
+        "sh",
+        "-c",
+        f'exec {" ".join(gpuwait_cmd)} sim job --vram "${{GPUWAIT_VRAM_BYTES}}B" --hold 0.3s',
+    ]
+    done = run([*gpuwait_cmd, "--vram", "4G", "--", *server])
+    assert done.returncode == 0, done.stderr
+    done = run([*gpuwait_cmd, "--", *server])
+    assert done.returncode == 0, done.stderr
+    assert [(r["reserved_bytes"], r["peak_bytes"]) for r in history()] == [(4 * GiB, 4 * GiB)] * 2
+    assert estimate_of(gpuwait_cmd, server)["estimate_bytes"] == 4 * GiB
+    said = run([*gpuwait_cmd, "estimate", "--", *server]).stdout
+    assert "no margin: the command sizes itself from its reservation" in said
