@@ -23,7 +23,8 @@ A record is one JSON object per line:
                                      reached it during the run: its number. Such a run may have
                                      ended early, so estimates do not count it as a success
     oom, oom_evidence                an out-of-memory failure, told by "message", "card full" or
-                                     "at its limit" (an enforced budget's peak near its limit)
+                                     "at its limit" (an enforced budget's peak near its limit,
+                                     stderr not watched)
     oom_cause                        how it came about: "own limit" (its budget refused it),
                                      "card full", "unknown"
     budget                           how its reservation was held: {enforce, held_by,

@@ -981,8 +981,12 @@ def _start(
         for u, total in result.total_bytes.items()
     )
     peaks, _ = result.peaks()
-    at_limit = held.plan.enforced and near_limit(
-        max(peaks.values(), default=None), job.reserved_bytes
+    # Only where stderr was not watched (a terminal): a watched job that ran out said so, and
+    # one that failed without saying it did not run out, however close to its limit it held.
+    at_limit = (
+        said_oom is None
+        and held.plan.enforced
+        and near_limit(max(peaks.values(), default=None), job.reserved_bytes)
     )
     oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
     cause = oom_cause(held.plan.enforced, card_full) if oom else None

@@ -294,6 +294,19 @@ def test_an_oom_at_its_limit_is_told_without_its_message(sim_file: SimFileFactor
     )
 
 
+def test_a_failure_near_its_limit_that_printed_no_oom_is_no_oom(sim_file: SimFileFactory) -> None:
+    """Its stderr watched, a job that fails without an out-of-memory message did not run out,
+    however close to its limit it held (a server that took its whole reservation, then hit a
+    bug): its next run is not given half as much again."""
+    sim_file(gpus=1, memory="8GiB")
+    done = limited("2G", "--vram", "1.9G", "--exit", "3", "--hold", "0.3s")
+    assert done.returncode == 3
+    record = recorded_runs()[-1]
+    assert record["peak_bytes"] >= 0.9 * 2 * GiB and record["stderr_watched"] == "pipe"
+    assert record["oom"] is False
+    assert "out of memory" not in done.stderr
+
+
 def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
     # A shell script is no Python program: nothing gpuwait can claim holds its budget. It runs
