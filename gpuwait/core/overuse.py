@@ -8,6 +8,7 @@ smaller than what the command really needs.
 
 from __future__ import annotations
 
+from gpuwait.core.budget import card_fraction, format_fraction
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_size
 
@@ -48,9 +49,10 @@ class Overuse(Record, frozen=True):
         need = f"--vram {_tidy_gib(self.used_bytes)}"
         if not self.preallocated or self.total_bytes <= 0:
             return f"reserve what it uses: {need}, or run it without --vram so gpuwait learns it"
-        fraction = max(0.01, self.reserved_bytes / self.total_bytes)
+        # Rounded down as gpuwait's own fraction is: rounded up, it would let JAX past it.
+        fraction = format_fraction(card_fraction(self.reserved_bytes, [self.total_bytes]))
         return (
-            f"keep it inside its reservation: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:.2f} "
+            f"keep it inside its reservation: XLA_PYTHON_CLIENT_MEM_FRACTION={fraction} "
             "(JAX), TF_FORCE_GPU_ALLOW_GROWTH=true (TensorFlow); or reserve what it takes: "
             f"{need}"
         )
