@@ -250,8 +250,8 @@ def as_needed(run: RunStat) -> RunStat:
     """`run` as it says what its command needs: one that sized itself from its reservation
     needs no more than it was given (what it took past that, it would take past any
     reservation: SGLang's activations on top of its fraction)."""
-    if not run.sized_by_reservation or run.peak_bytes is None:
-        return run
+    if not run.sized_by_reservation or run.peak_bytes is None or run.reserved_bytes <= 0:
+        return run  # a run whose reservation is not known counts at its peak
     peak = min(run.peak_bytes, run.reserved_bytes)
     given = run.reserved_bytes * max(1, len(run.gpu_uuids))
     held = None if run.held_bytes is None else min(run.held_bytes, given)

@@ -27,6 +27,7 @@ from gpuwait.core.budget import (
     Budget,
     near_limit,
     oom_cause,
+    sizes_itself,
 )
 from gpuwait.core.errors import (
     EXIT_CANCELLED,
@@ -983,9 +984,11 @@ def _start(
     peaks, _ = result.peaks()
     # Only where stderr was not watched (a terminal): a watched job that ran out said so, and
     # one that failed without saying it did not run out, however close to its limit it held.
+    # Nor for a command that sizes itself from its reservation: it holds all of it by design.
     at_limit = (
         said_oom is None
         and held.plan.enforced
+        and not sizes_itself(request.command)
         and near_limit(max(peaks.values(), default=None), job.reserved_bytes)
     )
     oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)

@@ -379,3 +379,15 @@ def test_a_command_that_sizes_itself_among_others_keeps_the_margin() -> None:
     )
     est = estimate(one_level(run(10, 0.1), given), NOW)
     assert est.bytes == tidy_size(10 * GiB * 1.1)
+
+
+def test_a_command_that_sizes_itself_with_no_known_reservation_counts_at_its_peak() -> None:
+    adopted = RunStat(
+        started_at=NOW - 1,
+        peak_bytes=10 * GiB,
+        reserved_bytes=0,
+        ok=True,
+        oom=False,
+        sized_by_reservation=True,
+    )
+    assert estimate(one_level(adopted), NOW).bytes == 10 * GiB

@@ -339,6 +339,29 @@ def test_an_mps_limit_holds_any_cuda_program(sim_file: SimFileFactory, mps_daemo
     assert record["oom_cause"] == "own limit"
 
 
+def test_a_server_sized_by_its_reservation_failing_at_a_terminal_is_no_oom(
+    sim_file: SimFileFactory, mps_daemon: Path
+) -> None:
+    """A server told its reservation (vLLM given "$GPUWAIT_VRAM_FRACTION") holds all of it by
+    design: under an MPS limit, at a terminal, its peak at the limit says nothing of why it
+    failed, and its next run is not given half as much again."""
+    sim_file(gpus=1, memory="8GiB")
+    sim = " ".join(GPUWAIT)
+    server = f'exec {sim} sim job --framework cuda --vram "${{GPUWAIT_VRAM_BYTES}}B" --exit 3 --hold 0.3s'
+    done = gpuwait(
+        *("--enforce", "limit", "--vram", "2G", "--", "sh", "-c", server),
+        env={
+            **os.environ,
+            "CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon),
+            "GPUWAIT_WATCH_STDERR": "off",
+        },
+    )
+    assert done.returncode == 3, done.stderr
+    record = recorded_runs()[-1]
+    assert record["budget"]["held_by"] == ["MPS limit"] and record["peak_bytes"] == 2 * GiB
+    assert record["oom"] is False
+
+
 def test_a_job_in_a_container_gets_the_limit_of_the_hosts_mps_daemon(
     sim_file: SimFileFactory, mps_daemon: Path
 ) -> None:
