@@ -203,7 +203,7 @@ def plan(
         # so that the run is learned at what it used: JAX would take 75 % of the card at once,
         # TensorFlow nearly all of it, and a first run with no history (on a whole card) would
         # size every later one so.
-        _on_demand(offer, env, kept, exported, "1", driver_held=False)
+        _on_demand(offer, env, kept, exported, "1")
         return Budget(mode=mode, held_by=(), env=exported, kept=tuple(kept))
     held: list[str] = []
     if mode == LIMIT:
@@ -211,11 +211,12 @@ def plan(
             held.append(HELD_DMEM)
         if means.mps and offer(MPS_LIMIT_VAR, mps_limit(reserved_bytes, list(gpus), by_gpu)):
             held.append(HELD_MPS)
-    # Under a limit the driver holds, the frameworks are told to allocate on demand instead of
-    # a fraction: whether the driver then reports the limit as the card's total is unconfirmed
-    # (docs/budgets.md), and a fraction of that would be a fraction of the reservation.
+    # Under a limit the driver holds, the frameworks are told to allocate on demand up to the
+    # whole card, the driver refusing past the reservation: whether it then reports the limit
+    # as the card's total is unconfirmed (docs/budgets.md), and a fraction of that would be a
+    # fraction of the reservation. Told nothing, JAX would stop at its default 75 % of the card.
     driver_held = bool(held)
-    _on_demand(offer, env, kept, exported, format_fraction(fraction), driver_held=driver_held)
+    _on_demand(offer, env, kept, exported, "1" if driver_held else format_fraction(fraction))
     if mode != LIMIT:
         return Budget(mode=mode, held_by=(HELD_HINT,), env=exported, kept=tuple(kept))
     if means.hook_dir and not driver_held:
@@ -254,8 +255,6 @@ def _on_demand(
     kept: list[str],
     exported: dict[str, str],
     fraction: str,
-    *,
-    driver_held: bool,
 ) -> None:
     """Tell JAX its `fraction` as a cap, below which it takes memory on demand, and TensorFlow
     to grow as it needs (`offer`: unless the user set the variable). Preallocating, JAX would
@@ -263,8 +262,6 @@ def _on_demand(
     was given instead of what it used: a job of known size 10 % more at every run."""
     if env.get(XLA_NEW_FRACTION_VAR, "") != "":
         kept.append(XLA_NEW_FRACTION_VAR)  # the user's own, under the newer name
-    elif driver_held:
-        offer(XLA_PREALLOCATE_VAR, "false")
     elif offer(XLA_FRACTION_VAR, fraction):
         exported[XLA_NEW_FRACTION_VAR] = fraction
         offer(XLA_PREALLOCATE_VAR, "false")

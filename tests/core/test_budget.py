@@ -70,10 +70,12 @@ def test_limit_held_by_the_driver() -> None:
     assert held.held_by == (budget.HELD_DMEM, budget.HELD_MPS)
     assert held.enforced
     assert held.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-a=6144MB,GPU-b=6144MB"
-    # No fraction stacked on the driver's limit: JAX allocates on demand, PyTorch is not capped
-    # a second time, and the user's PYTHONPATH is theirs alone.
+    # No fraction stacked on the driver's limit: JAX allocates on demand up to the whole card
+    # (told nothing, it would stop at 75 % of it), PyTorch is not capped a second time, and the
+    # user's PYTHONPATH is theirs alone.
     assert held.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in held.env
+    assert held.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1"
+    assert held.env["XLA_CLIENT_MEM_FRACTION"] == "1"
     assert "PYTHONPATH" not in held.env and "GPUWAIT_TORCH_MEMORY_FRACTION" not in held.env
     assert held.env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
     assert held.fallback is None

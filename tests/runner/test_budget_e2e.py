@@ -362,6 +362,19 @@ def test_a_server_sized_by_its_reservation_failing_at_a_terminal_is_no_oom(
     assert record["oom"] is False
 
 
+def test_a_jax_job_under_an_mps_limit_may_use_all_of_its_reservation(
+    sim_file: SimFileFactory, mps_daemon: Path
+) -> None:
+    """JAX told only not to preallocate still stops at its default 75 % of the card: 7 GiB
+    reserved on an 8 GiB card, it ran out at 6 GiB under the MPS limit, where the fraction a
+    hint gives it (0.875) lets it run."""
+    sim_file(gpus=1, memory="8GiB")
+    pipes = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    done = limited("7G", "--framework", "jax", "--vram", "6.5G", "--hold", "0.3s", env=pipes)
+    assert done.returncode == 0, done.stderr
+    assert recorded_runs()[-1]["budget"]["held_by"] == ["MPS limit"]
+
+
 def test_a_job_in_a_container_gets_the_limit_of_the_hosts_mps_daemon(
     sim_file: SimFileFactory, mps_daemon: Path
 ) -> None:
