@@ -24,9 +24,9 @@ The rules:
   at a finer level.
 - Then the margin (10 % by default) is added and the result rounded up to a tidy size.
 - A command that sizes itself from its reservation (vLLM told GPUWAIT_VRAM_FRACTION) takes what
-  it is given: its runs count for no more than their reservation, and where all the runs behind
-  the estimate are such, no margin is added. Else every run would take the margin more than the
-  last, without end.
+  it is given: its runs that took it count for no more than their reservation, and where all
+  the runs behind the estimate are such, no margin is added. Else every run would take the
+  margin more than the last, without end.
 - An out-of-memory failure newer than the last success raises the estimate above what that run
   had: OOM_GROWTH times the larger of its peak and its reservation (usable levels only: another
   script's failure says nothing about this one).
@@ -66,6 +66,9 @@ DEFAULT_HISTORY_MAX_BYTES = 64 * MiB
 AGREE_BAND = 0.2
 #: Levels at which the estimate is a quantile; elsewhere it is the largest peak.
 EXACT_LEVELS = ("key", "command")
+#: A command that sizes itself from its reservation took what it was given when its peak came
+#: this close to it (vLLM takes its fraction of CUDA's total, a little under NVML's).
+TOOK_GIVEN = 0.95
 #: A job has loaded its model once it reaches this fraction of its peak.
 LOADED_FRACTION = 0.9
 
@@ -246,13 +249,26 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
     return floor
 
 
-def as_needed(run: RunStat) -> RunStat:
-    """`run` as it says what its command needs: one that sized itself from its reservation
-    needs no more than it was given (what it took past that, it would take past any
-    reservation: SGLang's activations on top of its fraction)."""
-    if not run.sized_by_reservation or run.peak_bytes is None or run.reserved_bytes <= 0:
-        return run  # a run whose reservation is not known counts at its peak
-    peak = min(run.peak_bytes, run.reserved_bytes)
+def took_what_it_was_given(run: RunStat, margin: float) -> bool:
+    """Did a command that sizes itself from its reservation take it: a peak from TOOK_GIVEN of
+    it to the margin past it (SGLang's activations on top of its fraction)? One well below (a
+    program that caps itself at the fraction, using less) or far past (a line that only
+    mentions the variable) used what it needed, as any other command's run."""
+    peak, reserved = run.peak_bytes, run.reserved_bytes
+    return (
+        run.sized_by_reservation
+        and peak is not None
+        and reserved > 0
+        and TOOK_GIVEN * reserved <= peak <= reserved * (1 + max(0.0, margin))
+    )
+
+
+def as_needed(run: RunStat, margin: float) -> RunStat:
+    """`run` as it says what its command needs: one that took what it was given needs no more
+    than that (what it took past it, it would take past any reservation)."""
+    if not took_what_it_was_given(run, margin):
+        return run
+    peak = min(run.peak_bytes or 0, run.reserved_bytes)
     given = run.reserved_bytes * max(1, len(run.gpu_uuids))
     held = None if run.held_bytes is None else min(run.held_bytes, given)
     return run._replace(peak_bytes=peak, held_bytes=held)
@@ -308,7 +324,7 @@ def estimate(
 ) -> Estimate:
     """The VRAM request per GPU for a command whose runs at each level (finest first) are
     given, run on `gpus` GPUs (see `for_gpus`)."""
-    levels = [(name, [as_needed(r) for r in runs]) for name, runs in levels]
+    levels = [(name, [as_needed(r, margin) for r in runs]) for name, runs in levels]
     levels = for_gpus(levels, gpus, now, min_runs, max_age)
     chosen = choose_level(levels, now, min_runs, max_age)
     # OOMs count at the finest level that has any runs: they are about this very command.
@@ -339,7 +355,7 @@ def estimate(
     ]
     finer_floor = max(finer, default=0)
     floor = max(second, finer_floor)
-    sized = all(r.sized_by_reservation for r in used)
+    sized = all(took_what_it_was_given(r, margin) for r in used)
     if sized:
         margin = 0.0  # what it took is what it was given: given that again, it takes as much
     learned = max(MIN_ESTIMATE, tidy_size(max(q_bytes, floor) * (1 + max(0.0, margin))))

@@ -51,6 +51,18 @@ def run(
     )
 
 
+def sized(peak: int, reserved: int, started_at: float = NOW - 1) -> RunStat:
+    """A successful run of a command line that names GPUWAIT_VRAM_FRACTION."""
+    return RunStat(
+        started_at=started_at,
+        peak_bytes=peak,
+        reserved_bytes=reserved,
+        ok=True,
+        oom=False,
+        sized_by_reservation=True,
+    )
+
+
 def one_level(*runs: RunStat) -> list[tuple[str, list[RunStat]]]:
     # Each run a minute apart, newest last, as the history holds them.
     return [("command", list(runs))]
@@ -352,16 +364,7 @@ def test_a_command_that_takes_what_it_is_given_is_learned_at_that_and_no_more() 
         for i in range(6):
             fraction = math.floor(reserved / total * 10_000) / 10_000
             took = int(fraction * total) + overshoot
-            runs.append(
-                RunStat(
-                    started_at=NOW - 6 + i,
-                    peak_bytes=took,
-                    reserved_bytes=reserved,
-                    ok=True,
-                    oom=False,
-                    sized_by_reservation=True,
-                )
-            )
+            runs.append(sized(took, reserved, NOW - 6 + i))
             learned = estimate(one_level(*runs), NOW + 1).bytes
             assert learned == 20 * GiB
             assert estimate(one_level(*runs), NOW + 1).sized_by_reservation
@@ -369,25 +372,27 @@ def test_a_command_that_takes_what_it_is_given_is_learned_at_that_and_no_more() 
 
 
 def test_a_command_that_sizes_itself_among_others_keeps_the_margin() -> None:
-    given = RunStat(
-        started_at=NOW - 1,
-        peak_bytes=10 * GiB,
-        reserved_bytes=10 * GiB,
-        ok=True,
-        oom=False,
-        sized_by_reservation=True,
-    )
+    given = sized(10 * GiB, 10 * GiB)
     est = estimate(one_level(run(10, 0.1), given), NOW)
     assert est.bytes == tidy_size(10 * GiB * 1.1)
 
 
-def test_a_command_that_sizes_itself_with_no_known_reservation_counts_at_its_peak() -> None:
-    adopted = RunStat(
-        started_at=NOW - 1,
-        peak_bytes=10 * GiB,
-        reserved_bytes=0,
-        ok=True,
-        oom=False,
-        sized_by_reservation=True,
-    )
-    assert estimate(one_level(adopted), NOW).bytes == 10 * GiB
+def test_a_command_that_sizes_itself_with_no_known_reservation_counts_as_any() -> None:
+    adopted = sized(10 * GiB, 0)
+    assert estimate(one_level(adopted), NOW).bytes == tidy_size(10 * GiB * 1.1)
+
+
+def test_a_command_naming_the_fraction_that_uses_far_more_is_learned_at_what_it_used() -> None:
+    # `sh -c 'echo $GPUWAIT_VRAM_FRACTION; python train.py'` names the variable, but train.py
+    # took 9 GiB of its 4: learned at its 4, it would overrun its neighbours at every run; it
+    # is learned as any other command.
+    logged = sized(9 * GiB, 4 * GiB)
+    assert estimate(one_level(logged), NOW).bytes == tidy_size(9 * GiB * 1.1)
+
+
+def test_a_command_that_caps_itself_at_the_fraction_keeps_the_margin() -> None:
+    # `python train.py --cap "$GPUWAIT_VRAM_FRACTION"` (set_per_process_memory_fraction) used
+    # 8 of its 9 GiB: it used what it needed, and its next run needs room to vary, as any.
+    capped = sized(8 * GiB, 9 * GiB)
+    est = estimate(one_level(capped), NOW)
+    assert est.bytes == tidy_size(8 * GiB * 1.1) and not est.sized_by_reservation
