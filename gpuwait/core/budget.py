@@ -184,7 +184,10 @@ def plan(
     same fraction of every card), given the user's environment `env` (whose framework
     variables are never overridden) and `means`."""
     totals = list(gpus.values())
-    fraction = 1.0 if whole_gpus else card_fraction(reserved_bytes, totals)
+    # On whole cards too the room the job was given, not 1: some of a card is always taken
+    # (the driver's, the job's own CUDA context), and vLLM refuses to start where the card's
+    # free memory is short of its fraction of the whole.
+    fraction = card_fraction(reserved_bytes, totals) or (1.0 if whole_gpus else 0.0)
     exported: dict[str, str] = {FRACTION_VAR: format_fraction(fraction)}
     if mode == OFF or fraction <= 0:
         return Budget(mode=mode, held_by=(), env=exported)

@@ -307,6 +307,21 @@ def test_a_failure_near_its_limit_that_printed_no_oom_is_no_oom(sim_file: SimFil
     assert "out of memory" not in done.stderr
 
 
+def test_a_server_on_a_whole_card_is_given_a_fraction_it_can_start_with(
+    sim_file: SimFileFactory,
+) -> None:
+    """vLLM refuses to start where the card's free memory is short of its fraction of the
+    total, and some is always taken (the driver's, its own CUDA context): told 1 on a whole
+    card, `vllm serve --gpu-memory-utilization "$GPUWAIT_VRAM_FRACTION"` never started."""
+    sim_file(gpus=1, memory="24GiB", driver_reserved="500MiB")
+    env = job_env("--exclusive")
+    fraction = float(env["GPUWAIT_VRAM_FRACTION"])
+    assert fraction * 24 * GiB <= 23 * GiB
+    assert fraction * 24 * GiB == pytest.approx(int(env["GPUWAIT_VRAM_BYTES"]), abs=24 * GiB / 1e4)
+    # JAX still takes memory as it needs it, up to the whole card.
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1"
+
+
 def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
     # A shell script is no Python program: nothing gpuwait can claim holds its budget. It runs
