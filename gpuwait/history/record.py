@@ -126,6 +126,7 @@ def build(
     margin: float = DEFAULT_MARGIN,
     held: Budget | None = None,
     paused_runs_seconds: float = 0.0,
+    reserved_by_gpu: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """One history record (see the module docstring). In `hash` mode the command line and an
     explicit key are left out; their hashes (which estimates match on anyway) stay.
@@ -189,7 +190,9 @@ def build(
         record["paused_runs_seconds"] = round(paused_runs_seconds, 3)
     totals = {g.uuid: g.total_bytes for g in gpus}
     for uuid, peak in sorted(peaks.items(), key=lambda item: -item[1]):
-        found = overuse(reserved_bytes, peak, totals.get(uuid, 0), margin)
+        # On cards of different sizes it reserved less on some (`reserved_by_gpu`).
+        reserved = min(reserved_bytes, (reserved_by_gpu or {}).get(uuid, reserved_bytes))
+        found = overuse(reserved, peak, totals.get(uuid, 0), margin)
         if found is not None:
             # Its neighbours had less room than the plan gave them: the record says so and why.
             record["over_reservation"] = {

@@ -148,6 +148,9 @@ class Job(Record):
     overuse_since: float | None = None
     overuse_bytes: int = 0
     overuse_total_bytes: int = 0
+    #: The card (UUID) where it used `overuse_bytes`: its reservation there is what it passed.
+    #: None: its largest card's, as entries of older versions are read.
+    overuse_gpu: str | None = None
     #: How its budget is held once it runs (gpuwait.core.budget.HELD_BY), strongest first.
     held_by: list[str] = field(default_factory=list)
     #: `--once KEY`: no second job of its user with this key is queued while it waits or runs.
@@ -180,6 +183,16 @@ class Job(Record):
     #: added within a schema): written back as found, so that the entry keeps them whoever
     #: of two versions on one ledger changes it.
     newer_fields: dict[str, Any] = field(default_factory=dict)
+
+    def reserved_on(self, uuid: str | None) -> int:
+        """Bytes it reserves on the GPU `uuid`: `reserved_by_gpu`'s figure where that is less
+        than `reserved_bytes` (its largest card's), else that."""
+        less = self.reserved_by_gpu.get(uuid, self.reserved_bytes) if uuid is not None else None
+        return self.reserved_bytes if less is None else min(less, self.reserved_bytes)
+
+    def reserved_in_all(self) -> int:
+        """Bytes it reserves on all its GPUs together."""
+        return sum(self.reserved_on(uuid) for uuid in self.gpu_uuids)
 
     def memory_request(self) -> MemoryRequest | None:
         if "bytes" in self.request:
@@ -277,6 +290,7 @@ class Job(Record):
             overuse_total_bytes=_int(raw, "overuse_total_bytes", 0, 2**62)
             if "overuse_total_bytes" in raw
             else 0,
+            overuse_gpu=_lenient_text(raw.get("overuse_gpu")),
             held_by=_held_by(raw.get("held_by")),
             # Both are read leniently: an entry written without them (or damaged there) keeps
             # its place in the queue, only without the key or the preference.

@@ -790,7 +790,8 @@ def publish_usage(
         mine.updated_at = time.time()
         for uuid, used in usage.items():
             health = data.book.health.get(uuid)
-            found = overuse(mine.reserved_bytes, used, health.total_bytes if health else 0, margin)
+            reserved = mine.reserved_on(uuid)
+            found = overuse(reserved, used, health.total_bytes if health else 0, margin)
             if found is None or used <= mine.overuse_bytes:
                 continue
             if mine.overuse_since is None:
@@ -802,7 +803,7 @@ def publish_usage(
                             "job": mine.id,
                             "name": mine.name,
                             "gpu": uuid,
-                            "reserved_bytes": mine.reserved_bytes,
+                            "reserved_bytes": reserved,
                             "used_bytes": used,
                             "cause": found.cause(),
                             "advice": found.advice(),
@@ -810,6 +811,7 @@ def publish_usage(
                     )
                 )
             mine.overuse_bytes, mine.overuse_total_bytes = used, found.total_bytes
+            mine.overuse_gpu = uuid
     return copy_job(mine)
 
 
@@ -1100,6 +1102,7 @@ def retry(
         mine.request = dict(request)
         mine.held_by = []
         mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
+        mine.overuse_gpu = None
         said.append(("finish", {**fields, "retry": True}))
     return copy_job(mine)
 

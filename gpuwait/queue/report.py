@@ -235,7 +235,9 @@ def _overuse(job: Job) -> dict[str, Any] | None:
     """What `status` says of a job above its reservation: the most it used, why, what to do."""
     if job.overuse_since is None:
         return None
-    found = Overuse.seen(job.reserved_bytes, job.overuse_bytes, job.overuse_total_bytes)
+    found = Overuse.seen(
+        job.reserved_on(job.overuse_gpu), job.overuse_bytes, job.overuse_total_bytes
+    )
     return {
         "since": job.overuse_since,
         "used_bytes": job.overuse_bytes,

@@ -1135,6 +1135,7 @@ def _record(
         request=job.request,
         request_source=choice.source,
         reserved_bytes=job.reserved_bytes,
+        reserved_by_gpu=job.reserved_by_gpu,
         gpus=chosen,
         measured=run_record.Measured(
             peak_by_gpu=peaks,

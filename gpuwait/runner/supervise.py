@@ -352,12 +352,13 @@ class UsageSampler:
             if len(mine) < 2:
                 continue
             used = sum(p.used_bytes or 0 for p in mine)
-            if overuse(self.job.reserved_bytes, used, gpu.total_bytes, self.margin) is None:
+            reserved = self.job.reserved_on(gpu.uuid)
+            if overuse(reserved, used, gpu.total_bytes, self.margin) is None:
                 continue
             self._shared.add(gpu.uuid)
             self.warn(
                 f"{len(mine)} processes of the command use {format_size(used)} on GPU "
-                f"{gpu.index}, past its {format_size(self.job.reserved_bytes)} reservation: "
+                f"{gpu.index}, past its {format_size(reserved)} reservation: "
                 f"the {' and the '.join(held)} hold{'s' if len(held) == 1 else ''} each "
                 "process to the reservation, not all of them together; jobs on that GPU may "
                 "run out of memory (docs/budgets.md)"

@@ -112,15 +112,17 @@ def test_the_rule() -> None:
     assert grown is not None and not grown.preallocated and "--vram 6G" in grown.advice()
 
 
-def test_through_nvml_a_process_above_its_reservation_is_called_out(
-    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def greedy_job_through_nvml(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch, options: list[str], used: int
+) -> str:
+    """`gpuwait OPTIONS --name greedy -- sleep 30`, its command then seen by NVML using `used`
+    on GPU 0: `status` once it is called out. The job is ended, and its history record says
+    it used that much over its reservation."""
     # The real pynvml on the tests' fake driver: the figure comes from NVML's process list.
     monkeypatch.delenv("GPUWAIT_SIM", raising=False)
     monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
-    fake_nvml.set_gpus([FakeGpu(total=24 * GiB)])
     job = subprocess.Popen(
-        [*GPUWAIT, "--vram", "2G", "--name", "greedy", "--", "sleep", "30"],
+        [*GPUWAIT, *options, "--name", "greedy", "--", "sleep", "30"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -129,11 +131,34 @@ def test_through_nvml_a_process_above_its_reservation_is_called_out(
             lambda: next((e["child_pid"] for e in ledger_entries() if e.get("child_pid")), None),
             timeout=30,
         )
-        fake_nvml.update_gpu(0, used=10 * GiB)
-        fake_nvml.add_process(0, child, 10 * GiB)
-        assert "--vram" in status_once_called_out()
+        fake_nvml.update_gpu(0, used=used)
+        fake_nvml.add_process(0, child, used)
+        status = status_once_called_out()
     finally:
         job.terminate()
         job.wait(timeout=30)
     (record,) = recorded_runs()
-    assert record["over_reservation"]["used_bytes"] == 10 * GiB
+    assert record["over_reservation"]["used_bytes"] == used
+    return status
+
+
+def test_through_nvml_a_process_above_its_reservation_is_called_out(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real pynvml on the tests' fake driver: the figure comes from NVML's process list.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GiB)])
+    status = greedy_job_through_nvml(fake_nvml, monkeypatch, ["--vram", "2G"], 10 * GiB)
+    assert "--vram" in status
+
+
+def test_past_its_share_of_the_smaller_of_two_cards_is_called_out(
+    fake_nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Half of a 24 GiB and of an 80 GiB card: 12 GiB on the small one. 16 GiB there eats the
+    # room of the small card's other jobs, though it is well within the big card's 40 GiB.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GiB), FakeGpu(total=80 * GiB)])
+    options = ["--vram", "50%", "--gpus", "2"]
+    status = greedy_job_through_nvml(fake_nvml, monkeypatch, options, 16 * GiB)
+    assert "uses 16.0 GiB of its 12.0 GiB reservation" in status
+    said = [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
+    assert [e["reserved_bytes"] for e in said] == [12 * GiB]
