@@ -3,8 +3,9 @@ policy in force (gpuwait.core.policy.FairShare, plain data).
 
 Within a priority, a user who has held more VRAM·time goes after one who has held less. A user's
 usage is the VRAM·time of their finished jobs, kept in the ledger per uid and halved every
-`fair_share_half_life`, plus that of their jobs running now (reservation × GPUs × time since
-start). Jobs of one user keep their submission order among themselves. Limits (`user_max_gpus`,
+`fair_share_half_life`, plus that of their jobs running now (what each reserves on all its GPUs
+together × time since start: on cards of different sizes, each card's reservation there). Jobs
+of one user keep their submission order among themselves. Limits (`user_max_gpus`,
 `user_max_vram`) cap what one user holds at once. Both are set by an administrator in the site
 config; in a private ledger, where every job is the same user's, fair share changes nothing.
 
@@ -36,7 +37,7 @@ def user_usage(
     for job in data.jobs:
         if job.state == RUNNING and job.started_at is not None:
             ran = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
-            held = job.reserved_bytes * len(job.gpu_uuids) * ran
+            held = job.reserved_in_all() * ran
             totals[job.uid] = totals.get(job.uid, 0.0) + held
     return totals
 

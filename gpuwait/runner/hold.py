@@ -216,7 +216,7 @@ class Holding:
             signal=-code if known and code < 0 else None,
             run_seconds=result.run_seconds,
             charge_usage=(
-                job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds,
+                job.reserved_in_all() * result.run_seconds,
                 config.wait.fair.half_life,
             ),
             oom=cause,

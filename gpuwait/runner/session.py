@@ -994,7 +994,7 @@ def _start(
     oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
     cause = oom_cause(held.plan.enforced, card_full) if oom else None
     evidence = "message" if said_oom else "card full" if card_full else "at its limit"
-    vram_seconds = job.reserved_bytes * len(job.gpu_uuids) * result.run_seconds
+    vram_seconds = job.reserved_in_all() * result.run_seconds
     how: dict[str, Any] = {
         "exit_status": code if code >= 0 else None,
         "signal": -code if code < 0 else None,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
+from helpers.jobs import live_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ from gpuwait.core.policy import (
 )
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
-from gpuwait.queue.entries import LedgerData, UserUsage
+from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage
 from gpuwait.queue.fairness import charge, decayed, user_usage
 
 GiB = 2**30
@@ -307,3 +308,18 @@ def test_a_share_of_cards_of_different_sizes_counts_that_share_of_each(
         gpus, [ran, waiter("more", uid=1, order=2, gib=8)], 0.9, -1, NO_CONDITIONS, fair
     )
     assert decided.admitted == {"more": ("GPU-0",)}
+
+
+def test_a_running_share_of_cards_of_different_sizes_counts_that_share_of_each() -> None:
+    # 12 GiB of a 24 GiB card and 40 GiB of an 80 GiB one, for ten seconds: 52 GiB·10 s.
+    gang = live_job(
+        "gang",
+        state=RUNNING,
+        gpus=2,
+        gpu_uuids=["GPU-0", "GPU-1"],
+        reserved_bytes=40 * GiB,
+        reserved_by_gpu={"GPU-0": 12 * GiB},
+        started_at=1000.0,
+    )
+    data = LedgerData(jobs=[gang])
+    assert user_usage(data, 1010.0, None)[gang.uid] == pytest.approx(52 * GiB * 10)

@@ -7,7 +7,9 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from helpers.fixtures_sim import SimFileFactory
+from helpers.history import recorded_runs
 from helpers.waiting import ledger_entries, wait_for
 
 GiB = 2**30
@@ -55,3 +57,18 @@ def test_a_gang_of_whole_cards_of_different_sizes_reserves_each_card_whole(
     report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
     assert [g["reserved_bytes"] for g in report["gpus"]] == [int(24 * GiB * 0.9), 72 * GiB]
     gang.terminate()
+
+
+def test_a_share_of_cards_of_different_sizes_is_charged_that_share_of_each(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    # 12 GiB of the 24 GiB card and 40 GiB of the 80 GiB one: once it ends, fair share has
+    # charged its user 52 GiB for each second it ran, not twice the big card's 40 GiB.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"])
+    gang = procs([*gpuwait_cmd, "--vram", "50%", "--gpus", "2", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"])
+    gang.terminate()
+    gang.wait(timeout=30)
+    (user,) = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)["users"]
+    (record,) = recorded_runs()
+    assert user["usage_vram_seconds"] == pytest.approx(52 * GiB * record["run_seconds"], rel=0.02)
