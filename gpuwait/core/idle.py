@@ -47,13 +47,14 @@ Unused = Mapping[tuple[str, int], int]
 
 def with_unused_rooms(
     snapshot: MachineSnapshot,
-    rooms: Mapping[int, tuple[Collection[str], int]],
+    rooms: Mapping[int, Mapping[str, int]],
     members: Mapping[int, int],
 ) -> tuple[MachineSnapshot, dict[tuple[str, int], int]]:
     """`snapshot` with each running job that holds room on a GPU where none of its processes
     shows (a notebook's reservation not used yet) listed there by its command, holding nothing,
     and the room each such job holds (`Unused`). Its room keeps others waiting as memory
-    would. `rooms`: a job's command pid -> (its GPUs' UUIDs, bytes reserved on each);
+    would. `rooms`: a job's command pid -> bytes it reserves on each of its GPUs (UUID -> bytes: on
+    cards of different sizes, not the same on each);
     `members`: each pid of a job's process tree -> its command's pid."""
     unused: dict[tuple[str, int], int] = {}
     gpus = []
@@ -61,11 +62,11 @@ def with_unused_rooms(
         shown = {members.get(p.pid) for p in gpu.processes}
         added = tuple(
             ProcessUsage(pid=pid, used_bytes=0)
-            for pid, (uuids, reserved) in sorted(rooms.items())
-            if gpu.uuid in uuids and reserved > 0 and pid not in shown
+            for pid, reserved in sorted(rooms.items())
+            if reserved.get(gpu.uuid, 0) > 0 and pid not in shown
         )
         for process in added:
-            unused[(gpu.uuid, process.pid)] = rooms[process.pid][1]
+            unused[(gpu.uuid, process.pid)] = rooms[process.pid][gpu.uuid]
         gpus.append(gpu._replace(processes=gpu.processes + added) if added else gpu)
     return snapshot._replace(gpus=tuple(gpus)), unused
 

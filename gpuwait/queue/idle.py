@@ -63,7 +63,9 @@ def record_reading(
     (`proc.boot_clock`)."""
     now = proc.boot_clock() if now is None else now
     jobs = {j.child_pid: j.id for j in running if j.child_pid}
-    rooms = {j.child_pid: (j.gpu_uuids, j.reserved_bytes) for j in running if j.child_pid}
+    rooms = {
+        j.child_pid: {u: j.reserved_on(u) for u in j.gpu_uuids} for j in running if j.child_pid
+    }
     # A job's room counts on a quiet GPU only: on none, no process tree needs walking.
     any_quiet = any(quiet(g, rule) for g in snapshot.gpus)
     members = _members(jobs) if rooms and any_quiet else {}

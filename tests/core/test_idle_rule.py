@@ -82,7 +82,7 @@ def test_a_jobs_room_counts_only_where_nothing_of_the_job_shows() -> None:
     # Job 20 holds 8 GiB with nothing on the card; job 30's child (31) uses 512 MiB of its
     # 8 GiB: its own process shows, and the memory rule alone applies to it.
     child = ProcessUsage(pid=31, used_bytes=GIB // 2)
-    rooms = {20: (("GPU-a",), 8 * GIB), 30: (("GPU-a",), 8 * GIB), 40: (("GPU-b",), 8 * GIB)}
+    rooms = {20: {"GPU-a": 8 * GIB}, 30: {"GPU-a": 8 * GIB}, 40: {"GPU-b": 8 * GIB}}
     snapshot, unused = with_unused_rooms(machine(0, child), rooms, {20: 20, 30: 30, 31: 30})
     assert unused == {("GPU-a", 20): 8 * GIB}
     assert [p.pid for p in snapshot.gpus[0].processes] == [31, 20]

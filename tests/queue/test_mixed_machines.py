@@ -72,3 +72,28 @@ def test_a_share_of_cards_of_different_sizes_is_charged_that_share_of_each(
     (user,) = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)["users"]
     (record,) = recorded_runs()
     assert user["usage_vram_seconds"] == pytest.approx(52 * GiB * record["run_seconds"], rel=0.02)
+
+
+def test_a_share_of_cards_of_different_sizes_held_unused_is_named_at_that_share(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Half of each card, reserved and not used: idle names 12 GiB held on the 24 GiB card
+    # (all its owner would free there), not the big card's 40 GiB.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"], utilization=0)
+    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "0.5s")
+    procs([*gpuwait_cmd, "--vram", "50%", "--gpus", "2", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"])
+
+    def named() -> dict[int, int]:
+        done = run([*gpuwait_cmd, "idle", "--json"])
+        assert done.returncode == 0, done.stderr
+        return {h["gpu_index"]: h["reserved_bytes"] for h in json.loads(done.stdout)["idle"]}
+
+    def both() -> dict[int, int] | None:
+        seen = named()
+        return seen if len(seen) == 2 else None
+
+    assert wait_for(both, timeout=15, interval=0.2) == {0: 12 * GiB, 1: 40 * GiB}
