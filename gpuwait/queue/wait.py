@@ -117,12 +117,17 @@ def no_gpu_answers(snapshot: MachineSnapshot) -> BackendUnavailable | None:
 def own_gpus_silent(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable | None:
     """A reading in which too few of the GPUs `job` may use answered (`--devices 1`, or
     CUDA_VISIBLE_DEVICES, naming a GPU that fell off the bus; `--gpus 2` on two GPUs, one of
-    them lost) as a failed reading, retried up to gpu_error_timeout: it could otherwise wait
-    for ever for a card that needs a reset."""
+    them lost; `--gpus 2 --gpu-name A100` with one of two A100s lost, another card answering)
+    as a failed reading, retried up to gpu_error_timeout: it could otherwise wait for ever for
+    a card that needs a reset."""
     if not snapshot.unanswered:
         return None
-    seen = {g.uuid for g in snapshot.gpus}
-    mine = seen if job.candidates is None else seen.intersection(job.candidates)
+    requirements = job.requirements_for_policy()
+    mine = [
+        g
+        for g in snapshot.gpus
+        if (job.candidates is None or g.uuid in job.candidates) and requirements.mismatch(g) is None
+    ]
     if len(mine) >= job.gpus:
         return None
     which = ", ".join(str(i) for i in snapshot.unanswered)

@@ -288,18 +288,12 @@ def test_a_waiter_whose_every_gpu_is_lost_says_so_and_gives_up_after_gpu_error_t
     assert ledger_entries() == []
 
 
-@pytest.mark.parametrize("option", [["--devices", "1"], ["--gpus", "2"]])
-def test_a_waiter_whose_own_gpu_is_lost_gives_up_after_gpu_error_timeout(
-    fake_nvml: FakeNvml, gpuwait_cmd: list[str], option: list[str]
-) -> None:
-    # `--devices 1` waiting when GPU 1 fell off the bus, GPU 0 still answering: it waited for
-    # ever ("no usable GPU right now") for a card that needs a reset or a reboot. So did
-    # `--gpus 2` on these two GPUs ("only 1 of the GPUs it may use answers now"), where a
-    # launch in the same state gives up after gpu_error_timeout.
-    fake_nvml.set_gpus([FakeGpu(total=24 * GIB), FakeGpu(total=24 * GIB, used=20 * GIB)])
+def waiter_ends_once_gpu_1_is_lost(fake_nvml: FakeNvml, launch: list[str]) -> None:
+    """`launch --vram 8G -- true` waits; GPU 1 then falls off the bus: within
+    gpu_error_timeout it ends, exit 4, naming GPU 1."""
     env = {**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s", "GPUWAIT_NVML_INTERVAL": "0.2s"}
     waiter = subprocess.Popen(
-        [*gpuwait_cmd, *option, "--vram", "8G", "--timeout", "10s", "--", "true"],
+        [*launch, "--vram", "8G", "--timeout", "10s", "--", "true"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
@@ -317,7 +311,35 @@ def test_a_waiter_whose_own_gpu_is_lost_gives_up_after_gpu_error_timeout(
         waiter.wait()
     assert waiter.returncode == 4, err
     assert "gpuwait: error: GPU 1 did not answer" in err
+
+
+@pytest.mark.parametrize("option", [["--devices", "1"], ["--gpus", "2"]])
+def test_a_waiter_whose_own_gpu_is_lost_gives_up_after_gpu_error_timeout(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], option: list[str]
+) -> None:
+    # `--devices 1` waiting when GPU 1 fell off the bus, GPU 0 still answering: it waited for
+    # ever ("no usable GPU right now") for a card that needs a reset or a reboot. So did
+    # `--gpus 2` on these two GPUs ("only 1 of the GPUs it may use answers now"), where a
+    # launch in the same state gives up after gpu_error_timeout.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB), FakeGpu(total=24 * GIB, used=20 * GIB)])
+    waiter_ends_once_gpu_1_is_lost(fake_nvml, [*gpuwait_cmd, *option])
     assert ledger_entries() == []
+
+
+@pytest.mark.parametrize("option", [["--gpu-name", "A100"], ["--min-total-vram", "40G"]])
+def test_a_waiter_for_two_of_a_kind_one_lost_gives_up_though_another_kind_answers(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], option: list[str]
+) -> None:
+    # Two 80 GiB A100s and a 24 GiB T4: `--gpus 2` of the A100s, one of them lost, waited for
+    # ever, counting the T4 among the GPUs it may use.
+    fake_nvml.set_gpus(
+        [
+            FakeGpu(total=80 * GIB),
+            FakeGpu(total=80 * GIB, used=76 * GIB),
+            FakeGpu(total=24 * GIB, name="Fake T4"),
+        ]
+    )
+    waiter_ends_once_gpu_1_is_lost(fake_nvml, [*gpuwait_cmd, "--gpus", "2", *option])
 
 
 @pytest.mark.parametrize("func", ["nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetMigMode"])
