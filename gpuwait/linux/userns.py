@@ -47,6 +47,12 @@ def outer(uid: int) -> int | None:
     return None
 
 
+def known_as(uid: int, said_outer: int | None = None) -> int | None:
+    """The uid the machine knows the user `uid` by: `said_outer` where the namespace that wrote
+    `uid` said what it is outside, else `uid` as this namespace maps it (None: unmapped)."""
+    return outer(uid) if said_outer is None else said_outer
+
+
 def same_user(uid: int, other: int, other_outer: int | None = None) -> bool:
     """Are `uid` (as this namespace knows it) and `other` (as the namespace that wrote it knows
     it: `other_outer` where that namespace said what it is outside, else this one's) one user
@@ -54,5 +60,5 @@ def same_user(uid: int, other: int, other_outer: int | None = None) -> bool:
     if uid == other and other_outer is None:
         return True
     mine = outer(uid)
-    theirs = outer(other) if other_outer is None else other_outer
+    theirs = known_as(other, other_outer)
     return mine is not None and mine == theirs

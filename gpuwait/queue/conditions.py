@@ -21,7 +21,7 @@ from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
-from gpuwait.linux import pidns, proc
+from gpuwait.linux import pidns, proc, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import user_usage
@@ -307,13 +307,23 @@ def claim_of(
         ran=elapsed,
         held=tuple(job.held_gpus),
         weights=dict(job.weights),
-        uid=job.uid,
+        # Per-user limits hold a user of the machine: a rootless container's uid 0 and its
+        # user's uid on the host are one (a shared ledger's entries have no `kuid`: each is
+        # its file owner's, whatever it says).
+        uid=_limited_as(job),
         usage=usage,
         prefer=frozenset(job.prefer),
         waited=max(0.0, since(job.submitted_at, job.submitted_boot, now, boot_now)),
         due=job.wait_budget,
         safety=job.safety,
     )
+
+
+def _limited_as(job: Job) -> int:
+    """Whose per-user limits `job` counts against: its owner as the machine knows them, else
+    (a uid this namespace does not map) its uid here."""
+    known = userns.known_as(job.uid, job.kuid)
+    return job.uid if known is None else known
 
 
 def claims_for(

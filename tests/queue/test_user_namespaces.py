@@ -33,8 +33,17 @@ class Machine:
         sim.write_text('[[gpu]]\nmemory = "24GiB"\n')
         os.chown(sim, USER, USER)  # the user's own, seen as root's own in the container
         self.env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, USER, USER)}
+        self.env["XDG_CONFIG_DIRS"] = str(root / "site")
         self.ledger = Path(self.env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
         self.procs: list[subprocess.Popen[str]] = []
+
+    def site_config(self, text: str) -> None:
+        """A site config file (limits); the user's own (as when trying one out), so that the
+        container, where the machine's root is nobody, reads it too."""
+        site = Path(self.env["XDG_CONFIG_DIRS"]) / "gpuwait" / "config.toml"
+        site.parent.mkdir(parents=True)
+        site.write_text(text)
+        os.chown(site, USER, USER)
 
     def start(self, args: list[str], rootless: bool = False) -> subprocess.Popen[str]:
         proc = popen_as(USER, USER, [], args, self.env, rootless, start_new_session=True)
@@ -86,3 +95,19 @@ def test_a_rootless_containers_jobs_and_the_hosts_are_one_users(
     cancel = machine.run(["cancel", job["id"]], rootless=first == "host")
     assert cancel.returncode == 0, cancel.stderr
     wait_for(lambda: not machine.running(), timeout=30)
+
+
+@pytest.mark.parametrize("first", ["host", "container"])
+def test_a_rootless_containers_jobs_and_the_hosts_count_against_one_users_limit(
+    machine: Machine, first: str
+) -> None:
+    # user_max_vram = 16 GiB: a 10 GiB job on one side, and another 10 GiB job on the other
+    # was started at once (uid 0 and the user's uid counted as two users, each with a limit).
+    machine.site_config('user_max_vram = "16GiB"\n')
+    machine.start(["--vram", "10G", "--", "sleep", "60"], rootless=first == "container")
+    wait_for(lambda: machine.running(), timeout=30)
+    probe = machine.run(
+        ["--vram", "10G", "--timeout", "0.5s", "--", "true"], rootless=first == "host"
+    )
+    assert probe.returncode == 124, probe.stderr
+    assert "your per-user limit of 16.0 GiB (10.0 GiB held)" in probe.stderr
