@@ -29,6 +29,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc
+from gpuwait.linux.userns import same_user
 from gpuwait.queue import lifecycle
 from gpuwait.queue.conditions import claim_of, dependency_blocker
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, pause_stamps, since
@@ -64,7 +65,8 @@ def _running_view(
                 # A frozen job loses nothing to reload: its memory comes back as it was.
                 reload_seconds=None if job.freezable else job.load_seconds,
                 asked=job.pause_requested_at is not None,
-                idle=job.id in idle_jobs and job.uid == uid,
+                # Theirs too in a rootless container (its uid 0 is theirs outside).
+                idle=job.id in idle_jobs and uid is not None and same_user(uid, job.uid, job.kuid),
                 min_runtime=job.pause_min_runtime,
                 max_pauses=job.pause_max,
             )
