@@ -207,6 +207,7 @@ def report_from(
                 "gpu_indices": [index.get(u) for u in job.gpu_uuids],
                 "lost_gpus": [u for u in job.gpu_uuids if u in lost],
                 "reserved_bytes": job.reserved_bytes,
+                "reserved_by_gpu_bytes": [job.reserved_on(u) for u in job.gpu_uuids],
                 "observed_bytes": sum(claim.observed.values()),
                 "submitted_at": job.submitted_at,
                 "started_at": job.started_at,

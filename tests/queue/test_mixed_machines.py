@@ -31,6 +31,9 @@ def test_a_share_of_each_card_reserves_that_share_of_each_card(
     assert [g["reserved_bytes"] for g in report["gpus"]] == [12 * GiB, 40 * GiB]
     assert report["gpus"][0]["free_bytes"] > 9 * GiB
     assert [u["vram_held_bytes"] for u in report["users"]] == [52 * GiB]
+    (job,) = report["jobs"]
+    on = dict(zip(job["gpu_indices"], job["reserved_by_gpu_bytes"], strict=True))
+    assert on == {0: 12 * GiB, 1: 40 * GiB}
     small = run([*gpuwait_cmd, "--vram", "4G", "--devices", "0", "--timeout", "0", "--", "true"])
     assert small.returncode == 0, small.stderr
     gang.terminate()

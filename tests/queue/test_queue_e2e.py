@@ -729,6 +729,7 @@ JOB_KEYS = {
     "gpu_indices": list,
     "lost_gpus": list,
     "reserved_bytes": int,
+    "reserved_by_gpu_bytes": list,
     "observed_bytes": int,
     "submitted_at": float,
     "started_at": OPT_FLOAT,
