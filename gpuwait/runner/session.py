@@ -204,6 +204,8 @@ class _Ended(Record, frozen=True):
     #: (so nobody waiting on it takes the attempt for its end), and how to finish it if not.
     pending: Job | None = None
     finish_how: Mapping[str, Any] = MappingProxyType({})
+    #: What it reserved on each GPU where that differs between them (`12.0 GiB on GPU0, ...`).
+    reserved_each: str | None = None
 
 
 def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
@@ -389,6 +391,8 @@ def _end_pending(ended: _Ended, config: RunConfig, reporter: Reporter) -> None:
 def _ran_out(ended: _Ended) -> str:
     """How a run ran out of memory, after "the command ran out "."""
     if ended.oom_cause == OOM_OWN_LIMIT:
+        if ended.reserved_each:
+            return f"at its own limit, {ended.reserved_each}"
         return f"at its own {format_size(ended.reserved_bytes)} limit"
     if ended.oom_cause == OOM_CARD_FULL:
         return "of memory on a full card"
@@ -985,11 +989,12 @@ def _start(
     # Only where stderr was not watched (a terminal): a watched job that ran out said so, and
     # one that failed without saying it did not run out, however close to its limit it held.
     # Nor for a command that sizes itself from its reservation: it holds all of it by design.
+    # Each card against its own limit: on cards of different sizes, less on the smaller.
     at_limit = (
         said_oom is None
         and held.plan.enforced
         and not sizes_itself(request.command)
-        and near_limit(max(peaks.values(), default=None), job.reserved_bytes)
+        and any(near_limit(peak, job.reserved_on(uuid)) for uuid, peak in peaks.items())
     )
     oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
     cause = oom_cause(held.plan.enforced, card_full) if oom else None
@@ -1023,11 +1028,20 @@ def _start(
         paused_runs_seconds=paused_runs_seconds,
         earlier=earlier,
     )
+    reserved_each = reserved_on_each(job, chosen)
     if pending:
         return job, _Ended(
-            result.returncode, oom, job.reserved_bytes, cause, pending=job, finish_how=how
+            result.returncode,
+            oom,
+            job.reserved_bytes,
+            cause,
+            pending=job,
+            finish_how=how,
+            reserved_each=reserved_each,
         )
-    return job, _Ended(result.returncode, oom, job.reserved_bytes, cause)
+    return job, _Ended(
+        result.returncode, oom, job.reserved_bytes, cause, reserved_each=reserved_each
+    )
 
 
 def _say_left_behind(

@@ -322,6 +322,28 @@ def test_a_server_on_a_whole_card_is_given_a_fraction_it_can_start_with(
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1"
 
 
+def test_an_oom_at_its_limit_on_the_smaller_of_two_cards_is_told_without_its_message(
+    sim_file: SimFileFactory,
+) -> None:
+    # Half of an 8 GiB and of a 24 GiB card: held to 4 GiB on the small card (GPU 0, the
+    # command's first), where it stops growing. Measured against the big card's 12 GiB, that
+    # was no OOM at all: no retry, and history learned nothing of it.
+    sim_file(gpus=2, memory=["8GiB", "24GiB"])
+    done = run_sim_job(
+        ["--enforce", "limit", "--vram", "50%", "--gpus", "2", "--devices", "0,1"],
+        *("--vram", "6G", "--ramp", "1s"),
+        env={"GPUWAIT_WATCH_STDERR": "off", "GPUWAIT_SAMPLE_INTERVAL": "0.05"},
+    )
+    assert done.returncode == 1, done.stderr
+    assert "ran out at its own limit, 4.0 GiB on GPU0" in done.stderr
+    record = recorded_runs()[-1]
+    assert (record["oom"], record["oom_cause"], record["oom_evidence"]) == (
+        True,
+        "own limit",
+        "at its limit",
+    )
+
+
 def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
     sim_file(gpus=1, memory="8GiB")
     # A shell script is no Python program: nothing gpuwait can claim holds its budget. It runs
