@@ -103,6 +103,22 @@ def _gpus(uuids: Any, indices: dict[str, int]) -> str:
     return ",".join(f"GPU{indices[u]}" if u in indices else str(u)[:12] for u in uuids)
 
 
+def _reserved_each(event: dict[str, Any], indices: dict[str, int]) -> str | None:
+    """`12.0 GiB on GPU0, 40.0 GiB on GPU1`: what the event's job reserves on each of its GPUs,
+    where the event says that differs between them; else None."""
+    each, uuids = event.get("reserved_by_gpu_bytes"), event.get("gpus")
+    if not (
+        isinstance(each, list)
+        and isinstance(uuids, list)
+        and len(each) == len(uuids)
+        and all(type(n) is int for n in each)
+    ):
+        return None
+    return ", ".join(
+        f"{format_size(n)} on {_gpus([u], indices)}" for n, u in zip(each, uuids, strict=True)
+    )
+
+
 def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
     """One event as one line of text."""
     stamp = local_time(event["time"], "%Y-%m-%d %H:%M:%S")
@@ -115,7 +131,9 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
         text = f"{who} p{event.get('priority')}: {shown}"
     elif kind == "admit":
         reserved = event.get("reserved_bytes")
-        size = format_size(reserved) if isinstance(reserved, int) else "?"
+        size = _reserved_each(event, indices) or (
+            format_size(reserved) if isinstance(reserved, int) else "?"
+        )
         waited = event.get("waited")
         after = f" after {format_duration(waited)}" if isinstance(waited, (int, float)) else ""
         text = f"{who} on {_gpus(event.get('gpus'), indices)}, {size} reserved{after}"
@@ -128,7 +146,10 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
         elif event.get("exit_status") is not None:
             how += f", exit {event['exit_status']}"
         oom, reserved = event.get("oom"), event.get("reserved_bytes")
-        if oom == OOM_OWN_LIMIT and isinstance(reserved, int):
+        each = _reserved_each(event, indices)
+        if oom == OOM_OWN_LIMIT and each is not None:
+            how += f", out of memory at its own limit, {each}"
+        elif oom == OOM_OWN_LIMIT and isinstance(reserved, int):
             how += f", out of memory at its own {format_size(reserved)} limit"
         elif isinstance(oom, str):
             how += f", out of memory ({printable(oom, 20)})"

@@ -622,6 +622,7 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
                     "name": entry.name,
                     "gpus": list(uuids),
                     "reserved_bytes": entry.reserved_bytes,
+                    **reserved_by_gpu_field(entry),
                     "waited": round(
                         since(entry.submitted_at, entry.submitted_boot, now, boot_now), 3
                     ),
@@ -629,6 +630,13 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
                 },
             )
         )
+
+
+def reserved_by_gpu_field(job: Job) -> dict[str, list[int]]:
+    """An event's `reserved_by_gpu_bytes` (what `job` reserves on each of its GPUs, in their
+    order) where that differs between them; nothing where `reserved_bytes` says it all."""
+    each = [job.reserved_on(u) for u in job.gpu_uuids]
+    return {"reserved_by_gpu_bytes": each} if len(set(each)) > 1 else {}
 
 
 def cancellation(data: LedgerData, job_id: str) -> Cancelled | None:
@@ -1068,6 +1076,7 @@ def _run_ended(
     if oom is not None:
         fields["oom"] = oom
         fields["reserved_bytes"] = job.reserved_bytes
+        fields.update(reserved_by_gpu_field(job))
     return done, fields
 
 

@@ -342,6 +342,9 @@ def test_an_oom_at_its_limit_on_the_smaller_of_two_cards_is_told_without_its_mes
         "own limit",
         "at its limit",
     )
+    log = gpuwait("log").stdout
+    assert "4.0 GiB on GPU0, 12.0 GiB on GPU1 reserved" in log
+    assert "out of memory at its own limit, 4.0 GiB on GPU0, 12.0 GiB on GPU1" in log
 
 
 def test_limit_without_a_way_says_so_once(sim_file: SimFileFactory) -> None:
