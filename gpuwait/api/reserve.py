@@ -74,7 +74,9 @@ class Reservation:
     `gpus`: the GPUs' indices as `gpuwait status` and nvidia-smi number them; inside this
     process CUDA numbers them from 0 (`cuda:0` is the first). `uuids`: the same GPUs by UUID
     (what CUDA_VISIBLE_DEVICES is set to). `vram`: bytes reserved on each (a whole card's
-    size with exclusive=True). `held` is False for a reservation that was never made because
+    size with exclusive=True; on cards of different sizes, on the largest); `vram_each`: bytes
+    reserved on each of `gpus`, in that order (a share of each card, `50%`, is less on the
+    smaller). `held` is False for a reservation that was never made because
     no GPU can be read here and on_no_gpu = run (the code then runs where it is).
     """
 
@@ -88,11 +90,13 @@ class Reservation:
             self.gpus: tuple[int, ...] = ()
             self.uuids: tuple[str, ...] = ()
             self.vram = 0
+            self.vram_each: tuple[int, ...] = ()
         else:
             self.job_id, self.name = holding.job.id, holding.job.name
             self.gpus = tuple(g.index for g in holding.gpus)
             self.uuids = tuple(g.uuid for g in holding.gpus)
             self.vram = holding.job.reserved_bytes
+            self.vram_each = tuple(holding.job.reserved_on(u) for u in self.uuids)
 
     @property
     def held(self) -> bool:

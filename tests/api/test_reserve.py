@@ -39,7 +39,7 @@ except gpuwait.ReserveError as exc:
     say(error=exc.message, hint=exc.hint, exit_code=exc.exit_code)
     sys.exit(0)
 say(pid=os.getpid(), job=r.job_id, gpus=r.gpus, uuids=r.uuids, vram=r.vram,
-    cvd=os.environ.get("CUDA_VISIBLE_DEVICES"), vram_env=os.environ.get("GPUWAIT_VRAM_BYTES"))
+    vram_each=r.vram_each, cvd=os.environ.get("CUDA_VISIBLE_DEVICES"), vram_env=os.environ.get("GPUWAIT_VRAM_BYTES"))
 for line in sys.stdin:
     word, *rest = line.split()
     if word == "sim":
@@ -629,6 +629,19 @@ def test_ctrl_c_while_releasing_still_gives_the_room_back(
     said, after = done.stdout.splitlines()
     assert said == "KeyboardInterrupt"
     assert json.loads(after) == [[], False, None]
+
+
+def test_a_share_of_cards_of_different_sizes_says_what_it_holds_on_each(
+    sim_file: SimFileFactory, holders: Any
+) -> None:
+    # Half of a 24 GiB and of an 80 GiB card: 12 GiB on the small one, 40 on the big one. A
+    # notebook capping its allocator at r.vram on each card (the docs' "bytes reserved on
+    # each") capped the small card at 40 GiB, that is not at all.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"])
+    got = holders("50%", gpus=2).said()
+    on = dict(zip(got["gpus"], got["vram_each"], strict=True))
+    assert on == {0: 12 * GiB, 1: 40 * GiB}
+    assert got["vram"] == 40 * GiB
 
 
 def test_a_reservation_held_unused_on_a_quiet_gpu_is_named_idle(
