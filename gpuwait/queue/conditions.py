@@ -310,7 +310,7 @@ def claim_of(
         # Per-user limits hold a user of the machine: a rootless container's uid 0 and its
         # user's uid on the host are one (a shared ledger's entries have no `kuid`: each is
         # its file owner's, whatever it says).
-        uid=_limited_as(job),
+        uid=machine_user(job),
         usage=usage,
         prefer=frozenset(job.prefer),
         waited=max(0.0, since(job.submitted_at, job.submitted_boot, now, boot_now)),
@@ -319,9 +319,9 @@ def claim_of(
     )
 
 
-def _limited_as(job: Job) -> int:
-    """Whose per-user limits `job` counts against: its owner as the machine knows them, else
-    (a uid this namespace does not map) its uid here."""
+def machine_user(job: Job) -> int:
+    """Whose job `job` is, for per-user limits and status's users: its owner as the machine
+    knows them, else (a uid this namespace does not map) its uid here."""
     known = userns.known_as(job.uid, job.kuid)
     return job.uid if known is None else known
 

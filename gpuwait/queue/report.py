@@ -16,10 +16,10 @@ from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, closed, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import proc
+from gpuwait.linux import proc, userns
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
-from gpuwait.queue.conditions import plan_ledger, planned_claims, reserved_in_all
+from gpuwait.queue.conditions import machine_user, plan_ledger, planned_claims, reserved_in_all
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger, LockBusy
@@ -296,24 +296,35 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
 def _users(
     jobs: list[Job], usage: dict[int, float], gpus: Sequence[GpuSnapshot]
 ) -> list[dict[str, Any]]:
-    """Per user: what they hold, wait for, and their fair-share usage (lower goes first)."""
-    uids = sorted({j.uid for j in jobs} | set(usage))
+    """Per user: what they hold, wait for, and their fair-share usage (lower goes first). One
+    user of the machine is one row: a rootless container's uid 0 and its user's uid on the host
+    are one (`machine_user`), shown by the uid this namespace knows them by."""
+    people: dict[int, list[Job]] = {}
+    uids: dict[int, set[int]] = {}
+    for job in jobs:
+        key = machine_user(job)
+        people.setdefault(key, []).append(job)
+        uids.setdefault(key, set()).add(job.uid)
+    for uid in usage:
+        if not any(uid in known for known in uids.values()):
+            uids.setdefault(uid, set()).add(uid)
     rows = []
-    for uid in uids:
-        mine = [j for j in jobs if j.uid == uid]
+    for key, theirs in uids.items():
+        shown = min((u for u in theirs if userns.outer(u) == key), default=min(theirs))
+        mine = people.get(key, [])
         running = [j for j in mine if j.state == RUNNING]
         rows.append(
             {
-                "uid": uid,
-                "user": proc.user_name(uid),
+                "uid": shown,
+                "user": proc.user_name(shown),
                 "running": len(running),
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
                 "vram_held_bytes": sum(reserved_in_all(j, gpus) for j in running),
-                "usage_vram_seconds": round(usage.get(uid, 0.0), 1),
+                "usage_vram_seconds": round(sum(usage.get(u, 0.0) for u in theirs), 1),
             }
         )
-    return rows
+    return sorted(rows, key=lambda row: row["uid"])
 
 
 def _asker(data: LedgerData, job: Job) -> dict[str, Any] | None:

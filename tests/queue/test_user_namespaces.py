@@ -111,3 +111,19 @@ def test_a_rootless_containers_jobs_and_the_hosts_count_against_one_users_limit(
     )
     assert probe.returncode == 124, probe.stderr
     assert "your per-user limit of 16.0 GiB (10.0 GiB held)" in probe.stderr
+
+
+@pytest.mark.parametrize("reader", ["host", "container"])
+def test_status_shows_a_rootless_containers_jobs_and_the_hosts_as_one_user(
+    machine: Machine, reader: str
+) -> None:
+    # One person's 5 GiB job on the host and another in their container: status's Users
+    # table showed them as two users (root and the user), each holding 5 GiB.
+    machine.start(["--vram", "5G", "--", "sleep", "60"])
+    machine.start(["--vram", "5G", "--", "sleep", "60"], rootless=True)
+    wait_for(lambda: len(machine.running()) == 2, timeout=30)
+    done = machine.run(["status", "--json"], rootless=reader == "container")
+    assert done.returncode == 0, done.stderr
+    users = json.loads(done.stdout)["users"]
+    held = [(u["uid"], u["running"], u["vram_held_bytes"]) for u in users]
+    assert held == [(USER if reader == "host" else 0, 2, 10 * 2**30)]
