@@ -326,6 +326,15 @@ def machine_user(job: Job) -> int:
     return job.uid if known is None else known
 
 
+def uids_by_user(jobs: Iterable[Job]) -> dict[int, set[int]]:
+    """The uids (as this namespace knows them) under which each user of the machine
+    (`machine_user`) has jobs here: theirs on the host and in their rootless container."""
+    found: dict[int, set[int]] = {}
+    for job in jobs:
+        found.setdefault(machine_user(job), set()).add(job.uid)
+    return found
+
+
 def claims_for(
     data: LedgerData,
     gpus: Sequence[GpuSnapshot],
@@ -337,6 +346,11 @@ def claims_for(
     expected time at `now` (`boot_now` on the boot clock), and its user's usage when fair
     share is on."""
     usage = {} if fair.half_life is None else user_usage(data, now, fair.half_life, boot_now)
+    # One user's usage under all their uids: their jobs keep their order among themselves.
+    usage = {
+        user: sum(usage.get(uid, 0.0) for uid in uids)
+        for user, uids in uids_by_user(data.jobs).items()
+    }
     tree = unpublished_pids(data.jobs, gpus)
     return [
         _safety_believed(
@@ -346,7 +360,7 @@ def claims_for(
                     gpus,
                     now,
                     blocked=_blocker(j, data),
-                    usage=usage.get(j.uid, 0.0),
+                    usage=usage.get(machine_user(j), 0.0),
                     tree=tree.get(j.id, ()),
                     boot_now=boot_now,
                 ),

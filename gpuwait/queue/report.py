@@ -19,7 +19,13 @@ from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc, userns
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
-from gpuwait.queue.conditions import machine_user, plan_ledger, planned_claims, reserved_in_all
+from gpuwait.queue.conditions import (
+    machine_user,
+    plan_ledger,
+    planned_claims,
+    reserved_in_all,
+    uids_by_user,
+)
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 from gpuwait.queue.ledger import Ledger, LockBusy
@@ -299,19 +305,14 @@ def _users(
     """Per user: what they hold, wait for, and their fair-share usage (lower goes first). One
     user of the machine is one row: a rootless container's uid 0 and its user's uid on the host
     are one (`machine_user`), shown by the uid this namespace knows them by."""
-    people: dict[int, list[Job]] = {}
-    uids: dict[int, set[int]] = {}
-    for job in jobs:
-        key = machine_user(job)
-        people.setdefault(key, []).append(job)
-        uids.setdefault(key, set()).add(job.uid)
+    uids = uids_by_user(jobs)
     for uid in usage:
         if not any(uid in known for known in uids.values()):
             uids.setdefault(uid, set()).add(uid)
     rows = []
     for key, theirs in uids.items():
         shown = min((u for u in theirs if userns.outer(u) == key), default=min(theirs))
-        mine = people.get(key, [])
+        mine = [j for j in jobs if machine_user(j) == key]
         running = [j for j in mine if j.state == RUNNING]
         rows.append(
             {

@@ -127,3 +127,29 @@ def test_status_shows_a_rootless_containers_jobs_and_the_hosts_as_one_user(
     users = json.loads(done.stdout)["users"]
     held = [(u["uid"], u["running"], u["vram_held_bytes"]) for u in users]
     assert held == [(USER if reader == "host" else 0, 2, 10 * 2**30)]
+
+
+def test_a_users_jobs_in_a_rootless_container_keep_their_place_behind_their_host_jobs(
+    machine: Machine,
+) -> None:
+    # With fair share on, the user's usage was counted under their uid on the host only: their
+    # job submitted later in their container, under uid 0 with no usage, went before the one
+    # they had queued on the host first, as if another user's.
+    machine.site_config('fair_share_half_life = "1h"\n')
+    done = machine.run(["--vram", "1G", "--", "sleep", "0.2"])
+    assert done.returncode == 0, done.stderr
+    machine.start(["--vram", "20G", "--", "sleep", "60"])
+    wait_for(lambda: machine.running(), timeout=30)
+
+    def waiting() -> list[str]:
+        jobs = json.loads(machine.ledger.read_text())["jobs"]
+        return sorted(j["name"] for j in jobs if j["state"] == "waiting")
+
+    machine.start(["--vram", "10G", "--name", "first", "--", "true"])
+    wait_for(lambda: waiting() == ["first"], timeout=30)
+    machine.start(["--vram", "10G", "--name", "second", "--", "true"], rootless=True)
+    wait_for(lambda: waiting() == ["first", "second"], timeout=30)
+    status = machine.run(["status", "--json"])
+    assert status.returncode == 0, status.stderr
+    queue = [j for j in json.loads(status.stdout)["jobs"] if j["position"] is not None]
+    assert [j["name"] for j in sorted(queue, key=lambda j: j["position"])] == ["first", "second"]
