@@ -224,7 +224,8 @@ def reserved_less(job: Job, gpus: Sequence[GpuSnapshot]) -> dict[str, int]:
     different sizes a share of each card, or each card whole; an adopted process, what it
     used on each."""
     mine = {g.uuid for g in gpus} & set(job.gpu_uuids)
-    return {u: b for u, b in job.reserved_by_gpu.items() if u in mine and b < job.reserved_bytes}
+    each = {u: job.reserved_on(u) for u in mine}
+    return {u: b for u, b in each.items() if b < job.reserved_bytes}
 
 
 def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
@@ -238,12 +239,6 @@ def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
         for g in gpus
         if g.uuid in job.gpu_uuids
     )
-
-
-def reserved_in_all(job: Job, gpus: Sequence[GpuSnapshot]) -> int:
-    """What `job` reserves on all its GPUs together."""
-    less = reserved_less(job, gpus)
-    return sum(less.get(uuid, job.reserved_bytes) for uuid in job.gpu_uuids)
 
 
 def claim_of(

@@ -15,7 +15,7 @@ from typing import Any
 from gpuwait.core.overuse import Overuse
 from gpuwait.core.policy import Conditions, FairShare, closed, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
-from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, userns
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import GPU_OK, Book
@@ -23,7 +23,6 @@ from gpuwait.queue.conditions import (
     machine_user,
     plan_ledger,
     planned_claims,
-    reserved_in_all,
     uids_by_user,
 )
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
@@ -116,7 +115,7 @@ def report_from(
         "gpus": [],
         "jobs": [],
         "batches": _batches(data.jobs, data.book),
-        "users": _users(data.jobs, usage, gpus),
+        "users": _users(data.jobs, usage),
         "fair_share": {
             "half_life_seconds": fair.half_life,
             "user_max_gpus": fair.limits.max_gpus if fair.limits else None,
@@ -299,9 +298,7 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
     return rows
 
 
-def _users(
-    jobs: list[Job], usage: dict[int, float], gpus: Sequence[GpuSnapshot]
-) -> list[dict[str, Any]]:
+def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
     """Per user: what they hold, wait for, and their fair-share usage (lower goes first). One
     user of the machine is one row: a rootless container's uid 0 and its user's uid on the host
     are one (`machine_user`), shown by the uid this namespace knows them by."""
@@ -321,7 +318,7 @@ def _users(
                 "running": len(running),
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
-                "vram_held_bytes": sum(reserved_in_all(j, gpus) for j in running),
+                "vram_held_bytes": sum(j.reserved_in_all() for j in running),
                 "usage_vram_seconds": round(sum(usage.get(u, 0.0) for u in theirs), 1),
             }
         )
