@@ -32,10 +32,24 @@ def test_bound_b_lies_between_bound_a_and_every_schedule(seed: int) -> None:
         "largest": sq.list_starts(trace, lambda j: (-j.vram_gib * j.duration,), expected),
         "fifo replay": sq.replay_starts(trace, expected),
         "offline": sq.offline_starts(trace, seed, steps=10),
+        "offline on the estimates": sq.offline_starts(trace, seed, steps=10, expected=expected),
     }
     for name, starts in schedules.items():
         assert all(starts[j.name] >= j.arrival - 1e-9 for j in trace), name
         assert b <= sq.makespan(trace, starts) + 1e-9, name
+
+
+def test_offline_on_the_estimates_plans_on_them_and_runs_the_true_times() -> None:
+    trace = sq.make_trace(3, 0.6, 10.0)
+    exact = {j.name: j.duration for j in trace}
+    # Told the true run times, it is the offline reference itself.
+    assert sq.offline_starts(trace, 3, steps=20, expected=exact) == sq.offline_starts(
+        trace, 3, steps=20
+    )
+    # Told other ones, it searches on them and comes to another schedule.
+    assert sq.offline_starts(trace, 3, steps=20, expected=sq.estimates(trace, 3)) != (
+        sq.offline_starts(trace, 3, steps=20)
+    )
 
 
 def test_jobs_that_never_share_a_card_run_one_after_another(
@@ -139,7 +153,7 @@ def test_the_bench_prints_a_row_per_policy(
     monkeypatch.setattr(
         sq,
         "offline_starts",
-        lambda trace, seed: sq.list_starts(
+        lambda trace, seed, **_: sq.list_starts(
             trace,
             lambda j: (-j.vram_gib * j.gpus * j.duration,),
             {j.name: j.duration for j in trace},
