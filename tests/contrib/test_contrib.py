@@ -592,6 +592,8 @@ def test_slurm_packs_steps_on_the_allocated_gpu_only(
     lines += [
         f"gpuwait sim job --vram 4G --hold 0.3s --report {reports}/{i}.json" for i in range(6)
     ]
+    where = tmp_path / "where"
+    lines.append(f'ls "$GPUWAIT_STATE_DIR" > {where}; echo "$GPUWAIT_STATE_DIR" >> {where}')
     steps.write_text("\n".join(lines))
     env = {
         **user_env,
@@ -603,14 +605,17 @@ def test_slurm_packs_steps_on_the_allocated_gpu_only(
     }
     done = pack_steps(steps, env, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "6 step(s), 0 failed" in done.stdout
+    assert "7 step(s), 0 failed" in done.stdout
     results = [json.loads(p.read_text()) for p in reports.glob("*.json")]
     assert len(results) == 6
     assert {r["gpu_uuid"] for r in results} == {sim_uuids()[1]}
     assert not any(r["oom"] for r in results)
-    # The allocation's own ledger on node-local disk, not the home directory's.
-    (state,) = tmp_path.glob("gpuwait-4242.*")
-    assert (state / "history.jsonl").exists()
+    # The allocation's own ledger on node-local disk, not the home directory's; removed once
+    # the script has ended, where nothing would ever read it again.
+    *listed, state = where.read_text().splitlines()
+    assert Path(state).parent == tmp_path and Path(state).name.startswith("gpuwait-4242.")
+    assert "ledger.json" in listed
+    assert not Path(state).exists()
     assert history(Path(user_env["XDG_STATE_HOME"])) == []
 
 
@@ -669,6 +674,8 @@ def test_pausable_script_requeues_on_the_resume_status_gpuwait_uses(
     assert script.returncode == 99, out + err
     assert "checkpointed; requeueing allocation 77" in out, out + err
     assert requeued.read_text() == "requeue 77\n"
+    # A state dir the user gave is theirs: the script removes only one it made itself.
+    assert (Path(env["GPUWAIT_STATE_DIR"]) / "ledger.json").exists()
 
 
 def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path) -> None:

@@ -213,12 +213,18 @@ def most_at_once(records: list[dict[str, Any]]) -> int:
 def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    env = cluster.env(tmp_path, STEP_VRAM="6G", MAX_PARALLEL="8")
+    # Each allocation's ledger where the test can read its history afterwards (the directory the
+    # script would make is removed when it ends).
+    def env_of(name: str) -> dict[str, str]:
+        state = str(tmp_path / f"state-{name}")
+        return cluster.env(tmp_path, STEP_VRAM="6G", MAX_PARALLEL="8", GPUWAIT_STATE_DIR=state)
+
+    env = env_of("a")
     jobs = {}
     for name in ("a", "b"):
         steps = steps_file(tmp_path / f"{name}.txt", tmp_path / name, 8, "6G", "1s")
         jobs[name] = sbatch(
-            env,
+            env_of(name),
             "--gres=gpu:1",
             f"--output={tmp_path}/{name}.out",
             str(SLURM / "pack-steps.sbatch"),
@@ -238,8 +244,7 @@ def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
         assert len(reports) == 8
         assert {r["gpu_uuid"] for r in reports} == {uuids[index]}, f"allocation {name}"
         assert not any(r["oom"] for r in reports)
-        (state,) = tmp_path.glob(f"gpuwait-{job_id}.*")
-        records = history(state)
+        records = history(tmp_path / f"state-{name}")
         assert len(records) == 8
         assert not any(r["oom"] for r in records)
         # Packed by VRAM: four 6G steps side by side on a 24 GiB card, not one at a time.
@@ -298,7 +303,9 @@ def test_steps_spread_over_both_gpus_of_a_two_gpu_allocation(
 
 
 def test_scancel_with_waiting_steps_leaves_no_entries(cluster: Cluster, tmp_path: Path) -> None:
-    env = cluster.env(tmp_path, STEP_VRAM="20G", MAX_PARALLEL="4")
+    # A state dir of the user's own, which the script keeps (one it made, it removes).
+    state = tmp_path / "state"
+    env = cluster.env(tmp_path, STEP_VRAM="20G", MAX_PARALLEL="4", GPUWAIT_STATE_DIR=str(state))
     steps = steps_file(tmp_path / "steps.txt", tmp_path / "r", 4, "20G", "120s")
     job_id = sbatch(
         env,
@@ -309,9 +316,7 @@ def test_scancel_with_waiting_steps_leaves_no_entries(cluster: Cluster, tmp_path
     )
 
     def ledger() -> Path:
-        # The allocation's own directory, made by mktemp when the job starts.
-        found = list(tmp_path.glob(f"gpuwait-{job_id}.*"))
-        return found[0] / "ledger.json" if found else tmp_path / "none"
+        return state / "ledger.json"
 
     def states() -> list[str]:
         try:
