@@ -891,8 +891,24 @@ def test_prometheus_exporter_writes_valid_metrics_of_a_running_job(
     assert samples[("gpuwait_gpu_room_bytes", gpu1)] < samples[("gpuwait_gpu_room_bytes", gpu0)]
     assert samples[("gpuwait_jobs", '{state="running"}')] == 1
     assert samples[("gpuwait_jobs", '{state="waiting"}')] == 0
+    assert samples[("gpuwait_warnings", "")] == 0
     assert path.stat().st_mode & 0o777 == 0o644  # node_exporter runs as another user
     assert [p.name for p in metrics.iterdir()] == ["gpuwait.prom"]
+
+
+def test_prometheus_exporter_counts_the_warnings_gpuwait_status_gave(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    ledger = Path(user_env["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    ledger.write_text('{"schema": 1, "jobs": [')  # torn: gpuwait sets it aside, and warns
+    metrics = tmp_path / "textfile"
+    proc = exporter("--output-dir", str(metrics), env=user_env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    samples = parse_exposition((metrics / "gpuwait.prom").read_text())
+    assert samples[("gpuwait_up", "")] == 1
+    assert samples[("gpuwait_warnings", "")] == 1
 
 
 def test_prometheus_exporter_shows_a_lost_gpu_as_unhealthy(
@@ -1064,6 +1080,7 @@ def test_prometheus_exporter_output_is_read_by_prometheus_client(busy_metrics: s
         "gpuwait_gpu_room_bytes",
         "gpuwait_gpu_running_jobs",
         "gpuwait_gpu_healthy",
+        "gpuwait_warnings",
         "gpuwait_jobs",
     }
     for family in families.values():
