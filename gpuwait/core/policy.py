@@ -95,6 +95,13 @@ def name_matches(pattern: str, name: str) -> bool:
     return pattern in name
 
 
+def reserved_on(reserved_bytes: int, reserved_by_gpu: Mapping[str, int], uuid: str) -> int:
+    """Bytes a job reserves on the GPU `uuid`: its per-card figure where it has one that is
+    less, else `reserved_bytes` (its largest card's). The one rule for the plan, the ledger's
+    jobs and the run record."""
+    return min(reserved_bytes, reserved_by_gpu.get(uuid, reserved_bytes))
+
+
 class Claim(Record, frozen=True):
     """A ledger entry, as the policy sees it."""
 
@@ -157,7 +164,7 @@ class Claim(Record, frozen=True):
 
     def reserved_on(self, uuid: str) -> int:
         """Bytes this running claim reserves on the GPU `uuid`."""
-        return self.reserved_by_gpu.get(uuid, self.reserved_bytes)
+        return reserved_on(self.reserved_bytes, self.reserved_by_gpu, uuid)
 
     def holds_on(self, uuid: str) -> int:
         """What it counts for on the GPU `uuid`: its reservation there, or what it uses there

@@ -56,6 +56,7 @@ from gpuwait.core.cmdkey import EXPLICIT, command_key, key_hash
 from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import DEFAULT_MARGIN, RunStat
 from gpuwait.core.overuse import overuse
+from gpuwait.core.policy import reserved_on
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MAX_SIZE
 from gpuwait.core.snapshot import GpuSnapshot
@@ -191,7 +192,7 @@ def build(
     totals = {g.uuid: g.total_bytes for g in gpus}
     for uuid, peak in sorted(peaks.items(), key=lambda item: -item[1]):
         # On cards of different sizes it reserved less on some (`reserved_by_gpu`).
-        reserved = min(reserved_bytes, (reserved_by_gpu or {}).get(uuid, reserved_bytes))
+        reserved = reserved_on(reserved_bytes, reserved_by_gpu or {}, uuid)
         found = overuse(reserved, peak, totals.get(uuid, 0), margin)
         if found is not None:
             # Its neighbours had less room than the plan gave them: the record says so and why.

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwait.core.budget import HELD_BY
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
-from gpuwait.core.policy import Requirements
+from gpuwait.core.policy import Requirements, reserved_on
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.linux import pidns as pid_namespaces
@@ -187,8 +187,9 @@ class Job(Record):
     def reserved_on(self, uuid: str | None) -> int:
         """Bytes it reserves on the GPU `uuid`: `reserved_by_gpu`'s figure where that is less
         than `reserved_bytes` (its largest card's), else that."""
-        less = self.reserved_by_gpu.get(uuid, self.reserved_bytes) if uuid is not None else None
-        return self.reserved_bytes if less is None else min(less, self.reserved_bytes)
+        if uuid is None:
+            return self.reserved_bytes
+        return reserved_on(self.reserved_bytes, self.reserved_by_gpu, uuid)
 
     def reserved_in_all(self) -> int:
         """Bytes it reserves on all its GPUs together."""
