@@ -8,10 +8,13 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import MAX_GPUS, parse_whole
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 _NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?$")
 
@@ -35,6 +38,13 @@ class Parser(argparse.ArgumentParser):
     def options(self) -> list[argparse.Action]:
         # argparse's own list: an option added through a group (`-n N | --all`) is there too.
         return list(self._actions)
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        # argparse drops an OSError while writing help, usage or the version: a --help too long
+        # for stdout's buffer, into a full disk or a reader that went away, would end with exit
+        # 0 and nothing said. Raised, it is said and ends the command as any other output does.
+        if message:
+            (file or sys.stderr).write(message)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))

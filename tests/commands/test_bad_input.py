@@ -296,7 +296,9 @@ def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -
     assert "chmod o-w" in done.stderr
 
 
-@pytest.mark.parametrize("argv", [["status"], ["config"], ["history"], ["completion", "bash"]])
+@pytest.mark.parametrize(
+    "argv", [["status"], ["config"], ["history"], ["completion", "bash"], ["--help"]]
+)
 def test_a_reader_that_went_away_ends_output_quietly(
     sim: Path, isolated_dirs: Path, argv: list[str]
 ) -> None:

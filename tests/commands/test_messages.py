@@ -398,7 +398,9 @@ def test_reports_reach_a_terminal_that_cannot_show_every_character(
 
 
 @pytest.mark.parametrize(
-    "report", [["--version"], ["status", "--json"], ["history"], ["config"]], ids=" ".join
+    "report",
+    [["--version"], ["--help"], ["status", "--json"], ["history"], ["config"]],
+    ids=" ".join,
 )
 def test_output_that_cannot_be_written_is_said_in_one_line(sim: Path, report: list[str]) -> None:
     """`gpuwait status --json > file` on a full disk (here /dev/full): one line says the output
