@@ -826,6 +826,8 @@ class Settings(Record):
     site_wait: tuple[float, float | None] = (Lookahead.max_wait_factor, None)
     #: safety as the site file (else the default) sets it.
     site_safety: float = DEFAULT_SAFETY
+    #: queue_order as the site file (else the default) sets it: a shared ledger's.
+    site_queue_order: str = "lookahead"
     #: What the commands say of the files the settings come from (load_settings).
     notes: tuple[str, ...] = ()
 
@@ -860,12 +862,15 @@ class Settings(Record):
             )
         )
         factor, max_wait = self.site_wait
-        site = Lookahead(max_wait_factor=factor, max_wait=max_wait)
+        site = Lookahead(
+            budget_ms=self.plan_budget * 1000, max_wait_factor=factor, max_wait=max_wait
+        )
         return FairShare(
             half_life=self.fair_share_half_life,
             limits=limits,
             order=order,
             site_order=site,
+            site_in_order=self.site_queue_order == "fifo",
             site_safety=self.site_safety,
         )
 
@@ -1065,6 +1070,7 @@ def resolve(
         site_file=site_file,
         site_wait=site_wait,
         site_safety=_site_value("safety", site),
+        site_queue_order=_site_value("queue_order", site),
     )
 
 

@@ -155,7 +155,13 @@ def build_report(settings: Settings) -> dict[str, Any]:
         snapshot = name_processes(snapshot)
     ledger = ledger_for(settings)
     data, now = read_queue(ledger, snapshot)
-    view = View(safety=settings.safety, ignore_processes=ignore, fair=settings.fair_share())
+    fair = settings.fair_share()
+    # A shared ledger's queue is planned in the site's order, whatever the user's own.
+    view = View(
+        safety=settings.safety,
+        ignore_processes=ignore,
+        fair=fair.in_shared_ledger() if ledger.shared else fair,
+    )
     report = report_from(
         snapshot, data, now, view, ledger.take_warnings(), problem, proc.boot_clock()
     )

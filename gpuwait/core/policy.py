@@ -226,6 +226,8 @@ class FairShare(Record, frozen=True):
     order: Lookahead | None = None
     #: The wait budgets' settings of the site (its config file, else the defaults).
     site_order: Lookahead | None = None
+    #: The site's order is strict (`queue_order = fifo` in its config file).
+    site_in_order: bool = False
     #: The site's safety (its config file, else the default): another user's job keeps the
     #: GPUs it runs on filled no further than its own safety, but never less full than this.
     #: Believed down to any value, a job of 1 GiB with its owner's safety at 0.05 would keep
@@ -233,12 +235,16 @@ class FairShare(Record, frozen=True):
     site_safety: float | None = None
 
     def in_shared_ledger(self) -> FairShare:
-        """The policy for budgets written into a ledger shared with other users: a user's own
-        settings may give their jobs longer wait budgets than the site's, never shorter ones
-        (which would put their jobs first in every member's plan)."""
-        if self.order is None or self.site_order is None:
+        """The policy for a ledger shared with other users. Its queue is in the site's order:
+        each member's gpuwait starts only that member's jobs, so two orders would each wait for
+        the job the other starts first, and leave the room to nobody. A user's own settings may
+        give their jobs longer wait budgets than the site's, never shorter ones (which would
+        put their jobs first in every member's plan)."""
+        if self.site_in_order:
+            return self._replace(order=None)
+        if self.site_order is None:
             return self
-        own, site = self.order, self.site_order
+        own, site = self.order or self.site_order, self.site_order
         capped = None not in (own.max_wait, site.max_wait)
         order = own._replace(
             max_wait_factor=max(own.max_wait_factor, site.max_wait_factor),

@@ -684,10 +684,12 @@ def admit(
             )
             said.append(("leave", {"job": job.id, "outcome": DEPENDENCY_FAILED}))
             return copy_job(mine), DependencyFailed(failure)
-        # Budgets written where other users plan from them follow the site's at the least.
-        budgeting = fair.in_shared_ledger() if ledger.shared else fair
+        # Where other users plan from the same queue: the site's order, and budgets that
+        # follow the site's at the least.
+        if ledger.shared:
+            fair = fair.in_shared_ledger()
         claims, budgets = planned_claims(
-            data, snapshot.gpus, budgeting, now, safety, conditions, boot_now
+            data, snapshot.gpus, fair, now, safety, conditions, boot_now
         )
         for entry in data.jobs:
             if entry.id in budgets and data.mine(entry):

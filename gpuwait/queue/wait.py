@@ -300,6 +300,19 @@ def _confirm_found(
     return lifecycle.confirm_admission(ledger, asked.id, asked, snapshot, holds)
 
 
+def _in_shared_ledger(ledger: Ledger, policy: WaitPolicy) -> WaitPolicy:
+    """How a job waits in a shared ledger: its queue in the site's order (`in_shared_ledger`),
+    and a warning where that is not the user's own."""
+    fair = policy.fair.in_shared_ledger()
+    if (fair.order is None) != (policy.fair.order is None):
+        own, site = ("fifo", "lookahead") if fair.order else ("lookahead", "fifo")
+        ledger.warnings.append(
+            f"queue_order = {own} of yours is not used in the shared ledger {ledger.directory}: "
+            f"everyone's queue there is in the site's order, {site}"
+        )
+    return policy._replace(fair=fair)
+
+
 def wait_for_admission(
     ledger: Ledger,
     backend: Backend,
@@ -319,6 +332,8 @@ def wait_for_admission(
     """
     state_dir = ledger.directory
     summaries = wake.Summaries(state_dir, bool(ledger.shared))
+    if ledger.shared:
+        policy = _in_shared_ledger(ledger, policy)
     #: The job as it asked: a shared ledger's entry can be edited by any member of the group.
     asked = job
     #: Each summary's release count as last seen (by its file).

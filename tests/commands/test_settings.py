@@ -11,7 +11,16 @@ def test_every_option_is_an_attribute_of_settings_in_the_same_order() -> None:
     names = [
         name
         for name in Settings._fields
-        if name not in ("sources", "config_file", "site_file", "site_wait", "site_safety", "notes")
+        if name
+        not in (
+            "sources",
+            "config_file",
+            "site_file",
+            "site_wait",
+            "site_safety",
+            "site_queue_order",
+            "notes",
+        )
     ]
     assert names == [option.name for option in OPTIONS]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.history import a_run
 from helpers.users import (
     clean_up,
     hidepid_prefix,
@@ -32,6 +33,7 @@ from helpers.users import (
 from helpers.waiting import process_state, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
+from gpuwait.history.learn import save_record
 from gpuwait.linux.proc import start_time
 from gpuwait.linux.security import control_refusal
 from gpuwait.queue.ledger import Ledger
@@ -535,6 +537,54 @@ def test_a_users_own_short_max_wait_does_not_put_their_jobs_first(server: Server
         time.sleep(0.02)
     # Bob's job, first in line, starts: her setting shortens nobody's wait but for her own plan.
     assert started == ["bobs-next"]
+
+
+def ran_before(server: Server, uid: int, **seconds: float) -> None:
+    """Three earlier runs of each of `uid`'s `--key KEY` jobs in their history, each as long
+    as `seconds` says."""
+    state = Path(server.envs[uid]["XDG_STATE_HOME"])
+    os.chown(state, 0, 0)  # written by root here, then given to the user
+    for key, length in seconds.items():
+        for n in range(3):
+            run = a_run(["sleep", "30"], "/", time.time() - 600 + n, job_id=f"{key}{n}", key=key)
+            save_record(state / "gpuwait", {**run, "run_seconds": length}, 64 * 2**20)
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", str(state)], check=True)
+
+
+def test_a_users_own_queue_order_does_not_leave_a_shared_card_idle(server: Server) -> None:
+    # The site keeps the default order (lookahead), which starts Alice's short job before
+    # Bob's long one; Alice has set queue_order = fifo for herself, which starts his first.
+    # (A plan budget no busy machine runs out of: every plan is searched to its end.)
+    server.site_config('fair_share_half_life = "none"\nplan_budget = "30s"\n')
+    ran_before(server, BOB, long=300.0)
+    ran_before(server, ALICE, short=5.0)
+    holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(2)
+    argv = ["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"]
+    env = {**server.envs[ALICE], "GPUWAIT_QUEUE_ORDER": "fifo"}
+    alice = popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True)
+    server.procs.append(alice)
+    server.wait_jobs(3)
+    os.killpg(holder.pid, signal.SIGTERM)
+    holder.communicate(timeout=10)
+    # The card is free: one of them starts (each user's gpuwait starts only their own jobs,
+    # so under two orders each waited for the other's job, Bob's for 100 minutes, his wait
+    # budget), and it is the one the site's order starts.
+    wait_for(
+        lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
+        timeout=10,
+        message=lambda: f"a job started on the idle card: {server.jobs()}",
+    )
+    running = [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
+    assert running == [(ALICE, "short")]
+    os.killpg(alice.pid, signal.SIGTERM)
+    _, err = alice.communicate(timeout=10)
+    assert (
+        "gpuwait: warning: queue_order = fifo of yours is not used in the shared ledger "
+        f"{server.ledger_dir}: everyone's queue there is in the site's order, lookahead\n"
+    ) in err
 
 
 def test_a_users_stricter_safety_keeps_the_card_no_emptier_than_the_sites(
