@@ -115,7 +115,7 @@ def run(options: argparse.Namespace) -> int:
         adopted_history=str(settings.state_path),
         adopted_commands=settings.history_commands,
     )
-    job = lifecycle.adopt(ledger, job)
+    job = lifecycle.adopt(ledger, job, snapshot.gpus, settings.fair_share().limits)
     indexes = ",".join(str(g.index) for g in snapshot.gpus if g.uuid in using)
     each = reserved_on_each(job, snapshot.gpus)
     held = f"{each} reserved" if each else f"{format_size(reserved)} reserved on GPU {indexes}"

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
-from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan
+from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, UserLimits, user_holdings
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
@@ -24,7 +24,7 @@ from gpuwait.history.store import find_outcome
 from gpuwait.linux import pidns, proc, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
-from gpuwait.queue.fairness import user_usage
+from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
 UTIL_WINDOW = 5
@@ -366,6 +366,23 @@ def claims_for(
         )
         for j in data.jobs
     ]
+
+
+def adoption_over_limit(
+    data: LedgerData, job: Job, gpus: Sequence[GpuSnapshot], limits: UserLimits | None
+) -> str | None:
+    """Why adopting `job` (a running process, `gpuwait adopt`) with its reservation would take
+    its user over their VRAM limit, counted as plans count what a user holds; None where it
+    would not, or where it reserves no more than it uses on each of its GPUs: what it uses is
+    held whatever the limit, and adopting it only says whose it is."""
+    if limits is None or limits.max_vram is None:
+        return None
+    if all(job.reserved_on(uuid) <= job.observed.get(uuid, 0) for uuid in job.gpu_uuids):
+        return None
+    claims = claims_for(data, gpus, NO_FAIR_SHARE, time.time(), proc.boot_clock())
+    _, held = user_holdings(claims).get(machine_user(job), (0, 0))
+    # The GPUs it is on are held already, adopted or not: only its VRAM is asked for.
+    return UserLimits(max_vram=limits.max_vram).refusal(0, held, 0, job.reserved_in_all())
 
 
 def _safety_believed(claim: Claim, mine: bool, floor: float | None) -> Claim:

@@ -29,7 +29,7 @@ from pathlib import Path
 from signal import SIGCONT, SIGTERM
 from typing import Any
 
-from gpuwait.core.errors import AlreadyQueued, StateError, UsageError
+from gpuwait.core.errors import AlreadyQueued, ImpossibleRequest, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice, still_pending
@@ -38,10 +38,12 @@ from gpuwait.core.policy import (
     Conditions,
     FairShare,
     Plan,
+    UserLimits,
     WaitReason,
     describe_need,
 )
 from gpuwait.core.record import Record
+from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import alive, pidns, proc, userns
 from gpuwait.linux.security import (
@@ -60,6 +62,7 @@ from gpuwait.queue.bookkeeping import (
     Finished,
 )
 from gpuwait.queue.conditions import (
+    adoption_over_limit,
     busy_gpus,
     plan_ledger,
     planned_claims,
@@ -496,15 +499,30 @@ def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:
             )
 
 
-def adopt(ledger: Ledger, job: Job) -> Job:
+def adopt(
+    ledger: Ledger,
+    job: Job,
+    gpus: Sequence[GpuSnapshot] = (),
+    limits: UserLimits | None = None,
+) -> Job:
     """Put `job`, a running process started without gpuwait, in the ledger as a running job.
 
     Its entry names the process itself as its gpuwait and its command, so the reaping of every
     transaction takes it out (and records its run in the history) once it has ended. Raises
-    UsageError when the process already belongs to a job, StateError at the cap.
+    UsageError when the process already belongs to a job, ImpossibleRequest where reserving
+    more than it uses would take its user over their VRAM limit (`limits`, on `gpus`: it
+    cannot wait to be under it, as a job does), StateError at the cap.
     """
     with _change(ledger) as (data, said):
         refuse_a_jobs_process(data, job.pid)
+        over = adoption_over_limit(data, job, gpus, limits)
+        if over is not None:
+            raise ImpossibleRequest(
+                f"process {job.pid} with {format_size(job.reserved_in_all())} reserved would "
+                f"go over {over}",
+                hint="reserve less (--vram), or adopt it without --vram: what it uses counts "
+                "whatever the limit; the limit is the site's",
+            )
         mine = sum(1 for j in data.jobs if j.uid == job.uid)
         if mine >= MAX_ENTRIES_PER_UID:
             raise StateError(

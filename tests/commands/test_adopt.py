@@ -17,7 +17,7 @@ from helpers import users
 from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim_job
 from helpers.waiting import ledger_entries, wait_for
 
-from gpuwait.core.errors import EXIT_NOT_PERMITTED, EXIT_USAGE
+from gpuwait.core.errors import EXIT_IMPOSSIBLE, EXIT_NOT_PERMITTED, EXIT_USAGE
 
 GiB = 2**30
 
@@ -129,6 +129,38 @@ def test_adopted_use_counts_once(
     finally:
         job.kill()
         job.wait()
+
+
+def test_an_adopted_reservation_stays_within_the_sites_per_user_limit(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str], isolated_dirs: Path
+) -> None:
+    sim = sim_file(gpus=1)
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "10GiB"\n')
+    first = subprocess.Popen([*gpuwait_cmd, "-q", "--vram", "6G", "--", "sleep", "30"])
+    notebook = bare_job(sim, "--vram", "2G", "--hold", "30s")
+    try:
+        wait_for(lambda: [e["state"] for e in ledger_entries()] == ["running"])
+        # 6 GiB held and 8 GiB more reserved for a process that uses 2 GiB: over the 10 GiB a
+        # user may hold, which `gpuwait --vram 8G` would wait for. Adopting cannot wait.
+        over = run_gpuwait("adopt", str(notebook.pid), "--vram", "8G")
+        assert over.returncode == EXIT_IMPOSSIBLE
+        assert over.stderr.splitlines() == [
+            f"gpuwait: error: process {notebook.pid} with 8.0 GiB reserved would go over your "
+            "per-user limit of 10.0 GiB (6.0 GiB held)",
+            "gpuwait: hint: reserve less (--vram), or adopt it without --vram: what it uses "
+            "counts whatever the limit; the limit is the site's",
+        ]
+        assert len(ledger_entries()) == 1
+        # What it uses is counted as it is, limit or not: adopting it only says whose it is.
+        done = run_gpuwait("adopt", str(notebook.pid))
+        assert done.returncode == 0, done.stderr
+        assert len(ledger_entries()) == 2
+    finally:
+        for process in (first, notebook):
+            process.kill()
+            process.wait()
 
 
 ON_TWO_CARDS = (
