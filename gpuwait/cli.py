@@ -89,16 +89,19 @@ def _take_turn(args: Sequence[str]) -> None:
 YOUNG_COLLECTION_THRESHOLD = 50_000
 
 
-def _plug_closed_standard_fds() -> None:
+def _plug_closed_standard_fds() -> bool:
     """Put /dev/null, close-on-exec, on each of stdin, stdout and stderr that gpuwait was started
     without (`gpuwait ... <&- >&- 2>&-`, some daemons and cron wrappers). Left free, the first
     file gpuwait opens would take its number: the job's liveness lock, which the command
     inherits, would become the command's stderr. Closed on exec, the command still finds the
-    descriptor closed, as it would bare, and gpuwait's own messages go nowhere."""
+    descriptor closed, as it would bare, and gpuwait's own messages go nowhere. Returns whether
+    stdout was closed: a report written there is lost (`_checked_stdout`)."""
+    closed = set()
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
         except OSError:
+            closed.add(fd)
             plug = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
             if plug != fd:
                 os.dup2(plug, fd, inheritable=False)
@@ -110,6 +113,7 @@ def _plug_closed_standard_fds() -> None:
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     if sys.stderr is None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    return 1 in closed
 
 
 def _show_what_the_locale_cannot() -> None:
@@ -124,16 +128,20 @@ def _show_what_the_locale_cannot() -> None:
             reconfigure(errors="replace")
 
 
-def _checked_stdout() -> None:
+def _checked_stdout(closed: bool) -> None:
     """Make sys.stdout one whose failures are told apart (OutputError), as it was otherwise: a
-    report that cannot be written (a full disk behind `> file`) is said in one line, not a
-    traceback, nor an exit status of 0 with nothing written."""
+    report that cannot be written (a full disk behind `> file`, or a stdout gpuwait was started
+    without, `closed`) is said in one line, not a traceback, nor an exit status of 0 with
+    nothing written."""
+    import errno
     import io
 
     from gpuwait.core.errors import OutputError
 
     class Output(io.FileIO):
         def write(self, data: Any) -> int:
+            if closed:
+                raise OutputError(errno.EBADF, os.strerror(errno.EBADF))
             try:
                 return super().write(data)
             except (BrokenPipeError, BlockingIOError, InterruptedError):
@@ -196,9 +204,9 @@ def entry_point() -> NoReturn:
     import contextlib
     import gc
 
-    _plug_closed_standard_fds()
+    stdout_closed = _plug_closed_standard_fds()
     _show_what_the_locale_cannot()
-    _checked_stdout()
+    _checked_stdout(stdout_closed)
     _undo_locale_coercion()
     try:
         _take_turn(sys.argv[1:])

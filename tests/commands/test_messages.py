@@ -417,6 +417,22 @@ def test_output_that_cannot_be_written_is_said_in_one_line(sim: Path, report: li
     )
 
 
+@pytest.mark.parametrize("report", [["--version"], ["--help"], ["status"]], ids=" ".join)
+def test_output_to_a_closed_stdout_is_said_in_one_line(sim: Path, report: list[str]) -> None:
+    """`gpuwait status >&-` (a cron line or a script that closed its stdout): the report went
+    nowhere, and the status says so, as `ls >&-` does, rather than 0 with nothing written."""
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", *GPUWAIT, *report],
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (
+        EXIT_USAGE,
+        "gpuwait: error: cannot write the output: Bad file descriptor\n",
+    )
+
+
 # -- another user's simulation -------------------------------------------------------------------
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
