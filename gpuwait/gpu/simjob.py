@@ -4,7 +4,9 @@ It behaves as a CUDA job does towards gpuwait: it takes device 0 of what CUDA_VI
 shows it, claims its memory on that card (at once or ramping up), and dies with a PyTorch-style
 out-of-memory error when the card is full. A card over-committed by gpuwait therefore shows up as a
 failed job, not as a passing test. Where its card's compute mode keeps it out (prohibited, or
-exclusive-process with another process on the card already), it fails as CUDA does.
+exclusive-process with another process on the card already), it fails as CUDA does. With
+`--gpus N` it is a data-parallel job: a process per GPU, as torchrun starts its ranks, so that a
+gang over-committed on any of its cards fails too.
 
 It also keeps to the budgets the real frameworks keep to (`--framework`, docs/budgets.md): as
 PyTorch, the allocator cap (`per_process_memory_fraction` in PyTorch's allocator settings, or
@@ -33,7 +35,7 @@ from typing import Any, NoReturn
 from gpuwait import checkpoint
 from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
-from gpuwait.core.sizes import parse_duration, parse_size, parse_whole
+from gpuwait.core.sizes import MAX_GPUS, parse_duration, parse_size, parse_whole
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
 from gpuwait.core.text import nearest
 from gpuwait.gpu.sim import (
@@ -107,6 +109,19 @@ def _main(args: argparse.Namespace) -> int:
     if args.checkpoint and os.path.isdir(args.checkpoint):
         _error(f"gpuwait sim job: --checkpoint {args.checkpoint} is a directory; give a file")
         return 2
+    if args.gpus > 1:
+        if args.report or args.checkpoint:
+            _error(
+                "gpuwait sim job: --report and --checkpoint take a job of one GPU: leave "
+                "them out with --gpus"
+            )
+            return 2
+        return _ranks(config, args)
+    return _one(config, args)
+
+
+def _one(config: SimConfig, args: argparse.Namespace) -> int:
+    """The job on CUDA device 0 of what this process sees."""
     start = proc.start_time(os.getpid())
     if start is None:
         _error("gpuwait sim job: cannot read this process's start time from /proc")
@@ -118,6 +133,57 @@ def _main(args: argparse.Namespace) -> int:
         job.write_report()
         return 1
     return _run(job, args)
+
+
+def _ranks(config: SimConfig, args: argparse.Namespace) -> int:
+    """`--gpus N`: a data-parallel job as torchrun starts one, a process per GPU (its rank),
+    each on one of the first N devices this process sees. A rank that fails (out of memory)
+    ends the others, and the job ends with its status; a signal to the job ends them all."""
+    visible = cuda_visible_gpus(config, os.environ)
+    if len(visible) < args.gpus:
+        _error(CUDA_NO_ORDINAL)
+        return 1
+    ranks: dict[int, int] = {}
+    try:
+        for rank, gpu in enumerate(visible[: args.gpus]):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_rank(config, args, gpu.uuid))
+            ranks[pid] = rank
+        status = 0
+        while ranks:
+            pid, how = os.waitpid(-1, 0)
+            if ranks.pop(pid, None) is None:
+                continue
+            code = os.waitstatus_to_exitcode(how)
+            if code != 0 and status == 0:
+                status = code if code > 0 else 128 - code
+                _signal_ranks(ranks, signal.SIGTERM)
+        return status
+    except _Signalled as received:
+        _signal_ranks(ranks, received.signum)
+        for pid in ranks:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        raise
+
+
+def _rank(config: SimConfig, args: argparse.Namespace, uuid: str) -> int:
+    """One rank of `_ranks`, in its own process: the job on the GPU `uuid` alone."""
+    try:
+        os.environ["CUDA_VISIBLE_DEVICES"] = uuid
+        return _one(config, args)
+    except _Signalled as received:
+        return _die_by(received.signum)
+    except BaseException:  # its parent's stack is above it: said, and never returned into
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+def _signal_ranks(ranks: Mapping[int, int], signum: int) -> None:
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 #: How long a job starting while its simulation file is being saved reads it again.
@@ -176,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STATUS",
         help="exit status at the end, 0-255 (default: 0)",
     )
+    parser.add_argument(
+        "--gpus",
+        default=1,
+        type=_gpus_arg,
+        metavar="N",
+        help="a data-parallel job: a process per GPU, each taking --vram on one of the first N "
+        "devices it sees, as torchrun's ranks do (default: 1)",
+    )
     parser.add_argument("--report", metavar="FILE", help="write a JSON report here at the end")
     parser.add_argument(
         "--framework",
@@ -216,6 +290,13 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _gpus_arg(text: str) -> int:
+    try:
+        return parse_whole(text, 1, MAX_GPUS)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _exit_arg(text: str) -> int:
     try:
         return parse_whole(text, 0, 255)
@@ -237,6 +318,8 @@ def _error(line: str) -> None:
 #: What CUDA says where the card's compute mode keeps the process out: prohibited, or
 #: exclusive-process with another process on it already.
 CUDA_BUSY = "CUDA error: all CUDA-capable devices are busy or unavailable"
+#: What CUDA says where a program asks for a device it does not see (a rank past the last).
+CUDA_NO_ORDINAL = "CUDA error: invalid device ordinal"
 #: What CUDA says on a card that failed (fallen off the bus: NVML's "GPU is lost").
 CUDA_LOST = "CUDA error: unspecified launch failure"
 

@@ -605,3 +605,53 @@ def test_memory_the_driver_keeps_is_used_by_no_process(
     assert done.returncode == 0, done.stderr
     rc, _, err = finish(start_sim_job("--vram", "7.5G", "--hold", "0"))
     assert rc == 1 and "CUDA out of memory" in err, err
+
+
+# --- data-parallel jobs: one process per GPU ---------------------------------------------------
+
+
+def test_a_data_parallel_job_holds_its_memory_on_each_of_its_gpus(
+    sim_file: SimFileFactory,
+) -> None:
+    # As torchrun's ranks: one process per GPU, each allocating on its own, all of them the
+    # job's (gpuwait finds them in its process tree); a signal to the job ends them all.
+    path = sim_file(gpus=2)
+    job = start_sim_job("--gpus", "2", "--vram", "4G", "--hold", "30s")
+    try:
+        wait_for(lambda: gpu_used(path, 0) == gpu_used(path, 1) == 4 * GiB, timeout=15)
+        ranks = [set(snapshot(path)[i][1]) for i in (0, 1)]
+        assert all(len(pids) == 1 for pids in ranks) and ranks[0] != ranks[1]
+        assert all(proc.parent_pid(pid) == job.pid for pids in ranks for pid in pids)
+        job.terminate()
+        assert finish(job) == (-signal.SIGTERM, "", "")
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert snapshot(path) == {0: (0, {}), 1: (0, {})}
+
+
+def test_a_data_parallel_job_runs_out_of_memory_on_any_of_its_gpus(
+    sim_file: SimFileFactory,
+) -> None:
+    # Over-admission on its second card shows up as an out-of-memory failure of the job, as it
+    # would for a real gang, and its other rank is ended with it.
+    path = sim_file(gpus=2)
+    other = start_sim_job("--vram", "16G", "--hold", "30s", env={"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        wait_for(lambda: gpu_used(path, 1) == 16 * GiB, timeout=15)
+        rc, out, err = finish(start_sim_job("--gpus", "2", "--vram", "16G", "--hold", "30s"))
+    finally:
+        other.kill()
+        other.wait()
+    assert (rc, out) == (1, "")
+    (line,) = err.splitlines()
+    assert line.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ")
+    assert gpu_used(path, 0) == 0
+
+
+def test_a_data_parallel_job_on_fewer_gpus_than_it_needs_fails_as_cuda_does(
+    sim_file: SimFileFactory,
+) -> None:
+    sim_file(gpus=2)
+    job = start_sim_job("--gpus", "2", "--vram", "1G", env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert finish(job) == (1, "", "CUDA error: invalid device ordinal\n")
