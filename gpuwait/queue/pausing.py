@@ -21,6 +21,7 @@ from gpuwait.core.policy import (
     Claim,
     GpuRoom,
     UserLimits,
+    closed,
     gpu_rooms,
     need_on,
     over_limit,
@@ -72,6 +73,11 @@ def _running_view(
             )
         )
     return views
+
+
+def without_jobs(room: GpuRoom) -> GpuRoom:
+    """`room` as it would be with no gpuwait job running on it (what is used outside stays)."""
+    return room._replace(committed=0, running_jobs=0, exclusive_held=False)
 
 
 def _expected_wait(claims: Sequence[Claim], need: dict[str, int]) -> float | None:
@@ -155,6 +161,13 @@ def ask_for_room(
         need = {}
         for uuid, room in rooms.items():
             bytes_needed = need_on(my_claim, room)
+            if my_claim.exclusive or closed(room):
+                # A whole GPU wanted, or a card a job has to itself (a whole GPU's, or any on a
+                # card that takes one process at a time): the waiter fits only once every job
+                # there has stepped aside, so it needs all the room the card would then have.
+                emptied = without_jobs(room)
+                fits = need_on(my_claim, emptied)
+                bytes_needed = emptied.room if fits is not None and fits <= emptied.room else None
             if bytes_needed is not None:
                 need[uuid] = bytes_needed
         return choose_victims(

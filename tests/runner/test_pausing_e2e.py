@@ -182,6 +182,41 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
             p.wait()
 
 
+@pytest.mark.parametrize("whole", ["urgent", "long"])
+def test_a_whole_gpu_is_no_reason_to_ask_nobody_to_step_aside(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, whole: str
+) -> None:
+    # No --vram and no earlier runs: a whole GPU. Where the urgent job needed one, or the long
+    # job had one, nobody was asked, and the urgent job waited for the long one to end (a
+    # training run's hours), pausable as that was.
+    sized: dict[str, list[str]] = {"urgent": [], "long": []}
+    sized["long" if whole == "urgent" else "urgent"] = ["--vram", "16G"]
+    job = [*gpuwait_cmd, "sim", "job", "--vram", "16G"]
+    checkpoint = ["--checkpoint", str(tmp_path / "progress.json")]
+    options = ["-q", "--priority", "1", "--pausable", *sized["long"]]
+    low = subprocess.Popen(
+        [*gpuwait_cmd, *options, "--", *job, "--hold", "30s", *checkpoint],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        options = ["-q", "--priority", "5", "--timeout", "10s", *sized["urgent"]]
+        urgent = subprocess.Popen(
+            [*gpuwait_cmd, *options, "--", *job, "--hold", "0s"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _, err = urgent.communicate(timeout=60)
+        assert urgent.returncode == 0, err
+        kinds = [e["kind"] for e in events()]
+        assert "pause-request" in kinds and "paused" in kinds, kinds
+    finally:
+        low.kill()
+        low.wait()
+
+
 def test_young_jobs_are_not_paused(
     sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
