@@ -49,6 +49,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from helpers.users import make_shared_ledger_dir, shared_root, user_argv, user_home  # noqa: E402
 
+from gpuwait.linux import proc  # noqa: E402
 from gpuwait.queue.ledger import Ledger  # noqa: E402
 
 GIB = 2**30
@@ -422,25 +423,11 @@ def _lock_holders(lock_path: Path) -> set[int]:
 
 
 def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(raw[raw.rfind(")") + 2 :].split()[1])
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
+    return proc.children_map()
 
 
 def _alive(pid: int) -> bool:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return raw[raw.rfind(")") + 2] not in "ZX"
+    return proc.is_alive(pid, None)
 
 
 class Checker:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
+from helpers.waiting import wait_for
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -46,3 +48,22 @@ def test_a_hostile_member_forges_swaps_and_locks_while_two_users_work() -> None:
     assert done["forged_entries"] > 0 and done["forged_requests"] > 0, done
     assert done["swaps"] > 0 and done["lock_holds"] > 0, done
     assert figures.forgeries_counted == 0 and figures.hangs == 0
+
+
+def test_the_checker_reads_processes_whose_names_are_not_text() -> None:
+    # Another program on the machine named itself with bytes that are no UTF-8 (a name cut
+    # mid-character, as the kernel's 15 bytes do): the checker's look at /proc crashed the run.
+    import subprocess
+
+    import torture
+
+    name = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'run_\\xe5\\xad', 0, 0, 0); "
+    odd = subprocess.Popen([sys.executable, "-c", name + "time.sleep(30)"])
+    comm = Path(f"/proc/{odd.pid}/comm")
+    try:
+        wait_for(lambda: comm.read_bytes() == b"run_\xe5\xad\n")
+        assert odd.pid in torture._children()[os.getpid()]
+        assert torture._alive(odd.pid)
+    finally:
+        odd.kill()
+        odd.wait()
