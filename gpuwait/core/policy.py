@@ -136,7 +136,8 @@ class Claim(Record, frozen=True):
     expected_seconds: float | None = None
     #: Expected run time on particular GPUs (UUID -> seconds), for adaptive-throughput.
     expected_by_gpu: Mapping[str, float] = MappingProxyType({})
-    #: Seconds a running job has run so far.
+    #: Seconds a running job has run so far (its earlier runs' work included, where it
+    #: stepped aside or was frozen).
     ran: float = 0.0
     #: GPUs this waiter held as the queue's head at the last plan; holds stick to their GPUs.
     held: tuple[str, ...] = ()

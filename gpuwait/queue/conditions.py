@@ -258,7 +258,8 @@ def claim_of(
     Taking `observed` from the snapshot (not from the ledger's last published figure) keeps
     `external` and `committed` consistent with each other: nothing is counted twice, and
     nothing allocated since the snapshot can be subtracted from a reading that lacks it.
-    A running job's expected time is what is left of it at `now` (never below zero). `tree`:
+    A job's expected time is what is left of it at `now` (never below zero): of a running job,
+    less the time since its start; of one that resumes, less what its earlier runs did. `tree`:
     more processes of the job's, found since it last published its pids (`unpublished_pids`).
     Durations are measured on the boot clock where the entry and `boot_now` allow
     (entries.since): without `now`, both clocks are read.
@@ -268,14 +269,13 @@ def claim_of(
     named = {*job.pids} if job.child_pid is None else {*job.pids, job.child_pid}
     pids = _from_elsewhere(job, gpus, named) if elsewhere(job) else {*named, *tree}
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
-    expected = job.expected_seconds
-    expected_by_gpu = job.expected_by_gpu
     elapsed = 0.0
     if job.state == RUNNING and job.started_at is not None:
         elapsed = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
-        if expected is not None:
-            expected = max(0.0, expected - elapsed)
-        expected_by_gpu = {u: max(0.0, s - elapsed) for u, s in expected_by_gpu.items()}
+    # A job that stepped aside, or was frozen, resumes the work its earlier runs left.
+    done = elapsed + job.done_seconds
+    expected = None if job.expected_seconds is None else max(0.0, job.expected_seconds - done)
+    expected_by_gpu = {u: max(0.0, s - done) for u, s in job.expected_by_gpu.items()}
     return Claim(
         job_id=job.id,
         running=job.state == RUNNING,
@@ -299,7 +299,8 @@ def claim_of(
         blocked=blocked,
         expected_seconds=expected,
         expected_by_gpu=dict(expected_by_gpu),
-        ran=elapsed,
+        # What it has run in all: one past its expected end runs on for a share of that.
+        ran=done,
         held=tuple(job.held_gpus),
         weights=dict(job.weights),
         # Per-user limits hold a user of the machine: a rootless container's uid 0 and its

@@ -135,6 +135,10 @@ class Job(Record):
     yield_to: str | None = None
     #: Seconds this command takes to load to its peak (history), the cost of pausing it.
     load_seconds: float | None = None
+    #: Seconds of its work its earlier runs did: each run that ended stepping aside (less its
+    #: load time, spent again on resuming), and the run it was frozen after. Its expected run
+    #: time is a whole run's: what is left of it is that less this.
+    done_seconds: float = 0.0
     #: Freezing (`--freezable`, docs/freezing.md): asked to step aside, the job's own gpuwait
     #: moves its device memory to host memory and stops it. A frozen job waits (its memory is
     #: off the card) since `frozen_at`, pinned to the GPUs it had (`frozen_gpus`): its memory
@@ -280,6 +284,7 @@ class Job(Record):
             boost=_int(raw, "boost", 0, 5) if "boost" in raw else 0,
             yield_to=None if raw.get("yield_to") is None else _text(raw, "yield_to"),
             load_seconds=_seconds(raw.get("load_seconds")),
+            done_seconds=_lenient_seconds(raw.get("done_seconds")) or 0.0,
             freezable=raw.get("freezable") is True,
             frozen_at=_seconds(raw.get("frozen_at")),
             frozen_gpus=_text_list(raw, "frozen_gpus") if "frozen_gpus" in raw else [],

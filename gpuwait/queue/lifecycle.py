@@ -940,6 +940,8 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
         _queued_again(mine, time.time())
+        # Its checkpoint keeps the run's work, but not its load: resuming loads again.
+        mine.done_seconds += max(0.0, run_seconds - (mine.load_seconds or 0.0))
         mine.pauses += 1
         said.append(
             (
@@ -979,6 +981,10 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
         mine.state = WAITING
+        if mine.started_at is not None:
+            # Its memory comes back as it was: the run's work is all kept.
+            ran = since(mine.started_at, mine.started_boot, now, proc.boot_clock())
+            mine.done_seconds += max(0.0, ran)
         mine.frozen_at, mine.frozen_gpus = now, gpus
         mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
         mine.reserved_by_gpu = {}

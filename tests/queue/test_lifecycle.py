@@ -21,11 +21,13 @@ from gpuwait.core.lookahead import Lookahead
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.linux import proc
 from gpuwait.queue import events, lifecycle
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
+from gpuwait.queue.report import View, report_from
 
 GiB = 2**30
 MACHINE = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),))
@@ -433,3 +435,58 @@ def test_a_job_after_more_unfinished_jobs_than_an_entry_holds_is_refused(tmp_pat
     with pytest.raises(UsageError, match="names 1030 jobs that have not ended, more than the 1024"):
         lifecycle.submit(ledger, live_job("report"), [], ["sweep"], tmp_path, ["x"])
     assert ledger.read().find("report") is None
+
+
+def _expected_left(ledger: Ledger, job_id: str) -> float | None:
+    """What `gpuwait status --json` says is left of the job's expected run time."""
+    report = report_from(MACHINE, ledger.read(), time.time(), View(0.9), boot_now=proc.boot_clock())
+    (shown,) = [j for j in report["jobs"] if j["id"] == job_id]
+    left = shown["expected_remaining_seconds"]
+    return None if left is None else float(left)
+
+
+def test_a_resumed_job_is_expected_to_end_after_what_its_earlier_runs_left(tmp_path: Path) -> None:
+    """A --pausable job of 10 minutes that checkpointed after 500 s resumes with 100 s of work
+    left, and 20 s to load its checkpoint: not with its whole 10 minutes ahead of it, as status
+    showed, and as waiters behind it and those deciding whether to ask it to step aside again
+    counted."""
+    ledger = Ledger(tmp_path)
+    long = live_job(
+        "long",
+        pausable=True,
+        request={"bytes": 16 * GiB},
+        expected_seconds=600.0,
+        load_seconds=20.0,
+    )
+    job = lifecycle.submit(ledger, long, [], [], tmp_path, ["x"])
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    job = lifecycle.started(ledger, job, os.getpid())
+    assert _expected_left(ledger, "long") == pytest.approx(600, abs=5)
+    job = lifecycle.step_aside(ledger, job, 500.0)
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    lifecycle.started(ledger, job, os.getpid())
+    assert _expected_left(ledger, "long") == pytest.approx(120, abs=5)
+
+
+def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(tmp_path)
+    long = live_job("long", freezable=True, request={"bytes": 16 * GiB}, expected_seconds=600.0)
+    job = lifecycle.submit(ledger, long, [], [], tmp_path, ["x"])
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    job = lifecycle.started(ledger, job, os.getpid())
+    # Frozen after 500 s: its memory comes back as it was, with nothing to load again.
+    with ledger.transaction() as data:
+        entry = data.find("long")
+        assert entry is not None and entry.started_boot is not None
+        entry.started_at = time.time() - 500
+        entry.started_boot -= 500
+    job = lifecycle.freeze(ledger, job, [os.getpid()], time.time())
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    lifecycle.thaw(ledger, job, time.time())
+    assert _expected_left(ledger, "long") == pytest.approx(100, abs=5)
