@@ -323,7 +323,12 @@ def wait_for_admission(
     on_reason: Callable[[WaitReason], None],
     around: Surroundings | None = None,
 ) -> tuple[Job, WaitOutcome]:
-    """Block until `job` is admitted, the monotonic `deadline` passes, or a signal arrives.
+    """Block until `job` is admitted, `deadline` passes, or a signal arrives.
+
+    `deadline` is on the boot clock (proc.boot_clock): a wall clock stepped meanwhile moves
+    it neither way, and the time the machine was suspended counts, as it does for
+    `timeout(1)`: a laptop woken after the night does not wait on for what was left of a
+    `--timeout` when it was closed, nor start the command hours after it.
 
     Also ends when the job is cancelled, a dependency it needs to succeed fails, or (`around`:
     what ties this process to running jobs) it would wait behind a job that ends only after it.
@@ -342,6 +347,9 @@ def wait_for_admission(
     held_back: float | None = None
     next_read = 0.0
     next_own = 0.0
+    #: Whether it has looked for room once: a deadline passed before that (`--timeout 0`)
+    #: still lets a job that fits at once start.
+    tried = False
     reason: WaitReason | None = None
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
@@ -419,6 +427,11 @@ def wait_for_admission(
     def admitted(found: Admitted) -> tuple[Job, WaitOutcome]:
         return found.job, found
 
+    def timed_out() -> tuple[Job, WaitOutcome]:
+        # Admitted by another waiter's plan at the last moment: then it runs.
+        late = trusted(_admitted_by_another(ledger, job, last))
+        return admitted(late) if late is not None else (job, TimedOut(reason))
+
     retry = GpuRetry(policy.gpu_error_timeout)
 
     def failing(exc: BackendUnavailable) -> tuple[WaitReason, float]:
@@ -435,6 +448,9 @@ def wait_for_admission(
 
     try:
         while True:
+            if deadline is not None and tried and proc.boot_clock() >= deadline:
+                # Passed while it slept (a suspended machine wakes up): no plan after it.
+                return timed_out()
             now = time.monotonic()
             event = False
             check_admitted = False
@@ -502,6 +518,7 @@ def wait_for_admission(
                 for seen in summaries.current():
                     last_release[seen.source] = seen.release
                     queue_length = len(seen.waiting)
+                tried = True
                 try:
                     outcome = attempt()
                 except BackendUnavailable as exc:
@@ -549,11 +566,9 @@ def wait_for_admission(
                 max(0.0, wake_at - time.monotonic()) if kicked or watching else policy.poll_interval
             )
             if deadline is not None:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - proc.boot_clock()
                 if remaining <= 0:
-                    # Admitted by another waiter's plan at the last moment: then it runs.
-                    late = trusted(_admitted_by_another(ledger, job, last))
-                    return admitted(late) if late is not None else (job, TimedOut(reason))
+                    return timed_out()
                 sleep = min(sleep, remaining)
             also = (watch.wake_signal,) if watch is not None and watching else ()
             # Waiting, this launch has had its turn: the next one in the turnstile loads now.

@@ -246,7 +246,7 @@ class FreezeResponder:
                         self.backend,
                         job,
                         self.policy,
-                        deadline=time.monotonic() + spell,
+                        deadline=proc.boot_clock() + spell,
                         on_reason=said,
                     )
                 except BackendUnavailable as exc:  # readings failing past gpu_error_timeout

@@ -43,7 +43,7 @@ from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu import open_backend
 from gpuwait.history.learn import RequestChoice
-from gpuwait.linux import signals
+from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
@@ -330,13 +330,15 @@ def _hold(
                 return None
             session._show_warnings(ledger, reporter)
             waited_from = time.monotonic()
+            # The timeout counts a suspend (see wait_for_admission); the wait learned does not.
+            waited_from_boot = proc.boot_clock()
             try:
                 job, outcome = wait_for_admission(
                     ledger,
                     backend,
                     job,
                     wait,
-                    deadline=None if config.timeout is None else waited_from + config.timeout,
+                    deadline=None if config.timeout is None else waited_from_boot + config.timeout,
                     on_reason=said,
                     around=around,
                 )
@@ -347,13 +349,16 @@ def _hold(
                 reporter.waited()
                 session._show_warnings(ledger, reporter)
             waited = time.monotonic() - waited_from
+            waited_in_all = proc.boot_clock() - waited_from_boot
             if isinstance(outcome, Interrupted):
                 session._finish(ledger, job, INTERRUPTED, reporter)
                 raise WaitInterrupted(outcome.signum)
         if isinstance(outcome, TimedOut):
             session._finish(ledger, job, TIMED_OUT, reporter)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-            raise NotHeld(f"gave up after waiting {format_duration(waited)}{why}", EXIT_TIMEOUT)
+            raise NotHeld(
+                f"gave up after waiting {format_duration(waited_in_all)}{why}", EXIT_TIMEOUT
+            )
         if isinstance(outcome, Cancelled):
             by = outcome.by_uid
             someone = "" if by is None or by == job.uid else f" by uid {by}"

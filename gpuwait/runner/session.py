@@ -747,6 +747,8 @@ def _wait_and_run(
     while True:
         timeout = config.timeout
         waited_from = time.monotonic()
+        # The timeout counts a suspend (see wait_for_admission); the wait learned does not.
+        waited_from_boot = proc.boot_clock()
 
         def said(reason: WaitReason) -> None:
             # The ledger's warnings from the wait so far (a damaged file, an ignored edit) come
@@ -763,7 +765,7 @@ def _wait_and_run(
                 job,
                 config.wait,
                 # --timeout bounds the first wait only: a paused job always comes back.
-                deadline=None if timeout is None or job.pauses else waited_from + timeout,
+                deadline=None if timeout is None or job.pauses else waited_from_boot + timeout,
                 on_reason=said,
                 around=around,
             )
@@ -774,10 +776,11 @@ def _wait_and_run(
             reporter.waited()
             _show_warnings(ledger, reporter)
         wait_seconds = time.monotonic() - waited_from
+        waited_in_all = proc.boot_clock() - waited_from_boot
         if isinstance(outcome, TimedOut):
             _finish(ledger, job, TIMED_OUT, reporter)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-            reporter.error(f"gave up after waiting {format_duration(wait_seconds)}{why}")
+            reporter.error(f"gave up after waiting {format_duration(waited_in_all)}{why}")
             return _Ended(EXIT_TIMEOUT)
         if isinstance(outcome, Interrupted):
             # Leaving the queue must not keep a TERM or Ctrl-C waiting for the ledger lock: a

@@ -7,6 +7,7 @@ at once or never; measured by the monotonic clock it ends on time.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -73,6 +74,49 @@ def test_timeout_is_kept_while_the_wall_clock_jumps(full_gpu: Path) -> None:
     assert proc.returncode == 124, err
     assert "gave up after waiting 1.5s" in err
     assert 1.4 < elapsed < 10
+
+
+#: gpuwait on a machine that is suspended for two hours once the file named first exists: the
+#: boot clock (and the wall clock) count the two hours, the monotonic clock does not.
+SUSPENDED = """
+import os, sys
+from gpuwait.linux import proc
+real, flag = proc.boot_clock, sys.argv.pop(1)
+proc.boot_clock = lambda: real() + (7200 if os.path.exists(flag) else 0)
+from gpuwait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_timeout_counts_the_time_the_machine_was_suspended(
+    full_gpu: Path, tmp_path: Path
+) -> None:
+    """`--timeout 30m` on a laptop closed for the night: the wait ends when the machine wakes,
+    as `timeout 30m` does, rather than go on for the rest of its 30 minutes, and start the
+    command hours after the time the user gave it."""
+    woke = tmp_path / "woke"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUSPENDED, str(woke), "--vram", "4G", "--timeout", "30m", "true"],
+        env={**os.environ, "GPUWAIT_NVML_INTERVAL": "0.1s"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: proc.poll() is not None or asleep_waiting(proc.pid),
+            timeout=30,
+            message=lambda: f"gpuwait never slept waiting: {ledger_entries()}",
+        )
+        woke.touch()  # the machine was suspended, and has just woken up
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("after the suspend, gpuwait went on waiting for the rest of its 30 minutes")
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 124, err
+    assert "gave up after waiting 2h00m" in err
 
 
 def test_a_release_is_noticed_while_the_wall_clock_jumps(full_gpu: Path) -> None:
