@@ -8,8 +8,10 @@ shows idle long enough: owner, command line, and the gpuwait job they belong to,
 The file is the user's own and only ever a hint: lost or damaged, the evidence starts again.
 
 Its times are the machine's boot time (CLOCK_BOOTTIME, the same for every process, counting a
-suspend too), not the wall clock: a wall clock stepped forward (NTP) is no idleness. The
-processes it names are of this boot anyway (pid and start time).
+suspend too), not the wall clock: a wall clock stepped forward (NTP) is no idleness. The file
+names the boot it was written in: what an earlier boot saw is dropped, both its times, which
+were on that boot's clock, and its processes (pid and start time, which a process of this
+boot may have again: the same service, started again at the same tick).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
 from gpuwait.linux.atomic import remove_left_temp_files, write_atomic
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, of_an_earlier_boot
 
 IDLE_FILE = "idle.json"
 #: 2: times on the boot-time clock (1: the wall clock's, not read).
@@ -117,6 +119,8 @@ def _load(path: Path) -> Evidence:
         return {}
     if not isinstance(data, dict) or data.get("version") != _VERSION:
         return {}
+    if of_an_earlier_boot(data.get("boot")):
+        return {}
     found = data.get("evidence")
     if not isinstance(found, dict):
         return {}
@@ -128,7 +132,8 @@ def _load(path: Path) -> Evidence:
 
 
 def _save(state_dir: Path, path: Path, evidence: Evidence) -> None:
-    data = json.dumps({"version": _VERSION, "evidence": evidence}, sort_keys=True).encode()
+    written = {"version": _VERSION, "boot": proc.boot_id(), "evidence": evidence}
+    data = json.dumps(written, sort_keys=True).encode()
     try:
         security.ensure_private_dir(state_dir)
         write_atomic(path, data, sync=False)

@@ -14,6 +14,8 @@ from typing import Any
 from helpers.fixtures_sim import Run, SimFileFactory, hold_card, start_sim_job
 from helpers.waiting import wait_for
 
+from gpuwait.linux import proc
+
 GIB = 2**30
 #: Short, so the tests wait seconds and not the hour of the default.
 AFTER = 3.0
@@ -210,3 +212,27 @@ def test_a_wall_clock_stepped_forward_makes_nobody_idle(
     report = json.loads(done.stdout)
     assert report["idle"] == [], report
     assert [h["pid"] for h in report["watching"]] == [holder.pid]
+
+
+def test_evidence_left_by_an_earlier_boot_makes_nobody_idle(
+    sim_file: SimFileFactory,
+    run_gpuwait: Run,
+    sim_jobs: list[subprocess.Popen[str]],
+) -> None:
+    # A service started again after a reboot may get the pid and start time (ticks since boot)
+    # its predecessor had: the evidence the last boot left of that one (seen idle from the
+    # start of that boot) is no idleness of this one, just started.
+    sim_file(gpus=1, utilization=0)
+    began = proc.boot_clock()
+    holder = _watched_holder(run_gpuwait, sim_jobs)
+    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "idle.json"
+    found = json.loads(path.read_text())
+    (key,) = found["evidence"]
+    path.write_text(
+        json.dumps({**found, "evidence": {key: 0.0}, "boot": "c0ffee00-an-earlier-boot"})
+    )
+    done = run_gpuwait("idle", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    (seen,) = [h for h in report["idle"] + report["watching"] if h["pid"] == holder.pid]
+    assert seen["idle_seconds"] <= proc.boot_clock() - began
