@@ -18,6 +18,7 @@ from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import EXIT_IMPOSSIBLE, EXIT_NOT_PERMITTED, EXIT_USAGE
+from gpuwait.queue.ledger import Ledger
 
 GiB = 2**30
 
@@ -35,6 +36,13 @@ def bare_job(sim: Path, *args: str) -> subprocess.Popen[str]:
     return job
 
 
+def adopted(run_gpuwait: Run, pid: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """`gpuwait adopt PID ARGS`, which succeeds."""
+    done = run_gpuwait("adopt", str(pid), *args)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def status_json(run_gpuwait: Run) -> dict[str, object]:
     done = run_gpuwait("status", "--json")
     assert done.returncode == 0, done.stderr
@@ -48,8 +56,7 @@ def test_adopted_process_is_a_running_job_until_it_ends_then_in_history(
     sim = sim_file(gpus=1)
     job = bare_job(sim, "--vram", "6G", "--hold", "5s")
     try:
-        done = run_gpuwait("adopt", str(job.pid), "--name", "notebook")
-        assert done.returncode == 0, done.stderr
+        done = adopted(run_gpuwait, job.pid, "--name", "notebook")
         (entry,) = ledger_entries()
         assert done.stderr.startswith(f"gpuwait: adopted process {job.pid} as job {entry['id']}")
         assert "6.0 GiB reserved on GPU 0" in done.stderr
@@ -289,3 +296,26 @@ def test_other_members_of_a_shared_ledger_count_an_adopted_process() -> None:
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_an_adopted_process_is_recorded_with_its_run_time_whatever_the_wall_clock_did(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # NTP stepped the wall clock an hour forward while the adopted process ran (as if, by the
+    # wall clock, it had been adopted an hour earlier): its history said it ran for an hour.
+    sim = sim_file(gpus=1)
+    job = bare_job(sim, "--vram", "2G", "--hold", "30s")
+    try:
+        adopted(run_gpuwait, job.pid)
+        began = time.monotonic()
+        with Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").transaction() as data:
+            (entry,) = data.jobs
+            assert entry.started_at is not None
+            entry.submitted_at -= 3600
+            entry.started_at -= 3600
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+    assert status_json(run_gpuwait)["jobs"] == []  # taken out, its run recorded
+    (record,) = json.loads(run_gpuwait("history", "--json").stdout)
+    assert record["run_seconds"] <= time.monotonic() - began + 1
