@@ -110,6 +110,7 @@ def run(options: argparse.Namespace) -> int:
         started_at=now,
         submitted_boot=boot_now,
         started_boot=boot_now,
+        started_slept=proc.slept(boot_now),
         updated_at=now,
         name=options.name,
         adopted_history=str(settings.state_path),

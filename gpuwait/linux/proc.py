@@ -58,6 +58,7 @@ def _start_of(fields: list[str] | None) -> int | None:
 
 
 _OFFSET: list[tuple[float, int]] = []
+_MONOTONIC_OFFSET: list[float] = []
 
 
 def _boot_offset() -> tuple[float, int]:
@@ -66,19 +67,25 @@ def _boot_offset() -> tuple[float, int]:
     which /proc adds to every process's start time as this process reads it. (0, 0) in the
     machine's own namespace. Read once: a process never changes its time namespace."""
     if not _OFFSET:
-        seconds, ticks = 0.0, 0
-        try:
-            with open("/proc/self/timens_offsets", "rb") as f:
-                for line in f.read(4096).splitlines():
-                    fields = line.split()
-                    if len(fields) == 3 and fields[0] == b"boottime":
-                        nanoseconds = int(fields[1]) * 10**9 + int(fields[2])
-                        seconds = nanoseconds / 1e9
-                        ticks = nanoseconds * os.sysconf("SC_CLK_TCK") // 10**9
-        except (OSError, ValueError):
-            pass  # a kernel before time namespaces (5.6): the machine's clock
-        _OFFSET.append((seconds, ticks))
+        nanoseconds = _namespace_offsets().get(b"boottime", 0)
+        ticks = nanoseconds * os.sysconf("SC_CLK_TCK") // 10**9
+        _OFFSET.append((nanoseconds / 1e9, ticks))
     return _OFFSET[0]
+
+
+def _namespace_offsets() -> dict[bytes, int]:
+    """This process's time namespace's offsets of the machine's clocks, in nanoseconds, by
+    clock name (`boottime`, `monotonic`); none in the machine's own namespace."""
+    offsets: dict[bytes, int] = {}
+    try:
+        with open("/proc/self/timens_offsets", "rb") as f:
+            for line in f.read(4096).splitlines():
+                fields = line.split()
+                if len(fields) == 3:
+                    offsets[fields[0]] = int(fields[1]) * 10**9 + int(fields[2])
+    except (OSError, ValueError):
+        pass  # a kernel before time namespaces (5.6): the machine's clocks
+    return offsets
 
 
 def parent_pid(pid: int) -> int | None:
@@ -203,6 +210,24 @@ def boot_clock() -> float:
     took measures a duration in another, as long as the entry it is in was written in this boot
     (`boot_id`)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME) - _boot_offset()[0]
+
+
+def monotonic_clock() -> float:
+    """Seconds since the machine booted, suspended time left out (CLOCK_MONOTONIC, which
+    stops while the machine sleeps, as every process does), without this process's time
+    namespace's offset: the boot clock less it is how long the machine has slept since it
+    booted, the same for every process of one boot."""
+    if not _MONOTONIC_OFFSET:
+        _MONOTONIC_OFFSET.append(_namespace_offsets().get(b"monotonic", 0) / 1e9)
+    return time.clock_gettime(time.CLOCK_MONOTONIC) - _MONOTONIC_OFFSET[0]
+
+
+def slept(boot_now: float | None = None) -> float:
+    """How long the machine has been suspended since it booted, as of `boot_now` (a reading
+    of `boot_clock`, taken now if not given): the same for every process of one boot, so that
+    what two readings differ by is how long it slept between them."""
+    boot = boot_clock() if boot_now is None else boot_now
+    return max(0.0, boot - monotonic_clock())
 
 
 def is_alive(pid: int, expected_start: int | None) -> bool:

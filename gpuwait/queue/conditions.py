@@ -23,7 +23,7 @@ from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import pidns, proc, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, since
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, run_time, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
@@ -269,9 +269,8 @@ def claim_of(
     named = {*job.pids} if job.child_pid is None else {*job.pids, job.child_pid}
     pids = _from_elsewhere(job, gpus, named) if elsewhere(job) else {*named, *tree}
     observed = {g.uuid: g.process_bytes(pids) for g in gpus if g.uuid in job.gpu_uuids}
-    elapsed = 0.0
-    if job.state == RUNNING and job.started_at is not None:
-        elapsed = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
+    # Its run time, a suspend of the machine left out, as the history's run times leave it out.
+    elapsed = run_time(job, now, boot_now) if job.state == RUNNING else 0.0
     # A job that stepped aside, or was frozen, resumes the work its earlier runs left.
     done = elapsed + job.done_seconds
     expected = None if job.expected_seconds is None else max(0.0, job.expected_seconds - done)

@@ -91,6 +91,9 @@ class Job(Record):
     #: version, or not yet; then the wall clock measures.
     submitted_boot: float | None = None
     started_boot: float | None = None
+    #: How long the machine had been suspended since it booted when the job started (the boot
+    #: clock less the monotonic one): what it has slept since is no run time of the job's.
+    started_slept: float | None = None
     updated_at: float = 0.0
     #: `--name` and `--batch`.
     name: str | None = None
@@ -254,6 +257,7 @@ class Job(Record):
             started_at=None if raw.get("started_at") is None else _float(raw, "started_at"),
             submitted_boot=_lenient_seconds(raw.get("submitted_boot")),
             started_boot=_lenient_seconds(raw.get("started_boot")),
+            started_slept=_lenient_seconds(raw.get("started_slept")),
             updated_at=_float(raw, "updated_at"),
             name=None if raw.get("name") is None else _text(raw, "name"),
             batch=None if raw.get("batch") is None else _text(raw, "batch"),
@@ -365,6 +369,19 @@ def since(wall: float | None, boot: float | None, now: float, boot_now: float | 
         assert boot is not None and boot_now is not None
         return boot_now - boot
     return 0.0 if wall is None else now - wall
+
+
+def run_time(job: Job, now: float, boot_now: float | None) -> float:
+    """How long the running `job` has run since it (last) started: the time since then (see
+    `since`) less what of it the machine was suspended, when its command did not run either,
+    as the run times that the history learns leave it out. 0 for a job not started."""
+    if job.started_at is None:
+        return 0.0
+    elapsed = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
+    if job.started_slept is None or not _on_this_clock(job.started_boot, boot_now):
+        return elapsed
+    assert boot_now is not None
+    return max(0.0, elapsed - max(0.0, proc.slept(boot_now) - job.started_slept))
 
 
 def _on_this_clock(boot: float | None, boot_now: float | None) -> bool:

@@ -81,6 +81,7 @@ from gpuwait.queue.entries import (
     elsewhere,
     of_an_earlier_boot,
     pause_stamps,
+    run_time,
     since,
 )
 from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
@@ -619,6 +620,7 @@ def found_admission(mine: Job, snapshot: MachineSnapshot, data: LedgerData) -> A
 def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said: _Said) -> None:
     """Mark every job the plan admits as running, on its GPUs."""
     now, boot_now = time.time(), proc.boot_clock()
+    slept = proc.slept(boot_now)
     index = {g.uuid: g.index for g in snapshot.gpus}
     for entry in data.jobs:
         uuids = decided.admitted.get(entry.id)
@@ -634,7 +636,7 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))
         entry.started_at = entry.updated_at = now
-        entry.started_boot = boot_now
+        entry.started_boot, entry.started_slept = boot_now, slept
         entry.held_gpus = []
         if entry.pick == "round-robin":
             data.rr_cursor = index[uuids[-1]]
@@ -785,7 +787,7 @@ def confirm_admission(
             mine.state = WAITING
             mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
             mine.reserved_by_gpu = {}
-            mine.started_at = mine.started_boot = None
+            mine.started_at = mine.started_boot = mine.started_slept = None
     return None
 
 
@@ -966,7 +968,7 @@ def _queued_again(mine: Job, now: float) -> None:
     mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
     mine.reserved_by_gpu = {}
     mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
-    mine.started_boot = None
+    mine.started_boot = mine.started_slept = None
     mine.held_gpus = []
     mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
     mine.pause_requested_boot = mine.pause_signalled_boot = None
@@ -988,14 +990,13 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
         mine.state = WAITING
-        if mine.started_at is not None:
-            # Its memory comes back as it was: the run's work is all kept.
-            ran = since(mine.started_at, mine.started_boot, now, proc.boot_clock())
-            mine.done_seconds += max(0.0, ran)
+        # Its memory comes back as it was: the run's work is all kept.
+        mine.done_seconds += run_time(mine, now, proc.boot_clock())
         mine.frozen_at, mine.frozen_gpus = now, gpus
         mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
         mine.reserved_by_gpu = {}
         mine.held_gpus, mine.started_at, mine.started_boot = [], None, None
+        mine.started_slept = None
         mine.freezes += 1
         mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
         mine.pause_requested_boot = mine.pause_signalled_boot = None

@@ -29,6 +29,7 @@ from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import charge, user_usage
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.pausing import ask_for_room, pause_progress
+from gpuwait.queue.report import View, report_from
 from gpuwait.runner.paused import PauseResponder
 
 YEAR = 365 * 86400
@@ -317,6 +318,26 @@ def test_a_clock_stepped_forward_does_not_end_a_pause_requests_grace_early(
     # Its wait line says it asked, not that the job ignores it.
     progress = pause_progress(ledger.read(), urgent.id, time.time(), proc.boot_clock())
     assert progress == f"asked job {victim} to checkpoint and step aside"
+
+
+def test_a_suspend_is_no_run_time_of_a_running_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 10-minute job started, and the laptop was closed for two hours: its command was
+    suspended with it, and has its 10 minutes still ahead of it. Status called it overdue,
+    and waiters behind it planned on its end in moments."""
+    ledger = Ledger(tmp_path / "state")
+    job = queued(ledger, live_job("train", request={"bytes": 16 * GiB}, expected_seconds=600.0))
+    job, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
+    assert isinstance(attempt, lifecycle.Admitted), attempt
+    lifecycle.started(ledger, job, os.getpid())
+    real = proc.boot_clock
+    # The boot clock (and the wall clock) count the two hours; the monotonic clock does not.
+    monkeypatch.setattr(proc, "boot_clock", lambda: real() + 7200)
+    monkeypatch.setattr(time, "time", lambda t=time.time: t() + 7200)
+    report = report_from(ONE_GPU, ledger.read(), time.time(), View(0.9), boot_now=proc.boot_clock())
+    (shown,) = report["jobs"]
+    assert shown["expected_remaining_seconds"] == pytest.approx(600, abs=30)
 
 
 def test_a_boot_stamp_from_another_boot_clock_is_not_believed() -> None:
