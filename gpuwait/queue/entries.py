@@ -407,7 +407,7 @@ def pause_stamps(
 def protected(job: Job, now: float, boot_now: float | None = None) -> bool:
     """Whether `job` may not be asked to step aside now by its owner's own rules: it started
     (or resumed) less than its pause_min_runtime ago, or stepped aside pause_max times."""
-    ran = since(job.started_at, job.started_boot, now, boot_now)
+    ran = run_time(job, now, boot_now)
     return (job.pause_min_runtime is not None and ran < job.pause_min_runtime) or (
         job.pause_max is not None and job.pauses + job.freezes >= job.pause_max
     )

@@ -33,7 +33,7 @@ from gpuwait.linux import proc
 from gpuwait.linux.userns import same_user
 from gpuwait.queue import lifecycle
 from gpuwait.queue.conditions import claim_of, dependency_blocker
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, pause_stamps, since
+from gpuwait.queue.entries import RUNNING, Job, LedgerData, pause_stamps, run_time
 from gpuwait.queue.ledger import Ledger
 
 
@@ -61,7 +61,7 @@ def _running_view(
                 holds_bytes=holds,
                 # An orphan's gpuwait, which would pass the signal on (or freeze it), is gone.
                 pausable=(job.pausable or job.freezable) and job.orphaned_at is None,
-                run_seconds=max(0.0, since(job.started_at, job.started_boot, now, boot_now)),
+                run_seconds=run_time(job, now, boot_now),
                 pauses=job.pauses + job.freezes,
                 # A frozen job loses nothing to reload: its memory comes back as it was.
                 reload_seconds=None if job.freezable else job.load_seconds,

@@ -340,6 +340,23 @@ def test_a_suspend_is_no_run_time_of_a_running_job(
     assert shown["expected_remaining_seconds"] == pytest.approx(600, abs=30)
 
 
+def test_a_suspend_does_not_make_a_job_old_enough_to_be_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --pausable job that its owner protects for 10 minutes after a start had run a moment
+    when the laptop was closed for two hours: on waking, an urgent job asked it to step aside
+    at once, as if it had run those two hours, and it lost its work since its last checkpoint
+    and paid its reload again."""
+    ledger = Ledger(tmp_path / "state")
+    started_now(ledger, "young", 1, ONE_GPU)
+    real = proc.boot_clock
+    # The boot clock (and the wall clock) count the two hours; the monotonic clock does not.
+    monkeypatch.setattr(proc, "boot_clock", lambda: real() + 7200)
+    step_clock(ledger, 7200.0)
+    urgent = urgent_waiter(ledger)
+    assert ask_for_room(ledger, urgent, ONE_GPU, 0.9, PauseRules(min_runtime=60.0)) == ()
+
+
 def test_a_boot_stamp_from_another_boot_clock_is_not_believed() -> None:
     """A boot-clock stamp later than the boot clock now was taken on another clock (an entry
     of an earlier boot that nothing told apart, a process in another time namespace): the
