@@ -15,7 +15,6 @@ Pure: what this machine offers (`Means`) is found by the runner, which also appl
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 
@@ -105,12 +104,17 @@ class Budget(Record, frozen=True):
 
 def card_fraction(reserved_bytes: int, totals: Sequence[int]) -> float:
     """The reservation as a fraction of the largest of the job's cards, rounded down, so that
-    no card lets the job past its reservation (a smaller card gets a little less)."""
+    no card lets the job past its reservation (a smaller card gets a little less).
+
+    Rounded down in whole bytes: the fraction of a card is under the reservation plus one byte,
+    so a share of the card (`--vram 30%`, a whole card's room at safety 0.9), which reserves
+    that share rounded down to a whole byte, is told as itself (0.3), not as 0.2999."""
     largest = max((t for t in totals if t > 0), default=0)
     if largest <= 0 or reserved_bytes <= 0:
         return 0.0
     scale: int = 10**_DECIMALS
-    return max(1, min(scale, math.floor(reserved_bytes / largest * scale))) / scale
+    steps = ((reserved_bytes + 1) * scale - 1) // largest
+    return max(1, min(scale, steps)) / scale
 
 
 def format_fraction(fraction: float) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -164,7 +166,15 @@ def test_the_fraction_never_lets_a_job_past_its_reservation(
     text = budget.format_fraction(fraction)
     assert "e" not in text
     if reserved >= max(totals) / 10_000:  # above the smallest fraction written
-        assert all(float(text) * total <= reserved * (1 + 1e-12) for total in totals)
+        # In whole bytes, as a framework takes its share of a card: never past the reservation.
+        assert all(Fraction(text) * total < reserved + 1 for total in totals)
+
+
+def test_a_share_of_a_card_is_told_as_that_share() -> None:
+    # 30 % of a 24 GiB card is 7730941132.8 bytes; the reservation is a whole number of them.
+    assert budget.card_fraction(int(0.3 * 24 * GiB), [24 * GiB]) == 0.3
+    assert budget.card_fraction(int(0.9 * 24 * GiB), [24 * GiB]) == 0.9
+    assert budget.card_fraction(int(0.9 * 24 * GiB) - 1, [24 * GiB]) == 0.8999
 
 
 def test_mps_limit_reads_back() -> None:

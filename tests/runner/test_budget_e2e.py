@@ -322,6 +322,17 @@ def test_a_server_on_a_whole_card_is_given_a_fraction_it_can_start_with(
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1"
 
 
+def test_a_share_of_a_card_is_told_to_the_command_as_that_share(sim_file: SimFileFactory) -> None:
+    """`--vram 30%` reserves 30 % of the card rounded down to whole bytes, a fraction of a byte
+    short of it: the frameworks and a server given "$GPUWAIT_VRAM_FRACTION" were told 0.2999,
+    and a whole idle card 0.8999 rather than the 0.9 the docs promise."""
+    sim_file(gpus=1, memory="24GiB")
+    share = job_env("--vram", "30%")
+    assert share["GPUWAIT_VRAM_FRACTION"] == share["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3"
+    assert job_env("--vram", "10%", "--enforce", "limit")["GPUWAIT_TORCH_MEMORY_FRACTION"] == "0.1"
+    assert job_env("--exclusive")["GPUWAIT_VRAM_FRACTION"] == "0.9"
+
+
 def test_an_oom_at_its_limit_on_the_smaller_of_two_cards_is_told_without_its_message(
     sim_file: SimFileFactory,
 ) -> None:
