@@ -31,6 +31,7 @@ from gpuwait.queue.conditions import name_processes
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.idle import record_reading, running_here
 from gpuwait.queue.report import STATUS_SCHEMA, View, read_queue, report_from
+from gpuwait.queue.wait import no_gpu_answers
 
 _MIN_WIDTH = 80
 _MAX_WIDTH = 160
@@ -150,6 +151,10 @@ def build_report(settings: Settings) -> dict[str, Any]:
         snapshot = read_once(settings.sim, settings.nvml_timeout)
     except BackendUnavailable as exc:
         problem, hint = exc.message, exc.hint
+    # Not one GPU answering (every card lost, the driver gone) is a reading that failed, as a
+    # launch takes it; the lost GPUs are still shown with what the ledger knows of them.
+    if snapshot is not None and (silent := no_gpu_answers(snapshot)) is not None:
+        problem, hint = silent.message, silent.hint
     ignore = frozenset(settings.ignore_processes)
     if snapshot is not None and ignore:
         snapshot = name_processes(snapshot)

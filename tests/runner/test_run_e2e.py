@@ -470,6 +470,23 @@ def test_status_without_gpu_readings_shows_the_queue_and_exits_4(
     assert as_json.returncode == 4 and report["backend_error"] and report["backend_hint"]
 
 
+def test_status_and_idle_exit_4_when_no_gpu_answers(gpuwait_cmd: list[str], sim_file: Any) -> None:
+    """Every GPU lost is a reading that failed, as a launch takes it (exit 4 at
+    gpu_error_timeout): status said nothing of it and ended 0, and idle answered "No idle VRAM
+    holders" of GPUs it could not read."""
+    sim_file(gpus=2, lost=True)
+    done = run([*gpuwait_cmd, "status"])
+    assert done.returncode == 4, done.stderr
+    assert "Queue (0)" in done.stdout  # the rest is shown
+    assert "gpuwait: error: no GPU answers: GPU 0" in done.stderr
+    assert "\ngpuwait: hint: " in done.stderr
+    report = json.loads(run([*gpuwait_cmd, "status", "--json"]).stdout)
+    assert report["backend_error"].startswith("no GPU answers") and report["backend_hint"]
+    idle = run([*gpuwait_cmd, "idle"])
+    assert idle.returncode == 4 and "No idle VRAM holders" not in idle.stdout
+    assert "no GPU answers" in idle.stderr
+
+
 BAD_INPUT = [
     (["--vram", "6X", "true"], 2, "not a size"),
     (["--vram", "0", "true"], 2, "larger than zero"),
