@@ -139,3 +139,12 @@ def test_one_readme_command_installs_gpuwait_and_runs_it() -> None:
     assert line.endswith("gpuwait status")
     rest = line.removeprefix(docs.INSTALL) + "\n"
     assert [b for b in docs.blocks(readme) if b.text == rest and b.skip is None]
+
+
+def test_usage_summary_names_every_subcommand() -> None:
+    from gpuwait.commands import SUBCOMMANDS
+
+    usage = REPO / "docs" / "usage.md"
+    summary = next(b for b in docs.blocks(usage) if b.language == "text")
+    shown = {line.split()[1] for line in summary.text.splitlines() if line.startswith("gpuwait ")}
+    assert set(SUBCOMMANDS) <= shown, sorted(set(SUBCOMMANDS) - shown)
