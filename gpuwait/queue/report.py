@@ -93,6 +93,15 @@ def report_from(
         else estimate_starts(gpus, claims, safety, data.rr_cursor, conditions, limits=fair.limits)
     )
     held_for = {u: decided.hold.job_id for u in decided.hold.gpu_uuids} if decided.hold else {}
+    if fair.order is not None:
+        # The lookahead order serves the waiters in its plan's order, which their wait lines
+        # count ("N ahead of you"): the listing's places are those (a waiter the plan starts
+        # now first), not strict order's, which would list a job as 2nd with 4 ahead of it.
+        def served(job: Job) -> int:
+            reason = decided.waiting.get(job.id)
+            return -1 if reason is None else reason.ahead
+
+        jobs.sort(key=lambda j: (j.state != RUNNING, 0 if j.state == RUNNING else served(j)))
     index = {g.uuid: g.index for g in gpus}
     # Health read from another source (another simulation file) is about other GPUs.
     same_source = snapshot is None or data.book.health_backend == snapshot.origin

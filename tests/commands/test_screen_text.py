@@ -335,6 +335,48 @@ def test_status_watch_on_a_dumb_terminal_prints_report_after_report(sim_file: An
     assert "\033" not in written, repr(written)
 
 
+def test_status_lists_the_queue_in_the_order_its_wait_lines_count() -> None:
+    # Under the lookahead order (the default) a job waiting for a dependency is placed after
+    # every job the plan can place: status listed it first, by submission, saying "1 ahead of
+    # you", and the job behind it "0 ahead of you".
+    import re
+
+    from gpuwait.core.lookahead import DEFAULT
+    from gpuwait.core.policy import FairShare
+    from gpuwait.core.snapshot import MachineSnapshot
+    from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData
+    from gpuwait.queue.report import View, report_from
+
+    gpu = GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0)
+
+    def job(job_id: str, order: int, **fields: Any) -> Job:
+        return Job(
+            id=job_id,
+            pid=os.getpid(),
+            start_time=0,
+            uid=os.getuid(),
+            command=["python", f"{job_id}.py"],
+            cwd="/",
+            order=order,
+            **fields,
+        )
+
+    running = job("a", 0, state=RUNNING, request={"bytes": 20 * GiB}, gpu_uuids=["GPU-0"])
+    running.reserved_bytes = 20 * GiB
+    running.started_at = time.time()
+    blocked = job("blocked", 1, state=WAITING, request={"bytes": GiB}, after=["a"])
+    big = job("big", 2, state=WAITING, request={"bytes": 10 * GiB})
+    data = LedgerData(jobs=[running, blocked, big])
+    view = View(safety=0.9, fair=FairShare(order=DEFAULT))
+    report = report_from(MachineSnapshot("sim", (gpu,)), data, time.time(), view)
+    waiting = [j for j in report["jobs"] if j["state"] == WAITING]
+    assert [j["position"] for j in waiting] == [1, 2]
+    for shown in waiting:
+        ahead = re.search(r"([0-9]+) ahead of you", shown["waiting_reason"])
+        assert ahead is not None, shown["waiting_reason"]
+        assert int(ahead.group(1)) == shown["position"] - 1, (shown["id"], shown["waiting_reason"])
+
+
 def test_status_says_a_waiting_job_stepped_aside_and_that_it_resumes_from_its_checkpoint() -> None:
     # A --pausable job that checkpointed and stepped aside for an urgent one waits again: its
     # user sees that it did, how often, and where it queues, not a job that never ran.
