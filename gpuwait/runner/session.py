@@ -471,13 +471,17 @@ def _preferred(config: RunConfig, snapshot: MachineSnapshot) -> list[str]:
 
 
 def _weights(config: RunConfig, snapshot: MachineSnapshot) -> dict[str, float]:
-    """gpu_weights with NVML indices turned into UUIDs."""
-    by_index = {str(g.index): g.uuid for g in snapshot.gpus}
+    """gpu_weights by UUID: each key an NVML index, a UUID or a UUID's prefix, as for
+    --devices and prefer; one not on this machine is a usage error."""
+    from gpuwait.core.devices import parse_devices_option
+
     weights: dict[str, float] = {}
     for key, weight in config.gpu_weights.items():
-        if key.isdigit() and key not in by_index:
-            raise UsageError(f"gpu_weights names GPU {key}, which is not here")
-        weights[by_index.get(key, key)] = weight
+        try:
+            (uuid,) = parse_devices_option(key, snapshot.gpus, "gpu_weights")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        weights[uuid] = weight
     return weights
 
 

@@ -160,3 +160,20 @@ def test_a_preferred_gpu_that_is_not_here_is_a_usage_error(
     bad = run_gpuwait("--vram", "1G", "--", "true", env={"GPUWAIT_PREFER": "fast"})
     assert bad.returncode == 2
     assert "GPUWAIT_PREFER" in bad.stderr
+
+
+def test_gpu_weights_name_gpus_as_devices_and_prefer_do(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # A UUID prefix, as the docs' example gives, was taken for no GPU and silently weighed
+    # nothing: both cards stayed at weight 1 and the job went to GPU 0.
+    sim_file(gpus=2)
+    gpus = uuids()
+    weighted = ["--pick", "weighted", "--vram", "1G", "--", *PRINT_VISIBLE]
+    by_prefix = run_gpuwait(*weighted, env={"GPUWAIT_GPU_WEIGHTS": f"{gpus[1][:12]}=3"})
+    assert by_prefix.stdout.strip() == gpus[1], by_prefix.stderr
+    # A GPU that is not here is a usage error, by UUID as by index.
+    for key in ("7", "GPU-00000000"):
+        done = run_gpuwait(*weighted, env={"GPUWAIT_GPU_WEIGHTS": f"{key}=3"})
+        assert done.returncode == 2, done.stderr
+        assert f"no GPU '{key}' here" in done.stderr
