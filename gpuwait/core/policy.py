@@ -558,6 +558,10 @@ def admission_fits(
 
 #: How `impossible_reason` begins where a per-user limit alone refuses the request.
 OVER_LIMIT = "the request"
+#: ...where no candidate GPU is what `--gpu-name` and co. ask for.
+NO_MATCH = "no GPU has "
+#: ...where fewer GPUs are there (or match) than a gang asks for, whatever their room.
+TOO_FEW = " GPUs wanted but only "
 
 
 def impossible_reason(
@@ -575,11 +579,11 @@ def impossible_reason(
     matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
     if not matching:
         first = claim.requirements.mismatch(candidates[0])
-        return f"no GPU has {claim.requirements.describe()} ({first})"
+        return f"{NO_MATCH}{claim.requirements.describe()} ({first})"
     if len(matching) < claim.gpus_wanted:
         which = "can be used" if len(matching) == len(candidates) else "match"
         why = f"; {closed_note}" if closed_ones else ""
-        return f"{claim.gpus_wanted} GPUs wanted but only {len(matching)} {which}{why}"
+        return f"{claim.gpus_wanted}{TOO_FEW}{len(matching)} {which}{why}"
     if limits is not None:
         least = cheapest([limit_charge(claim, g, safety) for g in matching], claim.gpus_wanted)
         refusal = limits.refusal(0, 0, claim.gpus_wanted, least)

@@ -299,7 +299,7 @@ def _hold(
         reporter,
         backend,
         choice,
-        hint="ask for less (vram), raise safety, or use other GPUs (devices, gpu_name)",
+        spell=str,  # reserve()'s keywords: vram, gpus, gpu_name
         around=around,
     )
     wait = config.wait

@@ -43,7 +43,14 @@ from gpuwait.core.errors import (
     UsageError,
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
-from gpuwait.core.policy import OVER_LIMIT, WaitReason, impossible_reason
+from gpuwait.core.policy import (
+    NO_MATCH,
+    OVER_LIMIT,
+    TOO_FEW,
+    Requirements,
+    WaitReason,
+    impossible_reason,
+)
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
@@ -599,12 +606,12 @@ def prepare_job(
     reporter: Reporter,
     backend: Backend,
     choice: RequestChoice,
-    hint: str,
+    spell: Callable[[str], str],
     around: Surroundings,
 ) -> tuple[Job, RequestChoice]:
     """The job as it is submitted, and its request capped to the cards: the GPUs read once, a
-    request that can never fit refused (ImpossibleRequest, with `hint` in the words of the
-    caller's options; StuckBehind inside a job, `around`, it could never start beside), run
+    request that can never fit refused (ImpossibleRequest, with a hint naming the caller's
+    options as `spell` does: `--vram`, or `vram` in Python; StuckBehind inside a job, `around`, it could never start beside), run
     times from history added. A wrapped run and a reservation from
     Python (runner/hold) both start here."""
     said: set[str] = set()
@@ -618,7 +625,7 @@ def prepare_job(
         if (silent := no_gpu_answers(snapshot)) is not None:
             raise silent
         try:
-            return snapshot, *_judge(request, config, choice, snapshot, hint)
+            return snapshot, *_judge(request, config, choice, snapshot, spell)
         except (UsageError, ImpossibleRequest) as exc:
             if (
                 not snapshot.unanswered
@@ -655,10 +662,10 @@ def _judge(
     config: RunConfig,
     choice: RequestChoice,
     snapshot: MachineSnapshot,
-    hint: str,
+    spell: Callable[[str], str],
 ) -> tuple[Job, RequestChoice]:
     """The job on these GPUs and its request capped to them; UsageError or ImpossibleRequest
-    where the GPUs read cannot serve it."""
+    where the GPUs read cannot serve it (its hint naming options as `spell` does)."""
     candidates = _candidates(request, snapshot)
     choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety, request.gpus)
     job = _new_job(request, config, choice, snapshot, candidates)
@@ -666,11 +673,43 @@ def _judge(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
     )
     if impossible is not None:
-        if impossible.startswith(OVER_LIMIT):
-            # Nothing about the cards would help: the site's limit is on the request itself.
-            hint = "ask for less (--vram) or fewer GPUs (--gpus): the limit is the site's"
-        raise ImpossibleRequest(impossible, hint=hint)
+        raise ImpossibleRequest(
+            impossible, hint=impossible_hint(impossible, job.requirements_for_policy(), spell)
+        )
     return job, choice
+
+
+def cli_option(name: str) -> str:
+    """How the command line names an option in a hint: `--min-total-vram`."""
+    return "--" + name.replace("_", "-")
+
+
+def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[str], str]) -> str:
+    """What would help a request that can never fit, by why it cannot (`reason`, from
+    impossible_reason), its options named as the caller names them (`spell`)."""
+    asked = [
+        spell(name)
+        for name, value in (
+            ("gpu_name", requirements.name_pattern),
+            ("min_total_vram", requirements.min_total_bytes),
+            ("min_compute_capability", requirements.min_compute_capability),
+        )
+        if value is not None
+    ]
+    relax = f"change or leave out {' and '.join(asked)} (`gpuwait status` lists the GPUs)"
+    if reason.startswith(OVER_LIMIT):
+        # Nothing about the cards would help: the site's limit is on the request itself.
+        return f"ask for less ({spell('vram')}) or fewer GPUs ({spell('gpus')}): the limit is the site's"
+    if reason.startswith(NO_MATCH):
+        return relax
+    if TOO_FEW in reason:
+        fewer = f"ask for fewer GPUs ({spell('gpus')})"
+        matching_fewer = " match" in reason.split(TOO_FEW, 1)[1]  # not "can be used"
+        return f"{fewer}, or {relax}" if asked and matching_fewer else fewer
+    return (
+        f"ask for less ({spell('vram')}), raise safety, or use other GPUs "
+        f"({spell('devices')}, {spell('gpu_name')})"
+    )
 
 
 def _attempt(
@@ -704,7 +743,7 @@ def _attempt(
             reporter,
             backend,
             choice,
-            hint="ask for less (--vram), raise safety, or use other GPUs (--devices, --gpu-name)",
+            spell=cli_option,
             around=around,
         )
     except StuckBehind as exc:

@@ -765,3 +765,35 @@ def test_a_stage_whose_output_fits_the_pipe_is_waited_for_as_ever(
     assert done.returncode == 0, done.stderr
     assert done.stdout == "HELLO\n"
     assert "pipeline" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "helps"),
+    [
+        (["--gpu-name", "H100", "--vram", "1G"], "--gpu-name"),
+        (["--min-total-vram", "30G", "--vram", "1G"], "--min-total-vram"),
+        (["--min-compute-capability", "9.0", "--vram", "1G"], "--min-compute-capability"),
+        (["--gpus", "3", "--vram", "1G"], "fewer GPUs (--gpus)"),
+    ],
+)
+def test_a_request_that_can_never_fit_is_told_what_would_help(
+    gpuwait_cmd: list[str], sim_file: Any, options: list[str], helps: str
+) -> None:
+    # Every such refusal said "ask for less (--vram), raise safety, or use other GPUs", which
+    # does nothing for a GPU name, a capability, a card size or a count no GPU here offers.
+    sim_file(gpus=2)
+    done = run([*gpuwait_cmd, *options, "--", "true"])
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert hint.startswith("gpuwait: hint: ") and helps in hint, done.stderr
+    assert "raise safety" not in hint and "(--vram)" not in hint, hint
+
+
+def test_reserve_names_its_own_keywords_in_the_hint(sim_file: Any) -> None:
+    import gpuwait
+
+    sim_file(gpus=2)
+    with pytest.raises(gpuwait.ReserveError) as refused:
+        gpuwait.reserve("1G", gpus=3)
+    assert refused.value.exit_code == 3
+    assert refused.value.hint == "ask for fewer GPUs (gpus)"
