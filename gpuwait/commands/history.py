@@ -184,7 +184,10 @@ _UNMEASURED_SHARED = (
     "per-process figures"
 )
 _UNMEASURED_SHORT = "peak -: not measured: the run ended before the first reading"
-_APPROXIMATE = "peak ~: the growth of its GPU's used memory (NVML gave no per-process figures)"
+_APPROXIMATE = (
+    "peak ~: the growth of its GPU's used memory (NVML listed none of its processes with a "
+    "figure: it used no GPU memory, or it ran in a container without --pid=host)"
+)
 
 
 def _peak(record: dict[str, Any]) -> str:

@@ -797,3 +797,16 @@ def test_reserve_names_its_own_keywords_in_the_hint(sim_file: Any) -> None:
         gpuwait.reserve("1G", gpus=3)
     assert refused.value.exit_code == 3
     assert refused.value.hint == "ask for fewer GPUs (gpus)"
+
+
+def test_history_of_a_command_that_used_no_gpu_memory_blames_no_driver(
+    gpuwait_cmd: list[str], sim_file: Any
+) -> None:
+    # The simulation lists every process with its memory, as NVML does on a host; a command
+    # that allocated nothing was shown `~0 B`, "NVML gave no per-process figures".
+    sim_file(gpus=1)
+    assert run([*gpuwait_cmd, "--vram", "1G", "--", "sleep", "0.3"]).returncode == 0
+    shown = run([*gpuwait_cmd, "history"])
+    assert "~0 B" in shown.stdout
+    assert "no per-process figures" not in shown.stdout
+    assert "listed none of its processes" in shown.stdout
