@@ -222,6 +222,13 @@ def test_every_field_of_the_json_outputs_is_documented(sim: Path, gpuwait_cmd: l
     assert estimate["levels"] and estimate["run_seconds"]
     estimate_doc = documented("learning.md", "`gpuwait estimate --json`", "\n\n")
     assert keys(estimate) - estimate_doc == set()
+    history = strict(gpuwait_json(gpuwait_cmd, "history", "--json"))
+    assert history
+    history_doc = documented("learning.md", "`history.jsonl`: one JSON", "\n- `history.index/`")
+    assert (
+        keys(history, skip=frozenset({"keys", "peak_by_gpu", "free_at_peak_bytes"})) - (history_doc)
+        == set()
+    )
     idle = strict(gpuwait_json(gpuwait_cmd, "idle", "--json"))
     idle_doc = documented("shared-servers.md", "`gpuwait idle` lists them", "\n\n")
     assert keys(idle) - idle_doc - status_doc == set()
