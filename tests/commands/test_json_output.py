@@ -188,6 +188,22 @@ def documented(page: str, start: str, end: str) -> set[str]:
     }
 
 
+def event_fields() -> dict[str, set[str]]:
+    """The event log's table: each kind -> the fields its row names."""
+    text = (REPO / "docs" / "queue-and-status.md").read_text()
+    part = text[text.index("| kind | when | fields |") :]
+    fields: dict[str, set[str]] = {}
+    for row in part.splitlines()[2:]:
+        if not row.startswith("|"):
+            break
+        kinds, _, named = row.strip("|").split(" | ", 2)
+        for kind in re.findall(r"`([^`]+)`", kinds):
+            fields[kind] = {
+                w for q in re.findall(r"`([^`]+)`", named) for w in re.findall(r"\w+", q)
+            }
+    return fields
+
+
 def keys(value: Any, skip: frozenset[str] = frozenset()) -> set[str]:
     """Every key of every object in `value`, the values of `skip` keys left out."""
     if isinstance(value, list):
@@ -229,6 +245,11 @@ def test_every_field_of_the_json_outputs_is_documented(sim: Path, gpuwait_cmd: l
         keys(history, skip=frozenset({"keys", "peak_by_gpu", "free_at_peak_bytes"})) - (history_doc)
         == set()
     )
+    events = [json.loads(line) for line in gpuwait_json(gpuwait_cmd, "log", "--json").splitlines()]
+    assert {e["kind"] for e in events} >= {"submit", "admit", "start", "finish"}
+    for event in events:
+        fields = event_fields()[event["kind"]]
+        assert set(event) - {"schema", "time", "kind"} - fields == set(), event
     idle = strict(gpuwait_json(gpuwait_cmd, "idle", "--json"))
     idle_doc = documented("shared-servers.md", "`gpuwait idle` lists them", "\n\n")
     assert keys(idle) - idle_doc - status_doc == set()
