@@ -25,12 +25,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        warn_unknown_variables(os.environ)
         if args and args[0] in SUBCOMMANDS:
+            # -q: nothing but errors (`cancel -q`), this warning included.
+            own = args[1 : args.index("--")] if "--" in args else args[1:]
+            if not {"-q", "--quiet"} & set(own):
+                warn_unknown_variables(os.environ)
             return _subcommand(args[0], args[1:])
         from gpuwait.commands import run
 
-        return run.run(run.build_parser().parse_args(args))
+        options = run.build_parser().parse_args(args)
+        if not options.quiet:
+            warn_unknown_variables(os.environ)
+        return run.run(options)
     except GpuwaitError as exc:
         output.error(exc.message, exc.hint)
         return exc.exit_code

@@ -54,6 +54,15 @@ def test_a_misspelled_variable_is_named_with_the_setting_it_likely_means(sim: Pa
     ]
 
 
+def test_quiet_keeps_the_warning_of_a_misspelled_variable_to_itself(sim: Path) -> None:
+    # -q prints nothing but errors (usage.md, --help); this warning came all the same, into
+    # every step's output of a script that runs its steps with -q.
+    done = gpuwait("-q", "--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5")
+    assert done.returncode == 0 and done.stderr == ""
+    quiet_cancel = gpuwait("cancel", "-q", "--batch", "none", GPUWAIT_SAFTEY="0.5")
+    assert "GPUWAIT_SAFTEY" not in quiet_cancel.stderr
+
+
 def test_a_pausable_job_on_two_gpus_is_told_it_is_never_asked_to_step_aside(sim: Path) -> None:
     # It runs as asked; but it had said it would step aside, and nobody will ever ask it to.
     done = gpuwait("--pausable", "--gpus", "2", "--vram", "1G", "--", "true")
