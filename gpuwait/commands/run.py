@@ -105,7 +105,7 @@ def _settings_epilog(width: int) -> str:
     lines += ["A program named like a subcommand runs with `gpuwait -- status`.", ""]
     lines += ["exit status: the command's own, or one of gpuwait's:"]
     lines += _rows(list(_EXIT_STATUSES), width)
-    lines += ["", "settings (command line > GPUWAIT_<NAME> > config.toml > default):"]
+    lines += ["", "settings (command line > GPUWAIT_<NAME> > your config.toml > site's > default):"]
     rows = []
     for option in OPTIONS:
         text = option.help

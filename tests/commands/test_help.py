@@ -135,6 +135,17 @@ def test_every_setting_says_its_default_once() -> None:
     assert "(not set)" not in help_text(["--help"])
 
 
+def test_the_settings_order_names_the_site_config_file() -> None:
+    # configuration.md: command line > environment > your file > the site's > default. The help
+    # named one config.toml, and an administrator's file read below the user's was nowhere.
+    (header,) = [
+        line for line in help_text(["--help"]).splitlines() if line.startswith("settings (")
+    ]
+    assert (
+        header == "settings (command line > GPUWAIT_<NAME> > your config.toml > site's > default):"
+    )
+
+
 def test_the_exit_statuses_are_all_listed() -> None:
     listed = section(help_text(["--help"]), "exit status:")
     rows = re.findall(r"^  ([0-9][0-9, ]*?)\s{2,}", listed, re.MULTILINE)
