@@ -558,6 +558,8 @@ def admission_fits(
 
 #: How `impossible_reason` begins where a per-user limit alone refuses the request.
 OVER_LIMIT = "the request"
+#: ...where no GPU is a candidate (`--devices`, CUDA_VISIBLE_DEVICES) or takes CUDA work.
+NO_CANDIDATE = "no candidate GPU"
 #: ...where no candidate GPU is what `--gpu-name` and co. ask for.
 NO_MATCH = "no GPU has "
 #: ...where fewer GPUs are there (or match) than a gang asks for, whatever their room.
@@ -570,12 +572,12 @@ def impossible_reason(
     """Why `claim` can never be admitted on these GPUs, even when they are idle; None if it can."""
     candidates = [g for g in gpus if claim.candidates is None or g.uuid in claim.candidates]
     if not candidates:
-        return "no candidate GPU"
+        return NO_CANDIDATE
     closed_ones = [g for g in candidates if prohibited(g)]
     closed_note = _prohibited_note(closed_ones)
     candidates = [g for g in candidates if not prohibited(g)]
     if not candidates:
-        return f"no candidate GPU takes CUDA work: {closed_note}"
+        return f"{NO_CANDIDATE} takes CUDA work: {closed_note}"
     matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
     if not matching:
         first = claim.requirements.mismatch(candidates[0])

@@ -44,6 +44,7 @@ from gpuwait.core.errors import (
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
 from gpuwait.core.policy import (
+    NO_CANDIDATE,
     NO_MATCH,
     OVER_LIMIT,
     TOO_FEW,
@@ -702,6 +703,12 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
         return f"ask for less ({spell('vram')}) or fewer GPUs ({spell('gpus')}): the limit is the site's"
     if reason.startswith(NO_MATCH):
         return relax
+    if reason.startswith(NO_CANDIDATE):
+        # Cards in prohibited mode, or none left by --devices and CUDA_VISIBLE_DEVICES.
+        return (
+            f"use other GPUs ({spell('devices')}), or have an administrator set the card's "
+            "compute mode back to default (nvidia-smi -c DEFAULT)"
+        )
     if TOO_FEW in reason:
         fewer = f"ask for fewer GPUs ({spell('gpus')})"
         matching_fewer = " match" in reason.split(TOO_FEW, 1)[1]  # not "can be used"

@@ -789,6 +789,16 @@ def test_a_request_that_can_never_fit_is_told_what_would_help(
     assert "raise safety" not in hint and "(--vram)" not in hint, hint
 
 
+def test_a_request_for_cards_that_take_no_cuda_work_is_told_what_would_help(
+    gpuwait_cmd: list[str], sim_file: Any
+) -> None:
+    sim_file(gpus=1, compute_mode="prohibited")
+    done = run([*gpuwait_cmd, "--vram", "1G", "--", "true"])
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert "compute mode" in hint and "raise safety" not in hint, done.stderr
+
+
 def test_reserve_names_its_own_keywords_in_the_hint(sim_file: Any) -> None:
     import gpuwait
 
