@@ -235,6 +235,11 @@ class FairShare(Record, frozen=True):
     #: a whole card from everyone else while it ran. None: no floor.
     site_safety: float | None = None
 
+    def in_strict_order(self) -> FairShare:
+        """The policy with the queue in strict order (`queue_order = fifo`), in a shared ledger
+        too (`in_shared_ledger` keeps it so)."""
+        return self._replace(order=None, site_in_order=True)
+
     def in_shared_ledger(self) -> FairShare:
         """The policy for a ledger shared with other users. Its queue is in the site's order:
         each member's gpuwait starts only that member's jobs, so two orders would each wait for

@@ -72,6 +72,10 @@ OWN_PLAN_SPACING = 0.5
 #: After a release, the second waiter plans if the first has not within this long (it may be
 #: stopped, e.g. suspended with Ctrl-Z).
 BACKUP_DELAY = 0.25
+#: In a shared ledger, how long another member's job may wait on while this waiter's plan
+#: starts it now, before the two plans are taken to disagree (`Disagreement`): that member's
+#: gpuwait is woken by the same change and starts its job within moments when it agrees.
+DISAGREE_AFTER = 2.0
 #: Retries after a failed reading of the GPUs: the first after this many seconds, doubling up to
 #: GPU_RETRY_MAX, so a driver hiccup costs a moment and a lasting failure little.
 GPU_RETRY_FIRST = 0.5
@@ -205,6 +209,52 @@ class Stuck(Record, frozen=True):
 WaitOutcome = Admitted | TimedOut | Interrupted | Cancelled | DependencyFailed | Stuck
 
 
+class Disagreement:
+    """Whether this waiter's plan and another member's disagree, in a shared ledger.
+
+    Each member's gpuwait starts only that member's jobs, so every member must come to the same
+    plan, and they need not: a busy machine cuts one member's search short (`plan_budget`),
+    each member's file keeps the order its own last plan found (`plan_order`), two readings of
+    the GPUs are a moment apart. Where this waiter's plan starts another member's job and that
+    job waits on, that member's plan starts something else: perhaps this member's job, each
+    waiting for the other's, the room left to nobody. Once that has lasted DISAGREE_AFTER, this
+    waiter plans in strict order (priority, then submission: no search, nothing of its own, the
+    same in every member's gpuwait) until a job starts or ends.
+    """
+
+    def __init__(self) -> None:
+        #: Other members' jobs this waiter's plans start now, and since when (monotonic).
+        self.since: dict[str, float] = {}
+        self.strict = False
+        #: The running jobs when it turned strict: strict until they change.
+        self.running: frozenset[str] = frozenset()
+
+    def note(self, theirs: frozenset[str], running: frozenset[str], now: float) -> bool:
+        """After a plan that starts `theirs` (other members' waiters) now, with `running`
+        the ledger's running jobs: whether to plan in strict order from here on."""
+        if self.strict and running != self.running:
+            self.strict = False  # the queue moved: plans may agree again
+        self.since = {job: self.since.get(job, now) for job in theirs}
+        if not self.strict and any(now - t >= DISAGREE_AFTER for t in self.since.values()):
+            self.strict, self.running, self.since = True, running, {}
+        return self.strict
+
+    @property
+    def suspected(self) -> bool:
+        """Whether another member's job is to start by this waiter's plan: planning again at
+        every reading until it does tells a disagreement within seconds."""
+        return bool(self.since)
+
+
+class Unlocked(Record, frozen=True):
+    """What a plan from an unlocked read says (`_reason_without_lock`)."""
+
+    #: Why the job still waits; None when the lock is needed.
+    reason: WaitReason | None
+    #: Other members' waiters the plan starts now (their own gpuwait is to start them).
+    theirs: frozenset[str] = frozenset()
+
+
 def _reason_without_lock(
     data: LedgerData,
     directory: Path,
@@ -213,35 +263,35 @@ def _reason_without_lock(
     safety: float,
     conditions: Conditions,
     fair: FairShare = NO_FAIR_SHARE,
-) -> WaitReason | None:
-    """Why `job` still waits, judged from an unlocked read of the ledger in `directory`, or
-    None when the lock is needed.
+) -> Unlocked:
+    """Why `job` still waits, judged from an unlocked read of the ledger in `directory` (reason
+    None when the lock is needed), and whose jobs the plan starts meanwhile.
 
     It is needed to admit anyone, to reap a dead entry or drop a forged one, to settle a
     dependency, to record a GPU's health or the head's hold: anything that writes.
     """
     mine = data.find(job.id)
     if mine is None or mine.state == RUNNING:
-        return None
+        return Unlocked(None)
     now, boot_now = time.time(), proc.boot_clock()
     if lifecycle.would_tidy(data, snapshot, now, directory):
-        return None
+        return Unlocked(None)
     live = {j.id for j in data.jobs}
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
-        return None
+        return Unlocked(None)
     claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions, boot_now)
     if any(data.mine(j) for j in data.jobs if j.id in budgets):
-        return None  # a wait budget to write down
+        return Unlocked(None)  # a wait budget to write down
     decided = plan_ledger(data, snapshot.gpus, claims, safety, conditions, fair)
     # Only this user's entries can be changed by this process (another user's waiter that the
     # plan starts is started by its own gpuwait).
     if any(data.mine(j) for j in data.jobs if j.id in decided.admitted):
-        return None
+        return Unlocked(None)
     for entry in data.jobs:
         held = decided.hold.gpu_uuids if decided.hold and entry.id == decided.hold.job_id else ()
         if data.mine(entry) and entry.state != RUNNING and tuple(entry.held_gpus) != tuple(held):
-            return None
-    return decided.waiting.get(job.id)
+            return Unlocked(None)
+    return Unlocked(decided.waiting.get(job.id), frozenset(decided.admitted))
 
 
 def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None) -> Admitted | None:
@@ -362,6 +412,8 @@ def wait_for_admission(
     #: standing in for the first waiter.
     backup: tuple[float, int] | None = None
 
+    disagreement = Disagreement()
+
     def trusted(admitted: Admitted | None) -> Admitted | None:
         if admitted is None or not admitted.found or not ledger.shared:
             return admitted
@@ -388,11 +440,22 @@ def wait_for_admission(
         if kicked and any(elsewhere(j) for j in data.jobs):
             # A writer in another pid namespace cannot signal this waiter: watch the summary.
             kicked = False
-        outcome: Attempt = _reason_without_lock(
-            data, ledger.directory, job, snapshot, policy.safety, facts, policy.fair
+        strict = disagreement.strict
+        fair = policy.fair.in_strict_order() if strict else policy.fair
+        unlocked = _reason_without_lock(
+            data, ledger.directory, job, snapshot, policy.safety, facts, fair
         )
+        if ledger.shared and unlocked.reason is not None:
+            running = frozenset(j.id for j in data.jobs if j.state == RUNNING)
+            if disagreement.note(unlocked.theirs, running, time.monotonic()) and not strict:
+                # Strict from now on, this plan too.
+                fair = policy.fair.in_strict_order()
+                unlocked = _reason_without_lock(
+                    data, ledger.directory, job, snapshot, policy.safety, facts, fair
+                )
+        outcome: Attempt = unlocked.reason
         if outcome is None:
-            job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, policy.fair)
+            job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, fair)
         wake.note_planned(state_dir)
         if isinstance(outcome, WaitReason) and around is not None and around.tied:
             # A stage of this pipeline started since (or admitted first) may hold the room
@@ -508,6 +571,7 @@ def wait_for_admission(
                 act = (
                     now >= next_own
                     or (wants_utilization and window.needs_more())
+                    or disagreement.suspected
                     or not wake.planned_since(state_dir, recently)
                 )
                 if not act:

@@ -28,6 +28,7 @@ from helpers.users import (
     popen_as,
     run_as,
     shared_root,
+    user_argv,
     user_home,
 )
 from helpers.waiting import process_state, wait_for
@@ -585,6 +586,64 @@ def test_a_users_own_queue_order_does_not_leave_a_shared_card_idle(server: Serve
         "gpuwait: warning: queue_order = fifo of yours is not used in the shared ledger "
         f"{server.ledger_dir}: everyone's queue there is in the site's order, lookahead\n"
     ) in err
+
+
+#: Alice's gpuwait on a machine so busy that every plan's search is cut at once: its clock
+#: passes a second each time the search looks at it, past any plan budget.
+BUSY_MACHINE = """
+import itertools
+import gpuwait.core.lookahead, gpuwait.queue.conditions
+searched = gpuwait.core.lookahead.plan_queue
+def cut_short(gpus, claims, safety, cursor, conditions, fair, clock=None, hint=()):
+    seconds = itertools.count()
+    clock = lambda: float(next(seconds))
+    return searched(gpus, claims, safety, cursor, conditions, fair, clock, hint)
+gpuwait.queue.conditions.plan_queue = cut_short
+"""
+
+
+def test_two_members_whose_plans_disagree_do_not_leave_a_shared_card_idle(
+    server: Server,
+) -> None:
+    # Each member's gpuwait starts only that member's jobs, so all must come to one plan. A
+    # busy machine can cut one member's search short: Alice's plan (cut at once) starts Bob's
+    # long job, which he submitted first; Bob's, searched to its end, starts Alice's short one.
+    # Each waited for the other's job, and the free card went to nobody until a wait budget
+    # ran out, hours later.
+    server.site_config('fair_share_half_life = "none"\n')
+    ran_before(server, BOB, long=300.0)
+    ran_before(server, ALICE, short=5.0)
+    holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(2)
+    argv = ["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"]
+    busy = user_argv(ALICE, ALICE, [GROUP], argv)
+    busy[2] = busy[2].replace(
+        "gpuwait.cli.entry_point()", BUSY_MACHINE + "gpuwait.cli.entry_point()"
+    )
+    alice = subprocess.Popen(
+        busy,
+        env=server.envs[ALICE],
+        text=True,
+        cwd="/",
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    server.procs.append(alice)
+    server.wait_jobs(3)
+    os.killpg(holder.pid, signal.SIGTERM)
+    holder.communicate(timeout=10)
+    # Once the two plans have disagreed for a few seconds, both plan in strict order (no
+    # search: the same for everyone), and the job submitted first starts.
+    wait_for(
+        lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
+        timeout=15,
+        message=lambda: f"a job started on the idle card: {server.jobs()}",
+    )
+    running = [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
+    assert running == [(BOB, "long")]
 
 
 def test_a_users_stricter_safety_keeps_the_card_no_emptier_than_the_sites(
