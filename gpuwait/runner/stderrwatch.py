@@ -182,8 +182,16 @@ class StderrWatch:
         os.close(self._write_fd)
         self._write_fd = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._scan, name="gpuwait-stderr", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._scan, name="gpuwait-stderr", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            # No thread to be had (a pids cgroup or `ulimit -u` reached): the command runs, so
+            # gpuwait goes on without the copy. The relay, its copy gone, passes output on.
+            self.mode, self.why_off = "off", "no thread could be started to read it"
+            self._close()
+            return
+        self._thread = thread
 
     def _scan(self) -> None:
         with contextlib.suppress(OSError):
