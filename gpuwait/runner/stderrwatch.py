@@ -147,8 +147,16 @@ class StderrWatch:
 
     def _start_relay(self) -> bool:
         # Every pipe is close-on-exec: only the relay's copies survive into it.
-        read_end, write_end = os.pipe()
-        copy_read, copy_write = os.pipe()
+        try:
+            read_end, write_end = os.pipe()
+        except OSError:
+            return False  # no descriptors left (`ulimit -n`): the command runs unwatched
+        try:
+            copy_read, copy_write = os.pipe()
+        except OSError:
+            os.close(read_end)
+            os.close(write_end)
+            return False
         try:
             self._relay_pid = _fork_relay(read_end, copy_write)
             if self._relay_pid is None:
@@ -289,9 +297,13 @@ def _fork_relay(read_end: int, copy_write: int) -> int | None:
         os.dup2(2, 1)
         os.dup2(read_end, 0)
         os.dup2(copy_write, 3)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-        # None of gpuwait's files (the ledger's lock, NVML's device files) stay open in it.
+        # None of gpuwait's files (the ledger's lock, NVML's device files) stay open in it; and
+        # closed first, so that /dev/null has a descriptor to open where gpuwait had none left
+        # (a relay ending here would kill the command by SIGPIPE at its first write).
         os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
         signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
         exec(RELAY, {})
     finally:

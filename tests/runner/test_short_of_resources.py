@@ -47,3 +47,49 @@ def test_no_thread_for_watching_stderr_leaves_the_command_running_to_its_end(
     assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")
     record = last_record()
     assert record["exit_status"] == 3 and record["stderr_watched"] == "off"
+
+
+#: Starts `sh -c 'echo err >&2'` the way a launch does, with stderr a pipe, while this process
+#: has only 0, 1, 2, ... descriptors left (its parent leaked the rest to it, or `ulimit -n` is
+#: low); prints how the command ended and whether its stderr was watched, for each.
+FEW_DESCRIPTORS = textwrap.dedent(
+    """
+    import os, resource, sys
+    from gpuwait.linux import signals
+    from gpuwait.runner.launch import spawn
+    from gpuwait.runner.stderrwatch import StderrWatch
+    signals.block_handled()  # as gpuwait runs
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    for spare in range(7):
+        taken = []
+        while True:
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for fd in taken[len(taken) - spare:]:
+            os.close(fd)
+        watch = StderrWatch()
+        child = spawn(["sh", "-c", "echo err >&2"], dict(os.environ), watch.file_actions())
+        watch.started()
+        _, status = os.waitpid(child, 0)
+        watch.finish()
+        for fd in taken[: len(taken) - spare]:
+            os.close(fd)
+        print(spare, os.waitstatus_to_exitcode(status), watch.mode, flush=True)
+    """
+)
+
+
+def test_a_launch_left_few_file_descriptors_runs_its_command_with_its_output() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FEW_DESCRIPTORS], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    ended = [line.split() for line in done.stdout.splitlines()]
+    assert [spare for spare, _, _ in ended] == [str(n) for n in range(7)]
+    # Every command ran to its end (none killed by a broken pipe) and said its word.
+    assert all(code == "0" for _, code, _ in ended), ended
+    assert done.stderr == "err\n" * 7
+    # Watched once the pipes fit; unwatched, not failed, before.
+    assert ended[-1][2] == "pipe"
