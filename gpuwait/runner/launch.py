@@ -15,11 +15,12 @@ import re
 import signal
 import stat
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
-from gpuwait.linux import turnstile
+from gpuwait.linux import signals, turnstile
 from gpuwait.queue.entries import Job
 
 
@@ -195,6 +196,49 @@ def spawn(
         if script is None:
             raise
         return start(script)
+
+
+#: How long a command the kernel could not start for want of processes or memory (fork's
+#: EAGAIN at `ulimit -u` or a full pids cgroup, ENOMEM) is tried again, its room held: a
+#: moment's shortage, another program's fork storm, must not cost a job the turn it waited for.
+START_RETRY_SECONDS = 30.0
+#: The first pause between tries, doubled after each up to the last.
+START_RETRY_FIRST, START_RETRY_LAST = 0.1, 2.0
+SHORT_OF_PROCESSES = (errno.EAGAIN, errno.ENOMEM)
+
+
+class StartInterrupted(Exception):
+    """A signal (TERM, Ctrl-C) came while gpuwait waited to try starting its command again."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def spawn_when_possible(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    file_actions: Sequence[tuple[int, int, int]],
+    on_retry: Callable[[OSError], None],
+) -> int:
+    """`spawn`, tried again for up to START_RETRY_SECONDS while it fails for want of processes
+    or memory (`on_retry` is told of the first such failure). The waits end at a forwarded
+    signal (gpuwait's are blocked), by StartInterrupted; the last failure is raised."""
+    deadline = time.monotonic() + START_RETRY_SECONDS
+    pause = START_RETRY_FIRST
+    while True:
+        try:
+            return spawn(argv, env, file_actions)
+        except OSError as exc:
+            left = deadline - time.monotonic()
+            if exc.errno not in SHORT_OF_PROCESSES or left <= 0:
+                raise
+            if pause == START_RETRY_FIRST:
+                on_retry(exc)
+        info = signals.next_signal(min(pause, left))
+        if info is not None and info.si_signo != signal.SIGCHLD:
+            raise StartInterrupted(info.si_signo)
+        pause = min(pause * 2, START_RETRY_LAST)
 
 
 #: Names the job in its command's environment (and in that of every process it starts).

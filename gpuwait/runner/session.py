@@ -86,12 +86,15 @@ from gpuwait.queue.wait import (
 )
 from gpuwait.runner import budget
 from gpuwait.runner.launch import (
+    SHORT_OF_PROCESSES,
+    START_RETRY_SECONDS,
     CommandProblem,
+    StartInterrupted,
     check_command,
     check_not_srun,
     command_env,
     exec_bare,
-    spawn,
+    spawn_when_possible,
 )
 from gpuwait.runner.stderrwatch import StderrWatch
 from gpuwait.runner.supervise import RunResult, supervise
@@ -965,15 +968,37 @@ def _start(
         )
     started_at = time.time()
     watch = StderrWatch(enabled=config.watch_stderr)
+    name = request.command[0]
+
+    def short_of_processes(exc: OSError) -> None:
+        reporter.warn(
+            f"{name} cannot start yet: {exc.strerror} (too many processes, ulimit -u, or too "
+            f"little memory); trying again for up to {format_duration(START_RETRY_SECONDS)}"
+        )
+
     try:
         with held.spawning():
-            child = spawn(request.command, env, watch.file_actions())
+            child = spawn_when_possible(
+                request.command, env, watch.file_actions(), short_of_processes
+            )
+    except StartInterrupted as exc:
+        held.close()
+        watch.abandon()
+        # Ended by the signal, as while waiting (and as the command would have been).
+        signals.keep_pending(exc.signum)
+        _finish(ledger, job, INTERRUPTED, reporter)
+        return job, _Ended(-exc.signum)
     except OSError as exc:
         held.close()
         watch.abandon()
         code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
         _finish(ledger, job, FAILED, reporter, exit_status=code)
-        raise CommandProblem(f"{request.command[0]}: {exc.strerror}", code) from None
+        tried = (
+            ""
+            if exc.errno not in SHORT_OF_PROCESSES
+            else f" (tried for {format_duration(START_RETRY_SECONDS)})"
+        )
+        raise CommandProblem(f"{name}: {exc.strerror}{tried}", code) from None
     watch.started()
     _say_once(reporter, held.problem)
     try:

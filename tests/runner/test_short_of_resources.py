@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.fixtures_sim import SimFileFactory
+from helpers.status import listed_jobs
 
 
 def last_record() -> dict[str, Any]:
@@ -93,3 +95,60 @@ def test_a_launch_left_few_file_descriptors_runs_its_command_with_its_output() -
     assert done.stderr == "err\n" * 7
     # Watched once the pipes fit; unwatched, not failed, before.
     assert ended[-1][2] == "pipe"
+
+
+#: gpuwait where starting a process fails with EAGAIN, as fork does when the user's process
+#: limit (`ulimit -u`) or a pids cgroup is reached, for the first FAILS starts (-1: all).
+NO_PROCESSES = textwrap.dedent(
+    """
+    import errno, os, sys
+    left = [int(sys.argv.pop(1))]
+    real = os.posix_spawnp
+    def spawnp(*args, **kwargs):
+        if left[0]:
+            left[0] -= 1
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return real(*args, **kwargs)
+    os.posix_spawnp = spawnp
+    from gpuwait.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_command_that_cannot_start_for_a_moment_for_want_of_processes_runs_after_all(
+    sim_file: SimFileFactory,
+) -> None:
+    sim_file(gpus=1)
+    command = ["sh", "-c", "echo out; exit 3"]
+    done = subprocess.run(
+        [sys.executable, "-c", NO_PROCESSES, "2", "--vram", "1G", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (3, "out\n"), done.stderr
+    assert "Resource temporarily unavailable" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert last_record()["exit_status"] == 3
+
+
+def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    launch = subprocess.Popen(
+        [sys.executable, "-c", NO_PROCESSES, "-1", "--vram", "1G", "--", "true"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launch.stderr is not None
+        said = launch.stderr.readline()  # said once the first start failed
+        assert "Resource temporarily unavailable" in said
+        launch.send_signal(signal.SIGTERM)
+        assert launch.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        launch.kill()
+        launch.communicate()
+    assert listed_jobs(gpuwait_cmd) == []
