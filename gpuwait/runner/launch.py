@@ -219,13 +219,15 @@ def spawn_when_possible(
     argv: Sequence[str],
     env: Mapping[str, str],
     file_actions: Sequence[tuple[int, int, int]],
-    on_retry: Callable[[OSError], None],
+    on_retry: Callable[[OSError], Sequence[tuple[int, int, int]]],
 ) -> int:
     """`spawn`, tried again for up to START_RETRY_SECONDS while it fails for want of processes
-    or memory (`on_retry` is told of the first such failure). The waits end at a forwarded
-    signal (gpuwait's are blocked), by StartInterrupted; the last failure is raised."""
+    or memory. `on_retry` is told of the first such failure and returns the file actions to
+    start with from then on. The waits end at a forwarded signal (gpuwait's are blocked), by
+    StartInterrupted; the last failure is raised."""
     deadline = time.monotonic() + START_RETRY_SECONDS
     pause = START_RETRY_FIRST
+    told = False
     while True:
         try:
             return spawn(argv, env, file_actions)
@@ -233,8 +235,11 @@ def spawn_when_possible(
             left = deadline - time.monotonic()
             if exc.errno not in SHORT_OF_PROCESSES or left <= 0:
                 raise
-            if pause == START_RETRY_FIRST:
-                on_retry(exc)
+            if not told:
+                told = True
+                file_actions = on_retry(exc)
+                # Straight away: what on_retry let go of may be just what was missing.
+                continue
         info = signals.next_signal(min(pause, left))
         if info is not None and info.si_signo != signal.SIGCHLD:
             raise StartInterrupted(info.si_signo)

@@ -970,11 +970,14 @@ def _start(
     watch = StderrWatch(enabled=config.watch_stderr)
     name = request.command[0]
 
-    def short_of_processes(exc: OSError) -> None:
+    def short_of_processes(exc: OSError) -> list[tuple[int, int, int]]:
         reporter.warn(
             f"{name} cannot start yet: {exc.strerror} (too many processes, ulimit -u, or too "
             f"little memory); trying again for up to {format_duration(START_RETRY_SECONDS)}"
         )
+        # The stderr relay is a process too: the command comes first.
+        watch.give_up()
+        return watch.file_actions()
 
     try:
         with held.spawning():

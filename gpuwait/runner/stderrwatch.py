@@ -55,6 +55,8 @@ READ_BACK_BYTES = 1 << 20
 #: After the command ended, read the relay's copy at most this long (what a process left behind
 #: writes later still reaches stderr, only unwatched).
 _DRAIN_SECONDS = 0.5
+#: How long `give_up` waits for the relay to end (it ends at once unless its output is stuck).
+_REAP_SECONDS = 1.0
 
 #: The relay: fd 0 the command's pipe, fd 1 gpuwait's stderr, fd 3 gpuwait's copy. Its stderr is
 #: /dev/null and the signals a group gets are blocked: it ends when every writer has closed the
@@ -244,6 +246,24 @@ class StderrWatch:
     def abandon(self) -> None:
         """The command never started: the relay sees the pipe close and ends."""
         self._close()
+
+    def give_up(self) -> None:
+        """Before the command starts, where it cannot for want of processes: the relay is one,
+        and the command comes first. The relay sees its pipe close, ends and is reaped (given
+        a moment), and the command's stderr is gpuwait's own, unwatched."""
+        relay = self._relay_pid
+        self._relay_pid = None
+        self._close()
+        if self.mode == "pipe":
+            self.mode, self.why_off = "off", "no process to spare for the relay"
+        deadline = time.monotonic() + _REAP_SECONDS
+        while relay is not None and time.monotonic() < deadline:
+            try:
+                if os.waitpid(relay, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                return
+            time.sleep(0.005)
 
     def _close(self) -> None:
         for fd in (self._write_fd, self._copy_fd):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,50 @@ def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
         launch.kill()
         launch.communicate()
     assert listed_jobs(gpuwait_cmd) == []
+
+
+#: gpuwait where the stderr relay takes the last process the user may have: starting another
+#: fails with EAGAIN for as long as the relay is there (reaped or not).
+RELAY_TAKES_THE_LAST = textwrap.dedent(
+    """
+    import errno, os, sys
+    from pathlib import Path
+    real = os.posix_spawnp
+    def relay_there():
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            name, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1]
+            if name == "gpuwait-stderr" and int(rest.split()[1]) == os.getpid():
+                return True
+        return False
+    def spawnp(*args, **kwargs):
+        if relay_there():
+            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        return real(*args, **kwargs)
+    os.posix_spawnp = spawnp
+    from gpuwait.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_command_short_of_one_process_runs_without_its_stderr_watched(
+    sim_file: SimFileFactory,
+) -> None:
+    sim_file(gpus=1)
+    command = ["sh", "-c", "echo out; echo err >&2; exit 3"]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", RELAY_TAKES_THE_LAST, "--vram", "1G", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (3, "out\n"), done.stderr
+    assert done.stderr.endswith("err\n")
+    # Not after the half minute of trying again that a shortage lasting that long gets.
+    assert time.monotonic() - started < 10
+    assert last_record()["stderr_watched"] == "off"
