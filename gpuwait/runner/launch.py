@@ -46,11 +46,19 @@ def check_command(argv: Sequence[str]) -> str:
     if found is None:
         raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
     interpreter = _hash_bang(found)
-    if interpreter is not None and interpreter.startswith("/") and not os.path.exists(interpreter):
-        # A console script of a virtual environment moved or removed since: found only when it
-        # starts, after the whole wait, unless looked at now.
+    if interpreter is None or not interpreter.startswith("/"):
+        return found
+    # Found only when it starts, after the whole wait, unless looked at now.
+    if not os.path.exists(interpreter):
+        # A console script of a virtual environment moved or removed since.
         raise CommandProblem(
             f"{name}: its #! line names {interpreter}, which does not exist", EXIT_NOT_FOUND
+        )
+    if os.path.isdir(interpreter) or not os.access(interpreter, os.X_OK):
+        # The kernel refuses the script (a shell's "bad interpreter: Permission denied").
+        raise CommandProblem(
+            f"{name}: its #! line names {interpreter}, which is not executable",
+            EXIT_NOT_EXECUTABLE,
         )
     return found
 

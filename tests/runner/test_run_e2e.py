@@ -441,6 +441,36 @@ def test_a_script_whose_interpreter_is_gone_is_refused_before_waiting(
     assert "/gone/venv/bin/python3" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_script_whose_interpreter_cannot_run_is_refused_before_waiting(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A #! line naming a directory or a file that may not be executed: the kernel refuses the
+    script whenever it starts (126, as a shell says `bad interpreter`), so at once, not after
+    the wait."""
+    text = tmp_path / "not-a-program"
+    text.write_text("print('ran')\n")
+    scripts = []
+    for interpreter in (tmp_path, text):
+        script = tmp_path / f"train-{len(scripts)}"
+        script.write_text(f"#!{interpreter}\nprint('ran')\n")
+        script.chmod(0o755)
+        scripts.append((script, interpreter))
+    holder = hold_card(gpuwait_cmd, "20G", "30s", "--gpus", "2")
+    try:
+        wait_for(lambda: "running" in run([*gpuwait_cmd, "status"]).stdout.lower())
+        done = [
+            run([*gpuwait_cmd, "--vram", "20G", "--timeout", "1s", "--", str(script)])
+            for script, _ in scripts
+        ]
+    finally:
+        holder.terminate()
+        holder.communicate(timeout=30)
+    for (_, interpreter), refused in zip(scripts, done, strict=True):
+        assert refused.returncode == 126, refused.stderr
+        assert f"{interpreter}, which is not executable" in refused.stderr
+        assert "waiting" not in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_without_gpu_readings_the_command_runs_with_one_warning(
     gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
