@@ -76,6 +76,27 @@ _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json
 _CRC_PREFIX = b'{"crc":'
 
 
+#: Errors that say the machine (or gpuwait) is short of something for a moment, not that a
+#: file is bad: a file that cannot be opened so is neither damaged nor to be passed over.
+_SHORT_OF = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR}
+)
+#: What to do about it.
+_SHORT_OF_HINT = (
+    "the system is short of open files or memory: try again once it is not (a process left "
+    "with few file descriptors can be given more: ulimit -n)"
+)
+
+
+def _short_of(path: Path, exc: OSError) -> None:
+    """Raise StateError where `exc`, reading `path`, is a shortage: nothing is decided (nobody
+    admitted into room a file not read holds, no file of a user's moved aside as damaged)."""
+    if exc.errno in _SHORT_OF:
+        raise StateError(
+            f"ledger {path} cannot be read now: {exc.strerror}", hint=_SHORT_OF_HINT
+        ) from None
+
+
 class _Unreadable(Exception):
     """A file that is not read: a link, not a plain file, too large, or (`unreadable`) one
     the file system refuses to read."""
@@ -217,6 +238,8 @@ class Ledger:
         """What to do about a ledger that cannot be written, by why."""
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return "free disk space (or quota), or set GPUWAIT_STATE_DIR to another directory"
+        if exc.errno in _SHORT_OF:
+            return _SHORT_OF_HINT
         if self.shared and self._group is not None and exc.errno in (errno.EPERM, errno.EACCES):
             # Files in a shared directory go to its group, which takes being a member of it.
             group = _group_name(self._group)
@@ -380,6 +403,7 @@ class Ledger:
         except UnsafePath as exc:
             raise _Unreadable(f"it {exc.what}") from None
         except OSError as exc:
+            _short_of(path, exc)
             raise _Unreadable(f"it cannot be read: {exc.strerror}", unreadable=True) from None
         if fd is None:
             return None
@@ -390,6 +414,7 @@ class Ledger:
                 raise _Unreadable(f"it is larger than {MAX_FILE_BYTES >> 20} MiB")
             return st.st_uid, read_at_most(fd, MAX_FILE_BYTES)
         except OSError as exc:
+            _short_of(path, exc)
             raise _Unreadable(f"it cannot be read: {exc.strerror}") from None
         finally:
             os.close(fd)

@@ -8,6 +8,7 @@ one line naming the file, and they stay exactly as they were.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -24,6 +25,7 @@ from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 from helpers.waiting import asleep_waiting, named_entry, process_state, wait_for
 
 from gpuwait.cli import main
+from gpuwait.core.errors import StateError
 from gpuwait.history import store
 from gpuwait.linux.lock import exclusive
 from gpuwait.queue import lifecycle
@@ -213,6 +215,59 @@ def test_another_users_damaged_file_is_left_alone_and_not_counted(
     # It is theirs: neither moved nor changed.
     assert os.lstat(other).st_uid == 4242
     assert not list(directory.glob("ledger.4242.json.damaged-*"))
+
+
+def failing_open_of(monkeypatch: pytest.MonkeyPatch, path: Path, error: int) -> Callable[[], int]:
+    """Opening `path` fails with `error` (out of file descriptors, the kernel's file table or
+    memory, as a machine under load may be for a moment); returns how many opens failed."""
+    from gpuwait.queue import ledger as module
+
+    real = module.open_readable
+    failed = [0]
+
+    def failing(at: Path | str, owners: frozenset[int] | None) -> int | None:
+        if Path(at) == path:
+            failed[0] += 1
+            raise OSError(error, os.strerror(error))
+        return real(at, owners)
+
+    monkeypatch.setattr(module, "open_readable", failing)
+    return lambda: failed[0]
+
+
+@pytest.mark.parametrize("error", [errno.EMFILE, errno.ENFILE, errno.ENOMEM])
+def test_own_file_in_a_shared_ledger_that_cannot_be_opened_for_a_moment_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    ledger = Ledger(shared_dir(tmp_path))
+    with ledger.transaction() as data:
+        data.jobs.append(live_job("running"))
+    failed = failing_open_of(monkeypatch, ledger.path, error)
+    again = Ledger(ledger.directory)
+    with pytest.raises(StateError, match=os.strerror(error)), again.transaction() as data:
+        data.jobs.append(live_job("admitted into its room"))
+    assert failed() >= 1
+    monkeypatch.undo()
+    # Nothing was taken for damage: the file stays, and the job running keeps its room.
+    assert not list(ledger.directory.glob("ledger.*.damaged-*"))
+    assert [j.id for j in Ledger(ledger.directory).read().jobs] == ["running"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's: needs root")
+def test_another_users_file_that_cannot_be_opened_for_a_moment_admits_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Their jobs' room would not count: nothing is decided without it.
+    directory = shared_dir(tmp_path)
+    other = directory / "ledger.4242.json"
+    other.write_bytes(b'{"schema": 1, "jobs": [], "created_at": 1.0, "next_order": 1}')
+    os.lchown(other, 4242, 4242)
+    failing_open_of(monkeypatch, other, errno.EMFILE)
+    ledger = Ledger(directory)
+    with pytest.raises(StateError, match="Too many open files"), ledger.transaction() as data:
+        data.jobs.append(live_job("mine"))
+    monkeypatch.undo()
+    assert Ledger(directory).read().jobs == []
 
 
 HISTORY_DAMAGE = {
