@@ -155,23 +155,16 @@ def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
     assert listed_jobs(gpuwait_cmd) == []
 
 
-#: gpuwait where the stderr relay takes the last process the user may have: starting another
-#: fails with EAGAIN for as long as the relay is there (reaped or not).
+#: gpuwait where the stderr relay (its only child before the command) takes the last process
+#: the user may have: starting another fails with EAGAIN for as long as the relay is there
+#: (until it is reaped).
 RELAY_TAKES_THE_LAST = textwrap.dedent(
     """
     import errno, os, sys
-    from pathlib import Path
     real = os.posix_spawnp
     def relay_there():
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                text = stat.read_text()
-            except OSError:
-                continue
-            name, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1]
-            if name == "gpuwait-stderr" and int(rest.split()[1]) == os.getpid():
-                return True
-        return False
+        with open(f"/proc/self/task/{os.getpid()}/children") as listed:
+            return bool(listed.read().split())
     def spawnp(*args, **kwargs):
         if relay_there():
             raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
