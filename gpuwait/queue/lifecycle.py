@@ -822,6 +822,12 @@ def publish_usage(
     """
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
+        if mine.child_pid is None and job.child_pid is not None:
+            # Its start could not be recorded (`started` failed): recorded now, so that an
+            # entry whose gpuwait is gone is kept for its command, not reaped under it.
+            mine.child_pid, mine.child_start_time = job.child_pid, job.child_start_time
+            mine.held_by = list(job.held_by)
+            said.append(("start", {"job": job.id, "name": job.name, "pid": job.child_pid}))
         mine.observed = dict(usage)
         mine.pids = list(pids)
         mine.updated_at = time.time()

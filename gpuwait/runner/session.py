@@ -1004,11 +1004,20 @@ def _start(
         raise CommandProblem(f"{name}: {exc.strerror}{tried}", code) from None
     watch.started()
     _say_once(reporter, held.problem)
+    recorded = True
     try:
         job = lifecycle.started(ledger, job, child, held.plan.held_by)
     except Exception as exc:  # the command is running: never abandon it over bookkeeping
         reporter.warn(str(exc))
-        job = job._replace(child_pid=child, pids=[child])
+        # Recorded by the first sample the ledger takes: until then, a gpuwait killed would
+        # leave an entry that names no command, reaped while its command runs in its room.
+        job = job._replace(
+            child_pid=child,
+            child_start_time=proc.start_time(child),
+            pids=[child],
+            held_by=list(held.plan.held_by),
+        )
+        recorded = False
     responder: PauseResponder | FreezeResponder | None = None
     if job.pausable:
         # Here, not at the top: only a --pausable job's launch pays for the pausing machinery.
@@ -1030,6 +1039,7 @@ def _start(
         margin=config.estimate_margin,
         baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in chosen},
         warn=reporter.warn,
+        recorded=recorded,
     )
     held.close()
     said_oom = watch.finish()

@@ -124,6 +124,7 @@ def supervise(
     margin: float = DEFAULT_MARGIN,
     baseline_pids: Mapping[str, frozenset[int]] | None = None,
     warn: Callable[[str], None] | None = None,
+    recorded: bool = True,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
@@ -131,11 +132,13 @@ def supervise(
     `baseline_pids` the processes NVML listed on it then. `margin`:
     how far past its reservation the job may go before it is called out (estimate_margin).
     `warn` is told, once per GPU, of memory the command holds on a GPU it was not given.
+    `recorded`: the ledger knows `child` as the job's command; otherwise samples put it there.
     """
     started = time.monotonic()
     sampler = UsageSampler(
         child, job, ledger, backend, sample_interval, baseline_used, margin, baseline_pids
     )
+    sampler.recorded = recorded
     sampler.warn = warn
     result = sampler.result
     witness = signals.GroupWitness()
@@ -243,6 +246,9 @@ class UsageSampler:
         self._published_at = self.started
         self._seen_gpus: frozenset[str] | None = None
         self._seen_token = ledger.change_token()
+        #: The ledger's entry names the command (lifecycle.started): until it does, every
+        #: sample publishes, which records it.
+        self.recorded = True
         #: Told, once per GPU, of memory the tree holds on a GPU the job was not given.
         self.warn: Callable[[str], None] | None = None
         self._strayed: set[str] = set()
@@ -289,12 +295,15 @@ class UsageSampler:
         # new tree is published at once; a usage figure only informs, so it is published at
         # the configured interval at most, not at every sample of the first second (which
         # are for this run's own peak and load time).
-        if sorted(pids) != sorted(self._published_pids) or (
-            moved and now - self._published_at >= self.sample_interval
+        if (
+            not self.recorded
+            or sorted(pids) != sorted(self._published_pids)
+            or (moved and now - self._published_at >= self.sample_interval)
         ):
             self._published, self._published_pids = usage, sorted(pids)
             self._published_at = now
             handled = _publish(ledger, job, usage, self._published_pids, self.margin)
+            self.recorded = self.recorded or handled
         elif token != self._seen_token:
             present = _entry_present(ledger, job)
             if present is None:

@@ -3,6 +3,7 @@ output, its exit status or its life, and must not leave its room reserved."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from helpers.fixtures_sim import SimFileFactory
+from helpers.processes import children
 from helpers.status import listed_jobs
+from helpers.waiting import sleeping_in, wait_for
 
 
 def last_record() -> dict[str, Any]:
@@ -193,3 +196,54 @@ def test_a_command_short_of_one_process_runs_without_its_stderr_watched(
     # Not after the half minute of trying again that a shortage lasting that long gets.
     assert time.monotonic() - started < 10
     assert last_record()["stderr_watched"] == "off"
+
+
+#: gpuwait whose ledger cannot be written at the moment its command starts (a disk full for a
+#: moment, the ledger lock held past lock_timeout): the command runs on, unrecorded as yet.
+START_NOT_RECORDED = textwrap.dedent(
+    """
+    import sys
+    from gpuwait.core.errors import StateError
+    from gpuwait.queue import lifecycle
+    def started(*args, **kwargs):
+        raise StateError("ledger cannot be written: No space left on device")
+    lifecycle.started = started
+    from gpuwait.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_command_whose_start_went_unrecorded_keeps_its_room_when_gpuwait_is_killed(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # The kernel's OOM killer takes gpuwait (not its command) a while after the start.
+    sim_file(gpus=1, memory="24GiB")
+    launch = subprocess.Popen(
+        [sys.executable, "-c", START_NOT_RECORDED, "--vram", "15G", "--", "sleep", "60"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    command: list[int] = []
+    try:
+        command = wait_for(lambda: children(launch.pid), message="the command never started")
+        # Its first sample is taken, and gpuwait sleeps until the next.
+        wait_for(lambda: sleeping_in(launch.pid, "sigtimedwait"))
+        launch.kill()
+        launch.wait(timeout=10)
+        jobs = listed_jobs(gpuwait_cmd)
+        assert [(j["child_pid"], j["orphaned"]) for j in jobs] == [(command[0], True)]
+        # Its room is still its own: a second 15 GiB job does not fit beside it.
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "15G", "--timeout", "0.5s", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 124, done.stderr
+    finally:
+        launch.kill()
+        launch.wait(timeout=10)
+        for pid in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
