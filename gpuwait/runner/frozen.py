@@ -173,8 +173,11 @@ class FreezeResponder:
         token = self.ledger.change_token()
         if token == self.token:
             return
+        try:
+            entry = self.ledger.read().find(self.job.id)
+        except Exception:
+            return  # unreadable for now: the command runs on, and the next check looks again
         self.token = token
-        entry = self.ledger.read().find(self.job.id)
         if (
             entry is None
             or entry.pause_requested_at is None

@@ -40,8 +40,14 @@ class PauseResponder:
             # is looked up again on every change: one withdrawn meanwhile (its asker left, or
             # started elsewhere) is not carried out. Signalled once the command catches the
             # signal, it would step aside and reload for nobody; TERMed, it would die for nobody.
-            self.token = token
-            entry = self.ledger.read().find(self.job.id)
+            try:
+                entry = self.ledger.read().find(self.job.id)
+            except Exception:
+                # Unreadable for now (the system out of open files, say): the command runs on,
+                # and the next check looks again.
+                entry = None
+            else:
+                self.token = token
             self.requested = entry is not None and entry.pause_requested_at is not None
         if not self.requested:
             return

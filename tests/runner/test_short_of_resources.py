@@ -14,10 +14,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.fixtures_sim import SimFileFactory
 from helpers.processes import children
 from helpers.status import listed_jobs
 from helpers.waiting import sleeping_in, wait_for
+
+#: The stand-in for NVIDIA's cuda-checkpoint, which `--freezable` needs to be there.
+FAKE_CUDA_CHECKPOINT = (
+    Path(__file__).resolve().parents[1] / "helpers" / "fake_cuda_checkpoint" / "cuda-checkpoint"
+)
 
 
 def last_record() -> dict[str, Any]:
@@ -247,3 +253,77 @@ def test_a_command_whose_start_went_unrecorded_keeps_its_room_when_gpuwait_is_ki
         for pid in command:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def sleeps(pid: int) -> int:
+    """How often the main thread of `pid` has gone to sleep (its voluntary context switches)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next(
+        int(line.split()[1]) for line in text.splitlines() if line.startswith("voluntary_ctxt")
+    )
+
+
+#: gpuwait whose ledger cannot be read once the file MARK exists (the system's file table full,
+#: or gpuwait out of descriptors, for a while).
+NO_LEDGER_READS_AFTER = textwrap.dedent(
+    """
+    import errno, os, sys
+    from gpuwait.queue import ledger
+    mark, real = sys.argv.pop(1), ledger.open_readable
+    def open_readable(*args, **kwargs):
+        if os.path.exists(mark):
+            raise OSError(errno.ENFILE, os.strerror(errno.ENFILE))
+        return real(*args, **kwargs)
+    ledger.open_readable = open_readable
+    from gpuwait.cli import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["--pausable", "--freezable"])
+def test_a_job_that_steps_aside_is_supervised_to_its_end_when_the_ledger_cannot_be_read(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sim_file(gpus=1, memory="24GiB")
+    if kind == "--freezable":  # a machine that can freeze CUDA jobs (docs/freezing.md)
+        tool = tmp_path / "bin" / "cuda-checkpoint"
+        tool.parent.mkdir()
+        tool.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_CUDA_CHECKPOINT} "$@"\n')
+        tool.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tool.parent}:{os.environ['PATH']}")
+    mark, go = tmp_path / "mark", tmp_path / "go"
+    # The command stops the ledger being read, then ends once told to: meanwhile another job
+    # changes the ledger, which a job that may be asked to step aside reads at once.
+    script = f"touch {mark}; while [ ! -e {go} ]; do sleep 0.01; done; echo finished; exit 7"
+    gpuwait = [sys.executable, "-c", NO_LEDGER_READS_AFTER, str(mark), kind, "--vram", "1G"]
+    launch = subprocess.Popen(
+        [*gpuwait, "--", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(mark.exists, message="the command never started")
+        other = subprocess.run(
+            [*gpuwait_cmd, "--vram", "1G", "--", "true"], capture_output=True, timeout=60
+        )
+        assert other.returncode == 0
+        # The change is looked at before the command ends: gpuwait has gone to sleep twice
+        # since, so one round of its supervising loop (which looks) came wholly after it.
+        slept = sleeps(launch.pid)
+        wait_for(lambda: launch.poll() is not None or sleeps(launch.pid) >= slept + 2)
+        go.touch()
+        out, err = launch.communicate(timeout=30)
+    finally:
+        launch.kill()
+        launch.communicate()
+    assert (launch.returncode, out) == (7, "finished\n"), err
+    assert "Traceback" not in err
