@@ -88,6 +88,8 @@ class _Launched(NamedTuple):
     #: What the cap is, and what the estimate is more than, as `estimate` says them.
     cap: str = "the largest card"
     gives: str = "any GPU here gives"
+    #: What the figure the cap names is counted under.
+    under: str = "under the safety factor"
 
 
 def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
@@ -104,12 +106,22 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     candidates = None if inherited is None else parse_inherited_visible(inherited, snapshot.gpus)
     choice = RequestChoice(MemoryRequest(bytes=learned_bytes), ESTIMATE)
-    capped = cap_to_cards(choice, snapshot.gpus, candidates, settings.safety, gpus)
+    capped = cap_to_cards(
+        choice, snapshot.gpus, candidates, settings.safety, gpus, settings.user_max_vram
+    )
     asked = capped.request
     if asked is None or asked.bytes is None or asked.bytes == learned_bytes:
         return _Launched(learned_bytes)
     if (capped.note or "").endswith("the largest card"):
         return _Launched(asked.bytes, capped_at=asked.bytes)
+    if (capped.note or "").endswith("your per-user limit"):
+        return _Launched(
+            asked.bytes,
+            capped_at=asked.bytes,
+            cap="your per-user limit",
+            gives="the site's per-user limit allows",
+            under="user_max_vram",
+        )
     return _Launched(
         asked.bytes,
         capped_at=asked.bytes,
@@ -252,8 +264,8 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
         if launched.capped_at is not None:
             print(
                 f"          capped at {launched.cap}: {format_size(est.bytes)} learned, more "
-                f"than {launched.gives} ({format_size(launched.capped_at)} under the safety "
-                "factor)"
+                f"than {launched.gives} ({format_size(launched.capped_at)} "
+                f"{launched.under})"
             )
         elif launched.problem is not None:
             print(

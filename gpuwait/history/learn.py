@@ -209,10 +209,12 @@ def cap_to_cards(
     candidates: Sequence[str] | None,
     safety: float,
     wanted: int = 1,
+    max_vram: int | None = None,
 ) -> RequestChoice:
     """An estimate above every candidate card's usable memory asks for the largest one instead,
-    and for a job on `wanted` GPUs, one above what the `wanted` largest all hold asks for that:
-    the learned size must never make a command impossible that --vram would not."""
+    and for a job on `wanted` GPUs, one above what the `wanted` largest all hold asks for that;
+    one above the per-user VRAM limit (`max_vram`, over all its GPUs) asks for what the limit
+    allows: the learned size must never make a command impossible that --vram would not."""
     request = choice.request
     if choice.source != ESTIMATE or request is None or request.bytes is None:
         return choice
@@ -224,9 +226,15 @@ def cap_to_cards(
         return choice
     # Fewer cards than it wants: the count refuses it, said as such, whatever the size.
     most = usable[wanted - 1] if len(usable) >= wanted else usable[0]
+    allowed = None if max_vram is None else max_vram // wanted
+    if allowed is not None and allowed < most:
+        most = allowed
     if request.bytes <= most:
         return choice
-    which = "the largest card" if most == usable[0] else f"what {wanted} cards hold"
+    if most == allowed:
+        which = "your per-user limit"
+    else:
+        which = "the largest card" if most == usable[0] else f"what {wanted} cards hold"
     note = f"{choice.note}; capped at {which}"
     return RequestChoice(MemoryRequest(bytes=most), ESTIMATE, note, choice.learned)
 

@@ -345,6 +345,7 @@ def _run_with_retries(
                 _candidates(request, snapshot),
                 config.wait.safety,
                 request.gpus,
+                _max_vram(config),
             )
         except GpuwaitError:
             _end_pending(ended, config, reporter)
@@ -661,6 +662,12 @@ def prepare_job(
     return job, choice
 
 
+def _max_vram(config: RunConfig) -> int | None:
+    """The site's per-user VRAM limit (user_max_vram), which a learned size is capped at."""
+    limits = config.wait.fair.limits
+    return None if limits is None else limits.max_vram
+
+
 def _judge(
     request: RunRequest,
     config: RunConfig,
@@ -671,7 +678,9 @@ def _judge(
     """The job on these GPUs and its request capped to them; UsageError or ImpossibleRequest
     where the GPUs read cannot serve it (its hint naming options as `spell` does)."""
     candidates = _candidates(request, snapshot)
-    choice = cap_to_cards(choice, snapshot.gpus, candidates, config.wait.safety, request.gpus)
+    choice = cap_to_cards(
+        choice, snapshot.gpus, candidates, config.wait.safety, request.gpus, _max_vram(config)
+    )
     job = _new_job(request, config, choice, snapshot, candidates)
     impossible = impossible_reason(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits

@@ -22,7 +22,8 @@ GiB = 2**30
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=90, **kw)  # type: ignore[no-any-return]
+    kw.setdefault("timeout", 90)
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)  # type: ignore[no-any-return]
 
 
 def history() -> list[dict[str, Any]]:
@@ -293,6 +294,24 @@ def test_estimate_says_what_a_launch_asks_for_where_the_learned_size_passes_ever
     assert "estimate: 21.6 GiB per GPU" in said and "capped at the largest card" in said
 
 
+def test_a_learned_size_past_the_per_user_limit_asks_for_the_limit(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path, isolated_dirs: Path
+) -> None:
+    # Runs taught 6 GiB; the site allows each user 4 GiB. `--vram 4G` would run, so the learned
+    # size must not refuse the command (it was exit 3, "the request exceeds per-user limit").
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "4GiB"\n')
+    sim_file(gpus=1, memory="24GiB")
+    command = ["true", "mid-model"]
+    three_runs(command, str(tmp_path), 6 * GiB)
+    launched = run([*gpuwait_cmd, "--", *command], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    assert history()[-1]["reserved_bytes"] == 4 * GiB
+    said = run([*gpuwait_cmd, "estimate", "--", *command], cwd=tmp_path).stdout
+    assert "estimate: 4.0 GiB per GPU" in said and "capped at your per-user limit" in said
+
+
 def test_approximate_peak_where_nvml_has_no_per_process_figures(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
@@ -345,6 +364,31 @@ def test_retry_oom_stops_when_the_largest_card_was_already_given(
     assert done.returncode == 1
     assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
     assert len(history()) == 1 and history()[0]["oom"] is True
+
+
+@pytest.mark.parametrize(
+    ("vram", "said"),
+    [("3G", "retrying with 4.0 GiB"), ("4G", "no larger size to retry with")],
+)
+def test_retry_oom_asks_for_no_more_than_the_per_user_limit(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    isolated_dirs: Path,
+    vram: str,
+    said: str,
+) -> None:
+    # The site allows each user 4 GiB. A retry raised past it could never be admitted: it
+    # waited for ever ("your per-user limit of 4.0 GiB (0 B held)"). It asks for the limit
+    # instead, and where the run already had that, no retry is made.
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "4GiB"\n')
+    sim_file(gpus=1, memory="24GiB")
+    job = sim_job(gpuwait_cmd, "30G", "--ramp", "0.2s")
+    done = run([*gpuwait_cmd, "--vram", vram, "--retry-oom", "1", "--", *job], timeout=20)
+    assert done.returncode == 1, done.stderr
+    assert said in done.stderr and "per-user limit of" not in done.stderr
+    assert [r["oom"] for r in history()] == [True] * (2 if vram == "3G" else 1)
 
 
 def test_other_scripts_runs_never_size_a_new_script(
