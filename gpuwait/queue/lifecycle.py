@@ -632,6 +632,8 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
             continue
         _drop_requests(data, entry.id)
         entry.state = RUNNING
+        # What it stepped aside for is behind it: queued again (a retry), it waits for no one.
+        entry.yield_to = None
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))
@@ -954,6 +956,7 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
         requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
+        _started_since(data, mine)
         _queued_again(mine, time.time())
         # Its checkpoint keeps the run's work, but not its load: resuming loads again.
         mine.done_seconds += max(0.0, run_seconds - (mine.load_seconds or 0.0))
@@ -965,6 +968,16 @@ def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
             )
         )
     return copy_job(mine)
+
+
+def _started_since(data: LedgerData, mine: Job) -> None:
+    """`mine`, running, queues again: the jobs that stepped aside for it have seen it start, and
+    wait for it no longer. Kept, the wait would begin anew, for ever where `mine` steps aside for
+    one of them (an idle job asked by its own user's waiter, `idle_action = pause`): each would
+    wait for the other to start. Another user's entries are that user's gpuwait's to write."""
+    for other in data.jobs:
+        if other.yield_to == mine.id and data.mine(other):
+            other.yield_to = None
 
 
 def _queued_again(mine: Job, now: float) -> None:
@@ -995,6 +1008,7 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         gpus = list(mine.gpu_uuids)
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None
+        _started_since(data, mine)
         mine.state = WAITING
         # Its memory comes back as it was: the run's work is all kept.
         mine.done_seconds += run_time(mine, now, proc.boot_clock())
@@ -1147,6 +1161,7 @@ def retry(
         data.book.note_run(attempt, ran_on)
         if charge_usage is not None:
             charge(data, job.uid, charge_usage[0], now, charge_usage[1])
+        _started_since(data, mine)
         _queued_again(mine, now)
         mine.request = dict(request)
         mine.held_by = []

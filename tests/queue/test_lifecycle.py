@@ -53,6 +53,21 @@ def running_pausable(
     )
 
 
+def stepped_aside_for(urgent: str, job_id: str) -> Job:
+    """A --pausable job of priority 1 of this process that stepped aside once for `urgent`, a job
+    of priority 5, and waits to resume with 16 GiB."""
+    return live_job(
+        job_id,
+        state=WAITING,
+        priority=1,
+        boost=5,
+        yield_to=urgent,
+        pauses=1,
+        pausable=True,
+        request={"bytes": 16 * GiB},
+    )
+
+
 @pytest.fixture
 def logged(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
     """Each event as it is logged, with the ledger's entries as the file held them then."""
@@ -391,16 +406,7 @@ def test_a_job_that_stepped_aside_does_not_wait_for_a_stopped_job_it_made_room_f
         urgent = live_job(
             "urgent", pid=stopped.pid, state=WAITING, priority=5, request={"bytes": 16 * GiB}
         )
-        resumed = live_job(
-            "resumed",
-            state=WAITING,
-            priority=1,
-            boost=5,
-            yield_to="urgent",
-            pauses=1,
-            pausable=True,
-            request={"bytes": 16 * GiB},
-        )
+        resumed = stepped_aside_for("urgent", "resumed")
         ledger = Ledger(tmp_path)
         with ledger.transaction() as data:
             data.jobs[:] = [urgent, resumed]
@@ -408,6 +414,33 @@ def test_a_job_that_stepped_aside_does_not_wait_for_a_stopped_job_it_made_room_f
         assert isinstance(attempt, Admitted), attempt
     finally:
         os.kill(stopped.pid, signal.SIGKILL)
+
+
+def test_two_jobs_that_stepped_aside_for_each_other_do_not_wait_for_each_other(
+    tmp_path: Path,
+) -> None:
+    # `first` stepped aside for `urgent`, which started, then sat idle; `first`, waiting to
+    # resume, asked it to step aside (idle_action = pause asks one's own idle jobs whatever
+    # their priority), and it did. Each then waited for the other to start, both for ever.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.pausing import ask_for_room
+
+    ledger = Ledger(tmp_path)
+    first = stepped_aside_for("urgent", "first")
+    urgent = running_pausable("urgent", 5, time.time() - 60)
+    with ledger.transaction() as data:
+        data.jobs[:] = [first, urgent]
+    rules = PauseRules(min_runtime=1.0)
+    assert ask_for_room(ledger, first, MACHINE, 0.9, rules, frozenset({"urgent"})) == ("urgent",)
+    lifecycle.step_aside(ledger, urgent, 60.0)
+    # The job that asked last goes first: `urgent` started after `first` stepped aside for it.
+    first, attempt = lifecycle.admit(ledger, first, MACHINE, 0.9)
+    assert isinstance(attempt, Admitted), attempt
+    # Resumed, what it stepped aside for is behind it: a retry after running out of memory
+    # queues it again without waiting for `urgent` to start once more.
+    assert first.yield_to is None
+    waiting = ledger.read().find("urgent")
+    assert waiting is not None and waiting.yield_to == "first" and waiting.state == WAITING
 
 
 def test_a_job_after_a_whole_sweep_keeps_its_entry(tmp_path: Path) -> None:
