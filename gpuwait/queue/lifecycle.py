@@ -948,11 +948,19 @@ def grace_killed(ledger: Ledger, job_id: str) -> None:
     events.emit(ledger.directory, "pause-grace-kill", job=job_id)
 
 
-def step_aside(ledger: Ledger, job: Job, run_seconds: float) -> Job:
+def step_aside(
+    ledger: Ledger,
+    job: Job,
+    run_seconds: float,
+    charge_usage: tuple[float, float | None] | None = None,
+) -> Job:
     """The job checkpointed on request: it queues again, in its original place, at least as high
-    as whom it made room for, and behind that job until it has started."""
+    as whom it made room for, and behind that job until it has started. `charge_usage`, as for
+    `finish`: the run's VRAM-seconds, which its user used whatever the job does next."""
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
+        if charge_usage is not None:
+            charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
         requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
         mine.boost = max(mine.boost, requester.priority if requester else 0)
         mine.yield_to = requester.id if requester else None

@@ -1074,8 +1074,11 @@ def _start(
             run_seconds=result.run_seconds,
         )
         raise given_up
+    vram_seconds = job.reserved_in_all() * result.run_seconds
     if result.paused and code == config.resume_exit:
-        job = lifecycle.step_aside(ledger, job, result.run_seconds)
+        job = lifecycle.step_aside(
+            ledger, job, result.run_seconds, (vram_seconds, config.wait.fair.half_life)
+        )
         peaks, approximate = result.peaks()
         peak = max(peaks.values()) if peaks else None
         return job, _Ended(
@@ -1099,7 +1102,6 @@ def _start(
     oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
     cause = oom_cause(held.plan.enforced, card_full) if oom else None
     evidence = "message" if said_oom else "card full" if card_full else "at its limit"
-    vram_seconds = job.reserved_in_all() * result.run_seconds
     how: dict[str, Any] = {
         "exit_status": code if code >= 0 else None,
         "signal": -code if code < 0 else None,

@@ -217,6 +217,36 @@ def test_a_whole_gpu_is_no_reason_to_ask_nobody_to_step_aside(
         low.wait()
 
 
+def test_the_runs_before_stepping_aside_count_in_fair_share_usage(
+    sim_file: object, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only a job's last run was charged to its user's usage: a long job that stepped aside
+    # near its end counted as if it had run for the moments after it resumed, and its user's
+    # jobs went ahead of others' that had used less.
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
+    monkeypatch.setattr(sys.modules[__name__], "MIN_RUNTIME", 0.3)
+    low = long_job(gpuwait_cmd, tmp_path / "progress.json", hold="1s")
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = hold_card(gpuwait_cmd, "16G", "0.1s", "--priority", "5")
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0
+    finally:
+        low.kill()
+        low.wait()
+    ran = [e for e in events() if e["kind"] in ("paused", "finish")]
+    assert [e["kind"] for e in ran] == ["paused", "finish", "finish"], ran
+    seconds = sum(float(e.get("ran_seconds") or e["run_seconds"]) for e in ran)  # type: ignore[arg-type]
+    shown = subprocess.run(
+        [*gpuwait_cmd, "status", "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    (user,) = json.loads(shown)["users"]
+    # Each run held 16 GiB; a day's half-life takes nothing noticeable off in seconds.
+    assert user["usage_vram_seconds"] >= 0.99 * 16 * 2**30 * seconds, (user, ran)
+
+
 def test_young_jobs_are_not_paused(
     sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
