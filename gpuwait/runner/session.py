@@ -1075,7 +1075,12 @@ def _start(
         )
         raise given_up
     vram_seconds = job.reserved_in_all() * result.run_seconds
-    if result.paused and code == config.resume_exit:
+    # Stopped meanwhile (gpuwait cancel, Ctrl-C, a service stopped), a job that checkpointed
+    # ends with the resume status, as it would bare, rather than queue to run again.
+    stopped = result.stopped_by is not None and result.stopped_by != getattr(
+        responder, "signum", None
+    )
+    if result.paused and code == config.resume_exit and not stopped:
         job = lifecycle.step_aside(
             ledger, job, result.run_seconds, (vram_seconds, config.wait.fair.half_life)
         )

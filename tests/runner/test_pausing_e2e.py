@@ -247,6 +247,57 @@ def test_the_runs_before_stepping_aside_count_in_fair_share_usage(
     assert user["usage_vram_seconds"] >= 0.99 * 16 * 2**30 * seconds, (user, ran)
 
 
+#: Asked to checkpoint, it says so in a file; stopped (TERM), it saves and exits with the
+#: resume status, as a training loop that checkpoints on TERM does. Resumed, it ends at once.
+SAVES_ON_TERM = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    if os.environ["GPUWAIT_RESUME_COUNT"] != "0":
+        sys.exit(0)
+    signal.signal(signal.SIGUSR1, lambda s, f: pathlib.Path(sys.argv[1]).touch())
+    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(int(os.environ["GPUWAIT_RESUME_EXIT"])))
+    time.sleep(30)
+    """
+)
+
+
+def test_a_job_cancelled_while_it_steps_aside_is_not_resumed(
+    sim_file: object, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `gpuwait cancel` reached the job while it was saving its checkpoint for an urgent job;
+    # it exited with the resume status, and gpuwait queued it again and ran it once more after
+    # the urgent job had started, as though nobody had cancelled it.
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "100ms")
+    asked = tmp_path / "asked"
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            *("--priority", "1", "--pausable", "--vram", "16G", "--"),
+            *(sys.executable, "-c", SAVES_ON_TERM, str(asked)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        (entry,) = ledger_entries()
+        wait_for(lambda: catches_signal(entry["child_pid"], signal.SIGTERM), timeout=30)
+        urgent = hold_card(gpuwait_cmd, "16G", "0.1s", "--priority", "5")
+        wait_for(asked.exists, timeout=30, message="the job was never asked to step aside")
+        subprocess.run([*gpuwait_cmd, "cancel", entry["id"]], check=True, timeout=30)
+        assert low.wait(timeout=30) == 75, low.stderr.read() if low.stderr else ""
+        assert urgent.wait(timeout=30) == 0
+    finally:
+        for p in (low, urgent):
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.communicate(timeout=30)
+    assert [e["kind"] for e in events()].count("start") == 2  # its one run, and the urgent job's
+
+
 def test_young_jobs_are_not_paused(
     sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
