@@ -217,6 +217,9 @@ class _Ended(Record, frozen=True):
     finish_how: Mapping[str, Any] = MappingProxyType({})
     #: What it reserved on each GPU where that differs between them (`12.0 GiB on GPU0, ...`).
     reserved_each: str | None = None
+    #: A pending run's job stepped aside before: what a retry, which goes on from its
+    #: checkpoint, counts of those runs (see _SteppedAside).
+    stepped_aside: _SteppedAside | None = None
 
 
 def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
@@ -327,12 +330,15 @@ def _run_with_retries(
     """Run once; after an out-of-memory failure, queue again with the raised estimate."""
     retries = 0
     requeued: Job | None = None
+    stepped_aside: _SteppedAside | None = None
     while True:
-        ended = _attempt(request, config, reporter, backend, choice, requeued, retries)
+        ended = _attempt(
+            request, config, reporter, backend, choice, requeued, retries, stepped_aside
+        )
         returncode = ended.returncode
         if not ended.oom:
             break
-        pending, requeued = ended.pending, None
+        pending, requeued, stepped_aside = ended.pending, None, ended.stepped_aside
         how = _ran_out(ended)
         try:
             raised = _choose(request, config, None)
@@ -739,9 +745,11 @@ def _attempt(
     choice: RequestChoice,
     requeued: Job | None = None,
     retries: int = 0,
+    stepped_aside: _SteppedAside | None = None,
 ) -> _Ended:
     """One run of the command: submitted and waited for, or, `requeued`, an entry queued again
-    after running out of memory (`retries` made so far) that waits for its turn again."""
+    after running out of memory (`retries` made so far) that waits for its turn again, having
+    stepped aside before as `stepped_aside` says."""
     around = Surroundings()
     if requeued is not None:
         return _wait_and_run(
@@ -754,6 +762,7 @@ def _attempt(
             requeued,
             around,
             retries,
+            stepped_aside,
         )
     try:
         job, choice = prepare_job(
@@ -797,13 +806,17 @@ def _wait_and_run(
     job: Job,
     around: Surroundings,
     retries: int,
+    before: _SteppedAside | None = None,
 ) -> _Ended:
+    """Wait for the job's turn and run it, again each time it steps aside; `before`: what its
+    earlier attempts' runs that stepped aside count for (a retry goes on from the checkpoint)."""
+    before = before or _SteppedAside()
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
-    paused_seconds = 0.0
+    paused_seconds = before.paused_seconds
     #: The run time of the runs that ended stepping aside, and their peak (see _Earlier).
-    paused_runs_seconds = 0.0
-    earlier: _Earlier | None = None
+    paused_runs_seconds = before.runs_seconds
+    earlier = before.earlier
     #: How the waiting line names the job, where several wait in one terminal.
     label = job.name or job.id
     while True:
@@ -1145,6 +1158,7 @@ def _start(
             pending=job,
             finish_how=how,
             reserved_each=reserved_each,
+            stepped_aside=_SteppedAside(paused_seconds, paused_runs_seconds, earlier),
         )
     return job, _Ended(
         result.returncode, oom, job.reserved_bytes, cause, reserved_each=reserved_each
@@ -1204,6 +1218,16 @@ class _Earlier(Record, frozen=True):
         if self.peak <= last:
             return peaks, approximate
         return {uuid: self.peak}, self.approximate
+
+
+class _SteppedAside(Record, frozen=True):
+    """A job's runs that ended stepping aside, as its next record counts them: the time it
+    waited to resume, their run time and their peak. A retry after running out of memory goes
+    on from their checkpoint, so the run that succeeds did their work and its own."""
+
+    paused_seconds: float = 0.0
+    runs_seconds: float = 0.0
+    earlier: _Earlier | None = None
 
 
 #: Notes already said by this gpuwait (a retried or resumed job says each once).

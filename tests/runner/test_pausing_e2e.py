@@ -47,6 +47,14 @@ def one_card(sim_file: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", f"{MIN_RUNTIME:g}s")
 
 
+@pytest.fixture
+def quick_card(sim_file: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One card, as `one_card`, where a job may be asked to step aside once it has run 0.3 s."""
+    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
+    monkeypatch.setattr(sys.modules[__name__], "MIN_RUNTIME", 0.3)
+
+
 def events() -> list[dict[str, object]]:
     path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -218,14 +226,11 @@ def test_a_whole_gpu_is_no_reason_to_ask_nobody_to_step_aside(
 
 
 def test_the_runs_before_stepping_aside_count_in_fair_share_usage(
-    sim_file: object, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     # Only a job's last run was charged to its user's usage: a long job that stepped aside
     # near its end counted as if it had run for the moments after it resumed, and its user's
     # jobs went ahead of others' that had used less.
-    sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
-    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
-    monkeypatch.setattr(sys.modules[__name__], "MIN_RUNTIME", 0.3)
     low = long_job(gpuwait_cmd, tmp_path / "progress.json", hold="1s")
     try:
         wait_until_running(1)
@@ -296,6 +301,45 @@ def test_a_job_cancelled_while_it_steps_aside_is_not_resumed(
             if p is not None:
                 p.communicate(timeout=30)
     assert [e["kind"] for e in events()].count("start") == 2  # its one run, and the urgent job's
+
+
+def test_a_retry_after_running_out_of_memory_counts_the_runs_before_stepping_aside(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Resumed after stepping aside, the job ran out of memory; its retry went on from the
+    # checkpoint (GPUWAIT_RESUME_COUNT stays 1), yet its record, the one that succeeded and
+    # that estimates learn from, counted only the retry's run: the work done before stepping
+    # aside was lost from the learned run time, and the pause from the record.
+    sim = " ".join([*gpuwait_cmd, "sim", "job"])
+    checkpoint, ran_out = tmp_path / "progress.json", tmp_path / "ran-out"
+    script = (
+        f'if [ "$GPUWAIT_RESUME_COUNT" = 0 ] || [ -e {ran_out} ]; then '
+        f"exec {sim} --vram 8G --hold 1s --checkpoint {checkpoint}; fi; "
+        f"touch {ran_out}; exec {sim} --vram 30G --ramp 0.1s"
+    )
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            *("--priority", "1", "--pausable", "--retry-oom", "1", "--vram", "8G", "--"),
+            *("sh", "-c", script),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        assert hold_card(gpuwait_cmd, "20G", "0.1s", "--priority", "5").wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
+    finally:
+        low.kill()
+        low.communicate(timeout=30)
+    (paused,) = [e for e in events() if e["kind"] == "paused"]
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    last = json.loads(history.read_text().splitlines()[-1])
+    assert last["exit_status"] == 0 and last["pauses"] == 1, last
+    assert last["paused_runs_seconds"] == pytest.approx(paused["ran_seconds"], abs=0.01), last
+    assert last["paused_seconds"] > 0, last
 
 
 def test_young_jobs_are_not_paused(
