@@ -839,8 +839,11 @@ def _wait_and_run(
                 backend,
                 job,
                 config.wait,
-                # --timeout bounds the first wait only: a paused job always comes back.
-                deadline=None if timeout is None or job.pauses else waited_from_boot + timeout,
+                # --timeout bounds each attempt's first wait only: a paused job always comes
+                # back, and a retry after running out of memory waits at most that long again.
+                deadline=None
+                if timeout is None or queued_seconds is not None
+                else waited_from_boot + timeout,
                 on_reason=said,
                 around=around,
             )

@@ -303,13 +303,10 @@ def test_a_job_cancelled_while_it_steps_aside_is_not_resumed(
     assert [e["kind"] for e in events()].count("start") == 2  # its one run, and the urgent job's
 
 
-def test_a_retry_after_running_out_of_memory_counts_the_runs_before_stepping_aside(
-    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
-    # Resumed after stepping aside, the job ran out of memory; its retry went on from the
-    # checkpoint (GPUWAIT_RESUME_COUNT stays 1), yet its record, the one that succeeded and
-    # that estimates learn from, counted only the retry's run: the work done before stepping
-    # aside was lost from the learned run time, and the pause from the record.
+def steps_aside_then_runs_out(gpuwait_cmd: list[str], tmp_path: Path, *options: str) -> int:
+    """A --pausable job of 8 GiB (`options` added) that an urgent job of 20 GiB asks to step
+    aside; resumed, it runs out of memory once (a retry goes on from its checkpoint and holds
+    what is left of its 1 s). Its exit status."""
     sim = " ".join([*gpuwait_cmd, "sim", "job"])
     checkpoint, ran_out = tmp_path / "progress.json", tmp_path / "ran-out"
     script = (
@@ -320,8 +317,8 @@ def test_a_retry_after_running_out_of_memory_counts_the_runs_before_stepping_asi
     low = subprocess.Popen(
         [
             *gpuwait_cmd,
-            *("--priority", "1", "--pausable", "--retry-oom", "1", "--vram", "8G", "--"),
-            *("sh", "-c", script),
+            *("--priority", "1", "--pausable", "--retry-oom", "1", *options, "--vram", "8G"),
+            *("--", "sh", "-c", script),
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -330,16 +327,45 @@ def test_a_retry_after_running_out_of_memory_counts_the_runs_before_stepping_asi
         wait_until_running(1)
         wait_until_pausable()
         assert hold_card(gpuwait_cmd, "20G", "0.1s", "--priority", "5").wait(timeout=60) == 0
-        assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
+        low.wait(timeout=30)
     finally:
         low.kill()
-        low.communicate(timeout=30)
+        _, stderr = low.communicate(timeout=30)
+    assert ran_out.exists(), stderr
+    return low.returncode
+
+
+def test_a_retry_after_running_out_of_memory_counts_the_runs_before_stepping_aside(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Resumed after stepping aside, the job ran out of memory; its retry went on from the
+    # checkpoint (GPUWAIT_RESUME_COUNT stays 1), yet its record, the one that succeeded and
+    # that estimates learn from, counted only the retry's run: the work done before stepping
+    # aside was lost from the learned run time, and the pause from the record.
+    assert steps_aside_then_runs_out(gpuwait_cmd, tmp_path) == 0
     (paused,) = [e for e in events() if e["kind"] == "paused"]
     history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
     last = json.loads(history.read_text().splitlines()[-1])
     assert last["exit_status"] == 0 and last["pauses"] == 1, last
     assert last["paused_runs_seconds"] == pytest.approx(paused["ran_seconds"], abs=0.01), last
     assert last["paused_seconds"] > 0, last
+
+
+def test_a_retry_of_a_job_that_stepped_aside_waits_at_most_its_timeout(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Each --retry-oom attempt waits at most --timeout; a job that had stepped aside before
+    # it ran out of memory waited for its retry without end. The retry asks for the whole
+    # card, which 1 GiB held outside gpuwait keeps from it.
+    outside = subprocess.Popen(
+        [*gpuwait_cmd, "sim", "job", "--vram", "1G", "--hold", "60s"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+    )
+    try:
+        assert steps_aside_then_runs_out(gpuwait_cmd, tmp_path, "--timeout", "1s") == 124
+    finally:
+        outside.kill()
+        outside.wait()
 
 
 def test_young_jobs_are_not_paused(
