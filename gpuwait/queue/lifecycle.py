@@ -632,8 +632,9 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
             continue
         _drop_requests(data, entry.id)
         entry.state = RUNNING
-        # What it stepped aside for is behind it: queued again (a retry), it waits for no one.
-        entry.yield_to = None
+        # What it stepped aside for is behind it: queued again (a retry), it waits for no one;
+        # and it queues no more, so its own priority is the one it runs at (whom it yields to).
+        entry.yield_to, entry.boost = None, 0
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))

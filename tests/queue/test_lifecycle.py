@@ -443,6 +443,30 @@ def test_two_jobs_that_stepped_aside_for_each_other_do_not_wait_for_each_other(
     assert waiting is not None and waiting.yield_to == "first" and waiting.state == WAITING
 
 
+def test_a_resumed_job_is_asked_to_step_aside_again_as_a_job_of_its_own_priority(
+    tmp_path: Path,
+) -> None:
+    # A priority-1 job stepped aside for an urgent (p5) job and queued at p5 to resume. Once it
+    # ran again, it kept that p5 for good: no waiter of priority 2-5 could ask it to step aside
+    # any more, and a p4 job waited behind a p1 job until it ended.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.pausing import ask_for_room
+
+    ledger = Ledger(tmp_path)
+    resumed = stepped_aside_for("gone", "resumed")
+    with ledger.transaction() as data:
+        data.jobs[:] = [resumed]
+    resumed, attempt = lifecycle.admit(ledger, resumed, MACHINE, 0.9)
+    assert isinstance(attempt, Admitted) and resumed.effective_priority == 1, resumed
+    with ledger.transaction() as data:
+        data.jobs[0].started_at, data.jobs[0].started_boot = time.time() - 60, None
+        data.jobs.append(live_job("p4", state=WAITING, priority=4, request={"bytes": 16 * GiB}))
+    waiter = ledger.read().find("p4")
+    assert waiter is not None
+    rules = PauseRules(min_runtime=1.0)
+    assert ask_for_room(ledger, waiter, MACHINE, 0.9, rules) == ("resumed",)
+
+
 def test_a_job_after_a_whole_sweep_keeps_its_entry(tmp_path: Path) -> None:
     """`--after sweep` names every job of the batch, those that already ended too: after a
     sweep of a thousand, more than the 1024 an entry may list, so every later read refused the
