@@ -848,15 +848,21 @@ def _wait_and_run(
                 around=around,
             )
         except BaseException:
-            _finish(ledger, job, INTERRUPTED, reporter)
+            resumed_wait = time.monotonic() - waited_from if queued_seconds is not None else 0.0
+            paused = _pauses_so_far(job, paused_seconds + resumed_wait)
+            _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
             raise
         finally:
             reporter.waited()
             _show_warnings(ledger, reporter)
         wait_seconds = time.monotonic() - waited_from
         waited_in_all = proc.boot_clock() - waited_from_boot
+        # Where it leaves the queue waiting to resume: how often it stepped aside, and how long.
+        paused = _pauses_so_far(
+            job, paused_seconds + (wait_seconds if queued_seconds is not None else 0.0)
+        )
         if isinstance(outcome, TimedOut):
-            _finish(ledger, job, TIMED_OUT, reporter)
+            _finish(ledger, job, TIMED_OUT, reporter, paused=paused)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
             reporter.error(f"gave up after waiting {format_duration(waited_in_all)}{why}")
             return _Ended(EXIT_TIMEOUT)
@@ -868,14 +874,14 @@ def _wait_and_run(
                 # Slurm's warning before the time limit (--signal=B:USR1@N) may come while the
                 # job still waits: nothing started, nothing to save; the resume status tells the
                 # batch script to requeue it, as after a checkpoint.
-                _finish(ledger, job, INTERRUPTED, reporter)
+                _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
                 reporter.info(
                     f"job {job.id} asked to checkpoint while still waiting; it leaves the queue "
                     f"with the resume status {config.resume_exit}, to be started again later"
                 )
                 return _Ended(config.resume_exit)
             signals.keep_pending(outcome.signum)
-            _finish(ledger, job, INTERRUPTED, reporter)
+            _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
             # Ended by the signal, as the command would have been: a shell stops its script on a
             # child that Ctrl-C killed (not on one that exited 130), systemd counts a TERM
             # death as a clean stop.
@@ -890,7 +896,7 @@ def _wait_and_run(
             reporter.error(f"job {job.id} will not start: {outcome.message}")
             return _Ended(EXIT_DEPENDENCY_FAILED)
         if isinstance(outcome, Stuck):
-            _finish(ledger, job, INTERRUPTED, reporter)
+            _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
             if request.from_hook:
                 signals.unblock_all()  # as the command would have them bare
                 return _Ended(_bare_for_the_hook(request, reporter, outcome.reason))
@@ -919,6 +925,12 @@ def _wait_and_run(
         paused_runs_seconds += ended.run_seconds
         earlier = _Earlier.of(earlier, ended.peak)
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
+
+
+def _pauses_so_far(job: Job, paused_seconds: float) -> tuple[int, float] | None:
+    """A --pausable job's pauses and the time it spent stepped aside (`paused_seconds`), as
+    its `finish` or `leave` says them; None for any other job."""
+    return (job.pauses, paused_seconds) if job.pausable else None
 
 
 def _asks_to_checkpoint(job: Job, signum: int) -> bool:
@@ -1128,7 +1140,7 @@ def _start(
         "signal": -code if code < 0 else None,
         "run_seconds": result.run_seconds,
         "charge_usage": (vram_seconds, config.wait.fair.half_life),
-        "paused": (job.pauses, paused_seconds) if job.pausable else None,
+        "paused": _pauses_so_far(job, paused_seconds),
         "oom": cause,
     }
     pending = oom and may_retry
@@ -1302,7 +1314,7 @@ def _record(
         held=held,
         wait_seconds=wait_seconds,
         started_at=started_at,
-        pauses=(job.pauses, paused_seconds) if job.pausable else None,
+        pauses=_pauses_so_far(job, paused_seconds),
         margin=config.estimate_margin,
         paused_runs_seconds=paused_runs_seconds,
     )

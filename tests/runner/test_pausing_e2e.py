@@ -368,6 +368,30 @@ def test_a_retry_of_a_job_that_stepped_aside_waits_at_most_its_timeout(
         outside.wait()
 
 
+def test_a_job_stopped_while_waiting_to_resume_says_how_often_it_stepped_aside(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Its `leave` event, the last word on the job, said nothing of its pauses: as far as the
+    # log told, a job that never ran had left the queue.
+    low = long_job(gpuwait_cmd, tmp_path / "progress.json", hold="5s")
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = hold_card(gpuwait_cmd, "16G", "5s", "--priority", "5")
+        wait_until_running(2)
+        low.terminate()
+        assert low.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        for p in (low, urgent):
+            if p is not None:
+                p.terminate()
+                p.communicate(timeout=30)
+    (left,) = [e for e in events() if e["kind"] == "leave"]
+    assert left["outcome"] == "interrupted" and left["pauses"] == 1, left
+    assert float(left["paused_seconds"]) > 0, left  # type: ignore[arg-type]
+
+
 def test_young_jobs_are_not_paused(
     sim_file: object, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
