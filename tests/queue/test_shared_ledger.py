@@ -552,36 +552,48 @@ def ran_before(server: Server, uid: int, **seconds: float) -> None:
     subprocess.run(["chown", "-R", f"{uid}:{uid}", str(state)], check=True)
 
 
-def test_a_users_own_queue_order_does_not_leave_a_shared_card_idle(server: Server) -> None:
-    # The site keeps the default order (lookahead), which starts Alice's short job before
-    # Bob's long one; Alice has set queue_order = fifo for herself, which starts his first.
-    # (A plan budget no busy machine runs out of: every plan is searched to its end.)
-    server.site_config('fair_share_half_life = "none"\nplan_budget = "30s"\n')
+def short_after_long(
+    server: Server, alice: Callable[[list[str]], subprocess.Popen[str]]
+) -> list[tuple[object, object]]:
+    """Bob's long job, then Alice's short one (started by `alice` from its gpuwait arguments),
+    waiting for one card that fits one of them at a time; the card freed: who runs on it once
+    one of them has started (each user's gpuwait starts only their own jobs)."""
     ran_before(server, BOB, long=300.0)
     ran_before(server, ALICE, short=5.0)
     holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
     server.wait_jobs(1, "running")
     server.start(BOB, "--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30")
     server.wait_jobs(2)
-    argv = ["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"]
-    env = {**server.envs[ALICE], "GPUWAIT_QUEUE_ORDER": "fifo"}
-    alice = popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True)
-    server.procs.append(alice)
+    server.procs.append(
+        alice(["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"])
+    )
     server.wait_jobs(3)
     os.killpg(holder.pid, signal.SIGTERM)
     holder.communicate(timeout=10)
-    # The card is free: one of them starts (each user's gpuwait starts only their own jobs,
-    # so under two orders each waited for the other's job, Bob's for 100 minutes, his wait
-    # budget), and it is the one the site's order starts.
     wait_for(
         lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
-        timeout=10,
+        timeout=15,
         message=lambda: f"a job started on the idle card: {server.jobs()}",
     )
-    running = [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
-    assert running == [(ALICE, "short")]
-    os.killpg(alice.pid, signal.SIGTERM)
-    _, err = alice.communicate(timeout=10)
+    return [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
+
+
+def test_a_users_own_queue_order_does_not_leave_a_shared_card_idle(server: Server) -> None:
+    # The site keeps the default order (lookahead), which starts Alice's short job before
+    # Bob's long one; Alice has set queue_order = fifo for herself, which starts his first.
+    # Under two orders each user's gpuwait waited for the other's job (Bob's for 100 minutes,
+    # his wait budget). (A plan budget no busy machine runs out of: every plan is searched to
+    # its end.)
+    server.site_config('fair_share_half_life = "none"\nplan_budget = "30s"\n')
+    env = {**server.envs[ALICE], "GPUWAIT_QUEUE_ORDER": "fifo"}
+
+    def alice(argv: list[str]) -> subprocess.Popen[str]:
+        return popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True)
+
+    # The one the site's order starts.
+    assert short_after_long(server, alice) == [(ALICE, "short")]
+    os.killpg(server.procs[-1].pid, signal.SIGTERM)
+    _, err = server.procs[-1].communicate(timeout=10)
     assert (
         "gpuwait: warning: queue_order = fifo of yours is not used in the shared ledger "
         f"{server.ledger_dir}: everyone's queue there is in the site's order, lookahead\n"
@@ -611,39 +623,26 @@ def test_two_members_whose_plans_disagree_do_not_leave_a_shared_card_idle(
     # Each waited for the other's job, and the free card went to nobody until a wait budget
     # ran out, hours later.
     server.site_config('fair_share_half_life = "none"\n')
-    ran_before(server, BOB, long=300.0)
-    ran_before(server, ALICE, short=5.0)
-    holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
-    server.wait_jobs(1, "running")
-    server.start(BOB, "--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30")
-    server.wait_jobs(2)
-    argv = ["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"]
-    busy = user_argv(ALICE, ALICE, [GROUP], argv)
-    busy[2] = busy[2].replace(
-        "gpuwait.cli.entry_point()", BUSY_MACHINE + "gpuwait.cli.entry_point()"
-    )
-    alice = subprocess.Popen(
-        busy,
-        env=server.envs[ALICE],
-        text=True,
-        cwd="/",
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    server.procs.append(alice)
-    server.wait_jobs(3)
-    os.killpg(holder.pid, signal.SIGTERM)
-    holder.communicate(timeout=10)
+
+    def alice(argv: list[str]) -> subprocess.Popen[str]:
+        busy = user_argv(ALICE, ALICE, [GROUP], argv)
+        busy[2] = busy[2].replace(
+            "gpuwait.cli.entry_point()", BUSY_MACHINE + "gpuwait.cli.entry_point()"
+        )
+        env = server.envs[ALICE]
+        return subprocess.Popen(
+            busy,
+            env=env,
+            text=True,
+            cwd="/",
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
     # Once the two plans have disagreed for a few seconds, both plan in strict order (no
     # search: the same for everyone), and the job submitted first starts.
-    wait_for(
-        lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
-        timeout=15,
-        message=lambda: f"a job started on the idle card: {server.jobs()}",
-    )
-    running = [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
-    assert running == [(BOB, "long")]
+    assert short_after_long(server, alice) == [(BOB, "long")]
 
 
 def test_a_users_stricter_safety_keeps_the_card_no_emptier_than_the_sites(
