@@ -212,9 +212,10 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
 def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
     """The history record of an adopted process that has ended. Nobody waited on it, so its
     exit status is unknown (recorded as None) and its peak is what it used when it was
-    adopted: nothing samples it afterwards. Its run time is timed on the boot clock, as
-    every duration between two gpuwait processes is (entries.since), unless it ran in an
-    earlier boot, whose clock that is not."""
+    adopted: nothing samples it afterwards. Its run time is timed as a running job's is
+    (entries.run_time): on the boot clock, as every duration between two gpuwait processes
+    is, less the time the machine was suspended, as every run's in the history; unless it ran
+    in an earlier boot, whose clocks those are not."""
     from gpuwait.history import record as run_record  # rarely needed: kept out of launches
 
     gpus = []
@@ -243,12 +244,9 @@ def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
             time_to_peak=None,
             samples=1 if job.observed else 0,
             free_at_peak_bytes={},
-            run_seconds=max(
-                0.0,
-                now - started_at
-                if of_an_earlier_boot(job.boot)
-                else since(started_at, job.started_boot, now, proc.boot_clock()),
-            ),
+            run_seconds=max(0.0, now - started_at)
+            if of_an_earlier_boot(job.boot) or job.started_at is None
+            else run_time(job, now, proc.boot_clock()),
             returncode=0,
             oom=False,
             oom_evidence=None,

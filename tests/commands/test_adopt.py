@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 from helpers import users
 from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim_job
+from helpers.processes import suspended_gpuwait
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.errors import EXIT_IMPOSSIBLE, EXIT_NOT_PERMITTED, EXIT_USAGE
+from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 
 GiB = 2**30
@@ -298,11 +300,12 @@ def test_other_members_of_a_shared_ledger_count_an_adopted_process() -> None:
         sleeper.wait()
 
 
-def test_an_adopted_process_is_recorded_with_its_run_time_whatever_the_wall_clock_did(
-    sim_file: SimFileFactory, run_gpuwait: Run
-) -> None:
-    # NTP stepped the wall clock an hour forward while the adopted process ran (as if, by the
-    # wall clock, it had been adopted an hour earlier): its history said it ran for an hour.
+def recorded_run_seconds(
+    sim_file: SimFileFactory, run_gpuwait: Run, moved: Callable[[Job], None], reaper: Run
+) -> tuple[float, float]:
+    """An adopted process ended after `moved` changed its entry (as a clock stepped would
+    have), and found ended by `reaper`: its history record's run time, and how long it really
+    ran at most."""
     sim = sim_file(gpus=1)
     job = bare_job(sim, "--vram", "2G", "--hold", "30s")
     try:
@@ -310,12 +313,44 @@ def test_an_adopted_process_is_recorded_with_its_run_time_whatever_the_wall_cloc
         began = time.monotonic()
         with Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").transaction() as data:
             (entry,) = data.jobs
-            assert entry.started_at is not None
-            entry.submitted_at -= 3600
-            entry.started_at -= 3600
+            moved(entry)
     finally:
         job.terminate()
         job.wait(timeout=30)
-    assert status_json(run_gpuwait)["jobs"] == []  # taken out, its run recorded
+    done = reaper("status", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["jobs"] == []  # taken out, its run recorded
     (record,) = json.loads(run_gpuwait("history", "--json").stdout)
-    assert record["run_seconds"] <= time.monotonic() - began + 1
+    return record["run_seconds"], time.monotonic() - began + 1
+
+
+def test_an_adopted_process_is_recorded_with_its_run_time_whatever_the_wall_clock_did(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # NTP stepped the wall clock an hour forward while the adopted process ran (as if, by the
+    # wall clock, it had been adopted an hour earlier): its history said it ran for an hour.
+    def stepped(entry: Job) -> None:
+        assert entry.started_at is not None
+        entry.submitted_at -= 3600
+        entry.started_at -= 3600
+
+    ran, at_most = recorded_run_seconds(sim_file, run_gpuwait, stepped, run_gpuwait)
+    assert ran <= at_most
+
+
+def test_an_adopted_process_is_recorded_without_the_time_the_machine_slept(
+    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path
+) -> None:
+    # Adopted, then the laptop was closed for two hours: the process slept with the machine,
+    # as a wrapped command does, whose run time leaves the suspend out. The adopted one's
+    # history said it ran for two hours, and taught its command's next run that much.
+    woke = tmp_path / "woke"
+    woke.touch()
+
+    def woken(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*suspended_gpuwait(woke), *args], capture_output=True, text=True, timeout=60
+        )
+
+    ran, at_most = recorded_run_seconds(sim_file, run_gpuwait, lambda entry: None, woken)
+    assert ran <= at_most

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,24 @@ def time_namespace(boottime: int) -> list[str]:
     if subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
         pytest.skip("no time namespace can be made here")
     return prefix
+
+
+#: gpuwait on a machine that is suspended for two hours once the file named first exists: the
+#: boot clock (and the wall clock) count the two hours, the monotonic clock does not.
+_SUSPENDED = """
+import os, sys
+from gpuwait.linux import proc
+real, flag = proc.boot_clock, sys.argv.pop(1)
+proc.boot_clock = lambda: real() + (7200 if os.path.exists(flag) else 0)
+from gpuwait.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def suspended_gpuwait(woke: Path) -> list[str]:
+    """How to start a gpuwait (its arguments to follow) on a machine that has slept two hours
+    once the file `woke` exists (it may exist already: a gpuwait started after the wake-up)."""
+    return [sys.executable, "-c", _SUSPENDED, str(woke)]
 
 
 def children(pid: int) -> list[int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.jobs import live_job
-from helpers.processes import time_namespace
+from helpers.processes import suspended_gpuwait, time_namespace
 from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 from gpuwait.cli import main
@@ -77,18 +77,6 @@ def test_timeout_is_kept_while_the_wall_clock_jumps(full_gpu: Path) -> None:
     assert 1.4 < elapsed < 10
 
 
-#: gpuwait on a machine that is suspended for two hours once the file named first exists: the
-#: boot clock (and the wall clock) count the two hours, the monotonic clock does not.
-SUSPENDED = """
-import os, sys
-from gpuwait.linux import proc
-real, flag = proc.boot_clock, sys.argv.pop(1)
-proc.boot_clock = lambda: real() + (7200 if os.path.exists(flag) else 0)
-from gpuwait.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_a_timeout_counts_the_time_the_machine_was_suspended(
     full_gpu: Path, tmp_path: Path
 ) -> None:
@@ -97,7 +85,7 @@ def test_a_timeout_counts_the_time_the_machine_was_suspended(
     command hours after the time the user gave it."""
     woke = tmp_path / "woke"
     proc = subprocess.Popen(
-        [sys.executable, "-c", SUSPENDED, str(woke), "--vram", "4G", "--timeout", "30m", "true"],
+        [*suspended_gpuwait(woke), "--vram", "4G", "--timeout", "30m", "true"],
         env={**os.environ, "GPUWAIT_NVML_INTERVAL": "0.1s"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
