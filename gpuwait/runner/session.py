@@ -1026,13 +1026,14 @@ def _start(
         watch.abandon()
         # Ended by the signal, as while waiting (and as the command would have been).
         signals.keep_pending(exc.signum)
-        _finish(ledger, job, INTERRUPTED, reporter)
+        _finish(ledger, job, INTERRUPTED, reporter, paused=_pauses_so_far(job, paused_seconds))
         return job, _Ended(-exc.signum)
     except OSError as exc:
         held.close()
         watch.abandon()
         code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
-        _finish(ledger, job, FAILED, reporter, exit_status=code)
+        paused = _pauses_so_far(job, paused_seconds)
+        _finish(ledger, job, FAILED, reporter, exit_status=code, paused=paused)
         tried = (
             ""
             if exc.errno not in SHORT_OF_PROCESSES

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -815,3 +816,44 @@ def test_a_request_withdrawn_within_the_grace_kills_nothing(
     responder.signalled_at -= 31  # its grace is over
     responder.check(command.pid)
     assert not responder.killed and command.poll() is None, "TERM for a request nobody makes"
+
+
+def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_did(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Its script removed while it waited to resume, the job could not start again (exit 127):
+    # its `finish` event, the last word on the job, said nothing of its pauses, as though it
+    # had never stepped aside.
+    script = tmp_path / "train.sh"
+    checkpoint = tmp_path / "progress.json"
+    job = [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "6s"]
+    script.write_text(f"#!/bin/sh\nexec {shlex.join(job)} --checkpoint {checkpoint}\n")
+    script.chmod(0o755)
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", str(script)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        wait_for(
+            lambda: any(e["kind"] == "paused" for e in events()),
+            timeout=30,
+            interval=0.05,
+            message=lambda: f"the job never stepped aside: {events()}",
+        )
+        script.unlink()
+        _, err = low.communicate(timeout=30)
+    finally:
+        for p in (low, urgent):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+    assert low.returncode == 127, err
+    (paused,) = [e for e in events() if e["kind"] == "paused"]
+    (ended,) = [e for e in events() if e["kind"] == "finish" and e["job"] == paused["job"]]
+    assert ended["exit_status"] == 127 and ended["pauses"] == 1, ended
+    assert float(ended["paused_seconds"]) > 0, ended  # type: ignore[arg-type]
