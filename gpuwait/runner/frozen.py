@@ -163,6 +163,9 @@ class FreezeResponder:
         self.given_up: BackendUnavailable | None = None
         #: When the given-up command, sent TERM, gets KILL.
         self._kill_at: float | None = None
+        #: How long its command has been stopped, frozen (monotonic): no run time of the job's,
+        #: which did no work and held no room meanwhile.
+        self.frozen_seconds = 0.0
 
     def check(self, child: int) -> None:
         if self.given_up is not None:
@@ -217,6 +220,7 @@ class FreezeResponder:
         # driver's own thread, which a stopped process could not run (the lock would time
         # out). Stopped at all so that its CPU side neither runs nor blocks half-way.
         _signal_all(tree, signal.SIGSTOP)
+        stopped_at = time.monotonic()
         try:
             job = lifecycle.freeze(self.ledger, job, holders, time.time())
         except Exception as exc:  # the room cannot be handed over: run on where it was
@@ -269,6 +273,7 @@ class FreezeResponder:
                     return
         finally:
             self.reporter.waited()
+            self.frozen_seconds += time.monotonic() - stopped_at
         if isinstance(outcome, Admitted):
             if not self._thaw_now(child, holders):
                 return

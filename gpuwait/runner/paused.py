@@ -31,6 +31,8 @@ class PauseResponder:
         #: timed there, so a wall clock stepped forward (NTP) never cuts it short.
         self.signalled_at: float | None = None
         self.killed = False
+        #: As FreezeResponder's: a pausable job steps aside by ending, never frozen.
+        self.frozen_seconds = 0.0
 
     def check(self, child: int) -> None:
         """Called often by the supervisor: cheap unless the ledger changed or a request waits."""

@@ -157,7 +157,9 @@ def supervise(
             waited_pid, status = os.waitpid(child, os.WNOHANG)
             if waited_pid == child:
                 result.returncode = os.waitstatus_to_exitcode(status)
-                result.run_seconds = time.monotonic() - started
+                # The time it was frozen is no run time: it did no work, and held no room.
+                frozen = 0.0 if responder is None else responder.frozen_seconds
+                result.run_seconds = max(0.0, time.monotonic() - started - frozen)
                 sampler.finish()
                 result.paused = responder is not None and responder.signalled_at is not None
                 if result.paused and result.stopped_by is None and responder is not None:

@@ -421,3 +421,33 @@ def test_a_frozen_job_that_cannot_be_thawed_is_ended_after_gpu_error_timeout(
     assert "could not be thawed: cuda-checkpoint --action restore" in err, err
     assert "(injected) (failing for " in err
     assert "), longer than gpu_error_timeout 500ms; its command was ended" in err
+
+
+def test_the_time_a_job_was_frozen_is_no_run_time_of_its(
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Frozen, the job held no memory and did no work, yet its record counted the time as run
+    # time: the run time its command's next runs were expected to take, and the VRAM-hours its
+    # user was charged for (fair share), grew by every hour it spent frozen.
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
+    low = low_job(gpuwait_cmd, tmp_path / "low.json", hold="1s")
+    urgent = None
+    try:
+        job = wait_until_old_enough(0.3)
+        urgent = hold_card(gpuwait_cmd, "16G", "1.5s", "--priority", "5")
+        _, low_err = low.communicate(timeout=60)
+        assert low.returncode == 0, low_err
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    said = events()
+    (thaw,) = [e for e in said if e["kind"] == "thaw"]
+    (ended,) = [e for e in said if e["kind"] == "finish" and e["job"] == job["id"]]
+    history = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    (record,) = [r for r in json.loads(history.stdout) if r["job_id"] == job["id"]]
+    # From its start to its end, less the time it was frozen (the thaw's figure also counts
+    # the restore, run time of the job's: half of it is left out here, whatever the machine).
+    command_lived = float(str(ended["time"])) - record["started_at"]
+    frozen = float(str(thaw["frozen_seconds"]))
+    assert record["run_seconds"] <= command_lived - frozen / 2, (record, frozen)
