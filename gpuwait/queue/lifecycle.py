@@ -1170,6 +1170,10 @@ def retry(
             charge(data, job.uid, charge_usage[0], now, charge_usage[1])
         _started_since(data, mine)
         _queued_again(mine, now)
+        if not mine.pausable:
+            # Its command starts anew: only a --pausable job's goes on from a checkpoint (what
+            # a frozen job had done was in the memory of the run that ran out).
+            mine.done_seconds = 0.0
         mine.request = dict(request)
         mine.held_by = []
         mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0

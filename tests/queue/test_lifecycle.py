@@ -527,10 +527,8 @@ def test_a_resumed_job_is_expected_to_end_after_what_its_earlier_runs_left(tmp_p
     assert _expected_left(ledger, "long") == pytest.approx(120, abs=5)
 
 
-def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
-    tmp_path: Path,
-) -> None:
-    ledger = Ledger(tmp_path)
+def _thawed_after_500s(ledger: Ledger, tmp_path: Path) -> Job:
+    """A --freezable job of 10 minutes, frozen after 500 s and thawed: running again."""
     long = live_job("long", freezable=True, request={"bytes": 16 * GiB}, expected_seconds=600.0)
     job = lifecycle.submit(ledger, long, [], [], tmp_path, ["x"])
     job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
@@ -545,5 +543,25 @@ def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
     job = lifecycle.freeze(ledger, job, [os.getpid()], time.time())
     job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
     assert isinstance(outcome, Admitted)
-    lifecycle.thaw(ledger, job, time.time())
+    return lifecycle.thaw(ledger, job, time.time())
+
+
+def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger(tmp_path)
+    _thawed_after_500s(ledger, tmp_path)
     assert _expected_left(ledger, "long") == pytest.approx(100, abs=5)
+
+
+def test_a_retry_of_a_thawed_job_is_expected_to_run_its_whole_run_time(tmp_path: Path) -> None:
+    # Thawed, the job ran out of memory, and its retry started its command anew: a frozen job
+    # keeps no checkpoint of its own. Status showed the retry with 100 s left of its 10 minutes,
+    # overdue soon after, and waiters behind it counted on its end that early.
+    ledger = Ledger(tmp_path)
+    job = _thawed_after_500s(ledger, tmp_path)
+    job = lifecycle.retry(ledger, job, {"bytes": 20 * GiB})
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    lifecycle.started(ledger, job, os.getpid())
+    assert _expected_left(ledger, "long") == pytest.approx(600, abs=5)
