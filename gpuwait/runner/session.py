@@ -198,7 +198,8 @@ _T = TypeVar("_T")
 
 
 class _Ended(Record, frozen=True):
-    """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed."""
+    """One attempt: the status to end with (< 0: killed by that signal) and whether it OOMed
+    (not a run that was stopped, whatever it said: it is not run again)."""
 
     returncode: int
     oom: bool = False
@@ -1133,7 +1134,10 @@ def _start(
         and not sizes_itself(request.command)
         and any(near_limit(peak, job.reserved_on(uuid)) for uuid, peak in peaks.items())
     )
-    oom = looks_like_oom(code, bool(said_oom), card_full or at_limit)
+    # A run stopped (gpuwait cancel, Ctrl-C, a service stopped) ended by being asked to, not
+    # for want of memory, however full its card was; and it is not run again.
+    oom = looks_like_oom(code, bool(said_oom), (card_full or at_limit) and not stopped)
+    retried = oom and not stopped
     cause = oom_cause(held.plan.enforced, card_full) if oom else None
     evidence = "message" if said_oom else "card full" if card_full else "at its limit"
     how: dict[str, Any] = {
@@ -1144,7 +1148,7 @@ def _start(
         "paused": _pauses_so_far(job, paused_seconds),
         "oom": cause,
     }
-    pending = oom and may_retry
+    pending = retried and may_retry
     if not pending:
         _finish(ledger, job, OK if code == 0 else FAILED, reporter, **how)
     _record(
@@ -1177,7 +1181,7 @@ def _start(
             stepped_aside=_SteppedAside(paused_seconds, paused_runs_seconds, earlier),
         )
     return job, _Ended(
-        result.returncode, oom, job.reserved_bytes, cause, reserved_each=reserved_each
+        result.returncode, retried, job.reserved_bytes, cause, reserved_each=reserved_each
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from helpers.fixtures_sim import SimFileFactory
 from helpers.history import a_run
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.core.estimate import tidy_size
 from gpuwait.history.store import append_record
@@ -389,6 +389,40 @@ def test_retry_oom_asks_for_no_more_than_the_per_user_limit(
     assert done.returncode == 1, done.stderr
     assert said in done.stderr and "per-user limit of" not in done.stderr
     assert [r["oom"] for r in history()] == [True] * (2 if vram == "3G" else 1)
+
+
+def test_a_job_stopped_on_a_full_card_is_not_run_again(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A --retry-oom job that filled its card was stopped (gpuwait cancel, a service stopped:
+    # TERM to gpuwait). Its run ended by the signal on a full card, which was taken for running
+    # out of memory: gpuwait queued the command again and started it anew, as though nobody
+    # had stopped it, and taught its next runs to ask for more.
+    sim_file(gpus=1, memory="24GiB")
+    job = sim_job(gpuwait_cmd, "23.7G", "--hold", "30s")
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "21G", "--retry-oom", "1", "--", *job],
+        env={**os.environ, "GPUWAIT_SAMPLE_INTERVAL": "0.1s"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Filled as gpuwait sees it: what it has published of the job's use.
+        wait_for(
+            lambda: any(sum(e["observed"].values()) >= 23 * GiB for e in ledger_entries()),
+            interval=0.05,
+            message=lambda: f"the job never filled its card: {ledger_entries()}",
+        )
+        launch.terminate()
+        _, err = launch.communicate(timeout=30)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == -15, err
+    assert "retrying" not in err and "ran out" not in err, err
+    (record,) = history()
+    assert record["signal"] == 15 and record["oom"] is False, record
 
 
 def test_other_scripts_runs_never_size_a_new_script(
