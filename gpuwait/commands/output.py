@@ -171,6 +171,7 @@ class WaitLine:
             reason.limit,
             reason.pause,
             reason.gpu_error,
+            reason.ledger_error,
         )
         if key != self._last_key:
             self._last_key = key

@@ -97,3 +97,9 @@ class StateError(GpuwaitError):
     """The state directory or ledger cannot be used."""
 
     exit_code = EXIT_STATE
+
+
+class StateShortage(StateError):
+    """The ledger cannot be read or written now for want of file descriptors or memory (the
+    process's, or the machine's): nothing is wrong with it, and it may pass. A waiter retries
+    for up to `lock_timeout`; a command that does not wait ends with exit 5."""

@@ -316,6 +316,9 @@ class WaitReason(Record, frozen=True):
     pause: str | None = None
     #: The GPUs could not be read at the last try (the waiter retries): why.
     gpu_error: str | None = None
+    #: The ledger could not be read or written at the last try, for want of file descriptors
+    #: or memory (the waiter retries): why.
+    ledger_error: str | None = None
     #: Where the size asked for came from, for a request made without --vram (the history).
     source: str | None = None
     #: For a gang: the place of `best_gpu_index` among the GPUs by room (2: the second best),
@@ -342,15 +345,20 @@ class WaitReason(Record, frozen=True):
         ahead = f" ({self.ahead} ahead)"
         head = f"waiting for {self.needed}"
         sourced = f"{head} ({self.source})" if self.source else head
-        if self.gpu_error is not None:
-            failing = f"{sourced}: GPU readings failing, retrying"
-            detail = f"{failing} ({self.gpu_error})"
+        for what, why in (
+            ("GPU readings failing", self.gpu_error),
+            ("ledger unavailable", self.ledger_error),
+        ):
+            if why is None:
+                continue
+            failing = f"{sourced}: {what}, retrying"
+            detail = f"{failing} ({why})"
             return [
                 detail + full_counts,
                 detail + counts,
                 failing + counts,
                 failing,
-                f"{head}: GPU readings failing",
+                f"{head}: {what}",
                 head,
             ]
         if self.limit is not None:

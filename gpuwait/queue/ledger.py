@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gpuwait.core.errors import StateError
+from gpuwait.core.errors import StateError, StateShortage
 from gpuwait.linux import alive, proc, signals
 from gpuwait.linux.atomic import (
     damaged_name,
@@ -88,12 +88,13 @@ _SHORT_OF_HINT = (
 )
 
 
-def _short_of(path: Path, exc: OSError) -> None:
-    """Raise StateError where `exc`, reading `path`, is a shortage: nothing is decided (nobody
-    admitted into room a file not read holds, no file of a user's moved aside as damaged)."""
+def _short_of(path: Path, exc: OSError, doing: str = "read") -> None:
+    """Raise StateShortage where `exc`, reading (or `doing` else) `path`, is a shortage:
+    nothing is decided (nobody admitted into room a file not read holds, no file of a user's
+    moved aside as damaged)."""
     if exc.errno in _SHORT_OF:
-        raise StateError(
-            f"ledger {path} cannot be read now: {exc.strerror}", hint=_SHORT_OF_HINT
+        raise StateShortage(
+            f"ledger {path} cannot be {doing} now: {exc.strerror}", hint=_SHORT_OF_HINT
         ) from None
 
 
@@ -227,6 +228,7 @@ class Ledger:
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
             except OSError as exc:
+                _short_of(self.path, exc, "written")
                 raise StateError(
                     f"ledger {self.path} cannot be written: {exc.strerror}",
                     hint=self._write_hint(exc),
@@ -379,6 +381,7 @@ class Ledger:
                 return os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             return open_state_file(self.lock_path, 0o600)
         except OSError as exc:
+            _short_of(self.directory if self.shared else self.lock_path, exc, "locked")
             raise self._unusable(exc) from None
 
     def _still_the_lock(self, fd: int) -> bool:

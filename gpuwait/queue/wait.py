@@ -28,7 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, BackendUnavailable
+from gpuwait.core.errors import (
+    DEFAULT_GPU_ERROR_TIMEOUT,
+    BackendUnavailable,
+    GpuwaitError,
+    StateShortage,
+)
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import (
     Conditions,
@@ -171,7 +176,7 @@ class GpuRetry:
         self.since: float | None = None
         self.delay = GPU_RETRY_FIRST
 
-    def failed(self, exc: BackendUnavailable) -> float:
+    def failed(self, exc: GpuwaitError) -> float:
         """Note a failure; return the seconds until the next try. Raises `exc` (with how long
         it lasted) once failures have lasted longer than the timeout."""
         now = time.monotonic()
@@ -181,15 +186,31 @@ class GpuRetry:
             self.delay = min(GPU_RETRY_MAX, self.delay * 2)
         lasted = now - self.since
         if lasted >= self.timeout:
-            raise BackendUnavailable(
-                f"{exc.message} (failing for {format_duration(lasted)}, longer than "
-                f"gpu_error_timeout {format_duration(self.timeout)})",
-                hint=exc.hint,
-            ) from exc
+            raise self.given_up(exc, lasted) from exc
         return min(self.delay, max(0.0, self.since + self.timeout - now))
+
+    def given_up(self, exc: GpuwaitError, lasted: float) -> GpuwaitError:
+        return BackendUnavailable(
+            f"{exc.message} (failing for {format_duration(lasted)}, longer than "
+            f"gpu_error_timeout {format_duration(self.timeout)})",
+            hint=exc.hint,
+        )
 
     def succeeded(self) -> None:
         self.since = None
+
+
+class ShortageRetry(GpuRetry):
+    """A ledger that cannot be read or written for want of file descriptors or memory
+    (StateShortage), retried as a failed reading is, until `timeout` (lock_timeout) seconds of
+    failure: another program short of them for a moment must not end every waiter (exit 5)."""
+
+    def given_up(self, exc: GpuwaitError, lasted: float) -> GpuwaitError:
+        return StateShortage(
+            f"{exc.message} (for {format_duration(lasted)}, longer than "
+            f"lock_timeout {format_duration(self.timeout)})",
+            hint=exc.hint,
+        )
 
 
 class TimedOut(Record, frozen=True):
@@ -492,14 +513,23 @@ def wait_for_admission(
 
     def timed_out() -> tuple[Job, WaitOutcome]:
         # Admitted by another waiter's plan at the last moment: then it runs.
-        late = trusted(_admitted_by_another(ledger, job, last))
+        try:
+            late = trusted(_admitted_by_another(ledger, job, last))
+        except StateShortage:
+            late = None  # its --timeout, not the shortage's bound: not admitted, as far as known
         return admitted(late) if late is not None else (job, TimedOut(reason))
 
     retry = GpuRetry(policy.gpu_error_timeout)
+    #: A ledger short of file descriptors or memory: for as long as its lock may be waited for.
+    shortage = ShortageRetry(
+        policy.gpu_error_timeout if ledger.lock_timeout is None else ledger.lock_timeout
+    )
 
-    def failing(exc: BackendUnavailable) -> tuple[WaitReason, float]:
-        """The wait line while readings fail, and the seconds until the next try."""
-        pause = retry.failed(exc)
+    def failing(exc: GpuwaitError, retrying: GpuRetry) -> None:
+        """Say on the wait line that readings (of the GPUs, or the ledger) fail, and put the
+        next try off by the back-off; raises once they have failed for too long."""
+        nonlocal reason, next_read, next_own
+        pause = retrying.failed(exc)
         base = reason or WaitReason(
             needed=describe_need(job.memory_request(), job.gpus),
             best_gpu_index=None,
@@ -507,143 +537,154 @@ def wait_for_admission(
             running=0,
             ahead=0,
         )
-        return base._replace(gpu_error=exc.message), pause
+        if isinstance(exc, StateShortage):
+            failed = base._replace(gpu_error=None, ledger_error=exc.message)
+        else:
+            failed = base._replace(gpu_error=exc.message, ledger_error=None)
+        if failed != reason:
+            on_reason(failed)
+        reason = failed
+        next_read = next_own = time.monotonic() + pause
 
     try:
         while True:
-            if deadline is not None and tried and proc.boot_clock() >= deadline:
-                # Passed while it slept (a suspended machine wakes up): no plan after it.
-                return timed_out()
-            now = time.monotonic()
-            event = False
-            check_admitted = False
-            gone = False
-            changed, held_back = summaries.changed(now)
-            for seen in changed:
-                if seen is None:
-                    event = True
-                elif job.id in seen.running:
-                    check_admitted = True
-                elif job.id not in seen.waiting:
-                    event = gone = True  # cancelled, or the ledger was recovered: look closer
-                else:
-                    position = seen.waiting.index(job.id)
-                    before = last_release.get(seen.source)
-                    if before is not None and seen.release != before:
-                        if position == 0:
-                            event = True
-                        elif position == 1:
-                            backup = (now + BACKUP_DELAY, seen.written_ns)
-                    unfinished = set(seen.waiting) | seen.running
-                    if any(d not in unfinished for d in (*job.after, *job.after_ok)):
+            try:
+                if deadline is not None and tried and proc.boot_clock() >= deadline:
+                    # Passed while it slept (a suspended machine wakes up): no plan after it.
+                    return timed_out()
+                now = time.monotonic()
+                event = False
+                check_admitted = False
+                gone = False
+                changed, held_back = summaries.changed(now)
+                for seen in changed:
+                    if seen is None:
                         event = True
-                    last_release[seen.source] = seen.release
-                    queue_length = len(seen.waiting)
-            if check_admitted:
-                found = _admitted_by_another(ledger, job, last)
-                confirmed = trusted(found)
-                if confirmed is not None:
-                    return admitted(confirmed)
-                if found is not None:
-                    job = asked
-                    reason = None  # say why it waits again, after the warning
-                event = True
-            if backup is not None and now >= backup[0]:
-                # Stand in for the first waiter only if nobody planned since the release was
-                # written: a plan made just before it does not count (it saw the room taken).
-                event = event or not wake.planned_since(state_dir, backup[1])
-                backup = None
-            if gone:
-                # Cancelled: said by the ledger as read without the lock. A sweep's hundred
-                # waiters cancelled at once would otherwise each read the GPUs and plan the
-                # whole queue under the lock, one after another, only to learn it.
-                cancelled = lifecycle.cancellation(ledger.read(), job.id)
-                if cancelled is not None:
-                    return job, cancelled
-            act = event
-            failed_now = False
-            if not event and now >= next_read:
-                # A timer, not an event: another waiter's recent reading serves for this one,
-                # unless this one's own waiting line is due.
-                recently = time.time_ns() - int(policy.nvml_interval * 0.8e9)
-                # A --max-util waiter still gathering its first readings takes them itself: no
-                # one else's reading goes into its window.
-                act = (
-                    now >= next_own
-                    or (wants_utilization and window.needs_more())
-                    or disagreement.suspected
-                    or not wake.planned_since(state_dir, recently)
-                )
-                if not act:
-                    next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
-            if act:
-                # Releases counted from here on come after this plan's reading: seen next time.
-                last_release = {}
-                for seen in summaries.current():
-                    last_release[seen.source] = seen.release
-                    queue_length = len(seen.waiting)
-                tried = True
-                try:
-                    outcome = attempt()
-                except BackendUnavailable as exc:
-                    failed, pause = failing(exc)
-                    if failed != reason:
-                        on_reason(failed)
-                    reason = failed
-                    next_read = next_own = time.monotonic() + pause
-                    failed_now = True
-                else:
-                    retry.succeeded()
-                    failed_now = False
-            if act and not failed_now:
-                if isinstance(outcome, Admitted):
-                    outcome = trusted(outcome)
-                    if outcome is None:
+                    elif job.id in seen.running:
+                        check_admitted = True
+                    elif job.id not in seen.waiting:
+                        event = gone = True  # cancelled, or the ledger was recovered: look closer
+                    else:
+                        position = seen.waiting.index(job.id)
+                        before = last_release.get(seen.source)
+                        if before is not None and seen.release != before:
+                            if position == 0:
+                                event = True
+                            elif position == 1:
+                                backup = (now + BACKUP_DELAY, seen.written_ns)
+                        unfinished = set(seen.waiting) | seen.running
+                        if any(d not in unfinished for d in (*job.after, *job.after_ok)):
+                            event = True
+                        last_release[seen.source] = seen.release
+                        queue_length = len(seen.waiting)
+                if check_admitted:
+                    found = _admitted_by_another(ledger, job, last)
+                    confirmed = trusted(found)
+                    if confirmed is not None:
+                        return admitted(confirmed)
+                    if found is not None:
                         job = asked
                         reason = None  # say why it waits again, after the warning
-                if isinstance(outcome, Admitted):
-                    return admitted(outcome)
-                if isinstance(outcome, (Cancelled, DependencyFailed, Stuck)):
-                    return job, outcome
-                if outcome is not None and outcome != reason:
-                    on_reason(outcome)
-                reason = outcome
-                interval = policy.nvml_interval
-                if wants_utilization and window.needs_more():
-                    interval = min(interval, UTIL_SAMPLE_INTERVAL)
-                next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
-                next_own = time.monotonic() + max(
-                    OWN_PLAN_INTERVAL, OWN_PLAN_SPACING * queue_length
-                )
-            if watch is None and not kicked:
-                # Set up only once the job has to wait: a launch that fits at once pays nothing.
-                from gpuwait.linux.inotify import LedgerWatch
+                    event = True
+                if backup is not None and now >= backup[0]:
+                    # Stand in for the first waiter only if nobody planned since the release was
+                    # written: a plan made just before it does not count (it saw the room taken).
+                    event = event or not wake.planned_since(state_dir, backup[1])
+                    backup = None
+                if gone:
+                    # Cancelled: said by the ledger as read without the lock. A sweep's hundred
+                    # waiters cancelled at once would otherwise each read the GPUs and plan the
+                    # whole queue under the lock, one after another, only to learn it.
+                    cancelled = lifecycle.cancellation(ledger.read(), job.id)
+                    if cancelled is not None:
+                        return job, cancelled
+                act = event
+                failed_now = False
+                if not event and now >= next_read:
+                    # A timer, not an event: another waiter's recent reading serves for this one,
+                    # unless this one's own waiting line is due.
+                    recently = time.time_ns() - int(policy.nvml_interval * 0.8e9)
+                    # A --max-util waiter still gathering its first readings takes them itself: no
+                    # one else's reading goes into its window.
+                    act = (
+                        now >= next_own
+                        or (wants_utilization and window.needs_more())
+                        or disagreement.suspected
+                        or not wake.planned_since(state_dir, recently)
+                    )
+                    if not act:
+                        next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
+                if act:
+                    # Releases counted from here on come after this plan's reading: seen next time.
+                    last_release = {}
+                    for seen in summaries.current():
+                        last_release[seen.source] = seen.release
+                        queue_length = len(seen.waiting)
+                    tried = True
+                    try:
+                        outcome = attempt()
+                    except BackendUnavailable as exc:
+                        failing(exc, retry)
+                        failed_now = True
+                    else:
+                        retry.succeeded()
+                        shortage.succeeded()
+                        failed_now = False
+                if act and not failed_now:
+                    if isinstance(outcome, Admitted):
+                        outcome = trusted(outcome)
+                        if outcome is None:
+                            job = asked
+                            reason = None  # say why it waits again, after the warning
+                    if isinstance(outcome, Admitted):
+                        return admitted(outcome)
+                    if isinstance(outcome, (Cancelled, DependencyFailed, Stuck)):
+                        return job, outcome
+                    if outcome is not None and outcome != reason:
+                        on_reason(outcome)
+                    reason = outcome
+                    interval = policy.nvml_interval
+                    if wants_utilization and window.needs_more():
+                        interval = min(interval, UTIL_SAMPLE_INTERVAL)
+                    next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
+                    next_own = time.monotonic() + max(
+                        OWN_PLAN_INTERVAL, OWN_PLAN_SPACING * queue_length
+                    )
+                if watch is None and not kicked:
+                    # Set up only once the job has to wait: a launch that fits at once pays nothing.
+                    from gpuwait.linux.inotify import LedgerWatch
 
-                watch = LedgerWatch(state_dir if policy.use_inotify else None)
-                continue  # the summary may have changed before the watch began
-            watching = watch is not None and watch.active
-            wake_at = next_read
-            for moment in (backup[0] if backup is not None else None, held_back):
-                if moment is not None:
-                    wake_at = min(wake_at, moment)
-            sleep = (
-                max(0.0, wake_at - time.monotonic()) if kicked or watching else policy.poll_interval
-            )
-            if deadline is not None:
-                remaining = deadline - proc.boot_clock()
-                if remaining <= 0:
-                    return timed_out()
-                sleep = min(sleep, remaining)
-            also = (watch.wake_signal,) if watch is not None and watching else ()
-            # Waiting, this launch has had its turn: the next one in the turnstile loads now.
-            turnstile.leave()
-            info = signals.next_signal(sleep, also=also)
-            if info is None or info.si_signo == signal.SIGCHLD:
-                continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)
-            if watch is not None and watching and info.si_signo == watch.wake_signal:
-                watch.drain()
-                continue
-            return job, Interrupted(info.si_signo)
+                    watch = LedgerWatch(state_dir if policy.use_inotify else None)
+                    continue  # the summary may have changed before the watch began
+                watching = watch is not None and watch.active
+                wake_at = next_read
+                for moment in (backup[0] if backup is not None else None, held_back):
+                    if moment is not None:
+                        wake_at = min(wake_at, moment)
+                sleep = (
+                    max(0.0, wake_at - time.monotonic())
+                    if kicked or watching
+                    else policy.poll_interval
+                )
+                if deadline is not None:
+                    remaining = deadline - proc.boot_clock()
+                    if remaining <= 0:
+                        return timed_out()
+                    sleep = min(sleep, remaining)
+                also = (watch.wake_signal,) if watch is not None and watching else ()
+                # Waiting, this launch has had its turn: the next one in the turnstile loads now.
+                turnstile.leave()
+                info = signals.next_signal(sleep, also=also)
+                if info is None or info.si_signo == signal.SIGCHLD:
+                    continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)
+                if watch is not None and watching and info.si_signo == watch.wake_signal:
+                    watch.drain()
+                    continue
+                return job, Interrupted(info.si_signo)
+            except StateShortage as exc:
+                # The ledger could not be read or written for a moment (no file descriptor
+                # left, no memory): nothing was decided; tried again as a failed reading is.
+                failing(exc, shortage)
     except signals.SignalPending as exc:
         # Given up waiting for the ledger lock, which another process holds: the signal ends
         # the wait as it would have in the sleep above.

@@ -270,6 +270,87 @@ def test_another_users_file_that_cannot_be_opened_for_a_moment_admits_nobody(
     assert Ledger(directory).read().jobs == []
 
 
+#: gpuwait, run as a process whose every open of a ledger file fails for want of file
+#: descriptors while the file named by $SHORT_OF_FILES exists (a moment's shortage, another
+#: program's doing).
+SHORT_OF_FILES = """
+import errno, os
+from gpuwait.queue import ledger
+real = ledger.open_readable
+def short(path, owners):
+    if os.path.exists(os.environ["SHORT_OF_FILES"]):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    return real(path, owners)
+ledger.open_readable = short
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def short_of_files_waiter(
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    *options: str,
+) -> tuple[Path, Path, Path, subprocess.Popen[str]]:
+    """(the shortage's flag, the first job's go-ahead, the waiter's stderr, the waiter): on one
+    24 GiB GPU a first job holds 16 GiB until told to end; the waiter, which waits for 16 GiB
+    behind it, is asleep waiting; once the flag file exists it cannot open the ledger."""
+    sim = tmp_path / "sim.toml"
+    assert main(["sim", "init", str(sim), "--gpus", "1", "--memory", "24GiB"]) == 0
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim))
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.1s")
+    flag, go, err = tmp_path / "short", tmp_path / "go", tmp_path / "waiter.err"
+    hold = f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done"
+    procs([sys.executable, "-m", "gpuwait", "--vram", "16G", "--name", "first", "sh", "-c", hold])
+    wait_for(lambda: (e := named_entry("first")) and e.get("child_pid"), timeout=20)
+    waiter = procs(
+        [sys.executable, "-c", SHORT_OF_FILES, "--vram", "16G", *options, "--", "true"],
+        env={**os.environ, "SHORT_OF_FILES": str(flag)},
+        stderr=err.open("w"),
+    )
+    wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
+    flag.touch()
+    return flag, go, err, waiter
+
+
+def test_a_waiter_rides_over_a_moment_without_file_descriptors(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flag, go, err, waiter = short_of_files_waiter(tmp_path, procs, monkeypatch)
+    # It says so on its waiting line, and waits on.
+    wait_for(
+        lambda: "cannot be read now" in err.read_text() or waiter.poll() is not None, timeout=20
+    )
+    assert waiter.poll() is None, err.read_text()
+    assert "retrying" in err.read_text()
+    flag.unlink()
+    go.touch()
+    assert waiter.wait(timeout=30) == 0, err.read_text()
+    assert "Traceback" not in err.read_text()
+
+
+def test_a_waiter_short_of_file_descriptors_for_longer_than_lock_timeout_gives_up(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.5s")
+    _, _, err, waiter = short_of_files_waiter(tmp_path, procs, monkeypatch)
+    assert waiter.wait(timeout=30) == 5, err.read_text()
+    said = err.read_text()
+    assert "cannot be read now" in said and "lock_timeout" in said, said
+    assert "Traceback" not in said, said
+
+
+def test_a_waiter_short_of_file_descriptors_as_its_timeout_passes_times_out(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "30s")
+    _, _, err, waiter = short_of_files_waiter(tmp_path, procs, monkeypatch, "--timeout", "1s")
+    # --timeout, as without the shortage: not the shortage's own bound, long after.
+    assert waiter.wait(timeout=10) == 124, err.read_text()
+    assert "gave up after waiting" in err.read_text()
+
+
 HISTORY_DAMAGE = {
     "truncated": b'{"schema": 2, "command": ["python", "tr',
     "garbage": b"\x00\xff\xfe garbage\n",
