@@ -872,15 +872,9 @@ def _wait_and_run(
             # process holding it longer than LEAVE_PATIENCE costs this entry, which is reaped
             # once gpuwait is gone.
             if _asks_to_checkpoint(job, outcome.signum):
-                # Slurm's warning before the time limit (--signal=B:USR1@N) may come while the
-                # job still waits: nothing started, nothing to save; the resume status tells the
-                # batch script to requeue it, as after a checkpoint.
-                _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
-                reporter.info(
-                    f"job {job.id} asked to checkpoint while still waiting; it leaves the queue "
-                    f"with the resume status {config.resume_exit}, to be started again later"
+                return _leave_to_checkpoint(
+                    ledger, job, reporter, config.resume_exit, "still waiting", paused=paused
                 )
-                return _Ended(config.resume_exit)
             signals.keep_pending(outcome.signum)
             _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
             # Ended by the signal, as the command would have been: a shell stops its script on a
@@ -960,6 +954,21 @@ def _bare_for_the_hook(request: RunRequest, reporter: Reporter, why: str) -> int
     return exec_bare(request.command)
 
 
+def _leave_to_checkpoint(
+    ledger: Ledger, job: Job, reporter: Reporter, resume_exit: int, when: str, **how: Any
+) -> _Ended:
+    """A --pausable job asked to checkpoint before its command started: Slurm's warning before
+    the time limit (--signal=B:USR1@N) may come while the job still waits, or while its
+    command cannot start yet. Nothing started, nothing to save; the resume status tells the
+    batch script to requeue it, as after a checkpoint."""
+    _finish(ledger, job, INTERRUPTED, reporter, **how)
+    reporter.info(
+        f"job {job.id} asked to checkpoint while {when}; it leaves the queue with the "
+        f"resume status {resume_exit}, to be started again later"
+    )
+    return _Ended(resume_exit)
+
+
 def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:
     """lifecycle.finish, for a process that is about to end: a failure is only said, since the
     entry is reaped by the next gpuwait anyway."""
@@ -1025,6 +1034,10 @@ def _start(
     except StartInterrupted as exc:
         held.close()
         watch.abandon()
+        if _asks_to_checkpoint(job, exc.signum):
+            return job, _leave_to_checkpoint(
+                ledger, job, reporter, config.resume_exit, "its command could not start yet"
+            )
         # Ended by the signal, as while waiting (and as the command would have been).
         signals.keep_pending(exc.signum)
         _finish(ledger, job, INTERRUPTED, reporter, paused=_pauses_so_far(job, paused_seconds))

@@ -161,12 +161,11 @@ def test_a_command_that_cannot_start_for_a_moment_for_want_of_processes_runs_aft
     assert (record["exit_status"], record["stderr_watched"]) == (3, "off")
 
 
-def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str]
-) -> None:
-    sim_file(gpus=1)
+def signalled_while_retrying_its_start(signum: int, *options: str) -> tuple[int, str]:
+    """(exit status, what it said after) of a launch with `options` that no process can be
+    started for, sent `signum` once its first start failed."""
     launch = subprocess.Popen(
-        [*NO_PROCESSES, "-1", "--vram", "1G", "--", "true"],
+        [*NO_PROCESSES, "-1", "--vram", "1G", *options, "--", "true"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -174,11 +173,32 @@ def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
         assert launch.stderr is not None
         said = launch.stderr.readline()  # said once the first start failed
         assert "Resource temporarily unavailable" in said
-        launch.send_signal(signal.SIGTERM)
-        assert launch.wait(timeout=10) == -signal.SIGTERM
+        launch.send_signal(signum)
+        return launch.wait(timeout=10), launch.stderr.read()
     finally:
         launch.kill()
         launch.communicate()
+
+
+def test_a_launch_retrying_its_start_ends_by_term_and_leaves_the_queue(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    sim_file(gpus=1)
+    code, _ = signalled_while_retrying_its_start(signal.SIGTERM)
+    assert code == -signal.SIGTERM
+    assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_a_pausable_launch_retrying_its_start_asked_to_checkpoint_ends_with_the_resume_status(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Slurm's warning before the time limit (--signal=B:USR1@N) while the command could not
+    # start yet: nothing to save, and the batch script must see the resume status to requeue
+    # the job, as where the signal comes while it waits.
+    sim_file(gpus=1)
+    code, said = signalled_while_retrying_its_start(signal.SIGUSR1, "--pausable")
+    assert code == 75, said
+    assert "resume status 75" in said
     assert listed_jobs(gpuwait_cmd) == []
 
 
