@@ -394,6 +394,18 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_a_keyword_reserve_does_not_have_is_pythons_type_error(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # As docs/python-api.md says: a misspelt keyword, or a command's option, is no ReserveError.
+    import gpuwait
+
+    for options in ({"pausable": True}, {"retry_oom": 1}, {"vrma": "1G"}):
+        with pytest.raises(TypeError, match=next(iter(options))):
+            gpuwait.reserve("1G", **options)  # type: ignore[call-arg]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_devices_takes_one_index_as_the_command_line_does(sim: Path) -> None:
     script = "import gpuwait\nprint(gpuwait.reserve('1G', devices=1).gpus)\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
