@@ -349,12 +349,16 @@ def _show_weights(value: dict[str, float]) -> str:
     return ",".join(f"{k}={v:g}" for k, v in value.items()) if value else "(none)"
 
 
-def _show_seconds(value: float | None) -> str:
-    return "none" if value is None else f"{value:g}s"
-
-
 def _show_duration(value: float | None) -> str:
-    return "none" if value is None else format_duration(value)
+    """A duration as gpuwait says one elsewhere (`10ms`, `5m00s`, `23h00m`), but whole seconds
+    under a minute as `5s`, and a value that form would round (`90.5s`, not `1m30s`) in
+    seconds: what is shown, typed back in, is the same setting."""
+    if value is None:
+        return "none"
+    shown = format_duration(value)
+    if 1 <= value < 60 or parse_duration(shown) != value:
+        return f"{value:g}s"
+    return shown
 
 
 def _show_size(value: int | None) -> str:
@@ -434,7 +438,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "longest wait before giving up (none: wait as long as it takes; 0: start only if it "
         "fits at once)",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "on_no_gpu",
@@ -447,7 +451,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         1.0,
         "how often a running job's VRAM is sampled",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "resume_exit",
@@ -480,14 +484,14 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         0.01,
         "how often a waiter checks the queue for a change when wake = poll",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "nvml_interval",
         _positive_duration,
         1.0,
         "how often a waiter re-reads the GPUs when the ledger did not change",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "ignore_processes",
@@ -606,7 +610,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         5.0,
         "longest wait for one NVML reading; a GPU that does not answer is left out",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "gpu_error_timeout",
@@ -614,14 +618,14 @@ OPTIONS: tuple[Option, ...] = (
         DEFAULT_GPU_ERROR_TIMEOUT,
         "how long GPU readings may keep failing before a waiter gives up (exit 4); shorter "
         "failures are retried",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "lock_timeout",
         _positive_duration,
         60.0,
         "longest wait for the ledger lock before giving up (exit 5)",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "idle_min_vram",
@@ -696,7 +700,7 @@ OPTIONS: tuple[Option, ...] = (
         _optional_duration,
         None,
         "lookahead: and at most this long (none: no absolute cap)",
-        show=_show_seconds,
+        show=_show_duration,
     ),
     Option(
         "plan_budget",

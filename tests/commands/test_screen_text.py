@@ -5,6 +5,7 @@ quoted alike everywhere, the history and config tables, the watch frame, and whi
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -205,6 +206,46 @@ def test_config_rows_fit_the_terminal() -> None:
     piped = settings_table(rows, None)
     assert piped[0] == "safety            0.9  (default)"
     assert piped[1].endswith("* -m venv *  (default)")
+
+
+def test_config_shows_every_duration_one_way_and_as_it_was_set(
+    isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A timeout of 23 hours read "82800s" beside an idle_after of "1h00m"; and a value the
+    # short form would round ("1m30s" for 90.5 s) must still read as what was set.
+    set_to = {
+        "timeout": ("23h", "23h00m"),
+        "gpu_error_timeout": ("5m", "5m00s"),
+        "lock_timeout": ("90.5s", "90.5s"),
+        "idle_after": ("90.5s", "90.5s"),
+        "pause_min_runtime": ("2h", "2h00m"),
+        "poll_interval": ("0.01s", "10ms"),
+        "nvml_interval": ("1s", "1s"),
+    }
+
+    def config(values: dict[str, str], *options: str) -> str:
+        env = {f"GPUWAIT_{name.upper()}": value for name, value in values.items()}
+        done = subprocess.run(
+            [*gpuwait_cmd, "config", *options],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    typed = {name: value for name, (value, _) in set_to.items()}
+    rows = [line.split() for line in config(typed).splitlines() if line]
+    shown = {row[0]: row[1] for row in rows if row[0] in set_to}
+    assert shown == {name: value for name, (_, value) in set_to.items()}
+
+    # Typed back in, each is the same setting again.
+    def parsed(values: dict[str, str]) -> dict[str, object]:
+        settings = json.loads(config(values, "--json"))["settings"]
+        return {name: settings[name]["parsed"] for name in set_to}
+
+    assert parsed(shown) == parsed(typed)
 
 
 def test_estimate_says_which_runs_count(
