@@ -1117,6 +1117,7 @@ def _start(
             run_seconds=result.run_seconds,
         )
         raise given_up
+    # Its run time leaves out any time it was frozen, its room another job's: not charged.
     vram_seconds = job.reserved_in_all() * result.run_seconds
     # Stopped meanwhile (gpuwait cancel, Ctrl-C, a service stopped), a job that checkpointed
     # ends with the resume status, as it would bare, rather than queue to run again.

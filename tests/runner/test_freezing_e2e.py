@@ -27,6 +27,7 @@ from gpuwait.gpu.sim import (
     write_allocation,
 )
 from gpuwait.linux import proc
+from gpuwait.queue.ledger import Ledger
 
 GiB = 2**30
 
@@ -115,6 +116,16 @@ def reap(*jobs: subprocess.Popen[str]) -> None:
         job.wait(timeout=30)
 
 
+def succeeded(*jobs: subprocess.Popen[str]) -> list[str]:
+    """What each of `jobs` said on stderr, once each has ended with status 0 (in this order)."""
+    said = []
+    for job in jobs:
+        _, err = job.communicate(timeout=60)
+        assert job.returncode == 0, err
+        said.append(err)
+    return said
+
+
 def test_a_frozen_job_makes_room_and_is_thawed_on_its_gpu(
     one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, tool_log: Path
 ) -> None:
@@ -149,10 +160,7 @@ def test_a_frozen_job_makes_room_and_is_thawed_on_its_gpu(
         assert shown["frozen"]["gpu_uuids"] == job["gpu_uuids"]
         text = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=60)
         assert "frozen" in text.stdout
-        _, err = urgent.communicate(timeout=60)
-        assert urgent.returncode == 0, err
-        _, low_err = low.communicate(timeout=60)
-        assert low.returncode == 0, low_err
+        _, low_err = succeeded(urgent, low)
     finally:
         reap(low, *([urgent] if urgent else []))
     # The frozen job noticed nothing: it held what a bare run holds, with no OOM.
@@ -175,6 +183,32 @@ def test_a_frozen_job_makes_room_and_is_thawed_on_its_gpu(
     assert not any(e.get("oom") for e in said if e["kind"] == "finish")
     log = subprocess.run([*gpuwait_cmd, "log"], capture_output=True, text=True, timeout=60)
     assert " frozen on GPU0 " in log.stdout and " thawed after " in log.stdout
+
+
+def test_the_time_a_job_spent_frozen_is_not_charged_to_its_users_fair_share(
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Frozen, its memory in host memory and its room another job's, it holds nothing: its
+    # user's usage counts the runs on either side of the freeze, as for a paused job.
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "0.3s")
+    low = low_job(gpuwait_cmd, tmp_path / "low.json", hold="1s")
+    urgent = None
+    try:
+        wait_until_old_enough(0.3)
+        urgent = hold_card(gpuwait_cmd, "16G", "0.8s", "--priority", "5")
+        succeeded(urgent, low)
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    said = events()
+    assert [e["kind"] for e in said].count("thaw") == 1, said
+    frozen = float(str(next(e for e in said if e["kind"] == "thaw")["frozen_seconds"]))
+    assert frozen > 0.8
+    started = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "start"}
+    ended = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "finish"}
+    # Both jobs reserve 16 GiB; the low one ran from its start to its end, but for the freeze.
+    ran = sum(ended[job] - started[job] for job in ended) - frozen
+    (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
+    assert usage.vram_seconds / (16 * GiB) == pytest.approx(ran, abs=0.3), (ran, frozen)
 
 
 def test_a_failing_freeze_leaves_the_job_running_and_the_urgent_one_waits(
