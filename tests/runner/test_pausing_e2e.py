@@ -363,7 +363,8 @@ def test_a_retry_of_a_job_that_stepped_aside_waits_at_most_its_timeout(
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
     )
     try:
-        assert steps_aside_then_runs_out(gpuwait_cmd, tmp_path, "--timeout", "1s") == 124
+        # 3 s: long enough that a loaded machine never ends its first wait, for a free card.
+        assert steps_aside_then_runs_out(gpuwait_cmd, tmp_path, "--timeout", "3s") == 124
     finally:
         outside.kill()
         outside.wait()
