@@ -185,32 +185,6 @@ def test_a_frozen_job_makes_room_and_is_thawed_on_its_gpu(
     assert " frozen on GPU0 " in log.stdout and " thawed after " in log.stdout
 
 
-def test_the_time_a_job_spent_frozen_is_not_charged_to_its_users_fair_share(
-    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Frozen, its memory in host memory and its room another job's, it holds nothing: its
-    # user's usage counts the runs on either side of the freeze, as for a paused job.
-    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "0.3s")
-    low = low_job(gpuwait_cmd, tmp_path / "low.json", hold="1s")
-    urgent = None
-    try:
-        wait_until_old_enough(0.3)
-        urgent = hold_card(gpuwait_cmd, "16G", "0.8s", "--priority", "5")
-        succeeded(urgent, low)
-    finally:
-        reap(low, *([urgent] if urgent else []))
-    said = events()
-    assert [e["kind"] for e in said].count("thaw") == 1, said
-    frozen = float(str(next(e for e in said if e["kind"] == "thaw")["frozen_seconds"]))
-    assert frozen > 0.8
-    started = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "start"}
-    ended = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "finish"}
-    # Both jobs reserve 16 GiB; the low one ran from its start to its end, but for the freeze.
-    ran = sum(ended[job] - started[job] for job in ended) - frozen
-    (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
-    assert usage.vram_seconds / (16 * GiB) == pytest.approx(ran, abs=0.3), (ran, frozen)
-
-
 def test_a_failing_freeze_leaves_the_job_running_and_the_urgent_one_waits(
     one_card: Path,
     gpuwait_cmd: list[str],
@@ -485,3 +459,10 @@ def test_the_time_a_job_was_frozen_is_no_run_time_of_its(
     command_lived = float(str(ended["time"])) - record["started_at"]
     frozen = float(str(thaw["frozen_seconds"]))
     assert record["run_seconds"] <= command_lived - frozen / 2, (record, frozen)
+    # Nor is it charged to its user's fair-share usage: both jobs reserve 16 GiB, and the low
+    # one held it from its start to its end but for the freeze.
+    starts = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "start"}
+    ends = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "finish"}
+    held = sum(ends[job] - starts[job] for job in ends) - frozen
+    (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
+    assert usage.vram_seconds / (16 * GiB) == pytest.approx(held, abs=0.3), (held, frozen)
