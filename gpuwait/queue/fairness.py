@@ -11,13 +11,14 @@ config; in a private ledger, where every job is the same user's, fair share chan
 
 Past usage decays by wall-clock time (usage must mean the same to every process, across boots),
 so a clock stepped backwards is clamped: no job ever counts negative time. A running job's time
-since its start is measured on the boot clock where its entry has the stamp (entries.since).
+since its start is its run time so far (entries.run_time): on the boot clock where its entry has
+the stamp, less any suspend, as it is charged once it ends.
 """
 
 from __future__ import annotations
 
 from gpuwait.core.policy import FairShare
-from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage, since
+from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage, run_time
 
 
 def decayed(usage: UserUsage, now: float, half_life: float | None) -> float:
@@ -32,12 +33,12 @@ def user_usage(
     data: LedgerData, now: float, half_life: float | None, boot_now: float | None = None
 ) -> dict[int, float]:
     """Each user's usage now: decayed past use plus what their running jobs have held so far
-    (timed on the boot clock where `boot_now` and their entries allow)."""
+    (timed as their run time is, `run_time`: on the boot clock where `boot_now` and their
+    entries allow, less a suspend; what the job is charged once it ends)."""
     totals = {uid: decayed(u, now, half_life) for uid, u in data.usage.items()}
     for job in data.jobs:
         if job.state == RUNNING and job.started_at is not None:
-            ran = max(0.0, since(job.started_at, job.started_boot, now, boot_now))
-            held = job.reserved_in_all() * ran
+            held = job.reserved_in_all() * run_time(job, now, boot_now)
             totals[job.uid] = totals.get(job.uid, 0.0) + held
     return totals
 

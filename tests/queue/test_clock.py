@@ -328,6 +328,24 @@ def test_a_suspend_is_no_run_time_of_a_running_job(
     assert shown["expected_remaining_seconds"] == pytest.approx(600, abs=30)
 
 
+def test_a_suspend_is_no_fair_share_usage_of_a_running_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 16 GiB job had run a moment when the laptop was closed for two hours: its user's
+    usage counted the two hours as held while it ran (their jobs going after others' who had
+    used more), though its run time, charged once it ends, leaves a suspend out."""
+    ledger = Ledger(tmp_path / "state")
+    job = queued(ledger, live_job("train", request={"bytes": 16 * GiB}, expected_seconds=600.0))
+    job, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
+    assert isinstance(attempt, lifecycle.Admitted), attempt
+    lifecycle.started(ledger, job, os.getpid())
+    real = proc.boot_clock
+    monkeypatch.setattr(proc, "boot_clock", lambda: real() + 7200)
+    monkeypatch.setattr(time, "time", lambda t=time.time: t() + 7200)
+    (usage,) = user_usage(ledger.read(), time.time(), None, proc.boot_clock()).values()
+    assert usage < 16 * GiB * 60  # held a moment, not two hours
+
+
 def test_a_suspend_does_not_make_a_job_old_enough_to_be_paused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
