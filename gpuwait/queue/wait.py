@@ -78,9 +78,12 @@ OWN_PLAN_SPACING = 0.5
 #: stopped, e.g. suspended with Ctrl-Z).
 BACKUP_DELAY = 0.25
 #: In a shared ledger, how long another member's job may wait on while this waiter's plan
-#: starts it now, before the two plans are taken to disagree (`Disagreement`): that member's
-#: gpuwait is woken by the same change and starts its job within moments when it agrees.
-DISAGREE_AFTER = 2.0
+#: starts it now, before the two plans are taken to disagree (`Disagreement`). A member whose
+#: plan agrees starts its job within two readings (`nvml_interval`) of its own timer at most,
+#: when the change woke another member's waiter instead; on a loaded machine that took 5 s
+#: and more. Fifteen seconds make a slow member's start no disagreement, and end a true one
+#: in seconds, not in the hours a wait budget takes.
+DISAGREE_AFTER = 15.0
 #: Retries after a failed reading of the GPUs: the first after this many seconds, doubling up to
 #: GPU_RETRY_MAX, so a driver hiccup costs a moment and a lasting failure little.
 GPU_RETRY_FIRST = 0.5
@@ -440,7 +443,7 @@ def wait_for_admission(
             return admitted
         return _confirm_found(ledger, backend, asked, policy)
 
-    def attempt() -> Attempt | Stuck:
+    def attempt(stamp: bool = True) -> Attempt | Stuck:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
         nonlocal last, job, kicked
         snapshot = last = backend.snapshot()
@@ -477,7 +480,8 @@ def wait_for_admission(
         outcome: Attempt = unlocked.reason
         if outcome is None:
             job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, fair)
-        wake.note_planned(state_dir)
+        if stamp:
+            wake.note_planned(state_dir)
         if isinstance(outcome, WaitReason) and around is not None and around.tied:
             # A stage of this pipeline started since (or admitted first) may hold the room
             # for good: it waits for this one to read, or write, the pipe between them.
@@ -599,6 +603,10 @@ def wait_for_admission(
                     if cancelled is not None:
                         return job, cancelled
                 act = event
+                #: Planned only to tell a disagreement (`Disagreement.suspected`): not said in
+                #: plan.stamp, or the member whose job the plan starts, its waiters taking this
+                #: plan for their own reading, would not plan to start it.
+                checking = False
                 failed_now = False
                 if not event and now >= next_read:
                     # A timer, not an event: another waiter's recent reading serves for this one,
@@ -609,9 +617,10 @@ def wait_for_admission(
                     act = (
                         now >= next_own
                         or (wants_utilization and window.needs_more())
-                        or disagreement.suspected
                         or not wake.planned_since(state_dir, recently)
                     )
+                    checking = not act and disagreement.suspected
+                    act = act or checking
                     if not act:
                         next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
                 if act:
@@ -622,7 +631,7 @@ def wait_for_admission(
                         queue_length = len(seen.waiting)
                     tried = True
                     try:
-                        outcome = attempt()
+                        outcome = attempt(stamp=not checking)
                     except BackendUnavailable as exc:
                         failing(exc, retry)
                         failed_now = True

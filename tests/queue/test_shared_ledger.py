@@ -572,7 +572,7 @@ def short_after_long(
     holder.communicate(timeout=10)
     wait_for(
         lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
-        timeout=15,
+        timeout=40,  # a disagreement is told after 15 s (wait.DISAGREE_AFTER)
         message=lambda: f"a job started on the idle card: {server.jobs()}",
     )
     return [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
@@ -640,7 +640,7 @@ def test_two_members_whose_plans_disagree_do_not_leave_a_shared_card_idle(
             stderr=subprocess.PIPE,
         )
 
-    # Once the two plans have disagreed for a few seconds, both plan in strict order (no
+    # Once the two plans have disagreed for 15 s, both plan in strict order (no
     # search: the same for everyone), and the job submitted first starts.
     assert short_after_long(server, alice) == [(BOB, "long")]
 
