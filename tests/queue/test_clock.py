@@ -308,21 +308,27 @@ def test_a_clock_stepped_forward_does_not_end_a_pause_requests_grace_early(
     assert progress == f"asked job {victim} to checkpoint and step aside"
 
 
-def test_a_suspend_is_no_run_time_of_a_running_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A 10-minute job started, and the laptop was closed for two hours: its command was
-    suspended with it, and has its 10 minutes still ahead of it. Status called it overdue,
-    and waiters behind it planned on its end in moments."""
+def started_before_a_suspend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    """A 10-minute job of 16 GiB started, then the laptop closed for two hours: the boot clock
+    (and the wall clock) count the two hours; the monotonic clock does not. Its ledger."""
     ledger = Ledger(tmp_path / "state")
     job = queued(ledger, live_job("train", request={"bytes": 16 * GiB}, expected_seconds=600.0))
     job, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
     assert isinstance(attempt, lifecycle.Admitted), attempt
     lifecycle.started(ledger, job, os.getpid())
     real = proc.boot_clock
-    # The boot clock (and the wall clock) count the two hours; the monotonic clock does not.
     monkeypatch.setattr(proc, "boot_clock", lambda: real() + 7200)
     monkeypatch.setattr(time, "time", lambda t=time.time: t() + 7200)
+    return ledger
+
+
+def test_a_suspend_is_no_run_time_of_a_running_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 10-minute job started, and the laptop was closed for two hours: its command was
+    suspended with it, and has its 10 minutes still ahead of it. Status called it overdue,
+    and waiters behind it planned on its end in moments."""
+    ledger = started_before_a_suspend(tmp_path, monkeypatch)
     report = report_from(ONE_GPU, ledger.read(), time.time(), View(0.9), boot_now=proc.boot_clock())
     (shown,) = report["jobs"]
     assert shown["expected_remaining_seconds"] == pytest.approx(600, abs=30)
@@ -334,14 +340,7 @@ def test_a_suspend_is_no_fair_share_usage_of_a_running_job(
     """A 16 GiB job had run a moment when the laptop was closed for two hours: its user's
     usage counted the two hours as held while it ran (their jobs going after others' who had
     used more), though its run time, charged once it ends, leaves a suspend out."""
-    ledger = Ledger(tmp_path / "state")
-    job = queued(ledger, live_job("train", request={"bytes": 16 * GiB}, expected_seconds=600.0))
-    job, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
-    assert isinstance(attempt, lifecycle.Admitted), attempt
-    lifecycle.started(ledger, job, os.getpid())
-    real = proc.boot_clock
-    monkeypatch.setattr(proc, "boot_clock", lambda: real() + 7200)
-    monkeypatch.setattr(time, "time", lambda t=time.time: t() + 7200)
+    ledger = started_before_a_suspend(tmp_path, monkeypatch)
     (usage,) = user_usage(ledger.read(), time.time(), None, proc.boot_clock()).values()
     assert usage < 16 * GiB * 60  # held a moment, not two hours
 
