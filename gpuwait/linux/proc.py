@@ -412,6 +412,24 @@ def environ_value(pid: int, name: bytes) -> str | None:
     return ""
 
 
+def started_with(name: bytes, value: str) -> int | None:
+    """The first of this user's processes that started with `name` = `value` in their
+    environment: one whose parent did not (the others are its descendants, which inherited
+    it), the oldest where several are; None where none did. Reads every process of this user's."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    uid = os.getuid()
+    found = [
+        int(pid)
+        for pid in names
+        if pid.isdigit() and owner_uid(int(pid)) == uid and environ_value(int(pid), name) == value
+    ]
+    firsts = [(start_time(pid) or 0, pid) for pid in found if parent_pid(pid) not in found]
+    return min(firsts)[1] if firsts else None
+
+
 def children_map() -> dict[int, list[int]]:
     """Parent pid -> child pids, for every process visible in /proc."""
     tree: dict[int, list[int]] = {}

@@ -154,7 +154,7 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     for job, running in zip(own, lives, strict=True):
         if running:
             continue
-        if not command_lives(job):
+        if not command_lives(job) and not _command_found(ledger, job):
             gone.append(job)
         elif job.orphaned_at is None:
             job.orphaned_at = now
@@ -207,6 +207,22 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     quiet.update(j.id for j in (*gone, *forged))
     if gone:
         alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
+
+
+def _command_found(ledger: Ledger, job: Job) -> bool:
+    """Whether the running `job`, whose gpuwait was killed after it started the command and
+    before the entry named it (`started`), has that command running: found by the job's id in
+    its environment, which every command gets, and named in the entry now, so that the entry
+    is kept for it as for any orphan rather than reaped while it runs in the job's room."""
+    if job.state != RUNNING or job.child_pid is not None or of_an_earlier_boot(job.boot):
+        return False
+    if job.pidns is not None and alive.held(ledger.directory, job.uid, job.id) is False:
+        return False  # nothing holds the job's lock, which its command inherits: none runs
+    child = proc.started_with(b"GPUWAIT_JOB_ID", job.id)
+    if child is None:
+        return False
+    job.child_pid, job.child_start_time, job.pids = child, proc.start_time(child), [child]
+    return command_lives(job)
 
 
 def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.crash import gpuwait_killed_at
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.waiting import named_entry, wait_for
 
@@ -176,3 +177,47 @@ def test_an_entry_posing_as_an_orphan_of_any_process_is_neither_kept_nor_obeyed(
     assert done.returncode == 0, done.stderr
     assert named_entry("forged") is None
     assert bystander.poll() is None
+
+
+def test_a_gpuwait_killed_as_its_command_starts_leaves_the_commands_room_held(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Killed after starting its command and before its entry names it: the command runs on
+    # (it has not allocated yet), and the next job must not be given its room.
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    first = procs(
+        [
+            *gpuwait_killed_at("gpuwait.queue.lifecycle", "started"),
+            *("--vram", "13G", "--name", "first", "--", "sleep", "60"),
+        ]
+    )
+    assert first.wait(timeout=30) == -signal.SIGKILL
+    second = subprocess.run(
+        [*GPUWAIT, "--vram", "13G", "--timeout", "0.5s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode == 124, second.stderr
+    orphan = named_entry("first")
+    assert orphan is not None and orphan.get("orphaned_at") is not None
+    command = int(orphan["child_pid"])
+    assert linux_proc.command_line(command) == ["sleep", "60"]
+    status = subprocess.run(
+        [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "orphaned" in status.stdout and str(command) in status.stdout
+
+    # The command ends: its room is free again.
+    os.kill(command, signal.SIGKILL)
+    wait_for(lambda: not linux_proc.is_alive(command, orphan["child_start_time"]), timeout=20)
+    third = subprocess.run(
+        [*GPUWAIT, "--vram", "13G", "--timeout", "5s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert third.returncode == 0, third.stderr
+    assert named_entry("first") is None
