@@ -285,6 +285,9 @@ def refresh(
         else:
             if meta["offset"] == st.st_size:
                 return warnings
+            # Every file here is written with the history lock held: those of a writer killed
+            # halfway go before this one writes, so that they never pile up.
+            remove_left_temp_files(directory, _TEMP_RE)
             parsed = read_from(history, meta["offset"], limit)
             try:
                 _take_in(directory, parsed)
@@ -340,8 +343,7 @@ def _take_in(directory: Path, parsed: Parsed) -> None:
 
 
 def _rebuild(directory: Path, parsed: Parsed) -> None:
-    # Every file here is written with the history lock held: those of a writer killed
-    # halfway go with the rest of the old index.
+    # Those of a writer killed halfway go with the rest of the old index.
     remove_left_temp_files(directory, _TEMP_RE)
     grouped = _group(parsed)
     for name, keys in grouped.items():

@@ -19,7 +19,7 @@ from gpuwait.core.cmdkey import command_key, runs_other_code
 from gpuwait.core.estimate import estimate, usable_levels
 from gpuwait.history import index, store
 from gpuwait.history import record as run_record
-from gpuwait.history.learn import learn
+from gpuwait.history.learn import learn, save_record
 
 GiB = 2**30
 CWD = "/home/me/proj"
@@ -209,6 +209,21 @@ def test_missing_or_damaged_index_is_rebuilt(tmp_path: Path) -> None:
     assert estimate_bytes(tmp_path, TRAIN) == expected
     (directory / "meta.json").write_text("not json")
     assert estimate_bytes(tmp_path, TRAIN) == expected
+
+
+def test_the_files_of_index_writes_killed_halfway_do_not_pile_up(tmp_path: Path) -> None:
+    # Each gpuwait killed while it wrote the index leaves a file named for its pid; the next
+    # record's index update, under the same lock, takes them away, not only a compaction.
+    store.append_record(tmp_path, record(TRAIN, 4, NOW))
+    learn(tmp_path, TRAIN, CWD, now=NOW)
+    directory = index.index_dir(tmp_path)
+    left = [directory / f".b{n:02x}.json.{4_000_000 + n}.tmp" for n in range(20)]
+    left.append(directory / ".meta.json.4000100.tmp")
+    for path in left:
+        path.write_bytes(b'{"half a bucket')
+    save_record(tmp_path, record(TRAIN, 5, NOW + 1), max_bytes=2**30)
+    assert [p.name for p in directory.iterdir() if p.name.endswith(".tmp")] == []
+    assert estimate_bytes(tmp_path, TRAIN) == naive_estimate(tmp_path, TRAIN)
 
 
 def test_compaction_keeps_what_estimates_use(tmp_path: Path) -> None:
