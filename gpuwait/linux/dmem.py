@@ -8,7 +8,8 @@ gpuwait may use it only where it may make cgroups: a cgroup above its own that i
 (root, or a subtree delegated to the user, e.g. by systemd), with dmem already enabled for its
 children (`cgroup.subtree_control`). Nothing is changed in cgroups that are not gpuwait's own:
 it adds `gpuwait-<job>` there, sets its dmem.max, moves only itself in for the moment it starts
-the command (which is then born inside), and removes it after the job. Every failure is a reason
+the command (which is then born inside), and removes it after the job (or, where that gpuwait
+was killed, the next job's gpuwait does, once it is empty). Every failure is a reason
 not to use dmem, never a reason to fail the launch.
 """
 
@@ -16,12 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
+import time
 from collections.abc import Mapping, Sequence
 
 from gpuwait.core.record import Record
 from gpuwait.linux.cgroup import CGROUP_ROOTS, own_cgroup, read, unified_root
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+#: A job's cgroup, as `create` is given its name (gpuwait-<job id>).
+_JOB_CGROUP = re.compile(r"gpuwait-[0-9a-f]{1,64}")
+
+#: How long ago a job's empty cgroup must have been made for another gpuwait to remove it, in
+#: seconds: far longer than the moment between its making and its own gpuwait stepping in.
+LEFT_AGE = 60.0
 
 
 class Place(Record, frozen=True):
@@ -139,6 +150,25 @@ def create(
         remove(path)
         raise
     return path
+
+
+def remove_left(parent: str, older_than: float = LEFT_AGE) -> None:
+    """Take away this user's job cgroups in `parent` left by a gpuwait that was killed (it
+    removes its own after the job): those made longer than `older_than` seconds ago that hold
+    no process (the kernel refuses to remove one that does)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    now, uid = time.time(), os.getuid()
+    for name in names:
+        if _JOB_CGROUP.fullmatch(name) is None:
+            continue
+        path = os.path.join(parent, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and now - st.st_mtime > older_than:
+                os.rmdir(path)
 
 
 def move(path: str, pid: int) -> None:

@@ -89,6 +89,7 @@ def prepare(
 
         place, why_not = dmem.locate(job.gpu_uuids)
         if place is not None:
+            dmem.remove_left(place.parent)
             try:
                 cgroup = dmem.create(place, f"gpuwait-{job.id}", job.reserved_bytes, by_gpu)
                 home = place.home

@@ -182,6 +182,28 @@ def test_a_job_whose_cgroup_cannot_be_made_is_held_another_way(
         pass
 
 
+def test_the_cgroups_of_jobs_whose_gpuwait_was_killed_go_with_the_next_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A gpuwait killed (SIGKILL, the OOM killer) never removes its job's cgroup: once the
+    # command has ended, it stays empty. The next job's gpuwait takes such cgroups away, so
+    # that they do not pile up across crashes; never one that holds processes, nor one made a
+    # moment ago (another launch's, which it is about to step into).
+    located_in_stand_in_tree(tmp_path, monkeypatch)
+    parent = tmp_path / "cgroup" / "work.slice"
+    left, fresh, busy = (parent / f"gpuwait-{n}" for n in ("dead01", "f7e5a1", "b05e01"))
+    for cgroup in (left, fresh, busy):
+        cgroup.mkdir()
+    (busy / "cgroup.procs").write_text("4242\n")  # the stand-in's way of being in use
+    old = time.time() - 3600
+    for cgroup in (left, busy):
+        os.utime(cgroup, (old, old))
+    held = prepared(["./a.out"])
+    assert held.cgroup == str(parent / "gpuwait-job1")
+    assert not left.exists()
+    assert fresh.is_dir() and busy.is_dir()
+
+
 def test_a_jobs_cgroup_is_made_and_entered_around_its_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
