@@ -69,8 +69,11 @@ MAX_USER_FILES = 4096
 #: transaction's length under contention, short enough that TERM still ends it at once to a user.
 LEAVE_PATIENCE = 1.0
 
+#: The temporary files of the ledger, of the copy of a damaged one kept as evidence, and of the
+#: wake-up summary: all written with the ledger lock held.
 _TEMP_RE = re.compile(
-    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?|wake(?:\.[0-9]+)?)\.json\.[0-9]+(?:-[0-9a-f]+)?\.tmp$"
+    r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?\.json(?:\.damaged-[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]+)?"
+    r"|wake(?:\.[0-9]+)?\.json)\.[0-9]+(?:-[0-9a-f]+)?\.tmp$"
 )
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
 _CRC_PREFIX = b'{"crc":'

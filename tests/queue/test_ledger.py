@@ -200,7 +200,8 @@ def test_running_entry_round_trips(tmp_path: Path) -> None:
 
 def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
     # A writer SIGKILLed between creating its temporary file and renaming it leaves the file
-    # behind, for the ledger and for the wake-up summary beside it alike. Its pid may belong to
+    # behind, for the ledger, the wake-up summary beside it and the copy of a ledger damaged in
+    # part it keeps as evidence alike. Its pid may belong to
     # a live process by the next transaction (pids are reused): the file goes all the same, or
     # it would stay for as long as that process lives.
     dead = subprocess.Popen(["true"])
@@ -210,7 +211,8 @@ def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:
             ledger = Ledger(tmp_path / "state")
             with ledger.transaction():
                 pass
-            for name in ("ledger.json", "wake.json"):
+            evidence = f"ledger.json.damaged-20260101T120000-{dead.pid}-a1b2c3"
+            for name in ("ledger.json", "wake.json", evidence):
                 for pid in (dead.pid, reused.pid):
                     (ledger.directory / f".{name}.{pid}.tmp").write_text("{")
             with ledger.transaction():
