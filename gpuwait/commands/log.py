@@ -14,7 +14,7 @@ from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import command_line, printable
-from gpuwait.queue.events import KINDS, follow, read_events
+from gpuwait.queue.events import KINDS, follow, read_events, read_last
 
 
 def build_parser() -> Parser:
@@ -73,7 +73,13 @@ def run(args: argparse.Namespace) -> int:
         )
 
     try:
-        events = [e for e in read_events(directory) if wanted(e)]
+        # Without --job only the last events are read: a busy machine's log holds some
+        # 60,000, which would take half a second to read for the 20 shown.
+        events = (
+            read_last(directory, args.lines)
+            if args.job is None
+            else [e for e in read_events(directory) if wanted(e)]
+        )
     except OSError as exc:
         raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
     if args.job is not None and not events and not args.follow:

@@ -61,6 +61,7 @@ from gpuwait.linux.atomic import (
     end_of_cut_line,
     ensure_private_dir,
     open_private_append,
+    read_tail,
     remove_left_temp_files,
     write_atomic,
 )
@@ -316,7 +317,7 @@ def tail(path: Path, count: int, limit: int) -> Parsed:
     if fd is None:
         return Parsed()
     try:
-        data, start = _read_tail(fd, count, limit)
+        data, start = read_tail(fd, count, limit)
     finally:
         os.close(fd)
     if start > 0:
@@ -328,23 +329,6 @@ def tail(path: Path, count: int, limit: int) -> Parsed:
     parsed.records = parsed.records[len(parsed.records) - keep :]
     parsed.stats = parsed.stats[len(parsed.stats) - keep :]
     return parsed
-
-
-def _read_tail(fd: int, count: int, limit: int) -> tuple[bytes, int]:
-    """The end of the file holding more than `count` lines (or all of it, or its last `limit`
-    bytes), and where it starts."""
-    end = os.fstat(fd).st_size
-    floor = max(0, end - limit)
-    start = end
-    block = 1 << 16
-    data = b""
-    while start > floor:
-        start = max(floor, start - block)
-        data = os.pread(fd, end - start, start)
-        if data.count(b"\n") > count:
-            break
-        block *= 2
-    return data, start
 
 
 class Compaction:

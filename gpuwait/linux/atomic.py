@@ -168,3 +168,21 @@ def holds(path: Path, data: bytes) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def read_tail(fd: int, lines: int, limit: int) -> tuple[bytes, int]:
+    """The end of the file open at `fd` holding more than `lines` newlines (or all of it, or
+    its last `limit` bytes), read backwards in growing blocks, and where it starts in the
+    file. Its first line is cut short where it does not start the file."""
+    end = os.fstat(fd).st_size
+    floor = max(0, end - limit)
+    start = end
+    block = 1 << 16
+    data = b""
+    while start > floor:
+        start = max(floor, start - block)
+        data = os.pread(fd, end - start, start)
+        if data.count(b"\n") > lines:
+            break
+        block *= 2
+    return data, start

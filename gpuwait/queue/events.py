@@ -45,7 +45,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from gpuwait.linux.atomic import end_of_cut_line, ensure_private_dir, open_private_append
+from gpuwait.linux.atomic import (
+    end_of_cut_line,
+    ensure_private_dir,
+    open_private_append,
+    read_tail,
+)
 from gpuwait.linux.lock import exclusive
 from gpuwait.linux.security import UnsafePath, is_shared_dir, mine, open_readable
 
@@ -141,6 +146,17 @@ def parse_line(line: str) -> dict[str, Any] | None:
     return record
 
 
+def _files(state_dir: Path) -> list[Path]:
+    """The log's files, oldest first (rotated files included)."""
+    path = events_path(state_dir)
+    return [path.with_name(f"{path.name}.{n}") for n in range(KEEP, 0, -1)] + [path]
+
+
+def _parsed(data: bytes) -> list[dict[str, Any]]:
+    text = data.decode("utf-8", errors="replace")
+    return [e for e in map(parse_line, text.splitlines()) if e is not None]
+
+
 def read_events(state_dir: Path) -> list[dict[str, Any]]:
     """Every event still kept, oldest first (rotated files included).
 
@@ -148,10 +164,8 @@ def read_events(state_dir: Path) -> list[dict[str, Any]]:
     damaged one is larger). Raises OSError (UnsafePath) for a file there that is not a plain
     file of this user's, which is never waited on.
     """
-    path = events_path(state_dir)
-    files = [path.with_name(f"{path.name}.{n}") for n in range(KEEP, 0, -1)] + [path]
     events: list[dict[str, Any]] = []
-    for file in files:
+    for file in _files(state_dir):
         fd = open_readable(file, mine())
         if fd is None:
             continue
@@ -163,9 +177,45 @@ def read_events(state_dir: Path) -> list[dict[str, Any]]:
             os.close(fd)
         if start:
             data = data[data.find(b"\n") + 1 :]  # the line the cut fell into
-        text = data.decode("utf-8", errors="replace")
-        events.extend(e for e in map(parse_line, text.splitlines()) if e is not None)
+        events.extend(_parsed(data))
     return events
+
+
+def read_last(state_dir: Path, count: int) -> list[dict[str, Any]]:
+    """The last `count` events kept, oldest first, as `read_events` has them: read backwards
+    from the end of the newest file, so that a long log (a busy machine's four files) costs
+    what the events asked for do, not a reading of all of it. Raises as `read_events`."""
+    chunks: list[list[dict[str, Any]]] = []
+    needed = count
+    for file in reversed(_files(state_dir)):
+        if needed <= 0:
+            break
+        fd = open_readable(file, mine())
+        if fd is None:
+            continue
+        try:
+            found = _last_of(fd, needed)
+        finally:
+            os.close(fd)
+        chunks.append(found)
+        needed -= len(found)
+    return [event for chunk in reversed(chunks) for event in chunk][-count:] if count else []
+
+
+def _last_of(fd: int, count: int) -> list[dict[str, Any]]:
+    """The last `count` events of one file (fewer where it has fewer), within its last
+    2 × MAX_BYTES; lines that are no events are passed over."""
+    limit = 2 * MAX_BYTES
+    floor = max(0, os.fstat(fd).st_size - limit)
+    lines = count
+    while True:
+        data, start = read_tail(fd, lines, limit)
+        if start:
+            data = data[data.find(b"\n") + 1 :]  # the line the cut fell into
+        events = _parsed(data)
+        if len(events) >= count or start <= floor:
+            return events[len(events) - min(count, len(events)) :]
+        lines *= 2  # lines that were no events: read further back
 
 
 def follow(state_dir: Path, interval: float = 0.2) -> Iterator[dict[str, Any]]:

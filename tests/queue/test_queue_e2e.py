@@ -648,6 +648,39 @@ def test_log_shows_the_last_n_events_or_all_if_fewer(
     assert jobs == [f"{n:08x}" for n in range(count - shown, count)]
 
 
+def _log_shown(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[list[str], float]:
+    """The jobs `gpuwait log ARGS` shows, and how long it took."""
+    started = time.perf_counter()
+    assert main(["log", *args]) == 0
+    took = time.perf_counter() - started
+    return [line.split()[3] for line in capsys.readouterr().out.splitlines()], took
+
+
+def test_the_last_events_of_a_long_log_show_as_fast_as_those_of_a_short_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A busy machine fills the log and its three rotated files (16 MiB, some 60,000 events).
+    directory = state_dir()
+    for n in range(30):
+        event_log.emit(directory, "submit", job=f"{n:08x}", priority=3, command=["true"])
+    lines = event_log.events_path(directory).read_bytes().splitlines(keepends=True)
+    recent, took_short = _log_shown(capsys, "-n", "20")
+    assert recent == [f"{n:08x}" for n in range(10, 30)]
+    older = b"".join(lines[:10])
+    path = event_log.events_path(directory)
+    for number in range(event_log.KEEP, 0, -1):
+        rotated = path.with_name(f"{path.name}.{number}")
+        rotated.write_bytes(older * (event_log.MAX_BYTES // len(older)))
+        rotated.chmod(0o600)
+    # The newest file has just been rotated: the last events span two files.
+    path.write_bytes(b"".join(lines[20:]))
+    shown, took_long = _log_shown(capsys, "-n", "20")
+    assert shown == [f"{n:08x}" for n in range(10)] + [f"{n:08x}" for n in range(20, 30)]
+    assert took_long < 5 * took_short + 0.1, (took_long, took_short)
+    # --job still finds a job's events in the oldest file.
+    assert _log_shown(capsys, "-n", "1", "--job", f"{0:08x}")[0] == [f"{0:08x}"]
+
+
 def test_event_log_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(event_log, "MAX_BYTES", 2000)
     for n in range(200):
