@@ -14,7 +14,7 @@ from gpuwait.commands import output
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import MAX_LINES, Parser, terminal_columns, whole_number
 from gpuwait.core.budget import OOM_CARD_FULL, OOM_OWN_LIMIT
-from gpuwait.core.cmdkey import EXPLICIT, SCRIPT, key_hash
+from gpuwait.core.cmdkey import EXPLICIT, PROGRAM, SCRIPT, CommandKey, key_hash, runs_other_code
 from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
@@ -29,7 +29,8 @@ def build_parser() -> Parser:
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND ...]",
         description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
-        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script. "
+        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script "
+        "(other arguments too), or of its program where it names none. "
         "Runs that compaction kept only for estimates are shown with --all.",
     )
     # `--all` shows every run, so a count beside it would be ignored: refused instead.
@@ -103,7 +104,7 @@ def _nothing_shown(read: list[dict[str, Any]], command: list[str], key: str | No
     if command:
         cwd = os.getcwd()
         ckey = key_for(command, cwd, None)
-        what = ckey.text(SCRIPT) or ckey.levels[0][1]
+        what = ckey.text(_shown_level(ckey))
         # A script is known by its full path: the same line typed in another directory is
         # another script. Say where it did run, so that the answer is one `cd` away.
         elsewhere = sorted(
@@ -129,14 +130,26 @@ def _nothing_shown(read: list[dict[str, Any]], command: list[str], key: str | No
     return "no runs recorded yet"
 
 
+def _shown_level(ckey: CommandKey) -> str:
+    """The level whose runs `history -- COMMAND` shows: the script's (other arguments too);
+    for a program that is its own script (a tool run with the day's date, a frame number),
+    the program's; else, for what runs other code with no script named (`make train`), the
+    line's alone."""
+    if ckey.text(SCRIPT) is not None:
+        return SCRIPT
+    program = ckey.text(PROGRAM)
+    if program is not None and not ckey.typed_in and not runs_other_code(program):
+        return PROGRAM
+    return ckey.levels[0][0]
+
+
 def _wanted_hash(command: list[str], key: str | None) -> str | None:
     if key:
         return key_hash(EXPLICIT, key)
     if not command:
         return None
     ckey = key_for(command, os.getcwd(), None)
-    hashes = ckey.hashes()
-    return hashes.get(SCRIPT) or hashes[ckey.levels[0][0]]
+    return ckey.hashes()[_shown_level(ckey)]
 
 
 def _exit(record: dict[str, Any], short: bool = False) -> str:

@@ -345,6 +345,29 @@ def test_history_of_a_command_run_elsewhere_says_where_it_ran(sim: Path, tmp_pat
     assert "`gpuwait history` shows the 1 run of other commands" in done.stdout
 
 
+def test_history_of_a_program_run_with_a_new_date_each_day_shows_its_runs(
+    sim: Path, tmp_path: Path
+) -> None:
+    """A tool that is its own script (no interpreter), run from cron with the day's date: its
+    history is that of the program, as `history -- python x.py` is that of the script."""
+    tool = tmp_path / "render"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    tool.chmod(0o755)
+    for day in ("2026-03-01", "2026-03-02"):
+        assert (
+            gpuwait("--vram", "1G", "--", "./render", "--date", day, cwd=tmp_path).returncode == 0
+        )
+    assert gpuwait("--vram", "1G", "--", "true").returncode == 0
+    for asked in (["./render"], ["./render", "--date", "2026-03-03"], [str(tool)]):
+        done = gpuwait("history", "--", *asked, cwd=tmp_path)
+        assert done.returncode == 0 and "no runs" not in done.stdout, (asked, done.stdout)
+        rows = [line for line in done.stdout.splitlines() if "render --date" in line]
+        assert len(rows) == 2 and "true" not in done.stdout, (asked, done.stdout)
+    # A program that runs other code (make, an interpreter) still shows that line's runs only.
+    done = gpuwait("history", "--", "make", "train", cwd=tmp_path)
+    assert "no runs of make train" in done.stdout
+
+
 def test_log_of_a_job_by_name_shows_how_it_ended(sim: Path) -> None:
     """Some events name the job by id alone (a dependency that failed, a reaped job): asked for
     by its name, the log still shows them."""
