@@ -3,10 +3,12 @@
     history.index/
         meta.json    {"schema", "dev", "ino", "offset"}: the history file it was built from
                      (device and inode) and how many of its bytes it has taken in
-        b00.json ... bff.json
-                     256 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
+        b000.json ... bfff.json
+                     4096 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
                      the newest KEEP_RUNS runs of each key, oldest first; "n" counts the runs
-                     compaction left out too (a record's "earlier_runs")
+                     compaction left out too (a record's "earlier_runs"). A year of one-off
+                     lines (a seed, a date or a temp path each) leaves some ten keys in each
+                     bucket, so a launch reads and writes a few kilobytes of them
 
 It is a cache. When the history file grew, the new lines are taken in (under the history lock);
 when it was replaced (compaction: another inode) or shrank, or the index is missing or damaged,
@@ -43,13 +45,14 @@ from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_t
 from gpuwait.linux.security import mine, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times). 3: and what it held on all of them.
-SCHEMA = 3
+#: 4: 4096 buckets, not 256.
+SCHEMA = 4
 DIRNAME = "history.index"
 #: The temporary files of the index's writes (`_write_cache`).
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 KEEP_RUNS = KEEP_PER_KEY
 _OK, _OOM, _APPROX, _SIZED = 1, 2, 4, 8
-#: A bucket file larger than this is not one (256 buckets of KEEP_RUNS runs per key).
+#: A bucket file larger than this is not one (4096 buckets of KEEP_RUNS runs per key).
 MAX_BUCKET_BYTES = 64 << 20
 #: How long a launch waits for the history lock to bring the index up to date (another process
 #: compacting, say); after that it goes on with the index as it is: a cache a few runs behind.
@@ -80,7 +83,7 @@ def index_dir(state_dir: Path) -> Path:
 
 
 def bucket_of(key: str) -> str:
-    return f"b{key[:2]}.json"
+    return f"b{key[:3]}.json"
 
 
 def _row(offset: int, stat: RunStat) -> Row:
@@ -351,7 +354,7 @@ def _rebuild(directory: Path, parsed: Parsed) -> None:
         for key, rows in keys.items():
             _merge(bucket, key, rows)
         _write_cache(directory / name, bucket)
-    for stale in directory.glob("b??.json"):
+    for stale in directory.glob("b*.json"):
         if stale.name not in grouped:
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()

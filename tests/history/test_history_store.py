@@ -400,3 +400,47 @@ def test_a_history_far_over_its_limit_is_read_only_to_its_limit_then_recovered(
     )
     assert len(store.read_from(path).records) == 6 and path.stat().st_size < limit
     assert learn(tmp_path, TRAIN, CWD, now=NOW, max_bytes=limit).warnings == ()
+
+
+def test_a_launch_reads_as_little_of_a_year_old_index_as_of_a_young_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A year of sweeps leaves tens of thousands of one-off lines (a seed, a date, a temp path
+    each) in the index; the look-up of a launch, and the index update after its run, must not
+    read theirs along with its own command's (docs/learning.md: "a few kilobytes whatever the
+    history's size")."""
+    frequent = ["python", "infer.py"]
+    own = b"".join(store.encode(record(frequent, 4, NOW - 3600 + i)) for i in range(40))
+    # As compaction keeps them: slim records.
+    sweeps = b"".join(
+        run_record.encode_existing(
+            run_record.slim(
+                {"schema": 2, **record(["python", "sweep.py", "--seed", str(n)], 2, NOW - n)}
+            )
+        )
+        for n in range(10_000)
+    )
+    read: list[int] = []
+    real = index.read_state_file
+
+    def counted(*args: Any, **kwargs: Any) -> bytes | None:
+        data = real(*args, **kwargs)
+        read.append(len(data or b""))
+        return data
+
+    def launch_reads(state: Path, history: bytes) -> int:
+        state.mkdir(mode=0o700)
+        store.history_path(state).write_bytes(history)
+        store.history_path(state).chmod(0o600)
+        learn(state, frequent, CWD, now=NOW)  # the index, built once
+        read.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(index, "read_state_file", counted)
+            assert learn(state, frequent, CWD, now=NOW).estimate.level == "command"
+            assert learn(state, ["python", "new.py"], CWD, now=NOW).estimate.bytes is None
+            save_record(state, record(frequent, 4, NOW), 64 << 20)
+        return sum(read)
+
+    young = launch_reads(tmp_path / "young", own)
+    old = launch_reads(tmp_path / "old", sweeps + own)
+    assert old < 1.5 * young, (old, young)
