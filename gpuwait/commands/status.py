@@ -427,8 +427,9 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     if report["batches"]:
         out.append("")
         out.append(f"Batches ({len(report['batches'])})")
+        shown = _batches_shown(report["batches"])
         tallies = []
-        for b in report["batches"]:
+        for b in shown:
             extra = f", {b['cancelled']} cancelled" if b["cancelled"] else ""
             tallies.append(
                 f"{b['done']}/{b['total']} done, {b['running']} running, "
@@ -436,13 +437,31 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             )
         # Names as long as the lines leave room for: batches named alike (by date, by run)
         # often differ only at the end.
-        longest = max(len(b["name"]) for b in report["batches"])
+        longest = max(len(b["name"]) for b in shown)
         room = width - 2 - max(len(t) for t in tallies)
         column = max(20, min(longest, room))
-        for b, tally in zip(report["batches"], tallies, strict=True):
+        for b, tally in zip(shown, tallies, strict=True):
             out.append(_clip(f" {_clip(b['name'], column):<{column}} {tally}", width))
+        hidden = len(report["batches"]) - len(shown)
+        if hidden:
+            more = f" … {hidden} more that ended earlier (`gpuwait status --json` lists them)"
+            out.append(_clip(more, width))
     out.extend(_render_users(report, width))
     return "\n".join(out) + "\n"
+
+
+#: Batches whose jobs have all ended that `status` shows, those that ended last: the ledger
+#: remembers a hundred (a batch a night, named by its date, for months).
+ENDED_BATCHES_SHOWN = 5
+
+
+def _batches_shown(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The batches with jobs running or waiting, and the ENDED_BATCHES_SHOWN that ended last,
+    in the report's order (by name)."""
+    ended = [b for b in batches if not (b["running"] or b["waiting"])]
+    latest = sorted(ended, key=lambda b: b["ended_at"] or 0.0, reverse=True)
+    hidden = {id(b) for b in latest[ENDED_BATCHES_SHOWN:]}
+    return [b for b in batches if id(b) not in hidden]
 
 
 def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> list[str]:

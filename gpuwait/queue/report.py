@@ -303,7 +303,8 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
             "failed": counts.failed if counts else 0,
             "cancelled": counts.cancelled if counts else 0,
         }
-        rows.append({"name": name, **tally, "total": sum(tally.values())})
+        ended_at = counts.updated_at if counts and counts.updated_at > 0 else None
+        rows.append({"name": name, **tally, "total": sum(tally.values()), "ended_at": ended_at})
     return rows
 
 

@@ -28,6 +28,8 @@ from helpers.waiting import (
 
 from gpuwait.cli import main
 from gpuwait.queue import events as event_log
+from gpuwait.queue.bookkeeping import FAILED, OK, Finished
+from gpuwait.queue.ledger import Ledger
 
 GiB = 2**30
 PRINT_VISIBLE = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
@@ -430,6 +432,8 @@ def test_batch_progress_in_status(
     procs([*gpuwait_cmd, "--vram", "20G", "--batch", "sweep", "--", "true"])
     wait_for(lambda: len(ledger_entries()) == 2)
     (batch,) = status_json(gpuwait_cmd)["batches"]
+    # When its last job ended: the third of the runs above.
+    assert time.time() - 60 < batch.pop("ended_at") <= time.time()
     assert batch == {
         "name": "sweep",
         "done": 2,
@@ -794,6 +798,7 @@ BATCH_KEYS = {
     "failed": int,
     "cancelled": int,
     "total": int,
+    "ended_at": OPT_FLOAT,
 }
 
 
@@ -870,6 +875,37 @@ def test_status_shows_batch_names_whole_where_the_line_has_room(
     text = run([*gpuwait_cmd, "status"], env={**os.environ, "COLUMNS": "80"}).stdout
     assert " transcriptions-2026-11 1/1 done" in text and " transcriptions-2026-12 1/1 done" in text
     assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+def test_status_after_months_of_nightly_batches_shows_the_latest_not_a_hundred_lines(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cron job run each night with `--batch nightly-$(date +%F)`: the ledger remembers the
+    last hundred batches, and `status` showed every one of them, a line each, idle queue or
+    not. It shows the batches with jobs in the queue and those that ended last."""
+    sim_file(gpus=1)
+    day = 86400.0
+    first = time.time() - 120 * day
+    with Ledger(state_dir()).transaction() as data:
+        for n in range(120):
+            at = first + n * day
+            batch = time.strftime("nightly-%Y-%m-%d", time.localtime(at))
+            outcome = FAILED if n == 118 else OK
+            data.book.note_finished(Finished(f"{n:08x}", outcome, at, batch=batch))
+    newest = [
+        time.strftime("nightly-%Y-%m-%d", time.localtime(first + n * day)) for n in (118, 119)
+    ]
+    assert run([*gpuwait_cmd, "--vram", "1G", "--batch", "sweep", "--", "true"]).returncode == 0
+    assert main(["status"]) == 0
+    text = capsys.readouterr().out
+    shown = text[text.index("Batches (") :].splitlines()
+    assert len(shown) <= 8, text
+    assert shown[0] == "Batches (100)"
+    assert any(line.startswith(f" {newest[0]}") and "1 failed" in line for line in shown), text
+    assert any(line.startswith(f" {newest[1]}") for line in shown), text
+    assert any(line.startswith(" sweep") for line in shown), text
+    assert "gpuwait status --json" in shown[-1], text
+    assert len(status_json(gpuwait_cmd)["batches"]) == 100
 
 
 def test_status_watch_prints_reports_until_interrupted(
