@@ -8,6 +8,8 @@ import shlex
 import signal
 import sys
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gpuwait.commands import output
@@ -21,7 +23,7 @@ from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import command_line
 from gpuwait.history.learn import key_for
 from gpuwait.history.record import is_slim, record_keys
-from gpuwait.history.store import history_path, read_from, read_limit, tail
+from gpuwait.history.store import Parsed, history_path, read_from, read_limit, tail
 
 
 def build_parser() -> Parser:
@@ -60,16 +62,18 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings({})
     path = history_path(settings.state_path)
     wanted = _wanted_hash(command, args.key)
-    try:
-        # Only the newest lines are read unless the whole file must be filtered or shown.
-        limit = read_limit(settings.history_max_size)
-        parsed = (
+    # Only the newest lines are read unless the whole file must be filtered or shown; and
+    # filtered, only the lines of the runs asked for are decoded (a year of other runs would
+    # take seconds).
+    limit = read_limit(settings.history_max_size)
+    parsed = _read(
+        lambda: (
             tail(path, args.n, limit)
             if wanted is None and not args.all
-            else read_from(path, 0, limit)
-        )
-    except OSError as exc:
-        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
+            else read_from(path, 0, limit, key=wanted)
+        ),
+        path,
+    )
     records = [r for _, r in parsed.records]
     if not args.all:
         # Older than the runs kept whole, and without command line or GPU: `history` would
@@ -88,10 +92,19 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         # `-n 0` asks for no rows and gets none, as from `log -n 0` and `tail -n 0`.
         if args.all or args.n:
-            print(_nothing_shown([r for _, r in parsed.records], command, args.key))
+            # Where the runs are, from every run in the history: worth its seconds here.
+            every = parsed if wanted is None else _read(lambda: read_from(path, 0, limit), path)
+            print(_nothing_shown([r for _, r in every.records], command, args.key))
         return 0
     _show(records)
     return 0
+
+
+def _read(reading: Callable[[], Parsed], path: Path) -> Parsed:
+    try:
+        return reading()
+    except OSError as exc:
+        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
 
 
 def _nothing_shown(read: list[dict[str, Any]], command: list[str], key: str | None) -> str:

@@ -206,13 +206,22 @@ _WHITESPACE = b" \t\r\x0b\x0c"
 _CHUNK = 8 << 20
 
 
-def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:
+#: What every record that names its keys holds (records written before keys existed have
+#: theirs computed from their command line).
+_KEYS_FIELD = b'"keys"'
+
+
+def parse_lines(data: bytes, base_offset: int = 0, key: str | None = None) -> Parsed:
     """Every whole line of `data` (which starts at `base_offset` in the file).
 
     A record is a JSON object: only lines whose first byte past spaces is "{" are decoded, and
     they are found by searching for "{" (memchr, in C), so a history full of junk costs a scan
-    of its bytes, not a step of Python per line.
+    of its bytes, not a step of Python per line. With `key` (a key hash), only records that
+    may count for it are decoded: a line that names its keys without that one is passed over
+    undecoded, as neither a record nor damage.
     """
+    needle = None if key is None else f'"{key}"'.encode()
+    passed_over = 0
     parsed = Parsed()
     end = data.rfind(b"\n") + 1
     # Junk that no newline ends (yet): no record is that long, so it is passed over for good.
@@ -232,6 +241,14 @@ def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:
             continue  # not a JSON object: counted with the other damaged lines below
         if damage.first_offset is None and start > position:
             _note_junk(data, position, start, base_offset, damage)
+        if (
+            needle is not None
+            and data.find(needle, brace, stop) < 0
+            and data.find(_KEYS_FIELD, brace, stop) >= 0
+        ):
+            passed_over += 1
+            position = stop + 1
+            continue
         decoded = _decode(data[start:stop])
         if decoded is None:
             damage.note(base_offset + start)
@@ -241,7 +258,7 @@ def parse_lines(data: bytes, base_offset: int = 0) -> Parsed:
         position = stop + 1
     if damage.first_offset is None and position < end:
         _note_junk(data, position, end, base_offset, damage)
-    damage.lines = _lines_not_blank(data, end) - len(parsed.records)
+    damage.lines = _lines_not_blank(data, end) - len(parsed.records) - passed_over
     if junk_tail:
         damage.note(base_offset + end)
         damage.lines += 1
@@ -281,11 +298,14 @@ def _decode(line: bytes) -> tuple[dict[str, Any], RunStat] | None:
     return None if stat is None else (value, stat)
 
 
-def read_from(path: Path, offset: int = 0, limit: int | None = None) -> Parsed:
+def read_from(
+    path: Path, offset: int = 0, limit: int | None = None, key: str | None = None
+) -> Parsed:
     """Records from `offset` to the last whole line. A missing file has none.
 
     With `limit`, at most the newest `limit` bytes of that stretch are read (from the first
-    line that starts in them); the older part is left unread (`damage.unread`). Raises OSError
+    line that starts in them); the older part is left unread (`damage.unread`). With `key`,
+    only the records that may count for that key hash (`parse_lines`). Raises OSError
     (UnsafePath) for a file that is not a plain file of this user's.
     """
     fd = open_readable(path, mine())
@@ -305,7 +325,7 @@ def read_from(path: Path, offset: int = 0, limit: int | None = None) -> Parsed:
         if cut == 0:
             cut = len(data)
         data, start, skipped = data[cut:], start + cut, skipped + cut
-    parsed = parse_lines(data, start)
+    parsed = parse_lines(data, start, key)
     parsed.damage.unread = skipped
     return parsed
 

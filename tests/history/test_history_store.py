@@ -7,6 +7,7 @@ import os
 import random
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from helpers.history import a_run
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpuwait.cli import main
 from gpuwait.core.cmdkey import command_key, runs_other_code
 from gpuwait.core.estimate import estimate, usable_levels
 from gpuwait.history import index, store
@@ -444,3 +446,34 @@ def test_a_launch_reads_as_little_of_a_year_old_index_as_of_a_young_one(
     young = launch_reads(tmp_path / "young", own)
     old = launch_reads(tmp_path / "old", sweeps + own)
     assert old < 1.5 * young, (old, young)
+
+
+def test_the_runs_of_one_script_show_as_fast_from_a_long_history_as_from_a_short_one(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuwait history -- python eval.py` in a history that a year of other runs filled
+    (12 MiB of them here; a history compacts at 64 MiB): not a second of reading every run."""
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    monkeypatch.chdir(CWD if os.path.isdir(CWD) else "/")
+    cwd = os.getcwd()
+    sweep = a_run(["python", "sweep.py", "--seed", "1"], cwd, NOW, peak_by_gpu={"GPU-0": GiB})
+    own = [a_run(["python", "eval.py", "--day", str(d)], cwd, NOW + d) for d in range(3)]
+    mine = b"".join(store.encode(r) for r in own)
+    path = store.history_path(state)
+
+    def shown() -> tuple[list[str], float]:
+        started = time.perf_counter()
+        assert main(["history", "--", "python", "eval.py"]) == 0
+        took = time.perf_counter() - started
+        return [ln for ln in capsys.readouterr().out.splitlines() if "eval.py --day" in ln], took
+
+    path.write_bytes(mine)
+    path.chmod(0o600)
+    rows, took_short = shown()
+    assert len(rows) == 3
+    line = store.encode(sweep)
+    path.write_bytes(line * (12 * 2**20 // len(line)) + mine)
+    rows, took_long = shown()
+    assert len(rows) == 3
+    assert took_long < 5 * took_short + 0.1, (took_long, took_short)
