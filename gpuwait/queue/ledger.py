@@ -546,12 +546,16 @@ class Ledger:
             found = self._read_file(path)
             if found is None or found[0] != uid:
                 return None  # gone, or replaced meanwhile
-            data, raw = self._decode(found[1], False, uid, owned=True, foreign=True)
+            # Root may write it back (`_reap_for`): then its owner's book must come back whole.
+            tidies = repair and self._uid == 0
+            data, raw = self._decode(
+                found[1], False, uid, owned=True, foreign=True, with_book=tidies
+            )
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             return None
-        if repair and self._uid == 0 and raw.get("schema") == entries.SCHEMA:
+        if tidies and raw.get("schema") == entries.SCHEMA:
             # A newer gpuwait's file is its owner's to tidy: written back by this one, it
             # would lose what only the newer one reads (its entries of a newer form).
             self._reap_for(path, uid, data, len(raw.get("jobs", ())))
@@ -574,12 +578,16 @@ class Ledger:
         owner: int | None = None,
         owned: bool = False,
         foreign: bool = False,
+        with_book: bool = True,
     ) -> tuple[LedgerData, Any]:
         """Parse and validate a whole file; ValueError when it is damaged.
 
         `foreign`: another user's file, whose entries count only as far as the kernel proves
         them; those it does not are passed over before they are validated, so that a file of
-        a thousand forged entries costs every reader no more than its parsing.
+        a thousand forged entries costs every reader no more than its parsing. Without
+        `with_book`, its book (finished jobs, counters, batches: its owner's alone, which no
+        other user's plan reads) is left out unread: a year of a hundred users' finished jobs
+        would cost every reader the validation of each, at every look.
         """
         owner = self._uid if owner is None else owner
         if len(text) > MAX_FILE_BYTES:
@@ -592,6 +600,8 @@ class Ledger:
         checked = raw
         if foreign and isinstance(raw, dict) and isinstance(raw.get("jobs"), list):
             checked = {**raw, "jobs": entries.claims_proven(raw["jobs"], owner, proven_entry)}
+        if not with_book and isinstance(checked, dict):
+            checked = {k: v for k, v in checked.items() if k != "book"}
         where = str(self.directory / f"ledger.{owner}.json") if owned else str(self.path)
         # Another user's file written by a newer gpuwait is read as far as this one can: its
         # jobs' reservations still count (they are passed over only where they cannot be read).

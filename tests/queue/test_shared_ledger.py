@@ -37,6 +37,7 @@ from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_a
 from gpuwait.history.learn import save_record
 from gpuwait.linux.proc import start_time
 from gpuwait.linux.security import control_refusal
+from gpuwait.queue.bookkeeping import FINISHED_KEPT, OK, Finished
 from gpuwait.queue.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
@@ -1035,3 +1036,46 @@ def test_a_shared_directory_of_a_group_one_is_not_in_says_so() -> None:
         assert "disk space" not in done.stderr and "Traceback" not in done.stderr
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_what_other_users_finished_over_the_months_costs_no_reader_of_the_queue(
+    server: Server,
+) -> None:
+    """A lab server after months: forty members, each file holding its owner's last hundred
+    finished jobs and batches. Nobody's plan reads those (a member's `--after`, batches and
+    counters are their own), yet every look at the queue (a launch looks several times) went
+    through all four thousand: 28 ms a look instead of 7."""
+    pid = os.fork()
+    if pid == 0:  # Alice's gpuwait recording her jobs' ends, as she runs them
+        try:
+            os.setgroups([GROUP])
+            os.setgid(ALICE)
+            os.setuid(ALICE)
+            with server.ledger().transaction() as data:
+                for n in range(FINISHED_KEPT):
+                    ended = Finished(f"{n:08x}", OK, time.time() - 3600 + n, batch=f"b{n}")
+                    data.book.note_finished(ended, ["GPU-0"])
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    months = json.loads(server.own_file(ALICE).read_text())
+    assert len(months["book"]["finished"]) == FINISHED_KEPT
+    fresh = {**months, "book": {}}
+    (server.root / "light").mkdir(mode=0o755)
+    light = make_shared_ledger_dir(server.root / "light", GROUP).parent
+    for uid in range(ALICE + 10, ALICE + 50):
+        for directory, raw in ((server.ledger_dir, months), (light / "ledger", fresh)):
+            path = directory / f"ledger.{uid}.json"
+            path.write_text(json.dumps(raw))
+            os.chown(path, uid, GROUP)
+            path.chmod(0o640)
+
+    def look(directory: Path) -> float:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            Ledger(directory).read()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[2]
+
+    assert look(server.ledger_dir) < 12 * look(light / "ledger")
