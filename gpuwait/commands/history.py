@@ -20,7 +20,7 @@ from gpuwait.core.cmdkey import EXPLICIT, PROGRAM, SCRIPT, CommandKey, key_hash,
 from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
-from gpuwait.core.text import command_line
+from gpuwait.core.text import command_line, printable
 from gpuwait.history.learn import key_for
 from gpuwait.history.record import is_slim, record_keys
 from gpuwait.history.store import Parsed, history_path, read_from, read_limit, tail
@@ -249,9 +249,7 @@ def _command(record: dict[str, Any], width: int | None) -> str:
         text = command_line(command)
     else:
         text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
-    if width is None or len(text) <= width:
-        return text
-    return text[: max(0, width - 1)] + "…"
+    return text if width is None else printable(text, width)
 
 
 def _when(record: dict[str, Any], short: bool = False) -> str:

@@ -23,7 +23,7 @@ from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED, MachineSnapshot
-from gpuwait.core.text import command_line, printable
+from gpuwait.core.text import columns, command_line, cut, printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import GPU_OK
@@ -96,18 +96,18 @@ def _watch_screen(settings: Settings, interval: float) -> int:
     try:
         while True:
             report = build_report(settings)
-            columns, rows = _terminal_size()
+            across, rows = _terminal_size()
             title = f"gpuwait status, every {format_duration(interval)} (Ctrl-C to quit)"
             clock = output.local_time(report["generated_at"], "%H:%M:%S")
-            lines = [title + clock.rjust(max(1, columns - len(title))), ""]
+            lines = [title + clock.rjust(max(1, across - len(title))), ""]
             lines += [f"gpuwait: warning: {printable(w, 1000)}" for w in report["warnings"]]
             if report["backend_error"]:
                 lines.append(f"gpuwait: error: {printable(report['backend_error'], 1000)}")
                 if report["backend_hint"]:
                     lines.append(f"gpuwait: hint: {printable(report['backend_hint'], 1000)}")
-            lines += render(report, _width(columns)).splitlines()
+            lines += render(report, _width(across)).splitlines()
             # Home and clear, then the whole frame: one write, so the screen never shows half.
-            sys.stdout.write("\033[H\033[2J" + "\n".join(fit_screen(lines, columns, rows)))
+            sys.stdout.write("\033[H\033[2J" + "\n".join(fit_screen(lines, across, rows)))
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
@@ -122,16 +122,16 @@ _ENTER_SCREEN = "\033[?1049h\033[?25l"
 _LEAVE_SCREEN = "\033[?25h\033[?1049l"
 
 
-def fit_screen(lines: list[str], columns: int, rows: int) -> list[str]:
-    """`lines` as a screen of `columns` x `rows` shows them: each cut at the width, and those
+def fit_screen(lines: list[str], width: int, rows: int) -> list[str]:
+    """`lines` as a screen of `width` x `rows` shows them: each cut at the width, and those
     past the height left out, the last row then saying how many. The report puts what matters
     most first (GPUs, running jobs, the queue), so it is the rest that goes."""
-    lines = [line[:columns] for line in lines]
+    lines = [cut(line, width) for line in lines]
     if len(lines) <= rows:
         return lines
     kept = max(0, rows - 1)
     hidden = len(lines) - kept
-    return [*lines[:kept], f"… {hidden} more rows hidden; a taller window shows them"[:columns]]
+    return [*lines[:kept], f"… {hidden} more rows hidden; a taller window shows them"[:width]]
 
 
 def _terminal_size() -> tuple[int, int]:
@@ -264,6 +264,13 @@ def _clip(text: str, width: int) -> str:
     return printable(text, max(1, width))
 
 
+def _cell(text: str, width: int) -> str:
+    """`text` as a column of a table, `width` columns of the terminal wide whatever its
+    characters (a Chinese one takes two)."""
+    shown = _clip(text, width)
+    return shown + " " * (width - columns(shown))
+
+
 def _extern(gpu: dict[str, Any]) -> int | None:
     """Memory used outside gpuwait by processes: the driver's own memory is no process's."""
     if gpu["external_bytes"] is None:
@@ -348,11 +355,11 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         # Past its expected run time: say so, not "~0ms" (it may run on for long yet).
         left_text = "-" if left is None else "overdue" if left <= 0 else "~" + format_duration(left)
         line = (
-            f" {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} {_clip(gpus, 5):<5} "
+            f" {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} {_clip(gpus, 5):<5} "
             f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
             f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>7}  "
         )
-        out.append(line + _clip(command_line(j["command"]), width - len(line)))
+        out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         if j["lost_gpus"]:
             out.append(_clip("     on a GPU that is not answering now", width))
         if j["held_by"]:
@@ -392,10 +399,10 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         eta = j["eta_seconds"]
         eta_text = "-" if eta is None else "~" + format_duration(eta)
         line = (
-            f" {j['position']:>3} {printable(j['id'], 16):<8} {_clip(j['name'] or '-', 12):<12} "
+            f" {j['position']:>3} {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} "
             f"p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
-        out.append(line + _clip(command_line(j["command"]), width - len(line)))
+        out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         frozen = j.get("frozen")
         if frozen:
             on = ",".join("?" if i is None else str(i) for i in frozen["gpu_indices"])
@@ -437,11 +444,11 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             )
         # Names as long as the lines leave room for: batches named alike (by date, by run)
         # often differ only at the end.
-        longest = max(len(b["name"]) for b in shown)
+        longest = max(columns(b["name"]) for b in shown)
         room = width - 2 - max(len(t) for t in tallies)
         column = max(20, min(longest, room))
         for b, tally in zip(shown, tallies, strict=True):
-            out.append(_clip(f" {_clip(b['name'], column):<{column}} {tally}", width))
+            out.append(_clip(f" {_cell(b['name'], column)} {tally}", width))
         hidden = len(report["batches"]) - len(shown)
         if hidden:
             more = f" … {hidden} more that ended earlier (`gpuwait status --json` lists them)"
@@ -474,7 +481,7 @@ def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> lis
         out.append(fixed + "COMMAND")
     for h in holders:
         line = (
-            f" {h['gpu_index']:>3} {h['pid']:>7} {_clip(h['user'] or '?', 10):<10} "
+            f" {h['gpu_index']:>3} {h['pid']:>7} {_cell(h['user'] or '?', 10)} "
             f"{_size(h['used_bytes'] or h['reserved_bytes']):>6} "
             f"{format_duration(h['idle_seconds']):>7} "
             f"{printable(h['job'] or '-', 16):<8}  "
@@ -490,7 +497,7 @@ def render_idle(holders: list[dict[str, Any]], width: int, heading: bool) -> lis
         if h["reserved_bytes"]:
             # Nothing of the job on the GPU: its room, held reserved, keeps others waiting.
             what = f"[{_size(h['reserved_bytes'])} reserved, unused] {what}"
-        out.append(line + _clip(what, width - len(line)))
+        out.append(line + _clip(what, width - columns(line)))
     return out
 
 
@@ -528,7 +535,7 @@ def _render_users(report: dict[str, Any], width: int) -> list[str]:
     for u in users:
         out.append(
             _clip(
-                f" {printable(u['user'], 12):<12} {u['running']:>3} running {u['waiting']:>3} "
+                f" {_cell(u['user'], 12)} {u['running']:>3} running {u['waiting']:>3} "
                 f"waiting {u['gpus_held']:>2} GPUs {format_size(u['vram_held_bytes']):>8} held "
                 f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h",
                 width,

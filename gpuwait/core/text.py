@@ -7,14 +7,41 @@ from collections.abc import Iterable, Sequence
 
 def printable(text: str, limit: int = 200) -> str:
     """`text` safe to print on another user's terminal: control characters (escape sequences)
-    shown as '?', and at most `limit` characters."""
+    shown as '?', and at most `limit` columns of it (a Chinese character or an emoji takes
+    two)."""
     import unicodedata  # only `status` prints foreign text; a launch does not pay for it
 
     cleaned = "".join(
         "?" if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn") else c
         for c in text[: limit + 1]
     )
-    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
+    if columns(cleaned) <= limit:
+        return cleaned
+    return cut(cleaned, limit - 1) + "…"
+
+
+def columns(text: str) -> int:
+    """How many columns of a terminal `text` takes: two for each wide character (Chinese,
+    Japanese and Korean ones, fullwidth forms, most emoji), one for any other."""
+    return len(text) if text.isascii() else sum(map(_columns_of, text))
+
+
+def cut(text: str, width: int) -> str:
+    """The longest start of `text` that takes at most `width` columns."""
+    if text.isascii():
+        return text[: max(0, width)]
+    taken = 0
+    for end, c in enumerate(text):
+        taken += _columns_of(c)
+        if taken > width:
+            return text[:end]
+    return text
+
+
+def _columns_of(c: str) -> int:
+    import unicodedata  # only text that is not ASCII needs it
+
+    return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
 
 
 def nearest(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:

@@ -448,3 +448,36 @@ def test_status_says_a_waiting_job_stepped_aside_and_that_it_resumes_from_its_ch
     assert shown["pauses"] == 2 and shown["queued_priority"] == 5
     text = status.render(report, 100)
     assert "stepped aside 2× (checkpointed); resumes from its checkpoint, queued at p5" in text
+
+
+#: A command whose arguments are Chinese: each character takes two columns of a terminal.
+WIDE_COMMAND = ["python3", "train.py", "--data", "训练数据集" * 12]
+
+
+def on_screen(text: str) -> int:
+    """The columns `text` takes on a terminal (what wcwidth says of each character)."""
+    import unicodedata
+
+    return sum(2 if unicodedata.east_asian_width(c) in ("W", "F") else 1 for c in text)
+
+
+def test_a_command_in_chinese_or_emoji_fits_the_width_as_any_other() -> None:
+    # Cut by characters, a line of 80 characters with 40 Chinese ones took 120 columns: every
+    # such row wrapped onto a second, and the watch screen, counting rows, scrolled its title off.
+    report = a_report(
+        [job_row(command=WIDE_COMMAND), job_row(id="5e6f7a8b", command=["run", "🚀" * 60])]
+    )
+    for width in (80, 100):
+        lines = status.render(report, width).splitlines()
+        assert all(on_screen(line) <= width for line in lines), lines
+        assert any("--data '训" in line for line in lines)
+    # Another user's job named so keeps the columns after it in line.
+    named = a_report([job_row(name="训练" * 8), job_row(id="5e6f7a8b", name="plain")])
+    rows = status.render(named, 80).splitlines()[-2:]
+    assert [on_screen(row.split(" p3 ")[0]) for row in rows] == [26, 26], rows
+    frame = status.fit_screen(["训练数据集" * 30, "x" * 100], 80, 24)
+    assert [on_screen(line) for line in frame] == [80, 80]
+    record = a_run(WIDE_COMMAND, "/tmp", time.time())
+    rows = history.table([record], 80)
+    assert all(on_screen(row) <= 80 for row in rows), rows
+    assert history.table([record], None)[1].endswith("训练数据集" * 12 + "'")
