@@ -39,7 +39,7 @@ from gpuwait.runner.session import Pausable, RunConfig, RunRequest
 if TYPE_CHECKING:
     from gpuwait.queue.idle import IdleWatch
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
 #: The most times --retry-oom queues a command again.
 MAX_RETRY_OOM = 100
 
@@ -361,7 +361,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         ("--batch", options.batch),
         ("--once", options.once),
     ):
-        if value is not None and not _NAME_RE.match(value):
+        if value is not None and not _NAME_RE.fullmatch(value):
             raise UsageError(
                 f"{option} {value!r}: use up to 100 letters, digits and . _ : @ + -, "
                 "starting with a letter or digit"

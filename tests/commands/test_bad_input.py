@@ -63,6 +63,24 @@ CASES: dict[str, Case] = {
         "has no unit",
     ),
     "absurd size": (["--vram", "99999999T", "true"], {}, None, None, 2, "too large"),
+    # A name read from a file with its newline: taken, it showed as 'train?' and --after train
+    # or cancel train never found it.
+    "name ending in a newline": (
+        ["--vram", "1G", "--name", "train\n", "true"],
+        {},
+        None,
+        None,
+        2,
+        "use up to 100 letters",
+    ),
+    "batch ending in a newline": (
+        ["--vram", "1G", "--batch", "nightly\n", "true"],
+        {},
+        None,
+        None,
+        2,
+        "use up to 100 letters",
+    ),
     "negative gpus": (["--gpus", "-1", "true"], {}, None, None, 2, "at least 1"),
     "checkpoint signal without pausable": (
         ["--vram", "1G", "--checkpoint-signal", "USR2", "true"],
