@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+#: Unicode's categories of what is never shown as itself: controls, formats (bidi overrides),
+#: surrogates (bytes that were no UTF-8), private and unassigned characters, and separators of
+#: lines and paragraphs.
+_UNPRINTABLE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
+
 
 def printable(text: str, limit: int = 200) -> str:
     """`text` safe to print on another user's terminal: control characters (escape sequences)
+    and line and paragraph separators (U+2028, U+2029: the end of a line to str.splitlines)
     shown as '?', and at most `limit` columns of it (a Chinese character or an emoji takes
     two)."""
     import unicodedata  # only `status` prints foreign text; a launch does not pay for it
 
     cleaned = "".join(
-        "?" if unicodedata.category(c) in ("Cc", "Cf", "Cs", "Co", "Cn") else c
-        for c in text[: limit + 1]
+        "?" if unicodedata.category(c) in _UNPRINTABLE else c for c in text[: limit + 1]
     )
     if columns(cleaned) <= limit:
         return cleaned

@@ -481,3 +481,15 @@ def test_a_command_in_chinese_or_emoji_fits_the_width_as_any_other() -> None:
     rows = history.table([record], 80)
     assert all(on_screen(row) <= 80 for row in rows), rows
     assert history.table([record], None)[1].endswith("训练数据集" * 12 + "'")
+
+
+def test_a_line_separator_in_a_command_makes_no_row_of_its_own_on_the_watch_screen() -> None:
+    # U+2028 and U+2029 end a line for str.splitlines(): a colleague's command holding one cut
+    # the watch screen's row there, and the rest of it stood on a row of its own, a forged job.
+    forged = "1\u2028   2 deadbeef you    p5  whole   -  your job was cancelled\u2029!"
+    report = a_report([job_row(command=["sleep", forged])])
+    lines = status.render(report, 130).splitlines()
+    assert [line for line in lines if "1a2b3c4d" in line or "cancelled" in line] == [
+        "   1 1a2b3c4d -            p3  1.0G             -  "
+        "sleep '1?   2 deadbeef you    p5  whole   -  your job was cancelled?!'"
+    ]
