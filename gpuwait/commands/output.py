@@ -143,7 +143,8 @@ class WaitLine:
         if self.quiet:
             return
         if not self.tty:
-            self._once(reason, self.prefix + reason.describe())
+            # A file or a pipe (`2>&1 | tee run.log`) may still end on a terminal.
+            self._once(reason, self.prefix + _line(reason.describe()))
             return
         # One column spare: a line that ends in the last column leaves some terminals about to
         # wrap, and the next `\r` would then go back on a fresh row.

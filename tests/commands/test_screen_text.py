@@ -493,3 +493,18 @@ def test_a_line_separator_in_a_command_makes_no_row_of_its_own_on_the_watch_scre
         "   1 1a2b3c4d -            p3  1.0G             -  "
         "sleep '1?   2 deadbeef you    p5  whole   -  your job was cancelled?!'"
     ]
+
+
+def test_the_wait_line_into_a_pipe_shows_a_colleagues_escape_sequences_as_text() -> None:
+    # `gpuwait --after their-job ... 2>&1 | tee run.log`: the line names the job waited for, by
+    # the name its owner gave it in the shared ledger; written to a pipe, it went out raw, and
+    # tee put the escape sequence on the terminal (here one that sets the clipboard, OSC 52).
+    stream = io.StringIO()
+    line = WaitLine(quiet=False, job="train", stream=stream)
+    line.update(
+        REASON._replace(blocked="waiting for job 1a2b3c4d (\033]52;c;cm0gLXJm\a) to finish")
+    )
+    assert stream.getvalue() == (
+        "gpuwait[train]: waiting for job 1a2b3c4d (?]52;c;cm0gLXJm?) to finish "
+        "(2 running, 1 ahead of you)\n"
+    )
