@@ -60,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         return simjob.main(args.job_args)
     if args.action != "init":
         raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
+    import shlex  # not for `sim job`, which runs as a command and starts as fast as one
+
     from gpuwait.gpu.sim import make_shared_state_dir, write_sim_file
 
     try:
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         # gpuwait reads a simulation file only when it is the user's own or root's.
         raise UsageError(
             "only root can write a shared simulation: other users' gpuwait trusts no file of yours",
-            hint=f"sudo gpuwait sim init {path} --shared",
+            hint=f"sudo gpuwait sim init {shlex.quote(path)} --shared",
         )
     try:
         write_sim_file(path, gpus=args.gpus, memory_bytes=memory, force=args.force)
@@ -86,5 +88,6 @@ def run(args: argparse.Namespace) -> int:
     output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
     if args.shared:
         output.info(f"shared: every user may use it (its jobs' records are in {path}.d)")
-    output.info(f"now: export GPUWAIT_SIM={path}")
+    # A line to paste: quoted as the shell needs the path (a space, a quote in it).
+    output.info(f"now: export GPUWAIT_SIM={shlex.quote(path)}")
     return 0

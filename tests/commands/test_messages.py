@@ -575,3 +575,17 @@ def test_only_root_can_share_a_simulation(tmp_path: Path) -> None:
         "gpuwait: error: only root can write a shared simulation: other users' gpuwait trusts "
         "no file of yours"
     )
+
+
+def test_the_export_line_of_sim_init_can_be_pasted_for_a_path_with_spaces(tmp_path: Path) -> None:
+    # "now: export GPUWAIT_SIM=/home/a/my sims/it's.toml", pasted, set GPUWAIT_SIM to
+    # /home/a/my and failed on the rest; the path is quoted as the shell needs it now.
+    path = tmp_path / "my sims" / "it's.toml"
+    path.parent.mkdir()
+    done = gpuwait("sim", "init", str(path), "--gpus", "1", "--memory", "8GiB")
+    assert done.returncode == 0, done.stderr
+    line = done.stderr.splitlines()[-1]
+    assert line.startswith("gpuwait: now: export GPUWAIT_SIM=")
+    pasted = line.removeprefix("gpuwait: now: ") + '; printf %s "$GPUWAIT_SIM"'
+    shell = subprocess.run(["sh", "-c", pasted], capture_output=True, text=True, timeout=30)
+    assert (shell.returncode, shell.stdout) == (0, str(path)), shell.stderr
