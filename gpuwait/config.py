@@ -37,6 +37,7 @@ from gpuwait.core.sizes import (
     parse_size,
     parse_whole,
 )
+from gpuwait.core.text import shell_word
 from gpuwait.linux import dirs, netfs
 from gpuwait.linux.security import (
     UnsafePath,
@@ -960,7 +961,7 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
                 raise UsageError(
                     f"{kind} {path} is writable by every user, so anyone could change the "
                     "limits in it; refusing to use it",
-                    hint=f"an administrator runs: chmod o-w {path}",
+                    hint=f"an administrator runs: chmod o-w {shell_word(path)}",
                 )
             raw = read_capped(fd, path, _MAX_CONFIG_BYTES)
         finally:
@@ -970,7 +971,10 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     except OSError as exc:
         hint = None
         if exc.errno in (errno.EACCES, errno.EPERM):
-            hint = f"make it readable (chmod u+r {path}), or set GPUWAIT_CONFIG to another file"
+            hint = (
+                f"make it readable (chmod u+r {shell_word(path)}), or set GPUWAIT_CONFIG to "
+                "another file"
+            )
             if not site and _in_a_home_not_yours(path):
                 return {}
             # A directory of another user's in their own home that keeps them out is named.

@@ -10,6 +10,7 @@ from gpuwait.commands import output
 from gpuwait.commands.parsing import Parser, whole_number
 from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import MAX_GPUS, format_size, parse_size
+from gpuwait.core.text import shell_word
 
 
 def build_parser() -> Parser:
@@ -60,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
         return simjob.main(args.job_args)
     if args.action != "init":
         raise UsageError("say `gpuwait sim init FILE` or `gpuwait sim job --vram SIZE`")
-    import shlex  # not for `sim job`, which runs as a command and starts as fast as one
-
     from gpuwait.gpu.sim import make_shared_state_dir, write_sim_file
 
     try:
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         # gpuwait reads a simulation file only when it is the user's own or root's.
         raise UsageError(
             "only root can write a shared simulation: other users' gpuwait trusts no file of yours",
-            hint=f"sudo gpuwait sim init {shlex.quote(path)} --shared",
+            hint=f"sudo gpuwait sim init {shell_word(path)} --shared",
         )
     try:
         write_sim_file(path, gpus=args.gpus, memory_bytes=memory, force=args.force)
@@ -89,5 +88,5 @@ def run(args: argparse.Namespace) -> int:
     if args.shared:
         output.info(f"shared: every user may use it (its jobs' records are in {path}.d)")
     # A line to paste: quoted as the shell needs the path (a space, a quote in it).
-    output.info(f"now: export GPUWAIT_SIM={shlex.quote(path)}")
+    output.info(f"now: export GPUWAIT_SIM={shell_word(path)}")
     return 0

@@ -70,3 +70,11 @@ def command_line(argv: Sequence[object], limit: int = 4000) -> str:
         # Kept without its line (history_commands = hash): the program and the line's hash.
         return printable(f"{shlex.join(words[:1])} {words[1]}", limit)
     return printable(shlex.join(words), limit)
+
+
+def shell_word(text: object) -> str:
+    """`text` (a path) as a shell needs it in a command to paste: quoted where it holds a space,
+    a quote or anything else the shell would read otherwise."""
+    import shlex  # only a message that gives a command pays for it
+
+    return shlex.quote(str(text))

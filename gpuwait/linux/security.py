@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from gpuwait.core.text import shell_word
 from gpuwait.linux import proc, userns
 
 _T = TypeVar("_T")
@@ -122,10 +123,11 @@ def taken_over_hint(path: Path) -> str | None:
         return None
     directory, owner = taken
     whose = "root" if owner == 0 else f"uid {owner}"
+    # A command to paste: the path quoted as the shell needs it (a home with a space in it).
     return (
         f"{directory} belongs to {whose}, not to you (a program run as {whose} with your "
         f"HOME, `sudo -E` say, made it): `sudo chown -R {proc.user_name(os.getuid())} "
-        f"{directory}` gives it back"
+        f"{shell_word(directory)}` gives it back"
     )
 
 

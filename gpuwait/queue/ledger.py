@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.errors import StateError, StateShortage
+from gpuwait.core.text import shell_word
 from gpuwait.linux import alive, proc, signals
 from gpuwait.linux.atomic import (
     damaged_name,
@@ -493,7 +494,7 @@ class Ledger:
             elif not self.shared:
                 raise StateError(
                     f"ledger {path}: {exc}; gpuwait refuses it",
-                    hint=f"make it a readable file of yours again (chmod u+rw {path}); remove it"
+                    hint=f"make it a readable file of yours again (chmod u+rw {shell_word(path)}); remove it"
                     " only if it is no ledger (the queue it holds goes with it)"
                     if exc.unreadable
                     else f"remove it ({path}) so gpuwait can write a real file",

@@ -300,7 +300,10 @@ def test_bad_input_is_answered_at_once(sim: Path, isolated_dirs: Path, name: str
 
 
 def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -> None:
-    path = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    # In a directory with a space in its name: the hint's "chmod o-w /etc/my site/...", pasted,
+    # changed /etc/my and failed on the rest; the path is quoted as the shell needs it now.
+    site = isolated_dirs / "my site"
+    path = site / "gpuwait" / "config.toml"
     path.parent.mkdir(parents=True)
     path.write_text("user_max_gpus = 1\n")
     path.chmod(0o666)
@@ -309,9 +312,14 @@ def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "XDG_CONFIG_DIRS": str(site)},
     )
     assert done.returncode == 2 and "writable by every user" in done.stderr
-    assert "chmod o-w" in done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert hint.startswith("gpuwait: hint: an administrator runs: chmod o-w "), done.stderr
+    pasted = hint.removeprefix("gpuwait: hint: an administrator runs: ")
+    subprocess.run(["sh", "-c", pasted], check=True, timeout=30)
+    assert path.stat().st_mode & 0o777 == 0o664
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from helpers.jobs import live_job
 from helpers.waiting import wait_for
 
 from gpuwait.core.text import printable
+from gpuwait.linux import security
 from gpuwait.linux.proc import start_time
 from gpuwait.linux.security import UnsafePath, control_refusal, open_state_file
 from gpuwait.queue.entries import MAX_ENTRIES_PER_UID, Job
@@ -362,3 +364,17 @@ def test_cancel_refuses_an_entry_that_names_no_gpuwait_process(gw: Run) -> None:
     finally:
         bystander.kill()
         bystander.wait(timeout=20)
+
+
+def test_the_chown_that_gives_a_taken_directory_back_can_be_pasted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A home with a space in it (/home/Jane Doe): the hint's `sudo chown -R jane /home/Jane
+    # Doe/.config`, pasted, would have handed /home/Jane over; the path is quoted now.
+    taken = tmp_path / "Jane Doe" / ".config"
+    monkeypatch.setattr(security, "taken_over", lambda path: (taken, 0))
+    hint = security.taken_over_hint(taken / "gpuwait")
+    assert hint is not None
+    command = hint.split("`")[3]
+    assert command.startswith("sudo chown -R ")
+    assert shlex.split(command)[-1] == str(taken)
