@@ -313,6 +313,22 @@ def test_cron_wrapper_under_env_i(cron_home: Path, sim_file: Any) -> None:
     assert len(history(cron_home / ".local" / "state")) == 1
 
 
+def test_cron_log_names_a_command_with_backslashes_as_it_was_given(
+    cron_home: Path, sim_file: Any
+) -> None:
+    # /bin/sh's echo (dash) reads backslashes: a Windows path or a regex in the command was
+    # logged with its \n as a line break and its \t as a tab, and \c cut the line short.
+    sim_file(gpus=1)
+    line = (
+        "cd $HOME && $HOME/.local/bin/gpuwait-cron nightly --vram 1G -- "
+        "python3 -c pass 'C:\\new\\table' '\\d+\\c'"
+    )
+    done = cron_run(line, cron_env(cron_home))
+    assert done.returncode == 0, done.stderr
+    log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "nightly.log").read_text()
+    assert "nightly: start: gpuwait --vram 1G -- python3 -c pass C:\\new\\table \\d+\\c\n" in log
+
+
 def test_cron_wrapper_without_home_and_with_gpuwait_named(
     cron_home: Path, sim_file: Any, tmp_path: Path
 ) -> None:
