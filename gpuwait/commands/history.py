@@ -248,7 +248,10 @@ def _command(record: dict[str, Any], width: int | None) -> str:
     elif isinstance(command, list):
         text = command_line(command)
     else:
-        text = f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
+        # Kept as its hash: the program's name, any file's (an escape sequence in it too).
+        text = printable(
+            f"{record.get('program', '?')} [{str(record.get('command_hash', ''))[:12]}]"
+        )
     return text if width is None else printable(text, width)
 
 

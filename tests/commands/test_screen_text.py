@@ -508,3 +508,14 @@ def test_the_wait_line_into_a_pipe_shows_a_colleagues_escape_sequences_as_text()
         "gpuwait[train]: waiting for job 1a2b3c4d (?]52;c;cm0gLXJm?) to finish "
         "(2 running, 1 ahead of you)\n"
     )
+
+
+def test_a_command_kept_as_its_hash_shows_its_program_safely_when_piped() -> None:
+    # history_commands = hash keeps the program's name and the line's hash: a program named
+    # with an escape sequence (a script someone else named) went out raw into `| less -R`.
+    program = "/shared/\033]52;c;cm0gLXJm\a.py"
+    record = a_run([program, "--fast"], "/tmp", time.time(), history_commands="hash")
+    for width in (None, 100):
+        row = history.table([record], width)[1]
+        assert "\033" not in row and "\a" not in row, row
+        assert "?]52;c;cm0gLXJm?.py [" in row, row
