@@ -92,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         # `-n 0` asks for no rows and gets none, as from `log -n 0` and `tail -n 0`.
         if args.all or args.n:
-            # Where the runs are, from every run in the history: worth its seconds here.
+            # Where the runs are, from every run in the history: worth its seconds here. It
+            # echoes the key or the command asked for: an escape sequence pasted with one is
+            # shown as '?', as in every message.
             every = parsed if wanted is None else _read(lambda: read_from(path, 0, limit), path)
-            print(_nothing_shown([r for _, r in every.records], command, args.key))
+            print(printable(_nothing_shown([r for _, r in every.records], command, args.key), 4000))
         return 0
     _show(records)
     return 0

@@ -368,6 +368,17 @@ def test_history_of_a_program_run_with_a_new_date_each_day_shows_its_runs(
     assert "no runs of make train" in done.stdout
 
 
+def test_history_of_nothing_echoes_what_was_asked_for_safely(sim: Path) -> None:
+    # A key or a command pasted with an escape sequence in it (clearing the screen here) was
+    # echoed raw in "no runs with --key ... are recorded", as no error message echoes it.
+    assert gpuwait("--vram", "1G", "true").returncode == 0
+    done = gpuwait("history", "--key", "\033[2Jtrain")
+    assert done.returncode == 0
+    assert done.stdout.startswith("no runs with --key ?[2Jtrain are recorded;"), done.stdout
+    done = gpuwait("history", "--", "python3", "\033[2J.py")
+    assert "\033" not in done.stdout and "no runs of " in done.stdout, done.stdout
+
+
 def test_log_of_a_job_by_name_shows_how_it_ended(sim: Path) -> None:
     """Some events name the job by id alone (a dependency that failed, a reaped job): asked for
     by its name, the log still shows them."""
