@@ -148,8 +148,11 @@ class WaitLine:
             return
         # One column spare: a line that ends in the last column leaves some terminals about to
         # wrap, and the next `\r` would then go back on a fresh row.
-        room = stream_columns(self.stream) - 1 - len(self.prefix)
+        width = stream_columns(self.stream) - 1
+        room = width - len(self.prefix)
         text = self.prefix + printable(reason.describe(max(room, 0)), max(room, 1))
+        # A pane narrower than the name itself: the line is cut there too.
+        text = printable(text, max(width, 1))
         if self._foreground():
             self.shown = _say("\r\033[K" + text, self.stream)
             # Sent to the background later, it says the situation again on a line of its own.

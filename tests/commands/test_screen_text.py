@@ -352,6 +352,14 @@ def test_the_wait_line_fits_the_stream_it_writes_to(columns: int) -> None:
     assert cleared == ""
 
 
+def test_the_wait_line_fits_a_pane_narrower_than_its_name() -> None:
+    # A tmux pane 12 columns wide: the line kept its whole `gpuwait[big]: ` (14), wrapped, and
+    # each redraw, going back on its last row only, left one more copy above.
+    written = draw_on_a_pty(12, "xterm-256color")
+    text = written.split("\r\033[K")[1]
+    assert text == "gpuwait[bi…", repr(written)
+
+
 def test_a_dumb_terminal_gets_whole_lines_and_no_escape_sequences() -> None:
     """TERM=dumb (Emacs's shell and compilation buffers) moves no cursor: an escape sequence
     shows there as `^[[K`, and a line rewritten after `\\r` piles up on one row. The wait line
