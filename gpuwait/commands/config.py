@@ -10,7 +10,8 @@ from gpuwait.commands.common import load_settings
 from gpuwait.commands.output import json_text
 from gpuwait.commands.parsing import Parser, terminal_columns
 from gpuwait.config import OPTIONS
-from gpuwait.core.text import printable
+from gpuwait.core.text import columns as shown_width
+from gpuwait.core.text import cut, printable
 from gpuwait.linux import netfs
 
 #: The version of `config --json` (docs/configuration.md); fields are only ever added within it.
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         # A path is never cut (it is there to be copied): one too long goes on a line of its own.
         path = printable(str(path), _LONGEST)
         line = f"{label} {path}"
-        print(line if columns is None or len(line) <= columns else f"{label.strip()}\n  {path}")
+        fits = columns is None or shown_width(line) <= columns
+        print(line if fits else f"{label.strip()}\n  {path}")
     return 0
 
 
@@ -76,11 +78,12 @@ _SHORT_VALUE = 24
 
 
 def settings_table(rows: list[tuple[str, str, str]], columns: int | None) -> list[str]:
-    """`name  value  (source)` rows. On a terminal `columns` wide none is wider: a long value
-    is wrapped (a list after its commas) and a source that no longer fits goes on the next
-    line, under the others. With `columns` None (piped), one line per setting, whole."""
+    """`name  value  (source)` rows. On a terminal `columns` wide none is wider (a Chinese
+    character counted as the two columns it takes): a long value is wrapped (a list after its
+    commas) and a source that no longer fits goes on the next line, under the others. With
+    `columns` None (piped), one line per setting, whole."""
     names = max(len(name) for name, _, _ in rows)
-    values = max([len(v) for _, v, _ in rows if len(v) <= _SHORT_VALUE], default=0)
+    values = max([shown_width(v) for _, v, _ in rows if shown_width(v) <= _SHORT_VALUE], default=0)
     indent = " " * (names + 2)
     out = []
     for name, value, source in rows:
@@ -93,8 +96,8 @@ def settings_table(rows: list[tuple[str, str, str]], columns: int | None) -> lis
         out.append(head + lines[0])
         out += [indent + line for line in lines[1:]]
         last = out[-1]
-        padded = f"{last:<{names + 2 + values}}  {source}"
-        if len(padded) <= columns:
+        padded = last + " " * (names + 2 + values - shown_width(last)) + f"  {source}"
+        if shown_width(padded) <= columns:
             out[-1] = padded
         else:
             # Under the other sources where there is room for it, else as far right as it fits.
@@ -104,17 +107,22 @@ def settings_table(rows: list[tuple[str, str, str]], columns: int | None) -> lis
 
 
 def _wrap_value(value: str, width: int) -> list[str]:
-    """`value` in lines of at most `width`: a list broken after its commas (a pattern such as
-    `* -m pip *` is never split), anything else cut where it must be."""
-    if len(value) <= width:
+    """`value` in lines of at most `width` columns: a list broken after its commas (a pattern
+    such as `* -m pip *` is never split), anything else cut where it must be."""
+    if shown_width(value) <= width:
         return [value]
     items = re.findall(r"[^,]*,\s*|[^,]+$", value)
     if len(items) < 2:
-        return [value[i : i + width] for i in range(0, len(value), width)]
+        pieces = []
+        while value:
+            piece = cut(value, width) or value[0]
+            pieces.append(piece)
+            value = value[len(piece) :]
+        return pieces
     lines: list[str] = []
     current = ""
     for item in items:
-        if current and len((current + item).rstrip()) > width:
+        if current and shown_width((current + item).rstrip()) > width:
             lines.append(current.rstrip())
             current = item
         else:

@@ -208,6 +208,20 @@ def test_config_rows_fit_the_terminal() -> None:
     assert piped[1].endswith("* -m venv *  (default)")
 
 
+def test_config_rows_of_chinese_paths_fit_the_terminal() -> None:
+    # A simulation file in a directory named in Chinese: cut by characters, its rows took
+    # twice the terminal's width and wrapped.
+    rows = [
+        ("safety", "0.9", "default"),
+        ("sim", "/home/用户/模拟/" + "训练数据集" * 10 + ".toml", "environment GPUWAIT_SIM"),
+    ]
+    for width in (60, 80):
+        lines = settings_table(rows, width)
+        assert all(on_screen(line) <= width for line in lines), lines
+        # Cut where it must be, and whole once its pieces are put together again.
+        assert rows[1][1] in "".join(line.strip() for line in lines[1:])
+
+
 def test_config_shows_every_duration_one_way_and_as_it_was_set(
     isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
