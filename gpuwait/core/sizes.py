@@ -146,6 +146,7 @@ def parse_duration(text: str) -> float:
     while position < len(stripped):
         match = _DURATION_RE.match(stripped, position)
         if not match or match.end() == position:
+            _duration_comma(text)
             raise ValueError(f"{text!r} is not a duration; {_digits(text, _DURATION_HINT)}")
         unit = (match.group(2) or "s").lower()
         total += float(match.group(1)) * _DURATION_UNITS[unit]
@@ -156,6 +157,17 @@ def parse_duration(text: str) -> float:
     if parts == 0:
         raise ValueError(f"{text!r} is not a duration; {_DURATION_HINT}")
     return check_duration(total, text.strip())
+
+
+def _duration_comma(text: str) -> None:
+    """Raise ValueError saying so where `text` is a duration written with a decimal comma
+    (1,5h), as sizes are told (6,5G). Three digits after it (1,000s) may be thousands: no
+    guess is made."""
+    if re.fullmatch(r"\s*\d+,\d{1,2}\s*(?:ms|s|m|h|d)?\s*", text, re.IGNORECASE | re.ASCII):
+        pointed = text.strip().replace(",", ".")
+        raise ValueError(
+            f"{text.strip()!r} is not a duration; write decimals with a point: {pointed}"
+        )
 
 
 def check_duration(seconds: float, text: str) -> float:

@@ -26,6 +26,14 @@ CASES: dict[str, Case] = {
     "decimal comma": (["--vram", "6,5G", "true"], {}, None, None, 2, "with a point: 6.5G"),
     # 1,000G: a thousand, or one? Neither is guessed (1.000G would ask for a thousandth).
     "thousands comma": (["--vram", "1,000G", "true"], {}, None, None, 2, "as 1000G"),
+    "duration with a decimal comma": (
+        ["--timeout", "1,5h", "true"],
+        {},
+        None,
+        None,
+        2,
+        "write decimals with a point: 1.5h",
+    ),
     "zero percent": (["--vram", "0%", "true"], {}, None, None, 2, "percentage"),
     # A number without a unit meant GiB to whoever typed it; taken as bytes it admitted a job
     # with no room at all.
