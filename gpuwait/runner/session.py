@@ -221,6 +221,12 @@ class _Ended(Record, frozen=True):
     #: A pending run's job stepped aside before: what a retry, which goes on from its
     #: checkpoint, counts of those runs (see _SteppedAside).
     stepped_aside: _SteppedAside | None = None
+    #: Where it stepped aside: how to record that run, should the job never run again (it is
+    #: stopped or cancelled while it waits to resume), given the job as it then is and the
+    #: time it spent stepped aside in all.
+    record: Callable[[Job, float], None] | None = None
+    #: False where the command never started (a signal while it could not start yet).
+    started: bool = True
 
 
 def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
@@ -820,6 +826,8 @@ def _wait_and_run(
     earlier = before.earlier
     #: How the waiting line names the job, where several wait in one terminal.
     label = job.name or job.id
+    #: Records the last run that stepped aside, where the job leaves without running again.
+    unrecorded: Callable[[Job, float], None] | None = None
     while True:
         timeout = config.timeout
         waited_from = time.monotonic()
@@ -852,6 +860,8 @@ def _wait_and_run(
             resumed_wait = time.monotonic() - waited_from if queued_seconds is not None else 0.0
             paused = _pauses_so_far(job, paused_seconds + resumed_wait)
             _finish(ledger, job, INTERRUPTED, reporter, paused=paused)
+            if unrecorded is not None:
+                unrecorded(job, paused_seconds + resumed_wait)
             raise
         finally:
             reporter.waited()
@@ -862,6 +872,10 @@ def _wait_and_run(
         paused = _pauses_so_far(
             job, paused_seconds + (wait_seconds if queued_seconds is not None else 0.0)
         )
+        if unrecorded is not None and not isinstance(outcome, Admitted):
+            # It never runs again: the run that stepped aside is its last, recorded as any
+            # run that was stopped.
+            unrecorded(job, paused_seconds + wait_seconds)
         if isinstance(outcome, TimedOut):
             _finish(ledger, job, TIMED_OUT, reporter, paused=paused)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
@@ -900,23 +914,32 @@ def _wait_and_run(
             queued_seconds = wait_seconds
         else:
             paused_seconds += wait_seconds
-        job, ended = _start(
-            request,
-            config,
-            reporter,
-            backend,
-            ledger,
-            outcome,
-            wait_seconds,
-            choice,
-            queued_seconds,
-            paused_seconds,
-            may_retry=retries < request.retry_oom,
-            paused_runs_seconds=paused_runs_seconds,
-            earlier=earlier,
-        )
+        try:
+            job, ended = _start(
+                request,
+                config,
+                reporter,
+                backend,
+                ledger,
+                outcome,
+                wait_seconds,
+                choice,
+                queued_seconds,
+                paused_seconds,
+                may_retry=retries < request.retry_oom,
+                paused_runs_seconds=paused_runs_seconds,
+                earlier=earlier,
+            )
+        except CommandProblem:
+            # Its command could not start again (its script removed meanwhile, say).
+            if unrecorded is not None:
+                unrecorded(job, paused_seconds)
+            raise
         if not ended.paused:
+            if not ended.started and unrecorded is not None:
+                unrecorded(job, paused_seconds)
             return ended
+        unrecorded = ended.record
         paused_runs_seconds += ended.run_seconds
         earlier = _Earlier.of(earlier, ended.peak)
         reporter.info(f"job {job.id} checkpointed and stepped aside; it waits to resume")
@@ -1037,11 +1060,11 @@ def _start(
         if _asks_to_checkpoint(job, exc.signum):
             return job, _leave_to_checkpoint(
                 ledger, job, reporter, config.resume_exit, "its command could not start yet"
-            )
+            )._replace(started=False)
         # Ended by the signal, as while waiting (and as the command would have been).
         signals.keep_pending(exc.signum)
         _finish(ledger, job, INTERRUPTED, reporter, paused=_pauses_so_far(job, paused_seconds))
-        return job, _Ended(-exc.signum)
+        return job, _Ended(-exc.signum, started=False)
     except OSError as exc:
         held.close()
         watch.abandon()
@@ -1130,8 +1153,32 @@ def _start(
         )
         peaks, approximate = result.peaks()
         peak = max(peaks.values()) if peaks else None
+
+        def record(left: Job, paused_in_all: float) -> None:
+            _record(
+                request,
+                config,
+                reporter,
+                left,
+                chosen,
+                result,
+                queued_seconds,
+                started_at,
+                choice,
+                None,
+                watch.mode,
+                paused_in_all,
+                held.plan,
+                paused_runs_seconds=paused_runs_seconds,
+                earlier=earlier,
+            )
+
         return job, _Ended(
-            code, paused=True, run_seconds=result.run_seconds, peak=(peak, approximate)
+            code,
+            paused=True,
+            run_seconds=result.run_seconds,
+            peak=(peak, approximate),
+            record=record,
         )
     card_full = any(
         near_full(result.free_at_peak_bytes.get(u), total)

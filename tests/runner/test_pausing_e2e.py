@@ -370,28 +370,57 @@ def test_a_retry_of_a_job_that_stepped_aside_waits_at_most_its_timeout(
         outside.wait()
 
 
-def test_a_job_stopped_while_waiting_to_resume_says_how_often_it_stepped_aside(
-    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
-    # Its `leave` event, the last word on the job, said nothing of its pauses: as far as the
-    # log told, a job that never ran had left the queue.
+def stopped_while_waiting_to_resume(gpuwait_cmd: list[str], tmp_path: Path, how: str) -> str:
+    """A --pausable job of 16 GiB that steps aside for an urgent one and, while it waits to
+    resume, is stopped: by `gpuwait cancel` ("cancel") or TERM to its gpuwait ("TERM"). Its id."""
     low = long_job(gpuwait_cmd, tmp_path / "progress.json", hold="5s")
     urgent = None
     try:
         wait_until_running(1)
         wait_until_pausable()
+        (entry,) = ledger_entries()
         urgent = hold_card(gpuwait_cmd, "16G", "5s", "--priority", "5")
         wait_until_running(2)
-        low.terminate()
-        assert low.wait(timeout=30) == -signal.SIGTERM
+        if how == "cancel":
+            subprocess.run([*gpuwait_cmd, "cancel", entry["id"]], check=True, timeout=30)
+            assert low.wait(timeout=30) != 0
+        else:
+            low.terminate()
+            assert low.wait(timeout=30) == -signal.SIGTERM
     finally:
         for p in (low, urgent):
             if p is not None:
                 p.terminate()
                 p.communicate(timeout=30)
+    return str(entry["id"])
+
+
+def test_a_job_stopped_while_waiting_to_resume_says_how_often_it_stepped_aside(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Its `leave` event, the last word on the job, said nothing of its pauses: as far as the
+    # log told, a job that never ran had left the queue.
+    stopped_while_waiting_to_resume(gpuwait_cmd, tmp_path, "TERM")
     (left,) = [e for e in events() if e["kind"] == "leave"]
     assert left["outcome"] == "interrupted" and left["pauses"] == 1, left
     assert float(left["paused_seconds"]) > 0, left  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["cancel", "TERM"])
+def test_a_job_stopped_while_waiting_to_resume_leaves_its_runs_in_the_history(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, how: str
+) -> None:
+    # Cancelled (or stopped) while it waited to resume, a job that had run and stepped aside
+    # left no record: `gpuwait history` knew nothing of its run, nor of the 16 GiB it took.
+    job = stopped_while_waiting_to_resume(gpuwait_cmd, tmp_path, how)
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    (ran,) = [r for r in records if r["job_id"] == job]
+    assert ran["pauses"] == 1 and ran["paused_seconds"] > 0, ran
+    assert ran["peak_bytes"] == 16 * 2**30 and ran["run_seconds"] >= MIN_RUNTIME, ran
+    # Cut short, it teaches no run time as a finished run would.
+    stat = run_stat(ran)
+    assert stat is not None and not stat.ok
 
 
 def test_young_jobs_are_not_paused(
@@ -858,3 +887,8 @@ def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_di
     (ended,) = [e for e in events() if e["kind"] == "finish" and e["job"] == paused["job"]]
     assert ended["exit_status"] == 127 and ended["pauses"] == 1, ended
     assert float(ended["paused_seconds"]) > 0, ended  # type: ignore[arg-type]
+    # The run it did before stepping aside is in the history.
+    history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    (ran,) = [r for r in records if r["job_id"] == paused["job"]]
+    assert ran["pauses"] == 1 and ran["peak_bytes"] == 16 * 2**30, ran
