@@ -374,16 +374,24 @@ def _confirm_found(
     return lifecycle.confirm_admission(ledger, asked.id, asked, snapshot, holds)
 
 
+#: The notes on the queue order this process has given: each once, however often its job
+#: waits again (resumed after stepping aside, retried after running out of memory).
+_ORDER_NOTES: set[str] = set()
+
+
 def _in_shared_ledger(ledger: Ledger, policy: WaitPolicy) -> WaitPolicy:
     """How a job waits in a shared ledger: its queue in the site's order (`in_shared_ledger`),
     and a warning where that is not the user's own."""
     fair = policy.fair.in_shared_ledger()
     if (fair.order is None) != (policy.fair.order is None):
         own, site = ("fifo", "lookahead") if fair.order else ("lookahead", "fifo")
-        ledger.warnings.append(
+        note = (
             f"queue_order = {own} of yours is not used in the shared ledger {ledger.directory}: "
             f"everyone's queue there is in the site's order, {site}"
         )
+        if note not in _ORDER_NOTES:
+            _ORDER_NOTES.add(note)
+            ledger.warnings.append(note)
     return policy._replace(fair=fair)
 
 

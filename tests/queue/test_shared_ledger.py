@@ -924,7 +924,12 @@ def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     # Simulated jobs of every member record what they allocate beside the simulation file.
     ensure_state_dir(load_sim_file(server.sim)).chmod(0o1777)
     checkpoint = Path(server.envs[ALICE]["HOME"]) / "progress.json"
-    env = {**server.envs[ALICE], "GPUWAIT_PAUSE_MIN_RUNTIME": "0.5s"}
+    # Alice's own queue order is not the site's: she is told so once, not at each resume.
+    env = {
+        **server.envs[ALICE],
+        "GPUWAIT_PAUSE_MIN_RUNTIME": "0.5s",
+        "GPUWAIT_QUEUE_ORDER": "fifo",
+    }
     wrapper = ["--priority", "1", "--pausable", "--vram", "16G", "--"]
     sim_job = ["python3", "-m", "gpuwait", "sim", "job", "--vram", "16G", "--hold", "4s"]
     argv = [*wrapper, *sim_job, "--checkpoint", str(checkpoint)]
@@ -936,8 +941,10 @@ def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
     urgent = server.start(BOB, "--priority", "5", "--vram", "16G", "--", "sh", "-c", "sleep 1")
     assert urgent.wait(timeout=60) == 0, urgent.stderr.read() if urgent.stderr else ""
-    assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
+    _, err = low.communicate(timeout=60)
+    assert low.returncode == 0, err
     assert json.loads(checkpoint.read_text())["resumes"] == 1
+    assert err.count("queue_order = fifo of yours is not used") == 1, err
 
 
 def test_a_file_of_the_single_file_kind_in_a_shared_directory_is_not_believed(
