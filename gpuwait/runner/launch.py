@@ -46,13 +46,21 @@ def check_command(argv: Sequence[str]) -> str:
     if found is None:
         raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
     interpreter = _hash_bang(found)
-    if interpreter is None or not interpreter.startswith("/"):
+    if interpreter is None:
         return found
-    # Found only when it starts, after the whole wait, unless looked at now.
+    # Found only when it starts, after the whole wait, unless looked at now. A relative one
+    # (`#!python3`) the kernel looks for in the current directory, as done here: not in PATH.
     if not os.path.exists(interpreter):
         # A console script of a virtual environment moved or removed since.
+        where = (
+            ""
+            if interpreter.startswith("/")
+            else f" in {os.getcwd()}: a #! line takes a full path "
+            f"(#!/usr/bin/env {interpreter} looks in PATH)"
+        )
         raise CommandProblem(
-            f"{name}: its #! line names {interpreter}, which does not exist", EXIT_NOT_FOUND
+            f"{name}: its #! line names {interpreter}, which does not exist{where}",
+            EXIT_NOT_FOUND,
         )
     if os.path.isdir(interpreter) or not os.access(interpreter, os.X_OK):
         # The kernel refuses the script (a shell's "bad interpreter: Permission denied").

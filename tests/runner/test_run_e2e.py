@@ -421,24 +421,28 @@ def test_a_script_without_a_hash_bang_line_runs_as_a_shell_script(
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("interpreter", ["/gone/venv/bin/python3", "python3"])
 def test_a_script_whose_interpreter_is_gone_is_refused_before_waiting(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, interpreter: str
 ) -> None:
     """A console script (torchrun, accelerate) of a virtual environment moved or removed since:
-    its #! line names a Python that is not there. Refused at once (127), not after the wait."""
+    its #! line names a Python that is not there. Refused at once (127), not after the wait.
+    So is one whose #! line names a relative path (`#!python3`), which the kernel looks for in
+    the current directory, not in PATH, and does not find there."""
     holder = hold_card(gpuwait_cmd, "20G", "30s", "--gpus", "2")
     try:
         wait_for(lambda: "running" in run([*gpuwait_cmd, "status"]).stdout.lower())
         script = tmp_path / "torchrun"
-        script.write_text("#!/gone/venv/bin/python3\nprint('ran')\n")
+        script.write_text(f"#!{interpreter}\nprint('ran')\n")
         script.chmod(0o755)
         command = [*gpuwait_cmd, "--vram", "20G", "--timeout", "3s", "--", str(script)]
-        done = run(command)
+        done = run(command, cwd=tmp_path)
     finally:
         holder.terminate()
         holder.communicate(timeout=30)
     assert done.returncode == 127, done.stderr
-    assert "/gone/venv/bin/python3" in done.stderr and "Traceback" not in done.stderr
+    assert f"names {interpreter}, which does not exist" in done.stderr, done.stderr
+    assert "waiting" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_script_whose_interpreter_cannot_run_is_refused_before_waiting(
@@ -450,7 +454,8 @@ def test_a_script_whose_interpreter_cannot_run_is_refused_before_waiting(
     text = tmp_path / "not-a-program"
     text.write_text("print('ran')\n")
     scripts = []
-    for interpreter in (tmp_path, text):
+    # The last, relative, is looked for in the current directory (the kernel's way).
+    for interpreter in (tmp_path, text, Path(text.name)):
         script = tmp_path / f"train-{len(scripts)}"
         script.write_text(f"#!{interpreter}\nprint('ran')\n")
         script.chmod(0o755)
@@ -459,7 +464,7 @@ def test_a_script_whose_interpreter_cannot_run_is_refused_before_waiting(
     try:
         wait_for(lambda: "running" in run([*gpuwait_cmd, "status"]).stdout.lower())
         done = [
-            run([*gpuwait_cmd, "--vram", "20G", "--timeout", "1s", "--", str(script)])
+            run([*gpuwait_cmd, "--vram", "20G", "--timeout", "1s", "--", str(script)], cwd=tmp_path)
             for script, _ in scripts
         ]
     finally:
