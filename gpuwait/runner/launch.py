@@ -168,13 +168,13 @@ def exec_bare(command: Sequence[str]) -> int:
 
 def as_shell_script(argv: Sequence[str]) -> list[str] | None:
     """How to run `argv`, whose file the kernel would not execute (ENOEXEC), as execvp(3) and
-    shells run it: a script without a #! line, read by /bin/sh. None for a binary file (a NUL
-    byte in its first line, as bash tells them), which is no script."""
+    shells run it: a script without a #! line, read by /bin/sh. None for a binary file (as
+    bash tells them: an ELF header, or a NUL byte in its first line), which is no script."""
     path = argv[0] if "/" in argv[0] else which(argv[0])
     if path is None:
         return None
     first = _first_line(path, 80)
-    if first is None or b"\0" in first:
+    if first is None or first.startswith(b"\x7fELF") or b"\0" in first:
         return None
     return ["/bin/sh", path, *argv[1:]]
 
