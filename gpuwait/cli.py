@@ -7,6 +7,7 @@ the rest of gpuwait is loaded once the turn has come.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -80,8 +81,6 @@ def _take_turn(args: Sequence[str]) -> None:
     out."""
     if not launches(args):
         return
-    import contextlib
-
     from gpuwait.core.errors import GpuwaitError
     from gpuwait.linux import dirs, turnstile
 
@@ -190,7 +189,49 @@ def _undo_locale_coercion() -> None:
     del os.environ["LC_CTYPE"]
 
 
+#: Said where gpuwait itself runs out of memory, written as it is: there may be no memory left
+#: to build a message.
+_OUT_OF_MEMORY = (
+    b"gpuwait: error: gpuwait ran out of memory (its address space limited by ulimit -v, or a "
+    b"memory cgroup's limit); a command not yet started is not run\n"
+    b"gpuwait: hint: give it more: gpuwait needs about 20 MB of address space\n"
+)
+
+
+#: How an ImportError or a SystemError tells that memory ran out.
+_SHORT_OF_MEMORY = (
+    "failed to map segment",
+    "Cannot allocate memory",
+    "error return without exception set",
+)
+
+
 def entry_point() -> NoReturn:
+    """Console script: exit with main()'s status (see `_entry_point`); one line and exit 126
+    where gpuwait runs out of memory, as where its command cannot start for want of it."""
+    try:
+        _entry_point()
+    except MemoryError:
+        _out_of_memory()
+    except (ImportError, SystemError) as exc:
+        # Short of memory, loading a module may fail otherwise: a compiled one the address
+        # space has no room for with the dynamic loader's ImportError ("failed to map segment
+        # from shared object"), and Python's import machinery at times with a SystemError
+        # ("error return without exception set").
+        if not any(words in str(exc) for words in _SHORT_OF_MEMORY):
+            raise
+        _out_of_memory()
+
+
+def _out_of_memory() -> NoReturn:
+    """Say that gpuwait ran out of memory and end, allocating nothing: none may be left."""
+    try:
+        os.write(2, _OUT_OF_MEMORY)
+    finally:
+        os._exit(126)
+
+
+def _entry_point() -> NoReturn:
     """Console script: exit with main()'s status.
 
     It leaves with os._exit, without tearing the interpreter down (unloading the modules costs
@@ -207,7 +248,6 @@ def entry_point() -> NoReturn:
     waiter or a supervisor frees nearly all it allocates by reference counting, so collections
     stay rare and the cyclic garbage between two of them small.
     """
-    import contextlib
     import gc
 
     stdout_closed = _plug_closed_standard_fds()

@@ -19,6 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from gpuwait.linux.security import read_at_most
+
 #: The mount table of this process's mount namespace.
 MOUNTINFO = "/proc/self/mountinfo"
 #: File systems that several machines mount at once.
@@ -88,8 +90,11 @@ def network_type(path: Path) -> str | None:
     key = str(path)
     if key not in _known:
         try:
-            with open(MOUNTINFO, "rb") as table:
-                text = table.read(_MAX_BYTES + 1)
+            fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                text = read_at_most(fd, _MAX_BYTES)
+            finally:
+                os.close(fd)
         except OSError:
             text = b""
         kind = None

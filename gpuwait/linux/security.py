@@ -232,13 +232,18 @@ def _refused(path: Path | str, what: str) -> UnsafePath:
     return UnsafePath(path, f"{path} {what}; gpuwait refuses it", what)
 
 
+#: How much read_at_most asks for at once: each read allocates that much first, a few MB
+#: that a small address space (`ulimit -v`) may not have, for files of a few KB.
+READ_CHUNK = 64 << 10
+
+
 def read_at_most(fd: int, cap: int) -> bytes:
     """What `fd` has left to read, but never more than `cap` + 1 bytes: one byte past the cap
     tells the caller the file is too large, however large it is or grows."""
     chunks = []
     size = 0
     while size <= cap:
-        chunk = os.read(fd, min(1 << 20, cap + 1 - size))
+        chunk = os.read(fd, min(READ_CHUNK, cap + 1 - size))
         if not chunk:
             break
         chunks.append(chunk)

@@ -321,3 +321,44 @@ def test_a_job_that_steps_aside_is_supervised_to_its_end_when_the_ledger_cannot_
         launch.communicate()
     assert (launch.returncode, out) == (7, "finished\n"), err
     assert "Traceback" not in err
+
+
+def test_a_launch_short_of_memory_says_so_in_one_line_and_runs_nothing(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    # With its address space limited (`ulimit -v`) to what Python starts in but gpuwait cannot
+    # load itself or read its files in, gpuwait died with a MemoryError traceback.
+    import resource
+
+    sim_file(gpus=1)
+    ran = tmp_path / "ran"
+    refused = []
+    for megabytes in range(13, 28):
+        limit = megabytes << 20
+
+        def limited(limit: int = limit) -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+        def launch(*argv: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, *argv],
+                preexec_fn=limited,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        if launch("-c", "import gpuwait.cli").returncode != 0:
+            # Python itself does not start in so little, or cannot load the module its
+            # console script starts from, before any of gpuwait runs.
+            continue
+        done = launch("-m", "gpuwait", "--vram", "1G", "--", "touch", str(ran))
+        assert "Traceback" not in done.stderr, (megabytes, done.stderr)
+        if done.returncode == 0:
+            break  # enough for gpuwait
+        assert done.returncode == 126, (megabytes, done.stderr)
+        assert done.stderr.startswith("gpuwait: error: gpuwait ran out of memory"), done.stderr
+        assert not ran.exists()
+        refused.append(megabytes)
+    assert ran.exists(), "gpuwait never ran its command"
+    assert refused, "no limit let Python start but not gpuwait"
