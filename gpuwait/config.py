@@ -29,7 +29,7 @@ from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import (
     MemoryRequest,
     check_duration,
-    format_duration,
+    format_setting_duration,
     format_size,
     parse_decimal,
     parse_duration,
@@ -350,18 +350,6 @@ def _show_weights(value: dict[str, float]) -> str:
     return ",".join(f"{k}={v:g}" for k, v in value.items()) if value else "(none)"
 
 
-def _show_duration(value: float | None) -> str:
-    """A duration as gpuwait says one elsewhere (`10ms`, `5m00s`, `23h00m`), but whole seconds
-    under a minute as `5s`, and a value that form would round (`90.5s`, not `1m30s`) in
-    seconds: what is shown, typed back in, is the same setting."""
-    if value is None:
-        return "none"
-    shown = format_duration(value)
-    if 1 <= value < 60 or parse_duration(shown) != value:
-        return f"{value:g}s"
-    return shown
-
-
 def _show_size(value: int | None) -> str:
     return "none" if value is None else format_size(value)
 
@@ -439,7 +427,7 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "longest wait before giving up (none: wait as long as it takes; 0: start only if it "
         "fits at once)",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "on_no_gpu",
@@ -452,7 +440,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         1.0,
         "how often a running job's VRAM is sampled",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "resume_exit",
@@ -465,7 +453,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         DEFAULT_MIN_RUNTIME,
         "a --pausable job is not asked to step aside before it has run this long",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "pause_max",
@@ -485,14 +473,14 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         0.01,
         "how often a waiter checks the queue for a change when wake = poll",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "nvml_interval",
         _positive_duration,
         1.0,
         "how often a waiter re-reads the GPUs when the ledger did not change",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "ignore_processes",
@@ -611,7 +599,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         5.0,
         "longest wait for one NVML reading; a GPU that does not answer is left out",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "gpu_error_timeout",
@@ -619,14 +607,14 @@ OPTIONS: tuple[Option, ...] = (
         DEFAULT_GPU_ERROR_TIMEOUT,
         "how long GPU readings may keep failing before a waiter gives up (exit 4); shorter "
         "failures are retried",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "lock_timeout",
         _positive_duration,
         60.0,
         "longest wait for the ledger lock before giving up (exit 5)",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "idle_min_vram",
@@ -648,7 +636,7 @@ OPTIONS: tuple[Option, ...] = (
         _positive_duration,
         3600.0,
         "a process is named idle once it has held memory on a quiet GPU this long",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "idle_action",
@@ -678,7 +666,7 @@ OPTIONS: tuple[Option, ...] = (
         86400.0,
         "site config only: how fast past VRAM-time stops counting against a user "
         "(none: no fair share, first come first served)",
-        show=_show_duration,
+        show=format_setting_duration,
         site_only=True,
     ),
     Option(
@@ -701,14 +689,14 @@ OPTIONS: tuple[Option, ...] = (
         _optional_duration,
         None,
         "lookahead: and at most this long (none: no absolute cap)",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
     Option(
         "plan_budget",
         _positive_duration,
         Lookahead.budget_ms / 1000,
         "lookahead: the longest a plan's search may take",
-        show=_show_duration,
+        show=format_setting_duration,
     ),
 )
 

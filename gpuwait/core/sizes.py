@@ -226,3 +226,16 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def format_setting_duration(value: float | None) -> str:
+    """A duration setting as gpuwait says a duration elsewhere (`10ms`, `5m00s`, `23h00m`), but
+    whole seconds under a minute as `5s`, and a value that form would round (`90.5s`, not
+    `1m30s`) in seconds: what is shown (`gpuwait config`, a message naming the setting), typed
+    back in, is the same setting. None: `none`."""
+    if value is None:
+        return "none"
+    shown = format_duration(value)
+    if 1 <= value < 60 or parse_duration(shown) != value:
+        return f"{value:g}s"
+    return shown

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.errors import StateError, StateShortage
+from gpuwait.core.sizes import format_setting_duration
 from gpuwait.core.text import shell_word
 from gpuwait.linux import alive, proc, signals
 from gpuwait.linux.atomic import (
@@ -321,9 +322,9 @@ class Ledger:
                 os.close(fd)
                 raise LockBusy(
                     f"the ledger lock on {self.directory if self.shared else self.lock_path} "
-                    f"was held by {who} for {timeout:g}s; giving up",
+                    f"was held by {who} for {format_setting_duration(timeout)}; giving up",
                     hint="a hung, stopped or misbehaving process holds it "
-                    "(lock_timeout sets the wait)",
+                    f"(lock_timeout = {format_setting_duration(timeout)} sets the wait)",
                 ) from None
             except OSError as exc:
                 # ENOLCK: an NFS mount whose lock daemon does not answer, say.
@@ -356,7 +357,11 @@ class Ledger:
         if tell is None:
             return None
         place = self.directory if self.shared else self.lock_path
-        limit = "" if self.lock_timeout is None else f" (lock_timeout {self.lock_timeout:g}s)"
+        limit = (
+            ""
+            if self.lock_timeout is None
+            else f" (lock_timeout = {format_setting_duration(self.lock_timeout)})"
+        )
 
         #: Who held the lock at the last look (None: not looked at yet), and for how many looks.
         seen: list[Any] = [None, 0]

@@ -43,7 +43,7 @@ from gpuwait.core.policy import (
     describe_need,
 )
 from gpuwait.core.record import Record
-from gpuwait.core.sizes import format_duration
+from gpuwait.core.sizes import format_duration, format_setting_duration
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle, wake
@@ -195,7 +195,7 @@ class GpuRetry:
     def given_up(self, exc: GpuwaitError, lasted: float) -> GpuwaitError:
         return BackendUnavailable(
             f"{exc.message} (failing for {format_duration(lasted)}, longer than "
-            f"gpu_error_timeout {format_duration(self.timeout)})",
+            f"gpu_error_timeout = {format_setting_duration(self.timeout)})",
             hint=exc.hint,
         )
 
@@ -211,7 +211,7 @@ class ShortageRetry(GpuRetry):
     def given_up(self, exc: GpuwaitError, lasted: float) -> GpuwaitError:
         return StateShortage(
             f"{exc.message} (for {format_duration(lasted)}, longer than "
-            f"lock_timeout {format_duration(self.timeout)})",
+            f"lock_timeout = {format_setting_duration(self.timeout)})",
             hint=exc.hint,
         )
 

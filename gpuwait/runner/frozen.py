@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.policy import WaitReason
-from gpuwait.core.sizes import format_duration
+from gpuwait.core.sizes import format_duration, format_setting_duration
 from gpuwait.gpu.freezing import TOOL
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
@@ -314,7 +314,10 @@ class FreezeResponder:
 
     @property
     def _longer(self) -> str:
-        return f"longer than gpu_error_timeout {format_duration(self.policy.gpu_error_timeout)}"
+        return (
+            "longer than gpu_error_timeout = "
+            f"{format_setting_duration(self.policy.gpu_error_timeout)}"
+        )
 
     def _give_up(self, child: int, why: str) -> None:
         """The job's memory cannot come back: end its command (continued, TERM, KILL after
@@ -363,7 +366,8 @@ class FreezeResponder:
                     self.reporter.warn(
                         f"job {self.job.id} could not be thawed yet ({exc}); trying again "
                         f"every {THAW_RETRY_S:g}s for up to "
-                        f"{format_duration(self.policy.gpu_error_timeout)} (gpu_error_timeout)"
+                        f"{format_setting_duration(self.policy.gpu_error_timeout)} "
+                        "(gpu_error_timeout)"
                     )
                 time.sleep(
                     min(THAW_RETRY_S, max(0.0, failing_since + self.policy.gpu_error_timeout - now))

@@ -207,7 +207,7 @@ def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(
     with err.open("w") as stderr:
         launch = subprocess.Popen(
             [*gpuwait_cmd, "--vram", "1G", "--", "echo", "ran"],
-            env={**os.environ, "GPUWAIT_LOCK_TIMEOUT": "60s"},
+            env={**os.environ, "GPUWAIT_LOCK_TIMEOUT": "1m30s"},
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
@@ -222,7 +222,8 @@ def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(
         launch.wait()
     said = err.read_text()
     assert f"held by process {os.getpid()} (uid {os.getuid()})" in said, said
-    assert "lock_timeout 60s" in said
+    # The setting as it is written, and as `gpuwait config` shows it.
+    assert "(lock_timeout = 1m30s)" in said, said
     assert (launch.returncode, out) == (0, "ran\n"), said
 
 

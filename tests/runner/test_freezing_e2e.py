@@ -415,7 +415,7 @@ def test_a_frozen_job_whose_gpu_is_lost_is_ended_after_gpu_error_timeout(
     )
     err = ended_for_good(low, child)
     assert "could not be thawed: GPU0, where its memory can come back, has not answered" in err
-    assert "(GPU is lost), longer than gpu_error_timeout 500ms; its command was ended" in err
+    assert "(GPU is lost), longer than gpu_error_timeout = 500ms; its command was ended" in err
 
 
 def test_a_frozen_job_that_cannot_be_thawed_is_ended_after_gpu_error_timeout(
@@ -428,7 +428,7 @@ def test_a_frozen_job_that_cannot_be_thawed_is_ended_after_gpu_error_timeout(
     err = ended_for_good(low, child)
     assert "could not be thawed: cuda-checkpoint --action restore" in err, err
     assert "(injected) (failing for " in err
-    assert "), longer than gpu_error_timeout 500ms; its command was ended" in err
+    assert "), longer than gpu_error_timeout = 500ms; its command was ended" in err
 
 
 def test_the_time_a_job_was_frozen_is_no_run_time_of_its(
