@@ -242,16 +242,29 @@ def _command_names(value: Any) -> tuple[str, ...]:
     return names
 
 
-def _margin(value: Any) -> float:
+def _share(value: Any, high: float, example: str) -> float:
+    """A share of a whole, 0 to `high` (1 is all of it), written alike for every setting that
+    takes one: `10%` or `0.1` (text or a TOML number)."""
     text = str(value).strip() if isinstance(value, str) else value
+    is_percent = isinstance(text, str) and text.endswith("%")
     try:
-        is_percent = isinstance(text, str) and text.endswith("%")
         number = _number(text[:-1]) / 100 if is_percent else _number(text)
     except ValueError:
         number = math.nan
-    if not 0 <= number <= 2:
-        raise ValueError("expected a fraction from 0 to 2, e.g. 0.1 or 10%")
+    if not 0 <= number <= high:
+        expected = (
+            f"expected a fraction from 0 to {high:g} or a percent up to {100 * high:g}%, "
+            f"e.g. {example}"
+        )
+        if not is_percent and high < number <= 100 * high:
+            # `5` for five percent: a number without % is a fraction of the whole.
+            raise ValueError(f"{expected}; write {number:g}% for a percent")
+        raise ValueError(expected)
     return number
+
+
+def _margin(value: Any) -> float:
+    return _share(value, 2, "0.1 or 10%")
 
 
 def _size_limit(value: Any) -> int:
@@ -263,15 +276,8 @@ def _size_limit(value: Any) -> int:
 
 
 def _percent(value: Any) -> float:
-    """A utilization in percent, 0 to 100: `5%`, `5` or `0.5`."""
-    text = str(value).strip().removesuffix("%") if isinstance(value, str) else value
-    try:
-        number = _number(text)
-    except ValueError:
-        number = math.nan
-    if not 0 <= number <= 100:
-        raise ValueError("expected a percent from 0 to 100, e.g. 5%")
-    return number
+    """A utilization in percent, 0 to 100, written as any share: `5%` or `0.05`."""
+    return 100 * _share(value, 1, "0.05 or 5%")
 
 
 def _path(value: Any) -> Path | None:
@@ -627,8 +633,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "idle_max_util",
         _percent,
-        5.0,
-        "a GPU under this utilization at every reading is quiet: `5%` or `5`",
+        "5%",
+        "a GPU under this utilization at every reading is quiet: `5%` or `0.05`",
         show=_show_util,
     ),
     Option(

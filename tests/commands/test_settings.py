@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gpuwait.config import OPTIONS, Settings, resolve
+from gpuwait.core.errors import UsageError
 
 
 def test_every_option_is_an_attribute_of_settings_in_the_same_order() -> None:
@@ -42,3 +45,23 @@ def test_a_path_setting_is_absolute_and_names_the_effective_directories(tmp_path
     assert settings.state_path == tmp_path / "s"
     assert settings.ledger_path == tmp_path / "s"
     assert settings.sources["state_dir"] == "environment GPUWAIT_STATE_DIR"
+
+
+def test_a_share_is_written_alike_for_every_setting_that_takes_one() -> None:
+    # idle_max_util read 0.5 as half a percent where estimate_margin read it as a half: a user
+    # who wrote one as the other got a threshold a hundred times off, without a word.
+    for name in ("idle_max_util", "estimate_margin"):
+        for written in ("50%", "0.5", 0.5, " 50 % "):
+            settings = resolve({}, {}, {name: written}, Path("c.toml"))
+            assert settings.shown(name) == "50%", (name, written)
+        env = {f"GPUWAIT_{name.upper()}": "0.05"}
+        assert resolve({}, env, {}, Path("c.toml")).shown(name) == "5%"
+    assert resolve({}, {}, {"idle_max_util": "5%"}, Path("c.toml")).idle_max_util == 5.0
+    # A number past the whole without %: refused, saying how to write a percent.
+    with pytest.raises(UsageError) as refused:
+        resolve({}, {}, {"idle_max_util": 5}, Path("c.toml"))
+    assert "write 5% for a percent" in refused.value.message, refused.value.message
+    for name, too_much in (("idle_max_util", "150%"), ("estimate_margin", "250%")):
+        with pytest.raises(UsageError) as refused:
+            resolve({}, {}, {name: too_much}, Path("c.toml"))
+        assert name in refused.value.message, refused.value.message
