@@ -20,7 +20,9 @@ from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.history.learn import (
     ESTIMATE,
+    LARGEST_CARD,
     LEVEL_WORDS,
+    USER_LIMIT,
     Learned,
     RequestChoice,
     cap_to_cards,
@@ -86,7 +88,7 @@ class _Launched(NamedTuple):
     #: Why the GPUs could not be read (the estimate is then shown as learned).
     problem: str | None = None
     #: What the cap is, and what the estimate is more than, as `estimate` says them.
-    cap: str = "the largest card"
+    cap: str = LARGEST_CARD
     gives: str = "any GPU here gives"
     #: What the figure the cap names is counted under.
     under: str = "under the safety factor"
@@ -112,13 +114,13 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
     asked = capped.request
     if asked is None or asked.bytes is None or asked.bytes == learned_bytes:
         return _Launched(learned_bytes)
-    if (capped.note or "").endswith("the largest card"):
+    if capped.capped_at == LARGEST_CARD:
         return _Launched(asked.bytes, capped_at=asked.bytes)
-    if (capped.note or "").endswith("your per-user limit"):
+    if capped.capped_at == USER_LIMIT:
         return _Launched(
             asked.bytes,
             capped_at=asked.bytes,
-            cap="your per-user limit",
+            cap=USER_LIMIT,
             gives="the site's per-user limit allows",
             under="user_max_vram",
         )

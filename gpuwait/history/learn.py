@@ -174,6 +174,14 @@ class RequestChoice(Record, frozen=True):
     source: str
     note: str | None = None
     learned: Learned | None = None
+    #: An estimate capped (cap_to_cards): at what, as its note says it (LARGEST_CARD,
+    #: USER_LIMIT, or what N cards hold).
+    capped_at: str | None = None
+
+
+#: The caps of an estimate, as a note says them (cap_to_cards).
+LARGEST_CARD = "the largest card"
+USER_LIMIT = "your per-user limit"
 
 
 def choose_request(
@@ -232,11 +240,11 @@ def cap_to_cards(
     if request.bytes <= most:
         return choice
     if most == allowed:
-        which = "your per-user limit"
+        which = USER_LIMIT
     else:
-        which = "the largest card" if most == usable[0] else f"what {wanted} cards hold"
+        which = LARGEST_CARD if most == usable[0] else f"what {wanted} cards hold"
     note = f"{choice.note}; capped at {which}"
-    return RequestChoice(MemoryRequest(bytes=most), ESTIMATE, note, choice.learned)
+    return RequestChoice(MemoryRequest(bytes=most), ESTIMATE, note, choice.learned, which)
 
 
 def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> list[str]:
