@@ -12,7 +12,7 @@ from gpuwait.commands.output import json_text, local_time
 from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError
-from gpuwait.core.sizes import format_duration, format_size
+from gpuwait.core.sizes import format_duration, format_size, sizes_on_gpus
 from gpuwait.core.text import command_line, printable
 from gpuwait.queue.events import KINDS, follow, read_events, read_last
 
@@ -120,9 +120,7 @@ def _reserved_each(event: dict[str, Any], indices: dict[str, int]) -> str | None
         and all(type(n) is int for n in each)
     ):
         return None
-    return ", ".join(
-        f"{format_size(n)} on {_gpus([u], indices)}" for n, u in zip(each, uuids, strict=True)
-    )
+    return sizes_on_gpus((n, _gpus([u], indices)) for n, u in zip(each, uuids, strict=True))
 
 
 def describe(event: dict[str, Any], indices: dict[str, int]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from gpuwait.core.record import Record
 
@@ -226,6 +227,11 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+def sizes_on_gpus(each: Iterable[tuple[int, str]]) -> str:
+    """`12.0 GiB on GPU0, 40.0 GiB on GPU1`: each size on the GPU named beside it."""
+    return ", ".join(f"{format_size(n)} on {gpu}" for n, gpu in each)
 
 
 def format_setting_duration(value: float | None) -> str:

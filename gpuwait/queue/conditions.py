@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
 from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, UserLimits, user_holdings
-from gpuwait.core.sizes import format_size
+from gpuwait.core.sizes import sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
@@ -234,8 +234,8 @@ def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
     less = reserved_less(job, gpus)
     if not less:
         return None
-    return ", ".join(
-        f"{format_size(less.get(g.uuid, job.reserved_bytes))} on GPU{g.index}"
+    return sizes_on_gpus(
+        (less.get(g.uuid, job.reserved_bytes), f"GPU{g.index}")
         for g in gpus
         if g.uuid in job.gpu_uuids
     )
