@@ -38,11 +38,22 @@ def unified_root(roots: Sequence[str] = CGROUP_ROOTS) -> str | None:
     return None
 
 
+def memberships(proc_cgroup: str = PROC_CGROUP) -> list[tuple[str, list[str], str]]:
+    """This process's cgroups, one a hierarchy, as /proc/self/cgroup lists them: (hierarchy
+    number, controllers, path). Cgroup v2's is hierarchy 0, with no controllers named."""
+    found = []
+    for line in (read(proc_cgroup) or "").splitlines():
+        number, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        found.append((number, [c for c in controllers.split(",") if c], path))
+    return found
+
+
 def own_cgroup(proc_cgroup: str = PROC_CGROUP) -> str | None:
     """This process's cgroup v2 path ("/user.slice/..."), from the "0::" line."""
-    for line in (read(proc_cgroup) or "").splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip() or "/"
+    for number, controllers, path in memberships(proc_cgroup):
+        if number == "0" and not controllers:
+            return path.strip() or "/"
     return None
 
 
@@ -55,14 +66,12 @@ def cpu_limit(
     of one above it (quota / period, the smallest on the way up); None where none is set or
     none can be read."""
     limits: list[float] = []
-    for line in (read(proc_cgroup) or "").splitlines():
-        number, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
+    for number, controllers, path in memberships(proc_cgroup):
         if number == "0" and not controllers:
             root = unified_root(roots)
             if root is not None:
                 limits += _up(root, path, _quota_v2)
-        elif "cpu" in controllers.split(","):
+        elif "cpu" in controllers:
             root = next(
                 (r for r in cpu_roots if os.path.exists(os.path.join(r, "cpu.cfs_quota_us"))),
                 None,
