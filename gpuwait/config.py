@@ -276,8 +276,25 @@ def _size_limit(value: Any) -> int:
 
 
 def _percent(value: Any) -> float:
-    """A utilization in percent, 0 to 100, written as any share: `5%` or `0.05`."""
-    return 100 * _share(value, 1, "0.05 or 5%")
+    """A utilization in percent, 0 to 100: `5%`, or `5` as nvidia-smi and `--max-util` write
+    it (and as configs written before shares were alike say it). A number between 0 and 1
+    without % could be a share (0.5: half) or a percent (half a percent), a hundred times
+    apart: refused, saying how to write either."""
+    text = str(value).strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.endswith("%"):
+        return 100 * _share(text, 1, "5%")
+    try:
+        number = _number(text)
+    except ValueError:
+        number = math.nan
+    if 0 < number < 1:
+        raise ValueError(
+            f"{number:g} is a percent here, as nvidia-smi writes utilization: write "
+            f"{number:g}% if that is meant, or {100 * number:g}% for {number:g} of the whole"
+        )
+    if not 0 <= number <= 100:
+        raise ValueError("expected a percent from 0 to 100, e.g. 5%")
+    return number
 
 
 def _path(value: Any) -> Path | None:
@@ -634,7 +651,7 @@ OPTIONS: tuple[Option, ...] = (
         "idle_max_util",
         _percent,
         "5%",
-        "a GPU under this utilization at every reading is quiet: `5%` or `0.05`",
+        "a GPU under this utilization at every reading is quiet: `5%` or `5`",
         show=_show_util,
     ),
     Option(

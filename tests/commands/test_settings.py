@@ -51,15 +51,27 @@ def test_a_share_is_written_alike_for_every_setting_that_takes_one() -> None:
     # idle_max_util read 0.5 as half a percent where estimate_margin read it as a half: a user
     # who wrote one as the other got a threshold a hundred times off, without a word.
     for name in ("idle_max_util", "estimate_margin"):
-        for written in ("50%", "0.5", 0.5, " 50 % "):
+        for written in ("50%", " 50 % "):
             settings = resolve({}, {}, {name: written}, Path("c.toml"))
             assert settings.shown(name) == "50%", (name, written)
-        env = {f"GPUWAIT_{name.upper()}": "0.05"}
-        assert resolve({}, env, {}, Path("c.toml")).shown(name) == "5%"
-    assert resolve({}, {}, {"idle_max_util": "5%"}, Path("c.toml")).idle_max_util == 5.0
-    # A number past the whole without %: refused, saying how to write a percent.
+    assert (
+        resolve({}, {}, {"estimate_margin": 0.5}, Path("c.toml")).shown("estimate_margin") == "50%"
+    )
+    # A utilization is a percent, as nvidia-smi and --max-util write it, and as configs
+    # written before said it: `5` stays five percent.
+    for written in (5, "5", "5%"):
+        assert resolve({}, {}, {"idle_max_util": written}, Path("c.toml")).idle_max_util == 5.0
+    # Between 0 and 1 without %, the two readings are a hundred times apart: refused, saying
+    # how to write each, never taken one way in silence.
+    for written in (0.5, "0.5"):
+        with pytest.raises(UsageError) as refused:
+            resolve({}, {}, {"idle_max_util": written}, Path("c.toml"))
+        assert "write 0.5% if that is meant, or 50% for 0.5 of the whole" in refused.value.message
+    with pytest.raises(UsageError):
+        resolve({}, {"GPUWAIT_IDLE_MAX_UTIL": "0.05"}, {}, Path("c.toml"))
+    # A margin past the whole without %: refused, saying how to write a percent.
     with pytest.raises(UsageError) as refused:
-        resolve({}, {}, {"idle_max_util": 5}, Path("c.toml"))
+        resolve({}, {}, {"estimate_margin": 5}, Path("c.toml"))
     assert "write 5% for a percent" in refused.value.message, refused.value.message
     for name, too_much in (("idle_max_util", "150%"), ("estimate_margin", "250%")):
         with pytest.raises(UsageError) as refused:
