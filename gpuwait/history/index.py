@@ -1,7 +1,7 @@
 """Per-key summaries of the history, so that an estimate reads a few small files, not the history.
 
     history.index/
-        meta.json    {"schema", "dev", "ino", "offset"}: the history file it was built from
+        meta.v4.json {"schema", "dev", "ino", "offset"}: the history file it was built from
                      (device and inode) and how many of its bytes it has taken in
         b000.json ... bfff.json
                      4096 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
@@ -14,6 +14,13 @@ It is a cache. When the history file grew, the new lines are taken in (under the
 when it was replaced (compaction: another inode) or shrank, or the index is missing or damaged,
 it is rebuilt from the history. Each run carries its byte offset in the history, so taking in
 the same lines twice (a process killed between writing buckets and meta) adds nothing.
+
+Each schema of the index has files of its own names (schema 3 and before: meta.json and b00.json
+... bff.json), so that two versions of gpuwait used in turn (one in each of two environments)
+each keep their own index up to date, rather than each rebuilding the whole of it, seconds on a
+long history, every time it follows the other. A schema that changes the buckets' form changes
+their names too. Another schema's files are removed only once they describe a history that is
+gone (after a compaction, which makes every version rebuild its own anyway).
 """
 
 from __future__ import annotations
@@ -48,6 +55,13 @@ from gpuwait.linux.security import mine, read_state_file
 #: 4: 4096 buckets, not 256.
 SCHEMA = 4
 DIRNAME = "history.index"
+#: This schema's files: the meta and the buckets (`bucket_of`).
+META = f"meta.v{SCHEMA}.json"
+_BUCKET_RE = re.compile(r"^b[0-9a-f]{3}\.json$")
+#: The files of the index's schemas 1-3, kept for an older gpuwait while they describe the
+#: history as it is (`_remove_stale_legacy`).
+_LEGACY_META = "meta.json"
+_LEGACY_BUCKET_RE = re.compile(r"^b[0-9a-f]{2}\.json$")
 #: The temporary files of the index's writes (`_write_cache`).
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
 KEEP_RUNS = KEEP_PER_KEY
@@ -160,7 +174,7 @@ def _read_json(path: Path) -> Any:
 
 def _read_meta(directory: Path) -> dict[str, Any] | None:
     try:
-        meta = _read_json(directory / "meta.json")
+        meta = _read_json(directory / META)
     except _Damaged:
         return None
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
@@ -285,6 +299,7 @@ def refresh(
         ):
             parsed = read_from(history, 0, limit)
             _rebuild(directory, parsed)
+            _remove_stale_legacy(directory, st)
         else:
             if meta["offset"] == st.st_size:
                 return warnings
@@ -302,7 +317,7 @@ def refresh(
         if message:
             warnings.append(message)
         _write_cache(
-            directory / "meta.json",
+            directory / META,
             {
                 "schema": SCHEMA,
                 "dev": st.st_dev,
@@ -354,7 +369,27 @@ def _rebuild(directory: Path, parsed: Parsed) -> None:
         for key, rows in keys.items():
             _merge(bucket, key, rows)
         _write_cache(directory / name, bucket)
-    for stale in directory.glob("b*.json"):
-        if stale.name not in grouped:
+    for name in os.listdir(directory):
+        if _BUCKET_RE.match(name) and name not in grouped:
             with contextlib.suppress(FileNotFoundError):
-                stale.unlink()
+                os.unlink(directory / name)
+
+
+def _remove_stale_legacy(directory: Path, history: os.stat_result) -> None:
+    """Remove the index an older gpuwait kept (schemas 1-3) where it no longer describes the
+    history: that gpuwait, if it is still used, would rebuild it anyway."""
+    try:
+        meta = _read_json(directory / _LEGACY_META)
+    except _Damaged:
+        meta = None
+    if (
+        isinstance(meta, dict)
+        and (meta.get("dev"), meta.get("ino")) == (history.st_dev, history.st_ino)
+        and isinstance(meta.get("offset"), int)
+        and meta["offset"] <= history.st_size
+    ):
+        return
+    for name in os.listdir(directory):
+        if name == _LEGACY_META or _LEGACY_BUCKET_RE.match(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / name)

@@ -209,8 +209,39 @@ def test_missing_or_damaged_index_is_rebuilt(tmp_path: Path) -> None:
         child.unlink()
     directory.rmdir()
     assert estimate_bytes(tmp_path, TRAIN) == expected
-    (directory / "meta.json").write_text("not json")
+    (directory / index.META).write_text("not json")
     assert estimate_bytes(tmp_path, TRAIN) == expected
+
+
+def test_an_older_gpuwaits_index_beside_this_ones_costs_neither_a_rebuild(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two environments with two versions of gpuwait, used in turn: each wrote its own schema in
+    # the same meta.json, so each launch after the other's rebuilt the whole index (seconds on
+    # a long history, the history lock held, other launches meanwhile without estimates).
+    for i in range(5):
+        store.append_record(tmp_path, record(TRAIN, 4, NOW - i))
+    expected = estimate_bytes(tmp_path, TRAIN)
+    directory = index.index_dir(tmp_path)
+    history = store.history_path(tmp_path).stat()
+    older = {"schema": 3, "dev": history.st_dev, "ino": history.st_ino}
+    # What the older one writes after taking in the same history: its meta and its buckets.
+    (directory / "meta.json").write_text(json.dumps({**older, "offset": history.st_size}))
+    (directory / "b00.json").write_text("{}")
+    rebuilds: list[Path] = []
+    real = index._rebuild
+    monkeypatch.setattr(index, "_rebuild", lambda d, p: (rebuilds.append(d), real(d, p)))
+    save_record(tmp_path, record(TRAIN, 4, NOW + 1), max_bytes=2**30)
+    assert estimate_bytes(tmp_path, TRAIN) == expected
+    assert rebuilds == []
+    # The older one's files are left to it while they describe the history as it is...
+    assert {"meta.json", "b00.json"} <= {p.name for p in directory.iterdir()}
+    # ...and go once they describe one a compaction replaced, which it rebuilds anyway.
+    (directory / "meta.json").write_text(json.dumps({**older, "ino": 1, "offset": 10}))
+    (directory / index.META).unlink()
+    assert estimate_bytes(tmp_path, TRAIN) == expected
+    assert rebuilds == [directory]
+    assert not {"meta.json", "b00.json"} & {p.name for p in directory.iterdir()}
 
 
 def test_the_files_of_index_writes_killed_halfway_do_not_pile_up(tmp_path: Path) -> None:
@@ -391,7 +422,7 @@ def test_a_history_far_over_its_limit_is_read_only_to_its_limit_then_recovered(
     assert f"left its first {(size - 2 * limit) / 2**20:.1f} MiB unread" in warning
     skipped = int(re.search(r"skipped (\d+) damaged line", warning).group(1))  # type: ignore[union-attr]
     assert limit - 4096 < skipped < limit  # the junk lines in the part read, 2 bytes each
-    assert json.loads((index.index_dir(tmp_path) / "meta.json").read_text())["offset"] == size
+    assert json.loads((index.index_dir(tmp_path) / index.META).read_text())["offset"] == size
     # The next run's record compacts the file: the junk goes, the runs stay, and the old file
     # is kept whole as evidence.
     compaction = store.append_record(tmp_path, record(TRAIN, 3, NOW), max_bytes=limit)
