@@ -898,6 +898,11 @@ def take(
         held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
     for room, need in chosen:
         rooms[room.gpu.uuid] = room._replace(
+            # Running there from now on, it keeps the card no fuller than its own safety, as
+            # the next plan's rooms will (gpu_rooms): for the rest of this plan too.
+            usable=room.usable
+            if claim.safety is None
+            else min(room.usable, int(room.gpu.total_bytes * claim.safety)),
             committed=room.committed + need,
             running_jobs=room.running_jobs + 1,
             exclusive_held=room.exclusive_held or claim.exclusive or room.gpu.one_process_only,

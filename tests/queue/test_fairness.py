@@ -323,3 +323,20 @@ def test_a_running_share_of_cards_of_different_sizes_counts_that_share_of_each()
     )
     data = LedgerData(jobs=[gang])
     assert user_usage(data, 1010.0, None)[gang.uid] == pytest.approx(52 * GiB * 10)
+
+
+@pytest.mark.parametrize("order", [None, Lookahead()])
+def test_a_careful_users_job_admitted_in_a_plan_keeps_its_safety_for_the_rest_of_it(
+    order: Lookahead | None,
+) -> None:
+    # Bob (safety 0.5: 12 GiB of the 24 GiB card) and Alice both wait; Alice plans with safety
+    # 1.0. Once Bob's job runs, Alice's 7 GiB would fill the card to 13 GiB and waits, and it
+    # must wait as well when both start in one plan: Bob's job runs there from then on.
+    bobs = waiter("bob", uid=2, order=0, gib=6, safety=0.5)
+    alices = waiter("alice", uid=1, order=1, gib=7)
+    fair = FairShare(order=order)
+    decided = plan_queue([card(0)], [bobs, alices], 1.0, -1, NO_CONDITIONS, fair)
+    assert decided.admitted == {"bob": ("GPU-0",)}
+    # As the next plan sees it, with Bob's job running.
+    running = bobs._replace(running=True, gpu_uuids=("GPU-0",), reserved_bytes=6 * GiB)
+    assert plan_queue([card(0)], [running, alices], 1.0, -1, NO_CONDITIONS, fair).admitted == {}
