@@ -527,8 +527,10 @@ def wait_for_admission(
         # Admitted by another waiter's plan at the last moment: then it runs.
         try:
             late = trusted(_admitted_by_another(ledger, job, last))
-        except StateShortage:
-            late = None  # its --timeout, not the shortage's bound: not admitted, as far as known
+        except (StateShortage, BackendUnavailable):
+            # Its --timeout, not the bound of the shortage or of failing readings (the
+            # admission's check needs one): not admitted, as far as known.
+            late = None
         return admitted(late) if late is not None else (job, TimedOut(reason))
 
     retry = GpuRetry(policy.gpu_error_timeout)
@@ -591,13 +593,19 @@ def wait_for_admission(
                         queue_length = len(seen.waiting)
                 if check_admitted:
                     found = _admitted_by_another(ledger, job, last)
-                    confirmed = trusted(found)
-                    if confirmed is not None:
-                        return admitted(confirmed)
-                    if found is not None:
-                        job = asked
-                        reason = None  # say why it waits again, after the warning
-                    event = True
+                    try:
+                        confirmed = trusted(found)
+                    except BackendUnavailable as exc:
+                        # Checked against a reading that failed: retried as a failed reading
+                        # is, the admission looked at again by the next plan (`admit`).
+                        failing(exc, retry)
+                    else:
+                        if confirmed is not None:
+                            return admitted(confirmed)
+                        if found is not None:
+                            job = asked
+                            reason = None  # say why it waits again, after the warning
+                        event = True
                 if backup is not None and now >= backup[0]:
                     # Stand in for the first waiter only if nobody planned since the release was
                     # written: a plan made just before it does not count (it saw the room taken).
@@ -640,6 +648,11 @@ def wait_for_admission(
                     tried = True
                     try:
                         outcome = attempt(stamp=not checking)
+                        if isinstance(outcome, Admitted):
+                            outcome = trusted(outcome)
+                            if outcome is None:
+                                job = asked
+                                reason = None  # say why it waits again, after the warning
                     except BackendUnavailable as exc:
                         failing(exc, retry)
                         failed_now = True
@@ -648,11 +661,6 @@ def wait_for_admission(
                         shortage.succeeded()
                         failed_now = False
                 if act and not failed_now:
-                    if isinstance(outcome, Admitted):
-                        outcome = trusted(outcome)
-                        if outcome is None:
-                            job = asked
-                            reason = None  # say why it waits again, after the warning
                     if isinstance(outcome, Admitted):
                         return admitted(outcome)
                     if isinstance(outcome, (Cancelled, DependencyFailed, Stuck)):

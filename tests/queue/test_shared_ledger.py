@@ -31,7 +31,7 @@ from helpers.users import (
     user_argv,
     user_home,
 )
-from helpers.waiting import process_state, wait_for
+from helpers.waiting import process_state, sleeping_in, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.history.learn import save_record
@@ -1086,3 +1086,43 @@ def test_what_other_users_finished_over_the_months_costs_no_reader_of_the_queue(
         return sorted(times)[2]
 
     assert look(server.ledger_dir) < 12 * look(light / "ledger")
+
+
+def test_a_failing_reading_as_a_waiter_checks_an_admission_found_is_retried(
+    server: Server,
+) -> None:
+    # 20 GiB of the 21.6 usable are held outside gpuwait: Alice's 10 GiB job waits.
+    external = hold_outside_gpuwait(server, 20 * GiB)
+    server.procs.append(external)  # type: ignore[arg-type]
+    waiter = server.start(ALICE, "--vram", "10G", "--", "sh", "-c", "echo started; sleep 30")
+    server.wait_jobs(1, "waiting")
+    wait_for(lambda: sleeping_in(waiter.pid, "sigtimedwait"))  # planned, and watching
+    uuid = load_sim_file(server.sim).gpus[0].uuid
+    good = server.sim.read_text()
+    server.sim.write_text("[[gpu]\nmemory = ")  # caught half-saved: readings fail for now
+    # An admission turns up in her file (an edit here; another waiter's plan alike), and her
+    # summary names the job running: her waiter checks it against a reading, which fails.
+    server.edit_own(
+        ALICE,
+        lambda mine: [
+            j.update(state="running", gpu_uuids=[uuid], reserved_bytes=10 * GiB)
+            for j in mine["jobs"]
+        ],
+    )
+    (job_id,) = [j["id"] for j in server.jobs()]
+    summary = {"schema": 1, "release": 99, "running": [job_id], "waiting": []}
+    edited = server.ledger_dir / "summary.edit"
+    assert server.write_as(ALICE, edited, summary).returncode == 0
+    # Put in place as gpuwait puts its summaries, by rename (what the waiters watch for).
+    moved = ["mv", str(edited), str(server.ledger_dir / f"wake.{ALICE}.json")]
+    subprocess.run(moved, check=True, user=ALICE, group=ALICE, extra_groups=[GROUP])
+    time.sleep(1.0)
+    assert waiter.poll() is None, "a failed reading must not end the wait"
+    # Readings back, the admission is checked, found to have no room, and undone.
+    server.sim.write_text(good)
+    server.wait_jobs(1, "waiting")
+    assert waiter.poll() is None
+    waiter.send_signal(signal.SIGTERM)
+    out, err = waiter.communicate(timeout=10)
+    assert "started" not in out, err
+    assert "GPU readings failing, retrying" in err, err
