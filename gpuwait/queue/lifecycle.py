@@ -1014,6 +1014,10 @@ def _queued_again(mine: Job, now: float) -> None:
     mine.held_gpus = []
     mine.pause_requested_at = mine.pause_requested_by = mine.pause_signalled_at = None
     mine.pause_requested_boot = mine.pause_signalled_boot = None
+    # What kept the run inside its reservation, and what it used past it, were that run's.
+    mine.held_by = []
+    mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
+    mine.overuse_gpu = None
     mine.updated_at = now
 
 
@@ -1191,9 +1195,6 @@ def retry(
             # a frozen job had done was in the memory of the run that ran out).
             mine.done_seconds = 0.0
         mine.request = dict(request)
-        mine.held_by = []
-        mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
-        mine.overuse_gpu = None
         said.append(("finish", {**fields, "retry": True}))
     return copy_job(mine)
 

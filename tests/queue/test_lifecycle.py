@@ -565,3 +565,25 @@ def test_a_retry_of_a_thawed_job_is_expected_to_run_its_whole_run_time(tmp_path:
     assert isinstance(outcome, Admitted)
     lifecycle.started(ledger, job, os.getpid())
     assert _expected_left(ledger, "long") == pytest.approx(600, abs=5)
+
+
+def test_a_resumed_run_over_its_reservation_is_said_so_again(tmp_path: Path) -> None:
+    # A --pausable job's run went over its reservation, then it stepped aside. Waiting, status
+    # went on showing it over its reservation, and when its resumed run went over by a little
+    # less, nothing said so: the first run's figures stood for the new run.
+    ledger = Ledger(tmp_path)
+    job = lifecycle.submit(
+        ledger, live_job("p", pausable=True, request={"bytes": 16 * GiB}), [], [], tmp_path, ["x"]
+    )
+    for used in (22 * GiB, 21 * GiB):
+        job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+        assert isinstance(outcome, Admitted)
+        job = lifecycle.started(ledger, job, os.getpid())
+        job = lifecycle.publish_usage(ledger, job, {"GPU-0": used}, [os.getpid()])
+        job = lifecycle.step_aside(ledger, job, 60.0)
+        (shown,) = report_from(MACHINE, ledger.read(), time.time(), View(0.9))["jobs"]
+        assert (shown["state"], shown["overuse"], shown["held_by"]) == (WAITING, None, [])
+    said = [
+        e["used_bytes"] for e in events.read_events(tmp_path) if e["kind"] == "over-reservation"
+    ]
+    assert said == [22 * GiB, 21 * GiB]
