@@ -366,6 +366,9 @@ def _hold(
         if isinstance(outcome, DependencyFailed):
             raise NotHeld(f"job {job.id} will not start: {outcome.message}", EXIT_DEPENDENCY_FAILED)
         if isinstance(outcome, Stuck):
+            # The process lives on (a notebook, a program that carries on without): its entry
+            # would wait on for nobody, and be admitted into room nobody uses.
+            session._finish(ledger, job, INTERRUPTED, reporter)
             raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
         chosen = list(outcome.gpus)
         budget = _budget(config.enforce, job, chosen, reporter)

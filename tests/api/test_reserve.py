@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from helpers.fixtures_sim import SimFileFactory, hold_card
 from helpers.history import recorded_runs
-from helpers.status import job_of_pid, listed_jobs, state_of
-from helpers.waiting import wait_for
+from helpers.status import job_named, job_of_pid, listed_jobs, state_of
+from helpers.waiting import asleep_waiting, wait_for
 
 GiB = 2**30
 
@@ -733,3 +733,69 @@ def test_sys_exit_caught_by_ipython_does_not_become_the_kernels_status(
     run, after = run_and_after_ok(gpuwait_cmd, "nb")
     assert (run["exit_status"], run["signal"]) == (0, None)
     assert after.returncode == 0, after.stderr
+
+
+#: A pipeline's first stage: reserves, says how that ended, and waits for stdin to close.
+STAGE = r"""
+import sys
+import gpuwait
+
+try:
+    gpuwait.reserve("15G", name="stage")
+    print("held", flush=True)
+except gpuwait.ReserveError as exc:
+    print(f"refused {exc.exit_code}", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reservation_given_up_behind_its_own_pipeline_leaves_the_queue(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A job outside the pipeline holds 10 GiB of the 21.6 usable: the first stage's 15 GiB
+    # waits. The next stage (urgent: it goes first) starts with 10 GiB, and the first stage can
+    # never start beside it, so reserve() gives up; the program goes on (a notebook would).
+    sim_file(gpus=1, memory="24G")
+    other = hold_card(gpuwait_cmd, "10G", "60s", "--name", "other")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "other") == "running", timeout=20)
+        go = tmp_path / "go"
+        stage = tmp_path / "stage.py"
+        stage.write_text(STAGE)
+        later = " ".join([*gpuwait_cmd, "--priority", "5", "--vram", "10G", "--", "cat"])
+        pipeline = subprocess.Popen(
+            [
+                "sh",
+                "-c",
+                f"{sys.executable} {stage} | "
+                f"(while [ ! -e {go} ]; do sleep 0.02; done; exec {later})",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            waiting = wait_for(lambda: job_named(gpuwait_cmd, "stage"), timeout=20)
+            wait_for(lambda: asleep_waiting(waiting["pid"]), timeout=20)
+            go.touch()
+            assert pipeline.stdout is not None
+            assert pipeline.stdout.readline() == "refused 3\n"
+            # Its process lives on: its entry must not wait on in the queue for nobody.
+            assert job_named(gpuwait_cmd, "stage") is None
+        finally:
+            assert pipeline.stdin is not None
+            pipeline.stdin.close()
+            try:
+                pipeline.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(pipeline.pid, signal.SIGKILL)
+                pipeline.wait()
+    finally:
+        other.terminate()  # passed on to its command, which ends with it
+        try:
+            other.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            other.kill()
+            other.wait()
