@@ -9,6 +9,10 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
         if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
             command "$@"
+        elif [[ -n "${COMP_LINE+set}${READLINE_LINE+set}" ]]; then
+            # Run by the shell on its own, not typed: by a completion (`python -m <Tab>` lists
+            # modules with python) or a key binding (bind -x). Wrapped, it would wait for a GPU.
+            command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
             @GPUWAIT@ shell-hook -- "$@"
         elif hash gpuwait 2>/dev/null; then

@@ -11,6 +11,11 @@ if test -n "@ALWAYS@"; or status is-interactive
             command $argv
         else if test -n "$GPUWAIT_DISABLE"; and test "$GPUWAIT_DISABLE" != 0
             command $argv
+        else if status is-interactive; and set -l line (status current-commandline 2>/dev/null); and test -z "$line"
+            # Run by the shell on its own, not typed (fish 3.6 and later tell): by a completion
+            # (`python -m <Tab>` lists modules with python), the prompt, an event or a key
+            # binding. Wrapped, it would wait for a GPU.
+            command $argv
         else if test -x @PYTHON@; and test -f @PACKAGE@
             @GPUWAIT@ shell-hook -- $argv
         else if command -q gpuwait
@@ -22,5 +27,19 @@ if test -n "@ALWAYS@"; or status is-interactive
             command $argv
         end
     end
+    function __gpuwait_functions
 @FUNCTIONS@
+    end
+    if status is-interactive; and functions -q __fish_on_interactive
+        # fish's set-up at the first prompt is still to come. On a new account it reads the man
+        # pages with python3 in the background; a function of that name runs in the foreground
+        # (fish cannot put a function there), and the first prompt would wait for it. The
+        # functions come after it, in the order fish calls the handlers of one event.
+        function __gpuwait_functions_later --on-event fish_prompt --on-event fish_read
+            functions -e __gpuwait_functions_later
+            __gpuwait_functions
+        end
+    else
+        __gpuwait_functions
+    end
 end

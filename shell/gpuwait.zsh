@@ -9,6 +9,11 @@ if [[ -n "@ALWAYS@" ]] || [[ -o interactive ]]; then
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
         if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
             command "$@"
+        elif [[ -o interactive && ( ${ZSH_EVAL_CONTEXT%%:*} == shfunc || ${ZSH_EVAL_CONTEXT%%:*} == cmdsubst ) ]]; then
+            # Run by the shell on its own, not typed: by a completion (`python -m <Tab>` lists
+            # modules with python), a widget, a hook (precmd, chpwd) or the prompt. Wrapped, it
+            # would wait for a GPU.
+            command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
             @GPUWAIT@ shell-hook -- "$@"
         elif whence -p gpuwait >/dev/null; then

@@ -119,9 +119,9 @@ def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
         quote = completion.fish_quote
         invocation = " ".join(quote(word) for word in gpuwait_invocation())
         functions = [
-            f"    function {name} --wraps {name} --description 'runs through gpuwait'\n"
-            f"        __gpuwait_run {name} $argv\n"
-            "    end"
+            f"        function {name} --wraps {name} --description 'runs through gpuwait'\n"
+            f"            __gpuwait_run {name} $argv\n"
+            "        end"
             for name in commands
         ]
     else:

@@ -733,3 +733,71 @@ def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
     assert done.stdout.endswith("status 7\n")
     said = [line for line in done.stderr.splitlines() if line.startswith("gpuwait: ")]
     assert len(said) == 2 and "runs python bare" in said[0], done.stderr
+
+
+#: Each shell's own machinery running python: a completion that lists what python prints (as
+#: bash-completion's, zsh's and fish's `python -m <Tab>` list modules) and, where the shell can
+#: tell, a prompt that runs python (a theme showing the Python version).
+SHELL_OWN = {
+    "bash": [
+        '_probe() { COMPREPLY=($(python -c \'print("alpha" + "bet")\')); }; complete -F _probe probecmd',
+    ],
+    "zsh": [
+        "autoload -Uz compinit && compinit -u -D",
+        '_probe() { compadd -- $(python -c \'print("alpha" + "bet")\') }; compdef _probe probecmd',
+        'precmd() { python -c \'print("prompt-" + "ran")\' }',
+    ],
+    "fish": [
+        "complete -c probecmd -f -a '(python -c \"print(\\'alpha\\' + \\'bet\\')\")'",
+    ],
+}
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_what_the_shell_runs_on_its_own_is_not_wrapped(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    """Completion, the prompt and fish's first start run python themselves: wrapped, each asked
+    for a GPU, the Tab key, the prompt or a new fish's first prompt waited with it (for ever,
+    silently, while the GPUs were busy; `2>/dev/null` hid the wait line), and each of them went
+    into the history as a job. Nobody typed them: they run bare."""
+    pexpect = pytest.importorskip("pexpect")
+    need(shell)
+    sim_file(gpus=1, base_used="24GiB")  # every wrapped command would wait
+    env = {**hook_env, "TERM": "dumb", "PS1": "$ ", "MANPATH": str(tmp_path / "no-man-pages")}
+    if shell == "fish":
+        # A new account's fish, with the hook and a prompt that runs python in config.fish.
+        config = Path(env["XDG_CONFIG_HOME"]) / "fish" / "config.fish"
+        config.parent.mkdir(parents=True)
+        config.write_text(
+            f"{init_line('fish')}\n"
+            "function fish_prompt; python -c 'print(\"prompt-\" + \"ran\")'; echo '$ '; end\n"
+        )
+        argv = ["fish", "-i"]
+    else:
+        argv = INTERACTIVE[shell]
+    child = pexpect.spawn(argv[0], argv[1:], env=env, cwd=str(tmp_path), timeout=15)
+    try:
+        if shell == "fish":
+            child.expect("prompt-ran")
+        else:
+            child.sendline(init_line(shell))
+        for line in SHELL_OWN[shell]:
+            child.sendline(line)
+        if shell != "bash":  # bash cannot tell its PROMPT_COMMAND from a typed command
+            child.expect("prompt-ran")
+        child.sendline("echo READY")
+        child.expect("READY\r\n")
+        child.send("probecmd al\t")
+        child.expect(r"al\x07?phabet")
+        # What is typed is wrapped as ever: it waits for the GPU.
+        child.send("\x15python probe.py typed\r")
+        child.expect("waiting for 1.0 GiB")
+        child.sendintr()
+        child.sendline("exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    history = Path(hook_env["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    ran = history.read_text() if history.exists() else ""
+    assert "alpha" not in ran and "prompt-" not in ran, ran
