@@ -559,7 +559,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "never_wrap",
         _string_list,
-        ("* --help", "* -h", "* --version", "* -V", "* -m pip", "* -m pip *", "* -m venv *"),
+        (
+            "* --help",
+            "* -h",
+            "* --version",
+            "* -V",
+            "* -VV",
+            "* -m pip",
+            "* -m pip *",
+            "* -m venv",
+            "* -m venv *",
+        ),
         "shell hooks run command lines matching these globs bare",
         show=_show_list,
     ),

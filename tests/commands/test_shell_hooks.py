@@ -299,6 +299,9 @@ def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
         1,
         "bare: the command line matches never_wrap '* -m pip *'",
     )
+    # Asking Python for its build, or venv for its usage, needs no GPU either.
+    for argv in (["python", "-VV"], ["python3", "-m", "venv"]):
+        assert explain(*argv)[0] == 1, argv
     code, text = explain("python", "x.py", GPUWAIT_JOB_ID="abc")
     assert code == 1 and "inside gpuwait job abc" in text
     code, text = explain("python", "serve.py", GPUWAIT_NEVER_WRAP="* --dry-run, * serve.py")
