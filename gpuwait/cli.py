@@ -8,6 +8,7 @@ the rest of gpuwait is loaded once the turn has come.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 
@@ -203,6 +204,7 @@ _SHORT_OF_MEMORY = (
     "failed to map segment",
     "Cannot allocate memory",
     "error return without exception set",
+    "returned NULL without setting an exception",
 )
 
 
@@ -219,6 +221,11 @@ def entry_point() -> NoReturn:
         # from shared object"), and Python's import machinery at times with a SystemError
         # ("error return without exception set").
         if not any(words in str(exc) for words in _SHORT_OF_MEMORY):
+            raise
+        _out_of_memory()
+    except OSError as exc:
+        # Or as the import machinery's listing of a package's directory failing (ENOMEM).
+        if exc.errno != errno.ENOMEM:
             raise
         _out_of_memory()
 

@@ -323,6 +323,24 @@ def test_a_job_that_steps_aside_is_supervised_to_its_end_when_the_ledger_cannot_
     assert "Traceback" not in err
 
 
+def test_the_import_machinery_short_of_memory_is_said_as_any_shortage() -> None:
+    # Near the limit, Python's import machinery fails to list a package's directory with
+    # OSError ENOMEM (not a MemoryError) as gpuwait loads a module: that gave a traceback.
+    script = (
+        "import errno, gpuwait.cli as cli\n"
+        "def load():\n"
+        "    raise OSError(errno.ENOMEM, 'Cannot allocate memory', '/x/gpuwait/core')\n"
+        "cli._entry_point = load\n"
+        "cli.entry_point()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.startswith("gpuwait: error: gpuwait ran out of memory"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_launch_short_of_memory_says_so_in_one_line_and_runs_nothing(
     sim_file: SimFileFactory, tmp_path: Path
 ) -> None:
