@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from gpuwait.core import policy
 from gpuwait.core.policy import (
@@ -184,11 +185,31 @@ class _Card:
 class _Job:
     """A waiter as the search sees it: what it needs where, for how long, how much it weighs."""
 
-    __slots__ = ("area", "claim", "kind", "length", "needs", "pinned", "waited", "weight")
+    __slots__ = (
+        "area",
+        "claim",
+        "kept",
+        "kind",
+        "length",
+        "needs",
+        "pinned",
+        "waited",
+        "weight",
+    )
 
-    def __init__(self, claim: Claim, needs: dict[str, int], length: float, waited: float) -> None:
+    def __init__(
+        self,
+        claim: Claim,
+        needs: dict[str, int],
+        length: float,
+        waited: float,
+        kept: Mapping[str, int] = MappingProxyType({}),
+    ) -> None:
         self.claim = claim
         self.needs = needs
+        #: Per card, the bytes its own stricter safety keeps free beside it: it starts only
+        #: where its need and these fit.
+        self.kept = kept
         self.length = length
         self.weight = 2.0 ** (claim.priority - 3)
         self.waited = waited
@@ -197,7 +218,17 @@ class _Job:
         need = min(needs.values(), default=0)
         self.area = need * claim.gpus_wanted * (length if length != _NEVER else 0.0)
         #: What the plan looks at: two jobs of one kind are interchangeable.
-        self.kind = (tuple(sorted(needs.items())), length, claim.gpus_wanted, claim.priority)
+        self.kind = (
+            tuple(sorted(needs.items())),
+            tuple(sorted(kept.items())),
+            length,
+            claim.gpus_wanted,
+            claim.priority,
+        )
+
+    def asks(self, card: _Card) -> int:
+        """What must be free on `card` for it to start there."""
+        return self.needs[card.uuid] + self.kept.get(card.uuid, 0)
 
 
 def _length(claim: Claim) -> float:
@@ -214,7 +245,7 @@ def _static_need(claim: Claim, room: GpuRoom, conditions: Conditions) -> int | N
         claim, room.gpu.uuid, conditions
     ):
         return None
-    cap = room.usable - room.external
+    cap = policy.room_for(claim, room).usable - room.external
     if claim.request is None:
         # A whole GPU: the card to itself, once nothing else runs there.
         return cap if policy.idle_enough(room) and cap > 0 else None
@@ -285,7 +316,7 @@ def _place(
 def _earliest(job: _Job, eligible: list[_Card]) -> tuple[float, list[_Card]]:
     """The earliest start of `job` on the `eligible` cards, and the cards it can start on then."""
     if job.claim.gpus_wanted == 1:
-        starts = [(card.earliest(job.needs[card.uuid], job.length), card) for card in eligible]
+        starts = [(card.earliest(job.asks(card), job.length), card) for card in eligible]
         start = min(s for s, _ in starts)
         return start, [card for s, card in starts if s == start]
     return _gang_start(job, eligible)
@@ -301,7 +332,7 @@ def _gang_start(job: _Job, eligible: list[_Card]) -> tuple[float, list[_Card]]:
     wanted = job.claim.gpus_wanted
     t = 0.0
     while True:
-        starts = [(card.earliest(job.needs[card.uuid], job.length, t), card) for card in eligible]
+        starts = [(card.earliest(job.asks(card), job.length, t), card) for card in eligible]
         latest = sorted(s for s, _ in starts)[wanted - 1]
         if latest == _NEVER:
             return _NEVER, []
@@ -541,7 +572,12 @@ def _waiting_jobs(
             for uuid, room in rooms.items()
             if (need := _static_need(claim, room, conditions)) is not None
         }
-        job = _Job(claim, needs, _length(claim), claim.waited)
+        kept = {
+            uuid: room.usable - seen.usable
+            for uuid in needs
+            if (seen := policy.room_for(claim, room := rooms[uuid])) is not room
+        }
+        job = _Job(claim, needs, _length(claim), claim.waited, kept)
         if claim.priority >= URGENT or (claim.due is not None and claim.waited >= claim.due):
             job.pinned = True
             pinned.append(job)
@@ -664,10 +700,15 @@ def plan(
             if placed is None or placed.start != 0.0:
                 continue
             fits = [
-                (now_rooms[u], need)
+                (room, need)
                 for u in placed.gpu_uuids
-                if (need := policy.need_on(claim, now_rooms[u], conditions)) is not None
-                and need <= now_rooms[u].room
+                if (
+                    need := policy.need_on(
+                        claim, room := policy.room_for(claim, now_rooms[u]), conditions
+                    )
+                )
+                is not None
+                and need <= room.room
             ]
             if len(fits) != claim.gpus_wanted:
                 continue
@@ -741,7 +782,7 @@ def _fits_now(claim: Claim, rooms: Mapping[str, GpuRoom], conditions: Conditions
     if claim.blocked is not None:
         return False
     fitting = 0
-    for room in rooms.values():
+    for room in (policy.room_for(claim, r) for r in rooms.values()):
         need = policy.need_on(claim, room, conditions)
         if need is not None and need <= room.room:
             fitting += 1

@@ -158,6 +158,9 @@ class Claim(Record, frozen=True):
     #: Its owner's safety factor (running jobs): a GPU it runs on is filled no further than
     #: that, by anyone. None: the planner's own alone.
     safety: float | None = None
+    #: Its owner's own safety where a plan believes `safety` at no less (another user's, below
+    #: the site's): it starts no fuller than this all the same. None: `safety` is its own.
+    own_safety: float | None = None
 
     @property
     def exclusive(self) -> bool:
@@ -471,6 +474,17 @@ def gpu_rooms(
     return rooms
 
 
+def room_for(claim: Claim, room: GpuRoom) -> GpuRoom:
+    """`room` as `claim` may fill it: no further than its own safety either, where that is
+    stricter than the plan's. Whoever plans, a job is started into no more than it allows
+    itself, so every member's plan of a shared ledger starts it where its own plan would."""
+    own = claim.safety if claim.own_safety is None else claim.own_safety
+    if own is None:
+        return room
+    usable = int(room.gpu.total_bytes * own)
+    return room if usable >= room.usable else room._replace(usable=usable)
+
+
 def prohibited(gpu: GpuSnapshot) -> bool:
     """The card's compute mode is PROHIBITED: no CUDA process may use it, whatever its room."""
     return gpu.compute_mode == COMPUTE_PROHIBITED
@@ -561,6 +575,8 @@ def admission_fits(
     rooms = gpu_rooms(gpus, others, safety, ignore_processes)
     for uuid in gpu_uuids:
         room = rooms.get(uuid)
+        if room is not None:
+            room = room_for(claim, room)
         need = None if room is None else need_on(claim, room)
         if room is None or need is None or need > room.room:
             return False
@@ -729,6 +745,7 @@ def _hold_for(
     """The GPUs the head keeps: where it can start soonest; the held ones unless others are sooner."""
     times: dict[str, tuple[GpuRoom, float]] = {}
     for uuid, room in rooms.items():
+        room = room_for(claim, room)
         if not static_ok(claim, room.gpu) or not util_ok(claim, uuid, conditions):
             continue
         when = _fit_time(claim, room, [c for c in running if uuid in c.gpu_uuids])
@@ -814,7 +831,7 @@ def plan(
             reasons[claim.job_id] = reason._replace(limit=over[claim.job_id])
             continue
         fitting: list[_Fit] = []
-        for room in rooms.values():
+        for room in (room_for(claim, r) for r in rooms.values()):
             need = need_on(claim, room, conditions)
             if need is not None and need <= room.room:
                 fitting.append((room, need))
@@ -896,7 +913,9 @@ def take(
         if refusal is not None:
             return refusal
         held_by_user[claim.uid] = (gpus_held + len(chosen), vram_held + vram)
-    for room, need in chosen:
+    for chosen_room, need in chosen:
+        # As the plan has it (`chosen` may see it as the claim itself may fill it: room_for).
+        room = rooms[chosen_room.gpu.uuid]
         rooms[room.gpu.uuid] = room._replace(
             # Running there from now on, it keeps the card no fuller than its own safety, as
             # the next plan's rooms will (gpu_rooms): for the rest of this plan too.
@@ -1044,7 +1063,7 @@ def wait_reason(
     conditions: Conditions,
     note: str | None = None,
 ) -> WaitReason:
-    candidates = [r for r in rooms.values() if static_ok(claim, r.gpu)]
+    candidates = [room_for(claim, r) for r in rooms.values() if static_ok(claim, r.gpu)]
     usable = [r for r in candidates if util_ok(claim, r.gpu.uuid, conditions)]
     wanted = claim.gpus_wanted
     if len(candidates) >= wanted > len(usable) and note is None:

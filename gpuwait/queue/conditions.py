@@ -387,10 +387,11 @@ def adoption_over_limit(
 
 def _safety_believed(claim: Claim, mine: bool, floor: float | None) -> Claim:
     """`claim` with its owner's safety as this user's plan heeds it: their own as it is,
-    another user's no stricter than the site's (`floor`), which holds everyone alike."""
+    another user's no stricter than the site's (`floor`), which holds everyone alike. Their
+    own still keeps their job from starting fuller than it allows (`Claim.own_safety`)."""
     if mine or floor is None or claim.safety is None or claim.safety >= floor:
         return claim
-    return claim._replace(safety=floor)
+    return claim._replace(safety=floor, own_safety=claim.safety)
 
 
 def as_counted(claim: Claim, job: Job) -> Claim:

@@ -348,3 +348,20 @@ def test_no_job_starves_under_a_stream_of_small_ones(
     budget = factor * (12.0 + big_seconds)
     longest = max(seconds for _, _, seconds, _ in arrivals)
     assert starts["j2"] - 0.5 <= budget + longest + 1e-6
+
+
+def test_a_waiter_starts_no_fuller_than_its_own_safety_in_any_plan() -> None:
+    # 20 GiB of a 48 GiB card run for 60 s more; the plan's safety is 1.0. A waiter whose own
+    # safety is 0.5 (24 GiB) cannot start beside it with 10 GiB, only once it has ended; one
+    # with 4 GiB can, and the in-order plan says the same.
+    gpus = cards(1)
+    base = running("run", 20, 0, 60.0)
+    strict = waiter("strict", 10, 1, 30.0, safety=0.5)
+    small = waiter("small", 4, 1, 30.0, safety=0.5)
+    for order in (Lookahead(), None):
+        fair = FairShare(order=order)
+        decided = plan_queue(gpus, [base, strict], 1.0, -1, NO_CONDITIONS, fair)
+        assert "strict" not in decided.admitted, order
+        assert plan_queue(gpus, [base, small], 1.0, -1, NO_CONDITIONS, fair).admitted, order
+    laid = plan(gpus, [base, strict], 1.0)
+    assert laid.starts["strict"] == 60.0

@@ -1126,3 +1126,32 @@ def test_a_failing_reading_as_a_waiter_checks_an_admission_found_is_retried(
     out, err = waiter.communicate(timeout=10)
     assert "started" not in out, err
     assert "GPU readings failing, retrying" in err, err
+
+
+def test_a_waiters_own_stricter_safety_counts_in_another_users_plan(server: Server) -> None:
+    # Alice (safety 1.0) runs 10 GiB of the 24 GiB card. Bob waits for 6 GiB at safety 0.5:
+    # the card may hold 12 GiB for him, so he starts only once her job (no estimate) has ended.
+    # Alice's plans said he started at once: her status showed him due now.
+    alice = {**server.envs[ALICE], "GPUWAIT_SAFETY": "1.0"}
+    server.procs.append(
+        popen_as(
+            ALICE,
+            ALICE,
+            [GROUP],
+            ["--vram", "10G", "--", "sleep", "30"],
+            alice,
+            start_new_session=True,
+        )
+    )
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--safety", "0.5", "--vram", "6G", "--", "true")
+    server.wait_jobs(2)
+
+    def bobs_eta(uid: int, env: dict[str, str]) -> object:
+        shown = run_as(uid, uid, [GROUP], ["status", "--json"], env)
+        assert shown.returncode == 0, shown.stderr
+        (waiting,) = [j for j in json.loads(shown.stdout)["jobs"] if j["uid"] == BOB]
+        return waiting["eta_seconds"]
+
+    assert bobs_eta(ALICE, alice) is None
+    assert bobs_eta(BOB, server.envs[BOB]) is None
