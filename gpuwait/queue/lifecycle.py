@@ -801,10 +801,13 @@ def confirm_admission(
             "(its GPUs have no room for it, or the entry is not this process's); waiting on"
         )
         if mine.uid == asked.uid and mine.pid == asked.pid:
-            mine.state = WAITING
-            mine.gpu_uuids, mine.reserved_bytes, mine.held_gpus = [], 0, []
-            mine.reserved_by_gpu = {}
-            mine.started_at = mine.started_boot = mine.started_slept = None
+            _queued_again(mine, time.time())
+            # It waits on in the place it had: the admission took away what it stepped aside
+            # for (`_admit_all`), and it has not run.
+            mine.boost = max(mine.boost, asked.boost)
+            yielded = data.find(asked.yield_to) if asked.yield_to else None
+            if yielded is not None and yielded.state == WAITING:
+                mine.yield_to = yielded.id
     return None
 
 

@@ -587,3 +587,25 @@ def test_a_resumed_run_over_its_reservation_is_said_so_again(tmp_path: Path) -> 
         e["used_bytes"] for e in events.read_events(tmp_path) if e["kind"] == "over-reservation"
     ]
     assert said == [22 * GiB, 21 * GiB]
+
+
+def test_an_admission_undone_by_its_own_check_keeps_the_place_a_step_aside_gave(
+    tmp_path: Path,
+) -> None:
+    # A p1 job stepped aside for an urgent job (p5) that still waits, so it waits at p5 behind
+    # it. Admitted in a shared ledger where its own check of fresh readings found no room, it
+    # waited on at p1, behind every p2-p4 job submitted since, and no longer behind the urgent.
+    ledger = Ledger(tmp_path)
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
+    asked = stepped_aside_for("urgent", "resumed")
+    with ledger.transaction() as data:
+        data.jobs[:] = [urgent, stepped_aside_for("urgent", "resumed")]
+        # Admitted as a plan admits it (what it stepped aside for is behind it).
+        entry = data.jobs[1]
+        entry.state, entry.gpu_uuids, entry.reserved_bytes = RUNNING, ["GPU-0"], 16 * GiB
+        entry.boost, entry.yield_to, entry.started_at = 0, None, time.time()
+    assert lifecycle.confirm_admission(ledger, "resumed", asked, MACHINE, lambda *_: False) is None
+    undone = ledger.read().find("resumed")
+    assert undone is not None and undone.state == WAITING and not undone.gpu_uuids
+    assert (undone.effective_priority, undone.yield_to) == (5, "urgent")
+    assert undone.started_at is None and undone.reserved_bytes == 0
