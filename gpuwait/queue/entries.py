@@ -578,6 +578,9 @@ class LedgerData(Record):
     next_order: int = 1
     rr_cursor: int = -1
     created_at: float = field(default_factory=time.time)
+    #: `created_at` on the boot clock (None: a file of an older version), so that how long ago
+    #: the ledger began (a recovery's grace) is told whatever steps the wall clock takes.
+    created_boot: float | None = field(default_factory=proc.boot_clock)
     #: Outcomes of finished jobs, per-GPU counters, GPU health, batch counts.
     book: Book = field(default_factory=Book)
     #: How many transactions freed room (see gpuwait.queue.wake).
@@ -645,6 +648,7 @@ def to_document(data: LedgerData) -> dict[str, Any]:
     encoded: dict[str, Any] = {
         "schema": SCHEMA,
         "created_at": data.created_at,
+        **({} if data.created_boot is None else {"created_boot": data.created_boot}),
         "next_order": data.next_order,
         "rr_cursor": data.rr_cursor,
         "jobs": [j.to_json() for j in data.jobs if me is None or j.uid == me],
@@ -669,6 +673,7 @@ _DOCUMENT_KEYS = frozenset(
     (
         "schema",
         "created_at",
+        "created_boot",
         "next_order",
         "rr_cursor",
         "jobs",
@@ -726,6 +731,7 @@ def from_document(
         next_order=_int(raw, "next_order", 0, 2**62),
         rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
         created_at=_float(raw, "created_at"),
+        created_boot=_lenient_seconds(raw.get("created_boot")),
         usage=_usage(raw.get("usage"), warnings),
         release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
         plan_order=_plan_order(raw.get("plan_order")),

@@ -717,7 +717,7 @@ def admit(
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)
         _note_health(data, snapshot, now, said)
-        lost = _entries_to_come_back(ledger, data, now)
+        lost = _entries_to_come_back(ledger, data, now, boot_now)
         if lost:
             return copy_job(mine), _waiting_for_entries(mine, data, lost)
         failure = settle_dependencies(mine, data)
@@ -749,11 +749,14 @@ def admit(
         return updated, decided.waiting.get(job.id)
 
 
-def _entries_to_come_back(ledger: Ledger, data: LedgerData, now: float) -> int:
+def _entries_to_come_back(
+    ledger: Ledger, data: LedgerData, now: float, boot_now: float | None
+) -> int:
     """How many jobs of this user live without an entry in a ledger started afresh less than
-    RECOVERY_GRACE ago: their reservations are unknown until their gpuwait puts them back, so
-    nobody may be admitted into them meanwhile."""
-    if not 0 <= now - data.created_at < RECOVERY_GRACE:
+    RECOVERY_GRACE ago (on the boot clock where the ledger has a stamp of it: see `since`):
+    their reservations are unknown until their gpuwait puts them back, so nobody may be
+    admitted into them meanwhile."""
+    if not 0 <= since(data.created_at, data.created_boot, now, boot_now) < RECOVERY_GRACE:
         return 0
     mine = {j.id for j in data.jobs if data.mine(j)}
     # Locks taken before the ledger began. A file's time lags the clock by up to a tick, never

@@ -116,3 +116,20 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+@contextlib.contextmanager
+def liveness_lock_held(ledger_dir: Path, job_id: str) -> Iterator[Path]:
+    """Another process holds the liveness lock of this user's job `job_id` in `ledger_dir`, as
+    a running job's gpuwait does, while the block runs; the lock's path."""
+    holds = "import sys, time; from pathlib import Path; from gpuwait.linux import alive; "
+    holds += "alive.hold(Path(sys.argv[1]), sys.argv[2]); print(flush=True); time.sleep(60)"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", holds, str(ledger_dir), job_id], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "\n"
+        yield ledger_dir / f"alive.{os.getuid()}" / job_id
+    finally:
+        holder.kill()
+        holder.wait()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.jobs import live_job
-from helpers.processes import suspended_gpuwait, time_namespace
+from helpers.processes import liveness_lock_held, suspended_gpuwait, time_namespace
 from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 from gpuwait.cli import main
@@ -393,3 +393,30 @@ def test_a_job_started_in_a_time_namespace_keeps_its_room(
     assert probe.returncode == 124, probe.stderr
     (entry,) = ledger_entries()
     assert entry["state"] == RUNNING
+
+
+def test_a_clock_stepped_back_does_not_end_the_wait_for_entries_lost_with_the_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job of this user runs (its liveness lock held) when its ledger is damaged and started
+    afresh without its entry; the wall clock is then stepped an hour back. A launch still waits
+    the recovery's grace for the entry to come back, and is not admitted into its room."""
+    from gpuwait.queue.lifecycle import RECOVERY_GRACE
+
+    state = tmp_path / "state"
+    with liveness_lock_held(state, "0a1b2c3d") as lock:
+        ledger = Ledger(state)
+        # Started afresh a moment after the job took its lock, without its entry.
+        wait_for(lambda: time.time() > lock.stat().st_mtime, timeout=5)
+        with ledger.transaction() as data:
+            data.jobs.clear()
+        monkeypatch.setattr(time, "time", lambda t=time.time: t() - 3600)
+        job = queued(ledger, live_job("next", request={"bytes": 16 * GiB}))
+        _, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
+        assert isinstance(attempt, lifecycle.WaitReason), attempt
+        assert "put its entry" in (attempt.blocked or ""), attempt
+        # The grace is over once RECOVERY_GRACE has gone by on the boot clock.
+        real = proc.boot_clock
+        monkeypatch.setattr(proc, "boot_clock", lambda: real() + RECOVERY_GRACE)
+        _, attempt = lifecycle.admit(ledger, job, ONE_GPU, 0.9)
+        assert isinstance(attempt, lifecycle.Admitted), attempt

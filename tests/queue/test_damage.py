@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
+from helpers.processes import liveness_lock_held
 from helpers.waiting import asleep_waiting, named_entry, process_state, wait_for
 
 from gpuwait.cli import main
@@ -596,19 +597,10 @@ def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_w
     # The test below, where a machine is quick: the first job began a few hundredths of a
     # second before its ledger was damaged and started afresh. Its lock still counts as a job
     # to wait for, not as one of the new ledger's.
-    holds = "import sys, time; from pathlib import Path; from gpuwait.linux import alive; "
-    holds += "alive.hold(Path(sys.argv[1]), '0a1b2c3d'); print(flush=True); time.sleep(60)"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", holds, str(tmp_path)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "\n"
-        taken = (tmp_path / f"alive.{os.getuid()}" / "0a1b2c3d").stat().st_mtime
+    with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
+        taken = lock.stat().st_mtime
         data = LedgerData(created_at=taken + 0.02)
-        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1) == 1
-    finally:
-        holder.kill()
-        holder.wait()
+        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 1
 
 
 def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_jobs_entry(
