@@ -7,7 +7,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuwait.core.errors import UsageError
@@ -46,6 +46,26 @@ class Parser(argparse.ArgumentParser):
         if message:
             (file or sys.stderr).write(message)
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: None = None
+    ) -> argparse.Namespace:
+        # Arguments nobody took are said by the subcommand they were given to (`sim init
+        # --name`), in its words and with its own options to suggest, not the ones above it.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The parser of the subcommand `parsed` names (one of its own, where it has them),
+        else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and action.dest != argparse.SUPPRESS:
+                chosen = action.choices.get(str(getattr(parsed, action.dest, "")))
+                if isinstance(chosen, Parser):
+                    return chosen._chosen(parsed)
+        return self
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
 
@@ -57,14 +77,8 @@ class Parser(argparse.ArgumentParser):
 
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
-            # A subcommand's (`sim init --froce`) are reported by the parser above it.
-            parsers: list[argparse.ArgumentParser] = [self]
-            options: list[str] = []
-            while parsers:
-                for action in parsers.pop()._actions:
-                    options += action.option_strings
-                    if isinstance(action, argparse._SubParsersAction):
-                        parsers += action.choices.values()
+            # Said by the parser that was given them (`parse_args`): its options alone.
+            options = [o for action in self._actions for o in action.option_strings]
             for word in unknown.group(1).split():
                 if word.startswith("-"):
                     match = nearest(word.partition("=")[0], options)

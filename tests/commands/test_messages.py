@@ -168,6 +168,17 @@ def test_a_misspelled_option_gets_the_nearest_one(
     assert lines[1] == f"gpuwait: hint: did you mean {meant}?"
 
 
+def test_a_subcommands_unknown_option_is_matched_against_its_own_options_only(
+    sim: Path, tmp_path: Path
+) -> None:
+    # `--name` is close to `sim job`'s `--vram`, which `sim init` does not take.
+    done = gpuwait("sim", "init", "x.toml", "--name", "n", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: unrecognized arguments: --name n; see 'gpuwait sim init --help'"
+    ]
+
+
 def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
     done = gpuwait("sim", "job", "--vram", "1G", "--hodl", "1s")
     assert done.returncode == EXIT_USAGE
