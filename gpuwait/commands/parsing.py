@@ -16,7 +16,7 @@ from gpuwait.core.sizes import MAX_GPUS, parse_whole
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
-_NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?$")
+_NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z")
 
 
 class Parser(argparse.ArgumentParser):

@@ -33,7 +33,7 @@ EXPLICIT = "key"
 #: Finest first: the order in which estimates look for enough runs.
 LEVELS = (EXPLICIT, COMMAND, SCRIPT, PROGRAM)
 
-_PYTHON_RE = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?[a-z]?(\.exe)?$")
+_PYTHON_RE = re.compile(r"^(python|pypy)(\d+(\.\d+)*)?[a-z]?(\.exe)?\Z")
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish"})
 #: Python options that take a value (as the next token or glued on: -Wignore).
 _PYTHON_VALUE_OPTIONS = frozenset("WX")

@@ -91,9 +91,9 @@ _GPU_KEYS = frozenset(
         "compute_mode",
     }
 )
-_RECORD_RE = re.compile(r"^([0-9]+)\.json$")
-_TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp$")
-_UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+$")
+_RECORD_RE = re.compile(r"^([0-9]+)\.json\Z")
+_TEMP_RE = re.compile(r"^\.([0-9]+)\..*\.tmp\Z")
+_UUID_RE = re.compile(r"^GPU-[0-9A-Za-z-]+\Z")
 
 
 class SimGpu(Record, frozen=True):

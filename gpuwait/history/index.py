@@ -57,13 +57,13 @@ SCHEMA = 4
 DIRNAME = "history.index"
 #: This schema's files: the meta and the buckets (`bucket_of`).
 META = f"meta.v{SCHEMA}.json"
-_BUCKET_RE = re.compile(r"^b[0-9a-f]{3}\.json$")
+_BUCKET_RE = re.compile(r"^b[0-9a-f]{3}\.json\Z")
 #: The files of the index's schemas 1-3, kept for an older gpuwait while they describe the
 #: history as it is (`_remove_stale_legacy`).
 _LEGACY_META = "meta.json"
-_LEGACY_BUCKET_RE = re.compile(r"^b[0-9a-f]{2}\.json$")
+_LEGACY_BUCKET_RE = re.compile(r"^b[0-9a-f]{2}\.json\Z")
 #: The temporary files of the index's writes (`_write_cache`).
-_TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp$")
+_TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp\Z")
 KEEP_RUNS = KEEP_PER_KEY
 _OK, _OOM, _APPROX, _SIZED = 1, 2, 4, 8
 #: A bucket file larger than this is not one (4096 buckets of KEEP_RUNS runs per key).

@@ -71,7 +71,7 @@ from gpuwait.linux.security import mine, open_readable
 FILENAME = "history.jsonl"
 LOCK_NAME = "history.lock"
 #: The temporary files a compaction writes, with the history lock held.
-_TEMP_RE = re.compile(r"^\.history\.jsonl(?:\.1)?\.[0-9]+\.tmp$")
+_TEMP_RE = re.compile(r"^\.history\.jsonl(?:\.1)?\.[0-9]+\.tmp\Z")
 #: Runs kept per command key (at each level) by compaction: more than an estimate looks at.
 KEEP_PER_KEY = 2 * WINDOW
 #: The newest runs, kept by compaction whatever their key, for `gpuwait history`.

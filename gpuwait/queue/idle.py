@@ -43,7 +43,7 @@ IDLE_FILE = "idle.json"
 _VERSION = 2
 #: A machine's GPU processes fit in far less; a bigger file is not ours.
 _CAP = 1 << 20
-_TEMP_RE = re.compile(r"^\.idle\.json\.[0-9]+\.tmp$")
+_TEMP_RE = re.compile(r"^\.idle\.json\.[0-9]+\.tmp\Z")
 #: Seconds: a temporary file unchanged this long is no live writer's (a write takes milliseconds).
 _TEMP_AGE = 600.0
 

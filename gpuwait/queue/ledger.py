@@ -75,9 +75,9 @@ LEAVE_PATIENCE = 1.0
 #: wake-up summary: all written with the ledger lock held.
 _TEMP_RE = re.compile(
     r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?\.json(?:\.damaged-[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]+)?"
-    r"|wake(?:\.[0-9]+)?\.json)\.[0-9]+(?:-[0-9a-f]+)?\.tmp$"
+    r"|wake(?:\.[0-9]+)?\.json)\.[0-9]+(?:-[0-9a-f]+)?\.tmp\Z"
 )
-_USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json$")
+_USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json\Z")
 _CRC_PREFIX = b'{"crc":'
 
 

@@ -59,7 +59,7 @@ MAX_SUMMARY_BYTES = 4 << 20
 STAMP = "plan.stamp"
 #: In a shared ledger directory: one user's summary makes a waiter act at most this often.
 SOURCE_GAP = 0.05
-_USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json$")
+_USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
 #: Summaries looked at, at most (one per user who ever used the directory).
 MAX_SUMMARIES = 4096
 

@@ -126,7 +126,7 @@ def which(name: str) -> str | None:
 
 #: Programs that are Python (or start Python) by name, whatever their first line says.
 _PYTHON_NAMES = re.compile(
-    r"^(python|pypy|ipython)[0-9.]*$|^(torchrun|accelerate|deepspeed|jupyter)$"
+    r"^(python|pypy|ipython)[0-9.]*\Z|^(torchrun|accelerate|deepspeed|jupyter)\Z"
 )
 
 

@@ -304,15 +304,20 @@ def test_sigkilled_job_stops_counting(sim_file: SimFileFactory) -> None:
     assert not (state_dir_for(path) / f"{job.pid}.json").exists()
 
 
-def test_record_of_reused_pid_does_not_count(sim_file: SimFileFactory) -> None:
+def one_card_for_this_process(sim_file: SimFileFactory) -> tuple[Path, Path, int, int, str]:
+    """A simulated 24 GiB card with its records' directory made: the file, the directory,
+    this process's pid and start time, and the card's UUID."""
     path = sim_file(gpus=1, memory="24GiB")
-    config = load_sim_file(path)
     directory = state_dir_for(path)
     directory.mkdir(mode=0o700)
     me = os.getpid()
     started = proc.start_time(me)
     assert started is not None
-    uuid = config.gpus[0].uuid
+    return path, directory, me, started, load_sim_file(path).gpus[0].uuid
+
+
+def test_record_of_reused_pid_does_not_count(sim_file: SimFileFactory) -> None:
+    path, directory, me, started, uuid = one_card_for_this_process(sim_file)
     # Our pid, but a start time of some earlier process that had it.
     write_allocation(directory, Allocation(me, started - 1, uuid, 20 * GiB))
     assert snapshot(path) == {0: (0, {})}
@@ -335,6 +340,15 @@ def test_garbage_records_are_ignored(sim_file: SimFileFactory) -> None:
     (directory / f"{me + 1}.json").write_text(
         json.dumps({"schema": 1, "pid": me, "start_time": 0, "gpu_uuid": "x", "bytes": 1})
     )
+    assert snapshot(path) == {0: (0, {})}
+
+
+def test_a_record_whose_name_ends_in_a_newline_is_no_jobs(sim_file: SimFileFactory) -> None:
+    # In a shared simulation's directory anyone can add a file: one named `<pid>.json` and a
+    # newline was read as that process's allocation, beside its real one.
+    path, directory, me, started, uuid = one_card_for_this_process(sim_file)
+    write_allocation(directory, Allocation(me, started, uuid, 20 * GiB))
+    os.rename(directory / f"{me}.json", directory / f"{me}.json\n")
     assert snapshot(path) == {0: (0, {})}
 
 
@@ -376,6 +390,8 @@ def test_lost_gpu_is_skipped_then_back(sim_file: SimFileFactory) -> None:
         ("[[gpu]]\nmemory = '1G'\nlost = 'yes'\n", "gpu 0: lost must be true or false"),
         ("[[gpu]]\nmemory = '1G'\nutilization = 150\n", "utilization 150 must be an integer"),
         ("[[gpu]]\nmemory = '1G'\nuuid = 'abc'\n", "gpu 0: uuid 'abc' must look like"),
+        # A newline would go on into CUDA_VISIBLE_DEVICES.
+        ("[[gpu]]\nmemory = '1G'\nuuid = \"GPU-1\\n\"\n", "gpu 0: uuid 'GPU-1\\n' must look"),
         ("[[gpu]]\nmemory = '1G'\ncompute_capability = 8.0\n", "compute_capability 8.0 must"),
         ("[[gpu]]\nmemory = '1G'\ncompute_capability = 'x'\n", "compute_capability 'x' must"),
         (
