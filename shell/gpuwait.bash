@@ -1,4 +1,4 @@
-# gpuwait shell hook for bash. In ~/.bashrc:  eval "$(gpuwait shell-init bash)"
+# gpuwait shell hook for bash. In ~/.bashrc:  command -v gpuwait >/dev/null && eval "$(gpuwait shell-init bash)"
 # The commands below run through gpuwait, which waits until their VRAM fits (default_vram,
 # wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
 # Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.

@@ -1,4 +1,4 @@
-# gpuwait shell hook for fish. In ~/.config/fish/config.fish:  gpuwait shell-init fish | source
+# gpuwait shell hook for fish. In ~/.config/fish/config.fish:  command -q gpuwait; and gpuwait shell-init fish | source
 # The commands below run through gpuwait, which waits until their VRAM fits (default_vram,
 # wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
 # Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.

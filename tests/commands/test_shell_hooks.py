@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -281,6 +282,33 @@ def test_wrap_rules_from_the_config_file(
     assert inside["cuda"] in sim_uuids()
     assert dry_run["cuda"] is None
     assert python3["cuda"] is None
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_the_documented_rc_line_is_quiet_where_gpuwait_is_not_installed(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A home shared with machines that lack gpuwait: the rc line said "gpuwait: command not
+    # found" at the start of every shell there.
+    page = (REPO / "docs" / "integrations.md").read_text()
+    rc = {"bash": ".bashrc", "zsh": ".zshrc", "fish": "config.fish"}[shell]
+    (line,) = re.findall(rf"echo '([^']*shell-init[^']*)' >> ~/\S*{re.escape(rc)}", page)
+    bare = {**hook_env, "PATH": "/usr/bin:/bin"}
+    assert shutil.which("gpuwait", path=bare["PATH"]) is None
+    done = run_shell(shell, line, [], bare)
+    assert done.stderr == "" and done.stdout == "", done
+    if shell != "fish":  # fish defines its functions at the first prompt, which -c never shows
+        shown = {"bash": "type -t python", "zsh": "whence -w python"}[shell]
+        interactive = ["bash", "--norc", "-i"] if shell == "bash" else ["zsh", "-f", "-i"]
+        done = subprocess.run(
+            [*interactive, "-c", f"{line}\n{shown}"],
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+        assert "function" in done.stdout, done
 
 
 def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
