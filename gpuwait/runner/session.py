@@ -1148,6 +1148,7 @@ def _start(
         responder, "signum", None
     )
     if result.paused and code == config.resume_exit and not stopped:
+        ran = job
         job = lifecycle.step_aside(
             ledger, job, result.run_seconds, (vram_seconds, config.wait.fair.half_life)
         )
@@ -1159,7 +1160,11 @@ def _start(
                 request,
                 config,
                 reporter,
-                left,
+                # Its pauses as they are now, and what this run had reserved: stepped aside,
+                # or admitted again, the job holds nothing of it, or another run's room.
+                left._replace(
+                    reserved_bytes=ran.reserved_bytes, reserved_by_gpu=ran.reserved_by_gpu
+                ),
                 chosen,
                 result,
                 queued_seconds,

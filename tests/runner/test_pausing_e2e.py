@@ -418,6 +418,8 @@ def test_a_job_stopped_while_waiting_to_resume_leaves_its_runs_in_the_history(
     (ran,) = [r for r in records if r["job_id"] == job]
     assert ran["pauses"] == 1 and ran["paused_seconds"] > 0, ran
     assert ran["peak_bytes"] == 16 * 2**30 and ran["run_seconds"] >= MIN_RUNTIME, ran
+    # What it had reserved for that run, not the nothing it held while waiting to resume.
+    assert ran["reserved_bytes"] == 16 * 2**30, ran
     # Cut short, it teaches no run time as a finished run would.
     stat = run_stat(ran)
     assert stat is not None and not stat.ok
@@ -892,3 +894,4 @@ def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_di
     records = [json.loads(line) for line in history.read_text().splitlines()]
     (ran,) = [r for r in records if r["job_id"] == paused["job"]]
     assert ran["pauses"] == 1 and ran["peak_bytes"] == 16 * 2**30, ran
+    assert ran["reserved_bytes"] == 16 * 2**30, ran
