@@ -3,6 +3,8 @@
     history.index/
         meta.v4.json {"schema", "dev", "ino", "offset"}: the history file it was built from
                      (device and inode) and how many of its bytes it has taken in
+        .writing     there while an update writes: found by the next one, its writer was
+                     killed halfway, and the temporary files it left are removed
         b000.json ... bfff.json
                      4096 buckets by key hash: {key hash: {"n": runs ever, "runs": [...]}} with
                      the newest KEEP_RUNS runs of each key, oldest first; "n" counts the runs
@@ -64,6 +66,8 @@ _LEGACY_META = "meta.json"
 _LEGACY_BUCKET_RE = re.compile(r"^b[0-9a-f]{2}\.json\Z")
 #: The temporary files of the index's writes (`_write_cache`).
 _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp\Z")
+#: There while an update writes (`_writing`): found by the next, its writer was killed halfway.
+_WRITING = ".writing"
 KEEP_RUNS = KEEP_PER_KEY
 _OK, _OOM, _APPROX, _SIZED = 1, 2, 4, 8
 #: A bucket file larger than this is not one (4096 buckets of KEEP_RUNS runs per key).
@@ -297,15 +301,14 @@ def refresh(
             or (meta["dev"], meta["ino"]) != (st.st_dev, st.st_ino)
             or meta["offset"] > st.st_size
         ):
+            _writing(directory)
             parsed = read_from(history, 0, limit)
             _rebuild(directory, parsed)
             _remove_stale_legacy(directory, st)
         else:
             if meta["offset"] == st.st_size:
                 return warnings
-            # Every file here is written with the history lock held: those of a writer killed
-            # halfway go before this one writes, so that they never pile up.
-            remove_left_temp_files(directory, _TEMP_RE)
+            _writing(directory)
             parsed = read_from(history, meta["offset"], limit)
             try:
                 _take_in(directory, parsed)
@@ -325,7 +328,22 @@ def refresh(
                 "offset": parsed.end,
             },
         )
+        with contextlib.suppress(OSError):
+            os.unlink(directory / _WRITING)
     return warnings
+
+
+def _writing(directory: Path) -> None:
+    """Mark the index as being written (the history lock held), first removing the files of
+    the last writer where it was killed halfway: its mark is still there. Each one therefore
+    goes with the next update, and an update lists the directory, 4,096 buckets a year on,
+    only then, not after every run."""
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        os.close(os.open(directory / _WRITING, flags, 0o600))
+    except OSError:
+        # FileExistsError: a writer killed halfway. Any other failure: looked at every time.
+        remove_left_temp_files(directory, _TEMP_RE)
 
 
 def _group(parsed: Parsed) -> dict[str, dict[str, list[tuple[Row, int]]]]:

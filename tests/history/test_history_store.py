@@ -244,19 +244,61 @@ def test_an_older_gpuwaits_index_beside_this_ones_costs_neither_a_rebuild(
     assert not {"meta.json", "b00.json"} & {p.name for p in directory.iterdir()}
 
 
-def test_the_files_of_index_writes_killed_halfway_do_not_pile_up(tmp_path: Path) -> None:
+def an_index(state: Path) -> Path:
+    """The index of a history of one run of TRAIN, built; its directory."""
+    store.append_record(state, record(TRAIN, 4, NOW))
+    learn(state, TRAIN, CWD, now=NOW)
+    return index.index_dir(state)
+
+
+class _Killed(BaseException):
+    """A gpuwait killed (kill -9) at that point: nothing after it runs."""
+
+
+def test_the_files_of_index_writes_killed_halfway_do_not_pile_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Each gpuwait killed while it wrote the index leaves a file named for its pid; the next
     # record's index update, under the same lock, takes them away, not only a compaction.
-    store.append_record(tmp_path, record(TRAIN, 4, NOW))
-    learn(tmp_path, TRAIN, CWD, now=NOW)
-    directory = index.index_dir(tmp_path)
-    left = [directory / f".b{n:02x}.json.{4_000_000 + n}.tmp" for n in range(20)]
-    left.append(directory / ".meta.json.4000100.tmp")
-    for path in left:
-        path.write_bytes(b'{"half a bucket')
-    save_record(tmp_path, record(TRAIN, 5, NOW + 1), max_bytes=2**30)
+    directory = an_index(tmp_path)
+    left = [directory / f".b{n:03x}.json.{4_000_000 + n}.tmp" for n in range(20)]
+    left.append(directory / f".{index.META}.4000100.tmp")
+    real = os.replace
+
+    def killed_halfway(source: Any, target: Any) -> None:
+        # Each of these writers is killed with its file written, before it takes its place.
+        for path in left:
+            path.write_bytes(b'{"half a bucket')
+        raise _Killed
+
+    for n in range(3):
+        monkeypatch.setattr(os, "replace", killed_halfway)
+        with pytest.raises(_Killed):
+            save_record(tmp_path, record(TRAIN, 5 + n, NOW + 1 + n), max_bytes=2**30)
+        monkeypatch.setattr(os, "replace", real)
+    save_record(tmp_path, record(TRAIN, 8, NOW + 4), max_bytes=2**30)
     assert [p.name for p in directory.iterdir() if p.name.endswith(".tmp")] == []
     assert estimate_bytes(tmp_path, TRAIN) == naive_estimate(tmp_path, TRAIN)
+
+
+def test_an_index_update_after_a_run_does_not_list_a_year_of_buckets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A year of one-off lines fills all 4,096 buckets: listing them after every run, to find
+    # the files of a writer killed halfway where there were none, took longer than the update.
+    directory = an_index(tmp_path)
+    listed: list[str] = []
+    real = os.listdir
+
+    def listdir(path: Any = ".") -> list[str]:
+        listed.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    for n in range(3):
+        save_record(tmp_path, record(TRAIN, 5 + n, NOW + 1 + n), max_bytes=2**30)
+        assert estimate_bytes(tmp_path, TRAIN) == naive_estimate(tmp_path, TRAIN)
+    assert str(directory) not in listed
 
 
 def test_compaction_keeps_what_estimates_use(tmp_path: Path) -> None:
