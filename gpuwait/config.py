@@ -277,9 +277,9 @@ def _size_limit(value: Any) -> int:
 
 def _percent(value: Any) -> float:
     """A utilization in percent, 0 to 100: `5%`, or `5` as nvidia-smi and `--max-util` write
-    it (and as configs written before shares were alike say it). A number between 0 and 1
-    without % could be a share (0.5: half) or a percent (half a percent), a hundred times
-    apart: refused, saying how to write either."""
+    it. A number without %, however small, is a percent, as every release has read it
+    (`0.5`: half a percent; `gpuwait config` shows it as `0.5%`): refused, a config that has
+    worked would stop every launch."""
     text = str(value).strip() if isinstance(value, str) else value
     if isinstance(text, str) and text.endswith("%"):
         return 100 * _share(text, 1, "5%")
@@ -287,11 +287,6 @@ def _percent(value: Any) -> float:
         number = _number(text)
     except ValueError:
         number = math.nan
-    if 0 < number < 1:
-        raise ValueError(
-            f"{number:g} is a percent here, as nvidia-smi writes utilization: write "
-            f"{number:g}% if that is meant, or {100 * number:g}% for {number:g} of the whole"
-        )
     if not 0 <= number <= 100:
         raise ValueError("expected a percent from 0 to 100, e.g. 5%")
     return number

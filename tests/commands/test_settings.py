@@ -61,14 +61,14 @@ def test_a_share_is_written_alike_for_every_setting_that_takes_one() -> None:
     # written before said it: `5` stays five percent.
     for written in (5, "5", "5%"):
         assert resolve({}, {}, {"idle_max_util": written}, Path("c.toml")).idle_max_util == 5.0
-    # Between 0 and 1 without %, the two readings are a hundred times apart: refused, saying
-    # how to write each, never taken one way in silence.
+    # Between 0 and 1 too, as the release before took it (`idle_max_util = 0.5`, half a
+    # percent) and as --max-util 0.5 takes it: refused, it stopped every launch of a config
+    # that had worked. `gpuwait config` shows it as the percent it is.
     for written in (0.5, "0.5"):
-        with pytest.raises(UsageError) as refused:
-            resolve({}, {}, {"idle_max_util": written}, Path("c.toml"))
-        assert "write 0.5% if that is meant, or 50% for 0.5 of the whole" in refused.value.message
-    with pytest.raises(UsageError):
-        resolve({}, {"GPUWAIT_IDLE_MAX_UTIL": "0.05"}, {}, Path("c.toml"))
+        settings = resolve({}, {}, {"idle_max_util": written}, Path("c.toml"))
+        assert settings.idle_max_util == 0.5 and settings.shown("idle_max_util") == "0.5%"
+    from_env = resolve({}, {"GPUWAIT_IDLE_MAX_UTIL": "0.05"}, {}, Path("c.toml"))
+    assert from_env.idle_max_util == 0.05
     # A margin past the whole without %: refused, saying how to write a percent.
     with pytest.raises(UsageError) as refused:
         resolve({}, {}, {"estimate_margin": 5}, Path("c.toml"))
