@@ -1394,5 +1394,9 @@ def _record(
     except OSError as exc:
         # The run itself is over and its status stands; only the record is lost.
         warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
+    except MemoryError:
+        # The same where memory ran out (a long history compacted under `ulimit -v`): not
+        # gpuwait's end, said as before any command ran (cli.entry_point).
+        warnings = ["could not record the run in the history: out of memory"]
     for message in warnings:
         reporter.warn(message)

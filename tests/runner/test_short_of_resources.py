@@ -380,3 +380,35 @@ def test_a_launch_short_of_memory_says_so_in_one_line_and_runs_nothing(
         refused.append(megabytes)
     assert ran.exists(), "gpuwait never ran its command"
     assert refused, "no limit let Python start but not gpuwait"
+
+
+def test_a_run_whose_record_finds_no_memory_left_ends_with_its_commands_status(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    # Out of memory only once its command had ended (the history's compaction under a
+    # `ulimit -v` the command fitted in), gpuwait said that it ran out of memory and that a
+    # command not yet started is not run, and exited 126: the command's own status was lost.
+    sim_file(gpus=1)
+    ran = tmp_path / "ran"
+    patch = textwrap.dedent(
+        """
+        from gpuwait.cli import entry_point
+        from gpuwait.runner import session
+
+        def no_memory_left(*args, **kwargs):
+            raise MemoryError
+
+        session.save_record = no_memory_left
+        entry_point()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", patch, "--vram", "1G", "--", "sh", "-c", f"touch {ran}; exit 3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.exists()
+    assert done.returncode == 3, done.stderr
+    assert "could not record the run in the history: out of memory" in done.stderr, done.stderr
+    assert "not run" not in done.stderr
