@@ -32,6 +32,7 @@ from gpuwait.core.sizes import (
     parse_request,
     parse_size,
 )
+from gpuwait.core.text import one_line
 from gpuwait.queue.wait import WaitPolicy
 from gpuwait.runner import session
 from gpuwait.runner.session import Pausable, RunConfig, RunRequest
@@ -342,6 +343,11 @@ def _request(options: argparse.Namespace) -> RunRequest:
         raise UsageError("no command given; usage: gpuwait [OPTIONS] [--] COMMAND [ARGS...]")
     if options.key is not None and not options.key.strip():
         raise UsageError("--key needs a non-empty name")
+    if options.key is not None and not one_line(options.key):
+        # Read from a file with its line end, say: learned apart, shown as `train?`.
+        raise UsageError(
+            f"--key {options.key!r}: a key is one line of text, without control characters"
+        )
     if options.freezable and options.pausable:
         # Two answers to one request to step aside: a job is asked once, and does one thing.
         raise UsageError(

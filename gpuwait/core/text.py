@@ -25,6 +25,14 @@ def printable(text: str, limit: int = 200) -> str:
     return cut(cleaned, limit - 1) + "…"
 
 
+def one_line(text: str) -> bool:
+    """Whether `text` is shown as it is by `printable`: no control character, line end or the
+    like in it."""
+    import unicodedata
+
+    return all(unicodedata.category(c) not in _UNPRINTABLE for c in text)
+
+
 def columns(text: str) -> int:
     """How many columns of a terminal `text` takes: two for each wide character (Chinese,
     Japanese and Korean ones, fullwidth forms, most emoji), one for any other."""

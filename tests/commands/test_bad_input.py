@@ -89,6 +89,16 @@ CASES: dict[str, Case] = {
         2,
         "use up to 100 letters",
     ),
+    # A key read from a file with its newline: its runs were learned apart, shown as
+    # 'train?', and `history --key train` or `estimate --key train` never found them.
+    "key ending in a newline": (
+        ["--vram", "1G", "--key", "train\n", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--key 'train\\n': a key is one line",
+    ),
     "negative gpus": (["--gpus", "-1", "true"], {}, None, None, 2, "at least 1"),
     "checkpoint signal without pausable": (
         ["--vram", "1G", "--checkpoint-signal", "USR2", "true"],
