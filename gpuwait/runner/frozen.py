@@ -365,9 +365,8 @@ class FreezeResponder:
                     said_once = True
                     self.reporter.warn(
                         f"job {self.job.id} could not be thawed yet ({exc}); trying again "
-                        f"every {THAW_RETRY_S:g}s for up to "
-                        f"{format_setting_duration(self.policy.gpu_error_timeout)} "
-                        "(gpu_error_timeout)"
+                        f"every {THAW_RETRY_S:g}s for up to gpu_error_timeout = "
+                        f"{format_setting_duration(self.policy.gpu_error_timeout)}"
                     )
                 time.sleep(
                     min(THAW_RETRY_S, max(0.0, failing_since + self.policy.gpu_error_timeout - now))

@@ -53,7 +53,12 @@ from gpuwait.core.policy import (
     impossible_reason,
 )
 from gpuwait.core.record import Record
-from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
+from gpuwait.core.sizes import (
+    MemoryRequest,
+    format_duration,
+    format_setting_duration,
+    format_size,
+)
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
@@ -294,8 +299,8 @@ def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) ->
             pause = retry.failed(exc)
             if first:
                 reporter.warn(
-                    f"{exc.message}; retrying (for up to "
-                    f"{format_duration(config.wait.gpu_error_timeout)}: gpu_error_timeout)"
+                    f"{exc.message}; retrying for up to gpu_error_timeout = "
+                    f"{format_setting_duration(config.wait.gpu_error_timeout)}"
                 )
             # Waiting for the GPUs, not loading: the next launch in the turnstile goes ahead.
             turnstile.leave()

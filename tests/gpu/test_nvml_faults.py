@@ -185,6 +185,9 @@ def test_a_launch_that_needs_a_lost_gpu_waits_for_it_then_ends_with_exit_4(
     done = subprocess.run([*argv, "true"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 4, done.stderr
     assert "GPU 1 did not answer" in done.stderr and "gpu_error_timeout" in done.stderr
+    # The setting named as `gpuwait config` shows it, in the warning as in the error.
+    assert "retrying for up to gpu_error_timeout = 1s" in done.stderr, done.stderr
+    assert "longer than gpu_error_timeout = 1s" in done.stderr, done.stderr
 
 
 def test_used_above_total_counts_as_full(fake_nvml: FakeNvml) -> None:
