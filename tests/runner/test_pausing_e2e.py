@@ -19,6 +19,7 @@ from conftest import REPO
 from helpers.fixtures_sim import hold_card
 from helpers.waiting import catches_signal, ledger_entries, wait_for
 
+from gpuwait.gpu.sim import SimBackend
 from gpuwait.history.record import run_stat
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import Job
@@ -363,6 +364,10 @@ def test_a_retry_of_a_job_that_stepped_aside_waits_at_most_its_timeout(
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
     )
     try:
+        # Held before the job starts: on a loaded machine the holder's own start takes seconds,
+        # and a retry planned before it held anything would find the whole card free.
+        backend = SimBackend(os.environ["GPUWAIT_SIM"])
+        wait_for(lambda: backend.snapshot().gpus[0].used_bytes >= 2**30, timeout=60)
         # 3 s: long enough that a loaded machine never ends its first wait, for a free card.
         assert steps_aside_then_runs_out(gpuwait_cmd, tmp_path, "--timeout", "3s") == 124
     finally:
