@@ -957,6 +957,17 @@ def _in_a_home_not_yours(path: Path) -> bool:
     return True
 
 
+def _site_unreadable_hint(path: Path) -> str:
+    """What makes the site config file `path` readable to every user: its administrator's
+    chmod of the first directory on the way that keeps others out (made by `mkdir -p` under
+    root's umask 077), else of the file. Neither the user's own chmod nor a config file of
+    their own would do: the file is root's, and read whatever GPUWAIT_CONFIG names."""
+    for directory in reversed(path.parents):
+        if not os.access(directory, os.X_OK):
+            return f"an administrator runs: chmod o+rx {shell_word(directory)}"
+    return f"an administrator runs: chmod o+r {shell_word(path)}"
+
+
 def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     """The table in `path`; {} when there is none. Raises UsageError for a broken file.
 
@@ -986,7 +997,9 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         raise UsageError(f"{kind} {path} {exc.what}; refusing to use it") from None
     except OSError as exc:
         hint = None
-        if exc.errno in (errno.EACCES, errno.EPERM):
+        if exc.errno in (errno.EACCES, errno.EPERM) and site:
+            hint = _site_unreadable_hint(path)
+        elif exc.errno in (errno.EACCES, errno.EPERM):
             hint = (
                 f"make it readable (chmod u+r {shell_word(path)}), or set GPUWAIT_CONFIG to "
                 "another file"

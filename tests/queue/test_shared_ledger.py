@@ -1155,3 +1155,32 @@ def test_a_waiters_own_stricter_safety_counts_in_another_users_plan(server: Serv
 
     assert bobs_eta(ALICE, alice) is None
     assert bobs_eta(BOB, server.envs[BOB]) is None
+
+
+def test_a_site_config_its_members_cannot_read_says_what_the_administrator_does(
+    server: Server,
+) -> None:
+    # The set-up of docs/shared-servers.md, as root with umask 077 (a hardened server's):
+    # `mkdir -p` makes the site config's directory root's alone; the file is then chmod 644.
+    server.site_config("user_max_gpus = 1\n")
+    site = server.site_dir / "gpuwait"
+    config = site / "config.toml"
+    site.chmod(0o700)
+    done = server.run(ALICE, "--vram", "1G", "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    # Neither what she can do about it (the file is root's) nor a file of her own instead
+    # (the site's file is read whatever GPUWAIT_CONFIG names): what the administrator runs.
+    assert "chmod u+r" not in done.stderr and "GPUWAIT_CONFIG" not in done.stderr
+    assert f"an administrator runs: chmod o+rx {site}" in done.stderr
+    # The file itself unreadable: the same, naming the file.
+    site.chmod(0o755)
+    config.chmod(0o600)
+    done = server.run(ALICE, "--vram", "1G", "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert f"an administrator runs: chmod o+r {config}" in done.stderr
+    # Made readable as said, her job runs in the shared ledger.
+    config.chmod(0o644)
+    done = server.run(ALICE, "--vram", "1G", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert server.own_file(ALICE).exists()
