@@ -1121,6 +1121,36 @@ def _site_value(name: str, site: Mapping[str, Any]) -> Any:
         return option.parse(option.default)
 
 
+def _file_key(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a file changed (written in place or replaced by an editor); None: none there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[], FairShare]:
+    """The fairness policy (`Settings.fair_share`) as the config files say at each call: an
+    administrator who adds a per-user limit to the site file, or changes the queue's order,
+    reaches the jobs that already wait. The settings are read again only when the site file
+    changed; a file broken now (an editor's half-written one) leaves the last policy read in
+    force until it changes again."""
+    site = site_config_file_path()
+    seen: list[Any] = [_file_key(site), settings.fair_share()]
+
+    def current() -> FairShare:
+        key = _file_key(site)
+        if key != seen[0]:
+            seen[0] = key
+            with contextlib.suppress(UsageError, StateError):
+                seen[1] = load_settings(cli).fair_share()
+        fair: FairShare = seen[1]
+        return fair
+
+    return current
+
+
 def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:
     """Read the environment and both config files, and resolve against `cli`."""
     environ = os.environ if env is None else env

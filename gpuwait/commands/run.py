@@ -22,7 +22,7 @@ from gpuwait.commands.parsing import (
     terminal_columns,
     whole_number,
 )
-from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings
+from gpuwait.config import OPTIONS, OPTIONS_BY_NAME, Settings, current_fair_share
 from gpuwait.core.errors import EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS, PauseRules
 from gpuwait.core.sizes import (
@@ -306,18 +306,16 @@ def run(options: argparse.Namespace) -> int:
 def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
     """The options as a typed request, and the settings (which some options override) as
     plain values; gpuwait.api reserves with the same options through here."""
-    settings = load_settings(
-        {
-            "timeout": options.timeout,
-            "pick": options.pick,
-            "priority": options.priority,
-            "safety": options.safety,
-            "ledger_dir": options.ledger,
-            "enforce": options.enforce,
-            "prefer": options.prefer,
-        }
-    )
-    return _request(options), _config(settings)
+    cli = {
+        "timeout": options.timeout,
+        "pick": options.pick,
+        "priority": options.priority,
+        "safety": options.safety,
+        "ledger_dir": options.ledger,
+        "enforce": options.enforce,
+        "prefer": options.prefer,
+    }
+    return _request(options), _config(settings=load_settings(cli), cli=cli)
 
 
 def _subcommand_hint(program: str) -> str | None:
@@ -456,7 +454,7 @@ def _references(values: list[str]) -> tuple[str, ...]:
     return tuple(ref.strip() for value in values for ref in value.split(",") if ref.strip())
 
 
-def _config(settings: Settings) -> RunConfig:
+def _config(settings: Settings, cli: Mapping[str, Any]) -> RunConfig:
     weights: Mapping[str, float] = settings.gpu_weights
     return RunConfig(
         state_dir=settings.state_path,
@@ -483,6 +481,7 @@ def _config(settings: Settings) -> RunConfig:
             ignore_processes=frozenset(settings.ignore_processes),
             use_inotify=settings.wake == "inotify",
             fair=settings.fair_share(),
+            current_fair=current_fair_share(cli, settings),
             pause_rules=PauseRules(
                 min_runtime=settings.pause_min_runtime, max_pauses=settings.pause_max
             ),

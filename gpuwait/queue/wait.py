@@ -32,15 +32,18 @@ from gpuwait.core.errors import (
     DEFAULT_GPU_ERROR_TIMEOUT,
     BackendUnavailable,
     GpuwaitError,
+    ImpossibleRequest,
     StateShortage,
 )
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.policy import (
+    OVER_LIMIT,
     Conditions,
     FairShare,
     WaitReason,
     admission_fits,
     describe_need,
+    impossible_reason,
 )
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration, format_setting_duration
@@ -109,6 +112,10 @@ class WaitPolicy(Record, frozen=True):
     #: `idle_action = pause`: the user's own idle pausable jobs are asked to step aside for
     #: this waiter whatever their priority. None: idleness changes nothing.
     idle: IdleWatch | None = None
+    #: The fairness policy as the config files say now, asked at every look for room: an
+    #: administrator's change of the site's limits or order reaches the jobs that already
+    #: wait. None: `fair` for the whole wait.
+    current_fair: Callable[[], FairShare] | None = None
 
 
 #: What to do about GPUs that do not answer past gpu_error_timeout.
@@ -395,6 +402,21 @@ def _in_shared_ledger(ledger: Ledger, policy: WaitPolicy) -> WaitPolicy:
     return policy._replace(fair=fair)
 
 
+def _refuse_over_new_limit(job: Job, snapshot: MachineSnapshot, policy: WaitPolicy) -> None:
+    """Raise ImpossibleRequest where a per-user limit set while `job` waited is less than it
+    asks alone: it would wait for ever (at submission, such a request is refused at once)."""
+    if policy.fair.limits is None:
+        return
+    why = impossible_reason(
+        claim_of(job, snapshot.gpus), snapshot.gpus, policy.safety, policy.fair.limits
+    )
+    if why is not None and why.startswith(OVER_LIMIT):
+        raise ImpossibleRequest(
+            f"{why}, set in the site config file while it waited",
+            hint="ask for less or for fewer GPUs: the limit is the site's",
+        )
+
+
 def wait_for_admission(
     ledger: Ledger,
     backend: Backend,
@@ -419,6 +441,8 @@ def wait_for_admission(
     """
     state_dir = ledger.directory
     summaries = wake.Summaries(state_dir, bool(ledger.shared))
+    #: The policy as given, before the shared ledger's order applies to it.
+    given = policy
     if ledger.shared:
         policy = _in_shared_ledger(ledger, policy)
     #: The job as it asked: a shared ledger's entry can be edited by any member of the group.
@@ -453,8 +477,13 @@ def wait_for_admission(
 
     def attempt(stamp: bool = True) -> Attempt | Stuck:
         """Read the GPUs, plan; take the lock only if the plan changes anything."""
-        nonlocal last, job, kicked
+        nonlocal last, job, kicked, given, policy
         snapshot = last = backend.snapshot()
+        fair_now = given.fair if given.current_fair is None else given.current_fair()
+        if fair_now != given.fair:
+            given = given._replace(fair=fair_now)
+            policy = _in_shared_ledger(ledger, given) if ledger.shared else given
+            _refuse_over_new_limit(job, snapshot, policy)
         silent = (
             no_gpu_answers(snapshot)
             or own_gpus_silent(job, snapshot)

@@ -1184,3 +1184,45 @@ def test_a_site_config_its_members_cannot_read_says_what_the_administrator_does(
     done = server.run(ALICE, "--vram", "1G", "--", "true")
     assert done.returncode == 0, done.stderr
     assert server.own_file(ALICE).exists()
+
+
+def start_logged(server: Server, uid: int, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    """`server.start`, its stderr in a file the test can read while it runs."""
+    log = server.root / f"stderr-{len(server.procs)}"
+    with log.open("w") as out:
+        proc = popen_as(
+            uid, uid, [GROUP], args, server.envs[uid], start_new_session=True, stderr=out
+        )
+    server.procs.append(proc)
+    return proc, log
+
+
+def test_a_limit_the_administrator_adds_holds_jobs_that_already_wait(server: Server) -> None:
+    first = server.start(ALICE, "--vram", "8G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    bob = server.start(BOB, "--vram", "12G", "--", "sleep", "30")
+    server.wait_jobs(2, "running")
+    # 20 of the card's 21.6 usable GiB are held: Alice's second job waits, with no limit yet.
+    second, log = start_logged(server, ALICE, "--vram", "8G", "--", "echo", "second ran")
+    server.wait_jobs(3)
+    # The administrator caps what one user holds; then Bob's job ends and leaves room.
+    server.site_config('user_max_vram = "12GiB"\n')
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.wait(timeout=20)
+    # Her second job would take her to 16 GiB: it waits for her first, under the new limit.
+    wait_for(
+        lambda: "per-user limit" in log.read_text() or second.poll() is not None,
+        timeout=20,
+        message=lambda: log.read_text(),
+    )
+    assert second.poll() is None, log.read_text()
+    assert [j["state"] for j in server.jobs() if j["uid"] == ALICE] == ["running", "waiting"]
+    # The limit lowered below what it asks alone: it can never run, and says so (exit 3).
+    server.site_config('user_max_vram = "4GiB"\n')
+    assert second.wait(timeout=20) == 3, log.read_text()
+    assert "per-user limit" in log.read_text() and "Traceback" not in log.read_text()
+    assert "second ran" not in (second.stdout.read() if second.stdout else "")
+    # What already runs is not touched: her first job (over the limit now) runs on.
+    assert first.poll() is None
+    assert [j["state"] for j in server.jobs()] == ["running"]
+    first.kill()
