@@ -12,7 +12,7 @@ import shutil
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpuwait.commands import output
@@ -264,6 +264,21 @@ def _clip(text: str, width: int) -> str:
     return printable(text, max(1, width))
 
 
+def _owner_cell(report: dict[str, Any]) -> Callable[[dict[str, Any] | None], str]:
+    """The USER column of the job tables (the heading for None): where users share the ledger,
+    or jobs of several users are shown, whose each job is, so that "held until a job ends"
+    says whose. A private ledger's single user would only see their own name again."""
+    if not report.get("ledger_shared") and len({j.get("uid") for j in report["jobs"]}) < 2:
+        return lambda job: ""
+
+    def cell(job: dict[str, Any] | None) -> str:
+        uid = None if job is None else job.get("uid")
+        name = "USER" if job is None else "?" if uid is None else proc.user_name(uid)
+        return _cell(name, 10) + " "
+
+    return cell
+
+
 def _cell(text: str, width: int) -> str:
     """`text` as a column of a table, `width` columns of the terminal wide whatever its
     characters (a Chinese one takes two)."""
@@ -344,10 +359,11 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         out.append(_clip("     " + driver, width))
     running = [j for j in report["jobs"] if j["state"] == RUNNING]
     waiting = [j for j in report["jobs"] if j["state"] != RUNNING]
+    owner = _owner_cell(report)
     out.append("")
     out.append(f"Running ({len(running)})")
     if running:
-        fixed = f" {'ID':<8} {'NAME':<12} {'GPU':<5} {'RESERV':>6} {'USED':>6} {'ELAPSED':>7} {'LEFT':>7}  "
+        fixed = f" {'ID':<8} {'NAME':<12} {owner(None)}{'GPU':<5} {'RESERV':>6} {'USED':>6} {'ELAPSED':>7} {'LEFT':>7}  "
         out.append(fixed + "COMMAND")
     for j in running:
         gpus = ",".join("?" if i is None else str(i) for i in j["gpu_indices"])
@@ -355,7 +371,8 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         # Past its expected run time: say so, not "~0ms" (it may run on for long yet).
         left_text = "-" if left is None else "overdue" if left <= 0 else "~" + format_duration(left)
         line = (
-            f" {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} {_clip(gpus, 5):<5} "
+            f" {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} {owner(j)}"
+            f"{_clip(gpus, 5):<5} "
             f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
             f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>7}  "
         )
@@ -393,14 +410,16 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     out.append("")
     out.append(f"Queue ({len(waiting)})")
     if waiting:
-        fixed = f" {'#':>3} {'ID':<8} {'NAME':<12} {'PRI':<3} {'NEEDS':<11} {'ETA':>6}  "
+        fixed = (
+            f" {'#':>3} {'ID':<8} {'NAME':<12} {owner(None)}{'PRI':<3} {'NEEDS':<11} {'ETA':>6}  "
+        )
         out.append(fixed + "COMMAND")
     for j in waiting:
         eta = j["eta_seconds"]
         eta_text = "-" if eta is None else "~" + format_duration(eta)
         line = (
             f" {j['position']:>3} {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} "
-            f"p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
+            f"{owner(j)}p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
         out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         frozen = j.get("frozen")

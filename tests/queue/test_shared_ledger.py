@@ -1226,3 +1226,27 @@ def test_a_limit_the_administrator_adds_holds_jobs_that_already_wait(server: Ser
     assert first.poll() is None
     assert [j["state"] for j in server.jobs()] == ["running"]
     first.kill()
+
+
+def test_root_sees_whose_jobs_hold_the_card_and_whose_wait(server: Server) -> None:
+    server.start(ALICE, "--vram", "15G", "--name", "train", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--vram", "15G", "--name", "eval", "--", "sleep", "30")
+    server.wait_jobs(2)
+    # Bob asks why his job does not start: it waits for the job that holds GPU0, and the
+    # administrator's `gpuwait status` says whose that is, beside each job.
+    done = subprocess.run(
+        ["python3", "-m", "gpuwait", "status"],
+        env={**server.root_env(), "COLUMNS": "120"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    running = lines.index("Running (1)")
+    assert "USER" in lines[running + 1].split()
+    assert {"train", str(ALICE)} <= set(lines[running + 2].split()), done.stdout
+    queue = lines.index("Queue (1)")
+    assert "USER" in lines[queue + 1].split()
+    assert {"eval", str(BOB)} <= set(lines[queue + 2].split()), done.stdout
