@@ -41,9 +41,16 @@ def run(options: argparse.Namespace) -> int:
         output.error(f"{_label(job)} cannot be cancelled: {printable(why)}")
     for ref in done.unmatched:
         output.error(f"no waiting or running job matches {printable(ref)}; see `gpuwait status`")
+    for ref, jobs in done.ambiguous:
+        ids = ", ".join(f"{printable(j.id, 16)} (uid {j.uid})" for j in jobs)
+        users = len({j.uid for j in jobs})
+        output.error(
+            f"jobs of {users} users are named {printable(ref)}, and none of them is yours: "
+            f"nothing cancelled; name the one you mean by its id: {ids}"
+        )
     if done.refused:
         return EXIT_NOT_PERMITTED
-    return EXIT_USAGE if done.unmatched else 0
+    return EXIT_USAGE if done.unmatched or done.ambiguous else 0
 
 
 def _label(job: Job) -> str:

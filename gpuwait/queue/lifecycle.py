@@ -42,7 +42,7 @@ from gpuwait.core.policy import (
     WaitReason,
     describe_need,
 )
-from gpuwait.core.record import Record
+from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import alive, pidns, proc, userns
@@ -64,6 +64,7 @@ from gpuwait.queue.bookkeeping import (
 from gpuwait.queue.conditions import (
     adoption_over_limit,
     busy_gpus,
+    machine_user,
     plan_ledger,
     planned_claims,
     record_hold,
@@ -1236,6 +1237,23 @@ class Cancellation(Record):
     refused: list[tuple[Job, str]]
     #: References that named no waiting or running job.
     unmatched: list[str]
+    #: Names (or `--batch NAME`) that named none of the caller's jobs but jobs of several other
+    #: users, with those jobs: nothing of theirs is cancelled, as which was meant is not known.
+    ambiguous: list[tuple[str, list[Job]]] = field(default_factory=list)
+
+
+def _referred(data: LedgerData, job_id: str | None, matches: list[Job]) -> list[Job] | None:
+    """Which of `matches` (the jobs whose id is `job_id`, or that have a name or batch) a
+    cancel means: a job's id names that job; a name, the caller's own jobs of that name where
+    they have any (another
+    user may give theirs the same one), else another user's; None where that would be jobs of
+    several users (root's cancel could not tell which student's was meant)."""
+    if any(j.id == job_id for j in matches):
+        return [j for j in matches if j.id == job_id]
+    own = [j for j in matches if data.mine(j)]
+    if own or len({machine_user(j) for j in matches}) < 2:
+        return own or matches
+    return None
 
 
 def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> Cancellation:
@@ -1247,16 +1265,20 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
     result = Cancellation([], [], [], [])
     with _change(ledger) as (data, said):
         chosen: list[Job] = []
-        for ref in refs:
-            matches = [j for j in data.jobs if ref in (j.id, j.name)]
+        # (as said, an id it may be, the jobs it names)
+        asked: list[tuple[str, str | None, list[Job]]] = [
+            (ref, ref, [j for j in data.jobs if ref in (j.id, j.name)]) for ref in refs
+        ]
+        if batch is not None:
+            asked.append((f"--batch {batch}", None, [j for j in data.jobs if j.batch == batch]))
+        for ref, job_id, matches in asked:
+            meant = _referred(data, job_id, matches)
             if not matches:
                 result.unmatched.append(ref)
-            chosen.extend(j for j in matches if j not in chosen)
-        if batch is not None:
-            members = [j for j in data.jobs if j.batch == batch]
-            if not members:
-                result.unmatched.append(f"--batch {batch}")
-            chosen.extend(j for j in members if j not in chosen)
+            elif meant is None:
+                result.ambiguous.append((ref, matches))
+            else:
+                chosen.extend(j for j in meant if j not in chosen)
         for job in chosen:
             refusal = _control_refusal(job, uid, ledger.directory)
             if refusal is not None:

@@ -98,6 +98,16 @@ class Server:
             "XDG_STATE_HOME": str(self.root / "root-state"),
         }
 
+    def run_root(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`gpuwait ARGS` as the administrator (root, with a state dir of its own)."""
+        return subprocess.run(
+            ["python3", "-m", "gpuwait", *args],
+            env={**self.root_env(), "COLUMNS": "120"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
     def own_file(self, uid: int) -> Path:
         return self.ledger_dir / f"ledger.{uid}.json"
 
@@ -1235,13 +1245,7 @@ def test_root_sees_whose_jobs_hold_the_card_and_whose_wait(server: Server) -> No
     server.wait_jobs(2)
     # Bob asks why his job does not start: it waits for the job that holds GPU0, and the
     # administrator's `gpuwait status` says whose that is, beside each job.
-    done = subprocess.run(
-        ["python3", "-m", "gpuwait", "status"],
-        env={**server.root_env(), "COLUMNS": "120"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = server.run_root("status")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     running = lines.index("Running (1)")
@@ -1250,3 +1254,30 @@ def test_root_sees_whose_jobs_hold_the_card_and_whose_wait(server: Server) -> No
     queue = lines.index("Queue (1)")
     assert "USER" in lines[queue + 1].split()
     assert {"eval", str(BOB)} <= set(lines[queue + 2].split()), done.stdout
+
+
+def test_a_name_two_users_give_their_jobs_cancels_only_ones_own(server: Server) -> None:
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    alices = server.start(ALICE, "--vram", "20G", "--name", "train", "--", "true")
+    bobs = server.start(BOB, "--vram", "20G", "--name", "train", "--", "true")
+    server.wait_jobs(3)
+    # Root, asked to cancel "train", cannot tell which student's is meant: nothing is
+    # cancelled, and it is told to name the job by its id.
+    root = server.run_root("cancel", "train")
+    assert root.returncode == 2, root.stderr
+    assert "jobs of 2 users are named train" in root.stderr and "by its id" in root.stderr
+    assert alices.poll() is None and bobs.poll() is None
+    # Alice cancels her "train": hers goes, and she is not told off about Bob's.
+    done = server.run(ALICE, "cancel", "train")
+    assert done.returncode == 0, done.stderr
+    assert "cannot be cancelled" not in done.stderr, done.stderr
+    assert alices.wait(timeout=20) == 7
+    assert bobs.poll() is None
+    assert [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "waiting"] == [
+        (BOB, "train")
+    ]
+    # Now one user's name: root cancels it by name, as before.
+    root = server.run_root("cancel", "train")
+    assert root.returncode == 0, root.stderr
+    assert bobs.wait(timeout=20) == 7
