@@ -308,6 +308,13 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
     return rows
 
 
+#: Decayed usage (VRAM·seconds) under which a user with no job is no row of the report: one
+#: byte for one second, nothing. A member who left keeps their file (and usage) in a shared
+#: directory, which nobody writes again: without this, a row of theirs for ever; with it, one
+#: for some fifty half-lives after their last job.
+FORGOTTEN_USAGE = 1.0
+
+
 def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
     """Per user: what they hold, wait for, and their fair-share usage (lower goes first). One
     user of the machine is one row: a rootless container's uid 0 and its user's uid on the host
@@ -320,6 +327,9 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
     for key, theirs in uids.items():
         shown = min((u for u in theirs if userns.outer(u) == key), default=min(theirs))
         mine = [j for j in jobs if machine_user(j) == key]
+        used = sum(usage.get(u, 0.0) for u in theirs)
+        if not mine and used < FORGOTTEN_USAGE:
+            continue
         running = [j for j in mine if j.state == RUNNING]
         rows.append(
             {
@@ -329,7 +339,7 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
                 "vram_held_bytes": sum(j.reserved_in_all() for j in running),
-                "usage_vram_seconds": round(sum(usage.get(u, 0.0) for u in theirs), 1),
+                "usage_vram_seconds": round(used, 1),
             }
         )
     return sorted(rows, key=lambda row: row["uid"])

@@ -1281,3 +1281,23 @@ def test_a_name_two_users_give_their_jobs_cancels_only_ones_own(server: Server) 
     root = server.run_root("cancel", "train")
     assert root.returncode == 0, root.stderr
     assert bobs.wait(timeout=20) == 7
+
+
+def test_a_member_who_left_long_ago_is_no_row_of_the_users_for_ever(server: Server) -> None:
+    # Bob ran his last job two months ago and left (his account removed): his file, with what
+    # he used, stays in the shared directory, and nobody's gpuwait writes it again.
+    long_ago = time.time() - 60 * 86400
+
+    def left(raw: dict[str, Any]) -> None:
+        raw["usage"] = {str(BOB): [5e14, long_ago]}
+
+    server.edit_own(BOB, left)
+    server.start(ALICE, "--vram", "1G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    report = json.loads(server.run_root("status", "--json").stdout)
+    assert [u["uid"] for u in report["users"]] == [ALICE]
+    assert str(BOB) not in server.run_root("status").stdout
+    # One who used the cards yesterday is still shown, jobs or none.
+    server.edit_own(BOB, lambda raw: raw.update(usage={str(BOB): [5e14, time.time() - 86400]}))
+    report = json.loads(server.run_root("status", "--json").stdout)
+    assert [u["uid"] for u in report["users"]] == [ALICE, BOB]
