@@ -1245,9 +1245,9 @@ class Cancellation(Record):
 def _referred(data: LedgerData, job_id: str | None, matches: list[Job]) -> list[Job] | None:
     """Which of `matches` (the jobs whose id is `job_id`, or that have a name or batch) a
     cancel means: a job's id names that job; a name, the caller's own jobs of that name where
-    they have any (another
-    user may give theirs the same one), else another user's; None where that would be jobs of
-    several users (root's cancel could not tell which student's was meant)."""
+    they have any (another user may give theirs the same one), else another user's; None where
+    that would be jobs of several users (root's cancel could not tell which student's was
+    meant)."""
     if any(j.id == job_id for j in matches):
         return [j for j in matches if j.id == job_id]
     own = [j for j in matches if data.mine(j)]
@@ -1265,7 +1265,7 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
     result = Cancellation([], [], [], [])
     with _change(ledger) as (data, said):
         chosen: list[Job] = []
-        # (as said, an id it may be, the jobs it names)
+        # Each reference as the user wrote it, the id it may be, and the jobs it names.
         asked: list[tuple[str, str | None, list[Job]]] = [
             (ref, ref, [j for j in data.jobs if ref in (j.id, j.name)]) for ref in refs
         ]
