@@ -176,16 +176,24 @@ def _read_json(path: Path) -> Any:
         raise _Damaged(f"{path.name}: {exc}") from None
 
 
-def _read_meta(directory: Path) -> dict[str, Any] | None:
+def _read_meta(path: Path, schema: int | None = SCHEMA) -> dict[str, Any] | None:
+    """The meta at `path`, of `schema` (None: of any), or None where it is missing, damaged
+    or of another schema."""
     try:
-        meta = _read_json(directory / META)
+        meta = _read_json(path)
     except _Damaged:
         return None
-    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+    if not isinstance(meta, dict) or (schema is not None and meta.get("schema") != schema):
         return None
     if not all(isinstance(meta.get(k), int) for k in ("dev", "ino", "offset")):
         return None
     return meta
+
+
+def _describes(meta: dict[str, Any], history: os.stat_result) -> bool:
+    """Was the index of `meta` built from this history file, taking in no more than it holds?"""
+    same_file = (meta["dev"], meta["ino"]) == (history.st_dev, history.st_ino)
+    return same_file and meta["offset"] <= history.st_size
 
 
 def _read_bucket(path: Path) -> dict[str, dict[str, Any]]:
@@ -219,12 +227,8 @@ def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
         result.warnings.append(_unusable(state_dir, exc))
         return result
     directory = index_dir(state_dir)
-    meta = _read_meta(directory)
-    fresh = meta is not None and (meta["dev"], meta["ino"], meta["offset"]) == (
-        st.st_dev,
-        st.st_ino,
-        st.st_size,
-    )
+    meta = _read_meta(directory / META)
+    fresh = meta is not None and _describes(meta, st) and meta["offset"] == st.st_size
     try:
         for attempt in range(2):
             if not fresh:
@@ -294,13 +298,8 @@ def refresh(
                     " and rebuilt the index"
                 )
         ensure_private_dir(directory)
-        meta = _read_meta(directory)
-        if (
-            rebuild
-            or meta is None
-            or (meta["dev"], meta["ino"]) != (st.st_dev, st.st_ino)
-            or meta["offset"] > st.st_size
-        ):
+        meta = _read_meta(directory / META)
+        if rebuild or meta is None or not _describes(meta, st):
             _writing(directory)
             parsed = read_from(history, 0, limit)
             _rebuild(directory, parsed)
@@ -396,16 +395,8 @@ def _rebuild(directory: Path, parsed: Parsed) -> None:
 def _remove_stale_legacy(directory: Path, history: os.stat_result) -> None:
     """Remove the index an older gpuwait kept (schemas 1-3) where it no longer describes the
     history: that gpuwait, if it is still used, would rebuild it anyway."""
-    try:
-        meta = _read_json(directory / _LEGACY_META)
-    except _Damaged:
-        meta = None
-    if (
-        isinstance(meta, dict)
-        and (meta.get("dev"), meta.get("ino")) == (history.st_dev, history.st_ino)
-        and isinstance(meta.get("offset"), int)
-        and meta["offset"] <= history.st_size
-    ):
+    meta = _read_meta(directory / _LEGACY_META, schema=None)
+    if meta is not None and _describes(meta, history):
         return
     for name in os.listdir(directory):
         if name == _LEGACY_META or _LEGACY_BUCKET_RE.match(name):
