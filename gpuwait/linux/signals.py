@@ -132,13 +132,30 @@ def came_from_terminal(info: signal.struct_siginfo) -> bool:
 
 
 def stop_by(signum: int) -> None:
-    """Stop this process by `signum`, a stop signal it holds blocked and has just taken, as it
-    would have stopped had it not been held: shells tell which (`Stopped` for Ctrl-Z). Returns
-    once the process is continued (at once in an orphaned process group, where the kernel
-    ignores the terminal's stops, as it would have bare)."""
+    """Stop this process by `signum`, a stop signal (held blocked or not), as it would have
+    stopped had it not been held: shells tell which (`Stopped` for Ctrl-Z). Returns once the
+    process is continued (at once in an orphaned process group, where the kernel ignores the
+    terminal's stops, as it would have bare). The signal mask is left as it was."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
     os.kill(os.getpid(), signum)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def leads_a_job() -> bool:
+    """Whether this process leads a job of a job control shell: the leader of its process
+    group, whose parent is in another group of the same session (`set -m`, an interactive
+    shell). Such a shell sees the job stop when its leader stops, says so and takes the
+    terminal back; a script without job control, `timeout`, a service manager never do."""
+    try:
+        parent = os.getppid()
+        return (
+            os.getpgrp() == os.getpid()
+            and os.getsid(parent) == os.getsid(0)
+            and os.getpgid(parent) != os.getpgrp()
+        )
+    except OSError:
+        return False
 
 
 def die_by_signal(signum: int) -> None:

@@ -154,7 +154,10 @@ def supervise(
     held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         while True:
-            waited_pid, status = os.waitpid(child, os.WNOHANG)
+            waited_pid, status = os.waitpid(child, os.WNOHANG | os.WUNTRACED)
+            if waited_pid == child and os.WIFSTOPPED(status):
+                _stopped_itself(child, os.WSTOPSIG(status))
+                continue
             if waited_pid == child:
                 result.returncode = os.waitstatus_to_exitcode(status)
                 # The time it was frozen is no run time: it did no work, and held no room.
@@ -210,6 +213,24 @@ def _stop_with(child: int, info: signal.struct_siginfo, witness: signals.GroupWi
     if alone:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGCONT)
+
+
+def _stopped_itself(child: int, signum: int) -> None:
+    """The command stopped while gpuwait was not (a program's own suspend, as ssh's `~^Z`; a
+    `kill -STOP` aimed at it): where gpuwait leads a job of a job control shell, the job stops
+    with it, by the same signal, as it would bare: the shell says `Stopped` and takes the
+    terminal back, where it would otherwise wait for a command that waits to be continued.
+    Continued (`fg`, `bg`), the command goes on with gpuwait. Elsewhere (a script, a service)
+    nobody would take the terminal back, and gpuwait waits for its command as the caller would
+    bare; stopped too, it would stay stopped once the command alone was continued."""
+    if not signals.leads_a_job():
+        return
+    if signum in signals.TERMINAL_STOPS and signal.getsignal(signum) != signal.SIG_IGN:
+        signals.stop_by(signum)
+    else:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGCONT)
 
 
 class UsageSampler:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -224,3 +225,82 @@ def test_a_job_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
         first.wait(timeout=60)
     assert first.returncode == 0
     assert ledger_jobs() == []
+
+
+#: A job control shell that runs its first argument, a job that stops itself, in the foreground,
+#: says what it saw, then continues the job with `fg`.
+JOB_CONTROL = textwrap.dedent(
+    """
+    set -m
+    "$@"
+    echo "status $?"
+    fg >/dev/null
+    echo "after fg $?"
+    """
+)
+
+
+def session_of(leader: int) -> list[int]:
+    """The processes of the session `leader` leads (a job control shell's jobs included)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(name)) == leader:
+                    found.append(int(name))
+    return found
+
+
+@pytest.mark.parametrize("stop", ["TSTP", "STOP"])
+def test_a_command_that_stops_itself_gives_the_shell_back_its_terminal_as_bare(
+    gpuwait_cmd: list[str], stop: str
+) -> None:
+    """ssh's `~^Z`, a program's own suspend, `kill -STOP` aimed at the command: bare, a job
+    control shell sees its job stopped, says so and takes the terminal back; `fg` goes on."""
+    command = ["sh", "-c", f"kill -{stop} $$; echo resumed; exit 4"]
+    statuses = {"TSTP": 128 + signal.SIGTSTP, "STOP": 128 + signal.SIGSTOP}
+    shell = subprocess.Popen(
+        ["bash", "-c", JOB_CONTROL, "bash", *gpuwait_cmd, "-q", "--vram", "1G", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = shell.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        out, err = "", "the shell never got its terminal back"
+    finally:
+        for pid in session_of(shell.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shell.wait(timeout=30)
+    assert out == f"status {statuses[stop]}\nresumed\nafter fg 4\n", err
+    assert "Traceback" not in err
+    assert ledger_jobs() == []
+
+
+def test_a_command_stopped_and_continued_by_pid_in_a_script_runs_on_under_its_gpuwait(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """No job control shell to take a terminal back (a script, a service): `kill -STOP` and
+    `kill -CONT` aimed at the command pause it and let it go on, as bare, and gpuwait, which
+    nobody would continue, waits for it rather than stop with it."""
+    flag = tmp_path / "pid"
+    command = ["sh", "-c", 'echo $$ > "$0"; kill -STOP $$; echo resumed; exit 4', str(flag)]
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: flag.exists() and flag.read_text().strip(), timeout=30)
+        pid = int(flag.read_text())
+        wait_for(lambda: process_state(pid) == "T", timeout=30)
+        os.kill(pid, signal.SIGCONT)
+        out, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+        job.wait(timeout=30)
+    assert (job.returncode, out) == (4, "resumed\n"), err
