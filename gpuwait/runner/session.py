@@ -11,6 +11,7 @@ Changes of the job's state are gpuwait.queue.lifecycle's; the waiting is gpuwait
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -236,6 +237,18 @@ class _Ended(Record, frozen=True):
 
 def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     """Run the command as a job; return the status gpuwait ends with (or end by its signal)."""
+    try:
+        return _run(request, config, reporter)
+    except KeyboardInterrupt:
+        # Ctrl-C before the job queued, while gpuwait takes its signals as they come (the GPUs
+        # not answering yet, a long history read): gpuwait ends by it, as while it waits for
+        # room, so that a shell stops its script (not on a child that exited 130).
+        sys.stdout.flush()
+        signals.die_by_signal(signal.SIGINT)
+        return 128 + signal.SIGINT
+
+
+def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     check_command(request.command)
     check_not_srun(request.command)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -243,6 +244,36 @@ def test_ctrl_c_while_waiting_stops_the_shell_loop_it_runs_in(
             h.terminate()
             h.wait()
     assert (loop.returncode, out) == (-signal.SIGINT, "")
+
+
+def test_ctrl_c_while_the_gpus_do_not_answer_yet_stops_the_shell_loop_it_runs_in(
+    sim_file: Any, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a launch waits for a GPU that stopped answering, before it queues (`GPU 1
+    did not answer ...; retrying for up to gpu_error_timeout`): gpuwait ends by SIGINT, as
+    while waiting for room, so that a script's loop stops rather than go on to its next run."""
+    sim_file(gpus=2, lost=[False, True])
+    # A loop that went on would end its next run soon, rather than after 5 minutes.
+    monkeypatch.setenv("GPUWAIT_GPU_ERROR_TIMEOUT", "10s")
+    said = tmp_path / "said"
+    gw = " ".join([*gpuwait_cmd, "--devices", "1", "--vram", "1G", "--", "true"])
+    script = f'for i in 1 2; do {gw} 2>>"$0"; echo status=$?; done; echo loop ended'
+    loop = subprocess.Popen(
+        ["bash", "-c", script, str(said)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: said.exists() and "retrying" in said.read_text(), timeout=30)
+        os.killpg(loop.pid, signal.SIGINT)
+        out, _ = loop.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(loop.pid, signal.SIGKILL)
+        loop.wait(timeout=30)
+    assert (loop.returncode, out) == (-signal.SIGINT, ""), said.read_text()
+    assert "Traceback" not in said.read_text()
 
 
 def test_timeout_gives_up_with_124(sim: Path, gpuwait_cmd: list[str]) -> None:
