@@ -402,7 +402,9 @@ def environ_value(pid: int, name: bytes) -> str | None:
     cannot be read (another user's process, or gone)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read(1 << 20)
+            # Whole: the kernel bounds it (with the arguments, a quarter of the stack limit,
+            # 2 MiB by default), and gpuwait's own variables come last in its commands'.
+            environ = f.read()
     except OSError:
         return None
     prefix = name + b"="

@@ -36,6 +36,18 @@ def kill_orphan(pid: int, start: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def orphaned(launch: subprocess.Popen[str], name: str) -> tuple[int, int]:
+    """Kill `launch`, the gpuwait of job `name`, once its command runs; the command's pid and
+    start time."""
+    running = wait_for(lambda: (e := named_entry(name)) and e.get("child_pid") and e, timeout=20)
+    child = int(running["child_pid"])
+    child_start = linux_proc.start_time(child)
+    assert child_start is not None
+    launch.kill()
+    launch.wait(timeout=10)
+    return child, child_start
+
+
 def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
     sim_file: SimFileFactory,
     tmp_path: Path,
@@ -104,13 +116,8 @@ def test_an_orphan_is_cancelled_by_signalling_its_command(
     first = procs(
         [*GPUWAIT, "--vram", "4G", "--name", "long", "--", *SIMJOB, "--vram", "4G", "--hold", "60s"]
     )
-    running = wait_for(lambda: (e := named_entry("long")) and e.get("child_pid") and e, timeout=20)
-    child = int(running["child_pid"])
-    child_start = linux_proc.start_time(child)
-    assert child_start is not None
+    child, child_start = orphaned(first, "long")
     try:
-        first.kill()
-        first.wait(timeout=10)
         done = subprocess.run(
             [*GPUWAIT, "cancel", "long"], capture_output=True, text=True, timeout=30
         )
@@ -221,3 +228,24 @@ def test_a_gpuwait_killed_as_its_command_starts_leaves_the_commands_room_held(
     )
     assert third.returncode == 0, third.stderr
     assert named_entry("first") is None
+
+
+def test_the_orphan_of_a_command_started_with_a_large_environment_keeps_its_room(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An environment of more than a megabyte (long module paths, a cluster's settings): the
+    job's id, which gpuwait adds at its end, is found there all the same, so the orphan of a
+    gpuwait killed with SIGKILL is kept while its command runs, not reaped as forged."""
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    for i in range(12):
+        monkeypatch.setenv(f"BIG_SETTING_{i}", "x" * 100_000)
+    first = procs([*GPUWAIT, "-q", "--vram", "13G", "--name", "first", "--", "sleep", "30"])
+    child, child_start = orphaned(first, "first")
+    try:
+        subprocess.run([*GPUWAIT, "status"], capture_output=True, timeout=30, check=True)
+        orphan = named_entry("first")
+        assert orphan is not None and orphan.get("orphaned_at") is not None, orphan
+    finally:
+        kill_orphan(child, child_start)
