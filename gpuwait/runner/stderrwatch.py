@@ -60,9 +60,11 @@ _REAP_SECONDS = 1.0
 
 #: The relay: fd 0 the command's pipe, fd 1 gpuwait's stderr, fd 3 gpuwait's copy. Its stderr is
 #: /dev/null and the signals a group gets are blocked: it ends when every writer has closed the
-#: pipe (or when its own stderr breaks, so the command sees a broken pipe, as it would bare).
+#: pipe, or as soon as nobody reads its own stderr any more (the reader of `2>&1 | head` gone:
+#: poll tells, before the command writes again), so that the command's next write breaks its
+#: pipe, as it would bare.
 RELAY = """
-import os
+import os, select
 try:  # its name in top and `ps -o comm` (a fork of gpuwait would otherwise pass for gpuwait)
     with open("/proc/self/comm", "w") as f:
         f.write("gpuwait-stderr")
@@ -72,7 +74,12 @@ def put(fd, data):
     while data:
         data = data[os.write(fd, data):]
 copy = True
+poller = select.poll()
+poller.register(0, select.POLLIN)
+poller.register(1, 0)  # only its error: the reader downstream has gone
 while True:
+    if any(fd == 1 for fd, _ in poller.poll()):
+        break
     data = os.read(0, 65536)
     if not data:
         break

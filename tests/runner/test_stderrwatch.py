@@ -202,3 +202,33 @@ def test_a_program_that_reads_gpu_numbers_is_told_the_setting(
     assert done.returncode == 1
     assert "invalid literal for int() with base 10: 'GPU-" in said
     assert "visible_devices = index" in said.splitlines()[-1]
+
+
+#: Once nobody reads its stderr any more (it polls the pipe for the error a pipe whose reader
+#: is gone shows, for 5 s at most), says a last word there, as the default SIGPIPE has it.
+LAST_WORD_AFTER_THE_READER_LEFT = textwrap.dedent(
+    """
+    import os, select, signal
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    poller = select.poll()
+    poller.register(2, 0)
+    poller.poll(5000)
+    os.write(2, b"done\\n")
+    """
+)
+
+
+def test_a_command_whose_stderr_reader_has_gone_dies_of_sigpipe_at_its_next_write_as_bare(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    """`gpuwait ... 2>&1 | head`: once the reader has gone, the command's next write breaks
+    its pipe as it would bare (SIGPIPE, 141 in a pipeline's status), rather than land in the
+    relay's pipe and pass for written."""
+    sim_file(gpus=1, memory="24GiB")
+    command = [sys.executable, "-c", LAST_WORD_AFTER_THE_READER_LEFT]
+    script = '"$@" 2>&1 | true; echo "${PIPESTATUS[0]}"'
+    for argv in (command, [*gpuwait_cmd, "-q", "--vram", "1G", "--", *command]):
+        done = subprocess.run(
+            ["bash", "-c", script, "bash", *argv], capture_output=True, text=True, timeout=60
+        )
+        assert done.stdout == "141\n", (argv, done.stderr)
