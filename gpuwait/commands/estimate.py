@@ -106,7 +106,11 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
     except GpuwaitError as exc:
         return _Launched(learned_bytes, problem=exc.message)
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    candidates = None if inherited is None else parse_inherited_visible(inherited, snapshot.gpus)
+    candidates = (
+        None
+        if inherited is None
+        else parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode)
+    )
     choice = RequestChoice(MemoryRequest(bytes=learned_bytes), ESTIMATE)
     capped = cap_to_cards(
         choice, snapshot.gpus, candidates, settings.safety, gpus, settings.user_max_vram

@@ -7,14 +7,21 @@ from collections.abc import Sequence
 from gpuwait.core.snapshot import GpuSnapshot
 
 
-def _match(entry: str, gpus: Sequence[GpuSnapshot]) -> GpuSnapshot | None:
+def _find(entry: str, ids: Sequence[tuple[int, str]]) -> int | None:
+    """The position in `ids` ((NVML index, UUID) pairs) of the GPU `entry` names: its index, or
+    its UUID or a prefix of it that names no other; None where it names none of them."""
     entry = entry.strip()
     if entry.isascii() and entry.isdigit():
-        return next((g for g in gpus if g.index == int(entry)), None)
+        return next((at for at, (index, _) in enumerate(ids) if index == int(entry)), None)
     if entry.upper().startswith(("GPU-", "MIG-")):
-        matches = [g for g in gpus if g.uuid.lower().startswith(entry.lower())]
-        return matches[0] if len(matches) == 1 else None
+        found = [at for at, (_, uuid) in enumerate(ids) if uuid.lower().startswith(entry.lower())]
+        return found[0] if len(found) == 1 else None
     return None
+
+
+def _match(entry: str, gpus: Sequence[GpuSnapshot]) -> GpuSnapshot | None:
+    at = _find(entry, [(g.index, g.uuid) for g in gpus])
+    return None if at is None else gpus[at]
 
 
 def parse_devices_option(
@@ -36,16 +43,35 @@ def parse_devices_option(
     return chosen
 
 
-def parse_inherited_visible(text: str, gpus: Sequence[GpuSnapshot]) -> list[str]:
+def parse_inherited_visible(
+    text: str, gpus: Sequence[GpuSnapshot], in_mig_mode: Sequence[tuple[int, str]] = ()
+) -> list[str]:
     """UUIDs visible through an inherited CUDA_VISIBLE_DEVICES, read the way CUDA reads it.
 
     CUDA stops at the first entry it cannot use, and an empty value hides every GPU. Indices are
-    taken as NVML (PCI bus order) indices, which is what Slurm and container runtimes set.
+    taken as NVML (PCI bus order) indices, which is what Slurm and container runtimes set. An
+    entry naming a GPU in MIG mode (`in_mig_mode`: (index, UUID) of the cards left out of
+    `gpus` for it) is one CUDA takes, running the program in one of the card's MIG instances:
+    the entries after it stay visible, though gpuwait places no job on that card.
     """
     visible: list[str] = []
+    passed: set[int] = set()
     for entry in text.split(","):
         gpu = _match(entry, gpus)
-        if gpu is None or gpu.uuid in visible:
+        if gpu is None:
+            mig = _find(entry, in_mig_mode)
+            if mig is None or mig in passed:
+                break
+            passed.add(mig)
+            continue
+        if gpu.uuid in visible:
             break
         visible.append(gpu.uuid)
     return visible
+
+
+def first_in_mig_mode(text: str, in_mig_mode: Sequence[tuple[int, str]]) -> int | None:
+    """The NVML index of the GPU in MIG mode that CUDA_VISIBLE_DEVICES `text` names first, where
+    its first entry names one."""
+    at = _find(text.split(",")[0], in_mig_mode)
+    return None if at is None else in_mig_mode[at][0]

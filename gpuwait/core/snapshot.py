@@ -86,6 +86,9 @@ class MachineSnapshot(Record, frozen=True):
     #: that hung or answered an error, NVML's "GPU is lost" too), not for their nature (MIG
     #: mode): a request that needs one of them cannot be judged from this reading.
     unanswered: tuple[int, ...] = ()
+    #: GPUs left out for being in MIG mode, as (index, UUID): CUDA takes them (running a
+    #: program in one of their MIG instances), only gpuwait places no job there.
+    in_mig_mode: tuple[tuple[int, str], ...] = ()
     #: What was read, where one backend can read different things: the simulation file. GPU
     #: health is remembered per source, so a user who switches simulation files has not lost
     #: the first file's GPUs.

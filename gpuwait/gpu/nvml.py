@@ -160,6 +160,10 @@ class _GpuLost(Exception):
 class _MigEnabled(Exception):
     """A GPU in MIG mode: its jobs would run in one of its MIG instances, not on the card."""
 
+    def __init__(self, uuid: str) -> None:
+        super().__init__(uuid)
+        self.uuid = uuid
+
 
 class _Hung(Exception):
     """A driver call did not return within the deadline."""
@@ -289,6 +293,7 @@ class NvmlBackend:
         gpus: list[GpuSnapshot] = []
         warnings: list[str] = []
         unanswered: list[int] = []
+        in_mig_mode: list[tuple[int, str]] = []
         for index in range(count):
             stuck = self._stuck.get(index)
             if stuck is not None and stuck[0].thread.is_alive():
@@ -318,7 +323,8 @@ class NvmlBackend:
                 # it did not exist, but retried as for any failed reading.
                 unanswered.append(index)
                 continue
-            except _MigEnabled:
+            except _MigEnabled as exc:
+                in_mig_mode.append((index, exc.uuid))
                 warnings.append(
                     f"GPU {index}: MIG mode is on; gpuwait places jobs on whole GPUs only (a "
                     "job sent to it would run in one of its MIG instances, with that instance's "
@@ -351,6 +357,7 @@ class NvmlBackend:
             gpus=tuple(gpus),
             warnings=tuple(warnings),
             unanswered=tuple(unanswered),
+            in_mig_mode=tuple(in_mig_mode),
         )
 
     def _in_initial_namespace(self) -> bool:
@@ -382,7 +389,7 @@ class NvmlBackend:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         if self._mig_enabled(handle):
-            raise _MigEnabled
+            raise _MigEnabled(uuid)
         name = self._name(handle)
         problems: list[str] = []
         total, used, driver = self._memory(handle, problems)

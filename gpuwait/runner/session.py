@@ -471,7 +471,11 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
             )
     if request.devices is None and inherited is None:
         return None  # any GPU (and a plain launch need not import the parsing below)
-    from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
+    from gpuwait.core.devices import (
+        first_in_mig_mode,
+        parse_devices_option,
+        parse_inherited_visible,
+    )
 
     candidates: list[str] | None = None
     if request.devices is not None:
@@ -480,11 +484,18 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     if inherited is not None:
-        visible = parse_inherited_visible(inherited, snapshot.gpus)
+        visible = parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode)
         if not visible and inherited.strip().upper().startswith("MIG-"):
             raise ImpossibleRequest(
                 f"CUDA_VISIBLE_DEVICES={inherited!r} names a MIG instance; gpuwait places jobs "
                 "on whole GPUs only",
+                hint="run the command without gpuwait, or from where a whole GPU is visible",
+            )
+        mig = None if visible else first_in_mig_mode(inherited, snapshot.in_mig_mode)
+        if mig is not None:
+            raise ImpossibleRequest(
+                f"CUDA_VISIBLE_DEVICES={inherited!r} makes visible no GPU but GPU {mig}, which "
+                "is in MIG mode; gpuwait places jobs on whole GPUs only",
                 hint="run the command without gpuwait, or from where a whole GPU is visible",
             )
         if not visible:

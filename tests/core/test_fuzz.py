@@ -99,6 +99,8 @@ def test_device_lists(text: str) -> None:
     else:
         assert chosen and set(chosen) <= {g.uuid for g in GPUS}
     assert set(parse_inherited_visible(text, GPUS)) <= {g.uuid for g in GPUS}
+    mig = ((2, "GPU-cccc-3333"),)
+    assert set(parse_inherited_visible(text, GPUS, mig)) <= {g.uuid for g in GPUS}
 
 
 setting_values = st.one_of(

@@ -182,6 +182,51 @@ def test_a_gpu_in_mig_mode_is_left_out(fake_nvml: FakeNvml, backend: NvmlBackend
     assert snap.warnings[0].startswith("GPU 1: GPU is lost")
 
 
+@pytest.mark.parametrize("visible", ["0,1", "GPU-mig,GPU-whole"])
+def test_a_gpu_in_mig_mode_named_first_by_cuda_visible_devices_hides_none_after_it(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], visible: str
+) -> None:
+    # A Slurm job (or a user) given GPUs 0 and 1, GPU 0 in MIG mode: CUDA takes GPU 0 (one of
+    # its MIG instances) and GPU 1 after it. gpuwait read GPU 0 as an entry naming no GPU and
+    # stopped there, as CUDA stops at an invalid one: "makes no GPU visible", exit 3, with GPU 1
+    # free and whole.
+    fake_nvml.set_gpus(
+        [
+            FakeGpu(uuid="GPU-mig", total=80 * GIB, mig=True),
+            FakeGpu(uuid="GPU-whole", total=80 * GIB, mig=False),
+        ]
+    )
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
+        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": visible},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "GPU-whole\n"), done.stderr
+
+
+def test_cuda_visible_devices_naming_only_a_gpu_in_mig_mode_says_so(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # It said the variable "makes no GPU visible" and to "list GPU indices or UUIDs that exist",
+    # of a GPU that exists.
+    fake_nvml.set_gpus([FakeGpu(mig=True), FakeGpu(mig=False)])
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[1:] == [
+        "gpuwait: error: CUDA_VISIBLE_DEVICES='0' makes visible no GPU but GPU 0, which is in MIG "
+        "mode; gpuwait places jobs on whole GPUs only",
+        "gpuwait: hint: run the command without gpuwait, or from where a whole GPU is visible",
+    ]
+
+
 # -- memory versions --------------------------------------------------------------------------
 
 
