@@ -455,7 +455,11 @@ class NvmlBackend:
             except pynvml.NVMLError as exc:
                 if _code(exc) not in _MEMORY_V2_UNAVAILABLE:
                     raise
-                self._memory_v2 = False
+                # A driver that answered v2 has it: a failure now is this GPU's (one in
+                # trouble), asked v1 this time only. Turned off for good, v1's "used" would
+                # count the driver's own memory as a process's on every card from then on.
+                if self._memory_v2 is None:
+                    self._memory_v2 = False
             except TypeError:
                 # An nvidia-ml-py too old to take `version`.
                 self._memory_v2 = False

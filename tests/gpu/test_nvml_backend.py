@@ -23,6 +23,7 @@ from helpers.fixtures_nvml import (
     FakeGpu,
     FakeNvml,
 )
+from helpers.waiting import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -260,6 +261,36 @@ def test_memory_v2_is_used_when_available(two_gpus: FakeNvml, backend: NvmlBacke
     backend.snapshot()
     memory_calls = [c.split()[0] for c in two_gpus.calls() if "MemoryInfo" in c]
     assert memory_calls == ["nvmlDeviceGetMemoryInfo_v2"] * 2
+
+
+def test_one_gpus_hiccup_does_not_turn_memory_v2_off_for_good(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # Once a GPU has answered v2, a v2 call that fails on a GPU in trouble (Unknown Error) is
+    # that GPU's failure, not a driver without v2. Taken for one, it put every later reading of
+    # the waiter on v1, which counts the driver's own memory as a process's: a whole-GPU job on
+    # an 8 GiB card with 600 MiB reserved by the driver waited on with the card idle.
+    fake_nvml.set_gpus([FakeGpu(total=8 * GIB, used=7 * GIB, reserved=600 * MIB)])
+    waiter = subprocess.Popen(
+        [*gpuwait_cmd, "--exclusive", "--timeout", "20s", "--", "echo", "ran"],
+        env={**fake_nvml.env(), "GPUWAIT_NVML_INTERVAL": "0.05s"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: any("MemoryInfo_v2 gpu=0 ret=0" in c for c in fake_nvml.calls()))
+        for func in ("nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo"):
+            fake_nvml.fail(0, func, UNKNOWN)
+        wait_for(lambda: any("MemoryInfo gpu=0 ret=999" in c for c in fake_nvml.calls()))
+        fake_nvml.clear_failures()
+        fake_nvml.update_gpu(0, used=0)  # the card is idle now
+        out, err = waiter.communicate(timeout=5)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+    assert (waiter.returncode, out) == (0, "ran\n"), err
 
 
 def test_driver_reserved_memory_is_not_offered_as_free(
