@@ -77,6 +77,21 @@ def run(options: argparse.Namespace) -> int:
     snapshot = read_once(settings.sim, settings.nvml_timeout)
     using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
     using = {uuid: used for uuid, used in using.items() if used > 0}
+    # Listed by the driver without a memory figure (NVML's "not available": WDDM under WSL2,
+    # some containers): on that card all the same, its use unknown.
+    untold = [
+        g
+        for g in snapshot.gpus
+        if g.uuid not in using and any(p.pid in tree and p.used_bytes is None for p in g.processes)
+    ]
+    if untold and reserve is None:
+        raise UsageError(
+            f"the driver does not tell how much GPU memory process {pid} uses (on GPU "
+            f"{', '.join(str(g.index) for g in untold)})",
+            hint="give its reservation: gpuwait adopt PID --vram SIZE",
+        )
+    if reserve is not None:
+        using.update({g.uuid: 0 for g in untold})
     if not using:
         what = "" if reserve is None else f" for its {format_size(reserve)}"
         raise UsageError(
@@ -102,7 +117,7 @@ def run(options: argparse.Namespace) -> int:
         reserved_by_gpu={}
         if reserve is not None
         else {u: b for u, b in using.items() if b < reserved},
-        observed=using,
+        observed={uuid: used for uuid, used in using.items() if used > 0},
         pids=sorted(tree),
         child_pid=pid,
         child_start_time=start,

@@ -202,6 +202,34 @@ def test_a_process_on_two_cards_is_adopted_with_what_it_uses_on_each(
     assert [g["reserved_bytes"] for g in gpus] == [6 * GiB, 1 * GiB]  # type: ignore[attr-defined]
 
 
+def test_a_process_whose_memory_the_driver_cannot_tell_is_adopted_with_vram(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # Where the driver lists a process without its memory (Windows' WDDM under WSL2, some
+    # containers: NVML's "not available"), `adopt --vram 6G` was refused as a process that
+    # "uses no GPU memory", though the driver named the card it runs on.
+    sim = sim_file(gpus=2, per_process=False)
+    job = bare_job(sim, "--vram", "6G", "--hold", "20s")
+    try:
+        done = run_gpuwait("adopt", str(job.pid))
+        assert done.returncode == EXIT_USAGE
+        assert done.stderr.splitlines() == [
+            f"gpuwait: error: the driver does not tell how much GPU memory process {job.pid} "
+            "uses (on GPU 0)",
+            "gpuwait: hint: give its reservation: gpuwait adopt PID --vram SIZE",
+        ]
+        done = adopted(run_gpuwait, job.pid, "--vram", "6G")
+        assert "6.0 GiB reserved on GPU 0" in done.stderr
+        (entry,) = ledger_entries()
+        assert (entry["gpu_uuids"], entry["reserved_bytes"]) == (
+            [status_json(run_gpuwait)["gpus"][0]["uuid"]],  # type: ignore[index]
+            6 * GiB,
+        )
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_refuses_a_pid_that_does_not_exist(run_gpuwait: Run, sim_file: SimFileFactory) -> None:
     sim_file(gpus=1)
     done = run_gpuwait("adopt", "4194303")
