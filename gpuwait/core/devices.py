@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 
 
 def _find(entry: str, ids: Sequence[tuple[int, str]]) -> int | None:
@@ -75,3 +75,19 @@ def first_in_mig_mode(text: str, in_mig_mode: Sequence[tuple[int, str]]) -> int 
     its first entry names one."""
     at = _find(text.split(",")[0], in_mig_mode)
     return None if at is None else in_mig_mode[at][0]
+
+
+def left_out_now(entry: str, snapshot: MachineSnapshot) -> bool:
+    """Whether `entry` (an NVML index, a UUID or a prefix of one) may name a GPU of the machine
+    that `snapshot` left out: one in MIG mode, or one that did not answer (by its index, or by
+    a UUID no GPU read has, since the reading cannot tell such a GPU's UUID)."""
+    if _find(entry, snapshot.in_mig_mode) is not None:
+        return True
+    entry = entry.strip()
+    if entry.isascii() and entry.isdigit():
+        return int(entry) in snapshot.unanswered
+    return (
+        bool(snapshot.unanswered)
+        and entry.upper().startswith(("GPU-", "MIG-"))
+        and _match(entry, snapshot.gpus) is None
+    )

@@ -513,24 +513,32 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
 
 
 def _preferred(config: RunConfig, snapshot: MachineSnapshot) -> list[str]:
-    """The `prefer` GPUs as UUIDs; one not on this machine is a usage error, as for --devices."""
+    """The `prefer` GPUs as UUIDs; one not on this machine is a usage error, as for --devices.
+    One the reading left out (lost, in MIG mode) is no preference now: it never keeps a job
+    waiting, nor a launch retrying for it."""
     if not config.prefer:
         return []
-    from gpuwait.core.devices import parse_devices_option
+    from gpuwait.core.devices import left_out_now, parse_devices_option
 
+    named = [entry for entry in config.prefer if not left_out_now(entry, snapshot)]
+    if not named:
+        return []
     try:
-        return parse_devices_option(",".join(config.prefer), snapshot.gpus, "prefer")
+        return parse_devices_option(",".join(named), snapshot.gpus, "prefer")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
 
 def _weights(config: RunConfig, snapshot: MachineSnapshot) -> dict[str, float]:
     """gpu_weights by UUID: each key an NVML index, a UUID or a UUID's prefix, as for
-    --devices and prefer; one not on this machine is a usage error."""
-    from gpuwait.core.devices import parse_devices_option
+    --devices and prefer; one not on this machine is a usage error, one the reading left out
+    (lost, in MIG mode) weighs nothing now."""
+    from gpuwait.core.devices import left_out_now, parse_devices_option
 
     weights: dict[str, float] = {}
     for key, weight in config.gpu_weights.items():
+        if left_out_now(key, snapshot):
+            continue
         try:
             (uuid,) = parse_devices_option(key, snapshot.gpus, "gpu_weights")
         except ValueError as exc:

@@ -62,6 +62,22 @@ def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
     )
 
 
+def launch(
+    fake: FakeNvml, gpuwait_cmd: list[str], *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """`gpuwait ARGS` over the fake driver, with `env` added, output captured."""
+    return subprocess.run(
+        [*gpuwait_cmd, *args],
+        env={**fake.env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+ECHO_VISIBLE = ("sh", "-c", "echo $CUDA_VISIBLE_DEVICES")
+
+
 # -- readings -------------------------------------------------------------------------------
 
 
@@ -197,12 +213,8 @@ def test_a_gpu_in_mig_mode_named_first_by_cuda_visible_devices_hides_none_after_
             FakeGpu(uuid="GPU-whole", total=80 * GIB, mig=False),
         ]
     )
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"],
-        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": visible},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = launch(
+        fake_nvml, gpuwait_cmd, "--vram", "1G", "--", *ECHO_VISIBLE, CUDA_VISIBLE_DEVICES=visible
     )
     assert (done.returncode, done.stdout) == (0, "GPU-whole\n"), done.stderr
 
@@ -213,19 +225,23 @@ def test_cuda_visible_devices_naming_only_a_gpu_in_mig_mode_says_so(
     # It said the variable "makes no GPU visible" and to "list GPU indices or UUIDs that exist",
     # of a GPU that exists.
     fake_nvml.set_gpus([FakeGpu(mig=True), FakeGpu(mig=False)])
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
-        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": "0"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", "true", CUDA_VISIBLE_DEVICES="0")
     assert done.returncode == 3
     assert done.stderr.splitlines()[1:] == [
         "gpuwait: error: CUDA_VISIBLE_DEVICES='0' makes visible no GPU but GPU 0, which is in MIG "
         "mode; gpuwait places jobs on whole GPUs only",
         "gpuwait: hint: run the command without gpuwait, or from where a whole GPU is visible",
     ]
+
+
+def test_a_preferred_gpu_in_mig_mode_is_passed_over(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # `prefer = 0` in the settings, then GPU 0 switched to MIG mode: every launch ended with
+    # exit 2, "no GPU '0' here".
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-mig", mig=True), FakeGpu(uuid="GPU-whole")])
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", *ECHO_VISIBLE, GPUWAIT_PREFER="0")
+    assert (done.returncode, done.stdout) == (0, "GPU-whole\n"), done.stderr
 
 
 # -- memory versions --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.fixtures_sim import Run, SimFileFactory
 from helpers.waiting import ledger_entries, wait_for
 
@@ -160,6 +161,25 @@ def test_a_preferred_gpu_that_is_not_here_is_a_usage_error(
     bad = run_gpuwait("--vram", "1G", "--", "true", env={"GPUWAIT_PREFER": "fast"})
     assert bad.returncode == 2
     assert "GPUWAIT_PREFER" in bad.stderr
+
+
+@pytest.mark.parametrize("setting", ["GPUWAIT_PREFER=0", "GPUWAIT_PREFER=GPU-1111aaaa"])
+def test_a_preferred_gpu_that_does_not_answer_keeps_no_job_waiting(
+    sim_file: SimFileFactory, run_gpuwait: Run, setting: str
+) -> None:
+    # GPU 0, preferred in the user's settings, fell off the bus: every launch was retried as if
+    # it needed that GPU, for gpuwait_timeout (5 min), then ended with exit 4, GPU 1 free.
+    sim_file(gpus=2, uuid=["GPU-1111aaaa", "GPU-2222bbbb"], lost=[True, False])
+    name, _, value = setting.partition("=")
+    done = run_gpuwait(
+        "--vram", "1G", "--", *PRINT_VISIBLE, env={name: value, "GPUWAIT_GPU_ERROR_TIMEOUT": "3s"}
+    )
+    assert (done.returncode, done.stdout) == (0, "GPU-2222bbbb\n"), done.stderr
+    weighted = run_gpuwait(
+        *("--pick", "weighted", "--vram", "1G", "--", *PRINT_VISIBLE),
+        env={"GPUWAIT_GPU_WEIGHTS": f"{value}=3", "GPUWAIT_GPU_ERROR_TIMEOUT": "3s"},
+    )
+    assert (weighted.returncode, weighted.stdout) == (0, "GPU-2222bbbb\n"), weighted.stderr
 
 
 def test_gpu_weights_name_gpus_as_devices_and_prefer_do(
