@@ -25,12 +25,22 @@ def _match(entry: str, gpus: Sequence[GpuSnapshot]) -> GpuSnapshot | None:
 
 
 def parse_devices_option(
-    text: str, gpus: Sequence[GpuSnapshot], option: str = "--devices"
+    text: str,
+    gpus: Sequence[GpuSnapshot],
+    option: str = "--devices",
+    reading: MachineSnapshot | None = None,
 ) -> list[str]:
-    """UUIDs named by `option` (NVML indices or UUIDs, comma separated). Raises ValueError."""
+    """UUIDs named by `option` (NVML indices or UUIDs, comma separated). Raises ValueError.
+
+    With `reading`, an entry that may name a GPU it left out (`left_out_now`: lost, in MIG
+    mode) is passed over, and none left is no error: [] (the caller says what that means)."""
     chosen: list[str] = []
+    passed = False
     for entry in text.split(","):
         if not entry.strip():
+            continue
+        if reading is not None and left_out_now(entry, reading):
+            passed = True
             continue
         gpu = _match(entry, gpus)
         if gpu is None:
@@ -38,7 +48,7 @@ def parse_devices_option(
             raise ValueError(f"{option} {text!r}: no GPU {entry.strip()!r} here; GPUs: {known}")
         if gpu.uuid not in chosen:
             chosen.append(gpu.uuid)
-    if not chosen:
+    if not chosen and not passed:
         raise ValueError(f"{option} {text!r} names no GPU; give indices or UUIDs, e.g. 0,1")
     return chosen
 
@@ -71,9 +81,10 @@ def parse_inherited_visible(
 
 
 def first_in_mig_mode(text: str, in_mig_mode: Sequence[tuple[int, str]]) -> int | None:
-    """The NVML index of the GPU in MIG mode that CUDA_VISIBLE_DEVICES `text` names first, where
-    its first entry names one."""
-    at = _find(text.split(",")[0], in_mig_mode)
+    """The NVML index of the GPU in MIG mode that the list `text` (CUDA_VISIBLE_DEVICES,
+    --devices) names first, where its first entry naming any GPU names one."""
+    entries = [e for e in text.split(",") if e.strip()]
+    at = _find(entries[0], in_mig_mode) if entries else None
     return None if at is None else in_mig_mode[at][0]
 
 

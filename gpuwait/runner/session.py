@@ -480,9 +480,19 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
     candidates: list[str] | None = None
     if request.devices is not None:
         try:
-            candidates = parse_devices_option(request.devices, snapshot.gpus)
+            candidates = parse_devices_option(request.devices, snapshot.gpus, reading=snapshot)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        mig = None if candidates else first_in_mig_mode(request.devices, snapshot.in_mig_mode)
+        if mig is not None:
+            raise ImpossibleRequest(
+                f"--devices {request.devices!r} names no GPU but GPU {mig}, which is in MIG "
+                "mode; gpuwait places jobs on whole GPUs only",
+                hint="name whole GPUs (see gpuwait status)",
+            )
+        if not candidates:
+            # Each GPU it names left out of this reading: one that did not answer is retried.
+            raise ImpossibleRequest(f"--devices {request.devices!r} names no GPU that answers")
     if inherited is not None:
         visible = parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode)
         if not visible and inherited.strip().upper().startswith("MIG-"):
@@ -518,13 +528,10 @@ def _preferred(config: RunConfig, snapshot: MachineSnapshot) -> list[str]:
     waiting, nor a launch retrying for it."""
     if not config.prefer:
         return []
-    from gpuwait.core.devices import left_out_now, parse_devices_option
+    from gpuwait.core.devices import parse_devices_option
 
-    named = [entry for entry in config.prefer if not left_out_now(entry, snapshot)]
-    if not named:
-        return []
     try:
-        return parse_devices_option(",".join(named), snapshot.gpus, "prefer")
+        return parse_devices_option(",".join(config.prefer), snapshot.gpus, "prefer", snapshot)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -533,17 +540,15 @@ def _weights(config: RunConfig, snapshot: MachineSnapshot) -> dict[str, float]:
     """gpu_weights by UUID: each key an NVML index, a UUID or a UUID's prefix, as for
     --devices and prefer; one not on this machine is a usage error, one the reading left out
     (lost, in MIG mode) weighs nothing now."""
-    from gpuwait.core.devices import left_out_now, parse_devices_option
+    from gpuwait.core.devices import parse_devices_option
 
     weights: dict[str, float] = {}
     for key, weight in config.gpu_weights.items():
-        if left_out_now(key, snapshot):
-            continue
         try:
-            (uuid,) = parse_devices_option(key, snapshot.gpus, "gpu_weights")
+            named = parse_devices_option(key, snapshot.gpus, "gpu_weights", snapshot)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        weights[uuid] = weight
+        weights.update(dict.fromkeys(named, weight))
     return weights
 
 

@@ -244,6 +244,21 @@ def test_a_preferred_gpu_in_mig_mode_is_passed_over(
     assert (done.returncode, done.stdout) == (0, "GPU-whole\n"), done.stderr
 
 
+def test_devices_naming_a_gpu_in_mig_mode(fake_nvml: FakeNvml, gpuwait_cmd: list[str]) -> None:
+    # `--devices 0,1` with GPU 0 in MIG mode ended with exit 2, "no GPU '0' here", as did
+    # `--devices 0`, of a GPU that is there.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-mig", mig=True), FakeGpu(uuid="GPU-whole")])
+    done = launch(fake_nvml, gpuwait_cmd, "--devices", "0,1", "--vram", "1G", "--", *ECHO_VISIBLE)
+    assert (done.returncode, done.stdout) == (0, "GPU-whole\n"), done.stderr
+    done = launch(fake_nvml, gpuwait_cmd, "--devices", "GPU-mig", "--vram", "1G", "--", "true")
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[1:] == [
+        "gpuwait: error: --devices 'GPU-mig' names no GPU but GPU 0, which is in MIG mode; "
+        "gpuwait places jobs on whole GPUs only",
+        "gpuwait: hint: name whole GPUs (see gpuwait status)",
+    ]
+
+
 # -- memory versions --------------------------------------------------------------------------
 
 

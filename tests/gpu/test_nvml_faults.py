@@ -213,6 +213,32 @@ def test_process_using_more_than_the_card_is_clamped(two_gpus: FakeNvml) -> None
     assert "clamped to the total" in snap.warnings[0]
 
 
+def test_a_launch_that_may_use_a_lost_gpu_or_another_takes_the_other(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # `--devices 0,1` with GPU 0 fallen off the bus was retried as a launch that needed GPU 0,
+    # for gpu_error_timeout (5 min), then ended with exit 4: GPU 1 free all along.
+    two_gpus.fail(0, "nvmlDeviceGetName", GPU_IS_LOST)
+    done = subprocess.run(
+        [
+            *gpuwait_cmd,
+            "--devices",
+            "0,1",
+            "--vram",
+            "1G",
+            "--",
+            "sh",
+            "-c",
+            "echo $CUDA_VISIBLE_DEVICES",
+        ],
+        env={**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "3s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "GPU-fake-1\n"), done.stderr
+
+
 def test_gpu_lost_mid_run_leaves_the_command_alone(
     two_gpus: FakeNvml, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
