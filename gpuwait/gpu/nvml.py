@@ -133,7 +133,14 @@ def _init_failure(exc: BaseException) -> BackendUnavailable:
     elif code == _DRIVER_NOT_LOADED:
         message = "NVIDIA driver is installed but not loaded (NVML error 9)"
     elif code == _NO_PERMISSION:
-        message = "no permission to use the NVIDIA driver (NVML error 4)"
+        # The driver's device files are not this user's to open: until an administrator
+        # changes that, no wait helps, and the generic hint (install a driver) would mislead.
+        return BackendUnavailable(
+            "no permission to use the NVIDIA driver (NVML error 4)",
+            hint="ask an administrator for access to the GPUs' device files (/dev/nvidiactl, "
+            "/dev/nvidia*); GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+            gpus_here=True,
+        )
     elif code == _LIB_RM_VERSION_MISMATCH:
         # Typical right after a driver upgrade without a reboot, and so until one: no wait
         # helps. The generic hint would mislead.

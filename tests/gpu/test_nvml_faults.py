@@ -477,28 +477,53 @@ def test_a_gpu_that_shares_the_systems_memory_is_counted_by_it(
     assert (done.returncode, done.stdout.strip()) == (0, "GPU-uma"), done.stderr
 
 
-def test_a_driver_upgraded_without_a_reboot_ends_a_launch_at_once_with_the_fix(
-    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        (
+            18,
+            [
+                "gpuwait: error: NVIDIA driver and NVML library versions do not match "
+                "(NVML error 18)",
+                "gpuwait: hint: reboot, or reload the nvidia kernel modules, after a driver "
+                "upgrade; GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+            ],
+        ),
+        (
+            NO_PERMISSION,
+            [
+                "gpuwait: error: no permission to use the NVIDIA driver (NVML error 4)",
+                "gpuwait: hint: ask an administrator for access to the GPUs' device files "
+                "(/dev/nvidiactl, /dev/nvidia*); GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+            ],
+        ),
+    ],
+)
+def test_a_driver_no_wait_can_mend_ends_a_launch_at_once_with_the_fix(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str], code: int, said: list[str]
 ) -> None:
     # The NVML library no longer matches the loaded kernel module (NVML error 18) until a
-    # reboot: the launch retried for gpu_error_timeout (5 min by default) for nothing, saying
-    # what to do only at the end. Nor is it a machine without GPUs, where on_no_gpu = run
-    # would start the command uncoordinated.
-    two_gpus.fail_init(18)
+    # reboot; NVML refuses to start for want of permission (NVML error 4: a user who may not
+    # open /dev/nvidiactl) until an administrator acts. The launch retried for
+    # gpu_error_timeout (5 min by default) for nothing, saying what to do only at the end (for
+    # error 4: to install the NVIDIA driver). Nor is it a machine without GPUs, where
+    # on_no_gpu = run would start the command uncoordinated.
+    two_gpus.fail_init(code)
     started = time.monotonic()
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "1G", "--", "echo", "ran"],
-        env={**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "3s"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 4 and done.stdout == "", done.stderr
-    assert done.stderr.splitlines() == [
-        "gpuwait: error: NVIDIA driver and NVML library versions do not match (NVML error 18)",
-        "gpuwait: hint: reboot, or reload the nvidia kernel modules, after a driver upgrade;"
-        " GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
-    ]
+    for on_no_gpu in ("fail", "run"):
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "1G", "--", "echo", "ran"],
+            env={
+                **two_gpus.env(),
+                "GPUWAIT_GPU_ERROR_TIMEOUT": "3s",
+                "GPUWAIT_ON_NO_GPU": on_no_gpu,
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 4 and done.stdout == "", done.stderr
+        assert done.stderr.splitlines() == said
     assert time.monotonic() - started < 3
 
 
