@@ -40,7 +40,7 @@ from gpuwait.core.snapshot import (
     ProcessUsage,
 )
 from gpuwait.gpu import with_names
-from gpuwait.linux import pidns, proc
+from gpuwait.linux import pidns, proc, signals
 
 
 def _import_pynvml() -> Any:
@@ -185,7 +185,7 @@ class _Call:
         self._result: Any = None
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="gpuwait-nvml", daemon=True)
-        self.thread.start()
+        signals.start_deaf(self.thread)
 
     def _run(self) -> None:
         try:

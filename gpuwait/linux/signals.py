@@ -19,6 +19,10 @@ import os
 import resource
 import signal
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import threading
 
 #: Signals that are passed on to the command when sent to gpuwait itself.
 FORWARDED = (
@@ -94,6 +98,22 @@ def hold_stops() -> set[int | signal.Signals]:
 def resume_stops(previous: set[int | signal.Signals]) -> None:
     """Put back the signal mask `hold_stops` returned; a stop that came meanwhile acts now."""
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def start_deaf(thread: threading.Thread) -> None:
+    """Start `thread` holding every signal blocked, whatever the caller holds now.
+
+    A signal sent to the process goes to any one thread that does not block it. Signals are
+    the main thread's: gpuwait takes them in its waiting loop and passes them on to the command,
+    and a program that reserved for itself (gpuwait.reserve) has its own handling. A helper
+    thread open to them would take one whenever the main thread was not waiting for it (in a
+    ledger transaction, say): a SIGTERM would then kill gpuwait outright, its command never
+    told, and a thread stuck in the driver stays for good."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def block_handled() -> None:

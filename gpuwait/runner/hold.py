@@ -120,7 +120,7 @@ class Holding:
             baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in gpus},
         )
         self._thread = threading.Thread(target=self._sample, name="gpuwait-usage", daemon=True)
-        self._thread.start()
+        signals.start_deaf(self._thread)
 
     @property
     def env(self) -> dict[str, str]:

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from gpuwait.linux import signals
 from gpuwait.linux.signals import FORWARDED
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ class StderrWatch:
         self._stop = threading.Event()
         thread = threading.Thread(target=self._scan, name="gpuwait-stderr", daemon=True)
         try:
-            thread.start()
+            signals.start_deaf(thread)
         except RuntimeError:
             # No thread to be had (a pids cgroup or `ulimit -u` reached): the command runs, so
             # gpuwait goes on without the copy. The relay, its copy gone, passes output on.

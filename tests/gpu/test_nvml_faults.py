@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -544,3 +545,36 @@ def test_max_util_on_gpus_whose_utilization_never_reads_ends_after_gpu_error_tim
     assert done.returncode == 4, done.stderr
     assert "utilization" in done.stderr and "--max-util" in done.stderr
     assert "gpu_error_timeout" in done.stderr
+
+
+def _blocked(thread: threading.Thread) -> set[int]:
+    """The signals `thread` holds blocked, as the kernel tells."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    mask = int(status.split("SigBlk:")[1].split()[0], 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def test_a_thread_stuck_in_the_driver_takes_none_of_the_signals_meant_for_gpuwait(
+    two_gpus: FakeNvml,
+) -> None:
+    # Signals are the main thread's: gpuwait holds them for its waiting loop, which passes them
+    # on to the command. A thread stuck in the driver that did not hold them too was the one
+    # the kernel gave a SIGTERM for gpuwait whenever the main thread was outside that loop (a
+    # ledger transaction, a reading): gpuwait died of it at once, its command left running,
+    # never told.
+    two_gpus.hang(0, "nvmlDeviceGetMemoryInfo_v2", 2.0)
+    before = set(threading.enumerate())
+    backend = NvmlBackend(timeout=0.3)
+    try:
+        backend.snapshot()
+        stuck = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        assert stuck, "no call of the reading was left stuck in the driver"
+        wanted = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP}
+        for thread in stuck:
+            assert wanted <= _blocked(thread), thread.name
+        # The caller's own mask is as it was: nothing held that it did not hold.
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+    finally:
+        backend.close()
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=30)
