@@ -579,13 +579,19 @@ class NvmlBackend:
             return None, _code(exc) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
         return int(rates.gpu), False
 
-    def accounting_peak(self, uuid: str, pids: frozenset[int]) -> int | None:
+    def accounting_peak(
+        self, uuid: str, pids: frozenset[int], since: float | None = None
+    ) -> int | None:
         """The most memory `pids` held on the GPU over their lifetime, from NVML accounting mode.
 
         NVML keeps the maximum itself, so peaks between two samples are seen, and it is still
         there after the processes exited. For several pids this is the sum of their maxima (an
         upper bound of their joint peak). None where accounting mode is off, unsupported, not
         permitted, or knows none of the pids, and outside the host's pid namespace.
+
+        `since`: when (wall clock) the first of the processes started. NVML keeps ended
+        processes' stats and answers for a pid with its last process's: one that started
+        before is an earlier process that had the pid, not one of these.
         """
         # Accounting is kept by host pid, and `pids` are this namespace's.
         if not self._open or not pids or not self._in_initial_namespace():
@@ -596,7 +602,7 @@ class NvmlBackend:
             # Asked once the command has ended, before its exit status is passed on: a driver
             # that stopped answering must not keep gpuwait from ending (nor cost the deadline
             # again for the job's next GPU).
-            return _within(lambda: self._accounting_peak(uuid, pids), self.timeout)
+            return _within(lambda: self._accounting_peak(uuid, pids, since), self.timeout)
         except _Hung:
             self._accounting_hung = True
             return None
@@ -605,7 +611,7 @@ class NvmlBackend:
             return None
 
     @staticmethod
-    def _accounting_peak(uuid: str, pids: frozenset[int]) -> int | None:
+    def _accounting_peak(uuid: str, pids: frozenset[int], since: float | None) -> int | None:
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         if pynvml.nvmlDeviceGetAccountingMode(handle) != pynvml.NVML_FEATURE_ENABLED:
             return None
@@ -613,7 +619,11 @@ class NvmlBackend:
         total = 0
         found = False
         for pid in sorted(pids & known):
-            peak = int(pynvml.nvmlDeviceGetAccountingStats(handle, pid).maxMemoryUsage)
+            stats = pynvml.nvmlDeviceGetAccountingStats(handle, pid)
+            # Microseconds of the wall clock; a second's slack for the clocks' grain.
+            if since is not None and int(stats.startTime) < (since - 1.0) * 1e6:
+                continue
+            peak = int(stats.maxMemoryUsage)
             if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
                 total += peak
                 found = True

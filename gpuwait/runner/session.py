@@ -1157,6 +1157,7 @@ def _start(
         baseline_pids={g.uuid: frozenset(p.pid for p in g.processes) for g in chosen},
         warn=reporter.warn,
         recorded=recorded,
+        started_at=started_at,
     )
     held.close()
     said_oom = watch.finish()

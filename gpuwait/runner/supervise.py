@@ -125,6 +125,7 @@ def supervise(
     baseline_pids: Mapping[str, frozenset[int]] | None = None,
     warn: Callable[[str], None] | None = None,
     recorded: bool = True,
+    started_at: float | None = None,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
@@ -133,6 +134,8 @@ def supervise(
     how far past its reservation the job may go before it is called out (estimate_margin).
     `warn` is told, once per GPU, of memory the command holds on a GPU it was not given.
     `recorded`: the ledger knows `child` as the job's command; otherwise samples put it there.
+    `started_at`: when (wall clock) `child` was started, before which no process of its tree
+    ran (for NVML accounting's figures).
     """
     started = time.monotonic()
     sampler = UsageSampler(
@@ -140,6 +143,7 @@ def supervise(
     )
     sampler.recorded = recorded
     sampler.warn = warn
+    sampler.accounting_since = started_at
     result = sampler.result
     witness = signals.GroupWitness()
     # A pausable job's checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N, a user's
@@ -274,6 +278,9 @@ class UsageSampler:
         self.recorded = True
         #: Told, once per GPU, of memory the tree holds on a GPU the job was not given.
         self.warn: Callable[[str], None] | None = None
+        #: When (wall clock) the first process of the tree started, where known: accounting
+        #: stats of a process that started before are an earlier holder's of its pid.
+        self.accounting_since: float | None = None
         self._strayed: set[str] = set()
         self._shared: set[str] = set()
 
@@ -399,7 +406,7 @@ class UsageSampler:
     def finish(self) -> None:
         """After the last sample: NVML accounting mode's figures, where it is on."""
         if self.backend is not None:
-            _read_accounting(self.backend, self.job, self.result)
+            _read_accounting(self.backend, self.job, self.result, self.accounting_since)
 
 
 def _sample(
@@ -527,14 +534,17 @@ def _gpus_shared_with_others(ledger: Ledger, job: Job) -> set[str]:
     return set(job.gpu_uuids) if others is None else set(others)
 
 
-def _read_accounting(backend: Backend, job: Job, result: RunResult) -> None:
-    """NVML accounting mode's per-process maximum, where the backend offers it (guarded)."""
+def _read_accounting(
+    backend: Backend, job: Job, result: RunResult, since: float | None = None
+) -> None:
+    """NVML accounting mode's per-process maximum, where the backend offers it (guarded), of
+    processes started from `since` (wall clock) on where given."""
     reader = getattr(backend, "accounting_peak", None)
     if reader is None or not result.pids_seen:
         return
     for uuid in job.gpu_uuids:
         try:
-            value = reader(uuid, frozenset(result.pids_seen))
+            value = reader(uuid, frozenset(result.pids_seen), since)
         except Exception:
             continue
         if isinstance(value, int) and value >= 0:

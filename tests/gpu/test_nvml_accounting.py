@@ -28,7 +28,14 @@ def test_without_accounting_support_there_is_no_figure(backend: NvmlBackend) -> 
     assert backend.accounting_peak("GPU-none", frozenset({100})) is None
 
 
-def fake_accounting(monkeypatch: pytest.MonkeyPatch, enabled: bool, maxima: dict[int, int]) -> None:
+def fake_accounting(
+    monkeypatch: pytest.MonkeyPatch,
+    enabled: bool,
+    maxima: dict[int, int],
+    started: dict[int, float] | None = None,
+) -> None:
+    """Accounting as the driver keeps it: per pid its maximum and (`started`, wall-clock
+    seconds; default now) when it started."""
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: "handle")
     monkeypatch.setattr(
         pynvml,
@@ -36,10 +43,14 @@ def fake_accounting(monkeypatch: pytest.MonkeyPatch, enabled: bool, maxima: dict
         lambda h: pynvml.NVML_FEATURE_ENABLED if enabled else pynvml.NVML_FEATURE_DISABLED,
     )
     monkeypatch.setattr(pynvml, "nvmlDeviceGetAccountingPids", lambda h: list(maxima))
+    now = time.time()
     monkeypatch.setattr(
         pynvml,
         "nvmlDeviceGetAccountingStats",
-        lambda h, pid: SimpleNamespace(maxMemoryUsage=maxima[pid]),
+        lambda h, pid: SimpleNamespace(
+            maxMemoryUsage=maxima[pid],
+            startTime=int((started or {}).get(pid, now) * 1e6),  # microseconds, as NVML's
+        ),
     )
 
 
@@ -49,6 +60,22 @@ def test_accounting_maximum_of_the_tree(
     fake_accounting(monkeypatch, True, {100: 6 * GIB, 101: GIB, 999: 40 * GIB, 102: 2**64 - 1})
     assert backend.accounting_peak("GPU-aaaa", frozenset({100, 101, 102})) == 7 * GIB
     assert backend.accounting_peak("GPU-aaaa", frozenset({5})) is None
+
+
+def test_an_earlier_process_of_the_same_pid_is_no_part_of_the_figure(
+    backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver keeps the stats of ended processes (a circular buffer of thousands) and, for
+    # a pid used twice, answers with the last one's. A process of the command's tree that never
+    # used the GPU (its shell), whose pid an earlier 70 GiB job had had, lent the run that
+    # job's peak: the history said 70 GiB of a 6 GiB command, and its next run without --vram
+    # waited for 70 GiB.
+    started = time.time()
+    fake_accounting(
+        monkeypatch, True, {100: 6 * GIB, 101: 70 * GIB}, {100: started + 1, 101: started - 3600}
+    )
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100, 101}), since=started) == 6 * GIB
+    assert backend.accounting_peak("GPU-aaaa", frozenset({101}), since=started) is None
 
 
 def test_accounting_off_or_failing_gives_no_figure(
