@@ -308,13 +308,18 @@ def test_a_job_cancelled_while_it_steps_aside_is_not_resumed(
 def steps_aside_then_runs_out(gpuwait_cmd: list[str], tmp_path: Path, *options: str) -> int:
     """A --pausable job of 8 GiB (`options` added) that an urgent job of 20 GiB asks to step
     aside; resumed, it runs out of memory once (a retry goes on from its checkpoint and holds
-    what is left of its 1 s). Its exit status."""
+    what is left of its 1 s). Its exit status.
+
+    It runs out ramping over 1 s, sampled densely in its first second: its retry asks for
+    1.5 times the peak seen, more than the card has. Ramped over 0.1 s in two steps, the
+    sampling of a loaded machine missed the first one at times, and the retry asked for
+    1.5 times its 8 GiB, which fitted."""
     sim = " ".join([*gpuwait_cmd, "sim", "job"])
     checkpoint, ran_out = tmp_path / "progress.json", tmp_path / "ran-out"
     script = (
         f'if [ "$GPUWAIT_RESUME_COUNT" = 0 ] || [ -e {ran_out} ]; then '
         f"exec {sim} --vram 8G --hold 1s --checkpoint {checkpoint}; fi; "
-        f"touch {ran_out}; exec {sim} --vram 30G --ramp 0.1s"
+        f"touch {ran_out}; exec {sim} --vram 30G --ramp 1s"
     )
     low = subprocess.Popen(
         [
