@@ -28,8 +28,9 @@ The rules:
   the runs behind the estimate are such, no margin is added. Else every run would take the
   margin more than the last, without end.
 - An out-of-memory failure newer than the last success raises the estimate above what that run
-  had: OOM_GROWTH times the larger of its peak and its reservation (usable levels only: another
-  script's failure says nothing about this one).
+  had: OOM_GROWTH times the larger of its peak and its reservation, or what its error message
+  said it needed at the least (what it had plus what it tried to allocate) with the margin,
+  whichever is more (usable levels only: another script's failure says nothing about this one).
 - The size is per GPU, for a job on a given number of GPUs: runs on as many GPUs count alone
   where there are at least MIN_RUNS successful ones; else a run on more GPUs counts for
   what it held in all, spread over the job's (a model split across the cards it is given needs
@@ -40,6 +41,7 @@ The rules:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 from gpuwait.core.record import Record
@@ -96,6 +98,9 @@ class RunStat(Record, frozen=True):
     #: The command sized itself from its reservation (a server told GPUWAIT_VRAM_FRACTION): it
     #: took what it was given, so its peak says what it was given, not what it needs.
     sized_by_reservation: bool = False
+    #: Ran out of memory, and its error message said it needed at least this much (what it had
+    #: plus what it tried to allocate, `oom_wanted`); None where no message said.
+    oom_wanted_bytes: int | None = None
 
 
 class Spread(Record, frozen=True):
@@ -237,8 +242,11 @@ def choose_level(
     return None
 
 
-def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> int:
-    """OOM_GROWTH times the most a failed run had, over OOMs newer than the last success."""
+def oom_floor(
+    runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE, margin: float = DEFAULT_MARGIN
+) -> int:
+    """OOM_GROWTH times the most a failed run had, or what its message said it needed at the
+    least with `margin` on top (a peak's margin), over OOMs newer than the last success."""
     floor = 0
     for run in recent(runs, now, max_age):
         if run.ok and not run.oom:
@@ -246,6 +254,10 @@ def oom_floor(runs: Sequence[RunStat], now: float, max_age: float = MAX_AGE) -> 
         if run.oom:
             had = max(run.peak_bytes or 0, run.reserved_bytes)
             floor = max(floor, tidy_size(had * OOM_GROWTH))
+            if run.oom_wanted_bytes is not None:
+                # What it asked for when it failed: the sampling may have missed how much it had
+                # (a model loaded in a moment), and 1.5 times that may be far too little.
+                floor = max(floor, tidy_size(run.oom_wanted_bytes * (1 + margin)))
     return floor
 
 
@@ -329,7 +341,7 @@ def estimate(
     chosen = choose_level(levels, now, min_runs, max_age)
     # OOMs count at the finest level that has any runs: they are about this very command.
     finest_with_runs = next((runs for _, runs in levels if recent(runs, now, max_age)), ())
-    floor_oom = oom_floor(finest_with_runs, now, max_age)
+    floor_oom = oom_floor(finest_with_runs, now, max_age, margin)
     if chosen is None:
         if floor_oom:
             return Estimate(
@@ -468,3 +480,43 @@ def near_full(free_bytes: int | None, total_bytes: int) -> bool:
 def looks_like_oom(returncode: int, oom_message: bool, card_full: bool) -> bool:
     """A CUDA out-of-memory failure: the command failed, and it said so or the card was full."""
     return returncode != 0 and (oom_message or card_full)
+
+
+#: A size as frameworks print them in out-of-memory errors: "15.00 GiB" (PyTorch), "8589934592
+#: bytes" (XLA), "1,073,741,824 bytes" (CuPy).
+_SIZE = r"([0-9][0-9,]{0,24}(?:\.[0-9]{1,6})?) ?(bytes|b|kib|mib|gib|tib|kb|mb|gb|tb)\b"
+_UNITS = {
+    **{"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40},
+    **{"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12},
+}
+#: What the failing allocation asked for.
+_TRIED = re.compile(
+    r"(?:tried to allocate|while trying to allocate|out of memory allocating) " + _SIZE
+)
+#: What the process had when it failed: PyTorch since 2.1 (all it had, or what its allocator
+#: had under a cap), before, and CuPy.
+_HAD = (
+    re.compile(r"this process has " + _SIZE + r" memory in use"),
+    re.compile(r"of the allocated memory " + _SIZE + r" is allocated by pytorch"),
+    re.compile(_SIZE + r" already allocated"),
+    re.compile(r"allocated so far: " + _SIZE),
+)
+#: More than any GPU has: a figure past it is no real one.
+_MOST_SAID = 2**50
+
+
+def oom_wanted(said: str) -> int | None:
+    """What an out-of-memory error message says its program needed at the least, in bytes:
+    what it had plus what it tried to allocate (as PyTorch, CuPy and XLA print them); None
+    where it does not say what it tried to allocate. `said`: the message, in any case."""
+    said = said.lower()
+    tried = _TRIED.search(said)
+    if tried is None:
+        return None
+    had = next((m for m in (p.search(said) for p in _HAD) if m is not None), None)
+    wanted = _said_size(tried) + (0 if had is None else _said_size(had))
+    return wanted if 0 < wanted <= _MOST_SAID else None
+
+
+def _said_size(match: re.Match[str]) -> int:
+    return int(float(match.group(1).replace(",", "")) * _UNITS[match.group(2)])

@@ -122,6 +122,8 @@ def _row(offset: int, stat: RunStat) -> Row:
         -1 if stat.time_to_peak is None else round(stat.time_to_peak, 3),
         list(stat.gpu_uuids),
         -1 if stat.held_bytes is None else stat.held_bytes,
+        # Last, so that a row of an index written before it stays one: read as "not said".
+        -1 if stat.oom_wanted_bytes is None else stat.oom_wanted_bytes,
     ]
 
 
@@ -131,6 +133,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise ValueError("GPUs must be a list of UUIDs")
     held = int(row[9])
+    wanted = int(row[10]) if len(row) > 10 else -1
     if max(row[2], row[3]) > MAX_SIZE or max(row[5], row[6], row[7]) > MAX_RECORDED_SECONDS:
         # Taken in before such figures were read as damage (history.record.run_stat).
         raise ValueError("a figure past any real one")
@@ -147,6 +150,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
         gpu_uuids=tuple(uuids),
         held_bytes=None if held < 0 else held,
         sized_by_reservation=bool(flags & _SIZED),
+        oom_wanted_bytes=wanted if 0 < wanted <= MAX_SIZE else None,
     )
 
 

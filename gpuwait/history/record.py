@@ -27,6 +27,8 @@ A record is one JSON object per line:
                                      stderr not watched)
     oom_cause                        how it came about: "own limit" (its budget refused it),
                                      "card full", "unknown"
+    oom_wanted_bytes                 only when its out-of-memory message said: what it needed
+                                     at the least (what it had plus what it tried to allocate)
     budget                           how its reservation was held: {enforce, held_by,
                                      limit_bytes} (absent with enforce = off and for whole GPUs)
     stderr_watched                   how its stderr was watched ("pipe", "file", "off")
@@ -99,6 +101,8 @@ class Measured(Record, frozen=True):
     oom_evidence: str | None
     stderr_watched: str
     oom_cause: str | None = None
+    #: What the out-of-memory message said the command needed at the least, where it said.
+    oom_wanted_bytes: int | None = None
     #: The signal that asked the command to stop during the run (TERM, INT ...), if one did.
     stopped_by: int | None = None
 
@@ -176,6 +180,8 @@ def build(
     }
     if measured.oom:
         record["oom_cause"] = measured.oom_cause
+        if measured.oom_wanted_bytes is not None:
+            record["oom_wanted_bytes"] = measured.oom_wanted_bytes
     if measured.stopped_by is not None:
         record["stopped_by"] = measured.stopped_by
     if sizes_itself(command):
@@ -262,6 +268,16 @@ def held_bytes(record: Mapping[str, Any]) -> int | None:
     return sum(_bytes(value) for value in peaks.values())
 
 
+def _wanted(value: Any) -> int | None:
+    """An OOM message's figure as recorded; None for none, or for one that cannot be right (a
+    damaged record's: it would raise the estimate past any card, for good)."""
+    try:
+        wanted = None if value is None else _bytes(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return wanted or None
+
+
 def run_stat(record: dict[str, Any]) -> RunStat | None:
     """The figures estimates use, or None if the record lacks them or they are malformed."""
     get = record.get
@@ -283,6 +299,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             gpu_uuids=gpu_uuids(record),
             held_bytes=None if peak is None else held_bytes(record),
             sized_by_reservation=get("sized_by_reservation") is True,
+            oom_wanted_bytes=_wanted(get("oom_wanted_bytes")) if get("oom") is True else None,
         )
     except (ValueError, TypeError, OverflowError):
         return None

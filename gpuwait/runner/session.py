@@ -1276,6 +1276,7 @@ def _start(
         held.plan,
         paused_runs_seconds=paused_runs_seconds,
         earlier=earlier,
+        oom_wanted=watch.scanner.wanted_bytes if cause and said_oom else None,
     )
     reserved_each = reserved_on_each(job, chosen)
     if pending:
@@ -1386,12 +1387,14 @@ def _record(
     exit_known: bool = True,
     paused_runs_seconds: float = 0.0,
     earlier: _Earlier | None = None,
+    oom_wanted: int | None = None,
 ) -> None:
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
 
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
-    full"); None for a run that did not run out. `wait_seconds` is the wait before the first
+    full"); None for a run that did not run out. `oom_wanted`: what its message said it
+    needed at the least. `wait_seconds` is the wait before the first
     start; a --pausable job's record also says how often it stepped aside and how long it then
     waited to resume (`paused_seconds`); its peak is that of all its runs (`earlier`: those
     that ended stepping aside)."""
@@ -1422,6 +1425,7 @@ def _record(
             oom=oom is not None,
             oom_evidence=None if oom is None else oom[1],
             oom_cause=None if oom is None else oom[0],
+            oom_wanted_bytes=None if oom is None else oom_wanted,
             stderr_watched=stderr_watched,
             stopped_by=result.stopped_by,
         ),

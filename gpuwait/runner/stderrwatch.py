@@ -25,6 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from gpuwait.core.estimate import oom_wanted
 from gpuwait.linux import signals
 from gpuwait.linux.signals import FORWARDED
 
@@ -51,6 +52,9 @@ NUMBERS_MARKERS = (
     b"invalid literal for int() with base 10: 'mig-",
 )
 _KEEP = max(len(m) for m in (*OOM_MARKERS, *NUMBERS_MARKERS)) - 1
+#: How much of an OOM message is kept from its marker on: PyTorch's says what the process had
+#: and tried to allocate within its first few hundred bytes.
+SAID_BYTES = 2048
 #: How much of a log file is read back: an OOM traceback sits near the end.
 READ_BACK_BYTES = 1 << 20
 #: After the command ended, read the relay's copy at most this long (what a process left behind
@@ -98,22 +102,38 @@ while True:
 
 class OomScanner:
     """Finds OOM markers in a byte stream fed in pieces (a marker may span two pieces), and a
-    program that wanted GPU numbers where it found UUIDs (`numbers`). Pure."""
+    program that wanted GPU numbers where it found UUIDs (`numbers`). Pure.
+
+    `said`: the first OOM message, from its marker on (SAID_BYTES at most): where frameworks
+    say how much they had and tried to allocate."""
 
     def __init__(self) -> None:
         self.found = False
         self.numbers = False
+        self.said = b""
         self._tail = b""
 
     def feed(self, data: bytes) -> None:
-        if (self.found and self.numbers) or not data:
+        if not data:
+            return
+        if self.found and len(self.said) < SAID_BYTES:
+            self.said = (self.said + data.lower())[:SAID_BYTES]
+        if self.found and self.numbers:
             return
         text = self._tail + data.lower()
-        if not self.found and any(marker in text for marker in OOM_MARKERS):
-            self.found = True
+        if not self.found:
+            at = min((text.find(m) for m in OOM_MARKERS if m in text), default=-1)
+            if at >= 0:
+                self.found = True
+                self.said = text[at : at + SAID_BYTES]
         if not self.numbers and any(marker in text for marker in NUMBERS_MARKERS):
             self.numbers = True
         self._tail = text[-_KEEP:]
+
+    @property
+    def wanted_bytes(self) -> int | None:
+        """What the OOM message says the program needed at the least (core.estimate.oom_wanted)."""
+        return oom_wanted(self.said.decode("utf-8", "replace")) if self.found else None
 
 
 class StderrWatch:

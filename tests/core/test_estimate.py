@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from gpuwait.core.estimate import (
     estimate,
     looks_like_oom,
     near_full,
+    oom_wanted,
     run_time,
     spread,
     tidy_size,
@@ -239,6 +241,64 @@ def test_oom_raises_the_next_estimate_above_the_failed_run() -> None:
     est = estimate(one_level(*runs), NOW)
     assert est.bytes is not None and est.bytes > 7 * GiB
     assert est.raised_by_oom and est.oom_floor_bytes == tidy_size(7 * GiB * 1.5)
+
+
+def test_an_oom_message_that_says_what_it_needed_raises_the_estimate_to_it() -> None:
+    # Sampled at 2 GiB of its 8 GiB reservation, it failed asking for 30 GiB more: 1.5 times
+    # what it had (12 GiB) would fail again; it asks for what it said, with the margin.
+    failed = run(2, 0.01, ok=False, oom=True, reserved_gib=8)
+    failed = RunStat(**{**failed.__dict__, "oom_wanted_bytes": 30 * GiB})
+    est = estimate(one_level(failed), NOW)
+    assert est.raised_by_oom and est.bytes == tidy_size(30 * GiB * 1.1)
+    # Where it said less than 1.5 times what it had, that stands.
+    small = RunStat(**{**failed.__dict__, "oom_wanted_bytes": 9 * GiB})
+    assert estimate(one_level(small), NOW).bytes == tidy_size(8 * GiB * 1.5)
+
+
+@pytest.mark.parametrize(
+    ("said", "gib"),
+    [
+        (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 15.00 GiB. GPU 0 has a "
+            "total capacity of 24.00 GiB of which 8.00 GiB is free. Process 12 has 1024.00 MiB "
+            "memory in use. Including non-PyTorch memory, this process has 15.00 GiB memory in "
+            "use. Of the allocated memory 14.50 GiB is allocated by PyTorch",
+            30,
+        ),
+        (
+            "RuntimeError: CUDA out of memory. Tried to allocate 512.00 MiB (GPU 0; 15.78 GiB "
+            "total capacity; 14.50 GiB already allocated; 15.69 MiB free; 14.80 GiB reserved)",
+            15,
+        ),
+        (
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB. Of the "
+            "allocated memory 2.00 GiB is allocated by PyTorch, and this process is limited to "
+            "6.00 GiB (set_per_process_memory_fraction)",
+            6,
+        ),
+        ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8589934592 bytes.", 8),
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,073,741,824 bytes "
+            "(allocated so far: 2,147,483,648 bytes).",
+            3,
+        ),
+    ],
+)
+def test_what_an_oom_message_says_its_program_needed(said: str, gib: float) -> None:
+    assert oom_wanted(said) == gib * GiB
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "RuntimeError: CUDA error: out of memory",
+        "OOM when allocating tensor with shape[4096,4096]",
+        "CUDA out of memory. Tried to allocate 99999999999999999999 GiB.",
+        "CUDA out of memory. Tried to allocate 0 bytes.",
+    ],
+)
+def test_an_oom_message_that_says_no_real_size_says_nothing(said: str) -> None:
+    assert oom_wanted(said) is None
 
 
 def test_oom_without_any_success_still_gives_a_raised_estimate() -> None:

@@ -72,7 +72,10 @@ def test_oom_on_a_nearly_full_card_is_recorded_and_raises_the_estimate(
     assert record["stderr_watched"] == "pipe" and record["request_source"] == "flag"
     learned = estimate_of(gpuwait_cmd, job)
     assert learned["estimate_bytes"] > max(2 * GiB, record["peak_bytes"] or 0)
-    assert learned["oom_floor_bytes"] == learned["estimate_bytes"]
+    # The message said it tried to allocate 20 GiB, with nothing yet: that with the margin,
+    # capped at what the card gives under the safety factor.
+    assert learned["oom_floor_bytes"] == 22 * GiB
+    assert learned["estimate_bytes"] == int(0.9 * 24 * GiB)
     assert "out-of-memory" in learned["based_on"]
 
 
@@ -364,6 +367,21 @@ def test_retry_oom_stops_when_the_largest_card_was_already_given(
     assert done.returncode == 1
     assert "no larger size to retry with" in done.stderr and "retrying" not in done.stderr
     assert len(history()) == 1 and history()[0]["oom"] is True
+
+
+def test_a_retry_asks_for_what_the_out_of_memory_message_said_it_needed(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Held to its 8 GiB, the job failed at once asking for 30 GiB: 1.5 times what it had,
+    # 12 GiB, was retried and failed the same way. The retry asks for what the message said.
+    sim_file(gpus=1, memory="48GiB")
+    job = sim_job(gpuwait_cmd, "30G", "--hold", "0")
+    done = run([*gpuwait_cmd, "--enforce", "limit", "--vram", "8G", "--retry-oom", "1", "--", *job])
+    assert done.returncode == 0, done.stderr
+    first, retry = history()
+    assert first["oom"] is True and first["oom_wanted_bytes"] == 30 * GiB
+    assert retry["exit_status"] == 0 and 30 * GiB < retry["reserved_bytes"] <= 34 * GiB
+    assert "retrying with 34.0 GiB" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,19 @@ def test_a_marker_split_between_two_reads_is_found() -> None:
         assert scanner.found
 
 
+def test_an_oom_message_split_between_reads_says_what_it_needed() -> None:
+    said = (
+        b"Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 15.00 "
+        b"GiB. GPU 0 has a total capacity of 24.00 GiB of which 8.00 GiB is free. Including "
+        b"non-PyTorch memory, this process has 15.00 GiB memory in use.\n"
+    )
+    for cut in (10, 45, 80, 160):
+        scanner = OomScanner()
+        scanner.feed(b"x" * 5000 + said[:cut])
+        scanner.feed(said[cut:])
+        assert scanner.wanted_bytes == 30 * 2**30, cut
+
+
 INTERLEAVED = textwrap.dedent(
     """
     import os, sys
