@@ -30,4 +30,5 @@ def ledger_for(settings: config.Settings) -> Ledger:
         must_exist=settings.ledger_dir is not None,
         lock_timeout=settings.lock_timeout,
         on_slow_lock=output.warn,
+        fair_half_life=settings.fair_share_half_life,
     )

@@ -122,6 +122,7 @@ class Ledger:
         must_exist: bool = False,
         lock_timeout: float | None = 60.0,
         on_slow_lock: Callable[[str], None] | None = None,
+        fair_half_life: float | None = None,
     ) -> None:
         self.directory = directory
         #: The file this process writes: ledger.json, or in a shared directory this user's own.
@@ -142,6 +143,9 @@ class Ledger:
         self._patience = 0.0
         #: Told who holds the lock once one process has held it all through a wait (SLOW_AFTER).
         self.on_slow_lock = on_slow_lock
+        #: The fair-share half-life (None: off) with which what a job found gone had held is
+        #: charged to its user when its entry is reaped (gpuwait.queue.lifecycle).
+        self.fair_half_life = fair_half_life
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""

@@ -172,6 +172,11 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
             )
     for job in gone:
         data.jobs.remove(job)
+        if job.state == RUNNING and job.started_at is not None:
+            # Its gpuwait cannot charge its run any more (killed with its command, or an
+            # adopted process's end): what it held until it was found gone is its user's.
+            held = job.reserved_in_all() * _ran_until_gone(job, now)
+            charge(data, job.uid, held, now, ledger.fair_half_life)
         data.book.note_finished(
             Finished(
                 id=job.id,
@@ -261,9 +266,7 @@ def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
             time_to_peak=None,
             samples=1 if job.observed else 0,
             free_at_peak_bytes={},
-            run_seconds=max(0.0, now - started_at)
-            if of_an_earlier_boot(job.boot) or job.started_at is None
-            else run_time(job, now, proc.boot_clock()),
+            run_seconds=_ran_until_gone(job, now),
             returncode=0,
             oom=False,
             oom_evidence=None,
@@ -275,6 +278,20 @@ def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
     record["exit_status"] = None
     record["adopted"] = True
     return record
+
+
+def _ran_until_gone(job: Job, now: float) -> float:
+    """How long the running `job`, whose processes were found gone at `now`, ran at most:
+    timed as a running job's is (entries.run_time: on the boot clock, less a suspend), where
+    it ran in this boot; one of an earlier boot, whose clocks those are not, ended by the time
+    this boot began, and is timed on the wall clock up to then. (Since its start, or where
+    none was recorded, its submission.)"""
+    boot_now = proc.boot_clock()
+    if job.started_at is not None and not of_an_earlier_boot(job.boot):
+        return run_time(job, now, boot_now)
+    started = job.started_at if job.started_at is not None else job.submitted_at
+    ended = min(now, now - boot_now) if of_an_earlier_boot(job.boot) else now
+    return max(0.0, ended - started)
 
 
 def _carry_out_requests(data: LedgerData, said: _Said) -> None:

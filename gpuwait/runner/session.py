@@ -639,6 +639,7 @@ def _ledger(config: RunConfig, reporter: Reporter | None = None) -> Ledger:
         must_exist=config.ledger_must_exist,
         lock_timeout=config.lock_timeout,
         on_slow_lock=None if reporter is None else reporter.warn,
+        fair_half_life=config.wait.fair.half_life,
     )
 
 

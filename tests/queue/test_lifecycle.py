@@ -609,3 +609,29 @@ def test_an_admission_undone_by_its_own_check_keeps_the_place_a_step_aside_gave(
     assert undone is not None and undone.state == WAITING and not undone.gpu_uuids
     assert (undone.effective_priority, undone.yield_to) == (5, "urgent")
     assert undone.started_at is None and undone.reserved_bytes == 0
+
+
+def test_a_job_left_running_by_a_machine_that_went_down_is_charged_until_the_boot(
+    tmp_path: Path,
+) -> None:
+    """Its processes ended by the time the machine booted again: what it held until then is
+    its user's usage, not the hours the machine stood and ran since."""
+    if proc.boot_id() is None:
+        pytest.skip("no boot id to tell an earlier boot by")
+    now = time.time()
+    booted = now - proc.boot_clock()
+    ledger = Ledger(tmp_path, fair_half_life=None)
+    with ledger.transaction() as data:
+        data.jobs.append(
+            live_job(
+                "crashed",
+                state=RUNNING,
+                boot="an earlier boot",
+                started_at=booted - 3600,  # an hour before the machine went down
+                gpu_uuids=["GPU-0"],
+                reserved_bytes=GiB,
+            )
+        )
+    assert lifecycle.reap(ledger) == ["crashed"]
+    usage = ledger.read().usage[os.getuid()].vram_seconds
+    assert usage == pytest.approx(GiB * 3600, rel=0.01)

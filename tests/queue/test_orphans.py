@@ -249,3 +249,38 @@ def test_the_orphan_of_a_command_started_with_a_large_environment_keeps_its_room
         assert orphan is not None and orphan.get("orphaned_at") is not None, orphan
     finally:
         kill_orphan(child, child_start)
+
+
+def _usage_shown() -> float:
+    """The fair-share usage `gpuwait status --json` shows for this user (0 without a row)."""
+    users = json.loads(
+        subprocess.run(
+            [*GPUWAIT, "status", "--json"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    )["users"]
+    return sum(float(u["usage_vram_seconds"]) for u in users if u["uid"] == os.getuid())
+
+
+def test_a_job_killed_with_its_gpuwait_is_charged_to_its_users_fair_share(
+    sim_file: SimFileFactory, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """`kill -9` of the whole process group leaves an entry that the next gpuwait reaps: what
+    the job held until then is its user's usage, as if it had ended on its own; killing one's
+    jobs is no way to run free of fair share."""
+    sim_file(gpus=1, memory="24G")
+    launched = time.monotonic()
+    job = procs([*GPUWAIT, "--vram", "4G", "--name", "killed", "--", "sleep", "60"])
+    entry = wait_for(lambda: (e := named_entry("killed")) and e.get("child_pid") and e, timeout=20)
+    seen_running = time.monotonic()
+    wait_for(lambda: time.monotonic() - seen_running > 0.5, interval=0.05)
+    os.killpg(job.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    job.wait(timeout=10)
+    wait_for(lambda: not linux_proc.is_alive(int(entry["child_pid"]), entry["child_start_time"]))
+    usage = _usage_shown()
+    assert named_entry("killed") is None, "status reaps the entry of the killed job"
+    held = 4 * 2**30
+    # At least what it held while seen running; at most until it was found gone.
+    assert held * (killed - seen_running) <= usage <= held * (time.monotonic() - launched)
+    # ... and charged once: the next look finds the same (less a little decay).
+    assert _usage_shown() == pytest.approx(usage, rel=0.01)
