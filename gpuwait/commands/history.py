@@ -175,8 +175,9 @@ def _exit(record: dict[str, Any], short: bool = False) -> str:
         except ValueError:
             text = f"signal {number}"
     elif record.get("exit_status") is None:
-        # Nobody saw how it ended: an adopted process, a reservation's unseen exit.
-        text = "?"
+        # Nobody saw how it ended: an adopted process, a reservation's unseen exit, a job
+        # whose gpuwait was killed (lost).
+        text = "? lost" if record.get("lost") is True else "?"
     else:
         text = str(record.get("exit_status"))
         stopped = record.get("stopped_by")

@@ -18,7 +18,11 @@ A record is one JSON object per line:
     started_at                       Unix time of its start (a --pausable job's: of its last
                                      run, whose run_seconds it has: it ended at their sum)
     exit_status, signal              how it ended (one of them is None; both where nobody saw
-                                     it: an adopted process, a reservation's exit unseen)
+                                     it: an adopted process, a reservation's exit unseen, a
+                                     lost run)
+    adopted, lost                    only when true: a process given a place with `gpuwait
+                                     adopt`; a run whose gpuwait was killed, recorded when its
+                                     entry was reaped (its peak the last one published)
     stopped_by                       only when a signal asking it to stop (TERM, INT, HUP, QUIT)
                                      reached it during the run: its number. Such a run may have
                                      ended early, so estimates do not count it as a success

@@ -169,6 +169,11 @@ class Job(Record):
     #: Its entry names the process itself as its gpuwait and its command.
     adopted_history: str | None = None
     adopted_commands: str = "full"
+    #: The state dir whose history records the run of a job whose gpuwait died before it could
+    #: (killed with its command, or before it), once its entry is reaped; and how that history
+    #: keeps command lines. None: an entry of an older version, whose end is not recorded.
+    history_dir: str | None = None
+    history_commands: str = "full"
     #: The lookahead order's no-starvation rule (gpuwait.core.lookahead): seconds it may wait
     #: before it is planned first with the urgent jobs; set once, None until then.
     wait_budget: float | None = None
@@ -308,6 +313,8 @@ class Job(Record):
             prefer=_lenient_texts(raw.get("prefer")),
             adopted_history=_lenient_text(raw.get("adopted_history")),
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",
+            history_dir=_lenient_text(raw.get("history_dir")),
+            history_commands="hash" if raw.get("history_commands") == "hash" else "full",
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),

@@ -89,7 +89,8 @@ from gpuwait.queue.fairness import NO_FAIR_SHARE, charge
 from gpuwait.queue.ledger import Ledger
 
 _Said = list[tuple[events.Kind, dict[str, Any]]]
-#: History records of adopted processes found ended: (state dir, record), written after commit.
+#: History records of runs found ended (adopted processes, jobs whose gpuwait was killed):
+#: (state dir, record), written after commit.
 _Ended = list[tuple[str, dict[str, Any]]]
 
 #: The entries' processes, looked at in every transaction (see gpuwait.linux.proc.LivenessReader).
@@ -121,7 +122,7 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
     for kind, fields in said:
         events.emit(ledger.directory, kind, **fields)
     if ended:
-        from gpuwait.history import store  # only an adopted process's end needs it
+        from gpuwait.history import store  # only a run found ended needs it
 
     for state_dir, record in ended:
         # Its process is gone; only the record would be lost, never the transaction.
@@ -188,7 +189,9 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
             job.gpu_uuids if job.state == RUNNING else (),
         )
         if job.adopted_history is not None:
-            ended.append((job.adopted_history, _adopted_record(job, data, now)))
+            ended.append((job.adopted_history, _found_ended_record(job, data, now)))
+        elif job.history_dir is not None and job.state == RUNNING and job.started_at is not None:
+            ended.append((job.history_dir, _found_ended_record(job, data, now)))
         said.append(
             ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})
         )
@@ -231,15 +234,15 @@ def _command_found(ledger: Ledger, job: Job) -> bool:
     return command_lives(job)
 
 
-def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
-    """The history record of an adopted process that has ended. Nobody waited on it, so its
-    exit status is unknown (recorded as None) and its peak is what it used when it was
-    adopted: nothing samples it afterwards. Its run time is timed as a running job's is
-    (entries.run_time): on the boot clock, as every duration between two gpuwait processes
-    is, less the time the machine was suspended, as every run's in the history; unless it ran
-    in an earlier boot, whose clocks those are not."""
+def _found_ended_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
+    """The history record of a running job found ended, which no gpuwait waited on: an
+    adopted process, or the command of a job whose gpuwait was killed (`lost`). Its exit status
+    is unknown (recorded as None), so no estimate learns from it, and its peak is the last
+    that was published of it (an adopted process's: what it used when it was adopted). Its
+    run time is until it was found gone (`_ran_until_gone`)."""
     from gpuwait.history import record as run_record  # rarely needed: kept out of launches
 
+    adopted = job.adopted_history is not None
     gpus = []
     for uuid in job.gpu_uuids:
         health = data.book.health.get(uuid)
@@ -255,9 +258,9 @@ def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
         command=job.command,
         cwd=job.cwd,
         key=None,
-        history_commands=job.adopted_commands,
+        history_commands=job.adopted_commands if adopted else job.history_commands,
         request=job.request,
-        request_source="adopted",
+        request_source="adopted" if adopted else "unknown",
         reserved_bytes=job.reserved_bytes,
         gpus=gpus,
         measured=run_record.Measured(
@@ -276,7 +279,7 @@ def _adopted_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
         started_at=started_at,
     )
     record["exit_status"] = None
-    record["adopted"] = True
+    record["adopted" if adopted else "lost"] = True
     return record
 
 

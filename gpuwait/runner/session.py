@@ -584,6 +584,8 @@ def _new_job(
         prefer=_preferred(config, snapshot),
         freezable=request.freezable,
         safety=config.wait.safety,
+        history_dir=str(config.state_dir),
+        history_commands=config.history_commands,
     )
     rules = config.wait.pause_rules
     if (pausable is not None or request.freezable) and rules is not None:

@@ -284,3 +284,39 @@ def test_a_job_killed_with_its_gpuwait_is_charged_to_its_users_fair_share(
     assert held * (killed - seen_running) <= usage <= held * (time.monotonic() - launched)
     # ... and charged once: the next look finds the same (less a little decay).
     assert _usage_shown() == pytest.approx(usage, rel=0.01)
+
+
+def test_a_job_killed_with_its_gpuwait_is_in_the_history_and_teaches_nothing(
+    sim_file: SimFileFactory, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Its run shows in `gpuwait history` as one whose end nobody saw; what was measured of it
+    until then (a peak it may not have reached yet, a run cut short) sizes no later run."""
+    sim_file(gpus=1, memory="24G")
+    command = [*SIMJOB, "--vram", "3G", "--hold", "60s"]
+    job = procs([*GPUWAIT, "--vram", "4G", "--name", "cut", "--", *command])
+    entry = wait_for(
+        lambda: (e := named_entry("cut")) and e.get("observed") and e, timeout=20, interval=0.05
+    )
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=10)
+    wait_for(lambda: not linux_proc.is_alive(int(entry["child_pid"]), entry["child_start_time"]))
+    subprocess.run([*GPUWAIT, "status"], capture_output=True, timeout=30, check=True)  # reaps it
+    shown = subprocess.run(
+        [*GPUWAIT, "history", "--json"], capture_output=True, text=True, timeout=30, check=True
+    )
+    (record,) = json.loads(shown.stdout)
+    assert record["job_id"] == entry["id"] and record["name"] == "cut"
+    assert record["exit_status"] is None and record["signal"] is None and record["lost"] is True
+    assert record["reserved_bytes"] == 4 * 2**30 and record["peak_bytes"] > 0
+    listed = subprocess.run(
+        [*GPUWAIT, "history"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "? lost" in listed.stdout.splitlines()[1]
+    estimate = subprocess.run(
+        [*GPUWAIT, "estimate", "--json", "--", *command],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert json.loads(estimate.stdout)["estimate_bytes"] is None
