@@ -46,6 +46,7 @@ from gpuwait.linux.security import (
     read_capped,
     taken_over_hint,
 )
+from gpuwait.linux.stamp import file_stamp
 
 EXCLUSIVE = "exclusive"
 
@@ -1121,15 +1122,6 @@ def _site_value(name: str, site: Mapping[str, Any]) -> Any:
         return option.parse(option.default)
 
 
-def _file_key(path: Path) -> tuple[int, int, int, int] | None:
-    """What tells a file changed (written in place or replaced by an editor); None: none there."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[], FairShare]:
     """The fairness policy (`Settings.fair_share`) as the config files say at each call: an
     administrator who adds a per-user limit to the site file, or changes the queue's order,
@@ -1137,10 +1129,10 @@ def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[
     changed; a file broken now (an editor's half-written one) leaves the last policy read in
     force until it changes again."""
     site = site_config_file_path()
-    seen: list[Any] = [_file_key(site), settings.fair_share()]
+    seen: list[Any] = [file_stamp(site), settings.fair_share()]
 
     def current() -> FairShare:
-        key = _file_key(site)
+        key = file_stamp(site)
         if key != seen[0]:
             seen[0] = key
             with contextlib.suppress(UsageError, StateError):

@@ -59,6 +59,7 @@ from gpuwait.linux.security import (
     read_capped,
     read_state_file,
 )
+from gpuwait.linux.stamp import FileStamp, stamp_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -175,7 +176,7 @@ def default_uuid(path: str, index: int) -> str:
 
 #: Parsed simulation files by path, with the stat figures they were read at: a snapshot re-reads
 #: the file only when it changed (GPUs added, lost, resized) since the last time.
-_parsed: dict[str, tuple[tuple[int, int, int, int], SimConfig]] = {}
+_parsed: dict[str, tuple[FileStamp, SimConfig]] = {}
 
 
 #: Seconds since its last change after which a simulation file that does not read is taken as
@@ -183,8 +184,8 @@ _parsed: dict[str, tuple[tuple[int, int, int, int], SimConfig]] = {}
 SETTLED_AFTER = 5.0
 
 
-def _settled(stamp: tuple[int, int, int, int]) -> bool:
-    return time.time() - stamp[2] / 1e9 > SETTLED_AFTER  # its content's last change
+def _settled(stamp: FileStamp) -> bool:
+    return time.time() - stamp.mtime_ns / 1e9 > SETTLED_AFTER  # its content's last change
 
 
 def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
@@ -199,7 +200,7 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
             raise FileNotFoundError
         try:
             info = os.fstat(fd)
-            stamp = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            stamp = stamp_of(info)
             known = _parsed.get(resolved)
             if known is not None and known[0] == stamp:
                 return known[1]

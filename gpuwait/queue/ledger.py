@@ -59,6 +59,7 @@ from gpuwait.linux.security import (
     read_at_most,
     taken_over_hint,
 )
+from gpuwait.linux.stamp import file_stamp, stamp_of
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
 
@@ -150,11 +151,7 @@ class Ledger:
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""
         if not self.shared:
-            try:
-                st = os.stat(self.path)
-            except OSError:
-                return None
-            return (st.st_ino, st.st_mtime_ns, st.st_size)
+            return file_stamp(self.path)
         # Every user's file is replaced by rename, so a new inode number marks every change.
         token = []
         try:
@@ -163,7 +160,7 @@ class Ledger:
                     if _USER_FILE_RE.match(item.name):
                         with contextlib.suppress(OSError):
                             st = item.stat(follow_symlinks=False)
-                            token.append((item.name, st.st_ino, st.st_mtime_ns, st.st_size))
+                            token.append((item.name, *stamp_of(st)))
         except OSError:
             return None
         return tuple(sorted(token))

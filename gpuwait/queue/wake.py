@@ -50,6 +50,7 @@ from typing import Any
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
+from gpuwait.linux.stamp import FileStamp, file_stamp
 from gpuwait.queue.entries import RUNNING, Job, elsewhere
 
 SCHEMA = 1
@@ -191,7 +192,7 @@ class Summaries:
     def __init__(self, state_dir: Path, shared: bool) -> None:
         self.state_dir = state_dir
         self.shared = shared
-        self._tokens: dict[str, tuple[int, int, int] | None] = {}
+        self._tokens: dict[str, FileStamp | None] = {}
         #: Monotonic time before which a user's summary is not acted on again (shared).
         self._quiet_until: dict[str, float] = {}
 
@@ -228,9 +229,9 @@ class Summaries:
                 found.append(seen)
         return found
 
-    def _current_tokens(self) -> dict[str, tuple[int, int, int] | None]:
+    def _current_tokens(self) -> dict[str, FileStamp | None]:
         if not self.shared:
-            return {FILENAME: file_token(self.state_dir / FILENAME)}
+            return {FILENAME: file_stamp(self.state_dir / FILENAME, follow=False)}
         try:
             names = os.listdir(self.state_dir)
         except OSError:
@@ -238,7 +239,7 @@ class Summaries:
         # One summary per user, as one ledger file per user: theirs under their canonical
         # name, else the first of their own beside it (where another member squatted that
         # name). More files of theirs would be more wake-ups for everyone, one per file.
-        chosen: dict[str, tuple[str, tuple[int, int, int]]] = {}
+        chosen: dict[str, tuple[str, FileStamp]] = {}
         looked = 0
         for name in names:
             match = _USER_SUMMARY_RE.match(name)
@@ -252,13 +253,13 @@ class Summaries:
             held = chosen.get(uid)
             if held is not None and (held[0] == canonical or held[0] < name != canonical):
                 continue
-            token = file_token(self.state_dir / name, owner=int(uid))
+            token = file_stamp(self.state_dir / name, follow=False, owner=int(uid))
             if token is not None:  # None: gone, or another user's file under this uid's name
                 chosen[uid] = (name, token)
         return dict(chosen.values())
 
 
-def read_summary(path: Path, token: tuple[int, int, int] | None = None) -> Summary | None:
+def read_summary(path: Path, token: FileStamp | None = None) -> Summary | None:
     """The summary in `path`, or None when it is missing or not one (then the caller plans to
     be safe, or, for another user's, passes it over)."""
     # In a shared directory a summary is its writer's: never followed as a link, never waited
@@ -278,20 +279,8 @@ def read_summary(path: Path, token: tuple[int, int, int] | None = None) -> Summa
         or not all(isinstance(i, str) for i in [*running, *waiting])
     ):
         return None
-    written = 0 if token is None else token[1]
+    written = 0 if token is None else token.mtime_ns
     return Summary(release, frozenset(running), tuple(waiting), path.name, written)
-
-
-def file_token(path: Path, owner: int | None = None) -> tuple[int, int, int] | None:
-    """(inode, mtime in ns, size) of the file at `path`, not followed if a link; None when
-    there is none (or, with `owner`, when it is not that user's)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    if owner is not None and st.st_uid != owner:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def note_planned(state_dir: Path) -> None:

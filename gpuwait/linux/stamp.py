@@ -1,0 +1,41 @@
+"""Whether a file changed since it was last looked at, told by its metadata alone: the test
+that spares re-reading the ledger, the wake-up summaries, the simulation file and the site
+config when nothing was written.
+
+A file replaced by rename (every state file gpuwait writes) has a new inode; one written in
+place (an editor's save, `echo >>`) a new size or modification time, and a new change time
+even where it was written twice within one tick of the file system's clock, or its time was
+set back (`touch -d`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+
+class FileStamp(NamedTuple):
+    """What tells one version of a file from another (see the module docstring)."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def stamp_of(st: os.stat_result) -> FileStamp:
+    """The stamp of the file `st` describes."""
+    return FileStamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_stamp(path: Path, *, follow: bool = True, owner: int | None = None) -> FileStamp | None:
+    """The stamp of the file at `path` (a link there followed only with `follow`); None where
+    there is none, or (with `owner`) where it is not that user's."""
+    try:
+        st = os.stat(path, follow_symlinks=follow)
+    except OSError:
+        return None
+    if owner is not None and st.st_uid != owner:
+        return None
+    return stamp_of(st)
