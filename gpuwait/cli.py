@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import sys
+import time
 
 from gpuwait.commands import SUBCOMMANDS
 
@@ -230,12 +231,40 @@ def entry_point() -> NoReturn:
         _out_of_memory()
 
 
+#: Said where gpuwait ran out of memory while its command ran, and once it had ended.
+_OUT_OF_MEMORY_RUNNING = (
+    b"gpuwait: error: gpuwait ran out of memory (its address space limited by ulimit -v, or a "
+    b"memory cgroup's limit) while its command ran; it waits for the command, passing signals "
+    b"on, and ends with its status; the run is not recorded\n"
+)
+_OUT_OF_MEMORY_ENDED = (
+    b"gpuwait: error: gpuwait ran out of memory (its address space limited by ulimit -v, or a "
+    b"memory cgroup's limit) once its command had ended; it ends with the command's status\n"
+)
+
+
 def _out_of_memory() -> NoReturn:
-    """Say that gpuwait ran out of memory and end, allocating nothing: none may be left."""
+    """Say that gpuwait ran out of memory and end, allocating as little as can be: none may be
+    left. A command it started is never abandoned: gpuwait waits for it and ends with its
+    status (one ended by a signal, by that signal), whatever it was doing."""
+    code: int | None = 126
+    # Loaded already where a command was started; not loaded now, where memory is short.
+    signals = sys.modules.get("gpuwait.linux.signals")
     try:
-        os.write(2, _OUT_OF_MEMORY)
+        running: bool | None = None if signals is None else signals.command_running()
+        said = _OUT_OF_MEMORY_RUNNING if running else _OUT_OF_MEMORY_ENDED
+        os.write(2, _OUT_OF_MEMORY if running is None else said)
+        while running is not None and signals is not None:
+            try:
+                code = signals.wait_for_command()
+                break
+            except MemoryError:
+                time.sleep(0.1)  # it may come back; the command must not be left
+        if code is not None and code < 0 and signals is not None:
+            signals.die_by_signal(-code)
+            code = 128 - code
     finally:
-        os._exit(126)
+        os._exit(126 if code is None or not 0 <= code <= 255 else code)
 
 
 def _entry_point() -> NoReturn:

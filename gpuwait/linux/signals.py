@@ -178,6 +178,55 @@ def leads_a_job() -> bool:
         return False
 
 
+#: The command gpuwait started: [pid] while it runs, [pid, exit status] once gpuwait saw it end
+#: (a negative status: the signal that killed it); [] before any was started.
+_COMMAND: list[int] = []
+
+
+def command_started(pid: int) -> None:
+    """gpuwait started its command as `pid` and is to wait for it (`wait_for_command`)."""
+    _COMMAND[:] = [pid]
+
+
+def command_running() -> bool | None:
+    """Whether the command gpuwait started still runs as far as gpuwait knows (False: it saw
+    it end); None where it started none."""
+    return None if not _COMMAND else len(_COMMAND) == 1
+
+
+def command_ended(pid: int, exit_status: int) -> None:
+    """gpuwait saw its command `pid` end with `exit_status` (os.waitstatus_to_exitcode's)."""
+    if _COMMAND[:1] == [pid]:
+        _COMMAND[:] = [pid, exit_status]
+
+
+def wait_for_command() -> int | None:
+    """The command's exit status (as `command_ended` takes it), waited for where it still
+    runs; None where no command was started. For a gpuwait that cannot go on with its work (out
+    of memory): it must not leave its command running unwaited for, its caller told a status
+    that is not the command's. Meanwhile a handled signal sent to gpuwait alone is passed on
+    to the command (one typed at the terminal reached it already); nothing else is done, and
+    as little as can be is allocated."""
+    if not _COMMAND:
+        return None
+    if len(_COMMAND) == 2:
+        return _COMMAND[1]
+    pid = _COMMAND[0]
+    wanted = taken()
+    while True:
+        try:
+            waited, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None  # reaped already, its status unknown
+        if waited == pid:
+            return os.waitstatus_to_exitcode(status)
+        info = signal.sigtimedwait(wanted, 0.25)
+        if info is None or info.si_signo == signal.SIGCHLD or came_from_terminal(info):
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, info.si_signo)
+
+
 def die_by_signal(signum: int) -> None:
     """End this process by `signum`, as the command did, so the caller sees the same death.
 

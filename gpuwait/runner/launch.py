@@ -246,7 +246,9 @@ def spawn_when_possible(
     told = False
     while True:
         try:
-            return spawn(argv, env, file_actions)
+            child = spawn(argv, env, file_actions)
+            signals.command_started(child)
+            return child
         except OSError as exc:
             left = deadline - time.monotonic()
             if exc.errno not in SHORT_OF_PROCESSES or left <= 0:

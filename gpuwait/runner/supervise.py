@@ -164,6 +164,7 @@ def supervise(
                 continue
             if waited_pid == child:
                 result.returncode = os.waitstatus_to_exitcode(status)
+                signals.command_ended(child, result.returncode)
                 # The time it was frozen is no run time: it did no work, and held no room.
                 frozen = 0.0 if responder is None else responder.frozen_seconds
                 result.run_seconds = max(0.0, time.monotonic() - started - frozen)

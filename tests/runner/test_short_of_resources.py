@@ -382,6 +382,24 @@ def test_a_launch_short_of_memory_says_so_in_one_line_and_runs_nothing(
     assert refused, "no limit let Python start but not gpuwait"
 
 
+def no_memory_at(where: str) -> str:
+    """`python -c` code of gpuwait (the console script) that finds no memory left when it
+    calls `where` (in gpuwait.runner: `module.name`, or `module.Class.name`)."""
+    module = where.split(".")[0]
+    return textwrap.dedent(
+        f"""
+        from gpuwait.cli import entry_point
+        from gpuwait.runner import {module}
+
+        def no_memory_left(*args, **kwargs):
+            raise MemoryError
+
+        {where} = no_memory_left
+        entry_point()
+        """
+    )
+
+
 def test_a_run_whose_record_finds_no_memory_left_ends_with_its_commands_status(
     sim_file: SimFileFactory, tmp_path: Path
 ) -> None:
@@ -390,18 +408,7 @@ def test_a_run_whose_record_finds_no_memory_left_ends_with_its_commands_status(
     # command not yet started is not run, and exited 126: the command's own status was lost.
     sim_file(gpus=1)
     ran = tmp_path / "ran"
-    patch = textwrap.dedent(
-        """
-        from gpuwait.cli import entry_point
-        from gpuwait.runner import session
-
-        def no_memory_left(*args, **kwargs):
-            raise MemoryError
-
-        session.save_record = no_memory_left
-        entry_point()
-        """
-    )
+    patch = no_memory_at("session.save_record")
     done = subprocess.run(
         [sys.executable, "-c", patch, "--vram", "1G", "--", "sh", "-c", f"touch {ran}; exit 3"],
         capture_output=True,
@@ -412,3 +419,49 @@ def test_a_run_whose_record_finds_no_memory_left_ends_with_its_commands_status(
     assert done.returncode == 3, done.stderr
     assert "could not record the run in the history: out of memory" in done.stderr, done.stderr
     assert "not run" not in done.stderr
+
+
+#: gpuwait whose supervision of its command finds no memory left: at its first sample.
+NO_MEMORY_WHILE_IT_RUNS = no_memory_at("supervise.UsageSampler.sample_if_due")
+
+
+def test_gpuwait_out_of_memory_while_its_command_runs_waits_for_it_and_ends_with_its_status(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    # It said it ran out of memory and exited 126 at once, its command left running unwaited
+    # for: a script went on (or gave up) while the command still used the GPU.
+    sim_file(gpus=1)
+    ran = tmp_path / "ran"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-c", NO_MEMORY_WHILE_IT_RUNS, "--vram", "1G", "--"),
+            *("sh", "-c", f"sleep 0.3; touch {ran}; exit 3"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ran.exists(), "gpuwait ended before its command"
+    assert done.returncode == 3, done.stderr
+    assert "ran out of memory" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_gpuwait_out_of_memory_still_passes_a_signal_on_to_its_command(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    sim_file(gpus=1)
+    err = tmp_path / "err"
+    with err.open("w") as stderr:
+        launch = subprocess.Popen(
+            [sys.executable, "-c", NO_MEMORY_WHILE_IT_RUNS, "--vram", "1G", "--", "sleep", "30"],
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: "ran out of memory" in err.read_text(), timeout=30)
+        launch.send_signal(signal.SIGTERM)  # to gpuwait alone, as `kill PID` sends it
+        assert launch.wait(timeout=10) == -signal.SIGTERM  # its command ended by it, so it
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)  # the command too, should the test fail
+        launch.wait()
