@@ -29,16 +29,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args and args[0] in SUBCOMMANDS:
-            # -q: nothing but errors (`cancel -q`), this warning included.
+            # -q: nothing but errors (`cancel -q`), and a misspelled variable once.
             own = args[1 : args.index("--")] if "--" in args else args[1:]
-            if not {"-q", "--quiet"} & set(own):
-                warn_unknown_variables(os.environ)
+            warn_unknown_variables(os.environ, quiet=bool({"-q", "--quiet"} & set(own)))
             return _subcommand(args[0], args[1:])
         from gpuwait.commands import run
 
         options = run.build_parser().parse_args(args)
-        if not options.quiet:
-            warn_unknown_variables(os.environ)
+        warn_unknown_variables(os.environ, quiet=options.quiet)
         return run.run(options)
     except GpuwaitError as exc:
         output.error(exc.message, exc.hint)

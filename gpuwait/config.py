@@ -39,11 +39,14 @@ from gpuwait.core.sizes import (
 )
 from gpuwait.core.text import shell_word
 from gpuwait.linux import dirs, netfs
+from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.security import (
     UnsafePath,
+    ensure_private_dir,
     mine,
     open_readable,
     read_capped,
+    read_state_file,
     taken_over_hint,
 )
 from gpuwait.linux.stamp import file_stamp
@@ -760,6 +763,32 @@ def known_variables() -> frozenset[str]:
     """Every GPUWAIT_* name gpuwait reads, exports, or leaves to its contrib scripts."""
     settings = {o.env_var for o in OPTIONS}
     return frozenset(settings | set(_USER_VARIABLES) | _OTHER_VARIABLES)
+
+
+#: Where the unknown GPUWAIT_* names a quiet gpuwait (-q) said are kept (the user state dir),
+#: at most this many of them, one a line.
+SAID_VARIABLES = "said-variables"
+_SAID_MOST = 256
+
+
+def not_said_quietly(names: Iterable[str]) -> set[str]:
+    """The names among `names` that no quiet gpuwait (-q) of this user has said yet, noted
+    as said from now on: a script that runs its every step with -q is told of a misspelled
+    variable once, not in every step. All of them where that cannot be told (the state dir
+    unreadable or not writable): said again rather than never."""
+    wanted = set(names)
+    path = Path(dirs.user_state_dir()) / SAID_VARIABLES
+    try:
+        text = read_state_file(path, _SAID_MOST * 128, mine())
+        said = set((text or b"").decode("utf-8", "replace").split())
+        new = wanted - said
+        if new:
+            kept = sorted(new) + sorted(said - new)
+            ensure_private_dir(path.parent)
+            write_atomic(path, "".join(f"{n}\n" for n in kept[:_SAID_MOST]).encode(), sync=False)
+    except (OSError, ValueError):
+        return wanted
+    return new
 
 
 def unknown_variables(names: Iterable[str]) -> list[tuple[str, str | None]]:

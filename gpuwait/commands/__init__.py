@@ -34,17 +34,23 @@ def module_name(subcommand: str) -> str:
     return f"gpuwait.commands.{subcommand.replace('-', '_')}"
 
 
-def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+def warn_unknown_variables(environ: Mapping[str, str], quiet: bool = False) -> None:
     """Warn of GPUWAIT_* variables gpuwait does not know, naming the likely intended one: a
     misspelled one would otherwise be ignored without a word, and its setting keep its
-    default (a whole GPU reserved for a job meant to take 6G). A launch only looks at the
-    names; the settings are imported when one is set."""
+    default (a whole GPU reserved for a job meant to take 6G). `quiet` (-q): each is said
+    once, by the first quiet gpuwait that finds it, not in every step of a script that runs
+    them all with -q. A launch only looks at the names; the settings are imported when one is
+    set."""
     names = [name for name in environ if name.startswith("GPUWAIT_")]
     if not names:
         return
     from gpuwait.commands import output
-    from gpuwait.config import unknown_variables
+    from gpuwait.config import not_said_quietly, unknown_variables
 
-    for name, match in unknown_variables(names):
+    unknown = unknown_variables(names)
+    if quiet and unknown:
+        new = not_said_quietly(name for name, _ in unknown)
+        unknown = [(name, match) for name, match in unknown if name in new]
+    for name, match in unknown:
         guess = f"did you mean {match}?" if match else "`gpuwait --help` lists the settings"
         output.warn(f"{name} is not a gpuwait setting and is ignored ({guess})")

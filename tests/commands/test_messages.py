@@ -54,13 +54,24 @@ def test_a_misspelled_variable_is_named_with_the_setting_it_likely_means(sim: Pa
     ]
 
 
-def test_quiet_keeps_the_warning_of_a_misspelled_variable_to_itself(sim: Path) -> None:
-    # -q prints nothing but errors (usage.md, --help); this warning came all the same, into
-    # every step's output of a script that runs its steps with -q.
+def test_quiet_says_a_misspelled_variable_once_not_in_every_step(sim: Path) -> None:
+    # A misspelling changes what runs (GPUWAIT_SAFTEY: the safety stays the default), so a
+    # user who runs everything with -q is told, once; a script's every later -q step is not.
+    said = (
+        "gpuwait: warning: GPUWAIT_SAFTEY is not a gpuwait setting and is ignored "
+        "(did you mean GPUWAIT_SAFETY?)\n"
+    )
     done = gpuwait("-q", "--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5")
-    assert done.returncode == 0 and done.stderr == ""
+    assert done.returncode == 0 and done.stderr == said
+    again = gpuwait("-q", "--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5")
+    assert again.returncode == 0 and again.stderr == ""
     quiet_cancel = gpuwait("cancel", "-q", "--batch", "none", GPUWAIT_SAFTEY="0.5")
     assert "GPUWAIT_SAFTEY" not in quiet_cancel.stderr
+    # Another misspelling is news; without -q, every run says what it ignores.
+    other = gpuwait("cancel", "-q", "--batch", "none", GPUWAIT_VRMA="6G")
+    assert "GPUWAIT_VRMA is not a gpuwait setting" in other.stderr
+    loud = gpuwait("--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5")
+    assert loud.stderr == said
 
 
 def test_a_pausable_job_on_two_gpus_is_told_it_is_never_asked_to_step_aside(sim: Path) -> None:
