@@ -923,6 +923,8 @@ class Settings(Record):
             site_order=site,
             site_in_order=self.site_queue_order == "fifo",
             site_safety=self.site_safety,
+            safety_from_site=self.sources.get("safety", "default") == "default"
+            or self.sources["safety"].startswith("site config file"),
         )
 
     def shown(self, name: str) -> str:

@@ -237,6 +237,9 @@ class FairShare(Record, frozen=True):
     #: Believed down to any value, a job of 1 GiB with its owner's safety at 0.05 would keep
     #: a whole card from everyone else while it ran. None: no floor.
     site_safety: float | None = None
+    #: The user set no safety of their own (on the command line, in the environment or their
+    #: file): theirs is the site's, `site_safety`, and follows it as the site file changes.
+    safety_from_site: bool = False
 
     def in_strict_order(self) -> FairShare:
         """The policy with the queue in strict order (`queue_order = fifo`), in a shared ledger

@@ -402,18 +402,29 @@ def _in_shared_ledger(ledger: Ledger, policy: WaitPolicy) -> WaitPolicy:
     return policy._replace(fair=fair)
 
 
-def _refuse_over_new_limit(job: Job, snapshot: MachineSnapshot, policy: WaitPolicy) -> None:
+def _refuse_over_new_limit(
+    job: Job, snapshot: MachineSnapshot, policy: WaitPolicy, safety_changed: bool = False
+) -> None:
     """Raise ImpossibleRequest where a per-user limit set while `job` waited is less than it
-    asks alone: it would wait for ever (at submission, such a request is refused at once)."""
-    if policy.fair.limits is None:
+    asks alone, or the site's safety (`safety_changed`, the user's own being the site's) now
+    leaves no card room enough for it: it would wait for ever (at submission, such a request
+    is refused at once)."""
+    if policy.fair.limits is None and not safety_changed:
         return
     why = impossible_reason(
         claim_of(job, snapshot.gpus), snapshot.gpus, policy.safety, policy.fair.limits
     )
-    if why is not None and why.startswith(OVER_LIMIT):
+    if why is None:
+        return
+    if why.startswith(OVER_LIMIT):
         raise ImpossibleRequest(
             f"{why}, set in the site config file while it waited",
             hint="ask for less or for fewer GPUs: the limit is the site's",
+        )
+    if safety_changed and why.endswith(f"at safety {policy.safety:g}"):
+        raise ImpossibleRequest(
+            f"{why}, set in the site config file while it waited",
+            hint="ask for less, or set a safety of your own (--safety)",
         )
 
 
@@ -481,9 +492,13 @@ def wait_for_admission(
         snapshot = last = backend.snapshot()
         fair_now = given.fair if given.current_fair is None else given.current_fair()
         if fair_now != given.fair:
+            before = given.safety
             given = given._replace(fair=fair_now)
+            if fair_now.safety_from_site and fair_now.site_safety is not None:
+                # No safety of the user's own: the site's, as its file says now.
+                given = given._replace(safety=fair_now.site_safety)
             policy = _in_shared_ledger(ledger, given) if ledger.shared else given
-            _refuse_over_new_limit(job, snapshot, policy)
+            _refuse_over_new_limit(job, snapshot, policy, policy.safety != before)
         silent = (
             no_gpu_answers(snapshot)
             or own_gpus_silent(job, snapshot)

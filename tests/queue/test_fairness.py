@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
 from helpers.jobs import live_job
+from helpers.waiting import named_entry, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +31,7 @@ from gpuwait.core.policy import (
 )
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.linux import dirs
 from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage
 from gpuwait.queue.fairness import charge, decayed, user_usage
 
@@ -340,3 +347,53 @@ def test_a_careful_users_job_admitted_in_a_plan_keeps_its_safety_for_the_rest_of
     # As the next plan sees it, with Bob's job running.
     running = bobs._replace(running=True, gpu_uuids=("GPU-0",), reserved_bytes=6 * GiB)
     assert plan_queue([card(0)], [running, alices], 1.0, -1, NO_CONDITIONS, fair).admitted == {}
+
+
+def test_a_waiting_job_follows_the_safety_the_site_lowers_while_it_waits(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A user who set no safety of their own has the site's: lowered in the site file while
+    their job waits, it holds that job as it holds the jobs submitted since (as a new limit
+    does); their own `--safety` would have stayed theirs."""
+    sim_file(gpus=1, memory="24G", base_used="4G")  # 4 GiB held outside gpuwait
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")  # a site file's change wakes nobody
+    gpuwait = [sys.executable, "-m", "gpuwait"]
+    first = procs([*gpuwait, "--vram", "12G", "--name", "first", "--", "sleep", "30"])
+    wait_for(lambda: (e := named_entry("first")) and e["state"] == "running", timeout=20)
+    # 4 + 12 + 9 GiB are more than 0.9 of the card: the second waits.
+    second = procs([*gpuwait, "--vram", "9G", "--name", "second", "--", "sleep", "30"])
+    wait_for(lambda: named_entry("second") is not None, timeout=20)
+    site = Path(os.environ["XDG_CONFIG_DIRS"]) / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text("safety = 0.5\n")  # 12 GiB of the card: 4 + 9 no longer fit
+    os.killpg(first.pid, signal.SIGTERM)
+    first.wait(timeout=20)
+    ended = time.time_ns()
+    stamp = Path(dirs.user_state_dir()) / "plan.stamp"
+
+    def planned_since() -> dict[str, Any] | None:
+        entry = named_entry("second")
+        if entry is None or entry["state"] != "waiting":
+            return entry or {"state": "gone"}
+        return entry if stamp.stat().st_mtime_ns > ended else None
+
+    entry = wait_for(planned_since, timeout=20)
+    assert entry["state"] == "waiting", "it started past the safety the site set"
+    assert second.poll() is None
+    # Lowered below what it asks alone (0.3 of 24 GiB), it would wait for ever: exit 3.
+    site.write_text("safety = 0.3\n")
+    assert second.wait(timeout=20) == 3
+    assert "at safety 0.3, set in the site config file while it waited" in second.stderr.read()
+
+
+def test_only_a_safety_the_user_did_not_set_follows_the_site(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpuwait.config import load_settings
+
+    assert load_settings({}).fair_share().safety_from_site
+    monkeypatch.setenv("GPUWAIT_SAFETY", "0.8")
+    assert not load_settings({}).fair_share().safety_from_site
+    assert not load_settings({"safety": 0.7}).fair_share().safety_from_site
