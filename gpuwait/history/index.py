@@ -189,7 +189,7 @@ def _read_meta(path: Path, schema: int | None = SCHEMA) -> dict[str, Any] | None
         return None
     if not isinstance(meta, dict) or (schema is not None and meta.get("schema") != schema):
         return None
-    if not all(isinstance(meta.get(k), int) for k in ("dev", "ino", "offset")):
+    if not all(type(meta.get(k)) is int and meta[k] >= 0 for k in ("dev", "ino", "offset")):
         return None
     return meta
 

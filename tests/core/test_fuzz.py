@@ -10,21 +10,27 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.history import a_run
 from helpers.jobs import live_job
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from gpuwait.cli import main
 from gpuwait.config import OPTIONS, load_config_file, resolve
 from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
 from gpuwait.core.errors import BackendUnavailable, UsageError
 from gpuwait.core.sizes import parse_duration, parse_request, parse_size
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu.sim import load_sim_file
-from gpuwait.history import store
+from gpuwait.history import index, store
+from gpuwait.history.learn import learn
 from gpuwait.queue.conditions import claim_of
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger, _check_crc
@@ -250,3 +256,45 @@ def test_simulation_files(tmp_path: Path, content: bytes) -> None:
         assert "simulation file" in exc.message
         return
     assert all(g.total_bytes > 0 for g in config.gpus)
+
+
+def _history_with_an_index(state: Path) -> list[str]:
+    """A history of three runs of one command, and its index built: that command."""
+    argv = ["python", "train.py"]
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(mode=0o700, parents=True)
+    for n in range(3):
+        run = a_run(argv, os.getcwd(), time.time() - 60 + n, peak_by_gpu={"GPU-0": (n + 2) << 30})
+        store.append_record(state, run)
+    learn(state, argv, os.getcwd())
+    return argv
+
+
+def _estimate_shown(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(["estimate", "--", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "nan" not in shown and "inf" not in shown
+    return shown
+
+
+#: The history index's cases: each runs `gpuwait estimate` twice.
+INDEX = settings(FILES, max_examples=20)
+
+
+@INDEX
+@given(field=st.sampled_from(["schema", "dev", "ino", "offset"]), value=st.integers() | json_values)
+@example(field="offset", value=-1)
+def test_history_index_meta_damaged_anyhow_is_rebuilt(
+    isolated_dirs: Path, capsys: pytest.CaptureFixture[str], field: str, value: Any
+) -> None:
+    # The index is a cache: whatever its meta says, the estimate is the history's, and the
+    # next run is recorded.
+    state = isolated_dirs / "state" / "gpuwait"
+    argv = _history_with_an_index(state)
+    expected = _estimate_shown(argv, capsys)
+    meta = state / index.DIRNAME / index.META
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), field: value}))
+    assert _estimate_shown(argv, capsys) == expected
+    store.append_record(state, a_run(argv, os.getcwd(), time.time()))
+    assert learn(state, argv, os.getcwd()).levels[0].total_runs == 4
