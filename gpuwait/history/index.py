@@ -39,7 +39,7 @@ from typing import Any
 from gpuwait.core.estimate import RunStat
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MAX_SIZE
-from gpuwait.history.record import MAX_RECORDED_SECONDS, earlier_runs, record_keys
+from gpuwait.history.record import MAX_RECORDED_SECONDS, earlier_runs, figure, record_keys
 from gpuwait.history.store import (
     KEEP_PER_KEY,
     LOCK_WAIT,
@@ -128,29 +128,29 @@ def _row(offset: int, stat: RunStat) -> Row:
 
 
 def _stat(row: Sequence[Any]) -> RunStat:
-    flags = int(row[4])
+    flags = int(figure(row[4]))
     uuids = row[8]
     if not isinstance(uuids, list) or not all(isinstance(u, str) for u in uuids):
         raise ValueError("GPUs must be a list of UUIDs")
-    held = int(row[9])
-    wanted = int(row[10]) if len(row) > 10 else -1
-    if max(row[2], row[3]) > MAX_SIZE or max(row[5], row[6], row[7]) > MAX_RECORDED_SECONDS:
-        # Taken in before such figures were read as damage (history.record.run_stat).
-        raise ValueError("a figure past any real one")
+    # Figures past any real one were taken in before they were read as damage
+    # (history.record.run_stat); others are a damaged or hand-edited index.
+    peak, reserved, held = (figure(row[i], MAX_SIZE) for i in (2, 3, 9))
+    run, wait, to_peak = (figure(row[i], MAX_RECORDED_SECONDS) for i in (5, 6, 7))
+    wanted = figure(row[10], MAX_SIZE) if len(row) > 10 else -1
     return RunStat(
-        started_at=float(row[1]),
-        peak_bytes=None if row[2] < 0 else int(row[2]),
-        reserved_bytes=int(row[3]),
+        started_at=figure(row[1]),
+        peak_bytes=None if peak < 0 else int(peak),
+        reserved_bytes=max(0, int(reserved)),
         ok=bool(flags & _OK),
         oom=bool(flags & _OOM),
         approximate=bool(flags & _APPROX),
-        run_seconds=float(row[5]),
-        wait_seconds=float(row[6]),
-        time_to_peak=None if row[7] < 0 else float(row[7]),
+        run_seconds=max(0.0, run),
+        wait_seconds=max(0.0, wait),
+        time_to_peak=None if to_peak < 0 else to_peak,
         gpu_uuids=tuple(uuids),
-        held_bytes=None if held < 0 else held,
+        held_bytes=None if held < 0 else int(held),
         sized_by_reservation=bool(flags & _SIZED),
-        oom_wanted_bytes=wanted if 0 < wanted <= MAX_SIZE else None,
+        oom_wanted_bytes=int(wanted) if wanted > 0 else None,
     )
 
 

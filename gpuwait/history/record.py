@@ -233,7 +233,9 @@ def encode_existing(record: dict[str, Any]) -> bytes:
 MAX_RECORDED_SECONDS = 10 * 365 * 86400.0
 
 
-def _number(value: Any, most: float | None = None) -> float:
+def figure(value: Any, most: float | None = None) -> float:
+    """`value` as a finite number up to `most`; ValueError where it is none (a record's, or
+    the history index's, damaged or edited by hand)."""
     # type() rather than isinstance(): bool is an int, and is no figure.
     if type(value) is not int and type(value) is not float:
         raise ValueError("not a number")
@@ -247,11 +249,11 @@ def _number(value: Any, most: float | None = None) -> float:
 
 
 def _bytes(value: Any) -> int:
-    return max(0, int(_number(value, MAX_SIZE)))
+    return max(0, int(figure(value, MAX_SIZE)))
 
 
 def _seconds(value: Any) -> float:
-    return max(0.0, _number(value, MAX_RECORDED_SECONDS))
+    return max(0.0, figure(value, MAX_RECORDED_SECONDS))
 
 
 def gpu_uuids(record: Mapping[str, Any]) -> tuple[str, ...]:
@@ -289,7 +291,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
         peak = get("peak_bytes")
         to_peak = get("time_to_peak_seconds")
         return RunStat(
-            started_at=_number(get("started_at")),
+            started_at=figure(get("started_at")),
             peak_bytes=None if peak is None else _bytes(peak),
             reserved_bytes=_bytes(get("reserved_bytes", 0)),
             # A run told to stop (TERM, Ctrl-C) may have ended before its peak, exit 0 or not.

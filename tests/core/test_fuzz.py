@@ -26,7 +26,7 @@ from gpuwait.cli import main
 from gpuwait.config import OPTIONS, load_config_file, resolve
 from gpuwait.core.devices import parse_devices_option, parse_inherited_visible
 from gpuwait.core.errors import BackendUnavailable, UsageError
-from gpuwait.core.sizes import parse_duration, parse_request, parse_size
+from gpuwait.core.sizes import MAX_SIZE, parse_duration, parse_request, parse_size
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu.sim import load_sim_file
 from gpuwait.history import index, store
@@ -298,3 +298,27 @@ def test_history_index_meta_damaged_anyhow_is_rebuilt(
     assert _estimate_shown(argv, capsys) == expected
     store.append_record(state, a_run(argv, os.getcwd(), time.time()))
     assert learn(state, argv, os.getcwd()).levels[0].total_runs == 4
+
+
+@INDEX
+@given(column=st.integers(min_value=1, max_value=9), value=st.floats() | json_values)
+@example(column=5, value=math.nan)
+def test_history_index_run_damaged_anyhow_is_rebuilt_or_read_as_a_real_figure(
+    isolated_dirs: Path, capsys: pytest.CaptureFixture[str], column: int, value: Any
+) -> None:
+    # A run's figure in the index that is none (NaN, a string, -1e305 seconds) makes it taken
+    # for damaged and rebuilt: `estimate` never shows a traceback, nan or a negative time.
+    state = isolated_dirs / "state" / "gpuwait"
+    argv = _history_with_an_index(state)
+    for bucket in (state / index.DIRNAME).glob("b*.json"):
+        keys = json.loads(bucket.read_text())
+        for entry in keys.values():
+            entry["runs"][-1][column] = value
+        bucket.write_text(json.dumps(keys))
+    _estimate_shown(argv, capsys)
+    learned = learn(state, argv, os.getcwd())
+    assert learned.estimate.bytes is None or 0 < learned.estimate.bytes <= MAX_SIZE
+    for spread in (learned.run_time, learned.wait_time):
+        assert spread is None or all(
+            math.isfinite(x) and x >= 0 for x in (spread.low, spread.median, spread.high)
+        )
