@@ -588,6 +588,11 @@ class LedgerData(Record):
     #: `created_at` on the boot clock (None: a file of an older version), so that how long ago
     #: the ledger began (a recovery's grace) is told whatever steps the wall clock takes.
     created_boot: float | None = field(default_factory=proc.boot_clock)
+    #: When entries of this file were last dropped as damaged (a ledger damaged in part,
+    #: repaired), and on the boot clock: their jobs' gpuwait put them back, as after a ledger
+    #: started afresh (gpuwait.queue.lifecycle.RECOVERY_GRACE). None: never.
+    repaired_at: float | None = None
+    repaired_boot: float | None = None
     #: Outcomes of finished jobs, per-GPU counters, GPU health, batch counts.
     book: Book = field(default_factory=Book)
     #: How many transactions freed room (see gpuwait.queue.wake).
@@ -656,6 +661,8 @@ def to_document(data: LedgerData) -> dict[str, Any]:
         "schema": SCHEMA,
         "created_at": data.created_at,
         **({} if data.created_boot is None else {"created_boot": data.created_boot}),
+        **({} if data.repaired_at is None else {"repaired_at": data.repaired_at}),
+        **({} if data.repaired_boot is None else {"repaired_boot": data.repaired_boot}),
         "next_order": data.next_order,
         "rr_cursor": data.rr_cursor,
         "jobs": [j.to_json() for j in data.jobs if me is None or j.uid == me],
@@ -681,6 +688,8 @@ _DOCUMENT_KEYS = frozenset(
         "schema",
         "created_at",
         "created_boot",
+        "repaired_at",
+        "repaired_boot",
         "next_order",
         "rr_cursor",
         "jobs",
@@ -739,6 +748,8 @@ def from_document(
         rr_cursor=raw["rr_cursor"] if isinstance(raw.get("rr_cursor"), int) else -1,
         created_at=_float(raw, "created_at"),
         created_boot=_lenient_seconds(raw.get("created_boot")),
+        repaired_at=_lenient_seconds(raw.get("repaired_at")),
+        repaired_boot=_lenient_seconds(raw.get("repaired_boot")),
         usage=_usage(raw.get("usage"), warnings),
         release_seq=raw["release_seq"] if isinstance(raw.get("release_seq"), int) else 0,
         plan_order=_plan_order(raw.get("plan_order")),
@@ -804,6 +815,9 @@ def from_document(
         except (ValueError, TypeError):
             dropped.append("a malformed request")
     if dropped and warnings is not None:
+        # The jobs of the entries dropped may live: each one's gpuwait puts its entry back,
+        # and until it has, nobody is admitted into its room.
+        data.repaired_at, data.repaired_boot = time.time(), proc.boot_clock()
         more = f" and {len(dropped) - 1} more" if len(dropped) > 1 else ""
         warnings.append(
             f"ledger {where}: dropped {len(dropped)} invalid "

@@ -740,7 +740,7 @@ def admit(
         _note_health(data, snapshot, now, said)
         lost = _entries_to_come_back(ledger, data, now, boot_now)
         if lost:
-            return copy_job(mine), _waiting_for_entries(mine, data, lost)
+            return copy_job(mine), _waiting_for_entries(mine, data, lost, now, boot_now)
         failure = settle_dependencies(mine, data)
         if failure is not None:
             data.remove(job.id)
@@ -773,35 +773,54 @@ def admit(
 def _entries_to_come_back(
     ledger: Ledger, data: LedgerData, now: float, boot_now: float | None
 ) -> int:
-    """How many jobs of this user live without an entry in a ledger started afresh less than
-    RECOVERY_GRACE ago (on the boot clock where the ledger has a stamp of it: see `since`):
-    their reservations are unknown until their gpuwait puts them back, so nobody may be
-    admitted into them meanwhile."""
-    if not 0 <= since(data.created_at, data.created_boot, now, boot_now) < RECOVERY_GRACE:
+    """How many jobs of this user live without an entry in a ledger started afresh, or whose
+    entries were dropped as damaged, less than RECOVERY_GRACE ago (on the boot clock where the
+    ledger has a stamp of it: see `since`): their reservations are unknown until their gpuwait
+    puts them back, so nobody may be admitted into them meanwhile."""
+    recovered = _recovered(data, now, boot_now)
+    if recovered is None:
         return 0
     mine = {j.id for j in data.jobs if data.mine(j)}
-    # Locks taken before the ledger began. A file's time lags the clock by up to a tick, never
-    # leads it, so every such lock is older than `created_at`; one taken just after may look
-    # older too, and costs a waiter only the moment until its job's entry is written. Counted
-    # from a tenth of a second earlier instead, a job started just before the damage was not
-    # waited for, and the next launch was admitted into its reservation.
-    return len(alive.unlisted(ledger.directory, mine, data.created_at))
+    # Locks taken before the ledger began (or was repaired). A file's time lags the clock by up
+    # to a tick, never leads it, so every such lock is older than that moment; one taken just
+    # after may look older too, and costs a waiter only the moment until its job's entry is
+    # written. Counted from a tenth of a second earlier instead, a job started just before the
+    # damage was not waited for, and the next launch was admitted into its reservation.
+    return len(alive.unlisted(ledger.directory, mine, recovered[0]))
 
 
-def _waiting_for_entries(mine: Job, data: LedgerData, lost: int) -> WaitReason:
+def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[float, bool] | None:
+    """(when, whether it was started afresh rather than repaired) of the ledger's latest
+    recovery from damage less than RECOVERY_GRACE ago; None where there was none."""
+    moments = [(data.created_at, data.created_boot, True)]
+    if data.repaired_at is not None:
+        moments.append((data.repaired_at, data.repaired_boot, False))
+    recent = [
+        (wall, afresh)
+        for wall, boot, afresh in moments
+        if 0 <= since(wall, boot, now, boot_now) < RECOVERY_GRACE
+    ]
+    return max(recent) if recent else None
+
+
+def _waiting_for_entries(
+    mine: Job, data: LedgerData, lost: int, now: float, boot_now: float | None
+) -> WaitReason:
     needed = describe_need(mine.memory_request(), mine.gpus)
     jobs = (
         "1 job of yours still running or waiting has to put its entry"
         if lost == 1
         else (f"{lost} jobs of yours still running or waiting have to put their entries")
     )
+    recovered = _recovered(data, now, boot_now)
+    how = "started afresh" if recovered is None or recovered[1] else "repaired"
     return WaitReason(
         needed=needed,
         best_gpu_index=None,
         best_room=0,
         running=sum(j.state == RUNNING for j in data.jobs),
         ahead=0,
-        blocked=f"waiting for {needed}: the ledger was started afresh after damage; {jobs} back",
+        blocked=f"waiting for {needed}: the ledger was {how} after damage; {jobs} back",
     )
 
 

@@ -603,16 +603,34 @@ def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_w
         assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 1
 
 
+def _first_entry_damaged(ledger: bytes) -> bytes:
+    """The ledger with one figure of the first job's entry damaged: only that entry is lost."""
+    found = json.loads(ledger)
+    (first,) = [job for job in found["jobs"] if job["name"] == "first"]
+    first["reserved_bytes"] = "garbage"
+    return json.dumps(found).encode()
+
+
+#: Damage that loses the running job's entry, and what the next launch's waiting line says.
+ENTRY_LOST = {
+    "whole": (lambda _: DAMAGE["truncated"], "the ledger was started afresh after damage"),
+    "in part": (_first_entry_damaged, "the ledger was repaired after damage"),
+}
+
+
+@pytest.mark.parametrize("damage", list(ENTRY_LOST))
 def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_jobs_entry(
     gw: Run,
     tmp_path: Path,
     procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
+    damage: str,
 ) -> None:
     # As above, but the second job comes before the first job's gpuwait has looked at the
     # ledger again (here: it is stopped meanwhile): the second one's own transaction recovers
     # the file, without the first job's entry. It was admitted at once, into the 13 GiB the
-    # first job had reserved and not yet allocated.
+    # first job had reserved and not yet allocated (where only that entry was damaged, too).
+    damaged, said_why = ENTRY_LOST[damage]
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
     first, loaded = _first_job_loading(procs, monkeypatch, "0.1s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
@@ -622,7 +640,7 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
         os.kill(first.pid, signal.SIGSTOP)
         wait_for(lambda: process_state(first.pid) == "T", timeout=10)
     try:
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+        replace_ledger(ledger_path, damaged(ledger_path.read_bytes()))
         second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
         second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
         # Recovered, the second job in it, and it waits: the first job's gpuwait lives.
@@ -634,7 +652,7 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
         loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     _, err = second.communicate()
-    assert "the ledger was started afresh after damage; 1 job of yours still running" in err
+    assert f"{said_why}; 1 job of yours still running" in err
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
     said = [
         json.loads(line) for line in (ledger_path.parent / "events.jsonl").read_text().splitlines()
