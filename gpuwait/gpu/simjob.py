@@ -593,8 +593,10 @@ def _hold_pausable(hold: float, path: str) -> bool:
     try:
         with open(path) as f:
             done = float(json.load(f)["held_seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         done = 0.0
+    if not (math.isfinite(done) and done >= 0):
+        done = 0.0  # damaged: started over, as from no checkpoint
     checkpoint.install()
     started = time.monotonic()
     while done + (time.monotonic() - started) < hold:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.fixtures_sim import SIMJOB
 
 # (argv, environment, user config text, site config text, exit code, words in the message)
 Case = tuple[list[str], dict[str, str], str | None, str | None, int, str]
@@ -419,3 +420,31 @@ def test_a_simulated_job_refuses_a_checkpoint_it_could_never_write(
         assert done.returncode == 2, done.stderr
         assert said in done.stderr and "Traceback" not in done.stderr
         assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "found",
+    ["[" * 100_000 + "]" * 100_000, '{"held_seconds": 1e400}', '{"held_seconds": -1e9}'],
+    ids=["nested", "infinite", "negative"],
+)
+def test_a_simulated_job_takes_a_damaged_checkpoint_for_none(
+    sim: Path, tmp_path: Path, found: str
+) -> None:
+    # Its own file, damaged (or nested too deeply to read): the job starts over, holds its
+    # memory as long as asked and ends, rather than a traceback, no hold at all, or years.
+    checkpoint = tmp_path / "ck.json"
+    checkpoint.write_text(found)
+    started = time.monotonic()
+    done = subprocess.run(
+        [*SIMJOB, "--vram", "1G", "--hold", "1s", "--checkpoint", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert time.monotonic() - started >= 1
+    assert json.loads(checkpoint.read_text()) == {
+        "held_seconds": 1.0,
+        "finished": True,
+        "resumes": 0,
+    }
