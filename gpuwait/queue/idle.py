@@ -74,7 +74,7 @@ def record_reading(
     snapshot, unused = with_unused_rooms(snapshot, rooms if any_quiet and rooms else {}, members)
     starts = {p.pid: proc.start_time(p.pid) for g in snapshot.gpus for p in g.processes}
     path = state_dir / IDLE_FILE
-    previous = _load(path)
+    previous = _load(path, now)
     evidence = observe(previous, snapshot, starts, rule, now, ignore, unused)
     if evidence != previous:
         _save(state_dir, path, evidence)
@@ -111,11 +111,11 @@ def idle_jobs(
     return frozenset(h["job"] for h in found if h["job"] and h["idle_seconds"] >= watch.rule.after)
 
 
-def _load(path: Path) -> Evidence:
+def _load(path: Path, now: float) -> Evidence:
     try:
         raw = security.read_state_file(path, _CAP, security.mine())
         data = json.loads(raw) if raw else {}
-    except (OSError, ValueError):  # UnsafePath is an OSError
+    except (OSError, ValueError, RecursionError):  # UnsafePath is an OSError
         return {}
     if not isinstance(data, dict) or data.get("version") != _VERSION:
         return {}
@@ -124,10 +124,12 @@ def _load(path: Path) -> Evidence:
     found = data.get("evidence")
     if not isinstance(found, dict):
         return {}
+    # Seen quiet since a moment of this boot up to `now`, on its clock: any other figure is
+    # damage (before the boot, it would name a process just seen idle for ages).
     return {
         k: float(v)
         for k, v in found.items()
-        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        if isinstance(k, str) and type(v) in (int, float) and 0 <= v <= now
     }
 
 

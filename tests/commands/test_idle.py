@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from helpers.fixtures_sim import Run, SimFileFactory, hold_card, start_sim_job
 from helpers.waiting import wait_for
 
@@ -214,25 +216,39 @@ def test_a_wall_clock_stepped_forward_makes_nobody_idle(
     assert [h["pid"] for h in report["watching"]] == [holder.pid]
 
 
-def test_evidence_left_by_an_earlier_boot_makes_nobody_idle(
+#: Evidence that no reading of this boot wrote. Left by an earlier boot: a service started again
+#: after a reboot may get the pid and start time (ticks since boot) its predecessor had, and
+#: the evidence of that one (seen idle from the start of that boot) is no idleness of this one.
+#: Damaged: seen quiet since before the boot (or since for ever), or nested too deeply to read.
+DAMAGED_EVIDENCE = {
+    "left by an earlier boot": lambda key: {"evidence": {key: 0.0}, "boot": "c0ffee00-earlier"},
+    "since for ever": lambda key: {"evidence": {key: -math.inf}},
+    "since before the boot": lambda key: {"evidence": {key: -1e308}},
+    "nested": lambda key: {"evidence": {key: [[[[[[0.0]]]]]]}, "deep": "DEEP"},
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_EVIDENCE))
+def test_evidence_of_an_earlier_boot_or_damaged_makes_nobody_idle(
     sim_file: SimFileFactory,
     run_gpuwait: Run,
     sim_jobs: list[subprocess.Popen[str]],
+    damage: str,
 ) -> None:
-    # A service started again after a reboot may get the pid and start time (ticks since boot)
-    # its predecessor had: the evidence the last boot left of that one (seen idle from the
-    # start of that boot) is no idleness of this one, just started.
+    # The evidence starts again, `status` and `idle` show the rest, and a process just seen is
+    # not named idle (with idle_action = pause, a job of it would be asked to step aside).
     sim_file(gpus=1, utilization=0)
     began = proc.boot_clock()
     holder = _watched_holder(run_gpuwait, sim_jobs)
     path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "idle.json"
     found = json.loads(path.read_text())
     (key,) = found["evidence"]
-    path.write_text(
-        json.dumps({**found, "evidence": {key: 0.0}, "boot": "c0ffee00-an-earlier-boot"})
-    )
+    text = json.dumps({**found, **DAMAGED_EVIDENCE[damage](key)}, allow_nan=True)
+    path.write_text(text.replace('"DEEP"', "[" * 100_000 + "]" * 100_000))
+    assert "Traceback" not in (status := run_gpuwait("status")).stderr
+    assert status.returncode == 0, status.stderr
     done = run_gpuwait("idle", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     (seen,) = [h for h in report["idle"] + report["watching"] if h["pid"] == holder.pid]
-    assert seen["idle_seconds"] <= proc.boot_clock() - began
+    assert 0 <= seen["idle_seconds"] <= proc.boot_clock() - began
