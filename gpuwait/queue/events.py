@@ -135,7 +135,7 @@ def parse_line(line: str) -> dict[str, Any] | None:
     """One event, or None for a line that is not one (a torn or foreign line is skipped)."""
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # damaged, or nested thousands deep
         return None
     if (
         not isinstance(record, dict)

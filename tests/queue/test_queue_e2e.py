@@ -660,6 +660,19 @@ def _log_shown(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[list[str
     return [line.split()[3] for line in capsys.readouterr().out.splitlines()], took
 
 
+def test_a_line_nested_too_deeply_to_read_is_skipped_as_any_other_damaged_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # An editor's or a disk's damage, nested thousands deep: `gpuwait log` ended in a traceback.
+    directory = state_dir()
+    event_log.emit(directory, "submit", job="0000000a", priority=3, command=["true"])
+    with event_log.events_path(directory).open("a") as log:
+        log.write("[" * 100_000 + "]" * 100_000 + "\n")
+    event_log.emit(directory, "submit", job="0000000b", priority=3, command=["true"])
+    assert _log_shown(capsys)[0] == ["0000000a", "0000000b"]
+    assert _log_shown(capsys, "--job", "0000000b")[0] == ["0000000b"]
+
+
 def test_the_last_events_of_a_long_log_show_as_fast_as_those_of_a_short_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
