@@ -555,7 +555,7 @@ def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
     for line in reversed(lines):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # damaged, or nested thousands deep
             continue
         if not isinstance(record, dict) or ref not in (record.get("job_id"), record.get("name")):
             continue

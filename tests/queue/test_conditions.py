@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from helpers.history import a_run
 from helpers.jobs import live_job
 
+from gpuwait.history import store
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.conditions import resolve_references, settle_dependencies
 from gpuwait.queue.entries import LedgerData
@@ -24,3 +26,16 @@ def test_after_ok_a_batch_counts_its_members_that_already_failed(tmp_path: Path)
     # --after waits only for the member still running.
     other = live_job("x", after=resolve_references(["sweep"], data, tmp_path))
     assert settle_dependencies(other, data) is None and other.after == ["b2"]
+
+
+def test_a_run_the_ledger_forgot_is_found_in_a_history_with_a_line_nested_too_deeply(
+    tmp_path: Path,
+) -> None:
+    # The ledger started afresh since `prep` ended, so its end is looked for in the history,
+    # whose newest line is damage nested thousands deep: it is passed over, not a traceback.
+    store.append_record(tmp_path, a_run(["prep"], "/", 1.0, job_id="0000000p", key="prep"))
+    with store.history_path(tmp_path).open("a") as history:
+        history.write("[" * 100_000 + "]" * 100_000 + "\n")
+    data = LedgerData()
+    waiter = live_job("w", after_ok=resolve_references(["0000000p"], data, tmp_path))
+    assert waiter.after_ok == ["0000000p"] and settle_dependencies(waiter, data) is None
