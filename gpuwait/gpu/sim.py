@@ -23,6 +23,7 @@ killed job stops holding memory, as the driver frees a dead process's memory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import json
@@ -188,6 +189,16 @@ def _settled(stamp: FileStamp) -> bool:
     return time.time() - stamp.mtime_ns / 1e9 > SETTLED_AFTER  # its content's last change
 
 
+def _left_so(path: str) -> bool:
+    """Has the file at `path`, which cannot be read, not changed for SETTLED_AFTER, as one
+    that does not parse: a file left so (chmod 000, another user's copy), not a save?"""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return _settled((info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+
+
 def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     """Read and check the file. Raises BackendUnavailable with a one-line message."""
     resolved = resolve_path(path)
@@ -224,7 +235,9 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
         ) from None
     except OSError as exc:
         raise BackendUnavailable(
-            f"simulation file {shown}: cannot read it ({exc.strerror or exc})", hint=_HINT
+            f"simulation file {shown}: cannot read it ({exc.strerror or exc})",
+            hint=_HINT,
+            lasting=exc.errno in (errno.EACCES, errno.EPERM) and _left_so(resolved),
         ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.fixtures_sim import SimFileFactory, start_sim_job
+from helpers.fixtures_sim import SimFileFactory, sim_file_text, start_sim_job
+from helpers.users import can_switch_users, clean_up, run_as, shared_root, user_home
 from helpers.waiting import wait_for
 
 from gpuwait.core.errors import BackendUnavailable, UsageError
@@ -435,6 +437,32 @@ def test_unreadable_sim_file(sim_file: SimFileFactory) -> None:
     path.chmod(0)
     with pytest.raises(BackendUnavailable, match="cannot read it"):
         SimBackend(str(path))
+
+
+#: A user with no account, whom the test below runs gpuwait as.
+USER = 47330
+
+
+@pytest.mark.skipif(not can_switch_users(), reason="runs gpuwait as another user")
+def test_a_launch_takes_a_simulation_file_it_may_not_read_as_no_gpu_at_once() -> None:
+    # A file left so (chmod 000, another user's copy) is no save caught halfway: a launch
+    # retried it for gpu_error_timeout (5 minutes) instead of telling at once, as for a file
+    # that does not parse.
+    root = shared_root()
+    try:
+        env = {**user_home(root, USER, USER), "PATH": os.environ["PATH"]}
+        sim = root / "sim.toml"
+        sim.write_text(sim_file_text(1, "24GiB"))
+        os.chown(sim, USER, USER)
+        sim.chmod(0)
+        os.utime(sim, (time.time() - 60, time.time() - 60))
+        env |= {"GPUWAIT_SIM": str(sim), "GPUWAIT_ON_NO_GPU": "fail"}
+        done = run_as(USER, USER, [], ["--vram", "1G", "--", "true"], env, timeout=20)
+        assert done.returncode == 4, done.stderr
+        assert "cannot read it (Permission denied)" in done.stderr
+        assert "retrying" not in done.stderr
+    finally:
+        clean_up(root, [])
 
 
 def test_sim_path_is_a_directory(tmp_path: Path) -> None:
