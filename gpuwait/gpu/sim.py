@@ -60,7 +60,7 @@ from gpuwait.linux.security import (
     read_capped,
     read_state_file,
 )
-from gpuwait.linux.stamp import FileStamp, stamp_of
+from gpuwait.linux.stamp import FileStamp, file_stamp, stamp_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -192,11 +192,8 @@ def _settled(stamp: FileStamp) -> bool:
 def _left_so(path: str) -> bool:
     """Has the file at `path`, which cannot be read, not changed for SETTLED_AFTER, as one
     that does not parse: a file left so (chmod 000, another user's copy), not a save?"""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return False
-    return _settled((info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    stamp = file_stamp(Path(path))
+    return stamp is not None and _settled(stamp)
 
 
 def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
