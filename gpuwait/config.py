@@ -769,6 +769,7 @@ def known_variables() -> frozenset[str]:
 #: at most this many of them, one a line.
 SAID_VARIABLES = "said-variables"
 _SAID_MOST = 256
+_SAID_SCHEMA = "# gpuwait said-variables 1"
 
 
 def not_said_quietly(names: Iterable[str]) -> set[str]:
@@ -780,12 +781,15 @@ def not_said_quietly(names: Iterable[str]) -> set[str]:
     path = Path(dirs.user_state_dir()) / SAID_VARIABLES
     try:
         text = read_state_file(path, _SAID_MOST * 128, mine())
-        said = set((text or b"").decode("utf-8", "replace").split())
+        lines = (text or b"").decode("utf-8", "replace").splitlines()
+        # The first line names the file's schema; a file of another schema counts as empty.
+        said = set(lines[1:]) if lines[:1] == [_SAID_SCHEMA] else set()
         new = wanted - said
         if new:
             kept = sorted(new) + sorted(said - new)
+            body = "".join(f"{n}\n" for n in [_SAID_SCHEMA, *kept[:_SAID_MOST]])
             ensure_private_dir(path.parent)
-            write_atomic(path, "".join(f"{n}\n" for n in kept[:_SAID_MOST]).encode(), sync=False)
+            write_atomic(path, body.encode(), sync=False)
     except (OSError, ValueError):
         return wanted
     return new
