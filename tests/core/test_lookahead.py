@@ -365,3 +365,24 @@ def test_a_waiter_starts_no_fuller_than_its_own_safety_in_any_plan() -> None:
         assert plan_queue(gpus, [base, small], 1.0, -1, NO_CONDITIONS, fair).admitted, order
     laid = plan(gpus, [base, strict], 1.0)
     assert laid.starts["strict"] == 60.0
+
+
+def test_max_wait_caps_every_wait_budget_and_gives_one_where_strict_order_cannot_tell() -> None:
+    # One card: 30 GiB runs for 100 s more; a 40 GiB job of 60 s waits behind it (in strict
+    # order it ends in 160 s: a budget of 1600 s at the default factor), and behind a job with
+    # no run time, a second card's waiter cannot be told a start at all.
+    gpus = cards(2)
+    claims = [
+        running("r", 30, 0, 100.0),
+        running("endless", 30, 1, None),
+        waiter("next", 40, 1, 60.0, candidates=frozenset({"GPU-0"})),
+        waiter("blind", 40, 2, 60.0, candidates=frozenset({"GPU-1"})),
+    ]
+    due = {c.job_id: c.due for c in with_wait_budgets(gpus, claims, SAFETY) if not c.running}
+    assert due == {"next": 1600.0, "blind": None}
+    capped = Lookahead(max_wait=300.0)
+    due = {
+        c.job_id: c.due for c in with_wait_budgets(gpus, claims, SAFETY, capped) if not c.running
+    }
+    # `max_wait` is shorter than the factor's budget, and it is a budget where none can be told.
+    assert due == {"next": 300.0, "blind": 300.0}
