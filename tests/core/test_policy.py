@@ -323,6 +323,29 @@ def test_an_admission_written_into_the_ledger_onto_a_full_gpu_fails_the_check() 
     assert admission_fits(asked, ("GPU-00000001",), 10 * GiB, [], cards, 0.9)
 
 
+def test_a_gang_written_onto_one_gpu_twice_fails_the_check_of_a_found_admission() -> None:
+    # A two-GPU gang given the same card twice would run on one card, beside a second copy of
+    # its own reservation that nobody counts: it waits on, as for any edit the GPUs refuse.
+    cards = [gpu(0, 24), gpu(1, 24)]
+    gang = waiting("g", 10, order=1, gpus_wanted=2)
+    twice = ("GPU-00000001", "GPU-00000001")
+    assert not admission_fits(gang, twice, 10 * GiB, [], cards, 0.9)
+    assert admission_fits(gang, ("GPU-00000000", "GPU-00000001"), 10 * GiB, [], cards, 0.9)
+
+
+def test_a_found_admission_fuller_than_the_jobs_own_safety_fails_the_check() -> None:
+    # 10 GiB run on a 24 GiB card. Under the planner's safety of 0.9 another 10 GiB fits
+    # there, but the waiter's own safety is 0.5 (12 GiB): written in by a member who plans
+    # with the laxer one, its admission is refused, as its own plan would never make it.
+    cards = [gpu(0, 24)]
+    beside = [running("r", "GPU-00000000", 10)]
+    careful = waiting("c", 10, order=1, safety=0.5)
+    assert not admission_fits(careful, ("GPU-00000000",), 10 * GiB, beside, cards, 0.9)
+    assert admission_fits(
+        careful._replace(safety=None), ("GPU-00000000",), 10 * GiB, beside, cards, 0.9
+    )
+
+
 # -- compute modes ----------------------------------------------------------------------------
 
 
