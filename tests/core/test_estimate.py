@@ -200,6 +200,18 @@ def test_the_program_alone_needs_enough_runs_that_agree() -> None:
     assert estimate(usable_levels(disagreeing, NOW, False), NOW).bytes is None
 
 
+def test_a_programs_runs_agree_within_256_mib_or_a_fifth_of_the_largest_whichever_is_more() -> None:
+    # Peaks of 0.3, 0.45 and 0.35 GiB: 150 MiB apart, a third of the largest but within 256 MiB,
+    # agree; 2 and 2.45 GiB (450 MiB apart, under a fifth of the largest) do too; 2 and 2.6 GiB
+    # do not.
+    small = [("command", []), ("program", [run(0.3, 0.1), run(0.45, 0.2), run(0.35, 0.3)])]
+    assert estimate(usable_levels(small, NOW, False), NOW).level == "program"
+    close = [("command", []), ("program", [run(2, 0.1), run(2.45, 0.2), run(2.2, 0.3)])]
+    assert estimate(usable_levels(close, NOW, False), NOW).level == "program"
+    apart = [("command", []), ("program", [run(2, 0.1), run(2.6, 0.2), run(2.2, 0.3)])]
+    assert estimate(usable_levels(apart, NOW, False), NOW).bytes is None
+
+
 def test_an_interpreters_runs_never_size_another_script() -> None:
     # The story: three tiny scripts taught "python needs 256 MiB"; a new 8 GiB script then got
     # 256 MiB and died of out-of-memory beside a 20 GiB job.
