@@ -318,6 +318,24 @@ def test_oom_without_any_success_still_gives_a_raised_estimate() -> None:
     assert est.bytes == 3 * GiB and est.runs == 0
 
 
+def test_a_failure_of_another_kind_after_the_oom_keeps_the_raise() -> None:
+    # Out of memory at 7 GiB, then a run that failed at once for another reason (a typo, a
+    # missing file) with 1 GiB: that run says nothing of what the command needs, and the next
+    # one is still given more than the run that ran out of memory had.
+    runs = [
+        run(4, 0.3),
+        run(4, 0.2),
+        run(4, 0.1),
+        run(7, 0.02, ok=False, oom=True, reserved_gib=5),
+        run(1, 0.01, ok=False),
+    ]
+    est = estimate(one_level(*runs), NOW)
+    assert est.raised_by_oom and est.bytes == tidy_size(7 * GiB * 1.5)
+    # One whose peak was never read is raised from its reservation.
+    unread = run(0, 0.01, ok=False, oom=True, reserved_gib=2)._replace(peak_bytes=None)
+    assert estimate(one_level(unread), NOW).oom_floor_bytes == 3 * GiB
+
+
 def test_a_success_after_the_oom_ends_the_raise() -> None:
     runs = [run(7, 0.3, ok=False, oom=True, reserved_gib=5), run(9, 0.2), run(9, 0.1), run(9, 0)]
     est = estimate(one_level(*runs), NOW)
