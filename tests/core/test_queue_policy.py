@@ -16,7 +16,7 @@ from gpuwait.core.policy import (
     plan,
 )
 from gpuwait.core.sizes import MemoryRequest
-from gpuwait.core.snapshot import GpuSnapshot, ProcessUsage
+from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, GpuSnapshot, ProcessUsage
 
 GiB = 2**30
 
@@ -150,6 +150,28 @@ def test_gang_head_holds_all_its_gpus() -> None:
     assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0), uuid(1))
     assert "gang" not in decided.admitted and "small" not in decided.admitted
     assert "GPU0,GPU1 held" in (decided.waiting["gang"].note or "")
+
+
+def test_a_whole_gpu_head_holds_the_card_whose_jobs_all_end_first() -> None:
+    # GPU0's one job ends in 100 s; of GPU1's two, one ends in 10 s and the other in 200 s.
+    # A whole-GPU job can start on GPU0 in 100 s and on GPU1 only in 200 s: it holds GPU0,
+    # and a long job behind it goes to GPU1, where it delays nobody.
+    cards = [card(0), card(1)]
+    running = [runner("r0", (0,), 4, 100), runner("r1", (1,), 4, 10), runner("r2", (1,), 4, 200)]
+    whole = Claim("whole", False, 3, 1, None)
+    decided = plan(cards, [*running, whole, waiter("long", 2, order=2, expected_seconds=500)], 0.9)
+    assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0),)
+    assert decided.hold.start_in == 100
+    assert decided.admitted == {"long": (uuid(1),)}
+
+
+def test_a_head_holds_a_one_process_card_until_its_job_ends() -> None:
+    # A card in exclusive-process compute mode runs one process at a time: a head that fits
+    # there holds it for when its one job ends, in 30 s, whatever memory is free beside it.
+    cards = [card(0, compute_mode=COMPUTE_EXCLUSIVE_PROCESS)]
+    decided = plan(cards, [runner("r0", (0,), 4, 30), waiter("next", 4, order=1)], 0.9)
+    assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0),)
+    assert decided.hold.start_in == 30
 
 
 def test_blocked_waiter_is_not_the_head() -> None:
