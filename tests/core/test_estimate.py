@@ -172,6 +172,16 @@ def test_falls_back_to_the_script_then_the_program() -> None:
     assert est.level == "program" and est.runs == 8
 
 
+def test_three_runs_of_the_command_size_it_whatever_its_script_did_with_other_arguments() -> None:
+    # Three runs of this very command took 2 GiB; the script with other arguments took up
+    # to 9 GiB. Three are enough: the command is sized from its own runs, not asked for 10 GiB.
+    script_runs = [run(9, 0.5), *(run(2, i) for i in range(1, 5))]
+    levels = [("command", [run(2, i) for i in range(1, 4)]), ("script", script_runs)]
+    est = estimate(levels, NOW)
+    assert est.level == "command" and est.runs == 3
+    assert est.bytes == tidy_size(2 * GiB * 1.1)
+
+
 def test_finer_runs_keep_the_estimate_above_their_peak() -> None:
     # Twenty newer runs of the script with other arguments push the large one out of its window.
     small = [run(2, i / 100) for i in range(20)]
