@@ -471,6 +471,14 @@ def test_a_command_that_takes_what_it_is_given_is_learned_at_that_and_no_more() 
             reserved = learned
 
 
+def test_a_command_that_used_nearly_all_it_reserved_keeps_the_margin() -> None:
+    # `--vram 10G -- python train.py` (a command that does not name GPUWAIT_VRAM_FRACTION)
+    # peaked at 9.8 GiB, three times: it needs room to vary, and is given the margin on top.
+    near = [run(9.8, i / 10, reserved_gib=10) for i in range(1, 4)]
+    est = estimate(one_level(*near), NOW)
+    assert est.bytes == tidy_size(9.8 * GiB * 1.1) and not est.sized_by_reservation
+
+
 def test_a_command_that_sizes_itself_among_others_keeps_the_margin() -> None:
     given = sized(10 * GiB, 10 * GiB)
     est = estimate(one_level(run(10, 0.1), given), NOW)
