@@ -178,6 +178,15 @@ def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     assert "s" not in plan([cards[1]], [*after, waiting("s", 1, order=2)], 0.9).admitted
 
 
+def test_a_whole_gpu_may_have_up_to_five_percent_used_by_others() -> None:
+    # 1 GiB of a 20 GiB card used outside gpuwait is 5 %, as docs/queue-and-status.md allows
+    # an --exclusive job; a byte more is not.
+    at_most = gpu(0, 20, used_gib=1)
+    assert plan([at_most], [Claim("w", False, 3, 1, None)], 0.9).admitted == {"w": (at_most.uuid,)}
+    over = at_most._replace(used_bytes=GiB + 1)
+    assert plan([over], [Claim("w", False, 3, 1, None)], 0.9).admitted == {}
+
+
 def test_a_whole_gpu_is_idle_with_only_the_drivers_own_memory_used() -> None:
     # A 4 GiB card on a recent driver: 300 MiB the driver keeps for itself is 7 % of it, more
     # than the 5 % of outside use a whole GPU allows; no process holds it, so the card is idle.
