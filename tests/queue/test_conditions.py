@@ -9,7 +9,11 @@ from helpers.jobs import live_job
 
 from gpuwait.history import store
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.conditions import resolve_references, settle_dependencies
+from gpuwait.queue.conditions import (
+    dependency_blocker,
+    resolve_references,
+    settle_dependencies,
+)
 from gpuwait.queue.entries import LedgerData
 
 
@@ -39,3 +43,15 @@ def test_a_run_the_ledger_forgot_is_found_in_a_history_with_a_line_nested_too_de
     data = LedgerData()
     waiter = live_job("w", after_ok=resolve_references(["0000000p"], data, tmp_path))
     assert waiter.after_ok == ["0000000p"] and settle_dependencies(waiter, data) is None
+
+
+def test_a_waiter_says_which_job_it_waits_for_how_many_more_and_whether_it_must_succeed() -> None:
+    # What `status` and the waiter's own line say: the first job it waits for, the count of
+    # the others, and "successfully" where that first one must succeed (--after-ok).
+    data = LedgerData(
+        jobs=[live_job("a", name="prep", state="running"), live_job("b", state="running")]
+    )
+    both = live_job("w", after=["a"], after_ok=["b"])
+    assert dependency_blocker(both, data) == "waiting for job a (prep) and 1 more to finish"
+    must_succeed = live_job("v", after_ok=["b"])
+    assert dependency_blocker(must_succeed, data) == "waiting for job b to finish successfully"
