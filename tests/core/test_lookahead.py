@@ -386,3 +386,23 @@ def test_max_wait_caps_every_wait_budget_and_gives_one_where_strict_order_cannot
     }
     # `max_wait` is shorter than the factor's budget, and it is a budget where none can be told.
     assert due == {"next": 300.0, "blind": 300.0}
+
+
+def test_the_plan_starts_a_job_on_the_gpus_it_may_use_and_a_whole_gpu_job_on_an_idle_card() -> None:
+    # GPU0 runs a 10 GiB job; GPU1 is idle. Best fit would put a 4 GiB job on GPU0, but it may
+    # use GPU1 alone (--devices 1): it starts there now, not planned where it may not go.
+    gpus = cards(2)
+    busy = running("r", 10, 0, 60.0)
+    pinned = waiter("pinned", 4, 1, 30.0, candidates=frozenset({"GPU-1"}))
+    assert plan(gpus, [busy, pinned], SAFETY).admitted == {"pinned": ("GPU-1",)}
+    # 8 GiB used outside gpuwait on GPU0 (a desktop, another user's process): a whole-GPU job
+    # takes idle GPU1 at once, whatever room GPU0 seems to have.
+    shared = [gpus[0]._replace(used_bytes=8 * GiB), gpus[1]]
+    whole = Claim("whole", False, 3, 1, None, expected_seconds=30.0)
+    assert plan(shared, [whole], SAFETY).admitted == {"whole": ("GPU-1",)}
+
+
+def test_a_share_of_the_card_equal_to_the_safety_factor_starts() -> None:
+    # `--vram 90%` at safety 0.9 asks exactly what the card offers: it fits, as in strict order.
+    share = Claim("share", False, 3, 1, MemoryRequest(fraction=SAFETY), expected_seconds=30.0)
+    assert plan(cards(1), [share], SAFETY).admitted == {"share": ("GPU-0",)}
