@@ -406,3 +406,13 @@ def test_a_share_of_the_card_equal_to_the_safety_factor_starts() -> None:
     # `--vram 90%` at safety 0.9 asks exactly what the card offers: it fits, as in strict order.
     share = Claim("share", False, 3, 1, MemoryRequest(fraction=SAFETY), expected_seconds=30.0)
     assert plan(cards(1), [share], SAFETY).admitted == {"share": ("GPU-0",)}
+
+
+def test_a_gang_starts_on_as_many_free_cards_at_once_or_is_planned_for_when_they_are() -> None:
+    # Three cards, GPU0 busy for 10 s more: a gang of two 20 GiB jobs starts now on GPU1 and
+    # GPU2. With GPU2 busy too, for 30 s, it waits: planned for when GPU0 frees, in 10 s.
+    gang = waiter("gang", 20, 1, 60.0, gpus_wanted=2)
+    busy = running("r0", 30, 0, 10.0)
+    assert plan(cards(3), [busy, gang], SAFETY).admitted == {"gang": ("GPU-1", "GPU-2")}
+    decided = plan(cards(3), [busy, running("r2", 30, 2, 30.0), gang], SAFETY)
+    assert decided.admitted == {} and decided.starts["gang"] == 10.0
