@@ -192,6 +192,14 @@ def test_finer_runs_keep_the_estimate_above_their_peak() -> None:
     assert est.bytes is not None and est.bytes >= 22 * GiB
 
 
+def test_the_largest_of_the_finer_runs_is_the_floor() -> None:
+    # Two runs of this very command, of 3 and 20 GiB (too few to size it alone), and many of
+    # its script with other arguments at 2 GiB: the request is kept above the 20 GiB run.
+    levels = [("command", [run(20, 0.5), run(3, 0.4)]), ("script", [run(2, i) for i in range(5)])]
+    est = estimate(levels, NOW)
+    assert est.level == "script" and est.bytes == tidy_size(20 * GiB * 1.1)
+
+
 def test_few_runs_of_the_command_are_used_when_nothing_coarser_has_enough() -> None:
     levels = [("command", [run(5, 1)]), ("script", [run(5, 1)]), ("program", [run(1, 1)] * 2)]
     est = estimate(levels, NOW)
