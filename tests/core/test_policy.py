@@ -332,6 +332,28 @@ def test_an_admission_written_into_the_ledger_onto_a_full_gpu_fails_the_check() 
     assert admission_fits(asked, ("GPU-00000001",), 10 * GiB, [], cards, 0.9)
 
 
+def test_a_found_admission_into_exactly_the_room_left_passes_the_check() -> None:
+    # 10 GiB run on a 24 GiB card (21.6 GiB usable at safety 0.9): another member's plan
+    # admitted a job of exactly the 11.6 GiB left. Its own gpuwait starts it, not undoes it.
+    cards = [gpu(0, 24)]
+    left = int(24 * GiB * 0.9) - 10 * GiB
+    asked = Claim("a", False, 3, 1, MemoryRequest(bytes=left))
+    beside = [running("r", "GPU-00000000", 10)]
+    assert admission_fits(asked, ("GPU-00000000",), left, beside, cards, 0.9)
+
+
+def test_a_share_of_each_card_is_reserved_on_each_in_strict_order() -> None:
+    # `--gpus 2 --vram 50%` on an 8 GiB and a 24 GiB card, queue_order = fifo: 12 GiB is
+    # reserved on the large card and 4 GiB on the small one, so nobody is admitted into the
+    # large card's other 8 GiB that the job is entitled to.
+    cards = [gpu(0, 8), gpu(1, 24)]
+    gang = Claim("g", False, 3, 1, MemoryRequest(fraction=0.5), gpus_wanted=2)
+    decided = plan(cards, [gang], 0.9)
+    assert decided.admitted == {"g": ("GPU-00000000", "GPU-00000001")}
+    assert decided.reserved == {"g": 12 * GiB}
+    assert decided.reserved_by_gpu == {"g": {"GPU-00000000": 4 * GiB}}
+
+
 def test_a_gang_written_onto_one_gpu_twice_fails_the_check_of_a_found_admission() -> None:
     # A two-GPU gang given the same card twice would run on one card, beside a second copy of
     # its own reservation that nobody counts: it waits on, as for any edit the GPUs refuse.
