@@ -152,6 +152,18 @@ def test_gang_head_holds_all_its_gpus() -> None:
     assert "GPU0,GPU1 held" in (decided.waiting["gang"].note or "")
 
 
+def test_a_gang_hold_moves_where_the_gang_starts_sooner_than_on_its_slowest_held_card() -> None:
+    # A gang of two held GPU0 (free in 10 s) and GPU1 (in 100 s): it could start on GPU0 and
+    # GPU2 in 30 s, sooner than the 100 s its hold waits for, so the hold moves there.
+    cards = [card(i) for i in range(4)]
+    ends = (10, 100, 30, 30)
+    running = [runner(f"r{i}", (i,), 12, end) for i, end in enumerate(ends)]
+    gang = waiter("gang", 16, order=1, gpus_wanted=2, held=(uuid(0), uuid(1)))
+    decided = plan(cards, [*running, gang], 0.9)
+    assert decided.hold is not None and decided.hold.gpu_uuids == (uuid(0), uuid(2))
+    assert decided.hold.start_in == 30
+
+
 def test_a_whole_gpu_head_holds_the_card_whose_jobs_all_end_first() -> None:
     # GPU0's one job ends in 100 s; of GPU1's two, one ends in 10 s and the other in 200 s.
     # A whole-GPU job can start on GPU0 in 100 s and on GPU1 only in 200 s: it holds GPU0,
