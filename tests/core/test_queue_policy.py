@@ -110,6 +110,15 @@ def test_backfill_only_where_it_cannot_delay_the_heads_start() -> None:
     spare = [waiter(f"s{n}", 4, order=2 + n, expected_seconds=150) for n in range(2)]
     decided = plan(cards, [*base, *spare], 0.9)
     assert set(decided.admitted) == {"s0"}
+    # Two that fill the spare between them, to the byte, both start.
+    rest = int(24 * GiB * 0.9) - 16 * GiB - 2 * GiB
+    second = waiter("s1", 1, order=3, expected_seconds=150)._replace(
+        request=MemoryRequest(bytes=rest)
+    )
+    decided = plan(
+        cards, [*base, spare[0]._replace(request=MemoryRequest(bytes=2 * GiB)), second], 0.9
+    )
+    assert set(decided.admitted) == {"s0", "s1"}
 
 
 def test_job_with_no_history_is_not_backfilled_into_the_heads_spare() -> None:
