@@ -178,6 +178,14 @@ def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     assert "s" not in plan([cards[1]], [*after, waiting("s", 1, order=2)], 0.9).admitted
 
 
+def test_a_whole_gpu_job_is_not_started_beside_one_the_same_plan_starts() -> None:
+    # Strict order, one idle card: a 4 GiB job first in line starts; the whole-GPU job
+    # behind it waits, rather than both starting on the card at once.
+    cards = [gpu(0, 24)]
+    decided = plan(cards, [waiting("small", 4, order=1), Claim("w", False, 3, 2, None)], 0.9)
+    assert decided.admitted == {"small": ("GPU-00000000",)}
+
+
 def test_a_whole_gpu_may_have_up_to_five_percent_used_by_others() -> None:
     # 1 GiB of a 20 GiB card used outside gpuwait is 5 %, as docs/queue-and-status.md allows
     # an --exclusive job; a byte more is not.
