@@ -208,16 +208,17 @@ def supervise(
 
 
 def _stop_with(child: int, info: signal.struct_siginfo, witness: signals.GroupWitness) -> None:
-    """SIGTSTP taken: the command stops with gpuwait, as the job would bare, and, where gpuwait
-    alone was continued (`kill -CONT PID`), goes on with it."""
-    alone = not (signals.came_from_terminal(info) or witness.sent_to_group(signal.SIGTSTP))
-    if alone:
+    """SIGTSTP taken: the command stops with gpuwait, as the job would bare, and goes on with
+    it once gpuwait is continued: by the whole job (`fg`), or by gpuwait's pid alone (`kill
+    -CONT PID`, `gpuwait cancel`, which continues a stopped job pid by pid). A command left
+    stopped from the job's own stop would otherwise be taken, at the next look, for one that
+    stopped by itself, and gpuwait would stop again, for good."""
+    if not (signals.came_from_terminal(info) or witness.sent_to_group(signal.SIGTSTP)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGTSTP)
     signals.stop_by(signal.SIGTSTP)
-    if alone:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGCONT)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child, signal.SIGCONT)
 
 
 def _stopped_itself(child: int, signum: int) -> None:

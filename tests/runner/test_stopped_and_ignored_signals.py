@@ -188,8 +188,48 @@ def test_ctrl_z_sent_to_gpuwaits_pid_stops_its_command_too_and_cont_resumes_both
     assert flag.read_text().count("tick") == 8
 
 
+def test_a_job_stopped_as_a_group_and_continued_by_gpuwaits_pid_goes_on_whole(
+    gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """`kill -TSTP -PGID` (the whole job) and then `kill -CONT` of gpuwait's pid, as `gpuwait
+    cancel` continues a stopped job pid by pid: gpuwait, continued first, found its command
+    still stopped from the job's own stop, took that for the command stopping by itself and
+    stopped again, for good, with the TERM of the cancel pending."""
+    flag = tmp_path / "ticks"
+    # One process: continued by its pid, a shell's `sleep` would stay stopped, bare as well.
+    ticks = (
+        "import sys, time\n"
+        "for _ in range(8):\n"
+        "    open(sys.argv[1], 'a').write('tick\\n'); time.sleep(0.1)\n"
+        "sys.exit(5)\n"
+    )
+    job = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", sys.executable, "-c", ticks, str(flag)],
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: flag.exists() and flag.read_text().count("tick") >= 2, timeout=30)
+        (command,) = (p for p in children(job.pid) if str(flag) in command_line(p))
+        os.killpg(job.pid, signal.SIGTSTP)
+        wait_for(lambda: process_state(command) == "T" and process_state(job.pid) == "T")
+        job.send_signal(signal.SIGCONT)
+        assert job.wait(timeout=15) == 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=30)
+    assert flag.read_text().count("tick") == 8
+
+
 #: Eight ticks into a file, a tenth of a second apart, then exit 5.
 TICKS = 'for i in 1 2 3 4 5 6 7 8; do echo tick >> "$1"; sleep 0.1; done; exit 5'
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
 
 
 def process_name(pid: int) -> str:
