@@ -45,7 +45,7 @@ def test_an_oom_at_its_own_limit_is_shown_as_such(sim_file: SimFileFactory) -> N
     assert "torch.OutOfMemoryError" in done.stderr
     assert done.stderr.rstrip().endswith(
         "gpuwait: warning: the command ran out at its own 2.0 GiB limit; "
-        "the next run without --vram asks for 3.0 GiB"
+        "the next run without --vram asks for 4.5 GiB"
     ), done.stderr
     assert "0 completed, 0 failed, 1 out of memory" in gpuwait("status").stdout
     assert (counters()["failed"], counters()["oom"]) == (0, 1)
