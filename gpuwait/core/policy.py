@@ -525,11 +525,14 @@ def held_outside(room: GpuRoom) -> bool:
     """A card that takes one process at a time (`GpuSnapshot.one_process_only`) is held by a
     process that is no gpuwait job's, the ignore list's included: no job can start there. Where
     the driver lists no process (none there, or it cannot list them: a vGPU, a container),
-    memory used outside gpuwait tells."""
+    memory used outside gpuwait tells; a list that failed this time tells nothing, and the
+    card counts as held until a reading lists who is there."""
     if not room.gpu.one_process_only:
         return False
     if room.foreign or room.ignored_count:
         return True
+    if room.gpu.processes_failed:
+        return True  # who is there could not be read this time: not taken for nobody
     if room.gpu.per_process and room.gpu.processes:
         return False  # the driver lists who is there: gpuwait's jobs alone
     return not idle_enough(room)

@@ -51,6 +51,9 @@ class GpuSnapshot(Record, frozen=True):
     #: False where the driver's process ids are not this pid namespace's (a container without
     #: --pid=host): `processes` is then empty, and memory is known per card only.
     per_process: bool = True
+    #: The driver lists processes, but this reading of the list failed (`processes` empty):
+    #: not to be taken for a card that nobody uses.
+    processes_failed: bool = False
     #: Memory the driver keeps for itself (NVML v2's "reserved"), part of `used_bytes`: no
     #: process holds it, and it is not free either. 0 where the driver does not say (NVML v1,
     #: simulation).

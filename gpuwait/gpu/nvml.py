@@ -91,6 +91,7 @@ _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _LIB_RM_VERSION_MISMATCH = 18
 _NOT_SUPPORTED = 3
+_INSUFFICIENT_SIZE = 7
 _ARGUMENT_VERSION_MISMATCH = 25
 _UNKNOWN = 999
 
@@ -355,7 +356,9 @@ class NvmlBackend:
         if not self._host_pids:
             self._check_pids(gpus, warnings)
         if self._host_pids:
-            gpus = [g._replace(processes=(), per_process=False) for g in gpus]
+            gpus = [
+                g._replace(processes=(), per_process=False, processes_failed=False) for g in gpus
+            ]
         # On a card that takes one process at a time, the process's name tells an MPS server
         # (which its clients share the card through) from any other.
         gpus = [with_names(g) if g.compute_mode == COMPUTE_EXCLUSIVE_PROCESS else g for g in gpus]
@@ -401,6 +404,7 @@ class NvmlBackend:
         problems: list[str] = []
         total, used, driver = self._memory(handle, problems)
         utilization, utilization_failed = self._utilization(handle)
+        processes, processes_failed = self._processes(handle, total, problems)
         gpu = GpuSnapshot(
             index=index,
             uuid=uuid,
@@ -408,7 +412,8 @@ class NvmlBackend:
             total_bytes=total,
             used_bytes=used,
             driver_bytes=driver,
-            processes=self._processes(handle, total, problems),
+            processes=processes,
+            processes_failed=processes_failed,
             utilization_pct=utilization,
             utilization_failed=utilization_failed,
             compute_capability=self._compute_capability(handle),
@@ -502,17 +507,26 @@ class NvmlBackend:
         used = max(total - max(free, 0), reported_used)
         return total, used, min(max(driver, 0), used)
 
-    def _processes(self, handle: Any, total: int, problems: list[str]) -> tuple[ProcessUsage, ...]:
-        try:
-            found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except pynvml.NVMLError as exc:
-            if self._lost(exc):
-                raise _GpuLost(exc) from exc
-            # Not supported (vGPU, some containers), or a driver older than the v3 call:
-            # the memory figures still hold, only attribution to processes is missing.
-            return ()
-        except pynvml.NVMLLibraryMismatchError:
-            return ()
+    def _processes(
+        self, handle: Any, total: int, problems: list[str]
+    ) -> tuple[tuple[ProcessUsage, ...], bool]:
+        """The card's compute processes, and whether the list failed this time (an empty
+        list then says nothing of who is there)."""
+        for attempt in (1, 2):
+            try:
+                found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                break
+            except pynvml.NVMLError as exc:
+                if self._lost(exc):
+                    raise _GpuLost(exc) from exc
+                code = _code(exc)
+                if code == _INSUFFICIENT_SIZE and attempt == 1:
+                    continue  # processes started between pynvml's two calls: asked again
+                # Not supported (vGPU, some containers), or a driver older than the v3 call:
+                # the memory figures still hold, only attribution to processes is missing.
+                return (), code not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
+            except pynvml.NVMLLibraryMismatchError:
+                return (), False
         processes: list[ProcessUsage] = []
         for process in found:
             used = getattr(process, "usedGpuMemory", None)
@@ -525,7 +539,7 @@ class NvmlBackend:
             processes.append(
                 ProcessUsage(pid=int(process.pid), used_bytes=None if used is None else int(used))
             )
-        return tuple(processes)
+        return tuple(processes), False
 
     def _compute_capability(self, handle: Any) -> tuple[int, int] | None:
         try:

@@ -166,3 +166,30 @@ def test_a_prohibited_card_is_never_chosen(
     assert only.returncode == 3, only.stderr
     assert "GPU0's compute mode is prohibited" in only.stderr, only.stderr
     assert "Traceback" not in only.stderr
+
+
+def test_a_process_list_that_grew_between_two_calls_is_asked_again(
+    fake_nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    # Processes started between pynvml's two calls: the list outgrew its buffer once.
+    fake_nvml.set_gpus([FakeGpu(mode=3, grow=1)])
+    fake_nvml.add_process(0, os.getpid(), GIB)
+    gpu = backend.snapshot().gpus[0]
+    assert [p.pid for p in gpu.processes] == [os.getpid()]
+    assert not gpu.processes_failed
+
+
+def test_an_exclusive_card_whose_process_list_fails_is_not_handed_out_as_idle(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # Another user's process holds the exclusive-process card with little memory (a CUDA
+    # context), and the list keeps failing: the card looked unused, and the job was started
+    # there, to die in CUDA as "busy or unavailable".
+    fake_nvml.set_gpus([FakeGpu(mode=3, used=GIB // 4, grow=1000)])
+    fake_nvml.add_process(0, os.getpid(), GIB // 4)
+    ran = subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--timeout", "1s", "--", "true"],
+        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 124, ran.stderr
+    assert "Traceback" not in ran.stderr

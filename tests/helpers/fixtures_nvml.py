@@ -56,6 +56,9 @@ class FakeGpu:
     #: NVML compute mode: 0 default, 1 exclusive thread, 2 prohibited, 3 exclusive process;
     #: None: the driver answers NOT_SUPPORTED.
     mode: int | None = 0
+    #: The first `grow` process lists read with a buffer find the list grown past it
+    #: (processes started between pynvml's two calls): INSUFFICIENT_SIZE.
+    grow: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class FakeNvml:
                 f" cc={gpu.cc or 'na'}"
                 f" mig={'na' if gpu.mig is None else int(gpu.mig)}"
                 f" mode={'na' if gpu.mode is None else gpu.mode}"
+                f" grow={gpu.grow}"
             )
         for proc in self.processes:
             mem = "na" if proc.mem is None else str(proc.mem)

@@ -16,7 +16,7 @@
  *
  *   gpu <index> uuid=<text> name=<text> total=<bytes> used=<bytes>
  *       [reserved=<bytes>] [util=<pct|na>] [cc=<major>.<minor>|na] [mig=<0|1|na>]
- *       [mode=<0..3|na>]
+ *       [mode=<0..3|na>] [grow=<n>]
  *       One GPU. Indices must be 0..N-1, each once (order of lines does not matter).
  *       In <text>, '_' stands for a space and %XX for any byte (%5F is a literal '_').
  *       Memory, as the driver reports it:
@@ -30,6 +30,9 @@
  *       it answer NOT_SUPPORTED (3), as a GPU without MIG does.
  *       mode: what nvmlDeviceGetComputeMode reports (0 default, 1 exclusive thread,
  *       2 prohibited, 3 exclusive process); na makes it answer NOT_SUPPORTED (3). Default 0.
+ *       grow: the first n process lists this process asks for with a buffer find more
+ *       processes than the buffer holds (started between pynvml's two calls) and answer
+ *       INSUFFICIENT_SIZE (7); later ones answer as usual. Default 0.
  *       reserved=0 util=0 cc=na mig=na; uuid defaults to GPU-fake-<index>, name to "Fake GPU".
  *   proc <gpu index> pid=<pid> mem=<bytes|na>
  *       A compute process on that GPU; mem=na is reported as 2^64-1 ("not available"), which
@@ -131,6 +134,7 @@ typedef struct {
     int cc_major, cc_minor; /* -1: not supported */
     int mig; /* -1: not supported, 0 disabled, 1 enabled */
     int mode; /* -1: not supported, else the NVML compute mode */
+    int grow; /* process lists with a buffer that find the list grown past it */
 } gpu_state;
 
 typedef struct {
@@ -162,6 +166,8 @@ typedef struct {
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static machine_state g_state;
 static int g_init_count;
+/* Process lists per GPU that found the list grown (the "grow" field), in this process. */
+static int g_grown[MAX_GPUS];
 
 static void complain(const char *fmt, ...) {
     va_list ap;
@@ -302,6 +308,8 @@ static int parse_line(machine_state *st, char *line, int lineno) {
                 ok = parse_int_or_na(v, &g->mode, 0, 3);
             } else if ((v = kv(tokens[i], "util"))) {
                 ok = parse_int_or_na(v, &g->util, 0, 100);
+            } else if ((v = kv(tokens[i], "grow"))) {
+                ok = parse_int(v, &g->grow) && g->grow >= 0;
             } else {
                 ok = 0;
             }
@@ -616,6 +624,7 @@ nvmlReturn_t nvmlShutdown(void) {
 void fakeNvmlReset(void) {
     pthread_mutex_lock(&g_lock);
     g_init_count = 0;
+    memset(g_grown, 0, sizeof g_grown);
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -847,6 +856,11 @@ static nvmlReturn_t do_processes(const char *func, nvmlDevice_t device, unsigned
     }
     if (asked < n || !infos) {
         *infoCount = n;
+        return leave(func, device->index, NVML_ERROR_INSUFFICIENT_SIZE, extra);
+    }
+    if (g_grown[device->index] < g->grow) {
+        g_grown[device->index]++;
+        *infoCount = asked + 1;
         return leave(func, device->index, NVML_ERROR_INSUFFICIENT_SIZE, extra);
     }
     n = 0;
