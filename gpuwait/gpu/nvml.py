@@ -101,6 +101,8 @@ _UNKNOWN = 999
 _MEMORY_V2_UNAVAILABLE = frozenset(
     {_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, _UNKNOWN, _NOT_SUPPORTED}
 )
+# ...of which these say it for sure; Unknown and NotSupported may also be one GPU's trouble.
+_MEMORY_V2_MISSING = frozenset({_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH})
 
 
 def _code(exc: BaseException) -> int | None:
@@ -217,6 +219,10 @@ class NvmlBackend:
         # None: not tried yet. Decided once per backend so that a driver without
         # nvmlDeviceGetMemoryInfo_v2 does not pay a failing call per GPU on every poll.
         self._memory_v2: bool | None = None
+        # This reading, still undecided: a GPU answered v1 where v2 failed as a driver without
+        # it does (or as one GPU in trouble does): decided at the reading's end, unless
+        # another GPU answered v2.
+        self._memory_v2_refused = False
         self._open = False
         #: Longest wait for one reading; None waits as long as the driver takes.
         self.timeout = timeout
@@ -302,6 +308,7 @@ class NvmlBackend:
         warnings: list[str] = []
         unanswered: list[int] = []
         in_mig_mode: list[tuple[int, str]] = []
+        self._memory_v2_refused = False
         for index in range(count):
             stuck = self._stuck.get(index)
             if stuck is not None and stuck[0].thread.is_alive():
@@ -353,6 +360,8 @@ class NvmlBackend:
                 continue
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
+        if self._memory_v2 is None and self._memory_v2_refused:
+            self._memory_v2 = False
         if not self._host_pids:
             self._check_pids(gpus, warnings)
         if self._host_pids:
@@ -461,6 +470,7 @@ class NvmlBackend:
         versions NOT_SUPPORTED) is given the system's, from /proc/meminfo.
         """
         version = getattr(pynvml, "nvmlMemory_v2", None)
+        refused = False
         if self._memory_v2 is not False and version is not None:
             try:
                 info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
@@ -470,8 +480,13 @@ class NvmlBackend:
                 # A driver that answered v2 has it: a failure now is this GPU's (one in
                 # trouble), asked v1 this time only. Turned off for good, v1's "used" would
                 # count the driver's own memory as a process's on every card from then on.
+                # Not answered yet: only a driver that lacks it, or where no GPU of the
+                # reading answers v2 and one answers v1, turns it off.
                 if self._memory_v2 is None:
-                    self._memory_v2 = False
+                    if _code(exc) in _MEMORY_V2_MISSING:
+                        self._memory_v2 = False
+                    else:
+                        refused = True
             except TypeError:
                 # An nvidia-ml-py too old to take `version`.
                 self._memory_v2 = False
@@ -479,15 +494,17 @@ class NvmlBackend:
                 self._memory_v2 = True
                 return self._total_used(info, problems)
         try:
-            return self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
+            found = self._total_used(pynvml.nvmlDeviceGetMemoryInfo(handle), problems)
         except pynvml.NVMLError as exc:
             shared = proc.system_memory() if _code(exc) == _NOT_SUPPORTED else None
             if shared is None:
                 raise
-        # No memory of its own (GB10 in DGX Spark, unified memory): the system's memory is
-        # the GPU's, and everything that uses it (other programs too) is used.
-        total, available = shared
-        return total, total - max(0, min(available, total)), 0
+            # No memory of its own (GB10 in DGX Spark, unified memory): the system's memory
+            # is the GPU's, and everything that uses it (other programs too) is used.
+            total, available = shared
+            found = total, total - max(0, min(available, total)), 0
+        self._memory_v2_refused |= refused
+        return found
 
     @staticmethod
     def _total_used(info: Any, problems: list[str]) -> tuple[int, int, int]:

@@ -324,6 +324,21 @@ def test_one_gpus_hiccup_does_not_turn_memory_v2_off_for_good(
     assert (waiter.returncode, out) == (0, "ran\n"), err
 
 
+def test_one_gpus_first_v2_failure_does_not_turn_memory_v2_off_for_the_others(
+    two_gpus: FakeNvml, backend: NvmlBackend
+) -> None:
+    # GPU0 in trouble at the very first reading (Unknown Error on v2, v1 still answers) while
+    # GPU1 answers v2: the driver has v2. Taken for one without it, every later reading of
+    # every card counted the driver's own memory as a process's (a whole-GPU job refused).
+    for index in (0, 1):
+        two_gpus.update_gpu(index, used=0, reserved=GIB // 2)
+    two_gpus.fail(0, "nvmlDeviceGetMemoryInfo_v2", UNKNOWN)
+    first = backend.snapshot()
+    assert [g.driver_bytes for g in first.gpus] == [0, GIB // 2]
+    two_gpus.clear_failures()
+    assert [g.driver_bytes for g in backend.snapshot().gpus] == [GIB // 2, GIB // 2]
+
+
 def test_driver_reserved_memory_is_not_offered_as_free(
     fake_nvml: FakeNvml, backend: NvmlBackend
 ) -> None:
