@@ -654,8 +654,9 @@ class NvmlBackend:
             # Microseconds of the wall clock; a second's slack for the clocks' grain.
             if since is not None and int(stats.startTime) < (since - 1.0) * 1e6:
                 continue
-            peak = int(stats.maxMemoryUsage)
-            if 0 <= peak < 2**62:  # NVML_VALUE_NOT_AVAILABLE is all ones
+            # Not available: pynvml says None, an older one all ones (NVML_VALUE_NOT_AVAILABLE).
+            peak = -1 if stats.maxMemoryUsage is None else int(stats.maxMemoryUsage)
+            if 0 <= peak < 2**62:
                 total += peak
                 found = True
         return total if found else None

@@ -31,7 +31,7 @@ def test_without_accounting_support_there_is_no_figure(backend: NvmlBackend) -> 
 def fake_accounting(
     monkeypatch: pytest.MonkeyPatch,
     enabled: bool,
-    maxima: dict[int, int],
+    maxima: dict[int, int | None],
     started: dict[int, float] | None = None,
 ) -> None:
     """Accounting as the driver keeps it: per pid its maximum and (`started`, wall-clock
@@ -60,6 +60,16 @@ def test_accounting_maximum_of_the_tree(
     fake_accounting(monkeypatch, True, {100: 6 * GIB, 101: GIB, 999: 40 * GIB, 102: 2**64 - 1})
     assert backend.accounting_peak("GPU-aaaa", frozenset({100, 101, 102})) == 7 * GIB
     assert backend.accounting_peak("GPU-aaaa", frozenset({5})) is None
+
+
+def test_a_process_whose_maximum_is_not_available_leaves_the_others_figure(
+    backend: NvmlBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # pynvml answers "not available" with None: the whole figure was lost for one such pid,
+    # and the run's history fell back to the sampled peak, which misses short spikes.
+    fake_accounting(monkeypatch, True, {100: 6 * GIB, 101: None})
+    assert backend.accounting_peak("GPU-aaaa", frozenset({100, 101})) == 6 * GIB
+    assert backend.accounting_peak("GPU-aaaa", frozenset({101})) is None
 
 
 def test_an_earlier_process_of_the_same_pid_is_no_part_of_the_figure(
