@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.core.budget import DEFAULT_ENFORCE, ENFORCE_MODES
-from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, StateError, UsageError
+from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
 from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
 from gpuwait.core.policy import PICK_STRATEGIES, FairShare, Lookahead, UserLimits
@@ -765,8 +765,8 @@ def known_variables() -> frozenset[str]:
     return frozenset(settings | set(_USER_VARIABLES) | _OTHER_VARIABLES)
 
 
-#: Where the unknown GPUWAIT_* names a quiet gpuwait (-q) said are kept (the user state dir),
-#: at most this many of them, one a line.
+#: Where the unknown GPUWAIT_* names a quiet gpuwait (-q) said are kept (the state dir: the
+#: `state_dir` setting, else the user state dir), at most this many of them, one a line.
 SAID_VARIABLES = "said-variables"
 _SAID_MOST = 256
 _SAID_SCHEMA = "# gpuwait said-variables 1"
@@ -778,7 +778,11 @@ def not_said_quietly(names: Iterable[str]) -> set[str]:
     variable once, not in every step. All of them where that cannot be told (the state dir
     unreadable or not writable): said again rather than never."""
     wanted = set(names)
-    path = Path(dirs.user_state_dir()) / SAID_VARIABLES
+    try:
+        path = load_settings({}).state_path / SAID_VARIABLES
+    except (GpuwaitError, OSError, ValueError):
+        # Settings that cannot be read: the command says so itself, in its own words.
+        path = Path(dirs.user_state_dir()) / SAID_VARIABLES
     try:
         text = read_state_file(path, _SAID_MOST * 128, mine())
         lines = (text or b"").decode("utf-8", "replace").splitlines()

@@ -43,6 +43,20 @@ def gpuwait(*argv: str, cwd: Path | None = None, **env: str) -> subprocess.Compl
 # -- misspelled GPUWAIT_* variables --------------------------------------------------------------
 
 
+def test_quiet_remembers_what_it_said_in_the_state_dir_it_was_given(
+    sim: Path, tmp_path: Path
+) -> None:
+    # state_dir set elsewhere (the default one on a read-only home): the note of what was said
+    # went to the default state dir, could not be written there, and every -q step said it.
+    home = tmp_path / "read-only-home"
+    home.write_text("")  # a file: nothing can be made under it
+    env = {"XDG_STATE_HOME": str(home / "state"), "GPUWAIT_STATE_DIR": str(tmp_path / "s")}
+    first = gpuwait("-q", "--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5", **env)
+    assert first.returncode == 0 and "GPUWAIT_SAFTEY" in first.stderr, first.stderr
+    again = gpuwait("-q", "--vram", "1G", "--", "true", GPUWAIT_SAFTEY="0.5", **env)
+    assert again.returncode == 0 and again.stderr == ""
+
+
 def test_a_misspelled_variable_is_named_with_the_setting_it_likely_means(sim: Path) -> None:
     done = gpuwait("true", GPUWAIT_VRAM="6G", GPUWAIT_SAFTEY="0.5")
     assert done.returncode == 0
