@@ -162,6 +162,9 @@ class Job(Record):
     held_by: list[str] = field(default_factory=list)
     #: `--once KEY`: no second job of its user with this key is queued while it waits or runs.
     once: str | None = None
+    #: `--key`: the name its runs are learned and listed under, carried by the history's
+    #: record of a run whose gpuwait died before it could record it.
+    key: str | None = None
     #: `--prefer`: GPUs (UUIDs) taken first where the job fits; others only where none does.
     prefer: list[str] = field(default_factory=list)
     #: A process started without gpuwait and adopted (`gpuwait adopt`): the state dir whose
@@ -310,6 +313,7 @@ class Job(Record):
             # Both are read leniently: an entry written without them (or damaged there) keeps
             # its place in the queue, only without the key or the preference.
             once=_lenient_text(raw.get("once")),
+            key=_lenient_text(raw.get("key")),
             prefer=_lenient_texts(raw.get("prefer")),
             adopted_history=_lenient_text(raw.get("adopted_history")),
             adopted_commands="hash" if raw.get("adopted_commands") == "hash" else "full",

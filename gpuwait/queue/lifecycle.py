@@ -257,7 +257,7 @@ def _found_ended_record(job: Job, data: LedgerData, now: float) -> dict[str, Any
         batch=job.batch,
         command=job.command,
         cwd=job.cwd,
-        key=None,
+        key=job.key,
         history_commands=job.adopted_commands if adopted else job.history_commands,
         request=job.request,
         request_source="adopted" if adopted else "unknown",

@@ -581,6 +581,7 @@ def _new_job(
         requirements=dict(request.requirements),
         weights=_weights(config, snapshot) if config.pick == "weighted" else {},
         once=request.once,
+        key=request.key,
         prefer=_preferred(config, snapshot),
         freezable=request.freezable,
         safety=config.wait.safety,

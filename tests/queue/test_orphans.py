@@ -293,7 +293,7 @@ def test_a_job_killed_with_its_gpuwait_is_in_the_history_and_teaches_nothing(
     until then (a peak it may not have reached yet, a run cut short) sizes no later run."""
     sim_file(gpus=1, memory="24G")
     command = [*SIMJOB, "--vram", "3G", "--hold", "60s"]
-    job = procs([*GPUWAIT, "--vram", "4G", "--name", "cut", "--", *command])
+    job = procs([*GPUWAIT, "--vram", "4G", "--name", "cut", "--key", "trainer", "--", *command])
     entry = wait_for(
         lambda: (e := named_entry("cut")) and e.get("observed") and e, timeout=20, interval=0.05
     )
@@ -312,6 +312,12 @@ def test_a_job_killed_with_its_gpuwait_is_in_the_history_and_teaches_nothing(
         [*GPUWAIT, "history"], capture_output=True, text=True, timeout=30, check=True
     )
     assert "? lost" in listed.stdout.splitlines()[1]
+    # Listed under the --key it was started with, as a run that ended is.
+    by_key = subprocess.run(
+        [*GPUWAIT, "history", "--key", "trainer", "--json"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert [r["job_id"] for r in json.loads(by_key.stdout)] == [entry["id"]]
     estimate = subprocess.run(
         [*GPUWAIT, "estimate", "--json", "--", *command],
         capture_output=True,
