@@ -231,15 +231,43 @@ def die_by_signal(signum: int) -> None:
     """End this process by `signum`, as the command did, so the caller sees the same death.
 
     Shells treat a child killed by SIGINT differently from one that exited 130 (bash stops a
-    script), so re-raising the real signal matters. No core file is written for SIGQUIT & co:
-    the command's core, if any, is the one that counts.
+    script), so re-raising the real signal matters. No core is dumped for SIGQUIT & co: the
+    command's core, if any, is the one that counts. RLIMIT_CORE 0 stops a core file; a crash
+    reporter that the kernel pipes cores to (apport, systemd-coredump: `core_pattern` starting
+    with `|`) ignores it, and is not run for a process that is not dumpable.
     """
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    was = _dumpable(None)
+    _dumpable(0)
     if signum not in (signal.SIGKILL, signal.SIGSTOP):  # their action cannot be changed
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     os.kill(os.getpid(), signum)
-    # Still alive: the signal is one whose default action is not to terminate.
+    # Still alive: the signal is one whose default action is not to terminate. Dumpable again,
+    # as before: other processes of the user read this one's /proc (its pid namespace, its
+    # environment) only while it is.
+    if was is not None:
+        _dumpable(was)
+
+
+_PR_GET_DUMPABLE = 3
+_PR_SET_DUMPABLE = 4
+
+
+def _dumpable(value: int | None) -> int | None:
+    """Set this process's dumpable flag to `value` (None: only read it); the flag as it was,
+    None where it cannot be told."""
+    try:
+        import ctypes  # only on the way out: no launch pays for it
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        zero = ctypes.c_ulong(0)
+        was = int(prctl(_PR_GET_DUMPABLE, zero, zero, zero, zero))
+        if value is not None:
+            prctl(_PR_SET_DUMPABLE, ctypes.c_ulong(value), zero, zero, zero)
+    except (OSError, AttributeError, ValueError):
+        return None
+    return was if was >= 0 else None
 
 
 class GroupWitness:
