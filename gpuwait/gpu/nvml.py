@@ -539,9 +539,11 @@ class NvmlBackend:
                 code = _code(exc)
                 if code == _INSUFFICIENT_SIZE and attempt == 1:
                     continue  # processes started between pynvml's two calls: asked again
-                # Not supported (vGPU, some containers), or a driver older than the v3 call:
-                # the memory figures still hold, only attribution to processes is missing.
-                return (), code not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
+                # Not supported (vGPU, some containers), refused for good (no permission), or
+                # a driver older than the v3 call: the memory figures still hold, only
+                # attribution to processes is missing. Counted as a failure of this reading
+                # instead, a refusal that never ends would keep such a card from every job.
+                return (), code not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _NO_PERMISSION)
             except pynvml.NVMLLibraryMismatchError:
                 return (), False
         processes: list[ProcessUsage] = []

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.fixtures_nvml import GIB, GPU_IS_LOST, NOT_SUPPORTED, UNKNOWN, FakeGpu, FakeNvml
+from helpers.fixtures_nvml import (
+    GIB,
+    GPU_IS_LOST,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    UNKNOWN,
+    FakeGpu,
+    FakeNvml,
+)
 from helpers.fixtures_sim import SimFileFactory, hold_card, run_sim_job
 from helpers.waiting import asleep_waiting, named_entry, wait_for
 
@@ -193,3 +201,18 @@ def test_an_exclusive_card_whose_process_list_fails_is_not_handed_out_as_idle(
     )  # fmt: skip
     assert ran.returncode == 124, ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_an_exclusive_card_whose_process_list_is_refused_for_good_is_judged_by_memory(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # A driver that never lets this user list the card's processes (no permission) is one
+    # that cannot list them: the card is judged by the memory used there, as on a vGPU. Taken
+    # for one whose list failed this time, the card would be kept from every job for good.
+    fake_nvml.set_gpus([FakeGpu(mode=3)])
+    fake_nvml.fail(0, "nvmlDeviceGetComputeRunningProcesses_v3", NO_PERMISSION)
+    ran = subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--timeout", "20s", "--", "true"],
+        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
