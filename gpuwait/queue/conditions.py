@@ -363,6 +363,7 @@ def claims_for(
             ),
             data.mine(j),
             fair.site_safety,
+            j.safety_from_site,
         )
         for j in data.jobs
     ]
@@ -385,10 +386,16 @@ def adoption_over_limit(
     return UserLimits(max_vram=limits.max_vram).refusal(0, held, 0, job.reserved_in_all())
 
 
-def _safety_believed(claim: Claim, mine: bool, floor: float | None) -> Claim:
-    """`claim` with its owner's safety as this user's plan heeds it: their own as it is,
-    another user's no stricter than the site's (`floor`), which holds everyone alike. Their
-    own still keeps their job from starting fuller than it allows (`Claim.own_safety`)."""
+def _safety_believed(
+    claim: Claim, mine: bool, floor: float | None, from_site: bool = False
+) -> Claim:
+    """`claim` with its owner's safety as this user's plan heeds it: the site's (`floor`) as
+    its file says now where they set none of their own (`from_site`: a safety raised there
+    holds their jobs submitted before as it holds those submitted since); their own as it is,
+    another user's no stricter than the site's, which holds everyone alike. Their own still
+    keeps their job from starting fuller than it allows (`Claim.own_safety`)."""
+    if from_site and floor is not None and claim.safety is not None:
+        return claim._replace(safety=floor)
     if mine or floor is None or claim.safety is None or claim.safety >= floor:
         return claim
     return claim._replace(safety=floor, own_safety=claim.safety)

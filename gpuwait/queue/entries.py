@@ -125,6 +125,9 @@ class Job(Record):
     #: Its owner's safety factor at its submission: while it runs, nobody's job is admitted
     #: onto its GPUs past that share of their memory, whatever the admitting user's own safety.
     safety: float | None = None
+    #: Its owner set no safety of their own: `safety` is the site's at its submission, and
+    #: plans take the site's as its file says now (gpuwait.queue.conditions.claims_for).
+    safety_from_site: bool = False
     pause_requested_at: float | None = None
     pause_requested_by: str | None = None
     pause_signalled_at: float | None = None
@@ -286,6 +289,7 @@ class Job(Record):
             pause_min_runtime=_lenient_seconds(raw.get("pause_min_runtime")),
             pause_max=_lenient_count(raw.get("pause_max")),
             safety=_lenient_fraction(raw.get("safety")),
+            safety_from_site=raw.get("safety_from_site") is True,
             pause_requested_at=_seconds(raw.get("pause_requested_at")),
             pause_requested_by=(
                 None if raw.get("pause_requested_by") is None else _text(raw, "pause_requested_by")

@@ -585,6 +585,7 @@ def _new_job(
         prefer=_preferred(config, snapshot),
         freezable=request.freezable,
         safety=config.wait.safety,
+        safety_from_site=config.wait.fair.safety_from_site,
         history_dir=str(config.state_dir),
         history_commands=config.history_commands,
     )

@@ -388,6 +388,34 @@ def test_a_waiting_job_follows_the_safety_the_site_lowers_while_it_waits(
     assert "at safety 0.3, set in the site config file while it waited" in second.stderr.read()
 
 
+def test_jobs_follow_the_safety_the_site_raises_while_they_wait_and_run(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Raised in the site file, the site's safety holds the jobs of a user who set none of
+    their own as it holds those submitted since: neither the waiting job nor the one running
+    beside it keeps the stricter safety it was submitted with."""
+    sim_file(gpus=1, memory="24G", base_used="4G")  # 4 GiB held outside gpuwait
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")  # a site file's change wakes nobody
+    site = Path(os.environ["XDG_CONFIG_DIRS"]) / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text("safety = 0.5\n")  # 12 GiB of the card
+    gpuwait = [sys.executable, "-m", "gpuwait"]
+    procs([*gpuwait, "--vram", "6G", "--name", "first", "--", "sleep", "30"])
+    wait_for(lambda: (e := named_entry("first")) and e["state"] == "running", timeout=20)
+    # 4 + 6 + 6 GiB are more than 12: the second waits.
+    second = procs([*gpuwait, "--vram", "6G", "--name", "second", "--", "sleep", "30"])
+    wait_for(lambda: named_entry("second") is not None, timeout=20)
+    assert second.poll() is None and named_entry("second")["state"] == "waiting"
+    site.write_text("safety = 0.9\n")  # 21.6 GiB: 16 fit
+    entry = wait_for(
+        lambda: (e := named_entry("second")) and e["state"] == "running" and e, timeout=20
+    )
+    assert entry["state"] == "running", "it waited under the safety the site had raised"
+    assert named_entry("first")["state"] == "running"
+
+
 def test_only_a_safety_the_user_did_not_set_follows_the_site(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
