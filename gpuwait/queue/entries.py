@@ -399,6 +399,19 @@ def run_time(job: Job, now: float, boot_now: float | None) -> float:
     return max(0.0, elapsed - max(0.0, proc.slept(boot_now) - job.started_slept))
 
 
+def charged_run_time(job: Job, now: float, boot_now: float | None) -> float:
+    """How long the running `job` has held its reservation so far, as its user is charged for
+    it once it ends: its run time (`run_time`) and `run_before_freezing`."""
+    return run_time(job, now, boot_now) + run_before_freezing(job)
+
+
+def run_before_freezing(job: Job) -> float:
+    """What a --freezable job ran before it was last frozen (`done_seconds`), charged to nobody
+    yet: its run since the thaw is timed from then on. (A --pausable job's earlier runs were
+    charged as each stepped aside.)"""
+    return job.done_seconds if job.freezable else 0.0
+
+
 def _on_this_clock(boot: float | None, boot_now: float | None) -> bool:
     """Is `boot` a stamp of the boot clock that reads `boot_now` (not a later one, which was
     taken on another: an earlier boot, another time namespace)?"""

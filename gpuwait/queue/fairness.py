@@ -11,14 +11,15 @@ config; in a private ledger, where every job is the same user's, fair share chan
 
 Past usage decays by wall-clock time (usage must mean the same to every process, across boots),
 so a clock stepped backwards is clamped: no job ever counts negative time. A running job's time
-since its start is its run time so far (entries.run_time): on the boot clock where its entry has
-the stamp, less any suspend, as it is charged once it ends.
+since its start is its run time so far (entries.charged_run_time): on the boot clock where its
+entry has the stamp, less any suspend, and with a thawed job's runs before its freeze, as it is
+charged once it ends.
 """
 
 from __future__ import annotations
 
 from gpuwait.core.policy import FairShare
-from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage, run_time
+from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage, charged_run_time
 
 
 def decayed(usage: UserUsage, now: float, half_life: float | None) -> float:
@@ -38,7 +39,7 @@ def user_usage(
     totals = {uid: decayed(u, now, half_life) for uid, u in data.usage.items()}
     for job in data.jobs:
         if job.state == RUNNING and job.started_at is not None:
-            held = job.reserved_in_all() * run_time(job, now, boot_now)
+            held = job.reserved_in_all() * charged_run_time(job, now, boot_now)
             totals[job.uid] = totals.get(job.uid, 0.0) + held
     return totals
 

@@ -78,10 +78,12 @@ from gpuwait.queue.entries import (
     WAITING,
     Job,
     LedgerData,
+    charged_run_time,
     copy_job,
     elsewhere,
     of_an_earlier_boot,
     pause_stamps,
+    run_before_freezing,
     run_time,
     since,
 )
@@ -285,16 +287,17 @@ def _found_ended_record(job: Job, data: LedgerData, now: float) -> dict[str, Any
 
 def _ran_until_gone(job: Job, now: float) -> float:
     """How long the running `job`, whose processes were found gone at `now`, ran at most:
-    timed as a running job's is (entries.run_time: on the boot clock, less a suspend), where
-    it ran in this boot; one of an earlier boot, whose clocks those are not, ended by the time
-    this boot began, and is timed on the wall clock up to then. (Since its start, or where
-    none was recorded, its submission.)"""
+    timed as a running job's is charged (entries.charged_run_time: on the boot clock, less a
+    suspend, with a thawed job's runs before its freeze), where it ran in this boot; one of an
+    earlier boot, whose clocks those are not, ended by the time this boot began, and is timed
+    on the wall clock up to then. (Since its start, or where none was recorded, its
+    submission.)"""
     boot_now = proc.boot_clock()
     if job.started_at is not None and not of_an_earlier_boot(job.boot):
-        return run_time(job, now, boot_now)
+        return charged_run_time(job, now, boot_now)
     started = job.started_at if job.started_at is not None else job.submitted_at
     ended = min(now, now - boot_now) if of_an_earlier_boot(job.boot) else now
-    return max(0.0, ended - started)
+    return max(0.0, ended - started) + run_before_freezing(job)
 
 
 def _carry_out_requests(data: LedgerData, said: _Said) -> None:

@@ -466,3 +466,51 @@ def test_the_time_a_job_was_frozen_is_no_run_time_of_its(
     held = sum(ends[job] - starts[job] for job in ends) - frozen
     (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
     assert usage.vram_seconds / (16 * GiB) == pytest.approx(held, abs=0.3), (held, frozen)
+
+
+def test_a_job_killed_after_a_thaw_is_charged_its_run_before_the_freeze(
+    one_card: Path, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kill -9` of a job that was frozen and thawed: what it held before the freeze counts in
+    its user's fair-share usage once its entry is reaped, as it would have had it ended on its
+    own, and not only what it held since the thaw."""
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
+    options = ["--priority", "1", "--freezable", "--vram", "16G"]
+    low = subprocess.Popen(
+        wrapped_sim_job(gpuwait_cmd, options, "--vram", "16G", "--hold", "60s"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    urgent = None
+    try:
+        job = wait_until_old_enough(0.7)  # more than the slack below: its run to the freeze
+        urgent = hold_card(gpuwait_cmd, "16G", "0.3s", "--priority", "5")
+        urgent.communicate(timeout=60)
+        entry = wait_for(
+            lambda: (
+                next(
+                    (j for j in ledger_entries() if j["id"] == job["id"] and j.get("child_pid")),
+                    None,
+                )
+                if "thaw" in kinds()
+                else None
+            ),
+            timeout=60,
+        )
+        os.killpg(low.pid, 9)
+        killed = time.time()
+        low.wait(timeout=30)
+        child = int(str(entry["child_pid"]))
+        wait_for(lambda: not proc.is_alive(child, entry.get("child_start_time")), timeout=30)
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    subprocess.run([*gpuwait_cmd, "status"], capture_output=True, timeout=60, check=True)
+    said = events()
+    low_at = {str(e["kind"]): float(str(e["time"])) for e in said if e.get("job") == job["id"]}
+    other = {str(e["kind"]): float(str(e["time"])) for e in said if e.get("job") != job["id"]}
+    # The low job before its freeze and since its thaw until it was killed; the urgent one.
+    held = (low_at["freeze"] - low_at["start"]) + (killed - low_at["thaw"])
+    held += other["finish"] - other["start"]
+    (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
+    assert usage.vram_seconds / (16 * GiB) >= held - 0.3, (held, usage)
