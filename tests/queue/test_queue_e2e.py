@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -594,25 +594,62 @@ def test_cancel_of_a_job_suspended_with_ctrl_z_ends_it(
     keep its GPU memory until then: `cancel` continues it, so the TERM ends it, as bash's
     `kill %1` does a stopped job."""
     sim_file(gpus=1)
-    # Its own process group, whose parent is in another group of the session: a job control
-    # shell's job (the kernel ignores Ctrl-Z in an orphaned group).
-    job = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", "sleep", "30"],
-        process_group=0,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with _job_of_a_shell([*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", "sleep", "30"]) as job:
         wait_for(lambda: job_named("r") and job_named("r")["child_pid"])  # type: ignore[index]
         command = job_named("r")["child_pid"]  # type: ignore[index]
         os.killpg(job.pid, signal.SIGTSTP)  # Ctrl-Z
         wait_for(lambda: process_state(job.pid) == "T" and process_state(command) == "T")
         assert run([*gpuwait_cmd, "cancel", "r"]).returncode == 0
         assert job.wait(timeout=10) == -signal.SIGTERM
+    assert ledger_entries() == []
+
+
+@contextlib.contextmanager
+def _job_of_a_shell(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """`argv` started as a job control shell's job: its own process group, whose parent is in
+    another group of the session (the kernel ignores Ctrl-Z in an orphaned group); the group
+    killed at the end."""
+    job = subprocess.Popen(argv, process_group=0, stderr=subprocess.DEVNULL)
+    try:
+        yield job
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
-    assert ledger_entries() == []
+
+
+def test_a_job_stopped_with_ctrl_z_is_not_stopped_again_when_gpuwait_alone_is_continued(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """Ctrl-Z stops gpuwait and its command together (a command that tidies up first and then
+    stops itself, as ssh and editors do, a moment after gpuwait); the command's stop is that
+    same one, not one of its own: gpuwait continued before it (`cancel`, which continues each
+    process of the job in turn; `kill -CONT PID`) goes on with its command, rather than stopping
+    the job again and staying stopped, the TERM it was sent untaken."""
+    sim_file(gpus=1)
+    ready = tmp_path / "ready"
+    command = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTSTP, lambda *_: (time.sleep(0.1), os.kill(os.getpid(), 19)))\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "time.sleep(30)\n"
+    )
+    argv = [*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", sys.executable, "-c", command]
+    with _job_of_a_shell(argv) as job:
+        wait_for(ready.exists, timeout=20)
+        child = wait_for(lambda: (e := job_named("r")) and e["child_pid"])
+        os.killpg(job.pid, signal.SIGTSTP)  # Ctrl-Z
+        wait_for(lambda: process_state(job.pid) == "T" and process_state(child) == "T")
+        os.kill(job.pid, signal.SIGCONT)
+        wait_for(
+            lambda: sleeping_in(job.pid, "sigtimedwait"),
+            timeout=5,
+            message=lambda: f"gpuwait is in state {process_state(job.pid)}",
+        )
+        # Continued by its pid, gpuwait goes on with its command, as the command bare would.
+        wait_for(lambda: process_state(child) != "T", timeout=5)
+        assert run([*gpuwait_cmd, "cancel", "r"]).returncode == 0
+        assert job.wait(timeout=10) == -signal.SIGTERM
 
 
 def test_log_shows_and_follows_events(
