@@ -104,36 +104,60 @@ class OomScanner:
     """Finds OOM markers in a byte stream fed in pieces (a marker may span two pieces), and a
     program that wanted GPU numbers where it found UUIDs (`numbers`). Pure.
 
-    `said`: the first OOM message, from its marker on (SAID_BYTES at most): where frameworks
-    say how much they had and tried to allocate."""
+    `said`: the last OOM message, from its marker on (SAID_BYTES at most): where frameworks
+    say how much they had and tried to allocate. The last, as the one that ended the program:
+    an earlier one it caught and went on from (a server refusing one huge request, a batch
+    size halved) says nothing of what it needed."""
 
     def __init__(self) -> None:
         self.found = False
         self.numbers = False
         self.said = b""
         self._tail = b""
+        #: What an earlier message said it needed, for a last one that says no size.
+        self._wanted_before: int | None = None
 
     def feed(self, data: bytes) -> None:
         if not data:
             return
+        data = data.lower()
+        text = self._tail + data
+        starts = sorted(
+            {
+                at
+                for marker in OOM_MARKERS
+                for at in _occurrences(text, marker)
+                if at + len(marker) > len(self._tail)  # not one seen in the last piece
+            }
+        )
         if self.found and len(self.said) < SAID_BYTES:
-            self.said = (self.said + data.lower())[:SAID_BYTES]
-        if self.found and self.numbers:
-            return
-        text = self._tail + data.lower()
-        if not self.found:
-            at = min((text.find(m) for m in OOM_MARKERS if m in text), default=-1)
-            if at >= 0:
-                self.found = True
-                self.said = text[at : at + SAID_BYTES]
+            # The message goes on, up to where the next one starts.
+            upto = starts[0] - len(self._tail) if starts else len(data)
+            self.said = (self.said + data[: max(0, upto)])[:SAID_BYTES]
+        for at, end in zip(starts, [*starts[1:], len(text)], strict=False):
+            self._wanted_before = self.wanted_bytes or self._wanted_before
+            self.found = True
+            self.said = text[at : min(end, at + SAID_BYTES)]
         if not self.numbers and any(marker in text for marker in NUMBERS_MARKERS):
             self.numbers = True
         self._tail = text[-_KEEP:]
 
     @property
     def wanted_bytes(self) -> int | None:
-        """What the OOM message says the program needed at the least (core.estimate.oom_wanted)."""
-        return oom_wanted(self.said.decode("utf-8", "replace")) if self.found else None
+        """What the last OOM message says the program needed at the least
+        (core.estimate.oom_wanted), or where it says no size, the last one that did."""
+        if not self.found:
+            return None
+        return oom_wanted(self.said.decode("utf-8", "replace")) or self._wanted_before
+
+
+def _occurrences(text: bytes, marker: bytes) -> list[int]:
+    found: list[int] = []
+    at = text.find(marker)
+    while at >= 0:
+        found.append(at)
+        at = text.find(marker, at + 1)
+    return found
 
 
 class StderrWatch:

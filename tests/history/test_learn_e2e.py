@@ -732,3 +732,27 @@ def test_a_command_that_takes_its_reservation_is_not_learned_ever_larger(
     assert estimate_of(gpuwait_cmd, server)["estimate_bytes"] == 4 * GiB
     said = run([*gpuwait_cmd, "estimate", "--", *server]).stdout
     assert "no margin: the command sizes itself from its reservation" in said
+
+
+def test_a_caught_out_of_memory_message_does_not_size_the_next_run(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A server that refused one huge request (its message printed, the server went on) and
+    # later ran out of memory for good needed what its last message said: 8 GiB, not 302.
+    sim_file(gpus=1, memory="48GiB")
+    server = tmp_path / "serve.py"
+    server.write_text(
+        "import sys\n"
+        "w = sys.stderr.write\n"
+        "w('refused: CUDA out of memory. Tried to allocate 300.00 GiB. Including non-PyTorch "
+        "memory, this process has 2.00 GiB memory in use.\\n')\n"
+        "w('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. Including "
+        "non-PyTorch memory, this process has 7.00 GiB memory in use.\\n')\n"
+        "sys.exit(1)\n"
+    )
+    command = [sys.executable, str(server)]
+    done = run([*gpuwait_cmd, "--vram", "4G", "--", *command])
+    assert done.returncode == 1
+    assert history()[0]["oom"] is True and history()[0]["oom_wanted_bytes"] == 8 * GiB
+    learned = estimate_of(gpuwait_cmd, command)
+    assert 8 * GiB < learned["oom_floor_bytes"] <= 9 * GiB

@@ -245,3 +245,26 @@ def test_a_command_whose_stderr_reader_has_gone_dies_of_sigpipe_at_its_next_writ
             ["bash", "-c", script, "bash", *argv], capture_output=True, text=True, timeout=60
         )
         assert done.stdout == "141\n", (argv, done.stderr)
+
+
+def test_what_a_program_needed_is_what_the_out_of_memory_that_ended_it_said() -> None:
+    # A program that caught an out-of-memory failure and went on (a server refusing one huge
+    # request, a batch size halved) ran out later for good: what it needed is what the last
+    # message said, not the first.
+    caught = (
+        b"request refused: CUDA out of memory. Tried to allocate 300.00 GiB. Including "
+        b"non-PyTorch memory, this process has 2.00 GiB memory in use.\n"
+    )
+    ended = (
+        b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB. Including "
+        b"non-PyTorch memory, this process has 7.00 GiB memory in use.\n"
+    )
+    for pieces in ([caught + b"serving\n" * 10 + ended], [caught, b"serving\n" * 10, ended]):
+        scanner = OomScanner()
+        for piece in pieces:
+            scanner.feed(piece)
+        assert scanner.wanted_bytes == 8 * 2**30
+    # A last message that says no size leaves the one before that did.
+    scanner = OomScanner()
+    scanner.feed(ended + b"x" * 3000 + b"RuntimeError: CUDA error: out of memory\n")
+    assert scanner.wanted_bytes == 8 * 2**30
