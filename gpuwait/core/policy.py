@@ -538,6 +538,16 @@ def held_outside(room: GpuRoom) -> bool:
     return not idle_enough(room)
 
 
+def unread_holder(room: GpuRoom) -> bool:
+    """`held_outside` only because the card's process list failed this time: no process
+    outside gpuwait is known to be there."""
+    return (
+        held_outside(room)
+        and room.gpu.processes_failed
+        and not (room.foreign or room.ignored_count or room.exclusive_held)
+    )
+
+
 def closed(room: GpuRoom) -> bool:
     """No job may start on this card now, whatever memory is free: a job has it to itself
     (a whole GPU, or any job on a card that takes one process at a time), a process outside
@@ -1105,10 +1115,19 @@ def wait_reason(
     best = by_room[wanted - 1] if len(by_room) >= wanted else (by_room[-1] if by_room else None)
     rank = by_room.index(best) + 1 if best is not None else 1
     if taken and claim.request is not None:
-        names = ",".join(f"GPU{r.gpu.index}" for r in taken)
-        busy = f"{names} {'runs' if len(taken) == 1 else 'run'} one process at a time (compute"
-        busy += " mode exclusive-process), and one is there"
-        note = busy if note is None else f"{busy}; {note}"
+        # Held only as the driver's list of its processes failed: nobody may be there, and
+        # "one is there" would send the user looking for a process that is not.
+        unread = [r for r in taken if unread_holder(r)]
+        for group, there in (
+            ([r for r in taken if r not in unread], "one is there"),
+            (unread, "the driver's list of its processes fails (read again at each reading)"),
+        ):
+            if not group:
+                continue
+            names = ",".join(f"GPU{r.gpu.index}" for r in group)
+            busy = f"{names} {'runs' if len(group) == 1 else 'run'} one process at a time"
+            busy += f" (compute mode exclusive-process), and {there}"
+            note = busy if note is None else f"{busy}; {note}"
     if claim.request is None and best is not None:
         # Free memory alone does not tell why a whole GPU is refused: say what it takes.
         whole = (

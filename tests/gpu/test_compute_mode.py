@@ -216,3 +216,21 @@ def test_an_exclusive_card_whose_process_list_is_refused_for_good_is_judged_by_m
         env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr
+
+
+def test_a_job_kept_off_an_exclusive_card_whose_process_list_fails_is_told_so(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # Nobody is on the card, but the driver's list of its processes fails at every reading:
+    # the job waits, and says why, rather than that a process is there, which nobody could
+    # find (nvidia-smi lists none) and would wait on for good.
+    fake_nvml.set_gpus([FakeGpu(mode=3)])
+    fake_nvml.fail(0, "nvmlDeviceGetComputeRunningProcesses_v3", UNKNOWN)
+    ran = subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--timeout", "1s", "--", "true"],
+        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 124, ran.stderr
+    assert "one is there" not in ran.stderr
+    assert "the driver's list of its processes fails" in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
