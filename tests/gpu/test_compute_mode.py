@@ -187,6 +187,16 @@ def test_a_process_list_that_grew_between_two_calls_is_asked_again(
     assert not gpu.processes_failed
 
 
+def _launch_2g(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], timeout: str
+) -> subprocess.CompletedProcess[str]:
+    """`gpuwait --vram 2G --timeout TIMEOUT -- true` on the fake driver."""
+    return subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--timeout", timeout, "--", "true"],
+        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 def test_an_exclusive_card_whose_process_list_fails_is_not_handed_out_as_idle(
     fake_nvml: FakeNvml, gpuwait_cmd: list[str]
 ) -> None:
@@ -195,10 +205,7 @@ def test_an_exclusive_card_whose_process_list_fails_is_not_handed_out_as_idle(
     # there, to die in CUDA as "busy or unavailable".
     fake_nvml.set_gpus([FakeGpu(mode=3, used=GIB // 4, grow=1000)])
     fake_nvml.add_process(0, os.getpid(), GIB // 4)
-    ran = subprocess.run(
-        [*gpuwait_cmd, "--vram", "2G", "--timeout", "1s", "--", "true"],
-        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    ran = _launch_2g(fake_nvml, gpuwait_cmd, "1s")
     assert ran.returncode == 124, ran.stderr
     assert "Traceback" not in ran.stderr
 
@@ -211,10 +218,7 @@ def test_an_exclusive_card_whose_process_list_is_refused_for_good_is_judged_by_m
     # for one whose list failed this time, the card would be kept from every job for good.
     fake_nvml.set_gpus([FakeGpu(mode=3)])
     fake_nvml.fail(0, "nvmlDeviceGetComputeRunningProcesses_v3", NO_PERMISSION)
-    ran = subprocess.run(
-        [*gpuwait_cmd, "--vram", "2G", "--timeout", "20s", "--", "true"],
-        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    ran = _launch_2g(fake_nvml, gpuwait_cmd, "20s")
     assert ran.returncode == 0, ran.stderr
 
 
@@ -226,10 +230,7 @@ def test_a_job_kept_off_an_exclusive_card_whose_process_list_fails_is_told_so(
     # find (nvidia-smi lists none) and would wait on for good.
     fake_nvml.set_gpus([FakeGpu(mode=3)])
     fake_nvml.fail(0, "nvmlDeviceGetComputeRunningProcesses_v3", UNKNOWN)
-    ran = subprocess.run(
-        [*gpuwait_cmd, "--vram", "2G", "--timeout", "1s", "--", "true"],
-        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    ran = _launch_2g(fake_nvml, gpuwait_cmd, "1s")
     assert ran.returncode == 124, ran.stderr
     assert "one is there" not in ran.stderr
     assert "the driver's list of its processes fails" in ran.stderr, ran.stderr
