@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpuwait.linux.security import open_state_file
-from gpuwait.linux.signals import hold_stops, raise_if_pending, resume_stops
+from gpuwait.linux.signals import SignalPending, hold_stops, raise_if_pending, resume_stops
 
 
 @contextmanager
@@ -106,46 +106,97 @@ def lock_within(
     if threading.current_thread() is not threading.main_thread():
         _poll(take, timeout, slow)
         return
-    import signal
     import time
-
-    def tick(signum: int, frame: object) -> None:
-        raise _Tick
 
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     looks = _Looks(slow, started)
+    while not _wait_under_timer(take, started, deadline, patience, looks):
+        # A SIGALRM that was not the wait's own has just been delivered to the caller's handler
+        # (its own timer fell due, or one was sent): the handler returned, so the wait goes on.
+        pass
+
+
+def _wait_under_timer(
+    take: Callable[[bool], None],
+    started: float,
+    deadline: float | None,
+    patience: float,
+    looks: _Looks,
+) -> bool:
+    """`lock_within`'s wait in the main thread: True once the lock is taken; False where a
+    SIGALRM that is not the wait's own came and the caller takes SIGALRM with a handler (or
+    dies of it): it has been delivered, as it would have been had no lock been waited for.
+
+    The wait's timer is the process's one real-time interval timer, which the caller may be
+    using (`signal.alarm` in a program that uses the Python API, pytest-timeout): its time is
+    kept and the timer given back as it would have run, and its signal delivered when it falls
+    due. A SIGALRM that comes while the wait's timer still runs was sent by someone else
+    (`kill -ALRM` at gpuwait, which passes it on to its command). Where the caller holds SIGALRM
+    blocked (gpuwait's own loop takes it from there) such a signal is put back pending once the
+    wait ends, and ends it like any other signal waiting for gpuwait (SignalPending)."""
+    import signal
+    import time
+
+    callers = signal.getitimer(signal.ITIMER_REAL)
+    caller_due = started + callers[0] if callers[0] > 0 else None
+    in_take = False
+    foreign = False
+
+    def tick(signum: int, frame: object) -> None:
+        nonlocal foreign
+        # Ours when our timer is spent (it ran out, or the wait is between two slices).
+        if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+            foreign = True
+        if in_take:
+            raise _Tick
+
     previous = signal.signal(signal.SIGALRM, tick)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    held = signal.SIGALRM in mask
     try:
         while True:
             now = time.monotonic()
+            if caller_due is not None and now >= caller_due:
+                foreign = True
+                caller_due = caller_due + callers[1] if callers[1] > 0 else None
+            if foreign and not held:
+                return False
             if now - started >= patience:
+                if foreign:
+                    raise SignalPending(signal.SIGALRM)
                 raise_if_pending()
             looks.at(now)
-            step = TICK if deadline is None else min(TICK, deadline - time.monotonic())
-            if step <= 0:
-                raise LockTimeout
+            step = TICK
+            if deadline is not None:
+                step = min(step, deadline - time.monotonic())
+                if step <= 0:
+                    raise LockTimeout
+            if caller_due is not None:
+                step = max(0.001, min(step, caller_due - time.monotonic()))
             try:
+                in_take = True
                 signal.setitimer(signal.ITIMER_REAL, step)
-                try:
-                    take(True)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                return
+                take(True)
             except _Tick:
                 # Also when the timer fired just after the lock was granted: asking again for
                 # a lock this process holds returns at once.
                 continue
+            finally:
+                in_take = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            return True
     finally:
-        while True:
-            try:
-                signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-                break
-            except _Tick:
-                # The timer fired as the wait ended (the lock granted, say) and Python ran the
-                # handler only here, where signal.signal looks for pending signals before it
-                # replaces the handler: nothing is left to interrupt, so put it back again.
-                continue
+        # A tick whose handler Python runs only now (it looks for signals before it replaces
+        # a handler) finds in_take False and is dropped: there is nothing left to interrupt.
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if caller_due is not None:
+            signal.setitimer(
+                signal.ITIMER_REAL, max(1e-6, caller_due - time.monotonic()), callers[1]
+            )
+        if foreign:
+            os.kill(os.getpid(), signal.SIGALRM)
 
 
 def _poll(

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import threading
 
-#: Signals that are passed on to the command when sent to gpuwait itself.
+#: Signals that are passed on to the command when sent to gpuwait itself: every one whose
+#: default action ends a process, so that none ends gpuwait and leaves its command running
+#: unwatched (`kill -ALRM PID` included), but for the faults a process raises in itself (SEGV
+#: & co), SIGKILL, SIGIO (gpuwait's own wake-up from inotify) and SIGPIPE and SIGXFSZ (Python
+#: ignores them, and gpuwait's own writes raise them).
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGHUP,
@@ -32,6 +36,13 @@ FORWARDED = (
     signal.SIGQUIT,
     signal.SIGUSR1,
     signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGVTALRM,
+    signal.SIGPROF,
+    signal.SIGXCPU,
+    signal.SIGPWR,
+    signal.SIGSTKFLT,
+    *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
 )
 HANDLED = (*FORWARDED, signal.SIGCHLD)
 
@@ -138,7 +149,16 @@ def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_sig
         # CPython (3.11 here) returns uninitialised details where the process was stopped
         # (Ctrl-Z, SIGSTOP) past the timeout and then continued: nothing arrived.
         return None
+    if info is not None and _about_gpuwait_itself(info):
+        return None
     return info
+
+
+def _about_gpuwait_itself(info: signal.struct_siginfo) -> bool:
+    """A signal the kernel sends about gpuwait's own use of a resource (SIGXCPU: its own CPU
+    time past `ulimit -t`), which the command, counted apart, would not have had bare: neither
+    passed on nor taken as a request to end."""
+    return info.si_code == _SI_KERNEL and info.si_signo == signal.SIGXCPU
 
 
 def came_from_terminal(info: signal.struct_siginfo) -> bool:
@@ -221,7 +241,12 @@ def wait_for_command() -> int | None:
         if waited == pid:
             return os.waitstatus_to_exitcode(status)
         info = signal.sigtimedwait(wanted, 0.25)
-        if info is None or info.si_signo == signal.SIGCHLD or came_from_terminal(info):
+        if (
+            info is None
+            or info.si_signo == signal.SIGCHLD
+            or came_from_terminal(info)
+            or _about_gpuwait_itself(info)
+        ):
             continue
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, info.si_signo)

@@ -16,7 +16,11 @@ TRAP = textwrap.dedent(
     got = []
     def handler(signum, frame):
         got.append(signum)
-    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    for s in (
+        signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1,
+        signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGXCPU,
+        signal.SIGPWR, signal.SIGRTMIN + 2,
+    ):
         signal.signal(s, handler)
     open(sys.argv[1], "w").write("ready")
     deadline = time.monotonic() + 20

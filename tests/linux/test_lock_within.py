@@ -1,14 +1,21 @@
-"""`lock_within`'s waiting loop against a tick of its own timer that lands as the lock comes."""
+"""`lock_within`'s waiting loop against a tick of its own timer that lands as the lock comes, and
+against SIGALRMs that are not its own."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.waiting import wait_for
 
-from gpuwait.linux.lock import lock_within
+from gpuwait.linux.lock import flock_within, lock_within
+from gpuwait.linux.signals import SignalPending
 
 
 def test_a_tick_still_pending_when_the_wait_ends_is_not_raised_to_the_caller(
@@ -41,3 +48,87 @@ def test_a_tick_still_pending_when_the_wait_ends_is_not_raised_to_the_caller(
     monkeypatch.undo()
     assert len(calls) >= 2
     assert signal.getsignal(signal.SIGALRM) == before
+
+
+def _held_elsewhere(path: Path, seconds: float, then: str = "") -> subprocess.Popen[bytes]:
+    """Another process holds an flock on `path` for `seconds` (running `then` first, in a shell
+    that has the lock), and has it before this returns."""
+    ready = path.with_suffix(".held")
+    holder = subprocess.Popen(
+        ["flock", str(path), "sh", "-c", f": > {ready}; {then} sleep {seconds}"]
+    )
+    wait_for(ready.exists, timeout=20, message="the other process never took the lock")
+    return holder
+
+
+def test_a_callers_alarm_falls_due_on_time_during_a_wait_for_a_lock(tmp_path: Path) -> None:
+    """A program that uses gpuwait's Python API and its own SIGALRM timer (`signal.alarm`,
+    pytest-timeout's signal method) keeps it: the wait for a contended lock must neither cancel
+    the timer nor swallow its signal, and a handler that raises ends the wait, as a timeout
+    should."""
+    path = tmp_path / "lock"
+    holder = _held_elsewhere(path, 20)
+    fd = os.open(path, os.O_RDWR)
+
+    def timed_out(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    before = signal.signal(signal.SIGALRM, timed_out)
+    try:
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.4)
+        with pytest.raises(TimeoutError):
+            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        assert time.monotonic() - started < 5.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        os.close(fd)
+        holder.kill()
+        holder.wait()
+
+
+def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Path) -> None:
+    path = tmp_path / "lock"
+    holder = _held_elsewhere(path, 1.5)
+    fd = os.open(path, os.O_RDWR)
+    rang: list[float] = []
+    before = signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(time.monotonic()))
+    try:
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.4, 10.0)
+        flock_within(fd, fcntl.LOCK_EX, timeout=30.0)
+        # The lock is this process's now; the caller's timer rang once, and runs on.
+        assert len(rang) == 1 and rang[0] - started < 1.4
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == 10.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        os.close(fd)
+        holder.kill()
+        holder.wait()
+
+
+def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pending(
+    tmp_path: Path,
+) -> None:
+    """gpuwait holds SIGALRM blocked to pass it on to its command (`kill -ALRM` at its pid): one
+    that comes while it waits for a lock another process holds must not be taken for the
+    wait's own timer, nor leave the wait deaf to its timer."""
+    path = tmp_path / "lock"
+    holder = _held_elsewhere(path, 20, then=f"(sleep 0.3; kill -ALRM {os.getpid()}) &")
+    fd = os.open(path, os.O_RDWR)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        started = time.monotonic()
+        with pytest.raises(SignalPending) as raised:
+            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        assert raised.value.signum == signal.SIGALRM
+        assert time.monotonic() - started < 5.0
+        assert signal.SIGALRM in signal.sigpending()
+    finally:
+        signal.sigtimedwait({signal.SIGALRM}, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        os.close(fd)
+        holder.kill()
+        holder.wait()

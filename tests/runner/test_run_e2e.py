@@ -145,7 +145,21 @@ def test_command_killed_by_signal_kills_gpuwait_by_the_same_signal(
 
 @pytest.mark.parametrize(
     "signum",
-    [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2],
+    [
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        # Bare, each would end gpuwait and leave its command running unwatched.
+        signal.SIGALRM,
+        signal.SIGVTALRM,
+        signal.SIGPROF,
+        signal.SIGXCPU,
+        signal.SIGPWR,
+        signal.SIGRTMIN + 2,
+    ],
 )
 def test_signals_to_gpuwait_reach_the_command_once(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, signum: int
