@@ -141,7 +141,10 @@ def _wait_under_timer(
     callers = signal.getitimer(signal.ITIMER_REAL)
     caller_due = started + callers[0] if callers[0] > 0 else None
     in_take = False
-    foreign = False
+    # One that came before the wait and waits, blocked, for gpuwait's loop is not the wait's
+    # own either: taken here (it would reach the handler below the moment it is unblocked,
+    # while no timer runs, and pass for a tick) and put back pending when the wait ends.
+    foreign = signal.sigtimedwait({signal.SIGALRM}, 0) is not None
 
     def tick(signum: int, frame: object) -> None:
         nonlocal foreign

@@ -132,3 +132,24 @@ def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pen
         os.close(fd)
         holder.kill()
         holder.wait()
+
+
+def test_an_alarm_already_waiting_for_gpuwait_is_not_lost_to_a_wait_for_a_lock(
+    tmp_path: Path,
+) -> None:
+    """A `kill -ALRM` that came while gpuwait was busy waits, blocked, for its loop, which
+    passes it on to the command: a wait for a lock that begins meanwhile must leave it there."""
+    path = tmp_path / "lock"
+    holder = _held_elsewhere(path, 0.5)
+    fd = os.open(path, os.O_RDWR)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        os.kill(os.getpid(), signal.SIGALRM)
+        flock_within(fd, fcntl.LOCK_EX, timeout=10.0, patience=float("inf"))
+        assert signal.SIGALRM in signal.sigpending()
+    finally:
+        signal.sigtimedwait({signal.SIGALRM}, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        os.close(fd)
+        holder.kill()
+        holder.wait()
