@@ -446,21 +446,33 @@ def control_refusal(
 
 
 def orphan_control_refusal(
-    job: _JobLike, child_pid: int | None, child_start: int | None, uid: int | None = None
+    job: _JobLike,
+    child_pid: int | None,
+    child_start: int | None,
+    uid: int | None = None,
+    own_process: Callable[[], bool] | None = None,
 ) -> str | None:
     """`control_refusal` for an orphaned job, whose gpuwait is gone: the signal goes to its
     command, which must still run (same start time) as the entry's owner."""
     caller = os.getuid() if uid is None else uid
     if caller != 0 and not _owns(caller, job):
         return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
-    return orphan_command_problem(job, child_pid, child_start)
+    return orphan_command_problem(job, child_pid, child_start, own_process)
 
 
 def orphan_command_problem(
-    job: _JobLike, child_pid: int | None, child_start: int | None
+    job: _JobLike,
+    child_pid: int | None,
+    child_start: int | None,
+    own_process: Callable[[], bool] | None = None,
 ) -> str | None:
     """Why the command an entry names is not running as the entry's owner (gone, its pid
-    reused, or another user's process: a forged entry); None when it is."""
+    reused, or another user's process: a forged entry); None when it is.
+
+    `own_process` proves the command the job's own where its environment no longer tells (it
+    holds the job's liveness lock, gpuwait.linux.alive): a program that wrote over its
+    environment's memory (setproctitle with a long title, as vLLM and Ray do) or exec'd with
+    another environment (`env -i`) in the process gpuwait started."""
     if child_pid is None or child_start is None or not proc.is_alive(child_pid, child_start):
         return f"job {job.id}: its command is gone"
     owner = proc.owner_uid(child_pid)
@@ -469,6 +481,8 @@ def orphan_command_problem(
     # Its owner (and root) can tell whether gpuwait started it: every command gets its job's id.
     # Another user cannot read it and takes the pid and start time on trust.
     started_as = proc.environ_value(child_pid, b"GPUWAIT_JOB_ID")
+    if started_as == "" and own_process is not None and own_process():
+        return None
     if started_as is not None and started_as != job.id:
         return f"job {job.id}: process {child_pid} is not its command; the entry is forged"
     return None

@@ -158,7 +158,7 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     for job, running in zip(own, lives, strict=True):
         if running:
             continue
-        if not command_lives(job) and not _command_found(ledger, job):
+        if not command_lives(job, ledger.directory) and not _command_found(ledger, job):
             gone.append(job)
         elif job.orphaned_at is None:
             job.orphaned_at = now
@@ -233,7 +233,7 @@ def _command_found(ledger: Ledger, job: Job) -> bool:
     if child is None:
         return False
     job.child_pid, job.child_start_time, job.pids = child, proc.start_time(child), [child]
-    return command_lives(job)
+    return command_lives(job, ledger.directory)
 
 
 def _found_ended_record(job: Job, data: LedgerData, now: float) -> dict[str, Any]:
@@ -365,14 +365,43 @@ def lives_elsewhere(ledger_dir: Path, job: Job) -> bool:
     return alive.held(ledger_dir, job.uid, job.id) is not False
 
 
-def command_lives(job: Job) -> bool:
+def command_lives(job: Job, ledger_dir: Path) -> bool:
     """Does the command of a running job still run, as its entry's owner? (Pid and start time,
     so a reused pid never counts; another user's process named there never does.)"""
     return (
         job.state == RUNNING
         and not of_an_earlier_boot(job.boot)
-        and orphan_command_problem(job, job.child_pid, job.child_start_time) is None
+        and orphan_command_problem(
+            job, job.child_pid, job.child_start_time, _holds_lock(job, ledger_dir)
+        )
+        is None
     )
+
+
+#: (ledger directory, job id, command pid, its start time) of commands found holding their
+#: job's liveness lock: that process stays the job's command (an exec keeps both), so its open
+#: files, a thousand in a server, are looked through once, not in every waiter's every plan.
+_LOCK_HOLDERS: set[tuple[Path, str, int, int | None]] = set()
+
+
+def _holds_lock(job: Job, ledger_dir: Path) -> Callable[[], bool]:
+    """Whether the command `job` names has the job's liveness lock open (inherited from its
+    gpuwait): proof that it is the job's own where its environment was written over."""
+
+    def holds() -> bool:
+        if job.child_pid is None:
+            return False
+        key = (ledger_dir, job.id, job.child_pid, job.child_start_time)
+        if key in _LOCK_HOLDERS:
+            return True
+        if not alive.opened_by(ledger_dir, job.uid, job.id, job.child_pid):
+            return False
+        if len(_LOCK_HOLDERS) > 4096:
+            _LOCK_HOLDERS.clear()
+        _LOCK_HOLDERS.add(key)
+        return True
+
+    return holds
 
 
 def _entry(data: LedgerData, job: Job) -> Job:
@@ -411,7 +440,7 @@ def would_tidy(
         elif proc.is_alive(job.pid, job.start_time):
             if entry_owner_mismatch(job) is not None:
                 return True
-        elif job.orphaned_at is None or not command_lives(job):
+        elif job.orphaned_at is None or not command_lives(job, directory):
             return True
     if any(r.targets(j) for r in _cancels_for_me(data) for j in data.jobs if j.state == WAITING):
         return True
@@ -1265,7 +1294,9 @@ def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
         return control_refusal(
             job, uid, lambda: alive.opened_by(ledger_dir, job.uid, job.id, job.pid)
         )
-    return orphan_control_refusal(job, job.child_pid, job.child_start_time, uid)
+    return orphan_control_refusal(
+        job, job.child_pid, job.child_start_time, uid, _holds_lock(job, ledger_dir)
+    )
 
 
 class Cancellation(Record):

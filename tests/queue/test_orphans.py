@@ -326,3 +326,69 @@ def test_a_job_killed_with_its_gpuwait_is_in_the_history_and_teaches_nothing(
         check=True,
     )
     assert json.loads(estimate.stdout)["estimate_bytes"] is None
+
+
+#: A command that writes over its environment's memory, as setproctitle does for vLLM and Ray
+#: (a long title spills over the arguments into the environment), then says so and runs on.
+_RETITLED = """
+import sys
+fields = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()
+start, end = int(fields[47]), int(fields[48])
+with open("/proc/self/mem", "r+b", buffering=0) as mem:
+    mem.seek(start)
+    mem.write(b"ray::Worker" + bytes(end - start - 11))
+open(sys.argv[1], "w").close()
+import time
+time.sleep(60)
+"""
+
+
+def test_an_orphan_that_wrote_over_its_environment_keeps_its_room(
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    ready = tmp_path / "ready"
+    launch = procs(
+        [
+            *GPUWAIT,
+            *("--vram", "13G", "--name", "titled", "--"),
+            *(sys.executable, "-c", _RETITLED, str(ready)),
+        ]
+    )
+    wait_for(ready.exists, timeout=20)
+    child, child_start = orphaned(launch, "titled")
+    try:
+        assert linux_proc.environ_value(child, b"GPUWAIT_JOB_ID") == ""
+        status = subprocess.run(
+            [*GPUWAIT, "status"], capture_output=True, text=True, timeout=30, check=True
+        )
+        assert "orphaned" in status.stdout and str(child) in status.stdout
+        # Its room is still held: a job that needs it does not start.
+        late = subprocess.run(
+            [*GPUWAIT, "--vram", "13G", "--timeout", "0.5s", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert late.returncode != 0, "the orphan's room was handed out while it ran"
+        entry = named_entry("titled")
+        assert entry is not None and entry.get("orphaned_at") is not None
+        # It is still the job's to cancel.
+        cancel = subprocess.run(
+            [*GPUWAIT, "cancel", "titled"], capture_output=True, text=True, timeout=30
+        )
+        assert cancel.returncode == 0, cancel.stderr
+        wait_for(lambda: not linux_proc.is_alive(child, child_start), timeout=20)
+    finally:
+        kill_orphan(child, child_start)
+    # Once it has ended, its entry goes.
+    wait_for(
+        lambda: (
+            subprocess.run([*GPUWAIT, "status"], capture_output=True, timeout=30)
+            and named_entry("titled") is None
+        ),
+        timeout=20,
+    )
