@@ -35,6 +35,9 @@ from gpuwait.queue.wait import no_gpu_answers
 
 _MIN_WIDTH = 80
 _MAX_WIDTH = 160
+#: The narrowest report (a tmux pane split in two): below 80 columns, columns are left out
+#: (`render`); a terminal narrower still wraps its lines.
+_NARROWEST = 60
 
 
 def build_parser() -> Parser:
@@ -237,7 +240,7 @@ def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
 def _width(columns: int | None = None) -> int:
     if columns is None:
         columns = shutil.get_terminal_size((_MIN_WIDTH, 24)).columns
-    return min(max(columns, _MIN_WIDTH), _MAX_WIDTH)
+    return min(max(columns, _NARROWEST), _MAX_WIDTH)
 
 
 # --- text --------------------------------------------------------------------------------------
@@ -313,13 +316,17 @@ _MODE_NOTES = {
 
 
 def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
-    """The dashboard as text, no line longer than `width` (at least 80)."""
+    """The dashboard as text, no line longer than `width` (at least 60). Narrower than 80
+    columns, these are left out: the GPUs' name and extern, the running jobs' USED and ELAPSED,
+    and the queue's PRI; notes are wrapped onto more lines."""
     now = report["generated_at"]
+    wide = width >= _MIN_WIDTH
     out: list[str] = []
     backend = report["backend"] or "unavailable"
     out.append(f"GPUs ({backend}, safety {report['safety']:g}; job counts since the ledger began)")
+    name_head, extern_head = (f"{'name':<16} ", f"{'extern':>6} ") if wide else ("", "")
     out.append(
-        f" {'GPU':>3} {'name':<16} {'total':>6} {'used':>6} {'extern':>6} {'reserv':>6} "
+        f" {'GPU':>3} {name_head}{'total':>6} {'used':>6} {extern_head}{'reserv':>6} "
         f"{'free':>6} {'util':>4}  health"
     )
     for g in report["gpus"]:
@@ -328,10 +335,12 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             health = "ok" if not g["held_for"] else f"held for {g['held_for']}"
         else:
             health = f"LOST {_ago(now - g['health_since'])}"
+        name = f"{_cell(g['name'], 16)} " if wide else ""
+        extern = f"{_size(_extern(g)):>6} " if wide else ""
         out.append(
             _clip(
-                f" {g['index']:>3} {_clip(g['name'], 16):<16} {_size(g['total_bytes']):>6} "
-                f"{_size(g['used_bytes']):>6} {_size(_extern(g)):>6} "
+                f" {g['index']:>3} {name}{_size(g['total_bytes']):>6} "
+                f"{_size(g['used_bytes']):>6} {extern}"
                 f"{_size(g['reserved_bytes']):>6} {_size(g['free_bytes']):>6} {util:>4}  {health}",
                 width,
             )
@@ -346,41 +355,46 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             line += f", {c['oom']} out of memory"
         if rate is not None:
             line += f", {rate:.1f}/h"
-        out.append(_clip("     " + line, width))
+        out.extend(_note(line, width))
         mode = _MODE_NOTES.get(g.get("compute_mode") or "")
         if mode:
-            out.append(_clip(f"     compute mode {g['compute_mode']}: {mode}", width))
+            out.extend(_note(f"compute mode {g['compute_mode']}: {mode}", width))
         if g["health"] != GPU_OK:
             detail = f" ({g['health_detail']})" if g["health_detail"] else ""
             jobs = ", ".join(g["running_jobs"]) or "none"
-            out.append(_clip(f"     not answering{detail}; jobs still on it: {jobs}", width))
+            out.extend(_note(f"not answering{detail}; jobs still on it: {jobs}", width))
     driver = _driver_note(report["gpus"])
     if driver:
-        out.append(_clip("     " + driver, width))
+        out.extend(_note(driver, width))
     running = [j for j in report["jobs"] if j["state"] == RUNNING]
     waiting = [j for j in report["jobs"] if j["state"] != RUNNING]
     owner = _owner_cell(report)
     out.append("")
     out.append(f"Running ({len(running)})")
     if running:
-        fixed = f" {'ID':<8} {'NAME':<12} {owner(None)}{'GPU':<5} {'RESERV':>6} {'USED':>6} {'ELAPSED':>7} {'LEFT':>7}  "
+        used_head = f"{'USED':>6} {'ELAPSED':>7} " if wide else ""
+        fixed = f" {'ID':<8} {'NAME':<12} {owner(None)}{'GPU':<5} {'RESERV':>6} {used_head}{'LEFT':>7}  "
         out.append(fixed + "COMMAND")
     for j in running:
         gpus = ",".join("?" if i is None else str(i) for i in j["gpu_indices"])
         left = j["expected_remaining_seconds"]
         # Past its expected run time: say so, not "~0ms" (it may run on for long yet).
         left_text = "-" if left is None else "overdue" if left <= 0 else "~" + format_duration(left)
+        used = (
+            f"{_size(j['observed_bytes']):>6} {format_duration(j['elapsed_seconds'] or 0):>7} "
+            if wide
+            else ""
+        )
         line = (
             f" {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} {owner(j)}"
             f"{_clip(gpus, 5):<5} "
-            f"{_size(j['reserved_bytes']):>6} {_size(j['observed_bytes']):>6} "
-            f"{format_duration(j['elapsed_seconds'] or 0):>7} {left_text:>7}  "
+            f"{_size(j['reserved_bytes']):>6} {used}{left_text:>7}  "
         )
         out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         if j["lost_gpus"]:
-            out.append(_clip("     on a GPU that is not answering now", width))
+            out.extend(_note("on a GPU that is not answering now", width))
         if j["held_by"]:
-            out.append(_clip("     budget held by: " + ", ".join(j["held_by"]), width))
+            out.extend(_note("budget held by: " + ", ".join(j["held_by"]), width))
         if j["overuse"]:
             out.extend(
                 textwrap.wrap(
@@ -392,17 +406,17 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             )
         if j["pause_asked_by"]:
             asked = j["pause_asked_by"]
-            out.append(
-                _clip(
-                    f"     asked to checkpoint and step aside by job {printable(asked['job'], 24)}"
+            out.extend(
+                _note(
+                    f"asked to checkpoint and step aside by job {printable(asked['job'], 24)}"
                     f" (uid {asked['uid']}){', signalled' if asked['signalled'] else ''}",
                     width,
                 )
             )
         if j["orphaned"]:
-            out.append(
-                _clip(
-                    f"     orphaned: its gpuwait is gone; command pid {j['child_pid']} keeps "
+            out.extend(
+                _note(
+                    f"orphaned: its gpuwait is gone; command pid {j['child_pid']} keeps "
                     "its room until it ends",
                     width,
                 )
@@ -410,34 +424,38 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     out.append("")
     out.append(f"Queue ({len(waiting)})")
     if waiting:
+        pri_head = f"{'PRI':<3} " if wide else ""
         fixed = (
-            f" {'#':>3} {'ID':<8} {'NAME':<12} {owner(None)}{'PRI':<3} {'NEEDS':<11} {'ETA':>6}  "
+            f" {'#':>3} {'ID':<8} {'NAME':<12} {owner(None)}{pri_head}{'NEEDS':<11} {'ETA':>6}  "
         )
         out.append(fixed + "COMMAND")
     for j in waiting:
         eta = j["eta_seconds"]
         eta_text = "-" if eta is None else "~" + format_duration(eta)
+        pri = f"p{j['priority']:<2} " if wide else ""
         line = (
             f" {j['position']:>3} {printable(j['id'], 16):<8} {_cell(j['name'] or '-', 12)} "
-            f"{owner(j)}p{j['priority']:<2} {_clip(_needs(j), 11):<11} {eta_text:>6}  "
+            f"{owner(j)}{pri}{_clip(_needs(j), 11):<11} {eta_text:>6}  "
         )
         out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         frozen = j.get("frozen")
         if frozen:
             on = ",".join("?" if i is None else str(i) for i in frozen["gpu_indices"])
-            out.append(
-                _clip(
-                    f"      frozen {_ago(report['generated_at'] - frozen['since'])}: its memory is in "
+            out.extend(
+                _note(
+                    f"frozen {_ago(report['generated_at'] - frozen['since'])}: its memory is in "
                     f"host memory; thawed on GPU {on} once there is room",
                     width,
+                    "      ",
                 )
             )
         elif j.get("pauses"):
-            out.append(
-                _clip(
-                    f"      stepped aside {j['pauses']}× (checkpointed); resumes from its "
+            out.extend(
+                _note(
+                    f"stepped aside {j['pauses']}× (checkpointed); resumes from its "
                     f"checkpoint, queued at p{j.get('queued_priority', j['priority'])}",
                     width,
+                    "      ",
                 )
             )
         if j["waiting_reason"]:
@@ -474,6 +492,14 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             out.append(_clip(more, width))
     out.extend(_render_users(report, width))
     return "\n".join(out) + "\n"
+
+
+def _note(text: str, width: int, indent: str = "     ") -> list[str]:
+    """A note under a row of a table: indented, and wrapped where it is longer than the width
+    (rather than cut, which would take its end, often what it says)."""
+    return textwrap.wrap(
+        printable(text, 1000), width, initial_indent=indent, subsequent_indent=indent + "  "
+    )
 
 
 #: Batches whose jobs have all ended that `status` shows, those that ended last: the ledger
@@ -552,12 +578,12 @@ def _render_users(report: dict[str, Any], width: int) -> list[str]:
     extra = f"; per user {', '.join(caps)}" if caps else ""
     out = ["", _clip(f"Users (fair share {share}{extra})", width)]
     for u in users:
-        out.append(
-            _clip(
-                f" {_cell(u['user'], 12)} {u['running']:>3} running {u['waiting']:>3} "
-                f"waiting {u['gpus_held']:>2} GPUs {format_size(u['vram_held_bytes']):>8} held "
-                f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h",
-                width,
-            )
+        row = (
+            f" {_cell(u['user'], 12)} {u['running']:>3} running {u['waiting']:>3} "
+            f"waiting {u['gpus_held']:>2} GPUs {format_size(u['vram_held_bytes']):>8} held "
         )
+        usage = f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h"
+        # Narrower than the row, the usage goes on a line of its own, under the counts.
+        fits = columns(row + usage) <= width
+        out.extend([row + usage] if fits else [_clip(row.rstrip(), width), " " * 14 + usage])
     return out

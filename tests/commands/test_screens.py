@@ -293,3 +293,33 @@ def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
         lambda rows: all(any(r == f"ran-{n}" for r in rows) for n in "abc"),
         what="every waiter's command ran, each on a line of its own",
     )
+
+
+def test_status_in_a_narrow_pane_fits_without_wrapping(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+) -> None:
+    # A tmux pane split in two: 60 columns. Every line stays on its row, and what matters most
+    # is still there: each GPU's free room and hold, each job's name, GPU, reservation, time
+    # left or ETA, the start of its command, and why a job waits, whole.
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs([*gpuwait_cmd, "--name", "trainer", "--vram", "20G", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
+    waiter = procs([*gpuwait_cmd, "--name", "evaluate", "--vram", "20G", "--", "python3", "e.py"])
+    wait_for(lambda: asleep_waiting(waiter.pid), timeout=30, message="the waiter")
+    term = shell(60, 40)
+    term.type("clear; gpuwait status")
+    term.wait_for(lambda rows: any(r.startswith("Queue (1)") for r in rows), what="the report")
+    term.wait_idle()
+    lines = term.everything(joined=True)
+    assert not [x for x in lines if len(x) > 60], lines
+    gpu = next(x for x in lines if re.match(r" +0 ", x))
+    assert "1.6G" in gpu and "held for" in gpu, lines
+    running = next(x for x in lines if " trainer " in x)
+    assert "20.0G" in running and "sleep 60" in running, lines
+    queued = next(x for x in lines if " evaluate " in x)
+    assert "20.0G" in queued and "python3 e.py" in queued, lines
+    reason = " ".join(x.strip() for x in lines[lines.index(queued) + 1 :] if x.startswith("   "))
+    assert "waiting for 20.0 GiB" in reason and "ahead of you)" in reason, lines
