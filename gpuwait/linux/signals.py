@@ -18,6 +18,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -180,6 +181,50 @@ def stop_by(signum: int) -> None:
     os.kill(os.getpid(), signum)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+#: Run by `waker`: continues gpuwait (argv[1]), stopped with its command (argv[2]), once the
+#: command is stopped no more (continued by its pid alone, or ended); ends with gpuwait.
+_WAKER = """
+import os, signal, sys, time
+me, command = int(sys.argv[1]), int(sys.argv[2])
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return b""
+    return stat[stat.rindex(b")") + 2 :][:1]
+while os.getppid() == me:
+    if state(command) != b"T" and state(me) == b"T":
+        os.kill(me, signal.SIGCONT)
+        break
+    time.sleep(0.05)
+"""
+
+
+def waker(command: int) -> int | None:
+    """A process that continues this one, about to stop with its stopped `command` (as a job
+    of a job control shell does bare), once the command goes on without it: continued by its
+    pid alone (`kill -CONT PID`), or ended. Bare, the shell would see its job run on and end;
+    gpuwait left stopped would show the job stopped until someone types `fg`. Out of the
+    terminal's reach (a session of its own); `end_waker` ends it once this process goes on.
+    None where it cannot be started: this process is then continued as the job is."""
+    try:
+        return os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-I", "-S", "-c", _WAKER, str(os.getpid()), str(command)],
+            {},
+            file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)],
+            setsid=True,
+        )
+    except OSError:
+        return None
+
+
+def end_waker(pid: int | None) -> None:
+    """End (and reap) a `waker`, whether or not it continued this process."""
+    _end(pid, None)
 
 
 def leads_a_job() -> bool:

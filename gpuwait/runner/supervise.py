@@ -226,15 +226,22 @@ def _stopped_itself(child: int, signum: int) -> None:
     `kill -STOP` aimed at it): where gpuwait leads a job of a job control shell, the job stops
     with it, by the same signal, as it would bare: the shell says `Stopped` and takes the
     terminal back, where it would otherwise wait for a command that waits to be continued.
-    Continued (`fg`, `bg`), the command goes on with gpuwait. Elsewhere (a script, a service)
+    Continued (`fg`, `bg`), the command goes on with gpuwait; the command continued alone
+    (`kill -CONT PID`, or ended), gpuwait goes on too (`signals.waker`). Elsewhere (a script, a service)
     nobody would take the terminal back, and gpuwait waits for its command as the caller would
     bare; stopped too, it would stay stopped once the command alone was continued."""
     if not signals.leads_a_job():
         return
-    if signum in signals.TERMINAL_STOPS and signal.getsignal(signum) != signal.SIG_IGN:
-        signals.stop_by(signum)
-    else:
-        os.kill(os.getpid(), signal.SIGSTOP)
+    # Continued by its pid alone (`kill -CONT PID`), the command goes on as it would bare, and
+    # gpuwait with it: the shell sees the job run on and end.
+    waker = signals.waker(child)
+    try:
+        if signum in signals.TERMINAL_STOPS and signal.getsignal(signum) != signal.SIG_IGN:
+            signals.stop_by(signum)
+        else:
+            os.kill(os.getpid(), signal.SIGSTOP)
+    finally:
+        signals.end_waker(waker)
     with contextlib.suppress(ProcessLookupError):
         os.kill(child, signal.SIGCONT)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -291,6 +292,28 @@ def session_of(leader: int) -> list[int]:
     return found
 
 
+def in_a_shell(script: str, args: list[str], env: dict[str, str] | None = None) -> tuple[str, str]:
+    """What a job control shell running `script` with `args` wrote (stdout, stderr), in a session
+    of its own, whose every process is killed at the end."""
+    shell = subprocess.Popen(
+        ["bash", "-c", script, "bash", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        return shell.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        return "", "the shell never got its terminal back"
+    finally:
+        for pid in session_of(shell.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shell.wait(timeout=30)
+
+
 @pytest.mark.parametrize("stop", ["TSTP", "STOP"])
 def test_a_command_that_stops_itself_gives_the_shell_back_its_terminal_as_bare(
     gpuwait_cmd: list[str], stop: str
@@ -299,22 +322,7 @@ def test_a_command_that_stops_itself_gives_the_shell_back_its_terminal_as_bare(
     control shell sees its job stopped, says so and takes the terminal back; `fg` goes on."""
     command = ["sh", "-c", f"kill -{stop} $$; echo resumed; exit 4"]
     statuses = {"TSTP": 128 + signal.SIGTSTP, "STOP": 128 + signal.SIGSTOP}
-    shell = subprocess.Popen(
-        ["bash", "-c", JOB_CONTROL, "bash", *gpuwait_cmd, "-q", "--vram", "1G", "--", *command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = shell.communicate(timeout=15)
-    except subprocess.TimeoutExpired:
-        out, err = "", "the shell never got its terminal back"
-    finally:
-        for pid in session_of(shell.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shell.wait(timeout=30)
+    out, err = in_a_shell(JOB_CONTROL, [*gpuwait_cmd, "-q", "--vram", "1G", "--", *command])
     assert out == f"status {statuses[stop]}\nresumed\nafter fg 4\n", err
     assert "Traceback" not in err
     assert ledger_jobs() == []
@@ -344,3 +352,37 @@ def test_a_command_stopped_and_continued_by_pid_in_a_script_runs_on_under_its_gp
         job.kill()
         job.wait(timeout=30)
     assert (job.returncode, out) == (4, "resumed\n"), err
+
+
+#: A job control shell that runs its arguments, a command that stops itself and writes its pid
+#: to $FLAG, in the foreground; once the shell has the terminal back, continues the command by
+#: its pid alone, as a user's `kill -CONT PID` from the prompt, and waits (up to 10 s) for the
+#: job to end, then says how it is.
+CONTINUED_BY_PID = textwrap.dedent(
+    """
+    set -m
+    "$@"
+    echo "status $?"
+    kill -CONT "$(cat "$FLAG")"
+    n=0
+    while jobs %1 >/dev/null 2>&1 && [ $((n += 1)) -lt 100 ]; do sleep 0.1; done
+    jobs %1 2>/dev/null || echo "ended"
+    """
+)
+
+
+@pytest.mark.parametrize("bare", [True, False])
+def test_a_command_stopped_and_continued_by_pid_at_a_prompt_goes_on_as_bare(
+    gpuwait_cmd: list[str], tmp_path: Path, bare: bool
+) -> None:
+    """`kill -STOP PID` of the command gives the shell its terminal back, as bare; `kill -CONT
+    PID` lets it go on, and the shell sees the job run on and end with the command's status,
+    as bare, rather than a job left stopped until someone types `fg`."""
+    flag = tmp_path / "pid"
+    command = ["sh", "-c", 'echo $$ > "$FLAG"; kill -STOP $$; echo resumed; exit 4']
+    wrapper = [] if bare else [*gpuwait_cmd, "-q", "--vram", "1G", "--"]
+    out, err = in_a_shell(CONTINUED_BY_PID, [*wrapper, *command], {"FLAG": str(flag)})
+    assert out == f"status {128 + signal.SIGSTOP}\nresumed\nended\n", err
+    # The shell saw it end with the command's status.
+    assert re.search(r"Exit 4 ", err), err
+    assert ledger_jobs() == []
