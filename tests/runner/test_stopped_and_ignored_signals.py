@@ -240,6 +240,25 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def stop_outside_the_ledger_lock(pid: int) -> None:
+    """SIGSTOP gpuwait `pid` where it holds no ledger lock: stopped in a transaction (a STOP
+    cannot be held off), it would keep every other gpuwait waiting for the lock, which is
+    not what the tests that stop it are about."""
+    lock = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.lock"
+
+    def stopped_outside() -> bool:
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(pid) == "T", timeout=30)
+        inode = f":{lock.stat().st_ino} " if lock.exists() else None
+        locks = Path("/proc/locks").read_text().splitlines()
+        if inode is not None and any(f" {pid} " in line and inode in line for line in locks):
+            os.kill(pid, signal.SIGCONT)
+            return False
+        return True
+
+    wait_for(stopped_outside, timeout=30, interval=0.05)
+
+
 def test_a_job_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
     gpuwait_cmd: list[str],
 ) -> None:
@@ -252,7 +271,7 @@ def test_a_job_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
     try:
         wait_for(lambda: any(j.get("child_pid") for j in ledger_jobs()), timeout=30)
         command = next(j["child_pid"] for j in ledger_jobs() if j.get("child_pid"))
-        first.send_signal(signal.SIGSTOP)
+        stop_outside_the_ledger_lock(first.pid)
         wait_for(lambda: process_state(command) == "Z", timeout=30)
         second = subprocess.run(
             [*gpuwait_cmd, "-q", "--vram", "10G", "--timeout", "5s", "--", "echo", "ran"],
