@@ -9,9 +9,10 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
         if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
             command "$@"
-        elif [[ -n "${COMP_LINE+set}${READLINE_LINE+set}" ]]; then
+        elif [[ -n "${COMP_LINE+set}${READLINE_LINE+set}" ]] || __gpuwait_from_prompt; then
             # Run by the shell on its own, not typed: by a completion (`python -m <Tab>` lists
-            # modules with python) or a key binding (bind -x). Wrapped, it would wait for a GPU.
+            # modules with python), a key binding (bind -x) or PROMPT_COMMAND. Wrapped, it
+            # would wait for a GPU.
             command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
             @GPUWAIT@ shell-hook -- "$@"
@@ -25,5 +26,24 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
             command "$@"
         fi
     }
+    if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 404 )); then
+        # A line typed at the prompt stamps __gpuwait_typed as PS0 (bash 4.4 and later) is
+        # shown, before it runs. bash's HISTCMD is one less while a command runs than while
+        # the prompt is drawn, with the history on or off, so PROMPT_COMMAND (run before PS1,
+        # where nothing has been typed yet or after the line has run) finds HISTCMD at the
+        # stamp, and the line itself one below. Anything else is wrapped: a line run from the
+        # editor (Ctrl-X Ctrl-E) shows no PS0 and adds to the history, and so does the prompt
+        # after it, which bash cannot tell from it.
+        __gpuwait_from_prompt() {
+            [[ $- == *i* && -z "${BASH_EXECUTION_STRING+set}" && "${PS0-}" == *'[__gpuwait_typed=HISTCMD]'* ]] \
+                && shopt -q promptvars \
+                && [[ -z "${__gpuwait_typed-}" || "$HISTCMD" == "$__gpuwait_typed" ]]
+        }
+        if [[ $- == *i* && "${PS0-}" != *'[__gpuwait_typed=HISTCMD]'* ]]; then
+            PS0='${__gpuwait_stamp[__gpuwait_typed=HISTCMD]+}'"${PS0-}"
+        fi
+    else
+        __gpuwait_from_prompt() { return 1; }  # no PS0 to tell a typed line by
+    fi
 @FUNCTIONS@
 fi

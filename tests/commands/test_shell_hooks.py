@@ -767,11 +767,12 @@ def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
 
 
 #: Each shell's own machinery running python: a completion that lists what python prints (as
-#: bash-completion's, zsh's and fish's `python -m <Tab>` list modules) and, where the shell can
-#: tell, a prompt that runs python (a theme showing the Python version).
+#: bash-completion's, zsh's and fish's `python -m <Tab>` list modules) and a prompt that runs
+#: python (a theme showing the Python version).
 SHELL_OWN = {
     "bash": [
         '_probe() { COMPREPLY=($(python -c \'print("alpha" + "bet")\')); }; complete -F _probe probecmd',
+        'PROMPT_COMMAND=\'python -c "print(\\"prompt-\\" + \\"ran\\")"\'',
     ],
     "zsh": [
         "autoload -Uz compinit && compinit -u -D",
@@ -796,6 +797,7 @@ def test_what_the_shell_runs_on_its_own_is_not_wrapped(
     need(shell)
     sim_file(gpus=1, base_used="24GiB")  # every wrapped command would wait
     env = {**hook_env, "TERM": "dumb", "PS1": "$ ", "MANPATH": str(tmp_path / "no-man-pages")}
+    env["VISUAL"] = env["EDITOR"] = "true"
     if shell == "fish":
         # A new account's fish, with the hook and a prompt that runs python in config.fish.
         config = Path(env["XDG_CONFIG_HOME"]) / "fish" / "config.fish"
@@ -815,8 +817,7 @@ def test_what_the_shell_runs_on_its_own_is_not_wrapped(
             child.sendline(init_line(shell))
         for line in SHELL_OWN[shell]:
             child.sendline(line)
-        if shell != "bash":  # bash cannot tell its PROMPT_COMMAND from a typed command
-            child.expect("prompt-ran")
+        child.expect("prompt-ran")
         child.sendline("echo READY")
         child.expect("READY\r\n")
         child.send("probecmd al\t")
@@ -825,6 +826,14 @@ def test_what_the_shell_runs_on_its_own_is_not_wrapped(
         child.send("\x15python probe.py typed\r")
         child.expect("waiting for 1.0 GiB")
         child.sendintr()
+        if shell == "bash":
+            # Also a line run from the editor (Ctrl-X Ctrl-E; the editor here keeps it as is).
+            # bash cannot tell the prompt after it from it: none runs python here.
+            child.sendline("PROMPT_COMMAND=")
+            child.send("python probe.py edited\x18\x05")
+            child.expect("waiting for 1.0 GiB")
+            child.sendintr()
+            child.expect_exact("$ ")  # bash drops what was typed ahead of it there
         child.sendline("exit")
         child.expect(pexpect.EOF)
     finally:
