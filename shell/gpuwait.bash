@@ -15,7 +15,7 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
             # would wait for a GPU.
             command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
-            @GPUWAIT@ shell-hook -- "$@"
+            @GPUWAIT@ shell-hook --shell-pid "$$/${BASHPID-$$}" -- "$@"
         elif hash gpuwait 2>/dev/null; then
             # The gpuwait that printed this hook is gone (uninstalled, its environment removed
             # or replaced): the one on PATH, which a new shell would hook, takes its place.

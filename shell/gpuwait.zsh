@@ -15,7 +15,7 @@ if [[ -n "@ALWAYS@" ]] || [[ -o interactive ]]; then
             # would wait for a GPU.
             command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
-            @GPUWAIT@ shell-hook -- "$@"
+            @GPUWAIT@ shell-hook --shell-pid "$$/${sysparams[pid]-$$}" -- "$@"
         elif whence -p gpuwait >/dev/null; then
             # The gpuwait that printed this hook is gone (uninstalled, its environment removed
             # or replaced): the one on PATH, which a new shell would hook, takes its place.
@@ -25,5 +25,8 @@ if [[ -n "@ALWAYS@" ]] || [[ -o interactive ]]; then
             command "$@"
         fi
     }
+    # The pid of the (sub)shell that runs a function: `kill $!` ends a wrapped job put in the
+    # background as it would end the command bare.
+    zmodload -F zsh/system p:sysparams 2>/dev/null
 @FUNCTIONS@
 fi

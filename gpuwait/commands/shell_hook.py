@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
 from gpuwait.core.errors import UsageError
 from gpuwait.core.wrap import Decision, decide
+from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
 
-USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
+USAGE = "usage: gpuwait shell-hook [--explain] [--shell-pid MAIN/PID] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
 
 Used by the functions that `gpuwait shell-init` defines: run COMMAND through
@@ -25,7 +27,10 @@ gpuwait unless the wrap rules say no (GPUWAIT_JOB_ID or GPUWAIT_DISABLE set,
 the directory is not under wrap_only_in, or the command line matches
 never_wrap), in which case COMMAND runs bare.
 
-  --explain   print "wrap" or "bare" and the reason, run nothing (exit 0 or 1)
+  --explain            print "wrap" or "bare" and the reason, run nothing (exit 0 or 1)
+  --shell-pid MAIN/PID the shell whose hook calls ($$) and the (sub)shell that runs it:
+                       run from a subshell (a function put in the background with &),
+                       COMMAND ends with that subshell, as it would bare (`kill $!`)
 """
 
 
@@ -35,24 +40,36 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--explain", action="store_true", help='print "wrap" or "bare" and why, run nothing'
     )
+    parser.add_argument(
+        "--shell-pid",
+        metavar="PID",
+        help="the shell whose hook calls: its subshells' jobs end with them",
+    )
     return parser
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     # By hand: everything after `--` must reach the command byte for byte.
-    options = argparse.Namespace(explain=False, help=False, command=[])
+    options = argparse.Namespace(explain=False, help=False, shell_pid=None, command=[])
     rest = list(argv)
     while rest and rest[0] != "--":
         option = rest.pop(0)
         if option == "--explain":
             options.explain = True
+        elif option == "--shell-pid":
+            main, _, current = (rest.pop(0) if rest else "").partition("/")
+            if not (main.isdigit() and current.isdigit()):
+                raise UsageError(
+                    f"shell-hook: --shell-pid takes MAIN/PID, two process ids; {USAGE}"
+                )
+            options.shell_pid = (int(main), int(current))
         elif option in ("-h", "--help"):
             options.help = True
             return options
         else:
             from gpuwait.core.text import nearest  # only once an option is not known
 
-            match = nearest(option, ("--explain", "--help"))
+            match = nearest(option, ("--explain", "--shell-pid", "--help"))
             raise UsageError(
                 f"shell-hook: unknown option {option!r}; {USAGE}",
                 hint=None if match is None else f"did you mean {match}?",
@@ -78,6 +95,11 @@ def run(options: argparse.Namespace) -> int:
 
         if ended:
             forget_job(os.environ)
+        if options.shell_pid is not None and options.shell_pid[0] != options.shell_pid[1]:
+            # A subshell runs the hook's function (`python train.py &`, a pipeline's stage),
+            # and `kill $!` reaches that subshell alone: bare, the command is the process
+            # killed. Its job ends with it, waiting or running, as by a TERM sent to gpuwait.
+            end_with_parent(signal.SIGTERM, options.shell_pid[1])
 
         options = run_command.build_parser().parse_args(["--", *command])
         # Where it would wait for ever (inside a job, or piped to one that holds the GPU it

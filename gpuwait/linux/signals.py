@@ -320,8 +320,26 @@ def die_by_signal(signum: int) -> None:
         _dumpable(was)
 
 
+_PR_SET_PDEATHSIG = 1
 _PR_GET_DUMPABLE = 3
 _PR_SET_DUMPABLE = 4
+
+
+def end_with_parent(signum: int, parent: int) -> None:
+    """Have the kernel send `signum` to this process once its parent, process `parent`, ends
+    (at once where it ended already). The command gpuwait starts does not inherit it; one it
+    runs in its place (exec) does."""
+    try:
+        import ctypes  # only where asked: no other launch pays for it
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        zero = ctypes.c_ulong(0)
+        if prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), zero, zero, zero) != 0:
+            return
+    except (OSError, AttributeError, ValueError):
+        return
+    if os.getppid() != parent:  # it ended before the kernel was asked
+        os.kill(os.getpid(), signum)
 
 
 def _dumpable(value: int | None) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -841,3 +842,74 @@ def test_what_the_shell_runs_on_its_own_is_not_wrapped(
     history = Path(hook_env["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
     ran = history.read_text() if history.exists() else ""
     assert "alpha" not in ran and "prompt-" not in ran, ran
+
+
+HOLD = """\
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(30)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _until(condition: Any, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+@pytest.mark.parametrize("waiting", [False, True], ids=["running", "waiting"])
+def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
+    shell: str, waiting: bool, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    """`python train.py & ... kill $!`: bash and zsh run a function in the background in a
+    subshell of its own, and $! is that subshell's. Killed, it went alone: gpuwait and the
+    command went on, the job the user had killed held its GPU to the end, and one still waiting
+    for room started later all the same. Bare, the kill ends the command; now it does too."""
+    need(shell)
+    if waiting:
+        sim_file(gpus=1, base_used="24GiB")
+    (tmp_path / "hold.py").write_text(HOLD)
+    ran = tmp_path / "ran"
+    script = f"{init_line(shell, '--always')}\npython hold.py {ran} &\necho $!\nwait\n"
+    argv = {"bash": ["bash", "--norc", "--noprofile"], "zsh": ["zsh", "-f"]}[shell]
+    outer = subprocess.Popen(
+        [*argv, "-c", script], env=hook_env, cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    started: list[int] = []
+    try:
+        assert outer.stdout is not None
+        subshell = int(outer.stdout.readline())
+        _until(lambda: _children(subshell), "the subshell never started gpuwait")
+        started.extend(_children(subshell))
+        if not waiting:
+            started.append(int(wait_for_file(ran)))
+        os.kill(subshell, 15)
+        if waiting:
+            sim_file(gpus=1)  # room at last: a job still waiting would start now
+        _until(lambda: not any(_alive(p) for p in started), "the killed job went on", 5)
+        assert outer.wait(timeout=10) == 0
+        assert waiting is not ran.exists()
+    finally:
+        if ran.exists() and ran.read_text():
+            started.append(int(ran.read_text()))
+        for pid in [outer.pid, *started]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        outer.wait(timeout=10)
