@@ -166,11 +166,15 @@ def plan_conditions(
 
 def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -> list[str]:
     """Job ids named by `--after` values: ids or names (`--name`, `--batch`) of jobs waiting,
-    running or finished. Raises ValueError for a reference that names none."""
+    running or finished. A name means the user's own jobs of that name where they have any,
+    waiting, running or finished (another member of a shared ledger may give theirs the same
+    one), else another user's waiting or running ones. Raises ValueError for a reference that
+    names none."""
     ids: list[str] = []
+    own = [j for j in data.jobs if data.mine(j)]
     for ref in refs:
-        found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
-        if any(j.batch == ref for j in data.jobs):
+        found = [j.id for j in own if ref in (j.id, j.name, j.batch)]
+        if any(j.batch == ref for j in own):
             # A batch is all its jobs: those that ended too, or --after-ok would not see that
             # one of them failed.
             found.extend(f.id for f in data.book.finished if f.batch == ref)
@@ -193,6 +197,8 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
                 )
                 data.book.note_finished(left)
                 found = [left.id]
+        if not found:
+            found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
         if not found:
             raise ValueError(f"no job, name or batch {ref!r} is waiting, running or finished")
         ids.extend(i for i in found if i not in ids)

@@ -1301,3 +1301,19 @@ def test_a_member_who_left_long_ago_is_no_row_of_the_users_for_ever(server: Serv
     server.edit_own(BOB, lambda raw: raw.update(usage={str(BOB): [5e14, time.time() - 86400]}))
     report = json.loads(server.run_root("status", "--json").stdout)
     assert [u["uid"] for u in report["users"]] == [ALICE, BOB]
+
+
+def test_a_name_two_users_give_their_jobs_orders_only_ones_own(server: Server) -> None:
+    # Alice's "prep" ran and succeeded; Bob happens to run a job he too calls "prep".
+    assert server.run(ALICE, "--vram", "1G", "--name", "prep", "--", "true").returncode == 0
+    server.start(BOB, "--vram", "1G", "--name", "prep", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    # Her next step, after her own prep, starts at once: it neither waits for Bob's job nor
+    # fails (exit 6) once his ends.
+    fit = server.run(ALICE, "--vram", "1G", "--after-ok", "prep", "--", "echo", "fit", timeout=10)
+    assert (fit.returncode, fit.stdout) == (0, "fit\n"), fit.stderr
+    # With her own "prep" still running, "--after prep" waits for hers, not for his.
+    server.start(ALICE, "--vram", "1G", "--name", "prep", "--", "sleep", "0.5")
+    server.wait_jobs(2, "running")
+    after = server.run(ALICE, "--vram", "1G", "--after", "prep", "--", "echo", "next", timeout=10)
+    assert (after.returncode, after.stdout) == (0, "next\n"), after.stderr
