@@ -292,7 +292,10 @@ def note_planned(state_dir: Path) -> None:
             return
         # In a shared ledger directory every member's waiters touch it: the group's, 0660.
         mode = 0o660 if is_shared_dir(os.lstat(state_dir)) else 0o600
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        # Made only where nothing is yet, and never waited on: another member may have put a
+        # FIFO there since it was looked for, whose open would wait for a reader for ever.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(path, flags, mode)
         try:
             os.fchmod(fd, mode)  # whatever the umask
         finally:

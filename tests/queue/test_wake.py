@@ -189,3 +189,51 @@ def test_a_stamp_dated_ahead_of_the_clock_says_nobody_planned(tmp_path: Path) ->
     ahead = time.time() + 3600
     os.utime(tmp_path / wake.STAMP, (ahead, ahead))
     assert not wake.planned_since(tmp_path, time.time_ns() - 10**9)
+
+
+#: A member who owns plan.stamp swaps it for a FIFO, again and again, while another member's
+#: waiter notes its plans there (each waiter does, between two looks for room).
+_FIFO_SWAPPER = """
+import os, sys
+stamp = sys.argv[1]
+while True:
+    try:
+        os.unlink(stamp)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkfifo(stamp)
+    except FileExistsError:
+        pass  # the waiter made its stamp in between
+"""
+
+_NOTER = """
+import stat, sys, time
+from pathlib import Path
+from gpuwait.queue import wake
+directory = Path(sys.argv[1])
+while not (directory / wake.STAMP).is_fifo():  # the swapper is at work
+    time.sleep(0.001)
+end = time.monotonic() + 1
+while time.monotonic() < end:
+    wake.note_planned(directory)
+print("done")
+"""
+
+
+def test_a_fifo_swapped_in_at_the_stamp_never_hangs_a_waiter(tmp_path: Path) -> None:
+    # A waiter that found no stamp and made one opened whatever was there by then: a FIFO put
+    # in its place in that moment hung it for ever (TERM and Ctrl-C too wait for its loop),
+    # an admitted job's command never started and its room stayed held.
+    swapper = subprocess.Popen([sys.executable, "-c", _FIFO_SWAPPER, str(tmp_path / wake.STAMP)])
+    try:
+        noter = subprocess.run(
+            [sys.executable, "-c", _NOTER, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert noter.returncode == 0 and noter.stdout == "done\n", noter.stderr
