@@ -547,10 +547,20 @@ def _unmet(ids: list[str], data: LedgerData, ok: bool = False) -> list[str]:
     """The dependencies among `ids` that are not met yet: a job that ended meets `--after`, and
     `--after-ok` if it succeeded (one that failed stays, and fails the job at its first plan).
     A batch names its ended jobs too, and after a sweep of a thousand an entry listing them
-    all would be more than a read accepts. ValueError past that, even so."""
+    all would be more than a read accepts. ValueError past that, even so, and for `--after-ok`
+    naming another user's job: how it ends is written in its user's file alone, which nobody
+    else's plan reads, so it could never be met."""
     live = {j.id for j in data.jobs}
     unmet = []
     for dep in ids:
+        theirs = data.find(dep) if ok else None
+        if theirs is not None and not data.mine(theirs):
+            from gpuwait.core.text import printable  # only such a mistake needs it
+
+            raise ValueError(
+                f"job {printable(dep, 16)} is uid {theirs.uid}'s, and only its user learns how "
+                "it ends; --after waits for it to end, however it ends"
+            )
         done = None if dep in live or not ok else data.book.outcome(dep)
         if dep in live or (ok and (done is None or not done.succeeded)):
             unmet.append(dep)

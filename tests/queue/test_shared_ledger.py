@@ -1317,3 +1317,14 @@ def test_a_name_two_users_give_their_jobs_orders_only_ones_own(server: Server) -
     server.wait_jobs(2, "running")
     after = server.run(ALICE, "--vram", "1G", "--after", "prep", "--", "echo", "next", timeout=10)
     assert (after.returncode, after.stdout) == (0, "next\n"), after.stderr
+
+
+def test_after_ok_on_another_users_job_is_refused_at_once(server: Server) -> None:
+    # Only Bob's gpuwait learns how his job ends: Alice's job, told to start once it succeeded,
+    # waited for it and then gave up as if it had failed (exit 6), whatever it did.
+    server.start(BOB, "--vram", "1G", "--name", "prep", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    done = server.run(ALICE, "--vram", "1G", "--after-ok", "prep", "--", "true", timeout=10)
+    assert done.returncode == 2, done.stderr
+    assert f"is uid {BOB}'s" in done.stderr and "--after waits for it" in done.stderr
+    assert [j["uid"] for j in server.jobs()] == [BOB]
