@@ -142,6 +142,9 @@ class Ledger:
         self.damaged = False
         #: How long a wait for the lock goes on with a signal pending (see `leaving`).
         self._patience = 0.0
+        #: When, on the boot clock, a wait for the lock gives up whatever lock_timeout says (see
+        #: `lock_deadline`); None: none.
+        self._deadline: float | None = None
         #: Told who holds the lock once one process has held it all through a wait (SLOW_AFTER).
         self.on_slow_lock = on_slow_lock
         #: The fair-share half-life (None: off) with which what a job found gone had held is
@@ -192,6 +195,17 @@ class Ledger:
             yield
         finally:
             self.lock_timeout = before
+
+    @contextmanager
+    def lock_deadline(self, deadline: float | None) -> Iterator[None]:
+        """Meanwhile, wait for the lock until `deadline` (the boot clock: a launch's --timeout)
+        and at least LEAVE_PATIENCE, however long lock_timeout is (LockPastDeadline once they
+        have passed); None: as lock_timeout says."""
+        before, self._deadline = self._deadline, deadline
+        try:
+            yield
+        finally:
+            self._deadline = before
 
     @contextmanager
     def transaction(self, quiet: set[str] | None = None) -> Iterator[LedgerData]:
@@ -312,6 +326,11 @@ class Ledger:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         timeout = self.lock_timeout
+        by_deadline = False
+        if self._deadline is not None:
+            until = max(LEAVE_PATIENCE, self._deadline - proc.boot_clock())
+            if timeout is None or until < timeout:
+                timeout, by_deadline = until, True
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             fd = self._lock_file()
@@ -321,9 +340,14 @@ class Ledger:
             except LockTimeout:
                 who = _who(holders(fd))
                 os.close(fd)
+                place = self.directory if self.shared else self.lock_path
+                if by_deadline:
+                    raise LockPastDeadline(
+                        f"the ledger lock on {place} was held by {who} all the while"
+                    ) from None
                 raise LockBusy(
-                    f"the ledger lock on {self.directory if self.shared else self.lock_path} "
-                    f"was held by {who} for {format_setting_duration(timeout)}; giving up",
+                    f"the ledger lock on {place} was held by {who} for "
+                    f"{format_setting_duration(timeout)}; giving up",
                     hint="a hung, stopped or misbehaving process holds it "
                     f"(lock_timeout = {format_setting_duration(timeout)} sets the wait)",
                 ) from None
@@ -640,6 +664,10 @@ def _group_name(gid: int) -> str:
 
 class LockBusy(StateError):
     """The ledger lock was held by another process for longer than this one would wait."""
+
+
+class LockPastDeadline(LockBusy):
+    """The ledger lock was held by another process until the deadline set (`lock_deadline`)."""
 
 
 def _who(pids: list[int]) -> str:

@@ -47,7 +47,7 @@ from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
-from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.ledger import Ledger, LockPastDeadline
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings
 from gpuwait.queue.wait import Interrupted, Stuck, TimedOut, wait_for_admission
@@ -317,10 +317,19 @@ def _hold(
     queued = job
     try:
         with _signals_taken():
+            submitted_from = proc.boot_clock()
             try:
-                job = session.submit(ledger, job, request, config)
+                deadline = None if config.timeout is None else submitted_from + config.timeout
+                with ledger.lock_deadline(deadline):
+                    job = session.submit(ledger, job, request, config)
             except signals.SignalPending as exc:
                 raise WaitInterrupted(exc.signum) from None
+            except LockPastDeadline as exc:
+                # Not queued: another process kept the ledger's lock all through the timeout.
+                lasted = format_duration(proc.boot_clock() - submitted_from)
+                raise NotHeld(
+                    f"gave up after waiting {lasted} ({exc.message})", EXIT_TIMEOUT
+                ) from None
             except StateError as exc:
                 if config.on_state_error != "run":
                     raise
@@ -332,16 +341,22 @@ def _hold(
             waited_from = time.monotonic()
             # The timeout counts a suspend (see wait_for_admission); the wait learned does not.
             waited_from_boot = proc.boot_clock()
+            deadline = None if config.timeout is None else waited_from_boot + config.timeout
+            #: Why it timed out, where another process kept the ledger's lock past the deadline.
+            locked_out: str | None = None
             try:
-                job, outcome = wait_for_admission(
-                    ledger,
-                    backend,
-                    job,
-                    wait,
-                    deadline=None if config.timeout is None else waited_from_boot + config.timeout,
-                    on_reason=said,
-                    around=around,
-                )
+                with ledger.lock_deadline(deadline):
+                    job, outcome = wait_for_admission(
+                        ledger,
+                        backend,
+                        job,
+                        wait,
+                        deadline=deadline,
+                        on_reason=said,
+                        around=around,
+                    )
+            except LockPastDeadline as exc:
+                outcome, locked_out = TimedOut(None), exc.message
             except BaseException:
                 session._finish(ledger, job, INTERRUPTED, reporter)
                 raise
@@ -354,8 +369,11 @@ def _hold(
                 session._finish(ledger, job, INTERRUPTED, reporter)
                 raise WaitInterrupted(outcome.signum)
         if isinstance(outcome, TimedOut):
-            session._finish(ledger, job, TIMED_OUT, reporter)
+            with ledger.lock_deadline(deadline):
+                session._finish(ledger, job, TIMED_OUT, reporter)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+            if locked_out is not None:
+                why = f" ({locked_out})"
             raise NotHeld(
                 f"gave up after waiting {format_duration(waited_in_all)}{why}", EXIT_TIMEOUT
             )

@@ -78,7 +78,7 @@ from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of, reserved_on_each
 from gpuwait.queue.entries import WAITING, Job, entry_command
-from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.ledger import Ledger, LockPastDeadline
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings, stuck_behind
 from gpuwait.queue.wait import (
@@ -836,8 +836,16 @@ def _attempt(
     # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
     signals.block_handled()
     ledger = _ledger(config, reporter)
+    submitted_from = proc.boot_clock()
     try:
-        job = submit(ledger, job, request, config)
+        deadline = None if config.timeout is None else submitted_from + config.timeout
+        with ledger.lock_deadline(deadline):
+            job = submit(ledger, job, request, config)
+    except LockPastDeadline as exc:
+        # Not queued: another process kept the ledger's lock all through the --timeout.
+        waited = format_duration(proc.boot_clock() - submitted_from)
+        reporter.error(f"gave up after waiting {waited} ({exc.message})")
+        return _Ended(EXIT_TIMEOUT)
     except StateError as exc:
         if config.on_state_error != "run":
             raise
@@ -889,20 +897,26 @@ def _wait_and_run(
                 reason = reason._replace(source=choice.note)
             reporter.waiting(reason, label)
 
+        # --timeout bounds each attempt's first wait only: a paused job always comes back, and
+        # a retry after running out of memory waits at most that long again.
+        deadline = (
+            None if timeout is None or queued_seconds is not None else waited_from_boot + timeout
+        )
+        #: Why it timed out, where another process kept the ledger's lock past the deadline.
+        locked_out: str | None = None
         try:
-            job, outcome = wait_for_admission(
-                ledger,
-                backend,
-                job,
-                config.wait,
-                # --timeout bounds each attempt's first wait only: a paused job always comes
-                # back, and a retry after running out of memory waits at most that long again.
-                deadline=None
-                if timeout is None or queued_seconds is not None
-                else waited_from_boot + timeout,
-                on_reason=said,
-                around=around,
-            )
+            with ledger.lock_deadline(deadline):
+                job, outcome = wait_for_admission(
+                    ledger,
+                    backend,
+                    job,
+                    config.wait,
+                    deadline=deadline,
+                    on_reason=said,
+                    around=around,
+                )
+        except LockPastDeadline as exc:
+            outcome, locked_out = TimedOut(None), exc.message
         except BaseException:
             resumed_wait = time.monotonic() - waited_from if queued_seconds is not None else 0.0
             paused = _pauses_so_far(job, paused_seconds + resumed_wait)
@@ -924,8 +938,11 @@ def _wait_and_run(
             # run that was stopped.
             unrecorded(job, paused_seconds + wait_seconds)
         if isinstance(outcome, TimedOut):
-            _finish(ledger, job, TIMED_OUT, reporter, paused=paused)
+            with ledger.lock_deadline(deadline):
+                _finish(ledger, job, TIMED_OUT, reporter, paused=paused)
             why = f" ({outcome.reason.describe()})" if outcome.reason else ""
+            if locked_out is not None:
+                why = f" ({locked_out})"
             reporter.error(f"gave up after waiting {format_duration(waited_in_all)}{why}")
             return _Ended(EXIT_TIMEOUT)
         if isinstance(outcome, Interrupted):
@@ -1045,8 +1062,10 @@ def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: A
     try:
         with ledger.leaving():
             lifecycle.finish(ledger, job, outcome, **how)
-    except signals.SignalPending:
-        pass  # ending because of a signal: the entry is reaped once this process is gone
+    except (signals.SignalPending, LockPastDeadline):
+        # Ending because of a signal, or at its --timeout (which says who holds the lock): the
+        # entry is reaped once this process is gone.
+        pass
     except Exception as exc:
         reporter.warn(str(exc))
 

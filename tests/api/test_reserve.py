@@ -3,6 +3,7 @@ processes on the simulation."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -799,3 +800,26 @@ def test_a_reservation_given_up_behind_its_own_pipeline_leaves_the_queue(
         except subprocess.TimeoutExpired:
             other.kill()
             other.wait()
+
+
+def test_a_timeout_holds_while_a_stopped_process_keeps_the_ledger_lock(
+    sim: Path, holders: Any
+) -> None:
+    # A gpuwait of the user's own stopped (Ctrl-Z) in the middle of a transaction keeps the
+    # ledger's lock: reserve(timeout=0.5) waited lock_timeout (a minute), then failed with
+    # exit 5, where the command line's --timeout gives up with 124 at its time.
+    from gpuwait.linux import dirs
+
+    lock = Path(dirs.user_state_dir()) / "ledger.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        got = holders("1G", timeout=0.5).said(timeout=30)
+    finally:
+        os.close(fd)
+    assert time.monotonic() - started < 10
+    assert got["exit_code"] == 124, got
+    assert got["error"].startswith("gave up after waiting"), got
+    assert f"held by process {os.getpid()}" in got["error"], got

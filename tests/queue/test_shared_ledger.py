@@ -729,14 +729,8 @@ time.sleep(60)
 """
 
 
-def test_a_member_cannot_lock_the_others_out(server: Server) -> None:
-    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
-    # The lock is the directory itself, which is root's: no member can change its mode.
-    chmod = subprocess.run(
-        ["chmod", "000", str(server.ledger_dir)], user=BOB, group=BOB, capture_output=True
-    )
-    assert chmod.returncode != 0
-    # A member who holds it is named when others give up, uid and pid.
+def bob_holds_the_lock(server: Server) -> subprocess.Popen[str]:
+    """Bob takes the ledger's lock and keeps it (a minute); returns once he holds it."""
     holder = subprocess.Popen(
         ["python3", "-c", HOLD_LOCK, str(server.ledger_dir)],
         user=BOB,
@@ -748,6 +742,44 @@ def test_a_member_cannot_lock_the_others_out(server: Server) -> None:
     )
     server.procs.append(holder)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_member_holding_the_lock_keeps_no_launch_past_its_timeout(server: Server) -> None:
+    # Bob keeps the lock. Alice's launch with --timeout 0.5s waited for it as long as
+    # lock_timeout (a minute) and then failed with exit 5, where her script expects 124 soon.
+    holder = bob_holds_the_lock(server)
+    started = time.monotonic()
+    done = server.run(ALICE, "--vram", "1G", "--timeout", "0.5s", "--", "true", timeout=30)
+    assert done.returncode == 124, done.stderr
+    assert time.monotonic() - started < 10
+    assert f"held by process {holder.pid} (uid {BOB})" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_member_taking_the_lock_keeps_no_waiter_past_its_timeout(server: Server) -> None:
+    # Alice's job fills the card; her second one waits behind it with --timeout 0.5s, and the
+    # lock is taken meanwhile (here by the test, as a member would): the waiter gives up at its
+    # timeout (exit 124), not a minute later when lock_timeout has passed.
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    waiter = server.start(ALICE, "--vram", "20G", "--timeout", "0.5s", "--", "true")
+    server.wait_jobs(2)
+    with server.locked():
+        _, err = waiter.communicate(timeout=30)
+    assert waiter.returncode == 124, err
+    assert "gave up after waiting" in err and "warning" not in err, err
+
+
+def test_a_member_cannot_lock_the_others_out(server: Server) -> None:
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    # The lock is the directory itself, which is root's: no member can change its mode.
+    chmod = subprocess.run(
+        ["chmod", "000", str(server.ledger_dir)], user=BOB, group=BOB, capture_output=True
+    )
+    assert chmod.returncode != 0
+    # A member who holds it is named when others give up, uid and pid.
+    holder = bob_holds_the_lock(server)
     done = run_as(
         ALICE,
         ALICE,
