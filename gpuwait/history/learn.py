@@ -29,6 +29,7 @@ from gpuwait.core.estimate import (
     usable_levels,
     wait_time,
 )
+from gpuwait.core.policy import Requirements, prohibited
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
@@ -218,16 +219,27 @@ def cap_to_cards(
     safety: float,
     wanted: int = 1,
     max_vram: int | None = None,
+    *,
+    requirements: Requirements | None = None,
 ) -> RequestChoice:
     """An estimate above every candidate card's usable memory asks for the largest one instead,
     and for a job on `wanted` GPUs, one above what the `wanted` largest all hold asks for that;
     one above the per-user VRAM limit (`max_vram`, over all its GPUs) asks for what the limit
-    allows: the learned size must never make a command impossible that --vram would not."""
+    allows: the learned size must never make a command impossible that --vram would not.
+    Candidates are the cards the job may ever have: among `candidates`, those that take CUDA
+    work and match its `requirements` (--gpu-name and co.); a larger card it may not use
+    (where the runs that taught the size ran, say) caps nothing."""
     request = choice.request
     if choice.source != ESTIMATE or request is None or request.bytes is None:
         return choice
     usable = sorted(
-        (int(g.total_bytes * safety) for g in gpus if candidates is None or g.uuid in candidates),
+        (
+            int(g.total_bytes * safety)
+            for g in gpus
+            if (candidates is None or g.uuid in candidates)
+            and not prohibited(g)
+            and (requirements is None or requirements.mismatch(g) is None)
+        ),
         reverse=True,
     )
     if not usable:

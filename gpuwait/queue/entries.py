@@ -52,6 +52,18 @@ MAX_USAGE_USERS = 4096
 _MAX_TEXT = 4096
 
 
+def requirements_of(stored: Mapping[str, Any]) -> Requirements:
+    """A job's capability options (`--gpu-name` and co.) as its entry stores them, for the
+    policy."""
+    capability = stored.get("min_compute_capability")
+    return Requirements(
+        min_total_bytes=stored.get("min_total_bytes"),
+        name_pattern=stored.get("name_pattern"),
+        min_compute_capability=None if capability is None else (capability[0], capability[1]),
+        max_util_pct=stored.get("max_util_pct"),
+    )
+
+
 class Job(Record):
     """One ledger entry: a gpuwait process, waiting or running, and what it asked for."""
 
@@ -221,14 +233,7 @@ class Job(Record):
         return None
 
     def requirements_for_policy(self) -> Requirements:
-        r = self.requirements
-        capability = r.get("min_compute_capability")
-        return Requirements(
-            min_total_bytes=r.get("min_total_bytes"),
-            name_pattern=r.get("name_pattern"),
-            min_compute_capability=None if capability is None else (capability[0], capability[1]),
-            max_util_pct=r.get("max_util_pct"),
-        )
+        return requirements_of(self.requirements)
 
     @property
     def effective_priority(self) -> int:

@@ -77,7 +77,7 @@ from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of, reserved_on_each
-from gpuwait.queue.entries import WAITING, Job, entry_command
+from gpuwait.queue.entries import WAITING, Job, entry_command, requirements_of
 from gpuwait.queue.ledger import Ledger, LockPastDeadline
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings, stuck_behind
@@ -370,14 +370,7 @@ def _run_with_retries(
             # Capped as the next attempt will be: a run that already had the largest card
             # cannot be helped by a bigger estimate.
             snapshot = backend.snapshot()
-            raised = cap_to_cards(
-                raised,
-                snapshot.gpus,
-                _candidates(request, snapshot),
-                config.wait.safety,
-                request.gpus,
-                _max_vram(config),
-            )
+            raised = _capped(raised, request, config, snapshot, _candidates(request, snapshot))
         except GpuwaitError:
             _end_pending(ended, config, reporter)
             if retries < request.retry_oom:
@@ -722,6 +715,25 @@ def prepare_job(
     return job, choice
 
 
+def _capped(
+    choice: RequestChoice,
+    request: RunRequest,
+    config: RunConfig,
+    snapshot: MachineSnapshot,
+    candidates: list[str] | None,
+) -> RequestChoice:
+    """`choice` capped to what the cards the job may have give (history.learn.cap_to_cards)."""
+    return cap_to_cards(
+        choice,
+        snapshot.gpus,
+        candidates,
+        config.wait.safety,
+        request.gpus,
+        _max_vram(config),
+        requirements=requirements_of(request.requirements),
+    )
+
+
 def _max_vram(config: RunConfig) -> int | None:
     """The site's per-user VRAM limit (user_max_vram), which a learned size is capped at."""
     limits = config.wait.fair.limits
@@ -738,9 +750,7 @@ def _judge(
     """The job on these GPUs and its request capped to them; UsageError or ImpossibleRequest
     where the GPUs read cannot serve it (its hint naming options as `spell` does)."""
     candidates = _candidates(request, snapshot)
-    choice = cap_to_cards(
-        choice, snapshot.gpus, candidates, config.wait.safety, request.gpus, _max_vram(config)
-    )
+    choice = _capped(choice, request, config, snapshot, candidates)
     job = _new_job(request, config, choice, snapshot, candidates)
     impossible = impossible_reason(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits

@@ -756,3 +756,33 @@ def test_a_caught_out_of_memory_message_does_not_size_the_next_run(
     assert history()[0]["oom"] is True and history()[0]["oom_wanted_bytes"] == 8 * GiB
     learned = estimate_of(gpuwait_cmd, command)
     assert 8 * GiB < learned["oom_floor_bytes"] <= 9 * GiB
+
+
+@pytest.mark.parametrize(
+    ("options", "sim"),
+    [
+        # Runs on the H100 taught 55 GiB; the job may only have the A100.
+        (["--gpu-name", "A100"], {}),
+        # The large card takes no CUDA work now (compute mode prohibited).
+        ([], {"compute_mode": ["prohibited", "default"]}),
+    ],
+)
+def test_a_learned_size_past_every_card_the_job_may_use_asks_for_the_largest_of_those(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    options: list[str],
+    sim: dict[str, Any],
+) -> None:
+    # Capped at the largest card of the machine (72 GiB usable), the size was refused as one
+    # that can never fit (exit 3, "ask for less"), where `--vram 36G` runs.
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB"]
+    sim_file(gpus=2, memory=["80GiB", "40GiB"], name=names, **sim)
+    command = ["true", "h100-model"]
+    three_runs(command, str(tmp_path), 50 * GiB)
+    launched = run([*gpuwait_cmd, *options, "--", *command], cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    assert history()[-1]["reserved_bytes"] == int(40 * GiB * 0.9)
+    if not options:
+        # `estimate` says what that launch asked for.
+        assert estimate_of(gpuwait_cmd, command)["estimate_bytes"] == int(40 * GiB * 0.9)
