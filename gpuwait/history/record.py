@@ -346,9 +346,11 @@ def is_slim(record: dict[str, Any]) -> bool:
 
 def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str, Any]:
     """The record cut down to what estimates read: run_stat() and record_keys() (given as
-    `keys` when known) give the same for it as for the whole record, but for the GPUs it ran
-    on, which are left out: only per-GPU run times read them, and those come from the newest
-    runs, which compaction keeps whole. Fields whose absence reads the same are left out."""
+    `keys` when known) give the same for it as for the whole record, but for the GPU of a run
+    on one, which is left out: only per-GPU run times read it, and those come from the newest
+    runs, which compaction keeps whole. A run on several GPUs keeps their UUIDs and its peak
+    on each: a job on fewer counts it for what it held on all of them (a model split across
+    its cards), not for its peak on one. Fields whose absence reads the same are left out."""
     cut: dict[str, Any] = {
         "schema": SCHEMA,
         SLIM: True,
@@ -359,6 +361,11 @@ def slim(record: dict[str, Any], keys: dict[str, str] | None = None) -> dict[str
         # `is` for False: 0 == False, and an exit status of 0 must stay.
         if name in record and not (value is absent or (absent is not False and value == absent)):
             cut[name] = value
+    uuids = gpu_uuids(record)
+    if len(uuids) > 1:
+        cut["gpus"] = [{"uuid": uuid} for uuid in uuids]
+        if isinstance(record.get("peak_by_gpu"), dict):
+            cut["peak_by_gpu"] = record["peak_by_gpu"]
     earlier = earlier_runs(record)
     if earlier:
         cut[EARLIER] = earlier

@@ -10,7 +10,8 @@ and the old file stays as history.jsonl.1:
 - the newest KEEP_PER_KEY runs of every command key, at every level, younger than MAX_AGE (the
   runs an estimate looks at, twice over), as slim records: only the fields run_stat() and
   record_keys() read, marked "slim" (no command line, cwd, GPUs or evidence; about a third of
-  a whole record);
+  a whole record; a run on several GPUs keeps their UUIDs and its peak on each, which a job on
+  fewer GPUs is sized by);
 - how many runs of each key were left out, as "earlier_runs" {key hash: count} on the oldest
   record kept for that key, so the run counts `gpuwait estimate` shows stay the same (a key
   none of whose runs is kept, e.g. all older than MAX_AGE, is forgotten, count and all).

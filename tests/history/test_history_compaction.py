@@ -269,6 +269,9 @@ maybe = st.one_of(st.none(), finite, st.integers(-5, 2**40), st.booleans(), st.t
                 ),
                 max_size=3,
             ),
+            "peak_by_gpu": st.one_of(
+                st.dictionaries(st.sampled_from(["GPU-a", "GPU-b"]), st.integers(0, 2**40)), maybe
+            ),
         },
     )
 )
@@ -277,8 +280,12 @@ def test_a_slim_record_reads_the_same_as_the_whole(whole: dict[str, Any]) -> Non
     cut = record.slim(whole)
     stat = record.run_stat(whole)
     assert stat is not None
-    # The GPUs it ran on are not kept: only per-GPU run times read them, from whole records.
-    assert record.run_stat(cut) == stat._replace(gpu_uuids=())
+    # The GPU of a run on one is not kept: only per-GPU run times read it, from whole records.
+    # A run on several keeps them, and what it held on all: a job on fewer GPUs counts that.
+    if len(stat.gpu_uuids) > 1:
+        assert record.run_stat(cut) == stat
+    else:
+        assert record.run_stat(cut) == stat._replace(gpu_uuids=(), held_bytes=None)
     assert record.record_keys(cut) == record.record_keys(whole)
     assert json.loads(record.encode_existing(cut)) == cut
 
@@ -320,3 +327,37 @@ def test_a_run_dated_while_the_clock_was_ahead_makes_compaction_forget_nothing(
     with store.history_lock(tmp_path):
         store.compact(tmp_path, 10**9)
     assert learn(tmp_path, script, CWD, now=now).estimate == before.estimate
+
+
+@pytest.mark.usefixtures("small_recent")
+def test_runs_on_two_cards_size_a_run_on_one_alike_before_and_after_compaction(
+    tmp_path: Path,
+) -> None:
+    # A model split over the two cards it was given, 20 GiB on each: a run on one card needs
+    # the 40 GiB it held in all. Compacted to slim records (no GPUs, no peak per GPU), those
+    # runs counted for 20 GiB: the next run on one card asked for 22 GiB, and ran out.
+    rng = random.Random(4)
+    now = time.time()
+    cards = [H100, H100._replace(index=1, uuid="GPU-1b2c3d4e-0000-4000-8000-000000000001")]
+    split = ["python", "serve.py", "--model", "big"]
+    runs = [
+        a_run(
+            split,
+            CWD,
+            now - 5 * DAY + i * 60,
+            gpus=cards,
+            peak_by_gpu={g.uuid: 20 * GiB for g in cards},
+        )
+        for i in range(5)
+    ]
+    runs += [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
+    path = store.history_path(tmp_path)
+    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    before = learn(tmp_path, split, CWD, now=now, gpus=1)
+    assert before.estimate.bytes == 44 * GiB
+    with store.history_lock(tmp_path):
+        store.compact(tmp_path, 10**9)
+    kept = [r for _, r in store.read_from(path).records if record.is_slim(r)]
+    assert len(kept) >= 5
+    assert learn(tmp_path, split, CWD, now=now, gpus=1).estimate == before.estimate
+    assert learn(tmp_path, split, CWD, now=now, gpus=2).estimate.bytes == 22 * GiB
