@@ -87,6 +87,7 @@ _STAT_FIELDS: dict[str, Any] = {
     "wait_seconds": 0,
     "time_to_peak_seconds": None,
     "sized_by_reservation": False,
+    "oom_wanted_bytes": None,
 }
 
 

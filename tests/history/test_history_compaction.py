@@ -361,3 +361,37 @@ def test_runs_on_two_cards_size_a_run_on_one_alike_before_and_after_compaction(
     assert len(kept) >= 5
     assert learn(tmp_path, split, CWD, now=now, gpus=1).estimate == before.estimate
     assert learn(tmp_path, split, CWD, now=now, gpus=2).estimate.bytes == 22 * GiB
+
+
+@pytest.mark.usefixtures("small_recent")
+def test_an_out_of_memory_failure_asks_for_what_its_message_said_also_after_compaction(
+    tmp_path: Path,
+) -> None:
+    # Its message said it needed 30 GiB (a model loaded in a moment, which no sample saw): the
+    # next run asks for 33. Compacted to a slim record, the figure was gone: it asked for 1.5
+    # times the 4 GiB seen, and ran out again.
+    rng = random.Random(6)
+    now = time.time()
+    big = ["python", "load.py"]
+    runs = [
+        a_run(
+            big,
+            CWD,
+            now - 2 * DAY,
+            peak_by_gpu={H100.uuid: 4 * GiB},
+            reserved_bytes=4 * GiB,
+            returncode=1,
+            oom=True,
+            oom_evidence="message",
+            oom_wanted_bytes=30 * GiB,
+        )
+    ]
+    runs += [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
+    path = store.history_path(tmp_path)
+    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    before = learn(tmp_path, big, CWD, now=now)
+    assert before.estimate.bytes == 34 * GiB  # 30 GiB and the margin, rounded up
+    with store.history_lock(tmp_path):
+        store.compact(tmp_path, 10**9)
+    assert record.is_slim(next(r for _, r in store.read_from(path).records))
+    assert learn(tmp_path, big, CWD, now=now).estimate == before.estimate
