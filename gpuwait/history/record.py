@@ -137,9 +137,13 @@ def build(
     held: Budget | None = None,
     paused_runs_seconds: float = 0.0,
     reserved_by_gpu: Mapping[str, int] | None = None,
+    shown: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """One history record (see the module docstring). In `hash` mode the command line and an
     explicit key are left out; their hashes (which estimates match on anyway) stay.
+    `shown`: the command line as the record keeps it, where it is not `command` (the ledger's,
+    each argument within its limits); keys and hashes always come from `command`, whole, as
+    the next launch of it looks them up.
     `pauses`: a --pausable job's pauses and the seconds it spent stepped aside;
     `paused_runs_seconds`: the run time of its runs before the last (each ended stepping aside)."""
     ckey = command_key(command, cwd)
@@ -153,7 +157,7 @@ def build(
         "job_id": job_id,
         "name": name,
         "batch": batch,
-        "command": list(command) if full else None,
+        "command": list(command if shown is None else shown) if full else None,
         "command_hash": command_hash(command),
         "program": ckey.program,
         "key": key if full else None,

@@ -597,7 +597,11 @@ def _new_job(
 
 
 def _with_run_times(
-    job: Job, config: RunConfig, learned: Learned | None, snapshot: MachineSnapshot
+    job: Job,
+    config: RunConfig,
+    learned: Learned | None,
+    snapshot: MachineSnapshot,
+    command: Sequence[str],
 ) -> tuple[Job, list[str]]:
     """`job` with what the history says of its run times: for backfill, ETAs, the cost of
     pausing it and adaptive-throughput; and the history's warnings.
@@ -608,9 +612,7 @@ def _with_run_times(
     warnings: list[str] = []
     if learned is None:
         try:
-            learned = learn(
-                config.state_dir, job.command, job.cwd, max_bytes=config.history_max_size
-            )
+            learned = learn(config.state_dir, command, job.cwd, max_bytes=config.history_max_size)
         except Exception:  # an unreadable history must not stop a launch
             return job, []
         warnings = list(learned.warnings)
@@ -709,7 +711,7 @@ def prepare_job(
         if stuck is not None:
             raise StuckBehind(stuck, hint=STUCK_HINT)
     own = choice.learned if request.key is None else None
-    job, warnings = _with_run_times(job, config, own, snapshot)
+    job, warnings = _with_run_times(job, config, own, snapshot, request.command)
     for message in warnings:
         reporter.warn(message)
     return job, choice
@@ -1439,7 +1441,9 @@ def _record(
         job_id=job.id,
         name=job.name,
         batch=job.batch,
-        command=job.command,
+        # Whole, as the launch looked it up: the entry's may be cut short.
+        command=request.command,
+        shown=job.command,
         cwd=job.cwd,
         key=request.key,
         history_commands=config.history_commands,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -786,3 +787,20 @@ def test_a_learned_size_past_every_card_the_job_may_use_asks_for_the_largest_of_
     if not options:
         # `estimate` says what that launch asked for.
         assert estimate_of(gpuwait_cmd, command)["estimate_bytes"] == int(40 * GiB * 0.9)
+
+
+def test_a_command_with_an_argument_longer_than_the_ledger_keeps_learns_from_its_runs(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A long inline script (`bash -c` with some 5,000 characters): the ledger keeps it cut
+    # short, and the run was recorded under the cut line's keys, which no launch of the whole
+    # line looks up. Its runs never sized it ("no earlier runs"), however often it ran.
+    sim_file(gpus=1, memory="24GiB")
+    job = shlex.join(sim_job(gpuwait_cmd, "3G", "--hold", "0.3s"))
+    command = ["bash", "-c", f"{job} # {'x' * 5000}"]
+    done = run([*gpuwait_cmd, "--vram", "8G", "--", *command])
+    assert done.returncode == 0, done.stderr
+    assert history()[-1]["peak_bytes"] == 3 * GiB
+    learned = estimate_of(gpuwait_cmd, command)
+    assert (learned["level"], learned["runs"]) == ("command", 1)
+    assert learned["estimate_bytes"] == tidy_size(3 * GiB * 1.1)
