@@ -236,10 +236,21 @@ def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
     try:
         for attempt in range(2):
             if not fresh:
-                # Busy (compacting, say): the index as it is serves this launch.
-                with contextlib.suppress(HistoryBusy):
+                try:
                     result.warnings += refresh(
                         state_dir, max_bytes, rebuild=attempt > 0, wait=LAUNCH_LOCK_WAIT
+                    )
+                except HistoryBusy:
+                    pass  # busy (compacting, say): the index as it is serves this launch
+                except OSError as exc:
+                    if meta is None:
+                        raise  # no index to go on with
+                    # Not to be written (a full disk or quota): the index as it is serves
+                    # too, a few runs behind, rather than no estimate at all (a whole GPU).
+                    result.warnings.append(
+                        f"history index {directory} could not be brought up to date "
+                        f"({exc.strerror or exc}); estimates use it as it is, without the "
+                        "newest runs"
                     )
             try:
                 result.keys = _read_keys(directory, wanted)

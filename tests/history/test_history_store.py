@@ -377,6 +377,28 @@ def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -
     assert len(learned.warnings) == 1 and "cannot be used" in learned.warnings[0]
 
 
+def test_an_index_that_cannot_be_written_still_sizes_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk (or the user's quota) filled up after the last record went in: the index could
+    # not take it in, and every launch asked for a whole GPU (default_vram), its three earlier
+    # runs in the index left unread, "going on without what earlier runs used".
+    for i in range(3):
+        save_record(tmp_path, record(TRAIN, 3, NOW - 10 + i), store.DEFAULT_HISTORY_MAX_BYTES)
+    sized = learn(tmp_path, TRAIN, CWD, now=NOW).estimate.bytes
+    assert sized is not None
+    store.append_record(tmp_path, record(TRAIN, 3, NOW - 1))
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(index, "_write_cache", disk_full)
+    learned = learn(tmp_path, TRAIN, CWD, now=NOW)
+    assert learned.estimate.bytes == sized and learned.estimate.runs == 3
+    (warning,) = learned.warnings
+    assert "No space left on device" in warning and "without the newest runs" in warning
+
+
 # --- a damaged history costs a bounded read ------------------------------------------------------
 
 
