@@ -270,14 +270,22 @@ def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> lis
 def save_record(state_dir: Path, record: dict[str, Any], max_bytes: int) -> list[str]:
     """Append the record and bring the index up to date, so the next launch reads no history.
 
-    Returns warnings for the CLI; raises OSError when the history cannot be written.
+    Returns warnings for the CLI (an index that could not be brought up to date among them);
+    raises OSError when the history cannot be written.
     """
     not_compacted = None
     try:
         compaction = store.append_record(state_dir, record, max_bytes)
     except store.NotCompacted as exc:
         compaction, not_compacted = None, exc
-    warnings = index.refresh(state_dir, max_bytes)
+    try:
+        warnings = index.refresh(state_dir, max_bytes)
+    except OSError as exc:
+        # A cache: the next launch brings it up to date, or reads it as it is.
+        warnings = [
+            f"history {store.history_path(state_dir)}: the run is recorded, but the history "
+            f"index could not be brought up to date: {exc.strerror or exc}"
+        ]
     if not_compacted is not None:
         warnings.append(
             f"history {store.history_path(state_dir)}: the run is recorded, but the history, "

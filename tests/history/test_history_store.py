@@ -399,6 +399,22 @@ def test_an_index_that_cannot_be_written_still_sizes_the_command(
     assert "No space left on device" in warning and "without the newest runs" in warning
 
 
+def test_a_run_recorded_whose_index_cannot_be_written_is_said_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The record went in, the index did not: the run said "could not record the run in the
+    # history", which `gpuwait history` then listed.
+    save_record(tmp_path, record(TRAIN, 3, NOW - 1), store.DEFAULT_HISTORY_MAX_BYTES)
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(index, "_write_cache", disk_full)
+    (warning,) = save_record(tmp_path, record(TRAIN, 3, NOW), store.DEFAULT_HISTORY_MAX_BYTES)
+    assert "the run is recorded" in warning and "No space left on device" in warning
+    assert len(store.read_from(store.history_path(tmp_path)).records) == 2
+
+
 # --- a damaged history costs a bounded read ------------------------------------------------------
 
 
