@@ -22,7 +22,7 @@ from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import command_line, printable
 from gpuwait.history.learn import key_for
-from gpuwait.history.record import is_slim, record_keys
+from gpuwait.history.record import is_slim, record_keys, run_stat
 from gpuwait.history.store import Parsed, history_path, read_from, read_limit, tail
 
 
@@ -319,11 +319,14 @@ def table(records: list[dict[str, Any]], columns: int | None) -> list[str]:
     rows = [line([heading for heading, _ in _COLUMNS], "command")]
     rows += [line(row, _command(r, room)) for row, r in zip(cells, records, strict=True)]
     notes = _peak_notes(records)
+    # The runs that estimates count as successes: exit 0, no out-of-memory failure, and not
+    # told to stop (a run stopped with Ctrl-C that exits 0 ended early).
     done = [
         float(r["run_seconds"])
-        for r in records
-        if r.get("exit_status") == 0
-        and not r.get("oom")
+        for r, stat in zip(records, map(run_stat, records), strict=True)
+        if stat is not None
+        and stat.ok
+        and not stat.oom
         and isinstance(r.get("run_seconds"), (int, float))
     ]
     times = spread(done)

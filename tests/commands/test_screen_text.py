@@ -541,3 +541,12 @@ def test_a_command_kept_as_its_hash_shows_its_program_safely_when_piped() -> Non
         row = history.table([record], width)[1]
         assert "\033" not in row and "\a" not in row, row
         assert "?]52;c;cm0gLXJm?.py [" in row, row
+
+
+def test_the_run_time_under_history_counts_only_runs_that_estimates_count() -> None:
+    # Two runs of an hour, and one stopped with Ctrl-C after 5 s that exited 0 (a trainer that
+    # saves and leaves): the note said "median 1h00m" of 3 runs shown, with the stopped one.
+    runs = [a_run(["python3", "t.py"], "/tmp", time.time(), run_seconds=s) for s in (3600, 3600)]
+    stopped = a_run(["python3", "t.py"], "/tmp", time.time(), run_seconds=5, stopped_by=2)
+    notes = "\n".join(history.table([*runs, stopped], None))
+    assert "run time of the 2 successful runs shown" in notes, notes
