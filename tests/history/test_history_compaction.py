@@ -329,6 +329,16 @@ def test_a_run_dated_while_the_clock_was_ahead_makes_compaction_forget_nothing(
     assert learn(tmp_path, script, CWD, now=now).estimate == before.estimate
 
 
+def with_runs_of_other_scripts(state: Path, runs: list[dict[str, Any]], now: float) -> Path:
+    """The history path, holding `runs` and then, in the day before `now`, more runs of other
+    scripts than compaction keeps whole (with `small_recent`)."""
+    rng = random.Random(4)
+    runs = runs + [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
+    path = store.history_path(state)
+    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    return path
+
+
 @pytest.mark.usefixtures("small_recent")
 def test_runs_on_two_cards_size_a_run_on_one_alike_before_and_after_compaction(
     tmp_path: Path,
@@ -336,7 +346,6 @@ def test_runs_on_two_cards_size_a_run_on_one_alike_before_and_after_compaction(
     # A model split over the two cards it was given, 20 GiB on each: a run on one card needs
     # the 40 GiB it held in all. Compacted to slim records (no GPUs, no peak per GPU), those
     # runs counted for 20 GiB: the next run on one card asked for 22 GiB, and ran out.
-    rng = random.Random(4)
     now = time.time()
     cards = [H100, H100._replace(index=1, uuid="GPU-1b2c3d4e-0000-4000-8000-000000000001")]
     split = ["python", "serve.py", "--model", "big"]
@@ -350,9 +359,7 @@ def test_runs_on_two_cards_size_a_run_on_one_alike_before_and_after_compaction(
         )
         for i in range(5)
     ]
-    runs += [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
-    path = store.history_path(tmp_path)
-    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    path = with_runs_of_other_scripts(tmp_path, runs, now)
     before = learn(tmp_path, split, CWD, now=now, gpus=1)
     assert before.estimate.bytes == 44 * GiB
     with store.history_lock(tmp_path):
@@ -368,9 +375,8 @@ def test_an_out_of_memory_failure_asks_for_what_its_message_said_also_after_comp
     tmp_path: Path,
 ) -> None:
     # Its message said it needed 30 GiB (a model loaded in a moment, which no sample saw): the
-    # next run asks for 33. Compacted to a slim record, the figure was gone: it asked for 1.5
+    # next run asks for 34. Compacted to a slim record, the figure was gone: it asked for 1.5
     # times the 4 GiB seen, and ran out again.
-    rng = random.Random(6)
     now = time.time()
     big = ["python", "load.py"]
     runs = [
@@ -386,9 +392,7 @@ def test_an_out_of_memory_failure_asks_for_what_its_message_said_also_after_comp
             oom_wanted_bytes=30 * GiB,
         )
     ]
-    runs += [run_record(rng, ["python", f"b{i}.py"], now - DAY + i) for i in range(300)]
-    path = store.history_path(tmp_path)
-    path.write_bytes(b"".join(record.encode(r) for r in runs))
+    path = with_runs_of_other_scripts(tmp_path, runs, now)
     before = learn(tmp_path, big, CWD, now=now)
     assert before.estimate.bytes == 34 * GiB  # 30 GiB and the margin, rounded up
     with store.history_lock(tmp_path):
