@@ -1,8 +1,10 @@
 """Per-key summaries of the history, so that an estimate reads a few small files, not the history.
 
     history.index/
-        meta.v4.json {"schema", "dev", "ino", "offset"}: the history file it was built from
-                     (device and inode) and how many of its bytes it has taken in
+        meta.v4.json {"schema", "dev", "ino", "offset", "tail"}: the history file it was
+                     built from (device and inode), how many of its bytes it has taken in,
+                     and a digest of the last of those (a file written over in place keeps
+                     its inode, not those bytes)
         .writing     there while an update writes: found by the next one, its writer was
                      killed halfway, and the temporary files it left are removed
         b000.json ... bfff.json
@@ -13,8 +15,8 @@
                      bucket, so a launch reads and writes a few kilobytes of them
 
 It is a cache. When the history file grew, the new lines are taken in (under the history lock);
-when it was replaced (compaction: another inode) or shrank, or the index is missing or damaged,
-it is rebuilt from the history. Each run carries its byte offset in the history, so taking in
+when it was replaced (compaction: another inode), written over in place or shrank, or the
+index is missing or damaged, it is rebuilt from the history. Each run carries its byte offset in the history, so taking in
 the same lines twice (a process killed between writing buckets and meta) adds nothing.
 
 Each schema of the index has files of its own names (schema 3 and before: meta.json and b00.json
@@ -36,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from gpuwait.core.digest import sha256_hex
 from gpuwait.core.estimate import RunStat
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MAX_SIZE
@@ -51,7 +54,7 @@ from gpuwait.history.store import (
     read_limit,
 )
 from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_temp_files
-from gpuwait.linux.security import mine, read_state_file
+from gpuwait.linux.security import mine, open_readable, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times). 3: and what it held on all of them.
 #: 4: 4096 buckets, not 256.
@@ -314,7 +317,7 @@ def refresh(
                 )
         ensure_private_dir(directory)
         meta = _read_meta(directory / META)
-        if rebuild or meta is None or not _describes(meta, st):
+        if rebuild or meta is None or not _describes(meta, st) or not _same_tail(meta, history):
             _writing(directory)
             parsed = read_from(history, 0, limit)
             _rebuild(directory, parsed)
@@ -340,11 +343,44 @@ def refresh(
                 "dev": st.st_dev,
                 "ino": st.st_ino,
                 "offset": parsed.end,
+                "tail": _tail(history, parsed.end),
             },
         )
         with contextlib.suppress(OSError):
             os.unlink(directory / _WRITING)
     return warnings
+
+
+#: How much of the history before what the index took in it keeps a digest of (`_tail`).
+_TAIL_BYTES = 256
+
+
+def _tail(history: Path, offset: int) -> str | None:
+    """A digest of the history's last bytes before `offset`, the end of what the index took
+    in; None where they cannot be read."""
+    try:
+        fd = open_readable(history, mine())
+    except OSError:
+        return None
+    if fd is None:
+        return None
+    try:
+        start = max(0, offset - _TAIL_BYTES)
+        return sha256_hex(os.pread(fd, offset - start, start).decode("latin-1"))[:20]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _same_tail(meta: dict[str, Any], history: Path) -> bool:
+    """Does the history still hold what the index took in? A file written over in place (`cp
+    history.jsonl.1 history.jsonl` keeps its inode) may be as long or longer, but its bytes
+    before the offset differ: taken in from there, the index would start in the middle of a
+    line and never know the runs before it. A meta that keeps no digest (an earlier gpuwait's)
+    is taken at its word."""
+    kept = meta.get("tail")
+    return not isinstance(kept, str) or _tail(history, meta["offset"]) in (kept, None)
 
 
 def _writing(directory: Path) -> None:

@@ -377,6 +377,25 @@ def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -
     assert len(learned.warnings) == 1 and "cannot be used" in learned.warnings[0]
 
 
+def test_a_history_written_over_in_place_is_read_again_whole(tmp_path: Path) -> None:
+    # `cp history.jsonl.1 history.jsonl` (an older history restored) keeps the file's inode:
+    # the index took the restored file for the one it had read, took it in from the middle of
+    # a line ("skipped 1 damaged line"), and never learned the runs before that point.
+    for i in range(3):
+        save_record(tmp_path, record(TRAIN, 3, NOW - 10 + i), store.DEFAULT_HISTORY_MAX_BYTES)
+    path = store.history_path(tmp_path)
+    inode = path.stat().st_ino
+    other = ["python", "infer.py"]
+    restored = [record(other, 5, NOW - 20 + i, job_id=f"r{i}") for i in range(3)]
+    restored += [record(TRAIN, 3, NOW - 10 + i, job_id=f"t{i}") for i in range(3)]
+    with path.open("r+b") as file:  # written over, as cp does
+        file.write(b"".join(run_record.encode(r) for r in restored))
+    assert path.stat().st_ino == inode
+    learned = learn(tmp_path, other, CWD, now=NOW)
+    assert learned.warnings == ()
+    assert learned.estimate.runs == 3 and learned.estimate.bytes == naive_estimate(tmp_path, other)
+
+
 def test_an_index_that_cannot_be_written_still_sizes_the_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
