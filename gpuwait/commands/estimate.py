@@ -18,6 +18,7 @@ from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, suc
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
+from gpuwait.history.index import KEEP_RUNS
 from gpuwait.history.learn import (
     ESTIMATE,
     LARGEST_CARD,
@@ -303,7 +304,9 @@ def _left_out(learned: Learned, now: float) -> str | None:
     measured = successes(young)
     no_peak = len(done) - len(measured)
     reasons = [
-        (level.total_runs - len(young), f"older than {MAX_AGE / 86400:.0f} days"),
+        # The index keeps each command's newest KEEP_RUNS runs, all that estimates look at.
+        (level.total_runs - len(level.runs), f"before the newest {KEEP_RUNS}"),
+        (len(level.runs) - len(young), f"older than {MAX_AGE / 86400:.0f} days"),
         (len(young) - len(done), "failed"),
         (no_peak, "have no measured peak" if no_peak > 1 else "has no measured peak"),
         (len(measured) - used, f"beyond the newest {WINDOW}"),

@@ -23,6 +23,7 @@ from gpuwait.commands.config import settings_table
 from gpuwait.commands.output import WaitLine
 from gpuwait.core.policy import WaitReason
 from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.history import record
 from gpuwait.history.store import append_record
 
 GiB = 2**30
@@ -290,6 +291,30 @@ def test_estimate_says_which_runs_count(
     assert "command:  python3 train.py\n" in shown
     assert "estimated from 2 runs of this exact command" in shown
     assert "2 of the 3 runs of this exact command count: 1 has no measured peak" in shown
+
+
+def test_estimate_of_a_command_run_a_hundred_times_this_hour_says_why_runs_do_not_count(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    # It said "60 older than 120 days" of runs of the last hour: the runs estimates look at
+    # are the newest 40 of each command, and the older ones were taken for old.
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    runs = [
+        a_run(["true", "x"], str(tmp_path), now - 200 + n, peak_by_gpu={"G": GiB})
+        for n in range(100)
+    ]
+    state.joinpath("history.jsonl").write_bytes(b"".join(record.encode(r) for r in runs))
+    state.joinpath("history.jsonl").chmod(0o600)
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "true", "x"], capture_output=True, text=True
+    ).stdout
+    assert "older than 120 days" not in shown, shown
+    assert (
+        "20 of the 100 runs of this exact command count: 60 before the newest 40, "
+        "20 beyond the newest 20" in shown
+    ), shown
 
 
 #: A wait line drawn and cleared on the terminal on fd 2, taken as the controlling terminal of
