@@ -95,11 +95,13 @@ def run(options: argparse.Namespace) -> int:
 
         if ended:
             forget_job(os.environ)
-        if options.shell_pid is not None and options.shell_pid[0] != options.shell_pid[1]:
+        main, current = options.shell_pid or (0, 0)
+        if main != current and current != os.getpid():
             # A subshell runs the hook's function (`python train.py &`, a pipeline's stage),
             # and `kill $!` reaches that subshell alone: bare, the command is the process
             # killed. Its job ends with it, waiting or running, as by a TERM sent to gpuwait.
-            end_with_parent(signal.SIGTERM, options.shell_pid[1])
+            # (A shell that ran this call in the subshell's place made gpuwait that process.)
+            end_with_parent(signal.SIGTERM, current)
 
         options = run_command.build_parser().parse_args(["--", *command])
         # Where it would wait for ever (inside a job, or piped to one that holds the GPU it

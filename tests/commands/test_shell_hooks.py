@@ -913,3 +913,20 @@ def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         outer.wait(timeout=10)
+
+
+def test_a_hook_call_that_replaced_its_subshell_runs_its_command(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A shell may run the hook's call in place of the subshell it forked (an exec of the last
+    command, as shells do for `( cmd )` and `sh -c cmd`): gpuwait then is the process the
+    hook's pid names, its parent the main shell, which lives on, so nothing ends it early."""
+    done = subprocess.run(
+        ["bash", "-c", 'exec gpuwait shell-hook --shell-pid "$PPID/$$" -- echo ran'],
+        env=hook_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
