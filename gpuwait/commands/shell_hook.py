@@ -20,17 +20,20 @@ from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
 
 USAGE = "usage: gpuwait shell-hook [--explain] [--shell-pid MAIN/PID] -- COMMAND [ARGS...]"
-HELP = f"""{USAGE}
+HELP = """usage: gpuwait shell-hook [--explain] [--shell-pid MAIN/PID]
+                          -- COMMAND [ARGS...]
 
 Used by the functions that `gpuwait shell-init` defines: run COMMAND through
 gpuwait unless the wrap rules say no (GPUWAIT_JOB_ID or GPUWAIT_DISABLE set,
 the directory is not under wrap_only_in, or the command line matches
 never_wrap), in which case COMMAND runs bare.
 
-  --explain            print "wrap" or "bare" and the reason, run nothing (exit 0 or 1)
-  --shell-pid MAIN/PID the shell whose hook calls ($$) and the (sub)shell that runs it:
-                       run from a subshell (a function put in the background with &),
-                       COMMAND ends with that subshell, as it would bare (`kill $!`)
+  --explain             print "wrap" or "bare" and the reason, run nothing
+                        (exit 0 or 1)
+  --shell-pid MAIN/PID  the shell whose hook calls ($$) and the (sub)shell that
+                        runs it: run from a subshell (a function put in the
+                        background with &), COMMAND ends with that subshell,
+                        as it would bare (`kill $!`)
 """
 
 
