@@ -935,6 +935,29 @@ class Settings(Record):
             or self.sources["safety"].startswith("site config file"),
         )
 
+    def in_shared_ledger(self, directory: Path) -> Settings:
+        """The settings as they act in the shared ledger `directory`: its queue in the site's
+        order, and wait budgets no shorter than the site's (`FairShare.in_shared_ledger`). A
+        setting whose own value is not used there has the one in force, and a source that
+        says so."""
+        order = self.fair_share().in_shared_ledger().order
+        used: dict[str, Any] = {"queue_order": "fifo" if order is None else "lookahead"}
+        if order is not None:
+            used |= {"max_wait_factor": order.max_wait_factor, "max_wait": order.max_wait}
+        changed = {name: value for name, value in used.items() if value != getattr(self, name)}
+        sources = dict(self.sources)
+        for name in changed:
+            source = sources.get(name, "default")
+            own = (
+                f"the default, {self.shown(name)}"
+                if source == "default"
+                else f"yours, {self.shown(name)} from {source}"
+            )
+            sources[name] = (
+                f"the site's, in the shared ledger {directory}; {own}, is not used there"
+            )
+        return self._replace(**changed, sources=sources)
+
     def shown(self, name: str) -> str:
         """Setting `name` as a user would type it."""
         return OPTIONS_BY_NAME[name].show(getattr(self, name))

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.output import json_text
 from gpuwait.commands.parsing import Parser, terminal_columns
-from gpuwait.config import OPTIONS
+from gpuwait.config import OPTIONS, Settings
 from gpuwait.core.text import columns as shown_width
 from gpuwait.core.text import cut, printable
 from gpuwait.linux import netfs
+from gpuwait.linux.security import is_shared_dir
 
 #: The version of `config --json` (docs/configuration.md); fields are only ever added within it.
 CONFIG_SCHEMA = 1
@@ -27,7 +29,7 @@ def build_parser() -> Parser:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings({})
+    settings = _as_used(load_settings({}))
     rows = [(o.name, settings.shown(o.name), settings.sources[o.name]) for o in OPTIONS]
     if args.json:
         print(
@@ -68,6 +70,17 @@ def run(args: argparse.Namespace) -> int:
         fits = columns is None or shown_width(line) <= columns
         print(line if fits else f"{label.strip()}\n  {path}")
     return 0
+
+
+def _as_used(settings: Settings) -> Settings:
+    """`settings` as gpuwait uses them with its ledger: in a shared one, the site's queue
+    order and budgets where the user's own are not used there (the ledger tells a shared
+    directory by its mode; one not there yet, or not to be looked at, is taken as private)."""
+    try:
+        shared = is_shared_dir(os.lstat(settings.ledger_path))
+    except OSError:
+        return settings
+    return settings.in_shared_ledger(settings.ledger_path) if shared else settings
 
 
 #: Longer than any path or value a setting can hold (shown whole, never cut).
