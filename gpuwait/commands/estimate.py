@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
-from gpuwait.commands.common import load_settings
+from gpuwait.commands.common import load_settings, unreadable
 from gpuwait.commands.parsing import Parser, add_gpus_option
 from gpuwait.config import Settings
 from gpuwait.core.devices import parse_inherited_visible
-from gpuwait.core.errors import GpuwaitError, StateError, UsageError
+from gpuwait.core.errors import GpuwaitError, UsageError
 from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
@@ -143,7 +143,7 @@ def _check_readable(path: Path) -> None:
     try:
         fd = open_readable(path, mine())
     except OSError as exc:  # not a plain file of the user's, or a state dir not to be entered
-        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
+        raise unreadable(f"history {path}", path, exc) from None
     if fd is not None:
         os.close(fd)
 

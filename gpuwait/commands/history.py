@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuwait.commands import output
-from gpuwait.commands.common import load_settings
+from gpuwait.commands.common import load_settings, unreadable
 from gpuwait.commands.parsing import MAX_LINES, Parser, terminal_columns, whole_number
 from gpuwait.core.budget import OOM_CARD_FULL, OOM_OWN_LIMIT
 from gpuwait.core.cmdkey import EXPLICIT, PROGRAM, SCRIPT, CommandKey, key_hash, runs_other_code
-from gpuwait.core.errors import StateError
 from gpuwait.core.estimate import spread
 from gpuwait.core.sizes import format_duration, format_size
 from gpuwait.core.text import command_line, printable
@@ -106,7 +105,7 @@ def _read(reading: Callable[[], Parsed], path: Path) -> Parsed:
     try:
         return reading()
     except OSError as exc:
-        raise StateError(f"history {path} cannot be read: {exc.strerror or exc}") from None
+        raise unreadable(f"history {path}", path, exc) from None
 
 
 def _nothing_shown(read: list[dict[str, Any]], command: list[str], key: str | None) -> str:

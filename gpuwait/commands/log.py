@@ -7,14 +7,14 @@ import json
 import sys
 from typing import Any
 
-from gpuwait.commands.common import ledger_for, load_settings
+from gpuwait.commands.common import ledger_for, load_settings, unreadable
 from gpuwait.commands.output import json_text, local_time
 from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.sizes import format_duration, format_size, sizes_on_gpus
 from gpuwait.core.text import command_line, printable
-from gpuwait.queue.events import KINDS, follow, read_events, read_last
+from gpuwait.queue.events import KINDS, events_path, follow, read_events, read_last
 
 
 def build_parser() -> Parser:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             else [e for e in read_events(directory) if wanted(e)]
         )
     except OSError as exc:
-        raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
+        raise unreadable(f"event log in {directory}", events_path(directory), exc) from None
     if args.job is not None and not events and not args.follow:
         # As `cancel` answers a job it does not know: not an empty log, which reads as "fine".
         raise UsageError(f"no job matches {args.job} in the event log; see `gpuwait log`")
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     except OSError as exc:
-        raise StateError(f"event log in {directory} cannot be read: {exc.strerror}") from None
+        raise unreadable(f"event log in {directory}", events_path(directory), exc) from None
     return 0
 
 

@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -372,3 +373,37 @@ def test_a_user_with_no_home_at_all_runs_with_the_state_dir_it_names(
     assert (done.returncode, done.stdout) == (5, ""), done.stderr
     assert "cannot tell your home directory" in done.stderr
     assert "GPUWAIT_STATE_DIR" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["history"], ["estimate", "--", "python", "x.py"], ["log"]])
+def test_a_history_or_event_log_gpuwait_refuses_says_what_to_do(
+    gw: Run, tmp_path: Path, command: list[str]
+) -> None:
+    # `gpuwait history` of a history that is a directory (or a link, another user's file), or
+    # in a state dir that is a file, said only that it could not be read: no word of what to
+    # do, where the ledger's own error says how to get it back.
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700)
+    name = "events.jsonl" if command == ["log"] else "history.jsonl"
+    (state / name).mkdir()
+    done = gw(*command)
+    assert done.returncode == 5, done.stderr
+    (error, hint) = done.stderr.splitlines()
+    assert error.startswith("gpuwait: error: ") and str(state / name) in error
+    assert hint == f"gpuwait: hint: move it out of the way: mv {state / name} {state / name}.old"
+
+    if os.geteuid() == 0:  # a history of the user's that `sudo gpuwait` made root's
+        (state / name).rmdir()
+        (state / name).write_text("")
+        os.chown(state / name, 4321, 4321)
+        (error, hint) = gw(*command).stderr.splitlines()
+        user = pwd.getpwuid(os.getuid()).pw_name
+        assert hint == f"gpuwait: hint: make it yours again: sudo chown {user} {state / name}"
+
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    done = gw(*command, env={"GPUWAIT_STATE_DIR": str(not_a_dir)})
+    assert done.returncode == 5, done.stderr
+    assert done.stderr.splitlines()[-1].startswith("gpuwait: hint: set GPUWAIT_STATE_DIR"), (
+        done.stderr
+    )
