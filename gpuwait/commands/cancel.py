@@ -18,7 +18,8 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait cancel",
         description="Cancel jobs of yours: a waiting one leaves the queue (its gpuwait exits 7); "
-        "a running one gets TERM, as from `kill`.",
+        "a running one gets TERM, as from `kill`. A process adopted with `gpuwait adopt` is "
+        "not signalled: stop it as you started it.",
     )
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job ids or names")
     parser.add_argument("--batch", metavar="NAME", help="every job of this batch")

@@ -1301,9 +1301,17 @@ def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
             )
         return None  # a waiter: taken out of the queue, it sees so and exits 7
     if job.orphaned_at is None:
-        return control_refusal(
+        refusal = control_refusal(
             job, uid, lambda: alive.opened_by(ledger_dir, job.uid, job.id, job.pid)
         )
+        # An adopted process of the caller's, refused only for running no gpuwait.
+        adopted = job.adopted_history is not None
+        if refusal is not None and adopted and control_refusal(job, uid, lambda: True) is None:
+            return (
+                f"it is process {job.pid}, adopted with `gpuwait adopt`, and gpuwait "
+                f"signals only processes it started: stop it as it was started (kill {job.pid})"
+            )
+        return refusal
     return orphan_control_refusal(
         job, job.child_pid, job.child_start_time, uid, _holds_lock(job, ledger_dir)
     )

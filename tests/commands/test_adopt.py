@@ -382,3 +382,31 @@ def test_an_adopted_process_is_recorded_without_the_time_the_machine_slept(
 
     ran, at_most = recorded_run_seconds(sim_file, run_gpuwait, lambda entry: None, woken)
     assert ran <= at_most
+
+
+def test_cancel_of_an_adopted_process_says_to_stop_it_by_hand(
+    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path
+) -> None:
+    # A notebook kernel adopted, then `gpuwait cancel` of it: refused as "not a gpuwait
+    # process; refusing to signal it", which read as a forged entry, with no word of what to do.
+    sim = sim_file(gpus=1)
+    kernel = tmp_path / "kernel.py"  # no "gpuwait" in its command line: a program of the user's
+    kernel.write_text(
+        "import sys\nfrom gpuwait.gpu import simjob\nsys.exit(simjob.main(sys.argv[1:]))\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, str(kernel), "--vram", "2G", "--hold", "30s"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: used_on_gpu0(sim), message="the kernel never allocated")
+        adopted(run_gpuwait, job.pid, "--name", "nb")
+        done = run_gpuwait("cancel", "nb")
+        assert done.returncode == EXIT_NOT_PERMITTED, done.stderr
+        assert "adopted" in done.stderr and f"kill {job.pid}" in done.stderr, done.stderr
+        assert "refusing to signal" not in done.stderr and len(done.stderr.splitlines()) == 1
+        assert job.poll() is None, "gpuwait signalled a process it did not start"
+    finally:
+        job.kill()
+        job.wait()
