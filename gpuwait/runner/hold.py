@@ -265,6 +265,8 @@ def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding 
     Raises NotHeld when the wait ends without room, WaitInterrupted for a signal, and
     gpuwait's other errors as the CLI would end with them.
     """
+    # Its timeout counts from the call, on the boot clock, as a launch's --timeout does.
+    called = proc.boot_clock()
     choice = session._request(request, config, reporter)
     try:
         backend = session._read_gpus(
@@ -276,7 +278,7 @@ def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding 
         reporter.warn(f"{exc.message}; going on without a reservation (on_no_gpu = run)")
         return None
     try:
-        held = _hold(request, config, reporter, backend, choice)
+        held = _hold(request, config, reporter, backend, choice, called)
     except BaseException:
         backend.close()
         raise
@@ -291,6 +293,7 @@ def _hold(
     reporter: Reporter,
     backend: Backend,
     choice: RequestChoice,
+    called: float,
 ) -> Holding | None:
     around = Surroundings()
     job, choice = session.prepare_job(
@@ -317,7 +320,7 @@ def _hold(
     queued = job
     try:
         with _signals_taken():
-            submitted_from = proc.boot_clock()
+            submitted_from = called
             try:
                 deadline = None if config.timeout is None else submitted_from + config.timeout
                 with ledger.lock_deadline(deadline):
@@ -338,10 +341,9 @@ def _hold(
                 )
                 return None
             session._show_warnings(ledger, reporter)
+            # The timeout counts a suspend (see wait_for_admission), and the wait for the lock
+            # to queue (the deadline above); the wait learned does not.
             waited_from = time.monotonic()
-            # The timeout counts a suspend (see wait_for_admission); the wait learned does not.
-            waited_from_boot = proc.boot_clock()
-            deadline = None if config.timeout is None else waited_from_boot + config.timeout
             #: Why it timed out, where another process kept the ledger's lock past the deadline.
             locked_out: str | None = None
             try:
@@ -364,7 +366,7 @@ def _hold(
                 reporter.waited()
                 session._show_warnings(ledger, reporter)
             waited = time.monotonic() - waited_from
-            waited_in_all = proc.boot_clock() - waited_from_boot
+            waited_in_all = proc.boot_clock() - submitted_from
             if isinstance(outcome, Interrupted):
                 session._finish(ledger, job, INTERRUPTED, reporter)
                 raise WaitInterrupted(outcome.signum)

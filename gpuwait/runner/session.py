@@ -249,6 +249,9 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
 
 
 def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
+    # --timeout counts from here, on the boot clock: the wait for the ledger's lock to queue
+    # the job counts as waiting, as `timeout 30m gpuwait ...` would count it.
+    launched = proc.boot_clock()
     choice = _request(request, config, reporter)
     check_command(request.command)
     check_not_srun(request.command)
@@ -265,7 +268,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         reporter.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
         return exec_bare(request.command)
     try:
-        return _run_with_retries(request, config, reporter, backend, choice)
+        return _run_with_retries(request, config, reporter, backend, choice, launched)
     except signals.SignalPending as exc:
         # A signal that came while gpuwait waited for a lock with no command of its own to
         # pass it to (it had ended, or stepped aside): gpuwait ends by it, as it would bare.
@@ -351,14 +354,25 @@ def _run_with_retries(
     reporter: Reporter,
     backend: Backend,
     choice: RequestChoice,
+    launched: float,
 ) -> int:
-    """Run once; after an out-of-memory failure, queue again with the raised estimate."""
+    """Run once; after an out-of-memory failure, queue again with the raised estimate.
+    `launched`: when gpuwait started (the boot clock), which the first wait's --timeout counts
+    from; each retry's wait counts from its own start."""
     retries = 0
     requeued: Job | None = None
     stepped_aside: _SteppedAside | None = None
     while True:
         ended = _attempt(
-            request, config, reporter, backend, choice, requeued, retries, stepped_aside
+            request,
+            config,
+            reporter,
+            backend,
+            choice,
+            requeued,
+            retries,
+            stepped_aside,
+            launched=launched if retries == 0 else None,
         )
         returncode = ended.returncode
         if not ended.oom:
@@ -812,62 +826,68 @@ def _attempt(
     requeued: Job | None = None,
     retries: int = 0,
     stepped_aside: _SteppedAside | None = None,
+    launched: float | None = None,
 ) -> _Ended:
     """One run of the command: submitted and waited for, or, `requeued`, an entry queued again
     after running out of memory (`retries` made so far) that waits for its turn again, having
-    stepped aside before as `stepped_aside` says."""
+    stepped aside before as `stepped_aside` says. Its --timeout counts from `launched` (the
+    boot clock), else from when it asks to queue."""
     around = Surroundings()
     if requeued is not None:
-        return _wait_and_run(
-            request,
-            config,
-            reporter,
-            backend,
-            choice,
-            _ledger(config, reporter),
-            requeued,
-            around,
-            retries,
-            stepped_aside,
-        )
-    try:
-        job, choice = prepare_job(
-            request,
-            config,
-            reporter,
-            backend,
-            choice,
-            spell=cli_option,
-            around=around,
-        )
-    except StuckBehind as exc:
-        if not request.from_hook:
-            raise
-        return _Ended(_bare_for_the_hook(request, reporter, exc.message))
+        ledger, job, counted_from = _ledger(config, reporter), requeued, None
+        before = stepped_aside
+    else:
+        before = None
+        try:
+            job, choice = prepare_job(
+                request,
+                config,
+                reporter,
+                backend,
+                choice,
+                spell=cli_option,
+                around=around,
+            )
+        except StuckBehind as exc:
+            if not request.from_hook:
+                raise
+            return _Ended(_bare_for_the_hook(request, reporter, exc.message))
 
-    # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
-    signals.block_handled()
-    ledger = _ledger(config, reporter)
-    submitted_from = proc.boot_clock()
-    try:
-        deadline = None if config.timeout is None else submitted_from + config.timeout
-        with ledger.lock_deadline(deadline):
-            job = submit(ledger, job, request, config)
-    except LockPastDeadline as exc:
-        # Not queued: another process kept the ledger's lock all through the --timeout.
-        waited = format_duration(proc.boot_clock() - submitted_from)
-        reporter.error(f"gave up after waiting {waited} ({exc.message})")
-        return _Ended(EXIT_TIMEOUT)
-    except StateError as exc:
-        if config.on_state_error != "run":
-            raise
-        signals.unblock_all()
-        reporter.warn(
-            f"{exc.message}; running the command without coordination (on_state_error = run)"
-        )
-        return _Ended(exec_bare(request.command))
-    _show_warnings(ledger, reporter)
-    return _wait_and_run(request, config, reporter, backend, choice, ledger, job, around, retries)
+        # From here on, signals queue up for the waiting loop instead of killing gpuwait midway.
+        signals.block_handled()
+        ledger = _ledger(config, reporter)
+        counted_from = proc.boot_clock() if launched is None else launched
+        try:
+            deadline = None if config.timeout is None else counted_from + config.timeout
+            with ledger.lock_deadline(deadline):
+                job = submit(ledger, job, request, config)
+        except LockPastDeadline as exc:
+            # Not queued: another process kept the ledger's lock all through the --timeout.
+            waited = format_duration(proc.boot_clock() - counted_from)
+            reporter.error(f"gave up after waiting {waited} ({exc.message})")
+            return _Ended(EXIT_TIMEOUT)
+        except StateError as exc:
+            if config.on_state_error != "run":
+                raise
+            signals.unblock_all()
+            reporter.warn(
+                f"{exc.message}; running the command without coordination (on_state_error = run)"
+            )
+            return _Ended(exec_bare(request.command))
+        _show_warnings(ledger, reporter)
+    return _wait_and_run(
+        request,
+        config,
+        reporter,
+        backend,
+        choice,
+        ledger,
+        job,
+        around,
+        retries,
+        before,
+        counted_from,
+    )
 
 
 def _wait_and_run(
@@ -881,9 +901,12 @@ def _wait_and_run(
     around: Surroundings,
     retries: int,
     before: _SteppedAside | None = None,
+    counted_from: float | None = None,
 ) -> _Ended:
     """Wait for the job's turn and run it, again each time it steps aside; `before`: what its
-    earlier attempts' runs that stepped aside count for (a retry goes on from the checkpoint)."""
+    earlier attempts' runs that stepped aside count for (a retry goes on from the checkpoint).
+    The first wait's --timeout counts from `counted_from` (the boot clock: the launch, or
+    when it asked to queue), else from its start."""
     before = before or _SteppedAside()
     #: The wait before the first start, and the waits after stepping aside (what pausing cost).
     queued_seconds: float | None = None
@@ -911,9 +934,8 @@ def _wait_and_run(
 
         # --timeout bounds each attempt's first wait only: a paused job always comes back, and
         # a retry after running out of memory waits at most that long again.
-        deadline = (
-            None if timeout is None or queued_seconds is not None else waited_from_boot + timeout
-        )
+        timed_from = waited_from_boot if counted_from is None else counted_from
+        deadline = None if timeout is None or queued_seconds is not None else timed_from + timeout
         #: Why it timed out, where another process kept the ledger's lock past the deadline.
         locked_out: str | None = None
         try:
@@ -940,7 +962,7 @@ def _wait_and_run(
             reporter.waited()
             _show_warnings(ledger, reporter)
         wait_seconds = time.monotonic() - waited_from
-        waited_in_all = proc.boot_clock() - waited_from_boot
+        waited_in_all = proc.boot_clock() - timed_from
         # Where it leaves the queue waiting to resume: how often it stepped aside, and how long.
         paused = _pauses_so_far(
             job, paused_seconds + (wait_seconds if queued_seconds is not None else 0.0)

@@ -7,6 +7,7 @@ at once or never; measured by the monotonic clock it ends on time.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -18,12 +19,18 @@ from pathlib import Path
 import pytest
 from helpers.jobs import live_job
 from helpers.processes import liveness_lock_held, suspended_gpuwait, time_namespace
-from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
+from helpers.waiting import (
+    asleep_waiting,
+    catches_signal,
+    ledger_entries,
+    sleeping_in,
+    wait_for,
+)
 
 from gpuwait.cli import main
 from gpuwait.core.pausing import PauseRules
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import proc
+from gpuwait.linux import dirs, proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.fairness import charge, user_usage
@@ -75,6 +82,42 @@ def test_timeout_is_kept_while_the_wall_clock_jumps(full_gpu: Path) -> None:
     assert proc.returncode == 124, err
     assert "gave up after waiting 1.5s" in err
     assert 1.4 < elapsed < 10
+
+
+def test_a_timeout_counts_from_the_launch_while_another_process_keeps_the_ledger_lock(
+    full_gpu: Path,
+) -> None:
+    """`--timeout 1s` while another process keeps the ledger's lock for a while: the wait for
+    the lock counts, and gpuwait gives up one second after the launch, not one second after it
+    finally got into the queue (up to twice the time the user gave it)."""
+    lock = Path(dirs.user_state_dir()) / "ledger.lock"
+    lock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    launch: subprocess.Popen[str] | None = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "gpuwait", "--vram", "4G", "--timeout", "1s", "--", "true"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # Its clock runs from before it asked for the lock.
+        wait_for(lambda: sleeping_in(launch.pid, "flock"), timeout=30)
+        blocked = time.monotonic()
+        time.sleep(0.6)  # the other process keeps the lock a while longer
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        _, err = launch.communicate(timeout=30)
+        ended = time.monotonic()
+    finally:
+        os.close(fd)
+        if launch is not None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == 124, err
+    assert "gave up after waiting" in err, err
+    # At most the second it was given from before it asked (and its own exit), not 0.6 s more.
+    assert ended - blocked < 1.35, err
 
 
 def test_a_timeout_counts_the_time_the_machine_was_suspended(
