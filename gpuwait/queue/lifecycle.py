@@ -46,8 +46,10 @@ from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import alive, pidns, proc, userns
+from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.security import (
     control_refusal,
+    ensure_private_dir,
     entry_owner_mismatch,
     orphan_command_problem,
     orphan_control_refusal,
@@ -59,6 +61,7 @@ from gpuwait.queue.bookkeeping import (
     ENDED,
     FAILED,
     LOST,
+    OUTCOMES,
     Finished,
 )
 from gpuwait.queue.conditions import (
@@ -175,6 +178,29 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
             )
     for job in gone:
         data.jobs.remove(job)
+        told = _word_left(job)
+        if told is not None:
+            # Its gpuwait saw how it ended, and recorded the run, but could not take the
+            # entry out before it left (another process kept the lock): it ended so.
+            outcome, how = told
+            ran_on = job.gpu_uuids if job.state == RUNNING else []
+            charge_usage = how.get("charge_usage")
+            done, fields = _run_ended(
+                job,
+                outcome,
+                ran_on,
+                now,
+                how.get("exit_status"),
+                how.get("signal"),
+                how.get("run_seconds"),
+                how.get("paused"),
+                how.get("oom"),
+            )
+            data.book.note_finished(done, ran_on)
+            if charge_usage is not None:
+                charge(data, job.uid, charge_usage[0], now, charge_usage[1])
+            said.append(("finish" if ran_on else "leave", fields))
+            continue
         if job.state == RUNNING and job.started_at is not None:
             # Its gpuwait cannot charge its run any more (killed with its command, or an
             # adopted process's end): what it held until it was found gone is its user's.
@@ -218,6 +244,85 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
     quiet.update(j.id for j in (*gone, *forged))
     if gone:
         alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
+
+
+#: Where a gpuwait that could not take its job's entry out leaves how the job ended, under the
+#: job's state dir (its history_dir): `ended/<job id>.json`.
+_WORD_DIR = "ended"
+
+
+def _word_path(job: Job) -> Path | None:
+    if job.history_dir is None or not job.id.isalnum():
+        return None
+    return Path(job.history_dir) / _WORD_DIR / f"{job.id}.json"
+
+
+def leave_word(ledger: Ledger, job: Job, outcome: str, **how: Any) -> bool:
+    """How `job` ended (`outcome`, and finish's keywords), for whoever reaps its entry once
+    this gpuwait is gone: for a gpuwait about to end that could not take the entry out (another
+    process kept the ledger's lock), rather than keep its user waiting for the lock. False
+    where it cannot be left (the entry is then reaped as lost)."""
+    import json  # only a run that ends while the lock is held needs it
+
+    path = _word_path(job)
+    if path is None:
+        return False
+    try:
+        ensure_private_dir(path.parent)
+        write_atomic(path, json.dumps({"outcome": outcome, **how}).encode())
+    except (OSError, StateError):
+        return False
+    return True
+
+
+#: The keywords of finish a word left (leave_word) may give, and their types.
+_WORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "exit_status": (int,),
+    "signal": (int,),
+    "run_seconds": (int, float),
+    "charge_usage": (list,),
+    "paused": (list,),
+    "oom": (str,),
+}
+
+
+def _word_left(job: Job) -> tuple[str, dict[str, Any]] | None:
+    """How the gone `job` ended, as its gpuwait left word of it (leave_word), the word taken
+    away; None where none was left, or it cannot be read."""
+    path = _word_path(job)
+    if path is None:
+        return None
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        path.unlink()
+    import json
+
+    try:
+        word = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(word, dict) or word.get("outcome") not in OUTCOMES:
+        return None
+    how: dict[str, Any] = {}
+    for name, types in _WORD_FIELDS.items():
+        value = word.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, types) or isinstance(value, bool):
+            return None
+        if isinstance(value, list):
+            # (VRAM-seconds, half-life or None), (pauses, seconds)
+            if len(value) != 2 or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool)
+                for v in (value[0], 0 if value[1] is None else value[1])
+            ):
+                return None
+            value = tuple(value)
+        how[name] = value
+    return word["outcome"], how
 
 
 def _command_found(ledger: Ledger, job: Job) -> bool:

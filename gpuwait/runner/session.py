@@ -78,7 +78,7 @@ from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of, reserved_on_each
 from gpuwait.queue.entries import WAITING, Job, entry_command, requirements_of
-from gpuwait.queue.ledger import Ledger, LockPastDeadline
+from gpuwait.queue.ledger import LEAVE_PATIENCE, Ledger, LockBusy, LockPastDeadline
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings, stuck_behind
 from gpuwait.queue.wait import (
@@ -435,7 +435,7 @@ def _run_with_retries(
 def _end_pending(ended: _Ended, config: RunConfig, reporter: Reporter) -> None:
     """Finish the entry an out-of-memory run left for a retry that is not made after all."""
     if ended.pending is not None:
-        _finish(_ledger(config, reporter), ended.pending, FAILED, reporter, **ended.finish_how)
+        _ended_run(_ledger(config, reporter), ended.pending, FAILED, reporter, **ended.finish_how)
 
 
 def _ran_out(ended: _Ended) -> str:
@@ -1104,6 +1104,21 @@ def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: A
         reporter.warn(str(exc))
 
 
+def _ended_run(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:
+    """_finish for a run that has ended, its gpuwait about to end too: where another process
+    keeps the ledger's lock longer than LEAVE_PATIENCE, the run's end does not wait for it (a
+    minute of lock_timeout before the prompt came back); the entry is left, with word of how
+    the run ended, for the next gpuwait to reap as it ended once this one is gone."""
+    try:
+        with ledger.leaving(), ledger.lock_wait(LEAVE_PATIENCE):
+            lifecycle.finish(ledger, job, outcome, **how)
+    except (signals.SignalPending, LockBusy) as exc:
+        if not lifecycle.leave_word(ledger, job, outcome, **how) and isinstance(exc, LockBusy):
+            reporter.warn(exc.message)
+    except Exception as exc:
+        reporter.warn(str(exc))
+
+
 def _start(
     request: RunRequest,
     config: RunConfig,
@@ -1231,7 +1246,7 @@ def _start(
     given_up = getattr(responder, "given_up", None)
     if given_up is not None:
         # Frozen, its memory could not come back (docs/freezing.md): its command was ended.
-        _finish(
+        _ended_run(
             ledger,
             job,
             FAILED,
@@ -1317,7 +1332,7 @@ def _start(
     }
     pending = retried and may_retry
     if not pending:
-        _finish(ledger, job, OK if code == 0 else FAILED, reporter, **how)
+        _ended_run(ledger, job, OK if code == 0 else FAILED, reporter, **how)
     _record(
         request,
         config,

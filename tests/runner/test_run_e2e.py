@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -15,8 +16,12 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import hold_card
+from helpers.history import recorded_runs
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.linux import dirs
+from gpuwait.queue.events import read_events
 
 GiB = 2**30
 
@@ -906,3 +911,43 @@ def test_history_of_a_command_that_used_no_gpu_memory_blames_no_driver(
     assert "~0 B" in shown.stdout
     assert "no per-process figures" not in shown.stdout
     assert "listed none of its processes" in shown.stdout
+
+
+def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_once(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """The command ends while another process keeps the ledger's lock: gpuwait waited the
+    whole lock_timeout (a minute) to take its entry out before giving the prompt back, and the
+    next gpuwait then called the run lost: a job waiting for it with --after-ok never ran, and
+    the history held the run twice. Now it ends at once, and the run counts as it ended."""
+    # A command that starts no process of its own, so that no new one is published meanwhile.
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "read line"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fd = -1
+    try:
+        wait_for(lambda: [j for j in ledger_entries() if j.get("child_pid")], timeout=30)
+        (job_id,) = [j["id"] for j in ledger_entries()]
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process's long transaction
+        try:
+            _, err = launch.communicate("go\n", timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("gpuwait kept the finished command's prompt waiting for the lock")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        launch.kill()
+        launch.communicate()
+    assert launch.returncode == 0, err
+    assert "warning" not in err, err
+    after = run([*gpuwait_cmd, "--vram", "1G", "--after-ok", job_id, "--", "echo", "ran"])
+    assert (after.returncode, after.stdout) == (0, "ran\n"), after.stderr
+    mine = [r for r in recorded_runs() if r.get("job_id") == job_id]
+    assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
+    ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == job_id]
+    assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("finish", "ok"), ends
