@@ -13,7 +13,7 @@ import textwrap
 from gpuwait.commands import output
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.commands.status import build_report, render_idle
+from gpuwait.commands.status import build_report, note, render_idle, terminal_width
 from gpuwait.core.errors import EXIT_NO_GPU
 from gpuwait.core.sizes import format_duration, format_size
 
@@ -66,11 +66,14 @@ def run(options: argparse.Namespace) -> int:
         f"at least {format_size(settings.idle_min_vram)} on a GPU under "
         f"{settings.idle_max_util:g}% utilization for {format_duration(settings.idle_after)}"
     )
+    # As narrow as `status` goes (a pane split in two), each line kept within it.
+    width = terminal_width()
     if holders:
-        print(f"Idle VRAM holders ({len(holders)}; {rule_text})")
-        print("\n".join(render_idle(holders, _width(), heading=False)))
+        lines = note(f"Idle VRAM holders ({len(holders)}; {rule_text})", width, indent="")
+        lines += render_idle(holders, width, heading=False)
     else:
-        print(f"No idle VRAM holders ({rule_text}).")
+        lines = note(f"No idle VRAM holders ({rule_text}).", width, indent="")
+    print("\n".join(lines))
     watching = report["idle_watching"]
     if watching:
         # Readings are the only evidence: say how far it goes, and how to keep it coming.
@@ -80,12 +83,6 @@ def run(options: argparse.Namespace) -> int:
             "counts from its first reading that found them so (`gpuwait status --watch`, or "
             "`gpuwait idle` now and then, keeps the evidence coming)."
         )
-        print(textwrap.fill(text, _width()))
+        print(textwrap.fill(text, width))
     sys.stdout.flush()
     return 0
-
-
-def _width() -> int:
-    import shutil
-
-    return min(max(shutil.get_terminal_size((80, 24)).columns, 80), 160)

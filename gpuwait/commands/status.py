@@ -108,7 +108,7 @@ def _watch_screen(settings: Settings, interval: float) -> int:
                 lines.append(f"gpuwait: error: {printable(report['backend_error'], 1000)}")
                 if report["backend_hint"]:
                     lines.append(f"gpuwait: hint: {printable(report['backend_hint'], 1000)}")
-            lines += render(report, _width(across)).splitlines()
+            lines += render(report, terminal_width(across)).splitlines()
             # Home and clear, then the whole frame: one write, so the screen never shows half.
             sys.stdout.write("\033[H\033[2J" + "\n".join(fit_screen(lines, across, rows)))
             sys.stdout.flush()
@@ -233,11 +233,13 @@ def _show(report: dict[str, Any], as_json: bool, watching: bool) -> None:
         output.warn(message)
     if report["backend_error"]:
         output.error(report["backend_error"], report["backend_hint"])
-    sys.stdout.write(render(report, _width()))
+    sys.stdout.write(render(report, terminal_width()))
     sys.stdout.flush()
 
 
-def _width(columns: int | None = None) -> int:
+def terminal_width(columns: int | None = None) -> int:
+    """The width a report is laid out in: the terminal's (or `columns`), within _NARROWEST and
+    _MAX_WIDTH (`status`, `idle`)."""
     if columns is None:
         columns = shutil.get_terminal_size((_MIN_WIDTH, 24)).columns
     return min(max(columns, _NARROWEST), _MAX_WIDTH)
@@ -355,17 +357,17 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             line += f", {c['oom']} out of memory"
         if rate is not None:
             line += f", {rate:.1f}/h"
-        out.extend(_note(line, width))
+        out.extend(note(line, width))
         mode = _MODE_NOTES.get(g.get("compute_mode") or "")
         if mode:
-            out.extend(_note(f"compute mode {g['compute_mode']}: {mode}", width))
+            out.extend(note(f"compute mode {g['compute_mode']}: {mode}", width))
         if g["health"] != GPU_OK:
             detail = f" ({g['health_detail']})" if g["health_detail"] else ""
             jobs = ", ".join(g["running_jobs"]) or "none"
-            out.extend(_note(f"not answering{detail}; jobs still on it: {jobs}", width))
+            out.extend(note(f"not answering{detail}; jobs still on it: {jobs}", width))
     driver = _driver_note(report["gpus"])
     if driver:
-        out.extend(_note(driver, width))
+        out.extend(note(driver, width))
     running = [j for j in report["jobs"] if j["state"] == RUNNING]
     waiting = [j for j in report["jobs"] if j["state"] != RUNNING]
     owner = _owner_cell(report)
@@ -392,9 +394,9 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         )
         out.append(line + _clip(command_line(j["command"]), width - columns(line)))
         if j["lost_gpus"]:
-            out.extend(_note("on a GPU that is not answering now", width))
+            out.extend(note("on a GPU that is not answering now", width))
         if j["held_by"]:
-            out.extend(_note("budget held by: " + ", ".join(j["held_by"]), width))
+            out.extend(note("budget held by: " + ", ".join(j["held_by"]), width))
         if j["overuse"]:
             out.extend(
                 textwrap.wrap(
@@ -407,7 +409,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         if j["pause_asked_by"]:
             asked = j["pause_asked_by"]
             out.extend(
-                _note(
+                note(
                     f"asked to checkpoint and step aside by job {printable(asked['job'], 24)}"
                     f" (uid {asked['uid']}){', signalled' if asked['signalled'] else ''}",
                     width,
@@ -415,7 +417,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             )
         if j["orphaned"]:
             out.extend(
-                _note(
+                note(
                     f"orphaned: its gpuwait is gone; command pid {j['child_pid']} keeps "
                     "its room until it ends",
                     width,
@@ -442,7 +444,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
         if frozen:
             on = ",".join("?" if i is None else str(i) for i in frozen["gpu_indices"])
             out.extend(
-                _note(
+                note(
                     f"frozen {_ago(report['generated_at'] - frozen['since'])}: its memory is in "
                     f"host memory; thawed on GPU {on} once there is room",
                     width,
@@ -451,7 +453,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             )
         elif j.get("pauses"):
             out.extend(
-                _note(
+                note(
                     f"stepped aside {j['pauses']}× (checkpointed); resumes from its "
                     f"checkpoint, queued at p{j.get('queued_priority', j['priority'])}",
                     width,
@@ -494,7 +496,7 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
     return "\n".join(out) + "\n"
 
 
-def _note(text: str, width: int, indent: str = "     ") -> list[str]:
+def note(text: str, width: int, indent: str = "     ") -> list[str]:
     """A note under a row of a table: indented, and wrapped where it is longer than the width
     (rather than cut, which would take its end, often what it says)."""
     return textwrap.wrap(

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.fixtures_sim import SimFileFactory, sim_file_text, wrapped_sim_job, write_atomically
+from helpers.fixtures_sim import (
+    Run,
+    SimFileFactory,
+    sim_file_text,
+    start_sim_job,
+    wrapped_sim_job,
+    write_atomically,
+)
 from helpers.history import a_run
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.tmux import Terminal
@@ -323,3 +330,30 @@ def test_status_in_a_narrow_pane_fits_without_wrapping(
     assert "20.0G" in queued and "python3 e.py" in queued, lines
     reason = " ".join(x.strip() for x in lines[lines.index(queued) + 1 :] if x.startswith("   "))
     assert "waiting for 20.0 GiB" in reason and "ahead of you)" in reason, lines
+
+
+def test_idle_in_a_narrow_pane_fits_without_wrapping(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    run_gpuwait: Run,
+    sim_jobs: list[subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # `gpuwait idle` in a pane of 60 columns, as `status` there: it kept lines of 80 columns,
+    # which the terminal wrapped, its heading and its table's rows broken in two.
+    sim_file(gpus=1, utilization=[0])
+    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "1ms")
+    forgotten = start_sim_job("--vram", "3G", "--hold", "60s", env={"CUDA_VISIBLE_DEVICES": "0"})
+    sim_jobs.append(forgotten)
+    # Each reading adds to the evidence: the first finds it quiet, a later one names it.
+    wait_for(lambda: f" {forgotten.pid} " in run_gpuwait("idle").stdout, timeout=30)
+    term = shell(60, 24)
+    term.type("clear; gpuwait idle")
+    term.wait_for(lambda rows: any(f" {forgotten.pid} " in r for r in rows), what="the list")
+    term.wait_idle()
+    lines = term.everything(joined=True)
+    assert not [x for x in lines if len(x) > 60], lines
+    heading = " ".join(lines[lines.index(next(x for x in lines if "Idle VRAM" in x)) :][:2])
+    assert "Idle VRAM holders (1; at least 1.0 GiB on a GPU" in heading, lines
+    row = next(x for x in lines if f" {forgotten.pid} " in x)
+    assert "3.0G" in row and "python" in row, lines
