@@ -616,17 +616,21 @@ def _with_run_times(
     learned: Learned | None,
     snapshot: MachineSnapshot,
     command: Sequence[str],
+    key: str | None,
 ) -> tuple[Job, list[str]]:
     """`job` with what the history says of its run times: for backfill, ETAs, the cost of
     pausing it and adaptive-throughput; and the history's warnings.
 
-    Run times are learned from the command's own runs (never from a --key); `learned` is that
-    look-up when the request already made it (its warnings were said then).
+    Run times are learned as its size is, from the runs of its --key where it has one (what
+    `gpuwait estimate --key` shows); `learned` is that look-up when the request already made
+    it (its warnings were said then).
     """
     warnings: list[str] = []
     if learned is None:
         try:
-            learned = learn(config.state_dir, command, job.cwd, max_bytes=config.history_max_size)
+            learned = learn(
+                config.state_dir, command, job.cwd, key=key, max_bytes=config.history_max_size
+            )
         except Exception:  # an unreadable history must not stop a launch
             return job, []
         warnings = list(learned.warnings)
@@ -724,8 +728,9 @@ def prepare_job(
         stuck = stuck_behind(job, _ledger(config).read(), snapshot.gpus, config.wait.safety, around)
         if stuck is not None:
             raise StuckBehind(stuck, hint=STUCK_HINT)
-    own = choice.learned if request.key is None else None
-    job, warnings = _with_run_times(job, config, own, snapshot, request.command)
+    job, warnings = _with_run_times(
+        job, config, choice.learned, snapshot, request.command, request.key
+    )
     for message in warnings:
         reporter.warn(message)
     return job, choice

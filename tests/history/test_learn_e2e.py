@@ -804,3 +804,30 @@ def test_a_command_with_an_argument_longer_than_the_ledger_keeps_learns_from_its
     learned = estimate_of(gpuwait_cmd, command)
     assert (learned["level"], learned["runs"]) == ("command", 1)
     assert learned["estimate_bytes"] == tidy_size(3 * GiB * 1.1)
+
+
+def test_a_launch_with_a_key_expects_the_run_time_estimate_shows_for_the_key(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Any
+) -> None:
+    # Short runs of the command, long ones of it under --key long: `estimate --key long`
+    # showed the key's run time, and a launch with --key long expected the command's (its
+    # ETA, backfill and the cost of pausing it reckoned from runs the key set apart).
+    sim_file(gpus=1, memory="24GiB")
+    command, cwd = ["sleep", "30"], os.getcwd()
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for i, (key, seconds) in enumerate([(None, 10.0)] * 5 + [("long", 600.0)] * 3):
+        peaks = {"GPU-x": GiB}
+        run_record = a_run(
+            command, cwd, time.time() - 60 + i, key=key, peak_by_gpu=peaks, run_seconds=seconds
+        )
+        append_record(state, run_record)
+    shown = run([*gpuwait_cmd, "estimate", "--json", "--key", "long", "--", *command])
+    assert shown.returncode == 0, shown.stderr
+    expected = json.loads(shown.stdout)["run_seconds"]["median"]
+    assert expected == 600.0, shown.stdout
+    # Learned, and with --vram: each expects what estimate showed.
+    for extra in ([], ["--vram", "1G"]):
+        procs([*gpuwait_cmd, "--key", "long", *extra, "--", *command])
+    wait_for(lambda: running_jobs() == 2, timeout=30)
+    assert [j["expected_seconds"] for j in ledger_entries()] == [expected, expected]
