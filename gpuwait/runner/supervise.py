@@ -51,6 +51,9 @@ _STOPPING = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQ
 #: Publish usage only when it moved by this much (or the tree changed): fewer ledger writes mean
 #: fewer wake-ups of the waiters, and the policy reads live usage from NVML anyway.
 _PUBLISH_STEP = 64 * 2**20
+#: How long a sample waits for the ledger's lock before it leaves what it would write to the
+#: next sample (the wait for a command's end, and for signals to pass on, goes on meanwhile).
+SAMPLE_LOCK_WAIT = 0.5
 
 
 class RunResult(Record):
@@ -304,7 +307,7 @@ class UsageSampler:
             answering = frozenset(g.uuid for g in snapshot.gpus)
             if self._seen_gpus is not None and answering != self._seen_gpus:
                 # Bookkeeping only: the command runs on whatever the ledger says.
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception), ledger.lock_wait(SAMPLE_LOCK_WAIT):
                     lifecycle.note_health(ledger, snapshot)
             self._seen_gpus = answering
             if self.warn is not None:
@@ -574,8 +577,11 @@ def _publish(
     """Publish the job's usage and pids (putting its entry back where it is missing); False
     where the ledger could not be written."""
     # The command runs on even when the state dir misbehaves; its reservation stays as it was.
+    # A lock another process keeps is not waited for long: the next sample tries again, and
+    # the command's end (or a signal to pass on) is not held up meanwhile.
     try:
-        lifecycle.publish_usage(ledger, job, usage, pids, margin=margin)
+        with ledger.lock_wait(SAMPLE_LOCK_WAIT):
+            lifecycle.publish_usage(ledger, job, usage, pids, margin=margin)
     except Exception:
         return False
     return True

@@ -18,7 +18,7 @@ import pytest
 from helpers.fixtures_sim import hold_card
 from helpers.history import recorded_runs
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import ledger_entries, sleeping_in, wait_for
 
 from gpuwait.linux import dirs
 from gpuwait.queue.events import read_events
@@ -913,16 +913,14 @@ def test_history_of_a_command_that_used_no_gpu_memory_blames_no_driver(
     assert "listed none of its processes" in shown.stdout
 
 
-def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_once(
-    sim: Path, gpuwait_cmd: list[str]
-) -> None:
-    """The command ends while another process keeps the ledger's lock: gpuwait waited the
-    whole lock_timeout (a minute) to take its entry out before giving the prompt back, and the
-    next gpuwait then called the run lost: a job waiting for it with --after-ok never ran, and
-    the history held the run twice. Now it ends at once, and the run counts as it ended."""
-    # A command that starts no process of its own, so that no new one is published meanwhile.
+def ended_under_a_held_lock(
+    gpuwait_cmd: list[str], command: list[str], end: Callable[[subprocess.Popen[str]], str]
+) -> tuple[subprocess.Popen[str], str, str]:
+    """Run `command` as a job; once it runs, keep the ledger's lock as another process would,
+    and end the command with `end(launch)` (what it returns goes to its stdin). Returns the
+    launch, its job's id and its stderr; fails where gpuwait does not end soon after."""
     launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "read line"],
+        [*gpuwait_cmd, "--vram", "1G", "--", *command],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -935,7 +933,7 @@ def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_onc
         fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
         fcntl.flock(fd, fcntl.LOCK_EX)  # another process's long transaction
         try:
-            _, err = launch.communicate("go\n", timeout=10)
+            _, err = launch.communicate(end(launch), timeout=10)
         except subprocess.TimeoutExpired:
             pytest.fail("gpuwait kept the finished command's prompt waiting for the lock")
     finally:
@@ -943,6 +941,20 @@ def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_onc
             os.close(fd)
         launch.kill()
         launch.communicate()
+    return launch, job_id, err
+
+
+def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_once(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """The command ends while another process keeps the ledger's lock: gpuwait waited the
+    whole lock_timeout (a minute) to take its entry out before giving the prompt back, and the
+    next gpuwait then called the run lost: a job waiting for it with --after-ok never ran, and
+    the history held the run twice. Now it ends at once, and the run counts as it ended."""
+    # A command that starts no process of its own, so that no new one is published meanwhile.
+    launch, job_id, err = ended_under_a_held_lock(
+        gpuwait_cmd, ["sh", "-c", "read line"], lambda _: "go\n"
+    )
     assert launch.returncode == 0, err
     assert "warning" not in err, err
     after = run([*gpuwait_cmd, "--vram", "1G", "--after-ok", job_id, "--", "echo", "ran"])
@@ -951,3 +963,23 @@ def test_a_run_that_ends_while_another_process_keeps_the_ledger_lock_ends_at_onc
     assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
     ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == job_id]
     assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("finish", "ok"), ends
+
+
+def test_a_run_that_ends_while_its_usage_waits_for_the_ledger_lock_ends_at_once(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """The command's processes change (each a new pid to publish) while another process keeps
+    the ledger's lock: the sample that publishes them waited the whole lock_timeout (a minute),
+    and a command that ended meanwhile had its prompt back only then. A sample now waits a
+    moment and tries again at the next, and the run ends as it ended."""
+    go = tmp_path / "go"
+
+    def end(launch: subprocess.Popen[str]) -> str:
+        # A sample with new pids asks for the lock.
+        wait_for(lambda: sleeping_in(launch.pid, "flock"), timeout=30)
+        go.touch()
+        return ""
+
+    command = ["sh", "-c", f"until [ -e {go} ]; do sleep 0.01; done"]
+    launch, _, err = ended_under_a_held_lock(gpuwait_cmd, command, end)
+    assert launch.returncode == 0, err
