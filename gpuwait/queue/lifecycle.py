@@ -46,7 +46,7 @@ from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import alive, pidns, proc, userns
-from gpuwait.linux.atomic import write_atomic
+from gpuwait.linux.atomic import keep_damaged, write_atomic
 from gpuwait.linux.security import (
     control_refusal,
     ensure_private_dir,
@@ -269,11 +269,14 @@ def leave_word(ledger: Ledger, job: Job, outcome: str, **how: Any) -> bool:
         return False
     try:
         ensure_private_dir(path.parent)
-        write_atomic(path, json.dumps({"outcome": outcome, **how}).encode())
+        write_atomic(path, json.dumps({"schema": _WORD_SCHEMA, "outcome": outcome, **how}).encode())
     except (OSError, StateError):
         return False
     return True
 
+
+#: The version of a word's layout (leave_word): one of another is not believed.
+_WORD_SCHEMA = 1
 
 #: The keywords of finish a word left (leave_word) may give, and their types.
 _WORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -288,7 +291,8 @@ _WORD_FIELDS: dict[str, tuple[type, ...]] = {
 
 def _word_left(job: Job) -> tuple[str, dict[str, Any]] | None:
     """How the gone `job` ended, as its gpuwait left word of it (leave_word), the word taken
-    away; None where none was left, or it cannot be read."""
+    away; None where none was left, or it cannot be read (a damaged word is kept beside, as
+    evidence, and not believed: the entry is then reaped as lost)."""
     path = _word_path(job)
     if path is None:
         return None
@@ -296,15 +300,27 @@ def _word_left(job: Job) -> tuple[str, dict[str, Any]] | None:
         raw = path.read_bytes()
     except OSError:
         return None
+    word = _parsed_word(raw)
     with contextlib.suppress(OSError):
-        path.unlink()
+        if word is None:
+            keep_damaged(path)
+        else:
+            path.unlink()
+    return word
+
+
+def _parsed_word(raw: bytes) -> tuple[str, dict[str, Any]] | None:
     import json
 
     try:
         word = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(word, dict) or word.get("outcome") not in OUTCOMES:
+    if (
+        not isinstance(word, dict)
+        or word.get("schema") != _WORD_SCHEMA
+        or word.get("outcome") not in OUTCOMES
+    ):
         return None
     how: dict[str, Any] = {}
     for name, types in _WORD_FIELDS.items():

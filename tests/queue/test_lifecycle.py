@@ -635,3 +635,22 @@ def test_a_job_left_running_by_a_machine_that_went_down_is_charged_until_the_boo
     assert lifecycle.reap(ledger) == ["crashed"]
     usage = ledger.read().usage[os.getuid()].vram_seconds
     assert usage == pytest.approx(GiB * 3600, rel=0.01)
+
+
+def test_word_of_how_a_run_ended_is_read_once_and_damaged_word_kept_as_evidence(
+    tmp_path: Path,
+) -> None:
+    """A gpuwait that could not take its entry out leaves word of how its run ended for the
+    gpuwait that reaps the entry (`leave_word`): read back as written, once; a word that is
+    damaged (cut short, or from another schema) is not believed, and kept beside for a look."""
+    ledger = Ledger(tmp_path / "ledger")
+    job = live_job("a1b2", history_dir=str(tmp_path / "state"))
+    assert lifecycle.leave_word(ledger, job, OK, exit_status=0, run_seconds=2.5)
+    assert lifecycle._word_left(job) == (OK, {"exit_status": 0, "run_seconds": 2.5})
+    assert lifecycle._word_left(job) is None
+    words = tmp_path / "state" / "ended"
+    for damaged in (b'{"schema": 1, "outcome": "o', b'{"schema": 99, "outcome": "ok"}'):
+        (words / "a1b2.json").write_bytes(damaged)
+        assert lifecycle._word_left(job) is None
+    kept = sorted(p.read_bytes() for p in words.iterdir())
+    assert kept == sorted([b'{"schema": 1, "outcome": "o', b'{"schema": 99, "outcome": "ok"}'])
