@@ -139,7 +139,9 @@ def _wait_under_timer(
     import time
 
     callers = signal.getitimer(signal.ITIMER_REAL)
-    caller_due = started + callers[0] if callers[0] > 0 else None
+    # Due that long from now: the wait may have begun long before (this is its next turn, a
+    # tick of the caller's own just handled), and the timer counts down from now.
+    caller_due = time.monotonic() + callers[0] if callers[0] > 0 else None
     in_take = False
     # One that came before the wait and waits, blocked, for gpuwait's loop is not the wait's
     # own either: taken here (it would reach the handler below the moment it is unblocked,

@@ -3,18 +3,20 @@ against SIGALRMs that are not its own."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.waiting import wait_for
 
-from gpuwait.linux.lock import flock_within, lock_within
+from gpuwait.linux.lock import LockTimeout, flock_within, lock_within
 from gpuwait.linux.signals import SignalPending
 
 
@@ -88,25 +90,34 @@ def test_a_callers_alarm_falls_due_on_time_during_a_wait_for_a_lock(tmp_path: Pa
         holder.wait()
 
 
-def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Path) -> None:
-    path = tmp_path / "lock"
-    holder = _held_elsewhere(path, 1.5)
+@contextlib.contextmanager
+def _timed_wait(path: Path, held: float, handler: Any) -> Iterator[int]:
+    """A descriptor of `path`, whose lock another process holds for `held` seconds, with
+    `handler` taking SIGALRM meanwhile; the timer stopped and all put back afterwards."""
+    holder = _held_elsewhere(path, held)
     fd = os.open(path, os.O_RDWR)
-    rang: list[float] = []
-    before = signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(time.monotonic()))
+    before = signal.signal(signal.SIGALRM, handler)
     try:
-        started = time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, 0.4, 10.0)
-        flock_within(fd, fcntl.LOCK_EX, timeout=30.0)
-        # The lock is this process's now; the caller's timer rang once, and runs on.
-        assert len(rang) == 1 and rang[0] - started < 1.4
-        assert signal.getitimer(signal.ITIMER_REAL)[1] == 10.0
+        yield fd
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
         os.close(fd)
         holder.kill()
         holder.wait()
+
+
+def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Path) -> None:
+    rang: list[float] = []
+    with _timed_wait(
+        tmp_path / "lock", 1.5, lambda signum, frame: rang.append(time.monotonic())
+    ) as fd:
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.4, 10.0)
+        flock_within(fd, fcntl.LOCK_EX, timeout=30.0)
+        # The lock is this process's now; the caller's timer rang once, and runs on.
+        assert len(rang) == 1 and rang[0] - started < 1.4
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == 10.0
 
 
 def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pending(
@@ -153,3 +164,28 @@ def test_an_alarm_already_waiting_for_gpuwait_is_not_lost_to_a_wait_for_a_lock(
         os.close(fd)
         holder.kill()
         holder.wait()
+
+
+def test_a_callers_periodic_timer_falls_due_on_time_and_the_wait_still_times_out(
+    tmp_path: Path,
+) -> None:
+    """A program's heartbeat on a short periodic SIGALRM timer (Python API, the lock's wait
+    taking SIGALRM with its handler): each tick once, on time, and the wait gives up at its
+    timeout. From the second tick on, the wait took the timer as already due at every turn,
+    ran the handler in a tight loop and never looked at its timeout."""
+    rang: list[float] = []
+
+    def ring(signum: int, frame: object) -> None:
+        rang.append(time.monotonic())
+        if len(rang) > 200:
+            raise RuntimeError("the handler ran in a loop")
+
+    with _timed_wait(tmp_path / "lock", 20, ring) as fd:
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        with pytest.raises(LockTimeout):
+            flock_within(fd, fcntl.LOCK_EX, timeout=1.0)
+        assert time.monotonic() - started < 5.0
+        # One tick per period, give or take the slow machine's delays: not hundreds.
+        assert 3 <= len(rang) <= 40, len(rang)
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == 0.05
