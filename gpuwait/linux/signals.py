@@ -25,18 +25,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import threading
 
-#: Signals that are passed on to the command when sent to gpuwait itself: every one whose
-#: default action ends a process, so that none ends gpuwait and leaves its command running
-#: unwatched (`kill -ALRM PID` included), but for the faults a process raises in itself (SEGV
-#: & co), SIGKILL, SIGIO (gpuwait's own wake-up from inotify) and SIGPIPE and SIGXFSZ (Python
-#: ignores them, and gpuwait's own writes raise them).
-FORWARDED = (
+#: The signals sent to ask a process to end or to act: by hand, a terminal, a service manager.
+ASKING = (
     signal.SIGTERM,
     signal.SIGHUP,
     signal.SIGINT,
     signal.SIGQUIT,
     signal.SIGUSR1,
     signal.SIGUSR2,
+)
+#: Signals that are passed on to the command when sent to gpuwait itself: every one whose
+#: default action ends a process, so that none ends gpuwait and leaves its command running
+#: unwatched (`kill -ALRM PID` included), but for the faults a process raises in itself (SEGV
+#: & co), SIGKILL, SIGIO (gpuwait's own wake-up from inotify) and SIGPIPE and SIGXFSZ (Python
+#: ignores them, and gpuwait's own writes raise them).
+FORWARDED = (
+    *ASKING,
     signal.SIGALRM,
     signal.SIGVTALRM,
     signal.SIGPROF,
@@ -46,6 +50,11 @@ FORWARDED = (
     *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
 )
 HANDLED = (*FORWARDED, signal.SIGCHLD)
+#: The signals a program's own wait for room (gpuwait.reserve) takes, ending the wait and then
+#: handing them back: those sent to ask a process to end or to act (ASKING). The rest of
+#: FORWARDED come from a program's own machinery (a heartbeat on SIGALRM, a profiler's SIGPROF,
+#: its real-time signals): left to its handler, each lets the wait go on.
+RESERVING = (*ASKING, signal.SIGCHLD)
 
 #: How long a witness may take to show a signal sent to the group: the kernel delivers a group's
 #: signal process by process, and systemd signals a unit's processes one after another.
@@ -86,12 +95,13 @@ def keep_pending(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
-def taken() -> tuple[int, ...]:
-    """The handled signals gpuwait takes: all but those its caller left ignored (nohup's HUP,
-    the INT and QUIT of a shell script's background job). The command inherits them ignored and
-    would not die of them bare, so gpuwait must not either; blocked, Linux would queue them for
-    gpuwait even though ignored, so they are left unblocked, and the kernel drops them."""
-    return tuple(s for s in HANDLED if s == signal.SIGCHLD or signal.getsignal(s) != signal.SIG_IGN)
+def taken(among: tuple[int, ...] = HANDLED) -> tuple[int, ...]:
+    """The handled signals gpuwait takes (of `among`): all but those its caller left ignored
+    (nohup's HUP, the INT and QUIT of a shell script's background job). The command inherits
+    them ignored and would not die of them bare, so gpuwait must not either; blocked, Linux
+    would queue them for gpuwait even though ignored, so they are left unblocked, and the
+    kernel drops them."""
+    return tuple(s for s in among if s == signal.SIGCHLD or signal.getsignal(s) != signal.SIG_IGN)
 
 
 #: The stops a terminal asks for: Ctrl-Z, and a background job's read or write (with `stty
@@ -143,8 +153,11 @@ def unblock_all() -> None:
 
 def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_siginfo | None:
     """Sleep up to `timeout` seconds; return the first handled signal (or one of `also`, which
-    the caller has blocked) that arrives, or None."""
-    wanted = (*taken(), *also)
+    the caller has blocked) that arrives, or None. A handled signal this thread leaves
+    unblocked (a program's own timer, which gpuwait.reserve leaves to it) goes to its handler
+    as it would have: waited for here, the kernel would hand it to this wait instead."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    wanted = (*(s for s in taken() if s in blocked), *also)
     info = signal.sigtimedwait(wanted, max(0.0, timeout))
     if info is not None and info.si_signo not in wanted:
         # CPython (3.11 here) returns uninitialised details where the process was stopped

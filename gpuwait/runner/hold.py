@@ -242,9 +242,10 @@ class Holding:
 
 @contextlib.contextmanager
 def _signals_taken() -> Iterator[None]:
-    """gpuwait's signals blocked in this thread while it waits (they queue up for the waiting
-    loop); the thread's mask as it was afterwards."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken())
+    """The signals that end a program's wait for room blocked in this thread while it waits
+    (they queue up for the waiting loop); the thread's mask as it was afterwards. Its own timers
+    and real-time signals stay its own (signals.RESERVING)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken(signals.RESERVING))
     try:
         yield
     finally:

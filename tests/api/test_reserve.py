@@ -823,3 +823,61 @@ def test_a_timeout_holds_while_a_stopped_process_keeps_the_ledger_lock(
     assert got["exit_code"] == 124, got
     assert got["error"].startswith("gave up after waiting"), got
     assert f"held by process {os.getpid()}" in got["error"], got
+
+
+#: A program with a heartbeat on SIGALRM that reserves, and says how it ended and how often
+#: its handler ran.
+TICKING = (
+    "import gpuwait, json, signal\n"
+    "rang = []\n"
+    "signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(signum))\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
+    "try:\n"
+    "    gpuwait.reserve('10G', name='ticking', timeout=1.5)\n"
+    "except gpuwait.ReserveError as exc:\n"
+    "    print(json.dumps({'exit_code': exc.exit_code, 'error': exc.message}))\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0)\n"
+    "print(json.dumps({'rang': len(rang)}))\n"
+)
+
+
+def _ticking() -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, "-c", TICKING], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_a_programs_own_periodic_timer_lets_the_wait_for_room_go_on(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # Each tick runs the program's handler, and the wait goes on to its timeout (or its room);
+    # the first tick gave the reservation up instead, with a ReserveError for SIGALRM.
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "20G", "10s", "--name", "first")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        said = _ticking()
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    assert said[0]["exit_code"] == 124, said
+    assert said[0]["error"].startswith("gave up after waiting"), said
+    assert said[1]["rang"] >= 1, said
+
+
+def test_a_programs_own_periodic_timer_lets_the_wait_for_the_ledger_lock_go_on(sim: Path) -> None:
+    from gpuwait.linux import dirs
+
+    lock = Path(dirs.user_state_dir()) / "ledger.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        said = _ticking()
+    finally:
+        os.close(fd)
+    assert said[0]["exit_code"] == 124, said
+    assert f"held by process {os.getpid()}" in said[0]["error"], said
+    assert said[1]["rang"] >= 1, said
