@@ -351,8 +351,21 @@ def end_with_parent(signum: int, parent: int) -> None:
             return
     except (OSError, AttributeError, ValueError):
         return
+    _PARENT_END[:] = [parent, signum]
     if os.getppid() != parent:  # it ended before the kernel was asked
         os.kill(os.getpid(), signum)
+
+
+#: [parent, signal] of `end_with_parent`, once asked for.
+_PARENT_END: list[int] = []
+#: si_code of a signal sent by kill(2), and by the kernel for a parent's end.
+_SI_USER = 0
+
+
+def parents_end(info: signal.struct_siginfo) -> bool:
+    """Whether `info` is the signal `end_with_parent` asked for, sent as the parent ended (the
+    kernel names the parent as its sender)."""
+    return info.si_code == _SI_USER and [info.si_pid, info.si_signo] == _PARENT_END
 
 
 def _dumpable(value: int | None) -> int | None:
@@ -428,6 +441,22 @@ class GroupWitness:
             self._witnessed[signum] = time.monotonic()
             return True
         return recent < SAME_SIGNAL_WINDOW
+
+    def signalled_lately(self) -> bool:
+        """Whether a signal was sent to the whole group just now: the witness shows one (given
+        WITNESS_GRACE to come), or showed one less than SAME_SIGNAL_WINDOW ago. The signal
+        itself is left to `sent_to_group`, where gpuwait has yet to take it."""
+        now = time.monotonic()
+        if any(now - at < SAME_SIGNAL_WINDOW for at in self._witnessed.values()):
+            return True
+        if self.pid is None:
+            return False
+        deadline = now + WITNESS_GRACE
+        while True:
+            held = _pending(self.pid)
+            if held != 0 or time.monotonic() >= deadline:
+                return bool(held)
+            time.sleep(0.005)
 
     def _replace(self) -> None:
         old, old_feed = self.pid, self._feed

@@ -193,6 +193,11 @@ def supervise(
             if info.si_signo == signal.SIGTSTP:
                 _stop_with(child, info, witness)
                 continue
+            if signals.parents_end(info) and witness.signalled_lately():
+                # The subshell that runs the hook's function (`python serve.py &`) ended of a
+                # signal sent to the whole job (`kill -HUP %1`, the terminal closed), which the
+                # command had too: it goes on, or not, as it would bare.
+                continue
             if info.si_signo in _STOPPING and result.stopped_by is None:
                 result.stopped_by = info.si_signo
             # Sent to the whole group (typed at the terminal; kill -PGID, `kill %1`, timeout,

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import venv
@@ -930,3 +931,67 @@ def test_a_hook_call_that_replaced_its_subshell_runs_its_command(
         timeout=60,
     )
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
+SURVIVES_HUP = """\
+import os, signal, sys, time
+log = open(sys.argv[2], "a", buffering=1)
+def note(signum, frame):
+    log.write(signal.Signals(signum).name + "\\n")
+    if signum == signal.SIGTERM:
+        sys.exit(0)
+for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGRTMIN):
+    signal.signal(signum, note)
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`python serve.py &`, whose program takes SIGHUP (to reload, or to outlive the
+    terminal): a HUP sent to the whole job (`kill -HUP %1`, the terminal closed) reaches it, as
+    bare, and ends the subshell that runs the hook's function. That subshell's end was taken
+    for a `kill $!`, and the command was sent a TERM it would never have had bare."""
+    need(shell)
+    (tmp_path / "serve.py").write_text(SURVIVES_HUP)
+    ran, log = tmp_path / "ran", tmp_path / "log"
+    script = f"{init_line(shell, '--always')}\npython serve.py {ran} {log} &\necho $!\nwait\n"
+    argv = {"bash": ["bash", "--norc", "--noprofile"], "zsh": ["zsh", "-f"]}[shell]
+    # A process group of its own: the job's, as a job control shell gives it.
+    outer = subprocess.Popen(
+        [*argv, "-c", script],
+        env=hook_env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    started: list[int] = []
+    try:
+        assert outer.stdout is not None
+        subshell = int(outer.stdout.readline())
+        _until(lambda: _children(subshell), "the subshell never started gpuwait")
+        gpuwait = _children(subshell)[0]
+        started.append(gpuwait)
+        command = int(wait_for_file(ran))
+        started.append(command)
+        os.killpg(outer.pid, signal.SIGHUP)
+        _until(lambda: not _alive(subshell), "the subshell outlived the HUP")
+        _until(lambda: "HUP" in _read(log), "the command never had the HUP")
+        # Sent to gpuwait alone, passed on after anything it passed on before.
+        os.kill(gpuwait, signal.SIGRTMIN)
+        _until(lambda: "RTMIN" in _read(log) or "TERM" in _read(log), "nothing passed on")
+        assert _read(log).split() == ["SIGHUP", "SIGRTMIN"]
+        assert _alive(command)
+    finally:
+        for pid in [*started, outer.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        outer.wait(timeout=10)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
