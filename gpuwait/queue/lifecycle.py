@@ -97,6 +97,9 @@ _Said = list[tuple[events.Kind, dict[str, Any]]]
 #: History records of runs found ended (adopted processes, jobs whose gpuwait was killed):
 #: (state dir, record), written after commit.
 _Ended = list[tuple[str, dict[str, Any]]]
+#: Words of how runs ended (leave_word) that a transaction read: (path, believed), taken away
+#: once it is written, so that one that writes nothing (a launch refused) leaves them be.
+_Words = list[tuple[Path, bool]]
 
 #: The entries' processes, looked at in every transaction (see gpuwait.linux.proc.LivenessReader).
 _LIVENESS = proc.LivenessReader()
@@ -120,10 +123,12 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
     said: _Said = []
     quiet: set[str] = set()
     ended: _Ended = []
+    words: _Words = []
     with ledger.transaction(quiet) as data:
-        _reap(ledger, data, quiet, said, ended)
+        _reap(ledger, data, quiet, said, ended, words)
         _carry_out_requests(data, said)
         yield data, said
+    _take_words(words)
     for kind, fields in said:
         events.emit(ledger.directory, kind, **fields)
     if ended:
@@ -135,9 +140,12 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
             store.append_record(Path(state_dir), record)
 
 
-def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended: _Ended) -> None:
+def _reap(
+    ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended: _Ended, words: _Words
+) -> None:
     """Take out the entries whose processes are gone (their jobs count as lost) and those that
     name another user's process (forged); their ids go into `quiet`: nobody is woken for them.
+    The words of how their runs ended that it read go into `words`, to take away once written.
 
     A running job whose gpuwait is gone but whose command still runs (gpuwait was killed with
     SIGKILL) is orphaned, not gone: its entry keeps the command's room until the command ends,
@@ -178,7 +186,7 @@ def _reap(ledger: Ledger, data: LedgerData, quiet: set[str], said: _Said, ended:
             )
     for job in gone:
         data.jobs.remove(job)
-        told = _word_left(job)
+        told = _word_left(job, words)
         if told is not None:
             # Its gpuwait saw how it ended, and recorded the run, but could not take the
             # entry out before it left (another process kept the lock): it ended so.
@@ -289,10 +297,10 @@ _WORD_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _word_left(job: Job) -> tuple[str, dict[str, Any]] | None:
-    """How the gone `job` ended, as its gpuwait left word of it (leave_word), the word taken
-    away; None where none was left, or it cannot be read (a damaged word is kept beside, as
-    evidence, and not believed: the entry is then reaped as lost)."""
+def _word_left(job: Job, words: _Words) -> tuple[str, dict[str, Any]] | None:
+    """How the gone `job` ended, as its gpuwait left word of it (leave_word), the word added to
+    `words` (for _take_words once the entry's removal is written); None where none was left, or
+    it cannot be read (a damaged word is not believed: the entry is then reaped as lost)."""
     path = _word_path(job)
     if path is None:
         return None
@@ -301,12 +309,19 @@ def _word_left(job: Job) -> tuple[str, dict[str, Any]] | None:
     except OSError:
         return None
     word = _parsed_word(raw)
-    with contextlib.suppress(OSError):
-        if word is None:
-            keep_damaged(path)
-        else:
-            path.unlink()
+    words.append((path, word is not None))
     return word
+
+
+def _take_words(words: _Words) -> None:
+    """Take away the words read (_word_left), their entries' removal written: a word believed
+    is deleted, a damaged one kept beside, as evidence."""
+    for path, believed in words:
+        with contextlib.suppress(OSError):
+            if believed:
+                path.unlink()
+            else:
+                keep_damaged(path)
 
 
 def _parsed_word(raw: bytes) -> tuple[str, dict[str, Any]] | None:

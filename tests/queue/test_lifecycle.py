@@ -646,11 +646,15 @@ def test_word_of_how_a_run_ended_is_read_once_and_damaged_word_kept_as_evidence(
     ledger = Ledger(tmp_path / "ledger")
     job = live_job("a1b2", history_dir=str(tmp_path / "state"))
     assert lifecycle.leave_word(ledger, job, OK, exit_status=0, run_seconds=2.5)
-    assert lifecycle._word_left(job) == (OK, {"exit_status": 0, "run_seconds": 2.5})
-    assert lifecycle._word_left(job) is None
+    read: list[tuple[Path, bool]] = []
+    assert lifecycle._word_left(job, read) == (OK, {"exit_status": 0, "run_seconds": 2.5})
+    lifecycle._take_words(read)
+    assert lifecycle._word_left(job, []) is None
     words = tmp_path / "state" / "ended"
     for damaged in (b'{"schema": 1, "outcome": "o', b'{"schema": 99, "outcome": "ok"}'):
         (words / "a1b2.json").write_bytes(damaged)
-        assert lifecycle._word_left(job) is None
+        read = []
+        assert lifecycle._word_left(job, read) is None
+        lifecycle._take_words(read)
     kept = sorted(p.read_bytes() for p in words.iterdir())
     assert kept == sorted([b'{"schema": 1, "outcome": "o', b'{"schema": 99, "outcome": "ok"}'])

@@ -983,3 +983,22 @@ def test_a_run_that_ends_while_its_usage_waits_for_the_ledger_lock_ends_at_once(
     command = ["sh", "-c", f"until [ -e {go} ]; do sleep 0.01; done"]
     launch, _, err = ended_under_a_held_lock(gpuwait_cmd, command, end)
     assert launch.returncode == 0, err
+
+
+def test_a_run_that_ended_under_a_held_lock_counts_as_it_ended_past_a_refused_launch(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """A run ended while another process kept the ledger's lock, its gpuwait leaving word of
+    how it ended. The next gpuwait was refused (--after naming no job): its transaction used
+    the word up and wrote nothing, and the one after called the run lost (a job waiting on it
+    with --after-ok never ran, the history held the run twice)."""
+    launch, job_id, err = ended_under_a_held_lock(
+        gpuwait_cmd, ["sh", "-c", "read line"], lambda _: "go\n"
+    )
+    assert launch.returncode == 0, err
+    refused = run([*gpuwait_cmd, "--vram", "1G", "--after", "nosuchjob", "--", "true"])
+    assert refused.returncode == 2, refused.stderr
+    after = run([*gpuwait_cmd, "--vram", "1G", "--after-ok", job_id, "--", "echo", "ran"])
+    assert (after.returncode, after.stdout) == (0, "ran\n"), after.stderr
+    mine = [r for r in recorded_runs() if r.get("job_id") == job_id]
+    assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
