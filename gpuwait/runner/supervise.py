@@ -235,9 +235,10 @@ def _stopped_itself(child: int, signum: int) -> None:
     with it, by the same signal, as it would bare: the shell says `Stopped` and takes the
     terminal back, where it would otherwise wait for a command that waits to be continued.
     Continued (`fg`, `bg`), the command goes on with gpuwait; the command continued alone
-    (`kill -CONT PID`, or ended), gpuwait goes on too (`signals.waker`). Elsewhere (a script, a service)
-    nobody would take the terminal back, and gpuwait waits for its command as the caller would
-    bare; stopped too, it would stay stopped once the command alone was continued."""
+    (`kill -CONT PID`, or ended), gpuwait goes on too (`signals.waker`). Elsewhere (a script,
+    a service) nobody would take the terminal back, and gpuwait waits for its command as the
+    caller would bare; stopped too, it would stay stopped once the command alone was
+    continued."""
     if not signals.leads_a_job():
         return
     # Continued by its pid alone (`kill -CONT PID`), the command goes on as it would bare, and
