@@ -15,12 +15,13 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
             # would wait for a GPU.
             command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
-            @GPUWAIT@ shell-hook --shell-pid "$$/${BASHPID-$$}" -- "$@"
+            # The pids in a variable, which an older gpuwait ignores, not an option it refuses.
+            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" @GPUWAIT@ shell-hook -- "$@"
         elif hash gpuwait 2>/dev/null; then
             # The gpuwait that printed this hook is gone (uninstalled, its environment removed
             # or replaced): the one on PATH, which a new shell would hook, takes its place.
             # (`hash` looks again: the path bash remembers for gpuwait may be the gone one.)
-            command gpuwait shell-hook -- "$@"
+            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" command gpuwait shell-hook -- "$@"
         else
             printf '%s\n' "gpuwait: the gpuwait this shell was hooked to is gone (uninstalled, or its environment removed) and none is on PATH: runs $1 bare" >&2
             command "$@"

@@ -15,11 +15,15 @@ if [[ -n "@ALWAYS@" ]] || [[ -o interactive ]]; then
             # would wait for a GPU.
             command "$@"
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
-            @GPUWAIT@ shell-hook --shell-pid "$$/${sysparams[pid]-$$}" -- "$@"
+            # In a variable, which an older gpuwait ignores, not an option it would refuse;
+            # taken here: in an assignment before a command, zsh has forked it already.
+            local __gpuwait_pids="$$/${sysparams[pid]-$$}"
+            _GPUWAIT_SHELL_PID=$__gpuwait_pids @GPUWAIT@ shell-hook -- "$@"
         elif whence -p gpuwait >/dev/null; then
             # The gpuwait that printed this hook is gone (uninstalled, its environment removed
             # or replaced): the one on PATH, which a new shell would hook, takes its place.
-            command gpuwait shell-hook -- "$@"
+            local __gpuwait_pids="$$/${sysparams[pid]-$$}"
+            _GPUWAIT_SHELL_PID=$__gpuwait_pids command gpuwait shell-hook -- "$@"
         else
             printf '%s\n' "gpuwait: the gpuwait this shell was hooked to is gone (uninstalled, or its environment removed) and none is on PATH: runs $1 bare" >&2
             command "$@"

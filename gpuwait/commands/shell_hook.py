@@ -33,7 +33,9 @@ never_wrap), in which case COMMAND runs bare.
   --shell-pid MAIN/PID  the shell whose hook calls ($$) and the (sub)shell that
                         runs it: run from a subshell (a function put in the
                         background with &), COMMAND ends with that subshell,
-                        as it would bare (`kill $!`)
+                        as it would bare (`kill $!`); the hooks set
+                        _GPUWAIT_SHELL_PID=MAIN/PID instead, which an
+                        older gpuwait ignores
 """
 
 
@@ -60,12 +62,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if option == "--explain":
             options.explain = True
         elif option == "--shell-pid":
-            main, _, current = (rest.pop(0) if rest else "").partition("/")
-            if not (main.isdigit() and current.isdigit()):
+            options.shell_pid = _pids(rest.pop(0) if rest else "")
+            if options.shell_pid is None:
                 raise UsageError(
                     f"shell-hook: --shell-pid takes MAIN/PID, two process ids; {USAGE}"
                 )
-            options.shell_pid = (int(main), int(current))
         elif option in ("-h", "--help"):
             options.help = True
             return options
@@ -88,6 +89,7 @@ def run(options: argparse.Namespace) -> int:
         print(HELP, end="")
         return 0
     command: list[str] = options.command
+    shell_pids = _hook_shell_pids()
     ended = _job_ended()
     decision = decision_for(command, ended)
     if options.explain:
@@ -98,7 +100,7 @@ def run(options: argparse.Namespace) -> int:
 
         if ended:
             forget_job(os.environ)
-        main, current = options.shell_pid or (0, 0)
+        main, current = options.shell_pid or shell_pids
         if main != current and current != os.getpid():
             # A subshell runs the hook's function (`python train.py &`, a pipeline's stage),
             # and `kill $!` reaches that subshell alone: bare, the command is the process
@@ -120,6 +122,24 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
     return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap, job_ended)
+
+
+#: MAIN/PID, as --shell-pid takes them, from the hooks: in a variable, which an older gpuwait
+#: installed under a shell hooked by this one ignores without a word (its name is no GPUWAIT_
+#: setting's), where an option it knows not would end every wrapped command with a usage error.
+SHELL_PID_VARIABLE = "_GPUWAIT_SHELL_PID"
+
+
+def _hook_shell_pids() -> tuple[int, int]:
+    """The pids the hook put in SHELL_PID_VARIABLE, taken out of the environment the command
+    inherits; (0, 0) where there are none."""
+    return _pids(os.environ.pop(SHELL_PID_VARIABLE, "")) or (0, 0)
+
+
+def _pids(text: str) -> tuple[int, int] | None:
+    """MAIN/PID as two process ids; None where it is not."""
+    main, _, current = text.partition("/")
+    return (int(main), int(current)) if main.isdigit() and current.isdigit() else None
 
 
 def _job_ended() -> bool:

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import venv
 from pathlib import Path
@@ -712,6 +713,27 @@ def test_a_posix_sh_reading_the_hook_goes_on_untouched(
     assert probe_lines(done.stdout)[0]["cuda"] in sim_uuids(), done.stderr
 
 
+def hook_from_copy(
+    python: Path, site: Path, shell: str, env: dict[str, str], tmp_path: Path
+) -> Path:
+    """A file holding the hook that `python` prints with a copy of this gpuwait put in `site`,
+    which the test may then change or remove."""
+    shutil.copytree(REPO / "gpuwait", site / "gpuwait", ignore=shutil.ignore_patterns("*.pyc"))
+    hook = tmp_path / "hook"
+    hook.write_text(
+        subprocess.run(
+            [python, "-m", "gpuwait", "shell-init", shell, "--always"],
+            env={**env, "PYTHONPATH": str(site)},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    return hook
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
     shell: str, hook_env: dict[str, str], tmp_path: Path
@@ -725,20 +747,7 @@ def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
     old = tmp_path / "old-env"
     venv.create(old, with_pip=False)
     site = tmp_path / "old-site"
-    shutil.copytree(REPO / "gpuwait", site / "gpuwait", ignore=shutil.ignore_patterns("*.pyc"))
-    hook = tmp_path / "hook"
-    env = {**hook_env, "PYTHONPATH": str(site)}
-    hook.write_text(
-        subprocess.run(
-            [old / "bin" / "python", "-m", "gpuwait", "shell-init", shell, "--always"],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout
-    )
+    hook = hook_from_copy(old / "bin" / "python", site, shell, hook_env, tmp_path)
     # Its console script, which the shell finds (and bash remembers) first on PATH.
     console = old / "bin" / "gpuwait"
     console.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {old}/bin/python -m gpuwait "$@"\n')
@@ -766,6 +775,31 @@ def test_a_shell_whose_hooked_gpuwait_is_gone_runs_the_one_on_path_or_runs_bare(
     assert done.stdout.endswith("status 7\n")
     said = [line for line in done.stderr.splitlines() if line.startswith("gpuwait: ")]
     assert len(said) == 2 and "runs python bare" in said[0], done.stderr
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_shell_hooked_before_a_downgrade_goes_on_wrapping(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A hook printed by this gpuwait, in a terminal left open while an older gpuwait (whose
+    `shell-hook` knows no option but --explain) was installed in its place: every wrapped
+    command was refused, "unknown option '--shell-pid'", exit 2, and never ran."""
+    site = tmp_path / "site"
+    hook = hook_from_copy(Path(sys.executable), site, shell, hook_env, tmp_path)
+    env = {**hook_env, "PYTHONPATH": str(site)}
+    # This gpuwait keeps what the hook tells it to itself.
+    leak = "python -c 'import os; print(os.environ.get(\"_GPUWAIT_SHELL_PID\"))'"
+    done = run_shell(shell, f"source {hook}\n{leak}", [], env, cwd=tmp_path)
+    assert (done.stdout, done.stderr) == ("None\n", "")
+    # The older gpuwait, installed over the same files: its shell-hook takes --explain only.
+    parser = site / "gpuwait" / "commands" / "shell_hook.py"
+    source = parser.read_text()
+    assert 'elif option == "--shell-pid":' in source
+    parser.write_text(source.replace('elif option == "--shell-pid":', 'elif option == "":'))
+    script = f"source {hook}\npython probe.py x\necho status $?\n"
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert (done.stdout.endswith("status 0\n"), done.stderr) == (True, "")
+    assert probe_lines(done.stdout)[0]["cuda"] in sim_uuids()
 
 
 #: Each shell's own machinery running python: a completion that lists what python prints (as
