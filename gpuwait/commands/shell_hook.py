@@ -19,23 +19,15 @@ from gpuwait.core.wrap import Decision, decide
 from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
 
-USAGE = "usage: gpuwait shell-hook [--explain] [--shell-pid MAIN/PID] -- COMMAND [ARGS...]"
-HELP = """usage: gpuwait shell-hook [--explain] [--shell-pid MAIN/PID]
-                          -- COMMAND [ARGS...]
+USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
+HELP = f"""{USAGE}
 
 Used by the functions that `gpuwait shell-init` defines: run COMMAND through
 gpuwait unless the wrap rules say no (GPUWAIT_JOB_ID or GPUWAIT_DISABLE set,
 the directory is not under wrap_only_in, or the command line matches
 never_wrap), in which case COMMAND runs bare.
 
-  --explain             print "wrap" or "bare" and the reason, run nothing
-                        (exit 0 or 1)
-  --shell-pid MAIN/PID  the shell whose hook calls ($$) and the (sub)shell that
-                        runs it: run from a subshell (a function put in the
-                        background with &), COMMAND ends with that subshell,
-                        as it would bare (`kill $!`); the hooks set
-                        _GPUWAIT_SHELL_PID=MAIN/PID instead, which an
-                        older gpuwait ignores
+  --explain   print "wrap" or "bare" and the reason, run nothing (exit 0 or 1)
 """
 
 
@@ -45,35 +37,24 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--explain", action="store_true", help='print "wrap" or "bare" and why, run nothing'
     )
-    parser.add_argument(
-        "--shell-pid",
-        metavar="PID",
-        help="the shell whose hook calls: its subshells' jobs end with them",
-    )
     return parser
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     # By hand: everything after `--` must reach the command byte for byte.
-    options = argparse.Namespace(explain=False, help=False, shell_pid=None, command=[])
+    options = argparse.Namespace(explain=False, help=False, command=[])
     rest = list(argv)
     while rest and rest[0] != "--":
         option = rest.pop(0)
         if option == "--explain":
             options.explain = True
-        elif option == "--shell-pid":
-            options.shell_pid = _pids(rest.pop(0) if rest else "")
-            if options.shell_pid is None:
-                raise UsageError(
-                    f"shell-hook: --shell-pid takes MAIN/PID, two process ids; {USAGE}"
-                )
         elif option in ("-h", "--help"):
             options.help = True
             return options
         else:
             from gpuwait.core.text import nearest  # only once an option is not known
 
-            match = nearest(option, ("--explain", "--shell-pid", "--help"))
+            match = nearest(option, ("--explain", "--help"))
             raise UsageError(
                 f"shell-hook: unknown option {option!r}; {USAGE}",
                 hint=None if match is None else f"did you mean {match}?",
@@ -100,7 +81,7 @@ def run(options: argparse.Namespace) -> int:
 
         if ended:
             forget_job(os.environ)
-        main, current = options.shell_pid or shell_pids
+        main, current = shell_pids
         if main != current and current != os.getpid():
             # A subshell runs the hook's function (`python train.py &`, a pipeline's stage),
             # and `kill $!` reaches that subshell alone: bare, the command is the process
@@ -124,22 +105,18 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
     return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap, job_ended)
 
 
-#: MAIN/PID, as --shell-pid takes them, from the hooks: in a variable, which an older gpuwait
-#: installed under a shell hooked by this one ignores without a word (its name is no GPUWAIT_
-#: setting's), where an option it knows not would end every wrapped command with a usage error.
+#: MAIN/PID from the hooks: the shell whose hook calls ($$) and the (sub)shell that runs the
+#: hook's function. In a variable, which an older gpuwait installed under a shell hooked by this
+#: one ignores without a word (its name is no GPUWAIT_ setting's), where an option it knows not
+#: would end every wrapped command with a usage error.
 SHELL_PID_VARIABLE = "_GPUWAIT_SHELL_PID"
 
 
 def _hook_shell_pids() -> tuple[int, int]:
     """The pids the hook put in SHELL_PID_VARIABLE, taken out of the environment the command
     inherits; (0, 0) where there are none."""
-    return _pids(os.environ.pop(SHELL_PID_VARIABLE, "")) or (0, 0)
-
-
-def _pids(text: str) -> tuple[int, int] | None:
-    """MAIN/PID as two process ids; None where it is not."""
-    main, _, current = text.partition("/")
-    return (int(main), int(current)) if main.isdigit() and current.isdigit() else None
+    main, _, current = os.environ.pop(SHELL_PID_VARIABLE, "").partition("/")
+    return (int(main), int(current)) if main.isdigit() and current.isdigit() else (0, 0)
 
 
 def _job_ended() -> bool:

@@ -782,8 +782,9 @@ def test_a_shell_hooked_before_a_downgrade_goes_on_wrapping(
     shell: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
     """A hook printed by this gpuwait, in a terminal left open while an older gpuwait (whose
-    `shell-hook` knows no option but --explain) was installed in its place: every wrapped
-    command was refused, "unknown option '--shell-pid'", exit 2, and never ran."""
+    `shell-hook` knows no option but --explain, nor the variable the hook sets) was installed
+    in its place: a hook that told gpuwait more by an option would have every wrapped command
+    refused, "unknown option", exit 2, never run."""
     site = tmp_path / "site"
     hook = hook_from_copy(Path(sys.executable), site, shell, hook_env, tmp_path)
     env = {**hook_env, "PYTHONPATH": str(site)}
@@ -791,11 +792,12 @@ def test_a_shell_hooked_before_a_downgrade_goes_on_wrapping(
     leak = "python -c 'import os; print(os.environ.get(\"_GPUWAIT_SHELL_PID\"))'"
     done = run_shell(shell, f"source {hook}\n{leak}", [], env, cwd=tmp_path)
     assert (done.stdout, done.stderr) == ("None\n", "")
-    # The older gpuwait, installed over the same files: its shell-hook takes --explain only.
+    # The older gpuwait, installed over the same files: its shell-hook knows nothing of the
+    # variable (and takes --explain only, as this one does).
     parser = site / "gpuwait" / "commands" / "shell_hook.py"
     source = parser.read_text()
-    assert 'elif option == "--shell-pid":' in source
-    parser.write_text(source.replace('elif option == "--shell-pid":', 'elif option == "":'))
+    assert "shell_pids = _hook_shell_pids()" in source
+    parser.write_text(source.replace("shell_pids = _hook_shell_pids()", "shell_pids = (0, 0)"))
     script = f"source {hook}\npython probe.py x\necho status $?\n"
     done = run_shell(shell, script, [], env, cwd=tmp_path)
     assert (done.stdout.endswith("status 0\n"), done.stderr) == (True, "")
@@ -957,7 +959,7 @@ def test_a_hook_call_that_replaced_its_subshell_runs_its_command(
     command, as shells do for `( cmd )` and `sh -c cmd`): gpuwait then is the process the
     hook's pid names, its parent the main shell, which lives on, so nothing ends it early."""
     done = subprocess.run(
-        ["bash", "-c", 'exec gpuwait shell-hook --shell-pid "$PPID/$$" -- echo ran'],
+        ["bash", "-c", 'exec env _GPUWAIT_SHELL_PID="$PPID/$$" gpuwait shell-hook -- echo ran'],
         env=hook_env,
         cwd=tmp_path,
         capture_output=True,
