@@ -1154,14 +1154,14 @@ def resolve(
             values[option.name] = option.parse(option.default)
             sources[option.name] = "default"
             continue
-        try:
-            values[option.name] = option.parse(raw)
-        except (ValueError, TypeError) as exc:
-            shown = _flag(option.name) if source == "command line" else source
-            # A TOML boolean as the file spells it, not as Python prints it.
-            value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
-            raise UsageError(f"{shown}: {value} is not valid for {option.name}: {exc}") from None
+        values[option.name] = _parsed(option, raw, source)
         sources[option.name] = source
+    # The site's queue order and wait budgets act in a shared ledger over a user's own (and its
+    # safety under one they did not set): one the site file spells wrong is refused here too,
+    # as it is for every user who has none of their own, not taken for the default unsaid.
+    for name in _SITE_WIDE:
+        if name in site:
+            _parsed(OPTIONS_BY_NAME[name], site[name], f"site config file {site_file}")
     site_wait = (_site_value("max_wait_factor", site), _site_value("max_wait", site))
     return Settings(
         **values,
@@ -1174,14 +1174,27 @@ def resolve(
     )
 
 
-def _site_value(name: str, site: Mapping[str, Any]) -> Any:
-    """Setting `name` as the site file (else the default) sets it; an invalid value in the site
-    file is said where it is used, and counts as the default here."""
-    option = OPTIONS_BY_NAME[name]
+#: Settings whose site value is used even where a user sets their own (`Settings.site_wait`,
+#: `site_safety`, `site_queue_order`).
+_SITE_WIDE = ("max_wait_factor", "max_wait", "safety", "queue_order")
+
+
+def _parsed(option: Option, raw: Any, source: str) -> Any:
+    """`raw` parsed for `option`, or a UsageError naming where it came from (`source`)."""
     try:
-        return option.parse(site.get(name, option.default))
-    except (ValueError, TypeError):
-        return option.parse(option.default)
+        return option.parse(raw)
+    except (ValueError, TypeError) as exc:
+        shown = _flag(option.name) if source == "command line" else source
+        # A TOML boolean as the file spells it, not as Python prints it.
+        value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
+        raise UsageError(f"{shown}: {value} is not valid for {option.name}: {exc}") from None
+
+
+def _site_value(name: str, site: Mapping[str, Any]) -> Any:
+    """Setting `name` as the site file (else the default) sets it (`resolve` has refused one
+    that is not valid)."""
+    option = OPTIONS_BY_NAME[name]
+    return option.parse(site.get(name, option.default))
 
 
 def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[], FairShare]:

@@ -80,3 +80,21 @@ def test_config_with_a_shared_ledger_dir_not_there_yet_shows_the_settings(
     shared.rmdir()
     assert os.path.lexists(shared) is False
     assert _settings(gpuwait_cmd)["queue_order"]["value"] == "fifo"
+
+
+def test_a_site_queue_order_that_is_not_valid_is_refused_over_a_users_own(
+    isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    """In a shared ledger the site's queue_order and wait budgets are used over a user's own:
+    one the site file spells wrong stops the user's commands as it stops everyone else's, not
+    shown as a valid order of the site's while the user's own keeps it out of sight."""
+    _files(
+        isolated_dirs,
+        site='queue_order = "fair-share"\n',
+        own='queue_order = "fifo"\nmax_wait = "10m"\n',
+    )
+    for args in (["config"], ["--", "true"]):
+        done = subprocess.run([*gpuwait_cmd, *args], capture_output=True, text=True)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert "'fair-share' is not valid for queue_order" in done.stderr
+        assert "site config file" in done.stderr and "Traceback" not in done.stderr
