@@ -1440,9 +1440,10 @@ def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
         refusal = control_refusal(
             job, uid, lambda: alive.opened_by(ledger_dir, job.uid, job.id, job.pid)
         )
-        # An adopted process of the caller's, refused only for running no gpuwait.
+        # An adopted process of the caller's: gpuwait did not start it and never signals it,
+        # whatever its command line says (a program named gpuwait_demo.py runs no gpuwait).
         adopted = job.adopted_history is not None
-        if refusal is not None and adopted and control_refusal(job, uid, lambda: True) is None:
+        if adopted and control_refusal(job, uid, lambda: True) is None:
             return (
                 f"it is process {job.pid}, adopted with `gpuwait adopt`, and gpuwait "
                 f"signals only processes it started: stop it as it was started (kill {job.pid})"

@@ -384,13 +384,15 @@ def test_an_adopted_process_is_recorded_without_the_time_the_machine_slept(
     assert ran <= at_most
 
 
+@pytest.mark.parametrize("script", ["kernel.py", "gpuwait_demo.py"])
 def test_cancel_of_an_adopted_process_says_to_stop_it_by_hand(
-    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path
+    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path, script: str
 ) -> None:
     # A notebook kernel adopted, then `gpuwait cancel` of it: refused as "not a gpuwait
     # process; refusing to signal it", which read as a forged entry, with no word of what to do.
+    # A program of the user's whose name has "gpuwait" in it (gpuwait_demo.py) got the TERM.
     sim = sim_file(gpus=1)
-    kernel = tmp_path / "kernel.py"  # no "gpuwait" in its command line: a program of the user's
+    kernel = tmp_path / script  # a program of the user's
     kernel.write_text(
         "import sys\nfrom gpuwait.gpu import simjob\nsys.exit(simjob.main(sys.argv[1:]))\n"
     )
