@@ -63,33 +63,6 @@ def _held_elsewhere(path: Path, seconds: float, then: str = "") -> subprocess.Po
     return holder
 
 
-def test_a_callers_alarm_falls_due_on_time_during_a_wait_for_a_lock(tmp_path: Path) -> None:
-    """A program that uses gpuwait's Python API and its own SIGALRM timer (`signal.alarm`,
-    pytest-timeout's signal method) keeps it: the wait for a contended lock must neither cancel
-    the timer nor swallow its signal, and a handler that raises ends the wait, as a timeout
-    should."""
-    path = tmp_path / "lock"
-    holder = _held_elsewhere(path, 20)
-    fd = os.open(path, os.O_RDWR)
-
-    def timed_out(signum: int, frame: object) -> None:
-        raise TimeoutError
-
-    before = signal.signal(signal.SIGALRM, timed_out)
-    try:
-        started = time.monotonic()
-        signal.setitimer(signal.ITIMER_REAL, 0.4)
-        with pytest.raises(TimeoutError):
-            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
-        assert time.monotonic() - started < 5.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before)
-        os.close(fd)
-        holder.kill()
-        holder.wait()
-
-
 @contextlib.contextmanager
 def _timed_wait(path: Path, held: float, handler: Any) -> Iterator[int]:
     """A descriptor of `path`, whose lock another process holds for `held` seconds, with
@@ -107,6 +80,23 @@ def _timed_wait(path: Path, held: float, handler: Any) -> Iterator[int]:
         holder.wait()
 
 
+def test_a_callers_alarm_falls_due_on_time_during_a_wait_for_a_lock(tmp_path: Path) -> None:
+    """A program that uses gpuwait's Python API and its own SIGALRM timer (`signal.alarm`,
+    pytest-timeout's signal method) keeps it: the wait for a contended lock must neither cancel
+    the timer nor swallow its signal, and a handler that raises ends the wait, as a timeout
+    should."""
+
+    def timed_out(signum: int, frame: object) -> None:
+        raise TimeoutError
+
+    with _timed_wait(tmp_path / "lock", 20, timed_out) as fd:
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.4)
+        with pytest.raises(TimeoutError):
+            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        assert time.monotonic() - started < 5.0
+
+
 def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Path) -> None:
     rang: list[float] = []
     with _timed_wait(
@@ -120,29 +110,38 @@ def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Pat
         assert signal.getitimer(signal.ITIMER_REAL)[1] == 10.0
 
 
-def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pending(
-    tmp_path: Path,
-) -> None:
-    """gpuwait holds SIGALRM blocked to pass it on to its command (`kill -ALRM` at its pid): one
-    that comes while it waits for a lock another process holds must not be taken for the
-    wait's own timer, nor leave the wait deaf to its timer."""
-    path = tmp_path / "lock"
-    holder = _held_elsewhere(path, 20, then=f"(sleep 0.3; kill -ALRM {os.getpid()}) &")
+@contextlib.contextmanager
+def _alarm_held(path: Path, held: float, then: str = "") -> Iterator[int]:
+    """A descriptor on `path`, whose lock another process holds for `held` seconds (running
+    `then` first), with SIGALRM blocked, as gpuwait holds it to pass it on to its command; one
+    still pending at the end is taken away."""
+    holder = _held_elsewhere(path, held, then)
     fd = os.open(path, os.O_RDWR)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     try:
-        started = time.monotonic()
-        with pytest.raises(SignalPending) as raised:
-            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
-        assert raised.value.signum == signal.SIGALRM
-        assert time.monotonic() - started < 5.0
-        assert signal.SIGALRM in signal.sigpending()
+        yield fd
     finally:
         signal.sigtimedwait({signal.SIGALRM}, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         os.close(fd)
         holder.kill()
         holder.wait()
+
+
+def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pending(
+    tmp_path: Path,
+) -> None:
+    """gpuwait holds SIGALRM blocked to pass it on to its command (`kill -ALRM` at its pid): one
+    that comes while it waits for a lock another process holds must not be taken for the
+    wait's own timer, nor leave the wait deaf to its timer."""
+    then = f"(sleep 0.3; kill -ALRM {os.getpid()}) &"
+    with _alarm_held(tmp_path / "lock", 20, then) as fd:
+        started = time.monotonic()
+        with pytest.raises(SignalPending) as raised:
+            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        assert raised.value.signum == signal.SIGALRM
+        assert time.monotonic() - started < 5.0
+        assert signal.SIGALRM in signal.sigpending()
 
 
 def test_an_alarm_already_waiting_for_gpuwait_is_not_lost_to_a_wait_for_a_lock(
@@ -150,20 +149,10 @@ def test_an_alarm_already_waiting_for_gpuwait_is_not_lost_to_a_wait_for_a_lock(
 ) -> None:
     """A `kill -ALRM` that came while gpuwait was busy waits, blocked, for its loop, which
     passes it on to the command: a wait for a lock that begins meanwhile must leave it there."""
-    path = tmp_path / "lock"
-    holder = _held_elsewhere(path, 0.5)
-    fd = os.open(path, os.O_RDWR)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-    try:
+    with _alarm_held(tmp_path / "lock", 0.5) as fd:
         os.kill(os.getpid(), signal.SIGALRM)
         flock_within(fd, fcntl.LOCK_EX, timeout=10.0, patience=float("inf"))
         assert signal.SIGALRM in signal.sigpending()
-    finally:
-        signal.sigtimedwait({signal.SIGALRM}, 0)
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-        os.close(fd)
-        holder.kill()
-        holder.wait()
 
 
 def test_a_callers_periodic_timer_falls_due_on_time_and_the_wait_still_times_out(
