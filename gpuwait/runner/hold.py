@@ -39,7 +39,6 @@ from gpuwait.core.errors import (
 )
 from gpuwait.core.estimate import looks_like_oom, near_full
 from gpuwait.core.policy import WaitReason
-from gpuwait.core.sizes import format_duration
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.gpu import open_backend
 from gpuwait.history.learn import RequestChoice
@@ -330,10 +329,8 @@ def _hold(
                 raise WaitInterrupted(exc.signum) from None
             except LockPastDeadline as exc:
                 # Not queued: another process kept the ledger's lock all through the timeout.
-                lasted = format_duration(proc.boot_clock() - submitted_from)
-                raise NotHeld(
-                    f"gave up after waiting {lasted} ({exc.message})", EXIT_TIMEOUT
-                ) from None
+                lasted = proc.boot_clock() - submitted_from
+                raise NotHeld(session.gave_up(lasted, exc.message), EXIT_TIMEOUT) from None
             except StateError as exc:
                 if config.on_state_error != "run":
                     raise
@@ -374,11 +371,8 @@ def _hold(
         if isinstance(outcome, TimedOut):
             with ledger.lock_deadline(deadline):
                 session._finish(ledger, job, TIMED_OUT, reporter)
-            why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-            if locked_out is not None:
-                why = f" ({locked_out})"
             raise NotHeld(
-                f"gave up after waiting {format_duration(waited_in_all)}{why}", EXIT_TIMEOUT
+                session.gave_up(waited_in_all, locked_out or outcome.reason), EXIT_TIMEOUT
             )
         if isinstance(outcome, Cancelled):
             by = outcome.by_uid

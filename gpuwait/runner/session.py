@@ -868,8 +868,7 @@ def _attempt(
                 job = submit(ledger, job, request, config)
         except LockPastDeadline as exc:
             # Not queued: another process kept the ledger's lock all through the --timeout.
-            waited = format_duration(proc.boot_clock() - counted_from)
-            reporter.error(f"gave up after waiting {waited} ({exc.message})")
+            reporter.error(gave_up(proc.boot_clock() - counted_from, exc.message))
             return _Ended(EXIT_TIMEOUT)
         except StateError as exc:
             if config.on_state_error != "run":
@@ -893,6 +892,16 @@ def _attempt(
         before,
         counted_from,
     )
+
+
+def gave_up(waited_seconds: float, why: WaitReason | str | None) -> str:
+    """What a wait that ran out of its --timeout ends with, the command line's and reserve()'s
+    alike: how long it waited in all and, where known, what for (the policy's reason, or who
+    kept the ledger's lock all the while)."""
+    if isinstance(why, WaitReason):
+        why = why.describe()
+    said = f" ({why})" if why else ""
+    return f"gave up after waiting {format_duration(waited_seconds)}{said}"
 
 
 def _wait_and_run(
@@ -979,10 +988,7 @@ def _wait_and_run(
         if isinstance(outcome, TimedOut):
             with ledger.lock_deadline(deadline):
                 _finish(ledger, job, TIMED_OUT, reporter, paused=paused)
-            why = f" ({outcome.reason.describe()})" if outcome.reason else ""
-            if locked_out is not None:
-                why = f" ({locked_out})"
-            reporter.error(f"gave up after waiting {format_duration(waited_in_all)}{why}")
+            reporter.error(gave_up(waited_in_all, locked_out or outcome.reason))
             return _Ended(EXIT_TIMEOUT)
         if isinstance(outcome, Interrupted):
             # Leaving the queue must not keep a TERM or Ctrl-C waiting for the ledger lock: a

@@ -3,6 +3,7 @@ processes on the simulation."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -802,12 +804,9 @@ def test_a_reservation_given_up_behind_its_own_pipeline_leaves_the_queue(
             other.wait()
 
 
-def test_a_timeout_holds_while_a_stopped_process_keeps_the_ledger_lock(
-    sim: Path, holders: Any
-) -> None:
-    # A gpuwait of the user's own stopped (Ctrl-Z) in the middle of a transaction keeps the
-    # ledger's lock: reserve(timeout=0.5) waited lock_timeout (a minute), then failed with
-    # exit 5, where the command line's --timeout gives up with 124 at its time.
+@contextlib.contextmanager
+def _ledger_lock_kept() -> Iterator[Path]:
+    """The user's ledger lock held by this process (as by a gpuwait stopped mid-transaction)."""
     from gpuwait.linux import dirs
 
     lock = Path(dirs.user_state_dir()) / "ledger.lock"
@@ -815,14 +814,48 @@ def test_a_timeout_holds_while_a_stopped_process_keeps_the_ledger_lock(
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        started = time.monotonic()
-        got = holders("1G", timeout=0.5).said(timeout=30)
+        yield lock
     finally:
         os.close(fd)
+
+
+def test_a_timeout_holds_while_a_stopped_process_keeps_the_ledger_lock(
+    sim: Path, holders: Any
+) -> None:
+    # A gpuwait of the user's own stopped (Ctrl-Z) in the middle of a transaction keeps the
+    # ledger's lock: reserve(timeout=0.5) waited lock_timeout (a minute), then failed with
+    # exit 5, where the command line's --timeout gives up with 124 at its time.
+    with _ledger_lock_kept():
+        started = time.monotonic()
+        got = holders("1G", timeout=0.5).said(timeout=30)
     assert time.monotonic() - started < 10
     assert got["exit_code"] == 124, got
     assert got["error"].startswith("gave up after waiting"), got
     assert f"held by process {os.getpid()}" in got["error"], got
+
+
+def test_the_command_line_and_reserve_give_up_on_a_kept_ledger_lock_in_the_same_words(
+    sim: Path, holders: Any, gpuwait_cmd: list[str]
+) -> None:
+    # Each phrased its own line for a --timeout that ran out while another process kept the
+    # ledger's lock; both now say how long they waited and who held the lock, in one wording.
+    with _ledger_lock_kept() as lock:
+        wrapped = subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "1G", "--timeout", "0.3", "--", "true"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            reserved = holders("1G", timeout=0.3).said(timeout=30)
+        finally:
+            _, err = wrapped.communicate(timeout=30)
+    assert (reserved["exit_code"], wrapped.returncode) == (124, 124), (reserved, err)
+    said = [line for line in err.splitlines() if "gave up" in line]
+    assert len(said) == 1, err
+    held = f"(the ledger lock on {lock} was held by process {os.getpid()}"
+    for line in (reserved["error"], said[0].partition("error: ")[2]):
+        assert line.startswith("gave up after waiting "), line
+        assert held in line and line.endswith(" all the while)"), line
 
 
 #: A program with a heartbeat on SIGALRM that reserves, and says how it ended and how often
