@@ -493,9 +493,13 @@ def prohibited(gpu: GpuSnapshot) -> bool:
     return gpu.compute_mode == COMPUTE_PROHIBITED
 
 
+#: How a reason ends that names cards in prohibited compute mode (see `_prohibited_note`).
+PROHIBITED_NOTE = " compute mode is prohibited"
+
+
 def _prohibited_note(gpus: Iterable[GpuSnapshot]) -> str:
     """`GPU0's, GPU2's compute mode is prohibited`."""
-    return ", ".join(f"GPU{g.index}'s" for g in gpus) + " compute mode is prohibited"
+    return ", ".join(f"GPU{g.index}'s" for g in gpus) + PROHIBITED_NOTE
 
 
 def static_ok(claim: Claim, gpu: GpuSnapshot) -> bool:
@@ -642,24 +646,30 @@ def impossible_reason(
             )
     if claim.request is None:
         return None
-    fitting = [
-        g for g in matching if claim.request.on(g.total_bytes) <= int(g.total_bytes * safety)
-    ]
+    request = claim.request
+
+    def holds(g: GpuSnapshot) -> bool:
+        return request.on(g.total_bytes) <= int(g.total_bytes * safety)
+
+    fitting = [g for g in matching if holds(g)]
     if len(fitting) >= claim.gpus_wanted:
         return None
+    # Cards shut for now that would hold it: the refusal names them, as what would help.
+    shut = [g for g in closed_ones if claim.requirements.mismatch(g) is None and holds(g)]
+    why = f"; {_prohibited_note(shut)}" if shut else ""
     if fitting:
         # Some cards could hold it, only not as many as the gang wants.
         named = ", ".join(f"GPU{g.index} ({format_size(g.total_bytes)})" for g in fitting)
         only = f"only {len(fitting)} can" if len(fitting) > 1 else "only 1 can"
         return (
-            f"{claim.gpus_wanted} GPUs wanted with {claim.request.describe()} each, but {only}"
-            f" ever hold that at safety {safety:g}: {named}"
+            f"{claim.gpus_wanted} GPUs wanted with {request.describe()} each, but {only}"
+            f" ever hold that at safety {safety:g}: {named}{why}"
         )
     largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
     return (
-        f"{claim.request.describe()} per GPU can never fit: the largest candidate, "
+        f"{request.describe()} per GPU can never fit: the largest candidate, "
         f"GPU{largest.index} ({format_size(largest.total_bytes)}), offers at most "
-        f"{format_size(int(largest.total_bytes * safety))} at safety {safety:g}"
+        f"{format_size(int(largest.total_bytes * safety))} at safety {safety:g}{why}"
     )
 
 

@@ -48,6 +48,7 @@ from gpuwait.core.policy import (
     NO_CANDIDATE,
     NO_MATCH,
     OVER_LIMIT,
+    PROHIBITED_NOTE,
     TOO_FEW,
     Requirements,
     WaitReason,
@@ -806,19 +807,21 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
         return f"ask for less ({spell('vram')}) or fewer GPUs ({spell('gpus')}): the limit is the site's"
     if reason.startswith(NO_MATCH):
         return relax
+    reopen = (
+        "have an administrator set the card's compute mode back to default (nvidia-smi -c DEFAULT)"
+    )
     if reason.startswith(NO_CANDIDATE):
         # Cards in prohibited mode, or none left by --devices and CUDA_VISIBLE_DEVICES.
-        return (
-            f"use other GPUs ({spell('devices')}), or have an administrator set the card's "
-            "compute mode back to default (nvidia-smi -c DEFAULT)"
-        )
+        return f"use other GPUs ({spell('devices')}), or {reopen}"
+    # Cards in prohibited mode that would serve it, named at the reason's end.
+    shut = f", or {reopen}" if PROHIBITED_NOTE in reason else ""
     if TOO_FEW in reason:
         fewer = f"ask for fewer GPUs ({spell('gpus')})"
         matching_fewer = " match" in reason.split(TOO_FEW, 1)[1]  # not "can be used"
-        return f"{fewer}, or {relax}" if asked and matching_fewer else fewer
+        return (f"{fewer}, or {relax}" if asked and matching_fewer else fewer) + shut
     return (
         f"ask for less ({spell('vram')}), raise safety, or use other GPUs "
-        f"({spell('devices')}, {spell('gpu_name')})"
+        f"({spell('devices')}, {spell('gpu_name')}){shut}"
     )
 
 

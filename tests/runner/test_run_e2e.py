@@ -890,6 +890,24 @@ def test_a_request_for_cards_that_take_no_cuda_work_is_told_what_would_help(
     assert "compute mode" in hint and "raise safety" not in hint, done.stderr
 
 
+@pytest.mark.parametrize(
+    "options", [["--vram", "40G"], ["--vram", "20G", "--gpus", "2"]], ids=["size", "gang"]
+)
+def test_a_request_that_only_a_card_in_prohibited_mode_could_serve_is_told_so(
+    gpuwait_cmd: list[str], sim_file: Any, options: list[str]
+) -> None:
+    # The 80 GiB card is shut for maintenance (nvidia-smi -c PROHIBITED): 40G was refused as
+    # a size that can never fit, naming the 24 GiB card as the largest, with no word of the
+    # other one, and the hint said to ask for less; it now names the shut card and says what
+    # would open it.
+    sim_file(gpus=2, memory=["24GiB", "80GiB"], compute_mode=[None, "prohibited"])
+    done = run([*gpuwait_cmd, *options, "--", "true"])
+    assert done.returncode == 3, done.stderr
+    error, hint = done.stderr.splitlines()[-2:]
+    assert error.endswith("GPU1's compute mode is prohibited"), done.stderr
+    assert "nvidia-smi -c DEFAULT" in hint, done.stderr
+
+
 def test_reserve_names_its_own_keywords_in_the_hint(sim_file: Any) -> None:
     import gpuwait
 
