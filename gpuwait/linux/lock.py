@@ -132,35 +132,44 @@ def _wait_under_timer(
     using (`signal.alarm` in a program that uses the Python API, pytest-timeout): its time is
     kept and the timer given back as it would have run, and its signal delivered when it falls
     due. A SIGALRM that comes while the wait's timer still runs was sent by someone else
-    (`kill -ALRM` at gpuwait, which passes it on to its command). Where the caller holds SIGALRM
+    (`kill -ALRM` at gpuwait, which passes it on to its command, or a thread of the program's);
+    so is one sent between two slices, kept out until the next one. Where the caller holds SIGALRM
     blocked (gpuwait's own loop takes it from there) such a signal is put back pending once the
     wait ends, and ends it like any other signal waiting for gpuwait (SignalPending)."""
     import signal
     import time
 
+    # SIGALRM is let in during a slice only, while the wait's timer runs: between two slices
+    # the timer is stopped, and one let in then would pass for the wait's own tick.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    held = signal.SIGALRM in mask
     callers = signal.getitimer(signal.ITIMER_REAL)
     # Due that long from now: the wait may have begun long before (this is its next turn, a
     # tick of the caller's own just handled), and the timer counts down from now.
     caller_due = time.monotonic() + callers[0] if callers[0] > 0 else None
     in_take = False
-    # One that came before the wait and waits, blocked, for gpuwait's loop is not the wait's
-    # own either: taken here (it would reach the handler below the moment it is unblocked,
-    # while no timer runs, and pass for a tick) and put back pending when the wait ends.
-    foreign = signal.sigtimedwait({signal.SIGALRM}, 0) is not None
+    foreign = False
+    #: Whether this slice's timer has rung, its tick handled.
+    rang = False
 
     def tick(signum: int, frame: object) -> None:
-        nonlocal foreign
-        # Ours when our timer is spent (it ran out, or the wait is between two slices).
+        nonlocal foreign, rang
+        # Ours when our timer is spent (it ran out just now).
         if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
             foreign = True
+        else:
+            rang = True
         if in_take:
             raise _Tick
 
     previous = signal.signal(signal.SIGALRM, tick)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
-    held = signal.SIGALRM in mask
     try:
         while True:
+            # One waiting, shut out, is not the wait's own (a tick that fell due as its slice
+            # ended is taken there): sent between two slices, or before the wait began and
+            # left blocked for gpuwait's loop. Taken here, it is put back when the wait ends.
+            if signal.sigtimedwait({signal.SIGALRM}, 0) is not None:
+                foreign = True
             now = time.monotonic()
             if caller_due is not None and now >= caller_due:
                 foreign = True
@@ -180,8 +189,9 @@ def _wait_under_timer(
             if caller_due is not None:
                 step = max(0.001, min(step, caller_due - time.monotonic()))
             try:
-                in_take = True
+                in_take, rang = True, False
                 signal.setitimer(signal.ITIMER_REAL, step)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
                 take(True)
             except _Tick:
                 # Also when the timer fired just after the lock was granted: asking again for
@@ -189,7 +199,13 @@ def _wait_under_timer(
                 continue
             finally:
                 in_take = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                # A tick run here, as SIGALRM is shut out again, is judged with the timer as
+                # it stands, and raises nothing.
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+                if signal.setitimer(signal.ITIMER_REAL, 0)[0] == 0 and not rang:
+                    # The timer fell due only now, SIGALRM shut out: its tick waits, and is
+                    # taken here (one sent meanwhile merged with it, as two SIGALRMs do).
+                    signal.sigtimedwait({signal.SIGALRM}, 0)
             return True
     finally:
         # A tick whose handler Python runs only now (it looks for signals before it replaces

@@ -20,36 +20,43 @@ from gpuwait.linux.lock import LockTimeout, flock_within, lock_within
 from gpuwait.linux.signals import SignalPending
 
 
-def test_a_tick_still_pending_when_the_wait_ends_is_not_raised_to_the_caller(
+def _alarms_to_the_caller(monkeypatch: pytest.MonkeyPatch, setitimer: Any, take: Any) -> list[int]:
+    """Wait for a lock with `take`, the timer set through `setitimer` (the real one, made to
+    act at a chosen moment); the SIGALRMs the caller's own handler had meanwhile."""
+    rang: list[int] = []
+    before = signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(signum))
+    try:
+        monkeypatch.setattr(signal, "setitimer", setitimer)
+        lock_within(take, timeout=5.0)
+        monkeypatch.undo()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    return rang
+
+
+def test_a_tick_that_falls_due_as_a_slice_ends_is_not_passed_to_the_caller(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The interval timer can fire just as the lock is granted, and Python runs a handler only
-    at the next point that looks for signals: that can be the call that puts the caller's
-    SIGALRM handler back (`signal.signal` looks first). The lock is held by then, so the tick
-    has nothing left to interrupt; raised, it would fail a transaction that had its lock (seen
-    once in CI, in a test of sixty processes writing one ledger). Here the tick is made to be
-    pending exactly there."""
-    real = signal.signal
-    calls: list[Any] = []
+    """The interval timer can fire just as a slice of the wait ends, after SIGALRM is shut out
+    again and before the timer is stopped: the tick then waits, pending, and would reach the
+    caller's handler (or kill a caller that has none) once the wait gives SIGALRM back. It
+    must be taken as the wait's own. Here the timer is made to fall due exactly there."""
+    real = signal.setitimer
 
-    def put_back_late(signum: int, handler: Any) -> Any:
-        calls.append(handler)
-        if len(calls) == 2:
-            # The wait is over and its handler is being replaced: the tick arrives now.
-            os.kill(os.getpid(), signal.SIGALRM)
-        return real(signum, handler)
+    def late_stop(which: int, seconds: float, interval: float = 0.0) -> Any:
+        if seconds == 0:
+            time.sleep(max(0.0, signal.getitimer(which)[0]) + 0.02)  # it falls due, shut out
+        return real(which, seconds, interval)
 
     def take(block: bool) -> None:
         if not block:
             raise BlockingIOError  # held: the caller waits, under its timer
         # blocking: granted at once
 
-    before = signal.getsignal(signal.SIGALRM)
-    monkeypatch.setattr(signal, "signal", put_back_late)
-    lock_within(take, timeout=5.0)
-    monkeypatch.undo()
-    assert len(calls) >= 2
-    assert signal.getsignal(signal.SIGALRM) == before
+    rang = _alarms_to_the_caller(monkeypatch, late_stop, take)
+    assert rang == []
+    assert signal.SIGALRM not in signal.sigpending()
 
 
 def _held_elsewhere(path: Path, seconds: float, then: str = "") -> subprocess.Popen[bytes]:
@@ -178,3 +185,33 @@ def test_a_callers_periodic_timer_falls_due_on_time_and_the_wait_still_times_out
         # One tick per period, give or take the slow machine's delays: not hundreds.
         assert 3 <= len(rang) <= 40, len(rang)
         assert signal.getitimer(signal.ITIMER_REAL)[1] == 0.05
+
+
+def test_an_alarm_sent_between_two_slices_of_the_wait_reaches_the_callers_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGALRM sent to a program (by a thread of its own, or `kill -ALRM`) that lands while
+    the wait for a lock is between two slices, its timer stopped, was taken for the wait's own
+    tick and dropped: the program's handler never ran. Here it is sent exactly there."""
+    real = signal.setitimer
+    sent: list[bool] = []
+
+    def between_slices(which: int, seconds: float, interval: float = 0.0) -> Any:
+        done = real(which, seconds, interval)
+        if seconds == 0 and not sent:
+            # The first slice is over and its timer stopped: the signal lands now.
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGALRM)
+        return done
+
+    slices: list[bool] = []
+
+    def take(block: bool) -> None:
+        if not block:
+            raise BlockingIOError  # held: the caller waits, under its timer
+        slices.append(block)
+        if len(slices) == 1:
+            time.sleep(5)  # the first slice lasts until its tick; then the lock is granted
+
+    rang = _alarms_to_the_caller(monkeypatch, between_slices, take)
+    assert sent and rang == [signal.SIGALRM], rang
