@@ -18,15 +18,16 @@ def parse_signal(text: str) -> int:
     name = text.strip().upper()
     if name.isascii() and name.isdigit():
         number = int(name)
-        if number in signal.valid_signals():
-            return number
-        raise ValueError(f"{text!r} is not a signal number")
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    value = getattr(signal, name, None)
-    if not isinstance(value, signal.Signals) or value in (signal.SIGKILL, signal.SIGSTOP):
+        if number not in signal.valid_signals():
+            raise ValueError(f"{text!r} is not a signal number")
+    else:
+        value = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+        number = int(value) if isinstance(value, signal.Signals) else 0
+    # KILL and STOP by number too (9, 19): no handler can be installed for them, so a job
+    # could never be asked, and its checkpoint.install() would fail.
+    if number in (0, signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"{text!r} is not a signal a job can catch; use e.g. USR1, USR2, TERM")
-    return int(value)
+    return number
 
 
 def catches(pid: int, signum: int) -> bool:

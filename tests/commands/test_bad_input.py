@@ -109,6 +109,16 @@ CASES: dict[str, Case] = {
         2,
         "add --pausable",
     ),
+    # SIGKILL and SIGSTOP by number, as by name: no job can catch them, so it could never be
+    # asked, and the job's own checkpoint.install() would fail at its start.
+    "uncatchable checkpoint signal by number": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "9", "true"],
+        {},
+        None,
+        None,
+        2,
+        "not a signal a job can catch",
+    ),
     "grace-kill without pausable": (
         ["--vram", "1G", "--grace-kill", "true"],
         {},

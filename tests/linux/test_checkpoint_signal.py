@@ -50,7 +50,7 @@ def test_signal_names(text: str, number: int) -> None:
     assert parse_signal(text) == number
 
 
-@pytest.mark.parametrize("text", ["KILL", "STOP", "NOPE", "999", ""])
+@pytest.mark.parametrize("text", ["KILL", "STOP", "9", "19", "NOPE", "999", ""])
 def test_bad_signal_names(text: str) -> None:
     with pytest.raises(ValueError):
         parse_signal(text)
