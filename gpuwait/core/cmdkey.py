@@ -189,7 +189,10 @@ def _names_relative_paths(tail: str) -> bool:
 
 
 def _resolve(path: str, cwd: str) -> str:
-    return os.path.normpath(os.path.join(cwd, os.path.expanduser(path)))
+    """`path` as the program opens it from `cwd`. A `~` that reached the program was expanded
+    by no shell (quoted, or after `--script=`): the program opens `./~/...`, so it is no home
+    directory here either, and nothing is looked up (the environment, the password database)."""
+    return os.path.normpath(os.path.join(cwd, path))
 
 
 def _join(parts: Sequence[str]) -> str:

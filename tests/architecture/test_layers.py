@@ -113,6 +113,33 @@ def test_the_core_is_pure() -> None:
     assert wrong == []
 
 
+#: What of `os` the pure core may use: `import os.path` binds all of `os` (its clock, its
+#: processes, its files), and `os.path` reads the file system (`exists`, `realpath`), the
+#: working directory (`abspath`) and the environment or the password database (`expanduser`).
+#: Only arithmetic on path text is pure.
+CORE_OS_PATH = {"basename", "dirname", "join", "normpath", "split", "splitext", "isabs", "sep"}
+
+
+def test_the_core_uses_os_path_for_text_only() -> None:
+    wrong = []
+    for path, tree in modules():
+        if part_of(path) != "core":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id == "os" and node.attr != "path":
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} os.{node.attr}")
+            if (
+                isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and (node.value.value.id, node.value.attr) == ("os", "path")
+                and node.attr not in CORE_OS_PATH
+            ):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} os.path.{node.attr}")
+    assert wrong == []
+
+
 def calls_of(tree: ast.Module, attribute: str) -> Iterator[int]:
     for node in ast.walk(tree):
         if (

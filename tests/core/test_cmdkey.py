@@ -94,6 +94,17 @@ def test_programs_named_by_a_path_are_resolved() -> None:
     assert "script" not in levels("./bin/run", "a")
 
 
+@pytest.mark.parametrize("home", ["/home/a", "/home/b"])
+def test_a_literal_tilde_is_the_file_the_program_opens(
+    monkeypatch: pytest.MonkeyPatch, home: str
+) -> None:
+    # No shell expanded it (quoted, or after `--script=`): Python opens ./~/train.py, and the
+    # key names that file, whoever's HOME it is computed under; nothing is looked up.
+    monkeypatch.setenv("HOME", home)
+    assert levels("python", "~/train.py")["script"] == f"python '{CWD}/~/train.py'"
+    assert levels("torchrun", "--script=~/x.py")["script"] == f"torchrun '{CWD}/~/x.py'"
+
+
 def test_paths_with_spaces_stay_one_argument() -> None:
     assert levels("python", "my script.py", "a b")["command"] == (
         f"python '{CWD}/my script.py' 'a b'"
