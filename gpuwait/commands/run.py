@@ -381,8 +381,8 @@ def _request(options: argparse.Namespace) -> RunRequest:
         requirements=requirements,
         name=options.name,
         batch=options.batch,
-        after=_references(options.after),
-        after_ok=_references(options.after_ok),
+        after=_references("--after", options.after),
+        after_ok=_references("--after-ok", options.after_ok),
         pausable=_pausable(options),
         freezable=options.freezable,
         verbose=options.verbose and not options.quiet,
@@ -450,8 +450,18 @@ def _requirements(options: argparse.Namespace) -> dict[str, Any]:
     return wanted
 
 
-def _references(values: list[str]) -> tuple[str, ...]:
-    return tuple(ref.strip() for value in values for ref in value.split(",") if ref.strip())
+def _references(option: str, values: list[str]) -> tuple[str, ...]:
+    """The jobs `--after`/`--after-ok` name. Raises UsageError for a value that names none
+    (`--after-ok "$PREV"` with $PREV empty): the job would start as if it depended on nothing."""
+    refs: list[str] = []
+    for value in values:
+        named = [ref.strip() for ref in value.split(",") if ref.strip()]
+        if not named:
+            raise UsageError(
+                f"{option} {value!r} names no job", hint="give a job's id, name or batch"
+            )
+        refs += named
+    return tuple(refs)
 
 
 def _config(settings: Settings, cli: Mapping[str, Any]) -> RunConfig:

@@ -397,6 +397,18 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_a_dependency_that_names_no_job_is_refused(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # after_ok=previous_id where previous_id came out empty: no room held as if it depended on
+    # nothing.
+    import gpuwait
+
+    for options in ({"after_ok": ""}, {"after": ["", " "]}):
+        with pytest.raises(gpuwait.ReserveError) as caught:
+            gpuwait.reserve("1G", **options)
+        assert (caught.value.exit_code, "names no job" in caught.value.message) == (2, True)
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_keyword_reserve_does_not_have_is_pythons_type_error(
     sim: Path, gpuwait_cmd: list[str]
 ) -> None:

@@ -127,6 +127,17 @@ CASES: dict[str, Case] = {
         2,
         "--grace-kill applies to --pausable jobs only",
     ),
+    # `--after-ok "$PREV"` where $PREV came out empty: the job must not start at once as if
+    # it depended on nothing.
+    "empty after": (["--vram", "1G", "--after", "", "true"], {}, None, None, 2, "names no job"),
+    "after-ok of commas": (
+        ["--vram", "1G", "--after-ok", " , ", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--after-ok ' , ' names no job",
+    ),
     "more gpus than exist": (["--vram", "1G", "--gpus", "9", "true"], {}, None, None, 3, "only 2"),
     "negative timeout with =": (["--timeout=-5s", "true"], {}, None, None, 2, "is negative"),
     "timeout unit": (["--timeout", "10x", "true"], {}, None, None, 2, "not a duration"),
