@@ -306,6 +306,15 @@ def run(options: argparse.Namespace) -> int:
 def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
     """The options as a typed request, and the settings (which some options override) as
     plain values; gpuwait.api reserves with the same options through here."""
+    # Set to nothing (`--ledger "$LAB"` with $LAB empty), these would read as not set, over
+    # the settings': another ledger than the one the config names, or no timeout at all.
+    for option, value, hint in (
+        ("--ledger", options.ledger, "give the ledger's directory, or leave the option out"),
+        ("--timeout", options.timeout, "give a duration (30m), 0 (no wait) or none"),
+    ):
+        if value is not None and not value.strip():
+            what = "names no directory" if option == "--ledger" else "is empty"
+            raise UsageError(f"{option} {value!r} {what}", hint=hint)
     cli = {
         "timeout": options.timeout,
         "pick": options.pick,

@@ -389,7 +389,7 @@ def test_a_number_too_small_to_be_bytes_is_refused(
 def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: list[str]) -> None:
     import gpuwait
 
-    for options in ({"after": 5}, {"name": 5}, {"ledger": 5}, {"devices": 1.5}):
+    for options in ({"after": 5}, {"name": 5}, {"ledger": 5}, {"ledger": ""}, {"devices": 1.5}):
         with pytest.raises(gpuwait.ReserveError) as caught:
             gpuwait.reserve("1G", **options)
         assert caught.value.exit_code == 2, options

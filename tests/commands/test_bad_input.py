@@ -148,6 +148,24 @@ CASES: dict[str, Case] = {
     "empty devices": (["--vram", "1G", "--devices", ",", "true"], {}, None, None, 2, "no GPU"),
     "unknown uuid": (["--vram", "1G", "--devices", "GPU-zz", "true"], {}, None, None, 2, "no GPU"),
     "empty pick": (["--pick", "", "true"], {}, None, None, 2, "best-fit"),
+    # `--ledger "$LAB"` with $LAB empty: taken for no ledger_dir, it put the job in the user's
+    # own ledger, where the jobs of the shared one the config names do not see it.
+    "empty ledger over the config's": (
+        ["--ledger", "", "--vram", "1G", "true"],
+        {},
+        'ledger_dir = "/srv/gpuwait-lab"\n',
+        None,
+        2,
+        "--ledger '' names no directory",
+    ),
+    "empty timeout over the environment's": (
+        ["--timeout", " ", "--vram", "1G", "true"],
+        {"GPUWAIT_TIMEOUT": "10m"},
+        None,
+        None,
+        2,
+        "--timeout ' ' is empty",
+    ),
     "missing ledger dir": (
         ["--ledger", "/nonexistent/gpuwait", "--vram", "1G", "true"],
         {},
