@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -324,7 +325,22 @@ def _argv(
     if priority is not None:
         yield from ("--priority", str(priority))
     if timeout is not None:
-        yield from ("--timeout", f"{timeout}s" if isinstance(timeout, (int, float)) else timeout)
+        yield from ("--timeout", _seconds_text(timeout))
+
+
+def _seconds_text(value: object) -> str:
+    """`timeout` as the command line's word: text as it is, a number as seconds written out
+    (Python writes 1e-05 and 1e+20, which no duration is)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _wrong_type("timeout", value, 'seconds, or a duration as text ("30m", "none")')
+    if not math.isfinite(value):
+        raise ReserveError(
+            f"timeout={value!r}: give seconds, or timeout='none' to wait as long as it takes",
+            exit_code=EXIT_USAGE,
+        )
+    return f"{value:.6f}".rstrip("0").rstrip(".") + "s"
 
 
 def _text(value: object) -> str | None:
@@ -345,8 +361,15 @@ def _size_text(value: object) -> str | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if isinstance(value, int) and not 0 < value < _MIN_INT_BYTES:
             return f"{value}B"
+        if not value > 0 or not math.isfinite(value):
+            said = f"{value!r} is not a size above zero"
+        elif value >= _MIN_INT_BYTES:
+            # Bytes computed as a float (model_bytes * 1.2): no one meant millions of GiB.
+            said = f"{value!r} is a float: give bytes as an int: {math.ceil(value)}"
+        else:
+            said = f"{value!r} has no unit: write '{value:g}G' for {value:g} GiB"
         raise ReserveError(
-            f"{value!r} has no unit: write '{value:g}G' for {value:g} GiB",
+            said,
             hint="a size as text (6G, 6GiB, 6GB, 512M, 50%), or an int of bytes (at least 1 MiB)",
             exit_code=EXIT_USAGE,
         )

@@ -386,6 +386,54 @@ def test_a_number_too_small_to_be_bytes_is_refused(
     assert listed_jobs(gpuwait_cmd) == []
 
 
+@pytest.mark.parametrize(
+    ("vram", "words"),
+    [
+        # Bytes computed as a float (model_bytes * 1.2): no one meant six billion GiB.
+        (6e9, "give bytes as an int: 6000000000"),
+        (1.5 * GiB, "give bytes as an int: 1610612736"),
+        (-2.0, "not a size above zero"),
+        (float("nan"), "not a size above zero"),
+    ],
+)
+def test_a_float_is_told_how_to_write_it(
+    sim: Path, gpuwait_cmd: list[str], vram: float, words: str
+) -> None:
+    import gpuwait
+
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve(vram)
+    assert caught.value.exit_code == 2
+    assert words in caught.value.message
+    assert "e+" not in caught.value.message
+    assert listed_jobs(gpuwait_cmd) == []
+
+
+@pytest.mark.parametrize(
+    ("timeout", "words"),
+    [
+        # Seconds as Python writes a small or a large float: a timeout, not a malformed word.
+        (1e-05, None),
+        (1e20, "too long (at most 365d)"),
+        (float("inf"), "timeout=inf: give seconds"),
+        (True, "timeout=True: expected"),
+    ],
+)
+def test_a_timeout_in_seconds_is_read_as_seconds(
+    sim: Path, gpuwait_cmd: list[str], timeout: float, words: str | None
+) -> None:
+    import gpuwait
+
+    if words is None:
+        gpuwait.reserve("1G", timeout=timeout).release()
+        return
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve("1G", timeout=timeout)
+    assert caught.value.exit_code == 2
+    assert words in caught.value.message
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: list[str]) -> None:
     import gpuwait
 
