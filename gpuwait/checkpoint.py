@@ -102,7 +102,16 @@ def requested() -> bool:
 
 
 def exit_for_resume() -> NoReturn:
-    """Exit with the resume status, after the checkpoint is safely saved."""
+    """Exit with the resume status, after the checkpoint is safely saved.
+
+    From the main thread as sys.exit does (its `finally` blocks and atexit handlers run);
+    from another thread (a loop run in a worker thread), where SystemExit would end that thread
+    alone and leave the job running on its memory, the process ends there and then."""
     sys.stdout.flush()
     sys.stderr.flush()
-    raise SystemExit(resume_exit_status())
+    import threading  # here: importing this module stays cheap
+
+    status = resume_exit_status()
+    if threading.current_thread() is not threading.main_thread():
+        os._exit(status)
+    raise SystemExit(status)
