@@ -298,13 +298,13 @@ def reserve(
         ("--max-util", _text(max_util)),
     ):
         if value is not None:
-            argv += [option, value]
+            argv.append(f"{option}={value}")
     for option, keyword, refs in (
         ("--after", "after", after),
         ("--after-ok", "after_ok", after_ok),
     ):
         for ref in _references(keyword, refs):
-            argv += [option, ref]
+            argv.append(f"{option}={ref}")
     return reserve_argv(argv, _LoggingReporter())
 
 
@@ -316,16 +316,18 @@ def _argv(
     priority: int | str | None,
     timeout: float | str | None,
 ) -> Iterator[str]:
+    # Each as `--option=value`: a value that starts with a dash (key="-exp1") is the value,
+    # not taken for an option of its own.
     if vram is not None:
-        yield from ("--vram", _size_text(vram) or "")
+        yield f"--vram={_size_text(vram) or ''}"
     if gpus != 1:
-        yield from ("--gpus", str(gpus))
+        yield f"--gpus={gpus}"
     if exclusive:
         yield "--exclusive"
     if priority is not None:
-        yield from ("--priority", str(priority))
+        yield f"--priority={priority}"
     if timeout is not None:
-        yield from ("--timeout", _seconds_text(timeout))
+        yield f"--timeout={_seconds_text(timeout)}"
 
 
 def _seconds_text(value: object) -> str:

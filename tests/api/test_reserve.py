@@ -469,6 +469,21 @@ def test_a_keyword_reserve_does_not_have_is_pythons_type_error(
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_a_value_that_starts_with_a_dash_is_the_options_value(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `--key=-exp1` on the command line: from Python, not refused as an option without its
+    # value, and a refused value is told by its own option's words.
+    import gpuwait
+
+    with gpuwait.reserve("1G", key="-exp1", name="dashed") as r:
+        assert r.held
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve("1G", gpu_name="-x")
+    assert "expected one argument" not in caught.value.message
+    assert caught.value.message.startswith("no GPU"), caught.value.message
+
+
 def test_devices_takes_one_index_as_the_command_line_does(sim: Path) -> None:
     script = "import gpuwait\nprint(gpuwait.reserve('1G', devices=1).gpus)\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
