@@ -38,7 +38,6 @@ _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish"})
 #: Python options that take a value (as the next token or glued on: -Wignore).
 _PYTHON_VALUE_OPTIONS = frozenset("WX")
 _PYTHON_LONG_VALUE_OPTIONS = frozenset({"--check-hash-based-pycs"})
-_SHELL_VALUE_OPTIONS = frozenset({"-o", "+o", "-O", "+O"})
 #: Arguments with these endings are taken as the script of a launcher (torchrun, accelerate ...).
 _SCRIPT_SUFFIXES = (".py", ".sh", ".bash", ".js", ".mjs", ".R", ".r", ".jl", ".rb", ".pl", ".lua")
 
@@ -273,23 +272,30 @@ def _module(module: str, rest: list[str], cwd: str) -> tuple[str | None, str]:
 
 
 def _shell_script(args: list[str], cwd: str) -> tuple[str | None, str]:
+    """(script identity, command line after the program) for a shell's command line.
+
+    Options may be clustered, as CI and containers write them (`bash -lc CODE`, `bash -eo
+    pipefail -c CODE`): a `c` among them makes the first operand inline code, and each `o`
+    or `O` takes the next word as its option's name."""
     position = 0
+    inline = False
     while position < len(args):
         token = args[position]
-        if token == "-c":
-            value = args[position + 1] if position + 1 < len(args) else ""
-            identity = f"-c <{_short_hash(value)}>"
-            return identity, f"{identity} {_join(args[position + 2 :])}".rstrip()
-        if token in _SHELL_VALUE_OPTIONS:
-            position += 2
-            continue
         if token == "--":
             position += 1
             break
-        if token.startswith(("-", "+")) and token not in ("-", "+"):
+        if not token.startswith(("-", "+")) or token in ("-", "+"):
+            break
+        if token.startswith("--"):
             position += 1
             continue
-        break
+        letters = token[1:]
+        inline = inline or "c" in letters
+        position += 1 + sum(letter in "oO" for letter in letters)
+    if inline:
+        value = args[position] if position < len(args) else ""
+        identity = f"-c <{_short_hash(value)}>"
+        return identity, f"{identity} {_join(args[position + 1 :])}".rstrip()
     if position < len(args):
         script = _resolve(args[position], cwd)
         return _join([script]), _join([script, *args[position + 1 :]])

@@ -88,6 +88,19 @@ def test_shell_scripts_and_inline_code() -> None:
     assert levels("python", "-c", "a")["script"] != levels("python", "-c", "b")["script"]
 
 
+@pytest.mark.parametrize("options", [["-lc"], ["-ec"], ["-eo", "pipefail", "-c"], ["-c"]])
+def test_inline_code_after_clustered_options_counts_with_its_directory(
+    options: list[str],
+) -> None:
+    # `bash -lc '...'`, as CI and containers write it: the same code run in two projects reads
+    # each one's config, and one project's runs must not size the other's.
+    code = "/opt/tools/train.sh configs/big.yaml"
+    here = levels("bash", *options, code, cwd="/projA")
+    assert here["script"] == levels("bash", "-c", code, cwd="/projA")["script"]
+    assert here["script"].startswith("bash -c <") and here["script"].endswith("(in /projA)")
+    assert here["script"] != levels("bash", *options, code, cwd="/projB")["script"]
+
+
 def test_programs_named_by_a_path_are_resolved() -> None:
     assert levels("./bin/run", "a")["program"] == f"{CWD}/bin/run"
     assert levels("nvidia-smi")["program"] == "nvidia-smi"
