@@ -443,19 +443,30 @@ class GroupWitness:
         return recent < SAME_SIGNAL_WINDOW
 
     def signalled_lately(self) -> bool:
-        """Whether a signal was sent to the whole group just now: the witness shows one (given
-        WITNESS_GRACE to come), or showed one less than SAME_SIGNAL_WINDOW ago. The signal
-        itself is left to `sent_to_group`, where gpuwait has yet to take it."""
+        """Whether a signal that ends a process was sent to the whole group just now: the
+        witness shows one (given WITNESS_GRACE to come), or showed one less than
+        SAME_SIGNAL_WINDOW ago. The signal itself is left to `sent_to_group`, where gpuwait has
+        yet to take it. One gpuwait's caller left ignored (the Ctrl-C of a job a script put in
+        the background) is not counted: it ended nobody, though it stays pending in the
+        witness, which blocks it; nor is a stop (SIGTSTP)."""
+        ending = 0
+        for signum in taken(FORWARDED):
+            ending |= _bit(signum)
         now = time.monotonic()
-        if any(now - at < SAME_SIGNAL_WINDOW for at in self._witnessed.values()):
+        if any(
+            now - at < SAME_SIGNAL_WINDOW and _bit(signum) & ending
+            for signum, at in self._witnessed.items()
+        ):
             return True
         if self.pid is None:
             return False
         deadline = now + WITNESS_GRACE
         while True:
             held = _pending(self.pid)
-            if held != 0 or time.monotonic() >= deadline:
-                return bool(held)
+            if held is None:
+                return False
+            if held & ending or time.monotonic() >= deadline:
+                return bool(held & ending)
             time.sleep(0.005)
 
     def _replace(self) -> None:

@@ -1031,3 +1031,47 @@ def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended
 
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+def test_a_background_wrapped_command_is_ended_by_its_pid_after_a_ctrl_c_it_ignored(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A zsh script that starts `python serve.py &` and kills it from its Ctrl-C trap (`trap
+    'kill $pid' INT`): zsh has a job it puts in the background ignore Ctrl-C, as its command
+    does bare, and the kill then ends it. The Ctrl-C, ignored, was still taken for a signal
+    sent to the whole job just now, and the subshell's end for that signal's: the kill was
+    dropped, and the command ran on, holding its GPU, after the script had ended."""
+    shell = "zsh"
+    need(shell)
+    (tmp_path / "hold.py").write_text(HOLD)
+    ran = tmp_path / "ran"
+    script = (
+        f"{init_line(shell, '--always')}\npython hold.py {ran} &\npid=$!\necho $pid\n"
+        "trap 'kill $pid' INT\nwait\nwait\n"
+    )
+    # A process group of its own, which the terminal's Ctrl-C reaches as a whole.
+    outer = subprocess.Popen(
+        ["zsh", "-f", "-c", script],
+        env=hook_env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    started: list[int] = []
+    try:
+        assert outer.stdout is not None
+        subshell = int(outer.stdout.readline())
+        _until(lambda: _children(subshell), "the subshell never started gpuwait")
+        started.extend(_children(subshell))
+        command = int(wait_for_file(ran))
+        started.append(command)
+        os.killpg(outer.pid, signal.SIGINT)
+        _until(lambda: not _alive(subshell), "the trap never killed the subshell")
+        _until(lambda: not _alive(command), "the command ran on after its kill", 5)
+        assert outer.wait(timeout=10) == 0
+    finally:
+        for pid in [*started, outer.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        outer.wait(timeout=10)
