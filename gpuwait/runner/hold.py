@@ -46,7 +46,7 @@ from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
-from gpuwait.queue.ledger import Ledger, LockPastDeadline
+from gpuwait.queue.ledger import Ledger, LockBusy, LockPastDeadline
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings
 from gpuwait.queue.wait import Interrupted, Stuck, TimedOut, wait_for_admission
@@ -358,7 +358,7 @@ def _hold(
             except LockPastDeadline as exc:
                 outcome, locked_out = TimedOut(None), exc.message
             except BaseException:
-                session._finish(ledger, job, INTERRUPTED, reporter)
+                _leave(config, ledger, job, INTERRUPTED, reporter)
                 raise
             finally:
                 reporter.waited()
@@ -366,11 +366,11 @@ def _hold(
             waited = time.monotonic() - waited_from
             waited_in_all = proc.boot_clock() - submitted_from
             if isinstance(outcome, Interrupted):
-                session._finish(ledger, job, INTERRUPTED, reporter)
+                _leave(config, ledger, job, INTERRUPTED, reporter)
                 raise WaitInterrupted(outcome.signum)
         if isinstance(outcome, TimedOut):
             with ledger.lock_deadline(deadline):
-                session._finish(ledger, job, TIMED_OUT, reporter)
+                _leave(config, ledger, job, TIMED_OUT, reporter)
             raise NotHeld(
                 session.gave_up(waited_in_all, locked_out or outcome.reason), EXIT_TIMEOUT
             )
@@ -383,7 +383,7 @@ def _hold(
         if isinstance(outcome, Stuck):
             # The process lives on (a notebook, a program that carries on without): its entry
             # would wait on for nobody, and be admitted into room nobody uses.
-            session._finish(ledger, job, INTERRUPTED, reporter)
+            _leave(config, ledger, job, INTERRUPTED, reporter)
             raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
         chosen = list(outcome.gpus)
         budget = _budget(config.enforce, job, chosen, reporter)
@@ -403,6 +403,30 @@ def _hold(
         # no reaper would take its place in the queue or its room back.
         _leave_if_listed(ledger, queued, reporter)
         raise
+
+
+def _leave(config: RunConfig, ledger: Ledger, job: Job, outcome: str, reporter: Reporter) -> None:
+    """`job` out of the queue, its wait ended without room, in a program that lives on (a
+    notebook kernel). Where another process keeps the ledger's lock (past the timeout, or as a
+    signal came), the entry is not left for a reaper, which comes only once the process is
+    gone, to be admitted meanwhile into room nobody uses: a thread takes it out once the lock
+    is free."""
+    if session._finish(ledger, job, outcome, reporter):
+        return
+
+    def later() -> None:
+        # A ledger of its own: not bound by the deadline or the patience of the one given.
+        mine = session._ledger(config)
+        while True:
+            try:
+                lifecycle.finish(mine, job, outcome)
+            except LockBusy:
+                continue
+            except Exception:  # nothing to say it to: the entry is reaped with the process
+                return
+            return
+
+    signals.start_deaf(threading.Thread(target=later, name="gpuwait-leave", daemon=True))
 
 
 def _leave_if_listed(ledger: Ledger, job: Job, reporter: Reporter) -> None:

@@ -989,3 +989,56 @@ def test_a_programs_own_periodic_timer_lets_the_wait_for_the_ledger_lock_go_on(s
     assert said[0]["exit_code"] == 124, said
     assert f"held by process {os.getpid()}" in said[0]["error"], said
     assert said[1]["rang"] >= 1, said
+
+
+#: A notebook's cell that reserves, and carries on after a signal whose handler returns ends
+#: the wait (the kernel lives on, as a notebook's does, until stdin closes).
+LIVES_ON = (
+    "import gpuwait, json, signal, sys\n"
+    "signal.signal(signal.SIGUSR1, lambda signum, frame: None)\n"
+    "print(json.dumps({'pid': __import__('os').getpid()}), flush=True)\n"
+    "try:\n"
+    "    gpuwait.reserve('4G', name='cell')\n"
+    "except gpuwait.ReserveError as exc:\n"
+    "    print(json.dumps({'exit_code': exc.exit_code}), flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_wait_given_up_while_the_ledger_lock_is_kept_leaves_the_queue_once_it_is_free(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A program whose wait ended (a signal its handler took, or its timeout) while another
+    # process kept the ledger's lock goes on living, a notebook kernel. Its entry was left for
+    # a reaper that only comes once the process is gone: it stayed in the queue, to be
+    # admitted by another's plan, and held room nobody used for as long as the kernel lived.
+    from gpuwait.linux import dirs
+
+    sim_file(gpus=1, base_used="24GiB")
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.5s")
+    cell = subprocess.Popen(
+        [sys.executable, "-c", LIVES_ON],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lock = Path(dirs.user_state_dir()) / "ledger.lock"
+    fd = -1
+    try:
+        assert cell.stdout is not None
+        pid = json.loads(cell.stdout.readline())["pid"]
+        wait_for(lambda: asleep_waiting(pid), timeout=30)
+        fd = os.open(lock, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.kill(pid, signal.SIGUSR1)
+        assert json.loads(cell.stdout.readline()) == {"exit_code": 128 + signal.SIGUSR1}
+        os.close(fd)
+        fd = -1
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert cell.poll() is None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        cell.kill()
+        cell.communicate()
