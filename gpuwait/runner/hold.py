@@ -46,7 +46,7 @@ from gpuwait.linux import proc, signals
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import ENDED, FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.entries import Job
-from gpuwait.queue.ledger import Ledger, LockBusy, LockPastDeadline
+from gpuwait.queue.ledger import LEAVE_PATIENCE, Ledger, LockBusy, LockPastDeadline
 from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings
 from gpuwait.queue.wait import Interrupted, Stuck, TimedOut, wait_for_admission
@@ -407,11 +407,19 @@ def _hold(
 
 def _leave(config: RunConfig, ledger: Ledger, job: Job, outcome: str, reporter: Reporter) -> None:
     """`job` out of the queue, its wait ended without room, in a program that lives on (a
-    notebook kernel). Where another process keeps the ledger's lock (past the timeout, or as a
-    signal came), the entry is not left for a reaper, which comes only once the process is
-    gone, to be admitted meanwhile into room nobody uses: a thread takes it out once the lock
-    is free."""
-    if session._finish(ledger, job, outcome, reporter):
+    notebook kernel). A lock another process keeps is waited for LEAVE_PATIENCE at most, as a
+    launch leaving the queue waits (the signal that ended the wait is the program's to handle,
+    its timeout its own), and the entry is not left for a reaper, which comes only once the
+    process is gone, to be admitted meanwhile into room nobody uses: a thread takes it out
+    once the lock is free."""
+    try:
+        with ledger.leaving(), ledger.lock_wait(LEAVE_PATIENCE):
+            lifecycle.finish(ledger, job, outcome)
+        return
+    except (signals.SignalPending, LockBusy):  # past its timeout too (LockPastDeadline)
+        pass
+    except Exception as exc:
+        reporter.warn(str(exc))
         return
 
     def later() -> None:

@@ -1104,21 +1104,18 @@ def _leave_to_checkpoint(
     return _Ended(resume_exit)
 
 
-def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> bool:
+def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:
     """lifecycle.finish, for a process that is about to end: a failure is only said, since the
-    entry is reaped by the next gpuwait anyway. False where another process kept the ledger's
-    lock (or a signal came while it waited for it), and the entry is left."""
+    entry is reaped by the next gpuwait anyway."""
     try:
         with ledger.leaving():
             lifecycle.finish(ledger, job, outcome, **how)
     except (signals.SignalPending, LockPastDeadline):
         # Ending because of a signal, or at its --timeout (which says who holds the lock): the
         # entry is reaped once this process is gone.
-        return False
+        pass
     except Exception as exc:
         reporter.warn(str(exc))
-        return not isinstance(exc, LockBusy)
-    return True
 
 
 def _ended_run(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any) -> None:

@@ -1005,17 +1005,18 @@ LIVES_ON = (
 )
 
 
-def test_a_wait_given_up_while_the_ledger_lock_is_kept_leaves_the_queue_once_it_is_free(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+def test_a_wait_given_up_while_the_ledger_lock_is_kept_ends_at_once_and_leaves_the_queue_later(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
     # A program whose wait ended (a signal its handler took, or its timeout) while another
     # process kept the ledger's lock goes on living, a notebook kernel. Its entry was left for
     # a reaper that only comes once the process is gone: it stayed in the queue, to be
     # admitted by another's plan, and held room nobody used for as long as the kernel lived.
+    # And the signal's handler ran, and reserve raised, only once lock_timeout (a minute) had
+    # passed: the CLI gives such a lock a second.
     from gpuwait.linux import dirs
 
     sim_file(gpus=1, base_used="24GiB")
-    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.5s")
     cell = subprocess.Popen(
         [sys.executable, "-c", LIVES_ON],
         stdin=subprocess.PIPE,
@@ -1032,6 +1033,8 @@ def test_a_wait_given_up_while_the_ledger_lock_is_kept_leaves_the_queue_once_it_
         fd = os.open(lock, os.O_RDWR)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.kill(pid, signal.SIGUSR1)
+        ready, _, _ = select.select([cell.stdout], [], [], 10)
+        assert ready, "reserve waited on for the lock after the signal"
         assert json.loads(cell.stdout.readline()) == {"exit_code": 128 + signal.SIGUSR1}
         os.close(fd)
         fd = -1
