@@ -165,7 +165,22 @@ def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_sig
         return None
     if info is not None and _about_gpuwait_itself(info):
         return None
+    if info is not None and info.si_signo == signal.SIGCHLD and info.si_code > 0:
+        # The kernel's (CLD_EXITED & co), not a ledger writer's wake-up, which kill(2) sends.
+        _CHILD_NEWS[0] = True
     return info
+
+
+#: Whether `next_signal` took a SIGCHLD the kernel sent for a child of this process's since
+#: `child_news` was last asked (a child of the program's own, where gpuwait.reserve waits).
+_CHILD_NEWS = [False]
+
+
+def child_news() -> bool:
+    """Whether `next_signal` took a SIGCHLD for a child of this process's that ended (or
+    stopped) since this was last asked; it is forgotten then."""
+    news, _CHILD_NEWS[0] = _CHILD_NEWS[0], False
+    return news
 
 
 def _about_gpuwait_itself(info: signal.struct_siginfo) -> bool:

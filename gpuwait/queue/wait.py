@@ -745,7 +745,9 @@ def wait_for_admission(
                 turnstile.leave()
                 info = signals.next_signal(sleep, also=also)
                 if info is None or info.si_signo == signal.SIGCHLD:
-                    continue  # SIGCHLD: a ledger writer's wake-up (a waiter has no child)
+                    # SIGCHLD: a ledger writer's wake-up (a reserving program's own child that
+                    # ended is told to its handler once the wait is over: runner.hold)
+                    continue
                 if watch is not None and watching and info.si_signo == watch.wake_signal:
                     watch.drain()
                     continue

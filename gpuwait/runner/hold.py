@@ -245,10 +245,15 @@ def _signals_taken() -> Iterator[None]:
     (they queue up for the waiting loop); the thread's mask as it was afterwards. Its own timers
     and real-time signals stay its own (signals.RESERVING)."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken(signals.RESERVING))
+    signals.child_news()  # only what comes while it waits
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        # SIGCHLD is also a ledger writer's wake-up: one the wait took for a child of the
+        # program's own (a worker that ended) reaches the program's handler now.
+        if signals.child_news() and callable(signal.getsignal(signal.SIGCHLD)):
+            os.kill(os.getpid(), signal.SIGCHLD)
 
 
 def _threads() -> int:

@@ -1045,3 +1045,46 @@ def test_a_wait_given_up_while_the_ledger_lock_is_kept_ends_at_once_and_leaves_t
             os.close(fd)
         cell.kill()
         cell.communicate()
+
+
+#: A program with a SIGCHLD handler of its own (a server that reaps its workers as they end)
+#: whose worker ends while it waits in reserve; it says how often its handler ran.
+REAPS_ITS_CHILDREN = (
+    "import gpuwait, json, signal, subprocess, sys\n"
+    "ended = []\n"
+    "signal.signal(signal.SIGCHLD, lambda signum, frame: ended.append(signum))\n"
+    "worker = subprocess.Popen(['sleep', '60'])\n"
+    "print(json.dumps({'worker': worker.pid}), flush=True)\n"
+    "r = gpuwait.reserve('4G', name='reaper')\n"
+    "print(json.dumps({'handled': len(ended)}), flush=True)\n"
+    "r.release()\n"
+    "worker.wait()\n"
+)
+
+
+def test_a_programs_own_child_that_ends_while_it_waits_still_reaches_its_sigchld_handler(
+    sim_file: SimFileFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wait takes SIGCHLD (a ledger writer's wake-up), and took the program's own as well:
+    # its handler never heard that its worker had ended, and never reaped it.
+    sim_file(gpus=1, base_used="24GiB")
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.1s")
+    program = subprocess.Popen(
+        [sys.executable, "-c", REAPS_ITS_CHILDREN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert program.stdout is not None
+        worker = json.loads(program.stdout.readline())["worker"]
+        wait_for(lambda: asleep_waiting(program.pid), timeout=30)
+        os.kill(worker, signal.SIGTERM)
+        wait_for(lambda: Path(f"/proc/{worker}/stat").read_text().split()[2] == "Z", timeout=10)
+        sim_file(gpus=1)  # room at last
+        said = json.loads(program.stdout.readline())
+        assert program.wait(timeout=20) == 0, program.stderr.read() if program.stderr else ""
+    finally:
+        program.kill()
+        program.communicate()
+    assert said["handled"] >= 1, said
