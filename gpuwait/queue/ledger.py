@@ -334,12 +334,13 @@ class Ledger:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             fd = self._lock_file()
+            _LOCK_FDS.add(fd)
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 flock_within(fd, fcntl.LOCK_EX, left, self._patience, self._slow(fd))
             except LockTimeout:
                 who = _who(holders(fd))
-                os.close(fd)
+                _close_lock(fd)
                 place = self.directory if self.shared else self.lock_path
                 if by_deadline:
                     raise LockPastDeadline(
@@ -353,7 +354,7 @@ class Ledger:
                 ) from None
             except OSError as exc:
                 # ENOLCK: an NFS mount whose lock daemon does not answer, say.
-                os.close(fd)
+                _close_lock(fd)
                 raise StateError(
                     f"the ledger lock on {self.directory if self.shared else self.lock_path} "
                     f"cannot be taken: {exc.strerror}",
@@ -361,19 +362,19 @@ class Ledger:
                     "ledger_dir) to a directory on one that does (a local disk)",
                 ) from None
             except BaseException:
-                os.close(fd)
+                _close_lock(fd)
                 raise
             if self.shared or self._still_the_lock(fd):
                 break
             # The lock file was removed (a tmp cleaner, a person) or replaced while this
             # process waited: whoever came since holds the file there now, so take that one.
-            os.close(fd)
+            _close_lock(fd)
         # Ctrl-Z stops this process once the lock is free, not while everyone waits for it.
         previous = signals.hold_stops()
         try:
             yield
         finally:
-            os.close(fd)
+            _close_lock(fd)
             signals.resume_stops(previous)
 
     def _slow(self, fd: int) -> Callable[[], bool] | None:
@@ -660,6 +661,31 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
+#: The descriptors of the ledger's lock this process has open (one a transaction, in any
+#: thread): none of them is a child's to keep (`_drop_inherited_locks`).
+_LOCK_FDS: set[int] = set()
+
+
+def _close_lock(fd: int) -> None:
+    _LOCK_FDS.discard(fd)
+    os.close(fd)
+
+
+def _drop_inherited_locks() -> None:
+    """In a child forked while another thread of its parent held the ledger's lock, or waited
+    for it (gpuwait.reserve's sampling thread, as a data loader forks its workers): the
+    child's copy of the lock's descriptor would keep the lock for as long as the child lives,
+    every gpuwait on the machine waiting for it, and the thread that would let it go is not in
+    the child."""
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class LockBusy(StateError):

@@ -991,6 +991,17 @@ def test_a_programs_own_periodic_timer_lets_the_wait_for_the_ledger_lock_go_on(s
     assert said[1]["rang"] >= 1, said
 
 
+def _program(code: str) -> subprocess.Popen[str]:
+    """A Python program running `code`, its stdin, stdout and stderr pipes of the test's."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 #: A notebook's cell that reserves, and carries on after a signal whose handler returns ends
 #: the wait (the kernel lives on, as a notebook's does, until stdin closes).
 LIVES_ON = (
@@ -1017,13 +1028,7 @@ def test_a_wait_given_up_while_the_ledger_lock_is_kept_ends_at_once_and_leaves_t
     from gpuwait.linux import dirs
 
     sim_file(gpus=1, base_used="24GiB")
-    cell = subprocess.Popen(
-        [sys.executable, "-c", LIVES_ON],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cell = _program(LIVES_ON)
     lock = Path(dirs.user_state_dir()) / "ledger.lock"
     fd = -1
     try:
@@ -1069,12 +1074,7 @@ def test_a_programs_own_child_that_ends_while_it_waits_still_reaches_its_sigchld
     # its handler never heard that its worker had ended, and never reaped it.
     sim_file(gpus=1, base_used="24GiB")
     monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.1s")
-    program = subprocess.Popen(
-        [sys.executable, "-c", REAPS_ITS_CHILDREN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    program = _program(REAPS_ITS_CHILDREN)
     try:
         assert program.stdout is not None
         worker = json.loads(program.stdout.readline())["worker"]
@@ -1088,3 +1088,61 @@ def test_a_programs_own_child_that_ends_while_it_waits_still_reaches_its_sigchld
         program.kill()
         program.communicate()
     assert said["handled"] >= 1, said
+
+
+#: A program that holds a reservation and forks a worker (a data loader's, with the fork start
+#: method) just as its sampling thread holds the ledger's lock to publish the tree it saw
+#: change; the worker lives on. It says the worker's pid.
+FORKS_A_WORKER = r"""
+import fcntl, json, os, threading, time
+import gpuwait
+holding = threading.Event()
+real = fcntl.flock
+def flock(fd, operation):
+    real(fd, operation)
+    if operation & fcntl.LOCK_EX and threading.current_thread() is not threading.main_thread():
+        holding.set()
+        time.sleep(0.3)  # the transaction takes a moment, as on a busy disk
+fcntl.flock = flock
+r = gpuwait.reserve("1G")
+first = os.fork()  # the tree changes: the sampler publishes it
+if first == 0:
+    time.sleep(60)
+    os._exit(0)
+holding.wait(10)
+worker = os.fork()
+if worker == 0:
+    time.sleep(60)
+    os._exit(0)
+print(json.dumps({"worker": worker, "first": first}), flush=True)
+import sys
+sys.stdin.read()
+for pid in (first, worker):
+    os.kill(pid, 9)
+"""
+
+
+def test_a_worker_forked_while_the_sampler_holds_the_ledger_lock_does_not_keep_it(
+    sim: Path, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker inherited the lock's descriptor, and with it the lock, for as long as it
+    # lived: every gpuwait on the machine then waited for it, and gave up (exit 5).
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    # Past the sampler's transaction, which the launch below waits for.
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "5s")
+    program = _program(FORKS_A_WORKER)
+    children: list[int] = []
+    try:
+        assert program.stdout is not None
+        said = json.loads(program.stdout.readline())
+        children += [said["worker"], said["first"]]
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "1G", "--", "true"], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        program.kill()
+        program.communicate()
