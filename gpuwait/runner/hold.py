@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuwait.core import budget as policy
 from gpuwait.core.budget import Budget, Means
@@ -206,7 +206,8 @@ class Holding:
         oom = known and looks_like_oom(code, said_oom, card_full)
         cause = policy.oom_cause(False, card_full) if oom else None
         evidence = "message" if said_oom else "card full"
-        session._finish(
+        _leave(
+            config,
             self.ledger,
             job,
             (OK if code == 0 else FAILED) if known else ENDED,
@@ -410,16 +411,19 @@ def _hold(
         raise
 
 
-def _leave(config: RunConfig, ledger: Ledger, job: Job, outcome: str, reporter: Reporter) -> None:
-    """`job` out of the queue, its wait ended without room, in a program that lives on (a
-    notebook kernel). A lock another process keeps is waited for LEAVE_PATIENCE at most, as a
-    launch leaving the queue waits (the signal that ended the wait is the program's to handle,
-    its timeout its own), and the entry is not left for a reaper, which comes only once the
-    process is gone, to be admitted meanwhile into room nobody uses: a thread takes it out
-    once the lock is free."""
+def _leave(
+    config: RunConfig, ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: Any
+) -> None:
+    """`job` out of the queue (lifecycle.finish, with `how`), its wait ended without room or its
+    room released, in a program that lives on (a notebook kernel). A lock another process
+    keeps is waited for LEAVE_PATIENCE at most, as a launch leaving the queue waits (the signal
+    that ended the wait is the program's to handle, its timeout its own, its release its
+    own), and the entry is not left for a reaper, which comes only once the process is gone,
+    to be admitted meanwhile into room nobody uses (or to keep it): a thread takes it out once
+    the lock is free."""
     try:
         with ledger.leaving(), ledger.lock_wait(LEAVE_PATIENCE):
-            lifecycle.finish(ledger, job, outcome)
+            lifecycle.finish(ledger, job, outcome, **how)
         return
     except (signals.SignalPending, LockBusy):  # past its timeout too (LockPastDeadline)
         pass
@@ -432,7 +436,7 @@ def _leave(config: RunConfig, ledger: Ledger, job: Job, outcome: str, reporter: 
         mine = session._ledger(config)
         while True:
             try:
-                lifecycle.finish(mine, job, outcome)
+                lifecycle.finish(mine, job, outcome, **how)
             except LockBusy:
                 continue
             except Exception:  # nothing to say it to: the entry is reaped with the process

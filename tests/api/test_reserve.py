@@ -1146,3 +1146,25 @@ def test_a_worker_forked_while_the_sampler_holds_the_ledger_lock_does_not_keep_i
                 os.kill(pid, signal.SIGKILL)
         program.kill()
         program.communicate()
+
+
+def test_a_release_while_the_ledger_lock_is_kept_returns_at_once_and_gives_the_room_back_later(
+    sim: Path, gpuwait_cmd: list[str], holders: Any
+) -> None:
+    # release() (a `with` block's end) while another process kept the ledger's lock waited
+    # lock_timeout (a minute) for it, then left the entry running, its room held for nobody
+    # for as long as the program lived on.
+    from gpuwait.linux import dirs
+
+    holder = holders("1G", name="cell")
+    pid = holder.said()["pid"]
+    fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert holder.tell("release")["released"] is True
+    finally:
+        os.close(fd)
+    wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+    assert holder.proc.poll() is None
+    runs = recorded_runs()
+    assert [r["name"] for r in runs] == ["cell"], runs
