@@ -1120,14 +1120,18 @@ def test_what_other_users_finished_over_the_months_costs_no_reader_of_the_queue(
             path.chmod(0o640)
 
     def look(directory: Path) -> float:
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            Ledger(directory).read()
-            times.append(time.perf_counter() - started)
-        return sorted(times)[2]
+        started = time.perf_counter()
+        Ledger(directory).read()
+        return time.perf_counter() - started
 
-    assert look(server.ledger_dir) < 12 * look(light / "ledger")
+    # Each the least of nine looks, taken in turn: a busy machine only ever adds time, and
+    # alike to both. Leaving the book unread makes it about 6 times the light one's; read
+    # whole, about 22.
+    months_looks, light_looks = [], []
+    for _ in range(9):
+        months_looks.append(look(server.ledger_dir))
+        light_looks.append(look(light / "ledger"))
+    assert min(months_looks) < 12 * min(light_looks)
 
 
 def test_a_failing_reading_as_a_waiter_checks_an_admission_found_is_retried(
