@@ -373,6 +373,14 @@ def end_with_parent(signum: int, parent: int) -> None:
 
 #: [parent, signal] of `end_with_parent`, once asked for.
 _PARENT_END: list[int] = []
+
+
+def ends_with_parent() -> bool:
+    """Whether `end_with_parent` was asked for: a command run in this process's place (exec)
+    would keep it."""
+    return bool(_PARENT_END)
+
+
 #: si_code of a signal sent by kill(2), and by the kernel for a parent's end.
 _SI_USER = 0
 

@@ -159,11 +159,16 @@ def exec_bare(command: Sequence[str]) -> int:
             if script is None:
                 raise
             os.execv(script[0], script)
-    except FileNotFoundError:
-        raise CommandProblem(f"{command[0]}: command not found", EXIT_NOT_FOUND) from None
     except OSError as exc:
-        raise CommandProblem(f"{command[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE) from None
+        raise command_problem(command, exc) from None
     return 0  # pragma: no cover - execvp does not return
+
+
+def command_problem(command: Sequence[str], exc: OSError) -> CommandProblem:
+    """What to say, and exit with, where the command could not be run bare."""
+    if isinstance(exc, FileNotFoundError):
+        return CommandProblem(f"{command[0]}: command not found", EXIT_NOT_FOUND)
+    return CommandProblem(f"{command[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE)
 
 
 def as_shell_script(argv: Sequence[str]) -> list[str] | None:

@@ -100,11 +100,10 @@ from gpuwait.runner.launch import (
     check_command,
     check_not_srun,
     command_env,
-    exec_bare,
     spawn_when_possible,
 )
 from gpuwait.runner.stderrwatch import StderrWatch
-from gpuwait.runner.supervise import RunResult, supervise
+from gpuwait.runner.supervise import RunResult, run_bare, supervise
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
@@ -267,7 +266,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         if config.on_no_gpu == "fail" or not exc.run_without:
             raise
         reporter.warn(f"{exc.message}; running the command without waiting (on_no_gpu = run)")
-        return exec_bare(request.command)
+        return run_bare(request.command)
     try:
         return _run_with_retries(request, config, reporter, backend, choice, launched)
     except signals.SignalPending as exc:
@@ -880,7 +879,7 @@ def _attempt(
             reporter.warn(
                 f"{exc.message}; running the command without coordination (on_state_error = run)"
             )
-            return _Ended(exec_bare(request.command))
+            return _Ended(run_bare(request.command))
         _show_warnings(ledger, reporter)
     return _wait_and_run(
         request,
@@ -1086,7 +1085,7 @@ def _bare_for_the_hook(request: RunRequest, reporter: Reporter, why: str) -> int
     """The shell hook's answer to a job that would wait for ever: run it bare, as the hook runs
     a command inside a gpuwait job (it is part of that job's work, or of its pipeline)."""
     reporter.warn(f"{why}; the shell hook runs it bare")
-    return exec_bare(request.command)
+    return run_bare(request.command)
 
 
 def _leave_to_checkpoint(

@@ -910,16 +910,26 @@ def _until(condition: Any, what: str, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
+def no_gpu_env(hook_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """No GPU readings here (no GPUWAIT_SIM, no driver), and on_no_gpu = run: the hook's
+    gpuwait runs its command bare."""
+    env = {k: v for k, v in hook_env.items() if k != "GPUWAIT_SIM"}
+    return env | {"GPUWAIT_ON_NO_GPU": "run", "LD_LIBRARY_PATH": str(tmp_path)}
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
-@pytest.mark.parametrize("waiting", [False, True], ids=["running", "waiting"])
+@pytest.mark.parametrize("how", ["running", "waiting", "bare"])
 def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
-    shell: str, waiting: bool, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+    shell: str, how: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
     """`python train.py & ... kill $!`: bash and zsh run a function in the background in a
     subshell of its own, and $! is that subshell's. Killed, it went alone: gpuwait and the
     command went on, the job the user had killed held its GPU to the end, and one still waiting
-    for room started later all the same. Bare, the kill ends the command; now it does too."""
+    for room started later all the same. Bare, the kill ends the command; now it does too, and
+    so it does where gpuwait runs the command bare for want of GPU readings."""
     need(shell)
+    waiting = how == "waiting"
+    env = no_gpu_env(hook_env, tmp_path) if how == "bare" else hook_env
     if waiting:
         sim_file(gpus=1, base_used="24GiB")
     (tmp_path / "hold.py").write_text(HOLD)
@@ -927,7 +937,7 @@ def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
     script = f"{init_line(shell, '--always')}\npython hold.py {ran} &\necho $!\nwait\n"
     argv = {"bash": ["bash", "--norc", "--noprofile"], "zsh": ["zsh", "-f"]}[shell]
     outer = subprocess.Popen(
-        [*argv, "-c", script], env=hook_env, cwd=tmp_path, stdout=subprocess.PIPE, text=True
+        [*argv, "-c", script], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True
     )
     started: list[int] = []
     try:
@@ -984,13 +994,16 @@ time.sleep(30)
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
+@pytest.mark.parametrize("bare", [False, True], ids=["wrapped", "bare"])
 def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended(
-    shell: str, hook_env: dict[str, str], tmp_path: Path
+    shell: str, bare: bool, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
     """`python serve.py &`, whose program takes SIGHUP (to reload, or to outlive the
     terminal): a HUP sent to the whole job (`kill -HUP %1`, the terminal closed) reaches it, as
     bare, and ends the subshell that runs the hook's function. That subshell's end was taken
-    for a `kill $!`, and the command was sent a TERM it would never have had bare."""
+    for a `kill $!`, and the command was sent a TERM it would never have had bare. Where
+    gpuwait ran it bare for want of GPU readings (on_no_gpu = run), the command, run in
+    gpuwait's place, kept that TERM: it too was ended."""
     need(shell)
     (tmp_path / "serve.py").write_text(SURVIVES_HUP)
     ran, log = tmp_path / "ran", tmp_path / "log"
@@ -999,7 +1012,7 @@ def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended
     # A process group of its own: the job's, as a job control shell gives it.
     outer = subprocess.Popen(
         [*argv, "-c", script],
-        env=hook_env,
+        env=no_gpu_env(hook_env, tmp_path) if bare else hook_env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         text=True,
@@ -1075,3 +1088,19 @@ def test_a_background_wrapped_command_is_ended_by_its_pid_after_a_ctrl_c_it_igno
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         outer.wait(timeout=10)
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_background_command_run_bare_for_want_of_gpus_keeps_its_exit_status(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`python job.py & wait $!` where gpuwait runs it bare: the status `wait` gives is the
+    command's own, an exit status as a death by a signal."""
+    script = (
+        f"{init_line(shell, '--always')}\n"
+        "python -c 'import sys; sys.exit(3)' &\nwait $!\necho $?\n"
+        "python -c 'import os, signal; os.kill(os.getpid(), signal.SIGUSR1)' &\nwait $!\necho $?\n"
+    )
+    done = run_shell(shell, script, [], no_gpu_env(hook_env, tmp_path), cwd=tmp_path)
+    assert done.stdout.split() == ["3", str(128 + signal.SIGUSR1)], done.stderr
+    assert "Traceback" not in done.stderr
