@@ -2,7 +2,9 @@
 
 Runs COMMAND through gpuwait when the wrap rules (wrap_only_in, never_wrap, GPUWAIT_DISABLE, being
 inside a gpuwait job) allow it, and otherwise replaces itself with the bare command, so its exit
-status, stdin, terminal and signals are the command's own either way. `--explain` only says which.
+status, stdin, terminal and signals are the command's own either way; in a subshell that runs
+the hook's function (`python train.py &`) it stays the bare command's parent instead, so that
+`kill $!` ends the command. `--explain` only says which.
 """
 
 from __future__ import annotations
@@ -76,24 +78,29 @@ def run(options: argparse.Namespace) -> int:
     if options.explain:
         print(f"{'wrap' if decision.wrap else 'bare'}: {decision.reason}")
         return 0 if decision.wrap else 1
+    main, current = shell_pids
+    in_subshell = main != current and current != os.getpid()
+    if in_subshell:
+        # A subshell runs the hook's function (`python train.py &`, a pipeline's stage), and
+        # `kill $!` reaches that subshell alone: bare, the command is the process killed. Its
+        # job ends with it, waiting or running, as by a TERM sent to gpuwait, and so does a
+        # command run bare. (A shell that ran this call in the subshell's place made gpuwait
+        # that process.)
+        end_with_parent(signal.SIGTERM, current)
     if decision.wrap:
         from gpuwait.commands import run as run_command
 
         if ended:
             forget_job(os.environ)
-        main, current = shell_pids
-        if main != current and current != os.getpid():
-            # A subshell runs the hook's function (`python train.py &`, a pipeline's stage),
-            # and `kill $!` reaches that subshell alone: bare, the command is the process
-            # killed. Its job ends with it, waiting or running, as by a TERM sent to gpuwait.
-            # (A shell that ran this call in the subshell's place made gpuwait that process.)
-            end_with_parent(signal.SIGTERM, current)
-
         options = run_command.build_parser().parse_args(["--", *command])
         # Where it would wait for ever (inside a job, or piped to one that holds the GPU it
         # needs), the command runs bare, as the hook runs any command inside a job.
         options.from_hook = True
         return run_command.run(options)
+    if in_subshell:
+        from gpuwait.runner.supervise import run_bare  # only here: the rest become the command
+
+        return run_bare(command)
     return exec_bare(command)
 
 

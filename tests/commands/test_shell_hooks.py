@@ -917,8 +917,18 @@ def no_gpu_env(hook_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return env | {"GPUWAIT_ON_NO_GPU": "run", "LD_LIBRARY_PATH": str(tmp_path)}
 
 
+def background_env(how: str, hook_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The hook's environment for a background command run as `how` says: wrapped (running or
+    waiting), bare for want of GPU readings (no_gpu), or bare by the rules (never_wrap)."""
+    if how == "no_gpu":
+        return no_gpu_env(hook_env, tmp_path)
+    if how == "never_wrap":
+        return hook_env | {"GPUWAIT_NEVER_WRAP": "python *"}
+    return hook_env
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
-@pytest.mark.parametrize("how", ["running", "waiting", "bare"])
+@pytest.mark.parametrize("how", ["running", "waiting", "no_gpu", "never_wrap"])
 def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
     shell: str, how: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
@@ -926,10 +936,11 @@ def test_killing_a_background_wrapped_command_by_its_pid_ends_it(
     subshell of its own, and $! is that subshell's. Killed, it went alone: gpuwait and the
     command went on, the job the user had killed held its GPU to the end, and one still waiting
     for room started later all the same. Bare, the kill ends the command; now it does too, and
-    so it does where gpuwait runs the command bare for want of GPU readings."""
+    so it does where gpuwait runs the command bare: for want of GPU readings, or as a rule
+    (never_wrap, wrap_only_in) says, where the kill had left the command running."""
     need(shell)
     waiting = how == "waiting"
-    env = no_gpu_env(hook_env, tmp_path) if how == "bare" else hook_env
+    env = background_env(how, hook_env, tmp_path)
     if waiting:
         sim_file(gpus=1, base_used="24GiB")
     (tmp_path / "hold.py").write_text(HOLD)
@@ -994,9 +1005,9 @@ time.sleep(30)
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
-@pytest.mark.parametrize("bare", [False, True], ids=["wrapped", "bare"])
+@pytest.mark.parametrize("how", ["running", "no_gpu", "never_wrap"])
 def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended(
-    shell: str, bare: bool, hook_env: dict[str, str], tmp_path: Path
+    shell: str, how: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
     """`python serve.py &`, whose program takes SIGHUP (to reload, or to outlive the
     terminal): a HUP sent to the whole job (`kill -HUP %1`, the terminal closed) reaches it, as
@@ -1012,7 +1023,7 @@ def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended
     # A process group of its own: the job's, as a job control shell gives it.
     outer = subprocess.Popen(
         [*argv, "-c", script],
-        env=no_gpu_env(hook_env, tmp_path) if bare else hook_env,
+        env=background_env(how, hook_env, tmp_path),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         text=True,
@@ -1091,16 +1102,18 @@ def test_a_background_wrapped_command_is_ended_by_its_pid_after_a_ctrl_c_it_igno
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
-def test_a_background_command_run_bare_for_want_of_gpus_keeps_its_exit_status(
-    shell: str, hook_env: dict[str, str], tmp_path: Path
+@pytest.mark.parametrize("how", ["no_gpu", "never_wrap"])
+def test_a_background_command_run_bare_keeps_its_exit_status(
+    shell: str, how: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """`python job.py & wait $!` where gpuwait runs it bare: the status `wait` gives is the
-    command's own, an exit status as a death by a signal."""
+    """`python job.py & wait $!` where gpuwait runs it bare (for want of GPU readings, or as
+    a rule says): the status `wait` gives is the command's own, an exit status as a death by a
+    signal."""
     script = (
         f"{init_line(shell, '--always')}\n"
         "python -c 'import sys; sys.exit(3)' &\nwait $!\necho $?\n"
         "python -c 'import os, signal; os.kill(os.getpid(), signal.SIGUSR1)' &\nwait $!\necho $?\n"
     )
-    done = run_shell(shell, script, [], no_gpu_env(hook_env, tmp_path), cwd=tmp_path)
+    done = run_shell(shell, script, [], background_env(how, hook_env, tmp_path), cwd=tmp_path)
     assert done.stdout.split() == ["3", str(128 + signal.SIGUSR1)], done.stderr
     assert "Traceback" not in done.stderr
