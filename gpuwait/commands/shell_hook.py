@@ -98,7 +98,7 @@ def run(options: argparse.Namespace) -> int:
         options.from_hook = True
         return run_command.run(options)
     if in_subshell:
-        from gpuwait.runner.supervise import run_bare  # only here: the rest become the command
+        from gpuwait.runner.bare import run_bare  # only here: the rest become the command
 
         return run_bare(command)
     return exec_bare(command)

@@ -92,6 +92,7 @@ from gpuwait.queue.wait import (
     wait_for_admission,
 )
 from gpuwait.runner import budget
+from gpuwait.runner.bare import run_bare
 from gpuwait.runner.launch import (
     SHORT_OF_PROCESSES,
     START_RETRY_SECONDS,
@@ -103,7 +104,7 @@ from gpuwait.runner.launch import (
     spawn_when_possible,
 )
 from gpuwait.runner.stderrwatch import StderrWatch
-from gpuwait.runner.supervise import RunResult, run_bare, supervise
+from gpuwait.runner.supervise import RunResult, supervise
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend

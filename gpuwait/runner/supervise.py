@@ -23,9 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from gpuwait.core.budget import HELD_DMEM, HELD_MPS, HELD_TORCH
@@ -39,13 +38,14 @@ from gpuwait.linux.checkpoint_signal import deliver
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job
 from gpuwait.queue.ledger import Ledger
-from gpuwait.runner.launch import (
-    JOB_ID_VARIABLE,
-    StartInterrupted,
-    command_problem,
-    exec_bare,
-    spawn_when_possible,
+from gpuwait.runner.bare import (
+    command_has_it,
+    ended,
+    stop_with,
+    subshell_ended_with_its_job,
+    take_stops,
 )
+from gpuwait.runner.launch import JOB_ID_VARIABLE
 
 if TYPE_CHECKING:
     from gpuwait.gpu.backend import Backend
@@ -163,10 +163,10 @@ def supervise(
     # Ctrl-Z (SIGTSTP) is taken here too: sent to gpuwait's pid alone (`kill -TSTP PID`), it
     # would stop gpuwait and leave the command running, unwatched. The terminal's reaches the
     # command by itself.
-    stops, held = _take_stops()
+    stops, held = take_stops()
     try:
         while True:
-            returncode = _ended(child)
+            returncode = ended(child)
             if returncode is not None:
                 result.returncode = returncode
                 # The time it was frozen is no run time: it did no work, and held no room.
@@ -192,13 +192,13 @@ def supervise(
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue
             if info.si_signo == signal.SIGTSTP:
-                _stop_with(child, info, witness)
+                stop_with(child, info, witness)
                 continue
-            if _subshell_ended_with_its_job(info, witness):
+            if subshell_ended_with_its_job(info, witness):
                 continue
             if info.si_signo in _STOPPING and result.stopped_by is None:
                 result.stopped_by = info.si_signo
-            if _command_has_it(info, witness):
+            if command_has_it(info, witness):
                 continue
             if responder is not None and info.si_signo == responder.signum:
                 checkpoint_pending = not deliver(proc.process_tree([child]), info.si_signo)
@@ -208,130 +208,6 @@ def supervise(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         witness.close()
-
-
-def _take_stops() -> tuple[tuple[int, ...], set[int | signal.Signals]]:
-    """Block SIGTSTP to take it with the rest (unless gpuwait's caller left it ignored: then it
-    stops neither gpuwait nor the command, as bare); the signals taken, and the mask before."""
-    stops = (signal.SIGTSTP,) if signal.getsignal(signal.SIGTSTP) != signal.SIG_IGN else ()
-    return stops, signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-
-
-def _ended(child: int) -> int | None:
-    """The command's exit status (os.waitstatus_to_exitcode's) once it has ended, else None. A
-    command that stopped by itself meanwhile stops gpuwait with it (`_stopped_itself`)."""
-    while True:
-        waited_pid, status = os.waitpid(child, os.WNOHANG | os.WUNTRACED)
-        if waited_pid != child:
-            return None
-        if not os.WIFSTOPPED(status):
-            returncode = os.waitstatus_to_exitcode(status)
-            signals.command_ended(child, returncode)
-            return returncode
-        _stopped_itself(child, os.WSTOPSIG(status))
-
-
-def _subshell_ended_with_its_job(
-    info: signal.struct_siginfo, witness: signals.GroupWitness
-) -> bool:
-    """Whether `info` is the TERM asked for the end of the subshell that runs the hook's
-    function (`python serve.py &`), which ended of a signal sent to the whole job (`kill -HUP
-    %1`, the terminal closed): the command had that signal too, and goes on, or not, as it
-    would bare. Not passed on."""
-    return signals.parents_end(info) and witness.signalled_lately()
-
-
-def _command_has_it(info: signal.struct_siginfo, witness: signals.GroupWitness) -> bool:
-    """Whether `info`'s signal was sent to the whole group (typed at the terminal; kill -PGID,
-    `kill %1`, timeout, systemd): the command has it already, and a second copy would not be
-    what it would get bare."""
-    return witness.sent_to_group(info.si_signo) or signals.came_from_terminal(info)
-
-
-def run_bare(command: Sequence[str]) -> int:
-    """Run the command without a job, as the shell would have run it. gpuwait becomes the
-    command (exec), but in a subshell of a shell hook that is to end it with that subshell
-    (`python serve.py &`, then `kill $!`: `signals.end_with_parent`). There the command would
-    keep that TERM, and have it too where the subshell ended of a signal sent to the whole job,
-    which the command had already and may outlive (`kill -HUP %1`, the terminal closed). So
-    there gpuwait starts the command as its child and passes signals on as for a job: the
-    subshell's end alone ends the command, the job's signal reaches it once. Returns the
-    command's exit status; gpuwait ends by the signal that ended the command."""
-    if not signals.ends_with_parent():
-        return exec_bare(command)
-    signals.block_handled()
-    try:
-        child = spawn_when_possible(command, os.environ, (), lambda exc: ())
-    except StartInterrupted as exc:
-        signals.die_by_signal(exc.signum)
-        return 128 + exc.signum
-    except OSError as exc:
-        raise command_problem(command, exc) from None
-    witness = signals.GroupWitness()
-    stops, held = _take_stops()
-    try:
-        while True:
-            returncode = _ended(child)
-            if returncode is not None:
-                break
-            info = signals.next_signal(1.0, also=stops)
-            if info is None or info.si_signo == signal.SIGCHLD:
-                continue
-            if info.si_signo == signal.SIGTSTP:
-                _stop_with(child, info, witness)
-            elif not (
-                _subshell_ended_with_its_job(info, witness) or _command_has_it(info, witness)
-            ):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, info.si_signo)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        witness.close()
-    if returncode < 0:
-        sys.stdout.flush()
-        signals.die_by_signal(-returncode)
-        return 128 - returncode
-    return returncode
-
-
-def _stop_with(child: int, info: signal.struct_siginfo, witness: signals.GroupWitness) -> None:
-    """SIGTSTP taken: the command stops with gpuwait, as the job would bare, and goes on with
-    it once gpuwait is continued: by the whole job (`fg`), or by gpuwait's pid alone (`kill
-    -CONT PID`, `gpuwait cancel`, which continues a stopped job pid by pid). A command left
-    stopped from the job's own stop would otherwise be taken, at the next look, for one that
-    stopped by itself, and gpuwait would stop again, for good."""
-    if not (signals.came_from_terminal(info) or witness.sent_to_group(signal.SIGTSTP)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGTSTP)
-    signals.stop_by(signal.SIGTSTP)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(child, signal.SIGCONT)
-
-
-def _stopped_itself(child: int, signum: int) -> None:
-    """The command stopped while gpuwait was not (a program's own suspend, as ssh's `~^Z`; a
-    `kill -STOP` aimed at it): where gpuwait leads a job of a job control shell, the job stops
-    with it, by the same signal, as it would bare: the shell says `Stopped` and takes the
-    terminal back, where it would otherwise wait for a command that waits to be continued.
-    Continued (`fg`, `bg`), the command goes on with gpuwait; the command continued alone
-    (`kill -CONT PID`, or ended), gpuwait goes on too (`signals.waker`). Elsewhere (a script,
-    a service) nobody would take the terminal back, and gpuwait waits for its command as the
-    caller would bare; stopped too, it would stay stopped once the command alone was
-    continued."""
-    if not signals.leads_a_job():
-        return
-    # Continued by its pid alone (`kill -CONT PID`), the command goes on as it would bare, and
-    # gpuwait with it: the shell sees the job run on and end.
-    waker = signals.waker(child)
-    try:
-        if signum in signals.TERMINAL_STOPS and signal.getsignal(signum) != signal.SIG_IGN:
-            signals.stop_by(signum)
-        else:
-            os.kill(os.getpid(), signal.SIGSTOP)
-    finally:
-        signals.end_waker(waker)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(child, signal.SIGCONT)
 
 
 class UsageSampler:

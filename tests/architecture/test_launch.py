@@ -53,7 +53,9 @@ def launch_report(env: dict[str, str], tmp_path: Path, args: list[str]) -> dict[
     return report
 
 
-def imported_by_launch(env: dict[str, str]) -> set[str]:
+def imported_by_launch(
+    env: dict[str, str], args: tuple[str, ...] = ("--vram", "1G", "-q", "--", "true")
+) -> set[str]:
     """Every module a launch imports, as `python -X importtime` lists them."""
     done = subprocess.run(
         [
@@ -62,7 +64,7 @@ def imported_by_launch(env: dict[str, str]) -> set[str]:
             "importtime",
             "-c",
             "from gpuwait.cli import entry_point; entry_point()",
-            *("--vram", "1G", "-q", "--", "true"),
+            *args,
         ],
         env=env,
         capture_output=True,
@@ -93,6 +95,27 @@ def test_a_launch_imports_none_of_the_heavy_modules(
     env = dict(os.environ) if backend == "sim" else request.getfixturevalue("nvml_env")
     imported = imported_by_launch(env)
     assert sorted(m for m in imported if m.split(".")[0] in HEAVY) == []
+
+
+def test_a_command_the_shell_hook_runs_bare_in_a_subshell_loads_no_more_of_gpuwait(
+    sim: Path,
+) -> None:
+    """`python -m pip list | grep torch`, `v=$(python --version)`: a command the hook runs bare
+    (never_wrap) in a pipeline's stage or a command substitution, where gpuwait stays its
+    parent, is to start as fast as one the hook runs bare from the shell itself, which gpuwait
+    becomes. It also loaded the queue's, the ledger's and the history's modules, which it never
+    uses: some 5 ms more at every such launch."""
+
+    def loaded(main: int) -> set[str]:
+        # The hook's $$ and $BASHPID: the same in the shell itself, not in a subshell.
+        env = dict(
+            os.environ, GPUWAIT_NEVER_WRAP="true*", _GPUWAIT_SHELL_PID=f"{main}/{os.getpid()}"
+        )
+        imported = imported_by_launch(env, ("shell-hook", "--", "true"))
+        return {m for m in imported if m.split(".")[0] == "gpuwait"}
+
+    # The one module more: what starts the command as gpuwait's child, and watches it.
+    assert sorted(loaded(main=1) - loaded(main=os.getpid()) - {"gpuwait.runner.bare"}) == []
 
 
 @pytest.mark.parametrize("backend", ["sim", "nvml"])
