@@ -581,7 +581,13 @@ class Ledger:
             # Root may write it back (`_reap_for`): then its owner's book must come back whole.
             tidies = repair and self._uid == 0
             data, raw = self._decode(
-                found[1], False, uid, owned=True, foreign=True, with_book=tidies
+                found[1],
+                False,
+                uid,
+                owned=True,
+                foreign=True,
+                with_book=tidies,
+                proves=_proven_or_gone if tidies else proven_entry,
             )
         except (_Unreadable, ValueError) as exc:
             if repair:
@@ -594,9 +600,19 @@ class Ledger:
         return data
 
     def _reap_for(self, path: Path, uid: int, data: LedgerData, entries_in_file: int) -> None:
-        """Root takes out of another user's file the entries that nobody counts (no live
-        gpuwait, nor an orphan's command, of that user behind them); the file stays theirs."""
-        kept = entries.counted([copy_job(j) for j in data.jobs], uid, self._counts)
+        """Root takes out of another user's file the entries that stand for nobody of theirs
+        (a live process of someone else's, pid 1, copies naming one gpuwait or one command
+        twice); the file stays theirs. An entry whose processes are all gone is left to its
+        owner's next gpuwait, which reaps it as its own: recorded as lost (what `--after` and
+        `--after-ok` read), its run in the history, its usage charged."""
+        kept = entries.counted(
+            [copy_job(j) for j in data.jobs],
+            uid,
+            lambda j: (
+                self._counts(j)
+                or _nothing_runs(j.pid, j.start_time, j.child_pid, j.child_start_time)
+            ),
+        )
         if len(kept) == entries_in_file:
             return
         body = entries.encode(entries.to_document(data._replace(jobs=kept)))
@@ -611,12 +627,13 @@ class Ledger:
         owned: bool = False,
         foreign: bool = False,
         with_book: bool = True,
+        proves: Callable[[int, int, int, object, int | None, int | None], bool] = proven_entry,
     ) -> tuple[LedgerData, Any]:
         """Parse and validate a whole file; ValueError when it is damaged.
 
         `foreign`: another user's file, whose entries count only as far as the kernel proves
-        them; those it does not are passed over before they are validated, so that a file of
-        a thousand forged entries costs every reader no more than its parsing. Without
+        them (`proves`); those it does not are passed over before they are validated, so that a
+        file of a thousand forged entries costs every reader no more than its parsing. Without
         `with_book`, its book (finished jobs, counters, batches: its owner's alone, which no
         other user's plan reads) is left out unread: a year of a hundred users' finished jobs
         would cost every reader the validation of each, at every look.
@@ -631,7 +648,7 @@ class Ledger:
             raise ValueError(type(exc).__name__) from None
         checked = raw
         if foreign and isinstance(raw, dict) and isinstance(raw.get("jobs"), list):
-            checked = {**raw, "jobs": entries.claims_proven(raw["jobs"], owner, proven_entry)}
+            checked = {**raw, "jobs": entries.claims_proven(raw["jobs"], owner, proves)}
         if not with_book and isinstance(checked, dict):
             checked = {k: v for k, v in checked.items() if k != "book"}
         where = str(self.directory / f"ledger.{owner}.json") if owned else str(self.path)
@@ -652,6 +669,23 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: int | None) -> bool:
+    """Are a job's gpuwait and its command both gone?"""
+    return not proc.is_alive(pid, start) and (
+        child is None or not proc.is_alive(child, child_start)
+    )
+
+
+def _proven_or_gone(
+    uid: int, pid: int, start: int, state: object, child: int | None, child_start: int | None
+) -> bool:
+    """An entry of another user's that root's gpuwait keeps when it tidies their file: one the
+    kernel proves, or one whose processes are all gone, for its owner's gpuwait to reap."""
+    return proven_entry(uid, pid, start, state, child, child_start) or _nothing_runs(
+        pid, start, child, child_start
+    )
 
 
 def _group_name(gid: int) -> str:

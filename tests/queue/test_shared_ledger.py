@@ -1016,6 +1016,21 @@ def test_a_file_of_the_single_file_kind_in_a_shared_directory_is_not_believed(
     bob.wait(timeout=20)
 
 
+def test_a_members_job_lost_while_root_looks_is_still_met_for_after(server: Server) -> None:
+    # Bob's job `prep` dies with its gpuwait (kill -9 of its session), and root looks at the
+    # queue before Bob runs gpuwait again: Bob's next gpuwait still learns that it was lost.
+    prep = server.start(BOB, "--name", "prep", "--vram", "1G", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    os.killpg(prep.pid, signal.SIGKILL)
+    prep.communicate()
+    assert server.run_root("status").returncode == 0
+    after = server.run(BOB, "-q", "--after", "prep", "--vram", "1G", "--", "true")
+    assert after.returncode == 0, after.stderr
+    after_ok = server.run(BOB, "-q", "--after-ok", "prep", "--vram", "1G", "--", "true")
+    assert after_ok.returncode == 6, after_ok.stderr
+    assert "lost" in after_ok.stderr
+
+
 def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) -> None:
     bob = server.start(BOB, "--vram", "1G", "--", "sleep", "30")
     server.wait_jobs(1, "running")
@@ -1035,9 +1050,13 @@ def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) ->
     )
     assert done.returncode == 0, done.stderr
     tidied = json.loads(server.own_file(BOB).read_text())
-    assert [j["id"] for j in tidied["jobs"]] == [live["id"]]
+    # The entry of a process that is gone is Bob's to reap (and record as lost), not root's.
+    assert [j["id"] for j in tidied["jobs"]] == [live["id"], "dead"]
     st = server.own_file(BOB).stat()
     assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o777)) == (BOB, GROUP, "0o640")
+    assert server.run(BOB, "status").returncode == 0
+    reaped = json.loads(server.own_file(BOB).read_text())
+    assert [j["id"] for j in reaped["jobs"]] == [live["id"]]
     bob.send_signal(signal.SIGTERM)
     assert bob.wait(timeout=20) != 0
 
