@@ -17,9 +17,12 @@ TICKS = os.sysconf("SC_CLK_TCK")
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
 
-def sandbox(gpus: int = 2, memory: str = "24GiB") -> dict[str, str]:
-    """Environment with fresh XDG dirs and a new simulation file; returns it."""
+def sandbox(gpus: int = 2, memory: str = "24GiB", shared: bool = False) -> dict[str, str]:
+    """Environment with fresh XDG dirs and a new simulation file; returns it. `shared` (root
+    only): every user may run simulated jobs on it (`sim init --shared`) and enter the sandbox."""
     root = Path(tempfile.mkdtemp(prefix="gpuwait-bench-"))
+    if shared:
+        os.chmod(root, 0o755)
     env = dict(os.environ)
     # Measure gpuwait as installed: with its bytecode cached, not compiled on every start.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -32,7 +35,8 @@ def sandbox(gpus: int = 2, memory: str = "24GiB") -> dict[str, str]:
         }
     )
     subprocess.run(
-        [*GPUWAIT, "sim", "init", env["GPUWAIT_SIM"], "--gpus", str(gpus), "--memory", memory],
+        [*GPUWAIT, "sim", "init", env["GPUWAIT_SIM"], "--gpus", str(gpus), "--memory", memory]
+        + (["--shared"] if shared else []),
         env=env,
         check=True,
         capture_output=True,

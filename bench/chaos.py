@@ -2,12 +2,18 @@
 
 Real `gpuwait` processes on a simulated machine (two 24 GiB cards by default) run simulated
 CUDA jobs (`gpuwait sim job`) of random sizes, ramps, holds and exit statuses, some larger than
-any card, some on two GPUs, some with a priority, some without `--vram` (the size learned from
-the history of a few repeated commands), some lying (allocating more than they reserved). In
-between, the driver sends `kill -9`, `-TERM`, or `-STOP` and later `-CONT` to a random gpuwait
-or to its command, starts simulated jobs outside gpuwait that take memory, asks `status`,
-`history` and `estimate`, changes the config (safety, queue_order), and rarely damages the
-ledger or the history file.
+any card, some on two GPUs, some with a priority, a `--name`, a `--batch` or a `--timeout`,
+some without `--vram` (the size learned from the history of a few repeated commands), some
+lying (allocating more than they reserved), some `--after` the name of an earlier job, some
+long `--pausable` jobs of priority 1 that checkpoint when asked (`sim job --checkpoint`) beside
+urgent ones of priority 5 that make them step aside. In between, the driver sends `kill -9`,
+`-TERM`, or `-STOP` and later `-CONT` to a random gpuwait or to its command, `kill -9` to a
+gpuwait caught holding the ledger lock, `gpuwait cancel` (by id, name or batch, by the job's
+owner or by the other user), starts simulated jobs outside gpuwait that take memory (some given
+an entry with `gpuwait adopt`), asks `status`, `history` and `estimate`, changes the config
+(safety, queue_order), and rarely damages the ledger or the history file. Run as root, a second
+user (uid 47301, no account needed) shares the ledger directory (and the simulation) and does a
+third of all this (`--users 1`: root alone, in a private ledger).
 
 Invariants checked after every step and at the end (each one broken is printed):
   oom over-admission  a simulated job that ran out of memory while every other process on
@@ -24,7 +30,22 @@ Invariants checked after every step and at the end (each one broken is printed):
                       holds the ledger lock: it then says it shows the ledger not tidied)
   traceback           a Traceback on the stderr of any gpuwait
   status/history      `status`, `history` or `estimate` exiting other than 0, or taking a minute
-  ledger              ledger.json not valid JSON after a gpuwait operation
+  ledger              a ledger file not valid JSON after a gpuwait operation
+  cancel              `gpuwait cancel` of a live job exiting other than 0 (or 2: it ended
+                      meanwhile), or, by the other (non-root) user, other than 8 (or 2); a
+                      waiting job cancelled exits 7 with its entry gone, a running one as TERM
+                      makes it
+  --after             a job's command started while the command of a job it was started
+                      `--after` still ran
+  --timeout           a gpuwait still waiting for its first start 5 s past its --timeout
+                      (never stopped by the driver)
+  adopt               `gpuwait adopt` of a live outside job exiting other than 0; its entry is
+                      reaped by the next `status` once the process has ended
+  pausing             a paused job ends (no hang) with its command's own status, unless the
+                      driver or a cancel stopped it (then the resume status may be its status);
+                      the count `paused jobs that resumed and ended` says how many did
+  other user          no job ends by a signal nobody sent it: the exit status check holds for
+                      both users, so one user's gpuwait signalling another's job shows there
 
 Run: `python bench/chaos.py --seed 1 --steps 300 -v` (or `--seeds 1-20`); exit 1 if anything
 broke, and the sandbox of a seed that broke something (state dir, every gpuwait's stderr) is
@@ -50,10 +71,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 
+sys.path[:0] = [str(REPO / "tests")]
+
 from _common import GPUWAIT, sandbox  # noqa: E402
+from helpers.users import make_shared_ledger_dir, user_argv, user_home  # noqa: E402
 
 from gpuwait.gpu.sim import live_allocations, load_sim_file  # noqa: E402
 from gpuwait.linux import proc  # noqa: E402
+from gpuwait.linux.lock import holders  # noqa: E402
 
 GIB = 2**30
 CARD_GIB = 24
@@ -64,6 +89,34 @@ IMPOSSIBLE = [30, 40]
 LEARNED = [("small", 3), ("medium", 7), ("large", 14)]
 OOM = re.compile(r"out of memory|RESOURCE_EXHAUSTED", re.I)
 HOLDERS = re.compile(r"Process (\d+) has")
+#: The second user (numeric only: no account is needed) and the group that shares the ledger.
+OTHER = 47301
+GROUP = 47300
+#: How the second user's commands run `gpuwait sim job`: the interpreter running the driver may
+#: live where other users cannot reach it (a virtual environment under root's home).
+USER_GPUWAIT = [shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"]
+USER_GPUWAIT += ["-m", "gpuwait"]
+#: What a --timeout may overrun by on a loaded machine before it counts as broken.
+TIMEOUT_MARGIN = 5.0
+#: The resume status (resume_exit's default), and the status of a waiting job cancelled.
+RESUMED = 75
+CANCELLED = 7
+#: Each operation of a step, and how often it is chosen.
+OPERATIONS = {
+    "launch": 26,
+    "pausable": 4,  # a long --pausable job of priority 1
+    "urgent": 3,  # a priority-5 job, which may make a pausable one step aside
+    "chain": 5,  # --after an earlier job's name
+    "signal": 14,
+    "cancel": 5,
+    "grab": 5,  # memory taken outside gpuwait
+    "adopt": 2,
+    "lock kill": 1,  # kill -9 of a gpuwait holding the ledger lock
+    "ask": 12,  # status, history, estimate
+    "config": 2,
+    "damage": 1,
+    "idle": 20,
+}
 
 
 @dataclass
@@ -86,6 +139,18 @@ class Launch:
     checked: bool = False
     command_started: float | None = None  # wall clock, from /proc
     learned: int | None = None  # without --vram: what its entry reserved, learned from history
+    uid: int = 0
+    name: str | None = None
+    after: list[int] = field(default_factory=list)  # launches it waits for (--after NAME)
+    pausable: bool = False
+    checkpoint: Path | None = None  # a pausable job's: written once it steps aside
+    batch: str | None = None
+    timeout_s: float | None = None
+    cancelled: bool = False  # a `gpuwait cancel` of it succeeded
+    stopped_ever: bool = False
+    seen_waiting_late: bool = False
+    queued: bool = False  # its entry was seen in the ledger
+    text: str = ""  # its arguments, as printed
 
     def kind(self) -> str:
         """'liar' (allocates more than it reserved), 'learned' (reserved less than it uses,
@@ -96,6 +161,11 @@ class Launch:
         if self.uses > reserved:
             return "liar" if self.reserved is not None else "learned"
         return "honest"
+
+
+def shown(args: list[str]) -> str:
+    text = " ".join(args).replace(" ".join(GPUWAIT), "gpuwait")
+    return text.replace(" ".join(USER_GPUWAIT), "gpuwait")
 
 
 @dataclass
@@ -125,15 +195,28 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Chaos:
-    def __init__(self, seed: int, gpus: int, verbose: bool, max_live: int = 16) -> None:
+    def __init__(
+        self, seed: int, gpus: int, verbose: bool, max_live: int = 16, users: int = 1
+    ) -> None:
         self.seed = seed
         self.max_live = max_live
         self.rng = random.Random(seed)
         self.verbose = verbose
-        self.env = sandbox(gpus=gpus, memory=f"{CARD_GIB}GiB")
+        shared = users > 1
+        self.env = sandbox(gpus=gpus, memory=f"{CARD_GIB}GiB", shared=shared)
         self.env.pop("GPUWAIT_LEDGER_DIR", None)
+        # Pausable jobs may be asked to step aside once they have run a second.
+        self.env["GPUWAIT_PAUSE_MIN_RUNTIME"] = "1s"
         self.root = Path(self.env["XDG_STATE_HOME"]).parent
         self.state = Path(self.env["XDG_STATE_HOME"]) / "gpuwait"
+        self.ledger_dir: Path | None = None
+        #: Each user's environment (root's is self.env); with a second user, one shared ledger.
+        self.envs = {0: self.env}
+        if shared:
+            self.ledger_dir = make_shared_ledger_dir(self.root, GROUP)
+            self.env["GPUWAIT_LEDGER_DIR"] = str(self.ledger_dir)
+            self.envs[OTHER] = {**self.env, **user_home(self.root, OTHER, OTHER)}
+        self.adopted: list[tuple[int, subprocess.Popen[bytes]]] = []  # (uid, outside process)
         self.config = Path(self.env["XDG_CONFIG_HOME"]) / "gpuwait" / "config.toml"
         self.sim = load_sim_file(self.env["GPUWAIT_SIM"])
         self.launches: list[Launch] = []
@@ -143,6 +226,7 @@ class Chaos:
         self.log: list[str] = []
         self.counts: dict[str, int] = {}
         self.damaged_at = 0.0
+        self.ledger_damaged_at = 0.0  # a damaged ledger forgets the jobs that finished
 
     # -- what the driver does ------------------------------------------------------------
 
@@ -158,21 +242,54 @@ class Chaos:
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
-    def launch(self) -> None:
+    def user(self) -> int:
+        """Whose the next operation is: root's, or now and then the second user's."""
+        others = [uid for uid in self.envs if uid != 0]
+        return self.rng.choice(others) if others and self.rng.random() < 0.35 else 0
+
+    @staticmethod
+    def gpuwait_for(uid: int) -> list[str]:
+        """How a command of `uid`'s runs gpuwait."""
+        return GPUWAIT if uid == 0 else USER_GPUWAIT
+
+    def argv_as(self, uid: int, args: list[str]) -> list[str]:
+        """argv of `gpuwait ARGS` run by `uid`."""
+        return [*GPUWAIT, *args] if uid == 0 else user_argv(uid, uid, [GROUP], args)
+
+    def launch(self, kind: str = "plain") -> None:
+        """kind: 'plain' (random), 'pausable' (a long --pausable job of priority 1 that
+        checkpoints when asked), 'urgent' (priority 5, large enough to make one step aside),
+        'chain' (--after the name of an earlier launch of the same user)."""
         rng = self.rng
         n = len(self.launches)
-        gpus = 2 if rng.random() < 0.2 else 1
-        impossible = rng.random() < 0.08
+        uid = self.user()
+        gpus = 2 if kind == "plain" and rng.random() < 0.2 else 1
+        impossible = kind == "plain" and rng.random() < 0.08
         hold = round(rng.uniform(0.2, 2.5), 2)
         ramp = round(rng.choice([0, 0, rng.uniform(0.1, 1.0)]), 2)
         code = rng.choice([0, 0, 0, 0, 3, 7])
         args: list[str] = ["-q"]
-        learned = not impossible and gpus == 1 and rng.random() < 0.2
+        name = f"c{n}" if kind != "plain" or rng.random() < 0.5 else None
+        if name:
+            args += ["--name", name]
+        batch = rng.choice(["b1", "b2"]) if rng.random() < 0.15 else None
+        if batch:
+            args += ["--batch", batch]
+        after: list[int] = []
+        if kind == "chain":
+            # Behind a job seen in the queue: a name never queued is an error (exit 2).
+            earlier = [x for x in self.launches if x.name and x.uid == uid and x.queued]
+            if not earlier:
+                return
+            before = rng.choice(earlier[-8:])
+            after = [before.n]
+            args += ["--after", str(before.name)]
+        learned = kind == "plain" and not impossible and gpus == 1 and rng.random() < 0.2
         if learned:
-            name, gib = rng.choice(LEARNED)
+            key, gib = rng.choice(LEARNED)
             reserved = None
             uses = gib * GIB
-            args += ["--key", name]
+            args += ["--key", key]
             code = 0
         else:
             gib = rng.choice(IMPOSSIBLE if impossible else FITTING)
@@ -183,20 +300,30 @@ class Chaos:
         if gpus == 2:
             args += ["--gpus", "2"]
             impossible = impossible or len(self.sim.gpus) < 2
-        if rng.random() < 0.3:
+        checkpoint: list[str] = []
+        saved = None
+        if kind == "pausable":
+            args += ["--pausable", "--priority", "1"]
+            hold = round(rng.uniform(3, 6), 2)
+            saved = (Path(self.envs[uid]["HOME"]) if uid else self.root) / f"ckpt.{n}"
+            checkpoint = ["--checkpoint", str(saved)]
+        elif kind == "urgent":
+            args += ["--priority", "5"]
+        elif rng.random() < 0.3:
             args += ["--priority", str(rng.randint(1, 5))]
-        timeout = rng.random() < 0.1
+        timeout = kind != "pausable" and rng.random() < 0.1
+        timeout_s = round(rng.uniform(0.5, 3), 1) if timeout else None
         if timeout:
-            args += ["--timeout", f"{rng.uniform(0.5, 3):.1f}s"]
-        command = ["--", *GPUWAIT, "sim", "job", "--vram", f"{uses // GIB}G"]
-        command += ["--hold", f"{hold}s", "--exit", str(code)]
+            args += ["--timeout", f"{timeout_s}s"]
+        command = ["--", *self.gpuwait_for(uid), "sim", "job", "--vram", f"{uses // GIB}G"]
+        command += ["--hold", f"{hold}s", "--exit", str(code), *checkpoint]
         if ramp:
             command += ["--ramp", f"{ramp}s"]
         if gpus == 2:
             command += ["--gpus", "2"]
-        argv = [*GPUWAIT, *args, *command]
+        argv = self.argv_as(uid, [*args, *command])
         err = self.root / f"err.{n}"
-        env = dict(self.env, CHAOS_TAG=str(n))
+        env = dict(self.envs[uid], CHAOS_TAG=f"{os.getpid()}.{n}")  # this driver's launch n
         with err.open("wb") as handle:
             popen = subprocess.Popen(
                 argv, env=env, cwd="/", stdout=subprocess.DEVNULL, stderr=handle
@@ -204,10 +331,14 @@ class Chaos:
         launch = Launch(
             n, argv, popen, err, reserved, uses, gpus, code, impossible, timeout, time.time()
         )
+        launch.uid, launch.name, launch.after, launch.batch = uid, name, after, batch
+        launch.pausable, launch.checkpoint, launch.timeout_s = saved is not None, saved, timeout_s
+        launch.text = shown(args + command)
         self.launches.append(launch)
-        self.count("launches")
-        shown = " ".join(argv[len(GPUWAIT) :]).replace(" ".join(GPUWAIT), "gpuwait")
-        self.say(f"launch #{n} (pid {popen.pid}): gpuwait {shown}")
+        self.count("launches" if kind == "plain" else f"launches ({kind})")
+        if uid:
+            self.count("launches by the second user")
+        self.say(f"launch #{n} (pid {popen.pid}, uid {uid}): gpuwait {launch.text}")
 
     def live(self) -> list[Launch]:
         return [launch for launch in self.launches if launch.proc.poll() is None]
@@ -234,6 +365,7 @@ class Chaos:
         self.count(f"{signal.Signals(sig).name} {target}")
         if sig == signal.SIGSTOP:
             launch.stopped = pid
+            launch.stopped_ever = True
             launch.resume_at = time.monotonic() + self.rng.choice([0.3, 1.0, 4.0])
         self.say(f"kill -{signal.Signals(sig).name[3:]} #{launch.n}'s {target} ({pid})")
 
@@ -268,21 +400,26 @@ class Chaos:
             argv += ["--vram", f"{gib}G"]
         else:
             argv = what.split()
-        self.gpuwait(argv, what)
+        self.gpuwait(argv, what, self.user())
 
-    def gpuwait(self, argv: list[str], what: str) -> subprocess.CompletedProcess[str] | None:
+    def run_gpuwait(
+        self, argv: list[str], env: dict[str, str], what: str
+    ) -> subprocess.CompletedProcess[str] | None:
+        """Run a gpuwait to its end (a minute at most, else broken)."""
         self.count(what)
         try:
-            done = subprocess.run(
-                [*GPUWAIT, *argv],
-                env=self.env,
-                cwd="/",
-                capture_output=True,
-                text=True,
-                timeout=60,
+            return subprocess.run(
+                argv, env=env, cwd="/", capture_output=True, text=True, timeout=60
             )
         except subprocess.TimeoutExpired:
             self.fail(f"`gpuwait {what}` still running after 60 s")
+            return None
+
+    def gpuwait(
+        self, argv: list[str], what: str, uid: int = 0
+    ) -> subprocess.CompletedProcess[str] | None:
+        done = self.run_gpuwait(self.argv_as(uid, argv), self.envs[uid], what)
+        if done is None:
             return None
         if done.returncode != 0 or "Traceback" in done.stderr:
             self.fail(f"`gpuwait {what}` exited {done.returncode}: {done.stderr.strip()[-600:]}")
@@ -297,8 +434,11 @@ class Chaos:
         self.say(f"config: safety = {safety}, queue_order = {order}")
 
     def damage(self) -> None:
-        name = self.rng.choice(["ledger.json", "history.jsonl"])
-        path = self.state / name
+        ledger = self.state / "ledger.json"
+        if self.ledger_dir is not None:
+            ledger = self.ledger_dir / "ledger.0.json"  # root's own file only
+        path = self.rng.choice([ledger, self.state / "history.jsonl"])
+        name = path.name
         try:
             data = path.read_bytes()
         except OSError:
@@ -309,28 +449,168 @@ class Chaos:
         else:
             at = self.rng.randrange(max(1, len(data)))
             data = data[:at] + b"\x00{garbage" + data[at + 9 :]
-        tmp = path.with_name(path.name + ".chaos")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        if self.ledger_dir is not None:
+            with path.open("r+b") as handle:  # in place: its owner and mode stay
+                handle.write(data)
+                handle.truncate()
+        else:
+            tmp = path.with_name(path.name + ".chaos")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
         self.damaged_at = time.time()
+        if path != self.state / "history.jsonl":
+            self.ledger_damaged_at = self.damaged_at
         self.count("damaged files")
         self.say(f"damage: {name} ({how})")
+
+    def ledger_files(self) -> list[Path]:
+        if self.ledger_dir is None:
+            return [self.state / "ledger.json"]
+        return sorted(self.ledger_dir.glob("ledger.*.json"))
+
+    def entries(self) -> list[dict[str, object]]:
+        """Every user's entries as the files stand (none of a file missing or mid-write)."""
+        jobs: list[dict[str, object]] = []
+        for path in self.ledger_files():
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                jobs += json.loads(path.read_bytes())["jobs"]
+        return jobs
+
+    def lock_may_be_stopped(self) -> bool:
+        """Is a gpuwait stopped now (it may hold the ledger lock)? The driver's own `cancel`
+        or `adopt` would then wait for the lock until it gave up, and resume nobody meanwhile."""
+        return any(x.stopped == x.proc.pid for x in self.launches)
+
+    def cancel(self) -> None:
+        """`gpuwait cancel` of a live launch, by its id, its name or its batch, by its owner,
+        or now and then by the other user (refused unless that one is root)."""
+        live = [x for x in self.live() if x.stopped is None]
+        if not live or self.lock_may_be_stopped():
+            return
+        launch = self.rng.choice(live)
+        by_pid = {job.get("pid"): job for job in self.entries()}
+        job = by_pid.get(launch.proc.pid)
+        targets = [str(job["id"])] if job and job.get("id") else []
+        if launch.name:
+            targets.append(launch.name)
+        if launch.batch:
+            targets.append(f"--batch={launch.batch}")
+        if not targets:
+            return
+        target = self.rng.choice(targets)
+        asker = launch.uid
+        if len(self.envs) > 1 and self.rng.random() < 0.2:
+            asker = next(uid for uid in self.envs if uid != launch.uid)
+        argv = self.argv_as(asker, ["cancel", target])
+        hit = [launch]
+        if target.startswith("--batch="):  # the batch's jobs in the queue now: the asker's,
+            # where it has any (of either user's, as far as the driver tells)
+            hit = [x for x in self.live() if x.batch == launch.batch]
+        done = self.run_gpuwait(argv, self.envs[asker], f"cancel (uid {asker})")
+        if done is None:
+            return
+        allowed = {0, 2}  # 2: it ended meanwhile (a name or id matching nothing)
+        if asker not in (0, launch.uid):
+            allowed = {2, 8}  # another user's job: refused (or, by name, none of theirs)
+        if target.startswith("--batch=") and asker != 0:
+            # Both users have these batches: the asker's jobs of it in the queue, or where
+            # none is (any more), the other user's, refused.
+            allowed = {0, 2, 8}
+        if done.returncode not in allowed or "Traceback" in done.stderr:
+            self.fail(
+                f"`gpuwait cancel {target}` by uid {asker} of #{launch.n} (uid {launch.uid}) "
+                f"exited {done.returncode}, expected one of {sorted(allowed)}: "
+                f"{done.stderr.strip()[-400:]}"
+            )
+        if done.returncode == 0:
+            for each in hit:
+                each.cancelled = True
+        self.say(f"cancel {target} (#{launch.n}) by uid {asker}: exit {done.returncode}")
+
+    def adopt(self) -> None:
+        """A simulated job started outside gpuwait, given an entry with `gpuwait adopt` once it
+        holds its memory."""
+        if self.lock_may_be_stopped():
+            return
+        uid = self.user()
+        gpu = self.rng.randrange(len(self.sim.gpus))
+        gib = self.rng.choice([1, 2, 4])
+        hold = self.rng.uniform(0.5, 3)
+        env = dict(self.envs[uid], CUDA_VISIBLE_DEVICES=str(gpu), CHAOS_TAG="outside")
+        argv = [*self.gpuwait_for(uid), "sim", "job", "--vram", f"{gib}G"]
+        argv += ["--hold", f"{hold:.1f}s"]
+        if uid:
+            argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+        outside = subprocess.Popen(
+            argv, env=env, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        self.outside.append(outside)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and outside.poll() is None:
+            if any(a.pid == outside.pid for a in live_allocations(self.sim)):
+                break
+            time.sleep(0.02)
+        args = ["adopt", str(outside.pid)]
+        if self.rng.random() < 0.5:
+            args += ["--vram", f"{gib}G"]
+        if self.rng.random() < 0.5:
+            args += ["--name", f"a{outside.pid}"]
+        done = self.run_gpuwait(self.argv_as(uid, args), self.envs[uid], "adopt")
+        if done is None:
+            return
+        self.adopted.append((uid, outside))
+        # Ended, or past its hold and letting its memory go: nothing to adopt (exit 2).
+        holds = any(a.pid == outside.pid for a in live_allocations(self.sim))
+        if done.returncode not in ({0} if holds else {0, 2}) or "Traceback" in done.stderr:
+            self.fail(
+                f"`gpuwait adopt` of a live {gib}G simulated job of uid {uid} exited "
+                f"{done.returncode}: {done.stderr.strip()[-400:]}"
+            )
+        self.say(f"adopt {outside.pid} ({gib}G on GPU {gpu}, uid {uid}): exit {done.returncode}")
+
+    def lock_kill(self) -> None:
+        """`kill -9` of a gpuwait caught holding the ledger lock."""
+        lock = self.ledger_dir or self.state / "ledger.lock"
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            return
+        ours = {x.proc.pid: x for x in self.live() if x.stopped is None}
+        try:
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                held = [ours[pid] for pid in holders(fd) if pid in ours]
+                if held:
+                    launch = held[0]
+                    os.kill(launch.proc.pid, signal.SIGKILL)
+                    launch.signals.append(("gpuwait", signal.SIGKILL))
+                    self.count("kill -9 of a gpuwait holding the ledger lock")
+                    self.say(f"kill -KILL #{launch.n} holding the ledger lock")
+                    return
+                time.sleep(0.002)
+        finally:
+            os.close(fd)
 
     # -- what it checks ------------------------------------------------------------------
 
     def learn_owners(self) -> None:
         """Who every simulated process holding memory now is (read from its environment)."""
+        children = proc.children_map()
         for launch in self.live():
             if launch.command_started is None:
-                kids = proc.children_map().get(launch.proc.pid, [])
+                kids = children.get(launch.proc.pid, [])
                 if kids:
                     launch.command_started = started_at(kids[0])
+                    self.check_after(launch)
         by_pid = {launch.proc.pid: launch for launch in self.launches}
-        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-            for job in json.loads((self.state / "ledger.json").read_bytes())["jobs"]:
-                launch = by_pid.get(job["pid"])
-                if launch and launch.reserved is None and job.get("state") == "running":
-                    launch.learned = job.get("reserved_bytes")
+        for job in self.entries():
+            pid, reserved = job.get("pid"), job.get("reserved_bytes")
+            seen = by_pid.get(pid) if isinstance(pid, int) else None
+            if seen is None:
+                continue
+            seen.queued = True
+            if seen.reserved is None and job.get("state") == "running":
+                seen.learned = reserved if isinstance(reserved, int) else None
         for allocation in live_allocations(self.sim):
             if allocation.pid in self.owners:
                 continue
@@ -344,14 +624,51 @@ class Chaos:
             if tag == "outside":
                 self.owners[allocation.pid] = Owner("outside", None, time.time())
                 continue
-            launch = self.launches[int(tag)]
+            launch = self.launches[int(tag.rpartition(".")[2])]
             self.owners[allocation.pid] = Owner(launch.kind(), launch.n, time.time())
+
+    def check_after(self, launch: Launch) -> None:
+        """A job started --after another: that one's command must be gone by now (one whose
+        command the driver signalled may leave a rank behind, which it does not judge)."""
+        tagged = self.tagged()
+        for n in launch.after:
+            before = self.launches[n]
+            if any(target == "command" for target, _ in before.signals):
+                continue
+            left = tagged.get(n, set()) - {before.proc.pid}
+            if left:
+                self.fail(
+                    f"#{launch.n} (--after {before.name}) started its command while #{n}'s "
+                    f"command (pids {sorted(left)}) still ran"
+                )
+            else:
+                self.count("--after checked")
+
+    def check_timeouts(self) -> None:
+        """A --timeout job still waiting well past its timeout (never stopped by the driver)."""
+        now = time.time()
+        waiting = {job.get("pid"): job.get("state") for job in self.entries()}
+        children = proc.children_map()
+        for launch in self.live():
+            if launch.timeout_s is None or launch.stopped_ever or launch.seen_waiting_late:
+                continue
+            if launch.command_started is not None or children.get(launch.proc.pid):
+                continue
+            if now - launch.started < launch.timeout_s + TIMEOUT_MARGIN:
+                continue
+            if waiting.get(launch.proc.pid, "waiting") != "waiting":
+                continue
+            launch.seen_waiting_late = True
+            self.fail(
+                f"#{launch.n} (--timeout {launch.timeout_s}s) still waiting "
+                f"{now - launch.started:.1f}s after its launch: gpuwait {launch.text}"
+            )
 
     def finished(self, launch: Launch) -> None:
         launch.checked = True
         rc = launch.rc
         err = launch.err.read_text(errors="replace")
-        what = f"#{launch.n} ({' '.join(launch.argv[len(GPUWAIT) : len(GPUWAIT) + 8])} ...)"
+        what = f"#{launch.n} ({launch.text[:120]} ...)"
         if "Traceback" in err:
             self.fail(f"traceback from {what}: {err.strip()[-800:]}")
         expected = {launch.exit}
@@ -369,6 +686,22 @@ class Chaos:
                 expected |= {-sig, 128 + sig}
                 if target == "command" and launch.gpus == 2:
                     expected.add(1)  # a rank's partner ended by the signal
+                if launch.pausable:
+                    expected.add(RESUMED)  # stopped while it stepped aside
+        if any(self.ledger_damaged_at > self.launches[n].started for n in launch.after):
+            expected.add(2)  # its job was forgot with the damaged ledger: no such job
+        if launch.cancelled:
+            expected |= {CANCELLED, -signal.SIGTERM, 128 + signal.SIGTERM}
+            expected |= {RESUMED} if launch.pausable else set()
+            expected |= {1} if launch.gpus == 2 else set()
+            self.count("cancelled jobs ended")
+        if launch.checkpoint is not None and launch.checkpoint.exists():
+            ended = "resumed and ended" if rc == launch.exit else f"ended {rc}"
+            self.count(f"paused jobs that {ended}")
+        if rc == CANCELLED and launch.cancelled and launch.exit != CANCELLED:
+            left = [job for job in self.entries() if job.get("pid") == launch.proc.pid]
+            if left:
+                self.fail(f"{what} exited {CANCELLED} (cancelled) but left its entry: {left}")
         if rc not in expected:
             self.fail(f"{what} exited {rc}, expected one of {sorted(expected)}: {err[-600:]}")
 
@@ -404,26 +737,29 @@ class Chaos:
         )
 
     def check_ledger(self, reaped: set[int]) -> None:
-        path = self.state / "ledger.json"
-        try:
-            data = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            return
-        except ValueError as exc:
-            if time.time() - self.damaged_at > 1:
-                self.fail(f"ledger.json does not parse after `gpuwait status`: {exc}")
-            return
-        for job in data.get("jobs", []):
-            if job.get("pid") in reaped:
-                n = next(x.n for x in self.launches if x.proc.pid == job.get("pid"))
-                self.fail(
-                    f"entry of #{n} (gpuwait {job.get('pid')}, gone with its command) still in "
-                    f"the ledger after `gpuwait status`: {json.dumps(job)[:600]}"
-                )
+        names = {x.proc.pid: f"#{x.n}" for x in self.launches}
+        for path in self.ledger_files():
+            try:
+                data = json.loads(path.read_bytes())
+            except FileNotFoundError:
+                continue
+            except ValueError as exc:
+                if time.time() - self.damaged_at > 1:
+                    self.fail(f"{path.name} does not parse after `gpuwait status`: {exc}")
+                continue
+            for job in data.get("jobs", []):
+                if job.get("pid") in reaped:
+                    who = names.get(job["pid"], f"adopted process {job['pid']}")
+                    self.fail(
+                        f"entry of {who} (gone with its command) still in {path.name} "
+                        f"after `gpuwait status`: {json.dumps(job)[:600]}"
+                    )
 
-    def gone(self) -> set[int]:
-        """gpuwait pids that ended and whose commands (every process they started) are gone."""
-        tagged = set()
+    @staticmethod
+    def tagged() -> dict[int, set[int]]:
+        """The live processes of each launch (its gpuwait and every process it started), of
+        this driver's (others may run beside it)."""
+        tagged: dict[int, set[int]] = {}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -431,29 +767,39 @@ class Chaos:
                 environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            match = re.search(rb"CHAOS_TAG=(\d+)", environ)
+            match = re.search(rb"CHAOS_TAG=%d\.(\d+)" % os.getpid(), environ)
             if match:
-                tagged.add(int(match.group(1)))
+                tagged.setdefault(int(match.group(1)), set()).add(int(entry.name))
+        return tagged
+
+    def gone(self) -> set[int]:
+        """gpuwait pids that ended and whose commands (every process they started) are gone,
+        and adopted processes that ended."""
+        tagged = self.tagged()
         return {
             launch.proc.pid
             for launch in self.launches
             if launch.proc.poll() is not None and launch.n not in tagged
-        }
+        } | {outside.pid for _, outside in self.adopted if outside.poll() is not None}
 
     def step(self) -> None:
         self.resume()
         self.learn_owners()
+        self.check_timeouts()
         for launch in self.launches:
             if not launch.checked and launch.proc.poll() is not None:
                 launch.rc = launch.proc.returncode
                 self.finished(launch)
-        op = self.rng.choices(
-            ["launch", "signal", "grab", "ask", "config", "damage", "idle"],
-            weights=[35, 14, 5, 12, 2, 1, 20],
-        )[0]
-        if op == "launch":
+        op = self.rng.choices(list(OPERATIONS), weights=list(OPERATIONS.values()))[0]
+        if op in ("launch", "pausable", "urgent", "chain"):
             if len(self.live()) < self.max_live:
-                self.launch()
+                self.launch("plain" if op == "launch" else op)
+        elif op == "cancel":
+            self.cancel()
+        elif op == "adopt":
+            self.adopt()
+        elif op == "lock kill":
+            self.lock_kill()
         elif op == "signal":
             self.signal()
         elif op == "grab":
@@ -478,11 +824,12 @@ class Chaos:
         while self.live() and time.monotonic() < end:
             self.resume()
             self.learn_owners()
+            self.check_timeouts()
             time.sleep(0.05)
         for launch in self.live():
             self.fail(
-                f"#{launch.n} still running {deadline:.0f}s after the last step: "
-                f"{' '.join(launch.argv[len(GPUWAIT) :])}"
+                f"#{launch.n} still running {deadline:.0f}s after the last step: gpuwait "
+                f"{launch.text}"
             )
             launch.proc.kill()
             launch.proc.wait()
@@ -506,16 +853,21 @@ class Chaos:
         """`status` reaps the entries of the gpuwait processes gone with their commands (unless
         a stopped gpuwait holds the ledger lock: it then says it shows the ledger untidied)."""
         gone = self.gone()
-        done = self.gpuwait(["status", "--json"], "status --json")
-        if done is not None and "not tidied" not in done.stdout + done.stderr:
+        tidied = True
+        for uid in self.envs:  # each user's gpuwait tidies that user's own file
+            done = self.gpuwait(["status", "--json"], "status --json", uid)
+            tidied = tidied and done is not None and "not tidied" not in done.stdout + done.stderr
+        if tidied:
             self.check_ledger(gone)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def run(seed: int, steps: int, gpus: int, verbose: bool, keep: bool, max_live: int) -> Chaos:
-    chaos = Chaos(seed, gpus, verbose, max_live)
+def run(
+    seed: int, steps: int, gpus: int, verbose: bool, keep: bool, max_live: int, users: int
+) -> Chaos:
+    chaos = Chaos(seed, gpus, verbose, max_live, users)
     started = time.monotonic()
     try:
         for _ in range(steps):
@@ -550,6 +902,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="operations per seed")
     parser.add_argument("--gpus", type=int, default=2, help="simulated 24 GiB GPUs")
     parser.add_argument("--max-live", type=int, default=16, help="gpuwait processes at most")
+    parser.add_argument(
+        "--users",
+        type=int,
+        choices=[1, 2],
+        default=2 if os.geteuid() == 0 else 1,
+        help="2: a second user shares the ledger (needs root; the default as root)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the sandbox (state, stderr)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every operation")
     args = parser.parse_args()
@@ -560,9 +919,8 @@ def main() -> None:
         seeds = [args.seed]
     broken = 0
     for seed in seeds:
-        broken += len(
-            run(seed, args.steps, args.gpus, args.verbose, args.keep, args.max_live).broken
-        )
+        chaos = run(seed, args.steps, args.gpus, args.verbose, args.keep, args.max_live, args.users)
+        broken += len(chaos.broken)
     sys.exit(1 if broken else 0)
 
 
