@@ -1040,14 +1040,20 @@ def test_root_tidies_what_nobody_counts_out_of_a_members_file(server: Server) ->
     uuid = live["gpu_uuids"][0]
 
     def add(raw: dict[str, Any]) -> None:
-        raw["jobs"] += [pid1_entry(live, uuid, 20 * GiB), {**live, "id": "dead", "pid": gone.pid}]
+        dead = {**live, "id": "dead", "pid": gone.pid, "child_pid": None}
+        raw["jobs"] += [pid1_entry(live, uuid, 20 * GiB), dead]
 
+    # Bob's own gpuwait would reap the dead entry at its next usage sample: it is stopped
+    # (between two of its transactions, the lock held meanwhile) while root looks.
+    with server.locked():
+        os.kill(bob.pid, signal.SIGSTOP)
     server.edit_own(BOB, add)
     assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 3
     root_env = server.root_env()
     done = subprocess.run(
         ["python3", "-m", "gpuwait", "status"], env=root_env, capture_output=True, timeout=60
     )
+    os.kill(bob.pid, signal.SIGCONT)
     assert done.returncode == 0, done.stderr
     tidied = json.loads(server.own_file(BOB).read_text())
     # The entry of a process that is gone is Bob's to reap (and record as lost), not root's.
