@@ -443,7 +443,10 @@ def _leave(
                 return
             return
 
-    signals.start_deaf(threading.Thread(target=later, name="gpuwait-leave", daemon=True))
+    # Where the interpreter is shutting down (a release at the program's exit), Python 3.12
+    # starts no thread: the process ends now, and its entry is reaped with it.
+    with contextlib.suppress(RuntimeError):
+        signals.start_deaf(threading.Thread(target=later, name="gpuwait-leave", daemon=True))
 
 
 def _leave_if_listed(ledger: Ledger, job: Job, reporter: Reporter) -> None:

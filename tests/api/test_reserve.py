@@ -1168,3 +1168,52 @@ def test_a_release_while_the_ledger_lock_is_kept_returns_at_once_and_gives_the_r
     assert holder.proc.poll() is None
     runs = recorded_runs()
     assert [r["name"] for r in runs] == ["cell"], runs
+
+
+#: A program that reserves and ends holding its reservation (released at its exit); before
+#: that, where this Python lets threads start then, it refuses them at its shutdown as Python
+#: 3.12 does ("can't create new thread at interpreter shutdown").
+ENDS_HOLDING = (
+    "import atexit, json, os, sys, threading\n"
+    "import gpuwait\n"
+    "gpuwait.reserve('1G', name='ends-holding')\n"
+    "def shutting_down():\n"
+    "    def refused(self):\n"
+    '        raise RuntimeError("can\'t create new thread at interpreter shutdown")\n'
+    "    threading.Thread.start = refused\n"
+    "atexit.register(shutting_down)  # runs before gpuwait's (registered first)\n"
+    "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_program_ending_holding_while_the_ledger_lock_is_kept_exits_at_once_with_its_run_recorded(
+    sim: Path, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python 3.12 starts no thread once the interpreter is shutting down, where the exit's
+    # release hands the entry to one while another process keeps the ledger's lock: the
+    # program's exit then waited lock_timeout for that lock, and recorded no run.
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "10s")
+    program = _program(ENDS_HOLDING)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        pid = json.loads(program.stdout.readline())["pid"]
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        started = time.monotonic()
+        program.stdin.write("\n")
+        program.stdin.flush()
+        status = program.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        _, err = program.communicate()
+    assert status == 0, err
+    assert took < 5, (took, err)
+    assert [r["name"] for r in recorded_runs()] == ["ends-holding"], err
+    wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
