@@ -623,17 +623,18 @@ def impossible_reason(
     if not candidates:
         return NO_CANDIDATE
     closed_ones = [g for g in candidates if prohibited(g)]
-    closed_note = _prohibited_note(closed_ones)
     candidates = [g for g in candidates if not prohibited(g)]
     if not candidates:
-        return f"{NO_CANDIDATE} takes CUDA work: {closed_note}"
+        return f"{NO_CANDIDATE} takes CUDA work: {_prohibited_note(closed_ones)}"
     matching = [g for g in candidates if claim.requirements.mismatch(g) is None]
+    # Cards shut for now that meet what it asks: named as what would help.
+    closed_matching = [g for g in closed_ones if claim.requirements.mismatch(g) is None]
+    why = f"; {_prohibited_note(closed_matching)}" if closed_matching else ""
     if not matching:
         first = claim.requirements.mismatch(candidates[0])
-        return f"{NO_MATCH}{claim.requirements.describe()} ({first})"
+        return f"{NO_MATCH}{claim.requirements.describe()} ({first}){why}"
     if len(matching) < claim.gpus_wanted:
         which = "can be used" if len(matching) == len(candidates) else "match"
-        why = f"; {closed_note}" if closed_ones else ""
         return f"{claim.gpus_wanted}{TOO_FEW}{len(matching)} {which}{why}"
     if limits is not None:
         least = cheapest([limit_charge(claim, g, safety) for g in matching], claim.gpus_wanted)
@@ -655,7 +656,7 @@ def impossible_reason(
     if len(fitting) >= claim.gpus_wanted:
         return None
     # Cards shut for now that would hold it: the refusal names them, as what would help.
-    shut = [g for g in closed_ones if claim.requirements.mismatch(g) is None and holds(g)]
+    shut = [g for g in closed_matching if holds(g)]
     why = f"; {_prohibited_note(shut)}" if shut else ""
     if fitting:
         # Some cards could hold it, only not as many as the gang wants.

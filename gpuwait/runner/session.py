@@ -805,8 +805,6 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
     if reason.startswith(OVER_LIMIT):
         # Nothing about the cards would help: the site's limit is on the request itself.
         return f"ask for less ({spell('vram')}) or fewer GPUs ({spell('gpus')}): the limit is the site's"
-    if reason.startswith(NO_MATCH):
-        return relax
     reopen = (
         "have an administrator set the card's compute mode back to default (nvidia-smi -c DEFAULT)"
     )
@@ -815,6 +813,8 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
         return f"use other GPUs ({spell('devices')}), or {reopen}"
     # Cards in prohibited mode that would serve it, named at the reason's end.
     shut = f", or {reopen}" if PROHIBITED_NOTE in reason else ""
+    if reason.startswith(NO_MATCH):
+        return relax + shut
     if TOO_FEW in reason:
         fewer = f"ask for fewer GPUs ({spell('gpus')})"
         matching_fewer = " match" in reason.split(TOO_FEW, 1)[1]  # not "can be used"

@@ -908,6 +908,30 @@ def test_a_request_that_only_a_card_in_prohibited_mode_could_serve_is_told_so(
     assert "nvidia-smi -c DEFAULT" in hint, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("gpus", "memory", "modes", "shut"),
+    [
+        (1, ["24GiB", "80GiB"], [None, "prohibited"], "GPU1"),
+        (2, ["80GiB", "24GiB", "80GiB"], ["prohibited", "prohibited", None], "GPU0"),
+    ],
+    ids=["one", "gang"],
+)
+def test_a_requirement_that_only_a_card_in_prohibited_mode_meets_is_told_so(
+    gpuwait_cmd: list[str], sim_file: Any, gpus: int, memory: list[str], modes: list[Any], shut: str
+) -> None:
+    # The 80 GiB cards are shut for maintenance: a job that needs a card of 40 GiB was told
+    # that no GPU has that much (naming the 24 GiB one) and to change its requirement, with no
+    # word of the card that has it; and a gang was told of every shut card, the 24 GiB one's
+    # too, which meets nothing it asks.
+    sim_file(gpus=len(memory), memory=memory, compute_mode=modes)
+    options = ["--vram", "1G", "--min-total-vram", "40G", "--gpus", str(gpus)]
+    done = run([*gpuwait_cmd, *options, "--", "true"])
+    assert done.returncode == 3, done.stderr
+    error, hint = done.stderr.splitlines()[-2:]
+    assert error.endswith(f"; {shut}'s compute mode is prohibited"), done.stderr
+    assert "nvidia-smi -c DEFAULT" in hint, done.stderr
+
+
 def test_reserve_names_its_own_keywords_in_the_hint(sim_file: Any) -> None:
     import gpuwait
 
