@@ -246,8 +246,10 @@ def _signals_taken() -> Iterator[None]:
     (they queue up for the waiting loop); the thread's mask as it was afterwards. Its own timers
     and real-time signals stay its own (signals.RESERVING)."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken(signals.RESERVING))
-    signals.child_news()  # only what comes while it waits
     try:
+        # Inside: a handler that raises (a Ctrl-C just now) may run at this call, and the
+        # signals must not stay blocked after it.
+        signals.child_news()  # only what comes while it waits
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -1217,3 +1217,38 @@ def test_a_program_ending_holding_while_the_ledger_lock_is_kept_exits_at_once_wi
     assert took < 5, (took, err)
     assert [r["name"] for r in recorded_runs()] == ["ends-holding"], err
     wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+
+
+#: A program whose Ctrl-C lands just as reserve() begins to wait (its handler runs at the wait's
+#: first step), that carries on (a notebook kernel), and then waits to be interrupted again.
+INTERRUPTED_AS_IT_BEGINS = (
+    "import json, time\n"
+    "import gpuwait\n"
+    "from gpuwait.linux import signals\n"
+    "first = signals.child_news\n"
+    "def ctrl_c_lands():\n"
+    "    signals.child_news = first\n"
+    "    raise KeyboardInterrupt\n"
+    "signals.child_news = ctrl_c_lands\n"
+    "try:\n"
+    "    gpuwait.reserve('1G')\n"
+    "except KeyboardInterrupt:\n"
+    "    print(json.dumps({'interrupted': True}), flush=True)\n"
+    "time.sleep(30)\n"
+)
+
+
+def test_a_ctrl_c_as_the_wait_begins_leaves_the_program_answering_the_next_one(sim: Path) -> None:
+    # The signals the wait takes were blocked before the wait's cleanup was in place: a Ctrl-C
+    # whose handler ran there left Ctrl-C, TERM, HUP, USR1 and SIGCHLD blocked in the program
+    # for good: the kernel's "interrupt" did nothing any more.
+    program = _program(INTERRUPTED_AS_IT_BEGINS)
+    try:
+        assert program.stdout is not None
+        assert json.loads(program.stdout.readline()) == {"interrupted": True}
+        program.send_signal(signal.SIGINT)
+        status = program.wait(timeout=10)
+    finally:
+        program.kill()
+        _, err = program.communicate()
+    assert status == -signal.SIGINT, (status, err)  # as Python ends of a Ctrl-C
