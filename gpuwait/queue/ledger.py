@@ -353,8 +353,12 @@ class Ledger:
                     f"(lock_timeout = {format_setting_duration(timeout)} sets the wait)",
                 ) from None
             except OSError as exc:
-                # ENOLCK: an NFS mount whose lock daemon does not answer, say.
                 _close_lock(fd)
+                if exc.errno is None:
+                    # Not the lock's own failure, which has an errno: raised by a program's
+                    # handler run during the wait (its alarm's TimeoutError), and its to take.
+                    raise
+                # ENOLCK: an NFS mount whose lock daemon does not answer, say.
                 raise StateError(
                     f"the ledger lock on {self.directory if self.shared else self.lock_path} "
                     f"cannot be taken: {exc.strerror}",

@@ -1252,3 +1252,35 @@ def test_a_ctrl_c_as_the_wait_begins_leaves_the_program_answering_the_next_one(s
         program.kill()
         _, err = program.communicate()
     assert status == -signal.SIGINT, (status, err)  # as Python ends of a Ctrl-C
+
+
+#: A program with a timeout of its own (signal.setitimer, its handler raising TimeoutError, as
+#: such handlers are most often written) that reserves; it says how the reservation ended.
+TIMED_BY_ITS_ALARM = (
+    "import json, signal\n"
+    "import gpuwait\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+    "try:\n"
+    "    gpuwait.reserve('1G')\n"
+    "except TimeoutError as exc:\n"
+    "    print(json.dumps({'timeout': str(exc)}))\n"
+    "except gpuwait.ReserveError as exc:\n"
+    "    print(json.dumps({'error': exc.message, 'hint': exc.hint}))\n"
+)
+
+
+def test_a_programs_alarm_raising_timeouterror_while_the_ledger_lock_is_kept_reaches_it(
+    sim: Path,
+) -> None:
+    # The handler's TimeoutError, an OSError, was taken for the lock's own failure: reserve
+    # raised "the ledger lock ... cannot be taken: None", with the hint that the file system
+    # does not lock files, and the program never saw its timeout.
+    with _ledger_lock_kept():
+        done = subprocess.run(
+            [sys.executable, "-c", TIMED_BY_ITS_ALARM], capture_output=True, text=True, timeout=30
+        )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"timeout": "took too long"}, done.stdout
