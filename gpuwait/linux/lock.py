@@ -139,14 +139,6 @@ def _wait_under_timer(
     import signal
     import time
 
-    # SIGALRM is let in during a slice only, while the wait's timer runs: between two slices
-    # the timer is stopped, and one let in then would pass for the wait's own tick.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-    held = signal.SIGALRM in mask
-    callers = signal.getitimer(signal.ITIMER_REAL)
-    # Due that long from now: the wait may have begun long before (this is its next turn, a
-    # tick of the caller's own just handled), and the timer counts down from now.
-    caller_due = time.monotonic() + callers[0] if callers[0] > 0 else None
     in_take = False
     foreign = False
     #: Whether this slice's timer has rung, its tick handled.
@@ -162,7 +154,21 @@ def _wait_under_timer(
         if in_take:
             raise _Tick
 
-    previous = signal.signal(signal.SIGALRM, tick)
+    # SIGALRM is let in during a slice only, while the wait's timer runs: between two slices
+    # the timer is stopped, and one let in then would pass for the wait's own tick.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    try:
+        held = signal.SIGALRM in mask
+        callers = signal.getitimer(signal.ITIMER_REAL)
+        # Due that long from now: the wait may have begun long before (this is its next turn,
+        # a tick of the caller's own just handled), and the timer counts down from now.
+        caller_due = time.monotonic() + callers[0] if callers[0] > 0 else None
+        previous = signal.signal(signal.SIGALRM, tick)
+    except BaseException:
+        # A handler of the caller's that raised just now (its alarm's, a Ctrl-C) ends the
+        # wait: SIGALRM must not stay blocked in the caller, its later alarms never rung.
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     try:
         while True:
             # One waiting, shut out, is not the wait's own (a tick that fell due as its slice

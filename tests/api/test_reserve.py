@@ -1284,3 +1284,58 @@ def test_a_programs_alarm_raising_timeouterror_while_the_ledger_lock_is_kept_rea
         )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"timeout": "took too long"}, done.stdout
+
+
+#: A program holding a reservation whose own alarm (a timeout whose handler raises) falls due
+#: just as its release begins to wait for the ledger's lock: the handler runs at the wait's
+#: first look at the timer. It goes on, and says whether its next alarm rang.
+ALARMED_AS_THE_LOCK_WAIT_BEGINS = (
+    "import json, signal, sys, time\n"
+    "import gpuwait\n"
+    "r = gpuwait.reserve('1G')\n"
+    "print(json.dumps({'held': r.job_id}), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "first = signal.getitimer\n"
+    "def alarm_handled_here(which):\n"
+    "    signal.getitimer = first\n"
+    "    raise TimeoutError('the alarm rang')\n"
+    "signal.getitimer = alarm_handled_here\n"
+    "try:\n"
+    "    r.release()\n"
+    "except TimeoutError:\n"
+    "    pass\n"
+    "rang = []\n"
+    "signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(signum))\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.05)\n"
+    "deadline = time.monotonic() + 3\n"
+    "while not rang and time.monotonic() < deadline:\n"
+    "    time.sleep(0.01)\n"
+    "print(json.dumps({'rang': bool(rang)}), flush=True)\n"
+)
+
+
+def test_an_alarm_that_ends_a_wait_for_the_ledger_lock_as_it_begins_leaves_the_next_one_ringing(
+    sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGALRM was blocked before the lock wait's cleanup was in place: an alarm whose handler
+    # raised there ended the wait, as it should, but left SIGALRM blocked for good, and the
+    # program's later alarms (pytest-timeout's, a watchdog's) never rang.
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.2s")  # the release's second try, given up
+    program = _program(ALARMED_AS_THE_LOCK_WAIT_BEGINS)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert "held" in json.loads(program.stdout.readline())
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("\n")
+        program.stdin.flush()
+        said = json.loads(program.stdout.readline() or "{}")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        _, err = program.communicate()
+    assert said == {"rang": True}, err
