@@ -467,7 +467,9 @@ def _references(option: str, values: list[str]) -> tuple[str, ...]:
         named = [ref.strip() for ref in value.split(",") if ref.strip()]
         if not named:
             raise UsageError(
-                f"{option} {value!r} names no job", hint="give a job's id, name or batch"
+                f"{option} {value!r} names no job",
+                hint="give a job's id, name or batch, or leave the option out where the job "
+                "depends on none (docs/queue-and-status.md)",
             )
         refs += named
     return tuple(refs)

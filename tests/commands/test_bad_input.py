@@ -130,6 +130,15 @@ CASES: dict[str, Case] = {
     # `--after-ok "$PREV"` where $PREV came out empty: the job must not start at once as if
     # it depended on nothing.
     "empty after": (["--vram", "1G", "--after", "", "true"], {}, None, None, 2, "names no job"),
+    # A script's first step, with no job before it: told how to write a dependency on none.
+    "empty after-ok of a first step": (
+        ["--vram", "1G", "--after-ok", "", "true"],
+        {},
+        None,
+        None,
+        2,
+        "leave the option out where the job depends on none",
+    ),
     "after-ok of commas": (
         ["--vram", "1G", "--after-ok", " , ", "true"],
         {},
