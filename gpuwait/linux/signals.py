@@ -79,6 +79,14 @@ class SignalPending(Exception):
         self.signum = signum
 
 
+def raised_by_a_handler(exc: OSError) -> bool:
+    """Whether `exc` is no system call's failure, which always has an errno, but raised by a
+    signal handler of a program's own run during a wait of gpuwait's (its alarm's handler
+    raising TimeoutError, as such handlers are most often written): the program's to take, not
+    to be told as a file system's failure."""
+    return exc.errno is None
+
+
 def raise_if_pending() -> None:
     """Raise SignalPending when a forwarded signal waits (blocked) for gpuwait; cheap (one
     system call). Nothing is pending where gpuwait does not block signals: there a signal

@@ -354,9 +354,7 @@ class Ledger:
                 ) from None
             except OSError as exc:
                 _close_lock(fd)
-                if exc.errno is None:
-                    # Not the lock's own failure, which has an errno: raised by a program's
-                    # handler run during the wait (its alarm's TimeoutError), and its to take.
+                if signals.raised_by_a_handler(exc):
                     raise
                 # ENOLCK: an NFS mount whose lock daemon does not answer, say.
                 raise StateError(

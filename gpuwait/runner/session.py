@@ -1528,6 +1528,8 @@ def _record(
     try:
         warnings = save_record(config.state_dir, record, config.history_max_size)
     except OSError as exc:
+        if signals.raised_by_a_handler(exc):
+            raise
         # The run itself is over and its status stands; only the record is lost.
         warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
     except MemoryError:

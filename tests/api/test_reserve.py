@@ -1339,3 +1339,52 @@ def test_an_alarm_that_ends_a_wait_for_the_ledger_lock_as_it_begins_leaves_the_n
         program.kill()
         _, err = program.communicate()
     assert said == {"rang": True}, err
+
+
+#: A program holding a reservation, with a timeout of its own (its alarm's handler raising
+#: TimeoutError) that falls due as its release records the run; it says how the release ended.
+TIMED_OUT_AS_IT_RECORDS = (
+    "import json, signal, sys\n"
+    "import gpuwait\n"
+    "r = gpuwait.reserve('1G')\n"
+    "print(json.dumps({'held': r.job_id}), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+    "try:\n"
+    "    r.release()\n"
+    "except TimeoutError as exc:\n"
+    "    print(json.dumps({'timeout': str(exc)}), flush=True)\n"
+    "else:\n"
+    "    print(json.dumps({'released': True}), flush=True)\n"
+)
+
+
+def test_a_programs_alarm_raising_timeouterror_while_the_history_lock_is_kept_reaches_it(
+    sim: Path,
+) -> None:
+    # The history's lock kept by another process (a compaction, a stopped gpuwait): the
+    # handler's TimeoutError, an OSError, was taken for the history's own failure, said as
+    # "could not record the run in the history: took too long", and release() returned as if
+    # nothing had happened.
+    from gpuwait.history.store import LOCK_NAME
+    from gpuwait.linux import dirs
+
+    program = _program(TIMED_OUT_AS_IT_RECORDS)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert "held" in json.loads(program.stdout.readline())
+        fd = os.open(Path(dirs.user_state_dir()) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("\n")
+        program.stdin.flush()
+        said = json.loads(program.stdout.readline() or "{}")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        _, err = program.communicate()
+    assert said == {"timeout": "took too long"}, err
