@@ -1286,6 +1286,30 @@ def test_a_programs_alarm_raising_timeouterror_while_the_ledger_lock_is_kept_rea
     assert json.loads(done.stdout) == {"timeout": "took too long"}, done.stdout
 
 
+def _goes_on_with_the_lock_kept(code: str, lock_name: str) -> tuple[dict[str, Any], str]:
+    """Runs `code`, a program that reserves, says so, and waits for a line on stdin; then keeps
+    the lock `lock_name` of the state dir and tells it to go on: what it says next (a JSON
+    line), and its stderr."""
+    from gpuwait.linux import dirs
+
+    program = _program(code)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert "held" in json.loads(program.stdout.readline())
+        fd = os.open(Path(dirs.user_state_dir()) / lock_name, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("\n")
+        program.stdin.flush()
+        said = json.loads(program.stdout.readline() or "{}")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        _, err = program.communicate()
+    return said, err
+
+
 #: A program holding a reservation whose own alarm (a timeout whose handler raises) falls due
 #: just as its release begins to wait for the ledger's lock: the handler runs at the wait's
 #: first look at the timer. It goes on, and says whether its next alarm rang.
@@ -1320,24 +1344,8 @@ def test_an_alarm_that_ends_a_wait_for_the_ledger_lock_as_it_begins_leaves_the_n
     # SIGALRM was blocked before the lock wait's cleanup was in place: an alarm whose handler
     # raised there ended the wait, as it should, but left SIGALRM blocked for good, and the
     # program's later alarms (pytest-timeout's, a watchdog's) never rang.
-    from gpuwait.linux import dirs
-
     monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.2s")  # the release's second try, given up
-    program = _program(ALARMED_AS_THE_LOCK_WAIT_BEGINS)
-    fd = -1
-    try:
-        assert program.stdout is not None and program.stdin is not None
-        assert "held" in json.loads(program.stdout.readline())
-        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        program.stdin.write("\n")
-        program.stdin.flush()
-        said = json.loads(program.stdout.readline() or "{}")
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        program.kill()
-        _, err = program.communicate()
+    said, err = _goes_on_with_the_lock_kept(ALARMED_AS_THE_LOCK_WAIT_BEGINS, "ledger.lock")
     assert said == {"rang": True}, err
 
 
@@ -1370,21 +1378,6 @@ def test_a_programs_alarm_raising_timeouterror_while_the_history_lock_is_kept_re
     # "could not record the run in the history: took too long", and release() returned as if
     # nothing had happened.
     from gpuwait.history.store import LOCK_NAME
-    from gpuwait.linux import dirs
 
-    program = _program(TIMED_OUT_AS_IT_RECORDS)
-    fd = -1
-    try:
-        assert program.stdout is not None and program.stdin is not None
-        assert "held" in json.loads(program.stdout.readline())
-        fd = os.open(Path(dirs.user_state_dir()) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        program.stdin.write("\n")
-        program.stdin.flush()
-        said = json.loads(program.stdout.readline() or "{}")
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        program.kill()
-        _, err = program.communicate()
+    said, err = _goes_on_with_the_lock_kept(TIMED_OUT_AS_IT_RECORDS, LOCK_NAME)
     assert said == {"timeout": "took too long"}, err
