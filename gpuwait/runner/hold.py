@@ -152,7 +152,7 @@ class Holding:
         if not self._stop_holding():
             return
         try:
-            session._finish(self.ledger, self.job, INTERRUPTED, self.reporter)
+            _leave(self.config, self.ledger, self.job, INTERRUPTED, self.reporter)
         finally:
             self.backend.close()
 
@@ -191,7 +191,7 @@ class Holding:
             if not self._out:
                 # A Ctrl-C halfway: it is released already, so nothing would give the room
                 # back before the process ends; it goes back now, with no run recorded.
-                session._finish(self.ledger, self.job, INTERRUPTED, self.reporter)
+                _leave(self.config, self.ledger, self.job, INTERRUPTED, self.reporter)
             raise
         finally:
             self.backend.close()
@@ -409,7 +409,7 @@ def _hold(
         # A Ctrl-C (KeyboardInterrupt) that landed between two steps (just queued, just
         # admitted): nobody got a Holding, and the process, a notebook kernel, lives on, so
         # no reaper would take its place in the queue or its room back.
-        _leave_if_listed(ledger, queued, reporter)
+        _leave_if_listed(config, ledger, queued, reporter)
         raise
 
 
@@ -451,11 +451,11 @@ def _leave(
         signals.start_deaf(threading.Thread(target=later, name="gpuwait-leave", daemon=True))
 
 
-def _leave_if_listed(ledger: Ledger, job: Job, reporter: Reporter) -> None:
+def _leave_if_listed(config: RunConfig, ledger: Ledger, job: Job, reporter: Reporter) -> None:
     """`job` out of the queue, where it is still in it."""
     with contextlib.suppress(Exception):
         if any(j.id == job.id for j in ledger.read().jobs):
-            session._finish(ledger, job, INTERRUPTED, reporter)
+            _leave(config, ledger, job, INTERRUPTED, reporter)
 
 
 def _budget(mode: str, job: Job, gpus: Sequence[GpuSnapshot], reporter: Reporter) -> Budget:

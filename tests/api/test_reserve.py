@@ -21,7 +21,7 @@ import pytest
 from helpers.fixtures_sim import SimFileFactory, hold_card
 from helpers.history import recorded_runs
 from helpers.status import job_named, job_of_pid, listed_jobs, state_of
-from helpers.waiting import asleep_waiting, wait_for
+from helpers.waiting import asleep_waiting, sleeping_in, wait_for
 
 GiB = 2**30
 
@@ -1381,3 +1381,52 @@ def test_a_programs_alarm_raising_timeouterror_while_the_history_lock_is_kept_re
 
     said, err = _goes_on_with_the_lock_kept(TIMED_OUT_AS_IT_RECORDS, LOCK_NAME)
     assert said == {"timeout": "took too long"}, err
+
+
+#: A program holding a reservation that releases it when told, and says how that ended.
+RELEASES_WHEN_TOLD = (
+    "import json, os, sys\n"
+    "import gpuwait\n"
+    "r = gpuwait.reserve('1G', name='cell')\n"
+    "print(json.dumps({'held': r.job_id, 'pid': os.getpid()}), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "try:\n"
+    "    r.release()\n"
+    "except KeyboardInterrupt:\n"
+    "    print(json.dumps({'interrupted': True}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_ctrl_c_as_a_release_waits_for_a_kept_ledger_lock_acts_within_a_second(
+    sim: Path, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # release() waits a second for a ledger lock another process keeps; a Ctrl-C in that
+    # second was then held up lock_timeout (here 10 s, a minute by default) while the release
+    # waited for the lock all over again to give the room back.
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "10s")
+    program = _program(RELEASES_WHEN_TOLD)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        pid = json.loads(program.stdout.readline())["pid"]
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("\n")
+        program.stdin.flush()
+        wait_for(lambda: sleeping_in(pid, "flock"), timeout=10)
+        program.send_signal(signal.SIGINT)
+        ready, _, _ = select.select([program.stdout], [], [], 3)
+        assert ready, "the Ctrl-C waited for the ledger lock"
+        assert json.loads(program.stdout.readline()) == {"interrupted": True}
+        os.close(fd)
+        fd = -1
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert program.poll() is None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        program.communicate()
