@@ -1193,26 +1193,13 @@ def test_a_program_ending_holding_while_the_ledger_lock_is_kept_exits_at_once_wi
     # Python 3.12 starts no thread once the interpreter is shutting down, where the exit's
     # release hands the entry to one while another process keeps the ledger's lock: the
     # program's exit then waited lock_timeout for that lock, and recorded no run.
-    from gpuwait.linux import dirs
-
     monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "10s")
-    program = _program(ENDS_HOLDING)
-    fd = -1
-    try:
-        assert program.stdout is not None and program.stdin is not None
-        pid = json.loads(program.stdout.readline())["pid"]
-        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        started = time.monotonic()
-        program.stdin.write("\n")
-        program.stdin.flush()
-        status = program.wait(timeout=30)
+    with _lock_kept_as_it_goes_on(ENDS_HOLDING) as told:
+        started = time.monotonic()  # told to end just now
+        pid = told.first["pid"]
+        status = told.program.wait(timeout=30)
         took = time.monotonic() - started
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        program.kill()
-        _, err = program.communicate()
+    err = told.err
     assert status == 0, err
     assert took < 5, (took, err)
     assert [r["name"] for r in recorded_runs()] == ["ends-holding"], err
@@ -1286,28 +1273,55 @@ def test_a_programs_alarm_raising_timeouterror_while_the_ledger_lock_is_kept_rea
     assert json.loads(done.stdout) == {"timeout": "took too long"}, done.stdout
 
 
-def _goes_on_with_the_lock_kept(code: str, lock_name: str) -> tuple[dict[str, Any], str]:
-    """Runs `code`, a program that reserves, says so, and waits for a line on stdin; then keeps
-    the lock `lock_name` of the state dir and tells it to go on: what it says next (a JSON
-    line), and its stderr."""
+class _Told:
+    """A program told to go on while a lock of the state dir is kept (`_lock_kept_as_it_goes_on`):
+    what it said first, and, once it is over, its stderr."""
+
+    def __init__(self, program: subprocess.Popen[str]) -> None:
+        self.program = program
+        self.first: dict[str, Any] = {}
+        self.err = ""
+        self.fd = -1
+
+    def said(self) -> dict[str, Any]:
+        assert self.program.stdout is not None
+        return json.loads(self.program.stdout.readline() or "{}")
+
+    def free(self) -> None:
+        """Let the lock go."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@contextlib.contextmanager
+def _lock_kept_as_it_goes_on(code: str, lock_name: str = "ledger.lock") -> Iterator[_Told]:
+    """Runs `code`, a program that reserves, says so (a JSON line) and waits for a line on
+    stdin; then keeps the state dir's lock `lock_name` and tells it to go on. The lock is let go
+    and the program ended after the block."""
     from gpuwait.linux import dirs
 
-    program = _program(code)
-    fd = -1
+    told = _Told(_program(code))
     try:
-        assert program.stdout is not None and program.stdin is not None
-        assert "held" in json.loads(program.stdout.readline())
-        fd = os.open(Path(dirs.user_state_dir()) / lock_name, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        program.stdin.write("\n")
-        program.stdin.flush()
-        said = json.loads(program.stdout.readline() or "{}")
+        assert told.program.stdin is not None
+        told.first = told.said()
+        told.fd = os.open(Path(dirs.user_state_dir()) / lock_name, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(told.fd, fcntl.LOCK_EX)
+        told.program.stdin.write("\n")
+        told.program.stdin.flush()
+        yield told
     finally:
-        if fd >= 0:
-            os.close(fd)
-        program.kill()
-        _, err = program.communicate()
-    return said, err
+        told.free()
+        told.program.kill()
+        _, told.err = told.program.communicate()
+
+
+def _goes_on_with_the_lock_kept(code: str, lock_name: str) -> tuple[dict[str, Any], str]:
+    """What `code` (as `_lock_kept_as_it_goes_on` runs it) says once told to go on, and its
+    stderr."""
+    with _lock_kept_as_it_goes_on(code, lock_name) as told:
+        said = told.said()
+    return said, told.err
 
 
 #: A program holding a reservation whose own alarm (a timeout whose handler raises) falls due
@@ -1404,29 +1418,14 @@ def test_a_ctrl_c_as_a_release_waits_for_a_kept_ledger_lock_acts_within_a_second
     # release() waits a second for a ledger lock another process keeps; a Ctrl-C in that
     # second was then held up lock_timeout (here 10 s, a minute by default) while the release
     # waited for the lock all over again to give the room back.
-    from gpuwait.linux import dirs
-
     monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "10s")
-    program = _program(RELEASES_WHEN_TOLD)
-    fd = -1
-    try:
-        assert program.stdout is not None and program.stdin is not None
-        pid = json.loads(program.stdout.readline())["pid"]
-        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        program.stdin.write("\n")
-        program.stdin.flush()
+    with _lock_kept_as_it_goes_on(RELEASES_WHEN_TOLD) as told:
+        pid = told.first["pid"]
         wait_for(lambda: sleeping_in(pid, "flock"), timeout=10)
-        program.send_signal(signal.SIGINT)
-        ready, _, _ = select.select([program.stdout], [], [], 3)
+        told.program.send_signal(signal.SIGINT)
+        ready, _, _ = select.select([told.program.stdout], [], [], 3)
         assert ready, "the Ctrl-C waited for the ledger lock"
-        assert json.loads(program.stdout.readline()) == {"interrupted": True}
-        os.close(fd)
-        fd = -1
+        assert told.said() == {"interrupted": True}
+        told.free()
         wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
-        assert program.poll() is None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        program.kill()
-        program.communicate()
+        assert told.program.poll() is None
