@@ -1343,6 +1343,11 @@ def finish(
         if charge_usage is not None:
             charge(data, job.uid, charge_usage[0], now, charge_usage[1])
         said.append(("finish" if ran_on else "leave", fields))
+    # A word this process left of how it ended (leave_word, before a thread of a program that
+    # lives on took the entry out once the lock was free) tells nobody anything any more.
+    path = _word_path(job)
+    if path is not None:
+        _take_words([(path, True)])
 
 
 def _run_ended(

@@ -432,6 +432,9 @@ def _leave(
     except Exception as exc:
         reporter.warn(str(exc))
         return
+    # Should the program end before the lock is free, its reaper takes the entry out as it
+    # ended (taken away again once the thread has taken the entry out).
+    lifecycle.leave_word(ledger, job, outcome, **how)
 
     def later() -> None:
         # A ledger of its own: not bound by the deadline or the patience of the one given.

@@ -1112,8 +1112,8 @@ def _finish(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how: A
             lifecycle.finish(ledger, job, outcome, **how)
     except (signals.SignalPending, LockPastDeadline):
         # Ending because of a signal, or at its --timeout (which says who holds the lock): the
-        # entry is reaped once this process is gone.
-        pass
+        # entry is reaped once this process is gone, as it ended, by the word left of it.
+        lifecycle.leave_word(ledger, job, outcome, **how)
     except Exception as exc:
         reporter.warn(str(exc))
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 from helpers.fixtures_sim import SimFileFactory, hold_card
 from helpers.history import recorded_runs
 from helpers.status import job_named, job_of_pid, listed_jobs, state_of
-from helpers.waiting import asleep_waiting, sleeping_in, wait_for
+from helpers.waiting import asleep_waiting, ledger_entries, sleeping_in, wait_for
 
 GiB = 2**30
 
@@ -1025,29 +1025,41 @@ def test_a_wait_given_up_while_the_ledger_lock_is_kept_ends_at_once_and_leaves_t
     # admitted by another's plan, and held room nobody used for as long as the kernel lived.
     # And the signal's handler ran, and reserve raised, only once lock_timeout (a minute) had
     # passed: the CLI gives such a lock a second.
+    sim_file(gpus=1, base_used="24GiB")
+    with _given_up_under_a_kept_lock() as (cell, free):
+        free()
+        wait_for(lambda: job_of_pid(gpuwait_cmd, cell.pid) is None, timeout=5)
+        assert cell.poll() is None
+
+
+@contextlib.contextmanager
+def _given_up_under_a_kept_lock() -> Iterator[tuple[subprocess.Popen[str], Callable[[], None]]]:
+    """A program running LIVES_ON whose wait a USR1 ended while the test kept the ledger's
+    lock, which it keeps until `free()` (or the block's end); the program is ended with it."""
     from gpuwait.linux import dirs
 
-    sim_file(gpus=1, base_used="24GiB")
     cell = _program(LIVES_ON)
-    lock = Path(dirs.user_state_dir()) / "ledger.lock"
     fd = -1
+
+    def free() -> None:
+        nonlocal fd
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
+
     try:
         assert cell.stdout is not None
         pid = json.loads(cell.stdout.readline())["pid"]
         wait_for(lambda: asleep_waiting(pid), timeout=30)
-        fd = os.open(lock, os.O_RDWR)
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.kill(pid, signal.SIGUSR1)
         ready, _, _ = select.select([cell.stdout], [], [], 10)
         assert ready, "reserve waited on for the lock after the signal"
         assert json.loads(cell.stdout.readline()) == {"exit_code": 128 + signal.SIGUSR1}
-        os.close(fd)
-        fd = -1
-        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
-        assert cell.poll() is None
+        yield cell, free
     finally:
-        if fd >= 0:
-            os.close(fd)
+        free()
         cell.kill()
         cell.communicate()
 
@@ -1429,3 +1441,26 @@ def test_a_ctrl_c_as_a_release_waits_for_a_kept_ledger_lock_acts_within_a_second
         told.free()
         wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
         assert told.program.poll() is None
+
+
+def test_a_wait_given_up_under_a_kept_ledger_lock_by_a_program_that_ends_is_logged_as_it_ended(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # The program's wait ended (a signal its handler took) while another process kept the
+    # ledger's lock, and the program ended before the lock was free: the thread that would
+    # take its entry out ended with it, and the next gpuwait reaped the entry as lost (a
+    # `reap` in `gpuwait log`), not as the wait it gave up.
+    from gpuwait.linux import dirs
+    from gpuwait.queue.bookkeeping import INTERRUPTED
+    from gpuwait.queue.events import read_events
+
+    sim_file(gpus=1, base_used="24GiB")
+    with _given_up_under_a_kept_lock() as (cell, _):
+        (job_id,) = [j["id"] for j in ledger_entries()]
+        cell.communicate("", timeout=20)  # the kernel ends, the lock still kept
+        assert cell.returncode == 0
+    sim_file(gpus=1)
+    assert subprocess.run([*gpuwait_cmd, "--vram", "1G", "--", "true"]).returncode == 0
+    ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == job_id]
+    assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("leave", INTERRUPTED), ends
+    assert not list((Path(dirs.user_state_dir()) / "ended").glob("*.json"))

@@ -18,9 +18,10 @@ import pytest
 from helpers.fixtures_sim import hold_card
 from helpers.history import recorded_runs
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import ledger_entries, sleeping_in, wait_for
+from helpers.waiting import asleep_waiting, ledger_entries, sleeping_in, wait_for
 
 from gpuwait.linux import dirs
+from gpuwait.queue.bookkeeping import INTERRUPTED, TIMED_OUT
 from gpuwait.queue.events import read_events
 
 GiB = 2**30
@@ -1044,3 +1045,57 @@ def test_a_run_that_ended_under_a_held_lock_counts_as_it_ended_past_a_refused_la
     assert (after.returncode, after.stdout) == (0, "ran\n"), after.stderr
     mine = [r for r in recorded_runs() if r.get("job_id") == job_id]
     assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
+
+
+@pytest.mark.parametrize("how", ["timeout", "signal"])
+def test_a_wait_given_up_while_another_process_keeps_the_ledger_lock_is_logged_as_it_ended(
+    sim: Path, gpuwait_cmd: list[str], how: str
+) -> None:
+    """A launch gave up waiting (its --timeout, or a TERM) while another process kept the
+    ledger's lock: it could not take its entry out, and the next gpuwait reaped it as lost (a
+    `reap` in `gpuwait log`). It now leaves word of how it ended, as a run that ended does."""
+    first = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", "read line"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    fd = -1
+    waiter: subprocess.Popen[str] | None = None
+    try:
+        wait_for(lambda: [j for j in ledger_entries() if j.get("child_pid")], timeout=30)
+        (first_id,) = [j["id"] for j in ledger_entries()]
+        timeout = ["--timeout", "1.5s"] if how == "timeout" else []
+        waiter = subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "1G", "--after", first_id, *timeout, "--", "true"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if how == "signal":
+            wait_for(lambda: asleep_waiting(waiter.pid), timeout=30)
+        else:
+            # Its --timeout counts from its entry's submission: the lock is kept well before.
+            wait_for(lambda: len(ledger_entries()) == 2, timeout=30)
+        waiter_id = next(j["id"] for j in ledger_entries() if j["id"] != first_id)
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process's long transaction
+        if how == "signal":
+            waiter.send_signal(signal.SIGTERM)
+        _, err = waiter.communicate(timeout=20)
+        assert waiter.returncode == (124 if how == "timeout" else -signal.SIGTERM), err
+        os.close(fd)
+        fd = -1
+        first.communicate("go\n", timeout=30)
+        assert first.returncode == 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        for launch in (first, waiter):
+            if launch is not None:
+                launch.kill()
+                launch.communicate()
+    ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == waiter_id]
+    outcome = TIMED_OUT if how == "timeout" else INTERRUPTED
+    assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("leave", outcome), ends
