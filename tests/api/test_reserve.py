@@ -1464,3 +1464,54 @@ def test_a_wait_given_up_under_a_kept_ledger_lock_by_a_program_that_ends_is_logg
     ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == job_id]
     assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("leave", INTERRUPTED), ends
     assert not list((Path(dirs.user_state_dir()) / "ended").glob("*.json"))
+
+
+#: A program whose reservation is given back unused (a Ctrl-C as it was handed over, here
+#: once the test keeps the ledger's lock); it says how long reserve took to raise.
+ABANDONS = r"""
+import json, sys, time
+import gpuwait
+from gpuwait.runner import hold
+def env(self):
+    print(json.dumps({"admitted": True}), flush=True)
+    sys.stdin.readline()
+    raise KeyboardInterrupt
+hold.Holding.env = property(env)
+try:
+    gpuwait.reserve("1G", name="cell")
+except KeyboardInterrupt:
+    pass
+print(json.dumps({"pid": __import__("os").getpid()}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reservation_abandoned_while_the_ledger_lock_is_kept_returns_at_once(
+    sim: Path, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Ctrl-C as the room was handed over gave it back unused, waiting for the ledger's lock
+    # lock_timeout (a minute) where another process kept it, as release() no longer does.
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "30s")
+    program = _program(ABANDONS)
+    fd = -1
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert json.loads(program.stdout.readline()) == {"admitted": True}
+        fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("go\n")
+        program.stdin.flush()
+        ready, _, _ = select.select([program.stdout], [], [], 10)
+        assert ready, "the Ctrl-C waited for the ledger lock"
+        pid = json.loads(program.stdout.readline())["pid"]
+        os.close(fd)
+        fd = -1
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert program.poll() is None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        program.kill()
+        program.communicate()
