@@ -186,7 +186,11 @@ def _reap(
             )
     for job in gone:
         data.jobs.remove(job)
+        read = len(words)
         told = _word_left(job, words)
+        # A word left but not believed (damaged, another schema's) still says that its gpuwait
+        # saw the run end, and records it: a record of it found ended would be a second one.
+        recorded_itself = len(words) > read
         if told is not None:
             # Its gpuwait saw how it ended, and recorded the run, but could not take the
             # entry out before it left (another process kept the lock): it ended so.
@@ -226,7 +230,12 @@ def _reap(
         )
         if job.adopted_history is not None:
             ended.append((job.adopted_history, _found_ended_record(job, data, now)))
-        elif job.history_dir is not None and job.state == RUNNING and job.started_at is not None:
+        elif (
+            job.history_dir is not None
+            and job.state == RUNNING
+            and job.started_at is not None
+            and not recorded_itself
+        ):
             ended.append((job.history_dir, _found_ended_record(job, data, now)))
         said.append(
             ("reap", {"job": job.id, "pid": job.pid, "state": job.state, "gpus": job.gpu_uuids})

@@ -1099,3 +1099,23 @@ def test_a_wait_given_up_while_another_process_keeps_the_ledger_lock_is_logged_a
     ends = [e for e in read_events(Path(dirs.user_state_dir())) if e.get("job") == waiter_id]
     outcome = TIMED_OUT if how == "timeout" else INTERRUPTED
     assert [(e["kind"], e.get("outcome")) for e in ends][-1] == ("leave", outcome), ends
+
+
+def test_a_run_whose_word_of_its_end_is_damaged_shows_once_in_the_history(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """A run ended while another process kept the ledger's lock, and its word of how it ended
+    was damaged (or of another gpuwait's schema): the next gpuwait reaped the entry as lost
+    and added a `lost` record of the run beside the one its gpuwait had written, so `gpuwait
+    history` showed the run twice."""
+    launch, job_id, err = ended_under_a_held_lock(
+        gpuwait_cmd, ["sh", "-c", "read line"], lambda _: "go\n"
+    )
+    assert launch.returncode == 0, err
+    word = Path(dirs.user_state_dir()) / "ended" / f"{job_id}.json"
+    word.write_text('{"schema": 99}')
+    assert run([*gpuwait_cmd, "--vram", "1G", "--", "true"]).returncode == 0
+    mine = [r for r in recorded_runs() if r.get("job_id") == job_id]
+    assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
+    shown = run([*gpuwait_cmd, "history"]).stdout
+    assert "lost" not in shown, shown
