@@ -311,13 +311,17 @@ def command_env(
             BYTES_VAR: str(job.reserved_bytes),
         }
     )
+    pausing = {
+        "GPUWAIT_PAUSABLE": "1",
+        "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
+        "GPUWAIT_RESUME_EXIT": str(resume_exit),
+        "GPUWAIT_RESUME_COUNT": str(job.pauses),
+    }
     if job.pausable:
-        env.update(
-            {
-                "GPUWAIT_PAUSABLE": "1",
-                "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
-                "GPUWAIT_RESUME_EXIT": str(resume_exit),
-                "GPUWAIT_RESUME_COUNT": str(job.pauses),
-            }
-        )
+        env.update(pausing)
+    else:
+        # Inherited from a --pausable job this one runs in (a pipeline's step): that job's, to
+        # be asked to checkpoint by its signal, not this one's.
+        for name in pausing:
+            env.pop(name, None)
     return env

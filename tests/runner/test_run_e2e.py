@@ -1119,3 +1119,28 @@ def test_a_run_whose_word_of_its_end_is_damaged_shows_once_in_the_history(
     assert len(mine) == 1 and mine[0]["exit_status"] == 0, mine
     shown = run([*gpuwait_cmd, "history"]).stdout
     assert "lost" not in shown, shown
+
+
+def test_a_job_started_inside_a_pausable_job_is_not_told_it_is_pausable(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """A pipeline's step that calls gpuwait again, inside a --pausable job, inherited the outer
+    job's GPUWAIT_PAUSABLE and checkpoint variables: its checkpoint.install() listened for a
+    signal meant for the outer job, as if it could be asked to checkpoint."""
+    nested = env_of(gpuwait_cmd, "--pausable", "--vram", "1G", "--", *gpuwait_cmd, "--vram", "1G")
+    pausing = {"GPUWAIT_PAUSABLE", "GPUWAIT_CHECKPOINT_SIGNAL", "GPUWAIT_RESUME_EXIT"}
+    assert not (pausing | {"GPUWAIT_RESUME_COUNT"}) & nested.keys(), nested
+    inner = env_of(
+        gpuwait_cmd,
+        "--pausable",
+        "--vram",
+        "1G",
+        "--",
+        *gpuwait_cmd,
+        "--pausable",
+        "--checkpoint-signal",
+        "USR2",
+        "--vram",
+        "1G",
+    )
+    assert (inner["GPUWAIT_PAUSABLE"], inner["GPUWAIT_CHECKPOINT_SIGNAL"]) == ("1", "USR2")
