@@ -101,10 +101,12 @@ def _positive_duration(value: Any) -> float:
 
 
 def _optional_duration(value: Any) -> float | None:
+    """A duration, or none: no such limit. A zero, however written (`0`, `"0s"`, `"0m"`), is
+    none too, as configs have long written it: no such limit can be zero."""
     # `timeout = false` is refused, not read as 0 ("none"): TOML's booleans are Python's ints.
     if isinstance(value, bool):
         raise ValueError('expected a duration such as 30m, or "none"')
-    if value in (None, "", "none", "0", 0):
+    if value in (None, "", "none") or _duration(value) == 0:
         return None
     return _positive_duration(value)
 
@@ -697,7 +699,7 @@ OPTIONS: tuple[Option, ...] = (
         _optional_duration,
         86400.0,
         "site config only: how fast past VRAM-time stops counting against a user "
-        "(none: no fair share, first come first served)",
+        "(none or 0: no fair share, first come first served)",
         show=format_setting_duration,
         site_only=True,
     ),
@@ -720,7 +722,7 @@ OPTIONS: tuple[Option, ...] = (
         "max_wait",
         _optional_duration,
         None,
-        "lookahead: and at most this long (none: no absolute cap)",
+        "lookahead: and at most this long (none or 0: no absolute cap)",
         show=format_setting_duration,
     ),
     Option(

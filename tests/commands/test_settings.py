@@ -77,3 +77,20 @@ def test_a_share_is_written_alike_for_every_setting_that_takes_one() -> None:
         with pytest.raises(UsageError) as refused:
             resolve({}, {}, {name: too_much}, Path("c.toml"))
         assert name in refused.value.message, refused.value.message
+
+
+def test_a_zero_max_wait_or_half_life_means_none_however_it_is_written() -> None:
+    # `max_wait = 0` was read as none (no cap), as configs written before used it, but
+    # `max_wait = "0s"` stopped every launch with exit 2; fair_share_half_life alike.
+    for written in (0, 0.0, "0", "0s", "0m", "0h00m", " 0s "):
+        settings = resolve({}, {}, {"max_wait": written}, Path("c.toml"))
+        assert settings.max_wait is None and settings.shown("max_wait") == "none", written
+        site = resolve({}, {}, {}, Path("c.toml"), {"fair_share_half_life": written}, Path("s"))
+        assert site.fair_share_half_life is None, written
+        assert site.shown("fair_share_half_life") == "none", written
+    from_env = resolve({}, {"GPUWAIT_MAX_WAIT": "0s"}, {}, Path("c.toml"))
+    assert from_env.max_wait is None
+    # What is not a duration, or is less than a millisecond, is refused as before.
+    for refused in ("-1s", "0.0001s", "soon", True):
+        with pytest.raises(UsageError):
+            resolve({}, {}, {"max_wait": refused}, Path("c.toml"))
