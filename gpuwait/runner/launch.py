@@ -314,14 +314,15 @@ def command_env(
     pausing = {
         "GPUWAIT_PAUSABLE": "1",
         "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
-        "GPUWAIT_RESUME_EXIT": str(resume_exit),
         "GPUWAIT_RESUME_COUNT": str(job.pauses),
     }
     if job.pausable:
-        env.update(pausing)
+        # The `resume_exit` setting, by which its command says "checkpointed, resume me".
+        env.update(pausing, GPUWAIT_RESUME_EXIT=str(resume_exit))
     else:
         # Inherited from a --pausable job this one runs in (a pipeline's step): that job's, to
-        # be asked to checkpoint by its signal, not this one's.
+        # be asked to checkpoint by its signal, not this one's. GPUWAIT_RESUME_EXIT stays: it
+        # is a setting (`resume_exit`) the user may have set for a pausable step further in.
         for name in pausing:
             env.pop(name, None)
     return env

@@ -1128,8 +1128,8 @@ def test_a_job_started_inside_a_pausable_job_is_not_told_it_is_pausable(
     job's GPUWAIT_PAUSABLE and checkpoint variables: its checkpoint.install() listened for a
     signal meant for the outer job, as if it could be asked to checkpoint."""
     nested = env_of(gpuwait_cmd, "--pausable", "--vram", "1G", "--", *gpuwait_cmd, "--vram", "1G")
-    pausing = {"GPUWAIT_PAUSABLE", "GPUWAIT_CHECKPOINT_SIGNAL", "GPUWAIT_RESUME_EXIT"}
-    assert not (pausing | {"GPUWAIT_RESUME_COUNT"}) & nested.keys(), nested
+    pausing = {"GPUWAIT_PAUSABLE", "GPUWAIT_CHECKPOINT_SIGNAL", "GPUWAIT_RESUME_COUNT"}
+    assert not pausing & nested.keys(), nested
     inner = env_of(
         gpuwait_cmd,
         "--pausable",
@@ -1144,3 +1144,16 @@ def test_a_job_started_inside_a_pausable_job_is_not_told_it_is_pausable(
         "1G",
     )
     assert (inner["GPUWAIT_PAUSABLE"], inner["GPUWAIT_CHECKPOINT_SIGNAL"]) == ("1", "USR2")
+
+
+def test_a_pausable_step_inside_a_job_keeps_the_users_resume_exit(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """GPUWAIT_RESUME_EXIT is the `resume_exit` setting, set by a user whose program may end
+    with 75 for a reason of its own: a --pausable step started inside a job that is not
+    pausable (a pipeline's) lost it, and took a 75 for "checkpointed, resume me"."""
+    env = {**os.environ, "GPUWAIT_RESUME_EXIT": "85"}
+    inner = env_of(
+        gpuwait_cmd, "--vram", "1G", "--", *gpuwait_cmd, "--pausable", "--vram", "1G", env=env
+    )
+    assert inner["GPUWAIT_RESUME_EXIT"] == "85", inner
