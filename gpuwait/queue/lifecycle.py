@@ -1342,16 +1342,19 @@ def finish(
         mine = data.remove(job.id)
         _drop_requests(data, job.id)
         alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
-        # The ledger's word: another waiter's plan may have admitted it meanwhile.
-        ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
-        now = time.time()
-        done, fields = _run_ended(
-            job, outcome, ran_on, now, exit_status, signal, run_seconds, paused, oom
-        )
-        data.book.note_finished(done, ran_on)
-        if charge_usage is not None:
-            charge(data, job.uid, charge_usage[0], now, charge_usage[1])
-        said.append(("finish" if ran_on else "leave", fields))
+        # Taken out already, its outcome noted (a Ctrl-C came just after its release took it
+        # out, and the room was given back again): that outcome stands, its run charged once.
+        if mine is not None or data.book.outcome(job.id) is None:
+            # The ledger's word: another waiter's plan may have admitted it meanwhile.
+            ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
+            now = time.time()
+            done, fields = _run_ended(
+                job, outcome, ran_on, now, exit_status, signal, run_seconds, paused, oom
+            )
+            data.book.note_finished(done, ran_on)
+            if charge_usage is not None:
+                charge(data, job.uid, charge_usage[0], now, charge_usage[1])
+            said.append(("finish" if ran_on else "leave", fields))
     # A word this process left of how it ended (leave_word, before a thread of a program that
     # lives on took the entry out once the lock was free) tells nobody anything any more.
     path = _word_path(job)

@@ -1515,3 +1515,29 @@ def test_a_reservation_abandoned_while_the_ledger_lock_is_kept_returns_at_once(
             os.close(fd)
         program.kill()
         program.communicate()
+
+
+def test_ctrl_c_just_after_a_release_gave_the_room_back_keeps_how_the_run_ended(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A Ctrl-C that landed once the release had taken the entry out (as the event was logged):
+    # the room was given back again, as if the run had been interrupted, and `--after-ok`
+    # read the run that ended well as failed (exit 6).
+    script = (
+        "import gpuwait\n"
+        "from gpuwait.queue import events\n"
+        "real = events.emit\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    events.emit = real\n"
+        "    raise KeyboardInterrupt\n"
+        "r = gpuwait.reserve('1G', name='done')\n"
+        "events.emit = interrupted\n"
+        "try:\n    r.release()\n"
+        "except KeyboardInterrupt:\n    print('KeyboardInterrupt')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "KeyboardInterrupt\n"), done.stderr
+    after = subprocess.run(
+        [*gpuwait_cmd, "-q", "--after-ok", "done", "--", "true"], capture_output=True, text=True
+    )
+    assert after.returncode == 0, after.stderr
