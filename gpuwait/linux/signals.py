@@ -430,7 +430,17 @@ class GroupWitness:
         self._feed: int | None = None
         #: When the witness last showed each signal (monotonic seconds).
         self._witnessed: dict[int, float] = {}
+        #: The signals gpuwait held pending as it started its command (`command_starting`).
+        self._before_command: set[int] = set()
         self._start()
+
+    def command_starting(self) -> None:
+        """gpuwait is about to start its command, this witness already in its group: from now
+        on a signal sent to the group reaches the command and the witness alike, whenever
+        gpuwait gets round to taking it. One gpuwait holds pending now came before the command
+        was there to get it: it is passed on, whatever the witness shows."""
+        pending = signal.sigpending()
+        self._before_command = {s for s in FORWARDED if s in pending}
 
     def _start(self) -> None:
         read_end, feed = os.pipe()
@@ -457,6 +467,11 @@ class GroupWitness:
         """Whether `signum`, just taken by gpuwait, was sent to the whole group: the witness has
         it pending too. Afterwards a witness that holds any signal is replaced by a fresh one, so
         the next signal is judged on its own."""
+        if signum in self._before_command:
+            self._before_command.discard(signum)
+            if self.pid is not None and _pending(self.pid):
+                self._replace()
+            return False
         if self.pid is None:
             return False
         recent = time.monotonic() - self._witnessed.get(signum, -SAME_SIGNAL_WINDOW)

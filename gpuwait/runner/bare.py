@@ -71,14 +71,23 @@ def run_bare(command: Sequence[str]) -> int:
     if not signals.ends_with_parent():
         return exec_bare(command)
     signals.block_handled()
+    # In the group before the command: a signal sent to the group once the command is there
+    # (as soon as it has started, ready or not) is one the witness shows too.
+    witness = signals.GroupWitness()
+
+    def short_of_processes(exc: OSError) -> tuple[()]:
+        witness.close()  # a process too: the command comes first
+        return ()
+
     try:
-        child = spawn_when_possible(command, os.environ, (), lambda exc: ())
+        child = spawn_when_possible(command, os.environ, (), short_of_processes, witness)
     except StartInterrupted as exc:
+        witness.close()
         signals.die_by_signal(exc.signum)
         return 128 + exc.signum
     except OSError as exc:
+        witness.close()
         raise command_problem(command, exc) from None
-    witness = signals.GroupWitness()
     stops, held = take_stops()
     try:
         while True:

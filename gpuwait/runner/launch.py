@@ -241,16 +241,20 @@ def spawn_when_possible(
     env: Mapping[str, str],
     file_actions: Sequence[tuple[int, int, int]],
     on_retry: Callable[[OSError], Sequence[tuple[int, int, int]]],
+    witness: signals.GroupWitness | None = None,
 ) -> int:
     """`spawn`, tried again for up to START_RETRY_SECONDS while it fails for want of processes
     or memory. `on_retry` is told of the first such failure and returns the file actions to
     start with from then on. The waits end at a forwarded signal (gpuwait's are blocked), by
-    StartInterrupted; the last failure is raised."""
+    StartInterrupted; the last failure is raised. `witness`, started before, is told of each
+    attempt (`GroupWitness.command_starting`)."""
     deadline = time.monotonic() + START_RETRY_SECONDS
     pause = START_RETRY_FIRST
     told = False
     while True:
         try:
+            if witness is not None:
+                witness.command_starting()
             child = spawn(argv, env, file_actions)
             signals.command_started(child)
             return child

@@ -1168,22 +1168,28 @@ def _start(
     started_at = time.time()
     watch = StderrWatch(enabled=config.watch_stderr)
     name = request.command[0]
+    # In the group before the command: a signal sent to the whole group once the command is
+    # there (while gpuwait still records it in the ledger, say) is one the witness shows too,
+    # and the command does not get it twice.
+    witness = signals.GroupWitness()
 
     def short_of_processes(exc: OSError) -> list[tuple[int, int, int]]:
         reporter.warn(
             f"{name} cannot start yet: {exc.strerror} (too many processes, ulimit -u, or too "
             f"little memory); trying again for up to {format_duration(START_RETRY_SECONDS)}"
         )
-        # The stderr relay is a process too: the command comes first.
+        # The stderr relay and the witness are processes too: the command comes first.
         watch.give_up()
+        witness.close()
         return watch.file_actions()
 
     try:
         with held.spawning():
             child = spawn_when_possible(
-                request.command, env, watch.file_actions(), short_of_processes
+                request.command, env, watch.file_actions(), short_of_processes, witness
             )
     except StartInterrupted as exc:
+        witness.close()
         held.close()
         watch.abandon()
         if _asks_to_checkpoint(job, exc.signum):
@@ -1195,6 +1201,7 @@ def _start(
         _finish(ledger, job, INTERRUPTED, reporter, paused=_pauses_so_far(job, paused_seconds))
         return job, _Ended(-exc.signum, started=False)
     except OSError as exc:
+        witness.close()
         held.close()
         watch.abandon()
         code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
@@ -1245,6 +1252,7 @@ def _start(
         warn=reporter.warn,
         recorded=recorded,
         started_at=started_at,
+        witness=witness,
     )
     held.close()
     said_oom = watch.finish()

@@ -136,6 +136,7 @@ def supervise(
     warn: Callable[[str], None] | None = None,
     recorded: bool = True,
     started_at: float | None = None,
+    witness: signals.GroupWitness | None = None,
 ) -> RunResult:
     """Forward signals, sample VRAM, and return once `child` has exited.
 
@@ -145,7 +146,8 @@ def supervise(
     `warn` is told, once per GPU, of memory the command holds on a GPU it was not given.
     `recorded`: the ledger knows `child` as the job's command; otherwise samples put it there.
     `started_at`: when (wall clock) `child` was started, before which no process of its tree
-    ran (for NVML accounting's figures).
+    ran (for NVML accounting's figures). `witness`: the GroupWitness started before `child`
+    (one is started here where none is given); closed on return.
     """
     started = time.monotonic()
     sampler = UsageSampler(
@@ -155,7 +157,7 @@ def supervise(
     sampler.warn = warn
     sampler.accounting_since = started_at
     result = sampler.result
-    witness = signals.GroupWitness()
+    witness = witness or signals.GroupWitness()
     # A pausable job's checkpoint signal sent to gpuwait (Slurm's --signal=B:USR1@N, a user's
     # kill) waits here until a process of the command catches it: delivered before its handler
     # is installed, the signal's default action would kill the job it asks to checkpoint.

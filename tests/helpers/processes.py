@@ -118,6 +118,14 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def process_name(pid: int) -> str:
+    """The name the kernel gives process `pid` (its comm); "" once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def liveness_lock_held(ledger_dir: Path, job_id: str) -> Iterator[Path]:
     """Another process holds the liveness lock of this user's job `job_id` in `ledger_dir`, as

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
-from helpers.processes import children
+from helpers.processes import children, process_name
 from helpers.status import listed_jobs
 from helpers.waiting import sleeping_in, wait_for
 
@@ -228,7 +228,10 @@ def test_a_command_whose_start_went_unrecorded_keeps_its_room_when_gpuwait_is_ki
     )
     command: list[int] = []
     try:
-        command = wait_for(lambda: children(launch.pid), message="the command never started")
+        command = wait_for(
+            lambda: [p for p in children(launch.pid) if process_name(p) == "sleep"],
+            message="the command never started",
+        )
         # Its first sample is taken, and gpuwait sleeps until the next.
         wait_for(lambda: sleeping_in(launch.pid, "sigtimedwait"))
         launch.kill()

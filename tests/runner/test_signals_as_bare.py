@@ -59,6 +59,21 @@ def test_a_signal_to_the_process_group_reaches_the_command_once(
     assert flag.read_text() == str(int(signum))
 
 
+#: A command that signals its whole process group the moment it starts (as a launcher script's
+#: `kill -HUP 0`, or a `kill %1` typed as soon as the job shows), while gpuwait is still
+#: recording it in the ledger; exits 40 + the HUPs it received.
+SIGNALS_ITS_GROUP_AT_ONCE = 'n=0; trap "n=\\$((n+1))" HUP; kill -HUP 0; sleep 0.3; exit $((40+n))'
+
+
+@pytest.mark.usefixtures("sim")
+def test_a_signal_to_the_group_as_the_command_starts_reaches_it_once(
+    gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    command = [*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", SIGNALS_ITS_GROUP_AT_ONCE]
+    proc = procs(command)
+    assert proc.wait(timeout=30) == 41
+
+
 @pytest.mark.usefixtures("sim")
 def test_every_process_of_a_service_signalled_the_command_gets_it_once(
     gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.processes import children
+from helpers.processes import children, process_name
 from helpers.waiting import process_state, wait_for
 
 pytestmark = pytest.mark.usefixtures("sim")
@@ -229,13 +229,6 @@ TICKS = 'for i in 1 2 3 4 5 6 7 8; do echo tick >> "$1"; sleep 0.1; done; exit 5
 def command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
 
