@@ -442,6 +442,13 @@ class GroupWitness:
         pending = signal.sigpending()
         self._before_command = {s for s in FORWARDED if s in pending}
 
+    def command_started(self) -> None:
+        """The command runs: a witness that was not there as it started (it made way for the
+        command where processes ran short, or could not start itself) starts now, so that a
+        signal sent to the group later in the run reaches the command once."""
+        if self.pid is None:
+            self._start()
+
     def _start(self) -> None:
         read_end, feed = os.pipe()
         try:

@@ -247,7 +247,7 @@ def spawn_when_possible(
     or memory. `on_retry` is told of the first such failure and returns the file actions to
     start with from then on. The waits end at a forwarded signal (gpuwait's are blocked), by
     StartInterrupted; the last failure is raised. `witness`, started before, is told of each
-    attempt (`GroupWitness.command_starting`)."""
+    attempt (`GroupWitness.command_starting`) and of the start (`command_started`)."""
     deadline = time.monotonic() + START_RETRY_SECONDS
     pause = START_RETRY_FIRST
     told = False
@@ -257,6 +257,8 @@ def spawn_when_possible(
                 witness.command_starting()
             child = spawn(argv, env, file_actions)
             signals.command_started(child)
+            if witness is not None:
+                witness.command_started()
             return child
         except OSError as exc:
             left = deadline - time.monotonic()

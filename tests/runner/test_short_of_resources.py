@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from helpers.fixtures_sim import SimFileFactory
 from helpers.processes import children, process_name
 from helpers.status import listed_jobs
+from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import sleeping_in, wait_for
 
 #: The stand-in for NVIDIA's cuda-checkpoint, which `--freezable` needs to be there.
@@ -159,6 +161,21 @@ def test_a_command_that_cannot_start_for_a_moment_for_want_of_processes_runs_aft
     assert time.monotonic() - started < 10
     record = last_record()
     assert (record["exit_status"], record["stderr_watched"]) == (3, "off")
+
+
+def test_a_command_that_started_after_a_moment_short_of_processes_gets_a_group_signal_once(
+    sim_file: SimFileFactory, tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # The witness of group signals made way for the command; a signal sent to the whole group
+    # later in the run (`kill %1`, `timeout`, systemd) must still reach the command once.
+    sim_file(gpus=1)
+    flag = tmp_path / "flag"
+    launch = procs(
+        [*NO_PROCESSES, "2", "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    )
+    wait_for_text(flag, "ready")
+    os.killpg(launch.pid, signal.SIGTERM)
+    assert launch.wait(timeout=30) == 41, flag.read_text()
 
 
 def signalled_while_retrying_its_start(signum: int, *options: str) -> tuple[int, str]:
