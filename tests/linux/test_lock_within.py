@@ -8,6 +8,7 @@ import fcntl
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,13 +60,10 @@ def test_a_tick_that_falls_due_as_a_slice_ends_is_not_passed_to_the_caller(
     assert signal.SIGALRM not in signal.sigpending()
 
 
-def _held_elsewhere(path: Path, seconds: float, then: str = "") -> subprocess.Popen[bytes]:
-    """Another process holds an flock on `path` for `seconds` (running `then` first, in a shell
-    that has the lock), and has it before this returns."""
+def _held_elsewhere(path: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """Another process holds an flock on `path` for `seconds`, and has it before this returns."""
     ready = path.with_suffix(".held")
-    holder = subprocess.Popen(
-        ["flock", str(path), "sh", "-c", f": > {ready}; {then} sleep {seconds}"]
-    )
+    holder = subprocess.Popen(["flock", str(path), "sh", "-c", f": > {ready}; sleep {seconds}"])
     wait_for(ready.exists, timeout=20, message="the other process never took the lock")
     return holder
 
@@ -118,11 +116,11 @@ def test_a_callers_alarm_handled_during_a_wait_lets_the_wait_go_on(tmp_path: Pat
 
 
 @contextlib.contextmanager
-def _alarm_held(path: Path, held: float, then: str = "") -> Iterator[int]:
-    """A descriptor on `path`, whose lock another process holds for `held` seconds (running
-    `then` first), with SIGALRM blocked, as gpuwait holds it to pass it on to its command; one
+def _alarm_held(path: Path, held: float) -> Iterator[int]:
+    """A descriptor on `path`, whose lock another process holds for `held` seconds, with
+    SIGALRM blocked, as gpuwait holds it to pass it on to its command; one
     still pending at the end is taken away."""
-    holder = _held_elsewhere(path, held, then)
+    holder = _held_elsewhere(path, held)
     fd = os.open(path, os.O_RDWR)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
     try:
@@ -140,12 +138,29 @@ def test_an_alarm_sent_to_gpuwait_waiting_for_a_lock_ends_the_wait_and_stays_pen
 ) -> None:
     """gpuwait holds SIGALRM blocked to pass it on to its command (`kill -ALRM` at its pid): one
     that comes while it waits for a lock another process holds must not be taken for the
-    wait's own timer, nor leave the wait deaf to its timer."""
-    then = f"(sleep 0.3; kill -ALRM {os.getpid()}) &"
-    with _alarm_held(tmp_path / "lock", 20, then) as fd:
+    wait's own timer, nor leave the wait deaf to its timer.
+
+    One that lands as the wait's own timer runs out merges with its tick, as two SIGALRMs do
+    (on a busy machine, also one whose handler Python runs only after the timer ran out too):
+    it is sent again every 0.3 s until the wait ends, as a sender of a signal that went
+    unanswered would."""
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.wait(0.3):
+            os.kill(os.getpid(), signal.SIGALRM)
+
+    with _alarm_held(tmp_path / "lock", 20) as fd:
         started = time.monotonic()
-        with pytest.raises(SignalPending) as raised:
-            flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        # Started with SIGALRM blocked, as the wait holds it: only the wait's slices take it.
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            with pytest.raises(SignalPending) as raised:
+                flock_within(fd, fcntl.LOCK_EX, timeout=10.0)
+        finally:
+            stop.set()
+            sender.join()
         assert raised.value.signum == signal.SIGALRM
         assert time.monotonic() - started < 5.0
         assert signal.SIGALRM in signal.sigpending()
