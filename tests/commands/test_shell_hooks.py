@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -1020,41 +1022,58 @@ def test_a_background_wrapped_command_that_outlives_its_jobs_hangup_is_not_ended
     ran, log = tmp_path / "ran", tmp_path / "log"
     script = f"{init_line(shell, '--always')}\npython serve.py {ran} {log} &\necho $!\nwait\n"
     argv = {"bash": ["bash", "--norc", "--noprofile"], "zsh": ["zsh", "-f"]}[shell]
-    # A process group of its own: the job's, as a job control shell gives it.
+    env = background_env(how, hook_env, tmp_path)
+    with _background_job([*argv, "-c", script], env, tmp_path, ran) as job:
+        os.killpg(job.outer.pid, signal.SIGHUP)
+        _until(lambda: not _alive(job.subshell), "the subshell outlived the HUP")
+        _until(lambda: "HUP" in _read(log), "the command never had the HUP")
+        # Sent to gpuwait alone, passed on after anything it passed on before.
+        os.kill(job.gpuwait, signal.SIGRTMIN)
+        _until(lambda: "RTMIN" in _read(log) or "TERM" in _read(log), "nothing passed on")
+        assert _read(log).split() == ["SIGHUP", "SIGRTMIN"]
+        assert _alive(job.command)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+@dataclass
+class _BackgroundJob:
+    outer: subprocess.Popen[str]
+    #: The subshell the script's `&` made, which runs the hook's function.
+    subshell: int
+    #: gpuwait, the subshell's child.
+    gpuwait: int
+    #: The command, by the pid it wrote to its `ran` file.
+    command: int
+
+
+@contextlib.contextmanager
+def _background_job(
+    argv: list[str], env: dict[str, str], cwd: Path, ran: Path
+) -> Iterator[_BackgroundJob]:
+    """Runs `argv`, a shell script that puts a wrapped command in the background and echoes
+    `$!`, in a process group of its own (the job's, as a job control shell gives it, which the
+    terminal's Ctrl-C reaches as a whole), once gpuwait and its command are there; every
+    process of it is killed after the block."""
     outer = subprocess.Popen(
-        [*argv, "-c", script],
-        env=background_env(how, hook_env, tmp_path),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        argv, env=env, cwd=cwd, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     started: list[int] = []
     try:
         assert outer.stdout is not None
         subshell = int(outer.stdout.readline())
         _until(lambda: _children(subshell), "the subshell never started gpuwait")
-        gpuwait = _children(subshell)[0]
-        started.append(gpuwait)
+        started.extend(_children(subshell))
         command = int(wait_for_file(ran))
         started.append(command)
-        os.killpg(outer.pid, signal.SIGHUP)
-        _until(lambda: not _alive(subshell), "the subshell outlived the HUP")
-        _until(lambda: "HUP" in _read(log), "the command never had the HUP")
-        # Sent to gpuwait alone, passed on after anything it passed on before.
-        os.kill(gpuwait, signal.SIGRTMIN)
-        _until(lambda: "RTMIN" in _read(log) or "TERM" in _read(log), "nothing passed on")
-        assert _read(log).split() == ["SIGHUP", "SIGRTMIN"]
-        assert _alive(command)
+        yield _BackgroundJob(outer, subshell, started[0], command)
     finally:
         for pid in [*started, outer.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         outer.wait(timeout=10)
-
-
-def _read(path: Path) -> str:
-    return path.read_text() if path.exists() else ""
 
 
 def test_a_background_wrapped_command_is_ended_by_its_pid_after_a_ctrl_c_it_ignored(
@@ -1073,32 +1092,11 @@ def test_a_background_wrapped_command_is_ended_by_its_pid_after_a_ctrl_c_it_igno
         f"{init_line(shell, '--always')}\npython hold.py {ran} &\npid=$!\necho $pid\n"
         "trap 'kill $pid' INT\nwait\nwait\n"
     )
-    # A process group of its own, which the terminal's Ctrl-C reaches as a whole.
-    outer = subprocess.Popen(
-        ["zsh", "-f", "-c", script],
-        env=hook_env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    started: list[int] = []
-    try:
-        assert outer.stdout is not None
-        subshell = int(outer.stdout.readline())
-        _until(lambda: _children(subshell), "the subshell never started gpuwait")
-        started.extend(_children(subshell))
-        command = int(wait_for_file(ran))
-        started.append(command)
-        os.killpg(outer.pid, signal.SIGINT)
-        _until(lambda: not _alive(subshell), "the trap never killed the subshell")
-        _until(lambda: not _alive(command), "the command ran on after its kill", 5)
-        assert outer.wait(timeout=10) == 0
-    finally:
-        for pid in [*started, outer.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
-        outer.wait(timeout=10)
+    with _background_job(["zsh", "-f", "-c", script], hook_env, tmp_path, ran) as job:
+        os.killpg(job.outer.pid, signal.SIGINT)
+        _until(lambda: not _alive(job.subshell), "the trap never killed the subshell")
+        _until(lambda: not _alive(job.command), "the command ran on after its kill", 5)
+        assert job.outer.wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
