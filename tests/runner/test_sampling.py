@@ -15,6 +15,7 @@ import pytest
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
+from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.ledger import Ledger
 from gpuwait.runner.launch import spawn
@@ -198,6 +199,15 @@ def test_a_process_the_command_left_to_run_on_its_own_counts_for_its_peak(
             assert time.monotonic() < deadline
             time.sleep(0.01)
         server = int(pid_file.read_text())
+        # Sampled once, so only once the server is as the test says: detached (the subshell
+        # that started it gone) and carrying the job id (its exec done: in between, on a busy
+        # machine, its environment reads empty). A later sample of a run would catch it anyway.
+        while not (
+            proc.parent_pid(server) not in proc.process_tree([child])
+            and proc.environ_value(server, b"GPUWAIT_JOB_ID") == job.id
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         backend = OnTheCard({child: GiB, server: 6 * GiB, stranger: 2 * GiB})
         sampler = UsageSampler(child, job, Ledger(tmp_path), backend, 0.2)
         sampler.sample_if_due(time.monotonic())
