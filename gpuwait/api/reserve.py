@@ -264,8 +264,8 @@ def reserve(
     name: str | None = None,
     batch: str | None = None,
     key: str | None = None,
-    after: str | Sequence[str] = (),
-    after_ok: str | Sequence[str] = (),
+    after: str | Sequence[str] | None = (),
+    after_ok: str | Sequence[str] | None = (),
     safety: float | str | None = None,
     enforce: str | None = None,
     ledger: str | os.PathLike[str] | None = None,
@@ -337,9 +337,10 @@ def _seconds_text(value: object) -> str:
         return value
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise _wrong_type("timeout", value, 'seconds, or a duration as text ("30m", "none")')
-    if not math.isfinite(value):
+    if not math.isfinite(value) or value < 0:
         raise ReserveError(
-            f"timeout={value!r}: give seconds, or timeout='none' to wait as long as it takes",
+            f"timeout={value!r}: give seconds (0: only if it fits at once), or timeout='none' "
+            "to wait as long as it takes",
             exit_code=EXIT_USAGE,
         )
     return f"{value:.6f}".rstrip("0").rstrip(".") + "s"
@@ -400,8 +401,9 @@ def _path_text(value: object) -> str | None:
 
 
 def _references(keyword: str, refs: object) -> list[str]:
-    """`after`/`after_ok`: one job (id, name or batch) or a list of them."""
-    listed = [refs] if isinstance(refs, str) else refs
+    """`after`/`after_ok`: one job (id, name or batch) or a list of them; None, as for every
+    other keyword, is none given."""
+    listed = [refs] if isinstance(refs, str) else [] if refs is None else refs
     if isinstance(listed, (list, tuple)) and all(isinstance(r, str) for r in listed):
         return list(listed)
     raise _wrong_type(keyword, refs, "a job's id, name or batch, or a list of them")

@@ -416,6 +416,8 @@ def test_a_float_is_told_how_to_write_it(
         (1e-05, None),
         (1e20, "too long (at most 365d)"),
         (float("inf"), "timeout=inf: give seconds"),
+        # The keyword as given, not the command line's word made of it ('-1s').
+        (-1, "timeout=-1: give seconds (0: only if it fits at once)"),
         (True, "timeout=True: expected"),
     ],
 )
@@ -443,6 +445,14 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
         assert caught.value.exit_code == 2, options
         assert next(iter(options)) in caught.value.message
     assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_no_dependency_given_as_none_is_none(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # after=None, after_ok=None, as every other keyword takes None: nothing to wait for.
+    import gpuwait
+
+    with gpuwait.reserve("1G", after=None, after_ok=None, timeout=0) as held:
+        assert held.gpus
 
 
 def test_a_dependency_that_names_no_job_is_refused(sim: Path, gpuwait_cmd: list[str]) -> None:
