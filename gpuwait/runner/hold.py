@@ -206,22 +206,26 @@ class Holding:
         oom = known and looks_like_oom(code, said_oom, card_full)
         cause = policy.oom_cause(False, card_full) if oom else None
         evidence = "message" if said_oom else "card full"
-        _leave(
-            config,
-            self.ledger,
-            job,
-            (OK if code == 0 else FAILED) if known else ENDED,
-            self.reporter,
-            exit_status=code if known and code >= 0 else None,
-            signal=-code if known and code < 0 else None,
-            run_seconds=result.run_seconds,
-            charge_usage=(
-                job.reserved_in_all() * result.run_seconds,
-                config.wait.fair.half_life,
-            ),
-            oom=cause,
-        )
-        self._out = True
+        try:
+            _leave(
+                config,
+                self.ledger,
+                job,
+                (OK if code == 0 else FAILED) if known else ENDED,
+                self.reporter,
+                exit_status=code if known and code >= 0 else None,
+                signal=-code if known and code < 0 else None,
+                run_seconds=result.run_seconds,
+                charge_usage=(
+                    job.reserved_in_all() * result.run_seconds,
+                    config.wait.fair.half_life,
+                ),
+                oom=cause,
+            )
+        finally:
+            # Out, or left to go once the lock is free where a Ctrl-C or the program's own
+            # alarm cut the wait for it short: not to be given back a second time.
+            self._out = True
         session._record(
             self.request,
             config,
@@ -422,16 +426,27 @@ def _leave(
     that ended the wait is the program's to handle, its timeout its own, its release its
     own), and the entry is not left for a reaper, which comes only once the process is gone,
     to be admitted meanwhile into room nobody uses (or to keep it): a thread takes it out once
-    the lock is free."""
+    the lock is free. A Ctrl-C or a handler of the program's that raises (its alarm's
+    TimeoutError) in that second leaves the entry to the thread too, and reaches the program."""
+    #: The program's own exception that cut the wait for the lock short (a Ctrl-C, its alarm's
+    #: handler raising TimeoutError): it reaches the program, the entry left to the thread.
+    cut_short: BaseException | None = None
     try:
         with ledger.leaving(), ledger.lock_wait(LEAVE_PATIENCE):
             lifecycle.finish(ledger, job, outcome, **how)
         return
     except (signals.SignalPending, LockBusy):  # past its timeout too (LockPastDeadline)
         pass
+    except OSError as exc:
+        if not signals.raised_by_a_handler(exc):
+            reporter.warn(str(exc))
+            return
+        cut_short = exc
     except Exception as exc:
         reporter.warn(str(exc))
         return
+    except BaseException as exc:
+        cut_short = exc
     # Should the program end before the lock is free, its reaper takes the entry out as it
     # ended (taken away again once the thread has taken the entry out).
     lifecycle.leave_word(ledger, job, outcome, **how)
@@ -452,6 +467,8 @@ def _leave(
     # starts no thread: the process ends now, and its entry is reaped with it.
     with contextlib.suppress(RuntimeError):
         signals.start_deaf(threading.Thread(target=later, name="gpuwait-leave", daemon=True))
+    if cut_short is not None:
+        raise cut_short
 
 
 def _leave_if_listed(config: RunConfig, ledger: Ledger, job: Job, reporter: Reporter) -> None:

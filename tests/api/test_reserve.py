@@ -1551,3 +1551,23 @@ def test_ctrl_c_just_after_a_release_gave_the_room_back_keeps_how_the_run_ended(
         [*gpuwait_cmd, "-q", "--after-ok", "done", "--", "true"], capture_output=True, text=True
     )
     assert after.returncode == 0, after.stderr
+
+
+#: TIMED_OUT_AS_IT_RECORDS that lives on once it has said how the release ended (a notebook).
+TIMED_OUT_AS_IT_RELEASES_AND_LIVES_ON = TIMED_OUT_AS_IT_RECORDS + "sys.stdin.readline()\n"
+
+
+def test_a_programs_alarm_raising_timeouterror_as_its_release_waits_for_a_kept_ledger_lock_reaches_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # release() waits a second for a ledger lock another process keeps; the program's own
+    # timeout falling due there raised its TimeoutError inside that wait, which the release
+    # took for a failure of its own: it warned "took too long", returned as if nothing had
+    # happened, and left the entry running, its room held for nobody while the program lived.
+    with _lock_kept_as_it_goes_on(TIMED_OUT_AS_IT_RELEASES_AND_LIVES_ON) as told:
+        said = told.said()
+        told.free()
+        pid = told.program.pid
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert told.program.poll() is None
+    assert said == {"timeout": "took too long"}, told.err
