@@ -1571,3 +1571,49 @@ def test_a_programs_alarm_raising_timeouterror_as_its_release_waits_for_a_kept_l
         wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
         assert told.program.poll() is None
     assert said == {"timeout": "took too long"}, told.err
+
+
+#: A program with a timeout of its own (its alarm's handler raising TimeoutError) that falls
+#: due just as reserve() hands the room over, while the ledger notes the program as the room's
+#: user (on a slow disk, say); it says how reserve() ended and lives on (a notebook).
+TIMED_OUT_AS_THE_ROOM_IS_HANDED_OVER = (
+    "import json, os, signal, sys, time\n"
+    "import gpuwait\n"
+    "from gpuwait.queue import lifecycle\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "noted = lifecycle.started\n"
+    "def slowly_noted(*args, **kwargs):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0.05)\n"
+    "    time.sleep(2)\n"
+    "    return noted(*args, **kwargs)\n"
+    "lifecycle.started = slowly_noted\n"
+    "try:\n"
+    "    r = gpuwait.reserve('1G')\n"
+    "except TimeoutError as exc:\n"
+    "    print(json.dumps({'timeout': str(exc), 'pid': os.getpid()}), flush=True)\n"
+    "else:\n"
+    "    print(json.dumps({'held': r.job_id, 'pid': os.getpid()}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_programs_alarm_raising_timeouterror_as_the_room_is_handed_over_reaches_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The handler's TimeoutError, raised as the ledger noted the program as the room's user,
+    # was taken for a failure of that note: reserve() warned "took too long" and returned a
+    # reservation, and the program never saw its timeout.
+    program = _program(TIMED_OUT_AS_THE_ROOM_IS_HANDED_OVER)
+    try:
+        assert program.stdout is not None
+        said = json.loads(program.stdout.readline() or "{}")
+        pid = program.pid
+        # Nobody holds it: the room goes back while the program lives on.
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert program.poll() is None
+    finally:
+        program.kill()
+        _, err = program.communicate()
+    assert said == {"timeout": "took too long", "pid": pid}, err
