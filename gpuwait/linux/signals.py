@@ -470,14 +470,23 @@ class GroupWitness:
         finally:
             os.close(read_end)
 
+    def came_before_command(self, signum: int) -> bool:
+        """Whether `signum`, just taken by gpuwait, is one it held pending as it started its
+        command (`command_starting`): sent before the command was there to get it, to the group
+        or typed at the terminal alike, it is the command's to have from gpuwait. Asked once;
+        a witness that holds any signal is replaced then, so the next is judged on its own."""
+        if signum not in self._before_command:
+            return False
+        self._before_command.discard(signum)
+        if self.pid is not None and _pending(self.pid):
+            self._replace()
+        return True
+
     def sent_to_group(self, signum: int) -> bool:
         """Whether `signum`, just taken by gpuwait, was sent to the whole group: the witness has
         it pending too. Afterwards a witness that holds any signal is replaced by a fresh one, so
         the next signal is judged on its own."""
-        if signum in self._before_command:
-            self._before_command.discard(signum)
-            if self.pid is not None and _pending(self.pid):
-                self._replace()
+        if self.came_before_command(signum):
             return False
         if self.pid is None:
             return False

@@ -55,7 +55,10 @@ def subshell_ended_with_its_job(info: signal.struct_siginfo, witness: signals.Gr
 def command_has_it(info: signal.struct_siginfo, witness: signals.GroupWitness) -> bool:
     """Whether `info`'s signal was sent to the whole group (typed at the terminal; kill -PGID,
     `kill %1`, timeout, systemd): the command has it already, and a second copy would not be
-    what it would get bare."""
+    what it would get bare. One that came before the command started (`command_starting`) it
+    has not, wherever it came from."""
+    if witness.came_before_command(info.si_signo):
+        return False
     return witness.sent_to_group(info.si_signo) or signals.came_from_terminal(info)
 
 

@@ -118,6 +118,17 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def pending_signals(pid: int) -> set[int]:
+    """The signals process `pid` holds pending (blocked), shared or its main thread's."""
+    held = 0
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("ShdPnd", "SigPnd"):
+                held |= int(value.strip(), 16)
+    return {n for n in range(1, 65) if held & (1 << (n - 1))}
+
+
 def process_name(pid: int) -> str:
     """The name the kernel gives process `pid` (its comm); "" once it has ended."""
     try:

@@ -45,11 +45,11 @@ def wait_for(
 
 #: Syscall numbers, for kernels whose /proc/PID/wchan names no function (no kallsyms).
 _SYSCALLS = {
-    "x86_64": {"sigtimedwait": (128,), "nanosleep": (35, 230), "flock": (73,)},
-    "aarch64": {"sigtimedwait": (137,), "nanosleep": (101, 115), "flock": (32,)},
+    "x86_64": {"sigtimedwait": (128,), "nanosleep": (35, 230), "flock": (73,), "write": (1,)},
+    "aarch64": {"sigtimedwait": (137,), "nanosleep": (101, 115), "flock": (32,), "write": (64,)},
 }
 #: What /proc/PID/wchan names for a call whose kernel function is not called after it.
-_WCHAN = {"flock": ("flock", "lock_inode_wait")}
+_WCHAN = {"flock": ("flock", "lock_inode_wait"), "write": ("pipe_write",)}
 
 
 def sleeping_in(pid: int, call: str) -> bool:

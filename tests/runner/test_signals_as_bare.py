@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.processes import children
+from helpers.processes import children, pending_signals
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import ledger_entries, sleeping_in, wait_for
 
 GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
 
@@ -194,3 +194,51 @@ def test_messages_nobody_reads_any_more_cost_the_job_nothing(
     holder.terminate()
     assert waiter.wait(timeout=30) == 3
     assert ran.exists()
+
+
+#: Runs the rest of its command line with the terminal on its stdin as its controlling
+#: terminal (it leads a session of its own), as a shell runs a job in the foreground.
+ON_ITS_TERMINAL = (
+    "import fcntl, os, sys, termios\n"
+    "fcntl.ioctl(0, termios.TIOCSCTTY, 0)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
+#: A command that ends 42 at a Ctrl-C, and 0 a second after it started without one.
+ENDS_42_AT_CTRL_C = 'trap "exit 42" INT; sleep 1 & wait; exit 0'
+
+
+@pytest.mark.usefixtures("sim")
+def test_a_ctrl_c_typed_just_before_the_command_starts_reaches_it(
+    gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # Typed as gpuwait was about to start the command (its room just given, here held up
+    # saying so on a stderr nobody reads yet), the Ctrl-C waited for gpuwait, which then took
+    # it for one the command had had from the terminal too, and dropped it: the job ran on.
+    import pty
+
+    leader, follower = pty.openpty()
+    read_end, write_end = os.pipe()
+    try:
+        os.set_blocking(write_end, False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(write_end, b"x" * 65536)
+        os.set_blocking(write_end, True)
+        argv = [sys.executable, "-c", ON_ITS_TERMINAL, *gpuwait_cmd, "--verbose", "--vram", "1G"]
+        proc = procs(
+            [*argv, "--", "sh", "-c", ENDS_42_AT_CTRL_C],
+            stdin=follower,
+            stdout=follower,
+            stderr=write_end,
+        )
+        wait_for(lambda: sleeping_in(proc.pid, "write"), message="gpuwait never said it starts")
+        os.write(leader, b"\x03")  # Ctrl-C, to the terminal's foreground group: gpuwait alone
+        wait_for(lambda: signal.SIGINT in pending_signals(proc.pid))
+        os.set_blocking(read_end, False)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(read_end, 65536):
+                pass
+        assert proc.wait(timeout=30) in (42, -signal.SIGINT)
+    finally:
+        for fd in (leader, follower, read_end, write_end):
+            os.close(fd)
