@@ -872,7 +872,9 @@ def combine(
     Whatever a file says, its entries and requests are its owner's. Other users' entries count
     only where `counts(job)` (the kernel shows a live gpuwait of that owner, or an orphan's
     command); this user's own are kept as they are, for lifecycle to reap. An id another file
-    uses already is shown with its owner (`id@uid`): the owner's own copy keeps the plain id.
+    uses already is shown with its owner (`id@uid`): the owner's own copy keeps the plain id,
+    and so does the id of a job of theirs that has ended (in their book): another member who
+    gives an entry of theirs that id makes no `--after` of this user's wait for it.
     """
     own.me = me
     for job in own.jobs:
@@ -881,7 +883,7 @@ def combine(
         request.by_uid = me
     own.usage = {me: own.usage[me]} if me in own.usage else {}
     own.next_order = min(own.next_order, PLAUSIBLE_ORDER)
-    ids = {j.id for j in own.jobs}
+    ids = {j.id for j in own.jobs} | {f.id for f in own.book.finished}
     for owner, data in sorted(others, key=lambda part: part[0]):
         own.others_release += max(0, data.release_seq)
         own.next_order = max(own.next_order, min(data.next_order, PLAUSIBLE_ORDER))
