@@ -328,7 +328,18 @@ def entry_owner_mismatch(job: _JobLike) -> int | None:
     that names another user's process was forged. None when they agree or the owner cannot be
     told (a process hidden by /proc's hidepid).
     """
-    owner = proc.owner_uid(job.pid)
+    return _owner_mismatch(job, job.pid)
+
+
+def command_owner_mismatch(job: _JobLike, pid: int) -> int | None:
+    """The real owner of process `pid`, named as `job`'s command, when it is not the job's
+    user: another user's entry that names your process as its command was forged. None when
+    they agree or the owner cannot be told (gone, or hidden by /proc's hidepid)."""
+    return _owner_mismatch(job, pid)
+
+
+def _owner_mismatch(job: _JobLike, pid: int) -> int | None:
+    owner = proc.owner_uid(pid)
     if owner is None or _owns(owner, job):
         return None
     return owner

@@ -95,8 +95,17 @@ class IdleWatch(Record, frozen=True):
 
 def running_here(jobs: Iterable[Job]) -> list[Job]:
     """The running jobs whose command is a process of this pid namespace: another namespace's
-    command is no process here, and its idleness is not seen."""
-    return [j for j in jobs if j.state == RUNNING and j.child_pid and not elsewhere(j)]
+    command is no process here, and its idleness is not seen. An entry whose command is
+    another user's process (another member's file naming yours) has none here either: that
+    process is never named for the room the entry keeps."""
+    return [
+        j
+        for j in jobs
+        if j.state == RUNNING
+        and j.child_pid
+        and not elsewhere(j)
+        and security.command_owner_mismatch(j, j.child_pid) is None
+    ]
 
 
 def idle_jobs(

@@ -98,11 +98,12 @@ class Server:
             "XDG_STATE_HOME": str(self.root / "root-state"),
         }
 
-    def run_root(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """`gpuwait ARGS` as the administrator (root, with a state dir of its own)."""
+    def run_root(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        """`gpuwait ARGS` as the administrator (root, with a state dir of its own), with the
+        environment variables `env` besides."""
         return subprocess.run(
             ["python3", "-m", "gpuwait", *args],
-            env={**self.root_env(), "COLUMNS": "120"},
+            env={**self.root_env(), "COLUMNS": "120", **env},
             capture_output=True,
             text=True,
             timeout=60,
@@ -1410,3 +1411,33 @@ def test_a_member_who_gives_an_entry_the_id_of_ones_ended_job_holds_up_no_chain(
             ALICE, "--vram", "1G", "--timeout", "3s", option, prep, "--", "echo", "next"
         )
         assert (done.returncode, done.stdout) == (0, "next\n"), (option, done.stderr)
+
+
+def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_room(
+    server: Server,
+) -> None:
+    # The card does no work. Bob's running entry names, as its command, a process of Alice's
+    # that holds nothing there: `gpuwait idle` blamed Alice for Bob's 20 GiB left unused.
+    server.sim.write_text('[[gpu]]\nmemory = "24GiB"\nutilization = 0\n')
+    alices = subprocess.Popen(["sleep", "60"], user=ALICE, group=ALICE)
+    try:
+        server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+        server.wait_jobs(1, "running")
+        bobs = server.ledger().read().jobs[0].to_json()
+        forged = {
+            **bobs,
+            "id": "blame",
+            "child_pid": alices.pid,
+            "child_start_time": start_time(alices.pid),
+            "pids": [alices.pid],
+            "reserved_bytes": 20 * GiB,
+        }
+        server.edit_own(BOB, lambda raw: raw.update(jobs=[forged, *raw["jobs"]]))
+        shown = server.run_root("idle", "--json", GPUWAIT_IDLE_AFTER="1h")
+        assert shown.returncode == 0, shown.stderr
+        report = json.loads(shown.stdout)
+        named = [(h["pid"], h["uid"]) for h in report["idle"] + report["watching"]]
+        assert (alices.pid, ALICE) not in named, report
+    finally:
+        alices.kill()
+        alices.wait()
