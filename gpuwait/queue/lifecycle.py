@@ -45,7 +45,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import alive, pidns, proc, userns
+from gpuwait.linux import alive, pidns, proc, security, userns
 from gpuwait.linux.atomic import keep_damaged, write_atomic
 from gpuwait.linux.security import (
     control_refusal,
@@ -294,6 +294,8 @@ def leave_word(ledger: Ledger, job: Job, outcome: str, **how: Any) -> bool:
 
 #: The version of a word's layout (leave_word): one of another is not believed.
 _WORD_SCHEMA = 1
+#: A word is a line of a few fields; a bigger file is none.
+_WORD_CAP = 64 << 10
 
 #: The keywords of finish a word left (leave_word) may give, and their types.
 _WORD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -309,13 +311,19 @@ _WORD_FIELDS: dict[str, tuple[type, ...]] = {
 def _word_left(job: Job, words: _Words) -> tuple[str, dict[str, Any]] | None:
     """How the gone `job` ended, as its gpuwait left word of it (leave_word), the word added to
     `words` (for _take_words once the entry's removal is written); None where none was left, or
-    it cannot be read (a damaged word is not believed: the entry is then reaped as lost)."""
+    it cannot be read (a damaged word is not believed: the entry is then reaped as lost; nor is
+    one that is no plain file of this user's, or is over the cap, which is never waited on or
+    read whole)."""
     path = _word_path(job)
     if path is None:
         return None
     try:
-        raw = path.read_bytes()
+        raw = security.read_state_file(path, _WORD_CAP, security.mine())
+    except security.UnsafePath:
+        raw = b""  # not believed, and set aside as a damaged word is
     except OSError:
+        return None
+    if raw is None:
         return None
     word = _parsed_word(raw)
     words.append((path, word is not None))

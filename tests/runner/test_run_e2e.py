@@ -1121,6 +1121,30 @@ def test_a_run_whose_word_of_its_end_is_damaged_shows_once_in_the_history(
     assert "lost" not in shown, shown
 
 
+def test_a_word_of_a_runs_end_that_is_no_plain_file_hangs_no_gpuwait(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    """The word a run left of how it ended was replaced by a FIFO: the next gpuwait (every
+    command that reaps the entry: `status`, a launch) hung for ever opening it. Now it is
+    passed over as a damaged word is: the entry is reaped, the run shown once."""
+    launch, job_id, err = ended_under_a_held_lock(
+        gpuwait_cmd, ["sh", "-c", "read line"], lambda _: "go\n"
+    )
+    assert launch.returncode == 0, err
+    word = Path(dirs.user_state_dir()) / "ended" / f"{job_id}.json"
+    word.unlink()
+    os.mkfifo(word)
+    try:
+        status = subprocess.run(
+            [*gpuwait_cmd, "status"], capture_output=True, text=True, timeout=10
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("gpuwait status hung on the FIFO in the place of a word")
+    assert status.returncode == 0, status.stderr
+    assert ledger_entries() == []
+    assert len([r for r in recorded_runs() if r.get("job_id") == job_id]) == 1
+
+
 def test_a_job_started_inside_a_pausable_job_is_not_told_it_is_pausable(
     sim: Path, gpuwait_cmd: list[str]
 ) -> None:
