@@ -297,14 +297,31 @@ _WORD_SCHEMA = 1
 #: A word is a line of a few fields; a bigger file is none.
 _WORD_CAP = 64 << 10
 
-#: The keywords of finish a word left (leave_word) may give, and their types.
-_WORD_FIELDS: dict[str, tuple[type, ...]] = {
-    "exit_status": (int,),
-    "signal": (int,),
-    "run_seconds": (int, float),
-    "charge_usage": (list,),
-    "paused": (list,),
-    "oom": (str,),
+
+def _figure(value: Any, low: float, high: float) -> bool:
+    """Is `value` a number from `low` up to (not including) `high`? (NaN and infinities are
+    none.)"""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < high
+
+
+def _pair(value: Any, first: Callable[[Any], bool], second: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and len(value) == 2 and first(value[0]) and second(value[1])
+
+
+#: The keywords of finish a word left (leave_word) may give, and what each may be: a figure
+#: that no run ends with is damage, which, believed, would fail every transaction (a half-life
+#: of zero), or go into the book, which the next read would drop whole with every outcome.
+_WORD_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "exit_status": lambda v: type(v) is int and 0 <= v < 2**31,
+    "signal": lambda v: type(v) is int and 0 < v < 2**31,
+    "run_seconds": lambda v: _figure(v, 0, 1e12),
+    # (VRAM-seconds, half-life or None)
+    "charge_usage": lambda v: _pair(
+        v, lambda a: _figure(a, 0, 1e30), lambda b: b is None or (_figure(b, 0, 1e12) and b > 0)
+    ),
+    # (pauses, seconds stepped aside)
+    "paused": lambda v: _pair(v, lambda a: _figure(a, 0, 1e9), lambda b: _figure(b, 0, 1e12)),
+    "oom": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
 }
 
 
@@ -355,21 +372,13 @@ def _parsed_word(raw: bytes) -> tuple[str, dict[str, Any]] | None:
     ):
         return None
     how: dict[str, Any] = {}
-    for name, types in _WORD_FIELDS.items():
+    for name, valid in _WORD_FIELDS.items():
         value = word.get(name)
         if value is None:
             continue
-        if not isinstance(value, types) or isinstance(value, bool):
+        if not valid(value):
             return None
-        if isinstance(value, list):
-            # (VRAM-seconds, half-life or None), (pauses, seconds)
-            if len(value) != 2 or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool)
-                for v in (value[0], 0 if value[1] is None else value[1])
-            ):
-                return None
-            value = tuple(value)
-        how[name] = value
+        how[name] = tuple(value) if isinstance(value, list) else value
     return word["outcome"], how
 
 

@@ -24,7 +24,7 @@ from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
 from gpuwait.queue import events, lifecycle
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.entries import RUNNING, WAITING, Job
+from gpuwait.queue.entries import RUNNING, WAITING, Job, UserUsage
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
 from gpuwait.queue.report import View, report_from
@@ -658,3 +658,41 @@ def test_word_of_how_a_run_ended_is_read_once_and_damaged_word_kept_as_evidence(
         lifecycle._take_words(read)
     kept = sorted(p.read_bytes() for p in words.iterdir())
     assert kept == sorted([b'{"schema": 1, "outcome": "o', b'{"schema": 99, "outcome": "ok"}'])
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        {"exit_status": 2**70},
+        {"charge_usage": [1e9, 0]},
+        {"charge_usage": [float("inf"), -1.0]},
+    ],
+)
+def test_a_word_saying_what_no_run_ends_with_is_not_believed(
+    tmp_path: Path, how: dict[str, Any]
+) -> None:
+    """A word of how a run ended with a figure no run ends with (an exit status past any, a
+    cause of a book's size, a half-life of zero): taken as said, it made the next transaction
+    fail with a traceback, or went into the book, which the next read then dropped whole
+    with every job's outcome (so every `--after-ok` waiting on one failed)."""
+    ledger = Ledger(tmp_path / "ledger", fair_half_life=3600.0)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state = tmp_path / "state"
+    job = live_job("a1b2", pid=gone.pid, start_time=1, history_dir=str(state))
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+        data.book.note_finished(Finished("prep", OK, time.time()))
+        data.usage[os.getuid()] = UserUsage(1e9, time.time())
+    words = state / "ended"
+    words.mkdir(parents=True)
+    (words / "a1b2.json").write_text(
+        json.dumps({"schema": 1, "outcome": FAILED, **how}), encoding="utf-8"
+    )
+    lifecycle.reap(ledger)
+    data = ledger.read()
+    assert data.jobs == []
+    assert data.book.outcome("prep") is not None
+    assert data.book.outcome("a1b2") is not None
+    usage = data.usage[os.getuid()].vram_seconds
+    assert 0 <= usage <= 1e9
