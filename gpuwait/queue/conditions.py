@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
@@ -21,7 +21,7 @@ from gpuwait.core.sizes import sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
-from gpuwait.linux import pidns, proc, userns
+from gpuwait.linux import pidns, proc, security, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, run_time, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
@@ -353,11 +353,12 @@ def claims_for(
         for user, uids in uids_by_user(data.jobs).items()
     }
     tree = unpublished_pids(data.jobs, gpus)
+    on_gpus = {p.pid for g in gpus for p in g.processes}
     return [
         _safety_believed(
             as_counted(
                 claim_of(
-                    j,
+                    j if data.mine(j) else _their_processes(j, on_gpus),
                     gpus,
                     now,
                     blocked=_blocker(j, data),
@@ -373,6 +374,29 @@ def claims_for(
         )
         for j in data.jobs
     ]
+
+
+def _their_processes(job: Job, among: Collection[int]) -> Job:
+    """Another user's entry claiming as its job's, of the processes `among` (those that
+    matter: on the GPUs, or the one to adopt), only processes of that user's, or (a `sudo` in
+    its command) below its gpuwait: a process of someone else's that it names is no load of
+    its job. Taken as its, that process would count for no foreign one, and a card that takes
+    one process at a time, which it holds, would look free to start a job on (the memory it
+    uses still counts, whoever claims it). Only those `among` are looked at: a file may name
+    thousands of pids."""
+    if elsewhere(job):
+        return job  # its pids are another namespace's: told apart by the kernel there
+    named = [p for p in (*job.pids, job.child_pid) if p is not None and p in among]
+    strangers = {p for p in named if security.command_owner_mismatch(job, p) is not None}
+    if not strangers:
+        return job
+    # Its gpuwait, proven the user's, where it lives; an orphan's command, where it is gone.
+    root = job.pid if job.orphaned_at is None or job.child_pid is None else job.child_pid
+    strangers -= proc.process_tree([root])
+    return job._replace(
+        pids=[p for p in job.pids if p not in strangers],
+        child_pid=None if job.child_pid in strangers else job.child_pid,
+    )
 
 
 def adoption_over_limit(

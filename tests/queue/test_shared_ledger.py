@@ -205,10 +205,12 @@ def test_two_users_queue_through_one_shared_ledger(server: Server) -> None:
     assert not list(server.ledger_dir.glob("history*"))
 
 
-def hold_outside_gpuwait(server: Server, n_bytes: int) -> subprocess.Popen[bytes]:
-    """A process of root's that the simulated GPU shows holding `n_bytes`, visible to every
-    user as NVML's figures are."""
-    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+def hold_outside_gpuwait(
+    server: Server, n_bytes: int, user: int | None = None
+) -> subprocess.Popen[bytes]:
+    """A process of root's (or of `user`'s) that the simulated GPU (the first) shows holding
+    `n_bytes`, visible to every user as NVML's figures are."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True, user=user, group=user)
     config = load_sim_file(server.sim)
     directory = ensure_state_dir(config)
     directory.chmod(0o755)
@@ -1438,6 +1440,32 @@ def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_roo
         report = json.loads(shown.stdout)
         named = [(h["pid"], h["uid"]) for h in report["idle"] + report["watching"]]
         assert (alices.pid, ALICE) not in named, report
+    finally:
+        alices.kill()
+        alices.wait()
+
+
+def test_a_member_cannot_claim_anothers_process_off_a_card_that_takes_one_at_a_time(
+    server: Server,
+) -> None:
+    # GPU 0 takes one process at a time, and a program of Alice's, run without gpuwait, has
+    # it. Bob's job on GPU 1 claims that program among its processes in his own file: a job
+    # was then started on GPU 0 as if nothing held it, where it could not run.
+    exclusive = '[[gpu]]\nmemory = "24GiB"\ncompute_mode = "exclusive-process"\n'
+    server.sim.write_text(exclusive + '[[gpu]]\nmemory = "24GiB"\n')
+    alices = hold_outside_gpuwait(server, 2 * GiB, ALICE)
+    try:
+        server.start(BOB, "--devices", "1", "--vram", "1G", "--", "sleep", "60")
+        server.wait_jobs(1, "running")
+
+        def claim(raw: dict[str, Any]) -> None:
+            raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], alices.pid]
+
+        server.edit_own(BOB, claim)
+        done = server.run(
+            ALICE, "--devices", "0", "--vram", "1G", "--timeout", "1s", "--", "echo", "started"
+        )
+        assert done.returncode == 124 and "started" not in done.stdout, done.stderr
     finally:
         alices.kill()
         alices.wait()
