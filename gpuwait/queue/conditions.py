@@ -358,7 +358,7 @@ def claims_for(
         _safety_believed(
             as_counted(
                 claim_of(
-                    j if data.mine(j) else _their_processes(j, on_gpus),
+                    j if data.mine(j) else their_own_processes(j, on_gpus),
                     gpus,
                     now,
                     blocked=_blocker(j, data),
@@ -376,7 +376,7 @@ def claims_for(
     ]
 
 
-def _their_processes(job: Job, among: Collection[int]) -> Job:
+def their_own_processes(job: Job, among: Collection[int]) -> Job:
     """Another user's entry claiming as its job's, of the processes `among` (those that
     matter: on the GPUs, or the one to adopt), only processes of that user's, or (a `sudo` in
     its command) below its gpuwait: a process of someone else's that it names is no load of

@@ -73,6 +73,7 @@ from gpuwait.queue.conditions import (
     record_hold,
     resolve_references,
     settle_dependencies,
+    their_own_processes,
 )
 from gpuwait.queue.entries import (
     MAX_DEPENDENCIES,
@@ -739,6 +740,8 @@ def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:
     for other in data.jobs:
         if elsewhere(other):
             continue  # its pids are another namespace's
+        # Another user's entry claims only processes of theirs (or below their gpuwait).
+        other = other if data.mine(other) else their_own_processes(other, {pid})
         if pid in (other.pid, other.child_pid) or pid in other.pids:
             raise UsageError(
                 f"process {pid} already belongs to gpuwait job {other.id}",

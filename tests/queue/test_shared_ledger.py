@@ -1469,3 +1469,26 @@ def test_a_member_cannot_claim_anothers_process_off_a_card_that_takes_one_at_a_t
     finally:
         alices.kill()
         alices.wait()
+
+
+def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
+    server: Server,
+) -> None:
+    # A program of Alice's, run without gpuwait, holds 2 GiB; Bob lists it among his job's
+    # processes in his own file. Her `gpuwait adopt` of it was refused: "process ... already
+    # belongs to gpuwait job" (Bob's).
+    alices = hold_outside_gpuwait(server, 2 * GiB, ALICE)
+    try:
+        server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+        server.wait_jobs(1, "running")
+
+        def claim(raw: dict[str, Any]) -> None:
+            raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], alices.pid]
+
+        server.edit_own(BOB, claim)
+        adopted = server.run(ALICE, "adopt", str(alices.pid))
+        assert adopted.returncode == 0, adopted.stderr
+        assert sorted(j["uid"] for j in server.jobs()) == [ALICE, BOB]
+    finally:
+        alices.kill()
+        alices.wait()
