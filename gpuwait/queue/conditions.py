@@ -197,6 +197,11 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
                 )
                 data.book.note_finished(left)
                 found = [left.id]
+                # Its id is this user's again: another user's entry that took it is shown
+                # with its owner, as entries.combine shows one taking an id in the book.
+                for other in data.jobs:
+                    if other.id == left.id and not data.mine(other):
+                        other.id = f"{other.id}@{other.uid}"
         if not found:
             found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
         if not found:

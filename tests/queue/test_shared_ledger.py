@@ -1394,21 +1394,26 @@ def test_after_ok_on_another_users_job_is_refused_at_once(server: Server) -> Non
     assert [j["uid"] for j in server.jobs()] == [BOB]
 
 
+@pytest.mark.parametrize("long_ago", [False, True])
 def test_a_member_who_gives_an_entry_the_id_of_ones_ended_job_holds_up_no_chain(
-    server: Server,
+    server: Server, long_ago: bool
 ) -> None:
     # Alice's `prep` ran and succeeded. Bob, who reads her file, writes an entry under its id
     # into his own, naming his live gpuwait: her next step waited on it as if her prep still
-    # ran (`--after`), or was refused as if she had named a job of his (`--after-ok`).
+    # ran (`--after`), or was refused as if she had named a job of his (`--after-ok`); so it
+    # was for a prep so long ago that only her history knows it (her book keeps the last
+    # hundred), with --after-ok.
     assert server.run(ALICE, "-q", "--vram", "1G", "--name", "prep", "--", "true").returncode == 0
     book = json.loads(server.own_file(ALICE).read_text())["book"]
     prep = next(f["id"] for f in book["finished"] if f["name"] == "prep")
+    if long_ago:
+        server.edit_own(ALICE, lambda raw: raw["book"].update(finished=[]))
     server.start(BOB, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     bobs = server.ledger().read().jobs[0].to_json()
     forged = {**bobs, "id": prep, "name": "prep", "state": "waiting", "gpu_uuids": []}
     server.edit_own(BOB, lambda raw: raw.update(jobs=[forged, *raw["jobs"]]))
-    for option in ("--after", "--after-ok"):
+    for option in ("--after-ok", "--after"):
         done = server.run(
             ALICE, "--vram", "1G", "--timeout", "3s", option, prep, "--", "echo", "next"
         )
