@@ -352,11 +352,14 @@ def proven_entry(
     state: object,
     child_pid: int | None,
     child_start: int | None,
+    command: object = None,
 ) -> bool:
     """Does the kernel show that an entry in the file of the user `uid`, naming the gpuwait
     process `pid` (started at `start_time`), stands for a job of theirs: that is a live gpuwait
     process of that user, or (its gpuwait gone, a running job) its command still runs as that
-    user? Another user's entry counts only then."""
+    user? Another user's entry counts only then. A program waiting for room from Python
+    (gpuwait.api) is no gpuwait: its waiting entry names it, with its command line as its
+    `command`, which the kernel shows."""
     process = (pid, start_time)
     if (uid, *process) in _REFUTED:
         return False
@@ -365,6 +368,14 @@ def proven_entry(
             owner = proc.owner_uid(pid)
             if owner == uid and _is_gpuwait(*process):
                 return True
+            if (
+                owner == uid
+                and state == "waiting"
+                and isinstance(command, list)
+                and command
+                and proc.command_line(pid) == command
+            ):
+                return True  # not remembered either way: it tells of the entry, not the process
             # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.
             if state == "running" and (child_pid, child_start) == process and owner == uid:
                 return True

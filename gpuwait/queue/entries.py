@@ -904,11 +904,11 @@ def combine(
 def claims_proven(
     raw_jobs: Sequence[Any],
     owner: int,
-    proves: Callable[[int, int, int, object, int | None, int | None], bool],
+    proves: Callable[[int, int, int, object, int | None, int | None, object], bool],
 ) -> list[Any]:
     """The raw entries of `owner`'s file (another user's) worth validating: of those naming one
     gpuwait process, the first, if `proves(owner, pid, start_time, state, child_pid,
-    child_start_time)`; `counted` decides on the validated entries as ever."""
+    child_start_time, command)`; `counted` decides on the validated entries as ever."""
     kept: list[Any] = []
     pids: set[int] = set()
     for item in raw_jobs[: MAX_ENTRIES * 2]:
@@ -928,6 +928,7 @@ def claims_proven(
             item.get("state"),
             child if type(child) is int else None,
             child_start if type(child_start) is int else None,
+            item.get("command"),
         ):
             kept.append(item)
     return kept

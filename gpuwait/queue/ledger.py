@@ -629,7 +629,9 @@ class Ledger:
         owned: bool = False,
         foreign: bool = False,
         with_book: bool = True,
-        proves: Callable[[int, int, int, object, int | None, int | None], bool] = proven_entry,
+        proves: Callable[
+            [int, int, int, object, int | None, int | None, object], bool
+        ] = proven_entry,
     ) -> tuple[LedgerData, Any]:
         """Parse and validate a whole file; ValueError when it is damaged.
 
@@ -665,7 +667,13 @@ class Ledger:
     def _counts(job: Job) -> bool:
         """Another user's entry counts while the kernel shows a job of theirs behind it."""
         if entries.of_an_earlier_boot(job.boot) or not proven_entry(
-            job.uid, job.pid, job.start_time, job.state, job.child_pid, job.child_start_time
+            job.uid,
+            job.pid,
+            job.start_time,
+            job.state,
+            job.child_pid,
+            job.child_start_time,
+            job.command,
         ):
             return False
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
@@ -681,11 +689,17 @@ def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: i
 
 
 def _proven_or_gone(
-    uid: int, pid: int, start: int, state: object, child: int | None, child_start: int | None
+    uid: int,
+    pid: int,
+    start: int,
+    state: object,
+    child: int | None,
+    child_start: int | None,
+    command: object = None,
 ) -> bool:
     """An entry of another user's that root's gpuwait keeps when it tidies their file: one the
     kernel proves, or one whose processes are all gone, for its owner's gpuwait to reap."""
-    return proven_entry(uid, pid, start, state, child, child_start) or _nothing_runs(
+    return proven_entry(uid, pid, start, state, child, child_start, command) or _nothing_runs(
         pid, start, child, child_start
     )
 

@@ -30,7 +30,7 @@ import gpuwait, gpuwait.cli, ctypes, textwrap
 for module in pkgutil.walk_packages(gpuwait.__path__, "gpuwait."):
     if module.name != "gpuwait.__main__":  # that one runs gpuwait when imported
         importlib.import_module(module.name)
-import pwd, grp, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select
+import pwd, grp, unicodedata, threading, signal, json, zlib, errno, fcntl, locale, gettext, shutil, select, logging
 import gpuwait.commands.run
 gpuwait.commands.run.build_parser().format_help()  # argparse's and gettext's own lazy imports
 uid, gid = int(sys.argv[1]), int(sys.argv[2])
@@ -76,6 +76,17 @@ def user_argv(
         "gpuwait",
         *args,
     ]
+
+
+def program_as(
+    uid: int, gid: int, groups: Sequence[int], directory: Path, python: str
+) -> list[str]:
+    """argv of a Python program of the user's own, `directory`/train.py, that runs `python`
+    (which may call gpuwait's API) as uid/gid: its command line names no gpuwait."""
+    script = directory / "train.py"
+    script.write_text(AS_USER.replace("gpuwait.cli.entry_point()", python))
+    script.chmod(0o644)
+    return [sys.executable, str(script), str(uid), str(gid), ",".join(str(g) for g in groups)]
 
 
 def user_home(root: Path, uid: int, gid: int) -> dict[str, str]:

@@ -26,6 +26,7 @@ from helpers.users import (
     hidepid_prefix,
     make_shared_ledger_dir,
     popen_as,
+    program_as,
     run_as,
     shared_root,
     user_argv,
@@ -1497,3 +1498,39 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
     finally:
         alices.kill()
         alices.wait()
+
+
+def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
+    server: Server,
+) -> None:
+    # Bob's notebook waits in `gpuwait.reserve("10G")` behind Alice's 20 GiB job. Its entry
+    # names his Python program, no gpuwait: Alice's plans and `status` (and root's) did not see
+    # it at all, so her jobs submitted after it went first, and root's `status` even took it
+    # out of Bob's file.
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
+    argv = program_as(BOB, BOB, [GROUP], server.root, python)
+    bob = subprocess.Popen(
+        argv,
+        env=server.envs[BOB],
+        cwd="/",
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    server.procs.append(bob)
+    wait_for(
+        lambda: (
+            server.own_file(BOB).exists() and json.loads(server.own_file(BOB).read_text())["jobs"]
+        ),
+        timeout=20,
+    )
+    shown = json.loads(server.run(ALICE, "status", "--json").stdout)
+    assert [(j["uid"], j["state"]) for j in shown["jobs"]] == [
+        (ALICE, "running"),
+        (BOB, "waiting"),
+    ], shown["jobs"]
+    assert server.run_root("status").returncode == 0
+    assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 1
