@@ -357,9 +357,10 @@ def proven_entry(
     """Does the kernel show that an entry in the file of the user `uid`, naming the gpuwait
     process `pid` (started at `start_time`), stands for a job of theirs: that is a live gpuwait
     process of that user, or (its gpuwait gone, a running job) its command still runs as that
-    user? Another user's entry counts only then. A program waiting for room from Python
-    (gpuwait.api) is no gpuwait: its waiting entry names it, with its command line as its
-    `command`, which the kernel shows."""
+    user? Another user's entry counts only then. A program holding room from Python
+    (gpuwait.api) is no gpuwait: its entry names it, with its command line as its `command`,
+    which the kernel shows, waiting and once admitted, until the next transaction names it as
+    its own command too (as an adopted process is)."""
     process = (pid, start_time)
     if (uid, *process) in _REFUTED:
         return False
@@ -370,7 +371,7 @@ def proven_entry(
                 return True
             if (
                 owner == uid
-                and state == "waiting"
+                and (state == "waiting" or child_pid is None)
                 and isinstance(command, list)
                 and command
                 and proc.command_line(pid) == command

@@ -84,7 +84,10 @@ def program_as(
     """argv of a Python program of the user's own, `directory`/train.py, that runs `python`
     (which may call gpuwait's API) as uid/gid: its command line names no gpuwait."""
     script = directory / "train.py"
-    script.write_text(AS_USER.replace("gpuwait.cli.entry_point()", python))
+    # Its /proc is the user's again after the switch (PR_SET_DUMPABLE), as a program that
+    # was started as the user has it.
+    dumpable = "ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)\n"
+    script.write_text(AS_USER.replace("gpuwait.cli.entry_point()", dumpable + python))
     script.chmod(0o644)
     return [sys.executable, str(script), str(uid), str(gid), ",".join(str(g) for g in groups)]
 

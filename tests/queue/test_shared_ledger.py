@@ -36,9 +36,11 @@ from helpers.waiting import process_state, sleeping_in, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.history.learn import save_record
-from gpuwait.linux.proc import start_time
+from gpuwait.linux.proc import command_line as proc_command
+from gpuwait.linux.proc import owner_uid, start_time
 from gpuwait.linux.security import control_refusal
 from gpuwait.queue.bookkeeping import FINISHED_KEPT, OK, Finished
+from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
@@ -1534,3 +1536,36 @@ def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
     ], shown["jobs"]
     assert server.run_root("status").returncode == 0
     assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 1
+
+
+def test_a_members_program_admitted_from_python_keeps_its_room_before_it_is_started(
+    server: Server,
+) -> None:
+    # Bob's program, waiting in `gpuwait.reserve("12G")`, has been admitted: its entry runs
+    # with 12 GiB on the card, and names it as its gpuwait, not yet as its command (that is
+    # the next transaction's, `started`). Nobody else counted that room: Alice's 12 GiB job
+    # was started beside it, on a 24 GiB card, and one of the two ran out of memory.
+    argv = program_as(BOB, BOB, [GROUP], server.root, "signal.pause()")
+    bob = subprocess.Popen(argv, env=server.envs[BOB], cwd="/", start_new_session=True)
+    server.procs.append(bob)  # type: ignore[arg-type]
+    # Bob's once it has switched to him (it starts as root, to read this checkout).
+    wait_for(lambda: owner_uid(bob.pid) == BOB and proc_command(bob.pid) == argv)
+    now = time.time()
+    admitted = Job(
+        id="notebook",
+        pid=bob.pid,
+        start_time=start_time(bob.pid) or 0,
+        uid=BOB,
+        command=argv,
+        cwd="/",
+        request={"bytes": 12 * GiB},
+        state="running",
+        gpu_uuids=[load_sim_file(server.sim).gpus[0].uuid],
+        reserved_bytes=12 * GiB,
+        submitted_at=now,
+        started_at=now,
+        updated_at=now,
+    )
+    server.edit_own(BOB, lambda raw: raw.update(jobs=[admitted.to_json()]))
+    done = server.run(ALICE, "--vram", "12G", "--timeout", "1s", "--", "echo", "started")
+    assert done.returncode == 124 and "started" not in done.stdout, done.stderr
