@@ -1453,6 +1453,21 @@ def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_roo
         alices.wait()
 
 
+def bob_claims(server: Server, pid: int, *options: str) -> None:
+    """Bob runs a job (with `options`) and lists process `pid` among its processes in his
+    own file, his gpuwait stopped between two of its transactions first: its next sample
+    would write the processes it finds over the list."""
+    bob = server.start(BOB, *options, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    with server.locked():
+        os.kill(bob.pid, signal.SIGSTOP)
+
+    def claim(raw: dict[str, Any]) -> None:
+        raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], pid]
+
+    server.edit_own(BOB, claim)
+
+
 def test_a_member_cannot_claim_anothers_process_off_a_card_that_takes_one_at_a_time(
     server: Server,
 ) -> None:
@@ -1463,13 +1478,7 @@ def test_a_member_cannot_claim_anothers_process_off_a_card_that_takes_one_at_a_t
     server.sim.write_text(exclusive + '[[gpu]]\nmemory = "24GiB"\n')
     alices = hold_outside_gpuwait(server, 2 * GiB, ALICE)
     try:
-        server.start(BOB, "--devices", "1", "--vram", "1G", "--", "sleep", "60")
-        server.wait_jobs(1, "running")
-
-        def claim(raw: dict[str, Any]) -> None:
-            raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], alices.pid]
-
-        server.edit_own(BOB, claim)
+        bob_claims(server, alices.pid, "--devices", "1")
         done = server.run(
             ALICE, "--devices", "0", "--vram", "1G", "--timeout", "1s", "--", "echo", "started"
         )
@@ -1487,13 +1496,7 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
     # belongs to gpuwait job" (Bob's).
     alices = hold_outside_gpuwait(server, 2 * GiB, ALICE)
     try:
-        server.start(BOB, "--vram", "1G", "--", "sleep", "60")
-        server.wait_jobs(1, "running")
-
-        def claim(raw: dict[str, Any]) -> None:
-            raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], alices.pid]
-
-        server.edit_own(BOB, claim)
+        bob_claims(server, alices.pid)
         adopted = server.run(ALICE, "adopt", str(alices.pid))
         assert adopted.returncode == 0, adopted.stderr
         assert sorted(j["uid"] for j in server.jobs()) == [ALICE, BOB]
