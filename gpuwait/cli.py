@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run gpuwait with `argv` (without the program name) and return the exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    """main(), but for a Ctrl-C, which it leaves to its caller."""
     from gpuwait.commands import output, warn_unknown_variables
     from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, GpuwaitError, OutputError
 
@@ -41,8 +49,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GpuwaitError as exc:
         output.error(exc.message, exc.hint)
         return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         # The reader went away (`gpuwait status | head -1`): nothing left to say, and no one to
         # say it to. The status a shell shows for a program that SIGPIPE ended.
@@ -72,6 +78,22 @@ def launches(args: Sequence[str]) -> bool:
     `gpuwait shell-hook -- CMD`. The other subcommands never queue, and one of them may be the
     command a launch starts (`gpuwait sim job`): it must not wait for a turn behind launches."""
     return bool(args) and (args[0] not in SUBCOMMANDS or args[0] == "shell-hook")
+
+
+def _end_by_ctrl_c() -> NoReturn:
+    """A Ctrl-C before gpuwait has its signals in hand (while it waits for its turn to start, or
+    loads): gpuwait ends by it, as while waiting for room, and as the command would have bare.
+    A shell stops its script, the rest of a typed line and a loop on a child that Ctrl-C killed,
+    not on one that exited 130."""
+    import signal
+
+    from gpuwait.linux.signals import die_by_signal
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    die_by_signal(signal.SIGINT)
+    os._exit(130)
 
 
 def _take_turn(args: Sequence[str]) -> None:
@@ -291,20 +313,15 @@ def _entry_point() -> NoReturn:
     try:
         _take_turn(sys.argv[1:])
     except KeyboardInterrupt:
-        # Ctrl-C while waiting for the turn: gpuwait ends by it, as while waiting for room (a
-        # shell stops its script on a child that Ctrl-C killed, not on one that exited 130).
-        import signal
-
-        from gpuwait.linux.signals import die_by_signal
-
-        die_by_signal(signal.SIGINT)
-        os._exit(130)
+        _end_by_ctrl_c()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
     from gpuwait.core.errors import EXIT_BROKEN_PIPE, EXIT_USAGE, OutputError
 
     try:
-        code = main()
+        code = _main(None)
+    except KeyboardInterrupt:
+        _end_by_ctrl_c()
     except SystemExit as exc:
         # argparse's --help and --version end so: what they printed is checked like the rest.
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.crash import gpuwait_signalled_at
 from helpers.processes import children, pending_signals
 from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import ledger_entries, sleeping_in, wait_for
@@ -242,3 +244,20 @@ def test_a_ctrl_c_typed_just_before_the_command_starts_reaches_it(
     finally:
         for fd in (leader, follower, read_end, write_end):
             os.close(fd)
+
+
+@pytest.mark.usefixtures("sim")
+@pytest.mark.parametrize("launch", [["--"], ["shell-hook", "--"]])
+def test_a_ctrl_c_while_gpuwait_starts_stops_the_shells_line_as_bare(
+    launch: list[str], procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # Ctrl-C lands while gpuwait is still loading, before its command exists: bare, the
+    # command would have died of it, and the shell would have stopped the rest of its line.
+    # (Typed `python a.py; python b.py`, or a `for` loop: with gpuwait exiting 130 instead, b.py
+    # ran and the loop went on.) The terminal sends it to the whole foreground group.
+    gpuwait = gpuwait_signalled_at("gpuwait.commands.run", "build_parser", "SIGINT", "group")
+    line = shlex.join([*gpuwait, *launch, sys.executable, "-c", "print('ran')"])
+    shell = procs(["bash", "-c", f"{line}; echo next"])
+    out, err = shell.communicate(timeout=30)
+    assert (shell.returncode, out) == (-signal.SIGINT, ""), err
+    assert "Traceback" not in err
