@@ -178,6 +178,19 @@ def test_disable_variable_runs_bare(shell: str, hook_env: dict[str, str], tmp_pa
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_exec_python_is_wrapped_where_the_shell_runs_the_function(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # bash's and fish's `exec` run the program named, past the function: bare. zsh's runs the
+    # function, as it runs one for `noglob python`: the job waits and runs as `python` does.
+    script = f"{init_line(shell, '--always')}\nexec python probe.py x\n"
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    [probe] = probe_lines(done.stdout)
+    assert probe["argv"] == ["x"], done.stderr
+    assert (probe["job"] is not None) == (shell == "zsh"), done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_explain_says_what_the_hook_does_with_a_padded_disable_value(
     shell: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
