@@ -5,26 +5,29 @@
 if [[ -n "@ALWAYS@" || $- == *i* ]]; then
     __gpuwait_run() {
         # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
+        # `|| return` ends each way with the command's status as a failure the shell's ERR
+        # trap (under set -E) and set -e take no note of here: they act once, on the line typed,
+        # as for the command bare, not again for each of the hook's functions.
         # Inside a job, while it runs: a shell that outlived it (a tmux server started there)
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
         if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
-            command "$@"
+            command "$@" || return
         elif [[ -n "${COMP_LINE+set}${READLINE_LINE+set}" ]] || __gpuwait_from_prompt; then
             # Run by the shell on its own, not typed: by a completion (`python -m <Tab>` lists
             # modules with python), a key binding (bind -x) or PROMPT_COMMAND. Wrapped, it
             # would wait for a GPU.
-            command "$@"
+            command "$@" || return
         elif [[ -x @PYTHON@ && -f @PACKAGE@ ]]; then
             # The pids in a variable, which an older gpuwait ignores, not an option it refuses.
-            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" @GPUWAIT@ shell-hook -- "$@"
+            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" @GPUWAIT@ shell-hook -- "$@" || return
         elif hash gpuwait 2>/dev/null; then
             # The gpuwait that printed this hook is gone (uninstalled, its environment removed
             # or replaced): the one on PATH, which a new shell would hook, takes its place.
             # (`hash` looks again: the path bash remembers for gpuwait may be the gone one.)
-            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" command gpuwait shell-hook -- "$@"
+            _GPUWAIT_SHELL_PID="$$/${BASHPID-$$}" command gpuwait shell-hook -- "$@" || return
         else
             printf '%s\n' "gpuwait: the gpuwait this shell was hooked to is gone (uninstalled, or its environment removed) and none is on PATH: runs $1 bare" >&2
-            command "$@"
+            command "$@" || return
         fi
     }
     if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 404 )); then

@@ -128,7 +128,11 @@ def hook_script(shell: str, commands: tuple[str, ...], always: bool) -> str:
         quote = shlex.quote
         invocation = shlex.join(gpuwait_invocation())
         # The `function` keyword keeps an alias of the same name from being expanded here.
-        functions = [f'    function {name} {{ __gpuwait_run {name} "$@"; }}' for name in commands]
+        # bash: `|| return`, as in __gpuwait_run, for its ERR trap under set -E.
+        tail = " || return" if shell == "bash" else ""
+        functions = [
+            f'    function {name} {{ __gpuwait_run {name} "$@"{tail}; }}' for name in commands
+        ]
     return (
         template.replace("@ALWAYS@", "1" if always else "")
         .replace("@GPUWAIT@", invocation)

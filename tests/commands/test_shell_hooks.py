@@ -168,6 +168,24 @@ python3 -c 'import os; print("CUDA", os.environ["CUDA_VISIBLE_DEVICES"][:4])'
     assert "CUDA GPU-" in done.stdout
 
 
+def test_a_failing_wrapped_command_runs_the_shells_error_trap_once_for_its_line(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # `set -E` (errtrace) and an ERR trap that names the failing line, as in many scripts and
+    # some prompts: bash ran the trap in the hook's functions too, three times, at their lines.
+    script = f"""{init_line("bash", "--always")}
+set -E; trap 'echo "trap $? line $LINENO"' ERR
+python -c 'import sys; sys.exit(3)'
+echo "status=$?"
+(set -e; python -c 'import sys; sys.exit(4)'; echo "not after set -e")
+echo "subshell=$?"
+"""
+    done = run_shell("bash", script, [], hook_env, cwd=tmp_path)
+    bare = run_shell("bash", script.replace("python -c", "command python -c"), [], hook_env)
+    assert bare.stdout == "trap 3 line 3\nstatus=3\ntrap 4 line 5\ntrap 4 line 5\nsubshell=4\n"
+    assert done.stdout == bare.stdout, done.stderr
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_disable_variable_runs_bare(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
     script = f"{init_line(shell, '--always')}\npython probe.py x\n"
