@@ -53,6 +53,7 @@ from gpuwait.history.store import (
     read_from,
     read_limit,
 )
+from gpuwait.linux import signals
 from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_temp_files
 from gpuwait.linux.security import mine, open_readable, read_state_file
 
@@ -246,8 +247,8 @@ def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
                 except HistoryBusy:
                     pass  # busy (compacting, say): the index as it is serves this launch
                 except OSError as exc:
-                    if meta is None:
-                        raise  # no index to go on with
+                    if meta is None or signals.raised_by_a_handler(exc):
+                        raise  # no index to go on with, or the program's own timeout
                     # Not to be written (a full disk or quota): the index as it is serves
                     # too, a few runs behind, rather than no estimate at all (a whole GPU).
                     result.warnings.append(
@@ -262,6 +263,8 @@ def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
                 result.warnings.append(f"history index {directory} was damaged ({exc}); rebuilt it")
                 fresh = False
     except OSError as exc:
+        if signals.raised_by_a_handler(exc):
+            raise  # the program's own timeout (gpuwait.reserve), to reach it
         # Learning is a help, never a reason for a run to fail: go on without history.
         result.warnings.append(_unusable(state_dir, exc))
     return result

@@ -56,6 +56,7 @@ from gpuwait.history.record import (
     run_stat,
     slim,
 )
+from gpuwait.linux import signals
 from gpuwait.linux.atomic import (
     append_whole,
     damaged_name,
@@ -143,6 +144,8 @@ def append_record(
             try:
                 return compact(state_dir, max_bytes)
             except OSError as exc:
+                if signals.raised_by_a_handler(exc):
+                    raise  # the program's own timeout (gpuwait.reserve), no failure to compact
                 raise NotCompacted(exc.errno, exc.strerror) from None
     return None
 

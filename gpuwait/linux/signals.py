@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Iterator
 
 #: The signals sent to ask a process to end or to act: by hand, a terminal, a service manager.
 ASKING = (
@@ -79,12 +80,25 @@ class SignalPending(Exception):
         self.signum = signum
 
 
-def raised_by_a_handler(exc: OSError) -> bool:
-    """Whether `exc` is no system call's failure, which always has an errno, but raised by a
-    signal handler of a program's own run during a wait of gpuwait's (its alarm's handler
-    raising TimeoutError, as such handlers are most often written): the program's to take, not
-    to be told as a file system's failure."""
-    return exc.errno is None
+def raised_by_a_handler(exc: BaseException) -> bool:
+    """Whether `exc` is an OSError that is no system call's failure, which always has an
+    errno, but raised by a signal handler of a program's own run during a wait of gpuwait's
+    (its alarm's handler raising TimeoutError, as such handlers are most often written): the
+    program's to take, not to be told as a file system's failure."""
+    return isinstance(exc, OSError) and exc.errno is None
+
+
+@contextlib.contextmanager
+def suppress_failures(*kinds: type[BaseException]) -> Iterator[None]:
+    """`contextlib.suppress(*kinds)`, for what only helps (a record, a log line, a cache),
+    but for an exception a program's own signal handler raised (`raised_by_a_handler`): in a
+    program that reserves from Python (gpuwait.reserve) that is its own timeout, to reach it
+    rather than be taken for the helper's failure."""
+    try:
+        yield
+    except kinds as exc:
+        if raised_by_a_handler(exc):
+            raise
 
 
 def raise_if_pending() -> None:

@@ -45,7 +45,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import alive, pidns, proc, security, userns
+from gpuwait.linux import alive, pidns, proc, security, signals, userns
 from gpuwait.linux.atomic import keep_damaged, write_atomic
 from gpuwait.linux.security import (
     control_refusal,
@@ -136,8 +136,10 @@ def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
         from gpuwait.history import store  # only a run found ended needs it
 
     for state_dir, record in ended:
-        # Its process is gone; only the record would be lost, never the transaction.
-        with contextlib.suppress(OSError):
+        # Its process is gone; only the record would be lost, never the transaction (but for
+        # the timeout of a program that reserves from Python, raised by its handler as this
+        # waited for the history's lock: that reaches the program).
+        with signals.suppress_failures(OSError):
             store.append_record(Path(state_dir), record)
 
 

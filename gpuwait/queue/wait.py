@@ -20,7 +20,6 @@ change nothing, it is made from a lock-free read and the lock is not taken at al
 
 from __future__ import annotations
 
-import contextlib
 import random
 import signal
 import time
@@ -505,7 +504,7 @@ def wait_for_admission(
             or utilization_unread(job, snapshot)
         )
         if silent is not None:
-            with contextlib.suppress(Exception):
+            with signals.suppress_failures(Exception):
                 lifecycle.note_health(ledger, snapshot)  # LOST in `status` meanwhile
             raise silent
         if policy.ignore_processes:

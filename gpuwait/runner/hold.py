@@ -402,7 +402,7 @@ def _hold(
         try:
             job = lifecycle.started(ledger, job, os.getpid(), budget.held_by)
         except Exception as exc:  # the room is this process's: never give it up over bookkeeping
-            if isinstance(exc, OSError) and signals.raised_by_a_handler(exc):
+            if signals.raised_by_a_handler(exc):
                 raise  # the program's own timeout: no Reservation reaches it, the room goes back
             reporter.warn(str(exc))
             job = job._replace(child_pid=os.getpid(), pids=[os.getpid()])

@@ -632,7 +632,9 @@ def _with_run_times(
             learned = learn(
                 config.state_dir, command, job.cwd, key=key, max_bytes=config.history_max_size
             )
-        except Exception:  # an unreadable history must not stop a launch
+        except Exception as exc:  # an unreadable history must not stop a launch
+            if signals.raised_by_a_handler(exc):
+                raise  # the program's own timeout (gpuwait.reserve), to reach it
             return job, []
         warnings = list(learned.warnings)
     expected = None if learned.run_time is None else learned.run_time.median

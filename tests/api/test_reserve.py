@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory, hold_card
-from helpers.history import recorded_runs
+from helpers.history import a_run, recorded_runs
 from helpers.status import job_named, job_of_pid, listed_jobs, state_of
 from helpers.waiting import asleep_waiting, ledger_entries, sleeping_in, wait_for
 
@@ -1617,3 +1617,110 @@ def test_a_programs_alarm_raising_timeouterror_as_the_room_is_handed_over_reache
         program.kill()
         _, err = program.communicate()
     assert said == {"timeout": "took too long", "pid": pid}, err
+
+
+#: A program that reserves when told, with a timeout of its own (its alarm's handler raising
+#: TimeoutError) set just before; it says how reserve() ended, and lives on (a notebook).
+TIMED_OUT_AS_IT_RESERVES = (
+    "import json, os, signal, sys\n"
+    "import gpuwait\n"
+    "from gpuwait.api import reserve as loaded  # its modules, before the alarm runs\n"
+    "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
+    "sys.stdin.readline()\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+    "try:\n"
+    "    r = gpuwait.reserve('1G')\n"
+    "except TimeoutError as exc:\n"
+    "    print(json.dumps({'timeout': str(exc)}), flush=True)\n"
+    "else:\n"
+    "    print(json.dumps({'held': r.job_id}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def _timed_out_as_it_reserves(gpuwait_cmd: list[str], lock_name: str) -> None:
+    """TIMED_OUT_AS_IT_RESERVES, run while the state dir's lock `lock_name` is kept: its
+    TimeoutError reaches it, and nothing is left held or queued for it."""
+    with _lock_kept_as_it_goes_on(TIMED_OUT_AS_IT_RESERVES, lock_name) as told:
+        ready, _, _ = select.select([told.program.stdout], [], [], 10)
+        assert (told.said() if ready else {}) == {"timeout": "took too long"}
+        told.free()
+        pid = told.first["pid"]
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert told.program.poll() is None
+
+
+def test_a_programs_alarm_raising_timeouterror_as_reserve_reads_the_history_reaches_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The history's index, behind the history, is brought up to date as reserve() looks the
+    # program up, under the history lock (kept here by another process, compacting say): the
+    # handler's TimeoutError there was taken for an unusable history, said as "history index
+    # ... could not be brought up to date (took too long)", and reserve() held the room.
+    from gpuwait.history import store
+    from gpuwait.linux import dirs
+
+    store.append_record(Path(dirs.user_state_dir()), a_run(["python"], "/", time.time() - 60))
+    _timed_out_as_it_reserves(gpuwait_cmd, store.LOCK_NAME)
+
+
+def test_a_programs_alarm_raising_timeouterror_as_reserve_records_a_run_found_ended_reaches_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A reservation whose process died holding it is reaped by the next transaction, which
+    # records its run under the history lock (kept here by another process): the handler's
+    # TimeoutError there was taken for a record that could not be written, and reserve()
+    # held the room.
+    from gpuwait.history.store import LOCK_NAME
+
+    died = subprocess.run(
+        [sys.executable, "-c", "import gpuwait, os; gpuwait.reserve('1G'); os._exit(0)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert died.returncode == 0, died.stderr
+    assert len(ledger_entries()) == 1
+    _timed_out_as_it_reserves(gpuwait_cmd, LOCK_NAME)
+
+
+
+#: A program holding a reservation, with a timeout of its own (its alarm's handler raising
+#: TimeoutError) that falls due as its release compacts the history, grown past its size
+#: limit; it says how the release ended.
+TIMED_OUT_AS_IT_COMPACTS = (
+    "import json, signal, sys, time\n"
+    "import gpuwait\n"
+    "from gpuwait.history import store\n"
+    "r = gpuwait.reserve('1G')\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "compact = store.compact\n"
+    "def slowly(*args, **kwargs):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0.05)\n"
+    "    time.sleep(2)\n"
+    "    return compact(*args, **kwargs)\n"
+    "store.compact = slowly\n"
+) + TIMED_OUT_AS_IT_RECORDS[TIMED_OUT_AS_IT_RECORDS.index("try:") :]
+
+
+def test_a_programs_alarm_raising_timeouterror_as_its_release_compacts_the_history_reaches_it(
+    sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The handler's TimeoutError inside the compaction was taken for a compaction that
+    # failed: release() warned "the history ... could not be compacted: None" and returned.
+    from gpuwait.history import store
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_HISTORY_MAX_SIZE", "1MiB")
+    history = store.history_path(Path(dirs.user_state_dir()))
+    history.parent.mkdir(parents=True, exist_ok=True)
+    history.write_bytes(b"\n" * 2**20)
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED_OUT_AS_IT_COMPACTS], capture_output=True, text=True, timeout=30
+    )
+    assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
