@@ -45,13 +45,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from gpuwait.linux import signals
 from gpuwait.linux.atomic import (
     end_of_cut_line,
     ensure_private_dir,
     open_private_append,
     read_tail,
 )
-from gpuwait.linux.lock import exclusive
+from gpuwait.linux.lock import LockTimeout, exclusive
 from gpuwait.linux.security import UnsafePath, is_shared_dir, mine, open_readable
 
 SCHEMA = 1
@@ -115,12 +116,23 @@ def emit(state_dir: Path, kind: Kind, **fields: Any) -> None:
             os.close(fd)
         if size > MAX_BYTES:
             _rotate(state_dir, path)
-    except OSError:
+    except (LockTimeout, signals.SignalPending):
+        # Another writer holds its lock: rotating it, or leaving it to the next writer. (A
+        # signal waiting for gpuwait's loop stays pending for it.)
         pass
+    except OSError as exc:
+        if signals.raised_by_a_handler(exc):
+            raise  # the timeout of a program that reserves from Python (gpuwait.reserve)
 
 
 def _rotate(state_dir: Path, path: Path) -> None:
-    with exclusive(state_dir / "events.lock"), contextlib.suppress(FileNotFoundError):
+    """Rotate the log past MAX_BYTES; LockTimeout where another writer holds the lock: it is
+    rotating it (a log a little past its size does no harm), or keeps the lock (stopped, hung),
+    and waiting for it would hold up every job's every step."""
+    with (
+        exclusive(state_dir / "events.lock", timeout=0),
+        contextlib.suppress(FileNotFoundError),
+    ):
         # Another writer may have rotated while this one waited for the lock.
         if path.stat().st_size <= MAX_BYTES:
             return

@@ -745,6 +745,30 @@ def test_event_log_rotates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert kept == sorted(kept) and kept[-1] == f"{199:08x}" and len(kept) < 200
 
 
+def test_a_launch_goes_on_while_another_process_keeps_the_event_logs_lock(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The log past its size is rotated under events.lock; kept by another process (stopped
+    # as it rotated), every launch waited for it at its first event, for ever.
+    log = event_log.events_path(state_dir())
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as f:
+        f.truncate(event_log.MAX_BYTES + 1)
+    fd = os.open(log.with_name("events.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        done = subprocess.run(
+            [*gpuwait_cmd, "-q", "--vram", "1G", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        os.close(fd)
+    assert done.returncode == 0, done.stderr
+    assert [e["kind"] for e in event_log.read_events(state_dir())][-1] == "finish"
+
+
 # The status JSON, schema 2, as docs/queue-and-status.md documents it: key -> type(s).
 OPT_INT = (int, type(None))
 OPT_FLOAT = (int, float, type(None))
