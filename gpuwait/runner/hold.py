@@ -330,6 +330,15 @@ def _hold(
         reporter.waiting(reason, label)
 
     queued = job
+    #: Given back already (out, or left to a thread to take out once the lock is free): a
+    #: Ctrl-C or the program's own exception that follows must not give it back again.
+    given_back = False
+
+    def give_back(outcome: str) -> None:
+        nonlocal given_back
+        given_back = True
+        _leave(config, ledger, job, outcome, reporter)
+
     try:
         with _signals_taken():
             submitted_from = called
@@ -370,7 +379,7 @@ def _hold(
             except LockPastDeadline as exc:
                 outcome, locked_out = TimedOut(None), exc.message
             except BaseException:
-                _leave(config, ledger, job, INTERRUPTED, reporter)
+                give_back(INTERRUPTED)
                 raise
             finally:
                 reporter.waited()
@@ -378,11 +387,11 @@ def _hold(
             waited = time.monotonic() - waited_from
             waited_in_all = proc.boot_clock() - submitted_from
             if isinstance(outcome, Interrupted):
-                _leave(config, ledger, job, INTERRUPTED, reporter)
+                give_back(INTERRUPTED)
                 raise WaitInterrupted(outcome.signum)
         if isinstance(outcome, TimedOut):
             with ledger.lock_deadline(deadline):
-                _leave(config, ledger, job, TIMED_OUT, reporter)
+                give_back(TIMED_OUT)
             raise NotHeld(
                 session.gave_up(waited_in_all, locked_out or outcome.reason), EXIT_TIMEOUT
             )
@@ -395,7 +404,7 @@ def _hold(
         if isinstance(outcome, Stuck):
             # The process lives on (a notebook, a program that carries on without): its entry
             # would wait on for nobody, and be admitted into room nobody uses.
-            _leave(config, ledger, job, INTERRUPTED, reporter)
+            give_back(INTERRUPTED)
             raise NotHeld(outcome.reason, EXIT_IMPOSSIBLE)
         chosen = list(outcome.gpus)
         budget = _budget(config.enforce, job, chosen, reporter)
@@ -415,7 +424,8 @@ def _hold(
         # A Ctrl-C (KeyboardInterrupt) that landed between two steps (just queued, just
         # admitted): nobody got a Holding, and the process, a notebook kernel, lives on, so
         # no reaper would take its place in the queue or its room back.
-        _leave_if_listed(config, ledger, queued, reporter)
+        if not given_back:
+            _leave_if_listed(config, ledger, queued, reporter)
         raise
 
 

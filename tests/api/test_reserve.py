@@ -1043,12 +1043,15 @@ def test_a_wait_given_up_while_the_ledger_lock_is_kept_ends_at_once_and_leaves_t
 
 
 @contextlib.contextmanager
-def _given_up_under_a_kept_lock() -> Iterator[tuple[subprocess.Popen[str], Callable[[], None]]]:
-    """A program running LIVES_ON whose wait a USR1 ended while the test kept the ledger's
-    lock, which it keeps until `free()` (or the block's end); the program is ended with it."""
+def _waiting_as_the_ledger_lock_is_kept(
+    code: str,
+) -> Iterator[tuple[subprocess.Popen[str], int, Callable[[], None]]]:
+    """A program running `code`, which says its pid (a JSON line) and reserves; once it waits
+    for room, the test keeps the ledger's lock until `free()` (or the block's end). Yields the
+    program, its pid and `free`; the program is ended with the block."""
     from gpuwait.linux import dirs
 
-    cell = _program(LIVES_ON)
+    cell = _program(code)
     fd = -1
 
     def free() -> None:
@@ -1063,15 +1066,23 @@ def _given_up_under_a_kept_lock() -> Iterator[tuple[subprocess.Popen[str], Calla
         wait_for(lambda: asleep_waiting(pid), timeout=30)
         fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        yield cell, pid, free
+    finally:
+        free()
+        cell.kill()
+        cell.communicate()
+
+
+@contextlib.contextmanager
+def _given_up_under_a_kept_lock() -> Iterator[tuple[subprocess.Popen[str], Callable[[], None]]]:
+    """A program running LIVES_ON whose wait a USR1 ended while the test kept the ledger's
+    lock, which it keeps until `free()` (or the block's end); the program is ended with it."""
+    with _waiting_as_the_ledger_lock_is_kept(LIVES_ON) as (cell, pid, free):
         os.kill(pid, signal.SIGUSR1)
         ready, _, _ = select.select([cell.stdout], [], [], 10)
         assert ready, "reserve waited on for the lock after the signal"
         assert json.loads(cell.stdout.readline()) == {"exit_code": 128 + signal.SIGUSR1}
         yield cell, free
-    finally:
-        free()
-        cell.kill()
-        cell.communicate()
 
 
 #: A program with a SIGCHLD handler of its own (a server that reaps its workers as they end)
@@ -1687,7 +1698,6 @@ def test_a_programs_alarm_raising_timeouterror_as_reserve_records_a_run_found_en
     _timed_out_as_it_reserves(gpuwait_cmd, LOCK_NAME)
 
 
-
 #: A program holding a reservation, with a timeout of its own (its alarm's handler raising
 #: TimeoutError) that falls due as its release compacts the history, grown past its size
 #: limit; it says how the release ended.
@@ -1724,3 +1734,42 @@ def test_a_programs_alarm_raising_timeouterror_as_its_release_compacts_the_histo
         [sys.executable, "-c", TIMED_OUT_AS_IT_COMPACTS], capture_output=True, text=True, timeout=30
     )
     assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
+
+
+#: A notebook's cell (a program with another thread, as a Jupyter kernel has several) that
+#: reserves; on a Ctrl-C it says how many threads gpuwait left to give the room back once the
+#: ledger's lock is free, and lives on.
+INTERRUPTED_WITH_THREADS = (
+    "import json, os, signal, sys, threading\n"
+    "import gpuwait\n"
+    "def ctrl_c_when_told():\n"
+    "    sys.stdin.readline()\n"
+    "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+    "threading.Thread(target=ctrl_c_when_told, daemon=True).start()\n"
+    "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
+    "try:\n"
+    "    gpuwait.reserve('4G', name='cell')\n"
+    "except KeyboardInterrupt:\n"
+    "    names = [t.name for t in threading.enumerate()]\n"
+    "    print(json.dumps({'leaving': names.count('gpuwait-leave')}), flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def test_a_ctrl_c_while_a_threaded_program_waits_and_the_ledger_lock_is_kept_gives_back_once(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # The wait cut short gave the room back, then the reservation's end gave it back again:
+    # two threads waited to take the one entry out, and the KeyboardInterrupt came only after
+    # a second second waited for the lock.
+    sim_file(gpus=1, base_used="24GiB")
+    with _waiting_as_the_ledger_lock_is_kept(INTERRUPTED_WITH_THREADS) as (cell, pid, free):
+        assert cell.stdin is not None
+        cell.stdin.write("\n")  # a Ctrl-C, taken by the program's other thread
+        cell.stdin.flush()
+        ready, _, _ = select.select([cell.stdout], [], [], 10)
+        assert ready, "reserve waited on for the lock after the Ctrl-C"
+        assert json.loads(cell.stdout.readline()) == {"leaving": 1}
+        free()
+        wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+        assert cell.poll() is None
