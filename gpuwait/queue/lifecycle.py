@@ -289,7 +289,9 @@ def leave_word(ledger: Ledger, job: Job, outcome: str, **how: Any) -> bool:
         return False
     try:
         ensure_private_dir(path.parent)
-        write_atomic(path, json.dumps({"schema": _WORD_SCHEMA, "outcome": outcome, **how}).encode())
+        # The ledger it is for: a word its entry no longer stands for there is tidied away.
+        word = {"schema": _WORD_SCHEMA, "outcome": outcome, "ledger": str(ledger.directory), **how}
+        write_atomic(path, json.dumps(word).encode())
     except (OSError, StateError):
         return False
     return True
@@ -359,6 +361,35 @@ def _take_words(words: _Words) -> None:
                 path.unlink()
             else:
                 keep_damaged(path)
+
+
+def _sweep_words(ledger: Ledger, state_dir: str | None, listed: set[str]) -> None:
+    """Remove the words left in `state_dir` for this ledger that no entry (`listed`: this
+    user's job ids in it) stands for any more: a program whose thread took its entry out once
+    the lock was free ended before it removed its word. Called under the ledger's lock, so no
+    word is taken away that a gpuwait left for an entry still there; one left for another
+    ledger (the same state dir serves several) is not this one's to judge."""
+    import json  # only where words were ever left
+
+    if state_dir is None:
+        return
+    directory = Path(state_dir) / _WORD_DIR
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        job_id, _, rest = name.partition(".")
+        if rest != "json" or job_id in listed:
+            continue
+        path = directory / name
+        try:
+            word = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            continue
+        if isinstance(word, dict) and word.get("ledger") == str(ledger.directory):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _parsed_word(raw: bytes) -> tuple[str, dict[str, Any]] | None:
@@ -1363,7 +1394,10 @@ def finish(
     with alive.given_up(ledger.directory, job.id), _change(ledger) as (data, said):
         mine = data.remove(job.id)
         _drop_requests(data, job.id)
-        alive.sweep(ledger.directory, {j.id for j in data.jobs if data.mine(j)})
+        listed = {j.id for j in data.jobs if data.mine(j)}
+        alive.sweep(ledger.directory, listed)
+        # Its own word, if any, goes once its removal is written (below).
+        _sweep_words(ledger, job.history_dir, listed | {job.id})
         # Taken out already, its outcome noted (a Ctrl-C came just after its release took it
         # out, and the room was given back again): that outcome stands, its run charged once.
         if mine is not None or data.book.outcome(job.id) is None:

@@ -696,3 +696,26 @@ def test_a_word_saying_what_no_run_ends_with_is_not_believed(
     assert data.book.outcome("a1b2") is not None
     usage = data.usage[os.getuid()].vram_seconds
     assert 0 <= usage <= 1e9
+
+
+def test_a_word_left_for_an_entry_taken_out_since_is_tidied_by_the_next_job_to_end(
+    tmp_path: Path,
+) -> None:
+    """A program whose thread took its entry out once the ledger's lock was free, and that
+    ended before the thread removed the word it had left (`leave_word`), left the word in
+    ended/ for good: nothing read or removed it. The next job to end in that ledger takes it
+    away; a word for an entry still there, or one left for another ledger, stays."""
+    state = tmp_path / "state"
+    ledger = Ledger(tmp_path / "ledger")
+    stray, waiting, ending = (
+        live_job(job_id, history_dir=str(state)) for job_id in ("0000aaaa", "0000bbbb", "0000dddd")
+    )
+    with ledger.transaction() as data:
+        data.jobs[:] = [waiting, ending]
+    assert lifecycle.leave_word(ledger, stray, OK, exit_status=0)
+    assert lifecycle.leave_word(ledger, waiting, OK, exit_status=0)
+    elsewhere = live_job("0000cccc", history_dir=str(state))
+    assert lifecycle.leave_word(Ledger(tmp_path / "other"), elsewhere, OK, exit_status=0)
+    lifecycle.finish(ledger, ending, OK, exit_status=0)
+    left = sorted(p.name for p in (state / "ended").iterdir())
+    assert left == ["0000bbbb.json", "0000cccc.json"]
