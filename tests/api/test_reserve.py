@@ -1773,3 +1773,36 @@ def test_a_ctrl_c_while_a_threaded_program_waits_and_the_ledger_lock_is_kept_giv
         free()
         wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
         assert cell.poll() is None
+
+
+#: A --pausable job's program that reserves room of its own, and says what its pausing
+#: variables and gpuwait.checkpoint tell it while it holds the room.
+RESERVES_INSIDE_A_PAUSABLE_JOB = (
+    "import json, os\n"
+    "import gpuwait\n"
+    "from gpuwait import checkpoint\n"
+    "with gpuwait.reserve('1G'):\n"
+    "    print(json.dumps({\n"
+    "        'pausable': os.environ.get('GPUWAIT_PAUSABLE'),\n"
+    "        'signal': os.environ.get('GPUWAIT_CHECKPOINT_SIGNAL'),\n"
+    "        'listens': checkpoint.install(),\n"
+    "    }))\n"
+)
+
+
+def test_a_reservation_inside_a_pausable_job_leaves_that_jobs_checkpoint_protocol_to_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # The command line takes a --pausable job's variables away from a job started inside it,
+    # whose own process its outer job does not own. A reservation is the same process (or one
+    # of the outer job's tree): the outer job's gpuwait still asks it to checkpoint, so its
+    # checkpoint.install() must go on listening for that job's signal.
+    program = [sys.executable, "-c", RESERVES_INSIDE_A_PAUSABLE_JOB]
+    done = subprocess.run(
+        [*gpuwait_cmd, "--pausable", "--checkpoint-signal", "USR2", "--vram", "1G", "--", *program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"pausable": "1", "signal": "USR2", "listens": True}
