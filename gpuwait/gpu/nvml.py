@@ -27,7 +27,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import format_size
@@ -179,6 +179,33 @@ class _Hung(Exception):
     """A driver call did not return within the deadline."""
 
 
+class _HandlerRaised(BaseException):
+    """What a signal handler of the program's raised while gpuwait waited for NVML's answer
+    (the alarm of a program that reserves from Python, its handler raising TimeoutError):
+    carried past the backend's own `except Exception`, which would take it for the driver's
+    failure, to the backend's edge (`_handlers_own`), and raised there as it was."""
+
+    def __init__(self, raised: Exception) -> None:
+        super().__init__(raised)
+        self.raised = raised
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _handlers_own(fn: _F) -> _F:
+    """`fn`, one of the backend's entries, raising what a handler of the program's raised
+    while it waited for NVML (_HandlerRaised) as it was raised."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _HandlerRaised as exc:
+            raise exc.raised from None
+
+    return cast("_F", call)
+
+
 class _Call:
     """One call made in a daemon thread: a call stuck in the driver cannot hold up the process,
     not even its exit."""
@@ -197,7 +224,11 @@ class _Call:
             self._error = exc
 
     def result(self, timeout: float | None) -> Any:
-        self.thread.join(timeout)
+        try:
+            self.thread.join(timeout)
+        except Exception as exc:
+            # Nothing of the wait's own: a handler of the program's that ran as it waited.
+            raise _HandlerRaised(exc) from None
         if self.thread.is_alive():
             raise _Hung
         if self._error is not None:
@@ -215,6 +246,7 @@ class NvmlBackend:
 
     name = "nvml"
 
+    @_handlers_own
     def __init__(self, timeout: float | None = 5.0) -> None:
         # None: not tried yet. Decided once per backend so that a driver without
         # nvmlDeviceGetMemoryInfo_v2 does not pay a failing call per GPU on every poll.
@@ -251,6 +283,7 @@ class NvmlBackend:
             raise _init_failure(exc) from exc
         self._open = True
 
+    @_handlers_own
     def close(self) -> None:
         if not self._open:
             return
@@ -259,6 +292,7 @@ class NvmlBackend:
         with contextlib.suppress(Exception):
             _within(pynvml.nvmlShutdown, self.timeout)
 
+    @_handlers_own
     def snapshot(self) -> MachineSnapshot:
         if not self._open:
             raise BackendUnavailable("the NVML backend is closed", hint=HINT)
@@ -612,6 +646,7 @@ class NvmlBackend:
             return None, _code(exc) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND)
         return int(rates.gpu), False
 
+    @_handlers_own
     def accounting_peak(
         self, uuid: str, pids: frozenset[int], since: float | None = None
     ) -> int | None:
@@ -664,6 +699,7 @@ class NvmlBackend:
         return total if found else None
 
 
+@_handlers_own
 def driver_version(timeout: float | None = 5.0) -> str | None:
     """The NVIDIA driver's version ("570.86.10"); None where NVML cannot tell (no driver, or
     one that fails or does not answer in time). For questions about the machine, not the GPUs:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.fixtures_nvml import FakeGpu, FakeNvml
 from helpers.fixtures_sim import SimFileFactory, hold_card
 from helpers.history import a_run, recorded_runs
 from helpers.status import job_named, job_of_pid, listed_jobs, state_of
@@ -1806,3 +1807,43 @@ def test_a_reservation_inside_a_pausable_job_leaves_that_jobs_checkpoint_protoco
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"pausable": "1", "signal": "USR2", "listens": True}
+
+
+#: A program with a timeout of its own (its alarm's handler raising TimeoutError) that falls
+#: due as reserve() reads the GPUs; it says how reserve() ended.
+TIMED_OUT_AS_IT_READS_THE_GPUS = (
+    "import json, signal\n"
+    "import gpuwait\n"
+    "from gpuwait.api import reserve as loaded  # its modules, before the alarm runs\n"
+    "from gpuwait.gpu import nvml as also_loaded\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+    "try:\n"
+    "    r = gpuwait.reserve('1G')\n"
+    "except TimeoutError as exc:\n"
+    "    print(json.dumps({'timeout': str(exc)}), flush=True)\n"
+    "except gpuwait.ReserveError as exc:\n"
+    "    print(json.dumps({'error': exc.message}), flush=True)\n"
+    "else:\n"
+    "    print(json.dumps({'held': r.job_id}), flush=True)\n"
+)
+
+
+def test_a_programs_alarm_raising_timeouterror_as_reserve_reads_the_gpus_reaches_it(
+    fake_nvml: FakeNvml,
+) -> None:
+    # NVML is asked in a thread of gpuwait's while the caller waits for the answer (so that a
+    # driver that stops answering holds nobody for ever): the handler's TimeoutError there was
+    # taken for the driver's failure, "NVML could not count the GPUs: took too long", and
+    # reserve() raised a ReserveError, or read the GPUs again and held the room.
+    fake_nvml.set_gpus([FakeGpu()])
+    fake_nvml.hang(None, "nvmlDeviceGetCount_v2", 1.5)
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED_OUT_AS_IT_READS_THE_GPUS],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
