@@ -184,7 +184,9 @@ class Holding:
             result = self._sampler.result
             result.returncode = 0 if returncode is None else returncode
             result.run_seconds = time.monotonic() - self._sampler.started
-            with contextlib.suppress(Exception):
+            # A failed reading of the last figures fails no release; the program's own
+            # timeout falling due as the driver answers is the program's.
+            with signals.suppress_failures(Exception):
                 self._sampler.finish()
             self._finish_and_record(said_oom, known=returncode is not None)
         except BaseException:

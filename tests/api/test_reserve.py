@@ -1847,3 +1847,36 @@ def test_a_programs_alarm_raising_timeouterror_as_reserve_reads_the_gpus_reaches
         timeout=30,
     )
     assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
+
+
+#: A program holding a reservation, with a timeout of its own (its alarm's handler raising
+#: TimeoutError) that falls due as its release reads the run's last figures from the driver
+#: (NVML accounting's peak, slow on a busy driver); it says how the release ended.
+TIMED_OUT_AS_IT_READS_THE_LAST_FIGURES = (
+    "import json, signal, sys, time\n"
+    "import gpuwait\n"
+    "from gpuwait.runner.supervise import UsageSampler\n"
+    "r = gpuwait.reserve('1G')\n"
+    "def on_alarm(signum, frame):\n"
+    "    raise TimeoutError('took too long')\n"
+    "signal.signal(signal.SIGALRM, on_alarm)\n"
+    "def slowly(self):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0.05)\n"
+    "    time.sleep(2)\n"
+    "UsageSampler.finish = slowly\n"
+) + TIMED_OUT_AS_IT_RECORDS[TIMED_OUT_AS_IT_RECORDS.index("try:") :]
+
+
+def test_a_programs_alarm_raising_timeouterror_as_its_release_reads_the_last_figures_reaches_it(
+    sim: Path,
+) -> None:
+    # Taken for a failed reading, which must not fail a release: release() returned as if
+    # nothing had happened.
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED_OUT_AS_IT_READS_THE_LAST_FIGURES],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
+    assert ledger_entries() == []
