@@ -366,6 +366,14 @@ def test_hash_mode_estimates_the_same(tmp_path: Path, argv: list[str]) -> None:
     assert CWD + "/train" not in text and "hunter2" not in text and '"command":null' in text
 
 
+def test_hash_mode_keeps_a_program_named_by_its_path_as_its_name_alone(tmp_path: Path) -> None:
+    # The program's name is what hash mode keeps of it, not the directory it was run from.
+    argv = ["/opt/acme-unreleased/bin/train", "--fast"]
+    store.append_record(tmp_path, a_run(argv, CWD, NOW, history_commands="hash"))
+    text = store.history_path(tmp_path).read_text()
+    assert "acme-unreleased" not in text and json.loads(text)["program"] == "train", text
+
+
 def test_an_unusable_state_dir_means_no_estimate_not_a_failure(tmp_path: Path) -> None:
     for i in range(3):
         store.append_record(tmp_path, record(TRAIN, 3, NOW - i))
