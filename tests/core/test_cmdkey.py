@@ -206,3 +206,38 @@ def test_a_line_naming_no_relative_file_is_the_same_command_anywhere(argv: list[
 )
 def test_code_typed_at_a_prompt_or_piped_in_is_told_apart(argv: list[str], typed: bool) -> None:
     assert command_key(argv, CWD).typed_in is typed
+
+
+@pytest.mark.parametrize(
+    ("argv", "hashes"),
+    [
+        (
+            ["python", "train.py", "--epochs", "3"],
+            {
+                "command": "60fd3af9fea2359933a4",
+                "script": "2619c4b7d27af3dfa129",
+                "program": "b980f298278b6f293ed5",
+            },
+        ),
+        (
+            ["bash", "-lc", "python train.py"],
+            {
+                "command": "9400b33da894685c3603",
+                "script": "491524ad18ab05711b92",
+                "program": "fce3d7ea09302a6a9297",
+            },
+        ),
+        (
+            ["python", "-c", "import torch"],
+            {
+                "command": "54782c939ae4e65bc962",
+                "script": "8570b10daf4c3394d408",
+                "program": "b980f298278b6f293ed5",
+            },
+        ),
+    ],
+)
+def test_keys_stay_those_the_history_already_holds(argv: list[str], hashes: dict[str, str]) -> None:
+    # The history on disk is matched by these hashes: a release that computed others would
+    # forget every run learned before it (inline code's hash is part of its key too).
+    assert command_key(argv, CWD).hashes() == hashes
