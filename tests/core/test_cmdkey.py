@@ -24,6 +24,8 @@ def levels(*argv: str, cwd: str = CWD) -> dict[str, str]:
         ["python", "-u", "train.py", "--epochs", "3"],
         ["python", "-W", "ignore", "-X", "dev", "sub/../train.py", "--epochs", "3"],
         ["python", f"{CWD}/train.py", "--epochs", "3"],
+        ["python", "--check-hash-based-pycs", "never", "train.py", "--epochs", "3"],
+        ["python", "-Xfrozen_modules=off", "-Wdefault", "train.py", "--epochs", "3"],
     ],
 )
 def test_spellings_of_the_same_command_match(other: list[str]) -> None:
@@ -86,6 +88,37 @@ def test_shell_scripts_and_inline_code() -> None:
     inline = levels("sh", "-c", "python train.py")
     assert inline["script"].startswith("sh -c <") and "train.py" not in inline["script"]
     assert levels("python", "-c", "a")["script"] != levels("python", "-c", "b")["script"]
+
+
+def test_a_shells_long_options_and_double_dash_leave_its_script_as_it_is() -> None:
+    script = levels("bash", "job.sh", "x")
+    for spelling in (["--", "job.sh", "x"], ["--norc", "--noprofile", "job.sh", "x"]):
+        assert levels("bash", *spelling) == script, spelling
+    assert script["command"] == f"bash {CWD}/job.sh x"
+    code = levels("bash", "-c", "python train.py")
+    assert levels("bash", "--norc", "-c", "python train.py") == code
+
+
+def test_the_arguments_after_a_shells_inline_code_tell_its_runs_apart() -> None:
+    small = levels("bash", "-c", 'python train.py "$1"', "sh", "8")
+    assert small["command"] != levels("bash", "-c", 'python train.py "$1"', "sh", "64")["command"]
+    assert small["command"].endswith(f" sh 8 (in {CWD})"), small
+
+
+def test_the_arguments_after_inline_python_tell_its_runs_apart() -> None:
+    # `python -c CODE --bs 8` and `--bs 64` are two commands, whether the code is glued on.
+    small = levels("python", "-c", "import train", "--bs", "8")
+    assert small == levels("python", "-cimport train", "--bs", "8")
+    assert small["command"] != levels("python", "-c", "import train", "--bs", "64")["command"]
+    assert small["command"].endswith(f" --bs 8 (in {CWD})"), small
+
+
+def test_an_option_missing_its_code_or_module_still_has_a_key() -> None:
+    # Python itself says what is missing; gpuwait must not fail on the line first.
+    for option in ("-c", "-m", "-uc"):
+        assert levels("python", option)["program"] == "python"
+    for option in ("-c", "-lc"):
+        assert levels("bash", option)["program"] == "bash"
 
 
 @pytest.mark.parametrize("options", [["-lc"], ["-ec"], ["-eo", "pipefail", "-c"], ["-c"]])
