@@ -22,7 +22,7 @@ from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECOND
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
-from gpuwait.queue import events, lifecycle
+from gpuwait.queue import conditions, events, lifecycle
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job, UserUsage
 from gpuwait.queue.ledger import Ledger
@@ -719,3 +719,35 @@ def test_a_word_left_for_an_entry_taken_out_since_is_tidied_by_the_next_job_to_e
     lifecycle.finish(ledger, ending, OK, exit_status=0)
     left = sorted(p.name for p in (state / "ended").iterdir())
     assert left == ["0000bbbb.json", "0000cccc.json"]
+
+
+def test_a_run_that_left_word_of_its_end_counts_for_its_waiters_and_its_users_usage(
+    tmp_path: Path,
+) -> None:
+    """A run ended while another process kept the ledger's lock, its gpuwait leaving word of
+    how it ended: the gpuwait that reaps its entry takes it as it ended, so a job already
+    waiting for it with --after-ok may start, and what it held counts in its user's usage."""
+    ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ran = live_job(
+        "a1b2",
+        pid=gone.pid,
+        start_time=1,
+        state=RUNNING,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=GiB,
+        started_at=time.time() - 60,
+        history_dir=str(tmp_path / "state"),
+    )
+    with ledger.transaction() as data:
+        data.jobs[:] = [ran, live_job("c3d4", after_ok=["a1b2"])]
+    usage = [60.0 * GiB, None]
+    assert lifecycle.leave_word(
+        ledger, ran, OK, exit_status=0, run_seconds=60.0, charge_usage=usage
+    )
+    lifecycle.reap(ledger)
+    data = ledger.read()
+    assert [j.id for j in data.jobs] == ["c3d4"]
+    assert conditions.dependency_blocker(data.jobs[0], data) is None
+    assert data.usage[os.getuid()].vram_seconds == pytest.approx(60 * GiB, rel=0.01)
