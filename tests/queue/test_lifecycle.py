@@ -23,7 +23,7 @@ from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import proc
 from gpuwait.queue import conditions, events, lifecycle
-from gpuwait.queue.bookkeeping import FAILED, OK, Finished
+from gpuwait.queue.bookkeeping import FAILED, LOST, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job, UserUsage
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
@@ -721,6 +721,53 @@ def test_a_word_left_for_an_entry_taken_out_since_is_tidied_by_the_next_job_to_e
     assert left == ["0000bbbb.json", "0000cccc.json"]
 
 
+def gone_running_job(job_id: str, state_dir: Path) -> Job:
+    """A running job's entry whose gpuwait and command are gone, its state dir `state_dir`."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return live_job(
+        job_id,
+        pid=gone.pid,
+        start_time=1,
+        state=RUNNING,
+        gpu_uuids=["GPU-0"],
+        reserved_bytes=GiB,
+        started_at=time.time() - 60,
+        history_dir=str(state_dir),
+    )
+
+
+@pytest.mark.parametrize(
+    "word",
+    [
+        b'{"schema": 1, "outcome": "ok", "exit_status": "0"}',
+        b'{"schema": 1, "outcome": "ok", "exit_status": true}',
+        b'{"schema": 1, "outcome": "ok", "charge_usage": [60.0, null, 1]}',
+        b'{"schema": 1, "outcome": "ok", "charge_usage": ["60", null]}',
+        b'{"schema": 1, "outcome": "ok", "charge_usage": [60.0, "1h"]}',
+        b'{"schema": 1, "outcome": "ok", "paused": [true, 3.0]}',
+    ],
+)
+def test_a_word_of_a_runs_end_with_a_field_of_the_wrong_kind_is_not_believed(
+    tmp_path: Path, word: bytes
+) -> None:
+    """A word of how a run ended that holds what no gpuwait writes (damaged, or edited) is
+    not believed: the entry is reaped as lost, the word kept beside as evidence, and nobody's
+    gpuwait fails on it."""
+    ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
+    ran = gone_running_job("a1b2", tmp_path / "state")
+    with ledger.transaction() as data:
+        data.jobs[:] = [ran]
+    (tmp_path / "state" / "ended").mkdir(parents=True)
+    (tmp_path / "state" / "ended" / "a1b2.json").write_bytes(word)
+    lifecycle.reap(ledger)
+    data = ledger.read()
+    done = data.book.outcome("a1b2")
+    assert not data.jobs and done is not None and done.outcome == LOST
+    kept = [p.read_bytes() for p in (tmp_path / "state" / "ended").iterdir()]
+    assert kept == [word]
+
+
 def test_a_run_that_left_word_of_its_end_counts_for_its_waiters_and_its_users_usage(
     tmp_path: Path,
 ) -> None:
@@ -728,18 +775,7 @@ def test_a_run_that_left_word_of_its_end_counts_for_its_waiters_and_its_users_us
     how it ended: the gpuwait that reaps its entry takes it as it ended, so a job already
     waiting for it with --after-ok may start, and what it held counts in its user's usage."""
     ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    ran = live_job(
-        "a1b2",
-        pid=gone.pid,
-        start_time=1,
-        state=RUNNING,
-        gpu_uuids=["GPU-0"],
-        reserved_bytes=GiB,
-        started_at=time.time() - 60,
-        history_dir=str(tmp_path / "state"),
-    )
+    ran = gone_running_job("a1b2", tmp_path / "state")
     with ledger.transaction() as data:
         data.jobs[:] = [ran, live_job("c3d4", after_ok=["a1b2"])]
     usage = [60.0 * GiB, None]
