@@ -1204,6 +1204,28 @@ def test_a_release_while_the_ledger_lock_is_kept_returns_at_once_and_gives_the_r
     assert [r["name"] for r in runs] == ["cell"], runs
 
 
+def test_a_release_under_a_ledger_lock_kept_past_lock_timeout_still_gives_the_room_back(
+    sim: Path, gpuwait_cmd: list[str], holders: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread that takes the released entry out once the lock is free keeps trying past
+    # each lock_timeout: given up, the room would stay held for as long as the program lives.
+    from gpuwait.linux import dirs
+
+    monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.2s")
+    holder = holders("1G", name="cell")
+    pid = holder.said()["pid"]
+    fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert holder.tell("release")["released"] is True
+        time.sleep(0.6)  # kept past the thread's lock_timeout, more than once
+        assert job_of_pid(gpuwait_cmd, pid) is not None
+    finally:
+        os.close(fd)
+    wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+    assert holder.proc.poll() is None
+
+
 #: A program that reserves and ends holding its reservation (released at its exit); before
 #: that, where this Python lets threads start then, it refuses them at its shutdown as Python
 #: 3.12 does ("can't create new thread at interpreter shutdown").
