@@ -1226,6 +1226,37 @@ def test_a_release_under_a_ledger_lock_kept_past_lock_timeout_still_gives_the_ro
     assert holder.proc.poll() is None
 
 
+#: A notebook's cell whose Ctrl-C lands just as reserve() was admitted, before it noted the
+#: process as running in its room (the kernel lives on until stdin closes).
+INTERRUPTED_AS_ADMITTED = (
+    "import gpuwait, json, os, sys\n"
+    "from gpuwait.queue import lifecycle\n"
+    "def ctrl_c(*args, **kwargs):\n"
+    "    raise KeyboardInterrupt\n"
+    "lifecycle.started = ctrl_c\n"
+    "try:\n"
+    "    gpuwait.reserve('1G', name='cell')\n"
+    "except KeyboardInterrupt:\n"
+    "    print(json.dumps({'pid': os.getpid()}), flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_ctrl_c_as_reserve_is_admitted_gives_the_room_back_while_the_program_lives_on(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    program = _program(INTERRUPTED_AS_ADMITTED)
+    try:
+        assert program.stdout is not None
+        said = program.stdout.readline()
+        assert said, program.stderr.read() if program.stderr else ""
+        assert job_of_pid(gpuwait_cmd, json.loads(said)["pid"]) is None
+        assert program.poll() is None
+    finally:
+        program.kill()
+        program.communicate()
+
+
 #: A program that reserves and ends holding its reservation (released at its exit); before
 #: that, where this Python lets threads start then, it refuses them at its shutdown as Python
 #: 3.12 does ("can't create new thread at interpreter shutdown").
