@@ -1182,6 +1182,53 @@ def test_a_worker_forked_while_the_sampler_holds_the_ledger_lock_does_not_keep_i
         program.communicate()
 
 
+#: A program that holds a reservation, opens files of its own (whose numbers the ledger's lock
+#: had before) and forks a worker, which opens more and forks one of its own: it says which of
+#: their files the worker and its own worker found closed.
+FORKS_WITH_FILES_OPEN = r"""
+import json, os
+import gpuwait
+gpuwait.reserve("1G")
+def opened():
+    return [os.open(os.devnull, os.O_RDONLY) for _ in range(16)]
+def closed(fds):
+    lost = []
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            lost.append(fd)
+    return lost
+mine = opened()
+read, write = os.pipe()
+if os.fork() == 0:
+    lost = closed(mine)
+    theirs = opened()
+    if os.fork() == 0:
+        os.write(write, json.dumps({"grandchild": closed(theirs)}).encode() + b"\n")
+        os._exit(0)
+    os.wait()
+    os.write(write, json.dumps({"child": lost}).encode() + b"\n")
+    os._exit(0)
+os.wait()
+os.close(write)
+print(os.read(read, 4096).decode(), end="", flush=True)
+"""
+
+
+def test_a_worker_forked_by_a_program_holding_a_reservation_keeps_its_files_open(
+    sim: Path,
+) -> None:
+    # Only the ledger's lock, where another thread holds it at the fork, is closed in a child:
+    # a file opened later under a number the lock had before is the program's own.
+    done = subprocess.run(
+        [sys.executable, "-c", FORKS_WITH_FILES_OPEN], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    said = [json.loads(line) for line in done.stdout.splitlines()]
+    assert said == [{"grandchild": []}, {"child": []}], said
+
+
 def test_a_release_while_the_ledger_lock_is_kept_returns_at_once_and_gives_the_room_back_later(
     sim: Path, gpuwait_cmd: list[str], holders: Any
 ) -> None:
