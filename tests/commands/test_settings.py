@@ -94,3 +94,19 @@ def test_a_zero_max_wait_or_half_life_means_none_however_it_is_written() -> None
     for refused in ("-1s", "0.0001s", "soon", True):
         with pytest.raises(UsageError):
             resolve({}, {}, {"max_wait": refused}, Path("c.toml"))
+
+
+def test_a_timeout_of_zero_however_written_means_no_wait_and_a_boolean_is_refused() -> None:
+    # `timeout = false` (meant as "no timeout") read as 0 would have every launch that does not
+    # fit at once give up (exit 124): TOML's booleans are Python's ints.
+    for written in ("0", "0s", "0m", 0, 0.0):
+        assert resolve({}, {}, {"timeout": written}, Path("c.toml")).timeout == 0.0, written
+    for written in (False, True):
+        with pytest.raises(UsageError, match="timeout"):
+            resolve({}, {}, {"timeout": written}, Path("c.toml"))
+
+
+def test_the_shortest_interval_taken_is_the_millisecond_the_message_names() -> None:
+    assert resolve({}, {}, {"sample_interval": "1ms"}, Path("c.toml")).sample_interval == 0.001
+    with pytest.raises(UsageError, match="at least 1ms"):
+        resolve({}, {}, {"sample_interval": "0.5ms"}, Path("c.toml"))
