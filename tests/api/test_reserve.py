@@ -1269,7 +1269,9 @@ def test_a_release_under_a_ledger_lock_kept_past_lock_timeout_still_gives_the_ro
         assert job_of_pid(gpuwait_cmd, pid) is not None
     finally:
         os.close(fd)
-    wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
+    # Out of the queue, and the word of how it ended, left for a reaper meanwhile, taken away.
+    words = Path(dirs.user_state_dir()) / "ended"
+    wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None and not any(words.iterdir()), timeout=5)
     assert holder.proc.poll() is None
 
 
