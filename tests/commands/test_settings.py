@@ -110,3 +110,22 @@ def test_the_shortest_interval_taken_is_the_millisecond_the_message_names() -> N
     assert resolve({}, {}, {"sample_interval": "1ms"}, Path("c.toml")).sample_interval == 0.001
     with pytest.raises(UsageError, match="at least 1ms"):
         resolve({}, {}, {"sample_interval": "0.5ms"}, Path("c.toml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "taken", "refused"),
+    [
+        ("max_wait_factor", (1, 1000, "2.5"), (0.99, 1000.5, 0)),
+        ("resume_exit", (1, 125, "75"), (0, 126, 255)),
+        ("pause_max", (0, 1000, "3"), (-1, 1001)),
+        ("priority", (1, 5, "3"), (0, 6)),
+    ],
+)
+def test_a_bounded_setting_takes_its_bounds_and_refuses_past_them(
+    name: str, taken: tuple[object, ...], refused: tuple[object, ...]
+) -> None:
+    for value in taken:
+        assert getattr(resolve({}, {}, {name: value}, Path("c.toml")), name) == float(value)
+    for value in refused:
+        with pytest.raises(UsageError, match=name):
+            resolve({}, {}, {name: value}, Path("c.toml"))
