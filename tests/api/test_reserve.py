@@ -1229,22 +1229,25 @@ def test_a_worker_forked_by_a_program_holding_a_reservation_keeps_its_files_open
     assert said == [{"grandchild": []}, {"child": []}], said
 
 
+@contextlib.contextmanager
+def released_under_a_kept_lock(holders: Any) -> Iterator[tuple[Holder, int]]:
+    """A holder (1G, named cell) whose release() returned while another process keeps the
+    ledger's lock, as it keeps it until the block ends: the holder and its pid."""
+    holder = holders("1G", name="cell")
+    pid = holder.said()["pid"]
+    with _ledger_lock_kept():
+        assert holder.tell("release")["released"] is True
+        yield holder, pid
+
+
 def test_a_release_while_the_ledger_lock_is_kept_returns_at_once_and_gives_the_room_back_later(
     sim: Path, gpuwait_cmd: list[str], holders: Any
 ) -> None:
     # release() (a `with` block's end) while another process kept the ledger's lock waited
     # lock_timeout (a minute) for it, then left the entry running, its room held for nobody
     # for as long as the program lived on.
-    from gpuwait.linux import dirs
-
-    holder = holders("1G", name="cell")
-    pid = holder.said()["pid"]
-    fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        assert holder.tell("release")["released"] is True
-    finally:
-        os.close(fd)
+    with released_under_a_kept_lock(holders) as (holder, pid):
+        pass
     wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
     assert holder.proc.poll() is None
     runs = recorded_runs()
@@ -1259,16 +1262,9 @@ def test_a_release_under_a_ledger_lock_kept_past_lock_timeout_still_gives_the_ro
     from gpuwait.linux import dirs
 
     monkeypatch.setenv("GPUWAIT_LOCK_TIMEOUT", "0.2s")
-    holder = holders("1G", name="cell")
-    pid = holder.said()["pid"]
-    fd = os.open(Path(dirs.user_state_dir()) / "ledger.lock", os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        assert holder.tell("release")["released"] is True
+    with released_under_a_kept_lock(holders) as (holder, pid):
         time.sleep(0.6)  # kept past the thread's lock_timeout, more than once
         assert job_of_pid(gpuwait_cmd, pid) is not None
-    finally:
-        os.close(fd)
     # Out of the queue, and the word of how it ended, left for a reaper meanwhile, taken away.
     words = Path(dirs.user_state_dir()) / "ended"
     wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None and not any(words.iterdir()), timeout=5)
