@@ -61,6 +61,22 @@ def test_a_signal_to_the_process_group_reaches_the_command_once(
     assert flag.read_text() == str(int(signum))
 
 
+@pytest.mark.usefixtures("sim")
+def test_without_cat_a_signal_to_gpuwait_alone_still_reaches_the_command(
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # Where no `cat` is found (a distroless image), nothing tells group signals apart: each
+    # is taken as sent to gpuwait alone and passed on, never dropped.
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    flag = tmp_path / "flag"
+    command = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
+    proc = procs(command, env={**os.environ, "PATH": str(empty)})
+    wait_for_text(flag, "ready")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 41, flag.read_text()
+
+
 #: A command that signals its whole process group the moment it starts (as a launcher script's
 #: `kill -HUP 0`, or a `kill %1` typed as soon as the job shows), while gpuwait is still
 #: recording it in the ledger; exits 40 + the HUPs it received.
