@@ -287,14 +287,20 @@ def _percent(value: Any) -> float:
     (`0.5`: half a percent; `gpuwait config` shows it as `0.5%`): refused, a config that has
     worked would stop every launch."""
     text = str(value).strip() if isinstance(value, str) else value
+    expected = "expected a percent from 0 to 100, e.g. 5%"
     if isinstance(text, str) and text.endswith("%"):
-        return 100 * _share(text, 1, "5%")
+        # Refused in its own words: a share's offer of "a fraction from 0 to 1" would have a
+        # user write 0.05 for 5%, which reads as a twentieth of a percent here.
+        try:
+            return 100 * _share(text, 1, "5%")
+        except ValueError:
+            raise ValueError(expected) from None
     try:
         number = _number(text)
     except ValueError:
         number = math.nan
     if not 0 <= number <= 100:
-        raise ValueError("expected a percent from 0 to 100, e.g. 5%")
+        raise ValueError(expected)
     return number
 
 

@@ -129,3 +129,30 @@ def test_a_bounded_setting_takes_its_bounds_and_refuses_past_them(
     for value in refused:
         with pytest.raises(UsageError, match=name):
             resolve({}, {}, {name: value}, Path("c.toml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "taken", "refused"),
+    [
+        ("estimate_margin", (0, 2, "0%", "200%"), (-0.01, "201%")),
+        ("idle_max_util", (0, 100, "0%", "100%", " 5 % "), (101, "101%", "-1%")),
+    ],
+)
+def test_a_share_setting_takes_its_bounds_and_refuses_past_them(
+    name: str, taken: tuple[object, ...], refused: tuple[object, ...]
+) -> None:
+    for value in taken:
+        resolve({}, {}, {name: value}, Path("c.toml"))
+    for value in refused:
+        with pytest.raises(UsageError, match=name):
+            resolve({}, {}, {name: value}, Path("c.toml"))
+
+
+@pytest.mark.parametrize("written", ["101%", "-1%", 101, "lots"])
+def test_a_utilization_refused_is_told_as_the_percent_it_is_read_as(written: object) -> None:
+    # idle_max_util reads a number without % as a percent: told that it takes "a fraction from
+    # 0 to 1", a user who wrote 0.05 for 5% got a threshold a hundred times too low.
+    with pytest.raises(UsageError) as refused:
+        resolve({}, {}, {"idle_max_util": written}, Path("c.toml"))
+    assert "fraction" not in str(refused.value), refused.value
+    assert "expected a percent from 0 to 100, e.g. 5%" in str(refused.value), refused.value
