@@ -342,7 +342,8 @@ def _count_limit(value: Any) -> int | None:
     number = int(str(value).strip())
     if number > 1024:
         raise ValueError("expected at most 1024 GPUs")
-    return number
+    # A zero however written ("00", " 0 ") is none too: a limit of no GPU would refuse every job.
+    return number or None
 
 
 def _vram_limit(value: Any) -> int | None:

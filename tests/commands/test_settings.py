@@ -156,3 +156,12 @@ def test_a_utilization_refused_is_told_as_the_percent_it_is_read_as(written: obj
         resolve({}, {}, {"idle_max_util": written}, Path("c.toml"))
     assert "fraction" not in str(refused.value), refused.value
     assert "expected a percent from 0 to 100, e.g. 5%" in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("written", [0, "0", "00", " 0 ", "none", ""])
+def test_a_per_user_gpu_limit_of_zero_however_written_is_no_limit(written: object) -> None:
+    # "00" or " 0 " in the site file was a limit of no GPU at all: every job of every user
+    # refused (exit 3), where 0 means none.
+    site = {"user_max_gpus": written}
+    settings = resolve({}, {}, {}, Path("c.toml"), site, Path("/etc/xdg/gpuwait/config.toml"))
+    assert settings.user_max_gpus is None
