@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from helpers.crash import gpuwait_signalled_at
 from helpers.processes import children, pending_signals
 from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import ledger_entries, sleeping_in, wait_for
+
+from gpuwait.linux import signals
 
 GROUP_SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
 
@@ -59,6 +62,27 @@ def test_a_signal_to_the_process_group_reaches_the_command_once(
     os.killpg(proc.pid, signum)  # as `kill -TERM -PGID` or bash's `kill %1`
     assert proc.wait(timeout=30) == 41, flag.read_text()
     assert flag.read_text() == str(int(signum))
+
+
+@pytest.mark.usefixtures("sim")
+def test_a_signal_to_gpuwait_alone_after_one_to_the_group_still_reaches_the_command(
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
+) -> None:
+    # A server that reloads on USR1: `kill -USR1 -PGID` once, later `kill -USR1 PID`. The
+    # second, sent to gpuwait alone, must be passed on: the group's first is no reason to
+    # drop it once it is past the moment in which the two are taken for one.
+    flag = tmp_path / "flag"
+    counts = (
+        f"n=0; trap 'n=$((n+1)); printf %s \"$n\" > {flag}' USR1; printf ready > {flag}; "
+        "while :; do sleep 0.05; done"
+    )
+    proc = procs([*gpuwait_cmd, "--vram", "1G", "--", "sh", "-c", counts])
+    wait_for_text(flag, "ready")
+    os.killpg(proc.pid, signal.SIGUSR1)
+    wait_for_text(flag, "1")
+    time.sleep(signals.SAME_SIGNAL_WINDOW + 0.1)  # past the window, however slow the machine
+    os.kill(proc.pid, signal.SIGUSR1)
+    wait_for_text(flag, "2", timeout=10)
 
 
 @pytest.mark.usefixtures("sim")
