@@ -384,7 +384,10 @@ def _sweep_words(ledger: Ledger, state_dir: str | None, listed: set[str]) -> Non
             continue
         path = directory / name
         try:
-            word = json.loads(path.read_bytes())
+            # As a word is read where its entry is reaped: never waited on (a FIFO), never
+            # followed (a symlink), never read past its cap. UnsafePath is an OSError.
+            raw = security.read_state_file(path, _WORD_CAP, security.mine())
+            word = json.loads(raw or b"null")
         except (OSError, ValueError, RecursionError):
             continue
         if isinstance(word, dict) and word.get("ledger") == str(ledger.directory):

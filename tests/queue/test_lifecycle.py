@@ -787,3 +787,29 @@ def test_a_run_that_left_word_of_its_end_counts_for_its_waiters_and_its_users_us
     assert [j.id for j in data.jobs] == ["c3d4"]
     assert conditions.dependency_blocker(data.jobs[0], data) is None
     assert data.usage[os.getuid()].vram_seconds == pytest.approx(60 * GiB, rel=0.01)
+
+
+def test_a_job_ends_whatever_lies_in_ended_beside_the_words(tmp_path: Path) -> None:
+    """The next job to end in a ledger takes away the words no entry stands for: it read
+    every file in ended/, a FIFO there too, which hung that job's end (its gpuwait, for ever)
+    and every later one's. Such a file is read as the words are where an entry is reaped:
+    never waited on, never followed through a symlink, and it is no word to take away."""
+    import threading
+
+    state = tmp_path / "state"
+    ledger = Ledger(tmp_path / "ledger")
+    ending = live_job("0000dddd", history_dir=str(state))
+    with ledger.transaction() as data:
+        data.jobs[:] = [ending]
+    (state / "ended").mkdir(parents=True)
+    fifo = state / "ended" / "0000eeee.json"
+    os.mkfifo(fifo)
+    done = threading.Thread(target=lifecycle.finish, args=(ledger, ending, OK), daemon=True)
+    done.start()
+    done.join(5)
+    hung = done.is_alive()
+    if hung:  # let the thread go: a writer opens the FIFO it waits on
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        done.join(5)
+    assert not hung, "the job's end hung on a FIFO in ended/"
+    assert ledger.read().jobs == []
