@@ -36,6 +36,7 @@ from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, security
 from gpuwait.linux.atomic import remove_left_temp_files, write_atomic
+from gpuwait.queue.conditions import their_own_processes
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, of_an_earlier_boot
 
 IDLE_FILE = "idle.json"
@@ -97,14 +98,15 @@ def running_here(jobs: Iterable[Job]) -> list[Job]:
     """The running jobs whose command is a process of this pid namespace: another namespace's
     command is no process here, and its idleness is not seen. An entry whose command is
     another user's process (another member's file naming yours) has none here either: that
-    process is never named for the room the entry keeps."""
+    process is never named for the room the entry keeps. One its gpuwait started, which runs
+    as another user (`sudo`, `su` in the command), is its job's command as any."""
     return [
         j
         for j in jobs
         if j.state == RUNNING
         and j.child_pid
         and not elsewhere(j)
-        and security.command_owner_mismatch(j, j.child_pid) is None
+        and their_own_processes(j, {j.child_pid}).child_pid is not None
     ]
 
 

@@ -1572,3 +1572,27 @@ def test_a_members_program_admitted_from_python_keeps_its_room_before_it_is_star
     server.edit_own(BOB, lambda raw: raw.update(jobs=[admitted.to_json()]))
     done = server.run(ALICE, "--vram", "12G", "--timeout", "1s", "--", "echo", "started")
     assert done.returncode == 124 and "started" not in done.stdout, done.stderr
+
+
+def test_a_job_whose_command_is_a_setuid_program_is_named_for_its_unused_room(
+    server: Server,
+) -> None:
+    # Alice's job runs its command through sudo (here: a set-user-ID copy of sleep), which
+    # runs as root below her gpuwait and holds nothing on a quiet card: `gpuwait idle` named
+    # nobody for her 20 GiB left unused, as if the command were someone else's process.
+    server.sim.write_text('[[gpu]]\nmemory = "24GiB"\nutilization = 0\n')
+    setuid_sleep = server.root / "sudo-sleep"
+    shutil.copy("/bin/sleep", setuid_sleep)
+    setuid_sleep.chmod(0o4755)
+    server.start(ALICE, "--vram", "20G", "--", str(setuid_sleep), "60")
+    job = wait_for(
+        lambda: next((j for j in server.ledger().read().jobs if j.child_pid), None),
+        message="the job's command to start",
+    )
+    command = job.child_pid
+    wait_for(lambda: owner_uid(command) == 0, message="the command to run as root")
+    shown = server.run(ALICE, "idle", "--json", prefix=["env", "GPUWAIT_IDLE_AFTER=1h"])
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    named = [(h["pid"], h["job"]) for h in report["idle"] + report["watching"]]
+    assert (command, job.id) in named, report
