@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from signal import SIGCONT, SIGTERM
@@ -119,12 +119,14 @@ def forget_cached() -> None:
 
 
 @contextmanager
-def _change(ledger: Ledger) -> Iterator[tuple[LedgerData, _Said]]:
-    """A write transaction, reaped first; the events said in it are logged once it committed."""
+def _change(ledger: Ledger, words: _Words | None = None) -> Iterator[tuple[LedgerData, _Said]]:
+    """A write transaction, reaped first; the events said in it are logged once it committed.
+    `words`, where given, gets the words of how reaped runs ended that it read (taken away, or
+    set aside, once it is written)."""
     said: _Said = []
     quiet: set[str] = set()
     ended: _Ended = []
-    words: _Words = []
+    words = [] if words is None else words
     with ledger.transaction(quiet) as data:
         _reap(ledger, data, quiet, said, ended, words)
         _carry_out_requests(data, said)
@@ -363,12 +365,15 @@ def _take_words(words: _Words) -> None:
                 keep_damaged(path)
 
 
-def _sweep_words(ledger: Ledger, state_dir: str | None, listed: set[str]) -> None:
+def _sweep_words(
+    ledger: Ledger, state_dir: str | None, listed: set[str], read: Collection[Path] = ()
+) -> None:
     """Remove the words left in `state_dir` for this ledger that no entry (`listed`: this
     user's job ids in it) stands for any more: a program whose thread took its entry out once
     the lock was free ended before it removed its word. Called under the ledger's lock, so no
     word is taken away that a gpuwait left for an entry still there; one left for another
-    ledger (the same state dir serves several) is not this one's to judge."""
+    ledger (the same state dir serves several) is not this one's to judge, nor one this
+    transaction `read` as it reaped the entry (_take_words takes it once that is written)."""
     import json  # only where words were ever left
 
     if state_dir is None:
@@ -380,9 +385,9 @@ def _sweep_words(ledger: Ledger, state_dir: str | None, listed: set[str]) -> Non
         return
     for name in names:
         job_id, _, rest = name.partition(".")
-        if rest != "json" or job_id in listed:
-            continue
         path = directory / name
+        if rest != "json" or job_id in listed or path in read:
+            continue
         try:
             # As a word is read where its entry is reaped: never waited on (a FIFO), never
             # followed (a symlink), never read past its cap. UnsafePath is an OSError.
@@ -1394,13 +1399,16 @@ def finish(
     """
     # Out of the ledger (or left for a reaper, should the write fail): its lock stands for
     # nothing any more.
-    with alive.given_up(ledger.directory, job.id), _change(ledger) as (data, said):
+    read: _Words = []
+    with alive.given_up(ledger.directory, job.id), _change(ledger, read) as (data, said):
         mine = data.remove(job.id)
         _drop_requests(data, job.id)
         listed = {j.id for j in data.jobs if data.mine(j)}
         alive.sweep(ledger.directory, listed)
-        # Its own word, if any, goes once its removal is written (below).
-        _sweep_words(ledger, job.history_dir, listed | {job.id})
+        # Its own word, if any, goes once its removal is written (below); so do those of the
+        # entries reaped here, or are set aside as evidence: none is lost should this
+        # transaction not be written.
+        _sweep_words(ledger, job.history_dir, listed | {job.id}, {path for path, _ in read})
         # Taken out already, its outcome noted (a Ctrl-C came just after its release took it
         # out, and the room was given back again): that outcome stands, its run charged once.
         if mine is not None or data.book.outcome(job.id) is None:

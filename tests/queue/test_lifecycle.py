@@ -813,3 +813,23 @@ def test_a_job_ends_whatever_lies_in_ended_beside_the_words(tmp_path: Path) -> N
         done.join(5)
     assert not hung, "the job's end hung on a FIFO in ended/"
     assert ledger.read().jobs == []
+
+
+def test_a_damaged_word_read_as_a_job_ends_is_kept_as_evidence(tmp_path: Path) -> None:
+    """A job's end reaps the entries whose gpuwait is gone, reading the words they left: one
+    not believed (a figure no run ends with) is to be kept beside as evidence once the reaping
+    is written. The same job's end took away every word no entry stood for any more, the
+    reaped entry's too, before the reaping was written: the evidence was deleted."""
+    ledger = Ledger(tmp_path / "ledger")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state = tmp_path / "state"
+    dead = live_job("a1b2", pid=gone.pid, start_time=1, history_dir=str(state))
+    ending = live_job("0000dddd", history_dir=str(state))
+    with ledger.transaction() as data:
+        data.jobs[:] = [dead, ending]
+    assert lifecycle.leave_word(ledger, dead, OK, exit_status=2**40)
+    lifecycle.finish(ledger, ending, OK, exit_status=0)
+    assert ledger.read().jobs == []
+    kept = [p.name for p in (state / "ended").iterdir()]
+    assert len(kept) == 1 and kept[0].startswith("a1b2.json.damaged-"), kept
