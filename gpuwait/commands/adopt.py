@@ -18,12 +18,12 @@ from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser, whole_number
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
 from gpuwait.core.sizes import format_size, parse_size
-from gpuwait.core.text import printable
+from gpuwait.core.text import entry_command, printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue import lifecycle
 from gpuwait.queue.conditions import reserved_on_each
-from gpuwait.queue.entries import RUNNING, Job, entry_command
+from gpuwait.queue.entries import RUNNING, Job
 
 
 def build_parser() -> Parser:

@@ -10,6 +10,22 @@ from collections.abc import Iterable, Sequence
 _UNPRINTABLE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
 
 
+#: The longest text a ledger's entry may hold in one field (an argument of a command, say).
+MAX_TEXT = 4096
+#: The most items a list of text in an entry may have (a command's arguments, say).
+MAX_TEXTS = 1024
+
+
+def entry_command(argv: Sequence[str]) -> list[str]:
+    """A command as its entry keeps it: within what a read of the entry accepts (which refuses
+    the entry otherwise), so `xargs` handing a job thousands of file names, or an argument of
+    a whole config file, cuts the command the ledger shows, not the entry."""
+    command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
+    if len(command) > MAX_TEXTS:
+        command[MAX_TEXTS - 1 :] = [f"… {len(command) - MAX_TEXTS + 1} more arguments"]
+    return command
+
+
 def printable(text: str, limit: int = 200) -> str:
     """`text` safe to print on another user's terminal: control characters (escape sequences)
     and line and paragraph separators (U+2028, U+2029: the end of a line to str.splitlines)

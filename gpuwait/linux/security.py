@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpuwait.core.text import shell_word
+from gpuwait.core.text import entry_command, shell_word
 from gpuwait.linux import proc, userns
 
 _T = TypeVar("_T")
@@ -345,6 +345,11 @@ def _owner_mismatch(job: _JobLike, pid: int) -> int | None:
     return owner
 
 
+def _as_kept(argv: list[str] | None) -> list[str] | None:
+    """A command line as an entry keeps it (each argument, and their number, cut)."""
+    return None if argv is None else entry_command(argv)
+
+
 def proven_entry(
     uid: int,
     pid: int,
@@ -374,7 +379,7 @@ def proven_entry(
                 and (state == "waiting" or child_pid is None)
                 and isinstance(command, list)
                 and command
-                and proc.command_line(pid) == command
+                and _as_kept(proc.command_line(pid)) == command
             ):
                 return True  # not remembered either way: it tells of the entry, not the process
             # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.

@@ -21,6 +21,8 @@ from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECOND
 from gpuwait.core.policy import Requirements, reserved_on
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.text import MAX_TEXT as _MAX_TEXT
+from gpuwait.core.text import MAX_TEXTS as _MAX_TEXTS
 from gpuwait.linux import pidns as pid_namespaces
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import (
@@ -49,7 +51,6 @@ RUNNING = "running"
 MAX_ENTRIES = 8192
 MAX_ENTRIES_PER_UID = 1024
 MAX_USAGE_USERS = 4096
-_MAX_TEXT = 4096
 
 
 def requirements_of(stored: Mapping[str, Any]) -> Requirements:
@@ -1169,20 +1170,8 @@ def _table(value: Any) -> dict[str, Any]:
     return value
 
 
-#: The most items a list of text in an entry may have (a command's arguments, say).
-_MAX_TEXTS = 1024
 #: The most jobs one entry may wait for (`after`, `after_ok`).
 MAX_DEPENDENCIES = _MAX_TEXTS
-
-
-def entry_command(argv: Sequence[str]) -> list[str]:
-    """A command as its entry keeps it: within what a read of the entry accepts (which refuses
-    the entry otherwise), so `xargs` handing a job thousands of file names, or an argument of
-    a whole config file, cuts the command the ledger shows, not the entry."""
-    command = [a if len(a) <= _MAX_TEXT else a[: _MAX_TEXT - 1] + "…" for a in argv]
-    if len(command) > _MAX_TEXTS:
-        command[_MAX_TEXTS - 1 :] = [f"… {len(command) - _MAX_TEXTS + 1} more arguments"]
-    return command
 
 
 def _text_list(raw: Mapping[str, Any], key: str) -> list[str]:

@@ -62,6 +62,7 @@ from gpuwait.core.sizes import (
     format_size,
 )
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.core.text import entry_command
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
@@ -78,7 +79,7 @@ from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of, reserved_on_each
-from gpuwait.queue.entries import WAITING, Job, entry_command, requirements_of
+from gpuwait.queue.entries import WAITING, Job, requirements_of
 from gpuwait.queue.ledger import LEAVE_PATIENCE, Ledger, LockBusy, LockPastDeadline
 from gpuwait.queue.lifecycle import Admitted, Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings, stuck_behind

@@ -1505,17 +1505,20 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
         alices.wait()
 
 
+@pytest.mark.parametrize("extra", [(), ("x" * 5000,)], ids=["plain", "a-long-argument"])
 def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
-    server: Server,
+    server: Server, extra: tuple[str, ...]
 ) -> None:
     # Bob's notebook waits in `gpuwait.reserve("10G")` behind Alice's 20 GiB job. Its entry
     # names his Python program, no gpuwait: Alice's plans and `status` (and root's) did not see
     # it at all, so her jobs submitted after it went first, and root's `status` even took it
-    # out of Bob's file.
+    # out of Bob's file. So too where his program was given an argument over 4 KiB (`python -c
+    # "$(cat job.py)"`, a config inline), which its entry keeps cut: that never equalled the
+    # command line the kernel shows.
     server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
-    argv = program_as(BOB, BOB, [GROUP], server.root, python)
+    argv = [*program_as(BOB, BOB, [GROUP], server.root, python), *extra]
     bob = subprocess.Popen(
         argv,
         env=server.envs[BOB],
