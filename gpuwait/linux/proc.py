@@ -362,14 +362,16 @@ def command_name(pid: int) -> str | None:
         return None
 
 
-def command_line(pid: int) -> list[str] | None:
-    """The process's arguments (/proc/PID/cmdline), or None; a kernel thread has none ([])."""
+def command_line(pid: int, errors: str = "replace") -> list[str] | None:
+    """The process's arguments (/proc/PID/cmdline), or None; a kernel thread has none ([]).
+    `errors` = "surrogateescape" spells bytes that are no UTF-8 as Python's own `sys.argv`
+    does (`sys.orig_argv` to compare with); "replace" shows them as U+FFFD."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             raw = f.read(1 << 16)
     except OSError:
         return None
-    return [arg.decode("utf-8", "replace") for arg in raw.split(b"\0")[:-1]]
+    return [arg.decode("utf-8", errors) for arg in raw.split(b"\0")[:-1]]
 
 
 def working_dir(pid: int) -> str | None:

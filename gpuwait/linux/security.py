@@ -346,7 +346,8 @@ def _owner_mismatch(job: _JobLike, pid: int) -> int | None:
 
 
 def _as_kept(argv: list[str] | None) -> list[str] | None:
-    """A command line as an entry keeps it (each argument, and their number, cut)."""
+    """A command line as an entry of a program's own keeps it (`sys.orig_argv`, each argument,
+    and their number, cut)."""
     return None if argv is None else entry_command(argv)
 
 
@@ -379,7 +380,7 @@ def proven_entry(
                 and (state == "waiting" or child_pid is None)
                 and isinstance(command, list)
                 and command
-                and _as_kept(proc.command_line(pid)) == command
+                and _as_kept(proc.command_line(pid, "surrogateescape")) == command
             ):
                 return True  # not remembered either way: it tells of the entry, not the process
             # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.

@@ -1505,16 +1505,21 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
         alices.wait()
 
 
-@pytest.mark.parametrize("extra", [(), ("x" * 5000,)], ids=["plain", "a-long-argument"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("x" * 5000,), (b"caf\xe9.csv",)],
+    ids=["plain", "a-long-argument", "a-file-name-in-latin-1"],
+)
 def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
-    server: Server, extra: tuple[str, ...]
+    server: Server, extra: tuple[str | bytes, ...]
 ) -> None:
     # Bob's notebook waits in `gpuwait.reserve("10G")` behind Alice's 20 GiB job. Its entry
     # names his Python program, no gpuwait: Alice's plans and `status` (and root's) did not see
     # it at all, so her jobs submitted after it went first, and root's `status` even took it
     # out of Bob's file. So too where his program was given an argument over 4 KiB (`python -c
     # "$(cat job.py)"`, a config inline), which its entry keeps cut: that never equalled the
-    # command line the kernel shows.
+    # command line the kernel shows; nor where an argument was no UTF-8 (a file name in
+    # Latin-1), which Python and the kernel's command line, read as text, spelt apart.
     server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
