@@ -388,7 +388,11 @@ def proven_entry(
                 return True
             if _hidden_as(pid, owner, uid):
                 return True
-            _remember(_REFUTED, (uid, *process))
+            if owner != uid:
+                # A process of the entry's user that is no gpuwait may yet be proven by what
+                # the entry says (a program holding room from Python, once its entry names it
+                # as its own command): only another user's is refuted for good.
+                _remember(_REFUTED, (uid, *process))
             return False
         _remember(_GONE, process)
     if state != "running" or child_pid is None or child_start is None:

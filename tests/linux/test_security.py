@@ -379,3 +379,24 @@ def test_the_chown_that_gives_a_taken_directory_back_can_be_pasted(
     command = hint.split("`")[3]
     assert command.startswith("sudo chown -R ")
     assert shlex.split(command)[-1] == str(taken)
+
+
+def test_a_program_reserving_from_python_counts_once_started_for_a_reader_that_saw_it_wait() -> (
+    None
+):
+    """A member's program waiting in gpuwait.reserve whose command line is not the one its
+    entry keeps (it set its process title, as gunicorn's and Ray's workers do) is not proven
+    while it waits. Another member's waiter that read it then (a gpuwait waiting for as long
+    as it takes) remembered that for good: once the program had its room, recorded as its
+    own command, that waiter still counted none of it, and could be admitted into it."""
+    program = subprocess.Popen(["sleep", "30"])
+    try:
+        start = start_time(program.pid)
+        assert start is not None
+        uid, pid = os.getuid(), program.pid
+        titled = ["python", "train.py"]  # as its entry keeps it; the kernel shows `sleep 30`
+        assert not security.proven_entry(uid, pid, start, "waiting", None, None, titled)
+        assert security.proven_entry(uid, pid, start, "running", pid, start, titled)
+    finally:
+        program.kill()
+        program.wait()
