@@ -395,9 +395,18 @@ def their_own_processes(job: Job, among: Collection[int]) -> Job:
     strangers = {p for p in named if security.command_owner_mismatch(job, p) is not None}
     if not strangers:
         return job
-    # Its gpuwait, proven the user's, where it lives; an orphan's command, where it is gone.
-    root = job.pid if job.orphaned_at is None or job.child_pid is None else job.child_pid
-    strangers -= proc.process_tree([root])
+    # Its gpuwait, proven the user's, where it lives; an orphan's command, where it is gone,
+    # if that is the user's own (an entry that says so of a process of someone else's, its
+    # gpuwait alive all along, would claim that process and all below it).
+    orphan = job.orphaned_at is not None
+    roots = [job.pid] if not orphan or proc.is_alive(job.pid, job.start_time) else []
+    if (
+        orphan
+        and job.child_pid is not None
+        and security.command_owner_mismatch(job, job.child_pid) is None
+    ):
+        roots.append(job.child_pid)
+    strangers -= proc.process_tree(roots)
     return job._replace(
         pids=[p for p in job.pids if p not in strangers],
         child_pid=None if job.child_pid in strangers else job.child_pid,

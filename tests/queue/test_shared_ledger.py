@@ -1423,11 +1423,14 @@ def test_a_member_who_gives_an_entry_the_id_of_ones_ended_job_holds_up_no_chain(
         assert (done.returncode, done.stdout) == (0, "next\n"), (option, done.stderr)
 
 
+@pytest.mark.parametrize("orphaned", [False, True], ids=["running", "said-orphaned"])
 def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_room(
-    server: Server,
+    server: Server, orphaned: bool
 ) -> None:
     # The card does no work. Bob's running entry names, as its command, a process of Alice's
-    # that holds nothing there: `gpuwait idle` blamed Alice for Bob's 20 GiB left unused.
+    # that holds nothing there: `gpuwait idle` blamed Alice for Bob's 20 GiB left unused. So
+    # too where the entry said its gpuwait was gone (an orphan's command, and what runs below
+    # it, are its job's), though that gpuwait lives.
     server.sim.write_text('[[gpu]]\nmemory = "24GiB"\nutilization = 0\n')
     alices = subprocess.Popen(["sleep", "60"], user=ALICE, group=ALICE)
     try:
@@ -1441,6 +1444,7 @@ def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_roo
             "child_start_time": start_time(alices.pid),
             "pids": [alices.pid],
             "reserved_bytes": 20 * GiB,
+            "orphaned_at": time.time() if orphaned else None,
         }
         server.edit_own(BOB, lambda raw: raw.update(jobs=[forged, *raw["jobs"]]))
         shown = server.run_root("idle", "--json", GPUWAIT_IDLE_AFTER="1h")
@@ -1453,10 +1457,11 @@ def test_a_member_cannot_name_anothers_process_as_the_holder_of_their_unused_roo
         alices.wait()
 
 
-def bob_claims(server: Server, pid: int, *options: str) -> None:
+def bob_claims(server: Server, pid: int, *options: str, as_command: bool = False) -> None:
     """Bob runs a job (with `options`) and lists process `pid` among its processes in his
     own file, his gpuwait stopped between two of its transactions first: its next sample
-    would write the processes it finds over the list."""
+    would write the processes it finds over the list. `as_command`: names it as the job's
+    command too, and says the job's gpuwait is gone (an orphan's command is its job's)."""
     bob = server.start(BOB, *options, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     with server.locked():
@@ -1464,21 +1469,27 @@ def bob_claims(server: Server, pid: int, *options: str) -> None:
 
     def claim(raw: dict[str, Any]) -> None:
         raw["jobs"][0]["pids"] = [*raw["jobs"][0]["pids"], pid]
+        if as_command:
+            raw["jobs"][0].update(
+                child_pid=pid, child_start_time=start_time(pid), orphaned_at=time.time()
+            )
 
     server.edit_own(BOB, claim)
 
 
+@pytest.mark.parametrize("as_command", [False, True], ids=["a-process", "an-orphans-command"])
 def test_a_member_cannot_claim_anothers_process_off_a_card_that_takes_one_at_a_time(
-    server: Server,
+    server: Server, as_command: bool
 ) -> None:
     # GPU 0 takes one process at a time, and a program of Alice's, run without gpuwait, has
     # it. Bob's job on GPU 1 claims that program among its processes in his own file: a job
-    # was then started on GPU 0 as if nothing held it, where it could not run.
+    # was then started on GPU 0 as if nothing held it, where it could not run. So too where
+    # his entry named it as its command and said its gpuwait was gone, though it lives.
     exclusive = '[[gpu]]\nmemory = "24GiB"\ncompute_mode = "exclusive-process"\n'
     server.sim.write_text(exclusive + '[[gpu]]\nmemory = "24GiB"\n')
     alices = hold_outside_gpuwait(server, 2 * GiB, ALICE)
     try:
-        bob_claims(server, alices.pid, "--devices", "1")
+        bob_claims(server, alices.pid, "--devices", "1", as_command=as_command)
         done = server.run(
             ALICE, "--devices", "0", "--vram", "1G", "--timeout", "1s", "--", "echo", "started"
         )
