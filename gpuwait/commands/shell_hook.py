@@ -17,6 +17,7 @@ import signal
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
 from gpuwait.core.errors import UsageError
+from gpuwait.core.text import whole_number
 from gpuwait.core.wrap import Decision, decide
 from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
@@ -123,11 +124,12 @@ def _hook_shell_pids() -> tuple[int, int]:
     """The pids the hook put in SHELL_PID_VARIABLE, taken out of the environment the command
     inherits; (0, 0) where there are none."""
     main, _, current = os.environ.pop(SHELL_PID_VARIABLE, "").partition("/")
-    return (int(main), int(current)) if main.isdigit() and current.isdigit() else (0, 0)
+    pids = (whole_number(main), whole_number(current))
+    return (pids[0], pids[1]) if pids[0] is not None and pids[1] is not None else (0, 0)
 
 
 def _job_ended() -> bool:
     """Has the job this process was started in ended (its GPUWAIT_JOB_PID gone), as the
     hooks tell it? A process that outlived it keeps its variables."""
-    pid = os.environ.get(JOB_PID_VARIABLE, "")
-    return pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+    pid = whole_number(os.environ.get(JOB_PID_VARIABLE, ""))
+    return pid is not None and not os.path.exists(f"/proc/{pid}")

@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
+from gpuwait.core.text import whole_number
 
 
 def _find(entry: str, ids: Sequence[tuple[int, str]]) -> int | None:
     """The position in `ids` ((NVML index, UUID) pairs) of the GPU `entry` names: its index, or
     its UUID or a prefix of it that names no other; None where it names none of them."""
     entry = entry.strip()
-    if entry.isascii() and entry.isdigit():
-        return next((at for at, (index, _) in enumerate(ids) if index == int(entry)), None)
+    number = whole_number(entry)
+    if number is not None:
+        return next((at for at, (index, _) in enumerate(ids) if index == number), None)
     if entry.upper().startswith(("GPU-", "MIG-")):
         found = [at for at, (_, uuid) in enumerate(ids) if uuid.lower().startswith(entry.lower())]
         return found[0] if len(found) == 1 else None
@@ -95,8 +97,9 @@ def left_out_now(entry: str, snapshot: MachineSnapshot) -> bool:
     if _find(entry, snapshot.in_mig_mode) is not None:
         return True
     entry = entry.strip()
-    if entry.isascii() and entry.isdigit():
-        return int(entry) in snapshot.unanswered
+    number = whole_number(entry)
+    if number is not None:
+        return number in snapshot.unanswered
     return (
         bool(snapshot.unanswered)
         and entry.upper().startswith(("GPU-", "MIG-"))

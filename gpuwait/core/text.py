@@ -26,6 +26,14 @@ def entry_command(argv: Sequence[str]) -> list[str]:
     return command
 
 
+def whole_number(text: str) -> int | None:
+    """The number `text` writes in the digits 0-9 alone (no sign, no space); None for any other
+    text. str.isdigit() also takes digits that int() refuses (a superscript two) or reads as
+    another script's (an Arabic-Indic three), so text from a file, a variable or another user is
+    read here."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def printable(text: str, limit: int = 200) -> str:
     """`text` safe to print on another user's terminal: control characters (escape sequences)
     and line and paragraph separators (U+2028, U+2029: the end of a line to str.splitlines)

@@ -16,6 +16,7 @@ import ctypes
 import shutil
 
 from gpuwait.core.record import Record
+from gpuwait.core.text import whole_number
 
 #: The driver branch from which both ways in are there: `cuda-checkpoint --action lock` (a
 #: separate lock with a timeout, new in 570) and the cuCheckpointProcess* driver API (CUDA 12.8,
@@ -94,4 +95,5 @@ def _driver_version(timeout: float | None) -> str | None:
 def _major(version: str) -> int:
     """570 of "570.86.10"; 0 for a version that cannot be read (taken as too old)."""
     head = version.strip().split(".", 1)[0]
-    return int(head) if head.isdigit() and len(head) < 6 else 0
+    major = whole_number(head) if len(head) < 6 else None
+    return major or 0

@@ -37,7 +37,7 @@ from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import MAX_GPUS, parse_duration, parse_size, parse_whole
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
-from gpuwait.core.text import nearest
+from gpuwait.core.text import nearest, whole_number
 from gpuwait.gpu.sim import (
     Allocation,
     SimConfig,
@@ -530,9 +530,10 @@ def _cap(framework: str, gpu: SimGpu, env: Mapping[str, str]) -> tuple[int | Non
         fraction = budget.conf_fraction(budget.torch_conf(env))
         how = "per_process_memory_fraction"
         reserved = env.get(budget.TORCH_BYTES_VAR, "")
-        if fraction is None and reserved.isascii() and reserved.isdigit() and int(reserved) > 0:
+        held = whole_number(reserved)
+        if fraction is None and held:
             # What the hook applies on a gang of cards of different sizes: this card's share.
-            fraction, how = min(1.0, int(reserved) / total), "the PyTorch cap"
+            fraction, how = min(1.0, held / total), "the PyTorch cap"
         elif fraction is None:
             fraction, how = _env_fraction(env, budget.TORCH_FRACTION_VAR), "the PyTorch cap"
         if fraction is not None and 0 < fraction <= 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
+from gpuwait.core.text import whole_number
 from gpuwait.linux.security import read_state_file
 
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
@@ -110,6 +111,7 @@ def _quota_v1(directory: str) -> float | None:
 
 def _ratio(quota: str, period: str) -> float | None:
     """quota / period, where both are counts of microseconds ("max", "-1": no quota)."""
-    if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
+    microseconds, every = whole_number(quota), whole_number(period)
+    if microseconds is None or not every:
         return None
-    return int(quota) / int(period)
+    return microseconds / every

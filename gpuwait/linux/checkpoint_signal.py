@@ -12,12 +12,14 @@ import os
 import signal
 from collections.abc import Iterable
 
+from gpuwait.core.text import whole_number
+
 
 def parse_signal(text: str) -> int:
     """`USR1`, `SIGUSR1` or `10` as a signal number; raises ValueError."""
     name = text.strip().upper()
-    if name.isascii() and name.isdigit():
-        number = int(name)
+    number = whole_number(name)
+    if number is not None:
         if number not in signal.valid_signals():
             raise ValueError(f"{text!r} is not a signal number")
     else:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from gpuwait.core.record import Record
+from gpuwait.core.text import whole_number
 from gpuwait.linux.cgroup import CGROUP_ROOTS, own_cgroup, read, unified_root
 
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
@@ -51,8 +52,9 @@ def capacity(root: str) -> dict[str, int]:
     regions: dict[str, int] = {}
     for line in (read(os.path.join(root, "dmem.capacity")) or "").splitlines():
         name, _, size = line.strip().partition(" ")
-        if name and size.strip().isdigit():
-            regions[name] = int(size.strip())
+        number = whole_number(size.strip())
+        if name and number is not None:
+            regions[name] = number
     return regions
 
 

@@ -1023,6 +1023,24 @@ def test_a_hook_call_that_replaced_its_subshell_runs_its_command(
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
 
 
+@pytest.mark.parametrize("value", ["\u00b2/1", "1/\u0663", "\uff11/2"])
+def test_shell_pids_in_digits_of_other_scripts_are_no_pids(
+    hook_env: dict[str, str], tmp_path: Path, value: str
+) -> None:
+    """A hook variable whose pids are written in digits other than 0-9 (a superscript two, an
+    Arabic-Indic three, a fullwidth one) names no shell: the command runs, without a
+    traceback, as under no hook's pids."""
+    done = subprocess.run(
+        ["gpuwait", "shell-hook", "--", "echo", "ran"],
+        env={**hook_env, "_GPUWAIT_SHELL_PID": value},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", "")
+
+
 SURVIVES_HUP = """\
 import os, signal, sys, time
 log = open(sys.argv[2], "a", buffering=1)
