@@ -362,16 +362,30 @@ def command_name(pid: int) -> str | None:
         return None
 
 
+#: The most of a command line read from /proc.
+COMMAND_LINE_READ = 1 << 16
+
+
 def command_line(pid: int, errors: str = "replace") -> list[str] | None:
     """The process's arguments (/proc/PID/cmdline), or None; a kernel thread has none ([]).
     `errors` = "surrogateescape" spells bytes that are no UTF-8 as Python's own `sys.argv`
     does (`sys.orig_argv` to compare with); "replace" shows them as U+FFFD."""
+    read = command_line_read(pid, errors)
+    return None if read is None else read[0]
+
+
+def command_line_read(pid: int, errors: str = "replace") -> tuple[list[str], bool] | None:
+    """The process's arguments as far as COMMAND_LINE_READ reaches, and whether that was all of
+    them (a longer line's last argument that did not fit is left out); None where unreadable.
+    `errors` as for `command_line`."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read(1 << 16)
+            raw = f.read(COMMAND_LINE_READ + 1)
     except OSError:
         return None
-    return [arg.decode("utf-8", errors) for arg in raw.split(b"\0")[:-1]]
+    whole = len(raw) <= COMMAND_LINE_READ
+    raw = raw[:COMMAND_LINE_READ]
+    return [arg.decode("utf-8", errors) for arg in raw.split(b"\0")[:-1]], whole
 
 
 def working_dir(pid: int) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpuwait.core.text import entry_command, shell_word
+from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word
 from gpuwait.linux import proc, userns
 
 _T = TypeVar("_T")
@@ -363,10 +363,11 @@ def proven_entry(
     """Does the kernel show that an entry in the file of the user `uid`, naming the gpuwait
     process `pid` (started at `start_time`), stands for a job of theirs: that is a live gpuwait
     process of that user, or (its gpuwait gone, a running job) its command still runs as that
-    user? Another user's entry counts only then. A program holding room from Python
-    (gpuwait.api) is no gpuwait: its entry names it, with its command line as its `command`,
-    which the kernel shows, waiting and once admitted, until the next transaction names it as
-    its own command too (as an adopted process is)."""
+    user? Another user's entry counts only then. A waiting entry counts only where that
+    gpuwait runs its `command` (`runs_command`): nothing else will ever start it. A program
+    holding room from Python (gpuwait.api) is no gpuwait: its entry names it, with its command
+    line as its `command`, which the kernel shows, waiting and once admitted, until the next
+    transaction names it as its own command too (as an adopted process is)."""
     process = (pid, start_time)
     if (uid, *process) in _REFUTED:
         return False
@@ -374,7 +375,8 @@ def proven_entry(
         if proc.is_alive(*process):
             owner = proc.owner_uid(pid)
             if owner == uid and _is_gpuwait(*process):
-                return True
+                # Not remembered where it runs another command: that tells of the entry.
+                return state != "waiting" or runs_command(pid, command)
             if (
                 owner == uid
                 and (state == "waiting" or child_pid is None)
@@ -401,6 +403,29 @@ def proven_entry(
         return False
     owner = proc.owner_uid(child_pid)
     return owner == uid or _hidden_as(child_pid, owner, uid)
+
+
+def runs_command(pid: int, command: object) -> bool:
+    """Does the gpuwait process `pid` run `command`, a waiting entry's (as an entry keeps it,
+    cut where long): its command line ends with it, as the line of the gpuwait that waits to
+    start it does? One of its user's that runs something else (their `gpuwait status --watch`)
+    will never start that entry's job. A line longer than /proc gives in one read is taken as
+    the entry's where as much of it as was read agrees."""
+    read = proc.command_line_read(pid, "surrogateescape")
+    if read is None or not isinstance(command, list) or not command:
+        return False
+    argv, whole = read
+    for at, word in enumerate(argv):
+        if entry_command([word]) != command[:1]:
+            continue
+        kept = entry_command(argv[at:])
+        if kept == command:
+            return True
+        # Of a line read in part, the arguments read whole: the one cut off is not among them.
+        agree = min(len(kept), len(command), MAX_TEXTS - 1)
+        if not whole and kept[:agree] == command[:agree]:
+            return True
+    return False
 
 
 def _hidden_as(pid: int, owner: int | None, uid: int) -> bool:

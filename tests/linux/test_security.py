@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from helpers.fixtures_sim import Run
 from helpers.jobs import live_job
 from helpers.waiting import wait_for
 
-from gpuwait.core.text import printable
+from gpuwait.core.text import entry_command, printable
 from gpuwait.linux import security
+from gpuwait.linux.proc import command_line as proc_command
 from gpuwait.linux.proc import start_time
 from gpuwait.linux.security import UnsafePath, control_refusal, open_state_file
 from gpuwait.queue.entries import MAX_ENTRIES_PER_UID, Job
@@ -400,3 +402,29 @@ def test_a_program_reserving_from_python_counts_once_started_for_a_reader_that_s
     finally:
         program.kill()
         program.wait()
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["x" * 5000, "tail"], [str(n) for n in range(1500)], ["x" * 70000, "tail"]],
+    ids=["long", "many", "past-read"],
+)
+def test_a_gpuwait_runs_a_long_command_as_its_entry_keeps_it(words: list[str]) -> None:
+    """An entry keeps a long argument cut, and a command of thousands of arguments counted
+    (and /proc gives a line in part past 64 KiB): the gpuwait running it still runs that
+    entry's command; one running another does not."""
+    pause = [sys.executable, "-c", "import time; time.sleep(30)"]
+    process = subprocess.Popen([*pause, "--", *words])
+    try:
+        wait_for(lambda: len(proc_command(process.pid) or []) > 3, timeout=10)
+        assert security.runs_command(process.pid, entry_command(["--", *words]))
+        assert security.runs_command(process.pid, entry_command([*pause, "--", *words]))
+        other = entry_command(["-c", "import os", "--", *words])
+        assert not security.runs_command(process.pid, other)
+        if len(words[0]) < 65536:  # a line read in part: what was read agrees, and no more
+            shorter = entry_command(["--", *words[:-1]])
+            assert not security.runs_command(process.pid, shorter)
+        assert not security.runs_command(process.pid, ["python", "infer.py"])
+    finally:
+        process.kill()
+        process.wait()

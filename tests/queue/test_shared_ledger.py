@@ -1615,3 +1615,38 @@ def test_a_job_whose_command_is_a_setuid_program_is_named_for_its_unused_room(
     report = json.loads(shown.stdout)
     named = [(h["pid"], h["job"]) for h in report["idle"] + report["watching"]]
     assert (command, job.id) in named, report
+
+
+def test_a_members_waiting_entry_naming_a_gpuwait_that_runs_no_such_job_holds_up_nobody(
+    server: Server,
+) -> None:
+    # Bob's file has a waiting entry asking 20 GiB, first in the queue, that names his
+    # `gpuwait status --watch` as its gpuwait: nothing will ever start it. Alice's 6 GiB job
+    # waited behind it on a card where only Bob's 1 GiB ran, for as long as it was there.
+    server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    watch = server.start(BOB, "status", "--watch")
+    wait_for(lambda: "status" in (proc_command(watch.pid) or []), timeout=20)
+    bobs = server.ledger().read().jobs[0].to_json()
+    never = {
+        **bobs,
+        "id": "never",
+        "pid": watch.pid,
+        "start_time": start_time(watch.pid),
+        "state": "waiting",
+        "command": ["python", "infer.py"],
+        "request": {"bytes": 20 * GiB},
+        "gpu_uuids": [],
+        "reserved_bytes": 0,
+        "pids": [],
+        "child_pid": None,
+        "child_start_time": None,
+        "started_at": None,
+        "started_boot": None,
+        "submitted_at": bobs["submitted_at"] - 60,
+    }
+    server.edit_own(BOB, lambda raw: raw.update(jobs=[never, *raw["jobs"]]))
+    done = server.run(ALICE, "--vram", "6G", "--timeout", "3s", "--", "echo", "started")
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
+    shown = json.loads(server.run(ALICE, "status", "--json").stdout)
+    assert "never" not in [j["id"] for j in shown["jobs"]]
