@@ -240,6 +240,10 @@ class FairShare(Record, frozen=True):
     #: The user set no safety of their own (on the command line, in the environment or their
     #: file): theirs is the site's, `site_safety`, and follows it as the site file changes.
     safety_from_site: bool = False
+    #: Other members' waiting jobs left out of this waiter's plans: strict order, which every
+    #: member's gpuwait plans alike, has started them for a while and they never started
+    #: (`gpuwait.queue.wait.Disagreement`). Their room would otherwise go to nobody for good.
+    passed_over: frozenset[str] = frozenset()
 
     def in_strict_order(self) -> FairShare:
         """The policy with the queue in strict order (`queue_order = fifo`), in a shared ledger

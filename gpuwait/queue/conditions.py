@@ -23,7 +23,7 @@ from gpuwait.gpu import with_names
 from gpuwait.history.store import find_outcome
 from gpuwait.linux import pidns, proc, security, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere, run_time, since
+from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData, elsewhere, run_time, since
 from gpuwait.queue.fairness import NO_FAIR_SHARE, user_usage
 
 #: Readings of utilization averaged for `--max-util`, and how many are needed before trusting it.
@@ -378,6 +378,7 @@ def claims_for(
             j.safety_from_site,
         )
         for j in data.jobs
+        if not (j.id in fair.passed_over and j.state == WAITING and not data.mine(j))
     ]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,7 +59,7 @@ from gpuwait.queue.conditions import (
     planned_claims,
     unpublished_pids,
 )
-from gpuwait.queue.entries import RUNNING, Job, LedgerData, elsewhere
+from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData, elsewhere
 from gpuwait.queue.fairness import NO_FAIR_SHARE
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted, Attempt, Cancelled, DependencyFailed
@@ -250,6 +250,11 @@ class Disagreement:
     waiting for the other's, the room left to nobody. Once that has lasted DISAGREE_AFTER, this
     waiter plans in strict order (priority, then submission: no search, nothing of its own, the
     same in every member's gpuwait) until a job starts or ends.
+
+    A job that strict order, too, has started for DISAGREE_AFTER and that still waits has no
+    gpuwait that starts it (its entry names a process that waits for nothing, or one that hangs;
+    one that is stopped is passed over anyway, `conditions.STOPPED`): it is
+    passed over (`passed_over`) for as long as it waits, and the jobs behind it go on.
     """
 
     def __init__(self) -> None:
@@ -258,6 +263,9 @@ class Disagreement:
         self.strict = False
         #: The running jobs when it turned strict: strict until they change.
         self.running: frozenset[str] = frozenset()
+        #: Other members' jobs that strict order started for DISAGREE_AFTER and that waited on:
+        #: left out of this waiter's plans while they wait (`FairShare.passed_over`).
+        self.passed_over: frozenset[str] = frozenset()
 
     def note(self, theirs: frozenset[str], running: frozenset[str], now: float) -> bool:
         """After a plan that starts `theirs` (other members' waiters) now, with `running`
@@ -265,9 +273,21 @@ class Disagreement:
         if self.strict and running != self.running:
             self.strict = False  # the queue moved: plans may agree again
         self.since = {job: self.since.get(job, now) for job in theirs}
-        if not self.strict and any(now - t >= DISAGREE_AFTER for t in self.since.values()):
+        late = frozenset(job for job, t in self.since.items() if now - t >= DISAGREE_AFTER)
+        if late and self.strict:
+            self.passed_over |= late
+            self.since = {job: t for job, t in self.since.items() if job not in late}
+        elif late:
             self.strict, self.running, self.since = True, running, {}
         return self.strict
+
+    def planned(self, fair: FairShare, waiting: Collection[str]) -> FairShare:
+        """`fair` as this waiter plans with it now: in strict order where the plans disagree,
+        passing over the jobs passed over that still wait (`waiting`)."""
+        self.passed_over = self.passed_over.intersection(waiting)
+        if self.strict:
+            fair = fair.in_strict_order()
+        return fair._replace(passed_over=self.passed_over) if self.passed_over else fair
 
     @property
     def suspected(self) -> bool:
@@ -515,16 +535,17 @@ def wait_for_admission(
         if kicked and any(elsewhere(j) for j in data.jobs):
             # A writer in another pid namespace cannot signal this waiter: watch the summary.
             kicked = False
-        strict = disagreement.strict
-        fair = policy.fair.in_strict_order() if strict else policy.fair
+        waiting = [j.id for j in data.jobs if j.state == WAITING]
+        fair = disagreement.planned(policy.fair, waiting)
         unlocked = _reason_without_lock(
             data, ledger.directory, job, snapshot, policy.safety, facts, fair
         )
         if ledger.shared and unlocked.reason is not None:
             running = frozenset(j.id for j in data.jobs if j.state == RUNNING)
-            if disagreement.note(unlocked.theirs, running, time.monotonic()) and not strict:
-                # Strict from now on, this plan too.
-                fair = policy.fair.in_strict_order()
+            disagreement.note(unlocked.theirs, running, time.monotonic())
+            if disagreement.planned(policy.fair, waiting) != fair:
+                # Strict from now on, or passing a job over: this plan too.
+                fair = disagreement.planned(policy.fair, waiting)
                 unlocked = _reason_without_lock(
                     data, ledger.directory, job, snapshot, policy.safety, facts, fair
                 )
