@@ -43,8 +43,8 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     aside waits for the job it made room for to start, but not while that one's gpuwait is
     stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle.
     """
-    live = {j.id: j for j in data.jobs}
-    stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
+    live = data.by_reference()
+    stepped_aside_for = data.find(job.yield_to) if job.yield_to else None
     if (
         stepped_aside_for is not None
         and stepped_aside_for.state != RUNNING
@@ -89,7 +89,7 @@ def _blocker(job: Job, data: LedgerData) -> str | None:
 
 def settle_dependencies(job: Job, data: LedgerData) -> str | None:
     """Drop the dependencies that are met; say why `job` can never start if one failed."""
-    live = {j.id for j in data.jobs}
+    live = data.by_reference()
     for dep in list(job.after_ok):
         if dep in live:
             continue
@@ -203,11 +203,29 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
                     if other.id == left.id and not data.mine(other):
                         other.id = f"{other.id}@{other.uid}"
         if not found:
-            found = [j.id for j in data.jobs if ref in (j.id, j.name, j.batch)]
+            found = _theirs(ref, data)
         if not found:
             raise ValueError(f"no job, name or batch {ref!r} is waiting, running or finished")
         ids.extend(i for i in found if i not in ids)
     return ids
+
+
+def _theirs(ref: str, data: LedgerData) -> list[str]:
+    """The other users' jobs `ref` names, as dependencies keep them (`LedgerData.reference`):
+    the one of that `ID@UID`, or of that id; else those of that name or batch. ValueError where
+    the id is that of several users' jobs (another member may give an entry of theirs the id of
+    anyone's job): which one is meant, the user says with its `ID@UID`."""
+    exact = [j for j in data.jobs if data.reference(j) == ref]
+    by_id = exact or [j for j in data.jobs if ref in (j.id, data.reference(j).rsplit("@", 1)[0])]
+    if len(by_id) > 1:
+        from gpuwait.core.text import printable  # only such a reference needs it
+
+        named = ", ".join(printable(data.reference(j), 30) for j in by_id)
+        raise ValueError(
+            f"{printable(ref, 30)} is the id of several users' jobs ({named}): name one"
+        )
+    named_so = by_id or [j for j in data.jobs if ref in (j.name, j.batch)]
+    return [data.reference(j) for j in named_so]
 
 
 # --- entries as claims ------------------------------------------------------------------

@@ -650,6 +650,19 @@ class LedgerData(Record):
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
 
+    def reference(self, job: Job) -> str:
+        """The id a dependency on `job` (`--after`) is kept under: its id for a job of this
+        user's; `ID@UID` for another user's, whichever of several users' entries with that id
+        `combine` shows with the plain one now (the lowest uid's), as entries come and go."""
+        if self.mine(job):
+            return job.id
+        tail = f"@{job.uid}"
+        return job.id if job.id.endswith(tail) else job.id + tail
+
+    def by_reference(self) -> dict[str, Job]:
+        """Every entry, by the id a dependency on it is kept under (`reference`)."""
+        return {self.reference(j): j for j in self.jobs}
+
     def remove(self, job_id: str) -> Job | None:
         job = self.find(job_id)
         if job is not None:

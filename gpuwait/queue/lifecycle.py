@@ -754,10 +754,10 @@ def _unmet(ids: list[str], data: LedgerData, ok: bool = False) -> list[str]:
     all would be more than a read accepts. ValueError past that, even so, and for `--after-ok`
     naming another user's job: how it ends is written in its user's file alone, which nobody
     else's plan reads, so it could never be met."""
-    live = {j.id for j in data.jobs}
+    live = data.by_reference()
     unmet = []
     for dep in ids:
-        theirs = data.find(dep) if ok else None
+        theirs = live.get(dep) if ok else None
         if theirs is not None and not data.mine(theirs):
             from gpuwait.core.text import printable  # only such a mistake needs it
 

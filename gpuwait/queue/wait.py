@@ -326,7 +326,7 @@ def _reason_without_lock(
     now, boot_now = time.time(), proc.boot_clock()
     if lifecycle.would_tidy(data, snapshot, now, directory):
         return Unlocked(None)
-    live = {j.id for j in data.jobs}
+    live = data.by_reference()
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return Unlocked(None)
     claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions, boot_now)

@@ -1650,3 +1650,41 @@ def test_a_members_waiting_entry_naming_a_gpuwait_that_runs_no_such_job_holds_up
     assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
     shown = json.loads(server.run(ALICE, "status", "--json").stdout)
     assert "never" not in [j["id"] for j in shown["jobs"]]
+
+
+#: A third member, whose uid is below the others'.
+CAROL = 47199
+
+
+def carol_takes_the_id(server: Server, job_id: str) -> None:
+    """Carol runs a job, and gives its entry in her own file the id `job_id`, her gpuwait
+    stopped first (its next transaction would not find its job)."""
+    server.envs[CAROL] = {**server.envs[ALICE], **user_home(server.root, CAROL, CAROL)}
+    carol = server.start(CAROL, "--vram", "1G", "--", "sleep", "60")
+    wait_for(lambda: any(j["uid"] == CAROL for j in server.jobs()), timeout=20)
+    server.wait_jobs(2, "running")
+    with server.locked():
+        os.kill(carol.pid, signal.SIGSTOP)
+    server.edit_own(CAROL, lambda raw: raw["jobs"][0].update(id=job_id))
+
+
+def test_a_member_who_gives_an_entry_the_id_of_anothers_job_takes_no_chain_on_it(
+    server: Server,
+) -> None:
+    # Alice's next step waits for Bob's job (`--after ID`). Carol, whose uid is lower, gives
+    # an entry of hers that id: hers was then shown with the plain id, Bob's as ID@UID, and
+    # Alice's step waited for Carol's job, long after Bob's had ended.
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    bobs = server.jobs()[0]["id"]
+    assert isinstance(bobs, str)
+    alice = server.start(ALICE, "--vram", "1G", "--after", bobs, "--", "echo", "next")
+    server.wait_jobs(2)
+    carol_takes_the_id(server, bobs)
+    # Named now, the id is of two users' jobs: which one is meant, Alice is asked.
+    done = server.run(ALICE, "--vram", "1G", "--timeout", "1s", "--after", bobs, "--", "true")
+    assert done.returncode == 2 and f"{bobs}@{BOB}" in done.stderr, done.stderr
+    assert f"{bobs}@{CAROL}" in done.stderr and "Traceback" not in done.stderr
+    os.killpg(bob.pid, signal.SIGTERM)
+    out, err = alice.communicate(timeout=20)
+    assert (alice.returncode, out) == (0, "next\n"), err
