@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from gpuwait.linux.security import read_at_most
+from gpuwait.linux.proc import read_at_most
 
 #: The mount table of this process's mount namespace.
 MOUNTINFO = "/proc/self/mountinfo"

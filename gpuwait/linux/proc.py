@@ -362,8 +362,28 @@ def command_name(pid: int) -> str | None:
         return None
 
 
-#: The most of a command line read from /proc.
-COMMAND_LINE_READ = 1 << 16
+#: How much read_at_most asks for at once: each read allocates that much first, a few MB
+#: that a small address space (`ulimit -v`) may not have, for files of a few KB.
+READ_CHUNK = 64 << 10
+
+
+def read_at_most(fd: int, cap: int) -> bytes:
+    """What `fd` has left to read, but never more than `cap` + 1 bytes: one byte past the cap
+    tells the caller the file is too large, however large it is or grows."""
+    chunks = []
+    size = 0
+    while size <= cap:
+        chunk = os.read(fd, min(READ_CHUNK, cap + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+#: More than any command line exec takes (its arguments may fill a quarter of the stack's
+#: limit, at most 6 MiB): a command line is read whole, its arguments all counted.
+_COMMAND_LINE_CAP = 8 << 20
 
 
 def command_line(pid: int, errors: str = "replace") -> list[str] | None:
@@ -375,16 +395,23 @@ def command_line(pid: int, errors: str = "replace") -> list[str] | None:
 
 
 def command_line_read(pid: int, errors: str = "replace") -> tuple[list[str], bool] | None:
-    """The process's arguments as far as COMMAND_LINE_READ reaches, and whether that was all of
-    them (a longer line's last argument that did not fit is left out); None where unreadable.
-    `errors` as for `command_line`."""
+    """The process's arguments, and whether that was all of them; None where unreadable.
+    Read whole, past the first 64 KiB (xargs handing a program a thousand file names): cut,
+    it would not be the command line the program's own entry keeps. Only past
+    _COMMAND_LINE_CAP, more than exec takes, is a line read in part (its last argument that
+    did not fit left out). `errors` as for `command_line`."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read(COMMAND_LINE_READ + 1)
+        fd = os.open(f"/proc/{pid}/cmdline", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    whole = len(raw) <= COMMAND_LINE_READ
-    raw = raw[:COMMAND_LINE_READ]
+    try:
+        raw = read_at_most(fd, _COMMAND_LINE_CAP)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    whole = len(raw) <= _COMMAND_LINE_CAP
+    raw = raw[:_COMMAND_LINE_CAP]
     return [arg.decode("utf-8", errors) for arg in raw.split(b"\0")[:-1]], whole
 
 

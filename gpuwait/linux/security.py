@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 
 from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word
 from gpuwait.linux import proc, userns
+from gpuwait.linux.proc import read_at_most
 
 _T = TypeVar("_T")
 
@@ -232,25 +233,6 @@ def _refused(path: Path | str, what: str) -> UnsafePath:
     return UnsafePath(path, f"{path} {what}; gpuwait refuses it", what)
 
 
-#: How much read_at_most asks for at once: each read allocates that much first, a few MB
-#: that a small address space (`ulimit -v`) may not have, for files of a few KB.
-READ_CHUNK = 64 << 10
-
-
-def read_at_most(fd: int, cap: int) -> bytes:
-    """What `fd` has left to read, but never more than `cap` + 1 bytes: one byte past the cap
-    tells the caller the file is too large, however large it is or grows."""
-    chunks = []
-    size = 0
-    while size <= cap:
-        chunk = os.read(fd, min(READ_CHUNK, cap + 1 - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
-
-
 def read_capped(fd: int, path: Path | str, cap: int) -> bytes:
     """The rest of `fd`, the file at `path`; UnsafePath when it is larger than `cap` bytes
     (told by its size when it is so already: nothing of it is read then)."""
@@ -409,8 +391,8 @@ def runs_command(pid: int, command: object) -> bool:
     """Does the gpuwait process `pid` run `command`, a waiting entry's (as an entry keeps it,
     cut where long): its command line ends with it, as the line of the gpuwait that waits to
     start it does? One of its user's that runs something else (their `gpuwait status --watch`)
-    will never start that entry's job. A line longer than /proc gives in one read is taken as
-    the entry's where as much of it as was read agrees."""
+    will never start that entry's job. A line longer than is read (`proc.command_line_read`)
+    is taken as the entry's where as much of it as was read agrees."""
     read = proc.command_line_read(pid, "surrogateescape")
     if read is None or not isinstance(command, list) or not command:
         return False

@@ -48,6 +48,7 @@ from gpuwait.linux.atomic import (
     write_atomic,
 )
 from gpuwait.linux.lock import LockTimeout, flock_within, holders
+from gpuwait.linux.proc import read_at_most
 from gpuwait.linux.security import (
     ANYONE,
     UnsafePath,
@@ -56,7 +57,6 @@ from gpuwait.linux.security import (
     open_readable,
     open_state_file,
     proven_entry,
-    read_at_most,
     taken_over_hint,
 )
 from gpuwait.linux.stamp import file_stamp, stamp_of

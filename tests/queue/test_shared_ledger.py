@@ -1518,8 +1518,16 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
 
 @pytest.mark.parametrize(
     "extra",
-    [(), ("x" * 5000,), (b"caf\xe9.csv",)],
-    ids=["plain", "a-long-argument", "a-file-name-in-latin-1"],
+    [
+        (),
+        ("x" * 5000,),
+        (b"caf\xe9.csv",),
+        tuple(
+            f"/datasets/laion-2b-en/webdataset/train/part-{i // 100:03}/laion2b-en-{i:06}.tar"
+            for i in range(1000)
+        ),
+    ],
+    ids=["plain", "a-long-argument", "a-file-name-in-latin-1", "over-64-KiB-of-arguments"],
 )
 def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
     server: Server, extra: tuple[str | bytes, ...]
@@ -1530,7 +1538,9 @@ def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
     # out of Bob's file. So too where his program was given an argument over 4 KiB (`python -c
     # "$(cat job.py)"`, a config inline), which its entry keeps cut: that never equalled the
     # command line the kernel shows; nor where an argument was no UTF-8 (a file name in
-    # Latin-1), which Python and the kernel's command line, read as text, spelt apart.
+    # Latin-1), which Python and the kernel's command line, read as text, spelt apart; nor
+    # where its arguments came to more than 64 KiB (xargs handing it 900 shards), of which
+    # the kernel's command line was read no further.
     server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
