@@ -606,13 +606,14 @@ class Ledger:
         (a live process of someone else's, pid 1, copies naming one gpuwait or one command
         twice); the file stays theirs. An entry whose processes are all gone is left to its
         owner's next gpuwait, which reaps it as its own: recorded as lost (what `--after` and
-        `--after-ok` read), its run in the history, its usage charged."""
+        `--after-ok` read), its run in the history, its usage charged; so is one naming a
+        live process of theirs that the kernel does not prove (`_left_to_its_owner`)."""
         kept = entries.counted(
             [copy_job(j) for j in data.jobs],
             uid,
             lambda j: (
                 self._counts(j)
-                or _nothing_runs(j.pid, j.start_time, j.child_pid, j.child_start_time)
+                or _left_to_its_owner(uid, j.pid, j.start_time, j.child_pid, j.child_start_time)
             ),
         )
         if len(kept) == entries_in_file:
@@ -688,6 +689,19 @@ def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: i
     )
 
 
+def _left_to_its_owner(
+    uid: int, pid: int, start: int, child: int | None, child_start: int | None
+) -> bool:
+    """Is an entry of `uid`'s file that the kernel does not prove theirs to judge, not root's:
+    its processes are all gone (its owner's gpuwait reaps it, recording it as lost), or it
+    names a live process of theirs (a program waiting for room from Python under a process
+    title of its own: taken out, it would be cancelled)? Root takes out only an entry naming
+    someone else's process."""
+    return _nothing_runs(pid, start, child, child_start) or (
+        proc.is_alive(pid, start) and proc.owner_uid(pid) == uid
+    )
+
+
 def _proven_or_gone(
     uid: int,
     pid: int,
@@ -698,9 +712,9 @@ def _proven_or_gone(
     command: object = None,
 ) -> bool:
     """An entry of another user's that root's gpuwait keeps when it tidies their file: one the
-    kernel proves, or one whose processes are all gone, for its owner's gpuwait to reap."""
-    return proven_entry(uid, pid, start, state, child, child_start, command) or _nothing_runs(
-        pid, start, child, child_start
+    kernel proves, or one left to its owner (`_left_to_its_owner`)."""
+    return proven_entry(uid, pid, start, state, child, child_start, command) or _left_to_its_owner(
+        uid, pid, start, child, child_start
     )
 
 

@@ -1516,6 +1516,31 @@ def test_a_member_claiming_anothers_process_keeps_them_from_adopting_it_no_more(
         alices.wait()
 
 
+def bobs_program_in_the_queue(
+    server: Server, python: str, extra: Sequence[str | bytes] = ()
+) -> subprocess.Popen[str]:
+    """Bob's Python program running `python` (which waits in gpuwait.reserve), given the
+    arguments `extra`, once its entry is in his file."""
+    argv = [*program_as(BOB, BOB, [GROUP], server.root, python), *extra]
+    bob = subprocess.Popen(
+        argv,
+        env=server.envs[BOB],
+        cwd="/",
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    server.procs.append(bob)
+    wait_for(
+        lambda: (
+            server.own_file(BOB).exists() and json.loads(server.own_file(BOB).read_text())["jobs"]
+        ),
+        timeout=20,
+    )
+    return bob
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -1544,23 +1569,7 @@ def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
     server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
-    argv = [*program_as(BOB, BOB, [GROUP], server.root, python), *extra]
-    bob = subprocess.Popen(
-        argv,
-        env=server.envs[BOB],
-        cwd="/",
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    server.procs.append(bob)
-    wait_for(
-        lambda: (
-            server.own_file(BOB).exists() and json.loads(server.own_file(BOB).read_text())["jobs"]
-        ),
-        timeout=20,
-    )
+    bobs_program_in_the_queue(server, python, extra)
     shown = json.loads(server.run(ALICE, "status", "--json").stdout)
     assert [(j["uid"], j["state"]) for j in shown["jobs"]] == [
         (ALICE, "running"),
@@ -1568,6 +1577,35 @@ def test_a_members_program_waiting_for_room_from_python_is_in_everyones_queue(
     ], shown["jobs"]
     assert server.run_root("status").returncode == 0
     assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 1
+
+
+def test_roots_status_leaves_a_members_program_that_set_its_own_title_waiting(
+    server: Server,
+) -> None:
+    # Bob's server waits in `gpuwait.reserve("10G")` behind Alice's 20 GiB job, under a
+    # process title of its own (as gunicorn's workers set): its command line is not the one
+    # its entry keeps, so the others do not see it waiting. Root's `gpuwait status` took its
+    # entry out of Bob's file, as one naming nobody of his, and Bob's program gave up,
+    # cancelled, though it was his own and still waiting.
+    alice = server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    python = (
+        "sys.orig_argv = ['gunicorn: worker [serve:app]']\n"
+        "try:\n"
+        "    r = gpuwait.reserve('10G')\n"
+        "except BaseException as e:\n"
+        "    print('gave up', type(e).__name__, e, flush=True)\n"
+        "    raise SystemExit(1)\n"
+        "print('got', flush=True)\n"
+        "signal.pause()"
+    )
+    bob = bobs_program_in_the_queue(server, python)
+    assert server.run_root("status").returncode == 0
+    assert len(json.loads(server.own_file(BOB).read_text())["jobs"]) == 1
+    # Still waiting for its room, not cancelled: it gets it once Alice's job ends.
+    os.killpg(alice.pid, signal.SIGTERM)
+    assert bob.stdout is not None
+    assert bob.stdout.readline() == "got\n", bob.communicate()
 
 
 def test_a_members_program_admitted_from_python_keeps_its_room_before_it_is_started(
