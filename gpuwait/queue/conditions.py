@@ -43,7 +43,7 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     aside waits for the job it made room for to start, but not while that one's gpuwait is
     stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle.
     """
-    live = data.by_reference()
+    live = data.by_reference(job.uid)
     stepped_aside_for = data.find(job.yield_to) if job.yield_to else None
     if (
         stepped_aside_for is not None

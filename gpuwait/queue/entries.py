@@ -650,18 +650,26 @@ class LedgerData(Record):
     def find(self, job_id: str) -> Job | None:
         return next((j for j in self.jobs if j.id == job_id), None)
 
-    def reference(self, job: Job) -> str:
-        """The id a dependency on `job` (`--after`) is kept under: its id for a job of this
-        user's; `ID@UID` for another user's, whichever of several users' entries with that id
-        `combine` shows with the plain one now (the lowest uid's), as entries come and go."""
+    def reference(self, job: Job, by: int | None = None) -> str:
+        """The id a dependency of the user `by` (default: this process's) on `job` (`--after`)
+        is kept under: its id for a job of their own; `ID@UID` for another user's, whichever of
+        several users' entries with that id `combine` shows with the plain one now (the lowest
+        uid's), as entries come and go. Another member's waiter keeps its dependencies in its
+        own user's terms: a plan that reads them reads them so (`by`)."""
+        if self.me is None:
+            return job.id  # one user's ledger: every entry is theirs
+        tail = f"@{job.uid}"
+        if job.uid != (self.me if by is None else by):
+            return job.id if job.id.endswith(tail) else job.id + tail
         if self.mine(job):
             return job.id
-        tail = f"@{job.uid}"
-        return job.id if job.id.endswith(tail) else job.id + tail
+        # Their own job, shown here with its owner where this user's file has its id too.
+        return job.id.removesuffix(tail)
 
-    def by_reference(self) -> dict[str, Job]:
-        """Every entry, by the id a dependency on it is kept under (`reference`)."""
-        return {self.reference(j): j for j in self.jobs}
+    def by_reference(self, by: int | None = None) -> dict[str, Job]:
+        """Every entry, by the id a dependency of the user `by` on it is kept under
+        (`reference`)."""
+        return {self.reference(j, by): j for j in self.jobs}
 
     def remove(self, job_id: str) -> Job | None:
         job = self.find(job_id)

@@ -55,3 +55,22 @@ def test_a_waiter_says_which_job_it_waits_for_how_many_more_and_whether_it_must_
     assert dependency_blocker(both, data) == "waiting for job a (prep) and 1 more to finish"
     must_succeed = live_job("v", after_ok=["b"])
     assert dependency_blocker(must_succeed, data) == "waiting for job b to finish successfully"
+
+
+def test_another_members_step_waits_in_a_plan_for_the_job_its_user_named() -> None:
+    # Read by uid 1 in a shared ledger: uid 2's step waits for uid 2's own "a" (shown here as
+    # a@2, uid 1 having an "a" too) and for uid 1's "b" (kept by uid 2 as b@1). Neither has
+    # ended: the plan must not start the step, nor make it wait for uid 1's own "a".
+    data = LedgerData(
+        jobs=[
+            live_job("a", uid=1, state="running"),
+            live_job("a@2", uid=2, name="prep", state="running"),
+            live_job("b", uid=1, state="running"),
+        ]
+    )
+    data.me = 1
+    step = live_job("s", uid=2, after=["a"])
+    assert dependency_blocker(step, data) == "waiting for job a@2 (prep) to finish"
+    assert dependency_blocker(live_job("t", uid=2, after=["b@1"]), data) is not None
+    data.jobs.pop(1)  # uid 2's "a" ended: uid 1's "a" holds up nobody else's step
+    assert dependency_blocker(step, data) is None

@@ -1736,3 +1736,22 @@ def test_a_member_who_gives_an_entry_the_id_of_anothers_job_takes_no_chain_on_it
     os.killpg(bob.pid, signal.SIGTERM)
     out, err = alice.communicate(timeout=20)
     assert (alice.returncode, out) == (0, "next\n"), err
+
+
+@pytest.mark.parametrize("whose", [BOB, ALICE], ids=["his-own", "hers"])
+def test_a_members_step_after_a_running_job_keeps_nobody_waiting(
+    server: Server, whose: int
+) -> None:
+    # Bob's step waits for a running job (`--after`), his own or Alice's; her 10 GiB job fits
+    # beside it. Her gpuwait read his step's dependency as hers would be kept, found it met,
+    # and waited behind a step that could not start.
+    server.site_config('fair_share_half_life = "none"\n')  # first come, first served
+    first = server.start(whose, "--vram", "10G", "--name", "prep", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    server.start(BOB, "--vram", "10G", "--after", "prep", "--", "sleep", "60")
+    server.wait_jobs(2)
+    done = server.run(ALICE, "--vram", "10G", "--timeout", "3s", "--", "echo", "started")
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
+    assert first.poll() is None
+    shown = json.loads(server.run(ALICE, "status", "--json").stdout)
+    assert [j["state"] for j in shown["jobs"]] == ["running", "waiting"], shown
