@@ -41,10 +41,11 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     An `--after-ok` dependency that ended without success blocks for good: the job's own
     gpuwait notices and gives up (exit 6), and no plan admits it meanwhile. A job that stepped
     aside waits for the job it made room for to start, but not while that one's gpuwait is
-    stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle.
+    stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle. Both are
+    read as the job's own user keeps them (`LedgerData.reference`), whoever plans.
     """
     live = data.by_reference(job.uid)
-    stepped_aside_for = data.find(job.yield_to) if job.yield_to else None
+    stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
     if (
         stepped_aside_for is not None
         and stepped_aside_for.state != RUNNING

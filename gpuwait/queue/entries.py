@@ -151,6 +151,7 @@ class Job(Record):
     #: stream of urgent jobs cannot starve it; it waits until that job has started (`yield_to`).
     #: Its place in the queue only: it asks others to step aside at its own `priority`.
     boost: int = 0
+    #: That job, as a dependency of this job's user on it is kept (`LedgerData.reference`).
     yield_to: str | None = None
     #: Seconds this command takes to load to its peak (history), the cost of pausing it.
     load_seconds: float | None = None

@@ -1096,9 +1096,9 @@ def confirm_admission(
             # It waits on in the place it had: the admission took away what it stepped aside
             # for (`_admit_all`), and it has not run.
             mine.boost = max(mine.boost, asked.boost)
-            yielded = data.find(asked.yield_to) if asked.yield_to else None
+            yielded = data.by_reference().get(asked.yield_to) if asked.yield_to else None
             if yielded is not None and yielded.state == WAITING:
-                mine.yield_to = yielded.id
+                mine.yield_to = data.reference(yielded)
     return None
 
 
@@ -1272,7 +1272,7 @@ def step_aside(
             charge(data, job.uid, charge_usage[0], time.time(), charge_usage[1])
         requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
         mine.boost = max(mine.boost, requester.priority if requester else 0)
-        mine.yield_to = requester.id if requester else None
+        mine.yield_to = data.reference(requester) if requester else None
         _started_since(data, mine)
         _queued_again(mine, time.time())
         # Its checkpoint keeps the run's work, but not its load: resuming loads again.
@@ -1328,7 +1328,7 @@ def freeze(ledger: Ledger, job: Job, pids: Sequence[int], now: float) -> Job:
         requester = data.find(mine.pause_requested_by) if mine.pause_requested_by else None
         gpus = list(mine.gpu_uuids)
         mine.boost = max(mine.boost, requester.priority if requester else 0)
-        mine.yield_to = requester.id if requester else None
+        mine.yield_to = data.reference(requester) if requester else None
         _started_since(data, mine)
         mine.state = WAITING
         # Its memory comes back as it was: the run's work is all kept.

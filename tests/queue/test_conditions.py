@@ -74,3 +74,30 @@ def test_another_members_step_waits_in_a_plan_for_the_job_its_user_named() -> No
     assert dependency_blocker(live_job("t", uid=2, after=["b@1"]), data) is not None
     data.jobs.pop(1)  # uid 2's "a" ended: uid 1's "a" holds up nobody else's step
     assert dependency_blocker(step, data) is None
+
+
+def test_another_members_job_that_stepped_aside_waits_for_the_job_it_made_room_for() -> None:
+    # Read by uid 1: uid 2's paused job made room for uid 2's own "a" (shown here as a@2, uid
+    # 1 having an "a" too, waiting), and uid 2's other one for uid 3's "x" (kept by uid 2 as
+    # x@3; uid 1 has an "x" of its own, waiting). Each waits for the job its user named, as
+    # uid 2's own plan has it, and not for uid 1's.
+    data = LedgerData(
+        jobs=[
+            live_job("a", uid=1),
+            live_job("x", uid=1),
+            live_job("a@2", uid=2, state="running"),
+            live_job("x@3", uid=3, state="running"),
+        ]
+    )
+    data.me = 1
+    for_his_own = live_job("p", uid=2, yield_to="a")
+    for_a_third = live_job("q", uid=2, yield_to="x@3")
+    assert dependency_blocker(for_his_own, data) is None
+    assert dependency_blocker(for_a_third, data) is None
+    data.jobs[2].state = data.jobs[3].state = "waiting"
+    assert dependency_blocker(for_his_own, data) == (
+        "stepped aside for job a@2; resumes once it has started"
+    )
+    assert dependency_blocker(for_a_third, data) == (
+        "stepped aside for job x@3; resumes once it has started"
+    )
