@@ -889,7 +889,11 @@ def run(
         flush=True,
     )
     if keep or chaos.broken:
-        print(f"  kept: {chaos.root}")
+        # What broke and the steps that led there, beside the state they left: a break that a
+        # rerun of the seed does not repeat (timing decides much) can still be read afterwards.
+        said = [*(f"! {line}" for line in chaos.broken), *chaos.log]
+        (chaos.root / "chaos.log").write_text("\n".join(said) + "\n", encoding="utf-8")
+        print(f"  kept: {chaos.root} (its chaos.log: what broke, then every step)")
     else:
         chaos.cleanup()
     return chaos
