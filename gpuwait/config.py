@@ -37,7 +37,7 @@ from gpuwait.core.sizes import (
     parse_size,
     parse_whole,
 )
-from gpuwait.core.text import shell_word
+from gpuwait.core.text import shell_word, whole_number
 from gpuwait.linux import dirs, netfs
 from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.security import (
@@ -161,13 +161,8 @@ def _choice(*choices: str) -> Callable[[Any], str]:
 
 
 def _priority(value: Any) -> int:
-    text = str(value).strip()
-    number = (
-        int(text)
-        if text.isascii() and text.isdigit() and not isinstance(value, (bool, float))
-        else 0
-    )
-    if not 1 <= number <= 5:
+    number = None if isinstance(value, (bool, float)) else whole_number(str(value).strip())
+    if number is None or not 1 <= number <= 5:
         raise ValueError("expected a priority from 1 (low) to 5 (urgent)")
     return number
 
@@ -335,11 +330,9 @@ def _count_limit(value: Any) -> int | None:
         raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
     if value in (None, "", "none", 0, "0"):
         return None
-    if isinstance(value, bool) or not (
-        str(value).strip().isascii() and str(value).strip().isdigit()
-    ):
+    number = whole_number(str(value).strip())
+    if number is None:
         raise ValueError("expected a whole number of GPUs, or 0 / none for no limit")
-    number = int(str(value).strip())
     if number > 1024:
         raise ValueError("expected at most 1024 GPUs")
     # A zero however written ("00", " 0 ") is none too: a limit of no GPU would refuse every job.
