@@ -42,9 +42,10 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     gpuwait notices and gives up (exit 6), and no plan admits it meanwhile. A job that stepped
     aside waits for the job it made room for to start, but not while that one's gpuwait is
     stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle. Both are
-    read as the job's own user keeps them (`LedgerData.reference`), whoever plans.
+    read as the job's own user keeps them (`LedgerData.reference`), whoever plans, or as a
+    gpuwait of theirs from before kept them (`LedgerData.as_kept_in`).
     """
-    live = data.by_reference(job.uid)
+    live = data.as_kept_in(job)
     stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
     if (
         stepped_aside_for is not None

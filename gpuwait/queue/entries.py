@@ -211,6 +211,10 @@ class Job(Record):
     #: of an earlier boot names no process of this one, whoever has its pid and start time now.
     #: None: judged by its pids, as entries of older versions are.
     boot: str | None = None
+    #: Whether its dependencies on other users' jobs (`after`, `yield_to`) are kept as
+    #: `ID@UID` (`LedgerData.reference`). False: an entry of an older gpuwait's, which kept the
+    #: plain id its view showed (`LedgerData.as_kept_by`).
+    owners_kept: bool = True
     #: What a newer gpuwait wrote in the entry beyond the fields above (they are only ever
     #: added within a schema): written back as found, so that the entry keeps them whoever
     #: of two versions on one ledger changes it.
@@ -334,6 +338,7 @@ class Job(Record):
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),
+            owners_kept=raw.get("owners_kept") is True,
             newer_fields=_newer_fields(raw, _JOB_KEYS),
         )
         if len(values) == len(cls._fields):
@@ -671,6 +676,25 @@ class LedgerData(Record):
         """Every entry, by the id a dependency of the user `by` on it is kept under
         (`reference`)."""
         return {self.reference(j, by): j for j in self.jobs}
+
+    def as_kept_in(self, job: Job) -> dict[str, Job]:
+        """Every entry, by the id `job`'s dependencies on it are kept under: as its own user
+        keeps them (`by_reference`), or, in an entry of an older gpuwait's (`owners_kept`
+        False), each other user's job also under the plain id that gpuwait's view showed: the
+        lowest uid's where several users' jobs have that id. Such a gpuwait still waits after
+        an upgrade, and a member who has not upgraded writes them so: read as `ID@UID` alone,
+        the step would start at once. An id of that user's own jobs, live or (in this user's
+        book) ended, stays theirs."""
+        by = job.uid
+        found = self.by_reference(by)
+        if self.me is None or job.owners_kept:
+            return found
+        ended = {f.id for f in self.book.finished} if by == self.me else set()
+        for other in sorted(self.jobs, key=lambda j: j.uid):
+            plain = other.id.removesuffix(f"@{other.uid}")
+            if other.uid != by and plain not in ended:
+                found.setdefault(plain, other)
+        return found
 
     def remove(self, job_id: str) -> Job | None:
         job = self.find(job_id)

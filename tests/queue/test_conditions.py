@@ -76,6 +76,29 @@ def test_another_members_step_waits_in_a_plan_for_the_job_its_user_named() -> No
     assert dependency_blocker(step, data) is None
 
 
+def test_a_step_or_paused_job_an_older_gpuwait_queued_waits_for_the_job_it_named() -> None:
+    # uid 2's gpuwait from before an upgrade kept its dependency on uid 3's "x", and its job
+    # that stepped aside for uid 3's "y", by the plain ids its view showed: read as x@3 and y@3
+    # alone, both were planned to start at once, beside "x" running and before "y".
+    data = LedgerData(
+        jobs=[live_job("x", uid=3, state="running", name="prep"), live_job("y", uid=3)]
+    )
+    data.me = 2
+    step = live_job("s", uid=2, after=["x"], owners_kept=False)
+    paused = live_job("p", uid=2, yield_to="y", owners_kept=False)
+    assert dependency_blocker(step, data) == "waiting for job x (prep) to finish"
+    assert (
+        dependency_blocker(paused, data) == "stepped aside for job y; resumes once it has started"
+    )
+    data.me = 1  # the same in another member's plan
+    assert dependency_blocker(step, data) is not None
+    assert dependency_blocker(paused, data) is not None
+    # An id of uid 2's own job that ended (their book has it) is theirs, whoever takes it.
+    data.me = 2
+    data.book.note_finished(Finished(id="x", outcome=OK, finished_at=1.0))
+    assert dependency_blocker(step, data) is None
+
+
 def test_another_members_job_that_stepped_aside_waits_for_the_job_it_made_room_for() -> None:
     # Read by uid 1: uid 2's paused job made room for uid 2's own "a" (shown here as a@2, uid
     # 1 having an "a" too, waiting), and uid 2's other one for uid 3's "x" (kept by uid 2 as

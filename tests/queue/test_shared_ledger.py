@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from helpers.history import a_run
+from helpers.jobs import live_job
 from helpers.users import (
     clean_up,
     hidepid_prefix,
@@ -1421,6 +1422,47 @@ def test_a_member_who_gives_an_entry_the_id_of_ones_ended_job_holds_up_no_chain(
             ALICE, "--vram", "1G", "--timeout", "3s", option, prep, "--", "echo", "next"
         )
         assert (done.returncode, done.stdout) == (0, "next\n"), (option, done.stderr)
+
+
+def older_gpuwait_waiting(server: Server, uid: int, *args: str) -> subprocess.Popen[str]:
+    """A gpuwait of `uid`'s from before an upgrade, waiting to run ARGS' command (after
+    `--`): its command line, and nothing that plans or starts anything."""
+    older = subprocess.Popen(
+        ["sh", "-c", "sleep 60; exit", "gpuwait", *args],
+        user=uid,
+        group=uid,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(older)
+    return older
+
+
+def test_a_step_an_older_gpuwait_queued_on_anothers_job_still_waits_for_it(
+    server: Server,
+) -> None:
+    # Bob's step waits for Alice's prep ('--after ID'), queued by the gpuwait he had before
+    # he upgraded, which kept her job's id as his view showed it: plain. The first job his
+    # new gpuwait ran marked that step as started at once, beside her prep, still running.
+    server.start(ALICE, "--vram", "1G", "--name", "prep", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    prep = str(server.jobs()[0]["id"])
+    step = ["sh", "-c", "echo step"]
+    older = older_gpuwait_waiting(server, BOB, "--after", prep, "--vram", "1G", "--", *step)
+    queued = live_job(
+        "step", older.pid, uid=BOB, command=step, after=[prep], request={"bytes": GiB}
+    ).to_json()
+    del queued["owners_kept"]  # which that gpuwait knew nothing of
+    server.edit_own(BOB, lambda raw: raw["jobs"].append(queued))
+    done = server.run(BOB, "--vram", "1G", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    shown = server.run(BOB, "status")
+    assert f"waiting for job {prep} (prep) to finish" in shown.stdout, shown.stdout
+    assert {(j["id"], j["state"]) for j in server.jobs()} == {
+        (prep, "running"),
+        ("step", "waiting"),
+    }
 
 
 @pytest.mark.parametrize("orphaned", [False, True], ids=["running", "said-orphaned"])
