@@ -23,6 +23,7 @@ from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.text import MAX_TEXT as _MAX_TEXT
 from gpuwait.core.text import MAX_TEXTS as _MAX_TEXTS
+from gpuwait.core.text import whole_number
 from gpuwait.linux import pidns as pid_namespaces
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import (
@@ -211,9 +212,10 @@ class Job(Record):
     #: of an earlier boot names no process of this one, whoever has its pid and start time now.
     #: None: judged by its pids, as entries of older versions are.
     boot: str | None = None
-    #: Whether its dependencies on other users' jobs (`after`, `yield_to`) are kept as
-    #: `ID@UID` (`LedgerData.reference`). False: an entry of an older gpuwait's, which kept the
-    #: plain id its view showed (`LedgerData.as_kept_by`).
+    #: Whether its dependencies on other users' jobs (`after`, `yield_to`) are known as
+    #: `ID@UID` (`LedgerData.reference`): the file says whose each is (`owners`, beside the
+    #: plain ids an older gpuwait reads). False: an entry of an older gpuwait's, which kept only
+    #: the plain id its view showed (`LedgerData.as_kept_in`).
     owners_kept: bool = True
     #: What a newer gpuwait wrote in the entry beyond the fields above (they are only ever
     #: added within a schema): written back as found, so that the entry keeps them whoever
@@ -338,9 +340,14 @@ class Job(Record):
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),
-            owners_kept=raw.get("owners_kept") is True,
+            owners_kept=False,
             newer_fields=_newer_fields(raw, _JOB_KEYS),
         )
+        owners = _owners(raw.get("owners"))
+        if owners is not None:
+            values["owners_kept"] = True
+            if owners:
+                _as_kept(values, owners)
         if len(values) == len(cls._fields):
             # Every field is set above and each value checked: Record's generic __init__ (a
             # good part of the time this takes, in every read of the ledger) has nothing to add.
@@ -356,7 +363,71 @@ class Job(Record):
         # vars(), not asdict(): the same JSON without asdict's deep copies.
         raw = dict(vars(self))
         newer = raw.pop("newer_fields")
+        if raw.pop("owners_kept"):
+            raw["owners"] = _as_written(raw)
         return {**newer, **raw} if newer else raw
+
+
+def _as_written(raw: dict[str, Any]) -> dict[str, int]:
+    """Write the dependencies of the entry `raw` (a copy) on other users' jobs (`ID@UID`) by
+    their plain ids, as an older gpuwait keeps and reads them (its view shows another member's
+    job by its plain id), so that it plans a step of a newer one's as waiting for that job;
+    and return whose each is, for a newer gpuwait (`_as_kept`). One whose plain id is another
+    dependency's already stays `ID@UID`."""
+    refs = [*raw["after"], *raw["after_ok"], *([raw["yield_to"]] if raw["yield_to"] else [])]
+    if not any("@" in ref for ref in refs):
+        return {}
+    owned = {ref: _owner(ref, raw["uid"]) for ref in refs}
+    taken = {ref for ref, owner in owned.items() if owner is None}
+    owners: dict[str, int] = {}
+    written: dict[str, str] = {}
+    for ref, owner in owned.items():
+        if owner is None:
+            continue
+        plain = ref.removesuffix(f"@{owner}")
+        as_written = ref if plain in taken or plain in owned else plain
+        taken.add(as_written)
+        owners[as_written], written[ref] = owner, as_written
+    if written:
+        raw["after"] = [written.get(ref, ref) for ref in raw["after"]]
+        raw["after_ok"] = [written.get(ref, ref) for ref in raw["after_ok"]]
+        raw["yield_to"] = written.get(raw["yield_to"], raw["yield_to"])
+    return owners
+
+
+def _owner(ref: str, uid: int) -> int | None:
+    """The uid of another user than `uid` whose job the dependency `ref` names (`ID@UID`)."""
+    _, at, owner = ref.rpartition("@")
+    number = whole_number(owner) if at else None
+    return None if number == uid else number
+
+
+def _owners(value: Any) -> dict[str, int] | None:
+    """An entry's `owners` (`_as_written`); None where it has none (an older gpuwait's), or
+    it is damaged: its dependencies are then read as an older gpuwait kept them."""
+    if (
+        not isinstance(value, dict)
+        or len(value) > 3 * _MAX_TEXTS
+        or not all(type(v) is int and 0 <= v < 2**32 for v in value.values())
+    ):
+        return None
+    return value
+
+
+def _as_kept(values: dict[str, Any], owners: dict[str, int]) -> None:
+    """The dependencies of an entry read (`values`) as this version keeps them (`ID@UID` for
+    another user's job), from the plain ids written beside whose each is (`_as_written`)."""
+
+    def kept(ref: str) -> str:
+        owner = owners.get(ref)
+        if owner is None:
+            return ref
+        return ref if ref.endswith(f"@{owner}") else f"{ref}@{owner}"
+
+    values["after"] = [kept(ref) for ref in values["after"]]
+    values["after_ok"] = [kept(ref) for ref in values["after_ok"]]
+    if values["yield_to"] is not None:
+        values["yield_to"] = kept(values["yield_to"])
 
 
 def _newer_fields(raw: dict[str, Any], known: frozenset[str]) -> dict[str, Any]:
@@ -514,7 +585,7 @@ _CONTAINER_FIELDS = tuple(
     if str(annotation).startswith(("list[", "dict[")) or "| list[" in str(annotation)
 )
 #: The fields an entry of this version has in the file.
-_JOB_KEYS = frozenset(Job._fields) - {"newer_fields"}
+_JOB_KEYS = (frozenset(Job._fields) - {"newer_fields", "owners_kept"}) | {"owners"}
 
 
 class UserUsage(Record):

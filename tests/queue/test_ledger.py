@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers.fixtures_sim import Run, SimFileFactory
-from helpers.jobs import replace_ledger
+from helpers.jobs import live_job, replace_ledger
 from helpers.waiting import process_state, wait_for
 
 from gpuwait.linux import lock, proc
@@ -196,6 +196,24 @@ def test_running_entry_round_trips(tmp_path: Path) -> None:
     with ledger.transaction() as data:
         data.jobs.append(job)
     assert ledger.read().jobs == [job]
+
+
+def test_dependencies_on_other_users_jobs_are_written_as_an_older_gpuwait_reads_them() -> None:
+    # uid 1's step waits for uid 2's "x", for uid 3's "x" and for its own "y", and stepped
+    # aside for uid 2's "z". An older gpuwait reads a dependency by the plain id its view
+    # shows: one written as x@2 was to it one whose job had ended, so its plans started the
+    # step at once (and held room for it, which its own gpuwait would not start in).
+    job = live_job("s", uid=1, after=["x@2", "y"], after_ok=["x@3"], yield_to="z@2")
+    raw = job.to_json()
+    assert (raw["after"], raw["after_ok"], raw["yield_to"]) == (["x", "y"], ["x@3"], "z")
+    assert Job.from_json(json.loads(json.dumps(raw))) == job
+    # Without whose each is (an older gpuwait's entry, or that part damaged), they are read as
+    # an older gpuwait kept them.
+    for owners in (None, {"x": "2"}, [1]):
+        older = Job.from_json({**raw, "owners": owners} if owners else {**raw, "owners": None})
+        assert (older.after, older.owners_kept) == (["x", "y"], False)
+    del raw["owners"]
+    assert not Job.from_json(raw).owners_kept
 
 
 def test_temporary_files_of_a_killed_writer_are_removed(tmp_path: Path) -> None:

@@ -1439,21 +1439,26 @@ def older_gpuwait_waiting(server: Server, uid: int, *args: str) -> subprocess.Po
     return older
 
 
+def alices_prep_runs(server: Server) -> str:
+    """Alice's job `prep` runs (a minute); its id."""
+    server.start(ALICE, "--vram", "1G", "--name", "prep", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    return str(server.jobs()[0]["id"])
+
+
 def test_a_step_an_older_gpuwait_queued_on_anothers_job_still_waits_for_it(
     server: Server,
 ) -> None:
     # Bob's step waits for Alice's prep ('--after ID'), queued by the gpuwait he had before
     # he upgraded, which kept her job's id as his view showed it: plain. The first job his
     # new gpuwait ran marked that step as started at once, beside her prep, still running.
-    server.start(ALICE, "--vram", "1G", "--name", "prep", "--", "sleep", "60")
-    server.wait_jobs(1, "running")
-    prep = str(server.jobs()[0]["id"])
+    prep = alices_prep_runs(server)
     step = ["sh", "-c", "echo step"]
     older = older_gpuwait_waiting(server, BOB, "--after", prep, "--vram", "1G", "--", *step)
     queued = live_job(
         "step", older.pid, uid=BOB, command=step, after=[prep], request={"bytes": GiB}
     ).to_json()
-    del queued["owners_kept"]  # which that gpuwait knew nothing of
+    del queued["owners"]  # which that gpuwait knew nothing of
     server.edit_own(BOB, lambda raw: raw["jobs"].append(queued))
     done = server.run(BOB, "--vram", "1G", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
@@ -1463,6 +1468,24 @@ def test_a_step_an_older_gpuwait_queued_on_anothers_job_still_waits_for_it(
         (prep, "running"),
         ("step", "waiting"),
     }
+
+
+def test_a_step_on_anothers_job_is_written_so_that_an_older_gpuwait_waits_for_it(
+    server: Server,
+) -> None:
+    # Bob, upgraded, queues a step after Alice's prep, still running. Alice (or Bob's own
+    # launches from before he upgraded) plan with an older gpuwait, which reads the step's
+    # dependency by the plain id its view shows: written as ID@UID, it was one whose job had
+    # ended to them, and their jobs that fitted beside her prep waited behind the step, which
+    # could not start, for as long as her prep ran.
+    prep = alices_prep_runs(server)
+    server.start(BOB, "--after", prep, "--vram", "1G", "--", "echo", "step")
+    server.wait_jobs(2)
+    (written,) = json.loads(server.own_file(BOB).read_text())["jobs"]
+    assert written["after"] == [prep]
+    # ... and as this version keeps it: that job of hers, whoever takes its id.
+    (bobs,) = [j for j in server.jobs() if j["uid"] == BOB]
+    assert bobs["after"] == [f"{prep}@{ALICE}"]
 
 
 @pytest.mark.parametrize("orphaned", [False, True], ids=["running", "said-orphaned"])
