@@ -45,7 +45,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import alive, pidns, proc, security, signals, userns
+from gpuwait.linux import alive, netfs, pidns, proc, security, signals, userns
 from gpuwait.linux.atomic import keep_damaged, write_atomic
 from gpuwait.linux.security import (
     control_refusal,
@@ -291,12 +291,35 @@ def leave_word(ledger: Ledger, job: Job, outcome: str, **how: Any) -> bool:
         return False
     try:
         ensure_private_dir(path.parent)
-        # The ledger it is for: a word its entry no longer stands for there is tidied away.
-        word = {"schema": _WORD_SCHEMA, "outcome": outcome, "ledger": str(ledger.directory), **how}
+        # The ledger it is for, and this machine's: a word its entry no longer stands for
+        # there is tidied away (`_sweep_words`).
+        word = {"schema": _WORD_SCHEMA, "outcome": outcome, **_words_ledger(ledger), **how}
         write_atomic(path, json.dumps(word).encode())
     except (OSError, StateError):
         return False
     return True
+
+
+def _words_ledger(ledger: Ledger) -> dict[str, str | None]:
+    """What a word says of the ledger it was left for: its path, and the machine it is on (its
+    host name, and this boot of it). A state dir in a home that several machines mount holds
+    the words of each, where a `ledger_dir` of one path (/var/lib/gpuwait) is a ledger of each
+    machine's own."""
+    return {
+        "ledger": str(ledger.directory),
+        "machine": netfs.machine_name(),
+        "boot": proc.boot_id(),
+    }
+
+
+def _left_here(word: dict[str, Any], ledger: Ledger) -> bool:
+    """Was `word` left for `ledger` on this machine: by its host name, or by this boot (a
+    container with a host name of its own runs on it too)? A word left on another machine
+    is that machine's to read."""
+    here = _words_ledger(ledger)
+    return word.get("ledger") == here["ledger"] and any(
+        here[key] is not None and word.get(key) == here[key] for key in ("machine", "boot")
+    )
 
 
 #: The version of a word's layout (leave_word): one of another is not believed.
@@ -372,8 +395,9 @@ def _sweep_words(
     user's job ids in it) stands for any more: a program whose thread took its entry out once
     the lock was free ended before it removed its word. Called under the ledger's lock, so no
     word is taken away that a gpuwait left for an entry still there; one left for another
-    ledger (the same state dir serves several) is not this one's to judge, nor one this
-    transaction `read` as it reaped the entry (_take_words takes it once that is written)."""
+    ledger (the same state dir serves several, on one machine or several) is not this one's
+    to judge, nor one this transaction `read` as it reaped the entry (_take_words takes it
+    once that is written)."""
     import json  # only where words were ever left
 
     if state_dir is None:
@@ -395,7 +419,7 @@ def _sweep_words(
             word = json.loads(raw or b"null")
         except (OSError, ValueError, RecursionError):
             continue
-        if isinstance(word, dict) and word.get("ledger") == str(ledger.directory):
+        if isinstance(word, dict) and _left_here(word, ledger):
             with contextlib.suppress(OSError):
                 path.unlink()
 

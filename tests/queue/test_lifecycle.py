@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from gpuwait.core.lookahead import Lookahead
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECONDS
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.linux import proc
+from gpuwait.linux import netfs, proc
 from gpuwait.queue import conditions, events, lifecycle
 from gpuwait.queue.bookkeeping import FAILED, LOST, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job, UserUsage
@@ -700,20 +701,25 @@ def test_a_word_saying_what_no_run_ends_with_is_not_believed(
 
 
 def test_a_word_left_for_an_entry_taken_out_since_is_tidied_by_the_next_job_to_end(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A program whose thread took its entry out once the ledger's lock was free, and that
     ended before the thread removed the word it had left (`leave_word`), left the word in
     ended/ for good: nothing read or removed it. The next job to end in that ledger takes it
-    away; a word for an entry still there, or one left for another ledger, stays."""
+    away (one left in a container of this machine, of a host name of its own, too); a word
+    for an entry still there, or one left for another ledger, stays."""
     state = tmp_path / "state"
     ledger = Ledger(tmp_path / "ledger")
-    stray, waiting, ending = (
-        live_job(job_id, history_dir=str(state)) for job_id in ("0000aaaa", "0000bbbb", "0000dddd")
+    stray, waiting, ending, contained = (
+        live_job(job_id, history_dir=str(state))
+        for job_id in ("0000aaaa", "0000bbbb", "0000dddd", "0000eeee")
     )
     with ledger.transaction() as data:
         data.jobs[:] = [waiting, ending]
     assert lifecycle.leave_word(ledger, stray, OK, exit_status=0)
+    with monkeypatch.context() as in_a_container:
+        in_a_container.setattr(netfs, "machine_name", lambda: "0123abcd4567")
+        assert lifecycle.leave_word(ledger, contained, OK, exit_status=0)
     assert lifecycle.leave_word(ledger, waiting, OK, exit_status=0)
     elsewhere = live_job("0000cccc", history_dir=str(state))
     assert lifecycle.leave_word(Ledger(tmp_path / "other"), elsewhere, OK, exit_status=0)
@@ -767,6 +773,42 @@ def test_a_word_of_a_runs_end_with_a_field_of_the_wrong_kind_is_not_believed(
     assert not data.jobs and done is not None and done.outcome == LOST
     kept = [p.read_bytes() for p in (tmp_path / "state" / "ended").iterdir()]
     assert kept == [word]
+
+
+def test_a_word_left_on_another_machine_sharing_the_state_dir_is_not_tidied_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machines that mount one home directory share its state dir, and with it ended/, while a
+    `ledger_dir` of one path on each (/var/lib/gpuwait, the lab set-up) is each machine's own.
+    A run that ended on gpu02 while that ledger's lock was kept left word of how it ended, for
+    gpu02's next gpuwait: a job that ended on this machine took it away, as a word no entry of
+    its ledger stood for, and the run was then reaped on gpu02 as lost (a step waiting on it
+    with --after-ok gave up, exit 6)."""
+    state, shared_path = tmp_path / "state", tmp_path / "ledger"
+    theirs = Ledger(shared_path)
+    ran = gone_running_job("0000aaaa", state)
+    with theirs.transaction() as data:
+        data.jobs[:] = [ran, live_job("0000cccc", after_ok=["0000aaaa"])]
+    with monkeypatch.context() as on_gpu02:
+        on_gpu02.setattr(netfs, "machine_name", lambda: "gpu02")
+        on_gpu02.setattr(proc, "boot_id", lambda: "gpu02's boot")
+        assert lifecycle.leave_word(theirs, ran, OK, exit_status=0, run_seconds=60.0)
+    # This machine's ledger, at the same path here.
+    shared_path.rename(tmp_path / "on-gpu02")
+    here = Ledger(shared_path)
+    ending = live_job("0000bbbb", history_dir=str(state))
+    with here.transaction() as data:
+        data.jobs[:] = [ending]
+    lifecycle.finish(here, ending, OK, exit_status=0)
+    # Back on gpu02, whose next gpuwait reaps the entry as the run ended.
+    shutil.rmtree(shared_path)
+    (tmp_path / "on-gpu02").rename(shared_path)
+    monkeypatch.setattr(netfs, "machine_name", lambda: "gpu02")
+    lifecycle.reap(Ledger(shared_path))
+    data = Ledger(shared_path).read()
+    done = data.book.outcome("0000aaaa")
+    assert done is not None and done.outcome == OK
+    assert conditions.dependency_blocker(data.jobs[0], data) is None
 
 
 def test_a_run_that_left_word_of_its_end_counts_for_its_waiters_and_its_users_usage(
