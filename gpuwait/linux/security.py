@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word
+from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word, whole_number
 from gpuwait.linux import proc, userns
 from gpuwait.linux.proc import read_at_most
 
@@ -397,17 +397,33 @@ def runs_command(pid: int, command: object) -> bool:
     if read is None or not isinstance(command, list) or not command:
         return False
     argv, whole = read
+    if whole:
+        # Where it ends with the command, the command begins as many words from the end as
+        # the entry counts: looked at there alone, not from each word alike on (a line of a
+        # hundred thousand, each compared with the rest, took every reader minutes).
+        return any(
+            0 <= at < len(argv) and entry_command(argv[at:]) == command
+            for at in {len(argv) - words for words in _words_kept(command)}
+        )
     for at, word in enumerate(argv):
         if entry_command([word]) != command[:1]:
             continue
-        kept = entry_command(argv[at:])
-        if kept == command:
-            return True
         # Of a line read in part, the arguments read whole: the one cut off is not among them.
+        kept = entry_command(argv[at : at + MAX_TEXTS + 1])
         agree = min(len(kept), len(command), MAX_TEXTS - 1)
-        if not whole and kept[:agree] == command[:agree]:
+        if kept[:agree] == command[:agree]:
             return True
     return False
+
+
+def _words_kept(command: list[object]) -> tuple[int, ...]:
+    """How many words of a command line an entry's `command` may stand for: as many as it
+    has, or, where `entry_command` cut them, as many as its last says were there."""
+    if len(command) != MAX_TEXTS or not isinstance(command[-1], str):
+        return (len(command),)
+    count = command[-1].removeprefix("… ").removesuffix(" more arguments")
+    more = whole_number(count) if count != command[-1] else None
+    return (len(command),) if more is None else (len(command), MAX_TEXTS - 1 + more)
 
 
 def _hidden_as(pid: int, owner: int | None, uid: int) -> bool:

@@ -1820,3 +1820,25 @@ def test_a_members_step_after_a_running_job_keeps_nobody_waiting(
     assert first.poll() is None
     shown = json.loads(server.run(ALICE, "status", "--json").stdout)
     assert [j["state"] for j in shown["jobs"]] == ["running", "waiting"], shown
+
+
+def test_a_members_entry_naming_a_gpuwait_of_a_long_repeating_command_line_hangs_nobody(
+    server: Server,
+) -> None:
+    # Bob's gpuwait runs a command of 40 000 words alike, and his file has a waiting entry,
+    # first in it, that names that gpuwait with another command beginning with that word.
+    # Each read of the ledger compared the entry's command with the line from each of those
+    # words on, 40 000 times 40 000 of them: Alice's `gpuwait status` (and every plan of her
+    # waiting jobs) took minutes, for as long as the entry was there.
+    words = ["zz"] * 40_000
+    server.start(BOB, "--vram", "1G", "--", "sh", "-c", "sleep 60", *words)
+    server.wait_jobs(1, "running")
+    bobs = server.ledger().read().jobs[0].to_json()
+    never = {**bobs, "id": "never", "state": "waiting", "command": ["zz", "never"]}
+    never.update(gpu_uuids=[], reserved_bytes=0, pids=[], child_pid=None, started_at=None)
+    server.edit_own(BOB, lambda raw: raw.update(jobs=[never, *raw["jobs"]]))
+    started = time.monotonic()
+    shown = server.run(ALICE, "status", "--json", timeout=20)
+    assert shown.returncode == 0, shown.stderr
+    assert time.monotonic() - started < 10
+    assert "never" not in [j["id"] for j in json.loads(shown.stdout)["jobs"]]
