@@ -362,9 +362,7 @@ def proven_entry(
             if (
                 owner == uid
                 and (state == "waiting" or child_pid is None)
-                and isinstance(command, list)
-                and command
-                and _as_kept(proc.command_line(pid, "surrogateescape")) == command
+                and runs_as_kept(pid, command)
             ):
                 return True  # not remembered either way: it tells of the entry, not the process
             # An adopted process (`gpuwait adopt`) is its own entry's gpuwait and command.
@@ -385,6 +383,17 @@ def proven_entry(
         return False
     owner = proc.owner_uid(child_pid)
     return owner == uid or _hidden_as(child_pid, owner, uid)
+
+
+def runs_as_kept(pid: int, command: object) -> bool:
+    """Does process `pid` run with `command`, an entry's, as its command line: a program that
+    holds room for itself from Python (gpuwait.api), whose entry keeps the line it was started
+    with (`sys.orig_argv`, cut as an entry keeps it)?"""
+    return (
+        isinstance(command, list)
+        and bool(command)
+        and _as_kept(proc.command_line(pid, "surrogateescape")) == command
+    )
 
 
 def runs_command(pid: int, command: object) -> bool:

@@ -1531,8 +1531,26 @@ def retry(
     return copy_job(mine)
 
 
-def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
-    """Why `uid` may not cancel `job`; None when they may."""
+def _holds_room_itself(job: Job, ledger_dir: Path, shared: bool) -> bool:
+    """Is the process `job` names, which runs no gpuwait, a program holding room for itself
+    from Python (gpuwait.api)? It holds the job's liveness lock; in a shared ledger, where jobs
+    hold none, it runs with the command line its entry keeps (as the other members' plans
+    prove it) and, admitted, is recorded as its own command."""
+    if alive.opened_by(ledger_dir, job.uid, job.id, job.pid):
+        return True
+    return (
+        shared
+        and security.runs_as_kept(job.pid, job.command)
+        and (
+            job.state != RUNNING
+            or (job.child_pid, job.child_start_time) == (job.pid, job.start_time)
+        )
+    )
+
+
+def _control_refusal(job: Job, uid: int, ledger_dir: Path, shared: bool) -> str | None:
+    """Why `uid` may not cancel `job` (in a `shared` ledger, or a private one); None when
+    they may."""
     if elsewhere(job):
         if uid != 0 and not userns.same_user(uid, job.uid, job.kuid):
             return f"job {job.id} belongs to uid {job.uid}; you can only control your own jobs"
@@ -1545,9 +1563,7 @@ def _control_refusal(job: Job, uid: int, ledger_dir: Path) -> str | None:
             )
         return None  # a waiter: taken out of the queue, it sees so and exits 7
     if job.orphaned_at is None:
-        refusal = control_refusal(
-            job, uid, lambda: alive.opened_by(ledger_dir, job.uid, job.id, job.pid)
-        )
+        refusal = control_refusal(job, uid, lambda: _holds_room_itself(job, ledger_dir, shared))
         # An adopted process of the caller's: gpuwait did not start it and never signals it,
         # whatever its command line says (a program named gpuwait_demo.py runs no gpuwait).
         adopted = job.adopted_history is not None
@@ -1616,7 +1632,7 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
             else:
                 chosen.extend(j for j in meant if j not in chosen)
         for job in chosen:
-            refusal = _control_refusal(job, uid, ledger.directory)
+            refusal = _control_refusal(job, uid, ledger.directory, data.me is not None)
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:

@@ -332,10 +332,23 @@ def test_a_signal_while_waiting_leaves_the_queue(
     assert state_of(gpuwait_cmd, "patient") is None
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_gpuwait_cancel_takes_a_reservation_out_of_the_queue_and_stops_a_held_one(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str], holders: Any, tmp_path: Path
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    holders: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shared: bool,
 ) -> None:
-    # A user's own program (here train.py), whose command line names no gpuwait.
+    # A user's own program (here train.py), whose command line names no gpuwait. On a shared
+    # server, where jobs hold no liveness lock, cancel was refused (exit 8, 'not a gpuwait
+    # process'): the program stayed in everyone's queue, and a held one could not be stopped.
+    if shared:
+        lab = tmp_path / "lab"
+        lab.mkdir()
+        lab.chmod(0o3770)
+        monkeypatch.setenv("GPUWAIT_LEDGER_DIR", str(lab))
     program = tmp_path / "train.py"
     program.write_text(HOLDER)
     sim_file(gpus=1, memory="24GiB")
