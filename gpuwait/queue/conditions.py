@@ -45,6 +45,8 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     read as the job's own user keeps them (`LedgerData.reference`), whoever plans, or as a
     gpuwait of theirs from before kept them (`LedgerData.as_kept_in`).
     """
+    # Only the entries it names are looked for: a plan asks this of every entry, most of
+    # which name none, and a look through the whole ledger for each took seconds a plan.
     live = data.as_kept_in(job)
     stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
     if (

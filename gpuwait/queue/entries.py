@@ -13,7 +13,7 @@ changing what an entry says is gpuwait.queue.lifecycle.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gpuwait.core.budget import HELD_BY
@@ -748,22 +748,31 @@ class LedgerData(Record):
         (`reference`)."""
         return {self.reference(j, by): j for j in self.jobs}
 
+    def referred(self, refs: Iterable[str], by: int | None = None) -> dict[str, Job]:
+        """The entries `refs` (dependencies of the user `by`) name, by those references
+        (`by_reference`, for just these: nothing to look through where there are none)."""
+        wanted = set(refs)
+        if not wanted:
+            return {}
+        return {ref: j for j in self.jobs if (ref := self.reference(j, by)) in wanted}
+
     def as_kept_in(self, job: Job) -> dict[str, Job]:
-        """Every entry, by the id `job`'s dependencies on it are kept under: as its own user
-        keeps them (`by_reference`), or, in an entry of an older gpuwait's (`owners_kept`
-        False), each other user's job also under the plain id that gpuwait's view showed: the
-        lowest uid's where several users' jobs have that id. Such a gpuwait still waits after
-        an upgrade, and a member who has not upgraded writes them so: read as `ID@UID` alone,
-        the step would start at once. An id of that user's own jobs, live or (in this user's
-        book) ended, stays theirs."""
+        """The entries `job`'s dependencies (and the job it stepped aside for) name, by the id
+        they are kept under: as its own user keeps them (`referred`), or, in an entry of an
+        older gpuwait's (`owners_kept` False), each other user's job also under the plain id
+        that gpuwait's view showed: the lowest uid's where several users' jobs have that id.
+        Such a gpuwait still waits after an upgrade, and a member who has not upgraded writes
+        them so: read as `ID@UID` alone, the step would start at once. An id of that user's
+        own jobs, live or (in this user's book) ended, stays theirs."""
+        named = {*job.after, *job.after_ok, *([job.yield_to] if job.yield_to else [])}
         by = job.uid
-        found = self.by_reference(by)
-        if self.me is None or job.owners_kept:
+        found = self.referred(named, by)
+        if not named or self.me is None or job.owners_kept:
             return found
         ended = {f.id for f in self.book.finished} if by == self.me else set()
         for other in sorted(self.jobs, key=lambda j: j.uid):
             plain = other.id.removesuffix(f"@{other.uid}")
-            if other.uid != by and plain not in ended:
+            if plain in named and other.uid != by and plain not in ended:
                 found.setdefault(plain, other)
         return found
 
