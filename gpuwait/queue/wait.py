@@ -650,8 +650,7 @@ def wait_for_admission(
                                 event = True
                             elif position == 1:
                                 backup = (now + BACKUP_DELAY, seen.written_ns)
-                        unfinished = set(seen.waiting) | seen.running
-                        if any(d not in unfinished for d in (*job.after, *job.after_ok)):
+                        if seen.lacks_any((*job.after, *job.after_ok)):
                             event = True
                         last_release[seen.source] = seen.release
                         queue_length = len(seen.waiting)

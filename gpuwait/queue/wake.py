@@ -51,7 +51,7 @@ from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
 from gpuwait.linux.stamp import FileStamp, file_stamp
-from gpuwait.queue.entries import RUNNING, Job, elsewhere
+from gpuwait.queue.entries import RUNNING, Job, elsewhere, plain_id
 
 SCHEMA = 1
 FILENAME = "wake.json"
@@ -184,6 +184,14 @@ class Summary(Record, frozen=True):
     #: The file it was read from, and that file's modification time (ns).
     source: str = FILENAME
     written_ns: int = 0
+
+    def lacks_any(self, dependencies: Iterable[str]) -> bool:
+        """Does the queue this summary shows lack one of these jobs (it ended, or was taken
+        out), so that a job waiting for them must look closer? A dependency on another
+        member's job is kept as `ID@UID`, which the summary's writer lists by the id its own
+        view shows: the plain one, or `ID@UID` where another member's job has that id too."""
+        listed = self.running.union(self.waiting)
+        return any(d not in listed and plain_id(d) not in listed for d in dependencies)
 
 
 class Summaries:

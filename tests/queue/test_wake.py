@@ -237,3 +237,16 @@ def test_a_fifo_swapped_in_at_the_stamp_never_hangs_a_waiter(tmp_path: Path) -> 
         swapper.kill()
         swapper.wait()
     assert noter.returncode == 0 and noter.stdout == "done\n", noter.stderr
+
+
+def test_a_step_after_another_members_job_looks_closer_only_once_that_job_left_the_queue() -> None:
+    # A dependency on another member's job is kept as ID@UID; a summary lists it by the id its
+    # writer's view shows, the plain one unless another member's job has that id too. Read
+    # against the kept form alone, every summary that changed looked like the job had ended,
+    # and the step read the GPUs and planned at every change of anybody's queue.
+    seen = wake.Summary(release=1, running=frozenset({"a1b2", "c3d4@1002"}), waiting=("e5f6",))
+    assert not seen.lacks_any(["a1b2@1001"])
+    assert not seen.lacks_any(["c3d4@1002", "e5f6"])
+    assert not seen.lacks_any([])
+    assert seen.lacks_any(["0a0b@1001"])
+    assert seen.lacks_any(["a1b2@1001", "0a0b"])
