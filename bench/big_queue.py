@@ -3,7 +3,7 @@
 queue).
 
 Each entry names a live process of its own (a `sleep`), so reaping reads /proc for real and
-keeps every entry: a fifth run (GPUs filled in turn), the rest wait, of 2-12 GiB and one to ten
+keeps every entry: two run on each GPU (one in five of the first entries), the rest wait, of 2-12 GiB and one to ten
 minutes expected, some of the sweep's steps `--after` the one before. One admission is
 `lifecycle.admit` for the last waiter, the transaction a waiter runs when the queue changed:
 read and check the file, reap, plan the whole queue (its claims, then the lookahead plan) and
@@ -90,7 +90,7 @@ def fill(env: dict[str, str], count: int, pids: list[int], seed: int = 1) -> Non
         data.jobs.clear()
         for i, pid in enumerate(pids[:count]):
             size = rng.choice([2, 4, 6, 8, 12]) << 30
-            running = i % 5 == 0
+            running = i % 5 == 0 and i < 10 * len(uuids)
             uuid = uuids[(i // 5) % len(uuids)]
             job_id = f"{0x1000 + i:08x}"
             chained = not running and i % 7 == 1

@@ -535,24 +535,53 @@ def lay_out(
     def evaluate(middle: Sequence[_Job]) -> Schedule:
         return _schedule([*pinned, *middle, *unknown], base, rooms, cursor)
 
-    # Not searched (nobody can start now): laid out as the last plan ordered the queue, so the
-    # starts it tells (the wait lines, `gpuwait status`) are those the search left off at.
-    best_order = list(known) if search or not hint else _in_hint_order(known, hint)
-    best = evaluate(best_order)
+    deadline = None if clock is None else clock() + settings.budget_ms / 1000
+
+    def in_time() -> bool:
+        return deadline is None or clock is None or clock() <= deadline
+
     if len(known) > 1 and search and len({j.kind for j in known}) > 1:
-        for candidate in _initial_orders(known, hint):
-            tried = evaluate(candidate)
-            if tried.score < best.score:
-                best, best_order = tried, candidate
+        best, best_order = _best_start(known, hint, evaluate, in_time)
         for _ in range(_JUSTIFY_ROUNDS):
+            if not in_time():
+                break
             candidate = _justify(pinned, best_order, best, base)
             tried = evaluate(candidate)
             if tried.score >= best.score:
                 break
             best, best_order = tried, candidate
-        best, best_order = _search(best, best_order, evaluate, settings, clock)
+        best, best_order = _search(best, best_order, evaluate, settings, in_time)
+    else:
+        # Not searched (nobody can start now): laid out as the last plan ordered the queue, so
+        # the starts it tells (the wait lines, `gpuwait status`) are those the search left off at.
+        best_order = list(known) if search or not hint else _in_hint_order(known, hint)
+        best = evaluate(best_order)
     order = [j.claim for j in (*pinned, *best_order, *unknown)]
     return order, best
+
+
+def _best_start(
+    known: list[_Job],
+    hint: Sequence[str],
+    evaluate: Callable[[Sequence[_Job]], Schedule],
+    in_time: Callable[[], bool],
+) -> tuple[Schedule, list[_Job]]:
+    """The best of the orders the search starts from (`_initial_orders`), as many of them as
+    the budget lets it lay out: the last plan's first, since it carries the search on from one
+    decision to the next (a long queue may have time for no other). Between orders whose plans
+    score alike, the one `_initial_orders` lists first, so that a plan in time is the same
+    whatever order they were laid out in."""
+    candidates = list(enumerate(_initial_orders(known, hint)))
+    if hint:
+        candidates.insert(0, candidates.pop())
+    tried: list[tuple[float, int, Schedule, list[_Job]]] = []
+    for rank, candidate in candidates:
+        if tried and not in_time():
+            break
+        laid = evaluate(candidate)
+        tried.append((laid.score, rank, laid, candidate))
+    _, _, best, best_order = min(tried, key=lambda t: (t[0], t[1]))
+    return best, best_order
 
 
 def _waiting_jobs(
@@ -634,14 +663,14 @@ def _search(
     order: list[_Job],
     evaluate: Callable[[Sequence[_Job]], Schedule],
     settings: Lookahead,
-    clock: Callable[[], float] | None,
+    in_time: Callable[[], bool],
 ) -> tuple[Schedule, list[_Job]]:
-    """Hill-climbing over swaps and moves of one job, seeded, within the step and time budget."""
+    """Hill-climbing over swaps and moves of one job, seeded, within the step budget and while
+    `in_time()` (what is left of the plan's time budget)."""
     rng = _Steps(settings.seed)
-    deadline = None if clock is None else clock() + settings.budget_ms / 1000
     size = len(order)
     for _ in range(settings.steps):
-        if deadline is not None and clock is not None and clock() > deadline:
+        if not in_time():
             break
         i, j = rng.below(size), rng.below(size)
         if i == j:

@@ -3,11 +3,15 @@ starves however jobs arrive (property-tested on a replay of the plans in time)."
 
 from __future__ import annotations
 
+import itertools
 import random
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuwait.core import lookahead
 from gpuwait.core.lookahead import (
     Lookahead,
     expected_starts,
@@ -113,12 +117,17 @@ def test_a_mixed_queue_ends_sooner_than_in_order() -> None:
     assert max(urgent) < 10
 
 
-def test_the_same_inputs_give_the_same_plan() -> None:
-    gpus = cards(3)
-    claims = [
+def mixed_queue() -> list[Claim]:
+    """25 waiters of many sizes, run times and priorities."""
+    return [
         waiter(f"j{i}", 4 + (i * 7) % 30, i, 10.0 + (i * 13) % 50, priority=1 + i % 4)
         for i in range(25)
     ]
+
+
+def test_the_same_inputs_give_the_same_plan() -> None:
+    gpus = cards(3)
+    claims = mixed_queue()
     first = plan(gpus, claims, SAFETY, settings=Lookahead(steps=100, seed=3))
     again = plan(gpus, claims, SAFETY, settings=Lookahead(steps=100, seed=3))
     assert first == again
@@ -149,10 +158,7 @@ def test_a_plan_searches_on_from_the_last_plans_order() -> None:
     plans worse; and an order naming jobs that are not there, or none of them, changes nothing
     for the worse."""
     gpus = cards(3)
-    claims = [
-        waiter(f"j{i}", 4 + (i * 7) % 30, i, 10.0 + (i * 13) % 50, priority=1 + i % 4)
-        for i in range(25)
-    ]
+    claims = mixed_queue()
     rooms = gpu_rooms(gpus, claims, SAFETY)
     searched = plan(gpus, claims, SAFETY, settings=Lookahead(steps=400))
     alone = lay_out(rooms, claims, settings=Lookahead(steps=0))[1]
@@ -166,6 +172,36 @@ def test_a_plan_searches_on_from_the_last_plans_order() -> None:
         assert lay_out(rooms, claims, settings=Lookahead(steps=0), hint=junk)[1].score <= (
             alone.score
         )
+
+
+def test_a_plan_stops_at_its_budget_with_the_last_plans_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long queue takes a while to lay out once (tens of ms for a thousand waiters on 16
+    cards), and the plan holds the ledger's lock: once its budget is spent it lays out no
+    other order, and the one it has laid out is the last plan's, which carries the search on
+    from one decision to the next."""
+    gpus = cards(3)
+    claims = mixed_queue()
+    rooms = gpu_rooms(gpus, claims, SAFETY)
+    searched = plan(gpus, claims, SAFETY, settings=Lookahead(steps=400))
+    layouts = []
+    schedule = lookahead._schedule
+
+    def counted(*args: Any) -> Any:
+        layouts.append(args[0])
+        return schedule(*args)
+
+    monkeypatch.setattr(lookahead, "_schedule", counted)
+    ticks = itertools.count()  # every look at the clock: a second later
+    order, _ = lay_out(rooms, claims, hint=searched.order, clock=lambda: float(next(ticks)))
+    assert len(layouts) == 1
+    assert [c.job_id for c in order] == list(searched.order)
+    # In time, the same plan as with no clock at all.
+    timed, timed_laid = lay_out(rooms, claims, hint=searched.order, clock=lambda: 0.0)
+    untimed, untimed_laid = lay_out(rooms, claims, hint=searched.order)
+    assert timed == untimed
+    assert timed_laid.score == untimed_laid.score
 
 
 def test_a_job_long_past_its_expected_end_is_not_planned_to_end_at_once() -> None:
