@@ -544,26 +544,47 @@ FIND_TAIL_BYTES = 2**20
 def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
     """How the latest run in the history's end whose job id or name is `ref` ended; None if
     there is none."""
+    for record in _latest_records(state_dir):
+        if ref not in (record.get("job_id"), record.get("name")):
+            continue
+        found = outcome(record)
+        if found is not None:
+            return found
+    return None
+
+
+def batch_outcomes(state_dir: Path, batch: str) -> list[RunOutcome]:
+    """How each job of `batch` with a run in the history's end ended, by its latest run
+    (a job run again after running out of memory ends as its last run did); newest first."""
+    found: dict[str, RunOutcome] = {}
+    for record in _latest_records(state_dir):
+        if record.get("batch") != batch:
+            continue
+        ran = outcome(record)
+        if ran is not None and ran.job_id not in found:
+            found[ran.job_id] = ran
+    return list(found.values())
+
+
+def _latest_records(state_dir: Path) -> Iterator[dict[str, Any]]:
+    """The records in the history's last FIND_TAIL_BYTES, newest first; damaged lines passed
+    over."""
     path = history_path(state_dir)
     try:
         fd = open_readable(path, mine())
         if fd is None:
-            return None
+            return
         try:
             start = max(0, os.fstat(fd).st_size - FIND_TAIL_BYTES)
             lines = os.pread(fd, FIND_TAIL_BYTES, start).decode("utf-8", "replace").splitlines()
         finally:
             os.close(fd)
     except OSError:
-        return None
+        return
     for line in reversed(lines):
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):  # damaged, or nested thousands deep
             continue
-        if not isinstance(record, dict) or ref not in (record.get("job_id"), record.get("name")):
-            continue
-        found = outcome(record)
-        if found is not None:
-            return found
-    return None
+        if isinstance(record, dict):
+            yield record

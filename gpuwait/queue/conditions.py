@@ -20,7 +20,8 @@ from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, UserLi
 from gpuwait.core.sizes import sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
-from gpuwait.history.store import find_outcome
+from gpuwait.history.record import RunOutcome
+from gpuwait.history.store import batch_outcomes, find_outcome
 from gpuwait.linux import pidns, proc, security, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData, elsewhere, run_time, since
@@ -180,7 +181,9 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
         found = [j.id for j in own if ref in (j.id, j.name, j.batch)]
         if any(j.batch == ref for j in own):
             # A batch is all its jobs: those that ended too, or --after-ok would not see that
-            # one of them failed.
+            # one of them failed; one the book no longer names first, so that it is the one
+            # a job that needs the batch's success says failed.
+            found[:0] = _failed_beyond_book(ref, own, data, state_dir)
             found.extend(f.id for f in data.book.finished if f.batch == ref)
         if not found:
             done = [f for f in data.book.finished if ref in (f.id, f.name, f.batch)]
@@ -191,14 +194,7 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
         if not found:
             ran = find_outcome(state_dir, ref)
             if ran is not None:
-                left = Finished(
-                    id=ran.job_id,
-                    outcome=OK if ran.exit_status == 0 else FAILED,
-                    finished_at=ran.ended_at,
-                    name=ran.name,
-                    exit_status=ran.exit_status,
-                    signal=ran.signal,
-                )
+                left = _finished(ran)
                 data.book.note_finished(left)
                 found = [left.id]
                 # Its id is this user's again: another user's entry that took it is shown
@@ -212,6 +208,40 @@ def resolve_references(refs: Sequence[str], data: LedgerData, state_dir: Path) -
             raise ValueError(f"no job, name or batch {ref!r} is waiting, running or finished")
         ids.extend(i for i in found if i not in ids)
     return ids
+
+
+def _finished(ran: RunOutcome) -> Finished:
+    """A run found in the history, as the book keeps how a job left."""
+    return Finished(
+        id=ran.job_id,
+        outcome=OK if ran.exit_status == 0 else FAILED,
+        finished_at=ran.ended_at,
+        name=ran.name,
+        exit_status=ran.exit_status,
+        signal=ran.signal,
+    )
+
+
+def _failed_beyond_book(
+    batch: str, own: Sequence[Job], data: LedgerData, state_dir: Path
+) -> list[str]:
+    """A job of `batch`, still in the queue, that failed where the book no longer names it:
+    it keeps the last FINISHED_KEPT outcomes, and a sweep of hundreds ends more before its
+    last jobs. Its counts of the batch tell one is missing; the history's end names it, a run
+    that ended after the earliest of the batch's jobs still queued was submitted (not a run of
+    the same batch name days before). Noted in the book, for its dependents' plans."""
+    counts = data.book.batches.get(batch)
+    named = sum(1 for f in data.book.finished if f.batch == batch and not f.succeeded)
+    if counts is None or counts.failed + counts.cancelled <= named:
+        return []
+    since = min(j.submitted_at for j in own if j.batch == batch)
+    known = {f.id for f in data.book.finished}
+    for ran in batch_outcomes(state_dir, batch):
+        left = _finished(ran)
+        if not left.succeeded and left.id not in known and left.finished_at >= since:
+            data.book.note_finished(left)
+            return [left.id]
+    return []
 
 
 def _theirs(ref: str, data: LedgerData) -> list[str]:

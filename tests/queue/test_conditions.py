@@ -36,6 +36,31 @@ def test_after_ok_a_batch_counts_its_members_that_already_failed(tmp_path: Path)
     assert settle_dependencies(other, data) is None and other.after == ["b2"]
 
 
+def test_after_ok_a_long_batch_counts_a_member_that_failed_before_the_last_hundred_ended(
+    tmp_path: Path,
+) -> None:
+    # A sweep of 300: its first job failed, then 150 more succeeded, more than the ledger keeps
+    # the outcomes of, and the rest still run. The batch did not succeed: a job that needs its
+    # success never starts, as where the failure was among the last hundred.
+    last = live_job("b2999999", batch="sweep", state="running", submitted_at=1.0)
+    data = LedgerData(jobs=[last])
+    for n in range(151):
+        run = a_run(["train", str(n)], "/", 1.0 + n, job_id=f"b{n:07d}", returncode=int(n == 0))
+        store.append_record(tmp_path, {**run, "batch": "sweep"})
+        outcome = FAILED if n == 0 else OK
+        data.book.note_finished(Finished(f"b{n:07d}", outcome, 2.0 + n, batch="sweep"))
+    waiter = live_job("w", after_ok=resolve_references(["sweep"], data, tmp_path))
+    why = settle_dependencies(waiter, data)
+    assert why is not None and "b0000000" in why and "--after-ok cannot be met" in why
+    # --after waits only for the member still running.
+    other = live_job("x", after=resolve_references(["sweep"], data, tmp_path))
+    assert settle_dependencies(other, data) is None and other.after == ["b2999999"]
+    # A sweep of the same name submitted once those runs had all ended is another one.
+    data.jobs = [last._replace(submitted_at=1000.0)]
+    later = live_job("v", after_ok=resolve_references(["sweep"], data, tmp_path))
+    assert settle_dependencies(later, data) is None and later.after_ok == ["b2999999"]
+
+
 def test_a_run_the_ledger_forgot_is_found_in_a_history_with_a_line_nested_too_deeply(
     tmp_path: Path,
 ) -> None:
