@@ -14,15 +14,29 @@ _UNPRINTABLE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")
 MAX_TEXT = 4096
 #: The most items a list of text in an entry may have (a command's arguments, say).
 MAX_TEXTS = 1024
+#: About the most a command's arguments after the first take in its entry, as the ledger's
+#: JSON writes them: a user's file holds up to 1024 entries, and a read refuses a file past
+#: 16 MiB (gpuwait.queue.ledger), so a queue of jobs each handed a thousand file names
+#: (100 KB of command line) would otherwise make its own ledger "damaged", over and over.
+MAX_COMMAND_BYTES = 8192
 
 
 def entry_command(argv: Sequence[str]) -> list[str]:
     """A command as its entry keeps it: within what a read of the entry accepts (which refuses
-    the entry otherwise), so `xargs` handing a job thousands of file names, or an argument of
-    a whole config file, cuts the command the ledger shows, not the entry."""
+    the entry otherwise) and within MAX_COMMAND_BYTES after its first argument, so `xargs`
+    handing a job thousands of file names, or an argument of a whole config file, cuts the
+    command the ledger shows, not the entry. What is cut is said in one last item, "… N more
+    arguments"; the first argument is always kept (who runs the command is told by it)."""
     command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
-    if len(command) > MAX_TEXTS:
-        command[MAX_TEXTS - 1 :] = [f"… {len(command) - MAX_TEXTS + 1} more arguments"]
+    used = 0
+    for at, arg in enumerate(command[1:], 1):
+        # About what the ledger's JSON takes for it, without its encoder: six characters for
+        # one past ASCII (two to four bytes of UTF-8), two for a quote or a backslash.
+        utf8 = len(arg.encode("utf-8", "surrogatepass"))
+        used += 3 * utf8 - 2 * len(arg) + arg.count('"') + arg.count("\\") + 3
+        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used > MAX_COMMAND_BYTES:
+            command[at:] = [f"… {len(command) - at} more arguments"]
+            break
     return command
 
 

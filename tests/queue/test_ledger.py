@@ -15,10 +15,11 @@ from helpers.fixtures_sim import Run, SimFileFactory
 from helpers.jobs import live_job, replace_ledger
 from helpers.waiting import process_state, wait_for
 
+from gpuwait.core.text import entry_command
 from gpuwait.linux import lock, proc
 from gpuwait.queue import ledger as ledger_module
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import RUNNING, Job
+from gpuwait.queue.entries import MAX_ENTRIES_PER_UID, RUNNING, Job
 from gpuwait.queue.ledger import Ledger
 
 ADD_ENTRY = r"""
@@ -151,6 +152,28 @@ def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
         for k in kept:
             k.unlink()
         json.loads(ledger.path.read_text())
+
+
+def test_a_full_queue_of_jobs_with_long_command_lines_stays_one_readable_ledger(
+    tmp_path: Path,
+) -> None:
+    # As many jobs as one user may queue, each handed a thousand file names by xargs (about
+    # 100 KB of command line, 2 MB for the last): the file stays within what a read takes, so
+    # nobody's entry is lost to a ledger "damaged" by its size, over and over.
+    names = [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)]
+    me = os.getpid()
+    jobs = [make_job(f"{n:08x}", me, proc.start_time(me)) for n in range(MAX_ENTRIES_PER_UID)]
+    for job in jobs:
+        job.command = entry_command(["python", "prep.py", *names])
+    jobs[-1].command = entry_command(["python", "prep.py", *("y" * 2000 for _ in range(1000))])
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.extend(jobs)
+    assert len(Ledger(tmp_path).read().jobs) == MAX_ENTRIES_PER_UID
+    assert not list(tmp_path.glob("ledger.json.damaged-*")) and not ledger.warnings
+    # What the entry keeps of a long line is its start, and how much more there was.
+    assert jobs[0].command[:3] == ["python", "prep.py", names[0]]
+    assert jobs[0].command[-1].startswith("… ") and jobs[0].command[-1].endswith(" more arguments")
 
 
 def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
