@@ -554,16 +554,22 @@ def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
 
 
 def batch_outcomes(state_dir: Path, batch: str) -> list[RunOutcome]:
-    """How each job of `batch` with a run in the history's end ended, by its latest run
-    (a job run again after running out of memory ends as its last run did); newest first."""
+    """How each job of `batch` with a run in the history's end ended; newest first."""
+    return list(latest_outcomes(state_dir, batch).values())
+
+
+def latest_outcomes(state_dir: Path, batch: str | None = None) -> dict[str, RunOutcome]:
+    """How each job with a run in the history's end (of `batch`, where given) ended, by job
+    id: by its latest run (a job run again after running out of memory ends as its last run
+    did); newest first."""
     found: dict[str, RunOutcome] = {}
     for record in _latest_records(state_dir):
-        if record.get("batch") != batch:
+        if batch is not None and record.get("batch") != batch:
             continue
         ran = outcome(record)
         if ran is not None and ran.job_id not in found:
             found[ran.job_id] = ran
-    return list(found.values())
+    return found
 
 
 def _latest_records(state_dir: Path) -> Iterator[dict[str, Any]]:

@@ -21,7 +21,7 @@ from gpuwait.core.sizes import sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.record import RunOutcome
-from gpuwait.history.store import batch_outcomes, find_outcome
+from gpuwait.history.store import batch_outcomes, find_outcome, latest_outcomes
 from gpuwait.linux import pidns, proc, security, userns
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData, elsewhere, run_time, since
@@ -93,12 +93,21 @@ def _blocker(job: Job, data: LedgerData) -> str | None:
 
 
 def settle_dependencies(job: Job, data: LedgerData) -> str | None:
-    """Drop the dependencies that are met; say why `job` can never start if one failed."""
+    """Drop the dependencies that are met; say why `job` can never start if one failed.
+
+    How a dependency ended is in the book, else (more than its last FINISHED_KEPT outcomes
+    ago: a sweep of hundreds ending while this job's gpuwait was kept from the ledger) at the
+    end of the history of the job's user, where it is looked up as for `--after` itself."""
     live = data.by_reference()
+    older: dict[str, RunOutcome] | None = None  # the history's, read once if at all
     for dep in list(job.after_ok):
         if dep in live:
             continue
         done = data.book.outcome(dep)
+        if done is None and job.history_dir is not None:
+            if older is None:
+                older = latest_outcomes(Path(job.history_dir))
+            done = _finished(older[dep]) if dep in older else None
         if done is None:
             return f"job {dep} left no record of how it ended; --after-ok cannot be met"
         if not done.succeeded:

@@ -61,6 +61,26 @@ def test_after_ok_a_long_batch_counts_a_member_that_failed_before_the_last_hundr
     assert settle_dependencies(later, data) is None and later.after_ok == ["b2999999"]
 
 
+def test_a_dependency_that_succeeded_before_the_last_hundred_outcomes_is_met(
+    tmp_path: Path,
+) -> None:
+    # An evaluation waits for a sweep's 300 jobs (--after-ok sweep); its gpuwait settles them as
+    # they end, but was kept from the ledger (stopped, or a busy machine) while more than a
+    # hundred ended: the ledger no longer remembers how the first of them ended, and the
+    # evaluation gave up, exit 6, though every job of the sweep succeeded. The history says.
+    data = LedgerData()
+    for n in range(101):
+        run = a_run(["train", str(n)], "/", 1.0 + n, job_id=f"b{n:07d}", returncode=int(n == 100))
+        store.append_record(tmp_path, run)
+        data.book.note_finished(Finished(f"b{n:07d}", FAILED if n == 100 else OK, 2.0 + n))
+    waiter = live_job("w", after_ok=["b0000000", "b0000001"], history_dir=str(tmp_path))
+    assert settle_dependencies(waiter, data) is None and waiter.after_ok == []
+    # One the history does not know either is still no success.
+    unknown = live_job("u", after_ok=["b9999999"], history_dir=str(tmp_path))
+    why = settle_dependencies(unknown, data)
+    assert why is not None and "no record" in why
+
+
 def test_a_run_the_ledger_forgot_is_found_in_a_history_with_a_line_nested_too_deeply(
     tmp_path: Path,
 ) -> None:
