@@ -427,12 +427,13 @@ def runs_command(pid: int, command: object) -> bool:
 
 def _words_kept(command: list[object]) -> tuple[int, ...]:
     """How many words of a command line an entry's `command` may stand for: as many as it
-    has, or, where `entry_command` cut them, as many as its last says were there."""
-    if len(command) != MAX_TEXTS or not isinstance(command[-1], str):
+    has, or, where `entry_command` cut them (past MAX_TEXTS of them, or MAX_COMMAND_BYTES),
+    as many as its last says were there."""
+    if not isinstance(command[-1], str):
         return (len(command),)
     count = command[-1].removeprefix("… ").removesuffix(" more arguments")
     more = whole_number(count) if count != command[-1] else None
-    return (len(command),) if more is None else (len(command), MAX_TEXTS - 1 + more)
+    return (len(command),) if more is None else (len(command), len(command) - 1 + more)
 
 
 def _hidden_as(pid: int, owner: int | None, uid: int) -> bool:

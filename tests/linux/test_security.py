@@ -406,8 +406,13 @@ def test_a_program_reserving_from_python_counts_once_started_for_a_reader_that_s
 
 @pytest.mark.parametrize(
     "words",
-    [["x" * 5000, "tail"], [str(n) for n in range(1500)], ["x" * 70000, "tail"]],
-    ids=["long", "many", "past-64-KiB"],
+    [
+        ["x" * 5000, "tail"],
+        [str(n) for n in range(1500)],
+        ["x" * 70000, "tail"],
+        [f"/data/shard-{n:05d}-" + "x" * 74 for n in range(300)],
+    ],
+    ids=["long", "many", "past-64-KiB", "past-8-KiB-kept"],
 )
 def test_a_gpuwait_runs_a_long_command_as_its_entry_keeps_it(words: list[str]) -> None:
     """An entry keeps a long argument cut, and a command of thousands of arguments counted

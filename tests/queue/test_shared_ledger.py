@@ -1842,3 +1842,26 @@ def test_a_members_entry_naming_a_gpuwait_of_a_long_repeating_command_line_hangs
     assert shown.returncode == 0, shown.stderr
     assert time.monotonic() - started < 10
     assert "never" not in [j["id"] for j in json.loads(shown.stdout)["jobs"]]
+
+
+def test_a_members_waiting_job_with_a_long_command_line_is_in_everyones_queue(
+    server: Server,
+) -> None:
+    # Bob's job waits behind Alice's 20 GiB job, handed 300 file names of 90 characters
+    # (27 KB of command line): his entry keeps its arguments up to about 8 KiB, the rest
+    # counted in one last item. Alice's gpuwait looked for that cut command as many words
+    # from the end of his gpuwait's command line as the entry has items, not as many as it
+    # stands for: it never found it, and left his job out of her queue, her jobs first.
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    shards = [f"/data/shard-{n:05d}-" + "x" * 74 for n in range(300)]
+    server.start(BOB, "--vram", "10G", "--", "sleep", "60", *shards)
+    wait_for(lambda: server.own_file(BOB).exists(), timeout=20)
+    wait_for(lambda: json.loads(server.own_file(BOB).read_text())["jobs"], timeout=20)
+    bobs = json.loads(server.own_file(BOB).read_text())["jobs"]
+    assert bobs[0]["command"][-1] == f"… {302 - len(bobs[0]['command']) + 1} more arguments"
+    shown = json.loads(server.run(ALICE, "status", "--json").stdout)
+    assert [(j["uid"], j["state"]) for j in shown["jobs"]] == [
+        (ALICE, "running"),
+        (BOB, "waiting"),
+    ], shown["jobs"]
