@@ -21,12 +21,14 @@ MAX_TEXTS = 1024
 MAX_COMMAND_BYTES = 8192
 
 
-def entry_command(argv: Sequence[str]) -> list[str]:
+def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -> list[str]:
     """A command as its entry keeps it: within what a read of the entry accepts (which refuses
-    the entry otherwise) and within MAX_COMMAND_BYTES after its first argument, so `xargs`
-    handing a job thousands of file names, or an argument of a whole config file, cuts the
-    command the ledger shows, not the entry. What is cut is said in one last item, "… N more
-    arguments"; the first argument is always kept (who runs the command is told by it)."""
+    the entry otherwise) and within `budget` (MAX_COMMAND_BYTES) after its first argument, so
+    `xargs` handing a job thousands of file names, or an argument of a whole config file, cuts
+    the command the ledger shows, not the entry. What is cut is said in one last item, "… N
+    more arguments"; the first argument is always kept (who runs the command is told by it).
+    `budget` None: as a gpuwait from before MAX_COMMAND_BYTES kept it (a member's who has not
+    upgraded), each argument and their number cut alone."""
     command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
     used = 0
     for at, arg in enumerate(command[1:], 1):
@@ -34,7 +36,9 @@ def entry_command(argv: Sequence[str]) -> list[str]:
         # one past ASCII (two to four bytes of UTF-8), two for a quote or a backslash.
         utf8 = len(arg.encode("utf-8", "surrogatepass"))
         used += 3 * utf8 - 2 * len(arg) + arg.count('"') + arg.count("\\") + 3
-        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used > MAX_COMMAND_BYTES:
+        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or (
+            budget is not None and used > budget
+        ):
             command[at:] = [f"… {len(command) - at} more arguments"]
             break
     return command

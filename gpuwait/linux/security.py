@@ -327,10 +327,13 @@ def _owner_mismatch(job: _JobLike, pid: int) -> int | None:
     return owner
 
 
-def _as_kept(argv: list[str] | None) -> list[str] | None:
-    """A command line as an entry of a program's own keeps it (`sys.orig_argv`, each argument,
-    and their number, cut)."""
-    return None if argv is None else entry_command(argv)
+def _kept_as(argv: list[str] | None, command: object) -> bool:
+    """Is `command`, an entry's, the command line `argv` as an entry keeps it (each argument,
+    their number and what they take, cut: `entry_command`), or as a gpuwait from before an
+    entry kept only MAX_COMMAND_BYTES of them kept it: a member who has not upgraded yet?"""
+    return argv is not None and (
+        entry_command(argv) == command or entry_command(argv, None) == command
+    )
 
 
 def proven_entry(
@@ -392,7 +395,7 @@ def runs_as_kept(pid: int, command: object) -> bool:
     return (
         isinstance(command, list)
         and bool(command)
-        and _as_kept(proc.command_line(pid, "surrogateescape")) == command
+        and _kept_as(proc.command_line(pid, "surrogateescape"), command)
     )
 
 
@@ -411,7 +414,7 @@ def runs_command(pid: int, command: object) -> bool:
         # the entry counts: looked at there alone, not from each word alike on (a line of a
         # hundred thousand, each compared with the rest, took every reader minutes).
         return any(
-            0 <= at < len(argv) and entry_command(argv[at:]) == command
+            0 <= at < len(argv) and _kept_as(argv[at:], command)
             for at in {len(argv) - words for words in _words_kept(command)}
         )
     for at, word in enumerate(argv):

@@ -1865,3 +1865,26 @@ def test_a_members_waiting_job_with_a_long_command_line_is_in_everyones_queue(
         (ALICE, "running"),
         (BOB, "waiting"),
     ], shown["jobs"]
+
+
+def test_a_long_command_line_an_older_gpuwait_keeps_whole_is_in_everyones_queue(
+    server: Server,
+) -> None:
+    # Bob has not upgraded: his gpuwait waits behind Alice's 20 GiB job with 300 file names
+    # of 90 characters, and keeps them all in its entry, as gpuwait did before an entry kept
+    # about 8 KiB of arguments. Alice's upgraded gpuwait cut his gpuwait's command line as it
+    # now cuts one, which never equalled his entry's: his job was in nobody's queue but his.
+    server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    command = ["sleep", "60", *(f"/data/shard-{n:05d}-" + "x" * 74 for n in range(300))]
+    older = older_gpuwait_waiting(server, BOB, "--vram", "10G", "--", *command)
+    wait_for(lambda: len(proc_command(older.pid) or []) > len(command), timeout=20)
+    queued = live_job("older", older.pid, uid=BOB, command=command, request={"bytes": 10 * GiB})
+    written = queued.to_json()
+    del written["owners"]  # which that gpuwait knew nothing of
+    server.edit_own(BOB, lambda raw: raw["jobs"].append(written))
+    shown = json.loads(server.run(ALICE, "status", "--json").stdout)
+    assert [(j["uid"], j["state"]) for j in shown["jobs"]] == [
+        (ALICE, "running"),
+        (BOB, "waiting"),
+    ], shown["jobs"]
