@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 #: Unicode's categories of what is never shown as itself: controls, formats (bidi overrides),
@@ -19,6 +20,9 @@ MAX_TEXTS = 1024
 #: 16 MiB (gpuwait.queue.ledger), so a queue of jobs each handed a thousand file names
 #: (100 KB of command line) would otherwise make its own ledger "damaged", over and over.
 MAX_COMMAND_BYTES = 8192
+#: What JSON writes as six characters (\u0001), and of those what it writes as two (\n).
+_CONTROL = re.compile("[\x00-\x1f]")
+_SHORT_ESCAPE = re.compile("[\b\f\n\r\t]")
 
 
 def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -> list[str]:
@@ -33,9 +37,11 @@ def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -
     used = 0
     for at, arg in enumerate(command[1:], 1):
         # About what the ledger's JSON takes for it, without its encoder: six characters for
-        # one past ASCII (two to four bytes of UTF-8), two for a quote or a backslash.
+        # one past ASCII (two to four bytes of UTF-8) or a control character (two for a line
+        # feed, a tab and the like), two for a quote or a backslash.
         utf8 = len(arg.encode("utf-8", "surrogatepass"))
         used += 3 * utf8 - 2 * len(arg) + arg.count('"') + arg.count("\\") + 3
+        used += 5 * len(_CONTROL.findall(arg)) - 4 * len(_SHORT_ESCAPE.findall(arg))
         if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or (
             budget is not None and used > budget
         ):

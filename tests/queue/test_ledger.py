@@ -154,13 +154,22 @@ def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
         json.loads(ledger.path.read_text())
 
 
+@pytest.mark.parametrize(
+    "names",
+    [
+        [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)],
+        # Rows whose fields are parted by \x01 (Hive's), which the file spells as six
+        # characters each: an entry took six times the 8 KiB it was meant to, 48 MiB in all.
+        ["\x01".join(["7"] * 1000) for _ in range(200)],
+    ],
+    ids=["file-names", "control-characters"],
+)
 def test_a_full_queue_of_jobs_with_long_command_lines_stays_one_readable_ledger(
-    tmp_path: Path,
+    tmp_path: Path, names: list[str]
 ) -> None:
     # As many jobs as one user may queue, each handed a thousand file names by xargs (about
     # 100 KB of command line, 2 MB for the last): the file stays within what a read takes, so
     # nobody's entry is lost to a ledger "damaged" by its size, over and over.
-    names = [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)]
     me = os.getpid()
     jobs = [make_job(f"{n:08x}", me, proc.start_time(me)) for n in range(MAX_ENTRIES_PER_UID)]
     for job in jobs:
