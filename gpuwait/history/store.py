@@ -33,7 +33,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -539,6 +539,10 @@ def _copy(source: Path, target: Path) -> None:
 #: How much of the history's end `find_run` searches: a dependency named by `--after` is one
 #: of the latest runs.
 FIND_TAIL_BYTES = 2**20
+#: How much of it `latest_outcomes` searches for the jobs a waiter still depends on (`wanted`),
+#: as far as it must: a sweep's runs each keep a command of up to 8 KiB of arguments (a
+#: thousand file names), and a thousand of them take ten times FIND_TAIL_BYTES.
+DEPENDENCY_TAIL_BYTES = 2**24
 
 
 def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
@@ -558,39 +562,56 @@ def batch_outcomes(state_dir: Path, batch: str) -> list[RunOutcome]:
     return list(latest_outcomes(state_dir, batch).values())
 
 
-def latest_outcomes(state_dir: Path, batch: str | None = None) -> dict[str, RunOutcome]:
+def latest_outcomes(
+    state_dir: Path, batch: str | None = None, wanted: Collection[str] = ()
+) -> dict[str, RunOutcome]:
     """How each job with a run in the history's end (of `batch`, where given) ended, by job
     id: by its latest run (a job run again after running out of memory ends as its last run
-    did); newest first."""
+    did); newest first. With `wanted` (job ids), read back as far as DEPENDENCY_TAIL_BYTES
+    until each of those is found."""
     found: dict[str, RunOutcome] = {}
-    for record in _latest_records(state_dir):
+    missing = set(wanted)
+    tail = DEPENDENCY_TAIL_BYTES if missing else FIND_TAIL_BYTES
+    for record in _latest_records(state_dir, tail):
         if batch is not None and record.get("batch") != batch:
             continue
         ran = outcome(record)
         if ran is not None and ran.job_id not in found:
             found[ran.job_id] = ran
+            missing.discard(ran.job_id)
+            if wanted and not missing:
+                break
     return found
 
 
-def _latest_records(state_dir: Path) -> Iterator[dict[str, Any]]:
-    """The records in the history's last FIND_TAIL_BYTES, newest first; damaged lines passed
-    over."""
+def _latest_records(state_dir: Path, tail: int = FIND_TAIL_BYTES) -> Iterator[dict[str, Any]]:
+    """The records in the history's last `tail` bytes, newest first, read back a
+    FIND_TAIL_BYTES at a time as far as they are asked for; damaged lines passed over."""
     path = history_path(state_dir)
     try:
         fd = open_readable(path, mine())
-        if fd is None:
-            return
-        try:
-            start = max(0, os.fstat(fd).st_size - FIND_TAIL_BYTES)
-            lines = os.pread(fd, FIND_TAIL_BYTES, start).decode("utf-8", "replace").splitlines()
-        finally:
-            os.close(fd)
     except OSError:
         return
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):  # damaged, or nested thousands deep
-            continue
-        if isinstance(record, dict):
-            yield record
+    if fd is None:
+        return
+    try:
+        end = os.fstat(fd).st_size
+        limit = max(0, end - tail)
+        cut = b""  # the start of the last line read, which began before the bytes read
+        while end > limit:
+            start = max(limit, end - FIND_TAIL_BYTES)
+            lines = (os.pread(fd, end - start, start) + cut).split(b"\n")
+            end = start
+            if start > limit:
+                cut = lines.pop(0)
+            for line in reversed(lines):
+                try:
+                    record = json.loads(line.decode("utf-8", "replace"))
+                except (ValueError, RecursionError):  # damaged, or nested thousands deep
+                    continue
+                if isinstance(record, dict):
+                    yield record
+    except OSError:
+        return
+    finally:
+        os.close(fd)

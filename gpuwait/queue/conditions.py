@@ -106,7 +106,8 @@ def settle_dependencies(job: Job, data: LedgerData) -> str | None:
         done = data.book.outcome(dep)
         if done is None and job.history_dir is not None:
             if older is None:
-                older = latest_outcomes(Path(job.history_dir))
+                wanted = [d for d in job.after_ok if d not in live and data.book.outcome(d) is None]
+                older = latest_outcomes(Path(job.history_dir), wanted=wanted)
             done = _finished(older[dep]) if dep in older else None
         if done is None:
             return f"job {dep} left no record of how it ended; --after-ok cannot be met"

@@ -10,6 +10,7 @@ from helpers.history import a_run
 from helpers.jobs import live_job
 
 from gpuwait.core.policy import FairShare
+from gpuwait.core.text import entry_command
 from gpuwait.history import store
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.conditions import (
@@ -189,3 +190,23 @@ def test_a_plan_of_a_long_shared_queue_looks_for_dependencies_only_where_there_a
     assert time.monotonic() - started < 1.0
     blocked = [c.job_id for c in claims if c.blocked]
     assert blocked == ["00000005", "00000006"]
+
+
+def test_a_dependency_of_long_command_lines_that_succeeded_long_ago_is_met(
+    tmp_path: Path,
+) -> None:
+    # As above, the sweep's jobs each handed a thousand file names: each run's record keeps
+    # the 8 KiB of arguments its entry keeps, and the end of the history read (1 MiB) held
+    # about as many runs as the ledger remembers outcomes. The evaluation gave up, exit 6,
+    # though every job of the sweep had succeeded.
+    names = [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)]
+    data = LedgerData()
+    for n in range(300):
+        command = entry_command(["python", "prep.py", *names])
+        run = a_run(command, "/", 1.0 + n, job_id=f"b{n:07d}")
+        store.append_record(tmp_path, run)
+        data.book.note_finished(Finished(f"b{n:07d}", OK, 2.0 + n))
+    waiter = live_job("w", after_ok=["b0000000", "b0000001"], history_dir=str(tmp_path))
+    assert settle_dependencies(waiter, data) is None and waiter.after_ok == []
+    # Read back a piece at a time, every run is found, those across the pieces' edges too.
+    assert len(store.latest_outcomes(tmp_path, wanted=["b0000000"])) == 300
