@@ -662,6 +662,78 @@ def test_slurm_script_reports_failed_steps(user_env: dict[str, str], tmp_path: P
     assert "3 step(s), 1 failed" in done.stdout
 
 
+@pytest.mark.parametrize(
+    "share",
+    ["SLURM_SHARDS_ON_NODE=2", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50"],
+    ids=["shard", "mps"],
+)
+def test_slurm_allocations_given_shares_of_one_gpu_pack_their_steps_together(
+    user_env: dict[str, str], tmp_path: Path, share: str
+) -> None:
+    # Shards (--gres=shard:N) or MPS shares (--gres=mps:N) of one GPU go to several allocations
+    # at once, each with that GPU in CUDA_VISIBLE_DEVICES and one of these variables set (so on
+    # try-cluster's Slurm). With a ledger each, both allocations' steps started together and
+    # ran out of memory.
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    scripts = []
+    for job in ("51", "52"):
+        steps = tmp_path / f"steps-{job}.txt"
+        steps.write_text(
+            "".join(
+                f"gpuwait sim job --vram 8G --ramp 0.2s --hold 0.2s --report {reports}/{job}-{i}\n"
+                for i in range(2)
+            )
+        )
+        env = {
+            **user_env,
+            "SLURM_JOB_ID": job,
+            "SLURM_JOB_GPUS": "0",
+            "CUDA_VISIBLE_DEVICES": "0",
+            "TMPDIR": str(tmp_path),
+            "STEP_VRAM": "8G",
+            share.split("=")[0]: share.split("=")[1],
+        }
+        script = ["bash", str(CONTRIB / "slurm" / "pack-steps.sbatch"), str(steps)]
+        scripts.append(subprocess.Popen(script, env=env, stdout=subprocess.PIPE, text=True))
+    outs = [script.communicate(timeout=120)[0] for script in scripts]
+    assert all("2 step(s), 0 failed" in out for out in outs), outs
+    results = [json.loads(p.read_text()) for p in reports.iterdir()]
+    assert len(results) == 4 and not any(r["oom"] for r in results)
+    # Two 8 GiB steps at a time on the 24 GiB card, whichever allocation they came from.
+    assert max_overlap(history(Path(user_env["XDG_STATE_HOME"]))) == 2
+
+
+def test_pausable_jobs_given_shards_of_one_gpu_take_turns(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # Two pausable.sbatch jobs, each given shards of GPU 0, each 16 GiB of its 24: one at a time.
+    env = {
+        **user_env,
+        "SLURM_JOB_GPUS": "0",
+        "SLURM_SHARDS_ON_NODE": "2",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "TMPDIR": str(tmp_path),
+        "JOB_VRAM": "16G",
+    }
+    job = ["gpuwait", "sim", "job", "--vram", "16G", "--ramp", "0.2s", "--hold", "0.2s"]
+    scripts = [
+        subprocess.Popen(
+            ["bash", str(CONTRIB / "slurm" / "pausable.sbatch"), *job],
+            env={**env, "SLURM_JOB_ID": job_id},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for job_id in ("61", "62")
+    ]
+    outs = [script.communicate(timeout=120)[0] for script in scripts]
+    assert [script.returncode for script in scripts] == [0, 0], outs
+    records = history(Path(user_env["XDG_STATE_HOME"]))
+    assert len(records) == 2 and not any(r["oom"] for r in records)
+    assert max_overlap(records) == 1
+
+
 def test_pausable_script_requeues_on_the_resume_status_gpuwait_uses(
     sim_file: Any, tmp_path: Path, procs: Any
 ) -> None:

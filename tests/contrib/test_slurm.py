@@ -252,6 +252,44 @@ def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
     assert sorted(given.values()) == [0, 1], "two allocations on the same GRES device"
 
 
+def test_pack_steps_in_two_allocations_given_shards_of_one_gpu_take_turns(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Slurm gives shards of one GPU to several jobs at once, each with that GPU in
+    # CUDA_VISIBLE_DEVICES: their steps, 8 GiB each on a 24 GiB card, must start two at a time
+    # over both allocations, not two in each (they ran out of memory, each allocation with a
+    # ledger of its own).
+    env = cluster.env(tmp_path, STEP_VRAM="8G", MAX_PARALLEL="2")
+    jobs = {}
+    for name in ("a", "b"):
+        lines = [
+            f"gpuwait sim job --vram 8G --ramp 0.3s --hold 1s --report {tmp_path}/{name}-{i}.json"
+            for i in range(2)
+        ]
+        steps = tmp_path / f"{name}.txt"
+        steps.write_text("\n".join(lines) + "\n")
+        jobs[name] = sbatch(
+            env,
+            "--gres=shard:1",
+            f"--output={tmp_path}/{name}.out",
+            str(SLURM / "pack-steps.sbatch"),
+            str(steps),
+        )
+    outs = {}
+    for name, job_id in jobs.items():
+        info = wait_ended(env, job_id, timeout=60)
+        outs[name] = (tmp_path / f"{name}.out").read_text()
+        assert info["JobState"] == "COMPLETED", outs[name]
+        assert "2 step(s), 0 failed" in outs[name]
+    given = {out.split(": GPUs ", 1)[1].split(";")[0] for out in outs.values()}
+    assert len(given) == 1, f"Slurm put the two allocations' shards on GPUs {given}"
+    reports = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert len(reports) == 4 and not any(r["oom"] for r in reports)
+    # One ledger, the user's own on the node, holds all four runs.
+    records = history(Path(env["XDG_STATE_HOME"]) / "gpuwait")
+    assert len(records) == 4 and most_at_once(records) == 2
+
+
 def test_a_batch_job_given_no_gpu_is_refused(cluster: Cluster, tmp_path: Path) -> None:
     # Slurm starts a job without --gres=gpu with no CUDA_VISIBLE_DEVICES at all, so every GPU
     # of the node, each perhaps another job's, would have looked free to it.
