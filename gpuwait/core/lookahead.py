@@ -843,7 +843,13 @@ def _planned_note(
         return None
     where = ",".join(f"GPU{rooms[u].gpu.index}" for u in placed.gpu_uuids if u in rooms)
     if placed.start == _NEVER:
-        if hold is not None and hold.job_id != claim.job_id:
+        # Another waiter's hold, where it keeps this one off the GPUs it would take; one on
+        # other GPUs (all this waiter may not use, in another Slurm allocation) holds it up not.
+        if (
+            hold is not None
+            and hold.job_id != claim.job_id
+            and not set(hold.gpu_uuids).isdisjoint(placed.gpu_uuids)
+        ):
             held = ",".join(f"GPU{rooms[u].gpu.index}" for u in hold.gpu_uuids if u in rooms)
             return f"{held} held for job {hold.job_id}, whose start cannot be estimated"
         return f"{where} held for it until a job with no run-time estimate ends"

@@ -452,3 +452,31 @@ def test_a_gang_starts_on_as_many_free_cards_at_once_or_is_planned_for_when_they
     assert plan(cards(3), [busy, gang], SAFETY).admitted == {"gang": ("GPU-1", "GPU-2")}
     decided = plan(cards(3), [busy, running("r2", 30, 2, 30.0), gang], SAFETY)
     assert decided.admitted == {} and decided.starts["gang"] == 10.0
+
+
+def test_a_waiter_kept_off_a_held_gpu_by_its_own_gpus_is_told_its_own_wait() -> None:
+    # Two Slurm allocations of one user on one node (an array's tasks), one GPU each, one ledger:
+    # both cards are full of a job with no run-time estimate, and each allocation has a waiter
+    # that may use its own GPU alone. The second waits for GPU1, kept for it, not for GPU0 or
+    # for the first waiter, which it could never use or follow.
+    gpus = cards(2)
+    full = Claim(
+        job_id="r",
+        running=True,
+        priority=3,
+        order=0,
+        request=MemoryRequest(bytes=40 * GiB),
+        gpus_wanted=2,
+        gpu_uuids=("GPU-0", "GPU-1"),
+        reserved_bytes=40 * GiB,
+    )
+    first = waiter("first", 10, 1, None, candidates=frozenset({"GPU-0"}))
+    second = waiter("second", 10, 2, None, candidates=frozenset({"GPU-1"}))
+    decided = plan(gpus, [full, first, second], SAFETY)
+    assert decided.admitted == {}
+    assert decided.waiting["second"].note == (
+        "GPU1 held for it until a job with no run-time estimate ends"
+    )
+    # In order (queue_order = fifo), nothing is held for it, and nothing else is said either.
+    in_order = plan_queue(gpus, [full, first, second], SAFETY, -1, NO_CONDITIONS, FairShare())
+    assert in_order.waiting["second"].note is None
