@@ -57,6 +57,8 @@ _RUNS_OTHER_CODE = frozenset(
         *("make", "gmake", "ninja", "docker", "podman", "apptainer", "singularity", "gpuwait"),
         *("setsid", "flock", "unbuffer", "script", "parallel", "watch", "strace", "gdb"),
         *("npm", "pnpm", "yarn", "just", "cargo", "snakemake", "dvc", "tox", "nox"),
+        # Running a command as another user or elsewhere (a service's or root's cron job).
+        *("runuser", "su", "setpriv", "sg", "chroot", "unshare", "nsenter", "systemd-run"),
     }
 )
 

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -471,6 +472,31 @@ def test_other_scripts_runs_never_size_a_new_script(
     record = history()[-1]
     assert record["request_source"] == "default" and record["reserved_bytes"] == 8 * GiB
     assert record["oom"] is False
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        lambda command: ["runuser", "-u", "svc", "--", *command],
+        lambda command: ["su", "svc", "-c", shlex.join(command)],
+        lambda command: ["setpriv", "--reuid=svc", "--", *command],
+    ],
+    ids=["runuser", "su", "setpriv"],
+)
+def test_runs_under_another_user_never_size_a_new_command_under_it(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    switch: Callable[[list[str]], list[str]],
+) -> None:
+    # A system unit (or a cron job of root's) that runs each job as its user: `gpuwait --
+    # runuser -u svc -- python eval.py`. Three runs of a small evaluation must not size a new
+    # training script run the same way (it got their 2 GiB and ran out of memory beside others),
+    # no more than runs under `sudo` do.
+    sim_file(gpus=1, memory="24GiB")
+    three_runs(switch(["python3", "eval.py"]), str(tmp_path), 2 * GiB)
+    learned = estimate_of(gpuwait_cmd, switch(["python3", "train_big.py"]))
+    assert learned["estimate_bytes"] is None, learned["based_on"]
 
 
 def test_a_simulated_jobs_size_is_not_pooled_with_other_sizes(
