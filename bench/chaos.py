@@ -19,8 +19,9 @@ Invariants checked after every step and at the end (each one broken is printed):
   oom over-admission  a simulated job that ran out of memory while every other process on
                       its card was an honest gpuwait job (its size given, or learned and no
                       smaller than what it takes) or memory taken outside gpuwait over a
-                      second before the job started: gpuwait admitted it over them (an OOM
-                      beside a liar, or beside outside memory taken later, is legitimate)
+                      second before gpuwait admitted the job: gpuwait admitted it over them
+                      (an OOM beside a liar, or beside outside memory taken after the
+                      admission, even before the command started, is legitimate)
   hang                a gpuwait still running at the end (nothing may wait for ever: a request
                       that can never fit says so and exits 3)
   exit status         a gpuwait whose exit status is not what its command's was (or what its
@@ -96,6 +97,9 @@ GROUP = 47300
 #: live where other users cannot reach it (a virtual environment under root's home).
 USER_GPUWAIT = [shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3"]
 USER_GPUWAIT += ["-m", "gpuwait"]
+#: Outside memory the driver saw this long before gpuwait admitted a job was there for gpuwait's
+#: reading of the GPUs, taken just before it decides.
+SAW_MARGIN = 1.0
 #: What a --timeout may overrun by on a loaded machine before it counts as broken.
 TIMEOUT_MARGIN = 5.0
 #: The resume status (resume_exit's default), and the status of a waiting job cancelled.
@@ -138,6 +142,9 @@ class Launch:
     rc: int | None = None
     checked: bool = False
     command_started: float | None = None  # wall clock, from /proc
+    #: When gpuwait admitted it (its running entry's started_at, wall clock), as last seen in
+    #: the ledger; None before that, and again once seen waiting (a paused job queued again).
+    admitted: float | None = None
     learned: int | None = None  # without --vram: what its entry reserved, learned from history
     uid: int = 0
     name: str | None = None
@@ -175,6 +182,20 @@ class Owner:
     kind: str
     launch: int | None
     seen: float = 0.0  # when the driver first saw its memory (wall clock)
+
+
+def note_entry(launch: Launch, job: dict[str, object]) -> None:
+    """What `launch`'s ledger entry `job`, seen now, tells: it queued; running, when gpuwait
+    admitted it and (without --vram) what it reserved; waiting again, no admission yet."""
+    launch.queued = True
+    if job.get("state") != "running":
+        launch.admitted = None
+        return
+    at, reserved = job.get("started_at"), job.get("reserved_bytes")
+    if isinstance(at, (int, float)):
+        launch.admitted = float(at)
+    if launch.reserved is None:
+        launch.learned = reserved if isinstance(reserved, int) else None
 
 
 def started_at(pid: int) -> float | None:
@@ -604,13 +625,11 @@ class Chaos:
                     self.check_after(launch)
         by_pid = {launch.proc.pid: launch for launch in self.launches}
         for job in self.entries():
-            pid, reserved = job.get("pid"), job.get("reserved_bytes")
+            pid = job.get("pid")
             seen = by_pid.get(pid) if isinstance(pid, int) else None
             if seen is None:
                 continue
-            seen.queued = True
-            if seen.reserved is None and job.get("state") == "running":
-                seen.learned = reserved if isinstance(reserved, int) else None
+            note_entry(seen, job)
         for allocation in live_allocations(self.sim):
             if allocation.pid in self.owners:
                 continue
@@ -715,14 +734,23 @@ class Chaos:
         holders = [int(p) for p in HOLDERS.findall(err)]
         owners = [self.owners.get(pid, Owner("unknown", None)) for pid in holders]
         kinds = [o.kind for o in owners]
-        started = launch.command_started
-        if started is not None and all(
-            o.kind == "honest" or (o.kind == "outside" and o.seen < started - 1.0) for o in owners
+        # Outside memory counts against gpuwait only where it was there when gpuwait decided:
+        # seen a second before the admission (its reading is taken just before). Memory taken
+        # after it admitted the job, however long before the command started, is not its fault.
+        admitted = launch.admitted
+        if admitted is not None and all(
+            o.kind == "honest" or (o.kind == "outside" and o.seen < admitted - SAW_MARGIN)
+            for o in owners
         ):
             self.fail(
                 f"#{launch.n} ran out of memory beside honest gpuwait jobs and outside memory "
-                f"that was there a second before it started: {err.strip()[-500:]}"
+                f"that was there a second before gpuwait admitted it: {err.strip()[-500:]}"
             )
+            return
+        if admitted is None and "outside" in kinds:
+            # Its entry never seen running (lost with a damaged ledger meanwhile): when the
+            # outside memory came, before or after the admission, cannot be told.
+            self.count("OOM beside outside memory, its admission not seen")
             return
         if any(k in ("outside", "liar", "learned") for k in kinds):
             self.count("OOM beside outside memory or a liar (legitimate)")
