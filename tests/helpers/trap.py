@@ -7,9 +7,9 @@ from pathlib import Path
 
 from helpers.waiting import wait_for
 
-#: `python -c TRAP FLAG`: writes "ready" to FLAG once its handlers are in place, then, a moment
-#: after the first signal, the signal numbers it received (comma-separated), and exits 40 + their
-#: count.
+#: `python -c TRAP FLAG [GO]`: writes "ready" to FLAG once its handlers are in place, then, a
+#: moment after the first signal (or, given GO, once the file GO exists), the signal numbers it
+#: received (comma-separated), and exits 40 + their count.
 TRAP = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -27,8 +27,13 @@ TRAP = textwrap.dedent(
     while not got and time.monotonic() < deadline:
         time.sleep(0.01)
     # Not a precondition but the window under test: were the signal passed on twice, the second
-    # would arrive within it. A delivery that never comes shows no state to wait for.
-    time.sleep(0.3)
+    # would arrive within it. A delivery that never comes shows no state to wait for, but a
+    # test can say when whoever would pass it on is done (GO): then nothing is left to chance.
+    if len(sys.argv) > 2:
+        while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        time.sleep(0.3)
     open(sys.argv[1], "w").write(",".join(str(s) for s in got))
     sys.exit(40 + len(got))
     """

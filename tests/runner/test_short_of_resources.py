@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
-from helpers.processes import children, process_name
+from helpers.processes import children, pending_signals, process_name
 from helpers.status import listed_jobs
 from helpers.trap import TRAP, wait_for_text
-from helpers.waiting import sleeping_in, wait_for
+from helpers.waiting import process_state, sleeping_in, wait_for
 
 #: The stand-in for NVIDIA's cuda-checkpoint, which `--freezable` needs to be there.
 FAKE_CUDA_CHECKPOINT = (
@@ -168,13 +168,24 @@ def test_a_command_that_started_after_a_moment_short_of_processes_gets_a_group_s
 ) -> None:
     # The witness of group signals made way for the command; a signal sent to the whole group
     # later in the run (`kill %1`, `timeout`, systemd) must still reach the command once.
+    # The first two starts fail (the witness's, then the command's).
     sim_file(gpus=1)
-    flag = tmp_path / "flag"
-    launch = procs(
-        [*NO_PROCESSES, "2", "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
-    )
+    flag, go = tmp_path / "flag", tmp_path / "go"
+    command = [sys.executable, "-c", TRAP, str(flag), str(go)]
+    launch = procs([*NO_PROCESSES, "2", "--vram", "1G", "--", *command])
     wait_for_text(flag, "ready")
+    trap = next(p for p in children(launch.pid) if process_name(p) != "cat")
+    # gpuwait slow to take the signal (a loaded machine): the command has taken the group's
+    # first, so a second passed on by gpuwait would not merge into it but be counted.
+    os.kill(launch.pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(launch.pid) == "T")
     os.killpg(launch.pid, signal.SIGTERM)
+    wait_for(lambda: signal.SIGTERM not in pending_signals(trap))
+    os.kill(launch.pid, signal.SIGCONT)
+    # gpuwait waits again once it has dealt with the signal (passed it on or not): only then
+    # does the command count what it got.
+    wait_for(lambda: sleeping_in(launch.pid, "sigtimedwait") or launch.poll() is not None)
+    go.touch()
     assert launch.wait(timeout=30) == 41, flag.read_text()
 
 
