@@ -750,9 +750,11 @@ def submit(
             submitted_boot=proc.boot_clock() if job.submitted_boot is None else job.submitted_boot,
         )
         # Locked before the entry is in the file, so no reader elsewhere ever finds it unlocked.
-        # Not in a shared ledger: other users' entries count there only as far as the kernel
-        # shows their processes, so every member needs the host's pids anyway (--pid=host).
-        if not ledger.shared and alive.hold(ledger.directory, job.id):
+        # In a shared ledger too, where it tells this user's gpuwait which of their jobs live
+        # without an entry once their file was started afresh (`_entries_to_come_back`); but
+        # no pid namespace is recorded there: other users' entries count only as far as the
+        # kernel shows their processes, so every member needs the host's pids (--pid=host).
+        if alive.hold(ledger.directory, job.id) and not ledger.shared:
             entry.pidns = pidns.current()
         data.next_order += 1
         data.jobs.append(entry)

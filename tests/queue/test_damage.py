@@ -8,7 +8,9 @@ one line naming the file, and they stay exactly as they were.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import shlex
@@ -18,12 +20,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 from helpers.processes import liveness_lock_held
-from helpers.waiting import asleep_waiting, named_entry, process_state, wait_for
+from helpers.waiting import asleep_waiting, named_entry, process_state, sleeping_in, wait_for
 
 from gpuwait.cli import main
 from gpuwait.core.errors import StateError
@@ -542,16 +545,18 @@ def _first_job_loading(
     monkeypatch: pytest.MonkeyPatch,
     hold: str,
     report: Path,
+    entry: Callable[[str], dict[str, Any] | None] = named_entry,
 ) -> tuple[subprocess.Popen[str], Callable[[], None]]:
     """A 13 GiB job named "first", started and loading (it allocates nothing until the test
     calls the function returned with it), its tree (the shell and its sleep) published: nothing
     new to publish until the command allocates. Loading for a set time instead, it could end
-    before the test is done with it where the machine is slow."""
+    before the test is done with it where the machine is slow. `entry`: a job's entry by name,
+    from the ledger the jobs use."""
     monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
     loads = f"sleep 600; exec {shlex.join(SIMJOB)} --vram 13G --hold {hold} --report {report}"
     first = procs([*VRAM_13G, "--name", "first", "--", "sh", "-c", loads])
-    wait_for(lambda: (e := named_entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
-    (sleep,) = [p for p in named_entry("first")["pids"] if _name(p) == "sleep"]
+    wait_for(lambda: (e := entry("first")) and len(e.get("pids", ())) >= 2, timeout=30)
+    (sleep,) = [p for p in (entry("first") or {})["pids"] if _name(p) == "sleep"]
 
     def loaded() -> None:
         os.kill(sleep, signal.SIGKILL)
@@ -660,3 +665,58 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
     first_end = next(e for e in said if e["kind"] == "finish" and e["name"] == "first")
     second_start = next(e for e in said if e["kind"] == "start" and e["name"] == "second")
     assert second_start["time"] >= first_end["time"]
+
+
+def test_a_launch_right_after_own_shared_file_was_started_afresh_waits_for_the_running_jobs_entry(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As above, in a shared ledger: the user's own file there, damaged, is set aside and
+    # started afresh by the second job's transaction. Nobody waited for the running job's
+    # entry there: the second job was admitted at once into the room the first had reserved
+    # (and one started --after the first would have started beside it).
+    directory = shared_dir(tmp_path)
+    monkeypatch.setenv("GPUWAIT_LEDGER_DIR", str(directory))
+    own = directory / f"ledger.{os.getuid()}.json"
+
+    def entry(name: str) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            return next(
+                (j for j in json.loads(own.read_bytes())["jobs"] if j["name"] == name), None
+            )
+        return None
+
+    reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    first, loaded = _first_job_loading(procs, monkeypatch, "0.1s", reports[0], entry)
+    # Stopped outside a transaction: the lock of a shared ledger is on its directory.
+    locked = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(locked, fcntl.LOCK_EX)
+        os.kill(first.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(first.pid) == "T", timeout=10)
+    finally:
+        os.close(locked)
+    try:
+        replace_ledger(own, DAMAGE["truncated"])
+        second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
+        second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
+        wait_for(
+            lambda: (
+                (
+                    sleeping_in(second.pid, "sigtimedwait")
+                    and (entry("second") or {}).get("state") == "waiting"
+                )
+                or second.poll() is not None
+            ),
+            timeout=30,
+        )
+        assert second.poll() is None, "the second job ran beside the first one's reservation"
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+        loaded()
+    assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
+    _, err = second.communicate()
+    assert "the ledger was started afresh after damage; 1 job of yours still running" in err
+    assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
