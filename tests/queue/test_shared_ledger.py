@@ -89,10 +89,14 @@ class Server:
         raise AssertionError(f"never saw {count} {state or ''} jobs: {self.jobs()}")
 
     def site_config(self, text: str) -> None:
+        """Write the site config file whole, as at once (by rename): a gpuwait reading it in
+        the moment a write in place has emptied it would find no setting there (no limit)."""
         path = self.site_dir / "gpuwait" / "config.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.chmod(0o644)
+        temp = path.with_name(f"{path.name}.tmp-test")
+        temp.write_text(text)
+        temp.chmod(0o644)
+        os.replace(temp, path)
 
     def root_env(self) -> dict[str, str]:
         """Root's environment on the server, with a state dir of its own."""
@@ -1280,9 +1284,11 @@ def start_logged(server: Server, uid: int, *args: str) -> tuple[subprocess.Popen
 
 
 def test_a_limit_the_administrator_adds_holds_jobs_that_already_wait(server: Server) -> None:
-    first = server.start(ALICE, "--vram", "8G", "--", "sleep", "30")
+    # Both run until the test ends them: on a slow machine, jobs that ended by themselves
+    # could leave the room before the limit was there.
+    first = server.start(ALICE, "--vram", "8G", "--", "sleep", "600")
     server.wait_jobs(1, "running")
-    bob = server.start(BOB, "--vram", "12G", "--", "sleep", "30")
+    bob = server.start(BOB, "--vram", "12G", "--", "sleep", "600")
     server.wait_jobs(2, "running")
     # 20 of the card's 21.6 usable GiB are held: Alice's second job waits, with no limit yet.
     second, log = start_logged(server, ALICE, "--vram", "8G", "--", "echo", "second ran")
