@@ -236,17 +236,21 @@ class Ledger:
                     data.release_seq += 1
                 document = entries.to_document(data)
                 summary_path = wake.summary_path(self.directory, bool(self.shared))
-                if rewrite or document != raw or not summary_path.exists():
+                changed = rewrite or document != raw or not summary_path.exists()
+                if changed:
                     write_atomic(
                         self.path,
                         entries.encode(document),
                         0o640 if self.shared else 0o600,
                         self._group,
                     )
-                    content = wake.summary(data.jobs, data.release_seq, data.starting)
-                    wake.write_summary(self.directory, content, self._group)
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
+                if changed or data.starting:
+                    # Other members' waiters this plan starts are told so even where nothing
+                    # of this user's changed: their own gpuwait starts them.
+                    content = wake.summary(data.jobs, data.release_seq, data.starting)
+                    wake.write_summary(self.directory, content, self._group)
             except OSError as exc:
                 _short_of(self.path, exc, "written")
                 raise StateError(

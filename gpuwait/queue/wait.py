@@ -81,10 +81,11 @@ OWN_PLAN_SPACING = 0.5
 BACKUP_DELAY = 0.25
 #: In a shared ledger, how long another member's job may wait on while this waiter's plan
 #: starts it now, before the two plans are taken to disagree (`Disagreement`). A member whose
-#: plan agrees starts its job within two readings (`nvml_interval`) of its own timer at most,
-#: when the change woke another member's waiter instead; on a loaded machine that took 5 s
-#: and more. Fifteen seconds make a slow member's start no disagreement, and end a true one
-#: in seconds, not in the hours a wait budget takes.
+#: plan agrees is told at once (the plan that first starts the job says so in the summary,
+#: under the lock) and starts its job once its gpuwait has read the GPUs and planned, whatever
+#: its `nvml_interval`; on a loaded machine that took 5 s and more. Fifteen seconds make a slow
+#: member's start no disagreement, and end a true one in seconds, not in the hours a wait
+#: budget takes.
 DISAGREE_AFTER = 15.0
 #: Retries after a failed reading of the GPUs: the first after this many seconds, doubling up to
 #: GPU_RETRY_MAX, so a driver hiccup costs a moment and a lasting failure little.
@@ -540,6 +541,10 @@ def wait_for_admission(
         unlocked = _reason_without_lock(
             data, ledger.directory, job, snapshot, policy.safety, facts, fair
         )
+        #: Other members' waiters this plan starts that no plan of this waiter's started
+        #: before: their gpuwait is told under the lock (the summary lists them as starting),
+        #: else it would look only at its next reading of the GPUs, however far off.
+        untold = unlocked.theirs - disagreement.since.keys()
         if ledger.shared and unlocked.reason is not None:
             running = frozenset(j.id for j in data.jobs if j.state == RUNNING)
             disagreement.note(unlocked.theirs, running, time.monotonic())
@@ -550,7 +555,7 @@ def wait_for_admission(
                     data, ledger.directory, job, snapshot, policy.safety, facts, fair
                 )
         outcome: Attempt = unlocked.reason
-        if outcome is None:
+        if outcome is None or untold:
             job, outcome = lifecycle.admit(ledger, job, snapshot, policy.safety, facts, fair)
         if stamp:
             wake.note_planned(state_dir)

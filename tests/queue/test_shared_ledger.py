@@ -1898,3 +1898,32 @@ def test_a_long_command_line_an_older_gpuwait_keeps_whole_is_in_everyones_queue(
         (ALICE, "running"),
         (BOB, "waiting"),
     ], shown["jobs"]
+
+
+def test_a_members_job_another_members_plan_starts_starts_at_once_whatever_their_interval(
+    server: Server,
+) -> None:
+    # Two cards. Bob reads the GPUs once a minute (nvml_interval); his job waits for room on
+    # GPU0, where a process outside gpuwait holds 20 GiB; Alice's urgent job waits for her
+    # own on GPU1. The outside process ends: Alice's plan started Bob's job, but with nothing
+    # of hers to write it told him nothing, and his job started at his next reading, up to a
+    # minute later, while from 30 s on her plans passed it over: a job of hers coming then
+    # would have taken the room before it.
+    server.sim.write_text('[[gpu]]\nmemory = "24GiB"\n[[gpu]]\nmemory = "24GiB"\n')
+    external = hold_outside_gpuwait(server, 20 * GiB)
+    server.procs.append(external)  # type: ignore[arg-type]
+    server.start(ALICE, "--devices", "1", "--vram", "20G", "--", "sleep", "600")
+    server.wait_jobs(1, "running")
+    slow = {**server.envs[BOB], "GPUWAIT_NVML_INTERVAL": "60s"}
+    argv = ["--vram", "12G", "--", "echo", "bob ran"]
+    bob = popen_as(BOB, BOB, [GROUP], argv, slow, start_new_session=True)
+    server.procs.append(bob)
+    server.wait_jobs(1, "waiting")
+    server.start(ALICE, "--devices", "1", "--priority", "5", "--vram", "20G", "--", "true")
+    server.wait_jobs(2, "waiting")
+    # Bob's gpuwait has read the GPUs and sleeps until its next reading, a minute away.
+    wait_for(lambda: sleeping_in(bob.pid, "sigtimedwait"))
+    external.kill()
+    external.wait()
+    out, err = bob.communicate(timeout=15)
+    assert (bob.returncode, out) == (0, "bob ran\n"), err
