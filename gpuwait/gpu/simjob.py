@@ -75,6 +75,10 @@ def main(argv: list[str]) -> int:
     previous: dict[signal.Signals, Any] = {}
     try:
         for signum in _SIGNALS:
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                # Ignored by whoever started it (nohup, `&` in a script): as for any program
+                # that does not handle it, it stays so.
+                continue
             previous[signum] = signal.signal(signum, _raise_signalled)
         return _main(args)
     except _Signalled as received:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.fixtures_sim import SimFileFactory, sim_file_text, start_sim_job
+from helpers.fixtures_sim import SIMJOB, SimFileFactory, sim_file_text, start_sim_job
 from helpers.users import can_switch_users, clean_up, run_as, shared_root, user_home
 from helpers.waiting import wait_for
 
@@ -522,6 +522,29 @@ def test_job_dies_by_signal_and_frees_memory(
     assert snapshot(path) == {0: (0, {})}
     assert not (state_dir_for(path) / f"{job.pid}.json").exists()
     assert report(out)["peak_bytes"] == 4 * GiB
+
+
+#: Runs the rest of its arguments with hangups ignored, as `nohup` does.
+HANGUPS_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def test_a_job_started_with_hangups_ignored_is_not_ended_by_one(sim_file: SimFileFactory) -> None:
+    # `nohup gpuwait ... -- gpuwait sim job ...`, then the terminal closed: a real program
+    # that does not handle SIGHUP runs on, the simulated job died of the hangup.
+    path = sim_file(gpus=1)
+    argv = [sys.executable, "-c", HANGUPS_IGNORED, *SIMJOB, "--vram", "1G", "--hold", "1s"]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: gpu_used(path, 0) == GiB, timeout=15)
+        job.send_signal(signal.SIGHUP)
+        assert finish(job, timeout=10) == (0, "", "")
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
 
 
 def test_signal_during_ramp(sim_file: SimFileFactory) -> None:
