@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwait.linux import proc
-from gpuwait.linux.security import ensure_private_dir, open_state_file
+from gpuwait.linux.security import UnsafePath, ensure_private_dir, open_state_file
 
 #: Job ids as gpuwait makes them; anything else names no file of ours.
 _JOB_ID = re.compile(r"[0-9a-f]{1,64}")
@@ -70,10 +70,9 @@ def release(ledger_dir: Path, job_id: str) -> None:
     fd = _HELD.pop((ledger_dir, job_id), None)
     if fd is None:
         return
-    path = _path(ledger_dir, os.getuid(), job_id)
-    if path is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    if _path(ledger_dir, os.getuid(), job_id) is not None:
+        with contextlib.suppress(OSError), _own_dir(ledger_dir, os.getuid()) as directory:
+            os.unlink(job_id, dir_fd=directory)
     os.close(fd)
 
 
@@ -94,11 +93,11 @@ def given_up(ledger_dir: Path, job_id: str, on_error: bool = False) -> Iterator[
 def held(ledger_dir: Path, uid: int, job_id: str) -> bool | None:
     """Does a live process hold the lock of `uid`'s job `job_id`? None where it cannot be told
     (the file is there but cannot be opened): the caller keeps the job, as it would a live one."""
-    path = _path(ledger_dir, uid, job_id)
-    if path is None:
+    if _path(ledger_dir, uid, job_id) is None:
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with _own_dir(ledger_dir, uid) as directory:
+            fd = os.open(job_id, _READ_FLAGS, dir_fd=directory)
     except FileNotFoundError:
         return False
     except OSError:
@@ -119,11 +118,11 @@ def opened_by(ledger_dir: Path, uid: int, job_id: str, pid: int) -> bool:
     can open it, and the job's gpuwait keeps it open for the job's life (its command inherits
     it): the process is that job's own, whatever program it runs (one holding room for itself,
     gpuwait.api)."""
-    path = _path(ledger_dir, uid, job_id)
-    if path is None:
+    if _path(ledger_dir, uid, job_id) is None:
         return False
     try:
-        file = os.stat(path, follow_symlinks=False)
+        with _own_dir(ledger_dir, uid) as directory:
+            file = os.stat(job_id, dir_fd=directory, follow_symlinks=False)
     except OSError:
         return False
     return proc.has_open(pid, file)
@@ -134,14 +133,10 @@ def sweep(ledger_dir: Path, named: set[str]) -> None:
     process holds: those of jobs reaped, or ended without `release` (a waiter cancelled by
     someone else). Called under the ledger lock, as every `hold` is, so a file is never taken
     away between its creation and its lock."""
-    directory = ledger_dir / f"alive.{os.getuid()}"
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if name not in named and (ledger_dir, name) not in _HELD:
-            _remove_unheld(directory / name)
+    with contextlib.suppress(OSError), _own_dir(ledger_dir, os.getuid()) as directory:
+        for name in os.listdir(directory):
+            if name not in named and (ledger_dir, name) not in _HELD:
+                _remove_unheld(directory, name)
 
 
 def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
@@ -151,33 +146,56 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     damaged one), which their gpuwait puts back. A lock taken since is a job of the new ledger
     (between its end and the removal of its file, it is held with no entry)."""
     uid = os.getuid()
-    directory = ledger_dir / f"alive.{uid}"
+    found = []
     try:
-        names = os.listdir(directory)
+        with _own_dir(ledger_dir, uid) as directory:
+            for name in os.listdir(directory):
+                if name in named or (ledger_dir, name) in _HELD:
+                    continue
+                try:
+                    taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                if taken < before and held(ledger_dir, uid, name) is True:
+                    found.append(name)
     except OSError:
         return []
-    found = []
-    for name in names:
-        if name in named or (ledger_dir, name) in _HELD:
-            continue
-        try:
-            taken = os.stat(directory / name, follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        if taken < before and held(ledger_dir, uid, name) is True:
-            found.append(name)
     return sorted(found)
 
 
-def _remove_unheld(path: Path) -> None:
+#: Opening a lock file of a directory (`_own_dir`) to look at its lock: no symlink followed,
+#: no FIFO waited on.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _own_dir(ledger_dir: Path, uid: int) -> Iterator[int]:
+    """A descriptor on `uid`'s lock directory, for the names in it to be opened, listed and
+    removed through. OSError where there is none, or it is no directory of `uid`'s own: in a
+    shared ledger directory any member may have put a directory, a file or a symlink there
+    under that name before its owner's first job, and one followed would have this gpuwait
+    look at, and take away, the files of any directory it points at (root's: anywhere)."""
+    name = ledger_dir / f"alive.{uid}"
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_uid != uid:
+            raise UnsafePath(name, f"{name} belongs to another user")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _remove_unheld(directory: int, name: str) -> None:
     try:
         # Read-write: where flock(2) is done with POSIX locks (NFS), an exclusive one needs it.
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(
+            name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory
+        )
     except OSError:
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
+        os.unlink(name, dir_fd=directory)
     except OSError:
         pass
     finally:

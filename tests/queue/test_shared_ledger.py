@@ -1927,3 +1927,32 @@ def test_a_members_job_another_members_plan_starts_starts_at_once_whatever_their
     external.wait()
     out, err = bob.communicate(timeout=15)
     assert (bob.returncode, out) == (0, "bob ran\n"), err
+
+
+@pytest.mark.parametrize("victim", [ALICE, 0])
+def test_a_member_cannot_make_another_members_gpuwait_delete_files_through_their_alive_dir(
+    server: Server, victim: int
+) -> None:
+    # Bob plants a symlink named for Alice's (or root's) liveness-lock directory before its
+    # owner's first job there, pointing at a directory of theirs. Their gpuwait, tidying up
+    # the locks of its ended jobs, deleted every file in it (root's: any directory at all).
+    precious = server.root / f"precious-{victim}"
+    precious.mkdir(mode=0o700)
+    (precious / "thesis.tex").write_text("years of work\n")
+    os.chown(precious, victim, victim)
+    os.chown(precious / "thesis.tex", victim, victim)
+    planted = subprocess.run(
+        ["ln", "-s", str(precious), str(server.ledger_dir / f"alive.{victim}")],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        capture_output=True,
+        text=True,
+    )
+    assert planted.returncode == 0, planted.stderr
+    if victim == ALICE:
+        done = server.run(ALICE, "--vram", "1G", "--", "true")
+    else:
+        done = server.run_root("--vram", "1G", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert (precious / "thesis.tex").read_text() == "years of work\n"
