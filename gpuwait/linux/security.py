@@ -147,7 +147,10 @@ def _make_private_dirs(path: Path) -> None:
             )
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            directory.mkdir()
+            # Made 0700 (or less, by the umask) at once: made as the umask has it and only
+            # then closed, it would be open for a moment to the group of a shared directory
+            # it is made in (a setgid one gives it its own), where a member could put a file.
+            directory.mkdir(mode=0o700)
             os.chmod(directory, 0o700)
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.waiting import wait_for
@@ -24,6 +25,7 @@ JOB = "0a1b2c3d"
 HOLDER = """
 import os, sys, time
 from pathlib import Path
+from typing import Any
 from gpuwait.linux import alive
 assert alive.hold(Path(sys.argv[1]), sys.argv[2])
 child = os.posix_spawnp("sleep", ["sleep", "60"], dict(os.environ)) if sys.argv[3] == "1" else 0
@@ -120,3 +122,33 @@ def test_a_directory_that_is_not_the_users_own_is_not_used(tmp_path: Path) -> No
 def test_a_name_that_is_no_job_id_names_no_file(tmp_path: Path) -> None:
     assert alive.hold(tmp_path, "../ledger") is False
     assert alive.held(tmp_path, os.getuid(), "../ledger") is None
+
+
+def test_the_lock_directory_is_never_open_to_the_group_not_even_for_a_moment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A shared ledger directory (sticky, setgid: what is made in it takes the group) and a
+    # umask of 002, common where each user has a group of their own. The lock directory was
+    # made rwxrwsr-x, the members' group's, and only then made 0700: a member watching the
+    # directory could put a file of theirs in it in that moment, there for good.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o3770)
+    born: list[int] = []
+    chmod = os.chmod
+
+    def watched(path: Any, mode: int, **kw: Any) -> None:
+        if os.path.isdir(path):
+            born.append(os.lstat(path).st_mode & 0o777)
+        chmod(path, mode, **kw)
+
+    monkeypatch.setattr(os, "chmod", watched)
+    umask = os.umask(0o002)
+    try:
+        assert alive.hold(shared, JOB)
+    finally:
+        os.umask(umask)
+        alive.release(shared, JOB)
+    directory = shared / f"alive.{os.getuid()}"
+    assert oct(directory.stat().st_mode & 0o777) == "0o700"
+    assert [oct(mode) for mode in born if mode & 0o077] == []
