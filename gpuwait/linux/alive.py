@@ -11,7 +11,9 @@ kernel keeps the lock while either of them (or a process the command started and
 descriptor to) still runs, and drops it when the last is gone, even by SIGKILL. The file is the
 same inode in every container that mounts the directory, so another process finds the job alive
 when it cannot take a shared lock on it. The directory is its user's alone (0700): nobody else
-can open the files, so nobody else can keep a job of theirs looking alive.
+can open the files, so nobody else can keep a job of theirs looking alive. Where another member
+of a shared ledger directory made something under its name first, the user's is beside it,
+`alive.<uid>.<random>` (gpuwait.linux.security.own_name).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwait.linux import proc
-from gpuwait.linux.security import UnsafePath, ensure_private_dir, open_state_file
+from gpuwait.linux.security import UnsafePath, ensure_private_dir, open_state_file, own_name
 
 #: Job ids as gpuwait makes them; anything else names no file of ours.
 _JOB_ID = re.compile(r"[0-9a-f]{1,64}")
@@ -36,7 +38,13 @@ _HELD: dict[tuple[Path, str], int] = {}
 def _path(ledger_dir: Path, uid: int, job_id: str) -> Path | None:
     if _JOB_ID.fullmatch(job_id) is None:
         return None
-    return ledger_dir / f"alive.{uid}" / job_id
+    return _directory(ledger_dir, uid) / job_id
+
+
+def _directory(ledger_dir: Path, uid: int) -> Path:
+    """`uid`'s lock directory: alive.<uid>, or where another member made something of that
+    name first in a shared ledger directory, one of `uid`'s own beside it."""
+    return own_name(ledger_dir, "alive", uid=uid)
 
 
 def hold(ledger_dir: Path, job_id: str) -> bool:
@@ -175,7 +183,7 @@ def _own_dir(ledger_dir: Path, uid: int) -> Iterator[int]:
     shared ledger directory any member may have put a directory, a file or a symlink there
     under that name before its owner's first job, and one followed would have this gpuwait
     look at, and take away, the files of any directory it points at (root's: anywhere)."""
-    name = ledger_dir / f"alive.{uid}"
+    name = _directory(ledger_dir, uid)
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         if os.fstat(fd).st_uid != uid:

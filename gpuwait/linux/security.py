@@ -99,6 +99,34 @@ def ensure_private_dir(path: Path) -> None:
     check_dir(path, st, private=True)
 
 
+def own_name(directory: Path, stem: str, suffix: str = "", uid: int | None = None) -> Path:
+    """`directory`/`stem`.<uid>`suffix`, a user's name in a shared directory (this user's, or
+    `uid`'s); where another member made something under that name first (any member may: the
+    directory is theirs to write in too), one of the user's own beside it,
+    `stem`.<uid>.<random>`suffix`, found again by them and by others; a new such name where
+    there is none yet."""
+    uid = os.getuid() if uid is None else uid
+    canonical = directory / f"{stem}.{uid}{suffix}"
+    try:
+        if os.lstat(canonical).st_uid == uid:
+            return canonical
+    except OSError:
+        return canonical
+    head, tail = f"{stem}.{uid}.", suffix
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(directory)):
+            random = name[len(head) : len(name) - len(tail)]
+            if (
+                name.startswith(head)
+                and name.endswith(tail)
+                and 0 < len(random) <= 32
+                and all(c in "0123456789abcdef" for c in random)
+                and os.lstat(directory / name).st_uid == uid
+            ):
+                return directory / name
+    return directory / f"{head}{os.urandom(8).hex()}{tail}"
+
+
 def taken_over(path: Path) -> tuple[Path, int] | None:
     """The highest directory on the way to `path`, just below one of this user's own, that
     belongs to another user (root's 0700 `~/.local`, made by a program run as root with this

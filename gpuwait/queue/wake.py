@@ -49,7 +49,7 @@ from typing import Any
 
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
-from gpuwait.linux.security import ANYONE, is_shared_dir, read_state_file
+from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, read_state_file
 from gpuwait.linux.stamp import FileStamp, file_stamp
 from gpuwait.queue.entries import RUNNING, Job, elsewhere, plain_id
 
@@ -162,19 +162,7 @@ def summary_path(state_dir: Path, shared: bool) -> Path:
     wake.<uid>.<random>.json (found again by its owner)."""
     if not shared:
         return state_dir / FILENAME
-    uid = os.getuid()
-    canonical = state_dir / f"wake.{uid}.json"
-    try:
-        if os.lstat(canonical).st_uid == uid:
-            return canonical
-    except OSError:
-        return canonical
-    with contextlib.suppress(OSError):
-        for name in os.listdir(state_dir):
-            match = _USER_SUMMARY_RE.match(name)
-            if match and int(match.group(1)) == uid and os.lstat(state_dir / name).st_uid == uid:
-                return state_dir / name
-    return state_dir / f"wake.{uid}.{os.urandom(8).hex()}.json"
+    return own_name(state_dir, "wake", ".json")
 
 
 class Summary(Record, frozen=True):

@@ -122,9 +122,13 @@ class Server:
 
     def write_as(self, uid: int, path: Path, raw: object) -> subprocess.CompletedProcess[str]:
         """Write `path` as `uid` would with a plain editor: no lock, no checks."""
+        return self.shell(uid, f"cat > '{path}'", json.dumps(raw))
+
+    def shell(self, uid: int, script: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        """Run the shell `script` as `uid`, a member of the group, with `stdin` as its input."""
         return subprocess.run(
-            ["sh", "-c", f"cat > '{path}'"],
-            input=json.dumps(raw),
+            ["sh", "-c", script],
+            input=stdin,
             text=True,
             capture_output=True,
             user=uid,
@@ -1941,14 +1945,7 @@ def test_a_member_cannot_make_another_members_gpuwait_delete_files_through_their
     (precious / "thesis.tex").write_text("years of work\n")
     os.chown(precious, victim, victim)
     os.chown(precious / "thesis.tex", victim, victim)
-    planted = subprocess.run(
-        ["ln", "-s", str(precious), str(server.ledger_dir / f"alive.{victim}")],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        capture_output=True,
-        text=True,
-    )
+    planted = server.shell(BOB, f"ln -s '{precious}' '{server.ledger_dir}/alive.{victim}'")
     assert planted.returncode == 0, planted.stderr
     if victim == ALICE:
         done = server.run(ALICE, "--vram", "1G", "--", "true")
@@ -1956,3 +1953,34 @@ def test_a_member_cannot_make_another_members_gpuwait_delete_files_through_their
         done = server.run_root("--vram", "1G", "--", "true")
     assert done.returncode == 0, done.stderr
     assert (precious / "thesis.tex").read_text() == "years of work\n"
+
+
+def test_a_liveness_lock_directory_another_member_made_first_still_keeps_a_members_jobs_counted(
+    server: Server,
+) -> None:
+    # Bob makes a directory named for Alice's liveness locks before her first job. Her jobs
+    # then held no lock, and once her own file was damaged and started afresh, her next job
+    # was admitted at once into the room her running job had reserved.
+    squatted = server.ledger_dir / f"alive.{ALICE}"
+    made = server.shell(BOB, f"mkdir -m 755 '{squatted}'")
+    assert made.returncode == 0, made.stderr
+    first = server.start(ALICE, "--vram", "15G", "--", "sleep", "600")
+    server.wait_jobs(1, "running")
+    with server.locked():  # stopped outside a transaction
+        os.kill(first.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(first.pid) == "T", timeout=10)
+    damaged = server.shell(ALICE, f"cat > '{server.own_file(ALICE)}'", '{"schema": 1, "jobs": [')
+    assert damaged.returncode == 0, damaged.stderr
+    second = server.start(ALICE, "--vram", "15G", "--", "true")
+
+    def waits() -> bool:
+        entries = [j for j in server.jobs() if j["uid"] == ALICE and j["state"] == "waiting"]
+        return bool(entries) and sleeping_in(second.pid, "sigtimedwait")
+
+    wait_for(lambda: waits() or second.poll() is not None, timeout=30)
+    assert second.poll() is None, "the second job ran in the room of the first"
+    os.killpg(first.pid, signal.SIGKILL)
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert "the ledger was started afresh after damage; 1 job of yours still running" in err
+    assert list(squatted.iterdir()) == []  # nothing of Alice's in Bob's directory
