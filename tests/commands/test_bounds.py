@@ -197,11 +197,11 @@ CASES: dict[str, Case] = {
     ),
     # -- a simulation file that cannot be written: the user's path, so exit 2 --
     "sim init into a missing directory": (
-        ["sim", "init", "/nonexistent/x.toml"],
+        ["sim", "init", "{tmp}/missing/x.toml"],
         {},
         None,
         2,
-        "directory /nonexistent does not exist",
+        "/missing does not exist",
     ),
 }
 
