@@ -32,6 +32,15 @@ def _home() -> str:
     return home.rstrip("/") or "/"
 
 
+def home_or_none() -> str | None:
+    """The home directory the state and config directories are under by default (as
+    `user_state_dir` tells it), or None where none can be told."""
+    try:
+        return _home()
+    except StateError:
+        return None
+
+
 def _base(variable: str, under_home: str) -> str:
     """$variable when it is an absolute path (the XDG rule: relative ones are ignored), else ~/..."""
     path = os.environ.get(variable, "")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word, whole_number
-from gpuwait.linux import proc, userns
+from gpuwait.linux import dirs, proc, userns
 from gpuwait.linux.proc import read_at_most
 
 _T = TypeVar("_T")
@@ -164,6 +164,14 @@ def _make_private_dirs(path: Path) -> None:
     missing = [path]
     while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
         missing.append(missing[-1].parent)
+    home = dirs.home_or_none()
+    if home is not None and any(str(d) == home for d in missing):
+        # A home that does not exist is often one that must not (HOME=/nonexistent, a service
+        # user's): made by root's gpuwait, the next program would take it for a real one.
+        raise UnsafePath(
+            path,
+            f"your home directory {home} does not exist, and gpuwait makes none",
+        )
     if os.getuid() == 0:
         inside = missing[-1].parent
         owner = os.lstat(inside).st_uid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pwd
 import subprocess
 import sys
@@ -63,3 +64,33 @@ def test_the_cli_keeps_its_history_in_the_state_dir(sim_file: SimFileFactory) ->
     )
     assert done.returncode == 0, done.stderr
     assert (Path(platformdirs.user_state_dir("gpuwait")) / "history.jsonl").is_file()
+
+
+@pytest.mark.parametrize("state_dir_given", [False, True], ids=["state-in-home", "state-dir-set"])
+def test_a_home_that_does_not_exist_is_never_made(
+    sim_file: SimFileFactory, tmp_path: Path, state_dir_given: bool
+) -> None:
+    # A service user's home is often one that must not exist (HOME=/nonexistent, as Debian
+    # gives nobody and system users); gpuwait run as root by a unit or cron job with it made
+    # that home, and ~/.local/state in it, where the next program would take it for real.
+    sim_file(gpus=1, memory="8GiB")
+    home = tmp_path / "nonexistent"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+    env["HOME"] = str(home)
+    if state_dir_given:
+        env["GPUWAIT_STATE_DIR"] = str(tmp_path / "state")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "--vram", "1G", "-q", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert not home.exists()
+    if state_dir_given:
+        assert done.returncode == 0, done.stderr
+    else:
+        assert done.returncode == 5, done.stderr
+        assert f"your home directory {home} does not exist" in done.stderr, done.stderr
+        assert "GPUWAIT_STATE_DIR" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
