@@ -63,6 +63,7 @@ from gpuwait.linux.atomic import (
     end_of_cut_line,
     ensure_private_dir,
     open_private_append,
+    prune_damaged,
     read_tail,
     remove_left_temp_files,
     write_atomic,
@@ -508,6 +509,7 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compac
     os.replace(link, previous)
     if damaged:
         result.kept_as = previous.name
+        prune_damaged(path)
     write_atomic(path, b"".join(result.lines))
     return result
 

@@ -95,11 +95,37 @@ def damaged_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.damaged-{stamp}-{os.getpid()}-{os.urandom(3).hex()}")
 
 
+#: Damaged copies kept of one file: the first, which shows what went wrong first, and the
+#: newest. A cause that repeats (a writer gone wrong) would otherwise fill the disk, with a copy
+#: of up to a read's limit each time, and the copies between say nothing the others do not.
+DAMAGED_KEPT = 8
+
+
 def keep_damaged(path: Path) -> Path:
     """Move a damaged file aside (same dir) so the evidence is kept; return the new name."""
     target = damaged_name(path)
     os.replace(path, target)
+    prune_damaged(path)
     return target
+
+
+def prune_damaged(path: Path) -> None:
+    """Remove this user's damaged copies of `path` (`damaged_name`) past DAMAGED_KEPT: all but
+    the first set aside and the newest. Ordered by when each was set aside (the inode's change
+    time, which a rename sets): names made in one second do not tell."""
+    prefix = f"{path.name}.damaged-"
+    found = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path.parent):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path.parent / name)
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                        found.append((st.st_ctime_ns, name))
+    found.sort()
+    for _, name in found[1 : max(1, len(found) - (DAMAGED_KEPT - 1))]:
+        with contextlib.suppress(OSError):
+            os.unlink(path.parent / name)
 
 
 def open_private_append(path: Path) -> int:

@@ -44,6 +44,7 @@ from gpuwait.linux.atomic import (
     damaged_name,
     ensure_private_dir,
     keep_damaged,
+    prune_damaged,
     remove_left_temp_files,
     write_atomic,
 )
@@ -550,6 +551,7 @@ class Ledger:
                 with contextlib.suppress(OSError):
                     kept = damaged_name(path)
                     write_atomic(kept, text, 0o600, self._group)
+                    prune_damaged(path)
                     self.warnings[-1] += f"; kept the file as found as {kept.name}"
             return data, raw, False
         except entries.NewerSchema as exc:

@@ -16,7 +16,7 @@ from helpers.jobs import live_job, replace_ledger
 from helpers.waiting import process_state, wait_for
 
 from gpuwait.core.text import entry_command
-from gpuwait.linux import lock, proc
+from gpuwait.linux import atomic, lock, proc
 from gpuwait.queue import ledger as ledger_module
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import MAX_ENTRIES_PER_UID, RUNNING, Job
@@ -152,6 +152,31 @@ def test_damaged_ledger_is_kept_aside_and_recovered(tmp_path: Path) -> None:
         for k in kept:
             k.unlink()
         json.loads(ledger.path.read_text())
+
+
+def test_a_ledger_damaged_over_and_over_keeps_the_first_and_the_newest_copies(
+    tmp_path: Path,
+) -> None:
+    # A writer gone wrong that damages the file again and again (each copy up to the 16 MiB a
+    # read takes) filled the disk with copies; the first shows what went wrong first, the
+    # newest what goes wrong now, and the ones between say nothing more.
+    ledger = Ledger(tmp_path)
+    for n in range(atomic.DAMAGED_KEPT + 6):
+        ledger.path.write_bytes(b"garbage %d" % n)
+        with ledger.transaction() as data:
+            assert data.jobs == []
+    kept = sorted(tmp_path.glob("ledger.json.damaged-*"))
+    found = sorted(int(k.read_bytes().split()[1]) for k in kept)
+    newest = list(range(6 + 1, atomic.DAMAGED_KEPT + 6))
+    assert found == [0, *newest], found
+    # Another file's copies, and anything else beside them, are left alone.
+    other = tmp_path / "history.jsonl.damaged-20260101T000000-1-abcdef"
+    other.write_bytes(b"other")
+    ledger.path.write_bytes(b"garbage again")
+    with ledger.transaction():
+        pass
+    assert other.read_bytes() == b"other"
+    assert len(list(tmp_path.glob("ledger.json.damaged-*"))) == atomic.DAMAGED_KEPT
 
 
 @pytest.mark.parametrize(
