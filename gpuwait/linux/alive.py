@@ -13,7 +13,8 @@ same inode in every container that mounts the directory, so another process find
 when it cannot take a shared lock on it. The directory is its user's alone (0700): nobody else
 can open the files, so nobody else can keep a job of theirs looking alive. Where another member
 of a shared ledger directory made something under its name first, the user's is beside it,
-`alive.<uid>.<random>` (gpuwait.linux.security.own_name).
+`alive.<uid>.<random>`, used from then on, even once that member takes theirs away
+(gpuwait.linux.security.own_name).
 """
 
 from __future__ import annotations

@@ -103,15 +103,17 @@ def own_name(directory: Path, stem: str, suffix: str = "", uid: int | None = Non
     """`directory`/`stem`.<uid>`suffix`, a user's name in a shared directory (this user's, or
     `uid`'s); where another member made something under that name first (any member may: the
     directory is theirs to write in too), one of the user's own beside it,
-    `stem`.<uid>.<random>`suffix`, found again by them and by others; a new such name where
+    `stem`.<uid>.<random>`suffix`, found again by them and by others, even once that member
+    has taken theirs away (what the user keeps there stays where it is); a new such name where
     there is none yet."""
     uid = os.getuid() if uid is None else uid
     canonical = directory / f"{stem}.{uid}{suffix}"
     try:
         if os.lstat(canonical).st_uid == uid:
             return canonical
+        taken = True
     except OSError:
-        return canonical
+        taken = False
     head, tail = f"{stem}.{uid}.", suffix
     with contextlib.suppress(OSError):
         for name in sorted(os.listdir(directory)):
@@ -124,7 +126,7 @@ def own_name(directory: Path, stem: str, suffix: str = "", uid: int | None = Non
                 and os.lstat(directory / name).st_uid == uid
             ):
                 return directory / name
-    return directory / f"{head}{os.urandom(8).hex()}{tail}"
+    return directory / f"{head}{os.urandom(8).hex()}{tail}" if taken else canonical
 
 
 def taken_over(path: Path) -> tuple[Path, int] | None:
