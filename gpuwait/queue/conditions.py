@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
@@ -36,7 +36,9 @@ def _label(job_id: str, name: str | None) -> str:
     return f"job {job_id} ({name})" if name else f"job {job_id}"
 
 
-def dependency_blocker(job: Job, data: LedgerData) -> str | None:
+def dependency_blocker(
+    job: Job, data: LedgerData, index: Mapping[str, list[tuple[int, Job]]] | None = None
+) -> str | None:
     """Why `job` must still wait for its dependencies, or None when none is unfinished.
 
     An `--after-ok` dependency that ended without success blocks for good: the job's own
@@ -44,11 +46,13 @@ def dependency_blocker(job: Job, data: LedgerData) -> str | None:
     aside waits for the job it made room for to start, but not while that one's gpuwait is
     stopped (Ctrl-Z): passed over, it starts nothing, and the room would stay idle. Both are
     read as the job's own user keeps them (`LedgerData.reference`), whoever plans, or as a
-    gpuwait of theirs from before kept them (`LedgerData.as_kept_in`).
+    gpuwait of theirs from before kept them (`LedgerData.as_kept_in`), looked up in `index`
+    (`LedgerData.by_plain_id`), which a plan of the whole queue makes once.
     """
-    # Only the entries it names are looked for: a plan asks this of every entry, most of
-    # which name none, and a look through the whole ledger for each took seconds a plan.
-    live = data.as_kept_in(job)
+    # Only the entries it names are looked for: a plan asks this of every entry, and a look
+    # through the whole ledger for each (a sweep's jobs each --after its preparation) took
+    # seconds a plan.
+    live = data.as_kept_in(job, index)
     stepped_aside_for = live.get(job.yield_to) if job.yield_to else None
     if (
         stepped_aside_for is not None
@@ -83,13 +87,13 @@ def _gpuwait_stopped(job: Job) -> bool:
     return not elsewhere(job) and proc.stopped(job.pid, job.start_time)
 
 
-def _blocker(job: Job, data: LedgerData) -> str | None:
+def _blocker(job: Job, data: LedgerData, index: Mapping[str, list[tuple[int, Job]]]) -> str | None:
     """Why the plan must pass `job` over: an unfinished dependency, or, for a waiter, its
     gpuwait stopped (Ctrl-Z, SIGSTOP): admitted, it would keep room it cannot start in for as
     long as it stays stopped, from everyone behind it. Continued, it plans again, in its place."""
     if _stopped(job):
         return STOPPED
-    return dependency_blocker(job, data)
+    return dependency_blocker(job, data, index)
 
 
 def settle_dependencies(job: Job, data: LedgerData) -> str | None:
@@ -421,6 +425,7 @@ def claims_for(
     }
     tree = unpublished_pids(data.jobs, gpus)
     on_gpus = {p.pid for g in gpus for p in g.processes}
+    index = data.by_plain_id()
     return [
         _safety_believed(
             as_counted(
@@ -428,7 +433,7 @@ def claims_for(
                     j if data.mine(j) else their_own_processes(j, on_gpus),
                     gpus,
                     now,
-                    blocked=_blocker(j, data),
+                    blocked=_blocker(j, data, index),
                     usage=usage.get(machine_user(j), 0.0),
                     tree=tree.get(j.id, ()),
                     boot_now=boot_now,

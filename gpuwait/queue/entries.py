@@ -748,32 +748,61 @@ class LedgerData(Record):
         (`reference`)."""
         return {self.reference(j, by): j for j in self.jobs}
 
-    def referred(self, refs: Iterable[str], by: int | None = None) -> dict[str, Job]:
+    def by_plain_id(self) -> dict[str, list[tuple[int, Job]]]:
+        """Every entry, with its place in the ledger, by its id less any `@UID` of its own
+        user's: what `referred` and `as_kept_in` look a job's dependencies up in. Made once for
+        a plan of the whole queue, it keeps each entry's look-up to the few that bear its ids."""
+        index: dict[str, list[tuple[int, Job]]] = {}
+        for at, j in enumerate(self.jobs):
+            index.setdefault(j.id.removesuffix(f"@{j.uid}"), []).append((at, j))
+        return index
+
+    def referred(
+        self,
+        refs: Iterable[str],
+        by: int | None = None,
+        index: Mapping[str, list[tuple[int, Job]]] | None = None,
+    ) -> dict[str, Job]:
         """The entries `refs` (dependencies of the user `by`) name, by those references
-        (`by_reference`, for just these: nothing to look through where there are none)."""
+        (`by_reference`, for just these: nothing to look through where there are none), found
+        in `index` (`by_plain_id`, made here where not given)."""
         wanted = set(refs)
         if not wanted:
             return {}
-        return {ref: j for j in self.jobs if (ref := self.reference(j, by)) in wanted}
+        index = self.by_plain_id() if index is None else index
+        found: dict[str, tuple[int, Job]] = {}
+        for ref in wanted:
+            # Kept under its id, or its id with its user's, whoever's it is (`reference`).
+            plain, at_sign, _ = ref.rpartition("@")
+            for at, j in [*index.get(ref, ()), *(index.get(plain, ()) if at_sign else ())]:
+                if self.reference(j, by) == ref and at >= found.get(ref, (-1, j))[0]:
+                    found[ref] = (at, j)  # the last such entry, as `by_reference` has it
+        return {ref: j for ref, (_, j) in found.items()}
 
-    def as_kept_in(self, job: Job) -> dict[str, Job]:
+    def as_kept_in(
+        self, job: Job, index: Mapping[str, list[tuple[int, Job]]] | None = None
+    ) -> dict[str, Job]:
         """The entries `job`'s dependencies (and the job it stepped aside for) name, by the id
         they are kept under: as its own user keeps them (`referred`), or, in an entry of an
         older gpuwait's (`owners_kept` False), each other user's job also under the plain id
         that gpuwait's view showed: the lowest uid's where several users' jobs have that id.
         Such a gpuwait still waits after an upgrade, and a member who has not upgraded writes
         them so: read as `ID@UID` alone, the step would start at once. An id of that user's
-        own jobs, live or (in this user's book) ended, stays theirs."""
+        own jobs, live or (in this user's book) ended, stays theirs. Looked up in `index`
+        (`by_plain_id`, made here where not given and needed)."""
         named = {*job.after, *job.after_ok, *([job.yield_to] if job.yield_to else [])}
+        if not named:
+            return {}
         by = job.uid
-        found = self.referred(named, by)
-        if not named or self.me is None or job.owners_kept:
+        index = self.by_plain_id() if index is None else index
+        found = self.referred(named, by, index)
+        if self.me is None or job.owners_kept:
             return found
         ended = {f.id for f in self.book.finished} if by == self.me else set()
-        for other in sorted(self.jobs, key=lambda j: j.uid):
-            plain = other.id.removesuffix(f"@{other.uid}")
-            if plain in named and other.uid != by and plain not in ended:
-                found.setdefault(plain, other)
+        for plain in sorted(named - ended):
+            others = [(j.uid, at, j) for at, j in index.get(plain, ()) if j.uid != by]
+            if others:
+                found.setdefault(plain, min(others, key=lambda other: other[:2])[2])
         return found
 
     def remove(self, job_id: str) -> Job | None:

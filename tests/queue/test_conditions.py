@@ -210,3 +210,36 @@ def test_a_dependency_of_long_command_lines_that_succeeded_long_ago_is_met(
     assert settle_dependencies(waiter, data) is None and waiter.after_ok == []
     # Read back a piece at a time, every run is found, those across the pieces' edges too.
     assert len(store.latest_outcomes(tmp_path, wanted=["b0000000"])) == 300
+
+
+def test_a_plan_of_a_long_shared_queue_of_dependent_jobs_takes_about_as_long_as_one_without() -> (
+    None
+):
+    # Five members' sweeps, 3000 entries, each job waiting for its member's preparation job
+    # (--after prep), a tenth written by a gpuwait from before (its dependency on another
+    # member's job by the plain id): each entry's dependencies were looked for through the
+    # whole queue, so every plan of every waiter (and `status`) took seconds of CPU, where the
+    # same queue without dependencies takes a few hundredths.
+    me = os.getuid()
+
+    def queue(dependent: bool) -> LedgerData:
+        data = LedgerData(jobs=[live_job(f"{n:08x}", uid=me + n % 5) for n in range(3000)])
+        data.me = me
+        for n, job in enumerate(data.jobs[5:], start=5):
+            if dependent and n % 10:
+                job.after = [f"{n % 5:08x}"]  # its own member's preparation
+            elif dependent:
+                job.after, job.owners_kept = [f"{(n + 1) % 5:08x}"], False  # the next member's
+        return data
+
+    def timed(data: LedgerData) -> tuple[float, list[str | None]]:
+        started = time.perf_counter()
+        claims = claims_for(data, (), FairShare(), time.time())
+        return time.perf_counter() - started, [c.blocked for c in claims]
+
+    plain, _ = timed(queue(dependent=False))
+    took, blocked = timed(queue(dependent=True))
+    assert took < 4 * plain + 0.05
+    assert blocked[:5] == [None] * 5
+    assert blocked[11] == "waiting for job 00000001 to finish"
+    assert blocked[10] == "waiting for job 00000001 to finish"  # the next member's
