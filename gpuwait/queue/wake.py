@@ -61,7 +61,7 @@ STAMP = "plan.stamp"
 #: In a shared ledger directory: one user's summary makes a waiter act at most this often.
 SOURCE_GAP = 0.05
 _USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
-#: Summaries looked at, at most (one per user who ever used the directory).
+#: Users whose summaries are looked at, at most (one per user who ever used the directory).
 MAX_SUMMARIES = 4096
 
 Fingerprint = Mapping[str, tuple[str, int, tuple[str, ...]]]
@@ -235,15 +235,14 @@ class Summaries:
         # One summary per user, as one ledger file per user: theirs under their canonical
         # name, else the first of their own beside it (where another member squatted that
         # name). More files of theirs would be more wake-ups for everyone, one per file.
+        # Counted by the users found, not by the names: any member can make names for uids
+        # that are nobody's (or another's), and those counted would hide the real ones listed
+        # after them, whose waiters would then be woken by no summary of theirs.
         chosen: dict[str, tuple[str, FileStamp]] = {}
-        looked = 0
         for name in names:
             match = _USER_SUMMARY_RE.match(name)
             if match is None:
                 continue
-            looked += 1
-            if looked > MAX_SUMMARIES:
-                break
             uid = match.group(1)
             canonical = f"wake.{uid}.json"
             held = chosen.get(uid)
@@ -252,6 +251,8 @@ class Summaries:
             token = file_stamp(self.state_dir / name, follow=False, owner=int(uid))
             if token is not None:  # None: gone, or another user's file under this uid's name
                 chosen[uid] = (name, token)
+                if len(chosen) >= MAX_SUMMARIES:
+                    break
         return dict(chosen.values())
 
 

@@ -250,3 +250,17 @@ def test_a_step_after_another_members_job_looks_closer_only_once_that_job_left_t
     assert not seen.lacks_any([])
     assert seen.lacks_any(["0a0b@1001"])
     assert seen.lacks_any(["a1b2@1001", "0a0b"])
+
+
+def test_names_a_member_makes_for_nobody_never_hide_another_members_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member makes names of the summaries' form for uids that are nobody's (thousands: past
+    # MAX_SUMMARIES), files of their own that stand for no user. They were counted as
+    # summaries looked at, and a real member's listed after them was never read: their
+    # waiters, and the jobs of others that their plans start, were woken by no summary.
+    monkeypatch.setattr(wake, "MAX_SUMMARIES", 16)  # the same with 4096, at 256 times the files
+    for n in range(1000):
+        (tmp_path / f"wake.{4_000_000 + n}.json").write_text(_summary(9, []))
+    wake.write_summary(tmp_path, wake.summary([], 3), os.getgid())
+    assert [s.release for s in wake.Summaries(tmp_path, shared=True).current()] == [3]
