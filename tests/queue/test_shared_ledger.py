@@ -1744,12 +1744,19 @@ def test_a_job_whose_command_is_a_setuid_program_is_named_for_its_unused_room(
     assert (command, job.id) in named, report
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["python", "infer.py"], [], {"0": "python"}, ["python", 5], "python infer.py"],
+    ids=["another-command", "no-command", "a-mapping", "a-number-in-it", "a-string"],
+)
 def test_a_members_waiting_entry_naming_a_gpuwait_that_runs_no_such_job_holds_up_nobody(
-    server: Server,
+    server: Server, command: object
 ) -> None:
     # Bob's file has a waiting entry asking 20 GiB, first in the queue, that names his
     # `gpuwait status --watch` as its gpuwait: nothing will ever start it. Alice's 6 GiB job
     # waited behind it on a card where only Bob's 1 GiB ran, for as long as it was there.
+    # So too where he wrote it no command, or one that is no list of words: it neither holds
+    # her up nor stops her gpuwait as it reads his file.
     server.start(BOB, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     watch = server.start(BOB, "status", "--watch")
@@ -1761,7 +1768,7 @@ def test_a_members_waiting_entry_naming_a_gpuwait_that_runs_no_such_job_holds_up
         "pid": watch.pid,
         "start_time": start_time(watch.pid),
         "state": "waiting",
-        "command": ["python", "infer.py"],
+        "command": command,
         "request": {"bytes": 20 * GiB},
         "gpu_uuids": [],
         "reserved_bytes": 0,
