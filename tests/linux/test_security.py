@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -304,6 +305,34 @@ def test_an_oversized_ledger_is_set_aside(tmp_path: Path) -> None:
         assert data.jobs == []
     assert "larger than 16 MiB" in ledger.warnings[0]
     assert len(list(tmp_path.glob("ledger.json.damaged-*"))) == 1
+
+
+def test_a_ledger_grown_to_many_gigabytes_is_set_aside_without_being_read(gw: Run) -> None:
+    # A writer gone wrong (or a file system that lost its end) leaves the ledger 64 GiB long.
+    # gpuwait sets it aside as damaged, as one just past 16 MiB, having read no more of it
+    # than that: read whole, it took all the memory a user's processes may have, and failed.
+    assert gw("status").returncode == 0
+    os.truncate(state_dir() / "ledger.json", 64 << 30)
+
+    def little_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    done = gw("status", preexec_fn=little_memory)
+    assert done.returncode == 0, done.stderr
+    assert "larger than 16 MiB" in done.stderr and "Traceback" not in done.stderr
+    (kept,) = state_dir().glob("ledger.json.damaged-*")
+    assert kept.stat().st_size == 64 << 30
+    assert (state_dir() / "ledger.json").stat().st_size < 4096
+
+
+def test_reading_command_lines_again_and_again_leaves_no_file_open() -> None:
+    # A waiter reads the command line of every other member's waiting gpuwait at each plan,
+    # for hours: each read that left its file open would end in "too many open files".
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert not security.runs_command(os.getpid(), ["python", "infer.py"])
+        assert proc_command(os.getpid())
+    assert sorted(os.listdir("/proc/self/fd")) == before
 
 
 def test_only_the_owner_of_a_live_gpuwait_may_control_it(sim: Path, gpuwait_cmd: list[str]) -> None:
