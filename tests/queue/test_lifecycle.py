@@ -753,6 +753,10 @@ def gone_running_job(job_id: str, state_dir: Path) -> Job:
         b'{"schema": 1, "outcome": "ok", "charge_usage": ["60", null]}',
         b'{"schema": 1, "outcome": "ok", "charge_usage": [60.0, "1h"]}',
         b'{"schema": 1, "outcome": "ok", "paused": [true, 3.0]}',
+        b'{"schema": 1, "outcome": "failed", "signal": 9.0}',
+        b'{"schema": 1, "outcome": "failed", "signal": 0}',
+        b'{"schema": 1, "outcome": "failed", "oom": 137}',
+        b'{"schema": 1, "outcome": "failed", "oom": ""}',
     ],
 )
 def test_a_word_of_a_runs_end_with_a_field_of_the_wrong_kind_is_not_believed(
@@ -773,6 +777,25 @@ def test_a_word_of_a_runs_end_with_a_field_of_the_wrong_kind_is_not_believed(
     assert not data.jobs and done is not None and done.outcome == LOST
     kept = [p.read_bytes() for p in (tmp_path / "state" / "ended").iterdir()]
     assert kept == [word]
+
+
+def test_a_run_hung_up_on_that_left_word_of_its_end_is_recorded_as_it_ended(
+    tmp_path: Path,
+) -> None:
+    """A run killed by SIGHUP (its terminal closed) while another process kept the ledger's
+    lock, its gpuwait leaving word of how it ended: the entry is reaped as failed by that
+    signal, with the out-of-memory error it showed, not as lost."""
+    ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
+    ran = gone_running_job("a1b2", tmp_path / "state")
+    with ledger.transaction() as data:
+        data.jobs[:] = [ran]
+    oom = "CUDA out of memory"
+    assert lifecycle.leave_word(ledger, ran, FAILED, signal=1, run_seconds=0.0, oom=oom)
+    lifecycle.reap(ledger)
+    data = ledger.read()
+    done = data.book.outcome("a1b2")
+    assert not data.jobs and done is not None and done.outcome == FAILED
+    assert not (tmp_path / "state" / "ended" / "a1b2.json").exists()
 
 
 def test_a_word_left_on_another_machine_sharing_the_state_dir_is_not_tidied_here(
