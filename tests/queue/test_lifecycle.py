@@ -798,6 +798,30 @@ def test_a_run_hung_up_on_that_left_word_of_its_end_is_recorded_as_it_ended(
     assert not (tmp_path / "state" / "ended" / "a1b2.json").exists()
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_word_that_is_no_plain_file_is_not_believed_and_stops_no_transaction(
+    tmp_path: Path, kind: str
+) -> None:
+    """Where a gone job's word of its end is a symlink (to a word of another job's) or a FIFO,
+    it is not followed nor waited on: the entry is reaped as lost, and the user's gpuwaits go
+    on, where a failure there would fail every transaction for as long as the entry stayed."""
+    ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
+    ran = gone_running_job("a1b2", tmp_path / "state")
+    with ledger.transaction() as data:
+        data.jobs[:] = [ran]
+    words = tmp_path / "state" / "ended"
+    words.mkdir(parents=True)
+    (words / "c3d4.json").write_text('{"schema": 1, "outcome": "ok", "exit_status": 0}')
+    if kind == "symlink":
+        (words / "a1b2.json").symlink_to("c3d4.json")
+    else:
+        os.mkfifo(words / "a1b2.json")
+    lifecycle.reap(ledger)
+    data = ledger.read()
+    done = data.book.outcome("a1b2")
+    assert not data.jobs and done is not None and done.outcome == LOST
+
+
 def test_a_word_left_on_another_machine_sharing_the_state_dir_is_not_tidied_here(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
