@@ -1991,3 +1991,18 @@ def test_a_programs_alarm_raising_timeouterror_as_its_release_reads_the_last_fig
     )
     assert json.loads(done.stdout or "{}") == {"timeout": "took too long"}, done.stderr
     assert ledger_entries() == []
+
+
+def test_what_only_helps_passes_over_its_own_failures_but_not_a_programs_timeout() -> None:
+    """A release whose last reading of the GPUs fails, a waiter whose note of silent GPUs finds
+    the ledger kept locked: those failures (a driver's error, a lock's: no OSError) are passed
+    over, and the release or the report goes on; a program's own alarm raising TimeoutError
+    meanwhile reaches the program."""
+    from gpuwait.core.errors import StateError
+    from gpuwait.linux import signals
+
+    for failure in (ValueError("driver"), StateError("kept locked"), OSError(5, "EIO")):
+        with signals.suppress_failures(Exception):
+            raise failure
+    with pytest.raises(TimeoutError), signals.suppress_failures(Exception):
+        raise TimeoutError("the program's own alarm")
