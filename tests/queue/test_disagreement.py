@@ -23,6 +23,14 @@ def test_strict_only_once_the_same_job_has_waited_on_past_the_grace() -> None:
     assert seen.note(frozenset({"bob2"}), RUNNING, 100.0 + 2 * DISAGREE_AFTER)
 
 
+def test_a_new_waiter_on_an_idle_machine_plans_with_its_search() -> None:
+    # Nothing runs yet and nobody else's job is planned to start: no disagreement, so the plan
+    # searches for the best layout rather than keeping to strict order.
+    seen = Disagreement()
+    assert not seen.note(frozenset(), frozenset(), 0.0)
+    assert not seen.note(frozenset(), frozenset(), DISAGREE_AFTER * 2)
+
+
 def test_a_job_that_starts_in_time_clears_the_suspicion() -> None:
     seen = Disagreement()
     seen.note(frozenset({"bob1"}), RUNNING, 0.0)
