@@ -1997,3 +1997,26 @@ def test_a_liveness_lock_directory_another_member_made_first_still_keeps_a_membe
     assert second.returncode == 0, err
     assert "the ledger was started afresh after damage; 1 job of yours still running" in err
     assert freed or list(squatted.iterdir()) == []  # nothing of Alice's in Bob's directory
+
+
+def test_a_members_entry_naming_someone_elses_process_counts_at_no_later_look_either(
+    server: Server,
+) -> None:
+    # Bob's file has a running entry reserving 20 GiB that names a process of root's, no
+    # gpuwait and not his. Alice's 6 GiB job waits behind her own 18 GiB job and starts once
+    # that ends: Bob's entry counted for nothing at its first look, nor at any later one.
+    holder = server.start(ALICE, "--vram", "18G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    roots = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    server.procs.append(roots)  # type: ignore[arg-type]
+    alices = server.ledger().read().jobs[0].to_json()
+    began = start_time(roots.pid)
+    forged = {**alices, "id": "forged", "uid": BOB, "pid": roots.pid, "start_time": began}
+    forged.update(child_pid=roots.pid, child_start_time=began, pids=[roots.pid])
+    forged.update(reserved_bytes=20 * GiB, name=None)
+    server.edit_own(BOB, lambda raw: raw.update(jobs=[forged]))
+    waiter = server.start(ALICE, "--vram", "6G", "--timeout", "10s", "--", "echo", "started")
+    server.wait_jobs(2)
+    os.killpg(holder.pid, signal.SIGTERM)
+    out, err = waiter.communicate(timeout=30)
+    assert (waiter.returncode, out) == (0, "started\n"), err
