@@ -779,18 +779,25 @@ def test_a_word_of_a_runs_end_with_a_field_of_the_wrong_kind_is_not_believed(
     assert kept == [word]
 
 
-def test_a_run_hung_up_on_that_left_word_of_its_end_is_recorded_as_it_ended(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "how",
+    [
+        {"signal": 1, "run_seconds": 0.0, "oom": "CUDA out of memory"},
+        {"exit_status": 1, "run_seconds": 75.5},
+    ],
+    ids=["hung-up", "exit-1"],
+)
+def test_a_failed_run_that_left_word_of_its_end_is_recorded_as_it_ended(
+    tmp_path: Path, how: dict[str, object]
 ) -> None:
-    """A run killed by SIGHUP (its terminal closed) while another process kept the ledger's
-    lock, its gpuwait leaving word of how it ended: the entry is reaped as failed by that
-    signal, with the out-of-memory error it showed, not as lost."""
+    """A run killed by SIGHUP (its terminal closed) at once, with an out-of-memory error, or
+    one that exited 1, while another process kept the ledger's lock, its gpuwait leaving word
+    of how it ended: the entry is reaped as failed, not as lost."""
     ledger = Ledger(tmp_path / "ledger", fair_half_life=None)
     ran = gone_running_job("a1b2", tmp_path / "state")
     with ledger.transaction() as data:
         data.jobs[:] = [ran]
-    oom = "CUDA out of memory"
-    assert lifecycle.leave_word(ledger, ran, FAILED, signal=1, run_seconds=0.0, oom=oom)
+    assert lifecycle.leave_word(ledger, ran, FAILED, **how)
     lifecycle.reap(ledger)
     data = ledger.read()
     done = data.book.outcome("a1b2")
