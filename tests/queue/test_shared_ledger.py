@@ -2020,3 +2020,40 @@ def test_a_members_entry_naming_someone_elses_process_counts_at_no_later_look_ei
     os.killpg(holder.pid, signal.SIGTERM)
     out, err = waiter.communicate(timeout=30)
     assert (waiter.returncode, out) == (0, "started\n"), err
+
+
+@pytest.mark.parametrize(
+    ("state", "command"),
+    [("waiting", None), ("waiting", BOB), ("running", "gone"), ("running", 0)],
+    ids=["waiting", "waiting-naming-his-process", "running-command-gone", "running-roots"],
+)
+def test_a_members_entry_whose_gpuwait_is_gone_holds_up_nobody(
+    server: Server, state: str, command: int | str | None
+) -> None:
+    # Bob's file has an entry asking 20 GiB, first in the queue, whose gpuwait is gone
+    # (killed with -9, say, before it could take the entry out): waiting, nothing will start
+    # it, whatever process of his it names as its command; running, its command gone too (or
+    # the one it names is root's), it holds nothing. Alice's 6 GiB job starts at once.
+    server.start(ALICE, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    alices = server.ledger().read().jobs[0].to_json()
+    gone = subprocess.Popen(["sleep", "60"], user=BOB, group=BOB)
+    gone_start = start_time(gone.pid)
+    gone.kill()
+    gone.wait()
+    entry = {**alices, "id": "gone", "uid": BOB, "pid": gone.pid, "start_time": gone_start}
+    entry.update(state=state, name=None, request={"bytes": 20 * GiB})
+    entry.update(submitted_at=alices["submitted_at"] - 60, reserved_bytes=0, pids=[])
+    entry.update(child_pid=None, child_start_time=None)
+    if state == "running":
+        entry.update(reserved_bytes=20 * GiB)
+    if command == "gone":
+        entry.update(child_pid=gone.pid, child_start_time=gone_start, pids=[gone.pid])
+    elif isinstance(command, int):
+        named = subprocess.Popen(["sleep", "60"], start_new_session=True, user=command)
+        server.procs.append(named)  # type: ignore[arg-type]
+        began = start_time(named.pid)
+        entry.update(child_pid=named.pid, child_start_time=began, pids=[named.pid])
+    server.edit_own(BOB, lambda raw: raw.update(jobs=[entry]))
+    done = server.run(ALICE, "--vram", "6G", "--timeout", "3s", "--", "echo", "started")
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
