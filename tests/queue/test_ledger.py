@@ -210,6 +210,28 @@ def test_a_full_queue_of_jobs_with_long_command_lines_stays_one_readable_ledger(
     assert jobs[0].command[-1].startswith("… ") and jobs[0].command[-1].endswith(" more arguments")
 
 
+@pytest.mark.parametrize(
+    "arg",
+    [
+        '--config={"lr": "0.001", "layers": [256, 256], "name": "a \\"quoted\\" run"}',
+        "C:\\Users\\lab\\data\\shard\\part-00001.parquet",
+        "-v",
+    ],
+    ids=["json-config", "windows-path", "short-flag"],
+)
+def test_an_entry_keeps_about_8_kib_of_a_commands_arguments_whatever_they_hold(arg: str) -> None:
+    # Arguments full of quotes or backslashes take twice their length in the ledger's JSON,
+    # and each a few bytes more besides: what an entry keeps of them is measured as written,
+    # or a full queue of such jobs would pass what a read of the ledger takes.
+    program = "ф" * 4096  # the first word is always kept, whatever follows it
+    kept = entry_command([program, arg * (5000 // len(arg)), *[arg] * 5000])
+    assert kept[0] == program and kept[-1].endswith(" more arguments")
+    written = len(json.dumps(kept[1:-1], separators=(",", ":")))
+    assert 8192 - 3 * len(json.dumps(arg)) < written <= 8192
+    # A second word that alone takes more than that as written: the first is kept still.
+    assert entry_command([program, '"' * 5000, arg]) == [program, "… 2 more arguments"]
+
+
 def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     me = os.getpid()
