@@ -21,7 +21,8 @@ Invariants checked after every step and at the end (each one broken is printed):
                       smaller than what it takes) or memory taken outside gpuwait over a
                       second before gpuwait admitted the job: gpuwait admitted it over them
                       (an OOM beside a liar, or beside outside memory taken after the
-                      admission, even before the command started, is legitimate)
+                      admission, even before the command started, is legitimate; a job
+                      whose admission the driver did not see was admitted after its launch)
   hang                a gpuwait still running at the end (nothing may wait for ever: a request
                       that can never fit says so and exits 3)
   exit status         a gpuwait whose exit status is not what its command's was (or what its
@@ -738,8 +739,12 @@ class Chaos:
         # seen a second before the admission (its reading is taken just before). Memory taken
         # after it admitted the job, however long before the command started, is not its fault.
         admitted = launch.admitted
-        if admitted is not None and all(
-            o.kind == "honest" or (o.kind == "outside" and o.seen < admitted - SAW_MARGIN)
+        # Its entry never seen running (admitted and out of memory between two looks, or lost
+        # with a damaged ledger): it was admitted after its launch, at least, so memory seen a
+        # second before the launch was there when gpuwait decided.
+        since = launch.started if admitted is None else admitted
+        if all(
+            o.kind == "honest" or (o.kind == "outside" and o.seen < since - SAW_MARGIN)
             for o in owners
         ):
             self.fail(
@@ -748,8 +753,7 @@ class Chaos:
             )
             return
         if admitted is None and "outside" in kinds:
-            # Its entry never seen running (lost with a damaged ledger meanwhile): when the
-            # outside memory came, before or after the admission, cannot be told.
+            # Memory that came after the launch: before or after the admission cannot be told.
             self.count("OOM beside outside memory, its admission not seen")
             return
         if any(k in ("outside", "liar", "learned") for k in kinds):

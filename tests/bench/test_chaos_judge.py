@@ -67,3 +67,17 @@ def test_a_job_seen_waiting_again_has_no_admission_until_seen_running() -> None:
     assert driver.counts == {"OOM beside outside memory, its admission not seen": 1}
     chaos.note_entry(launch, {"state": "running", "started_at": 110.0, "pid": 1})
     assert launch.admitted == 110.0
+
+
+def test_outside_memory_there_before_the_launch_is_over_admission_though_no_admission_was_seen() -> (
+    None
+):
+    """Admitted and out of memory between two of the driver's looks: its admission came after
+    its launch at least, and the outside memory was there before that."""
+    launch = honest_launch(100.0, 100.2)  # launched at 95
+    chaos.note_entry(launch, {"state": "waiting", "pid": 1})
+    driver = judge()
+    driver.owners[4242] = chaos.Owner("outside", None, seen=90.0)
+    driver.judge_oom(launch, OOM_TEXT.format(pid=4242))
+    assert len(driver.broken) == 1
+    assert "before gpuwait admitted it" in driver.broken[0]
