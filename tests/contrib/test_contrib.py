@@ -348,6 +348,30 @@ def test_cron_wrapper_without_home_and_with_gpuwait_named(
     assert probe["cuda"] in sim_uuids()
 
 
+def test_cron_wrapper_makes_no_home_that_does_not_exist(
+    cron_home: Path, sim_file: Any, tmp_path: Path
+) -> None:
+    # A service user's HOME=/nonexistent (cron takes it from the password file): the log
+    # directory under it would make that home, for gpuwait and the next program to take for a
+    # real one. Refused with one line saying what to set; a log dir elsewhere runs the job.
+    sim_file(gpus=2)
+    missing = tmp_path / "nonexistent"
+    env = {**cron_env(missing), "GPUWAIT": str(cron_home / ".local" / "bin" / "gpuwait")}
+    line = f"{cron_home}/.local/bin/gpuwait-cron job1 --vram 1G -- true"
+    done = cron_run(line, env)
+    assert done.returncode == 73
+    assert not os.path.lexists(missing)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"home directory {missing} does not exist" in done.stderr
+    assert "GPUWAIT_CRON_LOG_DIR" in done.stderr and "GPUWAIT_STATE_DIR" in done.stderr
+    logs, state = tmp_path / "logs", tmp_path / "state"
+    elsewhere = {**env, "GPUWAIT_CRON_LOG_DIR": str(logs), "GPUWAIT_STATE_DIR": str(state)}
+    done = cron_run(line, elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert "end: exit status 0" in (logs / "job1.log").read_text()
+    assert not os.path.lexists(missing)
+
+
 def test_cron_wrapper_gives_up_after_timeout_and_says_so(
     cron_home: Path, sim_file: Any, tmp_path: Path
 ) -> None:
