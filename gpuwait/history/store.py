@@ -509,7 +509,7 @@ def compact(state_dir: Path, max_bytes: int, now: float | None = None) -> Compac
     os.replace(link, previous)
     if damaged:
         result.kept_as = previous.name
-        prune_damaged(path)
+        prune_damaged(path, previous)
     write_atomic(path, b"".join(result.lines))
     return result
 

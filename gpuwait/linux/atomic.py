@@ -105,25 +105,26 @@ def keep_damaged(path: Path) -> Path:
     """Move a damaged file aside (same dir) so the evidence is kept; return the new name."""
     target = damaged_name(path)
     os.replace(path, target)
-    prune_damaged(path)
+    prune_damaged(path, target)
     return target
 
 
-def prune_damaged(path: Path) -> None:
+def prune_damaged(path: Path, kept: Path) -> None:
     """Remove this user's damaged copies of `path` (`damaged_name`) past DAMAGED_KEPT: all but
-    the first set aside and the newest. Ordered by when each was set aside (the inode's change
-    time, which a rename sets): names made in one second do not tell."""
+    `kept` (the one just set aside, which the warning names), the first set aside, and the
+    newest. Ordered by when each was set aside (the inode's change time, which a rename sets):
+    names made in one second do not tell."""
     prefix = f"{path.name}.damaged-"
     found = []
     with contextlib.suppress(OSError):
         for name in os.listdir(path.parent):
-            if name.startswith(prefix):
+            if name.startswith(prefix) and name != kept.name:
                 with contextlib.suppress(OSError):
                     st = os.lstat(path.parent / name)
                     if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                         found.append((st.st_ctime_ns, name))
     found.sort()
-    for _, name in found[1 : max(1, len(found) - (DAMAGED_KEPT - 1))]:
+    for _, name in found[1 : max(1, len(found) - (DAMAGED_KEPT - 2))]:
         with contextlib.suppress(OSError):
             os.unlink(path.parent / name)
 

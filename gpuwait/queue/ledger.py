@@ -551,7 +551,7 @@ class Ledger:
                 with contextlib.suppress(OSError):
                     kept = damaged_name(path)
                     write_atomic(kept, text, 0o600, self._group)
-                    prune_damaged(path)
+                    prune_damaged(path, kept)
                     self.warnings[-1] += f"; kept the file as found as {kept.name}"
             return data, raw, False
         except entries.NewerSchema as exc:

@@ -162,6 +162,7 @@ def test_a_ledger_damaged_over_and_over_keeps_the_first_and_the_newest_copies(
     # newest what goes wrong now, and the ones between say nothing more.
     ledger = Ledger(tmp_path)
     for n in range(atomic.DAMAGED_KEPT + 6):
+        time.sleep(0.01)  # set aside at times a coarse file clock tells apart
         ledger.path.write_bytes(b"garbage %d" % n)
         with ledger.transaction() as data:
             assert data.jobs == []
@@ -499,3 +500,22 @@ def _transaction_while_held(ledger: Ledger) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_damaged_copy_a_warning_names_is_never_the_one_pruned(tmp_path: Path) -> None:
+    # Copies are ordered by when each was set aside (their change time); a clock stepped back
+    # makes the copy just set aside look older than the others, and the warning named a file
+    # the pruning had just removed.
+    path = tmp_path / "ledger.json"
+    made = []
+    for n in range(atomic.DAMAGED_KEPT + 4):
+        time.sleep(0.01)  # made at times a coarse file clock tells apart
+        copy = atomic.damaged_name(path)
+        copy.write_bytes(b"copy %d" % n)
+        made.append(copy)
+    kept = made[1]  # set aside just now, but dated before all but the first
+    atomic.prune_damaged(path, kept)
+    left = sorted(tmp_path.glob("ledger.json.damaged-*"))
+    assert kept.exists()
+    assert made[0].exists() and made[-1].exists()
+    assert len(left) == atomic.DAMAGED_KEPT
