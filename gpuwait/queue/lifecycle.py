@@ -1535,9 +1535,10 @@ def retry(
 
 def _holds_room_itself(job: Job, ledger_dir: Path, shared: bool) -> bool:
     """Is the process `job` names, which runs no gpuwait, a program holding room for itself
-    from Python (gpuwait.api)? It holds the job's liveness lock; in a shared ledger, where jobs
-    hold none, it runs with the command line its entry keeps (as the other members' plans
-    prove it) and, admitted, is recorded as its own command."""
+    from Python (gpuwait.api)? It holds the job's liveness lock; in a shared ledger, where a
+    lock may not have been taken (alive.hold), it may instead run with the command line its
+    entry keeps (as the other members' plans prove it) and, admitted, be recorded as its own
+    command."""
     if alive.opened_by(ledger_dir, job.uid, job.id, job.pid):
         return True
     return (

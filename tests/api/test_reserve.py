@@ -342,7 +342,7 @@ def test_gpuwait_cancel_takes_a_reservation_out_of_the_queue_and_stops_a_held_on
     shared: bool,
 ) -> None:
     # A user's own program (here train.py), whose command line names no gpuwait. On a shared
-    # server, where jobs hold no liveness lock, cancel was refused (exit 8, 'not a gpuwait
+    # server, where jobs held no liveness lock then, cancel was refused (exit 8, 'not a gpuwait
     # process'): the program stayed in everyone's queue, and a held one could not be stopped.
     if shared:
         lab = tmp_path / "lab"

@@ -101,8 +101,13 @@ def catches_signal(pid: int, signum: int) -> bool:
 
 
 def ledger_entries() -> list[dict[str, Any]]:
-    """The entries of this test's ledger ($XDG_STATE_HOME/gpuwait/ledger.json); [] while none."""
-    path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    """The entries of this test's ledger ($XDG_STATE_HOME/gpuwait/ledger.json, or this user's
+    file in a shared one, $GPUWAIT_LEDGER_DIR/ledger.<uid>.json); [] while none."""
+    shared = os.environ.get("GPUWAIT_LEDGER_DIR")
+    if shared:
+        path = Path(shared) / f"ledger.{os.getuid()}.json"
+    else:
+        path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     try:
         return list(json.loads(path.read_text())["jobs"])
     except (OSError, ValueError):

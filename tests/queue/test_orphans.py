@@ -343,13 +343,21 @@ time.sleep(60)
 """
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
 def test_an_orphan_that_wrote_over_its_environment_keeps_its_room(
     sim_file: SimFileFactory,
     tmp_path: Path,
     procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
+    shared: bool,
 ) -> None:
+    # Known by the job's liveness lock, which its command inherits: in a shared ledger too.
     monkeypatch.setenv("GPUWAIT_SIM", str(sim_file(gpus=1, memory="24G")))
+    if shared:
+        lab = tmp_path / "lab"
+        lab.mkdir()
+        lab.chmod(0o1770)
+        monkeypatch.setenv("GPUWAIT_LEDGER_DIR", str(lab))
     ready = tmp_path / "ready"
     launch = procs(
         [
