@@ -542,6 +542,7 @@ def _copy(source: Path, target: Path) -> None:
 #: of the latest runs.
 FIND_TAIL_BYTES = 2**20
 #: How much of it `latest_outcomes` searches for the jobs a waiter still depends on (`wanted`),
+#: and `batch_outcomes` for a batch's failure the ledger no longer names,
 #: as far as it must: a sweep's runs each keep a command of up to 8 KiB of arguments (a
 #: thousand file names), and a thousand of them take ten times FIND_TAIL_BYTES.
 DEPENDENCY_TAIL_BYTES = 2**24
@@ -559,30 +560,41 @@ def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
     return None
 
 
-def batch_outcomes(state_dir: Path, batch: str) -> list[RunOutcome]:
-    """How each job of `batch` with a run in the history's end ended; newest first."""
-    return list(latest_outcomes(state_dir, batch).values())
+def batch_outcomes(state_dir: Path, batch: str) -> Iterator[RunOutcome]:
+    """How each job of `batch` with a run in the history's end ended, by its latest run;
+    newest first, read back a piece at a time as far as DEPENDENCY_TAIL_BYTES as long as the
+    caller asks for more (a sweep's runs may each keep 8 KiB of arguments)."""
+    return _job_outcomes(state_dir, batch, DEPENDENCY_TAIL_BYTES)
+
+
+def _job_outcomes(state_dir: Path, batch: str | None, tail: int) -> Iterator[RunOutcome]:
+    """How each job with a run in the history's last `tail` bytes (of `batch`, where given)
+    ended, by its latest run (a job run again after running out of memory ends as its last
+    run did); newest first, read as far as the caller asks."""
+    seen: set[str] = set()
+    for record in _latest_records(state_dir, tail):
+        if batch is not None and record.get("batch") != batch:
+            continue
+        ran = outcome(record)
+        if ran is not None and ran.job_id not in seen:
+            seen.add(ran.job_id)
+            yield ran
 
 
 def latest_outcomes(
     state_dir: Path, batch: str | None = None, wanted: Collection[str] = ()
 ) -> dict[str, RunOutcome]:
     """How each job with a run in the history's end (of `batch`, where given) ended, by job
-    id: by its latest run (a job run again after running out of memory ends as its last run
-    did); newest first. With `wanted` (job ids), read back as far as DEPENDENCY_TAIL_BYTES
+    id (`_job_outcomes`). With `wanted` (job ids), read back as far as DEPENDENCY_TAIL_BYTES
     until each of those is found."""
     found: dict[str, RunOutcome] = {}
     missing = set(wanted)
     tail = DEPENDENCY_TAIL_BYTES if missing else FIND_TAIL_BYTES
-    for record in _latest_records(state_dir, tail):
-        if batch is not None and record.get("batch") != batch:
-            continue
-        ran = outcome(record)
-        if ran is not None and ran.job_id not in found:
-            found[ran.job_id] = ran
-            missing.discard(ran.job_id)
-            if wanted and not missing:
-                break
+    for ran in _job_outcomes(state_dir, batch, tail):
+        found[ran.job_id] = ran
+        missing.discard(ran.job_id)
+        if wanted and not missing:
+            break
     return found
 
 

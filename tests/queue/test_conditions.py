@@ -250,3 +250,25 @@ def test_a_plan_of_a_long_shared_queue_of_dependent_jobs_takes_about_as_long_as_
     assert blocked[:5] == [None] * 5
     assert blocked[11] == "waiting for job 00000001 to finish"
     assert blocked[10] == "waiting for job 00000001 to finish"  # the next member's
+
+
+def test_after_ok_a_batch_of_long_command_lines_counts_a_member_that_failed_long_ago(
+    tmp_path: Path,
+) -> None:
+    # A sweep of 300 whose jobs were each handed a thousand file names: its first job failed,
+    # then 150 more succeeded, and the rest still run. Each run's record keeps the 8 KiB of
+    # arguments its entry keeps, so the failure was beyond the end of the history read (1 MiB):
+    # a job that needs the sweep's success ran on a sweep that had failed.
+    names = [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)]
+    last = live_job("b2999999", batch="sweep", state="running", submitted_at=1.0)
+    data = LedgerData(jobs=[last])
+    for n in range(151):
+        command = entry_command(["python", "prep.py", *names])
+        run = a_run(command, "/", 1.0 + n, job_id=f"b{n:07d}", returncode=int(n == 0))
+        store.append_record(tmp_path, {**run, "batch": "sweep"})
+        outcome = FAILED if n == 0 else OK
+        data.book.note_finished(Finished(f"b{n:07d}", outcome, 2.0 + n, batch="sweep"))
+    assert (tmp_path / "history.jsonl").stat().st_size > store.FIND_TAIL_BYTES
+    waiter = live_job("w", after_ok=resolve_references(["sweep"], data, tmp_path))
+    why = settle_dependencies(waiter, data)
+    assert why is not None and "b0000000" in why and "--after-ok cannot be met" in why
