@@ -538,20 +538,21 @@ def _copy(source: Path, target: Path) -> None:
         os.close(fd_in)
 
 
-#: How much of the history's end `find_run` searches: a dependency named by `--after` is one
-#: of the latest runs.
+#: How much of the history's end is read at a time, and all that `latest_outcomes` reads
+#: without jobs it must find.
 FIND_TAIL_BYTES = 2**20
-#: How much of it `latest_outcomes` searches for the jobs a waiter still depends on (`wanted`),
-#: and `batch_outcomes` for a batch's failure the ledger no longer names,
-#: as far as it must: a sweep's runs each keep a command of up to 8 KiB of arguments (a
-#: thousand file names), and a thousand of them take ten times FIND_TAIL_BYTES.
+#: How much of it is searched, as far as it must, for a job named by `--after` (`find_outcome`),
+#: for the jobs a waiter still depends on (`latest_outcomes`' `wanted`), and for a batch's
+#: failure the ledger no longer names (`batch_outcomes`): a sweep's runs each keep a command
+#: of up to 8 KiB of arguments (a thousand file names), and a thousand of them take ten times
+#: FIND_TAIL_BYTES.
 DEPENDENCY_TAIL_BYTES = 2**24
 
 
 def find_outcome(state_dir: Path, ref: str) -> RunOutcome | None:
     """How the latest run in the history's end whose job id or name is `ref` ended; None if
-    there is none."""
-    for record in _latest_records(state_dir):
+    there is none (read back as far as DEPENDENCY_TAIL_BYTES)."""
+    for record in _latest_records(state_dir, DEPENDENCY_TAIL_BYTES):
         if ref not in (record.get("job_id"), record.get("name")):
             continue
         found = outcome(record)

@@ -272,3 +272,21 @@ def test_after_ok_a_batch_of_long_command_lines_counts_a_member_that_failed_long
     waiter = live_job("w", after_ok=resolve_references(["sweep"], data, tmp_path))
     why = settle_dependencies(waiter, data)
     assert why is not None and "b0000000" in why and "--after-ok cannot be met" in why
+
+
+def test_after_a_job_of_long_command_lines_that_ended_long_ago_is_found(tmp_path: Path) -> None:
+    # A sweep's jobs each handed a thousand file names, 300 of them ended: the first is no
+    # longer in the ledger's last hundred outcomes, nor in the history's last 1 MiB. A job
+    # --after it was refused (exit 2, 'no job ... is waiting, running or finished'), where a
+    # waiter already queued on it finds it.
+    names = [f"/data/shards/{i:06d}/part-{'x' * 80}.parquet" for i in range(1000)]
+    data = LedgerData()
+    for n in range(300):
+        command = entry_command(["python", "prep.py", *names])
+        run = a_run(command, "/", 1.0 + n, job_id=f"b{n:07d}", returncode=int(n == 0))
+        store.append_record(tmp_path, run)
+        data.book.note_finished(Finished(f"b{n:07d}", FAILED if n == 0 else OK, 2.0 + n))
+    assert resolve_references(["b0000000"], data, tmp_path) == ["b0000000"]
+    waiter = live_job("w", after_ok=["b0000000"])
+    why = settle_dependencies(waiter, data)
+    assert why is not None and "--after-ok cannot be met" in why
