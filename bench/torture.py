@@ -320,6 +320,7 @@ class Machine:
                 self.hostile_env = {**base, **user_home(self.root, HOSTILE_UID, HOSTILE_UID)}
         else:
             home = self.root / "home"
+            home.mkdir(mode=0o700)  # a home that does not exist is one gpuwait never makes
             self.ledger_dir = home / "state" / "gpuwait"
             self.envs.append(
                 {

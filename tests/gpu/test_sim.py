@@ -24,6 +24,7 @@ from gpuwait.gpu.sim import (
     cuda_visible_gpus,
     default_uuid,
     load_sim_file,
+    sim_lock,
     state_dir_for,
     write_allocation,
     write_sim_file,
@@ -151,8 +152,13 @@ def test_many_jobs_never_overcommit(sim_file: SimFileFactory) -> None:
     # Held long enough that all eight overlap even on a loaded machine: then at most four fit.
     jobs = [start_sim_job("--vram", "5G", "--ramp", "0.3s", "--hold", "3s") for _ in range(8)]
     peak = 0
+    config = load_sim_file(str(path))
     while any(job.poll() is None for job in jobs):
-        peak = max(peak, gpu_used(path, 0))
+        # Read under the simulation's lock, as the jobs decide: read without it, a record
+        # read before its job released and another's written after (a loaded machine) added
+        # up to more than the card ever held.
+        with sim_lock(config):
+            peak = max(peak, gpu_used(path, 0))
     results = [finish(job) for job in jobs]
     assert peak <= 24 * GiB
     survivors = [rc for rc, _, _ in results if rc == 0]
