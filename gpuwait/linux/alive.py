@@ -27,7 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwait.linux import proc
-from gpuwait.linux.security import UnsafePath, ensure_private_dir, open_state_file, own_name
+from gpuwait.linux.security import (
+    UnsafePath,
+    ensure_private_dir,
+    open_state_file,
+    own_name,
+    owned_by,
+)
 
 #: Job ids as gpuwait makes them; anything else names no file of ours.
 _JOB_ID = re.compile(r"[0-9a-f]{1,64}")
@@ -42,10 +48,12 @@ def _path(ledger_dir: Path, uid: int, job_id: str) -> Path | None:
     return _directory(ledger_dir, uid) / job_id
 
 
-def _directory(ledger_dir: Path, uid: int) -> Path:
+def _directory(ledger_dir: Path, uid: int, kuid: int | None = None) -> Path:
     """`uid`'s lock directory: alive.<uid>, or where another member made something of that
-    name first in a shared ledger directory, one of `uid`'s own beside it."""
-    return own_name(ledger_dir, "alive", uid=uid)
+    name first in a shared ledger directory, one of `uid`'s own beside it. `kuid`: the uid the
+    machine knows `uid` by (an entry's), where another user namespace wrote it (a rootless
+    container, whose uid 0 is its user here)."""
+    return own_name(ledger_dir, "alive", uid=uid, kuid=kuid)
 
 
 def hold(ledger_dir: Path, job_id: str) -> bool:
@@ -99,13 +107,14 @@ def given_up(ledger_dir: Path, job_id: str, on_error: bool = False) -> Iterator[
             release(ledger_dir, job_id)
 
 
-def held(ledger_dir: Path, uid: int, job_id: str) -> bool | None:
-    """Does a live process hold the lock of `uid`'s job `job_id`? None where it cannot be told
-    (the file is there but cannot be opened): the caller keeps the job, as it would a live one."""
+def held(ledger_dir: Path, uid: int, job_id: str, kuid: int | None = None) -> bool | None:
+    """Does a live process hold the lock of `uid`'s job `job_id` (`kuid`: the entry's, see
+    `_directory`)? None where it cannot be told (the file is there but cannot be opened): the
+    caller keeps the job, as it would a live one."""
     if _path(ledger_dir, uid, job_id) is None:
         return None
     try:
-        with _own_dir(ledger_dir, uid) as directory:
+        with _own_dir(ledger_dir, uid, kuid) as directory:
             fd = os.open(job_id, _READ_FLAGS, dir_fd=directory)
     except FileNotFoundError:
         return False
@@ -122,7 +131,7 @@ def held(ledger_dir: Path, uid: int, job_id: str) -> bool | None:
     return False
 
 
-def opened_by(ledger_dir: Path, uid: int, job_id: str, pid: int) -> bool:
+def opened_by(ledger_dir: Path, uid: int, job_id: str, pid: int, kuid: int | None = None) -> bool:
     """Does process `pid` have the lock file of `uid`'s job `job_id` open? Nobody but that user
     can open it, and the job's gpuwait keeps it open for the job's life (its command inherits
     it): the process is that job's own, whatever program it runs (one holding room for itself,
@@ -130,7 +139,7 @@ def opened_by(ledger_dir: Path, uid: int, job_id: str, pid: int) -> bool:
     if _path(ledger_dir, uid, job_id) is None:
         return False
     try:
-        with _own_dir(ledger_dir, uid) as directory:
+        with _own_dir(ledger_dir, uid, kuid) as directory:
             file = os.stat(job_id, dir_fd=directory, follow_symlinks=False)
     except OSError:
         return False
@@ -178,16 +187,16 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @contextlib.contextmanager
-def _own_dir(ledger_dir: Path, uid: int) -> Iterator[int]:
+def _own_dir(ledger_dir: Path, uid: int, kuid: int | None = None) -> Iterator[int]:
     """A descriptor on `uid`'s lock directory, for the names in it to be opened, listed and
     removed through. OSError where there is none, or it is no directory of `uid`'s own: in a
     shared ledger directory any member may have put a directory, a file or a symlink there
     under that name before its owner's first job, and one followed would have this gpuwait
     look at, and take away, the files of any directory it points at (root's: anywhere)."""
-    name = _directory(ledger_dir, uid)
+    name = _directory(ledger_dir, uid, kuid)
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_uid != uid:
+        if not owned_by(os.fstat(fd).st_uid, uid, kuid):
             raise UnsafePath(name, f"{name} belongs to another user")
         yield fd
     finally:

@@ -99,17 +99,20 @@ def ensure_private_dir(path: Path) -> None:
     check_dir(path, st, private=True)
 
 
-def own_name(directory: Path, stem: str, suffix: str = "", uid: int | None = None) -> Path:
+def own_name(
+    directory: Path, stem: str, suffix: str = "", uid: int | None = None, kuid: int | None = None
+) -> Path:
     """`directory`/`stem`.<uid>`suffix`, a user's name in a shared directory (this user's, or
     `uid`'s); where another member made something under that name first (any member may: the
     directory is theirs to write in too), one of the user's own beside it,
     `stem`.<uid>.<random>`suffix`, found again by them and by others, even once that member
     has taken theirs away (what the user keeps there stays where it is); a new such name where
-    there is none yet."""
+    there is none yet. `kuid`: the uid the machine knows `uid` by, where another user namespace
+    wrote it (a rootless container's root, whose files this one shows as its user's)."""
     uid = os.getuid() if uid is None else uid
     canonical = directory / f"{stem}.{uid}{suffix}"
     try:
-        if os.lstat(canonical).st_uid == uid:
+        if owned_by(os.lstat(canonical).st_uid, uid, kuid):
             return canonical
         taken = True
     except OSError:
@@ -123,10 +126,18 @@ def own_name(directory: Path, stem: str, suffix: str = "", uid: int | None = Non
                 and name.endswith(tail)
                 and 0 < len(random) <= 32
                 and all(c in "0123456789abcdef" for c in random)
-                and os.lstat(directory / name).st_uid == uid
+                and owned_by(os.lstat(directory / name).st_uid, uid, kuid)
             ):
                 return directory / name
     return directory / f"{head}{os.urandom(8).hex()}{tail}" if taken else canonical
+
+
+def owned_by(owner: int, uid: int, kuid: int | None = None) -> bool:
+    """Is a file whose owner this process sees as `owner` the user `uid`'s (as the namespace
+    that wrote `uid` knows them: `kuid` where it said what they are outside)? A rootless
+    container's root and its user on the host are one user, each seeing the other's files as
+    their own uid's."""
+    return owner == uid or userns.same_user(owner, uid, kuid)
 
 
 def taken_over(path: Path) -> tuple[Path, int] | None:

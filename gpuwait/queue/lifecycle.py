@@ -455,7 +455,7 @@ def _command_found(ledger: Ledger, job: Job) -> bool:
     is kept for it as for any orphan rather than reaped while it runs in the job's room."""
     if job.state != RUNNING or job.child_pid is not None or of_an_earlier_boot(job.boot):
         return False
-    if job.pidns is not None and alive.held(ledger.directory, job.uid, job.id) is False:
+    if job.pidns is not None and alive.held(ledger.directory, job.uid, job.id, job.kuid) is False:
         return False  # nothing holds the job's lock, which its command inherits: none runs
     child = proc.started_with(b"GPUWAIT_JOB_ID", job.id)
     if child is None:
@@ -590,7 +590,7 @@ def _drop_requests(data: LedgerData, job_id: str) -> None:
 def lives_elsewhere(ledger_dir: Path, job: Job) -> bool:
     """Does a job of another pid namespace live: its lock held (or not to be told, which keeps
     it as a live one is kept)? Its gpuwait or its command may hold it (gpuwait.linux.alive)."""
-    return alive.held(ledger_dir, job.uid, job.id) is not False
+    return alive.held(ledger_dir, job.uid, job.id, job.kuid) is not False
 
 
 def command_lives(job: Job, ledger_dir: Path) -> bool:
@@ -622,7 +622,7 @@ def _holds_lock(job: Job, ledger_dir: Path) -> Callable[[], bool]:
         key = (ledger_dir, job.id, job.child_pid, job.child_start_time)
         if key in _LOCK_HOLDERS:
             return True
-        if not alive.opened_by(ledger_dir, job.uid, job.id, job.child_pid):
+        if not alive.opened_by(ledger_dir, job.uid, job.id, job.child_pid, job.kuid):
             return False
         if len(_LOCK_HOLDERS) > 4096:
             _LOCK_HOLDERS.clear()
@@ -1539,7 +1539,7 @@ def _holds_room_itself(job: Job, ledger_dir: Path, shared: bool) -> bool:
     lock may not have been taken (alive.hold), it may instead run with the command line its
     entry keeps (as the other members' plans prove it) and, admitted, be recorded as its own
     command."""
-    if alive.opened_by(ledger_dir, job.uid, job.id, job.pid):
+    if alive.opened_by(ledger_dir, job.uid, job.id, job.pid, job.kuid):
         return True
     return (
         shared

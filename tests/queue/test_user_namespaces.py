@@ -11,12 +11,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.users import clean_up, popen_as, run_as, shared_root, user_home
+from helpers.users import ROOTLESS, clean_up, popen_as, run_as, shared_root, user_home
 from helpers.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
@@ -153,3 +154,58 @@ def test_a_users_jobs_in_a_rootless_container_keep_their_place_behind_their_host
     assert status.returncode == 0, status.stderr
     queue = [j for j in json.loads(status.stdout)["jobs"] if j["position"] is not None]
     assert [j["name"] for j in sorted(queue, key=lambda j: j["position"])] == ["first", "second"]
+
+
+#: A rootless container without --pid=host (podman's default): after the user namespace
+#: (ROOTLESS), a pid namespace of its own, with a /proc of its own, whose first process runs
+#: gpuwait while the one outside waits for it and exits as it did.
+_OWN_PID_NAMESPACE = r"""
+if libc.unshare(0x20000000 | 0x00020000) != 0:  # CLONE_NEWPID | CLONE_NEWNS
+    raise SystemExit(f"no pid namespace: {os.strerror(ctypes.get_errno())}")
+child = os.fork()
+if child:
+    _, status = os.waitpid(child, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+if libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) != 0:  # MS_REC | MS_PRIVATE
+    raise SystemExit(f"no private mounts: {os.strerror(ctypes.get_errno())}")
+if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) != 0:
+    raise SystemExit(f"no /proc of its own: {os.strerror(ctypes.get_errno())}")
+"""
+
+
+@pytest.mark.parametrize("first", ["container", "host"])
+def test_a_rootless_container_without_the_hosts_pids_and_the_host_keep_each_others_room(
+    machine: Machine, first: str
+) -> None:
+    # A job's liveness lock is alive.0/<job id> to the container (its uid 0), a directory the
+    # host shows as the user's, and alive.<uid>/ to the host, which the container shows as its
+    # root's: each side's gpuwait, looking for the other's lock in a directory of that very
+    # uid's own, found none, reaped the other side's running 15 GiB job as lost and started
+    # another 15 GiB job beside it on the 24 GiB card (exit 0 for 124).
+    script = ROOTLESS.replace("sys.argv = [", _OWN_PID_NAMESPACE + "sys.argv = [", 1)
+    argv = [sys.executable, "-c", script, str(USER), str(USER), "", "gpuwait"]
+    kw: dict[str, Any] = {"env": machine.env, "text": True, "cwd": "/"}
+    probe = subprocess.run([*argv, "--version"], capture_output=True, **kw)
+    if probe.returncode != 0:
+        pytest.skip(f"no pid namespace can be made here: {probe.stderr.strip()}")
+    job = ["--vram", "15G", "--", "sleep", "60"]
+    if first == "container":
+        started = subprocess.Popen(
+            [*argv, *job],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **kw,
+            start_new_session=True,
+        )
+        machine.procs.append(started)
+    else:
+        machine.start(job)
+    wait_for(lambda: machine.running(), timeout=30)
+    (running,) = machine.running()
+    late = ["--vram", "15G", "--timeout", "0.5s", "--", "true"]
+    if first == "container":
+        probe = machine.run(late)
+    else:
+        probe = subprocess.run([*argv, *late], capture_output=True, timeout=60, **kw)
+    assert probe.returncode == 124, probe.stderr
+    assert [j["id"] for j in machine.running()] == [running["id"]]
