@@ -115,7 +115,17 @@ def held(ledger_dir: Path, uid: int, job_id: str, kuid: int | None = None) -> bo
         return None
     try:
         with _own_dir(ledger_dir, uid, kuid) as directory:
-            fd = os.open(job_id, _READ_FLAGS, dir_fd=directory)
+            return _held_in(directory, job_id)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+
+
+def _held_in(directory: int, name: str) -> bool | None:
+    """`held`, of the lock file `name` in the lock directory open as `directory`."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=directory)
     except FileNotFoundError:
         return False
     except OSError:
@@ -162,23 +172,31 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     job ids) stands for, of locks taken `before` then (a time.time()), other than this
     process's own: jobs whose entries were lost with the ledger started afresh at `before` (a
     damaged one), which their gpuwait puts back. A lock taken since is a job of the new ledger
-    (between its end and the removal of its file, it is held with no entry)."""
-    uid = os.getuid()
-    found = []
+    (between its end and the removal of its file, it is held with no entry). Looked for in
+    every lock directory that is this user's here: theirs, and those their gpuwait keeps in
+    another user namespace under the uid it has there (a rootless container's alive.0/, which
+    is its user's on the host; the host's, to such a container)."""
+    found: set[str] = set()
     try:
-        with _own_dir(ledger_dir, uid) as directory:
+        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+    except OSError:
+        return []
+    for lock_dir in names:
+        with contextlib.suppress(OSError), _opened_dir(ledger_dir / lock_dir) as directory:
             for name in os.listdir(directory):
-                if name in named or (ledger_dir, name) in _HELD:
+                if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue
                 try:
                     taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
                 except OSError:
                     continue
-                if taken < before and held(ledger_dir, uid, name) is True:
-                    found.append(name)
-    except OSError:
-        return []
+                if taken < before and _held_in(directory, name) is True:
+                    found.add(name)
     return sorted(found)
+
+
+#: The name of a user's lock directory (`_directory`), whatever uid it carries.
+_LOCK_DIR = re.compile(r"alive\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?")
 
 
 #: Opening a lock file of a directory (`_own_dir`) to look at its lock: no symlink followed,
@@ -193,10 +211,17 @@ def _own_dir(ledger_dir: Path, uid: int, kuid: int | None = None) -> Iterator[in
     shared ledger directory any member may have put a directory, a file or a symlink there
     under that name before its owner's first job, and one followed would have this gpuwait
     look at, and take away, the files of any directory it points at (root's: anywhere)."""
-    name = _directory(ledger_dir, uid, kuid)
+    with _opened_dir(_directory(ledger_dir, uid, kuid), uid, kuid) as fd:
+        yield fd
+
+
+@contextlib.contextmanager
+def _opened_dir(name: Path, uid: int | None = None, kuid: int | None = None) -> Iterator[int]:
+    """A descriptor on the directory `name`, not followed as a link; UnsafePath where it is
+    not `uid`'s (default: this user's) as `owned_by` tells."""
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if not owned_by(os.fstat(fd).st_uid, uid, kuid):
+        if not owned_by(os.fstat(fd).st_uid, os.getuid() if uid is None else uid, kuid):
             raise UnsafePath(name, f"{name} belongs to another user")
         yield fd
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +19,9 @@ from typing import Any
 
 import pytest
 from helpers.users import ROOTLESS, clean_up, popen_as, run_as, shared_root, user_home
-from helpers.waiting import wait_for
+from helpers.waiting import process_state, wait_for
+
+from gpuwait.linux.lock import exclusive
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to another user: needs root")
 
@@ -209,3 +212,30 @@ def test_a_rootless_container_without_the_hosts_pids_and_the_host_keep_each_othe
         probe = subprocess.run([*argv, *late], capture_output=True, timeout=60, **kw)
     assert probe.returncode == 124, probe.stderr
     assert [j["id"] for j in machine.running()] == [running["id"]]
+
+
+@pytest.mark.parametrize("first", ["container", "host"])
+def test_a_launch_after_damage_waits_for_the_running_job_of_the_other_side(
+    machine: Machine, first: str
+) -> None:
+    # The ledger is damaged and started afresh while a job runs in the user's container, its
+    # gpuwait not looking meanwhile (here: stopped): the next launch on the host waited only
+    # for the jobs whose locks are in alive.<uid>/, the host's, not for the container's, in
+    # alive.0/, and was admitted at once into the 15 GiB the container's job held (exit 0);
+    # and so was a launch in the container beside a job of the host's.
+    running = machine.start(["--vram", "15G", "--", "sleep", "60"], rootless=first == "container")
+    wait_for(lambda: machine.running(), timeout=30)
+    # Stopped outside a transaction of its own: stopped holding the ledger's lock, it would
+    # hold the launch up for that, not for its entry.
+    with exclusive(machine.ledger.parent / "ledger.lock"):
+        os.kill(running.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(running.pid) == "T", timeout=10)
+    try:
+        machine.ledger.write_bytes(b'{"schema": 1, "jobs": [')
+        probe = machine.run(
+            ["--vram", "15G", "--timeout", "1s", "--", "true"], rootless=first == "host"
+        )
+    finally:
+        os.kill(running.pid, signal.SIGCONT)
+    assert probe.returncode == 124, probe.stderr
+    assert "1 job of yours still running or waiting has to put its entry back" in probe.stderr
