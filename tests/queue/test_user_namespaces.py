@@ -239,3 +239,32 @@ def test_a_launch_after_damage_waits_for_the_running_job_of_the_other_side(
         os.kill(running.pid, signal.SIGCONT)
     assert probe.returncode == 124, probe.stderr
     assert "1 job of yours still running or waiting has to put its entry back" in probe.stderr
+
+
+def test_the_host_cancels_a_reservation_its_user_holds_from_python_in_a_rootless_container(
+    machine: Machine,
+) -> None:
+    # The program holds 10 GiB through gpuwait.reserve in the user's container: its user on
+    # the host was refused its cancel (exit 8, 'not a gpuwait process'), since the proof that
+    # the program is the job's own, its liveness lock open in it, was looked for in a lock
+    # directory of uid 0's own, where the host shows the container's alive.0/ as the user's.
+    script = Path(machine.env["HOME"]) / "train.py"
+    python = "r = gpuwait.reserve('10G'); print('got', flush=True); signal.pause()"
+    script.write_text(ROOTLESS.replace("gpuwait.cli.entry_point()", python))
+    script.chmod(0o644)
+    program = subprocess.Popen(
+        [sys.executable, str(script), str(USER), str(USER), ""],
+        env=machine.env,
+        cwd="/",
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    machine.procs.append(program)
+    assert program.stdout is not None
+    assert program.stdout.readline() == "got\n"
+    (job,) = json.loads(machine.ledger.read_text())["jobs"]
+    cancel = machine.run(["cancel", job["id"]])
+    assert cancel.returncode == 0, cancel.stderr
+    assert program.wait(timeout=30) != 0
