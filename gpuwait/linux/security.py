@@ -118,18 +118,31 @@ def own_name(
     except OSError:
         taken = False
     head, tail = f"{stem}.{uid}.", suffix
-    with contextlib.suppress(OSError):
-        for name in sorted(os.listdir(directory)):
-            random = name[len(head) : len(name) - len(tail)]
-            if (
-                name.startswith(head)
-                and name.endswith(tail)
-                and 0 < len(random) <= 32
-                and all(c in "0123456789abcdef" for c in random)
-                and owned_by(os.lstat(directory / name).st_uid, uid, kuid)
-            ):
-                return directory / name
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        names = []
+    for name in names:
+        random = name[len(head) : len(name) - len(tail)]
+        if (
+            name.startswith(head)
+            and name.endswith(tail)
+            and 0 < len(random) <= 32
+            and all(c in "0123456789abcdef" for c in random)
+            and _owned(directory / name, uid, kuid)
+        ):
+            return directory / name
     return directory / f"{head}{os.urandom(8).hex()}{tail}" if taken else canonical
+
+
+def _owned(path: Path, uid: int, kuid: int | None) -> bool:
+    """`owned_by` of the name `path` itself (a link is not followed); False where it is gone:
+    another member's name can be taken away between the listing and this look at it, and the
+    names after it must still be looked at."""
+    try:
+        return owned_by(os.lstat(path).st_uid, uid, kuid)
+    except OSError:
+        return False
 
 
 def owned_by(owner: int, uid: int, kuid: int | None = None) -> bool:

@@ -461,3 +461,31 @@ def test_a_gpuwait_runs_a_long_command_as_its_entry_keeps_it(words: list[str]) -
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a name to another user")
+def test_a_name_that_vanishes_while_the_shared_directory_is_read_does_not_lose_the_users_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another member's name beside the user's, created and taken away again while gpuwait
+    lists the directory, must not make it give up on the name the user already has there: it
+    would start a second lock directory, and its jobs' locks would be looked for in two places."""
+    uid = os.getuid()
+    squat = tmp_path / f"alive.{uid}"  # another member's, made before the user's first job
+    squat.symlink_to(tmp_path / "elsewhere")
+    os.lchown(squat, 4242, 4242)
+    own = tmp_path / f"alive.{uid}.0f"
+    own.mkdir()
+    before = security.own_name(tmp_path, "alive")
+    assert before == own
+    vanished = tmp_path / f"alive.{uid}.0a"  # sorts first; gone between listdir and lstat
+    real_listdir, real_lstat = os.listdir, os.lstat
+    monkeypatch.setattr(os, "listdir", lambda d: [*real_listdir(d), vanished.name])
+
+    def lstat(path: os.PathLike[str] | str) -> os.stat_result:
+        if Path(path) == vanished:
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_lstat(path)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert security.own_name(tmp_path, "alive") == own
