@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import signal
 import stat
 import sys
@@ -20,6 +21,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
+from gpuwait.core.wrappers import GPU_VARIABLES, drops_gpus, steps
 from gpuwait.linux import signals, turnstile
 from gpuwait.queue.entries import Job
 
@@ -109,6 +111,37 @@ def check_not_srun(argv: Sequence[str]) -> None:
         "reserves: they would run on GPUs gpuwait did not give them",
         hint="run gpuwait inside the step instead: srun ... gpuwait --vram SIZE -- COMMAND",
     )
+
+
+def check_keeps_gpus(argv: Sequence[str]) -> None:
+    """Refuse a command that runs through a wrapper starting it without the CUDA_VISIBLE_DEVICES
+    gpuwait sets (UsageError, 2): `sudo -u alice python x.py` (sudo's env_reset), doas, pkexec,
+    `su -l`, `env -i`. The command would see every GPU, those given to other jobs too, and
+    allocate on whichever it took. The hint is the line that keeps the variables, where there
+    is one: sudo's --preserve-env=LIST, su's -w LIST."""
+    for step in steps(argv):
+        if not drops_gpus(step):
+            continue
+        keep = ",".join(GPU_VARIABLES)
+        where = len(argv) - len(step.argv)
+        suffix = tuple(argv[where:]) == step.argv
+        if step.program == "sudo" and suffix:
+            line = [*argv[: where + 1], f"--preserve-env={keep}", *argv[where + 1 :]]
+            hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
+        elif step.program in ("su", "runuser") and suffix:
+            line = [*argv[: where + 1], "-w", keep, *argv[where + 1 :]]
+            hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
+        elif step.program == "env":
+            hint = f"leave {GPU_VARIABLES[0]} to the command: unset only what it must not see"
+        else:
+            hint = (
+                f"run gpuwait under it instead: {step.program} ... gpuwait --vram SIZE -- COMMAND"
+            )
+        raise UsageError(
+            f"{step.program} starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets: "
+            "it would see every GPU, those given to other jobs too",
+            hint=hint,
+        )
 
 
 def which(name: str) -> str | None:

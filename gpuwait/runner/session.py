@@ -100,6 +100,7 @@ from gpuwait.runner.launch import (
     CommandProblem,
     StartInterrupted,
     check_command,
+    check_keeps_gpus,
     check_not_srun,
     command_env,
     spawn_when_possible,
@@ -257,6 +258,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     check_command(request.command)
     check_not_srun(request.command)
+    check_keeps_gpus(request.command)
     _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(

@@ -1,0 +1,264 @@
+"""The commands a command line runs through wrappers (`nice`, `env`, `timeout 60`, `sudo -u
+alice`): what gpuwait must look at before it starts the line. Pure (no I/O).
+
+A wrapper's options are skipped as its own manual describes them (those that take a value take
+the next word, or one glued on); a wrapper given options it does not know, or none of a command,
+ends the walk, so that only what is sure to run is looked at.
+"""
+
+from __future__ import annotations
+
+import os.path
+import shlex
+from collections.abc import Sequence
+
+from gpuwait.core.record import Record
+
+
+class _Spec(Record, frozen=True):
+    #: Short options that take a value (`-n 5`, `-n5`).
+    short_values: str = ""
+    #: Long options that take a value as the next word unless glued on with `=`.
+    long_values: frozenset[str] = frozenset()
+    #: Words before the command that are no options (timeout's duration, taskset's mask).
+    operands: int = 0
+    #: NAME=VALUE words may come before the command (env, sudo).
+    assignments: bool = False
+    #: Options after which no command follows as words (taskset -p PID, env -S STRING).
+    no_command: frozenset[str] = frozenset()
+    #: Options whose value is a shell's command line (su -c 'python x.py').
+    shell_command: frozenset[str] = frozenset()
+    #: Options after which the words left are the command (runuser -u alice -- python x.py).
+    command_follows: frozenset[str] = frozenset()
+    #: Options may follow its other words (su alice -l -c CODE), as getopt takes them.
+    permute: bool = False
+
+
+_SPECS: dict[str, _Spec] = {
+    "env": _Spec(
+        short_values="uCS",
+        long_values=frozenset({"--unset", "--chdir", "--split-string"}),
+        assignments=True,
+        no_command=frozenset({"-S", "--split-string"}),
+    ),
+    "nice": _Spec(short_values="n", long_values=frozenset({"--adjustment"})),
+    "ionice": _Spec(
+        short_values="cn",
+        long_values=frozenset({"--class", "--classdata"}),
+        no_command=frozenset({"-p", "-P", "-u", "--pid", "--pgid", "--uid"}),
+    ),
+    "nohup": _Spec(),
+    "setsid": _Spec(),
+    "time": _Spec(short_values="fo", long_values=frozenset({"--format", "--output"})),
+    "timeout": _Spec(
+        short_values="sk", long_values=frozenset({"--signal", "--kill-after"}), operands=1
+    ),
+    "stdbuf": _Spec(short_values="ioe", long_values=frozenset({"--input", "--output", "--error"})),
+    "taskset": _Spec(operands=1, no_command=frozenset({"-p", "--pid"})),
+    "numactl": _Spec(
+        short_values="ipCNmPoLMISf",
+        long_values=frozenset(
+            {
+                *("--interleave", "--preferred", "--preferred-many", "--physcpubind"),
+                *("--cpunodebind", "--membind", "--offset", "--length", "--shmmode"),
+                *("--shmid", "--shm", "--file"),
+            }
+        ),
+    ),
+    "chrt": _Spec(
+        short_values="TPD",
+        long_values=frozenset({"--sched-runtime", "--sched-period", "--sched-deadline"}),
+        operands=1,
+        no_command=frozenset({"-p", "--pid", "-m", "--max"}),
+    ),
+    "sudo": _Spec(
+        short_values="ugCDprtTURh",
+        long_values=frozenset(
+            {
+                *("--user", "--group", "--close-from", "--chdir", "--prompt", "--role"),
+                *("--type", "--command-timeout", "--other-user", "--chroot", "--host"),
+            }
+        ),
+        assignments=True,
+        no_command=frozenset({"-e", "--edit", "-l", "--list", "-v", "--validate"}),
+    ),
+    "doas": _Spec(short_values="uC"),
+    "pkexec": _Spec(long_values=frozenset({"--user"})),
+    "su": _Spec(
+        short_values="cgGsw",
+        long_values=frozenset(
+            {
+                *("--command", "--session-command", "--group", "--supp-group", "--shell"),
+                "--whitelist-environment",
+            }
+        ),
+        shell_command=frozenset({"-c", "--command", "--session-command"}),
+        permute=True,
+    ),
+    "runuser": _Spec(
+        short_values="cgGswu",
+        long_values=frozenset(
+            {
+                *("--command", "--session-command", "--group", "--supp-group", "--shell"),
+                *("--whitelist-environment", "--user"),
+            }
+        ),
+        shell_command=frozenset({"-c", "--command", "--session-command"}),
+        command_follows=frozenset({"-u", "--user"}),
+        permute=True,
+    ),
+}
+
+
+class Step(Record, frozen=True):
+    """One command of the line: its words, and its wrapper's options as given (each with its
+    value, if it takes one: `("-u", "alice")`, `("--preserve-env=A,B", None)`)."""
+
+    argv: tuple[str, ...]
+    options: tuple[tuple[str, str | None], ...] = ()
+
+    @property
+    def program(self) -> str:
+        return os.path.basename(self.argv[0])
+
+
+def steps(argv: Sequence[str]) -> list[Step]:
+    """`argv` and each command it runs through the wrappers above, outermost first.
+
+    `nice -n 5 timeout 60 srun python x.py` is four steps: nice's, timeout's, srun's and (srun
+    being no wrapper here) no further. su's and runuser's `-c 'CODE'` runs CODE, taken as a
+    shell's words where it is simple enough to read so."""
+    found: list[Step] = []
+    current: tuple[str, ...] = tuple(argv)
+    while current:
+        spec = _SPECS.get(os.path.basename(current[0]))
+        if spec is None:
+            found.append(Step(argv=current))
+            break
+        options, inner = _parse(spec, current[1:])
+        found.append(Step(argv=current, options=tuple(options)))
+        if inner is None:
+            break
+        current = tuple(inner)
+    return found
+
+
+def _parse(
+    spec: _Spec, words: Sequence[str]
+) -> tuple[list[tuple[str, str | None]], Sequence[str] | None]:
+    """A wrapper's options, and the command it runs (None where none is sure)."""
+    options: list[tuple[str, str | None]] = []
+    position = 0
+    operands = spec.operands
+    shell_code: str | None = None
+    while position < len(words):
+        word = words[position]
+        if word == "--":
+            position += 1
+            break
+        if word.startswith("--"):
+            name = word.split("=", 1)[0]
+            value: str | None = None
+            if "=" in word:
+                value = word.split("=", 1)[1]
+            elif name in spec.long_values:
+                if position + 1 >= len(words):
+                    return options, None
+                position += 1
+                value = words[position]
+            options.append((name if value is not None else word, value))
+            if name in spec.no_command:
+                return options, None
+            if name in spec.shell_command:
+                shell_code = value
+            position += 1
+            continue
+        if word.startswith("-") and len(word) > 1 and not word[1:].isdigit():
+            # A cluster of short options (-Eu alice, -n5); the first that takes a value ends it.
+            for offset, letter in enumerate(word[1:], start=1):
+                flag = f"-{letter}"
+                if flag in spec.no_command:
+                    return options, None
+                if letter in spec.short_values:
+                    glued = word[offset + 1 :]
+                    if not glued:
+                        if position + 1 >= len(words):
+                            return options, None
+                        position += 1
+                        glued = words[position]
+                    options.append((flag, glued))
+                    if flag in spec.shell_command:
+                        shell_code = glued
+                    break
+                options.append((flag, None))
+            position += 1
+            continue
+        if word == "-" or (word.startswith("-") and word[1:].isdigit()):
+            # su's `-` (a login), nice's old `-10`.
+            options.append((word, None))
+            position += 1
+            continue
+        if spec.assignments and "=" in word and not word.startswith("="):
+            position += 1
+            continue
+        if operands:
+            operands -= 1
+            position += 1
+            continue
+        if spec.permute and not any(name in spec.command_follows for name, _ in options):
+            position += 1  # su's user, or an argument of the user's shell
+            continue
+        break
+    if shell_code is not None:
+        try:
+            inner = shlex.split(shell_code)
+        except ValueError:
+            return options, None
+        # Code with more than one command in it is a script: only its first word is sure.
+        if any(char in shell_code for char in ";&|`$()<>\n"):
+            return options, None
+        return options, inner or None
+    rest = words[position:]
+    if spec.shell_command and not any(name in spec.command_follows for name, _ in options):
+        # su alice [ARGS]: the user's shell, given ARGS; no command of ours runs as words.
+        return options, None
+    return options, rest or None
+
+
+#: What gpuwait gives a job's command that binds it to its GPUs (CUDA_DEVICE_ORDER numbers the
+#: cards as NVML does where visible_devices = index).
+GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def _listed(options: Sequence[tuple[str, str | None]], names: Sequence[str], variable: str) -> bool:
+    return any(
+        name in names and value is not None and variable in value.split(",")
+        for name, value in options
+    )
+
+
+def drops_gpus(step: Step) -> bool:
+    """Does this wrapper start its command without the CUDA_VISIBLE_DEVICES it was given?
+
+    sudo resets the environment (env_reset, on by default) unless told to keep it (-E,
+    --preserve-env, or a --preserve-env=LIST naming the variable); doas and pkexec always
+    do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
+    or -u CUDA_VISIBLE_DEVICES."""
+    variable = GPU_VARIABLES[0]
+    names = {name for name, _ in step.options}
+    if step.program == "sudo":
+        return not (
+            "-E" in names
+            or any(name == "--preserve-env" and value is None for name, value in step.options)
+            or _listed(step.options, ("--preserve-env",), variable)
+        )
+    if step.program in ("doas", "pkexec"):
+        return True
+    if step.program in ("su", "runuser"):
+        login = bool(names & {"-", "-l", "--login"})
+        return login and not _listed(step.options, ("-w", "--whitelist-environment"), variable)
+    if step.program == "env":
+        return bool(names & {"-i", "-", "--ignore-environment"}) or _listed(
+            step.options, ("-u", "--unset"), variable
+        )
+    return False

@@ -1,0 +1,68 @@
+"""What a command line runs through its wrappers, as their manuals parse them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwait.core.wrappers import drops_gpus, steps
+
+
+@pytest.mark.parametrize(
+    ("argv", "programs"),
+    [
+        (["timeout", "-s", "KILL", "-k", "5", "60", "srun", "-n1"], ["timeout", "srun"]),
+        (["timeout", "--signal=KILL", "1h", "srun"], ["timeout", "srun"]),
+        # A value of the wrapper's own options is no program: `env -u srun` unsets a variable.
+        (["env", "-u", "srun", "A=1", "python", "x.py"], ["env", "python"]),
+        (["nice", "-n", "5", "python", "srun.py"], ["nice", "python"]),
+        (["nice", "-5", "ionice", "-c2", "-n7", "srun"], ["nice", "ionice", "srun"]),
+        (["stdbuf", "-oL", "-e", "0", "time", "-o", "t", "srun"], ["stdbuf", "time", "srun"]),
+        (
+            ["taskset", "-c", "0-3", "numactl", "--membind", "0", "srun"],
+            ["taskset", "numactl", "srun"],
+        ),
+        (
+            ["chrt", "-f", "10", "setsid", "-w", "nohup", "srun"],
+            ["chrt", "setsid", "nohup", "srun"],
+        ),
+        (["sudo", "-Eu", "alice", "--", "srun"], ["sudo", "srun"]),
+        (["su", "alice", "-l", "-c", "srun python x.py"], ["su", "srun"]),
+        (["runuser", "-u", "alice", "srun", "-l"], ["runuser", "srun"]),
+        # No command that is sure to run: the walk stops at the wrapper.
+        (["taskset", "-p", "1234"], ["taskset"]),
+        (["su", "-c", "cd /x && srun python", "alice"], ["su"]),
+        (["timeout", "60"], ["timeout"]),
+        (["sudo", "-u"], ["sudo"]),
+    ],
+)
+def test_the_commands_a_line_runs_through_its_wrappers(
+    argv: list[str], programs: list[str]
+) -> None:
+    assert [step.program for step in steps(argv)] == programs
+
+
+@pytest.mark.parametrize(
+    ("argv", "drops"),
+    [
+        (["sudo", "python"], True),
+        (["sudo", "-nu", "alice", "python"], True),
+        (["sudo", "--preserve-env=HOME", "python"], True),
+        (["sudo", "--preserve-env=HOME,CUDA_VISIBLE_DEVICES", "python"], False),
+        (["sudo", "-E", "python"], False),
+        (["sudo", "-nE", "python"], False),
+        (["sudo", "--preserve-env", "python"], False),
+        (["doas", "python"], True),
+        (["pkexec", "python"], True),
+        (["su", "alice", "-c", "python"], False),
+        (["su", "-", "alice", "-c", "python"], True),
+        (["su", "--login", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "python"], False),
+        (["runuser", "-u", "alice", "python"], False),
+        (["env", "-i", "python"], True),
+        (["env", "-", "python"], True),
+        (["env", "--unset=CUDA_VISIBLE_DEVICES", "python"], True),
+        (["env", "-u", "HOME", "python"], False),
+        (["nice", "python"], False),
+    ],
+)
+def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], drops: bool) -> None:
+    assert drops_gpus(steps(argv)[0]) is drops

@@ -1,0 +1,147 @@
+"""Commands run through wrappers (sudo, env, nice, timeout ...) that would undo what gpuwait
+gives a job, end to end through the simulation backend."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: A stand-in for each wrapper: notes that it ran, and runs nothing.
+FAKE = '#!/bin/sh\necho "$0 $*" >> {ran}\n'
+
+
+def fake_bin(tmp_path: Path, *names: str) -> tuple[dict[str, str], Path]:
+    ran = tmp_path / "ran"
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in names:
+        program = bin_dir / name
+        program.write_text(FAKE.format(ran=ran))
+        program.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return env, ran
+
+
+def gpuwait(
+    gpuwait_cmd: list[str], command: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "kept"),
+    [
+        (
+            ["sudo", "-u", "alice", "python", "x.py"],
+            "sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -u alice python x.py",
+        ),
+        (
+            ["sudo", "python", "x.py"],
+            "sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER python x.py",
+        ),
+        (
+            ["nice", "-n", "5", "sudo", "-nu", "alice", "python"],
+            "nice -n 5 sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -nu alice python",
+        ),
+        (
+            ["su", "-l", "alice", "-c", "python x.py"],
+            "su -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -l alice -c 'python x.py'",
+        ),
+        (
+            ["runuser", "-", "alice", "-c", "python x.py"],
+            "runuser -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER - alice -c 'python x.py'",
+        ),
+        (
+            ["su", "alice", "-l", "-c", "python x.py"],
+            "su -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice -l -c 'python x.py'",
+        ),
+        (["doas", "-u", "alice", "python", "x.py"], "doas ... gpuwait --vram SIZE -- COMMAND"),
+        (["pkexec", "python", "x.py"], "pkexec ... gpuwait --vram SIZE -- COMMAND"),
+        (["env", "-i", "python", "x.py"], "leave CUDA_VISIBLE_DEVICES to the command"),
+    ],
+)
+def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], kept: str
+) -> None:
+    # sudo's env_reset (on by default) drops CUDA_VISIBLE_DEVICES: `gpuwait -- sudo -u alice
+    # python x.py` ran a job that saw every GPU and could allocate on one gpuwait had given
+    # someone else. Refused before waiting, with the line that keeps the variables.
+    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "doas", "pkexec", "env", "nice")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"{command[0] if command[0] != 'nice' else 'sudo'} starts its command without the CUDA_VISIBLE_DEVICES"
+        in done.stderr
+    )
+    assert kept in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER", "-u", "alice", "true"],
+        ["sudo", "-Eu", "alice", "true"],
+        ["sudo", "--preserve-env", "true"],
+        ["su", "alice", "-c", "true"],
+        ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
+        ["runuser", "-u", "alice", "--", "true"],
+        ["env", "FOO=1", "true"],
+        ["nice", "-n", "5", "true"],
+    ],
+)
+def test_a_wrapper_that_keeps_the_gpus_given_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "env", "nice")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
+
+
+@pytest.mark.skipif(shutil.which("sudo") is None or os.geteuid() != 0, reason="needs sudo, as root")
+def test_the_line_the_refusal_gives_keeps_the_gpus_under_the_real_sudo(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    script = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", "sudo", "-u", "root", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    keep = "--preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER"
+    assert keep in done.stderr
+    done = subprocess.run(
+        [
+            *gpuwait_cmd,
+            "--vram",
+            "4G",
+            "--",
+            "sudo",
+            keep,
+            "-u",
+            "root",
+            sys.executable,
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("GPU-"), done.stdout
