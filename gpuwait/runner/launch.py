@@ -103,8 +103,9 @@ def _first_line(path: str, size: int = 256) -> bytes | None:
 def check_not_srun(argv: Sequence[str]) -> None:
     """Refuse Slurm's `srun` as the command (UsageError, 2): slurmstepd starts the step's tasks
     with CUDA_VISIBLE_DEVICES set to Slurm's GPUs (all of the job's, or the step's own), not the
-    ones gpuwait reserved, so the task would run, unreserved, where gpuwait did not put it."""
-    if os.path.basename(argv[0]) != "srun":
+    ones gpuwait reserved, so the task would run, unreserved, where gpuwait did not put it.
+    Looked for through wrappers too (`env`, `nice`, `time`, `timeout 60`, `sudo -E` ...)."""
+    if not any(step.program == "srun" for step in steps(argv)):
         return
     raise UsageError(
         "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES, not the GPU gpuwait "

@@ -145,3 +145,50 @@ def test_the_line_the_refusal_gives_keeps_the_gpus_under_the_real_sudo(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("GPU-"), done.stdout
+
+
+@pytest.mark.parametrize(
+    "wrappers",
+    [
+        ["env"],
+        ["env", "-u", "HOME", "OMP_NUM_THREADS=4"],
+        ["time"],
+        ["time", "-o", "t.txt"],
+        ["nice"],
+        ["nice", "-n", "5"],
+        ["timeout", "60"],
+        ["timeout", "-k", "5", "60"],
+        ["nohup", "stdbuf", "-oL"],
+        ["taskset", "-c", "0-3"],
+        ["sudo", "-E", "-u", "alice"],
+    ],
+)
+def test_srun_behind_a_wrapper_is_refused_as_srun_is(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, wrappers: list[str]
+) -> None:
+    # `gpuwait -- srun ...` is refused (its tasks get Slurm's CUDA_VISIBLE_DEVICES, not the
+    # GPU gpuwait reserved); `env srun`, `time srun`, `nice srun`, `timeout 60 srun` ran.
+    names = ("srun", "env", "time", "nice", "timeout", "nohup", "stdbuf", "taskset", "sudo")
+    env, ran = fake_bin(tmp_path, *names)
+    done = gpuwait(gpuwait_cmd, [*wrappers, "srun", "-n1", "python", "train.py"], env)
+    assert done.returncode == 2, done.stderr
+    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["su", "alice", "-c", "srun -n1 python train.py"],
+        ["runuser", "-u", "alice", "--", "srun", "-n1", "python", "train.py"],
+        ["sudo", "-k", "--preserve-env", "srun", "-n1", "python", "train.py"],
+    ],
+)
+def test_srun_run_as_another_user_is_refused_as_srun_is(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    env, ran = fake_bin(tmp_path, "srun", "su", "runuser", "sudo")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
+    assert not ran.exists()
