@@ -20,9 +20,46 @@ MAX_TEXTS = 1024
 #: 16 MiB (gpuwait.queue.ledger), so a queue of jobs each handed a thousand file names
 #: (100 KB of command line) would otherwise make its own ledger "damaged", over and over.
 MAX_COMMAND_BYTES = 8192
-#: What JSON writes as six characters (\u0001), and of those what it writes as two (\n).
-_CONTROL = re.compile("[\x00-\x1f]")
+#: What JSON writes as six characters (\u0001, \u007f), and of those what it writes as two (\n).
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 _SHORT_ESCAPE = re.compile("[\b\f\n\r\t]")
+#: What JSON writes as \uXXXX, and of those what it writes as two of them (an emoji).
+_PAST_ASCII = re.compile("[^\x00-\x7f]")
+_PAST_BMP = re.compile("[\U00010000-\U0010ffff]")
+#: What the cut of an argument ends with, as the ledger's JSON writes it (\u2026).
+_ELLIPSIS_WRITTEN = 6
+
+
+def written_size(text: str) -> int:
+    """How many bytes the ledger's JSON (json.dumps, ensure_ascii) writes for `text`, its quotes
+    left out: six for each character past ASCII (a backslash, u and four hex digits), twelve
+    for one past the Basic Multilingual Plane (an emoji, written as two such), six for a
+    control character (two for a line feed, a tab and the like), two for a quote or a
+    backslash, one for anything else."""
+    return (
+        len(text)
+        + 5 * len(_PAST_ASCII.findall(text))
+        + 6 * len(_PAST_BMP.findall(text))
+        + text.count('"')
+        + text.count("\\")
+        + 5 * len(_CONTROL.findall(text))
+        - 4 * len(_SHORT_ESCAPE.findall(text))
+    )
+
+
+def _cut_to_written(text: str, limit: int) -> str:
+    """`text`, or its longest start that with "…" after it takes at most `limit` bytes as the
+    ledger writes it."""
+    if written_size(text) <= limit:
+        return text
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if written_size(text[:middle]) + _ELLIPSIS_WRITTEN <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low] + "…"
 
 
 def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -> list[str]:
@@ -30,21 +67,24 @@ def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -
     the entry otherwise) and within `budget` (MAX_COMMAND_BYTES) after its first argument, so
     `xargs` handing a job thousands of file names, or an argument of a whole config file, cuts
     the command the ledger shows, not the entry. What is cut is said in one last item, "… N
-    more arguments"; the first argument is always kept (who runs the command is told by it).
+    more arguments"; the first argument is always kept (who runs the command is told by it),
+    cut to MAX_TEXT bytes as written (4096 characters of ASCII, 682 of Cyrillic). Both are
+    measured as the ledger's JSON writes them, where a character past ASCII takes six bytes.
     `budget` None: as a gpuwait from before MAX_COMMAND_BYTES kept it (a member's who has not
     upgraded), each argument and their number cut alone."""
     command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
-    used = 0
+    if budget is None:
+        if len(command) > MAX_TEXTS:
+            command[MAX_TEXTS - 1 :] = [f"… {len(command) - MAX_TEXTS + 1} more arguments"]
+        return command
+    if command:
+        command[0] = _cut_to_written(command[0], MAX_TEXT)
+    # The list's brackets, less the comma its last argument goes without.
+    used = 1
     for at, arg in enumerate(command[1:], 1):
-        # About what the ledger's JSON takes for it, without its encoder: six characters for
-        # one past ASCII (two to four bytes of UTF-8) or a control character (two for a line
-        # feed, a tab and the like), two for a quote or a backslash.
-        utf8 = len(arg.encode("utf-8", "surrogatepass"))
-        used += 3 * utf8 - 2 * len(arg) + arg.count('"') + arg.count("\\") + 3
-        used += 5 * len(_CONTROL.findall(arg)) - 4 * len(_SHORT_ESCAPE.findall(arg))
-        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or (
-            budget is not None and used > budget
-        ):
+        # Its quotes and the comma after it besides.
+        used += written_size(arg) + 3
+        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used > budget:
             command[at:] = [f"… {len(command) - at} more arguments"]
             break
     return command

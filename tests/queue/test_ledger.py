@@ -217,20 +217,47 @@ def test_a_full_queue_of_jobs_with_long_command_lines_stays_one_readable_ledger(
         '--config={"lr": "0.001", "layers": [256, 256], "name": "a \\"quoted\\" run"}',
         "C:\\Users\\lab\\data\\shard\\part-00001.parquet",
         "-v",
+        "/data/корпус/часть-00001.txt",
+        "/data/🐈/part-1.txt",
     ],
-    ids=["json-config", "windows-path", "short-flag"],
+    ids=["json-config", "windows-path", "short-flag", "cyrillic", "emoji"],
 )
 def test_an_entry_keeps_about_8_kib_of_a_commands_arguments_whatever_they_hold(arg: str) -> None:
     # Arguments full of quotes or backslashes take twice their length in the ledger's JSON,
     # and each a few bytes more besides: what an entry keeps of them is measured as written,
     # or a full queue of such jobs would pass what a read of the ledger takes.
-    program = "ф" * 4096  # the first word is always kept, whatever follows it
-    kept = entry_command([program, arg * (5000 // len(arg)), *[arg] * 5000])
+    program = "x" * 4096  # the first word is always kept, whatever follows it
+    # A long second word that fits: about 5000 bytes as written.
+    second = arg * (5000 // (len(arg) if arg.isascii() else len(json.dumps(arg))))
+    kept = entry_command([program, second, *[arg] * 5000])
     assert kept[0] == program and kept[-1].endswith(" more arguments")
     written = len(json.dumps(kept[1:-1], separators=(",", ":")))
     assert 8192 - 3 * len(json.dumps(arg)) < written <= 8192
     # A second word that alone takes more than that as written: the first is kept still.
     assert entry_command([program, '"' * 5000, arg]) == [program, "… 2 more arguments"]
+
+
+def test_a_full_queue_of_jobs_named_and_handed_files_in_cyrillic_stays_one_readable_ledger(
+    tmp_path: Path,
+) -> None:
+    # JSON writes each character past ASCII as six bytes (\u0444): counted as four, a
+    # queue of jobs each with a 4096-character Cyrillic program name and a thousand Cyrillic
+    # file names took 35 MiB, past the 16 MiB a read takes, and every gpuwait then set the
+    # user's ledger aside as damaged, their whole queue with it.
+    me = os.getpid()
+    program = "ф" * 4096
+    names = [f"/данные/корпус/часть-{i:05d}.txt" for i in range(1000)]
+    kept = entry_command([program, *names])
+    assert kept[0].startswith("ффф") and len(json.dumps(kept[0])) <= 4096 + 2
+    assert len(json.dumps(kept[1:-1], separators=(",", ":"))) <= 8192
+    jobs = [make_job(f"{n:08x}", me, proc.start_time(me)) for n in range(MAX_ENTRIES_PER_UID)]
+    for job in jobs:
+        job.command = list(kept)
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.extend(jobs)
+    assert len(Ledger(tmp_path).read().jobs) == MAX_ENTRIES_PER_UID
+    assert not list(tmp_path.glob("ledger.json.damaged-*")) and not ledger.warnings
 
 
 def test_invalid_entries_are_dropped_valid_ones_kept(tmp_path: Path) -> None:
