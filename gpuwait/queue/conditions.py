@@ -102,7 +102,7 @@ def settle_dependencies(job: Job, data: LedgerData) -> str | None:
     How a dependency ended is in the book, else (more than its last FINISHED_KEPT outcomes
     ago: a sweep of hundreds ending while this job's gpuwait was kept from the ledger) at the
     end of the history of the job's user, where it is looked up as for `--after` itself."""
-    live = data.by_reference()
+    live = data.referred([*job.after, *job.after_ok])
     older: dict[str, RunOutcome] | None = None  # the history's, read once if at all
     for dep in list(job.after_ok):
         if dep in live:

@@ -780,7 +780,7 @@ def _unmet(ids: list[str], data: LedgerData, ok: bool = False) -> list[str]:
     all would be more than a read accepts. ValueError past that, even so, and for `--after-ok`
     naming another user's job: how it ends is written in its user's file alone, which nobody
     else's plan reads, so it could never be met."""
-    live = data.by_reference()
+    live = data.referred(ids)
     unmet = []
     for dep in ids:
         theirs = live.get(dep) if ok else None
@@ -1122,7 +1122,9 @@ def confirm_admission(
             # It waits on in the place it had: the admission took away what it stepped aside
             # for (`_admit_all`), and it has not run.
             mine.boost = max(mine.boost, asked.boost)
-            yielded = data.by_reference().get(asked.yield_to) if asked.yield_to else None
+            yielded = (
+                data.referred([asked.yield_to]).get(asked.yield_to) if asked.yield_to else None
+            )
             if yielded is not None and yielded.state == WAITING:
                 mine.yield_to = data.reference(yielded)
     return None

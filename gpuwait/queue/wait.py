@@ -327,7 +327,7 @@ def _reason_without_lock(
     now, boot_now = time.time(), proc.boot_clock()
     if lifecycle.would_tidy(data, snapshot, now, directory):
         return Unlocked(None)
-    live = data.by_reference()
+    live = data.referred([*mine.after, *mine.after_ok])
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return Unlocked(None)
     claims, budgets = planned_claims(data, snapshot.gpus, fair, now, safety, conditions, boot_now)
@@ -548,9 +548,10 @@ def wait_for_admission(
         if ledger.shared and unlocked.reason is not None:
             running = frozenset(j.id for j in data.jobs if j.state == RUNNING)
             disagreement.note(unlocked.theirs, running, time.monotonic())
-            if disagreement.planned(policy.fair, waiting) != fair:
+            planned = disagreement.planned(policy.fair, waiting)
+            if planned != fair:
                 # Strict from now on, or passing a job over: this plan too.
-                fair = disagreement.planned(policy.fair, waiting)
+                fair = planned
                 unlocked = _reason_without_lock(
                     data, ledger.directory, job, snapshot, policy.safety, facts, fair
                 )
