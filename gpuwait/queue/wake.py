@@ -6,13 +6,16 @@ changes the file also writes `wake.json` beside it (under the same lock, atomica
 
     {"schema": 1, "release": 41, "running": ["id", ...], "waiting": ["id", ...]}
 
+(with several users' entries, also "owned": ["id@uid", ...], each entry by its owner).
+
 `waiting` is in queue order. `release` counts the transactions that freed room: an entry left
 (finished, cancelled, reaped), a running job's reservation shrank, or the queue's head let go of a
 GPU it held. A waiter reads only this file when woken and acts on what concerns it:
 - its id is in `running`: a plan admitted it (any planner admits every waiter that fits);
 - it is first in `waiting` and `release` moved: it plans, for everybody;
 - its id is in neither: it was cancelled (or the ledger was recovered), so it looks closer;
-- a dependency of it is in neither: it settles its dependencies.
+- a dependency of it is in neither (another member's, `ID@UID`: not in `owned`): it settles
+  its dependencies.
 Everything else waits for the waiter's periodic re-read of the GPUs, which is shared too: a
 waiter skips its own when any waiter planned less than an interval ago (`plan.stamp`'s mtime).
 If the first waiter does not plan after a release within a moment (it may be suspended), the
@@ -124,19 +127,25 @@ def kick(pids: Iterable[int]) -> None:
 
 def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> dict[str, Any]:
     """`starting`: other users' waiters the writer's plan starts; listed as running, so that
-    their own gpuwait looks (and, finding itself still waiting, plans and starts)."""
+    their own gpuwait looks (and, finding itself still waiting, plans and starts). A queue of
+    several users' entries (a shared ledger's) lists each also by its owner, `ID@UID`
+    (`owned`), as a dependency on another member's job is kept: the ids the writer's view
+    shows say not whose (a plain one may be a third member's job with the same id)."""
     entries = list(jobs)
     starts = set(starting)
     waiting = sorted(
         (j for j in entries if j.state != RUNNING and j.id not in starts),
         key=lambda j: (-j.priority, j.order),
     )
-    return {
+    content: dict[str, Any] = {
         "schema": SCHEMA,
         "release": release,
         "running": [j.id for j in entries if j.state == RUNNING or j.id in starts],
         "waiting": [j.id for j in waiting],
     }
+    if len({j.uid for j in entries}) > 1:
+        content["owned"] = [f"{plain_id(j.id)}@{j.uid}" for j in entries]
+    return content
 
 
 def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | None) -> None:
@@ -172,14 +181,26 @@ class Summary(Record, frozen=True):
     #: The file it was read from, and that file's modification time (ns).
     source: str = FILENAME
     written_ns: int = 0
+    #: Every entry as `ID@UID` (a shared ledger's summary); None from an older gpuwait.
+    owned: frozenset[str] | None = None
 
     def lacks_any(self, dependencies: Iterable[str]) -> bool:
         """Does the queue this summary shows lack one of these jobs (it ended, or was taken
         out), so that a job waiting for them must look closer? A dependency on another
         member's job is kept as `ID@UID`, which the summary's writer lists by the id its own
-        view shows: the plain one, or `ID@UID` where another member's job has that id too."""
+        view shows: the plain one, or `ID@UID` where another member's job has that id too. So
+        the plain one may be a third member's job with that id: where the summary lists its
+        entries by owner too (`owned`), the dependency is looked for there."""
         listed = self.running.union(self.waiting)
-        return any(d not in listed and plain_id(d) not in listed for d in dependencies)
+        for dependency in dependencies:
+            if dependency in listed:
+                continue
+            if "@" in dependency and self.owned is not None:
+                if dependency not in self.owned:
+                    return True
+            elif plain_id(dependency) not in listed:
+                return True
+        return False
 
 
 class Summaries:
@@ -277,7 +298,15 @@ def read_summary(path: Path, token: FileStamp | None = None) -> Summary | None:
     ):
         return None
     written = 0 if token is None else token.mtime_ns
-    return Summary(release, frozenset(running), tuple(waiting), path.name, written)
+    owned = raw.get("owned")
+    # Not listed, or not as a list of ids: the ids it shows alone are gone by, as an older
+    # gpuwait's summary is.
+    by_owner = (
+        frozenset(owned)
+        if isinstance(owned, list) and all(isinstance(i, str) for i in owned)
+        else None
+    )
+    return Summary(release, frozenset(running), tuple(waiting), path.name, written, by_owner)
 
 
 def note_planned(state_dir: Path) -> None:

@@ -252,6 +252,35 @@ def test_a_step_after_another_members_job_looks_closer_only_once_that_job_left_t
     assert seen.lacks_any(["a1b2@1001", "0a0b"])
 
 
+def test_a_step_after_another_members_job_looks_closer_once_it_left_though_a_third_has_its_id(
+    tmp_path: Path,
+) -> None:
+    # Alice (1001) has a step --after Bob's job a1b2, kept as a1b2@1002. Carol (1000) has a
+    # job of that id too. Once Bob's has left the queue (his gpuwait killed, say), a summary
+    # written by any other member shows Carol's with the plain id a1b2, and the step took that
+    # for Bob's: it was woken by no summary, and started only at its next reading of the GPUs,
+    # up to nvml_interval later.
+    def summary_of(*jobs: Job) -> wake.Summary:
+        content = wake.summary(jobs, 1)
+        path = tmp_path / "wake.1003.json"
+        path.write_text(json.dumps(content))
+        seen = wake.read_summary(path)
+        assert seen is not None
+        return seen
+
+    carols = entry("a1b2", os.getpid(), 1, RUNNING, uid=1000)
+    bobs = entry("a1b2@1002", os.getpid(), 2, RUNNING, uid=1002)
+    alices_own = entry("e5f6", os.getpid(), 3, uid=1001)
+    assert not summary_of(carols, bobs, alices_own).lacks_any(["a1b2@1002", "e5f6"])
+    assert summary_of(carols, alices_own).lacks_any(["a1b2@1002"])
+    # Bob's alone, shown by its plain id: still there.
+    assert not summary_of(entry("a1b2", os.getpid(), 2, RUNNING, uid=1002)).lacks_any(["a1b2@1002"])
+    # A summary of an older gpuwait lists no owners: the ids its writer's view shows are all
+    # there is to go by, as before.
+    older = wake.Summary(release=1, running=frozenset({"a1b2"}), waiting=())
+    assert not older.lacks_any(["a1b2@1002"])
+
+
 def test_names_a_member_makes_for_nobody_never_hide_another_members_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
