@@ -394,11 +394,44 @@ def _owner_mismatch(job: _JobLike, pid: int) -> int | None:
 
 def _kept_as(argv: list[str] | None, command: object) -> bool:
     """Is `command`, an entry's, the command line `argv` as an entry keeps it (each argument,
-    their number and what they take, cut: `entry_command`), or as a gpuwait from before an
-    entry kept only MAX_COMMAND_BYTES of them kept it: a member who has not upgraded yet?"""
-    return argv is not None and (
-        entry_command(argv) == command or entry_command(argv, None) == command
+    their number and what they take, cut: `entry_command`), or as another version of gpuwait
+    kept it: a member's who has not upgraded yet, whose gpuwait measured what to keep
+    otherwise (before an entry kept only MAX_COMMAND_BYTES of arguments, or before they were
+    measured as the ledger writes them), but kept the line's first words, each whole or its
+    start with "…", and said how many more there were?"""
+    if argv is None or not isinstance(command, list) or not command:
+        return False
+    if entry_command(argv) == command:
+        return True
+    kept, more = len(command), 0
+    count = _more_arguments(command[-1])
+    if count is not None:
+        kept, more = kept - 1, count
+    return (
+        kept + more == len(argv)
+        and kept > 0
+        and all(
+            _word_kept(word, entry) for word, entry in zip(argv[:kept], command[:kept], strict=True)
+        )
     )
+
+
+def _word_kept(word: str, entry: object) -> bool:
+    """Is `entry` the argument `word` as some version of gpuwait kept it: whole, or a start of
+    it followed by "…"?"""
+    if not isinstance(entry, str):
+        return False
+    return entry == word or (
+        entry.endswith("…") and len(entry) <= len(word) and word.startswith(entry[:-1])
+    )
+
+
+def _more_arguments(last: object) -> int | None:
+    """N, where `last` (an entry's command's last item) says "… N more arguments"."""
+    if not isinstance(last, str) or not last.startswith("… "):
+        return None
+    count = last.removeprefix("… ").removesuffix(" more arguments")
+    return whole_number(count) if count != last[2:] else None
 
 
 def proven_entry(
@@ -497,10 +530,7 @@ def _words_kept(command: list[object]) -> tuple[int, ...]:
     """How many words of a command line an entry's `command` may stand for: as many as it
     has, or, where `entry_command` cut them (past MAX_TEXTS of them, or MAX_COMMAND_BYTES),
     as many as its last says were there."""
-    if not isinstance(command[-1], str):
-        return (len(command),)
-    count = command[-1].removeprefix("… ").removesuffix(" more arguments")
-    more = whole_number(count) if count != command[-1] else None
+    more = _more_arguments(command[-1])
     return (len(command),) if more is None else (len(command), len(command) - 1 + more)
 
 

@@ -489,3 +489,39 @@ def test_a_name_that_vanishes_while_the_shared_directory_is_read_does_not_lose_t
 
     monkeypatch.setattr(os, "lstat", lstat)
     assert security.own_name(tmp_path, "alive") == own
+
+
+#: Six hundred file names in Cyrillic, as `xargs` hands them to a job.
+_CYRILLIC_FILES = [f"/данные/{n:04d}.bin" for n in range(600)]
+
+
+@pytest.mark.parametrize(
+    ("words", "kept_before"),
+    [
+        # Counted at four bytes a character where the ledger writes six: cut after 221 of them.
+        (["--", *_CYRILLIC_FILES], ["--", *_CYRILLIC_FILES[:221], "… 379 more arguments"]),
+        # A program's name past 4096 characters, cut by characters where it is now cut by
+        # what the ledger writes (the "…" writes six).
+        (["x" * 5000, "tail"], ["x" * 4095 + "…", "tail"]),
+        # Just under 8 KiB of arguments: kept whole, where the list's brackets now count too.
+        (["--", "y" * 4094, "z" * 4092], ["--", "y" * 4094, "z" * 4092]),
+    ],
+    ids=["cyrillic-files", "long-program", "at-8-KiB"],
+)
+def test_a_waiting_entry_a_member_wrote_before_upgrading_still_runs_its_command(
+    words: list[str], kept_before: list[str]
+) -> None:
+    """A member still on the version before commands were measured as the ledger writes them
+    keeps a long command cut elsewhere: their waiting job must still be seen to run it, or
+    every upgraded member's plan passes it over as though nobody would ever start it."""
+    assert entry_command(words) != kept_before  # cut elsewhere now
+    pause = [sys.executable, "-c", "import time; time.sleep(30)"]
+    process = subprocess.Popen([*pause, *words])
+    try:
+        wait_for(lambda: len(proc_command(process.pid) or []) > 3, timeout=10)
+        assert security.runs_command(process.pid, kept_before)
+        other = [*kept_before[:-2], "other", kept_before[-1]]
+        assert not security.runs_command(process.pid, other)
+    finally:
+        process.kill()
+        process.wait()
