@@ -12,9 +12,19 @@ from gpuwait.commands import output
 from gpuwait.commands.common import load_settings, unreadable
 from gpuwait.commands.parsing import Parser, add_gpus_option
 from gpuwait.config import Settings
+from gpuwait.core.cmdkey import PROGRAM, runs_other_code
 from gpuwait.core.devices import parse_inherited_visible
 from gpuwait.core.errors import GpuwaitError, UsageError
-from gpuwait.core.estimate import MAX_AGE, QUANTILE, WINDOW, Spread, recent, successes
+from gpuwait.core.estimate import (
+    MAX_AGE,
+    MIN_RUNS,
+    QUANTILE,
+    WINDOW,
+    Spread,
+    recent,
+    runs_agree,
+    successes,
+)
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
@@ -303,14 +313,27 @@ def _left_out(learned: Learned, now: float) -> str | None:
     done = [r for r in young if r.ok and not r.oom]
     measured = successes(young)
     no_peak = len(done) - len(measured)
+    words = LEVEL_WORDS.get(level.name, f"runs at level {level.name}")
+    program = learned.key.program
+    if level.name == PROGRAM and runs_other_code(program):
+        # The program level never counts here, whatever its runs are (usable_levels).
+        said = f"runs of {program} size only their own script"
+        return f"0 of the {level.total_runs} {words} count: {said}"
+    beyond = f"beyond the newest {WINDOW}"
+    if level.name == PROGRAM and used == 0 and not runs_agree(measured):
+        # Another program's runs count only where MIN_RUNS of them agree (usable_levels).
+        beyond = (
+            "with peaks too far apart"
+            if len(measured) >= MIN_RUNS
+            else f"with a peak, of the {MIN_RUNS} that must agree"
+        )
     reasons = [
         # The index keeps each command's newest KEEP_RUNS runs, all that estimates look at.
         (level.total_runs - len(level.runs), f"before the newest {KEEP_RUNS}"),
         (len(level.runs) - len(young), f"older than {MAX_AGE / 86400:.0f} days"),
         (len(young) - len(done), "failed"),
         (no_peak, "have no measured peak" if no_peak > 1 else "has no measured peak"),
-        (len(measured) - used, f"beyond the newest {WINDOW}"),
+        (len(measured) - used, beyond),
     ]
     said = ", ".join(f"{n} {why}" for n, why in reasons if n > 0)
-    words = LEVEL_WORDS.get(level.name, f"runs at level {level.name}")
     return f"{used} of the {level.total_runs} {words} count" + (f": {said}" if said else "")

@@ -317,6 +317,56 @@ def test_estimate_of_a_command_run_a_hundred_times_this_hour_says_why_runs_do_no
     ), shown
 
 
+def test_estimate_of_a_new_script_says_other_scripts_runs_of_python_do_not_count(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    # Seven good runs of other python scripts were said to be "beyond the newest 20", which
+    # there were not 20 of: python's runs never size another script.
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    for n in range(7):
+        (tmp_path / f"s{n}.py").write_text("")
+        append_record(
+            state,
+            a_run(["python", f"s{n}.py"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": GiB}),
+        )
+    (tmp_path / "new.py").write_text("")
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "python", "new.py"],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        env=dict(os.environ),
+    ).stdout
+    assert "beyond the newest" not in shown, shown
+    assert (
+        "0 of the 7 runs of this program count: runs of python size only their own script"
+    ) in shown, shown
+
+
+def test_estimate_of_a_program_whose_runs_disagree_says_so(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    for n, peak in enumerate([GiB, 4 * GiB, 8 * GiB]):
+        append_record(
+            state,
+            a_run(["mytool", f"--x={n}"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": peak}),
+        )
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "mytool", "--y"],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        env=dict(os.environ),
+    ).stdout
+    assert "beyond the newest" not in shown, shown
+    assert "0 of the 3 runs of this program count: 3 with peaks too far apart" in shown, shown
+
+
 #: A wait line drawn and cleared on the terminal on fd 2, taken as the controlling terminal of
 #: a session of its own, in its foreground: as a shell's command in the foreground has it.
 DRAW_ON_OWN_TERMINAL = r"""
