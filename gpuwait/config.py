@@ -1099,10 +1099,14 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         from gpuwait.core.text import nearest  # only once a key is misspelled
 
         match = nearest(unknown[0], OPTIONS_BY_NAME)
+        hint = None if match is None else f"did you mean {match}?"
+        table = _table_of_settings(data, unknown)
+        if table is not None:
+            hint = f"settings go at the top of the file: remove the [{table}] line"
         raise UsageError(
             f"{kind} {path}: unknown setting {unknown[0]!r}; known settings: "
             + ", ".join(OPTIONS_BY_NAME),
-            hint=None if match is None else f"did you mean {match}?",
+            hint=hint,
         )
     if not site:
         reserved = [o.name for o in OPTIONS if o.site_only and o.name in data]
@@ -1112,6 +1116,21 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
                 f"site config file {site_config_file_path()}"
             )
     return data
+
+
+def _table_of_settings(data: dict[str, Any], unknown: list[str]) -> str | None:
+    """The dotted name of a table that holds settings (`[gpuwait]`, `[tool.gpuwait]`, as other
+    tools' files have), among the unknown keys: the settings belong at the top level."""
+    for name in unknown:
+        path, value = [name], data[name]
+        while isinstance(value, dict):
+            if set(value) & set(OPTIONS_BY_NAME):
+                return ".".join(path)
+            if len(value) != 1:
+                break
+            ((key, value),) = value.items()
+            path.append(key)
+    return None
 
 
 def _flag(name: str) -> str:

@@ -299,6 +299,23 @@ CASES: dict[str, Case] = {
         "not allowed with argument -n",
     ),
     "config unknown key": (["true"], {}, "safty = 0.5\n", None, 2, "unknown setting 'safty'"),
+    # A [gpuwait] table, as other tools' files have: the hint was "did you mean gpu_weights?".
+    "config settings under a table": (
+        ["true"],
+        {},
+        "[gpuwait]\nsafety = 0.8\n",
+        None,
+        2,
+        "settings go at the top of the file: remove the [gpuwait] line",
+    ),
+    "config settings under a dotted table": (
+        ["true"],
+        {},
+        "[tool.gpuwait]\nsafety = 0.8\n",
+        None,
+        2,
+        "settings go at the top of the file: remove the [tool.gpuwait] line",
+    ),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
     "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
