@@ -16,6 +16,7 @@ import signal
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
+from gpuwait.core.cmdkey import python_script_file
 from gpuwait.core.errors import UsageError
 from gpuwait.core.text import whole_number
 from gpuwait.core.wrap import Decision, decide
@@ -110,7 +111,22 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
     cwds = [os.environ.get("PWD", "")]
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
-    return decide(command, cwds, os.environ, settings.wrap_only_in, settings.never_wrap, job_ended)
+    # A mistyped script (`python trian.py`) would wait for a GPU before python says it is not
+    # there: run bare, python says so at once.
+    missing = None
+    with contextlib.suppress(OSError):
+        script = python_script_file(command, os.getcwd())
+        if script is not None and not os.path.exists(script):
+            missing = script
+    return decide(
+        command,
+        cwds,
+        os.environ,
+        settings.wrap_only_in,
+        settings.never_wrap,
+        job_ended,
+        missing_script=missing,
+    )
 
 
 #: MAIN/PID from the hooks: the shell whose hook calls ($$) and the (sub)shell that runs the

@@ -102,6 +102,19 @@ class CommandKey(Record, frozen=True):
         return os.path.basename(text) or text
 
 
+def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
+    """The file a Python command line runs as its script (`python -u train.py` in /w:
+    /w/train.py), as the interpreter opens it from `cwd`; None where it runs no file (`-c`,
+    `-m`, `-`, its prompt) or is no Python."""
+    if not argv or not _PYTHON_RE.match(os.path.basename(argv[0])):
+        return None
+    script, _ = _python_script(list(argv[1:]), cwd)
+    if script is None or script == "-" or script.startswith(("-c <", "-m ")):
+        return None
+    (path,) = shlex.split(script)
+    return path
+
+
 def key_hash(level: str, text: str) -> str:
     """A short stable hash; the level is part of it so equal texts at two levels stay apart."""
     return sha256_hex(f"{level}\0{text}")[:20]

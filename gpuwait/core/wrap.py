@@ -31,13 +31,15 @@ def decide(
     wrap_only_in: Sequence[str],
     never_wrap: Sequence[str],
     job_ended: bool = False,
+    missing_script: str | None = None,
 ) -> Decision:
     """Wrap `argv` started in a directory known by the paths `cwds`? With the reason, for --explain.
 
     `cwds` holds the shell's logical $PWD as well as the physical directory, so a glob naming
     either the symlink or its target matches. `job_ended`: the job GPUWAIT_JOB_ID names has
     ended (its GPUWAIT_JOB_PID is gone), and this process outlived it: the rules apply as
-    anywhere else.
+    anywhere else. `missing_script`: the script a Python command line names, where no such file
+    is there: the interpreter fails at once, with nothing to wait for.
     """
     job = env.get("GPUWAIT_JOB_ID")
     if job and not job_ended:
@@ -55,6 +57,9 @@ def decide(
     for pattern in never_wrap:
         if fnmatch.fnmatchcase(line, pattern):
             return Decision(False, f"the command line matches never_wrap {pattern!r}")
+    if missing_script is not None:
+        program = os.path.basename(argv[0]) if argv else "python"
+        return Decision(False, f"no script {missing_script}: {program} says so at once")
     return Decision(True, "no rule says otherwise")
 
 

@@ -239,6 +239,40 @@ def test_non_interactive_shells_are_untouched_without_always(
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `python trian.py` on busy GPUs waited for a GPU (hours, on a shared server) before python
+    # said it could not open the file.
+    sim_file(gpus=2, base_used="23GiB")
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "5s"}
+    status = status_var(shell)
+    script = f"""{init_line(shell, "--always")}
+python trian.py --lr 0.1
+echo "status=({status})"
+python -u ./nowhere/train.py
+echo "status=({status})"
+"""
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert done.stdout.count("status=(2)") == 2, done.stdout + done.stderr
+    assert "can't open file" in done.stderr and "trian.py" in done.stderr
+    assert "waiting" not in done.stderr, done.stderr
+    bare = subprocess.run(
+        ["gpuwait", "shell-hook", "--explain", "--", "python", "trian.py"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bare.returncode == 1
+    assert bare.stdout == f"bare: no script {tmp_path / 'trian.py'}: python says so at once\n"
+    (tmp_path / "trian.py").write_text("")
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert "status=(124)" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
     """A wrapped job that starts a shell with the hook, which runs python: one job, not two."""
     inner = f"{init_line(shell, '--always')}\npython probe.py inner\n"
@@ -355,9 +389,11 @@ def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=30,
+            cwd=tmp_path,
         )
         return done.returncode, done.stdout.strip()
 
+    (tmp_path / "train.py").write_text("")
     assert explain("python", "train.py") == (0, "wrap: no rule says otherwise")
     assert explain("python", "-m", "pip", "install", "x") == (
         1,
