@@ -72,8 +72,18 @@ def run(options: argparse.Namespace) -> int:
     ledger = ledger_for(settings)
     # Before the GPUs are read: a job's command still loading uses no memory yet, and is no
     # process to adopt either way.
-    lifecycle.refuse_a_jobs_process(ledger.read(), pid)
     tree = proc.process_tree([pid])
+    if os.getpid() in tree:
+        # `gpuwait adopt $$`, 1: a shell or session lives on, and holds all that runs below it.
+        raise UsageError(
+            f"process {pid} runs this gpuwait below it (a shell, a session or init), and "
+            "would hold for as long as it lives what every program below it uses",
+            hint="adopt the process that uses the GPU itself (see `nvidia-smi`)",
+        )
+    data = ledger.read()
+    lifecycle.refuse_a_jobs_process(data, pid)
+    # Jobs below it (a shell that runs one) keep their own reservations.
+    tree = set(tree) - lifecycle.jobs_processes(data, tree)
     snapshot = read_once(settings.sim, settings.nvml_timeout)
     using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
     using = {uuid: used for uuid, used in using.items() if used > 0}

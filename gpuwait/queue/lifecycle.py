@@ -816,6 +816,21 @@ def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:
             )
 
 
+def jobs_processes(data: LedgerData, tree: Collection[int]) -> set[int]:
+    """The processes among `tree` that gpuwait jobs in `data` run (their gpuwait, their
+    command and what it started): a process adopted with them below it (a shell that runs a
+    job, a notebook's kernel that started one) is not to reserve their memory a second time."""
+    found: set[int] = set()
+    for other in data.jobs:
+        if elsewhere(other):
+            continue
+        other = other if data.mine(other) else their_own_processes(other, set(tree))
+        heads = [p for p in (other.pid, other.child_pid) if p is not None and p in tree]
+        found |= set(proc.process_tree(heads)) if heads else set()
+        found |= set(other.pids) & set(tree)
+    return found
+
+
 def adopt(
     ledger: Ledger,
     job: Job,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 from helpers import users
-from helpers.fixtures_sim import Run, SimFileFactory, start_sim_job, wrapped_sim_job
+from helpers.fixtures_sim import SIMJOB, Run, SimFileFactory, start_sim_job, wrapped_sim_job
 from helpers.processes import suspended_gpuwait
 from helpers.waiting import ledger_entries, wait_for
 
@@ -259,6 +261,46 @@ def test_refuses_a_process_already_a_job(
     finally:
         wrapped.terminate()
         wrapped.communicate(timeout=30)
+
+
+def test_a_shell_is_adopted_without_the_jobs_below_it_and_never_the_adopts_own(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A shell running a gpuwait job (4 GiB) and a program of its own (2 GiB) was adopted with
+    # 6 GiB reserved, the job's memory a second time; `gpuwait adopt $$` (or 1) made one's
+    # login shell (or init) a job for as long as it lived, which `gpuwait cancel` refused.
+    sim = sim_file(gpus=1)
+    job = shlex.join(
+        wrapped_sim_job(gpuwait_cmd, ["-q", "--vram", "4G"], "--vram", "4G", "--hold", "20s")
+    )
+    own = shlex.join([*SIMJOB, "--vram", "2G", "--hold", "20s"])
+    shell = subprocess.Popen(["sh", "-c", f"{own} & {job}; wait"], start_new_session=True)
+    try:
+        from gpuwait.gpu.sim import SimBackend
+
+        wait_for(
+            lambda: SimBackend(sim).snapshot().gpus[0].used_bytes == 6 * GiB,
+            timeout=30,
+            message="the two programs never allocated",
+        )
+        (entry,) = ledger_entries()
+        done = adopted(run_gpuwait, shell.pid)
+        assert "2.0 GiB reserved on GPU 0" in done.stderr, done.stderr
+        shell_entry = next(e for e in ledger_entries() if e["id"] != entry["id"])
+        assert shell_entry["reserved_bytes"] == 2 * GiB
+        assert entry["child_pid"] not in shell_entry["pids"]
+        # The shell the adopt is typed in.
+        line = f"{shlex.join([*gpuwait_cmd, 'adopt'])} $$"
+        done = subprocess.run(
+            ["sh", "-c", f"{line}; exit $?"], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == EXIT_USAGE, done.stderr
+        assert "runs this gpuwait below it" in done.stderr, done.stderr
+        assert len(ledger_entries()) == 2
+    finally:
+        os.killpg(shell.pid, signal.SIGTERM)
+        shell.wait(timeout=30)
+        wait_for(lambda: ledger_entries() == [], timeout=30, message="the jobs never ended")
 
 
 def test_refuses_a_job_that_has_not_allocated_yet_as_a_job(
