@@ -67,6 +67,16 @@ class Parser(argparse.ArgumentParser):
         return self
 
     def error(self, message: str) -> NoReturn:
+        import re  # only once something was refused
+
+        # `-vram 6G`: argparse reads -v and a value 'ram' it does not take, and says that.
+        glued = re.fullmatch(r"argument (-\w)(?:/\S+)?: ignored explicit argument '(.*)'", message)
+        if glued:
+            word = glued.group(1) + glued.group(2)
+            raise UsageError(
+                f"{word} is no option: a long option takes two dashes; see '{self.prog} --help'",
+                hint=self._suggestion(f"unrecognized arguments: -{word}"),
+            )
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
 
     def _suggestion(self, message: str) -> str | None:

@@ -316,6 +316,23 @@ CASES: dict[str, Case] = {
         2,
         "settings go at the top of the file: remove the [tool.gpuwait] line",
     ),
+    # One dash: it said "argument -v/--verbose: ignored explicit argument 'ram'".
+    "option with one dash": (
+        ["-vram", "6G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "-vram is no option: a long option takes two dashes",
+    ),
+    "option with one dash, hint": (
+        ["-vram", "6G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "did you mean --vram?",
+    ),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
     "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
