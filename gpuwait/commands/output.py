@@ -205,9 +205,12 @@ class Console:
     """A run's messages (gpuwait.runner.session.Reporter) on this terminal: with --quiet only
     errors are said."""
 
-    def __init__(self, quiet: bool) -> None:
+    def __init__(self, quiet: bool, hooked: str | None = None) -> None:
         self.quiet = quiet
         self._line: WaitLine | None = None
+        #: The program a shell hook runs through gpuwait (`python`), said once where it waits:
+        #: typed bare, it would not have.
+        self._hooked = hooked
 
     def warn(self, message: str) -> None:
         if not self.quiet:
@@ -222,6 +225,10 @@ class Console:
 
     def waiting(self, reason: WaitReason, job: str) -> None:
         if self._line is None:
+            if self._hooked is not None:
+                program = printable(self._hooked, 40)
+                self.info(f"{program} waits for a GPU (shell hook; `command {program}` skips it)")
+                self._hooked = None
             self._line = WaitLine(self.quiet, job)
         self._line.update(reason)
 

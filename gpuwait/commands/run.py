@@ -287,7 +287,7 @@ def run(options: argparse.Namespace) -> int:
         refusal = detect(config.nvml_timeout, simulated=config.sim is not None).refusal()
         if refusal is not None:
             raise UsageError(refusal)
-    console = Console(options.quiet)
+    console = Console(options.quiet, request.command[0] if request.from_hook else None)
     if (request.pausable or request.freezable) and request.gpus > 1:
         # Only one-GPU jobs are asked (room freed on one of a gang's cards serves nobody).
         way = "--pausable" if request.pausable else "--freezable"

@@ -273,6 +273,24 @@ echo "status=({status})"
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # A typed `python` (its prompt, `python -m pytest`) that waited for a GPU showed only the
+    # wait line: nothing said that the hook was at work, nor how to go without it.
+    sim_file(gpus=2, base_used="23GiB")
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "1s"}
+    script = f"""{init_line(shell, "--always")}
+python3 probe.py
+gpuwait -- python probe.py
+"""
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    said = "gpuwait: python3 waits for a GPU (shell hook; `command python3` skips it)\n"
+    assert said in done.stderr, done.stderr
+    assert done.stderr.count("shell hook") == 1, done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
     """A wrapped job that starts a shell with the hook, which runs python: one job, not two."""
     inner = f"{init_line(shell, '--always')}\npython probe.py inner\n"
