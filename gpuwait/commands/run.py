@@ -337,8 +337,15 @@ def _subcommand_hint(program: str) -> str | None:
         return None
     from gpuwait.core.text import nearest  # only once a program was not found
 
-    match = nearest(program, SUBCOMMANDS, cutoff=0.75)
+    match = _OTHER_WORDS.get(program.lower()) or nearest(program, SUBCOMMANDS, cutoff=0.75)
     return None if match is None else f"did you mean `gpuwait {match}`?"
+
+
+#: What other queues call their subcommands (`why` a job waits, `stop` it): gpuwait's word.
+_OTHER_WORDS = {
+    **dict.fromkeys(("why", "queue", "list", "jobs", "show", "info", "ps", "top"), "status"),
+    **dict.fromkeys(("stop", "remove", "delete", "del", "abort", "dequeue"), "cancel"),
+}
 
 
 def _request(options: argparse.Namespace) -> RunRequest:

@@ -191,6 +191,10 @@ CASES: dict[str, Case] = {
         5,
         "not a directory",
     ),
+    # Words other tools use for their queue (`why`, `queue`, `stop`): "command not found" alone.
+    "why a job waits": (["why", "8b5d0d38"], {}, None, None, 127, "did you mean `gpuwait status`?"),
+    "the queue": (["queue"], {}, None, None, 127, "did you mean `gpuwait status`?"),
+    "stop a job": (["stop", "train"], {}, None, None, 127, "did you mean `gpuwait cancel`?"),
     "missing script": (["--vram", "1G", "./no-such-script"], {}, None, None, 127, "no such file"),
     "directory as command": (["--vram", "1G", "/tmp"], {}, None, None, 126, "not executable"),
     "config option": (["config", "--bogus"], {}, None, None, 2, "unrecognized arguments"),
