@@ -443,6 +443,17 @@ def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
     assert "matches nosuch" in cancel.stderr
 
 
+def test_log_of_nothing_says_so_as_history_does(sim: Path) -> None:
+    # A new user's `gpuwait log` printed nothing at all, where `gpuwait history` said "no runs
+    # recorded yet": an empty screen reads as a log that is broken.
+    assert gpuwait("history").stdout == "no runs recorded yet\n"
+    log = gpuwait("log")
+    assert (log.returncode, log.stdout) == (0, "no events recorded yet\n")
+    assert gpuwait("log", "--json").stdout == ""
+    assert gpuwait("--vram", "1G", "true").returncode == 0
+    assert "no events" not in gpuwait("log").stdout
+
+
 # -- a terminal that cannot show every character -----------------------------------------------
 
 
