@@ -746,6 +746,7 @@ _OTHER_VARIABLES = frozenset(
     {
         "GPUWAIT_JOB_ID",
         "GPUWAIT_JOB_PID",
+        "GPUWAIT_JOB_START",
         "GPUWAIT_GPU_UUIDS",
         "GPUWAIT_GPU_INDICES",
         "GPUWAIT_VRAM_BYTES",

@@ -3,6 +3,18 @@
 # wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
 # Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.
 if [[ -n "@ALWAYS@" || $- == *i* ]]; then
+    # The job's gpuwait runs: its pid is there and, where the job says when that process
+    # started (GPUWAIT_JOB_START), it is that process still. Once the job has ended, its pid
+    # may be another process's (a server's pids come round again).
+    __gpuwait_job_runs() {
+        [[ -z "${GPUWAIT_JOB_PID-}" ]] && return 0
+        [[ -n "${GPUWAIT_JOB_START-}" ]] || { [[ -e "/proc/${GPUWAIT_JOB_PID}" ]]; return; }
+        local stat IFS=' '
+        { read -r stat < "/proc/${GPUWAIT_JOB_PID}/stat"; } 2>/dev/null || return 1
+        # After the name, which may hold spaces and ')': field 22 is the 20th.
+        local -a fields=( ${stat##*') '} )
+        [[ "${fields[19]-}" == "$GPUWAIT_JOB_START" ]]
+    }
     __gpuwait_run() {
         # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
         # `|| return` ends each way with the command's status as a failure the shell's ERR
@@ -10,7 +22,7 @@ if [[ -n "@ALWAYS@" || $- == *i* ]]; then
         # as for the command bare, not again for each of the hook's functions.
         # Inside a job, while it runs: a shell that outlived it (a tmux server started there)
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
-        if [[ ( -n "${GPUWAIT_JOB_ID-}" && ( -z "${GPUWAIT_JOB_PID-}" || -e "/proc/${GPUWAIT_JOB_PID}" ) ) || ( -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ) ]]; then
+        if { [[ -n "${GPUWAIT_JOB_ID-}" ]] && __gpuwait_job_runs; } || [[ -n "${GPUWAIT_DISABLE-}" && "${GPUWAIT_DISABLE-}" != 0 ]]; then
             command "$@" || return
         elif [[ -n "${COMP_LINE+set}${READLINE_LINE+set}" ]] || __gpuwait_from_prompt; then
             # Run by the shell on its own, not typed: by a completion (`python -m <Tab>` lists

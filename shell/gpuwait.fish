@@ -3,11 +3,26 @@
 # wrap_only_in and never_wrap in `gpuwait config` say how much, where and which).
 # Bare run: `command python ...`, or GPUWAIT_DISABLE=1. Inside a gpuwait job nothing is wrapped.
 if test -n "@ALWAYS@"; or status is-interactive
+    # The job's gpuwait runs: its pid is there and, where the job says when that process
+    # started (GPUWAIT_JOB_START), it is that process still. Once the job has ended, its pid
+    # may be another process's (a server's pids come round again).
+    function __gpuwait_job_runs
+        test -z "$GPUWAIT_JOB_PID"; and return 0
+        if test -z "$GPUWAIT_JOB_START"
+            test -e "/proc/$GPUWAIT_JOB_PID"
+            return
+        end
+        test -r "/proc/$GPUWAIT_JOB_PID/stat"; or return 1
+        read -l stat <"/proc/$GPUWAIT_JOB_PID/stat"; or return 1
+        # After the name, which may hold spaces and ')': field 22 is the 20th.
+        set -l fields (string split -n ' ' -- (string replace -r '^.*\) ' '' -- $stat))
+        test (count $fields) -ge 20; and test "$fields[20]" = "$GPUWAIT_JOB_START"
+    end
     function __gpuwait_run
         # Stepping aside here costs no Python start-up; every other rule is in `shell-hook`.
         # Inside a job, while it runs: a shell that outlived it (a tmux server started there)
         # keeps GPUWAIT_JOB_ID, and its commands would run bare on the ended job's GPUs.
-        if test -n "$GPUWAIT_JOB_ID"; and begin; test -z "$GPUWAIT_JOB_PID"; or test -e "/proc/$GPUWAIT_JOB_PID"; end
+        if test -n "$GPUWAIT_JOB_ID"; and __gpuwait_job_runs
             command $argv
         else if test -n "$GPUWAIT_DISABLE"; and test "$GPUWAIT_DISABLE" != 0
             command $argv

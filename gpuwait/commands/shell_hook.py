@@ -20,8 +20,9 @@ from gpuwait.core.cmdkey import python_script_file
 from gpuwait.core.errors import UsageError
 from gpuwait.core.text import whole_number
 from gpuwait.core.wrap import Decision, decide
+from gpuwait.linux import proc
 from gpuwait.linux.signals import end_with_parent
-from gpuwait.runner.launch import JOB_PID_VARIABLE, exec_bare, forget_job
+from gpuwait.runner.launch import JOB_PID_VARIABLE, JOB_START_VARIABLE, exec_bare, forget_job
 
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
@@ -145,7 +146,13 @@ def _hook_shell_pids() -> tuple[int, int]:
 
 
 def _job_ended() -> bool:
-    """Has the job this process was started in ended (its GPUWAIT_JOB_PID gone), as the
-    hooks tell it? A process that outlived it keeps its variables."""
+    """Has the job this process was started in ended (its GPUWAIT_JOB_PID gone, or the pid
+    another process's now: its start is not GPUWAIT_JOB_START), as the hooks tell it? A
+    process that outlived it keeps its variables."""
     pid = whole_number(os.environ.get(JOB_PID_VARIABLE, ""))
-    return pid is not None and not os.path.exists(f"/proc/{pid}")
+    if pid is None:
+        return False
+    started = os.environ.get(JOB_START_VARIABLE)
+    if not started:  # given by a gpuwait from before GPUWAIT_JOB_START
+        return not os.path.exists(f"/proc/{pid}")
+    return proc.start_field(pid) != started

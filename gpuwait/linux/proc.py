@@ -47,6 +47,14 @@ def start_time(pid: int) -> int | None:
     return _start_of(_stat_fields(pid))
 
 
+def start_field(pid: int) -> str | None:
+    """The start time of `pid` as its /proc/PID/stat writes it here (field 22: clock ticks since
+    boot, a time namespace's offset in them), or None where it cannot be read: what a shell
+    reads there too, with nothing to take the offset off."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields is not None and len(fields) >= 20 else None
+
+
 def _start_of(fields: list[str] | None) -> int | None:
     if fields is None or len(fields) < 20:
         return None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.wrappers import GPU_VARIABLES, drops_gpus, steps
-from gpuwait.linux import signals, turnstile
+from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue.entries import Job
 
 
@@ -315,6 +315,10 @@ JOB_ID_VARIABLE = "GPUWAIT_JOB_ID"
 #: process that outlives the job (a tmux server started inside it) keeps GPUWAIT_JOB_ID, and the
 #: shell hooks tell by this one whether the job still runs.
 JOB_PID_VARIABLE = "GPUWAIT_JOB_PID"
+#: When that process started, as its /proc/PID/stat says: once the job has ended, its pid may
+#: be given to another process (a shared server's pids come round again), which the hooks must
+#: not take for the job.
+JOB_START_VARIABLE = "GPUWAIT_JOB_START"
 
 
 def forget_job(env: MutableMapping[str, str]) -> None:
@@ -324,7 +328,13 @@ def forget_job(env: MutableMapping[str, str]) -> None:
     given = {env.get("GPUWAIT_GPU_UUIDS"), env.get("GPUWAIT_GPU_INDICES")} - {None}
     if env.get("CUDA_VISIBLE_DEVICES") in given:
         del env["CUDA_VISIBLE_DEVICES"]
-    for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, "GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES"):
+    for name in (
+        JOB_ID_VARIABLE,
+        JOB_PID_VARIABLE,
+        JOB_START_VARIABLE,
+        "GPUWAIT_GPU_UUIDS",
+        "GPUWAIT_GPU_INDICES",
+    ):
         env.pop(name, None)
 
 
@@ -346,6 +356,7 @@ def command_env(
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             JOB_ID_VARIABLE: job.id,
             JOB_PID_VARIABLE: str(os.getpid()),
+            JOB_START_VARIABLE: proc.start_field(os.getpid()) or "",
             "GPUWAIT_GPU_UUIDS": uuids,
             "GPUWAIT_GPU_INDICES": indices,
             BYTES_VAR: str(job.reserved_bytes),

@@ -343,6 +343,40 @@ def test_a_shell_that_outlived_its_job_wraps_again(
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_shell_that_outlived_its_job_wraps_again_once_its_pid_is_another_process(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The pid of an ended job's gpuwait, given since to another process (a shared server's
+    pids come round again, and a colleague can fork until one does): a shell that outlived
+    the job took it for the job still running, and ran its python bare on the ended job's GPU,
+    beside whoever gpuwait had put there since. Inside the job itself it runs bare as before."""
+    need(shell)
+    saved = tmp_path / "job.env"
+    dump = f"{sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))' > {saved}"
+    inside = f"{init_line(shell, '--always')}\npython probe.py during\n{dump}\n"
+    job = ["gpuwait", "--vram", "1G", "--", shell, "-c", inside]
+    if shell == "bash":
+        job[4:5] = ["bash", "--norc", "--noprofile"]
+    done = subprocess.run(
+        job, env=hook_env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    (during,) = probe_lines(done.stdout)
+    assert during["argv"] == ["during"] and during["job"]
+    kept: dict[str, str] = json.loads(saved.read_text())
+    assert kept["GPUWAIT_JOB_ID"] == during["job"]
+    # The job has ended; its gpuwait's pid now names another process of this user's.
+    kept["GPUWAIT_JOB_PID"] = str(os.getpid())
+    after = run_shell(
+        shell, f"{init_line(shell, '--always')}\npython probe.py after\n", [], kept, cwd=tmp_path
+    )
+    assert after.returncode == 0, after.stderr
+    (wrapped,) = probe_lines(after.stdout)
+    assert wrapped["job"] not in (None, during["job"]), wrapped
+    assert wrapped["cuda"] in sim_uuids()
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_wrap_rules_from_the_config_file(
     shell: str, hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
 ) -> None:
