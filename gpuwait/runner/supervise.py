@@ -416,12 +416,17 @@ def _other_jobs(tree: set[int], job: Job, snapshot: MachineSnapshot) -> set[int]
 def _detached(tree: set[int], job: Job, gpus: list[GpuSnapshot]) -> set[int]:
     """Processes on the job's GPUs that the command started but that left its tree (a server
     that daemonised: its parent is init now), told by the job id every command's environment
-    carries, with their own descendants. Their memory is the job's."""
+    carries, with their own descendants. Their memory is the job's. Only this user's: root
+    reads every process's environment, and another user's program may carry the job's id
+    (`status` shows it) to pass its memory off as the job's, inside the job's reservation."""
+    me = os.getuid()
     found = {
         p.pid
         for g in gpus
         for p in g.processes
-        if p.pid not in tree and proc.environ_value(p.pid, JOB_ID_VARIABLE.encode()) == job.id
+        if p.pid not in tree
+        and proc.environ_value(p.pid, JOB_ID_VARIABLE.encode()) == job.id
+        and proc.owner_uid(p.pid) == me
     }
     return proc.process_tree(found) if found else set()
 

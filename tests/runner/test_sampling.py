@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -218,6 +219,44 @@ def test_a_process_the_command_left_to_run_on_its_own_counts_for_its_peak(
             os.waitpid(pid, 0)
         if server is not None:
             os.kill(server, signal.SIGKILL)  # init reaps it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a process as another user")
+def test_another_users_process_that_says_it_is_the_job_counts_for_nobodys_peak(
+    tmp_path: Path,
+) -> None:
+    # A job of root's holds 1 GiB; another user's program, started without gpuwait, takes
+    # 8 GiB on the same card with the job's id (shown by `gpuwait status`) in its environment.
+    # Root's gpuwait reads every process's environment, and took the program for a server the
+    # job had left running: its 8 GiB went into the job's peak, and the job's entry named it
+    # among the job's processes, whose memory the queue counts inside the job's reservation;
+    # the queue then saw 8 GiB less outside gpuwait than the card held, and admitted a waiter
+    # into memory that was taken.
+    job = live_job("rooted", gpu_uuids=[UUID], state="running", reserved_bytes=10 * GiB)
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    child = spawn(["sleep", "30"], {**os.environ, "GPUWAIT_JOB_ID": job.id})
+    stranger = subprocess.Popen(
+        ["sleep", "30"], env={"GPUWAIT_JOB_ID": job.id}, user=2002, group=2002, extra_groups=[]
+    )
+    try:
+        deadline = time.monotonic() + 5
+        while proc.environ_value(stranger.pid, b"GPUWAIT_JOB_ID") != job.id:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        backend = OnTheCard({child: GiB, stranger.pid: 8 * GiB})
+        sampler = UsageSampler(child, job, ledger, backend, 0.2)
+        sampler.sample_if_due(time.monotonic())
+        assert sampler.result.peak_bytes == {UUID: GiB}
+        # Other gpuwaits count the processes the entry names as the job's.
+        entry = Ledger(tmp_path).read().find(job.id)
+        assert entry is not None and stranger.pid not in entry.pids
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        stranger.kill()
+        stranger.wait()
 
 
 UUID_2 = "GPU-00000000-0000-0000-0000-000000000002"
