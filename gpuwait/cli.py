@@ -229,9 +229,25 @@ _SHORT_OF_MEMORY = (
 )
 
 
+def _without_current_directory() -> None:
+    """Take the current directory out of sys.path, where PYTHONPATH put it there: an empty
+    entry, which `export PYTHONPATH=$PYTHONPATH:/opt/lib` leaves first where it was unset, or
+    `.`. gpuwait runs in project directories and shared ones, whose own signal.py (a project's,
+    or one a colleague left there) would otherwise be what gpuwait imports, and run inside it.
+    gpuwait itself is loaded by now; what it loads later comes from its package."""
+    for entry in list(sys.path):
+        try:
+            here = entry == "" or (os.path.isdir(entry) and os.path.samefile(entry, os.curdir))
+        except OSError:
+            continue
+        if here:
+            sys.path.remove(entry)
+
+
 def entry_point() -> NoReturn:
     """Console script: exit with main()'s status (see `_entry_point`); one line and exit 126
     where gpuwait runs out of memory, as where its command cannot start for want of it."""
+    _without_current_directory()
     try:
         _entry_point()
     except MemoryError:

@@ -377,6 +377,28 @@ def test_a_shell_that_outlived_its_job_wraps_again_once_its_pid_is_another_proce
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_module_in_the_directory_does_not_shadow_gpuwaits_own_under_an_empty_pythonpath_entry(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`export PYTHONPATH=$PYTHONPATH:/opt/lib` in an rc file, with PYTHONPATH unset before it,
+    leaves an empty entry first, which Python reads as the current directory. gpuwait's own
+    `import signal` then took the directory's signal.py (a project's own, or one a colleague
+    left in a shared directory), which ran inside gpuwait, and the wrapped python ended in a
+    traceback where it ran bare. The program itself still finds the directory's modules."""
+    need(shell)
+    (tmp_path / "signal.py").write_text("print('the directory signal.py ran')\n")
+    (tmp_path / "uses.py").write_text("import signal\n" + PROBE)
+    env = {**hook_env, "PYTHONPATH": f":{tmp_path / 'lib'}"}
+    script = f"{init_line(shell, '--always')}\npython uses.py here\n"
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # Once, by the program's own import.
+    assert done.stdout.count("the directory signal.py ran") == 1, done.stdout
+    (probe,) = probe_lines(done.stdout)
+    assert probe["argv"] == ["here"] and probe["cuda"] in sim_uuids(), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_wrap_rules_from_the_config_file(
     shell: str, hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
 ) -> None:
