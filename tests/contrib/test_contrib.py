@@ -27,6 +27,7 @@ from helpers import docs
 from helpers.fixtures_sim import hold_card
 from helpers.processes import can_unshare, children
 from helpers.shellbin import env_with_bin, make_bin
+from helpers.users import clean_up, shared_root
 from helpers.waiting import asleep_waiting, ledger_entries, wait_for
 
 CONTRIB = REPO / "contrib"
@@ -370,6 +371,51 @@ def test_cron_wrapper_makes_no_home_that_does_not_exist(
     assert done.returncode == 0, done.stderr
     assert "end: exit status 0" in (logs / "job1.log").read_text()
     assert not os.path.lexists(missing)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as two users")
+def test_cron_wrapper_writes_no_log_in_a_directory_another_user_can_write_in() -> None:
+    # An rc file shared by a group sets XDG_STATE_HOME to a scratch directory every user may
+    # write in. Bob made gpuwait/cron there first, writable by all, and put in it a link named
+    # as Alice's nightly log that leads to a file of hers: her cron job appended its log to
+    # that file. The run now stops at once (exit 73) with one line saying what to set, and
+    # her file is as it was.
+    alice, bob = 2001, 2002
+    root = shared_root()
+    try:
+        scratch = root / "scratch"
+        scratch.mkdir()
+        os.chmod(scratch, 0o1777)
+        home = root / "alice"
+        home.mkdir()
+        os.chown(home, alice, alice)
+        notes = home / "notes.txt"
+        notes.write_text("mine\n")
+        os.chown(notes, alice, alice)
+        logs = scratch / "gpuwait" / "cron"
+        logs.mkdir(parents=True)
+        for directory in (logs.parent, logs):
+            os.chown(directory, bob, bob)
+            os.chmod(directory, 0o777)
+        (logs / "nightly.log").symlink_to(notes)
+        os.lchown(logs / "nightly.log", bob, bob)
+        script = root / "gpuwait-cron"
+        shutil.copy(CONTRIB / "cron" / "gpuwait-cron", script)
+        os.chmod(script, 0o755)
+        env = {
+            "HOME": str(home),
+            "PATH": "/usr/bin:/bin",
+            "XDG_STATE_HOME": str(scratch),
+            "GPUWAIT": "/bin/true",
+        }
+        as_alice = ["setpriv", f"--reuid={alice}", f"--regid={alice}", "--clear-groups"]
+        done = cron_run(f"cd / && {script} nightly --vram 1G -- true", env, machine=as_alice)
+        assert notes.read_text() == "mine\n"
+        assert done.returncode == 73, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert str(logs) in done.stderr and "GPUWAIT_CRON_LOG_DIR" in done.stderr
+    finally:
+        clean_up(root, [])
 
 
 def test_cron_wrapper_gives_up_after_timeout_and_says_so(
