@@ -943,6 +943,37 @@ def test_docker_run_gets_the_gpu_gpuwait_picked(user_env: dict[str, str], tmp_pa
     assert bare.returncode == 2 and "run me through gpuwait" in bare.stderr
 
 
+def test_docker_run_from_a_shell_that_outlived_its_job_starts_no_container(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A shell started inside a job (a tmux server) keeps the job's variables once the job has
+    # ended: gpuwait-docker-run there started a container on the ended job's GPU, which gpuwait
+    # may have given to someone else since. So too where the job's gpuwait pid is another
+    # process's since. Refused (exit 2) as outside gpuwait.
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    shutil.copy(CONTRIB / "docker" / "gpuwait-docker-run", bin_dir / "gpuwait-docker-run")
+    saved = tmp_path / "job.json"
+    dump = f"import json, os; json.dump(dict(os.environ), open({str(saved)!r}, 'w'))"
+    job = ["gpuwait", "--vram", "1G", "--", sys.executable, "-c", dump]
+    done = subprocess.run(job, env=user_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    kept = {**json.loads(saved.read_text()), "FAKE_DOCKER_DIR": str(tmp_path)}
+    assert kept["GPUWAIT_GPU_UUIDS"]
+    for pid in (kept["GPUWAIT_JOB_PID"], str(os.getpid())):
+        stale = subprocess.run(
+            ["gpuwait-docker-run", "img"],
+            env={**kept, "GPUWAIT_JOB_PID": pid},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert not (tmp_path / "docker.json").exists(), pid
+        assert stale.returncode == 2, stale.stderr
+        assert stale.stderr.count("\n") == 1 and "has ended" in stale.stderr, stale.stderr
+
+
 def shell_blocks(readme: Path) -> list[str]:
     return re.findall(r"```sh\n(.*?)```", readme.read_text(), flags=re.DOTALL)
 
