@@ -41,12 +41,19 @@ def read_once(
 
 
 def with_names(gpu: GpuSnapshot) -> GpuSnapshot:
-    """`gpu` with each process's command name (/proc/PID/comm) filled in where not known yet."""
+    """`gpu` with the command name (/proc/PID/comm) of each process of this user's or root's
+    filled in where not known yet. Another user's stays unnamed: anyone may name a process what
+    they like (prctl, or a copy of a program), and named Xorg it would count as no load
+    (ignore_processes), named nvidia-cuda-mps-server as an MPS server that jobs may share a
+    card that takes one process at a time through."""
     from gpuwait.linux import proc
 
+    trusted = (os.getuid(), 0)
     return gpu._replace(
         processes=tuple(
-            p._replace(name=proc.command_name(p.pid)) if p.name is None else p
+            p._replace(name=proc.command_name(p.pid))
+            if p.name is None and proc.owner_uid(p.pid) in trusted
+            else p
             for p in gpu.processes
         )
     )

@@ -8,6 +8,7 @@ Real pynvml over the fake libnvidia-ml.so.1, and the simulation's `compute_mode`
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from helpers.fixtures_nvml import (
     FakeNvml,
 )
 from helpers.fixtures_sim import SimFileFactory, hold_card, run_sim_job
+from helpers.users import clean_up, shared_root
 from helpers.waiting import asleep_waiting, named_entry, wait_for
 
 from gpuwait.core.snapshot import COMPUTE_DEFAULT, COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
@@ -144,6 +146,48 @@ def test_processes_on_an_exclusive_process_card_are_named(
         fake_nvml.add_process(gpu, os.getpid(), GIB)
     named = [p.name for g in backend.snapshot().gpus for p in g.processes]
     assert named == [None, proc.command_name(os.getpid())] and named[1] is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a process as another user")
+@pytest.mark.parametrize(
+    ("program", "mode", "job"),
+    [
+        # Named as an MPS server on a card that takes one process at a time: the card taken
+        # for one its clients share, and a job placed there dies as "busy or unavailable".
+        ("nvidia-cuda-mps-server", 3, ["--vram", "2G"]),
+        # Named as a display server (ignore_processes): its 8 GiB taken for no load, and a job
+        # that asks for a whole GPU given one a quarter full.
+        ("Xorg", 0, ["--exclusive"]),
+    ],
+)
+def test_another_users_process_named_as_a_server_is_taken_for_what_it_is(
+    fake_nvml: FakeNvml,
+    procs: Callable[..., subprocess.Popen[Any]],
+    program: str,
+    mode: int,
+    job: list[str],
+) -> None:
+    # Anyone names their process what they like (prctl, or a copy of a program under that
+    # name); another user's counts as what it does: it holds the card.
+    root = shared_root()
+    try:
+        named = root / program
+        shutil.copy("/bin/sleep", named)
+        os.chmod(named, 0o755)
+        holder = procs([str(named), "60"], user=2002, group=2002, extra_groups=[])
+        wait_for(lambda: proc.command_name(holder.pid) == program[:15], timeout=30)
+        fake_nvml.set_gpus([FakeGpu(uuid="GPU-held", total=32 * GIB, used=8 * GIB, mode=mode)])
+        fake_nvml.add_process(0, holder.pid, 8 * GIB)
+        done = subprocess.run(
+            [*GPUWAIT, *job, "--timeout", "1s", "--", "true"],
+            env=fake_nvml.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 124, done.stderr
+    finally:
+        clean_up(root, [])
 
 
 def test_a_prohibited_card_is_never_chosen(
