@@ -37,7 +37,9 @@ def daemon_serves(env: Mapping[str, str]) -> bool:
         return False
     if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
         return False
-    if not os.access(control, os.W_OK):
+    # This user's daemon, or root's: another user's runs MPS servers for that user alone, and
+    # the default pipe directory, in /tmp, is anyone's to make.
+    if st.st_uid not in (os.getuid(), 0) or not os.access(control, os.W_OK):
         return False
     try:
         # /tmp is anybody's: whatever lies there is read as a stranger's file (never waited on).
@@ -55,12 +57,7 @@ def daemon_serves(env: Mapping[str, str]) -> bool:
     # In a container with pids of its own, the pid file names the daemon by the host's pid: no
     # process here, or another one. Its socket, the host's pipe directory mounted in, still
     # tells: a live daemon takes a connection, a socket left by one that is gone refuses it.
-    return (
-        pidns.in_initial_namespace() is False
-        and stat.S_ISSOCK(st.st_mode)
-        and st.st_uid in (os.getuid(), 0)
-        and _accepts(control)
-    )
+    return pidns.in_initial_namespace() is False and stat.S_ISSOCK(st.st_mode) and _accepts(control)
 
 
 def _accepts(path: str) -> bool:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.users import clean_up, run_as, shared_root, user_home
 
 from gpuwait.linux import dmem, mps, pidns, proc
 from gpuwait.runner.budget import Held
@@ -25,6 +26,54 @@ def test_a_live_daemon_serves(mps_daemon: Path) -> None:
     pid = int((mps_daemon / "nvidia-cuda-mps-control.pid").read_text())
     seen = (proc.command_name(pid), proc.owner_uid(pid), (mps_daemon / "control").stat())
     assert mps.daemon_serves({"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}), seen
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as two users")
+def test_another_users_daemon_serves_nobody_else() -> None:
+    # The pipe directory is /tmp/nvidia-mps by default, which any user may make. Bob made it,
+    # with a control pipe everyone may write to and a pid file naming a program of his called
+    # nvidia-cuda-mps-control: Alice's `--enforce limit` job took its budget for held by MPS,
+    # which no daemon of Bob's holds for her (a daemon not root's runs servers for its own user
+    # alone), and went without PyTorch's cap. Her job now gets the cap, as with no daemon.
+    alice, bob = 2001, 2002
+    root = shared_root()
+    try:
+        pipes = root / "nvidia-mps"
+        pipes.mkdir()
+        os.mkfifo(pipes / "control")
+        program = root / "nvidia-cuda-mps-control"
+        program.write_bytes(Path("/bin/sleep").read_bytes())
+        os.chmod(program, 0o755)
+        daemon = subprocess.Popen([str(program), "60"], user=bob, group=bob, extra_groups=[])
+        try:
+            deadline = time.monotonic() + 10
+            while proc.command_name(daemon.pid) != "nvidia-cuda-mps":
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            (pipes / "nvidia-cuda-mps-control.pid").write_text(f"{daemon.pid}\n")
+            for path in (pipes, pipes / "control", pipes / "nvidia-cuda-mps-control.pid"):
+                os.chown(path, bob, bob)
+            os.chmod(pipes, 0o777)
+            os.chmod(pipes / "control", 0o666)
+            (root / "sim.toml").write_text('[[gpu]]\nmemory = "24GiB"\n')
+            env = {
+                **user_home(root, alice, alice),
+                "PATH": "/usr/bin:/bin",
+                "GPUWAIT_SIM": str(root / "sim.toml"),
+                "CUDA_MPS_PIPE_DIRECTORY": str(pipes),
+            }
+            done = run_as(
+                alice, alice, [], ["--enforce", "limit", "--vram", "2G", "--", "env"], env
+            )
+            assert done.returncode == 0, done.stderr
+            given = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+            assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in given
+            assert "GPUWAIT_TORCH_MEMORY_FRACTION" in given
+        finally:
+            daemon.kill()
+            daemon.wait()
+    finally:
+        clean_up(root, [])
 
 
 def test_no_pipe_directory_no_daemon(tmp_path: Path) -> None:
