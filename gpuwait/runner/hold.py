@@ -284,7 +284,7 @@ def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding 
     choice = session._request(request, config, reporter)
     try:
         backend = session._read_gpus(
-            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
+            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter, called
         )
     except BackendUnavailable as exc:
         if config.on_no_gpu == "fail" or not exc.run_without:
@@ -318,6 +318,7 @@ def _hold(
         choice,
         spell=str,  # reserve()'s keywords: vram, gpus, gpu_name
         around=around,
+        counted_from=called,
     )
     wait = config.wait
     if _threads() > 1:

@@ -262,7 +262,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(
-            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter
+            lambda: open_backend(config.sim, config.nvml_timeout), config, reporter, launched
         )
     except BackendUnavailable as exc:
         # Only where no GPU can ever be read here (no driver, no simulation file) may the
@@ -305,10 +305,25 @@ def _load_what_comes_after_the_wait(request: RunRequest, config: RunConfig) -> N
         importlib.import_module(name)
 
 
-def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) -> _T:
+class _GaveUp(GpuwaitError):
+    """The --timeout ran out while the GPUs could not be read, before the job queued."""
+
+    exit_code = EXIT_TIMEOUT
+
+
+def _read_gpus(
+    read: Callable[[], _T],
+    config: RunConfig,
+    reporter: Reporter,
+    counted_from: float | None = None,
+) -> _T:
     """`read()`, retried with back-off while it fails in a way that may pass (see GpuRetry);
-    a lasting failure, or one past gpu_error_timeout, is raised."""
+    a lasting failure, or one past gpu_error_timeout, is raised. The retries are waiting too:
+    they end with the --timeout (counted from `counted_from` on the boot clock, else from
+    now), exit 124, where that comes first."""
     retry = GpuRetry(config.wait.gpu_error_timeout)
+    counted_from = proc.boot_clock() if counted_from is None else counted_from
+    deadline = None if config.timeout is None else counted_from + config.timeout
     while True:
         try:
             return read()
@@ -317,6 +332,13 @@ def _read_gpus(read: Callable[[], _T], config: RunConfig, reporter: Reporter) ->
                 raise
             first = retry.since is None
             pause = retry.failed(exc)
+            if deadline is not None:
+                left = deadline - proc.boot_clock()
+                if left <= 0:
+                    raise _GaveUp(
+                        gave_up(proc.boot_clock() - counted_from, exc.message), hint=exc.hint
+                    ) from None
+                pause = min(pause, left)
             if first:
                 reporter.warn(
                     f"{exc.message}; retrying for up to gpu_error_timeout = "
@@ -692,12 +714,14 @@ def prepare_job(
     choice: RequestChoice,
     spell: Callable[[str], str],
     around: Surroundings,
+    counted_from: float | None = None,
 ) -> tuple[Job, RequestChoice]:
     """The job as it is submitted, and its request capped to the cards: the GPUs read once, a
     request that can never fit refused (ImpossibleRequest, with a hint naming the caller's
     options as `spell` does: `--vram`, or `vram` in Python; StuckBehind inside a job, `around`, it could never start beside), run
     times from history added. A wrapped run and a reservation from
-    Python (runner/hold) both start here."""
+    Python (runner/hold) both start here. Readings that fail are retried until the timeout,
+    counted from `counted_from` (the boot clock; else from now), at most."""
     said: set[str] = set()
 
     def read_and_judge() -> tuple[MachineSnapshot, Job, RequestChoice]:
@@ -727,7 +751,7 @@ def prepare_job(
                 f"GPU {which} did not answer, and without it {exc.message}", hint=exc.hint
             ) from None
 
-    snapshot, job, choice = _read_gpus(read_and_judge, config, reporter)
+    snapshot, job, choice = _read_gpus(read_and_judge, config, reporter, counted_from)
     if around.outer_id:
         # Inside a job, refused before it queues. A pipeline's stages are looked at by the
         # waiting loop, where one has to wait (a launch that fits at once pays nothing).
@@ -860,6 +884,7 @@ def _attempt(
                 choice,
                 spell=cli_option,
                 around=around,
+                counted_from=launched,
             )
         except StuckBehind as exc:
             if not request.from_hook:

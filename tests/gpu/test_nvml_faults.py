@@ -19,6 +19,7 @@ from helpers.fixtures_nvml import (
     GPU_IS_LOST,
     NO_PERMISSION,
     NOT_SUPPORTED,
+    UNKNOWN,
     FakeGpu,
     FakeNvml,
 )
@@ -370,6 +371,32 @@ def test_a_waiter_for_two_of_a_kind_one_lost_gives_up_though_another_kind_answer
         ]
     )
     waiter_ends_once_gpu_1_is_lost(fake_nvml, [*gpuwait_cmd, "--gpus", "2", *option])
+
+
+@pytest.mark.parametrize(
+    ("failing", "code"),
+    [("nvmlDeviceGetCount_v2", UNKNOWN), ("nvmlDeviceGetHandleByIndex_v2", GPU_IS_LOST)],
+)
+def test_a_launch_whose_readings_keep_failing_gives_up_at_its_timeout(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], failing: str, code: int
+) -> None:
+    # NVML failing from the launch on (the GPU count, or every card lost): a job given
+    # `--timeout 1s` waited out gpu_error_timeout instead (5 minutes by default, 90 s here),
+    # though its --timeout counts from the launch. It gives up at its timeout now, exit 124,
+    # saying why.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB)])
+    fake_nvml.fail(None, failing, code)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--timeout", "1s", "--", "true"],
+        env={**fake_nvml.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "90s"},
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert done.returncode == 124, done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("gpuwait: error:")]
+    assert error.startswith("gpuwait: error: gave up after waiting "), error
+    assert f"(NVML error {code})" in error, error
 
 
 @pytest.mark.parametrize("func", ["nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetMigMode"])
