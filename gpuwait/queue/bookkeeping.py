@@ -165,7 +165,7 @@ class Book(Record):
                 counters.completed += 1
             elif done.ran_out_of_memory:
                 counters.oom += 1
-            elif done.outcome != ENDED:  # an unseen end says nothing of success
+            elif done.outcome not in (ENDED, CANCELLED):  # says nothing of success
                 counters.failed += 1
             counters.recent_ends = [*counters.recent_ends, done.finished_at][-THROUGHPUT_WINDOW:]
 

@@ -198,6 +198,10 @@ class Job(Record):
     #: The lookahead order's no-starvation rule (gpuwait.core.lookahead): seconds it may wait
     #: before it is planned first with the urgent jobs; set once, None until then.
     wait_budget: float | None = None
+    #: Who cancelled it while it ran (`gpuwait cancel`: its owner, or root): the TERM sent
+    #: ends its command, and it leaves cancelled, not failed. Older versions keep it as an
+    #: unknown field and count the run failed, as they did.
+    cancelled_by: int | None = None
     #: The pid namespace of its gpuwait process (the inode of /proc/self/ns/pid), set when that
     #: process holds the job's liveness lock (gpuwait.linux.alive). A reader in another pid
     #: namespace (containers without --pid=host) cannot look its pids up: the lock tells it
@@ -337,6 +341,7 @@ class Job(Record):
             history_dir=_lenient_text(raw.get("history_dir")),
             history_commands="hash" if raw.get("history_commands") == "hash" else "full",
             wait_budget=_lenient_seconds(raw.get("wait_budget")),
+            cancelled_by=_lenient_uid(raw.get("cancelled_by")),
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),

@@ -212,6 +212,7 @@ def _reap(
                 how.get("run_seconds"),
                 how.get("paused"),
                 how.get("oom"),
+                job.cancelled_by,
             )
             data.book.note_finished(done, ran_on)
             if charge_usage is not None:
@@ -226,10 +227,17 @@ def _reap(
         data.book.note_finished(
             Finished(
                 id=job.id,
-                outcome=LOST if job.adopted_history is None else ENDED,
+                outcome=(
+                    CANCELLED
+                    if job.cancelled_by is not None
+                    else LOST
+                    if job.adopted_history is None
+                    else ENDED
+                ),
                 finished_at=now,
                 name=job.name,
                 batch=job.batch,
+                by_uid=job.cancelled_by,
             ),
             job.gpu_uuids if job.state == RUNNING else (),
         )
@@ -1459,7 +1467,16 @@ def finish(
             ran_on = mine.gpu_uuids if mine is not None and mine.state == RUNNING else []
             now = time.time()
             done, fields = _run_ended(
-                job, outcome, ran_on, now, exit_status, signal, run_seconds, paused, oom
+                job,
+                outcome,
+                ran_on,
+                now,
+                exit_status,
+                signal,
+                run_seconds,
+                paused,
+                oom,
+                None if mine is None else mine.cancelled_by,
             )
             data.book.note_finished(done, ran_on)
             if charge_usage is not None:
@@ -1482,8 +1499,13 @@ def _run_ended(
     run_seconds: float | None,
     paused: tuple[int, float] | None,
     oom: str | None,
+    cancelled_by: int | None = None,
 ) -> tuple[Finished, dict[str, Any]]:
-    """How a run of `job` ended: for the book, and the fields of its `finish` event."""
+    """How a run of `job` ended: for the book, and the fields of its `finish` event.
+    `cancelled_by`: who cancelled it while it ran (its entry's `cancelled_by`): a run that
+    then did not succeed (ended by the TERM sent, or lost) was cancelled."""
+    if cancelled_by is not None and outcome in (FAILED, LOST):
+        outcome, oom = CANCELLED, None
     done = Finished(
         id=job.id,
         outcome=outcome,
@@ -1492,6 +1514,7 @@ def _run_ended(
         batch=job.batch,
         exit_status=exit_status,
         signal=signal,
+        by_uid=cancelled_by if outcome == CANCELLED else None,
         oom=oom if outcome == FAILED else None,
     )
     fields: dict[str, Any] = {
@@ -1656,6 +1679,9 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:
+                if data.mine(job):
+                    # The TERM ends its command: it leaves cancelled, not failed (`finish`).
+                    job.cancelled_by = uid
                 result.stopped.append(job)
             elif not data.mine(job):
                 # Another user's file, which only they write (root is the one who gets here):

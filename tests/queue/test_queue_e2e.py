@@ -449,6 +449,34 @@ def test_batch_progress_in_status(
     )
 
 
+def test_a_cancelled_batch_counts_its_running_jobs_as_cancelled_not_failed(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
+) -> None:
+    """`gpuwait cancel --batch` of a sweep with jobs running: their commands end by the TERM
+    it sends, and status counted them as failed, as though the user's code had crashed."""
+    sim_file(gpus=1)
+    running = [
+        procs([*gpuwait_cmd, "--vram", "3G", "--batch", "sweep", "--", "sleep", "30"])
+        for _ in range(2)
+    ]
+    wait_for(lambda: sum(j["state"] == "running" for j in ledger_entries()) == 2)
+    waiting = procs([*gpuwait_cmd, "--vram", "20G", "--batch", "sweep", "--", "true"])
+    wait_for(lambda: len(ledger_entries()) == 3)
+    assert run([*gpuwait_cmd, "cancel", "--batch", "sweep"]).returncode == 0
+    assert [p.wait(timeout=20) for p in running] == [-signal.SIGTERM] * 2
+    assert waiting.wait(timeout=20) == 7
+    (batch,) = status_json(gpuwait_cmd)["batches"]
+    assert (batch["done"], batch["failed"], batch["cancelled"]) == (0, 0, 3)
+    assert "0/3 done, 0 running, 0 waiting, 0 failed, 3 cancelled" in (
+        run([*gpuwait_cmd, "status"]).stdout
+    )
+    finishes = events("finish")
+    assert [(e["outcome"], e["signal"]) for e in finishes] == [("cancelled", 15)] * 2
+    # The docs: a job --after-ok a batch that was cancelled never starts (exit 6).
+    after = run([*gpuwait_cmd, "--vram", "1G", "--after-ok", "sweep", "--", "echo", "went"])
+    assert after.returncode == 6 and "was cancelled" in after.stderr, after.stderr
+
+
 # --- capability requests and the ignore list -----------------------------------------------------
 
 
@@ -554,7 +582,7 @@ def test_cancel_running_job_terminates_it(
     assert done.returncode == 0 and "sent TERM" in done.stderr
     assert running.wait(timeout=10) == -signal.SIGTERM
     finish = events("finish")[-1]
-    assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "failed", 15)
+    assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "cancelled", 15)
     missing = run([*gpuwait_cmd, "cancel", "r", "nosuch"])
     assert missing.returncode == 2 and "no waiting or running job matches nosuch" in missing.stderr
 
