@@ -9,6 +9,7 @@ ends the walk, so that only what is sure to run is looked at.
 from __future__ import annotations
 
 import os.path
+import re
 import shlex
 from collections.abc import Sequence
 
@@ -107,7 +108,45 @@ _SPECS: dict[str, _Spec] = {
         command_follows=frozenset({"-u", "--user"}),
         permute=True,
     ),
+    "setpriv": _Spec(
+        long_values=frozenset(
+            {
+                *("--ambient-caps", "--inh-caps", "--bounding-set", "--ruid", "--euid"),
+                *("--rgid", "--egid", "--reuid", "--regid", "--groups", "--securebits"),
+                *("--pdeathsig", "--selinux-label", "--apparmor-profile", "--landlock-access"),
+                *("--landlock-rule", "--seccomp-filter"),
+            }
+        ),
+        no_command=frozenset({"-d", "--dump"}),
+    ),
+    "systemd-run": _Spec(
+        short_values="uHMpE",
+        long_values=frozenset(
+            {
+                *("--host", "--machine", "--unit", "--property", "--description", "--slice"),
+                *("--service-type", "--uid", "--gid", "--nice", "--working-directory"),
+                *("--setenv", "--path-property", "--socket-property", "--timer-property"),
+                *("--on-active", "--on-boot", "--on-startup", "--on-unit-active"),
+                *("--on-unit-inactive", "--on-calendar"),
+            }
+        ),
+    ),
+    # flock FILE COMMAND, or flock FILE -c CODE.
+    "flock": _Spec(
+        short_values="wEc",
+        long_values=frozenset({"--timeout", "--wait", "--conflict-exit-code", "--command"}),
+        operands=1,
+        shell_command=frozenset({"-c", "--command"}),
+    ),
+    # sg [-] GROUP [-c] CODE.
+    "sg": _Spec(short_values="c", shell_command=frozenset({"-c"}), permute=True),
 }
+
+#: Shells whose `-c CODE` is looked into as far as its first command's plain words.
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+#: Words a shell takes as they are: no quote, expansion or redirection in them.
+_PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+\Z")
+_SEPARATORS = re.compile(r"\s*(?:;|&|\|)")
 
 
 class Step(Record, frozen=True):
@@ -131,6 +170,14 @@ def steps(argv: Sequence[str]) -> list[Step]:
     found: list[Step] = []
     current: tuple[str, ...] = tuple(argv)
     while current:
+        if os.path.basename(current[0]) in _SHELLS:
+            code = _shell_code(current[1:])
+            found.append(Step(argv=current, options=() if code is None else (("-c", code),)))
+            first = None if code is None else _first_command(code)
+            if not first:
+                break
+            current = tuple(first)
+            continue
         spec = _SPECS.get(os.path.basename(current[0]))
         if spec is None:
             found.append(Step(argv=current))
@@ -141,6 +188,42 @@ def steps(argv: Sequence[str]) -> list[Step]:
             break
         current = tuple(inner)
     return found
+
+
+def _shell_code(words: Sequence[str]) -> str | None:
+    """The CODE of `bash -c CODE` (`sh -lc CODE`, `bash -e -c CODE`): the first word after
+    the options, where -c is among them; None for a script or a shell given no -c."""
+    command = False
+    position = 0
+    while position < len(words):
+        word = words[position]
+        if word in ("-o", "+o", "-O", "+O", "--rcfile", "--init-file"):
+            position += 2
+            continue
+        if word == "--" or word == "-":
+            position += 1
+            break
+        if word.startswith("--"):
+            position += 1
+            continue
+        if len(word) > 1 and word[0] in "-+":
+            command = command or (word[0] == "-" and "c" in word[1:])
+            position += 1
+            continue
+        break
+    return words[position] if command and position < len(words) else None
+
+
+def _first_command(code: str) -> list[str] | None:
+    """The words of the first command of shell CODE where each is plain (`srun python x.py`
+    of `srun python x.py && echo done`): no shell is parsed, so a quote, an expansion or a
+    redirection ends what is looked at, and with it the walk."""
+    words: list[str] = []
+    for word in _SEPARATORS.split(code, maxsplit=1)[0].split():
+        if not _PLAIN.match(word):
+            break
+        words.append(word)
+    return words or None
 
 
 def _parse(
@@ -219,7 +302,11 @@ def _parse(
             return options, None
         return options, inner or None
     rest = words[position:]
-    if spec.shell_command and not any(name in spec.command_follows for name, _ in options):
+    if (
+        spec.shell_command
+        and spec.permute
+        and not any(name in spec.command_follows for name, _ in options)
+    ):
         # su alice [ARGS]: the user's shell, given ARGS; no command of ours runs as words.
         return options, None
     return options, rest or None
@@ -243,7 +330,8 @@ def drops_gpus(step: Step) -> bool:
     sudo resets the environment (env_reset, on by default) unless told to keep it (-E,
     --preserve-env, or a --preserve-env=LIST naming the variable); doas and pkexec always
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
-    or -u CUDA_VISIBLE_DEVICES."""
+    or -u CUDA_VISIBLE_DEVICES; setpriv with --reset-env; sg for a login (-); systemd-run
+    unless --scope: its command runs in a unit of systemd's, with its environment."""
     variable = GPU_VARIABLES[0]
     names = {name for name, _ in step.options}
     if step.program == "sudo":
@@ -254,6 +342,14 @@ def drops_gpus(step: Step) -> bool:
         )
     if step.program in ("doas", "pkexec"):
         return True
+    if step.program == "systemd-run":
+        # A unit of systemd's, started with systemd's environment; --scope runs the command
+        # itself, with the environment it was given.
+        return "--scope" not in names
+    if step.program == "setpriv":
+        return "--reset-env" in names
+    if step.program == "sg":
+        return "-" in names
     if step.program in ("su", "runuser"):
         login = bool(names & {"-", "-l", "--login"})
         return login and not _listed(step.options, ("-w", "--whitelist-environment"), variable)

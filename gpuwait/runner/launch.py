@@ -124,6 +124,7 @@ def check_keeps_gpus(argv: Sequence[str]) -> None:
         if not drops_gpus(step):
             continue
         keep = ",".join(GPU_VARIABLES)
+        under = f"{step.program} ... gpuwait --vram SIZE -- COMMAND"
         where = len(argv) - len(step.argv)
         suffix = tuple(argv[where:]) == step.argv
         if step.program == "sudo" and suffix:
@@ -134,9 +135,16 @@ def check_keeps_gpus(argv: Sequence[str]) -> None:
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program == "env":
             hint = f"leave {GPU_VARIABLES[0]} to the command: unset only what it must not see"
+        elif step.program == "setpriv":
+            hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:
-            hint = (
-                f"run gpuwait under it instead: {step.program} ... gpuwait --vram SIZE -- COMMAND"
+            hint = f"run gpuwait under it instead: {under}"
+        if step.program == "systemd-run":
+            raise UsageError(
+                "systemd-run starts its command in a unit of systemd's, not as gpuwait's child "
+                "and without the CUDA_VISIBLE_DEVICES gpuwait sets: it would see every GPU, "
+                "and the job would end before it",
+                hint=f"run gpuwait in the unit instead: {under} (or use systemd-run --scope)",
             )
         raise UsageError(
             f"{step.program} starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets: "

@@ -28,7 +28,18 @@ from gpuwait.core.wrappers import drops_gpus, steps
         (["sudo", "-Eu", "alice", "--", "srun"], ["sudo", "srun"]),
         (["su", "alice", "-l", "-c", "srun python x.py"], ["su", "srun"]),
         (["runuser", "-u", "alice", "srun", "-l"], ["runuser", "srun"]),
+        (["flock", "-w", "5", "/tmp/l", "srun", "-n1"], ["flock", "srun"]),
+        (["flock", "-n", "/tmp/l", "-c", "sudo -E python x.py"], ["flock", "sudo", "python"]),
+        (["setpriv", "--reuid", "1000", "--init-groups", "srun"], ["setpriv", "srun"]),
+        (["sg", "video", "-c", "srun python x.py"], ["sg", "srun"]),
+        (["bash", "-lc", "srun python x.py && echo done"], ["bash", "srun"]),
+        (["sh", "-e", "-c", "sudo -u alice python x.py; date"], ["sh", "sudo", "python"]),
+        # Only the first command's plain words: no shell is parsed past a quote or a $.
+        (["sh", "-c", 'echo "a;b"; srun'], ["sh", "echo"]),
+        (["bash", "-c", "$X srun"], ["bash"]),
+        (["bash", "x.sh", "-c", "srun"], ["bash"]),
         # No command that is sure to run: the walk stops at the wrapper.
+        (["flock", "9"], ["flock"]),
         (["taskset", "-p", "1234"], ["taskset"]),
         (["su", "-c", "cd /x && srun python", "alice"], ["su"]),
         (["timeout", "60"], ["timeout"]),
@@ -62,6 +73,14 @@ def test_the_commands_a_line_runs_through_its_wrappers(
         (["env", "--unset=CUDA_VISIBLE_DEVICES", "python"], True),
         (["env", "-u", "HOME", "python"], False),
         (["nice", "python"], False),
+        (["setpriv", "--reset-env", "python"], True),
+        (["setpriv", "--reuid", "alice", "python"], False),
+        (["systemd-run", "--uid", "alice", "python"], True),
+        (["systemd-run", "--user", "-E", "CUDA_VISIBLE_DEVICES", "python"], True),
+        (["systemd-run", "--scope", "python"], False),
+        (["sg", "video", "-c", "python x.py"], False),
+        (["sg", "-", "video", "-c", "python x.py"], True),
+        (["flock", "/tmp/l", "python"], False),
     ],
 )
 def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], drops: bool) -> None:

@@ -69,6 +69,13 @@ def gpuwait(
         (["doas", "-u", "alice", "python", "x.py"], "doas ... gpuwait --vram SIZE -- COMMAND"),
         (["pkexec", "python", "x.py"], "pkexec ... gpuwait --vram SIZE -- COMMAND"),
         (["env", "-i", "python", "x.py"], "leave CUDA_VISIBLE_DEVICES to the command"),
+        (["setpriv", "--reset-env", "python", "x.py"], "setpriv ... gpuwait --vram SIZE"),
+        (["sg", "-", "video", "-c", "python x.py"], "sg ... gpuwait --vram SIZE"),
+        (
+            ["flock", "/tmp/l", "sudo", "python", "x.py"],
+            "flock /tmp/l sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER python x.py",
+        ),
+        (["bash", "-c", "sudo python x.py && echo ok"], "sudo ... gpuwait --vram SIZE"),
     ],
 )
 def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
@@ -77,15 +84,55 @@ def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
     # sudo's env_reset (on by default) drops CUDA_VISIBLE_DEVICES: `gpuwait -- sudo -u alice
     # python x.py` ran a job that saw every GPU and could allocate on one gpuwait had given
     # someone else. Refused before waiting, with the line that keeps the variables.
-    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "doas", "pkexec", "env", "nice")
+    env, ran = fake_bin(
+        tmp_path, "sudo", "su", "runuser", "doas", "pkexec", "env", "nice", "setpriv", "sg"
+    )
+    env, _ = fake_bin(tmp_path, "flock", "bash")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
-    assert (
-        f"{command[0] if command[0] != 'nice' else 'sudo'} starts its command without the CUDA_VISIBLE_DEVICES"
-        in done.stderr
-    )
+    wrapper = "sudo" if command[0] in ("nice", "flock", "bash") else command[0]
+    assert f"{wrapper} starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
     assert kept in done.stderr
     assert "Traceback" not in done.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["systemd-run", "--uid", "alice", "--wait", "python", "x.py"],
+        ["systemd-run", "--user", "-E", "CUDA_VISIBLE_DEVICES", "python", "x.py"],
+    ],
+)
+def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # The command runs in a unit systemd starts, no child of gpuwait's and without its
+    # environment: it would see every GPU, and its job end as soon as systemd-run returns.
+    env, ran = fake_bin(tmp_path, "systemd-run")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert "systemd-run starts its command in a unit of systemd's" in done.stderr
+    assert "systemd-run ... gpuwait --vram SIZE -- COMMAND" in done.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["flock", "/tmp/l", "srun", "python", "x.py"],
+        ["bash", "-lc", "srun python x.py > out.log"],
+        ["sh", "-c", "srun -n2 python x.py"],
+        ["sg", "video", "-c", "srun python x.py"],
+    ],
+)
+def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    env, ran = fake_bin(tmp_path, "flock", "bash", "sh", "sg", "srun")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
     assert not ran.exists()
 
 
@@ -100,12 +147,18 @@ def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
         ["runuser", "-u", "alice", "--", "true"],
         ["env", "FOO=1", "true"],
         ["nice", "-n", "5", "true"],
+        ["setpriv", "--reuid", "alice", "true"],
+        ["systemd-run", "--scope", "true"],
+        ["flock", "/tmp/l", "true"],
+        ["bash", "-c", "true && true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
 ) -> None:
-    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "env", "nice")
+    env, ran = fake_bin(
+        tmp_path, "sudo", "su", "runuser", "env", "nice", "setpriv", "systemd-run", "flock", "bash"
+    )
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
