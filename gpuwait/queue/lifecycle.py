@@ -330,6 +330,18 @@ def _left_here(word: dict[str, Any], ledger: Ledger) -> bool:
     )
 
 
+def _of_old(word: dict[str, Any], ledger: Ledger) -> bool:
+    """Was `word` left for `ledger` by a gpuwait of before words named their machine (no host
+    name, no boot id)? It may be another machine's, at the same ledger path there: only once
+    older than _OLD_WORD_AGE is it taken for none that a gpuwait still waits to read."""
+    return (
+        word.get("ledger") == str(ledger.directory) and "machine" not in word and "boot" not in word
+    )
+
+
+#: A word is read by the next transaction of its ledger's machine, seconds after it is left:
+#: one of before words named their machine, older than this, is nobody's to read any more.
+_OLD_WORD_AGE = 30 * 24 * 3600.0
 #: The version of a word's layout (leave_word): one of another is not believed.
 _WORD_SCHEMA = 1
 #: A word is a line of a few fields; a bigger file is none.
@@ -425,9 +437,12 @@ def _sweep_words(
             # followed (a symlink), never read past its cap. UnsafePath is an OSError.
             raw = security.read_state_file(path, _WORD_CAP, security.mine())
             word = json.loads(raw or b"null")
+            age = time.time() - os.lstat(path).st_mtime
         except (OSError, ValueError, RecursionError):
             continue
-        if isinstance(word, dict) and _left_here(word, ledger):
+        if isinstance(word, dict) and (
+            _left_here(word, ledger) or (_of_old(word, ledger) and age > _OLD_WORD_AGE)
+        ):
             with contextlib.suppress(OSError):
                 path.unlink()
 

@@ -728,6 +728,36 @@ def test_a_word_left_for_an_entry_taken_out_since_is_tidied_by_the_next_job_to_e
     assert left == ["0000bbbb.json", "0000cccc.json"]
 
 
+def test_a_word_left_before_words_named_their_machine_is_tidied_once_old_enough(
+    tmp_path: Path,
+) -> None:
+    """A word left by a gpuwait of before words named their machine (no host name, no boot
+    id) and that no entry stands for stayed in ended/ for good: no job's end took it away,
+    since it could not be told from another machine's. Once older than any word a gpuwait
+    still waits to read (a month), the next job to end in its ledger takes it away; a recent
+    one stays (another machine's gpuwait may yet read it), and so does one of another ledger."""
+    state = tmp_path / "state"
+    words = state / "ended"
+    words.mkdir(parents=True)
+    ledger = Ledger(tmp_path / "ledger")
+    old = time.time() - 40 * 24 * 3600
+    for job_id, where, when in (
+        ("0000aaaa", ledger.directory, old),
+        ("0000bbbb", ledger.directory, time.time()),
+        ("0000cccc", tmp_path / "other", old),
+    ):
+        path = words / f"{job_id}.json"
+        path.write_text(
+            json.dumps({"schema": 1, "outcome": "ok", "ledger": str(where), "exit_status": 0})
+        )
+        os.utime(path, (when, when))
+    ending = live_job("0000dddd", history_dir=str(state))
+    with ledger.transaction() as data:
+        data.jobs[:] = [ending]
+    lifecycle.finish(ledger, ending, OK, exit_status=0)
+    assert sorted(p.name for p in words.iterdir()) == ["0000bbbb.json", "0000cccc.json"]
+
+
 def gone_running_job(job_id: str, state_dir: Path) -> Job:
     """A running job's entry whose gpuwait and command are gone, its state dir `state_dir`."""
     gone = subprocess.Popen(["true"])
