@@ -642,14 +642,15 @@ def wait_for_admission(
                 gone = False
                 changed, held_back = summaries.changed(now)
                 for seen in changed:
+                    shown = None if seen is None else seen.shows(job.id, job.uid)
                     if seen is None:
                         event = True
-                    elif job.id in seen.running:
-                        check_admitted = True
-                    elif job.id not in seen.waiting:
+                    elif shown is None:
                         event = gone = True  # cancelled, or the ledger was recovered: look closer
+                    elif shown in seen.running:
+                        check_admitted = True
                     else:
-                        position = seen.waiting.index(job.id)
+                        position = seen.waiting.index(shown)
                         before = last_release.get(seen.source)
                         if before is not None and seen.release != before:
                             if position == 0:

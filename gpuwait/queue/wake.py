@@ -184,6 +184,21 @@ class Summary(Record, frozen=True):
     #: Every entry as `ID@UID` (a shared ledger's summary); None from an older gpuwait.
     owned: frozenset[str] | None = None
 
+    def shows(self, job_id: str, uid: int) -> str | None:
+        """The id this summary shows the job `job_id` of the user `uid` by (its own plain id,
+        kept in its owner's file), or None where it shows it nowhere. Another member's view
+        shows it as `ID@UID` where a job of theirs has that id too, waiting, running or ended
+        (in their book); the plain id is then theirs, not this one. A summary that lists no
+        owners (an older gpuwait's, or one of a single user's entries) shows it by its plain
+        id, if at all."""
+        listed = self.running.union(self.waiting)
+        owned = f"{job_id}@{uid}"
+        if owned in listed:
+            return owned
+        if job_id not in listed:
+            return None
+        return job_id if self.owned is None or owned in self.owned else None
+
     def lacks_any(self, dependencies: Iterable[str]) -> bool:
         """Does the queue this summary shows lack one of these jobs (it ended, or was taken
         out), so that a job waiting for them must look closer? A dependency on another

@@ -293,3 +293,84 @@ def test_names_a_member_makes_for_nobody_never_hide_another_members_summary(
         (tmp_path / f"wake.{4_000_000 + n}.json").write_text(_summary(9, []))
     wake.write_summary(tmp_path, wake.summary([], 3), os.getgid())
     assert [s.release for s in wake.Summaries(tmp_path, shared=True).current()] == [3]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writes another member's summary: needs root")
+@pytest.mark.parametrize("theirs_running", [False, True], ids=["theirs-ended", "theirs-runs"])
+def test_a_waiter_another_members_summary_shows_by_its_owner_is_not_taken_for_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, theirs_running: bool
+) -> None:
+    # Where another member's job has the same id (running, or ended and in their book), that
+    # member's summary shows this user's waiter as ID@UID. Looked for by its plain id alone it
+    # seemed gone (cancelled), or admitted where theirs runs, and the waiter read the ledger to
+    # learn it, and planned, at each change of that summary.
+    from gpuwait.gpu.sim import SimBackend
+    from gpuwait.linux import proc
+    from gpuwait.queue import lifecycle, wait
+    from gpuwait.queue.wait import WaitPolicy, wait_for_admission
+
+    sim = tmp_path / "sim.toml"
+    sim.write_text('[[gpu]]\nmemory = "24GiB"\nbase_used = "20GiB"\n')
+    ledger_dir = tmp_path / "ledger"
+    ledger_dir.mkdir()
+    ledger_dir.chmod(0o1777)
+    ledger = Ledger(ledger_dir)
+    mine = live_job("a1b2", command=["true"], request={"bytes": 10 * 2**30}, order=1)
+    with ledger.transaction() as data:
+        data.jobs.append(mine)
+    theirs = {
+        "schema": wake.SCHEMA,
+        "release": 1,
+        "running": ["a1b2"] if theirs_running else [],
+        "waiting": [f"a1b2@{mine.uid}"],
+        "owned": [*(["a1b2@1002"] if theirs_running else []), f"a1b2@{mine.uid}"],
+    }
+    path = ledger_dir / "wake.1002.json"
+    path.write_text(json.dumps(theirs))
+    os.chown(path, 1002, 1002)
+    reads: list[str] = []
+    real = lifecycle.cancellation
+
+    def cancellation(data: object, job_id: str) -> object:
+        reads.append(job_id)
+        return real(data, job_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lifecycle, "cancellation", cancellation)
+    looked = wait._admitted_by_another
+
+    def admitted_by_another(*args: object) -> object:
+        reads.append("admitted?")
+        return looked(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wait, "_admitted_by_another", admitted_by_another)
+    policy = WaitPolicy(safety=0.9, poll_interval=0.05, nvml_interval=60.0)
+    _, outcome = wait_for_admission(
+        ledger,
+        SimBackend(str(sim)),
+        mine,
+        policy,
+        deadline=proc.boot_clock(),
+        on_reason=lambda _: None,
+    )
+    assert type(outcome).__name__ == "TimedOut"
+    # Only the look a waiter takes at its deadline, whether a plan admitted it at the last
+    # moment: nothing for the summary that shows it waiting.
+    assert reads == ["admitted?"]
+
+
+def test_a_summary_shows_a_job_by_the_id_its_writers_view_gives_it() -> None:
+    seen = wake.Summary(
+        release=1,
+        running=frozenset({"a1b2"}),
+        waiting=("a1b2@1001", "c3d4"),
+        owned=frozenset({"a1b2@1002", "a1b2@1001", "c3d4@1001"}),
+    )
+    assert seen.shows("a1b2", 1001) == "a1b2@1001"
+    assert seen.shows("a1b2", 1002) == "a1b2"
+    assert seen.shows("c3d4", 1001) == "c3d4"
+    assert seen.shows("e5f6", 1001) is None
+    # The plain id is another member's job, and this user's is listed nowhere: gone.
+    assert seen.shows("c3d4", 1003) is None
+    # An older gpuwait's summary lists no owners: the plain id is all there is to go by.
+    older = wake.Summary(release=1, running=frozenset(), waiting=("a1b2",))
+    assert older.shows("a1b2", 1001) == "a1b2"
