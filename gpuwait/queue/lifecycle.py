@@ -212,7 +212,7 @@ def _reap(
                 how.get("run_seconds"),
                 how.get("paused"),
                 how.get("oom"),
-                job.cancelled_by,
+                _cancelled_by(data, job),
             )
             data.book.note_finished(done, ran_on)
             if charge_usage is not None:
@@ -224,12 +224,13 @@ def _reap(
             # adopted process's end): what it held until it was found gone is its user's.
             held = job.reserved_in_all() * _ran_until_gone(job, now)
             charge(data, job.uid, held, now, ledger.fair_half_life)
+        by_uid = _cancelled_by(data, job)
         data.book.note_finished(
             Finished(
                 id=job.id,
                 outcome=(
                     CANCELLED
-                    if job.cancelled_by is not None
+                    if by_uid is not None
                     else LOST
                     if job.adopted_history is None
                     else ENDED
@@ -237,7 +238,7 @@ def _reap(
                 finished_at=now,
                 name=job.name,
                 batch=job.batch,
-                by_uid=job.cancelled_by,
+                by_uid=by_uid,
             ),
             job.gpu_uuids if job.state == RUNNING else (),
         )
@@ -589,6 +590,15 @@ def _carry_out_requests(data: LedgerData, said: _Said) -> None:
         if data.me not in (None, r.by_uid)
         or (any(r.targets(j) for j in data.jobs) and (r.by_job is None or r.by_job in ids))
     ]
+
+
+def _cancelled_by(data: LedgerData, entry: Job) -> int | None:
+    """Who cancelled the running job `entry` (`cancel`): its owner, marked in the entry, or
+    root, in a request of its own file; None where nobody did."""
+    if entry.cancelled_by is not None:
+        return entry.cancelled_by
+    asked = next((r for r in _cancels_for_me(data) if r.targets(entry)), None)
+    return None if asked is None else asked.by_uid
 
 
 def _cancels_for_me(data: LedgerData) -> list[entries.Request]:
@@ -1491,7 +1501,7 @@ def finish(
                 run_seconds,
                 paused,
                 oom,
-                None if mine is None else mine.cancelled_by,
+                None if mine is None else _cancelled_by(data, mine),
             )
             data.book.note_finished(done, ran_on)
             if charge_usage is not None:
@@ -1694,9 +1704,12 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
             if refusal is not None:
                 result.refused.append((job, refusal))
             elif job.state == RUNNING:
+                # The TERM ends its command: it leaves cancelled, not failed (`finish`). Another
+                # user's entry (root's cancel) is theirs to write: asked in this user's file.
                 if data.mine(job):
-                    # The TERM ends its command: it leaves cancelled, not failed (`finish`).
                     job.cancelled_by = uid
+                else:
+                    data.requests.append(entries.Request.to(job, entries.CANCEL, time.time(), uid))
                 result.stopped.append(job)
             elif not data.mine(job):
                 # Another user's file, which only they write (root is the one who gets here):

@@ -979,6 +979,21 @@ def test_root_cancels_a_members_waiting_job_through_its_own_gpuwait(server: Serv
     holder.kill()
 
 
+def test_a_members_running_job_root_cancels_counts_as_cancelled_in_their_batch(
+    server: Server,
+) -> None:
+    # Root's cancel sends the TERM: Alice's gpuwait, ending as its command did, counted the
+    # job failed in her batch, as though her code had crashed.
+    running = server.start(ALICE, "--vram", "4G", "--batch", "sweep", "--", "sleep", "30")
+    server.wait_jobs(1, "running")
+    root = server.run_root("cancel", "--batch", "sweep")
+    assert root.returncode == 0, root.stderr
+    assert running.wait(timeout=20) == -signal.SIGTERM
+    status = server.run(ALICE, "status", "--json")
+    (batch,) = json.loads(status.stdout)["batches"]
+    assert (batch["failed"], batch["cancelled"]) == (0, 1)
+
+
 def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     server: Server,
 ) -> None:
