@@ -155,6 +155,9 @@ class Step(Record, frozen=True):
 
     argv: tuple[str, ...]
     options: tuple[tuple[str, str | None], ...] = ()
+    #: Its words end where a shell's code stopped being plain before its command was found
+    #: (`bash -c 'sudo --preserve-env=$KEEP python x.py'`): what its options are is not known.
+    unsure: bool = False
 
     @property
     def program(self) -> str:
@@ -169,6 +172,7 @@ def steps(argv: Sequence[str]) -> list[Step]:
     shell's words where it is simple enough to read so."""
     found: list[Step] = []
     current: tuple[str, ...] = tuple(argv)
+    cut = False
     while current:
         if os.path.basename(current[0]) in _SHELLS:
             code = _shell_code(current[1:])
@@ -176,14 +180,14 @@ def steps(argv: Sequence[str]) -> list[Step]:
             first = None if code is None else _first_command(code)
             if not first:
                 break
-            current = tuple(first)
+            current, cut = tuple(first[0]), not first[1]
             continue
         spec = _SPECS.get(os.path.basename(current[0]))
         if spec is None:
             found.append(Step(argv=current))
             break
         options, inner = _parse(spec, current[1:])
-        found.append(Step(argv=current, options=tuple(options)))
+        found.append(Step(argv=current, options=tuple(options), unsure=cut and inner is None))
         if inner is None:
             break
         current = tuple(inner)
@@ -214,16 +218,17 @@ def _shell_code(words: Sequence[str]) -> str | None:
     return words[position] if command and position < len(words) else None
 
 
-def _first_command(code: str) -> list[str] | None:
+def _first_command(code: str) -> tuple[list[str], bool] | None:
     """The words of the first command of shell CODE where each is plain (`srun python x.py`
-    of `srun python x.py && echo done`): no shell is parsed, so a quote, an expansion or a
-    redirection ends what is looked at, and with it the walk."""
+    of `srun python x.py && echo done`), and whether they are all of its words: no shell is
+    parsed, so a quote, an expansion or a redirection ends what is looked at, and with it the
+    walk."""
     words: list[str] = []
     for word in _SEPARATORS.split(code, maxsplit=1)[0].split():
         if not _PLAIN.match(word):
-            break
+            return (words, False) if words else None
         words.append(word)
-    return words or None
+    return (words, True) if words else None
 
 
 def _parse(
@@ -332,6 +337,8 @@ def drops_gpus(step: Step) -> bool:
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
     or -u CUDA_VISIBLE_DEVICES; setpriv with --reset-env; sg for a login (-); systemd-run
     unless --scope: its command runs in a unit of systemd's, with its environment."""
+    if step.unsure:
+        return False  # its options are not known: it may well keep the variables
     variable = GPU_VARIABLES[0]
     names = {name for name, _ in step.options}
     if step.program == "sudo":

@@ -85,3 +85,17 @@ def test_the_commands_a_line_runs_through_its_wrappers(
 )
 def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], drops: bool) -> None:
     assert drops_gpus(steps(argv)[0]) is drops
+
+
+@pytest.mark.parametrize(
+    ("code", "drops"),
+    [
+        ('sudo -u alice python "$x"', True),  # its command found before the expansion
+        ("sudo --preserve-env=$KEEP python x.py", False),  # its options not known
+        ("sudo $OPTIONS python x.py", False),
+    ],
+)
+def test_a_wrapper_in_a_shells_code_is_judged_only_where_its_options_are_read(
+    code: str, drops: bool
+) -> None:
+    assert any(drops_gpus(step) for step in steps(["bash", "-c", code])) is drops

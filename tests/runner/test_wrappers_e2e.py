@@ -151,6 +151,8 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["systemd-run", "--scope", "true"],
         ["flock", "/tmp/l", "true"],
         ["bash", "-c", "true && true"],
+        # Its options are not read past the expansion: they may well keep the variables.
+        ["bash", "-c", "sudo --preserve-env=$KEEP true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
