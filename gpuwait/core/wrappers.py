@@ -329,17 +329,17 @@ def _listed(options: Sequence[tuple[str, str | None]], names: Sequence[str], var
     )
 
 
-def drops_gpus(step: Step) -> bool:
-    """Does this wrapper start its command without the CUDA_VISIBLE_DEVICES it was given?
+def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
+    """Does this wrapper start its command without the `variable` it was given
+    (CUDA_VISIBLE_DEVICES unless said)?
 
     sudo resets the environment (env_reset, on by default) unless told to keep it (-E,
     --preserve-env, or a --preserve-env=LIST naming the variable); doas and pkexec always
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
-    or -u CUDA_VISIBLE_DEVICES; setpriv with --reset-env; sg for a login (-); systemd-run
+    or -u naming it; setpriv with --reset-env; sg for a login (-); systemd-run
     unless --scope: its command runs in a unit of systemd's, with its environment."""
     if step.unsure:
         return False  # its options are not known: it may well keep the variables
-    variable = GPU_VARIABLES[0]
     names = {name for name, _ in step.options}
     if step.program == "sudo":
         return not (

@@ -114,15 +114,21 @@ def check_not_srun(argv: Sequence[str]) -> None:
     )
 
 
-def check_keeps_gpus(argv: Sequence[str]) -> None:
+def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     """Refuse a command that runs through a wrapper starting it without the CUDA_VISIBLE_DEVICES
     gpuwait sets (UsageError, 2): `sudo -u alice python x.py` (sudo's env_reset), doas, pkexec,
     `su -l`, `env -i`. The command would see every GPU, those given to other jobs too, and
     allocate on whichever it took. The hint is the line that keeps the variables, where there
-    is one: sudo's --preserve-env=LIST, su's -w LIST."""
+    is one: sudo's --preserve-env=LIST, su's -w LIST.
+
+    `by_index` (visible_devices = index): CUDA_VISIBLE_DEVICES names NVML's indices, in PCI
+    order, which CUDA reads in its own fastest-first order without CUDA_DEVICE_ORDER: a
+    wrapper must keep that too, or the index may name a card gpuwait gave another job."""
     for step in steps(argv):
-        if not drops_gpus(step):
+        dropped = [v for v in GPU_VARIABLES[: 2 if by_index else 1] if drops_gpus(step, v)]
+        if not dropped:
             continue
+        variable = dropped[0]
         keep = ",".join(GPU_VARIABLES)
         under = f"{step.program} ... gpuwait --vram SIZE -- COMMAND"
         where = len(argv) - len(step.argv)
@@ -134,7 +140,7 @@ def check_keeps_gpus(argv: Sequence[str]) -> None:
             line = [*argv[: where + 1], "-w", keep, *argv[where + 1 :]]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program == "env":
-            hint = f"leave {GPU_VARIABLES[0]} to the command: unset only what it must not see"
+            hint = f"leave {variable} to the command: unset only what it must not see"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:
@@ -146,9 +152,14 @@ def check_keeps_gpus(argv: Sequence[str]) -> None:
                 "and the job would end before it",
                 hint=f"run gpuwait in the unit instead: {under} (or use systemd-run --scope)",
             )
+        what = (
+            "it would see every GPU, those given to other jobs too"
+            if variable == GPU_VARIABLES[0]
+            else "it would number the GPUs fastest-first, and the index gpuwait gives "
+            "(visible_devices = index) could name a GPU given to another job"
+        )
         raise UsageError(
-            f"{step.program} starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets: "
-            "it would see every GPU, those given to other jobs too",
+            f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
             hint=hint,
         )
 

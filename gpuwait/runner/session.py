@@ -258,7 +258,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     check_command(request.command)
     check_not_srun(request.command)
-    check_keeps_gpus(request.command)
+    check_keeps_gpus(request.command, by_index=config.visible_by_index)
     _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(

@@ -247,3 +247,29 @@ def test_srun_run_as_another_user_is_refused_as_srun_is(
     assert done.returncode == 2, done.stderr
     assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
     assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "-u", "alice", "true"],
+        ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
+        ["env", "-u", "CUDA_DEVICE_ORDER", "true"],
+    ],
+)
+def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # With visible_devices = index, CUDA_VISIBLE_DEVICES names NVML's (PCI-ordered) index,
+    # which CUDA reads in its own fastest-first order unless CUDA_DEVICE_ORDER=PCI_BUS_ID
+    # comes with it: a wrapper keeping the one and not the other puts the job, on a machine of
+    # two kinds of GPU, on a card gpuwait did not give it. With UUIDs the same line runs.
+    env, ran = fake_bin(tmp_path, "sudo", "su", "env")
+    done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
+    assert done.returncode == 2, done.stderr
+    assert f"{command[0]} starts its command without the CUDA_DEVICE_ORDER" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
