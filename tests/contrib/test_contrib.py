@@ -418,6 +418,29 @@ def test_cron_wrapper_writes_no_log_in_a_directory_another_user_can_write_in() -
         clean_up(root, [])
 
 
+def test_cron_wrapper_says_how_to_make_a_log_directory_of_ones_own_private(
+    cron_home: Path, sim_file: Any, tmp_path: Path
+) -> None:
+    # GPUWAIT_CRON_LOG_DIR set to a directory of the user's own, made under umask 002 (0775):
+    # the run stopped with 'set GPUWAIT_CRON_LOG_DIR to a directory of yours', which it was.
+    # The line now says what makes it one: taking the others' write permission away.
+    sim_file(gpus=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    os.chmod(logs, 0o775)
+    env = {**cron_env(cron_home), "GPUWAIT_CRON_LOG_DIR": str(logs)}
+    line = "$HOME/.local/bin/gpuwait-cron nightly --vram 1G -- true"
+    done = cron_run(line, env)
+    assert done.returncode == 73, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"chmod go-w {logs}" in done.stderr
+    assert not (logs / "nightly.log").exists()
+    os.chmod(logs, 0o755)
+    done = cron_run(line, env)
+    assert done.returncode == 0, done.stderr
+    assert "end: exit status 0" in (logs / "nightly.log").read_text()
+
+
 def test_cron_wrapper_gives_up_after_timeout_and_says_so(
     cron_home: Path, sim_file: Any, tmp_path: Path
 ) -> None:
