@@ -73,18 +73,23 @@ def run(options: argparse.Namespace) -> int:
     # Before the GPUs are read: a job's command still loading uses no memory yet, and is no
     # process to adopt either way.
     tree = proc.process_tree([pid])
-    if os.getpid() in tree:
-        # `gpuwait adopt $$`, 1: a shell or session lives on, and holds all that runs below it.
-        raise UsageError(
-            f"process {pid} runs this gpuwait below it (a shell, a session or init), and "
-            "would hold for as long as it lives what every program below it uses",
-            hint="adopt the process that uses the GPU itself (see `nvidia-smi`)",
-        )
     data = ledger.read()
     lifecycle.refuse_a_jobs_process(data, pid)
     # Jobs below it (a shell that runs one) keep their own reservations.
     tree = set(tree) - lifecycle.jobs_processes(data, tree)
     snapshot = read_once(settings.sim, settings.nvml_timeout)
+    if os.getpid() in tree:
+        if not any(p.pid == pid for g in snapshot.gpus for p in g.processes):
+            # `gpuwait adopt $$`, 1: a shell or session lives on, and holds all that runs
+            # below it.
+            raise UsageError(
+                f"process {pid} runs this gpuwait below it (a shell, a session or init), and "
+                "would hold for as long as it lives what every program below it uses",
+                hint="adopt the process that uses the GPU itself (see `nvidia-smi`)",
+            )
+        # A program on the GPU itself adopting itself (a notebook's kernel, from a cell:
+        # `!gpuwait adopt {os.getpid()}`): the shell and this gpuwait below it are not its.
+        tree -= {os.getpid(), *proc.ancestors(os.getpid())} - {pid}
     using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
     using = {uuid: used for uuid, used in using.items() if used > 0}
     # Listed by the driver without a memory figure (NVML's "not available": WDDM under WSL2,

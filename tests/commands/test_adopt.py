@@ -303,6 +303,40 @@ def test_a_shell_is_adopted_without_the_jobs_below_it_and_never_the_adopts_own(
         wait_for(lambda: ledger_entries() == [], timeout=30, message="the jobs never ended")
 
 
+#: A notebook's kernel that uses 3 GiB of GPU 0 itself and then adopts itself as a notebook
+#: does, `!gpuwait adopt {os.getpid()}`: through a shell, below it.
+KERNEL = """
+import os, subprocess, sys
+from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
+from gpuwait.linux import proc
+config = load_sim_file(os.environ["GPUWAIT_SIM"])
+me = os.getpid()
+allocation = Allocation(me, proc.start_time(me), config.gpus[0].uuid, 3 << 30)
+write_allocation(ensure_state_dir(config), allocation)
+done = subprocess.run(["sh", "-c", f"{sys.argv[1]} {me}"], capture_output=True, text=True)
+sys.stderr.write(done.stderr)
+sys.exit(done.returncode)
+"""
+
+
+def test_a_kernel_that_uses_the_gpu_itself_adopts_itself(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A notebook kernel, the first process the adopt page names, adopting itself from a cell
+    # (`!gpuwait adopt {os.getpid()}`) was refused with exit 2, 'runs this gpuwait below it (a
+    # shell, a session or init)', and the hint to adopt the process that uses the GPU
+    # itself, which it was. It is adopted with the 3 GiB it uses, as before.
+    sim_file(gpus=1)
+    adopt = shlex.join([*gpuwait_cmd, "adopt", "--name", "notebook"])
+    done = subprocess.run(
+        [sys.executable, "-c", KERNEL, adopt], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "3.0 GiB reserved on GPU 0" in done.stderr, done.stderr
+    run_gpuwait("status")
+    wait_for(lambda: ledger_entries() == [], timeout=30, message="the kernel never left")
+
+
 def test_refuses_a_job_that_has_not_allocated_yet_as_a_job(
     sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
 ) -> None:
