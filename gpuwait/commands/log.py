@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     # max(0, …): with fewer events than asked for, a negative start would drop some.
     for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)
-    if not events and not args.json and not args.follow:
+    if not events and args.lines and not args.json and not args.follow:
         print("no events recorded yet")  # as `history` says it: an empty screen reads as broken
     sys.stdout.flush()
     if not args.follow:

@@ -452,6 +452,8 @@ def test_log_of_nothing_says_so_as_history_does(sim: Path) -> None:
     assert gpuwait("log", "--json").stdout == ""
     assert gpuwait("--vram", "1G", "true").returncode == 0
     assert "no events" not in gpuwait("log").stdout
+    # Asked for none of them (as `tail -n 0`), it shows none, and does not say there are none.
+    assert (gpuwait("log", "-n", "0").returncode, gpuwait("log", "-n", "0").stdout) == (0, "")
 
 
 # -- a terminal that cannot show every character -----------------------------------------------
