@@ -105,3 +105,28 @@ def left_out_now(entry: str, snapshot: MachineSnapshot) -> bool:
         and entry.upper().startswith(("GPU-", "MIG-"))
         and _match(entry, snapshot.gpus) is None
     )
+
+
+#: What would help where no GPU of the machine is one a job can be placed on (`none_usable`).
+MIG_MODE_HINT = (
+    "run the command without gpuwait, or have an administrator turn MIG mode off "
+    "(nvidia-smi -mig 0)"
+)
+NO_GPU_HINT = "see nvidia-smi; GPUWAIT_SIM=FILE uses simulated GPUs meanwhile"
+
+
+def none_usable(snapshot: MachineSnapshot) -> tuple[str, str] | None:
+    """(why, hint) where `snapshot` read no GPU a job can be placed on and none that may answer
+    again: every card in MIG mode, or none at all that this process may use (NVML counts
+    none, or each is hidden from it). None where it read one."""
+    if snapshot.gpus or snapshot.unanswered:
+        return None
+    if snapshot.in_mig_mode:
+        which = ", ".join(f"GPU {index}" for index, _ in snapshot.in_mig_mode)
+        verb = "is" if len(snapshot.in_mig_mode) == 1 else "are"
+        return (
+            f"no GPU here takes a job: {which} {verb} in MIG mode, and gpuwait places jobs on "
+            "whole GPUs only",
+            MIG_MODE_HINT,
+        )
+    return "NVML lists no GPU that this process may use", NO_GPU_HINT

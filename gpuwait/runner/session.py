@@ -807,6 +807,12 @@ def _judge(
         claim_of(job, snapshot.gpus), snapshot.gpus, config.wait.safety, config.wait.fair.limits
     )
     if impossible is not None:
+        from gpuwait.core.devices import none_usable
+
+        if impossible == NO_CANDIDATE and (nothing := none_usable(snapshot)) is not None:
+            # Not for want of a card of the right kind: the machine has none to offer.
+            why, hint = nothing
+            raise ImpossibleRequest(why, hint=hint)
         raise ImpossibleRequest(
             impossible, hint=impossible_hint(impossible, job.requirements_for_policy(), spell)
         )

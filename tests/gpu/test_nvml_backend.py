@@ -259,6 +259,31 @@ def test_devices_naming_a_gpu_in_mig_mode(fake_nvml: FakeNvml, gpuwait_cmd: list
     ]
 
 
+def test_a_machine_whose_every_gpu_is_in_mig_mode_says_so(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # An A100 server split into MIG instances: every launch was refused as "no candidate GPU",
+    # with the hint to have the compute mode set back to default (nvidia-smi -c DEFAULT),
+    # which every card already had.
+    fake_nvml.set_gpus([FakeGpu(mig=True), FakeGpu(mig=True)])
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", "true")
+    assert done.returncode == 3
+    assert done.stderr.splitlines()[2:] == [
+        "gpuwait: error: no GPU here takes a job: GPU 0, GPU 1 are in MIG mode, and gpuwait "
+        "places jobs on whole GPUs only",
+        "gpuwait: hint: run the command without gpuwait, or have an administrator turn MIG "
+        "mode off (nvidia-smi -mig 0)",
+    ]
+    # No GPU at all (the driver loaded, the cards gone): no card's compute mode to blame.
+    fake_nvml.set_gpus([])
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", "true")
+    assert done.returncode == 3
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: NVML lists no GPU that this process may use",
+        "gpuwait: hint: see nvidia-smi; GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
+    ]
+
+
 # -- memory versions --------------------------------------------------------------------------
 
 
