@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuwait.core.devices import MIG_MODE_HINT
 from gpuwait.core.errors import (
     DEFAULT_GPU_ERROR_TIMEOUT,
     BackendUnavailable,
@@ -153,6 +154,35 @@ def own_gpus_silent(job: Job, snapshot: MachineSnapshot) -> BackendUnavailable |
     return BackendUnavailable(
         f"GPU {which} did not answer, and without it the GPUs this job may use cannot hold it",
         hint=NO_GPU_ANSWERS_HINT,
+    )
+
+
+def gone_into_mig_mode(job: Job, snapshot: MachineSnapshot) -> ImpossibleRequest | None:
+    """A reading in which too few of the GPUs `job` may use are left to it, GPUs it may use
+    being in MIG mode (an administrator switched them while it waited): it would wait for
+    ever, where a launch then is refused at once. Run after `own_gpus_silent`: a GPU that
+    did not answer may yet be one of them."""
+    requirements = job.requirements_for_policy()
+    mig = [
+        index
+        for index, uuid in snapshot.in_mig_mode
+        if job.candidates is None or uuid in job.candidates
+    ]
+    if not mig or snapshot.unanswered:
+        return None
+    mine = [
+        g
+        for g in snapshot.gpus
+        if (job.candidates is None or g.uuid in job.candidates) and requirements.mismatch(g) is None
+    ]
+    if len(mine) >= job.gpus:
+        return None
+    which = ", ".join(f"GPU {index}" for index in mig)
+    verb = "is" if len(mig) == 1 else "are"
+    return ImpossibleRequest(
+        f"no GPU left that this job may use: {which} {verb} in MIG mode now, and gpuwait "
+        "places jobs on whole GPUs only",
+        hint=MIG_MODE_HINT,
     )
 
 
@@ -528,6 +558,8 @@ def wait_for_admission(
             with signals.suppress_failures(Exception):
                 lifecycle.note_health(ledger, snapshot)  # LOST in `status` meanwhile
             raise silent
+        if (split := gone_into_mig_mode(job, snapshot)) is not None:
+            raise split
         if policy.ignore_processes:
             snapshot = name_processes(snapshot)
         window.add(snapshot)

@@ -23,7 +23,7 @@ from helpers.fixtures_nvml import (
     FakeGpu,
     FakeNvml,
 )
-from helpers.waiting import wait_for
+from helpers.waiting import ledger_entries, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -282,6 +282,40 @@ def test_a_machine_whose_every_gpu_is_in_mig_mode_says_so(
         "gpuwait: error: NVML lists no GPU that this process may use",
         "gpuwait: hint: see nvidia-smi; GPUWAIT_SIM=FILE uses simulated GPUs meanwhile",
     ]
+
+
+@pytest.mark.parametrize("devices", [(), ("--devices", "1")])
+def test_a_waiter_whose_gpus_go_into_mig_mode_is_told_so(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], devices: tuple[str, ...]
+) -> None:
+    # The card it waited for was switched into MIG mode (and reset) by an administrator: the
+    # waiter waited on for ever, its line saying "no usable GPU right now", where a launch
+    # then is refused at once (exit 3) for the MIG mode.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB)] * 2)
+    waiter = subprocess.Popen(
+        [*gpuwait_cmd, *devices, "--vram", "10G", "--", "true"],
+        env={**fake_nvml.env(), "GPUWAIT_NVML_INTERVAL": "0.2s"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: any(e.get("state") == "waiting" for e in ledger_entries()), timeout=30)
+        fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB), FakeGpu(mig=True)])
+        if not devices:
+            fake_nvml.update_gpu(0, mig=True)
+        _, err = waiter.communicate(timeout=30)
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+    assert waiter.returncode == 3, err
+    gpus = "GPU 1 is" if devices else "GPU 0, GPU 1 are"
+    assert (
+        f"gpuwait: error: no GPU left that this job may use: {gpus} in MIG mode now, and "
+        "gpuwait places jobs on whole GPUs only"
+    ) in err.splitlines(), err
+    assert "Traceback" not in err
+    assert ledger_entries() == []
 
 
 # -- memory versions --------------------------------------------------------------------------
