@@ -81,6 +81,10 @@ HINT = (
     "on_no_gpu in config.toml decides whether commands run anyway"
 )
 
+#: For a driver that is there but does not answer (a call stuck in it): nothing to install,
+#: and on_no_gpu, which is for machines without a driver, does not apply.
+HUNG_HINT = "check the driver (nvidia-smi); one that does not answer needs a GPU reset or a reboot"
+
 # NVML return codes, spelled out so this module does not depend on which error classes a
 # given nvidia-ml-py release generates.
 _UNINITIALIZED = 1
@@ -277,7 +281,8 @@ class NvmlBackend:
             _within(pynvml.nvmlInit, timeout)
         except _Hung:
             raise BackendUnavailable(
-                f"NVML did not start within {timeout:g}s (the driver is not answering)", hint=HINT
+                f"NVML did not start within {timeout:g}s (the driver is not answering)",
+                hint=HUNG_HINT,
             ) from None
         except Exception as exc:
             raise _init_failure(exc) from exc
@@ -313,7 +318,7 @@ class NvmlBackend:
             raise BackendUnavailable(
                 "NVML has not answered when asked for the GPU count for "
                 f"{time.monotonic() - self._stuck_count[1]:.0f}s",
-                hint=HINT,
+                hint=HUNG_HINT,
             )
         self._stuck_count = None
         call = _Call(pynvml.nvmlDeviceGetCount)
@@ -332,7 +337,7 @@ class NvmlBackend:
             self._stuck_count = (call, time.monotonic())
             raise BackendUnavailable(
                 f"NVML did not answer within {self.timeout:g}s when asked for the GPU count",
-                hint=HINT,
+                hint=HUNG_HINT,
             ) from None
         except Exception as exc:
             raise BackendUnavailable(

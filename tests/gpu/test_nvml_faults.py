@@ -116,6 +116,40 @@ def test_a_hung_driver_is_unavailable_not_a_hang(
         assert not thread.is_alive(), f"{thread.name} never ended: the stuck {func} call hangs on"
 
 
+@pytest.mark.parametrize(
+    ("func", "said"),
+    [
+        ("nvmlInitWithFlags", "NVML did not start within 0.3s (the driver is not answering)"),
+        ("nvmlDeviceGetCount_v2", "NVML has not answered when asked for the GPU count"),
+    ],
+)
+def test_a_launch_given_up_on_a_hung_driver_is_not_told_to_install_one(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str], func: str, said: str
+) -> None:
+    # A wedged driver (init or the GPU count stuck in it): after gpu_error_timeout the launch
+    # ended with the hint to install the NVIDIA driver, and that on_no_gpu decides whether
+    # commands run anyway, which it does not for a driver that is there.
+    two_gpus.hang(None, func, 30)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env={
+            **two_gpus.env(),
+            "GPUWAIT_NVML_TIMEOUT": "0.3s",
+            "GPUWAIT_GPU_ERROR_TIMEOUT": "2s",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, done.stderr
+    error, hint = done.stderr.splitlines()[-2:]
+    assert error.startswith(f"gpuwait: error: {said}"), done.stderr
+    assert hint == (
+        "gpuwait: hint: check the driver (nvidia-smi); one that does not answer needs a GPU "
+        "reset or a reboot"
+    )
+
+
 def test_hung_gpu_end_to_end(two_gpus: FakeNvml, gpuwait_cmd: list[str]) -> None:
     two_gpus.hang(0, "nvmlDeviceGetMemoryInfo_v2", 30)
     started = time.monotonic()
