@@ -85,6 +85,9 @@ HINT = (
 #: and on_no_gpu, which is for machines without a driver, does not apply.
 HUNG_HINT = "check the driver (nvidia-smi); one that does not answer needs a GPU reset or a reboot"
 
+#: For a driver that started and then fails: nothing to install either.
+FAILING_HINT = "check the driver (nvidia-smi); a GPU reset or a reboot may mend it"
+
 # NVML return codes, spelled out so this module does not depend on which error classes a
 # given nvidia-ml-py release generates.
 _UNINITIALIZED = 1
@@ -341,7 +344,7 @@ class NvmlBackend:
             ) from None
         except Exception as exc:
             raise BackendUnavailable(
-                f"NVML could not count the GPUs: {_describe(exc)}", hint=HINT
+                f"NVML could not count the GPUs: {_describe(exc)}", hint=FAILING_HINT
             ) from exc
         gpus: list[GpuSnapshot] = []
         warnings: list[str] = []

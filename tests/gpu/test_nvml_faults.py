@@ -150,6 +150,27 @@ def test_a_launch_given_up_on_a_hung_driver_is_not_told_to_install_one(
     )
 
 
+def test_a_launch_given_up_on_a_failing_gpu_count_is_not_told_to_install_a_driver(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # NVML started, then failed at every count of the GPUs: after gpu_error_timeout the launch
+    # ended with the hint to install the NVIDIA driver, which had just answered.
+    two_gpus.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env={**two_gpus.env(), "GPUWAIT_GPU_ERROR_TIMEOUT": "1s"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, done.stderr
+    error, hint = done.stderr.splitlines()[-2:]
+    assert error.startswith("gpuwait: error: NVML could not count the GPUs: Unknown Error")
+    assert (
+        hint == "gpuwait: hint: check the driver (nvidia-smi); a GPU reset or a reboot may mend it"
+    )
+
+
 def test_hung_gpu_end_to_end(two_gpus: FakeNvml, gpuwait_cmd: list[str]) -> None:
     two_gpus.hang(0, "nvmlDeviceGetMemoryInfo_v2", 30)
     started = time.monotonic()
