@@ -278,6 +278,11 @@ class NvmlBackend:
         #: (other than "not supported") is taken to be, since a card taken for shared that
         #: holds one process at a time gets a second job that fails.
         self._modes: dict[str, str] = {}
+        #: GPU UUID -> whether MIG mode was on at its last reading: what a reading of the mode
+        #: that fails (other than "not supported") is taken to be. Never read, the GPU's
+        #: reading fails: a card in MIG mode taken for a whole one gets jobs sent into one of
+        #: its MIG instances, whatever room that has.
+        self._mig: dict[str, bool] = {}
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
         try:
@@ -449,7 +454,7 @@ class NvmlBackend:
     def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-        if self._mig_enabled(handle):
+        if self._mig_enabled(handle, uuid):
             raise _MigEnabled(uuid)
         name = self._name(handle)
         problems: list[str] = []
@@ -476,7 +481,7 @@ class NvmlBackend:
     def _lost(exc: BaseException) -> bool:
         return _code(exc) == _GPU_IS_LOST
 
-    def _mig_enabled(self, handle: Any) -> bool:
+    def _mig_enabled(self, handle: Any, uuid: str) -> bool:
         """Whether the GPU is in MIG mode now. Its memory figures are then the whole card's
         (where they can be read at all), while CUDA given the card's UUID runs a job in one MIG
         instance: admitting by the card's room would put several jobs into one instance's
@@ -487,11 +492,18 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             if self._lost(exc):
                 raise _GpuLost(exc) from exc
-            # Not supported (no MIG on this GPU), or a driver older than MIG.
-            return False
+            if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+                # No MIG on this GPU, or a driver older than MIG.
+                return False
+            known = self._mig.get(uuid)
+            if known is None:
+                raise  # this GPU's reading failed: retried as any failed reading is
+            return known
         except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
             return False
-        return int(current) == int(pynvml.NVML_DEVICE_MIG_ENABLE)
+        found = int(current) == int(pynvml.NVML_DEVICE_MIG_ENABLE)
+        self._mig[uuid] = found
+        return found
 
     def _name(self, handle: Any) -> str:
         try:

@@ -199,6 +199,41 @@ def test_a_gpu_in_mig_mode_is_left_out(fake_nvml: FakeNvml, backend: NvmlBackend
     assert snap.warnings[0].startswith("GPU 1: GPU is lost")
 
 
+def test_a_gpu_whose_mig_mode_cannot_be_read_is_not_taken_for_a_whole_gpu(
+    fake_nvml: FakeNvml, backend: NvmlBackend, gpuwait_cmd: list[str]
+) -> None:
+    # An 80 GiB A100 in MIG mode whose MIG query answered Unknown Error was taken for a whole
+    # card with 80 GiB free: an 8 GiB job was sent to it (CUDA_VISIBLE_DEVICES=GPU-mig), to
+    # run in one of its MIG instances, whatever room that had.
+    fake_nvml.set_gpus(
+        [
+            FakeGpu(uuid="GPU-mig", total=80 * GIB, mig=True),
+            FakeGpu(uuid="GPU-whole", total=24 * GIB, used=23 * GIB),
+        ]
+    )
+    assert backend.snapshot().in_mig_mode == ((0, "GPU-mig"),)
+    fake_nvml.fail(0, "nvmlDeviceGetMigMode", UNKNOWN)
+    # Read before: the mode last read holds.
+    snap = backend.snapshot()
+    assert [g.uuid for g in snap.gpus] == ["GPU-whole"]
+    assert snap.in_mig_mode == ((0, "GPU-mig"),)
+    # Never read (a launch's first reading): the GPU's reading failed, and it is retried.
+    fresh = NvmlBackend()
+    try:
+        snap = fresh.snapshot()
+    finally:
+        fresh.close()
+    assert [g.uuid for g in snap.gpus] == ["GPU-whole"] and snap.unanswered == (0,)
+    assert snap.warnings == ("GPU 0: Unknown Error (NVML error 999); skipped",)
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "8G", "--timeout", "1s", "--", *ECHO_VISIBLE)
+    assert (done.returncode, done.stdout) == (124, ""), done.stderr
+    # A GPU without MIG (NOT_SUPPORTED) is a whole GPU, as before.
+    fake_nvml.clear_failures()
+    fake_nvml.update_gpu(0, mig=None)
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "8G", "--", *ECHO_VISIBLE)
+    assert (done.returncode, done.stdout) == (0, "GPU-mig\n"), done.stderr
+
+
 @pytest.mark.parametrize("visible", ["0,1", "GPU-mig,GPU-whole"])
 def test_a_gpu_in_mig_mode_named_first_by_cuda_visible_devices_hides_none_after_it(
     fake_nvml: FakeNvml, gpuwait_cmd: list[str], visible: str
