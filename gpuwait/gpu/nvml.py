@@ -630,7 +630,8 @@ class NvmlBackend:
     def _compute_mode(self, handle: Any, uuid: str) -> str:
         """The card's compute mode (`nvidia-smi -c`), asked at every reading: an administrator
         may change it while gpuwait waits. A driver that cannot tell (NOT_SUPPORTED, an old
-        nvidia-ml-py) lets any number of processes in: "default"."""
+        nvidia-ml-py) lets any number of processes in: "default". A query that fails keeps the
+        mode last read, and fails the GPU's reading where there is none (a launch's first)."""
         try:
             mode = int(pynvml.nvmlDeviceGetComputeMode(handle))
         except pynvml.NVMLError as exc:
@@ -638,7 +639,9 @@ class NvmlBackend:
                 raise _GpuLost(exc) from exc
             if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
                 return COMPUTE_DEFAULT
-            return self._modes.get(uuid, COMPUTE_DEFAULT)
+            if uuid not in self._modes:
+                raise  # never read: this GPU's reading failed, retried as any failed one
+            return self._modes[uuid]
         except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
             return COMPUTE_DEFAULT
         if mode == int(pynvml.NVML_COMPUTEMODE_PROHIBITED):

@@ -76,6 +76,25 @@ def test_a_compute_mode_query_that_fails_keeps_the_mode_last_read(
     assert snap.unanswered == (2,)
 
 
+def test_a_compute_mode_never_read_is_not_taken_for_default(
+    fake_nvml: FakeNvml, backend: NvmlBackend, gpuwait_cmd: list[str]
+) -> None:
+    # An EXCLUSIVE_PROCESS card held by a process outside gpuwait, whose compute mode query
+    # answered Unknown Error at a launch's first reading: taken for a card any number of
+    # processes may share, it got a 2 GiB job, which CUDA fails as "busy or unavailable".
+    fake_nvml.set_gpus([FakeGpu(mode=3, used=GIB // 4), FakeGpu(mode=0, used=79 * GIB)])
+    fake_nvml.add_process(0, os.getpid(), GIB // 4)
+    fake_nvml.fail(0, "nvmlDeviceGetComputeMode", UNKNOWN)
+    snap = backend.snapshot()
+    assert [g.index for g in snap.gpus] == [1] and snap.unanswered == (0,)
+    assert snap.warnings == ("GPU 0: Unknown Error (NVML error 999); skipped",)
+    ran = subprocess.run(
+        [*gpuwait_cmd, "--vram", "2G", "--timeout", "1s", "--", "true"],
+        env=fake_nvml.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 124, ran.stderr
+
+
 def test_an_exclusive_process_card_runs_one_job_at_a_time(
     fake_nvml: FakeNvml, procs: Callable[..., subprocess.Popen[Any]], tmp_path: Path
 ) -> None:
