@@ -283,6 +283,9 @@ class NvmlBackend:
         #: reading fails: a card in MIG mode taken for a whole one gets jobs sent into one of
         #: its MIG instances, whatever room that has.
         self._mig: dict[str, bool] = {}
+        #: GPU UUID -> its compute capability as last read (a card's never changes): what a
+        #: reading of it that fails (other than "not supported") is taken to be.
+        self._capabilities: dict[str, tuple[int, int]] = {}
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
         try:
@@ -472,7 +475,7 @@ class NvmlBackend:
             processes_failed=processes_failed,
             utilization_pct=utilization,
             utilization_failed=utilization_failed,
-            compute_capability=self._compute_capability(handle),
+            compute_capability=self._compute_capability(handle, uuid),
             compute_mode=self._compute_mode(handle, uuid),
         )
         return gpu, problems
@@ -614,18 +617,25 @@ class NvmlBackend:
             )
         return tuple(processes), False
 
-    def _compute_capability(self, handle: Any) -> tuple[int, int] | None:
+    def _compute_capability(self, handle: Any, uuid: str) -> tuple[int, int] | None:
+        """None where the driver cannot tell (NOT_SUPPORTED, or no such call). A query that
+        fails otherwise keeps the figure last read, and fails the GPU's reading where there is
+        none: taken for "cannot tell", it made --min-compute-capability refuse the card."""
         try:
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
         except pynvml.NVMLError as exc:
             if self._lost(exc):
                 raise _GpuLost(exc) from exc
-            return None
+            if _code(exc) in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND) or uuid in self._capabilities:
+                return self._capabilities.get(uuid)
+            raise  # this GPU's reading failed: retried as any failed reading is
         except (AttributeError, TypeError, ValueError, pynvml.NVMLLibraryMismatchError):
             # An nvidia-ml-py without the call, or an answer of an unexpected shape: only
             # --min-compute-capability needs it, and it treats "unknown" as not matching.
             return None
-        return int(major), int(minor)
+        found = int(major), int(minor)
+        self._capabilities[uuid] = found
+        return found
 
     def _compute_mode(self, handle: Any, uuid: str) -> str:
         """The card's compute mode (`nvidia-smi -c`), asked at every reading: an administrator

@@ -6,6 +6,7 @@ import ctypes.util
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -520,6 +521,29 @@ def test_compute_capability_or_none(fake_nvml: FakeNvml, backend: NvmlBackend) -
     assert snap.warnings == ()
     fake_nvml.fail(0, "nvmlDeviceGetCudaComputeCapability", GPU_IS_LOST)
     assert [g.index for g in backend.snapshot().gpus] == [1, 2]
+
+
+def test_a_compute_capability_query_that_fails_is_no_card_without_one(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # An 8.0 card whose compute capability query answered Unknown Error once: a launch asking
+    # for --min-compute-capability 8.0 was refused at once, exit 3, "GPU0 does not report its
+    # compute capability", as if no card of the kind were there.
+    fake_nvml.set_gpus([FakeGpu(cc="8.0")])
+    fake_nvml.fail(0, "nvmlDeviceGetCudaComputeCapability", UNKNOWN)
+    threading.Timer(0.5, fake_nvml.clear_failures).start()
+    done = launch(
+        fake_nvml,
+        gpuwait_cmd,
+        "--min-compute-capability",
+        "8.0",
+        "--vram",
+        "1G",
+        "--",
+        *ECHO_VISIBLE,
+        GPUWAIT_GPU_ERROR_TIMEOUT="30s",
+    )
+    assert (done.returncode, done.stdout) == (0, "GPU-fake-0\n"), done.stderr
 
 
 def test_unreadable_name_still_serves_the_gpu(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
