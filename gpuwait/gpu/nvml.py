@@ -286,6 +286,9 @@ class NvmlBackend:
         #: GPU UUID -> its compute capability as last read (a card's never changes): what a
         #: reading of it that fails (other than "not supported") is taken to be.
         self._capabilities: dict[str, tuple[int, int]] = {}
+        #: GPU UUID -> its name as last read: what a reading of it that fails (other than "not
+        #: supported") is taken to be.
+        self._names: dict[str, str] = {}
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
         try:
@@ -459,7 +462,7 @@ class NvmlBackend:
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         if self._mig_enabled(handle, uuid):
             raise _MigEnabled(uuid)
-        name = self._name(handle)
+        name = self._name(handle, uuid)
         problems: list[str] = []
         total, used, driver = self._memory(handle, problems)
         utilization, utilization_failed = self._utilization(handle)
@@ -508,14 +511,20 @@ class NvmlBackend:
         self._mig[uuid] = found
         return found
 
-    def _name(self, handle: Any) -> str:
+    def _name(self, handle: Any, uuid: str) -> str:
         try:
-            return _text(pynvml.nvmlDeviceGetName(handle))
+            name = _text(pynvml.nvmlDeviceGetName(handle))
         except pynvml.NVMLError as exc:
             if self._lost(exc):
                 raise _GpuLost(exc) from exc
-            # The name is only shown; a GPU that cannot tell it can still run work.
-            return "NVIDIA GPU"
+            if _code(exc) not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND) and uuid not in self._names:
+                # Named "NVIDIA GPU" for a failure that may pass, it would be refused to a
+                # --gpu-name request as a card of another kind: this reading failed.
+                raise
+            # A GPU that cannot tell its name can still run work.
+            return self._names.get(uuid, "NVIDIA GPU")
+        self._names[uuid] = name
+        return name
 
     def _memory(self, handle: Any, problems: list[str]) -> tuple[int, int, int]:
         """(total, used, the driver's own) in bytes, where used = total - free.

@@ -552,6 +552,28 @@ def test_unreadable_name_still_serves_the_gpu(two_gpus: FakeNvml, backend: NvmlB
     assert [g.name for g in snap.gpus] == ["NVIDIA GPU", "NVIDIA H100 80GB HBM3"]
 
 
+def test_a_name_query_that_fails_is_no_card_of_another_kind(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # An A100 whose name query answered Unknown Error once was named "NVIDIA GPU": a launch
+    # with --gpu-name A100 was refused at once, exit 3, "GPU0 is a NVIDIA GPU".
+    fake_nvml.set_gpus([FakeGpu(name="NVIDIA A100-SXM4-80GB")])
+    fake_nvml.fail(0, "nvmlDeviceGetName", UNKNOWN)
+    threading.Timer(0.5, fake_nvml.clear_failures).start()
+    done = launch(
+        fake_nvml,
+        gpuwait_cmd,
+        "--gpu-name",
+        "A100",
+        "--vram",
+        "1G",
+        "--",
+        *ECHO_VISIBLE,
+        GPUWAIT_GPU_ERROR_TIMEOUT="30s",
+    )
+    assert (done.returncode, done.stdout) == (0, "GPU-fake-0\n"), done.stderr
+
+
 def test_count_failing_is_backend_unavailable(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
     two_gpus.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
     with pytest.raises(BackendUnavailable) as info:
