@@ -141,7 +141,13 @@ def _init_failure(exc: BaseException) -> BackendUnavailable:
     if isinstance(exc, OSError) or code == _LIBRARY_NOT_FOUND:
         message = "NVIDIA driver not found (libnvidia-ml.so.1 could not be loaded)"
     elif code == _DRIVER_NOT_LOADED:
-        message = "NVIDIA driver is installed but not loaded (NVML error 9)"
+        # Installed: the hint to install it would mislead.
+        return BackendUnavailable(
+            "NVIDIA driver is installed but not loaded (NVML error 9)",
+            hint="have an administrator load it (modprobe nvidia), or set GPUWAIT_SIM=FILE to "
+            "use simulated GPUs; on_no_gpu in config.toml decides whether commands run anyway",
+            lasting=True,
+        )
     elif code == _NO_PERMISSION:
         # The driver's device files are not this user's to open: until an administrator
         # changes that, no wait helps, and the generic hint (install a driver) would mislead.

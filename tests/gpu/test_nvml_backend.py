@@ -676,6 +676,22 @@ def test_init_failure_is_backend_unavailable_with_hint(
     assert "\n" not in info.value.message
 
 
+def test_a_driver_not_loaded_is_not_to_be_installed(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # "NVIDIA driver is installed but not loaded", then the hint to install the NVIDIA driver.
+    fake_nvml.set_gpus([FakeGpu()])
+    fake_nvml.fail_init(DRIVER_NOT_LOADED)
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", "true", GPUWAIT_ON_NO_GPU="fail")
+    assert done.returncode == 4
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: NVIDIA driver is installed but not loaded (NVML error 9)",
+        "gpuwait: hint: have an administrator load it (modprobe nvidia), or set "
+        "GPUWAIT_SIM=FILE to use simulated GPUs; on_no_gpu in config.toml decides whether "
+        "commands run anyway",
+    ]
+
+
 def test_missing_library_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_library(name: str, *args: object, **kwargs: object) -> None:
         raise OSError(f"{name}: cannot open shared object file: No such file or directory")
