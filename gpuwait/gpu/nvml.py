@@ -167,10 +167,11 @@ def _init_failure(exc: BaseException) -> BackendUnavailable:
             gpus_here=True,
         )
     else:
-        message = f"NVML could not start: {_describe(exc)}"
+        # The library is there and answered: a driver is installed, and the failure may pass
+        # (retried up to gpu_error_timeout, which on_no_gpu has no say in).
+        return BackendUnavailable(f"NVML could not start: {_describe(exc)}", hint=FAILING_HINT)
     # No driver at all on this machine: waiting would change nothing (on_no_gpu decides).
-    lasting = isinstance(exc, OSError) or code in (_LIBRARY_NOT_FOUND, _DRIVER_NOT_LOADED)
-    return BackendUnavailable(message, hint=HINT, lasting=lasting)
+    return BackendUnavailable(message, hint=HINT, lasting=True)
 
 
 class _GpuLost(Exception):

@@ -692,6 +692,31 @@ def test_a_driver_not_loaded_is_not_to_be_installed(
     ]
 
 
+def test_nvml_failing_to_start_is_not_told_to_install_a_driver(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # NVML's start failing (Unknown Error) with the library there: retried up to
+    # gpu_error_timeout, then the hint to install the NVIDIA driver, and that on_no_gpu
+    # decides whether commands run anyway, where on_no_gpu = run had run nothing.
+    fake_nvml.set_gpus([FakeGpu()])
+    fake_nvml.fail_init(UNKNOWN)
+    done = launch(
+        fake_nvml,
+        gpuwait_cmd,
+        "--vram",
+        "1G",
+        "--",
+        "echo",
+        "ran",
+        GPUWAIT_ON_NO_GPU="run",
+        GPUWAIT_GPU_ERROR_TIMEOUT="1s",
+    )
+    assert (done.returncode, done.stdout) == (4, "")
+    assert done.stderr.splitlines()[-1] == (
+        "gpuwait: hint: check the driver (nvidia-smi); a GPU reset or a reboot may mend it"
+    )
+
+
 def test_missing_library_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_library(name: str, *args: object, **kwargs: object) -> None:
         raise OSError(f"{name}: cannot open shared object file: No such file or directory")
