@@ -338,25 +338,26 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
     or -u naming it; setpriv with --reset-env; sg for a login (-); systemd-run
     unless --scope: its command runs in a unit of systemd's, with its environment."""
-    if step.unsure:
-        return False  # its options are not known: it may well keep the variables
     names = {name for name, _ in step.options}
+    # What is read of its options already drops the variables, whatever words follow.
+    if step.program in ("doas", "pkexec"):
+        return True
+    if step.program == "setpriv":
+        return "--reset-env" in names
+    if step.program == "sg":
+        return "-" in names
+    if step.unsure:
+        return False  # its options are not all known: it may well keep the variables
     if step.program == "sudo":
         return not (
             "-E" in names
             or any(name == "--preserve-env" and value is None for name, value in step.options)
             or _listed(step.options, ("--preserve-env",), variable)
         )
-    if step.program in ("doas", "pkexec"):
-        return True
     if step.program == "systemd-run":
         # A unit of systemd's, started with systemd's environment; --scope runs the command
         # itself, with the environment it was given.
         return "--scope" not in names
-    if step.program == "setpriv":
-        return "--reset-env" in names
-    if step.program == "sg":
-        return "-" in names
     if step.program in ("su", "runuser"):
         login = bool(names & {"-", "-l", "--login"})
         return login and not _listed(step.options, ("-w", "--whitelist-environment"), variable)

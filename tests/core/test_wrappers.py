@@ -93,6 +93,12 @@ def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], dr
         ('sudo -u alice python "$x"', True),  # its command found before the expansion
         ("sudo --preserve-env=$KEEP python x.py", False),  # its options not known
         ("sudo $OPTIONS python x.py", False),
+        # What is read of them already drops the variables: no later word brings them back.
+        ('doas "$PY" x.py', True),
+        ('pkexec "$PY" x.py', True),
+        ('setpriv --reset-env "$PY" x.py', True),
+        ('sg - video -c "$CODE"', True),
+        ('env -i "$PY" x.py', False),  # CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" may follow
     ],
 )
 def test_a_wrapper_in_a_shells_code_is_judged_only_where_its_options_are_read(

@@ -76,6 +76,8 @@ def gpuwait(
             "flock /tmp/l sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER python x.py",
         ),
         (["bash", "-c", "sudo python x.py && echo ok"], "sudo ... gpuwait --vram SIZE"),
+        (["bash", "-c", 'doas "$PY" x.py'], "doas ... gpuwait --vram SIZE"),
+        (["sh", "-c", 'setpriv --reset-env "$@"'], "setpriv ... gpuwait --vram SIZE"),
     ],
 )
 def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
@@ -87,10 +89,16 @@ def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
     env, ran = fake_bin(
         tmp_path, "sudo", "su", "runuser", "doas", "pkexec", "env", "nice", "setpriv", "sg"
     )
-    env, _ = fake_bin(tmp_path, "flock", "bash")
+    env, _ = fake_bin(tmp_path, "flock", "bash", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
-    wrapper = "sudo" if command[0] in ("nice", "flock", "bash") else command[0]
+    wrapper = (
+        command[2].split()[0]
+        if command[0] in ("bash", "sh")
+        else "sudo"
+        if command[0] in ("nice", "flock")
+        else command[0]
+    )
     assert f"{wrapper} starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
     assert kept in done.stderr
     assert "Traceback" not in done.stderr
