@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
-from gpuwait.core.wrappers import GPU_VARIABLES, drops_gpus, steps
+from gpuwait.core.wrappers import GPU_VARIABLES, Step, drops_gpus, steps
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue.entries import Job
 
@@ -134,10 +134,19 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         where = len(argv) - len(step.argv)
         suffix = tuple(argv[where:]) == step.argv
         if step.program == "sudo" and suffix:
-            line = [*argv[: where + 1], f"--preserve-env={keep}", *argv[where + 1 :]]
+            line = _extended(argv, where, step, ("--preserve-env",)) or [
+                *argv[: where + 1],
+                f"--preserve-env={keep}",
+                *argv[where + 1 :],
+            ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program in ("su", "runuser") and suffix:
-            line = [*argv[: where + 1], "-w", keep, *argv[where + 1 :]]
+            line = _extended(argv, where, step, ("-w", "--whitelist-environment")) or [
+                *argv[: where + 1],
+                "-w",
+                keep,
+                *argv[where + 1 :],
+            ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program == "env":
             hint = f"leave {variable} to the command: unset only what it must not see"
@@ -162,6 +171,29 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
             hint=hint,
         )
+
+
+def _extended(
+    argv: Sequence[str], where: int, step: Step, names: Sequence[str]
+) -> list[str] | None:
+    """`argv` with the first list of variables the wrapper at `where` keeps (the value of one
+    of its options `names`: sudo's --preserve-env=LIST, su's -w LIST) naming GPU_VARIABLES
+    too; None where it gives no such list."""
+    for name, value in step.options:
+        if name not in names or value is None:
+            continue
+        given = [v for v in value.split(",") if v]
+        merged = ",".join([*given, *(v for v in GPU_VARIABLES if v not in given)])
+        glue = "=" if name.startswith("--") else ""
+        line = list(argv)
+        for at in range(where + 1, len(line)):
+            if line[at] == f"{name}{glue}{value}":
+                line[at] = f"{name}{glue}{merged}"
+                return line
+            if line[at] == name and line[at + 1 : at + 2] == [value]:
+                line[at + 1] = merged
+                return line
+    return None
 
 
 def which(name: str) -> str | None:

@@ -281,3 +281,33 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "kept"),
+    [
+        (
+            ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "-u", "alice", "true"],
+            "sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -u alice true",
+        ),
+        (
+            ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
+            "su -l -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice -c true",
+        ),
+        (
+            ["runuser", "-l", "--whitelist-environment=HOME,CUDA_VISIBLE_DEVICES", "alice"],
+            "runuser -l --whitelist-environment=HOME,CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice",
+        ),
+    ],
+)
+def test_the_line_that_keeps_the_order_of_gpu_indices_extends_the_list_given(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], kept: str
+) -> None:
+    # The hint added a second list naming both variables before the one given:
+    # 'sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER
+    # --preserve-env=CUDA_VISIBLE_DEVICES -u alice true'.
+    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser")
+    done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
+    assert done.returncode == 2, done.stderr
+    assert f"keep them: gpuwait ... -- {kept}\n" in done.stderr
+    assert not ran.exists()
