@@ -266,6 +266,7 @@ def _parse(
             for offset, letter in enumerate(word[1:], start=1):
                 flag = f"-{letter}"
                 if flag in spec.no_command:
+                    options.append((flag, None))
                     return options, None
                 if letter in spec.short_values:
                     glued = word[offset + 1 :]
@@ -329,6 +330,13 @@ def _listed(options: Sequence[tuple[str, str | None]], names: Sequence[str], var
     )
 
 
+#: sudo's options after which it runs no command of the line: -v and -K (its credentials), -l
+#: (what one may run), -e (sudoedit: an editor on a file).
+_SUDO_RUNS_NOTHING = frozenset(
+    {"-v", "--validate", "-K", "--remove-timestamp", "-l", "--list", "-e", "--edit"}
+)
+
+
 def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     """Does this wrapper start its command without the `variable` it was given
     (CUDA_VISIBLE_DEVICES unless said)?
@@ -349,6 +357,8 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     if step.unsure:
         return False  # its options are not all known: it may well keep the variables
     if step.program == "sudo":
+        if names & _SUDO_RUNS_NOTHING:
+            return False  # sudo -v, -l: it asks for the password, or lists; -e edits a file
         return not (
             "-E" in names
             or any(name == "--preserve-env" and value is None for name, value in step.options)

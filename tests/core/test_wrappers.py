@@ -81,6 +81,9 @@ def test_the_commands_a_line_runs_through_its_wrappers(
         (["sg", "video", "-c", "python x.py"], False),
         (["sg", "-", "video", "-c", "python x.py"], True),
         (["flock", "/tmp/l", "python"], False),
+        (["sudo", "-v"], False),  # it runs no command: it asks for the password
+        (["sudo", "-l", "python", "x.py"], False),  # it says whether one may run it
+        (["sudo", "-K"], False),
     ],
 )
 def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], drops: bool) -> None:

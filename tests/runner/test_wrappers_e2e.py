@@ -161,13 +161,17 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["bash", "-c", "true && true"],
         # Its options are not read past the expansion: they may well keep the variables.
         ["bash", "-c", "sudo --preserve-env=$KEEP true"],
+        # sudo runs no command there: it asks for the password, or lists what one may run.
+        ["bash", "-c", "sudo -v && true"],
+        ["sh", "-c", "sudo -l; true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
 ) -> None:
     env, ran = fake_bin(
-        tmp_path, "sudo", "su", "runuser", "env", "nice", "setpriv", "systemd-run", "flock", "bash"
+        tmp_path,
+        *("sudo", "su", "runuser", "env", "nice", "setpriv", "systemd-run", "flock", "bash", "sh"),
     )
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
