@@ -140,6 +140,8 @@ _SPECS: dict[str, _Spec] = {
     ),
     # sg [-] GROUP [-c] CODE.
     "sg": _Spec(short_values="c", shell_command=frozenset({"-c"}), permute=True),
+    # A shell's `exec [-cl] [-a NAME] COMMAND` (bash, zsh; sh's takes no options).
+    "exec": _Spec(short_values="a"),
 }
 
 #: Shells whose `-c CODE` is looked into as far as its first command's plain words.
@@ -344,7 +346,8 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     sudo resets the environment (env_reset, on by default) unless told to keep it (-E,
     --preserve-env, or a --preserve-env=LIST naming the variable); doas and pkexec always
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
-    or -u naming it; setpriv with --reset-env; sg for a login (-); systemd-run
+    or -u naming it; setpriv with --reset-env; sg for a login (-); a shell's exec with -c;
+    systemd-run
     unless --scope: its command runs in a unit of systemd's, with its environment."""
     names = {name for name, _ in step.options}
     # What is read of its options already drops the variables, whatever words follow.
@@ -368,6 +371,8 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
         # A unit of systemd's, started with systemd's environment; --scope runs the command
         # itself, with the environment it was given.
         return "--scope" not in names
+    if step.program == "exec":
+        return "-c" in names  # exec -c: an empty environment
     if step.program in ("su", "runuser"):
         login = bool(names & {"-", "-l", "--login"})
         return login and not _listed(step.options, ("-w", "--whitelist-environment"), variable)

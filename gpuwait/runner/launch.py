@@ -150,6 +150,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program == "env":
             hint = f"leave {variable} to the command: unset only what it must not see"
+        elif step.program == "exec":
+            hint = "leave out exec's -c, which starts the command with an empty environment"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:

@@ -78,6 +78,8 @@ def gpuwait(
         (["bash", "-c", "sudo python x.py && echo ok"], "sudo ... gpuwait --vram SIZE"),
         (["bash", "-c", 'doas "$PY" x.py'], "doas ... gpuwait --vram SIZE"),
         (["sh", "-c", 'setpriv --reset-env "$@"'], "setpriv ... gpuwait --vram SIZE"),
+        (["bash", "-c", "exec sudo -u alice python x.py"], "sudo ... gpuwait --vram SIZE"),
+        (["bash", "-c", "exec -c python x.py"], "leave out exec's -c"),
     ],
 )
 def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
@@ -92,17 +94,20 @@ def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
     env, _ = fake_bin(tmp_path, "flock", "bash", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
-    wrapper = (
-        command[2].split()[0]
-        if command[0] in ("bash", "sh")
-        else "sudo"
-        if command[0] in ("nice", "flock")
-        else command[0]
-    )
-    assert f"{wrapper} starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
+    assert f"{_wrapper(command)} starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
     assert kept in done.stderr
     assert "Traceback" not in done.stderr
     assert not ran.exists()
+
+
+def _wrapper(command: list[str]) -> str:
+    """The wrapper of `command` that drops the variables (of a shell's code, its first)."""
+    if command[0] in ("nice", "flock"):
+        return "sudo"
+    if command[0] in ("bash", "sh"):
+        words = command[2].split()
+        return words[1] if words[0] == "exec" and words[1] != "-c" else words[0]
+    return command[0]
 
 
 @pytest.mark.parametrize(
@@ -132,6 +137,7 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         ["bash", "-lc", "srun python x.py > out.log"],
         ["sh", "-c", "srun -n2 python x.py"],
         ["sg", "video", "-c", "srun python x.py"],
+        ["sh", "-c", "exec srun python x.py"],
     ],
 )
 def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
@@ -164,6 +170,7 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         # sudo runs no command there: it asks for the password, or lists what one may run.
         ["bash", "-c", "sudo -v && true"],
         ["sh", "-c", "sudo -l; true"],
+        ["bash", "-c", "exec -a trainer true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
