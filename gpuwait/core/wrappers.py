@@ -149,6 +149,8 @@ _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 #: Words a shell takes as they are: no quote, expansion or redirection in them.
 _PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+\Z")
 _SEPARATORS = re.compile(r"\s*(?:;|&|\|)")
+#: A variable a shell sets for the command that follows it (`OMP_NUM_THREADS=4 python x.py`).
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 class Step(Record, frozen=True):
@@ -222,14 +224,16 @@ def _shell_code(words: Sequence[str]) -> str | None:
 
 def _first_command(code: str) -> tuple[list[str], bool] | None:
     """The words of the first command of shell CODE where each is plain (`srun python x.py`
-    of `srun python x.py && echo done`), and whether they are all of its words: no shell is
-    parsed, so a quote, an expansion or a redirection ends what is looked at, and with it the
-    walk."""
+    of `srun python x.py && echo done`, or of `OMP_NUM_THREADS=4 srun python x.py`: the
+    variables set before it are no command), and whether they are all of its words: no shell
+    is parsed, so a quote, an expansion or a redirection ends what is looked at, and with it
+    the walk."""
     words: list[str] = []
     for word in _SEPARATORS.split(code, maxsplit=1)[0].split():
         if not _PLAIN.match(word):
             return (words, False) if words else None
-        words.append(word)
+        if words or not _ASSIGNMENT.match(word):
+            words.append(word)
     return (words, True) if words else None
 
 

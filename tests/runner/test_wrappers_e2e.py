@@ -80,6 +80,7 @@ def gpuwait(
         (["sh", "-c", 'setpriv --reset-env "$@"'], "setpriv ... gpuwait --vram SIZE"),
         (["bash", "-c", "exec sudo -u alice python x.py"], "sudo ... gpuwait --vram SIZE"),
         (["bash", "-c", "exec -c python x.py"], "leave out exec's -c"),
+        (["sh", "-c", "PYTHONPATH=. sudo python x.py"], "sudo ... gpuwait --vram SIZE"),
     ],
 )
 def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
@@ -105,7 +106,7 @@ def _wrapper(command: list[str]) -> str:
     if command[0] in ("nice", "flock"):
         return "sudo"
     if command[0] in ("bash", "sh"):
-        words = command[2].split()
+        words = [w for w in command[2].split() if "=" not in w]
         return words[1] if words[0] == "exec" and words[1] != "-c" else words[0]
     return command[0]
 
@@ -138,6 +139,7 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         ["sh", "-c", "srun -n2 python x.py"],
         ["sg", "video", "-c", "srun python x.py"],
         ["sh", "-c", "exec srun python x.py"],
+        ["bash", "-c", "OMP_NUM_THREADS=4 srun python x.py"],
     ],
 )
 def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
@@ -171,6 +173,7 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["bash", "-c", "sudo -v && true"],
         ["sh", "-c", "sudo -l; true"],
         ["bash", "-c", "exec -a trainer true"],
+        ["bash", "-c", "FOO=1 true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
