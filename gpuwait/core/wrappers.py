@@ -324,6 +324,17 @@ def _parse(
     return options, rest or None
 
 
+def runs_gpuwait(step: Step) -> bool:
+    """Is this step a gpuwait (`gpuwait ...`, `python -m gpuwait ...`), which reserves GPUs of
+    its own for its command and sets the variables for it?"""
+    if step.program == "gpuwait":
+        return True
+    return bool(re.fullmatch(r"python[0-9.]*", step.program)) and step.argv[1:3] == (
+        "-m",
+        "gpuwait",
+    )
+
+
 #: What gpuwait gives a job's command that binds it to its GPUs (CUDA_DEVICE_ORDER numbers the
 #: cards as NVML does where visible_devices = index).
 GPU_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")

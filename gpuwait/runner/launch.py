@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
-from gpuwait.core.wrappers import GPU_VARIABLES, Step, drops_gpus, steps
+from gpuwait.core.wrappers import GPU_VARIABLES, Step, drops_gpus, runs_gpuwait, steps
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue.entries import Job
 
@@ -123,8 +123,14 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
     `by_index` (visible_devices = index): CUDA_VISIBLE_DEVICES names NVML's indices, in PCI
     order, which CUDA reads in its own fastest-first order without CUDA_DEVICE_ORDER: a
-    wrapper must keep that too, or the index may name a card gpuwait gave another job."""
-    for step in steps(argv):
+    wrapper must keep that too, or the index may name a card gpuwait gave another job.
+
+    A wrapper may drop them before a gpuwait of the command's own (`env -u CUDA_VISIBLE_DEVICES
+    gpuwait --vram 1G -- ...`, `sudo -u alice gpuwait ...`): that one sets them for its command."""
+    found = steps(argv)
+    if any(runs_gpuwait(step) for step in found):
+        return
+    for step in found:
         dropped = [v for v in GPU_VARIABLES[: 2 if by_index else 1] if drops_gpus(step, v)]
         if not dropped:
             continue
