@@ -38,12 +38,23 @@ from gpuwait.core.wrappers import drops_gpus, steps
         (["sh", "-c", 'echo "a;b"; srun'], ["sh", "echo"]),
         (["bash", "-c", "$X srun"], ["bash"]),
         (["bash", "x.sh", "-c", "srun"], ["bash"]),
+        (["runuser", "-l", "-u", "alice", "srun"], ["runuser", "srun"]),
+        (["su", "alice", "-c", "srun python x.py"], ["su", "srun"]),
+        (["su", "-", "alice", "-c", "srun python x.py"], ["su", "srun"]),
+        (["su", "alice", "--command=env A=1 srun python"], ["su", "env", "srun"]),
+        (["env", "A=1", "B=2", "srun"], ["env", "srun"]),
+        # A value glued on ends the cluster: -uSLURM_JOB_ID is no -S.
+        (["env", "-uSLURM_JOB_ID", "srun"], ["env", "srun"]),
         # No command that is sure to run: the walk stops at the wrapper.
         (["flock", "9"], ["flock"]),
         (["taskset", "-p", "1234"], ["taskset"]),
         (["su", "-c", "cd /x && srun python", "alice"], ["su"]),
         (["timeout", "60"], ["timeout"]),
         (["sudo", "-u"], ["sudo"]),
+        (["sudo", "--user"], ["sudo"]),
+        # sudo -l lists what may run, and runs nothing.
+        (["sudo", "-l", "srun"], ["sudo"]),
+        (["sudo", "--list", "srun"], ["sudo"]),
     ],
 )
 def test_the_commands_a_line_runs_through_its_wrappers(
@@ -84,6 +95,7 @@ def test_the_commands_a_line_runs_through_its_wrappers(
         (["sudo", "-v"], False),  # it runs no command: it asks for the password
         (["sudo", "-l", "python", "x.py"], False),  # it says whether one may run it
         (["sudo", "-K"], False),
+        (["numactl", "-i", "all", "python"], False),
     ],
 )
 def test_which_wrappers_start_their_command_without_its_gpus(argv: list[str], drops: bool) -> None:
