@@ -25,6 +25,8 @@ class _Spec(Record, frozen=True):
     operands: int = 0
     #: NAME=VALUE words may come before the command (env, sudo).
     assignments: bool = False
+    #: ... after the `--` that ends its options too (env's; sudo's first word after it runs).
+    assignments_after_dashes: bool = False
     #: Options after which no command follows as words (taskset -p PID, env -S STRING).
     no_command: frozenset[str] = frozenset()
     #: Options whose value is a shell's command line (su -c 'python x.py').
@@ -40,6 +42,7 @@ _SPECS: dict[str, _Spec] = {
         short_values="uCS",
         long_values=frozenset({"--unset", "--chdir", "--split-string"}),
         assignments=True,
+        assignments_after_dashes=True,
         no_command=frozenset({"-S", "--split-string"}),
     ),
     "nice": _Spec(short_values="n", long_values=frozenset({"--adjustment"})),
@@ -249,6 +252,10 @@ def _parse(
         word = words[position]
         if word == "--":
             position += 1
+            while spec.assignments_after_dashes and position < len(words):
+                if "=" not in words[position] or words[position].startswith("="):
+                    break
+                position += 1
             break
         if word.startswith("--"):
             name = word.split("=", 1)[0]

@@ -43,6 +43,9 @@ from gpuwait.core.wrappers import drops_gpus, steps
         (["su", "-", "alice", "-c", "srun python x.py"], ["su", "srun"]),
         (["su", "alice", "--command=env A=1 srun python"], ["su", "env", "srun"]),
         (["env", "A=1", "B=2", "srun"], ["env", "srun"]),
+        # env sets the NAME=VALUE words after its `--` too; sudo runs the first as a command.
+        (["env", "--", "A=1", "srun"], ["env", "srun"]),
+        (["sudo", "--", "A=1", "srun"], ["sudo", "A=1"]),
         # A value glued on ends the cluster: -uSLURM_JOB_ID is no -S.
         (["env", "-uSLURM_JOB_ID", "srun"], ["env", "srun"]),
         # No command that is sure to run: the walk stops at the wrapper.

@@ -232,6 +232,7 @@ def test_the_line_the_refusal_gives_keeps_the_gpus_under_the_real_sudo(
     [
         ["env"],
         ["env", "-u", "HOME", "OMP_NUM_THREADS=4"],
+        ["env", "--", "OMP_NUM_THREADS=4"],
         ["time"],
         ["time", "-o", "t.txt"],
         ["nice"],
