@@ -68,7 +68,10 @@ def gpuwait(
         ),
         (["doas", "-u", "alice", "python", "x.py"], "doas ... gpuwait --vram SIZE -- COMMAND"),
         (["pkexec", "python", "x.py"], "pkexec ... gpuwait --vram SIZE -- COMMAND"),
-        (["env", "-i", "python", "x.py"], "leave CUDA_VISIBLE_DEVICES to the command"),
+        (
+            ["env", "-i", "python", "x.py"],
+            "leave CUDA_VISIBLE_DEVICES to the command: unset only what it must not see",
+        ),
         (["setpriv", "--reset-env", "python", "x.py"], "setpriv ... gpuwait --vram SIZE"),
         (["sg", "-", "video", "-c", "python x.py"], "sg ... gpuwait --vram SIZE"),
         (
