@@ -63,6 +63,25 @@ def test_a_change_concerns_the_admitted_the_cancelled_their_dependents_and_the_h
     assert wake.concerned(same, unchanged, quiet, release=False) == set()
 
 
+def test_a_summary_lists_the_running_the_waiting_in_line_and_each_entry_by_its_owner() -> None:
+    jobs = [
+        entry("late", 12, 3),
+        entry("run", 10, 1, state=RUNNING),
+        entry("head", 11, 2),
+        entry("theirs", 13, 4, uid=4242),
+        entry("starts", 14, 5, uid=4242),
+    ]
+    content = wake.summary(jobs, 7, starting=["starts"])
+    assert content["running"] == ["run", "starts"]
+    assert content["waiting"] == ["head", "late", "theirs"]
+    uid = os.getuid()
+    assert sorted(content["owned"]) == sorted(
+        [f"late@{uid}", f"run@{uid}", f"head@{uid}", "theirs@4242", "starts@4242"]
+    )
+    # One user's queue says nothing more than an older gpuwait's did.
+    assert "owned" not in wake.summary(jobs[:3], 7)
+
+
 def test_the_releasing_transaction_wakes_the_head_and_not_the_rest(tmp_path: Path) -> None:
     waiters = [
         subprocess.Popen([sys.executable, "-c", WAITER, "3"], stdout=subprocess.PIPE, text=True)
