@@ -269,6 +269,8 @@ def test_a_step_after_another_members_job_looks_closer_only_once_that_job_left_t
     assert not seen.lacks_any([])
     assert seen.lacks_any(["0a0b@1001"])
     assert seen.lacks_any(["a1b2@1001", "0a0b"])
+    assert seen.lacks_any(["e5f6", "0a0b"])
+    assert seen.lacks_any(["0a0b"])
 
 
 def test_a_step_after_another_members_job_looks_closer_once_it_left_though_a_third_has_its_id(
@@ -294,6 +296,8 @@ def test_a_step_after_another_members_job_looks_closer_once_it_left_though_a_thi
     assert summary_of(carols, alices_own).lacks_any(["a1b2@1002"])
     # Bob's alone, shown by its plain id: still there.
     assert not summary_of(entry("a1b2", os.getpid(), 2, RUNNING, uid=1002)).lacks_any(["a1b2@1002"])
+    bobs_plain = entry("a1b2", os.getpid(), 2, RUNNING, uid=1002)
+    assert not summary_of(bobs_plain, alices_own).lacks_any(["a1b2@1002"])
     # A summary of an older gpuwait lists no owners: the ids its writer's view shows are all
     # there is to go by, as before.
     older = wake.Summary(release=1, running=frozenset({"a1b2"}), waiting=())
