@@ -62,7 +62,7 @@ def _cut_to_written(text: str, limit: int) -> str:
     return text[:low] + "…"
 
 
-def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -> list[str]:
+def entry_command(argv: Sequence[str], budget: int = MAX_COMMAND_BYTES) -> list[str]:
     """A command as its entry keeps it: within what a read of the entry accepts (which refuses
     the entry otherwise) and within `budget` (MAX_COMMAND_BYTES) after its first argument, so
     `xargs` handing a job thousands of file names, or an argument of a whole config file, cuts
@@ -70,13 +70,8 @@ def entry_command(argv: Sequence[str], budget: int | None = MAX_COMMAND_BYTES) -
     more arguments"; the first argument is always kept (who runs the command is told by it),
     cut to MAX_TEXT bytes as written (4096 characters of ASCII, 682 of Cyrillic). Both are
     measured as the ledger's JSON writes them, where a character past ASCII takes six bytes.
-    `budget` None: as a gpuwait from before MAX_COMMAND_BYTES kept it (a member's who has not
-    upgraded), each argument and their number cut alone."""
+    (Other versions cut elsewhere; `gpuwait.linux.security` reads their cuts too.)"""
     command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
-    if budget is None:
-        if len(command) > MAX_TEXTS:
-            command[MAX_TEXTS - 1 :] = [f"… {len(command) - MAX_TEXTS + 1} more arguments"]
-        return command
     if command:
         command[0] = _cut_to_written(command[0], MAX_TEXT)
     # The list's brackets, less the comma its last argument goes without.
