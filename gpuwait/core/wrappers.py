@@ -355,10 +355,15 @@ def _listed(options: Sequence[tuple[str, str | None]], names: Sequence[str], var
 
 
 #: sudo's options after which it runs no command of the line: -v and -K (its credentials), -l
-#: (what one may run), -e (sudoedit: an editor on a file).
+#: (what one may run), -e (sudoedit: an editor on a file), --help and -V (its help, its version).
 _SUDO_RUNS_NOTHING = frozenset(
-    {"-v", "--validate", "-K", "--remove-timestamp", "-l", "--list", "-e", "--edit"}
+    {
+        *("-v", "--validate", "-K", "--remove-timestamp", "-l", "--list", "-e", "--edit"),
+        *("--help", "-V", "--version"),
+    }
 )
+#: sudo's options that run nothing where no command follows (`sudo -k`), and it otherwise.
+_SUDO_ALONE_RUNS_NOTHING = frozenset({"-k", "--reset-timestamp"})
 
 
 def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
@@ -384,6 +389,11 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     if step.program == "sudo":
         if names & _SUDO_RUNS_NOTHING:
             return False  # sudo -v, -l: it asks for the password, or lists; -e edits a file
+        values = {value for _, value in step.options if value is not None}
+        if names & _SUDO_ALONE_RUNS_NOTHING and all(
+            word.startswith("-") or word in values for word in step.argv[1:]
+        ):
+            return False  # sudo -k: it forgets the password, and runs nothing
         return not (
             "-E" in names
             or any(name == "--preserve-env" and value is None for name, value in step.options)

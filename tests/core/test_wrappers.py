@@ -98,6 +98,10 @@ def test_the_commands_a_line_runs_through_its_wrappers(
         (["sudo", "-v"], False),  # it runs no command: it asks for the password
         (["sudo", "-l", "python", "x.py"], False),  # it says whether one may run it
         (["sudo", "-K"], False),
+        (["sudo", "-k"], False),  # it forgets the password, and runs nothing
+        (["sudo", "-k", "python", "x.py"], True),  # it forgets it, then runs python
+        (["sudo", "-V"], False),  # its version
+        (["sudo", "--help"], False),
         (["numactl", "-i", "all", "python"], False),
     ],
 )

@@ -175,6 +175,8 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         # sudo runs no command there: it asks for the password, or lists what one may run.
         ["bash", "-c", "sudo -v && true"],
         ["sh", "-c", "sudo -l; true"],
+        ["bash", "-c", "sudo -k; true"],
+        ["sh", "-c", "sudo -V && true"],
         ["bash", "-c", "exec -a trainer true"],
         ["bash", "-c", "FOO=1 true"],
         # A gpuwait of its own, which gives its command GPUs of its own.
