@@ -145,6 +145,9 @@ _SPECS: dict[str, _Spec] = {
     "sg": _Spec(short_values="c", shell_command=frozenset({"-c"}), permute=True),
     # A shell's `exec [-cl] [-a NAME] COMMAND` (bash, zsh; sh's takes no options).
     "exec": _Spec(short_values="a"),
+    # A shell's `command [-p] COMMAND`, which runs it past any function of that name; -v and -V
+    # only say what it is.
+    "command": _Spec(no_command=frozenset({"-v", "-V"})),
 }
 
 #: Shells whose `-c CODE` is looked into as far as its first command's plain words.

@@ -84,6 +84,7 @@ def gpuwait(
         (["bash", "-c", "exec sudo -u alice python x.py"], "sudo ... gpuwait --vram SIZE"),
         (["bash", "-c", "exec -c python x.py"], "leave out exec's -c"),
         (["sh", "-c", "PYTHONPATH=. sudo python x.py"], "sudo ... gpuwait --vram SIZE"),
+        (["bash", "-c", "command sudo -u alice python x.py"], "sudo ... gpuwait --vram SIZE"),
     ],
 )
 def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
@@ -110,7 +111,7 @@ def _wrapper(command: list[str]) -> str:
         return "sudo"
     if command[0] in ("bash", "sh"):
         words = [w for w in command[2].split() if "=" not in w]
-        return words[1] if words[0] == "exec" and words[1] != "-c" else words[0]
+        return words[1] if words[0] in ("exec", "command") and words[1] != "-c" else words[0]
     return command[0]
 
 
@@ -143,6 +144,7 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         ["sg", "video", "-c", "srun python x.py"],
         ["sh", "-c", "exec srun python x.py"],
         ["bash", "-c", "OMP_NUM_THREADS=4 srun python x.py"],
+        ["bash", "-c", "command srun python x.py"],
     ],
 )
 def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
@@ -178,6 +180,8 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["bash", "-c", "sudo -k; true"],
         ["sh", "-c", "sudo -V && true"],
         ["bash", "-c", "exec -a trainer true"],
+        # command -v looks the program up, and runs nothing.
+        ["bash", "-c", "command -v sudo && true"],
         ["bash", "-c", "FOO=1 true"],
         # A gpuwait of its own, which gives its command GPUs of its own.
         ["env", "-u", "CUDA_VISIBLE_DEVICES", "gpuwait", "--vram", "1G", "--", "true"],
