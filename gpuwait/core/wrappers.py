@@ -381,8 +381,11 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     unless --scope: its command runs in a unit of systemd's, with its environment."""
     names = {name for name, _ in step.options}
     # What is read of its options already drops the variables, whatever words follow.
-    if step.program in ("doas", "pkexec"):
-        return True
+    if step.program == "doas":
+        # doas -L forgets the password, -C checks its rules: neither runs a command.
+        return not names & {"-L", "-C"}
+    if step.program == "pkexec":
+        return not names & {"--version", "--help"}
     if step.program == "setpriv":
         return "--reset-env" in names
     if step.program == "sg":

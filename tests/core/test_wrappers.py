@@ -102,6 +102,10 @@ def test_the_commands_a_line_runs_through_its_wrappers(
         (["sudo", "-k", "python", "x.py"], True),  # it forgets it, then runs python
         (["sudo", "-V"], False),  # its version
         (["sudo", "--help"], False),
+        (["doas", "-L"], False),  # it forgets the password, and runs nothing
+        (["doas", "-C", "/etc/doas.conf", "python"], False),  # it checks the rules only
+        (["doas", "-n", "python"], True),
+        (["pkexec", "--version"], False),
         (["numactl", "-i", "all", "python"], False),
     ],
 )

@@ -179,6 +179,7 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["sh", "-c", "sudo -l; true"],
         ["bash", "-c", "sudo -k; true"],
         ["sh", "-c", "sudo -V && true"],
+        ["bash", "-c", "doas -L; true"],
         ["bash", "-c", "exec -a trainer true"],
         # command -v looks the program up, and runs nothing.
         ["bash", "-c", "command -v sudo && true"],
