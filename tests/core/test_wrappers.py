@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwait.core.wrappers import drops_gpus, steps
+from gpuwait.core.wrappers import drops_gpus, runs_gpuwait, steps
 
 
 @pytest.mark.parametrize(
@@ -131,3 +131,18 @@ def test_a_wrapper_in_a_shells_code_is_judged_only_where_its_options_are_read(
     code: str, drops: bool
 ) -> None:
     assert any(drops_gpus(step) for step in steps(["bash", "-c", code])) is drops
+
+
+@pytest.mark.parametrize(
+    ("argv", "runs"),
+    [
+        (["python3", "-m", "gpuwait", "--vram", "1G"], True),
+        (["python3", "-I", "-X", "utf8", "-m", "gpuwait", "--vram", "1G"], True),
+        (["python3", "-c", "import os", "-m", "gpuwait"], False),  # arguments of its code
+        (["python3", "-m", "gpuwaiter"], False),
+    ],
+)
+def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
+    argv: list[str], runs: bool
+) -> None:
+    assert runs_gpuwait(steps(argv)[-1]) is runs

@@ -187,6 +187,8 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         # A gpuwait of its own, which gives its command GPUs of its own.
         ["env", "-u", "CUDA_VISIBLE_DEVICES", "gpuwait", "--vram", "1G", "--", "true"],
         ["sudo", "-u", "alice", sys.executable, "-m", "gpuwait", "--vram", "1G", "--", "true"],
+        ["sudo", "-u", "alice", sys.executable, "-I", "-m", "gpuwait", "--", "true"],
+        ["env", "-i", "python3", "-X", "utf8", "-m", "gpuwait", "--vram", "1G", "--", "true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
