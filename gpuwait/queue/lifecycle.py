@@ -1571,14 +1571,17 @@ def retry(
     charge_usage: tuple[float, float | None] | None = None,
     paused: tuple[int, float] | None = None,
     oom: str | None = None,
-) -> Job:
+) -> Job | None:
     """The job's run ran out of GPU memory and it queues again (--retry-oom), asking for
     `request`: the same entry, in its place, so whoever waits for it (--after, --after-ok, its
     batch) waits for the retry's end. The run is logged and counted as a `finish` with its
     out-of-memory cause; the job's outcome is recorded only once it has ended for good.
-    Arguments as for `finish`."""
+    Arguments as for `finish`. None, and nothing changed, where the job was cancelled while
+    it ran (`cancel`, as its run ran out): it is never run again, and is finished instead."""
     with _change(ledger) as (data, said):
         mine = _entry(data, job)
+        if _cancelled_by(data, mine) is not None:
+            return None
         ran_on = list(mine.gpu_uuids) if mine.state == RUNNING else []
         now = time.time()
         attempt, fields = _run_ended(

@@ -439,11 +439,6 @@ def _run_with_retries(
         if after is None or after <= ended.reserved_bytes:
             reporter.warn(f"the command ran out {how}; no larger size to retry with")
             break
-        reporter.info(
-            f"the command ran out {how}; retrying with {format_size(after)} "
-            f"(retry {retries} of {request.retry_oom})"
-        )
-        choice = raised
         if pending is not None:
             # The same entry queues again, in its place: a job waiting on it (--after,
             # --after-ok, its batch) waits for the retry, not for the attempt that ran out.
@@ -451,6 +446,19 @@ def _run_with_retries(
             requeued = lifecycle.retry(
                 _ledger(config, reporter), pending, raised.request.to_json(), **ended.finish_how
             )
+            if requeued is None:
+                # Cancelled (gpuwait cancel) as its run ran out: it never starts again.
+                _end_pending(ended, config, reporter)
+                reporter.warn(
+                    f"the command ran out {how}; job {pending.id} was cancelled, "
+                    "so it is not retried"
+                )
+                break
+        reporter.info(
+            f"the command ran out {how}; retrying with {format_size(after)} "
+            f"(retry {retries} of {request.retry_oom})"
+        )
+        choice = raised
     if returncode < 0:
         sys.stdout.flush()
         signals.die_by_signal(-returncode)

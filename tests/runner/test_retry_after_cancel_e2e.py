@@ -1,0 +1,69 @@
+"""A --retry-oom job cancelled as its run ran out of memory is not run again."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from helpers.fixtures_sim import SimFileFactory
+from helpers.waiting import ledger_entries, wait_for
+
+from gpuwait.queue import events
+
+
+def _gone(pid: int) -> bool:
+    """Process `pid` has exited (a zombie not yet waited for counts)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # The job's command ran out of GPU memory, and `gpuwait cancel` came before gpuwait had
+    # decided to retry it (held here on the history lock, where it records the run): the
+    # retry ignored the cancel, said "retrying with 21.6 GiB" and started the command again.
+    sim_file(gpus=1, memory="24GiB")
+    go, starts = tmp_path / "go", tmp_path / "starts"
+    job = (
+        f"echo started >> {shlex.quote(str(starts))}; "
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    lock = None
+    try:
+        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
+        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        go.touch()
+        wait_for(lambda: _gone(entry["child_pid"]))
+        cancel = subprocess.run(
+            [*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, text=True, timeout=60
+        )
+        assert cancel.returncode == 0, cancel.stderr
+        os.close(lock)
+        lock = None
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert starts.read_text() == "started\n", err
+    assert "retrying" not in err and "was cancelled, so it is not retried" in err, err
+    assert launch.returncode == 1, err
+    assert ledger_entries() == []
+    finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
+    assert [(e["outcome"], e["exit_status"]) for e in finishes] == [("cancelled", 1)]
