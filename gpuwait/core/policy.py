@@ -470,7 +470,7 @@ def gpu_rooms(
         rooms[gpu.uuid] = GpuRoom(
             gpu=gpu,
             usable=int(gpu.total_bytes * strictest),
-            external=max(0, gpu.used_bytes - observed),
+            external=max(0, gpu.used_bytes - observed - _unfigured_own(gpu, on_gpu)),
             committed=committed,
             running_jobs=len(on_gpu),
             exclusive_held=alone,
@@ -479,6 +479,27 @@ def gpu_rooms(
             ignored_count=len(ignored),
         )
     return rooms
+
+
+def _unfigured_own(gpu: GpuSnapshot, on_gpu: Sequence[Claim]) -> int:
+    """Memory of the running jobs `on_gpu` that the driver lists there with no figure
+    (usedGpuMemory N/A, as in many containers): the card's used memory no listed figure
+    accounts for, up to what those jobs reserved there beyond what they were seen using. Their
+    reservations already count it; as external memory too, a job would count twice and keep
+    the rest of the card from others as long as it ran. Only where every process listed
+    without a figure is such a job's: else whose the memory is cannot be told, and it all
+    counts as taken."""
+    unfigured = {p.pid for p in gpu.processes if p.used_bytes is None}
+    if not unfigured:
+        return 0
+    owners = [c for c in on_gpu if unfigured & c.pids]
+    if unfigured - frozenset().union(*(c.pids for c in owners)):
+        return 0
+    headroom = sum(
+        max(0, c.reserved_on(gpu.uuid) - max(0, c.observed.get(gpu.uuid, 0))) for c in owners
+    )
+    figured = sum(p.used_bytes or 0 for p in gpu.processes)
+    return max(0, min(headroom, gpu.used_bytes - figured))
 
 
 def room_for(claim: Claim, room: GpuRoom) -> GpuRoom:

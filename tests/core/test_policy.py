@@ -76,6 +76,26 @@ def test_job_grown_past_its_reservation_counts_at_real_size() -> None:
     assert "c" in plan(cards, [*claims[:1], waiting("c", 9, order=3)], 0.9).admitted
 
 
+def test_a_jobs_memory_listed_without_a_figure_is_counted_once() -> None:
+    # NVML lists the job's process with no figure (N/A): its 10 GiB is its reservation's, not
+    # someone else's besides it; what it uses past its reservation counts as taken all the same.
+    def card(used_gib: float, *procs: ProcessUsage) -> list[GpuSnapshot]:
+        return [gpu(0, 24, used_gib=used_gib, procs=procs)]
+
+    a = running("a", "GPU-00000000", 10)._replace(pids=frozenset({10}))
+    mine = ProcessUsage(10, None)
+    assert gpu_rooms(card(10, mine), [a], 0.9)["GPU-00000000"].external == 0
+    assert gpu_rooms(card(13, mine), [a], 0.9)["GPU-00000000"].external == 3 * GiB
+    assert "b" in plan(card(10, mine), [a, waiting("b", 8, order=2)], 0.9).admitted
+    # Someone else's process is listed without a figure too: whose the memory is cannot be
+    # told, and all of it stays taken.
+    stranger = ProcessUsage(20, None)
+    assert gpu_rooms(card(14, mine, stranger), [a], 0.9)["GPU-00000000"].external == 14 * GiB
+    # A process of someone else's with a figure is theirs; the rest is the job's.
+    known = ProcessUsage(20, 4 * GiB)
+    assert gpu_rooms(card(14, mine, known), [a], 0.9)["GPU-00000000"].external == 4 * GiB
+
+
 def test_external_processes_reduce_room() -> None:
     cards = [gpu(0, 24, used_gib=15)]
     assert "b" not in plan(cards, [waiting("b", 8, order=1)], 0.9).admitted
