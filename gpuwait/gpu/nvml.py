@@ -255,6 +255,44 @@ def _within(fn: Callable[[], T], timeout: float | None) -> T:
     return result
 
 
+#: The call to nvmlInit that has not come back yet (a driver stuck in the kernel): every later
+#: start waits for that one instead of leaving one more thread in the driver, at each retry of
+#: a launch that waits hours for it.
+_init_pending: list[_Call] = []
+_init_lock = threading.Lock()
+
+
+def _init_within(timeout: float | None) -> None:
+    """nvmlInit, waiting at most `timeout` seconds (_Hung), with one call at most in the
+    driver at a time in this process: a call that has not come back is waited for again, and
+    where it came back meanwhile, its answer is this start's (a late success is counted once,
+    as NVML counts its starts: by the one caller that takes it)."""
+    while True:
+        with _init_lock:
+            if not _init_pending:
+                _init_pending.append(_Call(pynvml.nvmlInit))
+            call = _init_pending[0]
+        try:
+            call.result(timeout)
+        except (_Hung, _HandlerRaised):
+            raise
+        except Exception:
+            if _took(call):
+                raise
+            continue
+        if _took(call):
+            return
+
+
+def _took(call: _Call) -> bool:
+    """Take the answer of `call`, the nvmlInit that came back, unless another caller did."""
+    with _init_lock:
+        if _init_pending and _init_pending[0] is call:
+            _init_pending.clear()
+            return True
+        return False
+
+
 class NvmlBackend:
     """Live readings from the NVIDIA driver."""
 
@@ -299,7 +337,7 @@ class NvmlBackend:
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
         try:
-            _within(pynvml.nvmlInit, timeout)
+            _init_within(timeout)
         except _Hung:
             raise BackendUnavailable(
                 f"NVML did not start within {timeout:g}s (the driver is not answering)",
@@ -351,7 +389,7 @@ class NvmlBackend:
                     raise
                 # NVML was shut down under this process (its count of starts back to 0, by
                 # other code of the process): started again, as at the first reading.
-                _within(pynvml.nvmlInit, self.timeout)
+                _init_within(self.timeout)
                 call = _Call(pynvml.nvmlDeviceGetCount)
                 count = int(call.result(self.timeout))
         except _Hung:

@@ -660,3 +660,40 @@ def test_a_thread_stuck_in_the_driver_takes_none_of_the_signals_meant_for_gpuwai
         backend.close()
         for thread in set(threading.enumerate()) - before:
             thread.join(timeout=30)
+
+
+def test_a_hung_nvml_start_leaves_one_call_in_the_driver_however_often_it_is_tried(
+    two_gpus: FakeNvml,
+) -> None:
+    # nvmlInit stuck in the driver: each try to open NVML (a waiter retries for as long as
+    # gpu_error_timeout, hours if need be) started one more call, and left one more thread
+    # stuck in the driver, for as long as it stayed wedged.
+    before = set(threading.enumerate())
+    two_gpus.hang(None, "nvmlInitWithFlags", 3)
+    try:
+        for _ in range(3):
+            with pytest.raises(BackendUnavailable, match="did not start"):
+                NvmlBackend(timeout=0.3)
+        assert len(set(threading.enumerate()) - before) == 1
+        started = [c for c in two_gpus.calls() if c.startswith("nvmlInitWithFlags ")]
+        assert started == ["nvmlInitWithFlags gpu=- ret=-1 hang"], started
+        # The call that came back at last is the next try's start: NVML opens, and no other
+        # call was made.
+        two_gpus.clear_failures()
+
+        def opened() -> NvmlBackend | None:
+            try:
+                return NvmlBackend(timeout=0.3)
+            except BackendUnavailable:
+                return None
+
+        backend = wait_for(opened, timeout=30, interval=0.1, message="NVML never started")
+        try:
+            assert len(backend.snapshot().gpus) == 2
+        finally:
+            backend.close()
+        started = [c for c in two_gpus.calls() if c.startswith("nvmlInitWithFlags ")]
+        assert started == ["nvmlInitWithFlags gpu=- ret=-1 hang", "nvmlInitWithFlags gpu=- ret=0"]
+    finally:
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=30)

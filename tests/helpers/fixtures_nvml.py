@@ -266,6 +266,11 @@ def fake_nvml(
     # pynvml keeps the library and every function pointer in module globals; point them at
     # the fake for this test and give back whatever was there (a real driver, or nothing).
     _fake_nvml_inproc.fakeNvmlReset()
+    # A start of NVML that an earlier test left in the fake counted in the count just forgotten.
+    from gpuwait.gpu import nvml
+
+    with nvml._init_lock:
+        nvml._init_pending.clear()
     with pynvml.libLoadLock:
         saved = (pynvml.nvmlLib, pynvml._nvmlLib_refcount)
         pynvml.nvmlLib = _fake_nvml_inproc
