@@ -88,8 +88,11 @@ def run(options: argparse.Namespace) -> int:
                 hint="adopt the process that uses the GPU itself (see `nvidia-smi`)",
             )
         # A program on the GPU itself adopting itself (a notebook's kernel, from a cell:
-        # `!gpuwait adopt {os.getpid()}`): the shell and this gpuwait below it are not its.
-        tree -= {os.getpid(), *proc.ancestors(os.getpid())} - {pid}
+        # `!gpuwait adopt {os.getpid()}`): the shell and this gpuwait below it are not its. A
+        # child of its between them that is on a GPU itself (a worker adopting the program
+        # it runs under) is: its memory is the program's, as any child's is.
+        on_gpu = {p.pid for g in snapshot.gpus for p in g.processes}
+        tree -= {os.getpid(), *proc.ancestors(os.getpid())} - {pid} - on_gpu
     using = {g.uuid: g.process_bytes(tree) for g in snapshot.gpus}
     using = {uuid: used for uuid, used in using.items() if used > 0}
     # Listed by the driver without a memory figure (NVML's "not available": WDDM under WSL2,

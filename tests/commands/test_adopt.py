@@ -337,6 +337,42 @@ def test_a_kernel_that_uses_the_gpu_itself_adopts_itself(
     wait_for(lambda: ledger_entries() == [], timeout=30, message="the kernel never left")
 
 
+#: A process that uses GIB GiB of GPU 0 and then runs COMMAND (with the pid to adopt, the
+#: first of the chain, after it): `python -c CHAIN GIB ADOPT_PID COMMAND...`.
+CHAIN = """
+import os, subprocess, sys
+from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
+from gpuwait.linux import proc
+config = load_sim_file(os.environ["GPUWAIT_SIM"])
+me = os.getpid()
+allocation = Allocation(me, proc.start_time(me), config.gpus[0].uuid, int(sys.argv[1]) << 30)
+write_allocation(ensure_state_dir(config), allocation)
+first = sys.argv[2] or str(me)
+done = subprocess.run([*sys.argv[3:], first], capture_output=True, text=True)
+sys.stderr.write(done.stderr)
+sys.exit(done.returncode)
+"""
+
+
+def test_a_process_adopted_from_below_a_child_of_its_on_the_gpu_reserves_that_childs_memory(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A program using 3 GiB whose worker, using 5 GiB, adopts it (`gpuwait adopt` of its
+    # parent, through a shell): the worker, between the program and the adopt, was left out
+    # with the shell and the gpuwait, and the program was adopted with 3 GiB reserved where
+    # it and its children use 8 GiB (what the adopt page says it reserves).
+    sim_file(gpus=1)
+    adopt = shlex.join([*gpuwait_cmd, "adopt"])
+    worker = [sys.executable, "-c", CHAIN, "5", "", "sh", "-c", f'{adopt} "$0"']
+    done = subprocess.run(
+        [sys.executable, "-c", CHAIN, "3", "", *worker], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "8.0 GiB reserved on GPU 0" in done.stderr, done.stderr
+    run_gpuwait("status")
+    wait_for(lambda: ledger_entries() == [], timeout=30, message="the program never left")
+
+
 def test_refuses_a_job_that_has_not_allocated_yet_as_a_job(
     sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
 ) -> None:
