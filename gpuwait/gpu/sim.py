@@ -189,6 +189,10 @@ def _settled(stamp: FileStamp) -> bool:
     return time.time() - stamp.mtime_ns / 1e9 > SETTLED_AFTER  # its content's last change
 
 
+#: Why a path can name no file (a component too long or the whole, one that is no directory).
+_NO_SUCH_PATH = (errno.ENAMETOOLONG, errno.ENOTDIR)
+
+
 def _left_so(path: str) -> bool:
     """Has the file at `path`, which cannot be read, not changed for SETTLED_AFTER, as one
     that does not parse: a file left so (chmod 000, another user's copy), not a save?"""
@@ -231,6 +235,15 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
             lasting=True,
         ) from None
     except OSError as exc:
+        if exc.errno in _NO_SUCH_PATH:
+            # A name too long for the file system, or one under a file: no moment will make
+            # it name a file, as a file not found is waited for by nobody either.
+            raise BackendUnavailable(
+                f"simulation file {shown}: cannot read it ({exc.strerror or exc})",
+                hint="give a path that can name a file, and create it with `gpuwait sim init "
+                "PATH --gpus 2 --memory 24GiB`",
+                lasting=True,
+            ) from None
         raise BackendUnavailable(
             f"simulation file {shown}: cannot read it ({exc.strerror or exc})",
             hint=_HINT,

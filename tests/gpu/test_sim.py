@@ -437,6 +437,40 @@ def test_missing_sim_file(tmp_path: Path) -> None:
         SimBackend(str(tmp_path / "nope.toml"))
 
 
+@pytest.mark.parametrize(
+    ("name", "said"), [("a" * 300 + "/sim.toml", "File name too long"), ("x/sim.toml", "Not a")]
+)
+def test_a_sim_path_that_can_name_no_file_is_no_passing_failure(
+    tmp_path: Path, gpuwait_cmd: list[str], name: str, said: str
+) -> None:
+    # GPUWAIT_SIM with a name too long for the file system (ENAMETOOLONG), or under a file
+    # (ENOTDIR), was taken for a failure that may pass: retried for gpu_error_timeout (5
+    # minutes by default, an hour here) where nothing would change. It is said at once, as a
+    # file not found is, and on_no_gpu decides.
+    (tmp_path / "x").write_text("")
+    path = tmp_path / name
+    with pytest.raises(BackendUnavailable, match=said) as caught:
+        SimBackend(str(path))
+    assert caught.value.lasting
+    env = {
+        **os.environ,
+        "GPUWAIT_SIM": str(path),
+        "GPUWAIT_ON_NO_GPU": "fail",
+        "GPUWAIT_GPU_ERROR_TIMEOUT": "1h",
+    }
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, done.stderr
+    error, hint = done.stderr.splitlines()
+    assert error.startswith(f"gpuwait: error: simulation file {path}: cannot read it ({said}")
+    assert "retrying" not in done.stderr and hint.startswith("gpuwait: hint: ")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
 def test_unreadable_sim_file(sim_file: SimFileFactory) -> None:
     path = sim_file(gpus=1)
