@@ -38,8 +38,30 @@ _installed: int | None = None
 
 
 def is_pausable() -> bool:
-    """True when this process runs under `gpuwait --pausable`."""
-    return os.environ.get("GPUWAIT_PAUSABLE") == "1"
+    """True when this process runs under `gpuwait --pausable`, while that job lasts. A process
+    that outlived it (a server it started, a tmux session opened in it) keeps its variables,
+    but nothing would resume it once it stepped aside: its gpuwait, GPUWAIT_JOB_PID, is gone,
+    or that pid is another process's (one that did not start at GPUWAIT_JOB_START)."""
+    return os.environ.get("GPUWAIT_PAUSABLE") == "1" and not _job_ended()
+
+
+def _job_ended() -> bool:
+    """Has the job named by GPUWAIT_JOB_PID and GPUWAIT_JOB_START ended, as the shell hook
+    tells it? False where it names none (set by hand, or by a gpuwait from before them)."""
+    pid = os.environ.get("GPUWAIT_JOB_PID", "")
+    if not (pid.isascii() and pid.isdigit()):
+        return False
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    started = os.environ.get("GPUWAIT_JOB_START")
+    if not started:
+        return False
+    # Field 22, the start time; the name before it, in parentheses, may hold anything.
+    fields = stat.rpartition(b")")[2].split()
+    return len(fields) < 20 or fields[19] != started.encode()
 
 
 def checkpoint_signal() -> int | None:
