@@ -56,6 +56,14 @@ class Parser(argparse.ArgumentParser):
             self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # The words as typed, for `error` to name the one it refuses (argparse names a part).
+        given = sys.argv[1:] if args is None else args
+        self._given = list(given[: given.index("--")] if "--" in given else given)
+        return super().parse_known_args(args, namespace)
+
     def _chosen(self, parsed: argparse.Namespace) -> Parser:
         """The parser of the subcommand `parsed` names (one of its own, where it has them),
         else this one."""
@@ -73,9 +81,30 @@ class Parser(argparse.ArgumentParser):
         glued = re.fullmatch(r"argument (-\w)(?:/\S+)?: ignored explicit argument '(.*)'", message)
         if glued:
             word = glued.group(1) + glued.group(2)
+            hint = self._suggestion(f"unrecognized arguments: -{word}")
+            # `-qvram 4G`: flags taken before it (-q) are part of the word as typed, and of
+            # what was meant (-q --vram).
+            flags = next(
+                (
+                    typed[: -len(word) + 1]
+                    for typed in getattr(self, "_given", ())
+                    if typed.startswith("-")
+                    and not typed.startswith("--")
+                    and len(typed) >= len(word)
+                    and typed.endswith(word[1:])
+                ),
+                None,
+            )
+            if flags not in (None, "-"):
+                word = flags + word[1:]
+                hint = (
+                    None
+                    if hint is None
+                    else hint.replace("did you mean ", f"did you mean {flags} ")
+                )
             raise UsageError(
                 f"{word} is no option: a long option takes two dashes; see '{self.prog} --help'",
-                hint=self._suggestion(f"unrecognized arguments: -{word}"),
+                hint=hint,
             )
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
 

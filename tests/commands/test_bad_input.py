@@ -337,6 +337,24 @@ CASES: dict[str, Case] = {
         2,
         "did you mean --vram?",
     ),
+    # A flag with a long option glued on: it said "-vram is no option", a word not typed, and
+    # "did you mean --vram?", which leaves -q out.
+    "option glued to a flag": (
+        ["-qvram", "4G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "-qvram is no option: a long option takes two dashes",
+    ),
+    "option glued to a flag, hint": (
+        ["-qvram", "4G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "did you mean -q --vram?",
+    ),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
     "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
