@@ -154,7 +154,8 @@ _SPECS: dict[str, _Spec] = {
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 #: Words a shell takes as they are: no quote, expansion or redirection in them.
 _PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+\Z")
-_SEPARATORS = re.compile(r"\s*(?:;|&|\|)")
+#: What ends a command: `;`, `&`, `|` (`&&`, `||`) or the end of its line.
+_SEPARATORS = re.compile(r"\s*(?:;|&|\||\n)")
 #: A variable a shell sets for the command that follows it (`OMP_NUM_THREADS=4 python x.py`).
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -233,14 +234,18 @@ def _first_command(code: str) -> tuple[list[str], bool] | None:
     of `srun python x.py && echo done`, or of `OMP_NUM_THREADS=4 srun python x.py`: the
     variables set before it are no command), and whether they are all of its words: no shell
     is parsed, so a quote, an expansion or a redirection ends what is looked at, and with it
-    the walk."""
-    words: list[str] = []
-    for word in _SEPARATORS.split(code, maxsplit=1)[0].split():
-        if not _PLAIN.match(word):
-            return (words, False) if words else None
-        if words or not _ASSIGNMENT.match(word):
-            words.append(word)
-    return (words, True) if words else None
+    the walk. A line ends a command as `;` does; blank lines, and those that only set
+    variables (`OMP_NUM_THREADS=4` on a line of its own), run none, and are passed over."""
+    for part in _SEPARATORS.split(code):
+        words: list[str] = []
+        for word in part.split():
+            if not _PLAIN.match(word):
+                return (words, False) if words else None
+            if words or not _ASSIGNMENT.match(word):
+                words.append(word)
+        if words:
+            return words, True
+    return None
 
 
 def _parse(

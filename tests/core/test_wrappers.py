@@ -36,6 +36,12 @@ from gpuwait.core.wrappers import drops_gpus, runs_gpuwait, steps
         (["sh", "-e", "-c", "sudo -u alice python x.py; date"], ["sh", "sudo", "python"]),
         # Only the first command's plain words: no shell is parsed past a quote or a $.
         (["sh", "-c", 'echo "a;b"; srun'], ["sh", "echo"]),
+        # A line ends a command as `;` does; blank lines before the first are none.
+        (["bash", "-c", "sudo -k\nsrun python x.py"], ["bash", "sudo"]),
+        (["bash", "-c", "env\npython x.py"], ["bash", "env"]),
+        (["bash", "-c", "\n\n  srun python x.py\n  echo done\n"], ["bash", "srun"]),
+        (["bash", "-c", "OMP_NUM_THREADS=4\nsrun python x.py"], ["bash", "srun"]),
+        (["bash", "-c", "OMP_NUM_THREADS=4; srun python x.py"], ["bash", "srun"]),
         (["bash", "-c", "$X srun"], ["bash"]),
         (["bash", "x.sh", "-c", "srun"], ["bash"]),
         (["runuser", "-l", "-u", "alice", "srun"], ["runuser", "srun"]),

@@ -178,6 +178,7 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["bash", "-c", "sudo -v && true"],
         ["sh", "-c", "sudo -l; true"],
         ["bash", "-c", "sudo -k; true"],
+        ["bash", "-c", "sudo -k\ntrue"],
         ["sh", "-c", "sudo -V && true"],
         ["bash", "-c", "doas -L; true"],
         ["bash", "-c", "exec -a trainer true"],
