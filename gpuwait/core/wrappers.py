@@ -223,7 +223,8 @@ def _shell_code(words: Sequence[str]) -> str | None:
             continue
         if len(word) > 1 and word[0] in "-+":
             command = command or (word[0] == "-" and "c" in word[1:])
-            position += 1
+            # Each o or O among them takes the next word (`bash -eo pipefail -c CODE`).
+            position += 1 + sum(letter in "oO" for letter in word[1:])
             continue
         break
     return words[position] if command and position < len(words) else None

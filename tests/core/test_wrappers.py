@@ -44,6 +44,12 @@ from gpuwait.core.wrappers import drops_gpus, runs_gpuwait, steps
         (["bash", "-c", "OMP_NUM_THREADS=4; srun python x.py"], ["bash", "srun"]),
         (["bash", "-c", "$X srun"], ["bash"]),
         (["bash", "x.sh", "-c", "srun"], ["bash"]),
+        (
+            ["bash", "-eo", "pipefail", "-c", "sudo -u alice python x.py"],
+            ["bash", "sudo", "python"],
+        ),
+        (["bash", "-ceo", "pipefail", "srun python x.py"], ["bash", "srun"]),
+        (["bash", "-eo", "pipefail", "x.sh", "-c", "srun"], ["bash"]),
         (["runuser", "-l", "-u", "alice", "srun"], ["runuser", "srun"]),
         (["su", "alice", "-c", "srun python x.py"], ["su", "srun"]),
         (["su", "-", "alice", "-c", "srun python x.py"], ["su", "srun"]),
