@@ -197,8 +197,16 @@ def steps(argv: Sequence[str]) -> list[Step]:
         if spec is None:
             found.append(Step(argv=current))
             break
-        options, inner = _parse(spec, current[1:])
-        found.append(Step(argv=current, options=tuple(options), unsure=cut and inner is None))
+        options, inner, code = _parse(spec, current[1:])
+        unsure = cut and inner is None and code is None
+        found.append(Step(argv=current, options=tuple(options), unsure=unsure))
+        if code is not None:
+            # su -c, flock -c, sg -c: a shell's code, read as that of `bash -c`.
+            first = _code_command(code)
+            if not first:
+                break
+            current, cut = tuple(first[0]), not first[1]
+            continue
         if inner is None:
             break
         current = tuple(inner)
@@ -249,10 +257,25 @@ def _first_command(code: str) -> tuple[list[str], bool] | None:
     return None
 
 
+def _code_command(code: str) -> tuple[list[str], bool] | None:
+    """`_first_command` of shell CODE, whose words, where it has nothing a shell reads but
+    quotes (`python "my script.py"`), are all read, past the variables set before them."""
+    if not any(char in code for char in ";&|`$()<>\n\\#"):
+        try:
+            words = shlex.split(code)
+        except ValueError:
+            return _first_command(code)
+        while words and _ASSIGNMENT.match(words[0]):
+            words.pop(0)
+        return (words, True) if words else None
+    return _first_command(code)
+
+
 def _parse(
     spec: _Spec, words: Sequence[str]
-) -> tuple[list[tuple[str, str | None]], Sequence[str] | None]:
-    """A wrapper's options, and the command it runs (None where none is sure)."""
+) -> tuple[list[tuple[str, str | None]], Sequence[str] | None, str | None]:
+    """A wrapper's options, the command it runs (None where none is sure), and the shell code
+    it runs (su -c CODE), if any."""
     options: list[tuple[str, str | None]] = []
     position = 0
     operands = spec.operands
@@ -273,12 +296,12 @@ def _parse(
                 value = word.split("=", 1)[1]
             elif name in spec.long_values:
                 if position + 1 >= len(words):
-                    return options, None
+                    return options, None, None
                 position += 1
                 value = words[position]
             options.append((name if value is not None else word, value))
             if name in spec.no_command:
-                return options, None
+                return options, None, None
             if name in spec.shell_command:
                 shell_code = value
             position += 1
@@ -289,12 +312,12 @@ def _parse(
                 flag = f"-{letter}"
                 if flag in spec.no_command:
                     options.append((flag, None))
-                    return options, None
+                    return options, None, None
                 if letter in spec.short_values:
                     glued = word[offset + 1 :]
                     if not glued:
                         if position + 1 >= len(words):
-                            return options, None
+                            return options, None, None
                         position += 1
                         glued = words[position]
                     options.append((flag, glued))
@@ -321,14 +344,7 @@ def _parse(
             continue
         break
     if shell_code is not None:
-        try:
-            inner = shlex.split(shell_code)
-        except ValueError:
-            return options, None
-        # Code with more than one command in it is a script: only its first word is sure.
-        if any(char in shell_code for char in ";&|`$()<>\n"):
-            return options, None
-        return options, inner or None
+        return options, None, shell_code
     rest = words[position:]
     if (
         spec.shell_command
@@ -336,8 +352,8 @@ def _parse(
         and not any(name in spec.command_follows for name, _ in options)
     ):
         # su alice [ARGS]: the user's shell, given ARGS; no command of ours runs as words.
-        return options, None
-    return options, rest or None
+        return options, None, None
+    return options, rest or None, None
 
 
 def runs_gpuwait(step: Step) -> bool:

@@ -63,7 +63,15 @@ from gpuwait.core.wrappers import drops_gpus, runs_gpuwait, steps
         # No command that is sure to run: the walk stops at the wrapper.
         (["flock", "9"], ["flock"]),
         (["taskset", "-p", "1234"], ["taskset"]),
-        (["su", "-c", "cd /x && srun python", "alice"], ["su"]),
+        (["su", "-c", "cd /x && srun python", "alice"], ["su", "cd"]),
+        # The code of su -c, flock -c and sg -c is a shell's, read as that of bash -c is.
+        (["su", "alice", "-c", "srun python x.py && echo done"], ["su", "srun"]),
+        (["flock", "/tmp/l", "-c", "OMP_NUM_THREADS=4 srun python"], ["flock", "srun"]),
+        (
+            ["sg", "video", "-c", "exec sudo -u bob python x.py; echo"],
+            ["sg", "exec", "sudo", "python"],
+        ),
+        (["su", "alice", "-c", 'python "my script.py"'], ["su", "python"]),
         (["timeout", "60"], ["timeout"]),
         (["sudo", "-u"], ["sudo"]),
         (["sudo", "--user"], ["sudo"]),
