@@ -106,13 +106,10 @@ def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
     """The file a Python command line runs as its script (`python -u train.py` in /w:
     /w/train.py), as the interpreter opens it from `cwd`; None where it runs no file (`-c`,
     `-m`, `-`, its prompt) or is no Python."""
-    if not argv or not _PYTHON_RE.match(os.path.basename(argv[0])):
+    runs = python_runs(argv)
+    if runs is None or runs[0]:
         return None
-    script, _ = _python_script(list(argv[1:]), cwd)
-    if script is None or script == "-" or script.startswith(("-c <", "-m ")):
-        return None
-    (path,) = shlex.split(script)
-    return path
+    return _resolve(runs[1], cwd)
 
 
 def key_hash(level: str, text: str) -> str:
@@ -217,16 +214,21 @@ def _short_hash(text: str) -> str:
     return sha256_hex(text)[:12]
 
 
-def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:
-    """(script identity, command line after the program) for a Python command line.
+def python_runs(argv: Sequence[str]) -> tuple[str, str, int] | None:
+    """The module or script a Python command line runs: `(what, name, at)`, `what` being `-m`
+    (`name` the module), `-c` (`name` the code), `-` (code piped in) or `""` (`name` the script
+    as given), and `argv[at:]` its arguments. None where `argv` is no Python or runs what is
+    typed at its prompt (`python`, `python -u`).
 
-    Interpreter options before the script are left out of both.
-    """
-    position = 0
-    while position < len(args):
-        token = args[position]
+    The interpreter's options before it are passed over, clustered or not (`-u`, `-X dev`,
+    `-Wignore`, `-Im`, `--check-hash-based-pycs never`)."""
+    if not argv or not _PYTHON_RE.match(os.path.basename(argv[0])):
+        return None
+    position = 1
+    while position < len(argv):
+        token = argv[position]
         if token == "-":
-            return "-", _join(args[position:])
+            return "-", "-", position + 1
         if token in _PYTHON_LONG_VALUE_OPTIONS:
             position += 2
             continue
@@ -234,23 +236,41 @@ def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:
             position += 1
             continue
         if not token.startswith("-"):
-            script = _join([_resolve(token, cwd)])
-            return script, _join([_resolve(token, cwd), *args[position + 1 :]])
+            return "", token, position + 1
         # Short options, possibly several glued together (-uB); the last may take a value.
         for offset, letter in enumerate(token[1:], start=1):
             glued = token[offset + 1 :]
             if letter in "cm":
-                value = glued if glued else (args[position + 1] if position + 1 < len(args) else "")
-                rest = args[position + (1 if glued else 2) :]
-                if letter == "c":
-                    identity = f"-c <{_short_hash(value)}>"
-                    return identity, f"{identity} {_join(rest)}".rstrip()
-                return _module(value, rest, cwd)
+                if glued:
+                    return f"-{letter}", glued, position + 1
+                value = argv[position + 1] if position + 1 < len(argv) else ""
+                return f"-{letter}", value, position + 2
             if letter in _PYTHON_VALUE_OPTIONS:
                 position += 0 if glued else 1
                 break
         position += 1
-    return None, ""
+    return None
+
+
+def _python_script(args: list[str], cwd: str) -> tuple[str | None, str]:
+    """(script identity, command line after the program) for a Python command line.
+
+    Interpreter options before the script are left out of both.
+    """
+    runs = python_runs(["python", *args])
+    if runs is None:
+        return None, ""
+    what, name, at = runs
+    rest = args[at - 1 :]
+    if what == "-":
+        return "-", _join(["-", *rest])
+    if what == "-c":
+        identity = f"-c <{_short_hash(name)}>"
+        return identity, f"{identity} {_join(rest)}".rstrip()
+    if what == "-m":
+        return _module(name, rest, cwd)
+    script = _join([_resolve(name, cwd)])
+    return script, _join([_resolve(name, cwd), *rest])
 
 
 #: Modules that run other code (`python -m torch.distributed.run train.py`): without a script

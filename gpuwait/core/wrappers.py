@@ -13,6 +13,7 @@ import re
 import shlex
 from collections.abc import Sequence
 
+from gpuwait.core.cmdkey import python_runs
 from gpuwait.core.record import Record
 
 
@@ -361,14 +362,9 @@ def runs_gpuwait(step: Step) -> bool:
     its own for its command and sets the variables for it?"""
     if step.program == "gpuwait":
         return True
-    if not re.fullmatch(r"python[0-9.]*", step.program):
-        return False
-    # The interpreter's own options may come first (`python3 -I -m gpuwait`, `-X utf8`).
-    words = step.argv[1:]
-    at = 0
-    while at < len(words) and words[at].startswith("-") and words[at] not in ("-m", "-c", "-"):
-        at += 2 if words[at] in ("-X", "-W") else 1
-    return words[at : at + 2] == ("-m", "gpuwait")
+    # The interpreter's own options may come first (`python3 -I -m gpuwait`, `-Im`, `-X utf8`).
+    runs = python_runs(step.argv)
+    return runs is not None and runs[:2] == ("-m", "gpuwait")
 
 
 #: What gpuwait gives a job's command that binds it to its GPUs (CUDA_DEVICE_ORDER numbers the

@@ -274,3 +274,108 @@ def test_keys_stay_those_the_history_already_holds(argv: list[str], hashes: dict
     # The history on disk is matched by these hashes: a release that computed others would
     # forget every run learned before it (inline code's hash is part of its key too).
     assert command_key(argv, CWD).hashes() == hashes
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "script", "typed"),
+    [
+        (
+            ["python", "train.py", "--epochs", "3"],
+            "60fd3af9fea2359933a4",
+            "2619c4b7d27af3dfa129",
+            False,
+        ),
+        (["python3", "-u", "train.py"], "07543732b294a737b414", "2619c4b7d27af3dfa129", False),
+        (
+            ["python3", "-uB", "train.py", "-x"],
+            "d4687b1e4ce52363e20c",
+            "2619c4b7d27af3dfa129",
+            False,
+        ),
+        (
+            ["python", "-W", "ignore", "-X", "dev", "train.py"],
+            "07543732b294a737b414",
+            "2619c4b7d27af3dfa129",
+            False,
+        ),
+        (
+            ["python", "-Wignore", "-Xdev", "train.py"],
+            "07543732b294a737b414",
+            "2619c4b7d27af3dfa129",
+            False,
+        ),
+        (
+            ["python", "--check-hash-based-pycs", "never", "train.py"],
+            "07543732b294a737b414",
+            "2619c4b7d27af3dfa129",
+            False,
+        ),
+        (["python", "--version"], "19192639263a4f0f5af4", None, True),
+        (
+            ["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"],
+            "7ddeb5639a2f1d359190",
+            "2c617d1b4e4873742b11",
+            False,
+        ),
+        (
+            ["python3", "-Im", "pkg.train", "--lr", "0.1"],
+            "0fe520c028db6e15a6c1",
+            "613380a5c59949fcaaef",
+            False,
+        ),
+        (["python3", "-mpkg.train"], "93991d8652d9393faef7", "613380a5c59949fcaaef", False),
+        (
+            ["python", "-m", "gpuwait", "--vram", "1G", "--", "python", "x.py"],
+            "2fcaad3dedc28c341227",
+            "e80764cb2e4b8405903a",
+            False,
+        ),
+        (
+            ["python", "-c", "import torch; print(1)", "a"],
+            "40d254ffaf19a238092c",
+            "2de991a0ed63b1589394",
+            False,
+        ),
+        (["python", "-uc", "print(1)"], "280350eecbbf9c89fedb", "c9900a56129c81f155e1", False),
+        (["python", "-cprint(1)"], "280350eecbbf9c89fedb", "c9900a56129c81f155e1", False),
+        (["python", "-c"], "2faeea1aa196f9fc1100", "313d7d97e1316bf11c13", False),
+        (["python", "-m"], "476a7ddc6e0c5065d47f", "50c8f9dc64de3ded5d98", False),
+        (["python", "-"], "16cc40fc78af7b4474ea", "89f97355e1ee7e5e4bbf", True),
+        (["python", "-", "arg"], "940cac997cd76ee7a7db", "89f97355e1ee7e5e4bbf", True),
+        (["python", "-u", "-", "arg"], "940cac997cd76ee7a7db", "89f97355e1ee7e5e4bbf", True),
+        (["python"], "19192639263a4f0f5af4", None, True),
+        (["python", "-u"], "19192639263a4f0f5af4", None, True),
+        (["python", "-X"], "19192639263a4f0f5af4", None, True),
+        (["python", "--", "train.py"], "07543732b294a737b414", "2619c4b7d27af3dfa129", False),
+        (
+            ["pypy3", "-O", "bench.py", "job.cfg"],
+            "e2b0b3b469a4f048774b",
+            "da48d6946ea3bc5ed744",
+            False,
+        ),
+        (
+            ["python3.11t", "-E", "-s", "../x/run.py"],
+            "3676acb2ae27bc3aae7d",
+            "6fc38e4608002b77dad5",
+            False,
+        ),
+        (["bash", "-c", "python x.py"], "72f550ed7fe289dbc6c7", "f431e592056f8efa5134", False),
+        (
+            ["torchrun", "--nproc-per-node", "2", "train.py"],
+            "1603a6c3a65cfbd74a60",
+            "a7e50ed9083fdaabcf5c",
+            False,
+        ),
+    ],
+)
+def test_where_a_python_line_runs_its_code_keeps_the_keys_learned_so_far(
+    argv: list[str], command: str, script: str | None, typed: bool
+) -> None:
+    # Each way of naming the script, the module, the code or none past the interpreter's
+    # options, as the history already holds it: a key that changed would lose what was learned.
+    key = command_key(argv, CWD)
+    assert (key.hashes()["command"], key.hashes().get("script"), key.typed_in) == (
+        command,
+        script,
+        typed,
+    )

@@ -160,6 +160,17 @@ def test_a_wrapper_in_a_shells_code_is_judged_only_where_its_options_are_read(
         (["python3", "-I", "-X", "utf8", "-m", "gpuwait", "--vram", "1G"], True),
         (["python3", "-c", "import os", "-m", "gpuwait"], False),  # arguments of its code
         (["python3", "-m", "gpuwaiter"], False),
+        (["python3", "-Im", "gpuwait", "--vram", "1G"], True),
+        (["python3", "-mgpuwait", "--vram", "1G"], True),
+        (["python", "-X", "dev", "-m", "gpuwait"], True),
+        (["python", "-Xdev", "-Wdefault", "-m", "gpuwait"], True),
+        (["python3", "--check-hash-based-pycs", "never", "-m", "gpuwait"], True),
+        (["python3.12", "-u", "-m", "gpuwait"], True),
+        (["env", "A=1", "python", "-Im", "gpuwait", "--vram", "1G"], True),
+        (["sudo", "-E", "python", "-X", "dev", "-m", "gpuwait"], True),
+        (["python3", "-uc", "import os", "-m", "gpuwait"], False),
+        (["python3", "-", "-m", "gpuwait"], False),  # arguments of the code piped in
+        (["python3", "x.py", "-m", "gpuwait"], False),  # arguments of the script
     ],
 )
 def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(

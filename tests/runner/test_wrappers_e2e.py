@@ -196,6 +196,8 @@ def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
         ["sudo", "-u", "alice", sys.executable, "-m", "gpuwait", "--vram", "1G", "--", "true"],
         ["sudo", "-u", "alice", sys.executable, "-I", "-m", "gpuwait", "--", "true"],
         ["env", "-i", "python3", "-X", "utf8", "-m", "gpuwait", "--vram", "1G", "--", "true"],
+        ["env", "-i", "python3", "-Im", "gpuwait", "--vram", "1G", "--", "true"],
+        ["sudo", "-u", "alice", sys.executable, "-X", "dev", "-Im", "gpuwait", "--", "true"],
     ],
 )
 def test_a_wrapper_that_keeps_the_gpus_given_runs(
