@@ -67,21 +67,28 @@ def entry_command(argv: Sequence[str], budget: int = MAX_COMMAND_BYTES) -> list[
     the entry otherwise) and within `budget` (MAX_COMMAND_BYTES) after its first argument, so
     `xargs` handing a job thousands of file names, or an argument of a whole config file, cuts
     the command the ledger shows, not the entry. What is cut is said in one last item, "… N
-    more arguments"; the first argument is always kept (who runs the command is told by it),
-    cut to MAX_TEXT bytes as written (4096 characters of ASCII, 682 of Cyrillic). Both are
-    measured as the ledger's JSON writes them, where a character past ASCII takes six bytes.
-    (Other versions cut elsewhere; `gpuwait.linux.security` reads their cuts too.)"""
-    command = [a if len(a) <= MAX_TEXT else a[: MAX_TEXT - 1] + "…" for a in argv]
-    if command:
-        command[0] = _cut_to_written(command[0], MAX_TEXT)
+    more arguments", counted in the budget too; the first argument is always kept (who runs the
+    command is told by it). Each argument is cut to MAX_TEXT bytes as written (4096 characters
+    of ASCII, 682 of Cyrillic), the first as the others. All is measured as the ledger's JSON
+    writes it, where a character past ASCII takes six bytes. (Other versions cut elsewhere;
+    `gpuwait.linux.security` reads their cuts too.)"""
+    command = [_cut_to_written(a, MAX_TEXT) for a in argv]
     # The list's brackets, less the comma its last argument goes without.
     used = 1
     for at, arg in enumerate(command[1:], 1):
         # Its quotes and the comma after it besides.
-        used += written_size(arg) + 3
-        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used > budget:
-            command[at:] = [f"… {len(command) - at} more arguments"]
+        size = written_size(arg) + 3
+        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used + size > budget:
+            # The last item takes room too: the arguments before it make way where it must.
+            while True:
+                more = f"… {len(command) - at} more arguments"
+                if at == 1 or used + written_size(more) + 3 <= budget:
+                    break
+                at -= 1
+                used -= written_size(command[at]) + 3
+            command[at:] = [more]
             break
+        used += size
     return command
 
 

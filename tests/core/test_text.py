@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpuwait.core.text import MAX_TEXT, MAX_TEXTS, entry_command, written_size
+from gpuwait.core.text import MAX_COMMAND_BYTES, MAX_TEXT, MAX_TEXTS, entry_command, written_size
 
 #: Arguments of every kind the ledger's JSON writes other than as themselves.
 _TEXTS = [
@@ -66,3 +66,53 @@ def test_a_command_of_thousands_of_short_arguments_keeps_as_many_as_a_ledger_rea
     assert len(kept) == MAX_TEXTS
     assert kept[:-1] == argv[: MAX_TEXTS - 1]
     assert kept[-1] == f"… {len(argv) - MAX_TEXTS + 1} more arguments"
+
+
+def _written(items: list[str]) -> int:
+    """What a list of text takes in the ledger, as its JSON writes it."""
+    return len(json.dumps(items, separators=(",", ":")))
+
+
+@pytest.mark.parametrize("unit", ["x", "ф", "😀", "\x01", "\n", '"', "\\", 'ab\x7fф"\\'])
+def test_a_long_argument_is_cut_as_the_program_name_is_not_left_out(unit: str) -> None:
+    # An argument past 4 KiB as written (a prompt in Cyrillic, a config of quotes) was cut
+    # by characters, then found too big for the line, and shown as '… 1 more arguments'
+    # alone; one of 4096 characters was kept whole, up to 24 KiB of the entry.
+    argument = (unit * 9000)[:9000]
+    kept = entry_command(["python", "gen.py", "--prompt", argument])
+    assert kept[:3] == ["python", "gen.py", "--prompt"]
+    assert len(kept) == 4 and kept[3].endswith("…") and argument.startswith(kept[3][:-1])
+    assert _written([kept[3]]) - 4 <= MAX_TEXT
+    assert _written([argument[: len(kept[3])] + "…"]) - 4 > MAX_TEXT
+
+
+@pytest.mark.parametrize("unit", ["x", "ф", "😀", "\x01", "\n", '"', "\\", 'ab\x7fф"\\'])
+@pytest.mark.parametrize("length", [1, 7, 100, 1000, 3000, 5000])
+def test_the_arguments_after_the_first_never_take_more_than_their_budget(
+    unit: str, length: int
+) -> None:
+    # The '… N more arguments' that ends a long line was not counted: the arguments kept
+    # before it could take the whole budget, and the entry more than it.
+    argv = ["python", "x.py", *((unit * length)[:length] for _ in range(40))]
+    kept = entry_command(argv)
+    assert _written(kept[1:]) <= MAX_COMMAND_BYTES
+    assert all(_written([word]) - 4 <= MAX_TEXT for word in kept)
+    if kept != argv:
+        assert kept[-1] == f"… {len(argv) - len(kept) + 1} more arguments"
+        # Nothing more would have fitted with it.
+        assert (
+            len(kept) == 2
+            or _written([*argv[1 : len(kept)], f"… {len(argv) - len(kept)} more arguments"])
+            > MAX_COMMAND_BYTES
+        )
+
+
+def test_the_last_item_of_a_line_cut_at_its_budget_fits_in_it_too() -> None:
+    # Two arguments taking the budget to the byte, and one more: its '… 1 more arguments'
+    # came after them, 27 bytes past the budget.
+    first, second = "a" * MAX_TEXT, "b" * (MAX_COMMAND_BYTES - 7 - MAX_TEXT)
+    assert _written([first, second]) == MAX_COMMAND_BYTES
+    kept = entry_command(["python", first, second, "c"])
+    assert kept == ["python", first, "… 2 more arguments"]
+    assert _written(kept[1:]) <= MAX_COMMAND_BYTES
+    assert entry_command(["python", first, second]) == ["python", first, second]
