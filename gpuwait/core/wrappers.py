@@ -149,6 +149,13 @@ _SPECS: dict[str, _Spec] = {
     # A shell's `command [-p] COMMAND`, which runs it past any function of that name; -v and -V
     # only say what it is.
     "command": _Spec(no_command=frozenset({"-v", "-V"})),
+    # A shell's `builtin NAME`, which runs its builtin of that name (`builtin exec srun ...`),
+    # and zsh's precommand modifiers, which run the command after them: without its names
+    # expanded (noglob), corrected (nocorrect), or with a `-` before its name (`-`).
+    "builtin": _Spec(),
+    "noglob": _Spec(),
+    "nocorrect": _Spec(),
+    "-": _Spec(),
 }
 
 #: Shells whose `-c CODE` is looked into as far as its first command's plain words.

@@ -296,6 +296,49 @@ def test_srun_run_as_another_user_is_refused_as_srun_is(
     assert not ran.exists()
 
 
+_SRUN = (
+    "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES",
+    "run gpuwait inside the step instead: srun ... gpuwait --vram SIZE -- COMMAND",
+)
+_SUDO = (
+    "sudo starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets",
+    "run gpuwait under it instead: sudo ... gpuwait --vram SIZE -- COMMAND",
+)
+
+
+@pytest.mark.parametrize(
+    ("command", "refused"),
+    [
+        # bash's builtin, and zsh's precommand modifiers: the command after them runs.
+        (["bash", "-c", "builtin exec srun python x.py"], _SRUN),
+        (["zsh", "-c", "builtin exec sudo -u alice python x.py"], _SUDO),
+        (["zsh", "-c", "noglob srun python x.py"], _SRUN),
+        (["zsh", "-c", "nocorrect sudo -u alice python x.py"], _SUDO),
+        (["zsh", "-c", "--", "- srun python x.py"], _SRUN),
+        (["zsh", "-c", "nocorrect - sudo python x.py"], _SUDO),
+        (["zsh", "-c", "command sudo python x.py"], _SUDO),
+        (["bash", "-c", "builtin echo ok; true"], None),
+    ],
+)
+def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    command: list[str],
+    refused: tuple[str, str] | None,
+) -> None:
+    env, ran = fake_bin(tmp_path, "bash", "zsh", "sh", "sg", "sudo", "srun")
+    done = gpuwait(gpuwait_cmd, command, env)
+    if refused is None:
+        assert done.returncode == 0, done.stderr
+        assert ran.exists()
+        return
+    assert done.returncode == 2, done.stderr
+    assert refused[0] in done.stderr and refused[1] in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+
+
 @pytest.mark.parametrize(
     "command",
     [
