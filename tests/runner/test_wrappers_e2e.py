@@ -318,6 +318,9 @@ _SUDO = (
         (["zsh", "-c", "nocorrect - sudo python x.py"], _SUDO),
         (["zsh", "-c", "command sudo python x.py"], _SUDO),
         (["bash", "-c", "builtin echo ok; true"], None),
+        # A line's end ends a shell's first command, as ; does.
+        (["bash", "-c", "sudo -k\ntrue"], None),
+        (["sh", "-c", "\nsrun python x.py\necho done"], _SRUN),
     ],
 )
 def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
