@@ -36,6 +36,9 @@ class _Spec(Record, frozen=True):
     command_follows: frozenset[str] = frozenset()
     #: Options may follow its other words (su alice -l -c CODE), as getopt takes them.
     permute: bool = False
+    #: The word after its operands is a shell's command line, with or without the option
+    #: in `shell_command` before it (sg GROUP CODE).
+    code_operand: bool = False
 
 
 _SPECS: dict[str, _Spec] = {
@@ -142,8 +145,8 @@ _SPECS: dict[str, _Spec] = {
         operands=1,
         shell_command=frozenset({"-c", "--command"}),
     ),
-    # sg [-] GROUP [-c] CODE.
-    "sg": _Spec(short_values="c", shell_command=frozenset({"-c"}), permute=True),
+    # sg [-] GROUP [-c] CODE: CODE is run by /bin/sh.
+    "sg": _Spec(short_values="c", shell_command=frozenset({"-c"}), operands=1, code_operand=True),
     # A shell's `exec [-cl] [-a NAME] COMMAND` (bash, zsh; sh's takes no options).
     "exec": _Spec(short_values="a"),
     # A shell's `command [-p] COMMAND`, which runs it past any function of that name; -v and -V
@@ -347,6 +350,9 @@ def _parse(
             operands -= 1
             position += 1
             continue
+        if spec.code_operand and shell_code is None:
+            shell_code = word
+            break
         if spec.permute and not any(name in spec.command_follows for name, _ in options):
             position += 1  # su's user, or an argument of the user's shell
             continue

@@ -321,6 +321,10 @@ _SUDO = (
         # A line's end ends a shell's first command, as ; does.
         (["bash", "-c", "sudo -k\ntrue"], None),
         (["sh", "-c", "\nsrun python x.py\necho done"], _SRUN),
+        # sg GROUP CMD runs CMD with /bin/sh, given -c before it or not.
+        (["sg", "video", "srun python x.py"], _SRUN),
+        (["sg", "video", "sudo -u alice python x.py"], _SUDO),
+        (["sg", "video", "true"], None),
     ],
 )
 def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
