@@ -325,6 +325,18 @@ _SUDO = (
         (["sg", "video", "srun python x.py"], _SRUN),
         (["sg", "video", "sudo -u alice python x.py"], _SUDO),
         (["sg", "video", "true"], None),
+        # sudo -h alone is its help; sudo -h HOST runs the command, under HOST's rules.
+        (["sudo", "-h"], None),
+        (["bash", "-c", "sudo -h && true"], None),
+        (["sudo", "-h", "-u", "alice", "python", "x.py"], None),
+        (
+            ["sudo", "-h", "gpuhost", "python", "x.py"],
+            (
+                _SUDO[0],
+                "keep them: gpuwait ... -- sudo --preserve-env=CUDA_VISIBLE_DEVICES,"
+                "CUDA_DEVICE_ORDER -h gpuhost python x.py",
+            ),
+        ),
     ],
 )
 def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
