@@ -523,48 +523,39 @@ def test_compute_capability_or_none(fake_nvml: FakeNvml, backend: NvmlBackend) -
     assert [g.index for g in backend.snapshot().gpus] == [1, 2]
 
 
-def test_a_compute_capability_query_that_fails_is_no_card_without_one(
-    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
-) -> None:
-    # An 8.0 card whose compute capability query answered Unknown Error once: a launch asking
-    # for --min-compute-capability 8.0 was refused at once, exit 3, "GPU0 does not report its
-    # compute capability", as if no card of the kind were there.
-    fake_nvml.set_gpus([FakeGpu(cc="8.0")])
-    fake_nvml.fail(0, "nvmlDeviceGetCudaComputeCapability", UNKNOWN)
-    threading.Timer(0.5, fake_nvml.clear_failures).start()
-    done = launch(
-        fake_nvml,
-        gpuwait_cmd,
-        "--min-compute-capability",
-        "8.0",
-        "--vram",
-        "1G",
-        "--",
-        *ECHO_VISIBLE,
-        GPUWAIT_GPU_ERROR_TIMEOUT="30s",
-    )
-    assert (done.returncode, done.stdout) == (0, "GPU-fake-0\n"), done.stderr
-
-
 def test_unreadable_name_still_serves_the_gpu(two_gpus: FakeNvml, backend: NvmlBackend) -> None:
     two_gpus.fail(0, "nvmlDeviceGetName", NOT_SUPPORTED)
     snap = backend.snapshot()
     assert [g.name for g in snap.gpus] == ["NVIDIA GPU", "NVIDIA H100 80GB HBM3"]
 
 
-def test_a_name_query_that_fails_is_no_card_of_another_kind(
-    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+@pytest.mark.parametrize(
+    ("gpu", "query", "asked"),
+    [
+        # An 8.0 card whose compute capability query answered Unknown Error once: a launch
+        # asking for --min-compute-capability 8.0 was refused at once, exit 3, "GPU0 does not
+        # report its compute capability", as if no card of the kind were there.
+        (
+            FakeGpu(cc="8.0"),
+            "nvmlDeviceGetCudaComputeCapability",
+            ("--min-compute-capability", "8.0"),
+        ),
+        # An A100 whose name query answered Unknown Error once was named "NVIDIA GPU": a launch
+        # with --gpu-name A100 was refused at once, exit 3, "GPU0 is a NVIDIA GPU".
+        (FakeGpu(name="NVIDIA A100-SXM4-80GB"), "nvmlDeviceGetName", ("--gpu-name", "A100")),
+    ],
+    ids=["compute-capability", "name"],
+)
+def test_a_query_that_fails_once_is_no_card_of_another_kind(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], gpu: FakeGpu, query: str, asked: tuple[str, str]
 ) -> None:
-    # An A100 whose name query answered Unknown Error once was named "NVIDIA GPU": a launch
-    # with --gpu-name A100 was refused at once, exit 3, "GPU0 is a NVIDIA GPU".
-    fake_nvml.set_gpus([FakeGpu(name="NVIDIA A100-SXM4-80GB")])
-    fake_nvml.fail(0, "nvmlDeviceGetName", UNKNOWN)
+    fake_nvml.set_gpus([gpu])
+    fake_nvml.fail(0, query, UNKNOWN)
     threading.Timer(0.5, fake_nvml.clear_failures).start()
     done = launch(
         fake_nvml,
         gpuwait_cmd,
-        "--gpu-name",
-        "A100",
+        *asked,
         "--vram",
         "1G",
         "--",

@@ -151,12 +151,39 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         # The code of flock -c, sg -c (and su -c) is a shell's, read as bash -c's is.
         ["flock", "/tmp/l", "-c", "srun python x.py && echo done"],
         ["sg", "video", "-c", "OMP_NUM_THREADS=4 srun python x.py"],
+        # `gpuwait -- srun ...` is refused (its tasks get Slurm's CUDA_VISIBLE_DEVICES, not the
+        # GPU gpuwait reserved); `env srun`, `time srun`, `nice srun`, `timeout 60 srun` ran.
+        *(
+            [*wrappers, "srun", "-n1", "python", "train.py"]
+            for wrappers in (
+                ["env"],
+                ["env", "-u", "HOME", "OMP_NUM_THREADS=4"],
+                ["env", "--", "OMP_NUM_THREADS=4"],
+                ["time"],
+                ["time", "-o", "t.txt"],
+                ["nice"],
+                ["nice", "-n", "5"],
+                ["timeout", "60"],
+                ["timeout", "-k", "5", "60"],
+                ["nohup", "stdbuf", "-oL"],
+                ["taskset", "-c", "0-3"],
+                ["sudo", "-E", "-u", "alice"],
+            )
+        ),
+        # Run as another user.
+        ["su", "alice", "-c", "srun -n1 python train.py"],
+        ["runuser", "-u", "alice", "--", "srun", "-n1", "python", "train.py"],
+        ["sudo", "-k", "--preserve-env", "srun", "-n1", "python", "train.py"],
     ],
 )
-def test_srun_behind_flock_sg_or_a_shells_first_word_is_refused(
+def test_srun_behind_a_wrapper_or_a_shells_first_word_is_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
 ) -> None:
-    env, ran = fake_bin(tmp_path, "flock", "bash", "sh", "sg", "srun")
+    env, ran = fake_bin(
+        tmp_path,
+        *("flock", "bash", "sh", "sg", "srun", "env", "time", "nice", "timeout", "nohup"),
+        *("stdbuf", "taskset", "sudo", "su", "runuser"),
+    )
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
     assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
@@ -248,54 +275,6 @@ def test_the_line_the_refusal_gives_keeps_the_gpus_under_the_real_sudo(
     assert done.stdout.strip().startswith("GPU-"), done.stdout
 
 
-@pytest.mark.parametrize(
-    "wrappers",
-    [
-        ["env"],
-        ["env", "-u", "HOME", "OMP_NUM_THREADS=4"],
-        ["env", "--", "OMP_NUM_THREADS=4"],
-        ["time"],
-        ["time", "-o", "t.txt"],
-        ["nice"],
-        ["nice", "-n", "5"],
-        ["timeout", "60"],
-        ["timeout", "-k", "5", "60"],
-        ["nohup", "stdbuf", "-oL"],
-        ["taskset", "-c", "0-3"],
-        ["sudo", "-E", "-u", "alice"],
-    ],
-)
-def test_srun_behind_a_wrapper_is_refused_as_srun_is(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, wrappers: list[str]
-) -> None:
-    # `gpuwait -- srun ...` is refused (its tasks get Slurm's CUDA_VISIBLE_DEVICES, not the
-    # GPU gpuwait reserved); `env srun`, `time srun`, `nice srun`, `timeout 60 srun` ran.
-    names = ("srun", "env", "time", "nice", "timeout", "nohup", "stdbuf", "taskset", "sudo")
-    env, ran = fake_bin(tmp_path, *names)
-    done = gpuwait(gpuwait_cmd, [*wrappers, "srun", "-n1", "python", "train.py"], env)
-    assert done.returncode == 2, done.stderr
-    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
-    assert not ran.exists()
-
-
-@pytest.mark.parametrize(
-    "command",
-    [
-        ["su", "alice", "-c", "srun -n1 python train.py"],
-        ["runuser", "-u", "alice", "--", "srun", "-n1", "python", "train.py"],
-        ["sudo", "-k", "--preserve-env", "srun", "-n1", "python", "train.py"],
-    ],
-)
-def test_srun_run_as_another_user_is_refused_as_srun_is(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
-) -> None:
-    env, ran = fake_bin(tmp_path, "srun", "su", "runuser", "sudo")
-    done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
-    assert not ran.exists()
-
-
 _SRUN = (
     "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES",
     "run gpuwait inside the step instead: srun ... gpuwait --vram SIZE -- COMMAND",
@@ -359,56 +338,45 @@ def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
 
 
 @pytest.mark.parametrize(
-    "command",
+    ("command", "hint"),
     [
-        ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "-u", "alice", "true"],
-        ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
-        ["env", "-u", "CUDA_DEVICE_ORDER", "true"],
+        (
+            ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "-u", "alice", "true"],
+            "keep them: gpuwait ... -- "
+            "sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -u alice true\n",
+        ),
+        (
+            ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
+            "keep them: gpuwait ... -- su -l -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice -c true\n",
+        ),
+        (
+            ["runuser", "-l", "--whitelist-environment=HOME,CUDA_VISIBLE_DEVICES", "alice"],
+            "keep them: gpuwait ... -- "
+            "runuser -l --whitelist-environment=HOME,CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice\n",
+        ),
+        (
+            ["env", "-u", "CUDA_DEVICE_ORDER", "true"],
+            "leave CUDA_DEVICE_ORDER to the command: unset only what it must not see",
+        ),
     ],
 )
 def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], hint: str
 ) -> None:
     # With visible_devices = index, CUDA_VISIBLE_DEVICES names NVML's (PCI-ordered) index,
     # which CUDA reads in its own fastest-first order unless CUDA_DEVICE_ORDER=PCI_BUS_ID
     # comes with it: a wrapper keeping the one and not the other puts the job, on a machine of
     # two kinds of GPU, on a card gpuwait did not give it. With UUIDs the same line runs.
-    env, ran = fake_bin(tmp_path, "sudo", "su", "env")
+    # The hint extends the list given: it added a second list naming both variables before it
+    # ('sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER
+    # --preserve-env=CUDA_VISIBLE_DEVICES -u alice true').
+    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "env")
     done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
     assert done.returncode == 2, done.stderr
     assert f"{command[0]} starts its command without the CUDA_DEVICE_ORDER" in done.stderr
+    assert hint in done.stderr
     assert "Traceback" not in done.stderr
     assert not ran.exists()
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
-
-
-@pytest.mark.parametrize(
-    ("command", "kept"),
-    [
-        (
-            ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "-u", "alice", "true"],
-            "sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER -u alice true",
-        ),
-        (
-            ["su", "-l", "-w", "CUDA_VISIBLE_DEVICES", "alice", "-c", "true"],
-            "su -l -w CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice -c true",
-        ),
-        (
-            ["runuser", "-l", "--whitelist-environment=HOME,CUDA_VISIBLE_DEVICES", "alice"],
-            "runuser -l --whitelist-environment=HOME,CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER alice",
-        ),
-    ],
-)
-def test_the_line_that_keeps_the_order_of_gpu_indices_extends_the_list_given(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], kept: str
-) -> None:
-    # The hint added a second list naming both variables before the one given:
-    # 'sudo --preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER
-    # --preserve-env=CUDA_VISIBLE_DEVICES -u alice true'.
-    env, ran = fake_bin(tmp_path, "sudo", "su", "runuser")
-    done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
-    assert done.returncode == 2, done.stderr
-    assert f"keep them: gpuwait ... -- {kept}\n" in done.stderr
-    assert not ran.exists()
