@@ -583,16 +583,23 @@ def ran_before(server: Server, uid: int, **seconds: float) -> None:
 
 
 def short_after_long(
-    server: Server, alice: Callable[[list[str]], subprocess.Popen[str]]
+    server: Server,
+    alice: Callable[[list[str]], subprocess.Popen[str]],
+    bob: Callable[[list[str]], subprocess.Popen[str]] | None = None,
 ) -> list[tuple[object, object]]:
-    """Bob's long job, then Alice's short one (started by `alice` from its gpuwait arguments),
-    waiting for one card that fits one of them at a time; the card freed: who runs on it once
-    one of them has started (each user's gpuwait starts only their own jobs)."""
+    """Bob's long job, then Alice's short one (started by `alice` from its gpuwait arguments;
+    his by `bob`, else as any job of his), waiting for one card that fits one of them at a time;
+    the card freed: who runs on it once one of them has started (each user's gpuwait starts only
+    their own jobs)."""
     ran_before(server, BOB, long=300.0)
     ran_before(server, ALICE, short=5.0)
     holder = server.start(BOB, "--vram", "20G", "--", "sleep", "30")
     server.wait_jobs(1, "running")
-    server.start(BOB, "--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30")
+    long = ["--key", "long", "--name", "long", "--vram", "20G", "--", "sleep", "30"]
+    if bob is None:
+        server.start(BOB, *long)
+    else:
+        server.procs.append(bob(long))
     server.wait_jobs(2)
     server.procs.append(
         alice(["--key", "short", "--name", "short", "--vram", "20G", "--", "sleep", "30"])
@@ -602,7 +609,7 @@ def short_after_long(
     holder.communicate(timeout=10)
     wait_for(
         lambda: any(j["state"] == "running" and j["name"] for j in server.jobs()),
-        timeout=40,  # a disagreement is told after 15 s (wait.DISAGREE_AFTER)
+        timeout=40,  # a disagreement is told after 15 s (wait.DISAGREE_AFTER), or as patched
         message=lambda: f"a job started on the idle card: {server.jobs()}",
     )
     return [(j["uid"], j["name"]) for j in server.jobs() if j["state"] == "running"]
@@ -643,6 +650,14 @@ def cut_short(gpus, claims, safety, cursor, conditions, fair, clock=None, hint=(
 gpuwait.queue.conditions.plan_queue = cut_short
 """
 
+#: Put into a member's gpuwait: plans that disagree are told so after 2 s instead of 15 s. The
+#: same rule, sooner: nothing but a disagreement starts Bob's long job below, however long it
+#: lasts, and every second of it is the card left idle.
+TOLD_SOON = """
+import gpuwait.queue.wait
+gpuwait.queue.wait.DISAGREE_AFTER = 2.0
+"""
+
 
 def test_two_members_whose_plans_disagree_do_not_leave_a_shared_card_idle(
     server: Server,
@@ -654,25 +669,28 @@ def test_two_members_whose_plans_disagree_do_not_leave_a_shared_card_idle(
     # ran out, hours later.
     server.site_config('fair_share_half_life = "none"\n')
 
-    def alice(argv: list[str]) -> subprocess.Popen[str]:
-        busy = user_argv(ALICE, ALICE, [GROUP], argv)
-        busy[2] = busy[2].replace(
-            "gpuwait.cli.entry_point()", BUSY_MACHINE + "gpuwait.cli.entry_point()"
-        )
-        env = server.envs[ALICE]
-        return subprocess.Popen(
-            busy,
-            env=env,
-            text=True,
-            cwd="/",
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+    def member(uid: int, code: str) -> Callable[[list[str]], subprocess.Popen[str]]:
+        def start(argv: list[str]) -> subprocess.Popen[str]:
+            patched = user_argv(uid, uid, [GROUP], argv)
+            patched[2] = patched[2].replace(
+                "gpuwait.cli.entry_point()", code + "gpuwait.cli.entry_point()"
+            )
+            return subprocess.Popen(
+                patched,
+                env=server.envs[uid],
+                text=True,
+                cwd="/",
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
 
-    # Once the two plans have disagreed for 15 s, both plan in strict order (no
-    # search: the same for everyone), and the job submitted first starts.
-    assert short_after_long(server, alice) == [(BOB, "long")]
+        return start
+
+    # Once the two plans have disagreed for a while (wait.DISAGREE_AFTER), both plan in strict
+    # order (no search: the same for everyone), and the job submitted first starts.
+    alice = member(ALICE, BUSY_MACHINE + TOLD_SOON)
+    assert short_after_long(server, alice, member(BOB, TOLD_SOON)) == [(BOB, "long")]
 
 
 def test_a_users_stricter_safety_keeps_the_card_no_emptier_than_the_sites(
