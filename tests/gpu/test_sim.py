@@ -530,7 +530,13 @@ def test_job_with_bad_or_missing_sim(tmp_path: Path) -> None:
     assert err == "gpuwait sim job: no simulation file; pass --sim FILE or set GPUWAIT_SIM\n"
     bad = tmp_path / "bad.toml"
     bad.write_text("[[gpu]]\n")
-    rc, out, err = finish(start_sim_job("--vram", "1G", "--sim", str(bad)))
+    # A file this fresh may be one caught half-saved: the job reads it again for a while
+    # (simjob.LOAD_PATIENCE, 5 s) before it gives up. The same give-up, after half a second.
+    impatient = "from gpuwait.gpu import simjob; simjob.LOAD_PATIENCE = 0.5; "
+    impatient += "sys.exit(simjob.main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", f"import sys; {impatient}", "--vram", "1G", "--sim", str(bad)]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, out, err = finish(job)
     assert rc == 2 and err.startswith(f"gpuwait sim job: simulation file {bad}: gpu 0: ")
     assert len(err.splitlines()) == 1
 
