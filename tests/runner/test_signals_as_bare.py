@@ -133,12 +133,16 @@ def test_every_process_of_a_service_signalled_the_command_gets_it_once(
 @pytest.mark.usefixtures("sim")
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
 def test_under_timeout_the_command_gets_the_signal_once(
-    gpuwait_cmd: list[str], tmp_path: Path
+    gpuwait_cmd: list[str], tmp_path: Path, procs: Callable[..., subprocess.Popen[Any]]
 ) -> None:
     flag = tmp_path / "flag"
     inner = [*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", TRAP, str(flag)]
-    done = subprocess.run(["timeout", "-s", "TERM", "4", *inner], timeout=60)
-    assert done.returncode == 124
+    limited = procs(["timeout", "-s", "TERM", "60", *inner])
+    wait_for_text(flag, "ready")
+    # Its time is up: `timeout` learns so by its timer's SIGALRM, here once the command's
+    # handlers are in place, and not after a fixed time that a loaded machine may take to start.
+    limited.send_signal(signal.SIGALRM)
+    assert limited.wait(timeout=60) == 124
     assert flag.read_text() == str(int(signal.SIGTERM))
 
 
