@@ -198,18 +198,20 @@ def test_a_held_lock_makes_gpuwait_give_up_not_hang(gw: Run) -> None:
         os.close(fd)
 
 
-def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
+def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(sim: Path, tmp_path: Path) -> None:
     # A gpuwait stopped (kill -STOP) or hung in a transaction holds every other one up; they
     # waited without a word for lock_timeout (a minute by default) before saying why.
     state_dir().mkdir(mode=0o700)
     fd = os.open(state_dir() / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     err = tmp_path / "err"
+    # A holder is named once it has kept the lock for lock.SLOW_AFTER (2 s), far longer than a
+    # transaction; here after 0.4 s, by the same look.
+    soon = "import gpuwait.linux.lock as lock; lock.SLOW_AFTER = 0.4; "
+    soon += "from gpuwait.cli import entry_point; entry_point()"
     with err.open("w") as stderr:
         launch = subprocess.Popen(
-            [*gpuwait_cmd, "--vram", "1G", "--", "echo", "ran"],
+            [sys.executable, "-c", soon, "--vram", "1G", "--", "echo", "ran"],
             env={**os.environ, "GPUWAIT_LOCK_TIMEOUT": "1m30s"},
             stdout=subprocess.PIPE,
             stderr=stderr,
