@@ -532,7 +532,8 @@ def test_job_with_bad_or_missing_sim(tmp_path: Path) -> None:
     bad.write_text("[[gpu]]\n")
     # A file this fresh may be one caught half-saved: the job reads it again for a while
     # (simjob.LOAD_PATIENCE, 5 s) before it gives up. The same give-up, after half a second.
-    impatient = "from gpuwait.gpu import simjob; simjob.LOAD_PATIENCE = 0.5; "
+    impatient = "from gpuwait.gpu import simjob; "
+    impatient += "assert simjob.LOAD_PATIENCE > 0.5; simjob.LOAD_PATIENCE = 0.5; "
     impatient += "sys.exit(simjob.main(sys.argv[1:]))"
     argv = [sys.executable, "-c", f"import sys; {impatient}", "--vram", "1G", "--sim", str(bad)]
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

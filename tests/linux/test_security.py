@@ -207,7 +207,8 @@ def test_a_lock_held_long_is_said_while_gpuwait_waits_for_it(sim: Path, tmp_path
     err = tmp_path / "err"
     # A holder is named once it has kept the lock for lock.SLOW_AFTER (2 s), far longer than a
     # transaction; here after 0.4 s, by the same look.
-    soon = "import gpuwait.linux.lock as lock; lock.SLOW_AFTER = 0.4; "
+    soon = "import gpuwait.linux.lock as lock; "
+    soon += "assert lock.SLOW_AFTER > 0.4; lock.SLOW_AFTER = 0.4; "
     soon += "from gpuwait.cli import entry_point; entry_point()"
     with err.open("w") as stderr:
         launch = subprocess.Popen(

@@ -655,6 +655,7 @@ gpuwait.queue.conditions.plan_queue = cut_short
 #: lasts, and every second of it is the card left idle.
 TOLD_SOON = """
 import gpuwait.queue.wait
+assert gpuwait.queue.wait.DISAGREE_AFTER > 2.0
 gpuwait.queue.wait.DISAGREE_AFTER = 2.0
 """
 
