@@ -465,7 +465,11 @@ def test_the_time_a_job_was_frozen_is_no_run_time_of_its(
     ends = {str(e["job"]): float(str(e["time"])) for e in said if e["kind"] == "finish"}
     held = sum(ends[job] - starts[job] for job in ends) - frozen
     (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
-    assert usage.vram_seconds / (16 * GiB) == pytest.approx(held, abs=0.3), (held, frozen)
+    charged = usage.vram_seconds / (16 * GiB)
+    # Charged the freeze, it would be `held + frozen` (the urgent job held the card 1.5 s). The
+    # events' times and the charge are taken a few steps apart, further under load (0.43 s
+    # seen on a busy machine): half the freeze is the margin, as for the run time above.
+    assert held - 0.3 <= charged < held + frozen / 2, (charged, held, frozen)
 
 
 def test_a_job_killed_after_a_thaw_is_charged_its_run_before_the_freeze(
