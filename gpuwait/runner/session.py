@@ -1324,10 +1324,11 @@ def _start(
         raise given_up
     # Its run time leaves out any time it was frozen, its room another job's: not charged.
     vram_seconds = job.reserved_in_all() * result.run_seconds
-    # Stopped meanwhile (gpuwait cancel, Ctrl-C, a service stopped), a job that checkpointed
-    # ends with the resume status, as it would bare, rather than queue to run again.
-    stopped = result.stopped_by is not None and result.stopped_by != getattr(
-        responder, "signum", None
+    # Stopped meanwhile (gpuwait cancel, Ctrl-C, a service stopped), or sent the checkpoint
+    # signal itself (Slurm's warning before the time limit), a job that checkpointed ends with
+    # the resume status, as it would bare, rather than queue to run again.
+    stopped = result.checkpoint_asked or (
+        result.stopped_by is not None and result.stopped_by != getattr(responder, "signum", None)
     )
     if result.paused and code == config.resume_exit and not stopped:
         ran = job

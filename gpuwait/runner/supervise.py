@@ -77,6 +77,9 @@ class RunResult(Record):
     #: The first signal asking it to stop (TERM, INT, HUP, QUIT) that reached the command,
     #: through gpuwait or its process group: the run may have been cut short.
     stopped_by: int | None = None
+    #: The checkpoint signal was sent to gpuwait itself (Slurm's --signal=B:USR1@N before the
+    #: time limit, a kill): a run that steps aside then ends gpuwait, and is not queued again.
+    checkpoint_asked: bool = False
     #: Peak growth of the card's used memory per GPU, while the job ran alone there.
     growth_bytes: dict[str, int] = field(default_factory=dict)
     #: GPUs whose growth is not the job's own: another job ran there, or memory held there at
@@ -200,6 +203,9 @@ def supervise(
                 continue
             if info.si_signo in _STOPPING and result.stopped_by is None:
                 result.stopped_by = info.si_signo
+            if responder is not None and info.si_signo == responder.signum:
+                # Sent to gpuwait itself, or to the whole group (the command has it then).
+                result.checkpoint_asked = True
             if command_has_it(info, witness):
                 continue
             if responder is not None and info.si_signo == responder.signum:

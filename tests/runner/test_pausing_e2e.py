@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -905,3 +906,79 @@ def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_di
     (ran,) = [r for r in records if r["job_id"] == paused["job"]]
     assert ran["pauses"] == 1 and ran["peak_bytes"] == 16 * 2**30, ran
     assert ran["reserved_bytes"] == 16 * 2**30, ran
+
+
+#: A --pausable command that writes a line in the file argv[1] for each checkpoint signal it gets
+#: and, once the file argv[2] exists, steps aside (exit 75); started again (resumed), it ends at
+#: once.
+SLOW_TO_STEP_ASIDE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    if os.environ["GPUWAIT_RESUME_COUNT"] != "0":
+        sys.exit(0)
+    got = 0
+    def asked(signum, frame):
+        global got
+        got += 1
+        with open(sys.argv[1], "a") as f:
+            f.write("asked\\n")
+    signal.signal(signal.SIGUSR1, asked)
+    while not (got and os.path.exists(sys.argv[2])):
+        time.sleep(0.05)
+    sys.exit(75)
+    """
+)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["to-gpuwait", "to-its-group"])
+def test_a_checkpoint_signal_while_stepping_aside_ends_with_the_resume_status(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, to_group: bool
+) -> None:
+    """Slurm's warning before the time limit (--signal=B:USR1@N, passed on by the batch script)
+    comes while the job checkpoints for an urgent waiter: gpuwait ends with the resume status,
+    so that the script requeues the allocation, rather than queue the job to run again in an
+    allocation about to end (it waited, started again, and ended 0 with its work cut short)."""
+    signals, go = tmp_path / "signals", tmp_path / "go"
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            SLOW_TO_STEP_ASIDE,
+            str(signals),
+            str(go),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # ended with its command, whatever happens
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        # The urgent job's request reached the command: it is saving its checkpoint.
+        wait_for(lambda: signals.exists(), timeout=60, interval=0.05)
+        # The time limit is near (`kill -USR1 -PGID`: the command gets it straight away too).
+        (os.killpg if to_group else os.kill)(low.pid, SIGNAL)
+        wait_for(lambda: signals.read_text().count("\n") >= 2, timeout=30, interval=0.05)
+        go.touch()
+        _, err = low.communicate(timeout=60)
+        assert low.returncode == 75, err
+        assert "Traceback" not in err
+        kinds = [e["kind"] for e in events()]
+        assert kinds.count("start") <= 2, kinds  # its own and the urgent job's
+        assert urgent.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(low.pid, signal.SIGKILL)
+        low.communicate(timeout=30)
+        if urgent is not None:
+            urgent.terminate()  # passed on to its command: nothing is left running
+            urgent.communicate(timeout=30)
