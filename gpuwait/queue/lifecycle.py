@@ -130,6 +130,8 @@ def _change(ledger: Ledger, words: _Words | None = None) -> Iterator[tuple[Ledge
     with ledger.transaction(quiet) as data:
         _reap(ledger, data, quiet, said, ended, words)
         _carry_out_requests(data, said)
+        for job in _yielding_to_a_started_job(data):
+            job.yield_to = None
         yield data, said
     _take_words(words)
     for kind, fields in said:
@@ -704,6 +706,8 @@ def would_tidy(
         elif job.orphaned_at is None or not command_lives(job, directory):
             return True
     if any(r.targets(j) for r in _cancels_for_me(data) for j in data.jobs if j.state == WAITING):
+        return True
+    if _yielding_to_a_started_job(data):
         return True
     return snapshot is not None and data.book.health_would_change(snapshot, busy_gpus(data), now)
 
@@ -1371,6 +1375,23 @@ def _started_since(data: LedgerData, mine: Job) -> None:
     for other in data.jobs:
         if other.yield_to == mine.id and data.mine(other):
             other.yield_to = None
+
+
+def _yielding_to_a_started_job(data: LedgerData) -> list[Job]:
+    """This user's waiters that stepped aside for another user's job which has started since:
+    they wait for it no longer (`_started_since`, which that user's gpuwait cannot do for
+    them). Kept, they would wait for it again once it queued again (stepped aside in turn, or
+    retried after running out of memory), their room idle meanwhile."""
+    yielding = [j for j in data.jobs if j.state == WAITING and j.yield_to and data.mine(j)]
+    if not yielding:
+        return []
+    index = data.by_plain_id()
+    return [
+        j
+        for j in yielding
+        if (asker := data.as_kept_in(j, index).get(j.yield_to or "")) is not None
+        and asker.state == RUNNING
+    ]
 
 
 def _queued_again(mine: Job, now: float) -> None:

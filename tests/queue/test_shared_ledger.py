@@ -1042,6 +1042,55 @@ def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     assert err.count("queue_order = fifo of yours is not used") == 1, err
 
 
+def test_a_job_that_stepped_aside_for_another_members_job_waits_no_more_once_it_started(
+    server: Server,
+) -> None:
+    """Alice's job steps aside for Bob's, which starts, then steps aside in turn for Bob's
+    urgent one. Once room for Alice's job comes free, it resumes there: it waited until Bob's
+    job had started, not for it to start a second time (Bob's gpuwait, which knew, may not
+    write Alice's entry; it kept waiting for the urgent job to end, its room idle)."""
+    ensure_state_dir(load_sim_file(server.sim)).chmod(0o1777)
+    for uid in (ALICE, BOB):
+        server.envs[uid]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
+    home = {uid: Path(server.envs[uid]["HOME"]) for uid in (ALICE, BOB)}
+
+    def pausable(uid: int, priority: str, vram: str) -> subprocess.Popen[str]:
+        job = ["python3", "-m", "gpuwait", "sim", "job", "--vram", vram, "--hold", "60s"]
+        checkpoint = str(home[uid] / f"progress-{priority}.json")
+        wrapper = ["--priority", priority, "--pausable", "--vram", vram, "--"]
+        return server.start(uid, *wrapper, *job, "--checkpoint", checkpoint)
+
+    def until_gone(uid: int, name: str) -> list[str]:
+        return ["sh", "-c", f"while [ ! -e {home[uid] / name} ]; do sleep 0.1; done"]
+
+    def state(uid: int, priority: int) -> object:
+        jobs = [j for j in server.jobs() if j["uid"] == uid and j["priority"] == priority]
+        return jobs[0]["state"] if jobs else None
+
+    # 21.6 GiB of the card are usable: Alice's 6 GiB beside Bob's other 8 GiB.
+    pausable(ALICE, "1", "6G")
+    server.start(BOB, "--priority", "2", "--vram", "8G", "--", *until_gone(BOB, "other-done"))
+    server.wait_jobs(2, "running")
+    time.sleep(1.5)  # older than pause_min_runtime, its command catching the signal
+    # Bob's 12 GiB fit once Alice's job has stepped aside; it starts.
+    pausable(BOB, "3", "12G")
+    wait_for(lambda: state(BOB, 3) == "running", timeout=60, message=lambda: server.jobs())
+    assert state(ALICE, 1) == "waiting"
+    time.sleep(1.5)
+    # Bob's urgent job makes his own step aside, and runs until told.
+    server.start(BOB, "--priority", "5", "--vram", "12G", "--", *until_gone(BOB, "urgent-done"))
+    wait_for(lambda: state(BOB, 5) == "running", timeout=60, message=lambda: server.jobs())
+    assert state(BOB, 3) == "waiting"
+    # Bob's other job ends: 9.6 GiB free, room for Alice's 6 GiB but not for Bob's 12.
+    server.shell(BOB, f"touch {home[BOB] / 'other-done'}")
+    wait_for(
+        lambda: state(ALICE, 1) == "running",
+        timeout=30,
+        message=lambda: f"Alice's job never resumed: {server.jobs()}",
+    )
+    assert state(BOB, 3) == "waiting"
+
+
 def test_a_file_of_the_single_file_kind_in_a_shared_directory_is_not_believed(
     server: Server,
 ) -> None:
