@@ -1120,9 +1120,9 @@ def mark_pause_requests(
     data: LedgerData, now: float | None = None, boot_now: float | None = None
 ) -> None:
     """Set each running job's `pause_requested_*` from the requests that may ask it: from a
-    waiting job of higher priority (or of the same user), to a running --pausable (or
-    --freezable) job that its owner's own rules let be asked now (`protected`), the earliest
-    first. Whatever an entry itself says about being asked is not taken: only its asker's
+    waiting job of higher priority (or of the same user) whose gpuwait is not stopped, to a
+    running --pausable (or --freezable) job that its owner's own rules let be asked now
+    (`protected`), the earliest first. Whatever an entry itself says about being asked is not taken: only its asker's
     file may say so; and an asker's file says nothing about the rules of the job it asks."""
     if now is None:
         now, boot_now = time.time(), proc.boot_clock()
@@ -1143,6 +1143,9 @@ def mark_pause_requests(
             or not (victim.pausable or victim.freezable)
             or protected(victim, now, boot_now)
             or asker.state != WAITING
+            # A waiter whose gpuwait is stopped (Ctrl-Z) is passed over and starts nothing:
+            # its request stands again once it is continued.
+            or (not elsewhere(asker) and proc.stopped(asker.pid, asker.start_time))
             # A user's own waiter may ask whatever the priorities (an idle job, with
             # `idle_action = pause`): they could cancel that job anyway.
             # The asker's own priority: a boost (it stepped aside) keeps its place, no more.

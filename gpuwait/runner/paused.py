@@ -12,10 +12,15 @@ import signal
 import time
 
 from gpuwait.linux import proc
-from gpuwait.linux.checkpoint_signal import deliver, parse_signal
+from gpuwait.linux.checkpoint_signal import catches, deliver, parse_signal
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import Job
+from gpuwait.queue.entries import PAUSE, Job
 from gpuwait.queue.ledger import Ledger
+
+#: How often a request is looked up again while its asker's gpuwait is stopped (Ctrl-Z) or
+#: may have been since the last look: stopping or continuing a process writes nothing in the
+#: ledger, so no change of it tells.
+LOOK_AGAIN_EVERY = 1.0
 
 
 class PauseResponder:
@@ -27,6 +32,11 @@ class PauseResponder:
         self.signum = parse_signal(job.checkpoint_signal)
         self.token: object = None
         self.requested = False
+        #: A request for this job stands whose asker's gpuwait is stopped: no mark
+        #: (entries.mark_pause_requests) until it is continued.
+        self.unmarked = False
+        #: When the request was last looked up (monotonic clock).
+        self.looked_at: float | None = None
         #: When the command got its checkpoint signal, on the monotonic clock: the grace is
         #: timed there, so a wall clock stepped forward (NTP) never cuts it short.
         self.signalled_at: float | None = None
@@ -34,29 +44,53 @@ class PauseResponder:
         #: As FreezeResponder's: a pausable job steps aside by ending, never frozen.
         self.frozen_seconds = 0.0
 
+    def look(self, token: object, now: float) -> None:
+        """Look the request up (`requested`, `unmarked`) in the ledger as it is now."""
+        try:
+            data = self.ledger.read()
+        except Exception:
+            # Unreadable for now (the system out of open files, say): the command runs on,
+            # and the next check looks again.
+            self.requested = False
+            return
+        self.token, self.looked_at = token, now
+        entry = data.find(self.job.id)
+        self.requested = entry is not None and entry.pause_requested_at is not None
+        self.unmarked = (
+            entry is not None
+            and not self.requested
+            and any(r.kind == PAUSE and r.targets(entry) for r in data.requests)
+        )
+
     def check(self, child: int) -> None:
         """Called often by the supervisor: cheap unless the ledger changed or a request waits."""
+        if self.killed:
+            return
         token = self.ledger.change_token()
-        if not self.killed and token != self.token:
+        now = time.monotonic()
+        stale = self.looked_at is None or now - self.looked_at >= LOOK_AGAIN_EVERY
+        if token != self.token or (self.unmarked and stale):
             # Until the command has its signal (and, with --grace-kill, its TERM), the request
             # is looked up again on every change: one withdrawn meanwhile (its asker left, or
-            # started elsewhere) is not carried out. Signalled once the command catches the
-            # signal, it would step aside and reload for nobody; TERMed, it would die for nobody.
-            try:
-                entry = self.ledger.read().find(self.job.id)
-            except Exception:
-                # Unreadable for now (the system out of open files, say): the command runs on,
-                # and the next check looks again.
-                entry = None
-            else:
-                self.token = token
-            self.requested = entry is not None and entry.pause_requested_at is not None
+            # started elsewhere, or its gpuwait is stopped) is not carried out. Signalled once
+            # the command catches the signal, it would step aside and reload for nobody;
+            # TERMed, it would die for nobody.
+            self.look(token, now)
+            stale = False
         if not self.requested:
             return
         if self.signalled_at is None:
             # Only processes that catch the signal get it: one that has not installed its
             # handler yet would be killed by the default action. Asked again next time.
-            sent = deliver(proc.process_tree([child]), self.signum)
+            tree = proc.process_tree([child])
+            if not any(catches(pid, self.signum) for pid in tree):
+                return
+            if stale:
+                # Its asker may have been stopped since the last look: looked up again first.
+                self.look(token, now)
+                if not self.requested:
+                    return
+            sent = deliver(tree, self.signum)
             if sent:
                 self.signalled_at = time.monotonic()
                 # Bookkeeping only: the command has its signal whatever the ledger says.
@@ -64,11 +98,12 @@ class PauseResponder:
                     lifecycle.pause_signalled(
                         self.ledger, self.job.id, time.time(), sent, proc.boot_clock()
                     )
-        elif (
-            self.job.grace_kill
-            and not self.killed
-            and time.monotonic() - self.signalled_at > self.job.grace_seconds
-        ):
+        elif self.job.grace_kill and now - self.signalled_at > self.job.grace_seconds:
+            if stale:
+                # As before the signal: its asker may have been stopped since the last look.
+                self.look(token, now)
+                if not self.requested:
+                    return
             self.killed = True
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGTERM)

@@ -982,3 +982,38 @@ def test_a_checkpoint_signal_while_stepping_aside_ends_with_the_resume_status(
         if urgent is not None:
             urgent.terminate()  # passed on to its command: nothing is left running
             urgent.communicate(timeout=30)
+
+
+def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
+    one_card: None, gpuwait_cmd: list[str]
+) -> None:
+    """A --grace-kill job asked to step aside by an urgent waiter whose gpuwait is then stopped
+    (Ctrl-Z): passed over while stopped, that waiter would start nothing in its room, so the job
+    is not TERMed when its grace ends (it was, and its work was lost). Continued, the waiter
+    wants the room again, and the job gets its TERM."""
+    low = _ignoring_job(gpuwait_cmd, "60", "--grace", "5s", "--grace-kill")
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        wait_for(
+            lambda: any(e["kind"] == "pause-signal" for e in events()),
+            timeout=30,
+            interval=0.05,
+            message="the job was never signalled",
+        )
+        urgent.send_signal(signal.SIGSTOP)
+        time.sleep(5 + 4)  # its grace, and then some
+        assert low.poll() is None, low.stderr.read() if low.stderr else ""
+        assert "pause-grace-kill" not in [e["kind"] for e in events()]
+        urgent.send_signal(signal.SIGCONT)
+        assert low.wait(timeout=60) == -signal.SIGTERM
+        assert urgent.wait(timeout=60) == 0
+    finally:
+        for p in (low, urgent):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()  # passed on to its command: nothing is left running
+            if p is not None:
+                p.communicate(timeout=30)
