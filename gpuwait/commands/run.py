@@ -422,12 +422,20 @@ def _pausable(options: argparse.Namespace) -> Pausable | None:
             raise UsageError(f"{given[0]} applies to --pausable jobs only; add --pausable")
         return None
     from gpuwait.linux.checkpoint_signal import parse_signal  # only --pausable needs it
+    from gpuwait.linux.signals import FORWARDED
 
     signal_name = options.checkpoint_signal or DEFAULT_CHECKPOINT_SIGNAL
     try:
-        parse_signal(signal_name)
+        number = parse_signal(signal_name)
     except ValueError as exc:
         raise UsageError(f"--checkpoint-signal {exc}") from None
+    if number not in FORWARDED:
+        # Sent to gpuwait (Slurm's --signal=B:SIG@N before a time limit), it would never reach
+        # the job, or (SIGIO, gpuwait's own wake-up) would end gpuwait and leave it unwatched.
+        raise UsageError(
+            f"--checkpoint-signal {signal_name!r} is not a signal gpuwait passes on to its "
+            "command; use e.g. USR1, USR2, TERM"
+        )
     grace = DEFAULT_GRACE_SECONDS
     if options.grace is not None:
         try:

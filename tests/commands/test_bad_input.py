@@ -119,6 +119,25 @@ CASES: dict[str, Case] = {
         2,
         "not a signal a job can catch",
     ),
+    # One gpuwait does not pass on to its command: sent to gpuwait before a time limit
+    # (Slurm's --signal=B:SIG@N), it never reached the job (WINCH, CHLD, CONT, URG), or ended
+    # gpuwait itself and left the command running unwatched (IO, gpuwait's own wake-up).
+    "checkpoint signal gpuwait never passes on": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "WINCH", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--checkpoint-signal 'WINCH' is not a signal gpuwait passes on to its command",
+    ),
+    "checkpoint signal gpuwait takes for itself": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "29", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--checkpoint-signal '29' is not a signal gpuwait passes on to its command",
+    ),
     "grace-kill without pausable": (
         ["--vram", "1G", "--grace-kill", "true"],
         {},
