@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 
@@ -542,8 +543,8 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def process_tree(roots: Iterable[int]) -> set[int]:
-    """The given pids and all their living descendants.
+def process_tree(roots: Iterable[int], pruned: AbstractSet[int] = frozenset()) -> set[int]:
+    """The given pids and all their living descendants, but for those of `pruned` and theirs.
 
     Walked down from the roots through the kernel's children lists where it keeps them: a few
     reads per process of the tree, where reading every process's parent costs a read of each
@@ -555,7 +556,7 @@ def process_tree(roots: Iterable[int]) -> set[int]:
     stack = list(roots)
     while stack:
         pid = stack.pop()
-        if pid in seen:
+        if pid in seen or pid in pruned:
             continue
         seen.add(pid)
         stack.extend(below(pid) or ())

@@ -140,6 +140,10 @@ class FreezeResponder:
     signum = 0
     signalled_at: float | None = None
 
+    def tree(self, child: int) -> set[int]:
+        """As PauseResponder's: the processes of the command."""
+        return proc.process_tree([child])
+
     def __init__(
         self,
         ledger: Ledger,

@@ -14,7 +14,7 @@ import time
 from gpuwait.linux import proc
 from gpuwait.linux.checkpoint_signal import catches, deliver, parse_signal
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import PAUSE, Job
+from gpuwait.queue.entries import PAUSE, Job, elsewhere
 from gpuwait.queue.ledger import Ledger
 
 #: How often a request is looked up again while its asker's gpuwait is stopped (Ctrl-Z) or
@@ -41,6 +41,9 @@ class PauseResponder:
         #: timed there, so a wall clock stepped forward (NTP) never cuts it short.
         self.signalled_at: float | None = None
         self.killed = False
+        #: The gpuwait processes of the other jobs: one in the command's tree runs a job of
+        #: its own (a pipeline's step), whose processes the checkpoint signal is not for.
+        self.others: frozenset[int] = frozenset()
         #: As FreezeResponder's: a pausable job steps aside by ending, never frozen.
         self.frozen_seconds = 0.0
 
@@ -54,6 +57,9 @@ class PauseResponder:
             self.requested = False
             return
         self.token, self.looked_at = token, now
+        self.others = frozenset(
+            j.pid for j in data.jobs if j.id != self.job.id and not elsewhere(j)
+        )
         entry = data.find(self.job.id)
         self.requested = entry is not None and entry.pause_requested_at is not None
         self.unmarked = (
@@ -61,6 +67,10 @@ class PauseResponder:
             and not self.requested
             and any(r.kind == PAUSE and r.targets(entry) for r in data.requests)
         )
+
+    def tree(self, child: int) -> set[int]:
+        """The processes of the command, but for those of the jobs run inside it."""
+        return proc.process_tree([child], self.others)
 
     def check(self, child: int) -> None:
         """Called often by the supervisor: cheap unless the ledger changed or a request waits."""
@@ -82,7 +92,7 @@ class PauseResponder:
         if self.signalled_at is None:
             # Only processes that catch the signal get it: one that has not installed its
             # handler yet would be killed by the default action. Asked again next time.
-            tree = proc.process_tree([child])
+            tree = self.tree(child)
             if not any(catches(pid, self.signum) for pid in tree):
                 return
             if stale:

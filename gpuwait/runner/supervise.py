@@ -188,8 +188,7 @@ def supervise(
             if responder is not None:
                 responder.check(child)
                 if checkpoint_pending:
-                    tree = proc.process_tree([child])
-                    checkpoint_pending = not deliver(tree, responder.signum)
+                    checkpoint_pending = not deliver(responder.tree(child), responder.signum)
             info = signals.next_signal(
                 max(0.0, min(sampler.next_sample - time.monotonic(), 0.25)),
                 also=stops,
@@ -209,7 +208,7 @@ def supervise(
             if command_has_it(info, witness):
                 continue
             if responder is not None and info.si_signo == responder.signum:
-                checkpoint_pending = not deliver(proc.process_tree([child]), info.si_signo)
+                checkpoint_pending = not deliver(responder.tree(child), info.si_signo)
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, info.si_signo)

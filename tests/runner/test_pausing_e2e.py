@@ -1017,3 +1017,50 @@ def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
                 p.terminate()  # passed on to its command: nothing is left running
             if p is not None:
                 p.communicate(timeout=30)
+
+
+def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A pausable pipeline runs a step as a job of its own, not --pausable, whose program
+    catches USR1 for a purpose of its own (a stack dump, say). Asked to step aside, the
+    pipeline's gpuwait signals the processes of its command that catch the signal, but not
+    those of the step: the outer job's checkpoint signal is not the step's to take (it was)."""
+    log = tmp_path / "step-got-usr1"
+    step = textwrap.dedent(
+        f"""
+        import signal, time
+        signal.signal(signal.SIGUSR1, lambda s, f: open({str(log)!r}, "a").write("USR1\\n"))
+        time.sleep(60)
+        """
+    )
+    inner = shlex.join([*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", step])
+    outer = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", "sh", "-c", inner],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    urgent = None
+    try:
+        wait_until_running(2)
+        step_job = next(j for j in ledger_entries() if j["request"].get("bytes") == 2**30)
+        wait_for(lambda: catches_signal(step_job["child_pid"], SIGNAL), timeout=30)
+        time.sleep(MIN_RUNTIME + 0.5)  # the pipeline may be asked now
+        urgent = urgent_job(gpuwait_cmd)
+        wait_for(
+            lambda: any(e["kind"] == "pause-request" for e in events()),
+            timeout=30,
+            interval=0.05,
+            message=lambda: f"the pipeline was never asked: {events()}",
+        )
+        time.sleep(3)  # its gpuwait looks for processes to signal several times a second
+        assert not log.exists(), log.read_text()
+        assert "pause-signal" not in [e["kind"] for e in events()]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(outer.pid, signal.SIGKILL)
+        outer.communicate(timeout=30)
+        if urgent is not None:
+            urgent.terminate()  # passed on to its command: nothing is left running
+            urgent.communicate(timeout=30)
