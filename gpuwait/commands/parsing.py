@@ -33,6 +33,8 @@ class Parser(argparse.ArgumentParser):
         # an unknown option leaving --vram "expected one argument" (argparse takes only plain
         # negative numbers for values). No option of gpuwait's looks like one.
         self._negative_number_matcher = _NEGATIVE_VALUE
+        #: The arguments `parse_args` was given, for `error` to say which one was the slip.
+        self._given: list[str] = []
 
     @property
     def options(self) -> list[argparse.Action]:
@@ -51,6 +53,7 @@ class Parser(argparse.ArgumentParser):
     ) -> argparse.Namespace:
         # Arguments nobody took are said by the subcommand they were given to (`sim init
         # --name`), in its words and with its own options to suggest, not the ones above it.
+        self._given = list(sys.argv[1:] if args is None else args)
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
@@ -106,7 +109,35 @@ class Parser(argparse.ArgumentParser):
                 f"{word} is no option: a long option takes two dashes; see '{self.prog} --help'",
                 hint=hint,
             )
+        unknown = self._unknown_option(message)
+        if unknown is not None:
+            message = f"unrecognized arguments: {unknown}"
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
+
+    def _unknown_option(self, message: str) -> str | None:
+        """The first word given that looks like no option of this parser's, where `message`
+        refuses a positional's value (`adopt -vram 2G PID`: argparse sets -vram aside and
+        takes 2G for the pid): the option typed wrong, not the value after it, is the slip."""
+        import re  # only once something was refused
+
+        refused = re.match(r"argument ([^ :/]+): ", message)
+        positionals = {a.metavar or a.dest for a in self._actions if not a.option_strings}
+        if refused is None or refused.group(1) not in positionals:
+            return None
+        options = [o for action in self._actions for o in action.option_strings]
+        for word in self._given:
+            if word == "--":
+                break
+            name = word.partition("=")[0]
+            if (
+                word.startswith("-")
+                and word != "-"
+                and not _NEGATIVE_VALUE.match(word)
+                and not any(o.startswith(name) for o in options if o.startswith("--"))
+                and name not in options
+            ):
+                return word
+        return None
 
     def _suggestion(self, message: str) -> str | None:
         """'did you mean --vram?' for a misspelled option or choice argparse refused."""

@@ -204,6 +204,27 @@ def test_a_subcommands_unknown_option_is_matched_against_its_own_options_only(
     ]
 
 
+@pytest.mark.parametrize(
+    ("argv", "word", "meant"),
+    [
+        (["adopt", "-vram", "2G", "4242"], "-vram", "--vram"),
+        (["adopt", "-name", "train", "4242"], "-name", "--name"),
+        (["adopt", "--vrma", "2G", "4242"], "--vrma", "--vram"),
+    ],
+)
+def test_an_option_mistyped_before_a_pid_is_named_not_the_value_after_it(
+    sim: Path, tmp_path: Path, argv: list[str], word: str, meant: str
+) -> None:
+    # `gpuwait adopt -vram 2G 4242` said "argument PID: '2G' is not a whole number": the
+    # option's value was taken for the pid, and the option typed wrong went unsaid.
+    done = gpuwait(*argv, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: unrecognized arguments: {word}; see 'gpuwait adopt --help'",
+        f"gpuwait: hint: did you mean {meant}?",
+    ]
+
+
 def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
     done = gpuwait("sim", "job", "--vram", "1G", "--hodl", "1s")
     assert done.returncode == EXIT_USAGE
