@@ -528,3 +528,42 @@ def test_a_waiting_entry_a_member_wrote_before_upgrading_still_runs_its_command(
     finally:
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize(
+    ("words", "entry", "runs"),
+    [
+        # A last argument that reads like the count an entry keeps is the command's own.
+        (["echo", "… 5 more arguments"], ["echo", "… 5 more arguments"], True),
+        # Another value of an option, or one cut where the argument differs before the cut.
+        (["train.py", "--lr", "0.1"], ["train.py", "--lr", "0.2"], False),
+        (["train.py", "--lr", "0.15"], ["train.py", "--lr", "0.2…"], False),
+        # A cut argument stands for a longer one, never for one as long as what was kept.
+        (["train.py"], ["train.py…"], False),
+        # A count the line does not have: more arguments, or fewer, than it runs.
+        (["train.py", "a"], ["train.py", "… 0 more arguments"], False),
+        (["train.py", "a"], ["train.py", "… 5 more arguments"], False),
+        # Nothing kept but a count stands for no command.
+        (["a", "b"], ["… 2 more arguments"], False),
+        # A count is said as an entry says it, "… N more arguments", or it is an argument.
+        (["train.py", "a", "b"], ["train.py", "2 more arguments"], False),
+        (["train.py", "a", "b"], ["train.py", "… 2"], False),
+        # Another member's file may hold anything: a number is no argument, and no failure.
+        (["train.py", "30"], ["train.py", 30], False),
+        (["train.py", "30"], ["train.py", "30", 2], False),
+    ],
+)
+def test_a_gpuwait_runs_only_the_command_its_entry_keeps(
+    words: list[str], entry: list[object], runs: bool
+) -> None:
+    """A member's waiting entry counts in every plan only where its gpuwait runs that command:
+    one running another line, or a part of it, would hold a place in line for a job nobody
+    will ever start."""
+    pause = [sys.executable, "-c", "import time; time.sleep(30)"]
+    process = subprocess.Popen([*pause, "--", *words])
+    try:
+        wait_for(lambda: len(proc_command(process.pid) or []) > 3, timeout=10)
+        assert security.runs_command(process.pid, entry) is runs
+    finally:
+        process.kill()
+        process.wait()
