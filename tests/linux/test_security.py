@@ -150,7 +150,7 @@ def test_root_leaves_nothing_of_its_own_in_another_users_home(
     assert list(home.iterdir()) == [] and list(runtime.iterdir()) == []
 
 
-@pytest.mark.parametrize("umask", [0o000, 0o077, 0o022])
+@pytest.mark.parametrize("umask", [0o000, 0o077, 0o022, 0o277])
 def test_modes_are_right_whatever_the_umask(gw: Run, umask: int) -> None:
     done = gw("--vram", "1G", "--", "true", preexec_fn=lambda: os.umask(umask))
     assert done.returncode == 0, done.stderr
