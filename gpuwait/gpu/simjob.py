@@ -276,11 +276,21 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         return parser.parse_args(argv)
     except _BadUsage as exc:
+        import re  # only once something was refused
+
         message = str(exc)
-        _error(f"gpuwait sim job: error: {message}; see 'gpuwait sim job --help'")
+        word = None
         if message.startswith("unrecognized arguments: "):
-            options = [s for a in parser._actions for s in a.option_strings]
             word = message.split()[2].partition("=")[0]
+        # `-hold 1s`: argparse reads -h and a value 'old' it does not take, and says that.
+        glued = re.fullmatch(r"argument (-\w)(?:/\S+)?: ignored explicit argument '(.*)'", message)
+        if glued:
+            typed = glued.group(1) + glued.group(2)
+            message = f"{typed} is no option: a long option takes two dashes"
+            word = "-" + typed.partition("=")[0]
+        _error(f"gpuwait sim job: error: {message}; see 'gpuwait sim job --help'")
+        if word is not None:
+            options = [s for a in parser._actions for s in a.option_strings]
             match = nearest(word, options) if word.startswith("-") else None
             if match is not None:
                 _error(f"gpuwait sim job: hint: did you mean {match}?")

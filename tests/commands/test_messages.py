@@ -234,6 +234,20 @@ def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_simulated_job_says_an_option_typed_with_one_dash(sim: Path, order: str) -> None:
+    # `-hold 1s` was read as -h with 'old' after it: "argument -h/--help: ignored explicit
+    # argument 'old'", where gpuwait's own options say what was meant.
+    argv = ["--vram", "1G", "-hold", "1s"] if order == "after" else ["-hold", "1s", "--vram", "1G"]
+    done = gpuwait("sim", "job", *argv)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        "gpuwait sim job: error: -hold is no option: a long option takes two dashes; "
+        "see 'gpuwait sim job --help'",
+        "gpuwait sim job: hint: did you mean --hold?",
+    ]
+
+
 def test_a_misspelled_config_key_gets_the_nearest_one(
     isolated_dirs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
