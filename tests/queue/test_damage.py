@@ -608,6 +608,18 @@ def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_w
         assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 1
 
 
+def test_a_job_that_took_its_lock_after_the_ledger_was_started_afresh_is_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    # A job of the new ledger that has just ended holds its lock, without its entry, until
+    # its file is removed: the next launch, within the grace after the damage, is not to wait
+    # for it to be put back, as it would for a job whose entry the damage lost.
+    with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
+        taken = lock.stat().st_mtime
+        data = LedgerData(created_at=taken - 1)
+        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 0
+
+
 def _first_entry_damaged(ledger: bytes) -> bytes:
     """The ledger with one figure of the first job's entry damaged: only that entry is lost."""
     found = json.loads(ledger)
