@@ -119,6 +119,24 @@ def test_a_directory_that_is_not_the_users_own_is_not_used(tmp_path: Path) -> No
     assert list(elsewhere.iterdir()) == []
 
 
+def test_a_symlink_put_in_place_of_the_lock_directory_as_it_is_tidied_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a shared ledger directory, another member's symlink named for the user's lock
+    # directory, made between gpuwait's look at the name and its use (here: the name is taken
+    # for the user's own, as it was a moment before), points at a directory of the user's. A
+    # sweep through it would take away every file in it that no entry names.
+    precious = tmp_path / "thesis"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work\n")
+    planted = tmp_path / f"alive.{os.getuid()}"
+    planted.symlink_to(precious)
+    monkeypatch.setattr(alive, "own_name", lambda *args, **kwargs: planted)
+    alive.sweep(tmp_path, set())
+    assert alive.unlisted(tmp_path, set(), float("inf")) == []
+    assert (precious / "thesis.tex").read_text() == "years of work\n"
+
+
 def test_a_name_that_is_no_job_id_names_no_file(tmp_path: Path) -> None:
     assert alive.hold(tmp_path, "../ledger") is False
     assert alive.held(tmp_path, os.getuid(), "../ledger") is None
