@@ -263,6 +263,35 @@ def test_refuses_a_process_already_a_job(
         wrapped.communicate(timeout=30)
 
 
+def test_refuses_a_process_a_jobs_command_started(
+    sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
+) -> None:
+    # A program the job's command started (a worker of its, here below a shell) holds memory
+    # the job's reservation already counts: adopted, it would be reserved a second time.
+    sim = sim_file(gpus=1)
+    worker = shlex.join([*gpuwait_cmd, "sim", "job", "--vram", "2G", "--hold", "20s"])
+    wrapped = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--vram", "4G", "--", "sh", "-c", f"{worker} & wait"]
+    )
+    try:
+        from gpuwait.gpu.sim import SimBackend
+
+        (pid,) = wait_for(
+            lambda: [p.pid for g in SimBackend(sim).snapshot().gpus for p in g.processes],
+            message="the worker never allocated",
+        )
+        (entry,) = ledger_entries()
+        done = run_gpuwait("adopt", str(pid))
+        assert done.returncode == EXIT_USAGE, done.stderr
+        assert done.stderr.startswith(
+            f"gpuwait: error: process {pid} already belongs to gpuwait job {entry['id']}"
+        ), done.stderr
+        assert len(ledger_entries()) == 1
+    finally:
+        wrapped.terminate()
+        wrapped.wait(timeout=30)
+
+
 def test_a_shell_is_adopted_without_the_jobs_below_it_and_never_the_adopts_own(
     sim_file: SimFileFactory, run_gpuwait: Run, gpuwait_cmd: list[str]
 ) -> None:
@@ -401,6 +430,43 @@ def test_refuses_a_process_without_gpu_memory(sim_file: SimFileFactory, run_gpuw
         assert done.returncode == EXIT_USAGE
         assert "uses no GPU memory that gpuwait can see" in done.stderr
         assert ledger_entries() == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_refuses_a_reservation_of_nothing(sim_file: SimFileFactory, run_gpuwait: Run) -> None:
+    sim = sim_file(gpus=1)
+    job = bare_job(sim, "--vram", "2G", "--hold", "30s")
+    try:
+        done = run_gpuwait("adopt", str(job.pid), "--vram", "0G")
+        assert done.returncode == EXIT_USAGE
+        assert done.stderr.splitlines() == ["gpuwait: error: --vram: reserve more than 0 bytes"]
+        assert ledger_entries() == []
+    finally:
+        job.terminate()
+        job.wait(timeout=30)
+
+
+@pytest.mark.skipif(not users.can_switch_users(), reason="needs root to act as another user")
+def test_root_refuses_another_users_process_in_a_shared_ledger_directory(
+    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path
+) -> None:
+    # Each user's entries live in a file only they write: one root wrote for them in its own
+    # would stand for nobody's job in any member's plan.
+    sim_file(gpus=1)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    sleeper = subprocess.Popen(["sleep", "30"], user=4242, group=4242)
+    try:
+        done = run_gpuwait("adopt", str(sleeper.pid), env={"GPUWAIT_LEDGER_DIR": str(shared)})
+        assert done.returncode == EXIT_NOT_PERMITTED, done.stderr
+        assert done.stderr.splitlines()[0] == (
+            f"gpuwait: error: process {sleeper.pid} belongs to uid 4242: in a shared ledger "
+            "directory only its owner can adopt it"
+        )
+        assert list(shared.iterdir()) == []
     finally:
         sleeper.kill()
         sleeper.wait()
