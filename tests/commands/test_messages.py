@@ -225,6 +225,16 @@ def test_an_option_mistyped_before_a_pid_is_named_not_the_value_after_it(
     ]
 
 
+def test_a_negative_pid_is_said_to_be_too_small_not_an_unknown_option(
+    sim: Path, tmp_path: Path
+) -> None:
+    done = gpuwait("adopt", "-1", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: argument PID: -1 is too small (at least 1); see 'gpuwait adopt --help'"
+    ]
+
+
 def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
     done = gpuwait("sim", "job", "--vram", "1G", "--hodl", "1s")
     assert done.returncode == EXIT_USAGE
