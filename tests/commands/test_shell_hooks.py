@@ -476,6 +476,10 @@ def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
         1,
         "bare: the command line matches never_wrap '* -m pip *'",
     )
+    # A script read from stdin, or after an option's value, is no missing file: the line
+    # waits for its GPU as any other script's.
+    assert explain("python", "-") == (0, "wrap: no rule says otherwise")
+    assert explain("python", "-W", "ignore", "train.py") == (0, "wrap: no rule says otherwise")
     # Asking Python for its build, or venv for its usage, needs no GPU either.
     for argv in (["python", "-VV"], ["python3", "-m", "venv"]):
         assert explain(*argv)[0] == 1, argv
