@@ -280,7 +280,11 @@ def test_refuses_a_process_a_jobs_command_started(
             lambda: [p.pid for g in SimBackend(sim).snapshot().gpus for p in g.processes],
             message="the worker never allocated",
         )
-        (entry,) = ledger_entries()
+        # The job's gpuwait lists its command's processes as it next looks at them, not at once.
+        (entry,) = wait_for(
+            lambda: [e for e in ledger_entries() if pid in e.get("pids", [])],
+            message="the job's gpuwait never listed its worker",
+        )
         done = run_gpuwait("adopt", str(pid))
         assert done.returncode == EXIT_USAGE, done.stderr
         assert done.stderr.startswith(
