@@ -126,6 +126,9 @@ class Claim(Record, frozen=True):
     reserved_by_gpu: Mapping[str, int] = MappingProxyType({})
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = MappingProxyType({})
+    #: Per GPU UUID, the memory no process's figure accounted for there when it was admitted
+    #: (`unlisted_bytes`), before its command started: never its own. Empty where unknown.
+    unlisted_at_start: Mapping[str, int] = MappingProxyType({})
     #: The job's processes: they are gpuwait's load, not foreign processes.
     pids: frozenset[int] = frozenset()
     requirements: Requirements = Requirements()
@@ -481,25 +484,36 @@ def gpu_rooms(
     return rooms
 
 
+def unlisted_bytes(gpu: GpuSnapshot) -> int:
+    """The card's used memory that no process's figure accounts for: processes listed with no
+    figure (usedGpuMemory N/A), those the driver does not list (graphics, WSL's Windows
+    programs, other containers'), and the driver's own."""
+    return max(0, gpu.used_bytes - sum(p.used_bytes or 0 for p in gpu.processes))
+
+
 def _unfigured_own(gpu: GpuSnapshot, on_gpu: Sequence[Claim]) -> int:
     """Memory of the running jobs `on_gpu` that the driver lists there with no figure
-    (usedGpuMemory N/A, as in many containers): the card's used memory no listed figure
-    accounts for, up to what those jobs reserved there beyond what they were seen using. Their
-    reservations already count it; as external memory too, a job would count twice and keep
-    the rest of the card from others as long as it ran. Only where every process listed
-    without a figure is such a job's: else whose the memory is cannot be told, and it all
-    counts as taken."""
+    (usedGpuMemory N/A, as in many containers): what no listed figure accounts for beyond
+    what none did when the first of them was admitted, up to what those jobs reserved there
+    beyond what they were seen using. Their reservations already count it; as external memory
+    too, a job would count twice and keep the rest of the card from others as long as it ran.
+    What was already there at their admission is someone else's (a program the driver lists
+    no process for), and stays taken while they ramp up. Only where every process listed
+    without a figure is such a job's, each admitted knowing that figure: else whose the
+    memory is cannot be told, and it all counts as taken."""
     unfigured = {p.pid for p in gpu.processes if p.used_bytes is None}
     if not unfigured:
         return 0
     owners = [c for c in on_gpu if unfigured & c.pids]
     if unfigured - frozenset().union(*(c.pids for c in owners)):
         return 0
+    if any(gpu.uuid not in c.unlisted_at_start for c in owners):
+        return 0
     headroom = sum(
         max(0, c.reserved_on(gpu.uuid) - max(0, c.observed.get(gpu.uuid, 0))) for c in owners
     )
-    figured = sum(p.used_bytes or 0 for p in gpu.processes)
-    return max(0, min(headroom, gpu.used_bytes - figured))
+    before = min(c.unlisted_at_start[gpu.uuid] for c in owners)
+    return max(0, min(headroom, unlisted_bytes(gpu) - before))
 
 
 def room_for(claim: Claim, room: GpuRoom) -> GpuRoom:

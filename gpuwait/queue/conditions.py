@@ -370,6 +370,7 @@ def claim_of(
         reserved_bytes=job.reserved_bytes,
         reserved_by_gpu=reserved_less(job, gpus),
         observed=observed,
+        unlisted_at_start=dict(job.unlisted_at_start),
         pids=frozenset(pids),
         requirements=job.requirements_for_policy(),
         blocked=blocked,

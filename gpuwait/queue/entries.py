@@ -89,6 +89,10 @@ class Job(Record):
     #: of several GPUs reserves what it uses on each.
     reserved_by_gpu: dict[str, int] = field(default_factory=dict)
     observed: dict[str, int] = field(default_factory=dict)
+    #: Per GPU UUID, the memory no process's figure accounted for there when it was admitted
+    #: (`policy.unlisted_bytes`), before its command started: someone else's, whatever the
+    #: driver lists later without a figure. Empty: admitted by an older version, or adopted.
+    unlisted_at_start: dict[str, int] = field(default_factory=dict)
     #: The command's process tree at the last sample; the policy reads their memory from NVML.
     pids: list[int] = field(default_factory=list)
     child_pid: int | None = None
@@ -275,6 +279,7 @@ class Job(Record):
             reserved_bytes=_int(raw, "reserved_bytes", 0, 2**62),
             reserved_by_gpu=_observed(raw.get("reserved_by_gpu"), "reserved_by_gpu"),
             observed=_observed(raw.get("observed")),
+            unlisted_at_start=_observed(raw.get("unlisted_at_start"), "unlisted_at_start"),
             pids=_pid_list(raw.get("pids", [])),
             child_pid=None if raw.get("child_pid") is None else _int(raw, "child_pid", 1, 2**31),
             child_start_time=None

@@ -41,6 +41,7 @@ from gpuwait.core.policy import (
     UserLimits,
     WaitReason,
     describe_need,
+    unlisted_bytes,
 )
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
@@ -999,6 +1000,9 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))
+        entry.unlisted_at_start = {
+            g.uuid: unlisted_bytes(g) for g in snapshot.gpus if g.uuid in uuids
+        }
         entry.started_at = entry.updated_at = now
         entry.started_boot, entry.started_slept = boot_now, slept
         entry.held_gpus = []
@@ -1399,7 +1403,7 @@ def _queued_again(mine: Job, now: float) -> None:
     nothing of the run it had is left on it, nor the request that made it step aside."""
     mine.state = WAITING
     mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-    mine.reserved_by_gpu = {}
+    mine.reserved_by_gpu, mine.unlisted_at_start = {}, {}
     mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
     mine.started_boot = mine.started_slept = None
     mine.held_gpus = []

@@ -82,7 +82,9 @@ def test_a_jobs_memory_listed_without_a_figure_is_counted_once() -> None:
     def card(used_gib: float, *procs: ProcessUsage) -> list[GpuSnapshot]:
         return [gpu(0, 24, used_gib=used_gib, procs=procs)]
 
-    a = running("a", "GPU-00000000", 10)._replace(pids=frozenset({10}))
+    a = running("a", "GPU-00000000", 10)._replace(
+        pids=frozenset({10}), unlisted_at_start={"GPU-00000000": 0}
+    )
     mine = ProcessUsage(10, None)
     assert gpu_rooms(card(10, mine), [a], 0.9)["GPU-00000000"].external == 0
     assert gpu_rooms(card(13, mine), [a], 0.9)["GPU-00000000"].external == 3 * GiB
@@ -94,6 +96,25 @@ def test_a_jobs_memory_listed_without_a_figure_is_counted_once() -> None:
     # A process of someone else's with a figure is theirs; the rest is the job's.
     known = ProcessUsage(20, 4 * GiB)
     assert gpu_rooms(card(14, mine, known), [a], 0.9)["GPU-00000000"].external == 4 * GiB
+
+
+def test_memory_unlisted_before_a_job_without_a_figure_stays_someone_elses() -> None:
+    # 8 GiB in use that the driver lists no process for (a Windows program under WSL) when
+    # job A (10 GiB, listed with no figure) was admitted: A has taken 1 GiB so far, and the
+    # stranger's 8 GiB stay taken; A's growth is A's, up to its reservation.
+    def card(used_gib: float) -> list[GpuSnapshot]:
+        return [gpu(0, 24, used_gib=used_gib, procs=(ProcessUsage(10, None),))]
+
+    a = running("a", "GPU-00000000", 10)._replace(
+        pids=frozenset({10}), unlisted_at_start={"GPU-00000000": 8 * GiB}
+    )
+    assert gpu_rooms(card(9), [a], 0.9)["GPU-00000000"].external == 8 * GiB
+    assert "b" not in plan(card(9), [a, waiting("b", 8, order=2)], 0.9).admitted
+    assert gpu_rooms(card(18), [a], 0.9)["GPU-00000000"].external == 8 * GiB
+    assert gpu_rooms(card(20), [a], 0.9)["GPU-00000000"].external == 10 * GiB
+    # Admitted by a version that did not write down what was unlisted: all of it is taken.
+    older = a._replace(unlisted_at_start={})
+    assert gpu_rooms(card(10), [older], 0.9)["GPU-00000000"].external == 10 * GiB
 
 
 def test_external_processes_reduce_room() -> None:

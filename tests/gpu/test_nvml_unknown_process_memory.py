@@ -62,3 +62,53 @@ def test_a_jobs_own_memory_without_a_figure_leaves_the_rest_of_the_card_free(
     assert b.returncode == 0, b.stderr
     (gpu,) = json.loads(status.stdout)["gpus"]
     assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (0, 10 * GIB)
+
+
+def test_memory_nobody_is_listed_for_stays_taken_while_a_job_without_a_figure_ramps_up(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    # One 24 GiB card (21.6 GiB usable at safety 0.9) with 8 GiB in use by something NVML lists
+    # no process for (a Windows program under WSL, another container's). Job A reserved 10 GiB
+    # and has taken 1 GiB so far; NVML lists A's command with no figure. The 9 GiB no figure
+    # accounts for were all taken for A's: the stranger's 8 GiB looked free, and B (8G) was
+    # admitted into it, to run out of memory with A once A reached its 10 GiB.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB, used=8 * GIB)])
+    stop = tmp_path / "stop"
+    env = {**fake_nvml.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
+    waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
+    a = subprocess.Popen(
+        [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        entry = wait_for(
+            lambda: next((e for e in ledger_entries() if e.get("child_pid") in e["pids"]), None),
+            timeout=30,
+        )
+        fake_nvml.update_gpu(0, used=9 * GIB)
+        fake_nvml.add_process(0, entry["child_pid"], None)
+        ramping = subprocess.run(
+            [*GPUWAIT, "--vram", "8G", "--timeout", "2s", "--", "true"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        # A reached its reservation: 18 GiB in use, 8 of them still the stranger's.
+        fake_nvml.update_gpu(0, used=18 * GIB)
+        status = subprocess.run(
+            [*GPUWAIT, "status", "--json"], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        stop.touch()
+        try:
+            a.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.communicate()
+    assert ramping.returncode == 124, ramping.stderr
+    (gpu,) = json.loads(status.stdout)["gpus"]
+    assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (8 * GIB, 10 * GIB)
