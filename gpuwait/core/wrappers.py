@@ -463,3 +463,91 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
             step.options, ("-u", "--unset"), variable
         )
     return False
+
+
+#: Container engines whose `run` gives the container the GPUs its own options name: the
+#: CUDA_VISIBLE_DEVICES gpuwait sets stays outside the container.
+CONTAINER_ENGINES = frozenset({"docker", "podman"})
+#: Their options before the subcommand that take a value (`docker --context lab run`).
+_ENGINE_VALUES = frozenset(
+    {
+        *("-H", "--host", "-c", "--context", "--config", "-l", "--log-level", "--tlscacert"),
+        *("--tlscert", "--tlskey", "--connection", "--url", "--identity", "--root", "--runroot"),
+        *("--storage-driver", "--storage-opt", "--cgroup-manager", "--conmon", "--runtime"),
+        *("--runtime-flag", "--events-backend", "--hooks-dir", "--module", "--tmpdir"),
+        *("--network-cmd-path", "--network-config-dir", "--volumepath", "--imagestore"),
+        *("--db-backend", "--ssh", "--out"),
+    }
+)
+#: `run`'s long options that take no value (every other one takes the next word, unless glued
+#: on with `=`), and its short ones (every other letter takes a value, glued on or next).
+_RUN_FLAGS = frozenset(
+    {
+        *("--detach", "--disable-content-trust", "--help", "--init", "--interactive"),
+        *("--no-healthcheck", "--oom-kill-disable", "--privileged", "--publish-all", "--quiet"),
+        *("--read-only", "--rm", "--sig-proxy", "--tty", "--use-api-socket", "--env-host"),
+        *("--http-proxy", "--no-hosts", "--passwd", "--read-only-tmpfs", "--replace", "--rmi"),
+        *("--tls-verify",),
+    }
+)
+_RUN_SHORT_FLAGS = "ditPq"
+#: NVIDIA_VISIBLE_DEVICES values that give the container no GPU.
+_NO_GPUS = frozenset({"", "none", "void"})
+
+
+def container_gpus(step: Step) -> list[tuple[int, int]]:
+    """Where a `docker run` or `podman run` step gives the container GPUs of its own (`--gpus
+    all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--runtime=nvidia` or `-e
+    NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads): each such option's words, as
+    (start, end) in `step.argv`; none where it gives none, or runs no container. Only the
+    options before its image are looked at: the words after it are its command's."""
+    if step.program not in CONTAINER_ENGINES:
+        return []
+    argv = step.argv
+    position = 1
+    while position < len(argv) and argv[position].startswith("-"):
+        position += 2 if argv[position] in _ENGINE_VALUES else 1
+    if argv[position : position + 2] == ("container", "run"):
+        position += 1
+    if argv[position : position + 1] != ("run",):
+        return []
+    found: list[tuple[str, str, int, int]] = []
+    position += 1
+    while position < len(argv):
+        word, begin = argv[position], position
+        if word in ("--", "-") or not word.startswith("-"):
+            break
+        name, value = word, ""
+        if word.startswith("--"):
+            name, glue, value = word.partition("=")
+            if not glue and name not in _RUN_FLAGS:
+                if position + 1 >= len(argv):
+                    break  # its value is not known (cut where a shell's code stopped being plain)
+                position += 1
+                value = argv[position]
+        else:
+            for offset, letter in enumerate(word[1:], start=1):
+                if letter in _RUN_SHORT_FLAGS:
+                    continue
+                name, value = f"-{letter}", word[offset + 1 :]
+                if not value:
+                    if position + 1 >= len(argv):
+                        return []
+                    position += 1
+                    value = argv[position]
+                break
+        position += 1
+        found.append((name, value, begin, position))
+    given = [v for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
+    nvidia = not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS
+    return [
+        (begin, end)
+        for name, value, begin, end in found
+        if name == "--gpus"
+        or (name == "--device" and value.startswith("nvidia.com/gpu="))
+        or (nvidia and name == "--runtime" and value == "nvidia")
+        or (given and nvidia and name in ("-e", "--env") and value.startswith(_NVIDIA_ENV))
+    ]
+
+
+_NVIDIA_ENV = "NVIDIA_VISIBLE_DEVICES="

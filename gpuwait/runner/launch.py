@@ -21,7 +21,14 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
-from gpuwait.core.wrappers import GPU_VARIABLES, Step, drops_gpus, runs_gpuwait, steps
+from gpuwait.core.wrappers import (
+    GPU_VARIABLES,
+    Step,
+    container_gpus,
+    drops_gpus,
+    runs_gpuwait,
+    steps,
+)
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.queue.entries import Job
 
@@ -131,6 +138,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     if any(runs_gpuwait(step) for step in found):
         return
     for step in found:
+        _check_container(argv, step)
+    for step in found:
         dropped = [v for v in GPU_VARIABLES[: 2 if by_index else 1] if drops_gpus(step, v)]
         if not dropped:
             continue
@@ -179,6 +188,43 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
             hint=hint,
         )
+
+
+def _check_container(argv: Sequence[str], step: Step) -> None:
+    """Refuse `docker run` or `podman run` giving the container GPUs of its own (UsageError,
+    2): `--gpus all`, `--gpus 2`, `--gpus device=1`, `--device nvidia.com/gpu=all`, the NVIDIA
+    runtime with NVIDIA_VISIBLE_DEVICES. The engine passes no CUDA_VISIBLE_DEVICES into the
+    container, whose command would run on the GPUs named there, those given to other jobs too.
+    The hint is the line that names the GPUs gpuwait reserves (GPUWAIT_GPU_UUIDS) instead."""
+    spans = container_gpus(step)
+    if not spans:
+        return
+    given = " ".join(step.argv[spans[0][0] : spans[0][1]])
+    if step.program == "podman":
+        names = '--device "nvidia.com/gpu=$GPUWAIT_GPU_UUIDS"'
+        also = "for one GPU"
+    else:
+        names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
+        also = "or contrib/docker's gpuwait-docker-run"
+    kept = [
+        shlex.quote(word)
+        for at, word in enumerate(step.argv)
+        if not any(begin <= at < end for begin, end in spans)
+    ]
+    kept.insert(spans[0][0], names)
+    where = len(argv) - len(step.argv)
+    if tuple(argv[where:]) == step.argv:
+        # The wrappers before it run inside the shell, which names the GPUs.
+        code = " ".join(["exec", *(shlex.quote(word) for word in argv[:where]), *kept])
+        line = f"gpuwait ... -- sh -c {shlex.quote(code)}"
+    else:
+        line = f"sh -c {shlex.quote(' '.join(['exec', *kept]))}"
+    raise UsageError(
+        f"{step.program} run gives the container the GPUs its own option names ({given}), not "
+        "the one gpuwait reserves: the CUDA_VISIBLE_DEVICES gpuwait sets does not reach the "
+        "container, which would run on GPUs given to other jobs too",
+        hint=f"name the reserved GPUs (GPUWAIT_GPU_UUIDS) in a shell: {line} ({also})",
+    )
 
 
 def _extended(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwait.core.wrappers import drops_gpus, runs_gpuwait, steps
+from gpuwait.core.wrappers import Step, container_gpus, drops_gpus, runs_gpuwait, steps
 
 
 @pytest.mark.parametrize(
@@ -177,3 +177,31 @@ def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
     argv: list[str], runs: bool
 ) -> None:
     assert runs_gpuwait(steps(argv)[-1]) is runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "given"),
+    [
+        (["docker", "run", "--gpus", "all", "img", "python"], ["--gpus all"]),
+        (["docker", "run", "-it", "-eA=1", "--gpus=2", "img"], ["--gpus=2"]),
+        (["docker", "-H", "unix:///s", "container", "run", "--gpus", "1", "i"], ["--gpus 1"]),
+        (
+            ["docker", "run", "--runtime", "nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=all", "i"],
+            ["--runtime nvidia", "-e NVIDIA_VISIBLE_DEVICES=all"],
+        ),
+        (["podman", "run", "--device", "nvidia.com/gpu=0", "img"], ["--device nvidia.com/gpu=0"]),
+        # The runtime with no GPU named for it, or the image's own commands' options.
+        (["docker", "run", "--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=none", "i"], []),
+        (["docker", "run", "--rm", "img", "train.py", "--gpus", "2"], []),
+        (["docker", "run", "--name", "--gpus", "img"], []),
+        (["docker", "run", "--gpus"], []),  # its value not known
+        (["docker", "ps"], []),
+        (["podman", "build", "--device", "nvidia.com/gpu=all", "."], []),
+        (["nerdctl", "run", "--gpus", "all", "img"], []),
+    ],
+)
+def test_the_gpus_a_container_is_given_by_its_own_options(
+    argv: list[str], given: list[str]
+) -> None:
+    spans = container_gpus(Step(argv=tuple(argv)))
+    assert [" ".join(argv[begin:end]) for begin, end in spans] == given

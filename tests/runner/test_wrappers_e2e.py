@@ -380,3 +380,61 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "given"),
+    [
+        (["docker", "run", "--gpus", "all", "img", "python", "x.py"], "--gpus all"),
+        (["docker", "run", "--rm", "-it", "--gpus=2", "img", "python", "x.py"], "--gpus=2"),
+        (["docker", "run", "--gpus", "device=1", "img"], "--gpus device=1"),
+        (["docker", "--context", "lab", "container", "run", "--gpus", "all", "img"], "--gpus all"),
+        (
+            ["docker", "run", "--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=all", "img"],
+            "--runtime=nvidia",
+        ),
+        (["podman", "run", "--device", "nvidia.com/gpu=all", "img"], "--device nvidia.com/gpu=all"),
+        (["nice", "docker", "run", "-v", "/d:/d", "--gpus", "all", "img"], "--gpus all"),
+        (["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"], "--gpus all"),
+        (["sh", "-c", "docker run --gpus all img && echo done"], "--gpus all"),
+    ],
+)
+def test_a_container_given_gpus_of_its_own_is_refused_with_what_to_type(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], given: str
+) -> None:
+    # Docker and podman pass no CUDA_VISIBLE_DEVICES into the container: `gpuwait --vram 8G --
+    # docker run --gpus all IMAGE python x.py` ran the container on every GPU, those gpuwait
+    # had given other jobs too. Refused before waiting, with the line that gives it the
+    # reserved GPU alone.
+    env, ran = fake_bin(tmp_path, "docker", "podman", "nice", "sudo", "sh")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert f"({given})" in done.stderr
+    assert "GPUWAIT_GPU_UUIDS" in done.stderr
+    if command[0] == "nice":
+        assert (
+            "gpuwait ... -- sh -c 'exec nice docker run -v /d:/d --gpus "
+            '"\\"device=$GPUWAIT_GPU_UUIDS\\"" img\'' in done.stderr
+        )
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["docker", "ps"],
+        ["docker", "run", "--rm", "img", "python", "x.py", "--gpus", "2"],
+        ["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES=void", "--runtime", "nvidia", "img"],
+        ["docker", "run", "--name", "--gpus", "img"],
+        ["podman", "build", "--device", "nvidia.com/gpu=all", "."],
+        ["sh", "-c", 'docker run --gpus "device=$GPUWAIT_GPU_UUIDS" img'],
+    ],
+)
+def test_a_container_engine_giving_no_gpus_of_its_own_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    env, ran = fake_bin(tmp_path, "docker", "podman", "sh")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
