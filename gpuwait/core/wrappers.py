@@ -20,9 +20,6 @@ from gpuwait.core.record import Record
 class _Spec(Record, frozen=True):
     #: Short options that take a value (`-n 5`, `-n5`).
     short_values: str = ""
-    #: Short options that take the next word as their value only where it is no option, and
-    #: else none (sudo's -h HOST; -h alone is its help).
-    optional_values: str = ""
     #: Long options that take a value as the next word unless glued on with `=`.
     long_values: frozenset[str] = frozenset()
     #: Words before the command that are no options (timeout's duration, taskset's mask).
@@ -84,7 +81,6 @@ _SPECS: dict[str, _Spec] = {
     ),
     "sudo": _Spec(
         short_values="ugCDprtTUR",
-        optional_values="h",
         long_values=frozenset(
             {
                 *("--user", "--group", "--close-from", "--chdir", "--prompt", "--role"),
@@ -92,7 +88,9 @@ _SPECS: dict[str, _Spec] = {
             }
         ),
         assignments=True,
-        no_command=frozenset({"-e", "--edit", "-l", "--list", "-v", "--validate"}),
+        # -h alone is its help; with a host it lists what may run there, and refuses a
+        # command ('a remote host may only be specified when listing privileges').
+        no_command=frozenset({"-e", "--edit", "-l", "--list", "-v", "--validate", "-h", "--host"}),
     ),
     "doas": _Spec(short_values="uC"),
     "pkexec": _Spec(long_values=frozenset({"--user"})),
@@ -328,12 +326,7 @@ def _parse(
                 if flag in spec.no_command:
                     options.append((flag, None))
                     return options, None, None
-                if letter in spec.optional_values and offset == len(word) - 1:
-                    following = words[position + 1] if position + 1 < len(words) else "-"
-                    if following.startswith("-"):
-                        options.append((flag, None))
-                        break
-                if letter in spec.short_values + spec.optional_values:
+                if letter in spec.short_values:
                     glued = word[offset + 1 :]
                     if not glued:
                         if position + 1 >= len(words):
@@ -403,11 +396,11 @@ def _listed(options: Sequence[tuple[str, str | None]], names: Sequence[str], var
 
 #: sudo's options after which it runs no command of the line: -v and -K (its credentials), -l
 #: (what one may run), -e (sudoedit: an editor on a file), --help and -V (its help, its version;
-#: -h too, given no host).
+#: -h too), and -h HOST (what may run there: given a command, sudo refuses it).
 _SUDO_RUNS_NOTHING = frozenset(
     {
         *("-v", "--validate", "-K", "--remove-timestamp", "-l", "--list", "-e", "--edit"),
-        *("--help", "-V", "--version"),
+        *("--help", "-V", "--version", "-h", "--host"),
     }
 )
 #: sudo's options that run nothing where no command follows (`sudo -k`), and it otherwise.
@@ -437,7 +430,7 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     if step.unsure:
         return False  # its options are not all known: it may well keep the variables
     if step.program == "sudo":
-        if names & _SUDO_RUNS_NOTHING or ("-h", None) in step.options:
+        if names & _SUDO_RUNS_NOTHING:
             return False  # sudo -v, -l: it asks for the password, or lists; -e edits a file
         values = {value for _, value in step.options if value is not None}
         if names & _SUDO_ALONE_RUNS_NOTHING and all(
