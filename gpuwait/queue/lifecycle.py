@@ -841,17 +841,29 @@ def _unmet(ids: list[str], data: LedgerData, ok: bool = False) -> list[str]:
 
 
 def refuse_a_jobs_process(data: LedgerData, pid: int) -> None:
-    """UsageError where process `pid` already belongs to a job in `data` (for `adopt`)."""
+    """UsageError where process `pid` already belongs to a job in `data` (for `adopt`): is
+    its gpuwait, its command, one it published, or runs below them now (started since it
+    last published its pids; an adopted process's entry keeps those of its adoption)."""
     for other in data.jobs:
         if elsewhere(other):
             continue  # its pids are another namespace's
         # Another user's entry claims only processes of theirs (or below their gpuwait).
-        other = other if data.mine(other) else their_own_processes(other, {pid})
-        if pid in (other.pid, other.child_pid) or pid in other.pids:
+        among = {pid, other.pid, *([other.child_pid] if other.child_pid is not None else [])}
+        other = other if data.mine(other) else their_own_processes(other, among)
+        if pid in (other.pid, other.child_pid) or pid in other.pids or _below(other, pid):
             raise UsageError(
                 f"process {pid} already belongs to gpuwait job {other.id}",
                 hint="see `gpuwait status`",
             )
+
+
+def _below(job: Job, pid: int) -> bool:
+    """Does process `pid` run below `job`'s gpuwait or command, where they are still the
+    processes it named (a pid reused since is someone else's)?"""
+    heads = [job.pid] if proc.is_alive(job.pid, job.start_time) else []
+    if job.child_pid is not None and proc.is_alive(job.child_pid, job.child_start_time):
+        heads.append(job.child_pid)
+    return bool(heads) and pid in proc.process_tree(heads)
 
 
 def jobs_processes(data: LedgerData, tree: Collection[int]) -> set[int]:

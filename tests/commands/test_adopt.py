@@ -336,6 +336,42 @@ def test_a_shell_is_adopted_without_the_jobs_below_it_and_never_the_adopts_own(
         wait_for(lambda: ledger_entries() == [], timeout=30, message="the jobs never ended")
 
 
+def test_refuses_a_process_an_adopted_one_started_after_its_adoption(
+    sim_file: SimFileFactory, run_gpuwait: Run, tmp_path: Path
+) -> None:
+    # A shell adopted with its program (3 GiB) starts a second one (2 GiB) afterwards: the
+    # adopted entry's pids are those of the adoption, and the second program, running under
+    # the adopted job, was adopted as a job of its own, where the adopt page says a process
+    # that runs under a gpuwait job is refused.
+    from gpuwait.gpu.sim import SimBackend
+    from gpuwait.linux import proc
+
+    sim = sim_file(gpus=1)
+    go = tmp_path / "go"
+    first = shlex.join([*SIMJOB, "--vram", "3G", "--hold", "30s"])
+    second = shlex.join([*SIMJOB, "--vram", "2G", "--hold", "30s"])
+    script = f"{first} & while [ ! -e {go} ]; do sleep 0.05; done; {second} & wait"
+    shell = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    try:
+        wait_for(lambda: SimBackend(sim).snapshot().gpus[0].used_bytes == 3 * GiB, timeout=30)
+        adopted(run_gpuwait, shell.pid)
+        (entry,) = ledger_entries()
+        go.touch()
+        wait_for(lambda: SimBackend(sim).snapshot().gpus[0].used_bytes == 5 * GiB, timeout=30)
+        (later,) = set(proc.process_tree([shell.pid])) - set(entry["pids"])
+        done = run_gpuwait("adopt", str(later))
+        assert done.returncode == EXIT_USAGE, done.stderr
+        assert done.stderr.startswith(
+            f"gpuwait: error: process {later} already belongs to gpuwait job {entry['id']}"
+        ), done.stderr
+        assert len(ledger_entries()) == 1
+    finally:
+        os.killpg(shell.pid, signal.SIGTERM)
+        shell.wait(timeout=30)
+        run_gpuwait("status")
+        wait_for(lambda: ledger_entries() == [], timeout=30, message="the shell never left")
+
+
 #: A notebook's kernel that uses 3 GiB of GPU 0 itself and then adopts itself as a notebook
 #: does, `!gpuwait adopt {os.getpid()}`: through a shell, below it.
 KERNEL = """
