@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +59,61 @@ def test_a_process_that_outlived_its_pausable_job_is_not_pausable(
         [sys.executable, "-c", listens], capture_output=True, text=True, timeout=60, env=left
     )
     assert (after.returncode, after.stdout) == (0, "False\n"), after.stderr
+
+
+@pytest.mark.parametrize("before", ["GPUWAIT_JOB_PID", "GPUWAIT_JOB_START"])
+def test_a_job_an_older_gpuwait_runs_in_a_process_that_outlived_a_job_steps_aside(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    before: str,
+) -> None:
+    # In a tmux session opened inside a job that has ended, a --pausable job is started by an
+    # older gpuwait, from before it set `before` (a venv's own copy): the ended job's variable
+    # is passed on beside those it sets. Its program, with this checkpoint module, took the
+    # job for ended: install() answered False, and it never listened for the checkpoint
+    # signal, so an urgent job could not ask it to step aside and waited for as long as it
+    # ran (here until its own 30 s timeout, exit 124). It steps aside, and runs again resumed.
+    sim_file(gpus=1)
+    monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "300ms")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    given = [f"GPUWAIT_JOB_PID={gone.pid}", "GPUWAIT_JOB_START=1"]
+    if before == "GPUWAIT_JOB_START":
+        given = given[1:]  # that gpuwait names itself as the job's process
+    program = (
+        "import sys, time\n"
+        "from gpuwait import checkpoint\n"
+        "if checkpoint.resume_count():\n"
+        "    sys.exit(print('resumed'))\n"
+        "print(checkpoint.install(), flush=True)\n"
+        "for _ in range(1200):\n"
+        "    if checkpoint.requested():\n"
+        "        checkpoint.exit_for_resume()\n"
+        "    time.sleep(0.05)\n"
+    )
+    python = [sys.executable, "-c", program]
+    urgent_job = ["--vram", "16G", "--", "echo", "urgent"]
+    victim = subprocess.Popen(
+        [*gpuwait_cmd, "-q", "--pausable", "--vram", "16G", "--", "env", *given, *python],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert victim.stdout is not None
+        first = victim.stdout.readline()
+        urgent = subprocess.run(
+            [*gpuwait_cmd, "-q", "--priority", "5", "--timeout", "30s", *urgent_job],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (urgent.returncode, urgent.stdout) == (0, "urgent\n"), urgent.stderr
+        out, err = victim.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGKILL)  # its command too, where the check failed
+        victim.communicate()
+    assert (victim.returncode, first + out) == (0, "True\nresumed\n"), err
