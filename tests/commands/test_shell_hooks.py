@@ -379,6 +379,44 @@ def test_a_shell_that_outlived_its_job_wraps_again_once_its_pid_is_another_proce
     assert wrapped["cuda"] in sim_uuids()
 
 
+@pytest.mark.parametrize("before", ["GPUWAIT_JOB_PID", "GPUWAIT_JOB_START"])
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_shell_in_a_job_an_older_gpuwait_runs_from_one_that_outlived_a_job_runs_bare(
+    shell: str, before: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A tmux session opened inside a job that has ended keeps its variables; from it, an
+    older gpuwait (a venv's own copy, from before it set `before`) runs a job, and passes the
+    ended job's variable on beside those it sets. The job's shell, its hook newer, took the job
+    for ended and wrapped its python again: a second job inside the first, on GPUs chosen
+    anew, waiting for room its own job held where there was no more. It runs bare inside."""
+    need(shell)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    given = [f"GPUWAIT_JOB_PID={gone.pid}", "GPUWAIT_JOB_START=1"]
+    if before == "GPUWAIT_JOB_START":
+        given = given[1:]  # that gpuwait names itself as the job's process
+    inside = f"{init_line(shell, '--always')}\npython probe.py during\n"
+    shell_argv = {
+        "bash": ["bash", "--norc", "--noprofile", "-c", inside],
+        "zsh": ["zsh", "-f", "-c", inside],
+        "fish": ["fish", "--no-config", "-c", inside],
+    }[shell]
+    job = ["gpuwait", "--vram", "1G", "--", "env", *given, *shell_argv]
+    done = subprocess.run(
+        [*job[:1], "-q", *job[1:]],
+        env=hook_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (during,) = probe_lines(done.stdout)
+    history = Path(hook_env["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
+    ran = [json.loads(line)["command"][0] for line in history.read_text().splitlines()]
+    assert ran == ["env"], during
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_a_module_in_the_directory_does_not_shadow_gpuwaits_own_under_an_empty_pythonpath_entry(
     shell: str, hook_env: dict[str, str], tmp_path: Path
