@@ -997,6 +997,31 @@ def test_docker_run_from_a_shell_that_outlived_its_job_starts_no_container(
         assert stale.stderr.count("\n") == 1 and "has ended" in stale.stderr, stale.stderr
 
 
+@pytest.mark.parametrize("before", ["GPUWAIT_JOB_PID", "GPUWAIT_JOB_START"])
+def test_docker_run_in_a_job_an_older_gpuwait_runs_from_a_shell_that_outlived_one_starts(
+    user_env: dict[str, str], tmp_path: Path, before: str
+) -> None:
+    # From a tmux session opened inside a job that has ended, an older gpuwait (a venv's own
+    # copy, from before it set `before`) runs gpuwait-docker-run, and passes the ended job's
+    # variable on beside those it sets: the script took its own job for ended and refused to
+    # start the container (exit 2, 'the gpuwait job ID has ended'), while that job ran.
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    shutil.copy(CONTRIB / "docker" / "gpuwait-docker-run", bin_dir / "gpuwait-docker-run")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    given = [f"GPUWAIT_JOB_PID={gone.pid}", "GPUWAIT_JOB_START=1"]
+    if before == "GPUWAIT_JOB_START":
+        given = given[1:]  # that gpuwait names itself as the job's process
+    job = ["gpuwait", "-q", "--vram", "1G", "--", "env", *given, "gpuwait-docker-run", "img"]
+    env = {**user_env, "FAKE_DOCKER_DIR": str(tmp_path)}
+    done = subprocess.run(job, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5, done.stderr  # the container's status
+    seen = json.loads((tmp_path / "docker.json").read_text())
+    assert seen["argv"][:4] == ["run", "--rm", "--init", "--gpus"], seen
+
+
 def shell_blocks(readme: Path) -> list[str]:
     return re.findall(r"```sh\n(.*?)```", readme.read_text(), flags=re.DOTALL)
 
