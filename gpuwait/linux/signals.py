@@ -111,6 +111,15 @@ def raise_if_pending() -> None:
             raise SignalPending(signum)
 
 
+def stop_pending() -> int | None:
+    """A signal that asks gpuwait to end (TERM, INT, HUP, QUIT) where one waits (blocked) for
+    it, taken by no command: sent after the command ended (`kill PID`, or `gpuwait cancel` of a
+    version that only sends TERM)."""
+    pending = signal.sigpending()
+    stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    return next((s for s in stopping if s in pending), None)
+
+
 def keep_pending(signum: int) -> None:
     """Put a signal gpuwait has taken back in its pending set (it is blocked): what gpuwait
     does before it ends because of the signal then gives up any wait for a lock at once."""

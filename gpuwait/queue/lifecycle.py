@@ -604,6 +604,13 @@ def _cancelled_by(data: LedgerData, entry: Job) -> int | None:
     return None if asked is None else asked.by_uid
 
 
+def was_cancelled(ledger: Ledger, job: Job) -> bool:
+    """Was the running job `job` cancelled (`cancel`)? A read, which changes nothing."""
+    data = ledger.read()
+    mine = data.find(job.id)
+    return mine is not None and _cancelled_by(data, mine) is not None
+
+
 def _cancels_for_me(data: LedgerData) -> list[entries.Request]:
     """Requests from other users' files to cancel a job of this user's: root's only."""
     if data.me is None:

@@ -439,6 +439,17 @@ def _run_with_retries(
         if after is None or after <= ended.reserved_bytes:
             reporter.warn(f"the command ran out {how}; no larger size to retry with")
             break
+        stop = signals.stop_pending()
+        if stop is not None:
+            # Told to end once the command had (`kill`, an older `gpuwait cancel`, which only
+            # sends TERM): the signal is no retry's to take.
+            why = f"gpuwait got {signal.Signals(stop).name}"
+            if pending is not None:
+                if lifecycle.was_cancelled(_ledger(config, reporter), pending):
+                    why = f"job {pending.id} was cancelled"
+                _end_pending(ended, config, reporter)
+            reporter.warn(f"the command ran out {how}; {why}, so it is not retried")
+            break
         if pending is not None:
             # The same entry queues again, in its place: a job waiting on it (--after,
             # --after-ok, its batch) waits for the retry, not for the attempt that ran out.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
@@ -67,3 +68,46 @@ def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
     assert ledger_entries() == []
     finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
     assert [(e["outcome"], e["exit_status"]) for e in finishes] == [("cancelled", 1)]
+
+
+def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, but stopped by a TERM to its gpuwait alone: `gpuwait cancel` of a gpuwait from
+    # before the entry kept who cancelled a job (a venv's own older copy) does only that, as
+    # does `kill PID`. The retry said "retrying with 21.6 GiB", started the command again and
+    # passed it the TERM, which ended it (exit 143).
+    sim_file(gpus=1, memory="24GiB")
+    go, starts = tmp_path / "go", tmp_path / "starts"
+    job = (
+        f"echo started >> {shlex.quote(str(starts))}; "
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    lock = None
+    try:
+        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
+        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        go.touch()
+        wait_for(lambda: _gone(entry["child_pid"]))
+        os.kill(launch.pid, signal.SIGTERM)
+        os.close(lock)
+        lock = None
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert starts.read_text() == "started\n", err
+    assert "retrying" not in err and "so it is not retried" in err, err
+    assert launch.returncode == 1, err
+    assert ledger_entries() == []
