@@ -692,9 +692,16 @@ def test_a_checkpoint_signal_while_still_waiting_ends_with_the_resume_status(
         assert not ran.exists()
         assert [j["state"] for j in ledger_entries()] == ["running"]
     finally:
+        # TERM, which gpuwait passes on to its command: killed, it would leave the holder's
+        # simulated job running on for its 30 s, an orphan of the test.
         for proc in (job, holder):
-            proc.kill()
-            proc.wait()
+            proc.terminate()
+        for proc in (job, holder):
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def test_a_checkpoint_signal_reaches_a_process_whose_name_is_not_text(
