@@ -341,10 +341,13 @@ def _subcommand_hint(program: str) -> str | None:
     return None if match is None else f"did you mean `gpuwait {match}`?"
 
 
-#: What other queues call their subcommands (`why` a job waits, `stop` it): gpuwait's word.
+#: What other queues call their subcommands (`why` a job waits, `stop` it), and `help` and
+#: `version` as git and pip take them: gpuwait's word.
 _OTHER_WORDS = {
     **dict.fromkeys(("why", "queue", "list", "jobs", "show", "info", "ps", "top"), "status"),
     **dict.fromkeys(("stop", "remove", "delete", "del", "abort", "dequeue"), "cancel"),
+    "help": "--help",
+    "version": "--version",
 }
 
 

@@ -214,6 +214,9 @@ CASES: dict[str, Case] = {
     "why a job waits": (["why", "8b5d0d38"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "the queue": (["queue"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "stop a job": (["stop", "train"], {}, None, None, 127, "did you mean `gpuwait cancel`?"),
+    # `gpuwait help`, as git and pip take it: "command not found" alone left no way on.
+    "help as a word": (["help"], {}, None, None, 127, "did you mean `gpuwait --help`?"),
+    "version as a word": (["version"], {}, None, None, 127, "did you mean `gpuwait --version`?"),
     "missing script": (["--vram", "1G", "./no-such-script"], {}, None, None, 127, "no such file"),
     "directory as command": (["--vram", "1G", "/tmp"], {}, None, None, 126, "not executable"),
     "config option": (["config", "--bogus"], {}, None, None, 2, "unrecognized arguments"),
