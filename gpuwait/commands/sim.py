@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     output.info(f"wrote {args.gpus} simulated GPU(s) of {format_size(memory)} to {path}")
     if args.shared:
         output.info(f"shared: every user may use it (its jobs' records are in {path}.d)")
-    # A line to paste: quoted as the shell needs the path (a space, a quote in it).
-    output.info(f"now: export GPUWAIT_SIM={shell_word(path)}")
+    # A line to paste: quoted as the shell needs the path (a space, a quote in it); none where
+    # GPUWAIT_SIM names the file already (the README exports it first).
+    current = os.environ.get("GPUWAIT_SIM", "")
+    if not current or os.path.abspath(os.path.expanduser(current)) != path:
+        output.info(f"now: export GPUWAIT_SIM={shell_word(path)}")
     return 0

@@ -694,3 +694,14 @@ def test_the_export_line_of_sim_init_can_be_pasted_for_a_path_with_spaces(tmp_pa
     pasted = line.removeprefix("gpuwait: now: ") + '; printf %s "$GPUWAIT_SIM"'
     shell = subprocess.run(["sh", "-c", pasted], capture_output=True, text=True, timeout=30)
     assert (shell.returncode, shell.stdout) == (0, str(path)), shell.stderr
+
+
+def test_sim_init_asks_for_the_export_only_where_it_is_not_made(tmp_path: Path) -> None:
+    # The README sets GPUWAIT_SIM first and writes the file there: the line asking for the
+    # export it had just made read as a step still to do.
+    path = tmp_path / "sim.toml"
+    done = gpuwait("sim", "init", str(path), GPUWAIT_SIM=str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"gpuwait: wrote 2 simulated GPU(s) of 24.0 GiB to {path}"]
+    other = gpuwait("sim", "init", "--force", str(path), GPUWAIT_SIM=str(tmp_path / "other.toml"))
+    assert other.stderr.splitlines()[-1] == f"gpuwait: now: export GPUWAIT_SIM={path}"
