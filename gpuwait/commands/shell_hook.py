@@ -63,6 +63,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         elif option in ("-h", "--help"):
             options.help = True
             return options
+        elif not option.startswith("-"):
+            # `shell-hook python train.py`: the command's first word, not an option.
+            from gpuwait.core.text import command_line  # only once the line is refused
+
+            explain = " --explain" if options.explain else ""
+            raise UsageError(
+                f"shell-hook: the command comes after --; {USAGE}",
+                hint=f"gpuwait shell-hook{explain} -- {command_line([option, *rest])}",
+            )
         else:
             from gpuwait.core.text import nearest  # only once an option is not known
 

@@ -258,6 +258,24 @@ def test_a_simulated_job_says_an_option_typed_with_one_dash(sim: Path, order: st
     ]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["shell-hook", "--explain", "python", "train.py"], ["shell-hook", "python", "train.py"]],
+)
+def test_shell_hook_without_its_dashes_shows_the_line_to_type(
+    sim: Path, tmp_path: Path, argv: list[str]
+) -> None:
+    # It said "unknown option 'python'": a program's name taken for an option of its own.
+    done = gpuwait(*argv, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    options = " --explain" if "--explain" in argv else ""
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: shell-hook: the command comes after --; "
+        "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]",
+        f"gpuwait: hint: gpuwait shell-hook{options} -- python train.py",
+    ]
+
+
 def test_a_misspelled_config_key_gets_the_nearest_one(
     isolated_dirs: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
