@@ -11,7 +11,7 @@ import argparse
 import importlib
 import re
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from gpuwait.commands import SUBCOMMANDS, module_name
 from gpuwait.commands.parsing import Parser
@@ -446,6 +446,26 @@ def _fish(spec: CompletionSpec) -> str:
 
 SHELLS = ("bash", "zsh", "fish")
 
+#: Shells with no script of gpuwait's, whose names are near those of one that has (sh, ksh:
+#: zsh; dash: bash): told so, not offered the near one.
+OTHER_SHELLS = frozenset(
+    ("sh", "ash", "dash", "ksh", "mksh", "csh", "tcsh", "nu", "xonsh", "elvish", "pwsh")
+)
+
+
+def shell_argument(what: str) -> Callable[[str], str]:
+    """The `shell` argument's type: a shell gpuwait has no `what` for is refused as such."""
+
+    def shell(word: str) -> str:
+        if word in OTHER_SHELLS:
+            raise argparse.ArgumentTypeError(
+                f"gpuwait has no {what} for {word}, only for {', '.join(SHELLS[:-1])} "
+                f"and {SHELLS[-1]}"
+            )
+        return word
+
+    return shell
+
 
 def build_parser() -> Parser:
     parser = Parser(
@@ -454,7 +474,12 @@ def build_parser() -> Parser:
         "this is for completion without the hook, e.g. "
         "`gpuwait completion fish > ~/.config/fish/completions/gpuwait.fish`.",
     )
-    parser.add_argument("shell", choices=SHELLS, help="the shell to print completion for")
+    parser.add_argument(
+        "shell",
+        type=shell_argument("completion"),
+        choices=SHELLS,
+        help="the shell to print completion for",
+    )
     return parser
 
 

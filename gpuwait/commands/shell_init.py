@@ -29,7 +29,12 @@ def build_parser() -> Parser:
         description="Print the shell hook that runs wrap_commands through gpuwait. "
         'bash/zsh: eval "$(gpuwait shell-init bash)"; fish: gpuwait shell-init fish | source',
     )
-    parser.add_argument("shell", choices=SHELLS, help="the shell to print the hook for")
+    parser.add_argument(
+        "shell",
+        type=completion.shell_argument("hook"),
+        choices=SHELLS,
+        help="the shell to print the hook for",
+    )
     parser.add_argument(
         "--always",
         action="store_true",

@@ -258,6 +258,19 @@ def test_a_simulated_job_says_an_option_typed_with_one_dash(sim: Path, order: st
     ]
 
 
+@pytest.mark.parametrize("shell", ["sh", "dash", "ksh"])
+def test_a_shell_without_a_hook_is_not_taken_for_a_misspelled_one(
+    sim: Path, tmp_path: Path, shell: str
+) -> None:
+    # `shell-init sh` was answered "did you mean 'zsh'?", `dash` "did you mean 'bash'?".
+    done = gpuwait("shell-init", shell, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: argument shell: gpuwait has no hook for {shell}, only for bash, zsh "
+        "and fish; see 'gpuwait shell-init --help'"
+    ]
+
+
 @pytest.mark.parametrize(
     "argv",
     [["shell-hook", "--explain", "python", "train.py"], ["shell-hook", "python", "train.py"]],
