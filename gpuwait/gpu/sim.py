@@ -47,6 +47,7 @@ from gpuwait.core.snapshot import (
     MachineSnapshot,
     ProcessUsage,
 )
+from gpuwait.core.text import shell_word
 from gpuwait.linux import proc
 from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.lock import exclusive, flock_within
@@ -224,7 +225,7 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
     except FileNotFoundError:
         raise BackendUnavailable(
             f"simulation file {shown}: not found",
-            hint="create it with `gpuwait sim init PATH --gpus 2 --memory 24GiB`",
+            hint=f"create it with `gpuwait sim init {shell_word(shown)} --gpus 2 --memory 24GiB`",
             lasting=True,
         ) from None
     except UnsafePath as exc:

@@ -736,3 +736,17 @@ def test_sim_init_asks_for_the_export_only_where_it_is_not_made(tmp_path: Path) 
     assert done.stderr.splitlines() == [f"gpuwait: wrote 2 simulated GPU(s) of 24.0 GiB to {path}"]
     other = gpuwait("sim", "init", "--force", str(path), GPUWAIT_SIM=str(tmp_path / "other.toml"))
     assert other.stderr.splitlines()[-1] == f"gpuwait: now: export GPUWAIT_SIM={path}"
+
+
+def test_a_missing_simulation_file_is_answered_with_the_line_that_makes_it(tmp_path: Path) -> None:
+    # The hint said `gpuwait sim init PATH ...`, leaving the path to be typed again.
+    path = tmp_path / "my sims" / "gpuwait-sim.toml"
+    path.parent.mkdir()
+    done = gpuwait(
+        "--vram", "1G", "true", GPUWAIT_SIM=str(path), GPUWAIT_ON_NO_GPU="fail", cwd=tmp_path
+    )
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: simulation file {path}: not found",
+        f"gpuwait: hint: create it with `gpuwait sim init '{path}' --gpus 2 --memory 24GiB`",
+    ]
