@@ -16,7 +16,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -810,22 +810,27 @@ def unknown_variables(names: Iterable[str]) -> list[tuple[str, str | None]]:
     unknown = sorted(n for n in names if n.startswith("GPUWAIT_") and n not in known)
     if not unknown:
         return []
-    from gpuwait.core.text import nearest  # only once something is misspelled
-
     # Only what a user sets is offered: the exported variables are gpuwait's own to write.
     offered = [o.name for o in OPTIONS] + [
         v.removeprefix("GPUWAIT_").lower() for v in _USER_VARIABLES
     ]
     found: list[tuple[str, str | None]] = []
     for name in unknown:
-        word = name.removeprefix("GPUWAIT_").lower()
-        # Compared without the prefix every name shares (which would make any two look alike);
-        # a word that is part of a setting's name (VRAM in DEFAULT_VRAM) counts as close too.
-        match = nearest(word, offered) or next(
-            (o for o in offered if word and word in o.split("_")), None
-        )
+        # Compared without the prefix every name shares (which would make any two look alike).
+        match = _likely_setting(name.removeprefix("GPUWAIT_").lower(), offered)
         found.append((name, None if match is None else "GPUWAIT_" + match.upper()))
     return found
+
+
+def _likely_setting(word: str, offered: Sequence[str]) -> str | None:
+    """The name in `offered` that `word` (a variable without its prefix, a config key) most
+    likely misspells: the nearest one, else the first with `word` as a word of its name (VRAM:
+    default_vram); None where none is close."""
+    from gpuwait.core.text import nearest  # only once something is misspelled
+
+    return nearest(word, offered) or next(
+        (name for name in offered if word and word in name.split("_")), None
+    )
 
 
 class Settings(Record):
@@ -1097,9 +1102,7 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     # it is an administrator's, maybe for a newer gpuwait than a user's own copy, and refused
     # it would stop every command of every user, every wrapped `python` included.
     if unknown and not site:
-        from gpuwait.core.text import nearest  # only once a key is misspelled
-
-        match = nearest(unknown[0], OPTIONS_BY_NAME)
+        match = _likely_setting(unknown[0], list(OPTIONS_BY_NAME))
         hint = None if match is None else f"did you mean {match}?"
         table = _table_of_settings(data, unknown)
         if table is not None:

@@ -19,7 +19,7 @@ from helpers.fixtures_sim import SIMJOB
 from helpers.users import popen_as, run_as, shared_root, user_home
 
 from gpuwait.cli import main
-from gpuwait.config import OPTIONS, known_variables
+from gpuwait.config import OPTIONS, known_variables, unknown_variables
 from gpuwait.core.errors import EXIT_NOT_FOUND, EXIT_USAGE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,6 +296,20 @@ def test_a_misspelled_config_key_gets_the_nearest_one(
     (isolated_dirs / "config" / "gpuwait" / "config.toml").write_text("safty = 0.5\n")
     assert main(["config"]) == EXIT_USAGE
     assert capsys.readouterr().err.splitlines()[1] == "gpuwait: hint: did you mean safety?"
+
+
+@pytest.mark.parametrize(("key", "meant"), [("vram", "default_vram"), ("safty", "safety")])
+def test_a_config_key_is_named_with_the_setting_it_likely_means_as_a_variable_is(
+    isolated_dirs: Path, capsys: pytest.CaptureFixture[str], key: str, meant: str
+) -> None:
+    # `vram = "6G"` listed the 43 settings with no hint, where GPUWAIT_VRAM is told
+    # GPUWAIT_DEFAULT_VRAM.
+    (isolated_dirs / "config" / "gpuwait").mkdir()
+    (isolated_dirs / "config" / "gpuwait" / "config.toml").write_text(f'{key} = "6G"\n')
+    assert main(["config"]) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines()[1] == f"gpuwait: hint: did you mean {meant}?"
+    variable = f"GPUWAIT_{key.upper()}"
+    assert [(variable, f"GPUWAIT_{meant.upper()}")] == unknown_variables([variable])
 
 
 def test_a_config_file_saved_by_a_windows_editor_is_read(
