@@ -764,3 +764,13 @@ def test_a_missing_simulation_file_is_answered_with_the_line_that_makes_it(tmp_p
         f"gpuwait: error: simulation file {path}: not found",
         f"gpuwait: hint: create it with `gpuwait sim init '{path}' --gpus 2 --memory 24GiB`",
     ]
+
+
+def test_the_configuration_pages_misspelled_variable_is_named_with_a_setting() -> None:
+    # The page's example, GPUWAIT_VRMA, was said to be named with the setting it likely means,
+    # and was named with none.
+    page = (REPO / "docs" / "configuration.md").read_text()
+    example = re.search(r"variable that is no setting \(`(GPUWAIT_\w+)=", page)
+    assert example is not None
+    [(name, meant)] = unknown_variables([example.group(1)])
+    assert meant is not None, f"{name} is named with no setting"
