@@ -24,7 +24,9 @@ def parse_signal(text: str) -> int:
             raise ValueError(f"{text!r} is not a signal number")
     else:
         value = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-        number = int(value) if isinstance(value, signal.Signals) else 0
+        if not isinstance(value, signal.Signals):
+            raise ValueError(f"{text!r} is no signal's name; use e.g. USR1, USR2, TERM")
+        number = int(value)
     # KILL and STOP by number too (9, 19): no handler can be installed for them, so a job
     # could never be asked, and its checkpoint.install() would fail.
     if number in (0, signal.SIGKILL, signal.SIGSTOP):

@@ -138,6 +138,16 @@ CASES: dict[str, Case] = {
         2,
         "--checkpoint-signal '29' is not a signal gpuwait passes on to its command",
     ),
+    # A name Python does not know (kill -l's RTMIN+1, a misspelling) was called one that no
+    # job can catch, which USR3 and RTMIN+1 are not said to be.
+    "unknown checkpoint signal name": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "USR3", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--checkpoint-signal 'USR3' is no signal's name; use e.g. USR1, USR2, TERM",
+    ),
     "grace-kill without pausable": (
         ["--vram", "1G", "--grace-kill", "true"],
         {},
