@@ -424,19 +424,19 @@ def _pausable(options: argparse.Namespace) -> Pausable | None:
         if given:
             raise UsageError(f"{given[0]} applies to --pausable jobs only; add --pausable")
         return None
-    from gpuwait.linux.checkpoint_signal import parse_signal  # only --pausable needs it
+    from gpuwait.linux.checkpoint_signal import parse_signal, signal_name  # only --pausable
     from gpuwait.linux.signals import FORWARDED
 
-    signal_name = options.checkpoint_signal or DEFAULT_CHECKPOINT_SIGNAL
+    typed = options.checkpoint_signal or DEFAULT_CHECKPOINT_SIGNAL
     try:
-        number = parse_signal(signal_name)
+        number = parse_signal(typed)
     except ValueError as exc:
         raise UsageError(f"--checkpoint-signal {exc}") from None
     if number not in FORWARDED:
         # Sent to gpuwait (Slurm's --signal=B:SIG@N before a time limit), it would never reach
         # the job, or (SIGIO, gpuwait's own wake-up) would end gpuwait and leave it unwatched.
         raise UsageError(
-            f"--checkpoint-signal {signal_name!r} is not a signal gpuwait passes on to its "
+            f"--checkpoint-signal {typed!r} is not a signal gpuwait passes on to its "
             "command; use e.g. USR1, USR2, TERM"
         )
     grace = DEFAULT_GRACE_SECONDS
@@ -445,7 +445,8 @@ def _pausable(options: argparse.Namespace) -> Pausable | None:
             grace = parse_duration(options.grace)
         except ValueError as exc:
             raise UsageError(f"--grace {exc}") from None
-    return Pausable(signal_name, grace, options.grace_kill)
+    # By its name (USR2 for 12, ' usr2', SIGUSR2), as GPUWAIT_CHECKPOINT_SIGNAL tells it.
+    return Pausable(signal_name(number), grace, options.grace_kill)
 
 
 def _requirements(options: argparse.Namespace) -> dict[str, Any]:

@@ -34,6 +34,15 @@ def parse_signal(text: str) -> int:
     return number
 
 
+def signal_name(signum: int) -> str:
+    """`signum` as the job is told it: its name without SIG (`USR2` for 12, as a shell's trap
+    takes it), or the number for a signal Python has no name for (a real-time one past RTMIN)."""
+    try:
+        return signal.Signals(signum).name.removeprefix("SIG")
+    except ValueError:
+        return str(signum)
+
+
 def catches(pid: int, signum: int) -> bool:
     """True when process `pid` has a handler installed for `signum`."""
     try:
