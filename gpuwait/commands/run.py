@@ -374,6 +374,9 @@ def _request(options: argparse.Namespace) -> RunRequest:
     if options.exclusive and options.vram is not None:
         raise UsageError("--exclusive takes whole GPUs; leave out --vram")
     if options.vram is not None:
+        if options.vram.strip().lower() == "exclusive":
+            # What default_vram takes for a whole GPU; the option for one is its own.
+            raise UsageError(f"--vram {options.vram!r} is no size: a whole GPU is --exclusive")
         try:
             vram = parse_request(options.vram)
         except ValueError as exc:

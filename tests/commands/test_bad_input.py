@@ -100,6 +100,15 @@ CASES: dict[str, Case] = {
         2,
         "--key 'train\\n': a key is one line",
     ),
+    # default_vram takes 'exclusive'; --vram does not, and "give a unit" pointed nowhere.
+    "vram exclusive": (
+        ["--vram", "exclusive", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--vram 'exclusive' is no size: a whole GPU is --exclusive",
+    ),
     "negative gpus": (["--gpus", "-1", "true"], {}, None, None, 2, "at least 1"),
     "checkpoint signal without pausable": (
         ["--vram", "1G", "--checkpoint-signal", "USR2", "true"],
