@@ -69,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--memory {exc}") from None
     if memory <= 0:
         raise UsageError("--memory must be larger than zero")
+    if not args.path.strip():
+        # `sim init "$GPUWAIT_SIM"` with the variable unset: not the working directory.
+        raise UsageError(
+            "sim init: the file's path is empty",
+            hint="name the file: gpuwait sim init ~/gpuwait-sim.toml (is GPUWAIT_SIM set here?)",
+        )
     path = os.path.abspath(os.path.expanduser(args.path))
     if args.shared and os.geteuid() != 0:
         # gpuwait reads a simulation file only when it is the user's own or root's.

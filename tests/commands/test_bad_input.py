@@ -241,6 +241,16 @@ CASES: dict[str, Case] = {
     "config option": (["config", "--bogus"], {}, None, None, 2, "unrecognized arguments"),
     "sim without action": (["sim"], {}, None, None, 2, "sim init FILE"),
     "sim init without path": (["sim", "init"], {}, None, None, 2, "required"),
+    # `gpuwait sim init --force "$GPUWAIT_SIM"` with the variable not set in this shell: the
+    # empty path was read as the working directory, "/home/a is not a plain file".
+    "sim init with an empty path": (
+        ["sim", "init", "--force", ""],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: sim init: the file's path is empty",
+    ),
     "status extra word": (["status", "extra"], {}, None, None, 2, "unrecognized arguments"),
     # A negative value is the option's value, refused with a reason (argparse alone would
     # take it for an unknown option and say the option "expected one argument").
