@@ -208,8 +208,8 @@ def _paused(record: dict[str, Any], short: bool = False) -> str:
 
 #: What a peak without a figure, or with an approximate one, means (the table's notes).
 _UNMEASURED_SHARED = (
-    "peak -: not measured: others used or freed memory on its GPU meanwhile, and NVML gave no "
-    "per-process figures"
+    "peak -: not measured: others used or freed memory on its GPU meanwhile, and NVML listed "
+    "none of its processes with a figure"
 )
 _UNMEASURED_SHORT = "peak -: not measured: the run ended before the first reading"
 _APPROXIMATE = (

@@ -625,3 +625,14 @@ def test_the_run_time_under_history_counts_only_runs_that_estimates_count() -> N
     stopped = a_run(["python3", "t.py"], "/tmp", time.time(), run_seconds=5, stopped_by=2)
     notes = "\n".join(history.table([*runs, stopped], None))
     assert "run time of the 2 successful runs shown" in notes, notes
+
+
+def test_an_unmeasured_peak_blames_no_driver_where_the_run_allocated_nothing() -> None:
+    # A run whose process the simulation, like NVML on a host, never listed (it allocated
+    # nothing: refused by its cap at once) while a neighbour grew: the note said "NVML gave no
+    # per-process figures", which it had, for every other process.
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    unmeasured = a_run(COMMAND, "/tmp", time.time(), gpus=[gpu], samples=2, returncode=1)
+    notes = history.table([unmeasured], None)[-1]
+    assert notes.startswith("peak -: not measured: others used or freed memory"), notes
+    assert "NVML listed none of its processes with a figure" in notes, notes
