@@ -706,8 +706,10 @@ def impossible_reason(
             f" ever hold that at safety {safety:g}: {named}{why}"
         )
     largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
+    # A share (`50% of a GPU`) is one of each GPU already.
+    per_gpu = "" if request.fraction is not None else " per GPU"
     return (
-        f"{request.describe()} per GPU can never fit: the largest candidate, "
+        f"{request.describe()}{per_gpu} can never fit: the largest candidate, "
         f"GPU{largest.index} ({format_size(largest.total_bytes)}), offers at most "
         f"{format_size(int(largest.total_bytes * safety))} at safety {safety:g}{why}"
     )

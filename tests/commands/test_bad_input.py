@@ -185,6 +185,15 @@ CASES: dict[str, Case] = {
         2,
         "--after-ok ' , ' names no job",
     ),
+    # "100% of a GPU per GPU can never fit": a share is already one of each GPU.
+    "whole share never fits": (
+        ["--vram", "100%", "true"],
+        {},
+        None,
+        None,
+        3,
+        "gpuwait: error: 100% of a GPU can never fit: the largest candidate",
+    ),
     "more gpus than exist": (["--vram", "1G", "--gpus", "9", "true"], {}, None, None, 3, "only 2"),
     "negative timeout with =": (["--timeout=-5s", "true"], {}, None, None, 2, "is negative"),
     "timeout unit": (["--timeout", "10x", "true"], {}, None, None, 2, "not a duration"),
