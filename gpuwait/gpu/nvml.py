@@ -77,8 +77,8 @@ pynvml = _import_pynvml()
 T = TypeVar("T")
 
 HINT = (
-    "install the NVIDIA driver, or set GPUWAIT_SIM=FILE to use simulated GPUs; "
-    "on_no_gpu in config.toml decides whether commands run anyway"
+    "install the NVIDIA driver, or use simulated GPUs (`gpuwait sim init FILE`, then "
+    "GPUWAIT_SIM=FILE); on_no_gpu in config.toml decides whether commands run anyway"
 )
 
 #: For a driver that is there but does not answer (a call stuck in it): nothing to install,
