@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.wrappers import (
+    CONTAINER_ENGINES,
     GPU_VARIABLES,
     Step,
     container_gpus,
@@ -139,7 +140,11 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         return
     for step in found:
         _check_container(argv, step)
-    for step in found:
+    for at, step in enumerate(found):
+        if any(inner.program in CONTAINER_ENGINES for inner in found[at + 1 :]):
+            # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
+            # container anyway, whose GPUs are those its own options name.
+            break
         dropped = [v for v in GPU_VARIABLES[: 2 if by_index else 1] if drops_gpus(step, v)]
         if not dropped:
             continue

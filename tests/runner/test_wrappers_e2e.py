@@ -4,6 +4,7 @@ gives a job, end to end through the simulation backend."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -434,4 +435,28 @@ def test_a_container_engine_giving_no_gpus_of_its_own_runs(
     env, ran = fake_bin(tmp_path, "docker", "podman", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
+    assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sudo", "docker", "run", "--gpus", "all", "img", "python", "x.py"],
+        ["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"],
+        ["doas", "podman", "run", "--device", "nvidia.com/gpu=all", "img"],
+        ["env", "-i", "docker", "run", "--runtime=nvidia", "img"],
+    ],
+)
+def test_the_line_a_container_refusal_gives_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # Run as root (sudo docker, where the user is not in the docker group), the line the
+    # refusal gave was refused in turn for the wrapper that keeps no CUDA_VISIBLE_DEVICES,
+    # which the engine does not pass into the container anyway.
+    env, ran = fake_bin(tmp_path, "docker", "podman", "sudo", "doas", "env", "sh")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
+    again = gpuwait(gpuwait_cmd, shlex.split(line), env)
+    assert again.returncode == 0, again.stderr
     assert ran.exists()
