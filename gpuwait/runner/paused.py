@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from gpuwait.linux import proc
+from gpuwait.linux import proc, security
 from gpuwait.linux.checkpoint_signal import catches, deliver, parse_signal
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import PAUSE, Job, elsewhere
@@ -58,7 +58,15 @@ class PauseResponder:
             return
         self.token, self.looked_at = token, now
         self.others = frozenset(
-            j.pid for j in data.jobs if j.id != self.job.id and not elsewhere(j)
+            j.pid
+            for j in data.jobs
+            if j.id != self.job.id
+            and not elsewhere(j)
+            # A program holding room through gpuwait.reserve() (or %gpuwait) is its own
+            # entry's "gpuwait": still this job's command, whose signal it is.
+            and j.child_pid != j.pid
+            and proc.is_alive(j.pid, j.start_time)
+            and security.looks_like_gpuwait(j.pid)
         )
         entry = data.find(self.job.id)
         self.requested = entry is not None and entry.pause_requested_at is not None

@@ -1071,3 +1071,53 @@ def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
         if urgent is not None:
             urgent.terminate()  # passed on to its command: nothing is left running
             urgent.communicate(timeout=30)
+
+
+def test_a_pausable_program_that_reserves_room_itself_still_gets_its_signal(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A --pausable job's program that holds room of its own through gpuwait.reserve() (a
+    pipeline's stage, say) is named by that reservation's entry as its gpuwait: it is still
+    the job's command, and is sent the checkpoint signal when the job is asked to step aside
+    (it was passed over as a job run inside the command, and the urgent job waited)."""
+    log = tmp_path / "got-usr1"
+    program = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        import gpuwait
+        held = gpuwait.reserve("1G")
+        def step_aside(signum, frame):
+            open({str(log)!r}, "a").write("USR1\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGUSR1, step_aside)
+        time.sleep(60)
+        """
+    )
+    line = [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--"]
+    outer = subprocess.Popen(
+        [*line, sys.executable, "-c", program],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    urgent = None
+    try:
+        wait_until_running(2)
+        own = next(j for j in ledger_entries() if j["request"].get("bytes") == 2**30)
+        wait_for(lambda: catches_signal(own["pid"], SIGNAL), timeout=30)
+        time.sleep(MIN_RUNTIME + 0.5)  # the job may be asked now
+        urgent = urgent_job(gpuwait_cmd)
+        wait_for(
+            log.exists,
+            timeout=30,
+            message=lambda: f"the program was never signalled: {events()}",
+        )
+        assert urgent.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(outer.pid, signal.SIGKILL)
+        outer.communicate(timeout=30)
+        if urgent is not None:
+            with contextlib.suppress(ProcessLookupError):
+                urgent.terminate()
+            urgent.communicate(timeout=30)
