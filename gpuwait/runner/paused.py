@@ -61,6 +61,9 @@ class PauseResponder:
             j.pid
             for j in data.jobs
             if j.id != self.job.id
+            # A step runs as the job's own user: another member's entry, naming a process of
+            # this job's, must not keep it from its signal.
+            and j.uid == self.job.uid
             and not elsewhere(j)
             # A program holding room through gpuwait.reserve() (or %gpuwait) is its own
             # entry's "gpuwait": still this job's command, whose signal it is.

@@ -1121,3 +1121,27 @@ def test_a_pausable_program_that_reserves_room_itself_still_gets_its_signal(
             with contextlib.suppress(ProcessLookupError):
                 urgent.terminate()
             urgent.communicate(timeout=30)
+
+
+def test_another_members_entry_naming_the_command_does_not_keep_it_from_its_signal(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """In a shared ledger another member writes an entry naming a process of a --pausable
+    job's (its command, a gpuwait-named script) as that entry's gpuwait. Asked to step aside,
+    the job's command still gets its checkpoint signal: it was passed over as a job run inside
+    the command, and the urgent job waited on for a job that was never signalled."""
+    from helpers.jobs import live_job
+
+    from gpuwait.queue.entries import RUNNING
+
+    ledger, victim, _urgent = asked_to_step_aside(tmp_path / "state")
+    script = tmp_path / "gpuwait-stage.py"
+    script.write_text(CATCHER)
+    command = procs([sys.executable, str(script)])
+    wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+    forged = live_job("forged", pid=command.pid, state=RUNNING, uid=os.getuid() + 1)
+    with ledger.transaction() as data:
+        data.jobs.append(forged)
+    responder = PauseResponder(ledger, victim)
+    responder.check(command.pid)
+    assert responder.signalled_at is not None, "never signalled: another member's entry named it"
