@@ -491,6 +491,14 @@ def unlisted_bytes(gpu: GpuSnapshot) -> int:
     return max(0, gpu.used_bytes - sum(p.used_bytes or 0 for p in gpu.processes))
 
 
+def unlisted_of_strangers(gpu: GpuSnapshot, claims: Iterable[Claim]) -> int:
+    """`unlisted_bytes` of `gpu` but for what the running jobs of `claims` listed there with
+    no figure hold of it (`_unfigured_own`): what a job admitted now finds there that is
+    never its own, nor any other job's."""
+    on_gpu = [c for c in claims if c.running and gpu.uuid in c.gpu_uuids]
+    return max(0, unlisted_bytes(gpu) - _unfigured_own(gpu, on_gpu))
+
+
 def _unfigured_own(gpu: GpuSnapshot, on_gpu: Sequence[Claim]) -> int:
     """Memory of the running jobs `on_gpu` that the driver lists there with no figure
     (usedGpuMemory N/A, as in many containers): what no listed figure accounts for beyond

@@ -35,13 +35,14 @@ from gpuwait.core.overuse import overuse
 from gpuwait.core.pausing import PauseChoice, still_pending
 from gpuwait.core.policy import (
     NO_CONDITIONS,
+    Claim,
     Conditions,
     FairShare,
     Plan,
     UserLimits,
     WaitReason,
     describe_need,
-    unlisted_bytes,
+    unlisted_of_strangers,
 )
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import format_size
@@ -998,8 +999,15 @@ def found_admission(mine: Job, snapshot: MachineSnapshot, data: LedgerData) -> A
     return Admitted(copy_job(mine), _gpus_of(mine.gpu_uuids, snapshot, data), found=True)
 
 
-def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said: _Said) -> None:
-    """Mark every job the plan admits as running, on its GPUs."""
+def _admit_all(
+    data: LedgerData,
+    decided: Plan,
+    snapshot: MachineSnapshot,
+    said: _Said,
+    claims: Sequence[Claim],
+) -> None:
+    """Mark every job the plan admits as running, on its GPUs (`claims`: those it was
+    planned with)."""
     now, boot_now = time.time(), proc.boot_clock()
     slept = proc.slept(boot_now)
     index = {g.uuid: g.index for g in snapshot.gpus}
@@ -1019,8 +1027,9 @@ def _admit_all(data: LedgerData, decided: Plan, snapshot: MachineSnapshot, said:
         entry.gpu_uuids = list(uuids)
         entry.reserved_bytes = decided.reserved[entry.id]
         entry.reserved_by_gpu = dict(decided.reserved_by_gpu.get(entry.id, {}))
+        # Another running job's memory listed with no figure is that job's, not a stranger's.
         entry.unlisted_at_start = {
-            g.uuid: unlisted_bytes(g) for g in snapshot.gpus if g.uuid in uuids
+            g.uuid: unlisted_of_strangers(g, claims) for g in snapshot.gpus if g.uuid in uuids
         }
         entry.started_at = entry.updated_at = now
         entry.started_boot, entry.started_slept = boot_now, slept
@@ -1110,7 +1119,7 @@ def admit(
                 entry.wait_budget = budgets[entry.id]
         decided = plan_ledger(data, snapshot.gpus, claims, safety, conditions, fair)
         record_hold(data, decided.hold)
-        _admit_all(data, decided, snapshot, said)
+        _admit_all(data, decided, snapshot, said, claims)
         waiting = {j.id for j in data.jobs if j.state == WAITING}
         data.plan_order = [job_id for job_id in decided.order if job_id in waiting]
         updated = copy_job(mine)

@@ -112,3 +112,68 @@ def test_memory_nobody_is_listed_for_stays_taken_while_a_job_without_a_figure_ra
     assert ramping.returncode == 124, ramping.stderr
     (gpu,) = json.loads(status.stdout)["gpus"]
     assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (8 * GIB, 10 * GIB)
+
+
+def test_a_job_admitted_beside_another_without_a_figure_is_counted_once_when_that_one_ends(
+    fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    # Job A (10 GiB) runs, NVML listing it with no figure, when job B (10 GiB) is admitted
+    # beside it. A ends; B, also listed with no figure, uses its 10 GiB. The 10 GiB A used
+    # when B was admitted were written down as B's stranger's, so B's own 10 GiB counted once
+    # more as someone else's: 1.6 GiB looked free, and C (8G) waited as long as B ran.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
+    env = {**fake_nvml.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
+
+    def job(stop: Path) -> subprocess.Popen[str]:
+        waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
+        return subprocess.Popen(
+            [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def started(count: int) -> list[dict[str, object]]:
+        return wait_for(
+            lambda: (
+                running
+                if len(running := [e for e in ledger_entries() if e.get("child_pid") in e["pids"]])
+                == count
+                else None
+            ),
+            timeout=30,
+        )
+
+    stop_a, stop_b = tmp_path / "stop-a", tmp_path / "stop-b"
+    a = job(stop_a)
+    b = None
+    try:
+        (entry_a,) = started(1)
+        fake_nvml.add_process(0, entry_a["child_pid"], None)
+        fake_nvml.update_gpu(0, used=10 * GIB)
+        b = job(stop_b)
+        running = started(2)
+        entry_b = next(e for e in running if e["id"] != entry_a["id"])
+        stop_a.touch()
+        assert a.wait(timeout=60) == 0
+        fake_nvml.clear_processes(0)
+        fake_nvml.add_process(0, entry_b["child_pid"], None)
+        c = subprocess.run(
+            [*GPUWAIT, "--vram", "8G", "--timeout", "2s", "--", "true"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        stop_a.touch()
+        stop_b.touch()
+        for p in (a, b):
+            if p is not None:
+                try:
+                    p.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.communicate()
+    assert c.returncode == 0, c.stderr
