@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from collections.abc import Iterable
 
@@ -16,11 +17,18 @@ from gpuwait.core.text import whole_number
 
 
 def parse_signal(text: str) -> int:
-    """`USR1`, `SIGUSR1` or `10` as a signal number; raises ValueError."""
+    """`USR1`, `SIGUSR1`, `10` or `RTMIN+2` as a signal number; raises ValueError."""
     name = text.strip().upper()
     number = whole_number(name)
+    # The real-time signals as kill -l names them: RTMIN+N, RTMAX-N.
+    offset = re.fullmatch(r"(?:SIG)?(RTMIN\+|RTMAX-)(\d+)", name)
     if number is not None:
         if number not in signal.valid_signals():
+            raise ValueError(f"{text!r} is not a signal number")
+    elif offset is not None:
+        start, step = offset.group(1), int(offset.group(2))
+        number = signal.SIGRTMIN + step if start == "RTMIN+" else signal.SIGRTMAX - step
+        if not signal.SIGRTMIN <= number <= signal.SIGRTMAX:
             raise ValueError(f"{text!r} is not a signal number")
     else:
         value = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)

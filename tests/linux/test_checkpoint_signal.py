@@ -44,13 +44,27 @@ def test_only_listeners_are_signalled() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "number"), [("USR1", 10), ("sigusr2", 12), ("TERM", 15), ("10", 10)]
+    ("text", "number"),
+    [
+        ("USR1", 10),
+        ("sigusr2", 12),
+        ("TERM", 15),
+        ("10", 10),
+        # As kill -l and kill -s name the real-time signals: they were said to be no signal a
+        # job can catch.
+        ("RTMIN+2", signal.SIGRTMIN + 2),
+        ("SIGRTMAX-1", signal.SIGRTMAX - 1),
+        ("rtmin", signal.SIGRTMIN),
+    ],
 )
 def test_signal_names(text: str, number: int) -> None:
     assert parse_signal(text) == number
 
 
-@pytest.mark.parametrize("text", ["KILL", "STOP", "9", "19", "NOPE", "999", ""])
+@pytest.mark.parametrize(
+    "text",
+    ["KILL", "STOP", "9", "19", "NOPE", "999", "", "RTMIN+99", "RTMAX-99", "RTMIN+", "RTMIN-1"],
+)
 def test_bad_signal_names(text: str) -> None:
     with pytest.raises(ValueError):
         parse_signal(text)
