@@ -221,8 +221,12 @@ def test_a_clock_stepped_forward_does_not_cut_a_pausing_jobs_grace_short(
     try:
         wait_for(lambda: catches_signal(catcher.pid, signal.SIGUSR1), timeout=30)
         job = live_job("a", pausable=True, grace_kill=True, grace_seconds=30.0)
-        responder = PauseResponder(Ledger(tmp_path / "state"), job)
-        responder.requested = True  # a waiter asked it to step aside
+        ledger = Ledger(tmp_path / "state")
+        responder = PauseResponder(ledger, job)
+        # A waiter asked it to step aside, as the responder has just looked up (it looks again
+        # only once the ledger changes, or a second later on the monotonic clock).
+        responder.requested = True
+        responder.token, responder.looked_at = ledger.change_token(), time.monotonic()
         clock = [time.time()]
         monkeypatch.setattr(time, "time", lambda: clock[0])
         responder.check(catcher.pid)  # its checkpoint signal: the grace begins
