@@ -10,6 +10,7 @@ mask, gpuwait's stdin, stdout and stderr.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import shlex
@@ -122,6 +123,18 @@ def check_not_srun(argv: Sequence[str]) -> None:
     )
 
 
+def _opens_engine(found: Sequence[Step]) -> bool:
+    """The first of `found` starts a container engine with nothing after it: each step runs
+    the next as its own last words. Where a shell's code runs more than the engine (`sudo sh
+    -c 'docker pull img && python x.py'`), the rest runs under the wrapper too."""
+    for outer, inner in itertools.pairwise(found):
+        if outer.argv[len(outer.argv) - len(inner.argv) :] != inner.argv:
+            return False
+        if inner.program in CONTAINER_ENGINES:
+            return True
+    return False
+
+
 def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     """Refuse a command that runs through a wrapper starting it without the CUDA_VISIBLE_DEVICES
     gpuwait sets (UsageError, 2): `sudo -u alice python x.py` (sudo's env_reset), doas, pkexec,
@@ -141,7 +154,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     for step in found:
         _check_container(argv, step)
     for at, step in enumerate(found):
-        if any(inner.program in CONTAINER_ENGINES for inner in found[at + 1 :]):
+        if _opens_engine(found[at:]):
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
             # container anyway, whose GPUs are those its own options name.
             break

@@ -460,3 +460,24 @@ def test_the_line_a_container_refusal_gives_runs(
     again = gpuwait(gpuwait_cmd, shlex.split(line), env)
     assert again.returncode == 0, again.stderr
     assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sudo", "-u", "alice", "sh", "-c", "docker pull img && python x.py"],
+        ["env", "-i", "bash", "-c", "docker ps; python x.py"],
+        ["sudo", "su", "-c", "podman pull img; python x.py"],
+    ],
+)
+def test_a_wrapper_before_a_shell_that_runs_more_than_an_engine_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # The engine only opens the shell's code: the python run after it, under the wrapper
+    # that drops CUDA_VISIBLE_DEVICES, would see every GPU.
+    env, ran = fake_bin(tmp_path, "docker", "podman", "sudo", "su", "env", "sh", "bash")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert "starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
