@@ -18,6 +18,48 @@ from helpers.waiting import ledger_entries, wait_for
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
 
+def _job(env: dict[str, str], stop: Path) -> subprocess.Popen[str]:
+    """A 10 GiB job that runs until `stop` exists."""
+    waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
+    return subprocess.Popen(
+        [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _started(count: int) -> list[dict[str, object]]:
+    """The ledger's entries once `count` jobs run their commands."""
+    return wait_for(
+        lambda: (
+            running
+            if len(running := [e for e in ledger_entries() if e.get("child_pid") in e["pids"]])
+            == count
+            else None
+        ),
+        timeout=30,
+    )
+
+
+def _gpuwait(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*GPUWAIT, *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def _end(jobs: list[subprocess.Popen[str] | None], stops: list[Path]) -> None:
+    """Let every job end, and reap it."""
+    for stop in stops:
+        stop.touch()
+    for p in jobs:
+        if p is not None:
+            try:
+                p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
+
 def test_a_jobs_own_memory_without_a_figure_leaves_the_rest_of_the_card_free(
     fake_nvml: FakeNvml, tmp_path: Path
 ) -> None:
@@ -27,38 +69,15 @@ def test_a_jobs_own_memory_without_a_figure_leaves_the_rest_of_the_card_free(
     fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
     stop = tmp_path / "stop"
     env = {**fake_nvml.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
-    waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
-    a = subprocess.Popen(
-        [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    a = _job(env, stop)
     try:
-        entry = wait_for(
-            lambda: next((e for e in ledger_entries() if e.get("child_pid") in e["pids"]), None),
-            timeout=30,
-        )
+        (entry,) = _started(1)
         fake_nvml.update_gpu(0, used=10 * GIB)
         fake_nvml.add_process(0, entry["child_pid"], None)
-        b = subprocess.run(
-            [*GPUWAIT, "--vram", "8G", "--timeout", "20s", "--", "true"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        status = subprocess.run(
-            [*GPUWAIT, "status", "--json"], env=env, capture_output=True, text=True, timeout=60
-        )
+        b = _gpuwait(env, "--vram", "8G", "--timeout", "20s", "--", "true")
+        status = _gpuwait(env, "status", "--json")
     finally:
-        stop.touch()
-        try:
-            a.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            a.kill()
-            a.communicate()
+        _end([a], [stop])
     assert b.returncode == 0, b.stderr
     (gpu,) = json.loads(status.stdout)["gpus"]
     assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (0, 10 * GIB)
@@ -75,40 +94,17 @@ def test_memory_nobody_is_listed_for_stays_taken_while_a_job_without_a_figure_ra
     fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB, used=8 * GIB)])
     stop = tmp_path / "stop"
     env = {**fake_nvml.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
-    waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
-    a = subprocess.Popen(
-        [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    a = _job(env, stop)
     try:
-        entry = wait_for(
-            lambda: next((e for e in ledger_entries() if e.get("child_pid") in e["pids"]), None),
-            timeout=30,
-        )
+        (entry,) = _started(1)
         fake_nvml.update_gpu(0, used=9 * GIB)
         fake_nvml.add_process(0, entry["child_pid"], None)
-        ramping = subprocess.run(
-            [*GPUWAIT, "--vram", "8G", "--timeout", "2s", "--", "true"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ramping = _gpuwait(env, "--vram", "8G", "--timeout", "2s", "--", "true")
         # A reached its reservation: 18 GiB in use, 8 of them still the stranger's.
         fake_nvml.update_gpu(0, used=18 * GIB)
-        status = subprocess.run(
-            [*GPUWAIT, "status", "--json"], env=env, capture_output=True, text=True, timeout=60
-        )
+        status = _gpuwait(env, "status", "--json")
     finally:
-        stop.touch()
-        try:
-            a.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            a.kill()
-            a.communicate()
+        _end([a], [stop])
     assert ramping.returncode == 124, ramping.stderr
     (gpu,) = json.loads(status.stdout)["gpus"]
     assert (gpu["external_bytes"], gpu["reserved_bytes"]) == (8 * GIB, 10 * GIB)
@@ -123,57 +119,21 @@ def test_a_job_admitted_beside_another_without_a_figure_is_counted_once_when_tha
     # more as someone else's: 1.6 GiB looked free, and C (8G) waited as long as B ran.
     fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
     env = {**fake_nvml.env(), "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
-
-    def job(stop: Path) -> subprocess.Popen[str]:
-        waiting = f"while [ ! -e {stop} ]; do sleep 0.05; done"
-        return subprocess.Popen(
-            [*GPUWAIT, "-q", "--vram", "10G", "--", "sh", "-c", waiting],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-
-    def started(count: int) -> list[dict[str, object]]:
-        return wait_for(
-            lambda: (
-                running
-                if len(running := [e for e in ledger_entries() if e.get("child_pid") in e["pids"]])
-                == count
-                else None
-            ),
-            timeout=30,
-        )
-
     stop_a, stop_b = tmp_path / "stop-a", tmp_path / "stop-b"
-    a = job(stop_a)
+    a = _job(env, stop_a)
     b = None
     try:
-        (entry_a,) = started(1)
+        (entry_a,) = _started(1)
         fake_nvml.add_process(0, entry_a["child_pid"], None)
         fake_nvml.update_gpu(0, used=10 * GIB)
-        b = job(stop_b)
-        running = started(2)
+        b = _job(env, stop_b)
+        running = _started(2)
         entry_b = next(e for e in running if e["id"] != entry_a["id"])
         stop_a.touch()
         assert a.wait(timeout=60) == 0
         fake_nvml.clear_processes(0)
         fake_nvml.add_process(0, entry_b["child_pid"], None)
-        c = subprocess.run(
-            [*GPUWAIT, "--vram", "8G", "--timeout", "2s", "--", "true"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        c = _gpuwait(env, "--vram", "8G", "--timeout", "2s", "--", "true")
     finally:
-        stop_a.touch()
-        stop_b.touch()
-        for p in (a, b):
-            if p is not None:
-                try:
-                    p.communicate(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.communicate()
+        _end([a, b], [stop_a, stop_b])
     assert c.returncode == 0, c.stderr
