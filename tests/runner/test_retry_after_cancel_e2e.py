@@ -7,7 +7,9 @@ import os
 import shlex
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from helpers.fixtures_sim import SimFileFactory
 from helpers.waiting import ledger_entries, wait_for
@@ -23,13 +25,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
-    # The job's command ran out of GPU memory, and `gpuwait cancel` came before gpuwait had
-    # decided to retry it (held here on the history lock, where it records the run): the
-    # retry ignored the cancel, said "retrying with 21.6 GiB" and started the command again.
-    sim_file(gpus=1, memory="24GiB")
+def _ran_out_then(
+    gpuwait_cmd: list[str], tmp_path: Path, stop: Callable[[dict[str, Any], int], None]
+) -> tuple[int, str, str, Path]:
+    """Run a --retry-oom 1 job whose command runs out of GPU memory, and `stop` it (given its
+    entry and its gpuwait's pid) while gpuwait, held on the history lock where it records the
+    run, has not yet decided to retry: its exit status, its stderr, how many times the
+    command started (one line a start) and the state folder."""
     go, starts = tmp_path / "go", tmp_path / "starts"
     job = (
         f"echo started >> {shlex.quote(str(starts))}; "
@@ -49,10 +51,7 @@ def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
         fcntl.flock(lock, fcntl.LOCK_EX)
         go.touch()
         wait_for(lambda: _gone(entry["child_pid"]))
-        cancel = subprocess.run(
-            [*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, text=True, timeout=60
-        )
-        assert cancel.returncode == 0, cancel.stderr
+        stop(entry, launch.pid)
         os.close(lock)
         lock = None
         _, err = launch.communicate(timeout=60)
@@ -62,9 +61,27 @@ def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
         if launch.poll() is None:
             launch.kill()
             launch.communicate()
-    assert starts.read_text() == "started\n", err
+    return launch.returncode, err, starts.read_text(), state
+
+
+def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # The job's command ran out of GPU memory, and `gpuwait cancel` came before gpuwait had
+    # decided to retry it (held here on the history lock, where it records the run): the
+    # retry ignored the cancel, said "retrying with 21.6 GiB" and started the command again.
+    sim_file(gpus=1, memory="24GiB")
+
+    def cancel(entry: dict[str, Any], _pid: int) -> None:
+        done = subprocess.run(
+            [*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+
+    returncode, err, starts, state = _ran_out_then(gpuwait_cmd, tmp_path, cancel)
+    assert starts == "started\n", err
     assert "retrying" not in err and "was cancelled, so it is not retried" in err, err
-    assert launch.returncode == 1, err
+    assert returncode == 1, err
     assert ledger_entries() == []
     finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
     assert [(e["outcome"], e["exit_status"]) for e in finishes] == [("cancelled", 1)]
@@ -78,36 +95,10 @@ def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
     # does `kill PID`. The retry said "retrying with 21.6 GiB", started the command again and
     # passed it the TERM, which ended it (exit 143).
     sim_file(gpus=1, memory="24GiB")
-    go, starts = tmp_path / "go", tmp_path / "starts"
-    job = (
-        f"echo started >> {shlex.quote(str(starts))}; "
-        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
-        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd, tmp_path, lambda _entry, pid: os.kill(pid, signal.SIGTERM)
     )
-    launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    lock = None
-    try:
-        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
-        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        go.touch()
-        wait_for(lambda: _gone(entry["child_pid"]))
-        os.kill(launch.pid, signal.SIGTERM)
-        os.close(lock)
-        lock = None
-        _, err = launch.communicate(timeout=60)
-    finally:
-        if lock is not None:
-            os.close(lock)
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
-    assert starts.read_text() == "started\n", err
+    assert starts == "started\n", err
     assert "retrying" not in err and "so it is not retried" in err, err
-    assert launch.returncode == 1, err
+    assert returncode == 1, err
     assert ledger_entries() == []
