@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1026,6 +1026,37 @@ def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
                 p.communicate(timeout=30)
 
 
+@contextlib.contextmanager
+def _asked_to_step_aside(
+    gpuwait_cmd: list[str], command: list[str], holder: str
+) -> Iterator[subprocess.Popen[str]]:
+    """Run `command` as a --pausable 16G job inside which a 1 GiB job (or reservation) starts;
+    once that entry's process `holder` (its "pid" or its "child_pid") catches the checkpoint
+    signal and the job may be asked, an urgent job needing its room starts and is yielded.
+    Every process is ended after."""
+    line = [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--"]
+    outer = subprocess.Popen(
+        [*line, *command], stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    urgent = None
+    try:
+        wait_until_running(2)
+        inside = next(j for j in ledger_entries() if j["request"].get("bytes") == 2**30)
+        wait_for(lambda: catches_signal(inside[holder], SIGNAL), timeout=30)
+        time.sleep(MIN_RUNTIME + 0.5)  # the job may be asked now
+        urgent = urgent_job(gpuwait_cmd)
+        yield urgent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(outer.pid, signal.SIGKILL)
+        outer.communicate(timeout=30)
+        if urgent is not None:
+            # Passed on to its command: nothing is left running.
+            with contextlib.suppress(ProcessLookupError):
+                urgent.terminate()
+            urgent.communicate(timeout=30)
+
+
 def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
@@ -1042,19 +1073,7 @@ def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
         """
     )
     inner = shlex.join([*gpuwait_cmd, "--vram", "1G", "--", sys.executable, "-c", step])
-    outer = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", "sh", "-c", inner],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    urgent = None
-    try:
-        wait_until_running(2)
-        step_job = next(j for j in ledger_entries() if j["request"].get("bytes") == 2**30)
-        wait_for(lambda: catches_signal(step_job["child_pid"], SIGNAL), timeout=30)
-        time.sleep(MIN_RUNTIME + 0.5)  # the pipeline may be asked now
-        urgent = urgent_job(gpuwait_cmd)
+    with _asked_to_step_aside(gpuwait_cmd, ["sh", "-c", inner], "child_pid"):
         wait_for(
             lambda: any(e["kind"] == "pause-request" for e in events()),
             timeout=30,
@@ -1064,13 +1083,6 @@ def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
         time.sleep(3)  # its gpuwait looks for processes to signal several times a second
         assert not log.exists(), log.read_text()
         assert "pause-signal" not in [e["kind"] for e in events()]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(outer.pid, signal.SIGKILL)
-        outer.communicate(timeout=30)
-        if urgent is not None:
-            urgent.terminate()  # passed on to its command: nothing is left running
-            urgent.communicate(timeout=30)
 
 
 def test_a_pausable_program_that_reserves_room_itself_still_gets_its_signal(
@@ -1093,34 +1105,13 @@ def test_a_pausable_program_that_reserves_room_itself_still_gets_its_signal(
         time.sleep(60)
         """
     )
-    line = [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--"]
-    outer = subprocess.Popen(
-        [*line, sys.executable, "-c", program],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    urgent = None
-    try:
-        wait_until_running(2)
-        own = next(j for j in ledger_entries() if j["request"].get("bytes") == 2**30)
-        wait_for(lambda: catches_signal(own["pid"], SIGNAL), timeout=30)
-        time.sleep(MIN_RUNTIME + 0.5)  # the job may be asked now
-        urgent = urgent_job(gpuwait_cmd)
+    with _asked_to_step_aside(gpuwait_cmd, [sys.executable, "-c", program], "pid") as urgent:
         wait_for(
             log.exists,
             timeout=30,
             message=lambda: f"the program was never signalled: {events()}",
         )
         assert urgent.wait(timeout=60) == 0
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(outer.pid, signal.SIGKILL)
-        outer.communicate(timeout=30)
-        if urgent is not None:
-            with contextlib.suppress(ProcessLookupError):
-                urgent.terminate()
-            urgent.communicate(timeout=30)
 
 
 def test_another_members_entry_naming_the_command_does_not_keep_it_from_its_signal(
