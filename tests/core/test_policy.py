@@ -117,6 +117,18 @@ def test_memory_unlisted_before_a_job_without_a_figure_stays_someone_elses() -> 
     assert gpu_rooms(card(10), [older], 0.9)["GPU-00000000"].external == 10 * GiB
 
 
+def test_a_job_listed_partly_without_a_figure_is_counted_at_all_it_uses() -> None:
+    # Job A reserved 10 GiB; one of its processes is listed at 6 GiB, another with no figure
+    # holds 8 more: A uses 14 GiB, 4 past its reservation, and all 14 stay taken.
+    cards = [gpu(0, 24, used_gib=14, procs=(ProcessUsage(10, 6 * GiB), ProcessUsage(11, None)))]
+    a = running("a", "GPU-00000000", 10, observed_gib=6)._replace(
+        pids=frozenset({10, 11}), unlisted_at_start={"GPU-00000000": 0}
+    )
+    room = gpu_rooms(cards, [a], 0.9)["GPU-00000000"]
+    assert room.committed + room.external == 14 * GiB
+    assert "b" not in plan(cards, [a, waiting("b", 8, order=2)], 0.9).admitted
+
+
 def test_external_processes_reduce_room() -> None:
     cards = [gpu(0, 24, used_gib=15)]
     assert "b" not in plan(cards, [waiting("b", 8, order=1)], 0.9).admitted
