@@ -15,6 +15,7 @@ from gpuwait.core.policy import (
     gpu_rooms,
     impossible_reason,
     plan,
+    unlisted_of_strangers,
     wait_reason,
 )
 from gpuwait.core.sizes import MemoryRequest
@@ -127,6 +128,16 @@ def test_a_job_listed_partly_without_a_figure_is_counted_at_all_it_uses() -> Non
     room = gpu_rooms(cards, [a], 0.9)["GPU-00000000"]
     assert room.committed + room.external == 14 * GiB
     assert "b" not in plan(cards, [a, waiting("b", 8, order=2)], 0.9).admitted
+
+
+def test_memory_of_a_job_not_running_is_a_strangers_to_a_job_admitted_now() -> None:
+    # Job P is paused on GPU0 and its process, listed with no figure, still holds 6 GiB: a job
+    # admitted now finds those 6 GiB there, never its own, so they stay taken as it ramps up.
+    cards = [gpu(0, 24, used_gib=6, procs=(ProcessUsage(10, None),))]
+    paused = running("p", "GPU-00000000", 10)._replace(
+        running=False, pids=frozenset({10}), unlisted_at_start={"GPU-00000000": 0}
+    )
+    assert unlisted_of_strangers(cards[0], [paused]) == 6 * GiB
 
 
 def test_external_processes_reduce_room() -> None:
