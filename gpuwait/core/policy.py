@@ -502,11 +502,12 @@ def unlisted_of_strangers(gpu: GpuSnapshot, claims: Iterable[Claim]) -> int:
 def _unfigured_own(gpu: GpuSnapshot, on_gpu: Sequence[Claim]) -> int:
     """Memory of the running jobs `on_gpu` that the driver lists there with no figure
     (usedGpuMemory N/A, as in many containers): what no listed figure accounts for beyond
-    what none did when the first of them was admitted, up to what those jobs reserved there
-    beyond what they were seen using. Their reservations already count it; as external memory
-    too, a job would count twice and keep the rest of the card from others as long as it ran.
-    What was already there at their admission is someone else's (a program the driver lists
-    no process for), and stays taken while they ramp up. Only where every process listed
+    the most that none did when any of them was admitted, up to what those jobs reserved
+    there beyond what they were seen using. Their reservations already count it; as external
+    memory too, a job would count twice and keep the rest of the card from others as long as
+    it ran. What was already there at their admission is someone else's (a program the driver
+    lists no process for), and stays taken while they ramp up: what came between the first
+    admission and a later one too. Only where every process listed
     without a figure is such a job's, each admitted knowing that figure: else whose the
     memory is cannot be told, and it all counts as taken."""
     unfigured = {p.pid for p in gpu.processes if p.used_bytes is None}
@@ -520,7 +521,7 @@ def _unfigured_own(gpu: GpuSnapshot, on_gpu: Sequence[Claim]) -> int:
     headroom = sum(
         max(0, c.reserved_on(gpu.uuid) - max(0, c.observed.get(gpu.uuid, 0))) for c in owners
     )
-    before = min(c.unlisted_at_start[gpu.uuid] for c in owners)
+    before = max(c.unlisted_at_start[gpu.uuid] for c in owners)
     return max(0, min(headroom, unlisted_bytes(gpu) - before))
 
 

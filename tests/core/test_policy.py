@@ -140,6 +140,22 @@ def test_memory_of_a_job_not_running_is_a_strangers_to_a_job_admitted_now() -> N
     assert unlisted_of_strangers(cards[0], [paused]) == 6 * GiB
 
 
+def test_memory_unlisted_since_the_first_of_two_jobs_without_figures_stays_taken() -> None:
+    # A (10 GiB) was admitted onto an empty card; then a program the driver lists no process
+    # for took 4 GiB; then B (10 GiB) was admitted, finding those 4 GiB. A and B, both listed
+    # with no figure, have taken 5 and 3 GiB so far. The stranger's 4 GiB are no job's: once
+    # A and B reach their reservations the card holds 24 GiB, and C (1.5 GiB) has no room.
+    cards = [gpu(0, 24, used_gib=12, procs=(ProcessUsage(10, None), ProcessUsage(11, None)))]
+    a = running("a", "GPU-00000000", 10)._replace(
+        pids=frozenset({10}), unlisted_at_start={"GPU-00000000": 0}
+    )
+    b = running("b", "GPU-00000000", 10)._replace(
+        pids=frozenset({11}), unlisted_at_start={"GPU-00000000": 4 * GiB}
+    )
+    assert gpu_rooms(cards, [a, b], 0.9)["GPU-00000000"].external == 4 * GiB
+    assert "c" not in plan(cards, [a, b, waiting("c", 1.5, order=3)], 0.9).admitted
+
+
 def test_external_processes_reduce_room() -> None:
     cards = [gpu(0, 24, used_gib=15)]
     assert "b" not in plan(cards, [waiting("b", 8, order=1)], 0.9).admitted
