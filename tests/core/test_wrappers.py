@@ -198,6 +198,20 @@ def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
         (["docker", "ps"], []),
         (["podman", "build", "--device", "nvidia.com/gpu=all", "."], []),
         (["nerdctl", "run", "--gpus", "all", "img"], []),
+        # Options that take no value, before the GPUs: `--rm`, `-d`.
+        (["docker", "run", "--rm", "--gpus", "all", "img"], ["--gpus all"]),
+        (["docker", "run", "-d", "--gpus", "all", "img"], ["--gpus all"]),
+        # The image after `--`: what follows it is its command's.
+        (["docker", "run", "--", "img", "--gpus", "all"], []),
+        # The last NVIDIA_VISIBLE_DEVICES is the one the runtime reads.
+        (
+            [
+                *("docker", "run", "--runtime=nvidia", "-e", "NVIDIA_VISIBLE_DEVICES=0"),
+                *("-e", "NVIDIA_VISIBLE_DEVICES=none", "i"),
+            ],
+            [],
+        ),
+        (["docker", "run", "--device", "/dev/fuse", "img"], []),
     ],
 )
 def test_the_gpus_a_container_is_given_by_its_own_options(
