@@ -525,7 +525,10 @@ def container_gpus(step: Step) -> list[tuple[int, int]]:
                 name, value = f"-{letter}", word[offset + 1 :]
                 if not value:
                     if position + 1 >= len(argv):
-                        return []
+                        # Its value is not known, as a long option's: the options before it
+                        # still count, and it names nothing.
+                        name = ""
+                        break
                     position += 1
                     value = argv[position]
                 break

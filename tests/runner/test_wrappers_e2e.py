@@ -395,6 +395,9 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
         (["nice", "docker", "run", "-v", "/d:/d", "--gpus", "all", "img"], "--gpus all"),
         (["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"], "--gpus all"),
         (["sh", "-c", "docker run --gpus all img && echo done"], "--gpus all"),
+        # The shell's code stops being plain at `$TAG`, just after `-e`: the GPUs before it
+        # are the container's all the same.
+        (["sh", "-c", 'docker run --gpus all -e "$TAG" img'], "--gpus all"),
     ],
 )
 def test_a_container_given_gpus_of_its_own_is_refused_with_what_to_type(
