@@ -1136,3 +1136,45 @@ def test_another_members_entry_naming_the_command_does_not_keep_it_from_its_sign
     responder = PauseResponder(ledger, victim)
     responder.check(command.pid)
     assert responder.signalled_at is not None, "never signalled: another member's entry named it"
+
+
+@pytest.mark.parametrize(
+    ("script_name", "fields"),
+    [
+        # A program of its own holding room through gpuwait.reserve(): its entry names it as
+        # its gpuwait and its command.
+        ("gpuwait-stage.py", {"child_pid": "pid"}),
+        # An entry left by a gpuwait that is gone, its pid now the command's.
+        ("gpuwait-stage.py", {"start_time": 1}),
+        # An entry naming the command, which runs no gpuwait.
+        ("stage.py", {}),
+        # An entry written in another pid namespace (a container), whose pid is the command's
+        # here only by chance.
+        ("gpuwait-stage.py", {"pidns": 1}),
+    ],
+)
+def test_an_entry_naming_the_command_that_runs_no_job_inside_it_keeps_no_signal_from_it(
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    script_name: str,
+    fields: dict[str, Any],
+) -> None:
+    """Asked to step aside, a --pausable job signals its command, as long as no job of its own
+    runs inside it: an entry of this user's naming the command as its gpuwait keeps it from
+    its signal only where that is a live gpuwait of this namespace running another job."""
+    from helpers.jobs import live_job
+
+    from gpuwait.queue.entries import RUNNING
+
+    ledger, victim, _urgent = asked_to_step_aside(tmp_path / "state")
+    script = tmp_path / script_name
+    script.write_text(CATCHER)
+    command = procs([sys.executable, str(script)])
+    wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+    named = {k: command.pid if v == "pid" else v for k, v in fields.items()}
+    entry = live_job("other", pid=command.pid, state=RUNNING, **named)
+    with ledger.transaction() as data:
+        data.jobs.append(entry)
+    responder = PauseResponder(ledger, victim)
+    responder.check(command.pid)
+    assert responder.signalled_at is not None, f"never signalled: {entry}"
