@@ -1178,3 +1178,36 @@ def test_an_entry_naming_the_command_that_runs_no_job_inside_it_keeps_no_signal_
     responder = PauseResponder(ledger, victim)
     responder.check(command.pid)
     assert responder.signalled_at is not None, f"never signalled: {entry}"
+
+
+def test_a_job_past_its_grace_is_sent_one_term_however_often_it_is_looked_at(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A --grace-kill job that has not stepped aside when its grace ends gets one TERM; a
+    command that takes a while to save its work on TERM is not TERMed again on every check of
+    its gpuwait meanwhile."""
+    ledger, victim, _urgent = asked_to_step_aside(
+        tmp_path / "state", grace_kill=True, grace_seconds=0.0
+    )
+    log = tmp_path / "terms"
+    saver = textwrap.dedent(
+        f"""
+        import signal, time
+        signal.signal(signal.SIGUSR1, lambda s, f: None)
+        signal.signal(signal.SIGTERM, lambda s, f: open({str(log)!r}, "a").write("TERM\\n"))
+        time.sleep(30)
+        """
+    )
+    command = procs([sys.executable, "-c", saver])
+    wait_for(lambda: catches_signal(command.pid, signal.SIGTERM), timeout=30)
+    responder = PauseResponder(ledger, victim)
+    responder.check(command.pid)
+    assert responder.signalled_at is not None
+    wait_for(lambda: responder.check(command.pid) or log.exists(), timeout=30, interval=0.05)
+    for _ in range(5):
+        with ledger.transaction() as data:
+            data.jobs[0].updated_at = time.time()  # the ledger changes meanwhile
+        responder.check(command.pid)
+    time.sleep(0.5)  # a second TERM, if one was sent, is written by now
+    command.kill()  # it would take its TERMs as a reason to save its work, never to end
+    assert log.read_text() == "TERM\n"
