@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,29 @@ def test_a_job_an_older_gpuwait_runs_in_a_process_that_outlived_a_job_steps_asid
             os.killpg(victim.pid, signal.SIGKILL)  # its command too, where the check failed
         victim.communicate()
     assert (victim.returncode, first + out) == (0, "True\nresumed\n"), err
+
+
+@pytest.mark.parametrize(
+    ("start", "pausable"),
+    [
+        ("its own", True),  # the job's gpuwait, still running
+        ("another", False),  # that pid is now another process's: the job has ended
+        (None, True),  # a gpuwait that named no start: its job is taken for running
+    ],
+)
+def test_a_process_is_pausable_while_the_gpuwait_its_variables_name_runs(
+    procs: Callable[..., subprocess.Popen[str]], start: str | None, pausable: bool
+) -> None:
+    # A program whose variables name its job's gpuwait by pid and start time, and no job id
+    # (its gpuwait from before GPUWAIT_JOB_ID): pausable as long as that very process runs.
+    job = procs(["sleep", "60"])
+    fields = Path(f"/proc/{job.pid}/stat").read_bytes().rpartition(b")")[2].split()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWAIT_")}
+    env |= {"GPUWAIT_PAUSABLE": "1", "GPUWAIT_JOB_PID": str(job.pid)}
+    if start is not None:
+        env["GPUWAIT_JOB_START"] = fields[19].decode() if start == "its own" else "1"
+    asked = "from gpuwait import checkpoint; print(checkpoint.is_pausable())"
+    done = subprocess.run(
+        [sys.executable, "-c", asked], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert (done.returncode, done.stdout) == (0, f"{pausable}\n"), done.stderr
