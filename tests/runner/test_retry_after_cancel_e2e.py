@@ -100,5 +100,7 @@ def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
     )
     assert starts == "started\n", err
     assert "retrying" not in err and "so it is not retried" in err, err
+    # Nobody cancelled it: the message names the signal, not a cancel.
+    assert "gpuwait got SIGTERM" in err and "was cancelled" not in err, err
     assert returncode == 1, err
     assert ledger_entries() == []
