@@ -47,19 +47,30 @@ def written_size(text: str) -> int:
     )
 
 
+def _char_written(char: str) -> int:
+    """`written_size` of one character."""
+    code = ord(char)
+    if code < 0x20:
+        return 2 if char in "\b\f\n\r\t" else 6
+    if code < 0x7F:
+        return 2 if char in '"\\' else 1
+    if code == 0x7F:
+        return 6
+    return 12 if code > 0xFFFF else 6
+
+
 def _cut_to_written(text: str, limit: int) -> str:
     """`text`, or its longest start that with "…" after it takes at most `limit` bytes as the
-    ledger writes it."""
-    if written_size(text) <= limit:
+    ledger writes it. One pass over at most `limit` characters (each takes a byte or more):
+    a command's every argument is cut at each launch, a thousand long ones from `xargs`."""
+    if len(text) <= limit and written_size(text) <= limit:
         return text
-    low, high = 0, len(text)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if written_size(text[:middle]) + _ELLIPSIS_WRITTEN <= limit:
-            low = middle
-        else:
-            high = middle - 1
-    return text[:low] + "…"
+    room = limit - _ELLIPSIS_WRITTEN
+    for at, char in enumerate(text):
+        room -= _char_written(char)
+        if room < 0:
+            return text[:at] + "…"
+    return text  # not reached: a text past `limit` characters takes more than `limit` bytes
 
 
 def entry_command(argv: Sequence[str], budget: int = MAX_COMMAND_BYTES) -> list[str]:
@@ -72,22 +83,26 @@ def entry_command(argv: Sequence[str], budget: int = MAX_COMMAND_BYTES) -> list[
     of ASCII, 682 of Cyrillic), the first as the others. All is measured as the ledger's JSON
     writes it, where a character past ASCII takes six bytes. (Other versions cut elsewhere;
     `gpuwait.linux.security` reads their cuts too.)"""
-    command = [_cut_to_written(a, MAX_TEXT) for a in argv]
+    # Each argument is cut as it is reached: those past the budget, a thousand from `xargs`,
+    # are counted, never measured.
+    command = [_cut_to_written(a, MAX_TEXT) for a in argv[:1]]
     # The list's brackets, less the comma its last argument goes without.
     used = 1
-    for at, arg in enumerate(command[1:], 1):
+    for at in range(1, len(argv)):
+        arg = _cut_to_written(argv[at], MAX_TEXT)
         # Its quotes and the comma after it besides.
         size = written_size(arg) + 3
-        if (at == MAX_TEXTS - 1 and len(command) > MAX_TEXTS) or used + size > budget:
+        if (at == MAX_TEXTS - 1 and len(argv) > MAX_TEXTS) or used + size > budget:
             # The last item takes room too: the arguments before it make way where it must.
             while True:
-                more = f"… {len(command) - at} more arguments"
+                more = f"… {len(argv) - at} more arguments"
                 if at == 1 or used + written_size(more) + 3 <= budget:
                     break
                 at -= 1
                 used -= written_size(command[at]) + 3
             command[at:] = [more]
             break
+        command.append(arg)
         used += size
     return command
 
