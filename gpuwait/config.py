@@ -23,7 +23,12 @@ from typing import Any
 from gpuwait.core.budget import DEFAULT_ENFORCE, ENFORCE_MODES
 from gpuwait.core.errors import DEFAULT_GPU_ERROR_TIMEOUT, GpuwaitError, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_HISTORY_MAX_BYTES, DEFAULT_MARGIN
-from gpuwait.core.pausing import DEFAULT_MAX_PAUSES, DEFAULT_MIN_RUNTIME, DEFAULT_RESUME_EXIT
+from gpuwait.core.pausing import (
+    DEFAULT_GRACE_MAX,
+    DEFAULT_MAX_PAUSES,
+    DEFAULT_MIN_RUNTIME,
+    DEFAULT_RESUME_EXIT,
+)
 from gpuwait.core.policy import PICK_STRATEGIES, FairShare, Lookahead, UserLimits
 from gpuwait.core.record import Record, field
 from gpuwait.core.sizes import (
@@ -486,6 +491,14 @@ OPTIONS: tuple[Option, ...] = (
         "a --pausable job is asked to step aside at most this often (a --freezable one frozen)",
     ),
     Option(
+        "pause_grace_max",
+        _positive_duration,
+        DEFAULT_GRACE_MAX,
+        "a waiter waits at most this long for one job it asked to step aside (whatever that "
+        "job's --grace) before asking others",
+        show=format_setting_duration,
+    ),
+    Option(
         "wake",
         _choice("inotify", "poll"),
         "inotify",
@@ -850,6 +863,7 @@ class Settings(Record):
     resume_exit: int
     pause_min_runtime: float
     pause_max: int
+    pause_grace_max: float
     wake: str
     poll_interval: float
     nvml_interval: float

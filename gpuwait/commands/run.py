@@ -526,7 +526,9 @@ def _config(settings: Settings, cli: Mapping[str, Any]) -> RunConfig:
             fair=settings.fair_share(),
             current_fair=current_fair_share(cli, settings),
             pause_rules=PauseRules(
-                min_runtime=settings.pause_min_runtime, max_pauses=settings.pause_max
+                min_runtime=settings.pause_min_runtime,
+                max_pauses=settings.pause_max,
+                grace_max=settings.pause_grace_max,
             ),
             gpu_error_timeout=settings.gpu_error_timeout,
             idle=_idle_watch(settings),

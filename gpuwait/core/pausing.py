@@ -10,7 +10,8 @@ rules can be property-tested:
 - a job already asked (by anyone) is never asked twice, and the room it will free is not promised
   to a second waiter;
 - a waiter asks nobody else while a job it asked may still obey (`still_pending`): once that job's
-  grace has passed and it runs on, left alone, the waiter may ask others;
+  grace has passed and it runs on, left alone, the waiter may ask others; it waits no longer than
+  its own `grace_max` for any one job, whatever grace that job gave itself;
 - the cheapest set that frees enough room on one GPU wins: lowest priority first, then least work
   lost (least run time since its last start), then fewest jobs;
 - a job whose reload takes long (its time-to-peak from history) is asked only when the waiter
@@ -30,6 +31,10 @@ DEFAULT_GRACE_SECONDS = 120.0
 DEFAULT_RESUME_EXIT = 75
 DEFAULT_MIN_RUNTIME = 600.0
 DEFAULT_MAX_PAUSES = 3
+#: The longest a waiter waits for one job it asked before it asks others: a job's --grace is its
+#: own to choose, and one of days must not keep urgent work from every other job that would step
+#: aside.
+DEFAULT_GRACE_MAX = 600.0
 
 
 class RunningJob(Record, frozen=True):
@@ -59,6 +64,8 @@ class RunningJob(Record, frozen=True):
 class PauseRules(Record, frozen=True):
     min_runtime: float = DEFAULT_MIN_RUNTIME
     max_pauses: int = DEFAULT_MAX_PAUSES
+    #: The asker's own: it waits for one job it asked at most this long (see still_pending).
+    grace_max: float = DEFAULT_GRACE_MAX
 
 
 class PauseChoice(Record, frozen=True):
@@ -73,17 +80,23 @@ def still_pending(
     grace_seconds: float,
     grace_kill: bool,
     now: float,
+    grace_max: float = DEFAULT_GRACE_MAX,
 ) -> bool:
     """Whether a request to step aside may still be obeyed, so its asker asks nobody else: until
     the job's grace has passed since it was signalled (or, where it never caught the signal,
     since it was asked). After that a job started without --grace-kill is left alone, and its
-    asker may ask others; one with --grace-kill gets TERM and ends, so it is waited for."""
+    asker may ask others; one with --grace-kill gets TERM and ends, so it is waited for.
+
+    The asker's `grace_max` bounds the wait either way: a job that gave itself a grace of days,
+    or that ignores the TERM it gets, would otherwise keep the asker from asking any other job
+    for as long. Past it the job is left alone by this asker, and still gets its TERM (from its
+    own gpuwait) at its own grace."""
     if requested_at is None:
         return False
-    if grace_kill:
-        return True
     since = signalled_at if signalled_at is not None else requested_at
-    return now - since <= grace_seconds
+    if now - since > grace_max:
+        return False
+    return grace_kill or now - since <= grace_seconds
 
 
 def eligible(

@@ -32,7 +32,7 @@ from typing import Any
 from gpuwait.core.errors import AlreadyQueued, ImpossibleRequest, StateError, UsageError
 from gpuwait.core.estimate import DEFAULT_MARGIN
 from gpuwait.core.overuse import overuse
-from gpuwait.core.pausing import PauseChoice, still_pending
+from gpuwait.core.pausing import DEFAULT_GRACE_MAX, PauseChoice, still_pending
 from gpuwait.core.policy import (
     NO_CONDITIONS,
     Claim,
@@ -1296,17 +1296,20 @@ def request_pause(
     choose: Callable[[LedgerData, Job], PauseChoice | None],
     now: float,
     boot_now: float | None = None,
+    grace_max: float = DEFAULT_GRACE_MAX,
 ) -> tuple[str, ...]:
     """Mark the running jobs that `choose` picks for the waiting job `waiter_id` as asked to step
     aside; return their ids. Nothing is asked while one of this waiter's requests is pending: a
-    job it asked that ignores the request past its grace is left alone, and others may be asked."""
+    job it asked that ignores the request past its grace (or past the waiter's `grace_max`) is
+    left alone, and others may be asked."""
     with _change(ledger) as (data, said):
         mine = data.find(waiter_id)
         if mine is None or mine.state != WAITING:
             return ()
         if any(
             # A --freezable job marked as acted on could not be frozen: it runs on.
-            not (j.freezable and j.pause_signalled_at is not None) and _pending(j, now, boot_now)
+            not (j.freezable and j.pause_signalled_at is not None)
+            and _pending(j, now, boot_now, grace_max)
             for j in data.jobs
             if j.state == RUNNING and j.pause_requested_by == waiter_id
         ):
@@ -1339,12 +1342,12 @@ def request_pause(
         return choice.victims
 
 
-def _pending(job: Job, now: float, boot_now: float | None) -> bool:
+def _pending(job: Job, now: float, boot_now: float | None, grace_max: float) -> bool:
     """Whether `job` may still obey the request to step aside (core.pausing.still_pending),
     timed on the boot clock where its stamps allow, so that no step of the wall clock ends its
     grace early or late."""
     requested, signalled, at = pause_stamps(job, now, boot_now)
-    return still_pending(requested, signalled, job.grace_seconds, job.grace_kill, at)
+    return still_pending(requested, signalled, job.grace_seconds, job.grace_kill, at, grace_max)
 
 
 def pause_signalled(

@@ -15,7 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from gpuwait.core.pausing import PauseChoice, PauseRules, RunningJob, choose_victims
+from gpuwait.core.pausing import (
+    DEFAULT_GRACE_MAX,
+    PauseChoice,
+    PauseRules,
+    RunningJob,
+    choose_victims,
+)
 from gpuwait.core.policy import (
     NO_CONDITIONS,
     Claim,
@@ -179,7 +185,7 @@ def ask_for_room(
             expected_wait=_expected_wait(claims, need),
         )
 
-    return lifecycle.request_pause(ledger, job.id, choose, now, boot_now)
+    return lifecycle.request_pause(ledger, job.id, choose, now, boot_now, rules.grace_max)
 
 
 #: A victim's gpuwait signals within a second or so of a request; one not signalled after this
@@ -188,7 +194,11 @@ NOT_CAUGHT_AFTER = 5.0
 
 
 def pause_progress(
-    data: LedgerData, waiter_id: str, now: float, boot_now: float | None = None
+    data: LedgerData,
+    waiter_id: str,
+    now: float,
+    boot_now: float | None = None,
+    grace_max: float = DEFAULT_GRACE_MAX,
 ) -> str | None:
     """What became of the jobs `waiter_id` asked to step aside, for its wait line; None if none.
     Timed on the boot clock where `boot_now` and the entries allow (entries.pause_stamps).
@@ -211,6 +221,12 @@ def pause_progress(
             parts.append(
                 f"asked job {victim.id} to checkpoint and step aside "
                 f"(it does not catch {signal_name} yet; signalled once it does)"
+            )
+        elif at - signalled > grace_max and (victim.grace_kill or grace_max < victim.grace_seconds):
+            parts.append(
+                f"job {victim.id} has not stepped aside in {format_duration(grace_max)} "
+                f"and is left alone (pause_grace_max; its own grace is "
+                f"{format_duration(victim.grace_seconds)})"
             )
         elif at - signalled <= victim.grace_seconds:
             parts.append(f"asked job {victim.id} to checkpoint and step aside")

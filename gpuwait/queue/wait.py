@@ -618,7 +618,13 @@ def wait_for_admission(
             )
             # Said on every reading, not only when asking: the waiter must keep seeing why it
             # still waits (a job that does not catch the signal yet, or ignores it).
-            pause = pause_progress(ledger.read(), job.id, time.time(), proc.boot_clock())
+            pause = pause_progress(
+                ledger.read(),
+                job.id,
+                time.time(),
+                proc.boot_clock(),
+                policy.pause_rules.grace_max,
+            )
             outcome = outcome._replace(pause=pause)
         return outcome
 

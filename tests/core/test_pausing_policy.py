@@ -152,3 +152,25 @@ def test_a_request_to_step_aside_is_pending_until_the_jobs_grace_has_passed(
 ) -> None:
     assert still_pending(1000.0, signalled, 20.0, grace_kill, now) is pending
     assert still_pending(None, signalled, 20.0, grace_kill, now) is False
+
+
+YEAR = 365 * 86400.0
+
+
+@pytest.mark.parametrize(
+    ("grace", "grace_kill", "now", "pending"),
+    [
+        (YEAR, False, 1500.0, True),
+        (YEAR, False, 1700.0, False),  # a grace of a year: the asker moves on after its own 10m
+        (YEAR, True, 1700.0, False),  # nor is a TERM a year off waited for
+        (20.0, True, 1500.0, True),  # TERMed at its grace of 20 s: it ends, and is waited for
+        (20.0, True, 1700.0, False),  # ... unless it ignores the TERM past the asker's 10m
+        (900.0, False, 1500.0, True),
+    ],
+)
+def test_an_asker_waits_for_one_job_no_longer_than_its_own_grace_max(
+    grace: float, grace_kill: bool, now: float, pending: bool
+) -> None:
+    # A colleague's --pausable job that gave itself --grace 365d and never steps aside kept an
+    # urgent waiter from asking any other job for a year.
+    assert still_pending(1000.0, 1050.0, grace, grace_kill, now, grace_max=600.0) is pending

@@ -361,6 +361,44 @@ def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
     assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
 
 
+@pytest.mark.parametrize("grace_kill", [False, True], ids=["left-alone", "ignores-term"])
+def test_a_waiter_asks_another_job_once_its_grace_max_has_passed(
+    tmp_path: Path, grace_kill: bool
+) -> None:
+    # A colleague's --pausable job gave itself --grace 365d (or ignores the TERM that
+    # --grace-kill sends it): the urgent waiter that asked it waited for it alone, a year, while
+    # another job would have stepped aside.
+    from gpuwait.core.pausing import PauseRules
+    from gpuwait.queue.pausing import ask_for_room, pause_progress
+
+    now = time.time()
+    two = MachineSnapshot(
+        "sim",
+        (
+            GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),
+            GpuSnapshot(1, "GPU-1", "Test GPU", 24 * GiB, 0),
+        ),
+    )
+    year = 365 * 86400.0
+    deaf = running_pausable(
+        "deaf", 1, now - 100, "GPU-1", grace_seconds=year, grace_kill=grace_kill
+    )
+    willing = running_pausable("willing", 1, now - 200, "GPU-0")
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs[:] = [deaf, willing, urgent]
+    rules = PauseRules(min_runtime=1.0, grace_max=30.0)
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("deaf",)
+    lifecycle.pause_signalled(ledger, "deaf", now - 20, [os.getpid()])
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ()
+    # Signalled 40 s ago, past the waiter's 30 s: the other job is asked.
+    lifecycle.pause_signalled(ledger, "deaf", now - 40, [os.getpid()])
+    said = pause_progress(ledger.read(), "urgent", time.time(), grace_max=30.0)
+    assert said is not None and "left alone (pause_grace_max" in said, said
+    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
+
+
 def test_a_waiter_held_back_by_its_dependencies_asks_nobody_to_step_aside(
     tmp_path: Path,
 ) -> None:
