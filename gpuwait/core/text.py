@@ -20,35 +20,27 @@ MAX_TEXTS = 1024
 #: 16 MiB (gpuwait.queue.ledger), so a queue of jobs each handed a thousand file names
 #: (100 KB of command line) would otherwise make its own ledger "damaged", over and over.
 MAX_COMMAND_BYTES = 8192
-#: What JSON writes as six characters (\u0001, \u007f), and of those what it writes as two (\n).
-_CONTROL = re.compile("[\x00-\x1f\x7f]")
-_SHORT_ESCAPE = re.compile("[\b\f\n\r\t]")
-#: What JSON writes as \uXXXX, and of those what it writes as two of them (an emoji).
-_PAST_ASCII = re.compile("[^\x00-\x7f]")
-_PAST_BMP = re.compile("[\U00010000-\U0010ffff]")
 #: What the cut of an argument ends with, as the ledger's JSON writes it (\u2026).
 _ELLIPSIS_WRITTEN = 6
 
 
 def written_size(text: str) -> int:
     """How many bytes the ledger's JSON (json.dumps, ensure_ascii) writes for `text`, its quotes
-    left out: six for each character past ASCII (a backslash, u and four hex digits), twelve
-    for one past the Basic Multilingual Plane (an emoji, written as two such), six for a
-    control character (two for a line feed, a tab and the like), two for a quote or a
-    backslash, one for anything else."""
-    return (
-        len(text)
-        + 5 * len(_PAST_ASCII.findall(text))
-        + 6 * len(_PAST_BMP.findall(text))
-        + text.count('"')
-        + text.count("\\")
-        + 5 * len(_CONTROL.findall(text))
-        - 4 * len(_SHORT_ESCAPE.findall(text))
-    )
+    left out: the sum of `_char_written` over its characters, ASCII counted by kind."""
+    size = len(text)
+    for more, kind in _ASCII_WIDER:
+        size += more * len(kind.findall(text))
+    if not text.isascii():
+        past = _PAST_ASCII.findall(text)
+        size += sum(map(_char_written, past)) - len(past)
+    return size
 
 
 def _char_written(char: str) -> int:
-    """`written_size` of one character."""
+    """How many bytes the ledger's JSON writes for one character: six for one past ASCII (a
+    backslash, u and four hex digits), twelve for one past the Basic Multilingual Plane (an
+    emoji, written as two such), six for a control character (two for a line feed, a tab and
+    the like), two for a quote or a backslash, one for anything else."""
     code = ord(char)
     if code < 0x20:
         return 2 if char in "\b\f\n\r\t" else 6
@@ -57,6 +49,21 @@ def _char_written(char: str) -> int:
     if code == 0x7F:
         return 6
     return 12 if code > 0xFFFF else 6
+
+
+def _ascii_wider() -> list[tuple[int, re.Pattern[str]]]:
+    """The ASCII characters `_char_written` says take more than a byte, by how many more."""
+    by_size: dict[int, str] = {}
+    for code in range(0x80):
+        if (size := _char_written(chr(code))) > 1:
+            by_size[size] = by_size.get(size, "") + chr(code)
+    return [(size - 1, re.compile(f"[{re.escape(chars)}]")) for size, chars in by_size.items()]
+
+
+#: Counted by regular expressions, at C's speed: a launch measures long arguments by the
+#: thousand (`xargs`).
+_ASCII_WIDER = _ascii_wider()
+_PAST_ASCII = re.compile("[^\x00-\x7f]")
 
 
 def _cut_to_written(text: str, limit: int) -> str:

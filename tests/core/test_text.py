@@ -12,6 +12,7 @@ from gpuwait.core.text import (
     MAX_COMMAND_BYTES,
     MAX_TEXT,
     MAX_TEXTS,
+    _char_written,
     _cut_to_written,
     entry_command,
     written_size,
@@ -33,6 +34,16 @@ _TEXTS = [
 @pytest.mark.parametrize("text", _TEXTS)
 def test_an_argument_is_measured_exactly_as_the_ledger_writes_it(text: str) -> None:
     assert written_size(text) == len(json.dumps(text)) - 2
+
+
+def test_every_character_is_measured_one_at_a_time_as_in_a_whole_text() -> None:
+    # The cut walks an argument a character at a time, the budget measures whole arguments:
+    # both take their figures from what the ledger's JSON writes, for every character there is.
+    for start in range(0, 0x110000, 0x10000):
+        chars = [chr(code) for code in range(start, start + 0x10000)]
+        sizes = [_char_written(c) for c in chars]
+        assert sizes == [len(json.dumps(c)) - 2 for c in chars]
+        assert sum(sizes) == written_size("".join(chars)) == len(json.dumps("".join(chars))) - 2
 
 
 @pytest.mark.parametrize("length", [700, 4097, 5000, 70001])
