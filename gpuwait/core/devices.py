@@ -112,6 +112,15 @@ MIG_MODE_HINT = (
     "run the command without gpuwait, or have an administrator turn MIG mode off "
     "(nvidia-smi -mig 0)"
 )
+
+
+def in_mig_mode_words(indices: Sequence[int]) -> str:
+    """The words that say GPUs are in MIG mode: "GPU 0 is in MIG mode", "GPU 0, GPU 1 are in
+    MIG mode"."""
+    which = ", ".join(f"GPU {index}" for index in indices)
+    return f"{which} {'is' if len(indices) == 1 else 'are'} in MIG mode"
+
+
 NO_GPU_HINT = "see nvidia-smi; GPUWAIT_SIM=FILE uses simulated GPUs meanwhile"
 
 
@@ -122,11 +131,9 @@ def none_usable(snapshot: MachineSnapshot) -> tuple[str, str] | None:
     if snapshot.gpus or snapshot.unanswered:
         return None
     if snapshot.in_mig_mode:
-        which = ", ".join(f"GPU {index}" for index, _ in snapshot.in_mig_mode)
-        verb = "is" if len(snapshot.in_mig_mode) == 1 else "are"
+        mig = in_mig_mode_words([index for index, _ in snapshot.in_mig_mode])
         return (
-            f"no GPU here takes a job: {which} {verb} in MIG mode, and gpuwait places jobs on "
-            "whole GPUs only",
+            f"no GPU here takes a job: {mig}, and gpuwait places jobs on whole GPUs only",
             MIG_MODE_HINT,
         )
     return "NVML lists no GPU that this process may use", NO_GPU_HINT

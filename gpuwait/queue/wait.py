@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuwait.core.devices import MIG_MODE_HINT
+from gpuwait.core.devices import MIG_MODE_HINT, in_mig_mode_words
 from gpuwait.core.errors import (
     DEFAULT_GPU_ERROR_TIMEOUT,
     BackendUnavailable,
@@ -177,11 +177,9 @@ def gone_into_mig_mode(job: Job, snapshot: MachineSnapshot) -> ImpossibleRequest
     ]
     if len(mine) >= job.gpus:
         return None
-    which = ", ".join(f"GPU {index}" for index in mig)
-    verb = "is" if len(mig) == 1 else "are"
     return ImpossibleRequest(
-        f"no GPU left that this job may use: {which} {verb} in MIG mode now, and gpuwait "
-        "places jobs on whole GPUs only",
+        f"no GPU left that this job may use: {in_mig_mode_words(mig)} now, and gpuwait places jobs "
+        "on whole GPUs only",
         hint=MIG_MODE_HINT,
     )
 
