@@ -32,6 +32,7 @@ from typing import NoReturn
 # otherwise. Re-exported: applications may read it from here.
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL
 from gpuwait.core.pausing import DEFAULT_RESUME_EXIT as DEFAULT_RESUME_EXIT
+from gpuwait.linux import outlived
 
 _requested = False
 _installed: int | None = None
@@ -46,59 +47,9 @@ def is_pausable() -> bool:
 
 
 def _job_ended() -> bool:
-    """Has the job named by GPUWAIT_JOB_PID and GPUWAIT_JOB_START ended, as the shell hook
-    tells it, with no gpuwait left above this process? False where they name none (set by
-    hand, or by a gpuwait from before them). A gpuwait from before them, started in a process
-    that outlived a job (a tmux session opened in it), passes that job's on beside what it sets
-    itself: while a gpuwait this process runs under lasts, its job has not ended."""
-    return _named_job_ended() and not _under_gpuwait()
-
-
-def _named_job_ended() -> bool:
-    pid = os.environ.get("GPUWAIT_JOB_PID", "")
-    if not (pid.isascii() and pid.isdigit()):
-        return False
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    started = os.environ.get("GPUWAIT_JOB_START")
-    if not started:
-        return False
-    # Field 22, the start time; the name before it, in parentheses, may hold anything.
-    fields = stat.rpartition(b")")[2].split()
-    return len(fields) < 20 or fields[19] != started.encode()
-
-
-def _under_gpuwait() -> bool:
-    """Does the gpuwait that started the job GPUWAIT_JOB_ID names still run above this
-    process? The nearest process above it that was not started in that job started it: a
-    gpuwait, where the job runs; where this process outlived the job, what took it in (init,
-    the user's service manager)."""
-    job = os.environ.get("GPUWAIT_JOB_ID", "")
-    if not job:
-        return False
-    pid = os.getppid()
-    for _ in range(1024):  # more than any chain of processes; a bound costs nothing
-        if pid <= 1:
-            return False
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read(1 << 16).split(b"\0")
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return False
-        if f"GPUWAIT_JOB_ID={job}".encode() not in environ:
-            # `gpuwait ...`, `python -m gpuwait ...`
-            return any(b"gpuwait" in os.path.basename(arg) for arg in argv[:4])
-        # Field 4, the parent's pid, after the name in parentheses.
-        fields = stat.rpartition(b")")[2].split()
-        pid = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
-    return False
+    """Has the job its variables name ended, with no gpuwait of it left above this process?
+    (gpuwait.linux.outlived: the shell hooks' rule too.)"""
+    return outlived.job_ended(os.environ, os.getpid())
 
 
 def checkpoint_signal() -> int | None:

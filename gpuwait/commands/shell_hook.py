@@ -20,16 +20,9 @@ from gpuwait.core.cmdkey import python_script_file
 from gpuwait.core.errors import UsageError
 from gpuwait.core.text import whole_number
 from gpuwait.core.wrap import Decision, decide
-from gpuwait.linux import proc
-from gpuwait.linux.security import looks_like_gpuwait
+from gpuwait.linux import outlived
 from gpuwait.linux.signals import end_with_parent
-from gpuwait.runner.launch import (
-    JOB_ID_VARIABLE,
-    JOB_PID_VARIABLE,
-    JOB_START_VARIABLE,
-    exec_bare,
-    forget_job,
-)
+from gpuwait.runner.launch import exec_bare, forget_job
 
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
@@ -162,32 +155,6 @@ def _hook_shell_pids() -> tuple[int, int]:
 
 
 def _job_ended() -> bool:
-    """Has the job this process was started in ended (its GPUWAIT_JOB_PID gone, or the pid
-    another process's now: its start is not GPUWAIT_JOB_START), as the hooks tell it? A
-    process that outlived it keeps its variables. A gpuwait from before GPUWAIT_JOB_PID or
-    GPUWAIT_JOB_START, started in a process that outlived a job (a tmux session opened in it),
-    passes that job's on beside what it sets: while that gpuwait runs above this shell, the
-    shell is inside its job."""
-    return _named_job_ended() and not _under_gpuwait()
-
-
-def _named_job_ended() -> bool:
-    pid = whole_number(os.environ.get(JOB_PID_VARIABLE, ""))
-    if pid is None:
-        return False
-    started = os.environ.get(JOB_START_VARIABLE)
-    if not started:  # given by a gpuwait from before GPUWAIT_JOB_START
-        return not os.path.exists(f"/proc/{pid}")
-    return proc.start_field(pid) != started
-
-
-def _under_gpuwait() -> bool:
-    """Does the gpuwait that started the job GPUWAIT_JOB_ID names still run above this
-    process? The nearest process above it that was not started in that job started it: a
-    gpuwait, where the job runs; where the shell outlived the job, what took it in (init, the
-    user's service manager)."""
-    job = os.environ.get(JOB_ID_VARIABLE, "")
-    for pid in proc.ancestors(os.getpid()) if job else ():
-        if proc.environ_value(pid, JOB_ID_VARIABLE.encode()) != job:
-            return looks_like_gpuwait(pid)
-    return False
+    """Has the job this process was started in ended, as the hooks tell it? (The rule is
+    gpuwait.linux.outlived's, gpuwait.checkpoint's too.)"""
+    return outlived.job_ended(os.environ, os.getpid())

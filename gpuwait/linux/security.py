@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 
 from gpuwait.core.text import MAX_TEXTS, entry_command, shell_word, whole_number
 from gpuwait.linux import dirs, proc, userns
+from gpuwait.linux.outlived import looks_like_gpuwait as looks_like_gpuwait
 from gpuwait.linux.proc import read_at_most
 
 _T = TypeVar("_T")
@@ -568,16 +569,6 @@ def _is_gpuwait(pid: int, start: int) -> bool:
             _GPUWAIT_PROCESSES.clear()
         known = _GPUWAIT_PROCESSES[(pid, start)] = looks_like_gpuwait(pid)
     return known
-
-
-def looks_like_gpuwait(pid: int) -> bool:
-    """True when the process's command line runs gpuwait (`gpuwait ...`, `python -m gpuwait`)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read(1 << 16).split(b"\0")
-    except OSError:
-        return False
-    return any(b"gpuwait" in os.path.basename(arg) for arg in argv[:4])
 
 
 def control_refusal(

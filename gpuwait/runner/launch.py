@@ -32,6 +32,8 @@ from gpuwait.core.wrappers import (
     steps,
 )
 from gpuwait.linux import proc, signals, turnstile
+from gpuwait.linux.outlived import JOB_ID_VARIABLE as JOB_ID_VARIABLE
+from gpuwait.linux.outlived import JOB_PID_VARIABLE, JOB_START_VARIABLE
 from gpuwait.queue.entries import Job
 
 
@@ -430,18 +432,6 @@ def spawn_when_possible(
         if info is not None and info.si_signo != signal.SIGCHLD:
             raise StartInterrupted(info.si_signo)
         pause = min(pause * 2, START_RETRY_LAST)
-
-
-#: Names the job in its command's environment (and in that of every process it starts).
-JOB_ID_VARIABLE = "GPUWAIT_JOB_ID"
-#: The process whose life is the job's (its gpuwait, or the one holding room for itself): a
-#: process that outlives the job (a tmux server started inside it) keeps GPUWAIT_JOB_ID, and the
-#: shell hooks tell by this one whether the job still runs.
-JOB_PID_VARIABLE = "GPUWAIT_JOB_PID"
-#: When that process started, as its /proc/PID/stat says: once the job has ended, its pid may
-#: be given to another process (a shared server's pids come round again), which the hooks must
-#: not take for the job.
-JOB_START_VARIABLE = "GPUWAIT_JOB_START"
 
 
 def forget_job(env: MutableMapping[str, str]) -> None:
