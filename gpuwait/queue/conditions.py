@@ -370,7 +370,10 @@ def claim_of(
         reserved_bytes=job.reserved_bytes,
         reserved_by_gpu=reserved_less(job, gpus),
         observed=observed,
-        unlisted_at_start=dict(job.unlisted_at_start),
+        # Written for this run, not an earlier one an older gpuwait started the job again after.
+        unlisted_at_start=dict(job.unlisted_at_start)
+        if job.unlisted_started_at is not None and job.unlisted_started_at == job.started_at
+        else {},
         pids=frozenset(pids),
         requirements=job.requirements_for_policy(),
         blocked=blocked,

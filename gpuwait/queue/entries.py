@@ -93,6 +93,10 @@ class Job(Record):
     #: (`policy.unlisted_bytes`), before its command started: someone else's, whatever the
     #: driver lists later without a figure. Empty: admitted by an older version, or adopted.
     unlisted_at_start: dict[str, int] = field(default_factory=dict)
+    #: The `started_at` of the run `unlisted_at_start` was written for. An older gpuwait that
+    #: starts the job again writes both back as found: figures of an earlier run, whatever
+    #: came onto the card since, are not taken for this one's.
+    unlisted_started_at: float | None = None
     #: The command's process tree at the last sample; the policy reads their memory from NVML.
     pids: list[int] = field(default_factory=list)
     child_pid: int | None = None
@@ -280,6 +284,7 @@ class Job(Record):
             reserved_by_gpu=_observed(raw.get("reserved_by_gpu"), "reserved_by_gpu"),
             observed=_observed(raw.get("observed")),
             unlisted_at_start=_observed(raw.get("unlisted_at_start"), "unlisted_at_start"),
+            unlisted_started_at=_lenient_seconds(raw.get("unlisted_started_at")),
             pids=_pid_list(raw.get("pids", [])),
             child_pid=None if raw.get("child_pid") is None else _int(raw, "child_pid", 1, 2**31),
             child_start_time=None

@@ -1031,7 +1031,7 @@ def _admit_all(
         entry.unlisted_at_start = {
             g.uuid: unlisted_of_strangers(g, claims) for g in snapshot.gpus if g.uuid in uuids
         }
-        entry.started_at = entry.updated_at = now
+        entry.started_at = entry.updated_at = entry.unlisted_started_at = now
         entry.started_boot, entry.started_slept = boot_now, slept
         entry.held_gpus = []
         if entry.pick == "round-robin":
@@ -1434,7 +1434,7 @@ def _queued_again(mine: Job, now: float) -> None:
     nothing of the run it had is left on it, nor the request that made it step aside."""
     mine.state = WAITING
     mine.gpu_uuids, mine.reserved_bytes, mine.observed = [], 0, {}
-    mine.reserved_by_gpu, mine.unlisted_at_start = {}, {}
+    mine.reserved_by_gpu, mine.unlisted_at_start, mine.unlisted_started_at = {}, {}, None
     mine.pids, mine.child_pid, mine.child_start_time, mine.started_at = [], None, None, None
     mine.started_boot = mine.started_slept = None
     mine.held_gpus = []

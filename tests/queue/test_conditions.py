@@ -9,17 +9,25 @@ from pathlib import Path
 from helpers.history import a_run
 from helpers.jobs import live_job
 
-from gpuwait.core.policy import FairShare
+from gpuwait.core.policy import Claim, FairShare, gpu_rooms, plan
+from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot, ProcessUsage
 from gpuwait.core.text import entry_command
 from gpuwait.history import store
+from gpuwait.linux import alive
+from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, OK, Finished
 from gpuwait.queue.conditions import (
+    claim_of,
     claims_for,
     dependency_blocker,
     resolve_references,
     settle_dependencies,
 )
-from gpuwait.queue.entries import LedgerData
+from gpuwait.queue.entries import RUNNING, LedgerData
+from gpuwait.queue.ledger import Ledger
+
+GiB = 2**30
 
 
 def test_after_ok_a_batch_counts_its_members_that_already_failed(tmp_path: Path) -> None:
@@ -290,3 +298,31 @@ def test_after_a_job_of_long_command_lines_that_ended_long_ago_is_found(tmp_path
     waiter = live_job("w", after_ok=["b0000000"])
     why = settle_dependencies(waiter, data)
     assert why is not None and "--after-ok cannot be met" in why
+
+
+def test_memory_unlisted_at_a_run_an_older_gpuwait_started_again_stays_someone_elses(
+    tmp_path: Path,
+) -> None:
+    # Job A (10 GiB) was admitted onto an empty 24 GiB card, its process listed by NVML with
+    # no memory figure; the figure of what no process accounted for then (0) went into its
+    # entry. It stepped aside, and an older gpuwait of its user's, which passes that figure
+    # over and writes it back as found, started it again once a program the driver lists no
+    # process for (a Windows one under WSL) held 8 GiB. A has taken 2 GiB so far: those 8
+    # GiB were taken for A's, 11.6 GiB looked free, and a 10 GiB job was let in beside A,
+    # which was to grow to its 10 GiB into 6 GiB.
+    ledger = Ledger(tmp_path)
+    submitted = live_job("0a01", request={"bytes": 10 * GiB})
+    job = lifecycle.submit(ledger, submitted, [], [], tmp_path, ["x"])
+    empty = GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0)
+    admitted, _ = lifecycle.admit(ledger, job, MachineSnapshot("sim", (empty,)), 0.9)
+    assert admitted.state == RUNNING and admitted.started_at is not None
+    # The older gpuwait's run: a later start, every field it does not know as it was.
+    again = admitted._replace(
+        started_at=admitted.started_at + 60, pids=[os.getpid()], child_pid=os.getpid()
+    )
+    card = empty._replace(used_bytes=10 * GiB, processes=(ProcessUsage(os.getpid(), None),))
+    b = Claim("b", False, 3, 1, MemoryRequest(bytes=10 * GiB))
+    claims = [claim_of(again, [card]), b]
+    assert gpu_rooms([card], claims[:1], 0.9)["GPU-0"].external >= 8 * GiB
+    assert "b" not in plan([card], claims, 0.9).admitted
+    alive.release(tmp_path, "0a01")
