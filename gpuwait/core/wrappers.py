@@ -199,7 +199,7 @@ def steps(argv: Sequence[str]) -> list[Step]:
     cut = False
     while current:
         if os.path.basename(current[0]) in _SHELLS:
-            code = _shell_code(current[1:])
+            code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
             found.append(Step(argv=current, options=() if code is None else (("-c", code),)))
             first = None if code is None else _first_command(code)
             if not first:
@@ -226,9 +226,10 @@ def steps(argv: Sequence[str]) -> list[Step]:
     return found
 
 
-def _shell_code(words: Sequence[str]) -> str | None:
+def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
     """The CODE of `bash -c CODE` (`sh -lc CODE`, `bash -e -c CODE`): the first word after
-    the options, where -c is among them; None for a script or a shell given no -c."""
+    the options, where -c is among them; None for a script or a shell given no -c. `glued`:
+    the shell takes a value glued on to -o and -O (zsh's `-opipefail`), as bash does not."""
     command = False
     position = 0
     while position < len(words):
@@ -243,9 +244,15 @@ def _shell_code(words: Sequence[str]) -> str | None:
             position += 1
             continue
         if len(word) > 1 and word[0] in "-+":
-            command = command or (word[0] == "-" and "c" in word[1:])
-            # Each o or O among them takes the next word (`bash -eo pipefail -c CODE`).
-            position += 1 + sum(letter in "oO" for letter in word[1:])
+            position += 1
+            for offset, letter in enumerate(word[1:], start=1):
+                if glued and letter in "oO" and word[offset + 1 :]:
+                    break  # zsh's value glued on: the rest of the word (`-opipefail`)
+                if letter in "oO":
+                    # Each takes the next word (`bash -eo pipefail -c CODE`).
+                    position += 1
+                elif letter == "c" and word[0] == "-":
+                    command = True
             continue
         break
     return words[position] if command and position < len(words) else None

@@ -50,6 +50,12 @@ from gpuwait.core.wrappers import Step, container_gpus, drops_gpus, runs_gpuwait
         ),
         (["bash", "-ceo", "pipefail", "srun python x.py"], ["bash", "srun"]),
         (["bash", "-eo", "pipefail", "x.sh", "-c", "srun"], ["bash"]),
+        # zsh takes -o's value glued on too: the rest of the word, c's and o's in it included.
+        (["zsh", "-opipefail", "-c", "srun python x.py"], ["zsh", "srun"]),
+        (["zsh", "-eonoclobber", "-c", "sudo -u alice python"], ["zsh", "sudo", "python"]),
+        (["zsh", "-onoclobber", "x.sh", "srun"], ["zsh"]),
+        # bash's -o takes the next word, whatever follows it in the cluster (`-oe pipefail`).
+        (["bash", "-oe", "pipefail", "-c", "srun python x.py"], ["bash", "srun"]),
         (["runuser", "-l", "-u", "alice", "srun"], ["runuser", "srun"]),
         (["su", "alice", "-c", "srun python x.py"], ["su", "srun"]),
         (["su", "-", "alice", "-c", "srun python x.py"], ["su", "srun"]),

@@ -149,6 +149,8 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         # A shell's -o among other options takes the next word, as CI writes it.
         ["bash", "-eo", "pipefail", "-c", "srun python x.py"],
         ["bash", "-euxo", "pipefail", "-c", "srun python x.py"],
+        # zsh's -o takes its value glued on as well.
+        ["zsh", "-opipefail", "-c", "srun python x.py"],
         # The code of flock -c, sg -c (and su -c) is a shell's, read as bash -c's is.
         ["flock", "/tmp/l", "-c", "srun python x.py && echo done"],
         ["sg", "video", "-c", "OMP_NUM_THREADS=4 srun python x.py"],
