@@ -202,7 +202,11 @@ def supervise(
                 continue
             if info.si_signo in _STOPPING and result.stopped_by is None:
                 result.stopped_by = info.si_signo
-            if responder is not None and info.si_signo == responder.signum:
+            if (
+                responder is not None
+                and info.si_signo == responder.signum
+                and not _sent_by_the_command(info, child)
+            ):
                 # Sent to gpuwait itself, or to the whole group (the command has it then).
                 result.checkpoint_asked = True
             if command_has_it(info, witness):
@@ -215,6 +219,14 @@ def supervise(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         witness.close()
+
+
+def _sent_by_the_command(info: signal.struct_siginfo, child: int) -> bool:
+    """Whether `info`'s signal was sent (kill(2)) by a process of the command under `child`: a
+    launcher that passes its checkpoint signal on to its process group, gpuwait's too, to
+    reach its workers. That is no ask to checkpoint from outside (Slurm's warning before a
+    time limit)."""
+    return info.si_code <= 0 and info.si_pid > 0 and info.si_pid in proc.process_tree([child])
 
 
 class UsageSampler:

@@ -1211,3 +1211,67 @@ def test_a_job_past_its_grace_is_sent_one_term_however_often_it_is_looked_at(
     time.sleep(0.5)  # a second TERM, if one was sent, is written by now
     command.kill()  # it would take its TERMs as a reason to save its work, never to end
     assert log.read_text() == "TERM\n"
+
+
+#: A --pausable command that passes its checkpoint signal on to its process group (its
+#: workers, started beside it), as launchers do, and steps aside; started again, it ends at
+#: once.
+PASSES_IT_ON = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    if os.environ["GPUWAIT_RESUME_COUNT"] != "0":
+        sys.exit(0)
+    got = 0
+    def asked(signum, frame):
+        global got
+        got += 1
+        if got == 1:
+            os.killpg(0, signal.SIGUSR1)  # for the workers
+    signal.signal(signal.SIGUSR1, asked)
+    while got < 2:
+        time.sleep(0.05)
+    sys.exit(75)
+    """
+)
+
+
+def test_a_checkpoint_signal_the_command_passes_on_to_its_group_is_no_time_limit(
+    one_card: None, gpuwait_cmd: list[str]
+) -> None:
+    """A command asked to step aside for an urgent waiter that passes the signal on to its
+    process group, gpuwait's too, is queued again and resumed once there is room: the signal
+    is its own, not one sent to gpuwait before a time limit (it ended with 75, and never ran
+    again)."""
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            PASSES_IT_ON,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its group is its own, not the tests'
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        _, err = low.communicate(timeout=60)
+        assert low.returncode == 0, err
+        assert [e["kind"] for e in events()].count("start") == 3  # its two runs, and the urgent
+    finally:
+        if low.poll() is None:
+            low.terminate()
+        low.communicate(timeout=30)
+        if urgent is not None and urgent.poll() is None:
+            urgent.terminate()
+            urgent.communicate(timeout=30)
