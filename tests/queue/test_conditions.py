@@ -200,9 +200,11 @@ def test_a_plan_of_a_long_shared_queue_looks_for_dependencies_only_where_there_a
         return time.perf_counter() - started, [c.job_id for c in claims if c.blocked]
 
     # Ten times the queue takes about ten times as long, not a hundred (timed against the
-    # smaller one in the same process: a bound in seconds alone fails on a loaded machine).
-    small, _ = planned(300)
-    took, blocked = planned(3000)
+    # smaller one in the same process: a bound in seconds alone fails on a loaded machine; the
+    # best of three of each, so that a moment the machine gave to others counts for neither).
+    small = min(planned(300)[0] for _ in range(3))
+    took = min(planned(3000)[0] for _ in range(3))
+    _, blocked = planned(3000)
     assert took < 30 * small + 0.1, (took, small)
     assert blocked == ["00000005", "00000006"]
 
@@ -252,8 +254,10 @@ def test_a_plan_of_a_long_shared_queue_of_dependent_jobs_takes_about_as_long_as_
         claims = claims_for(data, (), FairShare(), time.time())
         return time.perf_counter() - started, [c.blocked for c in claims]
 
-    plain, _ = timed(queue(dependent=False))
-    took, blocked = timed(queue(dependent=True))
+    # The best of three of each: a moment the loaded machine gave to others counts for neither.
+    plain = min(timed(queue(dependent=False))[0] for _ in range(3))
+    took = min(timed(queue(dependent=True))[0] for _ in range(3))
+    _, blocked = timed(queue(dependent=True))
     assert took < 4 * plain + 0.05
     assert blocked[:5] == [None] * 5
     assert blocked[11] == "waiting for job 00000001 to finish"
