@@ -256,9 +256,11 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     # the job counts as waiting, as `timeout 30m gpuwait ...` would count it.
     launched = proc.boot_clock()
     choice = _request(request, config, reporter)
-    check_command(request.command)
+    # A line refused for what it runs is refused whether or not its program is installed
+    # here: the refusal says how to write it, "command not found" would not.
     check_not_srun(request.command)
     check_keeps_gpus(request.command, by_index=config.visible_by_index)
+    check_command(request.command)
     _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(

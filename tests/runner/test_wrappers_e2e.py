@@ -426,6 +426,29 @@ def test_a_container_given_gpus_of_its_own_is_refused_with_what_to_type(
 @pytest.mark.parametrize(
     "command",
     [
+        ["docker", "run", "--gpus", "all", "img", "python", "x.py"],
+        ["srun", "python", "x.py"],
+        ["sudo", "-u", "alice", "python", "x.py"],
+    ],
+)
+def test_a_refused_line_is_refused_where_its_program_is_not_installed(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # On a machine without docker, `gpuwait --vram 4G -- docker run --gpus all img ...` said
+    # "docker: command not found" (127), and the refusal only came once docker was installed:
+    # the line is wrong either way, and the refusal says how to write it.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = gpuwait(gpuwait_cmd, command, {**os.environ, "PATH": str(empty)})
+    assert done.returncode == 2, done.stderr
+    assert "command not found" not in done.stderr
+    assert "hint:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
         ["docker", "ps"],
         ["docker", "run", "--rm", "img", "python", "x.py", "--gpus", "2"],
         ["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES=void", "--runtime", "nvidia", "img"],
