@@ -40,7 +40,16 @@ def run(options: argparse.Namespace) -> int:
             output.info(f"sent TERM to {_label(job)} (running)")
     for job, why in done.refused:
         output.error(f"{_label(job)} cannot be cancelled: {printable(why)}")
+    ended = dict(done.ended)
     for ref in done.unmatched:
+        if ref in ended:
+            over = ended[ref]
+            name = f" ({printable(over.name, 100)})" if over.name else ""
+            output.error(
+                f"job {printable(over.id, 16)}{name} has already ended: it {over.describe()}; "
+                "nothing to cancel"
+            )
+            continue
         output.error(f"no waiting or running job matches {printable(ref)}; see `gpuwait status`")
     for ref, jobs in done.ambiguous:
         ids = ", ".join(f"{printable(j.id, 16)} (uid {j.uid})" for j in jobs)

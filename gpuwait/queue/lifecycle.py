@@ -1719,6 +1719,9 @@ class Cancellation(Record):
     #: Names (or `--batch NAME`) that named none of the caller's jobs but jobs of several other
     #: users, with those jobs: nothing of theirs is cancelled, as which was meant is not known.
     ambiguous: list[tuple[str, list[Job]]] = field(default_factory=list)
+    #: References among `unmatched` that name a job of the caller's that has ended (the last
+    #: of that id or name its book keeps), with how it ended.
+    ended: list[tuple[str, Finished]] = field(default_factory=list)
 
 
 def _referred(data: LedgerData, job_id: str | None, matches: list[Job]) -> list[Job] | None:
@@ -1754,6 +1757,9 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
             meant = _referred(data, job_id, matches)
             if not matches:
                 result.unmatched.append(ref)
+                over = [f for f in data.book.finished if ref in (f.id, f.name)]
+                if over and job_id is not None:
+                    result.ended.append((ref, over[-1]))
             elif meant is None:
                 result.ambiguous.append((ref, matches))
             else:

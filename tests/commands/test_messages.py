@@ -534,6 +534,23 @@ def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
     assert "matches nosuch" in cancel.stderr
 
 
+def test_cancel_of_a_job_that_has_ended_says_how_it_ended(sim: Path) -> None:
+    # `gpuwait cancel train` after train had ended said only "no waiting or running job
+    # matches train", as for a name never given: the user could not tell a typo from a job
+    # that was over.
+    assert gpuwait("--vram", "1G", "--name", "train", "false").returncode == 1
+    done = gpuwait("cancel", "train")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.startswith("gpuwait: error: job "), done.stderr
+    assert "(train) has already ended: it failed with exit status 1; nothing to cancel" in (
+        done.stderr
+    )
+    job_id = done.stderr.split("job ", 1)[1].split(" ", 1)[0]
+    by_id = gpuwait("cancel", job_id)
+    assert by_id.stderr == done.stderr
+    assert "no waiting or running job matches nosuch" in gpuwait("cancel", "nosuch").stderr
+
+
 def test_log_of_nothing_says_so_as_history_does(sim: Path) -> None:
     # A new user's `gpuwait log` printed nothing at all, where `gpuwait history` said "no runs
     # recorded yet": an empty screen reads as a log that is broken.
