@@ -40,9 +40,18 @@ from gpuwait.queue.entries import Job
 class CommandProblem(GpuwaitError):
     """The command cannot be started: not found (127) or not executable (126)."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, exit_code: int, hint: str | None = None) -> None:
+        super().__init__(message, hint)
         self.exit_code = exit_code
+
+
+def _not_found(argv: Sequence[str]) -> CommandProblem:
+    """`argv[0]` is not in PATH: where it is `python` and python3 is (Debian and Ubuntu
+    install no `python`), the hint is the line with python3."""
+    hint = None
+    if argv[0] == "python" and which("python3") is not None:
+        hint = f"python3 is installed: gpuwait ... -- {shlex.join(['python3', *argv[1:]])}"
+    return CommandProblem(f"{argv[0]}: command not found", EXIT_NOT_FOUND, hint)
 
 
 def check_command(argv: Sequence[str]) -> str:
@@ -57,7 +66,7 @@ def check_command(argv: Sequence[str]) -> str:
     else:
         found = which(name)
     if found is None:
-        raise CommandProblem(f"{name}: command not found", EXIT_NOT_FOUND)
+        raise _not_found(argv)
     interpreter = _hash_bang(found)
     if interpreter is None:
         return found
@@ -326,7 +335,7 @@ def exec_bare(command: Sequence[str]) -> int:
 def command_problem(command: Sequence[str], exc: OSError) -> CommandProblem:
     """What to say, and exit with, where the command could not be run bare."""
     if isinstance(exc, FileNotFoundError):
-        return CommandProblem(f"{command[0]}: command not found", EXIT_NOT_FOUND)
+        return _not_found(command)
     return CommandProblem(f"{command[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE)
 
 

@@ -603,6 +603,28 @@ BAD_INPUT = [
 ]
 
 
+@pytest.mark.parametrize("python3", [True, False])
+def test_python_not_installed_where_python3_is_is_answered_with_python3(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, python3: bool
+) -> None:
+    # Where only python3 is installed (Debian, Ubuntu), `gpuwait --vram 4G python x.py` ended
+    # with exit 127, "python: command not found", and nothing more.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if python3:
+        (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bin_dir)}
+    done = run([*gpuwait_cmd, "--vram", "4G", "python", "x.py"], env=env)
+    assert done.returncode == 127, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "gpuwait: error: python: command not found"
+    if python3:
+        assert lines[1:] == ["gpuwait: hint: python3 is installed: gpuwait ... -- python3 x.py"]
+    else:
+        assert lines[1:] == []
+    assert ledger_jobs() == []
+
+
 def user_config(isolated_dirs: Path) -> Path:
     """The user's config file under the test's own dirs (its directory made, the file not)."""
     config = isolated_dirs / "config" / "gpuwait" / "config.toml"
