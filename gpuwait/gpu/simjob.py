@@ -288,9 +288,22 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             typed = glued.group(1) + glued.group(2)
             message = f"{typed} is no option: a long option takes two dashes"
             word = "-" + typed.partition("=")[0]
+        options = [s for a in parser._actions for s in a.option_strings]
+        if message.startswith("the following arguments are required: "):
+            # `-vram 1G`: argparse sets the word aside, and says first that --vram is missing.
+            given = argv[: argv.index("--")] if "--" in argv else argv
+            for typed in given:
+                name = typed.partition("=")[0]
+                if (
+                    re.fullmatch(r"-[A-Za-z][\w-]+", name)
+                    and name not in options
+                    and nearest("-" + name, options) is not None
+                ):
+                    message = f"{typed} is no option: a long option takes two dashes"
+                    word = "-" + name
+                    break
         _error(f"gpuwait sim job: error: {message}; see 'gpuwait sim job --help'")
         if word is not None:
-            options = [s for a in parser._actions for s in a.option_strings]
             match = nearest(word, options) if word.startswith("-") else None
             if match is not None:
                 _error(f"gpuwait sim job: hint: did you mean {match}?")

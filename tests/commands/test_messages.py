@@ -258,6 +258,18 @@ def test_a_simulated_job_says_an_option_typed_with_one_dash(sim: Path, order: st
     ]
 
 
+def test_a_simulated_job_says_its_required_option_typed_with_one_dash(sim: Path) -> None:
+    # `gpuwait sim job -vram 1G` said only that --vram is required, where `gpuwait -vram 1G`
+    # says what was meant.
+    done = gpuwait("sim", "job", "-vram", "1G", "--hold", "1s")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.splitlines() == [
+        "gpuwait sim job: error: -vram is no option: a long option takes two dashes; "
+        "see 'gpuwait sim job --help'",
+        "gpuwait sim job: hint: did you mean --vram?",
+    ]
+
+
 @pytest.mark.parametrize("shell", ["sh", "dash", "ksh"])
 def test_a_shell_without_a_hook_is_not_taken_for_a_misspelled_one(
     sim: Path, tmp_path: Path, shell: str
