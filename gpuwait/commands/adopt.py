@@ -17,7 +17,13 @@ from gpuwait.commands import output
 from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser, whole_number
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
-from gpuwait.core.sizes import format_size, parse_size
+from gpuwait.core.sizes import (
+    REQUEST_UNIT_HINT,
+    MemoryRequest,
+    format_size,
+    parse_request,
+    parse_size,
+)
 from gpuwait.core.text import entry_command, printable
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
@@ -37,7 +43,8 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--vram",
         metavar="SIZE",
-        help="its reservation per GPU (e.g. 6G); default: what it uses now",
+        help="its reservation per GPU (e.g. 6G, or 50%%: that share of each card it is on); "
+        "default: what it uses now",
     )
     parser.add_argument("--name", metavar="NAME", help="a name for the job, as --name gives one")
     return parser
@@ -45,13 +52,18 @@ def build_parser() -> Parser:
 
 def run(options: argparse.Namespace) -> int:
     pid: int = options.pid
-    reserve = None
+    reserve: MemoryRequest | None = None
     if options.vram is not None:
         try:
-            reserve = parse_size(options.vram)
+            # A share (`50%`) of each card the process is on, as `gpuwait --vram 50%` takes it.
+            reserve = (
+                parse_request(options.vram)
+                if options.vram.strip().endswith("%")
+                else MemoryRequest(bytes=parse_size(options.vram, hint=REQUEST_UNIT_HINT))
+            )
         except ValueError as exc:
             raise UsageError(f"--vram {exc}") from None
-        if reserve <= 0:
+        if reserve.bytes is not None and reserve.bytes <= 0:
             raise UsageError("--vram: reserve more than 0 bytes")
     start = proc.start_time(pid)
     owner = proc.owner_uid(pid)
@@ -111,12 +123,16 @@ def run(options: argparse.Namespace) -> int:
     if reserve is not None:
         using.update({g.uuid: 0 for g in untold})
     if not using:
-        what = "" if reserve is None else f" for its {format_size(reserve)}"
+        what = "" if reserve is None else f" for its {reserve.describe()}"
         raise UsageError(
             f"process {pid} uses no GPU memory that gpuwait can see: no GPU to reserve{what} on",
             hint="adopt it once it has allocated memory on its GPUs",
         )
-    reserved = reserve if reserve is not None else max(using.values())
+    # Without --vram, what it uses on each of its GPUs, not its most on every one; with a
+    # share, that share of each.
+    totals = {g.uuid: g.total_bytes for g in snapshot.gpus}
+    per_gpu = using if reserve is None else {u: reserve.on(totals[u]) for u in using}
+    reserved = max(per_gpu.values())
     command = entry_command(proc.command_line(pid) or [proc.command_name(pid) or str(pid)])
     now, boot_now = time.time(), proc.boot_clock()
     job = Job(
@@ -131,10 +147,7 @@ def run(options: argparse.Namespace) -> int:
         state=RUNNING,
         gpu_uuids=sorted(using, key=lambda u: next(g.index for g in snapshot.gpus if g.uuid == u)),
         reserved_bytes=reserved,
-        # Without --vram, what it uses on each of its GPUs, not its most on every one.
-        reserved_by_gpu={}
-        if reserve is not None
-        else {u: b for u, b in using.items() if b < reserved},
+        reserved_by_gpu={u: b for u, b in per_gpu.items() if b < reserved},
         observed={uuid: used for uuid, used in using.items() if used > 0},
         pids=sorted(tree),
         child_pid=pid,

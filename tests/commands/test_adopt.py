@@ -204,6 +204,26 @@ def test_a_process_on_two_cards_is_adopted_with_what_it_uses_on_each(
     assert [g["reserved_bytes"] for g in gpus] == [6 * GiB, 1 * GiB]  # type: ignore[attr-defined]
 
 
+def test_a_share_of_each_card_is_reserved_as_the_main_command_reserves_it(
+    sim_file: SimFileFactory, run_gpuwait: Run, procs: Callable[..., Any]
+) -> None:
+    # `gpuwait adopt PID --vram 50%` was refused: "'50%' is not a size", though `gpuwait
+    # --vram 50%` takes a share of each card, and adopt knows the cards the process is on.
+    from gpuwait.gpu.sim import SimBackend
+
+    sim = sim_file(gpus=2, memory=["24GiB", "16GiB"])
+    notebook = procs([sys.executable, "-c", ON_TWO_CARDS])
+    wait_for(lambda: all(g.used_bytes > 0 for g in SimBackend(sim).snapshot().gpus))
+    done = run_gpuwait("adopt", str(notebook.pid), "--vram", "50%")
+    assert done.returncode == 0, done.stderr
+    assert "12.0 GiB on GPU0, 8.0 GiB on GPU1 reserved" in done.stderr
+    gpus = status_json(run_gpuwait)["gpus"]
+    assert [g["reserved_bytes"] for g in gpus] == [12 * GiB, 8 * GiB]  # type: ignore[attr-defined]
+    again = run_gpuwait("adopt", str(notebook.pid), "--vram", "150%")
+    assert again.returncode == EXIT_USAGE
+    assert "at most 100%" in again.stderr
+
+
 def test_a_process_whose_memory_the_driver_cannot_tell_is_adopted_with_vram(
     sim_file: SimFileFactory, run_gpuwait: Run
 ) -> None:
