@@ -43,12 +43,13 @@ from gpuwait.history.store import history_path
 from gpuwait.linux.security import mine, open_readable
 
 ESTIMATE_SCHEMA = 1
+USAGE = "gpuwait estimate [--key NAME] [--gpus N] [--json] [--] COMMAND [ARGS...]"
 
 
 def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait estimate",
-        usage="gpuwait estimate [--key NAME] [--gpus N] [--json] [--] COMMAND [ARGS...]",
+        usage=USAGE,
         description="Show the VRAM that `gpuwait COMMAND` (without --vram) would ask for, the "
         "runs it is learned from, and the command's usual run time.",
     )
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command and not args.key:
-        raise UsageError("no command given; usage: gpuwait estimate [--] COMMAND [ARGS...]")
+        raise UsageError(f"no command given (nor --key); usage: {USAGE}")
     settings = load_settings({})
     _check_readable(history_path(settings.state_path))
     learned = learn(

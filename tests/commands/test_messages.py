@@ -235,6 +235,17 @@ def test_a_negative_pid_is_said_to_be_too_small_not_an_unknown_option(
     ]
 
 
+def test_estimate_without_a_command_gives_the_usage_its_help_gives(sim: Path) -> None:
+    # `gpuwait estimate` alone said "usage: gpuwait estimate [--] COMMAND [ARGS...]", where
+    # its --help shows --key, with which no command is needed, --gpus and --json.
+    done = gpuwait("estimate")
+    assert done.returncode == EXIT_USAGE
+    usage = gpuwait("estimate", "--help").stdout.split("\n\n", 1)[0].removeprefix("usage: ")
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: no command given (nor --key); usage: {usage}"
+    ]
+
+
 def test_a_simulated_job_suggests_the_option_too(sim: Path) -> None:
     done = gpuwait("sim", "job", "--vram", "1G", "--hodl", "1s")
     assert done.returncode == EXIT_USAGE
