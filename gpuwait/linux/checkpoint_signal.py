@@ -21,7 +21,8 @@ def parse_signal(text: str) -> int:
     name = text.strip().upper()
     number = whole_number(name)
     # The real-time signals as kill -l names them: RTMIN+N, RTMAX-N.
-    offset = re.fullmatch(r"(?:SIG)?(RTMIN\+|RTMAX-)(\d+)", name)
+    # re.ASCII: the digits 0-9 only; '٣' (an Arabic-Indic three) is no three here.
+    offset = re.fullmatch(r"(?:SIG)?(RTMIN\+|RTMAX-)(\d+)", name, re.ASCII)
     if number is not None:
         if number not in signal.valid_signals():
             raise ValueError(f"{text!r} is not a signal number")

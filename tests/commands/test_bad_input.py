@@ -157,6 +157,15 @@ CASES: dict[str, Case] = {
         2,
         "--checkpoint-signal 'USR3' is no signal's name; use e.g. USR1, USR2, TERM",
     ),
+    # A three in another script was read as the digit: RTMIN+٣ was taken for RTMIN+3.
+    "checkpoint signal with digits other than 0-9": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "RTMIN+\u0663", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--checkpoint-signal 'RTMIN+\u0663' is no signal's name; use e.g. USR1, USR2, TERM",
+    ),
     "grace-kill without pausable": (
         ["--vram", "1G", "--grace-kill", "true"],
         {},

@@ -63,7 +63,10 @@ def test_signal_names(text: str, number: int) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["KILL", "STOP", "9", "19", "NOPE", "999", "", "RTMIN+99", "RTMAX-99", "RTMIN+", "RTMIN-1"],
+    [
+        *("KILL", "STOP", "9", "19", "NOPE", "999", "", "RTMIN+99", "RTMAX-99", "RTMIN+"),
+        *("RTMIN-1", "RTMIN+\u0663", "RTMAX-\uff11"),
+    ],
 )
 def test_bad_signal_names(text: str) -> None:
     with pytest.raises(ValueError):
