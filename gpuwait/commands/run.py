@@ -430,7 +430,9 @@ def _pausable(options: argparse.Namespace) -> Pausable | None:
     from gpuwait.linux.checkpoint_signal import parse_signal, signal_name  # only --pausable
     from gpuwait.linux.signals import FORWARDED
 
-    typed = options.checkpoint_signal or DEFAULT_CHECKPOINT_SIGNAL
+    # An empty one (`--checkpoint-signal "$SIG"`, $SIG unset) is refused, as an empty --timeout.
+    asked: str | None = options.checkpoint_signal
+    typed = DEFAULT_CHECKPOINT_SIGNAL if asked is None else asked
     try:
         number = parse_signal(typed)
     except ValueError as exc:

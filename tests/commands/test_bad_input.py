@@ -166,6 +166,16 @@ CASES: dict[str, Case] = {
         2,
         "--checkpoint-signal 'RTMIN+\u0663' is no signal's name; use e.g. USR1, USR2, TERM",
     ),
+    # `--checkpoint-signal "$SIG"` where $SIG came out empty meant USR1, as no option would;
+    # an empty --timeout is refused.
+    "empty checkpoint signal": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--checkpoint-signal '' is no signal's name; use e.g. USR1, USR2, TERM",
+    ),
     "grace-kill without pausable": (
         ["--vram", "1G", "--grace-kill", "true"],
         {},
