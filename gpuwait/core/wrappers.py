@@ -466,8 +466,9 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
 
 
 #: Container engines whose `run` gives the container the GPUs its own options name: the
-#: CUDA_VISIBLE_DEVICES gpuwait sets stays outside the container.
-CONTAINER_ENGINES = frozenset({"docker", "podman"})
+#: CUDA_VISIBLE_DEVICES gpuwait sets stays outside the container (containerd's nerdctl takes
+#: docker's options).
+CONTAINER_ENGINES = frozenset({"docker", "podman", "nerdctl"})
 #: Their options before the subcommand that take a value (`docker --context lab run`).
 _ENGINE_VALUES = frozenset(
     {
@@ -477,6 +478,9 @@ _ENGINE_VALUES = frozenset(
         *("--runtime-flag", "--events-backend", "--hooks-dir", "--module", "--tmpdir"),
         *("--network-cmd-path", "--network-config-dir", "--volumepath", "--imagestore"),
         *("--db-backend", "--ssh", "--out"),
+        # nerdctl's.
+        *("-n", "--namespace", "-a", "--address", "--snapshotter", "--cni-path"),
+        *("--cni-netconfpath", "--data-root", "--hosts-dir", "--host-gateway-ip", "--bridge-ip"),
     }
 )
 #: `run`'s long options that take no value (every other one takes the next word, unless glued
@@ -496,7 +500,7 @@ _NO_GPUS = frozenset({"", "none", "void"})
 
 
 def container_gpus(step: Step) -> list[tuple[int, int]]:
-    """Where a `docker run` or `podman run` step gives the container GPUs of its own (`--gpus
+    """Where a `docker run`, `podman run` or `nerdctl run` step gives the container GPUs of its own (`--gpus
     all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--runtime=nvidia` or `-e
     NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads): each such option's words, as
     (start, end) in `step.argv`; none where it gives none, or runs no container. Only the

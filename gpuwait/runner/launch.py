@@ -220,9 +220,9 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
 
 def _check_container(argv: Sequence[str], step: Step) -> None:
-    """Refuse `docker run` or `podman run` giving the container GPUs of its own (UsageError,
-    2): `--gpus all`, `--gpus 2`, `--gpus device=1`, `--device nvidia.com/gpu=all`, the NVIDIA
-    runtime with NVIDIA_VISIBLE_DEVICES. The engine passes no CUDA_VISIBLE_DEVICES into the
+    """Refuse `docker run`, `podman run` or `nerdctl run` giving the container GPUs of its own
+    (UsageError, 2): `--gpus all`, `--gpus 2`, `--gpus device=1`, `--device
+    nvidia.com/gpu=all`, the NVIDIA runtime with NVIDIA_VISIBLE_DEVICES. The engine passes no CUDA_VISIBLE_DEVICES into the
     container, whose command would run on the GPUs named there, those given to other jobs too.
     The hint is the line that names the GPUs gpuwait reserves (GPUWAIT_GPU_UUIDS) instead."""
     spans = container_gpus(step)
@@ -234,7 +234,7 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
         also = "for one GPU"
     else:
         names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
-        also = "or contrib/docker's gpuwait-docker-run"
+        also = "or contrib/docker's gpuwait-docker-run" if step.program == "docker" else ""
     kept = [
         shlex.quote(word)
         for at, word in enumerate(step.argv)
@@ -252,7 +252,8 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
         f"{step.program} run gives the container the GPUs its own option names ({given}), not "
         "the one gpuwait reserves: the CUDA_VISIBLE_DEVICES gpuwait sets does not reach the "
         "container, which would run on GPUs given to other jobs too",
-        hint=f"name the reserved GPUs (GPUWAIT_GPU_UUIDS) in a shell: {line} ({also})",
+        hint=f"name the reserved GPUs (GPUWAIT_GPU_UUIDS) in a shell: {line}"
+        + (f" ({also})" if also else ""),
     )
 
 

@@ -203,7 +203,10 @@ def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
         (["docker", "run", "--gpus"], []),  # its value not known
         (["docker", "ps"], []),
         (["podman", "build", "--device", "nvidia.com/gpu=all", "."], []),
-        (["nerdctl", "run", "--gpus", "all", "img"], []),
+        # containerd's nerdctl takes docker's --gpus.
+        (["nerdctl", "run", "--gpus", "all", "img"], ["--gpus all"]),
+        (["nerdctl", "-n", "k8s.io", "run", "--gpus=1", "img"], ["--gpus=1"]),
+        (["nerdctl", "--namespace", "lab", "container", "run", "--gpus", "0", "i"], ["--gpus 0"]),
         # Options that take no value, before the GPUs: `--rm`, `-d`.
         (["docker", "run", "--rm", "--gpus", "all", "img"], ["--gpus all"]),
         (["docker", "run", "-d", "--gpus", "all", "img"], ["--gpus all"]),

@@ -394,6 +394,7 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
             "--runtime=nvidia",
         ),
         (["podman", "run", "--device", "nvidia.com/gpu=all", "img"], "--device nvidia.com/gpu=all"),
+        (["nerdctl", "run", "--gpus", "all", "img", "python", "x.py"], "--gpus all"),
         (["nice", "docker", "run", "-v", "/d:/d", "--gpus", "all", "img"], "--gpus all"),
         (["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"], "--gpus all"),
         (["sh", "-c", "docker run --gpus all img && echo done"], "--gpus all"),
@@ -409,7 +410,7 @@ def test_a_container_given_gpus_of_its_own_is_refused_with_what_to_type(
     # docker run --gpus all IMAGE python x.py` ran the container on every GPU, those gpuwait
     # had given other jobs too. Refused before waiting, with the line that gives it the
     # reserved GPU alone.
-    env, ran = fake_bin(tmp_path, "docker", "podman", "nice", "sudo", "sh")
+    env, ran = fake_bin(tmp_path, "docker", "podman", "nerdctl", "nice", "sudo", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
     assert f"({given})" in done.stderr
@@ -472,6 +473,7 @@ def test_a_container_engine_giving_no_gpus_of_its_own_runs(
         ["sudo", "docker", "run", "--gpus", "all", "img", "python", "x.py"],
         ["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"],
         ["doas", "podman", "run", "--device", "nvidia.com/gpu=all", "img"],
+        ["sudo", "nerdctl", "run", "--gpus", "all", "img"],
         ["env", "-i", "docker", "run", "--runtime=nvidia", "img"],
     ],
 )
@@ -481,7 +483,7 @@ def test_the_line_a_container_refusal_gives_runs(
     # Run as root (sudo docker, where the user is not in the docker group), the line the
     # refusal gave was refused in turn for the wrapper that keeps no CUDA_VISIBLE_DEVICES,
     # which the engine does not pass into the container anyway.
-    env, ran = fake_bin(tmp_path, "docker", "podman", "sudo", "doas", "env", "sh")
+    env, ran = fake_bin(tmp_path, "docker", "podman", "nerdctl", "sudo", "doas", "env", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
     line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
