@@ -500,9 +500,10 @@ _NO_GPUS = frozenset({"", "none", "void"})
 
 
 def container_gpus(step: Step) -> list[tuple[int, int]]:
-    """Where a `docker run`, `podman run` or `nerdctl run` step gives the container GPUs of its own (`--gpus
-    all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--runtime=nvidia` or `-e
-    NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads): each such option's words, as
+    """Where a `docker run`, `podman run` or `nerdctl run` step gives the container GPUs of its
+    own (`--gpus all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--device /dev/nvidia0`,
+    `--runtime=nvidia` or `-e NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads):
+    each such option's words, as
     (start, end) in `step.argv`; none where it gives none, or runs no container. Only the
     options before its image are looked at: the words after it are its command's."""
     if step.program not in CONTAINER_ENGINES:
@@ -551,10 +552,13 @@ def container_gpus(step: Step) -> list[tuple[int, int]]:
         (begin, end)
         for name, value, begin, end in found
         if name == "--gpus"
-        or (name == "--device" and value.startswith("nvidia.com/gpu="))
+        or (name == "--device" and (value.startswith("nvidia.com/gpu=") or _GPU_NODE.match(value)))
         or (nvidia and name == "--runtime" and value == "nvidia")
         or (given and nvidia and name in ("-e", "--env") and value.startswith(_NVIDIA_ENV))
     ]
 
 
 _NVIDIA_ENV = "NVIDIA_VISIBLE_DEVICES="
+#: A GPU's device node (`/dev/nvidia0`, `/dev/nvidia1:/dev/nvidia0:rwm`): the container gets
+#: that GPU whatever CUDA_VISIBLE_DEVICES says; /dev/nvidiactl and /dev/nvidia-uvm are no GPU.
+_GPU_NODE = re.compile(r"/dev/nvidia[0-9]+(?::|\Z)")

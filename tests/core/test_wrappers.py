@@ -221,6 +221,16 @@ def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
             [],
         ),
         (["docker", "run", "--device", "/dev/fuse", "img"], []),
+        # A GPU's device node gives the container that GPU, whatever CUDA_VISIBLE_DEVICES says.
+        (
+            ["docker", "run", "--device", "/dev/nvidia0", "--device", "/dev/nvidiactl", "img"],
+            ["--device /dev/nvidia0"],
+        ),
+        (
+            ["podman", "run", "--device=/dev/nvidia1:/dev/nvidia0:rwm", "i"],
+            ["--device=/dev/nvidia1:/dev/nvidia0:rwm"],
+        ),
+        (["docker", "run", "--device", "/dev/nvidia-uvm", "--device", "/dev/nvidiactl", "i"], []),
     ],
 )
 def test_the_gpus_a_container_is_given_by_its_own_options(

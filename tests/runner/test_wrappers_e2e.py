@@ -395,6 +395,10 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
         ),
         (["podman", "run", "--device", "nvidia.com/gpu=all", "img"], "--device nvidia.com/gpu=all"),
         (["nerdctl", "run", "--gpus", "all", "img", "python", "x.py"], "--gpus all"),
+        (
+            ["docker", "run", "--device", "/dev/nvidia0", "img", "python", "x.py"],
+            "--device /dev/nvidia0",
+        ),
         (["nice", "docker", "run", "-v", "/d:/d", "--gpus", "all", "img"], "--gpus all"),
         (["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"], "--gpus all"),
         (["sh", "-c", "docker run --gpus all img && echo done"], "--gpus all"),
