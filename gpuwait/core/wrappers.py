@@ -465,10 +465,13 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     return False
 
 
+#: docker's wrapper that adds the NVIDIA runtime to `run` (and NVIDIA_VISIBLE_DEVICES=$NV_GPU):
+#: a CUDA image, which sets NVIDIA_VISIBLE_DEVICES=all, gets every GPU.
+NVIDIA_DOCKER = "nvidia-docker"
 #: Container engines whose `run` gives the container the GPUs its own options name: the
 #: CUDA_VISIBLE_DEVICES gpuwait sets stays outside the container (containerd's nerdctl takes
 #: docker's options).
-CONTAINER_ENGINES = frozenset({"docker", "podman", "nerdctl"})
+CONTAINER_ENGINES = frozenset({"docker", "podman", "nerdctl", NVIDIA_DOCKER})
 #: Their options before the subcommand that take a value (`docker --context lab run`).
 _ENGINE_VALUES = frozenset(
     {
@@ -518,6 +521,7 @@ def container_gpus(step: Step) -> list[tuple[int, int]]:
         return []
     found: list[tuple[str, str, int, int]] = []
     position += 1
+    options = position
     while position < len(argv):
         word, begin = argv[position], position
         if word in ("--", "-") or not word.startswith("-"):
@@ -548,7 +552,9 @@ def container_gpus(step: Step) -> list[tuple[int, int]]:
         found.append((name, value, begin, position))
     given = [v for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
     nvidia = not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS
-    return [
+    # nvidia-docker's runtime, where no option names the GPUs: where its options begin.
+    implied = [(options, options)] if step.program == NVIDIA_DOCKER and nvidia and not given else []
+    return implied + [
         (begin, end)
         for name, value, begin, end in found
         if name == "--gpus"

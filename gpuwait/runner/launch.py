@@ -25,6 +25,7 @@ from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitErro
 from gpuwait.core.wrappers import (
     CONTAINER_ENGINES,
     GPU_VARIABLES,
+    NVIDIA_DOCKER,
     Step,
     container_gpus,
     drops_gpus,
@@ -220,11 +221,13 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
 
 def _check_container(argv: Sequence[str], step: Step) -> None:
-    """Refuse `docker run`, `podman run` or `nerdctl run` giving the container GPUs of its own
-    (UsageError, 2): `--gpus all`, `--gpus 2`, `--gpus device=1`, `--device
-    nvidia.com/gpu=all`, the NVIDIA runtime with NVIDIA_VISIBLE_DEVICES. The engine passes no CUDA_VISIBLE_DEVICES into the
-    container, whose command would run on the GPUs named there, those given to other jobs too.
-    The hint is the line that names the GPUs gpuwait reserves (GPUWAIT_GPU_UUIDS) instead."""
+    """Refuse `docker run`, `podman run`, `nerdctl run` or `nvidia-docker run` giving the
+    container GPUs of its own (UsageError, 2): `--gpus all`, `--gpus 2`, `--gpus device=1`,
+    `--device nvidia.com/gpu=all`, `--device /dev/nvidia0`, the NVIDIA runtime with
+    NVIDIA_VISIBLE_DEVICES (nvidia-docker's own too). The engine passes no
+    CUDA_VISIBLE_DEVICES into the container, whose command would run on the GPUs named there,
+    those given to other jobs too. The hint is the line that names the GPUs gpuwait reserves
+    (GPUWAIT_GPU_UUIDS) instead."""
     spans = container_gpus(step)
     if not spans:
         return
@@ -241,6 +244,12 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
         if not any(begin <= at < end for begin, end in spans)
     ]
     kept.insert(spans[0][0], names)
+    what = f"the GPUs its own option names ({given})"
+    if step.program == NVIDIA_DOCKER:
+        # It adds the NVIDIA runtime; docker itself takes --gpus.
+        kept[0] = "docker"
+        if not given:
+            what = "the GPUs of the NVIDIA runtime it adds (every GPU, for a CUDA image)"
     where = len(argv) - len(step.argv)
     if tuple(argv[where:]) == step.argv:
         # The wrappers before it run inside the shell, which names the GPUs.
@@ -249,9 +258,9 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
     else:
         line = f"sh -c {shlex.quote(' '.join(['exec', *kept]))}"
     raise UsageError(
-        f"{step.program} run gives the container the GPUs its own option names ({given}), not "
-        "the one gpuwait reserves: the CUDA_VISIBLE_DEVICES gpuwait sets does not reach the "
-        "container, which would run on GPUs given to other jobs too",
+        f"{step.program} run gives the container {what}, not the one gpuwait reserves: the "
+        "CUDA_VISIBLE_DEVICES gpuwait sets does not reach the container, which would run on "
+        "GPUs given to other jobs too",
         hint=f"name the reserved GPUs (GPUWAIT_GPU_UUIDS) in a shell: {line}"
         + (f" ({also})" if also else ""),
     )

@@ -231,6 +231,15 @@ def test_a_gpuwait_of_the_commands_own_is_told_past_the_interpreters_options(
             ["--device=/dev/nvidia1:/dev/nvidia0:rwm"],
         ),
         (["docker", "run", "--device", "/dev/nvidia-uvm", "--device", "/dev/nvidiactl", "i"], []),
+        # nvidia-docker adds the NVIDIA runtime itself (the image's NVIDIA_VISIBLE_DEVICES,
+        # every GPU for CUDA's): named where its options begin, as no word of the line.
+        (["nvidia-docker", "run", "--rm", "img", "python"], [""]),
+        (
+            ["nvidia-docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES=1", "i"],
+            ["-e NVIDIA_VISIBLE_DEVICES=1"],
+        ),
+        (["nvidia-docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES=none", "img"], []),
+        (["nvidia-docker", "ps"], []),
     ],
 )
 def test_the_gpus_a_container_is_given_by_its_own_options(

@@ -471,6 +471,23 @@ def test_a_container_engine_giving_no_gpus_of_its_own_runs(
     assert ran.exists()
 
 
+def test_nvidia_docker_is_refused_for_the_runtime_it_adds(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait --vram 4G -- nvidia-docker run IMG python x.py` ran the container on every GPU:
+    # nvidia-docker adds the NVIDIA runtime, which gives a CUDA image every GPU, those given
+    # to other jobs too.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker")
+    done = gpuwait(gpuwait_cmd, ["nvidia-docker", "run", "--rm", "img", "python", "x.py"], env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("gpuwait: error: nvidia-docker run gives the container ")
+    assert (
+        "gpuwait ... -- sh -c 'exec docker run --gpus "
+        '"\\"device=$GPUWAIT_GPU_UUIDS\\"" --rm img python x.py\'' in done.stderr
+    )
+    assert not ran.exists()
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -478,6 +495,8 @@ def test_a_container_engine_giving_no_gpus_of_its_own_runs(
         ["sudo", "-u", "alice", "docker", "run", "--gpus", "all", "img"],
         ["doas", "podman", "run", "--device", "nvidia.com/gpu=all", "img"],
         ["sudo", "nerdctl", "run", "--gpus", "all", "img"],
+        ["nvidia-docker", "run", "--rm", "img", "python", "x.py"],
+        ["sudo", "nvidia-docker", "run", "img"],
         ["env", "-i", "docker", "run", "--runtime=nvidia", "img"],
     ],
 )
@@ -487,7 +506,9 @@ def test_the_line_a_container_refusal_gives_runs(
     # Run as root (sudo docker, where the user is not in the docker group), the line the
     # refusal gave was refused in turn for the wrapper that keeps no CUDA_VISIBLE_DEVICES,
     # which the engine does not pass into the container anyway.
-    env, ran = fake_bin(tmp_path, "docker", "podman", "nerdctl", "sudo", "doas", "env", "sh")
+    env, ran = fake_bin(
+        tmp_path, "docker", "podman", "nerdctl", "nvidia-docker", "sudo", "doas", "env", "sh"
+    )
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
     line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
