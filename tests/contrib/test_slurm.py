@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -22,7 +23,7 @@ import pytest
 from conftest import REPO
 from helpers.fixtures_sim import sim_file_text
 from helpers.shellbin import env_with_bin, make_bin
-from helpers.waiting import wait_for
+from helpers.waiting import catches_signal, wait_for
 
 SLURM = REPO / "contrib" / "slurm"
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
@@ -377,23 +378,47 @@ def test_scancel_with_waiting_steps_leaves_no_entries(cluster: Cluster, tmp_path
     assert json.loads(ledger().read_text())["jobs"] == []
 
 
-def test_time_limit_signal_checkpoints_and_the_requeued_job_resumes(
+def _catching_checkpoint_signal(cluster: Cluster, job_id: str) -> bool:
+    """The allocation's job (the command its gpuwait --pausable runs) has its USR1 handler in."""
+    # Job IDs start at 1 on every cluster: this one's, by its configuration.
+    ours = {f"SLURM_CONF={cluster.root / 'slurm.conf'}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            environ = set((proc_dir / "environ").read_bytes().split(b"\0"))
+            stat = (proc_dir / "stat").read_text()
+            ppid = stat[stat.rindex(")") + 2 :].split()[1]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if ours <= environ and b"--pausable" in parent:
+            return catches_signal(int(proc_dir.name), signal.SIGUSR1)
+    return False
+
+
+def test_usr1_to_the_batch_script_checkpoints_and_the_requeued_job_resumes(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    hold = 38.0  # longer than the signal may take: due 5 s after a start, sent within 30 s more
+    """What the script does with the signal its --signal=B:USR1@N asks for: the batch shell alone
+    is sent USR1 (scancel --batch, as slurmctld sends it at the time limit; the next test has
+    Slurm send it itself), the job checkpoints, the allocation is requeued and resumes."""
+    hold = 8.0  # the signal is sent once the job catches it, well before its end
     ckpt = tmp_path / "ckpt.json"
     env = cluster.env(tmp_path, JOB_VRAM="4G")
-    # The signal is due 5 s after each start (1 minute's limit, USR1 55 s before it); slurmctld
-    # sends it at its next check of time limits, up to 30 s later.
     job_id = sbatch(
         env,
-        "--time=1",
-        "--signal=B:USR1@55",
         f"--output={tmp_path}/out",
         str(SLURM / "pausable.sbatch"),
         *("gpuwait", "sim", "job", "--vram", "4G", "--hold", f"{hold}s"),
         *("--checkpoint", str(ckpt)),
     )
+    wait_for(
+        lambda: _catching_checkpoint_signal(cluster, job_id),
+        timeout=60,
+        message=lambda: f"never ran: {job_info(env, job_id)}",
+    )
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=30)
     saved: list[float] = []
 
     def ended() -> dict[str, str] | None:
@@ -420,3 +445,42 @@ def test_time_limit_signal_checkpoints_and_the_requeued_job_resumes(
     hours, minutes, seconds = (int(x) for x in info["RunTime"].split(":"))
     last_run = hours * 3600 + minutes * 60 + seconds
     assert last_run <= hold - saved[-1] + 5, (last_run, saved)
+
+
+def test_slurm_sends_the_time_limit_signal_to_the_batch_script(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """--signal=B:USR1@N as the script's header has it reaches the script's trap before the limit,
+    from Slurm itself; the previous test follows the checkpoint through the requeue and resume."""
+    # Longer than the signal may take: due 5 s after the start, sent within 30 s more. The test
+    # ends at the requeue, so the length costs nothing.
+    hold = 60.0
+    ckpt = tmp_path / "ckpt.json"
+    env = cluster.env(tmp_path, JOB_VRAM="4G")
+    # The signal is due 5 s after the start (1 minute's limit, USR1 55 s before it), when the
+    # script's gpuwait catches it; slurmctld sends it at its next check of time limits, up to
+    # 30 s later.
+    job_id = sbatch(
+        env,
+        "--time=1",
+        "--signal=B:USR1@55",
+        f"--output={tmp_path}/out",
+        str(SLURM / "pausable.sbatch"),
+        *("gpuwait", "sim", "job", "--vram", "4G", "--hold", f"{hold}s"),
+        *("--checkpoint", str(ckpt)),
+    )
+
+    def requeued() -> bool:
+        out = tmp_path / "out"
+        return out.exists() and f"checkpointed; requeueing allocation {job_id}" in out.read_text()
+
+    try:
+        wait_for(requeued, timeout=90, interval=0.2, message=lambda: str(job_info(env, job_id)))
+    finally:
+        # What follows the requeue is the previous test's; the allocation goes now.
+        subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=30)
+    out = (tmp_path / "out").read_text()
+    assert "time limit near: asking for a checkpoint" in out
+    state = json.loads(ckpt.read_text())
+    assert not state["finished"] and 0 < state["held_seconds"] < hold, state
+    assert wait_ended(env, job_id, timeout=30)["JobState"] == "CANCELLED"
