@@ -998,7 +998,9 @@ def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
     (Ctrl-Z): passed over while stopped, that waiter would start nothing in its room, so the job
     is not TERMed when its grace ends (it was, and its work was lost). Continued, the waiter
     wants the room again, and the job gets its TERM."""
-    low = _ignoring_job(gpuwait_cmd, "60", "--grace", "5s", "--grace-kill")
+    # A grace long enough for the waiter to be stopped within it (the test stops it as soon as
+    # the job is signalled, a few tens of ms later).
+    low = _ignoring_job(gpuwait_cmd, "60", "--grace", "2s", "--grace-kill")
     urgent = None
     try:
         wait_until_running(1)
@@ -1011,7 +1013,7 @@ def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
             message="the job was never signalled",
         )
         urgent.send_signal(signal.SIGSTOP)
-        time.sleep(5 + 4)  # its grace, and then some
+        time.sleep(2 + 4)  # its grace, and then some
         assert low.poll() is None, low.stderr.read() if low.stderr else ""
         assert "pause-grace-kill" not in [e["kind"] for e in events()]
         urgent.send_signal(signal.SIGCONT)
