@@ -28,7 +28,7 @@ from helpers.fixtures_sim import hold_card
 from helpers.processes import can_unshare, children
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.users import clean_up, shared_root
-from helpers.waiting import asleep_waiting, ledger_entries, wait_for
+from helpers.waiting import asleep_waiting, catches_signal, ledger_entries, wait_for
 
 CONTRIB = REPO / "contrib"
 GiB = 2**30
@@ -857,6 +857,35 @@ def test_pausable_script_requeues_on_the_resume_status_gpuwait_uses(
     assert requeued.read_text() == "requeue 77\n"
     # A state dir the user gave is theirs: the script removes only one it made itself.
     assert (Path(env["GPUWAIT_STATE_DIR"]) / "ledger.json").exists()
+
+
+def test_the_time_limit_signal_at_the_scripts_start_is_a_checkpoint_not_an_end(
+    sim_file: Any, tmp_path: Path, procs: Any
+) -> None:
+    # `--signal=B:USR1@N` with N at or past the time limit (`--time=5 --signal=B:USR1@300`) is
+    # due at once, and slurmctld may send it in the script's first second: before its gpuwait
+    # catches USR1 (a Python program's first tenth of a second), where USR1 ended gpuwait (exit
+    # 138: no checkpoint, no requeue), or while `gpuwait config` ran, where it ended the script.
+    sim_file(gpus=1, base_used="20GiB")  # 10G never fits: the job waits
+    bin_dir = make_bin(tmp_path / "bin")
+    requeued = tmp_path / "requeued"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$*" >> {requeued}\n')
+    scontrol.chmod(0o755)
+    env = {
+        **env_with_bin(bin_dir),
+        "SLURM_JOB_ID": "78",
+        "JOB_VRAM": "10G",
+        "TMPDIR": str(tmp_path),
+    }
+    script = procs(["bash", str(CONTRIB / "slurm" / "pausable.sbatch"), "true"], env=env)
+    # As soon as the script takes USR1 as Slurm's warning, the earliest it can be sent one.
+    wait_for(lambda: catches_signal(script.pid, signal.SIGUSR1), timeout=30, interval=0.002)
+    script.send_signal(signal.SIGUSR1)
+    out, err = script.communicate(timeout=60)
+    assert script.returncode == 75, out + err
+    assert "checkpointed; requeueing allocation 78" in out, out + err
+    assert requeued.read_text() == "requeue 78\n"
 
 
 def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path) -> None:
