@@ -697,3 +697,39 @@ def test_a_hung_nvml_start_leaves_one_call_in_the_driver_however_often_it_is_tri
     finally:
         for thread in set(threading.enumerate()) - before:
             thread.join(timeout=30)
+
+
+def test_a_restart_of_nvml_that_hangs_leaves_one_call_in_the_driver(two_gpus: FakeNvml) -> None:
+    # NVML shut down under gpuwait, and the driver wedged as it is started again: each reading
+    # retried the start, and one that made a call of its own each time left one more thread
+    # stuck in the driver at every poll, for as long as it stayed wedged.
+    import pynvml
+
+    before = set(threading.enumerate())
+    backend = NvmlBackend(timeout=0.3)
+    try:
+        pynvml.nvmlShutdown()
+        two_gpus.hang(None, "nvmlInitWithFlags", 3)
+        for _ in range(3):
+            with pytest.raises(BackendUnavailable, match="GPU count"):
+                backend.snapshot()
+        assert len([t for t in set(threading.enumerate()) - before if t.is_alive()]) == 1
+        hung = [c for c in two_gpus.calls() if c == "nvmlInitWithFlags gpu=- ret=-1 hang"]
+        assert len(hung) == 1, two_gpus.calls()
+        # The start that came back at last is the reading's: the GPUs are read again.
+        two_gpus.clear_failures()
+        gpus = wait_for(
+            lambda: _read_gpus(backend), timeout=30, interval=0.1, message="NVML never restarted"
+        )
+        assert gpus == ["GPU-fake-0", "GPU-fake-1"]
+    finally:
+        backend.close()
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=30)
+
+
+def _read_gpus(backend: NvmlBackend) -> list[str] | None:
+    try:
+        return [g.uuid for g in backend.snapshot().gpus]
+    except BackendUnavailable:
+        return None
