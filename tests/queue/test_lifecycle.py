@@ -607,6 +607,28 @@ def test_a_retry_of_a_thawed_job_is_expected_to_run_its_whole_run_time(tmp_path:
     assert _expected_left(ledger, "long") == pytest.approx(600, abs=5)
 
 
+def test_a_job_cancelled_as_its_run_ran_out_of_memory_is_not_queued_again(
+    tmp_path: Path,
+) -> None:
+    # A --retry-oom job cancelled while it ran, its run ending out of memory before the TERM
+    # ended it: its retry took it for a run that ran out and queued it again, and the job the
+    # user had cancelled ran once more, on room another job was waiting for.
+    ledger = Ledger(tmp_path)
+    job = lifecycle.submit(ledger, live_job("oom"), [], [], tmp_path, ["x"])
+    job, outcome = lifecycle.admit(ledger, job, MACHINE, 0.9)
+    assert isinstance(outcome, Admitted)
+    job = lifecycle.started(ledger, job, os.getpid())
+    with ledger.transaction() as data:
+        entry = data.find("oom")
+        assert entry is not None
+        entry.cancelled_by = os.getuid()
+    assert lifecycle.retry(ledger, job, {"bytes": 20 * GiB}) is None
+    entry = ledger.read().find("oom")
+    assert entry is not None
+    assert (entry.state, entry.request) == (RUNNING, job.request)
+    assert [e["kind"] for e in events.read_events(tmp_path)] == ["submit", "admit", "start"]
+
+
 def test_a_resumed_run_over_its_reservation_is_said_so_again(tmp_path: Path) -> None:
     # A --pausable job's run went over its reservation, then it stepped aside. Waiting, status
     # went on showing it over its reservation, and when its resumed run went over by a little
