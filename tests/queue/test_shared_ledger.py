@@ -1091,6 +1091,64 @@ def test_a_job_that_stepped_aside_for_another_members_job_waits_no_more_once_it_
     assert state(BOB, 3) == "waiting"
 
 
+def test_a_waiter_that_saw_another_members_job_start_does_not_wait_for_it_to_start_again(
+    server: Server,
+) -> None:
+    """Alice's waiter stepped aside for Bob's job, which has started since. Once Bob's job steps
+    aside in turn for his urgent one, Alice's job waits for room, not for Bob's job to start a
+    second time. Bob's gpuwait may not write Alice's entry, and nothing else of hers changes
+    meanwhile: a look of hers at the queue that has seen Bob's job run must do it."""
+    ensure_state_dir(load_sim_file(server.sim)).chmod(0o1777)
+    server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
+    home = Path(server.envs[BOB]["HOME"])
+    job = ["python3", "-m", "gpuwait", "sim", "job", "--vram", "12G", "--hold", "60s"]
+    checkpoint = ["--checkpoint", str(home / "progress.json")]
+    server.start(BOB, "--priority", "1", "--pausable", "--vram", "12G", "--", *job, *checkpoint)
+    server.wait_jobs(1, "running")
+    bobs = server.jobs()[0]["id"]
+    # 21.6 GiB of the card are usable: Alice's 10 GiB do not fit beside Bob's 12, nor do the
+    # 20 GiB of another job of Bob's, ahead of hers, holding the card whatever comes, that
+    # asks nobody to step aside who ran less than an hour: nothing of Alice's changes from
+    # here on. (Her job, of Bob's job's priority, asks nobody either.)
+    server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "1h"
+    ahead = server.start(BOB, "--priority", "4", "--vram", "20G", "--", "echo", "started")
+    server.wait_jobs(2)
+    wait_for(lambda: sleeping_in(ahead.pid, "sigtimedwait"))  # planned, and watching
+    waiter = server.start(ALICE, "--priority", "1", "--vram", "10G", "--", "echo", "started")
+    server.wait_jobs(3)
+    wait_for(lambda: sleeping_in(waiter.pid, "sigtimedwait"))
+
+    def stepped_aside(raw: dict[str, Any]) -> None:
+        for entry in raw["jobs"]:
+            # As Alice's gpuwait writes a job of Bob's: its plain id, and whose it is.
+            entry.update(yield_to=bobs, owners={bobs: BOB})
+
+    server.edit_own(ALICE, stepped_aside)
+
+    def alices_reason() -> object:
+        status = json.loads(server.run(ALICE, "status", "--json").stdout)
+        return next(j for j in status["jobs"] if j["uid"] == ALICE)["waiting_reason"]
+
+    assert "stepped aside" not in str(alices_reason())
+    server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
+    time.sleep(1.5)  # older than pause_min_runtime, its command catching the signal
+    done = home / "urgent-done"
+    until = ["sh", "-c", f"while [ ! -e {done} ]; do sleep 0.1; done"]
+    server.start(BOB, "--priority", "5", "--vram", "10G", "--", *until)
+
+    def bobs_states() -> dict[object, object]:
+        return {j["priority"]: j["state"] for j in server.jobs() if j["uid"] == BOB}
+
+    wait_for(
+        lambda: bobs_states() == {1: "waiting", 4: "waiting", 5: "running"},
+        timeout=60,
+        message=bobs_states,
+    )
+    reason = str(alices_reason())
+    assert "stepped aside" not in reason and "best GPU0 has 11.6 GiB" in reason, reason
+    server.shell(BOB, f"touch {done}")
+
+
 def test_a_file_of_the_single_file_kind_in_a_shared_directory_is_not_believed(
     server: Server,
 ) -> None:
