@@ -629,6 +629,47 @@ def test_a_job_cancelled_as_its_run_ran_out_of_memory_is_not_queued_again(
     assert [e["kind"] for e in events.read_events(tmp_path)] == ["submit", "admit", "start"]
 
 
+@pytest.mark.parametrize("ended", ["command", "gpuwait"])
+def test_a_process_under_a_pid_a_job_had_is_not_refused_adoption(
+    tmp_path: Path, ended: str
+) -> None:
+    # A job's command ended and its pid was taken by an unrelated shell since, while the job's
+    # gpuwait lives on (finishing); or its gpuwait was killed, its command left running, and
+    # the gpuwait's pid was taken: a program that shell runs was refused adoption, 'already
+    # belongs to gpuwait job ID'.
+    ledger = Ledger(tmp_path)
+    env = {**os.environ, "GPUWAIT_JOB_ID": "ended"}
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True, env=env)
+    shell = subprocess.Popen(["sh", "-c", "sleep 60; :"], start_new_session=True)
+    try:
+        wait_for(lambda: proc.process_tree([shell.pid]) != {shell.pid}, timeout=30)
+        (program,) = set(proc.process_tree([shell.pid])) - {shell.pid}
+        began = proc.start_time(shell.pid)
+        assert began is not None
+        # The process the entry names had the shell's pid and ended a second before the shell
+        # began; the entry's other process lives.
+        if ended == "command":
+            job = live_job("ended", other.pid, child_pid=shell.pid, child_start_time=began - 100)
+        else:
+            job = live_job(
+                "ended",
+                shell.pid,
+                start_time=began - 100,
+                orphaned_at=time.time(),
+                child_pid=other.pid,
+                child_start_time=proc.start_time(other.pid),
+            )
+        with ledger.transaction() as data:
+            data.jobs.append(job._replace(state=RUNNING, gpu_uuids=["GPU-0"]))
+        adopted = lifecycle.adopt(ledger, live_job("adopted", pid=program, state=RUNNING))
+        assert adopted.pid == program
+        assert [j.id for j in ledger.read().jobs] == ["ended", "adopted"]
+    finally:
+        for started in (shell, other):
+            os.killpg(started.pid, 9)
+            started.wait(timeout=30)
+
+
 def test_a_resumed_run_over_its_reservation_is_said_so_again(tmp_path: Path) -> None:
     # A --pausable job's run went over its reservation, then it stepped aside. Waiting, status
     # went on showing it over its reservation, and when its resumed run went over by a little
