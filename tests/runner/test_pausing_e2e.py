@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import REPO
 from helpers.fixtures_sim import hold_card
-from helpers.waiting import catches_signal, ledger_entries, wait_for
+from helpers.waiting import catches_signal, ledger_entries, process_state, wait_for
 
 from gpuwait.gpu.sim import SimBackend
 from gpuwait.history.record import run_stat
@@ -798,9 +798,12 @@ def test_a_job_that_ends_when_asked_to_step_aside_teaches_no_size(
     assert json.loads(learned.stdout)["estimate_bytes"] is None, learned.stdout
 
 
-def asked_to_step_aside(state: Path, **fields: Any) -> tuple[Ledger, Job, Job]:
-    """A running --pausable job (`fields` added) that an urgent waiter asked to step aside, in the
-    ledger in `state`: (the ledger, the job, the urgent job)."""
+def asked_to_step_aside(
+    state: Path, asker: int | None = None, **fields: Any
+) -> tuple[Ledger, Job, Job]:
+    """A running --pausable job (`fields` added) that an urgent waiter (whose gpuwait is the
+    process `asker`, this one by default) asked to step aside, in the ledger in `state`: (the
+    ledger, the job, the urgent job)."""
     from helpers.jobs import live_job
 
     from gpuwait.core.pausing import PauseRules
@@ -822,7 +825,7 @@ def asked_to_step_aside(state: Path, **fields: Any) -> tuple[Ledger, Job, Job]:
         request={"bytes": 16 * gib},
         **fields,
     )
-    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * gib})
+    urgent = live_job("urgent", asker, state=WAITING, priority=5, request={"bytes": 16 * gib})
     with ledger.transaction() as data:
         data.jobs[:] = [victim, urgent]
     assert ask_for_room(ledger, urgent, card, 0.9, PauseRules(min_runtime=1.0)) == ("long",)
@@ -866,6 +869,45 @@ def test_a_request_withdrawn_within_the_grace_kills_nothing(
     responder.signalled_at -= 31  # its grace is over
     responder.check(command.pid)
     assert not responder.killed and command.poll() is None, "TERM for a request nobody makes"
+
+
+@pytest.mark.parametrize("when", ["signal", "TERM"])
+def test_a_request_whose_asker_was_stopped_since_it_was_looked_up_is_not_carried_out(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]], when: str
+) -> None:
+    """The urgent job's gpuwait is stopped (Ctrl-Z) after the --pausable job's gpuwait looked its
+    request up, and nothing is written in the ledger since: stopping a process writes nothing.
+    Passed over while stopped, the urgent job would start nothing in the room: once the command
+    catches its signal it is not sent it, and a --grace-kill job past its grace is not TERMed."""
+    from gpuwait.runner.paused import LOOK_AGAIN_EVERY
+
+    asker = procs(["sleep", "60"])
+    ledger, victim, _urgent = asked_to_step_aside(
+        tmp_path / "state", asker.pid, grace_kill=True, grace_seconds=30.0
+    )
+    responder = PauseResponder(ledger, victim)
+    command = procs([sys.executable, "-c", CATCHER])
+    try:
+        if when == "signal":
+            loading = procs([sys.executable, "-c", "import time; time.sleep(30)"])
+            responder.check(loading.pid)  # asked, but its command does not catch it yet
+        else:
+            wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+            responder.check(command.pid)  # its checkpoint signal: the grace begins
+            assert responder.signalled_at is not None
+            responder.check(command.pid)  # the signal written down, looked up again
+            responder.signalled_at -= 31  # its grace is over
+        signalled = responder.signalled_at
+        asker.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(asker.pid) == "T", timeout=30)
+        wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+        assert responder.looked_at is not None
+        responder.looked_at -= LOOK_AGAIN_EVERY  # its last look is that long ago
+        responder.check(command.pid)
+        assert responder.signalled_at == signalled, "signalled for a stopped waiter"
+        assert not responder.killed and command.poll() is None, "TERM for a stopped waiter"
+    finally:
+        asker.send_signal(signal.SIGCONT)
 
 
 def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_did(
