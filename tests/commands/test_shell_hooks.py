@@ -470,6 +470,31 @@ def test_wrap_rules_from_the_config_file(
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_wrap_only_in_naming_where_a_symlinked_directory_leads_wraps_there(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # ml is a link to data/ml, and wrap_only_in names data/ml: a shell that went through the
+    # link has ml as its $PWD, and the directory it is really in must match too.
+    target = tmp_path / "data" / "ml"
+    target.mkdir(parents=True)
+    (target / "probe.py").write_text(PROBE)
+    (tmp_path / "ml").symlink_to(target)
+    script = (
+        f"{init_line(shell, '--always')}\n"
+        "cd ml\n"
+        "python probe.py through-the-link\n"
+        f"cd {tmp_path}\n"
+        "python probe.py outside\n"
+    )
+    env = {**hook_env, "GPUWAIT_WRAP_ONLY_IN": str(target)}
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    inside, outside = probe_lines(done.stdout)
+    assert inside["cuda"] in sim_uuids(), done.stderr
+    assert outside["cuda"] is None
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_the_documented_rc_line_is_quiet_where_gpuwait_is_not_installed(
     shell: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:
