@@ -453,13 +453,20 @@ def spawn_when_possible(
         pause = min(pause * 2, START_RETRY_LAST)
 
 
+#: Apptainer (APPTAINERENV_) and Singularity (SINGULARITYENV_) set a variable of these names,
+#: prefix taken off, inside the container, even with --cleanenv or --containall, which leave
+#: out CUDA_VISIBLE_DEVICES: the container's CUDA would see every GPU that --nv binds in.
+CONTAINER_ENV_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
+
+
 def forget_job(env: MutableMapping[str, str]) -> None:
     """Take out of `env` what `command_env` gave an ended job's command, for a process that
     outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and
     its name are no new job's."""
     given = {env.get("GPUWAIT_GPU_UUIDS"), env.get("GPUWAIT_GPU_INDICES")} - {None}
-    if env.get("CUDA_VISIBLE_DEVICES") in given:
-        del env["CUDA_VISIBLE_DEVICES"]
+    for prefix in ("", *CONTAINER_ENV_PREFIXES):
+        if env.get(prefix + "CUDA_VISIBLE_DEVICES") in given:
+            del env[prefix + "CUDA_VISIBLE_DEVICES"]
     for name in (
         JOB_ID_VARIABLE,
         JOB_PID_VARIABLE,
@@ -482,10 +489,18 @@ def command_env(
     uuids = ",".join(job.gpu_uuids)
     indices = ",".join(str(i) for i in gpu_indices)
     env = dict(os.environ)
+    gpus = {
+        "CUDA_VISIBLE_DEVICES": indices if by_index else uuids,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
     env.update(
         {
-            "CUDA_VISIBLE_DEVICES": indices if by_index else uuids,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            **gpus,
+            **{
+                prefix + name: value
+                for prefix in CONTAINER_ENV_PREFIXES
+                for name, value in gpus.items()
+            },
             JOB_ID_VARIABLE: job.id,
             JOB_PID_VARIABLE: str(os.getpid()),
             JOB_START_VARIABLE: proc.start_field(os.getpid()) or "",

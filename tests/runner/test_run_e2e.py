@@ -39,7 +39,13 @@ def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
 
 def env_of(gpuwait_cmd: list[str], *opts: str, env: dict[str, str] | None = None) -> dict[str, str]:
     script = "import json, os; print(json.dumps(dict(os.environ)))"
-    done = run([*gpuwait_cmd, *opts, "--", sys.executable, "-c", script], env=env)
+    # After the options and `--`, or after the start of a command they already hold.
+    line = (
+        [*opts, sys.executable, "-c", script]
+        if "--" in opts
+        else [*opts, "--", sys.executable, "-c", script]
+    )
+    done = run([*gpuwait_cmd, *line], env=env)
     assert done.returncode == 0, done.stderr
     return dict(json.loads(done.stdout))
 
@@ -78,6 +84,36 @@ def test_devices_option(sim: Path, gpuwait_cmd: list[str]) -> None:
         env_of(gpuwait_cmd, "--vram", "1G", "--devices", "1")["CUDA_VISIBLE_DEVICES"]
         == uuids(sim)[1]
     )
+
+
+#: A stand-in for `apptainer exec --nv --cleanenv IMAGE CMD...` (and singularity's): what the
+#: command in the container gets of the caller's environment is every APPTAINERENV_ variable
+#: (SINGULARITYENV_ for singularity), its prefix taken off, and nothing else of gpuwait's.
+CLEANENV_CONTAINER = """#!/usr/bin/env python3
+import os, sys
+prefix = os.path.basename(sys.argv[0]).upper() + "ENV_"
+command = sys.argv[5:]
+env = {k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
+os.execve(command[0], command, {"PATH": os.environ["PATH"], **env})
+"""
+
+
+@pytest.mark.parametrize("engine", ["apptainer", "singularity"])
+def test_a_container_that_cleans_its_environment_keeps_the_reserved_gpu(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, engine: str
+) -> None:
+    # `apptainer exec --nv --cleanenv` (or --containall), as many clusters advise, left out
+    # CUDA_VISIBLE_DEVICES: the container's CUDA saw every GPU --nv binds in and took GPU 0,
+    # whichever gpuwait had reserved, beside the jobs there.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / engine).write_text(CLEANENV_CONTAINER)
+    (bin_dir / engine).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    opts = ("--vram", "1G", "--devices", "1", "--", engine, "exec", "--nv", "--cleanenv", "img.sif")
+    seen = env_of(gpuwait_cmd, *opts, env=env)
+    assert seen.get("CUDA_VISIBLE_DEVICES") == uuids(sim)[1], seen
+    assert seen.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
 
 
 def test_visible_devices_index_gives_programs_that_parse_integers_nvml_indices(
