@@ -5,11 +5,12 @@ No I/O, no clock, no NVML: everything it needs is passed in, so it can be proper
 Per GPU:
     usable    = total * safety
     external  = device used - memory observed for gpuwait jobs on that GPU   (never below 0)
-    committed = sum over running jobs of max(reserved, observed)
+    committed = sum over running jobs of max(reserved, observed, grown)
     room      = usable - external - committed
 
 A job that has not allocated yet still holds its reservation; a job that grew past it counts at
-its real size; and nothing is counted twice, because what a job really uses is taken out of
+its real size, and at the most it grew to for as long as it runs (memory it let go of, it takes
+again: a waiter started into it would run out); and nothing is counted twice, because what a job really uses is taken out of
 `external` before `committed` adds it back.
 
 The queue (`plan`): waiters are looked at in queue order (priority, then submission). One that
@@ -126,6 +127,9 @@ class Claim(Record, frozen=True):
     reserved_by_gpu: Mapping[str, int] = MappingProxyType({})
     #: Bytes the job's process tree was last seen using, per GPU UUID.
     observed: Mapping[str, int] = MappingProxyType({})
+    #: Bytes the job's process tree was seen using past its reservation in this run, at the
+    #: most, per GPU UUID: it holds that much from then on.
+    grown: Mapping[str, int] = MappingProxyType({})
     #: Per GPU UUID, the memory no process's figure accounted for there when it was admitted
     #: (`unlisted_bytes`), before its command started: never its own. Empty where unknown.
     unlisted_at_start: Mapping[str, int] = MappingProxyType({})
@@ -175,8 +179,8 @@ class Claim(Record, frozen=True):
 
     def holds_on(self, uuid: str) -> int:
         """What it counts for on the GPU `uuid`: its reservation there, or what it uses there
-        where that is more."""
-        return max(self.reserved_on(uuid), self.observed.get(uuid, 0))
+        or used there at the most past it, where that is more."""
+        return max(self.reserved_on(uuid), self.observed.get(uuid, 0), self.grown.get(uuid, 0))
 
     def sort_key(self) -> tuple[int, float, int]:
         """Queue order: higher priority first, then the user with less usage, then earlier

@@ -370,6 +370,7 @@ def claim_of(
         reserved_bytes=job.reserved_bytes,
         reserved_by_gpu=reserved_less(job, gpus),
         observed=observed,
+        grown={u: b for u, b in job.grown.items() if u in job.gpu_uuids},
         # Written for this run, not an earlier one an older gpuwait started the job again after.
         unlisted_at_start=dict(job.unlisted_at_start)
         if job.unlisted_started_at is not None and job.unlisted_started_at == job.started_at

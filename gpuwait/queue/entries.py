@@ -89,6 +89,9 @@ class Job(Record):
     #: of several GPUs reserves what it uses on each.
     reserved_by_gpu: dict[str, int] = field(default_factory=dict)
     observed: dict[str, int] = field(default_factory=dict)
+    #: Per GPU UUID, the most its process tree was seen using there past its reservation in
+    #: this run: room it has shown it takes, which it may take again after letting it go.
+    grown: dict[str, int] = field(default_factory=dict)
     #: Per GPU UUID, the memory no process's figure accounted for there when it was admitted
     #: (`policy.unlisted_bytes`), before its command started: someone else's, whatever the
     #: driver lists later without a figure. Empty: admitted by an older version, or adopted.
@@ -283,6 +286,7 @@ class Job(Record):
             reserved_bytes=_int(raw, "reserved_bytes", 0, 2**62),
             reserved_by_gpu=_observed(raw.get("reserved_by_gpu"), "reserved_by_gpu"),
             observed=_observed(raw.get("observed")),
+            grown=_observed(raw.get("grown"), "grown"),
             unlisted_at_start=_observed(raw.get("unlisted_at_start"), "unlisted_at_start"),
             unlisted_started_at=_lenient_seconds(raw.get("unlisted_started_at")),
             pids=_pid_list(raw.get("pids", [])),

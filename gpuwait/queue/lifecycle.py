@@ -1257,6 +1257,8 @@ def publish_usage(
         for uuid, used in usage.items():
             health = data.book.health.get(uuid)
             reserved = mine.reserved_on(uuid)
+            if 0 < reserved < used and used > mine.grown.get(uuid, 0):
+                mine.grown[uuid] = used
             found = overuse(reserved, used, health.total_bytes if health else 0, margin)
             if found is None or used <= mine.overuse_bytes:
                 continue
@@ -1444,6 +1446,7 @@ def _queued_again(mine: Job, now: float) -> None:
     mine.held_by = []
     mine.overuse_since, mine.overuse_bytes, mine.overuse_total_bytes = None, 0, 0
     mine.overuse_gpu = None
+    mine.grown = {}
     mine.updated_at = now
 
 

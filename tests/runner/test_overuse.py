@@ -4,6 +4,7 @@ history record, with the likely cause and what to do."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from helpers.fixtures_nvml import FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
 from helpers.history import recorded_runs
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import asleep_waiting, ledger_entries, named_entry, wait_for
 
 from gpuwait.core.overuse import overuse
 from gpuwait.queue import events as event_log
@@ -162,3 +163,59 @@ def test_past_its_share_of_the_smaller_of_two_cards_is_called_out(
     assert "uses 16.0 GiB of its 12.0 GiB reservation" in status
     said = [e for e in event_log.read_events(state_dir()) if e["kind"] == "over-reservation"]
     assert [e["reserved_bytes"] for e in said] == [12 * GiB]
+
+
+def test_a_job_that_grew_past_its_reservation_keeps_that_room_while_it_runs(
+    sim_file: SimFileFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A job of 2 GiB that took 18 GiB, let it go (an evaluation in a process of its own, a
+    cache emptied) and takes it again: a waiter started into the 18 GiB in between would run
+    out of memory, or make it run out."""
+    sim_file(gpus=1, memory="24G")
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    gap, go = tmp_path / "gap", tmp_path / "go"
+    simjob = shlex.join(SIMJOB)
+    phases = (
+        f"{simjob} --vram 18G --hold 1s && touch {gap} && "
+        f"while [ ! -f {go} ]; do sleep 0.05; done && exec {simjob} --vram 18G --hold 2s"
+    )
+    greedy = subprocess.Popen(
+        [*GPUWAIT, "--vram", "2G", "--name", "greedy", "--", "sh", "-c", phases],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    mine: subprocess.Popen[str] | None = None
+    try:
+        wait_for(gap.exists, timeout=60, message="the first phase never ended")
+        entry = named_entry("greedy")
+        assert entry is not None and entry.get("overuse_bytes", 0) >= 16 * GiB, entry
+        mine = subprocess.Popen(
+            [
+                *(*GPUWAIT, "--vram", "12G", "--name", "mine", "--"),
+                *(*SIMJOB, "--vram", "12G", "--ramp", "3s", "--hold", "0.5s"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        waiter = mine
+        wait_for(
+            lambda: (
+                asleep_waiting(waiter.pid) or (named_entry("mine") or {}).get("state") == "running"
+            ),
+            timeout=60,
+            message="the waiter neither waited nor started",
+        )
+        go.touch()
+        _, mine_err = mine.communicate(timeout=120)
+        _, greedy_err = greedy.communicate(timeout=120)
+        assert "out of memory" not in mine_err + greedy_err, mine_err + greedy_err
+        assert (mine.returncode, greedy.returncode) == (0, 0), mine_err + greedy_err
+    finally:
+        go.touch()
+        for proc in (greedy, mine):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.communicate()
