@@ -469,7 +469,11 @@ def gpu_rooms(
         alone = any(c.exclusive for c in on_gpu) or (gpu.one_process_only and bool(on_gpu))
         observed = sum(max(0, c.observed.get(gpu.uuid, 0)) for c in on_gpu)
         committed = sum(c.holds_on(gpu.uuid) for c in on_gpu)
-        others = [p for p in gpu.processes if p.pid not in ours]
+        # A running job's process on a GPU it was not given (CUDA_VISIBLE_DEVICES set again in
+        # it) is no job's there: a card that takes one process at a time is that process's.
+        here = frozenset().union(*(c.pids for c in on_gpu))
+        astray = frozenset().union(*(c.pids for c in running)) - here
+        others = [p for p in gpu.processes if p.pid not in ours or p.pid in astray]
         ignored = [p for p in others if p.name is not None and p.name in ignore_processes]
         # The most careful of the users whose jobs run there decides how full it gets: a user
         # with a laxer safety of their own fills it no further than theirs.

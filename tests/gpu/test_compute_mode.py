@@ -8,6 +8,7 @@ Real pynvml over the fake libnvidia-ml.so.1, and the simulation's `compute_mode`
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from helpers.fixtures_nvml import (
     FakeGpu,
     FakeNvml,
 )
-from helpers.fixtures_sim import SimFileFactory, hold_card, run_sim_job
+from helpers.fixtures_sim import SimFileFactory, hold_card, run_sim_job, wrapped_sim_job
 from helpers.users import clean_up, shared_root
 from helpers.waiting import asleep_waiting, named_entry, wait_for
 
@@ -298,3 +299,39 @@ def test_a_job_kept_off_an_exclusive_card_whose_process_list_fails_is_told_so(
     assert "one is there" not in ran.stderr
     assert "the driver's list of its processes fails" in ran.stderr, ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+def test_a_jobs_process_on_an_exclusive_card_it_was_not_given_holds_that_card(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], sim_jobs: list[subprocess.Popen[str]]
+) -> None:
+    # A job on GPU0 whose command runs a process on GPU1 (CUDA_VISIBLE_DEVICES set again, as
+    # deepspeed --include does): GPU1, in EXCLUSIVE_PROCESS mode, is that process's, and a job
+    # given it would fail in CUDA as "busy or unavailable". The process carries the job's
+    # variables, but it is no job's on GPU1.
+    sim = sim_file(gpus=2, memory="24GiB", compute_mode=["default", "exclusive-process"])
+    stray = shlex.join([*gpuwait_cmd, "sim", "job", "--vram", "1G", "--hold", "30s"])
+    greedy = subprocess.Popen(
+        [
+            *(*gpuwait_cmd, "-q", "--vram", "2G", "--devices", "0", "--name", "greedy", "--"),
+            *("sh", "-c", f"CUDA_VISIBLE_DEVICES=1 exec {stray}"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sim_jobs.append(greedy)
+    wait_for(lambda: greedy.poll() is not None or read_once(sim).gpus[1].used_bytes > 0)
+    assert greedy.poll() is None, greedy.communicate()
+    mine = subprocess.Popen(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "2G", "--devices", "1"], "--vram", "2G"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sim_jobs.append(mine)
+    wait_for(lambda: mine.poll() is not None or asleep_waiting(mine.pid), timeout=60)
+    assert mine.poll() is None, mine.communicate()
+    greedy.terminate()
+    greedy.communicate(timeout=60)
+    _, err = mine.communicate(timeout=120)
+    assert mine.returncode == 0, err
