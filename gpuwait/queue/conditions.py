@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
 from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, UserLimits, user_holdings
-from gpuwait.core.sizes import sizes_on_gpus
+from gpuwait.core.sizes import MemoryRequest, sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
 from gpuwait.history.record import RunOutcome
@@ -318,6 +318,21 @@ def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
     )
 
 
+def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | None:
+    """What `job` asks for: a frozen job's memory comes back as it was, so one frozen past its
+    reservation asks for the most it used there (`Job.grown`), not for its reservation; but no
+    more than its card ever gives a job (its safety's share), or it would never be thawed."""
+    request = job.memory_request()
+    if job.frozen_at is None or request is None or request.bytes is None:
+        return request
+    held = 0
+    for gpu in gpus:
+        if gpu.uuid in job.frozen_gpus and gpu.uuid in job.grown:
+            most = gpu.total_bytes if job.safety is None else int(gpu.total_bytes * job.safety)
+            held = max(held, min(job.grown[gpu.uuid], most))
+    return MemoryRequest(bytes=held) if held > request.bytes else request
+
+
 def claim_of(
     job: Job,
     gpus: Sequence[GpuSnapshot],
@@ -357,7 +372,7 @@ def claim_of(
         running=job.state == RUNNING,
         priority=job.effective_priority,
         order=job.order,
-        request=job.memory_request(),
+        request=thawed_request(job, gpus),
         gpus_wanted=job.gpus,
         # A frozen job's memory can come back only on the GPUs it was frozen on.
         candidates=frozenset(job.frozen_gpus)

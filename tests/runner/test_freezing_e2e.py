@@ -518,3 +518,45 @@ def test_a_job_killed_after_a_thaw_is_charged_its_run_before_the_freeze(
     held += other["finish"] - other["start"]
     (usage,) = Ledger(Path(os.environ["XDG_STATE_HOME"]) / "gpuwait").read().usage.values()
     assert usage.vram_seconds / (16 * GiB) >= held - 0.3, (held, usage)
+
+
+def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_for_all_it_held(
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A --vram 4G job that holds 14 GiB is frozen for an urgent 16 GiB job that loads over a few
+    # seconds. Thawed into the 5.6 GiB left beside the urgent one (its 4 GiB fit), it would
+    # bring its 14 GiB back while the urgent one is still loading, and that one would run out.
+    report = tmp_path / "low.json"
+    low = subprocess.Popen(
+        wrapped_sim_job(
+            gpuwait_cmd,
+            ["--priority", "1", "--freezable", "--vram", "4G"],
+            *("--vram", "14G", "--hold", "4s", "--report", str(report)),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    urgent = None
+    try:
+        wait_until_old_enough()
+        wait_for(
+            lambda: any(j.get("overuse_since") for j in ledger_entries()),
+            timeout=60,
+            message=lambda: f"never seen past its reservation: {ledger_entries()}",
+        )
+        urgent = subprocess.Popen(
+            wrapped_sim_job(
+                gpuwait_cmd,
+                ["--priority", "5", "--vram", "16G"],
+                *("--vram", "16G", "--ramp", "4s", "--hold", "1s"),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        succeeded(urgent, low)
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    assert "freeze" in kinds()
+    assert not any(e.get("oom") for e in events() if e["kind"] == "finish"), events()
