@@ -173,6 +173,7 @@ def supervise(
         while True:
             returncode = ended(child)
             if returncode is not None:
+                _drop_stops_sent_by(child)
                 result.returncode = returncode
                 # The time it was frozen is no run time: it did no work, and held no room.
                 frozen = 0.0 if responder is None else responder.frozen_seconds
@@ -200,7 +201,13 @@ def supervise(
                 continue
             if subshell_ended_with_its_job(info, witness):
                 continue
-            if info.si_signo in _STOPPING and result.stopped_by is None:
+            if (
+                info.si_signo in _STOPPING
+                and result.stopped_by is None
+                and not _sent_by_the_command(info, child)
+            ):
+                # Not one the command sent itself: a script's `trap 'kill 0' EXIT` ends its
+                # own process group, gpuwait's too, and nobody stopped the run.
                 result.stopped_by = info.si_signo
             if (
                 responder is not None
@@ -219,6 +226,18 @@ def supervise(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         witness.close()
+
+
+def _drop_stops_sent_by(child: int) -> None:
+    """Take the stopping signals still pending that the command under `child`, now ended, sent
+    (its last act, a script's `trap 'kill 0' EXIT`): they asked nobody to stop gpuwait. Any
+    other is put back, for the caller to see (signals.stop_pending)."""
+    for signum in _STOPPING & signal.sigpending():
+        info = signal.sigtimedwait([signum], 0)
+        if info is None:
+            continue
+        if not (info.si_code <= 0 and info.si_pid == child):
+            signals.keep_pending(signum)
 
 
 def _sent_by_the_command(info: signal.struct_siginfo, child: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shlex
 import signal
@@ -104,3 +105,39 @@ def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
     assert "gpuwait got SIGTERM" in err and "was cancelled" not in err, err
     assert returncode == 1, err
     assert ledger_entries() == []
+
+
+def test_a_script_that_ends_its_process_group_on_exit_is_still_retried(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `trap 'kill 0' EXIT`, the idiom that ends a script's background children, sends TERM
+    # to the script's whole process group, gpuwait's too. The script's own command ran out of
+    # memory: gpuwait took the TERM for one from outside, recorded the run as stopped by it
+    # (stopped_by 15) and did not retry. The status is the script's own, as bare (-15).
+    sim_file(gpus=1, memory="24GiB")
+    starts = tmp_path / "starts"
+    script = (
+        f"trap 'kill 0' EXIT; echo started >> {shlex.quote(str(starts))}; "
+        f"{shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    bare = subprocess.run(
+        ["bash", "-c", script], start_new_session=True, capture_output=True, timeout=60
+    )
+    starts.unlink()
+    launch = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "bash", "-c", script],
+        start_new_session=True,  # kill 0 reaches the group, not this test's
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert starts.read_text() == "started\nstarted\n", launch.stderr
+    assert "retrying" in launch.stderr and "not retried" not in launch.stderr, launch.stderr
+    assert launch.returncode == bare.returncode == -signal.SIGTERM, launch.stderr
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
+    assert [(e["outcome"], e.get("signal")) for e in finishes][-1:] == [("failed", 15)], finishes
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r.get("stopped_by") for r in json.loads(runs.stdout)] == [None, None], runs.stdout
