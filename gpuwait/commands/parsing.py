@@ -102,7 +102,7 @@ class Parser(argparse.ArgumentParser):
                 word = flags + word[1:]
                 hint = (
                     None
-                    if hint is None
+                    if hint is None or self._ends_at_once(flags)
                     else hint.replace("did you mean ", f"did you mean {flags} ")
                 )
             raise UsageError(
@@ -113,6 +113,17 @@ class Parser(argparse.ArgumentParser):
         if unknown is not None:
             message = f"unrecognized arguments: {unknown}"
         raise UsageError(f"{message}; see '{self.prog} --help'", hint=self._suggestion(message))
+
+    def _ends_at_once(self, flags: str) -> bool:
+        """Whether one of the short `flags` (-qh) prints something and ends (help, version):
+        a line that keeps it runs nothing of what was meant."""
+        return any(
+            isinstance(
+                self._option_string_actions.get(f"-{flag}"),
+                (argparse._HelpAction, argparse._VersionAction),
+            )
+            for flag in flags[1:]
+        )
 
     def _unknown_option(self, message: str) -> str | None:
         """The first word given that looks like no option of this parser's, where `message`

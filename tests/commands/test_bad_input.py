@@ -501,6 +501,22 @@ def test_bad_input_is_answered_at_once(sim: Path, isolated_dirs: Path, name: str
     assert not ledger.exists() or json.loads(ledger.read_text())["jobs"] == []
 
 
+@pytest.mark.parametrize("word", ["-qhvram", "-hqvram", "-hvram"])
+def test_a_hint_never_gives_a_line_that_prints_help(sim: Path, word: str) -> None:
+    # -qhvram 4G was answered "did you mean -qh --vram?": that line prints help and runs
+    # nothing. The error still names the word; no hint is given.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", word, "4G", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: {word} is no option: a long option takes two dashes; see 'gpuwait --help'"
+    ], done.stderr
+
+
 def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -> None:
     # In a directory with a space in its name: the hint's "chmod o-w /etc/my site/...", pasted,
     # changed /etc/my and failed on the rest; the path is quoted as the shell needs it now.
