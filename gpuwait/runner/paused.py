@@ -41,9 +41,10 @@ class PauseResponder:
         #: timed there, so a wall clock stepped forward (NTP) never cuts it short.
         self.signalled_at: float | None = None
         self.killed = False
-        #: The gpuwait processes of the other jobs: one in the command's tree runs a job of
-        #: its own (a pipeline's step), whose processes the checkpoint signal is not for.
-        self.others: frozenset[int] = frozenset()
+        #: The other entries of the job's user's as of the last look, and the gpuwait
+        #: processes among them (`others`), once asked for.
+        self._entries: list[Job] = []
+        self._others: frozenset[int] | None = frozenset()
         #: As FreezeResponder's: a pausable job steps aside by ending, never frozen.
         self.frozen_seconds = 0.0
 
@@ -57,20 +58,9 @@ class PauseResponder:
             self.requested = False
             return
         self.token, self.looked_at = token, now
-        self.others = frozenset(
-            j.pid
-            for j in data.jobs
-            if j.id != self.job.id
-            # A step runs as the job's own user: another member's entry, naming a process of
-            # this job's, must not keep it from its signal.
-            and j.uid == self.job.uid
-            and not elsewhere(j)
-            # A program holding room through gpuwait.reserve() (or %gpuwait) is its own
-            # entry's "gpuwait": still this job's command, whose signal it is.
-            and j.child_pid != j.pid
-            and proc.is_alive(j.pid, j.start_time)
-            and security.looks_like_gpuwait(j.pid)
-        )
+        # Their processes are read once a signal is to be sent (`others`), not on every change
+        # of the ledger: a sweep of a thousand entries costs tens of milliseconds to read.
+        self._entries, self._others = data.jobs, None
         entry = data.find(self.job.id)
         self.requested = entry is not None and entry.pause_requested_at is not None
         self.unmarked = (
@@ -78,6 +68,27 @@ class PauseResponder:
             and not self.requested
             and any(r.kind == PAUSE and r.targets(entry) for r in data.requests)
         )
+
+    @property
+    def others(self) -> frozenset[int]:
+        """The gpuwait processes of the other jobs: one in the command's tree runs a job of its
+        own (a pipeline's step), whose processes the checkpoint signal is not for."""
+        if self._others is None:
+            self._others = frozenset(
+                j.pid
+                for j in self._entries
+                if j.id != self.job.id
+                # A step runs as the job's own user: another member's entry, naming a process
+                # of this job's, must not keep it from its signal.
+                and j.uid == self.job.uid
+                and not elsewhere(j)
+                # A program holding room through gpuwait.reserve() (or %gpuwait) is its own
+                # entry's "gpuwait": still this job's command, whose signal it is.
+                and j.child_pid != j.pid
+                and proc.is_alive(j.pid, j.start_time)
+                and security.looks_like_gpuwait(j.pid)
+            )
+        return self._others
 
     def tree(self, child: int) -> set[int]:
         """The processes of the command, but for those of the jobs run inside it."""

@@ -910,6 +910,42 @@ def test_a_request_whose_asker_was_stopped_since_it_was_looked_up_is_not_carried
         asker.send_signal(signal.SIGCONT)
 
 
+def test_a_change_of_the_ledger_reads_no_other_process_while_nobody_asks(
+    tmp_path: Path, procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A running --pausable job looks its entry up on every change of the ledger. With a sweep
+    # of its user's queued beside it, each look also read every entry's process (alive? a
+    # gpuwait?) for a signal nobody asked for: 30 ms a change with 1000 entries, 46 ms for
+    # the read itself (bench/pause_look.py). They are read only for a signal to send.
+    from helpers.jobs import live_job
+
+    from gpuwait.linux import security
+    from gpuwait.queue.entries import RUNNING, WAITING
+
+    read: list[int] = []
+    looks = security.looks_like_gpuwait
+    monkeypatch.setattr(security, "looks_like_gpuwait", lambda pid: read.append(pid) or looks(pid))
+    ledger = Ledger(tmp_path / "state")
+    sweep = [procs(["sleep", "30"]) for _ in range(3)]
+    job = live_job("long", state=RUNNING, pausable=True, gpu_uuids=["GPU-0"], child_pid=1)
+    with ledger.transaction() as data:
+        data.jobs[:] = [job] + [
+            live_job(f"w{i}", p.pid, state=WAITING, order=i + 2) for i, p in enumerate(sweep)
+        ]
+    command = procs([sys.executable, "-c", CATCHER])
+    wait_for(lambda: catches_signal(command.pid, SIGNAL), timeout=30)
+    responder = PauseResponder(ledger, job)
+    for i in range(3):
+        with ledger.transaction() as data:
+            data.jobs[1 + i].updated_at = time.time()
+        responder.check(command.pid)
+    assert read == [] and responder.signalled_at is None
+    # Its command's tree, for a checkpoint signal sent to gpuwait (Slurm's), still leaves out
+    # the other jobs' gpuwait processes: each is read then.
+    assert responder.tree(command.pid) == {command.pid}
+    assert sorted(read) == sorted(p.pid for p in sweep)
+
+
 def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_did(
     quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
