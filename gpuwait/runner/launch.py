@@ -245,12 +245,16 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
     ]
     kept.insert(spans[0][0], names)
     what = f"the GPUs its own option names ({given})"
+    where = len(argv) - len(step.argv)
     if step.program == NVIDIA_DOCKER:
         # It adds the NVIDIA runtime; docker itself takes --gpus.
         kept[0] = "docker"
-        if not given:
+        # And NVIDIA_VISIBLE_DEVICES=$NV_GPU where NV_GPU is set, before the options given.
+        nv_gpu = os.environ.get("NV_GPU", "") if where == 0 else ""
+        if not given and nv_gpu:
+            what = f"the GPUs NV_GPU names (NV_GPU={shlex.quote(nv_gpu)})"
+        elif not given:
             what = "the GPUs of the NVIDIA runtime it adds (every GPU, for a CUDA image)"
-    where = len(argv) - len(step.argv)
     if tuple(argv[where:]) == step.argv:
         # The wrappers before it run inside the shell, which names the GPUs.
         code = " ".join(["exec", *(shlex.quote(word) for word in argv[:where]), *kept])

@@ -488,6 +488,23 @@ def test_nvidia_docker_is_refused_for_the_runtime_it_adds(
     assert not ran.exists()
 
 
+def test_nvidia_docker_under_nv_gpu_is_refused_for_the_gpus_nv_gpu_names(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # NV_GPU=1 gpuwait --vram 4G -- nvidia-docker run IMG ...: nvidia-docker gives the
+    # container GPU 1 (NVIDIA_VISIBLE_DEVICES=$NV_GPU), not every GPU, which the refusal said;
+    # it did not say that NV_GPU names no GPU of the job's.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker")
+    done = gpuwait(gpuwait_cmd, ["nvidia-docker", "run", "img"], {**env, "NV_GPU": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        "gpuwait: error: nvidia-docker run gives the container the GPUs NV_GPU names "
+        "(NV_GPU=1), not the one gpuwait reserves: "
+    ), done.stderr
+    assert "exec docker run --gpus" in done.stderr
+    assert not ran.exists()
+
+
 @pytest.mark.parametrize(
     "command",
     [
