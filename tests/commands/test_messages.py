@@ -208,6 +208,8 @@ def test_a_subcommands_unknown_option_is_matched_against_its_own_options_only(
     ("argv", "word", "meant"),
     [
         (["adopt", "-vram", "2G", "4242"], "-vram", "--vram"),
+        # No pid: 2G is taken for it, and -vram is still the word named.
+        (["adopt", "-vram", "2G"], "-vram", "--vram"),
         (["adopt", "-name", "train", "4242"], "-name", "--name"),
         (["adopt", "--vrma", "2G", "4242"], "--vrma", "--vram"),
     ],
