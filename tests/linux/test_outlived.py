@@ -182,3 +182,35 @@ def test_a_gpuwait_of_another_user_above_is_told_by_its_command_line(tmp_path: P
         pytest.skip("no Python and checkout here that another user may run")
     above = _above(tmp_path, "gpuwait-old")
     assert _answers(tmp_path, above, _ended_job(), nobody, runnable[0]) == (True, True, True)
+
+
+#: Runs its arguments with GPUWAIT_JOB_ID twice in their environment: another job's first,
+#: then the one asked about (execve takes any list; `env` and shells keep one of each name).
+TWICE = (
+    "import ctypes, os, sys\n"
+    "env = [f'{k}={v}'.encode() for k, v in os.environ.items() if k != 'GPUWAIT_JOB_ID']\n"
+    "env += [b'GPUWAIT_JOB_ID=' + sys.argv[1].encode(), b'GPUWAIT_JOB_ID=' + sys.argv[2].encode()]\n"
+    "args = [a.encode() for a in sys.argv[3:]]\n"
+    "argv = (ctypes.c_char_p * (len(args) + 1))(*args, None)\n"
+    "envp = (ctypes.c_char_p * (len(env) + 1))(*env, None)\n"
+    "ctypes.CDLL(None, use_errno=True).execvpe(args[0], argv, envp)\n"
+)
+
+
+@pytest.mark.parametrize(("first", "runs"), [(JOB, True), ("0f0f0f0f", False)])
+def test_a_process_with_the_job_named_twice_is_read_as_getenv_reads_it(
+    tmp_path: Path, first: str, runs: bool
+) -> None:
+    # A process above whose environment names GPUWAIT_JOB_ID twice, with different values:
+    # getenv, and gpuwait.checkpoint and the shell hook, read the first; gpuwait-docker-run
+    # took it as started in the job where any of the two named it, walked on past it to the
+    # gpuwait above, and started the container where the others took the job for ended.
+    second = "0f0f0f0f" if first == JOB else JOB
+    shell = tmp_path / "shell"
+    shell.write_text(ABOVE)
+    above = [
+        *_above(tmp_path, "gpuwait-old"),
+        *[sys.executable, "-c", TWICE, first, second],
+        *["sh", str(shell), "env", "-u", "NONE"],
+    ]
+    assert _answers(tmp_path, above, _ended_job()) == (runs, runs, runs)
