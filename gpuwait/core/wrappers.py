@@ -11,7 +11,7 @@ from __future__ import annotations
 import os.path
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gpuwait.core.cmdkey import python_runs
 from gpuwait.core.record import Record
@@ -502,13 +502,15 @@ _RUN_SHORT_FLAGS = "ditPq"
 _NO_GPUS = frozenset({"", "none", "void"})
 
 
-def container_gpus(step: Step) -> list[tuple[int, int]]:
+def container_gpus(step: Step, environ: Mapping[str, str] | None = None) -> list[tuple[int, int]]:
     """Where a `docker run`, `podman run` or `nerdctl run` step gives the container GPUs of its
     own (`--gpus all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--device /dev/nvidia0`,
     `--runtime=nvidia` or `-e NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads):
     each such option's words, as
     (start, end) in `step.argv`; none where it gives none, or runs no container. Only the
-    options before its image are looked at: the words after it are its command's."""
+    options before its image are looked at: the words after it are its command's. `environ`:
+    the engine's environment, whose NVIDIA_VISIBLE_DEVICES `-e NVIDIA_VISIBLE_DEVICES` (no
+    value) passes on; where it is not known, that option gives nothing."""
     if step.program not in CONTAINER_ENGINES:
         return []
     argv = step.argv
@@ -549,6 +551,10 @@ def container_gpus(step: Step) -> list[tuple[int, int]]:
                     value = argv[position]
                 break
         position += 1
+        if name in ("-e", "--env") and value == _NVIDIA_ENV[:-1]:
+            # The engine's own value, where it has one; the container gets none where not.
+            passed = (environ or {}).get(value)
+            value = value if passed is None else _NVIDIA_ENV + passed
         found.append((name, value, begin, position))
     given = [v for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
     nvidia = not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS

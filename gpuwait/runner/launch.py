@@ -228,7 +228,8 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
     CUDA_VISIBLE_DEVICES into the container, whose command would run on the GPUs named there,
     those given to other jobs too. The hint is the line that names the GPUs gpuwait reserves
     (GPUWAIT_GPU_UUIDS) instead."""
-    spans = container_gpus(step)
+    # The engine run as the command itself has gpuwait's environment (a wrapper may change it).
+    spans = container_gpus(step, os.environ if len(argv) == len(step.argv) else None)
     if not spans:
         return
     given = " ".join(step.argv[spans[0][0] : spans[0][1]])

@@ -247,3 +247,34 @@ def test_the_gpus_a_container_is_given_by_its_own_options(
 ) -> None:
     spans = container_gpus(Step(argv=tuple(argv)))
     assert [" ".join(argv[begin:end]) for begin, end in spans] == given
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "given"),
+    [
+        # `-e NVIDIA_VISIBLE_DEVICES` with no value passes the caller's on (all, set by a CUDA
+        # image gpuwait runs in), which the NVIDIA runtime reads as the form with a value.
+        (
+            ["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"],
+            {"NVIDIA_VISIBLE_DEVICES": "all"},
+            ["-e NVIDIA_VISIBLE_DEVICES"],
+        ),
+        (
+            ["docker", "run", "--env=NVIDIA_VISIBLE_DEVICES", "--runtime=nvidia", "img"],
+            {"NVIDIA_VISIBLE_DEVICES": "1"},
+            ["--env=NVIDIA_VISIBLE_DEVICES", "--runtime=nvidia"],
+        ),
+        # Unset, the container gets none of it; set to none, no GPU.
+        (["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], {}, []),
+        (
+            ["nvidia-docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"],
+            {"NVIDIA_VISIBLE_DEVICES": "none"},
+            [],
+        ),
+    ],
+)
+def test_a_container_given_the_callers_nvidia_visible_devices_gets_its_gpus(
+    argv: list[str], environ: dict[str, str], given: list[str]
+) -> None:
+    spans = container_gpus(Step(argv=tuple(argv)), environ)
+    assert [" ".join(argv[begin:end]) for begin, end in spans] == given

@@ -488,6 +488,28 @@ def test_nvidia_docker_is_refused_for_the_runtime_it_adds(
     assert not ran.exists()
 
 
+@pytest.mark.parametrize(("value", "status"), [("all", 2), (None, 0), ("none", 0)])
+def test_a_container_passed_the_callers_nvidia_visible_devices_is_refused_where_it_names_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, value: str | None, status: int
+) -> None:
+    # Inside a CUDA image (NVIDIA_VISIBLE_DEVICES=all), `gpuwait --vram 4G -- docker run -e
+    # NVIDIA_VISIBLE_DEVICES img` ran the container, which the NVIDIA runtime gives every GPU:
+    # without a value, -e passes the caller's on, and only -e NVIDIA_VISIBLE_DEVICES=all was
+    # refused.
+    env, ran = fake_bin(tmp_path, "docker")
+    env.pop("NVIDIA_VISIBLE_DEVICES", None)
+    if value is not None:
+        env["NVIDIA_VISIBLE_DEVICES"] = value
+    done = gpuwait(gpuwait_cmd, ["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], env)
+    assert done.returncode == status, done.stderr
+    assert ran.exists() == (status == 0)
+    if status:
+        assert done.stderr.startswith(
+            "gpuwait: error: docker run gives the container the GPUs its own option names "
+            "(-e NVIDIA_VISIBLE_DEVICES)"
+        ), done.stderr
+
+
 def test_nvidia_docker_under_nv_gpu_is_refused_for_the_gpus_nv_gpu_names(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
