@@ -229,12 +229,19 @@ def steps(argv: Sequence[str]) -> list[Step]:
 def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
     """The CODE of `bash -c CODE` (`sh -lc CODE`, `bash -e -c CODE`): the first word after
     the options, where -c is among them; None for a script or a shell given no -c. `glued`:
-    the shell takes a value glued on to -o and -O (zsh's `-opipefail`), as bash does not."""
+    zsh, which takes a value glued on to -o (`-opipefail`), as bash does not, and whose -O is
+    a letter taking no value (CORRECT_ALL), where bash's -O takes the next word; its
+    --emulate takes the next word too."""
+    valued = "o" if glued else "oO"
     command = False
     position = 0
     while position < len(words):
         word = words[position]
-        if word in ("-o", "+o", "-O", "+O", "--rcfile", "--init-file"):
+        if (
+            (len(word) == 2 and word[0] in "-+" and word[1] in valued)
+            or word in ("--rcfile", "--init-file")
+            or (glued and word == "--emulate")
+        ):
             position += 2
             continue
         if word == "--" or word == "-":
@@ -246,9 +253,9 @@ def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
         if len(word) > 1 and word[0] in "-+":
             position += 1
             for offset, letter in enumerate(word[1:], start=1):
-                if glued and letter in "oO" and word[offset + 1 :]:
+                if glued and letter == "o" and word[offset + 1 :]:
                     break  # zsh's value glued on: the rest of the word (`-opipefail`)
-                if letter in "oO":
+                if letter in valued:
                     # Each takes the next word (`bash -eo pipefail -c CODE`).
                     position += 1
                 elif letter == "c" and word[0] == "-":

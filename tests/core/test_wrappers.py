@@ -54,6 +54,12 @@ from gpuwait.core.wrappers import Step, container_gpus, drops_gpus, runs_gpuwait
         (["zsh", "-opipefail", "-c", "srun python x.py"], ["zsh", "srun"]),
         (["zsh", "-eonoclobber", "-c", "sudo -u alice python"], ["zsh", "sudo", "python"]),
         (["zsh", "-onoclobber", "x.sh", "srun"], ["zsh"]),
+        # zsh's -O is CORRECT_ALL, a letter taking no value; its --emulate takes the next word.
+        (["zsh", "-O", "-c", "srun python x.py"], ["zsh", "srun"]),
+        (["zsh", "-Oc", "srun python x.py"], ["zsh", "srun"]),
+        (["zsh", "+O", "x.sh", "-c", "srun"], ["zsh"]),
+        (["zsh", "--emulate", "sh", "-c", "srun python x.py"], ["zsh", "srun"]),
+        (["bash", "-O", "extglob", "-c", "srun python x.py"], ["bash", "srun"]),
         # bash's -o takes the next word, whatever follows it in the cluster (`-oe pipefail`).
         (["bash", "-oe", "pipefail", "-c", "srun python x.py"], ["bash", "srun"]),
         (["runuser", "-l", "-u", "alice", "srun"], ["runuser", "srun"]),

@@ -151,6 +151,10 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
         ["bash", "-euxo", "pipefail", "-c", "srun python x.py"],
         # zsh's -o takes its value glued on as well.
         ["zsh", "-opipefail", "-c", "srun python x.py"],
+        # zsh's -O is a letter of its own (CORRECT_ALL) and takes no value; --emulate takes one.
+        ["zsh", "-O", "-c", "srun python x.py"],
+        ["zsh", "-Oc", "srun python x.py"],
+        ["zsh", "--emulate", "sh", "-c", "srun python x.py"],
         # The code of flock -c, sg -c (and su -c) is a shell's, read as bash -c's is.
         ["flock", "/tmp/l", "-c", "srun python x.py && echo done"],
         ["sg", "video", "-c", "OMP_NUM_THREADS=4 srun python x.py"],
