@@ -32,7 +32,6 @@ from typing import NoReturn
 # otherwise. Re-exported: applications may read it from here.
 from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL
 from gpuwait.core.pausing import DEFAULT_RESUME_EXIT as DEFAULT_RESUME_EXIT
-from gpuwait.linux import outlived
 
 _requested = False
 _installed: int | None = None
@@ -49,6 +48,10 @@ def is_pausable() -> bool:
 def _job_ended() -> bool:
     """Has the job its variables name ended, with no gpuwait of it left above this process?
     (gpuwait.linux.outlived: the shell hooks' rule too.)"""
+    # Here: a program that imports this module outside a --pausable job never walks, and
+    # loads nothing for it.
+    from gpuwait.linux import outlived
+
     return outlived.job_ended(os.environ, os.getpid())
 
 

@@ -144,3 +144,34 @@ def test_a_process_is_pausable_while_the_gpuwait_its_variables_name_runs(
         [sys.executable, "-c", asked], capture_output=True, text=True, timeout=60, env=env
     )
     assert (done.returncode, done.stdout) == (0, f"{pausable}\n"), done.stderr
+
+
+def test_importing_checkpoint_outside_a_pausable_job_loads_no_process_walk() -> None:
+    # Every training program imports gpuwait.checkpoint, most of them never under
+    # gpuwait --pausable: the walk up the processes (gpuwait.linux.outlived and .proc) is
+    # loaded only where a job's variables ask for it.
+    script = (
+        "import sys; from gpuwait import checkpoint; "
+        "print(sorted(m for m in sys.modules if m.startswith('gpuwait'))); "
+        "print(checkpoint.is_pausable()); "
+        "print('gpuwait.linux.outlived' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWAIT_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    loaded, pausable, walked = done.stdout.splitlines()
+    assert eval(loaded) == [
+        "gpuwait",
+        "gpuwait.checkpoint",
+        "gpuwait.core",
+        "gpuwait.core.pausing",
+        "gpuwait.core.record",
+    ]
+    assert (pausable, walked) == ("False", "False")
+    # Under a job's variables, the walk is loaded and asked.
+    env.update(GPUWAIT_PAUSABLE="1", GPUWAIT_JOB_ID="7", GPUWAIT_JOB_PID=str(os.getpid()))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+    )
+    assert done.stdout.splitlines()[1:] == ["True", "True"]
