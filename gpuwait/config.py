@@ -494,9 +494,12 @@ OPTIONS: tuple[Option, ...] = (
         "pause_grace_max",
         _positive_duration,
         DEFAULT_GRACE_MAX,
-        "a waiter waits at most this long for one job it asked to step aside (whatever that "
-        "job's --grace) before asking others",
+        "site config only: a waiter waits at most this long for one job it asked to step aside "
+        "(whatever that job's --grace) before asking others",
         show=format_setting_duration,
+        # It cuts other users' jobs' grace short: a waiter's own 1s would have every job it
+        # asked step aside, a second apart, for one need.
+        site_only=True,
     ),
     Option(
         "wake",

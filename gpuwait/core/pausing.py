@@ -64,7 +64,7 @@ class RunningJob(Record, frozen=True):
 class PauseRules(Record, frozen=True):
     min_runtime: float = DEFAULT_MIN_RUNTIME
     max_pauses: int = DEFAULT_MAX_PAUSES
-    #: The asker's own: it waits for one job it asked at most this long (see still_pending).
+    #: The site's: an asker waits for one job it asked at most this long (see still_pending).
     grace_max: float = DEFAULT_GRACE_MAX
 
 

@@ -321,6 +321,16 @@ CASES: dict[str, Case] = {
         2,
         "only be set by an administrator",
     ),
+    # How long a waiter waits for another user's job to step aside is no waiter's to cut: a
+    # user's 1s had every job it asked step aside, a second apart, for one need.
+    "env pause grace max": (
+        ["true"],
+        {"GPUWAIT_PAUSE_GRACE_MAX": "1s"},
+        None,
+        None,
+        2,
+        "pause_grace_max can only be set by an administrator",
+    ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
     "env config missing": (
         ["true"],
@@ -435,6 +445,7 @@ CASES: dict[str, Case] = {
         "did you mean -q --vram?",
     ),
     "config site-only key": (["true"], {}, "user_max_gpus = 8\n", None, 2, "administrator"),
+    "config pause grace max": (["true"], {}, 'pause_grace_max = "1s"\n', None, 2, "administrator"),
     "config list timeout": (["true"], {}, "timeout = [1, 2]\n", None, 2, "not a duration"),
     "config fractional priority": (["true"], {}, "priority = 3.7\n", None, 2, "priority"),
     "config binary": (["true"], {}, "\udcff\udcfe", None, 2, "not UTF-8"),

@@ -383,7 +383,6 @@ BAD_TEXT = {
     "resume_exit": "True",
     "pause_min_runtime": "abc",
     "pause_max": "True",
-    "pause_grace_max": "0",
     "wake": "True",
     "poll_interval": "abc",
     "nvml_interval": "abc",
