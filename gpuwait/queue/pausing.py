@@ -222,6 +222,17 @@ def pause_progress(
                 f"asked job {victim.id} to checkpoint and step aside "
                 f"(it does not catch {signal_name} yet; signalled once it does)"
             )
+        elif (
+            at - signalled > grace_max
+            and victim.grace_kill
+            and at - signalled <= victim.grace_seconds
+        ):
+            # Its waiter asks others now, but its own gpuwait still ends it at its grace.
+            parts.append(
+                f"job {victim.id} has not stepped aside in {format_duration(grace_max)} "
+                f"(pause_grace_max; other jobs may be asked); it gets TERM at its own grace "
+                f"({format_duration(victim.grace_seconds)})"
+            )
         elif at - signalled > grace_max and (victim.grace_kill or grace_max < victim.grace_seconds):
             parts.append(
                 f"job {victim.id} has not stepped aside in {format_duration(grace_max)} "

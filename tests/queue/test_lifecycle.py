@@ -395,8 +395,39 @@ def test_a_waiter_asks_another_job_once_its_grace_max_has_passed(
     # Signalled 40 s ago, past the waiter's 30 s: the other job is asked.
     lifecycle.pause_signalled(ledger, "deaf", now - 40, [os.getpid()])
     said = pause_progress(ledger.read(), "urgent", time.time(), grace_max=30.0)
-    assert said is not None and "left alone (pause_grace_max" in said, said
+    # Its TERM, with --grace-kill, still comes at its own grace.
+    told = "it gets TERM at its own grace" if grace_kill else "left alone (pause_grace_max"
+    assert said is not None and told in said, said
     assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
+
+
+def test_a_waiter_past_its_grace_max_says_a_grace_kill_job_still_gets_term_at_its_grace(
+    tmp_path: Path,
+) -> None:
+    # A job started with --grace 15m --grace-kill, asked 11 minutes ago: its waiter asks others
+    # past pause_grace_max, but the job is not left alone, its TERM comes at 15 minutes.
+    from gpuwait.queue.entries import LedgerData
+    from gpuwait.queue.pausing import pause_progress
+
+    now = time.time()
+    slow = running_pausable(
+        "slow",
+        1,
+        now - 3600,
+        grace_seconds=900.0,
+        grace_kill=True,
+        pause_requested_at=now - 661,
+        pause_requested_by="urgent",
+        pause_signalled_at=now - 660,
+    )
+    urgent = live_job("urgent", state=WAITING, priority=5, request={"bytes": 16 * GiB})
+    data = LedgerData(jobs=[slow, urgent])
+    said = pause_progress(data, "urgent", now, grace_max=600.0)
+    assert said is not None and "left alone" not in said, said
+    assert "it gets TERM at its own grace (15m00s)" in said, said
+    # Past its own grace too, it ignores the TERM: left alone.
+    said = pause_progress(data, "urgent", now + 300, grace_max=600.0)
+    assert said is not None and "left alone (pause_grace_max" in said, said
 
 
 def test_a_waiter_held_back_by_its_dependencies_asks_nobody_to_step_aside(
