@@ -204,7 +204,7 @@ def supervise(
             if (
                 info.si_signo in _STOPPING
                 and result.stopped_by is None
-                and not _sent_by_the_command(info, child)
+                and not _sent_by_the_command(info, child, False)
             ):
                 # Not one the command sent itself: a script's `trap 'kill 0' EXIT` ends its
                 # own process group, gpuwait's too, and nobody stopped the run.
@@ -212,7 +212,7 @@ def supervise(
             if (
                 responder is not None
                 and info.si_signo == responder.signum
-                and not _sent_by_the_command(info, child)
+                and not _sent_by_the_command(info, child, responder.signalled_at is not None)
             ):
                 # Sent to gpuwait itself, or to the whole group (the command has it then).
                 result.checkpoint_asked = True
@@ -240,12 +240,20 @@ def _drop_stops_sent_by(child: int) -> None:
             signals.keep_pending(signum)
 
 
-def _sent_by_the_command(info: signal.struct_siginfo, child: int) -> bool:
+def _sent_by_the_command(info: signal.struct_siginfo, child: int, asked: bool) -> bool:
     """Whether `info`'s signal was sent (kill(2)) by a process of the command under `child`: a
     launcher that passes its checkpoint signal on to its process group, gpuwait's too, to
     reach its workers. That is no ask to checkpoint from outside (Slurm's warning before a
-    time limit)."""
-    return info.si_code <= 0 and info.si_pid > 0 and info.si_pid in proc.process_tree([child])
+    time limit).
+
+    `asked`: the command was sent its checkpoint signal, to step aside. A sender gone by the
+    time it is looked for (`sh -c 'kill -USR1 0'`, reaped at once) is then taken for one of
+    the command's, passing it on: Slurm's slurmstepd lasts as long as its step."""
+    if info.si_code > 0 or info.si_pid <= 0:
+        return False
+    if info.si_pid in proc.process_tree([child]):
+        return True
+    return asked and not proc.is_alive(info.si_pid, None)
 
 
 class UsageSampler:

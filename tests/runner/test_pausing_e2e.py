@@ -1357,3 +1357,83 @@ def test_a_checkpoint_signal_the_command_passes_on_to_its_group_is_no_time_limit
         if urgent is not None and urgent.poll() is None:
             urgent.terminate()
             urgent.communicate(timeout=30)
+
+
+#: As PASSES_IT_ON, but the process that passes the signal on to the group is a short-lived
+#: one of the command's (`sh -c 'kill -USR1 0'`), gone by the time gpuwait looks at who sent
+#: it: here gpuwait is stopped meanwhile, as a loaded machine may keep it from running.
+PASSES_IT_ON_AND_IS_GONE = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+    if os.environ["GPUWAIT_RESUME_COUNT"] != "0":
+        sys.exit(0)
+    here = Path(sys.argv[1])
+    got = 0
+    def asked(signum, frame):
+        global got
+        got += 1
+    signal.signal(signal.SIGUSR1, asked)
+    while not got:
+        time.sleep(0.05)
+    (here / "asked").touch()
+    while not (here / "stopped").exists():
+        time.sleep(0.05)
+    subprocess.run(["sh", "-c", "kill -USR1 0"])
+    (here / "sent").touch()
+    while not (here / "go").exists():
+        time.sleep(0.05)
+    sys.exit(75)
+    """
+)
+
+
+def test_a_checkpoint_signal_passed_on_by_a_process_of_the_command_gone_since_is_no_time_limit(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """A command asked to step aside whose short-lived helper passes the signal on to the
+    group, gpuwait's too, and has ended before gpuwait looks at who sent it: the job is queued
+    again and resumed (it ended with 75, and never ran again)."""
+    low = subprocess.Popen(
+        [
+            *gpuwait_cmd,
+            "--priority",
+            "1",
+            "--pausable",
+            "--vram",
+            "16G",
+            "--",
+            sys.executable,
+            "-c",
+            PASSES_IT_ON_AND_IS_GONE,
+            str(tmp_path),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its group is its own, not the tests'
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        wait_for(lambda: (tmp_path / "asked").exists(), timeout=60, interval=0.05)
+        os.kill(low.pid, signal.SIGSTOP)
+        (tmp_path / "stopped").touch()
+        wait_for(lambda: (tmp_path / "sent").exists(), timeout=60, interval=0.05)
+        os.kill(low.pid, signal.SIGCONT)
+        wait_for(lambda: process_state(low.pid) != "T", timeout=60, interval=0.05)
+        time.sleep(1.0)  # gpuwait reads the signal: without the time, the test shows nothing
+        (tmp_path / "go").touch()
+        assert urgent.wait(timeout=60) == 0
+        _, err = low.communicate(timeout=60)
+        assert low.returncode == 0, err
+        assert [e["kind"] for e in events()].count("start") == 3  # its two runs, and the urgent
+    finally:
+        if low.poll() is None:
+            os.kill(low.pid, signal.SIGCONT)
+            low.terminate()
+        low.communicate(timeout=30)
+        if urgent is not None and urgent.poll() is None:
+            urgent.terminate()
+            urgent.communicate(timeout=30)
