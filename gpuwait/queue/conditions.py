@@ -333,6 +333,17 @@ def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | Non
     return MemoryRequest(bytes=held) if held > request.bytes else request
 
 
+def grown_of(job: Job) -> dict[str, int]:
+    """The most `job` used past its reservation on each of its GPUs in this run (`Job.grown`);
+    where an older gpuwait runs it, which writes no `grown`, at least the overuse it recorded
+    (`overuse_bytes` on `overuse_gpu`, past its margin): room it takes again once let go."""
+    grown = {u: b for u, b in job.grown.items() if u in job.gpu_uuids}
+    uuid = job.overuse_gpu
+    if uuid is not None and uuid in job.gpu_uuids and job.overuse_bytes > grown.get(uuid, 0):
+        grown[uuid] = job.overuse_bytes
+    return grown
+
+
 def claim_of(
     job: Job,
     gpus: Sequence[GpuSnapshot],
@@ -385,7 +396,7 @@ def claim_of(
         reserved_bytes=job.reserved_bytes,
         reserved_by_gpu=reserved_less(job, gpus),
         observed=observed,
-        grown={u: b for u, b in job.grown.items() if u in job.gpu_uuids},
+        grown=grown_of(job),
         # Written for this run, not an earlier one an older gpuwait started the job again after.
         unlisted_at_start=dict(job.unlisted_at_start)
         if job.unlisted_started_at is not None and job.unlisted_started_at == job.started_at

@@ -330,3 +330,31 @@ def test_memory_unlisted_at_a_run_an_older_gpuwait_started_again_stays_someone_e
     assert gpu_rooms([card], claims[:1], 0.9)["GPU-0"].external >= 8 * GiB
     assert "b" not in plan([card], claims, 0.9).admitted
     alive.release(tmp_path, "0a01")
+
+
+def test_room_a_job_an_older_gpuwait_runs_grew_into_stays_its_own(tmp_path: Path) -> None:
+    # A --vram 2G job run by an older gpuwait of its user's (a venv's own copy), which writes
+    # no `grown`, used 18 GiB of a 24 GiB card and let it go (an evaluation in a process of
+    # its own, a cache emptied): counted at its 2 GiB, a 12 GiB job was started into the
+    # room, and ran out of memory once the other took its 18 GiB back. The older gpuwait
+    # recorded the overuse in the entry all the same.
+    ledger = Ledger(tmp_path)
+    submitted = live_job("0a02", request={"bytes": 2 * GiB})
+    job = lifecycle.submit(ledger, submitted, [], [], tmp_path, ["x"])
+    empty = GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0)
+    admitted, _ = lifecycle.admit(ledger, job, MachineSnapshot("sim", (empty,)), 0.9)
+    assert admitted.state == RUNNING
+    raw = admitted._replace(
+        pids=[os.getpid()],
+        child_pid=os.getpid(),
+        overuse_since=time.time(),
+        overuse_bytes=18 * GiB,
+        overuse_total_bytes=24 * GiB,
+        overuse_gpu="GPU-0",
+    ).to_json()
+    raw.pop("grown", None)  # which that gpuwait knows nothing of
+    older = type(admitted).from_json(raw)
+    card = empty._replace(processes=(ProcessUsage(os.getpid(), 0),))
+    b = Claim("b", False, 3, 1, MemoryRequest(bytes=12 * GiB))
+    assert "b" not in plan([card], [claim_of(older, [card]), b], 0.9).admitted
+    alive.release(tmp_path, "0a02")
