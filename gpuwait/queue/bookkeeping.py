@@ -76,7 +76,7 @@ class Finished(Record):
             how = {OOM_OWN_LIMIT: " at its own limit", OOM_CARD_FULL: " on a full card"}
             return f"ran out of GPU memory{how.get(str(self.oom), '')}"
         if self.outcome == FAILED and self.signal is not None:
-            return f"killed by signal {self.signal}"
+            return f"was killed by signal {self.signal}"
         if self.outcome == FAILED:
             return f"failed with exit status {self.exit_status}"
         return {

@@ -573,6 +573,11 @@ def test_cancel_of_a_job_that_has_ended_says_how_it_ended(sim: Path) -> None:
     by_id = gpuwait("cancel", job_id)
     assert by_id.stderr == done.stderr
     assert "no waiting or running job matches nosuch" in gpuwait("cancel", "nosuch").stderr
+    # One killed by a signal read "it killed by signal 15".
+    assert gpuwait("--vram", "1G", "--name", "shot", "sh", "-c", "kill $$").returncode == -15
+    assert "(shot) has already ended: it was killed by signal 15; nothing" in (
+        gpuwait("cancel", "shot").stderr
+    )
 
 
 def test_log_of_nothing_says_so_as_history_does(sim: Path) -> None:
