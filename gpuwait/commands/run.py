@@ -478,7 +478,9 @@ def _requirements(options: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             percent = -1.0
         if not 0 < percent <= 100:
-            raise UsageError(f"--max-util {options.max_util!r}: give a percentage above 0, e.g. 30")
+            raise UsageError(
+                f"--max-util {options.max_util!r}: give a percentage above 0 and at most 100, e.g. 30"
+            )
         wanted["max_util_pct"] = percent
     return wanted
 

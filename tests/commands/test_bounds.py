@@ -112,6 +112,7 @@ CASES: dict[str, Case] = {
     "arabic-indic timeout": (["--timeout", "٣s", "--vram", "1G", "true"], {}, None, 2, "0-9"),
     "fullwidth safety": (["--safety", "０.５", "--vram", "1G", "true"], {}, None, 2, "fraction"),
     "fullwidth max util": (["--max-util", "５", "--vram", "1G", "true"], {}, None, 2, "max-util"),
+    "max util past 100": (["--max-util", "101", "true"], {}, None, 2, "above 0 and at most 100"),
     "env arabic-indic pause max": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_PAUSE_MAX": "٣"},
