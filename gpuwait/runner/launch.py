@@ -46,12 +46,24 @@ class CommandProblem(GpuwaitError):
         self.exit_code = exit_code
 
 
+#: Programs whose misspelling (`pyhton`) is answered with the one meant, where it is installed.
+_MEANT = ("python", "python3", "torchrun", "accelerate", "deepspeed")
+
+
 def _not_found(argv: Sequence[str]) -> CommandProblem:
     """`argv[0]` is not in PATH: where it is `python` and python3 is (Debian and Ubuntu
-    install no `python`), the hint is the line with python3."""
+    install no `python`), the hint is the line with python3; where it misspells one of
+    _MEANT that is installed, the line with that one."""
     hint = None
     if argv[0] == "python" and which("python3") is not None:
         hint = f"python3 is installed: gpuwait ... -- {shlex.join(['python3', *argv[1:]])}"
+    elif "/" not in argv[0]:
+        from gpuwait.core.text import nearest  # only once a program was not found
+
+        installed = [name for name in _MEANT if which(name) is not None]
+        match = nearest(argv[0], installed, cutoff=0.75)
+        if match is not None:
+            hint = f"did you mean {match}? gpuwait ... -- {shlex.join([match, *argv[1:]])}"
     return CommandProblem(f"{argv[0]}: command not found", EXIT_NOT_FOUND, hint)
 
 

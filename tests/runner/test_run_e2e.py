@@ -658,6 +658,11 @@ def test_python_not_installed_where_python3_is_is_answered_with_python3(
         assert lines[1:] == ["gpuwait: hint: python3 is installed: gpuwait ... -- python3 x.py"]
     else:
         assert lines[1:] == []
+    # A misspelling of it read "pyhton: command not found" alone.
+    done = run([*gpuwait_cmd, "--vram", "4G", "pyhton", "x.py"], env=env)
+    assert done.returncode == 127, done.stderr
+    hint = ["gpuwait: hint: did you mean python3? gpuwait ... -- python3 x.py"]
+    assert done.stderr.splitlines()[1:] == (hint if python3 else [])
     assert ledger_jobs() == []
 
 
