@@ -162,7 +162,10 @@ class Parser(argparse.ArgumentParser):
             options = [o for action in self._actions for o in action.option_strings]
             for word in unknown.group(1).split():
                 if word.startswith("-"):
-                    match = nearest(word.partition("=")[0], options)
+                    name = word.partition("=")[0]
+                    # `--VRAM`: the long option typed in capitals, too far from it for nearest.
+                    folded = name.lower() if name.startswith("--") else name
+                    match = folded if folded in options else nearest(name, options)
                     if match is not None:
                         return f"did you mean {match}?"
             return None
