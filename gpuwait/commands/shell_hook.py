@@ -18,7 +18,7 @@ from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
 from gpuwait.core.cmdkey import python_script_file
 from gpuwait.core.errors import UsageError
-from gpuwait.core.text import whole_number
+from gpuwait.core.text import command_line, whole_number
 from gpuwait.core.wrap import Decision, decide
 from gpuwait.linux import outlived
 from gpuwait.linux.signals import end_with_parent
@@ -58,8 +58,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             return options
         elif not option.startswith("-"):
             # `shell-hook python train.py`: the command's first word, not an option.
-            from gpuwait.core.text import command_line  # only once the line is refused
-
             explain = " --explain" if options.explain else ""
             raise UsageError(
                 f"shell-hook: the command comes after --; {USAGE}",
@@ -86,8 +84,13 @@ def run(options: argparse.Namespace) -> int:
     command: list[str] = options.command
     shell_pids = _hook_shell_pids()
     ended = _job_ended()
+    if options.explain and command[0] in ("time", "noglob"):
+        # The shells' keyword (zsh's modifier): what follows runs as typed alone would, the
+        # hook's function too.
+        command = (command[2:] if command[1:2] == ["-p"] else command[1:]) or command
     decision = decision_for(command, ended)
     if options.explain:
+        decision = _not_hooked(command) or decision
         print(f"{'wrap' if decision.wrap else 'bare'}: {decision.reason}")
         return 0 if decision.wrap else 1
     main, current = shell_pids
@@ -114,6 +117,28 @@ def run(options: argparse.Namespace) -> int:
 
         return run_bare(command)
     return exec_bare(command)
+
+
+def _not_hooked(command: list[str]) -> Decision | None:
+    """For --explain: a line typed so runs no function of the hook's, whatever the rules say
+    (`pip install x`, `.venv/bin/python x.py`, `command python x.py`); None where one runs it."""
+    wrapped = load_settings({}).wrap_commands
+    program = command[0]
+    if program in wrapped:
+        return None
+    if program in ("command", "builtin") and len(command) > 1:
+        return Decision(False, f"`{program}` runs {command_line(command[1:2])} past the hook")
+    if program == "exec" and len(command) > 1:
+        return Decision(
+            False,
+            f"`exec` runs {command_line(command[1:2])} past the hook in bash and fish (zsh's "
+            "runs the hook's function: ask without `exec` there)",
+        )
+    return Decision(
+        False,
+        f"{command_line(command[:1])} is not in wrap_commands ({', '.join(wrapped)}): the hook "
+        "has no function for it, unless its `shell-init --wrap-commands` named it",
+    )
 
 
 def decision_for(command: list[str], job_ended: bool) -> Decision:

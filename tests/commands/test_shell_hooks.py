@@ -552,6 +552,21 @@ def test_explain_says_why(hook_env: dict[str, str], tmp_path: Path) -> None:
     assert code == 1 and "'* serve.py'" in text
     code, text = explain("python", "x.py", GPUWAIT_WRAP_ONLY_IN=f"{tmp_path}/elsewhere")
     assert code == 1 and "not under wrap_only_in" in text
+    # Typed so, these run no function of the hook's: "wrap: no rule says otherwise" was wrong.
+    code, text = explain("pip", "install", "x")
+    assert code == 1 and text.startswith("bare: pip is not in wrap_commands (python, python3, ")
+    assert explain(f"{tmp_path}/python", "train.py")[0] == 1
+    assert explain("command", "python", "train.py") == (
+        1,
+        "bare: `command` runs python past the hook",
+    )
+    assert explain("python", "train.py", GPUWAIT_WRAP_COMMANDS="python3")[0] == 1
+    # The shells' `time` keyword runs the function: wrapped as the line after it is.
+    assert explain("time", "-p", "python", "train.py") == (0, "wrap: no rule says otherwise")
+    assert explain("time", "python", "trian.py")[0] == 1
+    assert explain("noglob", "python", "train.py")[0] == 0  # zsh's modifier, as `time`
+    code, text = explain("exec", "python", "train.py")
+    assert code == 1 and text.startswith("bare: `exec` runs python past the hook in bash and fish")
 
 
 @pytest.mark.parametrize(
