@@ -52,11 +52,18 @@ _MEANT = ("python", "python3", "torchrun", "accelerate", "deepspeed")
 
 def _not_found(argv: Sequence[str]) -> CommandProblem:
     """`argv[0]` is not in PATH: where it is `python` and python3 is (Debian and Ubuntu
-    install no `python`), the hint is the line with python3; where it misspells one of
-    _MEANT that is installed, the line with that one."""
+    install no `python`), the hint is the line with python3; where it names a file here, the
+    line that runs it; where it misspells one of _MEANT that is installed, the line with that
+    one."""
     hint = None
     if argv[0] == "python" and which("python3") is not None:
         hint = f"python3 is installed: gpuwait ... -- {shlex.join(['python3', *argv[1:]])}"
+    elif "/" not in argv[0] and os.path.isfile(argv[0]):
+        # `gpuwait train.py`: a file here, which a shell too runs only by a path or through
+        # its interpreter.
+        python = next((p for p in ("python", "python3") if which(p) is not None), None)
+        run = [python, *argv] if argv[0].endswith(".py") and python else [f"./{argv[0]}", *argv[1:]]
+        hint = f"{argv[0]} is a file here, not a program on PATH: gpuwait ... -- {shlex.join(run)}"
     elif "/" not in argv[0]:
         from gpuwait.core.text import nearest  # only once a program was not found
 

@@ -663,6 +663,17 @@ def test_python_not_installed_where_python3_is_is_answered_with_python3(
     assert done.returncode == 127, done.stderr
     hint = ["gpuwait: hint: did you mean python3? gpuwait ... -- python3 x.py"]
     assert done.stderr.splitlines()[1:] == (hint if python3 else [])
+    # A script here named as a program read "x.py: command not found" alone.
+    (tmp_path / "x.py").write_text("")
+    (tmp_path / "job.sh").write_text("")
+    done = run([*gpuwait_cmd, "--vram", "4G", "x.py", "--lr", "1"], env=env, cwd=tmp_path)
+    assert done.returncode == 127, done.stderr
+    here = "gpuwait: hint: x.py is a file here, not a program on PATH: gpuwait ... -- "
+    assert done.stderr.splitlines()[1:] == [
+        here + ("python3 x.py --lr 1" if python3 else "./x.py --lr 1")
+    ]
+    done = run([*gpuwait_cmd, "--vram", "4G", "job.sh"], env=env, cwd=tmp_path)
+    assert done.stderr.splitlines()[1:] == [here.replace("x.py", "job.sh") + "./job.sh"]
     assert ledger_jobs() == []
 
 
