@@ -200,7 +200,8 @@ def describe(event: dict[str, Any], indices: dict[str, int]) -> str:
     elif kind == "cancel":
         text = f"{who} ({event.get('state')}) by uid {event.get('by_uid')}"
         if event.get("refused"):
-            text += ": refused, not theirs"
+            why = event.get("why")  # none in the events of an older gpuwait
+            text += f": refused: {printable(why, 300)}" if isinstance(why, str) else ": refused"
     elif kind == "orphaned":
         text = (
             f"{who} (gpuwait pid {event.get('pid')} gone; command pid {event.get('child_pid')} "

@@ -1802,6 +1802,7 @@ def cancel(ledger: Ledger, refs: Sequence[str], batch: str | None, uid: int) -> 
                         "state": job.state,
                         "by_uid": uid,
                         "refused": refusal is not None,
+                        "why": refusal,
                     },
                 )
             )

@@ -647,6 +647,10 @@ def test_cancel_of_an_adopted_process_says_to_stop_it_by_hand(
         assert "adopted" in done.stderr and f"kill {job.pid}" in done.stderr, done.stderr
         assert "refusing to signal" not in done.stderr and len(done.stderr.splitlines()) == 1
         assert job.poll() is None, "gpuwait signalled a process it did not start"
+        # The event log said "refused, not theirs" of the user's own job.
+        logged = run_gpuwait("log", "-n", "1").stdout
+        assert "(running) by uid" in logged and "refused: it is process" in logged, logged
+        assert "not theirs" not in logged
     finally:
         job.kill()
         job.wait()
