@@ -838,6 +838,23 @@ def unknown_variables(names: Iterable[str]) -> list[tuple[str, str | None]]:
     return found
 
 
+def _unquoted_hint(text: str, error: str) -> str | None:
+    """`pick = best-fit`, `ledger_dir = /srv/gpuwait`: TOML's 'Invalid value' for a word
+    without quotes, answered with the line that has them."""
+    import re  # only once a file was refused
+
+    at = re.search(r"^Invalid value \(at line ([0-9]+), column [0-9]+\)", error)
+    lines = text.splitlines()
+    if at is None or not 0 < int(at.group(1)) <= len(lines):
+        return None
+    line = re.fullmatch(
+        r"\s*([A-Za-z0-9_-]+)\s*=\s*([^\s\"'\[{#][^#]*?)\s*(#.*)?", lines[int(at.group(1)) - 1]
+    )
+    if line is None or '"' in line.group(2):
+        return None
+    return f'text takes quotes: {line.group(1)} = "{line.group(2)}"'
+
+
 def _likely_setting(word: str, offered: Sequence[str]) -> str | None:
     """The name in `offered` that `word` (a variable without its prefix, a config key) most
     likely misspells: the nearest one, else the first with `word` as a word of its name (VRAM:
@@ -1105,11 +1122,14 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         import tomli as tomllib
     try:
         # A byte-order mark, which Windows editors put first, is no part of the text.
-        data = tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
+        text = raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+        data = tomllib.loads(text)
     except UnicodeDecodeError:
         raise UsageError(f"{kind} {path}: not UTF-8 text; fix or remove it") from None
     except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{kind} {path}: {exc}; fix or remove it") from None
+        raise UsageError(
+            f"{kind} {path}: {exc}; fix or remove it", hint=_unquoted_hint(text, str(exc))
+        ) from None
     except RecursionError:  # tomllib's answer to arrays or tables nested thousands deep
         raise UsageError(
             f"{kind} {path}: damaged, values nested too deeply to read; fix or remove it"

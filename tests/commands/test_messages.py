@@ -325,6 +325,27 @@ def test_a_misspelled_config_key_gets_the_nearest_one(
     assert capsys.readouterr().err.splitlines()[1] == "gpuwait: hint: did you mean safety?"
 
 
+@pytest.mark.parametrize(
+    ("line", "hint"),
+    [
+        ("pick = best-fit", 'text takes quotes: pick = "best-fit"'),
+        (
+            "ledger_dir = /srv/gpuwait  # the lab's",
+            'text takes quotes: ledger_dir = "/srv/gpuwait"',
+        ),
+    ],
+)
+def test_a_config_value_without_its_quotes_is_given_them(
+    isolated_dirs: Path, capsys: pytest.CaptureFixture[str], line: str, hint: str
+) -> None:
+    # TOML's 'Invalid value (at line 1, column 8); fix or remove it' alone did not say how.
+    (isolated_dirs / "config" / "gpuwait").mkdir()
+    (isolated_dirs / "config" / "gpuwait" / "config.toml").write_text(f"safety = 0.8\n{line}\n")
+    assert main(["config"]) == EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert "Invalid value (at line 2" in err[0] and err[1:] == [f"gpuwait: hint: {hint}"]
+
+
 @pytest.mark.parametrize(("key", "meant"), [("vram", "default_vram"), ("safty", "safety")])
 def test_a_config_key_is_named_with_the_setting_it_likely_means_as_a_variable_is(
     isolated_dirs: Path, capsys: pytest.CaptureFixture[str], key: str, meant: str
