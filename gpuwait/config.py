@@ -839,19 +839,23 @@ def unknown_variables(names: Iterable[str]) -> list[tuple[str, str | None]]:
 
 
 def _unquoted_hint(text: str, error: str) -> str | None:
-    """`pick = best-fit`, `ledger_dir = /srv/gpuwait`: TOML's 'Invalid value' for a word
-    without quotes, answered with the line that has them."""
+    """`pick = best-fit`, `ledger_dir = /srv/gpuwait`, `default_vram = 6G`: what TOML says of
+    text without quotes, answered with the line that has them."""
     import re  # only once a file was refused
 
-    at = re.search(r"^Invalid value \(at line ([0-9]+), column [0-9]+\)", error)
+    at = re.search(
+        r"^(?:Invalid value|Expected newline or end of document after a statement) "
+        r"\(at line ([0-9]+), column [0-9]+\)",
+        error,
+    )
     lines = text.splitlines()
     if at is None or not 0 < int(at.group(1)) <= len(lines):
         return None
     line = re.fullmatch(
         r"\s*([A-Za-z0-9_-]+)\s*=\s*([^\s\"'\[{#][^#]*?)\s*(#.*)?", lines[int(at.group(1)) - 1]
     )
-    if line is None or '"' in line.group(2):
-        return None
+    if line is None or '"' in line.group(2) or re.fullmatch(r"[0-9.,_ +-]+", line.group(2)):
+        return None  # `safety = 0,8`, as text, would be refused for its comma all the same
     return f'text takes quotes: {line.group(1)} = "{line.group(2)}"'
 
 
