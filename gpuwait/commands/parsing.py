@@ -165,6 +165,8 @@ class Parser(argparse.ArgumentParser):
                     name = word.partition("=")[0]
                     # `--VRAM`: the long option typed in capitals, too far from it for nearest.
                     folded = name.lower() if name.startswith("--") else name
+                    # `-V`, as python and most tools take it: too short for nearest.
+                    folded = "--version" if name == "-V" else folded
                     match = folded if folded in options else nearest(name, options)
                     if match is not None:
                         return f"did you mean {match}?"

@@ -173,6 +173,7 @@ def test_a_program_named_like_a_misspelled_subcommand_still_runs(sim: Path, tmp_
         (["--vrma=4G", "true"], "--vram"),
         (["--VRAM", "4G", "true"], "--vram"),
         (["status", "--JSON"], "--json"),
+        (["-V"], "--version"),
         (["status", "--jsn"], "--json"),
         (["log", "--lins", "3"], "--lines"),
         (["history", "--kye", "x"], "--key"),
