@@ -168,6 +168,11 @@ class Parser(argparse.ArgumentParser):
                     # `-V`, as python and most tools take it: too short for nearest.
                     folded = "--version" if name == "-V" else folded
                     match = folded if folded in options else nearest(name, options)
+                    # `--vram4G`: the option and its value, the space between them left out.
+                    glued = re.fullmatch(r"(--[a-z-]+?)([0-9][^=]*)", name)
+                    taken = self._option_string_actions.get(glued.group(1)) if glued else None
+                    if glued and taken is not None and taken.nargs != 0:
+                        match = f"{glued.group(1)} {glued.group(2)}"
                     if match is not None:
                         return f"did you mean {match}?"
             return None

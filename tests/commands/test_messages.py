@@ -174,6 +174,7 @@ def test_a_program_named_like_a_misspelled_subcommand_still_runs(sim: Path, tmp_
         (["--VRAM", "4G", "true"], "--vram"),
         (["status", "--JSON"], "--json"),
         (["-V"], "--version"),
+        (["--vram4G", "true"], "--vram 4G"),
         (["status", "--jsn"], "--json"),
         (["log", "--lins", "3"], "--lines"),
         (["history", "--kye", "x"], "--key"),
