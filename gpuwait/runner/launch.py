@@ -56,6 +56,13 @@ def _not_found(argv: Sequence[str]) -> CommandProblem:
     line that runs it; where it misspells one of _MEANT that is installed, the line with that
     one."""
     hint = None
+    if not argv[0]:
+        # `gpuwait --vram 4G "$PY" x.py` with PY unset: ": command not found" names nothing.
+        return CommandProblem(
+            "'': command not found: the command's name is empty",
+            EXIT_NOT_FOUND,
+            "a variable that names it is empty or not set?",
+        )
     if argv[0] == "python" and which("python3") is not None:
         hint = f"python3 is installed: gpuwait ... -- {shlex.join(['python3', *argv[1:]])}"
     elif "/" not in argv[0] and os.path.isfile(argv[0]):

@@ -634,6 +634,7 @@ BAD_INPUT = [
     (["--vram", "30G", "true"], 3, "can never fit"),
     (["--vram", "10G", "--gpus", "3", "true"], 3, "only 2 can be used"),
     (["--vram", "1G", "no-such-command-xyz"], 127, "command not found"),
+    (["--vram", "1G", "", "x.py"], 127, "'': command not found: the command's name is empty"),
     (["--vram", "1G", "/etc/passwd"], 126, "not executable"),
     (["status", "--bogus"], 2, "unrecognized arguments"),
 ]
