@@ -547,8 +547,10 @@ def _safety_believed(
 def as_counted(claim: Claim, job: Job) -> Claim:
     """`job`'s claim as plans count it. Where its command has ended (`command_ended`), what its
     processes still hold is counted (observed, or as used by others); the room kept for what it
-    had yet to allocate is not: it never will."""
-    return claim._replace(reserved_bytes=0, reserved_by_gpu={}) if command_ended(job) else claim
+    had yet to allocate is not: it never will, nor take again what it grew to (`grown`)."""
+    if not command_ended(job):
+        return claim
+    return claim._replace(reserved_bytes=0, reserved_by_gpu={}, grown={})
 
 
 def command_ended(job: Job) -> bool:

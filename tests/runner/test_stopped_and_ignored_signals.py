@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.fixtures_sim import SIMJOB
 from helpers.processes import children, process_name
 from helpers.waiting import process_state, wait_for
 
@@ -273,6 +275,39 @@ def test_a_job_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
             timeout=60,
         )
         assert (second.returncode, second.stdout) == (0, "ran\n"), second.stderr
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.wait(timeout=60)
+    assert first.returncode == 0
+    assert ledger_jobs() == []
+
+
+def test_a_job_that_grew_and_whose_command_ended_while_its_gpuwait_was_stopped_holds_no_room(
+    gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, for a job that used more than its reservation before its command ended: the
+    most it used is no more its than its reservation, once no process of it is left."""
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    simjob = shlex.join(SIMJOB)
+    first = subprocess.Popen(
+        [
+            *(*gpuwait_cmd, "-q", "--vram", "2G", "--gpus", "2", "--"),
+            *("sh", "-c", f"{simjob} --vram 18G --hold 1s && sleep 1"),
+        ],
+        text=True,
+    )
+    try:
+        wait_for(lambda: any(j.get("grown") for j in ledger_jobs()), timeout=60)
+        command = next(j["child_pid"] for j in ledger_jobs() if j.get("child_pid"))
+        stop_outside_the_ledger_lock(first.pid)
+        wait_for(lambda: process_state(command) == "Z", timeout=30)
+        second = subprocess.run(
+            [*(*gpuwait_cmd, "-q", "--vram", "10G", "--gpus", "2"), "--timeout", "5s", "echo"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 0, second.stderr
     finally:
         first.send_signal(signal.SIGCONT)
         first.wait(timeout=60)
