@@ -43,7 +43,7 @@ class RunningJob(Record, frozen=True):
     job_id: str
     priority: int
     gpu_uuids: tuple[str, ...]
-    #: Bytes it holds on each of its GPUs (max of reservation and real use).
+    #: Bytes it holds on each of its GPUs (max of reservation, real use and the most it grew to).
     holds_bytes: int
     pausable: bool
     #: Seconds since it last started (or resumed).

@@ -58,7 +58,8 @@ def _running_view(
         if job.state != RUNNING:
             continue
         claim = claim_of(job, gpus_snapshot.gpus, now, boot_now=boot_now)
-        holds = max([job.reserved_bytes, *claim.observed.values()])
+        # The most it grew to counts: stepping aside frees that too.
+        holds = max([job.reserved_bytes, *claim.observed.values(), *claim.grown.values()])
         views.append(
             RunningJob(
                 job_id=job.id,

@@ -193,6 +193,38 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
             p.wait()
 
 
+def test_a_job_that_grew_past_its_reservation_is_asked_for_the_room_it_keeps(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A --vram 2G job that took 18 GiB and let it go keeps the 18 GiB while it runs: an
+    urgent 12 GiB waiter asks it to step aside for them, not for its 2 GiB alone."""
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    sim = shlex.join([*gpuwait_cmd, "sim", "job"])
+    phases = (
+        f'[ "$GPUWAIT_RESUME_COUNT" = 0 ] && {sim} --vram 18G --hold 1s; '
+        f"exec {sim} --vram 1G --hold 8s --checkpoint {shlex.quote(str(tmp_path / 'c.json'))}"
+    )
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "2G", "--", "sh", "-c", phases],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            lambda: any(j.get("grown") for j in ledger_entries()),
+            timeout=60,
+            message=lambda: f"the job never grew: {ledger_entries()}",
+        )
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd, "12G")
+        assert urgent.wait(timeout=60) == 0, urgent.stderr.read() if urgent.stderr else ""
+        assert low.wait(timeout=60) == 0
+        assert [e["kind"] for e in events()].count("paused") == 1, events()
+    finally:
+        low.kill()
+        low.communicate()
+
+
 @pytest.mark.parametrize("whole", ["urgent", "long"])
 def test_a_whole_gpu_is_no_reason_to_ask_nobody_to_step_aside(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path, whole: str
