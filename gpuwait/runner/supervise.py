@@ -24,7 +24,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from gpuwait.core.budget import HELD_DMEM, HELD_MPS, HELD_TORCH
@@ -173,7 +173,7 @@ def supervise(
         while True:
             returncode = ended(child)
             if returncode is not None:
-                _drop_stops_sent_by(child)
+                _drop_stops_sent_by(child, sampler.last_tree)
                 result.returncode = returncode
                 # The time it was frozen is no run time: it did no work, and held no room.
                 frozen = 0.0 if responder is None else responder.frozen_seconds
@@ -204,7 +204,7 @@ def supervise(
             if (
                 info.si_signo in _STOPPING
                 and result.stopped_by is None
-                and not _sent_by_the_command(info, child, False)
+                and not _sent_by_the_command(info, child, False, sampler.last_tree)
             ):
                 # Not one the command sent itself: a script's `trap 'kill 0' EXIT` ends its
                 # own process group, gpuwait's too, and nobody stopped the run.
@@ -212,7 +212,9 @@ def supervise(
             if (
                 responder is not None
                 and info.si_signo == responder.signum
-                and not _sent_by_the_command(info, child, responder.signalled_at is not None)
+                and not _sent_by_the_command(
+                    info, child, responder.signalled_at is not None, sampler.last_tree
+                )
             ):
                 # Sent to gpuwait itself, or to the whole group (the command has it then).
                 result.checkpoint_asked = True
@@ -228,19 +230,30 @@ def supervise(
         witness.close()
 
 
-def _drop_stops_sent_by(child: int) -> None:
+def _drop_stops_sent_by(child: int, seen: Collection[int] = ()) -> None:
     """Take the stopping signals still pending that the command under `child`, now ended, sent
     (its last act, a script's `trap 'kill 0' EXIT`): they asked nobody to stop gpuwait. Any
-    other is put back, for the caller to see (signals.stop_pending)."""
+    other is put back, for the caller to see (signals.stop_pending). `seen`: the processes
+    of its tree at its last sample (`_gone_from`)."""
     for signum in _STOPPING & signal.sigpending():
         info = signal.sigtimedwait([signum], 0)
         if info is None:
             continue
-        if not (info.si_code <= 0 and info.si_pid == child):
+        if not (info.si_code <= 0 and (info.si_pid == child or _gone_from(info, seen))):
             signals.keep_pending(signum)
 
 
-def _sent_by_the_command(info: signal.struct_siginfo, child: int, asked: bool) -> bool:
+def _gone_from(info: signal.struct_siginfo, seen: Collection[int]) -> bool:
+    """Whether `info`'s sender was a process of the command's tree at its last sample (`seen`)
+    that has ended since: a script run by a process of the command (make's recipe, a launcher that
+    forks), gone by the time its `kill 0` is looked at. A pid that runs again is another
+    process's, and one outside the tree now is not the command's."""
+    return info.si_pid > 0 and info.si_pid in seen and not proc.is_alive(info.si_pid, None)
+
+
+def _sent_by_the_command(
+    info: signal.struct_siginfo, child: int, asked: bool, seen: Collection[int] = ()
+) -> bool:
     """Whether `info`'s signal was sent (kill(2)) by a process of the command under `child`: a
     launcher that passes its checkpoint signal on to its process group, gpuwait's too, to
     reach its workers. That is no ask to checkpoint from outside (Slurm's warning before a
@@ -248,10 +261,12 @@ def _sent_by_the_command(info: signal.struct_siginfo, child: int, asked: bool) -
 
     `asked`: the command was sent its checkpoint signal, to step aside. A sender gone by the
     time it is looked for (`sh -c 'kill -USR1 0'`, reaped at once) is then taken for one of
-    the command's, passing it on: Slurm's slurmstepd lasts as long as its step."""
+    the command's, passing it on: Slurm's slurmstepd lasts as long as its step. `seen`: the
+    processes of the command's tree at its last sample; one of them gone since sent it as
+    the command's (`_gone_from`)."""
     if info.si_code > 0 or info.si_pid <= 0:
         return False
-    if info.si_pid in proc.process_tree([child]):
+    if info.si_pid in proc.process_tree([child]) or _gone_from(info, seen):
         return True
     return asked and not proc.is_alive(info.si_pid, None)
 
@@ -301,6 +316,8 @@ class UsageSampler:
         #: stats of a process that started before are an earlier holder's of its pid.
         self.accounting_since: float | None = None
         self._strayed: set[str] = set()
+        #: The command's processes at the last sample: one gone since is no other's sender.
+        self.last_tree: frozenset[int] = frozenset()
         self._shared: set[str] = set()
 
     def sample_if_due(self, now: float) -> None:
@@ -310,6 +327,7 @@ class UsageSampler:
         self.next_sample = now + min(self.sample_interval, step)
         result, job, ledger = self.result, self.job, self.ledger
         pids, usage, gpus, snapshot = _sample(self.root, job, self.backend)
+        self.last_tree = frozenset(pids)
         if snapshot is not None:
             answering = frozenset(g.uuid for g in snapshot.gpus)
             if self._seen_gpus is not None and answering != self._seen_gpus:

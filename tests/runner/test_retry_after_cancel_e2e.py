@@ -141,3 +141,56 @@ def test_a_script_that_ends_its_process_group_on_exit_is_still_retried(
         [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
     )
     assert [r.get("stopped_by") for r in json.loads(runs.stdout)] == [None, None], runs.stdout
+
+
+def test_a_script_run_by_a_wrapper_that_ends_its_process_group_on_exit_is_still_retried(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, with the script a process of the command's own (make's recipe, a launcher
+    # that forks): the script is gone by the time gpuwait looks at the TERM it sent (gpuwait
+    # stopped meanwhile, as a loaded machine may leave it unscheduled), and its TERM was
+    # taken for one from outside: no retry, 'not retried' and one start.
+    sim_file(gpus=1, memory="24GiB")
+    starts, go = tmp_path / "starts", tmp_path / "go"
+    script = (
+        f"trap 'kill 0' EXIT; echo started >> {shlex.quote(str(starts))}; "
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"{shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    wrapper = 'bash -c "$1"; exit $?'
+    launch = subprocess.Popen(
+        [
+            *(*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--"),
+            "sh",
+            "-c",
+            wrapper,
+            "sh",
+            script,
+        ],
+        start_new_session=True,  # kill 0 reaches the group, not this test's
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(starts.exists, timeout=60, message="the script never started")
+        wait_for(lambda: any(e.get("child_pid") for e in ledger_entries()), timeout=60)
+        child = next(e["child_pid"] for e in ledger_entries() if e.get("child_pid"))
+        lock = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.lock"
+
+        def stopped_outside_the_lock() -> bool:
+            os.kill(launch.pid, signal.SIGSTOP)
+            inode = f":{lock.stat().st_ino} " if lock.exists() else None
+            held = Path("/proc/locks").read_text().splitlines()
+            if inode is not None and any(f" {launch.pid} " in h and inode in h for h in held):
+                os.kill(launch.pid, signal.SIGCONT)
+                return False
+            return True
+
+        wait_for(stopped_outside_the_lock, timeout=30, interval=0.05)
+        go.touch()
+        wait_for(lambda: _gone(child), timeout=60, message="the command never ended")
+    finally:
+        os.kill(launch.pid, signal.SIGCONT)
+    _, err = launch.communicate(timeout=120)
+    assert starts.read_text() == "started\nstarted\n", err
+    assert "retrying" in err and "not retried" not in err, err
