@@ -888,6 +888,33 @@ def test_the_time_limit_signal_at_the_scripts_start_is_a_checkpoint_not_an_end(
     assert requeued.read_text() == "requeue 78\n"
 
 
+def test_the_time_limit_signal_after_gpuwait_ended_asks_nobody(
+    sim_file: Any, tmp_path: Path, procs: Any
+) -> None:
+    # The command checkpointed (exit 75) and the script requeues the allocation; Slurm's warning
+    # comes meanwhile. gpuwait has ended and been reaped: the script said 'asking for a
+    # checkpoint' and sent USR1 to its pid, no process of its any more (or another's since).
+    sim_file(gpus=1)
+    bin_dir = make_bin(tmp_path / "bin")
+    requeuing, go = tmp_path / "requeuing", tmp_path / "go"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\ntouch {requeuing}\nwhile [ ! -e {go} ]; do sleep 0.02; done\n")
+    scontrol.chmod(0o755)
+    env = {**env_with_bin(bin_dir), "SLURM_JOB_ID": "79", "JOB_VRAM": "1G", "TMPDIR": str(tmp_path)}
+    script = procs(
+        ["bash", str(CONTRIB / "slurm" / "pausable.sbatch"), "sh", "-c", "exit 75"], env=env
+    )
+    try:
+        wait_for(requeuing.exists, timeout=60, message="the script never requeued")
+        script.send_signal(signal.SIGUSR1)
+    finally:
+        go.touch()
+    out, err = script.communicate(timeout=60)
+    assert script.returncode == 75, out + err
+    assert "checkpointed; requeueing allocation 79" in out, out + err
+    assert "asking for a checkpoint" not in out and "kill" not in err, out + err
+
+
 def test_gpuwait_around_srun_is_refused(user_env: dict[str, str], tmp_path: Path) -> None:
     # slurmstepd starts an srun step's tasks with Slurm's CUDA_VISIBLE_DEVICES (the job's GPUs,
     # or the step's), whatever gpuwait set: wrapped around srun, the reservation would bind
