@@ -321,14 +321,16 @@ def reserved_on_each(job: Job, gpus: Sequence[GpuSnapshot]) -> str | None:
 def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | None:
     """What `job` asks for: a frozen job's memory comes back as it was, so one frozen past its
     reservation asks for the most it used there (`Job.grown`), not for its reservation; but no
-    more than its card ever gives a job (its safety's share), or it would never be thawed."""
+    more than its card ever gives a job (its safety's share, less what the driver keeps for
+    itself, as `limit_charge`), or it would never be thawed."""
     request = job.memory_request()
     if job.frozen_at is None or request is None or request.bytes is None:
         return request
     held = 0
     for gpu in gpus:
         if gpu.uuid in job.frozen_gpus and gpu.uuid in job.grown:
-            most = gpu.total_bytes if job.safety is None else int(gpu.total_bytes * job.safety)
+            share = gpu.total_bytes if job.safety is None else int(gpu.total_bytes * job.safety)
+            most = share - gpu.driver_bytes
             held = max(held, min(job.grown[gpu.uuid], most))
     return MemoryRequest(bytes=held) if held > request.bytes else request
 

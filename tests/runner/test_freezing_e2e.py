@@ -560,3 +560,42 @@ def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_fo
         reap(low, *([urgent] if urgent else []))
     assert "freeze" in kinds()
     assert not any(e.get("oom") for e in events() if e["kind"] == "finish"), events()
+
+
+def test_a_frozen_job_that_took_nearly_all_its_card_is_thawed_once_the_card_is_free_again(
+    one_card: Path, sim_file: Any, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A --vram 4G job that took 23 GiB of the 24 GiB card (TensorFlow takes nearly all) beside
+    # the 0.5 GiB the driver keeps is frozen for an urgent job. Once that has ended the card
+    # is as it was before the freeze, but the frozen job waited for 21.6 GiB (its safety's
+    # share) beside the driver's 0.5 GiB, which never comes: it was never thawed.
+    sim_file(gpus=1, memory="24GiB", driver_reserved="512MiB", file=one_card)
+    report = tmp_path / "low.json"
+    low = subprocess.Popen(
+        wrapped_sim_job(
+            gpuwait_cmd,
+            ["--priority", "1", "--freezable", "--vram", "4G"],
+            *("--vram", "23G", "--hold", "3s", "--report", str(report)),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    urgent = None
+    try:
+        wait_until_old_enough()
+        wait_for(
+            lambda: any(j.get("grown") for j in ledger_entries()),
+            timeout=60,
+            message=lambda: f"never seen past its reservation: {ledger_entries()}",
+        )
+        urgent = subprocess.Popen(
+            wrapped_sim_job(gpuwait_cmd, ["--priority", "5", "--vram", "4G"], "--vram", "4G"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        succeeded(urgent, low)
+    finally:
+        reap(low, *([urgent] if urgent else []))
+    assert "freeze" in kinds() and "thaw" in kinds(), kinds()
