@@ -324,7 +324,7 @@ def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | Non
     more than its card ever gives a job (its safety's share, less what the driver keeps for
     itself, as `limit_charge`), or it would never be thawed."""
     request = job.memory_request()
-    if job.frozen_at is None or request is None or request.bytes is None:
+    if job.frozen_at is None or request is None:
         return request
     held = 0
     for gpu in gpus:
@@ -332,7 +332,9 @@ def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | Non
             share = gpu.total_bytes if job.safety is None else int(gpu.total_bytes * job.safety)
             most = share - gpu.driver_bytes
             held = max(held, min(job.grown[gpu.uuid], most))
-    return MemoryRequest(bytes=held) if held > request.bytes else request
+    # A share of the card (`--vram 20%`) as the bytes it is on the cards it was frozen on.
+    asked = max((request.on(g.total_bytes) for g in gpus if g.uuid in job.frozen_gpus), default=0)
+    return MemoryRequest(bytes=held) if held > asked else request
 
 
 def grown_of(job: Job) -> dict[str, int]:

@@ -520,17 +520,19 @@ def test_a_job_killed_after_a_thaw_is_charged_its_run_before_the_freeze(
     assert usage.vram_seconds / (16 * GiB) >= held - 0.3, (held, usage)
 
 
+@pytest.mark.parametrize("vram", ["4G", "17%"])
 def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_for_all_it_held(
-    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path
+    one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, vram: str
 ) -> None:
-    # A --vram 4G job that holds 14 GiB is frozen for an urgent 16 GiB job that loads over a few
-    # seconds. Thawed into the 5.6 GiB left beside the urgent one (its 4 GiB fit), it would
-    # bring its 14 GiB back while the urgent one is still loading, and that one would run out.
+    # A --vram 4G job (or 17%, 4.1 GiB of the card) that holds 14 GiB is frozen for an urgent
+    # 16 GiB job that loads over a few seconds. Thawed into the 5.6 GiB left beside the urgent
+    # one (its 4 GiB fit), it would bring its 14 GiB back while the urgent one is still
+    # loading, and that one would run out.
     report = tmp_path / "low.json"
     low = subprocess.Popen(
         wrapped_sim_job(
             gpuwait_cmd,
-            ["--priority", "1", "--freezable", "--vram", "4G"],
+            ["--priority", "1", "--freezable", "--vram", vram],
             *("--vram", "14G", "--hold", "4s", "--report", str(report)),
         ),
         stdout=subprocess.PIPE,
