@@ -581,3 +581,91 @@ _NVIDIA_ENV = "NVIDIA_VISIBLE_DEVICES="
 #: A GPU's device node (`/dev/nvidia0`, `/dev/nvidia1:/dev/nvidia0:rwm`): the container gets
 #: that GPU whatever CUDA_VISIBLE_DEVICES says; /dev/nvidiactl and /dev/nvidia-uvm are no GPU.
 _GPU_NODE = re.compile(r"/dev/nvidia[0-9]+(?::|\Z)")
+
+
+#: Apptainer, and Singularity (SingularityCE, or Apptainer's own `singularity`): their actions
+#: take the container's variables from APPTAINERENV_ (SINGULARITYENV_) ones, which gpuwait
+#: sets, but from their own --env and --env-file options over those.
+APPTAINER_ENGINES = frozenset({"apptainer", "singularity"})
+_APPTAINER_ACTIONS = frozenset({"exec", "run", "shell", "test"})
+#: The actions' options that take a value (the next word, unless glued on with `=`); every
+#: other one takes none. The short ones: -B (--bind), -H (--home), -o (--overlay), -S
+#: (--scratch), -W (--workdir).
+_APPTAINER_VALUES = frozenset(
+    {
+        *("--add-caps", "--app", "--apply-cgroups", "--authfile", "--bind", "--blkio-weight"),
+        *("--blkio-weight-device", "--cpu-shares", "--cpus", "--cpuset-cpus", "--cpuset-mems"),
+        *("--device", "--dns", "--docker-host", "--drop-caps", "--env", "--env-file"),
+        *("--fusemount", "--gid", "--home", "--hostname", "--memory", "--memory-reservation"),
+        *("--memory-swap", "--mount", "--network", "--network-args", "--overlay", "--pem-path"),
+        *("--pids-limit", "--pwd", "--scratch", "--security", "--uid", "--workdir"),
+    }
+)
+_APPTAINER_SHORT_VALUES = "BHoSW"
+
+
+def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:
+    """An `apptainer` or `singularity` action's options before its image, each as (name,
+    value, start, end) in `step.argv`, none where the step runs no action; and whether they
+    end in one whose value is not known (cut where a shell's code stopped being plain: `--env
+    "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"`), which may set anything."""
+    if step.program not in APPTAINER_ENGINES:
+        return [], False
+    argv = step.argv
+    position = 1
+    while position < len(argv) and argv[position].startswith("-"):  # -d, --config FILE
+        position += 2 if argv[position] in ("-c", "--config") else 1
+    if argv[position : position + 2] in (("instance", "start"), ("instance", "run")):
+        position += 1
+    elif argv[position : position + 1] and argv[position] not in _APPTAINER_ACTIONS:
+        return [], False
+    found: list[tuple[str, str, int, int]] = []
+    position += 1
+    while position < len(argv):
+        word, begin = argv[position], position
+        if word in ("--", "-") or not word.startswith("-"):
+            break
+        name, glue, value = word.partition("=")
+        if not word.startswith("--"):
+            name, value = word[:2], word[2:]
+            glue = "=" if value or name[1] not in _APPTAINER_SHORT_VALUES else ""
+        if not glue and name in _APPTAINER_VALUES | {f"-{c}" for c in _APPTAINER_SHORT_VALUES}:
+            if position + 1 >= len(argv):
+                return found, True
+            position += 1
+            value = argv[position]
+        position += 1
+        found.append((name, value, begin, position))
+    return found, False
+
+
+def apptainer_gpu_env(
+    step: Step, names: Sequence[str] = GPU_VARIABLES[:1]
+) -> list[tuple[int, int, tuple[str, ...], str]]:
+    """Where an `apptainer` or `singularity` action sets a variable of `names` in the container
+    with its own `--env` (`--env CUDA_VISIBLE_DEVICES=0`, `--env=A=1,CUDA_VISIBLE_DEVICES=0`),
+    over the APPTAINERENV_ one gpuwait gives it: each such option as (start, end) in
+    `step.argv`, with the words that would set the rest of its list (none where it sets
+    nothing else), and the first of `names` it sets."""
+    found: list[tuple[int, int, tuple[str, ...], str]] = []
+    for name, value, begin, end in _apptainer_options(step)[0]:
+        if name != "--env":
+            continue
+        # NAME=A,B is one variable; A=1,B=2 two.
+        pairs = [value] if value.count("=") == 1 else value.split(",")
+        rest = [pair for pair in pairs if pair.partition("=")[0] not in names]
+        if len(rest) < len(pairs):
+            named = next(pair.partition("=")[0] for pair in pairs if pair not in rest)
+            found.append((begin, end, ("--env", ",".join(rest)) if rest else (), named))
+    return found
+
+
+def apptainer_env_files(step: Step) -> list[tuple[str, int, int]]:
+    """The files an `apptainer` or `singularity` action's `--env-file` options name (whose
+    variables it sets in the container over the APPTAINERENV_ ones), each with its option's
+    (start, end) in `step.argv`. None where an option's value is not known: it may be an --env
+    setting the same variables, which wins over the files."""
+    options, cut = _apptainer_options(step)
+    if cut:
+        return []
+    return [(value, begin, end) for name, value, begin, end in options if name == "--env-file"]

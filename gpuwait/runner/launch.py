@@ -27,6 +27,8 @@ from gpuwait.core.wrappers import (
     GPU_VARIABLES,
     NVIDIA_DOCKER,
     Step,
+    apptainer_env_files,
+    apptainer_gpu_env,
     container_gpus,
     drops_gpus,
     runs_gpuwait,
@@ -191,6 +193,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         return
     for step in found:
         _check_container(argv, step)
+        _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1])
     for at, step in enumerate(found):
         if _opens_engine(found[at:]):
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
@@ -295,6 +298,67 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
         hint=f"name the reserved GPUs (GPUWAIT_GPU_UUIDS) in a shell: {line}"
         + (f" ({also})" if also else ""),
     )
+
+
+def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
+    """Refuse an `apptainer` or `singularity` action that sets a variable of `names` in the
+    container with its own --env or --env-file (UsageError, 2): those win over the
+    APPTAINERENV_ (SINGULARITYENV_) ones gpuwait sets, and `--env CUDA_VISIBLE_DEVICES=0`
+    would run the container on GPU 0, given to other jobs too. The hint is the line without
+    them (gpuwait's own reach the container), or, for a file, one that names the reserved
+    GPUs after it (--env wins over --env-file)."""
+    where = len(argv) - len(step.argv)
+    # The wrappers before it, where the step is the end of the line.
+    before = list(argv[:where]) if tuple(argv[where:]) == step.argv else None
+    options = apptainer_gpu_env(step, names)
+    if options:
+        begin, end, rest, variable = options[0]
+        names = [variable]
+        line = shlex.join([*step.argv[:begin], *rest, *step.argv[end:]])
+        if before is not None:
+            line = f"gpuwait ... -- {shlex.join([*before, *step.argv[:begin], *rest, *step.argv[end:]])}"
+        hint = f"leave the GPUs to gpuwait: {line}"
+    else:
+        files = [
+            (begin, end, named)
+            for path, begin, end in apptainer_env_files(step)
+            if (named := [name for name in names if _sets(path, name)])
+        ]
+        if not files:
+            return
+        begin, end, names = files[0]
+        values = {"CUDA_VISIBLE_DEVICES": "$GPUWAIT_GPU_UUIDS", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        after = [f'--env "{name}={values[name]}"' for name in names]
+        kept = [*map(shlex.quote, step.argv[:end]), *after, *map(shlex.quote, step.argv[end:])]
+        code = " ".join(["exec", *map(shlex.quote, before or []), *kept])
+        line = shlex.join(["sh", "-c", code])
+        hint = "name the reserved GPUs after it, in a shell: " + (
+            line if before is None else f"gpuwait ... -- {line}"
+        )
+    given = " ".join(step.argv[begin:end])
+    prefix = step.program.upper() + "ENV_"
+    what = (
+        "it would run on GPUs gpuwait did not give it, those given to other jobs too"
+        if names[0] == GPU_VARIABLES[0]
+        else "its CUDA could number the GPUs fastest-first, and the index gpuwait gives "
+        "(visible_devices = index) name a GPU given to another job"
+    )
+    raise UsageError(
+        f"{step.program} sets the container's {names[0]} with its own option ({given}), over "
+        f"the {prefix}{names[0]} gpuwait gives it: {what}",
+        hint=hint,
+    )
+
+
+def _sets(path: str, name: str) -> bool:
+    """Does the environment file at `path` (shell code, NAME=VALUE lines) set `name`? False
+    where it cannot be read: the engine says so itself."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return False
+    return re.search(rf"^\s*(?:export\s+)?{name}=", text, re.MULTILINE) is not None
 
 
 def _extended(

@@ -464,12 +464,15 @@ def test_a_refused_line_is_refused_where_its_program_is_not_installed(
         ["docker", "run", "--name", "--gpus", "img"],
         ["podman", "build", "--device", "nvidia.com/gpu=all", "."],
         ["sh", "-c", 'docker run --gpus "device=$GPUWAIT_GPU_UUIDS" img'],
+        ["apptainer", "exec", "--nv", "--env", "OMP_NUM_THREADS=4", "img.sif", "python"],
+        ["apptainer", "exec", "--nv", "img.sif", "prog", "--env", "CUDA_VISIBLE_DEVICES=0"],
+        ["singularity", "exec", "-B", "--env", "img.sif", "python"],
     ],
 )
 def test_a_container_engine_giving_no_gpus_of_its_own_runs(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
 ) -> None:
-    env, ran = fake_bin(tmp_path, "docker", "podman", "sh")
+    env, ran = fake_bin(tmp_path, "docker", "podman", "sh", "apptainer", "singularity")
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
@@ -579,3 +582,95 @@ def test_a_wrapper_before_a_shell_that_runs_more_than_an_engine_is_refused(
     assert "starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
     assert "Traceback" not in done.stderr
     assert not ran.exists()
+
+
+#: A stand-in for `apptainer exec [OPTIONS] IMAGE CMD...` (singularity's too) that sets the
+#: container's environment as Apptainer does: its APPTAINERENV_ variables, prefix taken off,
+#: over the caller's; then what its --env-file files and --env options set, over those (its
+#: launcher turns them into APPTAINERENV_ variables before reading the environment, --env
+#: winning over a file). The command's CUDA_VISIBLE_DEVICES is written to the file SEEN names.
+APPTAINER_ENV = """#!/usr/bin/env python3
+import os, sys
+prefix = os.path.basename(sys.argv[0]).upper() + "ENV_"
+env = dict(os.environ)
+env.update({k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)})
+words, files, given = sys.argv[2:], [], {}
+while words[0].startswith("-"):
+    name, glue, value = words.pop(0).partition("=")
+    if name in ("--env", "--env-file") and not glue:
+        value = words.pop(0)
+    if name == "--env":
+        # NAME=A,B is one variable (pflag's StringToString); A=1,B=2 two.
+        pairs = [value] if value.count("=") == 1 else value.split(",")
+        given.update(pair.split("=", 1) for pair in pairs)
+    elif name == "--env-file":
+        files += [line.split("=", 1) for line in open(value).read().split()]
+env.update({**dict(files), **given})
+with open(os.environ["SEEN"], "w") as seen:
+    seen.write(env.get("CUDA_VISIBLE_DEVICES", ""))
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "given"),
+    [
+        (["--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES=0"),
+        (["--env=OMP_NUM_THREADS=4,CUDA_VISIBLE_DEVICES=0"], "CUDA_VISIBLE_DEVICES=0"),
+        (["--env-file", "{dir}/job.env"], "--env-file {dir}/job.env"),
+    ],
+)
+def test_an_apptainer_option_naming_the_containers_gpus_is_refused_with_what_to_type(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str], given: str
+) -> None:
+    # Apptainer's --env and --env-file set the container's variables over its APPTAINERENV_
+    # ones: `gpuwait --vram 4G -- apptainer exec --nv --env CUDA_VISIBLE_DEVICES=0 img.sif
+    # python x.py` ran on GPU 0, whichever GPU gpuwait had reserved, beside the jobs there.
+    (tmp_path / "job.env").write_text("OMP_NUM_THREADS=4\nCUDA_VISIBLE_DEVICES=0\n")
+    options = [word.format(dir=tmp_path) for word in options]
+    env, _ = fake_bin(tmp_path)
+    for engine in ("apptainer", "singularity"):
+        (tmp_path / "fakebin" / engine).write_text(APPTAINER_ENV)
+        (tmp_path / "fakebin" / engine).chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen)}
+    command = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, (done.stderr, seen.exists() and seen.read_text())
+    assert given.format(dir=tmp_path) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not seen.exists()
+    # The line the refusal gives runs the container on the reserved GPU.
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0].rsplit(" (", 1)[0]
+    again = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *shlex.split(line)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+
+
+def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_index(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # With visible_devices = index, the container's CUDA reads the index gpuwait gives in the
+    # order CUDA_DEVICE_ORDER says: --env CUDA_DEVICE_ORDER=FASTEST_FIRST could name a GPU
+    # given to another job. The refusal names that variable, not CUDA_VISIBLE_DEVICES.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    command = ["apptainer", "exec", "--env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "i.sif", "x"]
+    done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
+    assert done.returncode == 2, done.stderr
+    assert "container's CUDA_DEVICE_ORDER with its own option" in done.stderr
+    assert "gpuwait ... -- apptainer exec i.sif x" in done.stderr
+    assert not ran.exists()
+    assert gpuwait(gpuwait_cmd, command, env).returncode == 0
