@@ -570,6 +570,10 @@ def forget_job(env: MutableMapping[str, str]) -> None:
         "GPUWAIT_GPU_INDICES",
     ):
         env.pop(name, None)
+    # A --pausable job's, for a container that cleans its environment.
+    for prefix in CONTAINER_ENV_PREFIXES:
+        for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE):
+            env.pop(prefix + name, None)
 
 
 def command_env(
@@ -611,11 +615,21 @@ def command_env(
     }
     if job.pausable:
         # The `resume_exit` setting, by which its command says "checkpointed, resume me".
-        env.update(pausing, GPUWAIT_RESUME_EXIT=str(resume_exit))
+        pausing["GPUWAIT_RESUME_EXIT"] = str(resume_exit)
+        env.update(pausing)
+        # And for a container that cleans its environment, whose starter passes the checkpoint
+        # signal on: the program must know it is pausable, and which job's, to catch it.
+        named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing)
+        env.update(
+            {prefix + name: env[name] for prefix in CONTAINER_ENV_PREFIXES for name in named}
+        )
     else:
         # Inherited from a --pausable job this one runs in (a pipeline's step): that job's, to
         # be asked to checkpoint by its signal, not this one's. GPUWAIT_RESUME_EXIT stays: it
         # is a setting (`resume_exit`) the user may have set for a pausable step further in.
         for name in pausing:
             env.pop(name, None)
+        for prefix in CONTAINER_ENV_PREFIXES:
+            for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing):
+                env.pop(prefix + name, None)
     return env

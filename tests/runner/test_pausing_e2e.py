@@ -1469,3 +1469,57 @@ def test_a_checkpoint_signal_passed_on_by_a_process_of_the_command_gone_since_is
         if urgent is not None and urgent.poll() is None:
             urgent.terminate()
             urgent.communicate(timeout=30)
+
+
+#: A stand-in for `apptainer exec --cleanenv IMAGE CMD...` (and --containall without its PID
+#: namespace): of gpuwait's variables, the command gets those given as APPTAINERENV_ ones,
+#: prefix taken off, and none other; and Apptainer's starter catches every signal, passes it on
+#: to the command (internal/app/starter/master_linux.go: signal.Notify, MonitorContainer), and
+#: ends as the command did.
+CLEANENV_STARTER = """#!/usr/bin/env python3
+import os, signal, subprocess, sys
+JOBS = ("GPUWAIT_JOB_", "GPUWAIT_GPU_", "GPUWAIT_VRAM_", "GPUWAIT_PAUSABLE", "GPUWAIT_RESUME_",
+        "GPUWAIT_CHECKPOINT_SIGNAL", "CUDA_", "APPTAINERENV_", "SINGULARITYENV_")
+env = {k: v for k, v in os.environ.items() if not k.startswith(JOBS)}
+env.update({k[13:]: v for k, v in os.environ.items() if k.startswith("APPTAINERENV_")})
+child = subprocess.Popen(sys.argv[4:], env=env)
+for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, lambda s, f: child.send_signal(s))
+status = child.wait()
+if status < 0:
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+sys.exit(status)
+"""
+
+
+def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait --pausable -- apptainer exec --nv --cleanenv img.sif python train.py`: the
+    # program saw no GPUWAIT_PAUSABLE, so gpuwait.checkpoint took it for no pausable job and
+    # caught nothing, while Apptainer's starter, which catches every signal, took the
+    # checkpoint signal and passed it on: asked to step aside, the job died of it (SIGUSR1).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apptainer").write_text(CLEANENV_STARTER)
+    (bin_dir / "apptainer").chmod(0o755)
+    checkpoint = tmp_path / "progress.json"
+    job = [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "3s", "--checkpoint", checkpoint]
+    container = ["apptainer", "exec", "--cleanenv", "img.sif", *map(str, job)]
+    low = subprocess.Popen(
+        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *container],
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        urgent = urgent_job(gpuwait_cmd)
+        assert urgent.wait(timeout=60) == 0
+        assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
+        assert json.loads(checkpoint.read_text())["resumes"] == 1
+    finally:
+        low.kill()
+        low.wait()
