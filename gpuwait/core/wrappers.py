@@ -669,3 +669,20 @@ def apptainer_env_files(step: Step) -> list[tuple[str, int, int]]:
     if cut:
         return []
     return [(value, begin, end) for name, value, begin, end in options if name == "--env-file"]
+
+
+def apptainer_pid_namespace(step: Step) -> tuple[int, str] | None:
+    """Where an `apptainer` or `singularity` action runs its command in a PID namespace of its
+    own (`--containall`, `-C`, `--pid`, `-p`, or a short one among others, `-Cp`): the
+    position of that option's word in `step.argv`, and the name it was given by; None where
+    it does not."""
+    for name, _, begin, _ in _apptainer_options(step)[0]:
+        word = step.argv[begin]
+        if name in ("--containall", "--pid"):
+            return begin, name
+        if not word.startswith("--"):
+            letters = re.split(f"[{_APPTAINER_SHORT_VALUES}]", word[1:], maxsplit=1)[0]
+            found = [letter for letter in letters if letter in "Cp"]
+            if found:
+                return begin, f"-{found[0]}"
+    return None

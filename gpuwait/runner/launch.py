@@ -29,6 +29,7 @@ from gpuwait.core.wrappers import (
     Step,
     apptainer_env_files,
     apptainer_gpu_env,
+    apptainer_pid_namespace,
     container_gpus,
     drops_gpus,
     runs_gpuwait,
@@ -348,6 +349,44 @@ def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> N
         f"the {prefix}{names[0]} gpuwait gives it: {what}",
         hint=hint,
     )
+
+
+def check_pausable_container(argv: Sequence[str]) -> None:
+    """Refuse a --pausable job whose command runs in an Apptainer (Singularity) PID namespace,
+    `apptainer exec --containall` or `--pid` (UsageError, 2): there the program cannot see the
+    gpuwait above it, gpuwait.checkpoint takes its job for ended and catches no checkpoint
+    signal, and Apptainer's starter, which catches every signal, passes it on: asked to step
+    aside, the job would die of it. The hint is the line without the namespace (--containall
+    is --contain --cleanenv --ipc --pid), where the APPTAINERENV_ copies of the job's variables
+    tell the program it is pausable."""
+    found = steps(argv)
+    if any(runs_gpuwait(step) for step in found):
+        return
+    for step in found:
+        spotted = apptainer_pid_namespace(step)
+        if spotted is None:
+            continue
+        at, given = spotted
+        instead = {
+            "--containall": ["--contain", "--cleanenv", "--ipc"],
+            "-C": ["--contain", "--cleanenv", "--ipc"],
+        }
+        if step.argv[at] in ("--containall", "-C", "--pid", "-p"):
+            kept = [*step.argv[:at], *instead.get(step.argv[at], []), *step.argv[at + 1 :]]
+            where = len(argv) - len(step.argv)
+            line = shlex.join(kept)
+            if tuple(argv[where:]) == step.argv:
+                line = f"gpuwait ... -- {shlex.join([*argv[:where], *kept])}"
+            hint = f"leave out the PID namespace: {line}"
+        else:
+            hint = "leave out the PID namespace: --contain --cleanenv --ipc for -C, nothing for -p"
+        raise UsageError(
+            f"{step.program} runs the command in a PID namespace of its own ({given}), where "
+            "gpuwait.checkpoint cannot see the gpuwait above it and takes the --pausable job for "
+            f"ended: the program would not catch the checkpoint signal {step.program} passes "
+            "on, and would die of it when asked to step aside",
+            hint=hint,
+        )
 
 
 def _sets(path: str, name: str) -> bool:

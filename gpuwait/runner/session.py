@@ -102,6 +102,7 @@ from gpuwait.runner.launch import (
     check_command,
     check_keeps_gpus,
     check_not_srun,
+    check_pausable_container,
     command_env,
     spawn_when_possible,
 )
@@ -260,6 +261,8 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     # here: the refusal says how to write it, "command not found" would not.
     check_not_srun(request.command)
     check_keeps_gpus(request.command, by_index=config.visible_by_index)
+    if request.pausable is not None:
+        check_pausable_container(request.command)
     check_command(request.command)
     _load_what_comes_after_the_wait(request, config)
     try:

@@ -674,3 +674,36 @@ def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_i
     assert "gpuwait ... -- apptainer exec i.sif x" in done.stderr
     assert not ran.exists()
     assert gpuwait(gpuwait_cmd, command, env).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "given", "kept"),
+    [
+        (["--containall"], "--containall", "--contain --cleanenv --ipc"),
+        (["-C"], "-C", "--contain --cleanenv --ipc"),
+        (["--pid", "--cleanenv"], "--pid", "--cleanenv"),
+    ],
+)
+def test_a_pausable_job_in_an_apptainer_pid_namespace_is_refused_with_what_to_type(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str], given: str, kept: str
+) -> None:
+    # In the PID namespace of `apptainer exec --containall` (or --pid), the program cannot see
+    # the gpuwait above it, and gpuwait.checkpoint takes its job for ended: it catches no
+    # checkpoint signal, which Apptainer's starter passes on all the same, and the job died of
+    # it once a waiter asked it to step aside.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    command = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
+    done = subprocess.run(
+        [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"({given})" in done.stderr
+    assert f"gpuwait ... -- apptainer exec --nv {kept} img.sif python x.py" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    # A job that is not pausable runs there as before.
+    assert gpuwait(gpuwait_cmd, command, env).returncode == 0
