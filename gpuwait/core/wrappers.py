@@ -677,12 +677,28 @@ def apptainer_pid_namespace(step: Step) -> tuple[int, str] | None:
     position of that option's word in `step.argv`, and the name it was given by; None where
     it does not."""
     for name, _, begin, _ in _apptainer_options(step)[0]:
-        word = step.argv[begin]
         if name in ("--containall", "--pid"):
             return begin, name
-        if not word.startswith("--"):
-            letters = re.split(f"[{_APPTAINER_SHORT_VALUES}]", word[1:], maxsplit=1)[0]
-            found = [letter for letter in letters if letter in "Cp"]
-            if found:
-                return begin, f"-{found[0]}"
+        found = [letter for letter in _short_flags(step.argv[begin]) if letter in "Cp"]
+        if found:
+            return begin, f"-{found[0]}"
     return None
+
+
+def apptainer_nvccli_contained(step: Step) -> bool:
+    """Does an `apptainer` or `singularity` action set its GPUs up with nvidia-container-cli
+    (`--nvccli`) in a contained /dev (`--contain`, `-c`, `--containall`, `-C`)? There it binds
+    in only the GPUs the caller's NVIDIA_VISIBLE_DEVICES names, none where it is unset."""
+    names: set[str] = set()
+    for name, _, begin, _ in _apptainer_options(step)[0]:
+        names.add(name)
+        names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
+    return "--nvccli" in names and bool(names & {"--contain", "-c", "--containall", "-C"})
+
+
+def _short_flags(word: str) -> str:
+    """The letters of a word of an action's short options (`-Cp`) that take no value: those
+    before the first that does (`-cB/data`: c)."""
+    if word.startswith("--") or not word.startswith("-"):
+        return ""
+    return re.split(f"[{_APPTAINER_SHORT_VALUES}]", word[1:], maxsplit=1)[0]

@@ -29,6 +29,7 @@ from gpuwait.core.wrappers import (
     Step,
     apptainer_env_files,
     apptainer_gpu_env,
+    apptainer_nvccli_contained,
     apptainer_pid_namespace,
     container_gpus,
     drops_gpus,
@@ -195,6 +196,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     for step in found:
         _check_container(argv, step)
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1])
+        _check_nvccli(argv, step, by_index)
     for at, step in enumerate(found):
         if _opens_engine(found[at:]):
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
@@ -347,6 +349,30 @@ def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> N
     raise UsageError(
         f"{step.program} sets the container's {names[0]} with its own option ({given}), over "
         f"the {prefix}{names[0]} gpuwait gives it: {what}",
+        hint=hint,
+    )
+
+
+def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool) -> None:
+    """Refuse `apptainer exec --nvccli --containall` (or --contain) as the command where
+    gpuwait's environment has no NVIDIA_VISIBLE_DEVICES naming GPUs (UsageError, 2):
+    nvidia-container-cli binds in only the GPUs it names, none where it is unset, and the
+    job would fail once its turn came, its GPU missing from the container. The hint names the
+    reserved GPUs there (or, with `visible_devices = index`, every GPU, which keeps CUDA's
+    numbering that of NVML's)."""
+    if len(argv) != len(step.argv) or not apptainer_nvccli_contained(step):
+        return
+    if os.environ.get("NVIDIA_VISIBLE_DEVICES", "").strip() not in ("", "none", "void"):
+        return
+    if by_index:
+        hint = f"bind in every GPU: NVIDIA_VISIBLE_DEVICES=all gpuwait ... -- {shlex.join(argv)}"
+    else:
+        code = f'NVIDIA_VISIBLE_DEVICES="$GPUWAIT_GPU_UUIDS" exec {shlex.join(argv)}'
+        hint = f"bind in the reserved GPUs: gpuwait ... -- {shlex.join(['sh', '-c', code])}"
+    raise UsageError(
+        f"{step.program} --nvccli in a contained container binds in only the GPUs "
+        "NVIDIA_VISIBLE_DEVICES names, and it names none here: the command would find no GPU "
+        "once its turn came",
         hint=hint,
     )
 

@@ -707,3 +707,80 @@ def test_a_pausable_job_in_an_apptainer_pid_namespace_is_refused_with_what_to_ty
     assert not ran.exists()
     # A job that is not pausable runs there as before.
     assert gpuwait(gpuwait_cmd, command, env).returncode == 0
+
+
+#: A stand-in for `apptainer exec --nvccli [--contain|--containall] IMAGE CMD...`: with
+#: --contain (-c, --containall, -C), nvidia-container-cli binds in only the GPUs the caller's
+#: NVIDIA_VISIBLE_DEVICES names (indices or UUIDs, `all`), none where it is unset (Apptainer's
+#: GPU page, "GPU Selection"); without, every GPU. The container's CUDA numbers those it has
+#: in PCI order and takes the one its CUDA_VISIBLE_DEVICES (APPTAINERENV_) names, by UUID or
+#: by its own index; its UUID is written to the file SEEN names, or the command fails as CUDA
+#: does with no such device. GPUS: the machine's GPU UUIDs, in PCI order.
+NVCCLI = """#!/usr/bin/env python3
+import os, sys
+gpus = os.environ["GPUS"].split(",")
+contained = any(w in ("-c", "--contain", "-C", "--containall") for w in sys.argv)
+named = os.environ.get("NVIDIA_VISIBLE_DEVICES", "")
+if not contained or named == "all":
+    bound = gpus
+else:
+    wanted = [w for w in named.split(",") if w not in ("", "none", "void")]
+    bound = [g for i, g in enumerate(gpus) if str(i) in wanted or g in wanted]
+asked = os.environ["APPTAINERENV_CUDA_VISIBLE_DEVICES"].split(",")[0]
+found = [g for g in bound if g == asked] or [
+    g for i, g in enumerate(bound) if asked.isdigit() and i == int(asked)
+]
+if not found:
+    sys.exit("RuntimeError: No CUDA GPUs are available")
+with open(os.environ["SEEN"], "w") as seen:
+    seen.write(found[0])
+"""
+
+
+@pytest.mark.parametrize("contain", ["--containall", "-c"])
+def test_apptainer_nvccli_in_a_contained_container_without_nvidia_visible_devices_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, contain: str
+) -> None:
+    # `apptainer exec --nvccli --containall` binds in the GPUs NVIDIA_VISIBLE_DEVICES names,
+    # and none where it is unset: the job waited its turn, then failed, 'No CUDA GPUs are
+    # available' (exit 1). Refused before waiting, with the line that binds in the reserved
+    # GPU, which the container's CUDA then takes.
+    from gpuwait.gpu.sim import SimBackend
+
+    uuids = [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
+    env, _ = fake_bin(tmp_path)
+    (tmp_path / "fakebin" / "apptainer").write_text(NVCCLI)
+    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen), "GPUS": ",".join(uuids)}
+    env.pop("NVIDIA_VISIBLE_DEVICES", None)
+    command = ["apptainer", "exec", "--nvccli", contain, "img.sif", "python", "x.py"]
+    opts = ["--vram", "4G", "--devices", "1", "--"]
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, *command], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not seen.exists()
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
+    again = subprocess.run(
+        [*gpuwait_cmd, *opts, *shlex.split(line)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert seen.read_text() == uuids[1]
+    # Where NVIDIA_VISIBLE_DEVICES=all binds in every GPU, it runs, on the reserved one.
+    seen.unlink()
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, *command],
+        env={**env, "NVIDIA_VISIBLE_DEVICES": "all"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert seen.read_text() == uuids[1]
