@@ -619,6 +619,19 @@ def spawn_when_possible(
 CONTAINER_ENV_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
 
 
+def container_copies(exported: Mapping[str, str]) -> dict[str, str]:
+    """APPTAINERENV_ and SINGULARITYENV_ copies of what a job's budget tells its frameworks
+    (`exported`: JAX's fraction, TensorFlow's growth), for a container that cleans its
+    environment: told nothing, JAX there takes 75 % of the card. But for PYTHONPATH: the
+    hook's directory is the host's, and a copy would replace the image's own PYTHONPATH."""
+    return {
+        prefix + name: value
+        for prefix in CONTAINER_ENV_PREFIXES
+        for name, value in exported.items()
+        if name != "PYTHONPATH"
+    }
+
+
 def forget_job(env: MutableMapping[str, str]) -> None:
     """Take out of `env` what `command_env` gave an ended job's command, for a process that
     outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and

@@ -104,6 +104,7 @@ from gpuwait.runner.launch import (
     check_not_srun,
     check_pausable_container,
     command_env,
+    container_copies,
     spawn_when_possible,
 )
 from gpuwait.runner.stderrwatch import StderrWatch
@@ -1215,6 +1216,7 @@ def _start(
     )
     held = budget.prepare(config.enforce, job, chosen, request.command, env)
     env.update(held.plan.env)
+    env.update(container_copies(held.plan.env))
     for message in (held.plan.fallback, held.problem):
         _say_once(reporter, message)
     if request.verbose:

@@ -116,6 +116,28 @@ def test_a_container_that_cleans_its_environment_keeps_the_reserved_gpu(
     assert seen.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
 
 
+def test_a_container_that_cleans_its_environment_keeps_the_frameworks_budget(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Under `apptainer exec --nv --cleanenv`, JAX got no XLA_PYTHON_CLIENT_MEM_FRACTION and
+    # no XLA_PYTHON_CLIENT_PREALLOCATE=false: it took 75 % of the card at its first operation
+    # (18 GiB of 24) for a job that had reserved 1 GiB, beside the jobs given the rest.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apptainer").write_text(CLEANENV_CONTAINER)
+    (bin_dir / "apptainer").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        env.pop(name, None)
+    opts = ("--vram", "1G", "--", "apptainer", "exec", "--nv", "--cleanenv", "img.sif")
+    seen = env_of(gpuwait_cmd, *opts, env=env)
+    fraction = seen.get("GPUWAIT_VRAM_FRACTION")
+    assert fraction and float(fraction) < 0.1, seen
+    assert seen.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == fraction
+    assert seen.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false"
+    assert seen.get("TF_FORCE_GPU_ALLOW_GROWTH") == "true"
+
+
 def test_visible_devices_index_gives_programs_that_parse_integers_nvml_indices(
     sim: Path, gpuwait_cmd: list[str]
 ) -> None:
