@@ -122,10 +122,12 @@ def test_failure_without_oom_is_not_an_oom(
 
 @pytest.mark.slow
 def test_three_runs_teach_the_size_and_the_fourth_runs_without_vram(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sim_file(gpus=1, memory="24GiB")
-    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "1s")
+    # Sampled every 0.1 s, a run that holds its peak for 0.4 s has it read a few times over.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "0.4s")
     for _ in range(3):
         done = run([*gpuwait_cmd, "--vram", "8G", "--", *job])
         assert done.returncode == 0, done.stderr
