@@ -96,7 +96,7 @@ def test_waiting_job_is_not_admitted_onto_the_room_an_adopted_process_reserves(
 ) -> None:
     sim = sim_file(gpus=1)
     # It grows to 14G; adopted early with its full size, while it still uses little.
-    grower = bare_job(sim, "--vram", "14G", "--ramp", "4s", "--hold", "1s")
+    grower = bare_job(sim, "--vram", "14G", "--ramp", "4s", "--hold", "0s")
     try:
         done = run_gpuwait("adopt", str(grower.pid), "--vram", "14G")
         assert done.returncode == 0, done.stderr
