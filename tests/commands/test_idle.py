@@ -20,7 +20,7 @@ from gpuwait.linux import proc
 
 GIB = 2**30
 #: Short, so the tests wait seconds and not the hour of the default.
-AFTER = 3.0
+AFTER = 2.0
 
 
 def idle_now(run_gpuwait: Run) -> list[dict[str, Any]]:
