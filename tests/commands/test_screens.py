@@ -171,7 +171,7 @@ def test_status_watch_redraws_in_place_within_the_window(
     assert rows.index("Running (1)") < rows.index("Queue (8)")
     assert re.fullmatch(r"… \d+ more rows hidden; a taller window shows them", rows[-1]), rows
     assert len(rows) == 24 and all(len(r) <= 80 for r in rows)
-    time.sleep(1.5)  # several frames
+    time.sleep(0.6)  # three more frames, at 0.2 s each, drawn over the first
     term.key("C-c")
     rows = term.wait_for(lambda rows: rows[-1] == "$ " or "$" in rows, what="the prompt again")
     assert not term.alternate_screen()
