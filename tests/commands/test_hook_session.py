@@ -19,9 +19,9 @@ SCRIPTS = {
     "prep.py": ("0", "0"),
     "plot.py": ("200M", "0"),
     "check.py": ("0", "0"),
-    "train_big.py": ("8G", "1.5s"),
-    "huge.py": ("20G", "1.5s"),
-    "mid.py": ("5G", "1s"),
+    "train_big.py": ("8G", "0.6s"),
+    "huge.py": ("20G", "0.6s"),
+    "mid.py": ("5G", "0.4s"),
 }
 
 SCRIPT = """\
@@ -64,6 +64,8 @@ def test_a_session_with_the_bash_hook_has_no_oom(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
     env = env_with_bin(make_bin(tmp_path / "bin"))
     env.pop("GPUWAIT_DEFAULT_VRAM", None)  # the default: a whole GPU
+    # Sampled every 0.1 s, a peak held for 0.4 s is seen and learned, as a longer one is at 1 s.
+    env["GPUWAIT_SAMPLE_INTERVAL"] = "0.1s"
     done = subprocess.run(
         ["bash", "--norc", "--noprofile", "-c", SESSION.format()],
         cwd=tmp_path,
