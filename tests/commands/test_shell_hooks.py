@@ -282,7 +282,7 @@ def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     # A typed `python` (its prompt, `python -m pytest`) that waited for a GPU showed only the
     # wait line: nothing said that the hook was at work, nor how to go without it.
     sim_file(gpus=2, base_used="23GiB")
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "1s"}
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}  # said as the wait begins
     script = f"""{init_line(shell, "--always")}
 python3 probe.py
 gpuwait -- python probe.py
