@@ -246,9 +246,9 @@ def test_a_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
     # said it could not open the file.
     sim_file(gpus=2, base_used="23GiB")
     # The cards stay full: a script that was waited for would end 124 after the timeout and
-    # say it waits, where python's own 2 comes at once; a second tells the two apart as well
-    # as five, and the last run, whose script is there, waits it out.
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "1s"}
+    # say it waits, where python's own 2 comes at once; a fifth of a second tells the two apart
+    # as well as five, and the last run, whose script is there, waits it out.
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
     status = status_var(shell)
     script = f"""{init_line(shell, "--always")}
 python trian.py --lr 0.1
