@@ -102,8 +102,9 @@ def test_a_failure_with_the_card_full_at_its_peak_counts_as_oom(
 ) -> None:
     # No message to go by (stderr not watched): the card ran full at the job's peak.
     sim_file(gpus=1, memory="24GiB")
-    env = {**os.environ, "GPUWAIT_WATCH_STDERR": "off"}
-    job = sim_job(gpuwait_cmd, "23.9G", "--hold", "1.5s", "--exit", "1")
+    # Sampled every 0.1 s, the full card is seen in the 0.4 s the job holds its peak.
+    env = {**os.environ, "GPUWAIT_WATCH_STDERR": "off", "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
+    job = sim_job(gpuwait_cmd, "23.9G", "--hold", "0.4s", "--exit", "1")
     done = run([*gpuwait_cmd, "--vram", "20G", "--", *job], env=env)
     assert done.returncode == 1
     record = history()[-1]
@@ -323,8 +324,10 @@ def test_approximate_peak_where_nvml_has_no_per_process_figures(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
     sim_file(gpus=1, memory="24GiB", base_used="1GiB", per_process=False)
-    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "1s")
-    done = run([*gpuwait_cmd, "--vram", "4G", "--", *job])
+    job = sim_job(gpuwait_cmd, "3G", "--ramp", "0.2s", "--hold", "0.4s")
+    # Sampled every 0.1 s, the peak is read a few times over in the 0.4 s it is held.
+    env = {**os.environ, "GPUWAIT_SAMPLE_INTERVAL": "0.1s"}
+    done = run([*gpuwait_cmd, "--vram", "4G", "--", *job], env=env)
     assert done.returncode == 0, done.stderr
     record = history()[-1]
     assert record["peak_approximate"] is True and record["peak_bytes"] == 3 * GiB
