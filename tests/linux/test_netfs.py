@@ -134,7 +134,8 @@ WRAPPER = (
 )
 
 #: Machine B: its own host name, then one job that holds its card's memory as it ramps up; once
-#: the test says so, a second one as large, which must wait for the first (`--timeout`).
+#: the test says so, a second one as large, which must wait for the first (`--timeout`). The
+#: second gives up (1 s) two to three seconds into the first's 4 s ramp, well before its end.
 MACHINE_B = textwrap.dedent(
     """\
     import json, os, socket, subprocess, sys, time
@@ -144,7 +145,7 @@ MACHINE_B = textwrap.dedent(
     sim_job = [sys.executable, "-m", "gpuwait", "sim", "job"]
     first = subprocess.Popen(
         [*gpuwait, "--vram", "14G", "--name", "first", "--",
-         *sim_job, "--vram", "14G", "--ramp", "4", "--hold", "4"],
+         *sim_job, "--vram", "14G", "--ramp", "4", "--hold", "2"],
         stdout=subprocess.DEVNULL, stderr=open(os.path.join(here, "first.err"), "w"))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
