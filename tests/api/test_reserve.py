@@ -576,7 +576,7 @@ def test_a_reservation_while_another_thread_waits_for_one_is_refused(
         "import threading, time, gpuwait\nfrom gpuwait.api import reserve as api\n"
         "got = []\n"
         "def first():\n"
-        "    try:\n        gpuwait.reserve('10G', timeout='3s', name='first')\n"
+        "    try:\n        gpuwait.reserve('10G', timeout='60s', name='first')\n"
         "    except gpuwait.ReserveError as exc:\n        got.append(exc.exit_code)\n"
         "t = threading.Thread(target=first)\nt.start()\n"
         "import subprocess, sys, json\n"
@@ -585,6 +585,9 @@ def test_a_reservation_while_another_thread_waits_for_one_is_refused(
         "    text=True).stdout)['jobs']):\n    time.sleep(0.05)\n"
         "try:\n    gpuwait.reserve('8G', timeout=0, name='second')\n"
         "except gpuwait.ReserveError as exc:\n    print(exc.exit_code, exc.message)\n"
+        # Still waiting after the refusal: cancelled then (exit 7), not ended by it.
+        "subprocess.run([sys.executable, '-m', 'gpuwait', 'cancel', 'first'], check=True,\n"
+        "    capture_output=True)\n"
         "t.join()\nprint(got)\n"
     )
     try:
@@ -598,7 +601,7 @@ def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     assert done.returncode == 0, done.stderr
     refused, first = done.stdout.splitlines()
     assert refused.startswith("2 this process is already waiting for a reservation"), refused
-    assert first == "[124]"
+    assert first == "[7]"
 
 
 def test_a_released_reservation_is_not_entered_again(sim: Path, gpuwait_cmd: list[str]) -> None:
