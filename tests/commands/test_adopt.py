@@ -58,7 +58,8 @@ def test_adopted_process_is_a_running_job_until_it_ends_then_in_history(
     sim_file: SimFileFactory, run_gpuwait: Run
 ) -> None:
     sim = sim_file(gpus=1)
-    job = bare_job(sim, "--vram", "6G", "--hold", "5s")
+    job = bare_job(sim, "--vram", "6G", "--hold", "60s")
+    allocated = time.monotonic()
     try:
         done = adopted(run_gpuwait, job.pid, "--name", "notebook")
         (entry,) = ledger_entries()
@@ -74,8 +75,11 @@ def test_adopted_process_is_a_running_job_until_it_ends_then_in_history(
         (gpu,) = status_json(run_gpuwait)["gpus"]  # type: ignore[misc]
         assert gpu["external_bytes"] == 0, gpu
     finally:
+        # Ended here, once it has run past the second its record is checked for.
+        time.sleep(max(0.0, 1.2 - (time.monotonic() - allocated)))
+        job.terminate()
         job.wait(timeout=30)
-    assert job.returncode == 0
+    assert job.returncode == -signal.SIGTERM  # ended by the test, not by running out of memory
     # The next look at the queue takes the ended process out and records its run.
     assert status_json(run_gpuwait)["jobs"] == []
     assert ledger_entries() == []
