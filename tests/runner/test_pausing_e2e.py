@@ -152,11 +152,11 @@ def urgent_runs_and_nobody_steps_aside(gpuwait_cmd: list[str], low: subprocess.P
 
 
 def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     checkpoint = tmp_path / "progress.json"
     # Resumed, what is left of its work takes less memory than its first run did.
-    low = long_job(gpuwait_cmd, checkpoint, exit_status=3, resumed_vram="4G")
+    low = long_job(gpuwait_cmd, checkpoint, hold="4s", exit_status=3, resumed_vram="4G")
     try:
         wait_until_running(1)
         wait_until_pausable()
@@ -168,7 +168,7 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
         # The long job resumes, finishes its remaining work, and ends with its own status.
         assert low.wait(timeout=60) == 3
         progress = json.loads(checkpoint.read_text())
-        assert progress == {"held_seconds": 6.0, "finished": True, "resumes": 1}
+        assert progress == {"held_seconds": 4.0, "finished": True, "resumes": 1}
         kinds = [e["kind"] for e in events()]
         assert kinds.count("pause-signal") == 1 and kinds.count("paused") == 1
         history = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "history.jsonl"
@@ -611,15 +611,15 @@ def _pause_once(
 
 
 def test_shell_job_resumes_where_it_stopped(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     work = tmp_path / "work"
     log = work / "log"
-    low = _pause_once(gpuwait_cmd, ["bash", str(CONTRIB / "job.sh"), str(work), "40"], log.exists)
+    low = _pause_once(gpuwait_cmd, ["bash", str(CONTRIB / "job.sh"), str(work), "30"], log.exists)
     try:
         assert low.wait(timeout=120) == 0
         lines = log.read_text().splitlines()
-        assert [int(line.split()[1]) for line in lines] == list(range(40))  # none lost or repeated
+        assert [int(line.split()[1]) for line in lines] == list(range(30))  # none lost or repeated
         assert "(run 0)" in lines[0] and "(run 1)" in lines[-1]
         # Its run time, as estimates learn it, is that of both runs, not of the last one only:
         # a fresh run of the command does the whole work.
@@ -777,11 +777,11 @@ def test_a_checkpoint_signal_reaches_a_process_whose_name_is_not_text(
     "own", [{"GPUWAIT_PAUSE_MIN_RUNTIME": "10m"}, {"GPUWAIT_PAUSE_MAX": "0"}], ids=str
 )
 def test_a_jobs_own_protection_holds_whatever_its_asker_allows(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, own: dict[str, str]
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, own: dict[str, str]
 ) -> None:
     # The long job's owner allows no pause this soon (or none at all); the urgent waiter's
-    # settings (a second, as many as it likes) would: the owner's rule is the one that holds.
-    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="4s", env=own)
+    # settings (0.3 s, as many as it likes) would: the owner's rule is the one that holds.
+    low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s", env=own)
     try:
         wait_until_running(1)
         wait_until_pausable()
@@ -1102,7 +1102,7 @@ def test_a_checkpoint_signal_while_stepping_aside_ends_with_the_resume_status(
 
 
 def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
-    one_card: None, gpuwait_cmd: list[str]
+    quick_card: None, gpuwait_cmd: list[str]
 ) -> None:
     """A --grace-kill job asked to step aside by an urgent waiter whose gpuwait is then stopped
     (Ctrl-Z): passed over while stopped, that waiter would start nothing in its room, so the job
@@ -1123,8 +1123,9 @@ def test_a_job_is_not_killed_for_a_waiter_stopped_with_ctrl_z(
             message="the job was never signalled",
         )
         urgent.send_signal(signal.SIGSTOP)
-        # Its grace, and 2 s more: the job's gpuwait looks at its request four times a second.
-        time.sleep(2 + 2)
+        # Its grace, and 1 s more: the job's gpuwait looks at its request four times a second,
+        # so it has looked four times past the grace, where a TERM would have been sent.
+        time.sleep(2 + 1)
         assert low.poll() is None, low.stderr.read() if low.stderr else ""
         assert "pause-grace-kill" not in [e["kind"] for e in events()]
         urgent.send_signal(signal.SIGCONT)
