@@ -16,8 +16,8 @@ from helpers.waiting import catches_signal, ledger_entries, wait_for
 
 
 def pausable_job(gpuwait_cmd: list[str], checkpoint: Path) -> subprocess.Popen[str]:
-    """A --pausable job of the default priority holding 16 GiB of the card for 6s of work: asked
-    to step aside, it is about 1.5 s into it."""
+    """A --pausable job of the default priority holding 16 GiB of the card for 4s of work: asked
+    to step aside, it is about 1 s into it."""
     return subprocess.Popen(
         [
             *gpuwait_cmd,
@@ -31,7 +31,7 @@ def pausable_job(gpuwait_cmd: list[str], checkpoint: Path) -> subprocess.Popen[s
             "--vram",
             "16G",
             "--hold",
-            "6s",
+            "4s",
             "--checkpoint",
             str(checkpoint),
         ],
@@ -69,7 +69,7 @@ def test_an_idle_own_pausable_job_steps_aside_for_a_waiter_only_on_a_quiet_card(
 ) -> None:
     sim_file(gpus=1, memory="24GiB", utilization=utilization)
     monkeypatch.setenv("GPUWAIT_IDLE_ACTION", "pause")
-    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "1s")
+    monkeypatch.setenv("GPUWAIT_IDLE_AFTER", "500ms")
     monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "100ms")
     checkpoint = tmp_path / "progress.json"
     idle = pausable_job(gpuwait_cmd, checkpoint)
@@ -80,8 +80,8 @@ def test_an_idle_own_pausable_job_steps_aside_for_a_waiter_only_on_a_quiet_card(
         waiter = hold_card(gpuwait_cmd, "16G", "1s")
         if utilization:
             # A busy card: the job works, and the waiter waits for it to end. Three times the
-            # 1s it would take to be seen idle, and still inside the job's 6s of work.
-            time.sleep(3)
+            # 0.5 s it would take to be seen idle, and still inside the job's 4s of work.
+            time.sleep(1.5)
             assert waiter.poll() is None
             assert "pause-request" not in events()
             assert idle.wait(timeout=60) == 0
@@ -89,15 +89,15 @@ def test_an_idle_own_pausable_job_steps_aside_for_a_waiter_only_on_a_quiet_card(
             assert json.loads(checkpoint.read_text())["resumes"] == 0
             return
         assert waiter.wait(timeout=60) == 0
-        # It did not wait for the idle job's 6s of work to end: seen idle for 1s by the
+        # It did not wait for the idle job's 4s of work to end: seen idle for 0.5 s by the
         # waiter's own readings, asked, stepped aside with its work part done.
         progress = json.loads(checkpoint.read_text())
-        assert not progress["finished"] and progress["held_seconds"] < 6, progress
+        assert not progress["finished"] and progress["held_seconds"] < 4, progress
         assert "pause-request" in events() and "paused" in events()
         # The idle job was queued again and finishes its work afterwards.
         assert idle.wait(timeout=60) == 0
         assert json.loads(checkpoint.read_text()) == {
-            "held_seconds": 6.0,
+            "held_seconds": 4.0,
             "finished": True,
             "resumes": 1,
         }
