@@ -33,7 +33,7 @@ from helpers.users import (
     user_argv,
     user_home,
 )
-from helpers.waiting import process_state, sleeping_in, wait_for
+from helpers.waiting import catches_signal, process_state, sleeping_in, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.history.learn import save_record
@@ -87,6 +87,25 @@ class Server:
                 return
             time.sleep(0.02)
         raise AssertionError(f"never saw {count} {state or ''} jobs: {self.jobs()}")
+
+    def wait_pausable(self, uid: int, priority: int, min_runtime: float = 0.5) -> None:
+        """Wait until `uid`'s running job of `priority` may be asked to step aside: older than
+        `min_runtime` by its `started_at` (what waiters judge it by), its command catching the
+        checkpoint signal, so that a request is acted on at once."""
+
+        def pausable() -> bool:
+            for job in self.jobs():
+                if (job["uid"], job["priority"], job["state"]) != (uid, priority, "running"):
+                    continue
+                child, started = job.get("child_pid"), job.get("started_at")
+                if not isinstance(child, int) or not isinstance(started, (int, float)):
+                    return False
+                return catches_signal(child, signal.SIGUSR1) and time.time() - started > min_runtime
+            return False
+
+        wait_for(
+            pausable, timeout=60, interval=0.05, message=lambda: f"never pausable: {self.jobs()}"
+        )
 
     def site_config(self, text: str) -> None:
         """Write the site config file whole, as at once (by rename): a gpuwait reading it in
@@ -1030,8 +1049,7 @@ def test_an_urgent_waiter_of_another_member_makes_a_pausable_job_step_aside(
     argv = [*wrapper, *sim_job, "--checkpoint", str(checkpoint)]
     low = popen_as(ALICE, ALICE, [GROUP], argv, env, start_new_session=True)
     server.procs.append(low)
-    server.wait_jobs(1, "running")
-    time.sleep(1.5)  # older than pause_min_runtime, and its command catches the signal by now
+    server.wait_pausable(ALICE, 1)
     # (The waiter judges whether a job has run long enough to be asked.)
     server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
     urgent = server.start(BOB, "--priority", "5", "--vram", "16G", "--", "sh", "-c", "sleep 1")
@@ -1071,12 +1089,12 @@ def test_a_job_that_stepped_aside_for_another_members_job_waits_no_more_once_it_
     pausable(ALICE, "1", "6G")
     server.start(BOB, "--priority", "2", "--vram", "8G", "--", *until_gone(BOB, "other-done"))
     server.wait_jobs(2, "running")
-    time.sleep(1.5)  # older than pause_min_runtime, its command catching the signal
+    server.wait_pausable(ALICE, 1)
     # Bob's 12 GiB fit once Alice's job has stepped aside; it starts.
     pausable(BOB, "3", "12G")
     wait_for(lambda: state(BOB, 3) == "running", timeout=60, message=lambda: server.jobs())
     assert state(ALICE, 1) == "waiting"
-    time.sleep(1.5)
+    server.wait_pausable(BOB, 3)
     # Bob's urgent job makes his own step aside, and runs until told.
     server.start(BOB, "--priority", "5", "--vram", "12G", "--", *until_gone(BOB, "urgent-done"))
     wait_for(lambda: state(BOB, 5) == "running", timeout=60, message=lambda: server.jobs())
@@ -1131,7 +1149,7 @@ def test_a_waiter_that_saw_another_members_job_start_does_not_wait_for_it_to_sta
 
     assert "stepped aside" not in str(alices_reason())
     server.envs[BOB]["GPUWAIT_PAUSE_MIN_RUNTIME"] = "0.5s"
-    time.sleep(1.5)  # older than pause_min_runtime, its command catching the signal
+    server.wait_pausable(BOB, 1)
     done = home / "urgent-done"
     until = ["sh", "-c", f"while [ ! -e {done} ]; do sleep 0.1; done"]
     server.start(BOB, "--priority", "5", "--vram", "10G", "--", *until)
