@@ -57,11 +57,11 @@ def one_runs_one_waits(
 def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
     one_runs_one_waits: Callable[[str], Pair], tmp_path: Path
 ) -> None:
-    sim, first, second = one_runs_one_waits("4s")
+    sim, first, second = one_runs_one_waits("3s")
 
     good = sim.read_text()
     sim.write_text("[[gpu]\nmemory = ")  # caught half-saved
-    time.sleep(2.0)
+    time.sleep(1.0)  # five failed readings at 0.2 s: "retrying" below shows they were read
     assert second.poll() is None, "a waiter must not end over a failed reading"
     assert first.poll() is None, "a running job must not be disturbed"
     status = subprocess.run([*GPUWAIT, "status"], capture_output=True, text=True, timeout=30)
@@ -131,7 +131,7 @@ def test_through_nvml_a_transient_driver_error_is_waited_out(
     waiter = procs([*GPUWAIT, "--vram", "8G", "--", "true"])
     wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
     fake_nvml.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
-    time.sleep(2.0)
+    time.sleep(1.0)  # five failed readings at 0.2 s: "retrying" below shows they were read
     assert waiter.poll() is None, "a waiter must not end over a driver hiccup"
     fake_nvml.clear_failures()
     fake_nvml.update_gpu(0, used=0)
