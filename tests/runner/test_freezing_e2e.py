@@ -525,9 +525,10 @@ def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_fo
     one_card: Path, gpuwait_cmd: list[str], tmp_path: Path, vram: str
 ) -> None:
     # A --vram 4G job (or 17%, 4.1 GiB of the card) that holds 14 GiB is frozen for an urgent
-    # 16 GiB job that loads over a few seconds. Thawed into the 5.6 GiB left beside the urgent
-    # one (its 4 GiB fit), it would bring its 14 GiB back while the urgent one is still
-    # loading, and that one would run out.
+    # 16 GiB job that loads over 2 s. Thawed into the 5.6 GiB left beside the urgent one (its
+    # 4 GiB fit), it would bring its 14 GiB back while the urgent one is still loading (a thaw
+    # is decided at the frozen job's next look, a fraction of a second after the urgent one
+    # starts), and that one would run out.
     report = tmp_path / "low.json"
     low = subprocess.Popen(
         wrapped_sim_job(
@@ -551,7 +552,7 @@ def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_fo
             wrapped_sim_job(
                 gpuwait_cmd,
                 ["--priority", "5", "--vram", "16G"],
-                *("--vram", "16G", "--ramp", "4s", "--hold", "1s"),
+                *("--vram", "16G", "--ramp", "2s", "--hold", "1s"),
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
