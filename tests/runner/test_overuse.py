@@ -193,7 +193,7 @@ def test_a_job_that_grew_past_its_reservation_keeps_that_room_while_it_runs(
         mine = subprocess.Popen(
             [
                 *(*GPUWAIT, "--vram", "12G", "--name", "mine", "--"),
-                *(*SIMJOB, "--vram", "12G", "--ramp", "3s", "--hold", "0.5s"),
+                *(*SIMJOB, "--vram", "12G", "--ramp", "1.5s", "--hold", "0.5s"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
