@@ -194,7 +194,7 @@ def test_urgent_job_makes_a_long_one_step_aside_and_it_resumes(
 
 
 def test_a_job_that_grew_past_its_reservation_is_asked_for_the_room_it_keeps(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A --vram 2G job that took 18 GiB and let it go keeps the 18 GiB while it runs: an
     urgent 12 GiB waiter asks it to step aside for them, not for its 2 GiB alone."""
@@ -227,7 +227,7 @@ def test_a_job_that_grew_past_its_reservation_is_asked_for_the_room_it_keeps(
 
 @pytest.mark.parametrize("whole", ["urgent", "long"])
 def test_a_whole_gpu_is_no_reason_to_ask_nobody_to_step_aside(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, whole: str
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, whole: str
 ) -> None:
     # No --vram and no earlier runs: a whole GPU. Where the urgent job needed one, or the long
     # job had one, nobody was asked, and the urgent job waited for the long one to end (a
@@ -512,7 +512,7 @@ def _ignoring_job(gpuwait_cmd: list[str], seconds: str, *extra: str) -> subproce
     ids=["not-forced", "grace-kill"],
 )
 def test_a_job_that_ignores_the_request(
-    one_card: None, gpuwait_cmd: list[str], extra: tuple[str, ...], seconds: str, status: int
+    quick_card: None, gpuwait_cmd: list[str], extra: tuple[str, ...], seconds: str, status: int
 ) -> None:
     """Nothing is forced on it unless --grace-kill: then TERM once the grace has passed."""
     low = _ignoring_job(gpuwait_cmd, seconds, *extra)
@@ -567,7 +567,7 @@ def test_two_urgent_waiters_pause_one_victim_once(
 
 
 def test_pause_max_is_honoured(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("GPUWAIT_PAUSE_MAX", "0")
     low = long_job(gpuwait_cmd, tmp_path / "p.json", hold="3s")
@@ -1049,7 +1049,7 @@ SLOW_TO_STEP_ASIDE = textwrap.dedent(
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["to-gpuwait", "to-its-group"])
 def test_a_checkpoint_signal_while_stepping_aside_ends_with_the_resume_status(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path, to_group: bool
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, to_group: bool
 ) -> None:
     """Slurm's warning before the time limit (--signal=B:USR1@N, passed on by the batch script)
     comes while the job checkpoints for an urgent waiter: gpuwait ends with the resume status,
@@ -1351,7 +1351,7 @@ PASSES_IT_ON = textwrap.dedent(
 
 
 def test_a_checkpoint_signal_the_command_passes_on_to_its_group_is_no_time_limit(
-    one_card: None, gpuwait_cmd: list[str]
+    quick_card: None, gpuwait_cmd: list[str]
 ) -> None:
     """A command asked to step aside for an urgent waiter that passes the signal on to its
     process group, gpuwait's too, is queued again and resumed once there is room: the signal
@@ -1422,7 +1422,7 @@ PASSES_IT_ON_AND_IS_GONE = textwrap.dedent(
 
 
 def test_a_checkpoint_signal_passed_on_by_a_process_of_the_command_gone_since_is_no_time_limit(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     """A command asked to step aside whose short-lived helper passes the signal on to the
     group, gpuwait's too, and has ended before gpuwait looks at who sent it: the job is queued
