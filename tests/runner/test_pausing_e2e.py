@@ -202,7 +202,7 @@ def test_a_job_that_grew_past_its_reservation_is_asked_for_the_room_it_keeps(
     sim = shlex.join([*gpuwait_cmd, "sim", "job"])
     phases = (
         f'[ "$GPUWAIT_RESUME_COUNT" = 0 ] && {sim} --vram 18G --hold 1s; '
-        f"exec {sim} --vram 1G --hold 8s --checkpoint {shlex.quote(str(tmp_path / 'c.json'))}"
+        f"exec {sim} --vram 1G --hold 4s --checkpoint {shlex.quote(str(tmp_path / 'c.json'))}"
     )
     low = subprocess.Popen(
         [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "2G", "--", "sh", "-c", phases],
