@@ -1172,7 +1172,7 @@ def _asked_to_step_aside(
 
 
 def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     """A pausable pipeline runs a step as a job of its own, not --pausable, whose program
     catches USR1 for a purpose of its own (a stack dump, say). Asked to step aside, the
@@ -1194,14 +1194,14 @@ def test_a_job_inside_a_pausable_one_is_not_sent_its_checkpoint_signal(
             interval=0.05,
             message=lambda: f"the pipeline was never asked: {events()}",
         )
-        # Its gpuwait looks for processes to signal four times a second: six looks.
-        time.sleep(1.5)
+        # Its gpuwait looks for processes to signal four times a second: four looks.
+        time.sleep(1.0)
         assert not log.exists(), log.read_text()
         assert "pause-signal" not in [e["kind"] for e in events()]
 
 
 def test_a_pausable_program_that_reserves_room_itself_still_gets_its_signal(
-    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+    quick_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     """A --pausable job's program that holds room of its own through gpuwait.reserve() (a
     pipeline's stage, say) is named by that reservation's entry as its gpuwait: it is still
