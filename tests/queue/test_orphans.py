@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.crash import gpuwait_killed_at
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
-from helpers.waiting import named_entry, wait_for
+from helpers.waiting import asleep_waiting, named_entry, wait_for
 
 from gpuwait.linux import proc as linux_proc
 from gpuwait.queue import events as event_log
@@ -63,7 +63,7 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
             *GPUWAIT,
             *("--vram", "13G", "--name", "first", "--"),
             *SIMJOB,
-            *("--vram", "13G", "--ramp", "3s", "--hold", "2s", "--report", str(first_report)),
+            *("--vram", "13G", "--ramp", "2s", "--hold", "1.5s", "--report", str(first_report)),
         ]
     )
     running = wait_for(lambda: (e := named_entry("first")) and e.get("child_pid") and e, timeout=20)
@@ -82,9 +82,10 @@ def test_a_killed_gpuwait_does_not_hand_its_commands_room_to_the_next_job(
                 *("--vram", "13G", "--hold", "0.5s", "--report", str(second_report)),
             ]
         )
+        # While the orphaned command runs, its entry holds the room and the next job waits:
+        # it has planned with the orphan's entry before it and sleeps in its waiting loop.
         wait_for(lambda: named_entry("second") is not None, timeout=20)
-        # While the orphaned command runs, its entry holds the room and the next job waits.
-        time.sleep(1.5)
+        wait_for(lambda: asleep_waiting(second.pid), timeout=20)
         assert linux_proc.is_alive(child, child_start), "the command must outlive its gpuwait"
         orphan = named_entry("first")
         assert orphan is not None and orphan["state"] == "running"
