@@ -619,17 +619,24 @@ def spawn_when_possible(
 CONTAINER_ENV_PREFIXES = ("APPTAINERENV_", "SINGULARITYENV_")
 
 
+def _in_containers(values: Mapping[str, str]) -> dict[str, str]:
+    """The APPTAINERENV_ and SINGULARITYENV_ copies of `values`."""
+    return {
+        prefix + name: value for prefix in CONTAINER_ENV_PREFIXES for name, value in values.items()
+    }
+
+
+def _container_names(names: Sequence[str]) -> list[str]:
+    """The names of the APPTAINERENV_ and SINGULARITYENV_ copies of `names`."""
+    return [prefix + name for prefix in CONTAINER_ENV_PREFIXES for name in names]
+
+
 def container_copies(exported: Mapping[str, str]) -> dict[str, str]:
     """APPTAINERENV_ and SINGULARITYENV_ copies of what a job's budget tells its frameworks
     (`exported`: JAX's fraction, TensorFlow's growth), for a container that cleans its
     environment: told nothing, JAX there takes 75 % of the card. But for PYTHONPATH: the
     hook's directory is the host's, and a copy would replace the image's own PYTHONPATH."""
-    return {
-        prefix + name: value
-        for prefix in CONTAINER_ENV_PREFIXES
-        for name, value in exported.items()
-        if name != "PYTHONPATH"
-    }
+    return _in_containers({name: v for name, v in exported.items() if name != "PYTHONPATH"})
 
 
 def forget_job(env: MutableMapping[str, str]) -> None:
@@ -637,21 +644,13 @@ def forget_job(env: MutableMapping[str, str]) -> None:
     outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and
     its name are no new job's."""
     given = {env.get("GPUWAIT_GPU_UUIDS"), env.get("GPUWAIT_GPU_INDICES")} - {None}
-    for prefix in ("", *CONTAINER_ENV_PREFIXES):
-        if env.get(prefix + "CUDA_VISIBLE_DEVICES") in given:
-            del env[prefix + "CUDA_VISIBLE_DEVICES"]
-    for name in (
-        JOB_ID_VARIABLE,
-        JOB_PID_VARIABLE,
-        JOB_START_VARIABLE,
-        "GPUWAIT_GPU_UUIDS",
-        "GPUWAIT_GPU_INDICES",
-    ):
+    for name in ("CUDA_VISIBLE_DEVICES", *_container_names(["CUDA_VISIBLE_DEVICES"])):
+        if env.get(name) in given:
+            del env[name]
+    named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE)
+    # A --pausable job's copies too, for a container that cleans its environment.
+    for name in (*named, "GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES", *_container_names(named)):
         env.pop(name, None)
-    # A --pausable job's, for a container that cleans its environment.
-    for prefix in CONTAINER_ENV_PREFIXES:
-        for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE):
-            env.pop(prefix + name, None)
 
 
 def command_env(
@@ -673,11 +672,7 @@ def command_env(
     env.update(
         {
             **gpus,
-            **{
-                prefix + name: value
-                for prefix in CONTAINER_ENV_PREFIXES
-                for name, value in gpus.items()
-            },
+            **_in_containers(gpus),
             JOB_ID_VARIABLE: job.id,
             JOB_PID_VARIABLE: str(os.getpid()),
             JOB_START_VARIABLE: proc.start_field(os.getpid()) or "",
@@ -698,16 +693,12 @@ def command_env(
         # And for a container that cleans its environment, whose starter passes the checkpoint
         # signal on: the program must know it is pausable, and which job's, to catch it.
         named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing)
-        env.update(
-            {prefix + name: env[name] for prefix in CONTAINER_ENV_PREFIXES for name in named}
-        )
+        env.update(_in_containers({name: env[name] for name in named}))
     else:
         # Inherited from a --pausable job this one runs in (a pipeline's step): that job's, to
         # be asked to checkpoint by its signal, not this one's. GPUWAIT_RESUME_EXIT stays: it
         # is a setting (`resume_exit`) the user may have set for a pausable step further in.
-        for name in pausing:
+        named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing)
+        for name in (*pausing, *_container_names(named)):
             env.pop(name, None)
-        for prefix in CONTAINER_ENV_PREFIXES:
-            for name in (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing):
-                env.pop(prefix + name, None)
     return env
