@@ -39,3 +39,12 @@ def make_bin(directory: Path) -> Path:
 def env_with_bin(directory: Path) -> dict[str, str]:
     """os.environ with `directory` first on PATH."""
     return {**os.environ, "PATH": f"{directory}{os.pathsep}{os.environ['PATH']}"}
+
+
+def with_program(directory: Path, name: str, script: str) -> dict[str, str]:
+    """Write `script` into `directory` as the program `name` (a stand-in for one not installed
+    here) and return os.environ with `directory` first on PATH."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(script)
+    (directory / name).chmod(0o755)
+    return env_with_bin(directory)

@@ -335,13 +335,6 @@ def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
     from gpuwait.queue.pausing import ask_for_room
 
     now = time.time()
-    two = MachineSnapshot(
-        "sim",
-        (
-            GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),
-            GpuSnapshot(1, "GPU-1", "Test GPU", 24 * GiB, 0),
-        ),
-    )
 
     def running(job_id: str, gpu: str, ran: float) -> Job:
         return running_pausable(job_id, 1, now - ran, gpu, grace_seconds=1.0)
@@ -353,12 +346,12 @@ def test_a_waiter_whose_victim_ignores_the_request_past_its_grace_asks_another(
         data.jobs[:] = [deaf, willing, urgent]
     rules = PauseRules(min_runtime=1.0)
     # The least work lost: the younger job is asked first, and nobody else while it may obey.
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("deaf",)
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ("deaf",)
     lifecycle.pause_signalled(ledger, "deaf", now, [os.getpid()])
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ()
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ()
     # Its grace has passed and it still runs: the other one is asked.
     lifecycle.pause_signalled(ledger, "deaf", now - 5, [os.getpid()])
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ("willing",)
 
 
 @pytest.mark.parametrize("grace_kill", [False, True], ids=["left-alone", "ignores-term"])
@@ -372,13 +365,6 @@ def test_a_waiter_asks_another_job_once_its_grace_max_has_passed(
     from gpuwait.queue.pausing import ask_for_room, pause_progress
 
     now = time.time()
-    two = MachineSnapshot(
-        "sim",
-        (
-            GpuSnapshot(0, "GPU-0", "Test GPU", 24 * GiB, 0),
-            GpuSnapshot(1, "GPU-1", "Test GPU", 24 * GiB, 0),
-        ),
-    )
     year = 365 * 86400.0
     deaf = running_pausable(
         "deaf", 1, now - 100, "GPU-1", grace_seconds=year, grace_kill=grace_kill
@@ -389,16 +375,16 @@ def test_a_waiter_asks_another_job_once_its_grace_max_has_passed(
     with ledger.transaction() as data:
         data.jobs[:] = [deaf, willing, urgent]
     rules = PauseRules(min_runtime=1.0, grace_max=30.0)
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("deaf",)
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ("deaf",)
     lifecycle.pause_signalled(ledger, "deaf", now - 20, [os.getpid()])
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ()
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ()
     # Signalled 40 s ago, past the waiter's 30 s: the other job is asked.
     lifecycle.pause_signalled(ledger, "deaf", now - 40, [os.getpid()])
     said = pause_progress(ledger.read(), "urgent", time.time(), grace_max=30.0)
     # Its TERM, with --grace-kill, still comes at its own grace.
     told = "it gets TERM at its own grace" if grace_kill else "left alone (pause_grace_max"
     assert said is not None and told in said, said
-    assert ask_for_room(ledger, urgent, two, 0.9, rules) == ("willing",)
+    assert ask_for_room(ledger, urgent, TWO_CARDS, 0.9, rules) == ("willing",)
 
 
 def test_a_waiter_past_its_grace_max_says_a_grace_kill_job_still_gets_term_at_its_grace(

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import REPO
 from helpers.fixtures_sim import hold_card
+from helpers.shellbin import with_program
 from helpers.waiting import catches_signal, ledger_entries, process_state, wait_for
 
 from gpuwait.gpu.sim import SimBackend
@@ -1501,16 +1502,13 @@ def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
     # program saw no GPUWAIT_PAUSABLE, so gpuwait.checkpoint took it for no pausable job and
     # caught nothing, while Apptainer's starter, which catches every signal, took the
     # checkpoint signal and passed it on: asked to step aside, the job died of it (SIGUSR1).
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "apptainer").write_text(CLEANENV_STARTER)
-    (bin_dir / "apptainer").chmod(0o755)
+    env = with_program(tmp_path / "bin", "apptainer", CLEANENV_STARTER)
     checkpoint = tmp_path / "progress.json"
     job = [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "3s", "--checkpoint", checkpoint]
     container = ["apptainer", "exec", "--cleanenv", "img.sif", *map(str, job)]
     low = subprocess.Popen(
         [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *container],
-        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        env=env,
         stderr=subprocess.PIPE,
         text=True,
     )

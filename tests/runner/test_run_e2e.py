@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from helpers.fixtures_sim import hold_card
 from helpers.history import recorded_runs
+from helpers.shellbin import with_program
 from helpers.trap import TRAP, wait_for_text
 from helpers.waiting import asleep_waiting, ledger_entries, sleeping_in, wait_for
 
@@ -105,11 +106,7 @@ def test_a_container_that_cleans_its_environment_keeps_the_reserved_gpu(
     # `apptainer exec --nv --cleanenv` (or --containall), as many clusters advise, left out
     # CUDA_VISIBLE_DEVICES: the container's CUDA saw every GPU --nv binds in and took GPU 0,
     # whichever gpuwait had reserved, beside the jobs there.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / engine).write_text(CLEANENV_CONTAINER)
-    (bin_dir / engine).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = with_program(tmp_path / "bin", engine, CLEANENV_CONTAINER)
     opts = ("--vram", "1G", "--devices", "1", "--", engine, "exec", "--nv", "--cleanenv", "img.sif")
     seen = env_of(gpuwait_cmd, *opts, env=env)
     assert seen.get("CUDA_VISIBLE_DEVICES") == uuids(sim)[1], seen
@@ -122,11 +119,7 @@ def test_a_container_that_cleans_its_environment_keeps_the_frameworks_budget(
     # Under `apptainer exec --nv --cleanenv`, JAX got no XLA_PYTHON_CLIENT_MEM_FRACTION and
     # no XLA_PYTHON_CLIENT_PREALLOCATE=false: it took 75 % of the card at its first operation
     # (18 GiB of 24) for a job that had reserved 1 GiB, beside the jobs given the rest.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "apptainer").write_text(CLEANENV_CONTAINER)
-    (bin_dir / "apptainer").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = with_program(tmp_path / "bin", "apptainer", CLEANENV_CONTAINER)
     for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
         env.pop(name, None)
     opts = ("--vram", "1G", "--", "apptainer", "exec", "--nv", "--cleanenv", "img.sif")
