@@ -696,6 +696,17 @@ def apptainer_nvccli_contained(step: Step) -> bool:
     return "--nvccli" in names and bool(names & {"--contain", "-c", "--containall", "-C"})
 
 
+def apptainer_cleans_env(step: Step) -> bool:
+    """Does an `apptainer` or `singularity` action start its command without the caller's
+    environment (`--cleanenv`, `-e`, `--containall`, `-C`)? There the container's
+    CUDA_VISIBLE_DEVICES comes from the APPTAINERENV_ (SINGULARITYENV_) copy alone."""
+    names: set[str] = set()
+    for name, _, begin, _ in _apptainer_options(step)[0]:
+        names.add(name)
+        names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
+    return bool(names & {"--cleanenv", "-e", "--containall", "-C"})
+
+
 def _short_flags(word: str) -> str:
     """The letters of a word of an action's short options (`-Cp`) that take no value: those
     before the first that does (`-cB/data`: c)."""

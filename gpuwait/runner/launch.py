@@ -27,6 +27,7 @@ from gpuwait.core.wrappers import (
     GPU_VARIABLES,
     NVIDIA_DOCKER,
     Step,
+    apptainer_cleans_env,
     apptainer_env_files,
     apptainer_gpu_env,
     apptainer_nvccli_contained,
@@ -202,23 +203,34 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
             # container anyway, whose GPUs are those its own options name.
             break
-        dropped = [v for v in GPU_VARIABLES[: 2 if by_index else 1] if drops_gpus(step, v)]
+        # A container that cleans its environment (`apptainer exec --cleanenv`) takes its GPUs
+        # from the APPTAINERENV_ (SINGULARITYENV_) copies: the wrapper must keep those too.
+        copies = [
+            f"{inner.program.upper()}ENV_{name}"
+            for inner in found[at + 1 :]
+            if apptainer_cleans_env(inner)
+            for name in GPU_VARIABLES
+        ]
+        needed = GPU_VARIABLES[: 2 if by_index else 1]
+        needed += tuple(c for c in copies if c.endswith(needed))
+        dropped = [v for v in needed if drops_gpus(step, v)]
         if not dropped:
             continue
         variable = dropped[0]
-        keep = ",".join(GPU_VARIABLES)
+        keeps = [*GPU_VARIABLES, *dict.fromkeys(copies)]
+        keep = ",".join(keeps)
         under = f"{step.program} ... gpuwait --vram SIZE -- COMMAND"
         where = len(argv) - len(step.argv)
         suffix = tuple(argv[where:]) == step.argv
         if step.program == "sudo" and suffix:
-            line = _extended(argv, where, step, ("--preserve-env",)) or [
+            line = _extended(argv, where, step, ("--preserve-env",), keeps) or [
                 *argv[: where + 1],
                 f"--preserve-env={keep}",
                 *argv[where + 1 :],
             ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program in ("su", "runuser") and suffix:
-            line = _extended(argv, where, step, ("-w", "--whitelist-environment")) or [
+            line = _extended(argv, where, step, ("-w", "--whitelist-environment"), keeps) or [
                 *argv[: where + 1],
                 "-w",
                 keep,
@@ -242,7 +254,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             )
         what = (
             "it would see every GPU, those given to other jobs too"
-            if variable == GPU_VARIABLES[0]
+            if variable.endswith(GPU_VARIABLES[0])
             else "it would number the GPUs fastest-first, and the index gpuwait gives "
             "(visible_devices = index) could name a GPU given to another job"
         )
@@ -427,16 +439,20 @@ def _sets(path: str, name: str) -> bool:
 
 
 def _extended(
-    argv: Sequence[str], where: int, step: Step, names: Sequence[str]
+    argv: Sequence[str],
+    where: int,
+    step: Step,
+    names: Sequence[str],
+    keep: Sequence[str] = GPU_VARIABLES,
 ) -> list[str] | None:
     """`argv` with the first list of variables the wrapper at `where` keeps (the value of one
-    of its options `names`: sudo's --preserve-env=LIST, su's -w LIST) naming GPU_VARIABLES
+    of its options `names`: sudo's --preserve-env=LIST, su's -w LIST) naming those of `keep`
     too; None where it gives no such list."""
     for name, value in step.options:
         if name not in names or value is None:
             continue
         given = [v for v in value.split(",") if v]
-        merged = ",".join([*given, *(v for v in GPU_VARIABLES if v not in given)])
+        merged = ",".join([*given, *(v for v in keep if v not in given)])
         glue = "=" if name.startswith("--") else ""
         line = list(argv)
         for at in range(where + 1, len(line)):

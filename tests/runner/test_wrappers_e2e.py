@@ -784,3 +784,79 @@ def test_apptainer_nvccli_in_a_contained_container_without_nvidia_visible_device
     )
     assert done.returncode == 0, done.stderr
     assert seen.read_text() == uuids[1]
+
+
+#: A stand-in for sudo's env_reset: the command gets PATH and what --preserve-env=LIST names
+#: (everything with -E or a bare --preserve-env); -u USER is read and left alone. SEEN, where
+#: APPTAINER_ENV writes, is the test's and always kept.
+SUDO_ENV = """#!/usr/bin/env python3
+import os, sys
+words, keep = sys.argv[1:], None
+while words[0].startswith("-"):
+    word = words.pop(0)
+    if word == "-u":
+        words.pop(0)
+    elif word in ("-E", "--preserve-env"):
+        keep = "all"
+    elif word.startswith("--preserve-env="):
+        keep = word.partition("=")[2].split(",")
+env = dict(os.environ) if keep == "all" else {"PATH": os.environ["PATH"], "SEEN": os.environ["SEEN"]}
+for name in keep if isinstance(keep, list) else ():
+    if name in os.environ:
+        env[name] = os.environ[name]
+os.execvpe(words[0], words, env)
+"""
+
+#: APPTAINER_ENV's container, given --cleanenv (-e, --containall, -C): the caller's
+#: environment left out, its APPTAINERENV_ variables alone passed in.
+APPTAINER_CLEANENV = APPTAINER_ENV.replace(
+    "env = dict(os.environ)\n",
+    "clean = {'--cleanenv', '-e', '--containall', '-C'} & set(sys.argv)\n"
+    "env = {} if clean else dict(os.environ)\n",
+)
+
+
+def test_a_wrapper_keeping_only_the_gpu_variables_before_a_clean_apptainer_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `apptainer exec --cleanenv` takes the container's CUDA_VISIBLE_DEVICES from the
+    # APPTAINERENV_ copy gpuwait sets, which `sudo --preserve-env=CUDA_VISIBLE_DEVICES,...`
+    # (the line sudo's refusal gave) dropped: the container saw every GPU, those given to other
+    # jobs too. The refusal's line keeps the copy, and runs on the reserved GPU.
+    env, _ = fake_bin(tmp_path)
+    for name, text in (("sudo", SUDO_ENV), ("apptainer", APPTAINER_CLEANENV)):
+        (tmp_path / "fakebin" / name).write_text(text)
+        (tmp_path / "fakebin" / name).chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen)}
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    apptainer = ["apptainer", "exec", "--nv", "--cleanenv", "img.sif", "python", "x.py"]
+    kept = "--preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER"
+    done = run(["sudo", kept, *apptainer])
+    assert done.returncode == 2, (done.stderr, seen.exists() and seen.read_text())
+    assert "sudo starts its command without the APPTAINERENV_CUDA_VISIBLE_DEVICES" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not seen.exists()
+    # The line the refusal of plain sudo gives runs the container on the reserved GPU.
+    done = run(["sudo", *apptainer])
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
+    again = run(shlex.split(line))
+    assert again.returncode == 0, again.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    # Without --cleanenv the container takes the caller's CUDA_VISIBLE_DEVICES, which sudo kept.
+    seen.unlink()
+    plain = [word for word in apptainer if word != "--cleanenv"]
+    assert run(["sudo", kept, *plain]).returncode == 0
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
