@@ -590,7 +590,7 @@ APPTAINER_ENGINES = frozenset({"apptainer", "singularity"})
 _APPTAINER_ACTIONS = frozenset({"exec", "run", "shell", "test"})
 #: The actions' options that take a value (the next word, unless glued on with `=`); every
 #: other one takes none. The short ones: -B (--bind), -H (--home), -o (--overlay), -S
-#: (--scratch), -W (--workdir).
+#: (--scratch), -W (--workdir), -s (--shell).
 _APPTAINER_VALUES = frozenset(
     {
         *("--add-caps", "--app", "--apply-cgroups", "--authfile", "--bind", "--blkio-weight"),
@@ -599,9 +599,13 @@ _APPTAINER_VALUES = frozenset(
         *("--fusemount", "--gid", "--home", "--hostname", "--memory", "--memory-reservation"),
         *("--memory-swap", "--mount", "--network", "--network-args", "--overlay", "--pem-path"),
         *("--pids-limit", "--pwd", "--scratch", "--security", "--uid", "--workdir"),
+        # --no-mount's list of mounts, --cwd (--pwd's other name), shell's -s (--shell), and
+        # the hidden or experimental ones: each takes the next word, not the image.
+        *("--no-mount", "--cwd", "--shell", "--containlibs", "--tmpdir", "--dmtcp-launch"),
+        *("--dmtcp-restart", "--vm-ram", "--vm-cpu", "--vm-ip"),
     }
 )
-_APPTAINER_SHORT_VALUES = "BHoSW"
+_APPTAINER_SHORT_VALUES = "BHoSWs"
 
 
 def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:

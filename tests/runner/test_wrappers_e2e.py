@@ -617,6 +617,8 @@ with open(os.environ["SEEN"], "w") as seen:
         (["--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES=0"),
         (["--env=OMP_NUM_THREADS=4,CUDA_VISIBLE_DEVICES=0"], "CUDA_VISIBLE_DEVICES=0"),
         (["--env-file", "{dir}/job.env"], "--env-file {dir}/job.env"),
+        # After an option whose value is a word of its own (--no-mount's list of mounts).
+        (["--no-mount", "tmp", "--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES=0"),
     ],
 )
 def test_an_apptainer_option_naming_the_containers_gpus_is_refused_with_what_to_type(
@@ -682,6 +684,7 @@ def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_i
         (["--containall"], "--containall", "--contain --cleanenv --ipc"),
         (["-C"], "-C", "--contain --cleanenv --ipc"),
         (["--pid", "--cleanenv"], "--pid", "--cleanenv"),
+        (["--cwd", "/w", "-C"], "-C", "--cwd /w --contain --cleanenv --ipc"),
     ],
 )
 def test_a_pausable_job_in_an_apptainer_pid_namespace_is_refused_with_what_to_type(
