@@ -631,8 +631,14 @@ def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], boo
             break
         name, glue, value = word.partition("=")
         if not word.startswith("--"):
-            name, value = word[:2], word[2:]
-            glue = "=" if value or name[1] not in _APPTAINER_SHORT_VALUES else ""
+            # Letters run together (`-eB /data`): those before the first that takes a value
+            # take none; that one takes the rest of the word, or the next word.
+            rest = word[1 + len(_short_flags(word)) :]
+            if rest:
+                name, value = "-" + rest[0], rest[1:]
+                glue = "=" if value else ""
+            else:
+                name, glue, value = word[:2], "=", word[2:]
         if not glue and name in _APPTAINER_VALUES | {f"-{c}" for c in _APPTAINER_SHORT_VALUES}:
             if position + 1 >= len(argv):
                 return found, True

@@ -619,6 +619,8 @@ with open(os.environ["SEEN"], "w") as seen:
         (["--env-file", "{dir}/job.env"], "--env-file {dir}/job.env"),
         # After an option whose value is a word of its own (--no-mount's list of mounts).
         (["--no-mount", "tmp", "--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES=0"),
+        # After short options run together, the last taking the next word (-e, then -B /data).
+        (["-eB", "/data", "--env", "CUDA_VISIBLE_DEVICES=0"], "--env CUDA_VISIBLE_DEVICES=0"),
     ],
 )
 def test_an_apptainer_option_naming_the_containers_gpus_is_refused_with_what_to_type(
