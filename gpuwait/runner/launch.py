@@ -429,8 +429,12 @@ def check_pausable_container(argv: Sequence[str]) -> None:
 
 def _sets(path: str, name: str) -> bool:
     """Does the environment file at `path` (shell code, NAME=VALUE lines) set `name`? False
-    where it cannot be read: the engine says so itself."""
+    where it cannot be read: the engine says so itself. False too where it is no regular file
+    (`--env-file <(...)`, /dev/stdin): read here, a pipe would reach the engine empty, and a
+    FIFO nobody writes to would keep gpuwait waiting for ever."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read(1 << 20)
     except OSError:

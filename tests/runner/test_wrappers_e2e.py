@@ -865,3 +865,34 @@ def test_a_wrapper_keeping_only_the_gpu_variables_before_a_clean_apptainer_is_re
     plain = [word for word in apptainer if word != "--cleanenv"]
     assert run(["sudo", kept, *plain]).returncode == 0
     assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+
+
+#: A stand-in for `apptainer exec --env-file FILE ...` that writes what it reads of FILE to the
+#: file SEEN names.
+APPTAINER_ENV_FILE = """#!/bin/sh
+while [ $# -gt 0 ]; do
+    [ "$1" = --env-file ] && cat "$2" > "$SEEN"
+    shift
+done
+"""
+
+
+def test_an_apptainer_env_file_that_is_a_pipe_reaches_the_container_whole(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `--env-file <(...)` names a pipe: gpuwait read it through for CUDA_VISIBLE_DEVICES before
+    # Apptainer did, and the container got none of the variables it set.
+    env, _ = fake_bin(tmp_path)
+    (tmp_path / "fakebin" / "apptainer").write_text(APPTAINER_ENV_FILE)
+    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    seen = tmp_path / "seen"
+    line = shlex.join([*gpuwait_cmd, "--vram", "4G", "--", "apptainer", "exec", "--env-file"])
+    done = subprocess.run(
+        ["bash", "-c", f"{line} <(echo OMP_NUM_THREADS=4) img.sif python x.py"],
+        env={**env, "SEEN": str(seen)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert seen.read_text() == "OMP_NUM_THREADS=4\n"
