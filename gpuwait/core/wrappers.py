@@ -683,11 +683,11 @@ def apptainer_env_files(step: Step) -> list[tuple[str, int, int]]:
 
 def apptainer_pid_namespace(step: Step) -> tuple[int, str] | None:
     """Where an `apptainer` or `singularity` action runs its command in a PID namespace of its
-    own (`--containall`, `-C`, `--pid`, `-p`, or a short one among others, `-Cp`): the
-    position of that option's word in `step.argv`, and the name it was given by; None where
-    it does not."""
+    own (`--containall`, `-C`, `--pid`, `-p`, or a short one among others, `-Cp`; `--compat`,
+    which is --containall and more): the position of that option's word in `step.argv`, and
+    the name it was given by; None where it does not."""
     for name, _, begin, _ in _apptainer_options(step)[0]:
-        if name in ("--containall", "--pid"):
+        if name in ("--containall", "--pid", "--compat"):
             return begin, name
         found = [letter for letter in _short_flags(step.argv[begin]) if letter in "Cp"]
         if found:
@@ -697,24 +697,27 @@ def apptainer_pid_namespace(step: Step) -> tuple[int, str] | None:
 
 def apptainer_nvccli_contained(step: Step) -> bool:
     """Does an `apptainer` or `singularity` action set its GPUs up with nvidia-container-cli
-    (`--nvccli`) in a contained /dev (`--contain`, `-c`, `--containall`, `-C`)? There it binds
-    in only the GPUs the caller's NVIDIA_VISIBLE_DEVICES names, none where it is unset."""
+    (`--nvccli`) in a contained /dev (`--contain`, `-c`, `--containall`, `-C`, `--compat`)?
+    There it binds in only the GPUs the caller's NVIDIA_VISIBLE_DEVICES names, none where it
+    is unset."""
     names: set[str] = set()
     for name, _, begin, _ in _apptainer_options(step)[0]:
         names.add(name)
         names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
-    return "--nvccli" in names and bool(names & {"--contain", "-c", "--containall", "-C"})
+    contained = {"--contain", "-c", "--containall", "-C", "--compat"}
+    return "--nvccli" in names and bool(names & contained)
 
 
 def apptainer_cleans_env(step: Step) -> bool:
     """Does an `apptainer` or `singularity` action start its command without the caller's
-    environment (`--cleanenv`, `-e`, `--containall`, `-C`)? There the container's
-    CUDA_VISIBLE_DEVICES comes from the APPTAINERENV_ (SINGULARITYENV_) copy alone."""
+    environment (`--cleanenv`, `-e`, `--containall`, `-C`, or `--compat`, which is --containall
+    and more)? There the container's CUDA_VISIBLE_DEVICES comes from the APPTAINERENV_
+    (SINGULARITYENV_) copy alone."""
     names: set[str] = set()
     for name, _, begin, _ in _apptainer_options(step)[0]:
         names.add(name)
         names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
-    return bool(names & {"--cleanenv", "-e", "--containall", "-C"})
+    return bool(names & {"--cleanenv", "-e", "--containall", "-C", "--compat"})
 
 
 def _short_flags(word: str) -> str:

@@ -408,8 +408,12 @@ def check_pausable_container(argv: Sequence[str]) -> None:
         instead = {
             "--containall": ["--contain", "--cleanenv", "--ipc"],
             "-C": ["--contain", "--cleanenv", "--ipc"],
+            "--compat": [
+                *("--contain", "--cleanenv", "--ipc", "--no-init", "--no-umask", "--no-eval"),
+                "--writable-tmpfs",
+            ],
         }
-        if step.argv[at] in ("--containall", "-C", "--pid", "-p"):
+        if step.argv[at] in ("--containall", "-C", "--pid", "-p", "--compat"):
             kept = [*step.argv[:at], *instead.get(step.argv[at], []), *step.argv[at + 1 :]]
             where = len(argv) - len(step.argv)
             line = shlex.join(kept)

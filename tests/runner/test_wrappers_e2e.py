@@ -687,6 +687,12 @@ def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_i
         (["-C"], "-C", "--contain --cleanenv --ipc"),
         (["--pid", "--cleanenv"], "--pid", "--cleanenv"),
         (["--cwd", "/w", "-C"], "-C", "--cwd /w --contain --cleanenv --ipc"),
+        # --compat is --containall with --no-init, --no-umask, --no-eval and --writable-tmpfs.
+        (
+            ["--compat"],
+            "--compat",
+            "--contain --cleanenv --ipc --no-init --no-umask --no-eval --writable-tmpfs",
+        ),
     ],
 )
 def test_a_pausable_job_in_an_apptainer_pid_namespace_is_refused_with_what_to_type(
