@@ -30,6 +30,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
+from gpuwait.core.estimate import DEFAULT_MARGIN
+from gpuwait.core.overuse import overuse
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import COMPUTE_PROHIBITED, GpuSnapshot
@@ -182,10 +184,26 @@ class Claim(Record, frozen=True):
         or used there at the most past it, where that is more."""
         return max(self.reserved_on(uuid), self.observed.get(uuid, 0), self.grown.get(uuid, 0))
 
+    def limit_on(self, uuid: str) -> int:
+        """What this running claim counts for against its user's VRAM limit on the GPU `uuid`
+        (`limit_count`)."""
+        return limit_count(self.reserved_on(uuid), self.holds_on(uuid))
+
     def sort_key(self) -> tuple[int, float, int]:
         """Queue order: higher priority first, then the user with less usage, then earlier
         submission (so one user's own jobs always keep their order)."""
         return (-self.priority, self.usage, self.order)
+
+
+def limit_count(reserved: int, holds: int) -> int:
+    """What a running job that reserves `reserved` bytes on a GPU and holds `holds` there (its
+    `holds_on`: its reservation, or what it uses or grew to past it) counts for against its
+    user's VRAM limit: what it holds, so that a job that reserves 2 GiB and uses 20 does not
+    leave its user room for 18 more; but a job a little over its reservation, within the
+    margin that makes no overuse (core.overuse: a CUDA context, a caching allocator), counts
+    at its reservation, so that a limit set tightly is not missed by a few hundred MiB. The
+    margin is the default one, whatever the job's owner set: every gpuwait counts alike."""
+    return reserved if overuse(reserved, holds, 0, DEFAULT_MARGIN) is None else holds
 
 
 class UserLimits(Record, frozen=True):
@@ -1096,12 +1114,13 @@ def over_limit(
 
 
 def user_holdings(claims: Iterable[Claim]) -> dict[int, tuple[int, int]]:
-    """(GPUs, reserved bytes over all of them) that each user's running jobs hold."""
+    """(GPUs, bytes over all of them) that each user's running jobs hold, as their limits count
+    them (`limit_count`)."""
     held: dict[int, tuple[int, int]] = {}
     for c in claims:
         if c.running:
             gpus, vram = held.get(c.uid, (0, 0))
-            held[c.uid] = (gpus + len(c.gpu_uuids), vram + sum(map(c.reserved_on, c.gpu_uuids)))
+            held[c.uid] = (gpus + len(c.gpu_uuids), vram + sum(map(c.limit_on, c.gpu_uuids)))
     return held
 
 
@@ -1232,8 +1251,9 @@ def estimate_starts(
     dependency is met), so no time can be given.
     """
     rooms = gpu_rooms(gpus, claims, safety, conditions.ignore_processes)
-    # From here on gpuwait jobs are described by their reservations alone, so that one ending
-    # takes all its memory with it; foreign memory stays as it is.
+    # From here on gpuwait jobs are described by their reservations and what they hold past
+    # them (as grown), so that one ending takes all its memory with it, and its user's limit
+    # counts it as now (limit_count); foreign memory stays as it is.
     ours = frozenset().union(*(c.pids for c in claims))
     bare = [
         g._replace(
@@ -1246,11 +1266,9 @@ def estimate_starts(
     for c in claims:
         if c.running:
             sizes = {u: c.holds_on(u) for u in c.gpu_uuids}
-            size = max([c.reserved_bytes, *sizes.values()])
             current.append(
                 c._replace(
-                    reserved_bytes=size,
-                    reserved_by_gpu={u: n for u, n in sizes.items() if n < size},
+                    grown={u: n for u, n in sizes.items() if n > c.reserved_on(u)},
                     observed={},
                     pids=frozenset(),
                 )

@@ -26,10 +26,11 @@ from gpuwait.core.policy import (
     FairShare,
     Lookahead,
     UserLimits,
+    estimate_starts,
     impossible_reason,
     plan,
 )
-from gpuwait.core.sizes import MemoryRequest
+from gpuwait.core.sizes import MemoryRequest, parse_size
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.linux import dirs
 from gpuwait.queue.entries import RUNNING, LedgerData, UserUsage
@@ -425,3 +426,68 @@ def test_only_a_safety_the_user_did_not_set_follows_the_site(
     monkeypatch.setenv("GPUWAIT_SAFETY", "0.8")
     assert not load_settings({}).fair_share().safety_from_site
     assert not load_settings({"safety": 0.7}).fair_share().safety_from_site
+
+
+def test_a_job_that_grew_past_its_reservation_counts_at_what_it_holds_against_the_limit() -> None:
+    # A --vram 2G job that uses 20 GiB holds 20 GiB of its user's 30 GiB: a 12 GiB job of
+    # theirs would take them to 32 GiB, and waits; counted at its 2 GiB, it started.
+    grew = running_on_gpu0("grew", uid=1, gib=2, observed={"GPU-0": 20 * GiB})
+    claims = [grew, waiter("next", uid=1, order=1, gib=12)]
+    decided = plan([card(0, 80)], claims, 0.9, limits=UserLimits(max_vram=30 * GiB))
+    assert decided.admitted == {}
+    assert "your per-user limit of 30.0 GiB (20.0 GiB held)" in decided.waiting["next"].describe()
+
+
+def test_a_job_a_little_over_its_reservation_counts_at_its_reservation_against_the_limit() -> None:
+    # A 10 GiB job using 10.3 GiB (a CUDA context, the caching allocator) is within the
+    # overuse margin: a second 10 GiB job of its user fits a 20 GiB limit beside it.
+    honest = running_on_gpu0("honest", uid=1, gib=10, observed={"GPU-0": 10 * GiB + 300 * 2**20})
+    claims = [honest, waiter("next", uid=1, order=1, gib=10)]
+    limits = UserLimits(max_vram=20 * GiB)
+    assert set(plan([card(0, 80)], claims, 0.9, limits=limits).admitted) == {"next"}
+    # The start the queue's listing gives it is now too, not once the first job ends.
+    assert estimate_starts([card(0, 80)], claims, 0.9, limits=limits) == {"next": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("reserves", "uses", "limit", "starts"),
+    [("2G", "20G", "30GiB", False), ("10G", "10.3G", "20GiB", True)],
+    ids=["grew", "within-margin"],
+)
+def test_a_users_limit_counts_what_their_jobs_really_hold(
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    gpuwait_cmd: list[str],
+    reserves: str,
+    uses: str,
+    limit: str,
+    starts: bool,
+) -> None:
+    """user_max_vram = 30 GiB: a --vram 2G job that grew to 20 GiB let a 12 GiB job of the same
+    user start beside it (32 GiB held); it now waits, and its wait line says 20 GiB are held.
+    A 10 GiB job using 10.3 GiB, within the overuse margin, still leaves room for another
+    10 GiB under a 20 GiB limit."""
+    sim_file(gpus=1, memory="80G")
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    site = Path(os.environ["XDG_CONFIG_DIRS"]) / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text(f'user_max_vram = "{limit}"\n')
+    job = [*gpuwait_cmd, "sim", "job", "--vram", uses, "--hold", "60s"]
+    procs([*gpuwait_cmd, "--vram", reserves, "--name", "first", "--", *job])
+    used = parse_size(uses)
+    wait_for(
+        lambda: (e := named_entry("first")) and max(e.get("grown", {}).values(), default=0) >= used,
+        timeout=30,
+    )
+    probe = subprocess.run(
+        [*gpuwait_cmd, "--vram", "12G" if not starts else "10G", "--timeout", "2s", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if starts:
+        assert probe.returncode == 0, probe.stderr
+    else:
+        assert probe.returncode == 124, probe.stderr
+        assert "your per-user limit of 30.0 GiB (20.0 GiB held)" in probe.stderr
