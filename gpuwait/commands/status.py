@@ -580,10 +580,14 @@ def _render_users(report: dict[str, Any], width: int) -> list[str]:
     extra = f"; per user {', '.join(caps)}" if caps else ""
     out = ["", _clip(f"Users (fair share {share}{extra})", width)]
     for u in users:
+        # Jobs that use more than they reserved hold, and count against a limit, that much.
+        held = u.get("vram_counted_bytes", u["vram_held_bytes"])
         row = (
             f" {_cell(u['user'], 12)} {u['running']:>3} running {u['waiting']:>3} "
-            f"waiting {u['gpus_held']:>2} GPUs {format_size(u['vram_held_bytes']):>8} held "
+            f"waiting {u['gpus_held']:>2} GPUs {format_size(held):>8} held "
         )
+        if held != u["vram_held_bytes"]:
+            row = f"{row.rstrip()} ({format_size(u['vram_held_bytes'])} reserved) "
         usage = f"usage {u['usage_vram_seconds'] / 2**30 / 3600:.2f} GiB·h"
         # Narrower than the row, the usage goes on a line of its own, under the counts.
         fits = columns(row + usage) <= width

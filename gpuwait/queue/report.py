@@ -9,11 +9,11 @@ something anyway (an entry to reap, a GPU's health to note, a damaged file to re
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwait.core.overuse import Overuse
-from gpuwait.core.policy import Conditions, FairShare, closed, estimate_starts, gpu_rooms
+from gpuwait.core.policy import Claim, Conditions, FairShare, closed, estimate_starts, gpu_rooms
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, userns
@@ -124,7 +124,7 @@ def report_from(
         "gpus": [],
         "jobs": [],
         "batches": _batches(data.jobs, data.book),
-        "users": _users(data.jobs, usage),
+        "users": _users(data.jobs, usage, by_id),
         "fair_share": {
             "half_life_seconds": fair.half_life,
             "user_max_gpus": fair.limits.max_gpus if fair.limits else None,
@@ -315,8 +315,12 @@ def _batches(jobs: list[Job], book: Book) -> list[dict[str, Any]]:
 FORGOTTEN_USAGE = 1.0
 
 
-def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
-    """Per user: what they hold, wait for, and their fair-share usage (lower goes first). One
+def _users(
+    jobs: list[Job], usage: dict[int, float], claims: Mapping[str, Claim]
+) -> list[dict[str, Any]]:
+    """Per user: what they reserve and what that counts for against their VRAM limit
+    (`Claim.limit_on`: more where a job uses more than its margin allows), wait for, and
+    their fair-share usage (lower goes first). One
     user of the machine is one row: a rootless container's uid 0 and its user's uid on the host
     are one (`machine_user`), shown by the uid this namespace knows them by."""
     uids = uids_by_user(jobs)
@@ -339,6 +343,9 @@ def _users(jobs: list[Job], usage: dict[int, float]) -> list[dict[str, Any]]:
                 "waiting": len(mine) - len(running),
                 "gpus_held": sum(len(j.gpu_uuids) for j in running),
                 "vram_held_bytes": sum(j.reserved_in_all() for j in running),
+                "vram_counted_bytes": sum(
+                    sum(map(claims[j.id].limit_on, claims[j.id].gpu_uuids)) for j in running
+                ),
                 "usage_vram_seconds": round(used, 1),
             }
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -491,3 +492,16 @@ def test_a_users_limit_counts_what_their_jobs_really_hold(
     else:
         assert probe.returncode == 124, probe.stderr
         assert "your per-user limit of 30.0 GiB (20.0 GiB held)" in probe.stderr
+    # status's Users section says what counts against the limit, and the reservation where
+    # that is less.
+    held, reserved = (10 * GiB, 10 * GiB) if starts else (20 * GiB, 2 * GiB)
+    report = json.loads(
+        subprocess.run([*gpuwait_cmd, "status", "--json"], capture_output=True, text=True).stdout
+    )
+    (user,) = report["users"]
+    assert (user["vram_counted_bytes"], user["vram_held_bytes"]) == (held, reserved)
+    text = subprocess.run([*gpuwait_cmd, "status"], capture_output=True, text=True).stdout
+    if starts:
+        assert "10.0 GiB held " in text and "reserved" not in text.split("Users")[1]
+    else:
+        assert "20.0 GiB held (2.0 GiB reserved)" in text
