@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
-from gpuwait.commands.common import load_settings, unreadable
+from gpuwait.commands.common import ledger_for, load_settings, unreadable
 from gpuwait.commands.parsing import Parser, add_gpus_option
 from gpuwait.config import Settings
 from gpuwait.core.cmdkey import PROGRAM, runs_other_code
@@ -26,6 +27,7 @@ from gpuwait.core.estimate import (
     successes,
 )
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
+from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.core.text import command_line, printable
 from gpuwait.gpu import read_once
 from gpuwait.history.index import KEEP_RUNS
@@ -41,6 +43,7 @@ from gpuwait.history.learn import (
 )
 from gpuwait.history.store import history_path
 from gpuwait.linux.security import mine, open_readable
+from gpuwait.queue.conditions import vram_of_user
 
 ESTIMATE_SCHEMA = 1
 USAGE = "gpuwait estimate [--key NAME] [--gpus N] [--json] [--] COMMAND [ARGS...]"
@@ -104,6 +107,9 @@ class _Launched(NamedTuple):
     gives: str = "any GPU here gives"
     #: What the figure the cap names is counted under.
     under: str = "under the safety factor"
+    #: Capped at the per-user limit: what the user's running jobs hold of it as it counts
+    #: them, and what they reserve, where the two differ (None: they do not, or unknown).
+    held: tuple[int, int] | None = None
 
 
 def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
@@ -139,6 +145,7 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
             cap=USER_LIMIT,
             gives="the site's per-user limit allows",
             under="user_max_vram",
+            held=_held_past_reserved(settings, snapshot.gpus),
         )
     return _Launched(
         asked.bytes,
@@ -146,6 +153,18 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
         cap=f"what {gpus} cards hold",
         gives=f"{gpus} GPUs here all give",
     )
+
+
+def _held_past_reserved(settings: Settings, gpus: Sequence[GpuSnapshot]) -> tuple[int, int] | None:
+    """What this user's running jobs hold of their VRAM limit and what they reserve, where
+    they hold more (a job that uses more than it reserved); None where not, or where the
+    ledger cannot be read (the estimate is shown without it)."""
+    try:
+        data = ledger_for(settings).read()
+    except (GpuwaitError, OSError):
+        return None
+    held, reserved = vram_of_user(data, gpus, os.getuid())
+    return (held, reserved) if held != reserved else None
 
 
 def _check_readable(path: Path) -> None:
@@ -285,6 +304,9 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
                 f"than {launched.gives} ({format_size(launched.capped_at)} "
                 f"{launched.under})"
             )
+            if launched.held is not None:
+                held, reserved = (format_size(n) for n in launched.held)
+                print(f"          your running jobs hold {held} of it now ({reserved} reserved)")
         elif launched.problem is not None:
             print(
                 f"          not checked against the GPUs ({launched.problem}): a launch asks "

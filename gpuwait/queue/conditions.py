@@ -533,6 +533,16 @@ def adoption_over_limit(
     return UserLimits(max_vram=limits.max_vram).refusal(0, held, 0, job.reserved_in_all())
 
 
+def vram_of_user(data: LedgerData, gpus: Sequence[GpuSnapshot], uid: int) -> tuple[int, int]:
+    """What the running jobs of the user `uid` (a uid of this namespace) hold over all GPUs as
+    their VRAM limit counts it (`Claim.limit_on`), and what they reserve."""
+    me = userns.known_as(uid, userns.outer(uid))
+    claims = claims_for(data, gpus, NO_FAIR_SHARE, time.time(), proc.boot_clock())
+    mine = [c for c in claims if c.running and c.uid == me]
+    held = sum(sum(map(c.limit_on, c.gpu_uuids)) for c in mine)
+    return held, sum(sum(map(c.reserved_on, c.gpu_uuids)) for c in mine)
+
+
 def _safety_believed(
     claim: Claim, mine: bool, floor: float | None, from_site: bool = False
 ) -> Claim:

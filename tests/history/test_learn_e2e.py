@@ -320,6 +320,30 @@ def test_a_learned_size_past_the_per_user_limit_asks_for_the_limit(
     assert "estimate: 4.0 GiB per GPU" in said and "capped at your per-user limit" in said
 
 
+def test_an_estimate_capped_at_the_per_user_limit_says_what_the_users_jobs_hold_of_it(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    isolated_dirs: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The limit counts a running job at what it holds: a --vram 1G job using 3 GiB holds 3 of
+    # the 4 GiB, which the estimate capped at the limit said nothing of.
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('user_max_vram = "4GiB"\n')
+    sim_file(gpus=1, memory="24GiB")
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.1s")
+    command = ["true", "mid-model"]
+    three_runs(command, str(tmp_path), 6 * GiB)
+    procs([*gpuwait_cmd, "--vram", "1G", "--", *sim_job(gpuwait_cmd, "3G", "--hold", "60s")])
+    wait_for(lambda: any(e.get("grown") for e in ledger_entries()), timeout=30)
+    said = run([*gpuwait_cmd, "estimate", "--", *command], cwd=tmp_path).stdout
+    assert "capped at your per-user limit" in said
+    assert "your running jobs hold 3.0 GiB of it now (1.0 GiB reserved)" in said
+
+
 def test_approximate_peak_where_nvml_has_no_per_process_figures(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
