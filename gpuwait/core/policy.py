@@ -1039,12 +1039,18 @@ def less_on(chosen: Sequence[_Fit]) -> dict[str, int]:
     return {room.gpu.uuid: need for room, need in chosen if need < most}
 
 
+def whole_card_room(gpu: GpuSnapshot, safety: float) -> int:
+    """The most one job ever has on `gpu`: its `safety` share of the card, less what the
+    driver keeps for itself. The one rule for a whole GPU's charge and a thaw's request."""
+    return int(gpu.total_bytes * safety) - gpu.driver_bytes
+
+
 def limit_charge(claim: Claim, gpu: GpuSnapshot, safety: float) -> int:
     """The most `claim` counts against its user's VRAM limit on `gpu`, per GPU: its request,
     or for a whole GPU all the room the card has when nothing else uses it."""
     if claim.request is not None:
         return claim.request.on(gpu.total_bytes)
-    return max(1, int(gpu.total_bytes * safety) - gpu.driver_bytes)
+    return max(1, whole_card_room(gpu, safety))
 
 
 def cheapest(charges: Sequence[int], count: int) -> int:

@@ -16,7 +16,16 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from gpuwait.core.lookahead import plan_queue, with_wait_budgets
-from gpuwait.core.policy import Claim, Conditions, FairShare, Hold, Plan, UserLimits, user_holdings
+from gpuwait.core.policy import (
+    Claim,
+    Conditions,
+    FairShare,
+    Hold,
+    Plan,
+    UserLimits,
+    user_holdings,
+    whole_card_room,
+)
 from gpuwait.core.sizes import MemoryRequest, sizes_on_gpus
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.gpu import with_names
@@ -322,15 +331,14 @@ def thawed_request(job: Job, gpus: Sequence[GpuSnapshot]) -> MemoryRequest | Non
     """What `job` asks for: a frozen job's memory comes back as it was, so one frozen past its
     reservation asks for the most it used there (`Job.grown`), not for its reservation; but no
     more than its card ever gives a job (its safety's share, less what the driver keeps for
-    itself, as `limit_charge`), or it would never be thawed."""
+    itself, `whole_card_room`), or it would never be thawed."""
     request = job.memory_request()
     if job.frozen_at is None or request is None:
         return request
     held = 0
     for gpu in gpus:
         if gpu.uuid in job.frozen_gpus and gpu.uuid in job.grown:
-            share = gpu.total_bytes if job.safety is None else int(gpu.total_bytes * job.safety)
-            most = share - gpu.driver_bytes
+            most = whole_card_room(gpu, 1.0 if job.safety is None else job.safety)
             held = max(held, min(job.grown[gpu.uuid], most))
     # A share of the card (`--vram 20%`) as the bytes it is on the cards it was frozen on.
     asked = max((request.on(g.total_bytes) for g in gpus if g.uuid in job.frozen_gpus), default=0)
