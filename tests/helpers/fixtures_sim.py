@@ -106,6 +106,16 @@ def wrapped_sim_job(gpuwait_cmd: list[str], options: list[str], *job: str) -> li
     return [*gpuwait_cmd, *options, "--", *gpuwait_cmd, "sim", "job", *job]
 
 
+def start_wrapped_sim_job(
+    gpuwait_cmd: list[str], options: list[str], *job: str, **popen: Any
+) -> subprocess.Popen[str]:
+    """`gpuwait OPTIONS -- gpuwait sim job JOB...` started, its stdout and stderr piped unless
+    `popen` (for subprocess.Popen) says otherwise."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(wrapped_sim_job(gpuwait_cmd, options, *job), text=True, **popen)
+
+
 def run_sim_job(
     gpuwait_cmd: list[str], options: list[str], *job: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -129,12 +139,13 @@ def hold_card(
 ) -> subprocess.Popen[str]:
     """A gpuwait job that holds `vram` of a simulated card for a while (`extra`: gpuwait's
     own options; `output`: where its stdout and stderr go)."""
-    return subprocess.Popen(
-        wrapped_sim_job(gpuwait_cmd, ["--vram", vram, *extra], "--vram", vram, "--hold", seconds),
+    return start_wrapped_sim_job(
+        gpuwait_cmd,
+        ["--vram", vram, *extra],
+        *("--vram", vram, "--hold", seconds),
         env=env,
         stdout=output,
         stderr=output,
-        text=True,
     )
 
 

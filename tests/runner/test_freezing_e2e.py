@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO
-from helpers.fixtures_sim import hold_card, start_sim_job, wrapped_sim_job
+from helpers.fixtures_sim import hold_card, start_sim_job, start_wrapped_sim_job, wrapped_sim_job
 from helpers.waiting import ledger_entries, sleeping_in, wait_for
 
 from gpuwait.gpu.sim import (
@@ -70,21 +70,34 @@ def kinds() -> list[object]:
 
 def low_job(gpuwait_cmd: list[str], report: Path, hold: str = "3s") -> subprocess.Popen[str]:
     """A low-priority --freezable simulated job holding 16 GiB, reporting what it held."""
-    return subprocess.Popen(
-        wrapped_sim_job(
-            gpuwait_cmd,
-            ["--priority", "1", "--freezable", "--vram", "16G"],
-            "--vram",
-            "16G",
-            "--hold",
-            hold,
-            "--report",
-            str(report),
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return start_wrapped_sim_job(
+        gpuwait_cmd,
+        ["--priority", "1", "--freezable", "--vram", "16G"],
+        *("--vram", "16G", "--hold", hold, "--report", str(report)),
     )
+
+
+def grown_low_job(
+    gpuwait_cmd: list[str], vram: str, took: str, hold: str, report: Path, seen: str
+) -> subprocess.Popen[str]:
+    """A low-priority --freezable simulated job of `vram` that took `took` for `hold`, once it
+    may be asked to step aside and its ledger entry has `seen` (past its reservation)."""
+    low = start_wrapped_sim_job(
+        gpuwait_cmd,
+        ["--priority", "1", "--freezable", "--vram", vram],
+        *("--vram", took, "--hold", hold, "--report", str(report)),
+    )
+    try:
+        wait_until_old_enough()
+        wait_for(
+            lambda: any(j.get(seen) for j in ledger_entries()),
+            timeout=60,
+            message=lambda: f"never seen past its reservation: {ledger_entries()}",
+        )
+    except BaseException:
+        reap(low)
+        raise
+    return low
 
 
 def wait_until_old_enough(min_runtime: float = MIN_RUNTIME) -> dict[str, object]:
@@ -529,34 +542,13 @@ def test_a_frozen_job_that_grew_past_its_reservation_is_thawed_only_into_room_fo
     # 4 GiB fit), it would bring its 14 GiB back while the urgent one is still loading (a thaw
     # is decided at the frozen job's next look, a fraction of a second after the urgent one
     # starts), and that one would run out.
-    report = tmp_path / "low.json"
-    low = subprocess.Popen(
-        wrapped_sim_job(
-            gpuwait_cmd,
-            ["--priority", "1", "--freezable", "--vram", vram],
-            *("--vram", "14G", "--hold", "4s", "--report", str(report)),
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = grown_low_job(gpuwait_cmd, vram, "14G", "4s", tmp_path / "low.json", "overuse_since")
     urgent = None
     try:
-        wait_until_old_enough()
-        wait_for(
-            lambda: any(j.get("overuse_since") for j in ledger_entries()),
-            timeout=60,
-            message=lambda: f"never seen past its reservation: {ledger_entries()}",
-        )
-        urgent = subprocess.Popen(
-            wrapped_sim_job(
-                gpuwait_cmd,
-                ["--priority", "5", "--vram", "16G"],
-                *("--vram", "16G", "--ramp", "2s", "--hold", "1s"),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        urgent = start_wrapped_sim_job(
+            gpuwait_cmd,
+            ["--priority", "5", "--vram", "16G"],
+            *("--vram", "16G", "--ramp", "2s", "--hold", "1s"),
         )
         succeeded(urgent, low)
     finally:
@@ -573,30 +565,11 @@ def test_a_frozen_job_that_took_nearly_all_its_card_is_thawed_once_the_card_is_f
     # is as it was before the freeze, but the frozen job waited for 21.6 GiB (its safety's
     # share) beside the driver's 0.5 GiB, which never comes: it was never thawed.
     sim_file(gpus=1, memory="24GiB", driver_reserved="512MiB", file=one_card)
-    report = tmp_path / "low.json"
-    low = subprocess.Popen(
-        wrapped_sim_job(
-            gpuwait_cmd,
-            ["--priority", "1", "--freezable", "--vram", "4G"],
-            *("--vram", "23G", "--hold", "3s", "--report", str(report)),
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = grown_low_job(gpuwait_cmd, "4G", "23G", "3s", tmp_path / "low.json", "grown")
     urgent = None
     try:
-        wait_until_old_enough()
-        wait_for(
-            lambda: any(j.get("grown") for j in ledger_entries()),
-            timeout=60,
-            message=lambda: f"never seen past its reservation: {ledger_entries()}",
-        )
-        urgent = subprocess.Popen(
-            wrapped_sim_job(gpuwait_cmd, ["--priority", "5", "--vram", "4G"], "--vram", "4G"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        urgent = start_wrapped_sim_job(
+            gpuwait_cmd, ["--priority", "5", "--vram", "4G"], "--vram", "4G"
         )
         succeeded(urgent, low)
     finally:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import REPO
 from helpers.fixtures_sim import hold_card
+from helpers.pausing import start_pausable
 from helpers.shellbin import with_program
 from helpers.waiting import catches_signal, ledger_entries, process_state, wait_for
 
@@ -110,32 +111,11 @@ def long_job(
     saving its progress to `checkpoint` (`env`: variables set for it alone)."""
     # The VRAM its run takes, by its resume count: 0 is the first run.
     vram = f'$([ "$GPUWAIT_RESUME_COUNT" = 0 ] && echo 16G || echo {resumed_vram})'
-    return subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--vram",
-            "16G",
-            "--",
-            "sh",
-            "-c",
-            f'exec "$@" --vram "{vram}"',
-            "sh",
-            *gpuwait_cmd,
-            "sim",
-            "job",
-            "--hold",
-            hold,
-            "--exit",
-            str(exit_status),
-            "--checkpoint",
-            str(checkpoint),
-        ],
+    return start_pausable(
+        gpuwait_cmd,
+        *("sh", "-c", f'exec "$@" --vram "{vram}"', "sh", *gpuwait_cmd, "sim", "job"),
+        *("--hold", hold, "--exit", str(exit_status), "--checkpoint", str(checkpoint)),
         env={**os.environ, **(env or {})},
-        stderr=subprocess.PIPE,
-        text=True,
     )
 
 
@@ -205,11 +185,7 @@ def test_a_job_that_grew_past_its_reservation_is_asked_for_the_room_it_keeps(
         f'[ "$GPUWAIT_RESUME_COUNT" = 0 ] && {sim} --vram 18G --hold 1s; '
         f"exec {sim} --vram 1G --hold 4s --checkpoint {shlex.quote(str(tmp_path / 'c.json'))}"
     )
-    low = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "2G", "--", "sh", "-c", phases],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, "sh", "-c", phases, vram="2G")
     try:
         wait_for(
             lambda: any(j.get("grown") for j in ledger_entries()),
@@ -311,15 +287,7 @@ def test_a_job_cancelled_while_it_steps_aside_is_not_resumed(
     sim_file(gpus=1, memory="24GiB")  # type: ignore[operator]
     monkeypatch.setenv("GPUWAIT_PAUSE_MIN_RUNTIME", "100ms")
     asked = tmp_path / "asked"
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            *("--priority", "1", "--pausable", "--vram", "16G", "--"),
-            *(sys.executable, "-c", SAVES_ON_TERM, str(asked)),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, sys.executable, "-c", SAVES_ON_TERM, str(asked))
     urgent = None
     try:
         wait_until_running(1)
@@ -355,14 +323,8 @@ def steps_aside_then_runs_out(gpuwait_cmd: list[str], tmp_path: Path, *options: 
         f"exec {sim} --vram 8G --hold 1s --checkpoint {checkpoint}; fi; "
         f"touch {ran_out}; exec {sim} --vram 30G --ramp 1s"
     )
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            *("--priority", "1", "--pausable", "--retry-oom", "1", *options, "--vram", "8G"),
-            *("--", "sh", "-c", script),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    low = start_pausable(
+        gpuwait_cmd, "sh", "-c", script, vram="8G", options=("--retry-oom", "1", *options)
     )
     try:
         wait_until_running(1)
@@ -485,25 +447,8 @@ def test_young_jobs_are_not_paused(
 
 def _ignoring_job(gpuwait_cmd: list[str], seconds: str, *extra: str) -> subprocess.Popen[str]:
     """A --pausable job that catches the checkpoint signal but never steps aside."""
-    return subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--grace",
-            "0.5s",
-            *extra,
-            "--vram",
-            "16G",
-            "--",
-            sys.executable,
-            "-c",
-            IGNORER,
-            seconds,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    return start_pausable(
+        gpuwait_cmd, sys.executable, "-c", IGNORER, seconds, options=("--grace", "0.5s", *extra)
     )
 
 
@@ -587,11 +532,7 @@ CONTRIB = REPO / "contrib" / "checkpoint"
 def _pause_once(
     gpuwait_cmd: list[str], job: list[str], ready: Callable[[], object]
 ) -> subprocess.Popen[str]:
-    low = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *job],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, *job)
     try:
         wait_for(
             lambda: ready() or low.poll() is not None,
@@ -683,11 +624,7 @@ def test_a_checkpoint_signal_sent_early_waits_for_the_jobs_handler(
     script = (
         f"sleep 1.5; trap 'echo checkpointed > {said}; exit 0' USR1; while :; do sleep 0.1; done"
     )
-    job = subprocess.Popen(
-        [*gpuwait_cmd, "--pausable", "--vram", "1G", "--", "bash", "-c", script],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_pausable(gpuwait_cmd, "bash", "-c", script, vram="1G", priority=None)
     try:
         wait_until_running(1)
         wait_for(lambda: any(j.get("child_pid") for j in ledger_entries()), timeout=30)
@@ -708,11 +645,7 @@ def test_a_checkpoint_signal_while_still_waiting_ends_with_the_resume_status(
     holder = hold_card(gpuwait_cmd, "20G", "30s")
     wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running"], timeout=30)
     ran = tmp_path / "ran"
-    job = subprocess.Popen(
-        [*gpuwait_cmd, "--pausable", "--vram", "8G", "--", "touch", str(ran)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_pausable(gpuwait_cmd, "touch", str(ran), vram="8G", priority=None)
     try:
         wait_for(
             lambda: [j["state"] for j in ledger_entries()] == ["running", "waiting"], timeout=30
@@ -759,11 +692,7 @@ def test_a_checkpoint_signal_reaches_a_process_whose_name_is_not_text(
         sys.exit(3)
         """
     )
-    job = subprocess.Popen(
-        [*gpuwait_cmd, "--pausable", "--vram", "1G", "--", sys.executable, "-c", script],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_pausable(gpuwait_cmd, sys.executable, "-c", script, vram="1G", priority=None)
     try:
         wait_for(ready.exists, timeout=30, interval=0.02)
         job.send_signal(SIGNAL)
@@ -804,11 +733,7 @@ def test_a_job_that_ends_when_asked_to_step_aside_teaches_no_size(
         "time.sleep(30)\n"
     )
     command = [sys.executable, "-c", quitter]
-    low = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *command],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, *command)
     try:
         wait_until_running(1)
         wait_until_pausable()
@@ -990,11 +915,7 @@ def test_a_job_that_cannot_start_again_after_stepping_aside_says_how_often_it_di
     job = [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "6s"]
     script.write_text(f"#!/bin/sh\nexec {shlex.join(job)} --checkpoint {checkpoint}\n")
     script.chmod(0o755)
-    low = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", str(script)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, str(script))
     urgent = None
     try:
         wait_until_running(1)
@@ -1057,23 +978,9 @@ def test_a_checkpoint_signal_while_stepping_aside_ends_with_the_resume_status(
     so that the script requeues the allocation, rather than queue the job to run again in an
     allocation about to end (it waited, started again, and ended 0 with its work cut short)."""
     signals, go = tmp_path / "signals", tmp_path / "go"
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--vram",
-            "16G",
-            "--",
-            sys.executable,
-            "-c",
-            SLOW_TO_STEP_ASIDE,
-            str(signals),
-            str(go),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    low = start_pausable(
+        gpuwait_cmd,
+        *(sys.executable, "-c", SLOW_TO_STEP_ASIDE, str(signals), str(go)),
         start_new_session=True,  # ended with its command, whatever happens
     )
     urgent = None
@@ -1149,10 +1056,7 @@ def _asked_to_step_aside(
     once that entry's process `holder` (its "pid" or its "child_pid") catches the checkpoint
     signal and the job may be asked, an urgent job needing its room starts and is yielded.
     Every process is ended after."""
-    line = [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--"]
-    outer = subprocess.Popen(
-        [*line, *command], stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    outer = start_pausable(gpuwait_cmd, *command, start_new_session=True)
     urgent = None
     try:
         wait_until_running(2)
@@ -1358,21 +1262,9 @@ def test_a_checkpoint_signal_the_command_passes_on_to_its_group_is_no_time_limit
     process group, gpuwait's too, is queued again and resumed once there is room: the signal
     is its own, not one sent to gpuwait before a time limit (it ended with 75, and never ran
     again)."""
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--vram",
-            "16G",
-            "--",
-            sys.executable,
-            "-c",
-            PASSES_IT_ON,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    low = start_pausable(
+        gpuwait_cmd,
+        *(sys.executable, "-c", PASSES_IT_ON),
         start_new_session=True,  # its group is its own, not the tests'
     )
     urgent = None
@@ -1428,22 +1320,9 @@ def test_a_checkpoint_signal_passed_on_by_a_process_of_the_command_gone_since_is
     """A command asked to step aside whose short-lived helper passes the signal on to the
     group, gpuwait's too, and has ended before gpuwait looks at who sent it: the job is queued
     again and resumed (it ended with 75, and never ran again)."""
-    low = subprocess.Popen(
-        [
-            *gpuwait_cmd,
-            "--priority",
-            "1",
-            "--pausable",
-            "--vram",
-            "16G",
-            "--",
-            sys.executable,
-            "-c",
-            PASSES_IT_ON_AND_IS_GONE,
-            str(tmp_path),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
+    low = start_pausable(
+        gpuwait_cmd,
+        *(sys.executable, "-c", PASSES_IT_ON_AND_IS_GONE, str(tmp_path)),
         start_new_session=True,  # its group is its own, not the tests'
     )
     urgent = None
@@ -1506,12 +1385,7 @@ def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
     checkpoint = tmp_path / "progress.json"
     job = [*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "3s", "--checkpoint", checkpoint]
     container = ["apptainer", "exec", "--cleanenv", "img.sif", *map(str, job)]
-    low = subprocess.Popen(
-        [*gpuwait_cmd, "--priority", "1", "--pausable", "--vram", "16G", "--", *container],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    low = start_pausable(gpuwait_cmd, *container, env=env)
     try:
         wait_until_running(1)
         wait_until_pausable()
