@@ -216,7 +216,21 @@ def pause_progress(
             continue
         requested, signalled, at = pause_stamps(victim, now, boot_now)
         signal_name = victim.checkpoint_signal.upper().removeprefix("SIG")
-        if signalled is None and at - (requested or at) < NOT_CAUGHT_AFTER:
+        asked_for = at - (requested or at)
+        if signalled is None and asked_for > grace_max:
+            # Its waiter asks others now; its own gpuwait still signals it once it catches it.
+            parts.append(
+                f"job {victim.id} does not catch {signal_name} (signalled once it does) and is "
+                f"not waited for past {format_duration(grace_max)} (pause_grace_max; other "
+                "jobs may be asked)"
+            )
+        elif signalled is None and not victim.grace_kill and asked_for > victim.grace_seconds:
+            parts.append(
+                f"job {victim.id} does not catch {signal_name} (signalled once it does) and is "
+                f"not waited for past its grace ({format_duration(victim.grace_seconds)}); "
+                "other jobs may be asked"
+            )
+        elif signalled is None and asked_for < NOT_CAUGHT_AFTER:
             parts.append(f"asked job {victim.id} to checkpoint and step aside")
         elif signalled is None:
             parts.append(

@@ -512,6 +512,30 @@ def test_two_urgent_waiters_pause_one_victim_once(
         low.wait()
 
 
+def test_a_waiter_past_pause_grace_max_says_it_no_longer_waits_for_a_job_deaf_to_the_signal(
+    quick_card: None, gpuwait_cmd: list[str], isolated_dirs: Path
+) -> None:
+    """An urgent waiter asks a --pausable job whose command never catches the checkpoint
+    signal: past the site's pause_grace_max (1 s here) the waiter may ask others, and its wait
+    line says so, not that it still waits for the job to catch the signal."""
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('pause_grace_max = "1s"\n')
+    low = start_pausable(gpuwait_cmd, "sleep", "60", start_new_session=True)
+    try:
+        wait_until_running(1)
+        wait_until_pausable(catching=False)
+        urgent = hold_card(gpuwait_cmd, "16G", "1s", "--priority", "5", "--timeout", "4s")
+        _, said = urgent.communicate(timeout=60)
+    finally:
+        os.killpg(low.pid, signal.SIGKILL)
+        low.wait()
+    assert urgent.returncode == 124, said
+    told = [line for line in said.splitlines() if "step aside" in line or "catch" in line]
+    assert told, said
+    assert "does not catch USR1" in told[-1] and "past 1.0s (pause_grace_max" in told[-1], said
+
+
 def test_pause_max_is_honoured(
     quick_card: None, gpuwait_cmd: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
