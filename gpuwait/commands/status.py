@@ -66,7 +66,8 @@ def run(options: argparse.Namespace) -> int:
         except ValueError as exc:
             raise UsageError(f"--watch {exc}") from None
         if interval < 0.1:
-            raise UsageError("--watch: refresh at most every 0.1s")
+            # As a duration past a year is told: what was given, and the bound.
+            raise UsageError(f"--watch {options.watch.strip()!r} is too short (at least 0.1s)")
     settings = load_settings({})
     if interval is None:
         report = build_report(settings)

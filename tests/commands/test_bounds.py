@@ -51,6 +51,21 @@ CASES: dict[str, Case] = {
         "--grace '9999999999h' is too long (at most 365d)",
     ),
     "status watch": (["status", "--watch", "9999999999h"], {}, None, 2, "at most 365d"),
+    # Refreshing without a pause would busy a core: the least is said as the longest is.
+    "status watch zero": (
+        ["status", "--watch", "0"],
+        {},
+        None,
+        2,
+        "--watch '0' is too short (at least 0.1s)",
+    ),
+    "status watch under the least": (
+        ["status", "--watch", "50ms"],
+        {},
+        None,
+        2,
+        "--watch '50ms' is too short (at least 0.1s)",
+    ),
     "env poll interval": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_POLL_INTERVAL": "9999999999h"},
