@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import inspect
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -305,7 +307,26 @@ def reserve(
     ):
         for ref in _references(keyword, refs):
             argv.append(f"{option}={ref}")
-    return reserve_argv(argv, _LoggingReporter())
+    try:
+        return reserve_argv(argv, _LoggingReporter())
+    except ReserveError as exc:
+        if exc.exit_code != EXIT_USAGE:
+            raise
+        # Told as the caller wrote it: `max_util`, not the command line's `--max-util`.
+        hint = None if exc.hint is None else _keywords(exc.hint)
+        raise ReserveError(_keywords(exc.message), hint, exc.exit_code) from None
+
+
+def _keywords(text: str) -> str:
+    """`text` with the command line's options that are reserve()'s keywords named as those."""
+
+    keywords = inspect.signature(reserve).parameters
+
+    def keyword(match: re.Match[str]) -> str:
+        name = match.group(1).replace("-", "_")
+        return name if name in keywords else match.group(0)
+
+    return re.sub(r"(?<![\w-])--([a-z][a-z-]*[a-z])", keyword, text)
 
 
 def _argv(

@@ -461,6 +461,32 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
     assert listed_jobs(gpuwait_cmd) == []
 
 
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"max_util": 101}, "max_util '101': give a percentage above 0 and at most 100"),
+        ({"safety": 2}, "safety: '2' is not valid for safety"),
+        ({"min_total_vram": "x"}, "min_total_vram 'x' is not a size"),
+        ({"min_compute_capability": "x"}, "min_compute_capability 'x': use MAJOR.MINOR"),
+        ({"gpu_name": ""}, "gpu_name needs a pattern"),
+        ({"exclusive": True}, "exclusive takes whole GPUs; leave out vram"),
+    ],
+)
+def test_a_refused_value_is_told_by_its_keyword(
+    sim: Path, gpuwait_cmd: list[str], options: dict[str, Any], words: str
+) -> None:
+    # reserve(max_util=101) was told of `--max-util`, a command line's option the caller never
+    # wrote.
+    import gpuwait
+
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve("1G", **options)
+    assert caught.value.exit_code == 2
+    assert words in caught.value.message, caught.value.message
+    assert "--" not in str(caught.value), caught.value
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_no_dependency_given_as_none_is_none(sim: Path, gpuwait_cmd: list[str]) -> None:
     # after=None, after_ok=None, as every other keyword takes None: nothing to wait for.
     import gpuwait
