@@ -304,11 +304,22 @@ def _percent(value: Any) -> float:
     return number
 
 
-def _path(value: Any) -> Path | None:
+def _sim_file(value: Any) -> Path | None:
+    """The simulation file: absolute, or under `~`, as `state_dir`. A relative one would be
+    another file in every working directory: a job started beside it and `gpuwait status` run
+    elsewhere would see two machines, or none."""
     if not isinstance(value, str):
         raise ValueError('expected a path in quotes, e.g. "~/gpuwait-sim.toml"')
-    text = value.strip()
-    return Path(os.path.abspath(os.path.expanduser(text))) if text else None
+    text = os.path.expanduser(value.strip())
+    if not text:
+        return None
+    if not os.path.isabs(text):
+        raise ValueError(
+            f"expected an absolute path such as {shell_word(os.path.abspath(text))} or "
+            f"~/{shell_word(os.path.basename(text) or 'gpuwait-sim.toml')} (a relative one is "
+            "another file in every working directory, and jobs would not see each other's GPUs)"
+        )
+    return Path(os.path.abspath(text))
 
 
 def _absolute_dir(value: Any) -> Path | None:
@@ -547,7 +558,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "sim",
-        _path,
+        _sim_file,
         "",
         "simulation file: use simulated GPUs instead of NVML (see `gpuwait sim init`)",
         show=_show_path,

@@ -94,6 +94,13 @@ def _main(args: argparse.Namespace) -> int:
     if not sim_path:
         _error("gpuwait sim job: no simulation file; pass --sim FILE or set GPUWAIT_SIM")
         return 2
+    if not args.sim and not os.path.isabs(os.path.expanduser(sim_path)):
+        # As gpuwait refuses it: another file in every directory than its gpuwait's.
+        _error(
+            f"gpuwait sim job: GPUWAIT_SIM {sim_path!r} is relative; give an absolute path "
+            f"such as {os.path.abspath(sim_path)}"
+        )
+        return 2
     try:
         config = _load(sim_path)
     except BackendUnavailable as exc:

@@ -331,6 +331,24 @@ CASES: dict[str, Case] = {
         2,
         "pause_grace_max can only be set by an administrator",
     ),
+    # Another file in every directory: a job started beside sim.toml and `gpuwait status` run
+    # elsewhere saw two machines, or were told to create a second one.
+    "env sim relative": (
+        ["status"],
+        {"GPUWAIT_SIM": "sim.toml"},
+        None,
+        None,
+        2,
+        f"expected an absolute path such as {Path.cwd() / 'sim.toml'} or ~/sim.toml",
+    ),
+    "config sim relative": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_SIM": ""},
+        'sim = "sims/4x80.toml"\n',
+        None,
+        2,
+        "a relative one is another file in every working directory",
+    ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
     "env config missing": (
         ["true"],

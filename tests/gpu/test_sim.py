@@ -524,6 +524,19 @@ def test_empty_machine_is_valid(sim_file: SimFileFactory) -> None:
     assert SimBackend(str(path)).snapshot().gpus == ()
 
 
+def test_a_job_with_a_relative_sim_in_the_environment_is_refused(sim_file: SimFileFactory) -> None:
+    # Started beside sim.toml it used that one, elsewhere another file (or none) than its
+    # gpuwait's: refused as gpuwait refuses it, whichever directory it runs in.
+    path = sim_file(gpus=1)
+    job = start_sim_job("--vram", "1G", env={"GPUWAIT_SIM": path.name}, cwd=path.parent)
+    rc, out, err = finish(job)
+    assert (rc, out) == (2, ""), err
+    assert err == (
+        f"gpuwait sim job: GPUWAIT_SIM {path.name!r} is relative; give an absolute path such "
+        f"as {path}\n"
+    )
+
+
 def test_job_with_bad_or_missing_sim(tmp_path: Path) -> None:
     rc, out, err = finish(start_sim_job("--vram", "1G"))
     assert (rc, out) == (2, "")
