@@ -86,6 +86,54 @@ def _not_found(argv: Sequence[str]) -> CommandProblem:
     return CommandProblem(f"{argv[0]}: command not found", EXIT_NOT_FOUND, hint)
 
 
+def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
+    """A Python command line whose script is not there (`python trian.py`) would wait for its
+    GPU, then fail: refused (UsageError) where a file beside it has a close name (`train.py`),
+    a misspelling beyond doubt, unless the job waits for others (`--after`), which may write
+    it, or the two are of a series (`run_3.py` beside `run_2.py`). Otherwise a warning to say before the wait, or None: a script that another step writes
+    while this job waits must not cost the run."""
+    from gpuwait.core.cmdkey import python_runs  # only Python command lines pay for it
+
+    runs = python_runs(argv)
+    if runs is None or runs[0]:
+        return None
+    typed, at = runs[1], runs[2] - 1
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    script = os.path.join(cwd, typed)
+    if os.path.exists(script):
+        return None
+    folder = os.path.dirname(script)
+    try:
+        names = [n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))]
+    except OSError:
+        names = []
+    from gpuwait.core.text import nearest  # only once a script is missing
+
+    match = nearest(os.path.basename(typed), names, cutoff=0.75) if names else None
+    meant = None if match is None else os.path.join(os.path.dirname(typed), match)
+    program = os.path.basename(argv[0])
+    # Names apart only in their digits (run_3.py beside run_2.py): a series, whose next one a
+    # step may be writing.
+    series = match is not None and _digitless(match) == _digitless(os.path.basename(typed))
+    if meant is not None and not waits_for_others and not series:
+        fixed = [*argv[:at], meant, *argv[at + 1 :]]
+        raise UsageError(
+            f"no script {typed} here: {program} would wait for its GPU, then fail",
+            hint=f"did you mean {meant}? gpuwait ... -- {shlex.join(fixed)}",
+        )
+    guess = "" if meant is None else f"; did you mean {meant}?"
+    return (
+        f"no script {typed} here (yet{guess}): {program} fails unless it is there once its GPU is"
+    )
+
+
+def _digitless(name: str) -> str:
+    return re.sub(r"[0-9]+", "", name)
+
+
 def check_command(argv: Sequence[str]) -> str:
     """The executable `argv[0]` resolves to; raises CommandProblem (127, 126) otherwise."""
     name = argv[0]

@@ -103,6 +103,7 @@ from gpuwait.runner.launch import (
     check_keeps_gpus,
     check_not_srun,
     check_pausable_container,
+    check_script,
     command_env,
     container_copies,
     spawn_when_possible,
@@ -265,6 +266,9 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     if request.pausable is not None:
         check_pausable_container(request.command)
     check_command(request.command)
+    missing = check_script(request.command, bool(request.after or request.after_ok))
+    if missing is not None:
+        reporter.warn(missing)
     _load_what_comes_after_the_wait(request, config)
     try:
         backend = _read_gpus(

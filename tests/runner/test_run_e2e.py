@@ -693,6 +693,62 @@ def test_python_not_installed_where_python3_is_is_answered_with_python3(
     assert ledger_jobs() == []
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"), [("trian.py", "train.py"), ("src/trian.py", "src/train.py")]
+)
+def test_a_misspelt_script_is_refused_before_the_wait(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, typed: str, meant: str
+) -> None:
+    # `gpuwait --vram 4G python trian.py` waited for its GPU, then python said "can't open
+    # file": on a busy machine, hours later.
+    (tmp_path / "src").mkdir()
+    for script in ("train.py", "src/train.py"):
+        (tmp_path / script).write_text("")
+    done = run([*gpuwait_cmd, "--vram", "4G", "python", "-u", typed, "--lr", "1"], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: no script {typed} here: python would wait for its GPU, then fail",
+        f"gpuwait: hint: did you mean {meant}? gpuwait ... -- python -u {meant} --lr 1",
+    ]
+    assert ledger_jobs() == []
+
+
+def test_a_missing_script_with_no_close_name_is_warned_of_and_the_run_goes_on(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A script no name here is close to, or the next of a series (run_3.py beside run_2.py),
+    # may be one a step outside gpuwait writes while this waits: the run is not lost, but the
+    # user is told before the wait.
+    (tmp_path / "run_2.py").write_text("")
+    for script, guess in (("evaluate.py", ""), ("run_3.py", "; did you mean run_2.py?")):
+        done = run([*gpuwait_cmd, "--vram", "4G", "python", script], cwd=tmp_path)
+        assert done.stderr.splitlines()[0] == (
+            f"gpuwait: warning: no script {script} here (yet{guess}): python fails unless it is "
+            "there once its GPU is"
+        ), done.stderr
+        # python's own refusal, at once on a free card.
+        assert done.returncode == 2 and "can't open file" in done.stderr, done.stderr
+
+
+def test_a_misspelt_script_of_a_job_that_waits_for_another_is_warned_of_not_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A job run --after another may run what that one writes: told, not refused.
+    (tmp_path / "train.py").write_text("")
+    first = hold_card(gpuwait_cmd, "1G", "0.3s", "--name", "prep")
+    try:
+        wait_for(lambda: [j["name"] for j in ledger_entries()] == ["prep"] or first.poll())
+        argv = ["--after", "prep", "--vram", "1G", "python", "trian.py"]
+        done = run([*gpuwait_cmd, *argv], cwd=tmp_path)
+    finally:
+        first.communicate(timeout=60)
+    assert done.stderr.splitlines()[0] == (
+        "gpuwait: warning: no script trian.py here (yet; did you mean train.py?): python fails "
+        "unless it is there once its GPU is"
+    ), done.stderr
+    assert done.returncode == 2 and "can't open file" in done.stderr, done.stderr
+
+
 def user_config(isolated_dirs: Path) -> Path:
     """The user's config file under the test's own dirs (its directory made, the file not)."""
     config = isolated_dirs / "config" / "gpuwait" / "config.toml"
