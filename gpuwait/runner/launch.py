@@ -90,8 +90,9 @@ def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
     """A Python command line whose script is not there (`python trian.py`) would wait for its
     GPU, then fail: refused (UsageError) where a file beside it has a close name (`train.py`),
     a misspelling beyond doubt, unless the job waits for others (`--after`), which may write
-    it, or the two are of a series (`run_3.py` beside `run_2.py`). Otherwise a warning to say before the wait, or None: a script that another step writes
-    while this job waits must not cost the run."""
+    it, or the two are of a series (`run_3.py` beside `run_2.py`). Otherwise a warning to say
+    before the wait, or None: a script that another step writes while this job waits must not
+    cost the run."""
     from gpuwait.core.cmdkey import python_runs  # only Python command lines pay for it
 
     runs = python_runs(argv)
