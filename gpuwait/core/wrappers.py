@@ -182,6 +182,10 @@ class Step(Record, frozen=True):
     #: Its words end where a shell's code stopped being plain before its command was found
     #: (`bash -c 'sudo --preserve-env=$KEEP python x.py'`): what its options are is not known.
     unsure: bool = False
+    #: The NAME=VALUE words it sets for the command it runs: env's and sudo's, or, for a
+    #: shell, those before its first command (`CUDA_VISIBLE_DEVICES=0 python x.py`, on a line
+    #: of their own, or after `export`), as far as its words are plain.
+    sets: tuple[str, ...] = ()
 
     @property
     def program(self) -> str:
@@ -200,9 +204,15 @@ def steps(argv: Sequence[str]) -> list[Step]:
     while current:
         if os.path.basename(current[0]) in _SHELLS:
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
-            found.append(Step(argv=current, options=() if code is None else (("-c", code),)))
             first = None if code is None else _first_command(code)
-            if not first:
+            found.append(
+                Step(
+                    argv=current,
+                    options=() if code is None else (("-c", code),),
+                    sets=() if first is None else first[2],
+                )
+            )
+            if not first or not first[0]:
                 break
             current, cut = tuple(first[0]), not first[1]
             continue
@@ -210,13 +220,17 @@ def steps(argv: Sequence[str]) -> list[Step]:
         if spec is None:
             found.append(Step(argv=current))
             break
-        options, inner, code = _parse(spec, current[1:])
+        options, inner, code, sets = _parse(spec, current[1:])
         unsure = cut and inner is None and code is None
-        found.append(Step(argv=current, options=tuple(options), unsure=unsure))
+        found.append(Step(argv=current, options=tuple(options), unsure=unsure, sets=sets))
         if code is not None:
             # su -c, flock -c, sg -c: a shell's code, read as that of `bash -c`.
             first = _code_command(code)
-            if not first:
+            if first and first[2]:
+                found[-1] = Step(
+                    argv=current, options=tuple(options), unsure=unsure, sets=sets + first[2]
+                )
+            if not first or not first[0]:
                 break
             current, cut = tuple(first[0]), not first[1]
             continue
@@ -265,26 +279,37 @@ def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
     return words[position] if command and position < len(words) else None
 
 
-def _first_command(code: str) -> tuple[list[str], bool] | None:
+def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
     """The words of the first command of shell CODE where each is plain (`srun python x.py`
     of `srun python x.py && echo done`, or of `OMP_NUM_THREADS=4 srun python x.py`: the
-    variables set before it are no command), and whether they are all of its words: no shell
-    is parsed, so a quote, an expansion or a redirection ends what is looked at, and with it
-    the walk. A line ends a command as `;` does; blank lines, and those that only set
-    variables (`OMP_NUM_THREADS=4` on a line of its own), run none, and are passed over."""
+    variables set before it are no command), whether they are all of its words, and the
+    NAME=VALUE words set before it: no shell is parsed, so a quote, an expansion or a
+    redirection ends what is looked at, and with it the walk (its words then may be none). A
+    line ends a command as `;` does; blank lines, and those that only set variables
+    (`OMP_NUM_THREADS=4` on a line of its own, or after `export`), run none, and are passed
+    over."""
+    sets: list[str] = []
     for part in _SEPARATORS.split(code):
         words: list[str] = []
+        exported = False
         for word in part.split():
             if not _PLAIN.match(word):
-                return (words, False) if words else None
-            if words or not _ASSIGNMENT.match(word):
+                return (words, False, tuple(sets)) if words or sets else None
+            if not words and not exported and word == "export":
+                exported = True
+            elif (words and not exported) or not _ASSIGNMENT.match(word):
+                if exported:
+                    words.append("export")
+                    exported = False
                 words.append(word)
+            else:
+                sets.append(word)
         if words:
-            return words, True
-    return None
+            return words, True, tuple(sets)
+    return ([], True, tuple(sets)) if sets else None
 
 
-def _code_command(code: str) -> tuple[list[str], bool] | None:
+def _code_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
     """`_first_command` of shell CODE, whose words, where it has nothing a shell reads but
     quotes (`python "my script.py"`), are all read, past the variables set before them."""
     if not any(char in code for char in ";&|`$()<>\n\\#"):
@@ -292,17 +317,26 @@ def _code_command(code: str) -> tuple[list[str], bool] | None:
             words = shlex.split(code)
         except ValueError:
             return _first_command(code)
+        sets: list[str] = []
         while words and _ASSIGNMENT.match(words[0]):
-            words.pop(0)
-        return (words, True) if words else None
+            sets.append(words.pop(0))
+        return (words, True, tuple(sets)) if words or sets else None
     return _first_command(code)
 
 
 def _parse(
     spec: _Spec, words: Sequence[str]
+) -> tuple[list[tuple[str, str | None]], Sequence[str] | None, str | None, tuple[str, ...]]:
+    """A wrapper's options, the command it runs (None where none is sure), the shell code it
+    runs (su -c CODE), if any, and the NAME=VALUE words it sets for its command."""
+    sets: list[str] = []
+    options, rest, code = _options(spec, words, sets)
+    return options, rest, code, tuple(sets)
+
+
+def _options(
+    spec: _Spec, words: Sequence[str], sets: list[str]
 ) -> tuple[list[tuple[str, str | None]], Sequence[str] | None, str | None]:
-    """A wrapper's options, the command it runs (None where none is sure), and the shell code
-    it runs (su -c CODE), if any."""
     options: list[tuple[str, str | None]] = []
     position = 0
     operands = spec.operands
@@ -314,6 +348,7 @@ def _parse(
             while spec.assignments_after_dashes and position < len(words):
                 if "=" not in words[position] or words[position].startswith("="):
                     break
+                sets.append(words[position])
                 position += 1
             break
         if word.startswith("--"):
@@ -360,6 +395,7 @@ def _parse(
             position += 1
             continue
         if spec.assignments and "=" in word and not word.startswith("="):
+            sets.append(word)
             position += 1
             continue
         if operands:

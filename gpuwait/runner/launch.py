@@ -261,6 +261,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             for name in GPU_VARIABLES
         ]
         needed = GPU_VARIABLES[: 2 if by_index else 1]
+        _check_sets(argv, step, needed)
         needed += tuple(c for c in copies if c.endswith(needed))
         dropped = [v for v in needed if drops_gpus(step, v)]
         if not dropped:
@@ -310,6 +311,52 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         raise UsageError(
             f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
             hint=hint,
+        )
+
+
+def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
+    """Refuse a wrapper that sets a variable of `names` for its command (UsageError, 2): `env
+    CUDA_VISIBLE_DEVICES=0 python x.py`, `sudo -E CUDA_VISIBLE_DEVICES=0 ...`, `sh -c
+    'CUDA_VISIBLE_DEVICES=0 python x.py'`, or its APPTAINERENV_ (SINGULARITYENV_) copy,
+    which an Apptainer container takes over the caller's: the command would run on GPU 0,
+    whichever gpuwait reserved. Let be: what gpuwait sets itself (CUDA_DEVICE_ORDER=PCI_BUS_ID),
+    and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
+    CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
+    GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
+    line's own; the GPUs gpuwait picks from are chosen before it."""
+    for word in step.sets:
+        name, _, value = word.partition("=")
+        variable = next((v for v in names if name in (v, *_container_names([v]))), None)
+        if variable is None:
+            continue
+        if variable == GPU_VARIABLES[1] and value == "PCI_BUS_ID":
+            continue
+        own = os.environ.get(GPU_VARIABLES[0], "")
+        if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:
+            continue
+        where = len(argv) - len(step.argv)
+        if tuple(argv[where:]) == step.argv and word in step.argv[1:]:
+            at = where + step.argv.index(word, 1)
+            line = f"gpuwait ... -- {shlex.join([*argv[:at], *argv[at + 1 :]])}"
+        else:
+            line = f"set {name} nowhere in the command"
+        if variable == GPU_VARIABLES[0]:
+            what = "it would run on GPUs gpuwait did not give it, those given to other jobs too"
+            choose = (
+                f"; to have it pick from those GPUs: {shlex.quote(word)} gpuwait ... -- COMMAND"
+                if name == variable and value.strip()
+                else ""
+            )
+        else:
+            what = (
+                "its CUDA could number the GPUs fastest-first, and the index gpuwait gives "
+                "(visible_devices = index) name a GPU given to another job"
+            )
+            choose = ""
+        raise UsageError(
+            f"{step.program} sets {shlex.quote(word)} for its command, over the {variable} "
+            f"gpuwait sets: {what}",
+            hint=f"leave {variable} to gpuwait: {line}{choose}",
         )
 
 

@@ -902,3 +902,149 @@ def test_an_apptainer_env_file_that_is_a_pipe_reaches_the_container_whole(
     )
     assert done.returncode == 0, done.stderr
     assert seen.read_text() == "OMP_NUM_THREADS=4\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "setter", "word"),
+    [
+        (["env", "CUDA_VISIBLE_DEVICES=0", "true"], "env", "CUDA_VISIBLE_DEVICES=0"),
+        (
+            ["env", "-C", "/", "--", "CUDA_VISIBLE_DEVICES=1", "true"],
+            "env",
+            "CUDA_VISIBLE_DEVICES=1",
+        ),
+        (["env", "CUDA_VISIBLE_DEVICES=", "true"], "env", "CUDA_VISIBLE_DEVICES="),
+        (
+            [
+                "env",
+                "APPTAINERENV_CUDA_VISIBLE_DEVICES=0",
+                "apptainer",
+                "exec",
+                "--nv",
+                "i",
+                "true",
+            ],
+            "env",
+            "APPTAINERENV_CUDA_VISIBLE_DEVICES=0",
+        ),
+        (
+            ["nice", "-n", "5", "timeout", "1h", "env", "CUDA_VISIBLE_DEVICES=0", "true"],
+            "env",
+            "CUDA_VISIBLE_DEVICES=0",
+        ),
+        (
+            ["setsid", "nohup", "env", "CUDA_VISIBLE_DEVICES=0", "true"],
+            "env",
+            "CUDA_VISIBLE_DEVICES=0",
+        ),
+        (["sudo", "-E", "CUDA_VISIBLE_DEVICES=0", "true"], "sudo", "CUDA_VISIBLE_DEVICES=0"),
+        (["sh", "-c", "CUDA_VISIBLE_DEVICES=0 true"], "sh", "CUDA_VISIBLE_DEVICES=0"),
+        (["bash", "-c", "export CUDA_VISIBLE_DEVICES=0\ntrue"], "bash", "CUDA_VISIBLE_DEVICES=0"),
+    ],
+)
+def test_a_wrapper_that_sets_the_gpus_itself_is_refused_with_what_to_type(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], setter: str, word: str
+) -> None:
+    # `gpuwait --vram 4G -- env CUDA_VISIBLE_DEVICES=0 python x.py` ran the command on GPU 0
+    # while gpuwait had reserved GPU 1 for it, and GPU 0 for nobody or another job, which
+    # then ran out of memory; so did `sh -c 'CUDA_VISIBLE_DEVICES=0 ...'`, `sudo -E
+    # CUDA_VISIBLE_DEVICES=0 ...` and an APPTAINERENV_ copy, which the container takes over
+    # the caller's. Refused before waiting, the hint the line without it, which runs.
+    env, ran = fake_bin(tmp_path, "env", "nice", "timeout", "setsid", "nohup", "sudo", "apptainer")
+    env, _ = fake_bin(tmp_path, "sh", "bash")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        f"gpuwait: error: {setter} sets {shlex.quote(word)} for its command, over the "
+        "CUDA_VISIBLE_DEVICES gpuwait sets: it would run on GPUs gpuwait did not give it"
+    ), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    if setter in ("sh", "bash"):
+        assert "set CUDA_VISIBLE_DEVICES nowhere in the command" in done.stderr
+        return
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].split(";", 1)[0].strip()
+    assert word not in shlex.split(line)
+    again = gpuwait(gpuwait_cmd, shlex.split(line), env)
+    assert again.returncode == 0, again.stderr
+    assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["env", "PYTHONPATH=.", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen'],
+        ["env", "-u", "PYTHONPATH", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen'],
+        ["timeout", "1h", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen'],
+        ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen'],
+        # Expanded by the job's shell: the GPU gpuwait gives.
+        [
+            "sh",
+            "-c",
+            'CUDA_VISIBLE_DEVICES="$GPUWAIT_GPU_UUIDS" sh -c \'echo "$CUDA_VISIBLE_DEVICES"\' > seen',
+        ],
+    ],
+)
+def test_a_wrapper_that_leaves_the_gpus_given_alone_runs_on_them(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
+
+
+def test_the_one_gpu_gpuwait_was_given_passed_on_as_it_is_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `CUDA_VISIBLE_DEVICES=1 gpuwait --vram 4G -- env CUDA_VISIBLE_DEVICES=1 ...` (the
+    # caller's shell expanding "$CUDA_VISIBLE_DEVICES"): gpuwait picks from GPU 1 alone, so
+    # the command runs where gpuwait reserved. Several GPUs, or none, are refused: gpuwait
+    # gives the job one of them.
+    command = ["env", "CUDA_VISIBLE_DEVICES=1", "sh", "-c", "echo $GPUWAIT_GPU_INDICES > seen"]
+    run = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        env=run,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == "1"
+    command[1] = "CUDA_VISIBLE_DEVICES=0,1"
+    run["CUDA_VISIBLE_DEVICES"] = "0,1"
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        env=run,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+
+
+def test_a_wrapper_that_sets_the_order_of_gpu_indices_is_refused_under_index(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # With visible_devices = index, `env CUDA_DEVICE_ORDER=FASTEST_FIRST` has CUDA read the
+    # index gpuwait gives in its own order, which may name another job's card; PCI_BUS_ID,
+    # which gpuwait sets itself, and the same line with UUIDs run.
+    env, ran = fake_bin(tmp_path, "env")
+    index = {**env, "GPUWAIT_VISIBLE_DEVICES": "index"}
+    done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "true"], index)
+    assert done.returncode == 2, done.stderr
+    assert "env sets CUDA_DEVICE_ORDER=FASTEST_FIRST for its command" in done.stderr
+    assert "gpuwait ... -- env true" in done.stderr
+    assert not ran.exists()
+    done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "true"], index)
+    assert done.returncode == 0, done.stderr
+    done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "true"], env)
+    assert done.returncode == 0, done.stderr
