@@ -508,6 +508,26 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     return False
 
 
+def passed_on(
+    before: Sequence[Step], names: Sequence[str], environ: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The variables of `names` that the command run by the last of `before` starts with,
+    from `environ` (gpuwait's) through each wrapper: those it drops left out (`drops_gpus`:
+    sudo's env_reset, env -u, env -i ...), those it sets (`env NV_GPU=1`, a shell's
+    `NVIDIA_VISIBLE_DEVICES=all docker ...`) put in. None where a wrapper's options are not
+    all known."""
+    if any(step.unsure for step in before):
+        return None
+    found = {name: environ[name] for name in names if name in environ}
+    for step in before:
+        found = {name: value for name, value in found.items() if not drops_gpus(step, name)}
+        for word in step.sets:
+            name, _, value = word.partition("=")
+            if name in names:
+                found[name] = value
+    return found
+
+
 #: docker's wrapper that adds the NVIDIA runtime to `run` (and NVIDIA_VISIBLE_DEVICES=$NV_GPU):
 #: a CUDA image, which sets NVIDIA_VISIBLE_DEVICES=all, gets every GPU.
 NVIDIA_DOCKER = "nvidia-docker"

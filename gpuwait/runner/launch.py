@@ -34,6 +34,7 @@ from gpuwait.core.wrappers import (
     apptainer_pid_namespace,
     container_gpus,
     drops_gpus,
+    passed_on,
     runs_gpuwait,
     steps,
 )
@@ -243,8 +244,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     found = steps(argv)
     if any(runs_gpuwait(step) for step in found):
         return
-    for step in found:
-        _check_container(argv, step)
+    for at, step in enumerate(found):
+        _check_container(argv, step, found[:at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1])
         _check_nvccli(argv, step, by_index)
     for at, step in enumerate(found):
@@ -360,16 +361,17 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
         )
 
 
-def _check_container(argv: Sequence[str], step: Step) -> None:
+def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) -> None:
     """Refuse `docker run`, `podman run`, `nerdctl run` or `nvidia-docker run` giving the
     container GPUs of its own (UsageError, 2): `--gpus all`, `--gpus 2`, `--gpus device=1`,
     `--device nvidia.com/gpu=all`, `--device /dev/nvidia0`, the NVIDIA runtime with
     NVIDIA_VISIBLE_DEVICES (nvidia-docker's own too). The engine passes no
     CUDA_VISIBLE_DEVICES into the container, whose command would run on the GPUs named there,
     those given to other jobs too. The hint is the line that names the GPUs gpuwait reserves
-    (GPUWAIT_GPU_UUIDS) instead."""
-    # The engine run as the command itself has gpuwait's environment (a wrapper may change it).
-    spans = container_gpus(step, os.environ if len(argv) == len(step.argv) else None)
+    (GPUWAIT_GPU_UUIDS) instead. `before`: the wrappers it runs under, which may drop or set
+    the NVIDIA_VISIBLE_DEVICES and NV_GPU it reads."""
+    environ = passed_on(before, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
+    spans = container_gpus(step, environ)
     if not spans:
         return
     given = " ".join(step.argv[spans[0][0] : spans[0][1]])
@@ -391,7 +393,7 @@ def _check_container(argv: Sequence[str], step: Step) -> None:
         # It adds the NVIDIA runtime; docker itself takes --gpus.
         kept[0] = "docker"
         # And NVIDIA_VISIBLE_DEVICES=$NV_GPU where NV_GPU is set, before the options given.
-        nv_gpu = os.environ.get("NV_GPU", "") if where == 0 else ""
+        nv_gpu = (environ or {}).get("NV_GPU", "")
         if not given and nv_gpu:
             what = f"the GPUs NV_GPU names (NV_GPU={shlex.quote(nv_gpu)})"
         elif not given:

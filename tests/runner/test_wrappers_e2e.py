@@ -1048,3 +1048,103 @@ def test_a_wrapper_that_sets_the_order_of_gpu_indices_is_refused_under_index(
     assert done.returncode == 0, done.stderr
     done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "true"], env)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "caller", "status"),
+    [
+        (["sudo", "-E", "docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], "all", 2),
+        (["nice", "docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], "all", 2),
+        (["sh", "-c", "exec docker run -e NVIDIA_VISIBLE_DEVICES img"], "all", 2),
+        (
+            [
+                "env",
+                "NVIDIA_VISIBLE_DEVICES=0",
+                "docker",
+                "run",
+                "-e",
+                "NVIDIA_VISIBLE_DEVICES",
+                "i",
+            ],
+            None,
+            2,
+        ),
+        (
+            ["sh", "-c", "NVIDIA_VISIBLE_DEVICES=all docker run -e NVIDIA_VISIBLE_DEVICES i"],
+            None,
+            2,
+        ),
+        # Not passed on: sudo's env_reset, env -u, or set to no GPU.
+        (["sudo", "docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], "all", 0),
+        (
+            [
+                "env",
+                "-u",
+                "NVIDIA_VISIBLE_DEVICES",
+                "docker",
+                "run",
+                "-e",
+                "NVIDIA_VISIBLE_DEVICES",
+                "i",
+            ],
+            "all",
+            0,
+        ),
+        (
+            [
+                "env",
+                "NVIDIA_VISIBLE_DEVICES=none",
+                "docker",
+                "run",
+                "-e",
+                "NVIDIA_VISIBLE_DEVICES",
+                "i",
+            ],
+            "all",
+            0,
+        ),
+    ],
+)
+def test_a_wrapper_passes_the_engine_the_nvidia_visible_devices_it_reads(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    command: list[str],
+    caller: str | None,
+    status: int,
+) -> None:
+    # `-e NVIDIA_VISIBLE_DEVICES` with no value passes on the engine's own, which was read
+    # only where the engine was the command itself: inside a CUDA image (all), `gpuwait --vram
+    # 4G -- sudo -E docker run -e NVIDIA_VISIBLE_DEVICES img` ran a container given every GPU,
+    # and so did `env NVIDIA_VISIBLE_DEVICES=0 docker run ...` one on GPU 0.
+    env, ran = fake_bin(tmp_path, "docker", "sudo", "nice", "env", "sh")
+    env.pop("NVIDIA_VISIBLE_DEVICES", None)
+    if caller is not None:
+        env["NVIDIA_VISIBLE_DEVICES"] = caller
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == status, done.stderr
+    assert ran.exists() == (status == 0)
+    if status:
+        assert done.stderr.startswith(
+            "gpuwait: error: docker run gives the container the GPUs its own option names "
+            "(-e NVIDIA_VISIBLE_DEVICES)"
+        ), done.stderr
+
+
+def test_nvidia_docker_under_a_wrapper_is_refused_for_the_gpus_nv_gpu_names(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # NV_GPU was read only where nvidia-docker was the command itself: under `sudo -E` or
+    # set by `env NV_GPU=1`, the refusal said every GPU, not the one NV_GPU names.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker", "sudo", "env")
+    for command, given in (
+        (["sudo", "-E", "nvidia-docker", "run", "img"], {"NV_GPU": "1"}),
+        (["env", "NV_GPU=1", "nvidia-docker", "run", "img"], {}),
+    ):
+        done = gpuwait(gpuwait_cmd, command, {**env, **given})
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(
+            "gpuwait: error: nvidia-docker run gives the container the GPUs NV_GPU names "
+            "(NV_GPU=1), not the one gpuwait reserves: "
+        ), done.stderr
+    assert not ran.exists()
