@@ -11,7 +11,7 @@ from __future__ import annotations
 import os.path
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gpuwait.core.cmdkey import python_runs
 from gpuwait.core.record import Record
@@ -565,7 +565,11 @@ _RUN_SHORT_FLAGS = "ditPq"
 _NO_GPUS = frozenset({"", "none", "void"})
 
 
-def container_gpus(step: Step, environ: Mapping[str, str] | None = None) -> list[tuple[int, int]]:
+def container_gpus(
+    step: Step,
+    environ: Mapping[str, str] | None = None,
+    read: Callable[[str], Sequence[str]] | None = None,
+) -> list[tuple[int, int]]:
     """Where a `docker run`, `podman run` or `nerdctl run` step gives the container GPUs of its
     own (`--gpus all`, `--gpus=2`, `--device nvidia.com/gpu=0`, `--device /dev/nvidia0`,
     `--runtime=nvidia` or `-e NVIDIA_VISIBLE_DEVICES=all`, which the NVIDIA runtime reads):
@@ -573,7 +577,9 @@ def container_gpus(step: Step, environ: Mapping[str, str] | None = None) -> list
     (start, end) in `step.argv`; none where it gives none, or runs no container. Only the
     options before its image are looked at: the words after it are its command's. `environ`:
     the engine's environment, whose NVIDIA_VISIBLE_DEVICES `-e NVIDIA_VISIBLE_DEVICES` (no
-    value) passes on; where it is not known, that option gives nothing."""
+    value) passes on; where it is not known, that option gives nothing. `read`: the lines of an
+    `--env-file`, whose NVIDIA_VISIBLE_DEVICES counts as an -e's does, an -e winning over it
+    wherever it is given (a name alone passes on the engine's); unread where not given."""
     if step.program not in CONTAINER_ENGINES:
         return []
     argv = step.argv
@@ -585,6 +591,8 @@ def container_gpus(step: Step, environ: Mapping[str, str] | None = None) -> list
     if argv[position : position + 1] != ("run",):
         return []
     found: list[tuple[str, str, int, int]] = []
+    #: The NVIDIA_VISIBLE_DEVICES its --env-file options set, in their order.
+    files: list[tuple[str, str, int, int]] = []
     position += 1
     options = position
     while position < len(argv):
@@ -614,23 +622,34 @@ def container_gpus(step: Step, environ: Mapping[str, str] | None = None) -> list
                     value = argv[position]
                 break
         position += 1
+        if name == "--env-file" and read is not None:
+            for line in read(value):
+                if line == _NVIDIA_ENV[:-1] and (environ or {}).get(line) is not None:
+                    files.append((name, _NVIDIA_ENV + (environ or {})[line], begin, position))
+                elif line.startswith(_NVIDIA_ENV):
+                    files.append((name, line, begin, position))
         if name in ("-e", "--env") and value == _NVIDIA_ENV[:-1]:
             # The engine's own value, where it has one; the container gets none where not.
             passed = (environ or {}).get(value)
             value = value if passed is None else _NVIDIA_ENV + passed
         found.append((name, value, begin, position))
-    given = [v for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
+    named = [(n, v) for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
+    given = [v for _, v, _, _ in files] + [v for _, v in named]
     nvidia = not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS
+    if files and not named and nvidia:
+        # The file's own: the last one naming GPUs.
+        found.append(files[-1])
     # nvidia-docker's runtime, where no option names the GPUs: where its options begin.
     implied = [(options, options)] if step.program == NVIDIA_DOCKER and nvidia and not given else []
-    return implied + [
+    return implied + sorted(
         (begin, end)
         for name, value, begin, end in found
         if name == "--gpus"
         or (name == "--device" and (value.startswith("nvidia.com/gpu=") or _GPU_NODE.match(value)))
         or (nvidia and name == "--runtime" and value == "nvidia")
         or (given and nvidia and name in ("-e", "--env") and value.startswith(_NVIDIA_ENV))
-    ]
+        or (name == "--env-file" and nvidia and value.startswith(_NVIDIA_ENV))
+    )
 
 
 _NVIDIA_ENV = "NVIDIA_VISIBLE_DEVICES="

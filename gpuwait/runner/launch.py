@@ -371,7 +371,7 @@ def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) ->
     (GPUWAIT_GPU_UUIDS) instead. `before`: the wrappers it runs under, which may drop or set
     the NVIDIA_VISIBLE_DEVICES and NV_GPU it reads."""
     environ = passed_on(before, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
-    spans = container_gpus(step, environ)
+    spans = container_gpus(step, environ, _env_lines)
     if not spans:
         return
     given = " ".join(step.argv[spans[0][0] : spans[0][1]])
@@ -381,10 +381,12 @@ def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) ->
     else:
         names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
         also = "or contrib/docker's gpuwait-docker-run" if step.program == "docker" else ""
+    # An --env-file stays, for its other variables: --gpus names the GPUs over it.
+    cut = [(b, e) for b, e in spans if not step.argv[b].startswith("--env-file")]
     kept = [
         shlex.quote(word)
         for at, word in enumerate(step.argv)
-        if not any(begin <= at < end for begin, end in spans)
+        if not any(begin <= at < end for begin, end in cut)
     ]
     kept.insert(spans[0][0], names)
     what = f"the GPUs its own option names ({given})"
@@ -530,18 +532,24 @@ def check_pausable_container(argv: Sequence[str]) -> None:
 
 
 def _sets(path: str, name: str) -> bool:
-    """Does the environment file at `path` (shell code, NAME=VALUE lines) set `name`? False
-    where it cannot be read: the engine says so itself. False too where it is no regular file
-    (`--env-file <(...)`, /dev/stdin): read here, a pipe would reach the engine empty, and a
-    FIFO nobody writes to would keep gpuwait waiting for ever."""
+    """Does the environment file at `path` (shell code, NAME=VALUE lines) set `name`?"""
+    return any(re.match(rf"(?:export\s+)?{name}=", line) for line in _env_lines(path))
+
+
+def _env_lines(path: str) -> list[str]:
+    """The lines of an engine's environment file (Apptainer's --env-file, docker's), blank
+    ones and comments left out, each stripped; none where it cannot be read: the engine says
+    so itself. None too where it is no regular file (`--env-file <(...)`, /dev/stdin): read
+    here, a pipe would reach the engine empty, and a FIFO nobody writes to would keep gpuwait
+    waiting for ever."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            return False
+            return []
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read(1 << 20)
     except OSError:
-        return False
-    return re.search(rf"^\s*(?:export\s+)?{name}=", text, re.MULTILINE) is not None
+        return []
+    return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
 
 
 def _extended(

@@ -1148,3 +1148,47 @@ def test_nvidia_docker_under_a_wrapper_is_refused_for_the_gpus_nv_gpu_names(
             "(NV_GPU=1), not the one gpuwait reserves: "
         ), done.stderr
     assert not ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("lines", "options", "status"),
+    [
+        ("# GPUs\nNVIDIA_VISIBLE_DEVICES=all\nHF_HOME=/data\n", [], 2),
+        ("NVIDIA_VISIBLE_DEVICES=0\n", ["--runtime=nvidia"], 2),
+        # A name alone passes on the engine's own.
+        ("NVIDIA_VISIBLE_DEVICES\n", [], 2),
+        ("NVIDIA_VISIBLE_DEVICES=none\n", ["--runtime=nvidia"], 0),
+        ("NVIDIA_VISIBLE_DEVICES=all\n", ["-e", "NVIDIA_VISIBLE_DEVICES=void"], 0),
+        ("HF_HOME=/data\n", [], 0),
+    ],
+)
+def test_a_docker_env_file_naming_gpus_is_read_as_its_e_options_are(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    lines: str,
+    options: list[str],
+    status: int,
+) -> None:
+    # `docker run --env-file gpu.env img` with NVIDIA_VISIBLE_DEVICES=all in the file ran a
+    # container the NVIDIA runtime gives every GPU, where `-e NVIDIA_VISIBLE_DEVICES=all` was
+    # refused; and `--runtime=nvidia` was refused where the file gave no GPU. The file is now
+    # read as Apptainer's --env-file is, an -e winning over it as docker has it, and the
+    # hint's line, the file kept, runs.
+    env, ran = fake_bin(tmp_path, "docker", "sh")
+    env["NVIDIA_VISIBLE_DEVICES"] = "all"
+    (tmp_path / "gpu.env").write_text(lines)
+    command = ["docker", "run", "--env-file", str(tmp_path / "gpu.env"), *options, "img", "true"]
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == status, done.stderr
+    assert ran.exists() == (status == 0)
+    if status:
+        assert done.stderr.startswith(
+            "gpuwait: error: docker run gives the container the GPUs its own option names "
+            f"(--env-file {tmp_path / 'gpu.env'}"
+        ), done.stderr
+        line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
+        assert "--env-file" in line
+        again = gpuwait(gpuwait_cmd, shlex.split(line), env)
+        assert again.returncode == 0, again.stderr
+        assert ran.exists()
