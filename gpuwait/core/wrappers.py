@@ -217,6 +217,10 @@ def steps(argv: Sequence[str]) -> list[Step]:
             current, cut = tuple(first[0]), not first[1]
             continue
         spec = _SPECS.get(os.path.basename(current[0]))
+        split = _split_string(current) if os.path.basename(current[0]) == "env" else None
+        if split is not None:
+            current = split  # env -S 'A=1 python x.py': those words, in its place
+            continue
         if spec is None:
             found.append(Step(argv=current))
             break
@@ -238,6 +242,48 @@ def steps(argv: Sequence[str]) -> list[Step]:
             break
         current = tuple(inner)
     return found
+
+
+def _split_string(argv: tuple[str, ...]) -> tuple[str, ...] | None:
+    """`env -S STRING ...` (--split-string, the `#!/usr/bin/env -S` of a script) with STRING
+    split into the words it stands for, in its place: `env -i -S 'A=1 python x.py'` is `env -i
+    A=1 python x.py`. None where env is given no -S before its command, or STRING has what
+    env itself would expand or unescape (`$`, `\\`)."""
+    position = 1
+    while position < len(argv):
+        word = argv[position]
+        if word == "--" or not word.startswith("-") or word == "-":
+            return None
+        after = position + 1
+        if word.startswith("--"):
+            name, glue, value = word.partition("=")
+            if name in ("--unset", "--chdir") and not glue:
+                position += 2
+                continue
+            if name != "--split-string":
+                position += 1
+                continue
+            before: tuple[str, ...] = ()
+            if not glue:
+                value, after = " ".join(argv[after : after + 1]), after + 1
+        else:
+            letters = word[1:]
+            taken = next((at for at, letter in enumerate(letters) if letter in "uCS"), None)
+            if taken is None or letters[taken] != "S":
+                position += 1 if taken is None or letters[taken + 1 :] else 2
+                continue
+            before = (f"-{letters[:taken]}",) if taken else ()
+            value = letters[taken + 1 :]
+            if not value:
+                value, after = " ".join(argv[after : after + 1]), after + 1
+        if any(char in value for char in "$\\"):
+            return None
+        try:
+            words = shlex.split(value)
+        except ValueError:
+            return None
+        return (*argv[:position], *before, *words, *argv[after:])
+    return None
 
 
 def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:

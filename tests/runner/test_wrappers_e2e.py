@@ -1192,3 +1192,28 @@ def test_a_docker_env_file_naming_gpus_is_read_as_its_e_options_are(
         again = gpuwait(gpuwait_cmd, shlex.split(line), env)
         assert again.returncode == 0, again.stderr
         assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["env", "-S", "CUDA_VISIBLE_DEVICES=0 true"], "env sets CUDA_VISIBLE_DEVICES=0"),
+        (["env", "--split-string=-i true"], "env starts its command without"),
+        (["env", "-S", "srun true", "x"], "srun starts its tasks"),
+        (["nice", "env", "-S", "sudo -u alice true"], "sudo starts its command without"),
+    ],
+)
+def test_what_env_s_splits_out_is_judged_as_words_of_the_line(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], said: str
+) -> None:
+    # `env -S 'CUDA_VISIBLE_DEVICES=0 python x.py'` (a script's `#!/usr/bin/env -S ...` line
+    # run by hand) was taken for an env running nothing: the command ran on GPU 0, whichever
+    # gpuwait reserved, and `env -S 'srun ...'` where srun is refused.
+    env, ran = fake_bin(tmp_path, "env", "nice", "srun", "sudo")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    done = gpuwait(gpuwait_cmd, ["env", "-S", "PYTHONPATH=. true"], env)
+    assert done.returncode == 0, done.stderr
