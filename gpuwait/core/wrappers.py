@@ -56,6 +56,17 @@ _SPECS: dict[str, _Spec] = {
         no_command=frozenset({"-p", "-P", "-u", "--pid", "--pgid", "--uid"}),
     ),
     "nohup": _Spec(),
+    # xargs runs its command with the words it reads added: -e, -i and -l take a value only
+    # glued on, as --eof, --replace and --max-lines do with `=`.
+    "xargs": _Spec(
+        short_values="adEILnPs",
+        long_values=frozenset(
+            {
+                *("--arg-file", "--delimiter", "--max-args", "--max-procs", "--max-chars"),
+                "--process-slot-var",
+            }
+        ),
+    ),
     "setsid": _Spec(),
     "time": _Spec(short_values="fo", long_values=frozenset({"--format", "--output"})),
     "timeout": _Spec(

@@ -1217,3 +1217,27 @@ def test_what_env_s_splits_out_is_judged_as_words_of_the_line(
     assert not ran.exists()
     done = gpuwait(gpuwait_cmd, ["env", "-S", "PYTHONPATH=. true"], env)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["xargs", "env", "CUDA_VISIBLE_DEVICES=0", "true"], "env sets CUDA_VISIBLE_DEVICES=0"),
+        (["xargs", "-0", "-n", "1", "-P", "4", "sudo", "-u", "alice", "true"], "sudo starts"),
+        (["xargs", "-a", "list", "-I{}", "srun", "true", "{}"], "srun starts its tasks"),
+        (["xargs", "--max-args=1", "env", "-i", "true"], "env starts its command without"),
+    ],
+)
+def test_what_xargs_runs_is_judged(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], said: str
+) -> None:
+    # xargs was no wrapper here: `gpuwait --vram 4G -- xargs env CUDA_VISIBLE_DEVICES=0
+    # python x.py < files` ran each on GPU 0, whichever gpuwait reserved, and `xargs sudo -u
+    # alice ...` on every GPU.
+    env, ran = fake_bin(tmp_path, "xargs", "env", "sudo", "srun")
+    done = gpuwait(gpuwait_cmd, command, env)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr
+    assert not ran.exists()
+    done = gpuwait(gpuwait_cmd, ["xargs", "-n", "1", "env", "PYTHONPATH=.", "true"], env)
+    assert done.returncode == 0, done.stderr
