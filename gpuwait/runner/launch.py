@@ -288,6 +288,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
                 *argv[where + 1 :],
             ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
+        elif step.program == "env" and suffix:
+            hint = f"keep {variable}: gpuwait ... -- {_env_kept(argv, where, step)}"
         elif step.program == "env":
             hint = f"leave {variable} to the command: unset only what it must not see"
         elif step.program == "exec":
@@ -550,6 +552,60 @@ def _env_lines(path: str) -> list[str]:
     except OSError:
         return []
     return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
+
+
+def _env_kept(argv: Sequence[str], where: int, step: Step) -> str:
+    """`argv`, whose env at `where` drops GPU_VARIABLES, with env keeping them: its -u
+    naming them left out, and after -i (`-`, --ignore-environment), which drops them all, the
+    values gpuwait gives them set again, in a shell that expands them."""
+    words = [step.argv[0]]
+    ignore = False
+    position = 1
+    while position < len(step.argv):
+        word = step.argv[position]
+        if word == "--" or not word.startswith("-") or word == "-":
+            ignore = ignore or word == "-"
+            break
+        name, glue, value = word.partition("=")
+        taken = 1
+        if word.startswith("--"):
+            ignore = ignore or word == "--ignore-environment"
+            if name in ("--unset", "--chdir") and not glue:
+                value, taken = " ".join(step.argv[position + 1 : position + 2]), 2
+            if name == "--unset" and value in GPU_VARIABLES:
+                position += taken
+                continue
+        else:
+            letters = word[1:]
+            at = next((n for n, letter in enumerate(letters) if letter in "uC"), len(letters))
+            ignore = ignore or "i" in letters[:at]
+            value = letters[at + 1 :]
+            if at < len(letters) and not value:
+                value, taken = " ".join(step.argv[position + 1 : position + 2]), 2
+            if letters[at : at + 1] == "u" and value in GPU_VARIABLES:
+                if at:
+                    words.append(f"-{letters[:at]}")
+                position += taken
+                continue
+        words.extend(step.argv[position : position + taken])
+        position += taken
+    rest = list(step.argv[position:])
+    if not ignore:
+        return shlex.join([*argv[:where], *words, *rest])
+    # After `--`, and the variables env sets, comes the command.
+    command = 1 if rest[:1] in (["--"], ["-"]) else 0
+    while command < len(rest) and "=" in rest[command] and not rest[command].startswith("="):
+        command += 1
+    given = [f'"{name}=${name}"' for name in GPU_VARIABLES]
+    code = " ".join(
+        [
+            "exec",
+            *map(shlex.quote, [*argv[:where], *words, *rest[:command]]),
+            *given,
+            *map(shlex.quote, rest[command:]),
+        ]
+    )
+    return shlex.join(["sh", "-c", code])
 
 
 def _extended(

@@ -71,7 +71,9 @@ def gpuwait(
         (["pkexec", "python", "x.py"], "pkexec ... gpuwait --vram SIZE -- COMMAND"),
         (
             ["env", "-i", "python", "x.py"],
-            "leave CUDA_VISIBLE_DEVICES to the command: unset only what it must not see",
+            "keep CUDA_VISIBLE_DEVICES: gpuwait ... -- sh -c 'exec env -i "
+            '"CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" "CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER" '
+            "python x.py'",
         ),
         (["setpriv", "--reset-env", "python", "x.py"], "setpriv ... gpuwait --vram SIZE"),
         (["sg", "-", "video", "-c", "python x.py"], "sg ... gpuwait --vram SIZE"),
@@ -360,7 +362,7 @@ def test_what_a_shell_runs_past_its_builtins_and_modifiers_is_judged(
         ),
         (
             ["env", "-u", "CUDA_DEVICE_ORDER", "true"],
-            "leave CUDA_DEVICE_ORDER to the command: unset only what it must not see",
+            "keep CUDA_DEVICE_ORDER: gpuwait ... -- env true",
         ),
     ],
 )
@@ -1241,3 +1243,41 @@ def test_what_xargs_runs_is_judged(
     assert not ran.exists()
     done = gpuwait(gpuwait_cmd, ["xargs", "-n", "1", "env", "PYTHONPATH=.", "true"], env)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["-i"],
+        ["-u", "CUDA_VISIBLE_DEVICES"],
+        ["--unset=CUDA_VISIBLE_DEVICES", "-u", "HOME"],
+        ["-uCUDA_VISIBLE_DEVICES", "-i", "LANG=C"],
+        ["--ignore-environment", "--unset", "CUDA_VISIBLE_DEVICES"],
+    ],
+)
+def test_the_line_an_env_refusal_gives_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str]
+) -> None:
+    # `gpuwait -- env -i python x.py` was refused with "unset only what it must not see", no
+    # line to type. It now gives one: without the -u, or, for -i, in a shell that hands the
+    # command the variables gpuwait sets.
+    command = ["env", *options, "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen']
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "env starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].strip()
+    again = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *shlex.split(line)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
