@@ -236,6 +236,9 @@ def steps(argv: Sequence[str]) -> list[Step]:
             found.append(Step(argv=current))
             break
         options, inner, code, sets = _parse(spec, current[1:])
+        if os.path.basename(current[0]) == "systemd-run":
+            # -E NAME=VALUE: set for its command (--scope runs it as given).
+            sets += tuple(v for n, v in options if n in ("-E", "--setenv") and v and "=" in v)
         unsure = cut and inner is None and code is None
         found.append(Step(argv=current, options=tuple(options), unsure=unsure, sets=sets))
         if code is not None:

@@ -338,9 +338,16 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
         if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:
             continue
         where = len(argv) - len(step.argv)
-        if tuple(argv[where:]) == step.argv and word in step.argv[1:]:
-            at = where + step.argv.index(word, 1)
-            line = f"gpuwait ... -- {shlex.join([*argv[:at], *argv[at + 1 :]])}"
+        # The word, or systemd-run's option that sets it (-E NAME=VALUE, --setenv=...).
+        at = next(
+            (where + n for n, w in enumerate(step.argv) if n and w in (word, f"--setenv={word}")),
+            None,
+        )
+        if at is not None and tuple(argv[where:]) == step.argv:
+            begin = at
+            if step.program == "systemd-run" and argv[at] == word:
+                begin -= argv[at - 1] in ("-E", "--setenv")
+            line = f"gpuwait ... -- {shlex.join([*argv[:begin], *argv[at + 1 :]])}"
         else:
             line = f"set {name} nowhere in the command"
         if variable == GPU_VARIABLES[0]:

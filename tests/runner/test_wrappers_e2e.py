@@ -1281,3 +1281,21 @@ def test_the_line_an_env_refusal_gives_runs_on_the_gpu_reserved(
     )
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
+
+
+@pytest.mark.parametrize(
+    "options", [["-E", "CUDA_VISIBLE_DEVICES=0"], ["--setenv=CUDA_VISIBLE_DEVICES=0"]]
+)
+def test_systemd_run_scope_setting_the_gpus_itself_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str]
+) -> None:
+    # `systemd-run --scope` runs its command as it was given, with what --setenv sets: `-E
+    # CUDA_VISIBLE_DEVICES=0` ran it on GPU 0, whichever gpuwait reserved.
+    env, ran = fake_bin(tmp_path, "systemd-run")
+    done = gpuwait(gpuwait_cmd, ["systemd-run", "--scope", *options, "true"], env)
+    assert done.returncode == 2, done.stderr
+    assert "systemd-run sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr
+    assert "gpuwait ... -- systemd-run --scope true;" in done.stderr
+    assert not ran.exists()
+    done = gpuwait(gpuwait_cmd, ["systemd-run", "--scope", "-E", "HF_HOME=/d", "true"], env)
+    assert done.returncode == 0, done.stderr
