@@ -347,7 +347,15 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
             begin = at
             if step.program == "systemd-run" and argv[at] == word:
                 begin -= argv[at - 1] in ("-E", "--setenv")
-            line = f"gpuwait ... -- {shlex.join([*argv[:begin], *argv[at + 1 :]])}"
+            words = [*argv[:begin], *argv[at + 1 :]]
+            if step.program == "sudo" and drops_gpus(step):
+                # Its env_reset would drop gpuwait's too: the line that keeps them.
+                words = _extended(words, where, step, ("--preserve-env",)) or [
+                    *words[: where + 1],
+                    f"--preserve-env={','.join(GPU_VARIABLES)}",
+                    *words[where + 1 :],
+                ]
+            line = f"gpuwait ... -- {shlex.join(words)}"
         else:
             line = f"set {name} nowhere in the command"
         if variable == GPU_VARIABLES[0]:

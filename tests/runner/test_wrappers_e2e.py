@@ -940,6 +940,7 @@ def test_an_apptainer_env_file_that_is_a_pipe_reaches_the_container_whole(
             "CUDA_VISIBLE_DEVICES=0",
         ),
         (["sudo", "-E", "CUDA_VISIBLE_DEVICES=0", "true"], "sudo", "CUDA_VISIBLE_DEVICES=0"),
+        (["sudo", "-u", "bob", "CUDA_VISIBLE_DEVICES=0", "true"], "sudo", "CUDA_VISIBLE_DEVICES=0"),
         (["sh", "-c", "CUDA_VISIBLE_DEVICES=0 true"], "sh", "CUDA_VISIBLE_DEVICES=0"),
         (["bash", "-c", "export CUDA_VISIBLE_DEVICES=0\ntrue"], "bash", "CUDA_VISIBLE_DEVICES=0"),
     ],
