@@ -247,7 +247,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     for at, step in enumerate(found):
         _check_container(argv, step, found[:at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1])
-        _check_nvccli(argv, step, by_index)
+        _check_nvccli(argv, step, by_index, found[:at])
     for at, step in enumerate(found):
         if _opens_engine(found[at:]):
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
@@ -482,16 +482,21 @@ def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> N
     )
 
 
-def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool) -> None:
+def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool, before: Sequence[Step]) -> None:
     """Refuse `apptainer exec --nvccli --containall` (or --contain) as the command where
     gpuwait's environment has no NVIDIA_VISIBLE_DEVICES naming GPUs (UsageError, 2):
     nvidia-container-cli binds in only the GPUs it names, none where it is unset, and the
     job would fail once its turn came, its GPU missing from the container. The hint names the
     reserved GPUs there (or, with `visible_devices = index`, every GPU, which keeps CUDA's
-    numbering that of NVML's)."""
-    if len(argv) != len(step.argv) or not apptainer_nvccli_contained(step):
+    numbering that of NVML's). `before`: the wrappers it runs under, as they pass it on; where
+    one drops it, a value set before them would not reach it either, and no line is given."""
+    if not apptainer_nvccli_contained(step):
         return
-    if os.environ.get("NVIDIA_VISIBLE_DEVICES", "").strip() not in ("", "none", "void"):
+    name = "NVIDIA_VISIBLE_DEVICES"
+    passed = passed_on(before, (name,), os.environ)
+    if passed is None or passed.get(name, "").strip() not in ("", "none", "void"):
+        return
+    if not passed_on(before, (name,), {name: "all"}):
         return
     if by_index:
         hint = f"bind in every GPU: NVIDIA_VISIBLE_DEVICES=all gpuwait ... -- {shlex.join(argv)}"

@@ -1300,3 +1300,55 @@ def test_systemd_run_scope_setting_the_gpus_itself_is_refused(
     assert not ran.exists()
     done = gpuwait(gpuwait_cmd, ["systemd-run", "--scope", "-E", "HF_HOME=/d", "true"], env)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        ["sudo", "-E", "apptainer", "exec", "--nvccli", "--containall", "img.sif", "python"],
+        ["nice", "-n", "5", "apptainer", "exec", "--nvccli", "-c", "img.sif", "python"],
+        ["sh", "-c", "exec apptainer exec --nvccli --containall img.sif python"],
+    ],
+)
+def test_apptainer_nvccli_under_a_wrapper_without_nvidia_visible_devices_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, wrapped: list[str]
+) -> None:
+    # Read only where apptainer was the command itself: `gpuwait --vram 4G -- sudo -E
+    # apptainer exec --nvccli --containall img.sif python x.py` waited its turn, then found no
+    # GPU in the container. Refused before waiting, the hint's line binding in the reserved
+    # GPU, which runs; where a wrapper sets it to GPUs, it runs.
+    from gpuwait.gpu.sim import SimBackend
+
+    uuids = [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
+    env, _ = fake_bin(tmp_path)
+    for name, text in (("apptainer", NVCCLI), ("sudo", '#!/bin/sh\nshift\nexec "$@"\n')):
+        (tmp_path / "fakebin" / name).write_text(text)
+        (tmp_path / "fakebin" / name).chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen), "GPUS": ",".join(uuids)}
+    env.pop("NVIDIA_VISIBLE_DEVICES", None)
+    opts = ["--vram", "4G", "--devices", "1", "--"]
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, *wrapped], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
+    assert not seen.exists()
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
+    again = subprocess.run(
+        [*gpuwait_cmd, *opts, *shlex.split(line)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert seen.read_text() == uuids[1]
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, "env", "NVIDIA_VISIBLE_DEVICES=all", *wrapped],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
