@@ -1139,12 +1139,16 @@ def _entries_to_come_back(
     if recovered is None:
         return 0
     mine = {j.id for j in data.jobs if data.mine(j)}
+    # A job that has left the queue (its outcome in the book) holds its lock a moment longer,
+    # until its gpuwait removes the file: the waiter its release woke plans in that moment, and
+    # nobody would wake it again once the lock is gone. No entry of it is to come back.
+    ended = {f.id for f in data.book.finished}
     # Locks taken before the ledger began (or was repaired). A file's time lags the clock by up
     # to a tick, never leads it, so every such lock is older than that moment; one taken just
     # after may look older too, and costs a waiter only the moment until its job's entry is
     # written. Counted from a tenth of a second earlier instead, a job started just before the
     # damage was not waited for, and the next launch was admitted into its reservation.
-    return len(alive.unlisted(ledger.directory, mine, recovered[0]))
+    return len(alive.unlisted(ledger.directory, mine | ended, recovered[0]))
 
 
 def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[float, bool] | None:

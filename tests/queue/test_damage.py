@@ -23,10 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.crash import gpuwait_signalled_at
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
 from helpers.processes import liveness_lock_held
-from helpers.waiting import asleep_waiting, named_entry, process_state, sleeping_in, wait_for
+from helpers.waiting import (
+    asleep_supervising,
+    asleep_waiting,
+    named_entry,
+    process_state,
+    sleeping_in,
+    wait_for,
+)
 
 from gpuwait.cli import main
 from gpuwait.core.errors import StateError
@@ -594,6 +602,50 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+
+
+@pytest.mark.parametrize("ledger", ["started afresh", "new"])
+def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    ledger: str,
+) -> None:
+    # Within the grace after the ledger began, a job whose lock is older than the ledger and
+    # that lives without an entry is waited for: its entry was lost with the damage. A job
+    # that has just ended holds its lock without its entry too, until its gpuwait removes the
+    # file (here: it is stopped just then); the waiter its release wakes plans in that moment,
+    # and must take it for the ended job it is. That job's lock is older than the ledger where
+    # its entry was put back after the damage, and where it was the first job of a new ledger
+    # whose lock file is dated a tick before the ledger began (the file system's clock lags, as
+    # on a busy machine). The waiter reads the GPUs again only every two minutes: nothing else
+    # would start it meanwhile.
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    holder = procs(
+        [
+            *gpuwait_signalled_at("gpuwait.linux.alive", "release", "SIGSTOP"),
+            *["--vram", "20G", "--name", "holder", "--", "sleep", "30"],
+        ]
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    if ledger == "new":
+        began = json.loads(ledger_path.read_bytes())["created_at"]
+        lock = ledger_path.parent / f"alive.{os.getuid()}" / (named_entry("holder") or {})["id"]
+        os.utime(lock, (began - 0.002, began - 0.002))
+    else:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        wait_for(lambda: named_entry("holder"), timeout=10, message="the entry was never put back")
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
+    wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+    assert waiter.poll() is None, "the waiter ran beside the holder's reservation"
+    holder.send_signal(signal.SIGTERM)
+    wait_for(lambda: process_state(holder.pid) == "T", timeout=30)
+    try:
+        assert waiter.wait(timeout=20) == 0
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    assert holder.wait(timeout=30) == -signal.SIGTERM
 
 
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
