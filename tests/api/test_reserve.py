@@ -1417,13 +1417,18 @@ def test_a_ctrl_c_as_the_wait_begins_leaves_the_program_answering_the_next_one(s
 
 #: A program with a timeout of its own (signal.setitimer, its handler raising TimeoutError, as
 #: such handlers are most often written) that reserves; it says how the reservation ended.
+#: The alarm repeats every 0.2 s until its handler has raised once, then stops: one that fires
+#: while reserve() imports a module is lost inside Python's import system, which reads a
+#: cached .pyc under `except OSError` (TimeoutError is one) and compiles the source instead.
+#: Under load the first alarm can fall there; a later one falls in the lock's wait.
 TIMED_BY_ITS_ALARM = (
     "import json, signal\n"
     "import gpuwait\n"
     "def on_alarm(signum, frame):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
     "    raise TimeoutError('took too long')\n"
     "signal.signal(signal.SIGALRM, on_alarm)\n"
-    "signal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)\n"
     "try:\n"
     "    gpuwait.reserve('1G')\n"
     "except TimeoutError as exc:\n"
