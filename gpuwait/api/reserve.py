@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import inspect
 import math
 import os
 import re
@@ -319,6 +318,7 @@ def reserve(
 
 def _keywords(text: str) -> str:
     """`text` with the command line's options that are reserve()'s keywords named as those."""
+    import inspect  # a refused value's message alone pays for it (6 ms of reserve's import)
 
     keywords = inspect.signature(reserve).parameters
 
