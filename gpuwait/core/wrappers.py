@@ -743,13 +743,52 @@ _APPTAINER_VALUES = frozenset(
 _APPTAINER_SHORT_VALUES = "BHoSWs"
 
 
-def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:
-    """An `apptainer` or `singularity` action's options before its image, each as (name,
-    value, start, end) in `step.argv`, none where the step runs no action; and whether they
-    end in one whose value is not known (cut where a shell's code stopped being plain: `--env
-    "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"`), which may set anything."""
+#: Apptainer's options that its environment sets too, by the name after APPTAINER_ (or the
+#: older SINGULARITY_, which Apptainer still reads, and SingularityCE alone): on where the
+#: value is true as Go's strconv.ParseBool reads it (1, t, true), unless the command line
+#: gives the option itself. FUSESPEC is --fusemount's value, ENV_FILE --env-file's.
+_APPTAINER_ENV_FLAGS = {
+    "CONTAINALL": "--containall",
+    "CONTAIN": "--contain",
+    "CLEANENV": "--cleanenv",
+    "COMPAT": "--compat",
+    "PID": "--pid",
+    "UNSHARE_PID": "--pid",
+    "NVCCLI": "--nvccli",
+}
+_APPTAINER_ENV_VALUES = {"FUSESPEC": "--fusemount", "ENV_FILE": "--env-file"}
+_APPTAINER_ENV_PREFIXES = ("APPTAINER_", "SINGULARITY_")
+#: The variables of the caller's environment an action reads as its options.
+APPTAINER_OPTION_VARIABLES = tuple(
+    prefix + key
+    for prefix in _APPTAINER_ENV_PREFIXES
+    for key in (*_APPTAINER_ENV_FLAGS, *_APPTAINER_ENV_VALUES)
+)
+
+
+def _apptainer_env_options(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The options an action takes from `environ` (the variables it starts with), each by its
+    name (`--containall`) as (value, the variable's NAME=VALUE): `--containall` for
+    APPTAINER_CONTAINALL=1, APPTAINER_ over SINGULARITY_."""
+    found: dict[str, tuple[str, str]] = {}
+    for prefix in reversed(_APPTAINER_ENV_PREFIXES):
+        for key, option in {**_APPTAINER_ENV_FLAGS, **_APPTAINER_ENV_VALUES}.items():
+            value = environ.get(prefix + key, "").strip()
+            if not value or (key in _APPTAINER_ENV_FLAGS and value not in _GO_TRUE):
+                continue
+            found[option] = (value, f"{prefix}{key}={value}")
+    return found
+
+
+#: What Go's strconv.ParseBool takes for true.
+_GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+
+
+def _apptainer_start(step: Step) -> int | None:
+    """Where an `apptainer` or `singularity` action's options begin in `step.argv` (after
+    `exec`, `instance start`), None where the step runs no action."""
     if step.program not in APPTAINER_ENGINES:
-        return [], False
+        return None
     argv = step.argv
     position = 1
     while position < len(argv) and argv[position].startswith("-"):  # -d, --config FILE
@@ -757,9 +796,21 @@ def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], boo
     if argv[position : position + 2] in (("instance", "start"), ("instance", "run")):
         position += 1
     elif argv[position : position + 1] and argv[position] not in _APPTAINER_ACTIONS:
+        return None
+    return position + 1
+
+
+def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:
+    """An `apptainer` or `singularity` action's options before its image, each as (name,
+    value, start, end) in `step.argv`, none where the step runs no action; and whether they
+    end in one whose value is not known (cut where a shell's code stopped being plain: `--env
+    "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"`), which may set anything."""
+    start = _apptainer_start(step)
+    if start is None:
         return [], False
+    argv = step.argv
     found: list[tuple[str, str, int, int]] = []
-    position += 1
+    position = start
     while position < len(argv):
         word, begin = argv[position], position
         if word in ("--", "-") or not word.startswith("-"):
@@ -805,53 +856,88 @@ def apptainer_gpu_env(
     return found
 
 
-def apptainer_env_files(step: Step) -> list[tuple[str, int, int]]:
+def apptainer_env_files(
+    step: Step, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, int, int]]:
     """The files an `apptainer` or `singularity` action's `--env-file` options name (whose
     variables it sets in the container over the APPTAINERENV_ ones), each with its option's
-    (start, end) in `step.argv`. None where an option's value is not known: it may be an --env
-    setting the same variables, which wins over the files."""
+    (start, end) in `step.argv`; without one, the file APPTAINER_ENV_FILE names in `environ`
+    (the variables the action starts with), at (start, start) of its options. None where an
+    option's value is not known: it may be an --env setting the same variables, which wins
+    over the files."""
     options, cut = _apptainer_options(step)
     if cut:
         return []
-    return [(value, begin, end) for name, value, begin, end in options if name == "--env-file"]
+    files = [(value, begin, end) for name, value, begin, end in options if name == "--env-file"]
+    start = _apptainer_start(step)
+    given = _apptainer_env_options(environ or {}).get("--env-file")
+    if not files and given and start is not None:
+        return [(given[0], start, start)]
+    return files
 
 
-def apptainer_pid_namespace(step: Step) -> tuple[int, str] | None:
+def apptainer_option_variable(step: Step, option: str, environ: Mapping[str, str]) -> str:
+    """The NAME=VALUE of `environ` that gives an `apptainer` or `singularity` action its
+    `option` (`APPTAINER_CONTAINALL=1` for --containall), "" where none does."""
+    if _apptainer_start(step) is None:
+        return ""
+    return _apptainer_env_options(environ).get(option, ("", ""))[1]
+
+
+def apptainer_pid_namespace(
+    step: Step, environ: Mapping[str, str] | None = None
+) -> tuple[int, int, str] | None:
     """Where an `apptainer` or `singularity` action runs its command in a PID namespace of its
     own (`--containall`, `-C`, `--pid`, `-p`, or a short one among others, `-Cp`; `--compat`,
-    which is --containall and more): the position of that option's word in `step.argv`, and
-    the name it was given by; None where it does not."""
-    for name, _, begin, _ in _apptainer_options(step)[0]:
-        if name in ("--containall", "--pid", "--compat"):
-            return begin, name
+    which is --containall and more; `--fusemount`, which implies --pid): that option's (start,
+    end) in `step.argv`, and the name it was given by; None where it does not. Without such an
+    option, the variable of `environ` (what the action starts with) that sets one
+    (APPTAINER_CONTAINALL=1, APPTAINER_FUSESPEC=...), at (-1, -1)."""
+    for name, _, begin, end in _apptainer_options(step)[0]:
+        if name in ("--containall", "--pid", "--compat", "--fusemount"):
+            return begin, end, name
         found = [letter for letter in _short_flags(step.argv[begin]) if letter in "Cp"]
         if found:
-            return begin, f"-{found[0]}"
+            return begin, end, f"-{found[0]}"
+    if _apptainer_start(step) is None:
+        return None
+    given = _apptainer_env_options(environ or {})
+    for option in ("--containall", "--compat", "--pid", "--fusemount"):
+        if option in given:
+            return -1, -1, given[option][1]
     return None
 
 
-def apptainer_nvccli_contained(step: Step) -> bool:
-    """Does an `apptainer` or `singularity` action set its GPUs up with nvidia-container-cli
-    (`--nvccli`) in a contained /dev (`--contain`, `-c`, `--containall`, `-C`, `--compat`)?
-    There it binds in only the GPUs the caller's NVIDIA_VISIBLE_DEVICES names, none where it
-    is unset."""
+def _apptainer_names(step: Step, environ: Mapping[str, str] | None) -> set[str]:
+    """The options an `apptainer` or `singularity` action is given, on its command line (each
+    letter of `-Cp` as one) or by `environ`, the variables it starts with."""
     names: set[str] = set()
     for name, _, begin, _ in _apptainer_options(step)[0]:
         names.add(name)
         names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
+    if _apptainer_start(step) is not None:
+        names.update(_apptainer_env_options(environ or {}))
+    return names
+
+
+def apptainer_nvccli_contained(step: Step, environ: Mapping[str, str] | None = None) -> bool:
+    """Does an `apptainer` or `singularity` action set its GPUs up with nvidia-container-cli
+    (`--nvccli`) in a contained /dev (`--contain`, `-c`, `--containall`, `-C`, `--compat`)?
+    There it binds in only the GPUs the caller's NVIDIA_VISIBLE_DEVICES names, none where it
+    is unset. `environ`: the variables it starts with, which give it options too
+    (APPTAINER_NVCCLI=1, APPTAINER_CONTAIN=1)."""
+    names = _apptainer_names(step, environ)
     contained = {"--contain", "-c", "--containall", "-C", "--compat"}
     return "--nvccli" in names and bool(names & contained)
 
 
-def apptainer_cleans_env(step: Step) -> bool:
+def apptainer_cleans_env(step: Step, environ: Mapping[str, str] | None = None) -> bool:
     """Does an `apptainer` or `singularity` action start its command without the caller's
     environment (`--cleanenv`, `-e`, `--containall`, `-C`, or `--compat`, which is --containall
-    and more)? There the container's CUDA_VISIBLE_DEVICES comes from the APPTAINERENV_
+    and more; or APPTAINER_CLEANENV=1 and the like in `environ`, the variables it starts
+    with)? There the container's CUDA_VISIBLE_DEVICES comes from the APPTAINERENV_
     (SINGULARITYENV_) copy alone."""
-    names: set[str] = set()
-    for name, _, begin, _ in _apptainer_options(step)[0]:
-        names.add(name)
-        names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
+    names = _apptainer_names(step, environ)
     return bool(names & {"--cleanenv", "-e", "--containall", "-C", "--compat"})
 
 

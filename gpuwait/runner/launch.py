@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.wrappers import (
+    APPTAINER_OPTION_VARIABLES,
     CONTAINER_ENGINES,
     GPU_VARIABLES,
     NVIDIA_DOCKER,
@@ -31,6 +32,7 @@ from gpuwait.core.wrappers import (
     apptainer_env_files,
     apptainer_gpu_env,
     apptainer_nvccli_contained,
+    apptainer_option_variable,
     apptainer_pid_namespace,
     container_gpus,
     drops_gpus,
@@ -246,7 +248,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         return
     for at, step in enumerate(found):
         _check_container(argv, step, found[:at])
-        _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1])
+        _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], found[:at])
         _check_nvccli(argv, step, by_index, found[:at])
     for at, step in enumerate(found):
         if _opens_engine(found[at:]):
@@ -257,8 +259,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         # from the APPTAINERENV_ (SINGULARITYENV_) copies: the wrapper must keep those too.
         copies = [
             f"{inner.program.upper()}ENV_{name}"
-            for inner in found[at + 1 :]
-            if apptainer_cleans_env(inner)
+            for later, inner in enumerate(found[at + 1 :], at + 1)
+            if apptainer_cleans_env(inner, _apptainer_environ(found[:later]))
             for name in GPU_VARIABLES
         ]
         needed = GPU_VARIABLES[: 2 if by_index else 1]
@@ -432,13 +434,23 @@ def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) ->
     )
 
 
-def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
+def _apptainer_environ(before: Sequence[Step]) -> dict[str, str]:
+    """The variables that give an Apptainer action options (APPTAINER_CONTAINALL=1 ...) as it
+    starts under the wrappers `before`, from gpuwait's environment; none where a wrapper's
+    options are not all known."""
+    return passed_on(before, APPTAINER_OPTION_VARIABLES, os.environ) or {}
+
+
+def _check_apptainer(
+    argv: Sequence[str], step: Step, names: Sequence[str], before_steps: Sequence[Step] = ()
+) -> None:
     """Refuse an `apptainer` or `singularity` action that sets a variable of `names` in the
-    container with its own --env or --env-file (UsageError, 2): those win over the
-    APPTAINERENV_ (SINGULARITYENV_) ones gpuwait sets, and `--env CUDA_VISIBLE_DEVICES=0`
-    would run the container on GPU 0, given to other jobs too. The hint is the line without
-    them (gpuwait's own reach the container), or, for a file, one that names the reserved
-    GPUs after it (--env wins over --env-file)."""
+    container with its own --env or --env-file, or the file APPTAINER_ENV_FILE names
+    (UsageError, 2): those win over the APPTAINERENV_ (SINGULARITYENV_) ones gpuwait sets,
+    and `--env CUDA_VISIBLE_DEVICES=0` would run the container on GPU 0, given to other jobs
+    too. The hint is the line without them (gpuwait's own reach the container), or, for a
+    file, one that names the reserved GPUs after it (--env wins over --env-file).
+    `before_steps`: the wrappers it runs under, as they pass APPTAINER_ENV_FILE on."""
     where = len(argv) - len(step.argv)
     # The wrappers before it, where the step is the end of the line.
     before = list(argv[:where]) if tuple(argv[where:]) == step.argv else None
@@ -453,7 +465,7 @@ def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> N
     else:
         files = [
             (begin, end, named)
-            for path, begin, end in apptainer_env_files(step)
+            for path, begin, end in apptainer_env_files(step, _apptainer_environ(before_steps))
             if (named := [name for name in names if _sets(path, name)])
         ]
         if not files:
@@ -467,7 +479,9 @@ def _check_apptainer(argv: Sequence[str], step: Step, names: Sequence[str]) -> N
         hint = "name the reserved GPUs after it, in a shell: " + (
             line if before is None else f"gpuwait ... -- {line}"
         )
-    given = " ".join(step.argv[begin:end])
+    given = " ".join(step.argv[begin:end]) or apptainer_option_variable(
+        step, "--env-file", _apptainer_environ(before_steps)
+    )
     prefix = step.program.upper() + "ENV_"
     what = (
         "it would run on GPUs gpuwait did not give it, those given to other jobs too"
@@ -490,7 +504,7 @@ def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool, before: Seque
     reserved GPUs there (or, with `visible_devices = index`, every GPU, which keeps CUDA's
     numbering that of NVML's). `before`: the wrappers it runs under, as they pass it on; where
     one drops it, a value set before them would not reach it either, and no line is given."""
-    if not apptainer_nvccli_contained(step):
+    if not apptainer_nvccli_contained(step, _apptainer_environ(before)):
         return
     name = "NVIDIA_VISIBLE_DEVICES"
     passed = passed_on(before, (name,), os.environ)
@@ -513,7 +527,8 @@ def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool, before: Seque
 
 def check_pausable_container(argv: Sequence[str]) -> None:
     """Refuse a --pausable job whose command runs in an Apptainer (Singularity) PID namespace,
-    `apptainer exec --containall` or `--pid` (UsageError, 2): there the program cannot see the
+    `apptainer exec --containall`, `--pid` or `--fusemount`, or APPTAINER_CONTAINALL=1 and the
+    like in the environment Apptainer starts with (UsageError, 2): there the program cannot see the
     gpuwait above it, gpuwait.checkpoint takes its job for ended and catches no checkpoint
     signal, and Apptainer's starter, which catches every signal, passes it on: asked to step
     aside, the job would die of it. The hint is the line without the namespace (--containall
@@ -522,11 +537,11 @@ def check_pausable_container(argv: Sequence[str]) -> None:
     found = steps(argv)
     if any(runs_gpuwait(step) for step in found):
         return
-    for step in found:
-        spotted = apptainer_pid_namespace(step)
+    for index, step in enumerate(found):
+        spotted = apptainer_pid_namespace(step, _apptainer_environ(found[:index]))
         if spotted is None:
             continue
-        at, given = spotted
+        at, end, given = spotted
         instead = {
             "--containall": ["--contain", "--cleanenv", "--ipc"],
             "-C": ["--contain", "--cleanenv", "--ipc"],
@@ -535,7 +550,27 @@ def check_pausable_container(argv: Sequence[str]) -> None:
                 "--writable-tmpfs",
             ],
         }
-        if step.argv[at] in ("--containall", "-C", "--pid", "-p", "--compat"):
+        if at < 0:
+            # Set in gpuwait's environment (or a wrapper's assignment in the line).
+            name = given.partition("=")[0]
+            prefix, _, key = name.partition("_")
+            rest = {"CONTAINALL": ("CONTAIN", "CLEANENV", "IPC")}.get(key, ())
+            kept = [f"{prefix}_{other}=1" for other in rest]
+            if any(
+                word.startswith(f"{name}=") for wrapper in found[:index] for word in wrapper.sets
+            ):
+                hint = f"leave out the PID namespace: take {given} out of the line"
+            else:
+                line = shlex.join(["env", "-u", name, *kept, "gpuwait"])
+                hint = f"leave out the PID namespace: {line} ... -- {shlex.join(argv)}"
+        elif step.argv[at] == "--fusemount" or step.argv[at].startswith("--fusemount="):
+            kept = [*step.argv[:at], *step.argv[end:]]
+            where = len(argv) - len(step.argv)
+            line = shlex.join(kept)
+            if tuple(argv[where:]) == step.argv:
+                line = f"gpuwait ... -- {shlex.join([*argv[:where], *kept])}"
+            hint = f"leave out --fusemount, which implies --pid: {line}"
+        elif step.argv[at] in ("--containall", "-C", "--pid", "-p", "--compat"):
             kept = [*step.argv[:at], *instead.get(step.argv[at], []), *step.argv[at + 1 :]]
             where = len(argv) - len(step.argv)
             line = shlex.join(kept)

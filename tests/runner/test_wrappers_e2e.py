@@ -1352,3 +1352,153 @@ def test_apptainer_nvccli_under_a_wrapper_without_nvidia_visible_devices_is_refu
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "environ", "given"),
+    [
+        ([], {"APPTAINER_CONTAINALL": "1"}, "APPTAINER_CONTAINALL=1"),
+        ([], {"SINGULARITY_PID": "true"}, "SINGULARITY_PID=true"),
+        ([], {"APPTAINER_UNSHARE_PID": "t"}, "APPTAINER_UNSHARE_PID=t"),
+        ([], {"APPTAINER_FUSESPEC": "container:sshfs h:/ /m"}, "APPTAINER_FUSESPEC="),
+        (["env", "APPTAINER_COMPAT=True"], {}, "APPTAINER_COMPAT=True"),
+        (["--fusemount", "container:sshfs h:/ /m"], {}, "(--fusemount)"),
+    ],
+)
+def test_a_pausable_job_given_an_apptainer_pid_namespace_by_its_environment_is_refused(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    command: list[str],
+    environ: dict[str, str],
+    given: str,
+) -> None:
+    # Apptainer reads its options from APPTAINER_ (SINGULARITY_) variables too, and
+    # --fusemount implies --pid: `APPTAINER_CONTAINALL=1 gpuwait --pausable -- apptainer exec
+    # img.sif python x.py` ran in a PID namespace, where the program died of the checkpoint
+    # signal when asked to step aside.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    wrapper = [] if command[:1] == ["--fusemount"] else command
+    options = command if command[:1] == ["--fusemount"] else []
+    line = [*wrapper, "apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
+    done = subprocess.run(
+        [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *line],
+        env={**env, **environ},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "PID namespace" in done.stderr and given in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    # Where the variable is off (Go's ParseBool reads false), the job runs.
+    off = {name: "false" for name in environ if name != "APPTAINER_FUSESPEC"}
+    if off or (not environ and command[:1] == ["env"]):
+        cleared = [w.replace("=True", "=0") for w in line]
+        done = subprocess.run(
+            [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *cleared],
+            env={**env, **off},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+
+
+def test_the_line_a_refusal_of_an_apptainer_containall_variable_gives_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    env, ran = fake_bin(tmp_path, "apptainer")
+    line = ["apptainer", "exec", "img.sif", "python", "x.py"]
+    opts = ["--pausable", "--vram", "4G", "--"]
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, *line],
+        env={**env, "APPTAINER_CONTAINALL": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    hint = done.stderr.split("leave out the PID namespace: ", 1)[1].splitlines()[0]
+    assert hint.startswith("env -u APPTAINER_CONTAINALL APPTAINER_CONTAIN=1 "), hint
+    before, _, after = hint.partition(" ... -- ")
+    again = subprocess.run(
+        [*shlex.split(before)[:-1], *gpuwait_cmd, *opts, *shlex.split(after)],
+        env={**env, "APPTAINER_CONTAINALL": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert ran.exists()
+
+
+def test_apptainer_nvccli_and_contain_set_by_the_environment_are_read_as_the_options(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # APPTAINER_NVCCLI=1 APPTAINER_CONTAIN=1 is `apptainer exec --nvccli --contain`, which
+    # binds in no GPU without NVIDIA_VISIBLE_DEVICES: the job waited its turn, then failed.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    env.pop("NVIDIA_VISIBLE_DEVICES", None)
+    line = ["apptainer", "exec", "img.sif", "python", "x.py"]
+    env = {**env, "APPTAINER_NVCCLI": "1", "SINGULARITY_CONTAIN": "1"}
+    done = gpuwait(gpuwait_cmd, line, env)
+    assert done.returncode == 2, done.stderr
+    assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
+    assert not ran.exists()
+    assert gpuwait(gpuwait_cmd, line, {**env, "NVIDIA_VISIBLE_DEVICES": "all"}).returncode == 0
+
+
+def test_an_apptainer_env_file_named_by_the_environment_is_read_as_the_option(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # APPTAINER_ENV_FILE is --env-file's: a file setting CUDA_VISIBLE_DEVICES=0 ran the
+    # container on GPU 0, whichever GPU gpuwait had reserved.
+    (tmp_path / "job.env").write_text("OMP_NUM_THREADS=4\nCUDA_VISIBLE_DEVICES=0\n")
+    env, _ = fake_bin(tmp_path)
+    stand_in = APPTAINER_ENV.replace(
+        "words, files, given = sys.argv[2:], [], {}\n",
+        "words, files, given = sys.argv[2:], [], {}\n"
+        "if os.environ.get('APPTAINER_ENV_FILE') and '--env-file' not in sys.argv:\n"
+        "    files = [l.split('=', 1) for l in open(os.environ['APPTAINER_ENV_FILE']).read().split()]\n",
+    )
+    (tmp_path / "fakebin" / "apptainer").write_text(stand_in)
+    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen), "APPTAINER_ENV_FILE": str(tmp_path / "job.env")}
+    opts = ["--vram", "4G", "--devices", "1", "--"]
+    line = ["apptainer", "exec", "--nv", "img.sif", "python", "x.py"]
+    done = subprocess.run(
+        [*gpuwait_cmd, *opts, *line], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, (done.stderr, seen.exists() and seen.read_text())
+    assert f"APPTAINER_ENV_FILE={tmp_path}/job.env" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not seen.exists()
+    hint = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
+    again = subprocess.run(
+        [*gpuwait_cmd, *opts, *shlex.split(hint)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+
+
+def test_a_wrapper_dropping_the_copy_before_an_apptainer_cleaned_by_its_environment_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # APPTAINER_CLEANENV=1 is --cleanenv: the container's CUDA_VISIBLE_DEVICES is the
+    # APPTAINERENV_ copy alone, which `env -u` dropped; the container saw every GPU.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    line = ["env", "-u", "APPTAINERENV_CUDA_VISIBLE_DEVICES", "apptainer", "exec", "i.sif", "x"]
+    done = gpuwait(gpuwait_cmd, line, {**env, "APPTAINER_CLEANENV": "1"})
+    assert done.returncode == 2, done.stderr
+    assert "without the APPTAINERENV_CUDA_VISIBLE_DEVICES" in done.stderr
+    assert not ran.exists()
+    assert gpuwait(gpuwait_cmd, line, env).returncode == 0
