@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
 from gpuwait.core.wrappers import (
+    APPTAINER_ENGINES,
     APPTAINER_OPTION_VARIABLES,
     CONTAINER_ENGINES,
     GPU_VARIABLES,
@@ -218,14 +219,15 @@ def check_not_srun(argv: Sequence[str]) -> None:
     )
 
 
-def _opens_engine(found: Sequence[Step]) -> bool:
-    """The first of `found` starts a container engine with nothing after it: each step runs
-    the next as its own last words. Where a shell's code runs more than the engine (`sudo sh
-    -c 'docker pull img && python x.py'`), the rest runs under the wrapper too."""
+def _opens_engine(found: Sequence[Step], engines: frozenset[str] = CONTAINER_ENGINES) -> bool:
+    """The first of `found` starts a container engine of `engines` with nothing after it:
+    each step runs the next as its own last words. Where a shell's code runs more than the
+    engine (`sudo sh -c 'docker pull img && python x.py'`), the rest runs under the wrapper
+    too."""
     for outer, inner in itertools.pairwise(found):
         if outer.argv[len(outer.argv) - len(inner.argv) :] != inner.argv:
             return False
-        if inner.program in CONTAINER_ENGINES:
+        if inner.program in engines:
             return True
     return False
 
@@ -267,6 +269,17 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         _check_sets(argv, step, needed)
         needed += tuple(c for c in copies if c.endswith(needed))
         dropped = [v for v in needed if drops_gpus(step, v)]
+        if _opens_engine(found[at:], APPTAINER_ENGINES):
+            # Apptainer gives the container the APPTAINERENV_ (SINGULARITYENV_) copy over the
+            # caller's variable: `env -u CUDA_VISIBLE_DEVICES apptainer exec` keeps its GPU.
+            engine = next(
+                inner.program for inner in found[at + 1 :] if inner.program in APPTAINER_ENGINES
+            )
+            dropped = [
+                v
+                for v in dropped
+                if v not in GPU_VARIABLES or drops_gpus(step, f"{engine.upper()}ENV_{v}")
+            ]
         if not dropped:
             continue
         variable = dropped[0]

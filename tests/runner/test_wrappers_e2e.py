@@ -1502,3 +1502,37 @@ def test_a_wrapper_dropping_the_copy_before_an_apptainer_cleaned_by_its_environm
     assert "without the APPTAINERENV_CUDA_VISIBLE_DEVICES" in done.stderr
     assert not ran.exists()
     assert gpuwait(gpuwait_cmd, line, env).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "options"), [("APPTAINER_ENV", []), ("APPTAINER_CLEANENV", ["--cleanenv"])]
+)
+def test_a_wrapper_dropping_cuda_visible_devices_before_apptainer_keeps_the_reserved_gpu(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, stand_in: str, options: list[str]
+) -> None:
+    # The container takes the APPTAINERENV_ copy over the caller's variable: `env -u
+    # CUDA_VISIBLE_DEVICES apptainer exec --nv ...` ran on the reserved GPU, yet was refused.
+    env, _ = fake_bin(tmp_path)
+    (tmp_path / "fakebin" / "apptainer").write_text(globals()[stand_in])
+    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    seen = tmp_path / "seen"
+    env = {**env, "SEEN": str(seen)}
+    apptainer = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
+    opts = ["--vram", "4G", "--devices", "1", "--"]
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*gpuwait_cmd, *opts, *command], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    done = run(["env", "-u", "CUDA_VISIBLE_DEVICES", *apptainer])
+    assert done.returncode == 0, done.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    # Dropping the copy as well leaves the container every GPU: refused.
+    seen.unlink()
+    both = ["-u", "CUDA_VISIBLE_DEVICES", "-u", "APPTAINERENV_CUDA_VISIBLE_DEVICES"]
+    done = run(["env", *both, *apptainer])
+    assert done.returncode == 2, done.stderr
+    assert not seen.exists()
