@@ -935,6 +935,10 @@ def command_env(
             BYTES_VAR: str(job.reserved_bytes),
         }
     )
+    # For a container that cleans its environment (`apptainer exec --cleanenv`): what tells a
+    # gpuwait or a hooked shell in it that it runs inside this job, as it would outside.
+    named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE)
+    env.update(_in_containers({name: env[name] for name in named}))
     pausing = {
         "GPUWAIT_PAUSABLE": "1",
         "GPUWAIT_CHECKPOINT_SIGNAL": job.checkpoint_signal.upper().removeprefix("SIG"),
@@ -945,14 +949,12 @@ def command_env(
         pausing["GPUWAIT_RESUME_EXIT"] = str(resume_exit)
         env.update(pausing)
         # And for a container that cleans its environment, whose starter passes the checkpoint
-        # signal on: the program must know it is pausable, and which job's, to catch it.
-        named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing)
-        env.update(_in_containers({name: env[name] for name in named}))
+        # signal on: the program must know it is pausable to catch it.
+        env.update(_in_containers({name: env[name] for name in pausing}))
     else:
         # Inherited from a --pausable job this one runs in (a pipeline's step): that job's, to
         # be asked to checkpoint by its signal, not this one's. GPUWAIT_RESUME_EXIT stays: it
         # is a setting (`resume_exit`) the user may have set for a pausable step further in.
-        named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE, *pausing)
-        for name in (*pausing, *_container_names(named)):
+        for name in (*pausing, *_container_names(list(pausing))):
             env.pop(name, None)
     return env

@@ -1339,3 +1339,23 @@ def test_a_pausable_step_inside_a_job_keeps_the_users_resume_exit(
         gpuwait_cmd, "--vram", "1G", "--", *gpuwait_cmd, "--pausable", "--vram", "1G", env=env
     )
     assert inner["GPUWAIT_RESUME_EXIT"] == "85", inner
+
+
+def test_a_gpuwait_inside_a_job_in_a_container_that_cleans_its_environment_knows_its_job(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait --vram 12G -- apptainer exec --cleanenv img.sif sh -c 'gpuwait --vram 12G ...'`:
+    # the container got the job's GPU but not its name, and the gpuwait inside (or a hooked
+    # shell's) waited for that GPU as a new job, behind the job it runs in, for ever. Told of
+    # its job as outside a container, it is refused at once (3), as there.
+    env = with_program(tmp_path / "bin", "apptainer", CLEANENV_CONTAINER)
+    # What the gpuwait inside needs to find the machine, passed in as a user would.
+    for name, value in os.environ.items():
+        if name.startswith(("GPUWAIT_", "XDG_")) or name in ("HOME", "PYTHONPATH"):
+            env[f"APPTAINERENV_{name}"] = value
+    inner = " ".join([*gpuwait_cmd, "--vram", "12G", "--timeout", "5s", "--", "echo", "inner"])
+    container = ["apptainer", "exec", "--nv", "--cleanenv", "img.sif", "/bin/sh", "-c"]
+    done = run([*gpuwait_cmd, "--vram", "12G", "--", *container, f"{inner}; echo rc=$?"], env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "rc=3\n", done.stderr
+    assert "inside gpuwait job" in done.stderr and "Traceback" not in done.stderr
