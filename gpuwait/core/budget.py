@@ -79,6 +79,8 @@ class Means(Record, frozen=True):
     mps: bool = False
     #: The command is a Python program (the PyTorch hook then applies when it imports torch).
     python: bool = False
+    #: Where it is not: why the PyTorch cap is not claimed.
+    python_why_not: str = "not a Python program, for the PyTorch cap"
     #: The directory holding gpuwait's PyTorch hook (sitecustomize.py).
     hook_dir: str = ""
 
@@ -278,7 +280,7 @@ def _on_demand(
 def _why_hint_only(means: Means) -> str:
     reasons = [means.dmem_why_not, "no CUDA MPS daemon serves you"]
     if not means.python:
-        reasons.append("not a Python program, for the PyTorch cap")
+        reasons.append(means.python_why_not)
     return "enforce = limit: the reservation is only hinted here: " + "; ".join(reasons)
 
 

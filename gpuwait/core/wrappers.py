@@ -800,6 +800,12 @@ def _apptainer_start(step: Step) -> int | None:
     return position + 1
 
 
+def runs_apptainer(argv: Sequence[str]) -> bool:
+    """Does the line run an `apptainer` or `singularity` action (`exec`, `run` ...), itself or
+    through the wrappers above?"""
+    return any(_apptainer_start(step) is not None for step in steps(argv))
+
+
 def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:
     """An `apptainer` or `singularity` action's options before its image, each as (name,
     value, start, end) in `step.argv`, none where the step runs no action; and whether they

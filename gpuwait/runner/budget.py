@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from gpuwait.core import budget as policy
 from gpuwait.core.budget import Budget, Means
 from gpuwait.core.snapshot import GpuSnapshot
+from gpuwait.core.wrappers import runs_apptainer
 from gpuwait.linux import dmem
 from gpuwait.queue.conditions import reserved_less
 from gpuwait.queue.entries import Job
@@ -96,11 +97,20 @@ def prepare(
             except OSError as exc:
                 problem = f"cannot make a dmem cgroup in {place.parent}: {exc.strerror}"
                 why_not = problem
+        # In an Apptainer container the hook's directory is the host's: a container that
+        # cleans its environment gets no PYTHONPATH, another only what is bound in.
+        contained = runs_apptainer(command)
         means = Means(
             dmem=cgroup is not None,
             dmem_why_not=why_not,
             mps=mps.daemon_serves(env),
-            python=python_program(command),
+            python=python_program(command) and not contained,
+            python_why_not=(
+                "the PyTorch hook does not reach into an Apptainer container (its directory is "
+                "the host's), for the PyTorch cap"
+                if contained
+                else Means().python_why_not
+            ),
             hook_dir=HOOK_DIR,
         )
     plan = policy.plan(

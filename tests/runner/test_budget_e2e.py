@@ -494,3 +494,46 @@ def test_a_jax_job_is_learned_at_what_it_uses_not_at_the_room_it_was_given(
     peaks = [run["peak_bytes"] / GiB for run in recorded_runs()]
     assert peaks == [1.0, 1.0, 1.0]
     assert "1.1 GiB reserved" in done.stderr
+
+
+#: Stand-ins for `apptainer exec --nv --cleanenv IMAGE CMD...`: the command runs with the
+#: APPTAINERENV_ copies alone (PATH kept), so no PYTHONPATH of the host's reaches it. One is a
+#: Python script, as a site's front to Apptainer may be, the other a shell script, as a program
+#: that is no Python one.
+CLEANENV_PY = """#!/usr/bin/env python3
+import os, sys
+prefix = "APPTAINERENV_"
+env = {k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
+os.execve(sys.argv[5], sys.argv[5:], {"PATH": os.environ["PATH"], **env})
+"""
+CLEANENV_SH = """#!/bin/sh
+shift 4
+exec env -i PATH="$PATH" $(env | grep '^APPTAINERENV_' | sed 's/^APPTAINERENV_//') "$@"
+"""
+
+
+@pytest.mark.parametrize("stand_in", [CLEANENV_PY, CLEANENV_SH])
+def test_a_python_program_in_a_clean_container_is_not_said_to_be_capped_by_the_hook(
+    sim_file: SimFileFactory, tmp_path: Path, stand_in: str
+) -> None:
+    # The hook's PYTHONPATH does not reach a container that cleans its environment: a job
+    # there was recorded as held by the "PyTorch allocator cap", or hinted only as "not a
+    # Python program", though it runs one. It is hinted only, and the line says why.
+    sim_file(gpus=1, memory="8GiB")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apptainer").write_text(stand_in)
+    (bin_dir / "apptainer").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    script = "import os; print(os.environ.get('GPUWAIT_TORCH_MEMORY_FRACTION', 'none'))"
+    container = ["apptainer", "exec", "--nv", "--cleanenv", "img.sif"]
+    done = gpuwait(
+        *("--enforce", "limit", "--vram", "1G", "--"),
+        *(*container, sys.executable, "-c", script),
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "enforce = limit" in line]
+    assert len(said) == 1 and "Apptainer" in said[0], done.stderr
+    assert "not a Python program" not in said[0]
+    assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
