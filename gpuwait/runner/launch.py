@@ -370,7 +370,11 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
                     f"--preserve-env={','.join(GPU_VARIABLES)}",
                     *words[where + 1 :],
                 ]
-            line = f"gpuwait ... -- {shlex.join(words)}"
+            if step.program == "env" and drops_gpus(step):
+                # `env -i`: it would drop gpuwait's too, the line set them again.
+                line = f"gpuwait ... -- {_env_kept(words, where, steps(words[where:])[0])}"
+            else:
+                line = f"gpuwait ... -- {shlex.join(words)}"
         else:
             line = f"set {name} nowhere in the command"
         if variable == GPU_VARIABLES[0]:

@@ -1536,3 +1536,41 @@ def test_a_wrapper_dropping_cuda_visible_devices_before_apptainer_keeps_the_rese
     done = run(["env", *both, *apptainer])
     assert done.returncode == 2, done.stderr
     assert not seen.exists()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["-i"], ["-i", "LANG=C"], ["-u", "CUDA_VISIBLE_DEVICES"], ["--ignore-environment"]],
+)
+def test_the_line_refused_for_setting_the_gpu_after_env_i_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str]
+) -> None:
+    # `env -i CUDA_VISIBLE_DEVICES=0 python x.py` was refused with the line without the
+    # assignment, `env -i python x.py`, which is refused in turn: env -i drops the variable.
+    command = [
+        "env",
+        *options,
+        "CUDA_VISIBLE_DEVICES=0",
+        "sh",
+        "-c",
+        'echo "$CUDA_VISIBLE_DEVICES" > seen',
+    ]
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "env sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].split("; to have it pick", 1)[0].strip()
+    again = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *shlex.split(line)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
