@@ -92,11 +92,11 @@ def _not_found(argv: Sequence[str]) -> CommandProblem:
 
 def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
     """A Python command line whose script is not there (`python trian.py`) would wait for its
-    GPU, then fail: refused (UsageError) where a file beside it has a close name (`train.py`),
-    a misspelling beyond doubt, unless the job waits for others (`--after`), which may write
-    it, or the two are of a series (`run_3.py` beside `run_2.py`). Otherwise a warning to say
-    before the wait, or None: a script that another step writes while this job waits must not
-    cost the run."""
+    GPU, then fail: refused (UsageError) where a file beside it with its ending has a close
+    name (`train.py`, not train.ipynb), a misspelling beyond doubt, unless the job waits for
+    others (`--after`), which may write it, or the two are of a series (`run_3.py` beside
+    `run_2.py`). Otherwise a warning to say before the wait, or None: a script that another
+    step writes while this job waits must not cost the run."""
     from gpuwait.core.cmdkey import python_runs  # only Python command lines pay for it
 
     runs = python_runs(argv)
@@ -111,13 +111,22 @@ def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
     if os.path.exists(script):
         return None
     folder = os.path.dirname(script)
+    # Only a name with its ending (train.py for trian.py): train.ipynb, or the config.py.in
+    # config.py is made from, is no script python runs, and may be what a step writes it from.
+    stem, ending = os.path.splitext(os.path.basename(typed))
     try:
-        names = [n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))]
+        names = [
+            n
+            for n in os.listdir(folder)
+            if os.path.splitext(n)[1] == ending and os.path.isfile(os.path.join(folder, n))
+        ]
     except OSError:
         names = []
     from gpuwait.core.text import nearest  # only once a script is missing
 
     match = nearest(os.path.basename(typed), names, cutoff=0.75) if names else None
+    if match is not None and nearest(stem, [os.path.splitext(match)[0]], cutoff=0.5) is None:
+        match = None  # x.py and b.py: alike in their ending alone
     meant = None if match is None else os.path.join(os.path.dirname(typed), match)
     program = os.path.basename(argv[0])
     # Names apart only in their digits (run_3.py beside run_2.py): a series, whose next one a

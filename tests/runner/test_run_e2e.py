@@ -730,6 +730,26 @@ def test_a_missing_script_with_no_close_name_is_warned_of_and_the_run_goes_on(
         assert done.returncode == 2 and "can't open file" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("script", "beside"),
+    [("train.py", "train.ipynb"), ("config.py", "config.py.in"), ("x.py", "b.py")],
+)
+def test_a_missing_script_beside_a_file_it_does_not_misspell_is_warned_of_not_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, script: str, beside: str
+) -> None:
+    # `python train.py` beside train.ipynb (or config.py beside the config.py.in it is made
+    # from) was refused, "did you mean train.ipynb? gpuwait ... -- python train.ipynb", a line
+    # python cannot run, where the script may be one a step writes from that file while this
+    # waits; and `python x.py` beside b.py was taken for a misspelling.
+    (tmp_path / beside).write_text("")
+    done = run([*gpuwait_cmd, "--vram", "4G", "python", script], cwd=tmp_path)
+    assert done.stderr.splitlines()[0] == (
+        f"gpuwait: warning: no script {script} here (yet): python fails unless it is there "
+        "once its GPU is"
+    ), done.stderr
+    assert done.returncode == 2 and "can't open file" in done.stderr, done.stderr
+
+
 def test_a_misspelt_script_of_a_job_that_waits_for_another_is_warned_of_not_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
