@@ -915,7 +915,6 @@ def test_an_apptainer_env_file_that_is_a_pipe_reaches_the_container_whole(
             "env",
             "CUDA_VISIBLE_DEVICES=1",
         ),
-        (["env", "CUDA_VISIBLE_DEVICES=", "true"], "env", "CUDA_VISIBLE_DEVICES="),
         (
             [
                 "env",
@@ -1574,3 +1573,28 @@ def test_the_line_refused_for_setting_the_gpu_after_env_i_runs_on_the_gpu_reserv
     )
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["env", "CUDA_VISIBLE_DEVICES=", "sh", "-c", "echo ran > seen"],
+        ["env", "CUDA_VISIBLE_DEVICES=-1", "sh", "-c", "echo ran > seen"],
+        ["sh", "-c", "CUDA_VISIBLE_DEVICES= true && echo ran > seen"],
+    ],
+)
+def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # An empty CUDA_VISIBLE_DEVICES (or -1) hides every GPU, as a CPU step of a pipeline is
+    # run: it runs on no GPU of another job's, but was refused for "it would run on GPUs
+    # gpuwait did not give it".
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text() == "ran\n"
