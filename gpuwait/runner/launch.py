@@ -313,7 +313,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
         elif step.program == "env" and suffix:
-            hint = f"keep {variable}: gpuwait ... -- {_env_kept(argv, where, step)}"
+            hint = f"keep {variable}: gpuwait ... -- {_env_kept(argv, where, step, keeps)}"
         elif step.program == "env":
             hint = f"leave {variable} to the command: unset only what it must not see"
         elif step.program == "exec":
@@ -384,8 +384,18 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
                     *words[where + 1 :],
                 ]
             if step.program == "env" and drops_gpus(step):
-                # `env -i`: it would drop gpuwait's too, the line set them again.
-                line = f"gpuwait ... -- {_env_kept(words, where, steps(words[where:])[0])}"
+                # `env -i`: it would drop gpuwait's too, the line set them again, with the
+                # copies a container that cleans its environment takes.
+                inner = steps(words[where:])
+                keep = [
+                    *GPU_VARIABLES,
+                    *(
+                        f"{s.program.upper()}ENV_{n}"
+                        for s in dict.fromkeys(s for s in inner[1:] if apptainer_cleans_env(s))
+                        for n in GPU_VARIABLES
+                    ),
+                ]
+                line = f"gpuwait ... -- {_env_kept(words, where, inner[0], keep)}"
             else:
                 line = f"gpuwait ... -- {shlex.join(words)}"
         else:
@@ -639,10 +649,13 @@ def _env_lines(path: str) -> list[str]:
     return [s for line in text.splitlines() if (s := line.strip()) and not s.startswith("#")]
 
 
-def _env_kept(argv: Sequence[str], where: int, step: Step) -> str:
-    """`argv`, whose env at `where` drops GPU_VARIABLES, with env keeping them: its -u
-    naming them left out, and after -i (`-`, --ignore-environment), which drops them all, the
-    values gpuwait gives them set again, in a shell that expands them."""
+def _env_kept(
+    argv: Sequence[str], where: int, step: Step, keep: Sequence[str] = GPU_VARIABLES
+) -> str:
+    """`argv`, whose env at `where` drops variables of `keep` (GPU_VARIABLES, and the
+    APPTAINERENV_ copies a container that cleans its environment takes), with env keeping
+    them: its -u naming them left out, and after -i (`-`, --ignore-environment), which drops
+    them all, the values gpuwait gives them set again, in a shell that expands them."""
     words = [step.argv[0]]
     ignore = False
     position = 1
@@ -657,7 +670,7 @@ def _env_kept(argv: Sequence[str], where: int, step: Step) -> str:
             ignore = ignore or word == "--ignore-environment"
             if name in ("--unset", "--chdir") and not glue:
                 value, taken = " ".join(step.argv[position + 1 : position + 2]), 2
-            if name == "--unset" and value in GPU_VARIABLES:
+            if name == "--unset" and value in keep:
                 position += taken
                 continue
         else:
@@ -667,7 +680,7 @@ def _env_kept(argv: Sequence[str], where: int, step: Step) -> str:
             value = letters[at + 1 :]
             if at < len(letters) and not value:
                 value, taken = " ".join(step.argv[position + 1 : position + 2]), 2
-            if letters[at : at + 1] == "u" and value in GPU_VARIABLES:
+            if letters[at : at + 1] == "u" and value in keep:
                 if at:
                     words.append(f"-{letters[:at]}")
                 position += taken
@@ -681,7 +694,7 @@ def _env_kept(argv: Sequence[str], where: int, step: Step) -> str:
     command = 1 if rest[:1] in (["--"], ["-"]) else 0
     while command < len(rest) and "=" in rest[command] and not rest[command].startswith("="):
         command += 1
-    given = [f'"{name}=${name}"' for name in GPU_VARIABLES]
+    given = [f'"{name}=${name}"' for name in keep]
     code = " ".join(
         [
             "exec",

@@ -1598,3 +1598,45 @@ def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text() == "ran\n"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["-i"],
+        ["-u", "APPTAINERENV_CUDA_VISIBLE_DEVICES"],
+        ["-i", "-u", "HOME"],
+        ["-i", "APPTAINERENV_CUDA_VISIBLE_DEVICES=0"],
+    ],
+)
+def test_the_line_an_env_refusal_gives_before_a_clean_apptainer_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: list[str]
+) -> None:
+    # The line the refusal of `env -i apptainer exec --nv --cleanenv ...` gave set
+    # CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER again, but not the APPTAINERENV_ copy that
+    # alone reaches such a container: it saw every GPU, those given to other jobs too.
+    env, _ = fake_bin(tmp_path)
+    apptainer = tmp_path / "fakebin" / "apptainer"
+    apptainer.write_text(APPTAINER_CLEANENV)
+    apptainer.chmod(0o755)
+    seen = tmp_path / "seen"
+
+    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
+            env={**env, "SEEN": str(seen)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    command = ["env", *options, f"SEEN={seen}", str(apptainer), "exec", "--nv", "--cleanenv"]
+    done = run([*command, "img.sif", "python", "x.py"])
+    assert done.returncode == 2, done.stderr
+    assert not seen.exists()
+    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
+    again = run(shlex.split(line))
+    assert again.returncode == 0, again.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
