@@ -312,6 +312,10 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
                 *argv[where + 1 :],
             ]
             hint = f"keep them: gpuwait ... -- {shlex.join(line)}"
+        elif step.program == "env" and suffix and _drops_later(found, at, needed):
+            # `env -i sudo python x.py`: sudo's refusal first, its line then judged for env,
+            # whose line sets them again for a sudo that keeps them.
+            continue
         elif step.program == "env" and suffix:
             hint = f"keep {variable}: gpuwait ... -- {_env_kept(argv, where, step, keeps)}"
         elif step.program == "env":
@@ -339,6 +343,16 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
             hint=hint,
         )
+
+
+def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
+    """Does a wrapper after `found[at]` (before any container engine) drop one of `names`?"""
+    for later in range(at + 1, len(found)):
+        if _opens_engine(found[later:]):
+            return False
+        if any(drops_gpus(found[later], name) for name in names):
+            return True
+    return False
 
 
 def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:

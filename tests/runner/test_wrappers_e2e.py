@@ -1640,3 +1640,37 @@ def test_the_line_an_env_refusal_gives_before_a_clean_apptainer_runs_on_the_gpu_
     from gpuwait.gpu.sim import SimBackend
 
     assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+
+
+def test_the_lines_refusals_give_for_env_i_before_sudo_end_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `env -i sudo python x.py` was refused for env -i first, the line it gave setting the
+    # variables again in sh -c for a sudo that dropped them: typed as told, it ran on every
+    # GPU, gpuwait reading no further into the quoted shell code. sudo's refusal now comes
+    # first, and env's line is given for the sudo that keeps them.
+    env, _ = fake_bin(tmp_path)
+    sudo = tmp_path / "fakebin" / "sudo"
+    sudo.write_text(SUDO_ENV)
+    sudo.chmod(0o755)
+    seen = tmp_path / "seen"
+    line = [
+        *("env", "-i", f"PATH={env['PATH']}", f"SEEN={seen}", "sudo", "sh", "-c"),
+        'echo "$CUDA_VISIBLE_DEVICES" > "$SEEN"',
+    ]
+    for _ in range(3):
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *line],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if done.returncode != 2:
+            break
+        assert not seen.exists(), done.stderr
+        line = shlex.split(done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0])
+    assert done.returncode == 0, done.stderr
+    from gpuwait.gpu.sim import SimBackend
+
+    assert seen.read_text().strip() == SimBackend(str(sim)).snapshot().gpus[1].uuid
