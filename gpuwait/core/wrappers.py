@@ -354,6 +354,9 @@ def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
         exported = False
         for word in part.split():
             if not _PLAIN.match(word):
+                if not words and _ASSIGNMENT.match(word):
+                    # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same.
+                    sets.append(word)
                 return (words, False, tuple(sets)) if words or sets else None
             if not words and not exported and word == "export":
                 exported = True

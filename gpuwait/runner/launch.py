@@ -361,7 +361,8 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
     'CUDA_VISIBLE_DEVICES=0 python x.py'`, or its APPTAINERENV_ (SINGULARITYENV_) copy,
     which an Apptainer container takes over the caller's: the command would run on GPU 0,
     whichever gpuwait reserved. Let be: what gpuwait sets itself (CUDA_DEVICE_ORDER=PCI_BUS_ID),
-    an empty value or -1, which hides every GPU (a CPU step), and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
+    an empty value or -1, which hides every GPU (a CPU step), what gpuwait gives passed on by
+    a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`), and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
     CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
     GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
     line's own; the GPUs gpuwait picks from are chosen before it."""
@@ -373,9 +374,12 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
         if variable == GPU_VARIABLES[1] and value == "PCI_BUS_ID":
             continue
         if variable == GPU_VARIABLES[0] and (
-            not value.strip() or value.split(",")[0].strip().startswith("-")
+            not value.strip(" \"'") or value.strip("\"'").split(",")[0].strip().startswith("-")
         ):
             continue  # empty, or -1: CUDA sees no GPU at all (a CPU step), nobody else's
+        given = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
+        if re.fullmatch(rf'"?\$(?:{given}|\{{{given}\}})"?', value):
+            continue  # what gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`)
         own = os.environ.get(GPU_VARIABLES[0], "")
         if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:
             continue
@@ -418,7 +422,7 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
             what = "it would run on GPUs gpuwait did not give it, those given to other jobs too"
             choose = (
                 f"; to have it pick from those GPUs: {shlex.quote(word)} gpuwait ... -- COMMAND"
-                if name == variable and value.strip()
+                if name == variable and value.strip() and "$" not in value
                 else ""
             )
         else:

@@ -1674,3 +1674,40 @@ def test_the_lines_refusals_give_for_env_i_before_sudo_end_on_the_gpu_reserved(
     from gpuwait.gpu.sim import SimBackend
 
     assert seen.read_text().strip() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'CUDA_VISIBLE_DEVICES=$SLOT echo "$CUDA_VISIBLE_DEVICES" > seen',
+        'export CUDA_VISIBLE_DEVICES="$SLOT"; echo "$CUDA_VISIBLE_DEVICES" > seen',
+    ],
+)
+def test_a_shell_that_sets_the_gpus_from_an_expansion_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # `xargs -P 4 --process-slot-var=SLOT sh -c 'CUDA_VISIBLE_DEVICES=$SLOT python x.py'`,
+    # the way to spread a list over the GPUs, ran each on the GPU its slot names, whichever
+    # gpuwait reserved: a value with an expansion ended what was read of the shell's code.
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--", "env", "SLOT=0", "sh", "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "sh sets 'CUDA_VISIBLE_DEVICES=" in done.stderr, done.stderr
+    assert not (tmp_path / "seen").exists()
+    # gpuwait's own, passed on, runs on the GPU reserved.
+    for own in ("$CUDA_VISIBLE_DEVICES", '"${CUDA_VISIBLE_DEVICES}"'):
+        line = f"CUDA_VISIBLE_DEVICES={own} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"
+        done = subprocess.run(
+            [*gpuwait_cmd, "--vram", "4G", "--", "sh", "-c", line],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().startswith("GPU-")
