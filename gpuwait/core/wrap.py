@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import os.path
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpuwait.core.record import Record
@@ -57,10 +58,23 @@ def decide(
     for pattern in never_wrap:
         if fnmatch.fnmatchcase(line, pattern):
             return Decision(False, f"the command line matches never_wrap {pattern!r}")
+    hidden = env.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hides_every_gpu(hidden):
+        return Decision(
+            False, f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU: the command runs on the CPU"
+        )
     if missing_script is not None:
         program = os.path.basename(argv[0]) if argv else "python"
         return Decision(False, f"no script {missing_script}: {program} says so at once")
     return Decision(True, "no rule says otherwise")
+
+
+def hides_every_gpu(visible: str) -> bool:
+    """CUDA_VISIBLE_DEVICES set so that CUDA sees no GPU: empty (`CUDA_VISIBLE_DEVICES=
+    python prep.py`) or beginning with a negative number (`=-1`), where CUDA stops reading the
+    list. The command asks to run on the CPU: there is nothing to wait for."""
+    first = visible.split(",", 1)[0].strip()
+    return not first or re.fullmatch(r"-[0-9]+", first) is not None
 
 
 def _matching_glob(

@@ -276,6 +276,40 @@ echo "status=({status})"
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_command_typed_with_no_gpu_visible_runs_bare_on_the_cpu(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `CUDA_VISIBLE_DEVICES= python prep.py` (or =-1), CUDA's way to run on the CPU, was
+    # refused by the hook: "makes no GPU visible to this command", exit 3, nothing run.
+    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+    status = status_var(shell)
+    script = f"""{init_line(shell, "--always")}
+CUDA_VISIBLE_DEVICES= python3 probe.py
+echo "status=({status})"
+CUDA_VISIBLE_DEVICES=-1 python probe.py
+echo "status=({status})"
+"""
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert done.stdout.count("status=(0)") == 2, done.stdout + done.stderr
+    ran = probe_lines(done.stdout)
+    assert [(r["cuda"], r["job"]) for r in ran] == [("", None), ("-1", None)], done.stdout
+    assert done.stderr == "", done.stderr
+    bare = subprocess.run(
+        ["gpuwait", "shell-hook", "--explain", "--", "python", "probe.py"],
+        env={**env, "CUDA_VISIBLE_DEVICES": "-1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bare.returncode == 1
+    assert bare.stdout == (
+        "bare: CUDA_VISIBLE_DEVICES='-1' hides every GPU: the command runs on the CPU\n"
+    )
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
