@@ -593,6 +593,11 @@ OPTIONS: tuple[Option, ...] = (
             "* --version",
             "* -V",
             "* -VV",
+            # accelerate's setup and report: no GPU to wait for (`accelerate launch` has one).
+            "accelerate config",
+            "accelerate config *",
+            "accelerate env",
+            "accelerate env *",
             "* -m pip",
             "* -m pip *",
             "* -m venv",

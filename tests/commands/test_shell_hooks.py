@@ -310,6 +310,34 @@ echo "status=({status})"
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_accelerates_setup_commands_run_bare(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `accelerate config` (its questions) and `accelerate env` (what to paste in a bug report)
+    # waited for a whole free GPU, hours on a busy server, to use none.
+    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    (tmp_path / "bin" / "accelerate").write_text('#!/bin/sh\necho "accelerate $1 ran"\n')
+    (tmp_path / "bin" / "accelerate").chmod(0o755)
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+    status = status_var(shell)
+    script = f"""{init_line(shell, "--always")}
+accelerate config
+echo "status=({status})"
+accelerate env
+echo "status=({status})"
+accelerate config default --mixed_precision fp16
+echo "status=({status})"
+accelerate launch probe.py
+echo "status=({status})"
+"""
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    assert done.stdout.count("status=(0)") == 3, done.stdout + done.stderr
+    assert done.stdout.count("accelerate config ran") == 2, done.stdout
+    assert "accelerate env ran" in done.stdout
+    assert "status=(124)" in done.stdout  # launch still waits for its GPU
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
