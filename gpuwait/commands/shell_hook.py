@@ -16,7 +16,7 @@ import signal
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.core.cmdkey import python_script_file
+from gpuwait.core.cmdkey import launcher_script_file, python_script_file
 from gpuwait.core.errors import UsageError
 from gpuwait.core.text import command_line, whole_number
 from gpuwait.core.wrap import Decision, decide
@@ -146,11 +146,12 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
     cwds = [os.environ.get("PWD", "")]
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
-    # A mistyped script (`python trian.py`) would wait for a GPU before python says it is not
-    # there: run bare, python says so at once.
+    # A mistyped script (`python trian.py`, `torchrun trian.py`) would wait for a GPU before
+    # python says it is not there: run bare, python says so at once.
     missing = None
     with contextlib.suppress(OSError):
-        script = python_script_file(command, os.getcwd())
+        here = os.getcwd()
+        script = python_script_file(command, here) or launcher_script_file(command, here)
         if script is not None and not os.path.exists(script):
             missing = script
     return decide(

@@ -112,6 +112,26 @@ def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
     return _resolve(runs[1], cwd)
 
 
+def launcher_script_file(argv: Sequence[str], cwd: str) -> str | None:
+    """The Python script a launcher's workers run (`torchrun --nproc_per_node 2 train.py`,
+    `accelerate launch train.py`, `deepspeed train.py` in /w: /w/train.py), as they open it
+    from `cwd`: the first `.py` among its arguments; None where it runs a module or a program
+    (`-m`, `--no-python`) or is no such launcher."""
+    if not argv:
+        return None
+    program, args = os.path.basename(argv[0]), list(argv[1:])
+    if program == "accelerate" and args[:1] == ["launch"]:
+        args = args[1:]
+    elif program not in ("torchrun", "deepspeed"):
+        return None
+    for token in args:
+        if token in ("-m", "--module", "--no-python", "--no_python"):
+            return None
+        if token.endswith(".py") and not token.startswith("-"):
+            return _resolve(token, cwd)
+    return None
+
+
 def key_hash(level: str, text: str) -> str:
     """A short stable hash; the level is part of it so equal texts at two levels stay apart."""
     return sha256_hex(f"{level}\0{text}")[:20]

@@ -39,8 +39,8 @@ def decide(
     `cwds` holds the shell's logical $PWD as well as the physical directory, so a glob naming
     either the symlink or its target matches. `job_ended`: the job GPUWAIT_JOB_ID names has
     ended (its GPUWAIT_JOB_PID is gone), and this process outlived it: the rules apply as
-    anywhere else. `missing_script`: the script a Python command line names, where no such file
-    is there: the interpreter fails at once, with nothing to wait for.
+    anywhere else. `missing_script`: the script a Python command line names (or a launcher's workers
+    run), where no such file is there: the interpreter fails at once, with nothing to wait for.
     """
     job = env.get("GPUWAIT_JOB_ID")
     if job and not job_ended:

@@ -338,6 +338,44 @@ echo "status=({status})"
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_launchers_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `torchrun --nproc_per_node 2 trian.py` waited for its GPU (hours, on a busy server)
+    # before its workers said they could not open the file, where `python trian.py` fails at
+    # once.
+    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    for launcher in ("torchrun", "accelerate", "deepspeed"):
+        path = tmp_path / "bin" / launcher
+        path.write_text(f'#!/bin/sh\necho "{launcher} ran"\nexit 1\n')
+        path.chmod(0o755)
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+    status = status_var(shell)
+    lines = [
+        "torchrun --nproc_per_node 2 trian.py --lr 0.1",
+        "accelerate launch --num_processes 2 trian.py",
+        "deepspeed --num_gpus 1 ./nowhere/train.py",
+        "torchrun --nproc_per_node 2 probe.py",
+        "accelerate launch probe.py",
+    ]
+    script = init_line(shell, "--always") + "\n"
+    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    assert said == ["1", "1", "1", "124", "124"], done.stdout + done.stderr
+    bare = subprocess.run(
+        ["gpuwait", "shell-hook", "--explain", "--", "torchrun", "trian.py"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bare.returncode == 1
+    assert bare.stdout == f"bare: no script {tmp_path / 'trian.py'}: torchrun says so at once\n"
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
