@@ -751,6 +751,56 @@ def _extended(
     return None
 
 
+#: Launchers' options that choose their workers' GPUs themselves, over CUDA_VISIBLE_DEVICES.
+_LAUNCHER_GPU_OPTIONS = {
+    "deepspeed": ("--num_gpus", "--num-gpus", "--include", "-i", "--exclude", "-e"),
+    "accelerate": ("--gpu_ids", "--gpu-ids"),
+}
+
+
+def check_launcher_gpus(argv: Sequence[str]) -> None:
+    """Refuse a launcher told to choose its workers' GPUs itself (UsageError, 2): `deepspeed
+    --num_gpus 2` runs them on the machine's GPUs 0 and 1, `--include` and `--exclude` on those
+    they leave, `accelerate launch --gpu_ids 0` on those it lists (`all` excepted), whatever
+    GPUs gpuwait reserved: in other jobs' room. Only the launcher's own options count, those
+    before its script (`deepspeed train.py --num_gpus 2` passes it to train.py); a launcher
+    whose script is not a .py is not looked at."""
+    for step in steps(argv):
+        program = os.path.basename(step.argv[0])
+        names = _LAUNCHER_GPU_OPTIONS.get(program)
+        args = list(step.argv[1:])
+        skip = 2 if program == "accelerate" else 1
+        if names is None or (program == "accelerate" and args[:1] != ["launch"]):
+            continue
+        own = args[skip - 1 :]
+        scripts = [i for i, t in enumerate(own) if t.endswith(".py") and not t.startswith("-")]
+        own = own[: scripts[0]] if scripts else []
+        for at, token in enumerate(own):
+            name, glued, value = token.partition("=")
+            if name not in names:
+                continue
+            value = value if glued else (own[at + 1] if at + 1 < len(own) else "")
+            if value.strip() == ("all" if program == "accelerate" else "-1"):
+                continue  # all of what it is given; deepspeed's default
+            where = len(argv) - len(step.argv)
+            start = where + skip + at
+            fixed = [*argv[:start], *argv[start + (1 if glued else 2) :]]
+            # Run through sh -c or su -c, the line is not argv's own words: no line to give.
+            line = shlex.join(fixed) if tuple(argv[where:]) == step.argv else "COMMAND"
+            gpus = value if name.startswith("--num") and value.isdecimal() else "N"
+            hint = (
+                "leave it out, and ask gpuwait for the GPUs as numbers: GPUWAIT_VISIBLE_DEVICES="
+                f"index gpuwait --gpus {gpus} ... -- {line}"
+                if program == "deepspeed"
+                else f"leave it out (or give all): gpuwait ... -- {line}"
+            )
+            raise UsageError(
+                f"{program} {name} runs its workers on GPUs it chooses itself, not on those "
+                "gpuwait reserves: they would run in other jobs' room",
+                hint=hint,
+            )
+
+
 def which(name: str) -> str | None:
     """The first executable file `name` in PATH, as shutil.which finds it on POSIX.
 

@@ -101,6 +101,7 @@ from gpuwait.runner.launch import (
     StartInterrupted,
     check_command,
     check_keeps_gpus,
+    check_launcher_gpus,
     check_not_srun,
     check_pausable_container,
     check_script,
@@ -263,6 +264,7 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     # here: the refusal says how to write it, "command not found" would not.
     check_not_srun(request.command)
     check_keeps_gpus(request.command, by_index=config.visible_by_index)
+    check_launcher_gpus(request.command)
     if request.pausable is not None:
         check_pausable_container(request.command)
     check_command(request.command)

@@ -1459,3 +1459,44 @@ def test_a_background_command_run_bare_keeps_its_exit_status(
     done = run_shell(shell, script, [], background_env(how, hook_env, tmp_path), cwd=tmp_path)
     assert done.stdout.split() == ["3", str(128 + signal.SIGUSR1)], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_a_launcher_told_to_choose_its_own_gpus_is_refused_before_waiting(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `deepspeed --num_gpus 1 train.py` runs on the machine's GPU 0, `--include localhost:1`
+    # on GPU 1, and `accelerate launch --gpu_ids 0` on GPU 0, whichever GPU gpuwait reserved:
+    # typed with the hook on, each waited for its GPU, then ran in another job's room.
+    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    for launcher in ("accelerate", "deepspeed"):
+        path = tmp_path / "bin" / launcher
+        path.write_text(f'#!/bin/sh\necho "{launcher} ran"\n')
+        path.chmod(0o755)
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+    status = status_var(shell)
+    lines = [
+        "deepspeed --num_gpus 1 probe.py",
+        "deepspeed --include=localhost:1 probe.py --lr 0.1",
+        "accelerate launch --gpu_ids 0 --num_processes 1 probe.py",
+        # Left to the GPUs gpuwait gives: they wait, and would run there.
+        "deepspeed probe.py --num_gpus 1",
+        "accelerate launch --gpu_ids all probe.py",
+        "accelerate launch probe.py --gpu_ids 0",
+    ]
+    script = init_line(shell, "--always") + "\n"
+    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    assert said == ["2", "2", "2", "124", "124", "124"], done.stdout + done.stderr
+    assert "ran" not in done.stdout
+    assert (
+        "gpuwait: error: deepspeed --num_gpus runs its workers on GPUs it chooses itself"
+        in done.stderr
+    ), done.stderr
+    assert (
+        "gpuwait: hint: leave it out, and ask gpuwait for the GPUs as numbers: "
+        "GPUWAIT_VISIBLE_DEVICES=index gpuwait --gpus 1 ... -- deepspeed probe.py\n"
+    ) in done.stderr
+    assert "-- deepspeed probe.py --lr 0.1\n" in done.stderr
+    assert "gpuwait ... -- accelerate launch --num_processes 1 probe.py\n" in done.stderr
