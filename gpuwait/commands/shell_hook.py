@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 
 from gpuwait.commands.common import load_settings
@@ -82,12 +83,10 @@ def run(options: argparse.Namespace) -> int:
         print(HELP, end="")
         return 0
     command: list[str] = options.command
+    if options.explain:
+        command = _as_typed(command)
     shell_pids = _hook_shell_pids()
     ended = _job_ended()
-    if options.explain and command[0] in ("time", "noglob"):
-        # The shells' keyword (zsh's modifier): what follows runs as typed alone would, the
-        # hook's function too.
-        command = (command[2:] if command[1:2] == ["-p"] else command[1:]) or command
     decision = decision_for(command, ended)
     if options.explain:
         decision = _not_hooked(command) or decision
@@ -117,6 +116,20 @@ def run(options: argparse.Namespace) -> int:
 
         return run_bare(command)
     return exec_bare(command)
+
+
+def _as_typed(command: list[str]) -> list[str]:
+    """For --explain: the line as the shell runs it. After the shells' `time` keyword (zsh's
+    `noglob` modifier) what follows runs as typed alone would, the hook's function too; the
+    NAME=VALUE words before the command (`GPUWAIT_DEFAULT_VRAM=8G python x.py`) are set for
+    it, so they go into this process's environment, where the rules read them."""
+    if command[0] in ("time", "noglob"):
+        command = (command[2:] if command[1:2] == ["-p"] else command[1:]) or command
+    while len(command) > 1 and re.match(r"[A-Za-z_][A-Za-z0-9_]*=", command[0]):
+        name, _, value = command[0].partition("=")
+        os.environ[name] = value
+        command = command[1:]
+    return command
 
 
 def _not_hooked(command: list[str]) -> Decision | None:

@@ -376,6 +376,32 @@ def test_a_launchers_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_explain_reads_a_lines_assignments_as_the_shell_does(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # `shell-hook --explain -- GPUWAIT_DEFAULT_VRAM=8G python train.py`, the documented line
+    # pasted after --, said "bare: GPUWAIT_DEFAULT_VRAM=8G is not in wrap_commands", where the
+    # shell runs it wrapped; `GPUWAIT_DISABLE=1 python` was said bare for that same reason.
+    lines = {
+        "GPUWAIT_DEFAULT_VRAM=2G python3 probe.py": "wrap: no rule says otherwise",
+        "time GPUWAIT_DEFAULT_VRAM=2G python3 probe.py": "wrap: no rule says otherwise",
+        "GPUWAIT_DISABLE=1 python3 probe.py": "bare: GPUWAIT_DISABLE is set",
+        "A=1 GPUWAIT_NEVER_WRAP='* probe.py' python3 probe.py": (
+            "bare: the command line matches never_wrap '* probe.py'"
+        ),
+    }
+    script = init_line(shell, "--always") + "\n"
+    for line in lines:
+        script += f"{line}\ngpuwait shell-hook --explain -- {line}\n"
+    done = run_shell(shell, script, [], hook_env, cwd=tmp_path)
+    ran = probe_lines(done.stdout)
+    explained = [line for line in done.stdout.splitlines() if not line.startswith("{")]
+    assert explained == list(lines.values()), done.stdout + done.stderr
+    # And as the shell ran each: wrapped where the explanation says so.
+    assert [r["job"] is not None for r in ran] == [True, True, False, False], done.stdout
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
