@@ -112,14 +112,27 @@ def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
     return _resolve(runs[1], cwd)
 
 
+#: Launchers run by their module (`python -m torch.distributed.run`): the program it stands for.
+_LAUNCHER_SCRIPT_MODULES = {
+    "torch.distributed.run": "torchrun",
+    "torch.distributed.launch": "torchrun",
+    "deepspeed": "deepspeed",
+    "deepspeed.launcher.runner": "deepspeed",
+}
+
+
 def launcher_script_file(argv: Sequence[str], cwd: str) -> str | None:
     """The Python script a launcher's workers run (`torchrun --nproc_per_node 2 train.py`,
-    `accelerate launch train.py`, `deepspeed train.py` in /w: /w/train.py), as they open it
-    from `cwd`: the first `.py` among its arguments; None where it runs a module or a program
-    (`-m`, `--no-python`) or is no such launcher."""
+    `accelerate launch train.py`, `deepspeed train.py`, `python -m torch.distributed.run
+    train.py` in /w: /w/train.py), as they open it from `cwd`: the first `.py` among its
+    arguments; None where it runs a module or a program (`-m`, `--no-python`) or is no such
+    launcher."""
     if not argv:
         return None
     program, args = os.path.basename(argv[0]), list(argv[1:])
+    runs = python_runs(argv)
+    if runs is not None and runs[0] == "-m" and runs[1] in _LAUNCHER_SCRIPT_MODULES:
+        program, args = _LAUNCHER_SCRIPT_MODULES[runs[1]], list(argv[runs[2] :])
     if program == "accelerate" and args[:1] == ["launch"]:
         args = args[1:]
     elif program not in ("torchrun", "deepspeed"):

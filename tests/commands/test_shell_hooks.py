@@ -402,6 +402,33 @@ def test_explain_reads_a_lines_assignments_as_the_shell_does(
 
 
 @pytest.mark.parametrize("shell", SHELLS)
+def test_a_launcher_modules_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `python -m torch.distributed.run --nproc_per_node 2 trian.py`, torchrun by its module,
+    # waited for its GPU before its workers could not open the file, as torchrun did.
+    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    run = tmp_path / "torch" / "distributed" / "run.py"
+    run.parent.mkdir(parents=True)
+    for package in (run.parent, run.parent.parent):
+        (package / "__init__.py").write_text("")
+    run.write_text("import sys\nprint('run ran', sys.argv[1:])\nsys.exit(1)\n")
+    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+    status = status_var(shell)
+    lines = [
+        "python3 -m torch.distributed.run --nproc_per_node 2 trian.py",
+        "python3 -m torch.distributed.launch --use-env trian.py",
+        "python3 -m torch.distributed.run --nproc_per_node 2 probe.py",
+    ]
+    script = init_line(shell, "--always") + "\n"
+    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
+    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    assert said[0] == "1" and said[2] == "124", done.stdout + done.stderr
+    assert said[1] != "124", done.stdout + done.stderr  # no such module here: python's own 1
+
+
+@pytest.mark.parametrize("shell", SHELLS)
 def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
 ) -> None:
