@@ -47,7 +47,12 @@ MAX_RETRY_OOM = 100
 #: gpuwait's own exit statuses (gpuwait.core.errors), one row each; a test checks that none is
 #: missing. Besides these, the command's own status passes through unchanged.
 _EXIT_STATUSES = (
-    ("2", "usage: a malformed option, setting or config file"),
+    (
+        "2",
+        "usage: a malformed option, setting or config file; a command line that would not"
+        " run on the reserved GPU (env -i, sudo -u bob, srun, docker run --gpus all ...) or a"
+        " mistyped script, refused before waiting with the line to type (docs/usage.md)",
+    ),
     ("3", "the request can never fit on this machine's GPUs"),
     ("4", "no GPU readings (no driver, on_no_gpu = fail; a simulation file unusable)"),
     ("5", "the state dir or the ledger cannot be used"),

@@ -172,3 +172,11 @@ def test_the_simulation_file_names_only_options_that_exist(tmp_path: Path) -> No
     known = {s for a in run_command.build_parser()._actions for s in a.option_strings}
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", comments))
     assert named <= known, named - known
+
+
+def test_the_exit_status_2_row_names_a_command_line_refused_before_waiting() -> None:
+    """`env CUDA_VISIBLE_DEVICES=0 python x.py`, `sudo -u bob ...`, `python trian.py` end with 2
+    before waiting: a user who looks the status up in --help is told why, and where to read on."""
+    rows = option_blocks(section(help_text(["--help"]), "exit status:"))
+    assert "command line" in rows["2"], rows["2"]
+    assert "docs/usage.md" in rows["2"], rows["2"]
