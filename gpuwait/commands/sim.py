@@ -17,7 +17,8 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait sim",
         description="Simulated GPUs. `gpuwait sim init FILE` writes a simulation file; "
-        "`export GPUWAIT_SIM=FILE` makes gpuwait use it; `gpuwait sim job --vram SIZE` is a "
+        "`export GPUWAIT_SIM=FILE`, its absolute path as init prints it, makes gpuwait use it; "
+        "`gpuwait sim job --vram SIZE` is a "
         "simulated CUDA program (see `gpuwait sim job --help`).",
     )
     sub: Any = parser.add_subparsers(dest="action", metavar="{init,job}")

@@ -180,3 +180,10 @@ def test_the_exit_status_2_row_names_a_command_line_refused_before_waiting() -> 
     rows = option_blocks(section(help_text(["--help"]), "exit status:"))
     assert "command line" in rows["2"], rows["2"]
     assert "docs/usage.md" in rows["2"], rows["2"]
+
+
+def test_sim_help_asks_for_the_simulation_files_absolute_path() -> None:
+    """`gpuwait sim init sim.toml`, then `export GPUWAIT_SIM=sim.toml` as the help said, made
+    every later gpuwait end with 2: a relative GPUWAIT_SIM is refused."""
+    text = " ".join(help_text(["sim", "--help"]).split())
+    assert "absolute path" in text, text
