@@ -370,10 +370,17 @@ def test_a_waiting_job_follows_the_safety_the_site_lowers_while_it_waits(
     site = Path(os.environ["XDG_CONFIG_DIRS"]) / "gpuwait" / "config.toml"
     site.parent.mkdir(parents=True)
     site.write_text("safety = 0.5\n")  # 12 GiB of the card: 4 + 9 no longer fit
+    # A plan reads the site file as it begins and starts a job at its end: one under way as
+    # the file was written (on a loaded machine, long enough for the first job to end) starts
+    # the second at the safety before. The first ends once a plan begun since has ended.
+    stamp = Path(dirs.user_state_dir()) / "plan.stamp"
+    written = time.time_ns()
+    wait_for(lambda: stamp.stat().st_mtime_ns > written, timeout=20)
+    once = stamp.stat().st_mtime_ns
+    wait_for(lambda: stamp.stat().st_mtime_ns > once, timeout=20)
     os.killpg(first.pid, signal.SIGTERM)
     first.wait(timeout=20)
     ended = time.time_ns()
-    stamp = Path(dirs.user_state_dir()) / "plan.stamp"
 
     def planned_since() -> dict[str, Any] | None:
         entry = named_entry("second")
