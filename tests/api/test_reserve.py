@@ -1544,6 +1544,7 @@ def test_an_alarm_that_ends_a_wait_for_the_ledger_lock_as_it_begins_leaves_the_n
 
 #: A program holding a reservation, with a timeout of its own (its alarm's handler raising
 #: TimeoutError) that falls due as its release records the run; it says how the release ended.
+#: The alarm repeats until it has raised once, as TIMED_BY_ITS_ALARM's does, and for its reason.
 TIMED_OUT_AS_IT_RECORDS = (
     "import json, signal, sys\n"
     "import gpuwait\n"
@@ -1551,9 +1552,10 @@ TIMED_OUT_AS_IT_RECORDS = (
     "print(json.dumps({'held': r.job_id}), flush=True)\n"
     "sys.stdin.readline()\n"
     "def on_alarm(signum, frame):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
     "    raise TimeoutError('took too long')\n"
     "signal.signal(signal.SIGALRM, on_alarm)\n"
-    "signal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)\n"
     "try:\n"
     "    r.release()\n"
     "except TimeoutError as exc:\n"
@@ -1777,7 +1779,8 @@ def test_a_programs_alarm_raising_timeouterror_as_the_room_is_handed_over_reache
 
 
 #: A program that reserves when told, with a timeout of its own (its alarm's handler raising
-#: TimeoutError) set just before; it says how reserve() ended, and lives on (a notebook).
+#: TimeoutError) set just before; it says how reserve() ended, and lives on (a notebook). The
+#: alarm repeats until it has raised once, as TIMED_BY_ITS_ALARM's does, and for its reason.
 TIMED_OUT_AS_IT_RESERVES = (
     "import json, os, signal, sys\n"
     "import gpuwait\n"
@@ -1785,9 +1788,10 @@ TIMED_OUT_AS_IT_RESERVES = (
     "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
     "sys.stdin.readline()\n"
     "def on_alarm(signum, frame):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
     "    raise TimeoutError('took too long')\n"
     "signal.signal(signal.SIGALRM, on_alarm)\n"
-    "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.3, 0.3)\n"
     "try:\n"
     "    r = gpuwait.reserve('1G')\n"
     "except TimeoutError as exc:\n"
@@ -1955,16 +1959,18 @@ def test_a_reservation_inside_a_pausable_job_leaves_that_jobs_checkpoint_protoco
 
 
 #: A program with a timeout of its own (its alarm's handler raising TimeoutError) that falls
-#: due as reserve() reads the GPUs; it says how reserve() ended.
+#: due as reserve() reads the GPUs; it says how reserve() ended. The alarm repeats until it has
+#: raised once, as TIMED_BY_ITS_ALARM's does, and for its reason.
 TIMED_OUT_AS_IT_READS_THE_GPUS = (
     "import json, signal\n"
     "import gpuwait\n"
     "from gpuwait.api import reserve as loaded  # its modules, before the alarm runs\n"
     "from gpuwait.gpu import nvml as also_loaded\n"
     "def on_alarm(signum, frame):\n"
+    "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
     "    raise TimeoutError('took too long')\n"
     "signal.signal(signal.SIGALRM, on_alarm)\n"
-    "signal.setitimer(signal.ITIMER_REAL, 0.3)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.3, 0.3)\n"
     "try:\n"
     "    r = gpuwait.reserve('1G')\n"
     "except TimeoutError as exc:\n"
