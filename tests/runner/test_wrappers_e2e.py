@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -28,16 +29,93 @@ def fake_bin(tmp_path: Path, *names: str) -> tuple[dict[str, str], Path]:
     return env, ran
 
 
+def stand_in(tmp_path: Path, name: str, text: str) -> Path:
+    """Installs the program `text` as `name` in fake_bin's directory."""
+    program = tmp_path / "fakebin" / name
+    program.write_text(text)
+    program.chmod(0o755)
+    return program
+
+
+#: gpuwait's options for a job that can step aside.
+PAUSABLE = ("--pausable", "--vram", "4G")
+
+#: gpuwait's options for a job on GPU 1 alone, whose UUID reserved_uuid gives.
+ON_GPU_1 = ("--vram", "4G", "--devices", "1")
+
+
 def gpuwait(
-    gpuwait_cmd: list[str], command: list[str], env: dict[str, str]
+    gpuwait_cmd: list[str],
+    command: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    opts: Sequence[str] = ("--vram", "4G"),
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
+        [*gpuwait_cmd, *opts, "--", *command],
         env=env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def hint(refused: subprocess.CompletedProcess[str]) -> str:
+    """What a refusal's hint gives after `gpuwait ... -- `, to the end of what it said."""
+    return refused.stderr.split("gpuwait ... -- ", 1)[1]
+
+
+def runs(
+    gpuwait_cmd: list[str],
+    line: str,
+    env: dict[str, str] | None = None,
+    *,
+    opts: Sequence[str] = ("--vram", "4G"),
+    cwd: Path | None = None,
+) -> None:
+    """Runs `line`, as a hint gives it, under gpuwait and `opts`: it ends with 0."""
+    again = gpuwait(gpuwait_cmd, shlex.split(line), env, opts=opts, cwd=cwd)
+    assert again.returncode == 0, again.stderr
+
+
+#: The start of the refusal of a container engine's option that gives the container GPUs.
+ENGINE_OPTION = "gpuwait: error: docker run gives the container the GPUs its own option names "
+
+
+def ends(done: subprocess.CompletedProcess[str], ran: Path, status: int, refusal: str) -> None:
+    """`done` ended with `status`: 0 having run its command, else refused, saying `refusal`
+    first, and having run nothing."""
+    assert done.returncode == status, done.stderr
+    assert ran.exists() == (status == 0)
+    if status:
+        assert done.stderr.startswith(refusal), done.stderr
+
+
+def with_nvidia_visible_devices(env: dict[str, str], value: str | None) -> dict[str, str]:
+    """`env` with NVIDIA_VISIBLE_DEVICES set to `value`, or without it where that is None."""
+    env = {name: was for name, was in env.items() if name != "NVIDIA_VISIBLE_DEVICES"}
+    return env if value is None else {**env, "NVIDIA_VISIBLE_DEVICES": value}
+
+
+def refused(done: subprocess.CompletedProcess[str], ran: Path, *said: str) -> None:
+    """`done` was refused (2), saying each of `said`, and ran nothing."""
+    assert done.returncode == 2, done.stderr
+    for words in said:
+        assert words in done.stderr
+    assert not ran.exists()
+
+
+def sim_uuids(sim: Path) -> list[str]:
+    from gpuwait.gpu.sim import SimBackend
+
+    return [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
+
+
+def reserved_uuid(sim: Path) -> str:
+    """The UUID of GPU 1, where a job run with ON_GPU_1 is."""
+    return sim_uuids(sim)[1]
 
 
 @pytest.mark.parametrize(
@@ -101,11 +179,10 @@ def test_a_wrapper_that_drops_the_gpus_given_is_refused_with_what_to_type(
     )
     env, _ = fake_bin(tmp_path, "flock", "bash", "sh")
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert f"{_wrapper(command)} starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
-    assert kept in done.stderr
+    refused(
+        done, ran, f"{_wrapper(command)} starts its command without the CUDA_VISIBLE_DEVICES", kept
+    )
     assert "Traceback" not in done.stderr
-    assert not ran.exists()
 
 
 def _wrapper(command: list[str]) -> str:
@@ -132,10 +209,12 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
     # environment: it would see every GPU, and its job end as soon as systemd-run returns.
     env, ran = fake_bin(tmp_path, "systemd-run")
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert "systemd-run starts its command in a unit of systemd's" in done.stderr
-    assert "systemd-run ... gpuwait --vram SIZE -- COMMAND" in done.stderr
-    assert not ran.exists()
+    refused(
+        done,
+        ran,
+        "systemd-run starts its command in a unit of systemd's",
+        "systemd-run ... gpuwait --vram SIZE -- COMMAND",
+    )
 
 
 @pytest.mark.parametrize(
@@ -194,9 +273,7 @@ def test_srun_behind_a_wrapper_or_a_shells_first_word_is_refused(
         *("stdbuf", "taskset", "sudo", "su", "runuser"),
     )
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES" in done.stderr
-    assert not ran.exists()
+    refused(done, ran, "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES")
 
 
 @pytest.mark.parametrize(
@@ -253,33 +330,11 @@ def test_the_line_the_refusal_gives_keeps_the_gpus_under_the_real_sudo(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     script = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", "sudo", "-u", "root", sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, ["sudo", "-u", "root", sys.executable, "-c", script])
     assert done.returncode == 2, done.stderr
     keep = "--preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER"
     assert keep in done.stderr
-    done = subprocess.run(
-        [
-            *gpuwait_cmd,
-            "--vram",
-            "4G",
-            "--",
-            "sudo",
-            keep,
-            "-u",
-            "root",
-            sys.executable,
-            "-c",
-            script,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, ["sudo", keep, "-u", "root", sys.executable, "-c", script])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("GPU-"), done.stdout
 
@@ -378,11 +433,8 @@ def test_a_wrapper_that_drops_the_order_of_gpu_indices_is_refused(
     # --preserve-env=CUDA_VISIBLE_DEVICES -u alice true').
     env, ran = fake_bin(tmp_path, "sudo", "su", "runuser", "env")
     done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
-    assert done.returncode == 2, done.stderr
-    assert f"{command[0]} starts its command without the CUDA_DEVICE_ORDER" in done.stderr
-    assert hint in done.stderr
+    refused(done, ran, f"{command[0]} starts its command without the CUDA_DEVICE_ORDER", hint)
     assert "Traceback" not in done.stderr
-    assert not ran.exists()
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
@@ -506,17 +558,9 @@ def test_a_container_passed_the_callers_nvidia_visible_devices_is_refused_where_
     # without a value, -e passes the caller's on, and only -e NVIDIA_VISIBLE_DEVICES=all was
     # refused.
     env, ran = fake_bin(tmp_path, "docker")
-    env.pop("NVIDIA_VISIBLE_DEVICES", None)
-    if value is not None:
-        env["NVIDIA_VISIBLE_DEVICES"] = value
+    env = with_nvidia_visible_devices(env, value)
     done = gpuwait(gpuwait_cmd, ["docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], env)
-    assert done.returncode == status, done.stderr
-    assert ran.exists() == (status == 0)
-    if status:
-        assert done.stderr.startswith(
-            "gpuwait: error: docker run gives the container the GPUs its own option names "
-            "(-e NVIDIA_VISIBLE_DEVICES)"
-        ), done.stderr
+    ends(done, ran, status, f"{ENGINE_OPTION}(-e NVIDIA_VISIBLE_DEVICES)")
 
 
 def test_nvidia_docker_under_nv_gpu_is_refused_for_the_gpus_nv_gpu_names(
@@ -559,9 +603,7 @@ def test_the_line_a_container_refusal_gives_runs(
     )
     done = gpuwait(gpuwait_cmd, command, env)
     assert done.returncode == 2, done.stderr
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
-    again = gpuwait(gpuwait_cmd, shlex.split(line), env)
-    assert again.returncode == 0, again.stderr
+    runs(gpuwait_cmd, hint(done).rsplit(" (", 1)[0], env)
     assert ran.exists()
 
 
@@ -580,10 +622,8 @@ def test_a_wrapper_before_a_shell_that_runs_more_than_an_engine_is_refused(
     # that drops CUDA_VISIBLE_DEVICES, would see every GPU.
     env, ran = fake_bin(tmp_path, "docker", "podman", "sudo", "su", "env", "sh", "bash")
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert "starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
+    refused(done, ran, "starts its command without the CUDA_VISIBLE_DEVICES")
     assert "Traceback" not in done.stderr
-    assert not ran.exists()
 
 
 #: A stand-in for `apptainer exec [OPTIONS] IMAGE CMD...` (singularity's too) that sets the
@@ -635,35 +675,18 @@ def test_an_apptainer_option_naming_the_containers_gpus_is_refused_with_what_to_
     options = [word.format(dir=tmp_path) for word in options]
     env, _ = fake_bin(tmp_path)
     for engine in ("apptainer", "singularity"):
-        (tmp_path / "fakebin" / engine).write_text(APPTAINER_ENV)
-        (tmp_path / "fakebin" / engine).chmod(0o755)
+        stand_in(tmp_path, engine, APPTAINER_ENV)
     seen = tmp_path / "seen"
     env = {**env, "SEEN": str(seen)}
     command = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, env, opts=ON_GPU_1)
     assert done.returncode == 2, (done.stderr, seen.exists() and seen.read_text())
     assert given.format(dir=tmp_path) in done.stderr
     assert "Traceback" not in done.stderr
     assert not seen.exists()
     # The line the refusal gives runs the container on the reserved GPU.
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0].rsplit(" (", 1)[0]
-    again = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *shlex.split(line)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    runs(gpuwait_cmd, hint(done).splitlines()[0].rsplit(" (", 1)[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
 
 
 def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_index(
@@ -675,10 +698,12 @@ def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_i
     env, ran = fake_bin(tmp_path, "apptainer")
     command = ["apptainer", "exec", "--env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "i.sif", "x"]
     done = gpuwait(gpuwait_cmd, command, {**env, "GPUWAIT_VISIBLE_DEVICES": "index"})
-    assert done.returncode == 2, done.stderr
-    assert "container's CUDA_DEVICE_ORDER with its own option" in done.stderr
-    assert "gpuwait ... -- apptainer exec i.sif x" in done.stderr
-    assert not ran.exists()
+    refused(
+        done,
+        ran,
+        "container's CUDA_DEVICE_ORDER with its own option",
+        "gpuwait ... -- apptainer exec i.sif x",
+    )
     assert gpuwait(gpuwait_cmd, command, env).returncode == 0
 
 
@@ -706,18 +731,11 @@ def test_a_pausable_job_in_an_apptainer_pid_namespace_is_refused_with_what_to_ty
     # it once a waiter asked it to step aside.
     env, ran = fake_bin(tmp_path, "apptainer")
     command = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
-    done = subprocess.run(
-        [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *command],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = gpuwait(gpuwait_cmd, command, env, opts=PAUSABLE)
+    refused(
+        done, ran, f"({given})", f"gpuwait ... -- apptainer exec --nv {kept} img.sif python x.py"
     )
-    assert done.returncode == 2, done.stderr
-    assert f"({given})" in done.stderr
-    assert f"gpuwait ... -- apptainer exec --nv {kept} img.sif python x.py" in done.stderr
     assert "Traceback" not in done.stderr
-    assert not ran.exists()
     # A job that is not pausable runs there as before.
     assert gpuwait(gpuwait_cmd, command, env).returncode == 0
 
@@ -758,45 +776,24 @@ def test_apptainer_nvccli_in_a_contained_container_without_nvidia_visible_device
     # and none where it is unset: the job waited its turn, then failed, 'No CUDA GPUs are
     # available' (exit 1). Refused before waiting, with the line that binds in the reserved
     # GPU, which the container's CUDA then takes.
-    from gpuwait.gpu.sim import SimBackend
-
-    uuids = [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
     env, _ = fake_bin(tmp_path)
-    (tmp_path / "fakebin" / "apptainer").write_text(NVCCLI)
-    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    stand_in(tmp_path, "apptainer", NVCCLI)
     seen = tmp_path / "seen"
-    env = {**env, "SEEN": str(seen), "GPUS": ",".join(uuids)}
+    env = {**env, "SEEN": str(seen), "GPUS": ",".join(sim_uuids(sim))}
     env.pop("NVIDIA_VISIBLE_DEVICES", None)
     command = ["apptainer", "exec", "--nvccli", contain, "img.sif", "python", "x.py"]
-    opts = ["--vram", "4G", "--devices", "1", "--"]
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, *command], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = gpuwait(gpuwait_cmd, command, env, opts=ON_GPU_1)
     assert done.returncode == 2, done.stderr
     assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
     assert "Traceback" not in done.stderr
     assert not seen.exists()
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
-    again = subprocess.run(
-        [*gpuwait_cmd, *opts, *shlex.split(line)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
-    assert seen.read_text() == uuids[1]
+    runs(gpuwait_cmd, hint(done).splitlines()[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
     # Where NVIDIA_VISIBLE_DEVICES=all binds in every GPU, it runs, on the reserved one.
     seen.unlink()
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, *command],
-        env={**env, "NVIDIA_VISIBLE_DEVICES": "all"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, {**env, "NVIDIA_VISIBLE_DEVICES": "all"}, opts=ON_GPU_1)
     assert done.returncode == 0, done.stderr
-    assert seen.read_text() == uuids[1]
+    assert seen.read_text() == reserved_uuid(sim)
 
 
 #: A stand-in for sudo's env_reset: the command gets PATH and what --preserve-env=LIST names
@@ -838,19 +835,12 @@ def test_a_wrapper_keeping_only_the_gpu_variables_before_a_clean_apptainer_is_re
     # jobs too. The refusal's line keeps the copy, and runs on the reserved GPU.
     env, _ = fake_bin(tmp_path)
     for name, text in (("sudo", SUDO_ENV), ("apptainer", APPTAINER_CLEANENV)):
-        (tmp_path / "fakebin" / name).write_text(text)
-        (tmp_path / "fakebin" / name).chmod(0o755)
+        stand_in(tmp_path, name, text)
     seen = tmp_path / "seen"
     env = {**env, "SEEN": str(seen)}
 
     def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return gpuwait(gpuwait_cmd, command, env, opts=ON_GPU_1)
 
     apptainer = ["apptainer", "exec", "--nv", "--cleanenv", "img.sif", "python", "x.py"]
     kept = "--preserve-env=CUDA_VISIBLE_DEVICES,CUDA_DEVICE_ORDER"
@@ -862,17 +852,13 @@ def test_a_wrapper_keeping_only_the_gpu_variables_before_a_clean_apptainer_is_re
     # The line the refusal of plain sudo gives runs the container on the reserved GPU.
     done = run(["sudo", *apptainer])
     assert done.returncode == 2, done.stderr
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
-    again = run(shlex.split(line))
-    assert again.returncode == 0, again.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    runs(gpuwait_cmd, hint(done).splitlines()[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
     # Without --cleanenv the container takes the caller's CUDA_VISIBLE_DEVICES, which sudo kept.
     seen.unlink()
     plain = [word for word in apptainer if word != "--cleanenv"]
     assert run(["sudo", kept, *plain]).returncode == 0
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    assert seen.read_text() == reserved_uuid(sim)
 
 
 #: A stand-in for `apptainer exec --env-file FILE ...` that writes what it reads of FILE to the
@@ -891,8 +877,7 @@ def test_an_apptainer_env_file_that_is_a_pipe_reaches_the_container_whole(
     # `--env-file <(...)` names a pipe: gpuwait read it through for CUDA_VISIBLE_DEVICES before
     # Apptainer did, and the container got none of the variables it set.
     env, _ = fake_bin(tmp_path)
-    (tmp_path / "fakebin" / "apptainer").write_text(APPTAINER_ENV_FILE)
-    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    stand_in(tmp_path, "apptainer", APPTAINER_ENV_FILE)
     seen = tmp_path / "seen"
     line = shlex.join([*gpuwait_cmd, "--vram", "4G", "--", "apptainer", "exec", "--env-file"])
     done = subprocess.run(
@@ -965,10 +950,9 @@ def test_a_wrapper_that_sets_the_gpus_itself_is_refused_with_what_to_type(
     if setter in ("sh", "bash"):
         assert "set CUDA_VISIBLE_DEVICES nowhere in the command" in done.stderr
         return
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].split(";", 1)[0].strip()
+    line = hint(done).split(";", 1)[0].strip()
     assert word not in shlex.split(line)
-    again = gpuwait(gpuwait_cmd, shlex.split(line), env)
-    assert again.returncode == 0, again.stderr
+    runs(gpuwait_cmd, line, env)
     assert ran.exists()
 
 
@@ -990,13 +974,7 @@ def test_a_wrapper_that_sets_the_gpus_itself_is_refused_with_what_to_type(
 def test_a_wrapper_that_leaves_the_gpus_given_alone_runs_on_them(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
 ) -> None:
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
 
@@ -1010,26 +988,12 @@ def test_the_one_gpu_gpuwait_was_given_passed_on_as_it_is_runs(
     # gives the job one of them.
     command = ["env", "CUDA_VISIBLE_DEVICES=1", "sh", "-c", "echo $GPUWAIT_GPU_INDICES > seen"]
     run = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        env=run,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, run, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().strip() == "1"
     command[1] = "CUDA_VISIBLE_DEVICES=0,1"
     run["CUDA_VISIBLE_DEVICES"] = "0,1"
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        env=run,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, run, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
 
 
@@ -1042,10 +1006,12 @@ def test_a_wrapper_that_sets_the_order_of_gpu_indices_is_refused_under_index(
     env, ran = fake_bin(tmp_path, "env")
     index = {**env, "GPUWAIT_VISIBLE_DEVICES": "index"}
     done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "true"], index)
-    assert done.returncode == 2, done.stderr
-    assert "env sets CUDA_DEVICE_ORDER=FASTEST_FIRST for its command" in done.stderr
-    assert "gpuwait ... -- env true" in done.stderr
-    assert not ran.exists()
+    refused(
+        done,
+        ran,
+        "env sets CUDA_DEVICE_ORDER=FASTEST_FIRST for its command",
+        "gpuwait ... -- env true",
+    )
     done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "true"], index)
     assert done.returncode == 0, done.stderr
     done = gpuwait(gpuwait_cmd, ["env", "CUDA_DEVICE_ORDER=FASTEST_FIRST", "true"], env)
@@ -1120,17 +1086,8 @@ def test_a_wrapper_passes_the_engine_the_nvidia_visible_devices_it_reads(
     # 4G -- sudo -E docker run -e NVIDIA_VISIBLE_DEVICES img` ran a container given every GPU,
     # and so did `env NVIDIA_VISIBLE_DEVICES=0 docker run ...` one on GPU 0.
     env, ran = fake_bin(tmp_path, "docker", "sudo", "nice", "env", "sh")
-    env.pop("NVIDIA_VISIBLE_DEVICES", None)
-    if caller is not None:
-        env["NVIDIA_VISIBLE_DEVICES"] = caller
-    done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == status, done.stderr
-    assert ran.exists() == (status == 0)
-    if status:
-        assert done.stderr.startswith(
-            "gpuwait: error: docker run gives the container the GPUs its own option names "
-            "(-e NVIDIA_VISIBLE_DEVICES)"
-        ), done.stderr
+    done = gpuwait(gpuwait_cmd, command, with_nvidia_visible_devices(env, caller))
+    ends(done, ran, status, f"{ENGINE_OPTION}(-e NVIDIA_VISIBLE_DEVICES)")
 
 
 def test_nvidia_docker_under_a_wrapper_is_refused_for_the_gpus_nv_gpu_names(
@@ -1182,17 +1139,11 @@ def test_a_docker_env_file_naming_gpus_is_read_as_its_e_options_are(
     (tmp_path / "gpu.env").write_text(lines)
     command = ["docker", "run", "--env-file", str(tmp_path / "gpu.env"), *options, "img", "true"]
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == status, done.stderr
-    assert ran.exists() == (status == 0)
+    ends(done, ran, status, f"{ENGINE_OPTION}(--env-file {tmp_path / 'gpu.env'}")
     if status:
-        assert done.stderr.startswith(
-            "gpuwait: error: docker run gives the container the GPUs its own option names "
-            f"(--env-file {tmp_path / 'gpu.env'}"
-        ), done.stderr
-        line = done.stderr.split("gpuwait ... -- ", 1)[1].rsplit(" (", 1)[0]
+        line = hint(done).rsplit(" (", 1)[0]
         assert "--env-file" in line
-        again = gpuwait(gpuwait_cmd, shlex.split(line), env)
-        assert again.returncode == 0, again.stderr
+        runs(gpuwait_cmd, line, env)
         assert ran.exists()
 
 
@@ -1213,10 +1164,8 @@ def test_what_env_s_splits_out_is_judged_as_words_of_the_line(
     # gpuwait reserved, and `env -S 'srun ...'` where srun is refused.
     env, ran = fake_bin(tmp_path, "env", "nice", "srun", "sudo")
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert said in done.stderr
+    refused(done, ran, said)
     assert "Traceback" not in done.stderr
-    assert not ran.exists()
     done = gpuwait(gpuwait_cmd, ["env", "-S", "PYTHONPATH=. true"], env)
     assert done.returncode == 0, done.stderr
 
@@ -1238,9 +1187,7 @@ def test_what_xargs_runs_is_judged(
     # alice ...` on every GPU.
     env, ran = fake_bin(tmp_path, "xargs", "env", "sudo", "srun")
     done = gpuwait(gpuwait_cmd, command, env)
-    assert done.returncode == 2, done.stderr
-    assert said in done.stderr
-    assert not ran.exists()
+    refused(done, ran, said)
     done = gpuwait(gpuwait_cmd, ["xargs", "-n", "1", "env", "PYTHONPATH=.", "true"], env)
     assert done.returncode == 0, done.stderr
 
@@ -1262,24 +1209,10 @@ def test_the_line_an_env_refusal_gives_runs_on_the_gpu_reserved(
     # line to type. It now gives one: without the -u, or, for -i, in a shell that hands the
     # command the variables gpuwait sets.
     command = ["env", *options, "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES" > seen']
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "env starts its command without the CUDA_VISIBLE_DEVICES" in done.stderr
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].strip()
-    again = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *shlex.split(line)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
+    runs(gpuwait_cmd, hint(done).strip(), cwd=tmp_path)
     assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
 
 
@@ -1293,10 +1226,12 @@ def test_systemd_run_scope_setting_the_gpus_itself_is_refused(
     # CUDA_VISIBLE_DEVICES=0` ran it on GPU 0, whichever gpuwait reserved.
     env, ran = fake_bin(tmp_path, "systemd-run")
     done = gpuwait(gpuwait_cmd, ["systemd-run", "--scope", *options, "true"], env)
-    assert done.returncode == 2, done.stderr
-    assert "systemd-run sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr
-    assert "gpuwait ... -- systemd-run --scope true;" in done.stderr
-    assert not ran.exists()
+    refused(
+        done,
+        ran,
+        "systemd-run sets CUDA_VISIBLE_DEVICES=0 for its command",
+        "gpuwait ... -- systemd-run --scope true;",
+    )
     done = gpuwait(gpuwait_cmd, ["systemd-run", "--scope", "-E", "HF_HOME=/d", "true"], env)
     assert done.returncode == 0, done.stderr
 
@@ -1316,40 +1251,19 @@ def test_apptainer_nvccli_under_a_wrapper_without_nvidia_visible_devices_is_refu
     # apptainer exec --nvccli --containall img.sif python x.py` waited its turn, then found no
     # GPU in the container. Refused before waiting, the hint's line binding in the reserved
     # GPU, which runs; where a wrapper sets it to GPUs, it runs.
-    from gpuwait.gpu.sim import SimBackend
-
-    uuids = [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
     env, _ = fake_bin(tmp_path)
     for name, text in (("apptainer", NVCCLI), ("sudo", '#!/bin/sh\nshift\nexec "$@"\n')):
-        (tmp_path / "fakebin" / name).write_text(text)
-        (tmp_path / "fakebin" / name).chmod(0o755)
+        stand_in(tmp_path, name, text)
     seen = tmp_path / "seen"
-    env = {**env, "SEEN": str(seen), "GPUS": ",".join(uuids)}
+    env = {**env, "SEEN": str(seen), "GPUS": ",".join(sim_uuids(sim))}
     env.pop("NVIDIA_VISIBLE_DEVICES", None)
-    opts = ["--vram", "4G", "--devices", "1", "--"]
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, *wrapped], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = gpuwait(gpuwait_cmd, wrapped, env, opts=ON_GPU_1)
     assert done.returncode == 2, done.stderr
     assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
     assert not seen.exists()
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
-    again = subprocess.run(
-        [*gpuwait_cmd, *opts, *shlex.split(line)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
-    assert seen.read_text() == uuids[1]
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, "env", "NVIDIA_VISIBLE_DEVICES=all", *wrapped],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    runs(gpuwait_cmd, hint(done).splitlines()[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
+    done = gpuwait(gpuwait_cmd, ["env", "NVIDIA_VISIBLE_DEVICES=all", *wrapped], env, opts=ON_GPU_1)
     assert done.returncode == 0, done.stderr
 
 
@@ -1380,13 +1294,7 @@ def test_a_pausable_job_given_an_apptainer_pid_namespace_by_its_environment_is_r
     wrapper = [] if command[:1] == ["--fusemount"] else command
     options = command if command[:1] == ["--fusemount"] else []
     line = [*wrapper, "apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
-    done = subprocess.run(
-        [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *line],
-        env={**env, **environ},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, line, {**env, **environ}, opts=PAUSABLE)
     assert done.returncode == 2, done.stderr
     assert "PID namespace" in done.stderr and given in done.stderr
     assert "Traceback" not in done.stderr
@@ -1395,13 +1303,7 @@ def test_a_pausable_job_given_an_apptainer_pid_namespace_by_its_environment_is_r
     off = {name: "false" for name in environ if name != "APPTAINER_FUSESPEC"}
     if off or (not environ and command[:1] == ["env"]):
         cleared = [w.replace("=True", "=0") for w in line]
-        done = subprocess.run(
-            [*gpuwait_cmd, "--pausable", "--vram", "4G", "--", *cleared],
-            env={**env, **off},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = gpuwait(gpuwait_cmd, cleared, {**env, **off}, opts=PAUSABLE)
         assert done.returncode == 0, done.stderr
 
 
@@ -1410,20 +1312,13 @@ def test_the_line_a_refusal_of_an_apptainer_containall_variable_gives_runs(
 ) -> None:
     env, ran = fake_bin(tmp_path, "apptainer")
     line = ["apptainer", "exec", "img.sif", "python", "x.py"]
-    opts = ["--pausable", "--vram", "4G", "--"]
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, *line],
-        env={**env, "APPTAINER_CONTAINALL": "1"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, line, {**env, "APPTAINER_CONTAINALL": "1"}, opts=PAUSABLE)
     assert done.returncode == 2, done.stderr
     hint = done.stderr.split("leave out the PID namespace: ", 1)[1].splitlines()[0]
     assert hint.startswith("env -u APPTAINER_CONTAINALL APPTAINER_CONTAIN=1 "), hint
     before, _, after = hint.partition(" ... -- ")
     again = subprocess.run(
-        [*shlex.split(before)[:-1], *gpuwait_cmd, *opts, *shlex.split(after)],
+        [*shlex.split(before)[:-1], *gpuwait_cmd, *PAUSABLE, "--", *shlex.split(after)],
         env={**env, "APPTAINER_CONTAINALL": "1"},
         capture_output=True,
         text=True,
@@ -1443,9 +1338,7 @@ def test_apptainer_nvccli_and_contain_set_by_the_environment_are_read_as_the_opt
     line = ["apptainer", "exec", "img.sif", "python", "x.py"]
     env = {**env, "APPTAINER_NVCCLI": "1", "SINGULARITY_CONTAIN": "1"}
     done = gpuwait(gpuwait_cmd, line, env)
-    assert done.returncode == 2, done.stderr
-    assert "NVIDIA_VISIBLE_DEVICES" in done.stderr
-    assert not ran.exists()
+    refused(done, ran, "NVIDIA_VISIBLE_DEVICES")
     assert gpuwait(gpuwait_cmd, line, {**env, "NVIDIA_VISIBLE_DEVICES": "all"}).returncode == 0
 
 
@@ -1456,37 +1349,23 @@ def test_an_apptainer_env_file_named_by_the_environment_is_read_as_the_option(
     # container on GPU 0, whichever GPU gpuwait had reserved.
     (tmp_path / "job.env").write_text("OMP_NUM_THREADS=4\nCUDA_VISIBLE_DEVICES=0\n")
     env, _ = fake_bin(tmp_path)
-    stand_in = APPTAINER_ENV.replace(
+    reads_the_file = APPTAINER_ENV.replace(
         "words, files, given = sys.argv[2:], [], {}\n",
         "words, files, given = sys.argv[2:], [], {}\n"
         "if os.environ.get('APPTAINER_ENV_FILE') and '--env-file' not in sys.argv:\n"
         "    files = [l.split('=', 1) for l in open(os.environ['APPTAINER_ENV_FILE']).read().split()]\n",
     )
-    (tmp_path / "fakebin" / "apptainer").write_text(stand_in)
-    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    stand_in(tmp_path, "apptainer", reads_the_file)
     seen = tmp_path / "seen"
     env = {**env, "SEEN": str(seen), "APPTAINER_ENV_FILE": str(tmp_path / "job.env")}
-    opts = ["--vram", "4G", "--devices", "1", "--"]
     line = ["apptainer", "exec", "--nv", "img.sif", "python", "x.py"]
-    done = subprocess.run(
-        [*gpuwait_cmd, *opts, *line], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = gpuwait(gpuwait_cmd, line, env, opts=ON_GPU_1)
     assert done.returncode == 2, (done.stderr, seen.exists() and seen.read_text())
     assert f"APPTAINER_ENV_FILE={tmp_path}/job.env" in done.stderr
     assert "Traceback" not in done.stderr
     assert not seen.exists()
-    hint = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
-    again = subprocess.run(
-        [*gpuwait_cmd, *opts, *shlex.split(hint)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    runs(gpuwait_cmd, hint(done).splitlines()[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
 
 
 def test_a_wrapper_dropping_the_copy_before_an_apptainer_cleaned_by_its_environment_is_refused(
@@ -1497,38 +1376,30 @@ def test_a_wrapper_dropping_the_copy_before_an_apptainer_cleaned_by_its_environm
     env, ran = fake_bin(tmp_path, "apptainer")
     line = ["env", "-u", "APPTAINERENV_CUDA_VISIBLE_DEVICES", "apptainer", "exec", "i.sif", "x"]
     done = gpuwait(gpuwait_cmd, line, {**env, "APPTAINER_CLEANENV": "1"})
-    assert done.returncode == 2, done.stderr
-    assert "without the APPTAINERENV_CUDA_VISIBLE_DEVICES" in done.stderr
-    assert not ran.exists()
+    refused(done, ran, "without the APPTAINERENV_CUDA_VISIBLE_DEVICES")
     assert gpuwait(gpuwait_cmd, line, env).returncode == 0
 
 
 @pytest.mark.parametrize(
-    ("stand_in", "options"), [("APPTAINER_ENV", []), ("APPTAINER_CLEANENV", ["--cleanenv"])]
+    ("program", "options"), [("APPTAINER_ENV", []), ("APPTAINER_CLEANENV", ["--cleanenv"])]
 )
 def test_a_wrapper_dropping_cuda_visible_devices_before_apptainer_keeps_the_reserved_gpu(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, stand_in: str, options: list[str]
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, program: str, options: list[str]
 ) -> None:
     # The container takes the APPTAINERENV_ copy over the caller's variable: `env -u
     # CUDA_VISIBLE_DEVICES apptainer exec --nv ...` ran on the reserved GPU, yet was refused.
     env, _ = fake_bin(tmp_path)
-    (tmp_path / "fakebin" / "apptainer").write_text(globals()[stand_in])
-    (tmp_path / "fakebin" / "apptainer").chmod(0o755)
+    stand_in(tmp_path, "apptainer", globals()[program])
     seen = tmp_path / "seen"
     env = {**env, "SEEN": str(seen)}
     apptainer = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
-    opts = ["--vram", "4G", "--devices", "1", "--"]
 
     def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*gpuwait_cmd, *opts, *command], env=env, capture_output=True, text=True, timeout=60
-        )
+        return gpuwait(gpuwait_cmd, command, env, opts=ON_GPU_1)
 
     done = run(["env", "-u", "CUDA_VISIBLE_DEVICES", *apptainer])
     assert done.returncode == 0, done.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    assert seen.read_text() == reserved_uuid(sim)
     # Dropping the copy as well leaves the container every GPU: refused.
     seen.unlink()
     both = ["-u", "CUDA_VISIBLE_DEVICES", "-u", "APPTAINERENV_CUDA_VISIBLE_DEVICES"]
@@ -1554,24 +1425,10 @@ def test_the_line_refused_for_setting_the_gpu_after_env_i_runs_on_the_gpu_reserv
         "-c",
         'echo "$CUDA_VISIBLE_DEVICES" > seen',
     ]
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "env sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].split("; to have it pick", 1)[0].strip()
-    again = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *shlex.split(line)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert again.returncode == 0, again.stderr
+    runs(gpuwait_cmd, hint(done).split("; to have it pick", 1)[0].strip(), cwd=tmp_path)
     assert (tmp_path / "seen").read_text().strip().startswith("GPU-")
 
 
@@ -1589,13 +1446,7 @@ def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
     # An empty CUDA_VISIBLE_DEVICES (or -1) hides every GPU, as a CPU step of a pipeline is
     # run: it runs on no GPU of another job's, but was refused for "it would run on GPUs
     # gpuwait did not give it".
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", *command],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text() == "ran\n"
 
@@ -1616,30 +1467,15 @@ def test_the_line_an_env_refusal_gives_before_a_clean_apptainer_runs_on_the_gpu_
     # CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER again, but not the APPTAINERENV_ copy that
     # alone reaches such a container: it saw every GPU, those given to other jobs too.
     env, _ = fake_bin(tmp_path)
-    apptainer = tmp_path / "fakebin" / "apptainer"
-    apptainer.write_text(APPTAINER_CLEANENV)
-    apptainer.chmod(0o755)
+    apptainer = stand_in(tmp_path, "apptainer", APPTAINER_CLEANENV)
     seen = tmp_path / "seen"
-
-    def run(command: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *command],
-            env={**env, "SEEN": str(seen)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
+    env = {**env, "SEEN": str(seen)}
     command = ["env", *options, f"SEEN={seen}", str(apptainer), "exec", "--nv", "--cleanenv"]
-    done = run([*command, "img.sif", "python", "x.py"])
+    done = gpuwait(gpuwait_cmd, [*command, "img.sif", "python", "x.py"], env, opts=ON_GPU_1)
     assert done.returncode == 2, done.stderr
     assert not seen.exists()
-    line = done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0]
-    again = run(shlex.split(line))
-    assert again.returncode == 0, again.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    runs(gpuwait_cmd, hint(done).splitlines()[0], env, opts=ON_GPU_1)
+    assert seen.read_text() == reserved_uuid(sim)
 
 
 def test_the_lines_refusals_give_for_env_i_before_sudo_end_on_the_gpu_reserved(
@@ -1650,30 +1486,20 @@ def test_the_lines_refusals_give_for_env_i_before_sudo_end_on_the_gpu_reserved(
     # GPU, gpuwait reading no further into the quoted shell code. sudo's refusal now comes
     # first, and env's line is given for the sudo that keeps them.
     env, _ = fake_bin(tmp_path)
-    sudo = tmp_path / "fakebin" / "sudo"
-    sudo.write_text(SUDO_ENV)
-    sudo.chmod(0o755)
+    stand_in(tmp_path, "sudo", SUDO_ENV)
     seen = tmp_path / "seen"
     line = [
         *("env", "-i", f"PATH={env['PATH']}", f"SEEN={seen}", "sudo", "sh", "-c"),
         'echo "$CUDA_VISIBLE_DEVICES" > "$SEEN"',
     ]
     for _ in range(3):
-        done = subprocess.run(
-            [*gpuwait_cmd, "--vram", "4G", "--devices", "1", "--", *line],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = gpuwait(gpuwait_cmd, line, env, opts=ON_GPU_1)
         if done.returncode != 2:
             break
         assert not seen.exists(), done.stderr
-        line = shlex.split(done.stderr.split("gpuwait ... -- ", 1)[1].splitlines()[0])
+        line = shlex.split(hint(done).splitlines()[0])
     assert done.returncode == 0, done.stderr
-    from gpuwait.gpu.sim import SimBackend
-
-    assert seen.read_text().strip() == SimBackend(str(sim)).snapshot().gpus[1].uuid
+    assert seen.read_text().strip() == reserved_uuid(sim)
 
 
 @pytest.mark.parametrize(
@@ -1689,25 +1515,13 @@ def test_a_shell_that_sets_the_gpus_from_an_expansion_is_refused(
     # `xargs -P 4 --process-slot-var=SLOT sh -c 'CUDA_VISIBLE_DEVICES=$SLOT python x.py'`,
     # the way to spread a list over the GPUs, ran each on the GPU its slot names, whichever
     # gpuwait reserved: a value with an expansion ended what was read of the shell's code.
-    done = subprocess.run(
-        [*gpuwait_cmd, "--vram", "4G", "--", "env", "SLOT=0", "sh", "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = gpuwait(gpuwait_cmd, ["env", "SLOT=0", "sh", "-c", code], cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "sh sets 'CUDA_VISIBLE_DEVICES=" in done.stderr, done.stderr
     assert not (tmp_path / "seen").exists()
     # gpuwait's own, passed on, runs on the GPU reserved.
     for own in ("$CUDA_VISIBLE_DEVICES", '"${CUDA_VISIBLE_DEVICES}"'):
         line = f"CUDA_VISIBLE_DEVICES={own} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"
-        done = subprocess.run(
-            [*gpuwait_cmd, "--vram", "4G", "--", "sh", "-c", line],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = gpuwait(gpuwait_cmd, ["sh", "-c", line], cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "seen").read_text().startswith("GPU-")
