@@ -112,6 +112,45 @@ def probe_lines(output: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
 
 
+def full_gpus(hook_env: dict[str, str], sim_file: Any) -> dict[str, str]:
+    """hook_env on GPUs that stay full, a wrapped command giving up its wait after a fifth of
+    a second: one that waited ends 124, where a program's own failure comes at once."""
+    sim_file(gpus=2, base_used="23GiB")
+    return {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
+
+
+def stand_ins(tmp_path: Path, text: str, *names: str) -> None:
+    """Programs named `names` on hook_env's PATH, each `text` with {name} its name."""
+    for name in names:
+        path = tmp_path / "bin" / name
+        path.write_text(text.format(name=name))
+        path.chmod(0o755)
+
+
+def statuses(
+    shell: str, lines: list[str], env: dict[str, str], cwd: Path
+) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """Runs `lines` in `shell`, its hook on, each followed by `echo "status=(STATUS)"`: the
+    exit statuses echoed, in order, and the run."""
+    status = status_var(shell)
+    script = init_line(shell, "--always") + "\n"
+    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
+    done = run_shell(shell, script, [], env, cwd=cwd)
+    return re.findall(r"status=\((\d+)\)", done.stdout), done
+
+
+def explain(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`gpuwait shell-hook --explain -- ARGV`."""
+    return subprocess.run(
+        ["gpuwait", "shell-hook", "--explain", "--", *argv],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_wrapped_python_runs_on_a_gpu_with_its_arguments_intact(
     shell: str, hook_env: dict[str, str], tmp_path: Path
@@ -217,15 +256,9 @@ def test_explain_says_what_the_hook_does_with_a_padded_disable_value(
     env = {**hook_env, "GPUWAIT_DISABLE": " 0"}
     done = run_shell(shell, script, [], env, cwd=tmp_path)
     assert probe_lines(done.stdout) == [{"argv": ["x"], "cuda": None, "job": None}], done.stderr
-    explain = subprocess.run(
-        ["gpuwait", "shell-hook", "--explain", "--", "python", "probe.py"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert explain.returncode == 1, explain.stdout + explain.stderr
-    assert "GPUWAIT_DISABLE" in explain.stdout + explain.stderr
+    said = explain(["python", "probe.py"], env, tmp_path)
+    assert said.returncode == 1, said.stdout + said.stderr
+    assert "GPUWAIT_DISABLE" in said.stdout + said.stderr
 
 
 @pytest.mark.parametrize("shell", SHELLS)
@@ -244,34 +277,19 @@ def test_a_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
 ) -> None:
     # `python trian.py` on busy GPUs waited for a GPU (hours, on a shared server) before python
     # said it could not open the file.
-    sim_file(gpus=2, base_used="23GiB")
-    # The cards stay full: a script that was waited for would end 124 after the timeout and
-    # say it waits, where python's own 2 comes at once; a fifth of a second tells the two apart
-    # as well as five, and the last run, whose script is there, waits it out.
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
-    script = f"""{init_line(shell, "--always")}
-python trian.py --lr 0.1
-echo "status=({status})"
-python -u ./nowhere/train.py
-echo "status=({status})"
-"""
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    # A fifth of a second tells a wait apart from python's own 2 as well as five, and the last
+    # run, whose script is there, waits it out.
+    env = full_gpus(hook_env, sim_file)
+    lines = ["python trian.py --lr 0.1", "python -u ./nowhere/train.py"]
+    _, done = statuses(shell, lines, env, tmp_path)
     assert done.stdout.count("status=(2)") == 2, done.stdout + done.stderr
     assert "can't open file" in done.stderr and "trian.py" in done.stderr
     assert "waiting" not in done.stderr, done.stderr
-    bare = subprocess.run(
-        ["gpuwait", "shell-hook", "--explain", "--", "python", "trian.py"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    bare = explain(["python", "trian.py"], env, tmp_path)
     assert bare.returncode == 1
     assert bare.stdout == f"bare: no script {tmp_path / 'trian.py'}: python says so at once\n"
     (tmp_path / "trian.py").write_text("")
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    _, done = statuses(shell, lines, env, tmp_path)
     assert "status=(124)" in done.stdout, done.stdout + done.stderr
 
 
@@ -281,28 +299,14 @@ def test_a_command_typed_with_no_gpu_visible_runs_bare_on_the_cpu(
 ) -> None:
     # `CUDA_VISIBLE_DEVICES= python prep.py` (or =-1), CUDA's way to run on the CPU, was
     # refused by the hook: "makes no GPU visible to this command", exit 3, nothing run.
-    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
-    script = f"""{init_line(shell, "--always")}
-CUDA_VISIBLE_DEVICES= python3 probe.py
-echo "status=({status})"
-CUDA_VISIBLE_DEVICES=-1 python probe.py
-echo "status=({status})"
-"""
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    env = full_gpus(hook_env, sim_file)
+    lines = ["CUDA_VISIBLE_DEVICES= python3 probe.py", "CUDA_VISIBLE_DEVICES=-1 python probe.py"]
+    _, done = statuses(shell, lines, env, tmp_path)
     assert done.stdout.count("status=(0)") == 2, done.stdout + done.stderr
     ran = probe_lines(done.stdout)
     assert [(r["cuda"], r["job"]) for r in ran] == [("", None), ("-1", None)], done.stdout
     assert done.stderr == "", done.stderr
-    bare = subprocess.run(
-        ["gpuwait", "shell-hook", "--explain", "--", "python", "probe.py"],
-        env={**env, "CUDA_VISIBLE_DEVICES": "-1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    bare = explain(["python", "probe.py"], {**env, "CUDA_VISIBLE_DEVICES": "-1"}, tmp_path)
     assert bare.returncode == 1
     assert bare.stdout == (
         "bare: CUDA_VISIBLE_DEVICES='-1' hides every GPU: the command runs on the CPU\n"
@@ -315,22 +319,15 @@ def test_accelerates_setup_commands_run_bare(
 ) -> None:
     # `accelerate config` (its questions) and `accelerate env` (what to paste in a bug report)
     # waited for a whole free GPU, hours on a busy server, to use none.
-    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
-    (tmp_path / "bin" / "accelerate").write_text('#!/bin/sh\necho "accelerate $1 ran"\n')
-    (tmp_path / "bin" / "accelerate").chmod(0o755)
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
-    script = f"""{init_line(shell, "--always")}
-accelerate config
-echo "status=({status})"
-accelerate env
-echo "status=({status})"
-accelerate config default --mixed_precision fp16
-echo "status=({status})"
-accelerate launch probe.py
-echo "status=({status})"
-"""
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
+    env = full_gpus(hook_env, sim_file)
+    stand_ins(tmp_path, '#!/bin/sh\necho "{name} $1 ran"\n', "accelerate")
+    lines = [
+        "accelerate config",
+        "accelerate env",
+        "accelerate config default --mixed_precision fp16",
+        "accelerate launch probe.py",
+    ]
+    _, done = statuses(shell, lines, env, tmp_path)
     assert done.stdout.count("status=(0)") == 3, done.stdout + done.stderr
     assert done.stdout.count("accelerate config ran") == 2, done.stdout
     assert "accelerate env ran" in done.stdout
@@ -344,13 +341,10 @@ def test_a_launchers_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
     # `torchrun --nproc_per_node 2 trian.py` waited for its GPU (hours, on a busy server)
     # before its workers said they could not open the file, where `python trian.py` fails at
     # once.
-    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
-    for launcher in ("torchrun", "accelerate", "deepspeed"):
-        path = tmp_path / "bin" / launcher
-        path.write_text(f'#!/bin/sh\necho "{launcher} ran"\nexit 1\n')
-        path.chmod(0o755)
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
+    env = full_gpus(hook_env, sim_file)
+    stand_ins(
+        tmp_path, '#!/bin/sh\necho "{name} ran"\nexit 1\n', "torchrun", "accelerate", "deepspeed"
+    )
     lines = [
         "torchrun --nproc_per_node 2 trian.py --lr 0.1",
         "accelerate launch --num_processes 2 trian.py",
@@ -358,19 +352,9 @@ def test_a_launchers_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
         "torchrun --nproc_per_node 2 probe.py",
         "accelerate launch probe.py",
     ]
-    script = init_line(shell, "--always") + "\n"
-    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
-    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    said, done = statuses(shell, lines, env, tmp_path)
     assert said == ["1", "1", "1", "124", "124"], done.stdout + done.stderr
-    bare = subprocess.run(
-        ["gpuwait", "shell-hook", "--explain", "--", "torchrun", "trian.py"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    bare = explain(["torchrun", "trian.py"], env, tmp_path)
     assert bare.returncode == 1
     assert bare.stdout == f"bare: no script {tmp_path / 'trian.py'}: torchrun says so at once\n"
 
@@ -407,23 +391,18 @@ def test_a_launcher_modules_mistyped_script_fails_at_once_without_waiting_for_a_
 ) -> None:
     # `python -m torch.distributed.run --nproc_per_node 2 trian.py`, torchrun by its module,
     # waited for its GPU before its workers could not open the file, as torchrun did.
-    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
+    env = full_gpus(hook_env, sim_file)
     run = tmp_path / "torch" / "distributed" / "run.py"
     run.parent.mkdir(parents=True)
     for package in (run.parent, run.parent.parent):
         (package / "__init__.py").write_text("")
     run.write_text("import sys\nprint('run ran', sys.argv[1:])\nsys.exit(1)\n")
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
     lines = [
         "python3 -m torch.distributed.run --nproc_per_node 2 trian.py",
         "python3 -m torch.distributed.launch --use-env trian.py",
         "python3 -m torch.distributed.run --nproc_per_node 2 probe.py",
     ]
-    script = init_line(shell, "--always") + "\n"
-    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
-    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    said, done = statuses(shell, lines, env, tmp_path)
     assert said[0] == "1" and said[2] == "124", done.stdout + done.stderr
     assert said[1] != "124", done.stdout + done.stderr  # no such module here: python's own 1
 
@@ -434,8 +413,7 @@ def test_a_wrapped_command_that_waits_says_how_to_run_it_without_a_gpu(
 ) -> None:
     # A typed `python` (its prompt, `python -m pytest`) that waited for a GPU showed only the
     # wait line: nothing said that the hook was at work, nor how to go without it.
-    sim_file(gpus=2, base_used="23GiB")
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}  # said as the wait begins
+    env = full_gpus(hook_env, sim_file)  # said as the wait begins
     script = f"""{init_line(shell, "--always")}
 python3 probe.py
 gpuwait -- python probe.py
@@ -1521,13 +1499,8 @@ def test_a_launcher_told_to_choose_its_own_gpus_is_refused_before_waiting(
     # `deepspeed --num_gpus 1 train.py` runs on the machine's GPU 0, `--include localhost:1`
     # on GPU 1, and `accelerate launch --gpu_ids 0` on GPU 0, whichever GPU gpuwait reserved:
     # typed with the hook on, each waited for its GPU, then ran in another job's room.
-    sim_file(gpus=2, base_used="23GiB")  # a command that waited would end 124
-    for launcher in ("accelerate", "deepspeed"):
-        path = tmp_path / "bin" / launcher
-        path.write_text(f'#!/bin/sh\necho "{launcher} ran"\n')
-        path.chmod(0o755)
-    env = {**hook_env, "GPUWAIT_TIMEOUT": "0.2s"}
-    status = status_var(shell)
+    env = full_gpus(hook_env, sim_file)
+    stand_ins(tmp_path, '#!/bin/sh\necho "{name} ran"\n', "accelerate", "deepspeed")
     lines = [
         "deepspeed --num_gpus 1 probe.py",
         "deepspeed --include=localhost:1 probe.py --lr 0.1",
@@ -1537,10 +1510,7 @@ def test_a_launcher_told_to_choose_its_own_gpus_is_refused_before_waiting(
         "accelerate launch --gpu_ids all probe.py",
         "accelerate launch probe.py --gpu_ids 0",
     ]
-    script = init_line(shell, "--always") + "\n"
-    script += "".join(f'{line}\necho "status=({status})"\n' for line in lines)
-    done = run_shell(shell, script, [], env, cwd=tmp_path)
-    said = re.findall(r"status=\((\d+)\)", done.stdout)
+    said, done = statuses(shell, lines, env, tmp_path)
     assert said == ["2", "2", "2", "124", "124", "124"], done.stdout + done.stderr
     assert "ran" not in done.stdout
     assert (
