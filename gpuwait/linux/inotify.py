@@ -17,11 +17,13 @@ import ctypes
 import fcntl
 import os
 import signal
+import struct
 from pathlib import Path
 
 WAKE_SIGNAL = signal.SIGIO
 _IN_MOVED_TO = 0x00000080
 _IN_DELETE = 0x00000200
+_IN_Q_OVERFLOW = 0x00004000
 
 
 class LedgerWatch:
@@ -60,13 +62,17 @@ class LedgerWatch:
     def active(self) -> bool:
         return self.fd >= 0
 
-    def drain(self) -> None:
-        """Read the queued events, so that the next one signals again."""
+    def drain(self) -> set[str] | None:
+        """Read the queued events, so that the next one signals again; the names of the files
+        they were about (None: some were lost, the kernel's queue having overflowed)."""
+        names: set[str] | None = set()
         if self.fd < 0:
-            return
+            return names
         with contextlib.suppress(BlockingIOError, InterruptedError):
-            while os.read(self.fd, 65536):
-                pass
+            while chunk := os.read(self.fd, 65536):
+                found = _event_names(chunk)
+                names = None if found is None or names is None else names.union(found)
+        return names
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -75,3 +81,23 @@ class LedgerWatch:
         # A signal still queued would wait forever: take it now, it means nothing any more.
         with contextlib.suppress(OSError):
             signal.sigtimedwait({WAKE_SIGNAL}, 0)
+
+
+#: struct inotify_event: wd, mask, cookie, len, then `len` bytes of name padded with NULs.
+_EVENT = struct.Struct("iIII")
+
+
+def _event_names(chunk: bytes) -> list[str] | None:
+    """The names in a buffer of inotify events read at once (the kernel never splits one);
+    None where the kernel's queue overflowed, and events were lost."""
+    names = []
+    at = 0
+    while at + _EVENT.size <= len(chunk):
+        _, mask, _, length = _EVENT.unpack_from(chunk, at)
+        if mask & _IN_Q_OVERFLOW:
+            return None
+        raw = chunk[at + _EVENT.size : at + _EVENT.size + length].split(b"\0", 1)[0]
+        if raw:
+            names.append(os.fsdecode(raw))
+        at += _EVENT.size + length
+    return names

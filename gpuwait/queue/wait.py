@@ -806,12 +806,16 @@ def wait_for_admission(
                 # Waiting, this launch has had its turn: the next one in the turnstile loads now.
                 turnstile.leave()
                 info = signals.next_signal(sleep, also=also)
-                if info is None or info.si_signo == signal.SIGCHLD:
-                    # SIGCHLD: a ledger writer's wake-up (a reserving program's own child that
-                    # ended is told to its handler once the wait is over: runner.hold)
+                if info is None:
+                    continue
+                if info.si_signo == signal.SIGCHLD:
+                    # A ledger writer's wake-up (a reserving program's own child that ended is
+                    # told to its handler once the wait is over: runner.hold): the summary was
+                    # written, whatever its metadata says.
+                    summaries.written((wake.FILENAME,))
                     continue
                 if watch is not None and watching and info.si_signo == watch.wake_signal:
-                    watch.drain()
+                    summaries.written(watch.drain())
                     continue
                 return job, Interrupted(info.si_signo)
             except StateShortage as exc:

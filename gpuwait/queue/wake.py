@@ -35,7 +35,9 @@ signals (SIGCHLD: harmless to any process, and blocked by gpuwait from its start
 only the waiters a change concerns - those it admitted, removed, or whose dependency left, and
 after a release the first two in line - once the lock is let go (`concerned`). A watch would
 wake every waiter on every write, and with a hundred of them those wake-ups alone starve the
-process that is trying to release its room.
+process that is trying to release its room. A waiter so woken reads the summary whatever its
+metadata says (`Summaries.written`): replaced twice within one tick of a coarse file system clock,
+its inode reused, it can look unchanged. Polling (`wake = poll`) goes by the metadata alone.
 """
 
 from __future__ import annotations
@@ -227,6 +229,20 @@ class Summaries:
         self._tokens: dict[str, FileStamp | None] = {}
         #: Monotonic time before which a user's summary is not acted on again (shared).
         self._quiet_until: dict[str, float] = {}
+        #: What each summary held when last read, and the summaries said to have been written
+        #: since (`written`) that are still to be read.
+        self._seen: dict[str, Summary | None] = {}
+        self._told: set[str] = set()
+
+    def written(self, names: Iterable[str] | None = None) -> None:
+        """A wake-up (the writer's signal, inotify's events) said that these summaries were
+        written (None: any may have been): the next `changed` reads them whatever their
+        metadata says, and counts each as changed if what it holds did.
+
+        Metadata alone can miss a change: a summary replaced twice within one tick of a coarse
+        file system clock, the inode of the first reused by the last (as ext4 does), the two of
+        one size, looks as it was."""
+        self._told.update(self._current_tokens() if names is None else names)
 
     def changed(self, now: float) -> tuple[list[Summary | None], float | None]:
         """The summaries that changed since the last call (None: one that changed into no
@@ -234,8 +250,11 @@ class Summaries:
         when to look again for one held back by SOURCE_GAP (None: none was)."""
         found: list[Summary | None] = []
         later: float | None = None
-        for name, token in self._current_tokens().items():
-            if token == self._tokens.get(name, ()):
+        current = self._current_tokens()
+        self._told.intersection_update(current)
+        for name, token in current.items():
+            same = token == self._tokens.get(name, ())
+            if same and name not in self._told:
                 continue
             if self.shared and token is None:
                 self._tokens[name] = token  # another user's name on it: nobody's summary
@@ -247,7 +266,11 @@ class Summaries:
                     continue  # its token stays unseen: looked at again then
                 self._quiet_until[name] = now + SOURCE_GAP
             self._tokens[name] = token
+            self._told.discard(name)
             seen = read_summary(self.state_dir / name, token)
+            if same and seen == self._seen.get(name, ()):
+                continue  # written again, as it was
+            self._seen[name] = seen
             if seen is not None or not self.shared:
                 found.append(seen)
         return found, later

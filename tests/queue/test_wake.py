@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.fixtures_sim import SimFileFactory
 from helpers.jobs import live_job
+from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
 
+from gpuwait.linux.stamp import FileStamp
 from gpuwait.queue import wake
 from gpuwait.queue.entries import RUNNING, WAITING, Job
 from gpuwait.queue.ledger import Ledger
@@ -229,6 +234,7 @@ while True:
 _NOTER = """
 import stat, sys, time
 from pathlib import Path
+from gpuwait.linux.stamp import FileStamp
 from gpuwait.queue import wake
 directory = Path(sys.argv[1])
 while not (directory / wake.STAMP).is_fifo():  # the swapper is at work
@@ -397,3 +403,75 @@ def test_a_summary_shows_a_job_by_the_id_its_writers_view_gives_it() -> None:
     # An older gpuwait's summary lists no owners: the plain id is all there is to go by.
     older = wake.Summary(release=1, running=frozenset(), waiting=("a1b2",))
     assert older.shows("a1b2", 1001) == "a1b2"
+
+
+# --- a change the summary's metadata does not show -------------------------------------------
+
+#: gpuwait on a file system whose metadata shows no change between two summaries: its clock
+#: ticks coarsely (every change in one tick has the same times), the inode of a replaced file
+#: is reused at once (ext4), and the summaries have one size. Every summary looks the same.
+_COARSE_CLOCK = """
+from gpuwait.linux.stamp import FileStamp
+from gpuwait.linux.stamp import FileStamp
+from gpuwait.queue import wake
+real = wake.file_stamp
+def same_stamp(*args, **kwargs):
+    return None if real(*args, **kwargs) is None else FileStamp(1, 100, 10**18, 10**18)
+wake.file_stamp = same_stamp
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def test_a_waiter_woken_by_a_release_its_summary_seems_not_to_show_starts(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Three summaries written within one tick, the first and the last of one size, the inode
+    # reused: the waiter the writer signalled took the summary for the one it had read, and
+    # did not plan until its next reading of the GPUs (here two minutes off; a second by
+    # default, much longer with a large nvml_interval). Signalled, it reads the summary.
+    sim_file(gpus=1)
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    waiter = procs([sys.executable, "-c", _COARSE_CLOCK, "--vram", "10G", "--", "true"])
+    wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+    assert waiter.poll() is None, "the waiter ran beside the holder's reservation"
+    holder.send_signal(signal.SIGTERM)
+    assert waiter.wait(timeout=20) == 0
+
+
+def test_a_summary_told_written_is_read_and_acted_on_only_if_it_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / wake.FILENAME
+    path.write_text(_summary(1, ["a", "b"]))
+    monkeypatch.setattr(wake, "file_stamp", lambda *_, **__: FileStamp(1, 100, 7, 7))
+    summaries = wake.Summaries(tmp_path, shared=False)
+    assert [s.release for s in summaries.changed(now=0.0)[0] if s] == [1]
+    path.write_text(_summary(2, ["b", "a"]))
+    # By its metadata, nothing changed: a poll (no wake-up) passes it over.
+    assert summaries.changed(now=1.0) == ([], None)
+    summaries.written([wake.FILENAME])
+    assert [(s.release, s.waiting) for s in summaries.changed(now=2.0)[0] if s] == [(2, ("b", "a"))]
+    # Told again where nothing changed: nothing to act on.
+    summaries.written(None)
+    assert summaries.changed(now=3.0) == ([], None)
+
+
+def test_inotify_tells_the_names_of_the_files_written(tmp_path: Path) -> None:
+    from gpuwait.linux.inotify import LedgerWatch
+
+    watch = LedgerWatch(tmp_path)
+    try:
+        assert watch.active
+        for name in ("wake.1000.json", "wake.1001.json"):
+            (tmp_path / "temp").write_text("{}")
+            os.replace(tmp_path / "temp", tmp_path / name)
+        assert watch.drain() == {"wake.1000.json", "wake.1001.json"}
+        assert watch.drain() == set()
+    finally:
+        watch.close()
