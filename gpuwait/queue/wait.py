@@ -373,6 +373,22 @@ def _reason_without_lock(
     return Unlocked(decided.waiting.get(job.id), frozenset(decided.admitted))
 
 
+def _stopped_ahead(data: LedgerData, job: Job) -> bool:
+    """Is a waiter ahead of `job` in the queue stopped (Ctrl-Z, SIGSTOP), its gpuwait a process
+    of this pid namespace?"""
+    mine = data.find(job.id)
+    if mine is None:
+        return False
+    place = (-mine.priority, mine.order)
+    return any(
+        j.state != RUNNING
+        and (-j.priority, j.order) < place
+        and not elsewhere(j)
+        and proc.stopped(j.pid, j.start_time)
+        for j in data.jobs
+    )
+
+
 def _admitted_by_another(ledger: Ledger, job: Job, last: MachineSnapshot | None) -> Admitted | None:
     """If another waiter's plan admitted `job`, what it was given.
 
@@ -714,8 +730,16 @@ def wait_for_admission(
                         event = True
                 if backup is not None and now >= backup[0]:
                     # Stand in for the first waiter only if nobody planned since the release was
-                    # written: a plan made just before it does not count (it saw the room taken).
-                    event = event or not wake.planned_since(state_dir, backup[1])
+                    # written: a plan made just before it does not count (it saw the room taken),
+                    # nor one stamped in the same tick of the file system's clock, which may have
+                    # been made before it. A plan stamped after it may have read the queue before
+                    # it, and the waiter that made it then been stopped (Ctrl-Z): nobody would
+                    # plan until the next reading of the GPUs.
+                    event = (
+                        event
+                        or not wake.planned_since(state_dir, backup[1] + 1)
+                        or _stopped_ahead(ledger.read(), job)
+                    )
                     backup = None
                 if gone:
                     # Cancelled: said by the ledger as read without the lock. A sweep's hundred

@@ -19,7 +19,9 @@ GPU it held. A waiter reads only this file when woken and acts on what concerns 
 Everything else waits for the waiter's periodic re-read of the GPUs, which is shared too: a
 waiter skips its own when any waiter planned less than an interval ago (`plan.stamp`'s mtime).
 If the first waiter does not plan after a release within a moment (it may be suspended), the
-second one does.
+second one does; so it does where the first is stopped, though a plan was noted as late as the
+release (one noted in the release's tick may have been made before it, one noted after it may
+have read the queue before it).
 
 In a shared ledger directory each user writes a summary of their own, `wake.<uid>.json` (the
 whole queue as their transaction left it), which nobody else can replace or remove (the sticky

@@ -221,6 +221,68 @@ def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
         first.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.parametrize(
+    ("first_waiter", "stamped"),
+    [
+        ("stopped", "in the release's tick"),
+        ("stopped", "after the release"),
+        ("killed", "in the release's tick"),
+    ],
+)
+def test_the_second_waiter_stands_in_where_the_last_plan_is_stamped_with_the_release(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    first_waiter: str,
+    stamped: str,
+) -> None:
+    """The second waiter stands in for the first after a release where the last plan is
+    stamped as late as the release: in the same tick of a coarse file system clock (made
+    before it, perhaps), or after it by a plan that read the queue before it. The first waiter,
+    stopped (Ctrl-Z) or killed since, does not plan; nothing else writes to the ledger (the
+    running jobs' gpuwait samples them every ten minutes) and nobody reads the GPUs for two."""
+    sim_file(gpus=1)
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "10m")
+    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
+    procs([*gpuwait_cmd, "--vram", "1M", "--name", "anchor", "--", "sleep", "30"])
+    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running", "running"])
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    first = procs(
+        [*gpuwait_cmd, "--vram", "1G", "--after", "anchor", "--name", "first", "--", "true"]
+    )
+    wait_for(lambda: job_named("first"))
+    second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
+    wait_for(
+        lambda: asleep_waiting(first.pid) and asleep_waiting(second.pid),
+        timeout=30,
+        message=lambda: f"the waiters never slept waiting: {ledger_entries()}",
+    )
+    summary = state_dir() / "wake.json"
+    released = json.loads(summary.read_text())["release"]
+    # Both stopped while the holder ends: the second takes in the release once continued, with
+    # the last plan stamped as the test sets it meanwhile.
+    for waiter in (first, second):
+        waiter.send_signal(signal.SIGSTOP)
+        wait_for(lambda w=waiter: process_state(w.pid) == "T")
+    try:
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=30) == -signal.SIGTERM
+        assert json.loads(summary.read_text())["release"] == released + 1
+        if first_waiter == "killed":
+            first.kill()
+            first.wait(timeout=30)
+        written = summary.stat().st_mtime_ns
+        at = written if stamped == "in the release's tick" else written + 1_000_000
+        os.utime(state_dir() / "plan.stamp", ns=(at, at))
+        second.send_signal(signal.SIGCONT)
+        assert second.wait(timeout=20) == 0
+    finally:
+        for waiter in (first, second):
+            with contextlib.suppress(ProcessLookupError):
+                waiter.send_signal(signal.SIGCONT)
+
+
 def test_a_suspended_waiter_is_passed_over_until_continued(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], procs: Callable[..., Any]
 ) -> None:
