@@ -738,6 +738,10 @@ class LedgerData(Record):
     #: Other users' waiters that this process's plan would start: their own gpuwait does, told
     #: by the wake-up summary. Not written.
     starting: set[str] = field(default_factory=set)
+    #: An entry that went missing (a damaged ledger recovered without it) was put back: waiters
+    #: held until it came back may go on, as after a release (see gpuwait.queue.wake). Not
+    #: written.
+    put_back: bool = False
 
     def mine(self, job: Job) -> bool:
         """Is `job` in the file this process writes (every job is, in a private ledger)?"""

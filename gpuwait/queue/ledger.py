@@ -232,7 +232,7 @@ class Ledger:
                 # lock held; in a shared directory only this user's are this user's to remove.
                 remove_left_temp_files(self.directory, _TEMP_RE, self._uid)
                 yield data
-                release = wake.released(before, wake.fingerprint(data.jobs))
+                release = data.put_back or wake.released(before, wake.fingerprint(data.jobs))
                 if release:
                     data.release_seq += 1
                 document = entries.to_document(data)

@@ -683,6 +683,7 @@ def _entry(data: LedgerData, job: Job) -> Job:
     if mine is None:
         mine = copy_job(job)
         data.jobs.append(mine)
+        data.put_back = True
     return mine
 
 

@@ -9,8 +9,9 @@ changes the file also writes `wake.json` beside it (under the same lock, atomica
 (with several users' entries, also "owned": ["id@uid", ...], each entry by its owner).
 
 `waiting` is in queue order. `release` counts the transactions that freed room: an entry left
-(finished, cancelled, reaped), a running job's reservation shrank, or the queue's head let go of a
-GPU it held. A waiter reads only this file when woken and acts on what concerns it:
+(finished, cancelled, reaped), a running job's reservation shrank, the queue's head let go of a
+GPU it held, or an entry lost with a damaged ledger was put back (waiters were held for it). A
+waiter reads only this file when woken and acts on what concerns it:
 - its id is in `running`: a plan admitted it (any planner admits every waiter that fits);
 - it is first in `waiting` and `release` moved: it plans, for everybody;
 - its id is in neither: it was cancelled (or the ledger was recovered), so it looks closer;

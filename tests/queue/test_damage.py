@@ -539,6 +539,7 @@ def test_lock_free_readers_never_see_a_torn_shared_ledger(tmp_path: Path) -> Non
 
 #: A 13 GiB job, as the two tests below launch it; two never fit one 24 GiB card together.
 VRAM_13G = [sys.executable, "-m", "gpuwait", "--vram", "13G"]
+VRAM_4G = [sys.executable, "-m", "gpuwait", "--vram", "4G"]
 
 
 def _name(pid: int) -> str | None:
@@ -646,6 +647,38 @@ def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
     finally:
         holder.send_signal(signal.SIGCONT)
     assert holder.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_waiter_held_for_a_lost_entry_starts_once_it_is_put_back(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The ledger is started afresh without a running job's entry; a launch that would fit
+    # beside it waits for the entry to come back (its reservation unknown until then), which
+    # its gpuwait, stopped meanwhile, puts back once continued. Nothing woke the waiter then:
+    # it started at its next reading of the GPUs (here two minutes off), or once the recovery's
+    # grace (30 s) was over and it next read them.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    # Stopped outside a transaction of its own: stopped holding the ledger's lock, it would
+    # hold the launch up for that, not for its entry.
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        holder.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
+    try:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        assert named_entry("holder") is None
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    assert waiter.wait(timeout=15) == 0
+    assert named_entry("holder") is not None
 
 
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
