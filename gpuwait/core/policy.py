@@ -359,6 +359,9 @@ class WaitReason(Record, frozen=True):
     #: For a gang: the place of `best_gpu_index` among the GPUs by room (2: the second best),
     #: the one that keeps it waiting; 1 for a job of one GPU.
     best_rank: int = 1
+    #: When this reason lapses by itself, whatever else happens (on the boot clock): the end of
+    #: a recovery's grace, which nobody signals. None: it lasts until something changes.
+    until: float | None = None
 
     def describe(self, width: int | None = None) -> str:
         """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits

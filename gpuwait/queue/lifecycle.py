@@ -1184,7 +1184,25 @@ def _waiting_for_entries(
         running=sum(j.state == RUNNING for j in data.jobs),
         ahead=0,
         blocked=f"waiting for {needed}: the ledger was {how} after damage; {jobs} back",
+        until=_grace_ends(data, now, boot_now),
     )
+
+
+def _grace_ends(data: LedgerData, now: float, boot_now: float | None) -> float | None:
+    """When (on the boot clock) the grace of the ledger's latest recovery is over, to the
+    hundredth of a second: the same at every plan meanwhile. None: no recovery is that recent
+    (or the boot clock is not known)."""
+    if boot_now is None:
+        return None
+    left = [
+        RECOVERY_GRACE - elapsed
+        for wall, boot in (
+            (data.created_at, data.created_boot),
+            (data.repaired_at, data.repaired_boot),
+        )
+        if wall is not None and 0 <= (elapsed := since(wall, boot, now, boot_now)) < RECOVERY_GRACE
+    ]
+    return round(boot_now + max(left), 2) if left else None
 
 
 def confirm_admission(

@@ -80,6 +80,8 @@ OWN_PLAN_SPACING = 0.5
 #: After a release, the second waiter plans if the first has not within this long (it may be
 #: stopped, e.g. suspended with Ctrl-Z).
 BACKUP_DELAY = 0.25
+#: How long after a reason lapses by itself (`WaitReason.until`) the waiter plans again.
+LAPSE_MARGIN = 0.02
 #: In a shared ledger, how long another member's job may wait on while this waiter's plan
 #: starts it now, before the two plans are taken to disagree (`Disagreement`). A member whose
 #: plan agrees is told at once (the plan that first starts the job says so in the summary,
@@ -542,6 +544,9 @@ def wait_for_admission(
     #: (monotonic time to act, the summary's mtime in ns: when the release was written) while
     #: standing in for the first waiter.
     backup: tuple[float, int] | None = None
+    #: (monotonic) When the reason it waits for lapses by itself (`WaitReason.until`), which
+    #: nobody signals: it plans then.
+    lapses: float | None = None
 
     disagreement = Disagreement()
 
@@ -728,6 +733,8 @@ def wait_for_admission(
                             job = asked
                             reason = None  # say why it waits again, after the warning
                         event = True
+                if lapses is not None and now >= lapses:
+                    event, lapses = True, None
                 if backup is not None and now >= backup[0]:
                     # Stand in for the first waiter only if nobody planned since the release was
                     # written: a plan made just before it does not count (it saw the room taken),
@@ -798,6 +805,11 @@ def wait_for_admission(
                     if outcome is not None and outcome != reason:
                         on_reason(outcome)
                     reason = outcome
+                    lapses = None
+                    if outcome is not None and outcome.until is not None:
+                        left = outcome.until - proc.boot_clock()
+                        if left > 0:  # a moment after it: the plan then finds it over
+                            lapses = time.monotonic() + left + LAPSE_MARGIN
                     interval = policy.nvml_interval
                     if wants_utilization and window.needs_more():
                         interval = min(interval, UTIL_SAMPLE_INTERVAL)
@@ -813,7 +825,7 @@ def wait_for_admission(
                     continue  # the summary may have changed before the watch began
                 watching = watch is not None and watch.active
                 wake_at = next_read
-                for moment in (backup[0] if backup is not None else None, held_back):
+                for moment in (backup[0] if backup is not None else None, held_back, lapses):
                     if moment is not None:
                         wake_at = min(wake_at, moment)
                 sleep = (

@@ -681,6 +681,34 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_it_is_put_back(
     assert named_entry("holder") is not None
 
 
+#: gpuwait with a recovery's grace of 8 s instead of 30 s.
+_SHORT_GRACE = """
+from gpuwait.queue import lifecycle
+lifecycle.RECOVERY_GRACE = 8.0
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_is_over(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A job of this user lives without an entry (its liveness lock held), its lock older than
+    # the ledger: a launch waits the recovery's grace for the entry to come back. Nobody
+    # writes anything when the grace is over: the waiter started at its next reading of the
+    # GPUs (here two minutes off) instead.
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    with liveness_lock_held(state, "0a1b2c3d") as lock:
+        wait_for(lambda: time.time() > lock.stat().st_mtime, timeout=5)
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs([sys.executable, "-c", _SHORT_GRACE, "--vram", "13G", "--", "true"])
+        assert waiter.wait(timeout=20) == 0
+        _, stderr = waiter.communicate()
+    assert "1 job of yours still running or waiting has to put its entry back" in stderr
+
+
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
     tmp_path: Path,
 ) -> None:
