@@ -12,6 +12,11 @@ read from /proc/PID/stat (utime + stime), against a `sleep` process over the sam
 
 Both with `wake = inotify` (the default) and with `wake = poll` (a stat every 10 ms) as the
 baseline. Goals: median <= 50 ms, p99 <= 250 ms; idle waiter <= 1 % of a core.
+
+`--against REV` also measures the gpuwait of another revision (a git revision of this
+repository, or a directory holding a checkout), in `--rounds` rounds alternating with this one
+in the same run, each in a sandbox of its own, and prints the ratios of the two medians and of
+the idle waiters' CPU: a change must not make a waiter slower to start or costlier to keep.
 """
 
 from __future__ import annotations
@@ -21,7 +26,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from _common import GPUWAIT, cpu_seconds, ledger_jobs, median, percentile, sandbox, wait_until
+from _common import (
+    GPUWAIT,
+    REPO,
+    cpu_seconds,
+    ledger_jobs,
+    median,
+    percentile,
+    sandbox,
+    wait_until,
+)
+from launch_overhead import checkout
 
 STAMP = "date +%s.%N > {}"  # GNU date: starts in about a millisecond
 
@@ -83,9 +98,12 @@ def idle_cpu(env: dict[str, str], seconds: float) -> tuple[float, float]:
     )
 
 
-def measure(args: argparse.Namespace, wake: str) -> tuple[list[float], float, float]:
-    """Latencies (ms), and the idle CPU % of a waiter and of `sleep`, with this `wake` setting."""
-    env = {**sandbox(gpus=1, memory="24GiB"), "GPUWAIT_WAKE": wake}
+def measure(
+    args: argparse.Namespace, wake: str, tree: Path = REPO, trials: int | None = None
+) -> tuple[list[float], float, float]:
+    """Latencies (ms), and the idle CPU % of a waiter and of `sleep`, with this `wake` setting,
+    of the gpuwait in `tree` (`trials` of them, default --trials)."""
+    env = {**sandbox(gpus=1, memory="24GiB"), "GPUWAIT_WAKE": wake, "PYTHONPATH": str(tree)}
     workdir = Path(env["XDG_STATE_HOME"]).parent
     # Idle waiters: blocked behind a dependency that does not end during the benchmark.
     anchor = subprocess.Popen(
@@ -101,12 +119,13 @@ def measure(args: argparse.Namespace, wake: str) -> tuple[list[float], float, fl
     wait_until(lambda: len(ledger_states(env)) >= 1 + args.idle_waiters, timeout=30, poll=0.005)
     extra = 1 + args.idle_waiters
     try:
-        latencies = [trial(env, workdir, i, extra, args.hold) * 1000 for i in range(args.trials)]
+        count = args.trials if trials is None else trials
+        latencies = [trial(env, workdir, i, extra, args.hold) * 1000 for i in range(count)]
     finally:
         for proc in [*idle, anchor]:
             proc.terminate()
             proc.wait()
-    cpu_env = {**sandbox(gpus=1, memory="24GiB"), "GPUWAIT_WAKE": wake}
+    cpu_env = {**sandbox(gpus=1, memory="24GiB"), "GPUWAIT_WAKE": wake, "PYTHONPATH": str(tree)}
     waiter_cpu, sleep_cpu = idle_cpu(cpu_env, args.cpu_seconds)
     return latencies, waiter_cpu, sleep_cpu
 
@@ -117,8 +136,15 @@ def main() -> None:
     parser.add_argument("--idle-waiters", type=int, default=4)
     parser.add_argument("--hold", type=float, default=0.4, help="seconds each holder holds")
     parser.add_argument("--cpu-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--against", metavar="REV", help="also measure this revision (or directory)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternations, with --against")
     args = parser.parse_args()
     print(f"trials: {args.trials} per mode, each with {args.idle_waiters} idle waiters woken too")
+    if args.against:
+        compare(args, checkout(args.against))
+        return
     # wake = poll (a stat of the queue's summary every 10 ms) is the baseline for inotify.
     for wake in ("inotify", "poll"):
         latencies, waiter_cpu, sleep_cpu = measure(args, wake)
@@ -130,6 +156,32 @@ def main() -> None:
         print(
             f"{'':16} idle waiter: {waiter_cpu:5.2f} % of a core over {args.cpu_seconds:g}s "
             f"(sleep: {sleep_cpu:.2f} %; goal <= 1 %)",
+            flush=True,
+        )
+
+
+def compare(args: argparse.Namespace, other: Path) -> None:
+    """This tree against `other`, round after round, each round a share of the trials."""
+    per_round = max(1, args.trials // args.rounds)
+    for wake in ("inotify", "poll"):
+        latencies: dict[str, list[float]] = {"this": [], "other": []}
+        cpu: dict[str, list[float]] = {"this": [], "other": []}
+        for _ in range(args.rounds):
+            for name, tree in (("this", REPO), ("other", other)):
+                found, waiter_cpu, _ = measure(args, wake, tree, per_round)
+                latencies[name] += found
+                cpu[name].append(waiter_cpu)
+        for name, label in (("this", "this tree"), ("other", args.against)):
+            print(
+                f"wake = {wake:<8} {label}: release -> next start: median "
+                f"{median(latencies[name]):6.1f} ms, p99 {percentile(latencies[name], 99):6.1f} ms"
+                f"; idle waiter {median(cpu[name]):5.2f} % of a core"
+            )
+        ratio = median(latencies["this"]) / median(latencies["other"])
+        idle = median(cpu["this"]) / max(median(cpu["other"]), 1e-9)
+        print(
+            f"wake = {wake:<8} this / {args.against}: median latency {ratio:5.2f}, "
+            f"idle CPU {idle:5.2f}   (below 1: this tree is faster)",
             flush=True,
         )
 
