@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
+from gpuwait.core.wrap import hides_every_gpu
 from gpuwait.core.wrappers import (
     APPTAINER_ENGINES,
     APPTAINER_OPTION_VARIABLES,
@@ -361,8 +362,9 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
     'CUDA_VISIBLE_DEVICES=0 python x.py'`, or its APPTAINERENV_ (SINGULARITYENV_) copy,
     which an Apptainer container takes over the caller's: the command would run on GPU 0,
     whichever gpuwait reserved. Let be: what gpuwait sets itself (CUDA_DEVICE_ORDER=PCI_BUS_ID),
-    an empty value or -1, which hides every GPU (a CPU step), what gpuwait gives passed on by
-    a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`), and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
+    an empty value or -1, which hides every GPU (a CPU step: `core.wrap.hides_every_gpu`),
+    what gpuwait gives passed on by a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`),
+    and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
     CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
     GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
     line's own; the GPUs gpuwait picks from are chosen before it."""
@@ -373,9 +375,7 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
             continue
         if variable == GPU_VARIABLES[1] and value == "PCI_BUS_ID":
             continue
-        if variable == GPU_VARIABLES[0] and (
-            not value.strip(" \"'") or value.strip("\"'").split(",")[0].strip().startswith("-")
-        ):
+        if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
             continue  # empty, or -1: CUDA sees no GPU at all (a CPU step), nobody else's
         given = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
         if re.fullmatch(rf'"?\$(?:{given}|\{{{given}\}})"?', value):
