@@ -326,7 +326,16 @@ def _keywords(text: str) -> str:
         name = match.group(1).replace("-", "_")
         return name if name in keywords else match.group(0)
 
-    return re.sub(r"(?<![\w-])--([a-z][a-z-]*[a-z])", keyword, text)
+    text = re.sub(r"(?<![\w-])--([a-z][a-z-]*[a-z])", keyword, text)
+    # argparse's words and the command line's help are no Python caller's: "argument gpus: 0
+    # is too small; see 'gpuwait --help'" is "gpus: 0 is too small", and a setting refused as
+    # "priority: '9' is not valid for priority: ..." names its keyword once (and ledger= not
+    # the setting ledger_dir).
+    text = re.sub(r"; see '[^']*--help'$", "", re.sub(r"^argument (\w+): ", r"\1: ", text))
+    refused = re.match(r"(\w+): (.*?) is not valid for \w+: ", text)
+    if refused is None or refused.group(1) not in keywords:
+        return text
+    return f"{refused.group(1)}: {refused.group(2)} is not valid: {text[refused.end() :]}"
 
 
 def _argv(

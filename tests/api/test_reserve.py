@@ -464,26 +464,47 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
 @pytest.mark.parametrize(
     ("options", "words"),
     [
-        ({"max_util": 101}, "max_util '101': give a percentage above 0 and at most 100"),
-        ({"safety": 2}, "safety: '2' is not valid for safety"),
-        ({"min_total_vram": "x"}, "min_total_vram 'x' is not a size"),
-        ({"min_compute_capability": "x"}, "min_compute_capability 'x': use MAJOR.MINOR"),
-        ({"gpu_name": ""}, "gpu_name needs a pattern"),
+        ({"vram": "x"}, "vram 'x' is not a size"),
+        # Was "argument gpus: 0 is too small (at least 1); see 'gpuwait --help'".
+        ({"gpus": 0}, "gpus: 0 is too small (at least 1)"),
         ({"exclusive": True}, "exclusive takes whole GPUs; leave out vram"),
+        # Was "priority: '9' is not valid for priority: expected ...".
+        ({"priority": 9}, "priority: '9' is not valid: expected a priority from 1"),
+        ({"timeout": "x"}, "timeout: 'x' is not valid: 'x' is not a duration"),
+        ({"pick": "best_fit"}, "pick: 'best_fit' is not valid: expected one of best-fit"),
+        ({"devices": 9}, "devices '9': no GPU '9' here"),
+        ({"name": ""}, "name '': use up to 100 letters"),
+        ({"batch": ""}, "batch '': use up to 100 letters"),
+        ({"key": ""}, "key needs a non-empty name"),
+        ({"after": "nosuchjob"}, "after: no job, name or batch 'nosuchjob'"),
+        ({"after_ok": "nosuchjob"}, "after_ok: no job, name or batch 'nosuchjob'"),
+        ({"safety": 2}, "safety: '2' is not valid: expected a fraction"),
+        ({"enforce": "x"}, "enforce: 'x' is not valid: expected one of off, hint, limit"),
+        # Was "ledger: 'shared' is not valid for ledger_dir: ...", a name the caller never wrote.
+        ({"ledger": "shared"}, "ledger: 'shared' is not valid: expected an absolute path"),
+        ({"min_total_vram": "x"}, "min_total_vram 'x' is not a size"),
+        ({"gpu_name": ""}, "gpu_name needs a pattern"),
+        ({"min_compute_capability": "x"}, "min_compute_capability 'x': use MAJOR.MINOR"),
+        ({"max_util": 101}, "max_util '101': give a percentage above 0 and at most 100"),
     ],
 )
 def test_a_refused_value_is_told_by_its_keyword(
     sim: Path, gpuwait_cmd: list[str], options: dict[str, Any], words: str
 ) -> None:
     # reserve(max_util=101) was told of `--max-util`, a command line's option the caller never
-    # wrote.
+    # wrote; reserve(gpus=0) of argparse's "argument" and of `gpuwait --help`, and
+    # reserve(priority=9) heard its keyword's name twice.
     import gpuwait
 
+    keyword = next(iter(options))
     with pytest.raises(gpuwait.ReserveError) as caught:
-        gpuwait.reserve("1G", **options)
+        gpuwait.reserve(**{"vram": "1G", "timeout": 0, **options})
+    said = str(caught.value)
     assert caught.value.exit_code == 2
-    assert words in caught.value.message, caught.value.message
-    assert "--" not in str(caught.value), caught.value
+    assert caught.value.message.startswith(keyword), said
+    assert words in caught.value.message, said
+    assert "--" not in said and "argument " not in said, said
+    assert "not valid for" not in said, said
     assert listed_jobs(gpuwait_cmd) == []
 
 
