@@ -255,6 +255,10 @@ def run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
         return 128 + signal.SIGINT
 
 
+#: Where the refusals of command lines before waiting are written up, by kind.
+REFUSED_LINES_DOC = "docs/usage.md, 'Command lines refused before waiting'"
+
+
 def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     # --timeout counts from here, on the boot clock: the wait for the ledger's lock to queue
     # the job counts as waiting, as `timeout 30m gpuwait ...` would count it.
@@ -262,11 +266,15 @@ def _run(request: RunRequest, config: RunConfig, reporter: Reporter) -> int:
     choice = _request(request, config, reporter)
     # A line refused for what it runs is refused whether or not its program is installed
     # here: the refusal says how to write it, "command not found" would not.
-    check_not_srun(request.command)
-    check_keeps_gpus(request.command, by_index=config.visible_by_index)
-    check_launcher_gpus(request.command)
-    if request.pausable is not None:
-        check_pausable_container(request.command)
+    try:
+        check_not_srun(request.command)
+        check_keeps_gpus(request.command, by_index=config.visible_by_index)
+        check_launcher_gpus(request.command)
+        if request.pausable is not None:
+            check_pausable_container(request.command)
+    except UsageError as exc:
+        # The hint is the line to type; why such a line is refused is written up in one place.
+        raise UsageError(f"{exc.message} (see {REFUSED_LINES_DOC})", exc.hint) from None
     check_command(request.command)
     missing = check_script(request.command, bool(request.after or request.after_ok))
     if missing is not None:

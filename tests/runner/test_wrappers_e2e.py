@@ -220,6 +220,33 @@ def test_systemd_run_is_refused_as_it_starts_the_command_in_a_unit_of_its_own(
 @pytest.mark.parametrize(
     "command",
     [
+        ["sudo", "-u", "alice", "python", "x.py"],
+        ["env", "CUDA_VISIBLE_DEVICES=0", "python", "x.py"],
+        ["srun", "-n1", "python", "x.py"],
+        ["docker", "run", "--gpus", "all", "img", "python", "x.py"],
+        ["apptainer", "exec", "--env", "CUDA_VISIBLE_DEVICES=0", "img.sif", "python", "x.py"],
+        ["deepspeed", "--num_gpus", "2", "train.py"],
+    ],
+)
+def test_a_refused_line_says_where_its_reason_is_written_up(
+    sim: Path, gpuwait_cmd: list[str], command: list[str]
+) -> None:
+    # The refusal gave the line to type but never where such lines, and why, are written up.
+    done = gpuwait(gpuwait_cmd, command)
+    error, hint, *more = done.stderr.splitlines()
+    assert (done.returncode, more) == (2, []), done.stderr
+    section = "Command lines refused before waiting"
+    assert error.startswith("gpuwait: error: "), done.stderr
+    assert error.endswith(f"(see docs/usage.md, '{section}')"), done.stderr
+    # The hint is still the line to type, and nothing after it.
+    assert hint.startswith("gpuwait: hint: ") and "docs/" not in hint, done.stderr
+    usage = Path(__file__).parents[2] / "docs" / "usage.md"
+    assert f"### {section}\n" in usage.read_text(), "the section it names is gone"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
         ["flock", "/tmp/l", "srun", "python", "x.py"],
         ["bash", "-lc", "srun python x.py > out.log"],
         ["sh", "-c", "srun -n2 python x.py"],
