@@ -188,14 +188,12 @@ def test_a_release_starts_every_waiter_that_now_fits(
     assert sorted(admits[1:]) == ["w0", "w1"]
 
 
-def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
-    sim_file: SimFileFactory,
-    gpuwait_cmd: list[str],
-    procs: Callable[..., Any],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The first waiter plans after a release; when it is stopped (Ctrl-Z), the second does."""
-    sim_file(gpus=1)
+def two_waiters_behind_a_holder(
+    gpuwait_cmd: list[str], procs: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any, Any]:
+    """On a full GPU (`holder`, 20G, and `anchor` running), `first` (1G, --after anchor) and
+    `second` (10G) waiting, both asleep, and nobody reading the GPUs for two minutes:
+    (holder, first, second)."""
     holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
     procs([*gpuwait_cmd, "--vram", "1M", "--name", "anchor", "--", "sleep", "30"])
     wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running", "running"])
@@ -206,13 +204,25 @@ def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
     wait_for(lambda: job_named("first"))
     second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
     wait_for(lambda: job_named("second"))
-    # Both have planned and sleep, the second having seen the queue as it stands: after the
-    # release it is the second in line, and must stand in for the first, stopped meanwhile.
     wait_for(
         lambda: asleep_waiting(first.pid) and asleep_waiting(second.pid),
         timeout=30,
         message=lambda: f"the waiters never slept waiting: {ledger_entries()}",
     )
+    return holder, first, second
+
+
+def test_a_suspended_first_waiter_does_not_hold_up_the_queue(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first waiter plans after a release; when it is stopped (Ctrl-Z), the second does."""
+    sim_file(gpus=1)
+    holder, first, second = two_waiters_behind_a_holder(gpuwait_cmd, procs, monkeypatch)
+    # Both have planned and sleep, the second having seen the queue as it stands: after the
+    # release it is the second in line, and must stand in for the first, stopped meanwhile.
     first.send_signal(signal.SIGSTOP)
     try:
         holder.send_signal(signal.SIGTERM)
@@ -244,20 +254,7 @@ def test_the_second_waiter_stands_in_where_the_last_plan_is_stamped_with_the_rel
     running jobs' gpuwait samples them every ten minutes) and nobody reads the GPUs for two."""
     sim_file(gpus=1)
     monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "10m")
-    holder = procs([*gpuwait_cmd, "--vram", "20G", "--name", "holder", "--", "sleep", "30"])
-    procs([*gpuwait_cmd, "--vram", "1M", "--name", "anchor", "--", "sleep", "30"])
-    wait_for(lambda: [j["state"] for j in ledger_entries()] == ["running", "running"])
-    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-    first = procs(
-        [*gpuwait_cmd, "--vram", "1G", "--after", "anchor", "--name", "first", "--", "true"]
-    )
-    wait_for(lambda: job_named("first"))
-    second = procs([*gpuwait_cmd, "--vram", "10G", "--name", "second", "--", "true"])
-    wait_for(
-        lambda: asleep_waiting(first.pid) and asleep_waiting(second.pid),
-        timeout=30,
-        message=lambda: f"the waiters never slept waiting: {ledger_entries()}",
-    )
+    holder, first, second = two_waiters_behind_a_holder(gpuwait_cmd, procs, monkeypatch)
     summary = state_dir() / "wake.json"
     released = json.loads(summary.read_text())["release"]
     # Both stopped while the holder ends: the second takes in the release once continued, with
