@@ -6,13 +6,23 @@ A file replaced by rename (every state file gpuwait writes) has a new inode; one
 place (an editor's save, `echo >>`) a new size or modification time, and a new change time
 even where it was written twice within one tick of the file system's clock, or its time was
 set back (`touch -d`).
+
+But a file replaced twice within one tick of a coarse file system clock (kernels before 6.13,
+NFS and many others) can come back with the inode of the first (ext4 reuses a freed inode at
+once), its size and its times: a stamp taken less than RACY_SECONDS after its file's last change
+(`may_change_unseen`) does not tell a later change, and the content must.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
+
+#: Seconds after a file's change within which another change may fall in the same tick of the
+#: file system's clock (a jiffy locally, up to a second or two on NFS and FAT).
+RACY_SECONDS = 2
 
 
 class FileStamp(NamedTuple):
@@ -39,3 +49,9 @@ def file_stamp(path: Path, *, follow: bool = True, owner: int | None = None) -> 
     if owner is not None and st.st_uid != owner:
         return None
     return stamp_of(st)
+
+
+def may_change_unseen(stamp: FileStamp) -> bool:
+    """Was `stamp` taken within RACY_SECONDS of its file's last change (or of a change time
+    ahead of this clock), so that a change in the same tick could leave the same stamp?"""
+    return stamp.ctime_ns >= time.time_ns() - RACY_SECONDS * 1_000_000_000

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import math
 import os
@@ -60,7 +61,7 @@ from gpuwait.linux.security import (
     proven_entry,
     taken_over_hint,
 )
-from gpuwait.linux.stamp import file_stamp, stamp_of
+from gpuwait.linux.stamp import FileStamp, file_stamp, may_change_unseen, stamp_of
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
 
@@ -72,6 +73,8 @@ MAX_USER_FILES = 4096
 #: How long a process about to end waits for the lock with a signal pending: many times a
 #: transaction's length under contention, short enough that TERM still ends it at once to a user.
 LEAVE_PATIENCE = 1.0
+#: Stand-ins for a content that could not be read: each unlike any other.
+_UNTOLD = itertools.count()
 
 #: The temporary files of the ledger, of the copy of a damaged one kept as evidence, and of the
 #: wake-up summary: all written with the ledger lock held.
@@ -153,9 +156,17 @@ class Ledger:
         self.fair_half_life = fair_half_life
 
     def change_token(self) -> tuple[Any, ...] | None:
-        """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten."""
+        """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
+
+        A file's metadata tells its versions apart but for those written within one tick of a
+        coarse file system clock (kernels before 6.13, NFS): the inode of one replaced by
+        rename is reused two writes later, and the size may come back. A file changed less
+        than RACY_SECONDS ago (gpuwait.linux.stamp) may change again unseen in its tick, so
+        its content counts too.
+        """
         if not self.shared:
-            return file_stamp(self.path)
+            stamp = file_stamp(self.path)
+            return None if stamp is None else (*stamp, self._racy_digest(self.path, stamp))
         # Every user's file is replaced by rename, so a new inode number marks every change.
         token = []
         try:
@@ -163,11 +174,25 @@ class Ledger:
                 for item in found:
                     if _USER_FILE_RE.match(item.name):
                         with contextlib.suppress(OSError):
-                            st = item.stat(follow_symlinks=False)
-                            token.append((item.name, *stamp_of(st)))
+                            stamp = stamp_of(item.stat(follow_symlinks=False))
+                            digest = self._racy_digest(Path(item.path), stamp)
+                            token.append((item.name, *stamp, digest))
         except OSError:
             return None
         return tuple(sorted(token))
+
+    def _racy_digest(self, path: Path, stamp: FileStamp) -> tuple[int] | int | None:
+        """A checksum of the content of the file at `path` (a 1-tuple) where its stamp was
+        taken within RACY_SECONDS of its last change (or its change time is ahead of this
+        clock); None where the stamp alone tells it; a number never given before where the
+        file cannot be read now."""
+        if not may_change_unseen(stamp):
+            return None
+        try:
+            read = self._read_file(path)
+        except (_Unreadable, StateShortage):
+            return next(_UNTOLD)  # looked at again next time, and by the reader now
+        return None if read is None else (zlib.crc32(read[1]),)
 
     def take_warnings(self) -> list[str]:
         """The warnings gathered so far, once."""
