@@ -61,7 +61,7 @@ from gpuwait.linux.security import (
     read_capped,
     read_state_file,
 )
-from gpuwait.linux.stamp import FileStamp, file_stamp, stamp_of
+from gpuwait.linux.stamp import FileStamp, file_stamp, may_change_unseen, stamp_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -177,7 +177,8 @@ def default_uuid(path: str, index: int) -> str:
 
 
 #: Parsed simulation files by path, with the stat figures they were read at: a snapshot re-reads
-#: the file only when it changed (GPUs added, lost, resized) since the last time.
+#: the file only when it changed (GPUs added, lost, resized) since the last time, or changed
+#: less than RACY_SECONDS before (gpuwait.linux.stamp).
 _parsed: dict[str, tuple[FileStamp, SimConfig]] = {}
 
 
@@ -215,7 +216,8 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
             info = os.fstat(fd)
             stamp = stamp_of(info)
             known = _parsed.get(resolved)
-            if known is not None and known[0] == stamp:
+            # A file changed in the last tick of a coarse clock may change again unseen.
+            if known is not None and known[0] == stamp and not may_change_unseen(stamp):
                 return known[1]
             raw = read_capped(fd, resolved, MAX_FILE_BYTES)
         finally:

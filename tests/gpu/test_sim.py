@@ -380,6 +380,25 @@ def test_lost_gpu_is_skipped_then_back(sim_file: SimFileFactory) -> None:
     assert [g.index for g in snap.gpus] == [0, 1] and snap.warnings == ()
 
 
+def test_a_sim_file_rewritten_within_one_tick_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpuwait sim init --force` of 24 GiB cards in the tick after one of 48 GiB, on a file
+    system with a coarse clock that gave the new file the old one's inode (as ext4 does): the
+    same inode, size and times, and a waiter that read the first must not go on admitting
+    jobs into 48 GiB."""
+    import gpuwait.gpu.sim as sim
+    from gpuwait.linux.stamp import FileStamp
+
+    tick = time.time_ns()
+    monkeypatch.setattr(sim, "stamp_of", lambda st: FileStamp(12, st.st_size, tick, tick))
+    path = tmp_path / "sim.toml"
+    write_sim_file(path, gpus=1, memory_bytes=48 * GiB)
+    assert [g.total_bytes for g in load_sim_file(path).gpus] == [48 * GiB]
+    write_sim_file(path, gpus=1, memory_bytes=24 * GiB, force=True)
+    assert [g.total_bytes for g in load_sim_file(path).gpus] == [24 * GiB]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
