@@ -54,7 +54,7 @@ from gpuwait.linux.security import (
     read_state_file,
     taken_over_hint,
 )
-from gpuwait.linux.stamp import file_stamp
+from gpuwait.linux.stamp import file_stamp, may_change_unseen
 
 EXCLUSIVE = "exclusive"
 
@@ -1283,14 +1283,16 @@ def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[
     """The fairness policy (`Settings.fair_share`) as the config files say at each call: an
     administrator who adds a per-user limit to the site file, or changes the queue's order,
     reaches the jobs that already wait. The settings are read again only when the site file
-    changed; a file broken now (an editor's half-written one) leaves the last policy read in
-    force until it changes again."""
+    changed, or changed less than RACY_SECONDS before (gpuwait.linux.stamp); a file broken
+    now (an editor's half-written one) leaves the last policy read in force until it changes
+    again."""
     site = site_config_file_path()
     seen: list[Any] = [file_stamp(site), settings.fair_share()]
 
     def current() -> FairShare:
         key = file_stamp(site)
-        if key != seen[0]:
+        # One changed in the last tick of a coarse clock may change again unseen.
+        if key != seen[0] or (key is not None and may_change_unseen(key)):
             seen[0] = key
             with contextlib.suppress(UsageError, StateError):
                 seen[1] = load_settings(cli).fair_share()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
+import gpuwait.config as config
 from gpuwait.config import OPTIONS, Settings, resolve
 from gpuwait.core.errors import UsageError
+from gpuwait.core.policy import UserLimits
+from gpuwait.linux.stamp import FileStamp
 
 
 def test_every_option_is_an_attribute_of_settings_in_the_same_order() -> None:
@@ -165,3 +170,34 @@ def test_a_per_user_gpu_limit_of_zero_however_written_is_no_limit(written: objec
     site = {"user_max_gpus": written}
     settings = resolve({}, {}, {}, Path("c.toml"), site, Path("/etc/xdg/gpuwait/config.toml"))
     assert settings.user_max_gpus is None
+
+
+def test_a_site_file_rewritten_within_one_tick_reaches_the_jobs_that_wait(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An administrator's tool lowers user_max_gpus from 4 to 2 by rename in the tick of the
+    last write, on a file system with a coarse clock that gave the new file the old one's
+    inode (as ext4 does): the same inode, size and times. The jobs that wait keep to 2."""
+    tick = time.time_ns()
+
+    def coarse(path: Path, **_: object) -> FileStamp | None:
+        try:
+            return FileStamp(12, os.stat(path).st_size, tick, tick)
+        except OSError:
+            return None
+
+    monkeypatch.setattr(config, "file_stamp", coarse)
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+
+    def write(text: str) -> None:
+        temp = site.with_name(".config.toml.tmp")
+        temp.write_text(text)
+        os.replace(temp, site)
+
+    write("user_max_gpus = 4\n")
+    assert config.site_config_file_path() == site
+    current = config.current_fair_share({}, config.load_settings({}))
+    assert current().limits == UserLimits(4, None)
+    write("user_max_gpus = 2\n")
+    assert current().limits == UserLimits(2, None)
