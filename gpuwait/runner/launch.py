@@ -758,13 +758,33 @@ _LAUNCHER_GPU_OPTIONS = {
 }
 
 
+#: Launchers' options after which their script is a module's name (`-m pkg.train`) or a
+#: program (`--no_python bash run.sh`), not a .py file.
+_LAUNCHER_NOT_A_SCRIPT = ("-m", "--module", "--no_python", "--no-python")
+
+
+def _launcher_script(own: Sequence[str], names: Sequence[str]) -> int:
+    """Where a launcher's script begins among its words `own` (after `accelerate launch`):
+    its first .py, or with -m (--no_python) the first word after that is no option nor a GPU
+    option's value; 0 where neither is found (none is looked at)."""
+    scripts = [i for i, t in enumerate(own) if t.endswith(".py") and not t.startswith("-")]
+    if scripts:
+        return scripts[0]
+    flags = [i for i, t in enumerate(own) if t in _LAUNCHER_NOT_A_SCRIPT]
+    for at in range(flags[0] + 1 if flags else len(own), len(own)):
+        if not own[at].startswith("-") and own[at - 1] not in names:
+            return at
+    return 0
+
+
 def check_launcher_gpus(argv: Sequence[str]) -> None:
     """Refuse a launcher told to choose its workers' GPUs itself (UsageError, 2): `deepspeed
     --num_gpus 2` runs them on the machine's GPUs 0 and 1, `--include` and `--exclude` on those
     they leave, `accelerate launch --gpu_ids 0` on those it lists (`all` excepted), whatever
     GPUs gpuwait reserved: in other jobs' room. Only the launcher's own options count, those
-    before its script (`deepspeed train.py --num_gpus 2` passes it to train.py); a launcher
-    whose script is not a .py is not looked at."""
+    before its script (`deepspeed train.py --num_gpus 2` passes it to train.py), a .py or,
+    after -m or --no_python, a module or a program; a launcher with neither is not looked
+    at."""
     for step in steps(argv):
         program = os.path.basename(step.argv[0])
         names = _LAUNCHER_GPU_OPTIONS.get(program)
@@ -773,8 +793,7 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
         if names is None or (program == "accelerate" and args[:1] != ["launch"]):
             continue
         own = args[skip - 1 :]
-        scripts = [i for i, t in enumerate(own) if t.endswith(".py") and not t.startswith("-")]
-        own = own[: scripts[0]] if scripts else []
+        own = own[: _launcher_script(own, names)]
         for at, token in enumerate(own):
             name, glued, value = token.partition("=")
             if name not in names:

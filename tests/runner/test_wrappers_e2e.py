@@ -1552,3 +1552,30 @@ def test_a_shell_that_sets_the_gpus_from_an_expansion_is_refused(
         done = gpuwait(gpuwait_cmd, ["sh", "-c", line], cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "seen").read_text().startswith("GPU-")
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        (["accelerate", "launch", "--gpu_ids", "1", "-m", "pkg.train"], 2),
+        (["deepspeed", "--num_gpus", "2", "--module", "pkg.train", "--lr", "0.1"], 2),
+        (["deepspeed", "--module", "--include", "localhost:1", "pkg.train"], 2),
+        (["deepspeed", "--no_python", "--num_gpus=2", "bash", "run.sh"], 2),
+        (["accelerate", "launch", "--no-python", "--gpu_ids", "0", "./run.sh"], 2),
+        # The module's or the program's own options: the line runs.
+        (["accelerate", "launch", "-m", "pkg.train", "--gpu_ids", "0"], 0),
+        (["deepspeed", "--module", "pkg.train", "--num_gpus", "2"], 0),
+        (["deepspeed", "--no_python", "bash", "run.sh", "-i", "localhost:1"], 0),
+    ],
+)
+def test_a_launcher_running_a_module_is_refused_where_it_chooses_its_own_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], status: int
+) -> None:
+    # `accelerate launch --gpu_ids 1 -m pkg.train` runs its workers on GPU 1, whichever GPU
+    # gpuwait reserved, as `--gpu_ids 1 train.py` does: its options end at the module's name
+    # (or, with --no_python, the program's), not at a script's .py.
+    env, ran = fake_bin(tmp_path, "accelerate", "deepspeed")
+    done = gpuwait(gpuwait_cmd, command, env)
+    ends(done, ran, status, "gpuwait: error: ")
+    if status:
+        assert "runs its workers on GPUs it chooses itself" in done.stderr
