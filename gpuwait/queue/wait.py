@@ -847,8 +847,10 @@ def wait_for_admission(
                 if info.si_signo == signal.SIGCHLD:
                     # A ledger writer's wake-up (a reserving program's own child that ended is
                     # told to its handler once the wait is over: runner.hold): the summary was
-                    # written, whatever its metadata says.
-                    summaries.written((wake.FILENAME,))
+                    # written, whatever its metadata says. In a shared ledger that is the
+                    # writer's own, wake.<uid>.json, not wake.json: every summary is read, each
+                    # acted on only if what it holds changed.
+                    summaries.written(None if ledger.shared else (wake.FILENAME,))
                     continue
                 if watch is not None and watching and info.si_signo == watch.wake_signal:
                     summaries.written(watch.drain())

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import pytest
 from helpers.history import a_run
 from helpers.jobs import live_job
 from helpers.users import (
+    AS_USER,
     clean_up,
     hidepid_prefix,
     make_shared_ledger_dir,
@@ -2216,3 +2218,38 @@ def test_a_members_entry_whose_gpuwait_is_gone_holds_up_nobody(
     server.edit_own(BOB, lambda raw: raw.update(jobs=[entry]))
     done = server.run(ALICE, "--vram", "6G", "--timeout", "3s", "--", "echo", "started")
     assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr
+
+
+#: Before gpuwait runs as the user: every summary's metadata looks the same (a coarse file
+#: system clock, the inode reused), and inotify is out of reach (its instances used up), so
+#: that only the writer's signal tells the waiter a summary was written.
+_SIGNAL_ALONE = """
+from gpuwait.linux import inotify
+from gpuwait.linux.stamp import FileStamp
+from gpuwait.queue import wake
+real = wake.file_stamp
+def same_stamp(*args, **kwargs):
+    return None if real(*args, **kwargs) is None else FileStamp(1, 100, 10**18, 10**18)
+wake.file_stamp = same_stamp
+watch = inotify.LedgerWatch.__init__
+inotify.LedgerWatch.__init__ = lambda self, directory: watch(self, None)
+"""
+
+
+def test_a_waiter_signalled_by_its_users_release_reads_their_summary(server: Server) -> None:
+    # In a shared ledger a waiter woken by its own user's release (the writer's signal) was
+    # told that wake.json was written, a name nobody writes there: where its summary looked as
+    # it was (three written within one tick of a coarse clock) and inotify gave no word, it
+    # slept through the room freed until its next reading of the GPUs (here two minutes).
+    holder = server.start(ALICE, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    code = AS_USER.replace("gpuwait.cli.entry_point()", _SIGNAL_ALONE + "gpuwait.cli.entry_point()")
+    args = ["--vram", "15G", "--", "true"]
+    argv = [sys.executable, "-c", code, str(ALICE), str(ALICE), str(GROUP), "gpuwait", *args]
+    env = {**server.envs[ALICE], "GPUWAIT_NVML_INTERVAL": "120s"}
+    waiter = subprocess.Popen(argv, env=env, text=True, cwd="/", start_new_session=True)
+    server.procs.append(waiter)
+    server.wait_jobs(2)
+    wait_for(lambda: sleeping_in(waiter.pid, "sigtimedwait"), timeout=30)
+    holder.send_signal(signal.SIGTERM)
+    assert waiter.wait(timeout=20) == 0
