@@ -777,6 +777,38 @@ def _launcher_script(own: Sequence[str], names: Sequence[str]) -> int:
     return 0
 
 
+#: Launchers run by their module (`python -m accelerate.commands.launch`): the program and
+#: its words they stand for.
+_LAUNCHER_MODULES = {
+    "deepspeed": ("deepspeed",),
+    "deepspeed.launcher.runner": ("deepspeed",),
+    "accelerate.commands.launch": ("accelerate", "launch"),
+    "accelerate.commands.accelerate_cli": ("accelerate",),
+}
+
+
+def _launcher(argv: Sequence[str]) -> tuple[str, int]:
+    """The launcher a step runs (`deepspeed`, `accelerate` for `accelerate launch`), by its
+    name or its module, and where its own words begin in `argv` (after `launch`); ("", 0)
+    where it runs none."""
+    program, skip = os.path.basename(argv[0]), 1
+    if _PYTHON_NAMES.match(program) and program not in _LAUNCHER_GPU_OPTIONS:
+        from gpuwait.core.cmdkey import python_runs  # only Python command lines pay for it
+
+        runs = python_runs(argv)
+        if runs is None or runs[0] != "-m" or runs[1] not in _LAUNCHER_MODULES:
+            return "", 0
+        words = _LAUNCHER_MODULES[runs[1]]
+        if words == ("accelerate", "launch"):
+            return "accelerate", runs[2]
+        program, skip = words[0], runs[2]
+    if program == "accelerate":
+        if list(argv[skip : skip + 1]) != ["launch"]:
+            return "", 0
+        skip += 1
+    return program, skip
+
+
 def check_launcher_gpus(argv: Sequence[str]) -> None:
     """Refuse a launcher told to choose its workers' GPUs itself (UsageError, 2): `deepspeed
     --num_gpus 2` runs them on the machine's GPUs 0 and 1, `--include` and `--exclude` on those
@@ -786,13 +818,11 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
     after -m or --no_python, a module or a program; a launcher with neither is not looked
     at."""
     for step in steps(argv):
-        program = os.path.basename(step.argv[0])
+        program, skip = _launcher(step.argv)
         names = _LAUNCHER_GPU_OPTIONS.get(program)
-        args = list(step.argv[1:])
-        skip = 2 if program == "accelerate" else 1
-        if names is None or (program == "accelerate" and args[:1] != ["launch"]):
+        if names is None:
             continue
-        own = args[skip - 1 :]
+        own = list(step.argv[skip:])
         own = own[: _launcher_script(own, names)]
         for at, token in enumerate(own):
             name, glued, value = token.partition("=")

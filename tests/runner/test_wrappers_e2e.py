@@ -1579,3 +1579,39 @@ def test_a_launcher_running_a_module_is_refused_where_it_chooses_its_own_gpus(
     ends(done, ran, status, "gpuwait: error: ")
     if status:
         assert "runs its workers on GPUs it chooses itself" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "kept"),
+    [
+        (
+            ["python", "-m", "accelerate.commands.launch", "--gpu_ids", "1", "x.py"],
+            "python -m accelerate.commands.launch x.py",
+        ),
+        (
+            ["python3", "-u", "-m", "deepspeed.launcher.runner", "--num_gpus=2", "x.py"],
+            "python3 -u -m deepspeed.launcher.runner x.py",
+        ),
+        (
+            [
+                "python",
+                "-m",
+                "accelerate.commands.accelerate_cli",
+                "launch",
+                "--gpu-ids",
+                "0",
+                "x.py",
+            ],
+            "python -m accelerate.commands.accelerate_cli launch x.py",
+        ),
+    ],
+)
+def test_a_launcher_run_by_its_module_is_refused_where_it_chooses_its_own_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], kept: str
+) -> None:
+    # `python -m accelerate.commands.launch --gpu_ids 1 x.py`, accelerate's documented other
+    # way to launch, ran its workers on GPU 1 whichever GPU gpuwait reserved, where `accelerate
+    # launch --gpu_ids 1 x.py` is refused.
+    env, ran = fake_bin(tmp_path, "python", "python3")
+    done = gpuwait(gpuwait_cmd, command, env)
+    refused(done, ran, "runs its workers on GPUs it chooses itself", f"-- {kept}\n")
