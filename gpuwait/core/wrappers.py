@@ -902,7 +902,10 @@ def apptainer_pid_namespace(
     end) in `step.argv`, and the name it was given by; None where it does not. Without such an
     option, the variable of `environ` (what the action starts with) that sets one
     (APPTAINER_CONTAINALL=1, APPTAINER_FUSESPEC=...), at (-1, -1)."""
-    for name, _, begin, end in _apptainer_options(step)[0]:
+    options = _apptainer_options(step)[0]
+    for name, value, begin, end in options:
+        if _turned_off(name, value):
+            continue
         if name in ("--containall", "--pid", "--compat", "--fusemount"):
             return begin, end, name
         found = [letter for letter in _short_flags(step.argv[begin]) if letter in "Cp"]
@@ -911,8 +914,9 @@ def apptainer_pid_namespace(
     if _apptainer_start(step) is None:
         return None
     given = _apptainer_env_options(environ or {})
+    named = {name for name, *_ in options}  # the command line's, over the variables'
     for option in ("--containall", "--compat", "--pid", "--fusemount"):
-        if option in given:
+        if option in given and option not in named:
             return -1, -1, given[option][1]
     return None
 
@@ -921,12 +925,25 @@ def _apptainer_names(step: Step, environ: Mapping[str, str] | None) -> set[str]:
     """The options an `apptainer` or `singularity` action is given, on its command line (each
     letter of `-Cp` as one) or by `environ`, the variables it starts with."""
     names: set[str] = set()
-    for name, _, begin, _ in _apptainer_options(step)[0]:
-        names.add(name)
+    options = _apptainer_options(step)[0]
+    for name, value, begin, _ in options:
+        if not _turned_off(name, value):
+            names.add(name)
         names.update(f"-{letter}" for letter in _short_flags(step.argv[begin]))
     if _apptainer_start(step) is not None:
-        names.update(_apptainer_env_options(environ or {}))
+        named = {name for name, *_ in options}  # the command line's, over the variables'
+        names.update(set(_apptainer_env_options(environ or {})) - named)
     return names
+
+
+#: What Go's strconv.ParseBool takes for false.
+_GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
+def _turned_off(name: str, value: str) -> bool:
+    """Is an action's flag given as false on its command line (`--containall=false`), which
+    turns it off whatever the variables say?"""
+    return name.startswith("--") and name not in _APPTAINER_VALUES and value in _GO_FALSE
 
 
 def apptainer_nvccli_contained(step: Step, environ: Mapping[str, str] | None = None) -> bool:

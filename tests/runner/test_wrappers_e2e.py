@@ -1615,3 +1615,29 @@ def test_a_launcher_run_by_its_module_is_refused_where_it_chooses_its_own_gpus(
     env, ran = fake_bin(tmp_path, "python", "python3")
     done = gpuwait(gpuwait_cmd, command, env)
     refused(done, ran, "runs its workers on GPUs it chooses itself", f"-- {kept}\n")
+
+
+@pytest.mark.parametrize(
+    ("options", "variables"),
+    [
+        (["--containall=false"], {"APPTAINER_CONTAINALL": "1"}),
+        (["--pid=false"], {"APPTAINER_PID": "true"}),
+        (["--contain", "--compat=0", "--cleanenv=f"], {}),
+    ],
+)
+def test_a_pausable_job_whose_apptainer_pid_namespace_is_turned_off_runs(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    options: list[str],
+    variables: dict[str, str],
+) -> None:
+    # `apptainer exec --containall=false`, the way to turn off for one line the
+    # APPTAINER_CONTAINALL=1 a shell exports for every container, runs in no PID namespace of
+    # its own (the command line wins over the variable): the --pausable job was refused all
+    # the same, "(--containall)", with a hint that gave no line.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    command = ["apptainer", "exec", "--nv", *options, "img.sif", "python", "x.py"]
+    done = gpuwait(gpuwait_cmd, command, {**env, **variables}, opts=PAUSABLE)
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
