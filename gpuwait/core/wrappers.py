@@ -921,6 +921,21 @@ def apptainer_pid_namespace(
     return None
 
 
+def apptainer_pid_variables(environ: Mapping[str, str]) -> list[str]:
+    """The variables of `environ` (what an action starts with) that each give it a PID
+    namespace of its own (APPTAINER_CONTAINALL=1, SINGULARITY_PID=t, APPTAINER_FUSESPEC=...):
+    a site may export the APPTAINER_ and the SINGULARITY_ form both."""
+    options = ("--containall", "--compat", "--pid", "--fusemount")
+    return [
+        prefix + key
+        for prefix in _APPTAINER_ENV_PREFIXES
+        for key, option in {**_APPTAINER_ENV_FLAGS, **_APPTAINER_ENV_VALUES}.items()
+        if option in options
+        and (value := environ.get(prefix + key, "").strip())
+        and (key not in _APPTAINER_ENV_FLAGS or value in _GO_TRUE)
+    ]
+
+
 def _apptainer_names(step: Step, environ: Mapping[str, str] | None) -> set[str]:
     """The options an `apptainer` or `singularity` action is given, on its command line (each
     letter of `-Cp` as one) or by `environ`, the variables it starts with."""

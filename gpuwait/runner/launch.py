@@ -36,6 +36,7 @@ from gpuwait.core.wrappers import (
     apptainer_nvccli_contained,
     apptainer_option_variable,
     apptainer_pid_namespace,
+    apptainer_pid_variables,
     container_gpus,
     drops_gpus,
     passed_on,
@@ -611,15 +612,17 @@ def check_pausable_container(argv: Sequence[str]) -> None:
         if at < 0:
             # Set in gpuwait's environment (or a wrapper's assignment in the line).
             name = given.partition("=")[0]
-            prefix, _, key = name.partition("_")
-            rest = {"CONTAINALL": ("CONTAIN", "CLEANENV", "IPC")}.get(key, ())
+            prefix = name.partition("_")[0]
+            # Each of them: one left would give the namespace all the same.
+            unset = apptainer_pid_variables(_apptainer_environ(found[:index])) or [name]
+            rest = ("CONTAIN", "CLEANENV", "IPC") if name.endswith("_CONTAINALL") else ()
             kept = [f"{prefix}_{other}=1" for other in rest]
             if any(
                 word.startswith(f"{name}=") for wrapper in found[:index] for word in wrapper.sets
             ):
                 hint = f"leave out the PID namespace: take {given} out of the line"
             else:
-                line = shlex.join(["env", "-u", name, *kept, "gpuwait"])
+                line = shlex.join(["env", *(w for n in unset for w in ("-u", n)), *kept, "gpuwait"])
                 hint = f"leave out the PID namespace: {line} ... -- {shlex.join(argv)}"
         elif step.argv[at] == "--fusemount" or step.argv[at].startswith("--fusemount="):
             kept = [*step.argv[:at], *step.argv[end:]]

@@ -1334,19 +1334,31 @@ def test_a_pausable_job_given_an_apptainer_pid_namespace_by_its_environment_is_r
         assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"APPTAINER_CONTAINALL": "1"},
+        # A site that exports both forms, for Apptainer and for older Singularity lines: the
+        # line given unset one, and was refused in turn for the other.
+        {"APPTAINER_CONTAINALL": "1", "SINGULARITY_CONTAINALL": "1"},
+        {"APPTAINER_CONTAINALL": "1", "APPTAINER_PID": "1", "SINGULARITY_UNSHARE_PID": "t"},
+    ],
+)
 def test_the_line_a_refusal_of_an_apptainer_containall_variable_gives_runs(
-    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, variables: dict[str, str]
 ) -> None:
     env, ran = fake_bin(tmp_path, "apptainer")
+    env = {**env, **variables}
     line = ["apptainer", "exec", "img.sif", "python", "x.py"]
-    done = gpuwait(gpuwait_cmd, line, {**env, "APPTAINER_CONTAINALL": "1"}, opts=PAUSABLE)
+    done = gpuwait(gpuwait_cmd, line, env, opts=PAUSABLE)
     assert done.returncode == 2, done.stderr
     hint = done.stderr.split("leave out the PID namespace: ", 1)[1].splitlines()[0]
-    assert hint.startswith("env -u APPTAINER_CONTAINALL APPTAINER_CONTAIN=1 "), hint
+    unset = " ".join(f"-u {name}" for name in variables)
+    assert hint.startswith(f"env {unset} APPTAINER_CONTAIN=1 "), hint
     before, _, after = hint.partition(" ... -- ")
     again = subprocess.run(
         [*shlex.split(before)[:-1], *gpuwait_cmd, *PAUSABLE, "--", *shlex.split(after)],
-        env={**env, "APPTAINER_CONTAINALL": "1"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=60,
