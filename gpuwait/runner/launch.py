@@ -584,6 +584,10 @@ def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool, before: Seque
     )
 
 
+#: An Apptainer action's options that give it a PID namespace and may be left out alone.
+_PID_NAMESPACE_OPTIONS = ("--containall", "-C", "--pid", "-p", "--compat")
+
+
 def check_pausable_container(argv: Sequence[str]) -> None:
     """Refuse a --pausable job whose command runs in an Apptainer (Singularity) PID namespace,
     `apptainer exec --containall`, `--pid` or `--fusemount`, or APPTAINER_CONTAINALL=1 and the
@@ -631,8 +635,9 @@ def check_pausable_container(argv: Sequence[str]) -> None:
             if tuple(argv[where:]) == step.argv:
                 line = f"gpuwait ... -- {shlex.join([*argv[:where], *kept])}"
             hint = f"leave out --fusemount, which implies --pid: {line}"
-        elif step.argv[at] in ("--containall", "-C", "--pid", "-p", "--compat"):
-            kept = [*step.argv[:at], *instead.get(step.argv[at], []), *step.argv[at + 1 :]]
+        elif (option := step.argv[at].partition("=")[0]) in _PID_NAMESPACE_OPTIONS:
+            # `--containall=true` as well, as Go's flags take it.
+            kept = [*step.argv[:at], *instead.get(option, []), *step.argv[at + 1 :]]
             where = len(argv) - len(step.argv)
             line = shlex.join(kept)
             if tuple(argv[where:]) == step.argv:

@@ -741,6 +741,9 @@ def test_an_apptainer_option_setting_the_order_of_gpu_indices_is_refused_under_i
         (["-C"], "-C", "--contain --cleanenv --ipc"),
         (["--pid", "--cleanenv"], "--pid", "--cleanenv"),
         (["--cwd", "/w", "-C"], "-C", "--cwd /w --contain --cleanenv --ipc"),
+        # Given a value, as Go's flags take one: the hint gave no line for them.
+        (["--containall=true"], "--containall", "--contain --cleanenv --ipc"),
+        (["--pid=1", "--cleanenv"], "--pid", "--cleanenv"),
         # --compat is --containall with --no-init, --no-umask, --no-eval and --writable-tmpfs.
         (
             ["--compat"],
