@@ -26,6 +26,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _waits_for_lock(pid: int, inode: int) -> bool:
+    """Process `pid` waits for a lock of the file whose inode is `inode` (/proc/locks' lines
+    of blocked waiters, marked `->`)."""
+    return any(
+        line.split()[1] == "->" and f" {pid} " in line and f":{inode} " in line
+        for line in Path("/proc/locks").read_text().splitlines()
+    )
+
+
 def _ran_out_then(
     gpuwait_cmd: list[str], tmp_path: Path, stop: Callable[[dict[str, Any], int], None]
 ) -> tuple[int, str, str, Path]:
@@ -52,6 +61,14 @@ def _ran_out_then(
         fcntl.flock(lock, fcntl.LOCK_EX)
         go.touch()
         wait_for(lambda: _gone(entry["child_pid"]))
+        # Stopped before it waits for the lock, gpuwait would end with the command, deciding
+        # nothing: a loaded machine may leave it unscheduled that long.
+        inode = os.fstat(lock).st_ino
+        wait_for(
+            lambda: _waits_for_lock(launch.pid, inode),
+            timeout=60,
+            message="gpuwait never waited for the history lock",
+        )
         stop(entry, launch.pid)
         os.close(lock)
         lock = None
@@ -175,6 +192,20 @@ def test_a_script_run_by_a_wrapper_that_ends_its_process_group_on_exit_is_still_
         wait_for(starts.exists, timeout=60, message="the script never started")
         wait_for(lambda: any(e.get("child_pid") for e in ledger_entries()), timeout=60)
         child = next(e["child_pid"] for e in ledger_entries() if e.get("child_pid"))
+        # The script's bash, under the wrapper's sh: gpuwait knows its TERM for the command's
+        # only once a sample of the command's tree has seen it (it publishes each new tree),
+        # and is stopped below before it could sample again.
+        (script_pid,) = wait_for(
+            lambda: [
+                int(p) for p in Path(f"/proc/{child}/task/{child}/children").read_text().split()
+            ],
+            timeout=60,
+        )
+        wait_for(
+            lambda: any(script_pid in e.get("pids", []) for e in ledger_entries()),
+            timeout=60,
+            message="gpuwait never saw the script in the command's tree",
+        )
         lock = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.lock"
 
         def stopped_outside_the_lock() -> bool:
