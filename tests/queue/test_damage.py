@@ -709,6 +709,37 @@ def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_
     assert "1 job of yours still running or waiting has to put its entry back" in stderr
 
 
+def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_back(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As above, but the running job's gpuwait is one from before the upgrade: it puts its
+    # entry back as a plain change, no release in the summary, and signals nobody. The waiter,
+    # which fits beside the job, waited on until the recovery's 30 s grace was over (its next
+    # reading of the GPUs two minutes off).
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        holder.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
+    try:
+        (entry,) = Ledger(ledger_path.parent).read().jobs
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        # The older gpuwait's transaction: the entry appended, nothing else.
+        with Ledger(ledger_path.parent).transaction() as data:
+            data.jobs.append(entry)
+        assert waiter.wait(timeout=15) == 0
+    finally:
+        holder.send_signal(signal.SIGCONT)
+
+
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
     tmp_path: Path,
 ) -> None:
