@@ -244,8 +244,10 @@ def lookup(state_dir: Path, keys: Iterable[str], max_bytes: int) -> Lookup:
                     result.warnings += refresh(
                         state_dir, max_bytes, rebuild=attempt > 0, wait=LAUNCH_LOCK_WAIT
                     )
-                except HistoryBusy:
-                    pass  # busy (compacting, say): the index as it is serves this launch
+                except (HistoryBusy, signals.SignalPending):
+                    # Busy (compacting, say), or told to end meanwhile (a retry's estimate, a
+                    # signal left pending for its caller): the index as it is serves.
+                    pass
                 except OSError as exc:
                     if meta is None or signals.raised_by_a_handler(exc):
                         raise  # no index to go on with, or the program's own timeout

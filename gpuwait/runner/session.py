@@ -439,6 +439,18 @@ def _run_with_retries(
             reporter.warn(f"the command ran out {how}")
             break
         after = raised.request.bytes if raised.request is not None else None
+        stop = signals.stop_pending() if retries < request.retry_oom else None
+        if stop is not None:
+            # Told to end once the command had (`kill`, an older `gpuwait cancel`, which only
+            # sends TERM): the signal is no retry's to take. Said before any want of a larger
+            # size, which a run left unrecorded by it (the history lock held) also shows.
+            why = f"gpuwait got {signal.Signals(stop).name}"
+            if pending is not None:
+                if lifecycle.was_cancelled(_ledger(config, reporter), pending):
+                    why = f"job {pending.id} was cancelled"
+                _end_pending(ended, config, reporter)
+            reporter.warn(f"the command ran out {how}; {why}, so it is not retried")
+            break
         if pending is not None and (
             retries >= request.retry_oom or after is None or after <= ended.reserved_bytes
         ):
@@ -458,17 +470,6 @@ def _run_with_retries(
         retries += 1
         if after is None or after <= ended.reserved_bytes:
             reporter.warn(f"the command ran out {how}; no larger size to retry with")
-            break
-        stop = signals.stop_pending()
-        if stop is not None:
-            # Told to end once the command had (`kill`, an older `gpuwait cancel`, which only
-            # sends TERM): the signal is no retry's to take.
-            why = f"gpuwait got {signal.Signals(stop).name}"
-            if pending is not None:
-                if lifecycle.was_cancelled(_ledger(config, reporter), pending):
-                    why = f"job {pending.id} was cancelled"
-                _end_pending(ended, config, reporter)
-            reporter.warn(f"the command ran out {how}; {why}, so it is not retried")
             break
         if pending is not None:
             # The same entry queues again, in its place: a job waiting on it (--after,
@@ -1449,6 +1450,7 @@ def _start(
         paused_runs_seconds=paused_runs_seconds,
         earlier=earlier,
         oom_wanted=watch.scanner.wanted_bytes if cause and said_oom else None,
+        ends_on_signal=not pending,
     )
     reserved_each = reserved_on_each(job, chosen)
     if pending:
@@ -1560,9 +1562,14 @@ def _record(
     paused_runs_seconds: float = 0.0,
     earlier: _Earlier | None = None,
     oom_wanted: int | None = None,
+    ends_on_signal: bool = True,
 ) -> None:
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
+
+    A signal that comes while another process holds the history lock ends gpuwait by it
+    (SignalPending); `ends_on_signal` False, only the record is given up, and said: the run
+    ran out and may be retried, which the signal, left pending, stops.
 
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
     full"); None for a run that did not run out. `oom_wanted`: what its message said it
@@ -1617,6 +1624,10 @@ def _record(
             raise
         # The run itself is over and its status stands; only the record is lost.
         warnings = [f"could not record the run in the history: {exc.strerror or exc}"]
+    except signals.SignalPending as exc:
+        if ends_on_signal:
+            raise
+        warnings = [f"could not record the run in the history: {exc}"]
     except MemoryError:
         # The same where memory ran out (a long history compacted under `ulimit -v`): not
         # gpuwait's end, said as before any command ran (cli.entry_point).

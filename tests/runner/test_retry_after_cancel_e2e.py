@@ -36,12 +36,16 @@ def _waits_for_lock(pid: int, inode: int) -> bool:
 
 
 def _ran_out_then(
-    gpuwait_cmd: list[str], tmp_path: Path, stop: Callable[[dict[str, Any], int], None]
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    stop: Callable[[dict[str, Any], int], None],
+    kept: bool = False,
 ) -> tuple[int, str, str, Path]:
     """Run a --retry-oom 1 job whose command runs out of GPU memory, and `stop` it (given its
     entry and its gpuwait's pid) while gpuwait, held on the history lock where it records the
     run, has not yet decided to retry: its exit status, its stderr, how many times the
-    command started (one line a start) and the state folder."""
+    command started (one line a start) and the state folder. `kept`: the lock stays held until
+    gpuwait has ended, and the history gained a line since its index was written."""
     go, starts = tmp_path / "go", tmp_path / "starts"
     job = (
         f"echo started >> {shlex.quote(str(starts))}; "
@@ -59,6 +63,10 @@ def _ran_out_then(
         (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
         lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if kept:
+            # Another process's record: the retry's estimate would bring the index up to date.
+            with (state / "history.jsonl").open("a") as history:
+                history.write("{}\n")
         go.touch()
         wait_for(lambda: _gone(entry["child_pid"]))
         # Stopped before it waits for the lock, gpuwait would end with the command, deciding
@@ -70,6 +78,8 @@ def _ran_out_then(
             message="gpuwait never waited for the history lock",
         )
         stop(entry, launch.pid)
+        if kept:
+            wait_for(lambda: launch.poll() is not None, timeout=60, message="gpuwait never ended")
         os.close(lock)
         lock = None
         _, err = launch.communicate(timeout=60)
@@ -99,6 +109,28 @@ def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
     returncode, err, starts, state = _ran_out_then(gpuwait_cmd, tmp_path, cancel)
     assert starts == "started\n", err
     assert "retrying" not in err and "was cancelled, so it is not retried" in err, err
+    assert returncode == 1, err
+    assert ledger_entries() == []
+    finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
+    assert [(e["outcome"], e["exit_status"]) for e in finishes] == [("cancelled", 1)]
+
+
+def test_a_job_cancelled_while_another_process_holds_the_history_lock_is_told_why(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, with the history lock held by another process (a long compaction, a stopped
+    # one) until gpuwait had ended: gpuwait gave up recording the run at the cancel's TERM
+    # and ended by it, exit 143, saying neither "retrying" nor "not retried", its entry left
+    # for the next gpuwait to reap. Only the record is lost now.
+    sim_file(gpus=1, memory="24GiB")
+
+    def cancel(entry: dict[str, Any], _pid: int) -> None:
+        subprocess.run([*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, timeout=60)
+
+    returncode, err, starts, state = _ran_out_then(gpuwait_cmd, tmp_path, cancel, kept=True)
+    assert starts == "started\n", err
+    assert "was cancelled, so it is not retried" in err and "retrying" not in err, err
+    assert "could not record the run in the history: SIGTERM arrived" in err, err
     assert returncode == 1, err
     assert ledger_entries() == []
     finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
