@@ -109,7 +109,7 @@ def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
     runs = python_runs(argv)
     if runs is None or runs[0]:
         return None
-    return _resolve(runs[1], cwd)
+    return _opened(runs[1], cwd)
 
 
 #: Launchers run by their module (`python -m torch.distributed.run`): the program it stands for.
@@ -141,7 +141,7 @@ def launcher_script_file(argv: Sequence[str], cwd: str) -> str | None:
         if token in ("-m", "--module", "--no-python", "--no_python"):
             return None
         if token.endswith(".py") and not token.startswith("-"):
-            return _resolve(token, cwd)
+            return _opened(token, cwd)
     return None
 
 
@@ -237,6 +237,15 @@ def _resolve(path: str, cwd: str) -> str:
     by no shell (quoted, or after `--script=`): the program opens `./~/...`, so it is no home
     directory here either, and nothing is looked up (the environment, the password database)."""
     return os.path.normpath(os.path.join(cwd, path))
+
+
+def _opened(path: str, cwd: str) -> str:
+    """The file `path` names for a program run in `cwd`, for a look at whether it is there:
+    as _resolve says it, but where it goes up (`runs/../train.py`), which is above the folder
+    a link leads to, not beside the link, as the kernel reads it."""
+    if ".." in path.split("/"):
+        return os.path.join(cwd, path)
+    return _resolve(path, cwd)
 
 
 def _join(parts: Sequence[str]) -> str:

@@ -359,6 +359,26 @@ def test_a_launchers_mistyped_script_fails_at_once_without_waiting_for_a_gpu(
     assert bare.stdout == f"bare: no script {tmp_path / 'trian.py'}: torchrun says so at once\n"
 
 
+def test_a_script_reached_through_a_link_and_dotdot_is_wrapped(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # `python runs/../probe.py`, runs a link to a folder elsewhere: python opens probe.py
+    # beside the folder the link points to, as the kernel follows the link before the `..`.
+    # The hook looked for it beside the link instead, found none there and ran the job bare,
+    # on GPUs other jobs had reserved, saying "no script .../probe.py: python says so at once".
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "runs").mkdir(parents=True)
+    (elsewhere / "probe.py").write_text(PROBE)
+    (tmp_path / "runs").symlink_to(elsewhere / "runs")
+    (tmp_path / "probe.py").unlink()
+    for argv in (["python", "runs/../probe.py"], ["torchrun", "runs/../probe.py"]):
+        said = explain(argv, hook_env, tmp_path)
+        assert said.stdout == "wrap: no rule says otherwise\n", said.stdout + said.stderr
+    (elsewhere / "probe.py").rename(tmp_path / "probe.py")
+    said = explain(["python", "runs/../probe.py"], hook_env, tmp_path)
+    assert said.stdout.startswith("bare: no script "), said.stdout + said.stderr
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_explain_reads_a_lines_assignments_as_the_shell_does(
     shell: str, hook_env: dict[str, str], tmp_path: Path
