@@ -106,10 +106,17 @@ def python_script_file(argv: Sequence[str], cwd: str) -> str | None:
     """The file a Python command line runs as its script (`python -u train.py` in /w:
     /w/train.py), as the interpreter opens it from `cwd`; None where it runs no file (`-c`,
     `-m`, `-`, its prompt) or is no Python."""
+    found = python_script_at(argv, cwd)
+    return None if found is None else found[0]
+
+
+def python_script_at(argv: Sequence[str], cwd: str) -> tuple[str, int] | None:
+    """python_script_file, with where in `argv` the script is named (`python -u train.py`:
+    2), for a line written again with another script."""
     runs = python_runs(argv)
     if runs is None or runs[0]:
         return None
-    return _opened(runs[1], cwd)
+    return _opened(runs[1], cwd), runs[2] - 1
 
 
 #: Launchers run by their module (`python -m torch.distributed.run`): the program it stands for.

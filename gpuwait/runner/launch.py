@@ -99,17 +99,17 @@ def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
     others (`--after`), which may write it, or the two are of a series (`run_3.py` beside
     `run_2.py`). Otherwise a warning to say before the wait, or None: a script that another
     step writes while this job waits must not cost the run."""
-    from gpuwait.core.cmdkey import python_runs  # only Python command lines pay for it
+    from gpuwait.core.cmdkey import python_script_at  # only Python command lines pay for it
 
-    runs = python_runs(argv)
-    if runs is None or runs[0]:
-        return None
-    typed, at = runs[1], runs[2] - 1
     try:
         cwd = os.getcwd()
     except OSError:
         return None
-    script = os.path.join(cwd, typed)
+    found = python_script_at(argv, cwd)
+    if found is None:
+        return None
+    script, at = found
+    typed = argv[at]
     if os.path.exists(script):
         return None
     folder = os.path.dirname(script)
