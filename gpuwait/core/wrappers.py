@@ -579,16 +579,26 @@ def passed_on(
     sudo's env_reset, env -u, env -i ...), those it sets (`env NV_GPU=1`, a shell's
     `NVIDIA_VISIBLE_DEVICES=all docker ...`) put in. None where a wrapper's options are not
     all known."""
-    if any(step.unsure for step in before):
-        return None
-    found = {name: environ[name] for name in names if name in environ}
-    for step in before:
-        found = {name: value for name, value in found.items() if not drops_gpus(step, name)}
+    return passed_on_each(before, names, environ)[-1]
+
+
+def passed_on_each(
+    found: Sequence[Step], names: Sequence[str], environ: Mapping[str, str]
+) -> list[dict[str, str] | None]:
+    """passed_on(found[:k], names, environ) for each k from 0 to len(found), in one pass: a
+    line of many wrappers costs each of them once."""
+    passed = {name: environ[name] for name in names if name in environ}
+    each: list[dict[str, str] | None] = [dict(passed)]
+    unsure = False
+    for step in found:
+        unsure = unsure or step.unsure
+        passed = {name: value for name, value in passed.items() if not drops_gpus(step, name)}
         for word in step.sets:
             name, _, value = word.partition("=")
             if name in names:
-                found[name] = value
-    return found
+                passed[name] = value
+        each.append(None if unsure else dict(passed))
+    return each
 
 
 #: docker's wrapper that adds the NVIDIA runtime to `run` (and NVIDIA_VISIBLE_DEVICES=$NV_GPU):

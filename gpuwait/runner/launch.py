@@ -10,7 +10,6 @@ mask, gpuwait's stdin, stdout and stderr.
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import re
 import shlex
@@ -40,6 +39,7 @@ from gpuwait.core.wrappers import (
     container_gpus,
     drops_gpus,
     passed_on,
+    passed_on_each,
     runs_gpuwait,
     steps,
 )
@@ -235,12 +235,19 @@ def _opens_engine(found: Sequence[Step], engines: frozenset[str] = CONTAINER_ENG
     each step runs the next as its own last words. Where a shell's code runs more than the
     engine (`sudo sh -c 'docker pull img && python x.py'`), the rest runs under the wrapper
     too."""
-    for outer, inner in itertools.pairwise(found):
-        if outer.argv[len(outer.argv) - len(inner.argv) :] != inner.argv:
-            return False
-        if inner.program in engines:
-            return True
-    return False
+    return bool(found) and _opening_engine(found, engines)[0]
+
+
+def _opening_engine(
+    found: Sequence[Step], engines: frozenset[str] = CONTAINER_ENGINES
+) -> list[bool]:
+    """_opens_engine(found[at:], engines) for each `at`, in one pass from the last step."""
+    opens = [False] * len(found)
+    for at in range(len(found) - 2, -1, -1):
+        outer, inner = found[at], found[at + 1]
+        if outer.argv[len(outer.argv) - len(inner.argv) :] == inner.argv:
+            opens[at] = inner.program in engines or opens[at + 1]
+    return opens
 
 
 def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
@@ -259,12 +266,24 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     found = steps(argv)
     if any(runs_gpuwait(step) for step in found):
         return
+    # What reaches each step through the wrappers before it, once for all of them: a line of
+    # many wrappers (`env A=1 env B=2 ...`) costs each once, not once for each after it.
+    environs = _apptainer_environs(found)
+    nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
     for at, step in enumerate(found):
-        _check_container(argv, step, found[:at])
-        _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], found[:at])
-        _check_nvccli(argv, step, by_index, found[:at])
+        _check_container(argv, step, nvidia[at])
+        _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], environs[at])
+        _check_nvccli(argv, step, by_index, found[:at], environs[at])
+    engines = _opening_engine(found)
+    apptainers = _opening_engine(found, APPTAINER_ENGINES)
+    # The actions that clean their environment, with where each is.
+    cleaning = [
+        (later, inner)
+        for later, inner in enumerate(found)
+        if apptainer_cleans_env(inner, environs[later])
+    ]
     for at, step in enumerate(found):
-        if _opens_engine(found[at:]):
+        if engines[at]:
             # `sudo docker run ...`: the engine passes no CUDA_VISIBLE_DEVICES into the
             # container anyway, whose GPUs are those its own options name.
             break
@@ -272,15 +291,15 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         # from the APPTAINERENV_ (SINGULARITYENV_) copies: the wrapper must keep those too.
         copies = [
             f"{inner.program.upper()}ENV_{name}"
-            for later, inner in enumerate(found[at + 1 :], at + 1)
-            if apptainer_cleans_env(inner, _apptainer_environ(found[:later]))
+            for later, inner in cleaning
+            if later > at
             for name in GPU_VARIABLES
         ]
         needed = GPU_VARIABLES[: 2 if by_index else 1]
         _check_sets(argv, step, needed)
         needed += tuple(c for c in copies if c.endswith(needed))
         dropped = [v for v in needed if drops_gpus(step, v)]
-        if _opens_engine(found[at:], APPTAINER_ENGINES):
+        if apptainers[at]:
             # Apptainer gives the container the APPTAINERENV_ (SINGULARITYENV_) copy over the
             # caller's variable: `env -u CUDA_VISIBLE_DEVICES apptainer exec` keeps its GPU.
             engine = next(
@@ -439,16 +458,15 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
         )
 
 
-def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) -> None:
+def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str] | None) -> None:
     """Refuse `docker run`, `podman run`, `nerdctl run` or `nvidia-docker run` giving the
     container GPUs of its own (UsageError, 2): `--gpus all`, `--gpus 2`, `--gpus device=1`,
     `--device nvidia.com/gpu=all`, `--device /dev/nvidia0`, the NVIDIA runtime with
     NVIDIA_VISIBLE_DEVICES (nvidia-docker's own too). The engine passes no
     CUDA_VISIBLE_DEVICES into the container, whose command would run on the GPUs named there,
     those given to other jobs too. The hint is the line that names the GPUs gpuwait reserves
-    (GPUWAIT_GPU_UUIDS) instead. `before`: the wrappers it runs under, which may drop or set
-    the NVIDIA_VISIBLE_DEVICES and NV_GPU it reads."""
-    environ = passed_on(before, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
+    (GPUWAIT_GPU_UUIDS) instead. `environ`: the NVIDIA_VISIBLE_DEVICES and NV_GPU it reads,
+    as the wrappers it runs under drop or set them (passed_on)."""
     spans = container_gpus(step, environ, _env_lines)
     if not spans:
         return
@@ -493,15 +511,16 @@ def _check_container(argv: Sequence[str], step: Step, before: Sequence[Step]) ->
     )
 
 
-def _apptainer_environ(before: Sequence[Step]) -> dict[str, str]:
+def _apptainer_environs(found: Sequence[Step]) -> list[dict[str, str]]:
     """The variables that give an Apptainer action options (APPTAINER_CONTAINALL=1 ...) as it
-    starts under the wrappers `before`, from gpuwait's environment; none where a wrapper's
-    options are not all known."""
-    return passed_on(before, APPTAINER_OPTION_VARIABLES, os.environ) or {}
+    starts under the wrappers before it, from gpuwait's environment: for each step of `found`
+    (under found[:k], the k-th), and for the end of them all; none where a wrapper's options
+    are not all known."""
+    return [e or {} for e in passed_on_each(found, APPTAINER_OPTION_VARIABLES, os.environ)]
 
 
 def _check_apptainer(
-    argv: Sequence[str], step: Step, names: Sequence[str], before_steps: Sequence[Step] = ()
+    argv: Sequence[str], step: Step, names: Sequence[str], environ: Mapping[str, str]
 ) -> None:
     """Refuse an `apptainer` or `singularity` action that sets a variable of `names` in the
     container with its own --env or --env-file, or the file APPTAINER_ENV_FILE names
@@ -509,7 +528,8 @@ def _check_apptainer(
     and `--env CUDA_VISIBLE_DEVICES=0` would run the container on GPU 0, given to other jobs
     too. The hint is the line without them (gpuwait's own reach the container), or, for a
     file, one that names the reserved GPUs after it (--env wins over --env-file).
-    `before_steps`: the wrappers it runs under, as they pass APPTAINER_ENV_FILE on."""
+    `environ`: the variables it starts with, as the wrappers it runs under pass
+    APPTAINER_ENV_FILE on (_apptainer_environs)."""
     where = len(argv) - len(step.argv)
     # The wrappers before it, where the step is the end of the line.
     before = list(argv[:where]) if tuple(argv[where:]) == step.argv else None
@@ -524,7 +544,7 @@ def _check_apptainer(
     else:
         files = [
             (begin, end, named)
-            for path, begin, end in apptainer_env_files(step, _apptainer_environ(before_steps))
+            for path, begin, end in apptainer_env_files(step, environ)
             if (named := [name for name in names if _sets(path, name)])
         ]
         if not files:
@@ -538,9 +558,7 @@ def _check_apptainer(
         hint = "name the reserved GPUs after it, in a shell: " + (
             line if before is None else f"gpuwait ... -- {line}"
         )
-    given = " ".join(step.argv[begin:end]) or apptainer_option_variable(
-        step, "--env-file", _apptainer_environ(before_steps)
-    )
+    given = " ".join(step.argv[begin:end]) or apptainer_option_variable(step, "--env-file", environ)
     prefix = step.program.upper() + "ENV_"
     what = (
         "it would run on GPUs gpuwait did not give it, those given to other jobs too"
@@ -555,15 +573,22 @@ def _check_apptainer(
     )
 
 
-def _check_nvccli(argv: Sequence[str], step: Step, by_index: bool, before: Sequence[Step]) -> None:
+def _check_nvccli(
+    argv: Sequence[str],
+    step: Step,
+    by_index: bool,
+    before: Sequence[Step],
+    environ: Mapping[str, str],
+) -> None:
     """Refuse `apptainer exec --nvccli --containall` (or --contain) as the command where
     gpuwait's environment has no NVIDIA_VISIBLE_DEVICES naming GPUs (UsageError, 2):
     nvidia-container-cli binds in only the GPUs it names, none where it is unset, and the
     job would fail once its turn came, its GPU missing from the container. The hint names the
     reserved GPUs there (or, with `visible_devices = index`, every GPU, which keeps CUDA's
     numbering that of NVML's). `before`: the wrappers it runs under, as they pass it on; where
-    one drops it, a value set before them would not reach it either, and no line is given."""
-    if not apptainer_nvccli_contained(step, _apptainer_environ(before)):
+    one drops it, a value set before them would not reach it either, and no line is given.
+    `environ`: the variables that give it options, as they pass them on (_apptainer_environs)."""
+    if not apptainer_nvccli_contained(step, environ):
         return
     name = "NVIDIA_VISIBLE_DEVICES"
     passed = passed_on(before, (name,), os.environ)
@@ -600,8 +625,9 @@ def check_pausable_container(argv: Sequence[str]) -> None:
     found = steps(argv)
     if any(runs_gpuwait(step) for step in found):
         return
+    environs = _apptainer_environs(found)
     for index, step in enumerate(found):
-        spotted = apptainer_pid_namespace(step, _apptainer_environ(found[:index]))
+        spotted = apptainer_pid_namespace(step, environs[index])
         if spotted is None:
             continue
         at, end, given = spotted
@@ -618,7 +644,7 @@ def check_pausable_container(argv: Sequence[str]) -> None:
             name = given.partition("=")[0]
             prefix = name.partition("_")[0]
             # Each of them: one left would give the namespace all the same.
-            unset = apptainer_pid_variables(_apptainer_environ(found[:index])) or [name]
+            unset = apptainer_pid_variables(environs[index]) or [name]
             rest = ("CONTAIN", "CLEANENV", "IPC") if name.endswith("_CONTAINALL") else ()
             kept = [f"{prefix}_{other}=1" for other in rest]
             if any(
