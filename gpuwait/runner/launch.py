@@ -383,7 +383,8 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
     which an Apptainer container takes over the caller's: the command would run on GPU 0,
     whichever gpuwait reserved. Let be: what gpuwait sets itself (CUDA_DEVICE_ORDER=PCI_BUS_ID),
     an empty value or -1, which hides every GPU (a CPU step: `core.wrap.hides_every_gpu`),
-    what gpuwait gives passed on by a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`),
+    what gpuwait gives passed on by a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`,
+    `${CUDA_VISIBLE_DEVICES:-0}`, whose default gpuwait's value always fills),
     and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
     CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
     GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
@@ -398,7 +399,8 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
         if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
             continue  # empty, or -1: CUDA sees no GPU at all (a CPU step), nobody else's
         given = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
-        if re.fullmatch(rf'"?\$(?:{given}|\{{{given}\}})"?', value):
+        # A default (`${CUDA_VISIBLE_DEVICES:-0}`) is never used: gpuwait sets each, not empty.
+        if re.fullmatch(rf'"?\$(?:{given}|\{{{given}(?::?[-=][^}}]*)?\}})"?', value):
             continue  # what gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`)
         own = os.environ.get(GPU_VARIABLES[0], "")
         if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:

@@ -1570,6 +1570,30 @@ def test_a_shell_that_sets_the_gpus_from_an_expansion_is_refused(
 
 
 @pytest.mark.parametrize(
+    "code",
+    [
+        "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'",
+        'export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES-0}"; echo "$CUDA_VISIBLE_DEVICES" > seen',
+        "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:=0} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'",
+    ],
+)
+def test_a_shell_that_defaults_the_gpus_to_its_own_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # `CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} python x.py`, a script's way to run on
+    # GPU 0 unless told otherwise, keeps the GPU gpuwait sets: it was refused as a GPU of its
+    # own, exit 2, "set CUDA_VISIBLE_DEVICES nowhere in the command".
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+    # A default that is no longer gpuwait's alone is still refused: `${SLOT:-0}`, `:+`.
+    for other in ("${SLOT:-$CUDA_VISIBLE_DEVICES}", "${CUDA_VISIBLE_DEVICES:+0}"):
+        line = f"CUDA_VISIBLE_DEVICES={other} python x.py"
+        done = gpuwait(gpuwait_cmd, ["sh", "-c", line], cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "status"),
     [
         (["accelerate", "launch", "--gpu_ids", "1", "-m", "pkg.train"], 2),
