@@ -819,6 +819,22 @@ def runs_apptainer(argv: Sequence[str]) -> bool:
     return any(_apptainer_start(step) is not None for step in steps(argv))
 
 
+def apptainer_command(step: Step) -> tuple[str, ...] | None:
+    """The command an `apptainer` or `singularity` `exec` runs in the container (`apptainer
+    exec --nv img.sif deepspeed x.py`: `deepspeed x.py`); None for another action (`run`
+    gives its words to the image's runscript), or where its options are not all known."""
+    start = _apptainer_start(step)
+    if start is None or step.argv[start - 1] != "exec":
+        return None
+    found, unknown = _apptainer_options(step)
+    if unknown:
+        return None
+    image = found[-1][3] if found else start
+    if step.argv[image : image + 1] == ("--",):
+        image += 1
+    return step.argv[image + 1 :] or None
+
+
 def _apptainer_options(step: Step) -> tuple[list[tuple[str, str, int, int]], bool]:
     """An `apptainer` or `singularity` action's options before its image, each as (name,
     value, start, end) in `step.argv`, none where the step runs no action; and whether they

@@ -17,7 +17,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
@@ -30,6 +30,7 @@ from gpuwait.core.wrappers import (
     NVIDIA_DOCKER,
     Step,
     apptainer_cleans_env,
+    apptainer_command,
     apptainer_env_files,
     apptainer_gpu_env,
     apptainer_nvccli_contained,
@@ -845,6 +846,18 @@ def _launcher(argv: Sequence[str]) -> tuple[str, int]:
     return program, skip
 
 
+def _launcher_steps(argv: Sequence[str]) -> Iterator[Step]:
+    """The steps of `argv` (`steps`), and those of the command an Apptainer container runs
+    where it sees every GPU, each after the step that starts it."""
+    found = steps(argv)
+    environs = _apptainer_environs(found)
+    for at, step in enumerate(found):
+        yield step
+        inner = apptainer_command(step)
+        if inner is not None and not apptainer_nvccli_contained(step, environs[at]):
+            yield from _launcher_steps(inner)
+
+
 def check_launcher_gpus(argv: Sequence[str]) -> None:
     """Refuse a launcher told to choose its workers' GPUs itself (UsageError, 2): `deepspeed
     --num_gpus 2` runs them on the machine's GPUs 0 and 1, `--include` and `--exclude` on those
@@ -852,8 +865,10 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
     GPUs gpuwait reserved: in other jobs' room. Only the launcher's own options count, those
     before its script (`deepspeed train.py --num_gpus 2` passes it to train.py), a .py or,
     after -m or --no_python, a module or a program; a launcher with neither is not looked
-    at."""
-    for step in steps(argv):
+    at. So is one an Apptainer container runs (`apptainer exec --nv img.sif deepspeed
+    --num_gpus 2 x.py`), which sees every GPU, but for one given only those
+    NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev)."""
+    for step in _launcher_steps(argv):
         program, skip = _launcher(step.argv)
         names = _LAUNCHER_GPU_OPTIONS.get(program)
         if names is None:

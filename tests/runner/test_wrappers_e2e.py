@@ -1621,6 +1621,36 @@ def test_a_launcher_running_a_module_is_refused_where_it_chooses_its_own_gpus(
 
 
 @pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        (["apptainer", "exec", "--nv", "img.sif", "deepspeed", "--num_gpus", "2", "x.py"], 2),
+        (["singularity", "exec", "-B", "/d", "i.sif", "deepspeed", "-i", "localhost:1", "x.py"], 2),
+        (["apptainer", "exec", "--nv", "i.sif", "accelerate", "launch", "--gpu_ids=1", "x.py"], 2),
+        (["apptainer", "exec", "--nv", "img.sif", "sh", "-c", "deepspeed --num_gpus=2 x.py"], 2),
+        # The script's own options: the line runs; so does a container given only the GPUs
+        # NVIDIA_VISIBLE_DEVICES names, whose launcher has no other GPU to choose.
+        (["apptainer", "exec", "--nv", "img.sif", "deepspeed", "x.py", "--num_gpus", "2"], 0),
+        (["apptainer", "exec", "--nvccli", "-C", "i.sif", "deepspeed", "--num_gpus", "2"], 0),
+    ],
+)
+def test_a_launcher_in_an_apptainer_container_is_refused_where_it_chooses_its_own_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str], status: int
+) -> None:
+    # `apptainer exec --nv img.sif deepspeed --num_gpus 2 x.py`, the usual way to run
+    # DeepSpeed on a cluster, ran its workers on GPUs 0 and 1 whichever GPUs gpuwait reserved:
+    # --nv gives the container every GPU, and what ran in it was not looked at.
+    env, ran = fake_bin(tmp_path, "apptainer", "singularity")
+    env = with_nvidia_visible_devices(env, "GPU-1")
+    done = gpuwait(gpuwait_cmd, command, env)
+    ends(done, ran, status, "gpuwait: error: ")
+    if status:
+        assert "runs its workers on GPUs it chooses itself" in done.stderr
+    if command[4:6] == ["deepspeed", "--num_gpus"]:
+        line = "gpuwait --gpus 2 ... -- apptainer exec --nv img.sif deepspeed x.py"
+        assert line in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "kept"),
     [
         (
