@@ -445,7 +445,8 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
             what = "it would run on GPUs gpuwait did not give it, those given to other jobs too"
             choose = (
                 f"; to have it pick from those GPUs: {shlex.quote(word)} gpuwait ... -- COMMAND"
-                if name == variable and value.strip() and "$" not in value
+                # GPUs named (0,1; GPU-UUID), not an expansion or xargs's {} and %
+                if name == variable and re.fullmatch(r"[\w.:-]+(?:,[\w.:-]+)*", value)
                 else ""
             )
         else:

@@ -1594,6 +1594,26 @@ def test_a_shell_that_defaults_the_gpus_to_its_own_runs_on_the_gpu_reserved(
 
 
 @pytest.mark.parametrize(
+    ("line", "pick"),
+    [
+        (["env", "CUDA_VISIBLE_DEVICES=1", "python", "x.py"], True),
+        (["xargs", "-I", "{}", "sh", "-c", "CUDA_VISIBLE_DEVICES={} python x.py"], False),
+        (["xargs", "-I%", "env", "CUDA_VISIBLE_DEVICES=%", "python", "x.py"], False),
+    ],
+)
+def test_the_refusal_of_a_gpu_set_by_xargs_offers_no_gpus_to_pick_from(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, line: list[str], pick: bool
+) -> None:
+    # `xargs -I {} sh -c 'CUDA_VISIBLE_DEVICES={} python x.py'` was told "to have it pick
+    # from those GPUs: 'CUDA_VISIBLE_DEVICES={}' gpuwait ... -- COMMAND": no GPUs, xargs's
+    # placeholder, which gpuwait then refuses in turn.
+    done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert ("to have it pick from those GPUs: CUDA_VISIBLE_DEVICES=1 " in done.stderr) == pick
+    assert ("pick from those GPUs" in done.stderr) == pick, done.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "status"),
     [
         (["accelerate", "launch", "--gpu_ids", "1", "-m", "pkg.train"], 2),
