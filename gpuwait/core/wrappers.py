@@ -197,6 +197,9 @@ class Step(Record, frozen=True):
     #: shell, those before its first command (`CUDA_VISIBLE_DEVICES=0 python x.py`, on a line
     #: of their own, or after `export`), as far as its words are plain.
     sets: tuple[str, ...] = ()
+    #: Its words end where a shell's code stopped being plain (`sh -c 'docker run --gpus all
+    #: -v "$PWD:/w" img'`): more of them follow, unread, and no line can be made of them.
+    cut: bool = False
 
     @property
     def program(self) -> str:
@@ -233,7 +236,7 @@ def steps(argv: Sequence[str]) -> list[Step]:
             current = split  # env -S 'A=1 python x.py': those words, in its place
             continue
         if spec is None:
-            found.append(Step(argv=current))
+            found.append(Step(argv=current, cut=cut))
             break
         options, inner, code, sets = _parse(spec, current[1:])
         if os.path.basename(current[0]) == "systemd-run":

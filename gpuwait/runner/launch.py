@@ -504,6 +504,10 @@ def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str]
         # The wrappers before it run inside the shell, which names the GPUs.
         code = " ".join(["exec", *(shlex.quote(word) for word in argv[:where]), *kept])
         line = f"gpuwait ... -- sh -c {shlex.quote(code)}"
+    elif step.cut:
+        # In a shell's code read up to an expansion: the words after it are not known here.
+        instead = "before" if given.startswith("--env-file") else "in place of"
+        line = f"in its code, {names} {instead} {given}" if given else f"in its code, {names}"
     else:
         line = f"sh -c {shlex.quote(' '.join(['exec', *kept]))}"
     raise UsageError(

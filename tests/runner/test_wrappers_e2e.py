@@ -1178,6 +1178,28 @@ def test_a_docker_env_file_naming_gpus_is_read_as_its_e_options_are(
 
 
 @pytest.mark.parametrize(
+    ("code", "given"),
+    [
+        ('exec docker run --rm --gpus all -v "$PWD:/w" img python x.py', "--gpus all"),
+        ('docker run --env-file "$HOME/gpu.env" img python x.py', "--gpus 2"),
+    ],
+)
+def test_the_refusal_of_docker_in_a_shell_gives_no_line_cut_short(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str, given: str
+) -> None:
+    # `sh -c 'exec docker run --gpus all -v "$PWD:/w" img python x.py'` was told to type
+    # `sh -c 'exec docker run --gpus "\"device=$GPUWAIT_GPU_UUIDS\"" -v'`: the words read up to
+    # the first expansion, the mount, the image and the command gone, a line docker refuses.
+    env, ran = fake_bin(tmp_path, "docker")
+    code = code.replace("--env-file", f"--gpus 2 -e HOME={tmp_path} --env-file")
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env)
+    refused(done, ran, f"({given})")
+    said = done.stderr.split("hint: ", 1)[1]
+    assert "sh -c" not in said, said
+    assert f'--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\"" in place of {given}' in said, said
+
+
+@pytest.mark.parametrize(
     ("command", "said"),
     [
         (["env", "-S", "CUDA_VISIBLE_DEVICES=0 true"], "env sets CUDA_VISIBLE_DEVICES=0"),
