@@ -548,6 +548,11 @@ def _check_apptainer(
         line = shlex.join([*step.argv[:begin], *rest, *step.argv[end:]])
         if before is not None:
             line = f"gpuwait ... -- {shlex.join([*before, *step.argv[:begin], *rest, *step.argv[end:]])}"
+        elif step.cut:
+            # In a shell's code read up to an expansion: the words after it are not known here.
+            taken = shlex.join(step.argv[begin:end])
+            line = f"in its code, {shlex.join(rest)} in place of {taken}" if rest else ""
+            line = line or f"in its code, leave out {taken}"
         hint = f"leave the GPUs to gpuwait: {line}"
     else:
         files = [
@@ -563,6 +568,8 @@ def _check_apptainer(
         kept = [*map(shlex.quote, step.argv[:end]), *after, *map(shlex.quote, step.argv[end:])]
         code = " ".join(["exec", *map(shlex.quote, before or []), *kept])
         line = shlex.join(["sh", "-c", code])
+        if before is None and step.cut:
+            line = f"in its code, {' '.join(after)} after {shlex.join(step.argv[begin:end])}"
         hint = "name the reserved GPUs after it, in a shell: " + (
             line if before is None else f"gpuwait ... -- {line}"
         )
@@ -668,6 +675,8 @@ def check_pausable_container(argv: Sequence[str]) -> None:
             line = shlex.join(kept)
             if tuple(argv[where:]) == step.argv:
                 line = f"gpuwait ... -- {shlex.join([*argv[:where], *kept])}"
+            elif step.cut:  # a shell's code read up to an expansion: no line of its words
+                line = f"in its code, leave out {shlex.join(step.argv[at:end])}"
             hint = f"leave out --fusemount, which implies --pid: {line}"
         elif (option := step.argv[at].partition("=")[0]) in _PID_NAMESPACE_OPTIONS:
             # `--containall=true` as well, as Go's flags take it.
@@ -676,6 +685,10 @@ def check_pausable_container(argv: Sequence[str]) -> None:
             line = shlex.join(kept)
             if tuple(argv[where:]) == step.argv:
                 line = f"gpuwait ... -- {shlex.join([*argv[:where], *kept])}"
+            elif step.cut:  # a shell's code read up to an expansion: no line of its words
+                put = " ".join(instead.get(option, []))
+                line = f"in its code, {put} in place of {step.argv[at]}" if put else ""
+                line = line or f"in its code, leave out {step.argv[at]}"
             hint = f"leave out the PID namespace: {line}"
         else:
             hint = "leave out the PID namespace: --contain --cleanenv --ipc for -C, nothing for -p"

@@ -1200,6 +1200,28 @@ def test_the_refusal_of_docker_in_a_shell_gives_no_line_cut_short(
 
 
 @pytest.mark.parametrize(
+    ("opts", "option", "said"),
+    [
+        (("--vram", "4G"), "--env CUDA_VISIBLE_DEVICES=0", "in its code, leave out --env"),
+        (PAUSABLE, "--containall", "in its code, --contain --cleanenv --ipc in place of"),
+        (PAUSABLE, "--fusemount host:f", "in its code, leave out --fusemount host:f"),
+    ],
+)
+def test_the_refusal_of_apptainer_in_a_shell_gives_no_line_cut_short(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, opts: list[str], option: str, said: str
+) -> None:
+    # `sh -c 'exec apptainer exec --nv --env CUDA_VISIBLE_DEVICES=0 -B "$PWD" img.sif python
+    # x.py'` was told to type `apptainer exec --nv -B`, and a --pausable one under
+    # --containall `apptainer exec --nv --contain --cleanenv --ipc -B`: the words read up to
+    # the first expansion, the bind's value, the image and the command gone.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    code = f'exec apptainer exec --nv {option} -B "$PWD" img.sif python x.py'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env, opts=opts)
+    refused(done, ran, said)
+    assert "-B\n" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "said"),
     [
         (["env", "-S", "CUDA_VISIBLE_DEVICES=0 true"], "env sets CUDA_VISIBLE_DEVICES=0"),
