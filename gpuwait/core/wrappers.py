@@ -531,7 +531,12 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     --preserve-env, or a --preserve-env=LIST naming the variable); doas and pkexec always
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
     or -u naming it; setpriv with --reset-env; sg for a login (-); a shell's exec with -c;
-    systemd-run unless --scope: its command runs in a unit of systemd's, with its environment."""
+    systemd-run unless --scope: its command runs in a unit of systemd's, with its environment;
+    a shell's code that unsets it before its first command."""
+    if step.program == "unset":
+        # A shell's code that unsets it before its command (`unset CUDA_VISIBLE_DEVICES; python
+        # x.py`), but for a function of that name (-f).
+        return variable in step.argv[1:] and "-f" not in step.argv[1:]
     names = {name for name, _ in step.options}
     # What is read of its options already drops the variables, whatever words follow.
     if step.program == "doas":

@@ -344,6 +344,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             hint = f"leave {variable} to the command: unset only what it must not see"
         elif step.program == "exec":
             hint = "leave out exec's -c, which starts the command with an empty environment"
+        elif step.program == "unset":
+            hint = f"leave {variable} to the command: unset it nowhere in the command"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:
@@ -361,10 +363,10 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
             else "it would number the GPUs fastest-first, and the index gpuwait gives "
             "(visible_devices = index) could name a GPU given to another job"
         )
-        raise UsageError(
-            f"{step.program} starts its command without the {variable} gpuwait sets: {what}",
-            hint=hint,
-        )
+        doer = f"{step.program} starts its command"
+        if step.program == "unset":
+            doer = f"the shell's code unsets {variable} before its command, which starts"
+        raise UsageError(f"{doer} without the {variable} gpuwait sets: {what}", hint=hint)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:

@@ -1657,6 +1657,24 @@ def test_the_refusal_of_a_gpu_set_by_xargs_offers_no_gpus_to_pick_from(
     assert ("pick from those GPUs" in done.stderr) == pick, done.stderr
 
 
+def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `sh -c 'unset CUDA_VISIBLE_DEVICES; python x.py'` ran python on every GPU, those given
+    # to other jobs too, where `env -u CUDA_VISIBLE_DEVICES python x.py` is refused: the
+    # shell's first command was taken to be `unset`, and nothing after it was looked at.
+    code = 'unset CUDA_VISIBLE_DEVICES; echo "${CUDA_VISIBLE_DEVICES-every GPU}" > seen'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "unsets CUDA_VISIBLE_DEVICES" in done.stderr, done.stderr
+    assert not (tmp_path / "seen").exists()
+    # Another variable unset is no concern of gpuwait's: the line runs on the GPU reserved.
+    code = 'unset OMP_NUM_THREADS; echo "${CUDA_VISIBLE_DEVICES-every GPU}" > seen'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
 @pytest.mark.parametrize(
     ("command", "status"),
     [
