@@ -336,7 +336,14 @@ def test_a_waiter_whose_gpus_go_into_mig_mode_is_told_so(
     )
     try:
         wait_for(lambda: any(e.get("state") == "waiting" for e in ledger_entries()), timeout=30)
-        fake_nvml.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB), FakeGpu(mig=True)])
+        # Full as before: a reading that began before the switch asks the mode first, and
+        # would take an empty card read after it for room.
+        fake_nvml.set_gpus(
+            [
+                FakeGpu(total=24 * GIB, used=20 * GIB),
+                FakeGpu(total=24 * GIB, used=20 * GIB, mig=True),
+            ]
+        )
         if not devices:
             fake_nvml.update_gpu(0, mig=True)
         _, err = waiter.communicate(timeout=30)
