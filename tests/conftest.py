@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +20,44 @@ pytest_plugins = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
+
+# pytest-xdist runs each worker's tests in its main thread, beside the thread that reads the
+# controller's commands. A signal sent to the process (`kill PID`, a timer, inotify's SIGIO)
+# goes to its main thread unless that thread holds it blocked, as gpuwait does while it waits;
+# it then went to the other thread, whose default action for most signals ends the worker.
+# Workers start with every signal blocked, which that thread keeps, and their main thread
+# takes back the controller's mask: a worker takes signals as a one-thread pytest does.
+_controller_mask: set[signal.Signals] | None = None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: Any) -> None:
+    global _controller_mask
+    _controller_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    if _controller_mask is not None:
+        node.workerinput["gpuwait_sigmask"] = sorted(int(s) for s in _controller_mask)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodeready(node: Any) -> None:
+    # Every worker has been started by now: the controller takes Ctrl-C again.
+    if _controller_mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _controller_mask)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    if "gpuwait_sigmask" in workerinput:
+        signal.pthread_sigmask(signal.SIG_SETMASK, workerinput["gpuwait_sigmask"])
+    # execnet gives workers a terminal's size; gpuwait's tables would take it for one.
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
 
 
 @pytest.fixture(autouse=True)
