@@ -112,10 +112,14 @@ def test_exit_code_table_lists_every_code_of_gpuwait_and_no_other() -> None:
 def test_readme_keeps_the_test_command_ci_runs() -> None:
     readme = (REPO / "README.md").read_text()
     command = (
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && "
+        ".venv/bin/python -m pytest -n auto\n"
     )
     assert command in readme
-    assert ".venv/bin/python -m pytest" in (REPO / ".ci" / "run").read_text()
+    assert (
+        ".venv/bin/python -m pytest -p no:cacheprovider -n auto\n"
+        in (REPO / ".ci" / "run").read_text()
+    )
 
 
 def test_links_between_pages_lead_to_files_that_exist() -> None:
