@@ -868,13 +868,18 @@ def _launcher(argv: Sequence[str]) -> tuple[str, int]:
 
 def _launcher_steps(argv: Sequence[str]) -> Iterator[Step]:
     """The steps of `argv` (`steps`), and those of the command an Apptainer container runs
-    where it sees every GPU, each after the step that starts it."""
+    where it sees every GPU, each after the step that starts it: but for one given only the
+    GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all."""
     found = steps(argv)
     environs = _apptainer_environs(found)
+    nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES",), os.environ)
     for at, step in enumerate(found):
         yield step
         inner = apptainer_command(step)
-        if inner is not None and not apptainer_nvccli_contained(step, environs[at]):
+        if inner is None:
+            continue
+        given = (nvidia[at] or {}).get("NVIDIA_VISIBLE_DEVICES", "")
+        if not apptainer_nvccli_contained(step, environs[at]) or given.strip() == "all":
             yield from _launcher_steps(inner)
 
 
@@ -887,7 +892,7 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
     after -m or --no_python, a module or a program; a launcher with neither is not looked
     at. So is one an Apptainer container runs (`apptainer exec --nv img.sif deepspeed
     --num_gpus 2 x.py`), which sees every GPU, but for one given only those
-    NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev)."""
+    NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), where it names not all."""
     for step in _launcher_steps(argv):
         program, skip = _launcher(step.argv)
         names = _LAUNCHER_GPU_OPTIONS.get(program)

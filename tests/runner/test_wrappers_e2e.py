@@ -1732,6 +1732,23 @@ def test_a_launcher_in_an_apptainer_container_is_refused_where_it_chooses_its_ow
         assert line in done.stderr, done.stderr
 
 
+def test_a_launcher_in_an_nvccli_container_given_every_gpu_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # With visible_devices = index, the refusal of `apptainer exec --nvccli -C` without
+    # NVIDIA_VISIBLE_DEVICES gives the line with NVIDIA_VISIBLE_DEVICES=all: there the
+    # container has every GPU, and `deepspeed --num_gpus 2` in it ran its workers on GPUs 0
+    # and 1, whichever GPUs gpuwait reserved.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    env = {**with_nvidia_visible_devices(env, None), "GPUWAIT_VISIBLE_DEVICES": "index"}
+    command = ["apptainer", "exec", "--nvccli", "-C", "i.sif", "deepspeed", "--num_gpus", "2"]
+    first = gpuwait(gpuwait_cmd, [*command, "x.py"], env)
+    refused(first, ran, "NVIDIA_VISIBLE_DEVICES=all gpuwait ... -- ")
+    done = gpuwait(gpuwait_cmd, [*command, "x.py"], with_nvidia_visible_devices(env, "all"))
+    refused(done, ran, "runs its workers on GPUs it chooses itself")
+    assert "-- apptainer exec --nvccli -C i.sif deepspeed x.py\n" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "kept"),
     [
