@@ -264,7 +264,13 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
     A wrapper may drop them before a gpuwait of the command's own (`env -u CUDA_VISIBLE_DEVICES
     gpuwait --vram 1G -- ...`, `sudo -u alice gpuwait ...`): that one sets them for its command."""
-    found = steps(argv)
+    _check_keeps(argv, steps(argv), by_index)
+
+
+def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> None:
+    """check_keeps_gpus for `found`, the steps of `argv` or those of a command an Apptainer
+    container runs in it (`apptainer exec --nv img.sif env CUDA_VISIBLE_DEVICES=0 python
+    x.py`), which gets gpuwait's variables and sees every GPU."""
     if any(runs_gpuwait(step) for step in found):
         return
     # What reaches each step through the wrappers before it, once for all of them: a line of
@@ -367,6 +373,8 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
         if step.program == "unset":
             doer = f"the shell's code unsets {variable} before its command, which starts"
         raise UsageError(f"{doer} without the {variable} gpuwait sets: {what}", hint=hint)
+    for _, inner in _container_commands(found):
+        _check_keeps(argv, steps(inner), by_index)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
@@ -871,16 +879,26 @@ def _launcher_steps(argv: Sequence[str]) -> Iterator[Step]:
     where it sees every GPU, each after the step that starts it: but for one given only the
     GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all."""
     found = steps(argv)
-    environs = _apptainer_environs(found)
-    nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES",), os.environ)
+    commands = dict(_container_commands(found))
     for at, step in enumerate(found):
         yield step
+        if at in commands:
+            yield from _launcher_steps(commands[at])
+
+
+def _container_commands(found: Sequence[Step]) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """The commands the Apptainer `exec` actions of `found` run where the container sees
+    every GPU, each with where its step is: but for one given only the GPUs
+    NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all."""
+    environs = _apptainer_environs(found)
+    nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES",), os.environ)
+    for index, step in enumerate(found):
         inner = apptainer_command(step)
         if inner is None:
             continue
-        given = (nvidia[at] or {}).get("NVIDIA_VISIBLE_DEVICES", "")
-        if not apptainer_nvccli_contained(step, environs[at]) or given.strip() == "all":
-            yield from _launcher_steps(inner)
+        given = (nvidia[index] or {}).get("NVIDIA_VISIBLE_DEVICES", "")
+        if not apptainer_nvccli_contained(step, environs[index]) or given.strip() == "all":
+            yield index, inner
 
 
 def check_launcher_gpus(argv: Sequence[str]) -> None:

@@ -1732,6 +1732,42 @@ def test_a_launcher_in_an_apptainer_container_is_refused_where_it_chooses_its_ow
         assert line in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("inner", "said", "line"),
+    [
+        (
+            ["env", "CUDA_VISIBLE_DEVICES=0", "python", "x.py"],
+            "env sets CUDA_VISIBLE_DEVICES=0 for its command",
+            "-- apptainer exec --nv img.sif env python x.py;",
+        ),
+        (
+            ["env", "-u", "CUDA_VISIBLE_DEVICES", "python", "x.py"],
+            "env starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets",
+            "-- apptainer exec --nv img.sif env python x.py\n",
+        ),
+        (
+            ["sh", "-c", "CUDA_VISIBLE_DEVICES=1 python x.py"],
+            "sh sets CUDA_VISIBLE_DEVICES=1 for its command",
+            "",
+        ),
+    ],
+)
+def test_a_command_in_an_apptainer_container_is_refused_where_it_sets_its_own_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, inner: list[str], said: str, line: str
+) -> None:
+    # `apptainer exec --nv img.sif env CUDA_VISIBLE_DEVICES=0 python x.py` ran python on GPU
+    # 0, whichever GPU gpuwait had reserved, where the same line bare is refused: --nv gives
+    # the container every GPU, and the command in it was looked at for a launcher alone.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    done = gpuwait(gpuwait_cmd, ["apptainer", "exec", "--nv", "img.sif", *inner], env)
+    refused(done, ran, said, line)
+    # Its own GPU, passed on, runs.
+    own = 'CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" python x.py'
+    kept = ["apptainer", "exec", "--nv", "img.sif", "sh", "-c", own]
+    assert gpuwait(gpuwait_cmd, kept, env).returncode == 0
+    assert ran.exists()
+
+
 def test_a_launcher_in_an_nvccli_container_given_every_gpu_is_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
