@@ -182,6 +182,12 @@ _PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+\Z")
 _SEPARATORS = re.compile(r"\s*(?:;|&|\||\n)")
 #: A variable a shell sets for the command that follows it (`OMP_NUM_THREADS=4 python x.py`).
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+#: The shell's builtins that set variables of the environment, as `export` does: a variable
+#: that came from it stays exported (`declare CUDA_VISIBLE_DEVICES=0`, `readonly ...`).
+_DECLARING = frozenset({"export", "declare", "typeset", "readonly"})
+#: Options of `declare`, `typeset` and `readonly` after which they still only set (and
+#: export): -x, -r, -g (and `--`).
+_KEEPS_EXPORTED = re.compile(r"-[xrg]+|--")
 
 
 class Step(Record, frozen=True):
@@ -354,19 +360,23 @@ def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
         words: list[str] = []
-        exported = False
+        #: `export`, or bash's `declare`, `typeset` or `readonly` and its options that keep a
+        #: variable exported (`declare -x`), before the variables it sets.
+        exported: list[str] = []
         for word in part.split():
             if not _PLAIN.match(word):
                 if not words and _ASSIGNMENT.match(word):
                     # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same.
                     sets.append(word)
                 return (words, False, tuple(sets)) if words or sets else None
-            if not words and not exported and word == "export":
-                exported = True
+            if not words and not exported and word in _DECLARING:
+                exported = [word]
+            elif exported and exported[0] != "export" and _KEEPS_EXPORTED.fullmatch(word):
+                exported.append(word)
             elif (words and not exported) or not _ASSIGNMENT.match(word):
                 if exported:
-                    words.append("export")
-                    exported = False
+                    words += exported
+                    exported = []
                 words.append(word)
             else:
                 sets.append(word)
@@ -532,11 +542,14 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     do; su and runuser do for a login (-, -l) unless -w names it; env does with -i (or `-`)
     or -u naming it; setpriv with --reset-env; sg for a login (-); a shell's exec with -c;
     systemd-run unless --scope: its command runs in a unit of systemd's, with its environment;
-    a shell's code that unsets it before its first command."""
+    a shell's code that unsets it before its first command, or takes it out of the
+    environment (`export -n`, `declare +x`: `unexports`)."""
     if step.program == "unset":
         # A shell's code that unsets it before its command (`unset CUDA_VISIBLE_DEVICES; python
         # x.py`), but for a function of that name (-f).
         return variable in step.argv[1:] and "-f" not in step.argv[1:]
+    if step.program in UNEXPORTING:
+        return unexports(step, variable)
     names = {name for name, _ in step.options}
     # What is read of its options already drops the variables, whatever words follow.
     if step.program == "doas":
@@ -577,6 +590,23 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
             step.options, ("-u", "--unset"), variable
         )
     return False
+
+
+#: The shell's builtins that take a variable out of the environment, the shell keeping it
+#: (`export -n`, `declare +x`), as the first command of its code (`unexports`).
+UNEXPORTING = frozenset({"export", "declare", "typeset"})
+
+
+def unexports(step: Step, variable: str) -> bool:
+    """Does a shell's code take `variable` out of the environment before its command (`export
+    -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), but for a function (-f)?"""
+    options = [word for word in step.argv[1:] if word[:1] in "-+" and word != "--"]
+    names = [word.partition("=")[0] for word in step.argv[1:] if word[:1] not in "-+"]
+    if variable not in names or any("f" in word or "F" in word for word in options):
+        return False
+    if step.program == "export":
+        return any(word[0] == "-" and "n" in word for word in options)
+    return any(word[0] == "+" and "x" in word for word in options)
 
 
 def passed_on(

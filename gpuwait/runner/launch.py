@@ -28,6 +28,7 @@ from gpuwait.core.wrappers import (
     CONTAINER_ENGINES,
     GPU_VARIABLES,
     NVIDIA_DOCKER,
+    UNEXPORTING,
     Step,
     apptainer_cleans_env,
     apptainer_command,
@@ -352,6 +353,8 @@ def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> 
             hint = "leave out exec's -c, which starts the command with an empty environment"
         elif step.program == "unset":
             hint = f"leave {variable} to the command: unset it nowhere in the command"
+        elif step.program in UNEXPORTING:
+            hint = f"leave {variable} to the command: keep it exported"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:
@@ -372,6 +375,11 @@ def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> 
         doer = f"{step.program} starts its command"
         if step.program == "unset":
             doer = f"the shell's code unsets {variable} before its command, which starts"
+        elif step.program in UNEXPORTING:
+            doer = (
+                f"the shell's code takes {variable} out of its environment before its "
+                f"command ({shlex.join(step.argv)}), which starts"
+            )
         raise UsageError(f"{doer} without the {variable} gpuwait sets: {what}", hint=hint)
     for _, inner in _container_commands(found):
         _check_keeps(argv, steps(inner), by_index)

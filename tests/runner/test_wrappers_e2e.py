@@ -1676,6 +1676,40 @@ def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("export -n CUDA_VISIBLE_DEVICES", "takes CUDA_VISIBLE_DEVICES out of its environment"),
+        ("declare +x CUDA_VISIBLE_DEVICES", "takes CUDA_VISIBLE_DEVICES out of its environment"),
+        ("declare -x CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
+        ("typeset -gx CUDA_VISIBLE_DEVICES=1", "bash sets CUDA_VISIBLE_DEVICES=1 for its"),
+        ("readonly CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
+    ],
+)
+def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str, said: str
+) -> None:
+    # `bash -c 'export -n CUDA_VISIBLE_DEVICES; python x.py'` ran python on every GPU, and
+    # `bash -c 'declare -x CUDA_VISIBLE_DEVICES=0; python x.py'` on GPU 0, whichever GPU
+    # gpuwait had reserved, where `unset` and `export CUDA_VISIBLE_DEVICES=0` are refused:
+    # the shell's first command was taken to be the builtin, and nothing after it was looked at.
+    line = f'{code}; echo "${{CUDA_VISIBLE_DEVICES-every GPU}}" > seen; env > env'
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", line], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr, done.stderr
+    assert not (tmp_path / "seen").exists()
+    # The same, run bare where gpuwait's GPU is set: what python would have seen.
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run(["bash", "-c", line], env=own, cwd=tmp_path, check=True, timeout=60)
+    assert "CUDA_VISIBLE_DEVICES=GPU-own" not in (tmp_path / "env").read_text()
+    # Another variable is no concern of gpuwait's: the line runs on the GPU reserved.
+    (tmp_path / "seen").unlink()
+    other = line.replace("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", 1)
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", other], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
+@pytest.mark.parametrize(
     ("command", "status"),
     [
         (["accelerate", "launch", "--gpu_ids", "1", "-m", "pkg.train"], 2),
