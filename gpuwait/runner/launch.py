@@ -278,6 +278,7 @@ def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> 
     # many wrappers (`env A=1 env B=2 ...`) costs each once, not once for each after it.
     environs = _apptainer_environs(found)
     nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
+    given = _given(found)
     for at, step in enumerate(found):
         _check_container(argv, step, nvidia[at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], environs[at])
@@ -304,7 +305,7 @@ def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> 
             for name in GPU_VARIABLES
         ]
         needed = GPU_VARIABLES[: 2 if by_index else 1]
-        _check_sets(argv, step, needed)
+        _check_sets(argv, step, needed, given[at])
         needed += tuple(c for c in copies if c.endswith(needed))
         dropped = [v for v in needed if drops_gpus(step, v)]
         if apptainers[at]:
@@ -395,7 +396,37 @@ def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
     return False
 
 
-def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
+#: A stand-in for gpuwait's own value of a variable it gives the command (`_given`).
+_GPUWAITS = "\0gpuwait"
+
+
+def _given(found: Sequence[Step]) -> list[dict[str, str] | None]:
+    """The variables gpuwait gives the command that name its GPUs or their order, as each step
+    of `found` gets them (passed_on_each): gpuwait's own value (_GPUWAITS), or one set before."""
+    names = (*GPU_VARIABLES, *_container_names(GPU_VARIABLES))
+    names += ("GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES")
+    return passed_on_each(found, names, dict.fromkeys(names, _GPUWAITS))
+
+
+def _default_unused(match: re.Match[str], given: Mapping[str, str] | None) -> bool:
+    """Is the default of `${NAME:-DEFAULT}` (`match`, of _check_sets) never used, where the
+    step gets gpuwait's variables as `given` says (None: not known, taken as gpuwait's)? Not
+    where a wrapper before it (`env CUDA_VISIBLE_DEVICES=`) or the shell's code emptied the
+    variable, which `:-` fills, or unset it."""
+    if match["colon"] is None or given is None:
+        return True
+    value = given.get(match["name"])
+    if value is None:
+        return False
+    return value == _GPUWAITS or match["colon"] == "" or bool(value.strip(" \"'"))
+
+
+def _check_sets(
+    argv: Sequence[str],
+    step: Step,
+    names: Sequence[str],
+    given: Mapping[str, str] | None = None,
+) -> None:
     """Refuse a wrapper that sets a variable of `names` for its command (UsageError, 2): `env
     CUDA_VISIBLE_DEVICES=0 python x.py`, `sudo -E CUDA_VISIBLE_DEVICES=0 ...`, `sh -c
     'CUDA_VISIBLE_DEVICES=0 python x.py'`, or its APPTAINERENV_ (SINGULARITYENV_) copy,
@@ -407,9 +438,15 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
     and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
     CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
     GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
-    line's own; the GPUs gpuwait picks from are chosen before it."""
+    line's own; the GPUs gpuwait picks from are chosen before it. `given`: gpuwait's variables
+    as the step gets them (`_given`), which a default fills where a wrapper emptied one."""
+    before = None if given is None else dict(given)
     for word in step.sets:
         name, _, value = word.partition("=")
+        now = before
+        if before is not None and name in before:
+            # What it sets counts for a default after it (`export CUDA_VISIBLE_DEVICES=; ...`).
+            before = {**before, name: value}
         variable = next((v for v in names if name in (v, *_container_names([v]))), None)
         if variable is None:
             continue
@@ -417,9 +454,13 @@ def _check_sets(argv: Sequence[str], step: Step, names: Sequence[str]) -> None:
             continue
         if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
             continue  # empty, or -1: CUDA sees no GPU at all (a CPU step), nobody else's
-        given = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
-        # A default (`${CUDA_VISIBLE_DEVICES:-0}`) is never used: gpuwait sets each, not empty.
-        if re.fullmatch(rf'"?\$(?:{given}|\{{{given}(?::?[-=][^}}]*)?\}})"?', value):
+        gpuwaits = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
+        # A default (`${CUDA_VISIBLE_DEVICES:-0}`) is never used: gpuwait sets each, not empty,
+        # unless a wrapper before emptied it.
+        passed = re.fullmatch(
+            rf'"?\$(?:{gpuwaits}|\{{(?P<name>{gpuwaits})(?:(?P<colon>:?)[-=][^}}]*)?\}})"?', value
+        )
+        if passed is not None and _default_unused(passed, now):
             continue  # what gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`)
         own = os.environ.get(GPU_VARIABLES[0], "")
         if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:

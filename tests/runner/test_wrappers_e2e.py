@@ -1638,6 +1638,40 @@ def test_a_shell_that_defaults_the_gpus_to_its_own_runs_on_the_gpu_reserved(
 
 
 @pytest.mark.parametrize(
+    ("before", "code"),
+    [
+        (["env", "CUDA_VISIBLE_DEVICES="], "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}"),
+        (["env", "GPUWAIT_GPU_UUIDS="], "CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}"),
+        ([], "export CUDA_VISIBLE_DEVICES=; CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:=0}"),
+    ],
+)
+def test_a_shell_default_of_the_gpus_filled_after_they_were_emptied_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, before: list[str], code: str
+) -> None:
+    # `env CUDA_VISIBLE_DEVICES= sh -c 'CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    # python x.py'` ran python on GPU 0, whichever GPU gpuwait had reserved: the empty value
+    # hides every GPU and runs, and the default was taken for gpuwait's value passed on,
+    # though the empty value is what the shell gets, and its default fills it.
+    line = [*before, "sh", "-c", f"{code} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"]
+    done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets" in done.stderr
+    assert not (tmp_path / "seen").exists()
+    # The same, run bare where gpuwait's GPU is set: GPU 0.
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own", "GPUWAIT_GPU_UUIDS": "GPU-own"}
+    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == "0"
+    # A default that only an unset variable takes (`-`, not `:-`) is not used: the line runs,
+    # on no GPU.
+    if "-0" in code:
+        (tmp_path / "seen").unlink()
+        line[-1] = line[-1].replace(":-0", "-0")
+        done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().strip() == ""
+
+
+@pytest.mark.parametrize(
     ("line", "pick"),
     [
         (["env", "CUDA_VISIBLE_DEVICES=1", "python", "x.py"], True),
