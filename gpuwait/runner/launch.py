@@ -923,16 +923,19 @@ def _launcher(argv: Sequence[str]) -> tuple[str, int]:
     return program, skip
 
 
-def _launcher_steps(argv: Sequence[str]) -> Iterator[Step]:
+def _launcher_steps(argv: Sequence[str], cut: bool = False) -> Iterator[Step]:
     """The steps of `argv` (`steps`), and those of the command an Apptainer container runs
     where it sees every GPU, each after the step that starts it: but for one given only the
-    GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all."""
+    GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all.
+    `cut`: `argv` are the words of a shell's code read up to an expansion (`Step.cut`)."""
     found = steps(argv)
+    if cut and found:
+        found[-1] = found[-1]._replace(cut=True)
     commands = dict(_container_commands(found))
     for at, step in enumerate(found):
         yield step
         if at in commands:
-            yield from _launcher_steps(commands[at])
+            yield from _launcher_steps(commands[at], step.cut)
 
 
 def _container_commands(found: Sequence[Step]) -> Iterator[tuple[int, tuple[str, ...]]]:
@@ -957,7 +960,8 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
     GPUs gpuwait reserved: in other jobs' room. Only the launcher's own options count, those
     before its script (`deepspeed train.py --num_gpus 2` passes it to train.py), a .py or,
     after -m or --no_python, a module or a program; a launcher with neither is not looked
-    at. So is one an Apptainer container runs (`apptainer exec --nv img.sif deepspeed
+    at, but in a shell's code read up to an expansion (`sh -c 'deepspeed --num_gpus 2
+    "$PWD/x.py"'`), where the words before the first that is no option are its own. So is one an Apptainer container runs (`apptainer exec --nv img.sif deepspeed
     --num_gpus 2 x.py`), which sees every GPU, but for one given only those
     NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), where it names not all."""
     for step in _launcher_steps(argv):
@@ -966,11 +970,25 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
         if names is None:
             continue
         own = list(step.argv[skip:])
-        own = own[: _launcher_script(own, names)]
+        script = _launcher_script(own, names)
+        if not script and step.cut:
+            # Read up to an expansion (`deepspeed --num_gpus 2 "$PWD/x.py"`): the words before
+            # its first that is no option nor a GPU option's value are the launcher's own.
+            script = next(
+                (
+                    n
+                    for n, t in enumerate(own)
+                    if t[:1] != "-" and (not n or own[n - 1] not in names)
+                ),
+                len(own),
+            )
+        own = own[:script]
         for at, token in enumerate(own):
             name, glued, value = token.partition("=")
             if name not in names:
                 continue
+            if not glued and at + 1 >= len(own) and step.cut:
+                continue  # its value an expansion (`--num_gpus "$N"`), not known here
             value = value if glued else (own[at + 1] if at + 1 < len(own) else "")
             if value.strip() == ("all" if program == "accelerate" else "-1"):
                 continue  # all of what it is given; deepspeed's default

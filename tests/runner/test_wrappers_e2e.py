@@ -1836,6 +1836,29 @@ def test_a_command_in_an_apptainer_container_is_refused_where_it_sets_its_own_gp
     assert ran.exists()
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        'deepspeed --num_gpus 2 "$PWD/x.py"',
+        "exec accelerate launch --gpu_ids=1 $SCRIPT --lr 0.1",
+        'apptainer exec --nv img.sif deepspeed --include localhost:1 "$PWD/x.py"',
+    ],
+)
+def test_a_launcher_in_a_shell_whose_script_is_an_expansion_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # `sh -c 'deepspeed --num_gpus 2 "$PWD/x.py"'` ran its workers on GPUs 0 and 1, whichever
+    # GPUs gpuwait had reserved, where `sh -c 'deepspeed --num_gpus 2 x.py'` is refused: the
+    # shell's code is read up to the expansion, and a launcher whose script was not among the
+    # words read was not looked at, though every option before it is the launcher's own.
+    env, ran = fake_bin(tmp_path, "deepspeed", "accelerate", "apptainer")
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], {**env, "SCRIPT": "x.py"})
+    refused(done, ran, "runs its workers on GPUs it chooses itself")
+    # An option of the script's own, after it, runs.
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", 'deepspeed "$PWD/x.py" --num_gpus 2'], env)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_launcher_in_an_nvccli_container_given_every_gpu_is_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
