@@ -567,6 +567,11 @@ def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str]
         # In a shell's code read up to an expansion: the words after it are not known here.
         instead = "before" if given.startswith("--env-file") else "in place of"
         line = f"in its code, {names} {instead} {given}" if given else f"in its code, {names}"
+        # Each other option that gives it GPUs goes too (`--runtime=nvidia -e
+        # NVIDIA_VISIBLE_DEVICES=all`), as in the line given where every word is read.
+        others = [" ".join(step.argv[b:e]) for b, e in cut if b != spans[0][0]]
+        if others:
+            line += f", and leave out {', '.join(others)}"
     else:
         line = f"sh -c {shlex.quote(' '.join(['exec', *kept]))}"
     raise UsageError(

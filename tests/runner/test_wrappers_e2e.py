@@ -1199,6 +1199,28 @@ def test_the_refusal_of_docker_in_a_shell_gives_no_line_cut_short(
     assert f'--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\"" in place of {given}' in said, said
 
 
+def test_the_refusal_of_docker_in_a_shell_names_every_option_that_gives_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `sh -c 'exec docker run --runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=all -v "$PWD:/w" img
+    # python x.py'` was told to put --gpus "\"device=$GPUWAIT_GPU_UUIDS\"" in place of
+    # --runtime=nvidia alone: the line so changed, still naming every GPU, was refused again.
+    env, ran = fake_bin(tmp_path, "docker")
+    options = "--runtime=nvidia -e NVIDIA_VISIBLE_DEVICES=all"
+    code = f'exec docker run {options} -v "$PWD:/w" img python x.py'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env)
+    refused(done, ran, "(--runtime=nvidia)")
+    said = done.stderr.split("hint: ", 1)[1]
+    names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
+    assert (
+        f"{names} in place of --runtime=nvidia, and leave out -e NVIDIA_VISIBLE_DEVICES=all" in said
+    )
+    # The code as the hint says, which runs.
+    fixed = code.replace(options, names)
+    assert gpuwait(gpuwait_cmd, ["sh", "-c", fixed], env).returncode == 0
+    assert ran.exists()
+
+
 @pytest.mark.parametrize(
     ("opts", "option", "said"),
     [
