@@ -268,17 +268,20 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
     _check_keeps(argv, steps(argv), by_index)
 
 
-def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> None:
+def _check_keeps(
+    argv: Sequence[str], found: Sequence[Step], by_index: bool, cleaned: bool = False
+) -> None:
     """check_keeps_gpus for `found`, the steps of `argv` or those of a command an Apptainer
     container runs in it (`apptainer exec --nv img.sif env CUDA_VISIBLE_DEVICES=0 python
-    x.py`), which gets gpuwait's variables and sees every GPU."""
+    x.py`), which gets gpuwait's variables and sees every GPU; `cleaned`: a container that
+    cleans its environment, which gets only those with an APPTAINERENV_ copy."""
     if any(runs_gpuwait(step) for step in found):
         return
     # What reaches each step through the wrappers before it, once for all of them: a line of
     # many wrappers (`env A=1 env B=2 ...`) costs each once, not once for each after it.
     environs = _apptainer_environs(found)
     nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
-    given = _given(found)
+    given = _given(found, cleaned)
     for at, step in enumerate(found):
         _check_container(argv, step, nvidia[at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], environs[at])
@@ -382,8 +385,9 @@ def _check_keeps(argv: Sequence[str], found: Sequence[Step], by_index: bool) -> 
                 f"command ({shlex.join(step.argv)}), which starts"
             )
         raise UsageError(f"{doer} without the {variable} gpuwait sets: {what}", hint=hint)
-    for _, inner in _container_commands(found):
-        _check_keeps(argv, steps(inner), by_index)
+    for index, inner in _container_commands(found):
+        cleans = apptainer_cleans_env(found[index], environs[index])
+        _check_keeps(argv, steps(inner), by_index, cleans)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
@@ -400,12 +404,16 @@ def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
 _GPUWAITS = "\0gpuwait"
 
 
-def _given(found: Sequence[Step]) -> list[dict[str, str] | None]:
+def _given(found: Sequence[Step], cleaned: bool = False) -> list[dict[str, str] | None]:
     """The variables gpuwait gives the command that name its GPUs or their order, as each step
-    of `found` gets them (passed_on_each): gpuwait's own value (_GPUWAITS), or one set before."""
+    of `found` gets them (passed_on_each): gpuwait's own value (_GPUWAITS), or one set before.
+    `cleaned`: in a container that cleans its environment, where only GPU_VARIABLES come, from
+    their APPTAINERENV_ copies."""
     names = (*GPU_VARIABLES, *_container_names(GPU_VARIABLES))
     names += ("GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES")
-    return passed_on_each(found, names, dict.fromkeys(names, _GPUWAITS))
+    return passed_on_each(
+        found, names, dict.fromkeys(GPU_VARIABLES if cleaned else names, _GPUWAITS)
+    )
 
 
 def _default_unused(match: re.Match[str], given: Mapping[str, str] | None) -> bool:

@@ -1881,6 +1881,24 @@ def test_a_launcher_in_a_shell_whose_script_is_an_expansion_is_refused(
     assert done.returncode == 0, done.stderr
 
 
+def test_a_default_of_a_variable_a_clean_apptainer_container_lacks_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `apptainer exec --nv --cleanenv img.sif sh -c 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}
+    # python x.py'` would run python on GPU 0, whichever GPU gpuwait reserved: --cleanenv
+    # passes the container gpuwait's CUDA_VISIBLE_DEVICES (its APPTAINERENV_ copy), not
+    # GPUWAIT_GPU_UUIDS, whose default then fills it.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    code = "CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0} python x.py"
+    line = ["apptainer", "exec", "--nv", "--cleanenv", "img.sif", "sh", "-c", code]
+    done = gpuwait(gpuwait_cmd, line, env)
+    refused(done, ran, "sh sets 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}' for its command")
+    # Without --cleanenv the container gets it, and the default is not used: the line runs.
+    line.remove("--cleanenv")
+    assert gpuwait(gpuwait_cmd, line, env).returncode == 0
+    assert ran.exists()
+
+
 def test_a_launcher_in_an_nvccli_container_given_every_gpu_is_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
