@@ -14,11 +14,13 @@ import contextlib
 import os
 import re
 import signal
+from collections.abc import Sequence
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
+from gpuwait.config import OPTIONS_BY_NAME
 from gpuwait.core.cmdkey import launcher_script_file, python_script_file
-from gpuwait.core.errors import UsageError
+from gpuwait.core.errors import GpuwaitError, UsageError
 from gpuwait.core.text import command_line, whole_number
 from gpuwait.core.wrap import Decision, decide
 from gpuwait.linux import outlived
@@ -135,7 +137,10 @@ def _as_typed(command: list[str]) -> list[str]:
 def _not_hooked(command: list[str]) -> Decision | None:
     """For --explain: a line typed so runs no function of the hook's, whatever the rules say
     (`pip install x`, `.venv/bin/python x.py`, `command python x.py`); None where one runs it."""
-    wrapped = load_settings({}).wrap_commands
+    try:
+        wrapped = load_settings({}).wrap_commands
+    except GpuwaitError:  # said where the line is wrapped; a bare one needs no settings
+        wrapped = OPTIONS_BY_NAME["wrap_commands"].default
     program = command[0]
     if program in wrapped:
         return None
@@ -155,7 +160,23 @@ def _not_hooked(command: list[str]) -> Decision | None:
 
 
 def decision_for(command: list[str], job_ended: bool) -> Decision:
-    settings = load_settings({})
+    try:
+        settings = load_settings({})
+    except GpuwaitError:
+        # A setting that cannot be read (`export GPUWAIT_SIM=sim.toml`, a malformed config
+        # file) is refused where the line would run through gpuwait; a line the rules run bare
+        # whichever settings hold (`python --version`, `CUDA_VISIBLE_DEVICES= python prep.py`)
+        # needs none of them and runs as typed.
+        decision = _decide(command, job_ended, (), OPTIONS_BY_NAME["never_wrap"].default)
+        if decision.wrap:
+            raise
+        return decision
+    return _decide(command, job_ended, settings.wrap_only_in, settings.never_wrap)
+
+
+def _decide(
+    command: list[str], job_ended: bool, wrap_only_in: Sequence[str], never_wrap: Sequence[str]
+) -> Decision:
     cwds = [os.environ.get("PWD", "")]
     with contextlib.suppress(OSError):  # the directory may have been removed under the shell
         cwds.append(os.getcwd())
@@ -171,8 +192,8 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
         command,
         cwds,
         os.environ,
-        settings.wrap_only_in,
-        settings.never_wrap,
+        wrap_only_in,
+        never_wrap,
         job_ended,
         missing_script=missing,
     )

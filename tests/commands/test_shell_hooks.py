@@ -313,6 +313,38 @@ def test_a_command_typed_with_no_gpu_visible_runs_bare_on_the_cpu(
     )
 
 
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_bad_setting_leaves_the_lines_the_hook_runs_bare_alone(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # With `export GPUWAIT_SIM=sim.toml` (a relative path, refused) or a malformed value in the
+    # config file, every hooked line ended 2 with the setting's error, `python --version` and
+    # `CUDA_VISIBLE_DEVICES= python prep.py`, which the hook runs bare, among them.
+    bad_config = tmp_path / "bad.toml"
+    bad_config.write_text('nvml_interval = "soon"\n')
+    bare_lines = [
+        "python --version",
+        "CUDA_VISIBLE_DEVICES= python3 probe.py cpu",
+        "GPUWAIT_DISABLE=1 python probe.py disabled",
+    ]
+    for setting, named in (
+        ("GPUWAIT_SIM=sim.toml", "GPUWAIT_SIM"),
+        (f"GPUWAIT_CONFIG={bad_config}", "nvml_interval"),
+    ):
+        lines = [f"export {setting}", *bare_lines, "python probe.py gpu"]
+        codes, done = statuses(shell, lines, hook_env, tmp_path)
+        assert codes == ["0", "0", "0", "0", "2"], setting + done.stdout + done.stderr
+        assert "Python 3" in done.stdout + done.stderr
+        ran = probe_lines(done.stdout)
+        assert [(r["argv"], r["job"]) for r in ran] == [(["cpu"], None), (["disabled"], None)]
+        # The line gpuwait would have run says what to fix, once, and runs nothing.
+        assert done.stderr.count("gpuwait: error:") == 1, done.stderr
+        assert named in done.stderr, done.stderr
+    told = explain(["python", "--version"], {**hook_env, "GPUWAIT_SIM": "sim.toml"}, tmp_path)
+    assert (told.returncode, told.stderr) == (1, ""), told.stderr
+    assert told.stdout == "bare: the command line matches never_wrap '* --version'\n"
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_accelerates_setup_commands_run_bare(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
