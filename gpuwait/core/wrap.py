@@ -70,11 +70,15 @@ def decide(
 
 
 def hides_every_gpu(visible: str) -> bool:
-    """CUDA_VISIBLE_DEVICES set so that CUDA sees no GPU: empty (`CUDA_VISIBLE_DEVICES=
-    python prep.py`) or beginning with a negative number (`=-1`), where CUDA stops reading the
-    list. The command asks to run on the CPU: there is nothing to wait for."""
+    """CUDA_VISIBLE_DEVICES set so that CUDA sees no GPU: its first entry is empty
+    (`CUDA_VISIBLE_DEVICES= python prep.py`), a negative number (`=-1`) or a word that names no
+    GPU (`=none`, `=NoDevFiles` as some batch systems set), where CUDA stops reading the list.
+    The command asks to run on the CPU: there is nothing to wait for. An index, even of no GPU
+    here (`=7`, a typo), a UUID (`GPU-...`, `MIG-...`) or a shell's expansion (`$GPU`) may
+    name a GPU, and is not such a value. The shell hook and the check of a wrapper's
+    assignments (runner.launch) read it by this one rule."""
     first = visible.split(",", 1)[0].strip()
-    return not first or re.fullmatch(r"-[0-9]+", first) is not None
+    return not first or re.fullmatch(r"-[0-9]+|[A-Za-z_][A-Za-z0-9_]*", first) is not None
 
 
 def _matching_glob(

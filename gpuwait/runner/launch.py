@@ -440,7 +440,7 @@ def _check_sets(
     'CUDA_VISIBLE_DEVICES=0 python x.py'`, or its APPTAINERENV_ (SINGULARITYENV_) copy,
     which an Apptainer container takes over the caller's: the command would run on GPU 0,
     whichever gpuwait reserved. Let be: what gpuwait sets itself (CUDA_DEVICE_ORDER=PCI_BUS_ID),
-    an empty value or -1, which hides every GPU (a CPU step: `core.wrap.hides_every_gpu`),
+    an empty value, -1 or none, which hides every GPU (a CPU step: `core.wrap.hides_every_gpu`),
     what gpuwait gives passed on by a shell (`"$CUDA_VISIBLE_DEVICES"`, `$GPUWAIT_GPU_UUIDS`,
     `${CUDA_VISIBLE_DEVICES:-0}`, whose default gpuwait's value always fills),
     and the one GPU gpuwait's own CUDA_VISIBLE_DEVICES names, passed on as it is (`env
@@ -461,7 +461,7 @@ def _check_sets(
         if variable == GPU_VARIABLES[1] and value == "PCI_BUS_ID":
             continue
         if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
-            continue  # empty, or -1: CUDA sees no GPU at all (a CPU step), nobody else's
+            continue  # empty, -1, none: CUDA sees no GPU at all (a CPU step), nobody else's
         gpuwaits = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
         # A default (`${CUDA_VISIBLE_DEVICES:-0}`) is never used: gpuwait sets each, not empty,
         # unless a wrapper before emptied it.

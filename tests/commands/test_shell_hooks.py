@@ -314,6 +314,30 @@ def test_a_command_typed_with_no_gpu_visible_runs_bare_on_the_cpu(
 
 
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_word_cuda_reads_as_no_gpu_runs_bare_where_a_mistyped_index_is_refused(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
+) -> None:
+    # `CUDA_VISIBLE_DEVICES=none python prep.py` (or NoDevFiles, as some batch systems set),
+    # where CUDA sees no GPU at all, was wrapped, and gpuwait ended 3 "makes no GPU visible":
+    # the command never ran. A mistyped index (`=7` on two GPUs) is still refused.
+    env = full_gpus(hook_env, sim_file)
+    lines = [
+        "CUDA_VISIBLE_DEVICES=none python probe.py",
+        "CUDA_VISIBLE_DEVICES=NoDevFiles python3 probe.py",
+        "CUDA_VISIBLE_DEVICES=7 python probe.py",
+    ]
+    codes, done = statuses(shell, lines, env, tmp_path)
+    assert codes == ["0", "0", "3"], done.stdout + done.stderr
+    ran = probe_lines(done.stdout)
+    assert [(r["cuda"], r["job"]) for r in ran] == [("none", None), ("NoDevFiles", None)]
+    assert "CUDA_VISIBLE_DEVICES='7' makes no GPU visible" in done.stderr, done.stderr
+    bare = explain(["python", "probe.py"], {**env, "CUDA_VISIBLE_DEVICES": "none"}, tmp_path)
+    assert bare.stdout == (
+        "bare: CUDA_VISIBLE_DEVICES='none' hides every GPU: the command runs on the CPU\n"
+    )
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_a_bad_setting_leaves_the_lines_the_hook_runs_bare_alone(
     shell: str, hook_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -1546,6 +1546,8 @@ def test_the_line_refused_for_setting_the_gpu_after_env_i_runs_on_the_gpu_reserv
         ["env", "CUDA_VISIBLE_DEVICES=", "sh", "-c", "echo ran > seen"],
         ["env", "CUDA_VISIBLE_DEVICES=-1", "sh", "-c", "echo ran > seen"],
         ["sh", "-c", "CUDA_VISIBLE_DEVICES= true && echo ran > seen"],
+        ["env", "CUDA_VISIBLE_DEVICES=none", "sh", "-c", "echo ran > seen"],
+        ["sh", "-c", "CUDA_VISIBLE_DEVICES=NoDevFiles true && echo ran > seen"],
     ],
 )
 def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
@@ -1557,6 +1559,24 @@ def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
     done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text() == "ran\n"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["env", "CUDA_VISIBLE_DEVICES=7", "sh", "-c", "echo ran > seen"],
+        ["sh", "-c", "CUDA_VISIBLE_DEVICES=$G true && echo ran > seen"],
+        ["sh", "-c", "CUDA_VISIBLE_DEVICES=${G}x true && echo ran > seen"],
+    ],
+)
+def test_a_wrapper_that_names_a_gpu_or_an_expansion_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # Only a value CUDA reads as no GPU at all runs: an index, even one of no GPU here, or a
+    # shell's expansion may name another job's GPU.
+    done = gpuwait(gpuwait_cmd, command, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert not (tmp_path / "seen").exists()
 
 
 @pytest.mark.parametrize(
