@@ -293,20 +293,25 @@ def _read_keys(directory: Path, keys: Sequence[str]) -> dict[str, KeySummary]:
 
 
 def refresh(
-    state_dir: Path, max_bytes: int, rebuild: bool = False, wait: float = LOCK_WAIT
+    state_dir: Path,
+    max_bytes: int,
+    rebuild: bool = False,
+    wait: float = LOCK_WAIT,
+    patience: float = 0.0,
 ) -> list[str]:
     """Take in what the history gained since the index was written; rebuild when it must.
 
     Reads at most `read_limit(max_bytes)` bytes, the newest: a history far over its size limit
     (damaged, or written by something else) costs what a whole history would, and its older
     part waits for the next compaction. Returns warnings (damaged history lines, a damaged
-    index) for the CLI to show. HistoryBusy when the history lock is not had within `wait`.
+    index) for the CLI to show. HistoryBusy when the history lock is not had within `wait`,
+    SignalPending once a signal has waited `patience` seconds for gpuwait.
     """
     directory = index_dir(state_dir)
     history = history_path(state_dir)
     warnings: list[str] = []
     limit = read_limit(max_bytes)
-    with history_lock(state_dir, wait):
+    with history_lock(state_dir, wait, patience):
         try:
             st = os.stat(history)
         except FileNotFoundError:

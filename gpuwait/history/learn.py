@@ -267,19 +267,23 @@ def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> lis
     return [command_key(command, cwd).program, f"[{command_hash(command)[:12]}]"]
 
 
-def save_record(state_dir: Path, record: dict[str, Any], max_bytes: int) -> list[str]:
+def save_record(
+    state_dir: Path, record: dict[str, Any], max_bytes: int, patience: float = 0.0
+) -> list[str]:
     """Append the record and bring the index up to date, so the next launch reads no history.
+    Where a signal waits for gpuwait, the history lock is waited for `patience` seconds more
+    (SignalPending after that).
 
     Returns warnings for the CLI (an index that could not be brought up to date among them);
     raises OSError when the history cannot be written.
     """
     not_compacted = None
     try:
-        compaction = store.append_record(state_dir, record, max_bytes)
+        compaction = store.append_record(state_dir, record, max_bytes, patience)
     except store.NotCompacted as exc:
         compaction, not_compacted = None, exc
     try:
-        warnings = index.refresh(state_dir, max_bytes)
+        warnings = index.refresh(state_dir, max_bytes, patience=patience)
     except OSError as exc:
         # A cache: the next launch brings it up to date, or reads it as it is.
         warnings = [

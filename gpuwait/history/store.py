@@ -107,13 +107,13 @@ class HistoryBusy(OSError):
 
 
 @contextlib.contextmanager
-def history_lock(state_dir: Path, wait: float = LOCK_WAIT) -> Iterator[None]:
+def history_lock(state_dir: Path, wait: float = LOCK_WAIT, patience: float = 0.0) -> Iterator[None]:
     """Exclusive lock shared by appenders, compaction and index updates; HistoryBusy after
-    `wait` seconds."""
+    `wait` seconds, SignalPending once a signal has waited `patience` seconds for gpuwait."""
     ensure_private_dir(state_dir)
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(exclusive(state_dir / LOCK_NAME, timeout=wait))
+            held.enter_context(exclusive(state_dir / LOCK_NAME, timeout=wait, patience=patience))
         except LockTimeout:
             raise HistoryBusy(
                 errno.EWOULDBLOCK, f"another process held the history lock for {wait:g}s"
@@ -122,16 +122,17 @@ def history_lock(state_dir: Path, wait: float = LOCK_WAIT) -> Iterator[None]:
 
 
 def append_record(
-    state_dir: Path, record: dict[str, Any], max_bytes: int | None = None
+    state_dir: Path, record: dict[str, Any], max_bytes: int | None = None, patience: float = 0.0
 ) -> Compaction | None:
-    """Append one record as a single write; compact when the file passes `max_bytes`.
+    """Append one record as a single write; compact when the file passes `max_bytes`. The
+    lock is waited for `patience` seconds more where a signal waits for gpuwait.
 
     Returns the compaction when there was one (the index must then be rebuilt); raises
     NotCompacted when the record was appended but the compaction failed.
     """
     line = encode(record)
     path = history_path(state_dir)
-    with history_lock(state_dir):
+    with history_lock(state_dir, patience=patience):
         fd = open_private_append(path)
         try:
             size = os.fstat(fd).st_size

@@ -20,19 +20,21 @@ from gpuwait.linux.signals import SignalPending, hold_stops, raise_if_pending, r
 
 
 @contextmanager
-def exclusive(path: Path, mode: int = 0o600, timeout: float | None = None) -> Iterator[int]:
+def exclusive(
+    path: Path, mode: int = 0o600, timeout: float | None = None, patience: float = 0.0
+) -> Iterator[int]:
     """Hold an exclusive lock on `path` (created with `mode`) for the block; yield its fd.
 
     The lock file is opened as any state file (no symlink followed, nothing but a plain file of
-    this user's). Waits at most `timeout` seconds (LockTimeout), and gives up at once when a
-    signal waits for gpuwait (SignalPending).
+    this user's). Waits at most `timeout` seconds (LockTimeout), and gives up when a signal has
+    waited for gpuwait `patience` seconds (SignalPending; 0: at once).
     """
     # os.open descriptors are not inherited by the commands gpuwait starts, so a child can never
     # end up holding the lock.
     fd = open_state_file(path, mode)
     previous = None
     try:
-        flock_within(fd, fcntl.LOCK_EX, timeout)
+        flock_within(fd, fcntl.LOCK_EX, timeout, patience)
         previous = hold_stops()
         yield fd
     finally:
@@ -93,7 +95,8 @@ def lock_within(
     blocked (they queue for its loop), so they would not interrupt the wait by themselves. The
     uncontended case costs one non-blocking call; a contended wait sleeps in the kernel (woken
     the moment the lock is free) in slices of TICK under an interval timer, looking for a
-    pending signal between slices (SignalPending) once `patience` seconds have passed. Threads
+    pending signal between slices (SignalPending) once it has waited `patience` seconds, counted
+    from when the wait first saw it (a wait may begin long before the signal comes). Threads
     other than the main one, which cannot take signals, poll instead.
     """
     try:
@@ -111,7 +114,8 @@ def lock_within(
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     looks = _Looks(slow, started)
-    while not _wait_under_timer(take, started, deadline, patience, looks):
+    signalled = _Signalled(patience)
+    while not _wait_under_timer(take, deadline, signalled, looks):
         # A SIGALRM that was not the wait's own has just been delivered to the caller's handler
         # (its own timer fell due, or one was sent): the handler returned, so the wait goes on.
         pass
@@ -119,9 +123,8 @@ def lock_within(
 
 def _wait_under_timer(
     take: Callable[[bool], None],
-    started: float,
     deadline: float | None,
-    patience: float,
+    signalled: _Signalled,
     looks: _Looks,
 ) -> bool:
     """`lock_within`'s wait in the main thread: True once the lock is taken; False where a
@@ -182,10 +185,13 @@ def _wait_under_timer(
                 caller_due = caller_due + callers[1] if callers[1] > 0 else None
             if foreign and not held:
                 return False
-            if now - started >= patience:
+            try:
                 if foreign:
                     raise SignalPending(signal.SIGALRM)
                 raise_if_pending()
+            except SignalPending:
+                if signalled.waited_out(now):
+                    raise
             looks.at(now)
             step = TICK
             if deadline is not None:
@@ -246,6 +252,20 @@ def _poll(
                 raise LockTimeout from None
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.05)
+
+
+class _Signalled:
+    """How long a wait for a lock goes on with a signal pending: `patience` seconds from when
+    it first saw one."""
+
+    def __init__(self, patience: float) -> None:
+        self.patience = patience
+        self.since: float | None = None
+
+    def waited_out(self, now: float) -> bool:
+        if self.since is None:
+            self.since = now
+        return now - self.since >= self.patience
 
 
 class _Looks:

@@ -1567,9 +1567,10 @@ def _record(
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
 
-    A signal that comes while another process holds the history lock ends gpuwait by it
-    (SignalPending); `ends_on_signal` False, only the record is given up, and said: the run
-    ran out and may be retried, which the signal, left pending, stops.
+    A signal that comes while another process holds the history lock, held LEAVE_PATIENCE
+    after it still, ends gpuwait by it (SignalPending); `ends_on_signal` False, only the record
+    is given up, and said: the run ran out and may be retried, which the signal, left pending,
+    stops.
 
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
     full"); None for a run that did not run out. `oom_wanted`: what its message said it
@@ -1618,7 +1619,11 @@ def _record(
         paused_runs_seconds=paused_runs_seconds,
     )
     try:
-        warnings = save_record(config.state_dir, record, config.history_max_size)
+        # A signal waits a moment for the lock, as a job leaving the queue does: a record or
+        # a compaction holds it for milliseconds, and giving up there loses the run's.
+        warnings = save_record(
+            config.state_dir, record, config.history_max_size, patience=LEAVE_PATIENCE
+        )
     except OSError as exc:
         if signals.raised_by_a_handler(exc):
             raise

@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,30 @@ def test_a_job_cancelled_while_another_process_holds_the_history_lock_is_told_wh
     assert ledger_entries() == []
     finishes = [e for e in events.read_events(state) if e["kind"] == "finish"]
     assert [(e["outcome"], e["exit_status"]) for e in finishes] == [("cancelled", 1)]
+
+
+def test_a_job_cancelled_while_the_history_lock_is_held_a_moment_keeps_its_record(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, with the history lock held 0.2 s after the cancel (another gpuwait's record, a
+    # compaction): gpuwait gave up the record at once at the TERM, "could not record the run in
+    # the history: SIGTERM arrived while gpuwait waited for a lock", and `gpuwait history`
+    # showed no run. It waits a moment for the lock, as a job leaving the queue does.
+    sim_file(gpus=1, memory="24GiB")
+
+    def cancel(entry: dict[str, Any], _pid: int) -> None:
+        subprocess.run([*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, timeout=60)
+        time.sleep(0.2)
+
+    returncode, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, cancel)
+    assert starts == "started\n", err
+    assert "was cancelled, so it is not retried" in err and "retrying" not in err, err
+    assert "could not record" not in err, err
+    assert returncode == 1, err
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [1], runs.stdout + err
 
 
 def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
