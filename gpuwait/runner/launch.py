@@ -890,17 +890,86 @@ _LAUNCHER_GPU_OPTIONS = {
 _LAUNCHER_NOT_A_SCRIPT = ("-m", "--module", "--no_python", "--no-python")
 
 
-def _launcher_script(own: Sequence[str], names: Sequence[str]) -> int:
-    """Where a launcher's script begins among its words `own` (after `accelerate launch`):
-    its first .py, or with -m (--no_python) the first word after that is no option nor a GPU
-    option's value; 0 where neither is found (none is looked at)."""
-    scripts = [i for i, t in enumerate(own) if t.endswith(".py") and not t.startswith("-")]
-    if scripts:
-        return scripts[0]
-    flags = [i for i, t in enumerate(own) if t in _LAUNCHER_NOT_A_SCRIPT]
-    for at in range(flags[0] + 1 if flags else len(own), len(own)):
-        if not own[at].startswith("-") and own[at - 1] not in names:
-            return at
+#: Launchers' own options that take a value as the next word (`--master_port 29500`), besides
+#: their GPU options; an accelerate option named by one of the prefixes too (`--fsdp_...`).
+#: Written with `_`, as `-` reads the same.
+_LAUNCHER_VALUE_OPTIONS = {
+    "deepspeed": (
+        "-H",
+        "--hostfile",
+        "--num_nodes",
+        "--min_elastic_nodes",
+        "--max_elastic_nodes",
+        "--master_port",
+        "--master_addr",
+        "--node_rank",
+        "--launcher",
+        "--launcher_args",
+        "--enable_each_rank_log",
+        "--autotuning",
+        "--bind_core_list",
+        "--ssh_port",
+        "--venv_script",
+        "--comment",
+        "--account",
+    ),
+    "accelerate": (
+        "--config_file",
+        "--mixed_precision",
+        "--num_processes",
+        "--num_machines",
+        "--num_cpu_threads_per_process",
+        "--dynamo_backend",
+        "--dynamo_mode",
+        "--machine_rank",
+        "--main_process_ip",
+        "--main_process_port",
+        "-t",
+        "--tee",
+        "--log_dir",
+        "--role",
+        "--rdzv_backend",
+        "--rdzv_conf",
+        "--max_restarts",
+        "--monitor_interval",
+        "--main_training_function",
+        "--zero_stage",
+        "--gradient_accumulation_steps",
+        "--gradient_clipping",
+        "--zero3_init_flag",
+        "--zero3_save_16bit_model",
+        "--tpu_name",
+        "--tpu_zone",
+        "--vm",
+        "--env",
+    ),
+}
+_LAUNCHER_VALUE_PREFIXES = {
+    "accelerate": ("--deepspeed_", "--offload_", "--fsdp_", "--megatron_lm_", "--fp8_"),
+}
+
+
+def _launcher_script(own: Sequence[str], program: str) -> int:
+    """Where a launcher's script begins among its words `own` (after `accelerate launch`): its
+    first .py, or, after -m (--no_python) before any, the module's (the program's) name, the
+    first word that is no option nor the value of one of the launcher's; 0 where neither is
+    found (none is looked at). What follows is the script's own."""
+    valued = {*_LAUNCHER_GPU_OPTIONS[program], *_LAUNCHER_VALUE_OPTIONS[program]}
+    prefixes = _LAUNCHER_VALUE_PREFIXES.get(program, ())
+    module = False
+    at = 0
+    while at < len(own):
+        word = own[at]
+        if not word.startswith("-"):
+            if module or word.endswith(".py"):
+                return at
+        elif word in _LAUNCHER_NOT_A_SCRIPT:
+            module = True
+        elif "=" not in word:
+            name = word[:2] + word[2:].replace("-", "_")
+            if name in valued or name.startswith(prefixes):
+                at += 1  # its value, whatever it looks like
+        at += 1
     return 0
 
 
@@ -974,16 +1043,17 @@ def check_launcher_gpus(argv: Sequence[str]) -> None:
     before its script (`deepspeed train.py --num_gpus 2` passes it to train.py), a .py or,
     after -m or --no_python, a module or a program; a launcher with neither is not looked
     at, but in a shell's code read up to an expansion (`sh -c 'deepspeed --num_gpus 2
-    "$PWD/x.py"'`), where the words before the first that is no option are its own. So is one an Apptainer container runs (`apptainer exec --nv img.sif deepspeed
-    --num_gpus 2 x.py`), which sees every GPU, but for one given only those
-    NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), where it names not all."""
+    "$PWD/x.py"'`), where the words before the first that is no option are its own. So is one
+    an Apptainer container runs (`apptainer exec --nv img.sif deepspeed --num_gpus 2 x.py`),
+    which sees every GPU, but for one given only those NVIDIA_VISIBLE_DEVICES names (--nvccli
+    in a contained /dev), where it names not all."""
     for step in _launcher_steps(argv):
         program, skip = _launcher(step.argv)
         names = _LAUNCHER_GPU_OPTIONS.get(program)
         if names is None:
             continue
         own = list(step.argv[skip:])
-        script = _launcher_script(own, names)
+        script = _launcher_script(own, program)
         if not script and step.cut:
             # Read up to an expansion (`deepspeed --num_gpus 2 "$PWD/x.py"`): the words before
             # its first that is no option nor a GPU option's value are the launcher's own.

@@ -1793,10 +1793,17 @@ def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refus
         (["deepspeed", "--module", "--include", "localhost:1", "pkg.train"], 2),
         (["deepspeed", "--no_python", "--num_gpus=2", "bash", "run.sh"], 2),
         (["accelerate", "launch", "--no-python", "--gpu_ids", "0", "./run.sh"], 2),
+        # A launcher's option's value before the module's name is no module's name.
+        (["deepspeed", "-m", "--master_port", "29500", "--num_gpus", "2", "pkg.train"], 2),
+        (["deepspeed", "--no_python", "-H", "hosts", "-i", "localhost:1", "bash", "run.sh"], 2),
+        (["accelerate", "launch", "-m", "--main_process_port", "1", "--gpu_ids=1", "pkg.t"], 2),
+        (["accelerate", "launch", "--module", "--num-processes", "2", "--gpu_ids", "1", "p"], 2),
         # The module's or the program's own options: the line runs.
         (["accelerate", "launch", "-m", "pkg.train", "--gpu_ids", "0"], 0),
         (["deepspeed", "--module", "pkg.train", "--num_gpus", "2"], 0),
         (["deepspeed", "--no_python", "bash", "run.sh", "-i", "localhost:1"], 0),
+        (["deepspeed", "-m", "--master_port", "29500", "pkg.train", "--num_gpus", "2"], 0),
+        (["deepspeed", "-m", "pkg.train", "--num_gpus", "2", "--config", "cfg/a.py"], 0),
     ],
 )
 def test_a_launcher_running_a_module_is_refused_where_it_chooses_its_own_gpus(
