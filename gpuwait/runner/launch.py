@@ -880,7 +880,15 @@ def _extended(
 
 #: Launchers' options that choose their workers' GPUs themselves, over CUDA_VISIBLE_DEVICES.
 _LAUNCHER_GPU_OPTIONS = {
-    "deepspeed": ("--num_gpus", "--num-gpus", "--include", "-i", "--exclude", "-e"),
+    "deepspeed": (
+        "--num_gpus",
+        "--num-gpus",
+        "--num_accelerators",
+        "--include",
+        "-i",
+        "--exclude",
+        "-e",
+    ),
     "accelerate": ("--gpu_ids", "--gpu-ids"),
 }
 

@@ -1979,6 +1979,18 @@ def test_a_launcher_run_by_its_module_is_refused_where_it_chooses_its_own_gpus(
     refused(done, ran, "runs its workers on GPUs it chooses itself", f"-- {kept}\n")
 
 
+@pytest.mark.parametrize("option", [["--num_accelerators", "2"], ["--num_accelerators=2"]])
+def test_deepspeeds_other_name_for_num_gpus_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, option: list[str]
+) -> None:
+    # `deepspeed --num_accelerators 2 train.py`, deepspeed's other name for --num_gpus, ran
+    # its workers on GPUs 0 and 1 whichever GPUs gpuwait reserved.
+    env, ran = fake_bin(tmp_path, "deepspeed")
+    done = gpuwait(gpuwait_cmd, ["deepspeed", *option, "train.py"], env)
+    hint = "GPUWAIT_VISIBLE_DEVICES=index gpuwait --gpus 2 ... -- deepspeed train.py\n"
+    refused(done, ran, "deepspeed --num_accelerators runs its workers on GPUs", hint)
+
+
 @pytest.mark.parametrize(
     ("options", "variables"),
     [
