@@ -16,9 +16,11 @@ from importlib import resources
 from pathlib import Path
 
 import gpuwait
-from gpuwait.commands import completion
+from gpuwait.commands import completion, output
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
+from gpuwait.config import OPTIONS_BY_NAME
+from gpuwait.core.errors import GpuwaitError
 
 SHELLS = ("bash", "zsh", "fish")
 
@@ -52,12 +54,34 @@ def build_parser() -> Parser:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings({"wrap_commands": args.wrap_commands})
-    script = hook_script(args.shell, settings.wrap_commands, always=args.always)
+    try:
+        commands = load_settings({"wrap_commands": args.wrap_commands}).wrap_commands
+    except GpuwaitError as exc:
+        # A setting refused (`export GPUWAIT_SIM=sim.toml` above this line in an rc file, a
+        # malformed config file): with no hook, every command would run bare, on GPUs other
+        # jobs hold, with nothing more said. The hook goes in, and each line it runs through
+        # gpuwait says what to fix; those it runs bare run.
+        commands = _commands_asked(args.wrap_commands, exc)
+        output.warn(
+            f"{exc.message}; until that is fixed, each command the hook runs through gpuwait "
+            "ends with this error"
+        )
+    script = hook_script(args.shell, commands, always=args.always)
     if not args.no_completion:
         script += completion.script(args.shell)
     print(only_in(args.shell, script), end="")
     return 0
+
+
+def _commands_asked(value: str | None, refused: GpuwaitError) -> tuple[str, ...]:
+    """The commands --wrap-commands names (`value`), else wrap_commands' default, where the
+    settings were `refused`; that error again where `value` is not a valid list."""
+    option = OPTIONS_BY_NAME["wrap_commands"]
+    try:
+        commands: tuple[str, ...] = option.parse(option.default if value is None else value)
+    except (ValueError, TypeError):
+        raise refused from None
+    return commands
 
 
 #: The variable only each shell sets, whatever mode it emulates.

@@ -369,6 +369,22 @@ def test_a_bad_setting_leaves_the_lines_the_hook_runs_bare_alone(
     assert told.stdout == "bare: the command line matches never_wrap '* --version'\n"
 
 
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_shell_started_with_a_bad_setting_is_hooked_all_the_same(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A shell whose rc file exports GPUWAIT_SIM=sim.toml (refused: a relative path) before
+    # the hook's line said the error once as it started, and had no hook: `python train.py`
+    # ran bare from then on, on GPUs other jobs held, with nothing more said.
+    env = {**hook_env, "GPUWAIT_SIM": "sim.toml"}
+    codes, done = statuses(shell, ["python --version", "python probe.py gpu"], env, tmp_path)
+    assert codes == ["0", "2"], done.stdout + done.stderr
+    assert probe_lines(done.stdout) == [], done.stdout
+    said = done.stderr.splitlines()
+    assert said[0].startswith("gpuwait: warning: environment GPUWAIT_SIM: "), done.stderr
+    assert said[-1].startswith("gpuwait: error: environment GPUWAIT_SIM: "), done.stderr
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_accelerates_setup_commands_run_bare(
     shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any
