@@ -549,6 +549,7 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
         parse_devices_option,
         parse_inherited_visible,
     )
+    from gpuwait.core.wrap import hides_every_gpu
 
     candidates: list[str] | None = None
     if request.devices is not None:
@@ -580,6 +581,14 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
                 f"CUDA_VISIBLE_DEVICES={inherited!r} makes visible no GPU but GPU {mig}, which "
                 "is in MIG mode; gpuwait places jobs on whole GPUs only",
                 hint="run the command without gpuwait, or from where a whole GPU is visible",
+            )
+        if not visible and hides_every_gpu(inherited):
+            # CUDA's way to run on the CPU (empty, -1, none), as the shell hook reads it.
+            raise ImpossibleRequest(
+                f"CUDA_VISIBLE_DEVICES={inherited!r} hides every GPU: no GPU visible to this "
+                "command, which runs on the CPU",
+                hint="run the command without gpuwait, or unset CUDA_VISIBLE_DEVICES for "
+                "gpuwait to give it a GPU",
             )
         if not visible:
             raise ImpossibleRequest(

@@ -72,6 +72,24 @@ def test_inherited_cuda_visible_devices_restricts_candidates(
     assert "no GPU visible" in done.stderr
 
 
+def test_a_gpuwait_started_where_cuda_sees_no_gpu_says_to_run_the_command_without_it(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `CUDA_VISIBLE_DEVICES=none gpuwait --vram 1G -- python prep.py`, CUDA's way to run on
+    # the CPU, was told to "unset it, or list GPU indices or UUIDs that exist": the one thing
+    # the line asks, the CPU, was no hint. A mistyped index keeps that hint.
+    for hidden in ("", "-1", "none"):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": hidden}
+        done = run([*gpuwait_cmd, "--vram", "1G", "true"], env=env)
+        assert done.returncode == 3, done.stderr
+        assert f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU" in done.stderr, done.stderr
+        assert "gpuwait: hint: run the command without gpuwait" in done.stderr, done.stderr
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "7"}
+    done = run([*gpuwait_cmd, "--vram", "1G", "true"], env=env)
+    assert done.returncode == 3, done.stderr
+    assert "makes no GPU visible" in done.stderr and "list GPU indices" in done.stderr
+
+
 def test_an_inherited_mig_instance_is_refused_as_one(sim: Path, gpuwait_cmd: list[str]) -> None:
     # A MIG instance (what Slurm or Kubernetes hand out on MIG cards) is not a whole GPU.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "MIG-377e0049-554c-540b-93c6-d0976f8426cb"}
