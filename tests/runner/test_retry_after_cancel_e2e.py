@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.fixtures_sim import SimFileFactory
+from helpers.processes import pending_signals
 from helpers.waiting import ledger_entries, wait_for
 
 from gpuwait.queue import events
@@ -147,9 +148,19 @@ def test_a_job_cancelled_while_the_history_lock_is_held_a_moment_keeps_its_recor
     # showed no run. It waits a moment for the lock, as a job leaving the queue does.
     sim_file(gpus=1, memory="24GiB")
 
-    def cancel(entry: dict[str, Any], _pid: int) -> None:
-        subprocess.run([*gpuwait_cmd, "cancel", entry["id"]], capture_output=True, timeout=60)
-        time.sleep(0.2)
+    def cancel(entry: dict[str, Any], pid: int) -> None:
+        canceller = subprocess.Popen(
+            [*gpuwait_cmd, "cancel", entry["id"]],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            # 0.2 s from the TERM on, however long `gpuwait cancel` itself takes to end on a
+            # loaded machine: gpuwait holds it blocked, pending, while it waits for the lock.
+            wait_for(lambda: signal.SIGTERM in pending_signals(pid), timeout=60, interval=0.005)
+            time.sleep(0.2)
+        finally:
+            canceller.wait(timeout=60)
 
     returncode, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, cancel)
     assert starts == "started\n", err
