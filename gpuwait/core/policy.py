@@ -362,6 +362,9 @@ class WaitReason(Record, frozen=True):
     #: When this reason lapses by itself, whatever else happens (on the boot clock): the end of
     #: a recovery's grace, which nobody signals. None: it lasts until something changes.
     until: float | None = None
+    #: In a recovery's grace: the jobs (their ids) whose entries it waits for, lost with the
+    #: damage. The waiter plans once every one of them is listed again.
+    awaited: tuple[str, ...] = ()
 
     def describe(self, width: int | None = None) -> str:
         """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits

@@ -1131,14 +1131,14 @@ def admit(
 
 def _entries_to_come_back(
     ledger: Ledger, data: LedgerData, now: float, boot_now: float | None
-) -> int:
-    """How many jobs of this user live without an entry in a ledger started afresh, or whose
-    entries were dropped as damaged, less than RECOVERY_GRACE ago (on the boot clock where the
-    ledger has a stamp of it: see `since`): their reservations are unknown until their gpuwait
-    puts them back, so nobody may be admitted into them meanwhile."""
+) -> list[str]:
+    """The jobs (their ids) of this user that live without an entry in a ledger started
+    afresh, or whose entries were dropped as damaged, less than RECOVERY_GRACE ago (on the boot
+    clock where the ledger has a stamp of it: see `since`): their reservations are unknown
+    until their gpuwait puts them back, so nobody may be admitted into them meanwhile."""
     recovered = _recovered(data, now, boot_now)
     if recovered is None:
-        return 0
+        return []
     mine = {j.id for j in data.jobs if data.mine(j)}
     # A job that has left the queue (its outcome in the book) holds its lock a moment longer,
     # until its gpuwait removes the file: the waiter its release woke plans in that moment, and
@@ -1149,7 +1149,7 @@ def _entries_to_come_back(
     # after may look older too, and costs a waiter only the moment until its job's entry is
     # written. Counted from a tenth of a second earlier instead, a job started just before the
     # damage was not waited for, and the next launch was admitted into its reservation.
-    return len(alive.unlisted(ledger.directory, mine | ended, recovered[0]))
+    return alive.unlisted(ledger.directory, mine | ended, recovered[0])
 
 
 def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[float, bool] | None:
@@ -1167,13 +1167,13 @@ def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[fl
 
 
 def _waiting_for_entries(
-    mine: Job, data: LedgerData, lost: int, now: float, boot_now: float | None
+    mine: Job, data: LedgerData, lost: list[str], now: float, boot_now: float | None
 ) -> WaitReason:
     needed = describe_need(mine.memory_request(), mine.gpus)
     jobs = (
         "1 job of yours still running or waiting has to put its entry"
-        if lost == 1
-        else (f"{lost} jobs of yours still running or waiting have to put their entries")
+        if len(lost) == 1
+        else (f"{len(lost)} jobs of yours still running or waiting have to put their entries")
     )
     recovered = _recovered(data, now, boot_now)
     how = "started afresh" if recovered is None or recovered[1] else "repaired"
@@ -1185,6 +1185,7 @@ def _waiting_for_entries(
         ahead=0,
         blocked=f"waiting for {needed}: the ledger was {how} after damage; {jobs} back",
         until=_grace_ends(data, now, boot_now),
+        awaited=tuple(lost),
     )
 
 

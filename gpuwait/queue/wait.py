@@ -82,9 +82,9 @@ OWN_PLAN_SPACING = 0.5
 BACKUP_DELAY = 0.25
 #: How long after a reason lapses by itself (`WaitReason.until`) the waiter plans again.
 LAPSE_MARGIN = 0.02
-#: While held for entries lost with a damaged ledger (a reason that lapses by itself), how
-#: often the waiter looks at the summaries for one put back: an older gpuwait puts its entry
-#: back without counting it as a release, and signals nobody.
+#: While held for entries lost with a damaged ledger (`WaitReason.awaited`), how often the
+#: waiter looks at the summaries for them put back: an older gpuwait puts its entry back
+#: without counting it as a release, and signals nobody.
 RECOVERY_LOOK = 0.25
 #: In a shared ledger, how long another member's job may wait on while this waiter's plan
 #: starts it now, before the two plans are taken to disagree (`Disagreement`). A member whose
@@ -379,11 +379,6 @@ def _reason_without_lock(
     return Unlocked(decided.waiting.get(job.id), frozenset(decided.admitted))
 
 
-def _listed(seen: wake.Summary) -> frozenset[str]:
-    """Every job a summary lists, running or waiting."""
-    return seen.running.union(seen.waiting)
-
-
 def _stopped_ahead(data: LedgerData, job: Job) -> bool:
     """Is a waiter ahead of `job` in the queue stopped (Ctrl-Z, SIGSTOP), its gpuwait a process
     of this pid namespace?"""
@@ -556,9 +551,13 @@ def wait_for_admission(
     #: (monotonic) When the reason it waits for lapses by itself (`WaitReason.until`), which
     #: nobody signals: it plans then.
     lapses: float | None = None
-    #: While `lapses` is set: the jobs each summary listed when the waiter last planned; one
-    #: listed since may be an entry put back.
-    listed: dict[str, frozenset[str]] = {}
+    #: While `lapses` is set: the jobs whose lost entries the waiter is held for
+    #: (`WaitReason.awaited`), and those of them a summary has listed since it last planned.
+    #: It plans once all are back: with one still missing the plan would hold it all the
+    #: same, and a job listed anew that it is not held for (a launch, another waiter's entry
+    #: put back) changes nothing for it.
+    awaited: frozenset[str] = frozenset()
+    back: set[str] = set()
 
     disagreement = Disagreement()
 
@@ -730,8 +729,9 @@ def wait_for_admission(
                             event = True
                         last_release[seen.source] = seen.release
                         queue_length = len(seen.waiting)
-                    if lapses is not None and seen is not None and seen.source in listed:
-                        event = event or bool(_listed(seen) - listed[seen.source])
+                    if lapses is not None and awaited and seen is not None:
+                        back.update(i for i in awaited if seen.shows(i, job.uid) is not None)
+                        event = event or back >= awaited
                 if check_admitted:
                     found = _admitted_by_another(ledger, job, last)
                     try:
@@ -793,10 +793,9 @@ def wait_for_admission(
                 if act:
                     # Releases counted from here on come after this plan's reading: seen next time.
                     last_release = {}
-                    listed = {}
+                    back = set()
                     for seen in summaries.current():
                         last_release[seen.source] = seen.release
-                        listed[seen.source] = _listed(seen)
                         queue_length = len(seen.waiting)
                     tried = True
                     try:
@@ -822,10 +821,12 @@ def wait_for_admission(
                         on_reason(outcome)
                     reason = outcome
                     lapses = None
+                    awaited = frozenset()
                     if outcome is not None and outcome.until is not None:
                         left = outcome.until - proc.boot_clock()
                         if left > 0:  # a moment after it: the plan then finds it over
                             lapses = time.monotonic() + left + LAPSE_MARGIN
+                            awaited = frozenset(outcome.awaited)
                     interval = policy.nvml_interval
                     if wants_utilization and window.needs_more():
                         interval = min(interval, UTIL_SAMPLE_INTERVAL)
@@ -844,7 +845,7 @@ def wait_for_admission(
                 for moment in (backup[0] if backup is not None else None, held_back, lapses):
                     if moment is not None:
                         wake_at = min(wake_at, moment)
-                if lapses is not None:
+                if lapses is not None and awaited:
                     wake_at = min(wake_at, time.monotonic() + RECOVERY_LOOK)
                 sleep = (
                     max(0.0, wake_at - time.monotonic())

@@ -740,6 +740,131 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_bac
         holder.send_signal(signal.SIGCONT)
 
 
+#: gpuwait with a recovery's grace of 5 min (not over before a slow machine has launched them
+#: all), that writes to the file $PLANS/PID a line "plan" for each plan it makes, and "saw" and
+#: the jobs listed for each changed summary it reads.
+_COUNTED = """
+import os
+from gpuwait.queue import lifecycle, wake
+lifecycle.RECOVERY_GRACE = 300.0
+notes = open(os.path.join(os.environ["PLANS"], str(os.getpid())), "a", buffering=1)
+planned, changed = wake.note_planned, wake.Summaries.changed
+def note_planned(state_dir):
+    notes.write("plan\\n")
+    planned(state_dir)
+def looked(self, now):
+    found, later = changed(self, now)
+    for seen in found:
+        if seen is not None:
+            notes.write(" ".join(["saw", *sorted(seen.running.union(seen.waiting))]) + "\\n")
+    return found, later
+wake.note_planned = note_planned
+wake.Summaries.changed = looked
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def _notes(plans: Path, pid: int) -> list[str]:
+    """What the gpuwait `pid` run as _COUNTED wrote: its plans and the summaries it read."""
+    try:
+        return (plans / str(pid)).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _done_with(plans: Path, pid: int, job_id: str) -> bool:
+    """The gpuwait `pid` run as _COUNTED has read a summary listing `job_id`, and done what it
+    does about it: it sleeps again."""
+    saw = any(n.startswith("saw ") and job_id in n.split()[1:] for n in _notes(plans, pid))
+    return saw and sleeping_in(pid, "sigtimedwait")
+
+
+def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # Two running jobs' entries are lost, and their gpuwait, older, put them back one after
+    # the other: the waiter held for both planned at the first, only to be held for the second.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holders = [procs([*VRAM_4G, "--name", f"h{n}", "--", "sleep", "60"]) for n in range(2)]
+    for holder in holders:
+        wait_for(lambda h=holder: asleep_supervising(h.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        for holder in holders:
+            holder.send_signal(signal.SIGSTOP)
+            wait_for(lambda h=holder: process_state(h.pid) == "T", timeout=10)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    monkeypatch.setenv("PLANS", str(plans))
+    try:
+        first, second = Ledger(ledger_path.parent).read().jobs
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+        assert waiter.poll() is None, "the waiter ran without waiting for the lost entries"
+        with Ledger(ledger_path.parent).transaction() as data:
+            data.jobs.append(first)
+        wait_for(lambda: _done_with(plans, waiter.pid, first.id), timeout=30)
+        assert _notes(plans, waiter.pid).count("plan") == 1
+        assert waiter.poll() is None, "the waiter ran without waiting for the second entry"
+        with Ledger(ledger_path.parent).transaction() as data:
+            data.jobs.append(second)
+        assert waiter.wait(timeout=15) == 0
+    finally:
+        for holder in holders:
+            holder.send_signal(signal.SIGCONT)
+
+
+def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_waiter_plan(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # Held for a running job's lost entry, waiters look at the summaries four times a second
+    # for it to come back from an older gpuwait, which signals nobody. Every job listed anew
+    # made each of them plan under the ledger's lock: a launch, not only an entry put back,
+    # so that the k-th launch made the k - 1 waiters before it plan, and five launches one
+    # after another 15 plans where 5 (one each) tell as much.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        holder.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    monkeypatch.setenv("PLANS", str(plans))
+    waiters: list[subprocess.Popen[str]] = []
+    try:
+        (entry,) = Ledger(ledger_path.parent).read().jobs
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        for n in range(5):
+            argv = [sys.executable, "-c", _COUNTED, "--vram", "2G", "--name", f"w{n}", "--", "true"]
+            waiter = procs(argv)
+            wait_for(lambda w=waiter: asleep_waiting(w.pid) or w.poll() is not None, timeout=30)
+            assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+            new = (named_entry(f"w{n}") or {})["id"]
+            for held in waiters:
+                wait_for(lambda p=held.pid, j=new: _done_with(plans, p, j), timeout=30)
+            waiters.append(waiter)
+        assert [_notes(plans, w.pid).count("plan") for w in waiters] == [1] * 5
+        # The older gpuwait's transaction: the entry appended, nothing else. The one entry each
+        # waiter is held for is back: it plans, or finds itself started by another's plan.
+        with Ledger(ledger_path.parent).transaction() as data:
+            data.jobs.append(entry)
+        assert [w.wait(timeout=15) for w in waiters] == [0] * 5
+    finally:
+        holder.send_signal(signal.SIGCONT)
+
+
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
     tmp_path: Path,
 ) -> None:
@@ -749,7 +874,8 @@ def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_w
     with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
         taken = lock.stat().st_mtime
         data = LedgerData(created_at=taken + 0.02)
-        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 1
+        lost = lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None)
+        assert lost == ["0a1b2c3d"]
 
 
 def test_a_job_that_took_its_lock_after_the_ledger_was_started_afresh_is_not_waited_for(
@@ -761,7 +887,7 @@ def test_a_job_that_took_its_lock_after_the_ledger_was_started_afresh_is_not_wai
     with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
         taken = lock.stat().st_mtime
         data = LedgerData(created_at=taken - 1)
-        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == 0
+        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == []
 
 
 def _first_entry_damaged(ledger: bytes) -> bytes:
