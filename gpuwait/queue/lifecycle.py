@@ -1097,9 +1097,9 @@ def admit(
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)
         _note_health(data, snapshot, now, said)
-        lost = _entries_to_come_back(ledger, data, now, boot_now)
-        if lost:
-            return copy_job(mine), _waiting_for_entries(mine, data, lost, now, boot_now)
+        held = held_for_entries(ledger.directory, data, mine, now, boot_now)
+        if held is not None:
+            return copy_job(mine), held
         failure = settle_dependencies(mine, data)
         if failure is not None:
             data.remove(job.id)
@@ -1129,8 +1129,19 @@ def admit(
         return updated, decided.waiting.get(job.id)
 
 
+def held_for_entries(
+    directory: Path, data: LedgerData, mine: Job, now: float, boot_now: float | None
+) -> WaitReason | None:
+    """Why the waiter `mine` waits, where jobs of its user are still to put back entries the
+    damage of the ledger in `directory` lost (nobody is admitted meanwhile); None where none
+    is. Told by a read without the lock as well as under it: a plan in the grace needs
+    neither the lock nor the whole queue's plan to learn it."""
+    lost = _entries_to_come_back(directory, data, now, boot_now)
+    return _waiting_for_entries(mine, data, lost, now, boot_now) if lost else None
+
+
 def _entries_to_come_back(
-    ledger: Ledger, data: LedgerData, now: float, boot_now: float | None
+    directory: Path, data: LedgerData, now: float, boot_now: float | None
 ) -> list[str]:
     """The jobs (their ids) of this user that live without an entry in a ledger started
     afresh, or whose entries were dropped as damaged, less than RECOVERY_GRACE ago (on the boot
@@ -1149,7 +1160,7 @@ def _entries_to_come_back(
     # after may look older too, and costs a waiter only the moment until its job's entry is
     # written. Counted from a tenth of a second earlier instead, a job started just before the
     # damage was not waited for, and the next launch was admitted into its reservation.
-    return alive.unlisted(ledger.directory, mine | ended, recovered[0])
+    return alive.unlisted(directory, mine | ended, recovered[0])
 
 
 def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[float, bool] | None:

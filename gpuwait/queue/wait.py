@@ -361,6 +361,9 @@ def _reason_without_lock(
     now, boot_now = time.time(), proc.boot_clock()
     if lifecycle.would_tidy(data, snapshot, now, directory):
         return Unlocked(None)
+    lost = lifecycle.held_for_entries(directory, data, mine, now, boot_now)
+    if lost is not None:
+        return Unlocked(lost)  # as the transaction would say, before planning anything
     live = data.referred([*mine.after, *mine.after_ok])
     if any(d not in live for d in (*mine.after, *mine.after_ok)):
         return Unlocked(None)

@@ -865,6 +865,43 @@ def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_
         holder.send_signal(signal.SIGCONT)
 
 
+def test_a_waiter_held_in_the_grace_plans_without_the_ledgers_lock(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # Held for a lost entry, a waiter planned the whole queue at each of its readings of the
+    # GPUs, found it fits, and took the ledger's lock to learn that nobody is admitted in the
+    # grace. Here another process keeps the lock: the waiter's plans went on without it.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        holder.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    monkeypatch.setenv("PLANS", str(plans))
+    try:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
+        waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        with exclusive(ledger_path.parent / "ledger.lock"):
+            before = _notes(plans, waiter.pid).count("plan")
+            wait_for(
+                lambda: _notes(plans, waiter.pid).count("plan") >= before + 3,
+                timeout=20,
+                message=lambda: f"blocked in the lock wait: {sleeping_in(waiter.pid, 'flock')}",
+            )
+        assert waiter.poll() is None
+    finally:
+        holder.send_signal(signal.SIGCONT)
+
+
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
     tmp_path: Path,
 ) -> None:
@@ -874,7 +911,7 @@ def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_w
     with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
         taken = lock.stat().st_mtime
         data = LedgerData(created_at=taken + 0.02)
-        lost = lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None)
+        lost = lifecycle._entries_to_come_back(tmp_path, data, taken + 1, None)
         assert lost == ["0a1b2c3d"]
 
 
@@ -887,7 +924,7 @@ def test_a_job_that_took_its_lock_after_the_ledger_was_started_afresh_is_not_wai
     with liveness_lock_held(tmp_path, "0a1b2c3d") as lock:
         taken = lock.stat().st_mtime
         data = LedgerData(created_at=taken - 1)
-        assert lifecycle._entries_to_come_back(Ledger(tmp_path), data, taken + 1, None) == []
+        assert lifecycle._entries_to_come_back(tmp_path, data, taken + 1, None) == []
 
 
 def _first_entry_damaged(ledger: bytes) -> bytes:
