@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import select
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -148,3 +150,20 @@ def asleep_supervising(pid: int) -> bool:
     if entry is None or entry.get("state") != "running" or not entry.get("child_pid"):
         return False
     return sleeping_in(pid, "sigtimedwait")
+
+
+def said(process: subprocess.Popen[str], words: str, timeout: float = 30) -> str:
+    """What `process` wrote to its piped stderr up to and with `words`, read straight from the
+    pipe as it comes (its text-mode file reads nothing ahead, so communicate() then gives the
+    rest); fails the test after `timeout` seconds without them, or once the pipe is closed."""
+    assert process.stderr is not None
+    fd = process.stderr.fileno()
+    told = b""
+    deadline = time.monotonic() + timeout
+    while words.encode() not in told:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
+            pytest.fail(f"never said {words!r}; said: {told.decode(errors='replace')}")
+        told += chunk
+    return told.decode()

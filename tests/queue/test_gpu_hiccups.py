@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_nvml import GIB, UNKNOWN, FakeGpu, FakeNvml
 from helpers.fixtures_sim import SIMJOB, SimFileFactory
-from helpers.waiting import asleep_waiting, named_entry, wait_for
+from helpers.waiting import asleep_waiting, named_entry, said, wait_for
 
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
 
@@ -61,7 +61,8 @@ def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
 
     good = sim.read_text()
     sim.write_text("[[gpu]\nmemory = ")  # caught half-saved
-    time.sleep(1.0)  # five failed readings at 0.2 s: "retrying" below shows they were read
+    told = said(second, "retrying")  # it read the failure, and waits on
+    time.sleep(0.5)  # more failed readings at 0.2 s
     assert second.poll() is None, "a waiter must not end over a failed reading"
     assert first.poll() is None, "a running job must not be disturbed"
     status = subprocess.run([*GPUWAIT, "status"], capture_output=True, text=True, timeout=30)
@@ -70,6 +71,7 @@ def test_a_waiter_waits_through_failing_readings_and_starts_once_they_recover(
 
     assert first.wait(timeout=30) == 0
     _, err = second.communicate(timeout=30)
+    err = told + err
     assert second.returncode == 0, err
     assert "GPU readings failing, retrying" in err and "not valid TOML" in err
     for name in ("first", "second"):
@@ -110,12 +112,18 @@ def test_at_start_up_a_failure_that_may_pass_is_retried_not_run_around(
     assert not marker.exists()
     # The failure passes: the command runs once the readings are back.
     launch = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    try:
+        told = said(launch, "retrying")  # its first reading failed, and it waits on
+    except BaseException:
+        launch.kill()
+        launch.communicate()
+        raise
+    time.sleep(0.5)
     assert not marker.exists()
     sim.write_text(good)
     _, err = launch.communicate(timeout=60)
-    assert launch.returncode == 0, err
-    assert marker.exists() and "retrying" in err
+    assert launch.returncode == 0, told + err
+    assert marker.exists()
 
 
 def test_through_nvml_a_transient_driver_error_is_waited_out(
@@ -131,11 +139,13 @@ def test_through_nvml_a_transient_driver_error_is_waited_out(
     waiter = procs([*GPUWAIT, "--vram", "8G", "--", "true"])
     wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
     fake_nvml.fail(None, "nvmlDeviceGetCount_v2", UNKNOWN)
-    time.sleep(1.0)  # five failed readings at 0.2 s: "retrying" below shows they were read
+    told = said(waiter, "GPU readings failing, retrying")  # it read the failure, and waits on
+    time.sleep(0.5)  # more failed readings at 0.2 s
     assert waiter.poll() is None, "a waiter must not end over a driver hiccup"
     fake_nvml.clear_failures()
     fake_nvml.update_gpu(0, used=0)
     _, err = waiter.communicate(timeout=30)
+    err = told + err
     assert waiter.returncode == 0, err
     assert "GPU readings failing, retrying" in err and "Traceback" not in err
 
