@@ -212,15 +212,15 @@ class Step(Record, frozen=True):
         return os.path.basename(self.argv[0])
 
 
-def steps(argv: Sequence[str]) -> list[Step]:
+def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
     """`argv` and each command it runs through the wrappers above, outermost first.
 
     `nice -n 5 timeout 60 srun python x.py` is four steps: nice's, timeout's, srun's and (srun
     being no wrapper here) no further. su's and runuser's `-c 'CODE'` runs CODE, taken as a
-    shell's words where it is simple enough to read so."""
+    shell's words where it is simple enough to read so. `cut`: `argv` are words of a shell's
+    code read up to an expansion (`Step.cut`), as the command of a container in it is."""
     found: list[Step] = []
     current: tuple[str, ...] = tuple(argv)
-    cut = False
     while current:
         if os.path.basename(current[0]) in _SHELLS:
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")

@@ -387,7 +387,9 @@ def _check_keeps(
         raise UsageError(f"{doer} without the {variable} gpuwait sets: {what}", hint=hint)
     for index, inner in _container_commands(found):
         cleans = apptainer_cleans_env(found[index], environs[index])
-        _check_keeps(argv, steps(inner), by_index, cleans)
+        # Read up to an expansion (`sh -c 'exec apptainer ... env -i "A=$A" python x.py'`):
+        # so are the words of the command in it.
+        _check_keeps(argv, steps(inner, found[index].cut), by_index, cleans)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:

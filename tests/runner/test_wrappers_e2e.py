@@ -1885,6 +1885,24 @@ def test_a_command_in_an_apptainer_container_is_refused_where_it_sets_its_own_gp
     assert ran.exists()
 
 
+def test_the_line_the_refusal_of_env_i_in_an_apptainer_container_gives_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `apptainer exec --nv img.sif env -i PATH=/usr/bin python x.py` is refused, its hint a
+    # shell's code that sets gpuwait's variables again in env's: that line was refused in
+    # turn, "env starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets", the code
+    # read up to its first expansion taken for all of env's words in the container.
+    env, ran = fake_bin(tmp_path, "apptainer")
+    line = ["apptainer", "exec", "--nv", "img.sif", "env", "-i", "PATH=/usr/bin", "python", "x.py"]
+    done = gpuwait(gpuwait_cmd, line, env)
+    refused(done, ran, "env starts its command without the CUDA_VISIBLE_DEVICES gpuwait sets")
+    said = hint(done)
+    assert said.startswith("sh -c 'exec apptainer exec --nv img.sif env -i PATH=/usr/bin "), said
+    # The line as the hint gives it runs, the container's command given the GPU reserved.
+    runs(gpuwait_cmd, said, env, opts=ON_GPU_1)
+    assert f"CUDA_VISIBLE_DEVICES={reserved_uuid(sim)} " in ran.read_text()
+
+
 @pytest.mark.parametrize(
     "code",
     [
