@@ -186,8 +186,9 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 #: that came from it stays exported (`declare CUDA_VISIBLE_DEVICES=0`, `readonly ...`).
 _DECLARING = frozenset({"export", "declare", "typeset", "readonly"})
 #: Options of `declare`, `typeset` and `readonly` after which they still only set (and
-#: export): -x, -r, -g (and `--`).
-_KEEPS_EXPORTED = re.compile(r"-[xrg]+|--")
+#: export): -x, -r, -g, and the attributes -i, -l, -u, -t, given or taken away (`typeset -i
+#: n=0`, `declare +i ...`), and `--`; but +x, which takes a variable out of the environment.
+_KEEPS_EXPORTED = re.compile(r"-[xrgiltu]+|\+[iltu]+|--")
 
 
 class Step(Record, frozen=True):

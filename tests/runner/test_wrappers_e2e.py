@@ -1759,6 +1759,10 @@ def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
         ("declare -x CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
         ("typeset -gx CUDA_VISIBLE_DEVICES=1", "bash sets CUDA_VISIBLE_DEVICES=1 for its"),
         ("readonly CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
+        # An attribute (-i, -l, -u, -t) keeps it exported too; `typeset -i n=0;` runs no
+        # command, and what follows it is looked at.
+        ("declare -i CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
+        ("typeset -i n=0; CUDA_VISIBLE_DEVICES=1", "bash sets CUDA_VISIBLE_DEVICES=1 for its"),
     ],
 )
 def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refused(
