@@ -460,8 +460,8 @@ def _check_sets(
         variable = next((v for v in names if name in (v, *_container_names([v]))), None)
         if variable is None:
             continue
-        if variable == GPU_VARIABLES[1] and value == "PCI_BUS_ID":
-            continue
+        if variable == GPU_VARIABLES[1] and value.strip("\"'") == "PCI_BUS_ID":
+            continue  # what gpuwait sets, quoted or not (`export CUDA_DEVICE_ORDER="PCI_BUS_ID"`)
         if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
             continue  # empty, -1, none: CUDA sees no GPU at all (a CPU step), nobody else's
         gpuwaits = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"

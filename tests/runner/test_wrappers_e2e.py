@@ -1049,6 +1049,32 @@ def test_a_wrapper_that_sets_the_order_of_gpu_indices_is_refused_under_index(
 
 
 @pytest.mark.parametrize(
+    "code",
+    [
+        'export CUDA_DEVICE_ORDER="PCI_BUS_ID"',
+        "CUDA_DEVICE_ORDER='PCI_BUS_ID'",
+        'declare -x CUDA_DEVICE_ORDER="PCI_BUS_ID"',
+    ],
+)
+def test_a_shell_that_sets_the_order_gpuwait_sets_in_quotes_runs_under_index(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # With visible_devices = index, `sh -c 'export CUDA_DEVICE_ORDER="PCI_BUS_ID"; python
+    # x.py'`, the order gpuwait sets itself, quoted as scripts do, was refused, exit 2, "sh
+    # sets 'CUDA_DEVICE_ORDER="PCI_BUS_ID"' for its command", where the same word unquoted runs.
+    index = {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index"}
+    line = f'{code}; echo "$CUDA_DEVICE_ORDER $CUDA_VISIBLE_DEVICES" > seen'
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", line], index, opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().split() == ["PCI_BUS_ID", "1"]
+    # Another order is refused as before.
+    other = line.replace("PCI_BUS_ID", "FASTEST_FIRST", 1)
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", other], index, opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "CUDA_DEVICE_ORDER" in done.stderr
+
+
+@pytest.mark.parametrize(
     ("command", "caller", "status"),
     [
         (["sudo", "-E", "docker", "run", "-e", "NVIDIA_VISIBLE_DEVICES", "img"], "all", 2),
