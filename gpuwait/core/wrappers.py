@@ -863,7 +863,8 @@ def apptainer_command(step: Step) -> tuple[str, ...] | None:
     exec --nv img.sif deepspeed x.py`: `deepspeed x.py`); None for another action (`run`
     gives its words to the image's runscript), or where its options are not all known."""
     start = _apptainer_start(step)
-    if start is None or step.argv[start - 1] != "exec":
+    # No action named (`apptainer` alone, `sh -c 'exec apptainer "$@"'` read up to "$@").
+    if start is None or step.argv[start - 1 : start] != ("exec",):
         return None
     found, unknown = _apptainer_options(step)
     if unknown:

@@ -1915,6 +1915,28 @@ def test_a_command_in_an_apptainer_container_is_refused_where_it_sets_its_own_gp
     assert ran.exists()
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        ["sh", "-c", 'exec apptainer "$@"', "apptainer", "exec", "--nv", "img.sif", "python"],
+        ["apptainer"],
+        ["singularity", "--debug"],
+    ],
+)
+def test_apptainer_given_no_action_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, line: list[str]
+) -> None:
+    # `gpuwait --vram 4G -- sh -c 'exec apptainer "$@"' apptainer exec --nv img.sif python`,
+    # a wrapper script's way, and `apptainer` alone (which prints its help) ended in a
+    # traceback, exit 1: no action among the words read, and the word before where its options
+    # would begin was looked up all the same.
+    env, ran = fake_bin(tmp_path, "apptainer", "singularity")
+    done = gpuwait(gpuwait_cmd, line, env)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert ran.exists()
+
+
 def test_the_line_the_refusal_of_env_i_in_an_apptainer_container_gives_runs(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
