@@ -551,7 +551,8 @@ def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str]
         names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
         also = "or contrib/docker's gpuwait-docker-run" if step.program == "docker" else ""
     # An --env-file stays, for its other variables: --gpus names the GPUs over it.
-    cut = [(b, e) for b, e in spans if not step.argv[b].startswith("--env-file")]
+    # (nvidia-docker's runtime, where no option names the GPUs, is no word: at its end maybe.)
+    cut = [(b, e) for b, e in spans if not (b < e and step.argv[b].startswith("--env-file"))]
     kept = [
         shlex.quote(word)
         for at, word in enumerate(step.argv)

@@ -576,6 +576,26 @@ def test_nvidia_docker_is_refused_for_the_runtime_it_adds(
     assert not ran.exists()
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        ["sh", "-c", 'exec nvidia-docker run "$@"', "nvidia-docker", "img", "python", "x.py"],
+        ["nvidia-docker", "run"],
+    ],
+)
+def test_nvidia_docker_with_no_word_after_run_is_refused_without_a_traceback(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, line: list[str]
+) -> None:
+    # `gpuwait --vram 4G -- sh -c 'exec nvidia-docker run "$@"' nvidia-docker img python x.py`,
+    # a wrapper script's way, ended in a traceback, exit 1: with no word read after `run`, the
+    # runtime nvidia-docker adds was placed past the end of its words, and the word there
+    # looked up. It is refused as `nvidia-docker run img` is, exit 2, without a traceback.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker")
+    done = gpuwait(gpuwait_cmd, line, env)
+    refused(done, ran, "gpuwait: error: nvidia-docker run gives the container the GPUs of the")
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(("value", "status"), [("all", 2), (None, 0), ("none", 0)])
 def test_a_container_passed_the_callers_nvidia_visible_devices_is_refused_where_it_names_gpus(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path, value: str | None, status: int
