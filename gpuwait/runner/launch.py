@@ -583,6 +583,9 @@ def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str]
         others = [" ".join(step.argv[b:e]) for b, e in cut if b != spans[0][0]]
         if others:
             line += f", and leave out {', '.join(others)}"
+        if step.program == NVIDIA_DOCKER:
+            # Its runtime, which it adds whatever --gpus says: docker itself takes --gpus.
+            line += f", and docker in place of {NVIDIA_DOCKER}"
     else:
         line = f"sh -c {shlex.quote(' '.join(['exec', *kept]))}"
     raise UsageError(

@@ -1267,6 +1267,25 @@ def test_the_refusal_of_docker_in_a_shell_names_every_option_that_gives_gpus(
     assert ran.exists()
 
 
+def test_the_refusal_of_nvidia_docker_in_a_shell_names_docker_in_its_place(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `sh -c 'exec nvidia-docker run -v "$PWD:/w" img python x.py'` was told to put --gpus
+    # "\"device=$GPUWAIT_GPU_UUIDS\"" in its code alone: nvidia-docker so given still adds the
+    # NVIDIA runtime, and the code so changed was refused again.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker")
+    code = 'exec nvidia-docker run -v "$PWD:/w" img python x.py'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env)
+    refused(done, ran, "nvidia-docker run gives the container the GPUs of the NVIDIA runtime")
+    said = done.stderr.split("hint: ", 1)[1]
+    names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
+    assert f"in its code, {names}, and docker in place of nvidia-docker" in said, said
+    # The code as the hint says, which runs.
+    fixed = code.replace("nvidia-docker run", f"docker run {names}")
+    assert gpuwait(gpuwait_cmd, ["sh", "-c", fixed], env).returncode == 0
+    assert ran.exists()
+
+
 @pytest.mark.parametrize(
     ("opts", "option", "said"),
     [
