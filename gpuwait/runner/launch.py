@@ -269,19 +269,22 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
 
 def _check_keeps(
-    argv: Sequence[str], found: Sequence[Step], by_index: bool, cleaned: bool = False
+    argv: Sequence[str],
+    found: Sequence[Step],
+    by_index: bool,
+    start: Mapping[str, str] | None = None,
 ) -> None:
     """check_keeps_gpus for `found`, the steps of `argv` or those of a command an Apptainer
     container runs in it (`apptainer exec --nv img.sif env CUDA_VISIBLE_DEVICES=0 python
-    x.py`), which gets gpuwait's variables and sees every GPU; `cleaned`: a container that
-    cleans its environment, which gets only those with an APPTAINERENV_ copy."""
+    x.py`), which sees every GPU; `start`: gpuwait's variables as such a command gets them
+    (`_in_container`), None where not known (taken as gpuwait's own)."""
     if any(runs_gpuwait(step) for step in found):
         return
     # What reaches each step through the wrappers before it, once for all of them: a line of
     # many wrappers (`env A=1 env B=2 ...`) costs each once, not once for each after it.
     environs = _apptainer_environs(found)
     nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
-    given = _given(found, cleaned)
+    given = _given(found, start)
     for at, step in enumerate(found):
         _check_container(argv, step, nvidia[at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], environs[at])
@@ -389,7 +392,8 @@ def _check_keeps(
         cleans = apptainer_cleans_env(found[index], environs[index])
         # Read up to an expansion (`sh -c 'exec apptainer ... env -i "A=$A" python x.py'`):
         # so are the words of the command in it.
-        _check_keeps(argv, steps(inner, found[index].cut), by_index, cleans)
+        start = _in_container(found[index], given[index], cleans)
+        _check_keeps(argv, steps(inner, found[index].cut), by_index, start)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
@@ -406,16 +410,41 @@ def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:
 _GPUWAITS = "\0gpuwait"
 
 
-def _given(found: Sequence[Step], cleaned: bool = False) -> list[dict[str, str] | None]:
+def _given(
+    found: Sequence[Step], start: Mapping[str, str] | None = None
+) -> list[dict[str, str] | None]:
     """The variables gpuwait gives the command that name its GPUs or their order, as each step
     of `found` gets them (passed_on_each): gpuwait's own value (_GPUWAITS), or one set before.
-    `cleaned`: in a container that cleans its environment, where only GPU_VARIABLES come, from
-    their APPTAINERENV_ copies."""
+    `start`: those the first step starts with, where not gpuwait's own (`_in_container`)."""
+    names = _given_names()
+    return passed_on_each(found, names, dict.fromkeys(names, _GPUWAITS) if start is None else start)
+
+
+def _given_names() -> tuple[str, ...]:
+    """The variables gpuwait gives the command that name its GPUs or their order (`_given`)."""
     names = (*GPU_VARIABLES, *_container_names(GPU_VARIABLES))
-    names += ("GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES")
-    return passed_on_each(
-        found, names, dict.fromkeys(GPU_VARIABLES if cleaned else names, _GPUWAITS)
-    )
+    return (*names, "GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES")
+
+
+def _in_container(
+    step: Step, reaching: Mapping[str, str] | None, cleaned: bool
+) -> dict[str, str] | None:
+    """The variables of `_given_names` that the command an Apptainer action (`step`) runs
+    gets, from those that reach the action (`reaching`, of `_given`; None: not known): each
+    from its APPTAINERENV_ (SINGULARITYENV_) copy where there is one, else, but in a container
+    that cleans its environment (`cleaned`), as it reaches the action, emptied or dropped by a
+    wrapper before it (`env GPUWAIT_GPU_UUIDS= apptainer exec ...`) too."""
+    if reaching is None:
+        return None
+    prefixes = sorted(CONTAINER_ENV_PREFIXES, key=lambda p: p != f"{step.program.upper()}ENV_")
+    got: dict[str, str] = {}
+    for name in _given_names():
+        copies = [reaching[p + name] for p in prefixes if p + name in reaching]
+        if copies:
+            got[name] = copies[0]
+        elif not cleaned and name in reaching:
+            got[name] = reaching[name]
+    return got
 
 
 def _default_unused(match: re.Match[str], given: Mapping[str, str] | None) -> bool:

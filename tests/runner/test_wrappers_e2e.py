@@ -2035,6 +2035,43 @@ def test_a_default_of_a_variable_a_clean_apptainer_container_lacks_is_refused(
     assert ran.exists()
 
 
+#: A stand-in for `apptainer exec [OPTIONS] IMAGE COMMAND...`: runs COMMAND, with the
+#: environment it was given.
+APPTAINER_RUNS = '#!/bin/sh\nshift\nwhile [ "${1#-}" != "$1" ]; do shift; done\nshift\nexec "$@"\n'
+
+
+@pytest.mark.parametrize(
+    "before", [["env", "GPUWAIT_GPU_UUIDS="], ["env", "-u", "GPUWAIT_GPU_UUIDS"]]
+)
+def test_a_default_in_an_apptainer_container_of_a_variable_a_wrapper_emptied_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, before: list[str]
+) -> None:
+    # `env GPUWAIT_GPU_UUIDS= apptainer exec --nv img.sif sh -c
+    # 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0} python x.py'` ran python on GPU 0,
+    # whichever GPU gpuwait had reserved, where the same line without the container is
+    # refused: the command in the container was judged as though it got gpuwait's variables
+    # whatever the wrappers before Apptainer had done to them.
+    env, _ = fake_bin(tmp_path)
+    stand_in(tmp_path, "apptainer", APPTAINER_RUNS)
+    code = (
+        "CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"
+    )
+    line = [*before, "apptainer", "exec", "--nv", "img.sif", "sh", "-c", code]
+    done = gpuwait(gpuwait_cmd, line, env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "sh sets 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}' for its command" in done.stderr
+    assert not (tmp_path / "seen").exists()
+    # The same, run bare where gpuwait's GPU is set: GPU 0.
+    own = {**env, "CUDA_VISIBLE_DEVICES": "GPU-own", "GPUWAIT_GPU_UUIDS": "GPU-own"}
+    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == "0"
+    # Without the wrapper, the container gets gpuwait's: the line runs on the GPU reserved.
+    (tmp_path / "seen").unlink()
+    done = gpuwait(gpuwait_cmd, line[len(before) :], env, opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
 def test_a_launcher_in_an_nvccli_container_given_every_gpu_is_refused(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
