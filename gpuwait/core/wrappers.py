@@ -372,7 +372,11 @@ def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
                 return (words, False, tuple(sets)) if words or sets else None
             if not words and not exported and word in _DECLARING:
                 exported = [word]
-            elif exported and exported[0] != "export" and _KEEPS_EXPORTED.fullmatch(word):
+            elif (
+                exported
+                and (exported[0] != "export" or word == "--")
+                and _KEEPS_EXPORTED.fullmatch(word)
+            ):
                 exported.append(word)
             elif (words and not exported) or not _ASSIGNMENT.match(word):
                 if exported:

@@ -1828,6 +1828,8 @@ def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
         # command, and what follows it is looked at.
         ("declare -i CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
         ("typeset -i n=0; CUDA_VISIBLE_DEVICES=1", "bash sets CUDA_VISIBLE_DEVICES=1 for its"),
+        # export's `--`, after which its words are names all the same.
+        ("export -- CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
     ],
 )
 def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refused(
