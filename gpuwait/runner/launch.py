@@ -609,7 +609,8 @@ def _check_container(argv: Sequence[str], step: Step, environ: Mapping[str, str]
         line = f"in its code, {names} {instead} {given}" if given else f"in its code, {names}"
         # Each other option that gives it GPUs goes too (`--runtime=nvidia -e
         # NVIDIA_VISIBLE_DEVICES=all`), as in the line given where every word is read.
-        others = [" ".join(step.argv[b:e]) for b, e in cut if b != spans[0][0]]
+        # (Not the runtime nvidia-docker adds, no word, where its first option may begin.)
+        others = [" ".join(step.argv[b:e]) for b, e in cut if (b, e) != spans[0]]
         if others:
             line += f", and leave out {', '.join(others)}"
         if step.program == NVIDIA_DOCKER:

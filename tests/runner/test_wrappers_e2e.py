@@ -1286,6 +1286,27 @@ def test_the_refusal_of_nvidia_docker_in_a_shell_names_docker_in_its_place(
     assert ran.exists()
 
 
+@pytest.mark.parametrize("option", ["--gpus all", "--runtime=nvidia"])
+def test_the_refusal_of_nvidia_docker_in_a_shell_names_its_own_option_that_gives_gpus(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, option: str
+) -> None:
+    # `sh -c 'exec nvidia-docker run --gpus all -v "$PWD:/w" img python x.py'` was told to put
+    # --gpus "\"device=$GPUWAIT_GPU_UUIDS\"" in its code, and docker in place of nvidia-docker,
+    # but not to leave out its --gpus all, first among its options where the runtime
+    # nvidia-docker adds is placed: the code so changed was refused again.
+    env, ran = fake_bin(tmp_path, "docker", "nvidia-docker")
+    code = f'exec nvidia-docker run {option} -v "$PWD:/w" img python x.py'
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env)
+    refused(done, ran, "nvidia-docker run gives the container the GPUs of the NVIDIA runtime")
+    said = done.stderr.split("hint: ", 1)[1]
+    assert f", and leave out {option}, and docker in place of nvidia-docker" in said, said
+    # The code as the hint says, which runs.
+    names = '--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\""'
+    fixed = code.replace(f"nvidia-docker run {option}", f"docker run {names}")
+    assert gpuwait(gpuwait_cmd, ["sh", "-c", fixed], env).returncode == 0
+    assert ran.exists()
+
+
 @pytest.mark.parametrize(
     ("opts", "option", "said"),
     [
