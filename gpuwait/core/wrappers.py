@@ -695,7 +695,9 @@ def container_gpus(
     the engine's environment, whose NVIDIA_VISIBLE_DEVICES `-e NVIDIA_VISIBLE_DEVICES` (no
     value) passes on; where it is not known, that option gives nothing. `read`: the lines of an
     `--env-file`, whose NVIDIA_VISIBLE_DEVICES counts as an -e's does, an -e winning over it
-    wherever it is given (a name alone passes on the engine's); unread where not given."""
+    wherever it is given (a name alone passes on the engine's); unread where not given. An -e
+    or --env-file whose value is not known (a shell's code read up to an expansion) may set
+    it: the NVIDIA runtime then gives no GPUs known here."""
     if step.program not in CONTAINER_ENGINES:
         return []
     argv = step.argv
@@ -711,6 +713,9 @@ def container_gpus(
     files: list[tuple[str, str, int, int]] = []
     position += 1
     options = position
+    #: An -e, --env or --env-file whose value is not known (cut where a shell's code stopped
+    #: being plain: `-e "NVIDIA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"`), which may set anything.
+    unknown = False
     while position < len(argv):
         word, begin = argv[position], position
         if word in ("--", "-") or not word.startswith("-"):
@@ -720,7 +725,9 @@ def container_gpus(
             name, glue, value = word.partition("=")
             if not glue and name not in _RUN_FLAGS:
                 if position + 1 >= len(argv):
-                    break  # its value is not known (cut where a shell's code stopped being plain)
+                    # Its value is not known (cut where a shell's code stopped being plain).
+                    unknown = name in ("--env", "--env-file")
+                    break
                 position += 1
                 value = argv[position]
         else:
@@ -732,7 +739,7 @@ def container_gpus(
                     if position + 1 >= len(argv):
                         # Its value is not known, as a long option's: the options before it
                         # still count, and it names nothing.
-                        name = ""
+                        unknown, name = letter == "e", ""
                         break
                     position += 1
                     value = argv[position]
@@ -751,7 +758,7 @@ def container_gpus(
         found.append((name, value, begin, position))
     named = [(n, v) for n, v, _, _ in found if n in ("-e", "--env") and v.startswith(_NVIDIA_ENV)]
     given = [v for _, v, _, _ in files] + [v for _, v in named]
-    nvidia = not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS
+    nvidia = not unknown and (not given or given[-1][len(_NVIDIA_ENV) :] not in _NO_GPUS)
     if files and not named and nvidia:
         # The file's own: the last one naming GPUs.
         found.append(files[-1])

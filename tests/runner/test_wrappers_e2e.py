@@ -1245,6 +1245,36 @@ def test_the_refusal_of_docker_in_a_shell_gives_no_line_cut_short(
     assert f'--gpus "\\"device=$GPUWAIT_GPU_UUIDS\\"" in place of {given}' in said, said
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        '-e "NVIDIA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"',
+        "--env NVIDIA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS",
+        '--env-file "$HOME/gpu.env"',
+    ],
+)
+def test_docker_with_the_nvidia_runtime_in_a_shell_given_an_env_read_no_further_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, option: str
+) -> None:
+    # `sh -c 'exec docker run --runtime=nvidia -e "NVIDIA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"
+    # img python x.py'`, the NVIDIA runtime given the GPUs gpuwait reserved, was refused, exit
+    # 2, "docker run gives the container the GPUs its own option names (--runtime=nvidia)":
+    # the code is read up to the expansion, and the -e whose value was not read taken to set
+    # nothing, where the same option before --runtime=nvidia ran. What it sets is not known
+    # here: the line runs either way round.
+    env, ran = fake_bin(tmp_path, "docker")
+    for code in (
+        f"exec docker run --runtime=nvidia {option} img python x.py",
+        f"exec docker run {option} --runtime=nvidia img python x.py",
+    ):
+        done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env)
+        assert done.returncode == 0, done.stderr
+    assert ran.exists()
+    # --gpus all gives every GPU whatever the variable says: refused as before.
+    code = f"exec docker run --gpus all {option} img python x.py"
+    assert gpuwait(gpuwait_cmd, ["sh", "-c", code], env).returncode == 2
+
+
 def test_the_refusal_of_docker_in_a_shell_names_every_option_that_gives_gpus(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
