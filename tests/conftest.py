@@ -43,8 +43,22 @@ def pytest_configure_node(node: Any) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object | None) -> None:
+    # A worker that crashed is replaced by one started next: blocked alike.
+    if _controller_mask is not None and error is not None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodeready(node: Any) -> None:
-    # Every worker has been started by now: the controller takes Ctrl-C again.
+    # Every worker (or the one replacing a crashed worker) has been started by now: the
+    # controller takes Ctrl-C again.
+    if _controller_mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _controller_mask)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # No worker replaced the last to crash (--max-worker-restart reached).
     if _controller_mask is not None:
         signal.pthread_sigmask(signal.SIG_SETMASK, _controller_mask)
 
