@@ -195,6 +195,29 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     return sorted(found)
 
 
+def still_held(ledger_dir: Path, job_ids: set[str]) -> set[str]:
+    """Those of this user's jobs `job_ids` (found by `unlisted`) whose lock a live process
+    still holds, in any lock directory of this user's here as `unlisted` looks; a lock that
+    cannot be told counts as held. A job not among them has ended: no entry of it is to come
+    back."""
+    found: set[str] = set()
+    try:
+        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+    except OSError:
+        return set(job_ids)
+    for lock_dir in names:
+        try:
+            with _opened_dir(ledger_dir / lock_dir) as directory:
+                for name in job_ids - found:
+                    if _JOB_ID.fullmatch(name) and _held_in(directory, name) is not False:
+                        found.add(name)
+        except (UnsafePath, FileNotFoundError):
+            continue  # another user's, or gone: none of this user's locks is there
+        except OSError:
+            return set(job_ids)  # not to be looked at now (no descriptor left): not told
+    return found
+
+
 #: The name of a user's lock directory (`_directory`), whatever uid it carries.
 _LOCK_DIR = re.compile(r"alive\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?")
 

@@ -48,7 +48,7 @@ from gpuwait.core.policy import (
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import format_duration, format_setting_duration
 from gpuwait.core.snapshot import MachineSnapshot
-from gpuwait.linux import proc, signals, turnstile
+from gpuwait.linux import alive, proc, signals, turnstile
 from gpuwait.queue import lifecycle, wake
 from gpuwait.queue.conditions import (
     UtilizationWindow,
@@ -83,8 +83,9 @@ BACKUP_DELAY = 0.25
 #: How long after a reason lapses by itself (`WaitReason.until`) the waiter plans again.
 LAPSE_MARGIN = 0.02
 #: While held for entries lost with a damaged ledger (`WaitReason.awaited`), how often the
-#: waiter looks at the summaries for them put back: an older gpuwait puts its entry back
-#: without counting it as a release, and signals nobody.
+#: waiter looks at the summaries for them put back (an older gpuwait puts its entry back
+#: without counting it as a release, and signals nobody), and at their jobs' locks for those
+#: that ended without putting theirs back, which nobody counts as a release either.
 RECOVERY_LOOK = 0.25
 #: In a shared ledger, how long another member's job may wait on while this waiter's plan
 #: starts it now, before the two plans are taken to disagree (`Disagreement`). A member whose
@@ -735,6 +736,13 @@ def wait_for_admission(
                     if lapses is not None and awaited and seen is not None:
                         back.update(i for i in awaited if seen.shows(i, job.uid) is not None)
                         event = event or back >= awaited
+                if lapses is not None and awaited and not back >= awaited:
+                    # A job that ended before its gpuwait put its entry back (or whose gpuwait
+                    # was killed) leaves no entry to take out: nothing counts as a release, and
+                    # nobody is woken. Its lock, let go, tells it.
+                    missing = set(awaited - back)
+                    back.update(missing - alive.still_held(state_dir, missing))
+                    event = event or back >= awaited
                 if check_admitted:
                     found = _admitted_by_another(ledger, job, last)
                     try:

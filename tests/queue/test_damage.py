@@ -26,7 +26,7 @@ import pytest
 from helpers.crash import gpuwait_signalled_at
 from helpers.fixtures_sim import SIMJOB, Run
 from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
-from helpers.processes import liveness_lock_held
+from helpers.processes import children, liveness_lock_held
 from helpers.waiting import (
     asleep_supervising,
     asleep_waiting,
@@ -738,6 +738,62 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_bac
         assert waiter.wait(timeout=15) == 0
     finally:
         holder.send_signal(signal.SIGCONT)
+
+
+#: gpuwait with a recovery's grace of 5 min: a waiter held for it, its next reading of the GPUs
+#: two minutes off, starts only if something tells it the job it waits for is gone.
+_LONG_GRACE = """
+from gpuwait.queue import lifecycle
+lifecycle.RECOVERY_GRACE = 300.0
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+@pytest.mark.parametrize("ledger", ["private", "shared"])
+def test_a_waiter_held_for_a_lost_entry_starts_once_its_job_ends_without_putting_it_back(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    ledger: str,
+) -> None:
+    # The ledger is started afresh without a running job's entry, and the job ends before its
+    # gpuwait (stopped meanwhile) has put the entry back: its gpuwait finds no entry to take
+    # out, so nothing counts as a release and nobody is woken. The waiter, which would not fit
+    # beside the job, waited on until its next reading of the GPUs (two minutes off) or the
+    # grace's end.
+    if ledger == "shared":
+        directory = shared_dir(tmp_path)
+        monkeypatch.setenv("GPUWAIT_LEDGER_DIR", str(directory))
+        ledger_path, lock_path = directory / f"ledger.{os.getuid()}.json", directory
+    else:
+        ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+        lock_path = ledger_path.parent / "ledger.lock"
+    holder = procs([*VRAM_13G, "--name", "holder", "--", "sleep", "60"])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    # Stopped outside a transaction of its own.
+    locked = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(locked, fcntl.LOCK_EX)
+        holder.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
+    finally:
+        os.close(locked)
+    try:
+        (job,) = [p for p in children(holder.pid) if _name(p) == "sleep"]
+        os.kill(job, signal.SIGKILL)
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs([sys.executable, "-c", _LONG_GRACE, "--vram", "13G", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    assert holder.wait(timeout=30) == -signal.SIGKILL
+    jobs = json.loads(ledger_path.read_bytes())["jobs"]
+    assert "holder" not in [j["name"] for j in jobs], "the entry was put back"
+    assert waiter.wait(timeout=20) == 0
 
 
 #: gpuwait with a recovery's grace of 5 min (not over before a slow machine has launched them
