@@ -562,6 +562,8 @@ def wait_for_admission(
     #: put back) changes nothing for it.
     awaited: frozenset[str] = frozenset()
     back: set[str] = set()
+    #: How many of `back` the waiting line has been told of.
+    told_back = 0
 
     disagreement = Disagreement()
 
@@ -743,6 +745,18 @@ def wait_for_admission(
                     missing = set(awaited - back)
                     back.update(missing - alive.still_held(state_dir, missing))
                     event = event or back >= awaited
+                if lapses is not None and len(back) > told_back and not event:
+                    # One of them is back (or ended), not all: the waiting line says how many
+                    # are still to come, as the ledger read without the lock tells.
+                    told_back = len(back)
+                    held = lifecycle.held_for_entries(
+                        state_dir, ledger.read(), job, time.time(), proc.boot_clock()
+                    )
+                    if held is None:
+                        event = True
+                    elif reason is not None and held.blocked != reason.blocked:
+                        reason = reason._replace(blocked=held.blocked)
+                        on_reason(reason)
                 if check_admitted:
                     found = _admitted_by_another(ledger, job, last)
                     try:
@@ -805,6 +819,7 @@ def wait_for_admission(
                     # Releases counted from here on come after this plan's reading: seen next time.
                     last_release = {}
                     back = set()
+                    told_back = 0
                     for seen in summaries.current():
                         last_release[seen.source] = seen.release
                         queue_length = len(seen.waiting)

@@ -32,6 +32,7 @@ from helpers.waiting import (
     asleep_waiting,
     named_entry,
     process_state,
+    said,
     sleeping_in,
     wait_for,
 )
@@ -844,6 +845,8 @@ def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
 ) -> None:
     # Two running jobs' entries are lost, and their gpuwait, older, put them back one after
     # the other: the waiter held for both planned at the first, only to be held for the second.
+    # Planning only once both are back, its waiting line went on saying that two were to come
+    # back until then, however long that took.
     monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
     holders = [procs([*VRAM_4G, "--name", f"h{n}", "--", "sleep", "60"]) for n in range(2)]
     for holder in holders:
@@ -861,10 +864,12 @@ def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
         replace_ledger(ledger_path, DAMAGE["truncated"])
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
         waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
+        said(waiter, "2 jobs of yours still running or waiting have to put their entries back")
         wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
         assert waiter.poll() is None, "the waiter ran without waiting for the lost entries"
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(first)
+        said(waiter, "1 job of yours still running or waiting has to put its entry back")
         wait_for(lambda: _done_with(plans, waiter.pid, first.id), timeout=30)
         assert _notes(plans, waiter.pid).count("plan") == 1
         assert waiter.poll() is None, "the waiter ran without waiting for the second entry"
