@@ -447,17 +447,27 @@ def _in_container(
     return got
 
 
-def _default_unused(match: re.Match[str], given: Mapping[str, str] | None) -> bool:
-    """Is the default of `${NAME:-DEFAULT}` (`match`, of _check_sets) never used, where the
-    step gets gpuwait's variables as `given` says (None: not known, taken as gpuwait's)? Not
-    where a wrapper before it (`env CUDA_VISIBLE_DEVICES=`) or the shell's code emptied the
-    variable, which `:-` fills, or unset it."""
-    if match["colon"] is None or given is None:
-        return True
-    value = given.get(match["name"])
-    if value is None:
-        return False
-    return value == _GPUWAITS or match["colon"] == "" or bool(value.strip(" \"'"))
+def _reaching(value: str, names: str, given: Mapping[str, str] | None) -> str:
+    """What `value`, set by a wrapper or a shell, gives its variable: where it passes on one of
+    `names` (a pattern: `$GPUWAIT_GPU_UUIDS`, `"${CUDA_VISIBLE_DEVICES:-0}"`), that one's value
+    as the step gets it (`given`, of `_given`; None: not known, taken as gpuwait's), or the
+    default that fills it where a wrapper or the code emptied or unset it: _GPUWAITS where it is
+    gpuwait's own. `env GPUWAIT_GPU_UUIDS=0 sh -c 'CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS ...'`
+    gives 0."""
+    default = r"(?P<colon>:?)[-=](?P<default>[^}]*)"
+    match = re.fullmatch(
+        rf'"?\$(?:(?P<bare>{names})|\{{(?P<name>{names})(?:{default})?\}})"?', value
+    )
+    if match is None:
+        return value
+    if given is None:
+        return _GPUWAITS
+    got = given.get(match["bare"] or match["name"])
+    if match["default"] is not None and (
+        got is None or (match["colon"] and got != _GPUWAITS and not got.strip(" \"'"))
+    ):
+        return match["default"]
+    return "" if got is None else got
 
 
 def _check_sets(
@@ -484,25 +494,26 @@ def _check_sets(
         name, _, value = word.partition("=")
         now = before
         if before is not None and name in before:
-            # What it sets counts for a default after it (`export CUDA_VISIBLE_DEVICES=; ...`).
-            before = {**before, name: value}
+            # What it sets counts for one passed on after it (`export CUDA_VISIBLE_DEVICES=;
+            # ...=${CUDA_VISIBLE_DEVICES:-0}`, `GPUWAIT_GPU_UUIDS=0; ...=$GPUWAIT_GPU_UUIDS`).
+            known = "|".join(re.escape(n) for n in before)
+            before = {**before, name: _reaching(value, known, before)}
         variable = next((v for v in names if name in (v, *_container_names([v]))), None)
         if variable is None:
             continue
-        if variable == GPU_VARIABLES[1] and value.strip("\"'") == "PCI_BUS_ID":
-            continue  # what gpuwait sets, quoted or not (`export CUDA_DEVICE_ORDER="PCI_BUS_ID"`)
-        if variable == GPU_VARIABLES[0] and hides_every_gpu(value.strip(" \"'")):
-            continue  # empty, -1, none: CUDA sees no GPU at all (a CPU step), nobody else's
         gpuwaits = f"(?:{name}|{variable}|GPUWAIT_GPU_UUIDS|GPUWAIT_GPU_INDICES)"
-        # A default (`${CUDA_VISIBLE_DEVICES:-0}`) is never used: gpuwait sets each, not empty,
-        # unless a wrapper before emptied it.
-        passed = re.fullmatch(
-            rf'"?\$(?:{gpuwaits}|\{{(?P<name>{gpuwaits})(?:(?P<colon>:?)[-=][^}}]*)?\}})"?', value
-        )
-        if passed is not None and _default_unused(passed, now):
-            continue  # what gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`)
+        # What gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`), is let be; one a
+        # wrapper or the code set before (`env GPUWAIT_GPU_UUIDS=0 sh -c ...`), or the default
+        # filling one emptied (`${CUDA_VISIBLE_DEVICES:-0}`), is judged as if set here.
+        reached = _reaching(value, gpuwaits, now)
+        if reached == _GPUWAITS:
+            continue
+        if variable == GPU_VARIABLES[1] and reached.strip("\"'") == "PCI_BUS_ID":
+            continue  # what gpuwait sets, quoted or not (`export CUDA_DEVICE_ORDER="PCI_BUS_ID"`)
+        if variable == GPU_VARIABLES[0] and hides_every_gpu(reached.strip(" \"'")):
+            continue  # empty, -1, none: CUDA sees no GPU at all (a CPU step), nobody else's
         own = os.environ.get(GPU_VARIABLES[0], "")
-        if variable == GPU_VARIABLES[0] and value == own and own.strip() and "," not in own:
+        if variable == GPU_VARIABLES[0] and reached == own and own.strip() and "," not in own:
             continue
         where = len(argv) - len(step.argv)
         # The word, or systemd-run's option that sets it (-E NAME=VALUE, --setenv=...).

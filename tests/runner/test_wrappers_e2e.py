@@ -2214,3 +2214,54 @@ def test_a_pausable_job_whose_apptainer_pid_namespace_is_turned_off_runs(
     done = gpuwait(gpuwait_cmd, command, {**env, **variables}, opts=PAUSABLE)
     assert done.returncode == 0, done.stderr
     assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        ["env", "GPUWAIT_GPU_UUIDS=0", "sh", "-c", "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"],
+        ["bash", "-c", "GPUWAIT_GPU_UUIDS=0; CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"],
+        ["bash", "-c", 'export GPUWAIT_GPU_UUIDS=0; CUDA_VISIBLE_DEVICES="$GPUWAIT_GPU_UUIDS"'],
+        ["sh", "-c", "GPUWAIT_GPU_INDICES=0 CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_INDICES:-1}"],
+    ],
+)
+def test_a_shell_passing_on_a_gpu_variable_set_before_it_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, line: list[str]
+) -> None:
+    # `env GPUWAIT_GPU_UUIDS=0 sh -c 'CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS python x.py'`
+    # ran python on GPU 0, whichever GPU gpuwait had reserved: a variable of gpuwait's passed
+    # on by the shell was taken for gpuwait's value, though a wrapper or the code had set it.
+    line = [*line[:-1], f"{line[-1]} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"]
+    done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets" in done.stderr
+    assert not (tmp_path / "seen").exists()
+    # The same, run bare where gpuwait's GPU is set: GPU 0.
+    own = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "GPU-own",
+        "GPUWAIT_GPU_UUIDS": "GPU-own",
+        "GPUWAIT_GPU_INDICES": "1",
+    }
+    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == "0"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # What gpuwait sets, set again before it is passed on.
+        ["env", "CUDA_DEVICE_ORDER=PCI_BUS_ID", "sh", "-c", "CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER"],
+        # Emptied before: no GPU at all, nobody else's.
+        ["env", "GPUWAIT_GPU_UUIDS=", "sh", "-c", "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"],
+        ["bash", "-c", "CUDA_DEVICE_ORDER=PCI_BUS_ID; export CUDA_DEVICE_ORDER=$CUDA_DEVICE_ORDER"],
+        # Another variable set before is no concern of gpuwait's.
+        ["env", "SLOT=0", "sh", "-c", "CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS"],
+    ],
+)
+def test_a_shell_passing_on_what_gpuwait_allows_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, line: list[str]
+) -> None:
+    line = [*line[:-1], f"{line[-1]} true"]
+    done = gpuwait(gpuwait_cmd, line, {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index"})
+    assert done.returncode == 0, done.stderr
