@@ -666,7 +666,8 @@ def _check_apptainer(
         names = [variable]
         line = shlex.join([*step.argv[:begin], *rest, *step.argv[end:]])
         if before is not None:
-            line = f"gpuwait ... -- {shlex.join([*before, *step.argv[:begin], *rest, *step.argv[end:]])}"
+            kept = [*before, *step.argv[:begin], *rest, *step.argv[end:]]
+            line = f"gpuwait ... -- {shlex.join(kept)}"
         elif step.cut:
             # In a shell's code read up to an expansion: the words after it are not known here.
             taken = shlex.join(step.argv[begin:end])
