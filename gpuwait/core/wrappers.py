@@ -207,6 +207,9 @@ class Step(Record, frozen=True):
     #: Its words end where a shell's code stopped being plain (`sh -c 'docker run --gpus all
     #: -v "$PWD:/w" img'`): more of them follow, unread, and no line can be made of them.
     cut: bool = False
+    #: The shell whose code this command is the first of (`zsh -c 'export -n ...; ...'`), as
+    #: named (`zsh`, `bash`); empty where it is none's, or su's, flock's or sg's (`-c CODE`).
+    shell: str = ""
 
     @property
     def program(self) -> str:
@@ -222,8 +225,10 @@ def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
     code read up to an expansion (`Step.cut`), as the command of a container in it is."""
     found: list[Step] = []
     current: tuple[str, ...] = tuple(argv)
+    shell = ""
     while current:
         if os.path.basename(current[0]) in _SHELLS:
+            shell = os.path.basename(current[0])
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
             first = None if code is None else _first_command(code)
             found.append(
@@ -243,7 +248,7 @@ def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
             current = split  # env -S 'A=1 python x.py': those words, in its place
             continue
         if spec is None:
-            found.append(Step(argv=current, cut=cut))
+            found.append(Step(argv=current, cut=cut, shell=shell))
             break
         options, inner, code, sets = _parse(spec, current[1:])
         if os.path.basename(current[0]) == "systemd-run":
@@ -251,6 +256,7 @@ def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
             sets += tuple(v for n, v in options if n in ("-E", "--setenv") and v and "=" in v)
         unsure = cut and inner is None and code is None
         found.append(Step(argv=current, options=tuple(options), unsure=unsure, sets=sets))
+        shell = ""
         if code is not None:
             # su -c, flock -c, sg -c: a shell's code, read as that of `bash -c`.
             first = _code_command(code)
@@ -604,13 +610,14 @@ UNEXPORTING = frozenset({"export", "declare", "typeset"})
 
 def unexports(step: Step, variable: str) -> bool:
     """Does a shell's code take `variable` out of the environment before its command (`export
-    -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), but for a function (-f)?"""
+    -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), but for a function (-f)? Not
+    zsh's `export -n`: zsh has no -n, says "bad option", carries on and keeps it exported."""
     options = [word for word in step.argv[1:] if word[:1] in "-+" and word != "--"]
     names = [word.partition("=")[0] for word in step.argv[1:] if word[:1] not in "-+"]
     if variable not in names or any("f" in word or "F" in word for word in options):
         return False
     if step.program == "export":
-        return any(word[0] == "-" and "n" in word for word in options)
+        return step.shell != "zsh" and any(word[0] == "-" and "n" in word for word in options)
     return any(word[0] == "+" and "x" in word for word in options)
 
 

@@ -2265,3 +2265,27 @@ def test_a_shell_passing_on_what_gpuwait_allows_runs(
     line = [*line[:-1], f"{line[-1]} true"]
     done = gpuwait(gpuwait_cmd, line, {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index"})
     assert done.returncode == 0, done.stderr
+
+
+def test_zsh_keeping_the_gpus_exported_after_export_n_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `zsh -c 'export -n CUDA_VISIBLE_DEVICES; python x.py'` was refused, exit 2, as bash's
+    # is: zsh has no `export -n`, says "bad option: -n", carries on and keeps the variable
+    # exported, and python gets the GPU gpuwait reserved.
+    code = (
+        "export -n CUDA_VISIBLE_DEVICES; sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
+    )
+    done = gpuwait(gpuwait_cmd, ["zsh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+    # zsh's `typeset +x` takes it out of the environment, as bash's does: refused.
+    (tmp_path / "seen").unlink()
+    code = code.replace("export -n", "typeset +x")
+    done = gpuwait(gpuwait_cmd, ["zsh", "-c", code], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "takes CUDA_VISIBLE_DEVICES out of its environment" in done.stderr
+    assert not (tmp_path / "seen").exists()
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run(["zsh", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == "every GPU"
