@@ -604,18 +604,27 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
 
 
 #: The shell's builtins that take a variable out of the environment, the shell keeping it
-#: (`export -n`, `declare +x`), as the first command of its code (`unexports`).
-UNEXPORTING = frozenset({"export", "declare", "typeset"})
+#: (`export -n`, `declare +x`, `declare -a`: an array), as the first command of its code
+#: (`unexports`).
+UNEXPORTING = frozenset({"export", "declare", "typeset", "readonly"})
+#: The options that make an array of a variable, which no shell exports, by builtin: bash's
+#: `declare -a` (-A), `readonly -a`; zsh's `export -a` too (bash has none: it keeps it).
+_ARRAYS = {"declare": "aA", "typeset": "aA", "readonly": "a"}
+_ZSH_ARRAYS = {**_ARRAYS, "export": "a", "readonly": "aA"}
 
 
 def unexports(step: Step, variable: str) -> bool:
     """Does a shell's code take `variable` out of the environment before its command (`export
-    -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), but for a function (-f)? Not
+    -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), or makes an array of it (`declare
+    -a CUDA_VISIBLE_DEVICES=0`), which is not exported, but for a function (-f)? Not
     zsh's `export -n`: zsh has no -n, says "bad option", carries on and keeps it exported."""
     options = [word for word in step.argv[1:] if word[:1] in "-+" and word != "--"]
     names = [word.partition("=")[0] for word in step.argv[1:] if word[:1] not in "-+"]
     if variable not in names or any("f" in word or "F" in word for word in options):
         return False
+    arrays = (_ZSH_ARRAYS if step.shell == "zsh" else _ARRAYS).get(step.program, "")
+    if any(word[0] == "-" and set(word) & set(arrays) for word in options):
+        return True
     if step.program == "export":
         return step.shell != "zsh" and any(word[0] == "-" and "n" in word for word in options)
     return any(word[0] == "+" and "x" in word for word in options)

@@ -361,7 +361,7 @@ def _check_keeps(
         elif step.program == "unset":
             hint = f"leave {variable} to the command: unset it nowhere in the command"
         elif step.program in UNEXPORTING:
-            hint = f"leave {variable} to the command: keep it exported"
+            hint = f"leave {variable} to the command: keep it exported, not an array"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:

@@ -1881,6 +1881,11 @@ def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
         ("typeset -i n=0; CUDA_VISIBLE_DEVICES=1", "bash sets CUDA_VISIBLE_DEVICES=1 for its"),
         # export's `--`, after which its words are names all the same.
         ("export -- CUDA_VISIBLE_DEVICES=0", "bash sets CUDA_VISIBLE_DEVICES=0 for its command"),
+        # An array, which bash does not export, exported or not (-x).
+        ("declare -a CUDA_VISIBLE_DEVICES=0", "takes CUDA_VISIBLE_DEVICES out of its environment"),
+        ("declare -xa CUDA_VISIBLE_DEVICES=0", "takes CUDA_VISIBLE_DEVICES out of its"),
+        ("typeset -A CUDA_VISIBLE_DEVICES", "takes CUDA_VISIBLE_DEVICES out of its environment"),
+        ("readonly -a CUDA_VISIBLE_DEVICES=0", "takes CUDA_VISIBLE_DEVICES out of its"),
     ],
 )
 def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refused(
@@ -2289,3 +2294,23 @@ def test_zsh_keeping_the_gpus_exported_after_export_n_runs_on_the_gpu_reserved(
     own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
     subprocess.run(["zsh", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
     assert (tmp_path / "seen").read_text().strip() == "every GPU"
+
+
+@pytest.mark.parametrize(("shell", "status"), [("zsh", 2), ("bash", 0)])
+def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, shell: str, status: int
+) -> None:
+    # zsh's `export -a CUDA_VISIBLE_DEVICES` makes an array of it, which no shell exports:
+    # python would see every GPU. bash has no `export -a`, and keeps the variable as it was.
+    code = (
+        "export -a CUDA_VISIBLE_DEVICES; sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
+    )
+    done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == status, done.stderr
+    if status:
+        assert "takes CUDA_VISIBLE_DEVICES out of its environment" in done.stderr
+        own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+        subprocess.run([shell, "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
+        assert (tmp_path / "seen").read_text().strip() == "every GPU"
+    else:
+        assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
