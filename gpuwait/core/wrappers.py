@@ -174,8 +174,10 @@ _SPECS: dict[str, _Spec] = {
     "-": _Spec(),
 }
 
-#: Shells whose `-c CODE` is looked into as far as its first command's plain words.
-_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+#: Shells whose `-c CODE` is looked into as far as its first command's plain words: fish's
+#: too, whose `NAME=VALUE command`, `export NAME=VALUE` and `env ...` are sh's (its `set` is
+#: not read: the walk ends there).
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "fish"})
 #: Words a shell takes as they are: no quote, expansion or redirection in them.
 _PLAIN = re.compile(r"[A-Za-z0-9_./=,:@%+-]+\Z")
 #: What ends a command: `;`, `&`, `|` (`&&`, `||`) or the end of its line.
@@ -230,7 +232,7 @@ def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
         if os.path.basename(current[0]) in _SHELLS:
             shell = os.path.basename(current[0])
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
-            first = None if code is None else _first_command(code)
+            first = None if code is None else _first_command(code, shell == "fish")
             found.append(
                 Step(
                     argv=current,
@@ -355,7 +357,7 @@ def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
     return words[position] if command and position < len(words) else None
 
 
-def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
+def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tuple[str, ...]] | None:
     """The words of the first command of shell CODE where each is plain (`srun python x.py`
     of `srun python x.py && echo done`, or of `OMP_NUM_THREADS=4 srun python x.py`: the
     variables set before it are no command), whether they are all of its words, and the
@@ -363,7 +365,8 @@ def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
     redirection ends what is looked at, and with it the walk (its words then may be none). A
     line ends a command as `;` does; blank lines, and those that only set variables
     (`OMP_NUM_THREADS=4` on a line of its own, or after `export`), run none, and are passed
-    over."""
+    over. `fish`: fish's code, whose only builtin of `_DECLARING` is `export`."""
+    declaring = frozenset({"export"}) if fish else _DECLARING
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
         words: list[str] = []
@@ -376,7 +379,7 @@ def _first_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
                     # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same.
                     sets.append(word)
                 return (words, False, tuple(sets)) if words or sets else None
-            if not words and not exported and word in _DECLARING:
+            if not words and not exported and word in declaring:
                 exported = [word]
             elif (
                 exported
@@ -558,7 +561,8 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     if step.program == "unset":
         # A shell's code that unsets it before its command (`unset CUDA_VISIBLE_DEVICES; python
         # x.py`), but for a function of that name (-f).
-        return variable in step.argv[1:] and "-f" not in step.argv[1:]
+        # fish has no unset: "Unknown command", and it carries on.
+        return step.shell != "fish" and variable in step.argv[1:] and "-f" not in step.argv[1:]
     if step.program in UNEXPORTING:
         return unexports(step, variable)
     names = {name for name, _ in step.options}
@@ -622,6 +626,8 @@ def unexports(step: Step, variable: str) -> bool:
     names = [word.partition("=")[0] for word in step.argv[1:] if word[:1] not in "-+"]
     if variable not in names or any("f" in word or "F" in word for word in options):
         return False
+    if step.shell == "fish":
+        return False  # fish has no declare, typeset or readonly, and its export no options
     arrays = (_ZSH_ARRAYS if step.shell == "zsh" else _ARRAYS).get(step.program, "")
     if any(word[0] == "-" and set(word) & set(arrays) for word in options):
         return True

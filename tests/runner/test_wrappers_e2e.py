@@ -2314,3 +2314,49 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         assert (tmp_path / "seen").read_text().strip() == "every GPU"
     else:
         assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
+@pytest.mark.parametrize(
+    "code",
+    [
+        "env CUDA_VISIBLE_DEVICES=0 sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen",
+        "CUDA_VISIBLE_DEVICES=0 sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen",
+        "export CUDA_VISIBLE_DEVICES=0; sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen",
+    ],
+)
+def test_fish_code_setting_the_gpus_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # `fish -c 'env CUDA_VISIBLE_DEVICES=0 python x.py'` ran python on GPU 0, whichever GPU
+    # gpuwait had reserved, where the same code in sh or bash is refused: fish's code was not
+    # read at all.
+    done = gpuwait(gpuwait_cmd, ["fish", "-c", code], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr, done.stderr
+    assert not (tmp_path / "seen").exists()
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run(["fish", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == "0"
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
+@pytest.mark.parametrize(
+    "first",
+    [
+        # fish has none of these: it says "Unknown command" (its export: an error), carries
+        # on and keeps the variable exported.
+        "unset CUDA_VISIBLE_DEVICES",
+        "declare +x CUDA_VISIBLE_DEVICES",
+        "declare -a CUDA_VISIBLE_DEVICES=0",
+        "readonly CUDA_VISIBLE_DEVICES=0",
+        "export -n CUDA_VISIBLE_DEVICES",
+    ],
+)
+def test_fish_code_keeping_the_gpus_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, first: str
+) -> None:
+    code = f"{first}; sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen"
+    done = gpuwait(gpuwait_cmd, ["fish", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
