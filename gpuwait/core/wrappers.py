@@ -369,6 +369,18 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
     declaring = frozenset({"export"}) if fish else _DECLARING
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
+        said = part.split()
+        fished = _fish_set(said[1:]) if fish and said[:1] == ["set"] else None
+        if fished is not None:
+            name, value = fished
+            if value is None:
+                # It takes the variable out of the environment: a command of its own, which
+                # ends the walk (`drops_gpus`).
+                return said, True, tuple(sets)
+            sets.append(f"{name}={value}")
+            if not all(_PLAIN.match(word) for word in said):
+                return [], False, tuple(sets)
+            continue
         words: list[str] = []
         #: `export`, or bash's `declare`, `typeset` or `readonly` and its options that keep a
         #: variable exported (`declare -x`), before the variables it sets.
@@ -397,6 +409,48 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
         if words:
             return words, True, tuple(sets)
     return ([], True, tuple(sets)) if sets else None
+
+
+#: fish's `set` options, as their letters.
+_FISH_SET_LONG = {
+    **{"--erase": "e", "--unexport": "u", "--export": "x", "--query": "q", "--names": "n"},
+    **{"--show": "S", "--append": "a", "--prepend": "p", "--local": "l", "--global": "g"},
+    **{"--universal": "U", "--function": "f", "--long": "L", "--path": "", "--unpath": ""},
+}
+
+
+def _fish_set(args: Sequence[str]) -> tuple[str, str | None] | None:
+    """What fish's `set ARGS` gives a variable of the environment: its name and value (`set
+    -gx CUDA_VISIBLE_DEVICES 0`: 0; `-a`, `-p`: added to its own, `$NAME`), the value None
+    where it takes it out (-e, -u, or -l without -x: a local, not exported, in its place);
+    None where it sets none (-q, -n, -S) or its words are not read."""
+    letters = ""
+    position = 0
+    while position < len(args) and args[position].startswith("-"):
+        word = args[position]
+        position += 1
+        if word == "--":
+            break
+        if word.startswith("--"):
+            if word not in _FISH_SET_LONG:
+                return None
+            letters += _FISH_SET_LONG[word]
+        elif all(letter in "euxqnSaplgUfL" for letter in word[1:]):
+            letters += word[1:]
+        else:
+            return None
+    if position == len(args) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args[position]):
+        return None
+    name, values = args[position], " ".join(args[position + 1 :])
+    if set(letters) & set("qnS"):
+        return None
+    if set(letters) & set("eu") or ("l" in letters and "x" not in letters):
+        return name, None
+    if "a" in letters:
+        values = " ".join(w for w in (f"${name}", values) if w)
+    elif "p" in letters:
+        values = " ".join(w for w in (values, f"${name}") if w)
+    return name, values
 
 
 def _code_command(code: str) -> tuple[list[str], bool, tuple[str, ...]] | None:
@@ -565,6 +619,9 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
         return step.shell != "fish" and variable in step.argv[1:] and "-f" not in step.argv[1:]
     if step.program in UNEXPORTING:
         return unexports(step, variable)
+    if step.program == "set" and step.shell == "fish":
+        fished = _fish_set(step.argv[1:])
+        return fished is not None and fished == (variable, None)
     names = {name for name, _ in step.options}
     # What is read of its options already drops the variables, whatever words follow.
     if step.program == "doas":

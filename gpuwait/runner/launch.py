@@ -362,6 +362,8 @@ def _check_keeps(
             hint = f"leave {variable} to the command: unset it nowhere in the command"
         elif step.program in UNEXPORTING:
             hint = f"leave {variable} to the command: keep it exported, not an array"
+        elif step.program == "set":
+            hint = f"leave {variable} to the command: erase, unexport or shadow it nowhere"
         elif step.program == "setpriv":
             hint = f"leave out --reset-env, or run gpuwait under it instead: {under}"
         else:
@@ -382,7 +384,7 @@ def _check_keeps(
         doer = f"{step.program} starts its command"
         if step.program == "unset":
             doer = f"the shell's code unsets {variable} before its command, which starts"
-        elif step.program in UNEXPORTING:
+        elif step.program in UNEXPORTING or step.program == "set":
             doer = (
                 f"the shell's code takes {variable} out of its environment before its "
                 f"command ({shlex.join(step.argv)}), which starts"

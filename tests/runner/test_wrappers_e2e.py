@@ -2360,3 +2360,52 @@ def test_fish_code_keeping_the_gpus_runs_on_the_gpu_reserved(
     done = gpuwait(gpuwait_cmd, ["fish", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
+@pytest.mark.parametrize(
+    ("first", "seen"),
+    [
+        ("set -gx CUDA_VISIBLE_DEVICES 0", "0"),
+        ("set CUDA_VISIBLE_DEVICES 0", "0"),
+        ("set -e CUDA_VISIBLE_DEVICES", ""),
+        ("set --unexport CUDA_VISIBLE_DEVICES", ""),
+        ("set -l CUDA_VISIBLE_DEVICES", ""),
+        ("set -a CUDA_VISIBLE_DEVICES 1", "GPU-own 1"),
+    ],
+)
+def test_fish_set_changing_the_gpus_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, first: str, seen: str
+) -> None:
+    # `fish -c 'set -gx CUDA_VISIBLE_DEVICES 0; python x.py'` ran python on GPU 0, and `set
+    # -e CUDA_VISIBLE_DEVICES` (or a local of that name) on every GPU, those given to other
+    # jobs too: fish's `set` was not read.
+    code = f"{first}; sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen"
+    done = gpuwait(gpuwait_cmd, ["fish", "-c", code], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    said = "for its command, over" if seen else "takes CUDA_VISIBLE_DEVICES out of its environment"
+    assert said in done.stderr, done.stderr
+    assert not (tmp_path / "seen").exists()
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run(["fish", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
+    assert (tmp_path / "seen").read_text().strip() == seen
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
+@pytest.mark.parametrize(
+    "first",
+    [
+        "set -gx OMP_NUM_THREADS 4",
+        "set -e OMP_NUM_THREADS",
+        "set -q CUDA_VISIBLE_DEVICES",
+        "set -gx CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES",
+        "set -a CUDA_VISIBLE_DEVICES",
+    ],
+)
+def test_fish_set_keeping_the_gpus_runs_on_the_gpu_reserved(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, first: str
+) -> None:
+    code = f"{first}; sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen"
+    done = gpuwait(gpuwait_cmd, ["fish", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
