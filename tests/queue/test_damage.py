@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from gpuwait.core.errors import StateError
 from gpuwait.history import store
 from gpuwait.linux.lock import exclusive
 from gpuwait.queue import lifecycle
-from gpuwait.queue.entries import RUNNING, LedgerData
+from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.ledger import Ledger
 
 DAMAGE = {
@@ -710,6 +710,32 @@ def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_
     assert "1 job of yours still running or waiting has to put its entry back" in stderr
 
 
+@contextlib.contextmanager
+def _entries_lost(
+    procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch, *names: str
+) -> Iterator[tuple[Path, list[Job]]]:
+    """Running jobs `names` of 4 GiB, their gpuwaits stopped outside a transaction of their own,
+    whose entries a damaged ledger lost, started afresh: for the block, the ledger's path and
+    the entries lost (a test puts them back as an older gpuwait does); the gpuwaits go on after
+    it."""
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
+    holders = [procs([*VRAM_4G, "--name", name, "--", "sleep", "60"]) for name in names]
+    for holder in holders:
+        wait_for(lambda h=holder: asleep_supervising(h.pid), timeout=30)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        for holder in holders:
+            holder.send_signal(signal.SIGSTOP)
+            wait_for(lambda h=holder: process_state(h.pid) == "T", timeout=10)
+    try:
+        lost = Ledger(ledger_path.parent).read().jobs
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        yield ledger_path, lost
+    finally:
+        for holder in holders:
+            holder.send_signal(signal.SIGCONT)
+
+
 def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_back(
     gw: Run,
     procs: Callable[..., subprocess.Popen[str]],
@@ -719,16 +745,7 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_bac
     # entry back as a plain change, no release in the summary, and signals nobody. The waiter,
     # which fits beside the job, waited on until the recovery's 30 s grace was over (its next
     # reading of the GPUs two minutes off).
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
-    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
-    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    with exclusive(ledger_path.parent / "ledger.lock"):
-        holder.send_signal(signal.SIGSTOP)
-        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
-    try:
-        (entry,) = Ledger(ledger_path.parent).read().jobs
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+    with _entries_lost(procs, monkeypatch, "holder") as (ledger_path, (entry,)):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
         waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
         wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
@@ -737,8 +754,6 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_bac
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(entry)
         assert waiter.wait(timeout=15) == 0
-    finally:
-        holder.send_signal(signal.SIGCONT)
 
 
 #: gpuwait with a recovery's grace of 5 min: a waiter held for it, its next reading of the GPUs
@@ -837,6 +852,14 @@ def _done_with(plans: Path, pid: int, job_id: str) -> bool:
     return saw and sleeping_in(pid, "sigtimedwait")
 
 
+def _plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder where gpuwaits run as _COUNTED from now on write what they do."""
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    monkeypatch.setenv("PLANS", str(plans))
+    return plans
+
+
 def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
     gw: Run,
     procs: Callable[..., subprocess.Popen[str]],
@@ -847,21 +870,8 @@ def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
     # the other: the waiter held for both planned at the first, only to be held for the second.
     # Planning only once both are back, its waiting line went on saying that two were to come
     # back until then, however long that took.
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
-    holders = [procs([*VRAM_4G, "--name", f"h{n}", "--", "sleep", "60"]) for n in range(2)]
-    for holder in holders:
-        wait_for(lambda h=holder: asleep_supervising(h.pid), timeout=30)
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    with exclusive(ledger_path.parent / "ledger.lock"):
-        for holder in holders:
-            holder.send_signal(signal.SIGSTOP)
-            wait_for(lambda h=holder: process_state(h.pid) == "T", timeout=10)
-    plans = tmp_path / "plans"
-    plans.mkdir()
-    monkeypatch.setenv("PLANS", str(plans))
-    try:
-        first, second = Ledger(ledger_path.parent).read().jobs
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+    plans = _plans(tmp_path, monkeypatch)
+    with _entries_lost(procs, monkeypatch, "h0", "h1") as (ledger_path, (first, second)):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
         waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
         said(waiter, "2 jobs of yours still running or waiting have to put their entries back")
@@ -876,9 +886,6 @@ def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(second)
         assert waiter.wait(timeout=15) == 0
-    finally:
-        for holder in holders:
-            holder.send_signal(signal.SIGCONT)
 
 
 def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_waiter_plan(
@@ -892,20 +899,9 @@ def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_
     # made each of them plan under the ledger's lock: a launch, not only an entry put back,
     # so that the k-th launch made the k - 1 waiters before it plan, and five launches one
     # after another 15 plans where 5 (one each) tell as much.
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
-    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
-    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    with exclusive(ledger_path.parent / "ledger.lock"):
-        holder.send_signal(signal.SIGSTOP)
-        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
-    plans = tmp_path / "plans"
-    plans.mkdir()
-    monkeypatch.setenv("PLANS", str(plans))
+    plans = _plans(tmp_path, monkeypatch)
     waiters: list[subprocess.Popen[str]] = []
-    try:
-        (entry,) = Ledger(ledger_path.parent).read().jobs
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+    with _entries_lost(procs, monkeypatch, "holder") as (ledger_path, (entry,)):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
         for n in range(5):
             argv = [sys.executable, "-c", _COUNTED, "--vram", "2G", "--name", f"w{n}", "--", "true"]
@@ -922,8 +918,6 @@ def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(entry)
         assert [w.wait(timeout=15) for w in waiters] == [0] * 5
-    finally:
-        holder.send_signal(signal.SIGCONT)
 
 
 def test_a_waiter_held_in_the_grace_plans_without_the_ledgers_lock(
@@ -935,18 +929,8 @@ def test_a_waiter_held_in_the_grace_plans_without_the_ledgers_lock(
     # Held for a lost entry, a waiter planned the whole queue at each of its readings of the
     # GPUs, found it fits, and took the ledger's lock to learn that nobody is admitted in the
     # grace. Here another process keeps the lock: the waiter's plans went on without it.
-    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "0.2s")
-    holder = procs([*VRAM_4G, "--name", "holder", "--", "sleep", "60"])
-    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    with exclusive(ledger_path.parent / "ledger.lock"):
-        holder.send_signal(signal.SIGSTOP)
-        wait_for(lambda: process_state(holder.pid) == "T", timeout=10)
-    plans = tmp_path / "plans"
-    plans.mkdir()
-    monkeypatch.setenv("PLANS", str(plans))
-    try:
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+    plans = _plans(tmp_path, monkeypatch)
+    with _entries_lost(procs, monkeypatch, "holder") as (ledger_path, _):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
         waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
         wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
@@ -959,8 +943,6 @@ def test_a_waiter_held_in_the_grace_plans_without_the_ledgers_lock(
                 message=lambda: f"blocked in the lock wait: {sleeping_in(waiter.pid, 'flock')}",
             )
         assert waiter.poll() is None
-    finally:
-        holder.send_signal(signal.SIGCONT)
 
 
 def test_a_job_that_took_its_lock_just_before_the_ledger_was_started_afresh_is_waited_for(
