@@ -213,9 +213,22 @@ def still_held(ledger_dir: Path, job_ids: set[str]) -> set[str]:
                         found.add(name)
         except (UnsafePath, FileNotFoundError):
             continue  # another user's, or gone: none of this user's locks is there
+        except PermissionError:
+            # Another member's, shut to this user (0700): none of this user's locks is there.
+            if not _users_own(ledger_dir / lock_dir):
+                continue
+            return set(job_ids)
         except OSError:
             return set(job_ids)  # not to be looked at now (no descriptor left): not told
     return found
+
+
+def _users_own(path: Path) -> bool:
+    """Is `path` this user's own (or not to be told)?"""
+    try:
+        return owned_by(os.lstat(path).st_uid, os.getuid())
+    except OSError:
+        return True
 
 
 #: The name of a user's lock directory (`_directory`), whatever uid it carries.

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,3 +172,36 @@ def test_the_lock_directory_is_never_open_to_the_group_not_even_for_a_moment(
     directory = shared / f"alive.{os.getuid()}"
     assert oct(directory.stat().st_mode & 0o777) == "0o700"
     assert [oct(mode) for mode in born if mode & 0o077] == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes two users: needs root")
+def test_a_job_that_ended_is_told_so_beside_another_members_lock_directory() -> None:
+    # A shared ledger directory where another member has run a job: their alive.<uid> is 0700,
+    # which this user cannot open. A waiter held for a job of its own whose lock was let go
+    # was told that job still held, four times a second until its next reading of the GPUs.
+    root = Path(tempfile.mkdtemp(prefix="gpuwait-users-"))
+    try:
+        os.chmod(root, 0o755)
+        shared = root / "ledger"
+        shared.mkdir(mode=0o1777)
+        shared.chmod(0o1777)
+        theirs = shared / "alive.4243"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 4243, 4243)
+        pid = os.fork()
+        if pid == 0:  # the waiter's user
+            code = 3
+            try:
+                os.setgroups([])
+                os.setgid(4244)
+                os.setuid(4244)
+                assert alive.hold(shared, "0b1b")
+                ended = alive.still_held(shared, {JOB})
+                running = alive.still_held(shared, {"0b1b", JOB})
+                code = 0 if (ended, running) == (set(), {"0b1b"}) else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
