@@ -213,12 +213,11 @@ def still_held(ledger_dir: Path, job_ids: set[str]) -> set[str]:
                         found.add(name)
         except (UnsafePath, FileNotFoundError):
             continue  # another user's, or gone: none of this user's locks is there
-        except PermissionError:
-            # Another member's, shut to this user (0700): none of this user's locks is there.
-            if not _users_own(ledger_dir / lock_dir):
-                continue
-            return set(job_ids)
         except OSError:
+            if not _users_own(ledger_dir / lock_dir):
+                # Another member's directory, shut to this user (0700), or whatever they put
+                # there under such a name (a file, a symlink): none of this user's locks.
+                continue
             return set(job_ids)  # not to be looked at now (no descriptor left): not told
     return found
 

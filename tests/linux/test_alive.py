@@ -205,3 +205,24 @@ def test_a_job_that_ended_is_told_so_beside_another_members_lock_directory() -> 
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's: needs root")
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_a_job_that_ended_is_told_so_beside_another_members_file_named_as_a_lock_directory(
+    tmp_path: Path, kind: str
+) -> None:
+    # Another member of a shared ledger directory may put anything there under the name of a
+    # lock directory: a waiter held for a job that has ended was told that job still held.
+    other = tmp_path / "alive.4243"
+    if kind == "file":
+        other.touch()
+    else:
+        other.symlink_to(tmp_path)
+    os.chown(other, 4243, 4243, follow_symlinks=False)
+    assert alive.hold(tmp_path, "0b1b")
+    try:
+        assert alive.still_held(tmp_path, {JOB}) == set()
+        assert alive.still_held(tmp_path, {"0b1b", JOB}) == {"0b1b"}
+    finally:
+        alive.release(tmp_path, "0b1b")
