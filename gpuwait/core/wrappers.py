@@ -419,6 +419,10 @@ _FISH_SET_LONG = {
 }
 
 
+#: A variable fish's `set` gives a value, or an element of it (`CUDA_VISIBLE_DEVICES[1]`).
+_FISH_NAME = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\[[0-9.]+\])?")
+
+
 def _fish_set(args: Sequence[str]) -> tuple[str, str | None] | None:
     """What fish's `set ARGS` gives a variable of the environment: its name and value (`set
     -gx CUDA_VISIBLE_DEVICES 0`: 0; `-a`, `-p`: added to its own, `$NAME`), the value None
@@ -439,10 +443,13 @@ def _fish_set(args: Sequence[str]) -> tuple[str, str | None] | None:
             letters += word[1:]
         else:
             return None
-    if position == len(args) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", args[position]):
+    named = _FISH_NAME.fullmatch(args[position]) if position < len(args) else None
+    if named is None:
         return None
-    name, values = args[position], " ".join(args[position + 1 :])
-    if set(letters) & set("qnS"):
+    # `NAME[1]`: an element of the list, the whole of it where gpuwait gives one GPU; one
+    # erased leaves the variable exported.
+    name, values = named[1], " ".join(args[position + 1 :])
+    if set(letters) & set("qnS") or (named[2] and "e" in letters):
         return None
     if set(letters) & set("eu") or ("l" in letters and "x" not in letters):
         return name, None

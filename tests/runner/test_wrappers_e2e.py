@@ -2372,6 +2372,9 @@ def test_fish_code_keeping_the_gpus_runs_on_the_gpu_reserved(
         ("set --unexport CUDA_VISIBLE_DEVICES", ""),
         ("set -l CUDA_VISIBLE_DEVICES", ""),
         ("set -a CUDA_VISIBLE_DEVICES 1", "GPU-own 1"),
+        # An element of the list: the whole of it, where gpuwait gives one GPU.
+        ("set -x CUDA_VISIBLE_DEVICES[1] 0", "0"),
+        ("set CUDA_VISIBLE_DEVICES[1] 0", "0"),
     ],
 )
 def test_fish_set_changing_the_gpus_is_refused(
