@@ -373,6 +373,12 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
         fished = _fish_set(said[1:]) if fish and said[:1] == ["set"] else None
         if fished is not None:
             name, value = fished
+            if value is None and name != name.upper():
+                # A local of the code's own (`set -l i 0`, `set -e tmp`): no variable of the
+                # environment gpuwait or a container engine reads has a lowercase letter.
+                if not all(_PLAIN.match(word) for word in said):
+                    return [], False, tuple(sets)
+                continue
             if value is None:
                 # It takes the variable out of the environment: a command of its own, which
                 # ends the walk (`drops_gpus`).

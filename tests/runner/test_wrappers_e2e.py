@@ -2375,6 +2375,9 @@ def test_fish_code_keeping_the_gpus_runs_on_the_gpu_reserved(
         # An element of the list: the whole of it, where gpuwait gives one GPU.
         ("set -x CUDA_VISIBLE_DEVICES[1] 0", "0"),
         ("set CUDA_VISIBLE_DEVICES[1] 0", "0"),
+        # After a local of the code's own, as fish code starts.
+        ("set -l i 0; set -gx CUDA_VISIBLE_DEVICES 0", "0"),
+        ("set -e tmp; set -gx CUDA_VISIBLE_DEVICES 0", "0"),
     ],
 )
 def test_fish_set_changing_the_gpus_is_refused(
@@ -2403,6 +2406,7 @@ def test_fish_set_changing_the_gpus_is_refused(
         "set -q CUDA_VISIBLE_DEVICES",
         "set -gx CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES",
         "set -a CUDA_VISIBLE_DEVICES",
+        "set -l i 0; set -gx OMP_NUM_THREADS 4",
     ],
 )
 def test_fish_set_keeping_the_gpus_runs_on_the_gpu_reserved(
