@@ -456,7 +456,8 @@ def _reaching(value: str, names: str, given: Mapping[str, str] | None) -> str:
     default that fills it where a wrapper or the code emptied or unset it: _GPUWAITS where it is
     gpuwait's own. `env GPUWAIT_GPU_UUIDS=0 sh -c 'CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS ...'`
     gives 0."""
-    default = r"(?P<colon>:?)[-=](?P<default>[^}]*)"
+    # `${NAME:?message}`: NAME's, or none, the shell stopping where it has none.
+    default = r"(?P<colon>:?)(?:[-=](?P<default>[^}]*)|\?[^}]*)"
     match = re.fullmatch(
         rf'"?\$(?:(?P<bare>{names})|\{{(?P<name>{names})(?:{default})?\}})"?', value
     )
