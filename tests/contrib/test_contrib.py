@@ -11,7 +11,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 from conftest import REPO
 from helpers import docs
 from helpers.fixtures_sim import hold_card
+from helpers.ports import free_ports
 from helpers.processes import can_unshare, children
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.users import clean_up, shared_root
@@ -1436,9 +1436,7 @@ def test_node_exporter_serves_the_metrics_with_the_documented_flags(
     if binary is None:
         pytest.skip("node_exporter is not installed (Debian: apt-get install prometheus)")
     textfile = tmp_path / "textfile"  # where busy_metrics's exporter wrote gpuwait.prom
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports()
     server = subprocess.Popen(
         [
             binary,

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import REPO
 from helpers.fixtures_sim import sim_file_text
+from helpers.ports import free_ports
 from helpers.shellbin import env_with_bin, make_bin
 from helpers.waiting import catches_signal, wait_for
 
@@ -82,23 +82,6 @@ def _try_cluster(action: str, root: Path, env: dict[str, str]) -> subprocess.Com
     )
 
 
-def _two_free_ports() -> int:
-    """A port P such that P and P + 1 are free on 127.0.0.1 (slurmctld's and slurmd's)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            if port >= 65534:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.fail("no two free ports next to each other on 127.0.0.1")
-
-
 def _daemons_of(root: Path) -> list[str]:
     """Processes of this cluster still alive: its daemons and any job step's slurmstepd."""
     alive = []
@@ -128,7 +111,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env["PATH"] += f":{SBIN}"
     # Ports of its own, so that another run of these tests (or a cluster of the user's) is no
     # obstacle; try-cluster's default is a fixed pair.
-    env["TRY_PORT"] = str(_two_free_ports())
+    env["TRY_PORT"] = str(free_ports(2))
     started = time.monotonic()
     up = _try_cluster("up", root, env)
     took = time.monotonic() - started
