@@ -365,7 +365,9 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
     redirection ends what is looked at, and with it the walk (its words then may be none). A
     line ends a command as `;` does; blank lines, and those that only set variables
     (`OMP_NUM_THREADS=4` on a line of its own, or after `export`), run none, and are passed
-    over. `fish`: fish's code, whose only builtin of `_DECLARING` is `export`."""
+    over, as is an `unset` only of names with a lowercase letter (`unset tmp`), which no
+    variable gpuwait or a container engine reads has. `fish`: fish's code, whose only builtin
+    of `_DECLARING` is `export`."""
     declaring = frozenset({"export"}) if fish else _DECLARING
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
@@ -386,6 +388,13 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
             sets.append(f"{name}={value}")
             if not all(_PLAIN.match(word) for word in said):
                 return [], False, tuple(sets)
+            continue
+        if (
+            said[:1] == ["unset"]
+            and all(_PLAIN.match(word) for word in said)
+            and all(name != name.upper() for name in said[1:] if name[:1] != "-")
+        ):
+            # `unset tmp`: a local of the code's own, as fish's `set -e tmp` is.
             continue
         words: list[str] = []
         #: `export`, or bash's `declare`, `typeset` or `readonly` and its options that keep a

@@ -1870,6 +1870,36 @@ def test_a_shell_that_unsets_the_gpus_before_its_command_is_refused(
     assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
 
 
+@pytest.mark.parametrize("shell", ["sh", "bash", "zsh"])
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("unset tmp; CUDA_VISIBLE_DEVICES=0", "sets CUDA_VISIBLE_DEVICES=0 for its command"),
+        ("unset -v tmp i; export CUDA_VISIBLE_DEVICES=1;", "sets CUDA_VISIBLE_DEVICES=1 for"),
+        ("unset tmp; unset CUDA_VISIBLE_DEVICES;", "unsets CUDA_VISIBLE_DEVICES"),
+        ("unset tmp CUDA_VISIBLE_DEVICES;", "unsets CUDA_VISIBLE_DEVICES"),
+        ("unset tmp; OMP_NUM_THREADS=4", ""),
+    ],
+)
+def test_a_shell_that_unsets_a_local_first_is_judged_by_what_follows(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, shell: str, code: str, said: str
+) -> None:
+    # `sh -c 'unset tmp; CUDA_VISIBLE_DEVICES=0 python x.py'` ran python on GPU 0, whichever
+    # GPU gpuwait had reserved: the `unset` of a local of the code's own was taken for the
+    # shell's first command, and nothing after it was read.
+    if shutil.which(shell) is None:
+        pytest.skip(f"{shell} is not installed")
+    line = f"{code} sh -c 'echo \"${{CUDA_VISIBLE_DEVICES-every GPU}}\" > seen'"
+    done = gpuwait(gpuwait_cmd, [shell, "-c", line], opts=ON_GPU_1, cwd=tmp_path)
+    if said:
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr, done.stderr
+        assert not (tmp_path / "seen").exists()
+    else:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
 @pytest.mark.parametrize(
     ("code", "said"),
     [
