@@ -711,7 +711,19 @@ def unexports(step: Step, variable: str) -> bool:
     if any(word[0] == "-" and set(word) & set(arrays) for word in options):
         return True
     if step.program == "export":
-        return step.shell != "zsh" and any(word[0] == "-" and "n" in word for word in options)
+        # bash's options: the words from the first to `--` or a name (`-n +x NAME`: +x is a
+        # name), each of -a, -A, -f, -n, -p; any other letter (`export -nx`) is an invalid
+        # option, and export does nothing.
+        given: list[str] = []
+        for word in step.argv[1:]:
+            if word[:1] != "-" or word in ("-", "--"):
+                break
+            given.append(word)
+        return (
+            step.shell != "zsh"
+            and any("n" in word for word in given)
+            and all(set(word[1:]) <= set("aAfnp") for word in given)
+        )
     return any(word[0] == "+" and "x" in word for word in options)
 
 

@@ -2349,6 +2349,31 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
 
 
+@pytest.mark.parametrize(
+    "options", ["-nx", "-xn", "-n -x", "-nz", "-n -v", "-n", "-na", "-n -p", "-n --", "-n +x"]
+)
+def test_bash_export_n_is_refused_only_where_bash_takes_the_gpus_out(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: str
+) -> None:
+    # `bash -c 'export -nx CUDA_VISIBLE_DEVICES; python x.py'` was refused, exit 2, though
+    # bash's export has no -x: it says "invalid option", does nothing, and python gets the
+    # GPU gpuwait reserved. What bash itself does with the line decides.
+    code = f"export {options} CUDA_VISIBLE_DEVICES; "
+    code += "sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run(["bash", "-c", code], env=own, cwd=tmp_path, timeout=60, capture_output=True)
+    dropped = (tmp_path / "seen").read_text().strip() == "every GPU"
+    (tmp_path / "seen").unlink()
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    if dropped:
+        assert done.returncode == 2, done.stderr
+        assert "takes CUDA_VISIBLE_DEVICES out of its environment" in done.stderr
+        assert not (tmp_path / "seen").exists()
+    else:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
 @pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
 @pytest.mark.parametrize(
     "code",
