@@ -400,10 +400,14 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
         #: `export`, or bash's `declare`, `typeset` or `readonly` and its options that keep a
         #: variable exported (`declare -x`), before the variables it sets.
         exported: list[str] = []
-        for word in part.split():
+        for index, word in enumerate(said):
             if not _PLAIN.match(word):
                 if not words and _ASSIGNMENT.match(word):
-                    # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same.
+                    # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same,
+                    # with the words a `${` open in it takes in (`${NAME:?no GPU}`).
+                    while word.rfind("${") > word.rfind("}") and index + 1 < len(said):
+                        index += 1
+                        word += " " + said[index]
                     sets.append(word)
                 return (words, False, tuple(sets)) if words or sets else None
             if not words and not exported and word in declaring:

@@ -1780,6 +1780,9 @@ def test_a_shell_that_sets_the_gpus_from_an_expansion_is_refused(
         # Its own or none: the shell stops, saying so, where it has none.
         "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:?unset} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'",
         'export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES?}"; echo "$CUDA_VISIBLE_DEVICES" > seen',
+        # A message of more than one word.
+        "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:?no GPU} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'",
+        'export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:?no GPU given}"; echo "$CUDA_VISIBLE_DEVICES" > seen',
     ],
 )
 def test_a_shell_that_defaults_the_gpus_to_its_own_runs_on_the_gpu_reserved(
