@@ -185,8 +185,10 @@ _SEPARATORS = re.compile(r"\s*(?:;|&|\||\n)")
 #: A variable a shell sets for the command that follows it (`OMP_NUM_THREADS=4 python x.py`).
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 #: The shell's builtins that set variables of the environment, as `export` does: a variable
-#: that came from it stays exported (`declare CUDA_VISIBLE_DEVICES=0`, `readonly ...`).
-_DECLARING = frozenset({"export", "declare", "typeset", "readonly"})
+#: that came from it stays exported (`declare CUDA_VISIBLE_DEVICES=0`, `readonly ...`); with
+#: some options they take one out of the environment, the shell keeping it (`export -n`,
+#: `declare +x`, `declare -a`: an array), as the first command of its code (`unexports`).
+DECLARING = frozenset({"export", "declare", "typeset", "readonly"})
 #: Options of `declare`, `typeset` and `readonly` after which they still only set (and
 #: export): -x, -r, -g, and the attributes -i, -l, -u, -t, given or taken away (`typeset -i
 #: n=0`, `declare +i ...`), and `--`; but +x, which takes a variable out of the environment.
@@ -367,8 +369,8 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
     (`OMP_NUM_THREADS=4` on a line of its own, or after `export`), run none, and are passed
     over, as is an `unset` only of names with a lowercase letter (`unset tmp`), which no
     variable gpuwait or a container engine reads has. `fish`: fish's code, whose only builtin
-    of `_DECLARING` is `export`."""
-    declaring = frozenset({"export"}) if fish else _DECLARING
+    of `DECLARING` is `export`."""
+    declaring = frozenset({"export"}) if fish else DECLARING
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
         said = part.split()
@@ -643,7 +645,7 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
         # x.py`), but for a function of that name (-f).
         # fish has no unset: "Unknown command", and it carries on.
         return step.shell != "fish" and variable in step.argv[1:] and "-f" not in step.argv[1:]
-    if step.program in UNEXPORTING:
+    if step.program in DECLARING:
         return unexports(step, variable)
     if step.program == "set" and step.shell == "fish":
         fished = _fish_set(step.argv[1:])
@@ -690,10 +692,6 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
     return False
 
 
-#: The shell's builtins that take a variable out of the environment, the shell keeping it
-#: (`export -n`, `declare +x`, `declare -a`: an array), as the first command of its code
-#: (`unexports`).
-UNEXPORTING = frozenset({"export", "declare", "typeset", "readonly"})
 #: The options that make an array of a variable, which no shell exports, by builtin: bash's
 #: `declare -a` (-A), `readonly -a`; zsh's `export -a` too (bash has none: it keeps it).
 _ARRAYS = {"declare": "aA", "typeset": "aA", "readonly": "a"}

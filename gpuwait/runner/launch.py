@@ -26,9 +26,9 @@ from gpuwait.core.wrappers import (
     APPTAINER_ENGINES,
     APPTAINER_OPTION_VARIABLES,
     CONTAINER_ENGINES,
+    DECLARING,
     GPU_VARIABLES,
     NVIDIA_DOCKER,
-    UNEXPORTING,
     Step,
     apptainer_cleans_env,
     apptainer_command,
@@ -360,7 +360,7 @@ def _check_keeps(
             hint = "leave out exec's -c, which starts the command with an empty environment"
         elif step.program == "unset":
             hint = f"leave {variable} to the command: unset it nowhere in the command"
-        elif step.program in UNEXPORTING:
+        elif step.program in DECLARING:
             hint = f"leave {variable} to the command: keep it exported, not an array"
         elif step.program == "set":
             hint = f"leave {variable} to the command: erase, unexport or shadow it nowhere"
@@ -384,7 +384,7 @@ def _check_keeps(
         doer = f"{step.program} starts its command"
         if step.program == "unset":
             doer = f"the shell's code unsets {variable} before its command, which starts"
-        elif step.program in UNEXPORTING or step.program == "set":
+        elif step.program in DECLARING or step.program == "set":
             doer = (
                 f"the shell's code takes {variable} out of its environment before its "
                 f"command ({shlex.join(step.argv)}), which starts"
