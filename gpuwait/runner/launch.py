@@ -1069,9 +1069,7 @@ def _launcher_steps(argv: Sequence[str], cut: bool = False) -> Iterator[Step]:
     where it sees every GPU, each after the step that starts it: but for one given only the
     GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all.
     `cut`: `argv` are the words of a shell's code read up to an expansion (`Step.cut`)."""
-    found = steps(argv)
-    if cut and found:
-        found[-1] = found[-1]._replace(cut=True)
+    found = steps(argv, cut)
     commands = dict(_container_commands(found))
     for at, step in enumerate(found):
         yield step

@@ -2094,6 +2094,7 @@ def test_the_line_the_refusal_of_env_i_in_an_apptainer_container_gives_runs(
         'deepspeed --num_gpus 2 "$PWD/x.py"',
         "exec accelerate launch --gpu_ids=1 $SCRIPT --lr 0.1",
         'apptainer exec --nv img.sif deepspeed --include localhost:1 "$PWD/x.py"',
+        'exec apptainer exec --nv img.sif env A=1 deepspeed --num_gpus 2 "$PWD/x.py"',
     ],
 )
 def test_a_launcher_in_a_shell_whose_script_is_an_expansion_is_refused(
