@@ -177,12 +177,8 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     another user namespace under the uid it has there (a rootless container's alive.0/, which
     is its user's on the host; the host's, to such a container)."""
     found: set[str] = set()
-    try:
-        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
-    except OSError:
-        return []
-    for lock_dir in names:
-        with contextlib.suppress(OSError), _opened_dir(ledger_dir / lock_dir) as directory:
+    for lock_dir in _lock_dirs(ledger_dir) or ():
+        with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
             for name in os.listdir(directory):
                 if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue
@@ -201,20 +197,19 @@ def still_held(ledger_dir: Path, job_ids: set[str]) -> set[str]:
     cannot be told counts as held. A job not among them has ended: no entry of it is to come
     back."""
     found: set[str] = set()
-    try:
-        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
-    except OSError:
-        return set(job_ids)
-    for lock_dir in names:
+    lock_dirs = _lock_dirs(ledger_dir)
+    if lock_dirs is None:
+        return set(job_ids)  # not to be looked at: not told
+    for lock_dir in lock_dirs:
         try:
-            with _opened_dir(ledger_dir / lock_dir) as directory:
+            with _opened_dir(lock_dir) as directory:
                 for name in job_ids - found:
                     if _JOB_ID.fullmatch(name) and _held_in(directory, name) is not False:
                         found.add(name)
         except (UnsafePath, FileNotFoundError):
             continue  # another user's, or gone: none of this user's locks is there
         except OSError:
-            if not _users_own(ledger_dir / lock_dir):
+            if not _users_own(lock_dir):
                 # Another member's directory, shut to this user (0700), or whatever they put
                 # there under such a name (a file, a symlink): none of this user's locks.
                 continue
@@ -232,6 +227,15 @@ def _users_own(path: Path) -> bool:
 
 #: The name of a user's lock directory (`_directory`), whatever uid it carries.
 _LOCK_DIR = re.compile(r"alive\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?")
+
+
+def _lock_dirs(ledger_dir: Path) -> list[Path] | None:
+    """Whatever is named as a lock directory in `ledger_dir`, whoever's (`_LOCK_DIR`); None
+    where `ledger_dir` cannot be listed."""
+    try:
+        return [ledger_dir / n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+    except OSError:
+        return None
 
 
 #: Opening a lock file of a directory (`_own_dir`) to look at its lock: no symlink followed,

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,10 @@ def spawned() -> Iterator[list[int]]:
 
 
 def start_holder(
-    ledger_dir: Path, spawned: list[int], command: bool
+    ledger_dir: Path, spawned: list[int], command: bool, job: str = JOB
 ) -> tuple[subprocess.Popen[str], int]:
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(ledger_dir), JOB, "1" if command else "0"],
+        [sys.executable, "-c", HOLDER, str(ledger_dir), job, "1" if command else "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -198,7 +199,21 @@ def test_a_job_that_ended_is_told_so_beside_another_members_lock_directory() -> 
                 assert alive.hold(shared, "0b1b")
                 ended = alive.still_held(shared, {JOB})
                 running = alive.still_held(shared, {"0b1b", JOB})
-                code = 0 if (ended, running) == (set(), {"0b1b"}) else 1
+                # A job of the user's held by another process is found all the same.
+                ready, told = os.pipe()
+                holder = os.fork()
+                if holder == 0:
+                    alive.hold(shared, "0c1c")
+                    os.write(told, b".")
+                    time.sleep(60)
+                    os._exit(0)
+                os.read(ready, 1)
+                try:
+                    found = alive.unlisted(shared, set(), float("inf"))
+                finally:
+                    os.kill(holder, signal.SIGKILL)
+                    os.waitpid(holder, 0)
+                code = 0 if (ended, running, found) == (set(), {"0b1b"}, ["0c1c"]) else 1
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
@@ -210,7 +225,7 @@ def test_a_job_that_ended_is_told_so_beside_another_members_lock_directory() -> 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's: needs root")
 @pytest.mark.parametrize("kind", ["file", "symlink"])
 def test_a_job_that_ended_is_told_so_beside_another_members_file_named_as_a_lock_directory(
-    tmp_path: Path, kind: str
+    tmp_path: Path, spawned: list[int], kind: str
 ) -> None:
     # Another member of a shared ledger directory may put anything there under the name of a
     # lock directory: a waiter held for a job that has ended was told that job still held.
@@ -224,5 +239,50 @@ def test_a_job_that_ended_is_told_so_beside_another_members_file_named_as_a_lock
     try:
         assert alive.still_held(tmp_path, {JOB}) == set()
         assert alive.still_held(tmp_path, {"0b1b", JOB}) == {"0b1b"}
+        # A job of the user's held by another process is found all the same.
+        start_holder(tmp_path, spawned, command=False, job="0c1c")
+        assert alive.unlisted(tmp_path, set(), float("inf")) == ["0c1c"]
     finally:
         alive.release(tmp_path, "0b1b")
+
+
+@pytest.mark.parametrize("kind", ["gone", "file"])
+def test_a_ledger_directory_that_cannot_be_listed_tells_no_lock_unlisted_and_every_lock_held(
+    tmp_path: Path, kind: str
+) -> None:
+    # A waiter held for the entries a damaged ledger lost, its ledger directory gone (or a
+    # file in its place): nothing can be found to wait for, and what it waits for already
+    # cannot be told to have ended, so it waits on, as it would for a live job.
+    ledger = tmp_path / "ledger"
+    if kind == "file":
+        ledger.touch()
+    assert alive.unlisted(ledger, set(), float("inf")) == []
+    assert alive.still_held(ledger, {JOB, "0b1b"}) == {JOB, "0b1b"}
+
+
+def test_a_lock_directory_gone_as_it_is_looked_at_holds_none_of_the_users_locks(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Listed, then gone before it is opened (its owner's gpuwait took it away): the locks of
+    # the user's own directory are still told, the job held found and the one ended not held.
+    start_holder(tmp_path, spawned, command=False)
+    listdir = os.listdir
+
+    def listed(path: Any = ".") -> list[str]:
+        names = listdir(path)
+        return [*names, f"alive.{os.getuid()}.dead"] if path == tmp_path else names
+
+    monkeypatch.setattr(os, "listdir", listed)
+    assert alive.unlisted(tmp_path, set(), float("inf")) == [JOB]
+    assert alive.still_held(tmp_path, {JOB, "0b1b"}) == {JOB}
+
+
+def test_a_file_of_the_users_own_named_as_a_lock_directory_tells_every_lock_held(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    # The user's own, not to be looked into: the lock of an ended job in it cannot be told,
+    # and counts as held; the locks of the other lock directory are found all the same.
+    start_holder(tmp_path, spawned, command=False)
+    (tmp_path / f"alive.{os.getuid()}.beef").touch()
+    assert alive.unlisted(tmp_path, set(), float("inf")) == [JOB]
+    assert alive.still_held(tmp_path, {JOB, "0b1b"}) == {JOB, "0b1b"}
