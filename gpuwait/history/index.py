@@ -55,6 +55,7 @@ from gpuwait.history.store import (
 )
 from gpuwait.linux import signals
 from gpuwait.linux.atomic import ensure_private_dir, keep_damaged, remove_left_temp_files
+from gpuwait.linux.lock import Patience
 from gpuwait.linux.security import mine, open_readable, read_state_file
 
 #: 2: each run also names its GPUs (per-GPU run times). 3: and what it held on all of them.
@@ -297,7 +298,7 @@ def refresh(
     max_bytes: int,
     rebuild: bool = False,
     wait: float = LOCK_WAIT,
-    patience: float = 0.0,
+    patience: float | Patience = 0.0,
 ) -> list[str]:
     """Take in what the history gained since the index was written; rebuild when it must.
 

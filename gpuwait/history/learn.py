@@ -35,6 +35,7 @@ from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.history import index, store
 from gpuwait.history.record import command_hash
+from gpuwait.linux.lock import Patience
 
 FLAG = "flag"
 ESTIMATE = "estimate"
@@ -268,7 +269,7 @@ def kept_command(command: Sequence[str], cwd: str, history_commands: str) -> lis
 
 
 def save_record(
-    state_dir: Path, record: dict[str, Any], max_bytes: int, patience: float = 0.0
+    state_dir: Path, record: dict[str, Any], max_bytes: int, patience: float | Patience = 0.0
 ) -> list[str]:
     """Append the record and bring the index up to date, so the next launch reads no history.
     Where a signal waits for gpuwait, the history lock is waited for `patience` seconds more

@@ -68,7 +68,7 @@ from gpuwait.linux.atomic import (
     remove_left_temp_files,
     write_atomic,
 )
-from gpuwait.linux.lock import LockTimeout, exclusive
+from gpuwait.linux.lock import LockTimeout, Patience, exclusive
 from gpuwait.linux.security import mine, open_readable
 
 FILENAME = "history.jsonl"
@@ -107,7 +107,9 @@ class HistoryBusy(OSError):
 
 
 @contextlib.contextmanager
-def history_lock(state_dir: Path, wait: float = LOCK_WAIT, patience: float = 0.0) -> Iterator[None]:
+def history_lock(
+    state_dir: Path, wait: float = LOCK_WAIT, patience: float | Patience = 0.0
+) -> Iterator[None]:
     """Exclusive lock shared by appenders, compaction and index updates; HistoryBusy after
     `wait` seconds, SignalPending once a signal has waited `patience` seconds for gpuwait."""
     ensure_private_dir(state_dir)
@@ -122,7 +124,10 @@ def history_lock(state_dir: Path, wait: float = LOCK_WAIT, patience: float = 0.0
 
 
 def append_record(
-    state_dir: Path, record: dict[str, Any], max_bytes: int | None = None, patience: float = 0.0
+    state_dir: Path,
+    record: dict[str, Any],
+    max_bytes: int | None = None,
+    patience: float | Patience = 0.0,
 ) -> Compaction | None:
     """Append one record as a single write; compact when the file passes `max_bytes`. The
     lock is waited for `patience` seconds more where a signal waits for gpuwait.

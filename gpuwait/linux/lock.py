@@ -14,14 +14,30 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from gpuwait.linux.security import open_state_file
-from gpuwait.linux.signals import SignalPending, hold_stops, raise_if_pending, resume_stops
+from gpuwait.linux.signals import (
+    STOPPING,
+    SignalPending,
+    hold_stops,
+    raise_if_pending,
+    resume_stops,
+)
+
+
+class Patience(NamedTuple):
+    """How long a wait for a lock goes on with a signal waiting for gpuwait, in seconds from
+    when it first saw one: `stop` for one that asks it to end (TERM, INT, HUP, QUIT), `other`
+    for the rest of those it passes on to its command (USR1, ALRM ...). A float is both."""
+
+    stop: float
+    other: float
 
 
 @contextmanager
 def exclusive(
-    path: Path, mode: int = 0o600, timeout: float | None = None, patience: float = 0.0
+    path: Path, mode: int = 0o600, timeout: float | None = None, patience: float | Patience = 0.0
 ) -> Iterator[int]:
     """Hold an exclusive lock on `path` (created with `mode`) for the block; yield its fd.
 
@@ -65,7 +81,7 @@ def flock_within(
     fd: int,
     operation: int,
     timeout: float | None,
-    patience: float = 0.0,
+    patience: float | Patience = 0.0,
     slow: Callable[[], bool] | None = None,
 ) -> None:
     """flock(fd, operation), waiting at most `timeout` seconds (None: as long as it takes), as
@@ -80,7 +96,7 @@ def flock_within(
 def lock_within(
     take: Callable[[bool], None],
     timeout: float | None,
-    patience: float = 0.0,
+    patience: float | Patience = 0.0,
     slow: Callable[[], bool] | None = None,
 ) -> None:
     """Take a lock by calling `take(block)`, waiting at most `timeout` seconds (None: as long as
@@ -96,7 +112,8 @@ def lock_within(
     uncontended case costs one non-blocking call; a contended wait sleeps in the kernel (woken
     the moment the lock is free) in slices of TICK under an interval timer, looking for a
     pending signal between slices (SignalPending) once it has waited `patience` seconds, counted
-    from when the wait first saw it (a wait may begin long before the signal comes). Threads
+    from when the wait first saw it (a wait may begin long before the signal comes), a signal
+    asking gpuwait to end as long as `Patience.stop`, another `Patience.other`. Threads
     other than the main one, which cannot take signals, poll instead.
     """
     try:
@@ -186,11 +203,11 @@ def _wait_under_timer(
             if foreign and not held:
                 return False
             try:
+                raise_if_pending()  # one asking gpuwait to end first (`FORWARDED`)
                 if foreign:
                     raise SignalPending(signal.SIGALRM)
-                raise_if_pending()
-            except SignalPending:
-                if signalled.waited_out(now):
+            except SignalPending as exc:
+                if signalled.waited_out(now, exc.signum):
                     raise
             looks.at(now)
             step = TICK
@@ -256,16 +273,19 @@ def _poll(
 
 class _Signalled:
     """How long a wait for a lock goes on with a signal pending: `patience` seconds from when
-    it first saw one."""
+    it first saw one of its kind (`Patience`)."""
 
-    def __init__(self, patience: float) -> None:
-        self.patience = patience
-        self.since: float | None = None
+    def __init__(self, patience: float | Patience) -> None:
+        #: Each kind counted from its own first signal; a float, from the first of any.
+        self.apart = isinstance(patience, Patience)
+        self.patience = patience if isinstance(patience, Patience) else Patience(patience, patience)
+        #: When the wait first saw a signal asking gpuwait to end, and one of the others.
+        self.since: dict[bool, float] = {}
 
-    def waited_out(self, now: float) -> bool:
-        if self.since is None:
-            self.since = now
-        return now - self.since >= self.patience
+    def waited_out(self, now: float, signum: int) -> bool:
+        stop = signum in STOPPING
+        since = self.since.setdefault(stop if self.apart else True, now)
+        return now - since >= (self.patience.stop if stop else self.patience.other)
 
 
 class _Looks:

@@ -111,13 +111,16 @@ def raise_if_pending() -> None:
             raise SignalPending(signum)
 
 
+#: The signals that ask gpuwait to end where no command of its own takes them.
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 def stop_pending() -> int | None:
-    """A signal that asks gpuwait to end (TERM, INT, HUP, QUIT) where one waits (blocked) for
-    it, taken by no command: sent after the command ended (`kill PID`, or `gpuwait cancel` of a
-    version that only sends TERM)."""
+    """A signal that asks gpuwait to end (STOPPING) where one waits (blocked) for it, taken
+    by no command: sent after the command ended (`kill PID`, or `gpuwait cancel` of a version
+    that only sends TERM)."""
     pending = signal.sigpending()
-    stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-    return next((s for s in stopping if s in pending), None)
+    return next((s for s in STOPPING if s in pending), None)
 
 
 def keep_pending(signum: int) -> None:

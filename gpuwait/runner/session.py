@@ -10,6 +10,7 @@ Changes of the job's state are gpuwait.queue.lifecycle's; the waiting is gpuwait
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -76,6 +77,7 @@ from gpuwait.history.learn import (
     save_record,
 )
 from gpuwait.linux import proc, signals, turnstile
+from gpuwait.linux.lock import Patience
 from gpuwait.queue import lifecycle
 from gpuwait.queue.bookkeeping import FAILED, INTERRUPTED, OK, TIMED_OUT
 from gpuwait.queue.conditions import claim_of, reserved_on_each
@@ -1576,10 +1578,11 @@ def _record(
     """Leave the run's record in the history (`exit_known` False: a reservation's process
     that ended with a status nothing could see, recorded as None).
 
-    A signal that comes while another process holds the history lock, held LEAVE_PATIENCE
-    after it still, ends gpuwait by it (SignalPending); `ends_on_signal` False, only the record
-    is given up, and said: the run ran out and may be retried, which the signal, left pending,
-    stops.
+    A signal asking gpuwait to end (TERM, INT, HUP, QUIT) that comes while another process
+    holds the history lock, held LEAVE_PATIENCE after it still, ends gpuwait by it
+    (SignalPending); `ends_on_signal` False, only the record is given up, and said: the run
+    ran out and may be retried, which the signal, left pending, stops. Another (USR1, ALRM),
+    the command's to take, leaves the record to wait for the lock as it would without it.
 
     `oom`: how an out-of-memory failure came about and how it was told ("message", "card
     full"); None for a run that did not run out. `oom_wanted`: what its message said it
@@ -1628,11 +1631,11 @@ def _record(
         paused_runs_seconds=paused_runs_seconds,
     )
     try:
-        # A signal waits a moment for the lock, as a job leaving the queue does: a record or
-        # a compaction holds it for milliseconds, and giving up there loses the run's.
-        warnings = save_record(
-            config.state_dir, record, config.history_max_size, patience=LEAVE_PATIENCE
-        )
+        # A signal asking gpuwait to end waits a moment for the lock, as a job leaving the
+        # queue does: a record or a compaction holds it for milliseconds, and giving up there
+        # loses the run's. Another, the command's to take, costs the record nothing.
+        patience = Patience(stop=LEAVE_PATIENCE, other=math.inf)
+        warnings = save_record(config.state_dir, record, config.history_max_size, patience)
     except OSError as exc:
         if signals.raised_by_a_handler(exc):
             raise

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from helpers.waiting import wait_for
 
-from gpuwait.linux.lock import LockTimeout, flock_within, lock_within
+from gpuwait.linux.lock import LockTimeout, Patience, flock_within, lock_within
 from gpuwait.linux.signals import SignalPending
 
 
@@ -175,6 +175,40 @@ def test_an_alarm_already_waiting_for_gpuwait_is_not_lost_to_a_wait_for_a_lock(
         os.kill(os.getpid(), signal.SIGALRM)
         flock_within(fd, fcntl.LOCK_EX, timeout=10.0, patience=float("inf"))
         assert signal.SIGALRM in signal.sigpending()
+
+
+def test_a_signal_for_the_command_lets_a_wait_patient_with_it_take_the_lock(
+    tmp_path: Path,
+) -> None:
+    """A wait given no patience for a signal asking gpuwait to end and all for the others (the
+    record of a run) takes the lock once it is let go, with an ALRM and a USR1 sent to
+    gpuwait meanwhile, the command's to take, left pending for its loop: it gave up at once."""
+    with _alarm_held(tmp_path / "lock", 1.0) as fd:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGALRM)
+            flock_within(fd, fcntl.LOCK_EX, timeout=30.0, patience=Patience(0.0, float("inf")))
+            assert {signal.SIGALRM, signal.SIGUSR1} <= signal.sigpending()
+        finally:
+            signal.sigtimedwait({signal.SIGUSR1}, 0)
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def test_a_stop_ends_a_wait_patient_with_the_signals_for_the_command(tmp_path: Path) -> None:
+    """As above, a TERM that comes after the USR1 ends the wait, as it would alone."""
+    with _alarm_held(tmp_path / "lock", 20) as fd:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            with pytest.raises(SignalPending) as raised:
+                flock_within(fd, fcntl.LOCK_EX, timeout=30.0, patience=Patience(0.0, float("inf")))
+            assert raised.value.signum == signal.SIGTERM
+        finally:
+            signal.sigtimedwait({signal.SIGUSR1}, 0)
+            signal.sigtimedwait({signal.SIGTERM}, 0)
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def test_a_callers_periodic_timer_falls_due_on_time_and_the_wait_still_times_out(

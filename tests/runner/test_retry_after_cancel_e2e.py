@@ -293,3 +293,71 @@ def test_a_script_run_by_a_wrapper_that_ends_its_process_group_on_exit_is_still_
     _, err = launch.communicate(timeout=120)
     assert starts.read_text() == "started\nstarted\n", err
     assert "retrying" in err and "not retried" not in err, err
+
+
+def test_a_signal_that_asks_for_no_stop_costs_no_record_while_the_history_lock_is_held(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A SIGUSR1 (a job's way to have its workers log) that reached gpuwait as it waited for
+    # the history lock to record a run that ran out, the lock held 2 s more by another
+    # gpuwait: the record was given up after 1 s, "could not record the run in the history:
+    # SIGUSR1 arrived while gpuwait waited for a lock", `gpuwait history` showed no run, and
+    # the run was not retried, "no larger size to retry with".
+    sim_file(gpus=1, memory="24GiB")
+
+    def usr1(_entry: dict[str, Any], pid: int) -> None:
+        os.kill(pid, signal.SIGUSR1)
+        wait_for(lambda: signal.SIGUSR1 in pending_signals(pid), timeout=60, interval=0.005)
+        time.sleep(2)
+
+    _, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, usr1)
+    assert "could not record" not in err, err
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r["exit_status"] for r in json.loads(runs.stdout)][:1] == [1], runs.stdout + err
+    # The run recorded, the estimate is raised and the command retried with it, as without
+    # the signal (it was "no larger size to retry with"); the signal is the command's.
+    assert "retrying with" in err and starts == "started\nstarted\n", err
+
+
+def test_a_signal_that_asks_for_no_stop_leaves_a_run_its_exit_status_and_record(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, for a run that ended well, not to be retried: gpuwait gave up the record after
+    # 1 s and ended by the SIGUSR1 it had no command left to pass to, exit -10 for a command
+    # that exited 0.
+    sim_file(gpus=1, memory="24GiB")
+    go = tmp_path / "go"
+    job = f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done"
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "4G", "--", "sh", "-c", job], stderr=subprocess.PIPE, text=True
+    )
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    lock = None
+    try:
+        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
+        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        go.touch()
+        wait_for(lambda: _gone(entry["child_pid"]))
+        inode = os.fstat(lock).st_ino
+        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
+        os.kill(launch.pid, signal.SIGUSR1)
+        wait_for(lambda: signal.SIGUSR1 in pending_signals(launch.pid), timeout=60, interval=0.005)
+        time.sleep(2)
+        os.close(lock)
+        lock = None
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == 0, err
+    assert "could not record" not in err, err
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [0], runs.stdout + err
