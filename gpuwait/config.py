@@ -1099,6 +1099,12 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
     A broken file is the user's (or the administrator's) own text: it is reported, never moved
     or rewritten.
     """
+    return _checked(_config_table(path, site), path, site)
+
+
+def _config_table(path: Path, site: bool) -> dict[str, Any]:
+    """The table in `path` as TOML reads it, whatever its keys; {} when there is none.
+    UsageError where it cannot be read or is no TOML."""
     kind = "site config file" if site else "config file"
     try:
         # Never waited on (a FIFO), never read past the cap, and a user's file is theirs or
@@ -1154,6 +1160,13 @@ def load_config_file(path: Path, *, site: bool = False) -> dict[str, Any]:
         raise UsageError(
             f"{kind} {path}: damaged, values nested too deeply to read; fix or remove it"
         ) from None
+    return data
+
+
+def _checked(data: dict[str, Any], path: Path, site: bool) -> dict[str, Any]:
+    """`data`, read from `path`, where its keys are settings a user may set there (any, in
+    the site file); UsageError otherwise."""
+    kind = "site config file" if site else "config file"
     unknown = sorted(set(data) - set(OPTIONS_BY_NAME))
     # In the site file a setting this gpuwait does not know is skipped (load_settings says so):
     # it is an administrator's, maybe for a newer gpuwait than a user's own copy, and refused
@@ -1300,6 +1313,28 @@ def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[
         return fair
 
     return current
+
+
+def wrap_rules(env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], ...] | None:
+    """wrap_only_in and never_wrap as `load_settings` takes them, read where another setting
+    cannot be (a value not valid, a setting not known, GPUWAIT_SIM refused): the shell hook's
+    own rules, which run a line bare that needs no settings. None where they cannot be told: a
+    config file that cannot be read or is no TOML, or either of them not valid."""
+    environ = os.environ if env is None else env
+    path = config_file_path(environ)
+    try:
+        if path is not None and environ.get("GPUWAIT_CONFIG") and not path.exists():
+            return None
+        own = {} if path is None else _config_table(path, site=False)
+        site = _config_table(site_config_file_path(), site=True)
+        rules = []
+        for name in ("wrap_only_in", "never_wrap"):
+            option = OPTIONS_BY_NAME[name]
+            raw = environ.get(option.env_var) or own.get(name, site.get(name, option.default))
+            rules.append(_parsed(option, raw, name))
+    except UsageError:
+        return None
+    return tuple(rules)
 
 
 def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Settings:

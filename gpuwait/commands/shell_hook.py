@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from gpuwait.commands.common import load_settings
 from gpuwait.commands.parsing import Parser
-from gpuwait.config import OPTIONS_BY_NAME
+from gpuwait.config import OPTIONS_BY_NAME, wrap_rules
 from gpuwait.core.cmdkey import launcher_script_file, python_script_file
 from gpuwait.core.errors import GpuwaitError, UsageError
 from gpuwait.core.text import command_line, whole_number
@@ -165,9 +165,11 @@ def decision_for(command: list[str], job_ended: bool) -> Decision:
     except GpuwaitError:
         # A setting that cannot be read (`export GPUWAIT_SIM=sim.toml`, a malformed config
         # file) is refused where the line would run through gpuwait; a line the rules run bare
-        # whichever settings hold (`python --version`, `CUDA_VISIBLE_DEVICES= python prep.py`)
-        # needs none of them and runs as typed.
-        decision = _decide(command, job_ended, (), OPTIONS_BY_NAME["never_wrap"].default)
+        # (`python --version`, `CUDA_VISIBLE_DEVICES= python prep.py`, one outside the user's
+        # wrap_only_in) needs none of them and runs as typed. The user's own rules where they
+        # can still be read, else those that hold whichever settings do.
+        rules = wrap_rules() or ((), OPTIONS_BY_NAME["never_wrap"].default)
+        decision = _decide(command, job_ended, *rules)
         if decision.wrap:
             raise
         return decision

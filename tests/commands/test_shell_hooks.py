@@ -369,6 +369,49 @@ def test_a_bad_setting_leaves_the_lines_the_hook_runs_bare_alone(
     assert told.stdout == "bare: the command line matches never_wrap '* --version'\n"
 
 
+@pytest.mark.parametrize("shell", ["bash", "fish"])
+def test_a_bad_setting_leaves_the_lines_the_users_own_rules_run_bare_alone(
+    shell: str, hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A config file with wrap_only_in = ["~/ml"] and never_wrap = ["* --dry-run*"], and a
+    # malformed value of another setting (or one spelt wrong): `python probe.py` outside ml,
+    # and `python probe.py --dry-run` in it, which those rules run bare, ended 2 with the
+    # setting's error, the built-in rules standing in for the user's. They now run, as the
+    # user's rules say; a line in ml still ends 2, naming what to fix.
+    inside = tmp_path / "ml"
+    inside.mkdir()
+    (inside / "probe.py").write_text(PROBE)
+    rules = f'wrap_only_in = ["{inside}"]\nnever_wrap = ["* --dry-run*"]\n'
+    lines = [
+        "python probe.py outside",
+        "cd ml",
+        "python probe.py --dry-run",
+        "python probe.py inside",
+    ]
+    for bad, named in (
+        ('nvml_interval = "soon"\n', "nvml_interval"),
+        ('defualt_vram = "8G"\n', "defualt_vram"),
+    ):
+        config = tmp_path / "config.toml"
+        config.write_text(rules + bad)
+        env = {**hook_env, "GPUWAIT_CONFIG": str(config)}
+        codes, done = statuses(shell, lines, env, tmp_path)
+        assert codes == ["0", "0", "0", "2"], bad + done.stdout + done.stderr
+        ran = probe_lines(done.stdout)
+        assert [(r["argv"], r["job"]) for r in ran] == [
+            (["outside"], None),
+            (["--dry-run"], None),
+        ], done.stdout + done.stderr
+        assert done.stderr.count("gpuwait: error:") == 1, done.stderr
+        assert named in done.stderr, done.stderr
+    # A file that is no TOML tells no rule of the user's: a line is refused where the rules
+    # that hold whichever settings do would wrap it, naming the file.
+    config.write_text(rules + "nvml_interval = \n")
+    codes, done = statuses(shell, lines[:1], env, tmp_path)
+    assert codes == ["2"], done.stdout + done.stderr
+    assert str(config) in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("shell", ["bash", "zsh"])
 def test_a_shell_started_with_a_bad_setting_is_hooked_all_the_same(
     shell: str, hook_env: dict[str, str], tmp_path: Path
