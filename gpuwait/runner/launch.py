@@ -313,7 +313,10 @@ def _check_keeps(
         needed = GPU_VARIABLES[: 2 if by_index else 1]
         _check_sets(argv, step, needed, given[at])
         needed += tuple(c for c in copies if c.endswith(needed))
-        dropped = [v for v in needed if drops_gpus(step, v)]
+        # env makes its assignments after its -i and -u (`env -i CUDA_VISIBLE_DEVICES=
+        # python prep.py`): one set again reaches the command, judged by _check_sets above.
+        again = {w.partition("=")[0] for w in step.sets} if step.program == "env" else set()
+        dropped = [v for v in needed if drops_gpus(step, v) and v not in again]
         if apptainers[at]:
             # Apptainer gives the container the APPTAINERENV_ (SINGULARITYENV_) copy over the
             # caller's variable: `env -u CUDA_VISIBLE_DEVICES apptainer exec` keeps its GPU.

@@ -1678,6 +1678,54 @@ def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
 
 
 @pytest.mark.parametrize(
+    ("options", "value", "given"),
+    [
+        (["-i"], "", None),
+        (["-i", "HOME=/"], "-1", None),
+        (["-u", "CUDA_VISIBLE_DEVICES"], "", None),
+        (["-i"], "1", "1"),
+        (["--ignore-environment"], "1", "1"),
+        (["-u", "CUDA_VISIBLE_DEVICES"], "1", "1"),
+    ],
+)
+def test_env_that_drops_the_gpu_and_sets_it_again_to_one_that_runs_runs(
+    sim: Path,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    options: list[str],
+    value: str,
+    given: str | None,
+) -> None:
+    # env clears its environment (-i) or unsets (-u) before it makes its assignments:
+    # `env -i CUDA_VISIBLE_DEVICES= python prep.py` runs on no GPU, and `env -i
+    # CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...` on the one GPU gpuwait may reserve,
+    # as they do without -i; both were refused, "env starts its command without the
+    # CUDA_VISIBLE_DEVICES gpuwait sets: it would see every GPU".
+    env = dict(os.environ)
+    if given is not None:
+        env["CUDA_VISIBLE_DEVICES"] = given
+    command = ["env", *options, f"CUDA_VISIBLE_DEVICES={value}", "sh", "-c"]
+    done = gpuwait(
+        gpuwait_cmd, [*command, 'echo "[$CUDA_VISIBLE_DEVICES]" > seen'], env, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seen").read_text() == f"[{value}]\n"
+
+
+def test_env_i_setting_the_gpu_again_without_its_order_is_refused_under_index(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # With visible_devices = index the order is needed too: env -i drops it, and sets only
+    # the GPU again.
+    env = {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index", "CUDA_VISIBLE_DEVICES": "1"}
+    command = ["env", "-i", "CUDA_VISIBLE_DEVICES=1", "sh", "-c", "echo ran > seen"]
+    done = gpuwait(gpuwait_cmd, command, env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "without the CUDA_DEVICE_ORDER gpuwait sets" in done.stderr
+    assert not (tmp_path / "seen").exists()
+
+
+@pytest.mark.parametrize(
     "command",
     [
         ["env", "CUDA_VISIBLE_DEVICES=7", "sh", "-c", "echo ran > seen"],
