@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequenc
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
+from gpuwait.core.text import whole_number
 from gpuwait.core.wrap import hides_every_gpu
 from gpuwait.core.wrappers import (
     APPTAINER_ENGINES,
@@ -310,7 +311,10 @@ def _check_keeps(
             if later > at
             for name in GPU_VARIABLES
         ]
-        needed = GPU_VARIABLES[: 2 if by_index else 1]
+        # An index the line passes on (`env CUDA_VISIBLE_DEVICES=1`, gpuwait held to 1) names
+        # NVML's card only in the order gpuwait sets, as under visible_devices = index.
+        indexed = by_index or _names_an_index(given[at + 1])
+        needed = GPU_VARIABLES[: 2 if indexed else 1]
         _check_sets(argv, step, needed, given[at])
         needed += tuple(c for c in copies if c.endswith(needed))
         # env makes its assignments after its -i and -u (`env -i CUDA_VISIBLE_DEVICES=
@@ -381,8 +385,13 @@ def _check_keeps(
         what = (
             "it would see every GPU, those given to other jobs too"
             if variable.endswith(GPU_VARIABLES[0])
-            else "it would number the GPUs fastest-first, and the index gpuwait gives "
-            "(visible_devices = index) could name a GPU given to another job"
+            else "it would number the GPUs fastest-first, and the index "
+            + (
+                "gpuwait gives (visible_devices = index)"
+                if by_index
+                else "CUDA_VISIBLE_DEVICES names"
+            )
+            + " could name a GPU given to another job"
         )
         doer = f"{step.program} starts its command"
         if step.program == "unset":
@@ -399,6 +408,17 @@ def _check_keeps(
         # so are the words of the command in it.
         start = _in_container(found[index], given[index], cleans)
         _check_keeps(argv, steps(inner, found[index].cut), by_index, start)
+
+
+def _names_an_index(given: Mapping[str, str] | None) -> bool:
+    """Does the CUDA_VISIBLE_DEVICES in `given` (of `_given`), set by the line, not gpuwait's,
+    name a GPU by its index (`1`, gpuwait's own value passed on), which CUDA numbers as NVML
+    does only with CUDA_DEVICE_ORDER=PCI_BUS_ID?"""
+    value = (given or {}).get(GPU_VARIABLES[0])
+    if value is None or value == _GPUWAITS:
+        return False
+    entries = value.strip(" \"'").split(",")
+    return any(whole_number(entry.strip()) is not None for entry in entries)
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:

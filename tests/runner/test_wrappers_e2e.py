@@ -1683,9 +1683,10 @@ def test_a_wrapper_that_hides_every_gpu_from_its_command_runs(
         (["-i"], "", None),
         (["-i", "HOME=/"], "-1", None),
         (["-u", "CUDA_VISIBLE_DEVICES"], "", None),
-        (["-i"], "1", "1"),
-        (["--ignore-environment"], "1", "1"),
-        (["-u", "CUDA_VISIBLE_DEVICES"], "1", "1"),
+        (["-i"], "GPU 1", "GPU 1"),
+        (["--ignore-environment"], "GPU 1", "GPU 1"),
+        (["-u", "CUDA_VISIBLE_DEVICES"], "GPU 1", "GPU 1"),
+        (["-i", "CUDA_DEVICE_ORDER=PCI_BUS_ID"], "1", "1"),
     ],
 )
 def test_env_that_drops_the_gpu_and_sets_it_again_to_one_that_runs_runs(
@@ -1702,8 +1703,9 @@ def test_env_that_drops_the_gpu_and_sets_it_again_to_one_that_runs_runs(
     # as they do without -i; both were refused, "env starts its command without the
     # CUDA_VISIBLE_DEVICES gpuwait sets: it would see every GPU".
     env = dict(os.environ)
+    value = value.replace("GPU 1", reserved_uuid(sim))
     if given is not None:
-        env["CUDA_VISIBLE_DEVICES"] = given
+        env["CUDA_VISIBLE_DEVICES"] = given.replace("GPU 1", reserved_uuid(sim))
     command = ["env", *options, f"CUDA_VISIBLE_DEVICES={value}", "sh", "-c"]
     done = gpuwait(
         gpuwait_cmd, [*command, 'echo "[$CUDA_VISIBLE_DEVICES]" > seen'], env, cwd=tmp_path
@@ -1723,6 +1725,32 @@ def test_env_i_setting_the_gpu_again_without_its_order_is_refused_under_index(
     assert done.returncode == 2, done.stderr
     assert "without the CUDA_DEVICE_ORDER gpuwait sets" in done.stderr
     assert not (tmp_path / "seen").exists()
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        ["env", "-u", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES=1"],
+        ["env", "-i", "CUDA_VISIBLE_DEVICES=1"],
+        ["sudo", "--preserve-env=CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES=1"],
+    ],
+)
+def test_a_wrapper_that_passes_on_gpuwaits_index_without_its_order_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, wrapper: list[str]
+) -> None:
+    # gpuwait held to GPU 1 (CUDA_VISIBLE_DEVICES=1, an NVML index) gives its command
+    # CUDA_DEVICE_ORDER=PCI_BUS_ID, under which CUDA's 1 is NVML's. A wrapper that passes the 1
+    # on but drops the order leaves CUDA numbering the cards fastest-first, its 1 another card,
+    # perhaps another job's: these ran.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}
+    done = gpuwait(gpuwait_cmd, [*wrapper, "sh", "-c", "echo ran > seen"], env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "without the CUDA_DEVICE_ORDER gpuwait sets" in done.stderr
+    assert "the index CUDA_VISIBLE_DEVICES names" in done.stderr
+    assert not (tmp_path / "seen").exists()
+    if wrapper[0] == "env":
+        runs(gpuwait_cmd, hint(done), env, cwd=tmp_path)
+        assert (tmp_path / "seen").read_text() == "ran\n"
 
 
 @pytest.mark.parametrize(
