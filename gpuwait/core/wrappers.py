@@ -189,6 +189,19 @@ _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 #: some options they take one out of the environment, the shell keeping it (`export -n`,
 #: `declare +x`, `declare -a`: an array), as the first command of its code (`unexports`).
 DECLARING = frozenset({"export", "declare", "typeset", "readonly"})
+#: zsh's other names of typeset, outside a function too (bash's local says it is not in one,
+#: and does nothing).
+_ZSH_DECLARING = DECLARING | {"local", "integer", "float"}
+
+
+def declaring(shell: str) -> frozenset[str]:
+    """The builtins of `DECLARING`'s kind in `shell` (a Step's): fish's `export` alone, zsh's
+    local, integer and float besides."""
+    if shell == "fish":
+        return frozenset({"export"})
+    return _ZSH_DECLARING if shell == "zsh" else DECLARING
+
+
 #: Options of `declare`, `typeset` and `readonly` after which they still only set (and
 #: export): -x, -r, -g, and the attributes -i, -l, -u, -t, given or taken away (`typeset -i
 #: n=0`, `declare +i ...`), and `--`; but +x, which takes a variable out of the environment.
@@ -234,7 +247,7 @@ def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
         if os.path.basename(current[0]) in _SHELLS:
             shell = os.path.basename(current[0])
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
-            first = None if code is None else _first_command(code, shell == "fish")
+            first = None if code is None else _first_command(code, shell)
             found.append(
                 Step(
                     argv=current,
@@ -359,7 +372,7 @@ def _shell_code(words: Sequence[str], glued: bool = False) -> str | None:
     return words[position] if command and position < len(words) else None
 
 
-def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tuple[str, ...]] | None:
+def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[str, ...]] | None:
     """The words of the first command of shell CODE where each is plain (`srun python x.py`
     of `srun python x.py && echo done`, or of `OMP_NUM_THREADS=4 srun python x.py`: the
     variables set before it are no command), whether they are all of its words, and the
@@ -368,9 +381,10 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
     line ends a command as `;` does; blank lines, and those that only set variables
     (`OMP_NUM_THREADS=4` on a line of its own, or after `export`), run none, and are passed
     over, as is an `unset` only of names with a lowercase letter (`unset tmp`), which no
-    variable gpuwait or a container engine reads has. `fish`: fish's code, whose only builtin
-    of `DECLARING` is `export`."""
-    declaring = frozenset({"export"}) if fish else DECLARING
+    variable gpuwait or a container engine reads has. `shell`: the shell whose code it is
+    (`declaring`)."""
+    fish = shell == "fish"
+    builtins = declaring(shell)
     sets: list[str] = []
     for part in _SEPARATORS.split(code):
         said = part.split()
@@ -412,7 +426,7 @@ def _first_command(code: str, fish: bool = False) -> tuple[list[str], bool, tupl
                         word += " " + said[index]
                     sets.append(word)
                 return (words, False, tuple(sets)) if words or sets else None
-            if not words and not exported and word in declaring:
+            if not words and not exported and word in builtins:
                 exported = [word]
             elif (
                 exported
@@ -645,7 +659,7 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
         # x.py`), but for a function of that name (-f).
         # fish has no unset: "Unknown command", and it carries on.
         return step.shell != "fish" and variable in step.argv[1:] and "-f" not in step.argv[1:]
-    if step.program in DECLARING:
+    if step.program in declaring(step.shell):
         return unexports(step, variable)
     if step.program == "set" and step.shell == "fish":
         fished = _fish_set(step.argv[1:])
@@ -695,7 +709,7 @@ def drops_gpus(step: Step, variable: str = GPU_VARIABLES[0]) -> bool:
 #: The options that make an array of a variable, which no shell exports, by builtin: bash's
 #: `declare -a` (-A), `readonly -a`; zsh's `export -a` too (bash has none: it keeps it).
 _ARRAYS = {"declare": "aA", "typeset": "aA", "readonly": "a"}
-_ZSH_ARRAYS = {**_ARRAYS, "export": "a", "readonly": "aA"}
+_ZSH_ARRAYS = {**_ARRAYS, "export": "a", "readonly": "aA", "local": "aA"}
 
 
 def unexports(step: Step, variable: str) -> bool:

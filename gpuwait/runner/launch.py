@@ -27,7 +27,6 @@ from gpuwait.core.wrappers import (
     APPTAINER_ENGINES,
     APPTAINER_OPTION_VARIABLES,
     CONTAINER_ENGINES,
-    DECLARING,
     GPU_VARIABLES,
     NVIDIA_DOCKER,
     Step,
@@ -40,6 +39,7 @@ from gpuwait.core.wrappers import (
     apptainer_pid_namespace,
     apptainer_pid_variables,
     container_gpus,
+    declaring,
     drops_gpus,
     passed_on,
     passed_on_each,
@@ -367,7 +367,7 @@ def _check_keeps(
             hint = "leave out exec's -c, which starts the command with an empty environment"
         elif step.program == "unset":
             hint = f"leave {variable} to the command: unset it nowhere in the command"
-        elif step.program in DECLARING:
+        elif step.program in declaring(step.shell):
             hint = f"leave {variable} to the command: keep it exported, not an array"
         elif step.program == "set":
             hint = f"leave {variable} to the command: erase, unexport or shadow it nowhere"
@@ -396,7 +396,7 @@ def _check_keeps(
         doer = f"{step.program} starts its command"
         if step.program == "unset":
             doer = f"the shell's code unsets {variable} before its command, which starts"
-        elif step.program in DECLARING or step.program == "set":
+        elif step.program in declaring(step.shell) or step.program == "set":
             doer = (
                 f"the shell's code takes {variable} out of its environment before its "
                 f"command ({shlex.join(step.argv)}), which starts"

@@ -2430,6 +2430,42 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
 
 
 @pytest.mark.parametrize(
+    ("shell", "builtin", "kept"),
+    [
+        ("zsh", "local CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", "local -x CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", "integer CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", "float CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", "local -a CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "local +x CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "local CUDA_VISIBLE_DEVICES", True),
+        ("zsh", "local x=1", True),
+        ("bash", "local CUDA_VISIBLE_DEVICES=0", True),
+    ],
+)
+def test_zshs_local_integer_and_float_are_read_as_typeset(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, shell: str, builtin: str, kept: bool
+) -> None:
+    # zsh's local, integer and float are typeset, outside a function too: `zsh -c 'local
+    # CUDA_VISIBLE_DEVICES=0; python x.py'` ran python on GPU 0, whichever GPU gpuwait had
+    # reserved, and `local -a CUDA_VISIBLE_DEVICES` on every GPU, where `typeset ...` is
+    # refused. bash's local outside a function says so and does nothing. What the shell itself
+    # does with the line, asked first, decides.
+    code = f"{builtin}; sh -c 'echo \"${{CUDA_VISIBLE_DEVICES-every GPU}}\"' > seen"
+    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
+    subprocess.run([shell, "-c", code], env=own, cwd=tmp_path, timeout=60)
+    assert ((tmp_path / "seen").read_text().strip() == "GPU-own") is kept
+    (tmp_path / "seen").unlink()
+    done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    if kept:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+    else:
+        assert done.returncode == 2, done.stderr
+        assert not (tmp_path / "seen").exists()
+
+
+@pytest.mark.parametrize(
     "options", ["-nx", "-xn", "-n -x", "-nz", "-n -v", "-n", "-na", "-n -p", "-n --", "-n +x"]
 )
 def test_bash_export_n_is_refused_only_where_bash_takes_the_gpus_out(
