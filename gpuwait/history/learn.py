@@ -36,6 +36,7 @@ from gpuwait.core.snapshot import GpuSnapshot
 from gpuwait.history import index, store
 from gpuwait.history.record import command_hash
 from gpuwait.linux.lock import Patience
+from gpuwait.linux.signals import SignalPending
 
 FLAG = "flag"
 ESTIMATE = "estimate"
@@ -276,20 +277,26 @@ def save_record(
     (SignalPending after that).
 
     Returns warnings for the CLI (an index that could not be brought up to date among them);
-    raises OSError when the history cannot be written.
+    raises OSError when the history cannot be written, RecordedThenSignalled where the record
+    was written but the index's update gave up for a signal.
     """
     not_compacted = None
     try:
         compaction = store.append_record(state_dir, record, max_bytes, patience)
     except store.NotCompacted as exc:
         compaction, not_compacted = None, exc
+    signalled = None
     try:
         warnings = index.refresh(state_dir, max_bytes, patience=patience)
-    except OSError as exc:
+    except (OSError, SignalPending) as exc:
         # A cache: the next launch brings it up to date, or reads it as it is.
+        if isinstance(exc, SignalPending):
+            signalled, why = exc, str(exc)
+        else:
+            why = str(exc.strerror or exc)
         warnings = [
             f"history {store.history_path(state_dir)}: the run is recorded, but the history "
-            f"index could not be brought up to date: {exc.strerror or exc}"
+            f"index could not be brought up to date: {why}"
         ]
     if not_compacted is not None:
         warnings.append(
@@ -302,4 +309,16 @@ def save_record(
             f"history {store.history_path(state_dir)}: compacted it without what was damaged "
             f"({compaction.damage}); the old file is kept as {compaction.kept_as}"
         )
+    if signalled is not None:
+        raise RecordedThenSignalled(signalled.signum, warnings)
     return warnings
+
+
+class RecordedThenSignalled(SignalPending):
+    """`save_record`'s SignalPending where the record was written and only the index's update
+    was given up: `warnings` says so (a signal's caller that goes on shows them, not that the
+    run was lost)."""
+
+    def __init__(self, signum: int, warnings: list[str]) -> None:
+        super().__init__(signum)
+        self.warnings = warnings

@@ -69,6 +69,7 @@ from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
     FLAG,
     Learned,
+    RecordedThenSignalled,
     RequestChoice,
     cap_to_cards,
     choose_request,
@@ -1644,7 +1645,10 @@ def _record(
     except signals.SignalPending as exc:
         if ends_on_signal:
             raise
-        warnings = [f"could not record the run in the history: {exc}"]
+        if isinstance(exc, RecordedThenSignalled):
+            warnings = exc.warnings  # the record is written: only the index is behind
+        else:
+            warnings = [f"could not record the run in the history: {exc}"]
     except MemoryError:
         # The same where memory ran out (a long history compacted under `ulimit -v`): not
         # gpuwait's end, said as before any command ran (cli.entry_point).

@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -361,3 +362,64 @@ def test_a_signal_that_asks_for_no_stop_leaves_a_run_its_exit_status_and_record(
         [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
     )
     assert [r["exit_status"] for r in json.loads(runs.stdout)] == [0], runs.stdout + err
+
+
+#: gpuwait in which another process takes the history lock the moment a record is appended,
+#: and holds it until this gpuwait has ended (another gpuwait's launch bringing the index up
+#: to date in between): the index's update, after the record, finds it held.
+_LOCK_TAKEN_AFTER_THE_RECORD = """
+import subprocess, sys
+from gpuwait.history import store
+HOLD = (
+    "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+    "print(flush=True); sys.stdin.read()"
+)
+appended = store.append_record
+holders = []
+def append_record(state_dir, *args, **kwargs):
+    done = appended(state_dir, *args, **kwargs)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(state_dir / store.LOCK_NAME)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    holder.stdout.readline()
+    holders.append(holder)
+    return done
+store.append_record = append_record
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def test_a_job_cancelled_whose_record_is_written_is_not_told_it_was_lost(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, the record written once the lock was let go, but the lock taken again by
+    # another process before the history's index was brought up to date: gpuwait said "could
+    # not record the run in the history: SIGTERM arrived while gpuwait waited for a lock",
+    # though `gpuwait history` showed the run.
+    sim_file(gpus=1, memory="24GiB")
+    patched = [sys.executable, "-c", _LOCK_TAKEN_AFTER_THE_RECORD]
+
+    def cancel(entry: dict[str, Any], pid: int) -> None:
+        canceller = subprocess.Popen(
+            [*gpuwait_cmd, "cancel", entry["id"]],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(lambda: signal.SIGTERM in pending_signals(pid), timeout=60, interval=0.005)
+            time.sleep(0.2)
+        finally:
+            canceller.wait(timeout=60)
+
+    returncode, err, starts, _ = _ran_out_then(patched, tmp_path, cancel)
+    assert starts == "started\n", err
+    assert "was cancelled, so it is not retried" in err and "retrying" not in err, err
+    assert returncode == 1, err
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [1], runs.stdout + err
+    assert "could not record" not in err, err
+    assert "the run is recorded, but the history index could not be brought up to date" in err
