@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuwait.linux import proc
+from gpuwait.linux import lock, proc
 from gpuwait.linux.security import (
     UnsafePath,
     ensure_private_dir,
@@ -189,6 +189,35 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
                 if taken < before and _held_in(directory, name) is True:
                     found.add(name)
     return sorted(found)
+
+
+def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
+    """The gpuwait processes that hold the locks of this user's jobs no entry (`named`: their
+    job ids) stands for, other than this process's own locks: after a ledger was started
+    afresh, those of jobs whose entries the damage lost. A transaction wakes the waiters its
+    ledger lists; these it cannot know of, and a waiter puts its entry back once woken. Each
+    is the process /proc/locks names as the lock's taker, and only while it has the file open
+    (the taker gone, its pid may be another process's)."""
+    files: list[os.stat_result] = []
+    try:
+        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+    except OSError:
+        return set()
+    for lock_dir in names:
+        with contextlib.suppress(OSError), _opened_dir(ledger_dir / lock_dir) as directory:
+            for name in os.listdir(directory):
+                if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    files.append(os.stat(name, dir_fd=directory, follow_symlinks=False))
+    # /proc/locks read once, however many entries were lost.
+    taken = lock.holders_of([(f.st_dev, f.st_ino) for f in files])
+    return {
+        pid
+        for file in files
+        for pid in taken.get((file.st_dev, file.st_ino), [])
+        if pid > 0 and pid != os.getpid() and proc.has_open(pid, file)
+    }
 
 
 def still_held(ledger_dir: Path, job_ids: set[str]) -> set[str]:

@@ -307,17 +307,28 @@ def holders(fd: int) -> list[int]:
     """The pids that hold a flock on `fd`'s file, as /proc/locks tells (those waiting for it
     excluded); empty when it cannot be told."""
     st = os.fstat(fd)
-    device = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    pids = []
+    return holders_of([(st.st_dev, st.st_ino)]).get((st.st_dev, st.st_ino), [])
+
+
+def holders_of(files: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """`holders` of each of these files (device, inode), read from /proc/locks once: those
+    held by nobody (or where it cannot be told) are left out."""
+    wanted = {
+        b"%02x:%02x:%d" % (os.major(device), os.minor(device), inode): (device, inode)
+        for device, inode in files
+    }
+    found: dict[tuple[int, int], list[int]] = {}
+    if not wanted:
+        return found
     try:
         with open("/proc/locks", "rb") as f:
             lines = f.read(1 << 22).splitlines()
     except OSError:
-        return []
+        return found
     for line in lines:
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
-        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] == device:
+        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] in wanted:
             with contextlib.suppress(ValueError):
-                pids.append(int(fields[4]))
-    return pids
+                found.setdefault(wanted[fields[5]], []).append(int(fields[4]))
+    return found

@@ -117,6 +117,15 @@ class _Unreadable(Exception):
         self.unreadable = unreadable
 
 
+def _recovered_now(data: LedgerData, raw: Any, rewrite: bool) -> bool:
+    """Did this transaction's read recover this user's file from damage: start it afresh
+    (`raw` None, to be written), or drop entries it could not read (a new `repaired_at`)?"""
+    if raw is None:
+        return rewrite
+    before = raw.get("repaired_at") if isinstance(raw, dict) else None
+    return data.repaired_at is not None and data.repaired_at != before
+
+
 class Ledger:
     """The ledger in one directory: private (one file) or shared (one file per user)."""
 
@@ -272,6 +281,11 @@ class Ledger:
                     )
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
+                    if _recovered_now(data, raw, rewrite):
+                        # Started afresh or repaired: the waiters whose entries the damage lost
+                        # are listed nowhere, and each puts its entry back only once woken.
+                        mine = {j.id for j in data.jobs if data.mine(j)}
+                        to_wake |= alive.holders_unlisted(self.directory, mine)
                 if changed or data.starting:
                     # Other members' waiters this plan starts are told so even where nothing
                     # of this user's changed: their own gpuwait starts them.

@@ -606,6 +606,57 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
 
 
+def _waiters_entry_damaged(ledger: bytes) -> bytes:
+    """The ledger with one figure of the waiter's entry damaged: only that entry is lost."""
+    found = json.loads(ledger)
+    (waiter,) = [job for job in found["jobs"] if job["name"] == "waiter"]
+    waiter["reserved_bytes"] = "garbage"
+    return json.dumps(found).encode()
+
+
+@pytest.mark.parametrize(
+    "damage", [lambda _: DAMAGE["truncated"], _waiters_entry_damaged], ids=["whole", "in part"]
+)
+def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_recovered(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    damage: Callable[[bytes], bytes],
+) -> None:
+    # One 24 GiB card: a 13 GiB job runs, another waits behind it, reading the GPUs every two
+    # minutes. The ledger is damaged, and started afresh (or repaired) without the waiter's
+    # entry by the running job's gpuwait. A transaction wakes the waiters its ledger lists:
+    # nobody told the waiter, which put its entry back only at its next reading, so a launch
+    # in the grace was held for it (30 s), and once the running job had ended, nothing
+    # started the waiter.
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    release = tmp_path / "release"
+    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
+    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
+    wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
+    assert waiter.poll() is None, "the waiter ran beside the running job"
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    replace_ledger(ledger_path, damage(ledger_path.read_bytes()))
+    wait_for(
+        lambda: list(ledger_path.parent.glob("ledger.json.damaged-*")),
+        timeout=10,
+        message="the ledger was never recovered",
+    )
+    wait_for(lambda: named_entry("holder"), timeout=10, message="the entry was never put back")
+    wait_for(
+        # Read, not the damaged copy's (its figure "garbage") before the repair.
+        lambda: isinstance((named_entry("waiter") or {}).get("reserved_bytes"), int),
+        timeout=20,
+        message="the waiter's entry was never put back",
+    )
+    release.touch()
+    assert holder.wait(timeout=30) == 0
+    assert waiter.wait(timeout=20) == 0
+
+
 @pytest.mark.parametrize("ledger", ["started afresh", "new"])
 def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
     gw: Run,
