@@ -199,12 +199,8 @@ def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
     is the process /proc/locks names as the lock's taker, and only while it has the file open
     (the taker gone, its pid may be another process's)."""
     files: list[os.stat_result] = []
-    try:
-        names = [n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
-    except OSError:
-        return set()
-    for lock_dir in names:
-        with contextlib.suppress(OSError), _opened_dir(ledger_dir / lock_dir) as directory:
+    for lock_dir in _lock_dirs(ledger_dir) or ():
+        with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
             for name in os.listdir(directory):
                 if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue
