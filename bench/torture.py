@@ -32,6 +32,7 @@ With --hostile, also:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -449,6 +450,7 @@ class Checker:
             ).st_mtime
         except OSError:
             return
+        files = self._files()
         try:
             text = self.machine.ledger.path.read_bytes() if not self.machine.shared else b""
             data = self.machine.ledger.read()
@@ -484,6 +486,12 @@ class Checker:
             if killed is not None and stamp > killed + 2.0:
                 self.figures.stale_entries += 1
                 self.figures.failures.append(f"killed peer {job.pid} still listed")
+        if self._files() != files:
+            # A shared ledger's files are read one after another without the lock: one user's
+            # job ended and another's admitted into its room meanwhile would show as both
+            # running. A reading during which no file was replaced is one the planners saw
+            # (an over-admitted job stays listed as long as it runs).
+            return
         fill: dict[str, int] = {}
         for job in data.jobs:
             if job.state == "running":
@@ -494,6 +502,15 @@ class Checker:
             self.figures.max_fill = max(self.figures.max_fill, ratio)
             if ratio > 1.0:
                 self.figures.over_admissions += 1
+
+    def _files(self) -> set[tuple[str, int, int]]:
+        """Each ledger file's name, inode and change time: a write replaces its file."""
+        found = set()
+        for path in self.machine.ledger_dir.glob("ledger*.json"):
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                found.add((path.name, st.st_ino, st.st_mtime_ns))
+        return found
 
 
 def torture(
