@@ -123,6 +123,20 @@ def stop_pending() -> int | None:
     return next((s for s in STOPPING if s in pending), None)
 
 
+def drop_pending(keep: tuple[int, ...] = ()) -> list[int]:
+    """Take the forwarded signals waiting (blocked) for gpuwait but those asking it to end
+    (STOPPING) and `keep`, and return them: sent once its command had ended, for that command,
+    they are no other's to take (a command started again would get them as it starts, before
+    its handler is installed)."""
+    dropped = []
+    for signum in FORWARDED:
+        if signum in STOPPING or signum in keep:
+            continue
+        if signum in signal.sigpending() and signal.sigtimedwait({signum}, 0) is not None:
+            dropped.append(signum)
+    return dropped
+
+
 def keep_pending(signum: int) -> None:
     """Put a signal gpuwait has taken back in its pending set (it is blocked): what gpuwait
     does before it ends because of the signal then gives up any wait for a lock at once."""

@@ -489,6 +489,11 @@ def _run_with_retries(
                     "so it is not retried"
                 )
                 break
+        for signum in signals.drop_pending(_checkpoint_signals(request)):
+            reporter.info(
+                f"gpuwait got {signal.Signals(signum).name} once the command had ended; "
+                "the command started again does not get it"
+            )
         reporter.info(
             f"the command ran out {how}; retrying with {format_size(after)} "
             f"(retry {retries} of {request.retry_oom})"
@@ -1149,6 +1154,18 @@ def _pauses_so_far(job: Job, paused_seconds: float) -> tuple[int, float] | None:
     """A --pausable job's pauses and the time it spent stepped aside (`paused_seconds`), as
     its `finish` or `leave` says them; None for any other job."""
     return (job.pauses, paused_seconds) if job.pausable else None
+
+
+def _checkpoint_signals(request: RunRequest) -> tuple[int, ...]:
+    """A --pausable request's checkpoint signal (none where it names none that parses)."""
+    if request.pausable is None:
+        return ()
+    from gpuwait.linux.checkpoint_signal import parse_signal
+
+    try:
+        return (parse_signal(request.pausable.checkpoint_signal),)
+    except ValueError:
+        return ()
 
 
 def _asks_to_checkpoint(job: Job, signum: int) -> bool:

@@ -423,3 +423,50 @@ def test_a_job_cancelled_whose_record_is_written_is_not_told_it_was_lost(
     assert [r["exit_status"] for r in json.loads(runs.stdout)] == [1], runs.stdout + err
     assert "could not record" not in err, err
     assert "the run is recorded, but the history index could not be brought up to date" in err
+
+
+def test_a_signal_for_the_command_that_ran_out_does_not_reach_its_retry(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A SIGUSR1 sent to gpuwait as it recorded a run that ran out, the history lock held by
+    # another gpuwait, was passed on to the retried command the moment it started, before it
+    # could take it, and killed it: gpuwait ended by it, 138 in a shell.
+    sim_file(gpus=1, memory="24GiB")
+    go, starts = tmp_path / "go", tmp_path / "starts"
+    job = (
+        f"echo started >> {shlex.quote(str(starts))}; "
+        f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && sleep 1 && exit 0; "
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    lock = None
+    try:
+        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
+        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        go.touch()
+        wait_for(lambda: _gone(entry["child_pid"]))
+        inode = os.fstat(lock).st_ino
+        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
+        os.kill(launch.pid, signal.SIGUSR1)
+        wait_for(lambda: signal.SIGUSR1 in pending_signals(launch.pid), timeout=60, interval=0.005)
+        os.close(lock)
+        lock = None
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    # It is the ended command's: the retry runs as without it (it was killed, gpuwait ending
+    # by the signal, -10), as does one that waits for no lock.
+    assert starts.read_text() == "started\nstarted\n", err
+    assert launch.returncode == 0, err
+    assert "SIGUSR1 once the command had ended" in err, err
