@@ -313,7 +313,11 @@ def _check_keeps(
         ]
         # An index the line passes on (`env CUDA_VISIBLE_DEVICES=1`, gpuwait held to 1) names
         # NVML's card only in the order gpuwait sets, as under visible_devices = index.
-        indexed = by_index or _names_an_index(given[at + 1])
+        # One that hides every GPU (`env -i CUDA_VISIBLE_DEVICES= python prep.py`) has none
+        # to number.
+        indexed = (by_index or _names_an_index(given[at + 1])) and not _hides_every_gpu(
+            given[at + 1]
+        )
         needed = GPU_VARIABLES[: 2 if indexed else 1]
         _check_sets(argv, step, needed, given[at])
         needed += tuple(c for c in copies if c.endswith(needed))
@@ -419,6 +423,13 @@ def _names_an_index(given: Mapping[str, str] | None) -> bool:
         return False
     entries = value.strip(" \"'").split(",")
     return any(whole_number(entry.strip()) is not None for entry in entries)
+
+
+def _hides_every_gpu(given: Mapping[str, str] | None) -> bool:
+    """Does the CUDA_VISIBLE_DEVICES in `given` (of `_given`), set by the line, hide every GPU
+    from its command (`hides_every_gpu`)?"""
+    value = (given or {}).get(GPU_VARIABLES[0])
+    return value is not None and value != _GPUWAITS and hides_every_gpu(value.strip(" \"'"))
 
 
 def _drops_later(found: Sequence[Step], at: int, names: Sequence[str]) -> bool:

@@ -1728,6 +1728,29 @@ def test_env_i_setting_the_gpu_again_without_its_order_is_refused_under_index(
 
 
 @pytest.mark.parametrize(
+    "command",
+    [
+        ["env", "-i", "CUDA_VISIBLE_DEVICES="],
+        ["env", "-i", "PATH=/usr/bin:/bin", "CUDA_VISIBLE_DEVICES=-1"],
+        ["env", "-u", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES="],
+        ["env", "-iu", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES=none"],
+    ],
+)
+def test_a_wrapper_that_hides_every_gpu_without_the_order_runs_under_index(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, command: list[str]
+) -> None:
+    # With visible_devices = index, a line that hides every GPU from its command was refused
+    # for the CUDA_DEVICE_ORDER its wrapper drops, "it would number the GPUs fastest-first",
+    # where its command sees no GPU to number, as it runs with the order kept.
+    env = {**os.environ, "GPUWAIT_VISIBLE_DEVICES": "index"}
+    line = [*command, "sh", "-c", 'echo "[$CUDA_VISIBLE_DEVICES]" > seen']
+    done = gpuwait(gpuwait_cmd, line, env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    value = command[-1].partition("=")[2]
+    assert (tmp_path / "seen").read_text() == f"[{value}]\n"
+
+
+@pytest.mark.parametrize(
     "wrapper",
     [
         ["env", "-u", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES=1"],
