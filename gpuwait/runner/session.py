@@ -427,6 +427,9 @@ def _run_with_retries(
         if not ended.oom:
             break
         pending, requeued, stepped_aside = ended.pending, None, ended.stepped_aside
+        # Sent once the command had ended (a USR1 for it), a signal not asking gpuwait to end
+        # is no retry's, nor gives up a wait for a lock on the way to one.
+        dropped = signals.drop_pending(_checkpoint_signals(request))
         how = _ran_out(ended)
         try:
             raised = _choose(request, config, None)
@@ -489,7 +492,7 @@ def _run_with_retries(
                     "so it is not retried"
                 )
                 break
-        for signum in signals.drop_pending(_checkpoint_signals(request)):
+        for signum in dropped:
             reporter.info(
                 f"gpuwait got {signal.Signals(signum).name} once the command had ended; "
                 "the command started again does not get it"

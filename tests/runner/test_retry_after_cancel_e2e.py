@@ -470,3 +470,56 @@ def test_a_signal_for_the_command_that_ran_out_does_not_reach_its_retry(
     assert starts.read_text() == "started\nstarted\n", err
     assert launch.returncode == 0, err
     assert "SIGUSR1 once the command had ended" in err, err
+
+
+def test_a_signal_for_the_command_that_ran_out_ends_no_wait_for_the_ledger_before_its_retry(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # As above, the ledger's lock then held a moment by another gpuwait as the run was queued
+    # again: the SIGUSR1, still pending, gave up that wait at once, and gpuwait ended by it,
+    # 138 in a shell, its command never started again.
+    sim_file(gpus=1, memory="24GiB")
+    go, starts = tmp_path / "go", tmp_path / "starts"
+    job = (
+        f"echo started >> {shlex.quote(str(starts))}; "
+        f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && exit 0; "
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    launch = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    history = ledger = None
+    try:
+        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
+        history = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(history, fcntl.LOCK_EX)
+        go.touch()
+        wait_for(lambda: _gone(entry["child_pid"]))
+        inode = os.fstat(history).st_ino
+        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
+        os.kill(launch.pid, signal.SIGUSR1)
+        wait_for(lambda: signal.SIGUSR1 in pending_signals(launch.pid), timeout=60, interval=0.005)
+        ledger = os.open(state / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(ledger, fcntl.LOCK_EX)
+        os.close(history)
+        history = None
+        inode = os.fstat(ledger).st_ino
+        wait_for(
+            lambda: launch.poll() is not None or _waits_for_lock(launch.pid, inode), timeout=60
+        )
+        os.close(ledger)
+        ledger = None
+        _, err = launch.communicate(timeout=60)
+    finally:
+        for fd in (history, ledger):
+            if fd is not None:
+                os.close(fd)
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == 0, err
+    assert starts.read_text() == "started\nstarted\n", err
