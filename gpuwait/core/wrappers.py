@@ -712,6 +712,19 @@ _ARRAYS = {"declare": "aA", "typeset": "aA", "readonly": "a"}
 _ZSH_ARRAYS = {**_ARRAYS, "export": "a", "readonly": "aA", "local": "aA"}
 
 
+def makes_a_number(step: Step, variable: str) -> bool:
+    """Does zsh's code make `variable` a number before its command with no value given
+    (`integer CUDA_VISIBLE_DEVICES`, `float ...`, `typeset -i ...`, `local -F ...`)? zsh reads
+    the value it had as arithmetic: a GPU UUID's words and numbers (`GPU-...`) give 0, or less,
+    or an error. bash's `declare -i` reads only a value assigned after it."""
+    if step.shell != "zsh" or step.program not in declaring("zsh"):
+        return False
+    if variable not in step.argv[1:]:
+        return False
+    options = [word for word in step.argv[1:] if word[:1] == "-" and word not in ("-", "--")]
+    return step.program in ("integer", "float") or any(set(w[1:]) & set("iEF") for w in options)
+
+
 def unexports(step: Step, variable: str) -> bool:
     """Does a shell's code take `variable` out of the environment before its command (`export
     -n CUDA_VISIBLE_DEVICES; python x.py`, `declare +x ...`), or makes an array of it (`declare

@@ -41,6 +41,7 @@ from gpuwait.core.wrappers import (
     container_gpus,
     declaring,
     drops_gpus,
+    makes_a_number,
     passed_on,
     passed_on_each,
     runs_gpuwait,
@@ -320,6 +321,13 @@ def _check_keeps(
         )
         needed = GPU_VARIABLES[: 2 if indexed else 1]
         _check_sets(argv, step, needed, given[at])
+        if not by_index and makes_a_number(step, GPU_VARIABLES[0]):
+            raise UsageError(
+                f"the shell's code makes {GPU_VARIABLES[0]} a number before its command "
+                f"({shlex.join(step.argv)}): zsh reads the GPU UUID gpuwait sets as arithmetic, "
+                "and the command would run on GPU 0, whichever gpuwait reserved, or on none",
+                hint=f"leave {GPU_VARIABLES[0]} to the command: make it no integer or float",
+            )
         needed += tuple(c for c in copies if c.endswith(needed))
         # env makes its assignments after its -i and -u (`env -i CUDA_VISIBLE_DEVICES=
         # python prep.py`): one set again reaches the command, judged by _check_sets above.

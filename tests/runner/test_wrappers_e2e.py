@@ -2464,6 +2464,14 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         ("zsh", "local CUDA_VISIBLE_DEVICES", True),
         ("zsh", "local x=1", True),
         ("bash", "local CUDA_VISIBLE_DEVICES=0", True),
+        # Made a number, no value given: zsh reads gpuwait's UUID as arithmetic (GPU-own: 0).
+        ("zsh", "integer CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "float CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "typeset -i CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "local -xF CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "typeset +i CUDA_VISIBLE_DEVICES", True),
+        ("zsh", "integer n", True),
+        ("bash", "declare -i CUDA_VISIBLE_DEVICES", True),
     ],
 )
 def test_zshs_local_integer_and_float_are_read_as_typeset(
