@@ -69,13 +69,24 @@ SAME_SIGNAL_WINDOW = 0.5
 _SI_KERNEL = 0x80
 
 
+def signal_name(signum: int) -> str:
+    """`signum`'s name as kill -l and Python spell it (SIGUSR1), a real-time one past RTMIN,
+    which Python names not, as SIGRTMIN+N."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        if signal.SIGRTMIN < signum < signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+        return f"signal {signum}"
+
+
 class SignalPending(Exception):
     """A forwarded signal arrived while gpuwait was blocked on something else (a lock another
     process holds). It stays pending for gpuwait's own loop; what was being waited for is
     given up, so that TERM or Ctrl-C acts at once, whatever gpuwait was blocked on."""
 
     def __init__(self, signum: int) -> None:
-        name = signal.Signals(signum).name
+        name = signal_name(signum)
         super().__init__(f"{name} arrived while gpuwait waited for a lock; it gave up waiting")
         self.signum = signum
 

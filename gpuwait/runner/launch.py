@@ -1314,7 +1314,7 @@ class StartInterrupted(Exception):
     """A signal (TERM, Ctrl-C) came while gpuwait waited to try starting its command again."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(signals.signal_name(signum))
         self.signum = signum
 
 

@@ -450,7 +450,7 @@ def _run_with_retries(
             # Told to end once the command had (`kill`, an older `gpuwait cancel`, which only
             # sends TERM): the signal is no retry's to take. Said before any want of a larger
             # size, which a run left unrecorded by it (the history lock held) also shows.
-            why = f"gpuwait got {signal.Signals(stop).name}"
+            why = f"gpuwait got {signals.signal_name(stop)}"
             if pending is not None:
                 if lifecycle.was_cancelled(_ledger(config, reporter), pending):
                     why = f"job {pending.id} was cancelled"
@@ -494,7 +494,7 @@ def _run_with_retries(
                 break
         for signum in dropped:
             reporter.info(
-                f"gpuwait got {signal.Signals(signum).name} once the command had ended; "
+                f"gpuwait got {signals.signal_name(signum)} once the command had ended; "
                 "the command started again does not get it"
             )
         reporter.info(

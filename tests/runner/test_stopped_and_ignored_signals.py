@@ -433,3 +433,41 @@ def test_a_command_stopped_and_continued_by_pid_at_a_prompt_goes_on_as_bare(
     # The shell saw it end with the command's status.
     assert re.search(r"Exit 4 ", err), err
     assert ledger_jobs() == []
+
+
+def test_a_real_time_signal_ends_a_wait_for_the_ledger_lock_by_the_signal(
+    gpuwait_cmd: list[str],
+) -> None:
+    """`kill -s RTMIN+2` at a gpuwait waiting for the ledger's lock, another gpuwait holding
+    it: gpuwait ended in a traceback, exit 1, "ValueError: 36 is not a valid Signals" (Python
+    names no real-time signal past RTMIN). It ends by the signal, as it does while it waits
+    for room."""
+    lock_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    launch = None
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        launch = subprocess.Popen(
+            [*gpuwait_cmd, "--vram", "1G", "--", "true"], stderr=subprocess.PIPE, text=True
+        )
+        inode = os.fstat(lock).st_ino
+        wait_for(
+            lambda: any(
+                line.split()[1] == "->" and f" {launch.pid} " in line and f":{inode} " in line
+                for line in Path("/proc/locks").read_text().splitlines()
+            ),
+            timeout=60,
+            message="gpuwait never waited for the ledger lock",
+        )
+        os.kill(launch.pid, signal.SIGRTMIN + 2)
+        _, err = launch.communicate(timeout=60)
+    finally:
+        os.close(lock)
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert "Traceback" not in err, err
+    assert launch.returncode == -(signal.SIGRTMIN + 2), err
