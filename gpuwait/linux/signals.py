@@ -141,11 +141,20 @@ def drop_pending(keep: tuple[int, ...] = ()) -> list[int]:
     its handler is installed)."""
     dropped = []
     for signum in FORWARDED:
-        if signum in STOPPING or signum in keep:
+        if signum in STOPPING or signum in keep or signum not in signal.sigpending():
             continue
-        if signum in signal.sigpending() and signal.sigtimedwait({signum}, 0) is not None:
-            dropped.append(signum)
+        # A real-time signal sent several times is queued as often (a bounded number taken:
+        # one sent on and on must not hold gpuwait here).
+        for _ in range(_DRAINED):
+            if signal.sigtimedwait({signum}, 0) is None:
+                break
+            if signum not in dropped:
+                dropped.append(signum)
     return dropped
+
+
+#: How many of one signal `drop_pending` takes at most.
+_DRAINED = 1024
 
 
 def keep_pending(signum: int) -> None:
