@@ -418,6 +418,15 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
         exported: list[str] = []
         for index, word in enumerate(said):
             if not _PLAIN.match(word):
+                if (
+                    _ASSIGNMENT.match(word)
+                    and word.rfind("${") <= word.rfind("}")
+                    and _in_env_arguments(words)
+                ):
+                    # env's own assignment from an expansion (`env -i HOME="$HOME" python
+                    # x.py`): env's options end before it, whatever it expands to.
+                    words.append(word)
+                    continue
                 if not words and _ASSIGNMENT.match(word):
                     # Set from an expansion (`CUDA_VISIBLE_DEVICES=$SLOT`): set all the same,
                     # with the words a `${` open in it takes in (`${NAME:?no GPU}`).
@@ -444,6 +453,25 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
         if words:
             return words, True, tuple(sets)
     return ([], True, tuple(sets)) if sets else None
+
+
+def _in_env_arguments(words: Sequence[str]) -> bool:
+    """Do `words` end in env's options and assignments, before its command (`env -i`, `env -u
+    NAME A=1`)?"""
+    for start in range(len(words) - 1, -1, -1):
+        if os.path.basename(words[start]) == "env":
+            break
+    else:
+        return False
+    valued = False
+    for word in words[start + 1 :]:
+        if valued:
+            valued = False
+        elif word in ("-u", "--unset", "-C", "--chdir"):
+            valued = True
+        elif not word.startswith("-") and not _ASSIGNMENT.match(word):
+            return False
+    return not valued
 
 
 #: fish's `set` options, as their letters.

@@ -2621,3 +2621,31 @@ def test_fish_set_keeping_the_gpus_runs_on_the_gpu_reserved(
     done = gpuwait(gpuwait_cmd, ["fish", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
+
+
+@pytest.mark.parametrize(
+    ("code", "refused"),
+    [
+        ('env -i HOME="$HOME" sh ./show.sh', True),
+        ('exec env -i PATH="$PATH" HOME="$HOME" sh ./show.sh', True),
+        ('env - LANG="$LANG" sh ./show.sh', True),
+        ('env -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" sh ./show.sh', False),
+        ('env -u TMPDIR HOME="$HOME" sh ./show.sh', False),
+    ],
+)
+def test_env_clearing_its_environment_before_a_value_from_an_expansion_is_read_as_env(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str, refused: bool
+) -> None:
+    # In a shell's code, env's assignment from an expansion (`HOME="$HOME"`) ended what was
+    # read of the line: `sh -c 'env -i HOME="$HOME" python x.py'` ran, python seeing every
+    # GPU, those given to other jobs too, where `env -i HOME=/root python x.py` is refused.
+    # env's options end before such a word, whatever it expands to.
+    (tmp_path / "show.sh").write_text('echo "[${CUDA_VISIBLE_DEVICES-every GPU}]" > seen\n')
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    if refused:
+        assert done.returncode == 2, done.stderr
+        assert "without the CUDA_VISIBLE_DEVICES gpuwait sets" in done.stderr
+        assert not (tmp_path / "seen").exists()
+    else:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text() == f"[{reserved_uuid(sim)}]\n"
