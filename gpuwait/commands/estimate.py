@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpuwait.commands import output
 from gpuwait.commands.common import ledger_for, load_settings, unreadable
-from gpuwait.commands.parsing import Parser, add_gpus_option
+from gpuwait.commands.parsing import Parser, add_gpus_option, terminal_columns
 from gpuwait.config import Settings
 from gpuwait.core.cmdkey import PROGRAM, runs_other_code
 from gpuwait.core.devices import parse_inherited_visible
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(output.json_text(_report(learned, default, launched)))
         return 0
-    _show(learned, default, command, launched)
+    _show(learned, default, command, launched, terminal_columns() if sys.stdout.isatty() else None)
     return 0
 
 
@@ -239,13 +241,41 @@ def _timing(spread: Spread | None, suffix: str = "") -> str:
     )
 
 
-def _show(learned: Learned, default: str, command: list[str], launched: _Launched) -> None:
+def _fitted(columns: int | None) -> Callable[[str], None]:
+    """print, but on a terminal `columns` wide a longer line goes on in rows under its text
+    (after the 10 columns of `estimate: `), broken between words; piped, each line whole."""
+
+    def say(line: str) -> None:
+        if columns is None or len(line) <= columns:
+            print(line)
+            return
+        indent = " " * 10
+        for row in textwrap.wrap(
+            line,
+            max(columns, 20),
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ):
+            print(row)
+
+    return say
+
+
+def _show(
+    learned: Learned,
+    default: str,
+    command: list[str],
+    launched: _Launched,
+    columns: int | None = None,
+) -> None:
+    say = _fitted(columns)
     est = learned.estimate
     first = learned.levels[0]
     if first.name == "key":
-        print(f"key:      {printable(first.text)}")
+        say(f"key:      {printable(first.text)}")
     else:
-        print(f"command:  {command_line(command)}")
+        say(f"command:  {command_line(command)}")
     if est.bytes is None:
         fallback = "a whole GPU" if default == "exclusive" else default
         # "no earlier runs" only where there are none: runs that do not count are said below.
@@ -256,70 +286,70 @@ def _show(learned: Learned, default: str, command: list[str], launched: _Launche
             if any(lv.total_runs for lv in learned.levels)
             else "no earlier runs"
         )
-        print(f"estimate: none, {why}: gpuwait asks for {fallback} (default_vram)")
+        say(f"estimate: none, {why}: gpuwait asks for {fallback} (default_vram)")
     else:
-        print(f"estimate: {format_size(launched.bytes or est.bytes)} per GPU, {learned.basis()}")
+        say(f"estimate: {format_size(launched.bytes or est.bytes)} per GPU, {learned.basis()}")
         if est.runs and est.rule == "largest":
-            print(
+            say(
                 f"          largest peak {format_size(est.quantile_bytes)} + "
                 f"{est.margin * 100:g}% margin, rounded up (runs of the {est.level}, not of "
                 "this exact command)"
             )
         elif est.runs:
-            print(
+            say(
                 f"          {QUANTILE * 100:g}th percentile of the peaks "
                 f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "
                 f"peaks {format_size(est.low_bytes)} to {format_size(est.high_bytes)}"
             )
         if est.sized_by_reservation:
-            print(
+            say(
                 "          no margin: the command sizes itself from its reservation "
                 "(GPUWAIT_VRAM_FRACTION or GPUWAIT_VRAM_BYTES), so it takes what it is given"
             )
         if est.second_lowest_bytes:
-            print(
+            say(
                 f"          not below {format_size(est.second_lowest_bytes)}, the second-lowest "
                 "peak: one run alone does not lower the size"
             )
         if est.finer_floor_bytes:
-            print(
+            say(
                 f"          not below {format_size(est.finer_floor_bytes)}, "
                 "the highest peak of the runs closer to this command"
             )
         if est.oom_floor_bytes:
-            print(
+            say(
                 f"          at least {format_size(est.oom_floor_bytes)} after an "
                 "out-of-memory failure (until a run succeeds)"
             )
         if est.spread_over_fewer:
-            print(
+            say(
                 "          runs on more GPUs count for what they held in all, spread over "
                 "this run's"
             )
         if est.approximate:
-            print("          some peaks are approximate (no per-process figures from NVML)")
+            say("          some peaks are approximate (no per-process figures from NVML)")
         if launched.capped_at is not None:
-            print(
+            say(
                 f"          capped at {launched.cap}: {format_size(est.bytes)} learned, more "
                 f"than {launched.gives} ({format_size(launched.capped_at)} "
                 f"{launched.under})"
             )
             if launched.held is not None:
                 held, reserved = (format_size(n) for n in launched.held)
-                print(f"          your running jobs hold {held} of it now ({reserved} reserved)")
+                say(f"          your running jobs hold {held} of it now ({reserved} reserved)")
         elif launched.problem is not None:
-            print(
+            say(
                 f"          not checked against the GPUs ({launched.problem}): a launch asks "
                 "for no more than the largest card gives"
             )
     levels = " · ".join(f"{lv.name} {lv.total_runs}" for lv in learned.levels)
-    print(f"runs:     {levels}")
+    say(f"runs:     {levels}")
     left_out = _left_out(learned, time.time())
     if left_out:
-        print(f"          {left_out}")
-    print(f"run time: {_timing(learned.run_time)}")
-    print(f"wait:     {_timing(learned.wait_time)}")
-    print(f"load:     {_timing(learned.load_time, ' to reach 90% of the peak')}")
+        say(f"          {left_out}")
+    say(f"run time: {_timing(learned.run_time)}")
+    say(f"wait:     {_timing(learned.wait_time)}")
+    say(f"load:     {_timing(learned.load_time, ' to reach 90% of the peak')}")
 
 
 def _left_out(learned: Learned, now: float) -> str | None:

@@ -267,6 +267,43 @@ def test_history_and_config_keep_whole_values_when_piped(
     assert len(safety) < 50, safety  # not padded out to the longest value
 
 
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_estimate_fits_the_terminal(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    isolated_dirs: Path,
+    tmp_path: Path,
+    width: int,
+    height: int,
+) -> None:
+    # At 80 columns its explanation ran past the edge, the terminal cutting "peaks 5" from
+    # ".0 GiB" on the next row.
+    sim_file(gpus=1)
+    (tmp_path / "train.py").write_text("")
+    now = time.time()
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    directory = isolated_dirs / "state" / "gpuwait"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    for n, peak in enumerate([5, 6, 7]):
+        run = a_run(
+            ["python3", "train.py"],
+            str(tmp_path),
+            now - 100 + n,
+            gpus=[gpu],
+            peak_by_gpu={"GPU-0": peak * GiB},
+            run_seconds=3725.0 + 600 * n,
+        )
+        append_record(directory, run)
+    term = shell(width, height)
+    term.type("clear; gpuwait estimate -- python3 train.py")
+    term.wait_for(lambda rows: any(r.startswith("load:") for r in rows), what="the estimate")
+    lines = term.everything(joined=True)
+    wide = [x for x in lines if len(x) > width]
+    assert not wide, wide
+    shown = " ".join(" ".join(lines).split())
+    assert "95th percentile of the peaks 7.0 GiB + 10% margin, rounded up; peaks" in shown
+
+
 def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
     shell: Callable[[int, int], Terminal],
     sim_file: SimFileFactory,
