@@ -484,6 +484,38 @@ def test_cron_wrapper_gives_up_after_timeout_and_says_so(
         stop(job)
 
 
+def test_cron_mail_says_why_a_run_failed(cron_home: Path, sim_file: Any) -> None:
+    # The one line cron mails said "(124: no GPU room in time)" whatever the status: a
+    # misspelt size (gpuwait's exit 2) and a script that failed (1) read as runs that found no
+    # GPU room. It now says gpuwait's own error where gpuwait gave one, and nothing of a wait
+    # for any status but 124.
+    sim_file(gpus=1)
+    env = cron_env(cron_home)
+    done = cron_run("cd $HOME && $HOME/.local/bin/gpuwait-cron typo --vram 8GG -- true", env)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "typo failed with exit status 2: --vram '8GG' is not a size" in done.stderr
+    assert "GPU room" not in done.stderr
+    line = "cd $HOME && $HOME/.local/bin/gpuwait-cron broken --vram 1G -- python3 -c 'exit(1)'"
+    done = cron_run(line, env)
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "broken failed with exit status 1; see " in done.stderr
+    assert "GPU room" not in done.stderr
+    # gpuwait's error as the log has it, backslashes and all, which /bin/sh's echo (dash)
+    # would read as escapes.
+    line = "cd $HOME && $HOME/.local/bin/gpuwait-cron slash --vram '6\\c\\nG' -- true"
+    done = cron_run(line, env)
+    assert done.returncode == 2
+    log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "slash.log").read_text()
+    (error,) = [x for x in log.splitlines() if x.startswith("gpuwait: error: ")]
+    assert "\\" in error
+    assert f"slash failed with exit status 2: {error.removeprefix('gpuwait: error: ')}; see " in (
+        done.stderr
+    )
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_cron_wrapper_is_not_kept_locked_by_what_a_finished_run_left_running(
     cron_home: Path, sim_file: Any, tmp_path: Path
 ) -> None:
