@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 from typing import TextIO
@@ -16,6 +17,10 @@ from gpuwait.core.text import printable
 
 #: The longest message line: one that echoes a value pasted by mistake stays readable.
 _MAX_LINE = 4000
+
+#: The figures in a wait's note, which move from one reading to the next (`expected in
+#: 3m05s`): its words, not they, tell a new situation.
+_FIGURES = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
 def _line(text: str) -> str:
@@ -173,6 +178,9 @@ class WaitLine:
             reason.ahead,
             reason.blocked,
             reason.limit,
+            # Why no room helps (every GPU too busy, only one of two answering) may change
+            # while everything above stays as it was.
+            _FIGURES.sub("#", reason.note or ""),
             reason.pause,
             reason.gpu_error,
             reason.ledger_error,

@@ -582,6 +582,31 @@ def test_a_max_util_job_takes_its_first_readings_quickly_whatever_nvml_interval(
     assert time.monotonic() - began < 4.0, done.stderr
 
 
+def test_a_waiter_logging_to_a_file_says_so_once_every_gpu_is_found_too_busy(
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    procs: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    # Its stderr in a file (cron, nohup, `2> run.log`), a --max-util job on a card kept 90 %
+    # busy wrote "measuring utilization for the 30% cap (a few readings)" and nothing more,
+    # however long it waited, while `gpuwait status` said why it waited: a line is written
+    # where the situation changes, and the note was no part of it.
+    sim_file(gpus=1, utilization=90)
+    log = tmp_path / "run.log"
+    with log.open("w") as stderr:
+        procs(
+            [*gpuwait_cmd, "--vram", "1G", "--max-util", "30", "--", "true"],
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+        )
+    wait_for(
+        lambda: "every candidate is busier than 30% utilization" in log.read_text(),
+        timeout=30,
+        message=lambda: f"the log never said why: {log.read_text()!r}",
+    )
+
+
 def test_processes_on_the_ignore_list_are_not_load(
     sim_file: SimFileFactory,
     gpuwait_cmd: list[str],
