@@ -914,8 +914,14 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
         fewer = f"ask for fewer GPUs ({spell('gpus')})"
         matching_fewer = " match" in reason.split(TOO_FEW, 1)[1]  # not "can be used"
         return (f"{fewer}, or {relax}" if asked and matching_fewer else fewer) + shut
+    # A share past what the safety factor leaves of any card (`--vram 100%`): most often a
+    # whole GPU is meant, which is what --exclusive gives.
+    share = reason.partition(" can never fit")[0].endswith("% of a GPU")
+    whole = (
+        f"for a whole GPU, {spell('exclusive')} in place of {spell('vram')}; else " if share else ""
+    )
     return (
-        f"ask for less ({spell('vram')}), raise safety, or use other GPUs "
+        f"{whole}ask for less ({spell('vram')}), raise safety, or use other GPUs "
         f"({spell('devices')}, {spell('gpu_name')}){shut}"
     )
 

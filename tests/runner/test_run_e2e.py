@@ -1065,6 +1065,22 @@ def test_a_request_that_can_never_fit_is_told_what_would_help(
     assert "raise safety" not in hint and "(--vram)" not in hint, hint
 
 
+def test_a_whole_card_asked_as_a_share_is_told_of_exclusive(
+    gpuwait_cmd: list[str], sim_file: Any
+) -> None:
+    # `--vram 100%`, the whole card, can never fit under the default safety of 0.9: the hint
+    # said to ask for less or raise safety, not that --exclusive gives a whole GPU.
+    sim_file(gpus=2)
+    done = run([*gpuwait_cmd, "--vram", "100%", "--", "true"])
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert hint.startswith("gpuwait: hint: for a whole GPU, --exclusive in place of --vram;"), (
+        done.stderr
+    )
+    done = run([*gpuwait_cmd, "--vram", "30G", "--", "true"])
+    assert done.returncode == 3 and "--exclusive" not in done.stderr, done.stderr
+
+
 def test_a_request_for_cards_that_take_no_cuda_work_is_told_what_would_help(
     gpuwait_cmd: list[str], sim_file: Any
 ) -> None:
