@@ -368,8 +368,9 @@ class WaitReason(Record, frozen=True):
 
     def describe(self, width: int | None = None) -> str:
         """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits
-        for comes first, then where it stands and how many are ahead, then the rest. Still too
-        long, it is cut short (with '…') rather than wrapped."""
+        for comes first, then where it stands and how many are ahead, then the rest (but for why
+        no GPU is usable, which goes last). Still too long, it is cut short (with '…') rather
+        than wrapped."""
         variants = self._variants()
         if width is None:
             return variants[0]
@@ -420,6 +421,12 @@ class WaitReason(Record, frozen=True):
             variants.append(
                 f"{sourced}: {where}" + "".join(f"; {n}" for n in notes[:kept]) + counts
             )
+        if self.best_gpu_index is None and self.note:
+            # Why no GPU is usable (every card too busy, shut, gone) is what to change: kept in
+            # place of "no usable GPU right now" before anything else goes, and cut short
+            # (describe) rather than dropped where even that is too long.
+            why = f"{head}: {self.note}"
+            return [*variants[:-1], why + counts, why + ahead, why]
         said = f"{head}: {where}"
         variants += [said + counts, said + ahead, said, head + ahead, head]
         return variants

@@ -90,6 +90,25 @@ def test_the_wait_line_is_redrawn_in_place_and_cleared(
     assert rows[1] == "the-job-ran", rows
 
 
+def test_the_wait_line_at_80_columns_says_why_no_gpu_is_usable(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
+) -> None:
+    # Every card kept 90 % busy, a --max-util 30 job: the line said "waiting for 1.0 GiB: no
+    # usable GPU right now (0 ahead)" at 80 columns, the reason (too busy) dropped to fit, and
+    # nothing on the screen said what to change.
+    sim_file(gpus=2, utilization=90)
+    term = shell(80, 24)
+    term.type("gpuwait --name util --max-util 30 --vram 1G -- echo the-job-ran")
+    rows = term.wait_for(
+        lambda rows: any("busier than 30%" in r for r in gpuwait_rows(rows)),
+        what="the reason no GPU is usable",
+    )
+    (shown,) = gpuwait_rows(rows)
+    assert shown.startswith("gpuwait[util]: waiting for 1.0 GiB: every candidate is busier"), rows
+    assert len(shown) < 80, shown
+    term.key("C-c")
+
+
 WAIT_ROW = re.compile(r"^(\$ )?gpuwait\[[abc]\]: waiting for 20\.0 GiB")
 
 
