@@ -7,6 +7,7 @@ values (RunConfig) here; the run itself is gpuwait.runner.session's.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from gpuwait.core.sizes import (
     parse_request,
     parse_size,
 )
-from gpuwait.core.text import one_line
+from gpuwait.core.text import one_line, printable
 from gpuwait.queue.wait import WaitPolicy
 from gpuwait.runner import session
 from gpuwait.runner.session import Pausable, RunConfig, RunRequest
@@ -293,6 +294,15 @@ def run(options: argparse.Namespace) -> int:
         if refusal is not None:
             raise UsageError(refusal)
     console = Console(options.quiet, request.command[0] if request.from_hook else None)
+    stray = _stray_vram(options)
+    if stray is not None:
+        program = printable(os.path.basename(request.command[0]), 100)
+        console.warn(
+            f"--vram {printable(stray, 100)} after the command is {program}'s, not gpuwait's, "
+            "which asks for the size learned from earlier runs, else default_vram: put it "
+            f"before the command, `gpuwait --vram {printable(stray, 100)} {program} ...`, or "
+            f"`--` before the command where it is {program}'s"
+        )
     if (request.pausable or request.freezable) and request.gpus > 1:
         # Only one-GPU jobs are asked (room freed on one of a gang's cards serves nobody).
         way = "--pausable" if request.pausable else "--freezable"
@@ -306,6 +316,23 @@ def run(options: argparse.Namespace) -> int:
         if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
             exc.hint = _subcommand_hint(request.command[0])
         raise
+
+
+def _stray_vram(options: argparse.Namespace) -> str | None:
+    """The size of a `--vram` typed after the command (`gpuwait python train.py --vram 6G`),
+    where gpuwait was given none and no `--` says the command's arguments begin there: most
+    often meant for gpuwait, and the command gets it."""
+    command: list[str] = list(options.command)
+    if options.vram is not None or options.exclusive or getattr(options, "from_hook", False):
+        return None
+    if not command or command[0] == "--":
+        return None
+    for n, word in enumerate(command[1:], start=1):
+        if word == "--vram":
+            return command[n + 1] if n + 1 < len(command) else ""
+        if word.startswith("--vram="):
+            return word.removeprefix("--vram=")
+    return None
 
 
 def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:

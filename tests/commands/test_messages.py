@@ -100,6 +100,24 @@ def test_a_pausable_job_on_two_gpus_is_told_it_is_never_asked_to_step_aside(sim:
     assert quiet.returncode == 0 and quiet.stderr == ""
 
 
+def test_a_size_typed_after_the_command_is_told_to_go_before_it(sim: Path) -> None:
+    # `gpuwait python train.py --vram 6G` gave python the --vram, which most scripts refuse,
+    # and asked for a whole GPU: only once one was free did the script's own error say so.
+    done = gpuwait("python3", "-c", "pass", "--vram", "6G")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: --vram 6G after the command is python3's, not gpuwait's, which asks "
+        "for the size learned from earlier runs, else default_vram: put it before the command, "
+        "`gpuwait --vram 6G python3 ...`, or `--` before the command where it is python3's"
+    ]
+    for argv in (
+        ["--", "python3", "-c", "pass", "--vram", "6G"],
+        ["--vram", "1G", "python3", "-c", "pass", "--vram=6G"],
+    ):
+        done = gpuwait(*argv)
+        assert done.returncode == 0 and done.stderr == "", (argv, done.stderr)
+
+
 def test_an_unknown_variable_far_from_every_setting_points_at_the_list(sim: Path) -> None:
     done = gpuwait("status", GPUWAIT_ZQX="1")
     assert done.returncode == 0
