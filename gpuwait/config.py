@@ -1177,11 +1177,9 @@ def _checked(data: dict[str, Any], path: Path, site: bool) -> dict[str, Any]:
         table = _table_of_settings(data, unknown)
         if table is not None:
             hint = f"settings go at the top of the file: remove the [{table}] line"
-        raise UsageError(
-            f"{kind} {path}: unknown setting {unknown[0]!r}; known settings: "
-            + ", ".join(OPTIONS_BY_NAME),
-            hint=hint,
-        )
+        # Every setting's name is the help there is only where the hint has none to give.
+        known = "" if hint is not None else "; known settings: " + ", ".join(OPTIONS_BY_NAME)
+        raise UsageError(f"{kind} {path}: unknown setting {unknown[0]!r}{known}", hint=hint)
     if not site:
         reserved = [o.name for o in OPTIONS if o.site_only and o.name in data]
         if reserved:

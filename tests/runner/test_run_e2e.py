@@ -822,6 +822,25 @@ def test_bad_config_file_is_one_line(
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_misspelt_setting_in_the_config_file_is_told_the_one_meant_in_a_short_line(
+    sim: Path, gpuwait_cmd: list[str], isolated_dirs: Path
+) -> None:
+    # `safty = 0.5` was refused with every setting's name after it, a line of some 700
+    # characters (each wrapped `python` of the shell hook said it), the one meant only in the
+    # hint below it. Where one is close, the line now names the file and the key alone.
+    config = user_config(isolated_dirs)
+    config.write_text("safty = 0.5\n")
+    done = run([*gpuwait_cmd, "--vram", "1G", "true"])
+    assert done.returncode == 2, done.stderr
+    error, hint = done.stderr.splitlines()
+    assert error == f"gpuwait: error: config file {config}: unknown setting 'safty'", error
+    assert hint == "gpuwait: hint: did you mean safety?"
+    # Nothing close: the names are the help there is.
+    config.write_text("zzz = 1\n")
+    done = run([*gpuwait_cmd, "--vram", "1G", "true"])
+    assert done.returncode == 2 and "known settings: safety, pick," in done.stderr, done.stderr
+
+
 def test_config_shows_sources_by_precedence(
     sim: Path, gpuwait_cmd: list[str], isolated_dirs: Path
 ) -> None:
