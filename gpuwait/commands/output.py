@@ -235,7 +235,13 @@ class Console:
         if self._line is None:
             if self._hooked is not None:
                 program = printable(self._hooked, 40)
-                self.info(f"{program} waits for a GPU (shell hook; `command {program}` skips it)")
+                # How much, and why that much (learned, or default_vram): a whole line, where
+                # the wait line below is fitted to the terminal and drops the why first.
+                why = f"{reason.source}; " if reason.source else ""
+                self.info(
+                    f"{program} waits for {reason.needed} ({why}shell hook: "
+                    f"`command {program}` skips it)"
+                )
                 self._hooked = None
             self._line = WaitLine(self.quiet, job)
         self._line.update(reason)

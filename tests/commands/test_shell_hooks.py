@@ -554,7 +554,13 @@ python3 probe.py
 gpuwait -- python probe.py
 """
     done = run_shell(shell, script, [], env, cwd=tmp_path)
-    said = "gpuwait: python3 waits for a GPU (shell hook; `command python3` skips it)\n"
+    # It says for how much, and why that much: on a terminal 80 columns wide the wait line
+    # below it has no room for the why (`waiting for a whole GPU: best GPU0 has 0 B (0 ahead)`),
+    # and a new user's first `python train.py` waited for a whole GPU with nothing saying why.
+    said = (
+        "gpuwait: python3 waits for 1.0 GiB (no earlier runs of this command: default_vram;"
+        " shell hook: `command python3` skips it)\n"
+    )
     assert said in done.stderr, done.stderr
     assert done.stderr.count("shell hook") == 1, done.stderr
 
