@@ -39,43 +39,35 @@ def _waits_for_lock(pid: int, inode: int) -> bool:
     )
 
 
-def _ran_out_then(
-    gpuwait_cmd: list[str],
-    tmp_path: Path,
-    stop: Callable[[dict[str, Any], int], None],
-    kept: bool = False,
-) -> tuple[int, str, str, Path]:
-    """Run a --retry-oom 1 job whose command runs out of GPU memory, and `stop` it (given its
-    entry and its gpuwait's pid) while gpuwait, held on the history lock where it records the
-    run, has not yet decided to retry: its exit status, its stderr, how many times the
-    command started (one line a start) and the state folder. `kept`: the lock stays held until
-    gpuwait has ended, and the history gained a line since its index was written."""
-    go, starts = tmp_path / "go", tmp_path / "starts"
-    job = (
-        f"echo started >> {shlex.quote(str(starts))}; "
-        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
-        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
-    )
-    launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+#: What a stop is given: the job's entry and its gpuwait's pid.
+Stop = Callable[[dict[str, Any], int], None]
+
+
+def _ended_then(
+    launch_cmd: list[str], go: Path, stop: Stop, kept: bool = False, queued_held: bool = False
+) -> tuple[int, str]:
+    """Run `launch_cmd`, gpuwait and a command that waits for `go` to exist, and `stop` it
+    (given its entry and its gpuwait's pid) once the command has ended, while gpuwait waits for
+    the history lock, held here, to record the run: its exit status and its stderr. `kept`: the
+    lock stays held until gpuwait has ended, and the history gained a line since its index was
+    written. `queued_held`: the ledger's lock is taken before the history lock is let go, and
+    held until gpuwait waits for it (as it queues the run again) or has ended."""
+    launch = subprocess.Popen(launch_cmd, stderr=subprocess.PIPE, text=True)
     state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    lock = None
+    history = ledger = None
     try:
         (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
-        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        history = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(history, fcntl.LOCK_EX)
         if kept:
             # Another process's record: the retry's estimate would bring the index up to date.
-            with (state / "history.jsonl").open("a") as history:
-                history.write("{}\n")
+            with (state / "history.jsonl").open("a") as records:
+                records.write("{}\n")
         go.touch()
         wait_for(lambda: _gone(entry["child_pid"]))
         # Stopped before it waits for the lock, gpuwait would end with the command, deciding
         # nothing: a loaded machine may leave it unscheduled that long.
-        inode = os.fstat(lock).st_ino
+        inode = os.fstat(history).st_ino
         wait_for(
             lambda: _waits_for_lock(launch.pid, inode),
             timeout=60,
@@ -84,16 +76,96 @@ def _ran_out_then(
         stop(entry, launch.pid)
         if kept:
             wait_for(lambda: launch.poll() is not None, timeout=60, message="gpuwait never ended")
-        os.close(lock)
-        lock = None
+        if queued_held:
+            ledger = os.open(state / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(ledger, fcntl.LOCK_EX)
+        os.close(history)
+        history = None
+        if ledger is not None:
+            inode = os.fstat(ledger).st_ino
+            wait_for(
+                lambda: launch.poll() is not None or _waits_for_lock(launch.pid, inode),
+                timeout=60,
+            )
+            os.close(ledger)
+            ledger = None
         _, err = launch.communicate(timeout=60)
     finally:
-        if lock is not None:
-            os.close(lock)
+        for fd in (history, ledger):
+            if fd is not None:
+                os.close(fd)
         if launch.poll() is None:
             launch.kill()
             launch.communicate()
-    return launch.returncode, err, starts.read_text(), state
+    return launch.returncode, err
+
+
+def _ran_out_then(
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    stop: Stop,
+    kept: bool = False,
+    retried: str = "",
+    queued_held: bool = False,
+) -> tuple[int, str, str, Path]:
+    """Run a --retry-oom 1 job whose command runs out of GPU memory, and `stop` it while
+    gpuwait, held on the history lock where it records the run, has not yet decided to retry
+    (`_ended_then`, with `kept` and `queued_held`): its exit status, its stderr, how many times
+    the command started (one line a start) and the state folder. `retried`: what the command
+    does once started again, where it would run out again."""
+    go, starts = tmp_path / "go", tmp_path / "starts"
+    again = f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && {retried}; " if retried else ""
+    job = (
+        f"echo started >> {shlex.quote(str(starts))}; {again}"
+        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
+        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    )
+    launch_cmd = [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job]
+    returncode, err = _ended_then(launch_cmd, go, stop, kept=kept, queued_held=queued_held)
+    return returncode, err, starts.read_text(), Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+
+
+def _cancelled_held_a_moment(gpuwait_cmd: list[str]) -> Stop:
+    """A stop that cancels the job, the history lock held 0.2 s more from the cancel's TERM on,
+    however long `gpuwait cancel` itself takes to end on a loaded machine: gpuwait holds the
+    TERM blocked, pending, while it waits for the lock."""
+
+    def cancel(entry: dict[str, Any], pid: int) -> None:
+        canceller = subprocess.Popen(
+            [*gpuwait_cmd, "cancel", entry["id"]],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(lambda: signal.SIGTERM in pending_signals(pid), timeout=60, interval=0.005)
+            time.sleep(0.2)
+        finally:
+            canceller.wait(timeout=60)
+
+    return cancel
+
+
+def _sending(*signums: int, held: float = 0) -> Stop:
+    """A stop that sends gpuwait each of `signums`, the history lock then held `held` s more
+    from when the first is pending (gpuwait holds it blocked while it waits for the lock)."""
+
+    def send(_entry: dict[str, Any], pid: int) -> None:
+        for signum in signums:
+            os.kill(pid, signum)
+        wait_for(lambda: signums[0] in pending_signals(pid), timeout=60, interval=0.005)
+        if held:
+            time.sleep(held)
+
+    return send
+
+
+def _recorded_exit_statuses(gpuwait_cmd: list[str]) -> list[int]:
+    """The exit status of each run `gpuwait history --json` lists, in its order."""
+    runs = subprocess.run(
+        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert runs.returncode == 0, runs.stderr
+    return [r["exit_status"] for r in json.loads(runs.stdout)]
 
 
 def test_a_job_cancelled_as_its_run_ran_out_is_not_started_again(
@@ -149,30 +221,13 @@ def test_a_job_cancelled_while_the_history_lock_is_held_a_moment_keeps_its_recor
     # the history: SIGTERM arrived while gpuwait waited for a lock", and `gpuwait history`
     # showed no run. It waits a moment for the lock, as a job leaving the queue does.
     sim_file(gpus=1, memory="24GiB")
-
-    def cancel(entry: dict[str, Any], pid: int) -> None:
-        canceller = subprocess.Popen(
-            [*gpuwait_cmd, "cancel", entry["id"]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            # 0.2 s from the TERM on, however long `gpuwait cancel` itself takes to end on a
-            # loaded machine: gpuwait holds it blocked, pending, while it waits for the lock.
-            wait_for(lambda: signal.SIGTERM in pending_signals(pid), timeout=60, interval=0.005)
-            time.sleep(0.2)
-        finally:
-            canceller.wait(timeout=60)
-
+    cancel = _cancelled_held_a_moment(gpuwait_cmd)
     returncode, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, cancel)
     assert starts == "started\n", err
     assert "was cancelled, so it is not retried" in err and "retrying" not in err, err
     assert "could not record" not in err, err
     assert returncode == 1, err
-    runs = subprocess.run(
-        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [1], runs.stdout + err
+    assert _recorded_exit_statuses(gpuwait_cmd) == [1], err
 
 
 def test_a_job_told_to_stop_as_its_run_ran_out_is_not_started_again(
@@ -306,18 +361,9 @@ def test_a_signal_that_asks_for_no_stop_costs_no_record_while_the_history_lock_i
     # SIGUSR1 arrived while gpuwait waited for a lock", `gpuwait history` showed no run, and
     # the run was not retried, "no larger size to retry with".
     sim_file(gpus=1, memory="24GiB")
-
-    def usr1(_entry: dict[str, Any], pid: int) -> None:
-        os.kill(pid, signal.SIGUSR1)
-        wait_for(lambda: signal.SIGUSR1 in pending_signals(pid), timeout=60, interval=0.005)
-        time.sleep(2)
-
-    _, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, usr1)
+    _, err, starts, _ = _ran_out_then(gpuwait_cmd, tmp_path, _sending(signal.SIGUSR1, held=2))
     assert "could not record" not in err, err
-    runs = subprocess.run(
-        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert [r["exit_status"] for r in json.loads(runs.stdout)][:1] == [1], runs.stdout + err
+    assert _recorded_exit_statuses(gpuwait_cmd)[:1] == [1], err
     # The run recorded, the estimate is raised and the command retried with it, as without
     # the signal (it was "no larger size to retry with"); the signal is the command's.
     assert "retrying with" in err and starts == "started\nstarted\n", err
@@ -332,37 +378,14 @@ def test_a_signal_that_asks_for_no_stop_leaves_a_run_its_exit_status_and_record(
     sim_file(gpus=1, memory="24GiB")
     go = tmp_path / "go"
     job = f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done"
-    launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "4G", "--", "sh", "-c", job], stderr=subprocess.PIPE, text=True
+    returncode, err = _ended_then(
+        [*gpuwait_cmd, "--vram", "4G", "--", "sh", "-c", job],
+        go,
+        _sending(signal.SIGUSR1, held=2),
     )
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    lock = None
-    try:
-        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
-        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        go.touch()
-        wait_for(lambda: _gone(entry["child_pid"]))
-        inode = os.fstat(lock).st_ino
-        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
-        os.kill(launch.pid, signal.SIGUSR1)
-        wait_for(lambda: signal.SIGUSR1 in pending_signals(launch.pid), timeout=60, interval=0.005)
-        time.sleep(2)
-        os.close(lock)
-        lock = None
-        _, err = launch.communicate(timeout=60)
-    finally:
-        if lock is not None:
-            os.close(lock)
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
-    assert launch.returncode == 0, err
+    assert returncode == 0, err
     assert "could not record" not in err, err
-    runs = subprocess.run(
-        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [0], runs.stdout + err
+    assert _recorded_exit_statuses(gpuwait_cmd) == [0], err
 
 
 #: gpuwait in which another process takes the history lock the moment a record is appended,
@@ -401,27 +424,12 @@ def test_a_job_cancelled_whose_record_is_written_is_not_told_it_was_lost(
     # though `gpuwait history` showed the run.
     sim_file(gpus=1, memory="24GiB")
     patched = [sys.executable, "-c", _LOCK_TAKEN_AFTER_THE_RECORD]
-
-    def cancel(entry: dict[str, Any], pid: int) -> None:
-        canceller = subprocess.Popen(
-            [*gpuwait_cmd, "cancel", entry["id"]],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_for(lambda: signal.SIGTERM in pending_signals(pid), timeout=60, interval=0.005)
-            time.sleep(0.2)
-        finally:
-            canceller.wait(timeout=60)
-
+    cancel = _cancelled_held_a_moment(gpuwait_cmd)
     returncode, err, starts, _ = _ran_out_then(patched, tmp_path, cancel)
     assert starts == "started\n", err
     assert "was cancelled, so it is not retried" in err and "retrying" not in err, err
     assert returncode == 1, err
-    runs = subprocess.run(
-        [*gpuwait_cmd, "history", "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert [r["exit_status"] for r in json.loads(runs.stdout)] == [1], runs.stdout + err
+    assert _recorded_exit_statuses(gpuwait_cmd) == [1], err
     assert "could not record" not in err, err
     assert "the run is recorded, but the history index could not be brought up to date" in err
 
@@ -438,44 +446,13 @@ def test_a_signal_for_the_command_that_ran_out_does_not_reach_its_retry(
     # could take it, and killed it: gpuwait ended by it, 138 in a shell. So did the rest of
     # a real-time signal sent three times (the kernel queues each), one of them dropped.
     sim_file(gpus=1, memory="24GiB")
-    go, starts = tmp_path / "go", tmp_path / "starts"
-    job = (
-        f"echo started >> {shlex.quote(str(starts))}; "
-        f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && sleep 1 && exit 0; "
-        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
-        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd, tmp_path, _sending(*sent), retried="sleep 1 && exit 0"
     )
-    launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    lock = None
-    try:
-        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
-        lock = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        go.touch()
-        wait_for(lambda: _gone(entry["child_pid"]))
-        inode = os.fstat(lock).st_ino
-        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
-        for signum in sent:
-            os.kill(launch.pid, signum)
-        wait_for(lambda: sent[0] in pending_signals(launch.pid), timeout=60, interval=0.005)
-        os.close(lock)
-        lock = None
-        _, err = launch.communicate(timeout=60)
-    finally:
-        if lock is not None:
-            os.close(lock)
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
     # It is the ended command's: the retry runs as without it (it was killed, gpuwait ending
     # by the signal, -10), as does one that waits for no lock.
-    assert starts.read_text() == "started\nstarted\n", err
-    assert launch.returncode == 0, err
+    assert starts == "started\nstarted\n", err
+    assert returncode == 0, err
     assert f"{name} once the command had ended" in err, err
 
 
@@ -486,47 +463,8 @@ def test_a_signal_for_the_command_that_ran_out_ends_no_wait_for_the_ledger_befor
     # again: the SIGUSR1, still pending, gave up that wait at once, and gpuwait ended by it,
     # 138 in a shell, its command never started again.
     sim_file(gpus=1, memory="24GiB")
-    go, starts = tmp_path / "go", tmp_path / "starts"
-    job = (
-        f"echo started >> {shlex.quote(str(starts))}; "
-        f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && exit 0; "
-        f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
-        f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd, tmp_path, _sending(signal.SIGUSR1), retried="exit 0", queued_held=True
     )
-    launch = subprocess.Popen(
-        [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    history = ledger = None
-    try:
-        (entry,) = wait_for(lambda: [e for e in ledger_entries() if e.get("child_pid")])
-        history = os.open(state / "history.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(history, fcntl.LOCK_EX)
-        go.touch()
-        wait_for(lambda: _gone(entry["child_pid"]))
-        inode = os.fstat(history).st_ino
-        wait_for(lambda: _waits_for_lock(launch.pid, inode), timeout=60)
-        os.kill(launch.pid, signal.SIGUSR1)
-        wait_for(lambda: signal.SIGUSR1 in pending_signals(launch.pid), timeout=60, interval=0.005)
-        ledger = os.open(state / "ledger.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(ledger, fcntl.LOCK_EX)
-        os.close(history)
-        history = None
-        inode = os.fstat(ledger).st_ino
-        wait_for(
-            lambda: launch.poll() is not None or _waits_for_lock(launch.pid, inode), timeout=60
-        )
-        os.close(ledger)
-        ledger = None
-        _, err = launch.communicate(timeout=60)
-    finally:
-        for fd in (history, ledger):
-            if fd is not None:
-                os.close(fd)
-        if launch.poll() is None:
-            launch.kill()
-            launch.communicate()
-    assert launch.returncode == 0, err
-    assert starts.read_text() == "started\nstarted\n", err
+    assert returncode == 0, err
+    assert starts == "started\nstarted\n", err
