@@ -51,6 +51,9 @@ EXCLUSIVE_MAX_EXTERNAL = 0.05
 
 _NEVER = math.inf
 
+#: What a waiter asking for whole GPUs waits for, as its wait line says it.
+WHOLE_GPU = "a whole GPU"
+
 
 class Requirements(Record, frozen=True):
     """What a GPU must be for a job, beyond room: `--min-total-vram`, `--gpu-name` and co."""
@@ -414,6 +417,11 @@ class WaitReason(Record, frozen=True):
             rank = "best" if self.best_rank == 1 else f"{_ordinal(self.best_rank)} best"
             where = f"{rank} GPU{self.best_gpu_index} has {format_size(max(0, self.best_room))}"
         notes = [text for text in (self.note, self.pause) if text]
+        # A whole GPU asked for without --vram is default_vram's (no estimate asks for one): how
+        # to ask for less is what to do next, kept once the room and the notes are dropped.
+        defaulted = self.source is not None and WHOLE_GPU in self.needed
+        if defaulted:
+            notes.insert(0, "--vram SIZE asks for less")
         variants = [f"{sourced}: {where}" + "".join(f"; {n}" for n in notes) + full_counts]
         # Drop the notes from the last (the pause, then the head's note), then where the size
         # came from, then the counts.
@@ -427,6 +435,17 @@ class WaitReason(Record, frozen=True):
             # (describe) rather than dropped where even that is too long.
             why = f"{head}: {self.note}"
             return [*variants[:-1], why + counts, why + ahead, why]
+        if defaulted:
+            told, short = f"{sourced}: {notes[0]}", f"{head} (default_vram)"
+            return [
+                *variants[:-1],
+                told + counts,
+                told + ahead,
+                told,
+                f"{short}: --vram asks for less" + ahead,
+                f"{short}: --vram asks for less",
+                f"{short}: give --vram",
+            ]
         said = f"{head}: {where}"
         variants += [said + counts, said + ahead, said, head + ahead, head]
         return variants
@@ -1150,7 +1169,7 @@ def _gpu_list(hold: Hold, rooms: Mapping[str, GpuRoom]) -> str:
 def describe_need(request: MemoryRequest | None, gpus_wanted: int) -> str:
     """What a waiter asks for, as its wait line says it: `8.0 GiB`, `a whole GPU`,
     `2 GPUs with 8.0 GiB each`."""
-    needed = "a whole GPU" if request is None else request.describe()
+    needed = WHOLE_GPU if request is None else request.describe()
     return f"{gpus_wanted} GPUs with {needed} each" if gpus_wanted > 1 else needed
 
 

@@ -109,6 +109,25 @@ def test_the_wait_line_at_80_columns_says_why_no_gpu_is_usable(
     term.key("C-c")
 
 
+def test_a_first_whole_gpu_wait_at_80_columns_says_why_and_what_to_give(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
+) -> None:
+    # No earlier runs of the command, no --vram: default_vram asks for a whole GPU, and every
+    # card holds 3 GiB of someone else's. At 80 columns the line said "waiting for a whole GPU:
+    # best GPU0 has 18.6 GiB (0 ahead)": neither why a whole GPU nor how to ask for less.
+    sim_file(gpus=2, base_used="3GiB")
+    term = shell(80, 24)
+    term.type("gpuwait -- echo the-job-ran")
+    rows = term.wait_for(
+        lambda rows: any("waiting for a whole GPU" in r for r in gpuwait_rows(rows)),
+        what="the wait line",
+    )
+    (shown,) = gpuwait_rows(rows)
+    assert "default_vram" in shown and "--vram" in shown, rows
+    assert len(shown) < 80, shown
+    term.key("C-c")
+
+
 WAIT_ROW = re.compile(r"^(\$ )?gpuwait\[[abc]\]: waiting for 20\.0 GiB")
 
 
