@@ -921,7 +921,8 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
         f"for a whole GPU, {spell('exclusive')} in place of {spell('vram')}; else " if share else ""
     )
     return (
-        f"{whole}ask for less ({spell('vram')}), raise safety, or use other GPUs "
+        f"{whole}ask for less ({spell('vram')}), raise safety ({spell('safety')}, or `safety =` "
+        f"in the config file), or use other GPUs "
         f"({spell('devices')}, {spell('gpu_name')}){shut}"
     )
 

@@ -1100,6 +1100,18 @@ def test_a_whole_card_asked_as_a_share_is_told_of_exclusive(
     assert done.returncode == 3 and "--exclusive" not in done.stderr, done.stderr
 
 
+def test_a_request_too_large_for_any_card_is_told_where_safety_is_raised(
+    gpuwait_cmd: list[str], sim_file: Any
+) -> None:
+    # `--vram 22G` on 24 GiB cards fits under safety 0.95, not the default 0.9: the hint said
+    # "raise safety" and nothing of where safety is set.
+    sim_file(gpus=2)
+    done = run([*gpuwait_cmd, "--vram", "22G", "--", "true"])
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert "raise safety (--safety, or `safety =` in the config file)" in hint, done.stderr
+
+
 def test_a_request_for_cards_that_take_no_cuda_work_is_told_what_would_help(
     gpuwait_cmd: list[str], sim_file: Any
 ) -> None:
