@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
@@ -29,8 +30,8 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND ...]",
-        description="Recent runs, newest last: when, GPU, peak VRAM, time to reach 90% of the "
-        "peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script "
+        description="Recent runs in the order they ended, the last last: when it ended, GPU, "
+        "peak VRAM, time to reach 90% of the peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script "
         "(other arguments too), or of its program where it names none. "
         "Runs that compaction kept only for estimates are shown with --all.",
     )
@@ -41,7 +42,7 @@ def build_parser() -> Parser:
         type=whole_number(0, MAX_LINES),
         default=20,
         metavar="N",
-        help="show the last N (default: 20)",
+        help="show the last N runs to end (default: 20)",
     )
     amount.add_argument(
         "--all",
@@ -257,8 +258,15 @@ def _command(record: dict[str, Any], width: int | None) -> str:
     return text if width is None else printable(text, width)
 
 
-def _when(record: dict[str, Any], short: bool = False) -> str:
-    return output.local_time(record.get("started_at"), "%m-%d %H:%M" if short else "%Y-%m-%d %H:%M")
+def _ended(record: dict[str, Any], short: bool = False) -> str:
+    """When the run ended, the order the rows are in (each is written as its run ends): its
+    start (a --pausable job's last run's) and its run time. A record cut down by compaction
+    has no run time where it was 0."""
+    started, ran = record.get("started_at"), record.get("run_seconds", 0)
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (started, ran))
+    if numbers and math.isfinite(ran):
+        started += ran
+    return output.local_time(started, "%m-%d %H:%M" if short else "%Y-%m-%d %H:%M")
 
 
 def _gpus(record: dict[str, Any]) -> str:
@@ -270,7 +278,7 @@ def _gpus(record: dict[str, Any]) -> str:
 
 #: The table's columns: heading, and whether its values are aligned to the right.
 _COLUMNS = (
-    ("when", False),
+    ("ended", False),
     ("GPU", False),
     ("peak", True),
     ("load", True),
@@ -289,7 +297,7 @@ def table(records: list[dict[str, Any]], columns: int | None) -> list[str]:
     for short in (False, True):
         cells = [
             [
-                _when(r, short),
+                _ended(r, short),
                 _gpus(r),
                 _peak(r),
                 _seconds(r.get("time_to_peak_seconds")),

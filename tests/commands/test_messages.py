@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 from helpers.fixtures_sim import SIMJOB
+from helpers.history import a_run
 from helpers.users import popen_as, run_as, shared_root, user_home
 
 from gpuwait.cli import main
 from gpuwait.config import OPTIONS, known_variables, unknown_variables
 from gpuwait.core.errors import EXIT_NOT_FOUND, EXIT_USAGE
+from gpuwait.history.store import append_record
 
 REPO = Path(__file__).resolve().parents[2]
 GPUWAIT = [sys.executable, "-m", "gpuwait"]
@@ -525,6 +527,23 @@ def test_history_minus_n_0_shows_no_rows_and_no_false_news(sim: Path) -> None:
     done = gpuwait("history", "-n", "0")
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
     assert "true" in gpuwait("history").stdout
+
+
+def test_history_rows_and_their_times_are_in_one_order(
+    sim: Path, isolated_dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Rows come in the order runs ended; a 60 s run started at 20:34:50 ends after a 1 s run
+    # started at 20:35:05. The column showed start times, 20:35, 20:34, 20:36: out of order.
+    at = time.mktime((2026, 11, 30, 20, 34, 50, 0, 0, -1))
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(parents=True, exist_ok=True)
+    for started, seconds in ((at + 15, 1.0), (at, 60.0), (at + 70, 1.0)):
+        append_record(state, a_run(["python3", "t.py"], "/tmp", started, run_seconds=seconds))
+    assert main(["history"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[:4]
+    assert header.split()[0] == "ended", header
+    shown = [row[:16] for row in rows]
+    assert shown == ["2026-11-30 20:35", "2026-11-30 20:35", "2026-11-30 20:36"], rows
 
 
 def test_history_of_a_command_run_elsewhere_says_where_it_ran(sim: Path, tmp_path: Path) -> None:

@@ -236,7 +236,7 @@ def test_history_shows_and_exports_runs(sim_file: SimFileFactory, gpuwait_cmd: l
     assert run([*gpuwait_cmd, "--vram", "2G", "--", "sh", "-c", "exit 4"]).returncode == 4
     text = run([*gpuwait_cmd, "history"]).stdout
     header, first, second = text.splitlines()[:3]
-    assert header.split() == ["when", "GPU", "peak", "load", "wait", "run", "exit", "command"]
+    assert header.split() == ["ended", "GPU", "peak", "load", "wait", "run", "exit", "command"]
     assert "1.0 GiB" in first and "sim job --vram 1G" in first
     assert " 4 " in second and "sh -c 'exit 4'" in second
     records = json.loads(run([*gpuwait_cmd, "history", "--json", "-n", "1"]).stdout)
