@@ -30,7 +30,7 @@ def build_parser() -> Parser:
     parser = Parser(
         prog="gpuwait history",
         usage="gpuwait history [-n N | --all] [--json] [--key NAME] [-- COMMAND ...]",
-        description="Recent runs in the order they ended, the last last: when it ended, GPU, "
+        description="Recent runs in the order they ended, the latest last: when it ended, GPU, "
         "peak VRAM, time to reach 90% of the peak (model load), wait, run time, exit. Given a COMMAND, only runs of its script "
         "(other arguments too), or of its program where it names none. "
         "Runs that compaction kept only for estimates are shown with --all.",
