@@ -457,21 +457,20 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
 
 def _in_env_arguments(words: Sequence[str]) -> bool:
     """Do `words` end in env's options and assignments, before its command (`env -i`, `env -u
-    NAME A=1`)?"""
+    NAME A=1`, `env -iu NAME`)?"""
     for start in range(len(words) - 1, -1, -1):
         if os.path.basename(words[start]) == "env":
             break
     else:
         return False
-    valued = False
-    for word in words[start + 1 :]:
-        if valued:
-            valued = False
-        elif word in ("-u", "--unset", "-C", "--chdir"):
-            valued = True
-        elif not word.startswith("-") and not _ASSIGNMENT.match(word):
-            return False
-    return not valued
+    # An assignment after them is env's (not an option's value, as after `-iu`, nor -S's).
+    sets: list[str] = []
+    _, rest, _ = _options(_SPECS["env"], [*words[start + 1 :], _NEXT_ASSIGNMENT], sets)
+    return rest is None and sets[-1:] == [_NEXT_ASSIGNMENT]
+
+
+#: The assignment `_in_env_arguments` puts after env's words.
+_NEXT_ASSIGNMENT = "NAME=VALUE"
 
 
 #: fish's `set` options, as their letters.

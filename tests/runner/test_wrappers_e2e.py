@@ -2648,3 +2648,20 @@ def test_env_clearing_its_environment_before_a_value_from_an_expansion_is_read_a
         refused(done, tmp_path / "seen", "without the CUDA_VISIBLE_DEVICES gpuwait sets")
     else:
         ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'env -iu TMPDIR HOME="$HOME" sh ./show.sh',
+        'env -iC . HOME="$HOME" sh ./show.sh',
+    ],
+)
+def test_env_clearing_its_environment_with_options_in_one_word_is_read_as_env(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    # `sh -c 'env -iu TMPDIR HOME="$HOME" python x.py'` ran, python seeing every GPU: -iu,
+    # its TMPDIR then taken for env's command, left env's assignment from an expansion unread.
+    (tmp_path / "show.sh").write_text('echo "[${CUDA_VISIBLE_DEVICES-every GPU}]" > seen\n')
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    refused(done, tmp_path / "seen", "without the CUDA_VISIBLE_DEVICES gpuwait sets")
