@@ -6,7 +6,6 @@ import argparse
 import math
 import os
 import shlex
-import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from gpuwait.core.text import command_line, printable
 from gpuwait.history.learn import key_for
 from gpuwait.history.record import is_slim, record_keys, run_stat
 from gpuwait.history.store import Parsed, history_path, read_from, read_limit, tail
+from gpuwait.linux.signals import signal_name
 
 
 def build_parser() -> Parser:
@@ -170,10 +170,7 @@ def _wanted_hash(command: list[str], key: str | None) -> str | None:
 def _exit(record: dict[str, Any], short: bool = False) -> str:
     number = record.get("signal")
     if isinstance(number, int):
-        try:
-            text = signal.Signals(number).name
-        except ValueError:
-            text = f"signal {number}"
+        text = signal_name(number)
     elif record.get("exit_status") is None:
         # Nobody saw how it ended: an adopted process, a reservation's unseen exit, a job
         # whose gpuwait was killed (lost).
@@ -183,10 +180,7 @@ def _exit(record: dict[str, Any], short: bool = False) -> str:
         stopped = record.get("stopped_by")
         if isinstance(stopped, int) and not isinstance(stopped, bool):
             # Told to stop (Ctrl-C, TERM): an early end, which estimates do not learn from.
-            try:
-                text += f" ({signal.Signals(stopped).name})"
-            except ValueError:
-                text += f" (signal {stopped})"
+            text += f" ({signal_name(stopped)})"
     if record.get("oom"):
         text += _OOM_WORDS.get(str(record.get("oom_cause")), " OOM")
     return text + _paused(record, short)
