@@ -70,12 +70,15 @@ _SI_KERNEL = 0x80
 
 
 def signal_name(signum: int) -> str:
-    """`signum`'s name as kill -l and Python spell it (SIGUSR1), a real-time one past RTMIN,
-    which Python names not, as SIGRTMIN+N."""
+    """`signum`'s name as kill -l and Python spell it (SIGUSR1), a real-time one between
+    RTMIN and RTMAX, which Python names not, as SIGRTMIN+N, or SIGRTMAX-N in the upper half
+    (`kill -s RTMAX-3`)."""
     try:
         return signal.Signals(signum).name
     except ValueError:
         if signal.SIGRTMIN < signum < signal.SIGRTMAX:
+            if signum > (signal.SIGRTMIN + signal.SIGRTMAX) // 2:
+                return f"SIGRTMAX-{signal.SIGRTMAX - signum}"
             return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
         return f"signal {signum}"
 
