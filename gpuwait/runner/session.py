@@ -428,8 +428,12 @@ def _run_with_retries(
             break
         pending, requeued, stepped_aside = ended.pending, None, ended.stepped_aside
         # Sent once the command had ended (a USR1 for it), a signal not asking gpuwait to end
-        # is no retry's, nor gives up a wait for a lock on the way to one.
-        dropped = signals.drop_pending(_checkpoint_signals(request))
+        # is no retry's, nor gives up a wait for a lock on the way to one. A --pausable job's
+        # checkpoint signal asks it to leave instead, as while it waits (below).
+        dropped = signals.drop_pending()
+        checkpoint = _checkpoint_signals(request)
+        asked = any(signum in checkpoint for signum in dropped)
+        dropped = [signum for signum in dropped if signum not in checkpoint]
         how = _ran_out(ended)
         try:
             raised = _choose(request, config, None)
@@ -456,6 +460,23 @@ def _run_with_retries(
                     why = f"job {pending.id} was cancelled"
                 _end_pending(ended, config, reporter)
             reporter.warn(f"the command ran out {how}; {why}, so it is not retried")
+            break
+        if (
+            asked
+            and retries < request.retry_oom
+            and after is not None
+            and after > ended.reserved_bytes
+        ):
+            # Asked to checkpoint (Slurm's warning before the time limit) with no command
+            # running: nothing to save, and the resume status tells the batch script to
+            # requeue the job, as one asked while it waits.
+            _end_pending(ended, config, reporter)
+            reporter.warn(
+                f"the command ran out {how}; asked to checkpoint once it had, the job is "
+                f"not retried: it leaves with the resume status {config.resume_exit}, to "
+                "be started again later"
+            )
+            returncode = config.resume_exit
             break
         if pending is not None and (
             retries >= request.retry_oom or after is None or after <= ended.reserved_bytes

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +107,13 @@ def _ran_out_then(
     kept: bool = False,
     retried: str = "",
     queued_held: bool = False,
+    options: Sequence[str] = (),
 ) -> tuple[int, str, str, Path]:
     """Run a --retry-oom 1 job whose command runs out of GPU memory, and `stop` it while
     gpuwait, held on the history lock where it records the run, has not yet decided to retry
     (`_ended_then`, with `kept` and `queued_held`): its exit status, its stderr, how many times
     the command started (one line a start) and the state folder. `retried`: what the command
-    does once started again, where it would run out again."""
+    does once started again, where it would run out again; `options`: gpuwait's, besides."""
     go, starts = tmp_path / "go", tmp_path / "starts"
     again = f"[ $(wc -l < {shlex.quote(str(starts))}) -gt 1 ] && {retried}; " if retried else ""
     job = (
@@ -120,7 +121,7 @@ def _ran_out_then(
         f"while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.02; done; "
         f"exec {shlex.join(gpuwait_cmd)} sim job --vram 30G --hold 0"
     )
-    launch_cmd = [*gpuwait_cmd, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job]
+    launch_cmd = [*gpuwait_cmd, *options, "--vram", "4G", "--retry-oom", "1", "--", "sh", "-c", job]
     returncode, err = _ended_then(launch_cmd, go, stop, kept=kept, queued_held=queued_held)
     return returncode, err, starts.read_text(), Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
 
@@ -468,3 +469,23 @@ def test_a_signal_for_the_command_that_ran_out_ends_no_wait_for_the_ledger_befor
     )
     assert returncode == 0, err
     assert starts == "started\nstarted\n", err
+
+
+def test_a_checkpoint_request_once_a_pausable_run_ran_out_leaves_to_be_resumed(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A --pausable --retry-oom job asked to checkpoint (Slurm's USR1 before the time limit)
+    # once its command had ended, out of memory, the ledger's lock held a moment by another
+    # gpuwait as the run was queued again: the signal gave up that wait, and gpuwait ended by
+    # it, 138 in a shell, where one asked as the job waits leaves with the resume status.
+    sim_file(gpus=1, memory="24GiB")
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd,
+        tmp_path,
+        _sending(signal.SIGUSR1),
+        retried="exit 0",
+        queued_held=True,
+        options=["--pausable"],
+    )
+    assert (returncode, starts) == (75, "started\n"), err
+    assert "asked to checkpoint" in err, err
