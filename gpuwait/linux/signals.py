@@ -121,8 +121,30 @@ def raise_if_pending() -> None:
     interrupts any wait by itself."""
     pending = signal.sigpending()
     for signum in FORWARDED:
-        if signum in pending:
+        if signum in pending and _ours(signum):
             raise SignalPending(signum)
+
+
+#: The signals a program's wait for room blocked itself (`waits_blocking`), or None in
+#: gpuwait's own process, where every handled signal is gpuwait's.
+_WAITS_TAKE: list[frozenset[int] | None] = [None]
+
+
+@contextlib.contextmanager
+def waits_blocking(signums: tuple[int, ...]) -> Iterator[None]:
+    """Within: gpuwait's waits (`next_signal`, `raise_if_pending`) take `signums` alone, those
+    a program's wait for room (gpuwait.reserve) blocked. Another the program blocks itself
+    (its real-time signals, taken by its own sigwait) stays its own, pending as it was."""
+    before = _WAITS_TAKE[0]
+    _WAITS_TAKE[0] = frozenset((*signums, signal.SIGCHLD))
+    try:
+        yield
+    finally:
+        _WAITS_TAKE[0] = before
+
+
+def _ours(signum: int) -> bool:
+    return _WAITS_TAKE[0] is None or signum in _WAITS_TAKE[0]
 
 
 #: The signals that ask gpuwait to end where no command of its own takes them.
@@ -228,7 +250,7 @@ def next_signal(timeout: float, also: tuple[int, ...] = ()) -> signal.struct_sig
     unblocked (a program's own timer, which gpuwait.reserve leaves to it) goes to its handler
     as it would have: waited for here, the kernel would hand it to this wait instead."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    wanted = (*(s for s in taken() if s in blocked), *also)
+    wanted = (*(s for s in taken() if s in blocked and _ours(s)), *also)
     info = signal.sigtimedwait(wanted, max(0.0, timeout))
     if info is not None and info.si_signo not in wanted:
         # CPython (3.11 here) returns uninitialised details where the process was stopped

@@ -251,12 +251,15 @@ def _signals_taken() -> Iterator[None]:
     """The signals that end a program's wait for room blocked in this thread while it waits
     (they queue up for the waiting loop); the thread's mask as it was afterwards. Its own timers
     and real-time signals stay its own (signals.RESERVING)."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals.taken(signals.RESERVING))
+    mine = signals.taken(signals.RESERVING)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, mine)
     try:
         # Inside: a handler that raises (a Ctrl-C just now) may run at this call, and the
         # signals must not stay blocked after it.
         signals.child_news()  # only what comes while it waits
-        yield
+        # One the program blocked itself is its own (taken by its sigwait), as is any other.
+        with signals.waits_blocking(tuple(s for s in mine if s not in before)):
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         # SIGCHLD is also a ledger writer's wake-up: one the wait took for a child of the

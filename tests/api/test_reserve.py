@@ -2067,3 +2067,42 @@ def test_what_only_helps_passes_over_its_own_failures_but_not_a_programs_timeout
             raise failure
     with pytest.raises(TimeoutError), signals.suppress_failures(Exception):
         raise TimeoutError("the program's own alarm")
+
+
+@pytest.mark.parametrize("own", ["SIGRTMIN+2", "SIGUSR2"])
+def test_a_signal_the_program_blocks_for_itself_is_left_to_it_while_it_waits(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], own: str
+) -> None:
+    # A program taking a signal with its own sigwait (blocked, one pending) that reserved
+    # while another job held the room: the wait took the signal as its own, and ended in a
+    # traceback, "ValueError: 36 is not a valid Signals", or gave the reservation up,
+    # "SIGUSR2 arrived while waiting", and sent the program the signal again.
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "20G", "60s", "--name", "first")
+    script = (
+        "import os, signal, sys, gpuwait\n"
+        f"own = {own.replace('SIG', 'signal.SIG')}\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {own})\n"
+        "os.kill(os.getpid(), own)\n"
+        "r = gpuwait.reserve('10G', name='patient')\n"
+        "print('held', r.gpus, flush=True)\n"
+        "r.release()\n"
+        "print('taken', signal.sigtimedwait({own}, 0) is not None)\n"
+        "print('again', signal.sigtimedwait({own}, 0) is not None)\n"
+    )
+    waiter = None
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(lambda: waiter.poll() is not None or state_of(gpuwait_cmd, "patient") == "waiting")
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+        if waiter is not None:
+            out, err = waiter.communicate(timeout=60)
+    assert (waiter.returncode, out) == (0, "held (0,)\ntaken True\nagain False\n"), err
