@@ -215,6 +215,9 @@ class Figures:
     kills_holding_lock: int = 0
     kills_mid_write: int = 0
     reads: int = 0
+    #: Readings the GPUs' fill was judged from (a shared ledger's, where no file was replaced
+    #: as it was read): none would leave over-admission unchecked.
+    fills_judged: int = 0
     corrupt_files: int = 0
     lost_entries: int = 0
     stale_entries: int = 0
@@ -243,6 +246,7 @@ class Figures:
             or self.over_admissions
             or self.failed_peers
             or self.reap_seconds > 2.0
+            or not self.fills_judged
         )
 
     def report(self) -> str:
@@ -263,7 +267,8 @@ class Figures:
                 f"{self.dead_before_reap} dead entries before the reaping operation, which "
                 f"took {self.reap_seconds:.2f}s, goal < 2s)",
                 f"  over-admissions     {self.over_admissions}  (goal 0; fullest GPU "
-                f"{self.max_fill:.0%} of total × safety)",
+                f"{self.max_fill:.0%} of total × safety; judged in {self.fills_judged} "
+                "readings, goal > 0)",
                 f"  failed peers        {self.failed_peers}  (goal 0)",
                 f"  wall                {self.wall_seconds:.1f}s (longest peer "
                 f"{self.longest_peer:.1f}s)",
@@ -493,6 +498,7 @@ class Checker:
             # (an over-admitted job stays listed as long as it runs). A private ledger is one
             # file, read whole: every reading is.
             return
+        self.figures.fills_judged += 1
         fill: dict[str, int] = {}
         for job in data.jobs:
             if job.state == "running":
