@@ -932,7 +932,10 @@ def _env_kept(
     command = 1 if rest[:1] in (["--"], ["-"]) else 0
     while command < len(rest) and "=" in rest[command] and not rest[command].startswith("="):
         command += 1
-    given = [f'"{name}=${name}"' for name in keep]
+    # One env sets again itself (`env -i CUDA_VISIBLE_DEVICES=1`, an index passed on) is kept
+    # as it is: only those it drops are set from gpuwait's.
+    again = {word.partition("=")[0] for word in rest[:command]}
+    given = [f'"{name}=${name}"' for name in keep if name not in again]
     code = " ".join(
         [
             "exec",

@@ -1779,6 +1779,9 @@ def test_a_wrapper_that_passes_on_gpuwaits_index_without_its_order_is_refused(
     assert "the index CUDA_VISIBLE_DEVICES names" in done.stderr
     assert not (tmp_path / "seen").exists()
     if wrapper[0] == "env":
+        # The line keeps the line's own index and adds the order alone: it set the variable
+        # a second time, "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" after the 1.
+        assert hint(done).count("CUDA_VISIBLE_DEVICES=") == 1, hint(done)
         runs(gpuwait_cmd, hint(done), env, cwd=tmp_path)
         assert (tmp_path / "seen").read_text() == "ran\n"
 
