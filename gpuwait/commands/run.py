@@ -61,6 +61,11 @@ _EXIT_STATUSES = (
     ("7", "cancelled (`gpuwait cancel`) while waiting"),
     ("8", "not permitted: another user's job"),
     ("9", "--once KEY: a job with this key is already waiting or running"),
+    (
+        "75",
+        "--pausable: asked to checkpoint while waiting (or once its command ran out, a retry"
+        " left): start it again later (resume_exit sets another)",
+    ),
     ("124", "--timeout passed while waiting"),
     ("126", "the command is not executable"),
     ("127", "the command was not found"),

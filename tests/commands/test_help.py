@@ -16,7 +16,7 @@ import pytest
 
 from gpuwait.commands import SUBCOMMANDS, module_name
 from gpuwait.commands import run as run_command
-from gpuwait.config import OPTIONS
+from gpuwait.config import OPTIONS, OPTIONS_BY_NAME
 from gpuwait.core import errors
 from gpuwait.gpu import simjob
 
@@ -153,6 +153,15 @@ def test_the_exit_statuses_are_all_listed() -> None:
     documented = {value for name, value in vars(errors).items() if name.startswith("EXIT_")}
     assert documented <= codes, documented - codes
     assert {130, 143} <= codes
+
+
+def test_the_exit_statuses_name_the_resume_status_of_a_pausable_job() -> None:
+    """A --pausable job asked to checkpoint while it waits ends with resume_exit (75), which a
+    batch script requeues on: a user who looks 75 up in --help finds it there."""
+    rows = option_blocks(section(help_text(["--help"]), "exit status:"))
+    default = OPTIONS_BY_NAME["resume_exit"].default
+    assert str(default) in rows, sorted(rows)
+    assert "--pausable" in rows[str(default)] and "resume_exit" in rows[str(default)]
 
 
 @pytest.mark.parametrize("argv", PAGES, ids=lambda argv: " ".join(argv))
