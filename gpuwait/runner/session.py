@@ -894,8 +894,12 @@ def _judge(
             # Not for want of a card of the right kind: the machine has none to offer.
             why, hint = nothing
             raise ImpossibleRequest(why, hint=hint)
+        claim = claim_of(job, snapshot.gpus)
+        # Raising safety helps only a request some card would hold whole: 1 is the most.
+        raising = impossible_reason(claim, snapshot.gpus, 1.0, config.wait.fair.limits) is None
         raise ImpossibleRequest(
-            impossible, hint=impossible_hint(impossible, job.requirements_for_policy(), spell)
+            impossible,
+            hint=impossible_hint(impossible, job.requirements_for_policy(), spell, raising),
         )
     return job, choice
 
@@ -905,9 +909,15 @@ def cli_option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[str], str]) -> str:
+def impossible_hint(
+    reason: str,
+    requirements: Requirements,
+    spell: Callable[[str], str],
+    raising: bool = True,
+) -> str:
     """What would help a request that can never fit, by why it cannot (`reason`, from
-    impossible_reason), its options named as the caller names them (`spell`)."""
+    impossible_reason), its options named as the caller names them (`spell`); `raising`: would
+    a higher safety let it fit (False: one larger than any card, whatever the safety)."""
     asked = [
         spell(name)
         for name, value in (
@@ -941,9 +951,11 @@ def impossible_hint(reason: str, requirements: Requirements, spell: Callable[[st
     whole = (
         f"for a whole GPU, {spell('exclusive')} in place of {spell('vram')}; else " if share else ""
     )
+    safety = (
+        f" raise safety ({spell('safety')}, or `safety =` in the config file)," if raising else ""
+    )
     return (
-        f"{whole}ask for less ({spell('vram')}), raise safety ({spell('safety')}, or `safety =` "
-        f"in the config file), or use other GPUs "
+        f"{whole}ask for less ({spell('vram')}),{safety} or use other GPUs "
         f"({spell('devices')}, {spell('gpu_name')}){shut}"
     )
 

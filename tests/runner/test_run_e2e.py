@@ -1112,6 +1112,20 @@ def test_a_request_too_large_for_any_card_is_told_where_safety_is_raised(
     assert "raise safety (--safety, or `safety =` in the config file)" in hint, done.stderr
 
 
+@pytest.mark.parametrize("safety", ["0.9", "1"])
+def test_a_request_larger_than_any_card_is_not_told_to_raise_safety(
+    gpuwait_cmd: list[str], sim_file: Any, safety: str
+) -> None:
+    # `--vram 30G` on 24 GiB cards fits at no safety (1 is the most): the hint said "raise
+    # safety", a way out that never helps.
+    sim_file(gpus=2)
+    done = run([*gpuwait_cmd, "--safety", safety, "--vram", "30G", "--", "true"])
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert hint.startswith("gpuwait: hint: ask for less (--vram)"), done.stderr
+    assert "safety" not in hint and "--devices" in hint, done.stderr
+
+
 def test_a_request_for_cards_that_take_no_cuda_work_is_told_what_would_help(
     gpuwait_cmd: list[str], sim_file: Any
 ) -> None:
