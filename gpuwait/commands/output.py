@@ -19,8 +19,9 @@ from gpuwait.core.text import printable
 _MAX_LINE = 4000
 
 #: The figures in a wait's note, which move from one reading to the next (`expected in
-#: 3m05s`): its words, not they, tell a new situation.
-_FIGURES = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+#: 3m05s`): its words, not they, tell a new situation. A duration is one figure whatever its
+#: form (`1h00m`, `59m59s`, `59.0s`, `500ms`, as format_duration writes them).
+_FIGURES = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:ms|[hm][0-9]+[ms]|[hms])?")
 
 
 def _line(text: str) -> str:

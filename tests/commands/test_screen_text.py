@@ -636,3 +636,21 @@ def test_an_unmeasured_peak_blames_no_driver_where_the_run_allocated_nothing() -
     notes = history.table([unmeasured], None)[-1]
     assert notes.startswith("peak -: not measured: others used or freed memory"), notes
     assert "NVML listed none of its processes with a figure" in notes, notes
+
+
+def test_a_piped_wait_line_counting_down_to_its_start_writes_no_line_of_its_own() -> None:
+    # `gpuwait ... 2> run.log`, first in line with its GPU held for it: the expected start
+    # counted down from 1h00m to 0.5 s and the log took a new line each time the figure
+    # changed its form (minutes, seconds, milliseconds), 4 lines for one situation.
+    stream = io.StringIO()
+    line = WaitLine(quiet=False, job="train", stream=stream)
+    for due in ("1h00m", "59m59s", "3m05s", "59.0s", "500ms"):
+        line.update(REASON._replace(note=f"first in line, GPU0 held for it, expected in {due}"))
+    assert stream.getvalue() == (
+        "gpuwait[train]: waiting for 20.0 GiB (estimated from 3 runs of this script): best GPU0 "
+        "has 1.6 GiB; first in line, GPU0 held for it, expected in 1h00m "
+        "(2 running, 1 ahead of you)\n"
+    )
+    # What is said changes (the start is overdue now): a line.
+    line.update(REASON._replace(note="first in line, GPU0 held for it, expected overdue"))
+    assert stream.getvalue().count("\n") == 2
