@@ -152,7 +152,8 @@ class Holding:
         if not self._stop_holding():
             return
         try:
-            _leave(self.config, self.ledger, self.job, INTERRUPTED, self.reporter)
+            with _programs_own_signals():
+                _leave(self.config, self.ledger, self.job, INTERRUPTED, self.reporter)
         finally:
             self.backend.close()
 
@@ -179,6 +180,10 @@ class Holding:
         it releases."""
         if not self._stop_holding():
             return
+        with _programs_own_signals():
+            self._release(returncode, said_oom)
+
+    def _release(self, returncode: int | None, said_oom: bool) -> None:
         try:
             self._thread.join(timeout=5)
             result = self._sampler.result
@@ -268,6 +273,14 @@ def _signals_taken() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGCHLD)
 
 
+def _programs_own_signals() -> contextlib.AbstractContextManager[None]:
+    """Within: gpuwait's waits for a lock take no signal of the program's, outside the wait for
+    room (`_signals_taken`), where gpuwait blocks none: one pending there is one the program
+    blocked itself (a TERM held off as it saves), for it to take, not to end gpuwait's wait
+    for the ledger's or the history's lock."""
+    return signals.waits_blocking(())
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -295,7 +308,8 @@ def hold(request: RunRequest, config: RunConfig, reporter: Reporter) -> Holding 
         reporter.warn(f"{exc.message}; going on without a reservation (on_no_gpu = run)")
         return None
     try:
-        held = _hold(request, config, reporter, backend, choice, called)
+        with _programs_own_signals():
+            held = _hold(request, config, reporter, backend, choice, called)
     except BaseException:
         backend.close()
         raise

@@ -2106,3 +2106,43 @@ def test_a_signal_the_program_blocks_for_itself_is_left_to_it_while_it_waits(
         if waiter is not None:
             out, err = waiter.communicate(timeout=60)
     assert (waiter.returncode, out) == (0, "held (0,)\ntaken True\nagain False\n"), err
+
+
+def test_a_term_the_program_blocks_for_itself_is_left_to_it_as_its_run_is_recorded(
+    sim_file: SimFileFactory,
+) -> None:
+    # A program that blocks SIGTERM around its last steps (save, then give the GPU back) and
+    # got one meanwhile released its reservation while another gpuwait held the history's
+    # lock past a second (a compaction): the record took that TERM as sent to gpuwait, said
+    # "could not record the run in the history: SIGTERM arrived while gpuwait waited for a
+    # lock", and the run was lost to the estimates.
+    from gpuwait.linux import dirs
+
+    sim_file(gpus=1, memory="24GiB")
+    program = _program(
+        "import os, signal, sys, gpuwait\n"
+        "r = gpuwait.reserve('4G', name='saver')\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "r.release()\n"
+        "print('pending', signal.SIGTERM in signal.sigpending(), flush=True)\n"
+    )
+    lock = Path(dirs.user_state_dir()) / "history.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert program.stdout.readline() == "held\n"
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("release\n")
+        program.stdin.flush()
+        # Held past the patience a TERM gets (1 s), then let go.
+        wait_for(lambda: sleeping_in(program.pid, "flock"), timeout=30)
+        time.sleep(2)
+    finally:
+        os.close(fd)
+        out, err = program.communicate(timeout=60)
+    assert (program.returncode, out, err) == (0, "pending True\n", ""), err
+    assert [r.get("name") for r in recorded_runs()] == ["saver"]
