@@ -159,14 +159,15 @@ def stop_pending() -> int | None:
     return next((s for s in STOPPING if s in pending), None)
 
 
-def drop_pending() -> list[int]:
+def drop_pending(also: tuple[int, ...] = ()) -> list[int]:
     """Take the forwarded signals waiting (blocked) for gpuwait but those asking it to end
-    (STOPPING), and return them: sent once its command had ended, for that command, they are
-    no other's to take (a command started again would get them as it starts, before its
-    handler is installed)."""
+    (STOPPING), unless among `also` (a --pausable job's checkpoint signal, which may be TERM),
+    and return them: sent once its command had ended, for that command, they are no other's
+    to take (a command started again would get them as it starts, before its handler is
+    installed)."""
     dropped = []
     for signum in FORWARDED:
-        if signum in STOPPING or signum not in signal.sigpending():
+        if (signum in STOPPING and signum not in also) or signum not in signal.sigpending():
             continue
         # A real-time signal sent several times is queued as often (a bounded number taken:
         # one sent on and on must not hold gpuwait here).

@@ -429,9 +429,9 @@ def _run_with_retries(
         pending, requeued, stepped_aside = ended.pending, None, ended.stepped_aside
         # Sent once the command had ended (a USR1 for it), a signal not asking gpuwait to end
         # is no retry's, nor gives up a wait for a lock on the way to one. A --pausable job's
-        # checkpoint signal asks it to leave instead, as while it waits (below).
-        dropped = signals.drop_pending()
+        # checkpoint signal asks it to leave instead, as while it waits (below), TERM too.
         checkpoint = _checkpoint_signals(request)
+        dropped = signals.drop_pending(also=checkpoint)
         asked = any(signum in checkpoint for signum in dropped)
         dropped = [signum for signum in dropped if signum not in checkpoint]
         how = _ran_out(ended)
@@ -450,6 +450,16 @@ def _run_with_retries(
             break
         after = raised.request.bytes if raised.request is not None else None
         stop = signals.stop_pending() if retries < request.retry_oom else None
+        if (
+            stop is None
+            and asked
+            and retries < request.retry_oom
+            and pending is not None
+            and lifecycle.was_cancelled(_ledger(config, reporter), pending)
+        ):
+            # `gpuwait cancel` sends TERM, which may be the checkpoint signal: a cancel all
+            # the same.
+            stop, asked = signal.SIGTERM, False
         if stop is not None:
             # Told to end once the command had (`kill`, an older `gpuwait cancel`, which only
             # sends TERM): the signal is no retry's to take. Said before any want of a larger

@@ -489,3 +489,40 @@ def test_a_checkpoint_request_once_a_pausable_run_ran_out_leaves_to_be_resumed(
     )
     assert (returncode, starts) == (75, "started\n"), err
     assert "asked to checkpoint" in err, err
+
+
+def test_a_checkpoint_request_by_term_once_a_pausable_run_ran_out_leaves_to_be_resumed(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A --pausable --checkpoint-signal TERM --retry-oom job asked to checkpoint once its
+    # command had ended out of memory: the TERM was taken as one asking gpuwait to end, "the
+    # command ran out of GPU memory; gpuwait got SIGTERM, so it is not retried", and gpuwait
+    # ended with the command's status, where USR1 (and TERM while it waits) leaves with the
+    # resume status for the batch script to requeue the job.
+    sim_file(gpus=1, memory="24GiB")
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd,
+        tmp_path,
+        _sending(signal.SIGTERM),
+        retried="exit 0",
+        options=["--pausable", "--checkpoint-signal", "TERM"],
+    )
+    assert (returncode, starts) == (75, "started\n"), err
+    assert "asked to checkpoint" in err, err
+
+
+def test_a_cancel_once_a_pausable_run_ran_out_is_no_checkpoint_request_by_term(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait cancel` sends TERM: for a job whose checkpoint signal is TERM, a cancel once
+    # its command had ended out of memory is still a cancel, not a request to be resumed.
+    sim_file(gpus=1, memory="24GiB")
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd,
+        tmp_path,
+        _cancelled_held_a_moment(gpuwait_cmd),
+        retried="exit 0",
+        options=["--pausable", "--checkpoint-signal", "TERM"],
+    )
+    assert (returncode, starts) == (1, "started\n"), err
+    assert "was cancelled, so it is not retried" in err, err
