@@ -307,7 +307,7 @@ def reserve(
         for ref in _references(keyword, refs):
             argv.append(f"{option}={ref}")
     try:
-        return reserve_argv(argv, _LoggingReporter())
+        return reserve_argv(argv, _LoggingReporter(keywords=True))
     except ReserveError as exc:
         if exc.exit_code != EXIT_USAGE:
             raise
@@ -645,11 +645,14 @@ class _LoggingReporter:
     """What a run says, for a program: through the "gpuwait" logger (warnings are seen by
     default; the waiting reason once each time it changes, at INFO)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keywords: bool = False) -> None:
         import logging
 
         self.log = logging.getLogger("gpuwait")
         self._last: str | None = None
+        #: The options said as reserve()'s keywords, for a caller of reserve() (not the
+        #: magic's, whose words are the command line's).
+        self.keywords = keywords
 
     def warn(self, message: str) -> None:
         self.log.warning(message)
@@ -662,6 +665,9 @@ class _LoggingReporter:
 
     def waiting(self, reason: WaitReason, job: str) -> None:
         text = reason.describe()
+        if self.keywords and "--" in text:
+            # "--vram SIZE asks for less" (a whole GPU from default_vram): reserve()'s `vram`.
+            text = _keywords(text)
         if text != self._last:
             self._last = text
             self.log.info("%s waits: %s", job, text)

@@ -2146,3 +2146,37 @@ def test_a_term_the_program_blocks_for_itself_is_left_to_it_as_its_run_is_record
         out, err = program.communicate(timeout=60)
     assert (program.returncode, out, err) == (0, "pending True\n", ""), err
     assert [r.get("name") for r in recorded_runs()] == ["saver"]
+
+
+def test_a_whole_gpu_waited_for_from_default_vram_names_reserves_keyword(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # gpuwait.reserve() with no size, no earlier runs: default_vram asks for a whole GPU, and
+    # the wait, logged, said "--vram SIZE asks for less", an option no Python caller has.
+    sim_file(gpus=1, memory="24GiB")
+    first = hold_card(gpuwait_cmd, "4G", "60s", "--name", "first")
+    try:
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running")
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import logging, gpuwait\n"
+                "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
+                "try:\n"
+                "    gpuwait.reserve(name='whole', timeout=1)\n"
+                "except gpuwait.ReserveError as exc:\n"
+                "    print(exc.exit_code, exc)\n",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    assert done.stdout.startswith("124 gave up after waiting"), done.stderr
+    assert "--vram" not in done.stdout, done.stdout
+    assert "default_vram" in done.stderr, done.stderr
+    assert "vram SIZE asks for less" in done.stderr, done.stderr
+    assert "--vram" not in done.stderr, done.stderr
