@@ -14,6 +14,7 @@ to the group stays pending in it, where /proc shows it.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import resource
@@ -125,26 +126,33 @@ def raise_if_pending() -> None:
             raise SignalPending(signum)
 
 
-#: The signals a program's wait for room blocked itself (`waits_blocking`), or None in
-#: gpuwait's own process, where every handled signal is gpuwait's.
-_WAITS_TAKE: list[frozenset[int] | None] = [None]
+#: The signals a program's wait for room blocked itself (`waits_blocking`), by the thread that
+#: waits; none for a thread (gpuwait's own process), where every handled signal is gpuwait's.
+_WAITS_TAKE: dict[int, frozenset[int]] = {}
 
 
 @contextlib.contextmanager
 def waits_blocking(signums: tuple[int, ...]) -> Iterator[None]:
-    """Within: gpuwait's waits (`next_signal`, `raise_if_pending`) take `signums` alone, those
-    a program's wait for room (gpuwait.reserve) blocked. Another the program blocks itself
-    (its real-time signals, taken by its own sigwait) stays its own, pending as it was."""
-    before = _WAITS_TAKE[0]
-    _WAITS_TAKE[0] = frozenset((*signums, signal.SIGCHLD))
+    """Within, in this thread: gpuwait's waits (`next_signal`, `raise_if_pending`) take
+    `signums` alone, those a program's wait for room (gpuwait.reserve) blocked. Another the
+    program blocks itself (its real-time signals, taken by its own sigwait) stays its own,
+    pending as it was. A thread's own: a release in another thread, ending meanwhile, leaves
+    this one's as they are."""
+    me = _thread.get_ident()
+    before = _WAITS_TAKE.get(me)
+    _WAITS_TAKE[me] = frozenset((*signums, signal.SIGCHLD))
     try:
         yield
     finally:
-        _WAITS_TAKE[0] = before
+        if before is None:
+            _WAITS_TAKE.pop(me, None)
+        else:
+            _WAITS_TAKE[me] = before
 
 
 def _ours(signum: int) -> bool:
-    return _WAITS_TAKE[0] is None or signum in _WAITS_TAKE[0]
+    taking = _WAITS_TAKE.get(_thread.get_ident())
+    return taking is None or signum in taking
 
 
 #: The signals that ask gpuwait to end where no command of its own takes them.

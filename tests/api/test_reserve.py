@@ -2180,3 +2180,56 @@ def test_a_whole_gpu_waited_for_from_default_vram_names_reserves_keyword(
     assert "default_vram" in done.stderr, done.stderr
     assert "vram SIZE asks for less" in done.stderr, done.stderr
     assert "--vram" not in done.stderr, done.stderr
+
+
+def test_a_release_in_a_thread_leaves_the_next_reservations_wait_to_its_own_signals(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A program releasing its reservation in a thread (the history's lock held a moment by
+    # another gpuwait) while its main thread reserved again, a SIGUSR2 of its own blocked and
+    # pending: the release, done, left the new wait taking every signal as its own, and it
+    # gave the reservation up, "SIGUSR2 arrived while waiting".
+    from gpuwait.linux import dirs
+
+    sim_file(gpus=1, memory="24GiB")
+    program = _program(
+        "import os, signal, sys, threading, time, gpuwait\n"
+        "r = gpuwait.reserve('4G', name='one')\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})\n"
+        "os.kill(os.getpid(), signal.SIGUSR2)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "t = threading.Thread(target=lambda: (r.release(), print('released', flush=True)))\n"
+        "t.start()\n"
+        "while r.held or not t.is_alive():\n"
+        "    time.sleep(0.01)\n"
+        "again = gpuwait.reserve('8G', name='two')\n"
+        "t.join()\n"
+        "print('held again', signal.SIGUSR2 in signal.sigpending(), flush=True)\n"
+        "again.release()\n"
+    )
+    lock = Path(dirs.user_state_dir()) / "history.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    first = None
+    try:
+        assert program.stdout is not None and program.stdin is not None
+        assert program.stdout.readline() == "held\n"
+        first = hold_card(gpuwait_cmd, "16G", "60s", "--name", "first")
+        wait_for(lambda: state_of(gpuwait_cmd, "first") == "running", timeout=30)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        program.stdin.write("release\n")
+        program.stdin.flush()
+        wait_for(lambda: state_of(gpuwait_cmd, "two") == "waiting", timeout=30)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        # Released, while the second reservation still waits for the card.
+        assert program.stdout.readline() == "released\n"
+        first.terminate()  # gpuwait passes it on to its command
+        first.communicate()
+    finally:
+        os.close(fd)
+        if first is not None and first.poll() is None:
+            first.kill()
+            first.communicate()
+        out, err = program.communicate(timeout=60)
+    assert (program.returncode, out) == (0, "held again True\n"), err
