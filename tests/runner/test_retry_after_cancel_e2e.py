@@ -471,41 +471,37 @@ def test_a_signal_for_the_command_that_ran_out_ends_no_wait_for_the_ledger_befor
     assert starts == "started\nstarted\n", err
 
 
+@pytest.mark.parametrize(
+    ("signum", "options", "queued_held"),
+    [
+        (signal.SIGUSR1, ["--pausable"], True),
+        (signal.SIGTERM, ["--pausable", "--checkpoint-signal", "TERM"], False),
+    ],
+    ids=["USR1, the ledger's lock held", "TERM, the checkpoint signal"],
+)
 def test_a_checkpoint_request_once_a_pausable_run_ran_out_leaves_to_be_resumed(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+    sim_file: SimFileFactory,
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+    signum: int,
+    options: list[str],
+    queued_held: bool,
 ) -> None:
     # A --pausable --retry-oom job asked to checkpoint (Slurm's USR1 before the time limit)
-    # once its command had ended, out of memory, the ledger's lock held a moment by another
-    # gpuwait as the run was queued again: the signal gave up that wait, and gpuwait ended by
-    # it, 138 in a shell, where one asked as the job waits leaves with the resume status.
+    # once its command had ended, out of memory, where one asked as the job waits leaves with
+    # the resume status for the batch script to requeue it. USR1, the ledger's lock held a
+    # moment by another gpuwait as the run was queued again, gave up that wait, and gpuwait
+    # ended by it, 138 in a shell; TERM, the job's checkpoint signal, was taken as one asking
+    # gpuwait to end, "gpuwait got SIGTERM, so it is not retried", and gpuwait ended with the
+    # command's status.
     sim_file(gpus=1, memory="24GiB")
     returncode, err, starts, _ = _ran_out_then(
         gpuwait_cmd,
         tmp_path,
-        _sending(signal.SIGUSR1),
+        _sending(signum),
         retried="exit 0",
-        queued_held=True,
-        options=["--pausable"],
-    )
-    assert (returncode, starts) == (75, "started\n"), err
-    assert "asked to checkpoint" in err, err
-
-
-def test_a_checkpoint_request_by_term_once_a_pausable_run_ran_out_leaves_to_be_resumed(
-    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
-) -> None:
-    # A --pausable --checkpoint-signal TERM --retry-oom job asked to checkpoint once its
-    # command had ended out of memory: the TERM was taken as one asking gpuwait to end, "the
-    # command ran out of GPU memory; gpuwait got SIGTERM, so it is not retried", and gpuwait
-    # ended with the command's status, where USR1 (and TERM while it waits) leaves with the
-    # resume status for the batch script to requeue the job.
-    sim_file(gpus=1, memory="24GiB")
-    returncode, err, starts, _ = _ran_out_then(
-        gpuwait_cmd,
-        tmp_path,
-        _sending(signal.SIGTERM),
-        retried="exit 0",
-        options=["--pausable", "--checkpoint-signal", "TERM"],
+        queued_held=queued_held,
+        options=options,
     )
     assert (returncode, starts) == (75, "started\n"), err
     assert "asked to checkpoint" in err, err
