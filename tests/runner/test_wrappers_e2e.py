@@ -103,7 +103,7 @@ def refused(done: subprocess.CompletedProcess[str], ran: Path, *said: str) -> No
     """`done` was refused (2), saying each of `said`, and ran nothing."""
     assert done.returncode == 2, done.stderr
     for words in said:
-        assert words in done.stderr
+        assert words in done.stderr, done.stderr
     assert not ran.exists()
 
 
@@ -123,6 +123,20 @@ def ran_on_the_gpu_reserved(done: subprocess.CompletedProcess[str], seen: Path, 
     CUDA_VISIBLE_DEVICES it got: the UUID of the GPU reserved."""
     assert done.returncode == 0, done.stderr
     assert seen.read_text().strip() == reserved_uuid(sim)
+
+
+def seen_bare(
+    line: Sequence[str], cwd: Path, base: dict[str, str] | None = None, **also: str
+) -> str:
+    """What `line`, run bare where gpuwait's GPU is set (CUDA_VISIBLE_DEVICES=GPU-own, and
+    `also`), wrote to `seen`: what its command would have seen under gpuwait, whatever the
+    shell said of it. The file is removed, for the line's next run."""
+    own = {**(os.environ if base is None else base), "CUDA_VISIBLE_DEVICES": "GPU-own", **also}
+    subprocess.run(list(line), env=own, cwd=cwd, timeout=60, capture_output=True)
+    seen = cwd / "seen"
+    text = seen.read_text().strip()
+    seen.unlink()
+    return text
 
 
 @pytest.mark.parametrize(
@@ -1927,17 +1941,12 @@ def test_a_shell_default_of_the_gpus_filled_after_they_were_emptied_is_refused(
     # though the empty value is what the shell gets, and its default fills it.
     line = [*before, "sh", "-c", f"{code} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"]
     done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets" in done.stderr
-    assert not (tmp_path / "seen").exists()
+    refused(done, tmp_path / "seen", "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets")
     # The same, run bare where gpuwait's GPU is set: GPU 0.
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own", "GPUWAIT_GPU_UUIDS": "GPU-own"}
-    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == "0"
+    assert seen_bare(line, tmp_path, GPUWAIT_GPU_UUIDS="GPU-own") == "0"
     # A default that only an unset variable takes (`-`, not `:-`) is not used: the line runs,
     # on no GPU.
     if "-0" in code:
-        (tmp_path / "seen").unlink()
         line[-1] = line[-1].replace(":-0", "-0")
         done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
@@ -2042,15 +2051,11 @@ def test_a_shell_that_unexports_or_declares_the_gpus_before_its_command_is_refus
     # the shell's first command was taken to be the builtin, and nothing after it was looked at.
     line = f'{code}; echo "${{CUDA_VISIBLE_DEVICES-every GPU}}" > seen; env > env'
     done = gpuwait(gpuwait_cmd, ["bash", "-c", line], cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert said in done.stderr, done.stderr
-    assert not (tmp_path / "seen").exists()
+    refused(done, tmp_path / "seen", said)
     # The same, run bare where gpuwait's GPU is set: what python would have seen.
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run(["bash", "-c", line], env=own, cwd=tmp_path, check=True, timeout=60)
+    seen_bare(["bash", "-c", line], tmp_path)
     assert "CUDA_VISIBLE_DEVICES=GPU-own" not in (tmp_path / "env").read_text()
     # Another variable is no concern of gpuwait's: the line runs on the GPU reserved.
-    (tmp_path / "seen").unlink()
     other = line.replace("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", 1)
     done = gpuwait(gpuwait_cmd, ["bash", "-c", other], opts=ON_GPU_1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -2262,15 +2267,11 @@ def test_a_default_in_an_apptainer_container_of_a_variable_a_wrapper_emptied_is_
     )
     line = [*before, "apptainer", "exec", "--nv", "img.sif", "sh", "-c", code]
     done = gpuwait(gpuwait_cmd, line, env, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "sh sets 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}' for its command" in done.stderr
-    assert not (tmp_path / "seen").exists()
+    said = "sh sets 'CUDA_VISIBLE_DEVICES=${GPUWAIT_GPU_UUIDS:-0}' for its command"
+    refused(done, tmp_path / "seen", said)
     # The same, run bare where gpuwait's GPU is set: GPU 0.
-    own = {**env, "CUDA_VISIBLE_DEVICES": "GPU-own", "GPUWAIT_GPU_UUIDS": "GPU-own"}
-    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == "0"
+    assert seen_bare(line, tmp_path, env, GPUWAIT_GPU_UUIDS="GPU-own") == "0"
     # Without the wrapper, the container gets gpuwait's: the line runs on the GPU reserved.
-    (tmp_path / "seen").unlink()
     done = gpuwait(gpuwait_cmd, line[len(before) :], env, opts=ON_GPU_1, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
@@ -2384,18 +2385,10 @@ def test_a_shell_passing_on_a_gpu_variable_set_before_it_is_refused(
     # on by the shell was taken for gpuwait's value, though a wrapper or the code had set it.
     line = [*line[:-1], f"{line[-1]} sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"]
     done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets" in done.stderr
-    assert not (tmp_path / "seen").exists()
+    refused(done, tmp_path / "seen", "for its command, over the CUDA_VISIBLE_DEVICES gpuwait sets")
     # The same, run bare where gpuwait's GPU is set: GPU 0.
-    own = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "GPU-own",
-        "GPUWAIT_GPU_UUIDS": "GPU-own",
-        "GPUWAIT_GPU_INDICES": "1",
-    }
-    subprocess.run(line, env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == "0"
+    gpuwaits = {"GPUWAIT_GPU_UUIDS": "GPU-own", "GPUWAIT_GPU_INDICES": "1"}
+    assert seen_bare(line, tmp_path, **gpuwaits) == "0"
 
 
 @pytest.mark.parametrize(
@@ -2434,12 +2427,8 @@ def test_zsh_keeping_the_gpus_exported_after_export_n_runs_on_the_gpu_reserved(
     (tmp_path / "seen").unlink()
     code = code.replace("export -n", "typeset +x")
     done = gpuwait(gpuwait_cmd, ["zsh", "-c", code], cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "takes CUDA_VISIBLE_DEVICES out of its environment" in done.stderr
-    assert not (tmp_path / "seen").exists()
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run(["zsh", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == "every GPU"
+    refused(done, tmp_path / "seen", "takes CUDA_VISIBLE_DEVICES out of its environment")
+    assert seen_bare(["zsh", "-c", code], tmp_path) == "every GPU"
 
 
 @pytest.mark.parametrize(("shell", "status"), [("zsh", 2), ("bash", 0)])
@@ -2455,9 +2444,7 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
     assert done.returncode == status, done.stderr
     if status:
         assert "takes CUDA_VISIBLE_DEVICES out of its environment" in done.stderr
-        own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-        subprocess.run([shell, "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
-        assert (tmp_path / "seen").read_text().strip() == "every GPU"
+        assert seen_bare([shell, "-c", code], tmp_path) == "every GPU"
     else:
         assert (tmp_path / "seen").read_text().strip() == reserved_uuid(sim)
 
@@ -2493,10 +2480,7 @@ def test_zshs_local_integer_and_float_are_read_as_typeset(
     # refused. bash's local outside a function says so and does nothing. What the shell itself
     # does with the line, asked first, decides.
     code = f"{builtin}; sh -c 'echo \"${{CUDA_VISIBLE_DEVICES-every GPU}}\"' > seen"
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run([shell, "-c", code], env=own, cwd=tmp_path, timeout=60)
-    assert ((tmp_path / "seen").read_text().strip() == "GPU-own") is kept
-    (tmp_path / "seen").unlink()
+    assert (seen_bare([shell, "-c", code], tmp_path) == "GPU-own") is kept
     done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     if kept:
         ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
@@ -2515,10 +2499,7 @@ def test_bash_export_n_is_refused_only_where_bash_takes_the_gpus_out(
     # GPU gpuwait reserved. What bash itself does with the line decides.
     code = f"export {options} CUDA_VISIBLE_DEVICES; "
     code += "sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run(["bash", "-c", code], env=own, cwd=tmp_path, timeout=60, capture_output=True)
-    dropped = (tmp_path / "seen").read_text().strip() == "every GPU"
-    (tmp_path / "seen").unlink()
+    dropped = seen_bare(["bash", "-c", code], tmp_path) == "every GPU"
     done = gpuwait(gpuwait_cmd, ["bash", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     if dropped:
         refused(done, tmp_path / "seen", "takes CUDA_VISIBLE_DEVICES out of its environment")
@@ -2542,12 +2523,8 @@ def test_fish_code_setting_the_gpus_is_refused(
     # gpuwait had reserved, where the same code in sh or bash is refused: fish's code was not
     # read at all.
     done = gpuwait(gpuwait_cmd, ["fish", "-c", code], cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert "sets CUDA_VISIBLE_DEVICES=0 for its command" in done.stderr, done.stderr
-    assert not (tmp_path / "seen").exists()
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run(["fish", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == "0"
+    refused(done, tmp_path / "seen", "sets CUDA_VISIBLE_DEVICES=0 for its command")
+    assert seen_bare(["fish", "-c", code], tmp_path) == "0"
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
@@ -2598,13 +2575,9 @@ def test_fish_set_changing_the_gpus_is_refused(
     # jobs too: fish's `set` was not read.
     code = f"{first}; sh -c 'echo $CUDA_VISIBLE_DEVICES' > seen"
     done = gpuwait(gpuwait_cmd, ["fish", "-c", code], cwd=tmp_path)
-    assert done.returncode == 2, done.stderr
     said = "for its command, over" if seen else "takes CUDA_VISIBLE_DEVICES out of its environment"
-    assert said in done.stderr, done.stderr
-    assert not (tmp_path / "seen").exists()
-    own = {**os.environ, "CUDA_VISIBLE_DEVICES": "GPU-own"}
-    subprocess.run(["fish", "-c", code], env=own, cwd=tmp_path, check=True, timeout=60)
-    assert (tmp_path / "seen").read_text().strip() == seen
+    refused(done, tmp_path / "seen", said)
+    assert seen_bare(["fish", "-c", code], tmp_path) == seen
 
 
 @pytest.mark.skipif(shutil.which("fish") is None, reason="needs fish")
