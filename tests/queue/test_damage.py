@@ -598,9 +598,11 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     )
     assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
     second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
-    second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
-    wait_for(lambda: asleep_waiting(second.pid) or second.poll() is not None, timeout=30)
-    assert second.poll() is None, "the second job ran beside the first one's reservation"
+    second = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "second", "--", *second_job],
+        "the second job ran beside the first one's reservation",
+    )
     loaded()
     assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
@@ -635,9 +637,11 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
     hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
     holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
     wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-    waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
-    wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-    assert waiter.poll() is None, "the waiter ran beside the running job"
+    waiter = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "waiter", "--", "true"],
+        "the waiter ran beside the running job",
+    )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
     replace_ledger(ledger_path, damage(ledger_path.read_bytes()))
     wait_for(
@@ -689,9 +693,11 @@ def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
         replace_ledger(ledger_path, DAMAGE["truncated"])
         wait_for(lambda: named_entry("holder"), timeout=10, message="the entry was never put back")
     monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-    waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
-    wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-    assert waiter.poll() is None, "the waiter ran beside the holder's reservation"
+    waiter = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "waiter", "--", "true"],
+        "the waiter ran beside the holder's reservation",
+    )
     holder.send_signal(signal.SIGTERM)
     wait_for(lambda: process_state(holder.pid) == "T", timeout=30)
     try:
@@ -723,9 +729,11 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_it_is_put_back(
     try:
         replace_ledger(ledger_path, DAMAGE["truncated"])
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
-        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        waiter = _waiting(
+            procs,
+            [*VRAM_13G, "--name", "waiter", "--", "true"],
+            "the waiter ran without waiting for the lost entry",
+        )
         assert named_entry("holder") is None
     finally:
         holder.send_signal(signal.SIGCONT)
@@ -759,6 +767,17 @@ def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_
         assert waiter.wait(timeout=20) == 0
         _, stderr = waiter.communicate()
     assert "1 job of yours still running or waiting has to put its entry back" in stderr
+
+
+def _waiting(
+    procs: Callable[..., subprocess.Popen[str]], argv: list[str], ran: str
+) -> subprocess.Popen[str]:
+    """`argv` started (`procs`), once it sleeps waiting for room; `ran`: the failure where it
+    ran instead."""
+    process = procs(argv)
+    wait_for(lambda: asleep_waiting(process.pid) or process.poll() is not None, timeout=30)
+    assert process.poll() is None, ran
+    return process
 
 
 @contextlib.contextmanager
@@ -798,9 +817,11 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_an_older_gpuwait_puts_it_bac
     # reading of the GPUs two minutes off).
     with _entries_lost(procs, monkeypatch, "holder") as (ledger_path, (entry,)):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs([*VRAM_13G, "--name", "waiter", "--", "true"])
-        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        waiter = _waiting(
+            procs,
+            [*VRAM_13G, "--name", "waiter", "--", "true"],
+            "the waiter ran without waiting for the lost entry",
+        )
         # The older gpuwait's transaction: the entry appended, nothing else.
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(entry)
@@ -852,9 +873,11 @@ def test_a_waiter_held_for_a_lost_entry_starts_once_its_job_ends_without_putting
         os.kill(job, signal.SIGKILL)
         replace_ledger(ledger_path, DAMAGE["truncated"])
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs([sys.executable, "-c", _LONG_GRACE, "--vram", "13G", "--", "true"])
-        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        waiter = _waiting(
+            procs,
+            [sys.executable, "-c", _LONG_GRACE, "--vram", "13G", "--", "true"],
+            "the waiter ran without waiting for the lost entry",
+        )
     finally:
         holder.send_signal(signal.SIGCONT)
     assert holder.wait(timeout=30) == -signal.SIGKILL
@@ -924,10 +947,9 @@ def test_a_waiter_held_for_two_lost_entries_plans_once_both_are_back(
     plans = _plans(tmp_path, monkeypatch)
     with _entries_lost(procs, monkeypatch, "h0", "h1") as (ledger_path, (first, second)):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
+        argv = [sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"]
+        waiter = _waiting(procs, argv, "the waiter ran without waiting for the lost entries")
         said(waiter, "2 jobs of yours still running or waiting have to put their entries back")
-        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-        assert waiter.poll() is None, "the waiter ran without waiting for the lost entries"
         with Ledger(ledger_path.parent).transaction() as data:
             data.jobs.append(first)
         said(waiter, "1 job of yours still running or waiting has to put its entry back")
@@ -956,9 +978,7 @@ def test_launches_in_the_grace_after_the_ledger_was_started_afresh_make_no_held_
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
         for n in range(5):
             argv = [sys.executable, "-c", _COUNTED, "--vram", "2G", "--name", f"w{n}", "--", "true"]
-            waiter = procs(argv)
-            wait_for(lambda w=waiter: asleep_waiting(w.pid) or w.poll() is not None, timeout=30)
-            assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+            waiter = _waiting(procs, argv, "the waiter ran without waiting for the lost entry")
             new = (named_entry(f"w{n}") or {})["id"]
             for held in waiters:
                 wait_for(lambda p=held.pid, j=new: _done_with(plans, p, j), timeout=30)
@@ -983,9 +1003,11 @@ def test_a_waiter_held_in_the_grace_plans_without_the_ledgers_lock(
     plans = _plans(tmp_path, monkeypatch)
     with _entries_lost(procs, monkeypatch, "holder") as (ledger_path, _):
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "0.2s")
-        waiter = procs([sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"])
-        wait_for(lambda: asleep_waiting(waiter.pid) or waiter.poll() is not None, timeout=30)
-        assert waiter.poll() is None, "the waiter ran without waiting for the lost entry"
+        waiter = _waiting(
+            procs,
+            [sys.executable, "-c", _COUNTED, "--vram", "2G", "--", "true"],
+            "the waiter ran without waiting for the lost entry",
+        )
         with exclusive(ledger_path.parent / "ledger.lock"):
             before = _notes(plans, waiter.pid).count("plan")
             wait_for(
@@ -1060,10 +1082,12 @@ def test_a_launch_right_after_the_ledger_was_recovered_waits_for_the_running_job
     try:
         replace_ledger(ledger_path, damaged(ledger_path.read_bytes()))
         second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.1s", "--report", str(reports[1])]
-        second = procs([*VRAM_13G, "--name", "second", "--", *second_job])
         # Recovered, the second job in it, and it waits: the first job's gpuwait lives.
-        wait_for(lambda: asleep_waiting(second.pid) or second.poll() is not None, timeout=30)
-        assert second.poll() is None, "the second job ran beside the first one's reservation"
+        second = _waiting(
+            procs,
+            [*VRAM_13G, "--name", "second", "--", *second_job],
+            "the second job ran beside the first one's reservation",
+        )
         assert (named_entry("second") or {}).get("state") == "waiting"
     finally:
         os.kill(first.pid, signal.SIGCONT)
