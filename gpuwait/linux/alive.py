@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,7 +198,9 @@ def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
     afresh, those of jobs whose entries the damage lost. A transaction wakes the waiters its
     ledger lists; these it cannot know of, and a waiter puts its entry back once woken. Each
     is the process /proc/locks names as the lock's taker, and only while it has the file open
-    (the taker gone, its pid may be another process's)."""
+    (the taker gone, its pid may be another process's). A program holding its GPU through
+    gpuwait.reserve() takes its lock itself: where a handler of its own would take the
+    wake-up (SIGCHLD, for its children), it is left alone, as it waits for nothing."""
     files: list[os.stat_result] = []
     for lock_dir in _lock_dirs(ledger_dir) or ():
         with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
@@ -212,7 +215,10 @@ def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
         pid
         for file in files
         for pid in taken.get((file.st_dev, file.st_ino), [])
-        if pid > 0 and pid != os.getpid() and proc.has_open(pid, file)
+        if pid > 0
+        and pid != os.getpid()
+        and proc.has_open(pid, file)
+        and not proc.runs_handler(pid, signal.SIGCHLD)
     }
 
 

@@ -162,6 +162,35 @@ def has_open(pid: int, file: os.stat_result) -> bool:
     return False
 
 
+def runs_handler(pid: int, signum: int) -> bool:
+    """Whether `signum` sent to process `pid` would run a handler of the process's own: it is
+    caught, and some thread of it does not block it (the kernel hands it to such a thread).
+    False where it is not, or where that cannot be read."""
+    bit = 1 << (signum - 1)
+    try:
+        if not _mask(f"/proc/{pid}/status", b"SigCgt") & bit:
+            return False
+        threads = os.listdir(f"/proc/{pid}/task")
+    except (OSError, ValueError):
+        return False
+    for tid in threads:
+        with contextlib.suppress(OSError, ValueError):
+            if not _mask(f"/proc/{pid}/task/{tid}/status", b"SigBlk") & bit:
+                return True
+    return False
+
+
+def _mask(path: str, field: bytes) -> int:
+    """A signal mask of /proc's status file `path` (SigBlk, SigCgt); ValueError where there is
+    none."""
+    with open(path, "rb") as f:
+        for line in f.read(1 << 16).splitlines():
+            key, _, value = line.partition(b":")
+            if key == field:
+                return int(value.strip(), 16)
+    raise ValueError(f"no {field!r} in {path}")
+
+
 def pipe_full(fd: int) -> bool:
     """Whether the pipe on `fd` is full, or too full for a writer's next chunk (a page): its
     writer waits for a reader. False for anything but a pipe."""

@@ -661,6 +661,57 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
     assert waiter.wait(timeout=20) == 0
 
 
+#: A program holding 13 GiB through gpuwait.reserve() until `release` exists, its SIGCHLD
+#: handler noting each one in `noted`: it starts no child, so none is its own.
+_PROGRAM_WITH_A_SIGCHLD_HANDLER = """
+import os, signal, sys, time
+import gpuwait
+noted, ready, release = sys.argv[1:]
+def note(signum, frame):
+    with open(noted, "a") as f:
+        f.write("SIGCHLD\\n")
+signal.signal(signal.SIGCHLD, note)
+with gpuwait.reserve("13G", name="program"):
+    open(ready, "w").close()
+    while not os.path.exists(release):
+        time.sleep(0.05)
+"""
+
+
+def test_a_program_holding_its_gpu_is_sent_no_sigchld_when_the_ledger_is_recovered(
+    gw: Run, tmp_path: Path, procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # A program that reserved its GPU with gpuwait.reserve() and runs, handling SIGCHLD for
+    # children of its own, holds its job's liveness lock itself. Its entry lost with a damaged
+    # ledger, the launch whose transaction recovered the file woke the holders of unlisted
+    # locks with SIGCHLD: the program's handler ran, though no child of its had ended.
+    noted, ready, release = (tmp_path / n for n in ("noted", "ready", "release"))
+    files = [str(f) for f in (noted, ready, release)]
+    program = procs([sys.executable, "-c", _PROGRAM_WITH_A_SIGCHLD_HANDLER, *files])
+    wait_for(lambda: ready.exists() or program.poll() is not None, timeout=30)
+    assert program.poll() is None, program.communicate()
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    # Stopped outside a transaction of its own, so that the launch's transaction recovers the
+    # file, not the program's own publishing of its usage.
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        os.kill(program.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(program.pid) == "T", timeout=10)
+    try:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        second = _waiting(
+            procs,
+            [*VRAM_13G, "--name", "second", "--", "true"],
+            "the second job ran beside the program's reservation",
+        )
+        assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
+    finally:
+        os.kill(program.pid, signal.SIGCONT)
+    release.touch()
+    assert program.wait(timeout=30) == 0, program.communicate()
+    assert second.wait(timeout=60) == 0, second.communicate()
+    assert not noted.exists(), noted.read_text()
+
+
 @pytest.mark.parametrize("ledger", ["started afresh", "new"])
 def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
     gw: Run,
