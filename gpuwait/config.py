@@ -1313,6 +1313,16 @@ def current_fair_share(cli: Mapping[str, Any], settings: Settings) -> Callable[[
     return current
 
 
+def _lookup_error(path: Path) -> OSError | None:
+    """Why `path` cannot be looked up (FileNotFoundError: nothing there; a directory shut to
+    the user, a component too long); None where it can."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc
+    return None
+
+
 def wrap_rules(env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], ...] | None:
     """wrap_only_in and never_wrap as `load_settings` takes them, read where another setting
     cannot be (a value not valid, a setting not known, GPUWAIT_SIM refused): the shell hook's
@@ -1321,7 +1331,7 @@ def wrap_rules(env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], .
     environ = os.environ if env is None else env
     path = config_file_path(environ)
     try:
-        if path is not None and environ.get("GPUWAIT_CONFIG") and not path.exists():
+        if path is not None and environ.get("GPUWAIT_CONFIG") and _lookup_error(path):
             return None
         own = {} if path is None else _config_table(path, site=False)
         site = _config_table(site_config_file_path(), site=True)
@@ -1340,10 +1350,14 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     environ = os.environ if env is None else env
     path = config_file_path(environ)
     site = site_config_file_path()
-    if path is not None and environ.get("GPUWAIT_CONFIG") and not path.exists():
-        # Named on purpose: a typo must not silently leave every setting at its default.
+    error = _lookup_error(path) if path is not None and environ.get("GPUWAIT_CONFIG") else None
+    if error is not None:
+        # Named on purpose: a typo must not silently leave every setting at its default, nor a
+        # path that cannot be looked up (a directory shut to the user, a name too long).
+        missing = isinstance(error, (FileNotFoundError, NotADirectoryError))
         raise UsageError(
-            f"GPUWAIT_CONFIG names {path}, which does not exist",
+            f"GPUWAIT_CONFIG names {path}, which "
+            + ("does not exist" if missing else f"cannot be looked up: {error.strerror}"),
             hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
         )
     own = {} if path is None else load_config_file(path)

@@ -358,6 +358,16 @@ CASES: dict[str, Case] = {
         2,
         "does not exist",
     ),
+    # A name no file can have (a component past 255 bytes; a directory shut to the user
+    # alike): every command ended in a traceback from the check that the file exists.
+    "env config name too long": (
+        ["true"],
+        {"GPUWAIT_CONFIG": "/tmp/" + "c" * 300 + "/gpuwait.toml"},
+        None,
+        None,
+        2,
+        "File name too long",
+    ),
     "env sim missing": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_SIM": "/nonexistent.toml", "GPUWAIT_ON_NO_GPU": "fail"},

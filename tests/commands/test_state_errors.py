@@ -347,6 +347,27 @@ def test_a_home_that_is_not_yours_is_no_config_file_and_one_taken_over_is_named(
     assert "cannot be read: Permission denied" in done.stderr, done.stderr
 
 
+def test_a_config_file_named_in_a_directory_shut_to_the_user_is_refused_not_skipped(
+    users_machine: tuple[Path, Path],
+) -> None:
+    # GPUWAIT_CONFIG naming a file behind a directory that keeps the user out ended every
+    # command in a traceback (PermissionError) from the check that it exists; read as the
+    # usual file would be, in a home not theirs, it would be skipped without a word instead.
+    from helpers.users import run_as, user_home
+
+    alice = 47213
+    root, sim = users_machine
+    shut = root / "shut"
+    shut.mkdir(mode=0o700)  # root's
+    (shut / "config.toml").write_text("safety = 0.8\n")
+    env = {"PATH": "/usr/bin:/bin", "GPUWAIT_SIM": str(sim), **user_home(root, alice, alice)}
+    env["GPUWAIT_CONFIG"] = str(shut / "config.toml")
+    done = run_as(alice, alice, [], ["--vram", "1G", "--", "sh", "-c", "echo ran"], env)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert "cannot be looked up: Permission denied" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_user_with_no_home_at_all_runs_with_the_state_dir_it_names(
     users_machine: tuple[Path, Path],
 ) -> None:
