@@ -434,6 +434,13 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
                         index += 1
                         word += " " + said[index]
                     sets.append(word)
+                    if _numbering(exported):
+                        # `integer CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"`: the builtin
+                        # is the command still, which reads the value as arithmetic
+                        # (`makes_a_number`).
+                        return [*exported, word], False, tuple(sets)
+                elif _ASSIGNMENT.match(word) and words[0] in builtins and _numbering(words):
+                    return [*words, word], False, tuple(sets)  # the same, `local -F ...`
                 return (words, False, tuple(sets)) if words or sets else None
             if not words and not exported and word in builtins:
                 exported = [word]
@@ -453,6 +460,15 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
         if words:
             return words, True, tuple(sets)
     return ([], True, tuple(sets)) if sets else None
+
+
+def _numbering(exported: Sequence[str]) -> bool:
+    """Do `exported`, a declaring builtin and its options (`_first_command`), make a number of
+    what they set: zsh's integer and float, -i (zsh's -E and -F too)?"""
+    options = [word for word in exported[1:] if word[:1] == "-" and word != "--"]
+    return bool(exported) and (
+        exported[0] in ("integer", "float") or any(set(w[1:]) & set("iEF") for w in options)
+    )
 
 
 def _in_env_arguments(words: Sequence[str]) -> bool:
@@ -740,16 +756,22 @@ _ZSH_ARRAYS = {**_ARRAYS, "export": "a", "readonly": "aA", "local": "aA"}
 
 
 def makes_a_number(step: Step, variable: str) -> bool:
-    """Does zsh's code make `variable` a number before its command with no value given
-    (`integer CUDA_VISIBLE_DEVICES`, `float ...`, `typeset -i ...`, `local -F ...`)? zsh reads
-    the value it had as arithmetic: a GPU UUID's words and numbers (`GPU-...`) give 0, or less,
-    or an error. bash's `declare -i` reads only a value assigned after it."""
-    if step.shell != "zsh" or step.program not in declaring("zsh"):
+    """Does a shell's code make `variable` a number before its command, with no value given
+    (zsh's `integer CUDA_VISIBLE_DEVICES`, `float ...`, `typeset -i ...`, `local -F ...`) or
+    one that passes gpuwait's on (`integer CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"`, bash's
+    `declare -i` too)? The shell reads the value as arithmetic: a GPU UUID's words and numbers
+    (`GPU-...`) give 0, or less, or an error. bash's `declare -i` reads only a value assigned
+    after it; any other value is one the line sets (`_check_sets`)."""
+    if step.shell == "fish" or step.program not in declaring(step.shell):
         return False
-    if variable not in step.argv[1:]:
+    assigned = any(word.startswith(variable + "=") for word in step.argv[1:])
+    if not assigned and (step.shell != "zsh" or variable not in step.argv[1:]):
         return False
+    if step.shell != "zsh" and step.program not in ("declare", "typeset"):
+        return False  # bash's export and readonly have no -i: "invalid option", nothing set
     options = [word for word in step.argv[1:] if word[:1] == "-" and word not in ("-", "--")]
-    return step.program in ("integer", "float") or any(set(w[1:]) & set("iEF") for w in options)
+    numbers = "iEF" if step.shell == "zsh" else "i"
+    return step.program in ("integer", "float") or any(set(w[1:]) & set(numbers) for w in options)
 
 
 def unexports(step: Step, variable: str) -> bool:

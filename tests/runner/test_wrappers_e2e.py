@@ -2469,6 +2469,17 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         ("zsh", "typeset +i CUDA_VISIBLE_DEVICES", True),
         ("zsh", "integer n", True),
         ("bash", "declare -i CUDA_VISIBLE_DEVICES", True),
+        # Made a number of gpuwait's own value, passed on: read as arithmetic all the same,
+        # by bash too (GPU-own: 0; a UUID with a word such as 02d7 in it, an error).
+        ("zsh", 'integer CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
+        ("zsh", "typeset -i CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "local -F CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES}", False),
+        ("bash", 'declare -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
+        ("bash", 'declare -xi CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
+        ("bash", 'declare -x CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', True),
+        ("bash", 'export -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', True),
+        ("zsh", 'export -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
+        ("zsh", 'typeset -x CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', True),
     ],
 )
 def test_zshs_local_integer_and_float_are_read_as_typeset(
