@@ -302,10 +302,13 @@ def run(options: argparse.Namespace) -> int:
     stray = _stray_vram(options)
     if stray is not None:
         program = printable(os.path.basename(request.command[0]), 100)
+        # `--vram` last, `--vram=`, or another option after it (`--vram --epochs 3`): no
+        # size typed, the word for one said.
+        size = printable(stray, 100) if stray.strip() and stray[:1] != "-" else "SIZE"
         console.warn(
-            f"--vram {printable(stray, 100)} after the command is {program}'s, not gpuwait's, "
+            f"--vram {size} after the command is {program}'s, not gpuwait's, "
             "which asks for the size learned from earlier runs, else default_vram: put it "
-            f"before the command, `gpuwait --vram {printable(stray, 100)} {program} ...`, or "
+            f"before the command, `gpuwait --vram {size} {program} ...`, or "
             f"`--` before the command where it is {program}'s"
         )
     if (request.pausable or request.freezable) and request.gpus > 1:

@@ -120,6 +120,23 @@ def test_a_size_typed_after_the_command_is_told_to_go_before_it(sim: Path) -> No
         assert done.returncode == 0 and done.stderr == "", (argv, done.stderr)
 
 
+@pytest.mark.parametrize("typed", [["--vram"], ["--vram="], ["--vram", "--epochs", "3"]])
+def test_a_size_option_typed_after_the_command_without_a_size_is_told_with_one(
+    sim: Path, typed: list[str]
+) -> None:
+    # `gpuwait python train.py --vram` was told "--vram  after the command is python3's", the
+    # line to type `gpuwait --vram  python3 ...`: an option with nothing after it; and
+    # `--vram --epochs 3`, `gpuwait --vram --epochs python3 ...`.
+    done = gpuwait("python3", "-c", "pass", *typed)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: --vram SIZE after the command is python3's, not gpuwait's, which "
+        "asks for the size learned from earlier runs, else default_vram: put it before the "
+        "command, `gpuwait --vram SIZE python3 ...`, or `--` before the command where it is "
+        "python3's"
+    ]
+
+
 def test_an_unknown_variable_far_from_every_setting_points_at_the_list(sim: Path) -> None:
     done = gpuwait("status", GPUWAIT_ZQX="1")
     assert done.returncode == 0
