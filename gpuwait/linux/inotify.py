@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import re
 import signal
 import struct
 from pathlib import Path
@@ -62,15 +63,20 @@ class LedgerWatch:
     def active(self) -> bool:
         return self.fd >= 0
 
-    def drain(self) -> set[str] | None:
+    def drain(self, wanted: tuple[bytes, re.Pattern[bytes]] | None = None) -> set[str] | None:
         """Read the queued events, so that the next one signals again; the names of the files
-        they were about (None: some were lost, the kernel's queue having overflowed)."""
+        they were about (None: some were lost, the kernel's queue having overflowed).
+
+        `wanted`: only the names that its pattern's first group finds in the events as read
+        (bytes that every one of them holds, looked for first), without going through the
+        events one by one: in a directory anyone of a group can write to, a loop renaming
+        files makes thousands of them a second, each to be read by every watcher."""
         names: set[str] | None = set()
         if self.fd < 0:
             return names
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while chunk := os.read(self.fd, 65536):
-                found = _event_names(chunk)
+                found = _event_names(chunk) if wanted is None else _wanted_names(chunk, wanted)
                 names = None if found is None or names is None else names.union(found)
         return names
 
@@ -101,3 +107,19 @@ def _event_names(chunk: bytes) -> list[str] | None:
             names.append(os.fsdecode(raw))
         at += _EVENT.size + length
     return names
+
+
+#: The event the kernel queues where its queue overflowed: no watch (-1), no cookie, no name.
+_OVERFLOW_EVENT = _EVENT.pack(-1, _IN_Q_OVERFLOW, 0, 0)
+
+
+def _wanted_names(chunk: bytes, wanted: tuple[bytes, re.Pattern[bytes]]) -> list[str] | None:
+    """`_event_names` as far as `wanted` (see `LedgerWatch.drain`) finds them; None where the
+    kernel's queue overflowed (or where a name holds the bytes of that event: then too any
+    file may have been written)."""
+    if _OVERFLOW_EVENT in chunk:
+        return None
+    part, pattern = wanted
+    if part not in chunk:
+        return []
+    return [os.fsdecode(name) for name in set(pattern.findall(chunk))]

@@ -545,6 +545,9 @@ def wait_for_admission(
     window = UtilizationWindow()
     wants_utilization = job.requirements.get("max_util_pct") is not None
     watch = None
+    #: (monotonic) Until when the watch's wake-ups are left pending: any member can rename
+    #: files in a shared ledger directory as fast as a loop goes, each an event.
+    watch_quiet_until = 0.0
     # In a private ledger every writer is this user, and signals the waiters a change concerns.
     kicked = policy.use_inotify and not ledger.shared
     queue_length = 1
@@ -868,6 +871,12 @@ def wait_for_admission(
                     continue  # the summary may have changed before the watch began
                 watching = watch is not None and watch.active
                 wake_at = next_read
+                # Woken by the watch a moment ago: the next of its wake-ups is taken once the
+                # gap has passed, whatever it was about, so that no member's loop of renames
+                # keeps every waiter busy (a summary acted on takes SOURCE_GAP anyway).
+                quieted = watching and time.monotonic() < watch_quiet_until
+                if quieted:
+                    wake_at = min(wake_at, watch_quiet_until)
                 for moment in (backup[0] if backup is not None else None, held_back, lapses):
                     if moment is not None:
                         wake_at = min(wake_at, moment)
@@ -883,7 +892,9 @@ def wait_for_admission(
                     if remaining <= 0:
                         return timed_out()
                     sleep = min(sleep, remaining)
-                also = (watch.wake_signal,) if watch is not None and watching else ()
+                also = (
+                    (watch.wake_signal,) if watch is not None and watching and not quieted else ()
+                )
                 # Waiting, this launch has had its turn: the next one in the turnstile loads now.
                 turnstile.leave()
                 info = signals.next_signal(sleep, also=also)
@@ -898,7 +909,8 @@ def wait_for_admission(
                     summaries.written(None if ledger.shared else (wake.FILENAME,))
                     continue
                 if watch is not None and watching and info.si_signo == watch.wake_signal:
-                    summaries.written(watch.drain())
+                    summaries.written(watch.drain(wake.EVENT_NAMES))
+                    watch_quiet_until = time.monotonic() + wake.SOURCE_GAP
                     continue
                 return job, Interrupted(info.si_signo)
             except StateShortage as exc:

@@ -33,7 +33,8 @@ SOURCE_GAP seconds, so that no member can make every waiter plan at the rate the
 one that is not a summary is passed over (the waiters' timers remain).
 
 How a waiter learns that a summary changed: in a shared ledger directory, by watching the
-directory (inotify). In a private one every writer is the same user, so the transaction itself
+directory (inotify), its wake-ups taken at most every SOURCE_GAP seconds and searched for the
+names of summaries alone (`EVENT_NAMES`): any member can rename files there in a loop. In a private one every writer is the same user, so the transaction itself
 signals (SIGCHLD: harmless to any process, and blocked by gpuwait from its start, so never lost)
 only the waiters a change concerns - those it admitted, removed, or whose dependency left, and
 after a release the first two in line - once the lock is let go (`concerned`). A watch would
@@ -69,6 +70,12 @@ STAMP = "plan.stamp"
 #: In a shared ledger directory: one user's summary makes a waiter act at most this often.
 SOURCE_GAP = 0.05
 _USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
+#: A summary's name (wake.json, or any user's) as inotify's events hold it, after the NUL that
+#: ends its event's length and padded with NULs; and what every such name has in it.
+EVENT_NAMES = (
+    b"wake",
+    re.compile(rb"\0(wake(?:\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?)?\.json)\0"),
+)
 #: Users whose summaries are looked at, at most (one per user who ever used the directory).
 MAX_SUMMARIES = 4096
 

@@ -473,5 +473,10 @@ def test_inotify_tells_the_names_of_the_files_written(tmp_path: Path) -> None:
             os.replace(tmp_path / "temp", tmp_path / name)
         assert watch.drain() == {"wake.1000.json", "wake.1001.json"}
         assert watch.drain() == set()
+        # Looking for summaries alone: another file's events, however many, name none.
+        for name in ("scratch", "xwake.1000.json", "wake.1000.json.old", "wake.1000.json"):
+            (tmp_path / "temp").write_text("{}")
+            os.replace(tmp_path / "temp", tmp_path / name)
+        assert watch.drain(wake.EVENT_NAMES) == {"wake.1000.json"}
     finally:
         watch.close()
