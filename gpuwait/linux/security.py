@@ -571,6 +571,21 @@ def _is_gpuwait(pid: int, start: int) -> bool:
     return known
 
 
+def runs_gpuwait(uid: int) -> bool:
+    """Does a process of `uid`'s that this user can see run gpuwait?"""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit() or proc.owner_uid(int(name)) != uid:
+            continue
+        start = proc.start_time(int(name))
+        if start is not None and _is_gpuwait(int(name), start):
+            return True
+    return False
+
+
 def control_refusal(
     job: _JobLike, uid: int | None = None, own_process: Callable[[], bool] | None = None
 ) -> str | None:

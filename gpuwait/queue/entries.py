@@ -742,6 +742,9 @@ class LedgerData(Record):
     #: held until it came back may go on, as after a release (see gpuwait.queue.wake). Not
     #: written.
     put_back: bool = False
+    #: In a shared ledger directory: the other users whose file could not be read (why, by
+    #: uid) while a gpuwait of theirs runs: the room their jobs hold is not known. Not written.
+    unread: dict[int, str] = field(default_factory=dict)
 
     def mine(self, job: Job) -> bool:
         """Is `job` in the file this process writes (every job is, in a private ledger)?"""

@@ -59,6 +59,7 @@ from gpuwait.linux.security import (
     open_readable,
     open_state_file,
     proven_entry,
+    runs_gpuwait,
     taken_over_hint,
 )
 from gpuwait.linux.stamp import FileStamp, file_stamp, may_change_unseen, stamp_of
@@ -73,6 +74,9 @@ MAX_USER_FILES = 4096
 #: How long a process about to end waits for the lock with a signal pending: many times a
 #: transaction's length under contention, short enough that TERM still ends it at once to a user.
 LEAVE_PATIENCE = 1.0
+#: How long after its last change another member's file that cannot be used keeps everyone
+#: from being admitted while a gpuwait of theirs runs (see `Ledger._load_other`).
+UNREAD_GRACE = 30.0
 #: Stand-ins for a content that could not be read: each unlike any other.
 _UNTOLD = itertools.count()
 
@@ -510,13 +514,15 @@ class Ledger:
         names = self._user_files()
         data, raw, rewrite = self._load_own(self.path, repair, owned=True)
         others: dict[int, LedgerData] = {}
+        unread: dict[int, str] = {}
         for uid, name in names.items():
             if uid == self._uid:
                 continue
-            part = self._load_other(self.directory / name, uid, repair)
+            part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
+        combined.unread = unread
         return combined, raw, rewrite
 
     def _user_files(self) -> dict[int, str]:
@@ -618,9 +624,15 @@ class Ledger:
         user's (told by the lock, whatever ledger schema its gpuwait writes)?"""
         return bool(alive.unlisted(self.directory, set(), math.inf))
 
-    def _load_other(self, path: Path, uid: int, repair: bool) -> LedgerData | None:
+    def _load_other(
+        self, path: Path, uid: int, repair: bool, unread: dict[int, str]
+    ) -> LedgerData | None:
         """Another user's file, or None (with a warning when transacting) when it is unusable:
-        then that user's jobs are not counted until they run gpuwait again."""
+        then that user's jobs are not counted until they run gpuwait again; where it changed
+        less than UNREAD_GRACE ago and a gpuwait of theirs runs now, why it is not used goes in
+        `unread`, by uid (nobody is admitted while the room their jobs hold is unknown). A file
+        left so for longer is not waited for: its owner's gpuwait, where it uses this ledger
+        and runs, writes it again at its next change."""
         try:
             found = self._read_file(path)
             if found is None or found[0] != uid:
@@ -639,6 +651,8 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
+            if _changed_lately(path) and runs_gpuwait(uid):
+                unread[uid] = str(exc)
             return None
         if tidies and raw.get("schema") == entries.SCHEMA:
             # A newer gpuwait's file is its owner's to tidy: written back by this one, it
@@ -725,6 +739,16 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+def _changed_lately(path: Path) -> bool:
+    """Did the file at `path` change (its inode: a time nobody can set) less than UNREAD_GRACE
+    ago, either way of the clock?"""
+    try:
+        changed = os.lstat(path).st_ctime
+    except OSError:
+        return False
+    return abs(time.time() - changed) < UNREAD_GRACE
 
 
 def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: int | None) -> bool:

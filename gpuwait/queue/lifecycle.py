@@ -1098,6 +1098,8 @@ def admit(
             return copy_job(mine), found_admission(mine, snapshot, data)
         _note_health(data, snapshot, now, said)
         held = held_for_entries(ledger.directory, data, mine, now, boot_now)
+        if held is None:
+            held = held_for_unread(data, mine)
         if held is not None:
             return copy_job(mine), held
         failure = settle_dependencies(mine, data)
@@ -1138,6 +1140,27 @@ def held_for_entries(
     neither the lock nor the whole queue's plan to learn it."""
     lost = _entries_to_come_back(directory, data, now, boot_now)
     return _waiting_for_entries(mine, data, lost, now, boot_now) if lost else None
+
+
+def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
+    """Why the waiter `mine` waits where another member's file of a shared ledger could not be
+    read while a gpuwait of theirs runs (`LedgerData.unread`): their jobs' reservations are
+    not known, and nobody is admitted into them until their gpuwait writes the file again;
+    None where no such file is."""
+    if not data.unread:
+        return None
+    uid, why = min(data.unread.items())
+    needed = describe_need(mine.memory_request(), mine.gpus)
+    return WaitReason(
+        needed=needed,
+        best_gpu_index=None,
+        best_room=0,
+        running=sum(j.state == RUNNING for j in data.jobs),
+        ahead=0,
+        blocked=f"waiting for {needed}: the ledger file of uid {uid}, whose gpuwait runs, "
+        f"cannot be used ({why}); the room their jobs hold is not known until it is written "
+        "again",
+    )
 
 
 def _entries_to_come_back(

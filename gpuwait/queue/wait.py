@@ -363,6 +363,8 @@ def _reason_without_lock(
     if lifecycle.would_tidy(data, snapshot, now, directory):
         return Unlocked(None)
     lost = lifecycle.held_for_entries(directory, data, mine, now, boot_now)
+    if lost is None:
+        lost = lifecycle.held_for_unread(data, mine)
     if lost is not None:
         return Unlocked(lost)  # as the transaction would say, before planning anything
     live = data.referred([*mine.after, *mine.after_ok])

@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,6 +229,33 @@ def test_another_users_damaged_file_is_left_alone_and_not_counted(
     # It is theirs: neither moved nor changed.
     assert os.lstat(other).st_uid == 4242
     assert not list(directory.glob("ledger.4242.json.damaged-*"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_while_they_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuwait.queue import ledger as module
+
+    directory = shared_dir(tmp_path)
+    other = directory / "ledger.4242.json"
+    other.write_bytes(DAMAGE["truncated"])
+    os.lchown(other, 4242, 4242)
+    # Nobody of theirs runs gpuwait: the file stands for no job of theirs.
+    assert Ledger(directory).read().unread == {}
+    theirs = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
+        assert list(Ledger(directory).read().unread) == [4242]
+        # Left so for longer (its owner's gpuwait uses another ledger, or is stopped): the
+        # others are not held for it for good.
+        monkeypatch.setattr(module, "UNREAD_GRACE", 0.0)
+        assert Ledger(directory).read().unread == {}
+    finally:
+        theirs.kill()
+        theirs.wait()
 
 
 def failing_open_of(monkeypatch: pytest.MonkeyPatch, path: Path, error: int) -> Callable[[], int]:

@@ -936,6 +936,52 @@ def test_a_members_loop_of_renames_keeps_no_waiter_busy(server: Server) -> None:
     assert (waiter.returncode, out) == (0, "ran\n"), err
 
 
+EMPTIES = """
+import os, sys, time
+while True:
+    try:
+        os.truncate(sys.argv[1], 0)
+    except OSError:
+        pass
+    time.sleep(0.002)
+"""
+
+
+def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_its_room(
+    server: Server,
+) -> None:
+    # Bob's job holds 15 GiB of the card's 21.6 usable, and a loop of his empties his ledger
+    # file again and again. Alice's launches read it as damaged, counted no job of his, and
+    # each of 5 was started into the room his job holds. While a gpuwait of his runs, a file
+    # of his that cannot be used admits nobody, and says so.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        for _ in range(5):
+            done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
+            assert (done.returncode, done.stdout) == (124, ""), done.stderr
+            assert f"the ledger file of uid {BOB}, whose gpuwait runs, cannot be used" in (
+                done.stderr
+            ), done.stderr
+    finally:
+        loop.kill()
+        loop.wait()
+    # Once Bob's job has ended, its room is Alice's.
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    done = server.run(ALICE, "--vram", "15G", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
 FORGE = """
 import json, os, sys
 payload = sys.stdin.read()
