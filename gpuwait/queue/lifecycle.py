@@ -684,7 +684,32 @@ def _entry(data: LedgerData, job: Job) -> Job:
         mine = copy_job(job)
         data.jobs.append(mine)
         data.put_back = True
+        _keep_place(data, mine)
     return mine
+
+
+def _keep_place(data: LedgerData, mine: Job) -> None:
+    """Keep the place in the queue of `mine`, a waiter's entry put back: a file started afresh
+    numbers its launches from 1 again, so one launched after `mine` may have been given a
+    place before it. Such entries of this file go behind it, in their own order."""
+    data.next_order = max(data.next_order, mine.order + 1)
+    if mine.state == RUNNING:
+        return
+    later = sorted(
+        (
+            j
+            for j in data.jobs
+            if j is not mine
+            and data.mine(j)
+            and j.state != RUNNING
+            and j.order <= mine.order
+            and j.submitted_at > mine.submitted_at
+        ),
+        key=lambda j: j.order,
+    )
+    for job in later:
+        job.order = data.next_order
+        data.next_order += 1
 
 
 def _note_health(data: LedgerData, snapshot: MachineSnapshot, now: float, said: _Said) -> None:

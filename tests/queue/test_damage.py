@@ -1236,3 +1236,45 @@ def test_a_launch_right_after_own_shared_file_was_started_afresh_waits_for_the_r
     _, err = second.communicate()
     assert "the ledger was started afresh after damage; 1 job of yours still running" in err
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+
+
+def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One 24 GiB card: a 13 GiB job runs, another waits behind it. The ledger is damaged and
+    # started afresh by a later 13 GiB launch, whose entry took the first place of the new
+    # file; the waiter put its entry back with its old place behind it, "1 ahead of you", and
+    # once the card was free the later launch started first.
+    release = tmp_path / "release"
+    started = tmp_path / "started"
+    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
+    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+
+    def noting(name: str) -> list[str]:
+        return ["sh", "-c", f"echo {name} >> {shlex.quote(str(started))}"]
+
+    waiter = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "waiter", "--", *noting("waiter")],
+        "the waiter ran beside the running job",
+    )
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    replace_ledger(ledger_path, DAMAGE["truncated"])
+    later = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "later", "--", *noting("later")],
+        "the later launch ran beside the running job",
+    )
+    wait_for(
+        lambda: named_entry("holder") and named_entry("waiter"),
+        timeout=20,
+        message="the entries were never put back",
+    )
+    release.touch()
+    assert holder.wait(timeout=30) == 0
+    assert waiter.wait(timeout=30) == 0 and later.wait(timeout=30) == 0
+    assert started.read_text().split() == ["waiter", "later"]
