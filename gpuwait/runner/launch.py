@@ -492,17 +492,32 @@ def _in_container(
     return got
 
 
-def _reaching(value: str, names: str, given: Mapping[str, str] | None) -> str:
+#: Expansions that keep whole entries of a list cut at its commas, so some of the GPUs it
+#: names: the first (`${NAME%%,*}`), all but the last (`%,*`), all but the first (`#*,`), the
+#: last (`##*,`); each the whole value where it names one GPU.
+_KEEPS_ENTRIES: dict[str, Callable[[str], str]] = {
+    "%%,*": lambda v: v.split(",", 1)[0],
+    "%,*": lambda v: v.rsplit(",", 1)[0],
+    "#*,": lambda v: v.split(",", 1)[-1],
+    "##*,": lambda v: v.rsplit(",", 1)[-1],
+}
+
+
+def _reaching(value: str, names: str, given: Mapping[str, str] | None, fish: bool = False) -> str:
     """What `value`, set by a wrapper or a shell, gives its variable: where it passes on one of
     `names` (a pattern: `$GPUWAIT_GPU_UUIDS`, `"${CUDA_VISIBLE_DEVICES:-0}"`), that one's value
     as the step gets it (`given`, of `_given`; None: not known, taken as gpuwait's), or the
     default that fills it where a wrapper or the code emptied or unset it: _GPUWAITS where it is
-    gpuwait's own. `env GPUWAIT_GPU_UUIDS=0 sh -c 'CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS ...'`
-    gives 0."""
+    gpuwait's own, or some of its GPUs (`${CUDA_VISIBLE_DEVICES%%,*}`; `fish`: fish's code,
+    where `$CUDA_VISIBLE_DEVICES[1]` is the whole value, fish splitting no such variable).
+    `env GPUWAIT_GPU_UUIDS=0 sh -c 'CUDA_VISIBLE_DEVICES=$GPUWAIT_GPU_UUIDS ...'` gives 0."""
     # `${NAME:?message}`: NAME's, or none, the shell stopping where it has none.
     default = r"(?P<colon>:?)(?:[-=](?P<default>[^}]*)|\?[^}]*)"
+    cut = "|".join(re.escape(c) for c in _KEEPS_ENTRIES)
+    element = r"(?:\[-?1\])?" if fish else ""
     match = re.fullmatch(
-        rf'"?\$(?:(?P<bare>{names})|\{{(?P<name>{names})(?:{default})?\}})"?', value
+        rf'"?\$(?:(?P<bare>{names}){element}|\{{(?P<name>{names})(?:{default}|(?P<cut>{cut}))?\}})"?',
+        value,
     )
     if match is None:
         return value
@@ -513,7 +528,9 @@ def _reaching(value: str, names: str, given: Mapping[str, str] | None) -> str:
         got is None or (match["colon"] and got != _GPUWAITS and not got.strip(" \"'"))
     ):
         return match["default"]
-    return "" if got is None else got
+    if got is None:
+        return ""
+    return got if got == _GPUWAITS or match["cut"] is None else _KEEPS_ENTRIES[match["cut"]](got)
 
 
 def _check_sets(
@@ -536,6 +553,7 @@ def _check_sets(
     line's own; the GPUs gpuwait picks from are chosen before it. `given`: gpuwait's variables
     as the step gets them (`_given`), which a default fills where a wrapper emptied one."""
     before = None if given is None else dict(given)
+    fish = "fish" in (step.program, step.shell)
     for word in step.sets:
         name, _, value = word.partition("=")
         now = before
@@ -543,7 +561,7 @@ def _check_sets(
             # What it sets counts for one passed on after it (`export CUDA_VISIBLE_DEVICES=;
             # ...=${CUDA_VISIBLE_DEVICES:-0}`, `GPUWAIT_GPU_UUIDS=0; ...=$GPUWAIT_GPU_UUIDS`).
             known = "|".join(re.escape(n) for n in before)
-            before = {**before, name: _reaching(value, known, before)}
+            before = {**before, name: _reaching(value, known, before, fish)}
         variable = next((v for v in names if name in (v, *_container_names([v]))), None)
         if variable is None:
             continue
@@ -551,7 +569,7 @@ def _check_sets(
         # What gpuwait gives, passed on by a shell (`...=$GPUWAIT_GPU_UUIDS`), is let be; one a
         # wrapper or the code set before (`env GPUWAIT_GPU_UUIDS=0 sh -c ...`), or the default
         # filling one emptied (`${CUDA_VISIBLE_DEVICES:-0}`), is judged as if set here.
-        reached = _reaching(value, gpuwaits, now)
+        reached = _reaching(value, gpuwaits, now, fish)
         if reached == _GPUWAITS:
             continue
         if variable == GPU_VARIABLES[1] and reached.strip("\"'") == "PCI_BUS_ID":

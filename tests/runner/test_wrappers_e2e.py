@@ -1924,6 +1924,54 @@ def test_a_shell_that_defaults_the_gpus_to_its_own_runs_on_the_gpu_reserved(
         assert done.returncode == 2, done.stderr
 
 
+#: A shell's code that writes the CUDA_VISIBLE_DEVICES its command gets to `seen`.
+_SEEN = "sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"
+
+
+@pytest.mark.parametrize(
+    ("shell", "code"),
+    [
+        ("bash", f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES%%,*}} {_SEEN}"),
+        ("bash", f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES%,*}} {_SEEN}"),
+        ("zsh", f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES##*,}}"; {_SEEN}'),
+        ("sh", f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES#*,}} {_SEEN}"),
+        ("fish", f"set -x CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES[1]; {_SEEN}"),
+        ("fish", f"set -gx CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES[-1]; {_SEEN}"),
+    ],
+)
+def test_a_shell_that_keeps_some_of_the_gpus_given_runs_on_them(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, shell: str, code: str
+) -> None:
+    # `bash -c 'CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES%%,*} python x.py'`, the first of
+    # the GPUs given, fish's `$CUDA_VISIBLE_DEVICES[1]` (the whole value: fish splits no such
+    # variable) were refused, exit 2, "sets ... over the CUDA_VISIBLE_DEVICES gpuwait sets",
+    # where each runs on GPUs gpuwait gave it.
+    line = [shell, "-c", code]
+    two = ("--vram", "4G", "--gpus", "2")
+    done = gpuwait(gpuwait_cmd, line, opts=two, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = (tmp_path / "seen").read_text().strip()
+    assert seen and set(seen.split(",")) <= set(sim_uuids(sim)), seen
+    # What the real shell makes of it, gpuwait's two GPUs set: some of them.
+    bare = seen_bare(line, tmp_path, CUDA_VISIBLE_DEVICES="GPU-a,GPU-b")
+    assert bare and set(bare.split(",")) <= {"GPU-a", "GPU-b"}, bare
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES/GPU-*/0}} {_SEEN}",
+        f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES%%-*}}0 {_SEEN}",
+        f"CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES[1] {_SEEN}",
+    ],
+)
+def test_a_shell_that_makes_other_gpus_of_the_ones_given_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, code: str
+) -> None:
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", code], cwd=tmp_path)
+    refused(done, tmp_path / "seen", "over the CUDA_VISIBLE_DEVICES gpuwait sets")
+
+
 @pytest.mark.parametrize(
     ("before", "code"),
     [
