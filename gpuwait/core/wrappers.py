@@ -416,7 +416,10 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
         #: `export`, or bash's `declare`, `typeset` or `readonly` and its options that keep a
         #: variable exported (`declare -x`), before the variables it sets.
         exported: list[str] = []
+        taken = 0
         for index, word in enumerate(said):
+            if index < taken:
+                continue  # a word of the quoted value before it
             if not _PLAIN.match(word):
                 if (
                     _ASSIGNMENT.match(word)
@@ -424,7 +427,14 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
                     and _in_env_arguments(words)
                 ):
                     # env's own assignment from an expansion (`env -i HOME="$HOME" python
-                    # x.py`): env's options end before it, whatever it expands to.
+                    # x.py`): env's options end before it, whatever it expands to. A quoted
+                    # value is one word with its spaces (`NOTE="a CUDA_VISIBLE_DEVICES=0"`).
+                    taken = index + 1
+                    while not _quotes_closed(word) and taken < len(said):
+                        word += " " + said[taken]
+                        taken += 1
+                    if not _quotes_closed(word):
+                        return words, False, tuple(sets)
                     words.append(word)
                     continue
                 if not words and _ASSIGNMENT.match(word):
@@ -469,6 +479,15 @@ def _numbering(exported: Sequence[str]) -> bool:
     return bool(exported) and (
         exported[0] in ("integer", "float") or any(set(w[1:]) & set("iEF") for w in options)
     )
+
+
+def _quotes_closed(word: str) -> bool:
+    """Does `word` close every quote it opens (`NOTE="a b"`, not `NOTE="a`)?"""
+    try:
+        shlex.split(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _in_env_arguments(words: Sequence[str]) -> bool:

@@ -1972,6 +1972,23 @@ def test_a_shell_that_makes_other_gpus_of_the_ones_given_is_refused(
     refused(done, tmp_path / "seen", "over the CUDA_VISIBLE_DEVICES gpuwait sets")
 
 
+def test_a_shells_env_setting_a_quoted_value_with_spaces_is_read_whole(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `sh -c 'env NOTE="a CUDA_VISIBLE_DEVICES=0" python x.py'`, a value that only holds the
+    # text, was refused, exit 2, "env sets 'CUDA_VISIBLE_DEVICES=0"' ...", its words taken
+    # apart at the space; and `env NOTE="a b" CUDA_VISIBLE_DEVICES=0 python x.py` ran on GPU 0,
+    # whichever gpuwait reserved, what followed the quote left unread.
+    line = ["sh", "-c", f'env NOTE="a CUDA_VISIBLE_DEVICES=0" {_SEEN}']
+    done = gpuwait(gpuwait_cmd, line, opts=ON_GPU_1, cwd=tmp_path)
+    ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
+    (tmp_path / "seen").unlink()
+    line = ["sh", "-c", f'env NOTE="a b" CUDA_VISIBLE_DEVICES=0 {_SEEN}']
+    done = gpuwait(gpuwait_cmd, line, cwd=tmp_path)
+    refused(done, tmp_path / "seen", "env sets CUDA_VISIBLE_DEVICES=0 for its command")
+    assert seen_bare(line, tmp_path) == "0"
+
+
 @pytest.mark.parametrize(
     ("before", "code"),
     [
