@@ -13,7 +13,7 @@ from typing import TextIO
 
 from gpuwait.core.errors import OutputError
 from gpuwait.core.policy import WaitReason
-from gpuwait.core.text import printable
+from gpuwait.core.text import columns, printable
 
 #: The longest message line: one that echoes a value pasted by mistake stays readable.
 _MAX_LINE = 4000
@@ -155,7 +155,7 @@ class WaitLine:
         # One column spare: a line that ends in the last column leaves some terminals about to
         # wrap, and the next `\r` would then go back on a fresh row.
         width = stream_columns(self.stream) - 1
-        room = width - len(self.prefix)
+        room = width - columns(self.prefix)
         text = self.prefix + printable(reason.describe(max(room, 0)), max(room, 1))
         # A pane narrower than the name itself: the line is cut there too.
         text = printable(text, max(width, 1))

@@ -35,6 +35,7 @@ from gpuwait.core.overuse import overuse
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest, format_duration, format_size
 from gpuwait.core.snapshot import COMPUTE_PROHIBITED, GpuSnapshot
+from gpuwait.core.text import columns, cut
 
 PICK_STRATEGIES = (
     "best-fit",
@@ -377,11 +378,13 @@ class WaitReason(Record, frozen=True):
         variants = self._variants()
         if width is None:
             return variants[0]
+        # In a terminal's columns: two for a Chinese character (in a path, say), none for a
+        # combining accent.
         for text in variants:
-            if len(text) <= width:
+            if columns(text) <= width:
                 return text
         shortest = variants[-1]
-        return shortest[: max(0, width - 1)] + "…" if width > 0 else ""
+        return cut(shortest, width - 1) + "…" if width > 0 else ""
 
     def _variants(self) -> list[str]:
         """The wordings, fullest first, each dropping the least important part left."""

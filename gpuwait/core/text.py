@@ -129,8 +129,10 @@ def printable(text: str, limit: int = 200) -> str:
     two)."""
     import unicodedata  # only `status` prints foreign text; a launch does not pay for it
 
+    # Read no further than `limit` columns can show, with up to three combining accents
+    # (no column of their own) on each letter.
     cleaned = "".join(
-        "?" if unicodedata.category(c) in _UNPRINTABLE else c for c in text[: limit + 1]
+        "?" if unicodedata.category(c) in _UNPRINTABLE else c for c in text[: 4 * (limit + 1)]
     )
     if columns(cleaned) <= limit:
         return cleaned
@@ -147,7 +149,8 @@ def one_line(text: str) -> bool:
 
 def columns(text: str) -> int:
     """How many columns of a terminal `text` takes: two for each wide character (Chinese,
-    Japanese and Korean ones, fullwidth forms, most emoji), one for any other."""
+    Japanese and Korean ones, fullwidth forms, most emoji), none for a combining mark (an
+    accent written as one of its own after its letter), one for any other."""
     return len(text) if text.isascii() else sum(map(_columns_of, text))
 
 
@@ -166,6 +169,8 @@ def cut(text: str, width: int) -> str:
 def _columns_of(c: str) -> int:
     import unicodedata  # only text that is not ASCII needs it
 
+    if unicodedata.combining(c):
+        return 0
     return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
 
 

@@ -109,6 +109,53 @@ def test_the_wait_line_at_80_columns_says_why_no_gpu_is_usable(
     term.key("C-c")
 
 
+@pytest.mark.parametrize(
+    ("directory", "wider", "counts"),
+    [
+        # Four Chinese characters, two columns each: 8 columns, not 4. The window is as wide
+        # as the fullest wording in characters, which it is not in columns.
+        ("训练数据", 2, "(0 running, 0 ahead)"),
+        # Eight e's, each with a combining acute accent (no column of its own): 8 columns, not
+        # 16. The window is as wide as the fullest wording in columns.
+        ("e\u0301" * 8, -6, "(0 running, 0 ahead of you)"),
+    ],
+    ids=["wide", "combining"],
+)
+def test_the_wait_line_with_a_path_in_other_scripts_fits_the_columns_it_takes(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    tmp_path: Path,
+    directory: str,
+    wider: int,
+    counts: str,
+) -> None:
+    # The wait line was fitted to the terminal counting each character as one column: with the
+    # GPU readings failing on a file in a directory named in Chinese (two columns each), the
+    # fullest wording was taken as fitting, and was then cut short at its end with '…' where
+    # a shorter one fits; in one named with combining accents (none), a wording that fits was
+    # taken as too wide, "ahead" shown for "ahead of you".
+    (tmp_path / directory).mkdir()
+    sim = sim_file(
+        gpus=1, memory="24GiB", base_used="10GiB", file=tmp_path / directory / "sim.toml"
+    )
+    failing = (
+        "gpuwait[12345678]: waiting for 20.0 GiB: GPU readings failing, retrying (simulation "
+        f"file {sim}: not found) (0 running, 0 ahead of you)"
+    )
+    term = shell(len(failing) + wider, 24)
+    term.type("gpuwait --vram 20G -- echo the-job-ran")
+    term.wait_for(lambda rows: any("11.6 GiB" in r for r in gpuwait_rows(rows)), what="the wait")
+    sim.unlink()
+    rows = term.wait_for(
+        lambda rows: any("failing" in r for r in gpuwait_rows(rows)), what="the readings failing"
+    )
+    (shown,) = gpuwait_rows(rows)
+    assert shown.endswith(f"{sim}: not found) {counts}"), shown
+    # The row below is empty: the line did not wrap onto it.
+    assert rows[rows.index(shown) + 1] == "", rows
+    term.key("C-c")
+
+
 def test_a_first_whole_gpu_wait_at_80_columns_says_why_and_what_to_give(
     shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
 ) -> None:
