@@ -1317,13 +1317,16 @@ def _start(
     for message in (held.plan.fallback, held.problem):
         _say_once(reporter, message)
     if request.verbose:
-        where = ", ".join(f"GPU{g.index} ({g.uuid})" for g in chosen)
+        where = ", ".join(f"GPU{g.index}" for g in chosen)
         note = f" ({choice.note})" if choice.note else ""
         each = reserved_on_each(job, chosen) or format_size(job.reserved_bytes)
         reporter.info(
             f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
             f"{each} reserved{note}"
         )
+        # Each UUID on a line of its own: with it, the line above took 108 columns.
+        for gpu in chosen:
+            reporter.info(f"job {job.id}: GPU{gpu.index} is {gpu.uuid}")
     started_at = time.time()
     watch = StderrWatch(enabled=config.watch_stderr)
     name = request.command[0]

@@ -156,6 +156,27 @@ def test_the_wait_line_with_a_path_in_other_scripts_fits_the_columns_it_takes(
     term.key("C-c")
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_verbose_start_lines_fit_80_columns(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory, gpus: int
+) -> None:
+    # `gpuwait -v` said "job ID starts on GPU0 (GPU-<its UUID>) after 94ms, 4.0 GiB reserved",
+    # 108 columns, one more GPU's name and UUID 48 more: an 80-column terminal broke it onto a
+    # second row in the middle of a UUID.
+    from gpuwait.gpu.sim import SimBackend
+
+    sim = sim_file(gpus=2)
+    uuids = [g.uuid for g in SimBackend(str(sim)).snapshot().gpus]
+    term = shell(80, 24)
+    term.type(f"gpuwait -v --vram 4G --gpus {gpus} -- echo the-job-ran")
+    term.wait_for(lambda rows: "the-job-ran" in rows, what="the job's output")
+    said = [line for line in term.everything(joined=True) if line.startswith("gpuwait: ")]
+    assert any(" starts on GPU0" in line for line in said), said
+    for uuid in uuids[:gpus]:
+        assert any(uuid in line for line in said), said
+    assert all(len(line) < 80 for line in said), said
+
+
 def test_a_first_whole_gpu_wait_at_80_columns_says_why_and_what_to_give(
     shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
 ) -> None:
