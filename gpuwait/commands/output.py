@@ -18,10 +18,12 @@ from gpuwait.core.text import columns, printable
 #: The longest message line: one that echoes a value pasted by mistake stays readable.
 _MAX_LINE = 4000
 
-#: The figures in a wait's note, which move from one reading to the next (`expected in
-#: 3m05s`): its words, not they, tell a new situation. A duration is one figure whatever its
-#: form (`1h00m`, `59m59s`, `59.0s`, `500ms`, as format_duration writes them).
-_FIGURES = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:ms|[hm][0-9]+[ms]|[hms])?")
+#: The figures in a wait's note that move from one reading to the next, its durations
+#: (`expected in 3m05s`): its words and other figures, not they, tell a new situation (GPU1
+#: held in place of GPU0, 2 of 3 cards quiet enough, another job's id). A duration is one
+#: figure whatever its form (`1h00m`, `59m59s`, `59.0s`, `500ms`, as format_duration writes
+#: them).
+_FIGURES = re.compile(r"(?<![0-9A-Za-z])[0-9]+(?:\.[0-9]+)?(?:ms|[hm][0-9]+[ms]|[hms])(?![A-Za-z])")
 
 
 def _line(text: str) -> str:

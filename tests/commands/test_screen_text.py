@@ -654,3 +654,36 @@ def test_a_piped_wait_line_counting_down_to_its_start_writes_no_line_of_its_own(
     # What is said changes (the start is overdue now): a line.
     line.update(REASON._replace(note="first in line, GPU0 held for it, expected overdue"))
     assert stream.getvalue().count("\n") == 2
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (
+            "first in line, GPU0 held for it, expected in 3m05s",
+            "first in line, GPU1 held for it, expected in 3m04s",
+        ),
+        (
+            "only 1 of 3 candidates under 30% utilization, 3 wanted",
+            "only 2 of 3 candidates under 30% utilization, 3 wanted",
+        ),
+        (
+            "GPU0 held for job 2098ff16, whose start cannot be estimated",
+            "GPU0 held for job 3098ff17, whose start cannot be estimated",
+        ),
+    ],
+    ids=["held GPU", "count", "job"],
+)
+def test_a_piped_wait_line_writes_a_line_where_its_note_names_another_gpu_or_count(
+    before: str, after: str
+) -> None:
+    # `gpuwait ... 2> run.log`: the GPU held for the job changed from GPU0 to GPU1, the cards
+    # quiet enough from 1 of 3 to 2, the job held for another, and the log said nothing: every
+    # figure of the note was taken for one that moves with each reading, as its expected start
+    # does, where only a duration is.
+    stream = io.StringIO()
+    line = WaitLine(quiet=False, job="train", stream=stream)
+    line.update(REASON._replace(note=before))
+    line.update(REASON._replace(note=after))
+    written = stream.getvalue().splitlines()
+    assert len(written) == 2 and after in written[1], written
