@@ -139,9 +139,13 @@ class WaitLine:
     change, in full.
     """
 
-    def __init__(self, quiet: bool, job: str = "", stream: TextIO | None = None) -> None:
+    def __init__(
+        self, quiet: bool, job: str = "", stream: TextIO | None = None, hooked: bool = False
+    ) -> None:
         self.stream = stream or sys.stderr
         self.quiet = quiet
+        #: A line a shell hook runs: how it asks for less is its own (WaitReason.describe).
+        self.hooked = hooked
         self.tty = redraws(self.stream)
         self.shown = False
         self.prefix = f"gpuwait[{printable(job, _LABEL)}]: " if job else "gpuwait: "
@@ -152,13 +156,14 @@ class WaitLine:
             return
         if not self.tty:
             # A file or a pipe (`2>&1 | tee run.log`) may still end on a terminal.
-            self._once(reason, self.prefix + _line(reason.describe()))
+            self._once(reason, self.prefix + _line(reason.describe(hooked=self.hooked)))
             return
         # One column spare: a line that ends in the last column leaves some terminals about to
         # wrap, and the next `\r` would then go back on a fresh row.
         width = stream_columns(self.stream) - 1
         room = width - columns(self.prefix)
-        text = self.prefix + printable(reason.describe(max(room, 0)), max(room, 1))
+        said = reason.describe(max(room, 0), hooked=self.hooked)
+        text = self.prefix + printable(said, max(room, 1))
         # A pane narrower than the name itself: the line is cut there too.
         text = printable(text, max(width, 1))
         if self._foreground():
@@ -222,6 +227,7 @@ class Console:
         #: The program a shell hook runs through gpuwait (`python`), said once where it waits:
         #: typed bare, it would not have.
         self._hooked = hooked
+        self._from_hook = hooked is not None
 
     def warn(self, message: str) -> None:
         if not self.quiet:
@@ -246,7 +252,7 @@ class Console:
                     f"`command {program}` skips it)"
                 )
                 self._hooked = None
-            self._line = WaitLine(self.quiet, job)
+            self._line = WaitLine(self.quiet, job, hooked=self._from_hook)
         self._line.update(reason)
 
     def waited(self) -> None:

@@ -370,12 +370,13 @@ class WaitReason(Record, frozen=True):
     #: damage. The waiter plans once every one of them is listed again.
     awaited: tuple[str, ...] = ()
 
-    def describe(self, width: int | None = None) -> str:
+    def describe(self, width: int | None = None, *, hooked: bool = False) -> str:
         """Why the job waits, in full; with `width`, the fullest wording that fits: what it waits
         for comes first, then where it stands and how many are ahead, then the rest (but for why
         no GPU is usable, which goes last). Still too long, it is cut short (with '…') rather
-        than wrapped."""
-        variants = self._variants()
+        than wrapped. `hooked`: a line a shell hook runs, which has no gpuwait option to give:
+        it asks for less with GPUWAIT_DEFAULT_VRAM, not --vram."""
+        variants = self._variants(hooked)
         if width is None:
             return variants[0]
         # In a terminal's columns: two for a Chinese character (in a path, say), none for a
@@ -386,7 +387,7 @@ class WaitReason(Record, frozen=True):
         shortest = variants[-1]
         return cut(shortest, width - 1) + "…" if width > 0 else ""
 
-    def _variants(self) -> list[str]:
+    def _variants(self, hooked: bool = False) -> list[str]:
         """The wordings, fullest first, each dropping the least important part left."""
         full_counts = f" ({self.running} running, {self.ahead} ahead of you)"
         counts = f" ({self.running} running, {self.ahead} ahead)"
@@ -423,8 +424,9 @@ class WaitReason(Record, frozen=True):
         # A whole GPU asked for without --vram is default_vram's (no estimate asks for one): how
         # to ask for less is what to do next, kept once the room and the notes are dropped.
         defaulted = self.source is not None and WHOLE_GPU in self.needed
+        ask = "GPUWAIT_DEFAULT_VRAM" if hooked else "--vram"
         if defaulted:
-            notes.insert(0, "--vram SIZE asks for less")
+            notes.insert(0, f"{ask}{'=' if hooked else ' '}SIZE asks for less")
         variants = [f"{sourced}: {where}" + "".join(f"; {n}" for n in notes) + full_counts]
         # Drop the notes from the last (the pause, then the head's note), then where the size
         # came from, then the counts.
@@ -440,14 +442,17 @@ class WaitReason(Record, frozen=True):
             return [*variants[:-1], why + counts, why + ahead, why]
         if defaulted:
             told, short = f"{sourced}: {notes[0]}", f"{head} (default_vram)"
+            # The variable names the setting: there "(default_vram)" goes before it does.
+            tight = [f"{head}: {ask} asks for less"] if hooked else []
             return [
                 *variants[:-1],
                 told + counts,
                 told + ahead,
                 told,
-                f"{short}: --vram asks for less" + ahead,
-                f"{short}: --vram asks for less",
-                f"{short}: give --vram",
+                f"{short}: {ask} asks for less" + ahead,
+                f"{short}: {ask} asks for less",
+                *tight,
+                f"{head if hooked else short}: give {ask}",
             ]
         said = f"{head}: {where}"
         variants += [said + counts, said + ahead, said, head + ahead, head]

@@ -565,6 +565,41 @@ gpuwait -- python probe.py
     assert done.stderr.count("shell hook") == 1, done.stderr
 
 
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_a_hooked_first_wait_for_a_whole_gpu_says_how_the_line_asks_for_less(
+    shell: str, hook_env: dict[str, str], tmp_path: Path, sim_file: Any, terminal: Any
+) -> None:
+    # A new script typed through the hook waits for the whole GPU default_vram asks for. Its
+    # wait line said "--vram asks for less", an option the typed line has no place for:
+    # `python train.py --vram 6G` gives it to the script, and the wait goes on for a whole GPU.
+    need(shell)
+    sim_file(gpus=2, base_used="3GiB")
+    env = {**hook_env, "GPUWAIT_NVML_INTERVAL": "0.1s"}
+    del env["GPUWAIT_DEFAULT_VRAM"]
+    term = terminal(80, 24, env)
+    term.type(f"{shell} {'--no-config' if shell == 'fish' else '-f'}")
+    term.type(init_line(shell))
+    term.type("python probe.py")
+    rows = term.wait_for(
+        lambda rows: any(r.startswith("gpuwait[") and "waiting for" in r for r in rows),
+        what="the wait line",
+    )
+    (shown,) = [r for r in rows if r.startswith("gpuwait[")]
+    assert "--vram" not in shown and "GPUWAIT_DEFAULT_VRAM" in shown, rows
+    assert len(shown) < 80, shown
+    term.key("C-c")
+    # In full, where stderr is no terminal.
+    done = run_shell(
+        shell,
+        f"{init_line(shell, '--always')}\npython probe.py",
+        [],
+        {**env, "GPUWAIT_TIMEOUT": "0.5s"},
+        cwd=tmp_path,
+    )
+    assert "GPUWAIT_DEFAULT_VRAM=SIZE asks for less" in done.stderr, done.stderr
+    assert "--vram" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
     """A wrapped job that starts a shell with the hook, which runs python: one job, not two."""
