@@ -147,12 +147,36 @@ def std_pipes(pid: int) -> tuple[int | None, int | None, int | None]:
 
 def has_open(pid: int, file: os.stat_result) -> bool:
     """Whether process `pid` has `file` (as os.stat gave it) open; False where its open files
-    cannot be read (another user's process, or gone)."""
+    cannot be read (another user's process, or gone).
+
+    Told from what /proc says of each descriptor (its target's name, then the inode and mount
+    of /proc/PID/fdinfo), not by stat(2) of what it names: a file open on a mount whose server
+    does not answer (a hung NFS mount, a FUSE daemon that never replies) would hold the caller
+    as long, under the ledger's lock. Only a descriptor of `file`'s inode number whose device
+    mountinfo does not tell as `file`'s, or any where fdinfo tells no inode (a kernel before
+    5.14), has its target looked up."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return False
+    mounts: dict[int, int] | None = None
     for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(_NO_FILE):
+                continue
+        except OSError:
+            continue
+        found = _fd_inode(pid, fd)
+        if found is not None:
+            mount, inode = found
+            if inode != file.st_ino:
+                continue
+            if mounts is None:
+                mounts = {**_mount_devices("self"), **_mount_devices(str(pid))}
+            if mounts.get(mount) == file.st_dev:
+                return True
+            # The same inode number on another mount, one neither process can see, or one
+            # whose files stat(2) tells another device (btrfs's subvolumes): looked up.
         try:
             opened = os.stat(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -160,6 +184,44 @@ def has_open(pid: int, file: os.stat_result) -> bool:
         if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
             return True
     return False
+
+
+#: How /proc names the target of a descriptor that is no file of a directory.
+_NO_FILE = ("pipe:[", "socket:[", "anon_inode:")
+
+
+def _fd_inode(pid: int, fd: str) -> tuple[int, int] | None:
+    """(mount id, inode number) of process `pid`'s descriptor `fd`, from its fdinfo; None where
+    that cannot be read or tells no inode (a kernel before 5.14)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            lines = f.read(4096).splitlines()
+    except OSError:
+        return None
+    fields = dict(line.partition(b":")[::2] for line in lines if line[:1] in (b"m", b"i"))
+    try:
+        return int(fields[b"mnt_id"]), int(fields[b"ino"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _mount_devices(pid: str) -> dict[int, int]:
+    """Mount id -> device of each mount that process `pid` (or "self") sees, from its
+    mountinfo: the device the kernel keeps for the file system, the one stat(2) tells."""
+    devices: dict[int, int] = {}
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return devices
+    for line in lines:
+        fields = line.split(maxsplit=3)
+        if len(fields) < 4:
+            continue
+        major, _, minor = fields[2].partition(b":")
+        with contextlib.suppress(ValueError):
+            devices[int(fields[0])] = os.makedev(int(major), int(minor))
+    return devices
 
 
 def runs_handler(pid: int, signum: int) -> bool:

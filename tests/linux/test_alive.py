@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from helpers.waiting import wait_for
 
-from gpuwait.linux import alive
+from gpuwait.linux import alive, proc
 
 JOB = "0a1b2c3d"
 
@@ -29,7 +29,7 @@ HOLDER = """
 import os, sys, time
 from pathlib import Path
 from typing import Any
-from gpuwait.linux import alive
+from gpuwait.linux import alive, proc
 assert alive.hold(Path(sys.argv[1]), sys.argv[2])
 child = os.posix_spawnp("sleep", ["sleep", "60"], dict(os.environ)) if sys.argv[3] == "1" else 0
 print(child, flush=True)
@@ -286,3 +286,41 @@ def test_a_file_of_the_users_own_named_as_a_lock_directory_tells_every_lock_held
     (tmp_path / f"alive.{os.getuid()}.beef").touch()
     assert alive.unlisted(tmp_path, set(), float("inf")) == [JOB]
     assert alive.still_held(tmp_path, {JOB, "0b1b"}) == {JOB, "0b1b"}
+
+
+def test_the_holders_of_lost_locks_are_found_without_looking_up_what_they_have_open(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A recovery of a damaged ledger looks, under the ledger's lock, for the processes holding
+    # the locks of lost entries. It stat(2)ed every file each of them had open: one open on a
+    # mount whose server does not answer (a hung NFS mount, a FUSE daemon that never replies)
+    # would have held every member's transaction with it. The files are told by what /proc
+    # says of the descriptors, and nothing they name is looked up.
+    holder, child = start_holder(tmp_path, spawned, command=True)
+    looked_up: list[str] = []
+    stat = os.stat
+
+    def recording(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if str(path).startswith("/proc/") and "/fd/" in str(path):
+            looked_up.append(str(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", recording)
+    assert alive.holders_unlisted(tmp_path, set()) == {holder.pid}
+    assert alive.opened_by(tmp_path, os.getuid(), JOB, child)
+    assert not alive.opened_by(tmp_path, os.getuid(), JOB, os.getpid())
+    assert looked_up == []
+
+
+def test_a_process_with_a_file_of_the_same_inode_number_elsewhere_has_not_the_lock_open(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    # A pid /proc/locks names may since be another process's: one with a file of the same
+    # inode number open, on another file system, is not the lock's holder.
+    holder, _ = start_holder(tmp_path, spawned, command=False)
+    found = next(tmp_path.glob("alive.*")) / JOB
+    mine = os.stat(found)
+    assert proc.has_open(holder.pid, mine)
+    elsewhere = list(mine)
+    elsewhere[2] = mine.st_dev + 1  # st_dev
+    assert not proc.has_open(holder.pid, os.stat_result(elsewhere))
