@@ -206,6 +206,10 @@ def declaring(shell: str) -> frozenset[str]:
 #: export): -x, -r, -g, and the attributes -i, -l, -u, -t, given or taken away (`typeset -i
 #: n=0`, `declare +i ...`), and `--`; but +x, which takes a variable out of the environment.
 _KEEPS_EXPORTED = re.compile(r"-[xrgiltu]+|\+[iltu]+|--")
+#: zsh's besides: -Z, -L and -R (the value padded or cut to a width, as the shell shows it,
+#: never as it exports it), -E and -F (a number, `_numbering`); each of these and -i takes a
+#: width (a base) glued on or as the next word, where it is a number (`local -Z 3 ...`).
+_ZSH_KEEPS_EXPORTED = re.compile(r"-[xrgiltuZLREF]+[0-9]*|\+[iltuZLREF]+|--")
 
 
 class Step(Record, frozen=True):
@@ -456,10 +460,23 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
                 exported = [word]
             elif (
                 exported
-                and (exported[0] != "export" or word == "--")
-                and _KEEPS_EXPORTED.fullmatch(word)
+                # bash's export has none of these; zsh's all but -x and -g ("bad option").
+                and (
+                    exported[0] != "export"
+                    or word == "--"
+                    or (shell == "zsh" and not set(word) & set("xg"))
+                )
+                and (_ZSH_KEEPS_EXPORTED if shell == "zsh" else _KEEPS_EXPORTED).fullmatch(word)
             ):
                 exported.append(word)
+            elif (
+                shell == "zsh"
+                and word.isdigit()
+                and exported[-1:]
+                and exported[-1][:1] in "-+"
+                and exported[-1][-1] in "ZLREFi"
+            ):
+                exported.append(word)  # the width of `local -Z 3`
             elif (words and not exported) or not _ASSIGNMENT.match(word):
                 if exported:
                     words += exported

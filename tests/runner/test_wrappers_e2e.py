@@ -2545,6 +2545,25 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         ("bash", 'export -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', True),
         ("zsh", 'export -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
         ("zsh", 'typeset -x CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', True),
+        # zsh's -Z, -L, -R, -E and -F take a width, glued on or the next word, or none,
+        # before a value in quotes: set all the same.
+        ("zsh", 'local -Z 3 CUDA_VISIBLE_DEVICES="0"', False),
+        ("zsh", 'local -Z3 CUDA_VISIBLE_DEVICES="0"', False),
+        ("zsh", 'typeset -F CUDA_VISIBLE_DEVICES="1"', False),
+        ("zsh", 'typeset -Z CUDA_VISIBLE_DEVICES="1"', False),
+        ("zsh", 'typeset -L 4 CUDA_VISIBLE_DEVICES="1"', False),
+        ("zsh", 'typeset -E 2 CUDA_VISIBLE_DEVICES="1"', False),
+        ("zsh", 'local -Z 3 x=0 CUDA_VISIBLE_DEVICES="1"', False),
+        ("zsh", "local -Z 3 CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", "local -F 3 CUDA_VISIBLE_DEVICES", False),
+        ("zsh", "typeset -R 3 CUDA_VISIBLE_DEVICES", True),
+        ("zsh", 'local -F t="$(date +%s)"', True),
+        ("zsh", 'local -Z 3 n="$RANDOM"', True),
+        # zsh's export takes them too (not -x, nor -g: "bad option", nothing set).
+        ("zsh", "export -Z 3 CUDA_VISIBLE_DEVICES=0", False),
+        ("zsh", 'export -r CUDA_VISIBLE_DEVICES="0"', False),
+        ("zsh", "export -xZ CUDA_VISIBLE_DEVICES=0", True),
+        ("zsh", "export -g CUDA_VISIBLE_DEVICES=0", True),
     ],
 )
 def test_zshs_local_integer_and_float_are_read_as_typeset(
