@@ -68,6 +68,18 @@ _SPECS: dict[str, _Spec] = {
         ),
     ),
     "setsid": _Spec(),
+    # unshare's -m, -U ... take a file only glued on with `=` (--mount=FILE), as do
+    # --kill-child and --mount-proc.
+    "unshare": _Spec(
+        short_values="RwSG",
+        long_values=frozenset(
+            {
+                *("--map-user", "--map-group", "--map-users", "--map-groups", "--propagation"),
+                *("--setgroups", "--root", "--wd", "--setuid", "--setgid", "--monotonic"),
+                "--boottime",
+            }
+        ),
+    ),
     "time": _Spec(short_values="fo", long_values=frozenset({"--format", "--output"})),
     "timeout": _Spec(
         short_values="sk", long_values=frozenset({"--signal", "--kill-after"}), operands=1

@@ -1450,6 +1450,29 @@ def test_the_line_an_env_refusal_gives_runs_on_the_gpu_reserved(
 
 
 @pytest.mark.parametrize(
+    "options",
+    ["-w .", "--wd .", "-w.", "--wd=.", "-r", "--map-user 0", "-U --setgroups deny", "-rS 0 -G 0"],
+)
+def test_unshare_is_looked_through_to_the_command_it_runs(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, options: str
+) -> None:
+    # unshare runs its command in namespaces of its own, with the environment it was given:
+    # `sh -c 'env A=1 unshare -r env -i python x.py'` ran, the env -i in it showing python
+    # every GPU, as `env -i python x.py` alone is refused.
+    inner = 'echo "${CUDA_VISIBLE_DEVICES-every GPU}" > seen'
+    line = ["sh", "-c", f"env A=1 unshare {options} env -i sh -c {shlex.quote(inner)}"]
+    if "w" in options:  # no namespace: nothing the machine may refuse this user
+        assert seen_bare(line, tmp_path) == "every GPU"
+    done = gpuwait(gpuwait_cmd, line, opts=ON_GPU_1, cwd=tmp_path)
+    refused(done, tmp_path / "seen", "env starts its command without the CUDA_VISIBLE_DEVICES")
+    if "w" in options:
+        # Its option's value taken for no command: unshare's own command runs as before.
+        command = ["unshare", *options.split(), "sh", "-c", inner]
+        done = gpuwait(gpuwait_cmd, command, opts=ON_GPU_1, cwd=tmp_path)
+        ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
+
+
+@pytest.mark.parametrize(
     "options", [["-E", "CUDA_VISIBLE_DEVICES=0"], ["--setenv=CUDA_VISIBLE_DEVICES=0"]]
 )
 def test_systemd_run_scope_setting_the_gpus_itself_is_refused(
