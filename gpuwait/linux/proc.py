@@ -145,9 +145,11 @@ def std_pipes(pid: int) -> tuple[int | None, int | None, int | None]:
     return ends[0], ends[1], ends[2]
 
 
-def has_open(pid: int, file: os.stat_result) -> bool:
+def has_open(pid: int, file: os.stat_result, name: str | None = None) -> bool:
     """Whether process `pid` has `file` (as os.stat gave it) open; False where its open files
-    cannot be read (another user's process, or gone).
+    cannot be read (another user's process, or gone). `name`, the file's name where the caller
+    knows it: a descriptor whose target is named otherwise is passed over at once (a server's
+    thousand open files cost a readlink each, not an fdinfo read too).
 
     Told from what /proc says of each descriptor (its target's name, then the inode and mount
     of /proc/PID/fdinfo), not by stat(2) of what it names: a file open on a mount whose server
@@ -162,9 +164,10 @@ def has_open(pid: int, file: os.stat_result) -> bool:
     mounts: dict[int, int] | None = None
     for fd in fds:
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(_NO_FILE):
-                continue
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
+            continue
+        if target.startswith(_NO_FILE) or (name is not None and _base(target) != name):
             continue
         found = _fd_inode(pid, fd)
         if found is not None:
@@ -188,6 +191,12 @@ def has_open(pid: int, file: os.stat_result) -> bool:
 
 #: How /proc names the target of a descriptor that is no file of a directory.
 _NO_FILE = ("pipe:[", "socket:[", "anon_inode:")
+
+
+def _base(target: str) -> str:
+    """The last part of a descriptor's target as /proc names it (a path; with " (deleted)"
+    after it where the file was removed, which is then no longer the file of that name)."""
+    return target.rpartition("/")[2]
 
 
 def _fd_inode(pid: int, fd: str) -> tuple[int, int] | None:

@@ -324,3 +324,26 @@ def test_a_process_with_a_file_of_the_same_inode_number_elsewhere_has_not_the_lo
     elsewhere = list(mine)
     elsewhere[2] = mine.st_dev + 1  # st_dev
     assert not proc.has_open(holder.pid, os.stat_result(elsewhere))
+
+
+def test_only_a_descriptor_named_as_the_lock_has_its_fdinfo_read(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check that a command holds its job's lock runs in waiters' plans, against commands
+    # with a thousand files open (a server, a data loader): each descriptor whose target is
+    # named otherwise than the lock is passed over on its name, with no fdinfo read.
+    holder, child = start_holder(tmp_path, spawned, command=True)
+    read: list[str] = []
+    fd_inode = proc._fd_inode
+
+    def recording(pid: int, fd: str) -> tuple[int, int] | None:
+        read.append(f"{pid}/{fd}")
+        return fd_inode(pid, fd)
+
+    monkeypatch.setattr(proc, "_fd_inode", recording)
+    assert alive.opened_by(tmp_path, os.getuid(), JOB, child)
+    assert alive.holders_unlisted(tmp_path, set()) == {holder.pid}
+    assert len(read) == 2, read  # the lock's descriptor in each, no other
+    read.clear()
+    assert not alive.opened_by(tmp_path, os.getuid(), JOB, os.getpid())
+    assert read == []
