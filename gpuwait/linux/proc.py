@@ -235,8 +235,11 @@ def _mount_devices(pid: str) -> dict[int, int]:
 
 def runs_handler(pid: int, signum: int) -> bool:
     """Whether `signum` sent to process `pid` would run a handler of the process's own: it is
-    caught, and some thread of it does not block it (the kernel hands it to such a thread).
-    False where it is not, or where that cannot be read."""
+    caught, and some thread of it does not block it (the kernel hands it to such a thread,
+    to its main thread first where that one is open to it). False where it is not, or where
+    that cannot be read. A thread asleep in sigtimedwait shows the signals it waits for
+    unblocked meanwhile (gpuwait's wait for room, a reservation's among them): where it would
+    be the one to take it, its wait takes it, not the handler."""
     bit = 1 << (signum - 1)
     try:
         if not _mask(f"/proc/{pid}/status", b"SigCgt") & bit:
@@ -244,11 +247,24 @@ def runs_handler(pid: int, signum: int) -> bool:
         threads = os.listdir(f"/proc/{pid}/task")
     except (OSError, ValueError):
         return False
+    open_to_it = []
     for tid in threads:
         with contextlib.suppress(OSError, ValueError):
             if not _mask(f"/proc/{pid}/task/{tid}/status", b"SigBlk") & bit:
-                return True
-    return False
+                open_to_it.append(tid)
+    if str(pid) in open_to_it:
+        open_to_it = [str(pid)]
+    return any(not _in_sigtimedwait(pid, tid) for tid in open_to_it)
+
+
+def _in_sigtimedwait(pid: int, tid: str) -> bool:
+    """Is thread `tid` of process `pid` asleep in sigtimedwait (told by the kernel function it
+    sleeps in)? False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as f:
+            return b"sigtimedwait" in f.read(256)
+    except OSError:
+        return False
 
 
 def _mask(path: str, field: bytes) -> int:

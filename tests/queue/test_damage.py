@@ -740,6 +740,55 @@ def test_a_program_holding_its_gpu_is_sent_no_sigchld_when_the_ledger_is_recover
     assert not noted.exists(), noted.read_text()
 
 
+#: A program waiting for 13 GiB through gpuwait.reserve(), with a SIGCHLD handler of its own
+#: for children it may start: it waits for the room, takes it and lets it go.
+_WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER = """
+import signal
+import gpuwait
+signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+with gpuwait.reserve("13G", name="waiter"):
+    pass
+"""
+
+
+def test_a_program_waiting_with_a_sigchld_handler_is_woken_when_the_ledger_is_recovered(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A program waits in gpuwait.reserve() behind a 13 GiB job, reading the GPUs every two
+    # minutes; it has a SIGCHLD handler for children of its own. Its entry lost with a
+    # damaged ledger, the recovery's wake-up passed it over, as it would a program holding
+    # its GPU: its wait takes SIGCHLD in sigtimedwait, which shows it unblocked meanwhile.
+    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+    release = tmp_path / "release"
+    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
+    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+    waiter = _waiting(
+        procs,
+        [sys.executable, "-c", _WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER],
+        "the program's reservation was made beside the running job",
+    )
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    replace_ledger(ledger_path, DAMAGE["truncated"])
+    wait_for(
+        lambda: list(ledger_path.parent.glob("ledger.json.damaged-*")),
+        timeout=10,
+        message="the ledger was never recovered",
+    )
+    wait_for(lambda: named_entry("holder"), timeout=10, message="the entry was never put back")
+    wait_for(
+        lambda: isinstance((named_entry("waiter") or {}).get("reserved_bytes"), int),
+        timeout=20,
+        message="the program's entry was never put back",
+    )
+    release.touch()
+    assert holder.wait(timeout=30) == 0
+    assert waiter.wait(timeout=20) == 0, waiter.communicate()
+
+
 @pytest.mark.parametrize("ledger", ["started afresh", "new"])
 def test_a_job_that_ends_in_the_grace_after_its_ledger_began_holds_no_waiter_up(
     gw: Run,
