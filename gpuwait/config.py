@@ -1036,7 +1036,14 @@ def config_file_path(env: Mapping[str, str]) -> Path | None:
     user still needs, says so when it is asked for."""
     custom = env.get("GPUWAIT_CONFIG")
     if custom:
-        return Path(custom).expanduser()
+        try:
+            return Path(custom).expanduser()
+        except RuntimeError:
+            # `~nosuchuser/config.toml`, or `~/...` with no home to be had.
+            raise UsageError(
+                f"GPUWAIT_CONFIG names {custom}, whose home directory is not known",
+                hint="fix the path, or unset GPUWAIT_CONFIG to use the usual config file",
+            ) from None
     try:
         return Path(dirs.user_config_dir()) / "config.toml"
     except StateError:
@@ -1329,8 +1336,8 @@ def wrap_rules(env: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], .
     own rules, which run a line bare that needs no settings. None where they cannot be told: a
     config file that cannot be read or is no TOML, or either of them not valid."""
     environ = os.environ if env is None else env
-    path = config_file_path(environ)
     try:
+        path = config_file_path(environ)
         if path is not None and environ.get("GPUWAIT_CONFIG") and _lookup_error(path):
             return None
         own = {} if path is None else _config_table(path, site=False)

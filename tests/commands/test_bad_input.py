@@ -368,6 +368,16 @@ CASES: dict[str, Case] = {
         2,
         "File name too long",
     ),
+    # A home the path's ~ names that nobody has (`~nosuchuser/...`, a user's name mistyped):
+    # every command ended in a traceback, "Could not determine home directory".
+    "env config home unknown": (
+        ["true"],
+        {"GPUWAIT_CONFIG": "~gpuwait-no-such-user/gpuwait.toml"},
+        None,
+        None,
+        2,
+        "whose home directory is not known",
+    ),
     "env sim missing": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_SIM": "/nonexistent.toml", "GPUWAIT_ON_NO_GPU": "fail"},

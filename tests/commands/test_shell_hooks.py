@@ -354,6 +354,8 @@ def test_a_bad_setting_leaves_the_lines_the_hook_runs_bare_alone(
     for setting, named in (
         ("GPUWAIT_SIM=sim.toml", "GPUWAIT_SIM"),
         (f"GPUWAIT_CONFIG={bad_config}", "nvml_interval"),
+        # A home that nobody has: every hooked line ended in a traceback.
+        ("GPUWAIT_CONFIG='~gpuwait-no-such-user/config.toml'", "home directory is not known"),
     ):
         lines = [f"export {setting}", *bare_lines, "python probe.py gpu"]
         codes, done = statuses(shell, lines, hook_env, tmp_path)
