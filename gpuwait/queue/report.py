@@ -191,8 +191,11 @@ def report_from(
     report["gpus"].sort(key=lambda g: (g["index"], g["uuid"]))
     for job in jobs:
         claim = by_id[job.id]
-        reason = decided.waiting.get(job.id)
         running = job.state == RUNNING
+        # Nobody is admitted while another member's file cannot be used (a gpuwait of theirs
+        # running): as the waiters' own lines say, whatever the plan would start.
+        unread = None if running else lifecycle.held_for_unread(data, job)
+        reason = unread or decided.waiting.get(job.id)
         report["jobs"].append(
             {
                 "id": job.id,
@@ -232,7 +235,7 @@ def report_from(
                 "expected_seconds": job.expected_seconds,
                 "waiting_reason": reason.describe() if reason else None,
                 "blocked": claim.blocked,
-                "eta_seconds": None if running else etas.get(job.id),
+                "eta_seconds": None if running or unread else etas.get(job.id),
                 "held_gpus": job.held_gpus
                 if decided.hold and decided.hold.job_id == job.id
                 else [],

@@ -35,7 +35,7 @@ from helpers.users import (
     user_argv,
     user_home,
 )
-from helpers.waiting import catches_signal, process_state, sleeping_in, wait_for
+from helpers.waiting import catches_signal, process_state, said, sleeping_in, wait_for
 
 from gpuwait.gpu.sim import Allocation, ensure_state_dir, load_sim_file, write_allocation
 from gpuwait.history.learn import save_record
@@ -980,6 +980,40 @@ def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_it
     bob.communicate(timeout=30)
     done = server.run(ALICE, "--vram", "15G", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
+def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
+    server: Server,
+) -> None:
+    # Bob's job holds 15 GiB, and a loop of his empties his ledger file again and again:
+    # Alice's launch waits, as its wait line says, for his file. `gpuwait status` showed the
+    # card free, no job running, and Alice's job as starting now (ETA ~0ms), no word of why.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    held = f"the ledger file of uid {BOB}, whose gpuwait runs, cannot be used"
+    try:
+        alice = server.start(ALICE, "--vram", "15G", "--name", "alice", "--", "echo", "ran")
+        said(alice, held)
+        shown = server.run(ALICE, "status")
+        assert shown.returncode == 0, shown.stderr
+        assert held in " ".join(shown.stdout.split()), shown.stdout
+        assert "~0ms" not in shown.stdout, shown.stdout
+    finally:
+        loop.kill()
+        loop.wait()
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    out, err = alice.communicate(timeout=60)
+    assert (alice.returncode, out) == (0, "ran\n"), err
 
 
 FORGE = """
