@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -571,8 +572,28 @@ def _is_gpuwait(pid: int, start: int) -> bool:
     return known
 
 
+#: How long `runs_gpuwait`'s answer about a user stands: a look at every process of the
+#: machine, asked at each read of a shared ledger where a file of theirs cannot be used.
+RUNS_GPUWAIT_FOR = 1.0
+#: By uid: (until when, on the monotonic clock, the answer stands; the answer).
+_RUNS_GPUWAIT: dict[int, tuple[float, bool]] = {}
+
+
 def runs_gpuwait(uid: int) -> bool:
-    """Does a process of `uid`'s that this user can see run gpuwait?"""
+    """Does a process of `uid`'s that this user can see run gpuwait? Looked at once in
+    RUNS_GPUWAIT_FOR seconds, whatever the number of reads that ask."""
+    now = time.monotonic()
+    known = _RUNS_GPUWAIT.get(uid)
+    if known is not None and now < known[0]:
+        return known[1]
+    if len(_RUNS_GPUWAIT) > 4096:
+        _RUNS_GPUWAIT.clear()
+    found = _looks_for_gpuwait(uid)
+    _RUNS_GPUWAIT[uid] = (now + RUNS_GPUWAIT_FOR, found)
+    return found
+
+
+def _looks_for_gpuwait(uid: int) -> bool:
     try:
         names = os.listdir("/proc")
     except OSError:

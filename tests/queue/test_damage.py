@@ -235,8 +235,10 @@ def test_another_users_damaged_file_is_left_alone_and_not_counted(
 def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_while_they_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
     directory = shared_dir(tmp_path)
     other = directory / "ledger.4242.json"
     other.write_bytes(DAMAGE["truncated"])
@@ -248,7 +250,8 @@ def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_whi
     )
     try:
         wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
-        assert list(Ledger(directory).read().unread) == [4242]
+        # Seen once the last look at their processes is a second old.
+        wait_for(lambda: list(Ledger(directory).read().unread) == [4242], timeout=10)
         # Left so for longer (its owner's gpuwait uses another ledger, or is stopped): the
         # others are not held for it for good.
         monkeypatch.setattr(module, "UNREAD_GRACE", 0.0)
@@ -256,6 +259,36 @@ def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_whi
     finally:
         theirs.kill()
         theirs.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's")
+def test_another_users_damaged_file_costs_no_look_at_every_process_at_each_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member who empties their file again and again, no gpuwait of theirs running, held
+    # nobody, but made each read of the ledger by every waiter of every member go through every
+    # process on the machine to find one: a waiter reads it at each summary that changes,
+    # twenty times a second for each member writing theirs, and a server runs thousands.
+    directory = shared_dir(tmp_path)
+    other = directory / "ledger.4242.json"
+    other.write_bytes(DAMAGE["truncated"])
+    os.lchown(other, 4242, 4242)
+    looks = []
+    listdir = os.listdir
+
+    def counted(path: Any = ".") -> list[Any]:
+        if os.fspath(path) == "/proc":
+            looks.append(path)
+        return listdir(path)
+
+    from gpuwait.linux import security
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(os, "listdir", counted)
+    ledger = Ledger(directory)
+    for _ in range(50):
+        assert ledger.read().unread == {}
+    assert len(looks) <= 2, len(looks)
 
 
 def failing_open_of(monkeypatch: pytest.MonkeyPatch, path: Path, error: int) -> Callable[[], int]:
