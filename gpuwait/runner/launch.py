@@ -324,9 +324,9 @@ def _check_keeps(
         if not by_index and makes_a_number(step, GPU_VARIABLES[0]):
             raise UsageError(
                 f"the shell's code makes {GPU_VARIABLES[0]} a number before its command "
-                f"({shlex.join(step.argv)}): {step.shell} reads the GPU UUID gpuwait sets as "
-                "arithmetic, and the command would run on GPU 0, whichever gpuwait reserved, or "
-                "on none",
+                f"({shlex.join(step.argv)}): {step.shell or 'the shell'} reads the GPU UUID "
+                "gpuwait sets as arithmetic, and the command would run on GPU 0, whichever "
+                "gpuwait reserved, or on none",
                 hint=f"leave {GPU_VARIABLES[0]} to the command: make it no integer or float",
             )
         needed += tuple(c for c in copies if c.endswith(needed))

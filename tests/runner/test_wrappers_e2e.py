@@ -2606,6 +2606,20 @@ def test_zshs_local_integer_and_float_are_read_as_typeset(
         refused(done, tmp_path / "seen")
 
 
+def test_a_number_made_in_the_code_flock_hands_to_the_users_shell_is_refused_in_words(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # flock -c runs its code with the user's shell ($SHELL), which the line does not name:
+    # the refusal said "(declare -i ...):  reads the GPU UUID gpuwait sets as arithmetic",
+    # the shell's name left blank.
+    code = 'declare -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"; '
+    code += "sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
+    line = ["flock", str(tmp_path / "lock"), "-c", code]
+    assert seen_bare(line, tmp_path, SHELL="/bin/bash") == "0"
+    done = gpuwait(gpuwait_cmd, line, {**os.environ, "SHELL": "/bin/bash"}, opts=ON_GPU_1)
+    refused(done, tmp_path / "seen", "the shell reads the GPU UUID gpuwait sets as arithmetic")
+
+
 @pytest.mark.parametrize(
     "options", ["-nx", "-xn", "-n -x", "-nz", "-n -v", "-n", "-na", "-n -p", "-n --", "-n +x"]
 )
