@@ -463,10 +463,12 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
                     if _numbering(exported):
                         # `integer CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"`: the builtin
                         # is the command still, which reads the value as arithmetic
-                        # (`makes_a_number`).
-                        return [*exported, word], False, tuple(sets)
+                        # (`makes_a_number`), and each name after it (`integer n="$1"
+                        # CUDA_VISIBLE_DEVICES`).
+                        return [*exported, word, *_named(said[index + 1 :])], False, tuple(sets)
                 elif _ASSIGNMENT.match(word) and words[0] in builtins and _numbering(words):
-                    return [*words, word], False, tuple(sets)  # the same, `local -F ...`
+                    # The same, `local -F ...`.
+                    return [*words, word, *_named(said[index + 1 :])], False, tuple(sets)
                 return (words, False, tuple(sets)) if words or sets else None
             if not words and not exported and word in builtins:
                 exported = [word]
@@ -499,6 +501,17 @@ def _first_command(code: str, shell: str = "") -> tuple[list[str], bool, tuple[s
         if words:
             return words, True, tuple(sets)
     return ([], True, tuple(sets)) if sets else None
+
+
+def _named(words: Sequence[str]) -> list[str]:
+    """The words of a declaring builtin's command after one that is not plain, up to a
+    comment: the names it goes on to declare, as far as they can be told."""
+    named: list[str] = []
+    for word in words:
+        if word[:1] == "#":
+            break
+        named.append(word)
+    return named
 
 
 def _numbering(exported: Sequence[str]) -> bool:

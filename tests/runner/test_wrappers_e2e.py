@@ -2587,6 +2587,12 @@ def test_export_a_of_the_gpus_is_refused_where_the_shell_makes_an_array_of_them(
         ("zsh", 'export -r CUDA_VISIBLE_DEVICES="0"', False),
         ("zsh", "export -xZ CUDA_VISIBLE_DEVICES=0", True),
         ("zsh", "export -g CUDA_VISIBLE_DEVICES=0", True),
+        # After another variable whose value is an expansion: made a number all the same.
+        ("zsh", 'integer n="$1" CUDA_VISIBLE_DEVICES', False),
+        ("zsh", "local -F t=$1 CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES", False),
+        ("bash", 'declare -i n="$1" CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"', False),
+        ("bash", 'declare -i n="$1" CUDA_VISIBLE_DEVICES', True),
+        ("zsh", 'integer n="$1" m', True),
     ],
 )
 def test_zshs_local_integer_and_float_are_read_as_typeset(
