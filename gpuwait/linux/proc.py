@@ -677,3 +677,28 @@ def process_tree(roots: Iterable[int], pruned: AbstractSet[int] = frozenset()) -
         seen.add(pid)
         stack.extend(below(pid) or ())
     return seen
+
+
+def exclusive_flock_takers(device: int) -> set[int]:
+    """The pids that hold an exclusive flock on a file of the file system `device` (a st_dev),
+    as /proc/locks names them (those waiting for one left out; 0 for a process of another pid
+    namespace); empty where it cannot be read."""
+    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
+    try:
+        with open("/proc/locks", "rb") as f:
+            lines = f.read(1 << 22).splitlines()
+    except OSError:
+        return set()
+    found: set[int] = set()
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
+        if (
+            len(fields) >= 6
+            and fields[1] == b"FLOCK"
+            and fields[3] == b"WRITE"
+            and fields[5].startswith(wanted)
+        ):
+            with contextlib.suppress(ValueError):
+                found.add(int(fields[4]))
+    return found

@@ -651,7 +651,7 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
-            if _changed_lately(path) and runs_gpuwait(uid):
+            if _changed_lately(path) and runs_gpuwait(uid, _device(self.directory)):
                 unread[uid] = str(exc)
             return None
         if tidies and raw.get("schema") == entries.SCHEMA:
@@ -739,6 +739,14 @@ class Ledger:
         if job.orphaned_at is None and not proc.is_alive(job.pid, job.start_time):
             job.orphaned_at = time.time()  # its owner's next transaction says so for good
         return True
+
+
+def _device(directory: Path) -> int | None:
+    """The file system `directory` is on (its st_dev), None where it cannot be told."""
+    try:
+        return os.stat(directory).st_dev
+    except OSError:
+        return None
 
 
 def _changed_lately(path: Path) -> bool:

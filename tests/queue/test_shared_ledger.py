@@ -1016,6 +1016,49 @@ def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
     assert (alice.returncode, out) == (0, "ran\n"), err
 
 
+def test_a_member_emptying_their_file_while_their_program_holds_room_admits_nobody_into_it(
+    server: Server,
+) -> None:
+    # Bob's Python program holds 15 GiB of the card's 21.6 usable through gpuwait.reserve(),
+    # and a loop of his empties his ledger file again and again. No process of his names
+    # gpuwait on its command line, so his file was taken for one nobody of his uses: Alice's
+    # launches counted no job of his and were started into the room his program holds. His
+    # program holds its job's liveness lock, as a gpuwait of his would: nobody is admitted.
+    python = (
+        'import gpuwait\nr = gpuwait.reserve("15G")\nprint("held", flush=True)\nsignal.pause()\n'
+    )
+    bob = bobs_program_in_the_queue(server, python)
+    assert bob.stdout is not None
+    assert bob.stdout.readline() == "held\n"
+    loop = subprocess.Popen(
+        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: server.own_file(BOB).stat().st_size == 0)
+        said_why = []
+        for _ in range(3):
+            done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
+            assert (done.returncode, done.stdout) == (124, ""), done.stderr
+            # Read between a write of his program's and the loop's next truncation, his file
+            # shows his job: Alice waits for its room then too.
+            said_why.append(f"the ledger file of uid {BOB}, whose gpuwait runs" in done.stderr)
+        assert any(said_why), done.stderr
+    finally:
+        loop.kill()
+        loop.wait()
+    # Once Bob's program has ended, its room is Alice's.
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    done = server.run(ALICE, "--vram", "15G", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
 FORGE = """
 import json, os, sys
 payload = sys.stdin.read()
