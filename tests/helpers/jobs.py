@@ -4,10 +4,12 @@ ledgers damaged as another process would damage them."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gpuwait.linux import proc
+from gpuwait.linux.lock import exclusive
 from gpuwait.queue.entries import Job
 
 
@@ -36,3 +38,11 @@ def replace_ledger(path: Path, content: bytes) -> None:
     temp = path.with_name(f"{path.name}.tmp-test")
     temp.write_bytes(content)
     os.replace(temp, path)
+
+
+def damage_ledger(path: Path, damage: Callable[[bytes], bytes]) -> None:
+    """Replace the ledger file at `path` by rename with `damage` of what it holds, between two
+    transactions (its lock held meanwhile): one in flight, having read the file before, would
+    write its own over the damage, which nobody would ever see."""
+    with exclusive(path.with_name("ledger.lock")):
+        replace_ledger(path, damage(path.read_bytes()))

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from helpers.crash import gpuwait_signalled_at
 from helpers.fixtures_sim import SIMJOB, Run
-from helpers.jobs import TRUNCATED_LEDGER, live_job, replace_ledger
+from helpers.jobs import TRUNCATED_LEDGER, damage_ledger, live_job, replace_ledger
 from helpers.processes import children, liveness_lock_held
 from helpers.waiting import (
     asleep_supervising,
@@ -648,7 +648,7 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     reports = [tmp_path / "first.json", tmp_path / "second.json"]
     first, loaded = _first_job_loading(procs, monkeypatch, "0.5s", reports[0])
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    replace_ledger(ledger_path, DAMAGE["truncated"])
+    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
     # The first job's gpuwait, which looks whenever the ledger changes, finds its entry gone
     # and puts it back: its transaction recovers the file (started afresh, the damaged copy
     # kept aside).
@@ -704,7 +704,7 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
         "the waiter ran beside the running job",
     )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    replace_ledger(ledger_path, damage(ledger_path.read_bytes()))
+    damage_ledger(ledger_path, damage)
     wait_for(
         lambda: list(ledger_path.parent.glob("ledger.json.damaged-*")),
         timeout=10,
@@ -1345,7 +1345,7 @@ def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
         "the waiter ran beside the running job",
     )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    replace_ledger(ledger_path, DAMAGE["truncated"])
+    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
     later = _waiting(
         procs,
         [*VRAM_13G, "--name", "later", "--", *noting("later")],
