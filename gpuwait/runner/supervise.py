@@ -169,6 +169,7 @@ def supervise(
     # would stop gpuwait and leave the command running, unwatched. The terminal's reaches the
     # command by itself.
     stops, held = take_stops()
+    woken = False
     try:
         while True:
             returncode = ended(child)
@@ -185,6 +186,10 @@ def supervise(
                     # a run that ends now rather than stepping aside may have ended early.
                     result.stopped_by = responder.signum
                 return result
+            if woken:
+                # SIGCHLD, the command still running: a wake-up (gpuwait.queue.wake.kick).
+                sampler.look_if_changed()
+                woken = False
             sampler.sample_if_due(time.monotonic())
             if responder is not None:
                 responder.check(child)
@@ -195,6 +200,7 @@ def supervise(
                 also=stops,
             )
             if info is None or info.si_signo == signal.SIGCHLD:
+                woken = info is not None
                 continue
             if info.si_signo == signal.SIGTSTP:
                 stop_with(child, info, witness)
@@ -372,18 +378,35 @@ class UsageSampler:
             handled = _publish(ledger, job, usage, self._published_pids, self.margin)
             self.recorded = self.recorded or handled
         elif token != self._seen_token:
-            present = _entry_present(ledger, job)
-            if present is None:
-                handled = False
-            elif not present:
-                # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly):
-                # our reservation must not stay lost while the command runs (publishing puts
-                # the entry back).
-                handled = _publish(ledger, job, self._published, self._published_pids, self.margin)
+            handled = self._put_back_if_lost()
         if handled:
             # Otherwise (the ledger could not be read or written) the change stays unseen,
             # and the next sample looks again.
             self._seen_token = token
+
+    def look_if_changed(self) -> None:
+        """Between two samples: where the ledger changed, put the entry back if it is lost. A
+        gpuwait that recovers a damaged ledger wakes the holders of the entries it lost, and
+        admits nobody into their room for RECOVERY_GRACE only; a sample_interval longer than
+        that would leave the reservation lost past it."""
+        if self.backend is None:
+            return
+        token = self.ledger.change_token()
+        if token != self._seen_token and self._put_back_if_lost():
+            self._seen_token = token
+
+    def _put_back_if_lost(self) -> bool:
+        """Put the job's entry back where the ledger lacks it; False where the ledger could
+        not be read or written."""
+        present = _entry_present(self.ledger, self.job)
+        if present is None:
+            return False
+        if present:
+            return True
+        # Someone replaced the ledger (recovered a damaged one, or wrote it wrongly): our
+        # reservation must not stay lost while the command runs (publishing puts the entry
+        # back).
+        return _publish(self.ledger, self.job, self._published, self._published_pids, self.margin)
 
     def _call_out_strays(self, snapshot: MachineSnapshot, pids: list[int]) -> None:
         """Memory the tree holds on a GPU the job was not given: something in the command set

@@ -669,6 +669,44 @@ def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back(
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
 
 
+def test_a_running_jobs_entry_lost_with_its_ledger_is_put_back_once_woken(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As above, the first job sampled every minute (sample_interval = 60s). The launch that
+    # recovered the ledger woke its gpuwait, which put its entry back only at its next
+    # sample, up to a minute later: once the recovery's 30 s were over, the second job was
+    # admitted into the room the first one had not allocated yet.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "60s")
+    reports = [tmp_path / "first.json", tmp_path / "second.json"]
+    loads = f"sleep 600; exec {shlex.join(SIMJOB)} --vram 13G --hold 0.2s --report {reports[0]}"
+    first = procs([*VRAM_13G, "--name", "first", "--", "sh", "-c", loads])
+    wait_for(lambda: len((named_entry("first") or {}).get("pids", ())) >= 2, timeout=30)
+    (sleep,) = [p for p in (named_entry("first") or {})["pids"] if _name(p) == "sleep"]
+    # Past its first second, sampled densely: its next sample is a minute away.
+    wait_for(lambda: asleep_supervising(first.pid), timeout=30)
+    time.sleep(1.5)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
+    second_job = [*SIMJOB, "--vram", "13G", "--hold", "0.2s", "--report", str(reports[1])]
+    second = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "second", "--", *second_job],
+        "the second job ran beside the first one's reservation",
+    )
+    assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
+    wait_for(
+        lambda: named_entry("first"),
+        timeout=20,
+        message="the running job's entry was not put back before its next sample",
+    )
+    os.kill(sleep, signal.SIGKILL)
+    assert first.wait(timeout=60) == 0 and second.wait(timeout=60) == 0
+    assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
+
+
 def _waiters_entry_damaged(ledger: bytes) -> bytes:
     """The ledger with one figure of the waiter's entry damaged: only that entry is lost."""
     found = json.loads(ledger)
