@@ -60,6 +60,12 @@ if TYPE_CHECKING:
     from gpuwait.runner.session import Reporter
 
 
+#: How often (seconds) a holding looks, between two samples, whether its entry was lost from a
+#: ledger replaced meanwhile (UsageSampler.look_if_changed): a stat(2) of the ledger, which is
+#: read only where it changed.
+_LOOK_INTERVAL = 1.0
+
+
 class NotHeld(GpuwaitError):
     """The wait ended without room: timed out, cancelled, a dependency failed (its exit code is
     the CLI's for the same end)."""
@@ -169,9 +175,12 @@ class Holding:
                     return
                 # A failed reading must never take the holder down with it.
                 with contextlib.suppress(Exception):
+                    self._sampler.look_if_changed()
                     self._sampler.sample_if_due(time.monotonic())
                 wait = self._sampler.next_sample - time.monotonic()
-            self._stop.wait(max(0.01, wait))
+            # Nothing wakes this thread when a damaged ledger is recovered without the entry:
+            # it looks at least every _LOOK_INTERVAL, well within the recovery's grace.
+            self._stop.wait(max(0.01, min(wait, _LOOK_INTERVAL)))
 
     def release(self, returncode: int | None = 0, said_oom: bool = False) -> None:
         """Give the room back and record the run; `returncode` 0: ended well, < 0: killed by

@@ -843,7 +843,7 @@ def test_a_program_waiting_with_a_sigchld_handler_is_woken_when_the_ledger_is_re
         "the program's reservation was made beside the running job",
     )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    replace_ledger(ledger_path, DAMAGE["truncated"])
+    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
     wait_for(
         lambda: list(ledger_path.parent.glob("ledger.json.damaged-*")),
         timeout=10,
@@ -858,6 +858,54 @@ def test_a_program_waiting_with_a_sigchld_handler_is_woken_when_the_ledger_is_re
     release.touch()
     assert holder.wait(timeout=30) == 0
     assert waiter.wait(timeout=20) == 0, waiter.communicate()
+
+
+#: A program holding 13 GiB through gpuwait.reserve() until `release` exists.
+_PROGRAM = """
+import os, sys, time
+import gpuwait
+ready, release = sys.argv[1:]
+with gpuwait.reserve("13G", name="program"):
+    open(ready, "w").close()
+    while not os.path.exists(release):
+        time.sleep(0.05)
+"""
+
+
+def test_a_programs_entry_lost_with_its_ledger_is_put_back_between_two_samples(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A program holding 13 GiB of a 24 GiB card through gpuwait.reserve(), sampled every
+    # minute (sample_interval = 60s), allocating nothing yet. Its entry lost with a damaged
+    # ledger, it put it back only at its next sample, up to a minute later: once the
+    # recovery's 30 s were over, a second 13 GiB launch was admitted into its room.
+    monkeypatch.setenv("GPUWAIT_SAMPLE_INTERVAL", "60s")
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    program = procs([sys.executable, "-c", _PROGRAM, str(ready), str(release)])
+    wait_for(lambda: ready.exists() or program.poll() is not None, timeout=30)
+    assert program.poll() is None, program.communicate()
+    # Past its first second, sampled densely: its next sample is a minute away.
+    time.sleep(1.5)
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
+    second = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "second", "--", "true"],
+        "the second job ran beside the program's reservation",
+    )
+    assert list(ledger_path.parent.glob("ledger.json.damaged-*"))
+    wait_for(
+        lambda: named_entry("program"),
+        timeout=20,
+        message="the program's entry was not put back before its next sample",
+    )
+    assert second.poll() is None, "the second job ran beside the program's reservation"
+    release.touch()
+    assert program.wait(timeout=30) == 0, program.communicate()
+    assert second.wait(timeout=60) == 0, second.communicate()
 
 
 @pytest.mark.parametrize("ledger", ["started afresh", "new"])
