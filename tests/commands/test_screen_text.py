@@ -687,3 +687,13 @@ def test_a_piped_wait_line_writes_a_line_where_its_note_names_another_gpu_or_cou
     line.update(REASON._replace(note=after))
     written = stream.getvalue().splitlines()
     assert len(written) == 2 and after in written[1], written
+
+
+def test_a_command_in_fullwidth_letters_fits_the_width_as_any_other() -> None:
+    # Fullwidth forms (`ｔｒａｉｎ．ｐｙ`, as a Japanese input method types letters) take two
+    # columns each, as Chinese does: counted as one, a row of them ran past the terminal's edge.
+    report = a_report([job_row(command=["python3", "ｔｒａｉｎ．ｐｙ" * 10])])
+    for width in (80, 100):
+        lines = status.render(report, width).splitlines()
+        assert all(on_screen(line) <= width for line in lines), lines
+        assert any("ｔｒａｉｎ" in line for line in lines)
