@@ -1701,3 +1701,23 @@ def test_a_launcher_told_to_choose_its_own_gpus_is_refused_before_waiting(
     ) in done.stderr
     assert "-- deepspeed probe.py --lr 0.1\n" in done.stderr
     assert "gpuwait ... -- accelerate launch --num_processes 1 probe.py\n" in done.stderr
+
+
+def test_a_config_file_named_but_missing_is_told_though_the_site_rules_would_run_the_line_bare(
+    hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
+) -> None:
+    # The site's config wraps only in another directory, and GPUWAIT_CONFIG names a file with
+    # a typo in its name: the user's own rules, which may wrap elsewhere, are not known, so a
+    # line the site's rules alone would run bare is refused, saying what to fix, and not run
+    # bare without a word of the file the user named.
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text(f'wrap_only_in = ["{tmp_path / "elsewhere"}"]\n')
+    env = {**hook_env, "GPUWAIT_CONFIG": str(tmp_path / "confg.toml")}
+    told = explain(["python", "probe.py"], env, tmp_path)
+    assert told.returncode == 2, told.stdout + told.stderr
+    assert "does not exist" in told.stderr and "confg.toml" in told.stderr, told.stderr
+    # Named rightly, the file says nothing of wrap_only_in and the site's rule holds.
+    (tmp_path / "confg.toml").write_text("")
+    told = explain(["python", "probe.py"], env, tmp_path)
+    assert told.returncode == 1 and "wrap_only_in" in told.stdout, told.stdout + told.stderr
