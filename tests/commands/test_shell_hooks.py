@@ -1721,3 +1721,34 @@ def test_a_config_file_named_but_missing_is_told_though_the_site_rules_would_run
     (tmp_path / "confg.toml").write_text("")
     told = explain(["python", "probe.py"], env, tmp_path)
     assert told.returncode == 1 and "wrap_only_in" in told.stdout, told.stdout + told.stderr
+
+
+def test_a_bad_setting_still_leaves_the_env_and_site_wrap_rules_in_force(
+    hook_env: dict[str, str], tmp_path: Path, isolated_dirs: Path
+) -> None:
+    # GPUWAIT_SIM=sim.toml (refused: a relative path) beside the wrap rules given otherwise
+    # than in the user's config file: GPUWAIT_NEVER_WRAP, the site's wrap_only_in, and, where
+    # the user's file is no TOML, the built-in never_wrap. A line any of them runs bare runs
+    # bare; it is not refused for the setting it does not need.
+    env = {**hook_env, "GPUWAIT_SIM": "sim.toml"}
+    assert explain(["python", "probe.py"], env, tmp_path).returncode == 2
+    told = explain(["python", "probe.py"], {**env, "GPUWAIT_NEVER_WRAP": "* probe.py"}, tmp_path)
+    assert (told.returncode, told.stdout) == (
+        1,
+        "bare: the command line matches never_wrap '* probe.py'\n",
+    ), told.stderr
+    site = isolated_dirs / "site-config" / "gpuwait" / "config.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text(f'wrap_only_in = ["{tmp_path / "elsewhere"}"]\n')
+    told = explain(["python", "probe.py"], env, tmp_path)
+    assert told.returncode == 1 and "wrap_only_in" in told.stdout, told.stdout + told.stderr
+    site.unlink()
+    config = tmp_path / "config.toml"
+    config.write_text("nvml_interval = \n")
+    no_toml = {**env, "GPUWAIT_CONFIG": str(config)}
+    told = explain(["python", "--version"], no_toml, tmp_path)
+    assert (told.returncode, told.stdout) == (
+        1,
+        "bare: the command line matches never_wrap '* --version'\n",
+    ), told.stderr
+    assert explain(["python", "probe.py"], no_toml, tmp_path).returncode == 2
