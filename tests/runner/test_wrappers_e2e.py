@@ -2779,3 +2779,36 @@ def test_env_clearing_its_environment_with_options_in_one_word_is_read_as_env(
     (tmp_path / "show.sh").write_text('echo "[${CUDA_VISIBLE_DEVICES-every GPU}]" > seen\n')
     done = gpuwait(gpuwait_cmd, ["sh", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     refused(done, tmp_path / "seen", "without the CUDA_VISIBLE_DEVICES gpuwait sets")
+
+
+@pytest.mark.parametrize(
+    ("shell", "line"),
+    [
+        # Made a number of gpuwait's own value, passed on, by zsh's float and typeset -E.
+        ("zsh", 'float CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        ("zsh", 'typeset -E CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        ("bash", 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        # bash's -F lists functions and sets nothing: no number made.
+        ("bash", 'declare -F CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        # +i takes the attribute away: the value passed on is the text it was.
+        ("zsh", 'typeset +i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        # env's quoted assignment read whole, env named by its path or run by another env.
+        ("bash", '/usr/bin/env NOTE="a b" CUDA_VISIBLE_DEVICES=0'),
+        ("bash", 'env env NOTE="a b" CUDA_VISIBLE_DEVICES=0'),
+        ("bash", 'env NOTE="a b" CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+    ],
+)
+def test_a_shells_numbers_and_envs_run_where_the_shell_gives_gpuwaits_gpu(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, shell: str, line: str
+) -> None:
+    # What the shell itself gives its command, asked first, decides: gpuwait's own GPU, and
+    # the line runs on it; another value, and the line is refused before waiting.
+    code = f"{line} sh -c 'echo \"${{CUDA_VISIBLE_DEVICES-every GPU}}\"' > seen"
+    if line.split()[0] in ("float", "typeset", "declare"):
+        code = code.replace(" sh -c", "; sh -c", 1)
+    kept = seen_bare([shell, "-c", code], tmp_path) == "GPU-own"
+    done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    if kept:
+        ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
+    else:
+        refused(done, tmp_path / "seen")
