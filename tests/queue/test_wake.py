@@ -480,3 +480,27 @@ def test_inotify_tells_the_names_of_the_files_written(tmp_path: Path) -> None:
         assert watch.drain(wake.EVENT_NAMES) == {"wake.1000.json"}
     finally:
         watch.close()
+
+
+def test_a_watch_whose_events_overflowed_says_so_when_looking_for_summaries(
+    tmp_path: Path,
+) -> None:
+    # A member's loop renaming a scratch file of theirs fills the kernel's queue of events
+    # (16384 by default) before a summary is written: the summary's event is lost. Looking
+    # for summaries alone, the watch must say that events were lost, so that the waiter reads
+    # every summary, not that no summary was written, which would leave it asleep.
+    from gpuwait.linux.inotify import LedgerWatch
+
+    limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+    watch = LedgerWatch(tmp_path)
+    try:
+        assert watch.active
+        (tmp_path / "a").write_text("{}")
+        for _ in range(limit // 2 + 1):  # two events a rename
+            os.replace(tmp_path / "a", tmp_path / "b")
+            os.replace(tmp_path / "b", tmp_path / "a")
+        (tmp_path / "temp").write_text("{}")
+        os.replace(tmp_path / "temp", tmp_path / "wake.1000.json")
+        assert watch.drain(wake.EVENT_NAMES) is None
+    finally:
+        watch.close()
