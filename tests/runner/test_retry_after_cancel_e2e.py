@@ -522,3 +522,16 @@ def test_a_cancel_once_a_pausable_run_ran_out_is_no_checkpoint_request_by_term(
     )
     assert (returncode, starts) == (1, "started\n"), err
     assert "was cancelled, so it is not retried" in err, err
+
+
+def test_a_real_time_signal_sent_thrice_once_the_command_ran_out_is_told_of_once(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # SIGRTMIN+2 sent three times as the run that ran out was recorded (the kernel queues
+    # each): all three are the ended command's, and gpuwait says so in one line, not three.
+    sim_file(gpus=1, memory="24GiB")
+    returncode, err, starts, _ = _ran_out_then(
+        gpuwait_cmd, tmp_path, _sending(*[signal.SIGRTMIN + 2] * 3), retried="exit 0"
+    )
+    assert (returncode, starts) == (0, "started\nstarted\n"), err
+    assert err.count("SIGRTMIN+2 once the command had ended") == 1, err
