@@ -264,3 +264,30 @@ def test_an_alarm_sent_between_two_slices_of_the_wait_reaches_the_callers_handle
 
     rang = _alarms_to_the_caller(monkeypatch, between_slices, take)
     assert sent and rang == [signal.SIGALRM], rang
+
+
+def test_a_stop_after_a_signal_for_the_command_is_given_its_own_patience(tmp_path: Path) -> None:
+    """A wait patient with the signals for the command and 3 s with one asking gpuwait to end
+    (the record of a run, `Patience`): a USR1 pending from its start, and a TERM sent 3.5 s
+    in, half a second before the lock is let go. The TERM's 3 s count from the TERM: the wait
+    takes the lock, the TERM left pending for gpuwait's loop, and does not give up at once for
+    the USR1's 3.5 s."""
+    path = tmp_path / "lock"
+    ready = path.with_suffix(".held")
+    script = f": > {ready}; sleep 3.5; kill -TERM {os.getpid()}; sleep 0.5"
+    holder = subprocess.Popen(["flock", str(path), "sh", "-c", script])
+    fd = -1
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
+    try:
+        wait_for(ready.exists, timeout=20, message="the other process never took the lock")
+        fd = os.open(path, os.O_RDWR)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        flock_within(fd, fcntl.LOCK_EX, timeout=60.0, patience=Patience(3.0, float("inf")))
+        assert {signal.SIGUSR1, signal.SIGTERM} <= signal.sigpending()
+    finally:
+        holder.wait()
+        signal.sigtimedwait({signal.SIGUSR1}, 0)
+        signal.sigtimedwait({signal.SIGTERM}, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        if fd >= 0:
+            os.close(fd)
