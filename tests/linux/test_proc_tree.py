@@ -101,3 +101,51 @@ def test_many_children_are_all_found(spawn: list[subprocess.Popen[bytes]]) -> No
     wait_for(lambda: _sleeps(_scanned(root)) == count, timeout=60)
 
     assert proc.process_tree([root]) == _scanned(root)
+
+
+#: A Python process that says "ready" once its SIGCHLD is set up as the test asks.
+_SIGCHLD_SET = (
+    "import signal, sys, threading, time\n"
+    "how = sys.argv[1]\n"
+    "if how != 'default':\n"
+    "    signal.signal(signal.SIGCHLD, lambda *_: None)\n"
+    "if how in ('blocked', 'blocked but in a thread'):\n"
+    "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})\n"
+    "if how == 'blocked but in a thread':\n"
+    "    threading.Thread(\n"
+    "        target=lambda: (signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD}),\n"
+    "                        time.sleep(60)), daemon=True).start()\n"
+    "    time.sleep(0.2)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("how", "runs"),
+    [
+        ("default", False),
+        ("caught", True),
+        ("blocked", False),
+        ("blocked but in a thread", True),
+    ],
+)
+def test_a_process_runs_its_own_sigchld_handler_only_where_a_thread_takes_it(
+    how: str, runs: bool
+) -> None:
+    # A program holding its GPU through gpuwait.reserve(), with a SIGCHLD handler of its own,
+    # is not woken after a ledger's recovery: the signal would run its handler though no child
+    # of its ended. One that blocks SIGCHLD in every thread (as a reservation's wait does), or
+    # has no handler, takes no harm, and is woken.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SIGCHLD_SET, how], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        assert proc.runs_handler(child.pid, signal.SIGCHLD) is runs
+        assert proc.runs_handler(child.pid, signal.SIGUSR2) is False
+    finally:
+        child.kill()
+        child.wait()
+    # Gone, it runs nothing.
+    assert proc.runs_handler(child.pid, signal.SIGCHLD) is False
