@@ -2812,3 +2812,21 @@ def test_a_shells_numbers_and_envs_run_where_the_shell_gives_gpuwaits_gpu(
         ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
     else:
         refused(done, tmp_path / "seen")
+
+
+@pytest.mark.parametrize("cut", ["%%,*", "#*,", "##*,"])
+def test_a_shell_cutting_a_list_it_set_itself_is_judged_by_what_the_cut_keeps(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path, cut: str
+) -> None:
+    # `CUDA_VISIBLE_DEVICES=-1,0` hides every GPU (CUDA stops at -1); cut at its commas, the
+    # first entry (`%%,*`), -1, still does, and the line runs on no GPU, but the rest or the
+    # last (`#*,`, `##*,`), 0, is GPU 0, whichever GPU gpuwait reserved: refused.
+    code = f"CUDA_VISIBLE_DEVICES=-1,0; CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES{cut}}} {_SEEN}"
+    bare = seen_bare(["bash", "-c", code], tmp_path)
+    assert bare == ("-1" if cut == "%%,*" else "0"), bare
+    done = gpuwait(gpuwait_cmd, ["bash", "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    if bare == "-1":
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "seen").read_text().strip() == "-1"
+    else:
+        refused(done, tmp_path / "seen", "over the CUDA_VISIBLE_DEVICES gpuwait sets")
