@@ -1446,3 +1446,54 @@ def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
     assert holder.wait(timeout=30) == 0
     assert waiter.wait(timeout=30) == 0 and later.wait(timeout=30) == 0
     assert started.read_text().split() == ["waiter", "later"]
+
+
+def test_a_waiter_whose_entry_a_later_launch_lost_keeps_its_place_before_it(
+    gw: Run,
+    tmp_path: Path,
+    procs: Callable[..., subprocess.Popen[str]],
+) -> None:
+    # As above, the later launch being the one that starts the damaged ledger afresh, the
+    # running job's and the waiter's gpuwaits stopped meanwhile (outside a transaction): the
+    # new file numbers the later launch first, and the waiter, putting its entry back once it
+    # goes on, must still start first.
+    release = tmp_path / "release"
+    started = tmp_path / "started"
+    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
+    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
+    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
+
+    def noting(name: str) -> list[str]:
+        return ["sh", "-c", f"echo {name} >> {shlex.quote(str(started))}"]
+
+    waiter = _waiting(
+        procs,
+        [*VRAM_13G, "--name", "waiter", "--", *noting("waiter")],
+        "the waiter ran beside the running job",
+    )
+    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
+    stopped = [holder, waiter]
+    with exclusive(ledger_path.parent / "ledger.lock"):
+        for process in stopped:
+            process.send_signal(signal.SIGSTOP)
+            wait_for(lambda p=process: process_state(p.pid) == "T", timeout=10)
+    try:
+        replace_ledger(ledger_path, DAMAGE["truncated"])
+        later = _waiting(
+            procs,
+            [*VRAM_13G, "--name", "later", "--", *noting("later")],
+            "the later launch ran beside the running job",
+        )
+        assert named_entry("later") and not named_entry("waiter")
+    finally:
+        for process in stopped:
+            process.send_signal(signal.SIGCONT)
+    wait_for(
+        lambda: named_entry("holder") and named_entry("waiter"),
+        timeout=20,
+        message="the entries were never put back",
+    )
+    release.touch()
+    assert holder.wait(timeout=30) == 0
+    assert waiter.wait(timeout=30) == 0 and later.wait(timeout=30) == 0
+    assert started.read_text().split() == ["waiter", "later"]
