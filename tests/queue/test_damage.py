@@ -1497,3 +1497,35 @@ def test_a_waiter_whose_entry_a_later_launch_lost_keeps_its_place_before_it(
     assert holder.wait(timeout=30) == 0
     assert waiter.wait(timeout=30) == 0 and later.wait(timeout=30) == 0
     assert started.read_text().split() == ["waiter", "later"]
+
+
+def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, the machine's clock stepped back an hour since the file last changed (NTP
+    # after a wrong start): the file did not change lately, either way of the clock, and the
+    # others are not held for it for the hour it takes the clock to catch up.
+    from gpuwait.queue import ledger as module
+
+    class _HourBehind:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return time.time() - 3600
+
+    directory = shared_dir(tmp_path)
+    other = directory / "ledger.4242.json"
+    other.write_bytes(DAMAGE["truncated"])
+    os.lchown(other, 4242, 4242)
+    theirs = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
+        assert list(Ledger(directory).read().unread) == [4242]
+        monkeypatch.setattr(module, "time", _HourBehind())
+        assert Ledger(directory).read().unread == {}
+    finally:
+        theirs.kill()
+        theirs.wait()
