@@ -1529,3 +1529,16 @@ def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nob
     finally:
         theirs.kill()
         theirs.wait()
+
+
+def test_the_wait_for_another_users_unread_file_counts_the_jobs_running() -> None:
+    # Held for a member's file that cannot be used while their gpuwait runs, the wait line
+    # still says how many jobs run, as every other wait does: "(2 running, 0 ahead of you)".
+    running = [live_job(name, state=RUNNING) for name in ("a", "b")]
+    mine = live_job("mine", state="waiting")
+    data = LedgerData(jobs=[*running, mine], unread={4242: "Expecting value"})
+    reason = lifecycle.held_for_unread(data, mine)
+    assert reason is not None
+    assert "(2 running, 0 ahead of you)" in reason.describe(), reason.describe()
+    assert "the ledger file of uid 4242" in reason.describe(), reason.describe()
+    assert lifecycle.held_for_unread(LedgerData(jobs=[*running, mine]), mine) is None
