@@ -112,10 +112,11 @@ _SIGCHLD_SET = (
     "if how in ('blocked', 'blocked but in a thread'):\n"
     "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})\n"
     "if how == 'blocked but in a thread':\n"
+    "    unblocked = threading.Event()\n"
     "    threading.Thread(\n"
     "        target=lambda: (signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD}),\n"
-    "                        time.sleep(60)), daemon=True).start()\n"
-    "    time.sleep(0.2)\n"
+    "                        unblocked.set(), time.sleep(60)), daemon=True).start()\n"
+    "    unblocked.wait()\n"
     "print('ready', flush=True)\n"
     "time.sleep(60)\n"
 )
