@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -63,7 +64,7 @@ from gpuwait.core.sizes import (
     format_size,
 )
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.core.text import entry_command
+from gpuwait.core.text import columns, entry_command
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
@@ -1291,6 +1292,22 @@ def _ended_run(ledger: Ledger, job: Job, outcome: str, reporter: Reporter, **how
         reporter.warn(str(exc))
 
 
+#: The columns a line of -v fills at most: an 80-column terminal shows it on one row.
+VERBOSE_COLUMNS = 79
+
+
+def _phrase_lines(text: str, lead: int) -> list[str]:
+    """`text` as lines that each fit VERBOSE_COLUMNS after `lead` columns, broken only after
+    a comma or a semicolon; a phrase longer than that is a line of its own, whole."""
+    lines: list[str] = []
+    for phrase in re.split(r"(?<=[,;]) ", text) if text else []:
+        if lines and lead + columns(f"{lines[-1]} {phrase}") <= VERBOSE_COLUMNS:
+            lines[-1] = f"{lines[-1]} {phrase}"
+        else:
+            lines.append(phrase)
+    return lines
+
+
 def _start(
     request: RunRequest,
     config: RunConfig,
@@ -1318,12 +1335,14 @@ def _start(
         _say_once(reporter, message)
     if request.verbose:
         where = ", ".join(f"GPU{g.index}" for g in chosen)
-        note = f" ({choice.note})" if choice.note else ""
         each = reserved_on_each(job, chosen) or format_size(job.reserved_bytes)
         reporter.info(
-            f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, "
-            f"{each} reserved{note}"
+            f"job {job.id} starts on {where} after {format_duration(wait_seconds)}, {each} reserved"
         )
+        # Where the size came from on lines of its own: after the size, in parentheses, it
+        # made the line 111 columns and more.
+        for line in _phrase_lines(choice.note or "", columns(f"gpuwait: job {job.id}: ")):
+            reporter.info(f"job {job.id}: {line}")
         # Each UUID on a line of its own: with it, the line above took 108 columns.
         for gpu in chosen:
             reporter.info(f"job {job.id}: GPU{gpu.index} is {gpu.uuid}")

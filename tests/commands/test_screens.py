@@ -177,6 +177,32 @@ def test_the_verbose_start_lines_fit_80_columns(
     assert all(len(line) < 80 for line in said), said
 
 
+@pytest.mark.parametrize(
+    ("earlier", "note"),
+    [
+        (0, "no earlier runs of this command: default_vram"),
+        (3, "estimated from 3 runs of this exact command"),
+    ],
+)
+def test_the_verbose_start_line_of_a_job_sized_without_vram_fits_80_columns(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory, earlier: int, note: str
+) -> None:
+    # A job sized by its earlier runs or by default_vram had where its size came from put after
+    # it in parentheses: "... starts on GPU0 after 16ms, 5.5 GiB reserved (estimated from 3
+    # runs of this exact command)", 111 columns, broken onto a second row mid-word.
+    sim_file(gpus=1)
+    term = shell(80, 24)
+    job = "gpuwait sim job --vram 5G --hold 0.2s"
+    if earlier:
+        term.type(f"for i in {' '.join('x' * earlier)}; do gpuwait -q --vram 8G -- {job}; done")
+    term.type(f"gpuwait -v -- {job} && echo the-job-ran")
+    term.wait_for(lambda rows: "the-job-ran" in rows, what="the job's end")
+    said = [line for line in term.everything(joined=True) if line.startswith("gpuwait: ")]
+    assert any(" starts on GPU0" in line for line in said), said
+    assert any(line.endswith(note) for line in said), said
+    assert all(len(line) < 80 for line in said), said
+
+
 def test_a_first_whole_gpu_wait_at_80_columns_says_why_and_what_to_give(
     shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
 ) -> None:
