@@ -232,6 +232,12 @@ class Job(Record):
     #: plain ids an older gpuwait reads). False: an entry of an older gpuwait's, which kept only
     #: the plain id its view showed (`LedgerData.as_kept_in`).
     owners_kept: bool = True
+    #: Where the size it asks for came from, asked for without --vram ("estimated from 3 runs
+    #: of this exact command", "no earlier runs of this command: default_vram"), and whether a
+    #: shell hook runs it: `status` says its wait as its wait line does. None and False:
+    #: sized with --vram, typed, or an entry of an older version.
+    size_source: str | None = None
+    from_hook: bool = False
     #: What a newer gpuwait wrote in the entry beyond the fields above (they are only ever
     #: added within a schema): written back as found, so that the entry keeps them whoever
     #: of two versions on one ledger changes it.
@@ -359,6 +365,8 @@ class Job(Record):
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),
+            size_source=_lenient_text(raw.get("size_source")),
+            from_hook=raw.get("from_hook") is True,
             owners_kept=False,
             newer_fields=_newer_fields(raw, _JOB_KEYS),
         )

@@ -13,7 +13,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwait.core.overuse import Overuse
-from gpuwait.core.policy import Claim, Conditions, FairShare, closed, estimate_starts, gpu_rooms
+from gpuwait.core.policy import (
+    Claim,
+    Conditions,
+    FairShare,
+    WaitReason,
+    closed,
+    estimate_starts,
+    gpu_rooms,
+)
 from gpuwait.core.record import Record
 from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc, userns
@@ -233,7 +241,7 @@ def report_from(
                 else None,
                 "expected_remaining_seconds": claim.expected_seconds if running else None,
                 "expected_seconds": job.expected_seconds,
-                "waiting_reason": reason.describe() if reason else None,
+                "waiting_reason": _said(reason, job),
                 "blocked": claim.blocked,
                 "eta_seconds": None if running or unread else etas.get(job.id),
                 "held_gpus": job.held_gpus
@@ -247,6 +255,16 @@ def report_from(
             }
         )
     return report
+
+
+def _said(reason: WaitReason | None, job: Job) -> str | None:
+    """A waiter's reason as its own wait line says it: where its size came from, and how a
+    line a shell hook runs asks for less (GPUWAIT_DEFAULT_VRAM, not --vram)."""
+    if reason is None:
+        return None
+    if job.size_source:
+        reason = reason._replace(source=job.size_source)
+    return reason.describe(hooked=job.from_hook)
 
 
 def _overuse(job: Job) -> dict[str, Any] | None:

@@ -713,6 +713,8 @@ def _new_job(
         safety_from_site=config.wait.fair.safety_from_site,
         history_dir=str(config.state_dir),
         history_commands=config.history_commands,
+        size_source=choice.note,
+        from_hook=request.from_hook,
     )
     rules = config.wait.pause_rules
     if (pausable is not None or request.freezable) and rules is not None:

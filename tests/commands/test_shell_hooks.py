@@ -602,6 +602,35 @@ def test_a_hooked_first_wait_for_a_whole_gpu_says_how_the_line_asks_for_less(
     assert "--vram" not in done.stderr, done.stderr
 
 
+def test_status_says_of_a_hooked_wait_for_a_whole_gpu_what_its_wait_line_says(
+    hook_env: dict[str, str], tmp_path: Path, sim_file: Any, procs: Any
+) -> None:
+    # The wait line of a line the hook runs names GPUWAIT_DEFAULT_VRAM, the option it has no
+    # place for being the script's; `gpuwait status` said "--vram SIZE asks for less" of it.
+    sim_file(gpus=2, base_used="3GiB")
+    env = {k: v for k, v in hook_env.items() if k != "GPUWAIT_DEFAULT_VRAM"}
+    script = f"{init_line('bash', '--always')}\npython probe.py"
+    procs(["bash", "--norc", "--noprofile", "-c", script], env=env, cwd=tmp_path)
+
+    def waiting_reason() -> str | None:
+        done = subprocess.run(
+            ["gpuwait", "status", "--json"], env=env, capture_output=True, text=True, timeout=30
+        )
+        jobs = json.loads(done.stdout)["jobs"] if done.returncode == 0 else []
+        reasons = [j["waiting_reason"] for j in jobs if j["waiting_reason"]]
+        return reasons[0] if reasons else None
+
+    deadline = time.monotonic() + 30
+    while (reason := waiting_reason()) is None:
+        assert time.monotonic() < deadline, "the hooked line never waited"
+        time.sleep(0.2)
+    assert "GPUWAIT_DEFAULT_VRAM=SIZE asks for less" in reason, reason
+    assert "--vram" not in reason, reason
+    shown = subprocess.run(["gpuwait", "status"], env=env, capture_output=True, text=True)
+    assert "GPUWAIT_DEFAULT_VRAM=SIZE asks for less" in shown.stdout, shown.stdout
+    assert "--vram" not in shown.stdout, shown.stdout
+
+
 @pytest.mark.parametrize("shell", SHELLS)
 def test_no_gpuwait_inside_gpuwait(shell: str, hook_env: dict[str, str], tmp_path: Path) -> None:
     """A wrapped job that starts a shell with the hook, which runs python: one job, not two."""
