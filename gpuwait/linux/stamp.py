@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 #: Seconds after a file's change within which another change may fall in the same tick of the
 #: file system's clock (a jiffy locally, up to a second or two on NFS and FAT).
@@ -55,3 +55,50 @@ def may_change_unseen(stamp: FileStamp) -> bool:
     """Was `stamp` taken within RACY_SECONDS of its file's last change (or of a change time
     ahead of this clock), so that a change in the same tick could leave the same stamp?"""
     return stamp.ctime_ns >= time.time_ns() - RACY_SECONDS * 1_000_000_000
+
+
+class NotTheirs:
+    """The names in a directory found to be no file of the uid they name (another user made
+    them), kept while the directory is as it was: a member may make thousands of such names,
+    and each listing would otherwise look at every one of them again.
+
+    Kept only from a listing begun once the directory had not changed for RACY_SECONDS: any
+    later change (a name made, removed or renamed, as every user's gpuwait writes its files)
+    then gives the directory another stamp, and every name is looked at afresh. While it has
+    none, what the caller made of the whole listing (`keep`) holds too: the same names are
+    there, each of the same file. A user's file is always made, replaced and removed so, and
+    never hidden by what is kept. An administrator's chown of such
+    a file to the uid it names changes no stamp of the directory: it is seen at its next
+    change.
+    """
+
+    def __init__(self) -> None:
+        self._stamp: FileStamp | None = None
+        self._names: set[str] = set()
+        self._keeping = False
+        #: What the caller made of the whole listing (`keep`), while the directory is as it
+        #: was when it was made: the same names are there, each of the same file.
+        self.listed: Any = None
+
+    def begin(self, directory: Path) -> None:
+        """Before a listing of `directory`: what is kept holds if it has not changed since."""
+        stamp = file_stamp(directory)
+        if stamp is None or may_change_unseen(stamp):
+            # It may change within its clock's tick unseen: nothing kept, nor kept from now.
+            self._stamp, self._names, self._keeping, self.listed = None, set(), False, None
+            return
+        if stamp != self._stamp:
+            self._stamp, self._names, self.listed = stamp, set(), None
+        self._keeping = True
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def add(self, name: str) -> None:
+        if self._keeping:
+            self._names.add(name)
+
+    def keep(self, listed: Any) -> None:
+        """What the listing begun last came to, for `listed` until the directory changes."""
+        if self._keeping:
+            self.listed = listed

@@ -62,7 +62,13 @@ from gpuwait.linux.security import (
     runs_gpuwait,
     taken_over_hint,
 )
-from gpuwait.linux.stamp import FileStamp, file_stamp, may_change_unseen, stamp_of
+from gpuwait.linux.stamp import (
+    FileStamp,
+    NotTheirs,
+    file_stamp,
+    may_change_unseen,
+    stamp_of,
+)
 from gpuwait.queue import entries, wake
 from gpuwait.queue.entries import Job, LedgerData, copy_job
 
@@ -167,6 +173,8 @@ class Ledger:
         #: The fair-share half-life (None: off) with which what a job found gone had held is
         #: charged to its user when its entry is reaped (gpuwait.queue.lifecycle).
         self.fair_half_life = fair_half_life
+        #: Names in a shared directory found to be no file of the uid they name (`_user_files`).
+        self._not_theirs = NotTheirs()
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -188,13 +196,13 @@ class Ledger:
                     if _USER_FILE_RE.match(item.name):
                         with contextlib.suppress(OSError):
                             stamp = stamp_of(item.stat(follow_symlinks=False))
-                            digest = self._racy_digest(Path(item.path), stamp)
+                            digest = self._racy_digest(item.path, stamp)
                             token.append((item.name, *stamp, digest))
         except OSError:
             return None
         return tuple(sorted(token))
 
-    def _racy_digest(self, path: Path, stamp: FileStamp) -> tuple[int] | int | None:
+    def _racy_digest(self, path: Path | str, stamp: FileStamp) -> tuple[int] | int | None:
         """A checksum of the content of the file at `path` (a 1-tuple) where its stamp was
         taken within RACY_SECONDS of its last change (or its change time is ahead of this
         clock); None where the stamp alone tells it; a number never given before where the
@@ -202,7 +210,7 @@ class Ledger:
         if not may_change_unseen(stamp):
             return None
         try:
-            read = self._read_file(path)
+            read = self._read_file(Path(path))
         except (_Unreadable, StateShortage):
             return next(_UNTOLD)  # looked at again next time, and by the reader now
         return None if read is None else (zlib.crc32(read[1]),)
@@ -527,35 +535,20 @@ class Ledger:
 
     def _user_files(self) -> dict[int, str]:
         """Each user's file in the shared directory, by owner; chooses this user's own."""
-        try:
-            names = sorted(os.listdir(self.directory))
-        except OSError as exc:
-            raise StateError(
-                f"ledger directory {self.directory} cannot be read: {exc.strerror}"
-            ) from None
-        found: dict[int, str] = {}
+        # Any member may make names for uids not theirs, thousands of them: each is looked at
+        # by its directory entry (no path built for it), only where its uid has no file found
+        # that it could replace, and not again while the directory is as it was.
+        self._not_theirs.begin(self.directory)
         canonical = f"ledger.{self._uid}.json"
-        for name in names:
-            match = _USER_FILE_RE.match(name)
-            if match is None:
-                continue
-            uid = int(match.group(1))
-            try:
-                owner = os.lstat(self.directory / name).st_uid
-            except OSError:
-                continue
-            if owner != uid:
-                # Made by someone else under another user's name: it stands for nobody.
-                if name == canonical:
-                    self.warnings.append(
-                        f"ledger {self.directory / name} belongs to uid {owner}, not to you; "
-                        "using a file of your own beside it (an administrator may remove it)"
-                    )
-                continue
-            if uid not in found or name == f"ledger.{uid}.json":
-                found[uid] = name
-            if len(found) >= MAX_USER_FILES:
-                break
+        listed = self._not_theirs.listed
+        if listed is None:
+            listed, whole = self._list_user_files(canonical)
+            if whole:
+                self._not_theirs.keep(listed)
+        # Else the same names as at the last look, each of the same file (a file is replaced,
+        # made or removed only by a change of the directory).
+        found, said = dict(listed[0]), listed[1]
+        self.warnings.extend(said)
         mine = found.get(self._uid)
         if mine is not None:
             self.path = self.directory / mine
@@ -565,6 +558,49 @@ class Ledger:
         else:
             self.path = self.directory / canonical
         return found
+
+    def _list_user_files(self, canonical: str) -> tuple[tuple[dict[int, str], list[str]], bool]:
+        """Each user's file in the shared directory, by owner, looked up afresh, and what to
+        warn of (this user's own name taken by another); and whether every name could be
+        looked at (one that could not is looked at again next time)."""
+        try:
+            with os.scandir(self.directory) as listing:
+                named = sorted(
+                    (item.name, match, item)
+                    for item in listing
+                    if (item.name not in self._not_theirs or item.name == canonical)
+                    and (match := _USER_FILE_RE.match(item.name)) is not None
+                )
+        except OSError as exc:
+            raise StateError(
+                f"ledger directory {self.directory} cannot be read: {exc.strerror}"
+            ) from None
+        found: dict[int, str] = {}
+        said: list[str] = []
+        whole = True
+        for name, match, item in named:
+            uid = int(match.group(1))
+            if uid in found and match.group(2) is not None:
+                continue  # its uid's file is found: only their canonical name replaces it
+            try:
+                owner = item.stat(follow_symlinks=False).st_uid
+            except OSError:
+                whole = False
+                continue
+            if owner != uid:
+                self._not_theirs.add(name)
+                # Made by someone else under another user's name: it stands for nobody.
+                if name == canonical:
+                    said.append(
+                        f"ledger {self.directory / name} belongs to uid {owner}, not to you; "
+                        "using a file of your own beside it (an administrator may remove it)"
+                    )
+                continue
+            if uid not in found or name == f"ledger.{uid}.json":
+                found[uid] = name
+            if len(found) >= MAX_USER_FILES:
+                break
+        return (found, said), whole
 
     def _load_own(self, path: Path, repair: bool, owned: bool) -> tuple[LedgerData, Any, bool]:
         try:

@@ -59,7 +59,7 @@ from typing import Any
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, read_state_file
-from gpuwait.linux.stamp import FileStamp, file_stamp
+from gpuwait.linux.stamp import FileStamp, NotTheirs, file_stamp, stamp_of
 from gpuwait.queue.entries import RUNNING, Job, elsewhere, plain_id
 
 SCHEMA = 1
@@ -243,6 +243,8 @@ class Summaries:
         #: since (`written`) that are still to be read.
         self._seen: dict[str, Summary | None] = {}
         self._told: set[str] = set()
+        #: Names in a shared directory found to be no summary of the uid they name.
+        self._not_theirs = NotTheirs()
 
     def written(self, names: Iterable[str] | None = None) -> None:
         """A wake-up (the writer's signal, inotify's events) said that these summaries were
@@ -297,8 +299,20 @@ class Summaries:
     def _current_tokens(self) -> dict[str, FileStamp | None]:
         if not self.shared:
             return {FILENAME: file_stamp(self.state_dir / FILENAME, follow=False)}
+        self._not_theirs.begin(self.state_dir)
+        kept = self._not_theirs.listed
+        if kept is not None:
+            # The same names as at the last look, each of the same file: their stamps alone
+            # are taken again.
+            tokens: dict[str, FileStamp | None] = {}
+            for name, uid in kept:
+                token = file_stamp(self.state_dir / name, follow=False, owner=uid)
+                if token is not None:
+                    tokens[name] = token
+            return tokens
         try:
-            names = os.listdir(self.state_dir)
+            with os.scandir(self.state_dir) as listing:
+                items = list(listing)
         except OSError:
             return {}
         # One summary per user, as one ledger file per user: theirs under their canonical
@@ -307,8 +321,14 @@ class Summaries:
         # Counted by the users found, not by the names: any member can make names for uids
         # that are nobody's (or another's), and those counted would hide the real ones listed
         # after them, whose waiters would then be woken by no summary of theirs.
+        # Each name looked at by its directory entry, no path built for it, and not again while
+        # the directory is as it was: a member may make thousands for uids not theirs.
         chosen: dict[str, tuple[str, FileStamp]] = {}
-        for name in names:
+        whole = True
+        for item in items:
+            name = item.name
+            if name in self._not_theirs:
+                continue
             match = _USER_SUMMARY_RE.match(name)
             if match is None:
                 continue
@@ -317,11 +337,19 @@ class Summaries:
             held = chosen.get(uid)
             if held is not None and (held[0] == canonical or held[0] < name != canonical):
                 continue
-            token = file_stamp(self.state_dir / name, follow=False, owner=int(uid))
-            if token is not None:  # None: gone, or another user's file under this uid's name
-                chosen[uid] = (name, token)
-                if len(chosen) >= MAX_SUMMARIES:
-                    break
+            try:
+                st = item.stat(follow_symlinks=False)
+            except OSError:
+                whole = False  # gone, or not to be looked at now: looked at again next time
+                continue
+            if st.st_uid != int(uid):  # another user's file under this uid's name
+                self._not_theirs.add(name)
+                continue
+            chosen[uid] = (name, stamp_of(st))
+            if len(chosen) >= MAX_SUMMARIES:
+                break
+        if whole:
+            self._not_theirs.keep([(name, int(uid)) for uid, (name, _) in chosen.items()])
         return dict(chosen.values())
 
 

@@ -45,6 +45,7 @@ from gpuwait.linux.security import control_refusal
 from gpuwait.queue.bookkeeping import FINISHED_KEPT, OK, Finished
 from gpuwait.queue.entries import Job
 from gpuwait.queue.ledger import Ledger
+from gpuwait.queue.wake import Summaries
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switches to other users: needs root")
 
@@ -2423,3 +2424,32 @@ def test_a_waiter_signalled_by_its_users_release_reads_their_summary(server: Ser
     wait_for(lambda: sleeping_in(waiter.pid, "sigtimedwait"), timeout=30)
     holder.send_signal(signal.SIGTERM)
     assert waiter.wait(timeout=20) == 0
+
+
+def test_a_name_found_another_users_is_its_uids_once_they_make_their_file_there(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A name under a uid not its owner's is looked at again only once the directory has
+    # changed: Bob's file, made where Alice had made one under his name, is his at the next
+    # look, whoever looked at hers before.
+    import gpuwait.linux.stamp
+
+    monkeypatch.setattr(gpuwait.linux.stamp, "RACY_SECONDS", 0)
+    squatted = server.ledger_dir / f"ledger.{BOB}.json"
+    summary = server.ledger_dir / f"wake.{BOB}.json"
+    for path in (squatted, summary):
+        path.write_text("{}")
+        os.chown(path, ALICE, GROUP)
+    time.sleep(0.05)  # past the tick of the file system's clock in which they were made
+    ledger = server.ledger()
+    ledger.read()
+    summaries = Summaries(server.ledger_dir, shared=True)
+    for _ in range(2):  # the names found Alice's again, or kept as hers
+        assert BOB not in ledger._user_files()
+        assert summary.name not in summaries._current_tokens()
+    for path in (squatted, summary):
+        path.unlink()
+        path.write_text("{}")
+        os.chown(path, BOB, GROUP)
+    assert ledger._user_files().get(BOB) == squatted.name
+    assert summary.name in summaries._current_tokens()
