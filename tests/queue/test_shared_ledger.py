@@ -948,15 +948,10 @@ while True:
 """
 
 
-def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_its_room(
-    server: Server,
-) -> None:
-    # Bob's job holds 15 GiB of the card's 21.6 usable, and a loop of his empties his ledger
-    # file again and again. Alice's launches read it as damaged, counted no job of his, and
-    # each of 5 was started into the room his job holds. While a gpuwait of his runs, a file
-    # of his that cannot be used admits nobody, and says so.
-    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
-    server.wait_jobs(1, "running")
+@contextlib.contextmanager
+def bobs_file_emptied(server: Server) -> Iterator[None]:
+    """Bob's ledger file emptied again and again by a loop of his while the block runs (from
+    its first emptying on)."""
     loop = subprocess.Popen(
         ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
         user=BOB,
@@ -968,22 +963,44 @@ def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_it
     server.procs.append(loop)
     try:
         wait_for(lambda: server.own_file(BOB).stat().st_size == 0)
-        said_why = []
-        for _ in range(5):
-            done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
-            assert (done.returncode, done.stdout) == (124, ""), done.stderr
-            # Read between a write of his gpuwait's and the loop's next truncation, his file
-            # shows his job: Alice waits for its room then too.
-            said_why.append(f"the ledger file of uid {BOB}, whose gpuwait runs" in done.stderr)
-        assert any(said_why), done.stderr
+        yield
     finally:
         loop.kill()
         loop.wait()
-    # Once Bob's job has ended, its room is Alice's.
+
+
+def alice_is_held_for_bobs_file(server: Server, launches: int) -> None:
+    """Each of Alice's `launches` of 15 GiB waits (none runs), one at least saying it is for
+    Bob's file: read between a write of his and the loop's next truncation, his file shows
+    his job, and Alice waits for its room then too."""
+    said_why = []
+    for _ in range(launches):
+        done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
+        assert (done.returncode, done.stdout) == (124, ""), done.stderr
+        said_why.append(f"the ledger file of uid {BOB}, whose gpuwait runs" in done.stderr)
+    assert any(said_why), done.stderr
+
+
+def bobs_room_is_alices_once_it_ends(server: Server, bob: subprocess.Popen[str]) -> None:
     os.killpg(bob.pid, signal.SIGTERM)
     bob.communicate(timeout=30)
     done = server.run(ALICE, "--vram", "15G", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
+def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_its_room(
+    server: Server,
+) -> None:
+    # Bob's job holds 15 GiB of the card's 21.6 usable, and a loop of his empties his ledger
+    # file again and again. Alice's launches read it as damaged, counted no job of his, and
+    # each of 5 was started into the room his job holds. While a gpuwait of his runs, a file
+    # of his that cannot be used admits nobody, and says so.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    with bobs_file_emptied(server):
+        alice_is_held_for_bobs_file(server, 5)
+    # Once Bob's job has ended, its room is Alice's.
+    bobs_room_is_alices_once_it_ends(server, bob)
 
 
 def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
@@ -994,26 +1011,14 @@ def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
     # card free, no job running, and Alice's job as starting now (ETA ~0ms), no word of why.
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
     held = f"the ledger file of uid {BOB}, whose gpuwait runs, cannot be used"
-    try:
+    with bobs_file_emptied(server):
         alice = server.start(ALICE, "--vram", "15G", "--name", "alice", "--", "echo", "ran")
         said(alice, held)
         shown = server.run(ALICE, "status")
         assert shown.returncode == 0, shown.stderr
         assert held in " ".join(shown.stdout.split()), shown.stdout
         assert "~0ms" not in shown.stdout, shown.stdout
-    finally:
-        loop.kill()
-        loop.wait()
     os.killpg(bob.pid, signal.SIGTERM)
     bob.communicate(timeout=30)
     out, err = alice.communicate(timeout=60)
@@ -1034,33 +1039,10 @@ def test_a_member_emptying_their_file_while_their_program_holds_room_admits_nobo
     bob = bobs_program_in_the_queue(server, python)
     assert bob.stdout is not None
     assert bob.stdout.readline() == "held\n"
-    loop = subprocess.Popen(
-        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: server.own_file(BOB).stat().st_size == 0)
-        said_why = []
-        for _ in range(3):
-            done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
-            assert (done.returncode, done.stdout) == (124, ""), done.stderr
-            # Read between a write of his program's and the loop's next truncation, his file
-            # shows his job: Alice waits for its room then too.
-            said_why.append(f"the ledger file of uid {BOB}, whose gpuwait runs" in done.stderr)
-        assert any(said_why), done.stderr
-    finally:
-        loop.kill()
-        loop.wait()
+    with bobs_file_emptied(server):
+        alice_is_held_for_bobs_file(server, 3)
     # Once Bob's program has ended, its room is Alice's.
-    os.killpg(bob.pid, signal.SIGTERM)
-    bob.communicate(timeout=30)
-    done = server.run(ALICE, "--vram", "15G", "--", "echo", "ran")
-    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    bobs_room_is_alices_once_it_ends(server, bob)
 
 
 FORGE = """
