@@ -1406,16 +1406,19 @@ def test_a_launch_right_after_own_shared_file_was_started_afresh_waits_for_the_r
     assert [json.loads(r.read_text())["oom"] for r in reports] == [False, False]
 
 
+@pytest.mark.parametrize("who", ["the waiter", "the later launch"])
 def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
     gw: Run,
     tmp_path: Path,
     procs: Callable[..., subprocess.Popen[str]],
-    monkeypatch: pytest.MonkeyPatch,
+    who: str,
 ) -> None:
-    # One 24 GiB card: a 13 GiB job runs, another waits behind it. The ledger is damaged and
-    # started afresh by a later 13 GiB launch, whose entry took the first place of the new
-    # file; the waiter put its entry back with its old place behind it, "1 ahead of you", and
-    # once the card was free the later launch started first.
+    # One 24 GiB card: a 13 GiB job runs, another waits behind it. The ledger is damaged, and
+    # a later 13 GiB launch comes. Where `who` first finds the damage is the later launch (the
+    # running job's and the waiter's gpuwaits stopped meanwhile, outside a transaction), the
+    # file it starts afresh numbers the later launch first: the waiter put its entry back
+    # with its old place behind it, "1 ahead of you", and once the card was free the later
+    # launch started first. Either way the waiter starts first.
     release = tmp_path / "release"
     started = tmp_path / "started"
     hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
@@ -1431,60 +1434,23 @@ def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
         "the waiter ran beside the running job",
     )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
-    later = _waiting(
-        procs,
-        [*VRAM_13G, "--name", "later", "--", *noting("later")],
-        "the later launch ran beside the running job",
-    )
-    wait_for(
-        lambda: named_entry("holder") and named_entry("waiter"),
-        timeout=20,
-        message="the entries were never put back",
-    )
-    release.touch()
-    assert holder.wait(timeout=30) == 0
-    assert waiter.wait(timeout=30) == 0 and later.wait(timeout=30) == 0
-    assert started.read_text().split() == ["waiter", "later"]
-
-
-def test_a_waiter_whose_entry_a_later_launch_lost_keeps_its_place_before_it(
-    gw: Run,
-    tmp_path: Path,
-    procs: Callable[..., subprocess.Popen[str]],
-) -> None:
-    # As above, the later launch being the one that starts the damaged ledger afresh, the
-    # running job's and the waiter's gpuwaits stopped meanwhile (outside a transaction): the
-    # new file numbers the later launch first, and the waiter, putting its entry back once it
-    # goes on, must still start first.
-    release = tmp_path / "release"
-    started = tmp_path / "started"
-    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
-    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
-    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-
-    def noting(name: str) -> list[str]:
-        return ["sh", "-c", f"echo {name} >> {shlex.quote(str(started))}"]
-
-    waiter = _waiting(
-        procs,
-        [*VRAM_13G, "--name", "waiter", "--", *noting("waiter")],
-        "the waiter ran beside the running job",
-    )
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    stopped = [holder, waiter]
+    stopped = [holder, waiter] if who == "the later launch" else []
+    if not stopped:
+        damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
     with exclusive(ledger_path.parent / "ledger.lock"):
         for process in stopped:
             process.send_signal(signal.SIGSTOP)
             wait_for(lambda p=process: process_state(p.pid) == "T", timeout=10)
     try:
-        replace_ledger(ledger_path, DAMAGE["truncated"])
+        if stopped:
+            replace_ledger(ledger_path, DAMAGE["truncated"])
         later = _waiting(
             procs,
             [*VRAM_13G, "--name", "later", "--", *noting("later")],
             "the later launch ran beside the running job",
         )
-        assert named_entry("later") and not named_entry("waiter")
+        if stopped:
+            assert named_entry("later") and not named_entry("waiter")
     finally:
         for process in stopped:
             process.send_signal(signal.SIGCONT)
