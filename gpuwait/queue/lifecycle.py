@@ -691,7 +691,9 @@ def _entry(data: LedgerData, job: Job) -> Job:
 def _keep_place(data: LedgerData, mine: Job) -> None:
     """Keep the place in the queue of `mine`, a waiter's entry put back: a file started afresh
     numbers its launches from 1 again, so one launched after `mine` may have been given a
-    place before it. Such entries of this file go behind it, in their own order."""
+    place before it. Such entries of this file go behind it, in their own order: with every
+    other one launched after it, those numbered past it too (`third` of three launches, 3, is
+    not to pass `first` and `second`, 1 and 2, where `mine` is 2)."""
     data.next_order = max(data.next_order, mine.order + 1)
     if mine.state == RUNNING:
         return
@@ -702,11 +704,12 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
             if j is not mine
             and data.mine(j)
             and j.state != RUNNING
-            and j.order <= mine.order
             and j.submitted_at > mine.submitted_at
         ),
         key=lambda j: j.order,
     )
+    if all(j.order > mine.order for j in later):
+        return
     for job in later:
         job.order = data.next_order
         data.next_order += 1

@@ -1078,3 +1078,36 @@ def test_a_damaged_word_read_as_a_job_ends_is_kept_as_evidence(tmp_path: Path) -
     assert ledger.read().jobs == []
     kept = [p.name for p in (state / "ended").iterdir()]
     assert len(kept) == 1 and kept[0].startswith("a1b2.json.damaged-"), kept
+
+
+def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behind_it(
+    tmp_path: Path,
+) -> None:
+    """A 20 GiB job runs and a 13 GiB one waits behind it on one 24 GiB card; the ledger is
+    started afresh and three 13 GiB launches follow, numbered from 1 in the new file. Once the
+    running job and the waiter have put their entries back, the waiter is first in line and the
+    three launches behind it in the order they were made."""
+    ledger = Ledger(tmp_path)
+
+    launched = iter(range(1, 10))
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=1000.0 + next(launched))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    holder = launch("holder", 20)
+    running, outcome = lifecycle.admit(ledger, holder, MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiter = launch("waiter", 13)
+    waiting, _ = lifecycle.admit(ledger, waiter, MACHINE, 0.99)
+    assert waiting.state == WAITING
+    (tmp_path / "ledger.json").unlink()
+    later = [launch(name, 13) for name in ("first", "second", "third")]
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    for job in later:
+        assert lifecycle.admit(ledger, job, MACHINE, 0.99)[0].state == WAITING
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "first", "second", "third"]
