@@ -697,6 +697,10 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     data.next_order = max(data.next_order, mine.order + 1)
     if mine.state == RUNNING:
         return
+    # How long ago each was launched, on the boot clock where both were stamped on it: the
+    # wall clock set back since `mine`'s launch stamps those made after it earlier.
+    now, boot_now = time.time(), proc.boot_clock()
+    age = since(mine.submitted_at, mine.submitted_boot, now, boot_now)
     later = sorted(
         (
             j
@@ -704,7 +708,7 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
             if j is not mine
             and data.mine(j)
             and j.state != RUNNING
-            and j.submitted_at > mine.submitted_at
+            and _launched_after(j, mine, age, now, boot_now)
         ),
         key=lambda j: j.order,
     )
@@ -713,6 +717,14 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     for job in later:
         job.order = data.next_order
         data.next_order += 1
+
+
+def _launched_after(j: Job, mine: Job, age: float, now: float, boot_now: float | None) -> bool:
+    """Was `j` launched after `mine`, launched `age` seconds ago? Told on one clock: the boot
+    clock where both were stamped on it, else the wall clock."""
+    if None not in (j.submitted_boot, mine.submitted_boot, boot_now):
+        return since(j.submitted_at, j.submitted_boot, now, boot_now) < age
+    return j.submitted_at > mine.submitted_at
 
 
 def _note_health(data: LedgerData, snapshot: MachineSnapshot, now: float, said: _Said) -> None:

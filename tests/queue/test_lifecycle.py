@@ -1111,3 +1111,31 @@ def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behin
         (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
     )
     assert [j.id for j in queue] == ["waiter", "first", "second", "third"]
+
+
+def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_since(
+    tmp_path: Path,
+) -> None:
+    """As above, the wall clock set back an hour after the waiter's launch (an NTP step, a
+    virtual machine resumed): the launches made after it are stamped earlier than it, and are
+    behind it all the same."""
+    ledger = Ledger(tmp_path)
+    wall = iter([5000.0, 5001.0, 1401.0, 1402.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    assert waiting.state == WAITING
+    (tmp_path / "ledger.json").unlink()
+    later = [launch(name, 13) for name in ("first", "second")]
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "first", "second"]
+    assert [j.submitted_at for j in later] == [1401.0, 1402.0]
