@@ -649,7 +649,7 @@ class _LoggingReporter:
         import logging
 
         self.log = logging.getLogger("gpuwait")
-        self._last: str | None = None
+        self._last: tuple[object, ...] | None = None
         #: The options said as reserve()'s keywords, for a caller of reserve() (not the
         #: magic's, whose words are the command line's).
         self.keywords = keywords
@@ -664,13 +664,18 @@ class _LoggingReporter:
         self.log.error(message)
 
     def waiting(self, reason: WaitReason, job: str) -> None:
+        from gpuwait.commands.output import situation
+
+        # Said again only where more than the figures that move with each reading changed.
+        key = situation(reason)
+        if key == self._last:
+            return
+        self._last = key
         text = reason.describe()
         if self.keywords and "--" in text:
             # "--vram SIZE asks for less" (a whole GPU from default_vram): reserve()'s `vram`.
             text = _keywords(text)
-        if text != self._last:
-            self._last = text
-            self.log.info("%s waits: %s", job, text)
+        self.log.info("%s waits: %s", job, text)
 
     def waited(self) -> None:
         self._last = None

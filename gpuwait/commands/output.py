@@ -26,6 +26,26 @@ _MAX_LINE = 4000
 _FIGURES = re.compile(r"(?<![0-9A-Za-z])[0-9]+(?:\.[0-9]+)?(?:ms|[hm][0-9]+[ms]|[hms])(?![A-Za-z])")
 
 
+def situation(reason: WaitReason) -> tuple[object, ...]:
+    """What a wait's `reason` says but for the figures that move with every reading (the room
+    on the best card, a countdown): a new line, on a file or in a program's log, is written
+    only where this changes."""
+    return (
+        reason.needed,
+        reason.best_gpu_index,
+        reason.running,
+        reason.ahead,
+        reason.blocked,
+        reason.limit,
+        # Why no room helps (every GPU too busy, only one of two answering) may change while
+        # everything above stays as it was.
+        _FIGURES.sub("#", reason.note or ""),
+        reason.pause,
+        reason.gpu_error,
+        reason.ledger_error,
+    )
+
+
 def _line(text: str) -> str:
     """A message as one line, safe on a terminal: messages echo what users typed (options,
     GPUWAIT_* values, config values, file names), and an escape sequence or a newline in one
@@ -179,20 +199,7 @@ class WaitLine:
     def _once(self, reason: WaitReason, text: str) -> None:
         # Room figures move with every reading; a whole line is written only when the situation
         # changes.
-        key = (
-            reason.needed,
-            reason.best_gpu_index,
-            reason.running,
-            reason.ahead,
-            reason.blocked,
-            reason.limit,
-            # Why no room helps (every GPU too busy, only one of two answering) may change
-            # while everything above stays as it was.
-            _FIGURES.sub("#", reason.note or ""),
-            reason.pause,
-            reason.gpu_error,
-            reason.ledger_error,
-        )
+        key = situation(reason)
         if key != self._last_key:
             self._last_key = key
             _say(text + "\n", self.stream)

@@ -2233,3 +2233,39 @@ def test_a_release_in_a_thread_leaves_the_next_reservations_wait_to_its_own_sign
             first.communicate()
         out, err = program.communicate(timeout=60)
     assert (program.returncode, out) == (0, "held again True\n"), err
+
+
+def test_a_programs_log_says_a_wait_again_only_where_more_than_its_moving_figures_changed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # reserve() says why it waits through the "gpuwait" logger, at INFO: a program logging at
+    # INFO got a line at each reading of a wait that went on as it was, the start it is
+    # expected at counting down ("expected in 3m05s", "3m03s") and the room on the best card
+    # moving with what other programs use there, where a wait line on a file writes one.
+    from gpuwait.api.reserve import _LoggingReporter
+    from gpuwait.core.policy import WaitReason
+
+    reason = WaitReason(
+        needed="20.0 GiB",
+        best_gpu_index=0,
+        best_room=int(1.6 * GiB),
+        running=2,
+        ahead=0,
+        note="first in line, GPU0 held for it, expected in 3m05s",
+    )
+    reporter = _LoggingReporter(keywords=True)
+    with caplog.at_level("INFO", logger="gpuwait"):
+        reporter.waiting(reason, "train")
+        reporter.waiting(
+            reason._replace(note="first in line, GPU0 held for it, expected in 3m03s"), "train"
+        )
+        reporter.waiting(reason._replace(best_room=int(1.7 * GiB)), "train")
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1, said
+        # What is said changes: the card held for it is another.
+        reporter.waiting(
+            reason._replace(note="first in line, GPU1 held for it, expected in 3m"), "train"
+        )
+        reporter.waiting(reason._replace(ahead=1), "train")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and "GPU1 held" in said[1] and "1 ahead" in said[2], said
