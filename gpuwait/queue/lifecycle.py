@@ -693,7 +693,10 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     numbers its launches from 1 again, so one launched after `mine` may have been given a
     place before it. Such entries of this file go behind it, in their own order: with every
     other one launched after it, those numbered past it too (`third` of three launches, 3, is
-    not to pass `first` and `second`, 1 and 2, where `mine` is 2)."""
+    not to pass `first` and `second`, 1 and 2, where `mine` is 2). `mine` itself goes behind
+    one launched before it that has a place behind it: its gpuwait knew it by a place it was
+    given before the entries were renumbered (the ledger damaged twice), and those launched
+    after it go behind it again."""
     data.next_order = max(data.next_order, mine.order + 1)
     if mine.state == RUNNING:
         return
@@ -701,18 +704,12 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     # wall clock set back since `mine`'s launch stamps those made after it earlier.
     now, boot_now = time.time(), proc.boot_clock()
     age = since(mine.submitted_at, mine.submitted_boot, now, boot_now)
-    later = sorted(
-        (
-            j
-            for j in data.jobs
-            if j is not mine
-            and data.mine(j)
-            and j.state != RUNNING
-            and _launched_after(j, mine, age, now, boot_now)
-        ),
-        key=lambda j: j.order,
-    )
-    if all(j.order > mine.order for j in later):
+    others = [j for j in data.jobs if j is not mine and data.mine(j) and j.state != RUNNING]
+    after = [_launched_after(j, mine, age, now, boot_now) for j in others]
+    later = sorted((j for j, a in zip(others, after, strict=True) if a), key=lambda j: j.order)
+    if any(j.order >= mine.order for j, a in zip(others, after, strict=True) if not a):
+        later = [mine, *later]
+    elif all(j.order > mine.order for j in later):
         return
     for job in later:
         job.order = data.next_order

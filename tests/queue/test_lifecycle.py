@@ -1139,3 +1139,33 @@ def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_s
     )
     assert [j.id for j in queue] == ["waiter", "first", "second"]
     assert [j.submitted_at for j in later] == [1401.0, 1402.0]
+
+
+def test_a_launch_put_back_with_the_place_it_was_first_given_goes_behind_a_waiter_before_it(
+    tmp_path: Path,
+) -> None:
+    """The ledger damaged twice: the later launch, moved behind the waiter once the waiter put
+    its entry back, put its own back after the second damage with the place its gpuwait had
+    known it by (the first of the file started afresh the first time), ahead of the waiter."""
+    ledger = Ledger(tmp_path)
+    wall = iter([1001.0, 1002.0, 1003.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    (tmp_path / "ledger.json").unlink()
+    later = launch("later", 13)
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    (tmp_path / "ledger.json").unlink()
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    lifecycle.admit(ledger, later, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "later"]
