@@ -34,14 +34,15 @@ one that is not a summary is passed over (the waiters' timers remain).
 
 How a waiter learns that a summary changed: in a shared ledger directory, by watching the
 directory (inotify), its wake-ups taken at most every SOURCE_GAP seconds and searched for the
-names of summaries alone (`EVENT_NAMES`): any member can rename files there in a loop. In a private one every writer is the same user, so the transaction itself
-signals (SIGCHLD: harmless to any process, and blocked by gpuwait from its start, so never lost)
-only the waiters a change concerns - those it admitted, removed, or whose dependency left, and
-after a release the first two in line - once the lock is let go (`concerned`). A watch would
-wake every waiter on every write, and with a hundred of them those wake-ups alone starve the
-process that is trying to release its room. A waiter so woken reads the summary whatever its
-metadata says (`Summaries.written`): replaced twice within one tick of a coarse file system clock,
-its inode reused, it can look unchanged. Polling (`wake = poll`) goes by the metadata alone.
+names of summaries alone (`EVENT_NAMES`): any member can rename files there in a loop. In a
+private one every writer is the same user, so the transaction itself signals (SIGCHLD: harmless
+to any process, and blocked by gpuwait from its start, so never lost) only the waiters a change
+concerns - those it admitted, removed, or whose dependency left, and after a release the first
+two in line - once the lock is let go (`concerned`). A watch would wake every waiter on every
+write, and with a hundred of them those wake-ups alone starve the process that is trying to
+release its room. A waiter so woken reads the summary whatever its metadata says
+(`Summaries.written`): replaced twice within one tick of a coarse file system clock, its inode
+reused, it can look unchanged. Polling (`wake = poll`) goes by the metadata alone.
 """
 
 from __future__ import annotations
