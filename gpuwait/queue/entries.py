@@ -365,7 +365,7 @@ class Job(Record):
             pidns=_lenient_inode(raw.get("pidns")),
             kuid=_lenient_uid(raw.get("kuid")),
             boot=_lenient_boot(raw.get("boot")),
-            size_source=_lenient_text(raw.get("size_source")),
+            size_source=_lenient_note(raw.get("size_source")),
             from_hook=raw.get("from_hook") is True,
             owners_kept=False,
             newer_fields=_newer_fields(raw, _JOB_KEYS),
@@ -1379,6 +1379,20 @@ def _text_list(raw: Mapping[str, Any], key: str) -> list[str]:
 
 def _lenient_text(value: Any) -> str | None:
     return value if isinstance(value, str) and 0 < len(value) <= _MAX_TEXT else None
+
+
+#: The longest `size_source` taken from an entry: gpuwait's own run to 190 characters or so
+#: ("largest peak of 12 runs of this script (other arguments), ..., raised after an
+#: out-of-memory failure, some measured approximately; capped at what 8 cards hold").
+MAX_SIZE_SOURCE = 256
+
+
+def _lenient_note(value: Any) -> str | None:
+    """Where an entry's size came from, as gpuwait writes it: one short line. Another member
+    may write anything there, which every user's `status` shows in the job's wait."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_SIZE_SOURCE:
+        return None
+    return value if value.isprintable() else None
 
 
 def _lenient_texts(value: Any) -> list[str]:

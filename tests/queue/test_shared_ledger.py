@@ -2435,3 +2435,27 @@ def test_a_name_found_another_users_is_its_uids_once_they_make_their_file_there(
         os.chown(path, BOB, GROUP)
     assert ledger._user_files().get(BOB) == squatted.name
     assert summary.name in summaries._current_tokens()
+
+
+def test_where_a_members_waiting_job_says_its_size_came_from_takes_a_few_lines_of_status(
+    server: Server,
+) -> None:
+    # Bob writes into his waiting entry that its size came from a text of 4,002 characters: every
+    # user's status said it in 15 lines under his job, the room on the best card cut off.
+    alice = server.start(ALICE, "--vram", "20G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    bob = server.start(BOB, "--vram", "10G", "--", "true")
+    server.wait_jobs(1, "waiting")
+
+    def rewrite(raw: dict[str, Any]) -> None:
+        raw["jobs"][0]["size_source"] = "estimated from 3 runs, " * 174
+
+    server.edit_own(BOB, rewrite)
+    status = server.run(ALICE, "status")
+    assert status.returncode == 0, status.stderr
+    queue = status.stdout.split("Queue (1)\n")[1].split("\n\n")[0].splitlines()
+    wait = " ".join(line.strip() for line in queue[2:])
+    assert len(queue[2:]) <= 3 and "best GPU0 has 1.6 GiB" in wait, status.stdout
+    for proc in (alice, bob):
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
