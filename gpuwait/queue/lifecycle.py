@@ -1725,9 +1725,11 @@ def retry(
     charge_usage: tuple[float, float | None] | None = None,
     paused: tuple[int, float] | None = None,
     oom: str | None = None,
+    size_source: str | None = None,
 ) -> Job | None:
     """The job's run ran out of GPU memory and it queues again (--retry-oom), asking for
-    `request`: the same entry, in its place, so whoever waits for it (--after, --after-ok, its
+    `request` (which `size_source` says where it came from, as the job's wait line does): the
+    same entry, in its place, so whoever waits for it (--after, --after-ok, its
     batch) waits for the retry's end. The run is logged and counted as a `finish` with its
     out-of-memory cause; the job's outcome is recorded only once it has ended for good.
     Arguments as for `finish`. None, and nothing changed, where the job was cancelled while
@@ -1751,6 +1753,7 @@ def retry(
             # a frozen job had done was in the memory of the run that ran out).
             mine.done_seconds = 0.0
         mine.request = dict(request)
+        mine.size_source = size_source
         said.append(("finish", {**fields, "retry": True}))
     return copy_job(mine)
 

@@ -514,7 +514,11 @@ def _run_with_retries(
             # --after-ok, its batch) waits for the retry, not for the attempt that ran out.
             assert raised.request is not None
             requeued = lifecycle.retry(
-                _ledger(config, reporter), pending, raised.request.to_json(), **ended.finish_how
+                _ledger(config, reporter),
+                pending,
+                raised.request.to_json(),
+                size_source=raised.note,
+                **ended.finish_how,
             )
             if requeued is None:
                 # Cancelled (gpuwait cancel) as its run ran out: it never starts again.

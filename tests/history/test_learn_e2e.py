@@ -886,3 +886,32 @@ def test_a_launch_with_a_key_expects_the_run_time_estimate_shows_for_the_key(
         procs([*gpuwait_cmd, "--key", "long", *extra, "--", *command])
     wait_for(lambda: running_jobs() == 2, timeout=30)
     assert [j["expected_seconds"] for j in ledger_entries()] == [expected, expected]
+
+
+def test_a_retry_waiting_for_room_says_in_status_where_its_raised_size_came_from(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # Run out at its --vram 8G, the command is retried with 34 GiB, which waits behind a 12 GiB
+    # job: its wait line says the size was raised after the failure, and so does status.
+    sim_file(gpus=1, memory="48GiB")
+    holder = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "12G", "--", "sleep", "60"], stderr=subprocess.DEVNULL
+    )
+    launch = None
+    err = tmp_path / "stderr"
+    try:
+        wait_for(lambda: running_jobs() == 1)
+        job = sim_job(gpuwait_cmd, "30G", "--hold", "0")
+        argv = [*gpuwait_cmd, "--enforce", "limit", "--vram", "8G", "--retry-oom", "1", "--"]
+        with err.open("w") as out:
+            launch = subprocess.Popen([*argv, *job], stderr=out)
+        said = "waiting for 34.0 GiB (raised after an out-of-memory failure): best GPU0 has"
+        wait_for(lambda: said in err.read_text(), message=lambda: err.read_text())
+        status = run([*gpuwait_cmd, "status", "--json"])
+        reasons = [j["waiting_reason"] for j in json.loads(status.stdout)["jobs"]]
+    finally:
+        for proc in (launch, holder):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    assert [r for r in reasons if r is not None and r.startswith(said)], reasons
