@@ -62,18 +62,22 @@ class NotTheirs:
     them), kept while the directory is as it was: a member may make thousands of such names,
     and each listing would otherwise look at every one of them again.
 
-    Kept only from a listing begun once the directory had not changed for RACY_SECONDS: any
-    later change (a name made, removed or renamed, as every user's gpuwait writes its files)
-    then gives the directory another stamp, and every name is looked at afresh. While it has
-    none, what the caller made of the whole listing (`keep`) holds too: the same names are
-    there, each of the same file. A user's file is always made, replaced and removed so, and
-    never hidden by what is kept. An administrator's chown of such
-    a file to the uid it names changes no stamp of the directory: it is seen at its next
-    change.
+    Kept only from a listing begun once the directory had not changed for RACY_SECONDS, by
+    its own clock and by this process's (which has seen the same stamp that long: a file
+    server's clock behind this machine's makes a change look old at once, and a second change
+    in the same tick of its clock leaves the same stamp): any later change (a name made,
+    removed or renamed, as every user's gpuwait writes its files) then gives the directory
+    another stamp, and every name is looked at afresh. While it has none, what the caller made
+    of the whole listing (`keep`) holds too: the same names are there, each of the same file.
+    A user's file is always made, replaced and removed so, and never hidden by what is kept.
+    An administrator's chown of such a file to the uid it names changes no stamp of the
+    directory: it is seen at its next change.
     """
 
     def __init__(self) -> None:
         self._stamp: FileStamp | None = None
+        #: When (monotonic) this process first saw the directory with `_stamp`.
+        self._seen_since = 0.0
         self._names: set[str] = set()
         self._keeping = False
         #: What the caller made of the whole listing (`keep`), while the directory is as it
@@ -87,9 +91,12 @@ class NotTheirs:
             # It may change within its clock's tick unseen: nothing kept, nor kept from now.
             self._stamp, self._names, self._keeping, self.listed = None, set(), False, None
             return
+        now = time.monotonic()
         if stamp != self._stamp:
-            self._stamp, self._names, self.listed = stamp, set(), None
-        self._keeping = True
+            self._stamp, self._seen_since, self._names, self.listed = stamp, now, set(), None
+        self._keeping = now - self._seen_since >= RACY_SECONDS
+        if not self._keeping:
+            self._names, self.listed = set(), None
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
