@@ -1169,3 +1169,30 @@ def test_a_launch_put_back_with_the_place_it_was_first_given_goes_behind_a_waite
         (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
     )
     assert [j.id for j in queue] == ["waiter", "later"]
+
+
+def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_back_between(
+    tmp_path: Path,
+) -> None:
+    """The wall clock set back an hour between two launches made after the waiter's entry was
+    lost: the second is stamped before the first, and stays behind it all the same."""
+    ledger = Ledger(tmp_path)
+    wall = iter([5000.0, 5001.0, 5002.0, 1402.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    assert waiting.state == WAITING
+    (tmp_path / "ledger.json").unlink()
+    for name in ("first", "second"):
+        launch(name, 13)
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "first", "second"]
