@@ -1196,3 +1196,33 @@ def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_ba
         (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
     )
     assert [j.id for j in queue] == ["waiter", "first", "second"]
+
+
+def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gpuwait(
+    tmp_path: Path,
+) -> None:
+    """The launches made after the waiter's entry was lost were made by an older gpuwait, which
+    stamps no boot clock: which came first is told on the wall clock, and they go behind it."""
+    ledger = Ledger(tmp_path)
+    wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    assert waiting.state == WAITING
+    (tmp_path / "ledger.json").unlink()
+    for name in ("first", "second"):
+        launch(name, 13)
+    with ledger.transaction() as data:
+        for job in data.jobs:
+            job.submitted_boot = None
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "first", "second"]
