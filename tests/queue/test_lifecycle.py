@@ -1226,3 +1226,34 @@ def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gp
         (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
     )
     assert [j.id for j in queue] == ["waiter", "first", "second"]
+
+
+def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_order(
+    tmp_path: Path,
+) -> None:
+    """The ledger damaged twice, with two launches made after the first damage: each puts its
+    entry back with the place its gpuwait first knew it by, the second launch before the first,
+    and both go behind the waiter in the order they were made."""
+    ledger = Ledger(tmp_path)
+    wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    (tmp_path / "ledger.json").unlink()
+    first, second = launch("first", 13), launch("second", 13)
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    (tmp_path / "ledger.json").unlink()
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    lifecycle.admit(ledger, second, MACHINE, 0.99)
+    lifecycle.admit(ledger, first, MACHINE, 0.99)
+    queue = sorted(
+        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
+    )
+    assert [j.id for j in queue] == ["waiter", "first", "second"]
