@@ -1257,3 +1257,27 @@ def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_
         (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
     )
     assert [j.id for j in queue] == ["waiter", "first", "second"]
+
+
+def test_a_waiters_entry_put_back_goes_before_a_launch_given_the_same_place(
+    tmp_path: Path,
+) -> None:
+    """The running job's entry put back first, with its place, 1, the file started afresh gives
+    the next launch 2, the waiter's own place: the waiter, launched first, is ahead of it."""
+    ledger = Ledger(tmp_path)
+    wall = iter([1001.0, 1002.0, 1003.0])
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    (tmp_path / "ledger.json").unlink()
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    later = launch("later", 13)
+    assert later.order == waiting.order
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    waits = {j.id: j for j in ledger.read().jobs if j.state == WAITING}
+    assert waits["waiter"].order < waits["later"].order
