@@ -2459,3 +2459,16 @@ def test_where_a_members_waiting_job_says_its_size_came_from_takes_a_few_lines_o
     for proc in (alice, bob):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
+
+
+def test_a_members_own_file_under_their_uids_name_is_theirs_beside_one_of_another_name(
+    server: Server,
+) -> None:
+    # Bob's gpuwait made a file of another name while his own name was taken (ledger.<uid>.
+    # <hex>.json, listed before ledger.<uid>.json); once his own name is a file of his, that
+    # file is his ledger, the one every member reads, and the other is passed over.
+    for name in (f"ledger.{BOB}.00ff.json", f"ledger.{BOB}.json"):
+        path = server.ledger_dir / name
+        path.write_text("{}")
+        os.chown(path, BOB, GROUP)
+    assert server.ledger()._user_files().get(BOB) == f"ledger.{BOB}.json"
