@@ -504,3 +504,19 @@ def test_a_watch_whose_events_overflowed_says_so_when_looking_for_summaries(
         assert watch.drain(wake.EVENT_NAMES) is None
     finally:
         watch.close()
+
+
+def test_of_a_members_summaries_under_other_names_the_first_by_name_is_read(
+    tmp_path: Path,
+) -> None:
+    # A member whose own summary name is taken writes beside it under names of their own: of
+    # several, the first by name is theirs, as of ledger files, whichever the directory lists
+    # first. Made in either order, the one read is the same.
+    uid = os.getuid()
+    for made in (range(5), reversed(range(5))):
+        directory = tmp_path / ("up" if isinstance(made, range) else "down")
+        directory.mkdir()
+        for n in made:
+            (directory / f"wake.{uid}.{n:08x}.json").write_text(_summary(100 + n, [str(n)]))
+        summaries = wake.Summaries(directory, shared=True)
+        assert [s.release for s in summaries.changed(now=10.0)[0] if s] == [100], directory.name
