@@ -2830,3 +2830,16 @@ def test_a_shell_cutting_a_list_it_set_itself_is_judged_by_what_the_cut_keeps(
         assert (tmp_path / "seen").read_text().strip() == "-1"
     else:
         refused(done, tmp_path / "seen", "over the CUDA_VISIBLE_DEVICES gpuwait sets")
+
+
+def test_a_name_in_a_comment_after_a_number_declared_is_no_name_declared(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # zsh's `integer n="$1" # CUDA_VISIBLE_DEVICES` declares n alone, the rest a comment:
+    # the line runs on the GPU gpuwait reserved, as zsh asked first says.
+    shell = "zsh"
+    code = 'integer n="$1" # CUDA_VISIBLE_DEVICES\n'
+    code += "sh -c 'echo \"${CUDA_VISIBLE_DEVICES-every GPU}\"' > seen"
+    assert seen_bare([shell, "-c", code], tmp_path) == "GPU-own"
+    done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
+    ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
