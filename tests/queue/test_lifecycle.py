@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -1080,6 +1081,24 @@ def test_a_damaged_word_read_as_a_job_ends_is_kept_as_evidence(tmp_path: Path) -
     assert len(kept) == 1 and kept[0].startswith("a1b2.json.damaged-"), kept
 
 
+def _launcher(ledger: Ledger, tmp_path: Path, wall: Iterable[float]) -> Callable[[str, int], Job]:
+    """Launches of so many GiB into `ledger`, each stamped with the next time of `wall` (the
+    wall clock's)."""
+    stamps = iter(wall)
+
+    def launch(name: str, gib: int) -> Job:
+        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(stamps))
+        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+
+    return launch
+
+
+def _waiting_in_order(ledger: Ledger) -> list[str]:
+    """The ids of the jobs waiting in `ledger`, first in line first."""
+    waiting = (j for j in ledger.read().jobs if j.state == WAITING)
+    return [j.id for j in sorted(waiting, key=lambda j: (-j.priority, j.order))]
+
+
 def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behind_it(
     tmp_path: Path,
 ) -> None:
@@ -1089,11 +1108,7 @@ def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behin
     three launches behind it in the order they were made."""
     ledger = Ledger(tmp_path)
 
-    launched = iter(range(1, 10))
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=1000.0 + next(launched))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, (1000.0 + n for n in range(1, 10)))
 
     holder = launch("holder", 20)
     running, outcome = lifecycle.admit(ledger, holder, MACHINE, 0.99)
@@ -1107,10 +1122,7 @@ def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behin
     for job in later:
         assert lifecycle.admit(ledger, job, MACHINE, 0.99)[0].state == WAITING
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "first", "second", "third"]
+    assert _waiting_in_order(ledger) == ["waiter", "first", "second", "third"]
 
 
 def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_since(
@@ -1121,10 +1133,7 @@ def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_s
     behind it all the same."""
     ledger = Ledger(tmp_path)
     wall = iter([5000.0, 5001.0, 1401.0, 1402.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
@@ -1134,10 +1143,7 @@ def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_s
     later = [launch(name, 13) for name in ("first", "second")]
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "first", "second"]
+    assert _waiting_in_order(ledger) == ["waiter", "first", "second"]
     assert [j.submitted_at for j in later] == [1401.0, 1402.0]
 
 
@@ -1149,10 +1155,7 @@ def test_a_launch_put_back_with_the_place_it_was_first_given_goes_behind_a_waite
     known it by (the first of the file started afresh the first time), ahead of the waiter."""
     ledger = Ledger(tmp_path)
     wall = iter([1001.0, 1002.0, 1003.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
@@ -1165,10 +1168,7 @@ def test_a_launch_put_back_with_the_place_it_was_first_given_goes_behind_a_waite
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
     lifecycle.admit(ledger, later, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "later"]
+    assert _waiting_in_order(ledger) == ["waiter", "later"]
 
 
 def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_back_between(
@@ -1178,10 +1178,7 @@ def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_ba
     lost: the second is stamped before the first, and stays behind it all the same."""
     ledger = Ledger(tmp_path)
     wall = iter([5000.0, 5001.0, 5002.0, 1402.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
@@ -1192,10 +1189,7 @@ def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_ba
         launch(name, 13)
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "first", "second"]
+    assert _waiting_in_order(ledger) == ["waiter", "first", "second"]
 
 
 def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gpuwait(
@@ -1205,10 +1199,7 @@ def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gp
     stamps no boot clock: which came first is told on the wall clock, and they go behind it."""
     ledger = Ledger(tmp_path)
     wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
@@ -1222,10 +1213,7 @@ def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gp
             job.submitted_boot = None
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "first", "second"]
+    assert _waiting_in_order(ledger) == ["waiter", "first", "second"]
 
 
 def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_order(
@@ -1236,10 +1224,7 @@ def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_
     and both go behind the waiter in the order they were made."""
     ledger = Ledger(tmp_path)
     wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
@@ -1253,10 +1238,7 @@ def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
     lifecycle.admit(ledger, second, MACHINE, 0.99)
     lifecycle.admit(ledger, first, MACHINE, 0.99)
-    queue = sorted(
-        (j for j in ledger.read().jobs if j.state == WAITING), key=lambda j: (-j.priority, j.order)
-    )
-    assert [j.id for j in queue] == ["waiter", "first", "second"]
+    assert _waiting_in_order(ledger) == ["waiter", "first", "second"]
 
 
 def test_a_waiters_entry_put_back_goes_before_a_launch_given_the_same_place(
@@ -1266,10 +1248,7 @@ def test_a_waiters_entry_put_back_goes_before_a_launch_given_the_same_place(
     the next launch 2, the waiter's own place: the waiter, launched first, is ahead of it."""
     ledger = Ledger(tmp_path)
     wall = iter([1001.0, 1002.0, 1003.0])
-
-    def launch(name: str, gib: int) -> Job:
-        job = live_job(name, request={"bytes": gib * GiB}, submitted_at=next(wall))
-        return lifecycle.submit(ledger, job, [], [], tmp_path, ["x"])
+    launch = _launcher(ledger, tmp_path, wall)
 
     running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
     assert isinstance(outcome, Admitted)
