@@ -1099,6 +1099,19 @@ def _waiting_in_order(ledger: Ledger) -> list[str]:
     return [j.id for j in sorted(waiting, key=lambda j: (-j.priority, j.order))]
 
 
+def _holder_and_waiter_lost(
+    ledger: Ledger, launch: Callable[[str, int], Job], tmp_path: Path
+) -> tuple[Job, Job]:
+    """On one 24 GiB card a 20 GiB job runs and a 13 GiB one waits behind it; then the ledger
+    is lost (started afresh at the next transaction). The two jobs, as their gpuwaits know them."""
+    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
+    assert isinstance(outcome, Admitted)
+    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
+    assert waiting.state == WAITING
+    (tmp_path / "ledger.json").unlink()
+    return running, waiting
+
+
 def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behind_it(
     tmp_path: Path,
 ) -> None:
@@ -1107,16 +1120,8 @@ def test_launches_made_after_a_waiters_entry_was_lost_keep_their_own_order_behin
     running job and the waiter have put their entries back, the waiter is first in line and the
     three launches behind it in the order they were made."""
     ledger = Ledger(tmp_path)
-
     launch = _launcher(ledger, tmp_path, (1000.0 + n for n in range(1, 10)))
-
-    holder = launch("holder", 20)
-    running, outcome = lifecycle.admit(ledger, holder, MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiter = launch("waiter", 13)
-    waiting, _ = lifecycle.admit(ledger, waiter, MACHINE, 0.99)
-    assert waiting.state == WAITING
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     later = [launch(name, 13) for name in ("first", "second", "third")]
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     for job in later:
@@ -1132,14 +1137,10 @@ def test_a_waiters_entry_put_back_keeps_its_place_where_the_clock_was_set_back_s
     virtual machine resumed): the launches made after it are stamped earlier than it, and are
     behind it all the same."""
     ledger = Ledger(tmp_path)
-    wall = iter([5000.0, 5001.0, 1401.0, 1402.0])
+    wall = [5000.0, 5001.0, 1401.0, 1402.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    assert waiting.state == WAITING
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     later = [launch(name, 13) for name in ("first", "second")]
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
@@ -1154,13 +1155,10 @@ def test_a_launch_put_back_with_the_place_it_was_first_given_goes_behind_a_waite
     its entry back, put its own back after the second damage with the place its gpuwait had
     known it by (the first of the file started afresh the first time), ahead of the waiter."""
     ledger = Ledger(tmp_path)
-    wall = iter([1001.0, 1002.0, 1003.0])
+    wall = [1001.0, 1002.0, 1003.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     later = launch("later", 13)
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
@@ -1177,14 +1175,10 @@ def test_launches_after_a_waiter_keep_their_own_order_where_the_clock_was_set_ba
     """The wall clock set back an hour between two launches made after the waiter's entry was
     lost: the second is stamped before the first, and stays behind it all the same."""
     ledger = Ledger(tmp_path)
-    wall = iter([5000.0, 5001.0, 5002.0, 1402.0])
+    wall = [5000.0, 5001.0, 5002.0, 1402.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    assert waiting.state == WAITING
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     for name in ("first", "second"):
         launch(name, 13)
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
@@ -1198,14 +1192,10 @@ def test_a_waiters_entry_put_back_keeps_its_place_before_launches_of_an_older_gp
     """The launches made after the waiter's entry was lost were made by an older gpuwait, which
     stamps no boot clock: which came first is told on the wall clock, and they go behind it."""
     ledger = Ledger(tmp_path)
-    wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
+    wall = [1001.0, 1002.0, 1003.0, 1004.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    assert waiting.state == WAITING
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     for name in ("first", "second"):
         launch(name, 13)
     with ledger.transaction() as data:
@@ -1223,13 +1213,10 @@ def test_two_launches_put_back_with_the_places_they_were_first_given_keep_their_
     entry back with the place its gpuwait first knew it by, the second launch before the first,
     and both go behind the waiter in the order they were made."""
     ledger = Ledger(tmp_path)
-    wall = iter([1001.0, 1002.0, 1003.0, 1004.0])
+    wall = [1001.0, 1002.0, 1003.0, 1004.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     first, second = launch("first", 13), launch("second", 13)
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
@@ -1247,13 +1234,10 @@ def test_a_waiters_entry_put_back_goes_before_a_launch_given_the_same_place(
     """The running job's entry put back first, with its place, 1, the file started afresh gives
     the next launch 2, the waiter's own place: the waiter, launched first, is ahead of it."""
     ledger = Ledger(tmp_path)
-    wall = iter([1001.0, 1002.0, 1003.0])
+    wall = [1001.0, 1002.0, 1003.0]
     launch = _launcher(ledger, tmp_path, wall)
 
-    running, outcome = lifecycle.admit(ledger, launch("holder", 20), MACHINE, 0.99)
-    assert isinstance(outcome, Admitted)
-    waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
-    (tmp_path / "ledger.json").unlink()
+    running, waiting = _holder_and_waiter_lost(ledger, launch, tmp_path)
     lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
     later = launch("later", 13)
     assert later.order == waiting.order
