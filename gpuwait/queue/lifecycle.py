@@ -1187,6 +1187,23 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
     if not data.unread:
         return None
     uid, why = min(data.unread.items())
+    return _held_whatever_room(
+        mine,
+        data,
+        f"the ledger file of uid {uid}, whose gpuwait runs, cannot be used ({why}); the room "
+        "their jobs hold is not known until it is written again",
+    )
+
+
+def _held_whatever_room(
+    mine: Job,
+    data: LedgerData,
+    why: str,
+    until: float | None = None,
+    awaited: tuple[str, ...] = (),
+) -> WaitReason:
+    """Why the waiter `mine` waits, held whatever room there is (`why`): no best GPU, none
+    ahead; `until` and `awaited` as WaitReason has them."""
     needed = describe_need(mine.memory_request(), mine.gpus)
     return WaitReason(
         needed=needed,
@@ -1194,9 +1211,9 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
         best_room=0,
         running=sum(j.state == RUNNING for j in data.jobs),
         ahead=0,
-        blocked=f"waiting for {needed}: the ledger file of uid {uid}, whose gpuwait runs, "
-        f"cannot be used ({why}); the room their jobs hold is not known until it is written "
-        "again",
+        blocked=f"waiting for {needed}: {why}",
+        until=until,
+        awaited=awaited,
     )
 
 
@@ -1240,7 +1257,6 @@ def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[fl
 def _waiting_for_entries(
     mine: Job, data: LedgerData, lost: list[str], now: float, boot_now: float | None
 ) -> WaitReason:
-    needed = describe_need(mine.memory_request(), mine.gpus)
     jobs = (
         "1 job of yours still running or waiting has to put its entry"
         if len(lost) == 1
@@ -1248,13 +1264,10 @@ def _waiting_for_entries(
     )
     recovered = _recovered(data, now, boot_now)
     how = "started afresh" if recovered is None or recovered[1] else "repaired"
-    return WaitReason(
-        needed=needed,
-        best_gpu_index=None,
-        best_room=0,
-        running=sum(j.state == RUNNING for j in data.jobs),
-        ahead=0,
-        blocked=f"waiting for {needed}: the ledger was {how} after damage; {jobs} back",
+    return _held_whatever_room(
+        mine,
+        data,
+        f"the ledger was {how} after damage; {jobs} back",
         until=_grace_ends(data, now, boot_now),
         awaited=tuple(lost),
     )
