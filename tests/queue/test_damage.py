@@ -715,14 +715,32 @@ def _waiters_entry_damaged(ledger: bytes) -> bytes:
     return json.dumps(found).encode()
 
 
+#: A program waiting for 13 GiB through gpuwait.reserve(), with a SIGCHLD handler of its own
+#: for children it may start: it waits for the room, takes it and lets it go.
+_WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER = """
+import signal
+import gpuwait
+signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+with gpuwait.reserve("13G", name="waiter"):
+    pass
+"""
+
+
 @pytest.mark.parametrize(
-    "damage", [lambda _: DAMAGE["truncated"], _waiters_entry_damaged], ids=["whole", "in part"]
+    ("program", "damage"),
+    [
+        (False, lambda _: DAMAGE["truncated"]),
+        (False, _waiters_entry_damaged),
+        (True, lambda _: DAMAGE["truncated"]),
+    ],
+    ids=["whole", "in part", "a program with a SIGCHLD handler"],
 )
 def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_recovered(
     gw: Run,
     tmp_path: Path,
     procs: Callable[..., subprocess.Popen[str]],
     monkeypatch: pytest.MonkeyPatch,
+    program: bool,
     damage: Callable[[bytes], bytes],
 ) -> None:
     # One 24 GiB card: a 13 GiB job runs, another waits behind it, reading the GPUs every two
@@ -730,7 +748,9 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
     # entry by the running job's gpuwait. A transaction wakes the waiters its ledger lists:
     # nobody told the waiter, which put its entry back only at its next reading, so a launch
     # in the grace was held for it (30 s), and once the running job had ended, nothing
-    # started the waiter.
+    # started the waiter. A program waiting in gpuwait.reserve() with a SIGCHLD handler for
+    # children of its own was passed over by the recovery's wake-up, as a program holding its
+    # GPU is: its wait takes SIGCHLD in sigtimedwait, which shows it unblocked meanwhile.
     monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
     release = tmp_path / "release"
     hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
@@ -738,7 +758,9 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
     wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
     waiter = _waiting(
         procs,
-        [*VRAM_13G, "--name", "waiter", "--", "true"],
+        [sys.executable, "-c", _WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER]
+        if program
+        else [*VRAM_13G, "--name", "waiter", "--", "true"],
         "the waiter ran beside the running job",
     )
     ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
@@ -757,7 +779,7 @@ def test_a_waiters_entry_lost_with_its_ledger_is_put_back_when_the_ledger_is_rec
     )
     release.touch()
     assert holder.wait(timeout=30) == 0
-    assert waiter.wait(timeout=20) == 0
+    assert waiter.wait(timeout=20) == 0, waiter.communicate()
 
 
 #: A program holding 13 GiB through gpuwait.reserve() until `release` exists, its SIGCHLD
@@ -809,55 +831,6 @@ def test_a_program_holding_its_gpu_is_sent_no_sigchld_when_the_ledger_is_recover
     assert program.wait(timeout=30) == 0, program.communicate()
     assert second.wait(timeout=60) == 0, second.communicate()
     assert not noted.exists(), noted.read_text()
-
-
-#: A program waiting for 13 GiB through gpuwait.reserve(), with a SIGCHLD handler of its own
-#: for children it may start: it waits for the room, takes it and lets it go.
-_WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER = """
-import signal
-import gpuwait
-signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-with gpuwait.reserve("13G", name="waiter"):
-    pass
-"""
-
-
-def test_a_program_waiting_with_a_sigchld_handler_is_woken_when_the_ledger_is_recovered(
-    gw: Run,
-    tmp_path: Path,
-    procs: Callable[..., subprocess.Popen[str]],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A program waits in gpuwait.reserve() behind a 13 GiB job, reading the GPUs every two
-    # minutes; it has a SIGCHLD handler for children of its own. Its entry lost with a
-    # damaged ledger, the recovery's wake-up passed it over, as it would a program holding
-    # its GPU: its wait takes SIGCHLD in sigtimedwait, which shows it unblocked meanwhile.
-    monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-    release = tmp_path / "release"
-    hold = f"while [ ! -e {shlex.quote(str(release))} ]; do sleep 0.05; done"
-    holder = procs([*VRAM_13G, "--name", "holder", "--", "sh", "-c", hold])
-    wait_for(lambda: asleep_supervising(holder.pid), timeout=30)
-    waiter = _waiting(
-        procs,
-        [sys.executable, "-c", _WAITING_PROGRAM_WITH_A_SIGCHLD_HANDLER],
-        "the program's reservation was made beside the running job",
-    )
-    ledger_path = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait" / "ledger.json"
-    damage_ledger(ledger_path, lambda _: DAMAGE["truncated"])
-    wait_for(
-        lambda: list(ledger_path.parent.glob("ledger.json.damaged-*")),
-        timeout=10,
-        message="the ledger was never recovered",
-    )
-    wait_for(lambda: named_entry("holder"), timeout=10, message="the entry was never put back")
-    wait_for(
-        lambda: isinstance((named_entry("waiter") or {}).get("reserved_bytes"), int),
-        timeout=20,
-        message="the program's entry was never put back",
-    )
-    release.touch()
-    assert holder.wait(timeout=30) == 0
-    assert waiter.wait(timeout=20) == 0, waiter.communicate()
 
 
 #: A program holding 13 GiB through gpuwait.reserve() until `release` exists.
