@@ -231,6 +231,16 @@ def test_another_users_damaged_file_is_left_alone_and_not_counted(
     assert not list(directory.glob("ledger.4242.json.damaged-*"))
 
 
+def others_file(tmp_path: Path, content: bytes) -> tuple[Path, Path]:
+    """A shared ledger directory, and in it the file of uid 4242 holding `content` (made by
+    root, given to that user)."""
+    directory = shared_dir(tmp_path)
+    other = directory / "ledger.4242.json"
+    other.write_bytes(content)
+    os.lchown(other, 4242, 4242)
+    return directory, other
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
 def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_while_they_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -239,10 +249,7 @@ def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_whi
     from gpuwait.queue import ledger as module
 
     monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
-    directory = shared_dir(tmp_path)
-    other = directory / "ledger.4242.json"
-    other.write_bytes(DAMAGE["truncated"])
-    os.lchown(other, 4242, 4242)
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
     # Nobody of theirs runs gpuwait: the file stands for no job of theirs.
     assert Ledger(directory).read().unread == {}
     theirs = subprocess.Popen(
@@ -269,10 +276,7 @@ def test_another_users_damaged_file_costs_no_look_at_every_process_at_each_read(
     # nobody, but made each read of the ledger by every waiter of every member go through every
     # process on the machine to find one: a waiter reads it at each summary that changes,
     # twenty times a second for each member writing theirs, and a server runs thousands.
-    directory = shared_dir(tmp_path)
-    other = directory / "ledger.4242.json"
-    other.write_bytes(DAMAGE["truncated"])
-    os.lchown(other, 4242, 4242)
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
     looks = []
     listdir = os.listdir
 
@@ -332,10 +336,9 @@ def test_another_users_file_that_cannot_be_opened_for_a_moment_admits_nobody(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Their jobs' room would not count: nothing is decided without it.
-    directory = shared_dir(tmp_path)
-    other = directory / "ledger.4242.json"
-    other.write_bytes(b'{"schema": 1, "jobs": [], "created_at": 1.0, "next_order": 1}')
-    os.lchown(other, 4242, 4242)
+    directory, other = others_file(
+        tmp_path, b'{"schema": 1, "jobs": [], "created_at": 1.0, "next_order": 1}'
+    )
     failing_open_of(monkeypatch, other, errno.EMFILE)
     ledger = Ledger(directory)
     with pytest.raises(StateError, match="Too many open files"), ledger.transaction() as data:
@@ -1453,10 +1456,7 @@ def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nob
         def time(self) -> float:
             return time.time() - 3600
 
-    directory = shared_dir(tmp_path)
-    other = directory / "ledger.4242.json"
-    other.write_bytes(DAMAGE["truncated"])
-    os.lchown(other, 4242, 4242)
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
     theirs = subprocess.Popen(
         ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
     )
