@@ -26,7 +26,8 @@ def _gone(pid: int) -> bool:
     """Process `pid` has exited (a zombie not yet waited for counts)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # Gone before the file was opened, or reaped between its open and its read.
         return True
 
 
