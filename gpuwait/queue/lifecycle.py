@@ -711,9 +711,26 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
         later = [mine, *later]
     elif all(j.order > mine.order for j in later):
         return
-    for job in later:
-        job.order = data.next_order
-        data.next_order += 1
+    _renumber(data, later, now, boot_now)
+
+
+def _renumber(data: LedgerData, moved: list[Job], now: float, boot_now: float | None) -> None:
+    """Give `moved`, entries of this file, places in their own order, each behind every entry
+    waiting that was launched before it, whoever's, and ahead of those launched after it where
+    a place is free between: in a shared ledger directory other members' jobs keep theirs, and
+    one launched after `moved` is not to be passed by the directory's next number."""
+    taken = {j.order for j in data.jobs if not any(j is m for m in moved)}
+    waiting = [j for j in data.jobs if j.state != RUNNING and not any(j is m for m in moved)]
+    behind = 0
+    for job in moved:
+        age = since(job.submitted_at, job.submitted_boot, now, boot_now)
+        before = (j.order for j in waiting if not _launched_after(j, job, age, now, boot_now))
+        place = max([behind, *before]) + 1
+        while place in taken:
+            place += 1
+        job.order, behind = place, place
+        waiting.append(job)
+        data.next_order = max(data.next_order, place + 1)
 
 
 def _launched_after(j: Job, mine: Job, age: float, now: float, boot_now: float | None) -> bool:

@@ -24,9 +24,9 @@ from gpuwait.core.pausing import DEFAULT_CHECKPOINT_SIGNAL, DEFAULT_GRACE_SECOND
 from gpuwait.core.policy import FairShare
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.linux import netfs, proc
-from gpuwait.queue import conditions, events, lifecycle
+from gpuwait.queue import conditions, entries, events, lifecycle
 from gpuwait.queue.bookkeeping import FAILED, LOST, OK, Finished
-from gpuwait.queue.entries import RUNNING, WAITING, Job, UserUsage
+from gpuwait.queue.entries import RUNNING, WAITING, Job, LedgerData, UserUsage
 from gpuwait.queue.ledger import Ledger
 from gpuwait.queue.lifecycle import Admitted
 from gpuwait.queue.report import View, report_from
@@ -1108,7 +1108,7 @@ def _holder_and_waiter_lost(
     assert isinstance(outcome, Admitted)
     waiting, _ = lifecycle.admit(ledger, launch("waiter", 13), MACHINE, 0.99)
     assert waiting.state == WAITING
-    (tmp_path / "ledger.json").unlink()
+    ledger.path.unlink()
     return running, waiting
 
 
@@ -1244,3 +1244,56 @@ def test_a_waiters_entry_put_back_goes_before_a_launch_given_the_same_place(
     lifecycle.admit(ledger, waiting, MACHINE, 0.99)
     waits = {j.id: j for j in ledger.read().jobs if j.state == WAITING}
     assert waits["waiter"].order < waits["later"].order
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_launch_put_back_behind_a_waiter_keeps_its_place_before_another_members_later_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared ledger directory, this user's file damaged twice, as above: once the later
+    launch was moved behind the waiter, another member (uid 4242) launched a 13 GiB job of
+    theirs, given the directory's next place. The launch put back a second time goes behind
+    the waiter, and ahead of that job, launched after it."""
+    from gpuwait.linux import security
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o1770)
+    ledger = Ledger(directory)
+    launch = _launcher(ledger, directory, [1001.0, 1002.0, 1003.0])
+    running, waiting = _holder_and_waiter_lost(ledger, launch, directory)
+    later = launch("later", 13)
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+    assert _waiting_in_order(ledger) == ["waiter", "later"]
+
+    theirs = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
+        place = ledger.read().next_order
+        their_job = live_job(
+            "theirs",
+            pid=theirs.pid,
+            uid=4242,
+            command=["60"],
+            request={"bytes": 13 * GiB},
+            order=place,
+            submitted_at=1004.0,
+            submitted_boot=proc.boot_clock(),
+        )
+        file = LedgerData(jobs=[their_job], next_order=place + 1, me=4242)
+        (directory / "ledger.4242.json").write_bytes(entries.encode(entries.to_document(file)))
+        os.lchown(directory / "ledger.4242.json", 4242, 4242)
+        assert _waiting_in_order(ledger) == ["waiter", "later", "theirs"]
+
+        ledger.path.unlink()
+        lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+        lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+        lifecycle.admit(ledger, later, MACHINE, 0.99)
+        assert _waiting_in_order(ledger) == ["waiter", "later", "theirs"]
+    finally:
+        theirs.kill()
+        theirs.wait()
