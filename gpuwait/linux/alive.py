@@ -201,20 +201,23 @@ def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
     (the taker gone, its pid may be another process's). A program holding its GPU through
     gpuwait.reserve() takes its lock itself: where a handler of its own would take the
     wake-up (SIGCHLD, for its children), it is left alone, as it waits for nothing."""
-    files: list[tuple[str, os.stat_result]] = []
+    files: list[tuple[str, os.stat_result, int]] = []
     for lock_dir in _lock_dirs(ledger_dir) or ():
         with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
+            # The device /proc/locks names its files by (another than st_dev on btrfs).
+            device = proc.lock_device(directory)
             for name in os.listdir(directory):
                 if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue
                 with contextlib.suppress(OSError):
-                    files.append((name, os.stat(name, dir_fd=directory, follow_symlinks=False)))
+                    found = os.stat(name, dir_fd=directory, follow_symlinks=False)
+                    files.append((name, found, device))
     # /proc/locks read once, however many entries were lost.
-    taken = lock.holders_of([(f.st_dev, f.st_ino) for _, f in files])
+    taken = lock.holders_of([(device, f.st_ino) for _, f, device in files])
     return {
         pid
-        for name, file in files
-        for pid in taken.get((file.st_dev, file.st_ino), [])
+        for name, file, device in files
+        for pid in taken.get((device, file.st_ino), [])
         if pid > 0
         and pid != os.getpid()
         and proc.has_open(pid, file, name)

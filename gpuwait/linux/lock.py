@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from gpuwait.linux import proc
 from gpuwait.linux.security import open_state_file
 from gpuwait.linux.signals import (
     STOPPING,
@@ -306,13 +307,14 @@ class _Looks:
 def holders(fd: int) -> list[int]:
     """The pids that hold a flock on `fd`'s file, as /proc/locks tells (those waiting for it
     excluded); empty when it cannot be told."""
-    st = os.fstat(fd)
-    return holders_of([(st.st_dev, st.st_ino)]).get((st.st_dev, st.st_ino), [])
+    file = (proc.lock_device(fd), os.fstat(fd).st_ino)
+    return holders_of([file]).get(file, [])
 
 
 def holders_of(files: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
-    """`holders` of each of these files (device, inode), read from /proc/locks once: those
-    held by nobody (or where it cannot be told) are left out."""
+    """`holders` of each of these files (device, as `proc.lock_device` tells it, and inode),
+    read from /proc/locks once: those held by nobody (or where it cannot be told) are left
+    out."""
     wanted = {
         b"%02x:%02x:%d" % (os.major(device), os.minor(device), inode): (device, inode)
         for device, inode in files
@@ -320,12 +322,7 @@ def holders_of(files: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]
     found: dict[tuple[int, int], list[int]] = {}
     if not wanted:
         return found
-    try:
-        with open("/proc/locks", "rb") as f:
-            lines = f.read(1 << 22).splitlines()
-    except OSError:
-        return found
-    for line in lines:
+    for line in proc.proc_locks():
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
         if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] in wanted:

@@ -217,18 +217,23 @@ def _fd_inode(pid: int, fd: str) -> tuple[int, int] | None:
 def _mount_devices(pid: str) -> dict[int, int]:
     """Mount id -> device of each mount that process `pid` (or "self") sees, from its
     mountinfo: the device the kernel keeps for the file system, the one stat(2) tells."""
-    devices: dict[int, int] = {}
     try:
         with open(f"/proc/{pid}/mountinfo", "rb") as f:
-            lines = f.read().splitlines()
+            return mount_devices(f.read())
     except OSError:
-        return devices
-    for line in lines:
+        return {}
+
+
+def mount_devices(mountinfo: bytes) -> dict[int, int]:
+    """Mount id -> device of each mount in `mountinfo` (a /proc/PID/mountinfo's text): its file
+    system's, as its superblock has it, which is how /proc/locks names a locked file's."""
+    devices: dict[int, int] = {}
+    for line in mountinfo.splitlines():
         fields = line.split(maxsplit=3)
         if len(fields) < 4:
             continue
         major, _, minor = fields[2].partition(b":")
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, OverflowError):
             devices[int(fields[0])] = os.makedev(int(major), int(minor))
     return devices
 
@@ -679,16 +684,44 @@ def process_tree(roots: Iterable[int], pruned: AbstractSet[int] = frozenset()) -
     return seen
 
 
-def exclusive_flock_takers(device: int) -> set[int]:
-    """The pids that hold an exclusive flock on a file of the file system `device` (a st_dev),
-    as /proc/locks names them (those waiting for one left out; 0 for a process of another pid
-    namespace); empty where it cannot be read."""
-    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
+#: Where the kernel lists the locks taken, and the mounts this process sees.
+PROC_LOCKS = "/proc/locks"
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def proc_locks() -> list[bytes]:
+    """The lines of /proc/locks (at most its first 4 MiB); none where it cannot be read."""
     try:
-        with open("/proc/locks", "rb") as f:
-            lines = f.read(1 << 22).splitlines()
+        with open(PROC_LOCKS, "rb") as f:
+            return f.read(1 << 22).splitlines()
     except OSError:
-        return set()
+        return []
+
+
+def lock_device(fd: int) -> int:
+    """The device /proc/locks names the locks on `fd`'s file by: that of its mount, found
+    through /proc/self/fdinfo's mnt_id in /proc/self/mountinfo. On a btrfs subvolume or an
+    overlay file system stat(2)'s st_dev is another one; it is taken where those cannot be
+    read."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            info = f.read(1 << 16)
+        for line in info.splitlines():
+            name, _, value = line.partition(b":")
+            if name == b"mnt_id" and value.strip().isdigit():
+                with open(MOUNTINFO, "rb") as f:
+                    device = mount_devices(f.read()).get(int(value))
+                if device is not None:
+                    return device
+    return os.fstat(fd).st_dev
+
+
+def exclusive_flock_takers(device: int) -> set[int]:
+    """The pids that hold an exclusive flock on a file of the file system `device` (as
+    `lock_device` tells it), as /proc/locks names them (those waiting for one left out; 0 for a
+    process of another pid namespace); empty where it cannot be read."""
+    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
+    lines = proc_locks()
     found: set[int] = set()
     for line in lines:
         fields = line.split()

@@ -778,11 +778,18 @@ class Ledger:
 
 
 def _device(directory: Path) -> int | None:
-    """The file system `directory` is on (its st_dev), None where it cannot be told."""
+    """The file system `directory` is on, as /proc/locks names it (`proc.lock_device`), None
+    where it cannot be told."""
     try:
-        return os.stat(directory).st_dev
+        fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        return proc.lock_device(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _changed_lately(path: Path) -> bool:

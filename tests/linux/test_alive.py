@@ -347,3 +347,51 @@ def test_only_a_descriptor_named_as_the_lock_has_its_fdinfo_read(
     read.clear()
     assert not alive.opened_by(tmp_path, os.getuid(), JOB, os.getpid())
     assert read == []
+
+
+def _on_another_device(text: bytes, device: int, other: int) -> bytes:
+    """`text` (/proc/locks' or mountinfo's) with `device` named as `other` wherever it names
+    it, in the form each uses: hexadecimal in /proc/locks, decimal in mountinfo."""
+    for form in (b"%02x:%02x:", b" %d:%d "):
+        text = text.replace(
+            form % (os.major(device), os.minor(device)), form % (os.major(other), os.minor(other))
+        )
+    return text
+
+
+def test_the_holder_of_a_lock_is_found_where_its_file_system_is_no_device_stat_tells(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a btrfs subvolume (an overlay file system too) stat(2) tells another device than the
+    # file system's own, by which /proc/locks names a locked file and mountinfo its mount: a
+    # damaged ledger's recovery found nobody holding the locks of lost entries there, their
+    # jobs taken for ended. The two files are made so here, the device 0:4095 in them.
+    from gpuwait.linux import lock
+
+    holder, _ = start_holder(tmp_path, spawned, command=False)
+    device, other = os.stat(tmp_path).st_dev, os.makedev(0, 4095)
+    for name, real in (("PROC_LOCKS", "/proc/locks"), ("MOUNTINFO", "/proc/self/mountinfo")):
+        made = tmp_path / name
+        made.write_bytes(_on_another_device(Path(real).read_bytes(), device, other))
+        monkeypatch.setattr(proc, name, str(made))
+    assert alive.holders_unlisted(tmp_path, set()) == {holder.pid}
+    lock_file = next(tmp_path.glob("alive.*")) / JOB
+    fd = os.open(lock_file, os.O_RDONLY)
+    try:
+        assert proc.lock_device(fd) == other
+        assert lock.holders(fd) == [holder.pid]
+    finally:
+        os.close(fd)
+    assert holder.pid in proc.exclusive_flock_takers(other)
+
+
+def test_the_device_proc_locks_names_a_file_by_is_stats_on_a_plain_file_system(
+    tmp_path: Path,
+) -> None:
+    # Where stat(2) tells the file system's own device (ext4, /proc), both agree.
+    for path in (tmp_path, Path("/"), Path("/proc/self")):
+        fd = os.open(path, os.O_PATH)
+        try:
+            assert proc.lock_device(fd) == os.fstat(fd).st_dev, path
+        finally:
+            os.close(fd)
