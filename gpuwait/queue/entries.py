@@ -753,6 +753,9 @@ class LedgerData(Record):
     #: In a shared ledger directory: the other users whose file could not be read (why, by
     #: uid) while a gpuwait of theirs runs: the room their jobs hold is not known. Not written.
     unread: dict[int, str] = field(default_factory=dict)
+    #: When (on the wall clock) each of those files has been left so for UNREAD_GRACE
+    #: (gpuwait.queue.ledger), by uid: no longer waited for then. Not written.
+    unread_until: dict[int, float] = field(default_factory=dict)
 
     def mine(self, job: Job) -> bool:
         """Is `job` in the file this process writes (every job is, in a private ledger)?"""

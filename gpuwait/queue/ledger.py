@@ -522,7 +522,7 @@ class Ledger:
         names = self._user_files()
         data, raw, rewrite = self._load_own(self.path, repair, owned=True)
         others: dict[int, LedgerData] = {}
-        unread: dict[int, str] = {}
+        unread: dict[int, tuple[str, float]] = {}
         for uid, name in names.items():
             if uid == self._uid:
                 continue
@@ -530,7 +530,8 @@ class Ledger:
             if part is not None:
                 others[uid] = part
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
-        combined.unread = unread
+        combined.unread = {uid: why for uid, (why, _) in unread.items()}
+        combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
         return combined, raw, rewrite
 
     def _user_files(self) -> dict[int, str]:
@@ -661,12 +662,13 @@ class Ledger:
         return bool(alive.unlisted(self.directory, set(), math.inf))
 
     def _load_other(
-        self, path: Path, uid: int, repair: bool, unread: dict[int, str]
+        self, path: Path, uid: int, repair: bool, unread: dict[int, tuple[str, float]]
     ) -> LedgerData | None:
         """Another user's file, or None (with a warning when transacting) when it is unusable:
         then that user's jobs are not counted until they run gpuwait again; where it changed
         less than UNREAD_GRACE ago and a gpuwait of theirs runs now, why it is not used goes in
-        `unread`, by uid (nobody is admitted while the room their jobs hold is unknown). A file
+        `unread`, by uid, with when it has been left so for UNREAD_GRACE (nobody is admitted
+        while the room their jobs hold is unknown, and no longer than that). A file
         left so for longer is not waited for: its owner's gpuwait, where it uses this ledger
         and runs, writes it again at its next change."""
         try:
@@ -687,8 +689,9 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
-            if _changed_lately(path) and runs_gpuwait(uid, _device(self.directory)):
-                unread[uid] = str(exc)
+            lapses = _lapses(path)
+            if lapses is not None and runs_gpuwait(uid, _device(self.directory)):
+                unread[uid] = (str(exc), lapses)
             return None
         if tidies and raw.get("schema") == entries.SCHEMA:
             # A newer gpuwait's file is its owner's to tidy: written back by this one, it
@@ -792,14 +795,15 @@ def _device(directory: Path) -> int | None:
         os.close(fd)
 
 
-def _changed_lately(path: Path) -> bool:
-    """Did the file at `path` change (its inode: a time nobody can set) less than UNREAD_GRACE
-    ago, either way of the clock?"""
+def _lapses(path: Path) -> float | None:
+    """Where the file at `path` changed (its inode: a time nobody can set) less than
+    UNREAD_GRACE ago, either way of the clock: when (on the wall clock) that is no longer so;
+    None where it did not."""
     try:
         changed = os.lstat(path).st_ctime
     except OSError:
-        return False
-    return abs(time.time() - changed) < UNREAD_GRACE
+        return None
+    return changed + UNREAD_GRACE if abs(time.time() - changed) < UNREAD_GRACE else None
 
 
 def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: int | None) -> bool:

@@ -1199,16 +1199,23 @@ def held_for_entries(
 def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
     """Why the waiter `mine` waits where another member's file of a shared ledger could not be
     read while a gpuwait of theirs runs (`LedgerData.unread`): their jobs' reservations are
-    not known, and nobody is admitted into them until their gpuwait writes the file again;
+    not known, and nobody is admitted into them until their gpuwait writes the file again, or
+    it has been left so for UNREAD_GRACE (then the reason lapses, on the boot clock, to the
+    hundredth of a second: the first file's so to lapse, the waiter then planning again);
     None where no such file is."""
     if not data.unread:
         return None
     uid, why = min(data.unread.items())
+    until = None
+    boot_now = proc.boot_clock()
+    if data.unread_until and boot_now is not None:
+        until = round(boot_now + min(data.unread_until.values()) - time.time(), 2)
     return _held_whatever_room(
         mine,
         data,
         f"the ledger file of uid {uid}, whose gpuwait runs, cannot be used ({why}); the room "
         "their jobs hold is not known until it is written again",
+        until=until,
     )
 
 

@@ -40,7 +40,10 @@ from helpers.waiting import (
 
 from gpuwait.cli import main
 from gpuwait.core.errors import StateError
+from gpuwait.core.policy import WaitReason
+from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history import store
+from gpuwait.linux import proc
 from gpuwait.linux.lock import exclusive
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
@@ -1481,3 +1484,48 @@ def test_the_wait_for_another_users_unread_file_counts_the_jobs_running() -> Non
     assert "(2 running, 0 ahead of you)" in reason.describe(), reason.describe()
     assert "the ledger file of uid 4242" in reason.describe(), reason.describe()
     assert lifecycle.held_for_unread(LedgerData(jobs=[*running, mine]), mine) is None
+
+
+@contextlib.contextmanager
+def their_gpuwait_runs() -> Iterator[None]:
+    """A process of uid 4242's named gpuwait runs (a sleep), seen as theirs by every reader."""
+    from gpuwait.linux import security
+
+    security._RUNS_GPUWAIT.clear()  # no look of another test's
+    theirs = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
+        yield
+    finally:
+        theirs.kill()
+        theirs.wait()
+        security._RUNS_GPUWAIT.clear()
+
+
+ONE_CARD = MachineSnapshot("sim", (GpuSnapshot(0, "GPU-0", "Test GPU", 24 * 2**30, 0),))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_waiter_held_for_another_users_unusable_file_is_told_when_the_hold_lapses(
+    tmp_path: Path,
+) -> None:
+    # Held for a member's file that cannot be used while their gpuwait runs, a waiter planned
+    # again only at its next reading of the GPUs once the file had been left so for the 30 s
+    # after which nobody is held for it: its reason now says when that is, and the waiting
+    # loop wakes then.
+    from gpuwait.queue import ledger as module
+
+    directory, other = others_file(tmp_path, DAMAGE["truncated"])
+    ledger = Ledger(directory)
+    with their_gpuwait_runs():
+        waiter = lifecycle.submit(
+            ledger, live_job("w", request={"bytes": 2**30}), [], [], tmp_path, ["x"]
+        )
+        _, held = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
+        assert isinstance(held, WaitReason) and "uid 4242" in (held.blocked or ""), held
+        boot_now = proc.boot_clock()
+        assert boot_now is not None and held.until is not None, held
+        lapses_in = os.lstat(other).st_ctime + module.UNREAD_GRACE - time.time()
+        assert abs(held.until - boot_now - lapses_in) < 1, (held.until - boot_now, lapses_in)
