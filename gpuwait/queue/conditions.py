@@ -125,10 +125,26 @@ def settle_dependencies(job: Job, data: LedgerData) -> str | None:
         if done is None:
             return f"job {dep} left no record of how it ended; --after-ok cannot be met"
         if not done.succeeded:
-            return f"{_label(done.id, done.name)} {done.describe()}; --after-ok cannot be met"
+            return _cannot_be_met(done)
         job.after_ok.remove(dep)
     job.after = [d for d in job.after if d in live]
     return None
+
+
+def failed_dependency(job: Job, data: LedgerData) -> str | None:
+    """Why `job` can never start, where the book tells that one of its `--after-ok`
+    dependencies failed (whatever is not known yet of the others); None where it tells none.
+    Changes nothing."""
+    live = data.referred(job.after_ok)
+    for dep in job.after_ok:
+        done = None if dep in live else data.book.outcome(dep)
+        if done is not None and not done.succeeded:
+            return _cannot_be_met(done)
+    return None
+
+
+def _cannot_be_met(done: Finished) -> str:
+    return f"{_label(done.id, done.name)} {done.describe()}; --after-ok cannot be met"
 
 
 def busy_gpus(data: LedgerData) -> frozenset[str]:

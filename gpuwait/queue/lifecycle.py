@@ -69,6 +69,7 @@ from gpuwait.queue.bookkeeping import (
 from gpuwait.queue.conditions import (
     adoption_over_limit,
     busy_gpus,
+    failed_dependency,
     machine_user,
     plan_ledger,
     planned_claims,
@@ -1153,7 +1154,9 @@ def admit(
         _note_health(data, snapshot, now, said)
         held = held_for_entries(ledger.directory, data, mine, now, boot_now)
         if held is None:
-            held = held_for_unread(data, mine)
+            # A dependency the book tells failed is told at once, whatever file is unusable.
+            failure = failed_dependency(mine, data)
+            held = None if failure is not None else held_for_unread(data, mine)
         if held is not None:
             return copy_job(mine), held
         failure = settle_dependencies(mine, data)

@@ -54,6 +54,7 @@ from gpuwait.queue.conditions import (
     UtilizationWindow,
     as_counted,
     claim_of,
+    failed_dependency,
     name_processes,
     plan_conditions,
     plan_ledger,
@@ -364,6 +365,8 @@ def _reason_without_lock(
         return Unlocked(None)
     lost = lifecycle.held_for_entries(directory, data, mine, now, boot_now)
     if lost is None:
+        if failed_dependency(mine, data) is not None:
+            return Unlocked(None)  # it leaves the queue
         lost = lifecycle.held_for_unread(data, mine)
     if lost is not None:
         return Unlocked(lost)  # as the transaction would say, before planning anything

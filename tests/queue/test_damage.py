@@ -46,6 +46,7 @@ from gpuwait.history import store
 from gpuwait.linux import proc
 from gpuwait.linux.lock import exclusive
 from gpuwait.queue import lifecycle
+from gpuwait.queue.bookkeeping import FAILED, Finished
 from gpuwait.queue.entries import RUNNING, Job, LedgerData
 from gpuwait.queue.ledger import Ledger
 
@@ -1529,3 +1530,23 @@ def test_a_waiter_held_for_another_users_unusable_file_is_told_when_the_hold_lap
         assert boot_now is not None and held.until is not None, held
         lapses_in = os.lstat(other).st_ctime + module.UNREAD_GRACE - time.time()
         assert abs(held.until - boot_now - lapses_in) < 1, (held.until - boot_now, lapses_in)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_waiter_whose_dependency_failed_leaves_at_once_while_another_users_file_is_unusable(
+    tmp_path: Path,
+) -> None:
+    # A waiter launched --after-ok a job that then failed, while a member's file cannot be
+    # used and their gpuwait runs, was held for that file (30 s, or as long as it is written
+    # again and again) before it was told its dependency failed. It is told at once.
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
+    ledger = Ledger(directory)
+    first = lifecycle.submit(ledger, live_job("first"), [], [], tmp_path, ["x"])
+    waiter = lifecycle.submit(ledger, live_job("w"), [], ["first"], tmp_path, ["x"])
+    with ledger.transaction() as data:
+        data.remove(first.id)
+        data.book.note_finished(Finished(first.id, FAILED, time.time()))
+    with their_gpuwait_runs():
+        assert list(ledger.read().unread) == [4242]
+        _, outcome = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
+        assert isinstance(outcome, lifecycle.DependencyFailed), outcome
