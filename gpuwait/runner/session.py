@@ -1303,14 +1303,21 @@ VERBOSE_COLUMNS = 79
 
 
 def _phrase_lines(text: str, lead: int) -> list[str]:
-    """`text` as lines that each fit VERBOSE_COLUMNS after `lead` columns, broken only after
-    a comma or a semicolon; a phrase longer than that is a line of its own, whole."""
+    """`text` as lines that each fit VERBOSE_COLUMNS after `lead` columns, broken after a
+    comma or a semicolon; a phrase longer than that begins a line and is broken between its
+    words, never inside parentheses ("(other arguments)")."""
     lines: list[str] = []
     for phrase in re.split(r"(?<=[,;]) ", text) if text else []:
         if lines and lead + columns(f"{lines[-1]} {phrase}") <= VERBOSE_COLUMNS:
             lines[-1] = f"{lines[-1]} {phrase}"
-        else:
-            lines.append(phrase)
+            continue
+        words = re.split(r" (?![^(]*\))", phrase)
+        lines.append(words[0])
+        for word in words[1:]:
+            if lead + columns(f"{lines[-1]} {word}") <= VERBOSE_COLUMNS:
+                lines[-1] = f"{lines[-1]} {word}"
+            else:
+                lines.append(word)
     return lines
 
 
