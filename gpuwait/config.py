@@ -304,13 +304,25 @@ def _percent(value: Any) -> float:
     return number
 
 
+def _home_expanded(text: str, example: str) -> str:
+    """`text` with its leading `~` or `~user` made the home directory it names; ValueError
+    where that home is not known (a user's name mistyped, or no home to be had)."""
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise ValueError(
+            f"the home directory {expanded.split('/', 1)[0]} is not known here; "
+            f"expected an absolute path such as {example}"
+        )
+    return expanded
+
+
 def _sim_file(value: Any) -> Path | None:
     """The simulation file: absolute, or under `~`, as `state_dir`. A relative one would be
     another file in every working directory: a job started beside it and `gpuwait status` run
     elsewhere would see two machines, or none."""
     if not isinstance(value, str):
         raise ValueError('expected a path in quotes, e.g. "~/gpuwait-sim.toml"')
-    text = os.path.expanduser(value.strip())
+    text = _home_expanded(value.strip(), "~/gpuwait-sim.toml")
     if not text:
         return None
     if not os.path.isabs(text):
@@ -329,7 +341,7 @@ def _absolute_dir(value: Any) -> Path | None:
     from two of them would not see each other: coordination would silently stop."""
     if not isinstance(value, str):
         raise ValueError('expected a path in quotes, e.g. "/srv/gpuwait"')
-    text = os.path.expanduser(value.strip())
+    text = _home_expanded(value.strip(), "/srv/gpuwait or ~/gpuwait")
     if not text:
         return None
     if not os.path.isabs(text):

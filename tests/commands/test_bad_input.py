@@ -378,6 +378,24 @@ CASES: dict[str, Case] = {
         2,
         "whose home directory is not known",
     ),
+    # The same in the settings of other paths: they said "expected an absolute path", as if
+    # the path were a relative one, not that its home is unknown.
+    "env state dir home unknown": (
+        ["true"],
+        {"GPUWAIT_STATE_DIR": "~gpuwait-no-such-user/state"},
+        None,
+        None,
+        2,
+        "the home directory ~gpuwait-no-such-user is not known here",
+    ),
+    "env sim home unknown": (
+        ["true"],
+        {"GPUWAIT_SIM": "~gpuwait-no-such-user/sim.toml"},
+        None,
+        None,
+        2,
+        "the home directory ~gpuwait-no-such-user is not known here",
+    ),
     "env sim missing": (
         ["--vram", "1G", "true"],
         {"GPUWAIT_SIM": "/nonexistent.toml", "GPUWAIT_ON_NO_GPU": "fail"},
