@@ -207,10 +207,13 @@ _ZSH_DECLARING = DECLARING | {"local", "integer", "float"}
 
 
 def declaring(shell: str) -> frozenset[str]:
-    """The builtins of `DECLARING`'s kind in `shell` (a Step's): fish's `export` alone, zsh's
-    local, integer and float besides."""
+    """The builtins of `DECLARING`'s kind in `shell` (a Step's): fish's `export` alone, dash's
+    `export` and `readonly` (it has no declare or typeset: a command of that name is not
+    found, and sets nothing), zsh's local, integer and float besides."""
     if shell == "fish":
         return frozenset({"export"})
+    if shell == "dash":
+        return frozenset({"export", "readonly"})
     return _ZSH_DECLARING if shell == "zsh" else DECLARING
 
 

@@ -2788,6 +2788,9 @@ def test_env_clearing_its_environment_with_options_in_one_word_is_read_as_env(
         ("zsh", 'float CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         ("zsh", 'typeset -E CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         ("bash", 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        # dash has no typeset (nor declare, local outside a function): the line goes on.
+        ("dash", 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        ("dash", 'declare -a CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         # bash's -F lists functions and sets nothing: no number made.
         ("bash", 'declare -F CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         # +i takes the attribute away: the value passed on is the text it was.
