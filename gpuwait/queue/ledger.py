@@ -53,6 +53,7 @@ from gpuwait.linux.lock import LockTimeout, flock_within, holders
 from gpuwait.linux.proc import read_at_most
 from gpuwait.linux.security import (
     ANYONE,
+    RUNS_GPUWAIT_FOR,
     UnsafePath,
     check_dir,
     is_shared_dir,
@@ -92,6 +93,10 @@ _TEMP_RE = re.compile(
     r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?\.json(?:\.damaged-[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]+)?"
     r"|wake(?:\.[0-9]+)?\.json)\.[0-9]+(?:-[0-9a-f]+)?\.tmp\Z"
 )
+#: A member's lock directory, which their gpuwait makes at their first job.
+_LOCK_DIR_RE = re.compile(r"^alive\.([0-9]{1,10})\Z")
+#: A member's wake-up summary (`gpuwait.queue.wake`).
+_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json\Z")
 _CRC_PREFIX = b'{"crc":'
 
@@ -175,6 +180,8 @@ class Ledger:
         self.fair_half_life = fair_half_life
         #: Names in a shared directory found to be no file of the uid they name (`_user_files`).
         self._not_theirs = NotTheirs()
+        #: The users whose lock directory and summary are in the shared directory.
+        self._members: frozenset[int] = frozenset()
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -529,6 +536,12 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
+        for uid in sorted(self._members - names.keys() - {self._uid}):
+            # A member whose file is gone (removed by hand) while a job of theirs holds its
+            # liveness lock: the room their jobs hold is not known until it is written again.
+            lapses = _lapses(self.directory)
+            if lapses is not None and _holds_a_lock(uid, self.directory):
+                unread[uid] = ("it is not there", lapses)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
         combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
@@ -548,7 +561,7 @@ class Ledger:
                 self._not_theirs.keep(listed)
         # Else the same names as at the last look, each of the same file (a file is replaced,
         # made or removed only by a change of the directory).
-        found, said = dict(listed[0]), listed[1]
+        found, said, self._members = dict(listed[0]), listed[1], listed[2]
         self.warnings.extend(said)
         mine = found.get(self._uid)
         if mine is not None:
@@ -560,18 +573,28 @@ class Ledger:
             self.path = self.directory / canonical
         return found
 
-    def _list_user_files(self, canonical: str) -> tuple[tuple[dict[int, str], list[str]], bool]:
-        """Each user's file in the shared directory, by owner, looked up afresh, and what to
-        warn of (this user's own name taken by another); and whether every name could be
-        looked at (one that could not is looked at again next time)."""
+    def _list_user_files(
+        self, canonical: str
+    ) -> tuple[tuple[dict[int, str], list[str], frozenset[int]], bool]:
+        """Each user's file in the shared directory, by owner, looked up afresh, what to warn
+        of (this user's own name taken by another), and the users whose lock directory
+        (alive.<uid>) and summary (wake.<uid>.json) of their own are there; and whether every
+        name could be looked at (one that could not is looked at again next time)."""
+        # Whose lock directory or summary each name is, looked at only for a uid with no file.
+        marks: list[tuple[int, int, os.DirEntry[str]]] = []
         try:
             with os.scandir(self.directory) as listing:
-                named = sorted(
-                    (item.name, match, item)
-                    for item in listing
-                    if (item.name not in self._not_theirs or item.name == canonical)
-                    and (match := _USER_FILE_RE.match(item.name)) is not None
-                )
+                named = []
+                for item in listing:
+                    if item.name in self._not_theirs and item.name != canonical:
+                        continue
+                    if (match := _USER_FILE_RE.match(item.name)) is not None:
+                        named.append((item.name, match, item))
+                        continue
+                    for kind, pattern in enumerate((_LOCK_DIR_RE, _SUMMARY_RE)):
+                        if (of := pattern.match(item.name)) is not None:
+                            marks.append((kind, int(of[1]), item))
+                named.sort(key=lambda found: found[0])
         except OSError as exc:
             raise StateError(
                 f"ledger directory {self.directory} cannot be read: {exc.strerror}"
@@ -601,7 +624,22 @@ class Ledger:
                 found[uid] = name
             if len(found) >= MAX_USER_FILES:
                 break
-        return (found, said), whole
+        # Members: a lock directory and a summary of their own (`rm` of a member's two files,
+        # as for an account removed, leaves none).
+        owned: tuple[set[int], set[int]] = (set(), set())
+        for kind, uid, item in sorted(marks, key=lambda mark: mark[0]):
+            if uid in found or (kind and uid not in owned[0]) or uid in owned[kind]:
+                continue
+            try:
+                owner = item.stat(follow_symlinks=False).st_uid
+            except OSError:
+                whole = False
+                continue
+            if owner == uid:
+                owned[kind].add(uid)
+            else:
+                self._not_theirs.add(item.name)
+        return (found, said, frozenset(owned[1])), whole
 
     def _load_own(self, path: Path, repair: bool, owned: bool) -> tuple[LedgerData, Any, bool]:
         try:
@@ -793,6 +831,30 @@ def _device(directory: Path) -> int | None:
         return None
     finally:
         os.close(fd)
+
+
+#: By (uid, device): (until when, on the monotonic clock, `_holds_a_lock`'s answer stands;
+#: the answer). Asked at each read of a shared ledger where a member's file is gone: /proc/locks
+#: is read once in RUNS_GPUWAIT_FOR seconds, however many locks anyone holds.
+_HOLDS_A_LOCK: dict[tuple[int, int], tuple[float, bool]] = {}
+
+
+def _holds_a_lock(uid: int, directory: Path) -> bool:
+    """Does a process of `uid`'s hold an exclusive flock on the file system of `directory`, as
+    a job's gpuwait (or a program holding room through gpuwait.reserve()) holds its liveness
+    lock there?"""
+    device = _device(directory)
+    if device is None:
+        return False
+    now = time.monotonic()
+    known = _HOLDS_A_LOCK.get((uid, device))
+    if known is not None and now < known[0]:
+        return known[1]
+    if len(_HOLDS_A_LOCK) > 4096:
+        _HOLDS_A_LOCK.clear()
+    found = any(proc.owner_uid(pid) == uid for pid in proc.exclusive_flock_takers(device) if pid)
+    _HOLDS_A_LOCK[(uid, device)] = (now + RUNS_GPUWAIT_FOR, found)
+    return found
 
 
 def _lapses(path: Path) -> float | None:

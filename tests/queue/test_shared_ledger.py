@@ -2472,3 +2472,65 @@ def test_a_members_own_file_under_their_uids_name_is_theirs_beside_one_of_anothe
         path.write_text("{}")
         os.chown(path, BOB, GROUP)
     assert server.ledger()._user_files().get(BOB) == f"ledger.{BOB}.json"
+
+
+REMOVES = """
+import os, sys, time
+while True:
+    try:
+        os.unlink(sys.argv[1])
+    except OSError:
+        pass
+    time.sleep(0.002)
+"""
+
+
+def test_a_member_removing_their_file_while_their_job_runs_admits_nobody_into_its_room(
+    server: Server,
+) -> None:
+    # Bob's job holds 15 GiB of the card's 21.6 usable, and a loop of his removes his ledger
+    # file again and again (his gpuwait writes it back). Alice's launches found no file of his,
+    # counted no job of his, and each of 3 was started into the room his job holds, as where
+    # he empties it (above). While a job of his holds its lock, a file of his gone admits
+    # nobody, and says so.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: not server.own_file(BOB).exists())
+        alice_is_held_for_bobs_file(server, 3)
+    finally:
+        loop.kill()
+        loop.wait()
+    bobs_room_is_alices_once_it_ends(server, bob)
+
+
+def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_theirs(
+    server: Server,
+) -> None:
+    # Bob has left: his job ended, and root removed his ledger file and summary as
+    # docs/shared-servers.md says (his lock directory stays). A process under his uid holds an
+    # exclusive flock on the directory's file system, as a program's download lock does: no
+    # job of his is anywhere, and Alice's launch runs at once.
+    assert server.run(BOB, "--vram", "15G", "--", "true").returncode == 0
+    assert (server.ledger_dir / f"alive.{BOB}").is_dir()
+    server.own_file(BOB).unlink()
+    (server.ledger_dir / f"wake.{BOB}.json").unlink()
+    held = server.root / "bob.lock"
+    held.touch()
+    os.chown(held, BOB, BOB)
+    lock = subprocess.Popen(
+        ["flock", "-x", str(held), "sleep", "60"], user=BOB, group=BOB, start_new_session=True
+    )
+    server.procs.append(lock)
+    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
+    done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
