@@ -958,7 +958,9 @@ def from_document(
         if not newer_ok:
             raise NewerSchema(schema)
     elif not isinstance(raw, dict) or schema != SCHEMA:
-        raise ValueError(f"schema {schema}")
+        # Said as a number, or by its type alone: another member's text is no reader's to show.
+        shown = schema if schema in (None, "?") or type(schema) is int else type(schema).__name__
+        raise ValueError(f"schema {shown}")
     jobs_raw = raw.get("jobs")
     if not isinstance(jobs_raw, list):
         raise ValueError("no job list")

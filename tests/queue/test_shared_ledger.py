@@ -2534,3 +2534,50 @@ def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_their
     wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
     done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
+WRITES_TEXT = """
+import json, sys, time
+text = "\\x1b[2J\\x1b[31mcancelled by root: run sudo gpuwait-fix\\u202e\\n" * 2000
+body = json.dumps({"schema": text, "jobs": []})
+while True:
+    try:
+        with open(sys.argv[1], "w") as f:
+            f.write(body)
+    except OSError:
+        pass
+    time.sleep(0.002)
+"""
+
+
+def test_a_members_file_of_text_for_a_schema_puts_none_of_it_in_anothers_wait_line(
+    server: Server,
+) -> None:
+    # Bob's job runs, and a loop of his writes over his ledger file one whose schema is 2,000
+    # lines of text of his ("cancelled by root: run sudo gpuwait-fix"). Alice's launch, held
+    # while his file cannot be used, said it in its warning, its wait line and its last
+    # words: four lines of 4,000 characters each, his words in each. The schema is said by
+    # its type alone: "cannot be used (schema str)".
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", WRITES_TEXT, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: "cancelled" in server.own_file(BOB).read_text()[:200])
+        done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
+    finally:
+        loop.kill()
+        loop.wait()
+    assert done.returncode == 124, done.stderr
+    assert "cancelled by root" not in done.stderr, done.stderr[:300]
+    assert "cannot be used (schema str)" in done.stderr, done.stderr[:300]
+    assert max(len(line) for line in done.stderr.splitlines()) < 400, done.stderr[:300]
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
