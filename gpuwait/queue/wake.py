@@ -77,6 +77,9 @@ EVENT_NAMES = (
     b"wake",
     re.compile(rb"\0(wake(?:\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?)?\.json)\0"),
 )
+#: In a shared ledger directory: one user's summary is acted on again no sooner than this many
+#: times the CPU time its last reading took (SOURCE_GAP at least).
+READ_COST_SPACING = 10.0
 #: Users whose summaries are looked at, at most (one per user who ever used the directory).
 MAX_SUMMARIES = 4096
 
@@ -277,10 +280,16 @@ class Summaries:
                 if now < quiet:
                     later = quiet if later is None else min(later, quiet)
                     continue  # its token stays unseen: looked at again then
-                self._quiet_until[name] = now + SOURCE_GAP
             self._tokens[name] = token
             self._told.discard(name)
+            began = time.process_time()
             seen = read_summary(self.state_dir / name, token)
+            if self.shared:
+                # Its next change is acted on once its reading has cost at most a tenth of
+                # the time: one of megabytes, rewritten in a loop, would keep every waiter
+                # of every member parsing it.
+                cost = time.process_time() - began
+                self._quiet_until[name] = now + max(SOURCE_GAP, READ_COST_SPACING * cost)
             if same and seen == self._seen.get(name, ()):
                 continue  # written again, as it was
             self._seen[name] = seen
@@ -291,8 +300,14 @@ class Summaries:
     def current(self) -> list[Summary]:
         """Every summary as it stands (what a plan just made has seen)."""
         found = []
+        now = time.monotonic()
         for name, token in self._current_tokens().items():
-            seen = None if token is None else read_summary(self.state_dir / name, token)
+            if self.shared and now < self._quiet_until.get(name, 0.0) and name in self._seen:
+                # Read a moment ago, and not to be read again so soon (`changed`): as it was
+                # then. A release since is seen later, as one after this plan.
+                seen = self._seen[name]
+            else:
+                seen = None if token is None else read_summary(self.state_dir / name, token)
             if seen is not None:
                 found.append(seen)
         return found

@@ -2581,3 +2581,47 @@ def test_a_members_file_of_text_for_a_schema_puts_none_of_it_in_anothers_wait_li
     assert max(len(line) for line in done.stderr.splitlines()) < 400, done.stderr[:300]
     os.killpg(bob.pid, signal.SIGTERM)
     bob.communicate(timeout=30)
+
+
+BIG_SUMMARY = """
+import json, os, time
+ids = [f"{n:08x}" for n in range(300000)]
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    body = json.dumps({"schema": 1, "release": 1, "running": ids, "waiting": []})
+    with open("big.tmp", "w") as f:
+        f.write(body)
+    os.rename("big.tmp", f"wake.{os.getuid()}.json")
+os.unlink(f"wake.{os.getuid()}.json")
+"""
+
+
+def test_a_members_summary_of_megabytes_written_in_a_loop_keeps_no_waiter_busy(
+    server: Server,
+) -> None:
+    # Bob's loop writes his wake-up summary again and again, 300,000 ids of running jobs in it
+    # (3.6 MB, under the 4 MiB a summary may have). Alice's waiter read each change, at most
+    # every 50 ms, and once more at each plan it made: it used 0.9 to 1.8 s of CPU in the
+    # loop's 3.1 s, as would every waiter of every member. A summary is now read again no
+    # sooner than ten times the CPU time its last reading took, and a plan made meanwhile takes
+    # it as it was read: 0.5 s.
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    outside = hold_outside_gpuwait(server, 20 * GiB)
+    try:
+        waiter = server.start(ALICE, "--vram", "10G", "--", "echo", "ran")
+        wait_for(lambda: sleeping_in(waiter.pid, "sigtimedwait"), timeout=30)
+        before = cpu_seconds(waiter.pid)
+        started = time.monotonic()
+        done = as_bob(server, ["python3", "-c", BIG_SUMMARY])
+        assert done.returncode == 0, done.stderr
+        # CPU time against the loop's time on the clock, as for a loop of renames (above).
+        lasted = time.monotonic() - started
+        used = cpu_seconds(waiter.pid) - before
+        assert used < 0.3 * lasted, (used, lasted)
+    finally:
+        outside.kill()
+        outside.wait()
+    # The room freed, the waiter starts.
+    assert waiter.poll() is None
+    out, err = waiter.communicate(timeout=60)
+    assert (waiter.returncode, out) == (0, "ran\n"), err
