@@ -302,6 +302,32 @@ def came_from_terminal(info: signal.struct_siginfo) -> bool:
     )
 
 
+def next_signal_or_stop(
+    timeout: float, also: tuple[int, ...] = ()
+) -> tuple[signal.struct_siginfo | None, bool]:
+    """`next_signal`, and a Ctrl-Z (SIGTSTP, where it has its default action and this thread
+    does not block it already: a program's own to take) taken in the sleep stops this process
+    there, as it would have, and returns (None, True) once it is continued (`fg`, `bg`): a
+    waiter knows then that its line, which the shell's `Stopped` and prompt left behind, is to
+    be said again; (None, False) where a signal to pass on came with the continue. (info,
+    False) otherwise."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    default = signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL
+    stops = (signal.SIGTSTP,) if default and signal.SIGTSTP not in previous else ()
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        info = next_signal(timeout, also=(*also, *stops))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    if info is not None and info.si_signo in stops:
+        stop_by(info.si_signo)
+        # Continued to take a signal sent with the CONT (a shell's `kill %1` sends TERM, then
+        # CONT, to a stopped job): that is what comes next, with no line said before it.
+        pending = signal.sigpending()
+        return None, not any(s in pending and _ours(s) for s in FORWARDED)
+    return info, False
+
+
 def stop_by(signum: int) -> None:
     """Stop this process by `signum`, a stop signal (held blocked or not), as it would have
     stopped had it not been held: shells tell which (`Stopped` for Ctrl-Z). Returns once the

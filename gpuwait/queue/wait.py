@@ -902,7 +902,15 @@ def wait_for_admission(
                 )
                 # Waiting, this launch has had its turn: the next one in the turnstile loads now.
                 turnstile.leave()
-                info = signals.next_signal(sleep, also=also)
+                info, continued = signals.next_signal_or_stop(sleep, also=also)
+                if continued:
+                    # Stopped with Ctrl-Z and continued (`fg`, `bg`): the shell's `Stopped`
+                    # and prompt came below the waiting line, which is said again at once, and
+                    # the queue, passed over meanwhile, planned afresh.
+                    if reason is not None:
+                        on_reason(reason)
+                    next_read = next_own = time.monotonic()
+                    continue
                 if info is None:
                     continue
                 if info.si_signo == signal.SIGCHLD:

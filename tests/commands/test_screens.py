@@ -90,6 +90,52 @@ def test_the_wait_line_is_redrawn_in_place_and_cleared(
     assert rows[1] == "the-job-ran", rows
 
 
+def test_a_waiter_stopped_with_ctrl_z_says_again_why_it_waits_once_fg_continues_it(
+    shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
+) -> None:
+    """Ctrl-Z leaves the wait line above the shell's `Stopped` and its prompt; `fg` puts the
+    waiter back in front, and the screen below `fg` has to say again what it waits for, not
+    stay blank (the room never changes here: nothing else would say it again)."""
+    sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    term = shell(80, 24)
+    term.type("gpuwait --name big --vram 20G -- echo the-job-ran")
+    term.wait_for(lambda rows: len(gpuwait_rows(rows)) == 1, what="the wait line")
+    term.key("C-z")
+    term.wait_for(lambda rows: any("Stopped" in r for r in rows), what="the shell's Stopped")
+    term.wait_idle()
+    term.type("fg")
+
+    def below_fg(rows: list[str]) -> list[str]:
+        return rows[max(i for i, r in enumerate(rows) if r == "$ fg") :]
+
+    rows = term.wait_for(
+        lambda rows: any(
+            r.startswith("gpuwait[big]: waiting for 20.0 GiB") for r in below_fg(rows)
+        ),
+        what="the wait line again below fg",
+    )
+    assert len(gpuwait_rows(below_fg(rows))) == 1, rows
+    assert all(len(r) < 80 for r in below_fg(rows)), rows
+    term.key("C-c")
+    term.wait_idle()
+    # Stopped again and ended by the shell (`kill %1`: TERM, then CONT): it ends without a word.
+    term.type("clear; gpuwait --name big --vram 20G -- echo the-job-ran")
+    term.wait_for(lambda rows: len(gpuwait_rows(rows)) == 1, what="the wait line")
+    term.key("C-z")
+    term.wait_for(lambda rows: any("Stopped" in r for r in rows), what="the shell's Stopped")
+    term.type("kill %1")
+
+    def told_ended() -> list[str] | None:
+        # The shell tells of the job's end at the first prompt after it.
+        rows = term.wait_idle()
+        return rows if any("Terminated" in r for r in rows) else None
+
+    rows = wait_for(told_ended, timeout=20, interval=0.2, message="the shell's Terminated")
+    assert len(gpuwait_rows(rows)) == 1, rows
+    term.type("gpuwait status")
+    term.wait_for(lambda rows: any(r.startswith("Queue (0)") for r in rows), what="status")
+
+
 def test_the_wait_line_at_80_columns_says_why_no_gpu_is_usable(
     shell: Callable[[int, int], Terminal], sim_file: SimFileFactory
 ) -> None:
