@@ -12,12 +12,15 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+from helpers import docs
 from helpers.fixtures_sim import (
     Run,
     SimFileFactory,
@@ -27,7 +30,7 @@ from helpers.fixtures_sim import (
     write_atomically,
 )
 from helpers.history import a_run
-from helpers.shellbin import env_with_bin, make_bin
+from helpers.shellbin import CONSOLE_SCRIPT, env_with_bin, make_bin
 from helpers.tmux import Terminal
 from helpers.waiting import asleep_supervising, asleep_waiting, wait_for
 
@@ -572,3 +575,29 @@ def test_idle_in_a_narrow_pane_fits_without_wrapping(
     assert "Idle VRAM holders (1; at least 1.0 GiB on a GPU" in heading, lines
     row = next(x for x in lines if f" {forgotten.pid} " in x)
     assert "3.0G" in row and "python" in row, lines
+
+
+def test_the_retry_oom_example_typed_at_a_terminal_is_retried(
+    terminal: Callable[..., Terminal], sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    """docs/learning.md's `--retry-oom` example, typed at a terminal as it is written: its
+    simulated job dies at its own 2 GiB limit (the PyTorch cap, which gpuwait, a Python
+    program, hands it) within half a second, and is queued again with 3 GiB, as the page
+    says."""
+    (line,) = [
+        b.text.strip()
+        for b in docs.blocks(REPO / "docs" / "learning.md")
+        if b.language == docs.SHELL and "--retry-oom 1 " in b.text
+    ]
+    sim_file(gpus=1, memory="24GiB")
+    # gpuwait as pip installs it: a Python program, whose commands the PyTorch cap can hold.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gpuwait").write_text(f"#!{sys.executable}\n{CONSOLE_SCRIPT}\n")
+    (bin_dir / "gpuwait").chmod(0o755)
+    term = terminal(80, 24, env_with_bin(bin_dir))
+    term.type(line)
+    term.wait_idle()
+    said = " ".join(term.everything(joined=True))
+    assert "only hinted" not in said, said
+    assert "ran out at its own 2.0 GiB limit; retrying with 3.0 GiB (retry 1 of 1)" in said, said
