@@ -516,6 +516,37 @@ def test_cron_mail_says_why_a_run_failed(cron_home: Path, sim_file: Any) -> None
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
+def test_cron_mail_says_a_run_ran_out_of_gpu_memory(cron_home: Path, sim_file: Any) -> None:
+    """A nightly job that needs more than its --vram: the one line cron mails says it ran out
+    of GPU memory and what the next run asks for, as gpuwait told the log, not only `exit
+    status 1` (which a script that failed for any other reason ends with too)."""
+    sim_file(gpus=1)
+    line = (
+        "cd $HOME && $HOME/.local/bin/gpuwait-cron big --vram 4G -- "
+        "gpuwait sim job --vram 30G --hold 0.1s"
+    )
+    done = cron_run(line, cron_env(cron_home))
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "big.log").read_text()
+    (told,) = [x for x in log.splitlines() if x.startswith("gpuwait: warning: the command ran")]
+    assert done.stderr.startswith(
+        f"gpuwait-cron: big failed with exit status 1: {told.removeprefix('gpuwait: warning: ')}"
+        "; see "
+    ), done.stderr
+    assert "the next run without --vram asks for" in done.stderr
+    # Retried and then failed for another reason, the mail says no out-of-memory failure.
+    line = (
+        "cd $HOME && $HOME/.local/bin/gpuwait-cron again --vram 4G --retry-oom 1 -- "
+        "sh -c 'test -e ran && exit 3; touch ran; gpuwait sim job --vram 30G --hold 0.1s'"
+    )
+    done = cron_run(line, cron_env(cron_home))
+    assert done.returncode == 3
+    assert done.stderr.startswith("gpuwait-cron: again failed with exit status 3; see "), (
+        done.stderr
+    )
+
+
 def test_cron_wrapper_is_not_kept_locked_by_what_a_finished_run_left_running(
     cron_home: Path, sim_file: Any, tmp_path: Path
 ) -> None:
