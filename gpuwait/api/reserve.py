@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gpuwait.core.errors import EXIT_USAGE, GpuwaitError, UsageError
+from gpuwait.core.errors import EXIT_DEPENDENCY_FAILED, EXIT_USAGE, GpuwaitError, UsageError
 from gpuwait.core.sizes import format_size
 
 if TYPE_CHECKING:
@@ -309,9 +309,10 @@ def reserve(
     try:
         return reserve_argv(argv, _LoggingReporter(keywords=True))
     except ReserveError as exc:
-        if exc.exit_code != EXIT_USAGE:
+        if exc.exit_code not in (EXIT_USAGE, EXIT_DEPENDENCY_FAILED):
             raise
-        # Told as the caller wrote it: `max_util`, not the command line's `--max-util`.
+        # Told as the caller wrote it: `max_util`, not the command line's `--max-util`;
+        # `after_ok cannot be met`, not `--after-ok`.
         hint = None if exc.hint is None else _keywords(exc.hint)
         raise ReserveError(_keywords(exc.message), hint, exc.exit_code) from None
 

@@ -516,6 +516,22 @@ def test_no_dependency_given_as_none_is_none(sim: Path, gpuwait_cmd: list[str]) 
         assert held.gpus
 
 
+def test_a_dependency_that_failed_is_told_by_its_keyword(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # reserve(after_ok="prep") of a prep that failed was told "--after-ok cannot be met", a
+    # command line's option the caller never wrote.
+    import gpuwait
+
+    failed = subprocess.run([*gpuwait_cmd, "-q", "--name", "prep", "--", "sh", "-c", "exit 1"])
+    assert failed.returncode == 1
+    with pytest.raises(gpuwait.ReserveError) as caught:
+        gpuwait.reserve("1G", after_ok="prep", timeout=0)
+    said = str(caught.value)
+    assert caught.value.exit_code == 6, said
+    assert said.endswith("(prep) failed with exit status 1; after_ok cannot be met"), said
+    assert "--" not in said, said
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_dependency_that_names_no_job_is_refused(sim: Path, gpuwait_cmd: list[str]) -> None:
     # after_ok=previous_id where previous_id came out empty: no room held as if it depended on
     # nothing.
