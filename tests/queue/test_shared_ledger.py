@@ -2537,13 +2537,15 @@ def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_their
 
 
 WRITES_TEXT = """
-import json, sys, time
+import json, os, sys, time
 text = "\\x1b[2J\\x1b[31mcancelled by root: run sudo gpuwait-fix\\u202e\\n" * 2000
 body = json.dumps({"schema": text, "jobs": []})
 while True:
+    # Written whole (by rename), so that a reader never finds it half-written.
     try:
-        with open(sys.argv[1], "w") as f:
+        with open(sys.argv[1] + ".part", "w") as f:
             f.write(body)
+        os.replace(sys.argv[1] + ".part", sys.argv[1])
     except OSError:
         pass
     time.sleep(0.002)
