@@ -287,6 +287,7 @@ def _check_keeps(
     environs = _apptainer_environs(found)
     nvidia = passed_on_each(found, ("NVIDIA_VISIBLE_DEVICES", "NV_GPU"), os.environ)
     given = _given(found, start)
+    fish = _in_fish_code(found)
     for at, step in enumerate(found):
         _check_container(argv, step, nvidia[at])
         _check_apptainer(argv, step, GPU_VARIABLES[: 2 if by_index else 1], environs[at])
@@ -320,7 +321,7 @@ def _check_keeps(
             given[at + 1]
         )
         needed = GPU_VARIABLES[: 2 if indexed else 1]
-        _check_sets(argv, step, needed, given[at])
+        _check_sets(argv, step, needed, given[at], fish[at])
         if not by_index and makes_a_number(step, GPU_VARIABLES[0]):
             raise UsageError(
                 f"the shell's code makes {GPU_VARIABLES[0]} a number before its command "
@@ -533,11 +534,24 @@ def _reaching(value: str, names: str, given: Mapping[str, str] | None, fish: boo
     return got if got == _GPUWAITS or match["cut"] is None else _KEEPS_ENTRIES[match["cut"]](got)
 
 
+def _in_fish_code(found: Sequence[Step]) -> list[bool]:
+    """For each of `found`, whether its words are fish's code (`fish -c 'env A=$B[1] ...'`: env's
+    and those of each wrapper after it), up to another shell's code (`bash -c`, `su -c`)."""
+    inside: list[bool] = []
+    fish = False
+    for step in found:
+        inside.append(fish or step.program == "fish")
+        if any(name == "-c" for name, _ in step.options):
+            fish = step.program == "fish"
+    return inside
+
+
 def _check_sets(
     argv: Sequence[str],
     step: Step,
     names: Sequence[str],
     given: Mapping[str, str] | None = None,
+    fish_code: bool = False,
 ) -> None:
     """Refuse a wrapper that sets a variable of `names` for its command (UsageError, 2): `env
     CUDA_VISIBLE_DEVICES=0 python x.py`, `sudo -E CUDA_VISIBLE_DEVICES=0 ...`, `sh -c
@@ -551,9 +565,10 @@ def _check_sets(
     CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES" ...`, expanded by the caller's shell), the only
     GPU gpuwait may reserve there. The hint is the line without it, where it is a word of the
     line's own; the GPUs gpuwait picks from are chosen before it. `given`: gpuwait's variables
-    as the step gets them (`_given`), which a default fills where a wrapper emptied one."""
+    as the step gets them (`_given`), which a default fills where a wrapper emptied one.
+    `fish_code`: the step's words are fish's code (`_in_fish_code`)."""
     before = None if given is None else dict(given)
-    fish = "fish" in (step.program, step.shell)
+    fish = fish_code or "fish" in (step.program, step.shell)
     for word in step.sets:
         name, _, value = word.partition("=")
         now = before

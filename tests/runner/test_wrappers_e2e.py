@@ -1960,6 +1960,9 @@ _SEEN = "sh -c 'echo \"$CUDA_VISIBLE_DEVICES\" > seen'"
         ("sh", f"CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES#*,}} {_SEEN}"),
         ("fish", f"set -x CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES[1]; {_SEEN}"),
         ("fish", f"set -gx CUDA_VISIBLE_DEVICES $CUDA_VISIBLE_DEVICES[-1]; {_SEEN}"),
+        # Through a wrapper of fish's code: env's words are fish's, `[1]` its whole value.
+        ("fish", f"env CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES[1] {_SEEN}"),
+        ("fish", f'nice env CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES[-1]" {_SEEN}'),
     ],
 )
 def test_a_shell_that_keeps_some_of_the_gpus_given_runs_on_them(
