@@ -756,6 +756,10 @@ class LedgerData(Record):
     #: When (on the wall clock) each of those files has been left so for UNREAD_GRACE
     #: (gpuwait.queue.ledger), by uid: no longer waited for then. Not written.
     unread_until: dict[int, float] = field(default_factory=dict)
+    #: In a shared ledger directory: the other users whose file was started afresh after
+    #: damage lately while a gpuwait of theirs runs (when, on the boot clock, that is no
+    #: longer lately, by uid): their jobs' entries are still to come back. Not written.
+    recovered: dict[int, float | None] = field(default_factory=dict)
 
     def mine(self, job: Job) -> bool:
         """Is `job` in the file this process writes (every job is, in a private ledger)?"""

@@ -82,7 +82,8 @@ MAX_USER_FILES = 4096
 #: transaction's length under contention, short enough that TERM still ends it at once to a user.
 LEAVE_PATIENCE = 1.0
 #: How long after its last change another member's file that cannot be used keeps everyone
-#: from being admitted while a gpuwait of theirs runs (see `Ledger._load_other`).
+#: from being admitted while a gpuwait of theirs runs (see `Ledger._load_other`); and one
+#: started afresh after damage, its owner's jobs' entries still to come back.
 UNREAD_GRACE = 30.0
 #: Stand-ins for a content that could not be read: each unlike any other.
 _UNTOLD = itertools.count()
@@ -545,7 +546,24 @@ class Ledger:
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
         combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
+        combined.recovered = self._recovered_others(others)
         return combined, raw, rewrite
+
+    def _recovered_others(self, others: dict[int, LedgerData]) -> dict[int, float | None]:
+        """The other users whose file was started afresh after damage (`_afresh`) less than
+        UNREAD_GRACE ago while a gpuwait of theirs runs, and when (on the boot clock, to the
+        hundredth of a second; None where it is not known) that is UNREAD_GRACE ago. Their
+        jobs' entries come back only as each one's gpuwait puts it back, and until then the
+        room those jobs hold is counted nowhere."""
+        now, boot_now = time.time(), proc.boot_clock()
+        found: dict[int, float | None] = {}
+        for uid, part in others.items():
+            if part.repaired_at is None or part.repaired_at != part.created_at:
+                continue  # never started afresh (one repaired in part keeps its live entries)
+            ago = entries.since(part.repaired_at, part.repaired_boot, now, boot_now)
+            if 0 <= ago < UNREAD_GRACE and runs_gpuwait(uid, _device(self.directory)):
+                found[uid] = None if boot_now is None else round(boot_now - ago + UNREAD_GRACE, 2)
+        return found
 
     def _user_files(self) -> dict[int, str]:
         """Each user's file in the shared directory, by owner; chooses this user's own."""
@@ -649,6 +667,7 @@ class Ledger:
                 # This user's own name: move the thing aside and start the file afresh.
                 kept = keep_damaged(path)
                 self.warnings.append(f"ledger {path}: {exc}; moved it to {kept.name}")
+                return self._afresh(), None, True
             elif not self.shared:
                 raise StateError(
                     f"ledger {path}: {exc}; gpuwait refuses it",
@@ -659,7 +678,10 @@ class Ledger:
                 ) from None
             return LedgerData(), None, True
         if found is None:
-            return LedgerData(), None, False
+            # Removed (a cleaner, a person) while jobs of this user's live, their entries are
+            # still to come back, as after damage (or those of launches of the same moment, a
+            # sweep's first in the directory, which come at once).
+            return self._afresh() if repair and self.shared else LedgerData(), None, False
         text = found[1]
         try:
             before = len(self.warnings)
@@ -692,7 +714,20 @@ class Ledger:
             self.warnings.append(
                 f"ledger {path} was damaged ({problem}); kept it as {kept_name} and started afresh"
             )
+            if self.shared:
+                return self._afresh(), None, True
         return LedgerData(), None, True
+
+    def _afresh(self) -> LedgerData:
+        """This user's file of a shared directory started afresh (after damage, or made anew
+        after its removal): where jobs of theirs live (their liveness locks held by processes
+        other than this one), marked repaired when it began, so that the other members' gpuwait
+        tell it from a file new to the directory, the entries of those jobs still to come back
+        (`_recovered_others`)."""
+        data = LedgerData()
+        if alive.unlisted(self.directory, set(), time.time()):
+            data.repaired_at, data.repaired_boot = data.created_at, data.created_boot
+        return data
 
     def _live_jobs_elsewhere(self) -> bool:
         """Does a live process, other than this one, hold the liveness lock of a job of this

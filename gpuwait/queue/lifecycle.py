@@ -1204,22 +1204,35 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
     read while a gpuwait of theirs runs (`LedgerData.unread`): their jobs' reservations are
     not known, and nobody is admitted into them until their gpuwait writes the file again, or
     it has been left so for UNREAD_GRACE (then the reason lapses, on the boot clock, to the
-    hundredth of a second: the first file's so to lapse, the waiter then planning again);
-    None where no such file is."""
-    if not data.unread:
-        return None
-    uid, why = min(data.unread.items())
-    until = None
-    boot_now = proc.boot_clock()
-    if data.unread_until and boot_now is not None:
-        until = round(boot_now + min(data.unread_until.values()) - time.time(), 2)
-    return _held_whatever_room(
-        mine,
-        data,
-        f"the ledger file of uid {uid}, whose gpuwait runs, cannot be used ({why}); the room "
-        "their jobs hold is not known until it is written again",
-        until=until,
-    )
+    hundredth of a second: the first file's so to lapse, the waiter then planning again); or
+    where it was started afresh after damage lately (`LedgerData.recovered`), until their
+    jobs' entries are back (at most RECOVERY_GRACE). None where no such file is."""
+    if data.unread:
+        uid, why = min(data.unread.items())
+        until = None
+        boot_now = proc.boot_clock()
+        if data.unread_until and boot_now is not None:
+            until = round(boot_now + min(data.unread_until.values()) - time.time(), 2)
+        return _held_whatever_room(
+            mine,
+            data,
+            f"the ledger file of uid {uid}, whose gpuwait runs, cannot be used ({why}); the "
+            "room their jobs hold is not known until it is written again",
+            until=until,
+        )
+    if data.recovered:
+        # Started afresh by their gpuwait: their live jobs' entries come back as each one's
+        # gpuwait puts it back, as this user's own after damage (RECOVERY_GRACE).
+        uid, ends = min(data.recovered.items())
+        return _held_whatever_room(
+            mine,
+            data,
+            f"the ledger file of uid {uid}, whose gpuwait runs, was started afresh after "
+            "damage; the room their jobs hold is not known until they have put their entries "
+            f"back (at most {RECOVERY_GRACE:.0f} s)",
+            until=ends,
+        )
+    return None
 
 
 def _held_whatever_room(

@@ -1003,6 +1003,67 @@ def test_a_member_emptying_their_file_while_their_job_runs_admits_nobody_into_it
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
+def stopped_outside_a_transaction(server: Server, pid: int) -> None:
+    """Stop the gpuwait `pid` (SIGSTOP) where it holds no lock on the ledger directory."""
+    from gpuwait.linux.lock import holders_of
+
+    st = server.ledger_dir.stat()
+    while True:
+        wait_for(lambda: sleeping_in(pid, "sigtimedwait"), timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        if pid not in holders_of([(st.st_dev, st.st_ino)]).get((st.st_dev, st.st_ino), []):
+            return
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("damage", [":>", "rm -f"], ids=["emptied", "removed"])
+def test_a_members_file_started_afresh_admits_nobody_until_their_jobs_entries_are_back(
+    server: Server, damage: str
+) -> None:
+    # Bob's job holds 15 GiB of the card's 21.6 usable; his file is emptied (or removed), and
+    # a launch of his starts it afresh, without the job's entry, which the job's gpuwait puts
+    # back once woken (stopped here, as a loaded machine may keep it a while). Bob's own
+    # launch waits for it; Alice's was started into the room his job holds, the file readable
+    # again and counting no job of his. While a gpuwait of his runs, nobody is admitted for
+    # 30 s from the file's recovery, as no waiter of his is until his jobs' entries are back.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    stopped_outside_a_transaction(server, bob.pid)
+    try:
+        assert server.shell(BOB, f"{damage} '{server.own_file(BOB)}'").returncode == 0
+        later = server.start(BOB, "--vram", "1G", "--", "true")
+        said(later, "the ledger was started afresh after damage")
+        assert server.ledger().read().unread == {}
+        done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
+        assert (done.returncode, done.stdout) == (124, ""), done.stderr
+        assert f"the ledger file of uid {BOB}, whose gpuwait runs, was started afresh" in (
+            " ".join(done.stderr.split())
+        ), done.stderr
+    finally:
+        os.kill(bob.pid, signal.SIGCONT)
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    later.communicate(timeout=60)
+
+
+def test_a_members_file_started_afresh_with_no_job_of_theirs_alive_holds_nobody(
+    server: Server,
+) -> None:
+    # Bob's file emptied while no job of his runs or waits: his next launch starts it afresh
+    # with no entry still to come back, and Alice's launch beside his job is not held for it.
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    assert server.shell(BOB, f":> '{server.own_file(BOB)}'").returncode == 0
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+
+
 def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
     server: Server,
 ) -> None:
