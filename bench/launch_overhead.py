@@ -53,14 +53,15 @@ def nvml_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def checkout(revision: str) -> Path:
+def checkout(revision: str, *more: str) -> Path:
     """A directory holding gpuwait as of `revision`: the directory itself, or the revision's
-    tree unpacked from this repository."""
+    tree unpacked from this repository (with the directories `more` names beside it: `shell`,
+    where gpuwait/shell leads)."""
     if Path(revision).is_dir():
         return Path(revision).resolve()
     root = Path(tempfile.mkdtemp(prefix="gpuwait-bench-rev-"))
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", revision, "gpuwait"],
+        ["git", "-C", str(REPO), "archive", "--format=tar", revision, "gpuwait", *more],
         capture_output=True,
         check=True,
     ).stdout
