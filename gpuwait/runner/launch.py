@@ -50,7 +50,12 @@ from gpuwait.core.wrappers import (
 from gpuwait.linux import proc, signals, turnstile
 from gpuwait.linux.outlived import JOB_ID_VARIABLE as JOB_ID_VARIABLE
 from gpuwait.linux.outlived import JOB_PID_VARIABLE, JOB_START_VARIABLE
-from gpuwait.queue.entries import Job
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    # A command the shell hook runs bare loads this module to become it: the queue's modules
+    # (and json) would be loaded for nothing.
+    from gpuwait.queue.entries import Job
 
 
 class CommandProblem(GpuwaitError):
