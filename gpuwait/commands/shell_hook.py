@@ -9,7 +9,6 @@ the hook's function (`python train.py &`) it stays the bare command's parent ins
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -17,7 +16,6 @@ import signal
 from collections.abc import Sequence
 
 from gpuwait.commands.common import load_settings
-from gpuwait.commands.parsing import Parser
 from gpuwait.config import OPTIONS_BY_NAME, wrap_rules
 from gpuwait.core.cmdkey import launcher_script_file, python_script_file
 from gpuwait.core.errors import GpuwaitError, UsageError
@@ -26,6 +24,10 @@ from gpuwait.core.wrap import Decision, decide
 from gpuwait.linux import outlived
 from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import exec_bare, forget_job
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from gpuwait.commands.parsing import Parser
 
 USAGE = "usage: gpuwait shell-hook [--explain] -- COMMAND [ARGS...]"
 HELP = f"""{USAGE}
@@ -39,8 +41,20 @@ never_wrap), in which case COMMAND runs bare.
 """
 
 
+class Options:
+    """The options `parse` read. Not argparse's Namespace: a line the hook runs bare, on every
+    `python` typed, would load argparse for nothing."""
+
+    def __init__(self) -> None:
+        self.explain = False
+        self.help = False
+        self.command: list[str] = []
+
+
 def build_parser() -> Parser:
     """The options, for completion; `parse` reads them (by hand)."""
+    from gpuwait.commands.parsing import Parser
+
     parser = Parser(prog="gpuwait shell-hook", usage=USAGE)
     parser.add_argument(
         "--explain", action="store_true", help='print "wrap" or "bare" and why, run nothing'
@@ -48,9 +62,9 @@ def build_parser() -> Parser:
     return parser
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str]) -> Options:
     # By hand: everything after `--` must reach the command byte for byte.
-    options = argparse.Namespace(explain=False, help=False, command=[])
+    options = Options()
     rest = list(argv)
     while rest and rest[0] != "--":
         option = rest.pop(0)
@@ -80,7 +94,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return options
 
 
-def run(options: argparse.Namespace) -> int:
+def run(options: Options) -> int:
     if options.help:
         print(HELP, end="")
         return 0
@@ -108,11 +122,11 @@ def run(options: argparse.Namespace) -> int:
 
         if ended:
             forget_job(os.environ)
-        options = run_command.build_parser().parse_args(["--", *command])
+        launch = run_command.build_parser().parse_args(["--", *command])
         # Where it would wait for ever (inside a job, or piped to one that holds the GPU it
         # needs), the command runs bare, as the hook runs any command inside a job.
-        options.from_hook = True
-        return run_command.run(options)
+        launch.from_hook = True
+        return run_command.run(launch)
     if in_subshell:
         from gpuwait.runner.bare import run_bare  # only here: the rest become the command
 

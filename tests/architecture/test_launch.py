@@ -127,6 +127,14 @@ def test_a_command_the_shell_hook_runs_bare_loads_none_of_the_queues_modules(sim
     assert sorted(m for m in imported if m.startswith("gpuwait.queue") or m == "json") == []
 
 
+def test_a_command_the_shell_hook_runs_bare_loads_no_argument_parser(sim: Path) -> None:
+    """The hook reads its own few options by hand; argparse (and the gettext it loads) served
+    only to hold them, at every line typed that runs bare: some 1.2 ms."""
+    env = dict(os.environ, GPUWAIT_NEVER_WRAP="true*")
+    imported = imported_by_launch(env, ("shell-hook", "--", "true"))
+    assert sorted(m for m in imported if m in ("argparse", "gettext")) == []
+
+
 @pytest.mark.parametrize("backend", ["sim", "nvml"])
 def test_what_leaving_with_os_exit_relies_on(
     backend: str, sim: Path, tmp_path: Path, request: pytest.FixtureRequest
