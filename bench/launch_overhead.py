@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import tarfile
@@ -33,9 +34,17 @@ def launcher() -> list[str]:
     return GPUWAIT
 
 
+#: The CPU (user and system) each timed command used, by the command: seconds, in run order.
+CPU: dict[str, list[float]] = {}
+
+
 def timed(cmd: list[str], env: dict[str, str]) -> float:
     started = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, env=env, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    CPU.setdefault(f"{env.get('PYTHONPATH')} {cmd}", []).append(used)
     return time.perf_counter() - started
 
 
@@ -115,6 +124,16 @@ def main() -> None:
             f"overhead, this / {args.against}:".ljust(31)
             + f"{(w - b) / (o - b):7.2f}   (below 1: this launch is faster)"
         )
+        # Less moved than the clock by what else the machine runs.
+        cpu = {
+            name: CPU[f"{tree_env.get('PYTHONPATH')} {wrapped_cmd}"]
+            for name, (_, tree_env) in trees.items()
+        }
+        c, d = median(cpu["this"][1:]) * 1000, median(cpu["other"][1:]) * 1000
+        print(
+            f"CPU of a launch:               {c:7.1f} ms (median), as of {args.against} {d:.1f} ms"
+        )
+        print(f"CPU, this / {args.against}:".ljust(31) + f"{c / d:7.2f}")
 
 
 if __name__ == "__main__":
