@@ -20,7 +20,6 @@ change nothing, it is made from a lock-free read and the lock is not taken at al
 
 from __future__ import annotations
 
-import random
 import signal
 import time
 from collections.abc import Callable, Collection
@@ -507,6 +506,13 @@ def _refuse_over_new_limit(
         )
 
 
+def _jittered(interval: float) -> float:
+    """`interval`, give or take a fifth at random: waiters that read together drift apart."""
+    import random  # only once a job waits: a launch that fits at once pays nothing for it
+
+    return interval * random.uniform(0.8, 1.2)
+
+
 def wait_for_admission(
     ledger: Ledger,
     backend: Backend,
@@ -822,7 +828,7 @@ def wait_for_admission(
                     checking = not act and disagreement.suspected
                     act = act or checking
                     if not act:
-                        next_read = now + policy.nvml_interval * random.uniform(0.8, 1.2)
+                        next_read = now + _jittered(policy.nvml_interval)
                 if act:
                     # Releases counted from here on come after this plan's reading: seen next time.
                     last_release = {}
@@ -864,7 +870,7 @@ def wait_for_admission(
                     interval = policy.nvml_interval
                     if wants_utilization and window.needs_more():
                         interval = min(interval, UTIL_SAMPLE_INTERVAL)
-                    next_read = time.monotonic() + interval * random.uniform(0.8, 1.2)
+                    next_read = time.monotonic() + _jittered(interval)
                     next_own = time.monotonic() + max(
                         OWN_PLAN_INTERVAL, OWN_PLAN_SPACING * queue_length
                     )

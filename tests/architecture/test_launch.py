@@ -1,8 +1,8 @@
 """Keeping the launch fast, and leaving it safely.
 
 A launch (`gpuwait --vram 1G -- CMD`) stays fast because it imports none of the standard
-library's heavy modules (dataclasses, shutil, hashlib, subprocess, inspect), and leaves with
-`os._exit` instead of tearing the interpreter down. That exit is safe only while no atexit
+library's heavy modules (dataclasses, shutil, hashlib, subprocess, inspect, random), and leaves
+with `os._exit` instead of tearing the interpreter down. That exit is safe only while no atexit
 handler is registered, every thread left is a daemon, and the output is flushed before it: each
 is checked here on real launches, over the simulation and over the NVML library.
 (bench/launch_overhead.py measures the time itself.)
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from helpers.fixtures_nvml import FakeGpu, FakeNvml
 
-HEAVY = ("dataclasses", "shutil", "hashlib", "subprocess", "inspect")
+#: random: only a waiter spaces its readings at random.
+HEAVY = ("dataclasses", "shutil", "hashlib", "subprocess", "inspect", "random")
 
 #: A launch as the console script makes it, then a look at what it left behind: run in place
 #: of entry_point's os._exit, in the same process. argv[1] names the report's file.
