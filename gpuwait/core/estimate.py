@@ -489,17 +489,16 @@ _UNITS = {
     **{"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40},
     **{"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12},
 }
-#: What the failing allocation asked for.
-_TRIED = re.compile(
-    r"(?:tried to allocate|while trying to allocate|out of memory allocating) " + _SIZE
-)
+#: What the failing allocation asked for. The patterns are compiled (and kept, by re) at the
+#: first message read, not as every launch and every line the shell hook runs loads this module.
+_TRIED = r"(?:tried to allocate|while trying to allocate|out of memory allocating) " + _SIZE
 #: What the process had when it failed: PyTorch since 2.1 (all it had, or what its allocator
 #: had under a cap), before, and CuPy.
 _HAD = (
-    re.compile(r"this process has " + _SIZE + r" memory in use"),
-    re.compile(r"of the allocated memory " + _SIZE + r" is allocated by pytorch"),
-    re.compile(_SIZE + r" already allocated"),
-    re.compile(r"allocated so far: " + _SIZE),
+    r"this process has " + _SIZE + r" memory in use",
+    r"of the allocated memory " + _SIZE + r" is allocated by pytorch",
+    _SIZE + r" already allocated",
+    r"allocated so far: " + _SIZE,
 )
 #: More than any GPU has: a figure past it is no real one.
 _MOST_SAID = 2**50
@@ -510,10 +509,10 @@ def oom_wanted(said: str) -> int | None:
     what it had plus what it tried to allocate (as PyTorch, CuPy and XLA print them); None
     where it does not say what it tried to allocate. `said`: the message, in any case."""
     said = said.lower()
-    tried = _TRIED.search(said)
+    tried = re.search(_TRIED, said)
     if tried is None:
         return None
-    had = next((m for m in (p.search(said) for p in _HAD) if m is not None), None)
+    had = next((m for m in (re.search(p, said) for p in _HAD) if m is not None), None)
     wanted = _said_size(tried) + (0 if had is None else _said_size(had))
     return wanted if 0 < wanted <= _MOST_SAID else None
 
