@@ -136,6 +136,13 @@ def test_a_command_the_shell_hook_runs_bare_loads_no_argument_parser(sim: Path) 
     assert sorted(m for m in imported if m in ("argparse", "gettext")) == []
 
 
+def test_status_imports_none_of_the_heavy_modules(sim: Path) -> None:
+    """`gpuwait status`, typed often and run by `watch`: it measured the terminal with shutil,
+    which loads bz2 and lzma, some 2 ms of each look; $COLUMNS and the tty are read directly."""
+    imported = imported_by_launch(dict(os.environ), ("status",))
+    assert sorted(m for m in imported if m.split(".")[0] in (*HEAVY, "bz2", "lzma")) == []
+
+
 @pytest.mark.parametrize("backend", ["sim", "nvml"])
 def test_what_leaving_with_os_exit_relies_on(
     backend: str, sim: Path, tmp_path: Path, request: pytest.FixtureRequest
