@@ -25,13 +25,12 @@ from typing import Any, NamedTuple
 RACY_SECONDS = 2
 
 
-class FileStamp(NamedTuple):
-    """What tells one version of a file from another (see the module docstring)."""
-
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
+#: What tells one version of a file from another (see the module docstring). Its fields are
+#: given as types, not as a class's annotations, which typing would compile (as
+#: gpuwait.linux.lock's Patience).
+FileStamp = NamedTuple(  # noqa: UP014
+    "FileStamp", [("ino", int), ("size", int), ("mtime_ns", int), ("ctime_ns", int)]
+)
 
 
 def stamp_of(st: os.stat_result) -> FileStamp:

@@ -143,6 +143,58 @@ def test_status_imports_none_of_the_heavy_modules(sim: Path) -> None:
     assert sorted(m for m in imported if m.split(".")[0] in (*HEAVY, "bz2", "lzma")) == []
 
 
+#: A launch as the console script makes it, counting the calls of compile() it makes other
+#: than the import system's own (a module without its bytecode), until it ends or becomes the
+#: command (a line the hook runs bare); argv[1] names the report.
+COMPILE_PROBE = """
+import builtins, json, os, sys
+calls = []
+real = builtins.compile
+def counted(*args, **kwargs):
+    if "importlib" not in sys._getframe(1).f_code.co_filename:
+        calls.append(repr(args[0])[:60])
+    return real(*args, **kwargs)
+def report(code):
+    with open(sys.argv[1], "w") as out:
+        json.dump({"code": code, "compiled": calls}, out)
+def becomes(*args):
+    report(0)
+    os._exit(0)
+builtins.compile = counted
+os.execvp = becomes
+from gpuwait import cli
+report(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "args"),
+    [("nvml", ("--vram", "1G", "-q", "--", "true")), ("sim", ("shell-hook", "--", "true"))],
+)
+def test_a_launch_and_a_line_the_hook_runs_bare_compile_no_source_text(
+    backend: str, args: tuple[str, ...], sim: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The first compile() of a process sets up Python's whole syntax tree module, some 0.9 ms;
+    typing compiles every type named by a string (a NamedTuple's fields under `from __future__
+    import annotations`, a TypeVar's bound), and a launch had three such, for nothing. (The
+    simulation's TOML, or a config file, is read by tomllib, which compiles its own.)"""
+    env = dict(os.environ, GPUWAIT_NEVER_WRAP="true*")
+    if backend == "nvml":
+        env = {**request.getfixturevalue("nvml_env"), "GPUWAIT_NEVER_WRAP": "true*"}
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_PROBE, str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["code"] == 0, done.stderr
+    assert report["compiled"] == []
+
+
 @pytest.mark.parametrize("backend", ["sim", "nvml"])
 def test_what_leaving_with_os_exit_relies_on(
     backend: str, sim: Path, tmp_path: Path, request: pytest.FixtureRequest
