@@ -962,8 +962,10 @@ def from_document(
         if not newer_ok:
             raise NewerSchema(schema)
     elif not isinstance(raw, dict) or schema != SCHEMA:
-        # Said as a number, or by its type alone: another member's text is no reader's to show.
-        shown = schema if schema in (None, "?") or type(schema) is int else type(schema).__name__
+        # Said as a number of a few digits, or by its type alone: another member's text (or a
+        # number of 4,000 digits) is no reader's to show.
+        small = type(schema) is int and abs(schema) < 10**9
+        shown = schema if schema in (None, "?") or small else type(schema).__name__
         raise ValueError(f"schema {shown}")
     jobs_raw = raw.get("jobs")
     if not isinstance(jobs_raw, list):

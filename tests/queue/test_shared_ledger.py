@@ -2646,6 +2646,53 @@ def test_a_members_file_of_text_for_a_schema_puts_none_of_it_in_anothers_wait_li
     bob.communicate(timeout=30)
 
 
+WRITES_NUMBER = """
+import os, sys, time
+body = '{"schema": -%s, "jobs": []}' % ("9" * 4000)
+while True:
+    try:
+        with open(sys.argv[1] + ".part", "w") as f:
+            f.write(body)
+        os.replace(sys.argv[1] + ".part", sys.argv[1])
+    except OSError:
+        pass
+    time.sleep(0.002)
+"""
+
+
+def test_a_members_file_of_a_number_of_4000_digits_for_a_schema_keeps_anothers_lines_short(
+    server: Server,
+) -> None:
+    # Bob's job runs, and a loop of his writes over his ledger file one whose schema is a
+    # number of 4,000 digits. Alice's launch, held while his file cannot be used, said the
+    # number whole in its warning, its wait line and its last words: four lines of 4,000
+    # characters and more, 50 rows each at 80 columns. A schema of more than 9 digits is
+    # said by its type alone, as one of text is: "cannot be used (schema int)".
+    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", WRITES_NUMBER, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: "9999" in server.own_file(BOB).read_text()[:200])
+        done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
+    finally:
+        loop.kill()
+        loop.wait()
+    assert done.returncode == 124, done.stderr[:300]
+    assert "9999" not in done.stderr, done.stderr[:300]
+    assert "cannot be used (schema int)" in done.stderr, done.stderr[:300]
+    assert max(len(line) for line in done.stderr.splitlines()) < 400, done.stderr[:300]
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+
+
 BIG_SUMMARY = """
 import json, os, time
 ids = [f"{n:08x}" for n in range(300000)]
