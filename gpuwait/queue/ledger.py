@@ -57,6 +57,7 @@ from gpuwait.linux.security import (
     UnsafePath,
     check_dir,
     is_shared_dir,
+    looks_like_gpuwait,
     open_readable,
     open_state_file,
     proven_entry,
@@ -181,8 +182,9 @@ class Ledger:
         self.fair_half_life = fair_half_life
         #: Names in a shared directory found to be no file of the uid they name (`_user_files`).
         self._not_theirs = NotTheirs()
-        #: The users whose lock directory and summary are in the shared directory.
-        self._members: frozenset[int] = frozenset()
+        #: The users whose lock directory is in the shared directory, and those of them whose
+        #: summary is there too.
+        self._members: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -537,11 +539,18 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
-        for uid in sorted(self._members - names.keys() - {self._uid}):
+        members, summarised = self._members
+        for uid in sorted(members - names.keys() - {self._uid}):
             # A member whose file is gone (removed by hand) while a job of theirs holds its
             # liveness lock: the room their jobs hold is not known until it is written again.
+            # Their summary gone too, as root's removal of a member who left takes both, a
+            # lock of theirs may be any program's: one a gpuwait of theirs holds tells then.
             lapses = _lapses(self.directory)
-            if lapses is not None and _holds_a_lock(uid, self.directory):
+            if lapses is None:
+                continue
+            if (uid in summarised and _holds_a_lock(uid, self.directory)) or _gpuwait_holds_a_lock(
+                uid, self.directory
+            ):
                 unread[uid] = ("it is not there", lapses)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
@@ -593,11 +602,12 @@ class Ledger:
 
     def _list_user_files(
         self, canonical: str
-    ) -> tuple[tuple[dict[int, str], list[str], frozenset[int]], bool]:
+    ) -> tuple[tuple[dict[int, str], list[str], tuple[frozenset[int], frozenset[int]]], bool]:
         """Each user's file in the shared directory, by owner, looked up afresh, what to warn
-        of (this user's own name taken by another), and the users whose lock directory
-        (alive.<uid>) and summary (wake.<uid>.json) of their own are there; and whether every
-        name could be looked at (one that could not is looked at again next time)."""
+        of (this user's own name taken by another), and the users with no file whose lock
+        directory (alive.<uid>) of their own is there, and those of them whose summary
+        (wake.<uid>.json) of their own is there too; and whether every name could be looked at
+        (one that could not is looked at again next time)."""
         # Whose lock directory or summary each name is, looked at only for a uid with no file.
         marks: list[tuple[int, int, os.DirEntry[str]]] = []
         try:
@@ -642,8 +652,8 @@ class Ledger:
                 found[uid] = name
             if len(found) >= MAX_USER_FILES:
                 break
-        # Members: a lock directory and a summary of their own (`rm` of a member's two files,
-        # as for an account removed, leaves none).
+        # Members: a lock directory of their own, and whether a summary of their own is there
+        # too (`rm` of a member's two files, as for an account removed, leaves none).
         owned: tuple[set[int], set[int]] = (set(), set())
         for kind, uid, item in sorted(marks, key=lambda mark: mark[0]):
             if uid in found or (kind and uid not in owned[0]) or uid in owned[kind]:
@@ -657,7 +667,7 @@ class Ledger:
                 owned[kind].add(uid)
             else:
                 self._not_theirs.add(item.name)
-        return (found, said, frozenset(owned[1])), whole
+        return (found, said, (frozenset(owned[0]), frozenset(owned[1]))), whole
 
     def _load_own(self, path: Path, repair: bool, owned: bool) -> tuple[LedgerData, Any, bool]:
         try:
@@ -889,6 +899,32 @@ def _holds_a_lock(uid: int, directory: Path) -> bool:
         _HOLDS_A_LOCK.clear()
     found = any(proc.owner_uid(pid) == uid for pid in proc.exclusive_flock_takers(device) if pid)
     _HOLDS_A_LOCK[(uid, device)] = (now + RUNS_GPUWAIT_FOR, found)
+    return found
+
+
+#: By (uid, directory): as _HOLDS_A_LOCK, for `_gpuwait_holds_a_lock`. Asked at each read
+#: where a member who left keeps their lock directory: their file system's device too is looked
+#: up once in RUNS_GPUWAIT_FOR seconds (a mountinfo of thousands of mounts is read for it).
+_GPUWAIT_HOLDS_A_LOCK: dict[tuple[int, Path], tuple[float, bool]] = {}
+
+
+def _gpuwait_holds_a_lock(uid: int, directory: Path) -> bool:
+    """Does a gpuwait of `uid`'s (as its command line tells) hold an exclusive flock on the
+    file system of `directory`, as a job's gpuwait holds its liveness lock there? A program of
+    theirs that locks a file of its own (a download's lock) is none."""
+    now = time.monotonic()
+    known = _GPUWAIT_HOLDS_A_LOCK.get((uid, directory))
+    if known is not None and now < known[0]:
+        return known[1]
+    if len(_GPUWAIT_HOLDS_A_LOCK) > 4096:
+        _GPUWAIT_HOLDS_A_LOCK.clear()
+    device = _device(directory)
+    found = device is not None and any(
+        proc.owner_uid(pid) == uid and looks_like_gpuwait(pid)
+        for pid in proc.exclusive_flock_takers(device)
+        if pid
+    )
+    _GPUWAIT_HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
     return found
 
 

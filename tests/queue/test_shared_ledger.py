@@ -2538,10 +2538,11 @@ def test_a_members_own_file_under_their_uids_name_is_theirs_beside_one_of_anothe
 REMOVES = """
 import os, sys, time
 while True:
-    try:
-        os.unlink(sys.argv[1])
-    except OSError:
-        pass
+    for name in sys.argv[1:]:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
     time.sleep(0.002)
 """
 
@@ -2558,6 +2559,38 @@ def test_a_member_removing_their_file_while_their_job_runs_admits_nobody_into_it
     server.wait_jobs(1, "running")
     loop = subprocess.Popen(
         ["python3", "-c", REMOVES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: not server.own_file(BOB).exists())
+        alice_is_held_for_bobs_file(server, 3)
+    finally:
+        loop.kill()
+        loop.wait()
+    bobs_room_is_alices_once_it_ends(server, bob)
+
+
+def test_a_member_removing_their_file_and_summary_while_their_job_runs_admits_nobody(
+    server: Server,
+) -> None:
+    # As above, and Bob's loop removes his wake-up summary too, as root's removal of a member
+    # who left does: Alice's launches found no file of his, took him for one who left, and
+    # each was started into the room his job holds.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        [
+            "python3",
+            "-c",
+            REMOVES,
+            str(server.own_file(BOB)),
+            str(server.ledger_dir / f"wake.{BOB}.json"),
+        ],
         user=BOB,
         group=BOB,
         extra_groups=[GROUP],
