@@ -95,8 +95,9 @@ _TEMP_RE = re.compile(
     r"^\.(?:ledger(?:\.[0-9]+(?:\.[0-9a-f]+)?)?\.json(?:\.damaged-[0-9]{8}T[0-9]{6}-[0-9]+-[0-9a-f]+)?"
     r"|wake(?:\.[0-9]+)?\.json)\.[0-9]+(?:-[0-9a-f]+)?\.tmp\Z"
 )
-#: A member's lock directory, which their gpuwait makes at their first job.
-_LOCK_DIR_RE = re.compile(r"^alive\.([0-9]{1,10})\Z")
+#: A member's lock directory, which their gpuwait makes at their first job: alive.<uid>, or
+#: one of theirs beside it where another member took that name first.
+_LOCK_DIR_RE = re.compile(r"^alive\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\Z")
 #: A member's wake-up summary (`gpuwait.queue.wake`).
 _SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json\Z")

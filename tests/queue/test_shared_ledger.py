@@ -2607,6 +2607,37 @@ def test_a_member_removing_their_file_and_summary_while_their_job_runs_admits_no
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
+def test_a_member_whose_lock_directory_name_another_took_is_a_member_all_the_same(
+    server: Server,
+) -> None:
+    # Carol made a directory alive.<Bob's uid> before Bob's first job, whose gpuwait then
+    # keeps his locks in one of his own beside it (alive.<uid>.<random>). With his job of
+    # 15 GiB running and a loop of his removing his ledger file, Alice's launches took him
+    # for nobody's member, and each was started into the room his job holds.
+    squatted = server.ledger_dir / f"alive.{BOB}"
+    squatted.mkdir()
+    os.chown(squatted, CAROL, CAROL)
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    assert list(server.ledger_dir.glob(f"alive.{BOB}.*"))
+    loop = subprocess.Popen(
+        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: not server.own_file(BOB).exists())
+        alice_is_held_for_bobs_file(server, 3)
+    finally:
+        loop.kill()
+        loop.wait()
+    bobs_room_is_alices_once_it_ends(server, bob)
+
+
 def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_theirs(
     server: Server,
 ) -> None:
