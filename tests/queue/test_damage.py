@@ -40,7 +40,7 @@ from helpers.waiting import (
 
 from gpuwait.cli import main
 from gpuwait.core.errors import StateError
-from gpuwait.core.policy import WaitReason
+from gpuwait.core.policy import Conditions, WaitReason
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.history import store
 from gpuwait.linux import proc
@@ -1550,3 +1550,31 @@ def test_a_waiter_whose_dependency_failed_leaves_at_once_while_another_users_fil
         assert list(ledger.read().unread) == [4242]
         _, outcome = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
         assert isinstance(outcome, lifecycle.DependencyFailed), outcome
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_waiter_whose_dependency_failed_is_not_held_for_another_users_file_between_plans(
+    tmp_path: Path,
+) -> None:
+    # Between the plans it makes under the lock, a waiter reads the ledger without it: where
+    # an --after-ok dependency failed meanwhile, that read does not say it waits for another
+    # member's unusable file (up to 30 s, or for as long as the file is written so again), it
+    # takes the lock at once, to leave the queue.
+    from gpuwait.queue import wait
+
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
+    ledger = Ledger(directory)
+    first = lifecycle.submit(ledger, live_job("first"), [], [], tmp_path, ["x"])
+    waiter = lifecycle.submit(ledger, live_job("w"), [], ["first"], tmp_path, ["x"])
+    with their_gpuwait_runs():
+        lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)  # the GPU's health noted
+        data = ledger.read()
+        held = wait._reason_without_lock(data, directory, waiter, ONE_CARD, 0.99, Conditions())
+        assert held.reason is not None and "uid 4242" in (held.reason.blocked or ""), held
+        with ledger.transaction() as data:
+            data.remove(first.id)
+            data.book.note_finished(Finished(first.id, FAILED, time.time()))
+        data = ledger.read()
+        assert list(data.unread) == [4242]
+        told = wait._reason_without_lock(data, directory, waiter, ONE_CARD, 0.99, Conditions())
+        assert told.reason is None, told
