@@ -1578,3 +1578,17 @@ def test_a_waiter_whose_dependency_failed_is_not_held_for_another_users_file_bet
         assert list(data.unread) == [4242]
         told = wait._reason_without_lock(data, directory, waiter, ONE_CARD, 0.99, Conditions())
         assert told.reason is None, told
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_another_users_unusable_file_backdated_by_its_owner_still_holds_admissions(
+    tmp_path: Path,
+) -> None:
+    # A member's file written unusable and then backdated (`touch -d '1 hour ago'`, which
+    # any owner may do) changed all the same a moment ago: the others are held for it, as
+    # for any file changed lately, not admitted into the room their jobs may hold.
+    directory, other = others_file(tmp_path, DAMAGE["truncated"])
+    an_hour_ago = time.time() - 3600
+    os.utime(other, (an_hour_ago, an_hour_ago))
+    with their_gpuwait_runs():
+        assert list(Ledger(directory).read().unread) == [4242]
