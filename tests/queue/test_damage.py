@@ -1592,3 +1592,26 @@ def test_another_users_unusable_file_backdated_by_its_owner_still_holds_admissio
     os.utime(other, (an_hour_ago, an_hour_ago))
     with their_gpuwait_runs():
         assert list(Ledger(directory).read().unread) == [4242]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_the_hold_for_another_users_unusable_file_lapses_30_s_after_it_changed_however_late_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read 10 s after it changed, a member's unusable file holds the others for the 20 s left
+    # of the 30 s, not for 30 s from the reading: each reading would otherwise put the end of
+    # the hold off again.
+    from gpuwait.queue import ledger as module
+
+    class _TenSecondsLater:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return time.time() + 10
+
+    directory, other = others_file(tmp_path, DAMAGE["truncated"])
+    with their_gpuwait_runs():
+        monkeypatch.setattr(module, "time", _TenSecondsLater())
+        lapses = Ledger(directory).read().unread_until
+        assert lapses == {4242: os.lstat(other).st_ctime + module.UNREAD_GRACE}, lapses
