@@ -1615,3 +1615,42 @@ def test_the_hold_for_another_users_unusable_file_lapses_30_s_after_it_changed_h
         monkeypatch.setattr(module, "time", _TenSecondsLater())
         lapses = Ledger(directory).read().unread_until
         assert lapses == {4242: os.lstat(other).st_ctime + module.UNREAD_GRACE}, lapses
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files and processes of other users'")
+def test_a_waiter_held_for_two_users_unusable_files_is_told_of_the_first_uid_and_first_end(
+    tmp_path: Path,
+) -> None:
+    # Two members' files cannot be used while their gpuwaits run: uid 4243's left so first,
+    # then uid 4242's. The waiter's reason names uid 4242, the first by uid, and ends where the
+    # first of the two holds lapses, 30 s after uid 4243's file changed: the waiter plans
+    # again then.
+    from gpuwait.queue import ledger as module
+
+    directory, theirs = others_file(tmp_path, DAMAGE["truncated"])
+    first = directory / "ledger.4243.json"
+    first.write_bytes(DAMAGE["truncated"])
+    os.lchown(first, 4243, 4243)
+    time.sleep(0.2)
+    os.chmod(theirs, 0o644)  # uid 4242's file changed last
+    assert os.lstat(theirs).st_ctime - os.lstat(first).st_ctime >= 0.1
+    ledger = Ledger(directory)
+    other = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4243, group=4243
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{other.pid}/cmdline").read_bytes())
+        with their_gpuwait_runs():
+            waiter = lifecycle.submit(
+                ledger, live_job("w", request={"bytes": 2**30}), [], [], tmp_path, ["x"]
+            )
+            _, held = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
+            boot_now, now = proc.boot_clock(), time.time()
+            assert isinstance(held, WaitReason) and held.until is not None, held
+            assert "uid 4242" in (held.blocked or "") and "4243" not in (held.blocked or "")
+            assert boot_now is not None
+            ends = held.until - boot_now + now
+            assert abs(ends - (os.lstat(first).st_ctime + module.UNREAD_GRACE)) < 0.05, ends
+    finally:
+        other.kill()
+        other.wait()
