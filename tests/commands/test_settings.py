@@ -201,3 +201,14 @@ def test_a_site_file_rewritten_within_one_tick_reaches_the_jobs_that_wait(
     assert current().limits == UserLimits(4, None)
     write("user_max_gpus = 2\n")
     assert current().limits == UserLimits(2, None)
+
+
+@pytest.mark.parametrize("name", ["state_dir", "ledger_dir", "sim"])
+def test_a_path_setting_written_with_spaces_around_it_names_the_path_within(
+    tmp_path: Path, name: str
+) -> None:
+    # `state_dir = " /srv/gpuwait "` (spaces pasted in with the path) is /srv/gpuwait: not
+    # refused for a relative path, nor a directory of another name, whose jobs would not see
+    # those of every gpuwait run with it written plainly.
+    settings = resolve({}, {}, {name: f" {tmp_path / 'gw'} "}, Path("c.toml"))
+    assert getattr(settings, name) == tmp_path / "gw"
