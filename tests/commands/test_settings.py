@@ -212,3 +212,11 @@ def test_a_path_setting_written_with_spaces_around_it_names_the_path_within(
     # those of every gpuwait run with it written plainly.
     settings = resolve({}, {}, {name: f" {tmp_path / 'gw'} "}, Path("c.toml"))
     assert getattr(settings, name) == tmp_path / "gw"
+
+
+@pytest.mark.parametrize("name", ["state_dir", "ledger_dir", "sim"])
+def test_a_path_setting_written_as_no_string_is_refused(name: str) -> None:
+    # `state_dir = 5` in a config file is refused, saying a path is written in quotes: not
+    # taken for no setting at all, the jobs of this user then in a ledger of their own.
+    with pytest.raises(UsageError, match=f"{name}.*expected a path in quotes"):
+        resolve({}, {}, {name: 5}, Path("c.toml"))
