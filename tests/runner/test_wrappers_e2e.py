@@ -2849,3 +2849,16 @@ def test_a_name_in_a_comment_after_a_number_declared_is_no_name_declared(
     assert seen_bare([shell, "-c", code], tmp_path) == "GPU-own"
     done = gpuwait(gpuwait_cmd, [shell, "-c", code], opts=ON_GPU_1, cwd=tmp_path)
     ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
+
+
+@pytest.mark.skipif(shutil.which("dash") is None, reason="needs dash")
+def test_dashs_readonly_setting_the_gpus_before_its_command_is_refused(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # dash has export and readonly of the builtins that declare: `dash -c 'readonly
+    # CUDA_VISIBLE_DEVICES=0; python x.py'` runs python on GPU 0, whichever GPU gpuwait
+    # reserved, as the line run bare shows; it is refused, as bash's is.
+    line = 'readonly CUDA_VISIBLE_DEVICES=0; echo "${CUDA_VISIBLE_DEVICES-every GPU}" > seen'
+    done = gpuwait(gpuwait_cmd, ["dash", "-c", line], cwd=tmp_path)
+    refused(done, tmp_path / "seen", "dash sets CUDA_VISIBLE_DEVICES=0 for its command")
+    assert seen_bare(["dash", "-c", line], tmp_path) == "0"
