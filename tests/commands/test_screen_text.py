@@ -697,3 +697,34 @@ def test_a_command_in_fullwidth_letters_fits_the_width_as_any_other() -> None:
         lines = status.render(report, width).splitlines()
         assert all(on_screen(line) <= width for line in lines), lines
         assert any("ｔｒａｉｎ" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"needed": "24.0 GiB"},
+        {"best_gpu_index": 1},
+        {"running": 3},
+        {"blocked": "waiting for job 1a2b3c4d (prep) to finish"},
+        {"limit": "your per-user limit of 1 GPUs is reached"},
+        {"pause": "asked job 5e6f7a8b (train) to step aside"},
+        {"gpu_error": "NVML_ERROR_UNKNOWN: the driver said no"},
+        {"ledger_error": "out of file descriptors"},
+    ],
+    ids=lambda changed: next(iter(changed)),
+)
+def test_a_wait_line_off_a_terminal_says_each_change_of_the_situation(
+    changed: dict[str, Any],
+) -> None:
+    # In a log (a file, a pipe), a line is written where the situation changes: what the job
+    # waits for, the best card, how many run, a dependency, a limit, a request to step aside,
+    # the GPUs or the ledger failing to be read. Each changed alone is a new line.
+    stream = io.StringIO()
+    line = WaitLine(quiet=False, job="train", stream=stream)
+    line.update(REASON)
+    line.update(REASON._replace(**changed))
+    line.clear()
+    assert stream.getvalue().splitlines() == [
+        "gpuwait[train]: " + REASON.describe(),
+        "gpuwait[train]: " + REASON._replace(**changed).describe(),
+    ]
