@@ -1297,3 +1297,25 @@ def test_a_launch_put_back_behind_a_waiter_keeps_its_place_before_another_member
     finally:
         theirs.kill()
         theirs.wait()
+
+
+@pytest.mark.parametrize(
+    ("hooked", "asks"),
+    [(False, "--vram SIZE asks for less"), (True, "GPUWAIT_DEFAULT_VRAM=SIZE asks for less")],
+)
+def test_status_says_a_waiters_reason_as_its_own_wait_line_does(hooked: bool, asks: str) -> None:
+    """`gpuwait status` says where a waiter's size came from, and how to ask for less: with
+    --vram, or for a line a shell hook runs (which has no gpuwait option to give) with
+    GPUWAIT_DEFAULT_VRAM, as the waiter's own line says."""
+    running = live_job("run", state=RUNNING, request={"bytes": 20 * GiB}, gpu_uuids=["GPU-0"])
+    whole = live_job("whole", request={}, order=2, size_source="default_vram", from_hook=hooked)
+    learnt = live_job(
+        "learnt", request={"bytes": 13 * GiB}, order=3, size_source="largest peak of 3 runs"
+    )
+    data = LedgerData(jobs=[running, whole, learnt])
+    said = {
+        j["id"]: j["waiting_reason"]
+        for j in report_from(MACHINE, data, time.time(), View(0.9))["jobs"]
+    }
+    assert asks in said["whole"], said["whole"]
+    assert said["learnt"].startswith("waiting for 13.0 GiB (largest peak of 3 runs)"), said
