@@ -1319,3 +1319,14 @@ def test_status_says_a_waiters_reason_as_its_own_wait_line_does(hooked: bool, as
     }
     assert asks in said["whole"], said["whole"]
     assert said["learnt"].startswith("waiting for 13.0 GiB (largest peak of 3 runs)"), said
+
+
+def test_status_says_a_waiter_is_held_for_another_users_unusable_file_with_no_eta() -> None:
+    """Where another member's file cannot be used while their gpuwait runs, nobody is admitted
+    whatever the plan would start: `gpuwait status` says a waiter waits for that file, as the
+    waiter's own line does, and gives it no expected start, which the plan could not keep."""
+    waiter = live_job("w", request={"bytes": GiB}, order=1)
+    data = LedgerData(jobs=[waiter], unread={4242: "Expecting value"})
+    (shown,) = report_from(MACHINE, data, time.time(), View(0.9))["jobs"]
+    assert "the ledger file of uid 4242" in shown["waiting_reason"], shown["waiting_reason"]
+    assert shown["eta_seconds"] is None, shown["eta_seconds"]
