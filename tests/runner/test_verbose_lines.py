@@ -28,3 +28,40 @@ def test_each_line_saying_where_a_size_came_from_fits_80_columns(note: str) -> N
     assert all(columns(LEAD + line) < 80 for line in lines), lines
     assert " ".join(lines) == note
     assert all(line.count("(") == line.count(")") for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("note", "lines"),
+    [
+        ("", []),
+        ("estimated from 3 runs of this exact command", None),
+        (
+            "largest peak of 9 runs of this script (other arguments), raised after an "
+            "out-of-memory failure",
+            [
+                "largest peak of 9 runs of this script (other arguments),",
+                "raised after an out-of-memory failure",
+            ],
+        ),
+        (
+            "largest peak of 12 runs of this script (other arguments); raised after an "
+            "out-of-memory failure",
+            [
+                "largest peak of 12 runs of this script",
+                "(other arguments); raised after an out-of-memory failure",
+            ],
+        ),
+        (
+            "estimated from 3 runs of this exact command; raised after a failure",
+            ["estimated from 3 runs of this exact command;", "raised after a failure"],
+        ),
+    ],
+    ids=["no note", "one line", "79 columns of words", "79 columns of phrases", "semicolon"],
+)
+def test_where_a_size_came_from_takes_as_few_lines_as_fit_79_columns(
+    note: str, lines: list[str] | None
+) -> None:
+    # A size given with --vram has no line saying where it came from (not an empty "gpuwait:
+    # job 0a1b2c3d: "); a note that fits is one line; a line is filled up to 79 columns,
+    # words or phrases, and a new one begins after a comma or a semicolon.
+    assert _phrase_lines(note, columns(LEAD)) == ([note] if lines is None else lines)
