@@ -301,3 +301,32 @@ def test_a_job_on_two_gpus_whose_peak_is_unknown_on_one_has_no_peak(tmp_path: Pa
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+@pytest.mark.parametrize("failing", ["read", "lock_wait"])
+def test_a_lost_entry_not_put_back_for_want_of_file_descriptors_is_put_back_at_the_next_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    # A running job's entry lost with its ledger, replaced meanwhile: the look between two
+    # samples that finds the ledger changed could not read it, or not write the entry back,
+    # for want of file descriptors. The next look puts the entry back, though the ledger has
+    # not changed again: its room is not left to others until something else writes it.
+    job = live_job("held", gpu_uuids=[UUID], state="running", reserved_bytes=10 * GiB)
+    ledger = Ledger(tmp_path)
+    with ledger.transaction() as data:
+        data.jobs.append(job)
+    sampler = UsageSampler(os.getpid(), job, ledger, OnTheCard({}), 0.2)
+    ledger.path.unlink()
+    with ledger.transaction():
+        pass  # started afresh, without the entry
+    real = getattr(ledger, failing)
+
+    def short_of_descriptors(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(ledger, failing, short_of_descriptors)
+    sampler.look_if_changed()
+    monkeypatch.setattr(ledger, failing, real)
+    assert Ledger(tmp_path).read().find(job.id) is None
+    sampler.look_if_changed()
+    assert Ledger(tmp_path).read().find(job.id) is not None
