@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers.waiting import wait_for
@@ -150,3 +151,33 @@ def test_a_process_runs_its_own_sigchld_handler_only_where_a_thread_takes_it(
         child.wait()
     # Gone, it runs nothing.
     assert proc.runs_handler(child.pid, signal.SIGCHLD) is False
+
+
+#: A Python process with a SIGCHLD handler and a thread open to SIGCHLD, whose main thread
+#: waits for SIGCHLD in sigtimedwait (as a reservation's wait does) once it says "ready".
+_MAIN_WAITS_FOR_SIGCHLD = (
+    "import signal, threading, time\n"
+    "signal.signal(signal.SIGCHLD, lambda *_: None)\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})\n"
+    "print('ready', flush=True)\n"
+    "signal.sigtimedwait({signal.SIGCHLD}, 60)\n"
+)
+
+
+def test_a_sigchld_its_main_thread_waits_for_runs_no_handler_whatever_other_threads_do() -> None:
+    # The kernel hands a process's signal to its main thread first where that one is open to
+    # it: a main thread asleep in sigtimedwait for SIGCHLD (a program waiting for room in
+    # gpuwait.reserve()) takes it there, though another thread of it would run the handler.
+    # Such a program is woken after a ledger's recovery, its wait taking the signal.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MAIN_WAITS_FOR_SIGCHLD], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        wchan = f"/proc/{child.pid}/task/{child.pid}/wchan"
+        wait_for(lambda: b"sigtimedwait" in Path(wchan).read_bytes())
+        assert proc.runs_handler(child.pid, signal.SIGCHLD) is False
+    finally:
+        child.kill()
+        child.wait()
