@@ -422,3 +422,24 @@ def test_the_device_of_a_ledger_directory_is_found_cheaply_among_100000_mounts(
     finally:
         os.close(fd)
     assert took < 0.7, took
+
+
+def test_only_the_holders_of_an_exclusive_flock_on_the_file_system_are_its_takers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where another member's ledger file cannot be used, a program of theirs holding room
+    # through gpuwait.reserve() is found by its job's liveness lock: an exclusive flock on a
+    # file of the ledger's file system, as /proc/locks lists it. A shared flock, a POSIX lock,
+    # a lock on another file system (08:123 is not 08:12), or a process waiting for a flock
+    # ("->") is none.
+    locks = tmp_path / "locks"
+    locks.write_bytes(
+        b"1: FLOCK  ADVISORY  WRITE 101 08:12:5678 0 EOF\n"
+        b"1: -> FLOCK  ADVISORY  WRITE 102 08:12:5678 0 EOF\n"
+        b"2: FLOCK  ADVISORY  READ  103 08:12:5679 0 EOF\n"
+        b"3: POSIX  ADVISORY  WRITE 104 08:12:5680 0 EOF\n"
+        b"4: FLOCK  ADVISORY  WRITE 105 08:123:5681 0 EOF\n"
+        b"5: FLOCK  ADVISORY  WRITE 106 08:13:5682 0 EOF\n"
+    )
+    monkeypatch.setattr(proc, "PROC_LOCKS", str(locks))
+    assert proc.exclusive_flock_takers(os.makedev(8, 0x12)) == {101}
