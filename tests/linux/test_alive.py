@@ -443,3 +443,17 @@ def test_only_the_holders_of_an_exclusive_flock_on_the_file_system_are_its_taker
     )
     monkeypatch.setattr(proc, "PROC_LOCKS", str(locks))
     assert proc.exclusive_flock_takers(os.makedev(8, 0x12)) == {101}
+
+
+def test_a_process_with_another_file_of_the_locks_name_on_its_file_system_has_not_it_open(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    # A pid /proc/locks names may since be another process's: one with a file of the lock's
+    # name open on the same file system, another inode (another job's lock of the same id in
+    # another ledger directory), is not the lock's holder.
+    holder, _ = start_holder(tmp_path, spawned, command=False)
+    mine = os.stat(next(tmp_path.glob("alive.*")) / JOB)
+    assert proc.has_open(holder.pid, mine, JOB)
+    another = list(mine)
+    another[1] = mine.st_ino + 1  # st_ino
+    assert not proc.has_open(holder.pid, os.stat_result(another), JOB)
