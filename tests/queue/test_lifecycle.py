@@ -1330,3 +1330,15 @@ def test_status_says_a_waiter_is_held_for_another_users_unusable_file_with_no_et
     (shown,) = report_from(MACHINE, data, time.time(), View(0.9))["jobs"]
     assert "the ledger file of uid 4242" in shown["waiting_reason"], shown["waiting_reason"]
     assert shown["eta_seconds"] is None, shown["eta_seconds"]
+
+
+def test_an_entry_put_back_releases_the_waiters_held_for_it(tmp_path: Path) -> None:
+    """A waiter held after a damaged ledger for the entries it lost plans again once they are
+    listed again: the running job's entry put back counts as a release, which wakes the
+    waiters that watch the queue's summaries, as a job's end does."""
+    ledger = Ledger(tmp_path)
+    launch = _launcher(ledger, tmp_path, (1000.0 + n for n in range(1, 10)))
+    running, _ = _holder_and_waiter_lost(ledger, launch, tmp_path)
+    before = ledger.read().release_seq
+    lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+    assert ledger.read().release_seq > before
