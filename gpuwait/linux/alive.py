@@ -11,7 +11,9 @@ kernel keeps the lock while either of them (or a process the command started and
 descriptor to) still runs, and drops it when the last is gone, even by SIGKILL. The file is the
 same inode in every container that mounts the directory, so another process finds the job alive
 when it cannot take a shared lock on it. The directory is its user's alone (0700): nobody else
-can open the files, so nobody else can keep a job of theirs looking alive. Where another member
+can open the files, so nobody else can keep a job of theirs looking alive. Each job holds a
+shared lock on the directory itself too: other members of a shared ledger, who cannot look
+inside it, see by its inode in /proc/locks that a job of its user runs. Where another member
 of a shared ledger directory made something under its name first, the user's is beside it,
 `alive.<uid>.<random>`, used from then on, even once that member takes theirs away
 (gpuwait.linux.security.own_name).
@@ -41,6 +43,9 @@ _JOB_ID = re.compile(r"[0-9a-f]{1,64}")
 
 #: The locks this process holds, by (ledger directory, job id).
 _HELD: dict[tuple[Path, str], int] = {}
+#: The shared locks this process holds on its lock directory, by (ledger directory, job id):
+#: what tells other members of a shared ledger that a job of this user's runs (`jobs_run`).
+_DIR_HELD: dict[tuple[Path, str], int] = {}
 
 
 def _path(ledger_dir: Path, uid: int, job_id: str) -> Path | None:
@@ -80,7 +85,25 @@ def hold(ledger_dir: Path, job_id: str) -> bool:
     # with SIGKILL) keeps its job alive for readers elsewhere, as its pid does for readers here.
     os.set_inheritable(fd, True)
     _HELD[(ledger_dir, job_id)] = fd
+    _hold_directory(ledger_dir, job_id, path.parent)
     return True
+
+
+def _hold_directory(ledger_dir: Path, job_id: str, directory: Path) -> None:
+    """A shared lock on the lock directory itself for as long as the job's lock is held (its
+    command inherits it too): where the directory's files are its owner's alone to look at,
+    the directory's own inode, in /proc/locks, tells everyone that a job of theirs runs."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    os.set_inheritable(fd, True)
+    _DIR_HELD[(ledger_dir, job_id)] = fd
 
 
 def release(ledger_dir: Path, job_id: str) -> None:
@@ -88,6 +111,8 @@ def release(ledger_dir: Path, job_id: str) -> None:
     fd = _HELD.pop((ledger_dir, job_id), None)
     if fd is None:
         return
+    with contextlib.suppress(KeyError):
+        os.close(_DIR_HELD.pop((ledger_dir, job_id)))
     if _path(ledger_dir, os.getuid(), job_id) is not None:
         with contextlib.suppress(OSError), _own_dir(ledger_dir, os.getuid()) as directory:
             os.unlink(job_id, dir_fd=directory)
@@ -190,6 +215,31 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
                 if taken < before and _held_in(directory, name) is True:
                     found.add(name)
     return sorted(found)
+
+
+def jobs_run(ledger_dir: Path, uid: int) -> bool:
+    """Does a job of `uid`'s run, as the shared lock its gpuwait (or a program holding room
+    through gpuwait.reserve()) holds on their lock directory shows in /proc/locks? Only they
+    (and root) can open that directory to lock it; a lock of theirs on anything else (a
+    download's, an editor's) tells nothing. Their directory is not listed: only its inode is
+    looked at, whatever they keep in it."""
+    try:
+        fd = os.open(
+            _directory(ledger_dir, uid),
+            os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+        )
+    except OSError:
+        return False
+    try:
+        found = os.fstat(fd)
+        if not owned_by(found.st_uid, uid):
+            return False
+        device = proc.lock_device(fd)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return bool(lock.holders_of([(device, found.st_ino)]))
 
 
 def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:

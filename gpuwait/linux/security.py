@@ -575,28 +575,22 @@ def _is_gpuwait(pid: int, start: int) -> bool:
 #: How long `runs_gpuwait`'s answer about a user stands: a look at every process of the
 #: machine, asked at each read of a shared ledger where a file of theirs cannot be used.
 RUNS_GPUWAIT_FOR = 1.0
-#: By (uid, device): (until when, on the monotonic clock, the answer stands; the answer).
-_RUNS_GPUWAIT: dict[tuple[int, int | None], tuple[float, bool]] = {}
+#: By uid: (until when, on the monotonic clock, the answer stands; the answer).
+_RUNS_GPUWAIT: dict[int, tuple[float, bool]] = {}
 
 
-def runs_gpuwait(uid: int, device: int | None = None) -> bool:
+def runs_gpuwait(uid: int) -> bool:
     """Does a process of `uid`'s that this user can see run gpuwait? Looked at once in
-    RUNS_GPUWAIT_FOR seconds, whatever the number of reads that ask. `device`: the file
-    system of a ledger directory, where a program holding room through gpuwait.reserve(),
-    whose command line names no gpuwait, holds its job's liveness lock (an exclusive flock
-    that /proc/locks shows, its lock file being its owner's alone to look at): a process of
-    `uid`'s holding one there counts too."""
+    RUNS_GPUWAIT_FOR seconds, whatever the number of reads that ask. (A program holding room
+    through gpuwait.reserve() names no gpuwait: its job's lock tells, gpuwait.linux.alive.)"""
     now = time.monotonic()
-    known = _RUNS_GPUWAIT.get((uid, device))
+    known = _RUNS_GPUWAIT.get(uid)
     if known is not None and now < known[0]:
         return known[1]
     if len(_RUNS_GPUWAIT) > 4096:
         _RUNS_GPUWAIT.clear()
-    found = _looks_for_gpuwait(uid) or (
-        device is not None
-        and any(proc.owner_uid(pid) == uid for pid in proc.exclusive_flock_takers(device) if pid)
-    )
-    _RUNS_GPUWAIT[(uid, device)] = (now + RUNS_GPUWAIT_FOR, found)
+    found = _looks_for_gpuwait(uid)
+    _RUNS_GPUWAIT[uid] = (now + RUNS_GPUWAIT_FOR, found)
     return found
 
 

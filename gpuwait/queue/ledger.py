@@ -774,7 +774,7 @@ class Ledger:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             lapses = _lapses(path)
-            if lapses is not None and runs_gpuwait(uid, _device(self.directory)):
+            if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
                 unread[uid] = (str(exc), lapses)
             return None
         if tidies and raw.get("schema") == entries.SCHEMA:
@@ -864,42 +864,25 @@ class Ledger:
         return True
 
 
-def _device(directory: Path) -> int | None:
-    """The file system `directory` is on, as /proc/locks names it (`proc.lock_device`), None
-    where it cannot be told."""
-    try:
-        fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return proc.lock_device(fd)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-#: By (uid, device): (until when, on the monotonic clock, `_holds_a_lock`'s answer stands;
-#: the answer). Asked at each read of a shared ledger where a member's file is gone: /proc/locks
-#: is read once in RUNS_GPUWAIT_FOR seconds, however many locks anyone holds.
-_HOLDS_A_LOCK: dict[tuple[int, int], tuple[float, bool]] = {}
+#: By (uid, ledger directory): (until when, on the monotonic clock, `_holds_a_lock`'s answer
+#: stands; the answer). Asked at each read of a shared ledger where a member's file cannot be
+#: used or is gone: /proc/locks is read once in RUNS_GPUWAIT_FOR seconds, however many locks
+#: anyone holds.
+_HOLDS_A_LOCK: dict[tuple[int, Path], tuple[float, bool]] = {}
 
 
 def _holds_a_lock(uid: int, directory: Path) -> bool:
-    """Does a process of `uid`'s hold an exclusive flock on the file system of `directory`, as
-    a job's gpuwait (or a program holding room through gpuwait.reserve()) holds its liveness
-    lock there?"""
-    device = _device(directory)
-    if device is None:
-        return False
+    """Does a job of `uid`'s hold its lock in the ledger `directory`, as a job's gpuwait (or a
+    program holding room through gpuwait.reserve()) does (`alive.jobs_run`)? A lock of theirs
+    on another file (a download's) tells nothing."""
     now = time.monotonic()
-    known = _HOLDS_A_LOCK.get((uid, device))
+    known = _HOLDS_A_LOCK.get((uid, directory))
     if known is not None and now < known[0]:
         return known[1]
     if len(_HOLDS_A_LOCK) > 4096:
         _HOLDS_A_LOCK.clear()
-    found = any(proc.owner_uid(pid) == uid for pid in proc.exclusive_flock_takers(device) if pid)
-    _HOLDS_A_LOCK[(uid, device)] = (now + RUNS_GPUWAIT_FOR, found)
+    found = alive.jobs_run(directory, uid)
+    _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
     return found
 
 

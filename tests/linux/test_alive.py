@@ -93,6 +93,30 @@ def test_the_command_inherits_the_lock_so_an_orphaned_command_keeps_its_job_aliv
     wait_for(lambda: alive.held(tmp_path, os.getuid(), JOB) is False, timeout=10)
 
 
+def test_a_job_is_told_running_by_its_lock_and_not_by_another_lock_of_its_user(
+    tmp_path: Path, spawned: list[int]
+) -> None:
+    # What other members of a shared ledger, who cannot look into the lock directory, go by:
+    # the lock on the directory itself, held as long as the job's own (its command's too).
+    other = tmp_path / "download.lock"
+    other.touch()
+    taker = subprocess.Popen(["flock", "-x", str(other), "sleep", "60"])
+    spawned.append(taker.pid)
+    wait_for(lambda: f" {taker.pid} " in Path("/proc/locks").read_text())
+    assert alive.jobs_run(tmp_path, os.getuid()) is False
+    holder, child = start_holder(tmp_path, spawned, command=True)
+    assert alive.jobs_run(tmp_path, os.getuid()) is True
+    holder.kill()
+    holder.wait()
+    assert alive.jobs_run(tmp_path, os.getuid()) is True  # its command runs on
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: alive.jobs_run(tmp_path, os.getuid()) is False, timeout=10)
+    assert alive.hold(tmp_path, JOB)
+    assert alive.jobs_run(tmp_path, os.getuid()) is True
+    alive.release(tmp_path, JOB)
+    assert alive.jobs_run(tmp_path, os.getuid()) is False
+
+
 def test_release_takes_the_lock_and_its_file_away(tmp_path: Path) -> None:
     assert alive.hold(tmp_path, JOB)
     assert alive.held(tmp_path, os.getuid(), JOB) is True  # another open file: a conflict

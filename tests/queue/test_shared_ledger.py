@@ -2661,6 +2661,48 @@ def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_their
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
 
 
+#: Members of the tests below alone: a gpuwait of theirs is one of these tests' own, wherever
+#: other tests run beside them (a gpuwait of Bob's running for another test would count).
+DOWNLOADERS = {"emptied": 47203, "removed": 47204}
+
+
+@pytest.mark.parametrize("left", list(DOWNLOADERS))
+def test_a_members_lock_of_another_program_holds_nobody_for_their_file(
+    server: Server, left: str
+) -> None:
+    # A member's job has ended; a download of theirs holds an exclusive flock on a file of the
+    # ledger directory's file system (`flock -x`, as Python's filelock does), and their ledger
+    # file is emptied or gone. No job of theirs is anywhere: Alice's launch waited 30 s (it
+    # ended, with --timeout 0, at once, saying their gpuwait runs), and now runs at once.
+    member = DOWNLOADERS[left]
+    server.envs[member] = {**server.envs[ALICE], **user_home(server.root, member, member)}
+    assert server.run(member, "--vram", "15G", "--", "true").returncode == 0
+    held = server.root / f"download-{member}.lock"
+    held.touch()
+    os.chown(held, member, member)
+    lock = subprocess.Popen(
+        ["flock", "-x", str(held), "sleep", "60"], user=member, group=member, start_new_session=True
+    )
+    server.procs.append(lock)
+    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
+    own_file = server.own_file(member)
+    if left == "emptied":
+        loop = subprocess.Popen(
+            ["python3", "-c", EMPTIES, str(own_file)],
+            user=member,
+            group=member,
+            extra_groups=[GROUP],
+            start_new_session=True,
+        )
+        server.procs.append(loop)
+        wait_for(lambda: own_file.stat().st_size == 0)
+    else:
+        own_file.unlink()
+    done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    assert "whose gpuwait runs" not in done.stderr
+
+
 WRITES_TEXT = """
 import json, os, sys, time
 text = "\\x1b[2J\\x1b[31mcancelled by root: run sudo gpuwait-fix\\u202e\\n" * 2000
