@@ -57,7 +57,6 @@ from gpuwait.linux.security import (
     UnsafePath,
     check_dir,
     is_shared_dir,
-    looks_like_gpuwait,
     open_readable,
     open_state_file,
     proven_entry,
@@ -98,8 +97,6 @@ _TEMP_RE = re.compile(
 #: A member's lock directory, which their gpuwait makes at their first job: alive.<uid>, or
 #: one of theirs beside it where another member took that name first.
 _LOCK_DIR_RE = re.compile(r"^alive\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\Z")
-#: A member's wake-up summary (`gpuwait.queue.wake`).
-_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
 _USER_FILE_RE = re.compile(r"^ledger\.([0-9]{1,10})(?:\.([0-9a-f]{1,32}))?\.json\Z")
 _CRC_PREFIX = b'{"crc":'
 
@@ -185,7 +182,7 @@ class Ledger:
         self._not_theirs = NotTheirs()
         #: The users whose lock directory is in the shared directory, and those of them whose
         #: summary is there too.
-        self._members: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+        self._members: frozenset[int] = frozenset()
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -296,12 +293,15 @@ class Ledger:
                 summary_path = wake.summary_path(self.directory, bool(self.shared))
                 changed = rewrite or document != raw or not summary_path.exists()
                 if changed:
+                    writing = time.time()
                     write_atomic(
                         self.path,
                         entries.encode(document),
                         0o640 if self.shared else 0o600,
                         self._group,
                     )
+                    if self.shared:
+                        _clock_told(self.directory, self.path, writing)
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
                     if _recovered_now(data, raw, rewrite):
@@ -540,18 +540,11 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
-        members, summarised = self._members
-        for uid in sorted(members - names.keys() - {self._uid}):
+        for uid in sorted(self._members - names.keys() - {self._uid}):
             # A member whose file is gone (removed by hand) while a job of theirs holds its
             # liveness lock: the room their jobs hold is not known until it is written again.
-            # Their summary gone too, as root's removal of a member who left takes both, a
-            # lock of theirs may be any program's: one a gpuwait of theirs holds tells then.
-            lapses = _lapses(self.directory)
-            if lapses is None:
-                continue
-            if (uid in summarised and _holds_a_lock(uid, self.directory)) or _gpuwait_holds_a_lock(
-                uid, self.directory
-            ):
+            lapses = _lapses(self.directory, self.directory)
+            if lapses is not None and _holds_a_lock(uid, self.directory):
                 unread[uid] = ("it is not there", lapses)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
@@ -571,7 +564,9 @@ class Ledger:
             if part.repaired_at is None or part.repaired_at != part.created_at:
                 continue  # never started afresh (one repaired in part keeps its live entries)
             ago = entries.since(part.repaired_at, part.repaired_boot, now, boot_now)
-            if 0 <= ago < UNREAD_GRACE and runs_gpuwait(uid, _device(self.directory)):
+            if 0 <= ago < UNREAD_GRACE and (
+                runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)
+            ):
                 found[uid] = None if boot_now is None else round(boot_now - ago + UNREAD_GRACE, 2)
         return found
 
@@ -603,14 +598,13 @@ class Ledger:
 
     def _list_user_files(
         self, canonical: str
-    ) -> tuple[tuple[dict[int, str], list[str], tuple[frozenset[int], frozenset[int]]], bool]:
+    ) -> tuple[tuple[dict[int, str], list[str], frozenset[int]], bool]:
         """Each user's file in the shared directory, by owner, looked up afresh, what to warn
         of (this user's own name taken by another), and the users with no file whose lock
-        directory (alive.<uid>) of their own is there, and those of them whose summary
-        (wake.<uid>.json) of their own is there too; and whether every name could be looked at
-        (one that could not is looked at again next time)."""
-        # Whose lock directory or summary each name is, looked at only for a uid with no file.
-        marks: list[tuple[int, int, os.DirEntry[str]]] = []
+        directory (alive.<uid>) of their own is there; and whether every name could be looked
+        at (one that could not is looked at again next time)."""
+        # Whose lock directory each name is, looked at only for a uid with no file.
+        marks: list[tuple[int, os.DirEntry[str]]] = []
         try:
             with os.scandir(self.directory) as listing:
                 named = []
@@ -620,9 +614,8 @@ class Ledger:
                     if (match := _USER_FILE_RE.match(item.name)) is not None:
                         named.append((item.name, match, item))
                         continue
-                    for kind, pattern in enumerate((_LOCK_DIR_RE, _SUMMARY_RE)):
-                        if (of := pattern.match(item.name)) is not None:
-                            marks.append((kind, int(of[1]), item))
+                    if (of := _LOCK_DIR_RE.match(item.name)) is not None:
+                        marks.append((int(of[1]), item))
                 named.sort(key=lambda found: found[0])
         except OSError as exc:
             raise StateError(
@@ -653,11 +646,11 @@ class Ledger:
                 found[uid] = name
             if len(found) >= MAX_USER_FILES:
                 break
-        # Members: a lock directory of their own, and whether a summary of their own is there
-        # too (`rm` of a member's two files, as for an account removed, leaves none).
-        owned: tuple[set[int], set[int]] = (set(), set())
-        for kind, uid, item in sorted(marks, key=lambda mark: mark[0]):
-            if uid in found or (kind and uid not in owned[0]) or uid in owned[kind]:
+        # Members: a lock directory of their own (whether a job of theirs runs is told by a
+        # lock on it, `_holds_a_lock`).
+        owned: set[int] = set()
+        for uid, item in marks:
+            if uid in found or uid in owned:
                 continue
             try:
                 owner = item.stat(follow_symlinks=False).st_uid
@@ -665,10 +658,10 @@ class Ledger:
                 whole = False
                 continue
             if owner == uid:
-                owned[kind].add(uid)
+                owned.add(uid)
             else:
                 self._not_theirs.add(item.name)
-        return (found, said, (frozenset(owned[0]), frozenset(owned[1]))), whole
+        return (found, said, frozenset(owned)), whole
 
     def _load_own(self, path: Path, repair: bool, owned: bool) -> tuple[LedgerData, Any, bool]:
         try:
@@ -773,7 +766,7 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
-            lapses = _lapses(path)
+            lapses = _lapses(path, self.directory)
             if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
                 unread[uid] = (str(exc), lapses)
             return None
@@ -886,41 +879,38 @@ def _holds_a_lock(uid: int, directory: Path) -> bool:
     return found
 
 
-#: By (uid, directory): as _HOLDS_A_LOCK, for `_gpuwait_holds_a_lock`. Asked at each read
-#: where a member who left keeps their lock directory: their file system's device too is looked
-#: up once in RUNS_GPUWAIT_FOR seconds (a mountinfo of thousands of mounts is read for it).
-_GPUWAIT_HOLDS_A_LOCK: dict[tuple[int, Path], tuple[float, bool]] = {}
+#: By shared ledger directory: how far the clock its file system stamps change times by is
+#: ahead of this machine's wall clock (an NFS server's may be off by minutes), as this process's
+#: last write of its own file there told.
+_AHEAD: dict[Path, float] = {}
 
 
-def _gpuwait_holds_a_lock(uid: int, directory: Path) -> bool:
-    """Does a gpuwait of `uid`'s (as its command line tells) hold an exclusive flock on the
-    file system of `directory`, as a job's gpuwait holds its liveness lock there? A program of
-    theirs that locks a file of its own (a download's lock) is none."""
-    now = time.monotonic()
-    known = _GPUWAIT_HOLDS_A_LOCK.get((uid, directory))
-    if known is not None and now < known[0]:
-        return known[1]
-    if len(_GPUWAIT_HOLDS_A_LOCK) > 4096:
-        _GPUWAIT_HOLDS_A_LOCK.clear()
-    device = _device(directory)
-    found = device is not None and any(
-        proc.owner_uid(pid) == uid and looks_like_gpuwait(pid)
-        for pid in proc.exclusive_flock_takers(device)
-        if pid
-    )
-    _GPUWAIT_HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
-    return found
+def _clock_told(directory: Path, path: Path, writing: float) -> None:
+    """Keep how far `directory`'s file system's clock is ahead of this machine's: `path`, this
+    user's file there, was written just now, from the wall-clock time `writing` on."""
+    written = time.time()
+    with contextlib.suppress(OSError):
+        _AHEAD[directory] = os.lstat(path).st_ctime - (writing + written) / 2
 
 
-def _lapses(path: Path) -> float | None:
-    """Where the file at `path` changed (its inode: a time nobody can set) less than
-    UNREAD_GRACE ago, either way of the clock: when (on the wall clock) that is no longer so;
-    None where it did not."""
+def _lapses(path: Path, directory: Path) -> float | None:
+    """Where the file at `path` in the ledger `directory` changed (its inode: a time nobody can
+    set) less than UNREAD_GRACE ago, on its file system's clock: when (on this machine's wall
+    clock) that is no longer so; None where it did not."""
     try:
         changed = os.lstat(path).st_ctime
     except OSError:
         return None
-    return changed + UNREAD_GRACE if abs(time.time() - changed) < UNREAD_GRACE else None
+    return lapse(changed, time.time(), _AHEAD.get(directory, 0.0))
+
+
+def lapse(changed: float, now: float, ahead: float) -> float | None:
+    """Where the change time `changed` (on a file system's clock, `ahead` seconds ahead of
+    this machine's: 0 where it is not known) is less than UNREAD_GRACE from this machine's
+    wall-clock time `now`, either way of the clock: when, on this machine's clock, the grace
+    ends; None where it does not hold."""
+    age = now + ahead - changed
+    return changed - ahead + UNREAD_GRACE if abs(age) < UNREAD_GRACE else None
 
 
 def _nothing_runs(pid: int, start: int | None, child: int | None, child_start: int | None) -> bool:

@@ -1533,6 +1533,56 @@ def test_a_waiter_held_for_another_users_unusable_file_is_told_when_the_hold_lap
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+@pytest.mark.parametrize("behind", [60.0, -60.0])
+def test_a_waiter_is_held_for_another_users_unusable_file_whatever_the_file_servers_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, behind: float
+) -> None:
+    # The ledger directory on a file server whose clock is a minute ahead of this machine's
+    # (or behind it), as NFS's may be: a member's file emptied a moment ago, while their
+    # gpuwait runs, was taken for one left so for a minute, and the waiter was admitted into
+    # the room their jobs hold. The file's change time is now compared with this process's
+    # own last write there, on the same clock: held, as where both clocks agree, until 30 s
+    # after the change.
+    from gpuwait.queue import ledger as module
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - behind)
+    directory, other = others_file(tmp_path, DAMAGE["truncated"])
+    ledger = Ledger(directory)
+    with their_gpuwait_runs():
+        waiter = lifecycle.submit(
+            ledger, live_job("w", request={"bytes": 2**30}), [], [], tmp_path, ["x"]
+        )
+        _, held = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
+        assert isinstance(held, WaitReason) and "uid 4242" in (held.blocked or ""), held
+        boot_now = proc.boot_clock()
+        assert boot_now is not None and held.until is not None, held
+        lapses_in = os.lstat(other).st_ctime + module.UNREAD_GRACE - real()
+        assert abs(held.until - boot_now - lapses_in) < 1, (held.until - boot_now, lapses_in)
+
+
+@pytest.mark.parametrize(
+    ("changed", "now", "ahead", "lapses"),
+    [
+        (1000.0, 1010.0, 0.0, 1030.0),  # both clocks agree: 20 s left
+        (1000.0, 1031.0, 0.0, None),  # left so for 31 s
+        (1060.0, 1010.0, 60.0, 1030.0),  # the server's clock a minute ahead: 20 s left
+        (1060.0, 1041.0, 60.0, None),
+        (940.0, 1010.0, -60.0, 1030.0),  # a minute behind
+        (940.0, 1041.0, -60.0, None),
+        (1005.0, 1000.0, 0.0, 1035.0),  # changed in the future of this clock (a few seconds)
+        (1100.0, 1000.0, 0.0, None),  # or far in it
+    ],
+)
+def test_when_a_hold_for_a_members_file_lapses_is_told_on_the_file_systems_clock(
+    changed: float, now: float, ahead: float, lapses: float | None
+) -> None:
+    from gpuwait.queue import ledger as module
+
+    assert module.lapse(changed, now, ahead) == lapses
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
 def test_a_waiter_whose_dependency_failed_leaves_at_once_while_another_users_file_is_unusable(
     tmp_path: Path,
 ) -> None:
