@@ -541,11 +541,7 @@ class Ledger:
             if part is not None:
                 others[uid] = part
         for uid in sorted(self._members - names.keys() - {self._uid}):
-            # A member whose file is gone (removed by hand) while a job of theirs holds its
-            # liveness lock: the room their jobs hold is not known until it is written again.
-            lapses = _lapses(self.directory, self.directory)
-            if lapses is not None and _holds_a_lock(uid, self.directory):
-                unread[uid] = ("it is not there", lapses)
+            self._gone(uid, unread)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
         combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
@@ -738,6 +734,14 @@ class Ledger:
         user's (told by the lock, whatever ledger schema its gpuwait writes)?"""
         return bool(alive.unlisted(self.directory, set(), math.inf))
 
+    def _gone(self, uid: int, unread: dict[int, tuple[str, float]]) -> None:
+        """A member whose file is gone (removed by hand) while a job of theirs holds its
+        liveness lock: the room their jobs hold is not known until it is written again, and
+        nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`)."""
+        lapses = _lapses(self.directory, self.directory)
+        if lapses is not None and _holds_a_lock(uid, self.directory):
+            unread[uid] = ("it is not there", lapses)
+
     def _load_other(
         self, path: Path, uid: int, repair: bool, unread: dict[int, tuple[str, float]]
     ) -> LedgerData | None:
@@ -751,7 +755,8 @@ class Ledger:
         try:
             found = self._read_file(path)
             if found is None or found[0] != uid:
-                return None  # gone, or replaced meanwhile
+                self._gone(uid, unread)  # gone, or replaced, since the directory was listed
+                return None
             # Root may write it back (`_reap_for`): then its owner's book must come back whole.
             tidies = repair and self._uid == 0
             data, raw = self._decode(

@@ -272,6 +272,40 @@ def test_another_users_damaged_file_holds_admissions_only_lately_changed_and_whi
         theirs.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
+def test_another_users_file_gone_between_the_listing_and_its_reading_holds_admissions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member whose job runs (its lock held on their lock directory) removes their file in
+    # the moment between another member's listing of the directory and its reading of the
+    # file: the reader counted no job of theirs and held nobody, where a file of theirs found
+    # gone at the listing holds everyone for 30 s. It holds them as well now.
+    directory, other = others_file(
+        tmp_path,
+        json.dumps({"schema": 1, "jobs": [], "created_at": time.time(), "next_order": 1}).encode(),
+    )
+    lock_dir = directory / "alive.4242"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4242, 4242)
+    # Their job's lock on it, as its gpuwait takes it (here root's: the test's own directories
+    # are closed to them).
+    job = os.open(lock_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(job, fcntl.LOCK_SH)
+        assert Ledger(directory).read().unread == {}  # their file is there: it is read
+        read_file = Ledger._read_file
+
+        def gone_first(self: Ledger, path: Path) -> tuple[int, bytes] | None:
+            if path == other:
+                path.unlink(missing_ok=True)
+            return read_file(self, path)
+
+        monkeypatch.setattr(Ledger, "_read_file", gone_first)
+        assert Ledger(directory).read().unread == {4242: "it is not there"}
+    finally:
+        os.close(job)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user's")
 def test_another_users_damaged_file_costs_no_look_at_every_process_at_each_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
