@@ -961,8 +961,15 @@ def bobs_file_emptied(server: Server) -> Iterator[None]:
         text=True,
     )
     server.procs.append(loop)
+
+    def emptied() -> bool:
+        try:
+            return server.own_file(BOB).stat().st_size == 0
+        except FileNotFoundError:
+            return False  # moved aside by his gpuwait, found damaged: written again next
+
     try:
-        wait_for(lambda: server.own_file(BOB).stat().st_size == 0)
+        wait_for(emptied)
         yield
     finally:
         loop.kill()
