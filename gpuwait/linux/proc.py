@@ -726,24 +726,3 @@ def _mount_device(mountinfo: bytes, mount_id: int) -> int | None:
         return None  # not listed: st_dev is taken
     end = mountinfo.find(b"\n", start)
     return mount_devices(mountinfo[start : end if end >= 0 else len(mountinfo)]).get(mount_id)
-
-
-def exclusive_flock_takers(device: int) -> set[int]:
-    """The pids that hold an exclusive flock on a file of the file system `device` (as
-    `lock_device` tells it), as /proc/locks names them (those waiting for one left out; 0 for a
-    process of another pid namespace); empty where it cannot be read."""
-    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
-    lines = proc_locks()
-    found: set[int] = set()
-    for line in lines:
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
-        if (
-            len(fields) >= 6
-            and fields[1] == b"FLOCK"
-            and fields[3] == b"WRITE"
-            and fields[5].startswith(wanted)
-        ):
-            with contextlib.suppress(ValueError):
-                found.add(int(fields[4]))
-    return found

@@ -406,7 +406,6 @@ def test_the_holder_of_a_lock_is_found_where_its_file_system_is_no_device_stat_t
         assert lock.holders(fd) == [holder.pid]
     finally:
         os.close(fd)
-    assert holder.pid in proc.exclusive_flock_takers(other)
 
 
 def test_the_device_proc_locks_names_a_file_by_is_stats_on_a_plain_file_system(
@@ -448,25 +447,26 @@ def test_the_device_of_a_ledger_directory_is_found_cheaply_among_100000_mounts(
     assert took < 0.7, took
 
 
-def test_only_the_holders_of_an_exclusive_flock_on_the_file_system_are_its_takers(
+def test_only_the_takers_of_a_flock_on_the_very_file_are_its_holders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Where another member's ledger file cannot be used, a program of theirs holding room
-    # through gpuwait.reserve() is found by its job's liveness lock: an exclusive flock on a
-    # file of the ledger's file system, as /proc/locks lists it. A shared flock, a POSIX lock,
-    # a lock on another file system (08:123 is not 08:12), or a process waiting for a flock
-    # ("->") is none.
+    # Whether a job of another member's runs is told by the shared flock its gpuwait holds on
+    # their lock directory, as /proc/locks lists it. A POSIX lock, a flock waited for ("->"),
+    # and a flock on another file system (08:123 is not 08:12) or another file are none.
+    from gpuwait.linux import lock
+
     locks = tmp_path / "locks"
     locks.write_bytes(
         b"1: FLOCK  ADVISORY  WRITE 101 08:12:5678 0 EOF\n"
         b"1: -> FLOCK  ADVISORY  WRITE 102 08:12:5678 0 EOF\n"
-        b"2: FLOCK  ADVISORY  READ  103 08:12:5679 0 EOF\n"
-        b"3: POSIX  ADVISORY  WRITE 104 08:12:5680 0 EOF\n"
-        b"4: FLOCK  ADVISORY  WRITE 105 08:123:5681 0 EOF\n"
-        b"5: FLOCK  ADVISORY  WRITE 106 08:13:5682 0 EOF\n"
+        b"2: FLOCK  ADVISORY  READ  103 08:12:5678 0 EOF\n"
+        b"3: POSIX  ADVISORY  WRITE 104 08:12:5678 0 EOF\n"
+        b"4: FLOCK  ADVISORY  WRITE 105 08:123:5678 0 EOF\n"
+        b"5: FLOCK  ADVISORY  WRITE 106 08:12:56789 0 EOF\n"
     )
     monkeypatch.setattr(proc, "PROC_LOCKS", str(locks))
-    assert proc.exclusive_flock_takers(os.makedev(8, 0x12)) == {101}
+    file = (os.makedev(8, 0x12), 5678)
+    assert lock.holders_of([file]) == {file: [101, 103]}
 
 
 def test_a_process_with_another_file_of_the_locks_name_on_its_file_system_has_not_it_open(
