@@ -119,6 +119,11 @@ def release(ledger_dir: Path, job_id: str) -> None:
     os.close(fd)
 
 
+def held_here(ledger_dir: Path) -> set[str]:
+    """The jobs (their ids) whose locks in `ledger_dir` this process holds."""
+    return {job_id for directory, job_id in _HELD if directory == ledger_dir}
+
+
 @contextlib.contextmanager
 def given_up(ledger_dir: Path, job_id: str, on_error: bool = False) -> Iterator[None]:
     """`release` `job_id`'s lock after the block, or (`on_error`) only should it fail."""

@@ -141,6 +141,24 @@ def _recovered_now(data: LedgerData, raw: Any, rewrite: bool) -> bool:
     return data.repaired_at is not None and data.repaired_at != before
 
 
+def _settle_afresh(directory: Path, data: LedgerData) -> None:
+    """Take the mark of this user's file started afresh (`Ledger._afresh`) away once no entry
+    is still to come back: every job of theirs whose lock was taken before then has its entry
+    again, or has ended (or UNREAD_GRACE has passed). While it stands, the other members'
+    gpuwait admit nobody (`Ledger._recovered_others`). A job of this process's own counts
+    too: it may not have put its entry back yet."""
+    if data.repaired_at is None or data.repaired_at != data.created_at:
+        return
+    ago = entries.since(data.repaired_at, data.repaired_boot, time.time(), proc.boot_clock())
+    if 0 <= ago < UNREAD_GRACE:
+        listed = {j.id for j in data.jobs if data.mine(j)} | {f.id for f in data.book.finished}
+        if alive.held_here(directory) - listed or alive.unlisted(
+            directory, listed, data.created_at
+        ):
+            return
+    data.repaired_at = data.repaired_boot = None
+
+
 class Ledger:
     """The ledger in one directory: private (one file) or shared (one file per user)."""
 
@@ -286,6 +304,8 @@ class Ledger:
                 # lock held; in a shared directory only this user's are this user's to remove.
                 remove_left_temp_files(self.directory, _TEMP_RE, self._uid)
                 yield data
+                if self.shared:
+                    _settle_afresh(self.directory, data)
                 release = data.put_back or wake.released(before, wake.fingerprint(data.jobs))
                 if release:
                     data.release_seq += 1

@@ -1053,6 +1053,35 @@ def test_a_members_file_started_afresh_admits_nobody_until_their_jobs_entries_ar
     later.communicate(timeout=60)
 
 
+def test_a_members_file_started_afresh_holds_nobody_once_their_jobs_entries_are_back(
+    server: Server,
+) -> None:
+    # Bob's job holds 15 GiB of the card's 21.6 usable; his file is emptied and a launch of
+    # his starts it afresh while the job's gpuwait is stopped, and Alice's 5 GiB launch waits
+    # for his entries. Once the job's gpuwait runs on, it puts its entry back, and Bob's
+    # launch, which waited for that, runs: the room his job holds is known again. Alice's
+    # launch, which fits beside it, was held all the same for the rest of the 30 s (here
+    # past its 20 s --timeout, exit 124), though its wait line said "until they have put
+    # their entries back".
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    stopped_outside_a_transaction(server, bob.pid)
+    try:
+        assert server.shell(BOB, f":> '{server.own_file(BOB)}'").returncode == 0
+        later = server.start(BOB, "--vram", "1G", "--", "true")
+        said(later, "the ledger was started afresh after damage")
+        alice = server.start(ALICE, "--vram", "5G", "--timeout", "20", "--", "echo", "ran")
+        said(alice, f"the ledger file of uid {BOB}, whose gpuwait runs, was started afresh")
+    finally:
+        os.kill(bob.pid, signal.SIGCONT)
+    assert later.wait(timeout=60) == 0
+    out, err = alice.communicate(timeout=60)
+    assert (alice.returncode, out) == (0, "ran\n"), err
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    later.communicate(timeout=30)
+
+
 def test_a_members_file_started_afresh_with_no_job_of_theirs_alive_holds_nobody(
     server: Server,
 ) -> None:
