@@ -42,7 +42,7 @@ from gpuwait.core.sizes import (
     parse_size,
     parse_whole,
 )
-from gpuwait.core.text import shell_word, whole_number
+from gpuwait.core.text import one_line, shell_word, whole_number
 from gpuwait.linux import dirs, netfs
 from gpuwait.linux.atomic import write_atomic
 from gpuwait.linux.security import (
@@ -309,8 +309,9 @@ def _home_expanded(text: str, example: str) -> str:
     where that home is not known (a user's name mistyped, or no home to be had)."""
     expanded = os.path.expanduser(text)
     if expanded.startswith("~"):
+        home = expanded.split("/", 1)[0]
         raise ValueError(
-            f"the home directory {expanded.split('/', 1)[0]} is not known here; "
+            f"the home directory {home if one_line(home) else '~user'} is not known here; "
             f"expected an absolute path such as {example}"
         )
     return expanded
@@ -326,9 +327,11 @@ def _sim_file(value: Any) -> Path | None:
     if not text:
         return None
     if not os.path.isabs(text):
+        # The examples are made of the name given where it is one line (it is quoted already).
+        name = text if one_line(text) else "gpuwait-sim.toml"
         raise ValueError(
-            f"expected an absolute path such as {shell_word(os.path.abspath(text))} or "
-            f"~/{shell_word(os.path.basename(text) or 'gpuwait-sim.toml')} (a relative one is "
+            f"expected an absolute path such as {shell_word(os.path.abspath(name))} or "
+            f"~/{shell_word(os.path.basename(name) or 'gpuwait-sim.toml')} (a relative one is "
             "another file in every working directory, and jobs would not see each other's GPUs)"
         )
     return Path(os.path.abspath(text))

@@ -220,3 +220,15 @@ def test_a_path_setting_written_as_no_string_is_refused(name: str) -> None:
     # taken for no setting at all, the jobs of this user then in a ledger of their own.
     with pytest.raises(UsageError, match=f"{name}.*expected a path in quotes"):
         resolve({}, {}, {name: 5}, Path("c.toml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("sim", "0\n0"), ("sim", "~no\nsuchuser/sim.toml"), ("state_dir", "~no\nsuchuser/s")],
+)
+def test_a_path_setting_of_two_lines_is_refused_in_one(name: str, value: str) -> None:
+    # `gpuwait --sim $'0\n0'`: the message's example path was made of the name given, and
+    # printed its line break, the rest of the message on a line of its own.
+    with pytest.raises(UsageError) as refused:
+        resolve({name: value}, {}, {}, Path("c.toml"))
+    assert "\n" not in refused.value.message, refused.value.message
