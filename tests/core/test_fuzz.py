@@ -259,8 +259,15 @@ def test_simulation_files(tmp_path: Path, content: bytes) -> None:
 
 
 def _history_with_an_index(state: Path) -> list[str]:
-    """A history of three runs of one command, and its index built: that command."""
+    """A history of three runs of one command, and its index built: that command. The GPUs are
+    simulated ones (the user's config.toml in the same home says so): what NVML says where there
+    is none may differ between two estimates, a test before this one in the same process having
+    left it otherwise."""
     argv = ["python", "train.py"]
+    config = state.parent.parent / "config" / "gpuwait"
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "sim.toml").write_text('[[gpu]]\nmemory = "24GiB"\n')
+    (config / "config.toml").write_text(f"sim = {json.dumps(str(config / 'sim.toml'))}\n")
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(mode=0o700, parents=True)
     for n in range(3):
