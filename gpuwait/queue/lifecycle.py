@@ -20,10 +20,12 @@ here; `would_tidy` says when a lock-free reader has seen something a transaction
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from signal import SIGCONT, SIGTERM
@@ -720,18 +722,48 @@ def _renumber(data: LedgerData, moved: list[Job], now: float, boot_now: float | 
     waiting that was launched before it, whoever's, and ahead of those launched after it where
     a place is free between: in a shared ledger directory other members' jobs keep theirs, and
     one launched after `moved` is not to be passed by the directory's next number."""
-    taken = {j.order for j in data.jobs if not any(j is m for m in moved)}
-    waiting = [j for j in data.jobs if j.state != RUNNING and not any(j is m for m in moved)]
+    moving = {id(m) for m in moved}
+    taken = {j.order for j in data.jobs if id(j) not in moving}
+    waiting = [j for j in data.jobs if j.state != RUNNING and id(j) not in moving]
+    # Which entries were launched before one is told as `_launched_after` tells it, on the boot
+    # clock between two stamped on it, else on the wall clock: the highest place of each kind
+    # is looked up, in entries sorted once, not looked for in all of them for every one moved.
+    on_boot = boot_now is not None
+    by_age = _highest_places(
+        (-since(j.submitted_at, j.submitted_boot, now, boot_now), j.order)
+        for j in waiting
+        if on_boot and j.submitted_boot is not None
+    )
+    by_wall = _highest_places(
+        (j.submitted_at, j.order) for j in waiting if not on_boot or j.submitted_boot is None
+    )
+    by_wall_all = _highest_places((j.submitted_at, j.order) for j in waiting)
     behind = 0
     for job in moved:
-        age = since(job.submitted_at, job.submitted_boot, now, boot_now)
-        before = (j.order for j in waiting if not _launched_after(j, job, age, now, boot_now))
-        place = max([behind, *before]) + 1
+        if on_boot and job.submitted_boot is not None:
+            age = since(job.submitted_at, job.submitted_boot, now, boot_now)
+            before = max(by_age(-age), by_wall(job.submitted_at))
+        else:
+            before = by_wall_all(job.submitted_at)
+        place = max(behind, before) + 1
         while place in taken:
             place += 1
         job.order, behind = place, place
-        waiting.append(job)
         data.next_order = max(data.next_order, place + 1)
+
+
+def _highest_places(entries_by: Iterable[tuple[float, int]]) -> Callable[[float], int]:
+    """For (key, place) pairs: the highest place of those whose key is at most the one asked
+    (0 where none is)."""
+    pairs = sorted(entries_by)
+    keys = [key for key, _ in pairs]
+    highest = list(itertools.accumulate((place for _, place in pairs), max))
+
+    def up_to(key: float) -> int:
+        count = bisect.bisect_right(keys, key)
+        return highest[count - 1] if count else 0
+
+    return up_to
 
 
 def _launched_after(j: Job, mine: Job, age: float, now: float, boot_now: float | None) -> bool:
