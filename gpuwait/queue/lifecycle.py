@@ -699,7 +699,9 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     not to pass `first` and `second`, 1 and 2, where `mine` is 2). `mine` itself goes behind
     one launched before it that has a place behind it: its gpuwait knew it by a place it was
     given before the entries were renumbered (the ledger damaged twice), and those launched
-    after it go behind it again."""
+    after it go behind it again. So does it where another member's job launched after it has
+    a place before it (given while this file was lost, which numbers the directory's launches
+    from 1 again): it takes the first free place behind those launched before it, from 0."""
     data.next_order = max(data.next_order, mine.order + 1)
     if mine.state == RUNNING:
         return
@@ -710,7 +712,11 @@ def _keep_place(data: LedgerData, mine: Job) -> None:
     others = [j for j in data.jobs if j is not mine and data.mine(j) and j.state != RUNNING]
     after = [_launched_after(j, mine, age, now, boot_now) for j in others]
     later = sorted((j for j, a in zip(others, after, strict=True) if a), key=lambda j: j.order)
-    if any(j.order >= mine.order for j, a in zip(others, after, strict=True) if not a):
+    if any(j.order >= mine.order for j, a in zip(others, after, strict=True) if not a) or any(
+        j.order < mine.order and _launched_after(j, mine, age, now, boot_now)
+        for j in data.jobs
+        if not data.mine(j) and j.state != RUNNING
+    ):
         later = [mine, *later]
     elif all(j.order > mine.order for j in later):
         return
@@ -721,7 +727,9 @@ def _renumber(data: LedgerData, moved: list[Job], now: float, boot_now: float | 
     """Give `moved`, entries of this file, places in their own order, each behind every entry
     waiting that was launched before it, whoever's, and ahead of those launched after it where
     a place is free between: in a shared ledger directory other members' jobs keep theirs, and
-    one launched after `moved` is not to be passed by the directory's next number."""
+    one launched after `moved` is not to be passed by the directory's next number. Places go
+    down to 0, the lowest a reader takes (an entry with a lower one is dropped as malformed):
+    the one free before an entry given place 1."""
     moving = {id(m) for m in moved}
     taken = {j.order for j in data.jobs if id(j) not in moving}
     waiting = [j for j in data.jobs if j.state != RUNNING and id(j) not in moving]
@@ -738,7 +746,7 @@ def _renumber(data: LedgerData, moved: list[Job], now: float, boot_now: float | 
         (j.submitted_at, j.order) for j in waiting if not on_boot or j.submitted_boot is None
     )
     by_wall_all = _highest_places((j.submitted_at, j.order) for j in waiting)
-    behind = 0
+    behind = -1
     for job in moved:
         if on_boot and job.submitted_boot is not None:
             age = since(job.submitted_at, job.submitted_boot, now, boot_now)
@@ -754,14 +762,14 @@ def _renumber(data: LedgerData, moved: list[Job], now: float, boot_now: float | 
 
 def _highest_places(entries_by: Iterable[tuple[float, int]]) -> Callable[[float], int]:
     """For (key, place) pairs: the highest place of those whose key is at most the one asked
-    (0 where none is)."""
+    (-1 where none is)."""
     pairs = sorted(entries_by)
     keys = [key for key, _ in pairs]
     highest = list(itertools.accumulate((place for _, place in pairs), max))
 
     def up_to(key: float) -> int:
         count = bisect.bisect_right(keys, key)
-        return highest[count - 1] if count else 0
+        return highest[count - 1] if count else -1
 
     return up_to
 

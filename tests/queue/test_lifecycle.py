@@ -1299,6 +1299,54 @@ def test_a_launch_put_back_behind_a_waiter_keeps_its_place_before_another_member
         theirs.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_waiters_entry_put_back_goes_before_another_members_job_launched_while_it_was_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared ledger directory: a 20 GiB job runs and a 13 GiB one waits behind it (place 2)
+    on one 24 GiB card when this user's file is lost. Another member (uid 4242) launches a
+    13 GiB job meanwhile, given place 1, the directory's next with this file gone. The waiter,
+    launched first, puts its entry back ahead of theirs: at place 0, the one place before 1
+    that every reader takes."""
+    from gpuwait.linux import security
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o1770)
+    ledger = Ledger(directory)
+    launch = _launcher(ledger, directory, [1001.0, 1002.0])
+    running, waiting = _holder_and_waiter_lost(ledger, launch, directory)
+    assert waiting.order == 2
+
+    theirs = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
+    )
+    try:
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
+        their_job = live_job(
+            "theirs",
+            pid=theirs.pid,
+            uid=4242,
+            command=["60"],
+            request={"bytes": 13 * GiB},
+            order=1,
+            submitted_at=1003.0,
+            submitted_boot=proc.boot_clock(),
+        )
+        file = LedgerData(jobs=[their_job], next_order=2, me=4242)
+        (directory / "ledger.4242.json").write_bytes(entries.encode(entries.to_document(file)))
+        os.lchown(directory / "ledger.4242.json", 4242, 4242)
+
+        lifecycle.publish_usage(ledger, running, {"GPU-0": 20 * GiB}, [os.getpid()])
+        lifecycle.admit(ledger, waiting, MACHINE, 0.99)
+        assert _waiting_in_order(ledger) == ["waiter", "theirs"]
+        assert {j.id: j.order for j in ledger.read().jobs}["waiter"] == 0
+    finally:
+        theirs.kill()
+        theirs.wait()
+
+
 @pytest.mark.parametrize(
     ("hooked", "asks"),
     [(False, "--vram SIZE asks for less"), (True, "GPUWAIT_DEFAULT_VRAM=SIZE asks for less")],
