@@ -78,7 +78,7 @@ EVENT_NAMES = (
     re.compile(rb"\0(wake(?:\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?)?\.json)\0"),
 )
 #: In a shared ledger directory: one user's summary is acted on again no sooner than this many
-#: times the CPU time its last reading took (SOURCE_GAP at least).
+#: times the CPU time its last reading took in the thread that read it (SOURCE_GAP at least).
 READ_COST_SPACING = 10.0
 #: Users whose summaries are looked at, at most (one per user who ever used the directory).
 MAX_SUMMARIES = 4096
@@ -282,13 +282,13 @@ class Summaries:
                     continue  # its token stays unseen: looked at again then
             self._tokens[name] = token
             self._told.discard(name)
-            began = time.process_time()
+            began = time.thread_time()
             seen = read_summary(self.state_dir / name, token)
             if self.shared:
                 # Its next change is acted on once its reading has cost at most a tenth of
                 # the time: one of megabytes, rewritten in a loop, would keep every waiter
                 # of every member parsing it.
-                cost = time.process_time() - began
+                cost = time.thread_time() - began
                 self._quiet_until[name] = now + max(SOURCE_GAP, READ_COST_SPACING * cost)
             if same and seen == self._seen.get(name, ()):
                 continue  # written again, as it was

@@ -8,9 +8,11 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.fixtures_sim import SimFileFactory
@@ -170,6 +172,40 @@ def test_one_users_summary_is_acted_on_at_most_every_source_gap(tmp_path: Path) 
     assert len(own.changed(now=0.0)[0]) == 1
     (private / "wake.json").write_text(_summary(2, ["b"]))
     assert len(own.changed(now=0.0)[0]) == 1
+
+
+def test_a_summarys_spacing_counts_the_reading_threads_cpu_not_the_programs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program holding room through gpuwait.reserve() reads the summaries in one thread
+    while another of its threads works: the other's CPU time, 0.3 s of it here during a
+    reading, is no cost of the reading, and a small summary is acted on again after
+    SOURCE_GAP as in a program of one thread, not held back for ten times that 0.3 s."""
+    path = tmp_path / f"wake.{os.getuid()}.json"
+    path.write_text(_summary(1, ["a"]))
+    summaries = wake.Summaries(tmp_path, shared=True)
+    real_read = wake.read_summary
+    busy_done = threading.Event()
+
+    def busy() -> None:
+        began = time.thread_time()
+        while time.thread_time() - began < 0.3:
+            sum(range(1000))
+        busy_done.set()
+
+    def read_beside_a_busy_thread(*args: Any) -> wake.Summary | None:
+        worker = threading.Thread(target=busy)
+        worker.start()
+        busy_done.wait()
+        worker.join()
+        return real_read(*args)
+
+    monkeypatch.setattr(wake, "read_summary", read_beside_a_busy_thread)
+    assert [s.release for s in summaries.changed(now=10.0)[0] if s] == [1]
+    monkeypatch.setattr(wake, "read_summary", real_read)
+    path.write_text(_summary(2, ["a", "b"]))
+    (seen,) = summaries.changed(now=10.0 + wake.SOURCE_GAP)[0]
+    assert seen is not None and seen.release == 2
 
 
 def test_a_member_with_many_summaries_is_still_acted_on_once_every_source_gap(
