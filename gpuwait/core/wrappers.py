@@ -252,19 +252,22 @@ class Step(Record, frozen=True):
         return os.path.basename(self.argv[0])
 
 
-def steps(argv: Sequence[str], cut: bool = False) -> list[Step]:
+def steps(argv: Sequence[str], cut: bool = False, sh: str = "sh") -> list[Step]:
     """`argv` and each command it runs through the wrappers above, outermost first.
 
     `nice -n 5 timeout 60 srun python x.py` is four steps: nice's, timeout's, srun's and (srun
     being no wrapper here) no further. su's and runuser's `-c 'CODE'` runs CODE, taken as a
     shell's words where it is simple enough to read so. `cut`: `argv` are words of a shell's
-    code read up to an expansion (`Step.cut`), as the command of a container in it is."""
+    code read up to an expansion (`Step.cut`), as the command of a container in it is. `sh`:
+    the shell a command named sh is, as far as the caller could tell (`dash`), its code read
+    as that one's; "sh" where it could not, read as bash's."""
     found: list[Step] = []
     current: tuple[str, ...] = tuple(argv)
     shell = ""
     while current:
         if os.path.basename(current[0]) in _SHELLS:
             shell = os.path.basename(current[0])
+            shell = sh if shell == "sh" else shell
             code = _shell_code(current[1:], os.path.basename(current[0]) == "zsh")
             first = None if code is None else _first_command(code, shell)
             found.append(

@@ -225,12 +225,20 @@ def _first_line(path: str, size: int = 256) -> bytes | None:
         os.close(fd)
 
 
+def _sh() -> str:
+    """Which shell a command named sh is, told by the name of the program the `sh` found on
+    PATH resolves to: dash (Debian's and Ubuntu's /bin/sh), which has no declare or typeset,
+    its code read as dash's; "sh" where it is another or none, read as bash's."""
+    found = which("sh")
+    return "dash" if found and os.path.basename(os.path.realpath(found)) == "dash" else "sh"
+
+
 def check_not_srun(argv: Sequence[str]) -> None:
     """Refuse Slurm's `srun` as the command (UsageError, 2): slurmstepd starts the step's tasks
     with CUDA_VISIBLE_DEVICES set to Slurm's GPUs (all of the job's, or the step's own), not the
     ones gpuwait reserved, so the task would run, unreserved, where gpuwait did not put it.
     Looked for through wrappers too (`env`, `nice`, `time`, `timeout 60`, `sudo -E` ...)."""
-    if not any(step.program == "srun" for step in steps(argv)):
+    if not any(step.program == "srun" for step in steps(argv, sh=_sh())):
         return
     raise UsageError(
         "srun starts its tasks with Slurm's own CUDA_VISIBLE_DEVICES, not the GPU gpuwait "
@@ -272,7 +280,7 @@ def check_keeps_gpus(argv: Sequence[str], by_index: bool = False) -> None:
 
     A wrapper may drop them before a gpuwait of the command's own (`env -u CUDA_VISIBLE_DEVICES
     gpuwait --vram 1G -- ...`, `sudo -u alice gpuwait ...`): that one sets them for its command."""
-    _check_keeps(argv, steps(argv), by_index)
+    _check_keeps(argv, steps(argv, sh=_sh()), by_index)
 
 
 def _check_keeps(
@@ -426,7 +434,7 @@ def _check_keeps(
         # Read up to an expansion (`sh -c 'exec apptainer ... env -i "A=$A" python x.py'`):
         # so are the words of the command in it.
         start = _in_container(found[index], given[index], cleans)
-        _check_keeps(argv, steps(inner, found[index].cut), by_index, start)
+        _check_keeps(argv, steps(inner, found[index].cut, _sh()), by_index, start)
 
 
 def _names_an_index(given: Mapping[str, str] | None) -> bool:
@@ -620,7 +628,7 @@ def _check_sets(
             if step.program == "env" and drops_gpus(step):
                 # `env -i`: it would drop gpuwait's too, the line set them again, with the
                 # copies a container that cleans its environment takes.
-                inner = steps(words[where:])
+                inner = steps(words[where:], sh=_sh())
                 keep = [
                     *GPU_VARIABLES,
                     *(
@@ -841,7 +849,7 @@ def check_pausable_container(argv: Sequence[str]) -> None:
     aside, the job would die of it. The hint is the line without the namespace (--containall
     is --contain --cleanenv --ipc --pid), where the APPTAINERENV_ copies of the job's variables
     tell the program it is pausable."""
-    found = steps(argv)
+    found = steps(argv, sh=_sh())
     if any(runs_gpuwait(step) for step in found):
         return
     environs = _apptainer_environs(found)
@@ -1153,7 +1161,7 @@ def _launcher_steps(argv: Sequence[str], cut: bool = False) -> Iterator[Step]:
     where it sees every GPU, each after the step that starts it: but for one given only the
     GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all.
     `cut`: `argv` are the words of a shell's code read up to an expansion (`Step.cut`)."""
-    found = steps(argv, cut)
+    found = steps(argv, cut, _sh())
     commands = dict(_container_commands(found))
     for at, step in enumerate(found):
         yield step

@@ -2794,6 +2794,8 @@ def test_env_clearing_its_environment_with_options_in_one_word_is_read_as_env(
         # dash has no typeset (nor declare, local outside a function): the line goes on.
         ("dash", 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         ("dash", 'declare -a CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
+        # sh, whichever shell it is here: dash (Debian, Ubuntu) runs the line on, bash refuses.
+        ("sh", 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         # bash's -F lists functions and sets nothing: no number made.
         ("bash", 'declare -F CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"'),
         # +i takes the attribute away: the value passed on is the text it was.
@@ -2818,6 +2820,21 @@ def test_a_shells_numbers_and_envs_run_where_the_shell_gives_gpuwaits_gpu(
         ran_on_the_gpu_reserved(done, tmp_path / "seen", sim)
     else:
         refused(done, tmp_path / "seen")
+
+
+def test_a_typeset_of_sh_is_refused_where_the_sh_on_path_is_bash(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `sh -c 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"; ...'` with bash as the
+    # sh on PATH: bash reads the GPU UUID as arithmetic, as the line run bare shows; refused.
+    env, _ = fake_bin(tmp_path)
+    bash = shutil.which("bash")
+    assert bash is not None
+    (tmp_path / "fakebin" / "sh").symlink_to(bash)
+    code = 'typeset -i CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"; ' + _SEEN
+    assert seen_bare(["sh", "-c", code], tmp_path, env) != "GPU-own"
+    done = gpuwait(gpuwait_cmd, ["sh", "-c", code], env, opts=ON_GPU_1, cwd=tmp_path)
+    refused(done, tmp_path / "seen", "makes CUDA_VISIBLE_DEVICES a number")
 
 
 @pytest.mark.parametrize("cut", ["%%,*", "#*,", "##*,"])
