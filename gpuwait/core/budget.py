@@ -189,6 +189,42 @@ def plan(
     CUDA_VISIBLE_DEVICES order), or less on those `by_gpu` names (a share of each card: the
     same fraction of every card), given the user's environment `env` (whose framework
     variables are never overridden) and `means`."""
+    env = _users_own(env)
+    planned = _plan(mode, reserved_bytes, gpus, env, means, whole_gpus=whole_gpus, by_gpu=by_gpu)
+    # The PyTorch hook an enclosing job put on PYTHONPATH caps this job's Python at that job's
+    # share unless told otherwise: at this job's own where it caps it, else at none ("").
+    cleared = {n: "" for n in (TORCH_FRACTION_VAR, TORCH_BYTES_VAR) if env.get(n)}
+    return planned._replace(env={**cleared, **planned.env}) if cleared else planned
+
+
+def _users_own(env: Mapping[str, str]) -> Mapping[str, str]:
+    """`env` without the framework variables that the gpuwait job this one runs inside (or ran
+    inside: a shell that outlived it) exported to its command: its share of the card, which is
+    not this job's, and the on-demand settings that go with it. They are no user's."""
+    enclosing = env.get(FRACTION_VAR, "") if env.get("GPUWAIT_JOB_ID") else ""
+    if not enclosing:
+        return env
+    theirs = {
+        XLA_FRACTION_VAR: enclosing,
+        XLA_NEW_FRACTION_VAR: enclosing,
+        XLA_PREALLOCATE_VAR: "false",
+        TF_GROWTH_VAR: "true",
+    }
+    if env.get(XLA_FRACTION_VAR, enclosing) != enclosing:
+        return env  # the user's own fraction, which the enclosing job kept
+    return {n: v for n, v in env.items() if theirs.get(n) != v}
+
+
+def _plan(
+    mode: str,
+    reserved_bytes: int,
+    gpus: Mapping[str, int],
+    env: Mapping[str, str],
+    means: Means,
+    *,
+    whole_gpus: bool,
+    by_gpu: Mapping[str, int] | None,
+) -> Budget:
     totals = list(gpus.values())
     # On whole cards too the room the job was given, not 1: some of a card is always taken
     # (the driver's, the job's own CUDA context), and vLLM refuses to start where the card's

@@ -537,3 +537,49 @@ def test_a_python_program_in_a_clean_container_is_not_said_to_be_capped_by_the_h
     assert len(said) == 1 and "Apptainer" in said[0], done.stderr
     assert "not a Python program" not in said[0]
     assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
+
+
+def test_a_job_started_inside_another_is_told_its_own_reservation_not_the_outer_ones(
+    sim_file: SimFileFactory,
+) -> None:
+    # A sweep holding 4 GiB starts a job of its own that reserves 10 GiB beside it: JAX in that
+    # job may use its 10 GiB, not the share the sweep was told.
+    sim_file(gpus=1, memory="24GiB")
+    job = ("--framework", "jax", "--vram", "8G", "--hold", "0.1s")
+    done = run_sim_job(["--vram", "4G", "--", *GPUWAIT, "--vram", "10G"], *job)
+    assert done.returncode == 0, done.stderr
+    assert "out of memory" not in done.stderr.lower()
+    inner = [sys.executable, "-c", SHOW_ENV]
+    for mode in ("hint", "limit"):
+        shown = gpuwait(
+            "--vram",
+            "4G",
+            "--enforce",
+            "limit",
+            "--",
+            *GPUWAIT,
+            "--vram",
+            "10G",
+            "--enforce",
+            mode,
+            "--",
+            *inner,
+        )
+        assert shown.returncode == 0, shown.stderr
+        env = json.loads(shown.stdout)
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["XLA_CLIENT_MEM_FRACTION"] == "0.4166"
+        # The PyTorch cap the sweep's hook would put on it is its own, or none.
+        assert env.get("GPUWAIT_TORCH_MEMORY_FRACTION") == ("0.4166" if mode == "limit" else "")
+    # A fraction the user set before either is still theirs.
+    mine = gpuwait(
+        "--vram",
+        "4G",
+        "--",
+        *GPUWAIT,
+        "--vram",
+        "10G",
+        "--",
+        *inner,
+        env={**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"},
+    )
+    assert json.loads(mine.stdout)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".6"
