@@ -11,13 +11,17 @@ knows IPython, and only as the object it is handed.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shlex
 from typing import Any
 
 from gpuwait.api.reserve import Reservation, ReserveError, current, reserve_argv
 from gpuwait.commands import output
-from gpuwait.core.sizes import format_size
+from gpuwait.core.sizes import format_size, parse_request
 
+#: A negative size (`-6G`, `-.5G`), which argparse would take for an option.
+_NEGATIVE = re.compile(r"-\.?\d")
 USAGE = "usage: %gpuwait SIZE [OPTIONS] | %gpuwait release | %gpuwait status"
 
 
@@ -36,7 +40,7 @@ def gpuwait_magic(line: str) -> Reservation | None:
     if words == ["release"]:
         _release()
         return None
-    argv = words if words[0].startswith("-") else ["--vram", *words]
+    argv = _sized(words)
     quiet = "-q" in argv or "--quiet" in argv
     try:
         reservation = reserve_argv(argv, output.Console(quiet))
@@ -48,6 +52,23 @@ def gpuwait_magic(line: str) -> Reservation | None:
     if reservation.held and not quiet:
         output.info(f"reserved {_where(reservation)} for this kernel (job {reservation.job_id})")
     return reservation
+
+
+def _sized(words: list[str]) -> list[str]:
+    """The command line's options for `SIZE [OPTIONS]`: a size typed with its unit as a word of
+    its own (`6 GiB`, `50 %`), as gpuwait.reserve("6 GiB") takes it, is one size, and a
+    negative one (`-6G`) is a size refused as such, not an option."""
+    first = words[0]
+    if first.startswith("-") and not _NEGATIVE.match(first):
+        return words
+    if len(words) > 1 and not words[1].startswith("-"):
+        with contextlib.suppress(ValueError):
+            parse_request(first)
+            return [f"--vram={first}", *words[1:]]
+        with contextlib.suppress(ValueError):
+            parse_request(f"{first} {words[1]}")
+            return [f"--vram={first} {words[1]}", *words[2:]]
+    return [f"--vram={first}", *words[1:]]
 
 
 def _where(reservation: Reservation) -> str:

@@ -628,6 +628,26 @@ def test_the_magic_says_what_it_did(sim: Path, gpuwait_cmd: list[str]) -> None:
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_the_magic_takes_a_size_as_gpuwait_reserve_does(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # gpuwait.reserve("6 GiB") reserves 6 GiB; typed after %gpuwait, the unit is a word of its
+    # own, and a negative size is a size, not an option.
+    script = (
+        "from gpuwait.api.magic import gpuwait_magic as m\n"
+        "m('6 GiB --name cell')\nm('release')\nm('50 %')\nm('release')\nm('-6G')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("gpuwait: reserved 6.0 GiB on GPU"), done.stderr
+    assert lines[1].startswith("gpuwait: released job ")
+    assert lines[2].startswith("gpuwait: reserved 12.0 GiB on GPU"), done.stderr
+    assert lines[3].startswith("gpuwait: released job ")
+    assert lines[4:] == [
+        "gpuwait: error: --vram '-6G' is negative; give a size above zero, e.g. 6G"
+    ]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
