@@ -210,19 +210,25 @@ def format_size(n_bytes: int | float) -> str:
     sign = "-" if value < 0 else ""
     value = abs(value)
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
+        # A figure the unit below would round up to 1024 of it (1023.6 MiB) is said in this one.
+        if round(value / scale * 1024) >= 1024:
             shown = value / scale
-            return f"{sign}{shown:.1f} {unit}" if shown < 100 else f"{sign}{shown:.0f} {unit}"
+            return (
+                f"{sign}{shown:.1f} {unit}"
+                if round(shown, 1) < 100
+                else f"{sign}{shown:.0f} {unit}"
+            )
     return f"{sign}{value:.0f} B"
 
 
 def format_duration(seconds: float) -> str:
-    """`850ms`, `4.2s`, `3m05s`, `2h10m`."""
-    if seconds < 1:
+    """`850ms`, `4.2s`, `3m05s`, `2h10m`: a figure that rounds up to its unit's next step
+    (999.6 ms, 59.96 s) is said in the next unit."""
+    if round(seconds * 1000) < 1000:
         return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
+    if round(seconds, 1) < 60:
         return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
+    minutes, secs = divmod(max(60, int(seconds)), 60)
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
