@@ -14,7 +14,7 @@ _DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 # re.ASCII: `\d` is 0-9 only. Python would read '٣' (an Arabic-Indic three) or a fullwidth '３' as
 # a digit too, and no one who typed one meant a number.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([KMGT]?)(I?B?)\s*$", re.IGNORECASE | re.ASCII)
-_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$", re.ASCII)
+_PERCENT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*%\s*$", re.ASCII)
 _WHOLE_RE = re.compile(r"^\s*[+-]?\d+\s*$", re.ASCII)
 _DECIMAL_RE = re.compile(r"^\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
 
