@@ -26,6 +26,59 @@ from gpuwait.runner.launch import python_program
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyhook")
 
 
+#: Python's options that keep the hook from running: -E and -I ignore PYTHONPATH, -S imports no
+#: sitecustomize. Those taking a value (the rest of the word, or the next one) end a word.
+_NO_HOOK = frozenset("EIS")
+_TAKES_VALUE = frozenset("WX")
+_ENDS_OPTIONS = frozenset("cm")
+
+
+def ignores_hook(command: Sequence[str]) -> str | None:
+    """The option (`-I`) by which the Python interpreter `command` runs (named first, or on its
+    script's `#!` line) never runs gpuwait's hook; None where it runs it."""
+    words = list(command[1:])
+    if not python_program(command[:1]):
+        return None
+    if not os.path.basename(command[0]).startswith(("python", "pypy")):
+        words = _shebang_options(command[0])
+    waiting = False
+    for word in words:
+        if waiting:
+            waiting = False
+        elif word.startswith("--") and word != "--":
+            continue  # --help, --version, ...
+        elif word in ("-", "--") or not word.startswith("-"):
+            return None  # the script, or the program read from stdin: no more options
+        else:
+            for at, letter in enumerate(word[1:], start=1):
+                if letter in _NO_HOOK:
+                    return f"-{letter}"
+                if letter in _ENDS_OPTIONS:
+                    return None
+                if letter in _TAKES_VALUE:
+                    waiting = at == len(word) - 1
+                    break
+    return None
+
+
+def _shebang_options(name: str) -> list[str]:
+    """The words after the interpreter on the `#!` line of the script `name`
+    (`#!/usr/bin/python3 -E`, `#!/usr/bin/env -S python3 -I`)."""
+    from shutil import which
+
+    path = name if "/" in name else which(name)
+    try:
+        with open(path or "", "rb") as handle:
+            first = handle.readline(256)
+    except OSError:
+        return []
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    for at, word in enumerate(words):
+        if os.path.basename(word).startswith(("python", "pypy")):
+            return words[at + 1 :]
+    return []
+
+
 class Held:
     """A job's budget as applied: the plan, and its cgroup while it has one."""
 
@@ -100,15 +153,19 @@ def prepare(
         # In an Apptainer container the hook's directory is the host's: a container that
         # cleans its environment gets no PYTHONPATH, another only what is bound in.
         contained = runs_apptainer(command)
+        bare = ignores_hook(command)
         means = Means(
             dmem=cgroup is not None,
             dmem_why_not=why_not,
             mps=mps.daemon_serves(env),
-            python=python_program(command) and not contained,
+            python=python_program(command) and not contained and bare is None,
             python_why_not=(
                 "the PyTorch hook does not reach into an Apptainer container (its directory is "
                 "the host's), for the PyTorch cap"
                 if contained
+                else f"python {bare} runs without the PyTorch hook (PYTHONPATH's "
+                "sitecustomize), for the PyTorch cap"
+                if bare is not None
                 else Means().python_why_not
             ),
             hook_dir=HOOK_DIR,

@@ -583,3 +583,47 @@ def test_a_job_started_inside_another_is_told_its_own_reservation_not_the_outer_
         env={**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": ".6"},
     )
     assert json.loads(mine.stdout)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == ".6"
+
+
+@pytest.mark.parametrize("flags", [["-I"], ["-E"], ["-S"], ["-uE"], ["-X", "dev", "-s", "-I"]])
+def test_a_python_that_ignores_the_hook_is_not_said_to_be_capped_by_it(
+    sim_file: SimFileFactory, flags: list[str]
+) -> None:
+    # `python -I` (or -E) ignores PYTHONPATH and -S imports no sitecustomize: the hook never
+    # runs, and nothing caps PyTorch, though the run was recorded as held by the cap.
+    sim_file(gpus=1, memory="8GiB")
+    script = "import sys; print('pyhook' in str(sys.modules.get('sitecustomize')))"
+    done = gpuwait(
+        *("--enforce", "limit", "--vram", "1G", "--", sys.executable, *flags, "-c", script)
+    )
+    assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
+    said = [line for line in done.stderr.splitlines() if "enforce = limit" in line]
+    assert len(said) == 1 and "PYTHONPATH" in said[0], done.stderr
+    assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
+
+
+def test_a_python_run_plainly_is_still_capped_by_the_hook(sim_file: SimFileFactory) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    script = "import sys; print(sys.modules['sitecustomize'].__file__)"
+    done = gpuwait(
+        *("--enforce", "limit", "--vram", "1G", "--", sys.executable, "-u", "-W", "ignore"),
+        *("-c", script, "-I"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pyhook" in done.stdout
+    assert recorded_runs()[0]["budget"]["held_by"] == ["PyTorch allocator cap"]
+
+
+def test_a_script_whose_interpreter_ignores_the_hook_is_not_said_to_be_capped_by_it(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    sim_file(gpus=1, memory="8GiB")
+    script = tmp_path / "job.py"
+    script.write_text(
+        f"#!{sys.executable} -Es\nimport sys\nprint('pyhook' in str(sys.modules.get('sitecustomize')))\n"
+    )
+    script.chmod(0o755)
+    done = gpuwait("--enforce", "limit", "--vram", "1G", "--", str(script))
+    assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
+    assert "python -E runs without the PyTorch hook" in done.stderr
+    assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
