@@ -200,7 +200,8 @@ def plan(
 def _users_own(env: Mapping[str, str]) -> Mapping[str, str]:
     """`env` without the framework variables that the gpuwait job this one runs inside (or ran
     inside: a shell that outlived it) exported to its command: its share of the card, which is
-    not this job's, and the on-demand settings that go with it. They are no user's."""
+    not this job's, the on-demand settings that go with it, and its MPS limit. They are no
+    user's."""
     enclosing = env.get(FRACTION_VAR, "") if env.get("GPUWAIT_JOB_ID") else ""
     if not enclosing:
         return env
@@ -210,8 +211,15 @@ def _users_own(env: Mapping[str, str]) -> Mapping[str, str]:
         XLA_PREALLOCATE_VAR: "false",
         TF_GROWTH_VAR: "true",
     }
+    # Its MPS limit, as gpuwait writes one, on every GPU this job has (a job inside another
+    # gets some of its GPUs): each process of this job is an MPS client limited on its own.
+    limit = env.get(MPS_LIMIT_VAR, "")
+    uuids = {u for u in env.get("GPUWAIT_GPU_UUIDS", "").split(",") if u}
+    written = re.fullmatch(r"GPU-[\w-]+=\d+MB(?:,GPU-[\w-]+=\d+MB)*", limit)
+    if uuids and written and uuids <= set(parse_mps_limit(limit)):
+        theirs[MPS_LIMIT_VAR] = limit
     if env.get(XLA_FRACTION_VAR, enclosing) != enclosing:
-        return env  # the user's own fraction, which the enclosing job kept
+        theirs = {MPS_LIMIT_VAR: theirs[MPS_LIMIT_VAR]} if MPS_LIMIT_VAR in theirs else {}
     return {n: v for n, v in env.items() if theirs.get(n) != v}
 
 

@@ -627,3 +627,22 @@ def test_a_script_whose_interpreter_ignores_the_hook_is_not_said_to_be_capped_by
     assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
     assert "python -E runs without the PyTorch hook" in done.stderr
     assert recorded_runs()[0]["budget"]["held_by"] == ["hint only"]
+
+
+def test_a_job_started_inside_another_under_an_mps_limit_is_limited_at_its_own_reservation(
+    sim_file: SimFileFactory, mps_daemon: Path
+) -> None:
+    # Each MPS client is limited on its own: the sweep's limit, inherited, stopped the job's
+    # CUDA program at the sweep's 4 GiB though the job had reserved 10 GiB.
+    sim_file(gpus=1, memory="24GiB")
+    pipes = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    inner = ["--", *GPUWAIT, "--enforce", "limit", "--vram", "10G"]
+    job = ("--framework", "cuda", "--vram", "8G", "--hold", "0.1s")
+    done = run_sim_job(["--enforce", "limit", "--vram", "4G", *inner], *job, env=pipes)
+    assert done.returncode == 0, done.stderr
+    assert [r["budget"]["held_by"] for r in recorded_runs()] == [["MPS limit"]] * 2
+    # A limit the user set before either is still theirs.
+    mine = {**pipes, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=6G"}
+    done = run_sim_job(["--enforce", "limit", "--vram", "4G", *inner], *job, env=mine)
+    assert done.returncode == 1
+    assert "MPS pinned device memory limit" in done.stderr
