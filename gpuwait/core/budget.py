@@ -189,12 +189,32 @@ def plan(
     CUDA_VISIBLE_DEVICES order), or less on those `by_gpu` names (a share of each card: the
     same fraction of every card), given the user's environment `env` (whose framework
     variables are never overridden) and `means`."""
-    env = _users_own(env)
+    undone = _hooks_settings_undone(env)
+    env = {**_users_own(env), **undone}
     planned = _plan(mode, reserved_bytes, gpus, env, means, whole_gpus=whole_gpus, by_gpu=by_gpu)
     # The PyTorch hook an enclosing job put on PYTHONPATH caps this job's Python at that job's
-    # share unless told otherwise: at this job's own where it caps it, else at none ("").
+    # share unless told otherwise: at this job's own where it caps it, else at none (""). A
+    # PyTorch that reads the cap from its allocator settings was given it there, in the
+    # enclosing job's process that imported torch and started this one: those are put back.
     cleared = {n: "" for n in (TORCH_FRACTION_VAR, TORCH_BYTES_VAR) if env.get(n)}
+    cleared.update(undone)
     return planned._replace(env={**cleared, **planned.env}) if cleared else planned
+
+
+def _hooks_settings_undone(env: Mapping[str, str]) -> dict[str, str]:
+    """The allocator settings in `env` the hook added its cap to (the key, at the fraction an
+    enclosing job gave it in GPUWAIT_TORCH_MEMORY_FRACTION), each without that key."""
+    try:
+        given = float(env.get(TORCH_FRACTION_VAR, ""))
+    except ValueError:
+        return {}
+    undone = {}
+    for name in TORCH_CONF_VARS:
+        items = env.get(name, "").split(",")
+        kept = [i for i in items if conf_fraction(i) != given]
+        if len(kept) < len(items):
+            undone[name] = ",".join(kept)
+    return undone
 
 
 def _users_own(env: Mapping[str, str]) -> Mapping[str, str]:

@@ -646,3 +646,33 @@ def test_a_job_started_inside_another_under_an_mps_limit_is_limited_at_its_own_r
     done = run_sim_job(["--enforce", "limit", "--vram", "4G", *inner], *job, env=mine)
     assert done.returncode == 1
     assert "MPS pinned device memory limit" in done.stderr
+
+
+def test_a_job_started_inside_another_from_python_that_imported_torch_gets_its_own_cap(
+    sim_file: SimFileFactory, tmp_path: Path
+) -> None:
+    # A PyTorch that reads its cap from its allocator settings (2.10+) gets it there from the
+    # hook, in the process's own environment: a sweep that imported torch passed the key on to
+    # the job it started, whose gpuwait took it for the user's and left the job's PyTorch at
+    # the sweep's 4 GiB though the job had reserved 10 GiB.
+    sim_file(gpus=1, memory="24GiB")
+    torch = tmp_path / "lib" / "torch"
+    torch.mkdir(parents=True)
+    (torch / "__init__.py").write_text("")
+    (torch / "version.py").write_text("__version__ = '2.10.0'\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path / 'lib'}",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    inner = [*GPUWAIT, "--enforce", "limit", "--vram", "10G", "--", sys.executable, "-c"]
+    sweep = f"import subprocess, torch; subprocess.run({[*inner, SHOW_ENV]!r}, check=True)"
+    done = gpuwait(
+        *("--enforce", "limit", "--vram", "4G", "--", sys.executable, "-c", sweep), env=env
+    )
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["GPUWAIT_TORCH_MEMORY_FRACTION"] == "0.4166"
+    # The user's own settings stay; the job's PyTorch is capped by the hook at its own share.
+    assert shown["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert [r["budget"]["held_by"] for r in recorded_runs()] == [["PyTorch allocator cap"]] * 2
