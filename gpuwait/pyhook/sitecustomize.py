@@ -201,12 +201,32 @@ def install() -> None:
         sys.meta_path.insert(0, TorchWatch(fraction))
 
 
+def _a_hook(directory: str) -> bool:
+    """Is `directory` this hook's, by another path (a symlink), or another gpuwait's (an
+    enclosing job's, of another install)? Each runs the sitecustomize it hides: taken for the
+    user's, two hooks would run each other for ever."""
+    where = os.path.realpath(directory or os.curdir)
+    if where == os.path.realpath(_HERE):
+        return True
+    parent, name = os.path.split(where)
+    return name == "pyhook" and os.path.basename(parent) == "gpuwait"
+
+
 def chain() -> None:
-    """Run the sitecustomize this one hides (the next one on sys.path), as Python would have."""
+    """Run the sitecustomize this one hides (the next one on sys.path that is no gpuwait hook),
+    as Python would have."""
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
-    if spec is None or spec.loader is None:
-        return
+    while True:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+        if spec is None or spec.loader is None or spec.origin is None:
+            return
+        found = os.path.dirname(spec.origin)
+        if not _a_hook(found):
+            break
+        left = [p for p in rest if os.path.abspath(p or os.curdir) != os.path.abspath(found)]
+        if len(left) == len(rest):
+            return  # found where no entry of the path names: nothing more is looked for
+        rest = left
     module = importlib.util.module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)

@@ -198,6 +198,42 @@ def test_the_users_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     assert module == str(own / "sitecustomize.py")
 
 
+@pytest.mark.parametrize("other", ["another install", "a symlink"])
+def test_a_hook_of_an_enclosing_job_on_pythonpath_runs_neither_twice_nor_for_ever(
+    tmp_path: Path, other: str
+) -> None:
+    # A job started inside another gpuwait's job (another install's, or this one's reached by
+    # another path) inherits that hook's directory behind its own: each hook ran the other as
+    # the sitecustomize it hides, and every Python started printed "Error in sitecustomize ...
+    # RecursionError", the user's own never ran, and torch was watched 200 times over.
+    hook = Path(HOOK_DIR)
+    if other == "a symlink":
+        enclosing = tmp_path / "link"
+        enclosing.symlink_to(hook)
+    else:
+        enclosing = tmp_path / "venv2" / "gpuwait" / "pyhook"
+        enclosing.mkdir(parents=True)
+        (enclosing / "sitecustomize.py").write_text((hook / "sitecustomize.py").read_text())
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+    torch_dir = stand_in_torch(tmp_path / "site", "2.5.1")
+    code = (
+        "import os, sys, json, torch\n"
+        "torch.cuda._lazy_init()\n"
+        "print(json.dumps([os.environ.get('OWN_SITECUSTOMIZE'), torch.cuda.calls]))"
+    )
+    done = run_python(
+        code,
+        [HOOK_DIR, str(enclosing), str(own), str(torch_dir)],
+        GPUWAIT_TORCH_MEMORY_FRACTION="0.25",
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    ran, calls = json.loads(done.stdout)
+    assert ran == "ran"
+    assert len(calls) == 2, calls  # each of the two devices capped once
+
+
 def test_a_program_without_torch_is_untouched(tmp_path: Path) -> None:
     done = run_python(
         "import json, sys; print('ok')", [HOOK_DIR], GPUWAIT_TORCH_MEMORY_FRACTION="0.25"
