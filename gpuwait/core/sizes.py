@@ -132,6 +132,8 @@ def parse_request(text: str) -> MemoryRequest:
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*(ms|s|m|h|d)?", re.IGNORECASE | re.ASCII)
 _DURATION_HINT = "use e.g. 30s, 250ms, 10m, 2h, 1h30m"
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: The unit a number after another one's would most likely be meant in (1h30: 1h30m).
+_NEXT_UNIT = {"d": "h", "h": "m", "s": "ms", "ms": "ms"}
 
 
 def parse_duration(text: str) -> float:
@@ -149,6 +151,14 @@ def parse_duration(text: str) -> float:
         if not match or match.end() == position:
             _duration_comma(text)
             raise ValueError(f"{text!r} is not a duration; {_digits(text, _DURATION_HINT)}")
+        before = stripped[:position].rstrip().lower()
+        last = next((u for u in ("ms", "s", "m", "h", "d") if before.endswith(u)), None)
+        if parts and match.group(2) is None and last != "m":
+            # `1h30`: the 1h30m meant, not an hour and 30 s (`2m30` is 2m30s, as a clock says).
+            if last is None:
+                raise ValueError(f"{text!r} is not a duration; {_DURATION_HINT}")
+            meant = re.sub(r"\s+", "", stripped) + _NEXT_UNIT[last]
+            raise ValueError(f"{stripped!r} gives {match.group(1)} no unit; write {meant}")
         unit = (match.group(2) or "s").lower()
         total += float(match.group(1)) * _DURATION_UNITS[unit]
         position = match.end()

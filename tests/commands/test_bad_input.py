@@ -216,6 +216,23 @@ CASES: dict[str, Case] = {
     "more gpus than exist": (["--vram", "1G", "--gpus", "9", "true"], {}, None, None, 3, "only 2"),
     "negative timeout with =": (["--timeout=-5s", "true"], {}, None, None, 2, "is negative"),
     "timeout unit": (["--timeout", "10x", "true"], {}, None, None, 2, "not a duration"),
+    # 1h30 read as an hour and 30 s gave up half an hour before the 1h30m meant.
+    "timeout number after an hour": (
+        ["--timeout", "1h30", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1h30' gives 30 no unit; write 1h30m",
+    ),
+    "timeout number after a day": (
+        ["--timeout", "1d 12", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1d 12' gives 12 no unit; write 1d12h",
+    ),
     "priority zero": (["--priority", "0", "true"], {}, None, None, 2, "priority"),
     "priority word": (["--priority", "high", "true"], {}, None, None, 2, "priority"),
     "safety zero": (["--safety", "0", "true"], {}, None, None, 2, "fraction"),

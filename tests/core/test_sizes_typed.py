@@ -27,3 +27,10 @@ def test_a_number_without_a_leading_zero_is_taken_in_a_share_as_in_a_size(
 def test_a_negative_share_without_a_leading_zero_is_told_negative() -> None:
     with pytest.raises(ValueError, match="is negative; give a share above zero"):
         parse_request("-.5%")
+
+
+def test_seconds_after_minutes_are_read_as_a_clock_reads_them() -> None:
+    from gpuwait.core.sizes import parse_duration
+
+    assert parse_duration("2m30") == parse_duration("2m 30") == 150.0
+    assert parse_duration("1h2m30") == 3750.0
