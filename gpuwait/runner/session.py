@@ -64,7 +64,7 @@ from gpuwait.core.sizes import (
     format_size,
 )
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
-from gpuwait.core.text import columns, entry_command
+from gpuwait.core.text import columns, command_line, entry_command
 from gpuwait.gpu import open_backend
 from gpuwait.history import record as run_record
 from gpuwait.history.learn import (
@@ -570,6 +570,10 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
 
         conf = job_without_gpus(os.environ)
         job_gpus = os.environ.get("SLURM_JOB_GPUS")
+        # The shell hook's line may need no GPU (`python prep.py` in an `srun --pty bash`): the
+        # hook runs it bare, on the CPU, once CUDA_VISIBLE_DEVICES hides every GPU.
+        line = command_line(request.command, 200)
+        on_cpu = f"; or on the CPU: CUDA_VISIBLE_DEVICES= {line}" if request.from_hook else ""
         if conf is not None and job_gpus:
             # A step run with --gres=none in a job that has GPUs, or CUDA_VISIBLE_DEVICES
             # unset in the job (see gpuwait.linux.slurm).
@@ -579,7 +583,7 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
                 f"unset); {conf} hands this node's GPUs out as GRES, so every GPU here may be "
                 "another job's",
                 hint="run the step with the job's GPUs (srun without --gres=none or --gpus=0), "
-                f"or set CUDA_VISIBLE_DEVICES={job_gpus}",
+                f"or set CUDA_VISIBLE_DEVICES={job_gpus}{on_cpu}",
             )
         if conf is not None:
             # Every GPU here may be another Slurm job's (see gpuwait.linux.slurm).
@@ -587,7 +591,7 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
                 f"Slurm gave this job no GPU ({conf} hands this node's GPUs out as GRES), so "
                 "every GPU here may be another job's",
                 hint="ask Slurm for one (sbatch or srun --gres=gpu:1, or --gpus=1), or set "
-                "CUDA_VISIBLE_DEVICES to the GPUs this job may use",
+                f"CUDA_VISIBLE_DEVICES to the GPUs this job may use{on_cpu}",
             )
     if request.devices is None and inherited is None:
         return None  # any GPU (and a plain launch need not import the parsing below)

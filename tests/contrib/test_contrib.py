@@ -1044,6 +1044,31 @@ def test_a_slurm_job_given_no_gpus_is_refused_where_slurm_hands_gpus_out(
     assert ran.exists()
 
 
+def test_a_slurm_job_given_no_gpus_is_told_how_to_run_a_command_on_the_cpu(
+    user_env: dict[str, str], tmp_path: Path
+) -> None:
+    # In an `srun --pty bash` of a job given no GPU, the shell hook's `python prep.py` is refused
+    # (every GPU here may be another job's), and the hint named only ways to get a GPU: the
+    # line that runs such a command on the CPU was nowhere.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("GresTypes=gpu\n")
+    env = {**user_env, "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1", "SLURM_CONF": str(conf)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    (tmp_path / "prep.py").write_text(
+        "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))\n"
+    )
+    hooked = ["gpuwait", "shell-hook", "--", "python3", "prep.py"]
+    done = subprocess.run(hooked, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    hint = done.stderr.splitlines()[-1]
+    assert hint.startswith("gpuwait: hint: "), done.stderr
+    assert hint.endswith("; or on the CPU: CUDA_VISIBLE_DEVICES= python3 prep.py"), hint
+    # That line, typed where the hook runs, runs the command on the CPU.
+    cpu = {**env, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(hooked, env=cpu, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "''\n"), done.stderr
+
+
 # Docker ---------------------------------------------------------------------------------------
 
 FAKE_DOCKER = """#!/bin/sh
