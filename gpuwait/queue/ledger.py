@@ -201,6 +201,10 @@ class Ledger:
         #: The users whose lock directory is in the shared directory, and those of them whose
         #: summary is there too.
         self._members: frozenset[int] = frozenset()
+        #: The members whose file this process found gone at its last read, and when (the
+        #: wall clock) it first found it so since it was last there (`_gone`).
+        self._gone_since: dict[int, float] = {}
+        self._gone_before: dict[int, float] = {}
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -554,6 +558,8 @@ class Ledger:
         data, raw, rewrite = self._load_own(self.path, repair, owned=True)
         others: dict[int, LedgerData] = {}
         unread: dict[int, tuple[str, float]] = {}
+        # Those found gone at this read, from those found so at the last (`_gone`).
+        self._gone_before, self._gone_since = self._gone_since, {}
         for uid, name in names.items():
             if uid == self._uid:
                 continue
@@ -757,10 +763,21 @@ class Ledger:
     def _gone(self, uid: int, unread: dict[int, tuple[str, float]]) -> None:
         """A member whose file is gone (removed by hand) while a job of theirs holds its
         liveness lock: the room their jobs hold is not known until it is written again, and
-        nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`)."""
+        nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`).
+        Where no gpuwait of theirs runs to write it again (the lock held by a process their
+        job left running, a program holding room through gpuwait.reserve()), no longer than
+        UNREAD_GRACE from this process's first finding it gone: every member's write there
+        changes the directory, and on a busy server it would hold everyone for good."""
+        now = time.time()
+        since = self._gone_since[uid] = self._gone_before.get(uid, now)
         lapses = _lapses(self.directory, self.directory)
-        if lapses is not None and _holds_a_lock(uid, self.directory):
-            unread[uid] = ("it is not there", lapses)
+        if lapses is None or not _holds_a_lock(uid, self.directory):
+            return
+        if not runs_gpuwait(uid):
+            lapses = min(lapses, since + UNREAD_GRACE)
+            if lapses <= now:
+                return
+        unread[uid] = ("it is not there", lapses)
 
     def _load_other(
         self, path: Path, uid: int, repair: bool, unread: dict[int, tuple[str, float]]

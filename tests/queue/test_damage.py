@@ -280,6 +280,9 @@ def test_another_users_file_gone_between_the_listing_and_its_reading_holds_admis
     # the moment between another member's listing of the directory and its reading of the
     # file: the reader counted no job of theirs and held nobody, where a file of theirs found
     # gone at the listing holds everyone for 30 s. It holds them as well now.
+    from gpuwait.linux import security
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
     directory, other = others_file(
         tmp_path,
         json.dumps({"schema": 1, "jobs": [], "created_at": time.time(), "next_order": 1}).encode(),
@@ -1738,3 +1741,42 @@ def test_a_waiter_held_for_two_users_unusable_files_is_told_of_the_first_uid_and
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
+def test_a_members_file_gone_with_no_gpuwait_of_theirs_holds_a_waiter_no_longer_than_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member's job has ended, leaving behind a process that inherited its lock on their lock
+    # directory (a `nohup` server its script started), and their ledger file is gone (root
+    # removed it as they left): no gpuwait of theirs runs to write it back. A waiter's hold for
+    # it lapsed 30 s after the directory's last change, and every other member's write there
+    # (each launch, each job's end) pushed it back: on a busy server nobody was admitted for as
+    # long as that process lived. It lapses now 30 s after this waiter found the file gone at
+    # the latest, whatever changes in the directory meanwhile.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / "alive.4271"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4271, 4271)
+    left = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
+    try:
+        wait_for(lambda: f" {left.pid} " in Path("/proc/locks").read_text())
+        waiter = Ledger(directory)
+        first = waiter.read().unread_until
+        found_gone = time.time()  # at the latest
+        assert list(first) == [4271], first
+        # Another member's write into the directory, two seconds on.
+        time.sleep(2)
+        (directory / "ledger.4243.json").write_text("{}")
+        later = waiter.read().unread_until[4271]
+        assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
+    finally:
+        left.kill()
+        left.wait()
+
