@@ -26,7 +26,7 @@ import fcntl
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from gpuwait.linux import lock, proc
@@ -228,23 +228,30 @@ def jobs_run(ledger_dir: Path, uid: int) -> bool:
     (and root) can open that directory to lock it; a lock of theirs on anything else (a
     download's, an editor's) tells nothing. Their directory is not listed: only its inode is
     looked at, whatever they keep in it."""
-    try:
-        fd = os.open(
-            _directory(ledger_dir, uid),
-            os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-        )
-    except OSError:
-        return False
-    try:
-        found = os.fstat(fd)
-        if not owned_by(found.st_uid, uid):
-            return False
-        device = proc.lock_device(fd)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return bool(lock.holders_of([(device, found.st_ino)]))
+    return uid in jobs_run_of(ledger_dir, [uid])
+
+
+def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
+    """Those of `uids` a job of whose runs (`jobs_run`), /proc/locks read once for them all."""
+    directories: dict[int, tuple[int, int]] = {}
+    for uid in uids:
+        try:
+            fd = os.open(
+                _directory(ledger_dir, uid),
+                os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+            )
+        except OSError:
+            continue
+        try:
+            found = os.fstat(fd)
+            if owned_by(found.st_uid, uid):
+                directories[uid] = (proc.lock_device(fd), found.st_ino)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    held = lock.holders_of(list(directories.values()))
+    return {uid for uid, file in directories.items() if held.get(file)}
 
 
 def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:

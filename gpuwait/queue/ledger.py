@@ -566,7 +566,10 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
-        for uid in sorted(self._members - names.keys() - {self._uid}):
+        gone = sorted(self._members - names.keys() - {self._uid})
+        if gone and _lapses(self.directory, self.directory) is not None:
+            _learn_locks(gone, self.directory)  # /proc/locks read once for them all
+        for uid in gone:
             self._gone(uid, unread)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
@@ -919,6 +922,25 @@ def _holds_a_lock(uid: int, directory: Path) -> bool:
     found = alive.jobs_run(directory, uid)
     _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
     return found
+
+
+def _learn_locks(uids: list[int], directory: Path) -> None:
+    """`_holds_a_lock` of each of `uids` not known now, from one reading of /proc/locks: a
+    shared ledger's members who left, whose files root removed, are looked at at every read
+    within UNREAD_GRACE of the directory's last change (on a busy server, every read)."""
+    now = time.monotonic()
+    unknown = [
+        uid
+        for uid in uids
+        if (known := _HOLDS_A_LOCK.get((uid, directory))) is None or now >= known[0]
+    ]
+    if not unknown:
+        return
+    if len(_HOLDS_A_LOCK) + len(unknown) > 4096:
+        _HOLDS_A_LOCK.clear()
+    running = alive.jobs_run_of(directory, unknown)
+    for uid in unknown:
+        _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, uid in running)
 
 
 #: By shared ledger directory: how far the clock its file system stamps change times by is

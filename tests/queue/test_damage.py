@@ -1780,3 +1780,42 @@ def test_a_members_file_gone_with_no_gpuwait_of_theirs_holds_a_waiter_no_longer_
         left.kill()
         left.wait()
 
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
+def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forty members left, root removing their files as docs/shared-servers.md says (their
+    # lock directories stay). Within 30 s of any write in the directory, which on a busy
+    # server is always, each read of the ledger by every waiter read the whole of
+    # /proc/locks once for each of them (on a node holding 5,000 locks, half a core's second
+    # for a hundred members, each second, for each waiter); it reads it once now.
+    from gpuwait.linux import proc as linux_proc
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
+    directory = shared_dir(tmp_path)
+    for uid in range(4300, 4340):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+    (directory / "ledger.4299.json").write_text("{}")  # a write there just now
+    reads = []
+    proc_locks = linux_proc.proc_locks
+
+    def counted() -> Any:
+        reads.append(1)
+        return proc_locks()
+
+    monkeypatch.setattr(linux_proc, "proc_locks", counted)
+    # A job of one of them holds its lock (here root's: the test's directories are closed to
+    # them): they hold the others, and they alone.
+    job = os.open(directory / "alive.4310", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(job, fcntl.LOCK_SH)
+        assert Ledger(directory).read().unread == {4310: "it is not there"}
+    finally:
+        os.close(job)
+    assert len(reads) == 1, len(reads)
