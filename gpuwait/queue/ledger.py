@@ -317,7 +317,7 @@ class Ledger:
                 summary_path = wake.summary_path(self.directory, bool(self.shared))
                 changed = rewrite or document != raw or not summary_path.exists()
                 if changed:
-                    writing = time.time()
+                    writing, began = time.time(), time.monotonic()
                     write_atomic(
                         self.path,
                         entries.encode(document),
@@ -325,7 +325,7 @@ class Ledger:
                         self._group,
                     )
                     if self.shared:
-                        _clock_told(self.directory, self.path, writing)
+                        _clock_told(self.directory, self.path, writing, began)
                     gone_quietly = frozenset(quiet or ())
                     to_wake = wake.concerned(present, data.jobs, gone_quietly, release)
                     if _recovered_now(data, raw, rewrite):
@@ -949,10 +949,21 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
 _AHEAD: dict[Path, float] = {}
 
 
-def _clock_told(directory: Path, path: Path, writing: float) -> None:
+#: How long, at most, a write of this user's file may take, by this machine's wall clock and
+#: by its monotonic clock, to tell the file system's clock (`_clock_told`): its change time is
+#: taken for the middle of the write, off by half of it at most.
+CLOCK_TOLD_WITHIN = 2.0
+
+
+def _clock_told(directory: Path, path: Path, writing: float, began: float) -> None:
     """Keep how far `directory`'s file system's clock is ahead of this machine's: `path`, this
-    user's file there, was written just now, from the wall-clock time `writing` on."""
-    written = time.time()
+    user's file there, was written just now, from the wall-clock time `writing` on (`began`
+    on the monotonic clock). A write that took longer than CLOCK_TOLD_WITHIN (the server not
+    answering, this process frozen, the machine suspended, the clock stepped meanwhile) tells
+    nothing: its change time may be anywhere in it."""
+    written, ended = time.time(), time.monotonic()
+    if not (0 <= written - writing <= CLOCK_TOLD_WITHIN and ended - began <= CLOCK_TOLD_WITHIN):
+        return
     with contextlib.suppress(OSError):
         _AHEAD[directory] = os.lstat(path).st_ctime - (writing + written) / 2
 

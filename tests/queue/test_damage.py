@@ -1819,3 +1819,45 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_
     finally:
         os.close(job)
     assert len(reads) == 1, len(reads)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
+def test_a_write_that_took_a_minute_by_the_clock_tells_nothing_of_the_file_servers_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waiter's write of its own file took 70 s by this machine's clock (the file server not
+    # answering for a minute, the process frozen or the machine suspended meanwhile, the clock
+    # stepped): its change time, anywhere in those 70 s, was taken for the middle of them, the
+    # server's clock for 35 s off, and a member's file emptied just now, while their gpuwait
+    # runs, for one left so for 35 s: the waiter was admitted into the room their jobs hold.
+    # Such a write tells nothing of the server's clock now, and the waiter is held.
+    from gpuwait.queue import ledger as module
+
+    class _Clock:
+        offset = -70.0  # this process's clock as the write began, against its end
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return time.time() + self.offset
+
+    clock = _Clock()
+    write_atomic = module.write_atomic
+
+    def slow(*args: Any, **kwargs: Any) -> None:
+        write_atomic(*args, **kwargs)
+        clock.offset = 0.0
+
+    monkeypatch.setattr(module, "time", clock)
+    monkeypatch.setattr(module, "write_atomic", slow)
+    monkeypatch.setattr(module, "_AHEAD", {})
+    directory, _ = others_file(tmp_path, DAMAGE["truncated"])
+    ledger = Ledger(directory)
+    with their_gpuwait_runs():
+        waiter = lifecycle.submit(
+            ledger, live_job("w", request={"bytes": 2**30}), [], [], tmp_path, ["x"]
+        )
+        monkeypatch.setattr(module, "write_atomic", write_atomic)
+        _, held = lifecycle.admit(ledger, waiter, ONE_CARD, 0.99)
+        assert isinstance(held, WaitReason) and "uid 4242" in (held.blocked or ""), held
