@@ -254,6 +254,36 @@ def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
     return {uid for uid, file in directories.items() if held.get(file)}
 
 
+def locks_exclusively(ledger_dir: Path, uid: int) -> bool:
+    """Does a process of `uid`'s hold an exclusive flock on a file of the file system of the
+    ledger directory, as /proc/locks names them (one waited for left out)? So does the job of a
+    gpuwait older than the lock on the lock directory (`jobs_run`), on its liveness lock; and
+    so may any program of theirs (a download's `filelock`): it tells nothing alone."""
+    try:
+        fd = os.open(ledger_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        device = proc.lock_device(fd)
+    finally:
+        os.close(fd)
+    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
+    for line in proc.proc_locks():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
+        if (
+            len(fields) >= 6
+            and fields[1] == b"FLOCK"
+            and fields[3] == b"WRITE"
+            and fields[5].startswith(wanted)
+            and fields[4].isdigit()
+            and int(fields[4]) > 0
+            and proc.owner_uid(int(fields[4])) == uid
+        ):
+            return True
+    return False
+
+
 def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
     """The gpuwait processes that hold the locks of this user's jobs no entry (`named`: their
     job ids) stands for, other than this process's own locks: after a ledger was started

@@ -912,14 +912,19 @@ _HOLDS_A_LOCK: dict[tuple[int, Path], tuple[float, bool]] = {}
 def _holds_a_lock(uid: int, directory: Path) -> bool:
     """Does a job of `uid`'s hold its lock in the ledger `directory`, as a job's gpuwait (or a
     program holding room through gpuwait.reserve()) does (`alive.jobs_run`)? A lock of theirs
-    on another file (a download's) tells nothing."""
+    on another file (a download's) tells nothing. A job of a gpuwait older than that lock, a
+    member's venv's copy, holds none: the summary their gpuwait wrote last listing a job of
+    theirs running tells it, with an exclusive flock of theirs on the directory's file system
+    (that job's liveness lock; the summary alone may list a job that ran on, another's)."""
     now = time.monotonic()
     known = _HOLDS_A_LOCK.get((uid, directory))
     if known is not None and now < known[0]:
         return known[1]
     if len(_HOLDS_A_LOCK) > 4096:
         _HOLDS_A_LOCK.clear()
-    found = alive.jobs_run(directory, uid)
+    found = alive.jobs_run(directory, uid) or (
+        wake.runs_a_job_of(directory, uid) and alive.locks_exclusively(directory, uid)
+    )
     _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
     return found
 

@@ -369,13 +369,32 @@ class Summaries:
         return dict(chosen.values())
 
 
-def read_summary(path: Path, token: FileStamp | None = None) -> Summary | None:
+def runs_a_job_of(state_dir: Path, uid: int) -> bool:
+    """Does the summary `uid` wrote last in the shared ledger directory `state_dir` (theirs,
+    wake.<uid>.json) list a job of theirs running? The word of a gpuwait older than the lock
+    its jobs hold on their lock directory (gpuwait.linux.alive.jobs_run), a program's holding
+    room through its gpuwait.reserve() among them, whose command line names no gpuwait: such a
+    job's end is written there by its gpuwait, as any change of their queue is."""
+    found = read_summary(state_dir / f"wake.{uid}.json", owners=frozenset({uid}))
+    if found is None:
+        return False
+    if found.owned is None:  # a queue of one user's entries, or an older gpuwait's summary
+        return bool(found.running)
+    return any(
+        job.endswith(f"@{uid}") or ("@" not in job and f"{job}@{uid}" in found.owned)
+        for job in found.running
+    )
+
+
+def read_summary(
+    path: Path, token: FileStamp | None = None, owners: frozenset[int] | None = ANYONE
+) -> Summary | None:
     """The summary in `path`, or None when it is missing or not one (then the caller plans to
-    be safe, or, for another user's, passes it over)."""
+    be safe, or, for another user's, passes it over); `owners`: whose it must be."""
     # In a shared directory a summary is its writer's: never followed as a link, never waited
     # on as a FIFO, and never read past what a summary can be.
     try:
-        text = read_state_file(path, MAX_SUMMARY_BYTES, ANYONE)
+        text = read_state_file(path, MAX_SUMMARY_BYTES, owners)
         raw = None if text is None else json.loads(text)
     except (OSError, ValueError, RecursionError):
         return None

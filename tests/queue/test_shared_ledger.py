@@ -2877,3 +2877,90 @@ def test_a_members_summary_of_megabytes_written_in_a_loop_keeps_no_waiter_busy(
     assert waiter.poll() is None
     out, err = waiter.communicate(timeout=60)
     assert (waiter.returncode, out) == (0, "ran\n"), err
+
+
+#: The last gpuwait whose jobs hold no lock on their user's lock directory: a member may run it
+#: still (a venv's older copy) beside a newer one.
+OLDER = "1f6b7c3"
+
+
+def older_gpuwait(server: Server) -> str:
+    """A tree of gpuwait at OLDER that every member may import, for PYTHONPATH; the test is
+    skipped where the repository's history does not hold it (a shallow clone)."""
+    repo = Path(__file__).resolve().parents[2]
+    tree = server.root / "older"
+    tree.mkdir(mode=0o755)
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", OLDER, "gpuwait"], capture_output=True, timeout=60
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"gpuwait {OLDER} is not in this repository's history")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=60)
+    subprocess.run(["chmod", "-R", "a+rX", str(tree)], check=True, timeout=60)
+    return str(tree)
+
+
+def test_an_older_members_job_holds_its_room_while_their_file_is_gone(server: Server) -> None:
+    # Bob runs gpuwait 1f6b7c3 (a venv's older copy), whose jobs take no lock on his lock
+    # directory; his job holds 15 GiB of the card's 21.6 usable and a loop of his removes his
+    # ledger file. Alice's launches (this gpuwait) found no lock of his job's, counted none,
+    # and each was started into the room his job holds. The summary his gpuwait wrote last
+    # lists his job running: nobody is admitted until it ends.
+    server.envs[BOB]["PYTHONPATH"] = older_gpuwait(server)
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    loop = subprocess.Popen(
+        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
+        user=BOB,
+        group=BOB,
+        extra_groups=[GROUP],
+        start_new_session=True,
+        text=True,
+    )
+    server.procs.append(loop)
+    try:
+        wait_for(lambda: not server.own_file(BOB).exists())
+        alice_is_held_for_bobs_file(server, 3)
+    finally:
+        loop.kill()
+        loop.wait()
+    bobs_room_is_alices_once_it_ends(server, bob)
+
+
+def test_an_older_members_program_holds_its_room_while_their_file_cannot_be_used(
+    server: Server,
+) -> None:
+    # Bob's Python program, importing gpuwait 1f6b7c3, holds 15 GiB through gpuwait.reserve(),
+    # and a loop of his empties his ledger file. Its command line names no gpuwait and it
+    # holds no lock on his lock directory: Alice's launches were started into its room, where
+    # Alice's gpuwait 1f6b7c3 waited (it counted any exclusive flock of his). Nobody is now.
+    server.envs[BOB]["PYTHONPATH"] = older_gpuwait(server)
+    python = (
+        'import gpuwait\nr = gpuwait.reserve("15G")\nprint("held", flush=True)\nsignal.pause()\n'
+    )
+    bob = bobs_program_in_the_queue(server, python)
+    assert bob.stdout is not None
+    assert bob.stdout.readline() == "held\n"
+    with bobs_file_emptied(server):
+        alice_is_held_for_bobs_file(server, 3)
+    bobs_room_is_alices_once_it_ends(server, bob)
+
+
+def test_a_members_summary_of_anothers_running_job_holds_nobody_for_their_file(
+    server: Server,
+) -> None:
+    # Bob's last job ended while Alice's ran: the summary his gpuwait wrote then lists her job
+    # running, the queue's only entry. With his ledger file removed and no lock of his held,
+    # nothing of his runs: Alice's next launch runs at once.
+    alice = server.start(ALICE, "--vram", "1G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
+    summary = json.loads((server.ledger_dir / f"wake.{BOB}.json").read_text())
+    assert summary["running"] and "owned" not in summary, summary
+    server.own_file(BOB).unlink()
+    done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+    os.killpg(alice.pid, signal.SIGTERM)
+    alice.communicate(timeout=30)
