@@ -916,23 +916,15 @@ def _holds_a_lock(uid: int, directory: Path) -> bool:
     member's venv's copy, holds none: the summary their gpuwait wrote last listing a job of
     theirs running tells it, with an exclusive flock of theirs on the directory's file system
     (that job's liveness lock; the summary alone may list a job that ran on, another's)."""
-    now = time.monotonic()
-    known = _HOLDS_A_LOCK.get((uid, directory))
-    if known is not None and now < known[0]:
-        return known[1]
-    if len(_HOLDS_A_LOCK) > 4096:
-        _HOLDS_A_LOCK.clear()
-    found = alive.jobs_run(directory, uid) or (
-        wake.runs_a_job_of(directory, uid) and alive.locks_exclusively(directory, uid)
-    )
-    _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
-    return found
+    _learn_locks([uid], directory)
+    return _HOLDS_A_LOCK[(uid, directory)][1]
 
 
 def _learn_locks(uids: list[int], directory: Path) -> None:
-    """`_holds_a_lock` of each of `uids` not known now, from one reading of /proc/locks: a
-    shared ledger's members who left, whose files root removed, are looked at at every read
-    within UNREAD_GRACE of the directory's last change (on a busy server, every read)."""
+    """`_holds_a_lock` of each of `uids` not known now, from one reading of /proc/locks for
+    their lock directories: a shared ledger's members who left, whose files root removed, are
+    looked at at every read within UNREAD_GRACE of the directory's last change (on a busy
+    server, every read)."""
     now = time.monotonic()
     unknown = [
         uid
@@ -945,7 +937,10 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
         _HOLDS_A_LOCK.clear()
     running = alive.jobs_run_of(directory, unknown)
     for uid in unknown:
-        _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, uid in running)
+        found = uid in running or (
+            wake.runs_a_job_of(directory, uid) and alive.locks_exclusively(directory, uid)
+        )
+        _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
 
 
 #: By shared ledger directory: how far the clock its file system stamps change times by is

@@ -371,11 +371,13 @@ class Summaries:
 
 def runs_a_job_of(state_dir: Path, uid: int) -> bool:
     """Does the summary `uid` wrote last in the shared ledger directory `state_dir` (theirs,
-    wake.<uid>.json) list a job of theirs running? The word of a gpuwait older than the lock
-    its jobs hold on their lock directory (gpuwait.linux.alive.jobs_run), a program's holding
-    room through its gpuwait.reserve() among them, whose command line names no gpuwait: such a
-    job's end is written there by its gpuwait, as any change of their queue is."""
-    found = read_summary(state_dir / f"wake.{uid}.json", owners=frozenset({uid}))
+    wake.<uid>.json, or theirs beside it where another member took that name) list a job of
+    theirs running? The word of a gpuwait older than the lock its jobs hold on their lock
+    directory (gpuwait.linux.alive.jobs_run), a program's holding room through its
+    gpuwait.reserve() among them, whose command line names no gpuwait: such a job's end is
+    written there by its gpuwait, as any change of their queue is."""
+    path = own_name(state_dir, "wake", ".json", uid=uid)
+    found = read_summary(path, owners=frozenset({uid}))
     if found is None:
         return False
     if found.owned is None:  # a queue of one user's entries, or an older gpuwait's summary
