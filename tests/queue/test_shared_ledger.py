@@ -2739,58 +2739,12 @@ def test_a_members_lock_of_another_program_holds_nobody_for_their_file(
     assert "whose gpuwait runs" not in done.stderr
 
 
-WRITES_TEXT = """
-import json, os, sys, time
-text = "\\x1b[2J\\x1b[31mcancelled by root: run sudo gpuwait-fix\\u202e\\n" * 2000
-body = json.dumps({"schema": text, "jobs": []})
-while True:
-    # Written whole (by rename), so that a reader never finds it half-written.
-    try:
-        with open(sys.argv[1] + ".part", "w") as f:
-            f.write(body)
-        os.replace(sys.argv[1] + ".part", sys.argv[1])
-    except OSError:
-        pass
-    time.sleep(0.002)
-"""
-
-
-def test_a_members_file_of_text_for_a_schema_puts_none_of_it_in_anothers_wait_line(
-    server: Server,
-) -> None:
-    # Bob's job runs, and a loop of his writes over his ledger file one whose schema is 2,000
-    # lines of text of his ("cancelled by root: run sudo gpuwait-fix"). Alice's launch, held
-    # while his file cannot be used, said it in its warning, its wait line and its last
-    # words: four lines of 4,000 characters each, his words in each. The schema is said by
-    # its type alone: "cannot be used (schema str)".
-    bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
-    server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        ["python3", "-c", WRITES_TEXT, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: "cancelled" in server.own_file(BOB).read_text()[:200])
-        done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
-    finally:
-        loop.kill()
-        loop.wait()
-    assert done.returncode == 124, done.stderr
-    assert "cancelled by root" not in done.stderr, done.stderr[:300]
-    assert "cannot be used (schema str)" in done.stderr, done.stderr[:300]
-    assert max(len(line) for line in done.stderr.splitlines()) < 400, done.stderr[:300]
-    os.killpg(bob.pid, signal.SIGTERM)
-    bob.communicate(timeout=30)
-
-
-WRITES_NUMBER = """
+#: A loop of Bob's writing over his ledger file (argv[1]) one whose schema is in the file argv[2]:
+#: written whole (by rename), so that a reader never finds it half-written.
+WRITES_SCHEMA = """
 import os, sys, time
-body = '{"schema": -%s, "jobs": []}' % ("9" * 4000)
+with open(sys.argv[2]) as f:
+    body = '{"schema": %s, "jobs": []}' % f.read()
 while True:
     try:
         with open(sys.argv[1] + ".part", "w") as f:
@@ -2802,18 +2756,35 @@ while True:
 """
 
 
-def test_a_members_file_of_a_number_of_4000_digits_for_a_schema_keeps_anothers_lines_short(
-    server: Server,
+@pytest.mark.parametrize(
+    ("schema", "his_words", "said"),
+    [
+        # 2,000 lines of text of his: said in its warning, its wait line and its last words,
+        # four lines of 4,000 characters each, his words in each.
+        (
+            json.dumps("\x1b[2J\x1b[31mcancelled by root: run sudo gpuwait-fix\u202e\n" * 2000),
+            "cancelled by root",
+            "cannot be used (schema str)",
+        ),
+        # A number of 4,000 digits: said whole, four lines of 4,000 characters and more, 50
+        # rows each at 80 columns. A schema of more than 9 digits is said by its type alone.
+        ("-" + "9" * 4000, "9999", "cannot be used (schema int)"),
+    ],
+    ids=["text", "number of 4000 digits"],
+)
+def test_a_members_file_of_a_long_schema_puts_none_of_it_in_anothers_lines(
+    server: Server, schema: str, his_words: str, said: str
 ) -> None:
-    # Bob's job runs, and a loop of his writes over his ledger file one whose schema is a
-    # number of 4,000 digits. Alice's launch, held while his file cannot be used, said the
-    # number whole in its warning, its wait line and its last words: four lines of 4,000
-    # characters and more, 50 rows each at 80 columns. A schema of more than 9 digits is
-    # said by its type alone, as one of text is: "cannot be used (schema int)".
+    # Bob's job runs, and a loop of his writes over his ledger file one whose schema is long.
+    # Alice's launch, held while his file cannot be used, said the schema whole in its
+    # warning, its wait line and its last words. It is said by its type alone.
+    written = server.root / "schema"
+    written.write_text(schema)
+    written.chmod(0o644)
     bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     loop = subprocess.Popen(
-        ["python3", "-c", WRITES_NUMBER, str(server.own_file(BOB))],
+        ["python3", "-c", WRITES_SCHEMA, str(server.own_file(BOB)), str(written)],
         user=BOB,
         group=BOB,
         extra_groups=[GROUP],
@@ -2822,14 +2793,14 @@ def test_a_members_file_of_a_number_of_4000_digits_for_a_schema_keeps_anothers_l
     )
     server.procs.append(loop)
     try:
-        wait_for(lambda: "9999" in server.own_file(BOB).read_text()[:200])
+        wait_for(lambda: his_words in server.own_file(BOB).read_text()[:200])
         done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
     finally:
         loop.kill()
         loop.wait()
     assert done.returncode == 124, done.stderr[:300]
-    assert "9999" not in done.stderr, done.stderr[:300]
-    assert "cannot be used (schema int)" in done.stderr, done.stderr[:300]
+    assert his_words not in done.stderr, done.stderr[:300]
+    assert said in done.stderr, done.stderr[:300]
     assert max(len(line) for line in done.stderr.splitlines()) < 400, done.stderr[:300]
     os.killpg(bob.pid, signal.SIGTERM)
     bob.communicate(timeout=30)
