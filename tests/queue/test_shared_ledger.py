@@ -948,12 +948,10 @@ while True:
 """
 
 
-@contextlib.contextmanager
-def bobs_file_emptied(server: Server) -> Iterator[None]:
-    """Bob's ledger file emptied again and again by a loop of his while the block runs (from
-    its first emptying on)."""
+def bobs_loop(server: Server, program: str, *args: str) -> subprocess.Popen[str]:
+    """A Python `program` of Bob's (with `args`), running until the test kills it."""
     loop = subprocess.Popen(
-        ["python3", "-c", EMPTIES, str(server.own_file(BOB))],
+        ["python3", "-c", program, *args],
         user=BOB,
         group=BOB,
         extra_groups=[GROUP],
@@ -961,6 +959,14 @@ def bobs_file_emptied(server: Server) -> Iterator[None]:
         text=True,
     )
     server.procs.append(loop)
+    return loop
+
+
+@contextlib.contextmanager
+def bobs_file_emptied(server: Server) -> Iterator[None]:
+    """Bob's ledger file emptied again and again by a loop of his while the block runs (from
+    its first emptying on)."""
+    loop = bobs_loop(server, EMPTIES, str(server.own_file(BOB)))
 
     def emptied() -> bool:
         try:
@@ -2583,6 +2589,19 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def bobs_file_removed(server: Server, *also: Path) -> Iterator[None]:
+    """Bob's ledger file (and `also`) removed again and again by a loop of his while the block
+    runs (from its first removal on); his gpuwait writes it back."""
+    loop = bobs_loop(server, REMOVES, str(server.own_file(BOB)), *map(str, also))
+    try:
+        wait_for(lambda: not server.own_file(BOB).exists())
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
+
+
 def test_a_member_removing_their_file_while_their_job_runs_admits_nobody_into_its_room(
     server: Server,
 ) -> None:
@@ -2593,21 +2612,8 @@ def test_a_member_removing_their_file_while_their_job_runs_admits_nobody_into_it
     # nobody, and says so.
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: not server.own_file(BOB).exists())
+    with bobs_file_removed(server):
         alice_is_held_for_bobs_file(server, 3)
-    finally:
-        loop.kill()
-        loop.wait()
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
@@ -2619,27 +2625,8 @@ def test_a_member_removing_their_file_and_summary_while_their_job_runs_admits_no
     # each was started into the room his job holds.
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        [
-            "python3",
-            "-c",
-            REMOVES,
-            str(server.own_file(BOB)),
-            str(server.ledger_dir / f"wake.{BOB}.json"),
-        ],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: not server.own_file(BOB).exists())
+    with bobs_file_removed(server, server.ledger_dir / f"wake.{BOB}.json"):
         alice_is_held_for_bobs_file(server, 3)
-    finally:
-        loop.kill()
-        loop.wait()
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
@@ -2656,21 +2643,8 @@ def test_a_member_whose_lock_directory_name_another_took_is_a_member_all_the_sam
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     assert list(server.ledger_dir.glob(f"alive.{BOB}.*"))
-    loop = subprocess.Popen(
-        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: not server.own_file(BOB).exists())
+    with bobs_file_removed(server):
         alice_is_held_for_bobs_file(server, 3)
-    finally:
-        loop.kill()
-        loop.wait()
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
@@ -2783,15 +2757,7 @@ def test_a_members_file_of_a_long_schema_puts_none_of_it_in_anothers_lines(
     written.chmod(0o644)
     bob = server.start(BOB, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        ["python3", "-c", WRITES_SCHEMA, str(server.own_file(BOB)), str(written)],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
+    loop = bobs_loop(server, WRITES_SCHEMA, str(server.own_file(BOB)), str(written))
     try:
         wait_for(lambda: his_words in server.own_file(BOB).read_text()[:200])
         done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
@@ -2882,21 +2848,8 @@ def test_an_older_members_job_holds_its_room_while_their_file_is_gone(server: Se
     server.envs[BOB]["PYTHONPATH"] = older_gpuwait(server)
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    loop = subprocess.Popen(
-        ["python3", "-c", REMOVES, str(server.own_file(BOB))],
-        user=BOB,
-        group=BOB,
-        extra_groups=[GROUP],
-        start_new_session=True,
-        text=True,
-    )
-    server.procs.append(loop)
-    try:
-        wait_for(lambda: not server.own_file(BOB).exists())
+    with bobs_file_removed(server):
         alice_is_held_for_bobs_file(server, 3)
-    finally:
-        loop.kill()
-        loop.wait()
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
