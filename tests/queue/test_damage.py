@@ -1482,6 +1482,20 @@ def test_a_waiter_whose_entry_was_lost_keeps_its_place_before_a_later_launch(
     assert started.read_text().split() == ["waiter", "later"]
 
 
+class ClockOff:
+    """The time module as a module of gpuwait's sees it, its wall clock `offset` seconds off
+    from the machine's."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+
 def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nobody(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1490,13 +1504,6 @@ def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nob
     # others are not held for it for the hour it takes the clock to catch up.
     from gpuwait.queue import ledger as module
 
-    class _HourBehind:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(time, name)
-
-        def time(self) -> float:
-            return time.time() - 3600
-
     directory, _ = others_file(tmp_path, DAMAGE["truncated"])
     theirs = subprocess.Popen(
         ["gpuwait", "60"], executable=shutil.which("sleep"), user=4242, group=4242
@@ -1504,7 +1511,7 @@ def test_another_users_damaged_file_changed_an_hour_ahead_of_the_clock_holds_nob
     try:
         wait_for(lambda: b"gpuwait" in Path(f"/proc/{theirs.pid}/cmdline").read_bytes())
         assert list(Ledger(directory).read().unread) == [4242]
-        monkeypatch.setattr(module, "time", _HourBehind())
+        monkeypatch.setattr(module, "time", ClockOff(-3600))
         assert Ledger(directory).read().unread == {}
     finally:
         theirs.kill()
@@ -1690,16 +1697,9 @@ def test_the_hold_for_another_users_unusable_file_lapses_30_s_after_it_changed_h
     # the hold off again.
     from gpuwait.queue import ledger as module
 
-    class _TenSecondsLater:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(time, name)
-
-        def time(self) -> float:
-            return time.time() + 10
-
     directory, other = others_file(tmp_path, DAMAGE["truncated"])
     with their_gpuwait_runs():
-        monkeypatch.setattr(module, "time", _TenSecondsLater())
+        monkeypatch.setattr(module, "time", ClockOff(10))
         lapses = Ledger(directory).read().unread_until
         assert lapses == {4242: os.lstat(other).st_ctime + module.UNREAD_GRACE}, lapses
 
@@ -1833,16 +1833,7 @@ def test_a_write_that_took_a_minute_by_the_clock_tells_nothing_of_the_file_serve
     # Such a write tells nothing of the server's clock now, and the waiter is held.
     from gpuwait.queue import ledger as module
 
-    class _Clock:
-        offset = -70.0  # this process's clock as the write began, against its end
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(time, name)
-
-        def time(self) -> float:
-            return time.time() + self.offset
-
-    clock = _Clock()
+    clock = ClockOff(-70.0)  # this process's clock as the write began, against its end
     write_atomic = module.write_atomic
 
     def slow(*args: Any, **kwargs: Any) -> None:
