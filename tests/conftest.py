@@ -104,3 +104,14 @@ def isolated_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 def gpuwait_cmd() -> list[str]:
     """argv prefix that runs this checkout's gpuwait in a fresh interpreter."""
     return [sys.executable, "-m", "gpuwait"]
+
+
+@pytest.fixture
+def booted_an_hour_ago(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's boot clock as on a machine up an hour: a test that moves a job's start
+    minutes back on it must not reach before the boot, as it would on a machine booted a
+    moment ago (a fresh CI machine), where a negative stamp is read as none."""
+    from gpuwait.linux import proc
+
+    real = proc.boot_clock
+    monkeypatch.setattr(proc, "boot_clock", lambda: real() + 3600.0)

@@ -300,7 +300,7 @@ def urgent_waiter(ledger: Ledger) -> Job:
 
 @pytest.mark.parametrize("step", [3 * 3600.0, -3 * 3600.0], ids=["forward", "back"])
 def test_a_clock_step_changes_no_jobs_minimum_run_time_before_it_may_be_paused(
-    tmp_path: Path, step: float
+    tmp_path: Path, step: float, booted_an_hour_ago: None
 ) -> None:
     """A job that started a moment ago is not asked to step aside because the wall clock was
     stepped hours forward (it would lose its work at once); one that has run its 10 minutes is
@@ -322,7 +322,7 @@ def test_a_clock_step_changes_no_jobs_minimum_run_time_before_it_may_be_paused(
 
 
 def test_a_clock_stepped_forward_does_not_end_a_pause_requests_grace_early(
-    tmp_path: Path,
+    tmp_path: Path, booted_an_hour_ago: None
 ) -> None:
     """An urgent job asked one job to step aside and it was signalled a moment ago; NTP steps
     the clock an hour forward: the job still has its 60 s grace to checkpoint, and the urgent

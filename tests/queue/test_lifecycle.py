@@ -604,6 +604,7 @@ def _thawed_after_500s(ledger: Ledger, tmp_path: Path) -> Job:
     return lifecycle.thaw(ledger, job, time.time())
 
 
+@pytest.mark.usefixtures("booted_an_hour_ago")
 def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
     tmp_path: Path,
 ) -> None:
@@ -612,6 +613,7 @@ def test_a_thawed_job_is_expected_to_end_after_what_it_ran_before_it_was_frozen(
     assert _expected_left(ledger, "long") == pytest.approx(100, abs=5)
 
 
+@pytest.mark.usefixtures("booted_an_hour_ago")
 def test_a_retry_of_a_thawed_job_is_expected_to_run_its_whole_run_time(tmp_path: Path) -> None:
     # Thawed, the job ran out of memory, and its retry started its command anew: a frozen job
     # keeps no checkpoint of its own. Status showed the retry with 100 s left of its 10 minutes,
