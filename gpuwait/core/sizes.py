@@ -82,6 +82,7 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
         if _SIZE_RE.match(text.strip().removeprefix("-")):
             raise ValueError(f"{text.strip()!r} is negative; give a size above zero, e.g. 6G")
         _decimal_comma(text, _SIZE_RE)
+        _exponent(text, hint)
         raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
@@ -96,6 +97,52 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     if not math.isfinite(value) or value > MAX_SIZE:
         raise ValueError(f"{text.strip()!r} is too large (at most {MAX_SIZE_TEXT})")
     return math.ceil(value)
+
+
+_EXPONENT_RE = re.compile(
+    r"^\s*((?:\d+(?:\.\d*)?|\.\d+)e[+-]?\d+)\s*((?:[KMGT]I?)?B?|%)\s*$", re.IGNORECASE | re.ASCII
+)
+
+
+def _exponent(text: str, hint: str, *, share: bool = False) -> None:
+    """Raise ValueError saying so where `text` is a size (or, with `share`, a share: 5e1%)
+    written with an exponent (1e3M, as Python and JSON write numbers), with the line to type
+    where it is short."""
+    match = _EXPONENT_RE.match(text)
+    if not match or (match.group(2) == "%") != share:
+        return
+    number, unit = match.group(1), match.group(2)
+    said = f"{text.strip()!r} is not a size: it takes no exponent"
+    value = float(number) * _BINARY.get(unit[:1].upper(), 1)
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"{said}, and it is too large (at most {MAX_SIZE_TEXT})")
+    exponent = number.lower().partition("e")[2].lstrip("+-").lstrip("0")
+    plain = _in_digits(number) if len(exponent) <= 2 else ""
+    if not plain or len(plain) > 20:
+        raise ValueError(f"{said}; write it in digits, e.g. 6G")
+    if unit:
+        raise ValueError(f"{said}; write {plain}{unit}")
+    wanted = hint.removeprefix("give a unit")
+    raise ValueError(f"{said}; write {plain} with a unit{wanted}" if wanted != hint else said)
+
+
+def _in_digits(number: str) -> str:
+    """`number` (1.5e3, its exponent of two digits at most) written without its exponent:
+    1500."""
+    mantissa, _, exponent = number.lower().partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    digits = whole + fraction
+    point = len(whole) + int(exponent)
+    if point <= 0:
+        plain = "0." + "0" * -point + digits
+    elif point >= len(digits):
+        plain = digits + "0" * (point - len(digits))
+    else:
+        plain = f"{digits[:point]}.{digits[point:]}"
+    if "." in plain:
+        plain = plain.rstrip("0").rstrip(".")
+    plain = plain.lstrip("0")
+    return "0" + plain if plain[:1] in ("", ".") else plain
 
 
 def _decimal_comma(text: str, pattern: re.Pattern[str]) -> None:
@@ -123,6 +170,7 @@ def parse_request(text: str) -> MemoryRequest:
             raise ValueError(f"{text!r}: a percentage of a GPU must be above 0% and at most 100%")
         return MemoryRequest(fraction=value / 100)
     _decimal_comma(text, _PERCENT_RE)
+    _exponent(text, REQUEST_UNIT_HINT, share=True)
     size = parse_size(text, hint=REQUEST_UNIT_HINT)
     if size <= 0:
         raise ValueError(f"{text!r}: a VRAM request must be larger than zero")

@@ -21,7 +21,39 @@ CASES: dict[str, Case] = {
     # -- the command line --
     "size with a bad unit": (["--vram", "6X", "true"], {}, None, None, 2, "not a size"),
     "empty size": (["--vram", "", "true"], {}, None, None, 2, "not a size"),
-    "exponent size": (["--vram", "1e3G", "true"], {}, None, None, 2, "not a size"),
+    # An exponent, as Python and JSON write numbers: "give a unit" pointed at the unit it has.
+    "exponent size": (
+        ["--vram", "1e3M", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '1e3M' is not a size: it takes no exponent; write 1000M",
+    ),
+    "exponent size with a fraction": (
+        ["--vram", "1.5E-1G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1.5E-1G' is not a size: it takes no exponent; write 0.15G",
+    ),
+    "exponent share": (
+        ["--vram", "5e1%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'5e1%' is not a size: it takes no exponent; write 50%",
+    ),
+    "exponent size without a unit": (
+        ["--vram", "6e9", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'6e9' is not a size: it takes no exponent; write 6000000000 with a unit: 6G (GiB)",
+    ),
     # A decimal comma, as many locales write it: told to give the unit it has, no one would
     # see what to change.
     "decimal comma": (["--vram", "6,5G", "true"], {}, None, None, 2, "with a point: 6.5G"),
