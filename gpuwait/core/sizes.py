@@ -79,7 +79,10 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
     """
     match = _SIZE_RE.match(text)
     if not match:
-        if _SIZE_RE.match(text.strip().removeprefix("-")):
+        unsigned = _SIZE_RE.match(text.strip().removeprefix("-"))
+        if unsigned and float(unsigned.group(1)) == 0:
+            return 0  # -0G: zero, not negative; the caller says where zero will not do
+        if unsigned:
             raise ValueError(f"{text.strip()!r} is negative; give a size above zero, e.g. 6G")
         _decimal_comma(text, _SIZE_RE)
         _exponent(text, hint)
@@ -161,9 +164,10 @@ def _decimal_comma(text: str, pattern: re.Pattern[str]) -> None:
 
 def parse_request(text: str) -> MemoryRequest:
     """A `--vram` value: a size, or a percentage of each card's total (`50%`). Must be > 0."""
-    if _PERCENT_RE.match(text.strip().removeprefix("-")) and text.strip().startswith("-"):
+    unsigned = _PERCENT_RE.match(text.strip().removeprefix("-"))
+    if unsigned and text.strip().startswith("-") and float(unsigned.group(1)) != 0:
         raise ValueError(f"{text.strip()!r} is negative; give a share above zero, e.g. 50%")
-    percent = _PERCENT_RE.match(text)
+    percent = unsigned if unsigned and text.strip().startswith("-") else _PERCENT_RE.match(text)
     if percent:
         value = float(percent.group(1))
         if not 0 < value <= 100:

@@ -333,6 +333,31 @@ CASES: dict[str, Case] = {
     # take it for an unknown option and say the option "expected one argument").
     "negative vram": (["--vram", "-1G", "true"], {}, None, None, 2, "'-1G' is negative"),
     "negative share": (["--vram", "-5%", "true"], {}, None, None, 2, "'-5%' is negative"),
+    # Zero with a sign is zero, not negative: told as zero is.
+    "zero with a minus sign": (
+        ["--vram", "-0", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '-0': a VRAM request must be larger than zero",
+    ),
+    "zero gibibytes with a minus sign": (
+        ["--vram", "-0G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--vram '-0G': a VRAM request must be larger than zero",
+    ),
+    "zero share with a minus sign": (
+        ["--vram", "-0.0%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--vram '-0.0%': a percentage of a GPU must be above 0%",
+    ),
     "negative timeout apart": (
         ["--timeout", "-1s", "true"],
         {},
