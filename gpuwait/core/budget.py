@@ -95,6 +95,10 @@ class Budget(Record, frozen=True):
     env: Mapping[str, str]
     #: Framework variables the user set already, left as they are.
     kept: tuple[str, ...] = ()
+    #: Variables to take out of the command's environment: the caps the gpuwait job this one
+    #: runs inside exported to its command, which this budget does not set again (enforce =
+    #: off, or no MPS limit of its own).
+    unset: tuple[str, ...] = ()
     #: limit mode only: why nothing below the application holds the budget (said once).
     fallback: str | None = None
 
@@ -190,8 +194,13 @@ def plan(
     same fraction of every card), given the user's environment `env` (whose framework
     variables are never overridden) and `means`."""
     undone = _hooks_settings_undone(env)
-    env = {**_users_own(env), **undone}
+    own = _users_own(env)
+    theirs = sorted(n for n in env if n not in own)
+    env = {**own, **undone}
     planned = _plan(mode, reserved_bytes, gpus, env, means, whole_gpus=whole_gpus, by_gpu=by_gpu)
+    unset = tuple(n for n in theirs if n not in planned.env)
+    if unset:
+        planned = planned._replace(unset=unset)
     # The PyTorch hook an enclosing job put on PYTHONPATH caps this job's Python at that job's
     # share unless told otherwise: at this job's own where it caps it, else at none (""). A
     # PyTorch that reads the cap from its allocator settings was given it there, in the

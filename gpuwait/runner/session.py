@@ -1346,6 +1346,8 @@ def _start(
         job, [g.index for g in chosen], config.resume_exit, by_index=config.visible_by_index
     )
     held = budget.prepare(config.enforce, job, chosen, request.command, env)
+    for name in held.plan.unset:
+        env.pop(name, None)
     env.update(held.plan.env)
     env.update(container_copies(held.plan.env))
     for message in (held.plan.fallback, held.problem):

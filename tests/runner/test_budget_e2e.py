@@ -676,3 +676,38 @@ def test_a_job_started_inside_another_from_python_that_imported_torch_gets_its_o
     # The user's own settings stay; the job's PyTorch is capped by the hook at its own share.
     assert shown["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert [r["budget"]["held_by"] for r in recorded_runs()] == [["PyTorch allocator cap"]] * 2
+
+
+def test_a_job_started_with_enforce_off_inside_a_limited_one_carries_none_of_its_caps(
+    sim_file: SimFileFactory,
+) -> None:
+    # A sweep under --enforce limit holding 4 GiB starts a job of 10 GiB with --enforce off:
+    # JAX in that job was held at the sweep's share, told to it as if the user had set it.
+    sim_file(gpus=1, memory="24GiB")
+    inner = ["--", *GPUWAIT, "--vram", "10G", "--enforce", "off"]
+    job = ("--framework", "jax", "--vram", "8G", "--hold", "0.1s")
+    done = run_sim_job(["--vram", "4G", "--enforce", "limit", *inner], *job)
+    assert done.returncode == 0, done.stderr
+    assert "out of memory" not in done.stderr.lower()
+    shown = gpuwait(
+        "--vram", "4G", "--enforce", "limit", *inner, "--", sys.executable, "-c", SHOW_ENV
+    )
+    assert shown.returncode == 0, shown.stderr
+    env = json.loads(shown.stdout)
+    assert exported(env) == {"GPUWAIT_VRAM_FRACTION": "0.4166", "GPUWAIT_TORCH_MEMORY_FRACTION": ""}
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in env
+
+
+@pytest.mark.parametrize("mode", ["off", "hint"])
+def test_a_job_started_inside_another_under_an_mps_limit_without_one_of_its_own_is_not_held_at_the_outer_one(
+    sim_file: SimFileFactory, mps_daemon: Path, mode: str
+) -> None:
+    # Under --enforce off or hint the job asks for no MPS limit: the sweep's 4 GiB, inherited,
+    # stopped its CUDA program though the job had reserved 10 GiB.
+    sim_file(gpus=1, memory="24GiB")
+    pipes = {"CUDA_MPS_PIPE_DIRECTORY": str(mps_daemon)}
+    inner = ["--", *GPUWAIT, "--enforce", mode, "--vram", "10G"]
+    job = ("--framework", "cuda", "--vram", "8G", "--hold", "0.1s")
+    done = run_sim_job(["--enforce", "limit", "--vram", "4G", *inner], *job, env=pipes)
+    assert done.returncode == 0, done.stderr
+    assert "MPS pinned device memory limit" not in done.stderr
