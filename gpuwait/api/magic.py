@@ -11,14 +11,19 @@ knows IPython, and only as the object it is handed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 import shlex
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuwait.api.reserve import Reservation, ReserveError, current, reserve_argv
+from gpuwait.api.reserve import COMMAND_ONLY, Reservation, ReserveError, current, reserve_argv
 from gpuwait.commands import output
+from gpuwait.core.errors import UsageError
 from gpuwait.core.sizes import format_size, parse_request
+
+if TYPE_CHECKING:
+    from gpuwait.commands.parsing import Parser
 
 #: A negative size (`-6G`, `-.5G`), which argparse would take for an option.
 _NEGATIVE = re.compile(r"-\.?\d")
@@ -40,18 +45,68 @@ def gpuwait_magic(line: str) -> Reservation | None:
     if words == ["release"]:
         _release()
         return None
-    argv = _sized(words)
-    quiet = "-q" in argv or "--quiet" in argv
     try:
-        reservation = reserve_argv(argv, output.Console(quiet))
+        argv, quiet = _argv(words)
     except SystemExit:
         return None  # --help or --version: argparse has said it
+    except UsageError as exc:
+        output.error(exc.message, exc.hint)
+        return None
+    try:
+        reservation = reserve_argv(argv, output.Console(quiet))
     except ReserveError as exc:
         output.error(exc.message, exc.hint)
         return None
     if reservation.held and not quiet:
         output.info(f"reserved {_where(reservation)} for this kernel (job {reservation.job_id})")
     return reservation
+
+
+_DESCRIPTION = """\
+Wait in gpuwait's queue until SIZE fits on a GPU, then hold it for this kernel:
+CUDA_VISIBLE_DEVICES and the GPUWAIT_* variables are set in it, and the room goes
+back with `%gpuwait release` or when the kernel ends. SIZE: 6G, 6 GiB, 6GB or 50%
+of a card; left out, learned from earlier runs, else default_vram. Returns the
+reservation (r = %gpuwait 6G)."""
+
+_EPILOG = """\
+  %gpuwait status       this kernel's reservation
+  %gpuwait release      give its room back
+
+See docs/python-api.md."""
+
+
+def _parser() -> Parser:
+    """The command line's parser, speaking as the magic: its usage, its help (without the
+    options that concern only a command gpuwait starts, which a reservation refuses), and its
+    name in what it refuses (`see '%gpuwait --help'`)."""
+    from gpuwait.commands.run import build_parser
+
+    parser = build_parser()
+    parser.prog = "%gpuwait"
+    parser.usage = USAGE.removeprefix("usage: ").replace("%", "%%")  # argparse formats it
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    hidden = {option for _, option in COMMAND_ONLY}
+    for action in parser.options:
+        if hidden.intersection(action.option_strings):
+            action.help = argparse.SUPPRESS
+    return parser
+
+
+def _argv(words: list[str]) -> tuple[list[str], bool]:
+    """The command line's words for `SIZE [OPTIONS]`, or `[OPTIONS] SIZE [OPTIONS]` (`-q 6G`),
+    and whether they ask for quiet. Raises UsageError for what the parser refuses, and
+    SystemExit once it has printed the help or the version."""
+    parser = _parser()
+    argv = _sized(words)
+    options = parser.parse_args(argv)
+    rest = list(options.command)
+    if options.vram is None and rest and not rest[0].startswith("-") and argv[-len(rest) :] == rest:
+        # Options first: the size is the first word they leave, and options may follow it.
+        argv = argv[: -len(rest)] + _sized(rest)
+        options = parser.parse_args(argv)
+    return argv, bool(options.quiet)
 
 
 def _sized(words: list[str]) -> list[str]:

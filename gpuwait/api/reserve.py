@@ -51,7 +51,7 @@ class ReserveError(GpuwaitError):
 
 #: Options of the command line that concern a command gpuwait starts, not a process that
 #: reserves for itself.
-_COMMAND_ONLY = (
+COMMAND_ONLY = (
     ("pausable", "--pausable"),
     ("freezable", "--freezable"),
     ("checkpoint_signal", "--checkpoint-signal"),
@@ -457,7 +457,7 @@ def _options(argv: Sequence[str]) -> argparse.Namespace:
     from gpuwait.commands.run import build_parser
 
     options = build_parser().parse_args(list(argv))
-    for attribute, option in _COMMAND_ONLY:
+    for attribute, option in COMMAND_ONLY:
         if getattr(options, attribute):
             raise UsageError(f"{option} applies to a command gpuwait starts, not to a reservation")
     extra = [w for w in options.command if w != "--"]

@@ -648,6 +648,48 @@ def test_the_magic_takes_a_size_as_gpuwait_reserve_does(sim: Path, gpuwait_cmd: 
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_the_magic_has_its_own_help(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # `%gpuwait --help` printed the command line's help: a COMMAND to run, subcommands, exit
+    # statuses and options a reservation refuses.
+    script = "from gpuwait.api.magic import gpuwait_magic as m\nm('--help')\nm('6G -h')\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    helps = done.stdout.split("usage: ")
+    assert helps[0] == "" and helps[1] == helps[2], done.stdout
+    shown = helps[1]
+    assert shown.startswith("%gpuwait SIZE [OPTIONS] | %gpuwait release | %gpuwait status\n")
+    assert "this kernel" in shown
+    for option in ("--priority", "--timeout", "--name", "--quiet"):
+        assert option in shown
+    for other in ("COMMAND", "subcommands", "--pausable", "--retry-oom", "--grace", "exit status"):
+        assert other not in shown, other
+    assert listed_jobs(gpuwait_cmd) == []
+
+
+def test_the_magic_takes_its_size_after_its_options(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # `%gpuwait -q 6G` was refused: "unexpected '6G': a reservation takes options only".
+    script = (
+        "from gpuwait.api.magic import gpuwait_magic as m\n"
+        "r = m('-q 6G')\nprint(r.vram, r.name)\nm('release')\n"
+        "r = m('--name cell 6 GiB --priority 4')\nprint(r.vram, r.name)\nm('release')\n"
+        "m('6G --prority 4')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"{6 * 2**30} None", f"{6 * 2**30} cell"]
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("gpuwait: released job "), done.stderr
+    assert lines[1].startswith("gpuwait: reserved 6.0 GiB on GPU"), done.stderr
+    assert lines[2].startswith("gpuwait: released job ")
+    # An error points at the magic's help, not the command line's.
+    assert lines[3:] == [
+        "gpuwait: error: unrecognized arguments: --prority; see '%gpuwait --help'",
+        "gpuwait: hint: did you mean --priority?",
+    ]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
