@@ -198,8 +198,11 @@ class WaitLine:
 
     def _once(self, reason: WaitReason, text: str) -> None:
         # Room figures move with every reading; a whole line is written only when the situation
-        # changes.
-        key = situation(reason)
+        # changes, or once this gpuwait was stopped (Ctrl-Z) and continued: its line is then
+        # behind the shell's `Stopped` and prompt (`make -j`'s waiters, after `fg`).
+        from gpuwait.linux import signals  # loaded already by a waiter
+
+        key = (situation(reason), signals.stops())
         if key != self._last_key:
             self._last_key = key
             _say(text + "\n", self.stream)

@@ -328,15 +328,27 @@ def next_signal_or_stop(
     return info, False
 
 
+#: How many times `stop_by` stopped this process (and it was continued).
+_stops = 0
+
+
+def stops() -> int:
+    """How many times this process stopped itself by `stop_by` and was continued: what it
+    wrote before the last one is behind the shell's `Stopped` and prompt."""
+    return _stops
+
+
 def stop_by(signum: int) -> None:
     """Stop this process by `signum`, a stop signal (held blocked or not), as it would have
     stopped had it not been held: shells tell which (`Stopped` for Ctrl-Z). Returns once the
     process is continued (at once in an orphaned process group, where the kernel ignores the
     terminal's stops, as it would have bare). The signal mask is left as it was."""
+    global _stops
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
     os.kill(os.getpid(), signum)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _stops += 1
 
 
 #: Run by `waker`: continues gpuwait (argv[1]), stopped with its command (argv[2]), once the

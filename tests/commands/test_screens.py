@@ -520,6 +520,54 @@ def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
     )
 
 
+def test_waiters_of_one_make_j_stopped_with_ctrl_z_say_again_why_they_wait_once_fg_continues_them(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+) -> None:
+    # Ctrl-Z stops make and its waiters; below the shell's `Stopped`, its prompt and `fg`, the
+    # screen stayed blank: each waiter had said its line once, and said it again only when
+    # what it waits for changed (the room never changes here).
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    sim_file(gpus=1, memory="24GiB")
+    holder = procs(
+        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
+    )
+    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
+    (tmp_path / "Makefile").write_text(
+        "all: a b c\na b c:\n\t@gpuwait --name $@ --vram 20G -- echo ran-$@\n"
+    )
+    term = shell(80, 24)
+    term.type("make -j3")
+    term.wait_for(
+        lambda rows: all(any(f"gpuwait[{n}]" in r for r in rows) for n in "abc"),
+        what="a line from each waiter",
+    )
+    term.key("C-z")
+    term.wait_for(lambda rows: any("Stopped" in r for r in rows), what="the shell's Stopped")
+    term.wait_idle()
+    term.type("clear; fg")
+
+    def below_fg(rows: list[str]) -> list[str]:
+        # The screen cleared, `fg` says the job it continues on the first row.
+        return rows if rows[:1] == ["make -j3"] else []
+
+    rows = term.wait_for(
+        lambda rows: all(any(f"gpuwait[{n}]" in r for r in below_fg(rows)) for n in "abc"),
+        what="each waiter's line again below fg",
+    )
+    for row in gpuwait_rows(below_fg(rows)):
+        assert WAIT_ROW.match(row) and row.count("gpuwait[") == 1, rows
+    holder.terminate()
+    term.wait_for(
+        lambda rows: all(any(r == f"ran-{n}" for r in rows) for n in "abc"),
+        what="every waiter's command ran, each on a line of its own",
+    )
+
+
 def test_status_in_a_narrow_pane_fits_without_wrapping(
     shell: Callable[[int, int], Terminal],
     sim_file: SimFileFactory,
