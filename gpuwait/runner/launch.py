@@ -1433,6 +1433,16 @@ def container_copies(exported: Mapping[str, str]) -> dict[str, str]:
     return _in_containers({name: v for name, v in exported.items() if name != "PYTHONPATH"})
 
 
+def drop_inherited(env: MutableMapping[str, str], names: Sequence[str]) -> None:
+    """Take `names` out of `env`, and the APPTAINERENV_ and SINGULARITYENV_ copies of each that
+    hold its value (the enclosing job's caps, exported with their copies)."""
+    for name in names:
+        value = env.pop(name, None)
+        for copy in _container_names([name]):
+            if value is not None and env.get(copy) == value:
+                del env[copy]
+
+
 def forget_job(env: MutableMapping[str, str]) -> None:
     """Take out of `env` what `command_env` gave an ended job's command, for a process that
     outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and

@@ -111,6 +111,7 @@ from gpuwait.runner.launch import (
     check_script,
     command_env,
     container_copies,
+    drop_inherited,
     spawn_when_possible,
 )
 from gpuwait.runner.stderrwatch import StderrWatch
@@ -1346,8 +1347,7 @@ def _start(
         job, [g.index for g in chosen], config.resume_exit, by_index=config.visible_by_index
     )
     held = budget.prepare(config.enforce, job, chosen, request.command, env)
-    for name in held.plan.unset:
-        env.pop(name, None)
+    drop_inherited(env, held.plan.unset)
     env.update(held.plan.env)
     env.update(container_copies(held.plan.env))
     for message in (held.plan.fallback, held.problem):

@@ -149,6 +149,28 @@ def test_a_container_that_cleans_its_environment_keeps_the_frameworks_budget(
     assert seen.get("TF_FORCE_GPU_ALLOW_GROWTH") == "true"
 
 
+def test_a_container_in_a_job_with_enforce_off_inside_a_limited_one_gets_none_of_its_caps(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A sweep under --enforce limit holding 4 GiB starts `gpuwait --vram 10G --enforce off --
+    # apptainer exec --cleanenv ...`: the sweep's APPTAINERENV_ copies of its caps reached the
+    # container, whose JAX was held at the sweep's share, set as if by the user.
+    env = with_program(tmp_path / "bin", "apptainer", CLEANENV_CONTAINER)
+    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
+        env.pop(name, None)
+    container = ("apptainer", "exec", "--nv", "--cleanenv", "img.sif")
+    inner = (*gpuwait_cmd, "--vram", "10G", "--enforce", "off", "--", *container)
+    seen = env_of(gpuwait_cmd, "--vram", "4G", "--enforce", "limit", "--", *inner, env=env)
+    assert seen.get("GPUWAIT_VRAM_FRACTION") == "0.4166", seen
+    for name in (
+        "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "XLA_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_PREALLOCATE",
+        "TF_FORCE_GPU_ALLOW_GROWTH",
+    ):
+        assert name not in seen, (name, seen[name])
+
+
 def test_visible_devices_index_gives_programs_that_parse_integers_nvml_indices(
     sim: Path, gpuwait_cmd: list[str]
 ) -> None:
