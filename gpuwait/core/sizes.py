@@ -194,6 +194,12 @@ def parse_duration(text: str) -> float:
     Raises ValueError."""
     stripped = text.strip()
     if stripped.startswith("-") and _DURATION_RE.match(stripped, 1):
+        try:
+            unsigned: float | None = parse_duration(stripped[1:])
+        except ValueError:
+            unsigned = None
+        if unsigned == 0:
+            return 0.0  # -0s: zero, not negative; the caller says where zero will not do
         raise ValueError(f"{stripped!r} is negative; give a duration such as 30s")
     position = 0
     total = 0.0

@@ -350,6 +350,14 @@ CASES: dict[str, Case] = {
         2,
         "--vram '-0G': a VRAM request must be larger than zero",
     ),
+    "zero seconds with a minus sign": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_NVML_INTERVAL": "-0s"},
+        None,
+        None,
+        2,
+        "'-0s' is not valid for nvml_interval: expected a duration of at least 1ms",
+    ),
     "zero share with a minus sign": (
         ["--vram", "-0.0%", "true"],
         {},
