@@ -45,6 +45,11 @@ def gpuwait_magic(line: str) -> Reservation | None:
     if words == ["release"]:
         _release()
         return None
+    if words[0] in ("status", "release"):
+        output.error(
+            f"%gpuwait {words[0]} takes nothing after it: {shlex.join(words[1:])!r}", USAGE
+        )
+        return None
     try:
         argv, quiet = _argv(words)
     except SystemExit:

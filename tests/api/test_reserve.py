@@ -690,6 +690,23 @@ def test_the_magic_takes_its_size_after_its_options(sim: Path, gpuwait_cmd: list
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_the_magics_status_and_release_take_no_more_words(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `%gpuwait status -q` was answered "--vram 'status' is not a size; give a unit".
+    script = "from gpuwait.api.magic import gpuwait_magic as m\nm('status -q')\nm('release now')\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    usage = "%gpuwait SIZE [OPTIONS] | %gpuwait release | %gpuwait status"
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: %gpuwait status takes nothing after it: '-q'",
+        f"gpuwait: hint: usage: {usage}",
+        "gpuwait: error: %gpuwait release takes nothing after it: 'now'",
+        f"gpuwait: hint: usage: {usage}",
+    ]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
