@@ -1256,7 +1256,7 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
         return _held_whatever_room(
             mine,
             data,
-            f"the ledger file of uid {uid}, whose gpuwait runs, cannot be used ({why}); the "
+            f"the ledger file of uid {uid}, whose gpuwait or job runs, cannot be used ({why}); the "
             "room their jobs hold is not known until it is written again",
             until=until,
         )
@@ -1267,7 +1267,7 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
         return _held_whatever_room(
             mine,
             data,
-            f"the ledger file of uid {uid}, whose gpuwait runs, was started afresh after "
+            f"the ledger file of uid {uid}, whose gpuwait or job runs, was started afresh after "
             "damage; the room their jobs hold is not known until they have put their entries "
             f"back (at most {RECOVERY_GRACE:.0f} s)",
             until=ends,

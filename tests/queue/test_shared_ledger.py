@@ -990,7 +990,7 @@ def alice_is_held_for_bobs_file(server: Server, launches: int) -> None:
     for _ in range(launches):
         done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
         assert (done.returncode, done.stdout) == (124, ""), done.stderr
-        said_why.append(f"the ledger file of uid {BOB}, whose gpuwait runs" in done.stderr)
+        said_why.append(f"the ledger file of uid {BOB}, whose gpuwait or job runs" in done.stderr)
     assert any(said_why), done.stderr
 
 
@@ -1049,7 +1049,7 @@ def test_a_members_file_started_afresh_admits_nobody_until_their_jobs_entries_ar
         assert server.ledger().read().unread == {}
         done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
         assert (done.returncode, done.stdout) == (124, ""), done.stderr
-        assert f"the ledger file of uid {BOB}, whose gpuwait runs, was started afresh" in (
+        assert f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh" in (
             " ".join(done.stderr.split())
         ), done.stderr
     finally:
@@ -1077,7 +1077,7 @@ def test_a_members_file_started_afresh_holds_nobody_once_their_jobs_entries_are_
         later = server.start(BOB, "--vram", "1G", "--", "true")
         said(later, "the ledger was started afresh after damage")
         alice = server.start(ALICE, "--vram", "5G", "--timeout", "20", "--", "echo", "ran")
-        said(alice, f"the ledger file of uid {BOB}, whose gpuwait runs, was started afresh")
+        said(alice, f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh")
     finally:
         os.kill(bob.pid, signal.SIGCONT)
     assert later.wait(timeout=60) == 0
@@ -1114,7 +1114,7 @@ def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
     # card free, no job running, and Alice's job as starting now (ETA ~0ms), no word of why.
     bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
-    held = f"the ledger file of uid {BOB}, whose gpuwait runs, cannot be used"
+    held = f"the ledger file of uid {BOB}, whose gpuwait or job runs, cannot be used"
     with bobs_file_emptied(server):
         alice = server.start(ALICE, "--vram", "15G", "--name", "alice", "--", "echo", "ran")
         said(alice, held)
@@ -2710,7 +2710,7 @@ def test_a_members_lock_of_another_program_holds_nobody_for_their_file(
         own_file.unlink()
     done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
-    assert "whose gpuwait runs" not in done.stderr
+    assert "whose gpuwait or job runs" not in done.stderr
 
 
 #: A loop of Bob's writing over his ledger file (argv[1]) one whose schema is in the file argv[2]:
