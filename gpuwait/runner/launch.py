@@ -433,8 +433,9 @@ def _check_keeps(
         cleans = apptainer_cleans_env(found[index], environs[index])
         # Read up to an expansion (`sh -c 'exec apptainer ... env -i "A=$A" python x.py'`):
         # so are the words of the command in it.
+        # Its `sh` is the image's, which may be bash where the host's is dash: read as bash's.
         start = _in_container(found[index], given[index], cleans)
-        _check_keeps(argv, steps(inner, found[index].cut, _sh()), by_index, start)
+        _check_keeps(argv, steps(inner, found[index].cut), by_index, start)
 
 
 def _names_an_index(given: Mapping[str, str] | None) -> bool:
@@ -1156,17 +1157,21 @@ def _launcher(argv: Sequence[str]) -> tuple[str, int]:
     return program, skip
 
 
-def _launcher_steps(argv: Sequence[str], cut: bool = False) -> Iterator[Step]:
+def _launcher_steps(
+    argv: Sequence[str], cut: bool = False, sh: str | None = None
+) -> Iterator[Step]:
     """The steps of `argv` (`steps`), and those of the command an Apptainer container runs
     where it sees every GPU, each after the step that starts it: but for one given only the
     GPUs NVIDIA_VISIBLE_DEVICES names (--nvccli in a contained /dev), unless it names all.
-    `cut`: `argv` are the words of a shell's code read up to an expansion (`Step.cut`)."""
-    found = steps(argv, cut, _sh())
+    `cut`: `argv` are the words of a shell's code read up to an expansion (`Step.cut`). `sh`:
+    the shell a command named sh is (`steps`), the host's where None; a container's is its
+    image's, read as bash's."""
+    found = steps(argv, cut, _sh() if sh is None else sh)
     commands = dict(_container_commands(found))
     for at, step in enumerate(found):
         yield step
         if at in commands:
-            yield from _launcher_steps(commands[at], step.cut)
+            yield from _launcher_steps(commands[at], step.cut, "sh")
 
 
 def _container_commands(found: Sequence[Step]) -> Iterator[tuple[int, tuple[str, ...]]]:

@@ -2879,3 +2879,30 @@ def test_dashs_readonly_setting_the_gpus_before_its_command_is_refused(
     done = gpuwait(gpuwait_cmd, ["dash", "-c", line], cwd=tmp_path)
     refused(done, tmp_path / "seen", "dash sets CUDA_VISIBLE_DEVICES=0 for its command")
     assert seen_bare(["dash", "-c", line], tmp_path) == "0"
+
+
+#: A stand-in for `apptainer exec [OPTIONS] IMAGE CMD...` whose image's sh is bash (as a
+#: Rocky or CentOS image's is): the command is run, `sh` being the image's own.
+APPTAINER_BASH_IMAGE = """#!/bin/sh
+shift
+while [ "${1#-}" != "$1" ]; do shift; done
+shift
+if [ "$1" = sh ]; then shift; exec bash "$@"; fi
+exec "$@"
+"""
+
+
+def test_the_sh_in_a_container_is_read_as_bash_whatever_the_hosts_sh(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `apptainer exec img.sif sh -c 'declare -x CUDA_VISIBLE_DEVICES=0; ...'` runs the image's
+    # sh, which may be bash where the host's is dash: its python on GPU 0, not the one gpuwait
+    # reserved. The image's shell cannot be told from here: the line is read as bash's, and
+    # refused before waiting, as bash -c's is.
+    env, _ = fake_bin(tmp_path)
+    stand_in(tmp_path, "apptainer", APPTAINER_BASH_IMAGE)
+    code = "declare -x CUDA_VISIBLE_DEVICES=0; " + _SEEN
+    line = ["apptainer", "exec", "--nv", "img.sif", "sh", "-c", code]
+    assert seen_bare(line, tmp_path, env) == "0"
+    done = gpuwait(gpuwait_cmd, line, env, opts=ON_GPU_1, cwd=tmp_path)
+    refused(done, tmp_path / "seen")
