@@ -26,6 +26,7 @@ import fcntl
 import os
 import re
 import signal
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -210,6 +211,7 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     found: set[str] = set()
     for lock_dir in _lock_dirs(ledger_dir) or ():
         with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
+            since: float | None = None  # `before` on the clock the lock files are stamped by
             for name in os.listdir(directory):
                 if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue
@@ -217,9 +219,58 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
                     taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
                 except OSError:
                     continue
-                if taken < before and _held_in(directory, name) is True:
+                if since is None:
+                    since = before + _clock_ahead(lock_dir, directory)
+                if taken < since and _held_in(directory, name) is True:
                     found.add(name)
     return sorted(found)
+
+
+#: By lock directory: how far the clock its file system stamps files by is ahead of this
+#: machine's wall clock, and until when (on the monotonic clock) that stands (`_clock_ahead`).
+_AHEAD: dict[Path, tuple[float, float]] = {}
+
+#: How long, at most, making a file may take, by the wall clock and by the monotonic clock, to
+#: tell its file system's clock: its stamp is taken for the middle of it.
+_TOLD_WITHIN = 2.0
+#: How long what it told stands: this machine's clock may be stepped meanwhile.
+_TOLD_FOR = 60.0
+
+
+def _clock_ahead(lock_dir: Path, directory: int) -> float:
+    """How far the clock the file system of `lock_dir` (open as `directory`) stamps files by is
+    ahead of this machine's wall clock: a file server's (NFS) may be off by minutes, and a
+    lock file's time, stamped by it, is compared with this machine's (`unlisted`). Told by a
+    file made there and removed, at most once a minute; 0 where it cannot be told."""
+    start = time.monotonic()
+    known = _AHEAD.get(lock_dir)
+    if known is not None and start < known[1]:
+        return known[0]
+    name = f".clock.{os.getpid()}"  # no job id: passed over by every reader of the directory
+    with contextlib.suppress(OSError):
+        os.unlink(name, dir_fd=directory)  # left by a process of this pid killed meanwhile
+    ahead = 0.0
+    began = time.time()
+    try:
+        fd = os.open(
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=directory,
+        )
+    except OSError:
+        return ahead
+    try:
+        stamped = os.fstat(fd).st_mtime
+        ended, end = time.time(), time.monotonic()
+        if 0 <= ended - began <= _TOLD_WITHIN and end - start <= _TOLD_WITHIN:
+            ahead = stamped - (began + ended) / 2
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=directory)
+    _AHEAD[lock_dir] = (ahead, start + _TOLD_FOR)
+    return ahead
 
 
 def jobs_run(ledger_dir: Path, uid: int) -> bool:

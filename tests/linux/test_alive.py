@@ -481,3 +481,28 @@ def test_a_process_with_another_file_of_the_locks_name_on_its_file_system_has_no
     another = list(mine)
     another[1] = mine.st_ino + 1  # st_ino
     assert not proc.has_open(holder.pid, os.stat_result(another), JOB)
+
+
+@pytest.mark.parametrize("ahead", [60.0, -60.0], ids=["a minute ahead", "a minute behind"])
+def test_the_jobs_whose_locks_were_taken_before_a_moment_are_told_on_the_file_servers_clock(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch, ahead: float
+) -> None:
+    # A ledger started afresh after damage waits for the entries of the jobs whose locks were
+    # taken before then: the lock files' times are stamped by the file server (an NFS home's),
+    # and the moment by this machine's clock. With the server's clock a minute ahead, a lock
+    # taken a moment before was taken for one taken after, its job's entry not waited for, and
+    # its room given away; a minute behind, one taken after for one taken before.
+    start_holder(tmp_path, spawned, command=False)
+    time.sleep(0.05)  # the moment comes after the lock was taken, on either clock
+    now = time.time()
+    start_holder(tmp_path, spawned, command=False, job="ab12cd34")  # and this one after it
+
+    class _Clock:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def time(self) -> float:
+            return time.time() - ahead
+
+    monkeypatch.setattr(alive, "time", _Clock())
+    assert alive.unlisted(tmp_path, set(), now - ahead) == [JOB]
