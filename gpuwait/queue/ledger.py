@@ -766,20 +766,21 @@ class Ledger:
     def _gone(self, uid: int, unread: dict[int, tuple[str, float]]) -> None:
         """A member whose file is gone (removed by hand) while a job of theirs holds its
         liveness lock: the room their jobs hold is not known until it is written again, and
-        nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`).
-        Where no gpuwait of theirs runs to write it again (the lock held by a process their
-        job left running, a program holding room through gpuwait.reserve()), no longer than
-        UNREAD_GRACE from this process's first finding it gone: every member's write there
-        changes the directory, and on a busy server it would hold everyone for good."""
+        nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`),
+        and no longer than UNREAD_GRACE from this process's first finding it gone: every
+        member's write there changes the directory, and on a busy server it would hold
+        everyone for good. A gpuwait of theirs that writes it again does so within moments (a
+        waiter once woken, a job's between two samples); one that does not (none runs: the
+        lock held by a process their job left running; one stopped with Ctrl-Z, or the parent
+        of a command the shell hook runs bare) would hold everyone for as long as it lives."""
         now = time.time()
         since = self._gone_since[uid] = self._gone_before.get(uid, now)
         lapses = _lapses(self.directory, self.directory)
         if lapses is None or not _holds_a_lock(uid, self.directory):
             return
-        if not runs_gpuwait(uid):
-            lapses = min(lapses, since + UNREAD_GRACE)
-            if lapses <= now:
-                return
+        lapses = min(lapses, since + UNREAD_GRACE)
+        if lapses <= now:
+            return
         unread[uid] = ("it is not there", lapses)
 
     def _load_other(

@@ -1781,6 +1781,49 @@ def test_a_members_file_gone_with_no_gpuwait_of_theirs_holds_a_waiter_no_longer_
         left.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
+def test_a_members_file_gone_holds_a_waiter_no_longer_than_the_grace_whatever_gpuwait_of_theirs_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but a gpuwait of theirs runs that writes no ledger file: one the shell hook
+    # keeps as the parent of a command it runs bare, or a waiter stopped with Ctrl-Z. The hold
+    # lapsed 30 s after the directory's last change, and every other member's write there
+    # pushed it back: on a busy server nobody was admitted for as long as both ran. A gpuwait
+    # of theirs that writes the file again does so within moments; the hold lapses now 30 s
+    # after this waiter found the file gone at the latest, as where none of theirs runs.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / "alive.4272"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4272, 4272)
+    left = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
+    bare = subprocess.Popen(
+        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4272, group=4272
+    )
+    try:
+        wait_for(lambda: f" {left.pid} " in Path("/proc/locks").read_text())
+        wait_for(lambda: b"gpuwait" in Path(f"/proc/{bare.pid}/cmdline").read_bytes())
+        assert security.runs_gpuwait(4272)
+        waiter = Ledger(directory)
+        first = waiter.read().unread_until
+        found_gone = time.time()  # at the latest
+        assert list(first) == [4272], first
+        # Another member's write into the directory, two seconds on.
+        time.sleep(2)
+        (directory / "ledger.4243.json").write_text("{}")
+        later = waiter.read().unread_until[4272]
+        assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
+    finally:
+        for process in (left, bare):
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
 def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
