@@ -201,10 +201,11 @@ class Ledger:
         #: The users whose lock directory is in the shared directory, and those of them whose
         #: summary is there too.
         self._members: frozenset[int] = frozenset()
-        #: The members whose file this process found gone at its last read, and when (the
-        #: wall clock) it first found it so since it was last there (`_gone`).
-        self._gone_since: dict[int, float] = {}
-        self._gone_before: dict[int, float] = {}
+        #: The members whose file this process found gone or unusable at its last read, and
+        #: when (the monotonic clock) it first found it so since it was last usable
+        #: (`_unusable_until`).
+        self._unusable_since: dict[int, float] = {}
+        self._unusable_before: dict[int, float] = {}
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -558,8 +559,8 @@ class Ledger:
         data, raw, rewrite = self._load_own(self.path, repair, owned=True)
         others: dict[int, LedgerData] = {}
         unread: dict[int, tuple[str, float]] = {}
-        # Those found gone at this read, from those found so at the last (`_gone`).
-        self._gone_before, self._gone_since = self._gone_since, {}
+        # Those found gone or unusable at this read, from those found so at the last.
+        self._unusable_before, self._unusable_since = self._unusable_since, {}
         for uid, name in names.items():
             if uid == self._uid:
                 continue
@@ -773,15 +774,23 @@ class Ledger:
         waiter once woken, a job's between two samples); one that does not (none runs: the
         lock held by a process their job left running; one stopped with Ctrl-Z, or the parent
         of a command the shell hook runs bare) would hold everyone for as long as it lives."""
-        now = time.time()
-        since = self._gone_since[uid] = self._gone_before.get(uid, now)
-        lapses = _lapses(self.directory, self.directory)
-        if lapses is None or not _holds_a_lock(uid, self.directory):
-            return
-        lapses = min(lapses, since + UNREAD_GRACE)
-        if lapses <= now:
-            return
-        unread[uid] = ("it is not there", lapses)
+        lapses = self._unusable_until(uid, _lapses(self.directory, self.directory))
+        if lapses is not None and _holds_a_lock(uid, self.directory):
+            unread[uid] = ("it is not there", lapses)
+
+    def _unusable_until(self, uid: int, lapses: float | None) -> float | None:
+        """When a hold for `uid`'s file, found gone or unusable by this read, lapses (None:
+        it holds nobody): `lapses`, the end of UNREAD_GRACE from its last change, but no later
+        than UNREAD_GRACE from this process's first finding it gone or unusable since it was
+        last usable (on the monotonic clock: a step of the wall clock changes nothing). A
+        member who writes junk over their file (or takes it away) again and again would else
+        hold everyone for good, at no cost of theirs."""
+        now, looked = time.time(), time.monotonic()
+        since = self._unusable_since[uid] = self._unusable_before.get(uid, looked)
+        if lapses is None:
+            return None
+        lapses = min(lapses, now + UNREAD_GRACE - (looked - since))
+        return lapses if lapses > now else None
 
     def _load_other(
         self, path: Path, uid: int, repair: bool, unread: dict[int, tuple[str, float]]
@@ -789,8 +798,9 @@ class Ledger:
         """Another user's file, or None (with a warning when transacting) when it is unusable:
         then that user's jobs are not counted until they run gpuwait again; where it changed
         less than UNREAD_GRACE ago and a gpuwait of theirs runs now, why it is not used goes in
-        `unread`, by uid, with when it has been left so for UNREAD_GRACE (nobody is admitted
-        while the room their jobs hold is unknown, and no longer than that). A file
+        `unread`, by uid, with when it has been left so for UNREAD_GRACE, or found unusable
+        by this process for as long (`_unusable_until`): nobody is admitted while the room their
+        jobs hold is unknown, and no longer than that. A file
         left so for longer is not waited for: its owner's gpuwait, where it uses this ledger
         and runs, writes it again at its next change."""
         try:
@@ -812,7 +822,7 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
-            lapses = _lapses(path, self.directory)
+            lapses = self._unusable_until(uid, _lapses(path, self.directory))
             if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
                 unread[uid] = (str(exc), lapses)
             return None

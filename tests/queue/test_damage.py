@@ -1824,6 +1824,45 @@ def test_a_members_file_gone_holds_a_waiter_no_longer_than_the_grace_whatever_gp
             process.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
+def test_a_members_file_written_unusable_again_and_again_holds_a_waiter_no_longer_than_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member holds a lock on their lock directory (`flock -s alive.<uid> sleep 1d`: no job,
+    # no GPU) and a loop of theirs writes junk over their ledger file every 25 s. Each write
+    # moved the end of a waiter's hold to 30 s after it: nobody was admitted for as long as
+    # the loop ran, at no cost to them. The hold lapses now 30 s after this waiter found the
+    # file unusable at the latest, whatever they write meanwhile, as where it is gone.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / "alive.4274"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4274, 4274)
+    theirs = directory / "ledger.4274.json"
+    theirs.write_bytes(DAMAGE["garbage"])
+    os.chown(theirs, 4274, 4274)
+    held = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
+    try:
+        wait_for(lambda: f" {held.pid} " in Path("/proc/locks").read_text())
+        waiter = Ledger(directory)
+        first = waiter.read().unread_until
+        found_unusable = time.time()  # at the latest
+        assert list(first) == [4274], first
+        # Their next write of junk, two seconds on.
+        time.sleep(2)
+        theirs.write_bytes(DAMAGE["zero-length"])
+        later = waiter.read().unread_until[4274]
+        assert later <= found_unusable + module.UNREAD_GRACE, later - found_unusable
+    finally:
+        held.kill()
+        held.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
 def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
