@@ -201,11 +201,11 @@ class Ledger:
         #: The users whose lock directory is in the shared directory, and those of them whose
         #: summary is there too.
         self._members: frozenset[int] = frozenset()
-        #: The members whose file this process found gone or unusable at its last read, and
-        #: when (the monotonic clock) it first found it so since it was last usable
-        #: (`_unusable_until`).
-        self._unusable_since: dict[int, float] = {}
-        self._unusable_before: dict[int, float] = {}
+        #: The members whose file this process found gone, unusable or started afresh lately
+        #: at its last read, and when (the monotonic clock) it first found it so since it was
+        #: last none of these (`_held_until`).
+        self._holding_since: dict[int, float] = {}
+        self._holding_before: dict[int, float] = {}
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -559,8 +559,9 @@ class Ledger:
         data, raw, rewrite = self._load_own(self.path, repair, owned=True)
         others: dict[int, LedgerData] = {}
         unread: dict[int, tuple[str, float]] = {}
-        # Those found gone or unusable at this read, from those found so at the last.
-        self._unusable_before, self._unusable_since = self._unusable_since, {}
+        # Those found gone, unusable or started afresh at this read, from those found so at
+        # the last.
+        self._holding_before, self._holding_since = self._holding_since, {}
         for uid, name in names.items():
             if uid == self._uid:
                 continue
@@ -581,7 +582,8 @@ class Ledger:
     def _recovered_others(self, others: dict[int, LedgerData]) -> dict[int, float | None]:
         """The other users whose file was started afresh after damage (`_afresh`) less than
         UNREAD_GRACE ago while a gpuwait of theirs runs, and when (on the boot clock, to the
-        hundredth of a second; None where it is not known) that is UNREAD_GRACE ago. Their
+        hundredth of a second; None where it is not known) that is UNREAD_GRACE ago (or this
+        process first found it so, `_held_until`). Their
         jobs' entries come back only as each one's gpuwait puts it back, and until then the
         room those jobs hold is counted nowhere."""
         now, boot_now = time.time(), proc.boot_clock()
@@ -590,10 +592,13 @@ class Ledger:
             if part.repaired_at is None or part.repaired_at != part.created_at:
                 continue  # never started afresh (one repaired in part keeps its live entries)
             ago = entries.since(part.repaired_at, part.repaired_boot, now, boot_now)
-            if 0 <= ago < UNREAD_GRACE and (
-                runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)
-            ):
-                found[uid] = None if boot_now is None else round(boot_now - ago + UNREAD_GRACE, 2)
+            if not 0 <= ago < UNREAD_GRACE:
+                continue
+            # No longer than UNREAD_GRACE from this process's first finding it so, either: a
+            # loop of theirs writing such a file again and again would hold everyone for good.
+            lapses = self._held_until(uid, now - ago + UNREAD_GRACE)
+            if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
+                found[uid] = None if boot_now is None else round(boot_now + lapses - now, 2)
         return found
 
     def _user_files(self) -> dict[int, str]:
@@ -774,19 +779,20 @@ class Ledger:
         waiter once woken, a job's between two samples); one that does not (none runs: the
         lock held by a process their job left running; one stopped with Ctrl-Z, or the parent
         of a command the shell hook runs bare) would hold everyone for as long as it lives."""
-        lapses = self._unusable_until(uid, _lapses(self.directory, self.directory))
+        lapses = self._held_until(uid, _lapses(self.directory, self.directory))
         if lapses is not None and _holds_a_lock(uid, self.directory):
             unread[uid] = ("it is not there", lapses)
 
-    def _unusable_until(self, uid: int, lapses: float | None) -> float | None:
-        """When a hold for `uid`'s file, found gone or unusable by this read, lapses (None:
-        it holds nobody): `lapses`, the end of UNREAD_GRACE from its last change, but no later
-        than UNREAD_GRACE from this process's first finding it gone or unusable since it was
-        last usable (on the monotonic clock: a step of the wall clock changes nothing). A
-        member who writes junk over their file (or takes it away) again and again would else
-        hold everyone for good, at no cost of theirs."""
+    def _held_until(self, uid: int, lapses: float | None) -> float | None:
+        """When a hold for `uid`'s file, found gone, unusable or started afresh lately by
+        this read, lapses (None: it holds nobody): `lapses`, the end of UNREAD_GRACE from its
+        last change (or its start afresh), but no later than UNREAD_GRACE from this process's
+        first finding it so since it was last none of these (on the monotonic clock: a step
+        of the wall clock changes nothing). A member who writes junk over their file (or takes
+        it away, or writes one started afresh) again and again would else hold everyone for
+        good, at no cost of theirs."""
         now, looked = time.time(), time.monotonic()
-        since = self._unusable_since[uid] = self._unusable_before.get(uid, looked)
+        since = self._holding_since[uid] = self._holding_before.get(uid, looked)
         if lapses is None:
             return None
         lapses = min(lapses, now + UNREAD_GRACE - (looked - since))
@@ -799,7 +805,7 @@ class Ledger:
         then that user's jobs are not counted until they run gpuwait again; where it changed
         less than UNREAD_GRACE ago and a gpuwait of theirs runs now, why it is not used goes in
         `unread`, by uid, with when it has been left so for UNREAD_GRACE, or found unusable
-        by this process for as long (`_unusable_until`): nobody is admitted while the room their
+        by this process for as long (`_held_until`): nobody is admitted while the room their
         jobs hold is unknown, and no longer than that. A file
         left so for longer is not waited for: its owner's gpuwait, where it uses this ledger
         and runs, writes it again at its next change."""
@@ -822,7 +828,7 @@ class Ledger:
         except (_Unreadable, ValueError) as exc:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
-            lapses = self._unusable_until(uid, _lapses(path, self.directory))
+            lapses = self._held_until(uid, _lapses(path, self.directory))
             if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
                 unread[uid] = (str(exc), lapses)
             return None

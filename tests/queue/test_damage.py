@@ -1863,6 +1863,51 @@ def test_a_members_file_written_unusable_again_and_again_holds_a_waiter_no_longe
         held.wait()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
+def test_a_members_file_marked_started_afresh_again_and_again_holds_a_waiter_no_longer_than_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member holds a lock on their lock directory (`flock -s alive.<uid> sleep 1d`: no job,
+    # no GPU) and a loop of theirs writes over their ledger file every 25 s one that says it
+    # was started afresh after damage just now. Each write held every waiter for 30 s more,
+    # "until they have put their entries back": nobody was admitted for as long as the loop
+    # ran. The hold lapses now 30 s after this waiter first found the file so, at the latest.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / "alive.4275"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4275, 4275)
+    theirs = directory / "ledger.4275.json"
+
+    def marked_afresh() -> None:
+        now = time.time()
+        raw = {"schema": 1, "jobs": [], "created_at": now, "repaired_at": now, "next_order": 1}
+        theirs.write_text(json.dumps(raw))
+        os.chown(theirs, 4275, 4275)
+
+    marked_afresh()
+    held = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
+    try:
+        wait_for(lambda: f" {held.pid} " in Path("/proc/locks").read_text())
+        waiter = Ledger(directory)
+        first = waiter.read().recovered
+        found = proc.boot_clock()  # at the latest
+        assert found is not None and list(first) == [4275], first
+        # Their next such write, two seconds on.
+        time.sleep(2)
+        marked_afresh()
+        later = waiter.read().recovered.get(4275)
+        assert later is None or later <= found + module.UNREAD_GRACE + 0.01, later - found
+    finally:
+        held.kill()
+        held.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
 def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
