@@ -143,18 +143,19 @@ def _recovered_now(data: LedgerData, raw: Any, rewrite: bool) -> bool:
 
 def _settle_afresh(directory: Path, data: LedgerData) -> None:
     """Take the mark of this user's file started afresh (`Ledger._afresh`) away once no entry
-    is still to come back: every job of theirs whose lock was taken before then has its entry
-    again, or has ended (or UNREAD_GRACE has passed). While it stands, the other members'
-    gpuwait admit nobody (`Ledger._recovered_others`). A job of this process's own counts
-    too: it may not have put its entry back yet."""
+    is still to come back: every job of theirs whose lock a live process holds has its entry
+    again, or has ended (its outcome in the book), or UNREAD_GRACE has passed. While it
+    stands, the other members' gpuwait admit nobody (`Ledger._recovered_others`). A job of
+    this process's own counts too: it may not have put its entry back yet. No lock is told
+    by its file's time: on a file server whose clock is ahead of this machine's, one taken
+    before the file was started afresh looks taken since, and its job's entry was not waited
+    for; a job of the new file's has its entry from its lock on (both in one transaction)."""
     if data.repaired_at is None or data.repaired_at != data.created_at:
         return
     ago = entries.since(data.repaired_at, data.repaired_boot, time.time(), proc.boot_clock())
     if 0 <= ago < UNREAD_GRACE:
         listed = {j.id for j in data.jobs if data.mine(j)} | {f.id for f in data.book.finished}
-        if alive.held_here(directory) - listed or alive.unlisted(
-            directory, listed, data.created_at
-        ):
+        if alive.held_here(directory) - listed or alive.unlisted(directory, listed, math.inf):
             return
     data.repaired_at = data.repaired_boot = None
 
@@ -758,9 +759,11 @@ class Ledger:
         after its removal): where jobs of theirs live (their liveness locks held by processes
         other than this one), marked repaired when it began, so that the other members' gpuwait
         tell it from a file new to the directory, the entries of those jobs still to come back
-        (`_recovered_others`)."""
+        (`_recovered_others`). Under the ledger's lock, as each job takes its lock, every
+        lock held now was taken before (told by no file's time: a file server's clock ahead of
+        this machine's stamps one taken a moment ago later than now)."""
         data = LedgerData()
-        if alive.unlisted(self.directory, set(), time.time()):
+        if self._live_jobs_elsewhere():
             data.repaired_at, data.repaired_boot = data.created_at, data.created_boot
         return data
 

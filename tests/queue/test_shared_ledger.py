@@ -1059,6 +1059,38 @@ def test_a_members_file_started_afresh_admits_nobody_until_their_jobs_entries_ar
     later.communicate(timeout=60)
 
 
+def test_a_members_file_started_afresh_admits_nobody_whatever_the_file_servers_clock(
+    server: Server,
+) -> None:
+    # As above, the ledger directory on a file server whose clock is a minute ahead of this
+    # machine's, as NFS's may be: it stamped the lock Bob's job took a moment ago a minute
+    # ahead of the clock of his launch that started his file afresh, which took the lock for
+    # one taken since, of a job of the new file's, and marked nothing: Alice's launch was
+    # started into the room his job holds. Under the ledger's lock every lock a job of his
+    # holds was taken before: nobody is admitted until his job's entry is back.
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    (job,) = server.jobs()
+    stopped_outside_a_transaction(server, bob.pid)
+    try:
+        lock = server.ledger_dir / f"alive.{BOB}" / str(job["id"])
+        ahead = lock.stat().st_mtime + 60
+        os.utime(lock, (ahead, ahead))
+        assert server.shell(BOB, f":> '{server.own_file(BOB)}'").returncode == 0
+        later = server.start(BOB, "--vram", "1G", "--", "true")
+        wait_for(lambda: server.own_file(BOB).stat().st_size > 0)
+        done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
+        assert (done.returncode, done.stdout) == (124, ""), done.stderr
+        assert f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh" in (
+            " ".join(done.stderr.split())
+        ), done.stderr
+    finally:
+        os.kill(bob.pid, signal.SIGCONT)
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+    later.communicate(timeout=60)
+
+
 def test_a_members_file_started_afresh_holds_nobody_once_their_jobs_entries_are_back(
     server: Server,
 ) -> None:
