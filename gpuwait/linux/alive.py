@@ -283,8 +283,11 @@ def jobs_run(ledger_dir: Path, uid: int) -> bool:
 
 
 def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
-    """Those of `uids` a job of whose runs (`jobs_run`), /proc/locks read once for them all."""
+    """Those of `uids` a job of whose runs (`jobs_run`), /proc/locks read once for them all,
+    and the mount table once for each mount their lock directories are in (one, but where
+    someone mounted another file system there)."""
     directories: dict[int, tuple[int, int]] = {}
+    mounts: dict[int, int] = {}
     for uid in uids:
         try:
             fd = os.open(
@@ -296,7 +299,7 @@ def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
         try:
             found = os.fstat(fd)
             if owned_by(found.st_uid, uid):
-                directories[uid] = (proc.lock_device(fd), found.st_ino)
+                directories[uid] = (proc.lock_device(fd, mounts), found.st_ino)
         except OSError:
             continue
         finally:
@@ -345,10 +348,11 @@ def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:
     gpuwait.reserve() takes its lock itself: where a handler of its own would take the
     wake-up (SIGCHLD, for its children), it is left alone, as it waits for nothing."""
     files: list[tuple[str, os.stat_result, int]] = []
+    mounts: dict[int, int] = {}
     for lock_dir in _lock_dirs(ledger_dir) or ():
         with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
             # The device /proc/locks names its files by (another than st_dev on btrfs).
-            device = proc.lock_device(directory)
+            device = proc.lock_device(directory, mounts)
             for name in os.listdir(directory):
                 if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
                     continue

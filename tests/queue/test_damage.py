@@ -1948,6 +1948,44 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_
     assert len(reads) == 1, len(reads)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
+def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_mounts_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above: each of the forty members' lock directories was looked up in the mount table
+    # (/proc/self/mountinfo, 16 MB on a node of 100,000 mounts) to learn the device by which
+    # /proc/locks names its locks, at each read of the ledger by every waiter. All of them in
+    # one mount, it is looked up once now.
+    from gpuwait.linux import proc as linux_proc
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
+    directory = shared_dir(tmp_path)
+    for uid in range(4400, 4440):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+    (directory / "ledger.4399.json").write_text("{}")  # a write there just now
+    looks = []
+    mount_device = linux_proc._mount_device
+
+    def counted(mountinfo: bytes, mount_id: int) -> int | None:
+        looks.append(mount_id)
+        return mount_device(mountinfo, mount_id)
+
+    monkeypatch.setattr(linux_proc, "_mount_device", counted)
+    # A job of one of them holds its lock: they hold the others, and they alone.
+    job = os.open(directory / "alive.4410", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(job, fcntl.LOCK_SH)
+        assert Ledger(directory).read().unread == {4410: "it is not there"}
+    finally:
+        os.close(job)
+    assert len(looks) == 1, len(looks)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
 def test_a_write_that_took_a_minute_by_the_clock_tells_nothing_of_the_file_servers_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
