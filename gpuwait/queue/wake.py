@@ -60,7 +60,14 @@ from typing import Any
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
 from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, read_state_file
-from gpuwait.linux.stamp import FileStamp, NotTheirs, file_stamp, stamp_of
+from gpuwait.linux.stamp import (
+    RACY_SECONDS,
+    FileStamp,
+    NotTheirs,
+    file_stamp,
+    may_change_unseen,
+    stamp_of,
+)
 from gpuwait.queue.entries import RUNNING, Job, elsewhere, plain_id
 
 SCHEMA = 1
@@ -377,6 +384,32 @@ def runs_a_job_of(state_dir: Path, uid: int) -> bool:
     gpuwait.reserve() among them, whose command line names no gpuwait: such a job's end is
     written there by its gpuwait, as any change of their queue is."""
     path = own_name(state_dir, "wake", ".json", uid=uid)
+    # Read again only where it may have changed: one of megabytes, asked of at each read of
+    # the ledger within UNREAD_GRACE of the directory's last change (on a busy server,
+    # always), would cost every waiter its parsing each second.
+    stamp, now = file_stamp(path, follow=False, owner=uid), time.monotonic()
+    known = _RUNS_A_JOB.get(path)
+    if stamp is None or known is None or known[0] != stamp:
+        known = (stamp, now, None)  # first seen as it is now
+    elif known[2] is not None:
+        return known[2]
+    found = _lists_a_job_of(path, uid)
+    # Kept only once its stamp has stood for RACY_SECONDS, by its clock and by this one's: a
+    # change within one tick of a coarse clock may leave the same stamp.
+    steady = stamp is not None and now - known[1] >= RACY_SECONDS and not may_change_unseen(stamp)
+    if len(_RUNS_A_JOB) > MAX_SUMMARIES:
+        _RUNS_A_JOB.clear()
+    _RUNS_A_JOB[path] = (known[0], known[1], found if steady else None)
+    return found
+
+
+#: By summary: (its stamp, when, on the monotonic clock, this process first saw it so, and
+#: `runs_a_job_of`'s answer, where kept).
+_RUNS_A_JOB: dict[Path, tuple[FileStamp | None, float, bool | None]] = {}
+
+
+def _lists_a_job_of(path: Path, uid: int) -> bool:
+    """Does the summary at `path` list a job of `uid`'s running (`runs_a_job_of`)?"""
     found = read_summary(path, owners=frozenset({uid}))
     if found is None:
         return False

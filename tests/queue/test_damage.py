@@ -1986,6 +1986,50 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_mounts_a
     assert len(looks) == 1, len(looks)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files and a directory of another user's")
+def test_a_members_summary_of_megabytes_left_as_it_is_is_parsed_once_for_their_file_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member whose ledger file is gone and whose lock directory no job of theirs holds left
+    # a summary of 4 MB, 200,000 ids of running jobs in it (under the 4 MiB a summary may
+    # have): whether it lists a job of theirs running (an older gpuwait's job holds no lock on
+    # that directory) was asked again each second at every read within 30 s of the
+    # directory's last change (on a busy server, always), by every waiter, and the summary
+    # parsed again each time, 40 ms of CPU a second each. It is parsed once while it stays
+    # as it is.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+    from gpuwait.queue import wake
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / "alive.4450"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, 4450, 4450)
+    summary = directory / "wake.4450.json"
+    ids = [f"{i:016x}" for i in range(200_000)]
+    summary.write_text(json.dumps({"schema": 1, "release": 1, "running": ids, "waiting": []}))
+    os.chown(summary, 4450, 4450)
+    waiter = Ledger(directory)
+    (directory / "ledger.4449.json").write_text("{}")  # a write there just now
+    assert waiter.read().unread == {}
+    time.sleep(2.1)  # the summary left as it is, past a coarse clock's tick
+    parsed = []
+    read_summary = wake.read_summary
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(1)
+        return read_summary(*args, **kwargs)
+
+    monkeypatch.setattr(wake, "read_summary", counted)
+    (directory / "ledger.4449.json").write_text("{}")  # another write there
+    for _ in range(5):
+        module._HOLDS_A_LOCK.clear()  # the answer of a second ago no longer stands
+        assert waiter.read().unread == {}
+    assert len(parsed) == 1, len(parsed)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a process of another user's")
 def test_a_write_that_took_a_minute_by_the_clock_tells_nothing_of_the_file_servers_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
