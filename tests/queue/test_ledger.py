@@ -503,16 +503,17 @@ def test_a_lock_passed_from_hand_to_hand_is_not_called_hung(
 
 
 def _transaction_while_held(ledger: Ledger) -> None:
-    """A transaction of `ledger`, begun while another process holds its lock for 0.6 s more."""
-    # The 0.6 s count from the moment this process goes for the lock, not from the holder's
-    # start: on a loaded machine the time between the two can take most of them.
+    """A transaction of `ledger`, begun while another process holds its lock for 1.5 s more."""
+    # The 1.5 s count from the moment this process goes for the lock, not from the holder's
+    # start; three looks take 0.45 s of them, and on a loaded machine the time from "go" to
+    # the transaction's first try can take most of a second.
     code = (
         "import fcntl, os, sys, time\n"
         "fd = os.open(sys.argv[1], os.O_RDWR)\n"
         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
         "print('held', flush=True)\n"
         "sys.stdin.readline()\n"
-        "time.sleep(0.6)\n"
+        "time.sleep(1.5)\n"
     )
     holder = subprocess.Popen(
         [sys.executable, "-c", code, str(ledger.lock_path)],
