@@ -338,7 +338,9 @@ class Ledger:
                 if changed or data.starting:
                     # Other members' waiters this plan starts are told so even where nothing
                     # of this user's changed: their own gpuwait starts them.
-                    content = wake.summary(data.jobs, data.release_seq, data.starting)
+                    content = wake.summary(
+                        data.jobs, data.release_seq, data.starting, bool(self.shared)
+                    )
                     wake.write_summary(self.directory, content, self._group)
             except OSError as exc:
                 _short_of(self.path, exc, "written")

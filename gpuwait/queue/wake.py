@@ -6,7 +6,8 @@ changes the file also writes `wake.json` beside it (under the same lock, atomica
 
     {"schema": 1, "release": 41, "running": ["id", ...], "waiting": ["id", ...]}
 
-(with several users' entries, also "owned": ["id@uid", ...], each entry by its owner).
+(in a shared ledger directory, or with several users' entries, also "owned": ["id@uid", ...],
+each entry by its owner).
 
 `waiting` is in queue order. `release` counts the transactions that freed room: an entry left
 (finished, cancelled, reaped), a running job's reservation shrank, the queue's head let go of a
@@ -148,12 +149,15 @@ def kick(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGCHLD)
 
 
-def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> dict[str, Any]:
+def summary(
+    jobs: Iterable[Job], release: int, starting: Iterable[str] = (), shared: bool = False
+) -> dict[str, Any]:
     """`starting`: other users' waiters the writer's plan starts; listed as running, so that
-    their own gpuwait looks (and, finding itself still waiting, plans and starts). A queue of
-    several users' entries (a shared ledger's) lists each also by its owner, `ID@UID`
-    (`owned`), as a dependency on another member's job is kept: the ids the writer's view
-    shows say not whose (a plain one may be a third member's job with the same id)."""
+    their own gpuwait looks (and, finding itself still waiting, plans and starts). A shared
+    ledger's queue (`shared`), or one of several users' entries, lists each also by its owner,
+    `ID@UID` (`owned`), as a dependency on another member's job is kept: the ids the writer's
+    view shows say not whose (a plain one may be a third member's job with the same id, and
+    a queue of one member's entries may be another's than the writer's)."""
     entries = list(jobs)
     starts = set(starting)
     waiting = sorted(
@@ -166,7 +170,7 @@ def summary(jobs: Iterable[Job], release: int, starting: Iterable[str] = ()) -> 
         "running": [j.id for j in entries if j.state == RUNNING or j.id in starts],
         "waiting": [j.id for j in waiting],
     }
-    if len({j.uid for j in entries}) > 1:
+    if shared or len({j.uid for j in entries}) > 1:
         content["owned"] = [f"{plain_id(j.id)}@{j.uid}" for j in entries]
     return content
 
@@ -413,7 +417,7 @@ def _lists_a_job_of(path: Path, uid: int) -> bool:
     found = read_summary(path, owners=frozenset({uid}))
     if found is None:
         return False
-    if found.owned is None:  # a queue of one user's entries, or an older gpuwait's summary
+    if found.owned is None:  # an older gpuwait's summary of a queue of one user's entries
         return bool(found.running)
     return any(
         job.endswith(f"@{uid}") or ("@" not in job and f"{job}@{uid}" in found.owned)

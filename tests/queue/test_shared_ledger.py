@@ -2917,14 +2917,25 @@ def test_a_members_summary_of_anothers_running_job_holds_nobody_for_their_file(
     server: Server,
 ) -> None:
     # Bob's last job ended while Alice's ran: the summary his gpuwait wrote then lists her job
-    # running, the queue's only entry. With his ledger file removed and no lock of his held,
-    # nothing of his runs: Alice's next launch runs at once.
+    # running, the queue's only entry. With his ledger file removed and no job of his, nothing
+    # of his runs, whatever exclusive flock of his is held (a download's): Alice's next launch
+    # runs at once. His summary listed her job by its id alone, read as a job of his running
+    # (as an older gpuwait's summary of a queue of his own entries is), and, with his flock,
+    # she was held for his file. It says whose each job is now.
     alice = server.start(ALICE, "--vram", "1G", "--", "sleep", "60")
     server.wait_jobs(1, "running")
     assert server.run(BOB, "--vram", "1G", "--", "true").returncode == 0
     summary = json.loads((server.ledger_dir / f"wake.{BOB}.json").read_text())
-    assert summary["running"] and "owned" not in summary, summary
+    assert summary["running"] and summary.get("owned") == [f"{summary['running'][0]}@{ALICE}"]
     server.own_file(BOB).unlink()
+    held = server.root / "bob.lock"
+    held.touch()
+    os.chown(held, BOB, BOB)
+    lock = subprocess.Popen(
+        ["flock", "-x", str(held), "sleep", "60"], user=BOB, group=BOB, start_new_session=True
+    )
+    server.procs.append(lock)
+    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
     done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
     os.killpg(alice.pid, signal.SIGTERM)
