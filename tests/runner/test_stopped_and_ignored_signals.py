@@ -404,7 +404,8 @@ def test_a_command_stopped_and_continued_by_pid_in_a_script_runs_on_under_its_gp
 #: A job control shell that runs its arguments, a command that stops itself and writes its pid
 #: to $FLAG, in the foreground; once the shell has the terminal back, continues the command by
 #: its pid alone, as a user's `kill -CONT PID` from the prompt, and waits (up to 10 s) for the
-#: job to end, then says how it is.
+#: job to end, then says how it is. What `jobs` says goes to stderr, where the shell tells of
+#: the job's end unasked: the job may end during a `jobs`, which then tells it instead.
 CONTINUED_BY_PID = textwrap.dedent(
     """
     set -m
@@ -412,7 +413,7 @@ CONTINUED_BY_PID = textwrap.dedent(
     echo "status $?"
     kill -CONT "$(cat "$FLAG")"
     n=0
-    while jobs %1 >/dev/null 2>&1 && [ $((n += 1)) -lt 100 ]; do sleep 0.1; done
+    while { jobs %1 2>/dev/null; } >&2 && [ $((n += 1)) -lt 100 ]; do sleep 0.1; done
     jobs %1 2>/dev/null || echo "ended"
     """
 )
