@@ -308,20 +308,26 @@ def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
     return {uid for uid, file in directories.items() if held.get(file)}
 
 
-def locks_exclusively(ledger_dir: Path, uid: int) -> bool:
-    """Does a process of `uid`'s hold an exclusive flock on a file of the file system of the
-    ledger directory, as /proc/locks names them (one waited for left out)? So does the job of a
-    gpuwait older than the lock on the lock directory (`jobs_run`), on its liveness lock; and
-    so may any program of theirs (a download's `filelock`): it tells nothing alone."""
+def locks_exclusively(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
+    """Those of `uids` a process of whose holds an exclusive flock on a file of the file
+    system of the ledger directory, as /proc/locks names them (one waited for left out),
+    /proc/locks read once for them all. So does the job of a gpuwait older than the lock on
+    the lock directory (`jobs_run`), on its liveness lock; and so may any program of theirs (a
+    download's `filelock`): it tells nothing alone."""
+    wanted = set(uids)
+    if not wanted:
+        return set()
     try:
         fd = os.open(ledger_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return set()
     try:
         device = proc.lock_device(fd)
     finally:
         os.close(fd)
-    wanted = b"%02x:%02x:" % (os.major(device), os.minor(device))
+    prefix = b"%02x:%02x:" % (os.major(device), os.minor(device))
+    found: set[int] = set()
+    owners: dict[int, int | None] = {}
     for line in proc.proc_locks():
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
@@ -329,13 +335,17 @@ def locks_exclusively(ledger_dir: Path, uid: int) -> bool:
             len(fields) >= 6
             and fields[1] == b"FLOCK"
             and fields[3] == b"WRITE"
-            and fields[5].startswith(wanted)
+            and fields[5].startswith(prefix)
             and fields[4].isdigit()
             and int(fields[4]) > 0
-            and proc.owner_uid(int(fields[4])) == uid
         ):
-            return True
-    return False
+            pid = int(fields[4])
+            if pid not in owners:
+                owners[pid] = proc.owner_uid(pid)
+            owner = owners[pid]
+            if owner is not None and owner in wanted:
+                found.add(owner)
+    return found
 
 
 def holders_unlisted(ledger_dir: Path, named: set[str]) -> set[int]:

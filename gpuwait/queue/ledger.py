@@ -958,11 +958,10 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
     if len(_HOLDS_A_LOCK) + len(unknown) > 4096:
         _HOLDS_A_LOCK.clear()
     running = alive.jobs_run_of(directory, unknown)
+    listed = [u for u in unknown if u not in running and wake.runs_a_job_of(directory, u)]
+    running |= alive.locks_exclusively(directory, listed)
     for uid in unknown:
-        found = uid in running or (
-            wake.runs_a_job_of(directory, uid) and alive.locks_exclusively(directory, uid)
-        )
-        _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, found)
+        _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, uid in running)
 
 
 #: By shared ledger directory: how far the clock its file system stamps change times by is

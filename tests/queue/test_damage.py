@@ -1986,6 +1986,67 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_mounts_a
     assert len(looks) == 1, len(looks)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories and a process of other users'")
+def test_the_members_running_an_older_gpuwait_cost_one_look_at_the_machines_locks_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forty members whose files are gone, each one's summary listing a job of theirs running
+    # (an older gpuwait's, whose job holds no lock on their lock directory: an exclusive flock
+    # of theirs on the directory's file system tells it). Within 30 s of any write in the
+    # directory, each read of the ledger by every waiter read the whole of /proc/locks once
+    # for each of them, and the mount table too; it reads /proc/locks twice now, whatever
+    # their number.
+    from gpuwait.linux import proc as linux_proc
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+    from gpuwait.queue import wake
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(wake, "_RUNS_A_JOB", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
+    directory = shared_dir(tmp_path)
+    for uid in range(4500, 4540):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+        summary = directory / f"wake.{uid}.json"
+        running = {"schema": 1, "release": 1, "running": [f"{uid:016x}"], "waiting": []}
+        summary.write_text(json.dumps(running))
+        os.chown(summary, uid, uid)
+    (directory / "ledger.4499.json").write_text("{}")  # a write there just now
+    # One of them runs such a job: its liveness lock, an exclusive flock of theirs.
+    # (Opened through the descriptor given: the test's directories are closed to them.)
+    liveness = os.open(directory / "alive.4510" / f"{4510:016x}", os.O_RDWR | os.O_CREAT)
+    os.fchown(liveness, 4510, 4510)
+    job = subprocess.Popen(
+        ["flock", "-x", f"/dev/fd/{liveness}", "-c", "echo held; exec sleep 60"],
+        user=4510,
+        group=4510,
+        extra_groups=[],
+        pass_fds=(liveness,),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    os.close(liveness)
+    reads = []
+    proc_locks = linux_proc.proc_locks
+
+    def counted() -> Any:
+        reads.append(1)
+        return proc_locks()
+
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "held\n"
+        monkeypatch.setattr(linux_proc, "proc_locks", counted)
+        # They hold the others, and they alone.
+        assert Ledger(directory).read().unread == {4510: "it is not there"}
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert len(reads) <= 2, len(reads)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes files and a directory of another user's")
 def test_a_members_summary_of_megabytes_left_as_it_is_is_parsed_once_for_their_file_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
