@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -119,22 +119,57 @@ def own_name(
         taken = True
     except OSError:
         taken = False
-    head, tail = f"{stem}.{uid}.", suffix
+    beside = _names_beside(directory, stem, suffix, [uid], kuid).get(uid)
+    if beside is not None:
+        return beside
+    return directory / f"{stem}.{uid}.{os.urandom(8).hex()}{suffix}" if taken else canonical
+
+
+def own_names(directory: Path, stem: str, suffix: str, uids: Iterable[int]) -> dict[int, Path]:
+    """`own_name` of each of `uids` that has a file there, by uid: the directory listed once
+    for all those whose canonical name is not theirs (`own_name` would list it for each)."""
+    found: dict[int, Path] = {}
+    rest: list[int] = []
+    for uid in uids:
+        canonical = directory / f"{stem}.{uid}{suffix}"
+        try:
+            if owned_by(os.lstat(canonical).st_uid, uid):
+                found[uid] = canonical
+                continue
+        except OSError:
+            pass
+        rest.append(uid)
+    found.update(_names_beside(directory, stem, suffix, rest, None))
+    return found
+
+
+def _names_beside(
+    directory: Path, stem: str, suffix: str, uids: list[int], kuid: int | None
+) -> dict[int, Path]:
+    """The first of each of `uids`'s own names beside their canonical one in `directory`,
+    `stem`.<uid>.<random>`suffix` (`own_name`), by uid, from one listing of it."""
+    if not uids:
+        return {}
+    wanted = {f"{stem}.{uid}": uid for uid in uids}
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         names = []
+    found: dict[int, Path] = {}
     for name in names:
-        random = name[len(head) : len(name) - len(tail)]
+        if not name.endswith(suffix):
+            continue
+        head, dot, random = name[: len(name) - len(suffix)].rpartition(".")
+        uid = wanted.get(head) if dot else None
         if (
-            name.startswith(head)
-            and name.endswith(tail)
+            uid is not None
+            and uid not in found
             and 0 < len(random) <= 32
             and all(c in "0123456789abcdef" for c in random)
             and _owned(directory / name, uid, kuid)
         ):
-            return directory / name
-    return directory / f"{head}{os.urandom(8).hex()}{tail}" if taken else canonical
+            found[uid] = directory / name
+    return found
 
 
 def _owned(path: Path, uid: int, kuid: int | None) -> bool:

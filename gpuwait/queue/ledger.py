@@ -958,7 +958,7 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
     if len(_HOLDS_A_LOCK) + len(unknown) > 4096:
         _HOLDS_A_LOCK.clear()
     running = alive.jobs_run_of(directory, unknown)
-    listed = [u for u in unknown if u not in running and wake.runs_a_job_of(directory, u)]
+    listed = wake.runs_a_job_of(directory, [u for u in unknown if u not in running])
     running |= alive.locks_exclusively(directory, listed)
     for uid in unknown:
         _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, uid in running)

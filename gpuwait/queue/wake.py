@@ -60,7 +60,7 @@ from typing import Any
 
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
-from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, read_state_file
+from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, own_names, read_state_file
 from gpuwait.linux.stamp import (
     RACY_SECONDS,
     FileStamp,
@@ -380,14 +380,23 @@ class Summaries:
         return dict(chosen.values())
 
 
-def runs_a_job_of(state_dir: Path, uid: int) -> bool:
-    """Does the summary `uid` wrote last in the shared ledger directory `state_dir` (theirs,
-    wake.<uid>.json, or theirs beside it where another member took that name) list a job of
-    theirs running? The word of a gpuwait older than the lock its jobs hold on their lock
-    directory (gpuwait.linux.alive.jobs_run), a program's holding room through its
-    gpuwait.reserve() among them, whose command line names no gpuwait: such a job's end is
-    written there by its gpuwait, as any change of their queue is."""
-    path = own_name(state_dir, "wake", ".json", uid=uid)
+def runs_a_job_of(state_dir: Path, uids: Iterable[int]) -> set[int]:
+    """Those of `uids` the summary each wrote last in the shared ledger directory `state_dir`
+    (theirs, wake.<uid>.json, or theirs beside it where another member took that name; the
+    directory listed once for them all) lists a job of theirs running. The word of a gpuwait
+    older than the lock its jobs hold on their lock directory
+    (gpuwait.linux.alive.jobs_run), a program's holding room through its gpuwait.reserve()
+    among them, whose command line names no gpuwait: such a job's end is written there by its
+    gpuwait, as any change of their queue is."""
+    return {
+        uid
+        for uid, path in own_names(state_dir, "wake", ".json", uids).items()
+        if _runs_a_job(path, uid)
+    }
+
+
+def _runs_a_job(path: Path, uid: int) -> bool:
+    """Does `uid`'s summary at `path` list a job of theirs running (`runs_a_job_of`)?"""
     # Read again only where it may have changed: one of megabytes, asked of at each read of
     # the ledger within UNREAD_GRACE of the directory's last change (on a busy server,
     # always), would cost every waiter its parsing each second.
@@ -408,7 +417,7 @@ def runs_a_job_of(state_dir: Path, uid: int) -> bool:
 
 
 #: By summary: (its stamp, when, on the monotonic clock, this process first saw it so, and
-#: `runs_a_job_of`'s answer, where kept).
+#: `_runs_a_job`'s answer, where kept).
 _RUNS_A_JOB: dict[Path, tuple[FileStamp | None, float, bool | None]] = {}
 
 

@@ -2047,6 +2047,67 @@ def test_the_members_running_an_older_gpuwait_cost_one_look_at_the_machines_lock
     assert len(reads) <= 2, len(reads)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories and files of other users'")
+def test_the_members_whose_files_are_gone_cost_one_listing_of_the_directory_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forty members left, root removing their files (their lock directories stay), and
+    # another member made 20,000 names in the directory. Within 30 s of any write there (on a
+    # busy server, always), each read of the ledger by every waiter listed the whole
+    # directory once for each of them, to find a summary of theirs beside the name another
+    # member may have taken: 0.4 s of CPU a read. It lists it once for them all now.
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+    from gpuwait.queue import wake
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(wake, "_RUNS_A_JOB", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
+    directory = shared_dir(tmp_path)
+    for uid in range(4600, 4640):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+    for n in range(20_000):
+        (directory / f"x.{n}").touch()
+    # One of them had a summary of theirs made beside the name another member took, and a job
+    # of an older gpuwait's runs (an exclusive flock of theirs): they hold the others.
+    (directory / "wake.4610.json").write_text("{}")
+    beside = directory / "wake.4610.00ff.json"
+    beside.write_text(json.dumps({"schema": 1, "release": 1, "running": ["a"], "waiting": []}))
+    os.chown(beside, 4610, 4610)
+    liveness = os.open(directory / "alive.4610" / "held", os.O_RDWR | os.O_CREAT)
+    os.fchown(liveness, 4610, 4610)
+    job = subprocess.Popen(
+        ["flock", "-x", f"/dev/fd/{liveness}", "-c", "echo held; exec sleep 60"],
+        user=4610,
+        group=4610,
+        extra_groups=[],
+        pass_fds=(liveness,),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    os.close(liveness)
+    (directory / "ledger.4599.json").write_text("{}")  # a write there just now
+    listings = []
+    listdir = os.listdir
+
+    def counted(path: Any = ".") -> list[str]:
+        if str(path) == str(directory):
+            listings.append(1)
+        return listdir(path)
+
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "held\n"
+        monkeypatch.setattr(os, "listdir", counted)
+        assert Ledger(directory).read().unread == {4610: "it is not there"}
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert len(listings) <= 1, len(listings)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes files and a directory of another user's")
 def test_a_members_summary_of_megabytes_left_as_it_is_is_parsed_once_for_their_file_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
