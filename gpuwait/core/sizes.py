@@ -130,12 +130,14 @@ def _exponent(text: str, hint: str, *, share: bool = False) -> None:
 
 
 def _in_digits(number: str) -> str:
-    """`number` (1.5e3, its exponent of two digits at most) written without its exponent:
-    1500."""
+    """`number` (1.5e3, its exponent of two digits at most, leading zeros aside) written
+    without its exponent: 1500."""
     mantissa, _, exponent = number.lower().partition("e")
     whole, _, fraction = mantissa.partition(".")
     digits = whole + fraction
-    point = len(whole) + int(exponent)
+    # Its leading zeros left out: thousands of them would be past int()'s limit on digits.
+    shift = int(exponent.lstrip("+-").lstrip("0") or "0")
+    point = len(whole) + (-shift if exponent.startswith("-") else shift)
     if point <= 0:
         plain = "0." + "0" * -point + digits
     elif point >= len(digits):

@@ -54,6 +54,18 @@ CASES: dict[str, Case] = {
         2,
         "'6e9' is not a size: it takes no exponent; write 6000000000 with a unit: 6G (GiB)",
     ),
+    # Its exponent written with thousands of leading zeros: Python's own words on its limit
+    # for converting a number of so many digits came out ("--vram Exceeds the limit (4300
+    # digits) for integer string conversion ... use sys.set_int_max_str_digits()"), not
+    # gpuwait's, which quote the value (cut short on the screen).
+    "exponent size with a padded exponent": (
+        ["--vram", "1e" + "0" * 5000 + "3M", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '1e000",
+    ),
     # A decimal comma, as many locales write it: told to give the unit it has, no one would
     # see what to change.
     "decimal comma": (["--vram", "6,5G", "true"], {}, None, None, 2, "with a point: 6.5G"),
