@@ -571,11 +571,7 @@ class Ledger:
             part = self._load_other(self.directory / name, uid, repair, unread)
             if part is not None:
                 others[uid] = part
-        gone = sorted(self._members - names.keys() - {self._uid})
-        if gone and _lapses(self.directory, self.directory) is not None:
-            _learn_locks(gone, self.directory)  # /proc/locks read once for them all
-        for uid in gone:
-            self._gone(uid, unread)
+        self._gone(sorted(self._members - names.keys() - {self._uid}), unread)
         combined = entries.combine(data, list(others.items()), self._uid, self._counts)
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
         combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
@@ -774,8 +770,9 @@ class Ledger:
         user's (told by the lock, whatever ledger schema its gpuwait writes)?"""
         return bool(alive.unlisted(self.directory, set(), math.inf))
 
-    def _gone(self, uid: int, unread: dict[int, tuple[str, float]]) -> None:
-        """A member whose file is gone (removed by hand) while a job of theirs holds its
+    def _gone(self, uids: list[int], unread: dict[int, tuple[str, float]]) -> None:
+        """The members whose files are gone (`uids`), each one's as follows. A member whose
+        file is gone (removed by hand) while a job of theirs holds its
         liveness lock: the room their jobs hold is not known until it is written again, and
         nobody is admitted for UNREAD_GRACE from the directory's last change (`_load_other`),
         and no longer than UNREAD_GRACE from this process's first finding it gone: every
@@ -783,10 +780,18 @@ class Ledger:
         everyone for good. A gpuwait of theirs that writes it again does so within moments (a
         waiter once woken, a job's between two samples); one that does not (none runs: the
         lock held by a process their job left running; one stopped with Ctrl-Z, or the parent
-        of a command the shell hook runs bare) would hold everyone for as long as it lives."""
-        lapses = self._held_until(uid, _lapses(self.directory, self.directory))
-        if lapses is not None and _holds_a_lock(uid, self.directory):
-            unread[uid] = ("it is not there", lapses)
+        of a command the shell hook runs bare) would hold everyone for as long as it lives.
+        Whether a job of theirs runs is asked only of those who may hold this waiter still,
+        /proc/locks read once for them all."""
+        changed = _lapses(self.directory, self.directory) if uids else None
+        holding = {uid: self._held_until(uid, changed) for uid in uids}
+        held = [uid for uid, lapses in holding.items() if lapses is not None]
+        if held:
+            _learn_locks(held, self.directory)
+        for uid in held:
+            lapses = holding[uid]
+            if lapses is not None and _holds_a_lock(uid, self.directory):
+                unread[uid] = ("it is not there", lapses)
 
     def _held_until(self, uid: int, lapses: float | None) -> float | None:
         """When a hold for `uid`'s file, found gone, unusable or started afresh lately by
@@ -817,7 +822,7 @@ class Ledger:
         try:
             found = self._read_file(path)
             if found is None or found[0] != uid:
-                self._gone(uid, unread)  # gone, or replaced, since the directory was listed
+                self._gone([uid], unread)  # gone, or replaced, since the directory was listed
                 return None
             # Root may write it back (`_reap_for`): then its owner's book must come back whole.
             tidies = repair and self._uid == 0

@@ -2108,6 +2108,67 @@ def test_the_members_whose_files_are_gone_cost_one_listing_of_the_directory_a_re
     assert len(listings) <= 1, len(listings)
 
 
+class MonotonicOn:
+    """The time module as a module of gpuwait's sees it, its monotonic clock `offset` seconds
+    on from the machine's."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
+def test_the_members_whose_files_are_gone_cost_nothing_once_they_hold_a_waiter_no_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forty members left, root removing their files (their lock directories stay). A waiter
+    # that found them gone 30 s ago is held for none of them any longer, whatever is written
+    # in the directory meanwhile; yet at each of its reads within 30 s of the directory's last
+    # change (on a busy server, every read) it read /proc/locks, the mount table and the
+    # whole directory to learn whether a job of theirs runs, an answer it no longer uses. It
+    # asks nothing of them now.
+    from gpuwait.linux import proc as linux_proc
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
+    directory = shared_dir(tmp_path)
+    for uid in range(4700, 4740):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+    (directory / "ledger.4699.json").write_text("{}")  # a write there just now
+    reads = []
+    proc_locks = linux_proc.proc_locks
+
+    def counted() -> Any:
+        reads.append(1)
+        return proc_locks()
+
+    monkeypatch.setattr(linux_proc, "proc_locks", counted)
+    # A job of one of them holds its lock (here root's: the test's directories are closed to
+    # them): it holds the waiter, for 30 s.
+    job = os.open(directory / "alive.4710", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(job, fcntl.LOCK_SH)
+        waiter = Ledger(directory)
+        assert waiter.read().unread == {4710: "it is not there"}
+        monkeypatch.setattr(module, "time", MonotonicOn(module.UNREAD_GRACE + 1))
+        (directory / "ledger.4699.json").write_text("{}")  # another write there
+        module._HOLDS_A_LOCK.clear()  # the answer of a second ago no longer stands
+        reads.clear()
+        assert waiter.read().unread == {}
+    finally:
+        os.close(job)
+    assert reads == [], len(reads)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes files and a directory of another user's")
 def test_a_members_summary_of_megabytes_left_as_it_is_is_parsed_once_for_their_file_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
