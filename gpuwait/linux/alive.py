@@ -261,10 +261,15 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
     except OSError:
         return ahead
     try:
-        stamped = os.fstat(fd).st_mtime
+        stamped = os.fstat(fd).st_mtime_ns
         ended, end = time.time(), time.monotonic()
         if 0 <= ended - began <= _TOLD_WITHIN and end - start <= _TOLD_WITHIN:
-            ahead = stamped - (began + ended) / 2
+            ahead = stamped / 1e9 - (began + ended) / 2
+            if stamped % 1_000_000_000 == 0:
+                # Stamped to the whole second (ext3, an NFS server's export of it): up to a
+                # second behind the moment. Taken as late as it may be, a lock taken in the
+                # same second before `unlisted`'s moment is told taken before it.
+                ahead += 1.0
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):

@@ -506,3 +506,44 @@ def test_the_jobs_whose_locks_were_taken_before_a_moment_are_told_on_the_file_se
 
     monkeypatch.setattr(alive, "time", _Clock())
     assert alive.unlisted(tmp_path, set(), now - ahead) == [JOB]
+
+
+@pytest.fixture
+def whole_seconds(tmp_path: Path) -> Iterator[Path]:
+    """A file system that stamps files to the whole second, as ext3 does (here ext2 of 128-byte
+    inodes), and an NFS server's export of one, mounted for the test; skipped where it cannot
+    be."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext2"):
+        pytest.skip("mounts a file system")
+    image, mount = tmp_path / "fs.img", tmp_path / "fs"
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    mount.mkdir()
+    made = subprocess.run(["mkfs.ext2", "-q", "-F", "-I", "128", str(image)], capture_output=True)
+    if (
+        made.returncode
+        or subprocess.run(["mount", "-o", "loop", str(image), str(mount)]).returncode
+    ):
+        pytest.skip("no file system can be mounted here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_lock_taken_before_a_moment_in_its_second_is_told_so_where_files_are_stamped_to_the_second(
+    whole_seconds: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ledger started afresh after damage waits for the entries of the jobs whose locks were
+    # taken before then. On a file system that stamps files to the whole second, the file
+    # made to tell its clock was stamped up to a second behind the moment it was made, the
+    # clock taken for as much behind this machine's, and a lock taken a moment before the
+    # ledger was started afresh, in the same second, for one taken after: its job's entry
+    # was not waited for, and its room was given to the next launch.
+    monkeypatch.setattr(alive, "_AHEAD", {})
+    start_holder(whole_seconds, spawned, command=False)
+    lock = whole_seconds / f"alive.{os.getuid()}" / JOB
+    time.sleep(1 - time.time() % 1)  # the start of a second: all that follows is within it
+    now = time.time()
+    os.utime(lock, (now - 0.001, now - 0.001))  # taken a moment before, stamped to the second
+    assert alive.unlisted(whole_seconds, set(), now) == [JOB]
