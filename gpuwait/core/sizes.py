@@ -103,18 +103,22 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
 
 
 _EXPONENT_RE = re.compile(
-    r"^\s*((?:\d+(?:\.\d*)?|\.\d+)e[+-]?\d+)\s*((?:[KMGT]I?)?B?|%)\s*$", re.IGNORECASE | re.ASCII
+    r"^\s*(-?)((?:\d+(?:\.\d*)?|\.\d+)e[+-]?\d+)\s*((?:[KMGT]I?)?B?|%)\s*$",
+    re.IGNORECASE | re.ASCII,
 )
 
 
 def _exponent(text: str, hint: str, *, share: bool = False) -> None:
     """Raise ValueError saying so where `text` is a size (or, with `share`, a share: 5e1%)
     written with an exponent (1e3M, as Python and JSON write numbers), with the line to type
-    where it is short."""
+    where it is short; one below zero (-1e3M) is told so."""
     match = _EXPONENT_RE.match(text)
-    if not match or (match.group(2) == "%") != share:
+    if not match or (match.group(3) == "%") != share:
         return
-    number, unit = match.group(1), match.group(2)
+    sign, number, unit = match.groups()
+    if sign and float(number) != 0:
+        kind, example = ("share", "50%") if share else ("size", "6G")
+        raise ValueError(f"{text.strip()!r} is negative; give a {kind} above zero, e.g. {example}")
     said = f"{text.strip()!r} is not a size: it takes no exponent"
     value = float(number) * _BINARY.get(unit[:1].upper(), 1)
     if not math.isfinite(value) or value > MAX_SIZE:

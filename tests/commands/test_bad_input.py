@@ -54,6 +54,23 @@ CASES: dict[str, Case] = {
         2,
         "'6e9' is not a size: it takes no exponent; write 6000000000 with a unit: 6G (GiB)",
     ),
+    # Negative and written with an exponent: told to give the unit it has.
+    "negative exponent size": (
+        ["--vram=-1e3M", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '-1e3M' is negative; give a size above zero, e.g. 6G",
+    ),
+    "negative exponent share": (
+        ["--vram=-5e1%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '-5e1%' is negative; give a share above zero, e.g. 50%",
+    ),
     # Its exponent written with thousands of leading zeros: Python's own words on its limit
     # for converting a number of so many digits came out ("--vram Exceeds the limit (4300
     # digits) for integer string conversion ... use sys.set_int_max_str_digits()"), not
