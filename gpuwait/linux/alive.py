@@ -241,7 +241,8 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
     """How far the clock the file system of `lock_dir` (open as `directory`) stamps files by is
     ahead of this machine's wall clock: a file server's (NFS) may be off by minutes, and a
     lock file's time, stamped by it, is compared with this machine's (`unlisted`). Told by a
-    file made there and removed, at most once a minute; 0 where it cannot be told."""
+    file made there and removed, at most once a minute; where it cannot be told (that took
+    too long), what the last look that told it said stands, else 0."""
     start = time.monotonic()
     known = _AHEAD.get(lock_dir)
     if known is not None and start < known[1]:
@@ -249,7 +250,7 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
     name = f".clock.{os.getpid()}"  # no job id: passed over by every reader of the directory
     with contextlib.suppress(OSError):
         os.unlink(name, dir_fd=directory)  # left by a process of this pid killed meanwhile
-    ahead = 0.0
+    ahead = 0.0 if known is None else known[0]
     began = time.time()
     try:
         fd = os.open(

@@ -547,3 +547,42 @@ def test_a_lock_taken_before_a_moment_in_its_second_is_told_so_where_files_are_s
     now = time.time()
     os.utime(lock, (now - 0.001, now - 0.001))  # taken a moment before, stamped to the second
     assert alive.unlisted(whole_seconds, set(), now) == [JOB]
+
+
+class _SlowClock:
+    """The time module as gpuwait.linux.alive sees it: its wall clock `offset` seconds off,
+    moved on `step` seconds at each reading (a look that took that long), and its monotonic
+    clock `later` seconds on."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset, self.step, self.later = offset, 0.0, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def time(self) -> float:
+        self.offset += self.step
+        return time.time() + self.offset
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.later
+
+
+def test_a_slow_look_at_the_file_servers_clock_leaves_what_the_last_one_told(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file server's clock a minute ahead of this machine's. A look at it that took over
+    # 2 s (the server not answering, the process frozen meanwhile) told nothing of it, yet was
+    # kept for a minute as no difference at all: a lock taken a moment before a ledger was
+    # started afresh was taken for one taken after it, its job's entry not waited for, and its
+    # room given away. What the last look that told something told stands now.
+    monkeypatch.setattr(alive, "_AHEAD", {})
+    start_holder(tmp_path, spawned, command=False)
+    time.sleep(0.05)  # the moment comes after the lock was taken, on either clock
+    clock = _SlowClock(-60.0)  # this machine's clock a minute behind the file system's
+    monkeypatch.setattr(alive, "time", clock)
+    moment = clock.time()
+    assert alive.unlisted(tmp_path, set(), moment) == [JOB]
+    clock.later = 61.0  # a minute on: looked at again
+    clock.step = 70.0  # the look takes 70 s by the clock
+    assert alive.unlisted(tmp_path, set(), moment) == [JOB]
