@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import re
 import signal
@@ -219,8 +220,10 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
                     taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
                 except OSError:
                     continue
-                if since is None:
-                    since = before + _clock_ahead(lock_dir, directory)
+                if since is None:  # looked at only where it tells something
+                    since = (
+                        before if before == math.inf else before + _clock_ahead(lock_dir, directory)
+                    )
                 if taken < since and _held_in(directory, name) is True:
                     found.add(name)
     return sorted(found)
@@ -231,8 +234,11 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
 _AHEAD: dict[Path, tuple[float, float]] = {}
 
 #: How long, at most, making a file may take, by the wall clock and by the monotonic clock, to
-#: tell its file system's clock: its stamp is taken for the middle of it.
+#: tell its file system's clock.
 _TOLD_WITHIN = 2.0
+#: How far behind the moment a file system stamps a file, at most: a tick of the kernel's
+#: coarse clock (10 ms at HZ=100); a second where it stamps whole seconds.
+_STAMP_LAG = 0.01
 #: How long what it told stands: this machine's clock may be stepped meanwhile.
 _TOLD_FOR = 60.0
 
@@ -242,7 +248,11 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
     ahead of this machine's wall clock: a file server's (NFS) may be off by minutes, and a
     lock file's time, stamped by it, is compared with this machine's (`unlisted`). Told by a
     file made there and removed, at most once a minute; where it cannot be told (that took
-    too long), what the last look that told it said stands, else 0."""
+    too long), what the last look that told it said stands, else 0. Told as far ahead as it
+    may be: the file was made after the look began, and stamped at most _STAMP_LAG behind
+    the moment, so that a lock taken before `unlisted`'s moment is never told taken after it
+    (one taken a moment after may be told taken before, and is waited for in vain only until
+    its entry is found)."""
     start = time.monotonic()
     known = _AHEAD.get(lock_dir)
     if known is not None and start < known[1]:
@@ -265,12 +275,10 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
         stamped = os.fstat(fd).st_mtime_ns
         ended, end = time.time(), time.monotonic()
         if 0 <= ended - began <= _TOLD_WITHIN and end - start <= _TOLD_WITHIN:
-            ahead = stamped / 1e9 - (began + ended) / 2
-            if stamped % 1_000_000_000 == 0:
-                # Stamped to the whole second (ext3, an NFS server's export of it): up to a
-                # second behind the moment. Taken as late as it may be, a lock taken in the
-                # same second before `unlisted`'s moment is told taken before it.
-                ahead += 1.0
+            # Stamped to the whole second (ext3, an NFS server's export of it): up to a
+            # second behind the moment.
+            lag = 1.0 if stamped % 1_000_000_000 == 0 else _STAMP_LAG
+            ahead = stamped / 1e9 + lag - began
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):

@@ -586,3 +586,29 @@ def test_a_slow_look_at_the_file_servers_clock_leaves_what_the_last_one_told(
     clock.later = 61.0  # a minute on: looked at again
     clock.step = 70.0  # the look takes 70 s by the clock
     assert alive.unlisted(tmp_path, set(), moment) == [JOB]
+
+
+def test_a_look_at_the_file_servers_clock_that_took_a_second_tells_no_lock_taken_after(
+    tmp_path: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The look's file was stamped as its making began, and the server answered a second
+    # later (a slow NFS server). Its stamp was taken for the middle of the look, half a second
+    # too late, the file system's clock for half a second behind: a lock taken a moment
+    # before a ledger was started afresh was taken for one taken after it, its job's entry not
+    # waited for, and its room given away. The clock is told as far ahead as it may be.
+    monkeypatch.setattr(alive, "_AHEAD", {})
+    start_holder(tmp_path, spawned, command=False)
+    time.sleep(0.05)  # the moment comes after the lock was taken, on either clock
+    clock = _SlowClock(0.0)
+    monkeypatch.setattr(alive, "time", clock)
+    moment = clock.time()
+    real_open = os.open
+
+    def slow_open(name: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(name, *args, **kwargs)
+        if str(name).startswith(".clock."):
+            clock.offset += 1.0  # made and stamped at once, answered a second later
+        return fd
+
+    monkeypatch.setattr(os, "open", slow_open)
+    assert alive.unlisted(tmp_path, set(), moment) == [JOB]
