@@ -342,18 +342,8 @@ def locks_exclusively(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
     prefix = b"%02x:%02x:" % (os.major(device), os.minor(device))
     found: set[int] = set()
     owners: dict[int, int | None] = {}
-    for line in proc.proc_locks():
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
-        if (
-            len(fields) >= 6
-            and fields[1] == b"FLOCK"
-            and fields[3] == b"WRITE"
-            and fields[5].startswith(prefix)
-            and fields[4].isdigit()
-            and int(fields[4]) > 0
-        ):
-            pid = int(fields[4])
+    for pid, kind, file in lock.flocks():
+        if kind == b"WRITE" and file.startswith(prefix) and pid > 0:
             if pid not in owners:
                 owners[pid] = proc.owner_uid(pid)
             owner = owners[pid]

@@ -8,7 +8,6 @@ the lock when the holder dies, even by SIGKILL, so a crashed gpuwait never leave
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 from collections.abc import Callable, Iterator
@@ -320,10 +319,19 @@ def holders_of(files: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]
     found: dict[tuple[int, int], list[int]] = {}
     if not wanted:
         return found
+    for pid, _, file in flocks():
+        if file in wanted:
+            found.setdefault(wanted[file], []).append(pid)
+    return found
+
+
+def flocks() -> Iterator[tuple[int, bytes, bytes]]:
+    """Each flock held (not waited for) as /proc/locks lists it: the pid of the process that
+    took it (0 where that one is not seen from here: another pid namespace's), its kind
+    (b"READ", shared, or b"WRITE", exclusive) and its file (b"major:minor:inode", in hex,
+    hex and decimal)."""
     for line in proc.proc_locks():
         fields = line.split()
         # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; waiters have "->" after the number.
-        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] in wanted:
-            with contextlib.suppress(ValueError):
-                found.setdefault(wanted[fields[5]], []).append(int(fields[4]))
-    return found
+        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[4].isdigit():
+            yield int(fields[4]), fields[3], fields[5]
