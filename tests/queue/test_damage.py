@@ -1908,6 +1908,60 @@ def test_a_members_file_marked_started_afresh_again_and_again_holds_a_waiter_no_
         held.wait()
 
 
+def members_who_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: int) -> Path:
+    """A shared ledger directory where forty members, uids `first` to `first` + 39, left,
+    root removing their files as docs/shared-servers.md says (their lock directories stay),
+    and another wrote there just now; no look of another test's kept."""
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+    from gpuwait.queue import wake
+
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    monkeypatch.setattr(wake, "_RUNS_A_JOB", {})
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})
+    directory = shared_dir(tmp_path)
+    for uid in range(first, first + 40):
+        lock_dir = directory / f"alive.{uid}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, uid, uid)
+    (directory / f"ledger.{first - 1}.json").write_text("{}")  # a write there just now
+    return directory
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[tuple[Any, ...]]:
+    """The calls of `module`.`name` from now on, by their arguments."""
+    calls: list[tuple[Any, ...]] = []
+    function = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def an_older_gpuwaits_job(lock_dir: Path, uid: int) -> subprocess.Popen[str]:
+    """A job of `uid`'s under a gpuwait older than the lock on the lock directory: its
+    liveness lock in `lock_dir`, an exclusive flock of theirs, held once this returns (opened
+    through the descriptor given: the test's directories are closed to them)."""
+    liveness = os.open(lock_dir / f"{uid:016x}", os.O_RDWR | os.O_CREAT)
+    os.fchown(liveness, uid, uid)
+    job = subprocess.Popen(
+        ["flock", "-x", f"/dev/fd/{liveness}", "-c", "echo held; exec sleep 60"],
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        pass_fds=(liveness,),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    os.close(liveness)
+    assert job.stdout is not None and job.stdout.readline() == "held\n"
+    return job
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
 def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -1918,25 +1972,9 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_
     # /proc/locks once for each of them (on a node holding 5,000 locks, half a core's second
     # for a hundred members, each second, for each waiter); it reads it once now.
     from gpuwait.linux import proc as linux_proc
-    from gpuwait.linux import security
-    from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
-    directory = shared_dir(tmp_path)
-    for uid in range(4300, 4340):
-        lock_dir = directory / f"alive.{uid}"
-        lock_dir.mkdir(mode=0o700)
-        os.chown(lock_dir, uid, uid)
-    (directory / "ledger.4299.json").write_text("{}")  # a write there just now
-    reads = []
-    proc_locks = linux_proc.proc_locks
-
-    def counted() -> Any:
-        reads.append(1)
-        return proc_locks()
-
-    monkeypatch.setattr(linux_proc, "proc_locks", counted)
+    directory = members_who_left(tmp_path, monkeypatch, 4300)
+    reads = counted(monkeypatch, linux_proc, "proc_locks")
     # A job of one of them holds its lock (here root's: the test's directories are closed to
     # them): they hold the others, and they alone.
     job = os.open(directory / "alive.4310", os.O_RDONLY | os.O_DIRECTORY)
@@ -1957,25 +1995,9 @@ def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_mounts_a
     # /proc/locks names its locks, at each read of the ledger by every waiter. All of them in
     # one mount, it is looked up once now.
     from gpuwait.linux import proc as linux_proc
-    from gpuwait.linux import security
-    from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
-    directory = shared_dir(tmp_path)
-    for uid in range(4400, 4440):
-        lock_dir = directory / f"alive.{uid}"
-        lock_dir.mkdir(mode=0o700)
-        os.chown(lock_dir, uid, uid)
-    (directory / "ledger.4399.json").write_text("{}")  # a write there just now
-    looks = []
-    mount_device = linux_proc._mount_device
-
-    def counted(mountinfo: bytes, mount_id: int) -> int | None:
-        looks.append(mount_id)
-        return mount_device(mountinfo, mount_id)
-
-    monkeypatch.setattr(linux_proc, "_mount_device", counted)
+    directory = members_who_left(tmp_path, monkeypatch, 4400)
+    looks = counted(monkeypatch, linux_proc, "_mount_device")
     # A job of one of them holds its lock: they hold the others, and they alone.
     job = os.open(directory / "alive.4410", os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -1997,48 +2019,17 @@ def test_the_members_running_an_older_gpuwait_cost_one_look_at_the_machines_lock
     # for each of them, and the mount table too; it reads /proc/locks twice now, whatever
     # their number.
     from gpuwait.linux import proc as linux_proc
-    from gpuwait.linux import security
-    from gpuwait.queue import ledger as module
-    from gpuwait.queue import wake
 
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    monkeypatch.setattr(wake, "_RUNS_A_JOB", {})
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
-    directory = shared_dir(tmp_path)
+    directory = members_who_left(tmp_path, monkeypatch, 4500)
     for uid in range(4500, 4540):
-        lock_dir = directory / f"alive.{uid}"
-        lock_dir.mkdir(mode=0o700)
-        os.chown(lock_dir, uid, uid)
         summary = directory / f"wake.{uid}.json"
         running = {"schema": 1, "release": 1, "running": [f"{uid:016x}"], "waiting": []}
         summary.write_text(json.dumps(running))
         os.chown(summary, uid, uid)
-    (directory / "ledger.4499.json").write_text("{}")  # a write there just now
     # One of them runs such a job: its liveness lock, an exclusive flock of theirs.
-    # (Opened through the descriptor given: the test's directories are closed to them.)
-    liveness = os.open(directory / "alive.4510" / f"{4510:016x}", os.O_RDWR | os.O_CREAT)
-    os.fchown(liveness, 4510, 4510)
-    job = subprocess.Popen(
-        ["flock", "-x", f"/dev/fd/{liveness}", "-c", "echo held; exec sleep 60"],
-        user=4510,
-        group=4510,
-        extra_groups=[],
-        pass_fds=(liveness,),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    os.close(liveness)
-    reads = []
-    proc_locks = linux_proc.proc_locks
-
-    def counted() -> Any:
-        reads.append(1)
-        return proc_locks()
-
+    job = an_older_gpuwaits_job(directory / "alive.4510", 4510)
     try:
-        assert job.stdout is not None and job.stdout.readline() == "held\n"
-        monkeypatch.setattr(linux_proc, "proc_locks", counted)
+        reads = counted(monkeypatch, linux_proc, "proc_locks")
         # They hold the others, and they alone.
         assert Ledger(directory).read().unread == {4510: "it is not there"}
     finally:
@@ -2056,18 +2047,7 @@ def test_the_members_whose_files_are_gone_cost_one_listing_of_the_directory_a_re
     # busy server, always), each read of the ledger by every waiter listed the whole
     # directory once for each of them, to find a summary of theirs beside the name another
     # member may have taken: 0.4 s of CPU a read. It lists it once for them all now.
-    from gpuwait.linux import security
-    from gpuwait.queue import ledger as module
-    from gpuwait.queue import wake
-
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    monkeypatch.setattr(wake, "_RUNS_A_JOB", {})
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
-    directory = shared_dir(tmp_path)
-    for uid in range(4600, 4640):
-        lock_dir = directory / f"alive.{uid}"
-        lock_dir.mkdir(mode=0o700)
-        os.chown(lock_dir, uid, uid)
+    directory = members_who_left(tmp_path, monkeypatch, 4600)
     for n in range(20_000):
         (directory / f"x.{n}").touch()
     # One of them had a summary of theirs made beside the name another member took, and a job
@@ -2076,36 +2056,16 @@ def test_the_members_whose_files_are_gone_cost_one_listing_of_the_directory_a_re
     beside = directory / "wake.4610.00ff.json"
     beside.write_text(json.dumps({"schema": 1, "release": 1, "running": ["a"], "waiting": []}))
     os.chown(beside, 4610, 4610)
-    liveness = os.open(directory / "alive.4610" / "held", os.O_RDWR | os.O_CREAT)
-    os.fchown(liveness, 4610, 4610)
-    job = subprocess.Popen(
-        ["flock", "-x", f"/dev/fd/{liveness}", "-c", "echo held; exec sleep 60"],
-        user=4610,
-        group=4610,
-        extra_groups=[],
-        pass_fds=(liveness,),
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    os.close(liveness)
+    job = an_older_gpuwaits_job(directory / "alive.4610", 4610)
     (directory / "ledger.4599.json").write_text("{}")  # a write there just now
-    listings = []
-    listdir = os.listdir
-
-    def counted(path: Any = ".") -> list[str]:
-        if str(path) == str(directory):
-            listings.append(1)
-        return listdir(path)
-
     try:
-        assert job.stdout is not None and job.stdout.readline() == "held\n"
-        monkeypatch.setattr(os, "listdir", counted)
+        listings = counted(monkeypatch, os, "listdir")
         assert Ledger(directory).read().unread == {4610: "it is not there"}
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-    assert len(listings) <= 1, len(listings)
+    of_it = [args for args in listings if args and str(args[0]) == str(directory)]
+    assert len(of_it) <= 1, len(of_it)
 
 
 class MonotonicOn:
@@ -2133,25 +2093,10 @@ def test_the_members_whose_files_are_gone_cost_nothing_once_they_hold_a_waiter_n
     # whole directory to learn whether a job of theirs runs, an answer it no longer uses. It
     # asks nothing of them now.
     from gpuwait.linux import proc as linux_proc
-    from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # none of this test's looks kept
-    directory = shared_dir(tmp_path)
-    for uid in range(4700, 4740):
-        lock_dir = directory / f"alive.{uid}"
-        lock_dir.mkdir(mode=0o700)
-        os.chown(lock_dir, uid, uid)
-    (directory / "ledger.4699.json").write_text("{}")  # a write there just now
-    reads = []
-    proc_locks = linux_proc.proc_locks
-
-    def counted() -> Any:
-        reads.append(1)
-        return proc_locks()
-
-    monkeypatch.setattr(linux_proc, "proc_locks", counted)
+    directory = members_who_left(tmp_path, monkeypatch, 4700)
+    reads = counted(monkeypatch, linux_proc, "proc_locks")
     # A job of one of them holds its lock (here root's: the test's directories are closed to
     # them): it holds the waiter, for 30 s.
     job = os.open(directory / "alive.4710", os.O_RDONLY | os.O_DIRECTORY)
@@ -2198,14 +2143,7 @@ def test_a_members_summary_of_megabytes_left_as_it_is_is_parsed_once_for_their_f
     (directory / "ledger.4449.json").write_text("{}")  # a write there just now
     assert waiter.read().unread == {}
     time.sleep(2.1)  # the summary left as it is, past a coarse clock's tick
-    parsed = []
-    read_summary = wake.read_summary
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        parsed.append(1)
-        return read_summary(*args, **kwargs)
-
-    monkeypatch.setattr(wake, "read_summary", counted)
+    parsed = counted(monkeypatch, wake, "read_summary")
     (directory / "ledger.4449.json").write_text("{}")  # another write there
     for _ in range(5):
         module._HOLDS_A_LOCK.clear()  # the answer of a second ago no longer stands
