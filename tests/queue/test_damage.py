@@ -1963,46 +1963,28 @@ def an_older_gpuwaits_job(lock_dir: Path, uid: int) -> subprocess.Popen[str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
+@pytest.mark.parametrize("looked_at", ["proc_locks", "_mount_device"], ids=["locks", "mounts"])
 def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_locks_a_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, looked_at: str
 ) -> None:
     # Forty members left, root removing their files as docs/shared-servers.md says (their
     # lock directories stay). Within 30 s of any write in the directory, which on a busy
     # server is always, each read of the ledger by every waiter read the whole of
     # /proc/locks once for each of them (on a node holding 5,000 locks, half a core's second
-    # for a hundred members, each second, for each waiter); it reads it once now.
+    # for a hundred members, each second, for each waiter), and looked each one's lock
+    # directory up in the mount table (/proc/self/mountinfo, 16 MB on a node of 100,000
+    # mounts) to learn the device by which /proc/locks names its locks. All of them in one
+    # mount, each is looked at once now.
     from gpuwait.linux import proc as linux_proc
 
     directory = members_who_left(tmp_path, monkeypatch, 4300)
-    reads = counted(monkeypatch, linux_proc, "proc_locks")
+    looks = counted(monkeypatch, linux_proc, looked_at)
     # A job of one of them holds its lock (here root's: the test's directories are closed to
     # them): they hold the others, and they alone.
     job = os.open(directory / "alive.4310", os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(job, fcntl.LOCK_SH)
         assert Ledger(directory).read().unread == {4310: "it is not there"}
-    finally:
-        os.close(job)
-    assert len(reads) == 1, len(reads)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes directories of other users'")
-def test_the_members_whose_files_are_gone_cost_one_look_at_the_machines_mounts_a_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As above: each of the forty members' lock directories was looked up in the mount table
-    # (/proc/self/mountinfo, 16 MB on a node of 100,000 mounts) to learn the device by which
-    # /proc/locks names its locks, at each read of the ledger by every waiter. All of them in
-    # one mount, it is looked up once now.
-    from gpuwait.linux import proc as linux_proc
-
-    directory = members_who_left(tmp_path, monkeypatch, 4400)
-    looks = counted(monkeypatch, linux_proc, "_mount_device")
-    # A job of one of them holds its lock: they hold the others, and they alone.
-    job = os.open(directory / "alive.4410", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(job, fcntl.LOCK_SH)
-        assert Ledger(directory).read().unread == {4410: "it is not there"}
     finally:
         os.close(job)
     assert len(looks) == 1, len(looks)
