@@ -1744,82 +1744,56 @@ def test_a_waiter_held_for_two_users_unusable_files_is_told_of_the_first_uid_and
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
-def test_a_members_file_gone_with_no_gpuwait_of_theirs_holds_a_waiter_no_longer_than_the_grace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "theirs", [False, True], ids=["no gpuwait of theirs", "a gpuwait of theirs"]
+)
+def test_a_members_file_gone_holds_a_waiter_no_longer_than_the_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, theirs: bool
 ) -> None:
     # A member's job has ended, leaving behind a process that inherited its lock on their lock
     # directory (a `nohup` server its script started), and their ledger file is gone (root
-    # removed it as they left): no gpuwait of theirs runs to write it back. A waiter's hold for
-    # it lapsed 30 s after the directory's last change, and every other member's write there
-    # (each launch, each job's end) pushed it back: on a busy server nobody was admitted for as
-    # long as that process lived. It lapses now 30 s after this waiter found the file gone at
-    # the latest, whatever changes in the directory meanwhile.
-    from gpuwait.linux import security
-    from gpuwait.queue import ledger as module
-
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
-    directory = shared_dir(tmp_path)
-    lock_dir = directory / "alive.4271"
-    lock_dir.mkdir(mode=0o700)
-    os.chown(lock_dir, 4271, 4271)
-    left = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
-    try:
-        wait_for(lambda: f" {left.pid} " in Path("/proc/locks").read_text())
-        waiter = Ledger(directory)
-        first = waiter.read().unread_until
-        found_gone = time.time()  # at the latest
-        assert list(first) == [4271], first
-        # Another member's write into the directory, two seconds on.
-        time.sleep(2)
-        (directory / "ledger.4243.json").write_text("{}")
-        later = waiter.read().unread_until[4271]
-        assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
-    finally:
-        left.kill()
-        left.wait()
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
-def test_a_members_file_gone_holds_a_waiter_no_longer_than_the_grace_whatever_gpuwait_of_theirs_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As above, but a gpuwait of theirs runs that writes no ledger file: one the shell hook
-    # keeps as the parent of a command it runs bare, or a waiter stopped with Ctrl-Z. The hold
-    # lapsed 30 s after the directory's last change, and every other member's write there
-    # pushed it back: on a busy server nobody was admitted for as long as both ran. A gpuwait
+    # removed it as they left); with or without a gpuwait of theirs running that writes no
+    # ledger file (one the shell hook keeps as the parent of a command it runs bare, a waiter
+    # stopped with Ctrl-Z). A waiter's hold for it lapsed 30 s after the directory's last
+    # change, and every other member's write there (each launch, each job's end) pushed it
+    # back: on a busy server nobody was admitted for as long as that process lived. A gpuwait
     # of theirs that writes the file again does so within moments; the hold lapses now 30 s
-    # after this waiter found the file gone at the latest, as where none of theirs runs.
+    # after this waiter found the file gone at the latest, whatever changes meanwhile.
     from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
     monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
     monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
+    # A uid of each case's alone: a gpuwait of 4242's running for another test would count.
+    uid = 4272 if theirs else 4271
     directory = shared_dir(tmp_path)
-    lock_dir = directory / "alive.4272"
+    lock_dir = directory / f"alive.{uid}"
     lock_dir.mkdir(mode=0o700)
-    os.chown(lock_dir, 4272, 4272)
-    left = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
-    bare = subprocess.Popen(
-        ["gpuwait", "60"], executable=shutil.which("sleep"), user=4272, group=4272
-    )
+    os.chown(lock_dir, uid, uid)
+    processes = [subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])]
+    if theirs:
+        processes.append(
+            subprocess.Popen(
+                ["gpuwait", "60"], executable=shutil.which("sleep"), user=uid, group=uid
+            )
+        )
     try:
-        wait_for(lambda: f" {left.pid} " in Path("/proc/locks").read_text())
-        wait_for(lambda: b"gpuwait" in Path(f"/proc/{bare.pid}/cmdline").read_bytes())
-        assert security.runs_gpuwait(4272)
+        wait_for(lambda: f" {processes[0].pid} " in Path("/proc/locks").read_text())
+        if theirs:
+            cmdline = Path(f"/proc/{processes[1].pid}/cmdline")
+            wait_for(lambda: b"gpuwait" in cmdline.read_bytes())
+            assert security.runs_gpuwait(uid)
         waiter = Ledger(directory)
         first = waiter.read().unread_until
         found_gone = time.time()  # at the latest
-        assert list(first) == [4272], first
+        assert list(first) == [uid], first
         # Another member's write into the directory, two seconds on.
         time.sleep(2)
         (directory / "ledger.4243.json").write_text("{}")
-        later = waiter.read().unread_until[4272]
+        later = waiter.read().unread_until[uid]
         assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
     finally:
-        for process in (left, bare):
+        for process in processes:
             process.kill()
             process.wait()
 
