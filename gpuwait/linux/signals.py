@@ -220,7 +220,13 @@ def hold_stops() -> set[int | signal.Signals]:
 
 
 def resume_stops(previous: set[int | signal.Signals]) -> None:
-    """Put back the signal mask `hold_stops` returned; a stop that came meanwhile acts now."""
+    """Put back the signal mask `hold_stops` returned; a stop that came meanwhile acts now,
+    taken by `stop_by`, so that a waiter knows it was stopped (`stops`) and says its line again
+    once continued, as for a stop taken in its sleep."""
+    for stop in sorted(TERMINAL_STOPS & signal.sigpending()):
+        if stop not in previous and signal.getsignal(stop) == signal.SIG_DFL:
+            signal.sigtimedwait({stop}, 0)
+            stop_by(stop)
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
