@@ -150,26 +150,60 @@ def _names_beside(
     `stem`.<uid>.<random>`suffix` (`own_name`), by uid, from one listing of it."""
     if not uids:
         return {}
-    wanted = {f"{stem}.{uid}": uid for uid in uids}
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         names = []
-    found: dict[int, Path] = {}
-    for name in names:
-        if not name.endswith(suffix):
+    wanted = set(uids)
+    chosen = choose_own_names(
+        names,
+        stem,
+        suffix,
+        lambda name, uid: uid in wanted and _owned(directory / name, uid, kuid),
+    )
+    return {uid: directory / name for uid, name in chosen.items()}
+
+
+def choose_own_names(
+    listed: Iterable[str],
+    stem: str,
+    suffix: str,
+    theirs: Callable[[str, int], bool],
+    most: int | None = None,
+) -> dict[int, str]:
+    """Each user's own name in a shared directory (`own_name`), by uid, among the names
+    `listed` there: `stem`.<uid>`suffix`, else the first by sort order of their own beside
+    it, `stem`.<uid>.<random>`suffix`, as gpuwait writes them (a uid of leading zeros names
+    nobody's: gpuwait neither writes nor reads it). `theirs(name, uid)`: is the file of that
+    name the user's (looked at only for a name that would be chosen, in any order of
+    `listed`); `most`: the number of users after which the rest of `listed` is passed over."""
+    chosen: dict[int, str] = {}
+    for name in listed:
+        uid = _uid_named(name, stem, suffix)
+        if uid is None:
             continue
-        head, dot, random = name[: len(name) - len(suffix)].rpartition(".")
-        uid = wanted.get(head) if dot else None
-        if (
-            uid is not None
-            and uid not in found
-            and 0 < len(random) <= 32
-            and all(c in "0123456789abcdef" for c in random)
-            and _owned(directory / name, uid, kuid)
-        ):
-            found[uid] = directory / name
-    return found
+        held = chosen.get(uid)
+        canonical = f"{stem}.{uid}{suffix}"
+        if held is not None and (held == canonical or held < name != canonical):
+            continue
+        if theirs(name, uid):
+            chosen[uid] = name
+            if most is not None and len(chosen) >= most:
+                break
+    return chosen
+
+
+def _uid_named(name: str, stem: str, suffix: str) -> int | None:
+    """The uid whose own name `name` is (`own_name`): `stem`.<uid>`suffix` or
+    `stem`.<uid>.<random>`suffix`, the uid in digits as str() writes it, the random part up to
+    32 lowercase hex digits; None for any other name."""
+    if not name.startswith(f"{stem}.") or not name.endswith(suffix):
+        return None
+    digits, dot, random = name[len(stem) + 1 : len(name) - len(suffix)].partition(".")
+    if dot and not (0 < len(random) <= 32 and all(c in "0123456789abcdef" for c in random)):
+        return None
+    uid = whole_number(digits) if len(digits) <= 10 else None
+    return uid if uid is not None and str(uid) == digits else None
 
 
 def _owned(path: Path, uid: int, kuid: int | None) -> bool:

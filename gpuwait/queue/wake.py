@@ -60,7 +60,14 @@ from typing import Any
 
 from gpuwait.core.record import Record
 from gpuwait.linux.atomic import holds, write_atomic
-from gpuwait.linux.security import ANYONE, is_shared_dir, own_name, own_names, read_state_file
+from gpuwait.linux.security import (
+    ANYONE,
+    choose_own_names,
+    is_shared_dir,
+    own_name,
+    own_names,
+    read_state_file,
+)
 from gpuwait.linux.stamp import (
     RACY_SECONDS,
     FileStamp,
@@ -78,7 +85,6 @@ MAX_SUMMARY_BYTES = 4 << 20
 STAMP = "plan.stamp"
 #: In a shared ledger directory: one user's summary makes a waiter act at most this often.
 SOURCE_GAP = 0.05
-_USER_SUMMARY_RE = re.compile(r"^wake\.([0-9]{1,10})(?:\.[0-9a-f]{1,32})?\.json\Z")
 #: A summary's name (wake.json, or any user's) as inotify's events hold it, after the NUL that
 #: ends its event's length and padded with NULs; and what every such name has in it.
 EVENT_NAMES = (
@@ -350,34 +356,29 @@ class Summaries:
         # after them, whose waiters would then be woken by no summary of theirs.
         # Each name looked at by its directory entry, no path built for it, and not again while
         # the directory is as it was: a member may make thousands for uids not theirs.
-        chosen: dict[str, tuple[str, FileStamp]] = {}
+        listed = {item.name: item for item in items}
+        stamps: dict[str, FileStamp] = {}
         whole = True
-        for item in items:
-            name = item.name
+
+        def theirs(name: str, uid: int) -> bool:
+            nonlocal whole
             if name in self._not_theirs:
-                continue
-            match = _USER_SUMMARY_RE.match(name)
-            if match is None:
-                continue
-            uid = match.group(1)
-            canonical = f"wake.{uid}.json"
-            held = chosen.get(uid)
-            if held is not None and (held[0] == canonical or held[0] < name != canonical):
-                continue
+                return False
             try:
-                st = item.stat(follow_symlinks=False)
+                st = listed[name].stat(follow_symlinks=False)
             except OSError:
                 whole = False  # gone, or not to be looked at now: looked at again next time
-                continue
-            if st.st_uid != int(uid):  # another user's file under this uid's name
+                return False
+            if st.st_uid != uid:  # another user's file under this uid's name
                 self._not_theirs.add(name)
-                continue
-            chosen[uid] = (name, stamp_of(st))
-            if len(chosen) >= MAX_SUMMARIES:
-                break
+                return False
+            stamps[name] = stamp_of(st)
+            return True
+
+        chosen = choose_own_names(listed, "wake", ".json", theirs, MAX_SUMMARIES)
         if whole:
-            self._not_theirs.keep([(name, int(uid)) for uid, (name, _) in chosen.items()])
-        return dict(chosen.values())
+            self._not_theirs.keep([(name, uid) for uid, name in chosen.items()])
+        return {name: stamps[name] for name in chosen.values()}
 
 
 def runs_a_job_of(state_dir: Path, uids: Iterable[int]) -> set[int]:

@@ -228,6 +228,28 @@ def test_a_member_with_many_summaries_is_still_acted_on_once_every_source_gap(
     assert [s.release for s in summaries.current()] == [1]
 
 
+def test_a_member_whose_uid_is_written_with_leading_zeros_has_still_one_summary(
+    tmp_path: Path,
+) -> None:
+    # wake.01000.json, wake.001000.json ... are names of uid 1000's as well, yet no gpuwait
+    # writes them, nor reads them as theirs (`runs_a_job_of`): each was a summary of a user
+    # of its own, acted on at every SOURCE_GAP, so that a member rewriting nine such files
+    # was nine members' wake-ups for every waiter.
+    uid = os.getuid()
+    (tmp_path / f"wake.{uid}.json").write_text(_summary(1, ["a"]))
+    padded = [tmp_path / f"wake.{uid:0{width}d}.json" for width in range(len(str(uid)) + 1, 11)]
+    padded.append(tmp_path / f"wake.0{uid}.0123abcd.json")
+    for n, path in enumerate(padded):
+        path.write_text(_summary(100 + n, [str(n)]))
+    summaries = wake.Summaries(tmp_path, shared=True)
+    assert [s.release for s in summaries.changed(now=10.0)[0] if s] == [1]
+    for n, path in enumerate(padded):
+        path.write_text(_summary(200 + n, [str(n)] * 2))
+    assert summaries.changed(now=10.0 + 2 * wake.SOURCE_GAP)[0] == []
+    assert [s.release for s in summaries.current()] == [1]
+    assert wake.runs_a_job_of(tmp_path, [uid]) == set()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: needs root")
 def test_a_summary_squatted_by_another_member_is_written_beside_it(tmp_path: Path) -> None:
     squat = tmp_path / f"wake.{os.getuid()}.json"
