@@ -231,6 +231,12 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
 
 #: By lock directory: how far the clock its file system stamps files by is ahead of this
 #: machine's wall clock, and until when (on the monotonic clock) that stands (`_clock_ahead`).
+#: The same clock as gpuwait.queue.ledger._AHEAD's (the lock directory is in the ledger
+#: directory), told apart on purpose: this one must be an upper bound (a lock taken before the
+#: moment is never told taken after it), on a private ledger's local file system too (whose
+#: stamps lag by a tick), and known at the first plan after a ledger was started afresh, before
+#: this process wrote anything; the ledger's is the middle of this process's writes of its
+#: shared ledger file (a private ledger's tells none), for a hold either way of a change.
 _AHEAD: dict[Path, tuple[float, float]] = {}
 
 #: How long, at most, making a file may take, by the wall clock and by the monotonic clock, to

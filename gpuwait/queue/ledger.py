@@ -971,7 +971,11 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
 
 #: By shared ledger directory: how far the clock its file system stamps change times by is
 #: ahead of this machine's wall clock (an NFS server's may be off by minutes), as this process's
-#: last write of its own file there told.
+#: last write of its own file there told. The same clock as gpuwait.linux.alive._AHEAD's, told
+#: apart on purpose: a hold of UNREAD_GRACE either way of a change wants the middle, taken
+#: from this process's own writes, made anyway, rather than from a file made at reads (every
+#: waiter reads at every change); alive's is an upper bound (a lock taken before a moment is
+#: never told taken after it), told by a file made for it, for a ledger started afresh.
 _AHEAD: dict[Path, float] = {}
 
 
