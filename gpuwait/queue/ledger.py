@@ -56,6 +56,7 @@ from gpuwait.linux.security import (
     RUNS_GPUWAIT_FOR,
     UnsafePath,
     check_dir,
+    choose_own_names,
     is_shared_dir,
     open_readable,
     open_state_file,
@@ -637,32 +638,28 @@ class Ledger:
         marks: list[tuple[int, os.DirEntry[str]]] = []
         try:
             with os.scandir(self.directory) as listing:
-                named = []
+                named: dict[str, os.DirEntry[str]] = {}
                 for item in listing:
                     if item.name in self._not_theirs and item.name != canonical:
                         continue
-                    if (match := _USER_FILE_RE.match(item.name)) is not None:
-                        named.append((item.name, match, item))
-                        continue
-                    if (of := _LOCK_DIR_RE.match(item.name)) is not None:
+                    if item.name.startswith("ledger."):
+                        named[item.name] = item
+                    elif (of := _LOCK_DIR_RE.match(item.name)) is not None:
                         marks.append((int(of[1]), item))
-                named.sort(key=lambda found: found[0])
         except OSError as exc:
             raise StateError(
                 f"ledger directory {self.directory} cannot be read: {exc.strerror}"
             ) from None
-        found: dict[int, str] = {}
         said: list[str] = []
         whole = True
-        for name, match, item in named:
-            uid = int(match.group(1))
-            if uid in found and match.group(2) is not None:
-                continue  # its uid's file is found: only their canonical name replaces it
+
+        def theirs(name: str, uid: int) -> bool:
+            nonlocal whole
             try:
-                owner = item.stat(follow_symlinks=False).st_uid
+                owner = named[name].stat(follow_symlinks=False).st_uid
             except OSError:
                 whole = False
-                continue
+                return False
             if owner != uid:
                 self._not_theirs.add(name)
                 # Made by someone else under another user's name: it stands for nobody.
@@ -671,11 +668,12 @@ class Ledger:
                         f"ledger {self.directory / name} belongs to uid {owner}, not to you; "
                         "using a file of your own beside it (an administrator may remove it)"
                     )
-                continue
-            if uid not in found or name == f"ledger.{uid}.json":
-                found[uid] = name
-            if len(found) >= MAX_USER_FILES:
-                break
+                return False
+            return True
+
+        # Each user's as their summary and their lock directory are chosen: their canonical
+        # name, else the first of theirs beside it.
+        found = choose_own_names(sorted(named), "ledger", ".json", theirs, MAX_USER_FILES)
         # Members: a lock directory of their own (whether a job of theirs runs is told by a
         # lock on it, `_holds_a_lock`).
         owned: set[int] = set()

@@ -2581,6 +2581,25 @@ def test_a_name_found_another_users_is_its_uids_once_they_make_their_file_there(
     assert summary.name in summaries._current_tokens()
 
 
+def test_a_members_file_under_their_uid_in_leading_zeros_is_not_taken_for_their_ledger(
+    server: Server,
+) -> None:
+    # Alice took Bob's name, so his gpuwait writes his ledger beside it. A file of his named by
+    # his uid in leading zeros, which no gpuwait writes, sorts before that one: it was taken
+    # for his ledger, by his gpuwait and everyone's, and the entries of his jobs in the one
+    # beside were read by nobody. His summaries and his lock directory were never looked for
+    # under such a name.
+    squatted = server.ledger_dir / f"ledger.{BOB}.json"
+    beside = server.ledger_dir / f"ledger.{BOB}.0123abcd.json"
+    padded = server.ledger_dir / f"ledger.0{BOB}.json"
+    for path, owner in ((squatted, ALICE), (beside, BOB), (padded, BOB)):
+        path.write_text("{}")
+        os.chown(path, owner, GROUP)
+    assert server.ledger()._user_files().get(BOB) == beside.name
+    padded.rename(server.ledger_dir / f"ledger.{BOB}.00.json")  # a name of his, beside
+    assert server.ledger()._user_files().get(BOB) == f"ledger.{BOB}.00.json"
+
+
 def test_where_a_members_waiting_job_says_its_size_came_from_takes_a_few_lines_of_status(
     server: Server,
 ) -> None:
