@@ -108,6 +108,12 @@ def _argv(words: list[str]) -> tuple[list[str], bool]:
     options = parser.parse_args(argv)
     rest = list(options.command)
     if options.vram is None and rest and not rest[0].startswith("-") and argv[-len(rest) :] == rest:
+        if rest[0] in ("status", "release"):
+            # `%gpuwait -q status` meant status, which no size follows.
+            given = shlex.join(argv[: -len(rest)])
+            raise UsageError(
+                f"%gpuwait {rest[0]} takes no options ({given!r}): write %gpuwait {rest[0]}"
+            )
         # Options first: the size is the first word they leave, and options may follow it.
         argv = argv[: -len(rest)] + _sized(rest)
         options = parser.parse_args(argv)

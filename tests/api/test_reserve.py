@@ -707,6 +707,24 @@ def test_the_magics_status_and_release_take_no_more_words(
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_the_magics_status_and_release_take_no_options_before_them(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # `%gpuwait -q status` was answered "--vram 'status' is not a size; give a unit".
+    script = (
+        "from gpuwait.api.magic import gpuwait_magic as m\n"
+        "m('-q status')\nm('--quiet --name x release')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: %gpuwait status takes no options ('-q'): write %gpuwait status",
+        "gpuwait: error: %gpuwait release takes no options ('--quiet --name x'): "
+        "write %gpuwait release",
+    ]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
