@@ -1300,9 +1300,17 @@ def _parsed(option: Option, raw: Any, source: str) -> Any:
         return option.parse(raw)
     except (ValueError, TypeError) as exc:
         shown = _flag(option.name) if source == "command line" else source
+        reason = str(exc)
+        if not isinstance(raw, bool) and reason.startswith(
+            (repr(str(raw)), repr(str(raw).strip()))
+        ):
+            # The reason says the value already ("'1h30' gives 30 no unit"): said once, after
+            # the option, as `--vram` is refused, or after the setting's name.
+            named = shown if source == "command line" else f"{source}: {option.name}"
+            raise UsageError(f"{named} {reason}") from None
         # A TOML boolean as the file spells it, not as Python prints it.
         value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
-        raise UsageError(f"{shown}: {value} is not valid for {option.name}: {exc}") from None
+        raise UsageError(f"{shown}: {value} is not valid for {option.name}: {reason}") from None
 
 
 def _site_value(name: str, site: Mapping[str, Any]) -> Any:

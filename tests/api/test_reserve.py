@@ -470,7 +470,7 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
         ({"exclusive": True}, "exclusive takes whole GPUs; leave out vram"),
         # Was "priority: '9' is not valid for priority: expected ...".
         ({"priority": 9}, "priority: '9' is not valid: expected a priority from 1"),
-        ({"timeout": "x"}, "timeout: 'x' is not valid: 'x' is not a duration"),
+        ({"timeout": "x"}, "timeout 'x' is not a duration"),
         ({"pick": "best_fit"}, "pick: 'best_fit' is not valid: expected one of best-fit"),
         ({"devices": 9}, "devices '9': no GPU '9' here"),
         ({"name": ""}, "name '': use up to 100 letters"),

@@ -525,7 +525,9 @@ def test_a_malformed_environment_variable_is_refused_in_gpuwaits_words(
 ) -> None:
     monkeypatch.setenv("GPUWAIT_" + name.upper(), BAD_TEXT[name])
     code = main(["config"])
-    assert_one_line_in_gpuwaits_words(code, capsys.readouterr().err, name)
+    err = capsys.readouterr().err
+    assert_one_line_in_gpuwaits_words(code, err, name)
+    assert err.count(repr(BAD_TEXT[name])) == 1, err
 
 
 @pytest.mark.parametrize("name", sorted(FLAGS))
@@ -533,7 +535,37 @@ def test_a_malformed_option_is_refused_in_gpuwaits_words(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main([FLAGS[name], BAD_TEXT[name], "true"])
-    assert_one_line_in_gpuwaits_words(code, capsys.readouterr().err, name)
+    err = capsys.readouterr().err
+    assert_one_line_in_gpuwaits_words(code, err, name)
+    assert err.count(repr(BAD_TEXT[name])) == 1, err
+
+
+def test_a_refused_value_is_said_once_from_every_source(
+    isolated_dirs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--timeout 1h30` was told "--timeout: '1h30' is not valid for timeout: '1h30' gives 30
+    # no unit; write 1h30m": the value twice, and so from the environment and the config file.
+    said = "'1h30' gives 30 no unit; write 1h30m"
+    assert main(["--timeout", "1h30", "true"]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"gpuwait: error: --timeout {said}\n"
+    monkeypatch.setenv("GPUWAIT_TIMEOUT", "1h30")
+    assert main(["config"]) == EXIT_USAGE
+    assert capsys.readouterr().err == (
+        f"gpuwait: error: environment GPUWAIT_TIMEOUT: timeout {said}\n"
+    )
+    monkeypatch.delenv("GPUWAIT_TIMEOUT")
+    config = isolated_dirs / "config" / "gpuwait" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('timeout = "1h30"\n')
+    assert main(["config"]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"gpuwait: error: config file {config}: timeout {said}\n"
+    # A TOML number too: the value as the file writes it, once.
+    config.write_text("max_wait = 1e30\n")
+    assert main(["config"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("1e+30") == 1 and err.startswith(
+        f"gpuwait: error: config file {config}: max_wait "
+    ), err
 
 
 # -- empty answers -------------------------------------------------------------------------------
