@@ -82,9 +82,10 @@ class Reservation:
     no GPU can be read here and on_no_gpu = run (the code then runs where it is).
     """
 
-    def __init__(self, holding: Holding | None, env: dict[str, str] | None = None) -> None:
+    def __init__(self, holding: Holding | None, env: dict[str, str | None] | None = None) -> None:
         self._holding = holding
-        #: What os.environ had before the reservation, for the variables it set.
+        #: What os.environ had before the reservation, for the variables it set (or took out:
+        #: None in `env`).
         self._before = {k: os.environ.get(k) for k in env or {}}
         self._given = dict(env or {})
         if holding is None:
@@ -540,7 +541,11 @@ def _reserve(options: argparse.Namespace, reporter: Reporter) -> Reservation:
     try:
         env = holding.env
         reservation = Reservation(holding, env)
-        os.environ.update(env)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         with _held_lock:
             _held = reservation
             _ending.watch()

@@ -51,7 +51,7 @@ from gpuwait.queue.lifecycle import Cancelled, DependencyFailed
 from gpuwait.queue.stuck import Surroundings
 from gpuwait.queue.wait import Interrupted, Stuck, TimedOut, wait_for_admission
 from gpuwait.runner import session
-from gpuwait.runner.launch import command_env
+from gpuwait.runner.launch import command_env, drop_inherited
 from gpuwait.runner.session import RunConfig, RunRequest
 from gpuwait.runner.supervise import UsageSampler
 
@@ -128,15 +128,20 @@ class Holding:
         signals.start_deaf(self._thread)
 
     @property
-    def env(self) -> dict[str, str]:
-        """What a wrapped command would be given (its GPUs, job and budget), for this process."""
+    def env(self) -> dict[str, str | None]:
+        """What a wrapped command would be given (its GPUs, job and budget), for this process;
+        None for what it would not: the caps of the gpuwait job this process runs inside that
+        this budget does not set again (enforce = off), taken out as for a command."""
         given = command_env(
             self.job,
             [g.index for g in self.gpus],
             self.config.resume_exit,
             by_index=self.config.visible_by_index,
         )
-        wanted = {k: v for k, v in given.items() if os.environ.get(k) != v}
+        left = dict(os.environ)
+        drop_inherited(left, self.budget.unset)
+        wanted: dict[str, str | None] = {name: None for name in os.environ if name not in left}
+        wanted.update({k: v for k, v in given.items() if os.environ.get(k) != v})
         wanted.update(self.budget.env)
         return wanted
 

@@ -594,6 +594,44 @@ def test_refused_where_cuda_is_already_initialised(
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
+def test_a_reservation_with_enforce_off_inside_a_limited_job_carries_none_of_its_caps(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str]
+) -> None:
+    # A sweep under --enforce limit holding 4 GiB runs a script that reserves 10 GiB with
+    # enforce="off": its JAX kept the sweep's XLA_PYTHON_CLIENT_MEM_FRACTION=0.1666 (and its
+    # apptainer copy), which `gpuwait --enforce off` takes out of its command's environment.
+    sim_file(gpus=1, memory="24GiB")
+    names = (
+        "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        "XLA_PYTHON_CLIENT_PREALLOCATE",
+        "TF_FORCE_GPU_ALLOW_GROWTH",
+        "APPTAINERENV_XLA_PYTHON_CLIENT_MEM_FRACTION",
+    )
+    script = (
+        "import json, os, gpuwait\n"
+        f"names = {names!r}\n"
+        "def seen():\n    return {n: os.environ.get(n) for n in names}\n"
+        "before = seen()\n"
+        "r = gpuwait.reserve('10G', enforce='off')\n"
+        "during = seen()\n"
+        "r.release()\n"
+        "print(json.dumps([before, during, seen()]))\n"
+    )
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "4G", "--enforce", "limit", "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    before, during, after = json.loads(done.stdout)
+    assert before["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.1666", before
+    assert during == dict.fromkeys(names), during
+    # Released, the process has the sweep's variables back, as it had them.
+    assert after == before
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_one_reservation_per_process(sim: Path) -> None:
     script = (
         "import gpuwait\nr = gpuwait.reserve('1G')\n"
