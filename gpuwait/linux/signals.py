@@ -308,18 +308,30 @@ def came_from_terminal(info: signal.struct_siginfo) -> bool:
     )
 
 
+def hold_ctrl_z() -> set[int | signal.Signals] | None:
+    """Hold off Ctrl-Z (SIGTSTP, where it has its default action and this thread does not
+    block it already: a program's own to take) for a waiter's loop: one that lands while it
+    reads the GPUs or plans, which the kernel would act there unknown to it, is taken in its
+    next sleep (`next_signal_or_stop(held=True)`), as one that lands there is. Returns the
+    signal mask to give `resume_stops` once the wait is over, or None where nothing is held."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    if signal.getsignal(signal.SIGTSTP) != signal.SIG_DFL or signal.SIGTSTP in previous:
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTSTP})
+
+
 def next_signal_or_stop(
-    timeout: float, also: tuple[int, ...] = ()
+    timeout: float, also: tuple[int, ...] = (), held: bool = False
 ) -> tuple[signal.struct_siginfo | None, bool]:
     """`next_signal`, and a Ctrl-Z (SIGTSTP, where it has its default action and this thread
-    does not block it already: a program's own to take) taken in the sleep stops this process
-    there, as it would have, and returns (None, True) once it is continued (`fg`, `bg`): a
-    waiter knows then that its line, which the shell's `Stopped` and prompt left behind, is to
-    be said again; (None, False) where a signal to pass on came with the continue. (info,
-    False) otherwise."""
+    does not block it already: a program's own to take; or `held` by `hold_ctrl_z`, when it
+    may have come before the sleep) taken in the sleep stops this process there, as it would
+    have, and returns (None, True) once it is continued (`fg`, `bg`): a waiter knows then that
+    its line, which the shell's `Stopped` and prompt left behind, is to be said again; (None,
+    False) where a signal to pass on came with the continue. (info, False) otherwise."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     default = signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL
-    stops = (signal.SIGTSTP,) if default and signal.SIGTSTP not in previous else ()
+    stops = (signal.SIGTSTP,) if default and (held or signal.SIGTSTP not in previous) else ()
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         info = next_signal(timeout, also=(*also, *stops))

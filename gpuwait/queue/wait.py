@@ -718,6 +718,9 @@ def wait_for_admission(
         reason = failed
         next_read = next_own = time.monotonic() + pause
 
+    # A Ctrl-Z that lands while it reads the GPUs or plans is taken in the next sleep, known
+    # there (its line said again once continued), not acted by the kernel unknown to it.
+    unheld = signals.hold_ctrl_z()
     try:
         while True:
             try:
@@ -908,7 +911,9 @@ def wait_for_admission(
                 )
                 # Waiting, this launch has had its turn: the next one in the turnstile loads now.
                 turnstile.leave()
-                info, continued = signals.next_signal_or_stop(sleep, also=also)
+                info, continued = signals.next_signal_or_stop(
+                    sleep, also=also, held=unheld is not None
+                )
                 if continued:
                     # Stopped with Ctrl-Z and continued (`fg`, `bg`): the shell's `Stopped`
                     # and prompt came below the waiting line, which is said again at once, and
@@ -943,3 +948,6 @@ def wait_for_admission(
     finally:
         if watch is not None:
             watch.close()
+        if unheld is not None:
+            # One that came after the last sleep stops it now, as one held off by the lock.
+            signals.resume_stops(unheld)

@@ -305,6 +305,58 @@ def test_a_suspended_waiter_is_passed_over_until_continued(
     assert first.wait(timeout=10) == 0
 
 
+#: A waiter whose third reading of the GPUs (its second in the wait, once its line is said)
+#: is where the terminal's Ctrl-Z lands: outside its sleep and outside the ledger's lock.
+STOPPED_READING = r"""
+import os, signal, sys
+from gpuwait.cli import main
+from gpuwait.gpu.sim import SimBackend
+read = SimBackend.snapshot
+reads = [0]
+def snapshot(self):
+    reads[0] += 1
+    if reads[0] == 3:
+        os.kill(os.getpid(), signal.SIGTSTP)
+    return read(self)
+SimBackend.snapshot = snapshot
+sys.exit(main(["--name", "big", "--vram", "20G", "--timeout", "20s", "--", "true"]))
+"""
+
+
+def test_a_waiter_stopped_with_ctrl_z_as_it_reads_the_gpus_says_again_why_it_waits(
+    sim_file: SimFileFactory,
+) -> None:
+    """Ctrl-Z landing while a waiter reads the GPUs (or plans) was acted by the kernel there:
+    the waiter did not know it had been stopped, and once continued said nothing more, its
+    line behind the shell's `Stopped` and prompt, until what it waits for changed."""
+    sim = sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    # A process group of its own, as a job control shell starts a job: the kernel ignores
+    # Ctrl-Z in an orphaned group.
+    env = {**os.environ, "GPUWAIT_NVML_INTERVAL": "0.2s"}
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_READING],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: process_state(waiter.pid) == "T", timeout=30)
+        time.sleep(0.2)
+        waiter.send_signal(signal.SIGCONT)
+        # Said again once continued; then the room comes, and the job runs.
+        wait_for(lambda: asleep_waiting(waiter.pid), timeout=30)
+        sim.write_text(sim.read_text().replace('base_used = "10GiB"', 'base_used = "0GiB"'))
+        _, err = waiter.communicate(timeout=30)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert waiter.returncode == 0, err
+    said = "gpuwait[big]: waiting for 20.0 GiB"
+    lines = [line for line in err.splitlines() if line.startswith(said)]
+    assert len(lines) == 2, err
+
+
 # --- GPU health --------------------------------------------------------------------------------
 
 
