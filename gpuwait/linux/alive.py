@@ -22,6 +22,7 @@ of a shared ledger directory made something under its name first, the user's is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import math
 import os
@@ -158,17 +159,20 @@ def held(ledger_dir: Path, uid: int, job_id: str, kuid: int | None = None) -> bo
 def _held_in(directory: int, name: str) -> bool | None:
     """`held`, of the lock file `name` in the lock directory open as `directory`."""
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=directory)
+        return _held_or_error(directory, name)
     except FileNotFoundError:
         return False
     except OSError:
         return None
+
+
+def _held_or_error(directory: int, name: str) -> bool:
+    """`_held_in`, raising OSError where it cannot be told (FileNotFoundError: no such lock)."""
+    fd = os.open(name, _READ_FLAGS, dir_fd=directory)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    except OSError:
-        return None
     finally:
         os.close(fd)
     return False
@@ -208,25 +212,53 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     (between its end and the removal of its file, it is held with no entry). Looked for in
     every lock directory that is this user's here: theirs, and those their gpuwait keeps in
     another user namespace under the uid it has there (a rootless container's alive.0/, which
-    is its user's on the host; the host's, to such a container)."""
+    is its user's on the host; the host's, to such a container).
+
+    Raises OSError where that cannot be told (no file descriptor left, a lock directory of the
+    user's shut to them): no job found is not to be taken for none living. A ledger directory
+    gone (or a file in its place) holds no lock."""
     found: set[str] = set()
-    for lock_dir in _lock_dirs(ledger_dir) or ():
-        with contextlib.suppress(OSError), _opened_dir(lock_dir) as directory:
-            since: float | None = None  # `before` on the clock the lock files are stamped by
-            for name in os.listdir(directory):
-                if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
-                    continue
-                try:
-                    taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
-                except OSError:
-                    continue
-                if since is None:  # looked at only where it tells something
-                    since = (
-                        before if before == math.inf else before + _clock_ahead(lock_dir, directory)
-                    )
-                if taken < since and _held_in(directory, name) is True:
-                    found.add(name)
+    try:
+        names = os.listdir(ledger_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for lock_dir in (ledger_dir / n for n in names if _LOCK_DIR.fullmatch(n)):
+        try:
+            with _opened_dir(lock_dir) as directory:
+                found.update(_unlisted_in(lock_dir, directory, ledger_dir, named, before))
+        except (UnsafePath, FileNotFoundError, NotADirectoryError):
+            # Another user's, gone, or no directory (a file, a symlink put under that name):
+            # none of this user's locks is there.
+            continue
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or not _users_own(lock_dir):
+                continue  # a symlink, or another member's directory, shut to this user (0700)
+            raise
     return sorted(found)
+
+
+def _unlisted_in(
+    lock_dir: Path, directory: int, ledger_dir: Path, named: set[str], before: float
+) -> set[str]:
+    """`unlisted`, of the lock directory `lock_dir` open as `directory`."""
+    found: set[str] = set()
+    since: float | None = None  # `before` on the clock the lock files are stamped by
+    for name in os.listdir(directory):
+        if name in named or (ledger_dir, name) in _HELD or not _JOB_ID.fullmatch(name):
+            continue
+        try:
+            taken = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue  # its job ended meanwhile
+        if since is None:  # looked at only where it tells something
+            since = before if before == math.inf else before + _clock_ahead(lock_dir, directory)
+        if taken < since:
+            try:
+                if _held_or_error(directory, name):
+                    found.add(name)
+            except FileNotFoundError:
+                continue
+    return found
 
 
 #: By lock directory: how far the clock its file system stamps files by is ahead of this

@@ -156,8 +156,11 @@ def _settle_afresh(directory: Path, data: LedgerData) -> None:
     ago = entries.since(data.repaired_at, data.repaired_boot, time.time(), proc.boot_clock())
     if 0 <= ago < UNREAD_GRACE:
         listed = {j.id for j in data.jobs if data.mine(j)} | {f.id for f in data.book.finished}
-        if alive.held_here(directory) - listed or alive.unlisted(directory, listed, math.inf):
-            return
+        try:
+            if alive.held_here(directory) - listed or alive.unlisted(directory, listed, math.inf):
+                return
+        except OSError:
+            return  # not to be told now: the mark stands, until UNREAD_GRACE has passed
     data.repaired_at = data.repaired_boot = None
 
 
@@ -765,8 +768,12 @@ class Ledger:
 
     def _live_jobs_elsewhere(self) -> bool:
         """Does a live process, other than this one, hold the liveness lock of a job of this
-        user's (told by the lock, whatever ledger schema its gpuwait writes)?"""
-        return bool(alive.unlisted(self.directory, set(), math.inf))
+        user's (told by the lock, whatever ledger schema its gpuwait writes)? Where that
+        cannot be told (no file descriptor left), as if one did."""
+        try:
+            return bool(alive.unlisted(self.directory, set(), math.inf))
+        except OSError:
+            return True
 
     def _gone(self, uids: list[int], unread: dict[int, tuple[str, float]]) -> None:
         """The members whose files are gone (`uids`), each one's as follows. A member whose

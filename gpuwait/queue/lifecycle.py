@@ -1235,7 +1235,20 @@ def held_for_entries(
     damage of the ledger in `directory` lost (nobody is admitted meanwhile); None where none
     is. Told by a read without the lock as well as under it: a plan in the grace needs
     neither the lock nor the whole queue's plan to learn it."""
-    lost = _entries_to_come_back(directory, data, now, boot_now)
+    try:
+        lost = _entries_to_come_back(directory, data, now, boot_now)
+    except OSError as exc:
+        # Not to be told now (no file descriptor left): held as if one did, until the grace
+        # is over, as for an entry that never comes back; nobody admitted into its room.
+        recovered = _recovered(data, now, boot_now)
+        how = "started afresh" if recovered is None or recovered[1] else "repaired"
+        return _held_whatever_room(
+            mine,
+            data,
+            f"the ledger was {how} after damage, and which jobs of yours still have to put "
+            f"their entries back cannot be told ({exc.strerror or exc})",
+            until=_grace_ends(data, now, boot_now),
+        )
     return _waiting_for_entries(mine, data, lost, now, boot_now) if lost else None
 
 

@@ -1033,6 +1033,57 @@ def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_
     assert "1 job of yours still running or waiting has to put its entry back" in stderr
 
 
+#: gpuwait with a recovery's grace of 8 s, whose every look for jobs without an entry finds no
+#: file descriptor left, as a process at its `ulimit -n` would.
+_NO_DESCRIPTOR_TO_LOOK = """
+import os, resource
+from gpuwait.linux import alive
+from gpuwait.queue import lifecycle
+lifecycle.RECOVERY_GRACE = 8.0
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+look = alive.unlisted
+def unlisted(*args):
+    taken = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        return look(*args)
+    finally:
+        for fd in taken:
+            os.close(fd)
+alive.unlisted = unlisted
+from gpuwait.cli import entry_point
+entry_point()
+"""
+
+
+def test_a_waiter_that_cannot_look_for_jobs_without_an_entry_is_held_not_admitted(
+    gw: Run,
+    procs: Callable[..., subprocess.Popen[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A job of this user lives without an entry in a ledger started afresh; the waiter's look
+    # at the liveness locks failed (EMFILE) and was taken for "no job lives": it was admitted
+    # at once into the room the job holds.
+    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
+    with liveness_lock_held(state, "0a1b2c3d") as lock:
+        wait_for(lambda: time.time() > lock.stat().st_mtime, timeout=5)
+        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
+        waiter = procs(
+            [sys.executable, "-c", _NO_DESCRIPTOR_TO_LOOK, "--vram", "13G", "--", "true"]
+        )
+        wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
+        assert waiter.poll() is None
+        # Held until the grace is over, as for an entry that never comes back.
+        assert waiter.wait(timeout=20) == 0
+        _, stderr = waiter.communicate()
+    assert "which jobs of yours still have to put their entries back cannot be told" in stderr
+    assert "Too many open files" in stderr, stderr
+
+
 def _waiting(
     procs: Callable[..., subprocess.Popen[str]], argv: list[str], ran: str
 ) -> subprocess.Popen[str]:
