@@ -231,8 +231,9 @@ def test_pack_steps_in_two_allocations_uses_only_the_gpu_each_was_given(
         records = history(tmp_path / f"state-{name}")
         assert len(records) == 8
         assert not any(r["oom"] for r in records)
-        # Packed by VRAM: four 6G steps side by side on a 24 GiB card, not one at a time.
-        assert 2 <= most_at_once(records) <= 4
+        # Packed by VRAM: three 6G steps side by side on a 24 GiB card (21.6 GiB at safety
+        # 0.9), not one at a time, and never a fourth.
+        assert 2 <= most_at_once(records) <= 3
     assert sorted(given.values()) == [0, 1], "two allocations on the same GRES device"
 
 
