@@ -919,11 +919,30 @@ def _judge(
         claim = claim_of(job, snapshot.gpus)
         # Raising safety helps only a request some card would hold whole: 1 is the most.
         raising = impossible_reason(claim, snapshot.gpus, 1.0, config.wait.fair.limits) is None
-        raise ImpossibleRequest(
-            impossible,
-            hint=impossible_hint(impossible, job.requirements_for_policy(), spell, raising),
-        )
+        hint = impossible_hint(impossible, job.requirements_for_policy(), spell, raising)
+        raise ImpossibleRequest(impossible, hint=hint + _left_by_inherited(request, snapshot))
     return job, choice
+
+
+def _left_by_inherited(request: RunRequest, snapshot: MachineSnapshot) -> str:
+    """What to add to the hint of a request that can never fit where the CUDA_VISIBLE_DEVICES
+    gpuwait was started with (a Slurm allocation's, a container's) leaves it some of the GPUs
+    only: --devices and --gpu-name choose among those, and cannot reach the others."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is None or request.devices is not None or not snapshot.gpus:
+        return ""
+    visible = _candidates(request, snapshot)
+    if visible is None or len(visible) >= len(snapshot.gpus):
+        return ""
+    where = (
+        ": ask Slurm for others (sbatch or srun --gres=gpu:N, or --gpus=N)"
+        if "SLURM_JOB_ID" in os.environ
+        else ""
+    )
+    return (
+        f"; CUDA_VISIBLE_DEVICES={inherited} leaves gpuwait {len(visible)} of this machine's "
+        f"{len(snapshot.gpus)} GPUs{where}"
+    )
 
 
 def cli_option(name: str) -> str:

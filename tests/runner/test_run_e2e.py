@@ -1134,6 +1134,34 @@ def test_a_request_too_large_for_any_card_is_told_where_safety_is_raised(
     assert "raise safety (--safety, or `safety =` in the config file)" in hint, done.stderr
 
 
+@pytest.mark.parametrize("slurm", [False, True])
+def test_a_request_that_never_fits_the_gpus_an_inherited_cuda_visible_devices_leaves_says_so(
+    gpuwait_cmd: list[str], sim_file: Any, slurm: bool
+) -> None:
+    # Inside a Slurm allocation given GPU 0 of two (or a container, or a shell that set it),
+    # `--gpus 2` and `--vram 22G` were refused with "only 1 can be used" and "use other GPUs
+    # (--devices, --gpu-name)": nothing said that CUDA_VISIBLE_DEVICES had left gpuwait the one
+    # GPU, and --devices cannot reach past it.
+    sim_file(gpus=2)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    if slurm:
+        env["SLURM_JOB_ID"] = "7"
+    for options in (["--gpus", "2", "--vram", "1G"], ["--vram", "22G"]):
+        done = run([*gpuwait_cmd, *options, "--", "true"], env=env)
+        assert done.returncode == 3, done.stderr
+        hint = done.stderr.splitlines()[-1]
+        assert hint.startswith("gpuwait: hint: "), done.stderr
+        assert "CUDA_VISIBLE_DEVICES=0 leaves gpuwait 1 of this machine's 2 GPUs" in hint, hint
+        assert ("ask Slurm for others" in hint) == slurm, hint
+    # Without the variable, or where it leaves every GPU, the hint is as before.
+    for given in (None, "0,1"):
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if given is not None:
+            env["CUDA_VISIBLE_DEVICES"] = given
+        done = run([*gpuwait_cmd, "--vram", "30G", "--", "true"], env=env)
+        assert done.returncode == 3 and "CUDA_VISIBLE_DEVICES" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("safety", ["0.9", "1"])
 def test_a_request_larger_than_any_card_is_not_told_to_raise_safety(
     gpuwait_cmd: list[str], sim_file: Any, safety: str
