@@ -38,6 +38,10 @@ def _named_job_ended(environ: Mapping[str, str]) -> bool:
     pid = environ.get(JOB_PID_VARIABLE, "")
     if not (pid.isascii() and pid.isdigit()):
         return False
+    if len(pid.lstrip("0")) > 10:
+        # More digits than any pid (pid_max is at most 2^22): no process's, as a gone one is;
+        # int() of thousands of them would raise.
+        return True
     started = environ.get(JOB_START_VARIABLE)
     if not started:  # given by a gpuwait from before GPUWAIT_JOB_START
         return not os.path.exists(f"/proc/{int(pid)}")

@@ -109,6 +109,8 @@ def _above(tmp_path: Path, *names: str) -> list[str]:
         ("its gpuwait is gone, a gpuwait of its own above", True),
         ("its gpuwait is gone, a gpuwait of its own above one started in it", True),
         ("its gpuwait is gone, a gpuwait started in it above", False),
+        ("its gpuwait's pid longer than any", False),
+        ("its gpuwait's pid longer than any, no start named", False),
     ],
 )
 def test_the_hook_the_checkpoint_and_docker_run_tell_an_ended_job_alike(
@@ -129,6 +131,16 @@ def test_the_hook_the_checkpoint_and_docker_run_tell_an_ended_job_alike(
             ["shell"],
         ),
         "its gpuwait runs, no start named": ({"GPUWAIT_JOB_PID": me}, ["shell"]),
+        # Set by hand: more digits than Python turns into a number, which said so in a
+        # traceback, the shell hook's and the training program's importing gpuwait.checkpoint.
+        "its gpuwait's pid longer than any": (
+            {"GPUWAIT_JOB_PID": "1" * 5000, "GPUWAIT_JOB_START": "1"},
+            ["shell"],
+        ),
+        "its gpuwait's pid longer than any, no start named": (
+            {"GPUWAIT_JOB_PID": "1" * 5000},
+            ["shell"],
+        ),
         "no gpuwait named": ({}, ["shell"]),
         "its gpuwait is gone, a gpuwait of its own above": (
             ended,
