@@ -306,7 +306,10 @@ def _percent(value: Any) -> float:
 
 def _home_expanded(text: str, example: str) -> str:
     """`text` with its leading `~` or `~user` made the home directory it names; ValueError
-    where that home is not known (a user's name mistyped, or no home to be had)."""
+    where that home is not known (a user's name mistyped, or no home to be had), or where it
+    holds a NUL (TOML writes one as \\u0000), which every look at the path would raise for."""
+    if "\0" in text:
+        raise ValueError("a path holds no NUL character")
     expanded = os.path.expanduser(text)
     if expanded.startswith("~"):
         home = expanded.split("/", 1)[0]

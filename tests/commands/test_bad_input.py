@@ -461,6 +461,32 @@ CASES: dict[str, Case] = {
         "a relative one is another file in every working directory",
     ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
+    # TOML writes a NUL as \u0000, which no path can hold: the first look at the directory
+    # ended in a traceback ("ValueError: embedded null byte"), `config` and `status` too.
+    "config state dir with a NUL": (
+        ["--vram", "1G", "true"],
+        {},
+        'state_dir = "~/state\\u0000/gpuwait"\n',
+        None,
+        2,
+        "'~/state\\x00/gpuwait' is not valid for state_dir: a path holds no NUL character",
+    ),
+    "config ledger dir with a NUL, status": (
+        ["status"],
+        {},
+        'ledger_dir = "/srv/gpuwait\\u0000"\n',
+        None,
+        2,
+        "is not valid for ledger_dir: a path holds no NUL character",
+    ),
+    "config sim with a NUL": (
+        ["config"],
+        {"GPUWAIT_SIM": ""},
+        'sim = "/srv/\\u0000sim.toml"\n',
+        None,
+        2,
+        "is not valid for sim: a path holds no NUL character",
+    ),
     "env config missing": (
         ["true"],
         {"GPUWAIT_CONFIG": "/nonexistent/gpuwait.toml"},
