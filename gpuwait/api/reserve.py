@@ -369,6 +369,10 @@ def _seconds_text(value: object) -> str:
         return value
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise _wrong_type("timeout", value, 'seconds, or a duration as text ("30m", "none")')
+    if isinstance(value, int) and value >= 0:
+        # Written out whole: one past any float (10**400) is too long, as the command line
+        # says, where float formatting would raise OverflowError.
+        return f"{value}s"
     if not math.isfinite(value) or value < 0:
         raise ReserveError(
             f"timeout={value!r}: give seconds (0: only if it fits at once), or timeout='none' "

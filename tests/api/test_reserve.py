@@ -429,6 +429,8 @@ def test_a_float_is_told_how_to_write_it(
         # Seconds as Python writes a small or a large float: a timeout, not a malformed word.
         (1e-05, None),
         (1e20, "too long (at most 365d)"),
+        # An int past any float: OverflowError, from deep inside, was what came out.
+        (10**400, "too long (at most 365d)"),
         (float("inf"), "timeout=inf: give seconds"),
         # The keyword as given, not the command line's word made of it ('-1s').
         (-1, "timeout=-1: give seconds (0: only if it fits at once)"),
