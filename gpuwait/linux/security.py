@@ -310,6 +310,12 @@ def open_state_file(path: Path, mode: int, *, shared_gid: int | None = None) -> 
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise _refused(path, "is a symlink") from None
+            # Said of the file, as a FIFO is: the kernel's words alone ("Is a directory", "No
+            # such device or address" for a socket) name none.
+            if exc.errno == errno.EISDIR:
+                raise _refused(path, "is a directory, not a file") from None
+            if exc.errno == errno.ENXIO:
+                raise _refused(path, "is not a plain file (a FIFO, device or socket)") from None
             raise
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,25 @@ def test_a_ledger_file_that_is_a_fifo_or_a_device_is_refused_not_waited_on(
     refused(done, str(path))
     assert len(done.stderr.splitlines()) <= 2  # the error, and its hint
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("name", ["ledger.json", "ledger.lock"])
+@pytest.mark.parametrize("kind", ["directory", "socket"])
+def test_a_ledger_file_that_is_a_directory_or_a_socket_is_refused_by_name(
+    gw: Run, name: str, kind: str
+) -> None:
+    # A ledger.lock made a directory (or a socket) was told as "ledger directory ... is not
+    # usable: Is a directory" ("No such device or address"): the one file at fault unnamed.
+    state_dir().mkdir(mode=0o700)
+    path = state_dir() / name
+    if kind == "directory":
+        path.mkdir()
+    else:
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(path))
+    done = gw("--vram", "1G", "true")
+    refused(done, str(path))
+    assert len(done.stderr.splitlines()) <= 2  # the error, and its hint
 
 
 def test_symlinked_shared_ledger_dir_is_refused(gw: Run, tmp_path: Path) -> None:
