@@ -118,8 +118,12 @@ def whole_number(text: str) -> int | None:
     """The number `text` writes in the digits 0-9 alone (no sign, no space); None for any other
     text. str.isdigit() also takes digits that int() refuses (a superscript two) or reads as
     another script's (an Arabic-Indic three), so text from a file, a variable or another user is
-    read here."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    read here. One of more digits than int() converts (4300, or as few as 640 where
+    PYTHONINTMAXSTRDIGITS says so), which would raise, is larger than any count, index, pid or
+    uid read with it: 10**600 stands for it."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    return int(text) if len(text.lstrip("0")) <= 600 else 10**600
 
 
 def printable(text: str, limit: int = 200) -> str:

@@ -460,6 +460,33 @@ CASES: dict[str, Case] = {
         2,
         "a relative one is another file in every working directory",
     ),
+    # Numbers of more digits than int() converts: Python's "Exceeds the limit (4300 digits)
+    # for integer string conversion" came out, in a traceback where the GPUs were read; now
+    # gpuwait's own words, quoting the value (cut short on the screen).
+    "inherited visible devices of thousands of digits": (
+        ["--vram", "1G", "true"],
+        {"CUDA_VISIBLE_DEVICES": "1" * 5000},
+        None,
+        None,
+        3,
+        "gpuwait: error: CUDA_VISIBLE_DEVICES='1111",
+    ),
+    "devices of thousands of digits": (
+        ["--vram", "1G", "--devices", "1" * 5000, "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --devices '1111",
+    ),
+    "checkpoint signal of thousands of digits": (
+        ["--vram", "1G", "--pausable", "--checkpoint-signal", "1" * 5000, "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --checkpoint-signal '1111",
+    ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
     # TOML writes a NUL as \u0000, which no path can hold: the first look at the directory
     # ended in a traceback ("ValueError: embedded null byte"), `config` and `status` too.
