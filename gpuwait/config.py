@@ -1185,6 +1185,10 @@ def _config_table(path: Path, site: bool) -> dict[str, Any]:
         raise UsageError(
             f"{kind} {path}: damaged, values nested too deeply to read; fix or remove it"
         ) from None
+    except ValueError:  # tomllib's int() of a number of more digits than it converts (4300)
+        raise UsageError(
+            f"{kind} {path}: damaged, a number too long to read; fix or remove it"
+        ) from None
     return data
 
 

@@ -252,10 +252,13 @@ def load_sim_file(path: str | os.PathLike[str]) -> SimConfig:
             hint=_HINT,
             lasting=exc.errno in (errno.EACCES, errno.EPERM) and _left_so(resolved),
         ) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # TOMLDecodeError, UnicodeDecodeError among them
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if isinstance(exc, RecursionError):  # tomllib's answer to arrays nested thousands deep
             detail = "values nested too deeply"
+        elif not isinstance(exc, (tomllib.TOMLDecodeError, UnicodeDecodeError)):
+            # tomllib's int() of a number of more digits than it converts (4300).
+            detail = "a number too long to read"
         raise BackendUnavailable(
             f"simulation file {shown}: not valid TOML ({detail})",
             hint=_HINT,

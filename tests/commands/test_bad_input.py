@@ -487,6 +487,14 @@ CASES: dict[str, Case] = {
         2,
         "gpuwait: error: --checkpoint-signal '1111",
     ),
+    "config with a number of thousands of digits": (
+        ["--vram", "1G", "true"],
+        {},
+        "priority = " + "1" * 5000 + "\n",
+        None,
+        2,
+        "config.toml: damaged, a number too long to read; fix or remove it",
+    ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
     # TOML writes a NUL as \u0000, which no path can hold: the first look at the directory
     # ended in a traceback ("ValueError: embedded null byte"), `config` and `status` too.

@@ -131,6 +131,8 @@ def test_every_setting_from_every_place(option: Any, value: Any, where: str) -> 
 
 @FILES
 @given(st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+# A number of more digits than int() converts: tomllib raised Python's ValueError for it.
+@example(b"priority = " + b"1" * 5000)
 def test_config_files(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "config.toml"
     path.write_bytes(content)
@@ -247,6 +249,7 @@ def _sim_text(tables: list[dict[str, Any]]) -> bytes:
 
 @FILES
 @given(st.binary(max_size=300) | st.lists(sim_tables, max_size=3).map(_sim_text))
+@example(b"[[gpu]]\nmemory = " + b"1" * 5000)
 def test_simulation_files(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "sim.toml"
     path.write_bytes(content)
