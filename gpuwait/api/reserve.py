@@ -352,8 +352,14 @@ def _argv(
     # not taken for an option of its own.
     if vram is not None:
         yield f"--vram={_size_text(vram) or ''}"
+    # A bool is an int, True one GPU; a string (exclusive="false") is true: each would be
+    # taken for what it is not.
+    if isinstance(gpus, bool):
+        raise _wrong_type("gpus", gpus, "a whole number of GPUs")
     if gpus != 1:
         yield f"--gpus={gpus}"
+    if exclusive is not None and not isinstance(exclusive, bool) and exclusive not in (0, 1):
+        raise _wrong_type("exclusive", exclusive, "True or False")
     if exclusive:
         yield "--exclusive"
     if priority is not None:

@@ -463,6 +463,21 @@ def test_an_option_of_the_wrong_type_is_a_reserve_error(sim: Path, gpuwait_cmd: 
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_a_flag_or_a_count_of_the_wrong_type_is_not_taken_for_another(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # gpus=True held one GPU (True == 1), and exclusive="false" a whole GPU (a string is
+    # true): each was taken for what it was not, and held.
+    import gpuwait
+
+    for vram, options in (("1G", {"gpus": True}), (None, {"exclusive": "false"})):
+        with pytest.raises(gpuwait.ReserveError) as caught:
+            gpuwait.reserve(vram, **options)
+        assert caught.value.exit_code == 2, options
+        assert caught.value.message.startswith(f"{next(iter(options))}=")
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 @pytest.mark.parametrize(
     ("options", "words"),
     [
