@@ -257,7 +257,7 @@ def cuda_in_use() -> str | None:
 def reserve(
     vram: str | int | None = None,
     *,
-    gpus: int = 1,
+    gpus: int | None = 1,
     exclusive: bool = False,
     priority: int | str | None = None,
     timeout: float | str | None = None,
@@ -343,7 +343,7 @@ def _keywords(text: str) -> str:
 def _argv(
     vram: str | int | None,
     *,
-    gpus: int,
+    gpus: int | None,
     exclusive: bool,
     priority: int | str | None,
     timeout: float | str | None,
@@ -356,7 +356,7 @@ def _argv(
     # taken for what it is not.
     if isinstance(gpus, bool):
         raise _wrong_type("gpus", gpus, "a whole number of GPUs")
-    if gpus != 1:
+    if gpus is not None and gpus != 1:
         yield f"--gpus={gpus}"
     if exclusive is not None and not isinstance(exclusive, bool) and exclusive not in (0, 1):
         raise _wrong_type("exclusive", exclusive, "True or False")

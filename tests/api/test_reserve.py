@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import inspect
 import json
 import os
 import select
@@ -531,6 +532,17 @@ def test_no_dependency_given_as_none_is_none(sim: Path, gpuwait_cmd: list[str]) 
 
     with gpuwait.reserve("1G", after=None, after_ok=None, timeout=0) as held:
         assert held.gpus
+
+
+def test_every_keyword_given_as_none_is_left_out(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # As the docs say of every keyword: gpus=None was refused ("gpus: 'None' is not a whole
+    # number"), the one keyword that took None for no value.
+    import gpuwait
+
+    keywords = inspect.signature(gpuwait.reserve).parameters
+    given = {name: None for name in keywords if name != "vram"}
+    with gpuwait.reserve("1G", **given) as held:
+        assert len(held.gpus) == 1
 
 
 def test_a_dependency_that_failed_is_told_by_its_keyword(sim: Path, gpuwait_cmd: list[str]) -> None:
