@@ -67,6 +67,16 @@ class Parser(argparse.ArgumentParser):
         self._given = list(given[: given.index("--")] if "--" in given else given)
         return super().parse_known_args(args, namespace)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # `--name=--`: argparse before Python 3.13 drops the value as the end of the options
+        # and gives [] where one value is asked, which the option's own check then meets. The
+        # words `=` joins to an option are its value (`--name --` is refused as no value).
+        if action.option_strings and action.nargs in (None, "?") and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
     def _chosen(self, parsed: argparse.Namespace) -> Parser:
         """The parser of the subcommand `parsed` names (one of its own, where it has them),
         else this one."""

@@ -495,6 +495,32 @@ CASES: dict[str, Case] = {
         2,
         "config.toml: damaged, a number too long to read; fix or remove it",
     ),
+    # `--option=--`: argparse (before Python 3.13) took the value for the end of the options
+    # and gave a list, which the option's check met in a traceback.
+    "size of two dashes after =": (
+        ["--vram=--", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '--' is not a size",
+    ),
+    "name of two dashes after =": (
+        ["--name=--", "--vram", "1G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --name '--': use up to 100 letters",
+    ),
+    "event log job of two dashes after =": (
+        ["log", "--job=--"],
+        {},
+        None,
+        None,
+        2,
+        "no job matches -- in the event log",
+    ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
     # TOML writes a NUL as \u0000, which no path can hold: the first look at the directory
     # ended in a traceback ("ValueError: embedded null byte"), `config` and `status` too.
