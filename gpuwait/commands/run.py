@@ -375,6 +375,16 @@ def _subcommand_hint(program: str) -> str | None:
         return f"`{program}` is a subcommand: `gpuwait {program} ...` runs it (before any option)"
     if "/" in program:
         return None
+    # `—vram`: an option pasted from a page or a chat that made its `--` one long dash (an
+    # em or en dash, a minus sign), and so taken for the command.
+    dashed = program.lstrip("\u2014\u2013\u2212")
+    if dashed != program and dashed:
+        option = "--" + dashed.split("=", 1)[0]
+        if any(option in action.option_strings for action in build_parser().options):
+            return (
+                f"did you mean {option}? ({program[0]} is a long dash, as an editor or a chat "
+                "writes --)"
+            )
     from gpuwait.core.text import nearest  # only once a program was not found
 
     match = _OTHER_WORDS.get(program.lower()) or nearest(program, SUBCOMMANDS, cutoff=0.75)

@@ -342,6 +342,24 @@ CASES: dict[str, Case] = {
     # `gpuwait help`, as git and pip take it: "command not found" alone left no way on.
     "help as a word": (["help"], {}, None, None, 127, "did you mean `gpuwait --help`?"),
     "version as a word": (["version"], {}, None, None, 127, "did you mean `gpuwait --version`?"),
+    # `--vram` pasted from a page or a chat that made its two dashes one long one: taken for
+    # the command, "—vram: command not found", and nothing said of the option meant.
+    "option typed with an em dash": (
+        ["—vram", "1G", "python", "x.py"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: did you mean --vram? (— is a long dash, as an editor or a chat writes --)",
+    ),
+    "option typed with an en dash": (
+        ["–vram=1G", "true"],
+        {},
+        None,
+        None,
+        127,
+        "did you mean --vram?",
+    ),
     "missing script": (["--vram", "1G", "./no-such-script"], {}, None, None, 127, "no such file"),
     "directory as command": (["--vram", "1G", "/tmp"], {}, None, None, 126, "not executable"),
     "config option": (["config", "--bogus"], {}, None, None, 2, "unrecognized arguments"),
