@@ -233,8 +233,14 @@ def _gpu_names(value: Any) -> tuple[str, ...]:
     return names
 
 
-#: Names a shell hook must never redefine: its own machinery relies on them.
-_UNWRAPPABLE = frozenset({"command", "builtin", "exec", "eval", "source", "test", "gpuwait"})
+#: Names a shell hook must never redefine: its own machinery relies on them, and the builtins
+#: its functions call (shell/: bash's, zsh's and fish's), which wrapped would make the hook
+#: call itself without end (bash dies of it).
+_UNWRAPPABLE = frozenset(
+    {"command", "builtin", "exec", "eval", "source", "test", "gpuwait"}
+    | {"local", "read", "printf", "hash", "return", "shopt", "emulate", "zmodload"}
+    | {"set", "string", "count", "functions", "status"}
+)
 
 
 def _command_names(value: Any) -> tuple[str, ...]:

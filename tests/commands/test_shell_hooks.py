@@ -942,6 +942,28 @@ def test_bad_wrap_commands_are_refused(hook_env: dict[str, str]) -> None:
         assert done.stdout == ""
 
 
+#: The builtins the hooks' own functions call (bash, zsh and fish together). Wrapped, one made
+#: the hook call itself without end: with `--wrap-commands python,local`, bash died of a
+#: segmentation fault at the first `python` typed inside a job.
+HOOKS_OWN = (
+    "local", "read", "printf", "hash", "return", "shopt", "emulate", "zmodload", "set",
+    "string", "count", "functions", "status",
+)  # fmt: skip
+
+
+def test_the_builtins_the_hooks_call_are_never_wrapped(hook_env: dict[str, str]) -> None:
+    for name in HOOKS_OWN:
+        done = subprocess.run(
+            ["gpuwait", "shell-init", "bash", "--wrap-commands", f"python,{name}"],
+            env=hook_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 2, (name, done.stderr)
+        assert f"'{name}' cannot be wrapped" in done.stderr and done.stdout == ""
+
+
 def test_decide_rules(tmp_path: Path) -> None:
     home = {"HOME": "/home/u"}
     assert decide(["python", "t.py"], ["/x"], home, (), ()).wrap
