@@ -59,9 +59,13 @@ class MemoryRequest(Record, frozen=True):
 
 
 def _digits(text: str, hint: str) -> str:
-    """`hint`, unless `text` has digits other than 0-9 ('٣', '３'): then what to write instead."""
+    """`hint`, unless `text` has digits other than 0-9 ('٣', '３') or a space other than the
+    plain one (a non-breaking space, pasted from a page: '6\u00a0GiB'): then what to write
+    instead."""
     if any(c.isdigit() and not c.isascii() for c in text):
         return "write numbers in the digits 0-9"
+    if any(c.isspace() and not c.isascii() for c in text):
+        return "type the space in it again: it is a non-breaking or other Unicode space"
     return hint
 
 

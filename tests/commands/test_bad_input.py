@@ -87,6 +87,16 @@ CASES: dict[str, Case] = {
     # see what to change.
     "decimal comma": (["--vram", "6,5G", "true"], {}, None, None, 2, "with a point: 6.5G"),
     # 1,000G: a thousand, or one? Neither is guessed (1.000G would ask for a thousandth).
+    # "6 GiB" pasted from a page that set a non-breaking space in it: "give a unit", which it
+    # has, and that the same line typed by hand is taken.
+    "size with a non-breaking space": (
+        ["--vram", "6\u00a0GiB", "true"],
+        {},
+        None,
+        None,
+        2,
+        "--vram '6\\xa0GiB' is not a size; type the space in it again: it is a non-breaking",
+    ),
     "thousands comma": (["--vram", "1,000G", "true"], {}, None, None, 2, "as 1000G"),
     "duration with a decimal comma": (
         ["--timeout", "1,5h", "true"],
