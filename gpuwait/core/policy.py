@@ -764,7 +764,9 @@ def impossible_reason(
     request = claim.request
 
     def holds(g: GpuSnapshot) -> bool:
-        return request.on(g.total_bytes) <= int(g.total_bytes * safety)
+        # The room the plan ever gives on an idle card: what the driver keeps for itself is
+        # never free, so a request past it would wait for ever.
+        return request.on(g.total_bytes) <= whole_card_room(g, safety)
 
     fitting = [g for g in matching if holds(g)]
     if len(fitting) >= claim.gpus_wanted:
@@ -780,13 +782,15 @@ def impossible_reason(
             f"{claim.gpus_wanted} GPUs wanted with {request.describe()} each, but {only}"
             f" ever hold that at safety {safety:g}: {named}{why}"
         )
-    largest = max(matching, key=lambda g: (g.total_bytes, -g.index))
+    largest = max(matching, key=lambda g: (whole_card_room(g, safety), -g.index))
     # A share (`50% of a GPU`) is one of each GPU already.
     per_gpu = "" if request.fraction is not None else " per GPU"
+    kept = largest.driver_bytes
+    driver = f", the driver keeps {format_size(kept)} for itself" if kept else ""
     return (
         f"{request.describe()}{per_gpu} can never fit: the largest candidate, "
         f"GPU{largest.index} ({format_size(largest.total_bytes)}), offers at most "
-        f"{format_size(int(largest.total_bytes * safety))} at safety {safety:g}{why}"
+        f"{format_size(whole_card_room(largest, safety))} at safety {safety:g}{driver}{why}"
     )
 
 

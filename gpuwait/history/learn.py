@@ -29,7 +29,7 @@ from gpuwait.core.estimate import (
     usable_levels,
     wait_time,
 )
-from gpuwait.core.policy import Requirements, prohibited
+from gpuwait.core.policy import Requirements, prohibited, whole_card_room
 from gpuwait.core.record import Record
 from gpuwait.core.sizes import MemoryRequest
 from gpuwait.core.snapshot import GpuSnapshot
@@ -236,7 +236,8 @@ def cap_to_cards(
         return choice
     usable = sorted(
         (
-            int(g.total_bytes * safety)
+            # As impossible_reason counts it: less what the driver keeps for itself.
+            whole_card_room(g, safety)
             for g in gpus
             if (candidates is None or g.uuid in candidates)
             and not prohibited(g)

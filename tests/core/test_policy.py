@@ -245,6 +245,22 @@ def test_a_fraction_equal_to_the_safety_factor_fits_an_idle_card() -> None:
     assert plan(cards, [claim], 0.9).admitted["x"] == ("GPU-00000000",)
 
 
+def test_a_request_past_the_room_the_driver_leaves_can_never_fit() -> None:
+    # What the driver keeps for itself (NVML's "reserved", 500 MiB here) is never free: on an
+    # idle 80 GiB card `--vram 90%` waited for ever, "best GPU0 has 71.5 GiB", nothing running,
+    # where the plan never admits it; it can never fit, and is told so at once.
+    card = gpu(0, 80)._replace(used_bytes=500 * 2**20, driver_bytes=500 * 2**20)
+    share = Claim("x", False, 3, 1, MemoryRequest(fraction=0.9))
+    assert plan([card], [share], 0.9).admitted == {}
+    why = impossible_reason(share, [card], 0.9) or ""
+    assert why.startswith("90% of a GPU can never fit"), why
+    assert "offers at most 71.5 GiB at safety 0.9" in why
+    assert "the driver keeps 500 MiB" in why
+    # What the room holds still fits, at once.
+    assert impossible_reason(waiting("y", 71.5, order=1), [card], 0.9) is None
+    assert "y" in plan([card], [waiting("y", 71.5, order=1)], 0.9).admitted
+
+
 def test_exclusive_takes_a_whole_idle_gpu_only() -> None:
     cards = [gpu(0, 24, used_gib=8), gpu(1, 24)]
     whole = Claim("w", False, 3, 1, None)

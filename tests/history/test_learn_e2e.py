@@ -302,6 +302,20 @@ def test_estimate_says_what_a_launch_asks_for_where_the_learned_size_passes_ever
     assert "estimate: 21.6 GiB per GPU" in said and "capped at the largest card" in said
 
 
+def test_a_learned_size_past_every_card_asks_for_the_room_the_driver_leaves(
+    sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # 500 MiB the driver keeps for itself is never free: capped at 21.6 GiB, the launch waited
+    # for ever for room the card never has, where it asks for the 21.1 GiB it does.
+    sim_file(gpus=1, memory="24GiB", driver_reserved="500MiB")
+    command = ["true", "big-model"]
+    three_runs(command, str(tmp_path), 30 * GiB)
+    done = run([*gpuwait_cmd, "--timeout", "10s", "--", *command], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (launched,) = [r for r in history() if r["job_id"] != "j"]
+    assert launched["reserved_bytes"] == int(24 * GiB * 0.9) - 500 * 2**20
+
+
 def test_a_learned_size_past_the_per_user_limit_asks_for_the_limit(
     sim_file: SimFileFactory, gpuwait_cmd: list[str], tmp_path: Path, isolated_dirs: Path
 ) -> None:
