@@ -275,7 +275,7 @@ _AHEAD: dict[Path, tuple[float, float]] = {}
 #: tell its file system's clock.
 _TOLD_WITHIN = 2.0
 #: How far behind the moment a file system stamps a file, at most: a tick of the kernel's
-#: coarse clock (10 ms at HZ=100); a second where it stamps whole seconds.
+#: coarse clock (10 ms at HZ=100); a second more where it stamps whole seconds.
 _STAMP_LAG = 0.01
 #: How long what it told stands: this machine's clock may be stepped meanwhile.
 _TOLD_FOR = 60.0
@@ -314,8 +314,9 @@ def _clock_ahead(lock_dir: Path, directory: int) -> float:
         ended, end = time.time(), time.monotonic()
         if 0 <= ended - began <= _TOLD_WITHIN and end - start <= _TOLD_WITHIN:
             # Stamped to the whole second (ext3, an NFS server's export of it): up to a
-            # second behind the moment.
-            lag = 1.0 if stamped % 1_000_000_000 == 0 else _STAMP_LAG
+            # second behind the moment, and a tick more (the second of the coarse clock, a
+            # tick behind: the one before, just after a second began).
+            lag = 1.0 + _STAMP_LAG if stamped % 1_000_000_000 == 0 else _STAMP_LAG
             ahead = stamped / 1e9 + lag - began
     finally:
         os.close(fd)

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -547,6 +548,36 @@ def test_a_lock_taken_before_a_moment_in_its_second_is_told_so_where_files_are_s
     now = time.time()
     os.utime(lock, (now - 0.001, now - 0.001))  # taken a moment before, stamped to the second
     assert alive.unlisted(whole_seconds, set(), now) == [JOB]
+
+
+def test_a_lock_taken_before_a_moment_is_told_so_where_the_file_systems_clock_is_a_tick_behind(
+    whole_seconds: Path, spawned: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel stamps files by a coarse clock, up to a tick (10 ms at HZ=100) behind the one
+    # a process reads: the file made to tell the file system's clock, made 3 ms after a second
+    # began by this process's clock, was stamped with the second before, and the clock taken
+    # for as much behind, past the second a whole-second stamp may lag. A lock taken a moment
+    # before the ledger was started afresh, in the same second, was then taken for one taken
+    # after: its job's entry was not waited for, and its room given to the next launch.
+    monkeypatch.setattr(alive, "_AHEAD", {})
+    start_holder(whole_seconds, spawned, command=False)
+    second = float(int(time.time()))
+    os.utime(whole_seconds / f"alive.{os.getuid()}" / JOB, (second, second))  # at 1 ms
+    looked = iter([second + 0.003, second + 0.004])  # the look begins, and ends
+    monkeypatch.setattr(
+        alive, "time", SimpleNamespace(monotonic=time.monotonic, time=lambda: next(looked))
+    )
+    fstat = os.fstat
+
+    def stamped(fd: int) -> Any:
+        found = fstat(fd)
+        if ".clock." not in os.readlink(f"/proc/self/fd/{fd}"):
+            return found
+        # Made when the kernel's clock read 6 ms before the second: stamped with the one before.
+        return SimpleNamespace(st_mtime_ns=int(second - 1) * 1_000_000_000, st_uid=found.st_uid)
+
+    monkeypatch.setattr(os, "fstat", stamped)
+    assert alive.unlisted(whole_seconds, set(), second + 0.002) == [JOB]
 
 
 class _SlowClock:
