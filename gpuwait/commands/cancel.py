@@ -9,7 +9,7 @@ from gpuwait.commands import output
 from gpuwait.commands.common import ledger_for, load_settings
 from gpuwait.commands.parsing import Parser
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, EXIT_USAGE, UsageError
-from gpuwait.core.text import printable
+from gpuwait.core.text import printable, shell_word
 from gpuwait.queue import lifecycle
 from gpuwait.queue.entries import Job
 
@@ -50,7 +50,9 @@ def run(options: argparse.Namespace) -> int:
                 "nothing to cancel"
             )
             continue
-        output.error(f"no waiting or running job matches {printable(ref)}; see `gpuwait status`")
+        output.error(
+            f"no waiting or running job matches {printable(shell_word(ref))}; see `gpuwait status`"
+        )
     for ref, jobs in done.ambiguous:
         ids = ", ".join(f"{printable(j.id, 16)} (uid {j.uid})" for j in jobs)
         users = len({j.uid for j in jobs})

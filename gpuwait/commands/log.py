@@ -13,7 +13,7 @@ from gpuwait.commands.parsing import MAX_LINES, Parser, whole_number
 from gpuwait.core.budget import OOM_OWN_LIMIT
 from gpuwait.core.errors import StateError, UsageError
 from gpuwait.core.sizes import format_duration, format_size, sizes_on_gpus
-from gpuwait.core.text import command_line, printable
+from gpuwait.core.text import command_line, printable, shell_word
 from gpuwait.queue.events import KINDS, events_path, follow, read_events, read_last
 
 
@@ -84,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
         raise unreadable(f"event log in {directory}", events_path(directory), exc) from None
     if args.job is not None and not events and not args.follow:
         # As `cancel` answers a job it does not know: not an empty log, which reads as "fine".
-        raise UsageError(f"no job matches {args.job} in the event log; see `gpuwait log`")
+        raise UsageError(
+            f"no job matches {printable(shell_word(args.job))} in the event log; see `gpuwait log`"
+        )
     # max(0, …): with fewer events than asked for, a negative start would drop some.
     for event in events[max(0, len(events) - args.lines) :] if args.lines else []:
         show(event)

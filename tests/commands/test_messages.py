@@ -672,6 +672,16 @@ def test_log_of_an_unknown_job_answers_as_cancel_does(sim: Path) -> None:
     assert "matches nosuch" in cancel.stderr
 
 
+def test_a_job_name_that_matches_nothing_is_said_as_it_would_be_typed(sim: Path) -> None:
+    # `gpuwait cancel ''` said "no waiting or running job matches ; see ...", and `gpuwait log
+    # --job` of a name with a line break said it over two lines, the second alone.
+    for asked in (["cancel", ""], ["log", "--job", ""]):
+        assert "matches ''" in gpuwait(*asked).stderr
+    broken = gpuwait("log", "--job", "a\nb")
+    assert broken.returncode == EXIT_USAGE
+    assert broken.stderr.count("\n") == 1 and "matches 'a?b' in the event log" in broken.stderr
+
+
 def test_cancel_of_a_job_that_has_ended_says_how_it_ended(sim: Path) -> None:
     # `gpuwait cancel train` after train had ended said only "no waiting or running job
     # matches train", as for a name never given: the user could not tell a typo from a job
