@@ -1023,14 +1023,27 @@ def test_a_waiter_held_for_an_entry_that_never_comes_back_starts_once_the_grace_
     # the ledger: a launch waits the recovery's grace for the entry to come back. Nobody
     # writes anything when the grace is over: the waiter started at its next reading of the
     # GPUs (here two minutes off) instead.
+    stderr = _held_beside_a_lost_job(procs, monkeypatch, _SHORT_GRACE)
+    assert "1 job of yours still running or waiting has to put its entry back" in stderr
+
+
+def _held_beside_a_lost_job(
+    procs: Callable[..., subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch, gpuwait: str
+) -> str:
+    """What `gpuwait` (a script that runs gpuwait with a recovery's grace of 8 s) says of a
+    launch of 13 GiB made while a job of this user lives without an entry (its liveness lock
+    held, older than the ledger) and its next reading of the GPUs is two minutes off: held
+    waiting first, then started with the grace over."""
     state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
     with liveness_lock_held(state, "0a1b2c3d") as lock:
         wait_for(lambda: time.time() > lock.stat().st_mtime, timeout=5)
         monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs([sys.executable, "-c", _SHORT_GRACE, "--vram", "13G", "--", "true"])
+        waiter = procs([sys.executable, "-c", gpuwait, "--vram", "13G", "--", "true"])
+        wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
+        assert waiter.poll() is None
+        # Held until the grace is over, as for an entry that never comes back.
         assert waiter.wait(timeout=20) == 0
-        _, stderr = waiter.communicate()
-    assert "1 job of yours still running or waiting has to put its entry back" in stderr
+        return waiter.communicate()[1]
 
 
 #: gpuwait with a recovery's grace of 8 s, whose every look for jobs without an entry finds no
@@ -1068,18 +1081,7 @@ def test_a_waiter_that_cannot_look_for_jobs_without_an_entry_is_held_not_admitte
     # A job of this user lives without an entry in a ledger started afresh; the waiter's look
     # at the liveness locks failed (EMFILE) and was taken for "no job lives": it was admitted
     # at once into the room the job holds.
-    state = Path(os.environ["XDG_STATE_HOME"]) / "gpuwait"
-    with liveness_lock_held(state, "0a1b2c3d") as lock:
-        wait_for(lambda: time.time() > lock.stat().st_mtime, timeout=5)
-        monkeypatch.setenv("GPUWAIT_NVML_INTERVAL", "120s")
-        waiter = procs(
-            [sys.executable, "-c", _NO_DESCRIPTOR_TO_LOOK, "--vram", "13G", "--", "true"]
-        )
-        wait_for(lambda: asleep_waiting(waiter.pid), timeout=20)
-        assert waiter.poll() is None
-        # Held until the grace is over, as for an entry that never comes back.
-        assert waiter.wait(timeout=20) == 0
-        _, stderr = waiter.communicate()
+    stderr = _held_beside_a_lost_job(procs, monkeypatch, _NO_DESCRIPTOR_TO_LOOK)
     assert "which jobs of yours still have to put their entries back cannot be told" in stderr
     assert "Too many open files" in stderr, stderr
 
