@@ -308,37 +308,52 @@ def came_from_terminal(info: signal.struct_siginfo) -> bool:
     )
 
 
-def hold_ctrl_z() -> set[int | signal.Signals] | None:
-    """Hold off Ctrl-Z (SIGTSTP, where it has its default action and this thread does not
-    block it already: a program's own to take) for a waiter's loop: one that lands while it
-    reads the GPUs or plans, which the kernel would act there unknown to it, is taken in its
-    next sleep (`next_signal_or_stop(held=True)`), as one that lands there is. Returns the
-    signal mask to give `resume_stops` once the wait is over, or None where nothing is held."""
+def watch_continues() -> set[int | signal.Signals] | None:
+    """For a waiter's loop: keep the SIGCONT that continues this process (`fg`, `bg`) for its
+    next sleep (`next_signal_or_stop(continues=True)`). A Ctrl-Z that lands while it reads the
+    GPUs, plans, or waits for the ledger's lock or a driver slow to answer stops it there at
+    once, by the kernel, unknown to it; a blocked SIGCONT continues it all the same (the kernel
+    continues on any), and stays pending, so that its sleep learns it was stopped and its line
+    is said again. Returns the signal mask to put back once the wait is over
+    (`unwatch_continues`), or
+    None where SIGCONT is a program's own to take (blocked already, or handled)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    if signal.getsignal(signal.SIGTSTP) != signal.SIG_DFL or signal.SIGTSTP in previous:
+    if signal.getsignal(signal.SIGCONT) != signal.SIG_DFL or signal.SIGCONT in previous:
         return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTSTP})
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
+
+
+def unwatch_continues(previous: set[int | signal.Signals]) -> None:
+    """Put back the signal mask `watch_continues` returned: a SIGCONT kept and not taken (the
+    wait ended before its next sleep) does nothing more."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def next_signal_or_stop(
-    timeout: float, also: tuple[int, ...] = (), held: bool = False
+    timeout: float, also: tuple[int, ...] = (), continues: bool = False
 ) -> tuple[signal.struct_siginfo | None, bool]:
     """`next_signal`, and a Ctrl-Z (SIGTSTP, where it has its default action and this thread
-    does not block it already: a program's own to take; or `held` by `hold_ctrl_z`, when it
-    may have come before the sleep) taken in the sleep stops this process there, as it would
-    have, and returns (None, True) once it is continued (`fg`, `bg`): a waiter knows then that
-    its line, which the shell's `Stopped` and prompt left behind, is to be said again; (None,
-    False) where a signal to pass on came with the continue. (info, False) otherwise."""
+    does not block it already: a program's own to take) taken in the sleep stops this process
+    there, as it would have, and returns (None, True) once it is continued (`fg`, `bg`): a
+    waiter knows then that its line, which the shell's `Stopped` and prompt left behind, is to
+    be said again; so does the SIGCONT of a stop the kernel acted before the sleep, kept for it
+    (`continues`: by `watch_continues`). (None, False) where a signal to pass on came with the
+    continue. (info, False) otherwise."""
+    global _stops
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     default = signal.getsignal(signal.SIGTSTP) == signal.SIG_DFL
-    stops = (signal.SIGTSTP,) if default and (held or signal.SIGTSTP not in previous) else ()
+    stops = (signal.SIGTSTP,) if default and signal.SIGTSTP not in previous else ()
+    kept = (signal.SIGCONT,) if continues else ()
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
-        info = next_signal(timeout, also=(*also, *stops))
+        info = next_signal(timeout, also=(*also, *stops, *kept))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    if info is not None and info.si_signo in stops:
-        stop_by(info.si_signo)
+    if info is not None and info.si_signo in (*stops, *kept):
+        if info.si_signo in stops:
+            stop_by(info.si_signo)
+        else:
+            _stops += 1  # stopped by the kernel, and continued
         # Continued to take a signal sent with the CONT (a shell's `kill %1` sends TERM, then
         # CONT, to a stopped job): that is what comes next, with no line said before it.
         pending = signal.sigpending()
@@ -346,13 +361,15 @@ def next_signal_or_stop(
     return info, False
 
 
-#: How many times `stop_by` stopped this process (and it was continued).
+#: How many times this process was stopped, as it knows (`stop_by`, `next_signal_or_stop`),
+#: and continued.
 _stops = 0
 
 
 def stops() -> int:
-    """How many times this process stopped itself by `stop_by` and was continued: what it
-    wrote before the last one is behind the shell's `Stopped` and prompt."""
+    """How many times this process was stopped and continued, as it knows (`stop_by`, or a
+    SIGCONT kept by `watch_continues`): what it wrote before the last one is behind the shell's
+    `Stopped` and prompt."""
     return _stops
 
 
@@ -366,6 +383,10 @@ def stop_by(signum: int) -> None:
     os.kill(os.getpid(), signum)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    if signal.SIGCONT in previous:
+        # The SIGCONT that continued it, kept for a waiter's sleep (`watch_continues`): this
+        # stop is counted here, not twice.
+        signal.sigtimedwait({signal.SIGCONT}, 0)
     _stops += 1
 
 

@@ -718,9 +718,9 @@ def wait_for_admission(
         reason = failed
         next_read = next_own = time.monotonic() + pause
 
-    # A Ctrl-Z that lands while it reads the GPUs or plans is taken in the next sleep, known
-    # there (its line said again once continued), not acted by the kernel unknown to it.
-    unheld = signals.hold_ctrl_z()
+    # A Ctrl-Z that lands while it reads the GPUs or plans stops it there; the SIGCONT that
+    # continues it is kept for the next sleep, which says its line again.
+    unwatched = signals.watch_continues()
     try:
         while True:
             try:
@@ -912,7 +912,7 @@ def wait_for_admission(
                 # Waiting, this launch has had its turn: the next one in the turnstile loads now.
                 turnstile.leave()
                 info, continued = signals.next_signal_or_stop(
-                    sleep, also=also, held=unheld is not None
+                    sleep, also=also, continues=unwatched is not None
                 )
                 if continued:
                     # Stopped with Ctrl-Z and continued (`fg`, `bg`): the shell's `Stopped`
@@ -948,6 +948,5 @@ def wait_for_admission(
     finally:
         if watch is not None:
             watch.close()
-        if unheld is not None:
-            # One that came after the last sleep stops it now, as one held off by the lock.
-            signals.resume_stops(unheld)
+        if unwatched is not None:
+            signals.unwatch_continues(unwatched)

@@ -23,7 +23,7 @@ from helpers.fixtures_nvml import (
     FakeGpu,
     FakeNvml,
 )
-from helpers.waiting import ledger_entries, wait_for
+from helpers.waiting import ledger_entries, process_state, wait_for
 
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.gpu.nvml import NvmlBackend
@@ -733,3 +733,29 @@ def _read_gpus(backend: NvmlBackend) -> list[str] | None:
         return [g.uuid for g in backend.snapshot().gpus]
     except BackendUnavailable:
         return None
+
+
+def test_ctrl_z_stops_a_waiter_while_the_driver_does_not_answer(
+    two_gpus: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    """A Ctrl-Z that lands while a waiter waits for the driver to answer a reading stops it at
+    once, not once the driver has answered or nvml_timeout has passed (5 s a call, for each
+    GPU), the terminal's Ctrl-Z doing nothing meanwhile."""
+    two_gpus.set_gpus([FakeGpu(total=24 * GIB, used=20 * GIB)] * 2)
+    waiter = subprocess.Popen(
+        [*gpuwait_cmd, "--vram", "10G", "--", "true"],
+        env={**two_gpus.env(), "GPUWAIT_NVML_INTERVAL": "0.2s"},
+        stderr=subprocess.DEVNULL,
+        process_group=0,  # a job control shell's job: Ctrl-Z is ignored in an orphaned group
+    )
+    try:
+        wait_for(lambda: any(e.get("state") == "waiting" for e in ledger_entries()), timeout=30)
+        two_gpus.hang(None, "nvmlDeviceGetMemoryInfo_v2", 4.0)
+        time.sleep(1.0)  # the next reading (every 0.2 s) has begun, and waits for the driver
+        os.killpg(waiter.pid, signal.SIGTSTP)  # Ctrl-Z
+        started = time.monotonic()
+        wait_for(lambda: process_state(waiter.pid) == "T", timeout=10)
+        assert time.monotonic() - started < 1.5
+    finally:
+        os.killpg(waiter.pid, signal.SIGKILL)
+        waiter.wait()

@@ -357,6 +357,39 @@ def test_a_waiter_stopped_with_ctrl_z_as_it_reads_the_gpus_says_again_why_it_wai
     assert len(lines) == 2, err
 
 
+def test_a_waiter_stopped_with_ctrl_z_as_it_waits_for_the_ledger_lock_stops_at_once(
+    sim_file: SimFileFactory,
+) -> None:
+    """A Ctrl-Z that lands while a waiter waits for the ledger's lock, which another process
+    may hold for up to lock_timeout (a minute), stops it there at once, not once the lock is
+    had, the terminal's Ctrl-Z doing nothing all that while; continued, it goes on."""
+    sim = sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    env = {**os.environ, "GPUWAIT_NVML_INTERVAL": "0.2s"}
+    argv = [sys.executable, "-m", "gpuwait", "--name", "big", "--vram", "20G", "--", "true"]
+    waiter = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, process_group=0)
+    fd = -1
+    try:
+        wait_for(lambda: job_named("big") and asleep_waiting(waiter.pid), timeout=30)
+        fd = os.open(state_dir() / "ledger.lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # The room comes: the waiter goes to take it, and waits for the lock held here.
+        sim.write_text(sim.read_text().replace('base_used = "10GiB"', 'base_used = "0GiB"'))
+        wait_for(lambda: sleeping_in(waiter.pid, "flock"), timeout=30)
+        os.killpg(waiter.pid, signal.SIGTSTP)  # Ctrl-Z
+        wait_for(lambda: process_state(waiter.pid) == "T", timeout=2)
+        os.close(fd)
+        fd = -1
+        os.killpg(waiter.pid, signal.SIGCONT)
+        _, err = waiter.communicate(timeout=30)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(waiter.pid, signal.SIGKILL)
+        waiter.wait()
+    assert waiter.returncode == 0, err
+
+
 # --- GPU health --------------------------------------------------------------------------------
 
 
