@@ -327,7 +327,26 @@ def test_cron_log_names_a_command_with_backslashes_as_it_was_given(
     done = cron_run(line, cron_env(cron_home))
     assert done.returncode == 0, done.stderr
     log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "nightly.log").read_text()
-    assert "nightly: start: gpuwait --vram 1G -- python3 -c pass C:\\new\\table \\d+\\c\n" in log
+    assert (
+        "nightly: start: gpuwait --vram 1G -- python3 -c pass 'C:\\new\\table' '\\d+\\c'\n" in log
+    )
+
+
+def test_cron_log_names_a_command_so_that_it_can_be_pasted_back(
+    cron_home: Path, sim_file: Any
+) -> None:
+    # Logged as the words joined by spaces, `sh -c 'echo HOME=$HOME'` read as
+    # `sh -c echo HOME=$HOME`: pasted back, it ran another command.
+    sim_file(gpus=1)
+    words = ["sh", "-c", 'echo HOME=$HOME; echo "it\'s"', "", "a  b", "x\ny"]
+    line = "cd $HOME && $HOME/.local/bin/gpuwait-cron nightly --vram 1G -- " + shlex.join(words)
+    done = cron_run(line, cron_env(cron_home))
+    assert done.returncode == 0, done.stderr
+    log = (cron_home / ".local" / "state" / "gpuwait" / "cron" / "nightly.log").read_text()
+    start = re.search(r"nightly: start: (gpuwait .*?)\nHOME=/", log, re.DOTALL)
+    assert start, log
+    assert start[1].startswith("gpuwait --vram 1G -- sh -c '")
+    assert shlex.split(start[1]) == ["gpuwait", "--vram", "1G", "--", *words]
 
 
 def test_cron_wrapper_without_home_and_with_gpuwait_named(
