@@ -375,7 +375,10 @@ class Summaries:
             stamps[name] = stamp_of(st)
             return True
 
-        chosen = choose_own_names(listed, "wake", ".json", theirs, MAX_SUMMARIES)
+        # In sort order, as the ledger's: each user's first name of their own is the one
+        # taken, and the names of theirs after it are passed over unlooked at. In the
+        # directory's order, each of theirs sorting before the one taken so far was looked at.
+        chosen = choose_own_names(sorted(listed), "wake", ".json", theirs, MAX_SUMMARIES)
         if whole:
             self._not_theirs.keep([(name, uid) for uid, name in chosen.items()])
         return {name: stamps[name] for name in chosen.values()}

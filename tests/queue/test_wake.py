@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,43 @@ def test_a_member_with_many_summaries_is_still_acted_on_once_every_source_gap(
             path.write_text(_summary(200 + round_, [str(n)] * (round_ + 2)))
         assert summaries.changed(now=10.0 + (round_ + 1) * wake.SOURCE_GAP / 4)[0] == []
     assert [s.release for s in summaries.current()] == [1]
+
+
+def test_a_member_with_many_names_beside_their_own_costs_one_look_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member's names beside their canonical one, listed by the directory in an order of its
+    # own (here the reverse of their sort order): each that sorted before the one taken so far
+    # was looked at (a stat) again, fifty looks at every read of the summaries, where the
+    # first of theirs by sort order is all that is taken.
+    uid = os.getuid()
+    extra = [tmp_path / f"wake.{uid}.{n:08x}.json" for n in range(50)]
+    for n, path in enumerate(extra):
+        path.write_text(_summary(100 + n, [str(n)]))
+    looks: list[str] = []
+
+    class Entry:
+        def __init__(self, entry: os.DirEntry[str]) -> None:
+            self.name = entry.name
+            self._entry = entry
+
+        def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+            looks.append(self.name)
+            return self._entry.stat(follow_symlinks=follow_symlinks)
+
+    real_scandir = os.scandir
+
+    @contextlib.contextmanager
+    def scandir(path: Path) -> Iterator[list[Entry]]:
+        with real_scandir(path) as listing:
+            yield [Entry(e) for e in sorted(listing, key=lambda e: e.name, reverse=True)]
+
+    monkeypatch.setattr(wake.os, "scandir", scandir)
+    summaries = wake.Summaries(tmp_path, shared=True)
+    for _ in range(3):
+        looks.clear()
+        assert [s.release for s in summaries.current()] == [100]
+        assert looks == [extra[0].name]
 
 
 def test_a_member_whose_uid_is_written_with_leading_zeros_has_still_one_summary(
