@@ -22,7 +22,7 @@ from gpuwait.core.errors import EXIT_NO_GPU, BackendUnavailable, UsageError
 from gpuwait.core.idle import IdleRule
 from gpuwait.core.sizes import format_duration, format_size, parse_duration
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED, MachineSnapshot
-from gpuwait.core.text import columns, command_line, cut, printable
+from gpuwait.core.text import columns, command_line, cut, printable, shell_word
 from gpuwait.gpu import read_once
 from gpuwait.linux import proc
 from gpuwait.queue.bookkeeping import GPU_OK
@@ -177,6 +177,7 @@ def build_report(settings: Settings) -> dict[str, Any]:
     #: What to do about `backend_error` (install the driver, reboot after an upgrade), if known.
     report["backend_hint"] = hint
     _add_frozen(report, data)
+    _add_visible_here(report, snapshot)
     quiet = idle_holders(settings, snapshot, data.jobs, ignore)
     report["idle"] = [h for h in quiet if h["idle_seconds"] >= settings.idle_after]
     #: Holding memory on a quiet GPU, but not seen so for `idle_after` yet.
@@ -198,6 +199,37 @@ def _add_frozen(report: dict[str, Any], data: LedgerData) -> None:
             "gpu_uuids": list(entry.frozen_gpus),
             "gpu_indices": [index.get(u) for u in entry.frozen_gpus],
         }
+
+
+def _add_visible_here(report: dict[str, Any], snapshot: MachineSnapshot | None) -> None:
+    """Each GPU's `visible_here`: may a job started from this shell be placed on it, as
+    CUDA_VISIBLE_DEVICES (a Slurm allocation's, a container's) leaves it visible, read as a
+    launch reads it; None where the GPUs could not be read. `visible_from` says the value."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    report["visible_from"] = inherited
+    visible: set[str] | None = None
+    if inherited is not None and snapshot is not None:
+        from gpuwait.core.devices import parse_inherited_visible
+
+        visible = set(parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode))
+    for g in report["gpus"]:
+        if inherited is None:
+            g["visible_here"] = True
+        else:
+            g["visible_here"] = None if visible is None else g["uuid"] in visible
+
+
+def _hidden_note(report: dict[str, Any]) -> str | None:
+    """The GPUs no job started from this shell goes to (`_add_visible_here`), in words."""
+    hidden = [str(g["index"]) for g in report["gpus"] if g.get("visible_here") is False]
+    if not hidden:
+        return None
+    them = "it" if len(hidden) == 1 else "them"
+    return (
+        f"GPU {', '.join(hidden)} not visible here "
+        f"(CUDA_VISIBLE_DEVICES={shell_word(report['visible_from'])}): gpuwait places no job "
+        f"started from this shell on {them}"
+    )
 
 
 def idle_rule(settings: Settings) -> IdleRule:
@@ -367,6 +399,9 @@ def render(report: dict[str, Any], width: int = _MIN_WIDTH) -> str:
             detail = f" ({g['health_detail']})" if g["health_detail"] else ""
             jobs = ", ".join(g["running_jobs"]) or "none"
             out.extend(note(f"not answering{detail}; jobs still on it: {jobs}", width))
+    not_here = _hidden_note(report)
+    if not_here:
+        out.extend(note(not_here, width))
     driver = _driver_note(report["gpus"])
     if driver:
         out.extend(note(driver, width))

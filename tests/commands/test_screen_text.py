@@ -728,3 +728,41 @@ def test_a_wait_line_off_a_terminal_says_each_change_of_the_situation(
         "gpuwait[train]: " + REASON.describe(),
         "gpuwait[train]: " + REASON._replace(**changed).describe(),
     ]
+
+
+def test_status_marks_the_gpus_this_shell_places_no_job_on(sim_file: Any) -> None:
+    # In a Slurm allocation (or any shell with CUDA_VISIBLE_DEVICES set), status listed every
+    # GPU of the node, other allocations' among them, with no word of which this shell can use.
+    sim_file(gpus=4)
+
+    def status(*args: str, visible: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        env["COLUMNS"] = "80"
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuwait", "status", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    text = status(visible="2,3")
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    gpu_table = text.split("\n\n", 1)[0]
+    assert "GPU 0, 1 not visible here (CUDA_VISIBLE_DEVICES=2,3)" in " ".join(
+        line.strip() for line in gpu_table.splitlines()
+    ), text
+    shown = json.loads(status("--json", visible="2,3"))
+    assert [g["visible_here"] for g in shown["gpus"]] == [False, False, True, True]
+    # Where nothing hides a GPU, nothing is said.
+    text = status(visible=None)
+    assert "not visible here" not in text, text
+    shown = json.loads(status("--json", visible=None))
+    assert [g["visible_here"] for g in shown["gpus"]] == [True] * 4
+    # A value that hides every GPU (CUDA's way to run on the CPU) marks them all.
+    shown = json.loads(status("--json", visible=""))
+    assert [g["visible_here"] for g in shown["gpus"]] == [False] * 4
