@@ -320,13 +320,21 @@ def watch_continues() -> set[int | signal.Signals] | None:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     if signal.getsignal(signal.SIGCONT) != signal.SIG_DFL or signal.SIGCONT in previous:
         return None
+    _watchers.add(_thread.get_ident())
     return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})
 
 
 def unwatch_continues(previous: set[int | signal.Signals]) -> None:
     """Put back the signal mask `watch_continues` returned: a SIGCONT kept and not taken (the
     wait ended before its next sleep) does nothing more."""
+    _watchers.discard(_thread.get_ident())
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+#: The threads whose SIGCONT `watch_continues` keeps (two of a program's threads may wait for a
+#: reservation each): a SIGCONT blocked otherwise is the program's own to take (sigwait, a
+#: signalfd), never gpuwait's.
+_watchers: set[int] = set()
 
 
 def next_signal_or_stop(
@@ -383,9 +391,9 @@ def stop_by(signum: int) -> None:
     os.kill(os.getpid(), signum)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})  # taken here: stopped until SIGCONT
     signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    if signal.SIGCONT in previous:
+    if _thread.get_ident() in _watchers:
         # The SIGCONT that continued it, kept for a waiter's sleep (`watch_continues`): this
-        # stop is counted here, not twice.
+        # stop is counted here, not twice. One the program blocks for itself is left to it.
         signal.sigtimedwait({signal.SIGCONT}, 0)
     _stops += 1
 

@@ -23,7 +23,7 @@ from helpers.fixtures_nvml import FakeGpu, FakeNvml
 from helpers.fixtures_sim import SimFileFactory, hold_card
 from helpers.history import a_run, recorded_runs
 from helpers.status import job_named, job_of_pid, listed_jobs, state_of
-from helpers.waiting import asleep_waiting, ledger_entries, sleeping_in, wait_for
+from helpers.waiting import asleep_waiting, ledger_entries, process_state, sleeping_in, wait_for
 
 GiB = 2**30
 
@@ -2449,3 +2449,41 @@ def test_a_programs_log_says_a_wait_again_only_where_more_than_its_moving_figure
         reporter.waiting(reason._replace(ahead=1), "train")
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 3 and "GPU1 held" in said[1] and "1 ahead" in said[2], said
+
+
+def test_a_continue_the_program_blocks_for_itself_is_left_to_it_after_a_ctrl_z_in_its_wait(
+    sim_file: SimFileFactory,
+) -> None:
+    # A program that blocks SIGCONT to learn of its own continues (sigwait, a signalfd: a
+    # screen to draw again) and was stopped with Ctrl-Z while it waited for its reservation:
+    # the SIGCONT that continued it was taken by the wait as its own, and the program never
+    # learnt it had been stopped.
+    sim_file(gpus=1, memory="24GiB", base_used="10GiB")
+    script = (
+        "import signal, gpuwait\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCONT})\n"
+        "try:\n"
+        "    gpuwait.reserve('20G', name='drawn', timeout='4s')\n"
+        "except gpuwait.ReserveError as exc:\n"
+        "    print('gave up', exc.exit_code)\n"
+        "print('pending', signal.SIGCONT in signal.sigpending(), flush=True)\n"
+    )
+    # A process group of its own, as a job control shell starts a job: the kernel ignores
+    # Ctrl-Z in an orphaned group.
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    try:
+        wait_for(lambda: asleep_waiting(waiter.pid), timeout=30)
+        os.killpg(waiter.pid, signal.SIGTSTP)  # Ctrl-Z
+        wait_for(lambda: process_state(waiter.pid) == "T", timeout=10)
+        os.killpg(waiter.pid, signal.SIGCONT)  # fg
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert out == "gave up 124\npending True\n", err
