@@ -987,6 +987,7 @@ STATUS_KEYS = {
     "ledger_shared": bool,
     "idle": list,
     "idle_watching": list,
+    "visible_from": OPT_STR,
 }
 GPU_KEYS = {
     "index": int,
@@ -1009,6 +1010,7 @@ GPU_KEYS = {
     "running_jobs": list,
     "held_for": OPT_STR,
     "counters": dict,
+    "visible_here": (bool, type(None)),
 }
 COUNTER_KEYS = {
     "dispatched": int,
