@@ -69,9 +69,14 @@ def checkpoint_signal() -> int | None:
 
 
 def resume_exit_status() -> int:
-    """The exit status that tells gpuwait to resume this job later."""
+    """The exit status that tells gpuwait to resume this job later: GPUWAIT_RESUME_EXIT as
+    gpuwait reads the `resume_exit` setting (1 to 125), else the default, 75."""
+    # The same parsing as gpuwait's own: 999 would end the process with 231, and -1 with 255,
+    # statuses gpuwait never takes for "resume me" (the job would be taken for failed).
+    from gpuwait.core.sizes import parse_whole
+
     try:
-        return int(os.environ.get("GPUWAIT_RESUME_EXIT", DEFAULT_RESUME_EXIT))
+        return parse_whole(os.environ.get("GPUWAIT_RESUME_EXIT", str(DEFAULT_RESUME_EXIT)), 1, 125)
     except ValueError:
         return DEFAULT_RESUME_EXIT
 

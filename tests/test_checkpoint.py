@@ -175,3 +175,17 @@ def test_importing_checkpoint_outside_a_pausable_job_loads_no_process_walk() -> 
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
     )
     assert done.stdout.splitlines()[1:] == ["True", "True"]
+
+
+@pytest.mark.parametrize("given", ["999", "-1", "0", "126", "٣", "8_0"])
+def test_a_resume_status_that_is_no_exit_status_is_the_default(
+    given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An exit status is 0-255, and the setting's is 1 to 125 (docs/configuration.md): a job
+    # that exited with 999 would exit with 231, one gpuwait never takes for "resume me".
+    from gpuwait import checkpoint
+
+    monkeypatch.setenv("GPUWAIT_RESUME_EXIT", given)
+    assert checkpoint.resume_exit_status() == checkpoint.DEFAULT_RESUME_EXIT
+    monkeypatch.setenv("GPUWAIT_RESUME_EXIT", "80")
+    assert checkpoint.resume_exit_status() == 80
