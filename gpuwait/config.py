@@ -1323,6 +1323,9 @@ def _parsed(option: Option, raw: Any, source: str) -> Any:
             raise UsageError(f"{named} {reason}") from None
         # A TOML boolean as the file spells it, not as Python prints it.
         value = ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
+        if source == "command line":
+            # The option names the setting already: "--safety '1x' is not valid: ...".
+            raise UsageError(f"{shown} {value} is not valid: {reason}") from None
         raise UsageError(f"{shown}: {value} is not valid for {option.name}: {reason}") from None
 
 

@@ -331,13 +331,13 @@ def _keywords(text: str) -> str:
     text = re.sub(r"(?<![\w-])--([a-z][a-z-]*[a-z])", keyword, text)
     # argparse's words and the command line's help are no Python caller's: "argument gpus: 0
     # is too small; see 'gpuwait --help'" is "gpus: 0 is too small", and a setting refused as
-    # "priority: '9' is not valid for priority: ..." names its keyword once (and ledger= not
-    # the setting ledger_dir).
+    # "--priority '9' is not valid: ..." is "priority: '9' is not valid: ...", as argparse's
+    # "gpus: 0 is too small" is said.
     text = re.sub(r"; see '[^']*--help'$", "", re.sub(r"^argument (\w+): ", r"\1: ", text))
-    refused = re.match(r"(\w+): (.*?) is not valid for \w+: ", text)
+    refused = re.match(r"(\w+) (.*?) is not valid: ", text)
     if refused is None or refused.group(1) not in keywords:
         return text
-    return f"{refused.group(1)}: {refused.group(2)} is not valid: {text[refused.end() :]}"
+    return f"{refused.group(1)}: {text[refused.end(1) + 1 :]}"
 
 
 def _argv(

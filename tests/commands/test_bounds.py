@@ -173,7 +173,7 @@ CASES: dict[str, Case] = {
         {},
         None,
         2,
-        "--ledger: 'shared' is not valid for ledger_dir: expected an absolute path",
+        "--ledger 'shared' is not valid: expected an absolute path",
     ),
     "env relative state dir": (
         ["--vram", "1G", "true"],

@@ -536,7 +536,8 @@ def test_a_malformed_option_is_refused_in_gpuwaits_words(
 ) -> None:
     code = main([FLAGS[name], BAD_TEXT[name], "true"])
     err = capsys.readouterr().err
-    assert_one_line_in_gpuwaits_words(code, err, name)
+    # Named by the option typed (--ledger), which names the setting (ledger_dir) already.
+    assert_one_line_in_gpuwaits_words(code, err, FLAGS[name])
     assert err.count(repr(BAD_TEXT[name])) == 1, err
 
 
@@ -566,6 +567,26 @@ def test_a_refused_value_is_said_once_from_every_source(
     assert err.count("1e+30") == 1 and err.startswith(
         f"gpuwait: error: config file {config}: max_wait "
     ), err
+
+
+def test_a_refused_setting_is_named_once_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--safety 1x` was told "--safety: '1x' is not valid for safety: ...", the setting named
+    # twice; a variable or a config file needs the setting's name, the option says it already.
+    said = "is not valid: expected a fraction above 0 and at most 1, e.g. 0.9"
+    assert main(["--safety", "1x", "true"]) == EXIT_USAGE
+    assert capsys.readouterr().err == f"gpuwait: error: --safety '1x' {said}\n"
+    # --ledger's setting is ledger_dir, a name the command line does not use.
+    assert main(["--ledger", "shared", "true"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("gpuwait: error: --ledger 'shared' is not valid: expected"), err
+    monkeypatch.setenv("GPUWAIT_SAFETY", "1x")
+    assert main(["config"]) == EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "gpuwait: error: environment GPUWAIT_SAFETY: '1x' is not valid for safety: "
+        "expected a fraction above 0 and at most 1, e.g. 0.9\n"
+    )
 
 
 # -- empty answers -------------------------------------------------------------------------------
