@@ -46,9 +46,7 @@ def gpuwait_magic(line: str) -> Reservation | None:
         _release()
         return None
     if words[0] in ("status", "release"):
-        output.error(
-            f"%gpuwait {words[0]} takes nothing after it: {shlex.join(words[1:])!r}", USAGE
-        )
+        output.error(f"%gpuwait {words[0]} takes nothing after it: {_typed(words[1:])}", USAGE)
         return None
     try:
         argv, quiet = _argv(words)
@@ -110,14 +108,22 @@ def _argv(words: list[str]) -> tuple[list[str], bool]:
     if options.vram is None and rest and not rest[0].startswith("-") and argv[-len(rest) :] == rest:
         if rest[0] in ("status", "release"):
             # `%gpuwait -q status` meant status, which no size follows.
-            given = shlex.join(argv[: -len(rest)])
+            given = _typed(argv[: -len(rest)])
             raise UsageError(
-                f"%gpuwait {rest[0]} takes no options ({given!r}): write %gpuwait {rest[0]}"
+                f"%gpuwait {rest[0]} takes no options ({given}): write %gpuwait {rest[0]}"
             )
         # Options first: the size is the first word they leave, and options may follow it.
         argv = argv[: -len(rest)] + _sized(rest)
         options = parser.parse_args(argv)
     return argv, bool(options.quiet)
+
+
+def _typed(words: list[str]) -> str:
+    """`words` as they would be typed, quoted once: in quotes of their own ('-q', '--name x')
+    where none needs the shell's, else as the shell's quotes say them (--name 'a b'); Python's
+    repr over those quoted them twice."""
+    typed = shlex.join(words)
+    return f"'{typed}'" if typed == " ".join(words) else typed
 
 
 def _sized(words: list[str]) -> list[str]:

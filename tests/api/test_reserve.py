@@ -792,6 +792,24 @@ def test_the_magics_status_and_release_take_no_options_before_them(
     assert listed_jobs(gpuwait_cmd) == []
 
 
+def test_the_magic_says_words_it_refuses_quoted_once(sim: Path, gpuwait_cmd: list[str]) -> None:
+    # `%gpuwait --name "it's" status` was answered "takes no options ('--name \\'it\\'"\\'"...')":
+    # Python's quotes over the shell's. The words are said as they would be typed.
+    script = (
+        "from gpuwait.api.magic import gpuwait_magic as m\n"
+        "m('--name \"it\\'s\" status')\nm('status \"a b\"')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "gpuwait: error: %gpuwait status takes no options (--name 'it'\"'\"'s'): "
+        "write %gpuwait status",
+        "gpuwait: error: %gpuwait status takes nothing after it: 'a b'",
+    ]
+    assert listed_jobs(gpuwait_cmd) == []
+
+
 def test_a_reservation_while_another_thread_waits_for_one_is_refused(
     sim_file: SimFileFactory, gpuwait_cmd: list[str]
 ) -> None:
