@@ -15,7 +15,7 @@ import time
 
 from gpuwait.commands import output
 from gpuwait.commands.common import ledger_for, load_settings
-from gpuwait.commands.parsing import Parser, whole_number
+from gpuwait.commands.parsing import Parser, check_name, whole_number
 from gpuwait.core.errors import EXIT_NOT_PERMITTED, UsageError
 from gpuwait.core.sizes import (
     REQUEST_UNIT_HINT,
@@ -52,6 +52,9 @@ def build_parser() -> Parser:
 
 def run(options: argparse.Namespace) -> int:
     pid: int = options.pid
+    # The arguments before the process: a name no job can have is refused as it is by
+    # `gpuwait --name`, whatever the process is.
+    check_name("--name", options.name)
     reserve: MemoryRequest | None = None
     if options.vram is not None:
         try:

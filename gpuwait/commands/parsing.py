@@ -249,3 +249,16 @@ class HelpFormatter(argparse.HelpFormatter):
 
 class RawHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
     """The same, for a description or epilog laid out by hand (kept as written)."""
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
+
+
+def check_name(option: str, value: str | None) -> None:
+    """UsageError where `value`, given to `option` (`--name`, `--batch`, `--once`), is no name
+    a job can have: one `status`, `cancel` and `--after` take as typed, in any shell."""
+    if value is not None and not _NAME_RE.fullmatch(value):
+        raise UsageError(
+            f"{option} {value!r}: use up to 100 letters, digits and . _ : @ + -, "
+            "starting with a letter or digit"
+        )

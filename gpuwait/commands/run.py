@@ -20,6 +20,7 @@ from gpuwait.commands.parsing import (
     Parser,
     RawHelpFormatter,
     add_gpus_option,
+    check_name,
     terminal_columns,
     whole_number,
 )
@@ -41,7 +42,6 @@ from gpuwait.runner.session import Pausable, RunConfig, RunRequest
 if TYPE_CHECKING:
     from gpuwait.queue.idle import IdleWatch
 
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,99}")
 #: The most times --retry-oom queues a command again.
 MAX_RETRY_OOM = 100
 
@@ -437,11 +437,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         ("--batch", options.batch),
         ("--once", options.once),
     ):
-        if value is not None and not _NAME_RE.fullmatch(value):
-            raise UsageError(
-                f"{option} {value!r}: use up to 100 letters, digits and . _ : @ + -, "
-                "starting with a letter or digit"
-            )
+        check_name(option, value)
     return RunRequest(
         command=tuple(command),
         vram=vram,

@@ -658,3 +658,27 @@ def test_cancel_of_an_adopted_process_says_to_stop_it_by_hand(
     finally:
         job.kill()
         job.wait()
+
+
+def test_a_name_adopt_cannot_give_is_refused_before_anything_else(
+    sim_file: SimFileFactory, run_gpuwait: Run
+) -> None:
+    # `gpuwait adopt --name '' PID` on a process adopted already said "already belongs", the
+    # name unchecked; on one not adopted it gave a job a name `gpuwait --name` refuses.
+    sim = sim_file(gpus=1)
+    job = bare_job(sim, "--vram", "2G", "--hold", "60s")
+    try:
+        for name in ("", "a b"):
+            done = run_gpuwait("adopt", "--name", name, str(job.pid))
+            assert done.returncode == EXIT_USAGE, done.stderr
+            assert done.stderr.startswith(
+                f"gpuwait: error: --name {name!r}: use up to 100 letters"
+            ), done.stderr
+        assert ledger_entries() == []
+        adopted(run_gpuwait, job.pid)
+        again = run_gpuwait("adopt", "--name", "", str(job.pid))
+        assert again.returncode == EXIT_USAGE, again.stderr
+        assert "--name ''" in again.stderr and "already belongs" not in again.stderr
+    finally:
+        job.terminate()
+        job.wait(timeout=10)
