@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -219,6 +220,15 @@ class _BadUsage(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # `--ramp -1s`: a value, refused by its own parser as negative, not an unknown option
+        # leaving --ramp "expected one argument", as gpuwait's Parser takes it (the same
+        # pattern as gpuwait.commands.parsing's, which this layer cannot import).
+        self._negative_number_matcher = re.compile(
+            r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z"
+        )
+
     def error(self, message: str) -> NoReturn:
         raise _BadUsage(message)
 
@@ -283,8 +293,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         return parser.parse_args(argv)
     except _BadUsage as exc:
-        import re  # only once something was refused
-
         message = str(exc)
         word = None
         if message.startswith("unrecognized arguments: "):

@@ -869,6 +869,23 @@ def test_a_simulated_job_refuses_a_size_without_a_unit(sim: Path) -> None:
     assert "'4' has no unit; give a unit: 6G (GiB), 6GB or 6000M" in done.stderr
 
 
+@pytest.mark.parametrize(("option", "value"), [("--ramp", "-1s"), ("--hold", "-.5s")])
+def test_a_simulated_job_says_a_negative_duration_is_negative(
+    sim: Path, option: str, value: str
+) -> None:
+    # `--ramp -1s` was "argument --ramp: expected one argument": the value taken for an option.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "sim", "job", "--vram", "1G", option, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(
+        f"gpuwait sim job: error: argument {option}: {value!r} is negative; give a duration"
+    ), done.stderr
+
+
 def test_sim_init_force_replaces_only_a_plain_file(tmp_path: Path) -> None:
     # `--force` is for a simulation file; a device, a FIFO or a directory at the path is
     # something else (as root, /dev/null would have become a plain file).
