@@ -218,6 +218,7 @@ def parse_duration(text: str) -> float:
         match = _DURATION_RE.match(stripped, position)
         if not match or match.end() == position:
             _duration_comma(text)
+            _duration_exponent(text)
             raise ValueError(f"{text!r} is not a duration; {_digits(text, _DURATION_HINT)}")
         before = stripped[:position].rstrip().lower()
         last = next((u for u in ("ms", "s", "m", "h", "d") if before.endswith(u)), None)
@@ -247,6 +248,29 @@ def _duration_comma(text: str) -> None:
         raise ValueError(
             f"{text.strip()!r} is not a duration; write decimals with a point: {pointed}"
         )
+
+
+_DURATION_EXPONENT_RE = re.compile(
+    r"^\s*((?:\d+(?:\.\d*)?|\.\d+)e[+-]?\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE | re.ASCII
+)
+
+
+def _duration_exponent(text: str) -> None:
+    """Raise ValueError saying so where `text` is a duration written with an exponent (1e3s,
+    as Python and JSON write numbers), with the line to type where it is short, as a size
+    with one is told."""
+    match = _DURATION_EXPONENT_RE.match(text)
+    if not match:
+        return
+    number, unit = match.group(1), (match.group(2) or "s").lower()
+    said = f"{text.strip()!r} is not a duration: it takes no exponent"
+    if float(number) * _DURATION_UNITS[unit] > MAX_DURATION:
+        raise ValueError(f"{said}, and it is too long (at most {MAX_DURATION_TEXT})")
+    exponent = number.lower().partition("e")[2].lstrip("+-").lstrip("0")
+    plain = _in_digits(number) if len(exponent) <= 2 else ""
+    if not plain or len(plain) > 20:
+        raise ValueError(f"{said}; {_DURATION_HINT}")
+    raise ValueError(f"{said}; write {plain}{unit}")
 
 
 def check_duration(seconds: float, text: str) -> float:

@@ -30,6 +30,23 @@ CASES: dict[str, Case] = {
         2,
         "gpuwait: error: --vram '1e3M' is not a size: it takes no exponent; write 1000M",
     ),
+    # As a size with one is told: "not a duration" alone did not say what was wrong.
+    "exponent duration": (
+        ["--timeout", "1e3s", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --timeout '1e3s' is not a duration: it takes no exponent; write 1000s",
+    ),
+    "exponent duration without a unit": (
+        ["--timeout", "1.5E2", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1.5E2' is not a duration: it takes no exponent; write 150s",
+    ),
     "exponent size with a fraction": (
         ["--vram", "1.5E-1G", "true"],
         {},
