@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gpuwait.core.record import Record
 
@@ -90,6 +90,7 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
             raise ValueError(f"{text.strip()!r} is negative; give a size above zero, e.g. 6G")
         _decimal_comma(text, _SIZE_RE)
         _exponent(text, hint)
+        _bare_point(text, "size", lambda pointless: parse_size(pointless, hint=hint))
         raise ValueError(f"{text!r} is not a size; {_digits(text, hint)}")
     number, unit, suffix = match.group(1), match.group(2).upper(), match.group(3).upper()
     if not unit and not suffix and float(number) != 0:  # zero is zero in every unit
@@ -172,6 +173,21 @@ def _decimal_comma(text: str, pattern: re.Pattern[str]) -> None:
     raise ValueError(f"{text.strip()!r} is not a size; write decimals with a point: {pointed}")
 
 
+def _bare_point(text: str, kind: str, parse: Callable[[str], object]) -> None:
+    """Raise ValueError saying so where `text` is one `parse` takes but for a point with no
+    digits after it (6.G, 50.%, 1.h): "give a unit" would point at the unit it has."""
+    pointless = re.sub(r"(?<=\d)\.(?!\d)", "", text.strip(), flags=re.ASCII)
+    if pointless == text.strip():
+        return
+    try:
+        parse(pointless)
+    except ValueError:
+        return
+    raise ValueError(
+        f"{text.strip()!r} is not a {kind}: a point needs digits after it; write {pointless}"
+    )
+
+
 def parse_request(text: str) -> MemoryRequest:
     """A `--vram` value: a size, or a percentage of each card's total (`50%`). Must be > 0."""
     unsigned = _PERCENT_RE.match(text.strip().removeprefix("-"))
@@ -185,6 +201,7 @@ def parse_request(text: str) -> MemoryRequest:
         return MemoryRequest(fraction=value / 100)
     _decimal_comma(text, _PERCENT_RE)
     _exponent(text, REQUEST_UNIT_HINT, share=True)
+    _bare_point(text, "size", parse_request)
     size = parse_size(text, hint=REQUEST_UNIT_HINT)
     if size <= 0:
         raise ValueError(f"{text!r}: a VRAM request must be larger than zero")
@@ -211,6 +228,8 @@ def parse_duration(text: str) -> float:
         if unsigned == 0:
             return 0.0  # -0s: zero, not negative; the caller says where zero will not do
         raise ValueError(f"{stripped!r} is negative; give a duration such as 30s")
+    # Before the parts are read: `1h30.m` is no 1h30 whose 30 has no unit.
+    _bare_point(text, "duration", parse_duration)
     position = 0
     total = 0.0
     parts = 0

@@ -47,6 +47,40 @@ CASES: dict[str, Case] = {
         2,
         "'1.5E2' is not a duration: it takes no exponent; write 150s",
     ),
+    # "give a unit" pointed at the unit it has.
+    "size with a point and no digits after it": (
+        ["--vram", "6.G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '6.G' is not a size: a point needs digits after it; write 6G",
+    ),
+    "share with a point and no digits after it": (
+        ["--vram", "50.%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'50.%' is not a size: a point needs digits after it; write 50%",
+    ),
+    "duration with a point and no digits after it": (
+        ["--timeout", "1.h", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1.h' is not a duration: a point needs digits after it; write 1h",
+    ),
+    # Was "'1h30.m' gives 30 no unit; write 1h30.mm".
+    "duration with a point and no digits after its second number": (
+        ["--timeout", "1h30.m", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'1h30.m' is not a duration: a point needs digits after it; write 1h30m",
+    ),
     "exponent size with a fraction": (
         ["--vram", "1.5E-1G", "true"],
         {},
