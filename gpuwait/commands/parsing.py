@@ -11,12 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuwait.core.errors import UsageError
-from gpuwait.core.sizes import MAX_GPUS, parse_whole
+from gpuwait.core.sizes import MAX_GPUS, NEGATIVE_VALUE, parse_whole
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
-
-_NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z")
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,7 +30,7 @@ class Parser(argparse.ArgumentParser):
         # `--vram -1G`, `--timeout -5s`: a value, refused by its own parser with a reason, not
         # an unknown option leaving --vram "expected one argument" (argparse takes only plain
         # negative numbers for values). No option of gpuwait's looks like one.
-        self._negative_number_matcher = _NEGATIVE_VALUE
+        self._negative_number_matcher = NEGATIVE_VALUE
         #: The arguments `parse_args` was given, for `error` to say which one was the slip.
         self._given: list[str] = []
 
@@ -153,7 +151,7 @@ class Parser(argparse.ArgumentParser):
             if (
                 word.startswith("-")
                 and word != "-"
-                and not _NEGATIVE_VALUE.match(word)
+                and not NEGATIVE_VALUE.match(word)
                 and not any(o.startswith(name) for o in options if o.startswith("--"))
                 and name not in options
             ):

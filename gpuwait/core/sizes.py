@@ -29,6 +29,10 @@ MAX_DURATION = 365 * 86400.0
 MAX_DURATION_TEXT = "365d"
 #: The most GPUs: what a ledger entry holds.
 MAX_GPUS = 1024
+#: A negative number as a size, a duration or a count is written on a command line (`-1s`,
+#: `-1G`, `-.5`): a value to refuse as negative, not an option (argparse's own pattern takes
+#: none with a unit).
+NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z")
 
 
 class MemoryRequest(Record, frozen=True):

@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from gpuwait import checkpoint
 from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
-from gpuwait.core.sizes import MAX_GPUS, parse_duration, parse_size, parse_whole
+from gpuwait.core.sizes import MAX_GPUS, NEGATIVE_VALUE, parse_duration, parse_size, parse_whole
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
 from gpuwait.core.text import nearest, whole_number
 from gpuwait.gpu.sim import (
@@ -223,11 +223,8 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # `--ramp -1s`: a value, refused by its own parser as negative, not an unknown option
-        # leaving --ramp "expected one argument", as gpuwait's Parser takes it (the same
-        # pattern as gpuwait.commands.parsing's, which this layer cannot import).
-        self._negative_number_matcher = re.compile(
-            r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z"
-        )
+        # leaving --ramp "expected one argument", as gpuwait's Parser takes it.
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         raise _BadUsage(message)
