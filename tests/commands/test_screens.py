@@ -485,16 +485,16 @@ def test_estimate_fits_the_terminal(
     assert "95th percentile of the peaks 7.0 GiB + 10% margin, rounded up; peaks" in shown
 
 
-def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
+def make_j3_waiting(
     shell: Callable[[int, int], Terminal],
     sim_file: SimFileFactory,
     procs: Callable[..., subprocess.Popen[str]],
     gpuwait_cmd: list[str],
     tmp_path: Path,
-) -> None:
-    # `make -j` (or `xargs -P`, a script's loop of `&`) in the foreground: its waiters share the
-    # terminal's foreground process group with each other and with the running recipes, so none
-    # may redraw a line in place over another's.
+) -> tuple[Terminal, subprocess.Popen[str], list[str]]:
+    """`make -j3` typed at an 80 x 24 terminal, its three recipes each a gpuwait of 20 GiB on
+    the one 24 GiB card that a job holds (the holder, until it is ended): the terminal, the
+    holder, and the screen once each waiter has said its line."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     sim_file(gpus=1, memory="24GiB")
@@ -511,6 +511,20 @@ def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
         lambda rows: all(any(f"gpuwait[{n}]" in r for r in rows) for n in "abc"),
         what="a line from each waiter",
     )
+    return term, holder, rows
+
+
+def test_waiters_of_one_make_j_write_whole_lines_of_their_own(
+    shell: Callable[[int, int], Terminal],
+    sim_file: SimFileFactory,
+    procs: Callable[..., subprocess.Popen[str]],
+    gpuwait_cmd: list[str],
+    tmp_path: Path,
+) -> None:
+    # `make -j` (or `xargs -P`, a script's loop of `&`) in the foreground: its waiters share the
+    # terminal's foreground process group with each other and with the running recipes, so none
+    # may redraw a line in place over another's.
+    term, holder, rows = make_j3_waiting(shell, sim_file, procs, gpuwait_cmd, tmp_path)
     for row in gpuwait_rows(rows):
         assert WAIT_ROW.match(row) and row.count("gpuwait[") == 1, rows
     holder.terminate()
@@ -530,22 +544,7 @@ def test_waiters_of_one_make_j_stopped_with_ctrl_z_say_again_why_they_wait_once_
     # Ctrl-Z stops make and its waiters; below the shell's `Stopped`, its prompt and `fg`, the
     # screen stayed blank: each waiter had said its line once, and said it again only when
     # what it waits for changed (the room never changes here).
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    sim_file(gpus=1, memory="24GiB")
-    holder = procs(
-        wrapped_sim_job(gpuwait_cmd, ["--vram", "20G"], "--vram", "20G", "--hold", "60s")
-    )
-    wait_for(lambda: asleep_supervising(holder.pid), message="the card is taken")
-    (tmp_path / "Makefile").write_text(
-        "all: a b c\na b c:\n\t@gpuwait --name $@ --vram 20G -- echo ran-$@\n"
-    )
-    term = shell(80, 24)
-    term.type("make -j3")
-    term.wait_for(
-        lambda rows: all(any(f"gpuwait[{n}]" in r for r in rows) for n in "abc"),
-        what="a line from each waiter",
-    )
+    term, holder, _ = make_j3_waiting(shell, sim_file, procs, gpuwait_cmd, tmp_path)
     term.key("C-z")
     term.wait_for(lambda rows: any("Stopped" in r for r in rows), what="the shell's Stopped")
     term.wait_idle()

@@ -1796,6 +1796,32 @@ def test_a_waiter_held_for_two_users_unusable_files_is_told_of_the_first_uid_and
         other.wait()
 
 
+@contextlib.contextmanager
+def member_locking_their_lock_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uid: int
+) -> Iterator[Path]:
+    """A shared ledger directory where member `uid` holds a lock on their lock directory, as
+    `flock -s alive.<uid> sleep 1d` does (no job, no GPU), taken before the block and let go
+    after it; no look of another test's kept. A uid of each test's alone: a gpuwait of 4242's
+    running for another test would count."""
+    from gpuwait.linux import security
+    from gpuwait.queue import ledger as module
+
+    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})
+    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
+    directory = shared_dir(tmp_path)
+    lock_dir = directory / f"alive.{uid}"
+    lock_dir.mkdir(mode=0o700)
+    os.chown(lock_dir, uid, uid)
+    held = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
+    try:
+        wait_for(lambda: f" {held.pid} " in Path("/proc/locks").read_text())
+        yield directory
+    finally:
+        held.kill()
+        held.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
 @pytest.mark.parametrize(
     "theirs", [False, True], ids=["no gpuwait of theirs", "a gpuwait of theirs"]
@@ -1815,40 +1841,33 @@ def test_a_members_file_gone_holds_a_waiter_no_longer_than_the_grace(
     from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    # A uid of each case's alone: a gpuwait of 4242's running for another test would count.
     uid = 4272 if theirs else 4271
-    directory = shared_dir(tmp_path)
-    lock_dir = directory / f"alive.{uid}"
-    lock_dir.mkdir(mode=0o700)
-    os.chown(lock_dir, uid, uid)
-    processes = [subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])]
-    if theirs:
-        processes.append(
+    with member_locking_their_lock_dir(tmp_path, monkeypatch, uid) as directory:
+        gpuwait = (
             subprocess.Popen(
                 ["gpuwait", "60"], executable=shutil.which("sleep"), user=uid, group=uid
             )
+            if theirs
+            else None
         )
-    try:
-        wait_for(lambda: f" {processes[0].pid} " in Path("/proc/locks").read_text())
-        if theirs:
-            cmdline = Path(f"/proc/{processes[1].pid}/cmdline")
-            wait_for(lambda: b"gpuwait" in cmdline.read_bytes())
-            assert security.runs_gpuwait(uid)
-        waiter = Ledger(directory)
-        first = waiter.read().unread_until
-        found_gone = time.time()  # at the latest
-        assert list(first) == [uid], first
-        # Another member's write into the directory, two seconds on.
-        time.sleep(2)
-        (directory / "ledger.4243.json").write_text("{}")
-        later = waiter.read().unread_until[uid]
-        assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
+        try:
+            if gpuwait is not None:
+                cmdline = Path(f"/proc/{gpuwait.pid}/cmdline")
+                wait_for(lambda: b"gpuwait" in cmdline.read_bytes())
+                assert security.runs_gpuwait(uid)
+            waiter = Ledger(directory)
+            first = waiter.read().unread_until
+            found_gone = time.time()  # at the latest
+            assert list(first) == [uid], first
+            # Another member's write into the directory, two seconds on.
+            time.sleep(2)
+            (directory / "ledger.4243.json").write_text("{}")
+            later = waiter.read().unread_until[uid]
+            assert later <= found_gone + module.UNREAD_GRACE, later - found_gone
+        finally:
+            if gpuwait is not None:
+                gpuwait.kill()
+                gpuwait.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
@@ -1860,22 +1879,12 @@ def test_a_members_file_written_unusable_again_and_again_holds_a_waiter_no_longe
     # moved the end of a waiter's hold to 30 s after it: nobody was admitted for as long as
     # the loop ran, at no cost to them. The hold lapses now 30 s after this waiter found the
     # file unusable at the latest, whatever they write meanwhile, as where it is gone.
-    from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
-    directory = shared_dir(tmp_path)
-    lock_dir = directory / "alive.4274"
-    lock_dir.mkdir(mode=0o700)
-    os.chown(lock_dir, 4274, 4274)
-    theirs = directory / "ledger.4274.json"
-    theirs.write_bytes(DAMAGE["garbage"])
-    os.chown(theirs, 4274, 4274)
-    held = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
-    try:
-        wait_for(lambda: f" {held.pid} " in Path("/proc/locks").read_text())
+    with member_locking_their_lock_dir(tmp_path, monkeypatch, 4274) as directory:
+        theirs = directory / "ledger.4274.json"
+        theirs.write_bytes(DAMAGE["garbage"])
+        os.chown(theirs, 4274, 4274)
         waiter = Ledger(directory)
         first = waiter.read().unread_until
         found_unusable = time.time()  # at the latest
@@ -1885,9 +1894,6 @@ def test_a_members_file_written_unusable_again_and_again_holds_a_waiter_no_longe
         theirs.write_bytes(DAMAGE["zero-length"])
         later = waiter.read().unread_until[4274]
         assert later <= found_unusable + module.UNREAD_GRACE, later - found_unusable
-    finally:
-        held.kill()
-        held.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file and a directory of another user's")
@@ -1899,28 +1905,18 @@ def test_a_members_file_marked_started_afresh_again_and_again_holds_a_waiter_no_
     # was started afresh after damage just now. Each write held every waiter for 30 s more,
     # "until they have put their entries back": nobody was admitted for as long as the loop
     # ran. The hold lapses now 30 s after this waiter first found the file so, at the latest.
-    from gpuwait.linux import security
     from gpuwait.queue import ledger as module
 
-    monkeypatch.setattr(security, "_RUNS_GPUWAIT", {})  # no look of another test's
-    monkeypatch.setattr(module, "_HOLDS_A_LOCK", {})
-    # A uid of this test's alone: a gpuwait of 4242's running for another test would count.
-    directory = shared_dir(tmp_path)
-    lock_dir = directory / "alive.4275"
-    lock_dir.mkdir(mode=0o700)
-    os.chown(lock_dir, 4275, 4275)
-    theirs = directory / "ledger.4275.json"
+    with member_locking_their_lock_dir(tmp_path, monkeypatch, 4275) as directory:
+        theirs = directory / "ledger.4275.json"
 
-    def marked_afresh() -> None:
-        now = time.time()
-        raw = {"schema": 1, "jobs": [], "created_at": now, "repaired_at": now, "next_order": 1}
-        theirs.write_text(json.dumps(raw))
-        os.chown(theirs, 4275, 4275)
+        def marked_afresh() -> None:
+            now = time.time()
+            raw = {"schema": 1, "jobs": [], "created_at": now, "repaired_at": now, "next_order": 1}
+            theirs.write_text(json.dumps(raw))
+            os.chown(theirs, 4275, 4275)
 
-    marked_afresh()
-    held = subprocess.Popen(["flock", "-s", str(lock_dir), "sleep", "60"])
-    try:
-        wait_for(lambda: f" {held.pid} " in Path("/proc/locks").read_text())
+        marked_afresh()
         waiter = Ledger(directory)
         first = waiter.read().recovered
         found = proc.boot_clock()  # at the latest
@@ -1930,9 +1926,6 @@ def test_a_members_file_marked_started_afresh_again_and_again_holds_a_waiter_no_
         marked_afresh()
         later = waiter.read().recovered.get(4275)
         assert later is None or later <= found + module.UNREAD_GRACE + 0.01, later - found
-    finally:
-        held.kill()
-        held.wait()
 
 
 def members_who_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: int) -> Path:

@@ -1047,16 +1047,22 @@ def test_a_members_file_started_afresh_admits_nobody_until_their_jobs_entries_ar
         later = server.start(BOB, "--vram", "1G", "--", "true")
         said(later, "the ledger was started afresh after damage")
         assert server.ledger().read().unread == {}
-        done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
-        assert (done.returncode, done.stdout) == (124, ""), done.stderr
-        assert f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh" in (
-            " ".join(done.stderr.split())
-        ), done.stderr
+        alice_held_for_bobs_file_started_afresh(server)
     finally:
         os.kill(bob.pid, signal.SIGCONT)
     os.killpg(bob.pid, signal.SIGTERM)
     bob.communicate(timeout=30)
     later.communicate(timeout=60)
+
+
+def alice_held_for_bobs_file_started_afresh(server: Server) -> None:
+    """Alice's launch of 15 GiB, beside Bob's job of 15 GiB whose entry his file started afresh
+    lost, gives up at its 3 s --timeout without running, saying why."""
+    done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
+    assert (done.returncode, done.stdout) == (124, ""), done.stderr
+    assert f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh" in (
+        " ".join(done.stderr.split())
+    ), done.stderr
 
 
 def written(path: Path) -> bool:
@@ -1088,11 +1094,7 @@ def test_a_members_file_started_afresh_admits_nobody_whatever_the_file_servers_c
         assert server.shell(BOB, f":> '{server.own_file(BOB)}'").returncode == 0
         later = server.start(BOB, "--vram", "1G", "--", "true")
         wait_for(lambda: written(server.own_file(BOB)))
-        done = server.run(ALICE, "--vram", "15G", "--timeout", "3", "--", "echo", "ran")
-        assert (done.returncode, done.stdout) == (124, ""), done.stderr
-        assert f"the ledger file of uid {BOB}, whose gpuwait or job runs, was started afresh" in (
-            " ".join(done.stderr.split())
-        ), done.stderr
+        alice_held_for_bobs_file_started_afresh(server)
     finally:
         os.kill(bob.pid, signal.SIGCONT)
     os.killpg(bob.pid, signal.SIGTERM)
@@ -2708,6 +2710,19 @@ def test_a_member_whose_lock_directory_name_another_took_is_a_member_all_the_sam
     bobs_room_is_alices_once_it_ends(server, bob)
 
 
+def bob_holds_a_flock_of_no_job(server: Server) -> None:
+    """A process under Bob's uid holds an exclusive flock on a file of his on the ledger
+    directory's file system, as a program's download lock does: it tells nothing of a job."""
+    held = server.root / "bob.lock"
+    held.touch()
+    os.chown(held, BOB, BOB)
+    lock = subprocess.Popen(
+        ["flock", "-x", str(held), "sleep", "60"], user=BOB, group=BOB, start_new_session=True
+    )
+    server.procs.append(lock)
+    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
+
+
 def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_theirs(
     server: Server,
 ) -> None:
@@ -2719,14 +2734,7 @@ def test_a_member_whose_two_files_were_removed_holds_nobody_with_a_lock_of_their
     assert (server.ledger_dir / f"alive.{BOB}").is_dir()
     server.own_file(BOB).unlink()
     (server.ledger_dir / f"wake.{BOB}.json").unlink()
-    held = server.root / "bob.lock"
-    held.touch()
-    os.chown(held, BOB, BOB)
-    lock = subprocess.Popen(
-        ["flock", "-x", str(held), "sleep", "60"], user=BOB, group=BOB, start_new_session=True
-    )
-    server.procs.append(lock)
-    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
+    bob_holds_a_flock_of_no_job(server)
     done = server.run(ALICE, "--vram", "15G", "--timeout", "0", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
 
@@ -2947,14 +2955,7 @@ def test_a_members_summary_of_anothers_running_job_holds_nobody_for_their_file(
     summary = json.loads((server.ledger_dir / f"wake.{BOB}.json").read_text())
     assert summary["running"] and summary.get("owned") == [f"{summary['running'][0]}@{ALICE}"]
     server.own_file(BOB).unlink()
-    held = server.root / "bob.lock"
-    held.touch()
-    os.chown(held, BOB, BOB)
-    lock = subprocess.Popen(
-        ["flock", "-x", str(held), "sleep", "60"], user=BOB, group=BOB, start_new_session=True
-    )
-    server.procs.append(lock)
-    wait_for(lambda: f" {lock.pid} " in Path("/proc/locks").read_text())
+    bob_holds_a_flock_of_no_job(server)
     done = server.run(ALICE, "--vram", "1G", "--timeout", "0", "--", "echo", "ran")
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
     os.killpg(alice.pid, signal.SIGTERM)
