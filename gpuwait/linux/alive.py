@@ -219,10 +219,10 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
     gone (or a file in its place) holds no lock."""
     found: set[str] = set()
     try:
-        names = os.listdir(ledger_dir)
+        lock_dirs = _listed_lock_dirs(ledger_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    for lock_dir in (ledger_dir / n for n in names if _LOCK_DIR.fullmatch(n)):
+    for lock_dir in lock_dirs:
         try:
             with _opened_dir(lock_dir) as directory:
                 found.update(_unlisted_in(lock_dir, directory, ledger_dir, named, before))
@@ -464,12 +464,17 @@ _LOCK_DIR = re.compile(r"alive\.[0-9]{1,10}(?:\.[0-9a-f]{1,32})?")
 
 
 def _lock_dirs(ledger_dir: Path) -> list[Path] | None:
-    """Whatever is named as a lock directory in `ledger_dir`, whoever's (`_LOCK_DIR`); None
-    where `ledger_dir` cannot be listed."""
+    """`_listed_lock_dirs`; None where `ledger_dir` cannot be listed."""
     try:
-        return [ledger_dir / n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+        return _listed_lock_dirs(ledger_dir)
     except OSError:
         return None
+
+
+def _listed_lock_dirs(ledger_dir: Path) -> list[Path]:
+    """Whatever is named as a lock directory in `ledger_dir`, whoever's (`_LOCK_DIR`); OSError
+    where `ledger_dir` cannot be listed."""
+    return [ledger_dir / n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
 
 
 #: Opening a lock file of a directory (`_own_dir`) to look at its lock: no symlink followed,
