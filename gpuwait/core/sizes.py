@@ -132,14 +132,21 @@ def _exponent(text: str, hint: str, *, share: bool = False) -> None:
     value = float(number) * _BINARY.get(unit[:1].upper(), 1)
     if not math.isfinite(value) or value > MAX_SIZE:
         raise ValueError(f"{said}, and it is too large (at most {MAX_SIZE_TEXT})")
-    exponent = number.lower().partition("e")[2].lstrip("+-").lstrip("0")
-    plain = _in_digits(number) if len(exponent) <= 2 else ""
-    if not plain or len(plain) > 20:
+    plain = _written_out(number)
+    if not plain:
         raise ValueError(f"{said}; write it in digits, e.g. 6G")
     if unit:
         raise ValueError(f"{said}; write {plain}{unit}")
     wanted = hint.removeprefix("give a unit")
     raise ValueError(f"{said}; write {plain} with a unit{wanted}" if wanted != hint else said)
+
+
+def _written_out(number: str) -> str:
+    """`number`, written with an exponent, in digits alone (`_in_digits`) where that is short
+    enough to suggest (an exponent of two digits at most, 20 digits at most); else ""."""
+    exponent = number.lower().partition("e")[2].lstrip("+-").lstrip("0")
+    plain = _in_digits(number) if len(exponent) <= 2 else ""
+    return plain if len(plain) <= 20 else ""
 
 
 def _in_digits(number: str) -> str:
@@ -289,9 +296,8 @@ def _duration_exponent(text: str) -> None:
     said = f"{text.strip()!r} is not a duration: it takes no exponent"
     if float(number) * _DURATION_UNITS[unit] > MAX_DURATION:
         raise ValueError(f"{said}, and it is too long (at most {MAX_DURATION_TEXT})")
-    exponent = number.lower().partition("e")[2].lstrip("+-").lstrip("0")
-    plain = _in_digits(number) if len(exponent) <= 2 else ""
-    if not plain or len(plain) > 20:
+    plain = _written_out(number)
+    if not plain:
         raise ValueError(f"{said}; {_DURATION_HINT}")
     raise ValueError(f"{said}; write {plain}{unit}")
 
