@@ -109,7 +109,8 @@ def test_a_waiter_stopped_with_ctrl_z_says_again_why_it_waits_once_fg_continues_
     term.type("fg")
 
     def below_fg(rows: list[str]) -> list[str]:
-        return rows[max(i for i, r in enumerate(rows) if r == "$ fg") :]
+        # Nothing yet where the shell has not echoed `fg` (a slow, busy machine).
+        return rows[max((i for i, r in enumerate(rows) if r == "$ fg"), default=len(rows)) :]
 
     rows = term.wait_for(
         lambda rows: any(
