@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO
 from helpers.fixtures_sim import hold_card
 from helpers.pausing import start_pausable
+from helpers.processes import children
 from helpers.shellbin import with_program
 from helpers.waiting import catches_signal, ledger_entries, process_state, wait_for
 
@@ -1413,6 +1414,16 @@ def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
     try:
         wait_until_running(1)
         wait_until_pausable()
+        # The starter catches the signal from its first moment and passes it on; the program
+        # inside takes a while longer to load and catch it (minutes for a real model, whence
+        # pause_min_runtime), and asked before that it would die of it.
+        starter = next(j["child_pid"] for j in ledger_entries() if j["state"] == "running")
+        wait_for(
+            lambda: any(catches_signal(pid, SIGNAL) for pid in children(starter)),
+            timeout=60,
+            interval=0.05,
+            message="the program in the container never caught the checkpoint signal",
+        )
         urgent = urgent_job(gpuwait_cmd)
         assert urgent.wait(timeout=60) == 0
         assert low.wait(timeout=60) == 0, low.stderr.read() if low.stderr else ""
