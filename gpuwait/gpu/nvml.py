@@ -336,6 +336,17 @@ class NvmlBackend:
         self._names: dict[str, str] = {}
         #: An accounting reading did not come back in time: not asked again.
         self._accounting_hung = False
+        #: The calls for a card's process list still to try, the one that answers first:
+        #: pynvml's (nvmlDeviceGetComputeRunningProcesses_v3), then _v2 for a driver without
+        #: _v3 (R450 to R495). One found missing is dropped, so not asked at every reading.
+        self._process_calls: list[Callable[[Any], Any]] = [
+            call
+            for call in (
+                pynvml.nvmlDeviceGetComputeRunningProcesses,
+                getattr(pynvml, "nvmlDeviceGetComputeRunningProcesses_v2", None),
+            )
+            if call is not None
+        ]
         try:
             _init_within(timeout)
         except _Hung:
@@ -642,7 +653,7 @@ class NvmlBackend:
         list then says nothing of who is there)."""
         for attempt in (1, 2):
             try:
-                found = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                found = self._process_list(handle)
                 break
             except pynvml.NVMLError as exc:
                 if self._lost(exc):
@@ -655,8 +666,8 @@ class NvmlBackend:
                 # attribution to processes is missing. Counted as a failure of this reading
                 # instead, a refusal that never ends would keep such a card from every job.
                 return (), code not in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _NO_PERMISSION)
-            except pynvml.NVMLLibraryMismatchError:
-                return (), False
+        if found is None:
+            return (), False  # a driver older than R450: no call lists the processes
         processes: list[ProcessUsage] = []
         for process in found:
             used = getattr(process, "usedGpuMemory", None)
@@ -670,6 +681,23 @@ class NvmlBackend:
                 ProcessUsage(pid=int(process.pid), used_bytes=None if used is None else int(used))
             )
         return tuple(processes), False
+
+    def _process_list(self, handle: Any) -> Any:
+        """The card's compute processes as the driver lists them; None where it has no call for
+        it. pynvml asks for them through nvmlDeviceGetComputeRunningProcesses_v3 alone, which
+        drivers before R510 lack (R470, the last for Kepler cards, among them): their _v2 lists
+        the same processes in the same struct. Without it, a job's own memory was nobody's,
+        counted beside its reservation as someone else's."""
+        while self._process_calls:
+            try:
+                return self._process_calls[0](handle)
+            except pynvml.NVMLLibraryMismatchError:
+                pass  # pynvml's word for its unversioned call's FUNCTION_NOT_FOUND
+            except pynvml.NVMLError as exc:
+                if _code(exc) != _FUNCTION_NOT_FOUND:
+                    raise
+            del self._process_calls[0]
+        return None
 
     def _compute_capability(self, handle: Any, uuid: str) -> tuple[int, int] | None:
         """None where the driver cannot tell (NOT_SUPPORTED, or no such call). A query that

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pynvml  # type: ignore[import-untyped]
@@ -165,13 +165,53 @@ def test_process_list_with_five_processes_uses_two_calls(
 def test_process_list_unavailable_keeps_the_gpu(
     two_gpus: FakeNvml, backend: NvmlBackend, code: int
 ) -> None:
-    # 13 reaches gpuwait as pynvml's NVMLLibraryMismatchError (an old driver without _v3).
+    # 13 reaches gpuwait as pynvml's NVMLLibraryMismatchError (a driver older than R450, which
+    # has neither _v3 nor _v2).
     two_gpus.add_process(0, pid=1, mem=GIB)
     two_gpus.fail(None, "nvmlDeviceGetComputeRunningProcesses_v3", code)
+    two_gpus.fail(None, "nvmlDeviceGetComputeRunningProcesses_v2", code)
     snap = backend.snapshot()
     assert snap.warnings == ()
     assert [g.processes for g in snap.gpus] == [(), ()]
     assert snap.gpus[0].used_bytes == 10 * GIB
+
+
+def test_a_driver_without_the_v3_process_list_is_asked_for_the_v2_one(
+    two_gpus: FakeNvml, backend: NvmlBackend
+) -> None:
+    # Drivers R450 to R495 (R470, the last for Kepler cards, among them) have no
+    # nvmlDeviceGetComputeRunningProcesses_v3, the one call pynvml's unversioned function
+    # makes; their _v2 lists the same processes in the same struct.
+    two_gpus.add_process(0, pid=4242, mem=6 * GIB)
+    two_gpus.add_process(0, pid=4243, mem=None)
+    two_gpus.fail(None, "nvmlDeviceGetComputeRunningProcesses_v3", FUNCTION_NOT_FOUND)
+    for _ in range(2):
+        two_gpus.clear_calls()
+        snap = backend.snapshot()
+        assert snap.warnings == ()
+        a, h = snap.gpus
+        assert a.processes == (ProcessUsage(4242, 6 * GIB), ProcessUsage(4243, None))
+        assert not a.processes_failed and h.processes == ()
+    # Once known to be missing, _v3 is not asked again at every reading.
+    assert not [c for c in two_gpus.calls() if "ComputeRunningProcesses_v3" in c]
+
+
+def test_on_a_driver_without_the_v3_process_list_a_jobs_memory_is_its_own(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], procs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # One 24 GiB card on an R470 driver. Job A (8G) uses its 8 GiB. Without the process list
+    # that memory was nobody's: counted once as someone else's and once as A's reservation, it
+    # left 5.6 GiB of the 21.6 GiB at safety 0.9, and B (8G) waited for A to end.
+    fake_nvml.set_gpus([FakeGpu(uuid="GPU-aaaa", total=24 * GIB)])
+    fake_nvml.fail(None, "nvmlDeviceGetComputeRunningProcesses_v3", FUNCTION_NOT_FOUND)
+    procs([*gpuwait_cmd, "-q", "--vram", "8G", "--", "sleep", "60"], env=fake_nvml.env())
+    entry = wait_for(
+        lambda: next((e for e in ledger_entries() if e.get("child_pid")), None), timeout=30
+    )
+    fake_nvml.update_gpu(0, used=8 * GIB)
+    fake_nvml.add_process(0, entry["child_pid"], 8 * GIB)
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "8G", "--timeout", "3s", "--", "true")
+    assert done.returncode == 0, done.stderr
 
 
 # -- MIG ------------------------------------------------------------------------------------
