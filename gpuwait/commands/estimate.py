@@ -129,7 +129,9 @@ def _as_launched(settings: Settings, learned: Learned, gpus: int) -> _Launched:
     candidates = (
         None
         if inherited is None
-        else parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode)
+        else parse_inherited_visible(
+            inherited, snapshot.gpus, snapshot.in_mig_mode, snapshot.hidden
+        )
     )
     choice = RequestChoice(MemoryRequest(bytes=learned_bytes), ESTIMATE)
     capped = cap_to_cards(

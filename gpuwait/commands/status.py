@@ -211,7 +211,9 @@ def _add_visible_here(report: dict[str, Any], snapshot: MachineSnapshot | None) 
     if inherited is not None and snapshot is not None:
         from gpuwait.core.devices import parse_inherited_visible
 
-        visible = set(parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode))
+        visible = set(
+            parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode, snapshot.hidden)
+        )
     for g in report["gpus"]:
         if inherited is None:
             g["visible_here"] = True

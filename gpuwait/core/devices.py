@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from gpuwait.core.snapshot import GpuSnapshot, MachineSnapshot
 from gpuwait.core.text import whole_number
@@ -55,20 +55,39 @@ def parse_devices_option(
     return chosen
 
 
+def _cuda_numbered(entry: str, hidden: Collection[int]) -> str:
+    """`entry` of an inherited CUDA_VISIBLE_DEVICES with an index in it as NVML's: CUDA counts
+    only the GPUs this process may use, in PCI order as NVML does, so where a device cgroup
+    hides some (`hidden`, NVML indices: Slurm's ConstrainDevices, which numbers a job's GPUs
+    from 0), its 0 is the first of the others. A UUID is as it is."""
+    number = whole_number(entry.strip())
+    if number is None or not hidden:
+        return entry
+    for index in sorted(hidden):
+        if index > number:
+            break
+        number += 1
+    return str(number)
+
+
 def parse_inherited_visible(
-    text: str, gpus: Sequence[GpuSnapshot], in_mig_mode: Sequence[tuple[int, str]] = ()
+    text: str,
+    gpus: Sequence[GpuSnapshot],
+    in_mig_mode: Sequence[tuple[int, str]] = (),
+    hidden: Collection[int] = (),
 ) -> list[str]:
     """UUIDs visible through an inherited CUDA_VISIBLE_DEVICES, read the way CUDA reads it.
 
     CUDA stops at the first entry it cannot use, and an empty value hides every GPU. Indices are
-    taken as NVML (PCI bus order) indices, which is what Slurm and container runtimes set. An
-    entry naming a GPU in MIG mode (`in_mig_mode`: (index, UUID) of the cards left out of
-    `gpus` for it) is one CUDA takes, running the program in one of the card's MIG instances:
-    the entries after it stay visible, though gpuwait places no job on that card.
+    taken as NVML (PCI bus order) indices, which is what Slurm and container runtimes set,
+    counting only the GPUs this process may use (`hidden`: NVML indices of the others, as CUDA
+    does). An entry naming a GPU in MIG mode (`in_mig_mode`: (index, UUID) of the cards left
+    out of `gpus` for it) is one CUDA takes, running the program in one of the card's MIG
+    instances: the entries after it stay visible, though gpuwait places no job on that card.
     """
     visible: list[str] = []
     passed: set[int] = set()
-    for entry in text.split(","):
+    for entry in (_cuda_numbered(entry, hidden) for entry in text.split(",")):
         gpu = _match(entry, gpus)
         if gpu is None:
             mig = _find(entry, in_mig_mode)
@@ -82,10 +101,13 @@ def parse_inherited_visible(
     return visible
 
 
-def first_in_mig_mode(text: str, in_mig_mode: Sequence[tuple[int, str]]) -> int | None:
-    """The NVML index of the GPU in MIG mode that the list `text` (CUDA_VISIBLE_DEVICES,
-    --devices) names first, where its first entry naming any GPU names one."""
-    entries = [e for e in text.split(",") if e.strip()]
+def first_in_mig_mode(
+    text: str, in_mig_mode: Sequence[tuple[int, str]], hidden: Collection[int] = ()
+) -> int | None:
+    """The NVML index of the GPU in MIG mode that the list `text` (CUDA_VISIBLE_DEVICES, with
+    `hidden` as for parse_inherited_visible, or --devices) names first, where its first entry
+    naming any GPU names one."""
+    entries = [_cuda_numbered(e, hidden) for e in text.split(",") if e.strip()]
     at = _find(entries[0], in_mig_mode) if entries else None
     return None if at is None else in_mig_mode[at][0]
 

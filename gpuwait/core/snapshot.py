@@ -96,6 +96,10 @@ class MachineSnapshot(Record, frozen=True):
     #: health is remembered per source, so a user who switches simulation files has not lost
     #: the first file's GPUs.
     source: str = ""
+    #: NVML indices of the GPUs this process may not use (NO_PERMISSION: a device cgroup hides
+    #: them, as Slurm's ConstrainDevices does). CUDA does not count them, so an index in an
+    #: inherited CUDA_VISIBLE_DEVICES (Slurm's, from 0 in each job there) names the others.
+    hidden: tuple[int, ...] = ()
 
     @property
     def origin(self) -> str:

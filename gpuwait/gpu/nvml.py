@@ -417,6 +417,7 @@ class NvmlBackend:
         warnings: list[str] = []
         unanswered: list[int] = []
         in_mig_mode: list[tuple[int, str]] = []
+        hidden: list[int] = []
         self._memory_v2_refused = False
         for index in range(count):
             stuck = self._stuck.get(index)
@@ -463,6 +464,7 @@ class NvmlBackend:
                         f"GPU {index}: no permission to use it (NVML error {_NO_PERMISSION}: "
                         "hidden from this container or job?); left out"
                     )
+                    hidden.append(index)
                     continue
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
                 unanswered.append(index)
@@ -486,6 +488,7 @@ class NvmlBackend:
             warnings=tuple(warnings),
             unanswered=tuple(unanswered),
             in_mig_mode=tuple(in_mig_mode),
+            hidden=tuple(hidden),
         )
 
     def _in_initial_namespace(self) -> bool:

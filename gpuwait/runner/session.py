@@ -620,14 +620,18 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
             # Each GPU it names left out of this reading: one that did not answer is retried.
             raise ImpossibleRequest(f"--devices {request.devices!r} names no GPU that answers")
     if inherited is not None:
-        visible = parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode)
+        visible = parse_inherited_visible(
+            inherited, snapshot.gpus, snapshot.in_mig_mode, snapshot.hidden
+        )
         if not visible and inherited.strip().upper().startswith("MIG-"):
             raise ImpossibleRequest(
                 f"CUDA_VISIBLE_DEVICES={inherited!r} names a MIG instance; gpuwait places jobs "
                 "on whole GPUs only",
                 hint="run the command without gpuwait, or from where a whole GPU is visible",
             )
-        mig = None if visible else first_in_mig_mode(inherited, snapshot.in_mig_mode)
+        mig = (
+            None if visible else first_in_mig_mode(inherited, snapshot.in_mig_mode, snapshot.hidden)
+        )
         if mig is not None:
             raise ImpossibleRequest(
                 f"CUDA_VISIBLE_DEVICES={inherited!r} makes visible no GPU but GPU {mig}, which "

@@ -522,6 +522,50 @@ def test_a_gpu_this_process_may_not_use_is_left_out_not_waited_for(
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.parametrize(
+    ("hidden", "visible", "gpus", "given"),
+    [
+        ((0, 1), "0", 1, ["GPU-c"]),  # given the third card: Slurm says 0
+        ((1,), "0,1", 2, ["GPU-a", "GPU-c"]),  # given the first and the third: 0,1
+    ],
+)
+def test_an_index_in_cuda_visible_devices_counts_only_the_gpus_this_process_may_use(
+    fake_nvml: FakeNvml,
+    gpuwait_cmd: list[str],
+    hidden: tuple[int, ...],
+    visible: str,
+    gpus: int,
+    given: list[str],
+) -> None:
+    # Slurm with ConstrainDevices (task/cgroup) numbers a job's GPUs from 0, as CUDA does: it
+    # counts only the cards the job's device cgroup lets it open, where NVML counts every card
+    # and answers NO_PERMISSION for the others. An index was taken for NVML's: the job given
+    # the third card was refused ("makes no GPU visible"), the one given the first and the
+    # third was held to the first alone.
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abc"])
+    for index in hidden:
+        fake_nvml.fail(index, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    echo = ("sh", "-c", "echo $CUDA_VISIBLE_DEVICES")
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--gpus", str(gpus), "--vram", "1G", "--", *echo],
+        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": visible},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ",".join(given)
+    status = subprocess.run(
+        [*gpuwait_cmd, "status", "--json"],
+        env={**fake_nvml.env(), "CUDA_VISIBLE_DEVICES": visible},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    report = json.loads(status.stdout)
+    assert [g["uuid"] for g in report["gpus"] if g["visible_here"]] == given
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's figures in bytes."""
     figures = {}
