@@ -60,6 +60,14 @@ class GpuSnapshot(Record, frozen=True):
     driver_bytes: int = 0
     #: The card's compute mode (one of COMPUTE_MODES); "default" where the driver does not say.
     compute_mode: str = COMPUTE_DEFAULT
+    #: CUDA's number for the card (in PCI order) where it is not `index`: CUDA counts only the
+    #: GPUs this process may use (MachineSnapshot.hidden); None where it is `index`.
+    cuda_index: int | None = None
+
+    @property
+    def cuda_number(self) -> int:
+        """The card's number for CUDA in PCI order (CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+        return self.index if self.cuda_index is None else self.cuda_index
 
     @property
     def one_process_only(self) -> bool:

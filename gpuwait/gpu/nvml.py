@@ -471,6 +471,9 @@ class NvmlBackend:
                 continue
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
+        if hidden:
+            # CUDA numbers only the GPUs this process may use.
+            gpus = [g._replace(cuda_index=g.index - sum(h < g.index for h in hidden)) for g in gpus]
         if self._memory_v2 is None and self._memory_v2_refused:
             self._memory_v2 = False
         if not self._host_pids:

@@ -134,7 +134,7 @@ class Holding:
         this budget does not set again (enforce = off), taken out as for a command."""
         given = command_env(
             self.job,
-            [g.index for g in self.gpus],
+            self.gpus,
             self.config.resume_exit,
             by_index=self.config.visible_by_index,
         )

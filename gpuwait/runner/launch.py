@@ -55,6 +55,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     # A command the shell hook runs bare loads this module to become it: the queue's modules
     # (and json) would be loaded for nothing.
+    from gpuwait.core.snapshot import GpuSnapshot
     from gpuwait.queue.entries import Job
 
 
@@ -1463,19 +1464,19 @@ def forget_job(env: MutableMapping[str, str]) -> None:
 
 
 def command_env(
-    job: Job, gpu_indices: Sequence[int], resume_exit: int, *, by_index: bool = False
+    job: Job, chosen: Sequence[GpuSnapshot], resume_exit: int, *, by_index: bool = False
 ) -> dict[str, str]:
-    """The command's environment: gpuwait's own, with its GPUs and job made known (docs/usage.md,
-    'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order, which no
-    difference between CUDA's and NVML's numbering can put on the wrong card; `by_index`
-    (visible_devices = index) names NVML indices instead, for programs that read it as numbers:
-    with CUDA_DEVICE_ORDER=PCI_BUS_ID, CUDA numbers the cards as NVML does where both see the
-    same GPUs."""
+    """The command's environment: gpuwait's own, with its GPUs (`chosen`) and job made known
+    (docs/usage.md, 'What the command gets'). CUDA_VISIBLE_DEVICES names UUIDs in PCI order,
+    which no difference between CUDA's and NVML's numbering can put on the wrong card;
+    `by_index` (visible_devices = index) names CUDA's numbers instead, for programs that read
+    it as numbers: with CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML's indices where both see the same
+    GPUs, less the GPUs before each that this process may not use (a device cgroup's)."""
     uuids = ",".join(job.gpu_uuids)
-    indices = ",".join(str(i) for i in gpu_indices)
+    indices = ",".join(str(g.index) for g in chosen)
     env = dict(os.environ)
     gpus = {
-        "CUDA_VISIBLE_DEVICES": indices if by_index else uuids,
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g.cuda_number) for g in chosen) if by_index else uuids,
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
     env.update(

@@ -1366,9 +1366,7 @@ def _start(
 ) -> tuple[Job, _Ended]:
     job = admitted.job
     chosen = list(admitted.gpus)
-    env = command_env(
-        job, [g.index for g in chosen], config.resume_exit, by_index=config.visible_by_index
-    )
+    env = command_env(job, chosen, config.resume_exit, by_index=config.visible_by_index)
     held = budget.prepare(config.enforce, job, chosen, request.command, env)
     drop_inherited(env, held.plan.unset)
     env.update(held.plan.env)

@@ -566,6 +566,27 @@ def test_an_index_in_cuda_visible_devices_counts_only_the_gpus_this_process_may_
     assert [g["uuid"] for g in report["gpus"] if g["visible_here"]] == given
 
 
+def test_visible_devices_index_gives_cudas_number_where_a_device_cgroup_hides_gpus(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # visible_devices = index (for vLLM and other programs that read numbers) gave the NVML
+    # index, 2 for the third card; where a device cgroup hides the first two (a Slurm job with
+    # ConstrainDevices), CUDA numbers that card 0 and has no 2: the program found no GPU.
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abc"])
+    fake_nvml.fail(0, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    fake_nvml.fail(1, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    echo = ("sh", "-c", "echo $CUDA_VISIBLE_DEVICES $GPUWAIT_GPU_INDICES $GPUWAIT_GPU_UUIDS")
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *echo],
+        env={**fake_nvml.env(), "GPUWAIT_VISIBLE_DEVICES": "index"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "2", "GPU-c"]
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's figures in bytes."""
     figures = {}
