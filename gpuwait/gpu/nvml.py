@@ -338,7 +338,7 @@ class NvmlBackend:
         self._accounting_hung = False
         #: The calls for a card's process list still to try, the one that answers first:
         #: pynvml's (nvmlDeviceGetComputeRunningProcesses_v3), then _v2 for a driver without
-        #: _v3 (R450 to R495). One found missing is dropped, so not asked at every reading.
+        #: _v3 (R450 to R495, 535.98). One found missing is dropped, not asked at each reading.
         self._process_calls: list[Callable[[Any], Any]] = [
             call
             for call in (
@@ -691,8 +691,8 @@ class NvmlBackend:
     def _process_list(self, handle: Any) -> Any:
         """The card's compute processes as the driver lists them; None where it has no call for
         it. pynvml asks for them through nvmlDeviceGetComputeRunningProcesses_v3 alone, which
-        drivers before R510 lack (R470, the last for Kepler cards, among them): their _v2 lists
-        the same processes in the same struct. Without it, a job's own memory was nobody's,
+        drivers before R510 lack (R470, the last for Kepler cards, among them), and 535.98,
+        which dropped it: their _v2 lists the same processes in the same struct. Without it, a job's own memory was nobody's,
         counted beside its reservation as someone else's."""
         while self._process_calls:
             try:
