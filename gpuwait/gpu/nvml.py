@@ -460,10 +460,6 @@ class NvmlBackend:
                 if _code(exc) == _NO_PERMISSION:
                     # Not this process's to use (a container's or a Slurm job's device
                     # cgroup): no reading will change that, and no job can run there.
-                    warnings.append(
-                        f"GPU {index}: no permission to use it (NVML error {_NO_PERMISSION}: "
-                        "hidden from this container or job?); left out"
-                    )
                     hidden.append(index)
                     continue
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
@@ -472,6 +468,12 @@ class NvmlBackend:
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
         if hidden:
+            # One line for them all: a Slurm job given one card of eight has seven.
+            warnings.append(
+                f"GPU {', '.join(str(i) for i in hidden)}: no permission to use "
+                f"{'it' if len(hidden) == 1 else 'them'} (NVML error {_NO_PERMISSION}: "
+                "hidden from this container or job?); left out"
+            )
             # CUDA numbers only the GPUs this process may use.
             gpus = [g._replace(cuda_index=g.index - sum(h < g.index for h in hidden)) for g in gpus]
         if self._memory_v2 is None and self._memory_v2_refused:

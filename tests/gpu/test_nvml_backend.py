@@ -680,8 +680,11 @@ def test_any_fault_mix_gives_a_snapshot_or_backend_unavailable(
             # Every GPU is either read or named in exactly one warning; one that failed in a
             # way that may pass is left out of this reading only ("unanswered"), one this
             # process may not use, for good.
+            # (Those this process may not use share one warning: "GPU 0, 2: ...".)
             seen = {g.index for g in snap.gpus}
-            warned = {int(w.split(":")[0].removeprefix("GPU ")) for w in snap.warnings}
+            named = [int(n) for w in snap.warnings for n in w.split(":")[0][4:].split(", ")]
+            warned = set(named)
+            assert len(named) == len(warned)
             assert seen | warned == {0, 1, 2} and not seen & warned
             skipped = {int(w.split(":")[0][4:]) for w in snap.warnings if w.endswith("; skipped")}
             assert skipped == set(snap.unanswered)

@@ -566,6 +566,28 @@ def test_an_index_in_cuda_visible_devices_counts_only_the_gpus_this_process_may_
     assert [g["uuid"] for g in report["gpus"] if g["visible_here"]] == given
 
 
+def test_the_gpus_a_device_cgroup_hides_are_named_in_one_warning(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # In a Slurm job with ConstrainDevices on an eight-card node, each launch (each `python`
+    # the shell hook wraps) said seven lines, one for each card the job was not given.
+    fake_nvml.set_gpus([FakeGpu(total=24 * GIB)] * 8)
+    for index in range(1, 8):
+        fake_nvml.fail(index, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    done = subprocess.run(
+        [*gpuwait_cmd, "--vram", "1G", "--", "true"],
+        env=fake_nvml.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: GPU 1, 2, 3, 4, 5, 6, 7: no permission to use them (NVML error 4: "
+        "hidden from this container or job?); left out"
+    ]
+
+
 def test_visible_devices_index_gives_cudas_number_where_a_device_cgroup_hides_gpus(
     fake_nvml: FakeNvml, gpuwait_cmd: list[str]
 ) -> None:
