@@ -175,7 +175,9 @@ class Parser(argparse.ArgumentParser):
                     folded = name.lower() if name.startswith("--") else name
                     # `-V`, as python and most tools take it: too short for nearest.
                     folded = "--version" if name == "-V" else folded
-                    match = folded if folded in options else nearest(name, options)
+                    match = folded if folded in options else _OTHER_OPTIONS.get(folded)
+                    if match not in options:
+                        match = nearest(name, options)
                     # `--vram4G`: the option and its value, the space between them left out.
                     glued = re.fullmatch(r"(--[a-z-]+?)([0-9][^=]*)", name)
                     taken = self._option_string_actions.get(glued.group(1)) if glued else None
@@ -190,6 +192,14 @@ class Parser(argparse.ArgumentParser):
             if match is not None:
                 return f"did you mean '{match}'?"
         return None
+
+
+#: What other tools call gpuwait's options (Slurm's `--mem`, a GPU's memory as `--gpu-mem`),
+#: too far in letters for nearest, which would name an option close in letters alone
+#: (`--mem`: `--name`): gpuwait's option, where the parser has it.
+_OTHER_OPTIONS = dict.fromkeys(
+    ("--mem", "--memory", "--mem-per-gpu", "--gpu-mem", "--gpu-memory", "--gpu-ram"), "--vram"
+)
 
 
 #: The most lines `history -n` and `log -n` show.

@@ -742,6 +742,19 @@ CASES: dict[str, Case] = {
         2,
         "settings go at the top of the file: remove the [tool.gpuwait] line",
     ),
+    # The memory options of other tools (Slurm's --mem and --mem-per-gpu): the hint named an
+    # option close in letters alone, "did you mean --name?", "--gpu-name?", "--key?".
+    "memory option of slurm": (["--mem", "6G", "true"], {}, None, None, 2, "did you mean --vram?"),
+    "memory option, long": (["--memory", "6G", "true"], {}, None, None, 2, "did you mean --vram?"),
+    "memory option per gpu": (
+        ["--mem-per-gpu=6G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "did you mean --vram?",
+    ),
+    "gpu memory option": (["--gpu-mem", "6G", "true"], {}, None, None, 2, "did you mean --vram?"),
     # One dash: it said "argument -v/--verbose: ignored explicit argument 'ram'".
     "option with one dash": (
         ["-vram", "6G", "true"],
