@@ -162,7 +162,7 @@ class Parser(argparse.ArgumentParser):
         """'did you mean --vram?' for a misspelled option or choice argparse refused."""
         import re  # only once something was refused
 
-        from gpuwait.core.text import nearest
+        from gpuwait.core.text import nearest, nearest_option
 
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
@@ -177,7 +177,7 @@ class Parser(argparse.ArgumentParser):
                     folded = "--version" if name == "-V" else folded
                     match = folded if folded in options else _OTHER_OPTIONS.get(folded)
                     if match not in options:
-                        match = nearest(name, options)
+                        match = nearest_option(name, options)
                     # `--vram4G`: the option and its value, the space between them left out.
                     glued = re.fullmatch(r"(--[a-z-]+?)([0-9][^=]*)", name)
                     taken = self._option_string_actions.get(glued.group(1)) if glued else None

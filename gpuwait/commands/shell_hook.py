@@ -81,9 +81,9 @@ def parse(argv: list[str]) -> Options:
                 hint=f"gpuwait shell-hook{explain} -- {command_line([option, *rest])}",
             )
         else:
-            from gpuwait.core.text import nearest  # only once an option is not known
+            from gpuwait.core.text import nearest_option  # only once an option is not known
 
-            match = nearest(option, ("--explain", "--help"))
+            match = nearest_option(option, ("--explain", "--help"))
             raise UsageError(
                 f"shell-hook: unknown option {option!r}; {USAGE}",
                 hint=None if match is None else f"did you mean {match}?",

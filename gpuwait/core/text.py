@@ -187,6 +187,14 @@ def nearest(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | Non
     return found[0] if found else None
 
 
+def nearest_option(word: str, options: Iterable[str]) -> str | None:
+    """The option `word` (`--vrma`) most likely misspells, or None: told by their names alone,
+    since the two dashes every long option has would make `--wait` close to `--quiet`."""
+    named = {option.lstrip("-"): option for option in options}
+    found = nearest(word.lstrip("-"), named)
+    return None if found is None else named[found]
+
+
 def command_line(argv: Sequence[object], limit: int = 4000) -> str:
     """A command as one line, quoted as a shell would need it typed (`python3 -c 'import time;
     time.sleep(3)'`), and safe to print: every command gpuwait shows goes through here, so a

@@ -38,7 +38,7 @@ from gpuwait.core import budget
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import MAX_GPUS, NEGATIVE_VALUE, parse_duration, parse_size, parse_whole
 from gpuwait.core.snapshot import COMPUTE_EXCLUSIVE_PROCESS, COMPUTE_PROHIBITED
-from gpuwait.core.text import nearest, whole_number
+from gpuwait.core.text import nearest_option, whole_number
 from gpuwait.gpu.sim import (
     Allocation,
     SimConfig,
@@ -309,14 +309,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                 if (
                     re.fullmatch(r"-[A-Za-z][\w-]+", name)
                     and name not in options
-                    and nearest("-" + name, options) is not None
+                    and nearest_option(name, options) is not None
                 ):
                     message = f"{typed} is no option: a long option takes two dashes"
                     word = "-" + name
                     break
         _error(f"gpuwait sim job: error: {message}; see 'gpuwait sim job --help'")
         if word is not None:
-            match = nearest(word, options) if word.startswith("-") else None
+            match = nearest_option(word, options) if word.startswith("-") else None
             if match is not None:
                 _error(f"gpuwait sim job: hint: did you mean {match}?")
         raise SystemExit(2) from None

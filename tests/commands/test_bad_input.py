@@ -874,6 +874,32 @@ def test_a_hint_never_gives_a_line_that_prints_help(sim: Path, word: str) -> Non
     ], done.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["--wait", "10m", "true"], "gpuwait --help"),
+        (["--size", "6G", "true"], "gpuwait --help"),
+        (["estimate", "--mem", "6G", "--", "true"], "gpuwait estimate --help"),
+    ],
+)
+def test_a_hint_never_names_an_option_alike_in_its_dashes_alone(
+    sim: Path, argv: list[str], usage: str
+) -> None:
+    # --wait and --size were answered "did you mean --quiet?", estimate's --mem "did you mean
+    # --key?": close to them in the two dashes every long option has, not in its name.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    word = next(a for a in argv if a.startswith("--"))
+    assert done.stderr.splitlines() == [
+        f"gpuwait: error: unrecognized arguments: {word}; see '{usage}'"
+    ], done.stderr
+
+
 def test_world_writable_site_config_is_refused(sim: Path, isolated_dirs: Path) -> None:
     # In a directory with a space in its name: the hint's "chmod o-w /etc/my site/...", pasted,
     # changed /etc/my and failed on the rest; the path is quoted as the shell needs it now.
