@@ -89,7 +89,7 @@ def _not_found(argv: Sequence[str]) -> CommandProblem:
     elif "/" not in argv[0] and os.path.isfile(argv[0]):
         # `gpuwait train.py`: a file here, which a shell too runs only by a path or through
         # its interpreter.
-        python = next((p for p in ("python", "python3") if which(p) is not None), None)
+        python = _python()
         run = [python, *argv] if argv[0].endswith(".py") and python else [f"./{argv[0]}", *argv[1:]]
         hint = f"{argv[0]} is a file here, not a program on PATH: gpuwait ... -- {shlex.join(run)}"
     elif "/" not in argv[0]:
@@ -100,6 +100,31 @@ def _not_found(argv: Sequence[str]) -> CommandProblem:
         if match is not None:
             hint = f"did you mean {match}? gpuwait ... -- {shlex.join([match, *argv[1:]])}"
     return CommandProblem(f"{argv[0]}: command not found", EXIT_NOT_FOUND, hint)
+
+
+def _python() -> str | None:
+    """The python a hint's line runs a script with: `python`, else `python3` (Debian and
+    Ubuntu install no `python`), where installed."""
+    return next((p for p in ("python", "python3") if which(p) is not None), None)
+
+
+def _not_executable(argv: Sequence[str]) -> CommandProblem:
+    """`argv[0]`, a path, names no file it may run: where it is a Python script, the hint is
+    the line that runs it with python; where it is another script of the user's own (a `#!`
+    line, or `.sh`), to make it executable. A file of another user's, or no script, gets none."""
+    name = argv[0]
+    hint = None
+    python = _python()
+    if name.endswith(".py") and python is not None and os.path.isfile(name):
+        hint = f"a Python script: gpuwait ... -- {shlex.join([python, *argv])}"
+    elif (_first_line(name) or b"").startswith(b"#!") or name.endswith(".sh"):
+        try:
+            own = os.path.isfile(name) and os.stat(name).st_uid == os.getuid()
+        except OSError:
+            own = False
+        if own:
+            hint = f"make it executable first: chmod +x {shlex.quote(name)}"
+    return CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE, hint)
 
 
 def check_script(argv: Sequence[str], waits_for_others: bool) -> str | None:
@@ -167,7 +192,7 @@ def check_command(argv: Sequence[str]) -> str:
         if not os.path.exists(name):
             raise CommandProblem(f"{name}: no such file", EXIT_NOT_FOUND)
         if os.path.isdir(name) or not os.access(name, os.X_OK):
-            raise CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE)
+            raise _not_executable(argv)
         found: str | None = name
     else:
         found = which(name)

@@ -733,6 +733,36 @@ def test_python_not_installed_where_python3_is_is_answered_with_python3(
     assert ledger_jobs() == []
 
 
+def test_a_file_not_executable_is_answered_with_the_line_that_runs_it(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `gpuwait --vram 4G ./x.py` (a script never made executable, as the hint for `x.py` alone
+    # has it typed) read "./x.py: not executable" alone.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(bin_dir)}
+    (tmp_path / "x.py").write_text("")
+    (tmp_path / "job.sh").write_text("#!/bin/sh\n")
+    done = run([*gpuwait_cmd, "--vram", "4G", "./x.py", "--lr", "1"], env=env, cwd=tmp_path)
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: ./x.py: not executable",
+        "gpuwait: hint: a Python script: gpuwait ... -- python3 ./x.py --lr 1",
+    ]
+    done = run([*gpuwait_cmd, "--vram", "4G", "./job.sh"], env=env, cwd=tmp_path)
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: ./job.sh: not executable",
+        "gpuwait: hint: make it executable first: chmod +x ./job.sh",
+    ]
+    # A directory has no line that runs it.
+    done = run([*gpuwait_cmd, "--vram", "4G", str(tmp_path)], env=env)
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.splitlines() == [f"gpuwait: error: {tmp_path}: not executable"]
+    assert ledger_jobs() == []
+
+
 @pytest.mark.parametrize(
     ("typed", "meant"), [("trian.py", "train.py"), ("src/trian.py", "src/train.py")]
 )
