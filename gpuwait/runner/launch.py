@@ -200,6 +200,16 @@ def check_command(argv: Sequence[str]) -> str:
         raise _not_found(argv)
     interpreter = _hash_bang(found)
     if interpreter is None:
+        if found.endswith(".py") and as_shell_script([found]) is not None:
+            # Without a #! line the kernel runs no script: /bin/sh would read the Python, once
+            # the whole wait is over, and stop at its first line.
+            python = _python()
+            raise UsageError(
+                f"{name} has no #! line: /bin/sh would run it once its GPU is free, not python",
+                hint=f"gpuwait ... -- {shlex.join([python, *argv])}"
+                if python is not None
+                else "give it a first line #!/usr/bin/env python3",
+            )
         return found
     # Found only when it starts, after the whole wait, unless looked at now. A relative one
     # (`#!python3`) the kernel looks for in the current directory, as done here: not in PATH.

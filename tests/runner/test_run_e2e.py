@@ -763,6 +763,34 @@ def test_a_file_not_executable_is_answered_with_the_line_that_runs_it(
     assert ledger_jobs() == []
 
 
+def test_a_python_script_without_a_hash_bang_line_is_refused_before_the_wait(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # `chmod +x x.py; gpuwait --vram 4G ./x.py`, its first line no #!: it waited for its GPU,
+    # then /bin/sh read the Python, "./x.py: 1: Syntax error: word unexpected".
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    script = tmp_path / "x.py"
+    script.write_text('print("hi")\n')
+    script.chmod(0o755)
+    done = run([*gpuwait_cmd, "--vram", "4G", "./x.py", "--lr", "1"], env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: ./x.py has no #! line: /bin/sh would run it once its GPU is free, "
+        "not python",
+        "gpuwait: hint: gpuwait ... -- python3 ./x.py --lr 1",
+    ]
+    assert ledger_jobs() == []
+    # A shell script without one runs with /bin/sh, as in a shell.
+    shell = tmp_path / "job.sh"
+    shell.write_text("echo ran\n")
+    shell.chmod(0o755)
+    done = run([*gpuwait_cmd, "--vram", "4G", "./job.sh"], env=env, cwd=tmp_path)
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
+
+
 @pytest.mark.parametrize(
     ("typed", "meant"), [("trian.py", "train.py"), ("src/trian.py", "src/train.py")]
 )
