@@ -23,14 +23,17 @@ def build_parser() -> Parser:
     )
     sub: Any = parser.add_subparsers(dest="action", metavar="{init,job}")
     init = sub.add_parser("init", help="write a simulation file")
-    init.add_argument("path", help="file to write, e.g. ~/gpuwait-sim.toml")
+    init.add_argument("path", metavar="FILE", help="file to write, e.g. ~/gpuwait-sim.toml")
     init.add_argument(
         "--gpus",
         type=whole_number(1, MAX_GPUS),
         default=2,
+        metavar="N",
         help=f"number of simulated GPUs, at most {MAX_GPUS} (default: 2)",
     )
-    init.add_argument("--memory", default="24GiB", help="VRAM of each (default: 24GiB)")
+    init.add_argument(
+        "--memory", default="24GiB", metavar="SIZE", help="VRAM of each (default: 24GiB)"
+    )
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     init.add_argument(
         "--shared",

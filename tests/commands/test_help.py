@@ -196,3 +196,35 @@ def test_sim_help_asks_for_the_simulation_files_absolute_path() -> None:
     every later gpuwait end with 2: a relative GPUWAIT_SIM is refused."""
     text = " ".join(help_text(["sim", "--help"]).split())
     assert "absolute path" in text, text
+
+
+@pytest.mark.parametrize("page", list(parsers()))
+def test_every_value_is_named_as_a_person_types_it(page: str) -> None:
+    """`gpuwait sim init`, the first command the README gives, showed `--gpus GPUS`, `--memory
+    MEMORY` and `path` (and said "the following arguments are required: path"), where every
+    other page and docs/usage.md write N, SIZE and FILE: each option's value has a name of its
+    own, not its option's name in capitals."""
+    named = [
+        "/".join(action.option_strings)
+        for action in parsers()[page]._actions
+        if action.option_strings
+        and action.nargs != 0
+        and action.help != argparse.SUPPRESS
+        and action.metavar is None
+        and action.choices is None
+    ]
+    assert named == [], named
+
+
+def test_sim_init_names_the_file_it_writes() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "sim", "init"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("gpuwait: error: the following arguments are required: FILE;"), (
+        done.stderr
+    )
+    assert "[--gpus N] [--memory SIZE]" in " ".join(help_text(["sim", "init", "--help"]).split())
