@@ -322,8 +322,39 @@ def run(options: argparse.Namespace) -> int:
         return session.run(request, config, console)
     except GpuwaitError as exc:
         if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
-            exc.hint = _subcommand_hint(request.command[0])
+            exc.hint = _unit_apart_hint(options, request.command[0]) or _subcommand_hint(
+                request.command[0]
+            )
         raise
+
+
+#: A duration's unit as a word of its own (`--timeout 30 min`), and how a duration writes it.
+_UNIT_WORDS = {
+    **dict.fromkeys(("ms", "msec", "millisecond", "milliseconds"), "ms"),
+    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), "s"),
+    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), "m"),
+    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), "h"),
+    **dict.fromkeys(("d", "day", "days"), "d"),
+}
+
+
+def _unit_apart_hint(options: argparse.Namespace, program: str) -> str | None:
+    """For a program not found that is a duration's unit (`--timeout 30 min python x.py`):
+    the option with its unit in the same word. A number alone is seconds, so the option took
+    `30` and the unit became the command."""
+    import re  # only once a program was not found
+
+    unit = _UNIT_WORDS.get(program.lower())
+    if unit is None:
+        return None
+    for option in ("--timeout", "--grace"):
+        value = getattr(options, option[2:], None)
+        if isinstance(value, str) and re.fullmatch(r"[0-9]+(\.[0-9]+)?", value.strip()):
+            return (
+                f"did you mean {option} {value.strip()}{unit}? a duration takes its unit in "
+                "the same word"
+            )
+    return None
 
 
 def _stray_vram(options: argparse.Namespace) -> str | None:

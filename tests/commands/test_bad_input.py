@@ -755,6 +755,23 @@ CASES: dict[str, Case] = {
         "did you mean --vram?",
     ),
     "gpu memory option": (["--gpu-mem", "6G", "true"], {}, None, None, 2, "did you mean --vram?"),
+    # A duration's unit typed as a word of its own: "min: command not found" alone.
+    "duration with its unit apart": (
+        ["--vram", "1G", "--timeout", "30", "min", "python3", "x.py"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: did you mean --timeout 30m? a duration takes its unit in the same word",
+    ),
+    "duration with its unit apart, hours": (
+        ["--vram", "1G", "--timeout", "1.5", "hours", "true"],
+        {},
+        None,
+        None,
+        127,
+        "did you mean --timeout 1.5h?",
+    ),
     # One dash: it said "argument -v/--verbose: ignored explicit argument 'ram'".
     "option with one dash": (
         ["-vram", "6G", "true"],
