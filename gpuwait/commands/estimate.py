@@ -297,11 +297,19 @@ def _show(
                 f"{est.margin * 100:g}% margin, rounded up (runs of the {est.level}, not of "
                 "this exact command)"
             )
+        elif est.runs == 1:
+            # One figure: no percentile of it, no range from it to itself.
+            say(
+                f"          its one run's peak {format_size(est.quantile_bytes)} + "
+                f"{est.margin * 100:g}% margin, rounded up"
+            )
         elif est.runs:
+            low, high = format_size(est.low_bytes), format_size(est.high_bytes)
+            spread = f"every peak {low}" if low == high else f"peaks {low} to {high}"
             say(
                 f"          {QUANTILE * 100:g}th percentile of the peaks "
                 f"{format_size(est.quantile_bytes)} + {est.margin * 100:g}% margin, rounded up; "
-                f"peaks {format_size(est.low_bytes)} to {format_size(est.high_bytes)}"
+                f"{spread}"
             )
         if est.sized_by_reservation:
             say(

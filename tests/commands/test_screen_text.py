@@ -293,6 +293,51 @@ def test_estimate_says_which_runs_count(
     assert "2 of the 3 runs of this exact command count: 1 has no measured peak" in shown
 
 
+@pytest.mark.parametrize(
+    ("peaks", "said"),
+    [
+        ([2], "          its one run's peak 2.0 GiB + 10% margin, rounded up\n"),
+        (
+            [2, 2],
+            "          95th percentile of the peaks 2.0 GiB + 10% margin, rounded up; every "
+            "peak 2.0 GiB\n",
+        ),
+        (
+            [2, 3],
+            "          95th percentile of the peaks 3.0 GiB + 10% margin, rounded up; peaks "
+            "2.0 GiB to 3.0 GiB\n",
+        ),
+    ],
+)
+def test_estimate_after_a_first_run_says_its_peak_once(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str], peaks: list[int], said: str
+) -> None:
+    # After one run it said "95th percentile of the peaks 2.0 GiB + 10% margin, rounded up;
+    # peaks 2.0 GiB to 2.0 GiB": a percentile and a range of a single figure.
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    (tmp_path / "train.py").write_text("")
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    for n, peak in enumerate(peaks):
+        run = a_run(
+            ["python3", "train.py"],
+            str(tmp_path),
+            now - 100 + n,
+            gpus=[gpu],
+            peak_by_gpu={"GPU-0": peak * GiB},
+        )
+        append_record(state, run)
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ),
+    ).stdout
+    assert said in shown, shown
+
+
 def test_estimate_of_a_command_run_a_hundred_times_this_hour_says_why_runs_do_not_count(
     tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
