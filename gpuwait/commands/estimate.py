@@ -337,7 +337,8 @@ def _show(
                 "this run's"
             )
         if est.approximate:
-            say("          some peaks are approximate (no per-process figures from NVML)")
+            peaks = "its peak is" if est.runs == 1 else "some peaks are"
+            say(f"          {peaks} approximate (no per-process figures from NVML)")
         if launched.capped_at is not None:
             say(
                 f"          capped at {launched.cap}: {format_size(est.bytes)} learned, more "

@@ -207,7 +207,11 @@ def choose_request(
     if learned.estimate.bytes is not None:
         note = learned.basis()
         if learned.estimate.approximate:
-            note += ", some measured approximately"
+            note += (
+                ", measured approximately"
+                if learned.estimate.runs == 1
+                else ", some measured approximately"
+            )
         return RequestChoice(MemoryRequest(bytes=learned.estimate.bytes), ESTIMATE, note, learned)
     what = "this --key" if key else "this command"
     why = learned.basis() if learned.key.typed_in else f"no earlier runs of {what}"

@@ -338,6 +338,48 @@ def test_estimate_after_a_first_run_says_its_peak_once(
     assert said in shown, shown
 
 
+def test_a_size_from_one_approximate_run_says_it_of_that_run_alone(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    # Learned from one run whose peak was measured approximately, `gpuwait -v` said "estimated
+    # from 1 run of this exact command, some measured approximately" and `estimate` "some peaks
+    # are approximate": "some" of one.
+    from gpuwait.history.learn import choose_request
+
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    (tmp_path / "train.py").write_text("")
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    run = a_run(
+        ["python3", "train.py"],
+        str(tmp_path),
+        time.time() - 100,
+        gpus=[gpu],
+        peak_by_gpu={"GPU-0": 2 * GiB},
+        peak_approximate=True,
+    )
+    append_record(state, run)
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ),
+    ).stdout
+    assert "          its peak is approximate (no per-process figures from NVML)\n" in shown
+    choice = choose_request(
+        None,
+        None,
+        state,
+        ["python3", "train.py"],
+        str(tmp_path),
+        key=None,
+        margin=0.1,
+        max_bytes=24 * GiB,
+    )
+    assert choice.note == "estimated from 1 run of this exact command, measured approximately"
+
+
 def test_estimate_of_a_command_run_a_hundred_times_this_hour_says_why_runs_do_not_count(
     tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
