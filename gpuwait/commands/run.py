@@ -461,7 +461,7 @@ def _request(options: argparse.Namespace) -> RunRequest:
         try:
             vram = parse_request(options.vram)
         except ValueError as exc:
-            raise UsageError(f"--vram {exc}") from None
+            raise UsageError(f"--vram {exc}", hint=_unit_apart(options.vram, command)) from None
     requirements = _requirements(options)
     for option, value in (
         ("--name", options.name),
@@ -488,6 +488,19 @@ def _request(options: argparse.Namespace) -> RunRequest:
         once=options.once,
         from_hook=getattr(options, "from_hook", False),
     )
+
+
+def _unit_apart(size: str, command: list[str]) -> str | None:
+    """For `--vram 6 GB python x.py`, whose unit was taken for the command: the size with its
+    unit in the same word, where that is one."""
+    joined = size.strip() + command[0]
+    if not size.strip() or not command[0].strip() or any(c.isdigit() for c in command[0]):
+        return None  # `--vram 6 6G`: a number of its own, no unit
+    try:
+        parse_request(joined)
+    except ValueError:
+        return None
+    return f"did you mean --vram {printable(joined, 100)}? a size takes its unit in the same word"
 
 
 def _pausable(options: argparse.Namespace) -> Pausable | None:

@@ -755,6 +755,23 @@ CASES: dict[str, Case] = {
         "did you mean --vram?",
     ),
     "gpu memory option": (["--gpu-mem", "6G", "true"], {}, None, None, 2, "did you mean --vram?"),
+    # A size's unit typed as a word of its own: "'6' has no unit; give a unit", to one who did.
+    "size with its unit apart": (
+        ["--vram", "6", "GB", "python3", "x.py"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: hint: did you mean --vram 6GB? a size takes its unit in the same word",
+    ),
+    "share with its percent apart": (
+        ["--vram", "50", "%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "did you mean --vram 50%?",
+    ),
     # A duration's unit typed as a word of its own: "min: command not found" alone.
     "duration with its unit apart": (
         ["--vram", "1G", "--timeout", "30", "min", "python3", "x.py"],
