@@ -207,6 +207,7 @@ _UNMEASURED_SHARED = (
     "none of its processes with a figure"
 )
 _UNMEASURED_SHORT = "peak -: not measured: the run ended before the first reading"
+_UNMEASURED_LOST = "peak -: not measured: its gpuwait was killed before it kept a reading"
 _APPROXIMATE = (
     "peak ~: the growth of its GPU's used memory (NVML listed none of its processes with a "
     "figure: it used no GPU memory, or it ran in a container without --pid=host)"
@@ -225,6 +226,10 @@ def _peak(record: dict[str, Any]) -> str:
 def _peak_notes(records: list[dict[str, Any]]) -> list[str]:
     notes = []
     unmeasured = [r for r in records if _peak(r) == "-" and not is_slim(r)]
+    # A run whose gpuwait was killed (`? lost`) ran on unwatched: its length says nothing.
+    if any(r.get("lost") is True for r in unmeasured):
+        notes.append(_UNMEASURED_LOST)
+    unmeasured = [r for r in unmeasured if r.get("lost") is not True]
     if any(r.get("samples") == 0 for r in unmeasured):
         notes.append(_UNMEASURED_SHORT)
     if any(r.get("samples") != 0 for r in unmeasured):

@@ -725,6 +725,17 @@ def test_an_unmeasured_peak_blames_no_driver_where_the_run_allocated_nothing() -
     assert "NVML listed none of its processes with a figure" in notes, notes
 
 
+def test_the_peak_of_a_run_whose_gpuwait_was_killed_is_not_said_to_have_ended_early() -> None:
+    # A run of 3 s whose gpuwait was killed (exit "? lost"), recorded when its entry was reaped
+    # with no peak published: the note said "the run ended before the first reading".
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    lost = a_run(COMMAND, "/tmp", time.time(), gpus=[gpu], samples=0, run_seconds=3.2)
+    lost["exit_status"], lost["lost"] = None, True
+    rows = history.table([lost], None)
+    assert "? lost" in rows[1], rows
+    assert rows[-1] == "peak -: not measured: its gpuwait was killed before it kept a reading", rows
+
+
 def test_a_piped_wait_line_counting_down_to_its_start_writes_no_line_of_its_own() -> None:
     # `gpuwait ... 2> run.log`, first in line with its GPU held for it: the expected start
     # counted down from 1h00m to 0.5 s and the log took a new line each time the figure
