@@ -377,6 +377,8 @@ def _left_out(learned: Learned, now: float) -> str | None:
     done = [r for r in young if r.ok and not r.oom]
     measured = successes(young)
     no_peak = len(done) - len(measured)
+    # Never among `done`: nobody saw them end, so none ended with 0.
+    unseen = sum(1 for r in young if r.unseen)
     words = LEVEL_WORDS.get(level.name, f"runs at level {level.name}")
     program = learned.key.program
     if level.name == PROGRAM and runs_other_code(program):
@@ -395,7 +397,8 @@ def _left_out(learned: Learned, now: float) -> str | None:
         # The index keeps each command's newest KEEP_RUNS runs, all that estimates look at.
         (level.total_runs - len(level.runs), f"before the newest {KEEP_RUNS}"),
         (len(level.runs) - len(young), f"older than {MAX_AGE / 86400:.0f} days"),
-        (len(young) - len(done), "failed"),
+        (len(young) - len(done) - unseen, "failed"),
+        (unseen, "ended unseen"),
         (no_peak, "have no measured peak" if no_peak > 1 else "has no measured peak"),
         (len(measured) - used, beyond),
     ]

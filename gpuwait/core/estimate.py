@@ -85,6 +85,9 @@ class RunStat(Record, frozen=True):
     #: Exited with status 0.
     ok: bool
     oom: bool
+    #: Nobody saw how it ended (its gpuwait killed, an adopted process): no exit status, no
+    #: signal.
+    unseen: bool = False
     #: The peak came from the device's used memory, not from per-process figures.
     approximate: bool = False
     run_seconds: float = 0.0

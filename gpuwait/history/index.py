@@ -74,7 +74,7 @@ _TEMP_RE = re.compile(r"^\..+\.[0-9]+\.tmp\Z")
 #: There while an update writes (`_writing`): found by the next, its writer was killed halfway.
 _WRITING = ".writing"
 KEEP_RUNS = KEEP_PER_KEY
-_OK, _OOM, _APPROX, _SIZED = 1, 2, 4, 8
+_OK, _OOM, _APPROX, _SIZED, _UNSEEN = 1, 2, 4, 8, 16
 #: A bucket file larger than this is not one (4096 buckets of KEEP_RUNS runs per key).
 MAX_BUCKET_BYTES = 64 << 20
 #: How long a launch waits for the history lock to bring the index up to date (another process
@@ -115,6 +115,7 @@ def _row(offset: int, stat: RunStat) -> Row:
         | (_OOM if stat.oom else 0)
         | (_APPROX if stat.approximate else 0)
         | (_SIZED if stat.sized_by_reservation else 0)
+        | (_UNSEEN if stat.unseen else 0)
     )
     return [
         offset,
@@ -148,6 +149,7 @@ def _stat(row: Sequence[Any]) -> RunStat:
         reserved_bytes=max(0, int(reserved)),
         ok=bool(flags & _OK),
         oom=bool(flags & _OOM),
+        unseen=bool(flags & _UNSEEN),
         approximate=bool(flags & _APPROX),
         run_seconds=max(0.0, run),
         wait_seconds=max(0.0, wait),

@@ -302,6 +302,7 @@ def run_stat(record: dict[str, Any]) -> RunStat | None:
             # A run told to stop (TERM, Ctrl-C) may have ended before its peak, exit 0 or not.
             ok=get("exit_status") == 0 and get("signal") is None and get("stopped_by") is None,
             oom=get("oom") is True,
+            unseen=get("exit_status") is None and get("signal") is None,
             approximate=get("peak_approximate") is True,
             # A run that stepped aside did its work in several runs: a fresh one does it all.
             run_seconds=_seconds(get("run_seconds", 0)) + _seconds(get("paused_runs_seconds", 0)),

@@ -380,6 +380,39 @@ def test_a_size_from_one_approximate_run_says_it_of_that_run_alone(
     assert choice.note == "estimated from 1 run of this exact command, measured approximately"
 
 
+def test_estimate_says_a_run_whose_end_nobody_saw_ended_unseen_not_failed(
+    tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
+) -> None:
+    # A run whose gpuwait was killed (exit "? lost") and one that failed: it said "0 of the 2
+    # runs of this exact command count: 2 failed", of a run that may well have succeeded.
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    (tmp_path / "train.py").write_text("")
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    now = time.time()
+    for n, lost in enumerate([True, False]):
+        run = a_run(
+            ["python3", "train.py"],
+            str(tmp_path),
+            now - 100 + n,
+            gpus=[gpu],
+            peak_by_gpu={"GPU-0": 2 * GiB},
+            returncode=1,
+        )
+        if lost:
+            run["exit_status"], run["lost"] = None, True
+        append_record(state, run)
+    shown = subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ),
+    ).stdout
+    said = "0 of the 2 runs of this exact command count: 1 failed, 1 ended unseen"
+    assert said in shown, shown
+
+
 def test_estimate_of_a_command_run_a_hundred_times_this_hour_says_why_runs_do_not_count(
     tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
