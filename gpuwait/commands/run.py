@@ -418,7 +418,12 @@ def _subcommand_hint(program: str) -> str | None:
             )
     from gpuwait.core.text import nearest  # only once a program was not found
 
-    match = _OTHER_WORDS.get(program.lower()) or nearest(program, SUBCOMMANDS, cutoff=0.75)
+    match = (
+        _OTHER_WORDS.get(program.lower())
+        or nearest(program, SUBCOMMANDS, cutoff=0.75)
+        # `lgo`: two letters swapped, which leaves a short word too far from `log` in letters.
+        or next((sub for sub in SUBCOMMANDS if sorted(sub) == sorted(program.lower())), None)
+    )
     return None if match is None else f"did you mean `gpuwait {match}`?"
 
 

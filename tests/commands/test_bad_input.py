@@ -400,6 +400,8 @@ CASES: dict[str, Case] = {
     "why a job waits": (["why", "8b5d0d38"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "the queue": (["queue"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "stop a job": (["stop", "train"], {}, None, None, 127, "did you mean `gpuwait cancel`?"),
+    # A short subcommand with two letters swapped, too far from it in letters for a hint.
+    "log with two letters swapped": (["lgo"], {}, None, None, 127, "did you mean `gpuwait log`?"),
     # `gpuwait help`, as git and pip take it: "command not found" alone left no way on.
     "help as a word": (["help"], {}, None, None, 127, "did you mean `gpuwait --help`?"),
     "version as a word": (["version"], {}, None, None, 127, "did you mean `gpuwait --version`?"),
