@@ -322,8 +322,10 @@ def run(options: argparse.Namespace) -> int:
         return session.run(request, config, console)
     except GpuwaitError as exc:
         if exc.exit_code == EXIT_NOT_FOUND and exc.hint is None:
-            exc.hint = _unit_apart_hint(options, request.command[0]) or _subcommand_hint(
-                request.command[0]
+            exc.hint = (
+                _unit_apart_hint(options, request.command[0])
+                or _option_after_dashes(list(request.command))
+                or _subcommand_hint(request.command[0])
             )
         raise
 
@@ -396,6 +398,23 @@ def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
         "prefer": options.prefer,
     }
     return _request(options), _config(settings=load_settings(cli), cli=cli)
+
+
+def _option_after_dashes(command: list[str]) -> str | None:
+    """For a command that begins with one of gpuwait's options (`gpuwait -- --vram 6G python
+    x.py`: after `--`, every word is the command's): the line with the option before `--`."""
+    from gpuwait.core.text import command_line  # only once a program was not found
+
+    name, equals, _ = command[0].partition("=")
+    action = next((a for a in build_parser().options if name in a.option_strings), None)
+    if action is None or not name.startswith("-"):
+        return None
+    moved = [name] if action.nargs == 0 else command[:1] if equals else command[:2]
+    rest = command[len(moved) :] or ["COMMAND"]
+    return (
+        f"{printable(name, 100)} is gpuwait's option, after the -- that ends them: "
+        f"gpuwait ... {command_line(moved)} -- {command_line(rest)}"
+    )
 
 
 def _subcommand_hint(program: str) -> str | None:

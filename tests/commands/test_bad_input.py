@@ -400,6 +400,32 @@ CASES: dict[str, Case] = {
     "why a job waits": (["why", "8b5d0d38"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "the queue": (["queue"], {}, None, None, 127, "did you mean `gpuwait status`?"),
     "stop a job": (["stop", "train"], {}, None, None, 127, "did you mean `gpuwait cancel`?"),
+    # gpuwait's option after the `--` that ends them: "--vram: command not found" alone.
+    "option after the dashes": (
+        ["--", "--vram", "6G", "python3", "x.py"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: --vram is gpuwait's option, after the -- that ends them: "
+        "gpuwait ... --vram 6G -- python3 x.py",
+    ),
+    "flag after the dashes": (
+        ["--vram", "1G", "--", "--exclusive=", "true"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: error: --exclusive=: command not found",
+    ),
+    "flag after the dashes, hint": (
+        ["--", "-v", "true"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: -v is gpuwait's option, after the -- that ends them: gpuwait ... -v -- true",
+    ),
     # A short subcommand with two letters swapped, too far from it in letters for a hint.
     "log with two letters swapped": (["lgo"], {}, None, None, 127, "did you mean `gpuwait log`?"),
     # `gpuwait help`, as git and pip take it: "command not found" alone left no way on.
