@@ -118,6 +118,8 @@ class Reservation:
         twice; a process forked from the holder releases nothing. Where CUDA runs in this
         process, it is said that the GPUs stay in its use (CUDA keeps its context and cache
         there until the process ends)."""
+        _check_flag("failed", failed)
+        _check_flag("out_of_memory", out_of_memory)
         holding = self._holding
         if holding is not None and self.held and self._mine():
             why = cuda_in_use()
@@ -358,8 +360,7 @@ def _argv(
         raise _wrong_type("gpus", gpus, "a whole number of GPUs")
     if gpus is not None and gpus != 1:
         yield f"--gpus={gpus}"
-    if exclusive is not None and not isinstance(exclusive, bool) and exclusive not in (0, 1):
-        raise _wrong_type("exclusive", exclusive, "True or False")
+    _check_flag("exclusive", exclusive)
     if exclusive:
         yield "--exclusive"
     if priority is not None:
@@ -427,6 +428,13 @@ def _size_text(value: object) -> str | None:
 
 def _wrong_type(keyword: str, value: object, expected: str) -> ReserveError:
     return ReserveError(f"{keyword}={value!r}: expected {expected}", exit_code=EXIT_USAGE)
+
+
+def _check_flag(keyword: str, value: object) -> None:
+    """Raise where `value`, given for a flag, is no bool (nor 0, 1 or None): a string is true
+    (exclusive="false", failed="no"), and would be taken for what it is not."""
+    if value is not None and not isinstance(value, bool) and value not in (0, 1):
+        raise _wrong_type(keyword, value, "True or False")
 
 
 def _words(keyword: str, value: object) -> str | None:

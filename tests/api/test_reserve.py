@@ -2505,3 +2505,23 @@ def test_a_continue_the_program_blocks_for_itself_is_left_to_it_after_a_ctrl_z_i
         waiter.kill()
         waiter.wait()
     assert out == "gave up 124\npending True\n", err
+
+
+def test_a_release_with_a_flag_of_the_wrong_type_is_refused_and_keeps_the_room(
+    sim: Path, gpuwait_cmd: list[str]
+) -> None:
+    # release(failed="no") recorded a failed run (a string is true), and so no success for
+    # --after-ok: refused as reserve(exclusive="false") is, the room still held.
+    import gpuwait
+
+    held = gpuwait.reserve("1G", name="flagged")
+    for options in ({"failed": "no"}, {"out_of_memory": "False"}, {"failed": 2}):
+        with pytest.raises(gpuwait.ReserveError) as caught:
+            held.release(**options)  # type: ignore[arg-type]
+        assert caught.value.exit_code == 2, options
+        assert caught.value.message.startswith(f"{next(iter(options))}="), options
+        assert held.held, options
+    held.release(failed=0)  # type: ignore[arg-type]
+    assert not held.held
+    (run,) = [r for r in recorded_runs() if r["name"] == "flagged"]
+    assert run["exit_status"] == 0
