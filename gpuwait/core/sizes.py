@@ -35,6 +35,15 @@ MAX_GPUS = 1024
 NEGATIVE_VALUE = re.compile(r"^-(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[A-Za-z%]+)?\Z")
 
 
+class OutOfRange(ValueError):
+    """A number written as gpuwait takes it, but outside its bounds; `why` says so as a clause
+    ("it is too long (at most 365d)")."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
 class MemoryRequest(Record, frozen=True):
     """A VRAM request per GPU: either bytes, or a fraction of each card's total."""
 
@@ -107,7 +116,8 @@ def parse_size(text: str, *, hint: str = UNIT_HINT) -> int:
         scale = _BINARY[unit]
     value = float(number) * scale
     if not math.isfinite(value) or value > MAX_SIZE:
-        raise ValueError(f"{text.strip()!r} is too large (at most {MAX_SIZE_TEXT})")
+        why = f"is too large (at most {MAX_SIZE_TEXT})"
+        raise OutOfRange(f"{text.strip()!r} {why}", f"it {why}")
     return math.ceil(value)
 
 
@@ -186,17 +196,19 @@ def _decimal_comma(text: str, pattern: re.Pattern[str]) -> None:
 
 def _bare_point(text: str, kind: str, parse: Callable[[str], object]) -> None:
     """Raise ValueError saying so where `text` is one `parse` takes but for a point with no
-    digits after it (6.G, 50.%, 1.h): "give a unit" would point at the unit it has."""
+    digits after it (6.G, 50.%, 1.h): "give a unit" would point at the unit it has. Where
+    that number is out of bounds (400.d), it is said so, the line to type being none."""
     pointless = re.sub(r"(?<=\d)\.(?!\d)", "", text.strip(), flags=re.ASCII)
     if pointless == text.strip():
         return
+    said = f"{text.strip()!r} is not a {kind}: a point needs digits after it"
     try:
         parse(pointless)
+    except OutOfRange as out:
+        raise ValueError(f"{said}, and {out.why}") from None
     except ValueError:
         return
-    raise ValueError(
-        f"{text.strip()!r} is not a {kind}: a point needs digits after it; write {pointless}"
-    )
+    raise ValueError(f"{said}; write {pointless}")
 
 
 def parse_request(text: str) -> MemoryRequest:
@@ -208,14 +220,16 @@ def parse_request(text: str) -> MemoryRequest:
     if percent:
         value = float(percent.group(1))
         if not 0 < value <= 100:
-            raise ValueError(f"{text!r}: a percentage of a GPU must be above 0% and at most 100%")
+            why = "a percentage of a GPU must be above 0% and at most 100%"
+            raise OutOfRange(f"{text!r}: {why}", why)
         return MemoryRequest(fraction=value / 100)
     _decimal_comma(text, _PERCENT_RE)
     _exponent(text, REQUEST_UNIT_HINT, share=True)
     _bare_point(text, "size", parse_request)
     size = parse_size(text, hint=REQUEST_UNIT_HINT)
     if size <= 0:
-        raise ValueError(f"{text!r}: a VRAM request must be larger than zero")
+        why = "a VRAM request must be larger than zero"
+        raise OutOfRange(f"{text!r}: {why}", why)
     return MemoryRequest(bytes=size)
 
 
@@ -307,7 +321,8 @@ def check_duration(seconds: float, text: str) -> float:
     if math.isnan(seconds):
         raise ValueError(f"{text!r} is not a duration; {_DURATION_HINT}")
     if seconds > MAX_DURATION:
-        raise ValueError(f"{text!r} is too long (at most {MAX_DURATION_TEXT})")
+        why = f"is too long (at most {MAX_DURATION_TEXT})"
+        raise OutOfRange(f"{text!r} {why}", f"it {why}")
     return seconds
 
 

@@ -81,6 +81,45 @@ CASES: dict[str, Case] = {
         2,
         "'1h30.m' is not a duration: a point needs digits after it; write 1h30m",
     ),
+    # Was "'400.d' is not a duration; use e.g. 30s, ...": 400d is one too long to suggest.
+    "duration with a point and no digits after it, too long": (
+        ["--timeout", "400.d", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'400.d' is not a duration: a point needs digits after it, and it is too long (at "
+        "most 365d)",
+    ),
+    # Was "'2000.T' is not a size; give a unit: ...", pointing at the unit it has.
+    "size with a point and no digits after it, too large": (
+        ["--vram", "2000.T", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'2000.T' is not a size: a point needs digits after it, and it is too large (at most "
+        "1024T)",
+    ),
+    "share with a point and no digits after it, over 100%": (
+        ["--vram", "150.%", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'150.%' is not a size: a point needs digits after it, and a percentage of a GPU must "
+        "be above 0% and at most 100%",
+    ),
+    # Was "write 0G", which is refused in turn.
+    "size with a point and no digits after it, zero": (
+        ["--vram", "0.G", "true"],
+        {},
+        None,
+        None,
+        2,
+        "'0.G' is not a size: a point needs digits after it, and a VRAM request must be "
+        "larger than zero",
+    ),
     "exponent size with a fraction": (
         ["--vram", "1.5E-1G", "true"],
         {},
