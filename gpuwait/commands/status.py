@@ -204,10 +204,17 @@ def _add_frozen(report: dict[str, Any], data: LedgerData) -> None:
 def _add_visible_here(report: dict[str, Any], snapshot: MachineSnapshot | None) -> None:
     """Each GPU's `visible_here`: may a job started from this shell be placed on it, as
     CUDA_VISIBLE_DEVICES (a Slurm allocation's, a container's) leaves it visible, read as a
-    launch reads it; None where the GPUs could not be read. `visible_from` says the value."""
+    launch reads it; None where the GPUs could not be read. `visible_from` says the value.
+    In a Slurm job or step given no GPU where Slurm hands GPUs out, where a launch is refused,
+    none is: `slurm_gave_no_gpu` names the slurm.conf that says so."""
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     report["visible_from"] = inherited
-    visible: set[str] | None = None
+    report["slurm_gave_no_gpu"] = None
+    if inherited is None and "SLURMD_NODENAME" in os.environ:
+        from gpuwait.linux.slurm import job_without_gpus
+
+        report["slurm_gave_no_gpu"] = job_without_gpus(os.environ)
+    visible: set[str] | None = set() if report["slurm_gave_no_gpu"] else None
     if inherited is not None and snapshot is not None:
         from gpuwait.core.devices import parse_inherited_visible
 
@@ -215,7 +222,7 @@ def _add_visible_here(report: dict[str, Any], snapshot: MachineSnapshot | None) 
             parse_inherited_visible(inherited, snapshot.gpus, snapshot.in_mig_mode, snapshot.hidden)
         )
     for g in report["gpus"]:
-        if inherited is None:
+        if inherited is None and visible is None:
             g["visible_here"] = True
         else:
             g["visible_here"] = None if visible is None else g["uuid"] in visible
@@ -227,9 +234,17 @@ def _hidden_note(report: dict[str, Any]) -> str | None:
     if not hidden:
         return None
     them = "it" if len(hidden) == 1 else "them"
+    why = f"CUDA_VISIBLE_DEVICES={shell_word(report['visible_from'])}"
+    conf = report["slurm_gave_no_gpu"]
+    if conf:
+        given = (
+            "this step none of its job's GPUs"
+            if os.environ.get("SLURM_JOB_GPUS")
+            else "this job no GPU"
+        )
+        why = f"Slurm gave {given}; {conf} hands this node's GPUs out as GRES"
     return (
-        f"GPU {', '.join(hidden)} not visible here "
-        f"(CUDA_VISIBLE_DEVICES={shell_word(report['visible_from'])}): gpuwait places no job "
+        f"GPU {', '.join(hidden)} not visible here ({why}): gpuwait places no job "
         f"started from this shell on {them}"
     )
 

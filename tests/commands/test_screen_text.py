@@ -897,3 +897,46 @@ def test_status_marks_the_gpus_this_shell_places_no_job_on(sim_file: Any) -> Non
     # A value that hides every GPU (CUDA's way to run on the CPU) marks them all.
     shown = json.loads(status("--json", visible=""))
     assert [g["visible_here"] for g in shown["gpus"]] == [False] * 4
+
+
+def test_status_in_a_slurm_job_given_no_gpu_marks_every_gpu_not_visible_here(
+    sim_file: Any, tmp_path: Path
+) -> None:
+    # A Slurm job (or step) given no GPU where slurm.conf hands GPUs out as GRES has no
+    # CUDA_VISIBLE_DEVICES: a launch there is refused (3), but status marked every GPU usable.
+    sim_file(gpus=2)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("GresTypes=gpu\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update(SLURM_JOB_ID="7", SLURMD_NODENAME="n1", SLURM_CONF=str(conf), COLUMNS="400")
+
+    def status(*args: str, **more: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuwait", "status", *args],
+            env={**env, **more},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    text = " ".join(line.strip() for line in status().split("\n\n", 1)[0].splitlines())
+    assert (
+        f"GPU 0, 1 not visible here (Slurm gave this job no GPU; {conf} hands this node's GPUs "
+        "out as GRES): gpuwait places no job started from this shell on them"
+    ) in text, text
+    shown = json.loads(status("--json"))
+    assert [g["visible_here"] for g in shown["gpus"]] == [False, False]
+    assert (shown["visible_from"], shown["slurm_gave_no_gpu"]) == (None, str(conf))
+    # A step run with --gres=none in a job that has GPUs: the same.
+    text = " ".join(status(SLURM_JOB_GPUS="0").split("\n\n", 1)[0].split())
+    assert "not visible here (Slurm gave this step none of its job's GPUs;" in text, text
+    # Where Slurm gave the job GPUs, or does not hand them out, nothing is hidden.
+    shown = json.loads(status("--json", CUDA_VISIBLE_DEVICES="1", SLURM_STEP_GPUS="1"))
+    assert [g["visible_here"] for g in shown["gpus"]] == [False, True]
+    assert shown["slurm_gave_no_gpu"] is None
+    conf.write_text("GresTypes=mps\n")
+    shown = json.loads(status("--json"))
+    assert [g["visible_here"] for g in shown["gpus"]] == [True, True]
+    assert shown["slurm_gave_no_gpu"] is None

@@ -988,6 +988,7 @@ STATUS_KEYS = {
     "idle": list,
     "idle_watching": list,
     "visible_from": OPT_STR,
+    "slurm_gave_no_gpu": OPT_STR,
 }
 GPU_KEYS = {
     "index": int,
