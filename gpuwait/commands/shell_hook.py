@@ -109,7 +109,7 @@ def run(options: Options) -> int:
         print(f"{'wrap' if decision.wrap else 'bare'}: {decision.reason}")
         return 0 if decision.wrap else 1
     main, current = shell_pids
-    in_subshell = main != current and current != os.getpid()
+    in_subshell = _in_hook_subshell(main, current)
     if in_subshell:
         # A subshell runs the hook's function (`python train.py &`, a pipeline's stage), and
         # `kill $!` reaches that subshell alone: bare, the command is the process killed. Its
@@ -228,6 +228,16 @@ def _hook_shell_pids() -> tuple[int, int]:
     main, _, current = os.environ.pop(SHELL_PID_VARIABLE, "").partition("/")
     pids = (whole_number(main), whole_number(current))
     return (pids[0], pids[1]) if pids[0] is not None and pids[1] is not None else (0, 0)
+
+
+def _in_hook_subshell(main: int, current: int) -> bool:
+    """Whether the hook's function runs in a subshell of the main shell (pids from
+    `_hook_shell_pids`): `current` is this process's parent, or has ended already (this
+    process then has another). A live process other than the parent (a value the hook did not
+    set) names no subshell: ending with it would end this process at once, the line unrun."""
+    if main == current or current == os.getpid():
+        return False
+    return current == os.getppid() or not os.path.exists(f"/proc/{current}")
 
 
 def _job_ended() -> bool:

@@ -1596,6 +1596,31 @@ def test_shell_pids_in_digits_of_other_scripts_are_no_pids(
     assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", "")
 
 
+def test_shell_pids_naming_a_process_that_is_not_its_parent_end_nothing(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A hook variable naming as the subshell a live process that is not gpuwait's parent
+    (another process of the user's, pid 1) is no hook's: gpuwait took it for a subshell that
+    had ended and ended itself with SIGTERM, the command never run (143, "Terminated").
+    The command runs, and the process named is left alone."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        for current in (other.pid, 1):
+            done = subprocess.run(
+                ["gpuwait", "shell-hook", "--", "echo", "ran"],
+                env={**hook_env, "_GPUWAIT_SHELL_PID": f"{os.getpid()}/{current}"},
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert (done.returncode, done.stdout, done.stderr) == (0, "ran\n", ""), current
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
 SURVIVES_HUP = """\
 import os, signal, sys, time
 log = open(sys.argv[2], "a", buffering=1)
