@@ -361,7 +361,24 @@ def _absolute_dir(value: Any) -> Path | None:
             "expected an absolute path such as /srv/gpuwait or ~/gpuwait (a relative one is "
             "another directory in every working directory, and jobs would not see each other)"
         )
-    return Path(os.path.abspath(text))
+    path = os.path.abspath(text)
+    _not_a_directory_of_others(path)
+    return Path(path)
+
+
+def _not_a_directory_of_others(path: str) -> None:
+    """Raise ValueError where `path` (absolute) is plainly no directory of gpuwait's: the root
+    directory or the home directory itself, whose files it would lie loose among, or one of
+    the kernel's (/proc, /sys), where no file is kept."""
+    own = "give one of its own, such as /srv/gpuwait or ~/gpuwait"
+    home = dirs.home_or_none()
+    if not path.strip("/"):
+        raise ValueError(f"the root directory is no directory of gpuwait's; {own}")
+    if home is not None and os.path.abspath(home) == path:
+        raise ValueError(f"your home directory is no directory of gpuwait's; {own}")
+    top = path.strip("/").split("/", 1)[0]
+    if top in ("proc", "sys"):
+        raise ValueError(f"/{top} is the kernel's, where no file is kept; {own}")
 
 
 def _count_limit(value: Any) -> int | None:

@@ -668,6 +668,41 @@ CASES: dict[str, Case] = {
         "no job matches -- in the event log",
     ),
     "env config is a directory": (["true"], {"GPUWAIT_CONFIG": "/tmp"}, None, None, 2, "directory"),
+    # The root directory was taken as a state dir: root's gpuwait wrote its ledger, history
+    # and event log loose in /, and another user's was refused writing there only later.
+    "env state dir is the root directory": (
+        ["status"],
+        {"GPUWAIT_STATE_DIR": "/"},
+        None,
+        None,
+        2,
+        "GPUWAIT_STATE_DIR: '/' is not valid for state_dir: the root directory is no "
+        "directory of gpuwait's; give one of its own, such as /srv/gpuwait or ~/gpuwait",
+    ),
+    "env ledger dir is the root directory": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_LEDGER_DIR": "//"},
+        None,
+        None,
+        2,
+        "'//' is not valid for ledger_dir: the root directory is no directory of gpuwait's",
+    ),
+    "env state dir is the home directory": (
+        ["--vram", "1G", "true"],
+        {"GPUWAIT_STATE_DIR": "~"},
+        None,
+        None,
+        2,
+        "'~' is not valid for state_dir: your home directory is no directory of gpuwait's",
+    ),
+    "env state dir is in /proc": (
+        ["status"],
+        {"GPUWAIT_STATE_DIR": "/proc/self"},
+        None,
+        None,
+        2,
+        "'/proc/self' is not valid for state_dir: /proc is the kernel's, where no file is kept",
+    ),
     # TOML writes a NUL as \u0000, which no path can hold: the first look at the directory
     # ended in a traceback ("ValueError: embedded null byte"), `config` and `status` too.
     "config state dir with a NUL": (
