@@ -88,10 +88,10 @@ STOPPED = "stopped (Ctrl-Z, SIGSTOP): passed over until continued, keeping its p
 
 def _stopped(job: Job) -> bool:
     """Is `job` a waiter whose gpuwait is stopped (Ctrl-Z, SIGSTOP)?"""
-    return job.state != RUNNING and _gpuwait_stopped(job)
+    return job.state != RUNNING and gpuwait_stopped(job)
 
 
-def _gpuwait_stopped(job: Job) -> bool:
+def gpuwait_stopped(job: Job) -> bool:
     """Is `job`'s gpuwait (a process of this pid namespace) stopped (Ctrl-Z, SIGSTOP)?"""
     return not elsewhere(job) and proc.stopped(job.pid, job.start_time)
 
@@ -599,7 +599,7 @@ def command_ended(job: Job) -> bool:
     return (
         job.state == RUNNING
         and job.child_pid is not None
-        and _gpuwait_stopped(job)
+        and gpuwait_stopped(job)
         and not proc.is_alive(job.child_pid, job.child_start_time)
     )
 

@@ -38,7 +38,7 @@ from gpuwait.core.snapshot import MachineSnapshot
 from gpuwait.linux import proc
 from gpuwait.linux.userns import same_user
 from gpuwait.queue import lifecycle
-from gpuwait.queue.conditions import claim_of, dependency_blocker
+from gpuwait.queue.conditions import claim_of, dependency_blocker, gpuwait_stopped
 from gpuwait.queue.entries import RUNNING, Job, LedgerData, pause_stamps, run_time
 from gpuwait.queue.ledger import Ledger
 
@@ -66,8 +66,12 @@ def _running_view(
                 priority=job.effective_priority,
                 gpu_uuids=tuple(job.gpu_uuids),
                 holds_bytes=holds,
-                # An orphan's gpuwait, which would pass the signal on (or freeze it), is gone.
-                pausable=(job.pausable or job.freezable) and job.orphaned_at is None,
+                # An orphan's gpuwait, which would pass the signal on (or freeze it), is gone;
+                # a stopped one (Ctrl-Z) does neither until continued: asked, it would keep
+                # the waiter waiting out its grace for nothing, while others could step aside.
+                pausable=(job.pausable or job.freezable)
+                and job.orphaned_at is None
+                and not gpuwait_stopped(job),
                 run_seconds=run_time(job, now, boot_now),
                 pauses=job.pauses + job.freezes,
                 # A frozen job loses nothing to reload: its memory comes back as it was.

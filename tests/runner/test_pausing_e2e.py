@@ -1431,3 +1431,56 @@ def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
     finally:
         low.kill()
         low.wait()
+
+
+def test_a_job_stopped_with_ctrl_z_is_passed_over_for_one_that_can_step_aside(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """Two pausable jobs share the card; the younger one, the first to ask, is stopped with
+    Ctrl-Z (its gpuwait and its command). Stopped, it cannot step aside until continued, so an
+    urgent waiter asks the older one instead and starts at once, rather than wait out the
+    stopped one's grace (120 s) for nothing."""
+    older = start_pausable(
+        gpuwait_cmd,
+        *(*gpuwait_cmd, "sim", "job", "--vram", "8G", "--hold", "30s"),
+        *("--checkpoint", str(tmp_path / "older.json")),
+        vram="8G",
+        start_new_session=True,
+    )
+    younger = None
+    urgent = None
+    try:
+        wait_until_running(1)
+        younger = start_pausable(
+            gpuwait_cmd,
+            *(*gpuwait_cmd, "sim", "job", "--vram", "8G", "--hold", "30s"),
+            *("--checkpoint", str(tmp_path / "younger.json")),
+            vram="8G",
+            start_new_session=True,
+        )
+        wait_until_running(2)
+        entry = next(j for j in ledger_entries() if j["pid"] == younger.pid)
+        wait_for(
+            lambda: all(
+                j.get("child_pid") and catches_signal(j["child_pid"], SIGNAL)
+                for j in ledger_entries()
+            ),
+            timeout=30,
+            message="the jobs never caught the checkpoint signal",
+        )
+        os.killpg(younger.pid, signal.SIGSTOP)  # as Ctrl-Z: its gpuwait and its command stop
+        wait_for(lambda: process_state(younger.pid) == "T", timeout=30)
+        time.sleep(MIN_RUNTIME + 0.5)  # both may be asked now
+        urgent = hold_card(gpuwait_cmd, "12G", "1s", "--priority", "5", "--timeout", "20s")
+        _, said = urgent.communicate(timeout=60)
+        assert urgent.returncode == 0, said
+        asked = [v for e in events() if e["kind"] == "pause-request" for v in e["victims"]]
+        assert entry["id"] not in asked, events()
+    finally:
+        for p in (older, younger, urgent):
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+            if p is not None:
+                p.communicate(timeout=30)
