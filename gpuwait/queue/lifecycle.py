@@ -1260,30 +1260,33 @@ def held_for_unread(data: LedgerData, mine: Job) -> WaitReason | None:
     hundredth of a second: the first file's so to lapse, the waiter then planning again); or
     where it was started afresh after damage lately (`LedgerData.recovered`), until their
     jobs' entries are back (at most RECOVERY_GRACE). None where no such file is."""
+    held = unread_hold(data)
+    return None if held is None else _held_whatever_room(mine, data, held[0], until=held[1])
+
+
+def unread_hold(data: LedgerData) -> tuple[str, float | None] | None:
+    """Why nobody is admitted now for another member's file (`held_for_unread`), and until
+    when on the boot clock (None: not known); None where no such file is."""
     if data.unread:
         uid, why = min(data.unread.items())
         until = None
         boot_now = proc.boot_clock()
         if data.unread_until and boot_now is not None:
             until = round(boot_now + min(data.unread_until.values()) - time.time(), 2)
-        return _held_whatever_room(
-            mine,
-            data,
+        return (
             f"the ledger file of uid {uid}, whose gpuwait or job runs, cannot be used ({why}); the "
             "room their jobs hold is not known until it is written again",
-            until=until,
+            until,
         )
     if data.recovered:
         # Started afresh by their gpuwait: their live jobs' entries come back as each one's
         # gpuwait puts it back, as this user's own after damage (RECOVERY_GRACE).
         uid, ends = min(data.recovered.items())
-        return _held_whatever_room(
-            mine,
-            data,
+        return (
             f"the ledger file of uid {uid}, whose gpuwait or job runs, was started afresh after "
             "damage; the room their jobs hold is not known until they have put their entries "
             f"back (at most {RECOVERY_GRACE:.0f} s)",
-            until=ends,
+            ends,
         )
     return None
 

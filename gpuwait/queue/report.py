@@ -65,6 +65,13 @@ def read_queue(ledger: Ledger, snapshot: MachineSnapshot | None) -> tuple[Ledger
     return data, now
 
 
+def _held(data: LedgerData) -> list[str]:
+    """Why no job is started now, whatever the room, for another member's file that cannot
+    be used while a gpuwait of theirs runs: said whether or not a job waits."""
+    held = lifecycle.unread_hold(data)
+    return [] if held is None else [f"{held[0]}; no job is started meanwhile"]
+
+
 def report_from(
     snapshot: MachineSnapshot | None,
     data: LedgerData,
@@ -128,7 +135,7 @@ def report_from(
         "backend_error": problem,
         "safety": safety,
         "ledger_created_at": data.created_at,
-        "warnings": list(snapshot.warnings if snapshot else ()) + list(ledger_warnings),
+        "warnings": [*(snapshot.warnings if snapshot else ()), *ledger_warnings, *_held(data)],
         "gpus": [],
         "jobs": [],
         "batches": _batches(data.jobs, data.book),

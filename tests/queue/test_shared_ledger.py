@@ -1171,6 +1171,26 @@ def test_status_says_why_nobody_is_admitted_while_a_members_file_cannot_be_used(
     assert (alice.returncode, out) == (0, "ran\n"), err
 
 
+def test_status_with_nobody_waiting_says_a_members_file_cannot_be_used(server: Server) -> None:
+    # Bob's job holds 15 GiB, his gpuwait is stopped (Ctrl-Z) and his file is junk: a launch
+    # of Alice's would be held for it. With nothing of hers waiting, `gpuwait status` showed
+    # the card free, no job running, and no word of his file (where it had nothing to tidy).
+    assert server.run(ALICE, "--vram", "1G", "--", "true").returncode == 0
+    bob = server.start(BOB, "--vram", "15G", "--", "sleep", "60")
+    server.wait_jobs(1, "running")
+    os.kill(bob.pid, signal.SIGSTOP)
+    try:
+        assert server.shell(BOB, f"echo junk > '{server.own_file(BOB)}'").returncode == 0
+        shown = server.run(ALICE, "status")
+        assert shown.returncode == 0, shown.stderr
+        held = f"the ledger file of uid {BOB}, whose gpuwait or job runs, cannot be used"
+        assert held in " ".join((shown.stdout + shown.stderr).split()), shown
+    finally:
+        os.kill(bob.pid, signal.SIGCONT)
+    os.killpg(bob.pid, signal.SIGTERM)
+    bob.communicate(timeout=30)
+
+
 def test_a_member_emptying_their_file_while_their_program_holds_room_admits_nobody_into_it(
     server: Server,
 ) -> None:
