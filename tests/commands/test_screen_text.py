@@ -263,31 +263,47 @@ def test_config_shows_every_duration_one_way_and_as_it_was_set(
     assert parsed(shown) == parsed(typed)
 
 
+def train_py_run(tmp_path: Path, n: int, peak: int | None, **fields: Any) -> dict[str, Any]:
+    """The `n`th of a few runs of `python3 train.py` in `tmp_path` on a 24 GiB GPU, a minute
+    or two ago, with `peak` bytes at its peak (None: none measured)."""
+    (tmp_path / "train.py").write_text("")
+    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
+    return a_run(
+        ["python3", "train.py"],
+        str(tmp_path),
+        time.time() - 100 + n,
+        gpus=[gpu],
+        peak_by_gpu={} if peak is None else {"GPU-0": peak},
+        **fields,
+    )
+
+
+def estimate_after(
+    tmp_path: Path,
+    isolated_dirs: Path,
+    gpuwait_cmd: list[str],
+    runs: list[dict[str, Any]],
+    command: tuple[str, ...] = ("python3", "train.py"),
+) -> str:
+    """What `gpuwait estimate -- COMMAND` shows in `tmp_path` after `runs`."""
+    state = isolated_dirs / "state" / "gpuwait"
+    state.mkdir(mode=0o700)
+    for run in runs:
+        append_record(state, run)
+    return subprocess.run(
+        [*gpuwait_cmd, "estimate", "--", *command],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=dict(os.environ),
+    ).stdout
+
+
 def test_estimate_says_which_runs_count(
     tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
-    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
-    cwd = str(tmp_path)
-    (tmp_path / "train.py").write_text("")
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
-    now = time.time()
-    for n, peak in enumerate([2 * GiB, 2 * GiB, None]):
-        run = a_run(
-            ["python3", "train.py"],
-            cwd,
-            now - 100 + n,
-            gpus=[gpu],
-            peak_by_gpu={} if peak is None else {"GPU-0": peak},
-        )
-        append_record(state, run)
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=dict(os.environ),
-    ).stdout
+    runs = [train_py_run(tmp_path, n, peak) for n, peak in enumerate([2 * GiB, 2 * GiB, None])]
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, runs)
     assert "command:  python3 train.py\n" in shown
     assert "estimated from 2 runs of this exact command" in shown
     assert "2 of the 3 runs of this exact command count: 1 has no measured peak" in shown
@@ -314,27 +330,8 @@ def test_estimate_after_a_first_run_says_its_peak_once(
 ) -> None:
     # After one run it said "95th percentile of the peaks 2.0 GiB + 10% margin, rounded up;
     # peaks 2.0 GiB to 2.0 GiB": a percentile and a range of a single figure.
-    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
-    (tmp_path / "train.py").write_text("")
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
-    now = time.time()
-    for n, peak in enumerate(peaks):
-        run = a_run(
-            ["python3", "train.py"],
-            str(tmp_path),
-            now - 100 + n,
-            gpus=[gpu],
-            peak_by_gpu={"GPU-0": peak * GiB},
-        )
-        append_record(state, run)
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ),
-    ).stdout
+    runs = [train_py_run(tmp_path, n, peak * GiB) for n, peak in enumerate(peaks)]
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, runs)
     assert said in shown, shown
 
 
@@ -346,31 +343,13 @@ def test_a_size_from_one_approximate_run_says_it_of_that_run_alone(
     # are approximate": "some" of one.
     from gpuwait.history.learn import choose_request
 
-    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
-    (tmp_path / "train.py").write_text("")
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
-    run = a_run(
-        ["python3", "train.py"],
-        str(tmp_path),
-        time.time() - 100,
-        gpus=[gpu],
-        peak_by_gpu={"GPU-0": 2 * GiB},
-        peak_approximate=True,
-    )
-    append_record(state, run)
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ),
-    ).stdout
+    run = train_py_run(tmp_path, 0, 2 * GiB, peak_approximate=True)
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, [run])
     assert "          its peak is approximate (no per-process figures from NVML)\n" in shown
     choice = choose_request(
         None,
         None,
-        state,
+        isolated_dirs / "state" / "gpuwait",
         ["python3", "train.py"],
         str(tmp_path),
         key=None,
@@ -385,30 +364,9 @@ def test_estimate_says_a_run_whose_end_nobody_saw_ended_unseen_not_failed(
 ) -> None:
     # A run whose gpuwait was killed (exit "? lost") and one that failed: it said "0 of the 2
     # runs of this exact command count: 2 failed", of a run that may well have succeeded.
-    gpu = GpuSnapshot(index=0, uuid="GPU-0", name="Sim", total_bytes=24 * GiB, used_bytes=0)
-    (tmp_path / "train.py").write_text("")
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
-    now = time.time()
-    for n, lost in enumerate([True, False]):
-        run = a_run(
-            ["python3", "train.py"],
-            str(tmp_path),
-            now - 100 + n,
-            gpus=[gpu],
-            peak_by_gpu={"GPU-0": 2 * GiB},
-            returncode=1,
-        )
-        if lost:
-            run["exit_status"], run["lost"] = None, True
-        append_record(state, run)
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "python3", "train.py"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ),
-    ).stdout
+    runs = [train_py_run(tmp_path, n, 2 * GiB, returncode=1) for n in range(2)]
+    runs[0]["exit_status"], runs[0]["lost"] = None, True
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, runs)
     said = "0 of the 2 runs of this exact command count: 1 failed, 1 ended unseen"
     assert said in shown, shown
 
@@ -442,23 +400,15 @@ def test_estimate_of_a_new_script_says_other_scripts_runs_of_python_do_not_count
 ) -> None:
     # Seven good runs of other python scripts were said to be "beyond the newest 20", which
     # there were not 20 of: python's runs never size another script.
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
     now = time.time()
+    runs = []
     for n in range(7):
         (tmp_path / f"s{n}.py").write_text("")
-        append_record(
-            state,
-            a_run(["python", f"s{n}.py"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": GiB}),
+        runs.append(
+            a_run(["python", f"s{n}.py"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": GiB})
         )
     (tmp_path / "new.py").write_text("")
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "python", "new.py"],
-        capture_output=True,
-        text=True,
-        cwd=str(tmp_path),
-        env=dict(os.environ),
-    ).stdout
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, runs, ("python", "new.py"))
     assert "beyond the newest" not in shown, shown
     assert (
         "0 of the 7 runs of this program count: runs of python size only their own script"
@@ -468,21 +418,12 @@ def test_estimate_of_a_new_script_says_other_scripts_runs_of_python_do_not_count
 def test_estimate_of_a_program_whose_runs_disagree_says_so(
     tmp_path: Path, isolated_dirs: Path, gpuwait_cmd: list[str]
 ) -> None:
-    state = isolated_dirs / "state" / "gpuwait"
-    state.mkdir(mode=0o700)
     now = time.time()
-    for n, peak in enumerate([GiB, 4 * GiB, 8 * GiB]):
-        append_record(
-            state,
-            a_run(["mytool", f"--x={n}"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": peak}),
-        )
-    shown = subprocess.run(
-        [*gpuwait_cmd, "estimate", "--", "mytool", "--y"],
-        capture_output=True,
-        text=True,
-        cwd=str(tmp_path),
-        env=dict(os.environ),
-    ).stdout
+    runs = [
+        a_run(["mytool", f"--x={n}"], str(tmp_path), now - 100 + n, peak_by_gpu={"G": peak})
+        for n, peak in enumerate([GiB, 4 * GiB, 8 * GiB])
+    ]
+    shown = estimate_after(tmp_path, isolated_dirs, gpuwait_cmd, runs, ("mytool", "--y"))
     assert "beyond the newest" not in shown, shown
     assert "0 of the 3 runs of this program count: 3 with peaks too far apart" in shown, shown
 
