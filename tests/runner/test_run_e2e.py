@@ -733,15 +733,21 @@ def test_python_not_installed_where_python3_is_is_answered_with_python3(
     assert ledger_jobs() == []
 
 
+def path_with_python3(tmp_path: Path, *more: str) -> dict[str, str]:
+    """The environment with PATH `tmp_path`/bin, which holds `python3` (this interpreter) alone,
+    then the directories `more`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    return {**os.environ, "PATH": ":".join([str(bin_dir), *more])}
+
+
 def test_a_file_not_executable_is_answered_with_the_line_that_runs_it(
     sim: Path, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
     # `gpuwait --vram 4G ./x.py` (a script never made executable, as the hint for `x.py` alone
     # has it typed) read "./x.py: not executable" alone.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
-    env = {**os.environ, "PATH": str(bin_dir)}
+    env = path_with_python3(tmp_path)
     (tmp_path / "x.py").write_text("")
     (tmp_path / "job.sh").write_text("#!/bin/sh\n")
     done = run([*gpuwait_cmd, "--vram", "4G", "./x.py", "--lr", "1"], env=env, cwd=tmp_path)
@@ -768,10 +774,7 @@ def test_a_python_script_without_a_hash_bang_line_is_refused_before_the_wait(
 ) -> None:
     # `chmod +x x.py; gpuwait --vram 4G ./x.py`, its first line no #!: it waited for its GPU,
     # then /bin/sh read the Python, "./x.py: 1: Syntax error: word unexpected".
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    env = path_with_python3(tmp_path, "/usr/bin", "/bin")
     script = tmp_path / "x.py"
     script.write_text('print("hi")\n')
     script.chmod(0o755)
