@@ -104,8 +104,9 @@ class MachineSnapshot(Record, frozen=True):
     #: health is remembered per source, so a user who switches simulation files has not lost
     #: the first file's GPUs.
     source: str = ""
-    #: NVML indices of the GPUs this process may not use (NO_PERMISSION: a device cgroup hides
-    #: them, as Slurm's ConstrainDevices does). CUDA does not count them, so an index in an
+    #: NVML indices of the GPUs this process may not open (NO_PERMISSION for the card's handle:
+    #: a device cgroup hides them, as Slurm's ConstrainDevices does; not a card whose handle
+    #: was given and a query refused). CUDA does not count them, so an index in an
     #: inherited CUDA_VISIBLE_DEVICES (Slurm's, from 0 in each job there) names the others.
     hidden: tuple[int, ...] = ()
 

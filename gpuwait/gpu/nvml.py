@@ -189,6 +189,11 @@ class _MigEnabled(Exception):
         self.uuid = uuid
 
 
+class _Hidden(Exception):
+    """NVML gave no handle for a GPU, NO_PERMISSION: its device file does not open for this
+    process (a container's or a Slurm job's device cgroup), so CUDA does not count it either."""
+
+
 class _Hung(Exception):
     """A driver call did not return within the deadline."""
 
@@ -418,6 +423,7 @@ class NvmlBackend:
         unanswered: list[int] = []
         in_mig_mode: list[tuple[int, str]] = []
         hidden: list[int] = []
+        denied: list[int] = []  # hidden, and any other that answered NO_PERMISSION
         self._memory_v2_refused = False
         for index in range(count):
             stuck = self._stuck.get(index)
@@ -456,25 +462,32 @@ class NvmlBackend:
                     "memory, not the card's); left out"
                 )
                 continue
+            except _Hidden:
+                # Not this process's to use (a container's or a Slurm job's device cgroup):
+                # no reading will change that, and no job can run there.
+                hidden.append(index)
+                denied.append(index)
+                continue
             except Exception as exc:
                 if _code(exc) == _NO_PERMISSION:
-                    # Not this process's to use (a container's or a Slurm job's device
-                    # cgroup): no reading will change that, and no job can run there.
-                    hidden.append(index)
+                    # Its handle given, a query refused: left out as well, but CUDA, which
+                    # opens the card, still counts it.
+                    denied.append(index)
                     continue
                 warnings.append(f"GPU {index}: {_describe(exc)}; skipped")
                 unanswered.append(index)
                 continue
             gpus.append(gpu)
             warnings += [f"GPU {index}: {p}" for p in problems]
-        if hidden:
+        if denied:
             # One line for them all: a Slurm job given one card of eight has seven.
             warnings.append(
-                f"GPU {', '.join(str(i) for i in hidden)}: no permission to use "
-                f"{'it' if len(hidden) == 1 else 'them'} (NVML error {_NO_PERMISSION}: "
+                f"GPU {', '.join(str(i) for i in denied)}: no permission to use "
+                f"{'it' if len(denied) == 1 else 'them'} (NVML error {_NO_PERMISSION}: "
                 "hidden from this container or job?); left out"
             )
-            # CUDA numbers only the GPUs this process may use.
+        if hidden:
+            # CUDA numbers only the GPUs this process may open.
             gpus = [g._replace(cuda_index=g.index - sum(h < g.index for h in hidden)) for g in gpus]
         if self._memory_v2 is None and self._memory_v2_refused:
             self._memory_v2 = False
@@ -522,7 +535,12 @@ class NvmlBackend:
             )
 
     def _read_gpu(self, index: int) -> tuple[GpuSnapshot, list[str]]:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except pynvml.NVMLError as exc:
+            if _code(exc) == _NO_PERMISSION:
+                raise _Hidden from exc
+            raise
         uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
         if self._mig_enabled(handle, uuid):
             raise _MigEnabled(uuid)

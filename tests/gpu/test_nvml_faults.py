@@ -609,6 +609,27 @@ def test_visible_devices_index_gives_cudas_number_where_a_device_cgroup_hides_gp
     assert done.stdout.split() == ["0", "2", "GPU-c"]
 
 
+def test_a_gpu_refused_only_a_query_is_counted_by_cuda_as_it_is(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # NVML gave GPU 0's handle (its device file opens: no device cgroup hides it) and then
+    # answered one query NO_PERMISSION. CUDA counts that card; it was taken for one a cgroup
+    # hides, so with visible_devices = index the job given GPU 1 got CUDA_VISIBLE_DEVICES=0:
+    # the card left out, memory in use there by others. An inherited 1 was read as GPU 2.
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abc"])
+    fake_nvml.fail(0, "nvmlDeviceGetMemoryInfo_v2", NO_PERMISSION)
+    echo = ("sh", "-c", "echo $CUDA_VISIBLE_DEVICES $GPUWAIT_GPU_INDICES $GPUWAIT_GPU_UUIDS")
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *echo],
+        env={**fake_nvml.env(), "GPUWAIT_VISIBLE_DEVICES": "index", "CUDA_VISIBLE_DEVICES": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1", "GPU-b"]
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's figures in bytes."""
     figures = {}
