@@ -18,6 +18,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from itertools import pairwise
 
 from gpuwait.core.budget import BYTES_VAR
 from gpuwait.core.errors import EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, GpuwaitError, UsageError
@@ -1488,14 +1489,32 @@ def forget_job(env: MutableMapping[str, str]) -> None:
     """Take out of `env` what `command_env` gave an ended job's command, for a process that
     outlived the job: its GPUs (an inherited CUDA_VISIBLE_DEVICES binds a launch to them) and
     its name are no new job's."""
-    given = {env.get("GPUWAIT_GPU_UUIDS"), env.get("GPUWAIT_GPU_INDICES")} - {None}
+    indices = env.get("GPUWAIT_GPU_INDICES")
+    given = {env.get("GPUWAIT_GPU_UUIDS"), indices} - {None}
     for name in ("CUDA_VISIBLE_DEVICES", *_container_names(["CUDA_VISIBLE_DEVICES"])):
-        if env.get(name) in given:
+        value = env.get(name)
+        if value in given or (value and indices and _cuda_numbers_of(value, indices)):
             del env[name]
     named = (JOB_ID_VARIABLE, JOB_PID_VARIABLE, JOB_START_VARIABLE)
     # A --pausable job's copies too, for a container that cleans its environment.
     for name in (*named, "GPUWAIT_GPU_UUIDS", "GPUWAIT_GPU_INDICES", *_container_names(named)):
         env.pop(name, None)
+
+
+def _cuda_numbers_of(value: str, indices: str) -> bool:
+    """Whether `value` is CUDA's numbers for the NVML `indices` (GPUWAIT_GPU_INDICES) as
+    `command_env` gives them where a device cgroup hides GPUs: each index less the hidden GPUs
+    before it, so by no less than the one before, and the numbers still in order."""
+    numbers = [whole_number(n) for n in value.split(",")]
+    nvml = [whole_number(i) for i in indices.split(",")]
+    if len(numbers) != len(nvml):
+        return False
+    pairs = sorted(
+        (i, n) for i, n in zip(nvml, numbers, strict=True) if i is not None and n is not None
+    )
+    if len(pairs) != len(nvml) or any(n > i for i, n in pairs):
+        return False
+    return all(n2 > n1 and i2 - n2 >= i1 - n1 for (i1, n1), (i2, n2) in pairwise(pairs))
 
 
 def command_env(

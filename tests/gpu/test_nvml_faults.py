@@ -630,6 +630,39 @@ def test_a_gpu_refused_only_a_query_is_counted_by_cuda_as_it_is(
     assert done.stdout.split() == ["1", "1", "GPU-b"]
 
 
+def test_a_shell_that_outlived_a_job_given_cudas_number_is_bound_to_its_gpu_no_more(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # A tmux shell opened inside a job run with visible_devices = index, where a device cgroup
+    # hides GPU 0: the job had CUDA_VISIBLE_DEVICES=1 (CUDA's number for GPU 2), which is not
+    # GPUWAIT_GPU_INDICES (2). Once the job ended, its python was wrapped again, but still
+    # bound to the ended job's GPU, and waited for it while GPU 1 was free.
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abc"])
+    fake_nvml.update_gpu(2, used=24 * GIB)
+    fake_nvml.fail(0, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    outlived = {
+        "GPUWAIT_JOB_ID": "0a1b2c3d",
+        "GPUWAIT_JOB_PID": str(gone.pid),
+        "GPUWAIT_GPU_UUIDS": "GPU-c",
+        "GPUWAIT_GPU_INDICES": "2",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "GPUWAIT_VISIBLE_DEVICES": "index",
+        "GPUWAIT_TIMEOUT": "3s",
+    }
+    show = "import os; print(os.environ['GPUWAIT_GPU_UUIDS'])"
+    done = subprocess.run(
+        [*gpuwait_cmd, "shell-hook", "--", "python", "-c", show],
+        env={**fake_nvml.env(), **outlived},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["GPU-b"]
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's figures in bytes."""
     figures = {}
