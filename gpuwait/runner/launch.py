@@ -207,7 +207,8 @@ def check_command(argv: Sequence[str]) -> str:
             python = _python()
             raise UsageError(
                 f"{name} has no #! line: /bin/sh would run it once its GPU is free, not python",
-                hint=f"gpuwait ... -- {shlex.join([python, *argv])}"
+                # By its path: one found in PATH is no file here for python to open.
+                hint=f"gpuwait ... -- {shlex.join([python, found, *argv[1:]])}"
                 if python is not None
                 else "give it a first line #!/usr/bin/env python3",
             )

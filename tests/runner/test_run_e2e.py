@@ -786,6 +786,16 @@ def test_a_python_script_without_a_hash_bang_line_is_refused_before_the_wait(
         "gpuwait: hint: gpuwait ... -- python3 ./x.py --lr 1",
     ]
     assert ledger_jobs() == []
+    # One found on PATH: the hint's python is given its path, not the name it has in no
+    # directory here ("can't open file 'tool.py'").
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "tool.py").write_text('print("hi")\n')
+    (bin_dir / "tool.py").chmod(0o755)
+    done = run([*gpuwait_cmd, "--vram", "4G", "tool.py"], env=env, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert (
+        done.stderr.splitlines()[-1] == f"gpuwait: hint: gpuwait ... -- python3 {bin_dir}/tool.py"
+    )
     # A shell script without one runs with /bin/sh, as in a shell.
     shell = tmp_path / "job.sh"
     shell.write_text("echo ran\n")
