@@ -118,12 +118,22 @@ def _not_executable(argv: Sequence[str]) -> CommandProblem:
     python = _python()
     if name.endswith(".py") and python is not None and os.path.isfile(name):
         hint = f"a Python script: gpuwait ... -- {shlex.join([python, *argv])}"
-    elif (_first_line(name) or b"").startswith(b"#!") or name.endswith(".sh"):
+    elif (first := _first_line(name) or b"").startswith(b"#!") or name.endswith(".sh"):
         try:
             own = os.path.isfile(name) and os.stat(name).st_uid == os.getuid()
+            noexec = os.path.isfile(name) and bool(os.statvfs(name).f_flag & os.ST_NOEXEC)
         except OSError:
-            own = False
-        if own:
+            own = noexec = False
+        if noexec:
+            # chmod +x changes nothing there: the kernel runs the interpreter of its #! line
+            # (one word after it at most), /bin/sh where it has none, as one would by hand.
+            words = (
+                os.fsdecode(first[2:]).strip().split(maxsplit=1) if first.startswith(b"#!") else []
+            )
+            line = [*(words or ["/bin/sh"]), name, *argv[1:]]
+            run = shlex.join(line)
+            hint = f"its file system runs no program (mounted noexec): gpuwait ... -- {run}"
+        elif own:
             hint = f"make it executable first: chmod +x {shlex.quote(name)}"
     return CommandProblem(f"{name}: not executable", EXIT_NOT_EXECUTABLE, hint)
 

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -767,6 +768,47 @@ def test_a_file_not_executable_is_answered_with_the_line_that_runs_it(
     assert done.returncode == 126, done.stderr
     assert done.stderr.splitlines() == [f"gpuwait: error: {tmp_path}: not executable"]
     assert ledger_jobs() == []
+
+
+def test_a_script_on_a_noexec_mount_is_answered_with_its_interpreter_not_chmod(
+    sim: Path, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A script already executable, on a file system mounted noexec (/tmp, /dev/shm, a home on
+    # some servers), was told "make it executable first: chmod +x ./job.sh", which changes
+    # nothing there.
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    inside = (
+        f"mount -t tmpfs -o noexec tmpfs {mnt} && cd {mnt} && "
+        "printf '#!/bin/sh -e\\necho ran\\n' > job.sh && printf 'echo ran\\n' > run.sh && "
+        'chmod +x job.sh run.sh && "$@" ./job.sh; "$@" ./run.sh'
+    )
+    done = run(
+        [
+            "unshare",
+            "--map-root-user",
+            "--mount",
+            "sh",
+            "-c",
+            inside,
+            "sh",
+            *gpuwait_cmd,
+            "--vram",
+            "4G",
+        ]
+    )
+    if "mount" in done.stderr and "gpuwait" not in done.stderr:
+        pytest.skip(f"no file system can be mounted noexec here: {done.stderr.strip()}")
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: ./job.sh: not executable",
+        "gpuwait: hint: its file system runs no program (mounted noexec): "
+        "gpuwait ... -- /bin/sh -e ./job.sh",
+        "gpuwait: error: ./run.sh: not executable",
+        "gpuwait: hint: its file system runs no program (mounted noexec): "
+        "gpuwait ... -- /bin/sh ./run.sh",
+    ]
 
 
 def test_a_python_script_without_a_hash_bang_line_is_refused_before_the_wait(
