@@ -70,6 +70,21 @@ def _cuda_numbered(entry: str, hidden: Collection[int]) -> str:
     return str(number)
 
 
+def cuda_number(index: int, hidden: Collection[int]) -> int:
+    """CUDA's number for the GPU of NVML index `index`: CUDA counts only the GPUs this
+    process may open, so it is the index less the `hidden` GPUs before it."""
+    return index - sum(h < index for h in hidden)
+
+
+def as_cuda_numbers(indices: str, hidden: Collection[int]) -> str:
+    """A list of NVML indices (Slurm's SLURM_JOB_GPUS) as CUDA_VISIBLE_DEVICES must name them
+    where `hidden` GPUs are not counted; as it is where an entry is no index, or a hidden one."""
+    numbers = [whole_number(entry.strip()) for entry in indices.split(",")]
+    if not hidden or any(n is None or n in hidden for n in numbers):
+        return indices
+    return ",".join(str(cuda_number(n, hidden)) for n in numbers if n is not None)
+
+
 def parse_inherited_visible(
     text: str,
     gpus: Sequence[GpuSnapshot],

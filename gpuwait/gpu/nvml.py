@@ -29,6 +29,7 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from gpuwait.core.devices import cuda_number
 from gpuwait.core.errors import BackendUnavailable
 from gpuwait.core.sizes import format_size
 from gpuwait.core.snapshot import (
@@ -488,7 +489,7 @@ class NvmlBackend:
             )
         if hidden:
             # CUDA numbers only the GPUs this process may open.
-            gpus = [g._replace(cuda_index=g.index - sum(h < g.index for h in hidden)) for g in gpus]
+            gpus = [g._replace(cuda_index=cuda_number(g.index, hidden)) for g in gpus]
         if self._memory_v2 is None and self._memory_v2_refused:
             self._memory_v2 = False
         if not self._host_pids:

@@ -571,6 +571,13 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
 
         conf = job_without_gpus(os.environ)
         job_gpus = os.environ.get("SLURM_JOB_GPUS")
+        # SLURM_JOB_GPUS is in the node's numbering; CUDA's counts only the GPUs a device cgroup
+        # (ConstrainDevices) lets it open.
+        given = job_gpus
+        if conf is not None and job_gpus and snapshot.hidden:
+            from gpuwait.core.devices import as_cuda_numbers
+
+            given = as_cuda_numbers(job_gpus, snapshot.hidden)
         # The shell hook's line may need no GPU (`python prep.py` in an `srun --pty bash`): the
         # hook runs it bare, on the CPU, once CUDA_VISIBLE_DEVICES hides every GPU.
         line = command_line(request.command, 200)
@@ -584,7 +591,7 @@ def _candidates(request: RunRequest, snapshot: MachineSnapshot) -> list[str] | N
                 f"unset); {conf} hands this node's GPUs out as GRES, so every GPU here may be "
                 "another job's",
                 hint="run the step with the job's GPUs (srun without --gres=none or --gpus=0), "
-                f"or set CUDA_VISIBLE_DEVICES={job_gpus}{on_cpu}",
+                f"or set CUDA_VISIBLE_DEVICES={given}{on_cpu}",
             )
         if conf is not None:
             # Every GPU here may be another Slurm job's (see gpuwait.linux.slurm).

@@ -663,6 +663,47 @@ def test_a_shell_that_outlived_a_job_given_cudas_number_is_bound_to_its_gpu_no_m
     assert done.stdout.split() == ["GPU-b"]
 
 
+def test_a_slurm_job_without_cuda_visible_devices_is_told_cudas_number_of_its_gpu(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    # A Slurm job given the third of four cards, with ConstrainDevices, CUDA_VISIBLE_DEVICES
+    # unset in it: refused, with the hint "set CUDA_VISIBLE_DEVICES=2" (SLURM_JOB_GPUS, the
+    # node's numbering), which CUDA, counting only the card the job may open, reads as none:
+    # the line the hint gave was refused in turn, "makes no GPU visible".
+    fake_nvml.set_gpus([FakeGpu(uuid=f"GPU-{card}", total=24 * GIB) for card in "abcd"])
+    for index in (0, 1, 3):
+        fake_nvml.fail(index, "nvmlDeviceGetHandleByIndex_v2", NO_PERMISSION)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("GresTypes=gpu\n")
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURMD_NODENAME": "node1",
+        "SLURM_JOB_GPUS": "2",
+        "SLURM_CONF": str(conf),
+    }
+    env = {**fake_nvml.env(), **slurm}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    echo = ("sh", "-c", "echo $GPUWAIT_GPU_UUIDS")
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *echo],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines()[-1].endswith("or set CUDA_VISIBLE_DEVICES=0"), done.stderr
+    done = subprocess.run(
+        [*gpuwait_cmd, "-q", "--vram", "1G", "--", *echo],
+        env={**env, "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["GPU-c"]
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo's figures in bytes."""
     figures = {}
