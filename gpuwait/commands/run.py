@@ -410,11 +410,26 @@ def _option_after_dashes(command: list[str]) -> str | None:
     if action is None or not name.startswith("-"):
         return None
     moved = [name] if action.nargs == 0 else command[:1] if equals else command[:2]
-    rest = command[len(moved) :] or ["COMMAND"]
+    if action.nargs != 0 and not _valid_options([*moved, "--", "true"]):
+        # Its value missing or malformed (`gpuwait -- --vram python x.py`): its placeholder,
+        # not the command's first word, which the line would refuse in turn.
+        moved = [name, action.metavar if isinstance(action.metavar, str) else "VALUE"]
+        rest = command[1:] or ["COMMAND"]
+    else:
+        rest = command[len(moved) :] or ["COMMAND"]
     return (
         f"{printable(name, 100)} is gpuwait's option, after the -- that ends them: "
         f"gpuwait ... {command_line(moved)} -- {command_line(rest)}"
     )
+
+
+def _valid_options(argv: list[str]) -> bool:
+    """Whether the command line `argv` is one the parser and `_request` take."""
+    try:
+        _request(build_parser().parse_args(argv))
+    except (GpuwaitError, SystemExit):
+        return False
+    return True
 
 
 def _subcommand_hint(program: str) -> str | None:

@@ -449,6 +449,17 @@ CASES: dict[str, Case] = {
         "gpuwait: hint: --vram is gpuwait's option, after the -- that ends them: "
         "gpuwait ... --vram 6G -- python3 x.py",
     ),
+    # Its value missing too: the hint took the command's first word for it, a line refused in
+    # turn ("--vram 'python3' ..."); it gives the option's placeholder instead.
+    "option after the dashes, no value": (
+        ["--", "--vram", "python3", "x.py"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: --vram is gpuwait's option, after the -- that ends them: "
+        "gpuwait ... --vram SIZE -- python3 x.py",
+    ),
     "flag after the dashes": (
         ["--vram", "1G", "--", "--exclusive=", "true"],
         {},
