@@ -352,6 +352,10 @@ def _unit_apart_hint(options: argparse.Namespace, program: str) -> str | None:
     for option in ("--timeout", "--grace"):
         value = getattr(options, option[2:], None)
         if isinstance(value, str) and re.fullmatch(r"[0-9]+(\.[0-9]+)?", value.strip()):
+            try:
+                parse_duration(f"{value.strip()}{unit}")
+            except ValueError as exc:  # past its bound: a line refused in turn is no hint
+                return f"{option} takes its unit in the same word, and {exc}"
             return (
                 f"did you mean {option} {value.strip()}{unit}? a duration takes its unit in "
                 "the same word"

@@ -1005,6 +1005,23 @@ def test_bad_input_is_answered_at_once(sim: Path, isolated_dirs: Path, name: str
     assert not ledger.exists() or json.loads(ledger.read_text())["jobs"] == []
 
 
+def test_a_duration_with_its_unit_apart_is_never_offered_past_its_bound(sim: Path) -> None:
+    # `--timeout 400 d` was answered "did you mean --timeout 400d?", a line refused in turn as
+    # too long; a size with its unit apart past its bound (--vram 99999 T) is offered none.
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwait", "--vram", "1G", "--timeout", "400", "d", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 127, done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: error: d: command not found",
+        "gpuwait: hint: --timeout takes its unit in the same word, and '400d' is too long "
+        "(at most 365d)",
+    ], done.stderr
+
+
 @pytest.mark.parametrize("word", ["-qhvram", "-hqvram", "-hvram"])
 def test_a_hint_never_gives_a_line_that_prints_help(sim: Path, word: str) -> None:
     # -qhvram 4G was answered "did you mean -qh --vram?": that line prints help and runs
