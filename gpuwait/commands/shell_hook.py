@@ -21,7 +21,7 @@ from gpuwait.core.cmdkey import launcher_script_file, python_script_file
 from gpuwait.core.errors import GpuwaitError, UsageError
 from gpuwait.core.text import command_line, whole_number
 from gpuwait.core.wrap import Decision, decide
-from gpuwait.linux import outlived
+from gpuwait.linux import outlived, proc
 from gpuwait.linux.signals import end_with_parent
 from gpuwait.runner.launch import exec_bare, forget_job
 
@@ -233,11 +233,12 @@ def _hook_shell_pids() -> tuple[int, int]:
 def _in_hook_subshell(main: int, current: int) -> bool:
     """Whether the hook's function runs in a subshell of the main shell (pids from
     `_hook_shell_pids`): `current` is this process's parent, or has ended already (this
-    process then has another). A live process other than the parent (a value the hook did not
-    set) names no subshell: ending with it would end this process at once, the line unrun."""
+    process then has another: its pid gone, or a zombie its shell has not reaped yet). A live
+    process other than the parent (a value the hook did not set) names no subshell: ending with
+    it would end this process at once, the line unrun."""
     if main == current or current == os.getpid():
         return False
-    return current == os.getppid() or not os.path.exists(f"/proc/{current}")
+    return current == os.getppid() or not proc.is_alive(current, None)
 
 
 def _job_ended() -> bool:

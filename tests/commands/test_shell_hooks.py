@@ -1621,6 +1621,32 @@ def test_shell_pids_naming_a_process_that_is_not_its_parent_end_nothing(
         other.wait()
 
 
+def test_shell_pids_naming_a_subshell_ended_but_not_yet_reaped_end_the_line(
+    hook_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`kill $!` ended the subshell, which its shell has not reaped yet (a zombie, its pid
+    still in /proc): taken for a live process other than the parent, the line ran on, where
+    one whose pid is gone ends, as the hook's `kill $!` promises."""
+    ended = subprocess.Popen(["true"])
+    try:
+        stat = Path(f"/proc/{ended.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never ended"
+            time.sleep(0.01)
+        done = subprocess.run(
+            ["gpuwait", "shell-hook", "--", "echo", "ran"],
+            env={**hook_env, "_GPUWAIT_SHELL_PID": f"{os.getpid()}/{ended.pid}"},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (done.returncode, done.stdout) == (-signal.SIGTERM, ""), done.stderr
+    finally:
+        ended.wait()
+
+
 SURVIVES_HUP = """\
 import os, signal, sys, time
 log = open(sys.argv[2], "a", buffering=1)
