@@ -116,7 +116,8 @@ def _not_executable(argv: Sequence[str]) -> CommandProblem:
     name = argv[0]
     hint = None
     python = _python()
-    if name.endswith(".py") and python is not None and os.path.isfile(name):
+    if name.endswith(".py") and python is not None and as_shell_script([name]) is not None:
+        # A text file (a binary one named so is no script python would run).
         hint = f"a Python script: gpuwait ... -- {shlex.join([python, *argv])}"
     elif (first := _first_line(name) or b"").startswith(b"#!") or name.endswith(".sh"):
         try:

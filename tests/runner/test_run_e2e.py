@@ -763,6 +763,11 @@ def test_a_file_not_executable_is_answered_with_the_line_that_runs_it(
         "gpuwait: error: ./job.sh: not executable",
         "gpuwait: hint: make it executable first: chmod +x ./job.sh",
     ]
+    # A binary file named so is no Python script: python would not run it either.
+    (tmp_path / "tool.py").write_bytes(b"\x7fELF\x02\x01\x01\0\0\0")
+    done = run([*gpuwait_cmd, "--vram", "4G", "./tool.py"], env=env, cwd=tmp_path)
+    assert done.returncode == 126, done.stderr
+    assert done.stderr.splitlines() == ["gpuwait: error: ./tool.py: not executable"]
     # A directory has no line that runs it.
     done = run([*gpuwait_cmd, "--vram", "4G", str(tmp_path)], env=env)
     assert done.returncode == 126, done.stderr
