@@ -1998,19 +1998,22 @@ def test_a_programs_alarm_raising_timeouterror_as_the_room_is_handed_over_reache
 
 
 #: A program that reserves when told, with a timeout of its own (its alarm's handler raising
-#: TimeoutError) set just before; it says how reserve() ended, and lives on (a notebook). The
-#: alarm repeats until it has raised once, as TIMED_BY_ITS_ALARM's does, and for its reason.
+#: TimeoutError); it says how reserve() ended, and lives on (a notebook). The alarm is rung by
+#: the test once reserve() waits for the kept lock: a timer of the program's own fell, on a
+#: loaded machine, as a module reserve() imports was compiled, where Python loses what a
+#: signal's handler raises, and reserve() went on to hold the room. Its history lookup waits
+#: for the lock as long as a record's write does, not a launch's second, so that the alarm
+#: finds it waiting however late the test rings it.
 TIMED_OUT_AS_IT_RESERVES = (
     "import json, os, signal, sys\n"
     "import gpuwait\n"
-    "from gpuwait.api import reserve as loaded  # its modules, before the alarm runs\n"
+    "from gpuwait.history import index\n"
+    "index.LAUNCH_LOCK_WAIT = 60.0\n"
     "print(json.dumps({'pid': os.getpid()}), flush=True)\n"
     "sys.stdin.readline()\n"
     "def on_alarm(signum, frame):\n"
-    "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
     "    raise TimeoutError('took too long')\n"
     "signal.signal(signal.SIGALRM, on_alarm)\n"
-    "signal.setitimer(signal.ITIMER_REAL, 0.3, 0.3)\n"
     "try:\n"
     "    r = gpuwait.reserve('1G')\n"
     "except TimeoutError as exc:\n"
@@ -2022,13 +2025,17 @@ TIMED_OUT_AS_IT_RESERVES = (
 
 
 def _timed_out_as_it_reserves(gpuwait_cmd: list[str], lock_name: str) -> None:
-    """TIMED_OUT_AS_IT_RESERVES, run while the state dir's lock `lock_name` is kept: its
-    TimeoutError reaches it, and nothing is left held or queued for it."""
+    """TIMED_OUT_AS_IT_RESERVES, run while the state dir's lock `lock_name` is kept, its alarm
+    rung once it waits for that lock: its TimeoutError reaches it, and nothing is left held or
+    queued for it."""
     with _lock_kept_as_it_goes_on(TIMED_OUT_AS_IT_RESERVES, lock_name) as told:
+        pid = told.first["pid"]
+        # Nothing else takes a lock here: the one it waits for is the kept one.
+        wait_for(lambda: sleeping_in(pid, "flock"), timeout=30)
+        os.kill(pid, signal.SIGALRM)
         ready, _, _ = select.select([told.program.stdout], [], [], 10)
         assert (told.said() if ready else {}) == {"timeout": "took too long"}
         told.free()
-        pid = told.first["pid"]
         wait_for(lambda: job_of_pid(gpuwait_cmd, pid) is None, timeout=5)
         assert told.program.poll() is None
 
