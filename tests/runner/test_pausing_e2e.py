@@ -313,6 +313,9 @@ def steps_aside_then_runs_out(gpuwait_cmd: list[str], tmp_path: Path, *options: 
     aside; resumed, it runs out of memory once (a retry goes on from its checkpoint and holds
     what is left of its 1 s). Its exit status.
 
+    Its first run holds until it is asked: one of 1 s ended, on a loaded machine, before the
+    urgent job's gpuwait had started, and nobody was asked to step aside.
+
     It runs out ramping over 1 s, sampled densely in its first second: its retry asks for
     1.5 times the peak seen, more than the card has. Ramped over 0.1 s in two steps, the
     sampling of a loaded machine missed the first one at times, and the retry asked for
@@ -320,8 +323,9 @@ def steps_aside_then_runs_out(gpuwait_cmd: list[str], tmp_path: Path, *options: 
     sim = " ".join([*gpuwait_cmd, "sim", "job"])
     checkpoint, ran_out = tmp_path / "progress.json", tmp_path / "ran-out"
     script = (
-        f'if [ "$GPUWAIT_RESUME_COUNT" = 0 ] || [ -e {ran_out} ]; then '
-        f"exec {sim} --vram 8G --hold 1s --checkpoint {checkpoint}; fi; "
+        f'if [ "$GPUWAIT_RESUME_COUNT" = 0 ]; then '
+        f"exec {sim} --vram 8G --hold 60s --checkpoint {checkpoint}; fi; "
+        f"if [ -e {ran_out} ]; then exec {sim} --vram 8G --hold 1s --checkpoint {checkpoint}; fi; "
         f"touch {ran_out}; exec {sim} --vram 30G --ramp 1s"
     )
     low = start_pausable(
