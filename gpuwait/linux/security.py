@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -196,14 +198,17 @@ def choose_own_names(
 def _uid_named(name: str, stem: str, suffix: str) -> int | None:
     """The uid whose own name `name` is (`own_name`): `stem`.<uid>`suffix` or
     `stem`.<uid>.<random>`suffix`, the uid in digits as str() writes it, the random part up to
-    32 lowercase hex digits; None for any other name."""
-    if not name.startswith(f"{stem}.") or not name.endswith(suffix):
-        return None
-    digits, dot, random = name[len(stem) + 1 : len(name) - len(suffix)].partition(".")
-    if dot and not (0 < len(random) <= 32 and all(c in "0123456789abcdef" for c in random)):
-        return None
-    uid = whole_number(digits) if len(digits) <= 10 else None
-    return uid if uid is not None and str(uid) == digits else None
+    32 lowercase hex digits; None for any other name. Told by one match of a pattern: a member
+    may make tens of thousands of names, and every listing meets each of them."""
+    found = _own_name_pattern(stem, suffix).fullmatch(name)
+    return None if found is None else int(found[1])
+
+
+@functools.cache
+def _own_name_pattern(stem: str, suffix: str) -> re.Pattern[str]:
+    return re.compile(
+        re.escape(stem) + r"\.(0|[1-9][0-9]{0,9})(?:\.[0-9a-f]{1,32})?" + re.escape(suffix)
+    )
 
 
 def _owned(path: Path, uid: int, kuid: int | None) -> bool:
