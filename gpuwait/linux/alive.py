@@ -38,6 +38,7 @@ from gpuwait.linux.security import (
     ensure_private_dir,
     open_state_file,
     own_name,
+    own_names,
     owned_by,
 )
 
@@ -51,27 +52,33 @@ _HELD: dict[tuple[Path, str], int] = {}
 _DIR_HELD: dict[tuple[Path, str], int] = {}
 
 
-def _path(ledger_dir: Path, uid: int, job_id: str) -> Path | None:
+def _path(
+    ledger_dir: Path, uid: int, job_id: str, listed: Iterable[str] | None = None
+) -> Path | None:
     if _JOB_ID.fullmatch(job_id) is None:
         return None
-    return _directory(ledger_dir, uid) / job_id
+    return _directory(ledger_dir, uid, listed=listed) / job_id
 
 
-def _directory(ledger_dir: Path, uid: int, kuid: int | None = None) -> Path:
+def _directory(
+    ledger_dir: Path, uid: int, kuid: int | None = None, listed: Iterable[str] | None = None
+) -> Path:
     """`uid`'s lock directory: alive.<uid>, or where another member made something of that
     name first in a shared ledger directory, one of `uid`'s own beside it. `kuid`: the uid the
     machine knows `uid` by (an entry's), where another user namespace wrote it (a rootless
-    container, whose uid 0 is its user here)."""
-    return own_name(ledger_dir, "alive", uid=uid, kuid=kuid)
+    container, whose uid 0 is its user here). `listed`: the names in `ledger_dir`, where the
+    caller listed it already."""
+    return own_name(ledger_dir, "alive", uid=uid, kuid=kuid, listed=listed)
 
 
-def hold(ledger_dir: Path, job_id: str) -> bool:
+def hold(ledger_dir: Path, job_id: str, listed: Iterable[str] | None = None) -> bool:
     """Lock `job_id`'s file for as long as this process (or a command it starts) lives.
 
     False where that cannot be done (the directory unusable, or the file locked by a live job
-    of the same id): the entry is then judged by its pids alone, as before.
+    of the same id): the entry is then judged by its pids alone, as before. `listed`: the
+    names in `ledger_dir`, where the caller listed it already.
     """
-    path = _path(ledger_dir, os.getuid(), job_id)
+    path = _path(ledger_dir, os.getuid(), job_id, listed)
     if path is None:
         return False
     try:
@@ -204,7 +211,9 @@ def sweep(ledger_dir: Path, named: set[str]) -> None:
                 _remove_unheld(directory, name)
 
 
-def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
+def unlisted(
+    ledger_dir: Path, named: set[str], before: float, listed: Iterable[str] | None = None
+) -> list[str]:
     """This user's jobs that a live process holds the lock of but no entry (`named`: their
     job ids) stands for, of locks taken `before` then (a time.time()), other than this
     process's own: jobs whose entries were lost with the ledger started afresh at `before` (a
@@ -216,10 +225,11 @@ def unlisted(ledger_dir: Path, named: set[str], before: float) -> list[str]:
 
     Raises OSError where that cannot be told (no file descriptor left, a lock directory of the
     user's shut to them): no job found is not to be taken for none living. A ledger directory
-    gone (or a file in its place) holds no lock."""
+    gone (or a file in its place) holds no lock. `listed`: the names in `ledger_dir`, where the
+    caller listed it already."""
     found: set[str] = set()
     try:
-        lock_dirs = _listed_lock_dirs(ledger_dir)
+        lock_dirs = _listed_lock_dirs(ledger_dir, listed)
     except (FileNotFoundError, NotADirectoryError):
         return []
     for lock_dir in lock_dirs:
@@ -335,16 +345,19 @@ def jobs_run(ledger_dir: Path, uid: int) -> bool:
     return uid in jobs_run_of(ledger_dir, [uid])
 
 
-def jobs_run_of(ledger_dir: Path, uids: Iterable[int]) -> set[int]:
+def jobs_run_of(
+    ledger_dir: Path, uids: Iterable[int], listed: Iterable[str] | None = None
+) -> set[int]:
     """Those of `uids` a job of whose runs (`jobs_run`), /proc/locks read once for them all,
     and the mount table once for each mount their lock directories are in (one, but where
-    someone mounted another file system there)."""
+    someone mounted another file system there); their lock directories found by one listing
+    of `ledger_dir` at most (`listed`: the names in it, where the caller has them)."""
     directories: dict[int, tuple[int, int]] = {}
     mounts: dict[int, int] = {}
-    for uid in uids:
+    for uid, path in own_names(ledger_dir, "alive", "", uids, listed).items():
         try:
             fd = os.open(
-                _directory(ledger_dir, uid),
+                path,
                 os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
             )
         except OSError:
@@ -471,10 +484,12 @@ def _lock_dirs(ledger_dir: Path) -> list[Path] | None:
         return None
 
 
-def _listed_lock_dirs(ledger_dir: Path) -> list[Path]:
-    """Whatever is named as a lock directory in `ledger_dir`, whoever's (`_LOCK_DIR`); OSError
-    where `ledger_dir` cannot be listed."""
-    return [ledger_dir / n for n in os.listdir(ledger_dir) if _LOCK_DIR.fullmatch(n)]
+def _listed_lock_dirs(ledger_dir: Path, listed: Iterable[str] | None = None) -> list[Path]:
+    """Whatever is named as a lock directory in `ledger_dir` (`listed`: the names in it, where
+    the caller listed it already), whoever's (`_LOCK_DIR`); OSError where `ledger_dir` cannot
+    be listed."""
+    names = os.listdir(ledger_dir) if listed is None else listed
+    return [ledger_dir / n for n in names if _LOCK_DIR.fullmatch(n)]
 
 
 #: Opening a lock file of a directory (`_own_dir`) to look at its lock: no symlink followed,

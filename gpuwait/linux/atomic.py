@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from gpuwait.linux.security import UnsafePath, mine, open_readable
@@ -64,20 +65,26 @@ def write_atomic(
 
 
 def remove_left_temp_files(
-    directory: Path, names: re.Pattern[str], owner: int = -1, older_than: float = 0.0
+    directory: Path,
+    names: re.Pattern[str],
+    owner: int = -1,
+    listed: Iterable[str] | None = None,
+    older_than: float = 0.0,
 ) -> None:
     """Remove the temporary files in `directory` whose names match `names` (`owner`: only that
     uid's). Called with the lock held under which every such file is written, so each one
     found was left by a writer killed halfway, even where a live process has its pid since
     (pids are reused: one checked for life would keep its file as long as that process lives).
     For files written with no lock, `older_than` (seconds): only those last changed longer ago
-    than any write takes, which no live writer can still be writing.
+    than any write takes, which no live writer can still be writing. `listed`: the names in
+    `directory`, where the caller listed it already.
     """
-    try:
-        found = os.listdir(directory)
-    except OSError:
-        return
-    for name in found:
+    if listed is None:
+        try:
+            listed = os.listdir(directory)
+        except OSError:
+            return
+    for name in listed:
         if names.match(name):
             with contextlib.suppress(OSError):
                 st = os.lstat(directory / name)

@@ -104,7 +104,12 @@ def ensure_private_dir(path: Path) -> None:
 
 
 def own_name(
-    directory: Path, stem: str, suffix: str = "", uid: int | None = None, kuid: int | None = None
+    directory: Path,
+    stem: str,
+    suffix: str = "",
+    uid: int | None = None,
+    kuid: int | None = None,
+    listed: Iterable[str] | None = None,
 ) -> Path:
     """`directory`/`stem`.<uid>`suffix`, a user's name in a shared directory (this user's, or
     `uid`'s); where another member made something under that name first (any member may: the
@@ -112,7 +117,8 @@ def own_name(
     `stem`.<uid>.<random>`suffix`, found again by them and by others, even once that member
     has taken theirs away (what the user keeps there stays where it is); a new such name where
     there is none yet. `kuid`: the uid the machine knows `uid` by, where another user namespace
-    wrote it (a rootless container's root, whose files this one shows as its user's)."""
+    wrote it (a rootless container's root, whose files this one shows as its user's).
+    `listed`: the names in `directory`, where the caller listed it already."""
     uid = os.getuid() if uid is None else uid
     canonical = directory / f"{stem}.{uid}{suffix}"
     try:
@@ -121,15 +127,22 @@ def own_name(
         taken = True
     except OSError:
         taken = False
-    beside = _names_beside(directory, stem, suffix, [uid], kuid).get(uid)
+    beside = _names_beside(directory, stem, suffix, [uid], kuid, listed).get(uid)
     if beside is not None:
         return beside
     return directory / f"{stem}.{uid}.{os.urandom(8).hex()}{suffix}" if taken else canonical
 
 
-def own_names(directory: Path, stem: str, suffix: str, uids: Iterable[int]) -> dict[int, Path]:
+def own_names(
+    directory: Path,
+    stem: str,
+    suffix: str,
+    uids: Iterable[int],
+    listed: Iterable[str] | None = None,
+) -> dict[int, Path]:
     """`own_name` of each of `uids` that has a file there, by uid: the directory listed once
-    for all those whose canonical name is not theirs (`own_name` would list it for each)."""
+    for all those whose canonical name is not theirs (`own_name` would list it for each), or
+    not at all where the caller did (`listed`: the names in it)."""
     found: dict[int, Path] = {}
     rest: list[int] = []
     for uid in uids:
@@ -141,21 +154,30 @@ def own_names(directory: Path, stem: str, suffix: str, uids: Iterable[int]) -> d
         except OSError:
             pass
         rest.append(uid)
-    found.update(_names_beside(directory, stem, suffix, rest, None))
+    found.update(_names_beside(directory, stem, suffix, rest, None, listed))
     return found
 
 
 def _names_beside(
-    directory: Path, stem: str, suffix: str, uids: list[int], kuid: int | None
+    directory: Path,
+    stem: str,
+    suffix: str,
+    uids: list[int],
+    kuid: int | None,
+    listed: Iterable[str] | None = None,
 ) -> dict[int, Path]:
     """The first of each of `uids`'s own names beside their canonical one in `directory`,
-    `stem`.<uid>.<random>`suffix` (`own_name`), by uid, from one listing of it."""
+    `stem`.<uid>.<random>`suffix` (`own_name`), by uid, from one listing of it (`listed`,
+    where the caller has one)."""
     if not uids:
         return {}
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        names = []
+    if listed is None:
+        try:
+            listed = os.listdir(directory)
+        except OSError:
+            listed = []
+    prefix = f"{stem}."
+    names = sorted(name for name in listed if name.startswith(prefix))
     wanted = set(uids)
     chosen = choose_own_names(
         names,

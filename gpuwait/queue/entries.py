@@ -760,6 +760,9 @@ class LedgerData(Record):
     #: damage lately while a gpuwait of theirs runs (when, on the boot clock, that is no
     #: longer lately, by uid): their jobs' entries are still to come back. Not written.
     recovered: dict[int, float | None] = field(default_factory=dict)
+    #: In a shared ledger directory: the names in it as the read that made this listed them
+    #: (None: it listed none), for what else is told from this read. Not written.
+    listed: list[str] | None = None
 
     def mine(self, job: Job) -> bool:
         """Is `job` in the file this process writes (every job is, in a private ledger)?"""

@@ -211,6 +211,11 @@ class Ledger:
         #: last none of these (`_held_until`).
         self._holding_since: dict[int, float] = {}
         self._holding_before: dict[int, float] = {}
+        #: The shared directory's entries, listed once for the read or transaction under way
+        #: (None: not yet): every look at its names there is at this one listing, however
+        #: many names members made.
+        self._listed: list[os.DirEntry[str]] | None = None
+        self._listed_names: list[str] | None = None
 
     def change_token(self) -> tuple[Any, ...] | None:
         """Cheap fingerprint of the ledger: it changes whenever a file of it is rewritten.
@@ -264,9 +269,33 @@ class Ledger:
             return LedgerData()
         except OSError as exc:
             raise self._unusable(exc) from None
-        data, _, rewrite = self._load(repair=False)
+        self._listed = self._listed_names = None
+        try:
+            data, _, rewrite = self._load(repair=False)
+        finally:
+            self._listed = self._listed_names = None
         self.damaged = rewrite
         return data
+
+    def _listing(self) -> list[os.DirEntry[str]]:
+        """The shared directory's entries, as listed once in this read or transaction (OSError
+        where it cannot be listed)."""
+        if self._listed is None:
+            with os.scandir(self.directory) as found:
+                self._listed = list(found)
+        return self._listed
+
+    def listed_names(self) -> list[str] | None:
+        """The names in the shared directory, as listed once in the transaction under way;
+        None where it cannot be listed, or the ledger is no shared one."""
+        if not self.shared:
+            return None
+        if self._listed_names is None:
+            try:
+                self._listed_names = [item.name for item in self._listing()]
+            except OSError:
+                return None
+        return self._listed_names
 
     @contextmanager
     def lock_wait(self, seconds: float) -> Iterator[None]:
@@ -305,6 +334,7 @@ class Ledger:
             raise self._unusable(exc) from None
         to_wake: set[int] = set()
         with self._locked():
+            self._listed = self._listed_names = None
             try:
                 data, raw, rewrite = self._load(repair=True)
                 before = wake.fingerprint(data.jobs)
@@ -312,7 +342,7 @@ class Ledger:
                 present = {j.id: (j.state, j.pid) for j in data.jobs if not entries.elsewhere(j)}
                 # The ledger's and the summaries' temporary files are only written with the
                 # lock held; in a shared directory only this user's are this user's to remove.
-                remove_left_temp_files(self.directory, _TEMP_RE, self._uid)
+                remove_left_temp_files(self.directory, _TEMP_RE, self._uid, self.listed_names())
                 yield data
                 if self.shared:
                     _settle_afresh(self.directory, data)
@@ -320,7 +350,8 @@ class Ledger:
                 if release:
                     data.release_seq += 1
                 document = entries.to_document(data)
-                summary_path = wake.summary_path(self.directory, bool(self.shared))
+                listed = self.listed_names()
+                summary_path = wake.summary_path(self.directory, bool(self.shared), listed)
                 changed = rewrite or document != raw or not summary_path.exists()
                 if changed:
                     writing, began = time.time(), time.monotonic()
@@ -345,13 +376,15 @@ class Ledger:
                     content = wake.summary(
                         data.jobs, data.release_seq, data.starting, bool(self.shared)
                     )
-                    wake.write_summary(self.directory, content, self._group)
+                    wake.write_summary(self.directory, content, self._group, listed)
             except OSError as exc:
                 _short_of(self.path, exc, "written")
                 raise StateError(
                     f"ledger {self.path} cannot be written: {exc.strerror}",
                     hint=self._write_hint(exc),
                 ) from None
+            finally:
+                self._listed = self._listed_names = None
         # Once the lock is free: a woken waiter's first move may be to take it.
         wake.kick(to_wake)
 
@@ -580,6 +613,7 @@ class Ledger:
         combined.unread = {uid: why for uid, (why, _) in unread.items()}
         combined.unread_until = {uid: until for uid, (_, until) in unread.items()}
         combined.recovered = self._recovered_others(others)
+        combined.listed = None if self._listed is None else self.listed_names()
         return combined, raw, rewrite
 
     def _recovered_others(self, others: dict[int, LedgerData]) -> dict[int, float | None]:
@@ -600,7 +634,9 @@ class Ledger:
             # No longer than UNREAD_GRACE from this process's first finding it so, either: a
             # loop of theirs writing such a file again and again would hold everyone for good.
             lapses = self._held_until(uid, now - ago + UNREAD_GRACE)
-            if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
+            if lapses is not None and (
+                runs_gpuwait(uid) or _holds_a_lock(uid, self.directory, self.listed_names())
+            ):
                 found[uid] = None if boot_now is None else round(boot_now + lapses - now, 2)
         return found
 
@@ -640,15 +676,14 @@ class Ledger:
         # Whose lock directory each name is, looked at only for a uid with no file.
         marks: list[tuple[int, os.DirEntry[str]]] = []
         try:
-            with os.scandir(self.directory) as listing:
-                named: dict[str, os.DirEntry[str]] = {}
-                for item in listing:
-                    if item.name in self._not_theirs and item.name != canonical:
-                        continue
-                    if item.name.startswith("ledger."):
-                        named[item.name] = item
-                    elif (of := _LOCK_DIR_RE.match(item.name)) is not None:
-                        marks.append((int(of[1]), item))
+            named: dict[str, os.DirEntry[str]] = {}
+            for item in self._listing():
+                if item.name in self._not_theirs and item.name != canonical:
+                    continue
+                if item.name.startswith("ledger."):
+                    named[item.name] = item
+                elif (of := _LOCK_DIR_RE.match(item.name)) is not None:
+                    marks.append((int(of[1]), item))
         except OSError as exc:
             raise StateError(
                 f"ledger directory {self.directory} cannot be read: {exc.strerror}"
@@ -771,7 +806,7 @@ class Ledger:
         user's (told by the lock, whatever ledger schema its gpuwait writes)? Where that
         cannot be told (no file descriptor left), as if one did."""
         try:
-            return bool(alive.unlisted(self.directory, set(), math.inf))
+            return bool(alive.unlisted(self.directory, set(), math.inf, self.listed_names()))
         except OSError:
             return True
 
@@ -792,10 +827,10 @@ class Ledger:
         holding = {uid: self._held_until(uid, changed) for uid in uids}
         held = [uid for uid, lapses in holding.items() if lapses is not None]
         if held:
-            _learn_locks(held, self.directory)
+            _learn_locks(held, self.directory, self.listed_names())
         for uid in held:
             lapses = holding[uid]
-            if lapses is not None and _holds_a_lock(uid, self.directory):
+            if lapses is not None and _holds_a_lock(uid, self.directory, self.listed_names()):
                 unread[uid] = ("it is not there", lapses)
 
     def _held_until(self, uid: int, lapses: float | None) -> float | None:
@@ -844,7 +879,9 @@ class Ledger:
             if repair:
                 self.warnings.append(f"ledger {path} of uid {uid} is not used: {exc}")
             lapses = self._held_until(uid, _lapses(path, self.directory))
-            if lapses is not None and (runs_gpuwait(uid) or _holds_a_lock(uid, self.directory)):
+            if lapses is not None and (
+                runs_gpuwait(uid) or _holds_a_lock(uid, self.directory, self.listed_names())
+            ):
                 unread[uid] = (str(exc), lapses)
             return None
         if tidies and raw.get("schema") == entries.SCHEMA:
@@ -941,18 +978,18 @@ class Ledger:
 _HOLDS_A_LOCK: dict[tuple[int, Path], tuple[float, bool]] = {}
 
 
-def _holds_a_lock(uid: int, directory: Path) -> bool:
+def _holds_a_lock(uid: int, directory: Path, listed: list[str] | None) -> bool:
     """Does a job of `uid`'s hold its lock in the ledger `directory`, as a job's gpuwait (or a
     program holding room through gpuwait.reserve()) does (`alive.jobs_run`)? A lock of theirs
     on another file (a download's) tells nothing. A job of a gpuwait older than that lock, a
     member's venv's copy, holds none: the summary their gpuwait wrote last listing a job of
     theirs running tells it, with an exclusive flock of theirs on the directory's file system
     (that job's liveness lock; the summary alone may list a job that ran on, another's)."""
-    _learn_locks([uid], directory)
+    _learn_locks([uid], directory, listed)
     return _HOLDS_A_LOCK[(uid, directory)][1]
 
 
-def _learn_locks(uids: list[int], directory: Path) -> None:
+def _learn_locks(uids: list[int], directory: Path, listed: list[str] | None) -> None:
     """`_holds_a_lock` of each of `uids` not known now, from one reading of /proc/locks for
     their lock directories: a shared ledger's members who left, whose files root removed, are
     looked at at every read within UNREAD_GRACE of the directory's last change (on a busy
@@ -967,9 +1004,9 @@ def _learn_locks(uids: list[int], directory: Path) -> None:
         return
     if len(_HOLDS_A_LOCK) + len(unknown) > 4096:
         _HOLDS_A_LOCK.clear()
-    running = alive.jobs_run_of(directory, unknown)
-    listed = wake.runs_a_job_of(directory, [u for u in unknown if u not in running])
-    running |= alive.locks_exclusively(directory, listed)
+    running = alive.jobs_run_of(directory, unknown, listed)
+    said = wake.runs_a_job_of(directory, [u for u in unknown if u not in running], listed)
+    running |= alive.locks_exclusively(directory, said)
     for uid in unknown:
         _HOLDS_A_LOCK[(uid, directory)] = (now + RUNS_GPUWAIT_FOR, uid in running)
 

@@ -896,7 +896,7 @@ def submit(
         # without an entry once their file was started afresh (`_entries_to_come_back`); but
         # no pid namespace is recorded there: other users' entries count only as far as the
         # kernel shows their processes, so every member needs the host's pids (--pid=host).
-        if alive.hold(ledger.directory, job.id) and not ledger.shared:
+        if alive.hold(ledger.directory, job.id, ledger.listed_names()) and not ledger.shared:
             entry.pidns = pidns.current()
         data.next_order += 1
         data.jobs.append(entry)
@@ -1192,7 +1192,7 @@ def admit(
         if mine.state == RUNNING:
             return copy_job(mine), found_admission(mine, snapshot, data)
         _note_health(data, snapshot, now, said)
-        held = held_for_entries(ledger.directory, data, mine, now, boot_now)
+        held = held_for_entries(ledger.directory, data, mine, now, boot_now, ledger.listed_names())
         if held is None:
             # A dependency the book tells failed is told at once, whatever file is unusable.
             failure = failed_dependency(mine, data)
@@ -1229,14 +1229,22 @@ def admit(
 
 
 def held_for_entries(
-    directory: Path, data: LedgerData, mine: Job, now: float, boot_now: float | None
+    directory: Path,
+    data: LedgerData,
+    mine: Job,
+    now: float,
+    boot_now: float | None,
+    listed: list[str] | None = None,
 ) -> WaitReason | None:
     """Why the waiter `mine` waits, where jobs of its user are still to put back entries the
     damage of the ledger in `directory` lost (nobody is admitted meanwhile); None where none
     is. Told by a read without the lock as well as under it: a plan in the grace needs
-    neither the lock nor the whole queue's plan to learn it."""
+    neither the lock nor the whole queue's plan to learn it. `listed`: the names in a shared
+    `directory`, where the caller listed it already (else those the read of `data` listed)."""
+    if listed is None:
+        listed = data.listed
     try:
-        lost = _entries_to_come_back(directory, data, now, boot_now)
+        lost = _entries_to_come_back(directory, data, now, boot_now, listed)
     except OSError as exc:
         # Not to be told now (no file descriptor left): held as if one did, until the grace
         # is over, as for an entry that never comes back; nobody admitted into its room.
@@ -1314,7 +1322,11 @@ def _held_whatever_room(
 
 
 def _entries_to_come_back(
-    directory: Path, data: LedgerData, now: float, boot_now: float | None
+    directory: Path,
+    data: LedgerData,
+    now: float,
+    boot_now: float | None,
+    listed: list[str] | None = None,
 ) -> list[str]:
     """The jobs (their ids) of this user that live without an entry in a ledger started
     afresh, or whose entries were dropped as damaged, less than RECOVERY_GRACE ago (on the boot
@@ -1333,7 +1345,7 @@ def _entries_to_come_back(
     # after may look older too, and costs a waiter only the moment until its job's entry is
     # written. Counted from a tenth of a second earlier instead, a job started just before the
     # damage was not waited for, and the next launch was admitted into its reservation.
-    return alive.unlisted(directory, mine | ended, recovered[0])
+    return alive.unlisted(directory, mine | ended, recovered[0], listed)
 
 
 def _recovered(data: LedgerData, now: float, boot_now: float | None) -> tuple[float, bool] | None:

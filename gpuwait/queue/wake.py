@@ -181,12 +181,18 @@ def summary(
     return content
 
 
-def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | None) -> None:
+def write_summary(
+    state_dir: Path,
+    content: dict[str, Any],
+    shared_gid: int | None,
+    listed: Iterable[str] | None = None,
+) -> None:
     """Replace this user's summary with `content` (`summary()`), unless it holds that already:
     wake.json, or in a shared ledger directory (`shared_gid` set) wake.<uid>.json, the user's
     own, 0640 and the directory's group. No fsync: it is derived from the ledger and rewritten
-    constantly; it is replaced by rename, so a reader never sees half of one."""
-    path = summary_path(state_dir, shared_gid is not None)
+    constantly; it is replaced by rename, so a reader never sees half of one. `listed`: the
+    names in `state_dir`, where the caller listed it already."""
+    path = summary_path(state_dir, shared_gid is not None, listed)
     body = json.dumps(content, separators=(",", ":")).encode()
     # Waiters act on the summary's content alone, and most changes (a job's new sample, a
     # waiter's reason) leave it as it was: rewriting it then would cost a rename (and wake
@@ -198,13 +204,14 @@ def write_summary(state_dir: Path, content: dict[str, Any], shared_gid: int | No
         write_atomic(path, body, 0o600 if shared_gid is None else 0o640, shared_gid, sync=False)
 
 
-def summary_path(state_dir: Path, shared: bool) -> Path:
+def summary_path(state_dir: Path, shared: bool, listed: Iterable[str] | None = None) -> Path:
     """The summary this user writes: wake.json, or in a shared directory wake.<uid>.json; where
     another member made a file under that name first, one of the user's own beside it,
-    wake.<uid>.<random>.json (found again by its owner)."""
+    wake.<uid>.<random>.json (found again by its owner). `listed`: the names in `state_dir`,
+    where the caller listed it already."""
     if not shared:
         return state_dir / FILENAME
-    return own_name(state_dir, "wake", ".json")
+    return own_name(state_dir, "wake", ".json", listed=listed)
 
 
 class Summary(Record, frozen=True):
@@ -384,17 +391,20 @@ class Summaries:
         return {name: stamps[name] for name in chosen.values()}
 
 
-def runs_a_job_of(state_dir: Path, uids: Iterable[int]) -> set[int]:
+def runs_a_job_of(
+    state_dir: Path, uids: Iterable[int], listed: Iterable[str] | None = None
+) -> set[int]:
     """Those of `uids` the summary each wrote last in the shared ledger directory `state_dir`
     (theirs, wake.<uid>.json, or theirs beside it where another member took that name; the
     directory listed once for them all) lists a job of theirs running. The word of a gpuwait
     older than the lock its jobs hold on their lock directory
     (gpuwait.linux.alive.jobs_run), a program's holding room through its gpuwait.reserve()
     among them, whose command line names no gpuwait: such a job's end is written there by its
-    gpuwait, as any change of their queue is."""
+    gpuwait, as any change of their queue is. `listed`: the names in `state_dir`, where the
+    caller listed it already."""
     return {
         uid
-        for uid, path in own_names(state_dir, "wake", ".json", uids).items()
+        for uid, path in own_names(state_dir, "wake", ".json", uids, listed).items()
         if _runs_a_job(path, uid)
     }
 

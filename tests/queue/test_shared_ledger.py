@@ -2980,3 +2980,99 @@ def test_a_members_summary_of_anothers_running_job_holds_nobody_for_their_file(
     assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr
     os.killpg(alice.pid, signal.SIGTERM)
     alice.communicate(timeout=30)
+
+
+#: AS_USER, telling on stderr each listing of the ledger directory ("@list") and where each of
+#: gpuwait's reads and transactions of the ledger begins and ends ("@begin", "@end").
+COUNTING = AS_USER.replace(
+    "gpuwait.cli.entry_point()",
+    r"""
+import contextlib
+from gpuwait.queue.ledger import Ledger
+where = os.environ["GPUWAIT_LEDGER_DIR"]
+real_scandir, real_listdir, real_read, real_transaction = os.scandir, os.listdir, Ledger.read, Ledger.transaction
+def told(listing):
+    def listed(path="."):
+        if not isinstance(path, int) and os.path.abspath(path) == where:
+            os.write(2, b"@list\n")
+        return listing(path)
+    return listed
+os.scandir, os.listdir = told(real_scandir), told(real_listdir)
+def read(self):
+    os.write(2, b"@begin\n")
+    try:
+        return real_read(self)
+    finally:
+        os.write(2, b"@end\n")
+@contextlib.contextmanager
+def transaction(self, *args, **kwargs):
+    os.write(2, b"@begin\n")
+    try:
+        with real_transaction(self, *args, **kwargs) as data:
+            yield data
+    finally:
+        os.write(2, b"@end\n")
+Ledger.read, Ledger.transaction = read, transaction
+gpuwait.cli.entry_point()
+""",
+)
+
+
+def listings(server: Server, uid: int, *args: str) -> tuple[list[int], int]:
+    """`gpuwait ARGS` as `uid`: the listings of the ledger directory in each of its reads and
+    transactions, and those outside them."""
+    done = subprocess.run(
+        [sys.executable, "-c", COUNTING, str(uid), str(uid), str(GROUP), "gpuwait", *args],
+        env=server.envs[uid],
+        text=True,
+        cwd="/",
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    inside: list[int] = []
+    outside = 0
+    depth = 0
+    for line in done.stderr.splitlines():
+        if line == "@begin":
+            if depth == 0:
+                inside.append(0)
+            depth += 1
+        elif line == "@end":
+            depth -= 1
+        elif line == "@list":
+            if depth:
+                inside[-1] += 1
+            else:
+                outside += 1
+    return inside, outside
+
+
+def test_names_a_member_makes_in_the_shared_directory_are_listed_once_a_transaction(
+    server: Server,
+) -> None:
+    # Bob makes thousands of names of his own in the shared directory: ledger files, summaries
+    # and lock directories beside his canonical names, and names of no kind. Alice's launch
+    # listed the directory 24 times among 30,000 of each (each listing meeting every name): in
+    # each transaction once for the users' files and once for the temporary files, and again for
+    # his lock directories and his summary, and for the lock directories of hers. Each read and
+    # transaction now lists it once, his names making no listing more.
+    launch = ("-q", "--vram", "1G", "--", "true")
+    quiet_inside, _ = listings(server, ALICE, *launch)
+    assert quiet_inside and max(quiet_inside) <= 1, quiet_inside
+    for n in range(2000):
+        random = f"{n:016x}"
+        for name in (f"ledger.{BOB}.{random}.json", f"wake.{BOB}.{random}.json", f"junk.{random}"):
+            path = server.ledger_dir / name
+            path.write_text("")
+            os.chown(path, BOB, GROUP)
+        lock_dir = server.ledger_dir / f"alive.{BOB}.{random}"
+        lock_dir.mkdir(mode=0o700)
+        os.chown(lock_dir, BOB, GROUP)
+    inside, outside = listings(server, ALICE, *launch)
+    assert inside and max(inside) <= 1, inside
+    # Outside them: the waiter's first looks at the summaries (two), and the job's supervisor's
+    # fingerprint of the ledger, once.
+    assert outside <= 3, outside
+    status_inside, status_outside = listings(server, ALICE, "status")
+    assert (status_inside, status_outside) == ([1], 0)
