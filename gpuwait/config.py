@@ -514,7 +514,8 @@ OPTIONS: tuple[Option, ...] = (
         "on_no_gpu",
         _choice("run", "fail"),
         "run",
-        "without NVML: 'run' the command at once with a warning, or 'fail'",
+        "without NVML (and, for the shell hook, with every GPU in MIG mode): 'run' the "
+        "command at once with a warning, or 'fail'",
     ),
     Option(
         "sample_interval",

@@ -50,6 +50,11 @@ class StuckBehind(ImpossibleRequest):
     """Never beside running jobs that end only after this one (see gpuwait.queue.stuck)."""
 
 
+class NoGpuTakesJobs(ImpossibleRequest):
+    """No GPU here that a job can be placed on: every card in MIG mode, or none listed for this
+    process (see gpuwait.core.devices.none_usable)."""
+
+
 class AlreadyQueued(GpuwaitError):
     """`--once KEY` found a job with that key waiting or running."""
 

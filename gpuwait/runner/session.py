@@ -41,6 +41,7 @@ from gpuwait.core.errors import (
     BackendUnavailable,
     GpuwaitError,
     ImpossibleRequest,
+    NoGpuTakesJobs,
     StateError,
     StuckBehind,
     UsageError,
@@ -840,6 +841,13 @@ def prepare_job(
 
     def read_and_judge() -> tuple[MachineSnapshot, Job, RequestChoice]:
         snapshot = backend.snapshot()
+        if request.from_hook and config.on_no_gpu == "run":
+            from gpuwait.core.devices import none_usable
+
+            if (nothing := none_usable(snapshot)) is not None:
+                # The hook runs the line bare, as on a machine with no driver: one warning,
+                # not the reading's own for each card as well.
+                raise NoGpuTakesJobs(nothing[0], hint=nothing[1])
         for message in snapshot.warnings:
             if message not in said:
                 said.add(message)
@@ -926,7 +934,7 @@ def _judge(
         if impossible == NO_CANDIDATE and (nothing := none_usable(snapshot)) is not None:
             # Not for want of a card of the right kind: the machine has none to offer.
             why, hint = nothing
-            raise ImpossibleRequest(why, hint=hint)
+            raise NoGpuTakesJobs(why, hint=hint)
         claim = claim_of(job, snapshot.gpus)
         # Raising safety helps only a request some card would hold whole: 1 is the most.
         raising = impossible_reason(claim, snapshot.gpus, 1.0, config.wait.fair.limits) is None
@@ -1044,8 +1052,10 @@ def _attempt(
                 around=around,
                 counted_from=launched,
             )
-        except StuckBehind as exc:
-            if not request.from_hook:
+        except (StuckBehind, NoGpuTakesJobs) as exc:
+            if not request.from_hook or (
+                isinstance(exc, NoGpuTakesJobs) and config.on_no_gpu != "run"
+            ):
                 raise
             return _Ended(_bare_for_the_hook(request, reporter, exc.message))
 
@@ -1284,7 +1294,8 @@ STUCK_HINT = (
 
 def _bare_for_the_hook(request: RunRequest, reporter: Reporter, why: str) -> int:
     """The shell hook's answer to a job that would wait for ever: run it bare, as the hook runs
-    a command inside a gpuwait job (it is part of that job's work, or of its pipeline)."""
+    a command inside a gpuwait job (it is part of that job's work, or of its pipeline); and,
+    where on_no_gpu = run, to a machine with no GPU that takes a job (each in MIG mode)."""
     reporter.warn(f"{why}; the shell hook runs it bare")
     return run_bare(request.command)
 

@@ -310,6 +310,34 @@ def test_cuda_visible_devices_naming_only_a_gpu_in_mig_mode_says_so(
     ]
 
 
+def test_the_shell_hook_runs_a_line_bare_where_every_gpu_is_in_mig_mode(
+    fake_nvml: FakeNvml, gpuwait_cmd: list[str]
+) -> None:
+    # With the shell hook on, every `python` typed on a machine whose every GPU is in MIG mode
+    # ended with exit 3, a script that uses no GPU too, where a machine with no driver runs it
+    # bare with one warning (on_no_gpu = run).
+    fake_nvml.set_gpus([FakeGpu(mig=True), FakeGpu(mig=True)])
+    line = ("shell-hook", "--", sys.executable, "-c", "print(1)")
+    done = launch(fake_nvml, gpuwait_cmd, *line)
+    assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr
+    assert done.stderr.splitlines() == [
+        "gpuwait: warning: no GPU here takes a job: GPU 0, GPU 1 are in MIG mode, and gpuwait "
+        "places jobs on whole GPUs only; the shell hook runs it bare"
+    ]
+    # So where NVML lists no GPU at all; `on_no_gpu = fail` keeps the refusal, as does a launch
+    # through gpuwait itself.
+    assert launch(fake_nvml, gpuwait_cmd, *line, GPUWAIT_ON_NO_GPU="fail").returncode == 3
+    done = launch(fake_nvml, gpuwait_cmd, "--vram", "1G", "--", "true")
+    assert done.returncode == 3 and "turn MIG mode off" in done.stderr
+    fake_nvml.set_gpus([])
+    done = launch(fake_nvml, gpuwait_cmd, *line)
+    assert (done.returncode, done.stdout) == (0, "1\n"), done.stderr
+    assert done.stderr == (
+        "gpuwait: warning: NVML lists no GPU that this process may use; the shell hook runs it "
+        "bare\n"
+    )
+
+
 def test_a_preferred_gpu_in_mig_mode_is_passed_over(
     fake_nvml: FakeNvml, gpuwait_cmd: list[str]
 ) -> None:
