@@ -24,6 +24,8 @@ _DECIMAL_RE = re.compile(r"^\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)\s*$", re.ASCII)
 #: The largest size: 1 PiB, a thousand times the largest GPU's memory (a request, a limit, a card).
 MAX_SIZE = 2**50
 MAX_SIZE_TEXT = "1024T"
+#: The smallest VRAM request in bytes: less is no GPU job's memory, but a unit mistyped (6K).
+MIN_REQUEST = 2**20
 #: The longest duration: a year (a wait, an interval, a timeout, a half-life).
 MAX_DURATION = 365 * 86400.0
 MAX_DURATION_TEXT = "365d"
@@ -230,6 +232,14 @@ def parse_request(text: str) -> MemoryRequest:
     if size <= 0:
         why = "a VRAM request must be larger than zero"
         raise OutOfRange(f"{text!r}: {why}", why)
+    if size < MIN_REQUEST:
+        # `--vram 6K`: no GPU job fits in 6 KiB; a unit mistyped, where 6G was meant.
+        match = _SIZE_RE.match(text)
+        assert match is not None
+        suffix = {"B": "B", "IB": "iB", "I": "i"}.get(match.group(3).upper(), "")
+        meant = f"{match.group(1)}G{suffix if match.group(2) else ''}"
+        why = f"it is under 1 MiB, less than any GPU job uses; did you mean {meant}?"
+        raise OutOfRange(f"{text.strip()!r} {why.removeprefix('it ')}", why)
     return MemoryRequest(bytes=size)
 
 

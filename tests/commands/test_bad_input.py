@@ -520,6 +520,23 @@ CASES: dict[str, Case] = {
     "negative vram": (["--vram", "-1G", "true"], {}, None, None, 2, "'-1G' is negative"),
     "negative share": (["--vram", "-5%", "true"], {}, None, None, 2, "'-5%' is negative"),
     # Zero with a sign is zero, not negative: told as zero is.
+    # A GPU job of 6 KiB was taken and queued: a unit mistyped, 6G meant.
+    "size under a mebibyte": (
+        ["--vram", "6K", "true"],
+        {},
+        None,
+        None,
+        2,
+        "gpuwait: error: --vram '6K' is under 1 MiB, less than any GPU job uses; did you mean 6G?",
+    ),
+    "default vram under a mebibyte": (
+        ["true"],
+        {"GPUWAIT_DEFAULT_VRAM": "512KB"},
+        None,
+        None,
+        2,
+        "'512KB' is under 1 MiB, less than any GPU job uses; did you mean 512GB?",
+    ),
     "zero with a minus sign": (
         ["--vram", "-0", "true"],
         {},
