@@ -175,6 +175,11 @@ class Parser(argparse.ArgumentParser):
                     folded = name.lower() if name.startswith("--") else name
                     # `-V`, as python and most tools take it: too short for nearest.
                     folded = "--version" if name == "-V" else folded
+                    if folded not in options and re.fullmatch(r"-[a-z]", folded):
+                        # `status -w`: a short option it lacks, where one long option alone
+                        # begins with its letter (--watch).
+                        begun = [o for o in options if o.startswith(f"-{folded}")]
+                        folded = begun[0] if len(begun) == 1 else folded
                     match = folded if folded in options else _OTHER_OPTIONS.get(folded)
                     if match not in options:
                         match = nearest_option(name, options)

@@ -213,6 +213,9 @@ def test_a_program_named_like_a_misspelled_subcommand_still_runs(sim: Path, tmp_
         (["-V"], "--version"),
         (["--vram4G", "true"], "--vram 4G"),
         (["status", "--jsn"], "--json"),
+        # A short option it does not have: the one long option that begins with its letter.
+        (["status", "-w"], "--watch"),
+        (["cancel", "-b", "x"], "--batch"),
         (["log", "--lins", "3"], "--lines"),
         (["history", "--kye", "x"], "--key"),
         (["cancel", "--bach", "x"], "--batch"),
