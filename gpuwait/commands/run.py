@@ -406,9 +406,13 @@ def prepare(options: argparse.Namespace) -> tuple[RunRequest, RunConfig]:
 
 def _option_after_dashes(command: list[str]) -> str | None:
     """For a command that begins with one of gpuwait's options (`gpuwait -- --vram 6G python
-    x.py`: after `--`, every word is the command's): the line with the option before `--`."""
+    x.py`: after `--`, every word is the command's), or with a second `--`: the line to type."""
     from gpuwait.core.text import command_line  # only once a program was not found
 
+    if command[0] == "--":
+        # `gpuwait -- -- python x.py`: one `--` ends the options, the next is the command.
+        rest = command[1:] or ["COMMAND"]
+        return f"-- is typed twice, the second taken for the command: gpuwait ... -- {command_line(rest)}"
     name, equals, _ = command[0].partition("=")
     action = next((a for a in build_parser().options if name in a.option_strings), None)
     if action is None or not name.startswith("-"):

@@ -460,6 +460,16 @@ CASES: dict[str, Case] = {
         "gpuwait: hint: --vram is gpuwait's option, after the -- that ends them: "
         "gpuwait ... --vram SIZE -- python3 x.py",
     ),
+    # Two `--`, the second taken for the command: "--: command not found" alone.
+    "dashes twice": (
+        ["--", "--", "python3", "x.py"],
+        {},
+        None,
+        None,
+        127,
+        "gpuwait: hint: -- is typed twice, the second taken for the command: "
+        "gpuwait ... -- python3 x.py",
+    ),
     "flag after the dashes": (
         ["--vram", "1G", "--", "--exclusive=", "true"],
         {},
