@@ -34,10 +34,10 @@ def run(options: argparse.Namespace) -> int:
     done = lifecycle.cancel(ledger_for(settings), options.jobs, options.batch, os.getuid())
     for job in done.cancelled:
         if not options.quiet:
-            output.info(f"cancelled {_label(job)} (it was waiting)")
+            output.info(f"cancelled {_label(job)}: it was waiting")
     for job in done.stopped:
         if not options.quiet:
-            output.info(f"sent TERM to {_label(job)} (running)")
+            output.info(f"sent TERM to {_label(job)}: it was running")
     for job, why in done.refused:
         output.error(f"{_label(job)} cannot be cancelled: {printable(why)}")
     ended = dict(done.ended)

@@ -142,7 +142,11 @@ def test_cancelled_gang_waiter_leaves_no_hold_behind(
     assert "held for job " + gang_id in waiting["small"]
 
     done = run([*gpuwait_cmd, "cancel", "gang"])
-    assert done.returncode == 0 and "cancelled job" in done.stderr
+    # It said "cancelled job ID (gang) (it was waiting)", two sets of brackets.
+    assert (done.returncode, done.stderr) == (
+        0,
+        f"gpuwait: cancelled job {gang_id} (gang): it was waiting\n",
+    )
     assert gang.wait(timeout=10) == 7
     assert "cancelled" in gang.stderr.read()
     # Nothing holds the GPUs any more: the small job fits beside a holder and runs.
@@ -747,8 +751,12 @@ def test_cancel_running_job_terminates_it(
     sim_file(gpus=1)
     running = procs([*gpuwait_cmd, "--vram", "1G", "--name", "r", "--", "sleep", "30"])
     wait_for(lambda: job_named("r") and job_named("r")["child_pid"])  # type: ignore[index]
+    r_id = job_named("r")["id"]  # type: ignore[index]
     done = run([*gpuwait_cmd, "cancel", "r"])
-    assert done.returncode == 0 and "sent TERM" in done.stderr
+    assert (done.returncode, done.stderr) == (
+        0,
+        f"gpuwait: sent TERM to job {r_id} (r): it was running\n",
+    )
     assert running.wait(timeout=10) == -signal.SIGTERM
     finish = events("finish")[-1]
     assert (finish["name"], finish["outcome"], finish["signal"]) == ("r", "cancelled", 15)
