@@ -44,12 +44,11 @@ def parse_signal(text: str) -> int:
 
 
 def signal_name(signum: int) -> str:
-    """`signum` as the job is told it: its name without SIG (`USR2` for 12, as a shell's trap
-    takes it), or the number for a signal Python has no name for (a real-time one past RTMIN)."""
-    try:
-        return signal.Signals(signum).name.removeprefix("SIG")
-    except ValueError:
-        return str(signum)
+    """`signum` as the job is told it: its name without SIG, as a shell's `trap` and `kill -s`
+    take it (`USR2` for 12; a real-time one as kill -l names it, `RTMIN+2`)."""
+    from gpuwait.linux.signals import signal_name as named  # only --pausable
+
+    return named(signum).removeprefix("SIG")
 
 
 def catches(pid: int, signum: int) -> bool:

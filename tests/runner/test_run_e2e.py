@@ -1583,16 +1583,27 @@ def test_a_job_started_inside_a_pausable_job_is_not_told_it_is_pausable(
     assert (inner["GPUWAIT_PAUSABLE"], inner["GPUWAIT_CHECKPOINT_SIGNAL"]) == ("1", "USR2")
 
 
-@pytest.mark.parametrize("given", ["12", "sigusr2", " USR2"])
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [
+        ("12", "USR2"),
+        ("sigusr2", "USR2"),
+        (" USR2", "USR2"),
+        # A real-time one was its number ("36"), by the names `trap` and `kill -s` take.
+        ("RTMIN+2", "RTMIN+2"),
+        (str(signal.SIGRTMIN + 2), "RTMIN+2"),
+        ("SIGRTMAX-3", "RTMAX-3"),
+    ],
+)
 def test_the_checkpoint_signal_reaches_the_command_by_its_name(
-    sim: Path, gpuwait_cmd: list[str], given: str
+    sim: Path, gpuwait_cmd: list[str], given: str, name: str
 ) -> None:
     """GPUWAIT_CHECKPOINT_SIGNAL is the signal's name, as the pausing page says: given as a
     number it was the number ("12"), and given with a space it was passed on with it, which a
     shell job's `trap ... "$GPUWAIT_CHECKPOINT_SIGNAL"` refuses (invalid signal specification),
     so that job never stepped aside."""
     env = env_of(gpuwait_cmd, "--pausable", "--checkpoint-signal", given, "--vram", "1G")
-    assert env["GPUWAIT_CHECKPOINT_SIGNAL"] == "USR2"
+    assert env["GPUWAIT_CHECKPOINT_SIGNAL"] == name
 
 
 def test_a_pausable_step_inside_a_job_keeps_the_users_resume_exit(
