@@ -271,7 +271,33 @@ def pause_progress(
                 f"({format_duration(victim.grace_seconds)}) and is left alone "
                 "(it was started without --grace-kill)"
             )
-    return "; ".join(parts) or None
+    return "; ".join(parts) or _stopped_note(data, waiter_id)
+
+
+def _stopped_note(data: LedgerData, waiter_id: str) -> str | None:
+    """Where the waiter asked nobody: the jobs that may step aside for it (of lower priority,
+    on a card it may use) but are passed over while their gpuwait is stopped (Ctrl-Z)."""
+    waiter = data.find(waiter_id)
+    if waiter is None or waiter.gpus != 1:
+        return None
+    stopped = [
+        j.id
+        for j in data.jobs
+        if j.state == RUNNING
+        and (j.pausable or j.freezable)
+        and j.orphaned_at is None
+        and j.pause_requested_at is None
+        and j.effective_priority < waiter.priority
+        and (waiter.candidates is None or not set(waiter.candidates).isdisjoint(j.gpu_uuids))
+        and gpuwait_stopped(j)
+    ]
+    if not stopped:
+        return None
+    which = ", ".join(f"job {i}" for i in stopped)
+    return (
+        f"{which}, which may step aside for it, {'is' if len(stopped) == 1 else 'are'} "
+        "stopped (Ctrl-Z, SIGSTOP): not asked until continued"
+    )
 
 
 def _freeze_progress(victim: Job) -> str:

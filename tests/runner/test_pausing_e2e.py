@@ -1437,6 +1437,42 @@ def test_a_pausable_job_in_a_container_that_cleans_its_environment_steps_aside(
         low.wait()
 
 
+def test_a_waiter_says_the_job_that_could_step_aside_is_stopped(
+    one_card: None, gpuwait_cmd: list[str], tmp_path: Path
+) -> None:
+    """The only pausable job on the card is stopped with Ctrl-Z: an urgent waiter asks nobody,
+    and its wait line said only "held for it until a job with no run-time estimate ends",
+    nothing of the job that would step aside for it once continued."""
+    stopped = start_pausable(
+        gpuwait_cmd,
+        *(*gpuwait_cmd, "sim", "job", "--vram", "16G", "--hold", "30s"),
+        *("--checkpoint", str(tmp_path / "stopped.json")),
+        start_new_session=True,
+    )
+    urgent = None
+    try:
+        wait_until_running(1)
+        wait_until_pausable()
+        (entry,) = ledger_entries()
+        os.killpg(stopped.pid, signal.SIGSTOP)  # as Ctrl-Z: its gpuwait and its command stop
+        wait_for(lambda: process_state(stopped.pid) == "T", timeout=30)
+        urgent = hold_card(gpuwait_cmd, "12G", "1s", "--priority", "5", "--timeout", "3s")
+        _, said = urgent.communicate(timeout=60)
+        assert urgent.returncode == 124, said
+        assert (
+            f"job {entry['id']}, which may step aside for it, is stopped (Ctrl-Z, SIGSTOP): "
+            "not asked until continued"
+        ) in said, said
+    finally:
+        for p in (stopped, urgent):
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+            if p is not None:
+                p.communicate(timeout=30)
+
+
 def test_a_job_stopped_with_ctrl_z_is_passed_over_for_one_that_can_step_aside(
     one_card: None, gpuwait_cmd: list[str], tmp_path: Path
 ) -> None:
